@@ -1,0 +1,67 @@
+"""One interface over both engines, for the CLI and the server: `Engine.generate(...) -> Iterator[Step]`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Protocol, Sequence
+
+from ..reference.config import Config, GenerationConfig
+from ..reference.sampling import SamplingParams
+from ..reference.speculative import Step
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODELS = ("fixtures/iquest-q1-mini", "fixtures/tiny")
+
+
+def default_model_dir() -> Path:
+    """The shipped default model: the trained mini model, or the tiny random fixture before it exists."""
+    for rel in DEFAULT_MODELS:
+        if (PACKAGE_ROOT / rel / "config.json").exists():
+            return PACKAGE_ROOT / rel
+    raise FileNotFoundError(f"no shipped model found under {PACKAGE_ROOT / 'fixtures'}; pass --model DIR")
+
+
+class Engine(Protocol):
+    config: Config
+    generation: GenerationConfig
+
+    def generate(self, prompt: Sequence[int], *, seed: int, params: SamplingParams, max_new_tokens: int,
+                 drafts: int | str, stop_ids: Sequence[int]) -> Iterator[Step]: ...
+
+
+@dataclass
+class ReferenceEngine:
+    """The float64 reference: slow, exact, the ground truth for numerics."""
+
+    model_dir: Path
+
+    def __post_init__(self) -> None:
+        from ..reference.model import ReferenceModel
+
+        self.model = ReferenceModel.load(self.model_dir)
+        self.config = self.model.config
+        self.generation = GenerationConfig.from_dir(self.model_dir, self.config)
+
+    def generate(self, prompt, *, seed, params, max_new_tokens, drafts, stop_ids):
+        from ..reference.depth import load_controller
+        from ..reference.speculative import generate
+
+        controller = load_controller(self.model_dir) if drafts == "auto" else None
+        return generate(self.model, prompt, seed=seed, params=params, max_new_tokens=max_new_tokens,
+                        drafts=drafts, controller=controller, stop_ids=stop_ids)
+
+
+def load_engine(name: str, model_dir: str | Path, tp: int = 1) -> Engine:
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").exists():
+        raise FileNotFoundError(f"model folder {model_dir} has no config.json")
+    if name == "reference":
+        if tp != 1:
+            raise ValueError("the reference engine runs on one CPU process: --tp must be 1")
+        return ReferenceEngine(model_dir)
+    if name == "fast":
+        from ..fast.engine import FastEngine  # noqa: F401  (built by the fast-engine issue)
+
+        return FastEngine.load(model_dir, tp=tp)
+    raise ValueError(f"unknown engine {name!r}")

@@ -1,0 +1,131 @@
+"""`iquest generate`: decode one request, streaming text, then a summary (or one JSON object)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..reference.config import check_sampling
+
+
+def _drafts(value: str):
+    if value == "auto":
+        return "auto"
+    try:
+        k = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--drafts must be auto, 0 or 3..7, got {value!r}") from None
+    if k != 0 and not 3 <= k <= 7:
+        raise argparse.ArgumentTypeError(f"--drafts must be auto, 0 or 3..7, got {k}")
+    return k
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="decode one prompt with speculative rounds",
+                       description="Decode one request. Text streams to stdout as it is produced; a summary "
+                                   "(tokens, rounds, mean accepted length, speed) follows on stderr.")
+    p.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
+    p.add_argument("--engine", choices=["reference", "fast"], default="reference",
+                   help="reference = float64 CPU ground truth; fast = the optimized engine")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (fast engine only; default 1)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text (default: a Python header)")
+    src.add_argument("--prompt-ids", help="comma-separated token ids instead of text, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="output budget in tokens (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="request seed: same seed, same tokens (default 0)")
+    p.add_argument("--drafts", type=_drafts, default="auto",
+                   help="auto = depth controller, 3..7 = fixed drafts per round, 0 = plain sampling")
+    p.add_argument("--temperature", type=float, help="override generation_config.json (0 = greedy)")
+    p.add_argument("--top-k", type=int, help="override generation_config.json")
+    p.add_argument("--top-p", type=float, help="override generation_config.json, in (0, 1]")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(run=run)
+
+
+def _tokenizer(model_dir: Path):
+    from tokenizers import Tokenizer
+
+    path = model_dir / "tokenizer.json"
+    return Tokenizer.from_file(str(path)) if path.exists() else None
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..reference.sampling import SamplingParams
+    from .engines import default_model_dir, load_engine
+    from .main import UserError
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    if not model_dir.is_dir():
+        raise UserError(f"model folder {model_dir} does not exist")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    tok = _tokenizer(model_dir)
+    engine = load_engine(args.engine, model_dir, args.tp)
+    cfg, gen = engine.config, engine.generation
+    params = SamplingParams(
+        temperature=gen.temperature if args.temperature is None else args.temperature,
+        top_k=gen.top_k if args.top_k is None else args.top_k,
+        top_p=gen.top_p if args.top_p is None else args.top_p)
+    check_sampling(params.temperature, params.top_k, params.top_p)
+    if args.prompt_ids is not None:
+        try:
+            prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise UserError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    elif tok is None:
+        raise UserError(f"{model_dir} has no tokenizer.json: pass --prompt-ids")
+    else:
+        prompt = tok.encode(args.prompt).ids
+    if not prompt:
+        raise UserError("the prompt is empty")
+    bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise UserError(f"token id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    if len(prompt) + args.max_new_tokens + 8 > cfg.max_position_embeddings:
+        raise UserError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceed the "
+                        f"model context of {cfg.max_position_embeddings} positions")
+
+    stop = tuple(gen.eos_token_id)
+    out_ids: list[int] = []
+    rounds: list[dict] = []
+    printed = ""
+    t0 = time.perf_counter()
+    for step in engine.generate(prompt, seed=args.seed, params=params, max_new_tokens=args.max_new_tokens,
+                                drafts=args.drafts, stop_ids=stop):
+        out_ids += step.tokens
+        rounds.append({"tokens": step.tokens, "logprobs": step.logprobs, "drafts": step.drafts,
+                       "accepted": step.accepted, "served_probs": step.served_probs, "bonus": step.bonus})
+        if not args.json and tok is not None:
+            text = tok.decode(out_ids)
+            if not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+        elif not args.json:
+            sys.stdout.write(" ".join(map(str, step.tokens)) + " ")
+            sys.stdout.flush()
+    elapsed = time.perf_counter() - t0
+    spec = [r for r in rounds if r["drafts"] > 0]
+    summary = {
+        "tokens": len(out_ids),
+        "rounds": len(rounds) - 1,  # the first entry is the token drawn from the prefill
+        "mean_accepted": sum(r["accepted"] for r in spec) / len(spec) if spec else 0.0,
+        "mean_emitted_per_round": sum(len(r["tokens"]) for r in spec) / len(spec) if spec else 0.0,
+        "mean_drafts": sum(r["drafts"] for r in spec) / len(spec) if spec else 0.0,
+        "seconds": elapsed,
+    }
+    if args.json:
+        print(json.dumps({"engine": args.engine, "model": str(model_dir), "seed": args.seed,
+                          "prompt_ids": prompt, "output_ids": out_ids,
+                          "text": tok.decode(out_ids) if tok is not None else None,
+                          "rounds": rounds, "summary": summary}))
+    else:
+        sys.stdout.write("\n")
+        print(f"[{args.engine}] {summary['tokens']} tokens in {summary['rounds']} rounds, "
+              f"mean accepted {summary['mean_accepted']:.2f} of {summary['mean_drafts']:.2f} drafts, "
+              f"{summary['mean_emitted_per_round']:.2f} tokens/round, {elapsed:.2f} s "
+              f"({summary['tokens'] / max(elapsed, 1e-9):.1f} tok/s)", file=sys.stderr)
+    return 0

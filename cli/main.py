@@ -1,0 +1,41 @@
+"""`iquest`: the command line. Each subcommand lives in its own module and registers its flags."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..reference.checkpoint import CheckpointError
+from ..reference.config import ConfigError
+from . import fixture_cmd, generate_cmd
+
+COMMANDS = [generate_cmd, fixture_cmd]
+
+
+class UserError(Exception):
+    """A problem with what the user asked for: printed as one line, no traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="iquest", description="IQuestRT: speculative decoding runtime for IQuest-Q1 (fast engine + float64 reference).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMANDS:
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (UserError, ConfigError, CheckpointError, ValueError, FileNotFoundError) as exc:
+        print(f"iquest {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"iquest {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Speculative decoding with the recursive MTP draft layer: ROUND.md in code.
+
+`generate` yields one `Step` per round (and one for the first token after prefill). The rule of the
+round, verify -> accept -> settle -> draft, reads top to bottom in `speculative_round`.
+Uniforms come from the request's counter-based RNG, keyed by (position, purpose, depth), so a
+position's decision does not depend on how the work was batched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence
+
+import torch
+
+from . import sampling
+from .depth import DraftFeatures, FixedDepth, LogisticDepth
+from .rng import PURPOSE_ACCEPT, PURPOSE_COMMIT, PURPOSE_DRAFT, RequestRNG
+from .sampling import Dist, SamplingParams
+
+
+class Controller(Protocol):
+    def more(self, f: DraftFeatures) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The three rules that make speculative sampling lossless. Tests swap in broken ones
+    (negative controls) to prove the lossless test can fail."""
+
+    def accept(self, p: Dist, q: Dist, token: int, u: float) -> bool:
+        return sampling.accept(p, q, token, u)
+
+    def replacement(self, p: Dist, q: Dist) -> Dist:
+        return sampling.residual(p, q)
+
+    def bonus(self, p_last: Dist, q_last: Dist) -> Dist:
+        return p_last
+
+
+@dataclass
+class Step:
+    """What one round (or the prefill) emitted, with the statistics users and tests read."""
+
+    tokens: list[int]
+    logprobs: list[float]          # log p(token) under the target distribution at its position
+    drafts: int = 0                # drafts verified this round (0 for prefill / plain sampling)
+    accepted: int = 0
+    served_probs: list[float] = field(default_factory=list)  # q_i(d_i) of the verified drafts
+    bonus: bool = False            # every draft accepted and the target's extra row supplied a token
+    stopped: bool = False
+
+
+@dataclass
+class _Drafts:
+    tokens: list[int]
+    dists: list[Dist]
+
+
+def _entropy(d: Dist) -> float:
+    p = d.probs[d.probs > 0]
+    return float(-(p * p.log()).sum())
+
+
+def _log(p: float) -> float:
+    return math.log(p) if p > 0 else float("-inf")
+
+
+class SpeculativeDecoder:
+    """One request's decode state over a reference model (anything with forward/draft/new_cache)."""
+
+    def __init__(self, model, params: SamplingParams, seed: int, controller: Controller,
+                 rules: Rules = Rules(), redraft: bool = True):
+        self.model, self.params, self.controller, self.rules = model, params, controller, rules
+        self.rng = RequestRNG(seed)
+        self.redraft = redraft  # False only in the "depth-0 redraft skipped" negative control
+        self.cache = model.new_cache()
+        self.seq: list[int] = []
+
+    def _dist(self, logits_row: torch.Tensor) -> Dist:
+        return sampling.dist(logits_row, self.params)
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def prefill(self, prompt: Sequence[int]) -> tuple[Step, torch.Tensor]:
+        """Run the prompt, draw the first token, return it and the prompt's final hiddens."""
+        m = len(prompt)
+        logits, hidden = self.model.forward(torch.tensor(prompt), torch.arange(m), self.cache)
+        p = self._dist(logits[-1])
+        first = sampling.draw(p, self.rng.uniform(m, PURPOSE_COMMIT))
+        self.seq = list(prompt) + [first]
+        return Step([first], [_log(p.prob(first))]), hidden
+
+    # ---- drafting -------------------------------------------------------------------------------
+    def draft(self, start: int, main_hidden: torch.Tensor) -> _Drafts:
+        """Depth 0 over committed positions start..n (main hiddens of start-1..n-1), then one row
+        per further depth. Drafts 1-3 always run; the controller decides 4-7."""
+        n = len(self.seq) - 1
+        positions = torch.arange(start, n + 1)
+        logits, h = self.model.draft(torch.tensor(self.seq[start:]), main_hidden, positions, self.cache)
+        tokens, dists, product = [], [], 1.0
+        while True:
+            depth = len(tokens) + 1
+            q = self._dist(logits[-1])
+            d = sampling.draw(q, self.rng.uniform(n + depth, PURPOSE_DRAFT, depth))
+            tokens.append(d)
+            dists.append(q)
+            product *= q.prob(d)
+            if not self.controller.more(DraftFeatures(depth, q.prob(d), _entropy(q), product)):
+                return _Drafts(tokens, dists)
+            logits, h = self.model.draft(torch.tensor([d]), h[-1:], torch.tensor([n + depth]), self.cache)
+
+    # ---- one round ------------------------------------------------------------------------------
+    def speculative_round(self, drafts: _Drafts) -> tuple[Step, torch.Tensor]:
+        n, k = len(self.seq) - 1, len(drafts.tokens)
+        # 1. Verify: x_n and the k drafts at positions n..n+k; row i gives p_i for position n+i+1.
+        rows = torch.tensor([self.seq[n]] + drafts.tokens)
+        logits, hidden = self.model.forward(rows, torch.arange(n, n + k + 1), self.cache)
+        p = [self._dist(logits[i]) for i in range(k + 1)]
+        # 2. Accept d_i with probability min(1, p(d)/q(d)); at the first rejection draw the
+        #    replacement from normalize(max(0, p - q)); if all pass, the extra row gives a bonus.
+        out: list[int] = []
+        logprobs: list[float] = []
+        bonus = False
+        for i, (d, q) in enumerate(zip(drafts.tokens, drafts.dists), start=1):
+            if self.rules.accept(p[i - 1], q, d, self.rng.uniform(n + i, PURPOSE_ACCEPT)):
+                out.append(d)
+                logprobs.append(_log(p[i - 1].prob(d)))
+                continue
+            r = sampling.draw(self.rules.replacement(p[i - 1], q), self.rng.uniform(n + i, PURPOSE_COMMIT))
+            out.append(r)
+            logprobs.append(_log(p[i - 1].prob(r)))
+            break
+        else:
+            b = sampling.draw(self.rules.bonus(p[k], drafts.dists[-1]), self.rng.uniform(n + k + 1, PURPOSE_COMMIT))
+            out.append(b)
+            logprobs.append(_log(p[k].prob(b)))
+            bonus = True
+        a = len(out) - 1
+        # 3. Settle: main KV is valid through n+a; later rows are stale and get overwritten before
+        #    any query can read them (a query at t reads only positions <= t).
+        self.seq += out
+        served = [q.prob(d) for d, q in zip(drafts.tokens, drafts.dists)]
+        return Step(out, logprobs, k, a, served, bonus), hidden[: a + 1]
+
+
+def controller_for(drafts: int | str, model_dir=None) -> Controller:
+    if drafts == "auto":
+        from .depth import load_controller
+
+        return load_controller(model_dir)
+    return FixedDepth(int(drafts))
+
+
+def generate(model, prompt: Sequence[int], *, seed: int, params: SamplingParams = SamplingParams(),
+             max_new_tokens: int = 64, drafts: int | str = "auto", controller: Controller | None = None,
+             stop_ids: Sequence[int] = (), rules: Rules = Rules(), redraft: bool = True) -> Iterator[Step]:
+    """Decode one request. `drafts=0` is plain autoregressive sampling (the lossless baseline)."""
+    if len(prompt) < 1:
+        raise ValueError("the prompt must hold at least one token")
+    limit = model.config.max_position_embeddings
+    if len(prompt) + max_new_tokens + 8 > limit:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"context of {limit} positions (8 reserved for the verification block)")
+    if controller is None and drafts != 0:
+        controller = controller_for(drafts)
+    dec = SpeculativeDecoder(model, params, seed, controller, rules, redraft)
+    step, hidden = dec.prefill(prompt)
+    emitted = 0
+    while True:
+        step.tokens, step.logprobs = step.tokens[: max_new_tokens - emitted], step.logprobs[: max_new_tokens - emitted]
+        for j, t in enumerate(step.tokens):
+            if t in stop_ids:
+                step.tokens, step.logprobs, step.stopped = step.tokens[: j + 1], step.logprobs[: j + 1], True
+                break
+        emitted += len(step.tokens)
+        yield step
+        if step.stopped or emitted >= max_new_tokens:
+            return
+        if drafts == 0:
+            step, hidden = _plain_step(dec)
+            continue
+        n = len(dec.seq) - 1
+        committed = hidden.shape[0]  # the rows whose main hiddens are new: positions n-committed+1..n
+        start = n - committed + 1 if dec.redraft or step.drafts == 0 else n
+        drafted = dec.draft(start, hidden[-(n - start + 1):])
+        step, hidden = dec.speculative_round(drafted)
+
+
+def _plain_step(dec: SpeculativeDecoder) -> tuple[Step, torch.Tensor]:
+    n = len(dec.seq) - 1
+    logits, hidden = dec.model.forward(torch.tensor([dec.seq[n]]), torch.tensor([n]), dec.cache)
+    p = dec._dist(logits[-1])
+    t = sampling.draw(p, dec.rng.uniform(n + 1, PURPOSE_COMMIT))
+    dec.seq.append(t)
+    return Step([t], [_log(p.prob(t))]), hidden
