@@ -52,7 +52,8 @@ class ReferenceEngine:
                         drafts=drafts, controller=controller, stop_ids=stop_ids)
 
 
-def load_engine(name: str, model_dir: str | Path, tp: int = 1) -> Engine:
+def load_engine(name: str, model_dir: str | Path, tp: int = 1, max_context: int = 4096, dtype: str = "auto",
+                device: str = "auto") -> Engine:
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"model folder {model_dir} has no config.json")
@@ -61,7 +62,9 @@ def load_engine(name: str, model_dir: str | Path, tp: int = 1) -> Engine:
             raise ValueError("the reference engine runs on one CPU process: --tp must be 1")
         return ReferenceEngine(model_dir)
     if name == "fast":
-        from ..fast.engine import FastEngine  # noqa: F401  (built by the fast-engine issue)
+        from ..fast.engine import FastEngine
+        from ..fast.rank import EngineOptions
 
-        return FastEngine.load(model_dir, tp=tp)
+        return FastEngine.load(model_dir, tp=tp, device=device,
+                               options=EngineOptions(max_context=max_context, dtype=dtype))
     raise ValueError(f"unknown engine {name!r}")

@@ -28,9 +28,16 @@ def register(sub) -> None:
                        description="Decode one request. Text streams to stdout as it is produced; a summary "
                                    "(tokens, rounds, mean accepted length, speed) follows on stderr.")
     p.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
-    p.add_argument("--engine", choices=["reference", "fast"], default="reference",
-                   help="reference = float64 CPU ground truth; fast = the optimized engine")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (fast engine only; default 1)")
+    p.add_argument("--engine", choices=["reference", "fast"], default="fast",
+                   help="fast = the optimized engine (default); reference = the float64 CPU ground truth")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks, 1/2/4/8 (fast engine: one process per rank; default 1)")
+    p.add_argument("--max-context", type=int, default=4096,
+                   help="fast engine: positions its static KV caches hold (default 4096)")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="fast engine compute dtype (auto = bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="fast engine device (auto = cuda when available)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text (default: a Python header)")
     src.add_argument("--prompt-ids", help="comma-separated token ids instead of text, e.g. 1,2,3")
@@ -63,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     tok = _tokenizer(model_dir)
-    engine = load_engine(args.engine, model_dir, args.tp)
+    engine = load_engine(args.engine, model_dir, args.tp, max_context=args.max_context, dtype=args.dtype,
+                         device=args.device)
     cfg, gen = engine.config, engine.generation
     params = SamplingParams(
         temperature=gen.temperature if args.temperature is None else args.temperature,

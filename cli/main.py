@@ -16,8 +16,15 @@ class UserError(Exception):
     """A problem with what the user asked for: printed as one line, no traceback."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (subcommand parsers inherit this class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="iquest", description="IQuestRT: speculative decoding runtime for IQuest-Q1 (fast engine + float64 reference).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS:
@@ -26,7 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed as one line
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         return int(args.run(args) or 0)
     except (UserError, ConfigError, CheckpointError, ValueError, FileNotFoundError) as exc:

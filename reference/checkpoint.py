@@ -141,8 +141,10 @@ class CheckpointReader:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"{index} is malformed: {exc}") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(f"{index} is malformed: weight_map must map tensor names to file names")
             files = {name: self.dir / fname for name, fname in weight_map.items()}
         else:
             singles = sorted(self.dir.glob("*.safetensors"))

@@ -120,7 +120,7 @@ class Config:
             raise ConfigError(
                 f"weight_block_size[0]={b0} does not divide the per-rank KV projection shard {kv_shard}"
             )
-        if self.hidden_size % tp or (self.hidden_size // tp) % b1:
+        if (2 * self.hidden_size) % tp or (2 * self.hidden_size // tp) % b1:
             raise ConfigError(
                 f"hidden_size={self.hidden_size}: the eh_proj row-parallel input shard (2*hidden/tp) "
                 f"must be a whole number of weight blocks at degree {tp}"
@@ -209,7 +209,7 @@ def _rope_scaling(value: Any) -> RopeScaling:
     if kind != "yarn":
         raise ConfigError(f"rope_scaling.rope_type={kind!r} is not supported (only 'yarn')")
     try:
-        return RopeScaling(
+        rs = RopeScaling(
             factor=float(value["factor"]),
             original_max_position_embeddings=int(value["original_max_position_embeddings"]),
             beta_fast=float(value.get("beta_fast", 32.0)),
@@ -217,6 +217,12 @@ def _rope_scaling(value: Any) -> RopeScaling:
         )
     except KeyError as exc:
         raise ConfigError(f"rope_scaling is missing key {exc.args[0]!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"rope_scaling has a non-numeric value: {exc}") from None
+    if not rs.factor > 0 or rs.original_max_position_embeddings <= 0:
+        raise ConfigError(f"rope_scaling.factor and rope_scaling.original_max_position_embeddings must be "
+                          f"positive, got {rs.factor!r} and {rs.original_max_position_embeddings!r}")
+    return rs
 
 
 def default_layer_types(num_layers: int) -> tuple[str, ...]:

@@ -19,8 +19,9 @@ def scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, in
 
 
 def expand_scales(scale_inv: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
-    """Per-element scale of a [rows, cols] weight: scale_inv[r // B0, c // B1]."""
-    return scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[: shape[0], : shape[1]]
+    """Per-element scale of a [..., rows, cols] weight: scale_inv[..., r // B0, c // B1]."""
+    full = scale_inv.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)
+    return full[..., : shape[0], : shape[1]]
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],

@@ -1,0 +1,86 @@
+"""Static KV caches: allocated once, addressed by position, rolled back by a length change (ROUND.md).
+
+Sliding-window layers (and the MTP layer) keep a ring of `W + 64` slots, slot = position mod ring.
+With exactly W slots, a verification block that writes up to 8 rows before reading would evict
+history still inside an earlier row's window: the 64 spare slots (one attention tile) prevent that.
+Full-attention layers keep one slot per position up to the maximum context.
+
+Every slot records the position it holds (`slot_pos`, -1 when empty), so a query at position t
+reads exactly the slots whose position lies in its window and is <= t; KV left behind by rejected
+drafts sits at positions past the settled length and is rewritten before any query can reach it.
+Padding rows of a fixed-width block write to one extra trash slot that is never visible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..reference.config import Config
+
+RING_SLACK = 64
+
+
+@dataclass
+class LayerKV:
+    k: torch.Tensor          # [slots + 1, Nkv_rank, D]; the last slot is the trash slot
+    v: torch.Tensor
+    slot_pos: torch.Tensor   # [slots + 1] int64 position held by each slot, -1 = empty
+    slots: int
+    window: int | None       # None for full attention
+    first_position: int      # the MTP layer's sequence starts at position 1
+
+    def write(self, positions: torch.Tensor, live: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store rows' K/V at their positions; rows with live=False go to the trash slot."""
+        slot = torch.where(live, positions % self.slots, torch.full_like(positions, self.slots))
+        self.k.index_copy_(0, slot, k.to(self.k.dtype))
+        self.v.index_copy_(0, slot, v.to(self.v.dtype))
+        self.slot_pos.index_copy_(0, slot, torch.where(live, positions, torch.full_like(positions, -1)))
+
+    def visible(self, positions: torch.Tensor) -> torch.Tensor:
+        """bool [R, slots + 1]: may the query at positions[r] read slot s?"""
+        sp, q = self.slot_pos[None, :], positions[:, None]
+        mask = (sp >= self.first_position) & (sp <= q)
+        if self.window is not None:
+            mask &= sp > q - self.window
+        return mask
+
+
+def layer_slots(config: Config, layer_type: str, max_context: int, ring_slack: int = RING_SLACK) -> int:
+    if layer_type == "sliding_attention":
+        return min(config.sliding_window + ring_slack, max_context)
+    return max_context
+
+
+class StaticKV:
+    """One rank's caches: main layers 0..L-1 and the MTP layer at index L."""
+
+    def __init__(self, config: Config, kv_heads: int, max_context: int, dtype: torch.dtype,
+                 device: torch.device, ring_slack: int = RING_SLACK):
+        self.max_context = max_context
+        self.layers: list[LayerKV] = []
+        for layer in range(config.num_hidden_layers + 1):
+            kind = config.layer_type(layer)
+            slots = layer_slots(config, kind, max_context, ring_slack)
+            shape = (slots + 1, kv_heads, config.head_dim)
+            self.layers.append(LayerKV(
+                k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device),
+                slot_pos=torch.full((slots + 1,), -1, dtype=torch.int64, device=device), slots=slots,
+                window=config.sliding_window if kind == "sliding_attention" else None,
+                first_position=1 if layer == config.mtp_layer_index else 0))
+
+    def reset(self) -> None:
+        for kv in self.layers:
+            kv.slot_pos.fill_(-1)
+
+    def __getitem__(self, layer: int) -> LayerKV:
+        return self.layers[layer]
+
+    @staticmethod
+    def bytes_needed(config: Config, kv_heads: int, max_context: int, dtype_bytes: int) -> int:
+        total = 0
+        for layer in range(config.num_hidden_layers + 1):
+            slots = layer_slots(config, config.layer_type(layer), max_context) + 1
+            total += 2 * slots * kv_heads * config.head_dim * dtype_bytes + 8 * slots
+        return total

@@ -1,0 +1,111 @@
+"""The fast engine as the CLI and server see it: `FastEngine.load(model_dir, tp=N).generate(...)`.
+
+Rank 0 runs in the calling process; ranks 1..N-1 are worker processes (one per GPU on CUDA, gloo on
+CPU) that receive each request over a queue and run the same decode in lockstep.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from ..reference.config import Config, ConfigError, GenerationConfig
+from ..reference.sampling import SamplingParams
+from ..reference.speculative import Step
+from .memory import check_memory
+from .parallel import free_port, init_process
+from .rank import EngineOptions, RankEngine, Request
+
+
+def _device_kind(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def _worker(rank: int, world: int, port: int, kind: str, model_dir: str, options: EngineOptions,
+            requests: "mp.Queue", ready: "mp.Queue") -> None:
+    try:
+        torch.set_num_threads(1)
+        engine = RankEngine(model_dir, init_process(rank, world, port, kind), options)
+        ready.put(("ok", rank))
+    except BaseException:  # report instead of hanging rank 0 in its first collective
+        ready.put(("error", traceback.format_exc()))
+        return
+    while (req := requests.get()) is not None:
+        for _ in engine.decode(req):
+            pass
+
+
+class FastEngine:
+    def __init__(self, rank0: RankEngine, procs: list, queues: list):
+        self.rank0, self.procs, self.queues = rank0, procs, queues
+        self.config: Config = rank0.config
+        self.generation: GenerationConfig = rank0.generation
+
+    @classmethod
+    def load(cls, model_dir: str | Path, tp: int = 1, device: str = "auto",
+             options: EngineOptions = EngineOptions()) -> "FastEngine":
+        model_dir = Path(model_dir)
+        config = Config.from_dir(model_dir)
+        config.check_tp(tp)  # before any device work
+        kind = _device_kind(device)
+        if kind == "cuda" and torch.cuda.device_count() < tp:
+            raise ConfigError(f"--tp {tp} needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
+        if options.max_context > config.max_position_embeddings:
+            options = replace(options, max_context=config.max_position_embeddings)
+        check_memory(config, tp, options, kind)
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        ready = ctx.Queue()
+        procs, queues = [], []
+        for rank in range(1, tp):
+            q = ctx.Queue()
+            p = ctx.Process(target=_worker, args=(rank, tp, port, kind, str(model_dir), options, q, ready), daemon=True)
+            p.start()
+            procs.append(p)
+            queues.append(q)
+        try:
+            rank0 = RankEngine(model_dir, init_process(0, tp, port, kind), options)
+            for _ in procs:
+                status, info = ready.get(timeout=600)
+                if status != "ok":
+                    raise RuntimeError(f"a tensor-parallel worker failed to start:\n{info}")
+        except BaseException:
+            for p in procs:
+                p.kill()
+            raise
+        return cls(rank0, procs, queues)
+
+    def generate(self, prompt: Sequence[int], *, seed: int, params: SamplingParams = SamplingParams(),
+                 max_new_tokens: int = 64, drafts: int | str = "auto", stop_ids: Sequence[int] = ()) -> Iterator[Step]:
+        req = Request(tuple(prompt), seed, params.temperature, params.top_k, params.top_p, max_new_tokens,
+                      drafts, tuple(stop_ids))
+        if len(prompt) + max_new_tokens > self.rank0.options.max_context:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceed the engine's "
+                             f"context of {self.rank0.options.max_context} (--max-context)")
+        for q in self.queues:
+            q.put(req)
+        return self.rank0.decode(req)
+
+    def close(self) -> None:
+        for q in self.queues:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        self.procs, self.queues = [], []
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,51 @@
+"""Will a rank's weights and caches fit? Answered from the config before any device work."""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference.checkpoint import expected_dtypes_and_shapes, shard_range, tensor_specs
+from ..reference.config import Config, ConfigError
+from .cache import StaticKV
+
+HEADROOM = 1.15  # activations, graph pools, allocator slack
+
+
+def rank_weight_bytes(config: Config, tp: int, rank: int = 0) -> int:
+    """Bytes of one rank's checkpoint slices (weights and their scales), as loaded."""
+    specs = tensor_specs(config)
+    stored = expected_dtypes_and_shapes(config)
+    total = 0
+    for name, (shape, dtype) in stored.items():
+        spec = specs.get(name) or specs[name[: -len("_scale_inv")]]
+        numel = 1
+        for d in shape:
+            numel *= d
+        part = shard_range(spec, config, tp, rank)
+        if part is not None:
+            dim, start, stop = part
+            if name.endswith("_scale_inv"):
+                b = config.weight_block_size[dim]
+                start, stop = start // b, -(-stop // b)
+            numel = numel // shape[dim] * (stop - start)
+        bytes_per = torch.empty((), dtype=dtype).element_size()
+        total += numel * bytes_per
+    return total
+
+
+def rank_bytes(config: Config, tp: int, max_context: int, dtype_bytes: int = 2) -> int:
+    kv_heads = max(config.num_key_value_heads // tp, 1)
+    return rank_weight_bytes(config, tp) + StaticKV.bytes_needed(config, kv_heads, max_context, dtype_bytes)
+
+
+def check_memory(config: Config, tp: int, options, device_kind: str) -> None:
+    """Raise a clear error when weights plus caches at the requested context exceed device memory."""
+    if device_kind != "cuda":
+        return
+    need = rank_bytes(config, tp, options.max_context) * HEADROOM
+    for rank in range(tp):
+        free, _ = torch.cuda.mem_get_info(rank)
+        if need > free:
+            raise ConfigError(f"rank {rank} needs about {need / 2**30:.1f} GiB for weights and KV caches at "
+                              f"--max-context {options.max_context} (tp={tp}), but GPU {rank} has "
+                              f"{free / 2**30:.1f} GiB free: raise --tp or lower --max-context")

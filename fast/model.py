@@ -1,0 +1,114 @@
+"""The fast engine's IQuest-Q1 forward on one rank: fixed-shape blocks, static caches, TP collectives.
+
+Same math as `reference/model.py` (and the same building blocks from `reference/layers.py` in the
+torch fallback), but every shape is static so a block can be captured in a CUDA graph: a block has
+R rows with a `live` mask; padding rows compute but write their KV to the trash slot and are never
+read. Collectives sit inside the row-parallel layers (o_proj, Down, embedding, eh_proj).
+Taps use the reference's names (see reference/model.py) for `iquest debug diff`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference.config import Config
+from ..reference.layers import apply_rope, attention, rms_norm, rope_cos_sin, route
+from .cache import LayerKV, StaticKV
+from .parallel import Parallel
+from .weights import LayerWeights, ModelWeights
+
+
+class FastModel:
+    def __init__(self, config: Config, weights: ModelWeights, cache: StaticKV, par: Parallel, dtype: torch.dtype):
+        self.config, self.w, self.cache, self.par, self.dtype = config, weights, cache, par, dtype
+        tp = par.world
+        self.q_heads = config.num_attention_heads // tp
+        self.kv_heads = max(config.num_key_value_heads // tp, 1)
+        self.vocab_local = config.vocab_size // tp
+
+    # ---- embedding and head (vocabulary-parallel) ----------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.w.vocab_offset
+        mine = (local >= 0) & (local < self.vocab_local)
+        x = self.w.embed[local.clamp(0, self.vocab_local - 1)] * mine[:, None].to(self.dtype)
+        return self.par.all_reduce(x)
+
+    def logits(self, x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+        """This rank's fp32 logits [R, V/tp] for its vocabulary rows."""
+        return rms_norm(x, norm, self.config.rms_norm_eps).float() @ self.w.lm_head.float().T
+
+    # ---- blocks -------------------------------------------------------------------------------------
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
+                taps: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Main model: (local logits [R, V/tp] fp32, pre-norm final hidden [R, H])."""
+        x = self.embed(tokens)
+        cos, sin = self._rope(positions)
+        for i, lw in enumerate(self.w.layers):
+            x = self.decoder_layer(lw, self.cache[i], x, positions, live, cos, sin, taps, f"layer{i}.")
+        _tap(taps, "final_hidden", x)
+        return self.logits(x, self.w.norm), x
+
+    def draft(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
+              taps: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer: rows at positions p from (x_p, hidden for p-1) -> (local logits for p+1, h')."""
+        m, eps = self.w.mtp, self.config.rms_norm_eps
+        e = rms_norm(self.embed(tokens), m.enorm, eps)
+        h = rms_norm(prev_hidden.to(self.dtype), m.hnorm, eps)
+        cat = torch.cat([e, h], dim=-1)  # embedding first; eh_proj is row-parallel over these 2H inputs
+        width = cat.shape[-1] // self.par.world
+        u = self.par.all_reduce(m.eh_proj.linear(cat[:, self.par.rank * width:(self.par.rank + 1) * width]))
+        _tap(taps, "mtp.input", u)
+        cos, sin = self._rope(positions)
+        h_out = self.decoder_layer(m.block, self.cache[self.config.mtp_layer_index], u, positions, live, cos, sin,
+                                   taps, "mtp.")
+        return self.logits(h_out, m.head_norm), h_out
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling, torch.float32)
+        return cos.to(self.dtype), sin.to(self.dtype)
+
+    def decoder_layer(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, positions: torch.Tensor,
+                      live: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, taps: dict | None,
+                      tag: str) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        attn_out = self.attention(lw, kv, rms_norm(x, lw.input_norm, eps), positions, live, cos, sin)
+        x = x + attn_out
+        # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
+        b32 = rms_norm(x.float(), lw.post_norm.float(), eps)
+        moe_out, scores, experts = self.moe(lw, b32)
+        x = x + moe_out
+        for name, value in (("attn_out", attn_out), ("router_scores", scores), ("experts", experts),
+                            ("moe_out", moe_out), ("hidden", x)):
+            _tap(taps, tag + name, value)
+        return x
+
+    def attention(self, lw: LayerWeights, kv: LayerKV, a: torch.Tensor, positions: torch.Tensor,
+                  live: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c, R = self.config, a.shape[0]
+        q = lw.wq.linear(a).view(R, self.q_heads, c.head_dim)
+        k = lw.wk.linear(a).view(R, self.kv_heads, c.head_dim)
+        v = lw.wv.linear(a).view(R, self.kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = rms_norm(q, lw.q_norm, c.rms_norm_eps), rms_norm(k, lw.k_norm, c.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv.write(positions, live, k, v)  # the block's own K/V first: rows see each other causally
+        out = attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(positions), lw.sinks)
+        return self.par.all_reduce(lw.wo.linear(out.to(self.dtype).reshape(R, -1)))
+
+    def moe(self, lw: LayerWeights, b32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Routed experts on this rank's slice of every expert's intermediate dimension."""
+        c = self.config
+        weights, experts, scores = route(b32 @ lw.router.T, c.num_experts_per_tok, c.norm_topk_prob,
+                                         c.routed_scaling_factor)
+        b = b32.to(self.dtype)
+        gate, up, down = lw.gate.dense()[experts], lw.up.dense()[experts], lw.down.dense()[experts]
+        hidden = torch.nn.functional.silu(torch.einsum("rh,rkih->rki", b, gate)) * torch.einsum("rh,rkih->rki", b, up)
+        y = torch.einsum("rki,rkhi->rkh", hidden, down)
+        out = (y.float() * weights[..., None]).sum(dim=1).to(self.dtype)
+        return self.par.all_reduce(out), scores, experts
+
+
+def _tap(taps: dict | None, name: str, value: torch.Tensor) -> None:
+    if taps is not None:
+        taps[name] = value.detach().clone() if value.dtype == torch.long else value.detach().double().cpu()

@@ -1,0 +1,190 @@
+"""One rank of the fast engine: its weights, static caches and device state, prefill and the decode loop.
+
+Every rank of a tensor-parallel group runs this same code on the same request; collectives inside the
+model keep them in lockstep, and identical candidates and uniforms give identical tokens everywhere.
+The host reads the device's result log once per `TOKENS_PER_READ` emitted tokens (streaming and
+cancellation) and at the end; between reads the decode loop runs on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..reference.config import Config, GenerationConfig
+from ..reference.depth import FixedDepth, load_controller
+from ..reference.rng import PURPOSE_COMMIT, int64_bits
+from ..reference.speculative import Step
+from . import sampler
+from .cache import RING_SLACK, StaticKV
+from .model import FastModel
+from .parallel import Parallel
+from .round import RoundRunner
+from .state import MAX_STOP_IDS, VERIFY_ROWS, DecodeState
+from .weights import load_weights
+
+TOKENS_PER_READ = 32
+PREFILL_BLOCK = 64  # rows per prefill block: no more than the ring's spare slots (see cache.py)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_context: int = 4096
+    dtype: str = "auto"             # auto = bf16 on CUDA, fp32 on CPU
+    graphs: bool = True             # capture CUDA graphs (ignored on CPU)
+    ring_slack: int = RING_SLACK    # 0 only in the "ring of exactly W slots" negative control
+    defects: frozenset[str] = field(default_factory=frozenset)  # negative controls (qualify/)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: tuple[int, ...]
+    seed: int
+    temperature: float
+    top_k: int
+    top_p: float
+    max_new_tokens: int
+    drafts: int | str
+    stop_ids: tuple[int, ...]
+
+
+class RankEngine:
+    def __init__(self, model_dir: str | Path, par: Parallel, options: EngineOptions):
+        self.model_dir, self.par, self.options = Path(model_dir), par, options
+        self.config = Config.from_dir(self.model_dir)
+        self.config.check_tp(par.world)
+        self.generation = GenerationConfig.from_dir(self.model_dir, self.config)
+        self.dtype = options.torch_dtype(par.device)
+        c = self.config
+        kv_heads = max(c.num_key_value_heads // par.world, 1)
+        self.capacity = options.max_context + 2 * VERIFY_ROWS  # drafts and padding rows run past the budget
+        weights = load_weights(self.model_dir, c, par, self.dtype)
+        self.cache = StaticKV(c, kv_heads, self.capacity, self.dtype, par.device, options.ring_slack)
+        self.model = FastModel(c, weights, self.cache, par, self.dtype)
+        self.state = DecodeState.allocate(self.capacity, options.max_context, c.hidden_size,
+                                          self.generation.top_k, self.dtype, par.device)
+        self._runners: dict[tuple, tuple[RoundRunner, object]] = {}
+
+    # ---- runners and their graphs ------------------------------------------------------------------
+    def runner(self, drafts: int | str, top_k: int) -> tuple[RoundRunner, object]:
+        """The round runner (and, on CUDA, the captured decode-loop graph) for this controller and top_k."""
+        key = (drafts, top_k)
+        if key not in self._runners:
+            from .flow import EagerFlow
+
+            controller = load_controller(self.model_dir) if drafts == "auto" else FixedDepth(int(drafts)) if drafts else None
+            if top_k != self.state.q_ids.shape[1]:
+                self.state = DecodeState.allocate(self.capacity, self.options.max_context, self.config.hidden_size,
+                                                  top_k, self.dtype, self.par.device)
+                self._runners.clear()
+            runner = RoundRunner(self.model, self.state, top_k, controller, EagerFlow(), self.options.defects)
+            graph = self._capture(runner) if self._use_graphs() else None
+            self._runners[key] = (runner, graph)
+        return self._runners[key]
+
+    def _use_graphs(self) -> bool:
+        return self.options.graphs and self.par.device.type == "cuda"
+
+    def _capture(self, runner: RoundRunner):
+        from .graphs import capture_decode_loop
+
+        return capture_decode_loop(self, runner)
+
+    # ---- a request ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def start(self, req: Request, runner: RoundRunner) -> None:
+        """Prefill the prompt, draw the first token, draft the first round (eager: not on the decode clock)."""
+        st, m, dev = self.state, len(req.prompt), self.par.device
+        st.clear()
+        self.cache.reset()
+        st.seed.fill_(int64_bits(req.seed))
+        st.temperature.fill_(req.temperature)
+        st.top_p.fill_(req.top_p)
+        st.budget.fill_(req.max_new_tokens)
+        stops = list(req.stop_ids)[:MAX_STOP_IDS]
+        st.stop_ids[: len(stops)] = torch.tensor(stops, dtype=torch.int64, device=dev)
+        st.tokens[:m] = torch.tensor(req.prompt, dtype=torch.int64, device=dev)
+        hiddens = []
+        for s in range(0, m, PREFILL_BLOCK):
+            pos = torch.arange(s, min(s + PREFILL_BLOCK, m), device=dev)
+            logits, h = self.model.forward(st.tokens[pos], pos, torch.ones_like(pos, dtype=torch.bool))
+            hiddens.append(h)
+        hidden = torch.cat(hiddens)
+        ids, probs = runner.dist(logits[-1:])
+        first = sampler.draw(ids, probs, runner.uniform(torch.tensor([m], device=dev), PURPOSE_COMMIT))
+        st.n.fill_(m - 1)
+        row = torch.zeros(VERIFY_ROWS, dtype=torch.int64, device=dev)
+        row[0] = first[0]
+        logprob = torch.log(sampler.prob_of(ids, probs, first)).expand(VERIFY_ROWS)
+        zero = torch.zeros((), dtype=torch.int64, device=dev)
+        runner.settle(row, zero + 1, row, zero + 1, logprob, zero, zero)
+        if runner.controller is None or bool(st.done):
+            return
+        # Depth 0 over the whole prompt: rows at positions 1..m from the main hiddens of 0..m-1.
+        for s in range(1, m + 1, PREFILL_BLOCK):
+            e = min(s + PREFILL_BLOCK, m + 1)
+            pos = torch.arange(s, e, device=dev)
+            live = torch.ones_like(pos, dtype=torch.bool)
+            if e <= m:
+                self.model.draft(st.tokens[pos], hidden[s - 1:e - 1], pos, live)
+            else:
+                runner.draft(st.tokens[pos], hidden[s - 1:e - 1], pos, live, last=torch.tensor(e - s - 1, device=dev))
+
+    def decode_chunk(self, runner: RoundRunner, graph) -> None:
+        """Run rounds on the device until TOKENS_PER_READ more tokens are logged or the request ends."""
+        st = self.state
+        if graph is not None:
+            graph.replay()
+            return
+        st.target.copy_(st.emitted + TOKENS_PER_READ)
+        body = runner.plain_round if runner.controller is None else runner.speculative_round
+        while not bool(st.done) and int(st.emitted) < int(st.target):
+            body()
+
+    def decode(self, req: Request):
+        """Generator of Steps (rank 0 consumes them; other ranks just drive the collectives)."""
+        runner, graph = self.runner(req.drafts, req.top_k)
+        self.start(req, runner)
+        read_tokens = read_rounds = 0
+        flag = torch.ones(1, dtype=torch.int64, device=self.par.device if self.par.device.type == "cuda" else "cpu")
+        try:
+            while True:
+                steps, read_tokens, read_rounds = self._read_log(read_tokens, read_rounds)
+                for step in steps:
+                    yield step
+                if bool(self.state.done):
+                    return
+                flag.fill_(1)
+                self.par.broadcast(flag)  # rank 0 may have cancelled: every rank stops together
+                if int(flag) == 0:
+                    return
+                self.decode_chunk(runner, graph)
+        finally:
+            if not bool(self.state.done):
+                flag.fill_(0)
+                if self.par.rank == 0:
+                    self.par.broadcast(flag)
+
+    def _read_log(self, read_tokens: int, read_rounds: int) -> tuple[list[Step], int, int]:
+        st = self.state
+        rounds = int(st.rounds)
+        rec = st.log_rounds[read_rounds:rounds].tolist()
+        count = sum(r[2] for r in rec)
+        toks = st.log_tokens[read_tokens:read_tokens + count].tolist()
+        lps = st.log_logprobs[read_tokens:read_tokens + count].tolist()
+        steps, i = [], 0
+        for k, a, keep, bonus in rec:
+            if keep == 0:
+                continue
+            steps.append(Step(toks[i:i + keep], lps[i:i + keep], drafts=k, accepted=a, bonus=bool(bonus)))
+            i += keep
+        if steps and bool(st.done):
+            steps[-1].stopped = bool((st.emitted < st.budget))
+        return steps, read_tokens + count, rounds

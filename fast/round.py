@@ -1,0 +1,161 @@
+"""The speculative round on the device: verify, accept, settle, draft (ROUND.md), with no host read.
+
+Every quantity the round decides (accepted count, replacement or bonus token, draft depth, stop)
+stays a device tensor; data-dependent work is expressed with masks over fixed shapes (8 verification
+rows, 8 redraft rows) and, for draft depths 4-7, with `Flow.when`, which is a CUDA conditional node
+inside a captured graph and a plain `if` in eager mode. All ranks compute identical candidates and
+uniforms, so they reach the same tokens without broadcasting them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..reference.depth import MIN_DRAFTS, DraftFeatures, FixedDepth, LogisticDepth
+from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT, PURPOSE_DRAFT
+from . import philox, sampler
+from .model import FastModel
+from .state import MAX_DRAFTS, VERIFY_ROWS, DecodeState
+
+
+class RoundRunner:
+    def __init__(self, model: FastModel, state: DecodeState, top_k: int, controller, flow,
+                 defects: frozenset[str] = frozenset()):
+        self.m, self.st, self.top_k, self.controller, self.flow = model, state, top_k, controller, flow
+        self.defects = defects  # named deliberate bugs for negative controls (qualify/); empty in production
+        dev = state.n.device
+        self.rows = torch.arange(VERIFY_ROWS, device=dev)
+        self.depths = torch.arange(1, MAX_DRAFTS + 1, device=dev)
+
+    # ---- sampling helpers ---------------------------------------------------------------------
+    def dist(self, local_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Vocabulary-parallel top-k/top-p: (ids [R, K], probs [R, K]), identical on every rank."""
+        return sampler.sample_rows(local_logits, min(self.top_k, self.m.vocab_local), self.m.w.vocab_offset,
+                                   self.m.par.all_gather_last, self.top_k, self.st.temperature, self.st.top_p)
+
+    def uniform(self, positions: torch.Tensor, purpose: int, depth: int = 0) -> torch.Tensor:
+        return philox.uniforms(self.st.seed, philox.offsets(positions, purpose, depth))
+
+    # ---- the round ---------------------------------------------------------------------------------
+    def speculative_round(self) -> None:
+        st, j = self.st, self.rows
+        n, k = st.n.clone(), st.k.clone()
+        # 1. Verify x_n and the k drafts at positions n..n+k; row i gives p_i for position n+i+1.
+        #    Rows past k are padding: computed, never written to the cache, never accepted.
+        rows = torch.cat([st.tokens[n].view(1), st.drafts])
+        logits, hidden = self.m.forward(rows, n + j, j <= k)
+        p_ids, p_probs = self.dist(logits)
+        # 2. Accept d_i when u < min(1, p_{i-1}(d_i) / q_i(d_i)); a = leading accepted drafts.
+        p_d = sampler.prob_of(p_ids[:MAX_DRAFTS], p_probs[:MAX_DRAFTS], st.drafts)
+        q_d = sampler.prob_of(st.q_ids, st.q_probs, st.drafts)
+        _, a = sampler.acceptance(p_d, q_d, self.uniform(n + self.depths, PURPOSE_ACCEPT), self.depths <= k)
+        #    At the first rejection draw from normalize(max(0, p - q)); if all k passed, the extra
+        #    row's p_k gives a bonus token. Both are the commit draw of position n+a+1.
+        pa_ids, pa_probs = p_ids[a].unsqueeze(0), p_probs[a].unsqueeze(0)
+        qi = a.clamp(max=MAX_DRAFTS - 1)
+        r_ids, r_probs = sampler.residual(pa_ids, pa_probs, st.q_ids[qi].unsqueeze(0), st.q_probs[qi].unsqueeze(0))
+        if "replacement_from_p" in self.defects:
+            r_ids, r_probs = pa_ids, pa_probs
+        rejected = a < k
+        f_ids, f_probs = torch.where(rejected, r_ids, pa_ids), torch.where(rejected, r_probs, pa_probs)
+        x_new = sampler.draw(f_ids, f_probs, self.uniform((n + a + 1).view(1), PURPOSE_COMMIT))
+        emitted = torch.where(j < a, torch.cat([st.drafts, st.drafts[:1]]), x_new)
+        logprobs = torch.log(sampler.prob_of(p_ids, p_probs, emitted))
+        # 3. Settle: a+1 tokens committed; main KV is valid through n+a, later rows are stale and
+        #    rewritten before any query reaches them. Rollback is this length change.
+        st.hid.copy_(hidden)
+        committed, count = emitted, a + 1
+        if "keep_rejected_kv" in self.defects:  # rejected rows stay in the context: no rollback
+            committed, count = torch.where(j < k, torch.cat([st.drafts, st.drafts[:1]]), x_new), k + 1
+        self.settle(committed, count, emitted, a + 1, logprobs, k, a)
+        # 4. Draft: depth 0 re-runs the draft layer on the newly committed positions with the
+        #    main model's hiddens (overwriting draft KV written from draft hiddens), then deeper rows.
+        redraft_live = j < count
+        if "skip_redraft" in self.defects:
+            redraft_live = j == count - 1
+        self.draft(st.tokens[n + 1 + j], st.hid, n + 1 + j, redraft_live, last=count - 1)
+
+    def plain_round(self) -> None:
+        """Plain autoregressive sampling (--drafts 0): the baseline every speculative result is compared with."""
+        st, j = self.st, self.rows
+        n = st.n.clone().view(1)
+        logits, _ = self.m.forward(st.tokens[n], n, torch.ones_like(n, dtype=torch.bool))
+        ids, probs = self.dist(logits)
+        t = sampler.draw(ids, probs, self.uniform(n + 1, PURPOSE_COMMIT))
+        emitted = torch.where(j == 0, t, torch.zeros_like(j))
+        logprobs = torch.log(sampler.prob_of(ids, probs, t)).expand(VERIFY_ROWS)
+        one, zero = torch.ones_like(st.k), torch.zeros_like(st.k)
+        self.settle(emitted, one, emitted, one, logprobs, zero, zero)
+
+    def settle(self, committed: torch.Tensor, count: torch.Tensor, emitted: torch.Tensor, n_emit: torch.Tensor,
+               logprobs: torch.Tensor, k: torch.Tensor, a: torch.Tensor) -> None:
+        """Commit `count` tokens at n+1.. and log the emitted ones, cut at a stop token or the budget."""
+        st, j = self.st, self.rows
+        st.tokens.index_copy_(0, torch.where(j < count, st.n + 1 + j, st.trash), committed)
+        st.n.add_(count)
+        is_stop = (emitted[:, None] == st.stop_ids[None, :]).any(-1) & (j < n_emit)
+        first_stop = torch.where(is_stop.any(), is_stop.int().argmax() + 1, n_emit)
+        keep = torch.minimum(first_stop, st.budget - st.emitted).clamp(min=0)
+        slots = torch.where(j < keep, st.emitted + j, st.log_trash)
+        st.log_tokens.index_copy_(0, slots, emitted)
+        st.log_logprobs.index_copy_(0, slots, logprobs.float())
+        record = torch.stack([k, a, keep, (a == k) & (k > 0)]).to(torch.int64)
+        st.log_rounds.index_copy_(0, st.rounds.view(1).clamp(max=st.log_trash), record.view(1, 4))
+        st.emitted.add_(keep)
+        st.rounds.add_(1)
+        st.done.copy_(((first_stop <= keep) & is_stop.any()) | (st.emitted >= st.budget))
+
+    # ---- drafting -----------------------------------------------------------------------------
+    def draft(self, tokens: torch.Tensor, hiddens: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
+              last: torch.Tensor) -> None:
+        """Depth 0 over a block (its row `last` gives q_1), then depths 2.. one row each.
+        Drafts 1-3 always run; after each of 3..6 the controller decides on the device."""
+        logits, h = self.m.draft(tokens, hiddens, positions, live)
+        st = self.st
+        st.product.fill_(1.0)
+        st.more.zero_()
+        self.sample_draft(1, logits[last].unsqueeze(0), h[last].unsqueeze(0))
+        for depth in range(2, MAX_DRAFTS + 1):
+            if depth <= MIN_DRAFTS:
+                self.draft_row(depth)
+            else:
+                self.flow.when(st.more[depth], lambda d=depth: self.draft_row(d))
+
+    def draft_row(self, depth: int) -> None:
+        """One recursive draft row: token d_{depth-1} at position n+depth-1 with the previous draft hidden."""
+        st = self.st
+        pos = (st.n + depth - 1).view(1)
+        logits, h = self.m.draft(st.drafts[depth - 2].view(1), st.draft_h, pos, torch.ones_like(pos, dtype=torch.bool))
+        self.sample_draft(depth, logits, h)
+
+    def sample_draft(self, depth: int, logits: torch.Tensor, h: torch.Tensor) -> None:
+        st = self.st
+        ids, probs = self.dist(logits)
+        d = sampler.draw(ids, probs, self.uniform((st.n + depth).view(1), PURPOSE_DRAFT, depth))
+        served = sampler.prob_of(ids, probs, d)[0]
+        st.drafts[depth - 1] = d[0]
+        st.q_ids[depth - 1] = ids[0]
+        st.q_probs[depth - 1] = probs[0]
+        st.draft_h.copy_(h)
+        st.k.fill_(depth)
+        st.product.mul_(served)
+        if depth < MAX_DRAFTS:
+            st.more[depth + 1] = self.more(depth, served, probs[0])
+
+    def more(self, depth: int, served: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """The depth controller's rule (reference/depth.py) evaluated on device tensors."""
+        if isinstance(self.controller, FixedDepth):
+            return torch.tensor(int(depth < self.controller.k), dtype=torch.int32, device=served.device)
+        if depth < MIN_DRAFTS:
+            return torch.ones((), dtype=torch.int32, device=served.device)
+        assert isinstance(self.controller, LogisticDepth)
+        plogp = torch.where(probs > 0, probs * torch.log(probs.clamp(min=1e-30)), torch.zeros_like(probs))
+        feats = {"bias": torch.ones_like(served), "log_running_product": torch.log(self.st.product.clamp(min=1e-30)),
+                 "log_served_prob": torch.log(served.clamp(min=1e-30)), "entropy": -plogp.sum(),
+                 "depth": torch.full_like(served, float(depth))}
+        assert set(feats) == set(DraftFeatures(depth, 1.0, 0.0, 1.0).vector())
+        score = sum(w * feats[name] for name, w in self.controller.weights.items())
+        logit_threshold = math.log(self.controller.threshold / (1 - self.controller.threshold))
+        return (score > logit_threshold).to(torch.int32)

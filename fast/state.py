@@ -1,0 +1,76 @@
+"""The decode state that lives on the device for a whole request, and the result log the host reads.
+
+Every tensor here is allocated once per engine, so captured graphs keep valid addresses; a request
+fills it by copying, never by re-allocating. Scalars are 0-dim tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+MAX_DRAFTS = 7
+VERIFY_ROWS = MAX_DRAFTS + 1  # one committed token + up to 7 drafts: the verification kernel width
+MAX_STOP_IDS = 8
+
+
+@dataclass
+class DecodeState:
+    # request parameters
+    seed: torch.Tensor          # int64: the request seed's 64 bits
+    temperature: torch.Tensor   # float32
+    top_p: torch.Tensor         # float32
+    budget: torch.Tensor        # int64: output tokens allowed
+    stop_ids: torch.Tensor      # int64 [MAX_STOP_IDS], -1 = unused
+    # sequence
+    n: torch.Tensor             # int64: position of the pending token x_n (= main KV length)
+    tokens: torch.Tensor        # int64 [capacity]: committed tokens by position; last entry is a trash slot
+    hid: torch.Tensor           # [VERIFY_ROWS, H]: main hiddens of the last verification (or prefill tail)
+    # drafts of the next round
+    k: torch.Tensor             # int64: drafts generated
+    drafts: torch.Tensor        # int64 [MAX_DRAFTS]
+    q_ids: torch.Tensor         # int64 [MAX_DRAFTS, K]: each draft's proposal distribution
+    q_probs: torch.Tensor       # float32 [MAX_DRAFTS, K]
+    draft_h: torch.Tensor       # [1, H]: the last draft row's hidden (input of the next depth)
+    product: torch.Tensor       # float32: running product of served probabilities
+    more: torch.Tensor          # int32 [MAX_DRAFTS + 2]: more[d] = run draft depth d
+    # result log
+    log_tokens: torch.Tensor    # int64 [log capacity]
+    log_logprobs: torch.Tensor  # float32 [log capacity]
+    log_rounds: torch.Tensor    # int64 [round capacity, 4]: drafts, accepted, emitted, bonus
+    emitted: torch.Tensor       # int64
+    rounds: torch.Tensor        # int64
+    done: torch.Tensor          # int32: a stop token or the budget was reached
+    running: torch.Tensor       # int32: condition of the decode loop
+    target: torch.Tensor        # int64: the loop returns to the host once emitted reaches this
+
+    @classmethod
+    def allocate(cls, capacity: int, log_capacity: int, hidden: int, top_k: int, dtype: torch.dtype,
+                 device: torch.device) -> "DecodeState":
+        def z(*shape, dt=torch.int64):
+            return torch.zeros(shape, dtype=dt, device=device)
+
+        return cls(
+            seed=z(), temperature=z(dt=torch.float32), top_p=z(dt=torch.float32), budget=z(),
+            stop_ids=torch.full((MAX_STOP_IDS,), -1, dtype=torch.int64, device=device),
+            n=z(), tokens=z(capacity + 1), hid=z(VERIFY_ROWS, hidden, dt=dtype),
+            k=z(), drafts=z(MAX_DRAFTS), q_ids=z(MAX_DRAFTS, top_k), q_probs=z(MAX_DRAFTS, top_k, dt=torch.float32),
+            draft_h=z(1, hidden, dt=dtype), product=z(dt=torch.float32), more=z(MAX_DRAFTS + 2, dt=torch.int32),
+            log_tokens=z(log_capacity + 1), log_logprobs=z(log_capacity + 1, dt=torch.float32),
+            log_rounds=z(log_capacity + 1, 4), emitted=z(), rounds=z(), done=z(dt=torch.int32),
+            running=z(dt=torch.int32), target=z())
+
+    def clear(self) -> None:
+        for f in fields(self):
+            getattr(self, f.name).zero_()
+        self.stop_ids.fill_(-1)
+
+    @property
+    def trash(self) -> int:
+        """Index of the tokens buffer's trash entry (masked scatters of padding rows land there)."""
+        return self.tokens.shape[0] - 1
+
+    @property
+    def log_trash(self) -> int:
+        return self.log_tokens.shape[0] - 1

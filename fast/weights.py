@@ -1,0 +1,139 @@
+"""One rank's weights: each rank reads only its own slices of the checkpoint (MODEL.md, "Tensor parallelism").
+
+Quantized projections stay E4M3 with their block scales (what the FP8 kernels consume); the torch
+fallback multiplies by a dequantized copy in the compute dtype, kept when it is small and rebuilt
+per call otherwise, so the full-size rank slice never holds a second, bf16 copy of its experts.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from ..reference.checkpoint import CheckpointReader, layer_prefix
+from ..reference.config import Config
+from ..reference.fp8 import expand_scales
+from .parallel import Parallel
+
+KEEP_DENSE_BYTES = 64 << 20  # fallback keeps a dequantized copy of a weight up to this size
+
+
+@dataclass
+class FP8Weight:
+    """E4M3 weight [..., out, in] with fp32 block scales [..., ceil(out/B0), ceil(in/B1)]."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+    dtype: torch.dtype
+    _dense: torch.Tensor | None = None
+
+    def dense(self) -> torch.Tensor:
+        if self._dense is not None:
+            return self._dense
+        s = expand_scales(self.scale, tuple(self.q.shape[-2:]), self.block)
+        w = (self.q.to(torch.float32) * s).to(self.dtype)
+        if w.numel() * w.element_size() <= KEEP_DENSE_BYTES:
+            self._dense = w
+        return w
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.dense().T
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    wq: FP8Weight
+    wk: FP8Weight
+    wv: FP8Weight
+    wo: FP8Weight
+    sinks: torch.Tensor | None      # this rank's query heads, fp32
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    router: torch.Tensor            # [E, H] fp32, replicated (routing from the unrounded fp32 input)
+    gate: FP8Weight                 # [E, I/tp, H]
+    up: FP8Weight                   # [E, I/tp, H]
+    down: FP8Weight                 # [E, H, I/tp]
+
+
+@dataclass
+class MTPWeights:
+    block: LayerWeights
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: FP8Weight              # [H, 2H/tp] columns of the row-parallel input
+    head_norm: torch.Tensor
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor             # [V/tp, H] this rank's vocabulary rows
+    lm_head: torch.Tensor           # [V/tp, H]
+    norm: torch.Tensor
+    layers: list[LayerWeights]
+    mtp: MTPWeights
+    vocab_offset: int
+
+
+def _to(t: torch.Tensor, par: Parallel, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return t.to(device=par.device, dtype=dtype or t.dtype)
+
+
+class _Loader:
+    def __init__(self, reader: CheckpointReader, par: Parallel, dtype: torch.dtype, bar):
+        self.reader, self.par, self.dtype, self.bar = reader, par, dtype, bar
+        self.block = reader.config.weight_block_size
+
+    def plain(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        w, _ = self.reader.read_weight(name, self.par.world, self.par.rank)
+        self.bar.update(1)
+        return _to(w, self.par, dtype or self.dtype)
+
+    def fp8(self, name: str) -> FP8Weight:
+        w, s = self.reader.read_weight(name, self.par.world, self.par.rank)
+        self.bar.update(1)
+        return FP8Weight(_to(w, self.par), _to(s, self.par), self.block, self.dtype)
+
+    def experts(self, prefix: str, which: str, n: int) -> FP8Weight:
+        parts = [self.fp8(f"{prefix}mlp.experts.{e}.{which}.weight") for e in range(n)]
+        return FP8Weight(torch.stack([p.q for p in parts]), torch.stack([p.scale for p in parts]),
+                         self.block, self.dtype)
+
+    def layer(self, index: int) -> LayerWeights:
+        c, p = self.reader.config, layer_prefix(index)
+        return LayerWeights(
+            input_norm=self.plain(p + "input_layernorm.weight"),
+            post_norm=self.plain(p + "post_attention_layernorm.weight"),
+            wq=self.fp8(p + "self_attn.q_proj.weight"), wk=self.fp8(p + "self_attn.k_proj.weight"),
+            wv=self.fp8(p + "self_attn.v_proj.weight"), wo=self.fp8(p + "self_attn.o_proj.weight"),
+            sinks=self.plain(p + "self_attn.sinks", torch.float32) if c.attention_sinks else None,
+            q_norm=self.plain(p + "self_attn.q_norm.weight") if c.qk_norm else None,
+            k_norm=self.plain(p + "self_attn.k_norm.weight") if c.qk_norm else None,
+            router=self.plain(p + "mlp.gate.weight", torch.float32),
+            gate=self.experts(p, "gate_proj", c.n_routed_experts),
+            up=self.experts(p, "up_proj", c.n_routed_experts),
+            down=self.experts(p, "down_proj", c.n_routed_experts),
+        )
+
+
+def load_weights(model_dir, config: Config, par: Parallel, dtype: torch.dtype,
+                 progress: bool | None = None) -> ModelWeights:
+    """Read this rank's slices of every tensor, with a progress bar on rank 0."""
+    reader = CheckpointReader(model_dir, config)
+    total = sum(1 for _ in reader.names())
+    show = (par.rank == 0 and sys.stderr.isatty()) if progress is None else progress
+    with tqdm(total=total, desc=f"loading weights (tp={par.world})", disable=not show, unit="tensor") as bar:
+        ld = _Loader(reader, par, dtype, bar)
+        layers = [ld.layer(i) for i in range(config.num_hidden_layers)]
+        m = layer_prefix(config.mtp_layer_index)
+        mtp = MTPWeights(ld.layer(config.mtp_layer_index), ld.plain(m + "enorm.weight"),
+                         ld.plain(m + "hnorm.weight"), ld.fp8(m + "eh_proj.weight"),
+                         ld.plain(m + "shared_head.norm.weight"))
+        embed = ld.plain("model.embed_tokens.weight")
+        return ModelWeights(embed=embed, lm_head=ld.plain("lm_head.weight"), norm=ld.plain("model.norm.weight"),
+                            layers=layers, mtp=mtp, vocab_offset=par.rank * (config.vocab_size // par.world))

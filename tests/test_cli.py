@@ -1,0 +1,223 @@
+"""The `iquest` command line: generate (reference engine) and make-fixture, in process and end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from iquest.cli.main import main
+from iquest.reference.checkpoint import CheckpointReader
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "fixtures" / "tiny"
+EOS = 1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The reference runs tiny matrices: extra intra-op threads only add contention on a 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def generate(capsys, *extra: str, model: Path | str = TINY) -> dict:
+    code = main(["generate", "--engine", "reference", "--model", str(model), "--json", *extra])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)
+
+
+def fails(capsys, argv: list[str], *needles: str) -> str:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code not in (0, None)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and "error" in lines[0]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def check_output_budget(result: dict, n: int) -> None:
+    out = result["output_ids"]
+    if EOS in out:  # a stop token ends the output early, and is its last token
+        assert out.index(EOS) == len(out) - 1 and len(out) <= n
+    else:
+        assert len(out) == n
+
+
+# ---- generate -------------------------------------------------------------------------------------------
+
+def test_generate_json_shape(capsys):
+    r = generate(capsys, "--max-new-tokens", "8", "--seed", "3")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TINY / "tokenizer.json"))
+    assert r["engine"] == "reference" and r["seed"] == 3
+    assert r["prompt_ids"] == tok.encode("def fibonacci(n):\n").ids
+    check_output_budget(r, 8)
+    assert all(isinstance(t, int) and 0 <= t < 512 for t in r["output_ids"])
+    assert r["text"] == tok.decode(r["output_ids"])
+    assert [t for rnd in r["rounds"] for t in rnd["tokens"]] == r["output_ids"]
+    for rnd in r["rounds"]:
+        assert len(rnd["logprobs"]) == len(rnd["tokens"]) and all(lp <= 0 for lp in rnd["logprobs"])
+        assert 0 <= rnd["accepted"] <= rnd["drafts"]
+        assert len(rnd["tokens"]) <= rnd["accepted"] + 1
+    assert r["summary"]["tokens"] == len(r["output_ids"])
+    assert r["summary"]["rounds"] == len(r["rounds"]) - 1
+
+
+def test_same_seed_same_output_different_seed_different(capsys):
+    a = generate(capsys, "--max-new-tokens", "8", "--seed", "3")
+    b = generate(capsys, "--max-new-tokens", "8", "--seed", "3")
+    c = generate(capsys, "--max-new-tokens", "8", "--seed", "4")
+    assert a["output_ids"] == b["output_ids"] and a["rounds"] == b["rounds"]
+    assert a["output_ids"] != c["output_ids"]
+
+
+def test_drafts_zero_is_plain_sampling(capsys):
+    r = generate(capsys, "--max-new-tokens", "6", "--drafts", "0", "--seed", "1")
+    check_output_budget(r, 6)
+    assert all(rnd["drafts"] == 0 and len(rnd["tokens"]) == 1 for rnd in r["rounds"])
+
+
+def test_drafts_fixed_three(capsys):
+    r = generate(capsys, "--max-new-tokens", "10", "--drafts", "3", "--seed", "1")
+    check_output_budget(r, 10)
+    spec = r["rounds"][1:]
+    assert spec and all(rnd["drafts"] <= 3 for rnd in spec) and spec[0]["drafts"] == 3
+    assert all(len(rnd["served_probs"]) == rnd["drafts"] for rnd in spec)
+    assert r["rounds"][0]["drafts"] == 0  # the first token comes from the prefill
+
+
+def test_drafts_auto(capsys):
+    r = generate(capsys, "--max-new-tokens", "6", "--drafts", "auto", "--seed", "2")
+    check_output_budget(r, 6)
+    assert all(rnd["drafts"] in (0, 3, 4, 5, 6, 7) for rnd in r["rounds"])
+
+
+def test_prompt_ids(capsys):
+    r = generate(capsys, "--prompt-ids", "5,6, 7", "--max-new-tokens", "4", "--seed", "0")
+    assert r["prompt_ids"] == [5, 6, 7]
+    check_output_budget(r, 4)
+
+
+@pytest.mark.parametrize("n", [1, 5, 13])
+def test_max_new_tokens_is_exact(capsys, n):
+    r = generate(capsys, "--max-new-tokens", str(n), "--seed", "7", "--drafts", "3")
+    check_output_budget(r, n)
+
+
+def test_greedy_is_seed_independent(capsys):
+    a = generate(capsys, "--max-new-tokens", "5", "--temperature", "0", "--drafts", "0", "--seed", "1")
+    b = generate(capsys, "--max-new-tokens", "5", "--temperature", "0", "--drafts", "0", "--seed", "2")
+    assert a["output_ids"] == b["output_ids"]
+
+
+def test_streaming_text_and_summary(capsys):
+    r = generate(capsys, "--max-new-tokens", "6", "--seed", "3", "--drafts", "3")
+    code = main(["generate", "--engine", "reference", "--model", str(TINY), "--max-new-tokens", "6", "--seed", "3",
+                 "--drafts", "3"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert out == r["text"].rstrip("\ufffd") + "\n" or out == r["text"] + "\n"  # a trailing partial char is held back
+    assert err.startswith(f"[reference] {len(r['output_ids'])} tokens in {r['summary']['rounds']} rounds")
+
+
+def test_model_without_tokenizer_needs_prompt_ids(capsys, tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(TINY, model)
+    (model / "tokenizer.json").unlink()
+    fails(capsys, ["generate", "--engine", "reference", "--model", str(model)], "--prompt-ids")
+    r = generate(capsys, "--prompt-ids", "3,4", "--max-new-tokens", "2", model=model)
+    assert r["text"] is None and len(r["output_ids"]) in (1, 2)
+
+
+# ---- bad input: non-zero exit, one line on stderr, no traceback -------------------------------------------
+
+BASE = ["generate", "--engine", "reference", "--model", str(TINY), "--max-new-tokens", "4"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--prompt-ids", ",".join(["5"] * 4100)], "context"),
+    (["--prompt-ids", "1,512,3"], "512"),
+    (["--prompt-ids", "-1"], "-1"),
+    (["--prompt-ids", "1,x"], "--prompt-ids"),
+    (["--prompt-ids", ","], "empty"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--top-k", "0"], "top_k"),
+    (["--temperature", "-0.5"], "temperature"),
+    (["--drafts", "9"], "--drafts"),
+    (["--drafts", "2"], "--drafts"),
+    (["--drafts", "many"], "--drafts"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--tp", "2"], "--tp"),
+    (["--seed", "x"], "--seed"),
+], ids=["too_long", "id_too_big", "id_negative", "id_not_int", "no_ids", "top_p_0", "top_p_big", "top_k_0",
+        "temp_negative", "drafts_9", "drafts_2", "drafts_word", "max_new_0", "reference_tp2", "seed_word"])
+def test_bad_generate_input(capsys, extra, needle):
+    fails(capsys, BASE + extra, needle)
+
+
+def test_missing_model_folder(capsys, tmp_path):
+    fails(capsys, ["generate", "--engine", "reference", "--model", str(tmp_path / "nope")], "does not exist")
+    fails(capsys, ["generate", "--engine", "reference", "--model", str(tmp_path)], "config.json")  # a folder, no model
+
+
+def test_unknown_command_and_preset(capsys, tmp_path):
+    fails(capsys, ["fly"], "fly")
+    fails(capsys, ["make-fixture", "--preset", "huge", "--out", str(tmp_path)], "huge")
+
+
+# ---- make-fixture ---------------------------------------------------------------------------------------
+
+def test_make_fixture_writes_a_loadable_checkpoint(capsys, tmp_path):
+    out = tmp_path / "fx"
+    assert main(["make-fixture", "--preset", "tiny", "--out", str(out), "--seed", "1"]) == 0
+    assert str(out) in capsys.readouterr().out
+    r = CheckpointReader(out)
+    assert r.config.vocab_size == 512
+    r.read("model.layers.4.eh_proj.weight_scale_inv")
+    g = generate(capsys, "--max-new-tokens", "3", "--seed", "1", "--drafts", "3", model=out)
+    check_output_budget(g, 3)
+
+
+# ---- the real console script, end to end -------------------------------------------------------------------
+
+def _script() -> list[str]:
+    exe = shutil.which("iquest")
+    return [exe] if exe else [sys.executable, "-m", "iquest.cli.main"]
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+def test_console_script_generate_end_to_end(tmp_path):
+    cmd = _script() + ["generate", "--engine", "reference", "--model", str(TINY), "--max-new-tokens", "8",
+                       "--seed", "3", "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    check_output_budget(r, 8)
+    assert r["text"] is not None and r["rounds"]
+
+
+def test_console_script_error_has_no_traceback(tmp_path):
+    cmd = _script() + ["generate", "--engine", "reference", "--model", str(TINY), "--prompt-ids", "1,2,99999"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120)
+    assert p.returncode == 2
+    assert p.stdout == ""
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()] and "Traceback" not in p.stderr
+    assert "99999" in p.stderr
