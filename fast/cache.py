@@ -30,6 +30,7 @@ class LayerKV:
     slots: int
     window: int | None       # None for full attention
     first_position: int      # the MTP layer's sequence starts at position 1
+    causal: bool = True      # False only in the "causal mask open" negative control
 
     def write(self, positions: torch.Tensor, live: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store rows' K/V at their positions; rows with live=False go to the trash slot."""
@@ -41,9 +42,11 @@ class LayerKV:
     def visible(self, positions: torch.Tensor) -> torch.Tensor:
         """bool [R, slots + 1]: may the query at positions[r] read slot s?"""
         sp, q = self.slot_pos[None, :], positions[:, None]
-        mask = (sp >= self.first_position) & (sp <= q)
+        mask = (sp >= self.first_position) & (q >= 0)
+        if self.causal:
+            mask = mask & (sp <= q)
         if self.window is not None:
-            mask &= sp > q - self.window
+            mask = mask & (sp > q - self.window)
         return mask
 
 
@@ -57,7 +60,7 @@ class StaticKV:
     """One rank's caches: main layers 0..L-1 and the MTP layer at index L."""
 
     def __init__(self, config: Config, kv_heads: int, max_context: int, dtype: torch.dtype,
-                 device: torch.device, ring_slack: int = RING_SLACK):
+                 device: torch.device, ring_slack: int = RING_SLACK, causal: bool = True):
         self.max_context = max_context
         self.layers: list[LayerKV] = []
         for layer in range(config.num_hidden_layers + 1):
@@ -68,7 +71,7 @@ class StaticKV:
                 k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device),
                 slot_pos=torch.full((slots + 1,), -1, dtype=torch.int64, device=device), slots=slots,
                 window=config.sliding_window if kind == "sliding_attention" else None,
-                first_position=1 if layer == config.mtp_layer_index else 0))
+                first_position=1 if layer == config.mtp_layer_index else 0, causal=causal))
 
     def reset(self) -> None:
         for kv in self.layers:

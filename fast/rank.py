@@ -66,7 +66,8 @@ class RankEngine:
         kv_heads = max(c.num_key_value_heads // par.world, 1)
         self.capacity = options.max_context + 2 * VERIFY_ROWS  # drafts and padding rows run past the budget
         weights = load_weights(self.model_dir, c, par, self.dtype)
-        self.cache = StaticKV(c, kv_heads, self.capacity, self.dtype, par.device, options.ring_slack)
+        self.cache = StaticKV(c, kv_heads, self.capacity, self.dtype, par.device, options.ring_slack,
+                              causal="open_causal_mask" not in options.defects)
         self.model = FastModel(c, weights, self.cache, par, self.dtype)
         self.state = DecodeState.allocate(self.capacity, options.max_context, c.hidden_size,
                                           self.generation.top_k, self.dtype, par.device)
