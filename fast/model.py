@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..reference.config import Config
-from ..reference.layers import apply_rope, attention, rms_norm, rope_cos_sin, route
+from ..reference.layers import apply_rope, attention, rms_norm, rope_inv_freq, route
 from .cache import LayerKV, StaticKV
 from .parallel import Parallel
 from .weights import LayerWeights, ModelWeights
@@ -25,6 +25,8 @@ class FastModel:
         self.q_heads = config.num_attention_heads // tp
         self.kv_heads = max(config.num_key_value_heads // tp, 1)
         self.vocab_local = config.vocab_size // tp
+        inv_freq, self.rope_factor = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.inv_freq = inv_freq.to(par.device)  # on the device: no host copy inside a captured graph
 
     # ---- embedding and head (vocabulary-parallel) ----------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -64,9 +66,10 @@ class FastModel:
         return self.logits(h_out, m.head_norm), h_out
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.config
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling, torch.float32)
-        return cos.to(self.dtype), sin.to(self.dtype)
+        """cos, sin [R, D] as reference.layers.rope_cos_sin (float64 angles), from the cached inv_freq."""
+        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([angles, angles], dim=-1)
+        return (emb.cos() * self.rope_factor).to(self.dtype), (emb.sin() * self.rope_factor).to(self.dtype)
 
     def decoder_layer(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, positions: torch.Tensor,
                       live: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, taps: dict | None,

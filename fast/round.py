@@ -44,7 +44,7 @@ class RoundRunner:
         n, k = st.n.clone(), st.k.clone()
         # 1. Verify x_n and the k drafts at positions n..n+k; row i gives p_i for position n+i+1.
         #    Rows past k are padding: computed, never written to the cache, never accepted.
-        rows = torch.cat([st.tokens[n].view(1), st.drafts])
+        rows = torch.cat([st.tokens.index_select(0, n.view(1)), st.drafts])
         logits, hidden = self.m.forward(rows, n + j, j <= k)
         p_ids, p_probs = self.dist(logits)
         # 2. Accept d_i when u < min(1, p_{i-1}(d_i) / q_i(d_i)); a = leading accepted drafts.
@@ -53,9 +53,10 @@ class RoundRunner:
         _, a = sampler.acceptance(p_d, q_d, self.uniform(n + self.depths, PURPOSE_ACCEPT), self.depths <= k)
         #    At the first rejection draw from normalize(max(0, p - q)); if all k passed, the extra
         #    row's p_k gives a bonus token. Both are the commit draw of position n+a+1.
-        pa_ids, pa_probs = p_ids[a].unsqueeze(0), p_probs[a].unsqueeze(0)
-        qi = a.clamp(max=MAX_DRAFTS - 1)
-        r_ids, r_probs = sampler.residual(pa_ids, pa_probs, st.q_ids[qi].unsqueeze(0), st.q_probs[qi].unsqueeze(0))
+        # (0-dim index tensors go through index_select: plain indexing may read them on the host)
+        pa_ids, pa_probs = p_ids.index_select(0, a.view(1)), p_probs.index_select(0, a.view(1))
+        qi = a.clamp(max=MAX_DRAFTS - 1).view(1)
+        r_ids, r_probs = sampler.residual(pa_ids, pa_probs, st.q_ids.index_select(0, qi), st.q_probs.index_select(0, qi))
         if "replacement_from_p" in self.defects:
             r_ids, r_probs = pa_ids, pa_probs
         rejected = a < k
@@ -81,7 +82,7 @@ class RoundRunner:
         """Plain autoregressive sampling (--drafts 0): the baseline every speculative result is compared with."""
         st, j = self.st, self.rows
         n = st.n.clone().view(1)
-        logits, _ = self.m.forward(st.tokens[n], n, torch.ones_like(n, dtype=torch.bool))
+        logits, _ = self.m.forward(st.tokens.index_select(0, n), n, torch.ones_like(n, dtype=torch.bool))
         ids, probs = self.dist(logits)
         t = sampler.draw(ids, probs, self.uniform(n + 1, PURPOSE_COMMIT))
         emitted = torch.where(j == 0, t, torch.zeros_like(j))
@@ -116,7 +117,7 @@ class RoundRunner:
         st = self.st
         st.product.fill_(1.0)
         st.more.zero_()
-        self.sample_draft(1, logits[last].unsqueeze(0), h[last].unsqueeze(0))
+        self.sample_draft(1, logits.index_select(0, last.view(1)), h.index_select(0, last.view(1)))
         for depth in range(2, MAX_DRAFTS + 1):
             if depth <= MIN_DRAFTS:
                 self.draft_row(depth)
@@ -147,7 +148,7 @@ class RoundRunner:
     def more(self, depth: int, served: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """The depth controller's rule (reference/depth.py) evaluated on device tensors."""
         if isinstance(self.controller, FixedDepth):
-            return torch.tensor(int(depth < self.controller.k), dtype=torch.int32, device=served.device)
+            return torch.full((), int(depth < self.controller.k), dtype=torch.int32, device=served.device)
         if depth < MIN_DRAFTS:
             return torch.ones((), dtype=torch.int32, device=served.device)
         assert isinstance(self.controller, LogisticDepth)
