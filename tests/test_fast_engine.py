@@ -75,6 +75,8 @@ def fast_dist(engine: RankEngine):
 
 def _last_prefill_dist(engine: RankEngine, prefix):
     runner, _ = engine.runner(0, PARAMS.top_k)
+    engine.state.temperature.fill_(PARAMS.temperature)
+    engine.state.top_p.fill_(PARAMS.top_p)
     pos = torch.arange(len(prefix))
     engine.cache.reset()
     for s in range(0, len(prefix), 64):
