@@ -38,6 +38,11 @@ def _prompt(engine: RankEngine, context: int, seed: int) -> list[int]:
 
 
 def _commit() -> str:
+    """The source revision: $IQUEST_COMMIT where the tree travels without .git (the lent GPU machines)."""
+    import os
+
+    if os.environ.get("IQUEST_COMMIT"):
+        return os.environ["IQUEST_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent).stdout.strip() or "unknown"
