@@ -45,8 +45,7 @@ def test_cuda_engine_agrees_with_reference(dtype):
     for i, prompt in enumerate(PROMPTS):
         out_fast, _, _ = _run(engine, prompt, 70 + i, 5, graphs=True, n=40)
         out_ref = tokens(generate(reference(TINY), prompt, seed=70 + i, params=PARAMS, max_new_tokens=40, drafts=5))
-        cpu = RankEngine(TINY, Parallel.single("cpu"), EngineOptions(max_context=512, dtype=dtype))
-        result = compare(prompt, out_fast, out_ref, fast_dist(cpu), ref_dist(TINY), TOLERANCE[dtype])
+        result = compare(prompt, out_fast, out_ref, fast_dist(engine), ref_dist(TINY), TOLERANCE[dtype])
         print(f"[cuda {dtype} prompt {i}] {result}")
         assert result.explained, str(result)
 
@@ -60,7 +59,6 @@ def test_tp2_on_two_gpus_agrees_with_tp1():
         two = tokens(engine.generate(PROMPTS[0], seed=5, params=PARAMS, max_new_tokens=24, drafts=3))
     finally:
         engine.close()
-    cpu = RankEngine(TINY, Parallel.single("cpu"), EngineOptions(max_context=512, dtype="fp32"))
-    result = compare(PROMPTS[0], two, one, fast_dist(cpu), fast_dist(cpu), TOLERANCE["fp32"])
+    result = compare(PROMPTS[0], two, one, fast_dist(single), fast_dist(single), TOLERANCE["fp32"])
     print(f"[cuda tp=2] {result}")
     assert result.explained and result.agreed >= 20, str(result)

@@ -1,0 +1,356 @@
+"""Per-position numerics by replay: record every block the fast engine really ran during a decode, recompute
+each one with the float64 reference on the committed token stream, and score every row in its position classes.
+
+Recording wraps the engine's own calls (`FastModel.forward/draft`, `RoundRunner.dist/draft/draft_row`), so the
+blocks compared are the engine's actual verification blocks, redraft blocks and draft rows, with their padding,
+their live masks and the KV state the real rounds left behind. The reference side keeps its own caches
+*stream-true*: main and MTP KV at committed positions always come from the emitted token stream (prompt +
+output) and the reference's own hiddens, caught up lazily, so a fast engine whose context drifts from what it
+emitted (rejected KV kept, redraft skipped) is compared against what it should have computed.
+
+Position classes (a row belongs to every class that applies; each class keeps its own worst case, so a defect
+confined to one class is never averaged away by the others):
+  prefill          rows of the prompt's prefill blocks
+  verify_row{i}    live row i (0..7) of a verification block
+  past_window      verification rows at positions >= sliding_window (the window no longer starts at 0)
+  ring_reused      verification rows at positions >= the engine's ring size (their slot held another position)
+  draft_depth{d}   draft rows giving q_d: d = 1 is the depth-0 redraft block (all its live rows), d >= 2 one row
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from ..reference import sampling
+from ..reference.model import ReferenceModel
+from ..reference.sampling import Dist, SamplingParams
+
+VERIFY_ROWS = 8
+METRICS = ("numerics.logits", "numerics.hidden", "numerics.kl", "numerics.topk", "numerics.sampler")
+
+
+def classes_all(max_depth: int = 7) -> list[str]:
+    return (["prefill"] + [f"verify_row{i}" for i in range(VERIFY_ROWS)] + ["past_window", "ring_reused"]
+            + [f"draft_depth{d}" for d in range(1, max_depth + 1)])
+
+
+@dataclass
+class Block:
+    kind: str                   # "prefill" | "verify" | "draft"
+    round: int                  # verify: round index; draft: chain index (feeds the verify round of that index)
+    depth: int                  # draft rows: which q_d they give (1 = depth-0 redraft block); 0 otherwise
+    tokens: list[int]
+    positions: list[int]
+    live: list[bool]
+    logits: torch.Tensor        # [R, V/tp] float64, rank 0's vocabulary slice
+    hidden: torch.Tensor        # [R, H] float64
+    dists: list = field(default_factory=list)  # (row, ids [K], probs [K], input logits [V/tp]) per runner.dist row
+
+
+class Recorder:
+    """Wraps one engine (rank 0) and one round runner; `blocks` lists every model call in order."""
+
+    def __init__(self, engine, runner):
+        self.engine, self.runner = engine, runner
+        self.blocks: list[Block] = []
+        self.in_start = False
+        self.round = -1
+        self.chain = -1
+        self.depth = 1
+
+    def _record(self, kind, tokens, positions, live, logits, hidden, round_, depth):
+        self.blocks.append(Block(kind, round_, depth, tokens.tolist(), positions.tolist(), live.tolist(),
+                                 logits.detach().double().cpu(), hidden.detach().double().cpu()))
+
+    @contextmanager
+    def active(self):
+        model, runner, engine = self.engine.model, self.runner, self.engine
+        fwd, drf, dist, rdraft, rrow, start = model.forward, model.draft, runner.dist, runner.draft, runner.draft_row, engine.start
+
+        def forward(tokens, positions, live, taps=None):
+            logits, hidden = fwd(tokens, positions, live, taps)
+            if self.in_start:
+                self._record("prefill", tokens, positions, live, logits, hidden, -1, 0)
+            else:
+                self.round += 1
+                self._record("verify", tokens, positions, live, logits, hidden, self.round, 0)
+            return logits, hidden
+
+        def draft(tokens, prev_hidden, positions, live, taps=None):
+            logits, h = drf(tokens, prev_hidden, positions, live, taps)
+            self._record("draft", tokens, positions, live, logits, h, self.chain, self.depth)
+            return logits, h
+
+        def runner_dist(local_logits):
+            ids, probs = dist(local_logits)
+            b = self.blocks[-1]
+            R = local_logits.shape[0]
+            rows = list(range(R)) if R == len(b.tokens) else [max(i for i, x in enumerate(b.live) if x)]
+            for r, row in enumerate(rows):
+                b.dists.append((row, ids[r].cpu(), probs[r].double().cpu(), local_logits[r].detach().double().cpu()))
+            return ids, probs
+
+        def runner_draft(*args, **kwargs):
+            self.chain += 1
+            self.depth = 1
+            return rdraft(*args, **kwargs)
+
+        def draft_row(depth):
+            self.depth = depth
+            try:
+                return rrow(depth)
+            finally:
+                self.depth = 1
+
+        def engine_start(*args, **kwargs):
+            self.in_start = True
+            try:
+                return start(*args, **kwargs)
+            finally:
+                self.in_start = False
+
+        model.forward, model.draft, runner.dist, runner.draft, runner.draft_row = forward, draft, runner_dist, runner_draft, draft_row
+        engine.start = engine_start
+        try:
+            yield self
+        finally:
+            for obj, name in ((model, "forward"), (model, "draft"), (runner, "dist"), (runner, "draft"),
+                              (runner, "draft_row"), (engine, "start")):
+                obj.__dict__.pop(name, None)
+
+
+# ---- the reference side -------------------------------------------------------------------------------
+class StreamReference:
+    """The float64 reference with stream-true caches: KV at committed positions always from the stream."""
+
+    def __init__(self, ref: ReferenceModel, stream: list[int]):
+        self.m, self.stream = ref, stream
+        self.cache = ref.new_cache()
+        self.main_valid = 0      # main KV and hiddens are stream-true for positions < main_valid
+        self.mtp_valid = 1       # MTP KV is the depth-0 (main-hidden) KV for positions 1..mtp_valid-1
+        self.H: dict[int, torch.Tensor] = {}
+        self.chain_h: torch.Tensor | None = None
+        self.chain_pos = -1
+
+    def catch_up(self, end: int) -> bool:
+        if end > len(self.stream):
+            return False
+        if self.main_valid < end:
+            pos = torch.arange(self.main_valid, end)
+            _, h = self.m.forward(torch.tensor(self.stream[self.main_valid:end]), pos, self.cache)
+            for i, p in enumerate(pos.tolist()):
+                self.H[p] = h[i]
+            self.main_valid = end
+        return True
+
+    def main_block(self, b: Block) -> list:
+        """Per row: None (padding), ("uncovered",), ("context", why) or ("ok", logits [V], hidden [H])."""
+        out: list = [None] * len(b.tokens)
+        idx = [i for i, x in enumerate(b.live) if x]
+        pos0 = b.positions[idx[0]]
+        if not self.catch_up(pos0):
+            return [("uncovered",) if b.live[i] else None for i in range(len(b.tokens))]
+        if pos0 >= len(self.stream) or b.tokens[idx[0]] != self.stream[pos0]:
+            why = (f"block starts at position {pos0} with token {b.tokens[idx[0]]}, but the committed stream has "
+                   f"{self.stream[pos0] if pos0 < len(self.stream) else 'nothing'} there")
+            for i in idx:
+                out[i] = ("context", why)
+            return out
+        toks = torch.tensor([b.tokens[i] for i in idx])
+        pos = torch.tensor([b.positions[i] for i in idx])
+        logits, hidden = self.m.forward(toks, pos, self.cache)
+        true = 0
+        for r, i in enumerate(idx):
+            out[i] = ("ok", logits[r], hidden[r])
+            p = b.positions[i]
+            if true == r and p < len(self.stream) and b.tokens[i] == self.stream[p]:
+                self.H[p] = hidden[r]
+                true += 1
+        self.main_valid = pos0 + true
+        return out
+
+    def draft_block(self, b: Block) -> list:
+        out: list = [None] * len(b.tokens)
+        if b.depth >= 2:  # one recursive row from the previous depth's hidden
+            i, p = 0, b.positions[0]
+            if self.chain_h is None or p != self.chain_pos + 1:
+                self.chain_h = None
+                return [("uncovered",)]
+            logits, h = self.m.draft(torch.tensor([b.tokens[0]]), self.chain_h[None], torch.tensor([p]), self.cache)
+            self.chain_h, self.chain_pos = h[0], p
+            return [("ok", logits[0], h[0])]
+        idx = [i for i, x in enumerate(b.live) if x]
+        inside = [i for i in idx if b.positions[i] < len(self.stream)]
+        self.chain_h = None
+        for i in idx:
+            out[i] = ("uncovered",)
+        if not inside:
+            return out
+        P = max(b.positions[i] for i in inside)
+        if not self.catch_up(P):
+            return out
+        s = max(1, min(self.mtp_valid, min(b.positions[i] for i in inside)))
+        pos = torch.arange(s, P + 1)
+        prev = torch.stack([self.H[p - 1] for p in pos.tolist()])
+        logits, h = self.m.draft(torch.tensor(self.stream[s:P + 1]), prev, pos, self.cache)
+        self.mtp_valid = P + 1
+        for i in inside:
+            p = b.positions[i]
+            if b.tokens[i] != self.stream[p]:
+                out[i] = ("context", f"draft row at position {p} carries token {b.tokens[i]}, the stream has "
+                                     f"{self.stream[p]}")
+            else:
+                out[i] = ("ok", logits[p - s], h[p - s])
+        last = max(idx)
+        if b.positions[last] == P and out[last][0] == "ok":
+            self.chain_h, self.chain_pos = h[P - s], P
+        return out
+
+
+# ---- scoring ------------------------------------------------------------------------------------------------
+@dataclass
+class Worst:
+    rows: int = 0
+    failures: int = 0
+    ratio: float = -1.0
+    value: float = 0.0
+    tol: float = 0.0
+    where: str = ""
+
+    def add(self, value: float, tol: float, where: str) -> None:
+        ratio = value / tol if tol > 0 else (0.0 if value == 0 else math.inf)
+        if math.isnan(ratio):
+            ratio = math.inf
+        self.rows += 1
+        self.failures += ratio > 1
+        if ratio > self.ratio:
+            self.ratio, self.value, self.tol, self.where = ratio, value, tol, where
+
+
+class Scores:
+    """(check, class) -> Worst."""
+
+    def __init__(self):
+        self.table: dict[tuple[str, str], Worst] = {}
+
+    def add(self, check: str, classes: list[str], value: float, tol: float, where: str) -> None:
+        for c in classes:
+            self.table.setdefault((check, c), Worst()).add(value, tol, where)
+
+    def merge(self, other: "Scores") -> None:
+        for key, w in other.table.items():
+            mine = self.table.setdefault(key, Worst())
+            mine.rows += w.rows
+            mine.failures += w.failures
+            if w.ratio > mine.ratio:
+                mine.ratio, mine.value, mine.tol, mine.where = w.ratio, w.value, w.tol, w.where
+
+
+def row_classes(b: Block, i: int, window: int, ring: int) -> list[str]:
+    if b.kind == "prefill":
+        return ["prefill"]
+    if b.kind == "draft":
+        return [f"draft_depth{b.depth}"]
+    p = b.positions[i]
+    return [f"verify_row{i}"] + (["past_window"] if p >= window else []) + (["ring_reused"] if p >= ring else [])
+
+
+def kl(ref_logits: torch.Tensor, fast_logits: torch.Tensor, t: float) -> float:
+    lp = torch.log_softmax(ref_logits / t, -1)
+    lq = torch.log_softmax(fast_logits / t, -1)
+    return max(float((lp.exp() * (lp - lq)).sum()), 0.0)
+
+
+def sampler_error(fast_ids, fast_probs, logits_in, params: SamplingParams) -> tuple[float, str]:
+    """Max |p_fast - p_ref| of the fast sampler against reference sampling.dist on the same logits."""
+    ref = sampling.dist(logits_in, params)
+    fast = {int(t): float(p) for t, p in zip(fast_ids, fast_probs) if p > 0}
+    refd = {int(t): float(p) for t, p in zip(ref.ids, ref.probs)}
+    # Boundary allowance: mass before each candidate in the untruncated top-k order.
+    k = min(params.top_k, logits_in.numel())
+    order = torch.argsort(-logits_in, stable=True)[:k]
+    t = params.temperature if params.temperature > 0 else 1.0
+    full = torch.softmax((logits_in[order] - logits_in[order[0]]) / t, -1)
+    before = {int(tok): float(c) for tok, c in zip(order, torch.cumsum(full, 0) - full)}
+    worst, why = 0.0, ""
+    for tok in set(fast) | set(refd):
+        if tok in fast and tok in refd:
+            d = abs(fast[tok] - refd[tok])
+        elif params.temperature > 0 and abs(before.get(tok, 2.0) - params.top_p) <= 1e-5:
+            continue  # the top-p boundary itself: rounding may keep or cut this token
+        else:
+            d = fast.get(tok, refd.get(tok, 0.0))
+            why = f"token {tok} in {'fast' if tok in fast else 'reference'} support only (p={d:.3g})"
+        if d > worst:
+            worst = d
+    return worst, why
+
+
+def l1(p: Dist, ids: torch.Tensor, probs: torch.Tensor) -> float:
+    fast = {int(t): float(q) for t, q in zip(ids, probs) if q > 0}
+    refd = {int(t): float(q) for t, q in zip(p.ids, p.probs)}
+    return sum(abs(fast.get(t, 0.0) - refd.get(t, 0.0)) for t in set(fast) | set(refd))
+
+
+@dataclass
+class ReplayResult:
+    scores: Scores
+    round_ratio: dict[int, float]   # worst L1/bound of target (round r) and draft (chain r) distributions
+    covered: int
+    uncovered: int
+
+
+def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: SamplingParams, tol_rel: float,
+          window: int, ring: int, vocab_offset: int = 0, full_vocab: bool = True, sampler_tol: float = 1e-5) -> ReplayResult:
+    sr = StreamReference(ref, stream)
+    scores, round_ratio = Scores(), {}
+    t = params.temperature if params.temperature > 0 else 1.0
+    covered = uncovered = 0
+    for b in blocks:
+        rows = sr.draft_block(b) if b.kind == "draft" else sr.main_block(b)
+        ref_rows: dict[int, tuple] = {}
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            classes = row_classes(b, i, window, ring)
+            where = f"{b.kind} round {b.round} row {i} position {b.positions[i]}"
+            if r[0] == "uncovered":
+                uncovered += 1
+                continue
+            covered += 1
+            if r[0] == "context":
+                for m in METRICS[:4]:
+                    scores.add(m, classes, math.inf, 1.0, f"{where}: {r[1]}")
+                continue
+            _, rl, rh = r
+            ref_rows[i] = (rl, rh)
+            fl, fh = b.logits[i], b.hidden[i]
+            scale = float(rl.abs().max())
+            e = tol_rel * scale
+            rl_s = rl[vocab_offset:vocab_offset + fl.numel()]
+            scores.add("numerics.logits", classes, float((fl - rl_s).abs().max()) / scale, tol_rel, where)
+            scores.add("numerics.hidden", classes, float((fh - rh).abs().max() / rh.abs().max()), tol_rel, where)
+            if full_vocab:
+                scores.add("numerics.kl", classes, kl(rl, fl, t), (e / t) ** 2 / 2, where)
+                k = min(params.top_k, rl.numel())
+                kth = float(torch.sort(rl, descending=True).values[k - 1])
+                top = torch.topk(fl, k).indices
+                scores.add("numerics.topk", classes, float((rl[top] < kth - 2 * e).sum()), 0.0, where)
+        for row, ids, probs, logits_in in b.dists:
+            classes = row_classes(b, row, window, ring)
+            where = f"{b.kind} round {b.round} row {row} position {b.positions[row]}"
+            if full_vocab:
+                err, why = sampler_error(ids, probs, logits_in, params)
+                scores.add("numerics.sampler", classes, err, sampler_tol, f"{where} {why}".strip())
+            if row in ref_rows and b.kind in ("verify", "draft"):
+                rl = ref_rows[row][0]
+                bound = 2 * tol_rel * float(rl.abs().max()) / t
+                ratio = l1(sampling.dist(rl, params), ids, probs) / bound
+                round_ratio[b.round] = max(round_ratio.get(b.round, 0.0), ratio)
+            elif b.kind in ("verify", "draft") and rows[row] is not None and rows[row][0] == "context":
+                round_ratio[b.round] = math.inf
+    return ReplayResult(scores, round_ratio, covered, uncovered)

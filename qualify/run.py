@@ -1,0 +1,184 @@
+"""`iquest qualify`: every check against the float64 reference, the negative controls, a table and a JSON report.
+
+Report structure (JSON, `SCHEMA` names the version):
+  schema, model, tp, dtype, quick, seconds, passed
+  checks:   [{check, class, worst, tolerance, verdict, rows, where}]   healthy engine, one row per check x class
+  controls: [{name, what, caught, caught_by: [[check, class]], intended: [[check, class]], branch_count,
+              branch_what, failing: [[check, class]], seconds}]
+  lossless: {p_value, chi2, dof, samples, replacement_rounds, replacement_drew_tested_token, observed, expected}
+  controls_caught: "N/N"
+  tolerances: path of the tolerance file used
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..fast.parallel import Parallel
+from ..fast.rank import EngineOptions, RankEngine
+from . import tolerances
+from .checks import Case, Row, decode_session, lossless, params_for, session_rows, stability
+from .controls import REGISTRY, Control
+from .replay import classes_all
+
+SCHEMA = "iquest-qualify/1"
+
+
+def _cases(model_dir: str, quick: bool, window: int, ring: int) -> tuple[list[Case], list[int], list[int]]:
+    """Prompts long enough that decoding passes the sliding window and wraps the ring."""
+    gen = torch.Generator().manual_seed(7)
+    from ..reference.config import Config
+
+    vocab = Config.from_dir(model_dir).vocab_size
+    need = ring + 8
+    if quick:
+        prompt = tuple(int(x) for x in torch.randint(2, vocab, (min(56, max(need - 48, 8)),), generator=gen))
+        new = max(need - len(prompt), 48)
+        return [Case(prompt, 1, 7, new)], list(prompt[:40]), list(range(2, 10))
+    cases = []
+    for i, (length, drafts) in enumerate([(56, 7), (40, 3), (72, "auto"), (24, 5)]):
+        prompt = tuple(int(x) for x in torch.randint(2, vocab, (length,), generator=gen))
+        cases.append(Case(prompt, 100 + i, drafts, max(need - length, 96)))
+    return cases, list(cases[0].prompt[:40]), list(range(2, 10))
+
+
+class _Engines:
+    """The candidate under some options: (recorded rank-0 engine, run(req), single-rank engine for dists)."""
+
+    def __init__(self, model_dir: str, tp: int, options: EngineOptions):
+        self.fe = None
+        if tp == 1:
+            self.rank0 = RankEngine(model_dir, Parallel.single(), options)
+            self.single, self.run = self.rank0, None
+        else:
+            from ..fast.engine import FastEngine
+            from ..reference.sampling import SamplingParams
+
+            self.fe = FastEngine.load(model_dir, tp=tp, device="cpu", options=options)
+            self.rank0 = self.fe.rank0
+            # Ranks only change reduction order: a single-rank engine stands in for fresh-prefill distributions.
+            self.single = RankEngine(model_dir, Parallel.single(), options)
+
+            def run(req):
+                return self.fe.generate(req.prompt, seed=req.seed, params=SamplingParams(req.temperature, req.top_k,
+                                        req.top_p), max_new_tokens=req.max_new_tokens, drafts=req.drafts)
+            self.run = run
+
+    def close(self):
+        if self.fe is not None:
+            self.fe.close()
+
+
+def _sessions(engines: _Engines, model_dir: str, cases: list[Case], dtype: str, bar) -> list:
+    out = []
+    for case in cases:
+        out.append(decode_session(engines.rank0, model_dir, case, dtype, engines.run, engines.single))
+        bar.update(1)
+    return out
+
+
+def _failing(rows: list[Row]) -> set[tuple[str, str]]:
+    return {(r.check, r.cls) for r in rows if not r.passed and r.rows > 0}
+
+
+def run_control(ctl: Control, model_dir: str, tp: int, base: EngineOptions, cases, dtype: str, samples: int,
+                bar) -> dict:
+    t0 = time.time()
+    options = replace(base, defects=frozenset(base.defects) | ctl.defects)
+    if ctl.ring_slack is not None:
+        options = replace(options, ring_slack=ctl.ring_slack)
+    if ctl.family == "lossless":
+        row, info = lossless(dtype, samples, ctl.defects)
+        rows, branch = [row], ctl.branch(info, model_dir)
+        bar.update(len(cases))
+    else:
+        engines = _Engines(model_dir, tp, options)
+        try:
+            sessions = _sessions(engines, model_dir, cases, dtype, bar)
+        finally:
+            engines.close()
+        rows, branch = session_rows(sessions, classes_all()), ctl.branch(sessions, model_dir)
+    failing = _failing(rows)
+    hit = [list(c) for c in ctl.catches if c in failing]
+    return {"name": ctl.name, "what": ctl.what, "caught": bool(hit) and branch > 0, "caught_by": hit,
+            "intended": [list(c) for c in ctl.catches], "branch_count": branch, "branch_what": ctl.branch_what,
+            "failing": sorted(list(c) for c in failing), "seconds": round(time.time() - t0, 2)}
+
+
+def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32", json_out: str | None = None,
+            progress: bool | None = None, controls: list[str] | None = None, out=sys.stdout) -> dict:
+    t0 = time.time()
+    model_dir = str(model_dir)
+    base = EngineOptions(max_context=512, dtype=dtype)
+    probe = RankEngine(model_dir, Parallel.single(), base)
+    from .checks import sliding_ring
+
+    cases, prefix, extra = _cases(model_dir, quick, probe.config.sliding_window, sliding_ring(probe))
+    samples = 600 if quick else 3000
+    chosen = [c for c in REGISTRY if controls is None or c.name in controls]
+    total = len(cases) * (1 + len(chosen)) + 2
+    show = sys.stderr.isatty() if progress is None else progress
+    with tqdm(total=total, desc="qualify", unit="step", disable=not show, file=sys.stderr) as bar:
+        bar.set_postfix_str("healthy engine")
+        engines = _Engines(model_dir, tp, base)
+        try:
+            sessions = _sessions(engines, model_dir, cases, dtype, bar)
+            rows = session_rows(sessions, classes_all())
+            rows += stability(engines.single, model_dir, prefix, extra, dtype)
+        finally:
+            engines.close()
+        bar.update(1)
+        bar.set_postfix_str("lossless")
+        lrow, linfo = lossless(dtype, samples)
+        rows.append(lrow)
+        bar.update(1)
+        results = []
+        for ctl in chosen:
+            bar.set_postfix_str(f"control {ctl.name}")
+            results.append(run_control(ctl, model_dir, tp, base, cases, dtype, samples, bar))
+    caught = sum(r["caught"] for r in results)
+    passed = all(r.passed for r in rows) and caught == len(results)
+    report = {"schema": SCHEMA, "model": model_dir, "tp": tp, "dtype": dtype, "quick": quick,
+              "seconds": round(time.time() - t0, 2), "passed": passed, "checks": [r.as_dict() for r in rows],
+              "controls": results, "lossless": linfo, "controls_caught": f"{caught}/{len(results)}",
+              "tolerances": str(tolerances.PATH)}
+    print_table(report, out)
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _fmt(x) -> str:
+    if isinstance(x, str):
+        return x
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.3g}"
+
+
+def print_table(report: dict, out=sys.stdout) -> None:
+    w = "{:<20} {:<18} {:>10} {:>10}  {:<7} {}"
+    print(w.format("check", "class", "worst", "tolerance", "verdict", "rows"), file=out)
+    for r in report["checks"]:
+        print(w.format(r["check"], r["class"], _fmt(r["worst"]), _fmt(r["tolerance"]), r["verdict"], r["rows"]),
+              file=out)
+    for r in report["checks"]:
+        if r["verdict"] != "pass":
+            print(f"  FAIL {r['check']} / {r['class']}: {r['where']}", file=out)
+    print(file=out)
+    c = "{:<22} {:<8} {:>7}  {}"
+    print(c.format("negative control", "caught", "branch", "caught by (intended: any of the listed)"), file=out)
+    for r in report["controls"]:
+        by = ", ".join(f"{a}/{b}" for a, b in r["caught_by"]) or "NOT CAUGHT (intended: " + ", ".join(
+            f"{a}/{b}" for a, b in r["intended"][:3]) + ")"
+        print(c.format(r["name"], "yes" if r["caught"] else "NO", r["branch_count"], by[:110]), file=out)
+    print(f"\nnegative controls: {report['controls_caught']} caught", file=out)
+    print(f"qualification {'PASSED' if report['passed'] else 'FAILED'} in {report['seconds']:.0f} s", file=out)

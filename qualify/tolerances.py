@@ -1,0 +1,36 @@
+"""Tolerances as data (`tolerances.json`): one entry per check and position class, each with its reason."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+PATH = Path(__file__).with_name("tolerances.json")
+
+
+@lru_cache(maxsize=None)
+def table() -> dict:
+    return json.loads(PATH.read_text())
+
+
+def entry(check: str, cls: str = "*") -> dict:
+    checks = table()["checks"]
+    if check not in checks:
+        raise KeyError(f"no tolerance for check {check!r} in {PATH}")
+    per = checks[check]
+    found = per.get(cls, per.get("*"))
+    if found is None:
+        raise KeyError(f"no tolerance for check {check!r}, class {cls!r} in {PATH}")
+    return found
+
+
+def value(check: str, dtype: str, cls: str = "*"):
+    e = entry(check, cls)
+    if dtype not in e:
+        raise KeyError(f"tolerance {check!r}/{cls!r} states no value for dtype {dtype!r}")
+    return e[dtype]
+
+
+def reason(check: str, cls: str = "*") -> str:
+    return entry(check, cls)["reason"]

@@ -1,0 +1,236 @@
+"""kernels/decode_attention.py against reference/layers.attention with the cache's visibility rule.
+
+Small shapes run under Triton's CPU interpreter in one worker subprocess (TRITON_INTERPRET is read when
+triton is imported); `@pytest.mark.gpu` cases run the compiled kernel at TP8 rank shapes (6 query
+heads x 1 KV head, D = 128, W = 4096 ring + 64 slack, 192K full capacity).
+
+Every case builds a cache the way fast/cache.py fills it (ring slot = pos % slots for sliding layers,
+slot = pos for full ones, a trash slot last), writes a few rejected-draft positions past the last
+query, poisons the output and the split workspace with NaN, and for full layers with `kv_len` fills
+the slots past it with NaN K/V whose slot_pos would be visible: a kernel that read them shows NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from iquest.kernels import decode_attention as da
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TOL = {"fp32": 2e-5, "bf16": 2e-2, "bf16_gpu": 3e-2, "fp32_gpu": 1e-4}
+
+BASE = dict(R=8, Hq=6, Hkv=1, D=32, dtype="fp32", kv_dtype=None, kind="full", W=20, slack=16, capacity=200,
+            last=77, first=0, sinks=True, kv_len="max", num_splits=4, block_n=16, min_split=16, causal=True,
+            pad_row=None, seed=0)
+
+
+def case(name: str, **kw) -> dict:
+    return dict(BASE, name=name, **kw)
+
+
+CASES = [
+    case("full_1row_fp32", R=1),
+    case("full_8rows_fp32"),
+    case("full_8rows_bf16_2kvheads", Hq=12, Hkv=2, D=16, dtype="bf16"),
+    case("full_1row_bf16", R=1, dtype="bf16"),
+    case("full_no_kv_len_reads_capacity_and_trash", capacity=60, last=50, kv_len=None, num_splits=3),
+    case("full_no_sinks", sinks=False),
+    case("full_one_split", num_splits=1),
+    case("full_mostly_dead_splits", last=39, num_splits=16),
+    case("full_q_fp32_kv_bf16", Hq=4, Hkv=2, kv_dtype="bf16"),
+    case("full_padding_row_sees_only_sink", pad_row=3),
+    case("full_causal_open_control", causal=False, capacity=82, kv_len=None),
+    case("full_default_splits_and_tiles", capacity=300, last=290, num_splits=None, block_n=64, min_split=None),
+    case("sliding_ring_wrap_8rows_fp32", kind="sliding", last=100, kv_len=None, num_splits=3),
+    case("sliding_ring_wrap_1row_fp32", kind="sliding", R=1, last=101, kv_len=None, num_splits=2),
+    case("sliding_ring_wrap_8rows_bf16", kind="sliding", dtype="bf16", last=163, kv_len=None, num_splits=3),
+    case("sliding_before_wrap_kv_len", kind="sliding", last=9, num_splits=3),
+    case("sliding_window_edge_exact", kind="sliding", W=29, slack=16, last=60, kv_len="max", num_splits=2),
+    case("mtp_first_position_1", kind="sliding", R=6, last=5, first=1),
+]
+
+GPU_CASES = [
+    case("gpu_sliding_ring_1row", R=1, D=128, dtype="bf16", kind="sliding", W=4096, slack=64, last=10_000,
+         kv_len=None, num_splits=None, block_n=64, min_split=None),
+    case("gpu_sliding_ring_8rows", D=128, dtype="bf16", kind="sliding", W=4096, slack=64, last=9_001,
+         kv_len="max", num_splits=None, block_n=64, min_split=None),
+    case("gpu_mtp_8rows", D=128, dtype="bf16", kind="sliding", W=4096, slack=64, last=5_000, first=1,
+         num_splits=None, block_n=64, min_split=None),
+    case("gpu_full_192k_capacity_short", D=128, dtype="bf16", capacity=196_608, last=5_003, num_splits=None,
+         block_n=64, min_split=None),
+    case("gpu_full_192k_capacity_long", R=1, D=128, dtype="bf16", capacity=196_608, last=150_000,
+         num_splits=None, block_n=64, min_split=None),
+    case("gpu_full_8rows_fp32", D=128, dtype="fp32", capacity=40_000, last=33_000, num_splits=None, block_n=64,
+         min_split=None),
+    case("gpu_full_q_fp32_kv_bf16", D=128, dtype="fp32", kv_dtype="bf16", capacity=40_000, last=20_000,
+         num_splits=None, block_n=64, min_split=None),
+]
+
+
+def build(c: dict, device: str) -> dict:
+    """Cache and queries for one case, plus clean copies for the reference (NaN poison zeroed)."""
+    gen = torch.Generator().manual_seed(c["seed"])
+    dtype, kv_dtype = DTYPES[c["dtype"]], DTYPES[c["kv_dtype"] or c["dtype"]]
+    slots = c["W"] + c["slack"] if c["kind"] == "sliding" else c["capacity"]
+    S, R, last = slots + 1, c["R"], c["last"]
+    k = torch.randn(S, c["Hkv"], c["D"], generator=gen).to(kv_dtype)
+    v = torch.randn(S, c["Hkv"], c["D"], generator=gen).to(kv_dtype)
+    q = (torch.randn(R, c["Hq"], c["D"], generator=gen) * 0.6).to(dtype)
+    slot_pos = torch.full((S,), -1, dtype=torch.int64)
+    for pos in range(last + 4):  # history, the block's own rows, then 3 rejected-draft positions
+        slot_pos[pos % slots if c["kind"] == "sliding" else pos] = pos
+    q_pos = torch.arange(last - R + 1, last + 1, dtype=torch.int64)
+    if c["pad_row"] is not None:
+        q_pos[c["pad_row"]] = -1
+    kv_len = torch.tensor([last + 1]) if c["kv_len"] == "max" else None
+    k_ref, v_ref = k.clone(), v.clone()
+    if kv_len is not None and c["kind"] == "full":
+        k[last + 1: S - 1] = float("nan")
+        v[last + 1: S - 1] = float("nan")
+        slot_pos[last + 1: S - 1] = torch.arange(S - 2 - last) % (last + 1)  # would be visible if read
+    if c["kind"] == "sliding":
+        edge = int(q_pos[0]) - c["W"]
+        assert edge < 0 or edge in slot_pos.tolist(), "the ring should hold the first position outside the window"
+    sinks = torch.randn(c["Hq"], generator=gen) if c["sinks"] else None
+    t = dict(q=q, k=k, v=v, slot_pos=slot_pos, q_pos=q_pos, sinks=sinks, kv_len=kv_len, k_ref=k_ref, v_ref=v_ref)
+    return {n: (x.to(device) if x is not None else None) for n, x in t.items()}
+
+
+def run_case(c: dict, device: str) -> dict:
+    t = build(c, device)
+    window = c["W"] if c["kind"] == "sliding" else None
+    out = torch.full_like(t["q"], float("nan"))
+    kw = dict(causal=c["causal"], block_n=c["block_n"])
+    if c["min_split"] is not None:
+        kw["min_split"] = c["min_split"]
+    splits = c["num_splits"] or da.default_num_splits(t["k"].shape[0], c["Hkv"], t["q"].device,
+                                                      c["min_split"] or 4 * c["block_n"])
+    ws = tuple(x.fill_(float("nan")) for x in da.decode_attention_workspace(
+        c["R"], c["Hq"], c["Hkv"], c["D"], splits, t["q"].device))
+    got = da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"], t["sinks"], window, c["first"],
+                              t["kv_len"], num_splits=splits, out=out, workspace=ws, **kw)
+    assert got is out
+    ref = da.decode_attention_ref(t["q"], t["k_ref"], t["v_ref"], t["slot_pos"], t["q_pos"], t["sinks"], window,
+                                  c["first"], t["kv_len"], causal=c["causal"])
+    err = (got.float() - ref.float()).abs().max().item()
+    return {"err": err, "finite": bool(torch.isfinite(got).all()), "ref_finite": bool(torch.isfinite(ref).all()),
+            "ref_scale": ref.float().abs().max().item()}
+
+
+def _check(c: dict, r: dict, tol: float) -> None:
+    assert r["ref_finite"], "reference produced non-finite values: the case is ill-posed"
+    assert r["finite"], "kernel left NaN in the output (unwritten element or a read past kv_len)"
+    assert r["err"] <= tol, f"{c['name']}: max |kernel - ref| = {r['err']:.3e} > {tol:.1e} (|ref| <= {r['ref_scale']:.2f})"
+
+
+# ---- interpreter tests ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    from iquest.kernels.testing import run_worker
+
+    return run_worker(os.path.abspath(__file__))
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])
+def test_interpreted(interpreted, c):
+    r = interpreted[c["name"]]
+    assert "error" not in r, r.get("error")
+    _check(c, r, TOL[c["dtype"]])
+    print(f"{c['name']}: max err {r['err']:.2e}")
+
+
+def test_visible_ref_is_the_cache_rule():
+    from iquest.fast.cache import LayerKV
+
+    gen = torch.Generator().manual_seed(1)
+    slot_pos = torch.randint(-1, 50, (41,), generator=gen)
+    q_pos = torch.tensor([-1, 0, 3, 20, 45, 49])
+    for window in (None, 7):
+        for first in (0, 1):
+            for causal in (True, False):
+                kv = LayerKV(k=torch.empty(0), v=torch.empty(0), slot_pos=slot_pos, slots=40, window=window,
+                             first_position=first, causal=causal)
+                assert torch.equal(kv.visible(q_pos), da.visible_ref(slot_pos, q_pos, window, first, causal=causal))
+
+
+def _args(**over):
+    a = dict(q=torch.randn(2, 6, 16), k=torch.randn(9, 1, 16), v=torch.randn(9, 1, 16),
+             slot_pos=torch.arange(9), q_pos=torch.tensor([7, 8]), sinks=torch.randn(6), window=None)
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize("over, message", [
+    (dict(q=torch.randn(2, 6, 24)), "head_dim"),
+    (dict(k=torch.randn(9, 4, 16), v=torch.randn(9, 4, 16)), "multiple of kv heads"),
+    (dict(v=torch.randn(9, 1, 16).to(torch.bfloat16)), "k and v dtypes"),
+    (dict(q=torch.randn(2, 6, 16).to(torch.int32)), "bf16, fp16 or fp32"),
+    (dict(slot_pos=torch.arange(9, dtype=torch.int32)), "slot_pos"),
+    (dict(q_pos=torch.tensor([7])), "q_pos"),
+    (dict(sinks=torch.randn(6).double()), "sinks"),
+    (dict(k=torch.randn(9, 2, 16)[:, :1]), "contiguous"),
+    (dict(window=0), "window"),
+    (dict(q=torch.randn(30, 6, 16), q_pos=torch.arange(30)), "rows x heads"),
+    (dict(kv_len=5), "kv_len"),
+    (dict(kv_len=torch.tensor([5.0])), "kv_len"),
+])
+def test_rejects_bad_inputs(over, message):
+    with pytest.raises(ValueError, match=message):
+        da.decode_attention(**_args(**over))
+
+
+# ---- GPU tests (real shapes) -------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", CASES + GPU_CASES, ids=[c["name"] for c in CASES + GPU_CASES])
+def test_gpu(c):
+    r = run_case(c, "cuda")
+    _check(c, r, TOL[c["dtype"] + "_gpu"])
+    print(f"{c['name']}: max err {r['err']:.2e}")
+
+
+@pytest.mark.gpu
+def test_gpu_capacity_adds_no_reads():
+    """A 192K-capacity full layer holding 4K positions costs about what a 4K-capacity one does."""
+    from triton.testing import do_bench
+
+    times = {}
+    for capacity in (4_200, 196_608):
+        c = case("t", D=128, dtype="bf16", capacity=capacity, last=4_095, num_splits=None, block_n=64, min_split=None)
+        t = build(c, "cuda")
+        fn = lambda: da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"], t["sinks"], None, 0,  # noqa: E731
+                                         t["kv_len"])
+        times[capacity] = do_bench(fn, warmup=20, rep=200)
+    print({k: f"{v * 1e3:.1f} us" for k, v in times.items()})
+    assert times[196_608] < 1.5 * times[4_200] + 0.005, times
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context", [4_096, 32_768, 196_608])
+def test_gpu_speed_report(context):
+    """Prints time against the KV-read floor (GPU_FACTS.md: 0.5 / 3.9 / 23.6 us at 4.26 TB/s)."""
+    from triton.testing import do_bench
+
+    c = case("t", D=128, dtype="bf16", capacity=196_608, last=context - 1, num_splits=None, block_n=64, min_split=None)
+    t = build(c, "cuda")
+    ms = do_bench(lambda: da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"], t["sinks"], None, 0,
+                                              t["kv_len"]), warmup=20, rep=200)
+    floor_us = 2 * context * 128 * 2 / 4.26e12 * 1e6
+    print(f"context {context}: {ms * 1e3:.1f} us (KV-read floor {floor_us:.1f} us)")
+
+
+if __name__ == "__main__" and "--interpret-worker" in sys.argv:
+    from iquest.kernels.testing import patch_interpreter
+
+    patch_interpreter()
+    results = {}
+    for c in CASES:
+        try:
+            results[c["name"]] = run_case(c, "cpu")
+        except Exception as e:  # reported per case by test_interpreted
+            results[c["name"]] = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(results))

@@ -1,0 +1,172 @@
+"""kernels/fp8_linear.py against x @ dequantize(W).T (reference/fp8.py).
+
+Small shapes (blocks of 16/32, partial N and K tiles and partial scale blocks, 1/3/8/17 rows, split-K
+on and off, a strided x like the eh_proj column slice) run under Triton's CPU interpreter in one
+worker subprocess; `@pytest.mark.gpu` cases use one TP8 rank's projection shapes with 128x128 blocks.
+Weights come from reference/fp8.quantize with per-block magnitudes that differ by orders of
+magnitude, so a scale applied to the wrong block shows; outputs are pre-filled with NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from iquest.kernels import fp8_linear as fl
+from iquest.reference.fp8 import quantize
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOL = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 2e-3}  # relative to max |ref|, by output dtype
+
+BASE = dict(M=8, N=40, K=96, block=(16, 16), x="fp32", out=None, split_k=None, block_n=16, x_stride=None, seed=0)
+
+
+def case(name: str, **kw) -> dict:
+    return dict(BASE, name=name, **kw)
+
+
+CASES = [
+    case("1row_fp32", M=1),
+    case("8rows_fp32"),
+    case("3rows_partial_k_block", M=3, K=72),
+    case("17rows_two_m_tiles", M=17, N=33),
+    case("split_k_3", split_k=3),
+    case("split_k_max_with_partial_k", K=88, split_k=6),
+    case("no_split", split_k=1, N=200, block_n=32),
+    case("rect_blocks_32x16", block=(32, 16), N=70, K=80),
+    case("rect_blocks_16x32", block=(16, 32), N=50, K=100, split_k=2),
+    case("bf16_in_bf16_out", x="bf16"),
+    case("bf16_in_fp32_out", x="bf16", out="fp32", split_k=2),
+    case("fp32_in_bf16_out_1row", M=1, out="bf16"),
+    case("fp16_in", x="fp16", split_k=2),
+    case("strided_x_like_eh_proj", x_stride=2, split_k=2),
+    case("auto_split_block_64", N=64, K=512, block=(32, 64), block_n=64),
+]
+
+GPU_CASES = [  # one TP8 rank at full size: H = 6144, 6 query heads + 1 KV head of 128, I/tp = 256
+    case("gpu_q_proj_8rows", N=768, K=6144, block=(128, 128), x="bf16", block_n=64),
+    case("gpu_k_proj_1row", M=1, N=128, K=6144, block=(128, 128), x="bf16", block_n=64),
+    case("gpu_k_proj_8rows", N=128, K=6144, block=(128, 128), x="bf16", block_n=64),
+    case("gpu_o_proj_8rows", N=6144, K=768, block=(128, 128), x="bf16", block_n=64),
+    case("gpu_eh_proj_strided", N=6144, K=1536, block=(128, 128), x="bf16", block_n=64, x_stride=2),
+    case("gpu_expert_gate_8rows", N=256, K=6144, block=(128, 128), x="bf16", block_n=64),
+    case("gpu_fp32_in_fp32_out", M=4, N=768, K=6144, block=(128, 128), x="fp32", block_n=64),
+    case("gpu_bf16_fp32_out_partial", M=5, N=1000, K=2000, block=(128, 128), x="bf16", out="fp32", block_n=64),
+]
+
+
+def build(c: dict, device: str) -> dict:
+    gen = torch.Generator().manual_seed(c["seed"])
+    M, N, K, (B0, B1) = c["M"], c["N"], c["K"], c["block"]
+    # Per-block magnitudes spanning ~4 decades, so each block's scale matters.
+    mag = 10 ** (torch.rand(-(-N // B0), -(-K // B1), generator=gen) * 4 - 2)
+    real = torch.randn(N, K, generator=gen) * mag.repeat_interleave(B0, 0)[:N].repeat_interleave(B1, 1)[:, :K]
+    w, scale = quantize(real, (B0, B1))
+    wide = torch.randn(M, K * (c["x_stride"] or 1), generator=gen).to(DTYPES[c["x"]])
+    x = wide[:, :K]  # unit stride along K, row stride K * x_stride
+    return dict(x=x.to(device), w=w.to(device), scale=scale.to(device))
+
+
+def run_case(c: dict, device: str) -> dict:
+    t = build(c, device)
+    out_dtype = DTYPES[c["out"]] if c["out"] else None
+    out = torch.full((c["M"], c["N"]), float("nan"), dtype=out_dtype or t["x"].dtype, device=device)
+    got = fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype, split_k=c["split_k"],
+                        block_n=c["block_n"], out=out)
+    assert got is out
+    ref = fl.fp8_linear_ref(t["x"], t["w"], t["scale"], c["block"], torch.float32)
+    scale = ref.abs().max().item()
+    return {"rel_err": (got.float() - ref).abs().max().item() / scale, "finite": bool(torch.isfinite(got).all()),
+            "dtype": str(got.dtype).removeprefix("torch.")}
+
+
+def _check(c: dict, r: dict) -> None:
+    out = c["out"] or c["x"]
+    assert r["dtype"] == {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[out]
+    assert r["finite"], "kernel left NaN in the output"
+    assert r["rel_err"] <= TOL[out], f"{c['name']}: max |kernel - ref| / max |ref| = {r['rel_err']:.2e} > {TOL[out]:.0e}"
+
+
+# ---- interpreter tests ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    from iquest.kernels.testing import run_worker
+
+    return run_worker(os.path.abspath(__file__))
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])
+def test_interpreted(interpreted, c):
+    r = interpreted[c["name"]]
+    assert "error" not in r, r.get("error")
+    _check(c, r)
+    print(f"{c['name']}: rel err {r['rel_err']:.2e}")
+
+
+def test_split_k_heuristic():
+    cpu = torch.device("cpu")  # 8 "SMs" off the GPU: 16 programs wanted
+    assert fl.choose_split_k(n=1024, k=4096, block_n=64, block_k=128, device=cpu) == 1
+    assert fl.choose_split_k(n=128, k=4096, block_n=64, block_k=128, device=cpu) == 8
+    assert fl.choose_split_k(n=128, k=256, block_n=64, block_k=128, device=cpu) == 2  # at most one tile each
+
+
+def _args(**over):
+    w, s = quantize(torch.randn(40, 96), (16, 16))
+    a = dict(x=torch.randn(3, 96), w=w, scale=s, block=(16, 16))
+    a.update(over)
+    return a
+
+
+@pytest.mark.parametrize("over, message", [
+    (dict(x=torch.randn(3, 95)), "K="),
+    (dict(x=torch.randn(3, 96).to(torch.int32)), "x dtype"),
+    (dict(w=torch.randn(40, 96)), "float8_e4m3fn"),
+    (dict(scale=torch.ones(3, 5)), "scale must be"),
+    (dict(scale=torch.ones(3, 6, dtype=torch.float64)), "scale must be"),
+    (dict(x=torch.randn(96, 3).T), "unit stride"),
+    (dict(block=(16, 8), scale=torch.ones(3, 12)), "power-of-two divisor"),
+    (dict(out_dtype=torch.int8), "out_dtype"),
+    (dict(out=torch.empty(3, 41)), "out must be"),
+])
+def test_rejects_bad_inputs(over, message):
+    with pytest.raises(ValueError, match=message):
+        fl.fp8_linear(**_args(**over))
+
+
+# ---- GPU tests (real shapes) -------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", CASES + GPU_CASES, ids=[c["name"] for c in CASES + GPU_CASES])
+def test_gpu(c):
+    r = run_case(c, "cuda")
+    _check(c, r)
+    print(f"{c['name']}: rel err {r['rel_err']:.2e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K", [(1, 128, 6144), (8, 128, 6144), (8, 768, 6144), (8, 6144, 768),
+                                     (8, 6144, 1536), (8, 18432, 7168)])
+def test_gpu_speed_report(M, N, K):
+    """Prints achieved weight-stream bandwidth (GPU_FACTS.md: ~2.8 TB/s plain at 8x18432x7168)."""
+    from triton.testing import do_bench
+
+    c = case("t", M=M, N=N, K=K, block=(128, 128), x="bf16", block_n=64)
+    t = build(c, "cuda")
+    ms = do_bench(lambda: fl.fp8_linear(t["x"], t["w"], t["scale"], (128, 128)), warmup=20, rep=200)
+    print(f"{M}x{N}x{K}: {ms * 1e3:.1f} us, {N * K / (ms * 1e-3) / 1e12:.2f} TB/s of E4M3 weight")
+
+
+if __name__ == "__main__" and "--interpret-worker" in sys.argv:
+    from iquest.kernels.testing import patch_interpreter
+
+    patch_interpreter()
+    results = {}
+    for c in CASES:
+        try:
+            results[c["name"]] = run_case(c, "cpu")
+        except Exception as e:  # reported per case by test_interpreted
+            results[c["name"]] = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(results))

@@ -1,0 +1,109 @@
+"""kernels/rmsnorm_residual.py against reference rms_norm of the rounded residual sum.
+
+Small shapes (1 and 8 rows, hidden sizes that are not powers of two, in-place residual update,
+strided rows, fp32 output for routing) under Triton's CPU interpreter in one worker subprocess;
+`@pytest.mark.gpu` cases at H = 6144. Outputs are pre-filled with NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from iquest.kernels import rmsnorm_residual as rn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TOL = {"fp32": 2e-6, "bf16": 1.6e-2}  # on y (|y| ~ a few): fp32 summation order; one bf16 rounding
+
+BASE = dict(R=8, H=100, dtype="bf16", out=None, inplace=False, stride=None, seed=0)
+
+
+def case(name: str, **kw) -> dict:
+    return dict(BASE, name=name, **kw)
+
+
+CASES = [
+    case("1row_bf16", R=1),
+    case("8rows_bf16"),
+    case("8rows_fp32", dtype="fp32", H=48),
+    case("bf16_residual_fp32_out", out="fp32"),
+    case("inplace_residual", inplace=True),
+    case("strided_rows", stride=3, H=37),
+]
+GPU_CASES = [case("gpu_1row", R=1, H=6144), case("gpu_8rows", H=6144), case("gpu_8rows_fp32_out", H=6144, out="fp32"),
+             case("gpu_inplace", H=6144, inplace=True)]
+
+
+def run_case(c: dict, device: str) -> dict:
+    gen = torch.Generator().manual_seed(c["seed"])
+    R, H, dt = c["R"], c["H"], DTYPES[c["dtype"]]
+    x = (torch.randn(R, H * (c["stride"] or 1), generator=gen) * 3).to(dt)[:, :H].to(device)
+    r = (torch.randn(R, H, generator=gen) * 3).to(dt).to(device)
+    w = (1 + 0.5 * torch.randn(H, generator=gen)).to(dt).to(device)
+    eps = 1e-6
+    y_ref, h_ref = rn.rmsnorm_residual_ref(x, r, w, eps, DTYPES[c["out"]] if c["out"] else None)
+    out = torch.full_like(y_ref, float("nan"))
+    h_out = r if c["inplace"] else torch.full_like(r, float("nan"))
+    y, h = rn.rmsnorm_residual(x, r, w, eps, DTYPES[c["out"]] if c["out"] else None, out=out, residual_out=h_out)
+    assert y is out and h is h_out
+    return {"y_err": (y.float() - y_ref.float()).abs().max().item(), "h_exact": bool(torch.equal(h, h_ref)),
+            "finite": bool(torch.isfinite(y).all() and torch.isfinite(h).all())}
+
+
+def _check(c: dict, r: dict) -> None:
+    assert r["finite"], "NaN left in an output"
+    assert r["h_exact"], "the new residual differs from the rounded sum"
+    tol = TOL[c["out"] or c["dtype"]]
+    assert r["y_err"] <= tol, f"{c['name']}: max |y - ref| = {r['y_err']:.2e} > {tol:.1e}"
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    from iquest.kernels.testing import run_worker
+
+    return run_worker(os.path.abspath(__file__))
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])
+def test_interpreted(interpreted, c):
+    r = interpreted[c["name"]]
+    assert "error" not in r, r.get("error")
+    _check(c, r)
+
+
+@pytest.mark.parametrize("over, message", [
+    (dict(residual=torch.randn(2, 9)), "same"),
+    (dict(weight=torch.randn(9)), "weight"),
+    (dict(x=torch.randn(2, 8).int()), "dtypes"),
+    (dict(x=torch.randn(8, 2).T), "unit stride"),
+    (dict(eps=0), "eps"),
+    (dict(out=torch.empty(2, 8, dtype=torch.bfloat16)), "out must be"),
+])
+def test_rejects_bad_inputs(over, message):
+    a = dict(x=torch.randn(2, 8), residual=torch.randn(2, 8), weight=torch.randn(8), eps=1e-6)
+    a.update(over)
+    with pytest.raises(ValueError, match=message):
+        rn.rmsnorm_residual(**a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", CASES + GPU_CASES, ids=[c["name"] for c in CASES + GPU_CASES])
+def test_gpu(c):
+    _check(c, run_case(c, "cuda"))
+
+
+if __name__ == "__main__" and "--interpret-worker" in sys.argv:
+    from iquest.kernels.testing import patch_interpreter
+
+    patch_interpreter()
+    results = {}
+    for c in CASES:
+        try:
+            results[c["name"]] = run_case(c, "cpu")
+        except Exception as e:  # reported per case by test_interpreted
+            results[c["name"]] = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(results))
