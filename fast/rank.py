@@ -65,10 +65,10 @@ class RankEngine:
         c = self.config
         kv_heads = max(c.num_key_value_heads // par.world, 1)
         self.capacity = options.max_context + 2 * VERIFY_ROWS  # drafts and padding rows run past the budget
-        weights = load_weights(self.model_dir, c, par, self.dtype)
+        weights = load_weights(self.model_dir, c, par, self.dtype, defects=options.defects)
         self.cache = StaticKV(c, kv_heads, self.capacity, self.dtype, par.device, options.ring_slack,
                               causal="open_causal_mask" not in options.defects)
-        self.model = FastModel(c, weights, self.cache, par, self.dtype)
+        self.model = FastModel(c, weights, self.cache, par, self.dtype, options.defects)
         self.state = DecodeState.allocate(self.capacity, options.max_context, c.hidden_size,
                                           self.generation.top_k, self.dtype, par.device)
         self._runners: dict[tuple, tuple[RoundRunner, object]] = {}
@@ -91,7 +91,9 @@ class RankEngine:
         return self._runners[key]
 
     def _use_graphs(self) -> bool:
-        return self.options.graphs and self.par.device.type == "cuda"
+        # NCCL collectives cannot live inside conditional-node bodies (capture fails): tensor-parallel
+        # CUDA runs eagerly until the collectives are plain kernels (the fused all-reduce of issue 5).
+        return self.options.graphs and self.par.device.type == "cuda" and not self.par.active
 
     def _capture(self, runner: RoundRunner):
         from .graphs import capture_decode_loop
