@@ -81,9 +81,11 @@ def build(c: dict, device: str) -> dict:
     k = torch.randn(S, c["Hkv"], c["D"], generator=gen).to(kv_dtype)
     v = torch.randn(S, c["Hkv"], c["D"], generator=gen).to(kv_dtype)
     q = (torch.randn(R, c["Hq"], c["D"], generator=gen) * 0.6).to(dtype)
-    slot_pos = torch.full((S,), -1, dtype=torch.int64)
-    for pos in range(last + 4):  # history, the block's own rows, then 3 rejected-draft positions
-        slot_pos[pos % slots if c["kind"] == "sliding" else pos] = pos
+    # Positions 0..last+3 written in order (history, the block's own rows, 3 rejected-draft positions):
+    # a ring slot keeps the latest position that maps to it.
+    top, slot = last + 3, torch.arange(slots)
+    held = top - (top - slot) % slots if c["kind"] == "sliding" else slot
+    slot_pos = torch.cat([torch.where((held >= 0) & (held <= top), held, -1), torch.tensor([-1])])
     q_pos = torch.arange(last - R + 1, last + 1, dtype=torch.int64)
     if c["pad_row"] is not None:
         q_pos[c["pad_row"]] = -1
@@ -125,7 +127,8 @@ def run_case(c: dict, device: str) -> dict:
 def _check(c: dict, r: dict, tol: float) -> None:
     assert r["ref_finite"], "reference produced non-finite values: the case is ill-posed"
     assert r["finite"], "kernel left NaN in the output (unwritten element or a read past kv_len)"
-    assert r["err"] <= tol, f"{c['name']}: max |kernel - ref| = {r['err']:.3e} > {tol:.1e} (|ref| <= {r['ref_scale']:.2f})"
+    assert r["err"] <= tol, (f"{c['name']}: max |kernel - ref| = {r['err']:.3e} > {tol:.1e} "
+                             f"(|ref| <= {r['ref_scale']:.2f})")
 
 
 # ---- interpreter tests ---------------------------------------------------------------------------------
@@ -202,9 +205,8 @@ def test_gpu_capacity_adds_no_reads():
     for capacity in (4_200, 196_608):
         c = case("t", D=128, dtype="bf16", capacity=capacity, last=4_095, num_splits=None, block_n=64, min_split=None)
         t = build(c, "cuda")
-        fn = lambda: da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"], t["sinks"], None, 0,  # noqa: E731
-                                         t["kv_len"])
-        times[capacity] = do_bench(fn, warmup=20, rep=200)
+        times[capacity] = do_bench(lambda: da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"],
+                                                               t["sinks"], None, 0, t["kv_len"]), warmup=20, rep=200)
     print({k: f"{v * 1e3:.1f} us" for k, v in times.items()})
     assert times[196_608] < 1.5 * times[4_200] + 0.005, times
 

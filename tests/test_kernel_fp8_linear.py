@@ -88,7 +88,8 @@ def _check(c: dict, r: dict) -> None:
     out = c["out"] or c["x"]
     assert r["dtype"] == {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[out]
     assert r["finite"], "kernel left NaN in the output"
-    assert r["rel_err"] <= TOL[out], f"{c['name']}: max |kernel - ref| / max |ref| = {r['rel_err']:.2e} > {TOL[out]:.0e}"
+    assert r["rel_err"] <= TOL[out], (f"{c['name']}: max |kernel - ref| / max |ref| = {r['rel_err']:.2e} "
+                                      f"> {TOL[out]:.0e}")
 
 
 # ---- interpreter tests ---------------------------------------------------------------------------------

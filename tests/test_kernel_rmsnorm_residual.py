@@ -17,7 +17,10 @@ import torch
 from iquest.kernels import rmsnorm_residual as rn
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TOL = {"fp32": 2e-6, "bf16": 1.6e-2}  # on y (|y| ~ a few): fp32 summation order; one bf16 rounding
+TOL = {"fp32": 1e-6, "bf16": 1.6e-2}  # on y relative to max |y|: fp32 summation order; bf16 roundings
+# Triton's interpreter converts fp32 -> bf16 by truncation (the GPU rounds to nearest even), so there a
+# bf16 residual may differ from torch's rounded sum by one unit in the last place (2^-7 relative).
+INTERPRETED_BF16_ULP = 2.0 ** -7
 
 BASE = dict(R=8, H=100, dtype="bf16", out=None, inplace=False, stride=None, seed=0)
 
@@ -50,15 +53,17 @@ def run_case(c: dict, device: str) -> dict:
     h_out = r if c["inplace"] else torch.full_like(r, float("nan"))
     y, h = rn.rmsnorm_residual(x, r, w, eps, DTYPES[c["out"]] if c["out"] else None, out=out, residual_out=h_out)
     assert y is out and h is h_out
-    return {"y_err": (y.float() - y_ref.float()).abs().max().item(), "h_exact": bool(torch.equal(h, h_ref)),
+    return {"y_err": (y.float() - y_ref.float()).abs().max().item() / y_ref.float().abs().max().item(),
+            "h_err": ((h.float() - h_ref.float()).abs() / h_ref.float().abs().clamp(min=1e-30)).max().item(),
             "finite": bool(torch.isfinite(y).all() and torch.isfinite(h).all())}
 
 
-def _check(c: dict, r: dict) -> None:
+def _check(c: dict, r: dict, interpreted: bool = False) -> None:
     assert r["finite"], "NaN left in an output"
-    assert r["h_exact"], "the new residual differs from the rounded sum"
-    tol = TOL[c["out"] or c["dtype"]]
-    assert r["y_err"] <= tol, f"{c['name']}: max |y - ref| = {r['y_err']:.2e} > {tol:.1e}"
+    h_tol = INTERPRETED_BF16_ULP if interpreted and c["dtype"] == "bf16" else 0.0
+    assert r["h_err"] <= h_tol, f"the new residual differs from the rounded sum by {r['h_err']:.2e} (relative)"
+    tol = max(TOL[c["out"] or c["dtype"]], h_tol)
+    assert r["y_err"] <= tol, f"{c['name']}: max |y - ref| / max |ref| = {r['y_err']:.2e} > {tol:.1e}"
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +77,7 @@ def interpreted() -> dict:
 def test_interpreted(interpreted, c):
     r = interpreted[c["name"]]
     assert "error" not in r, r.get("error")
-    _check(c, r)
+    _check(c, r, interpreted=True)
 
 
 @pytest.mark.parametrize("over, message", [

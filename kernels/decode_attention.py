@@ -1,0 +1,284 @@
+"""Split-KV decode attention over the static KV cache (seed: "Read only the KV tiles needed").
+
+One rank's query heads for one KV head and all live rows form one matrix: row m = r * G + h for
+row r and local head h (G = Hq / Hkv; 6 heads x 8 rows = 48 rows at full size), so every K/V tile
+is read once per block. The slot axis is split over a grid (kv_head, split); each split streams its
+tiles with an online softmax and stores a partial (max, sum of exponentials, weighted V) in fp32.
+A combine kernel merges the splits by log-sum-exp and adds the learned sink exactly once: a logit
+with a zero value, so it only enlarges the denominator (reference/layers.attention).
+
+Visibility is evaluated in the kernel from `slot_pos` (the position each slot holds, -1 = empty)
+and each row's query position, exactly as `fast.cache.LayerKV.visible`:
+    slot_pos >= first_position and slot_pos <= q_pos [and slot_pos > q_pos - window].
+`kv_len` (a device int tensor, no host sync) bounds the slots read: slots at index >= kv_len are
+never loaded, and splits that start past it exit at once, so a full layer's preallocated capacity
+costs nothing. The split length follows kv_len on the device: every live split gets an equal
+share (a whole number of tiles, at least `min_split` slots). `q_pos.max() + 1` is a valid bound
+for both cache kinds (a ring slot index never exceeds the position it holds).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+LOG2E = 1.4426950408889634
+MAX_MATRIX_ROWS = 128
+
+
+@triton.jit
+def _split_len(kv_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    per = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return tl.maximum(per, MIN_SPLIT)
+
+
+@triton.jit
+def _load_kv_len(kv_len_ptr, S, HAS_KV_LEN: tl.constexpr):
+    if HAS_KV_LEN:
+        n = tl.load(kv_len_ptr).to(tl.int32)
+        n = tl.minimum(tl.maximum(n, 0), S)
+    else:
+        n = S
+    return n
+
+
+@triton.jit
+def _attention_split_kernel(
+    q_ptr, k_ptr, v_ptr, slot_pos_ptr, q_pos_ptr, kv_len_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    S, R, window, first_position, qk_scale,
+    stride_qr, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+    G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+    SLIDING: tl.constexpr, CAUSAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+):
+    g = tl.program_id(0)
+    split = tl.program_id(1)
+    kv_len = _load_kv_len(kv_len_ptr, S, HAS_KV_LEN)
+    split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
+    start = split * split_len
+    if start >= kv_len:
+        return  # past the valid history: nothing read, nothing stored (combine skips it)
+    end = tl.minimum(start + split_len, kv_len)
+
+    RG = R * G
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < RG
+    r = rows // G
+    head = g * G + rows % G
+    d = tl.arange(0, D)
+    q_pos = tl.load(q_pos_ptr + r, mask=row_ok, other=-1)
+    q = tl.load(q_ptr + r[:, None] * stride_qr + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        sp = tl.load(slot_pos_ptr + n, mask=n_ok, other=-1)
+        k = tl.load(k_ptr + n[:, None] * stride_ks + g * stride_kh + d[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + n[:, None] * stride_vs + g * stride_vh + d[None, :], mask=n_ok[:, None], other=0.0)
+        if F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # log2 domain
+        vis = (sp[None, :] >= first_position) & (q_pos[:, None] >= 0)
+        if CAUSAL:
+            vis = vis & (sp[None, :] <= q_pos[:, None])
+        if SLIDING:
+            vis = vis & (sp[None, :] > q_pos[:, None] - window)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+
+    part = (g * NUM_SPLITS + split) * RG + rows
+    tl.store(part_m_ptr + part, m_i, mask=row_ok)
+    tl.store(part_l_ptr + part, l_i, mask=row_ok)
+    tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _attention_combine_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, kv_len_ptr, out_ptr,
+    S, R, stride_or, stride_oh,
+    G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_KV_LEN: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    RG = R * G
+    pid = tl.program_id(0)
+    g = pid // RG
+    row = pid % RG
+    r = row // G
+    head = g * G + row % G
+    kv_len = _load_kv_len(kv_len_ptr, S, HAS_KV_LEN)
+    split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
+    n_live = tl.cdiv(kv_len, split_len)  # <= NUM_SPLITS; later splits exited without storing
+
+    d = tl.arange(0, D)
+    m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), axis=0)
+    for s0 in range(0, n_live, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        ms = tl.load(part_m_ptr + (g * NUM_SPLITS + s) * RG + row, mask=s < n_live, other=float("-inf"))
+        m = tl.maximum(m, tl.max(ms, axis=0))
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2 domain, like the partials
+        m = tl.maximum(m, sink)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+
+    den = tl.sum(tl.zeros([BLOCK_S], tl.float32), axis=0)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, n_live, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        ok = s < n_live
+        part = (g * NUM_SPLITS + s) * RG + row
+        ms = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"))
+        ls = tl.load(part_l_ptr + part, mask=ok, other=0.0)
+        a = tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        w = tl.exp2(ms - m_safe)
+        den += tl.sum(ls * w, axis=0)
+        acc += tl.sum(a * w[:, None], axis=0)
+    if HAS_SINKS:
+        den += tl.exp2(sink - m_safe)  # the sink, exactly once
+    out = tl.where(den > 0, acc / den, 0.0)  # no visible slot and no sink: zeros, not NaN
+    tl.store(out_ptr + r * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+# ---- host wrapper ----------------------------------------------------------------------------------
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(f"decode_attention: {message}")
+
+
+def default_num_splits(slots: int, kv_heads: int, device: torch.device, min_split: int) -> int:
+    """Enough splits for about two programs per SM at full capacity; short contexts use fewer
+    (the kernel shares kv_len out in whole tiles of at least `min_split` slots)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return max(1, min(triton.cdiv(slots, min_split), max(1, 2 * sms // kv_heads)))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos: torch.Tensor,
+                     q_pos: torch.Tensor, sinks: torch.Tensor | None, window: int | None,
+                     first_position: int = 0, kv_len: torch.Tensor | None = None, *, causal: bool = True,
+                     num_splits: int | None = None, block_n: int = 64, min_split: int | None = None,
+                     out: torch.Tensor | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
+                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """Attention of R query rows over a static KV cache: q [R, Hq, D], k/v [S, Hkv, D] -> [R, Hq, D].
+
+    slot_pos [S] int64 (position held by each slot, -1 = empty), q_pos [R] int64, sinks [Hq] fp32 or
+    None, window (sliding layers) or None, kv_len: int tensor of one element on q's device, an upper
+    bound on the slots holding visible history (None = all S). Output in q's dtype; fp32 softmax.
+    `out` (like q) and `workspace` (from `decode_attention_workspace`) may be given as static
+    buffers, e.g. for CUDA graphs; every element of `out` is written.
+    """
+    _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q, k, v must be [R, Hq, D], [S, Hkv, D], [S, Hkv, D]")
+    R, Hq, D = q.shape
+    S, Hkv, Dk = k.shape
+    _check(tuple(v.shape) == tuple(k.shape), f"v {tuple(v.shape)} differs from k {tuple(k.shape)}")
+    _check(Dk == D, f"head_dim of q ({D}) and k ({Dk}) differ")
+    _check(D >= 16 and D & (D - 1) == 0, f"head_dim {D} must be a power of two >= 16")
+    _check(Hkv >= 1 and Hq % Hkv == 0, f"query heads {Hq} are not a multiple of kv heads {Hkv}")
+    G = Hq // Hkv
+    _check(1 <= R and R * G <= MAX_MATRIX_ROWS, f"rows x heads per kv head = {R * G} must be in 1..{MAX_MATRIX_ROWS}")
+    _check(q.dtype in _FLOATS and k.dtype in _FLOATS, f"q/k dtypes {q.dtype}/{k.dtype} must be bf16, fp16 or fp32")
+    _check(v.dtype == k.dtype, f"k and v dtypes differ ({k.dtype}, {v.dtype})")
+    _check(slot_pos.dtype == torch.int64 and tuple(slot_pos.shape) == (S,), f"slot_pos must be int64 [{S}]")
+    _check(q_pos.dtype == torch.int64 and tuple(q_pos.shape) == (R,), f"q_pos must be int64 [{R}]")
+    tensors = {"q": q, "k": k, "v": v, "slot_pos": slot_pos, "q_pos": q_pos}
+    if sinks is not None:
+        _check(sinks.dtype == torch.float32 and tuple(sinks.shape) == (Hq,), f"sinks must be fp32 [{Hq}]")
+        tensors["sinks"] = sinks
+    if kv_len is not None:
+        _check(isinstance(kv_len, torch.Tensor) and kv_len.numel() == 1
+               and kv_len.dtype in (torch.int32, torch.int64), "kv_len must be an int32/int64 tensor of one element")
+        tensors["kv_len"] = kv_len
+    for name, t in tensors.items():
+        _check(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+        _check(t.is_contiguous(), f"{name} must be contiguous")
+    _check(window is None or (isinstance(window, int) and window > 0),
+           f"window must be a positive int or None, got {window!r}")
+    _check(isinstance(first_position, int) and first_position >= 0,
+           f"first_position must be an int >= 0, got {first_position!r}")
+    _check(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n {block_n} must be a power of two >= 16")
+    min_split = 4 * block_n if min_split is None else min_split
+    _check(min_split >= block_n and min_split % block_n == 0, f"min_split {min_split} must be a multiple of block_n")
+    num_splits = default_num_splits(S, Hkv, q.device, min_split) if num_splits is None else num_splits
+    _check(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+
+    RG = R * G
+    if workspace is None:
+        workspace = decode_attention_workspace(R, Hq, Hkv, D, num_splits, q.device)
+    part_m, part_l, part_acc = workspace
+    _check(tuple(part_m.shape) == (Hkv, num_splits, RG) and tuple(part_l.shape) == (Hkv, num_splits, RG)
+           and tuple(part_acc.shape) == (Hkv, num_splits, RG, D), "workspace does not match the shapes and num_splits")
+    _check(all(t.dtype == torch.float32 and t.device == q.device and t.is_contiguous() for t in workspace),
+           "workspace must be contiguous fp32 on q's device")
+    if out is None:
+        out = torch.empty_like(q)
+    _check(tuple(out.shape) == tuple(q.shape) and out.dtype == q.dtype and out.device == q.device
+           and out.is_contiguous(), "out must be a contiguous tensor like q")
+    f32 = INTERPRETED or q.dtype == torch.float32 or k.dtype == torch.float32 or q.dtype != k.dtype
+    kv_len_arg = kv_len if kv_len is not None else slot_pos  # unused pointer when HAS_KV_LEN is off
+    _attention_split_kernel[(Hkv, num_splits)](
+        q, k, v, slot_pos, q_pos, kv_len_arg, part_m, part_l, part_acc,
+        S, R, window or 0, first_position, LOG2E / math.sqrt(D),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        G=G, D=D, NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(RG)), BLOCK_N=block_n,
+        MIN_SPLIT=min_split, HAS_KV_LEN=kv_len is not None, SLIDING=window is not None, CAUSAL=causal,
+        F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages)
+    _attention_combine_kernel[(Hkv * RG,)](
+        part_m, part_l, part_acc, sinks if sinks is not None else part_m, kv_len_arg, out,
+        S, R, out.stride(0), out.stride(1),
+        G=G, D=D, NUM_SPLITS=num_splits, BLOCK_S=min(16, triton.next_power_of_2(num_splits)), BLOCK_N=block_n,
+        MIN_SPLIT=min_split, HAS_KV_LEN=kv_len is not None, HAS_SINKS=sinks is not None, num_warps=1)
+    return out
+
+
+def decode_attention_workspace(rows: int, q_heads: int, kv_heads: int, head_dim: int, num_splits: int,
+                               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 split partials (max [Hkv, splits, R*G], sum-exp [same], weighted V [.., D]) in the log2 domain."""
+    rg = rows * (q_heads // kv_heads)
+    m = torch.empty((kv_heads, num_splits, rg), dtype=torch.float32, device=device)
+    return m, torch.empty_like(m), torch.empty((kv_heads, num_splits, rg, head_dim), dtype=torch.float32, device=device)
+
+
+# ---- reference -------------------------------------------------------------------------------------
+def visible_ref(slot_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None, first_position: int,
+                kv_len: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
+    """bool [R, S], the rule of fast.cache.LayerKV.visible, plus the kv_len bound on slot indices."""
+    sp, q = slot_pos[None, :], q_pos[:, None]
+    mask = (sp >= first_position) & (q >= 0)
+    if causal:
+        mask = mask & (sp <= q)
+    if window is not None:
+        mask = mask & (sp > q - window)
+    if kv_len is not None:
+        mask = mask & (torch.arange(slot_pos.shape[0], device=slot_pos.device) < kv_len.reshape(()))[None, :]
+    return mask
+
+
+def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos: torch.Tensor,
+                         q_pos: torch.Tensor, sinks: torch.Tensor | None, window: int | None,
+                         first_position: int = 0, kv_len: torch.Tensor | None = None, *,
+                         causal: bool = True) -> torch.Tensor:
+    """reference/layers.attention in fp32 with the same mask, cast to q's dtype."""
+    from ..reference.layers import attention
+
+    mask = visible_ref(slot_pos, q_pos, window, first_position, kv_len, causal)
+    return attention(q.float(), k.float(), v.float(), mask, sinks).to(q.dtype)

@@ -1,0 +1,153 @@
+"""y = x @ W^T for a few rows (M = 1..8) against an E4M3 weight with fp32 block scales (MODEL.md).
+
+W[n, k] = W_e4m3[n, k] * scale[n // B0, k // B1]. At decode sizes the product is a weight stream:
+each program reads a [BLOCK_N, BLOCK_K] E4M3 tile once for all rows. A K tile never crosses a
+scale block (BLOCK_K divides B1), so the tile is converted exactly (every E4M3 value is a bf16 and
+an fp16 value) and multiplied in x's dtype with fp32 accumulation; the block scale multiplies the
+tile's [M, BLOCK_N] partial product instead of every weight element.
+
+When N gives too few tiles to fill the GPU (k/v projections, one KV head per rank), K is split
+over a second grid axis: each split writes fp32 partials and a second pass sums them in a fixed
+order and casts (deterministic, unlike atomics). The split count comes from N: about two programs
+per SM in all.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+BLOCK_M = 16  # tl.dot's smallest M; decode blocks have 1..8 rows
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr,
+    M, N, K, stride_xm, stride_ym, scale_cols, k_per_split,
+    B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    n_ok = n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    s_row = s_ptr + (n // B0) * scale_cols
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        s = tl.load(s_row + k0 // B1, mask=n_ok, other=0.0)  # the tile lies in one K block
+        if F32:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        else:
+            w = w.to(x.dtype)  # exact
+        acc += tl.dot(x, tl.trans(w), input_precision=PREC) * s[None, :]
+
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        tl.store(part_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=mask)
+    else:
+        tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_k_sum_kernel(part_ptr, y_ptr, M, N, stride_ym, splits, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < M * N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, splits):
+        acc += tl.load(part_ptr + s * M * N + i, mask=ok, other=0.0)
+    tl.store(y_ptr + (i // N) * stride_ym + i % N, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+# ---- host wrapper ----------------------------------------------------------------------------------
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(f"fp8_linear: {message}")
+
+
+def _block_k(b1: int) -> int:
+    """Largest power of two <= 128 dividing B1 (a K tile must not cross a scale block)."""
+    bk = 128
+    while bk >= 16 and b1 % bk:
+        bk //= 2
+    _check(bk >= 16, f"weight block {b1} along K has no power-of-two divisor >= 16")
+    return bk
+
+
+def choose_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
+    """Splits along K so that N tiles x splits ~ two programs per SM (1 when N alone fills the GPU)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    return max(1, min(k_tiles, (2 * sms) // n_tiles))
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
+               out_dtype: torch.dtype | None = None, *, split_k: int | None = None, block_n: int = 64,
+               out: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
+    [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation."""
+    _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
+    M, K = x.shape
+    N, Kw = w.shape
+    B0, B1 = block
+    _check(Kw == K, f"x has K={K}, w has K={Kw}")
+    _check(M >= 1 and N >= 1 and K >= 1, "empty operand")
+    _check(x.dtype in _FLOATS, f"x dtype {x.dtype} must be bf16, fp16 or fp32")
+    _check(w.dtype == torch.float8_e4m3fn, f"w dtype {w.dtype} must be float8_e4m3fn")
+    expect = (triton.cdiv(N, B0), triton.cdiv(K, B1))
+    _check(scale.dtype == torch.float32 and tuple(scale.shape) == expect,
+           f"scale must be fp32 {expect} for w {(N, K)} with blocks {block}, got {scale.dtype} {tuple(scale.shape)}")
+    _check(x.device == w.device == scale.device, f"devices differ: x {x.device}, w {w.device}, scale {scale.device}")
+    _check(x.stride(1) == 1, "x must have unit stride along K")
+    _check(w.is_contiguous() and scale.is_contiguous(), "w and scale must be contiguous")
+    _check(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n {block_n} must be a power of two >= 16")
+    out_dtype = out_dtype or x.dtype
+    _check(out_dtype in _FLOATS, f"out_dtype {out_dtype} must be bf16, fp16 or fp32")
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    _check(tuple(out.shape) == (M, N) and out.dtype == out_dtype and out.device == x.device and out.stride(1) == 1,
+           f"out must be [{M}, {N}] {out_dtype} with unit stride along N")
+
+    block_k = _block_k(B1)
+    if split_k is None:
+        split_k = choose_split_k(N, K, block_n, block_k, x.device)
+    _check(split_k >= 1, f"split_k must be >= 1, got {split_k}")
+    k_per_split = triton.cdiv(triton.cdiv(K, block_k), split_k) * block_k
+    split_k = triton.cdiv(K, k_per_split)  # no empty split
+    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    f32 = INTERPRETED or x.dtype == torch.float32
+    grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, BLOCK_M))
+    _fp8_linear_kernel[grid](
+        x, w, scale, out, part, M, N, K, x.stride(0), out.stride(0), expect[1], k_per_split,
+        B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split_k > 1, F32=f32,
+        PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages)
+    if split_k > 1:
+        BLOCK = 1024
+        _split_k_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, out, M, N, out.stride(0), split_k, BLOCK=BLOCK)
+    return out
+
+
+# ---- reference -------------------------------------------------------------------------------------
+def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x @ dequantize(W).T in fp32, cast to out_dtype (default x's dtype)."""
+    from ..reference.fp8 import dequantize
+
+    y = x.float() @ dequantize(w, scale, tuple(block), torch.float32).T
+    return y.to(out_dtype or x.dtype)

@@ -1,0 +1,79 @@
+"""Fused residual add + RMSNorm: h = x + r (the new residual, in the residual's dtype), y = rmsnorm(h) * w.
+
+The decoder layer's `x = x + attn_out; b = rms_norm(x, post_norm)` in one pass over each row. The sum
+is rounded to the residual's dtype first and the norm reads that rounded value, as the torch
+sequence does; the norm itself runs in fp32 and `y` may be kept in fp32 (routing reads the fp32
+normalized input, see fast/model.py). One program per row holds the whole row, so `residual_out`
+may alias `x` or `residual` (update in place).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HIDDEN = 65536
+
+
+@triton.jit
+def _rmsnorm_residual_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, H, eps,
+                             stride_x, stride_r, stride_y, stride_h, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    ok = i < H
+    x = tl.load(x_ptr + row * stride_x + i, mask=ok, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + i, mask=ok, other=0.0).to(tl.float32)
+    h = (x + r).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + row * stride_h + i, h, mask=ok)
+    h = h.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
+    w = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + i, (h * inv * w).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(f"rmsnorm_residual: {message}")
+
+
+def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None,
+                     residual_out: torch.Tensor | None = None, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [R, H] in out_dtype (default residual's), h = x + residual [R, H] in residual's dtype)."""
+    _check(x.dim() == 2 and tuple(residual.shape) == tuple(x.shape), f"x {tuple(x.shape)} and residual "
+           f"{tuple(residual.shape)} must be the same [R, H]")
+    R, H = x.shape
+    _check(R >= 1 and 1 <= H <= MAX_HIDDEN, f"rows {R} and hidden {H} must be >= 1 (hidden <= {MAX_HIDDEN})")
+    _check(tuple(weight.shape) == (H,), f"weight must be [{H}], got {tuple(weight.shape)}")
+    _check(x.dtype in _FLOATS and residual.dtype in _FLOATS and weight.dtype in _FLOATS,
+           f"dtypes {x.dtype}, {residual.dtype}, {weight.dtype} must be bf16, fp16 or fp32")
+    out_dtype = out_dtype or residual.dtype
+    _check(out_dtype in _FLOATS, f"out_dtype {out_dtype} must be bf16, fp16 or fp32")
+    if out is None:
+        out = torch.empty((R, H), dtype=out_dtype, device=x.device)
+    if residual_out is None:
+        residual_out = torch.empty_like(residual)
+    _check(tuple(out.shape) == (R, H) and out.dtype == out_dtype, f"out must be [{R}, {H}] {out_dtype}")
+    _check(tuple(residual_out.shape) == (R, H) and residual_out.dtype == residual.dtype,
+           f"residual_out must be [{R}, {H}] {residual.dtype}")
+    for name, t in (("x", x), ("residual", residual), ("weight", weight), ("out", out), ("residual_out", residual_out)):
+        _check(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
+        _check(t.stride(-1) == 1, f"{name} must have unit stride along the hidden dimension")
+    _check(isinstance(eps, float) and eps > 0, f"eps must be a positive float, got {eps!r}")
+    _rmsnorm_residual_kernel[(R,)](x, residual, weight, out, residual_out, H, eps, x.stride(0), residual.stride(0),
+                                   out.stride(0), residual_out.stride(0), BLOCK=triton.next_power_of_2(H),
+                                   num_warps=num_warps)
+    return out, residual_out
+
+
+def rmsnorm_residual_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                         out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = (x + residual) rounded to residual's dtype; y = reference rms_norm of h in fp32."""
+    from ..reference.layers import rms_norm
+
+    h = (x.float() + residual.float()).to(residual.dtype)
+    return rms_norm(h.float(), weight.float(), eps).to(out_dtype or residual.dtype), h

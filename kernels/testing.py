@@ -1,0 +1,42 @@
+"""Running kernel tests under Triton's CPU interpreter (TRITON_INTERPRET=1), for tests/test_kernel_*.py.
+
+Triton reads TRITON_INTERPRET when it is imported (its own `tl.sum`, `tl.max`, ... are jit functions
+decorated then), so interpreted kernels need a process of their own: a test module runs itself as a
+worker subprocess with the variable set, once, and checks the per-case results it prints as JSON.
+
+Triton 3.6's interpreter holds scalars as shape-(1,) NumPy arrays and turns them into loop bounds
+with `int(array)`, which NumPy >= 2.3 refuses; `patch_interpreter()` makes that conversion take the
+single element, so kernels may keep device-computed loop bounds (as they must on the GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def patch_interpreter() -> None:
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_iquest_patched", False):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    interpreter._iquest_patched = True
+
+
+def run_worker(script: str, timeout: float = 1200) -> dict:
+    """Run `python script --interpret-worker` with TRITON_INTERPRET=1; return the JSON it prints last."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, script, "--interpret-worker"], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"interpreter worker failed:\n{done.stderr[-6000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
