@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -87,7 +88,11 @@ def test_stop_string_cuts_the_text(client):
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
-    before = metrics(server.url)
+    # an earlier request cut by a stop string may still be finishing its engine read: wait for idle
+    end = time.monotonic() + 20
+    while (before := metrics(server.url))[("iquest_running", ())] or before[("iquest_queue_depth", ())]:
+        assert time.monotonic() < end, "the server did not go idle"
+        time.sleep(0.01)
     client.completions.create(model="tiny", prompt="a", max_tokens=5, seed=1)
     after = metrics(server.url)
     key = ("iquest_requests_total", (("route", "/v1/completions"), ("status", "200")))

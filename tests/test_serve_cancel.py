@@ -76,9 +76,9 @@ def test_abandoned_stream_stops_at_the_next_read_and_the_next_request_is_unaffec
                          json={"messages": [{"role": "user", "content": "go on"}], "max_tokens": 900,
                                "seed": 1, "stream": True}) as r:
             assert r.status_code == 200
-            first = next(r.iter_lines())
-            assert first.startswith("data: ")
-            held.entered.wait(WAIT)
+            lines = r.iter_lines()  # kept: dropping the iterator would close the response
+            assert next(lines).startswith("data: ")
+            assert held.entered.wait(WAIT)  # A has produced its first Step and is held
         # the client has gone: the server notices (Starlette cancels the stream) and flags the job
         until(lambda: metric(s.url, "iquest_decodes_total", reason="cancelled") == 1, "the cancel")
         held.hold_after_first = False

@@ -1,0 +1,75 @@
+"""`iquest serve`: an OpenAI-compatible HTTP server (completions, chat, streaming) over one engine."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .generate_cmd import _drafts
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (streaming, cancellable, bounded queue)",
+        description="Serve /v1/completions, /v1/chat/completions (streaming as server-sent events or not), "
+                    "/v1/models, /health and /metrics (Prometheus). One request decodes at a time; others wait "
+                    "in a bounded queue and are refused with 429 past it. A client that disconnects mid-stream "
+                    "stops its decode at the engine's next log read (about every 32 tokens).")
+    p.add_argument("--model", help="checkpoint folder with tokenizer.json and tokenizer_config.json "
+                                   "(default: the shipped mini model)")
+    p.add_argument("--served-model-name", help="the model id clients send and /v1/models lists "
+                                               "(default: the model folder's name)")
+    p.add_argument("--engine", choices=["reference", "fast"], default="fast",
+                   help="fast = the optimized engine (default); reference = the float64 CPU ground truth")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, 1/2/4/8 (fast engine; default 1)")
+    p.add_argument("--max-context", type=int, default=4096,
+                   help="prompt + max_tokens limit in tokens; the fast engine sizes its KV caches to it "
+                        "(default 4096, capped by the model's max_position_embeddings)")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="fast engine compute dtype (auto = bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="fast engine device (auto = cuda when available)")
+    p.add_argument("--drafts", type=_drafts, default="auto",
+                   help="auto = depth controller, 3..7 = fixed drafts per round, 0 = plain sampling")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (401 otherwise); "
+                                     "/health stays open")
+    p.add_argument("--queue-size", type=int, default=16,
+                   help="requests that may wait while one decodes; past that the server answers 429 (default 16)")
+    p.add_argument("--deadline", type=float, default=600.0,
+                   help="seconds from arrival after which a request ends: 504 while it waits, an error event "
+                        "mid-stream (default 600; 0 = no deadline)")
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
+                   help="uvicorn log level (default info; debug also logs each request)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..serve.app import ServeOptions
+    from ..serve.server import load_tokenizer, serve
+    from .engines import default_model_dir, load_engine
+    from .main import UserError
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    if not model_dir.is_dir():
+        raise UserError(f"model folder {model_dir} does not exist")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in 0..65535, got {args.port}")
+    if args.queue_size < 0:
+        raise UserError(f"--queue-size must be >= 0, got {args.queue_size}")
+    if args.deadline < 0:
+        raise UserError(f"--deadline must be >= 0 seconds, got {args.deadline}")
+    if args.max_context < 2:
+        raise UserError(f"--max-context must be >= 2, got {args.max_context}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key is empty")
+    tokenizer = load_tokenizer(model_dir)
+    engine = load_engine(args.engine, model_dir, args.tp, max_context=args.max_context, dtype=args.dtype,
+                         device=args.device)
+    options = ServeOptions(model_name=args.served_model_name or model_dir.resolve().name, api_key=args.api_key,
+                           queue_size=args.queue_size, deadline=args.deadline or None,
+                           max_context=args.max_context, drafts=args.drafts)
+    serve(engine, tokenizer, options, args.host, args.port, args.log_level)
+    return 0

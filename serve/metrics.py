@@ -1,0 +1,42 @@
+"""Prometheus metrics of one server (its own registry, so several servers can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+TOKEN_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        disable_created_metrics()  # no *_created series: counters and histograms only
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("iquest_requests", "HTTP requests answered, by route and status code "
+                                "(499 = the client went away mid-request)", ["route", "status"], registry=r)
+        self.finished = Counter("iquest_decodes", "Decodes ended, by reason (stop, length, cancelled, "
+                                "deadline, error)", ["reason"], registry=r)
+        self.tokens = Counter("iquest_emitted_tokens", "Tokens emitted by the engine", registry=r)
+        self.rounds = Counter("iquest_rounds", "Speculative rounds run (steps that verified drafts)", registry=r)
+        self.drafts = Counter("iquest_drafts", "Drafts verified in speculative rounds", registry=r)
+        self.accepted = Counter("iquest_accepted_drafts", "Drafts accepted in speculative rounds", registry=r)
+        self.mean_accepted = Gauge("iquest_mean_accepted_length",
+                                   "Accepted drafts per speculative round since start", registry=r)
+        self.mean_accepted.set_function(
+            lambda: self.accepted._value.get() / max(self.rounds._value.get(), 1.0))
+        self.queue_depth = Gauge("iquest_queue_depth", "Requests admitted and waiting for the engine", registry=r)
+        self.running = Gauge("iquest_running", "Requests decoding now (0 or 1)", registry=r)
+        self.tpot = Histogram("iquest_time_per_output_token_seconds",
+                              "Per request: (end - first token) / (tokens - 1)", buckets=TOKEN_SECONDS_BUCKETS,
+                              registry=r)
+        self.ttft = Histogram("iquest_time_to_first_token_seconds", "Per request: arrival to first token "
+                              "(queueing and prefill included)", registry=r)
+
+    def observe_step(self, step) -> None:
+        self.tokens.inc(len(step.tokens))
+        if step.drafts > 0:
+            self.rounds.inc()
+            self.drafts.inc(step.drafts)
+            self.accepted.inc(step.accepted)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,65 @@
+"""Test helpers: an engine wrapper that lets a test hold a decode at a known point, and SSE parsing."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+
+class HeldEngine:
+    """The wrapped engine, but a decode can be held: before its first Step (`hold_start`) or after it
+    (`hold_after_first`), until the test calls `release()`. Records per request how many Steps were
+    pulled from the engine after the release, and whether the engine's generator was closed."""
+
+    def __init__(self, engine):
+        self.engine, self.config, self.generation = engine, engine.config, engine.generation
+        self.hold_start = self.hold_after_first = False
+        self.entered = threading.Event()    # a decode is at its hold point
+        self._release = threading.Event()
+        self.requests: list[dict] = []
+
+    def release(self) -> None:
+        self._release.set()
+
+    def reset(self) -> None:
+        self.hold_start = self.hold_after_first = False
+        self.entered.clear()
+        self._release.clear()
+
+    def generate(self, prompt, **kw):
+        record = {"prompt": list(prompt), "steps": 0, "tokens": 0, "after_release": 0, "closed": False}
+        self.requests.append(record)
+        inner = self.engine.generate(prompt, **kw)
+
+        def run():
+            released = False
+            try:
+                if self.hold_start:
+                    self.entered.set()
+                    self._release.wait(30)
+                    released = True
+                for step in inner:
+                    record["steps"] += 1
+                    record["tokens"] += len(step.tokens)
+                    if released:
+                        record["after_release"] += 1
+                    yield step
+                    if self.hold_after_first and not released:
+                        self.entered.set()
+                        self._release.wait(30)
+                        released = True
+            finally:
+                inner.close()
+                record["closed"] = True
+
+        return run()
+
+
+def sse_events(lines) -> list:
+    """The JSON payloads of a server-sent event stream (`data: [DONE]` as the string "[DONE]")."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out

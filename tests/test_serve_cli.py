@@ -1,0 +1,82 @@
+"""`iquest serve` as a user starts it: a subprocess on 127.0.0.1 with --api-key, answered by the openai
+client, stopped with SIGINT; --help explains each flag; bad flags are one-line errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from iquest.cli.main import main
+
+TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_subprocess_with_api_key():
+    port = free_port()
+    cmd = [sys.executable, "-m", "iquest.cli.main", "serve", "--model", str(TINY), "--port", str(port),
+           "--api-key", "k3y", "--max-context", "256", "--queue-size", "2", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < end, "the server did not come up"
+            time.sleep(0.1)
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10).status_code == 401
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k3y", max_retries=0, timeout=60)
+        assert client.models.list().data[0].id == "tiny"
+        a = client.completions.create(model="tiny", prompt="def f():", max_tokens=6, seed=9)
+        b = client.completions.create(model="tiny", prompt="def f():", max_tokens=6, seed=9)
+        assert a.choices[0].text == b.choices[0].text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    assert proc.returncode is not None
+
+
+def test_serve_help_explains_each_flag(capsys):
+    assert main(["serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--model", "--engine", "--tp", "--host", "--port", "--api-key", "--queue-size", "--deadline",
+                 "--max-context", "--drafts", "--served-model-name"):
+        assert flag in out
+    assert "127.0.0.1" in out and "429" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--port", "70000"], "--port"),
+    (["--queue-size", "-1"], "--queue-size"),
+    (["--deadline", "-2"], "--deadline"),
+    (["--model", "/no/such/model"], "does not exist"),
+    (["--engine", "turbo"], "invalid choice"),
+])
+def test_serve_bad_flags_are_one_line_errors(capsys, argv, needle):
+    code = main(["serve", "--model", str(TINY), *argv] if "--model" not in argv else ["serve", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and needle in err and "Traceback" not in err

@@ -1,0 +1,104 @@
+"""A bounded load test on 127.0.0.1: 30 concurrent streaming clients per round (some cancel after the
+first chunk, some send bad input) against a queue of 6. Every valid request completes or gets 429,
+every bad one 400, nothing hangs (every wait is bounded), the server ends each round idle, and its
+memory (RSS of this process, where the server runs) stays within a bound across rounds."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from iquest.cli.engines import load_engine
+from iquest.serve.app import ServeOptions, create_app
+from iquest.serve.server import ServerThread, load_tokenizer
+from iquest.serve.testing import sse_events
+
+TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
+CLIENTS = 30
+ROUNDS = 4
+TIMEOUT = 30.0                 # per client request
+RSS_GROWTH_BOUND = 24 * 2**20  # bytes, from the end of the first round to the end of the last
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def client(url: str, i: int, out: dict) -> None:
+    kind = ("valid", "cancel", "bad")[i % 5 % 3]  # 0,3 valid; 1,4 cancel; 2 bad
+    body = {"prompt": f"def f{i}(x):", "max_tokens": 8, "seed": i, "stream": True}
+    if kind == "bad":
+        body = {**body, "top_p": 2.0} if i % 2 else {**body, "max_tokens": 0}
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                out[i] = (kind, r.status_code, r.json()["error"]["code"])
+                return
+            lines = r.iter_lines()
+            if kind == "cancel":
+                next(lines)
+                out[i] = (kind, 200, "cancelled")
+                return  # leaving the with-block closes the connection mid-stream
+            events = sse_events(lines)
+            out[i] = (kind, 200, events[-1])
+
+
+def metric(url: str, name: str, **labels) -> float:
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = load_engine("fast", TINY, 1, max_context=256)
+    app = create_app(engine, load_tokenizer(TINY),
+                     ServeOptions("tiny", queue_size=6, max_context=256, drafts=0, deadline=60))
+    with ServerThread(app) as s:
+        yield s
+
+
+def test_concurrent_clients_complete_or_get_429_and_memory_stays_bounded(server):
+    sizes = []
+    totals = {"ok": 0, "429": 0, "400": 0}
+    for _ in range(ROUNDS):
+        out: dict = {}
+        threads = [threading.Thread(target=client, args=(server.url, i, out), daemon=True) for i in range(CLIENTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT + 10)
+        assert not any(t.is_alive() for t in threads), "a client hung"
+        assert len(out) == CLIENTS
+        for i, (kind, status, last) in out.items():
+            if kind == "bad":
+                assert status == 400 and last is None, out[i]
+                totals["400"] += 1
+            elif status == 429:
+                assert last == "queue_full"
+                totals["429"] += 1
+            else:
+                assert status == 200, out[i]
+                assert kind == "cancel" or last == "[DONE]", out[i]
+                totals["ok"] += 1
+        # the round's work drains: nothing left running or queued
+        for _ in range(500):
+            if metric(server.url, "iquest_running") == 0 and metric(server.url, "iquest_queue_depth") == 0:
+                break
+            threading.Event().wait(0.02)
+        else:
+            pytest.fail("the server did not drain")
+        sizes.append(rss())
+    assert totals["ok"] >= ROUNDS and totals["400"] == ROUNDS * 6
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, "seed": 1}, timeout=TIMEOUT)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    assert sizes[-1] - sizes[0] < RSS_GROWTH_BOUND, f"RSS by round: {[s >> 20 for s in sizes]} MiB"
