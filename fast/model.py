@@ -19,8 +19,10 @@ from .weights import LayerWeights, ModelWeights
 
 
 class FastModel:
-    def __init__(self, config: Config, weights: ModelWeights, cache: StaticKV, par: Parallel, dtype: torch.dtype):
+    def __init__(self, config: Config, weights: ModelWeights, cache: StaticKV, par: Parallel, dtype: torch.dtype,
+                 defects: frozenset[str] = frozenset()):
         self.config, self.w, self.cache, self.par, self.dtype = config, weights, cache, par, dtype
+        self.defects = defects  # named deliberate bugs for negative controls (qualify/); empty in production
         tp = par.world
         self.q_heads = config.num_attention_heads // tp
         self.kv_heads = max(config.num_key_value_heads // tp, 1)
@@ -67,6 +69,8 @@ class FastModel:
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [R, D] as reference.layers.rope_cos_sin (float64 angles), from the cached inv_freq."""
+        if "rope_shift_rows" in self.defects:  # rows after a block's first rotated one position too far
+            positions = positions + (torch.arange(positions.shape[0], device=positions.device) > 0)
         angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
         emb = torch.cat([angles, angles], dim=-1)
         return (emb.cos() * self.rope_factor).to(self.dtype), (emb.sin() * self.rope_factor).to(self.dtype)
@@ -96,7 +100,8 @@ class FastModel:
             q, k = rms_norm(q, lw.q_norm, c.rms_norm_eps), rms_norm(k, lw.k_norm, c.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(positions, live, k, v)  # the block's own K/V first: rows see each other causally
-        out = attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(positions), lw.sinks)
+        sinks = None if "drop_sink" in self.defects else lw.sinks  # negative control: the sink logit dropped
+        out = attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(positions), sinks)
         return self.par.all_reduce(lw.wo.linear(out.to(self.dtype).reshape(R, -1)))
 
     def moe(self, lw: LayerWeights, b32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -32,8 +32,13 @@ class RoundRunner:
     # ---- sampling helpers ---------------------------------------------------------------------
     def dist(self, local_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Vocabulary-parallel top-k/top-p: (ids [R, K], probs [R, K]), identical on every rank."""
-        return sampler.sample_rows(local_logits, min(self.top_k, self.m.vocab_local), self.m.w.vocab_offset,
-                                   self.m.par.all_gather_last, self.top_k, self.st.temperature, self.st.top_p)
+        ids, probs = sampler.sample_rows(local_logits, min(self.top_k, self.m.vocab_local), self.m.w.vocab_offset,
+                                         self.m.par.all_gather_last, self.top_k, self.st.temperature, self.st.top_p)
+        if "top_p_drops_crossing" in self.defects:  # negative control: the last kept (crossing) token cut too
+            last = (probs > 0).sum(-1, keepdim=True) - 1  # Dist order: the crossing token is the last one kept
+            probs = torch.where((torch.arange(probs.shape[-1], device=probs.device) == last) & (last > 0), 0.0, probs)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return ids, probs
 
     def uniform(self, positions: torch.Tensor, purpose: int, depth: int = 0) -> torch.Tensor:
         return philox.uniforms(self.st.seed, philox.offsets(positions, purpose, depth))

@@ -98,6 +98,8 @@ def fast_prefill_dist(engine: RankEngine, params: SamplingParams):
     """The fast engine's target distribution after `prefix`, from a fresh prefill (after the decode)."""
     def dist(prefix):
         runner, _ = engine.runner(0, params.top_k)
+        engine.state.temperature.fill_(params.temperature)  # the sampler reads these from the device state
+        engine.state.top_p.fill_(params.top_p)
         engine.cache.reset()
         for s in range(0, len(prefix), 64):
             p = torch.arange(s, min(s + 64, len(prefix)))

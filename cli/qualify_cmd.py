@@ -1,0 +1,40 @@
+"""`iquest qualify`: check the fast engine against the float64 reference, with negative controls."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub) -> None:
+    p = sub.add_parser("qualify", help="qualify the fast engine against the float64 reference",
+                       description="Per-position numerics (replayed decode, per position class), append-one/"
+                                   "append-eight stability, decode agreement, lossless sampling, and a registry of "
+                                   "negative controls that must all be caught. Prints a table, writes a JSON "
+                                   "report, exits 1 on any failure.")
+    p.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the candidate (CPU, gloo; default 1)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="fast engine compute dtype (default fp32)")
+    p.add_argument("--quick", action="store_true", help="one request and fewer samples: fits CI on fixtures/tiny")
+    p.add_argument("--json", metavar="OUT", help="write the JSON report here")
+    p.add_argument("--control", action="append", metavar="NAME",
+                   help="run only this negative control (repeatable; default: all)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..qualify.controls import REGISTRY
+    from ..qualify.run import qualify
+    from .engines import default_model_dir
+
+    known = {c.name for c in REGISTRY}
+    for name in args.control or []:
+        if name not in known:
+            raise ValueError(f"unknown negative control {name!r}; known: {', '.join(sorted(known))}")
+    if args.tp not in (1, 2, 4, 8):
+        raise ValueError(f"--tp must be 1, 2, 4 or 8, got {args.tp}")
+    torch.set_num_threads(1)
+    report = qualify(args.model or str(default_model_dir()), tp=args.tp, quick=args.quick, dtype=args.dtype,
+                     json_out=args.json, controls=args.control)
+    return 0 if report["passed"] else 1

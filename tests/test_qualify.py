@@ -1,0 +1,98 @@
+"""`iquest qualify --quick` on fixtures/tiny: the healthy engine passes, every negative control is caught by
+its intended check and position class (with its broken branch counted), the JSON report has the documented
+structure; `iquest debug diff` writes a PNG and names the first stage over tolerance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from iquest.cli.main import main
+from iquest.qualify import tolerances
+from iquest.qualify.checks import chi2_sf
+from iquest.qualify.controls import REGISTRY
+from iquest.qualify.replay import classes_all
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "fixtures" / "tiny"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qualify") / "report.json"
+    rc = main(["qualify", "--model", str(TINY), "--quick", "--json", str(out)])
+    data = json.loads(out.read_text())
+    data["_rc"] = rc
+    return data
+
+
+@pytest.mark.slow
+def test_quick_qualify_passes_on_the_healthy_engine(report):
+    failed = [c for c in report["checks"] if c["verdict"] != "pass"]
+    assert report["_rc"] == 0 and report["passed"], failed
+    assert report["controls_caught"] == f"{len(REGISTRY)}/{len(REGISTRY)}"
+
+
+@pytest.mark.slow
+def test_report_structure(report):
+    for key in ("schema", "model", "tp", "dtype", "quick", "seconds", "passed", "checks", "controls", "lossless",
+                "controls_caught", "tolerances"):
+        assert key in report, key
+    for c in report["checks"]:
+        assert set(c) == {"check", "class", "worst", "tolerance", "verdict", "rows", "where"}
+        assert c["verdict"] in ("pass", "FAIL")
+    rows = {(c["check"], c["class"]) for c in report["checks"]}
+    for cls in classes_all():  # every position class is reported on its own, and was exercised
+        assert ("numerics.logits", cls) in rows
+        assert next(c for c in report["checks"] if (c["check"], c["class"]) == ("numerics.logits", cls))["rows"] > 0
+    for check in ("decode.tokens", "decode.acceptance", "stability.reference", "stability.candidate", "lossless"):
+        assert any(c["check"] == check for c in report["checks"]), check
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("control", [c.name for c in REGISTRY])
+def test_each_negative_control_is_caught_where_intended(report, control):
+    r = next(c for c in report["controls"] if c["name"] == control)
+    assert r["branch_count"] > 0, f"{control}: the broken code never ran on an input where it matters"
+    assert r["caught"] and r["caught_by"], r
+    assert all(tuple(x) in {tuple(i) for i in r["intended"]} for x in r["caught_by"])
+
+
+@pytest.mark.slow
+def test_controls_stay_in_their_classes(report):
+    """A defect confined to one place is caught there and not everywhere: the classes keep it visible."""
+    failing = {c["name"]: {tuple(x) for x in c["failing"]} for c in report["controls"]}
+    assert ("numerics.logits", "prefill") not in failing["keep_rejected_kv"]
+    assert not any(cls.startswith("verify") for _, cls in failing["skip_redraft"])
+    assert {check for check, _ in failing["top_p_drops_crossing"]} <= {"numerics.sampler", "decode.tokens",
+                                                                       "decode.acceptance"}
+    assert failing["replacement_from_p"] == {("lossless", "speculative_token")}
+
+
+def test_every_tolerance_states_its_reason():
+    for check, per in tolerances.table()["checks"].items():
+        for cls, entry in per.items():
+            assert len(entry.get("reason", "")) > 40, (check, cls)
+
+
+def test_chi2_survival_function():
+    # Known quantiles: chi2(1) at 3.841 and chi2(7) at 14.067 have sf 0.05; chi2(2) sf = exp(-x/2).
+    assert abs(chi2_sf(3.841459, 1) - 0.05) < 1e-6
+    assert abs(chi2_sf(14.067140, 7) - 0.05) < 1e-6
+    assert abs(chi2_sf(4.0, 2) - 0.1353352832) < 1e-9
+
+
+def test_debug_diff_writes_png_and_names_a_stage(tmp_path, capsys):
+    png, js = tmp_path / "diff.png", tmp_path / "diff.json"
+    ids = ",".join(str(i) for i in range(3, 23))
+    assert main(["debug", "diff", "--model", str(TINY), "--prompt-ids", ids, "--position", "12", "--plot", str(png),
+                 "--json", str(js), "--defect", "rope_shift_rows"]) == 0
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    data = json.loads(js.read_text())
+    assert data["first_over"] == {"layer": "0", "stage": "attn_out"}
+    assert "first over tolerance at layer 0, stage attn_out" in capsys.readouterr().out
+    assert main(["debug", "diff", "--model", str(TINY), "--prompt-ids", ids, "--position", "12", "--plot",
+                 str(png), "--json", str(js)]) == 0
+    assert json.loads(js.read_text())["first_over"] is None
