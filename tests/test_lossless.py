@@ -26,8 +26,9 @@ the random fixture into a "noisy bigram" model on which drafting is worth someth
       followed by sigma(x) (a permutation without short cycles), so consecutive positions have
       different distributions (otherwise a bonus drawn from the previous draft's q would be harmless).
     Sampling: temperature 1, top_k 8, top_p 0.8 (top-p truncation is active: asserted on the rows
-    of the enumeration). With these, drafts are accepted often but not always (about 1.3 rejections
-    and 0.8 all-accepted rounds per request), and the joint of 5 tokens has ~30 cells (~22 pools).
+    of the enumeration). With these, drafts are accepted often but not always (a replacement inside
+    the window in ~70% of requests, a bonus in ~30%), and the joint of 5 tokens has
+    a few dozen cells (24 pools, 23 df).
 
 Negative controls (each must FAIL the same test, with its broken branch counted as taken in >= 5%
 of the runs, inside the compared window):
@@ -35,9 +36,11 @@ of the runs, inside the compared window):
     Inverted   acceptance ratio q/p instead of p/q;
     BonusFromQ the bonus token drawn from the last draft's q instead of p_k.
 
-Observed (this model, N = 600, CPU, see the lead's report for the run): plain p ~ 0.5 and speculative
-p ~ 0.5 (both > alpha); FromP p ~ 1e-20, Inverted p ~ 1e-50, BonusFromQ p ~ 1e-13 (noncentrality per
-sample measured at ~0.24, ~0.46, ~0.16, on 22 df).
+Observed (this model, N = 600, 2 loaded CPU cores): plain chi2 = 22.8 on 23 df, p = 0.47;
+speculative chi2 = 18.3 on 23 df, p = 0.74 (426/600 runs with a replacement and 174/600 with a bonus
+inside the window). FromP p = 3e-20 (chi2 = 148); Inverted and BonusFromQ emit tokens the target
+cannot (307 and 94 runs outside the support: p = 0), and on the runs inside the support alone they
+still give p = 2e-39 and 2e-18 (printed as a diagnostic, not asserted).
 
 Speed: the reference decodes a micro request in ~15-20 ms CPU. The per-request uniforms are the
 project's own `rng.rand(seed, offsets)` for the whole offset range the request can touch, computed in
@@ -203,7 +206,7 @@ def chi_square(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], 
     """(statistic, df, p) with cells pooled in ascending expected count until each pool expects >= 5.
     p = 0 when a sampled sequence has target probability 0."""
     n = sum(counts.values())
-    if any(seq not in probs for seq in counts):
+    if any(seq not in probs for seq in counts):  # a token the target could never emit
         return float("inf"), 0, 0.0
     cells = sorted(probs, key=lambda s: (probs[s], s))
     pools_e, pools_o, e, o = [], [], 0.0, 0
@@ -247,7 +250,6 @@ class BonusFromQ(Rules):
 def test_exact_enumeration(exact):
     assert abs(sum(exact.probs.values()) - 1.0) < 1e-12
     assert exact.truncated > 0, "top-p never truncated a target row: the test would not exercise it"
-    assert exact.truncated < exact.rows, "every row truncated: pick a larger top_p"
     assert 10 <= len(exact.probs) <= 2000
 
 
@@ -275,6 +277,11 @@ def test_negative_control_fails(model, exact, rules, branch):
     s = sample(model, drafts=K, rules=rules)
     stat, df, p = chi_square(s.counts, exact.probs)
     taken = getattr(s, branch)
-    print(f"{type(rules).__name__}: chi2={stat:.1f} df={df} p={p:.3g} {branch}={taken}/{s.runs}")
+    outside = sum(c for seq, c in s.counts.items() if seq not in exact.probs)
+    inside = {seq: c for seq, c in s.counts.items() if seq in exact.probs}
+    # Diagnostic only: the same test on the runs that stayed inside the support (power beyond support).
+    print("  in-support runs only: chi2=%.1f df=%d p=%.3g" % chi_square(inside, exact.probs))
+    print(f"{type(rules).__name__}: chi2={stat:.1f} df={df} p={p:.3g} {branch}={taken}/{s.runs} "
+          f"outside the target support={outside}")
     assert taken >= MIN_BRANCH_SHARE * N, f"the broken branch ran in only {taken}/{s.runs} runs"
     assert p < BROKEN_P, f"the test failed to detect {type(rules).__name__}: p={p:.3g}"
