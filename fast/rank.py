@@ -70,7 +70,7 @@ class RankEngine:
                               causal="open_causal_mask" not in options.defects)
         self.model = FastModel(c, weights, self.cache, par, self.dtype, options.defects)
         self.state = DecodeState.allocate(self.capacity, options.max_context, c.hidden_size,
-                                          self.generation.top_k, self.dtype, par.device)
+                                          min(self.generation.top_k, c.vocab_size), self.dtype, par.device)
         self._runners: dict[tuple, tuple[RoundRunner, object]] = {}
 
     # ---- runners and their graphs ------------------------------------------------------------------
@@ -81,9 +81,10 @@ class RankEngine:
             from .flow import EagerFlow
 
             controller = load_controller(self.model_dir) if drafts == "auto" else FixedDepth(int(drafts)) if drafts else None
-            if top_k != self.state.q_ids.shape[1]:
+            width = min(top_k, self.config.vocab_size)  # a distribution never has more entries than the vocabulary
+            if width != self.state.q_ids.shape[1]:
                 self.state = DecodeState.allocate(self.capacity, self.options.max_context, self.config.hidden_size,
-                                                  top_k, self.dtype, self.par.device)
+                                                  width, self.dtype, self.par.device)
                 self._runners.clear()
             runner = RoundRunner(self.model, self.state, top_k, controller, EagerFlow(), self.options.defects)
             graph = self._capture(runner) if self._use_graphs() else None

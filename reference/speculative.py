@@ -168,7 +168,9 @@ def generate(model, prompt: Sequence[int], *, seed: int, params: SamplingParams 
     step, hidden = dec.prefill(prompt)
     emitted = 0
     while True:
-        step.tokens, step.logprobs = step.tokens[: max_new_tokens - emitted], step.logprobs[: max_new_tokens - emitted]
+        if len(step.tokens) > max_new_tokens - emitted:  # the budget cuts this round short
+            step.tokens, step.logprobs = step.tokens[: max_new_tokens - emitted], step.logprobs[: max_new_tokens - emitted]
+            step.bonus = False  # the bonus token, if any, was the last one and is gone
         for j, t in enumerate(step.tokens):
             if t in stop_ids:
                 step.tokens, step.logprobs, step.stopped = step.tokens[: j + 1], step.logprobs[: j + 1], True

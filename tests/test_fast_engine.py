@@ -26,10 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "fixtures" / "tiny"
 TINY_TP8 = ROOT / "fixtures" / "tiny-tp8"
 PARAMS = SamplingParams()
-# L1 between the fast engine's and the reference's target distributions that a divergence may
-# show and still count as rounding: fp32 compute differs from float64 by ~1e-6 in probabilities,
-# bf16 activations by ~1e-2 on these random models (measured, see test output); far below a defect.
-TOLERANCE = {"fp32": 1e-3, "bf16": 0.15}
+# How far the two engines' probabilities of a diverging token may differ and still count as rounding.
+# fp32 compute is within ~1e-6 of float64 in probability. bf16 activations on a random MoE move logits
+# by up to ~1.5 (router flips amplify rounding; measured alike on CPU and CUDA, final hidden ~12% off), which on
+# these flat 20-token distributions (top probabilities ~0.03-0.05) moves a token's probability by a
+# few hundredths; 0.05 allows that and still rejects a token one engine favours and the other omits.
+TOLERANCE = {"fp32": 1e-3, "bf16": 0.05}
 
 
 @lru_cache(maxsize=None)
