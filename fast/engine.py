@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from ..reference.checkpoint import CheckpointReader
 from ..reference.config import Config, ConfigError, GenerationConfig
 from ..reference.sampling import SamplingParams
 from ..reference.speculative import Step
@@ -59,6 +60,7 @@ class FastEngine:
             raise ConfigError(f"--tp {tp} needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
         if options.max_context > config.max_position_embeddings:
             options = replace(options, max_context=config.max_position_embeddings)
+        CheckpointReader(model_dir, config)  # names, shapes, dtypes from the headers: fail before any device work
         check_memory(config, tp, options, kind)
         port = free_port()
         ctx = mp.get_context("spawn")

@@ -72,6 +72,8 @@ class RankEngine:
         self.state = DecodeState.allocate(self.capacity, options.max_context, c.hidden_size,
                                           min(self.generation.top_k, c.vocab_size), self.dtype, par.device)
         self._runners: dict[tuple, tuple[RoundRunner, object]] = {}
+        if self._use_graphs():  # capture (and upload) the default decode loop now, off the decode clock
+            self.runner("auto", self.generation.top_k)
 
     # ---- runners and their graphs ------------------------------------------------------------------
     def runner(self, drafts: int | str, top_k: int) -> tuple[RoundRunner, object]:

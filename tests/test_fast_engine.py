@@ -241,3 +241,32 @@ def test_tensor_parallel_agrees_with_tp1(model_dir, tp):
     print(f"[tp={tp}] {result}")
     assert result.explained, str(result)
     assert result.agreed >= 20
+
+
+# ---- the trained mini model: real routing and real acceptance ------------------------------------------
+MINI = ROOT / "fixtures" / "iquest-q1-mini"
+MINI_PROMPTS = ["def parse_args(argv):\n    ", "class Cache:\n    def __init__(self, size):\n        self.",
+                "import os\n\ndef walk(top):\n    \"\"\"Yield every file under top.\"\"\"\n"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("drafts", [5, "auto"])
+def test_fast_agrees_with_reference_on_the_mini_model(dtype, drafts):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(MINI / "tokenizer.json"))
+    engine = rank_engine(MINI, dtype)
+    agreed = total = accepted = 0
+    for i, text in enumerate(MINI_PROMPTS):
+        prompt = tok.encode(text).ids
+        steps = fast_steps(engine, prompt, 300 + i, drafts, n=48)
+        out_ref = tokens(generate(reference(MINI), prompt, seed=300 + i, params=PARAMS, max_new_tokens=48,
+                                  drafts=drafts))
+        result = compare(prompt, tokens(steps), out_ref, fast_dist(engine), ref_dist(MINI), TOLERANCE[dtype])
+        print(f"[mini {dtype} drafts={drafts} prompt {i}] {result}")
+        assert result.explained, str(result)
+        agreed, total = agreed + result.agreed, total + result.total
+        accepted += sum(s.accepted for s in steps)
+    assert accepted > 0, "the trained draft layer must get drafts accepted (else acceptance paths went untested)"
+    if dtype == "fp32":
+        assert agreed >= 0.9 * total, f"only {agreed}/{total} tokens agree before divergence"
