@@ -47,6 +47,7 @@ PHILOX_KEY_B = 0xBB67AE85
 PHILOX_ROUNDS = 10
 # tl.rand's scale, rounded to float32 exactly as Triton's frontend does with the Python constant.
 RAND_SCALE = torch.tensor(4.6566127342e-10, dtype=torch.float32)
+_SCALE = float(RAND_SCALE)
 
 _MASK32 = 0xFFFFFFFF
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -94,6 +95,35 @@ def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
+def philox_words(c0: torch.Tensor, k0, k1) -> tuple[torch.Tensor, ...]:
+    """The 10 Philox4x32 rounds on counter (c0, 0, 0, 0) and key (k0, k1): four uint32 words in int64.
+
+    `c0` holds uint32 values in an int64 tensor; the key words are Python ints or int64 tensors (the
+    fast engine keeps the request seed on the device). One implementation for both engines.
+    """
+    c1 = torch.zeros_like(c0)
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    for _ in range(PHILOX_ROUNDS):
+        hi_b, lo_b = _mul32(PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _mul32(PHILOX_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + PHILOX_KEY_A) & _MASK32
+        k1 = (k1 + PHILOX_KEY_B) & _MASK32
+    return c0, c1, c2, c3
+
+
+def word_to_uniform(word: torch.Tensor) -> torch.Tensor:
+    """tl.rand's map from the first Philox word (uint32 in int64) to a float32 in [0, 1)."""
+    x = torch.where(word >= 2**31, word - 2**32, word)  # bitcast uint32 -> int32
+    # Fold the sign away: -x-1 maps [-2**31, -1] onto [0, 2**31 - 1], so every value has a twin.
+    x = torch.where(x < 0, -x - 1, x)
+    # int32 -> float32 rounds to nearest even, then a float32 multiply: both as in the kernel. The
+    # scale is a Python float (exactly RAND_SCALE): a tensor constant would need a host-to-device
+    # copy, which a CUDA graph cannot capture.
+    return x.to(torch.float32) * _SCALE
+
+
 def philox4x32(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     """Philox4x32-10 of counter (offset, 0, 0, 0) under key (seed_lo, seed_hi): int64 [..., 4] uint32 words.
 
@@ -106,28 +136,12 @@ def philox4x32(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     c0 = offsets.to(device="cpu", dtype=torch.int64)
     if c0.numel() and (int(c0.min()) < _INT32_MIN or int(c0.max()) > _INT32_MAX):
         raise ValueError("offsets must be int32 values (an int64 offset is a different Triton stream)")
-    c0 = c0 & _MASK32
-    c1 = torch.zeros_like(c0)
-    c2 = torch.zeros_like(c0)
-    c3 = torch.zeros_like(c0)
-    k0, k1 = seed & _MASK32, seed >> 32
-    for _ in range(PHILOX_ROUNDS):
-        hi_b, lo_b = _mul32(PHILOX_ROUND_B, c2)
-        hi_a, lo_a = _mul32(PHILOX_ROUND_A, c0)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
-        k0 = (k0 + PHILOX_KEY_A) & _MASK32
-        k1 = (k1 + PHILOX_KEY_B) & _MASK32
-    return torch.stack([c0, c1, c2, c3], dim=-1)
+    return torch.stack(philox_words(c0 & _MASK32, seed & _MASK32, seed >> 32), dim=-1)
 
 
 def rand(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     """float32 uniforms in [0, 1), bit-identical to `tl.rand(seed, offsets)` for int32 offsets."""
-    word = philox4x32(seed, offsets)[..., 0]
-    x = torch.where(word >= 2**31, word - 2**32, word)  # bitcast uint32 -> int32
-    # Fold the sign away: -x-1 maps [-2**31, -1] onto [0, 2**31 - 1], so every value has a twin.
-    x = torch.where(x < 0, -x - 1, x)
-    # int32 -> float32 rounds to nearest even, then a float32 multiply: both as in the kernel.
-    return x.to(torch.float32) * RAND_SCALE
+    return word_to_uniform(philox4x32(seed, offsets)[..., 0])
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,6 @@ TINY = ROOT / "fixtures" / "tiny"
 EOS = 1
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The reference runs tiny matrices: extra intra-op threads only add contention on a 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def generate(capsys, *extra: str, model: Path | str = TINY) -> dict:

@@ -17,13 +17,6 @@ from iquest.reference.fp8 import E4M3
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: extra intra-op threads only add contention on a small shared box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _file_bytes(d: Path) -> dict[str, bytes]:

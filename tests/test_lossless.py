@@ -98,7 +98,6 @@ def bigram_micro(seed: int = 2, gain: float = 1.0, embed_scale: float = 2.0, pul
 
 @pytest.fixture(scope="module")
 def model() -> ReferenceModel:
-    torch.set_num_threads(1)  # tiny tensors: threads only add overhead (and xdist runs one per core)
     return bigram_micro()
 
 

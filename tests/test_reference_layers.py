@@ -25,13 +25,6 @@ from iquest.reference.layers import (apply_rope, attention, expert_mlp, rms_norm
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny float64 ops: intra-op threads only add overhead (and thrash on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def rand(*shape, seed=0, scale=1.0):

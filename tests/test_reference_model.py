@@ -16,13 +16,6 @@ W = 8  # sliding_window of small_config
 N = 40  # > 3 windows, so sliding layers drop history
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny float64 ops: intra-op threads only add overhead (and thrash on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def assert_rel(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-12) -> None:
