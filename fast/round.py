@@ -16,7 +16,7 @@ import torch
 from ..reference.depth import MIN_DRAFTS, DraftFeatures, FixedDepth, LogisticDepth
 from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT, PURPOSE_DRAFT
 from . import philox, sampler
-from .model import FastModel
+from .model import FastModel, stage
 from .state import MAX_DRAFTS, VERIFY_ROWS, DecodeState
 
 
@@ -30,6 +30,7 @@ class RoundRunner:
         self.depths = torch.arange(1, MAX_DRAFTS + 1, device=dev)
 
     # ---- sampling helpers ---------------------------------------------------------------------
+    @stage("sampling")
     def dist(self, local_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Vocabulary-parallel top-k/top-p: (ids [R, K], probs [R, K]), identical on every rank."""
         ids, probs = sampler.sample_rows(local_logits, min(self.top_k, self.m.vocab_local), self.m.w.vocab_offset,
@@ -111,9 +112,13 @@ class RoundRunner:
         st.log_rounds.index_copy_(0, st.rounds.view(1).clamp(max=st.log_trash), record.view(1, 4))
         st.emitted.add_(keep)
         st.rounds.add_(1)
-        st.done.copy_(((first_stop <= keep) & is_stop.any()) | (st.emitted >= st.budget))
+        # The budget check keeps a healthy request inside its context; the capacity check is a backstop
+        # (a run whose length outgrows what it emitted, e.g. a negative control, stops instead of overrunning).
+        full = st.n + 2 * VERIFY_ROWS >= st.trash
+        st.done.copy_(((first_stop <= keep) & is_stop.any()) | (st.emitted >= st.budget) | full)
 
     # ---- drafting -----------------------------------------------------------------------------
+    @stage("draft")
     def draft(self, tokens: torch.Tensor, hiddens: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
               last: torch.Tensor) -> None:
         """Depth 0 over a block (its row `last` gives q_1), then depths 2.. one row each.
@@ -136,6 +141,7 @@ class RoundRunner:
         logits, h = self.m.draft(st.drafts[depth - 2].view(1), st.draft_h, pos, torch.ones_like(pos, dtype=torch.bool))
         self.sample_draft(depth, logits, h)
 
+    @stage("sampling")
     def sample_draft(self, depth: int, logits: torch.Tensor, h: torch.Tensor) -> None:
         st = self.st
         ids, probs = self.dist(logits)
