@@ -13,21 +13,38 @@ def register(sub) -> None:
     bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     s = bsub.add_parser("step", help="median latency of one speculative round: CUDA graphs vs eager",
                         description="Prefill a prompt of --context tokens, then time decode chunks with the "
-                                    "captured decode-loop graph and with an eager loop, alternating in one process.")
+                                    "captured decode-loop graph and with an eager loop, alternating in one process. "
+                                    "With --config and --tp-slice: one rank's shard of that model at full dimensions "
+                                    "(random FP8 weights, collectives replaced by local no-ops), with bytes per round, "
+                                    "the byte floor and a per-stage profile.")
     s.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
+    s.add_argument("--config", help="config.json of a model to run as one synthetic rank slice (no checkpoint)")
+    s.add_argument("--tp-slice", type=int, default=8, help="with --config: TP degree whose rank 0 runs (default 8)")
+    s.add_argument("--device", default="auto", help="with --config: cuda, cpu or auto (default auto)")
     s.add_argument("--context", type=int, default=1024, help="prompt length in tokens (default 1024)")
     s.add_argument("--drafts", type=_drafts, default=5, help="fixed draft depth 3..7 or auto (default 5)")
     s.add_argument("--repeats", type=int, default=10, help="measurements per variant (default 10)")
-    s.add_argument("--chunk-tokens", type=int, default=64, help="tokens decoded per timed chunk (default 64)")
+    s.add_argument("--chunk-tokens", type=int, default=None,
+                   help="tokens decoded per timed chunk (default 64; 16 with --config)")
     s.add_argument("--seed", type=int, default=0, help="request seed of the first repeat (default 0)")
     s.add_argument("--out", help="write the raw JSON here (e.g. bench/results/step-mini.json)")
     s.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.config:
+        from ..bench.full_step import run as full_step
+
+        if args.model:
+            raise SystemExit("--model and --config are exclusive")
+        if args.drafts == "auto" or not args.drafts:
+            raise SystemExit("--config needs a fixed draft depth (--drafts 1..7)")
+        full_step(args.config, args.tp_slice, args.context, int(args.drafts), args.repeats, args.chunk_tokens or 16,
+                  args.seed, args.device, args.out)
+        return 0
     from ..bench.step import run as bench_step
     from .engines import default_model_dir
 
     bench_step(args.model or str(default_model_dir()), args.context, args.drafts, args.repeats,
-               args.chunk_tokens, args.seed, args.out)
+               args.chunk_tokens or 64, args.seed, args.out)
     return 0

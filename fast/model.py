@@ -9,13 +9,33 @@ Taps use the reference's names (see reference/model.py) for `iquest debug diff`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..reference.config import Config
+from ..reference.fp8 import expand_scales
 from ..reference.layers import apply_rope, attention, rms_norm, rope_inv_freq, route
 from .cache import LayerKV, StaticKV
 from .parallel import Parallel
-from .weights import LayerWeights, ModelWeights
+from .weights import KEEP_DENSE_BYTES, FP8Weight, LayerWeights, ModelWeights
+
+
+def stage(name: str):
+    """Profiler label on a stage (`torch.profiler.record_function`), opened only while a profiler runs:
+    it is host-side only, so captured graphs and unprofiled runs are unaffected (bench/full_step.py)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def labelled(*args, **kwargs):
+            if not torch.autograd._profiler_enabled():
+                return fn(*args, **kwargs)
+            with torch.profiler.record_function(name):
+                return fn(*args, **kwargs)
+        return labelled
+    return wrap
+
+
+rms_norm = stage("norm")(rms_norm)
 
 
 class FastModel:
@@ -37,6 +57,7 @@ class FastModel:
         x = self.w.embed[local.clamp(0, self.vocab_local - 1)] * mine[:, None].to(self.dtype)
         return self.par.all_reduce(x)
 
+    @stage("lm_head")
     def logits(self, x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         """This rank's fp32 logits [R, V/tp] for its vocabulary rows."""
         return rms_norm(x, norm, self.config.rms_norm_eps).float() @ self.w.lm_head.float().T
@@ -90,6 +111,7 @@ class FastModel:
             _tap(taps, tag + name, value)
         return x
 
+    @stage("attention")
     def attention(self, lw: LayerWeights, kv: LayerKV, a: torch.Tensor, positions: torch.Tensor,
                   live: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c, R = self.config, a.shape[0]
@@ -104,13 +126,28 @@ class FastModel:
         out = attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(positions), sinks)
         return self.par.all_reduce(lw.wo.linear(out.to(self.dtype).reshape(R, -1)))
 
+    @stage("moe")
     def moe(self, lw: LayerWeights, b32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Routed experts on this rank's slice of every expert's intermediate dimension."""
         c = self.config
         weights, experts, scores = route(b32 @ lw.router.T, c.num_experts_per_tok, c.norm_topk_prob,
                                          c.routed_scaling_factor)
         b = b32.to(self.dtype)
-        gate, up, down = lw.gate.dense()[experts], lw.up.dense()[experts], lw.down.dense()[experts]
+
+        def chosen(w: FP8Weight) -> torch.Tensor:
+            """The selected experts' weights [R, k, out, in]: small stacks from their kept dense copy, large
+            ones by dequantizing only the gathered FP8 tiles (same fp32 products as FP8Weight.dense)."""
+            if w._dense is not None or w.q.numel() * torch.finfo(w.dtype).bits // 8 <= KEEP_DENSE_BYTES:
+                return w.dense()[experts]
+            q = w.q.view(torch.uint8)[experts].view(w.q.dtype).to(torch.float32)  # gather as bytes: any device
+            s = w.scale[experts]
+            (rows, cols), (b0, b1) = q.shape[-2:], w.block
+            if rows % b0 or cols % b1:
+                return (q * expand_scales(s, (rows, cols), w.block)).to(w.dtype)
+            tiles = q.view(*q.shape[:-2], rows // b0, b0, cols // b1, b1)
+            return tiles.mul_(s[..., :, None, :, None]).view(q.shape).to(w.dtype)
+
+        gate, up, down = chosen(lw.gate), chosen(lw.up), chosen(lw.down)
         hidden = torch.nn.functional.silu(torch.einsum("rh,rkih->rki", b, gate)) * torch.einsum("rh,rkih->rki", b, up)
         y = torch.einsum("rki,rkhi->rkh", hidden, down)
         out = (y.float() * weights[..., None]).sum(dim=1).to(self.dtype)

@@ -23,7 +23,7 @@ from .model import FastModel
 from .parallel import Parallel
 from .round import RoundRunner
 from .state import MAX_STOP_IDS, VERIFY_ROWS, DecodeState
-from .weights import load_weights
+from .weights import ModelWeights, load_weights
 
 TOKENS_PER_READ = 32
 PREFILL_BLOCK = 64  # rows per prefill block: no more than the ring's spare slots (see cache.py)
@@ -57,22 +57,38 @@ class Request:
 
 class RankEngine:
     def __init__(self, model_dir: str | Path, par: Parallel, options: EngineOptions):
-        self.model_dir, self.par, self.options = Path(model_dir), par, options
-        self.config = Config.from_dir(self.model_dir)
-        self.config.check_tp(par.world)
-        self.generation = GenerationConfig.from_dir(self.model_dir, self.config)
+        model_dir = Path(model_dir)
+        config = Config.from_dir(model_dir)
+        config.check_tp(par.world)
+        generation = GenerationConfig.from_dir(model_dir, config)
+        weights = load_weights(model_dir, config, par, options.torch_dtype(par.device), defects=options.defects)
+        self._build(model_dir, config, generation, weights, par, options)
+
+    @classmethod
+    def from_weights(cls, config: Config, weights: ModelWeights, generation: GenerationConfig, par: Parallel,
+                     options: EngineOptions) -> "RankEngine":
+        """An engine over weights already in memory (e.g. fast/synthetic.py), without a checkpoint folder.
+        Nothing is captured at construction, and the "auto" depth controller is unavailable (no model folder)."""
+        config.check_tp(par.world)
+        engine = cls.__new__(cls)
+        engine._build(None, config, generation, weights, par, options)
+        return engine
+
+    def _build(self, model_dir: Path | None, config: Config, generation: GenerationConfig, weights: ModelWeights,
+               par: Parallel, options: EngineOptions) -> None:
+        self.model_dir, self.par, self.options = model_dir, par, options
+        self.config, self.generation = config, generation
         self.dtype = options.torch_dtype(par.device)
         c = self.config
         kv_heads = max(c.num_key_value_heads // par.world, 1)
         self.capacity = options.max_context + 2 * VERIFY_ROWS  # drafts and padding rows run past the budget
-        weights = load_weights(self.model_dir, c, par, self.dtype, defects=options.defects)
         self.cache = StaticKV(c, kv_heads, self.capacity, self.dtype, par.device, options.ring_slack,
                               causal="open_causal_mask" not in options.defects)
         self.model = FastModel(c, weights, self.cache, par, self.dtype, options.defects)
         self.state = DecodeState.allocate(self.capacity, options.max_context, c.hidden_size,
                                           min(self.generation.top_k, c.vocab_size), self.dtype, par.device)
         self._runners: dict[tuple, tuple[RoundRunner, object]] = {}
-        if self._use_graphs():  # capture (and upload) the default decode loop now, off the decode clock
+        if self._use_graphs() and model_dir is not None:  # capture (and upload) the default decode loop now
             self.runner("auto", self.generation.top_k)
 
     # ---- runners and their graphs ------------------------------------------------------------------
@@ -82,6 +98,8 @@ class RankEngine:
         if key not in self._runners:
             from .flow import EagerFlow
 
+            if drafts == "auto" and self.model_dir is None:
+                raise ValueError("drafts='auto' needs the model folder's depth controller; use a fixed depth")
             controller = load_controller(self.model_dir) if drafts == "auto" else FixedDepth(int(drafts)) if drafts else None
             width = min(top_k, self.config.vocab_size)  # a distribution never has more entries than the vocabulary
             if width != self.state.q_ids.shape[1]:

@@ -1,0 +1,321 @@
+"""`iquest bench step --config FILE --tp-slice N`: one rank's shard of a model at full dimensions.
+
+Rank 0's slice of the TP-N layout, with random FP8 weights made on the device (fast/synthetic.py), runs
+the real round code; its collectives are replaced by local no-ops, so the figure is one rank's compute
+without communication. In one process: the device copy bandwidth (before the weights take the memory),
+then a prefill (untimed, once), then alternating timed decode chunks with the captured decode-loop
+graph and with the eager loop, each from the same restored post-prefill state; one more eager chunk
+records the routing (distinct experts per MoE call) for the byte count (bench/bytes.py); a few rounds of
+each variant under torch.profiler give the per-stage breakdown. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from ..fast.memory import rank_weight_bytes
+from ..fast.rank import EngineOptions, RankEngine, Request
+from ..fast.synthetic import synthetic_parallel, synthetic_weights
+from ..reference.config import Config, GenerationConfig
+from .bytes import ByteCounter, RoundRouting
+from .step import _commit
+
+STAGES = ("attention", "moe", "norm", "lm_head", "sampling", "draft")  # labels in fast/model.py, fast/round.py
+TARGET_FLOOR_RATIO, TARGET_SPEEDUP = 1.5, 8.0
+PROFILE_TOKENS = 4  # tokens decoded under the profiler, per variant
+SNAPSHOT_KV_LIMIT = 4 << 30  # restore every layer's KV contents when they are this small
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, copies: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written (GPU_FACTS.md)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    for _ in range(copies):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize(device)
+    seconds = start.elapsed_time(end) / 1e3
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes * copies / seconds
+
+
+class Snapshot:
+    """The engine's post-prefill state, restored in place (captured graphs keep their addresses)."""
+
+    def __init__(self, engine: RankEngine):
+        self.engine = engine
+        st, cache = engine.state, engine.cache
+        self.state = {f.name: getattr(st, f.name).clone() for f in fields(st)}
+        self.slot_pos = [kv.slot_pos.clone() for kv in cache.layers]
+        kv_bytes = sum(2 * kv.k.numel() * kv.k.element_size() for kv in cache.layers)
+        self.all_kv = kv_bytes <= SNAPSHOT_KV_LIMIT
+        layers = range(len(cache.layers)) if self.all_kv else [engine.config.mtp_layer_index]
+        self.kv = {i: (cache[i].k.clone(), cache[i].v.clone()) for i in layers}
+
+    def restore(self) -> None:
+        st, cache = self.engine.state, self.engine.cache
+        for name, value in self.state.items():
+            getattr(st, name).copy_(value)
+        for kv, pos in zip(cache.layers, self.slot_pos):
+            kv.slot_pos.copy_(pos)
+        for i, (k, v) in self.kv.items():
+            cache[i].k.copy_(k)
+            cache[i].v.copy_(v)
+
+
+class RoutingRecorder:
+    """While active (eager rounds only), records each round's distinct experts per MoE call over live rows."""
+
+    def __init__(self, engine: RankEngine, runner):
+        self.model, self.runner, self.rounds = engine.model, runner, []
+
+    def __enter__(self) -> "RoutingRecorder":
+        model, runner, current = self.model, self.runner, {}
+        layer, moe, round_ = model.decoder_layer, model.moe, runner.speculative_round
+
+        def rec_layer(lw, kv, x, positions, live, *rest):
+            current["live"], current["tag"] = live, rest[-1]
+            return layer(lw, kv, x, positions, live, *rest)
+
+        def rec_moe(lw, b32):
+            out = moe(lw, b32)
+            live = current["live"]
+            if self.rounds:
+                self.rounds[-1].append((current["tag"], int(live.sum()), int(out[2][live].unique().numel())))
+            return out
+
+        def rec_round():
+            self.rounds.append([])
+            round_()
+
+        model.decoder_layer, model.moe, runner.speculative_round = rec_layer, rec_moe, rec_round
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.model.decoder_layer, self.model.moe, self.runner.speculative_round
+
+    def routings(self, layers: int, k: int) -> list[RoundRouting]:
+        out = []
+        for calls in self.rounds:
+            verify = tuple(n for tag, _, n in calls if tag.startswith("layer"))
+            draft = [(rows, n) for tag, rows, n in calls if tag == "mtp."]
+            if len(verify) == layers and len(draft) == k:
+                out.append(RoundRouting(verify, tuple(n for _, n in draft), accepted=draft[0][0] - 1))
+        return out
+
+
+def _stage_of(event) -> str:
+    e = event
+    while e is not None:
+        if e.name in STAGES:
+            return e.name
+        e = e.cpu_parent
+    return "other"
+
+
+def breakdown(events, wall_us: float, rounds: int, cuda: bool) -> dict:
+    """Per-round time by stage (innermost label): device kernel time on CUDA, self CPU time on CPU;
+    gaps = wall - busy. Graph replays carry no labels: their kernels count as "other"."""
+    from torch.autograd import DeviceType
+
+    per = dict.fromkeys(STAGES + ("other",), 0.0)
+    busy = 0.0
+    for e in events:
+        if e.device_type == DeviceType.CPU:
+            t = sum(k.duration for k in e.kernels) if cuda else e.self_cpu_time_total
+            if t:
+                per[_stage_of(e)] += t
+        elif cuda and not getattr(e, "is_user_annotation", False) and e.name not in STAGES:
+            busy += e.time_range.elapsed_us()
+    if cuda:  # kernels the profiler saw but could not tie to a CPU op (e.g. inside graph replays)
+        per["other"] += max(0.0, busy - sum(per.values()))
+    else:
+        busy = sum(per.values())
+    rounds = max(rounds, 1)
+    out = {s: v / rounds for s, v in per.items()}
+    out["busy"] = busy / rounds
+    out["gaps"] = wall_us / rounds - out["busy"]
+    out["wall"] = wall_us / rounds
+    return out
+
+
+def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chunk_tokens: int, seed: int,
+        device: str, out: str | None, profile_rounds: bool = True) -> dict:
+    config = Config.from_file(config_file)
+    config.check_tp(tp)
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       "cpu" if device == "auto" else device)
+    cuda = dev.type == "cuda"
+    notes = ["collectives replaced by local no-ops: one rank's compute, no communication",
+             "eager = the same round code run by the eager loop (host reads each condition); torch fallback "
+             "of every stage (no Triton kernels in the engine yet)",
+             "each timed chunk starts from the restored post-prefill state (one prefill per process)"]
+    if not cuda:
+        notes.append("no CUDA device: graph capture and the bandwidth floor are skipped (eager loop only)")
+    for n in notes:
+        print(n)
+    bandwidth = copy_bandwidth(dev) if cuda else None
+    weight_bytes = rank_weight_bytes(config, tp, 0)
+    if cuda:
+        free, _ = torch.cuda.mem_get_info(dev)
+        print(f"rank 0 of tp={tp}: {weight_bytes / 1e9:.1f} GB of weights; {free / 1e9:.1f} GB free")
+        if weight_bytes > free:
+            raise RuntimeError(f"rank slice needs {weight_bytes / 1e9:.1f} GB, the device has {free / 1e9:.1f} GB free")
+    options = EngineOptions(max_context=context + 2 * chunk_tokens + 64, graphs=cuda)
+    dtype = options.torch_dtype(dev)
+    t0 = time.perf_counter()
+    weights = synthetic_weights(config, tp, 0, dev, dtype, seed)
+    build_s = time.perf_counter() - t0
+    generation = GenerationConfig(eos_token_id=config.eos_token_id)
+    engine = RankEngine.from_weights(config, weights, generation, synthetic_parallel(tp, 0, dev), options)
+    t0 = time.perf_counter()
+    runner, graph = engine.runner(drafts, generation.top_k)
+    capture_s = time.perf_counter() - t0
+    # Prompt from rank 0's vocabulary rows: other ranks' rows would embed to zero without the all-reduce.
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(2, engine.model.vocab_local, (context,), generator=g).tolist()
+    req = Request(tuple(prompt), seed, generation.temperature, generation.top_k, generation.top_p,
+                  chunk_tokens + 1, drafts, ())
+    t0 = time.perf_counter()
+    engine.start(req, runner)
+    prefill_s = time.perf_counter() - t0
+    snap = Snapshot(engine)
+
+    def chunk(mode: str) -> dict:
+        snap.restore()
+        st = engine.state
+        rounds0, emitted0 = int(st.rounds), int(st.emitted)
+        _sync(dev)
+        start = time.perf_counter()
+        engine.decode_chunk(runner, graph if mode == "graph" else None)
+        _sync(dev)
+        dt = time.perf_counter() - start
+        rounds, emitted = int(st.rounds) - rounds0, int(st.emitted) - emitted0
+        return {"seconds": dt, "rounds": rounds, "tokens": emitted, "round_us": dt / max(rounds, 1) * 1e6}
+
+    modes = ("graph", "eager") if graph is not None else ("eager",)
+    for mode in modes:  # warm-up, untimed: first-use allocations and lazily kept dense weights
+        chunk(mode)
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for _ in range(repeats):
+        for mode in modes:
+            runs[mode].append(chunk(mode))
+    summary: dict = {}
+    for mode, rows in runs.items():
+        summary[mode] = {"median_round_us": statistics.median(r["round_us"] for r in rows),
+                         "tokens_per_round": sum(r["tokens"] for r in rows) / max(1, sum(r["rounds"] for r in rows))}
+    if graph is not None:
+        summary["speedup"] = summary["eager"]["median_round_us"] / summary["graph"]["median_round_us"]
+
+    # Bytes per round from the run's routing (one more eager chunk, recorded), and the upper bound.
+    counter = ByteCounter(config, tp, 0, act_bytes=torch.finfo(dtype).bits // 8)
+    snap.restore()
+    with RoutingRecorder(engine, runner) as rec:
+        engine.decode_chunk(runner, None)
+    routings = rec.routings(config.num_hidden_layers, drafts)
+    per_round = [counter.round(context, drafts, r) for r in routings]
+    measured = statistics.median(b["total"] for b in per_round) if per_round else None
+    upper = counter.round(context, drafts)
+    bytes_info = {"measured_median": measured, "upper_bound": upper["total"], "rounds_recorded": len(per_round),
+                  "breakdown_first_round": per_round[0] if per_round else None, "breakdown_upper": upper,
+                  "distinct_experts_verify_mean": statistics.mean(statistics.mean(r.verify) for r in routings)
+                  if routings else None,
+                  "distinct_experts_verify_upper": counter.upper_bound_experts(drafts + 1)}
+    best = summary["graph" if graph is not None else "eager"]["median_round_us"]
+    floor = None
+    if bandwidth:
+        floor = {"bandwidth_bytes_per_s": bandwidth, "floor_us": (measured or upper["total"]) / bandwidth * 1e6,
+                 "floor_upper_us": upper["total"] / bandwidth * 1e6}
+        floor["ratio"] = best / floor["floor_us"]
+    stages = {}
+    if profile_rounds:
+        for mode in modes:
+            try:
+                stages[mode] = _profiled(engine, runner, graph if mode == "graph" else None, snap, dev)
+            except Exception as exc:  # a profiler failure must not lose the timings above
+                notes.append(f"profiling the {mode} rounds failed: {type(exc).__name__}: {exc}")
+
+    report = {"bench": "step-full", "config": str(config_file), "tp_slice": tp, "rank": 0, "context": context,
+              "drafts": drafts, "repeats": repeats, "chunk_tokens": chunk_tokens, "seed": seed, "notes": notes,
+              "commit": _commit(), "device": torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
+              "torch": torch.__version__, "host": platform.node(), "dtype": str(dtype),
+              "weight_bytes": weight_bytes, "build_s": build_s, "capture_s": capture_s, "prefill_s": prefill_s,
+              "restore_all_kv": snap.all_kv, "summary": summary, "bytes": bytes_info, "floor": floor,
+              "stages_us_per_round": stages,
+              "targets": {"floor_ratio_max": TARGET_FLOOR_RATIO, "speedup_min": TARGET_SPEEDUP,
+                          "floor_met": floor is not None and floor["ratio"] <= TARGET_FLOOR_RATIO,
+                          "speedup_met": summary.get("speedup", 0.0) >= TARGET_SPEEDUP},
+              "runs": runs}
+    _print(report)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _profiled(engine: RankEngine, runner, graph, snap: Snapshot, dev: torch.device) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    snap.restore()
+    st = engine.state
+    st.budget.copy_(st.emitted + PROFILE_TOKENS)  # a few rounds: the profiler's trace stays small
+    rounds0 = int(st.rounds)
+    _sync(dev)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        engine.decode_chunk(runner, graph)
+        _sync(dev)
+        wall_us = (time.perf_counter() - start) * 1e6
+    return breakdown(prof.events(), wall_us, int(st.rounds) - rounds0, cuda)
+
+
+def _print(r: dict) -> None:
+    s, b, f = r["summary"], r["bytes"], r["floor"]
+    print(f"bench step  config={r['config']} tp-slice={r['tp_slice']} (rank 0) context={r['context']} "
+          f"drafts={r['drafts']} repeats={r['repeats']} commit={r['commit']} device={r['device']}")
+    print(f"weights {r['weight_bytes'] / 1e9:.2f} GB built in {r['build_s']:.1f} s; capture {r['capture_s']:.1f} s; "
+          f"prefill {r['prefill_s']:.1f} s (untimed)")
+    print(f"{'variant':8} {'median round (us)':>18} {'tokens/round':>13}")
+    for mode in ("graph", "eager"):
+        if mode in s:
+            print(f"{mode:8} {s[mode]['median_round_us']:18.1f} {s[mode]['tokens_per_round']:13.2f}")
+    if "speedup" in s:
+        print(f"graph speedup over eager: {s['speedup']:.2f}x (target >= {TARGET_SPEEDUP:.0f}x)")
+    measured = b["measured_median"]
+    print(f"bytes per round: {measured / 1e6:.2f} MB measured routing (median of {b['rounds_recorded']} rounds), "
+          f"{b['upper_bound'] / 1e6:.2f} MB upper bound" if measured else
+          f"bytes per round: {b['upper_bound'] / 1e6:.2f} MB upper bound (no routing recorded)")
+    if b["distinct_experts_verify_mean"] is not None:
+        print(f"distinct experts per main layer over {r['drafts'] + 1} rows: {b['distinct_experts_verify_mean']:.1f} "
+              f"(upper bound {b['distinct_experts_verify_upper']})")
+    if f:
+        print(f"device copy bandwidth {f['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (read + written); "
+              f"floor {f['floor_us']:.1f} us (upper-bound bytes: {f['floor_upper_us']:.1f} us); "
+              f"ratio {f['ratio']:.1f}x the floor (target <= {TARGET_FLOOR_RATIO}x)")
+    else:
+        print("byte floor: skipped (no CUDA device)")
+    for mode, st in r["stages_us_per_round"].items():
+        cols = "  ".join(f"{k} {st[k]:.0f}" for k in STAGES + ("other", "gaps"))
+        print(f"stages, {mode} (us/round): {cols}  [wall {st['wall']:.0f}]")
+    for n in r["notes"]:
+        print("note:", n)

@@ -1,0 +1,128 @@
+"""`iquest bench step --config ... --tp-slice N`: synthetic rank slices, the byte count, the CPU smoke run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from iquest.bench.bytes import ByteCounter, RoundRouting, round_bytes
+from iquest.cli.main import main
+from iquest.fast import model as fast_model
+from iquest.fast.parallel import Parallel
+from iquest.fast.rank import EngineOptions, RankEngine, Request
+from iquest.fast.synthetic import synthetic_weights
+from iquest.fast.weights import load_weights
+from iquest.reference.config import Config, GenerationConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY, TINY_TP8 = ROOT / "fixtures" / "tiny", ROOT / "fixtures" / "tiny-tp8"
+
+
+def _pairs(a, b, path=""):
+    """Yield (path, a, b) for every tensor and plain field of two weight trees."""
+    if isinstance(a, torch.Tensor) or a is None:
+        yield path, a, b
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            yield from _pairs(x, y, f"{path}[{i}]")
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            yield from _pairs(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
+    else:
+        yield path, a, b
+
+
+def test_synthetic_weights_match_a_loaded_rank_slice():
+    config = Config.from_dir(TINY_TP8)
+    loaded = load_weights(TINY_TP8, config, Parallel(3, 8, torch.device("cpu")), torch.float32, progress=False)
+    made = synthetic_weights(config, 8, 3, "cpu", torch.float32)
+    count = 0
+    for path, a, b in _pairs(loaded, made):
+        if isinstance(a, torch.Tensor):
+            assert (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device), path
+            if a.is_floating_point() and a.dtype != torch.float8_e4m3fn:
+                assert torch.isfinite(b).all(), path
+            count += 1
+        elif not path.endswith("_dense"):
+            assert a == b, path
+    assert count > 90
+
+
+def test_byte_count_by_hand_tiny_tp2():
+    # tiny: H 64, V 512, 4 layers (3 sliding W=32, 1 full), 4 q / 2 kv heads of 16, I 32, 8 experts top-2,
+    # blocks 16x16. Rank 0 of tp=2, context 100, depth 5, bf16 activations, fp32 router.
+    c = Config.from_dir(TINY)
+    bc = ByteCounter(c, 2, 0)
+    attention = (32 * 64 + 2 * 4 * 4) + 2 * (16 * 64 + 1 * 4 * 4) + (64 * 32 + 4 * 2 * 4) + 2 * 4  # q, k+v, o, sinks
+    assert bc.attention_weights(0) == attention == 6248
+    expert = 3 * (16 * 64 + 4 * 4)  # gate [16, 64], up [16, 64], down [64, 16]: 1024 bytes + 4 scales each
+    assert bc.expert(0) == expert == 3120
+    assert bc.kv(0, 100) == 2 * 32 * 1 * 16 * 2 and bc.kv(3, 100) == 2 * 100 * 1 * 16 * 2
+    eh_proj = 64 * 64 + 4 * 4 * 4  # [64, 128] split by columns: [64, 64] and 4 x 4 scales
+    lm_head, router, norm = 256 * 64 * 2, 8 * 64 * 4, 64 * 2
+    upper = round_bytes(c, 2, 100, 5)
+    assert upper["verify"] == {"attention_weights": 4 * 6248, "router": 4 * router, "experts": 4 * 8 * expert,
+                               "norms": 9 * norm, "kv": 3 * 2048 + 6400, "lm_head": lm_head,
+                               "embedding_rows": 6 * norm}
+    assert upper["draft"] == {"eh_proj": 5 * eh_proj, "attention_weights": 5 * 6248, "router": 5 * router,
+                              "experts": (8 + 4 * 2) * expert, "norms": 25 * norm, "kv": 5 * 2048,
+                              "lm_head": 5 * lm_head, "embedding_rows": (6 + 4) * norm}
+    assert upper["total"] == 180256 + 290760
+    measured = round_bytes(c, 2, 100, 5, RoundRouting(verify=(3, 4, 5, 6), draft=(3, 2, 2, 2, 2), accepted=1))
+    assert measured["verify"]["experts"] == 18 * expert
+    assert measured["draft"]["experts"] == 11 * expert
+    assert measured["draft"]["embedding_rows"] == (2 + 4) * norm
+    assert measured["total"] == upper["total"] - (32 - 18) * expert - (16 - 11) * expert - 4 * norm
+
+
+def test_byte_count_replicated_kv_heads():
+    c = Config.from_dir(TINY_TP8)  # 4 KV heads at tp=8: each rank holds one whole head, blocks 8x8
+    bc = ByteCounter(c, 8, 3)
+    assert bc.slice_bytes("model.layers.0.self_attn.k_proj.weight") == 16 * 128 + 2 * 16 * 4
+    assert bc.kv(3, 10) == 2 * 10 * 1 * 16 * 2
+
+
+def test_moe_gathers_only_selected_fp8_experts(monkeypatch):
+    """The gathered-tile path (taken for large expert stacks) equals dense()[experts] bit for bit."""
+    config = Config.from_dir(TINY)
+    engine = RankEngine(TINY, Parallel.single(), EngineOptions(max_context=64, dtype="fp32"))
+    lw = engine.model.w.layers[1]
+    b32 = torch.randn(8, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    dense = engine.model.moe(lw, b32)
+    for w in (lw.gate, lw.up, lw.down):
+        w._dense = None
+    monkeypatch.setattr(fast_model, "KEEP_DENSE_BYTES", 0)
+    gathered = engine.model.moe(lw, b32)
+    assert all(w._dense is None for w in (lw.gate, lw.up, lw.down))
+    for x, y in zip(dense, gathered):
+        assert torch.equal(x, y)
+
+
+def test_engine_from_weights_decodes_like_the_checkpoint_engine():
+    options = EngineOptions(max_context=96, dtype="fp32")
+    a = RankEngine(TINY, Parallel.single(), options)
+    b = RankEngine.from_weights(a.config, a.model.w, GenerationConfig.from_dir(TINY, a.config), Parallel.single(),
+                                options)
+    req = Request(tuple(range(2, 22)), 7, 1.0, 20, 0.95, 12, 3, ())
+    steps = [[(s.tokens, s.drafts, s.accepted) for s in e.decode(req)] for e in (a, b)]
+    assert steps[0] == steps[1] and steps[0]
+
+
+def test_cpu_smoke_run(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    rc = main(["bench", "step", "--config", str(TINY / "config.json"), "--tp-slice", "2", "--device", "cpu",
+               "--repeats", "1", "--context", "48", "--chunk-tokens", "6", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "collectives replaced by local no-ops" in text and "bandwidth floor are skipped" in text
+    r = json.loads(out.read_text())
+    assert r["tp_slice"] == 2 and r["floor"] is None and "graph" not in r["summary"]
+    assert r["summary"]["eager"]["median_round_us"] > 0
+    b = r["bytes"]
+    assert b["rounds_recorded"] >= 1 and 0 < b["measured_median"] <= b["upper_bound"]
+    stages = r["stages_us_per_round"]["eager"]
+    assert stages["attention"] > 0 and stages["moe"] > 0 and stages["sampling"] > 0
