@@ -1,0 +1,169 @@
+"""kernels/topk.py against fast.sampler.local_candidates (the rank keys, values and global ids).
+
+The contract is exact: keys, ids and value bits must be identical. Small shapes run under Triton's CPU
+interpreter in one worker subprocess: 1 and 8 rows, partial last tiles, fewer columns than k, k not a
+power of two, exact ties (integer-valued logits, +-0.0, +-inf), a rank's vocabulary offset, strided
+rows, and more tiles than the merge reads (the tile-maxima skip, checked against the full merge).
+Outputs are pre-filled with NaN / -1. `@pytest.mark.gpu` cases use one TP8 rank: Vr = 20000, k = 20.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from iquest.kernels import topk as tk
+
+BASE = dict(R=8, V=1000, k=20, tile=128, offset=0, data="randn", skip=True, stride=None, seed=0)
+
+
+def case(name: str, **kw) -> dict:
+    return dict(BASE, name=name, **kw)
+
+
+CASES = [
+    case("1row_4tiles", R=1, V=100, tile=32),
+    case("8rows_partial_tile", V=1000),
+    case("8rows_rank7_offset", V=700, offset=140000),
+    case("ties_integers", R=4, V=600, data="ties"),
+    case("ties_zero_inf", R=2, V=300, data="specials", tile=64),
+    case("all_equal", R=2, V=200, data="equal", tile=32),
+    case("fewer_columns_than_k", R=3, V=10, tile=32),
+    case("k1", R=2, V=500, k=1, tile=16),
+    case("k5", R=2, V=500, k=5),
+    case("k32", R=2, V=500, k=32),
+    case("strided_rows", R=3, V=400, stride=3),
+    case("skip_79_tiles", R=1, V=5000, tile=64, data="ties"),
+    case("skip_off_79_tiles", R=1, V=5000, tile=64, data="ties", skip=False),
+    case("skip_peaked", R=1, V=5000, tile=64, data="peaked"),
+    case("one_tile_5000", R=1, V=5000, tile=8192),
+]
+
+GPU_CASES = [
+    case("gpu_8rows_tile2048", V=20000, tile=2048),
+    case("gpu_1row_tile2048", R=1, V=20000, tile=2048),
+    case("gpu_8rows_tile1024", V=20000, tile=1024),
+    case("gpu_8rows_tile4096_ties", V=20000, tile=4096, data="ties"),
+    case("gpu_8rows_tile8192", V=20000, tile=8192),
+    case("gpu_8rows_tile256_skip", V=20000, tile=256, offset=140000),
+    case("gpu_8rows_tile256_noskip", V=20000, tile=256, skip=False),
+    case("gpu_8rows_specials", V=20000, tile=2048, data="specials"),
+]
+
+
+def make_logits(c: dict, device: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(c["seed"])
+    R, V = c["R"], c["V"]
+    shape = (R, V * (c["stride"] or 1))
+    if c["data"] == "ties":  # few distinct values: most of the top-k is decided by the id
+        x = torch.randint(-4, 5, shape, generator=gen).float()
+    elif c["data"] == "specials":
+        x = torch.randint(-2, 2, shape, generator=gen).float()
+        pick = torch.randint(0, 6, shape, generator=gen)
+        x = torch.where(pick == 0, torch.tensor(-0.0), x)
+        x = torch.where(pick == 1, torch.tensor(float("-inf")), x)
+        x[:, ::97] = float("inf")
+    elif c["data"] == "equal":
+        x = torch.full(shape, -1.5)
+    elif c["data"] == "peaked":  # the top-k concentrated in two tiles, the rest far below
+        x = torch.randn(shape, generator=gen) - 20
+        x[:, 1000:1010] += 40
+        x[:, 3000:3015] += 35
+    else:
+        x = torch.randn(shape, generator=gen) * 3
+    return x.to(device)[:, :V]
+
+
+def run_case(c: dict, device: str) -> dict:
+    logits = make_logits(c, device)
+    R, K = c["R"], min(c["k"], c["V"])
+    out = (torch.full((R, K), -1, dtype=torch.int64, device=device),
+           torch.full((R, K), float("nan"), device=device), torch.full((R, K), -1, dtype=torch.int64, device=device))
+    keys, values, ids = tk.local_topk_keys(logits, c["k"], c["offset"], tile=c["tile"], skip=c["skip"], out=out)
+    assert keys is out[0] and values is out[1] and ids is out[2]
+    r_keys, r_values, r_ids = tk.local_topk_ref(logits, c["k"], c["offset"])
+    v2, i2 = tk.local_topk(logits, c["k"], c["offset"], tile=c["tile"], skip=c["skip"])
+    return {"keys": torch.equal(keys, r_keys), "ids": torch.equal(ids, r_ids),
+            "value_bits": torch.equal(values.view(torch.int32), r_values.view(torch.int32)),
+            "plain_api": torch.equal(v2.view(torch.int32), r_values.view(torch.int32)) and torch.equal(i2, r_ids),
+            "shape": list(values.shape)}
+
+
+def _check(c: dict, r: dict) -> None:
+    assert r["shape"] == [c["R"], min(c["k"], c["V"])]
+    for what in ("keys", "ids", "value_bits", "plain_api"):
+        assert r[what], f"{c['name']}: {what} differ from fast.sampler.local_candidates"
+
+
+# ---- interpreter tests ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    from iquest.kernels.testing import run_worker
+
+    return run_worker(os.path.abspath(__file__))
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])
+def test_interpreted(interpreted, c):
+    r = interpreted[c["name"]]
+    assert "error" not in r, r.get("error")
+    _check(c, r)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(logits=torch.randn(2, 50, dtype=torch.float64)), "float32"),
+    (dict(logits=torch.randn(50, 2).T), "unit stride"),
+    (dict(k=0), "k must be"),
+    (dict(k=65), "k must be"),
+    (dict(tile=16), "power of two >= 32"),
+    (dict(tile=96), "power of two"),
+    (dict(vocab_offset=2**31), "below 2\\*\\*31"),
+    (dict(out=(torch.empty(2, 20, dtype=torch.int64),) * 3), "out tensors"),
+])
+def test_rejects_bad_inputs(kw, message):
+    args = dict(logits=torch.randn(2, 50), k=20, vocab_offset=0)
+    args.update(kw)
+    with pytest.raises(ValueError, match=message):
+        tk.local_topk_keys(**args)
+
+
+# ---- GPU tests (one TP8 rank) ----------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", CASES + GPU_CASES, ids=[c["name"] for c in CASES + GPU_CASES])
+def test_gpu(c):
+    _check(c, run_case(c, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 8])
+def test_gpu_speed_report(R):
+    """Prints the tiled scan's time per tile size beside torch.topk on the rank keys (fast.sampler today)."""
+    from triton.testing import do_bench
+
+    from iquest.fast import sampler
+
+    logits = torch.randn(R, 20000, device="cuda") * 3
+    t_ref = do_bench(lambda: sampler._local_keys(logits, 20, 140000), warmup=20, rep=200)
+    print(f"R={R}: torch keys + topk {t_ref * 1e3:.1f} us")
+    for tile in (512, 1024, 2048, 4096, 8192):
+        for num_warps in (4, 8):
+            ms = do_bench(lambda: tk.local_topk_keys(logits, 20, 140000, tile=tile, num_warps=num_warps),
+                          warmup=20, rep=200)
+            print(f"R={R}: tile {tile} warps {num_warps}: {ms * 1e3:.1f} us")
+
+
+if __name__ == "__main__" and "--interpret-worker" in sys.argv:
+    from iquest.kernels.testing import patch_interpreter
+
+    patch_interpreter()
+    results = {}
+    for c in CASES:
+        try:
+            results[c["name"]] = run_case(c, "cpu")
+        except Exception as e:  # reported per case by test_interpreted
+            results[c["name"]] = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(results))
