@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .topk import SENTINEL, _key, _unkey
+from .topk import SENTINEL, _unkey
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)  # the interpreter has no libdevice
 MAX_K = 64

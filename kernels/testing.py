@@ -40,3 +40,18 @@ def run_worker(script: str, timeout: float = 1200) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"interpreter worker failed:\n{done.stderr[-6000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def worker_main(jobs) -> None:
+    """A test module's worker body: run each (name, job) under the interpreter, print the results as
+    JSON (an exception is reported per case, so one broken case does not hide the others)."""
+    import traceback
+
+    patch_interpreter()
+    results = {}
+    for name, job in jobs:
+        try:
+            results[name] = job()
+        except Exception as e:
+            results[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"}
+    print(json.dumps(results))

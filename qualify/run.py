@@ -25,7 +25,7 @@ from tqdm import tqdm
 from ..fast.parallel import Parallel
 from ..fast.rank import EngineOptions, RankEngine
 from . import tolerances
-from .checks import Case, Row, decode_session, lossless, params_for, session_rows, stability
+from .checks import Case, Row, decode_session, lossless, session_rows, stability
 from .controls import REGISTRY, Control
 from .replay import classes_all
 

@@ -15,7 +15,7 @@ from typing import Iterator, Protocol, Sequence
 import torch
 
 from . import sampling
-from .depth import DraftFeatures, FixedDepth, LogisticDepth
+from .depth import DraftFeatures, FixedDepth
 from .rng import PURPOSE_ACCEPT, PURPOSE_COMMIT, PURPOSE_DRAFT, RequestRNG
 from .sampling import Dist, SamplingParams
 

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from iquest.cli.main import main
 from iquest.reference.checkpoint import CheckpointReader

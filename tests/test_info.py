@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 
 from iquest.cli.info_cmd import kv_read_bytes
 from iquest.cli.main import main

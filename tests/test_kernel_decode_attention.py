@@ -12,7 +12,6 @@ the slots past it with NaN K/V whose slot_pos would be visible: a kernel that re
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -226,13 +225,6 @@ def test_gpu_speed_report(context):
 
 
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
-    from iquest.kernels.testing import patch_interpreter
+    from iquest.kernels.testing import worker_main
 
-    patch_interpreter()
-    results = {}
-    for c in CASES:
-        try:
-            results[c["name"]] = run_case(c, "cpu")
-        except Exception as e:  # reported per case by test_interpreted
-            results[c["name"]] = {"error": f"{type(e).__name__}: {e}"}
-    print(json.dumps(results))
+    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES])

@@ -18,7 +18,6 @@ beside them, subnormals, saturation at 448, all-zero groups and groups below the
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -373,17 +372,7 @@ def test_gpu_speed_report(R):
 
 
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
-    from iquest.kernels.testing import patch_interpreter
+    from iquest.kernels.testing import worker_main
 
-    patch_interpreter()
-    results = {}
     jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES]
-    jobs += [("act_quant", lambda: run_act_quant("cpu")), ("group_random", run_group_random)]
-    for name, job in jobs:
-        try:
-            results[name] = job()
-        except Exception as e:  # reported per case by the tests
-            import traceback
-
-            results[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"}
-    print(json.dumps(results))
+    worker_main(jobs + [("act_quant", lambda: run_act_quant("cpu")), ("group_random", run_group_random)])

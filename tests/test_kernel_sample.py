@@ -18,7 +18,6 @@ Outputs are pre-filled with NaN / -1. `@pytest.mark.gpu` cases use real shapes (
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -353,13 +352,6 @@ def test_gpu_speed_report():
 
 
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
-    from iquest.kernels.testing import patch_interpreter
+    from iquest.kernels.testing import worker_main
 
-    patch_interpreter()
-    results = {}
-    for c in CASES:
-        try:
-            results[c["name"]] = run_case(c, "cpu")
-        except Exception as e:  # reported per case by test_interpreted
-            results[c["name"]] = {"error": f"{type(e).__name__}: {e}"}
-    print(json.dumps(results))
+    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES])

@@ -51,7 +51,6 @@ own test so pytest-xdist spreads them over workers.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import numpy as np
