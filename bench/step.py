@@ -50,47 +50,59 @@ def _commit() -> str:
         return "unknown"
 
 
+def _time_chunk(engine: RankEngine, runner, graph, req: Request) -> dict:
+    engine.start(req, runner)  # prefill and first drafts: untimed
+    st = engine.state
+    rounds0, emitted0 = int(st.rounds), int(st.emitted)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.decode_chunk(runner, graph)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    rounds, emitted = int(st.rounds) - rounds0, int(st.emitted) - emitted0
+    return {"seconds": dt, "rounds": rounds, "tokens": emitted, "round_us": dt / rounds * 1e6,
+            "tokens_per_round": emitted / rounds}
+
+
 def run(model_dir: str, context: int, drafts: int | str, repeats: int, chunk_tokens: int, seed: int,
-        out: str | None) -> dict:
+        out: str | None, kernels: tuple[str, ...] = ("torch",)) -> dict:
+    """Each kernels variant gets its own engine; every repeat runs all variants (graph and eager) in turn."""
     if not torch.cuda.is_available():
         raise RuntimeError("iquest bench step needs a CUDA device")
-    engine = RankEngine(model_dir, Parallel.single("cuda"), EngineOptions(max_context=context + 2 * chunk_tokens + 64))
-    prompt = _prompt(engine, context, seed)
-    results: dict[str, list[dict]] = {"graph": [], "eager": []}
-    runner, graph = engine.runner(drafts, engine.generation.top_k)
+    engines = {k: RankEngine(model_dir, Parallel.single("cuda"),
+                             EngineOptions(max_context=context + 2 * chunk_tokens + 64, kernels=k)) for k in kernels}
+    first = next(iter(engines.values()))
+    gen = first.generation
+    prompt = _prompt(first, context, seed)
+    runners = {k: e.runner(drafts, gen.top_k) for k, e in engines.items()}
+    results: dict[str, list[dict]] = {f"{k}/{mode}": [] for k in kernels for mode in ("graph", "eager")}
     for rep in range(repeats):
-        req = Request(tuple(prompt), seed + rep, engine.generation.temperature, engine.generation.top_k,
-                      engine.generation.top_p, chunk_tokens, drafts, ())
-        for mode in ("graph", "eager"):
-            engine.start(req, runner)
-            st = engine.state
-            rounds0, emitted0 = int(st.rounds), int(st.emitted)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            engine.decode_chunk(runner, graph if mode == "graph" else None)
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            rounds, emitted = int(st.rounds) - rounds0, int(st.emitted) - emitted0
-            results[mode].append({"seconds": dt, "rounds": rounds, "tokens": emitted,
-                                  "round_us": dt / rounds * 1e6, "tokens_per_round": emitted / rounds})
+        req = Request(tuple(prompt), seed + rep, gen.temperature, gen.top_k, gen.top_p, chunk_tokens, drafts, ())
+        for k, engine in engines.items():
+            runner, graph = runners[k]
+            results[f"{k}/graph"].append(_time_chunk(engine, runner, graph, req))
+            results[f"{k}/eager"].append(_time_chunk(engine, runner, None, req))
     summary = {}
-    for mode, rows in results.items():
-        summary[mode] = {
+    for variant, rows in results.items():
+        summary[variant] = {
             "median_round_us": statistics.median(r["round_us"] for r in rows),
             "tokens_per_round": sum(r["tokens"] for r in rows) / sum(r["rounds"] for r in rows),
             "median_tpot_us": statistics.median(r["seconds"] / r["tokens"] * 1e6 for r in rows),
         }
-    summary["speedup"] = summary["eager"]["median_round_us"] / summary["graph"]["median_round_us"]
+    base = summary[f"{kernels[0]}/graph"]["median_round_us"]
+    for variant in summary:
+        summary[variant]["ratio_to_first_graph"] = summary[variant]["median_round_us"] / base
     report = {"bench": "step", "model": str(model_dir), "context": context, "drafts": drafts, "repeats": repeats,
-              "chunk_tokens": chunk_tokens, "commit": _commit(), "device": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "host": platform.node(), "summary": summary, "runs": results}
+              "chunk_tokens": chunk_tokens, "kernels": list(kernels), "commit": _commit(),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),
+              "summary": summary, "runs": results}
     print(f"bench step  model={model_dir} context={context} drafts={drafts} repeats={repeats} "
           f"commit={report['commit']} device={report['device']}")
-    print(f"{'variant':8} {'median round (us)':>18} {'tokens/round':>13} {'median TPOT (us)':>17}")
-    for mode in ("graph", "eager"):
-        s = summary[mode]
-        print(f"{mode:8} {s['median_round_us']:18.1f} {s['tokens_per_round']:13.2f} {s['median_tpot_us']:17.1f}")
-    print(f"graph speedup over eager: {summary['speedup']:.2f}x")
+    print(f"{'variant':14} {'median round (us)':>18} {'tokens/round':>13} {'median TPOT (us)':>17} "
+          f"{'vs ' + kernels[0] + '/graph':>16}")
+    for variant, s in summary.items():
+        print(f"{variant:14} {s['median_round_us']:18.1f} {s['tokens_per_round']:13.2f} {s['median_tpot_us']:17.1f} "
+              f"{s['ratio_to_first_graph']:16.2f}")
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=1) + "\n")

@@ -28,17 +28,22 @@ def register(sub) -> None:
                    help="tokens decoded per timed chunk (default 64; 16 with --config)")
     s.add_argument("--seed", type=int, default=0, help="request seed of the first repeat (default 0)")
     s.add_argument("--out", help="write the raw JSON here (e.g. bench/results/step-mini.json)")
+    s.add_argument("--kernels", default="torch",
+                   help="comma-separated variants compared side by side: torch (fallback), triton (kernels/); "
+                        "e.g. torch,triton (default torch)")
     s.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from .main import UserError
+
     if args.config:
         from ..bench.full_step import run as full_step
 
         if args.model:
-            raise SystemExit("--model and --config are exclusive")
+            raise UserError("--model and --config are exclusive")
         if args.drafts == "auto" or not args.drafts:
-            raise SystemExit("--config needs a fixed draft depth (--drafts 1..7)")
+            raise UserError("--config needs a fixed draft depth (--drafts 3..7)")
         full_step(args.config, args.tp_slice, args.context, int(args.drafts), args.repeats, args.chunk_tokens or 16,
                   args.seed, args.device, args.out)
         return 0
@@ -46,5 +51,5 @@ def run(args: argparse.Namespace) -> int:
     from .engines import default_model_dir
 
     bench_step(args.model or str(default_model_dir()), args.context, args.drafts, args.repeats,
-               args.chunk_tokens or 64, args.seed, args.out)
+               args.chunk_tokens or 64, args.seed, args.out, tuple(args.kernels.split(",")))
     return 0

@@ -53,7 +53,7 @@ class ReferenceEngine:
 
 
 def load_engine(name: str, model_dir: str | Path, tp: int = 1, max_context: int = 4096, dtype: str = "auto",
-                device: str = "auto") -> Engine:
+                device: str = "auto", kernels: str = "torch") -> Engine:
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"model folder {model_dir} has no config.json")
@@ -66,5 +66,5 @@ def load_engine(name: str, model_dir: str | Path, tp: int = 1, max_context: int 
         from ..fast.rank import EngineOptions
 
         return FastEngine.load(model_dir, tp=tp, device=device,
-                               options=EngineOptions(max_context=max_context, dtype=dtype))
+                               options=EngineOptions(max_context=max_context, dtype=dtype, kernels=kernels))
     raise ValueError(f"unknown engine {name!r}")

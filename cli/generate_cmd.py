@@ -38,6 +38,9 @@ def register(sub) -> None:
                    help="fast engine compute dtype (auto = bf16 on GPU, fp32 on CPU)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="fast engine device (auto = cuda when available)")
+    p.add_argument("--kernels", choices=["torch", "triton"], default="torch",
+                   help="fast engine stages: torch fallback (default) or the Triton kernels of kernels/ "
+                        "(FP8 linear, split-KV attention; on CPU they need TRITON_INTERPRET=1)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text (default: a Python header)")
     src.add_argument("--prompt-ids", help="comma-separated token ids instead of text, e.g. 1,2,3")
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     tok = _tokenizer(model_dir)
     engine = load_engine(args.engine, model_dir, args.tp, max_context=args.max_context, dtype=args.dtype,
-                         device=args.device)
+                         device=args.device, kernels=args.kernels)
     cfg, gen = engine.config, engine.generation
     params = SamplingParams(
         temperature=gen.temperature if args.temperature is None else args.temperature,

@@ -7,9 +7,9 @@ import sys
 
 from ..reference.checkpoint import CheckpointError
 from ..reference.config import ConfigError
-from . import bench_cmd, card_cmd, debug_cmd, fixture_cmd, generate_cmd, info_cmd, qualify_cmd, serve_cmd
+from . import bench_cmd, card_cmd, debug_cmd, fit_cmd, fixture_cmd, generate_cmd, info_cmd, qualify_cmd, serve_cmd
 
-COMMANDS = [generate_cmd, fixture_cmd, bench_cmd, card_cmd, serve_cmd, info_cmd, qualify_cmd, debug_cmd]
+COMMANDS = [generate_cmd, fixture_cmd, bench_cmd, card_cmd, fit_cmd, serve_cmd, info_cmd, qualify_cmd, debug_cmd]
 
 
 class UserError(Exception):

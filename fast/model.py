@@ -15,8 +15,9 @@ import torch
 
 from ..reference.config import Config
 from ..reference.fp8 import expand_scales
-from ..reference.layers import apply_rope, attention, rms_norm, rope_inv_freq, route
+from ..reference.layers import apply_rope, rms_norm, rope_inv_freq, route
 from .cache import LayerKV, StaticKV
+from .ops import TorchOps
 from .parallel import Parallel
 from .weights import KEEP_DENSE_BYTES, FP8Weight, LayerWeights, ModelWeights
 
@@ -40,8 +41,9 @@ rms_norm = stage("norm")(rms_norm)
 
 class FastModel:
     def __init__(self, config: Config, weights: ModelWeights, cache: StaticKV, par: Parallel, dtype: torch.dtype,
-                 defects: frozenset[str] = frozenset()):
+                 defects: frozenset[str] = frozenset(), ops: TorchOps | None = None):
         self.config, self.w, self.cache, self.par, self.dtype = config, weights, cache, par, dtype
+        self.ops = ops or TorchOps()  # torch fallback or the Triton kernels (fast/ops.py)
         self.defects = defects  # named deliberate bugs for negative controls (qualify/); empty in production
         tp = par.world
         self.q_heads = config.num_attention_heads // tp
@@ -81,7 +83,7 @@ class FastModel:
         h = rms_norm(prev_hidden.to(self.dtype), m.hnorm, eps)
         cat = torch.cat([e, h], dim=-1)  # embedding first; eh_proj is row-parallel over these 2H inputs
         width = cat.shape[-1] // self.par.world
-        u = self.par.all_reduce(m.eh_proj.linear(cat[:, self.par.rank * width:(self.par.rank + 1) * width]))
+        u = self.par.all_reduce(self.ops.linear(m.eh_proj, cat[:, self.par.rank * width:(self.par.rank + 1) * width]))
         _tap(taps, "mtp.input", u)
         cos, sin = self._rope(positions)
         h_out = self.decoder_layer(m.block, self.cache[self.config.mtp_layer_index], u, positions, live, cos, sin,
@@ -115,16 +117,16 @@ class FastModel:
     def attention(self, lw: LayerWeights, kv: LayerKV, a: torch.Tensor, positions: torch.Tensor,
                   live: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c, R = self.config, a.shape[0]
-        q = lw.wq.linear(a).view(R, self.q_heads, c.head_dim)
-        k = lw.wk.linear(a).view(R, self.kv_heads, c.head_dim)
-        v = lw.wv.linear(a).view(R, self.kv_heads, c.head_dim)
+        q = self.ops.linear(lw.wq, a).view(R, self.q_heads, c.head_dim)
+        k = self.ops.linear(lw.wk, a).view(R, self.kv_heads, c.head_dim)
+        v = self.ops.linear(lw.wv, a).view(R, self.kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = rms_norm(q, lw.q_norm, c.rms_norm_eps), rms_norm(k, lw.k_norm, c.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(positions, live, k, v)  # the block's own K/V first: rows see each other causally
         sinks = None if "drop_sink" in self.defects else lw.sinks  # negative control: the sink logit dropped
-        out = attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(positions), sinks)
-        return self.par.all_reduce(lw.wo.linear(out.to(self.dtype).reshape(R, -1)))
+        out = self.ops.attention(q, kv, positions, sinks)
+        return self.par.all_reduce(self.ops.linear(lw.wo, out.to(self.dtype).reshape(R, -1)))
 
     @stage("moe")
     def moe(self, lw: LayerWeights, b32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

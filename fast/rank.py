@@ -20,6 +20,7 @@ from ..reference.speculative import Step
 from . import sampler
 from .cache import RING_SLACK, StaticKV
 from .model import FastModel
+from .ops import make_ops
 from .parallel import Parallel
 from .round import RoundRunner
 from .state import MAX_STOP_IDS, VERIFY_ROWS, DecodeState
@@ -35,6 +36,7 @@ class EngineOptions:
     dtype: str = "auto"             # auto = bf16 on CUDA, fp32 on CPU
     graphs: bool = True             # capture CUDA graphs (ignored on CPU)
     ring_slack: int = RING_SLACK    # 0 only in the "ring of exactly W slots" negative control
+    kernels: str = "torch"          # torch fallback, or "triton": the kernels of kernels/ (fast/ops.py)
     defects: frozenset[str] = field(default_factory=frozenset)  # negative controls (qualify/)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
@@ -84,7 +86,7 @@ class RankEngine:
         self.capacity = options.max_context + 2 * VERIFY_ROWS  # drafts and padding rows run past the budget
         self.cache = StaticKV(c, kv_heads, self.capacity, self.dtype, par.device, options.ring_slack,
                               causal="open_causal_mask" not in options.defects)
-        self.model = FastModel(c, weights, self.cache, par, self.dtype, options.defects)
+        self.model = FastModel(c, weights, self.cache, par, self.dtype, options.defects, make_ops(options.kernels))
         self.state = DecodeState.allocate(self.capacity, options.max_context, c.hidden_size,
                                           min(self.generation.top_k, c.vocab_size), self.dtype, par.device)
         self._runners: dict[tuple, tuple[RoundRunner, object]] = {}
