@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks on a lent H200 (the device tool copies the working tree, without .git and
 # without an editable install): make `import iquest` work from the copy, then run what is asked.
-#   bash ci/gpu.sh tests                 all @pytest.mark.gpu tests
+#   bash ci/gpu.sh tests [PATHS...]      the @pytest.mark.gpu tests (all of tests/ by default)
 #   bash ci/gpu.sh bench ARGS...         iquest bench ARGS...
 # Results go to $OUT when it is set (the device tool brings that folder back).
 set -euo pipefail
@@ -10,7 +10,7 @@ export PYTHONPATH=/tmp/pkg PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # multicast stays off
 out=${OUT:-/tmp}
 case "${1:-tests}" in
-  tests) shift || true; python3 -m pytest -q -m gpu -p no:cacheprovider -s tests "$@" 2>&1 | tee "$out/gpu-tests.log" ;;
+  tests) shift || true; python3 -m pytest -q -m gpu -p no:cacheprovider -s "${@:-tests}" 2>&1 | tee "$out/gpu-tests.log" ;;
   bench) shift; python3 -m iquest.cli.main bench "$@" ;;
   *) echo "usage: bash ci/gpu.sh tests|bench ..." >&2; exit 2 ;;
 esac
