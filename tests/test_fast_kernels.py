@@ -40,6 +40,8 @@ def test_interpreted_kernels_decode_like_the_torch_fallback():
     want = decode("torch")
     for i, drafts in CASES:
         key = f"{i}-{drafts}"
+        # The interpreted kernels' own distributions are not available in this process: the fallback's
+        # stand in for both sides (fp32 kernels differ from it by rounding only), so only support is checked.
         result = compare(PROMPTS[i], got[key]["tokens"], want[key]["tokens"], fast_dist(torch_engine),
                          fast_dist(torch_engine), TOLERANCE["fp32"])
         print(f"[interpreted kernels, {key}] {result}")
@@ -50,11 +52,13 @@ def test_interpreted_kernels_decode_like_the_torch_fallback():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_cuda_kernels_decode_like_the_torch_fallback(dtype):
     got, want = decode("triton", "cuda", dtype), decode("torch", "cuda", dtype)
-    cuda = RankEngine(TINY, Parallel.single("cuda"), EngineOptions(max_context=256, dtype=dtype, kernels="triton"))
+    # Each side's divergence is explained with its own engine's distributions.
+    with_kernels, fallback = (RankEngine(TINY, Parallel.single("cuda"),
+                                         EngineOptions(max_context=256, dtype=dtype, kernels=k)) for k in ("triton", "torch"))
     for i, drafts in CASES:
         key = f"{i}-{drafts}"
-        result = compare(PROMPTS[i], got[key]["tokens"], want[key]["tokens"], fast_dist(cuda), fast_dist(cuda),
-                         TOLERANCE[dtype])
+        result = compare(PROMPTS[i], got[key]["tokens"], want[key]["tokens"], fast_dist(with_kernels),
+                         fast_dist(fallback), TOLERANCE[dtype])
         print(f"[cuda kernels {dtype}, {key}] {result}")
         assert result.explained, str(result)
 
