@@ -14,6 +14,8 @@ def register(sub) -> None:
     p.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the candidate (CPU, gloo; default 1)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="fast engine compute dtype (default fp32)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the candidate runs (cuda: the GPU engine, eagerly, so every block is recorded)")
     p.add_argument("--quick", action="store_true", help="one request and fewer samples: fits CI on fixtures/tiny")
     p.add_argument("--json", metavar="OUT", help="write the JSON report here")
     p.add_argument("--control", action="append", metavar="NAME",
@@ -36,5 +38,5 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tp must be 1, 2, 4 or 8, got {args.tp}")
     torch.set_num_threads(1)
     report = qualify(args.model or str(default_model_dir()), tp=args.tp, quick=args.quick, dtype=args.dtype,
-                     json_out=args.json, controls=args.control)
+                     json_out=args.json, controls=args.control, device=args.device)
     return 0 if report["passed"] else 1

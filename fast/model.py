@@ -158,4 +158,4 @@ class FastModel:
 
 def _tap(taps: dict | None, name: str, value: torch.Tensor) -> None:
     if taps is not None:
-        taps[name] = value.detach().clone() if value.dtype == torch.long else value.detach().double().cpu()
+        taps[name] = value.detach().cpu().clone() if value.dtype == torch.long else value.detach().double().cpu()

@@ -101,9 +101,10 @@ def fast_prefill_dist(engine: RankEngine, params: SamplingParams):
         engine.state.temperature.fill_(params.temperature)  # the sampler reads these from the device state
         engine.state.top_p.fill_(params.top_p)
         engine.cache.reset()
+        dev = engine.par.device
         for s in range(0, len(prefix), 64):
-            p = torch.arange(s, min(s + 64, len(prefix)))
-            logits, _ = engine.model.forward(torch.tensor(prefix)[p], p, torch.ones_like(p, dtype=torch.bool))
+            p = torch.arange(s, min(s + 64, len(prefix)), device=dev)
+            logits, _ = engine.model.forward(torch.tensor(prefix, device=dev)[p], p, torch.ones_like(p, dtype=torch.bool))
         ids, probs = runner.dist(logits[-1:])
         keep = probs[0] > 0
         return sampling.Dist(ids[0][keep].cpu(), probs[0][keep].double().cpu())
@@ -211,8 +212,9 @@ def stability(engine: RankEngine, model_dir: str, prefix: list[int], extra: list
 
     def fast_run(seq):
         engine.cache.reset()
-        pos = torch.arange(len(seq))
-        logits, hidden = engine.model.forward(torch.tensor(seq), pos, torch.ones_like(pos, dtype=torch.bool))
+        pos = torch.arange(len(seq), device=engine.par.device)
+        logits, hidden = engine.model.forward(torch.tensor(seq, device=pos.device), pos,
+                                              torch.ones_like(pos, dtype=torch.bool))
         return logits[:m].double().cpu(), hidden[:m].double().cpu()
 
     def rel(a, b):
@@ -280,10 +282,12 @@ def exact_second_token(model_dir: str, prompt: list[int], params: SamplingParams
     return out
 
 
-def lossless(dtype: str, samples: int, defects: frozenset = frozenset(), drafts: int = 3) -> tuple[Row, dict]:
+def lossless(dtype: str, samples: int, defects: frozenset = frozenset(), drafts: int = 3,
+             device: str = "cpu") -> tuple[Row, dict]:
     """Chi-square of the first speculative token (output index 1) against its exact distribution."""
     model_dir = micro_fixture()
-    engine = RankEngine(model_dir, Parallel.single(), EngineOptions(max_context=64, dtype=dtype, defects=defects))
+    engine = RankEngine(model_dir, Parallel.single(device),
+                        EngineOptions(max_context=64, dtype=dtype, defects=defects, graphs=False))
     g = engine.generation
     params = SamplingParams(g.temperature, min(g.top_k, engine.config.vocab_size), g.top_p)
     prompt = [3, 5, 2, 7, 1, 4]

@@ -54,24 +54,25 @@ def _blocks(n: int, start: int = 0):
 def _fast_taps(engine: RankEngine, ids: list[int], P: int) -> tuple[dict, dict]:
     main, mtp, hiddens = {}, {}, []
     engine.cache.reset()
-    toks = torch.tensor(ids)
+    dev = engine.par.device
+    toks = torch.tensor(ids, device=dev)
     for s, e in _blocks(len(ids)):
-        pos = torch.arange(s, e)
+        pos = torch.arange(s, e, device=dev)
         taps = {} if s <= P < e else None
         logits, h = engine.model.forward(toks[pos], pos, torch.ones_like(pos, dtype=torch.bool), taps)
         hiddens.append(h)
         if taps is not None:
             main = {k: v[P - s] for k, v in taps.items()}
-            main["logits"] = logits[P - s].double()
+            main["logits"] = logits[P - s].double().cpu()
     hidden = torch.cat(hiddens)
     if P >= 1:
         for s, e in _blocks(P + 1, 1):
-            pos = torch.arange(s, e)
+            pos = torch.arange(s, e, device=dev)
             taps = {} if s <= P < e else None
             logits, _ = engine.model.draft(toks[pos], hidden[s - 1:e - 1], pos, torch.ones_like(pos, dtype=torch.bool), taps)
             if taps is not None:
                 mtp = {k: v[P - s] for k, v in taps.items()}
-                mtp["mtp.logits"] = logits[P - s].double()
+                mtp["mtp.logits"] = logits[P - s].double().cpu()
     return main, mtp
 
 
@@ -98,14 +99,14 @@ def _compare(layer: str, stage: str, r: torch.Tensor, f: torch.Tensor, dtype: st
 
 
 def diff(model_dir, ids: list[int], position: int, dtype: str = "fp32", defects: frozenset = frozenset(),
-         plot: str = "debug-diff.png", json_out: str | None = None) -> DiffResult:
+         plot: str = "debug-diff.png", json_out: str | None = None, device: str = "cpu") -> DiffResult:
     if not ids:
         raise ValueError("the prompt is empty")
     P = position if position >= 0 else len(ids) + position
     if not 0 <= P < len(ids):
         raise ValueError(f"--position {position} is outside the prompt's {len(ids)} positions")
     ref = ReferenceModel.load(model_dir)
-    engine = RankEngine(model_dir, Parallel.single(),
+    engine = RankEngine(model_dir, Parallel.single(device),
                         EngineOptions(max_context=max(len(ids) + 16, 64), dtype=dtype, defects=defects))
     rm, rt = _ref_taps(ref, ids, P)
     fm, ft = _fast_taps(engine, ids, P)

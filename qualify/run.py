@@ -53,19 +53,19 @@ def _cases(model_dir: str, quick: bool, window: int, ring: int) -> tuple[list[Ca
 class _Engines:
     """The candidate under some options: (recorded rank-0 engine, run(req), single-rank engine for dists)."""
 
-    def __init__(self, model_dir: str, tp: int, options: EngineOptions):
+    def __init__(self, model_dir: str, tp: int, options: EngineOptions, device: str = "cpu"):
         self.fe = None
         if tp == 1:
-            self.rank0 = RankEngine(model_dir, Parallel.single(), options)
+            self.rank0 = RankEngine(model_dir, Parallel.single(device), options)
             self.single, self.run = self.rank0, None
         else:
             from ..fast.engine import FastEngine
             from ..reference.sampling import SamplingParams
 
-            self.fe = FastEngine.load(model_dir, tp=tp, device="cpu", options=options)
+            self.fe = FastEngine.load(model_dir, tp=tp, device=device, options=options)
             self.rank0 = self.fe.rank0
             # Ranks only change reduction order: a single-rank engine stands in for fresh-prefill distributions.
-            self.single = RankEngine(model_dir, Parallel.single(), options)
+            self.single = RankEngine(model_dir, Parallel.single(device), options)
 
             def run(req):
                 return self.fe.generate(req.prompt, seed=req.seed, params=SamplingParams(req.temperature, req.top_k,
@@ -90,17 +90,17 @@ def _failing(rows: list[Row]) -> set[tuple[str, str]]:
 
 
 def run_control(ctl: Control, model_dir: str, tp: int, base: EngineOptions, cases, dtype: str, samples: int,
-                bar) -> dict:
+                bar, device: str = "cpu") -> dict:
     t0 = time.time()
     options = replace(base, defects=frozenset(base.defects) | ctl.defects)
     if ctl.ring_slack is not None:
         options = replace(options, ring_slack=ctl.ring_slack)
     if ctl.family == "lossless":
-        row, info = lossless(dtype, samples, ctl.defects)
+        row, info = lossless(dtype, samples, ctl.defects, device=device)
         rows, branch = [row], ctl.branch(info, model_dir)
         bar.update(len(cases))
     else:
-        engines = _Engines(model_dir, tp, options)
+        engines = _Engines(model_dir, tp, options, device)
         try:
             sessions = _sessions(engines, model_dir, cases, dtype, bar)
         finally:
@@ -114,11 +114,14 @@ def run_control(ctl: Control, model_dir: str, tp: int, base: EngineOptions, case
 
 
 def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32", json_out: str | None = None,
-            progress: bool | None = None, controls: list[str] | None = None, out=sys.stdout) -> dict:
+            progress: bool | None = None, controls: list[str] | None = None, out=sys.stdout,
+            device: str = "cpu") -> dict:
     t0 = time.time()
     model_dir = str(model_dir)
-    base = EngineOptions(max_context=512, dtype=dtype)
-    probe = RankEngine(model_dir, Parallel.single(), base)
+    # Eager on CUDA too: the recorder wraps the engine's Python calls, which a graph replay skips. The
+    # graph is held to the eager round separately (bit-exact: tests/test_fast_gpu.py).
+    base = EngineOptions(max_context=512, dtype=dtype, graphs=False)
+    probe = RankEngine(model_dir, Parallel.single(device), base)
     from .checks import sliding_ring
 
     cases, prefix, extra = _cases(model_dir, quick, probe.config.sliding_window, sliding_ring(probe))
@@ -128,7 +131,7 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
     show = sys.stderr.isatty() if progress is None else progress
     with tqdm(total=total, desc="qualify", unit="step", disable=not show, file=sys.stderr) as bar:
         bar.set_postfix_str("healthy engine")
-        engines = _Engines(model_dir, tp, base)
+        engines = _Engines(model_dir, tp, base, device)
         try:
             sessions = _sessions(engines, model_dir, cases, dtype, bar)
             rows = session_rows(sessions, classes_all())
@@ -137,13 +140,13 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
             engines.close()
         bar.update(1)
         bar.set_postfix_str("lossless")
-        lrow, linfo = lossless(dtype, samples)
+        lrow, linfo = lossless(dtype, samples, device=device)
         rows.append(lrow)
         bar.update(1)
         results = []
         for ctl in chosen:
             bar.set_postfix_str(f"control {ctl.name}")
-            results.append(run_control(ctl, model_dir, tp, base, cases, dtype, samples, bar))
+            results.append(run_control(ctl, model_dir, tp, base, cases, dtype, samples, bar, device))
     caught = sum(r["caught"] for r in results)
     passed = all(r.passed for r in rows) and caught == len(results)
     report = {"schema": SCHEMA, "model": model_dir, "tp": tp, "dtype": dtype, "quick": quick,
