@@ -44,12 +44,10 @@ class ReferenceEngine:
         self.generation = GenerationConfig.from_dir(self.model_dir, self.config)
 
     def generate(self, prompt, *, seed, params, max_new_tokens, drafts, stop_ids):
-        from ..reference.depth import load_controller
         from ..reference.speculative import generate
 
-        controller = load_controller(self.model_dir) if drafts == "auto" else None
         return generate(self.model, prompt, seed=seed, params=params, max_new_tokens=max_new_tokens,
-                        drafts=drafts, controller=controller, stop_ids=stop_ids)
+                        drafts=drafts, stop_ids=stop_ids)
 
 
 def load_engine(name: str, model_dir: str | Path, tp: int = 1, max_context: int = 4096, dtype: str = "auto",

@@ -16,8 +16,8 @@ def register(sub) -> None:
                                    "docs/PERF.md, compare it with fixed depths 3..7 and the default rule "
                                    "(cross-validated by prompt) and write depth_controller.json.")
     p.add_argument("--model", help="checkpoint folder with corpus.json (default: the shipped mini model)")
-    p.add_argument("--prompts", type=int, default=48, help="held-out prompts to replay (default 48)")
-    p.add_argument("--tokens", type=int, default=96, help="tokens decoded per prompt (default 96)")
+    p.add_argument("--prompts", type=int, default=96, help="held-out prompts to replay (default 96)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens decoded per prompt (default 128)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first prompt; prompt i uses seed + i (default 0)")
     p.add_argument("--l2", type=float, default=1.0, help="L2 penalty on the non-bias weights (default 1.0)")
     p.add_argument("--folds", type=int, default=4, help="cross-validation folds over prompts (default 4)")

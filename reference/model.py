@@ -86,6 +86,7 @@ class ReferenceModel:
         """`weights`: checkpoint form (E4M3 + `*_scale_inv`, bf16, fp32) or already-real tensors."""
         self.config = config
         self.dtype = dtype
+        self.model_dir: Path | None = None  # set by load(): where the depth controller's file lives
         self.w: dict[str, torch.Tensor] = {}
         for name, spec in tensor_specs(config).items():
             if name not in weights:
@@ -107,7 +108,9 @@ class ReferenceModel:
         for name in tqdm(names, desc="loading reference weights", disable=not sys.stderr.isatty()):
             w, scale = reader.read_weight(name)
             weights[name] = w if scale is None else dequantize(w, scale, reader.config.weight_block_size, dtype)
-        return cls(reader.config, weights, dtype)
+        model = cls(reader.config, weights, dtype)
+        model.model_dir = Path(model_dir)
+        return model
 
     def new_cache(self) -> KVCache:
         return KVCache(self.config, self.dtype)

@@ -163,7 +163,7 @@ def generate(model, prompt: Sequence[int], *, seed: int, params: SamplingParams 
         raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"context of {limit} positions (8 reserved for the verification block)")
     if controller is None and drafts != 0:
-        controller = controller_for(drafts)
+        controller = controller_for(drafts, getattr(model, "model_dir", None))  # "auto": the model's fitted rule
     dec = SpeculativeDecoder(model, params, seed, controller, rules, redraft)
     step, hidden = dec.prefill(prompt)
     emitted = 0
