@@ -55,3 +55,14 @@ def worker_main(jobs) -> None:
         except Exception as e:
             results[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"}
     print(json.dumps(results))
+
+
+def worker_fixture(script: str):
+    """The module-scoped pytest fixture `interpreted`: the worker's results for test module `script`."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def interpreted() -> dict:
+        return run_worker(os.path.abspath(script))
+
+    return interpreted

@@ -12,13 +12,13 @@ the slots past it with NaN K/V whose slot_pos would be visible: a kernel that re
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
 
 from iquest.kernels import decode_attention as da
+from iquest.kernels.testing import worker_fixture
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOL = {"fp32": 2e-5, "bf16": 2e-2, "bf16_gpu": 3e-2, "fp32_gpu": 1e-4}
@@ -131,11 +131,7 @@ def _check(c: dict, r: dict, tol: float) -> None:
 
 
 # ---- interpreter tests ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def interpreted() -> dict:
-    from iquest.kernels.testing import run_worker
-
-    return run_worker(os.path.abspath(__file__))
+interpreted = worker_fixture(__file__)
 
 
 @pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])

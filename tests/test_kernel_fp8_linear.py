@@ -9,7 +9,6 @@ magnitude, so a scale applied to the wrong block shows; outputs are pre-filled w
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 
 from iquest.kernels import fp8_linear as fl
 from iquest.reference.fp8 import quantize
+from iquest.kernels.testing import worker_fixture
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 2e-3}  # relative to max |ref|, by output dtype
@@ -92,11 +92,7 @@ def _check(c: dict, r: dict) -> None:
 
 
 # ---- interpreter tests ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def interpreted() -> dict:
-    from iquest.kernels.testing import run_worker
-
-    return run_worker(os.path.abspath(__file__))
+interpreted = worker_fixture(__file__)
 
 
 @pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])

@@ -18,7 +18,6 @@ beside them, subnormals, saturation at 448, all-zero groups and groups below the
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -27,6 +26,7 @@ import torch
 from iquest.kernels import moe as mk
 from iquest.kernels.moe_route import moe_group, moe_group_ref
 from iquest.reference.fp8 import act_quant as act_quant_ref, quantize
+from iquest.kernels.testing import worker_fixture
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Relative to max |ref|, by output dtype. Kernel vs Down applied to the kernel's own E4M3 activations
@@ -277,11 +277,7 @@ def run_act_quant(device: str) -> dict:
 
 
 # ---- interpreter tests ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def interpreted() -> dict:
-    from iquest.kernels.testing import run_worker
-
-    return run_worker(os.path.abspath(__file__))
+interpreted = worker_fixture(__file__)
 
 
 @pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])

@@ -7,13 +7,13 @@ strided rows, fp32 output for routing) under Triton's CPU interpreter in one wor
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
 
 from iquest.kernels import rmsnorm_residual as rn
+from iquest.kernels.testing import worker_fixture
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOL = {"fp32": 1e-6, "bf16": 1.6e-2}  # on y relative to max |y|: fp32 summation order; bf16 roundings
@@ -65,11 +65,7 @@ def _check(c: dict, r: dict, interpreted: bool = False) -> None:
     assert r["y_err"] <= tol, f"{c['name']}: max |y - ref| / max |ref| = {r['y_err']:.2e} > {tol:.1e}"
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict:
-    from iquest.kernels.testing import run_worker
-
-    return run_worker(os.path.abspath(__file__))
+interpreted = worker_fixture(__file__)
 
 
 @pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])

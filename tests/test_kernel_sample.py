@@ -18,7 +18,6 @@ Outputs are pre-filled with NaN / -1. `@pytest.mark.gpu` cases use real shapes (
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -28,6 +27,7 @@ from iquest.fast import philox, sampler
 from iquest.kernels import sample as sm
 from iquest.kernels import topk as tk
 from iquest.reference import rng
+from iquest.kernels.testing import worker_fixture
 
 PROB_TOL = 1e-6
 MARGIN = 1e-5  # draws and top-p cuts this close to a boundary may differ by rounding
@@ -258,11 +258,7 @@ def _check(c: dict, r: dict) -> None:
 
 
 # ---- interpreter tests ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def interpreted() -> dict:
-    from iquest.kernels.testing import run_worker
-
-    return run_worker(os.path.abspath(__file__))
+interpreted = worker_fixture(__file__)
 
 
 @pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])

@@ -9,13 +9,13 @@ Outputs are pre-filled with NaN / -1. `@pytest.mark.gpu` cases use one TP8 rank:
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
 
 from iquest.kernels import topk as tk
+from iquest.kernels.testing import worker_fixture
 
 BASE = dict(R=8, V=1000, k=20, tile=128, offset=0, data="randn", skip=True, stride=None, seed=0)
 
@@ -99,11 +99,7 @@ def _check(c: dict, r: dict) -> None:
 
 
 # ---- interpreter tests ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def interpreted() -> dict:
-    from iquest.kernels.testing import run_worker
-
-    return run_worker(os.path.abspath(__file__))
+interpreted = worker_fixture(__file__)
 
 
 @pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])
