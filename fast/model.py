@@ -14,12 +14,11 @@ import functools
 import torch
 
 from ..reference.config import Config
-from ..reference.fp8 import expand_scales
 from ..reference.layers import apply_rope, rms_norm, rope_inv_freq, route
 from .cache import LayerKV, StaticKV
 from .ops import TorchOps
 from .parallel import Parallel
-from .weights import KEEP_DENSE_BYTES, FP8Weight, LayerWeights, ModelWeights
+from .weights import LayerWeights, ModelWeights
 
 
 def stage(name: str):
@@ -106,7 +105,7 @@ class FastModel:
         x = x + attn_out
         # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
         b32 = rms_norm(x.float(), lw.post_norm.float(), eps)
-        moe_out, scores, experts = self.moe(lw, b32)
+        moe_out, scores, experts = self.moe(lw, b32, live)
         x = x + moe_out
         for name, value in (("attn_out", attn_out), ("router_scores", scores), ("experts", experts),
                             ("moe_out", moe_out), ("hidden", x)):
@@ -129,30 +128,14 @@ class FastModel:
         return self.par.all_reduce(self.ops.linear(lw.wo, out.to(self.dtype).reshape(R, -1)))
 
     @stage("moe")
-    def moe(self, lw: LayerWeights, b32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Routed experts on this rank's slice of every expert's intermediate dimension."""
+    def moe(self, lw: LayerWeights, b32: torch.Tensor,
+            live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Routed experts on this rank's slice of every expert's intermediate dimension (padding rows'
+        experts are not read by the kernel path)."""
         c = self.config
         weights, experts, scores = route(b32 @ lw.router.T, c.num_experts_per_tok, c.norm_topk_prob,
                                          c.routed_scaling_factor)
-        b = b32.to(self.dtype)
-
-        def chosen(w: FP8Weight) -> torch.Tensor:
-            """The selected experts' weights [R, k, out, in]: small stacks from their kept dense copy, large
-            ones by dequantizing only the gathered FP8 tiles (same fp32 products as FP8Weight.dense)."""
-            if w._dense is not None or w.q.numel() * torch.finfo(w.dtype).bits // 8 <= KEEP_DENSE_BYTES:
-                return w.dense()[experts]
-            q = w.q.view(torch.uint8)[experts].view(w.q.dtype).to(torch.float32)  # gather as bytes: any device
-            s = w.scale[experts]
-            (rows, cols), (b0, b1) = q.shape[-2:], w.block
-            if rows % b0 or cols % b1:
-                return (q * expand_scales(s, (rows, cols), w.block)).to(w.dtype)
-            tiles = q.view(*q.shape[:-2], rows // b0, b0, cols // b1, b1)
-            return tiles.mul_(s[..., :, None, :, None]).view(q.shape).to(w.dtype)
-
-        gate, up, down = chosen(lw.gate), chosen(lw.up), chosen(lw.down)
-        hidden = torch.nn.functional.silu(torch.einsum("rh,rkih->rki", b, gate)) * torch.einsum("rh,rkih->rki", b, up)
-        y = torch.einsum("rki,rkhi->rkh", hidden, down)
-        out = (y.float() * weights[..., None]).sum(dim=1).to(self.dtype)
+        out = self.ops.moe(b32.to(self.dtype), experts, weights, live, lw.gate, lw.up, lw.down).to(self.dtype)
         return self.par.all_reduce(out), scores, experts
 
 

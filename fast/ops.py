@@ -1,11 +1,13 @@
 """The two implementations of the model's heavy stages, chosen once per engine (`EngineOptions.kernels`).
 
-`TorchOps` is the fallback every device runs (CPU CI included): dequantized matmuls and masked
-attention over the whole static cache. `TritonOps` calls the kernels of `kernels/`: the FP8
-block-scaled linear and split-KV decode attention, which evaluates visibility from `slot_pos` in
-the kernel and reads a full layer only up to the block's last position (`kv_len` stays a device
-tensor: no host read, graph-capturable). Both compute the same math; the kernels' rounding differs
-(fp32 accumulation in other orders), which the qualification suite measures.
+`TorchOps` is the fallback every device runs (CPU CI included): dequantized matmuls, masked attention
+over the whole static cache, gathered-expert MoE, a full sort for top-k. `TritonOps` calls the kernels
+of `kernels/`: the FP8 block-scaled linear; split-KV decode attention, which evaluates visibility from
+`slot_pos` in the kernel and reads a full layer only up to the block's last position (`kv_len` stays a
+device tensor: no host read, graph-capturable); the MoE over live rows grouped by expert, with
+act_quant'ed E4M3 activations into Down; the tiled top-k scan and the global top-k/top-p. Same math;
+the kernels round differently (fp32 accumulation in other orders, E4M3 activations into Down), which
+the qualification suite measures.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..reference.layers import attention
+from . import sampler
 from .cache import LayerKV
 from .weights import FP8Weight
 
@@ -28,25 +31,74 @@ class TorchOps:
         return attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(positions), sinks).to(q.dtype)
 
 
+    def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
+            gate: FP8Weight, up: FP8Weight, down: FP8Weight) -> torch.Tensor:
+        """sum_j w_j Down_e(silu(Gate_e b) * Up_e b) over each row's chosen experts, in fp32 [R, H]."""
+        g, u, d = (_chosen(w, experts) for w in (gate, up, down))
+        hidden = torch.nn.functional.silu(torch.einsum("rh,rkih->rki", b, g)) * torch.einsum("rh,rkih->rki", b, u)
+        y = torch.einsum("rki,rkhi->rkh", hidden, d)
+        return (y.float() * weights[..., None]).sum(dim=1)
+
+    def dist(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p):
+        return sampler.sample_rows(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
+
+
+def _chosen(w: FP8Weight, experts: torch.Tensor) -> torch.Tensor:
+    """The selected experts' weights [R, k, out, in] in the compute dtype: small stacks from their kept
+    dense copy, large ones by dequantizing only the gathered FP8 tiles (same fp32 products as dense())."""
+    from ..reference.fp8 import expand_scales
+    from .weights import KEEP_DENSE_BYTES
+
+    if w._dense is not None or w.q.numel() * torch.finfo(w.dtype).bits // 8 <= KEEP_DENSE_BYTES:
+        return w.dense()[experts]
+    q = w.q.view(torch.uint8)[experts].view(w.q.dtype).to(torch.float32)  # gather as bytes: any device
+    s = w.scale[experts]
+    (rows, cols), (b0, b1) = q.shape[-2:], w.block
+    if rows % b0 or cols % b1:
+        return (q * expand_scales(s, (rows, cols), w.block)).to(w.dtype)
+    tiles = q.view(*q.shape[:-2], rows // b0, b0, cols // b1, b1)
+    return tiles.mul_(s[..., :, None, :, None]).view(q.shape).to(w.dtype)
+
+
+STAGES = ("linear", "attention", "moe", "sampling")
+
+
 class TritonOps(TorchOps):
+    """The kernels for the chosen `stages` (all by default); the other stages stay on the fallback."""
+
     name = "triton"
     MAX_MATRIX_ROWS = 128  # decode_attention packs rows x query heads per KV head into one matrix
 
-    def __init__(self) -> None:
+    def __init__(self, stages: tuple[str, ...] = STAGES) -> None:
+        self.stages = frozenset(stages)
+        from ..kernels import moe, sample, topk
         from ..kernels.decode_attention import decode_attention
         from ..kernels.fp8_linear import fp8_linear
 
         self._attention, self._linear = decode_attention, fp8_linear
+        self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
 
     def linear(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
-        if w.q.dim() != 2:
+        if "linear" not in self.stages or w.q.dim() != 2:
             return super().linear(w, x)
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype)
+
+    def moe(self, b, experts, weights, live, gate, up, down):
+        if "moe" not in self.stages or gate.block[1] != down.block[1] or down.q.shape[-1] % down.block[1]:  # act_quant groups = Down's blocks
+            return super().moe(b, experts, weights, live, gate, up, down)
+        return self._moe(b, experts, weights, live, gate.q, gate.scale, up.q, up.scale, down.q, down.scale,
+                         gate.block, group=down.block[1], out_dtype=torch.float32)
+
+    def dist(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p):
+        if "sampling" not in self.stages:
+            return super().dist(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
+        keys = self._topk(local_logits.float().contiguous(), k, vocab_offset)[0]
+        return self._global_dist(gather(keys).contiguous(), top_k, temperature, top_p)
 
     def attention(self, q: torch.Tensor, kv: LayerKV, positions: torch.Tensor,
                   sinks: torch.Tensor | None) -> torch.Tensor:
         rows, q_heads = q.shape[0], q.shape[1]
-        if rows * (q_heads // kv.k.shape[1]) > self.MAX_MATRIX_ROWS:  # long prefill blocks: not the decode path
+        if "attention" not in self.stages or rows * (q_heads // kv.k.shape[1]) > self.MAX_MATRIX_ROWS:  # long prefill blocks: not the decode path
             return super().attention(q, kv, positions, sinks)
         kv_len = (positions.max() + 1).view(1)
         return self._attention(q.contiguous(), kv.k, kv.v, kv.slot_pos, positions, sinks, kv.window,
@@ -54,8 +106,12 @@ class TritonOps(TorchOps):
 
 
 def make_ops(name: str) -> TorchOps:
+    """"torch", "triton" (every stage), or a '+'-joined subset of STAGES, e.g. "linear+attention"."""
     if name == "torch":
         return TorchOps()
-    if name == "triton":
-        return TritonOps()
-    raise ValueError(f"unknown kernels {name!r}: choose torch or triton")
+    stages = STAGES if name == "triton" else tuple(name.split("+"))
+    unknown = set(stages) - set(STAGES)
+    if unknown:
+        raise ValueError(f"unknown kernels {name!r}: choose torch, triton or a '+'-joined subset of {STAGES}")
+    return TritonOps(stages)
+

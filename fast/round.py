@@ -33,8 +33,8 @@ class RoundRunner:
     @stage("sampling")
     def dist(self, local_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Vocabulary-parallel top-k/top-p: (ids [R, K], probs [R, K]), identical on every rank."""
-        ids, probs = sampler.sample_rows(local_logits, min(self.top_k, self.m.vocab_local), self.m.w.vocab_offset,
-                                         self.m.par.all_gather_last, self.top_k, self.st.temperature, self.st.top_p)
+        ids, probs = self.m.ops.dist(local_logits, min(self.top_k, self.m.vocab_local), self.m.w.vocab_offset,
+                                     self.m.par.all_gather_last, self.top_k, self.st.temperature, self.st.top_p)
         if "top_p_drops_crossing" in self.defects:  # negative control: the last kept (crossing) token cut too
             last = (probs > 0).sum(-1, keepdim=True) - 1  # Dist order: the crossing token is the last one kept
             probs = torch.where((torch.arange(probs.shape[-1], device=probs.device) == last) & (last > 0), 0.0, probs)

@@ -18,7 +18,44 @@ from iquest.qualify.agreement import compare
 from iquest.tests.test_fast_engine import PROMPTS, TINY, TOLERANCE, fast_dist, fast_steps, tokens
 
 CASES = [(0, 3), (1, "auto")]  # (prompt index, drafts)
-N_TOKENS = 12
+N_TOKENS = 10
+# Interpreting every kernel for a whole decode takes many minutes: the decode runs the linear and
+# attention kernels; the MoE and sampling kernels run on one verification block each.
+DECODE_KERNELS = "linear+attention"
+# E4M3 activations into Down (DeepSeek-V3 act_quant) change each Down input by up to 2^-4 relative;
+# over a random 4-layer model that moved logits by 1.3% of their range when measured; 5% leaves room
+# and is far below what a wrong expert, weight or scale produces (order 1).
+MOE_BLOCK_TOL = 0.05
+
+
+def moe_block_error(device: str = "cpu") -> float:
+    """Relative logit error of a verification block (6 live rows of 8) with the MoE kernels vs the fallback."""
+    from iquest.tests.test_fast_engine import RING_SEQ
+
+    logits = {}
+    for kernels in ("torch", "moe"):
+        e = RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=256, dtype="fp32", kernels=kernels))
+        e.cache.reset()
+        pos = torch.arange(40, device=device)
+        e.model.forward(torch.tensor(RING_SEQ[:40], device=device), pos, torch.ones_like(pos, dtype=torch.bool))
+        pos = torch.arange(40, 48, device=device)
+        lg, _ = e.model.forward(torch.tensor(RING_SEQ[40:48], device=device), pos, torch.arange(8, device=device) < 6)
+        logits[kernels] = lg[:6].double().cpu()
+    return float((logits["moe"] - logits["torch"]).abs().max() / logits["torch"].abs().max())
+
+
+def sampling_block(device: str = "cpu") -> dict:
+    """The sampling kernels' distributions of one 8-row logits block against the fallback's."""
+    out = {}
+    for kernels in ("torch", "sampling"):
+        e = RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=256, dtype="fp32", kernels=kernels))
+        runner, _ = e.runner(3, 20)
+        e.state.temperature.fill_(1.0)
+        e.state.top_p.fill_(0.95)
+        logits = torch.randn(8, e.config.vocab_size, generator=torch.Generator().manual_seed(5)).to(device) * 2
+        out[kernels] = runner.dist(logits)
+    (ti, tp), (ki, kp) = out["torch"], out["sampling"]
+    return {"same_ids": bool(torch.equal(ti.cpu(), ki.cpu())), "prob_err": float((tp - kp).abs().max())}
 
 
 def decode(kernels: str, device: str = "cpu", dtype: str = "fp32") -> dict:
@@ -34,8 +71,15 @@ def decode(kernels: str, device: str = "cpu", dtype: str = "fp32") -> dict:
 def test_interpreted_kernels_decode_like_the_torch_fallback():
     from iquest.kernels.testing import run_worker
 
-    got = run_worker(os.path.abspath(__file__))["decode"]
+    results = run_worker(os.path.abspath(__file__))
+    got = results["decode"]
     assert "error" not in got, got.get("error")
+    moe, samp = results["moe_block"], results["sampling_block"]
+    assert "error" not in moe and "error" not in samp, (moe, samp)
+    print(f"[interpreted MoE kernels] relative logit error {moe['rel_err']:.2e} (tolerance {MOE_BLOCK_TOL})")
+    assert moe["rel_err"] < MOE_BLOCK_TOL
+    print(f"[interpreted sampling kernels] same candidates {samp['same_ids']}, max prob error {samp['prob_err']:.1e}")
+    assert samp["same_ids"] and samp["prob_err"] < 1e-6
     torch_engine = RankEngine(TINY, Parallel.single(), EngineOptions(max_context=256, dtype="fp32"))
     want = decode("torch")
     for i, drafts in CASES:
@@ -67,4 +111,6 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
     torch.set_num_threads(1)
-    worker_main([("decode", lambda: decode("triton"))])
+    worker_main([("decode", lambda: decode(DECODE_KERNELS)),
+                 ("moe_block", lambda: {"rel_err": moe_block_error()}),
+                 ("sampling_block", sampling_block)])
