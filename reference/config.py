@@ -87,6 +87,8 @@ class Config:
         """Raise ConfigError unless every tensor-parallel shard of MODEL.md is whole at degree `tp`."""
         if tp not in TP_DEGREES:
             raise ConfigError(f"tensor-parallel degree {tp} is not one of {TP_DEGREES}")
+        if tp == 1:
+            return  # nothing is sliced: partial edge blocks (ceil-shaped scales, MODEL.md) are fine
         checks = [
             ("vocab_size", self.vocab_size),
             ("num_attention_heads", self.num_attention_heads),

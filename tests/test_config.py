@@ -284,7 +284,10 @@ def valid_raw(draw) -> dict:
 
 
 def shards_directly(raw: dict, tp: int) -> bool:
-    """MODEL.md's TP rules written out: every split dimension divides, every quantized shard is whole blocks."""
+    """MODEL.md's TP rules written out: every split dimension divides, every quantized shard is whole blocks
+    (at TP=1 nothing is split, so any config shards)."""
+    if tp == 1:
+        return True
     V, H, Nq, Nkv, D, I = (raw[k] for k in ("vocab_size", "hidden_size", "num_attention_heads",
                                             "num_key_value_heads", "head_dim", "moe_intermediate_size"))
     b0, b1 = raw["quantization_config"]["weight_block_size"]
