@@ -87,12 +87,11 @@ class RoutingRecorder:
         layer, moe, round_ = model.decoder_layer, model.moe, runner.speculative_round
 
         def rec_layer(lw, kv, x, positions, live, *rest):
-            current["live"], current["tag"] = live, rest[-1]
+            current["tag"] = rest[-1]
             return layer(lw, kv, x, positions, live, *rest)
 
-        def rec_moe(lw, b32):
-            out = moe(lw, b32)
-            live = current["live"]
+        def rec_moe(lw, b32, live):
+            out = moe(lw, b32, live)
             if self.rounds:
                 self.rounds[-1].append((current["tag"], int(live.sum()), int(out[2][live].unique().numel())))
             return out

@@ -10,7 +10,7 @@ import torch
 
 from iquest.bench.bytes import ByteCounter, RoundRouting, round_bytes
 from iquest.cli.main import main
-from iquest.fast import model as fast_model
+from iquest.fast import weights as fast_weights
 from iquest.fast.parallel import Parallel
 from iquest.fast.rank import EngineOptions, RankEngine, Request
 from iquest.fast.synthetic import synthetic_weights
@@ -92,11 +92,12 @@ def test_moe_gathers_only_selected_fp8_experts(monkeypatch):
     engine = RankEngine(TINY, Parallel.single(), EngineOptions(max_context=64, dtype="fp32"))
     lw = engine.model.w.layers[1]
     b32 = torch.randn(8, config.hidden_size, generator=torch.Generator().manual_seed(1))
-    dense = engine.model.moe(lw, b32)
+    live = torch.ones(8, dtype=torch.bool)
+    dense = engine.model.moe(lw, b32, live)
     for w in (lw.gate, lw.up, lw.down):
         w._dense = None
-    monkeypatch.setattr(fast_model, "KEEP_DENSE_BYTES", 0)
-    gathered = engine.model.moe(lw, b32)
+    monkeypatch.setattr(fast_weights, "KEEP_DENSE_BYTES", 0)
+    gathered = engine.model.moe(lw, b32, live)
     assert all(w._dense is None for w in (lw.gate, lw.up, lw.down))
     for x, y in zip(dense, gathered):
         assert torch.equal(x, y)
