@@ -40,7 +40,7 @@ def register(sub) -> None:
                    help="fast engine device (auto = cuda when available)")
     p.add_argument("--kernels", default="torch",
                    help="fast engine stages: torch (fallback, default), triton (every Triton kernel of kernels/), "
-                        "or a '+'-joined subset of linear, attention, moe, sampling; on CPU kernels need "
+                        "or a '+'-joined subset of linear, attention, norm, moe, sampling; on CPU kernels need "
                         "TRITON_INTERPRET=1")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text (default: a Python header)")

@@ -9,30 +9,15 @@ Taps use the reference's names (see reference/model.py) for `iquest debug diff`.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..reference.config import Config
 from ..reference.layers import apply_rope, rms_norm, rope_inv_freq, route
 from .cache import LayerKV, StaticKV
 from .ops import TorchOps
+from .profiling import stage
 from .parallel import Parallel
 from .weights import LayerWeights, ModelWeights
-
-
-def stage(name: str):
-    """Profiler label on a stage (`torch.profiler.record_function`), opened only while a profiler runs:
-    it is host-side only, so captured graphs and unprofiled runs are unaffected (bench/full_step.py)."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def labelled(*args, **kwargs):
-            if not torch.autograd._profiler_enabled():
-                return fn(*args, **kwargs)
-            with torch.profiler.record_function(name):
-                return fn(*args, **kwargs)
-        return labelled
-    return wrap
 
 
 rms_norm = stage("norm")(rms_norm)
@@ -102,9 +87,8 @@ class FastModel:
                       tag: str) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         attn_out = self.attention(lw, kv, rms_norm(x, lw.input_norm, eps), positions, live, cos, sin)
-        x = x + attn_out
         # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
-        b32 = rms_norm(x.float(), lw.post_norm.float(), eps)
+        x, b32 = self.ops.add_norm(x, attn_out, lw.post_norm, eps)
         moe_out, scores, experts = self.moe(lw, b32, live)
         x = x + moe_out
         for name, value in (("attn_out", attn_out), ("router_scores", scores), ("experts", experts),

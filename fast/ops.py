@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..reference.layers import attention
+from ..reference.layers import attention, rms_norm
 from . import sampler
 from .cache import LayerKV
+from .profiling import stage
 from .weights import FP8Weight
 
 
@@ -30,6 +31,14 @@ class TorchOps:
                   sinks: torch.Tensor | None) -> torch.Tensor:
         return attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(positions), sinks).to(q.dtype)
 
+
+    @stage("norm")
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h = x + residual in x's dtype, rmsnorm(h) * weight in fp32): the post-attention residual and
+        the fp32 input that routing reads."""
+        h = x + residual
+        return h, rms_norm(h.float(), weight.float(), eps)
 
     def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
             gate: FP8Weight, up: FP8Weight, down: FP8Weight) -> torch.Tensor:
@@ -60,7 +69,7 @@ def _chosen(w: FP8Weight, experts: torch.Tensor) -> torch.Tensor:
     return tiles.mul_(s[..., :, None, :, None]).view(q.shape).to(w.dtype)
 
 
-STAGES = ("linear", "attention", "moe", "sampling")
+STAGES = ("linear", "attention", "norm", "moe", "sampling")
 
 
 class TritonOps(TorchOps):
@@ -74,14 +83,22 @@ class TritonOps(TorchOps):
         from ..kernels import moe, sample, topk
         from ..kernels.decode_attention import decode_attention
         from ..kernels.fp8_linear import fp8_linear
+        from ..kernels.rmsnorm_residual import rmsnorm_residual
 
         self._attention, self._linear = decode_attention, fp8_linear
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
+        self._add_norm = rmsnorm_residual
 
     def linear(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
         if "linear" not in self.stages or w.q.dim() != 2:
             return super().linear(w, x)
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype)
+
+    def add_norm(self, x, residual, weight, eps):
+        if "norm" not in self.stages:
+            return super().add_norm(x, residual, weight, eps)
+        y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=torch.float32)
+        return h, y
 
     def moe(self, b, experts, weights, live, gate, up, down):
         if "moe" not in self.stages or gate.block[1] != down.block[1] or down.q.shape[-1] % down.block[1]:  # act_quant groups = Down's blocks

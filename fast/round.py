@@ -16,7 +16,8 @@ import torch
 from ..reference.depth import MIN_DRAFTS, DraftFeatures, FixedDepth, LogisticDepth
 from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT, PURPOSE_DRAFT
 from . import philox, sampler
-from .model import FastModel, stage
+from .model import FastModel
+from .profiling import stage
 from .state import MAX_DRAFTS, VERIFY_ROWS, DecodeState
 
 
