@@ -43,30 +43,13 @@ class TorchOps:
     def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
             gate: FP8Weight, up: FP8Weight, down: FP8Weight) -> torch.Tensor:
         """sum_j w_j Down_e(silu(Gate_e b) * Up_e b) over each row's chosen experts, in fp32 [R, H]."""
-        g, u, d = (_chosen(w, experts) for w in (gate, up, down))
+        g, u, d = (w.select(experts) for w in (gate, up, down))
         hidden = torch.nn.functional.silu(torch.einsum("rh,rkih->rki", b, g)) * torch.einsum("rh,rkih->rki", b, u)
         y = torch.einsum("rki,rkhi->rkh", hidden, d)
         return (y.float() * weights[..., None]).sum(dim=1)
 
     def dist(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p):
         return sampler.sample_rows(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
-
-
-def _chosen(w: FP8Weight, experts: torch.Tensor) -> torch.Tensor:
-    """The selected experts' weights [R, k, out, in] in the compute dtype: small stacks from their kept
-    dense copy, large ones by dequantizing only the gathered FP8 tiles (same fp32 products as dense())."""
-    from ..reference.fp8 import expand_scales
-    from .weights import KEEP_DENSE_BYTES
-
-    if w._dense is not None or w.q.numel() * torch.finfo(w.dtype).bits // 8 <= KEEP_DENSE_BYTES:
-        return w.dense()[experts]
-    q = w.q.view(torch.uint8)[experts].view(w.q.dtype).to(torch.float32)  # gather as bytes: any device
-    s = w.scale[experts]
-    (rows, cols), (b0, b1) = q.shape[-2:], w.block
-    if rows % b0 or cols % b1:
-        return (q * expand_scales(s, (rows, cols), w.block)).to(w.dtype)
-    tiles = q.view(*q.shape[:-2], rows // b0, b0, cols // b1, b1)
-    return tiles.mul_(s[..., :, None, :, None]).view(q.shape).to(w.dtype)
 
 
 STAGES = ("linear", "attention", "norm", "moe", "sampling")

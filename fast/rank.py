@@ -179,7 +179,7 @@ class RankEngine:
         runner, graph = self.runner(req.drafts, req.top_k)
         self.start(req, runner)
         read_tokens = read_rounds = 0
-        flag = torch.ones(1, dtype=torch.int64, device=self.par.device if self.par.device.type == "cuda" else "cpu")
+        flag = torch.ones(1, dtype=torch.int64, device=self.par.device)
         try:
             while True:
                 steps, read_tokens, read_rounds = self._read_log(read_tokens, read_rounds)

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..reference.depth import MIN_DRAFTS, DraftFeatures, FixedDepth, LogisticDepth
+from ..reference.depth import FEATURES, MIN_DRAFTS, FixedDepth, LogisticDepth
 from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT, PURPOSE_DRAFT
 from . import philox, sampler
 from .model import FastModel
@@ -168,7 +168,7 @@ class RoundRunner:
         feats = {"bias": torch.ones_like(served), "log_running_product": torch.log(self.st.product.clamp(min=1e-30)),
                  "log_served_prob": torch.log(served.clamp(min=1e-30)), "entropy": -plogp.sum(),
                  "depth": torch.full_like(served, float(depth))}
-        assert set(feats) == set(DraftFeatures(depth, 1.0, 0.0, 1.0).vector())
+        assert set(feats) == set(FEATURES)  # the same features as reference/depth.py
         score = sum(w * feats[name] for name, w in self.controller.weights.items())
         logit_threshold = math.log(self.controller.threshold / (1 - self.controller.threshold))
         return (score > logit_threshold).to(torch.int32)

@@ -43,6 +43,20 @@ class FP8Weight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.dense().T
 
+    def select(self, index: torch.Tensor) -> torch.Tensor:
+        """Stacked weights `index` picks ([..., out, in], compute dtype): from the kept dense copy when the
+        stack is small, else by dequantizing only the gathered E4M3 tiles (the same fp32 products as dense()),
+        so a full-size expert stack is never dequantized whole."""
+        if self._dense is not None or self.q.numel() * torch.finfo(self.dtype).bits // 8 <= KEEP_DENSE_BYTES:
+            return self.dense()[index]
+        q = self.q.view(torch.uint8)[index].view(self.q.dtype).to(torch.float32)  # gather as bytes: any device
+        s = self.scale[index]
+        (rows, cols), (b0, b1) = q.shape[-2:], self.block
+        if rows % b0 or cols % b1:
+            return (q * expand_scales(s, (rows, cols), self.block)).to(self.dtype)
+        tiles = q.view(*q.shape[:-2], rows // b0, b0, cols // b1, b1)
+        return tiles.mul_(s[..., :, None, :, None]).view(q.shape).to(self.dtype)
+
 
 @dataclass
 class LayerWeights:

@@ -39,21 +39,15 @@ def l1(p: Dist, q: Dist) -> float:
     return sum(abs(p.prob(t) - q.prob(t)) for t in ids)
 
 
-def _dist(target) -> Dist:
-    return target[0] if isinstance(target, tuple) else target
-
-
 def compare(prompt: Sequence[int], out_a: Sequence[int], out_b: Sequence[int],
-            dist_a: Callable[[list[int]], Dist | tuple], dist_b: Callable[[list[int]], Dist | tuple],
-            tolerance: float) -> Agreement:
-    """`dist_x(prefix)` gives engine x's target distribution for the token after `prefix` (a Dist, or a
-    tuple whose first item is the Dist)."""
+            dist_a: Callable[[list[int]], Dist], dist_b: Callable[[list[int]], Dist], tolerance: float) -> Agreement:
+    """`dist_x(prefix)` gives engine x's target distribution for the token after `prefix`."""
     total = min(len(out_a), len(out_b))
     i = next((j for j in range(total) if out_a[j] != out_b[j]), total)
     if i == total:
         return Agreement(i, total, diverged=False)
     prefix = list(prompt) + list(out_a[:i])
-    pa, pb = _dist(dist_a(prefix)), _dist(dist_b(prefix))
+    pa, pb = dist_a(prefix), dist_b(prefix)
     ta, tb = out_a[i], out_b[i]
     own = pa.prob(ta) > 0 and pb.prob(tb) > 0
     gap = max(abs(pa.prob(t) - pb.prob(t)) for t in (ta, tb))

@@ -17,7 +17,7 @@ from iquest.fast.engine import FastEngine
 from iquest.fast.parallel import Parallel
 from iquest.fast.rank import EngineOptions, RankEngine, Request
 from iquest.qualify.agreement import compare
-from iquest.reference import sampling
+from iquest.qualify.checks import fast_prefill_dist, reference_dist
 from iquest.reference.model import ReferenceModel
 from iquest.reference.sampling import SamplingParams
 from iquest.reference.speculative import generate
@@ -59,36 +59,12 @@ def tokens(steps) -> list[int]:
 
 
 def ref_dist(model_dir: Path):
-    model = reference(model_dir)
-
-    def dist(prefix):
-        logits, _ = model.forward(torch.tensor(prefix), torch.arange(len(prefix)), model.new_cache())
-        return sampling.dist(logits[-1], PARAMS), torch.softmax(logits[-1] / PARAMS.temperature, -1)
-    return dist
+    return reference_dist(str(model_dir), PARAMS)
 
 
 def fast_dist(engine: RankEngine):
-    """The fast engine's target distribution after `prefix`, from a fresh prefill."""
-    def dist(prefix):
-        ids, probs, logits = _last_prefill_dist(engine, prefix)
-        full = torch.softmax(logits.double().cpu() / PARAMS.temperature, -1)
-        return sampling.Dist(ids.cpu(), probs.double().cpu()), full
-    return dist
-
-
-def _last_prefill_dist(engine: RankEngine, prefix):
-    runner, _ = engine.runner(0, PARAMS.top_k)
-    engine.state.temperature.fill_(PARAMS.temperature)
-    engine.state.top_p.fill_(PARAMS.top_p)
-    dev = engine.par.device
-    pos = torch.arange(len(prefix), device=dev)
-    engine.cache.reset()
-    for s in range(0, len(prefix), 64):
-        p = pos[s:s + 64]
-        logits, _ = engine.model.forward(torch.tensor(prefix, device=dev)[p], p, torch.ones_like(p, dtype=torch.bool))
-    ids, probs = runner.dist(logits[-1:])
-    keep = probs[0] > 0
-    return ids[0][keep], probs[0][keep], logits[-1]
+    """The fast engine's target distribution after a prefix, from a fresh prefill."""
+    return fast_prefill_dist(engine, PARAMS)
 
 
 PROMPTS = [list(range(3, 23)), [7, 100, 200, 300, 11, 5, 77, 91, 402, 33] * 3, list(range(400, 470))]
