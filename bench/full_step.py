@@ -15,7 +15,7 @@ import json
 import platform
 import statistics
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -152,16 +152,18 @@ def breakdown(events, wall_us: float, rounds: int, cuda: bool) -> dict:
 
 
 def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chunk_tokens: int, seed: int,
-        device: str, out: str | None, profile_rounds: bool = True) -> dict:
+        device: str, out: str | None, profile_rounds: bool = True, kernels: tuple[str, ...] = ("torch",)) -> dict:
+    """`kernels`: the engine variants, each run with the captured graph (CUDA) and eagerly, all over one set of
+    weights; the first variant is the one held to the byte floor, "torch" eager is the eager baseline."""
     config = Config.from_file(config_file)
     config.check_tp(tp)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        "cpu" if device == "auto" else device)
     cuda = dev.type == "cuda"
     notes = ["collectives replaced by local no-ops: one rank's compute, no communication",
-             "eager = the same round code run by the eager loop (host reads each condition); torch fallback "
-             "of every stage (no Triton kernels in the engine yet)",
-             "each timed chunk starts from the restored post-prefill state (one prefill per process)"]
+             f"variants: {', '.join(kernels)} (torch = the fallback of every stage; triton = the kernels of kernels/); "
+             "eager = the same round code run by the eager loop (host reads each condition)",
+             "each timed chunk starts from its engine's restored post-prefill state (one prefill per engine)"]
     if not cuda:
         notes.append("no CUDA device: graph capture and the bandwidth floor are skipped (eager loop only)")
     for n in notes:
@@ -179,21 +181,25 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
     weights = synthetic_weights(config, tp, 0, dev, dtype, seed)
     build_s = time.perf_counter() - t0
     generation = GenerationConfig(eos_token_id=config.eos_token_id)
-    engine = RankEngine.from_weights(config, weights, generation, synthetic_parallel(tp, 0, dev), options)
-    t0 = time.perf_counter()
-    runner, graph = engine.runner(drafts, generation.top_k)
-    capture_s = time.perf_counter() - t0
     # Prompt from rank 0's vocabulary rows: other ranks' rows would embed to zero without the all-reduce.
     g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(2, engine.model.vocab_local, (context,), generator=g).tolist()
+    prompt = torch.randint(2, config.vocab_size // tp, (context,), generator=g).tolist()
     req = Request(tuple(prompt), seed, generation.temperature, generation.top_k, generation.top_p,
                   chunk_tokens + 1, drafts, ())
-    t0 = time.perf_counter()
-    engine.start(req, runner)
-    prefill_s = time.perf_counter() - t0
-    snap = Snapshot(engine)
+    engines, timing = {}, {}
+    for name in kernels:  # the weights are shared; each engine has its own caches, state and graph
+        engine = RankEngine.from_weights(config, weights, generation, synthetic_parallel(tp, 0, dev),
+                                         replace(options, kernels=name))
+        t0 = time.perf_counter()
+        runner, graph = engine.runner(drafts, generation.top_k)
+        t1 = time.perf_counter()
+        engine.start(req, runner)
+        _sync(dev)
+        timing[name] = {"capture_s": t1 - t0, "prefill_s": time.perf_counter() - t1}
+        engines[name] = (engine, runner, graph, Snapshot(engine))
 
-    def chunk(mode: str) -> dict:
+    def chunk(name: str, mode: str) -> dict:
+        engine, runner, graph, snap = engines[name]
         snap.restore()
         st = engine.state
         rounds0, emitted0 = int(st.rounds), int(st.emitted)
@@ -205,21 +211,24 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
         rounds, emitted = int(st.rounds) - rounds0, int(st.emitted) - emitted0
         return {"seconds": dt, "rounds": rounds, "tokens": emitted, "round_us": dt / max(rounds, 1) * 1e6}
 
-    modes = ("graph", "eager") if graph is not None else ("eager",)
-    for mode in modes:  # warm-up, untimed: first-use allocations and lazily kept dense weights
-        chunk(mode)
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
-    for _ in range(repeats):
-        for mode in modes:
-            runs[mode].append(chunk(mode))
+    variants = [(k, m) for k in kernels for m in (("graph", "eager") if cuda else ("eager",))]
+    for k, m in variants:  # warm-up, untimed: first-use allocations, kernel compiles, lazily kept dense weights
+        chunk(k, m)
+    runs: dict[str, list[dict]] = {f"{k}/{m}": [] for k, m in variants}
+    for _ in range(repeats):  # alternating: drifts in clocks or temperature hit every variant alike
+        for k, m in variants:
+            runs[f"{k}/{m}"].append(chunk(k, m))
     summary: dict = {}
-    for mode, rows in runs.items():
-        summary[mode] = {"median_round_us": statistics.median(r["round_us"] for r in rows),
-                         "tokens_per_round": sum(r["tokens"] for r in rows) / max(1, sum(r["rounds"] for r in rows))}
-    if graph is not None:
-        summary["speedup"] = summary["eager"]["median_round_us"] / summary["graph"]["median_round_us"]
+    for key, rows in runs.items():
+        summary[key] = {"median_round_us": statistics.median(r["round_us"] for r in rows),
+                        "tokens_per_round": sum(r["tokens"] for r in rows) / max(1, sum(r["rounds"] for r in rows))}
+    main = variants[0][0] + "/" + variants[0][1]
+    baseline = "torch/eager" if "torch/eager" in summary else None
+    if baseline and baseline != main:
+        summary["speedup"] = summary[baseline]["median_round_us"] / summary[main]["median_round_us"]
 
-    # Bytes per round from the run's routing (one more eager chunk, recorded), and the upper bound.
+    # Bytes per round from the run's routing (one more eager chunk of the main variant, recorded), and the upper bound.
+    engine, runner, _, snap = engines[kernels[0]]
     counter = ByteCounter(config, tp, 0, act_bytes=torch.finfo(dtype).bits // 8)
     snap.restore()
     with RoutingRecorder(engine, runner) as rec:
@@ -233,27 +242,29 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
                   "distinct_experts_verify_mean": statistics.mean(statistics.mean(r.verify) for r in routings)
                   if routings else None,
                   "distinct_experts_verify_upper": counter.upper_bound_experts(drafts + 1)}
-    best = summary["graph" if graph is not None else "eager"]["median_round_us"]
+    best = summary[main]["median_round_us"]
     floor = None
     if bandwidth:
         floor = {"bandwidth_bytes_per_s": bandwidth, "floor_us": (measured or upper["total"]) / bandwidth * 1e6,
-                 "floor_upper_us": upper["total"] / bandwidth * 1e6}
+                 "floor_upper_us": upper["total"] / bandwidth * 1e6, "variant": main}
         floor["ratio"] = best / floor["floor_us"]
     stages = {}
     if profile_rounds:
-        for mode in modes:
+        for k, m in variants:
+            engine, runner, graph, snap = engines[k]
             try:
-                stages[mode] = _profiled(engine, runner, graph if mode == "graph" else None, snap, dev)
+                stages[f"{k}/{m}"] = _profiled(engine, runner, graph if m == "graph" else None, snap, dev)
             except Exception as exc:  # a profiler failure must not lose the timings above
-                notes.append(f"profiling the {mode} rounds failed: {type(exc).__name__}: {exc}")
+                notes.append(f"profiling {k}/{m} failed: {type(exc).__name__}: {exc}")
 
     report = {"bench": "step-full", "config": str(config_file), "tp_slice": tp, "rank": 0, "context": context,
               "drafts": drafts, "repeats": repeats, "chunk_tokens": chunk_tokens, "seed": seed, "notes": notes,
+              "kernels": list(kernels), "main_variant": main, "baseline_variant": baseline,
               "commit": _commit(), "device": torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
               "torch": torch.__version__, "host": platform.node(), "dtype": str(dtype),
-              "weight_bytes": weight_bytes, "build_s": build_s, "capture_s": capture_s, "prefill_s": prefill_s,
-              "restore_all_kv": snap.all_kv, "summary": summary, "bytes": bytes_info, "floor": floor,
-              "stages_us_per_round": stages,
+              "weight_bytes": weight_bytes, "build_s": build_s, "engines": timing,
+              "restore_all_kv": all(e[3].all_kv for e in engines.values()), "summary": summary, "bytes": bytes_info,
+              "floor": floor, "stages_us_per_round": stages,
               "targets": {"floor_ratio_max": TARGET_FLOOR_RATIO, "speedup_min": TARGET_SPEEDUP,
                           "floor_met": floor is not None and floor["ratio"] <= TARGET_FLOOR_RATIO,
                           "speedup_met": summary.get("speedup", 0.0) >= TARGET_SPEEDUP},
@@ -292,14 +303,14 @@ def _print(r: dict) -> None:
     s, b, f = r["summary"], r["bytes"], r["floor"]
     print(f"bench step  config={r['config']} tp-slice={r['tp_slice']} (rank 0) context={r['context']} "
           f"drafts={r['drafts']} repeats={r['repeats']} commit={r['commit']} device={r['device']}")
-    print(f"weights {r['weight_bytes'] / 1e9:.2f} GB built in {r['build_s']:.1f} s; capture {r['capture_s']:.1f} s; "
-          f"prefill {r['prefill_s']:.1f} s (untimed)")
-    print(f"{'variant':8} {'median round (us)':>18} {'tokens/round':>13}")
-    for mode in ("graph", "eager"):
-        if mode in s:
-            print(f"{mode:8} {s[mode]['median_round_us']:18.1f} {s[mode]['tokens_per_round']:13.2f}")
+    setup = "; ".join(f"{k}: capture {t['capture_s']:.1f} s, prefill {t['prefill_s']:.1f} s" for k, t in r["engines"].items())
+    print(f"weights {r['weight_bytes'] / 1e9:.2f} GB built in {r['build_s']:.1f} s; {setup} (untimed)")
+    print(f"{'variant':14} {'median round (us)':>18} {'tokens/round':>13}")
+    for key, v in s.items():
+        if isinstance(v, dict):
+            print(f"{key:14} {v['median_round_us']:18.1f} {v['tokens_per_round']:13.2f}")
     if "speedup" in s:
-        print(f"graph speedup over eager: {s['speedup']:.2f}x (target >= {TARGET_SPEEDUP:.0f}x)")
+        print(f"{r['main_variant']} speedup over {r['baseline_variant']}: {s['speedup']:.2f}x (target >= {TARGET_SPEEDUP:.0f}x)")
     measured = b["measured_median"]
     print(f"bytes per round: {measured / 1e6:.2f} MB measured routing (median of {b['rounds_recorded']} rounds), "
           f"{b['upper_bound'] / 1e6:.2f} MB upper bound" if measured else
@@ -310,11 +321,11 @@ def _print(r: dict) -> None:
     if f:
         print(f"device copy bandwidth {f['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (read + written); "
               f"floor {f['floor_us']:.1f} us (upper-bound bytes: {f['floor_upper_us']:.1f} us); "
-              f"ratio {f['ratio']:.1f}x the floor (target <= {TARGET_FLOOR_RATIO}x)")
+              f"{f['variant']} at {f['ratio']:.2f}x the floor (target <= {TARGET_FLOOR_RATIO}x)")
     else:
         print("byte floor: skipped (no CUDA device)")
-    for mode, st in r["stages_us_per_round"].items():
+    for key, st in r["stages_us_per_round"].items():
         cols = "  ".join(f"{k} {st[k]:.0f}" for k in STAGES + ("other", "gaps"))
-        print(f"stages, {mode} (us/round): {cols}  [wall {st['wall']:.0f}]")
+        print(f"stages, {key} (us/round): {cols}  [wall {st['wall']:.0f}]")
     for n in r["notes"]:
         print("note:", n)

@@ -3,6 +3,7 @@
 # without an editable install): make `import iquest` work from the copy, then run what is asked.
 #   bash ci/gpu.sh tests [PATHS...]      the @pytest.mark.gpu tests (all of tests/ by default)
 #   bash ci/gpu.sh bench ARGS...         iquest bench ARGS...
+#   bash ci/gpu.sh iquest ARGS...        any iquest command (e.g. qualify --device cuda)
 # Results go to $OUT when it is set (the device tool brings that folder back).
 set -euo pipefail
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/iquest
@@ -12,5 +13,6 @@ out=${OUT:-/tmp}
 case "${1:-tests}" in
   tests) shift || true; python3 -m pytest -q -m gpu -p no:cacheprovider -s "${@:-tests}" 2>&1 | tee "$out/gpu-tests.log" ;;
   bench) shift; python3 -m iquest.cli.main bench "$@" ;;
-  *) echo "usage: bash ci/gpu.sh tests|bench ..." >&2; exit 2 ;;
+  iquest) shift; python3 -m iquest.cli.main "$@" ;;
+  *) echo "usage: bash ci/gpu.sh tests|bench|iquest ..." >&2; exit 2 ;;
 esac

@@ -21,6 +21,8 @@ def register(sub) -> None:
     d.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="fast engine compute dtype")
     d.add_argument("--defect", action="append", default=[], metavar="NAME",
                    help="switch on a negative-control defect in the fast engine (repeatable)")
+    d.add_argument("--kernels", default="torch",
+                   help="fast engine stages: torch, triton or a '+'-joined subset (default torch; see iquest qualify)")
     d.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the fast engine runs")
     d.add_argument("--plot", default="debug-diff.png", help="PNG path for the error-by-layer plot")
     d.add_argument("--json", metavar="OUT", help="also write the per-stage table as JSON")
@@ -50,6 +52,6 @@ def run(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json: pass --prompt-ids")
         ids = Tokenizer.from_file(str(path)).encode(args.prompt).ids
     result = diff(model_dir, ids, args.position, args.dtype, frozenset(args.defect), args.plot, args.json,
-                  device=args.device)
+                  device=args.device, kernels=args.kernels)
     print_diff(result)
     return 0

@@ -16,6 +16,13 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="fast engine compute dtype (default fp32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the candidate runs (cuda: the GPU engine, eagerly, so every block is recorded)")
+    p.add_argument("--kernels", default="torch",
+                   help="the candidate's stages: torch (fallback), triton (every kernel of kernels/), or a '+'-joined "
+                        "subset such as linear+attention (default torch). With the MoE kernel the tolerance column is "
+                        "DTYPE+e4m3act (its Down input is E4M3)")
+    p.add_argument("--jobs", default="auto",
+                   help="worker processes for the independent units (healthy engine, lossless test, each control); "
+                        "auto = min(CPU cores, 11) (default auto); 1 runs everything in this process")
     p.add_argument("--quick", action="store_true", help="one request and fewer samples: fits CI on fixtures/tiny")
     p.add_argument("--json", metavar="OUT", help="write the JSON report here")
     p.add_argument("--control", action="append", metavar="NAME",
@@ -36,7 +43,22 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown negative control {name!r}; known: {', '.join(sorted(known))}")
     if args.tp not in (1, 2, 4, 8):
         raise ValueError(f"--tp must be 1, 2, 4 or 8, got {args.tp}")
+    from ..fast.ops import make_ops
+
+    make_ops(args.kernels)  # an unknown stage name fails here, before any work
+    if args.jobs == "auto":
+        import os
+
+        jobs = min(len(os.sched_getaffinity(0)), len(REGISTRY) + 2)
+    else:
+        try:
+            jobs = int(args.jobs)
+        except ValueError:
+            raise ValueError(f"--jobs must be a positive integer or auto, got {args.jobs!r}") from None
+        if jobs < 1:
+            raise ValueError(f"--jobs must be a positive integer or auto, got {args.jobs!r}")
     torch.set_num_threads(1)
     report = qualify(args.model or str(default_model_dir()), tp=args.tp, quick=args.quick, dtype=args.dtype,
-                     json_out=args.json, controls=args.control, device=args.device)
+                     json_out=args.json, controls=args.control, device=args.device,
+                     kernels=args.kernels, jobs=jobs)
     return 0 if report["passed"] else 1

@@ -12,6 +12,8 @@ the qualification suite measures.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..reference.layers import attention, rms_norm
@@ -63,6 +65,10 @@ class TritonOps(TorchOps):
 
     def __init__(self, stages: tuple[str, ...] = STAGES) -> None:
         self.stages = frozenset(stages)
+        if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
+            from ..kernels.testing import patch_interpreter
+
+            patch_interpreter()
         from ..kernels import moe, sample, topk
         from ..kernels.decode_attention import decode_attention
         from ..kernels.fp8_linear import fp8_linear

@@ -126,7 +126,7 @@ def sliding_ring(engine: RankEngine) -> int:
     return min(sliding) if sliding else engine.cache.layers[0].slots
 
 
-def decode_session(engine: RankEngine, model_dir: str, case: Case, dtype: str, run=None,
+def decode_session(engine: RankEngine, model_dir: str, case: Case, tol: str, run=None,
                    dist_engine: RankEngine | None = None) -> Session:
     """`engine`: the (rank-0) engine recorded; `run(req)`: how a request is decoded (default engine.decode; a
     FastEngine's generate under TP); `dist_engine`: a single-rank engine for fresh-prefill distributions."""
@@ -139,11 +139,11 @@ def decode_session(engine: RankEngine, model_dir: str, case: Case, dtype: str, r
         steps = list((run or engine.decode)(req))
     out = _tokens(steps)
     stream = list(case.prompt) + out
-    tol_rel = tolerances.value("numerics.logits", dtype)
+    tol_rel = tolerances.value("numerics.logits", tol)
     ref = reference(model_dir)
     result = score(rec.blocks, ref, stream, params, tol_rel, engine.config.sliding_window, sliding_ring(engine),
                    engine.model.w.vocab_offset, full_vocab=engine.par.world == 1,
-                   sampler_tol=tolerances.value("numerics.sampler", dtype))
+                   sampler_tol=tolerances.value("numerics.sampler", tol))
     session = Session(case, steps, rec.blocks, result.scores, result.round_ratio, sliding_ring(engine), params)
     session.agreement_rows = agreement(dist_engine or engine, model_dir, case, params, out, _acceptance(steps), result.round_ratio,
                                        tol_rel)
@@ -202,7 +202,7 @@ def session_rows(sessions: list[Session], classes: list[str]) -> list[Row]:
 
 
 # ---- append-one / append-eight stability ---------------------------------------------------------------------
-def stability(engine: RankEngine, model_dir: str, prefix: list[int], extra: list[int], dtype: str) -> list[Row]:
+def stability(engine: RankEngine, model_dir: str, prefix: list[int], extra: list[int], tol: str) -> list[Row]:
     ref = reference(model_dir)
     m = len(prefix)
 
@@ -222,7 +222,7 @@ def stability(engine: RankEngine, model_dir: str, prefix: list[int], extra: list
 
     rows = []
     ref_tol = tolerances.value("stability.reference", "float64")
-    cand_tol = tolerances.value("stability.candidate", dtype)
+    cand_tol = tolerances.value("stability.candidate", tol)
     r0, f0 = ref_run(prefix), fast_run(prefix)
     off = engine.model.w.vocab_offset
     for name, n in (("append1", 1), ("append8", 8)):
@@ -283,11 +283,11 @@ def exact_second_token(model_dir: str, prompt: list[int], params: SamplingParams
 
 
 def lossless(dtype: str, samples: int, defects: frozenset = frozenset(), drafts: int = 3,
-             device: str = "cpu") -> tuple[Row, dict]:
+             device: str = "cpu", kernels: str = "torch") -> tuple[Row, dict]:
     """Chi-square of the first speculative token (output index 1) against its exact distribution."""
     model_dir = micro_fixture()
     engine = RankEngine(model_dir, Parallel.single(device),
-                        EngineOptions(max_context=64, dtype=dtype, defects=defects, graphs=False))
+                        EngineOptions(max_context=64, dtype=dtype, defects=defects, graphs=False, kernels=kernels))
     g = engine.generation
     params = SamplingParams(g.temperature, min(g.top_k, engine.config.vocab_size), g.top_p)
     prompt = [3, 5, 2, 7, 1, 4]

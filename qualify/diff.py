@@ -99,7 +99,8 @@ def _compare(layer: str, stage: str, r: torch.Tensor, f: torch.Tensor, dtype: st
 
 
 def diff(model_dir, ids: list[int], position: int, dtype: str = "fp32", defects: frozenset = frozenset(),
-         plot: str = "debug-diff.png", json_out: str | None = None, device: str = "cpu") -> DiffResult:
+         plot: str = "debug-diff.png", json_out: str | None = None, device: str = "cpu",
+         kernels: str = "torch") -> DiffResult:
     if not ids:
         raise ValueError("the prompt is empty")
     P = position if position >= 0 else len(ids) + position
@@ -107,21 +108,23 @@ def diff(model_dir, ids: list[int], position: int, dtype: str = "fp32", defects:
         raise ValueError(f"--position {position} is outside the prompt's {len(ids)} positions")
     ref = ReferenceModel.load(model_dir)
     engine = RankEngine(model_dir, Parallel.single(device),
-                        EngineOptions(max_context=max(len(ids) + 16, 64), dtype=dtype, defects=defects))
+                        EngineOptions(max_context=max(len(ids) + 16, 64), dtype=dtype, defects=defects,
+                                      kernels=kernels))
+    tol = tolerances.scheme(dtype, kernels)  # tolerance column: dtype, +e4m3act with the MoE kernel
     rm, rt = _ref_taps(ref, ids, P)
     fm, ft = _fast_taps(engine, ids, P)
     stages = []
     for layer in range(ref.config.num_hidden_layers):
         for st in STAGES:
             name = f"layer{layer}.{st}"
-            stages.append(_compare(str(layer), st, rm[name], fm[name], dtype))
+            stages.append(_compare(str(layer), st, rm[name], fm[name], tol))
     for st in ("final_hidden", "logits"):
-        stages.append(_compare("final", st, rm[st], fm[st], dtype))
+        stages.append(_compare("final", st, rm[st], fm[st], tol))
     if P >= 1:
         for st in ("input",) + STAGES + ("logits",):
-            stages.append(_compare("mtp", st, rt[f"mtp.{st}"], ft[f"mtp.{st}"], dtype))
+            stages.append(_compare("mtp", st, rt[f"mtp.{st}"], ft[f"mtp.{st}"], tol))
     first = next((s for s in stages if s.over), None)
-    _plot(stages, P, plot, dtype)
+    _plot(stages, P, plot, tol)
     result = DiffResult(P, len(ids), stages, first, plot)
     if json_out:
         Path(json_out).write_text(json.dumps({

@@ -1,7 +1,7 @@
 """`iquest qualify`: every check against the float64 reference, the negative controls, a table and a JSON report.
 
 Report structure (JSON, `SCHEMA` names the version):
-  schema, model, tp, dtype, quick, seconds, passed
+  schema, model, tp, dtype, kernels, tolerance_column, device, quick, jobs, seconds, passed
   checks:   [{check, class, worst, tolerance, verdict, rows, where}]   healthy engine, one row per check x class
   controls: [{name, what, caught, caught_by: [[check, class]], intended: [[check, class]], branch_count,
               branch_what, failing: [[check, class]], seconds}]
@@ -16,7 +16,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -77,10 +77,10 @@ class _Engines:
             self.fe.close()
 
 
-def _sessions(engines: _Engines, model_dir: str, cases: list[Case], dtype: str, bar) -> list:
+def _sessions(engines: _Engines, model_dir: str, cases: list[Case], tol: str, bar) -> list:
     out = []
     for case in cases:
-        out.append(decode_session(engines.rank0, model_dir, case, dtype, engines.run, engines.single))
+        out.append(decode_session(engines.rank0, model_dir, case, tol, engines.run, engines.single))
         bar.update(1)
     return out
 
@@ -89,23 +89,54 @@ def _failing(rows: list[Row]) -> set[tuple[str, str]]:
     return {(r.check, r.cls) for r in rows if not r.passed and r.rows > 0}
 
 
-def run_control(ctl: Control, model_dir: str, tp: int, base: EngineOptions, cases, dtype: str, samples: int,
-                bar, device: str = "cpu") -> dict:
+@dataclass(frozen=True)
+class Plan:
+    """What every unit of a qualification run shares (picklable: units may run in worker processes)."""
+    model_dir: str
+    tp: int
+    base: EngineOptions
+    cases: tuple
+    prefix: tuple
+    extra: tuple
+    dtype: str
+    tol: str            # tolerance column: tolerances.scheme(dtype, kernels)
+    samples: int
+    device: str
+
+
+def run_healthy(plan: Plan, bar) -> list[Row]:
+    engines = _Engines(plan.model_dir, plan.tp, plan.base, plan.device)
+    try:
+        rows = session_rows(_sessions(engines, plan.model_dir, list(plan.cases), plan.tol, bar), classes_all())
+        rows += stability(engines.single, plan.model_dir, list(plan.prefix), list(plan.extra), plan.tol)
+    finally:
+        engines.close()
+    bar.update(1)
+    return rows
+
+
+def run_lossless(plan: Plan, bar) -> tuple[Row, dict]:
+    out = lossless(plan.dtype, plan.samples, device=plan.device, kernels=plan.base.kernels)
+    bar.update(1)
+    return out
+
+
+def run_control(ctl: Control, plan: Plan, bar) -> dict:
     t0 = time.time()
-    options = replace(base, defects=frozenset(base.defects) | ctl.defects)
+    options = replace(plan.base, defects=frozenset(plan.base.defects) | ctl.defects)
     if ctl.ring_slack is not None:
         options = replace(options, ring_slack=ctl.ring_slack)
     if ctl.family == "lossless":
-        row, info = lossless(dtype, samples, ctl.defects, device=device)
-        rows, branch = [row], ctl.branch(info, model_dir)
-        bar.update(len(cases))
+        row, info = lossless(plan.dtype, plan.samples, ctl.defects, device=plan.device, kernels=plan.base.kernels)
+        rows, branch = [row], ctl.branch(info, plan.model_dir)
+        bar.update(len(plan.cases))
     else:
-        engines = _Engines(model_dir, tp, options, device)
+        engines = _Engines(plan.model_dir, plan.tp, options, plan.device)
         try:
-            sessions = _sessions(engines, model_dir, cases, dtype, bar)
+            sessions = _sessions(engines, plan.model_dir, list(plan.cases), plan.tol, bar)
         finally:
             engines.close()
-        rows, branch = session_rows(sessions, classes_all()), ctl.branch(sessions, model_dir)
+        rows, branch = session_rows(sessions, classes_all()), ctl.branch(sessions, plan.model_dir)
     failing = _failing(rows)
     hit = [list(c) for c in ctl.catches if c in failing]
     return {"name": ctl.name, "what": ctl.what, "caught": bool(hit) and branch > 0, "caught_by": hit,
@@ -113,43 +144,74 @@ def run_control(ctl: Control, model_dir: str, tp: int, base: EngineOptions, case
             "failing": sorted(list(c) for c in failing), "seconds": round(time.time() - t0, 2)}
 
 
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+
+def _unit(kind: str, plan: Plan, name: str | None = None):
+    """One unit of work in a worker process (spawned: CUDA needs a fresh process; one CPU thread each)."""
+    torch.set_num_threads(1)
+    if kind == "healthy":
+        return run_healthy(plan, _NoBar())
+    if kind == "lossless":
+        return run_lossless(plan, _NoBar())
+    return run_control(next(c for c in REGISTRY if c.name == name), plan, _NoBar())
+
+
+def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar) -> tuple[list[Row], dict, list[dict]]:
+    """The healthy engine, the lossless test and every control: in this process (jobs 1) or spread over `jobs`
+    worker processes. Units are independent, so the report is the same either way."""
+    if jobs <= 1:
+        bar.set_postfix_str("healthy engine")
+        rows = run_healthy(plan, bar)
+        bar.set_postfix_str("lossless")
+        lrow, linfo = run_lossless(plan, bar)
+        results = []
+        for ctl in chosen:
+            bar.set_postfix_str(f"control {ctl.name}")
+            results.append(run_control(ctl, plan, bar))
+        return rows + [lrow], linfo, results
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    weight = {"healthy": len(plan.cases) + 1, "lossless": 1}
+    bar.set_postfix_str(f"{jobs} worker processes")
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {"healthy": pool.submit(_unit, "healthy", plan), "lossless": pool.submit(_unit, "lossless", plan)}
+        futures.update({c.name: pool.submit(_unit, "control", plan, c.name) for c in chosen})
+        done = {}
+        for key, fut in futures.items():  # in submission order; the bar moves as each finishes
+            done[key] = fut.result()
+            bar.update(weight.get(key, len(plan.cases)))
+    lrow, linfo = done["lossless"]
+    return done["healthy"] + [lrow], linfo, [done[c.name] for c in chosen]
+
+
 def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32", json_out: str | None = None,
             progress: bool | None = None, controls: list[str] | None = None, out=sys.stdout,
-            device: str = "cpu") -> dict:
+            device: str = "cpu", kernels: str = "torch", jobs: int = 1) -> dict:
     t0 = time.time()
     model_dir = str(model_dir)
     # Eager on CUDA too: the recorder wraps the engine's Python calls, which a graph replay skips. The
     # graph is held to the eager round separately (bit-exact: tests/test_fast_gpu.py).
-    base = EngineOptions(max_context=512, dtype=dtype, graphs=False)
+    base = EngineOptions(max_context=512, dtype=dtype, graphs=False, kernels=kernels)
     probe = RankEngine(model_dir, Parallel.single(device), base)
     from .checks import sliding_ring
 
     cases, prefix, extra = _cases(model_dir, quick, probe.config.sliding_window, sliding_ring(probe))
-    samples = 600 if quick else 3000
+    del probe
+    plan = Plan(model_dir, tp, base, tuple(cases), tuple(prefix), tuple(extra), dtype,
+                tolerances.scheme(dtype, kernels), 600 if quick else 3000, device)
     chosen = [c for c in REGISTRY if controls is None or c.name in controls]
     total = len(cases) * (1 + len(chosen)) + 2
     show = sys.stderr.isatty() if progress is None else progress
     with tqdm(total=total, desc="qualify", unit="step", disable=not show, file=sys.stderr) as bar:
-        bar.set_postfix_str("healthy engine")
-        engines = _Engines(model_dir, tp, base, device)
-        try:
-            sessions = _sessions(engines, model_dir, cases, dtype, bar)
-            rows = session_rows(sessions, classes_all())
-            rows += stability(engines.single, model_dir, prefix, extra, dtype)
-        finally:
-            engines.close()
-        bar.update(1)
-        bar.set_postfix_str("lossless")
-        lrow, linfo = lossless(dtype, samples, device=device)
-        rows.append(lrow)
-        bar.update(1)
-        results = []
-        for ctl in chosen:
-            bar.set_postfix_str(f"control {ctl.name}")
-            results.append(run_control(ctl, model_dir, tp, base, cases, dtype, samples, bar, device))
+        rows, linfo, results = _run_units(plan, chosen, max(1, min(jobs, len(chosen) + 2)), bar)
     caught = sum(r["caught"] for r in results)
     passed = all(r.passed for r in rows) and caught == len(results)
-    report = {"schema": SCHEMA, "model": model_dir, "tp": tp, "dtype": dtype, "quick": quick,
+    report = {"schema": SCHEMA, "model": model_dir, "tp": tp, "dtype": dtype, "kernels": kernels,
+              "tolerance_column": plan.tol, "device": device, "quick": quick, "jobs": jobs,
               "seconds": round(time.time() - t0, 2), "passed": passed, "checks": [r.as_dict() for r in rows],
               "controls": results, "lossless": linfo, "controls_caught": f"{caught}/{len(results)}",
               "tolerances": str(tolerances.PATH)}

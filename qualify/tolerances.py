@@ -25,6 +25,15 @@ def entry(check: str, cls: str = "*") -> dict:
     return found
 
 
+def scheme(dtype: str, kernels: str = "torch") -> str:
+    """The tolerance column for an engine: its compute dtype, plus "+e4m3act" when the MoE runs as the Triton
+    kernel, whose Down input is act_quant'ed to E4M3 (ROUND.md) where the reference and the fallback keep it."""
+    from ..fast.ops import make_ops
+
+    ops = make_ops(kernels)
+    return f"{dtype}+e4m3act" if "moe" in getattr(ops, "stages", ()) else dtype
+
+
 def value(check: str, dtype: str, cls: str = "*"):
     e = entry(check, cls)
     if dtype not in e:

@@ -121,9 +121,9 @@ def test_cpu_smoke_run(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "collectives replaced by local no-ops" in text and "bandwidth floor are skipped" in text
     r = json.loads(out.read_text())
-    assert r["tp_slice"] == 2 and r["floor"] is None and "graph" not in r["summary"]
-    assert r["summary"]["eager"]["median_round_us"] > 0
+    assert r["tp_slice"] == 2 and r["floor"] is None and "torch/graph" not in r["summary"]
+    assert r["summary"]["torch/eager"]["median_round_us"] > 0 and r["main_variant"] == "torch/eager"
     b = r["bytes"]
     assert b["rounds_recorded"] >= 1 and 0 < b["measured_median"] <= b["upper_bound"]
-    stages = r["stages_us_per_round"]["eager"]
+    stages = r["stages_us_per_round"]["torch/eager"]
     assert stages["attention"] > 0 and stages["moe"] > 0 and stages["sampling"] > 0
