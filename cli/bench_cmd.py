@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from . import bench_micro_cmd
 from .generate_cmd import _drafts
 
 
@@ -32,6 +33,7 @@ def register(sub) -> None:
                    help="comma-separated variants compared side by side: torch (fallback), triton (kernels/); "
                         "e.g. torch,triton (default torch)")
     s.set_defaults(run=run)
+    bench_micro_cmd.register(bsub)  # kernels, allreduce
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         if args.drafts == "auto" or not args.drafts:
             raise UserError("--config needs a fixed draft depth (--drafts 3..7)")
         full_step(args.config, args.tp_slice, args.context, int(args.drafts), args.repeats, args.chunk_tokens or 16,
-                  args.seed, args.device, args.out)
+                  args.seed, args.device, args.out, kernels=tuple(args.kernels.split(",")))
         return 0
     from ..bench.step import run as bench_step
     from .engines import default_model_dir

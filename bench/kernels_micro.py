@@ -1,0 +1,398 @@
+"""`iquest bench kernels`: our Triton kernels beside what torch offers, at one TP8 rank's shapes.
+
+Two ops of a decode step, every variant given the same numbers:
+- FP8 block-scaled linear, y = x W^T with W E4M3 and fp32 128x128 block scales: kernels.fp8_linear;
+  torch's block-wise scaled GEMM (F.scaled_mm, else torch._scaled_mm: x as E4M3 with 1x128 scales, W
+  with 128x128; GPU_FACTS.md); cuBLAS bf16 `x @ W.T` on the weight dequantized once (what a bf16 weight
+  would cost). The activations are E4M3 values times power-of-two group scales, so the bf16 x our kernel
+  reads and the (E4M3, scale) pair torch's GEMM reads are the same numbers: outputs differ only by
+  accumulation order and rounding.
+- Decode attention of one rank (6 query heads x R rows on 1 KV head, D 128, bf16, no sinks since SDPA
+  has none): kernels.decode_attention vs F.scaled_dot_product_attention(enable_gqa=True) given the
+  cache's visibility as a boolean mask (equal work), and SDPA without a mask (less work: a lower bound
+  on its time, and the form GPU_FACTS.md measured).
+
+Timing: a variant's calls are captured back to back into one CUDA graph; each replay is timed with CUDA
+events and divided by the calls in it. The calls rotate over copies of the weight or KV cache totalling
+>= ROTATE_BYTES (4x the 60 MB L2), so each call reads from HBM as a decode step's distinct layers do.
+The floor is the op's bytes at the device copy bandwidth measured in the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import shlex
+import statistics
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from ..fast.cache import RING_SLACK
+from ..kernels.decode_attention import decode_attention, decode_attention_ref, visible_ref
+from ..kernels.fp8_linear import fp8_linear, fp8_linear_ref
+from ..reference.config import Config
+from ..reference.fp8 import E4M3, dequantize, expand_scales
+
+FULL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "iquest-q1.json"
+TP = 8
+BLOCK = (128, 128)
+ROTATE_BYTES = 256 << 20
+MIN_CALLS = 24  # calls per captured graph at least: launch gaps between replays amortized
+SCALED_MM_ROWS = 4  # _scaled_mm reads scale_a column-major with stride M: M=1 is refused (GPU_FACTS.md)
+TOL = {"linear": 1e-2, "attention": 3e-2}  # max |y - ref| / max |ref|: bf16 output rounding and sum order
+OURS, TORCH = "triton", {"linear": "_scaled_mm", "attention": "sdpa (mask)"}
+
+
+# ---- shapes and bytes --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinearShape:
+    name: str
+    n: int  # output features (weight rows)
+    k: int  # input features
+
+
+def linear_shapes(config: Config, tp: int = TP) -> list[LinearShape]:
+    """One rank's FP8 weights on the decode path: column-parallel q/k/v and expert gate/up, row-parallel
+    o_proj, expert down and eh_proj (whose input is [embedding, hidden], 2H wide)."""
+    h, d = config.hidden_size, config.head_dim
+    q, kv = config.num_attention_heads * d // tp, config.num_key_value_heads * d // tp
+    inter = config.moe_intermediate_size // tp
+    return [LinearShape("q_proj", q, h), LinearShape("k_proj/v_proj", kv, h), LinearShape("o_proj", h, q),
+            LinearShape("expert gate/up", inter, h), LinearShape("expert down", h, inter),
+            LinearShape("eh_proj", h, 2 * h // tp)]
+
+
+def scaled_mm_rows(m: int) -> int:
+    """Rows _scaled_mm is given: a multiple of 4 (a 16-byte aligned column-major scale_a), zero-padded."""
+    return -(-m // SCALED_MM_ROWS) * SCALED_MM_ROWS
+
+
+def linear_bytes(variant: str, m: int, n: int, k: int) -> int:
+    """Bytes a variant must move at least: weight (+ fp32 block scales), x read and bf16 y written."""
+    scales = 4 * math.ceil(n / BLOCK[0]) * math.ceil(k / BLOCK[1])
+    if variant == "bf16 mm":
+        return 2 * n * k + 2 * m * k + 2 * m * n
+    if variant == "_scaled_mm":  # E4M3 x with its fp32 1x128 scales at the padded row count; padded scale_b
+        mp, kb = scaled_mm_rows(m), math.ceil(k / 128)
+        return n * k + 4 * math.ceil(n / 128) * (-(-kb // 4) * 4) + mp * k + 4 * mp * kb + 2 * mp * n
+    return n * k + scales + 2 * m * k + 2 * m * n
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    context: int  # positions each query row can see
+    kind: str  # "sliding": a ring of window + slack slots; "full": one slot per position up to the maximum
+
+
+def attention_cases(config: Config) -> list[AttentionCase]:
+    return [AttentionCase(config.sliding_window, "sliding"), AttentionCase(32_768, "full"),
+            AttentionCase(config.max_position_embeddings, "full")]
+
+
+def kv_bytes(context: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
+    """K and V of `context` positions, read once: the attention's floor."""
+    return 2 * context * kv_heads * head_dim * dtype_bytes
+
+
+# ---- inputs ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinearInputs:
+    x: torch.Tensor  # [m, k] bf16, exactly xq * xs
+    xq: torch.Tensor  # [m, k] E4M3
+    xs: torch.Tensor  # [m, k / 128] fp32 powers of two
+    w: torch.Tensor  # [n, k] E4M3
+    scale: torch.Tensor  # [n / 128, k / 128] fp32
+
+
+def make_linear(m: int, n: int, k: int, device, seed: int = 0) -> LinearInputs:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).to(E4M3)
+    scale = (torch.rand(math.ceil(n / BLOCK[0]), math.ceil(k / BLOCK[1]), generator=g) + 0.5) / 64
+    xq = torch.randn(m, k, generator=g).to(E4M3)
+    xs = torch.exp2(torch.randint(-3, 3, (m, math.ceil(k / BLOCK[1])), generator=g).float())
+    x = (xq.float() * expand_scales(xs, (m, k), (1, BLOCK[1]))).to(torch.bfloat16)  # 4 significant bits: exact
+    return LinearInputs(*(t.to(device) for t in (x, xq, xs, w, scale)))
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    q: torch.Tensor  # [R, Hq, D]
+    k: torch.Tensor  # [S, Hkv, D], the last slot the never-visible trash slot (fast/cache.py)
+    v: torch.Tensor
+    slot_pos: torch.Tensor  # [S] position held by each slot, -1 = empty
+    q_pos: torch.Tensor  # [R]
+    kv_len: torch.Tensor | None  # full layers: the slots holding history
+    window: int | None
+    live: int  # slots SDPA is given: the whole ring, or a full layer's first `context` slots
+
+
+def make_attention(case: AttentionCase, rows: int, q_heads: int, kv_heads: int, head_dim: int, capacity: int,
+                   device, dtype=torch.bfloat16, slack: int = RING_SLACK, seed: int = 0) -> AttentionInputs:
+    """A cache as fast/cache.py fills it: a wrapped ring (slot = position mod slots) or a full layer
+    holding positions 0..context-1; the block's rows are the last `rows` positions."""
+    g = torch.Generator().manual_seed(seed)
+    if case.kind == "sliding":
+        slots = case.context + slack
+        last = 3 * slots + rows  # wrapped a few times: slot order is not position order
+        held = last - (last - torch.arange(slots)) % slots
+        kv_len, window, live = None, case.context, slots + 1
+    else:
+        slots, last = capacity, case.context - 1
+        held = torch.where(torch.arange(slots) <= last, torch.arange(slots), -1)
+        kv_len, window, live = torch.tensor([case.context]), None, case.context
+    slot_pos = torch.cat([held, torch.tensor([-1])])
+    k = torch.randn(slots + 1, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(slots + 1, kv_heads, head_dim, generator=g).to(dtype)
+    q = (torch.randn(rows, q_heads, head_dim, generator=g) * 0.6).to(dtype)
+    q_pos = torch.arange(last - rows + 1, last + 1)
+    return AttentionInputs(q.to(device), k.to(device), v.to(device), slot_pos.to(device), q_pos.to(device),
+                           kv_len.to(device) if kv_len is not None else None, window, live)
+
+
+# ---- variants: prepare operands (untimed), return the timed call ---------------------------------------
+Variant = Callable[[object], Callable[[], torch.Tensor]]
+
+
+def scaled_mm_operands(t: LinearInputs) -> tuple[torch.Tensor, ...]:
+    """(a [M, K] E4M3 zero-padded to M rows, b = W^T column-major, scale_a [M, K/128] column-major,
+    scale_b [L4, N/128] = the weight's scales transposed, K/128 zero-padded to L4, a multiple of 4).
+
+    cuBLAS reads the 128x128 scales with that padded leading dimension: measured on the H200 (torch 2.11),
+    torch._scaled_mm accepts them unpadded and returns wrong sums when K/128 is not a multiple of 4
+    (o_proj, expert down), while F.scaled_mm insists on the padded layout and is right."""
+    m, k = t.xq.shape
+    mp = scaled_mm_rows(m)
+    a = torch.zeros(mp, k, dtype=E4M3, device=t.xq.device)
+    a[:m] = t.xq
+    scale_a = torch.ones(t.xs.shape[1], mp, dtype=torch.float32, device=t.xs.device).t()
+    scale_a[:m] = t.xs
+    nb, kb = t.scale.shape
+    scale_b = torch.zeros(nb, -(-kb // 4) * 4, dtype=torch.float32, device=t.scale.device)
+    scale_b[:, :kb] = t.scale
+    return a, t.w.t(), scale_a, scale_b.t()
+
+
+def torch_scaled_mm(a, b, scale_a, scale_b, out_dtype):
+    """torch's block-wise FP8 GEMM (1x128 activation scales, 128x128 weight scales): F.scaled_mm with
+    explicit recipes where it exists (torch 2.11 has it), else torch._scaled_mm, which then refuses the
+    padded scales unless K/128 is a multiple of 4 (an error recorded, rather than wrong sums)."""
+    if hasattr(F, "scaled_mm"):
+        return F.scaled_mm(a, b, scale_a=scale_a, scale_recipe_a=F.ScalingType.BlockWise1x128, scale_b=scale_b,
+                           scale_recipe_b=F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b[: -(-a.shape[1] // 128)], out_dtype=out_dtype)
+
+
+def linear_variants(ours=fp8_linear, scaled_mm=torch_scaled_mm) -> dict[str, Variant]:
+    def triton_(t):
+        return lambda: ours(t.x, t.w, t.scale, BLOCK)
+
+    def scaled(t):
+        a, b, sa, sb = scaled_mm_operands(t)
+        m = t.x.shape[0]
+        return lambda: scaled_mm(a, b, sa, sb, torch.bfloat16)[:m]
+
+    def bf16(t):
+        w = dequantize(t.w, t.scale, BLOCK, torch.float32).to(torch.bfloat16)
+        return lambda: t.x @ w.T
+
+    return {OURS: triton_, "_scaled_mm": scaled, "bf16 mm": bf16}
+
+
+def sdpa_operands(t: AttentionInputs, mask: bool) -> tuple:
+    """[1, H, L, D] views of the first `live` slots, and the cache's visibility as a [1, 1, R, live] mask."""
+    q = t.q.transpose(0, 1).unsqueeze(0).contiguous()
+    k, v = (x[: t.live].permute(1, 0, 2).unsqueeze(0) for x in (t.k, t.v))
+    vis = visible_ref(t.slot_pos[: t.live], t.q_pos, t.window, 0)[None, None] if mask else None
+    return q, k, v, vis
+
+
+def attention_variants(ours=decode_attention) -> dict[str, Variant]:
+    def triton_(t):
+        return lambda: ours(t.q, t.k, t.v, t.slot_pos, t.q_pos, None, t.window, 0, t.kv_len)
+
+    def sdpa(mask: bool) -> Variant:
+        def prep(t):
+            q, k, v, vis = sdpa_operands(t, mask)
+            return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=vis, enable_gqa=True)[0].transpose(0, 1)
+        return prep
+
+    return {OURS: triton_, "sdpa (mask)": sdpa(True), "sdpa (no mask)": sdpa(False)}
+
+
+UNCHECKED = {"sdpa (no mask)"}  # sees the block's later positions too: not the same result
+
+
+# ---- correctness (runs on CPU with the *_ref functions in place of the kernels) ------------------------
+def rel_diff(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
+
+
+def error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).strip()}"[:2000]
+
+
+def agreement(op: str, t, variants: dict[str, Variant]) -> dict[str, dict]:
+    """Per variant: its output's max relative difference from the fp32 reference (and ours from torch's
+    variant), or the error it raised."""
+    if op == "linear":
+        ref = fp8_linear_ref(t.x, t.w, t.scale, BLOCK, torch.float32)
+    else:
+        ref = decode_attention_ref(t.q, t.k, t.v, t.slot_pos, t.q_pos, None, t.window, 0, t.kv_len)
+    outs, result = {}, {}
+    for name, prep in variants.items():
+        try:
+            outs[name] = prep(t)()
+        except Exception as e:  # e.g. _scaled_mm block-wise missing on this build: recorded, not fatal
+            result[name] = {"error": error_text(e)}
+            continue
+        result[name] = {"rel_diff_vs_ref": None if name in UNCHECKED else rel_diff(outs[name], ref)}
+    if OURS in outs and TORCH[op] in outs:
+        result[OURS]["rel_diff_vs_torch"] = rel_diff(outs[OURS], outs[TORCH[op]])
+    return result
+
+
+# ---- timing ------------------------------------------------------------------------------------------
+def graph_times(calls: list[Callable[[], object]], repeats: int) -> tuple[list[float], int]:
+    """Per-call microseconds of `repeats` replays of one CUDA graph holding `calls` back to back (cycled
+    to at least MIN_CALLS), each replay timed with CUDA events; returns (times, calls per replay)."""
+    seq = calls * math.ceil(MIN_CALLS / len(calls))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compilation, autotuning and first-use allocations stay out of the graph
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in seq:
+            c()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(seq))
+    return times, len(seq)
+
+
+def _measure(op: str, base, copies: list, variants: dict[str, Variant], repeats: int, floor_bytes: int,
+             bandwidth: float, bytes_of: Callable[[str], int]) -> list[dict]:
+    out = []
+    for name, check in agreement(op, base, variants).items():
+        row = {"variant": name, **check}
+        if "error" not in row:
+            try:
+                times, n = graph_times([variants[name](t) for t in copies], repeats)
+                med = statistics.median(times)
+                row.update(median_us=med, bytes=bytes_of(name), gb_per_s=bytes_of(name) / med / 1e3,
+                           floor_us=floor_bytes / bandwidth * 1e6, calls_per_graph=n, copies=len(copies),
+                           times_us=times)
+                row["x_floor"] = med / row["floor_us"]
+            except Exception as e:
+                row["error"] = error_text(e)
+        out.append(row)
+        torch.cuda.synchronize()
+    return out
+
+
+def _copies(nbytes: int) -> int:
+    return max(1, math.ceil(ROTATE_BYTES / nbytes))
+
+
+def run(rows: tuple[int, ...], repeats: int, out: str | None, config_file: str | Path = FULL_CONFIG) -> dict:
+    from .full_step import copy_bandwidth
+    from .step import _commit
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("iquest bench kernels needs a CUDA device")
+    config = Config.from_file(config_file)
+    dev = torch.device("cuda")
+    bandwidth = copy_bandwidth(dev)
+    report = {"bench": "kernels", "commit": _commit(), "device": torch.cuda.get_device_name(dev),
+              "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+              "host": platform.node(), "command": shlex.join(["iquest", *sys.argv[1:]]), "config": str(config_file),
+              "tp": TP, "rows": list(rows), "repeats": repeats, "copy_bandwidth_bytes_per_s": bandwidth,
+              "timing": f"CUDA graph of >= {MIN_CALLS} back-to-back calls rotating over copies of the weight/KV "
+                        f"(>= {ROTATE_BYTES >> 20} MB, so reads come from HBM), each replay timed with CUDA events; "
+                        "per call = replay / calls; median over repeats",
+              "scaled_mm_api": "F.scaled_mm" if hasattr(F, "scaled_mm") else "torch._scaled_mm",
+              "notes": [f"_scaled_mm: {'F.scaled_mm' if hasattr(F, 'scaled_mm') else 'torch._scaled_mm'} block-wise "
+                        f"(1x128 x, 128x128 W, scale_b padded to K/128 rounded up to 4); rows zero-padded to a "
+                        f"multiple of {SCALED_MM_ROWS} (M=1 is unsupported); activation quantization not timed "
+                        "(x given as E4M3 + 1x128 scales)",
+                        "bf16 mm: weight dequantized to bf16 once, untimed",
+                        "attention without sinks (SDPA has none); sdpa (mask) gets the cache's visibility mask "
+                        "(equal work); sdpa (no mask) is a lower bound on its time"],
+              "linear": [], "attention": []}
+    for shape in linear_shapes(config):
+        for m in rows:
+            base = make_linear(m, shape.n, shape.k, dev)
+            copies = [base] + [replace(base, w=base.w.clone(), scale=base.scale.clone())
+                               for _ in range(_copies(shape.n * shape.k) - 1)]
+            for r in _measure("linear", base, copies, linear_variants(), repeats,
+                              linear_bytes(OURS, m, shape.n, shape.k), bandwidth,
+                              lambda v: linear_bytes(v, m, shape.n, shape.k)):
+                report["linear"].append({"shape": shape.name, "n": shape.n, "k": shape.k, "rows": m, **r})
+            del base, copies
+            torch.cuda.empty_cache()
+    hq, hkv, d = config.num_attention_heads // TP, max(1, config.num_key_value_heads // TP), config.head_dim
+    for case in attention_cases(config):
+        for m in rows:
+            base = make_attention(case, m, hq, hkv, d, config.max_position_embeddings, dev)
+            kv = kv_bytes(case.context, hkv, d)
+            copies = [base] + [replace(base, k=base.k.clone(), v=base.v.clone()) for _ in range(_copies(kv) - 1)]
+            for r in _measure("attention", base, copies, attention_variants(), repeats, kv, bandwidth, lambda v: kv):
+                report["attention"].append({"context": case.context, "kind": case.kind, "slots": base.k.shape[0],
+                                            "rows": m, **r})
+            del base, copies
+            torch.cuda.empty_cache()
+    print_report(report)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+# ---- report ------------------------------------------------------------------------------------------
+def _cells(r: dict) -> str:
+    if "error" in r:
+        return "error: " + r["error"].splitlines()[0][:100]
+    diff = "-" if r.get("rel_diff_vs_ref") is None else f"{r['rel_diff_vs_ref']:.1e}"
+    if "rel_diff_vs_torch" in r:
+        diff += f" (vs torch {r['rel_diff_vs_torch']:.1e})"
+    return (f"{r['median_us']:10.1f} {r['bytes'] / 1e6:9.2f} {r['gb_per_s']:8.0f} {r['floor_us']:9.1f} "
+            f"{r['x_floor']:8.1f}  {diff}")
+
+
+def print_report(r: dict) -> None:
+    print(f"bench kernels  commit={r['commit']} device={r['device']} torch={r['torch']} triton={r['triton']}")
+    print(f"device copy bandwidth {r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (read + written)")
+    print(f"timing: {r['timing']}")
+    head = f"{'median us':>10} {'MB':>9} {'GB/s':>8} {'floor us':>9} {'x floor':>8}  max rel diff vs fp32 ref"
+    print(f"\nFP8 linear, one TP{r['tp']} rank (W E4M3 [N, K] + fp32 128x128 scales; x, y bf16)")
+    print(f"{'shape':24} {'rows':>4} {'variant':14} {head}")
+    for x in r["linear"]:
+        print(f"{x['shape'] + ' ' + str(x['n']) + 'x' + str(x['k']):24} {x['rows']:4} {x['variant']:14} {_cells(x)}")
+    print("\nDecode attention, one rank (q heads x rows on 1 KV head, D 128, bf16); floor = K+V read once")
+    print(f"{'context':24} {'rows':>4} {'variant':14} {head}")
+    for x in r["attention"]:
+        print(f"{str(x['context']) + ' ' + x['kind']:24} {x['rows']:4} {x['variant']:14} {_cells(x)}")
+    for op, key in (("linear", "linear"), ("attention", "attention")):
+        for x in r[key]:
+            if "rel_diff_vs_torch" in x:
+                ok = x["rel_diff_vs_torch"] <= TOL[op]
+                where = x.get("shape", x.get("context"))
+                print(f"agreement {op} {where} rows={x['rows']}: triton vs {TORCH[op]} max rel diff "
+                      f"{x['rel_diff_vs_torch']:.1e} ({'ok' if ok else 'MISMATCH'}, tol {TOL[op]:.0e})")
+    for n in r["notes"]:
+        print("note:", n)
