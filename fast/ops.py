@@ -75,7 +75,10 @@ class TritonOps(TorchOps):
         from ..kernels.rmsnorm_residual import rmsnorm_residual
 
         self._attention, self._linear = decode_attention, fp8_linear
+        from ..kernels.moe_route import MAX_PAIRS
+
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
+        self._max_pairs = MAX_PAIRS
         self._add_norm = rmsnorm_residual
 
     def linear(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
@@ -92,8 +95,11 @@ class TritonOps(TorchOps):
     def moe(self, b, experts, weights, live, gate, up, down):
         if "moe" not in self.stages or gate.block[1] != down.block[1] or down.q.shape[-1] % down.block[1]:  # act_quant groups = Down's blocks
             return super().moe(b, experts, weights, live, gate, up, down)
-        return self._moe(b, experts, weights, live, gate.q, gate.scale, up.q, up.scale, down.q, down.scale,
-                         gate.block, group=down.block[1], out_dtype=torch.float32)
+        step = self._max_pairs // experts.shape[1]  # prefill blocks exceed the kernel's pair capacity: split rows
+        parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
+                           gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
+                           group=down.block[1], out_dtype=torch.float32) for s in range(0, b.shape[0], step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def dist(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p):
         if "sampling" not in self.stages:

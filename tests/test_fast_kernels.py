@@ -44,6 +44,29 @@ def moe_block_error(device: str = "cpu") -> float:
     return float((logits["moe"] - logits["torch"]).abs().max() / logits["torch"].abs().max())
 
 
+def moe_prefill_split(device: str = "cpu") -> dict:
+    """A prefill-sized block (72 rows x k=2 = 144 pairs > the kernel's 128): TritonOps splits it into row chunks.
+    Returns the relative error against the fallback and how many kernel calls ran (must be > 1)."""
+    from iquest.fast.ops import TorchOps, TritonOps
+
+    e = RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=256, dtype="fp32"))
+    lw, c = e.model.w.layers[0], e.config
+    g = torch.Generator().manual_seed(5)
+    R = 72
+    b = torch.randn(R, c.hidden_size, generator=g).to(device)
+    experts = torch.stack([torch.randperm(c.n_routed_experts, generator=g)[:c.num_experts_per_tok]
+                           for _ in range(R)]).to(device)
+    weights = torch.rand(R, c.num_experts_per_tok, generator=g).to(device)
+    live = (torch.arange(R) % 9 != 4).to(device)  # a few padding rows inside the block
+    ops, calls = TritonOps(("moe",)), []
+    kernel = ops._moe
+    ops._moe = lambda *a, **k: calls.append(a[0].shape[0]) or kernel(*a, **k)
+    got = ops.moe(b, experts, weights, live, lw.gate, lw.up, lw.down)
+    want = TorchOps().moe(b, experts, weights, live, lw.gate, lw.up, lw.down)
+    err = float((got - want)[live].abs().max() / want[live].abs().max())
+    return {"rel_err": err, "calls": calls}
+
+
 def sampling_block(device: str = "cpu") -> dict:
     """The sampling kernels' distributions of one 8-row logits block against the fallback's."""
     out = {}
@@ -78,6 +101,10 @@ def test_interpreted_kernels_decode_like_the_torch_fallback():
     assert "error" not in moe and "error" not in samp, (moe, samp)
     print(f"[interpreted MoE kernels] relative logit error {moe['rel_err']:.2e} (tolerance {MOE_BLOCK_TOL})")
     assert moe["rel_err"] < MOE_BLOCK_TOL
+    split = results["moe_prefill_split"]
+    assert "error" not in split, split
+    print(f"[interpreted MoE kernel, 72-row block] kernel calls {split['calls']}, relative error {split['rel_err']:.2e}")
+    assert len(split["calls"]) > 1 and sum(split["calls"]) == 72 and split["rel_err"] < MOE_BLOCK_TOL
     print(f"[interpreted sampling kernels] same candidates {samp['same_ids']}, max prob error {samp['prob_err']:.1e}")
     assert samp["same_ids"] and samp["prob_err"] < 1e-6
     torch_engine = RankEngine(TINY, Parallel.single(), EngineOptions(max_context=256, dtype="fp32"))
@@ -90,6 +117,12 @@ def test_interpreted_kernels_decode_like_the_torch_fallback():
                          fast_dist(torch_engine), TOLERANCE["fp32"])
         print(f"[interpreted kernels, {key}] {result}")
         assert result.explained and result.agreed >= N_TOKENS // 2, str(result)
+
+
+@pytest.mark.gpu
+def test_cuda_moe_splits_prefill_blocks():
+    split = moe_prefill_split("cuda")
+    assert len(split["calls"]) > 1 and sum(split["calls"]) == 72 and split["rel_err"] < MOE_BLOCK_TOL, split
 
 
 @pytest.mark.gpu
@@ -113,4 +146,5 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     torch.set_num_threads(1)
     worker_main([("decode", lambda: decode(DECODE_KERNELS)),
                  ("moe_block", lambda: {"rel_err": moe_block_error()}),
+                 ("moe_prefill_split", moe_prefill_split),
                  ("sampling_block", sampling_block)])
