@@ -35,7 +35,8 @@ def rank_weight_bytes(config: Config, tp: int, rank: int = 0) -> int:
 
 def rank_bytes(config: Config, tp: int, max_context: int, dtype_bytes: int = 2) -> int:
     kv_heads = max(config.num_key_value_heads // tp, 1)
-    return rank_weight_bytes(config, tp) + StaticKV.bytes_needed(config, kv_heads, max_context, dtype_bytes)
+    lm_head32 = config.vocab_size // tp * config.hidden_size * 4 if dtype_bytes != 4 else 0  # fast/model.py's fp32 copy
+    return rank_weight_bytes(config, tp) + lm_head32 + StaticKV.bytes_needed(config, kv_heads, max_context, dtype_bytes)
 
 
 def check_memory(config: Config, tp: int, options, device_kind: str) -> None:

@@ -65,6 +65,7 @@ class TritonOps(TorchOps):
 
     def __init__(self, stages: tuple[str, ...] = STAGES) -> None:
         self.stages = frozenset(stages)
+        self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
             from ..kernels.testing import patch_interpreter
 
@@ -81,19 +82,34 @@ class TritonOps(TorchOps):
         self._max_pairs = MAX_PAIRS
         self._add_norm = rmsnorm_residual
 
+    def _fits(self, stage: str, ok: bool) -> bool:
+        """Whether `stage` runs as its kernel here; a shape the kernel cannot take (the 8-wide blocks and heads of
+        the micro preset, long prefill blocks) falls back and is counted in `self.fallbacks`."""
+        if stage not in self.stages:
+            return False
+        if not ok:
+            self.fallbacks[stage] = self.fallbacks.get(stage, 0) + 1
+        return ok
+
+    @staticmethod
+    def _pow2_at_least_16(n: int) -> bool:
+        return n >= 16 and any(n % d == 0 for d in (16, 32, 64, 128))
+
     def linear(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
-        if "linear" not in self.stages or w.q.dim() != 2:
+        if not self._fits("linear", w.q.dim() == 2 and self._pow2_at_least_16(w.block[1])):
             return super().linear(w, x)
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype)
 
     def add_norm(self, x, residual, weight, eps):
-        if "norm" not in self.stages:
+        if not self._fits("norm", True):
             return super().add_norm(x, residual, weight, eps)
         y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=torch.float32)
         return h, y
 
     def moe(self, b, experts, weights, live, gate, up, down):
-        if "moe" not in self.stages or gate.block[1] != down.block[1] or down.q.shape[-1] % down.block[1]:  # act_quant groups = Down's blocks
+        group = down.block[1]  # act_quant groups = Down's K blocks
+        if not self._fits("moe", gate.block[1] == group and down.q.shape[-1] % group == 0 and group >= 16
+                          and group & (group - 1) == 0):
             return super().moe(b, experts, weights, live, gate, up, down)
         step = self._max_pairs // experts.shape[1]  # prefill blocks exceed the kernel's pair capacity: split rows
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
@@ -102,7 +118,7 @@ class TritonOps(TorchOps):
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def dist(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p):
-        if "sampling" not in self.stages:
+        if not self._fits("sampling", True):
             return super().dist(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
         keys = self._topk(local_logits.float().contiguous(), k, vocab_offset)[0]
         return self._global_dist(gather(keys).contiguous(), top_k, temperature, top_p)
@@ -110,7 +126,9 @@ class TritonOps(TorchOps):
     def attention(self, q: torch.Tensor, kv: LayerKV, positions: torch.Tensor,
                   sinks: torch.Tensor | None) -> torch.Tensor:
         rows, q_heads = q.shape[0], q.shape[1]
-        if "attention" not in self.stages or rows * (q_heads // kv.k.shape[1]) > self.MAX_MATRIX_ROWS:  # long prefill blocks: not the decode path
+        d = q.shape[-1]
+        if not self._fits("attention", rows * (q_heads // kv.k.shape[1]) <= self.MAX_MATRIX_ROWS
+                          and d >= 16 and d & (d - 1) == 0):
             return super().attention(q, kv, positions, sinks)
         kv_len = (positions.max() + 1).view(1)
         return self._attention(q.contiguous(), kv.k, kv.v, kv.slot_pos, positions, sinks, kv.window,

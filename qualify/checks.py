@@ -312,6 +312,9 @@ def lossless(dtype: str, samples: int, defects: frozenset = frozenset(), drafts:
     passed = pval >= alpha and replaced >= need
     where = (f"micro preset, {samples} requests, drafts {drafts}: chi2 {stat:.1f} on {dof} dof, p = {pval:.2e}; "
              f"replacement branch ran in {rejected} rounds ({replaced} drew the tested token)")
+    fallbacks = getattr(engine.model.ops, "fallbacks", {})
+    if fallbacks:  # the micro preset's 8-wide blocks and heads are below what some kernels take
+        where += f"; kernels {kernels}: stages on the torch fallback for this model's shapes: {sorted(fallbacks)}"
     info = {"p_value": pval, "chi2": stat, "dof": dof, "samples": samples, "replacement_rounds": rejected,
             "replacement_drew_tested_token": replaced, "observed": counts.tolist(), "expected": expected.tolist()}
     # The verdict is on the p-value; the tolerance column shows alpha (a p-value below it fails).

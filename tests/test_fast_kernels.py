@@ -26,6 +26,13 @@ DECODE_KERNELS = "linear+attention+norm"
 # over a random 4-layer model that moved logits by 1.3% of their range when measured; 5% leaves room
 # and is far below what a wrong expert, weight or scale produces (order 1).
 MOE_BLOCK_TOL = 0.05
+# Kernel stages of the GPU agreement test, per dtype. fp32 leaves out the MoE kernel: its E4M3 Down activations
+# (a designed change, ~2-4% per row per layer) flip expert choices on this random fixture, and a flipped expert
+# changes a row completely (measured under the interpreter, prefix PROMPTS[1] + [142]: experts differ on the last
+# row at layers 2 and 3, logits move by 49% of their range, L1 1.04; the GPU run at commit d572fe8 failed there).
+# No probability-gap bound explains that, so in fp32 the MoE kernel is held to its block error (MOE_BLOCK_TOL) and
+# qualified against the reference on the trained mini model (iquest qualify --kernels triton); bf16 runs everything.
+GPU_KERNELS = {"fp32": "linear+attention+norm+sampling", "bf16": "triton"}
 
 
 def moe_block_error(device: str = "cpu") -> float:
@@ -128,10 +135,11 @@ def test_cuda_moe_splits_prefill_blocks():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_cuda_kernels_decode_like_the_torch_fallback(dtype):
-    got, want = decode("triton", "cuda", dtype), decode("torch", "cuda", dtype)
+    got, want = decode(GPU_KERNELS[dtype], "cuda", dtype), decode("torch", "cuda", dtype)
     # Each side's divergence is explained with its own engine's distributions.
     with_kernels, fallback = (RankEngine(TINY, Parallel.single("cuda"),
-                                         EngineOptions(max_context=256, dtype=dtype, kernels=k)) for k in ("triton", "torch"))
+                                         EngineOptions(max_context=256, dtype=dtype, kernels=k))
+                               for k in (GPU_KERNELS[dtype], "torch"))
     for i, drafts in CASES:
         key = f"{i}-{drafts}"
         result = compare(PROMPTS[i], got[key]["tokens"], want[key]["tokens"], fast_dist(with_kernels),
