@@ -156,3 +156,20 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
                  ("moe_block", lambda: {"rel_err": moe_block_error()}),
                  ("moe_prefill_split", moe_prefill_split),
                  ("sampling_block", sampling_block)])
+
+
+def test_shapes_a_kernel_cannot_take_fall_back_and_are_counted():
+    """The micro preset's 8-wide FP8 blocks and 8-wide heads are below what the kernels take: each such call runs
+    the fallback (same result as TorchOps) and is counted, so reports can say which stages were not kernels."""
+    from iquest.fast.ops import TorchOps, make_ops
+    from iquest.fast.weights import FP8Weight
+    from iquest.reference.fp8 import E4M3
+
+    ops = make_ops("triton")
+    g = torch.Generator().manual_seed(3)
+    w = FP8Weight((torch.randn(16, 16, generator=g) * 64).clamp(-448, 448).to(E4M3),
+                  torch.rand(2, 2, generator=g) + 0.5, (8, 8), torch.float32)
+    x = torch.randn(3, 16, generator=g)
+    assert torch.equal(ops.linear(w, x), TorchOps().linear(w, x))
+    assert ops.fallbacks == {"linear": 1}
+    assert make_ops("attention").fallbacks == {} and make_ops("torch").name == "torch"

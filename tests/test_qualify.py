@@ -96,3 +96,29 @@ def test_debug_diff_writes_png_and_names_a_stage(tmp_path, capsys):
     assert main(["debug", "diff", "--model", str(TINY), "--prompt-ids", ids, "--position", "12", "--plot",
                  str(png), "--json", str(js)]) == 0
     assert json.loads(js.read_text())["first_over"] is None
+
+
+def test_tolerance_column_follows_the_moe_kernel():
+    """The E4M3 Down activations exist only with the MoE kernel: only then does the e4m3act column apply."""
+    assert tolerances.scheme("bf16", "triton") == "bf16+e4m3act"
+    assert tolerances.scheme("fp32", "moe") == "fp32+e4m3act"
+    assert tolerances.scheme("fp32", "linear+attention+norm+sampling") == "fp32"
+    assert tolerances.scheme("bf16", "torch") == "bf16"
+    for check, per in tolerances.table()["checks"].items():
+        for cls, entry in per.items():
+            for dtype in ("fp32", "bf16"):
+                if dtype in entry:  # every dtype column has its e4m3act twin, never looser than needed by chance
+                    assert f"{dtype}+e4m3act" in entry, (check, cls, dtype)
+                    a, b = entry[dtype], entry[f"{dtype}+e4m3act"]
+                    assert a == b or (isinstance(a, float) and b >= a), (check, cls, dtype)
+
+
+@pytest.mark.parametrize("jobs", ["0", "-2", "many"])
+def test_qualify_rejects_bad_jobs(jobs, capsys):
+    rc = main(["qualify", "--model", str(TINY), "--quick", "--jobs", jobs])
+    assert rc != 0 and "--jobs" in capsys.readouterr().err
+
+
+def test_qualify_rejects_unknown_kernel_stage(capsys):
+    rc = main(["qualify", "--model", str(TINY), "--quick", "--kernels", "linear+warp"])
+    assert rc != 0 and "unknown kernels" in capsys.readouterr().err
