@@ -325,6 +325,11 @@ def _print(r: dict) -> None:
     else:
         print("byte floor: skipped (no CUDA device)")
     for key, st in r["stages_us_per_round"].items():
+        if key.endswith("/graph"):  # replays carry no stage labels: only busy and wall mean something
+            print(f"stages, {key} (us/round): [wall {st['wall']:.0f}] not attributed: graph replays carry no stage "
+                  f"labels and the profiler traced only {st['busy']:.0f} us of kernels inside the conditional-node "
+                  "bodies; see the eager row of the same kernels")
+            continue
         cols = "  ".join(f"{k} {st[k]:.0f}" for k in STAGES + ("other", "gaps"))
         print(f"stages, {key} (us/round): {cols}  [wall {st['wall']:.0f}]")
     for n in r["notes"]:
