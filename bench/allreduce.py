@@ -33,10 +33,14 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 FULL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "iquest-q1.json"
 
 
-def round_allreduces(config: Config) -> int:
-    """All-reduces in one TP decode round: two per decoder layer (after o_proj and Down), for the main
-    layers and the MTP layer, plus one after the vocabulary-parallel embedding."""
-    return 2 * (config.num_hidden_layers + config.num_nextn_predict_layers) + 1
+DRAFTS = 5  # the fixed depth of the issue's round
+
+
+def round_allreduces(config: Config, drafts: int = DRAFTS) -> int:
+    """All-reduces in one TP decode round at a fixed draft depth: the verify pass has two per decoder layer
+    (after o_proj and Down) plus one after the vocabulary-parallel embedding; each draft depth has the
+    embedding's, eh_proj's and the MTP layer's two (counted in a real TP round: tests/test_bench_tp_step.py)."""
+    return 2 * config.num_hidden_layers + 1 + drafts * (1 + 1 + 2 * config.num_nextn_predict_layers)
 
 
 def _pattern(rows: int, hidden: int, device) -> torch.Tensor:
@@ -176,5 +180,5 @@ def print_report(r: dict) -> None:
     for rows in r["rows"]:
         cells = [f"{x['variant']} {x['median_us'] * n:.0f} us" for x in r["results"]
                  if x["rows"] == rows and "median_us" in x]
-        print(f"per-round collective estimate, rows={rows} ({n} all-reduces = 2 x (layers + MTP) + 1 embed; "
+        print(f"per-round collective estimate, rows={rows} ({n} all-reduces = 2 x layers + 1 embed + {DRAFTS} drafts x 4; "
               f"per-call microbenchmark median x {n}, an estimate): {', '.join(cells) or '-'}")

@@ -21,6 +21,9 @@ def register(sub) -> None:
     s.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
     s.add_argument("--config", help="config.json of a model to run as one synthetic rank slice (no checkpoint)")
     s.add_argument("--tp-slice", type=int, default=8, help="with --config: TP degree whose rank 0 runs (default 8)")
+    s.add_argument("--tp", type=int, default=None,
+                   help="with --config: real tensor parallelism over TP processes (one GPU each; gloo on CPU), every "
+                        "rank holding its slice of the TP layout; eager rounds (instead of --tp-slice)")
     s.add_argument("--device", default="auto", help="with --config: cuda, cpu or auto (default auto)")
     s.add_argument("--context", type=int, default=1024, help="prompt length in tokens (default 1024)")
     s.add_argument("--drafts", type=_drafts, default=5, help="fixed draft depth 3..7 or auto (default 5)")
@@ -46,6 +49,16 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--model and --config are exclusive")
         if args.drafts == "auto" or not args.drafts:
             raise UserError("--config needs a fixed draft depth (--drafts 3..7)")
+        if args.tp is not None:
+            from ..bench.tp_step import run as tp_step
+
+            if args.tp < 2:
+                raise UserError("--tp needs at least 2 ranks (one rank is --tp-slice 1)")
+            if "," in args.kernels:
+                raise UserError("--tp runs one kernel variant at a time (e.g. --kernels triton)")
+            tp_step(args.config, args.tp, args.context, int(args.drafts), args.repeats, args.chunk_tokens or 16,
+                    args.seed, args.device, args.out, kernels=args.kernels)
+            return 0
         full_step(args.config, args.tp_slice, args.context, int(args.drafts), args.repeats, args.chunk_tokens or 16,
                   args.seed, args.device, args.out, kernels=tuple(args.kernels.split(",")))
         return 0

@@ -1,0 +1,146 @@
+"""`iquest bench step --config FILE --tp N`: the round with real tensor parallelism, one process per rank.
+
+Every rank makes its own slice of the TP-N layout (random FP8 weights on its device, fast/synthetic.py), joins
+the process group (NCCL on GPUs, gloo on CPU; multicast stays off) and runs the same schedule: prefill, then
+`repeats` timed decode chunks, each from the restored post-prefill state. Ranks stay in lockstep because the
+schedule is fixed and sampling is identical on every rank (all-gathered candidates, shared uniforms). Rank 0
+times each chunk between barriers and counts the collectives a round issues. The round runs eagerly: NCCL
+cannot be captured inside the conditional-node decode graph (fast/rank.py), so this measures eager TP rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import platform
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from ..fast.parallel import Parallel, free_port, init_process
+from ..fast.rank import EngineOptions, RankEngine, Request
+from ..fast.synthetic import synthetic_weights
+from ..reference.config import Config, GenerationConfig
+from .full_step import Snapshot, _sync
+from .step import _commit
+
+
+class CollectiveCounter:
+    """Counts (and times on the host) the collectives a rank's Parallel issues while active."""
+
+    def __init__(self, par: Parallel):
+        self.par, self.calls = par, {"all_reduce": 0, "all_gather_last": 0, "broadcast": 0}
+
+    def __enter__(self) -> "CollectiveCounter":
+        for name in self.calls:
+            original = getattr(Parallel, name)
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                self.calls[_name] += 1
+                return _original(*args, **kwargs)
+
+            object.__setattr__(self.par, name, counted.__get__(self.par))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in self.calls:
+            object.__delattr__(self.par, name)
+
+
+def _rank_main(rank: int, tp: int, port: int, kind: str, spec: dict, results: "mp.Queue") -> None:
+    try:
+        torch.set_num_threads(1)
+        par = init_process(rank, tp, port, kind)
+        config = Config.from_file(spec["config"])
+        options = EngineOptions(max_context=spec["context"] + 2 * spec["chunk_tokens"] + 64, graphs=False,
+                                kernels=spec["kernels"])
+        dtype = options.torch_dtype(par.device)
+        weights = synthetic_weights(config, tp, rank, par.device, dtype, spec["seed"])
+        generation = GenerationConfig(eos_token_id=config.eos_token_id)
+        engine = RankEngine.from_weights(config, weights, generation, par, options)
+        g = torch.Generator().manual_seed(spec["seed"])
+        prompt = torch.randint(2, config.vocab_size, (spec["context"],), generator=g).tolist()
+        req = Request(tuple(prompt), spec["seed"], generation.temperature, generation.top_k, generation.top_p,
+                      spec["chunk_tokens"] + 1, spec["drafts"], ())
+        runner, _ = engine.runner(spec["drafts"], generation.top_k)
+        engine.start(req, runner)
+        snap = Snapshot(engine)
+        st, chunks, counts = engine.state, [], None
+        for i in range(spec["repeats"] + 1):  # the first chunk warms up, untimed
+            snap.restore()
+            rounds0, emitted0 = int(st.rounds), int(st.emitted)
+            _sync(par.device)
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            if i == 1:
+                with CollectiveCounter(par) as counter:
+                    engine.decode_chunk(runner, None)
+                counts = dict(counter.calls)
+            else:
+                engine.decode_chunk(runner, None)
+            _sync(par.device)
+            dt = time.perf_counter() - start
+            rounds, tokens = int(st.rounds) - rounds0, int(st.emitted) - emitted0
+            if i:
+                chunks.append({"seconds": dt, "rounds": rounds, "tokens": tokens,
+                               "round_us": dt / max(rounds, 1) * 1e6, "tokens_out": st.log_tokens[:int(st.emitted)].tolist()})
+        results.put(("ok", rank, {"chunks": chunks, "collectives_first_timed_chunk": counts}))
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chunk_tokens: int, seed: int,
+        device: str, out: str | None, kernels: str = "torch") -> dict:
+    config = Config.from_file(config_file)
+    config.check_tp(tp)
+    kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    if kind == "cuda" and torch.cuda.device_count() < tp:
+        raise RuntimeError(f"--tp {tp} needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
+    spec = {"config": str(config_file), "context": context, "drafts": drafts, "repeats": repeats,
+            "chunk_tokens": chunk_tokens, "seed": seed, "kernels": kernels}
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, kind, spec, results), daemon=True) for r in range(tp)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in procs:
+            status, rank, info = results.get(timeout=3600)
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{info}")
+            got[rank] = info
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    chunks = got[0]["chunks"]
+    same = all(got[r]["chunks"][-1]["tokens_out"] == chunks[-1]["tokens_out"] for r in got)
+    counts = got[0]["collectives_first_timed_chunk"]
+    rounds = chunks[0]["rounds"]
+    summary = {"median_round_us": statistics.median(c["round_us"] for c in chunks),
+               "tokens_per_round": sum(c["tokens"] for c in chunks) / max(1, sum(c["rounds"] for c in chunks)),
+               "ranks_emitted_same_tokens": same,
+               "collectives_per_round": {k: v / max(rounds, 1) for k, v in counts.items()}}
+    report = {"bench": "step-tp", "config": str(config_file), "tp": tp, "context": context, "drafts": drafts,
+              "repeats": repeats, "chunk_tokens": chunk_tokens, "seed": seed, "kernels": kernels, "backend":
+              "nccl" if kind == "cuda" else "gloo", "mode": "eager (NCCL cannot be captured in conditional bodies)",
+              "commit": _commit(), "device": torch.cuda.get_device_name(0) if kind == "cuda" else platform.processor() or "cpu",
+              "torch": torch.__version__, "host": platform.node(), "summary": summary,
+              "runs": [{k: v for k, v in c.items() if k != "tokens_out"} for c in chunks]}
+    print(f"bench step  config={config_file} tp={tp} ({report['backend']}, one process per rank, real collectives, "
+          f"eager rounds) context={context} drafts={drafts} kernels={kernels} repeats={repeats} commit={report['commit']}")
+    print(f"median round {summary['median_round_us']:.1f} us, tokens/round {summary['tokens_per_round']:.2f}; "
+          f"every rank emitted the same tokens: {same}")
+    print("collectives per round: " + ", ".join(f"{k} {v:.1f}" for k, v in summary["collectives_per_round"].items()))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
