@@ -1,4 +1,11 @@
-"""`iquest bench step --config FILE --tp N`: the round with real tensor parallelism, one process per rank.
+"""`iquest bench step --config FILE --tp N` (or `--tp-slice N --ranks M`): rounds with real collectives, one
+process per rank.
+
+`--tp N` is real tensor parallelism: N processes, each with its slice of the TP-N layout. `--tp-slice N --ranks M`
+runs ranks 0..M-1 of the TP-N layout as M processes (e.g. two ranks of the full model's TP8 layout on two H200s,
+where a TP2 rank would not fit): collectives run among the M processes with the TP-N message sizes, the
+all-gather tiles the M parts to N (the outputs are not the model's; the communication and compute are a TP-N
+rank's).
 
 Every rank makes its own slice of the TP-N layout (random FP8 weights on its device, fast/synthetic.py), joins
 the process group (NCCL on GPUs, gloo on CPU; multicast stays off) and runs the same schedule: prefill, then
@@ -16,6 +23,7 @@ import platform
 import statistics
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +36,22 @@ from .full_step import Snapshot, _sync
 from .step import _commit
 
 
+@dataclass(frozen=True)
+class PartialParallel(Parallel):
+    """Ranks 0..processes-1 of a TP-`world` layout, one process each, collectives among those processes."""
+
+    processes: int = 1
+
+    @property
+    def active(self) -> bool:
+        return self.processes > 1
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.processes)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat([parts[i % self.processes] for i in range(self.world)], dim=-1)
+
+
 class CollectiveCounter:
     """Counts (and times on the host) the collectives a rank's Parallel issues while active."""
 
@@ -36,7 +60,7 @@ class CollectiveCounter:
 
     def __enter__(self) -> "CollectiveCounter":
         for name in self.calls:
-            original = getattr(Parallel, name)
+            original = getattr(type(self.par), name)
 
             def counted(*args, _name=name, _original=original, **kwargs):
                 self.calls[_name] += 1
@@ -51,9 +75,12 @@ class CollectiveCounter:
 
 
 def _rank_main(rank: int, tp: int, port: int, kind: str, spec: dict, results: "mp.Queue") -> None:
+    """`tp` is the layout; `spec["processes"]` how many of its ranks run (all of them for --tp)."""
     try:
         torch.set_num_threads(1)
-        par = init_process(rank, tp, port, kind)
+        joined = init_process(rank, spec["processes"], port, kind)
+        par = joined if spec["processes"] == tp else PartialParallel(rank, tp, joined.device, joined.group,
+                                                                      processes=spec["processes"])
         config = Config.from_file(spec["config"])
         options = EngineOptions(max_context=spec["context"] + 2 * spec["chunk_tokens"] + 64, graphs=False,
                                 kernels=spec["kernels"])
@@ -96,17 +123,22 @@ def _rank_main(rank: int, tp: int, port: int, kind: str, spec: dict, results: "m
 
 
 def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chunk_tokens: int, seed: int,
-        device: str, out: str | None, kernels: str = "torch") -> dict:
+        device: str, out: str | None, kernels: str = "torch", processes: int | None = None) -> dict:
+    """Layout TP-`tp`; `processes` of its ranks run (default all)."""
     config = Config.from_file(config_file)
     config.check_tp(tp)
+    processes = processes or tp
+    if not 2 <= processes <= tp:
+        raise ValueError(f"ranks must be in 2..{tp} for a TP-{tp} layout, got {processes}")
     kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    if kind == "cuda" and torch.cuda.device_count() < tp:
-        raise RuntimeError(f"--tp {tp} needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
+    if kind == "cuda" and torch.cuda.device_count() < processes:
+        raise RuntimeError(f"{processes} ranks need {processes} GPUs, this machine has {torch.cuda.device_count()}")
     spec = {"config": str(config_file), "context": context, "drafts": drafts, "repeats": repeats,
-            "chunk_tokens": chunk_tokens, "seed": seed, "kernels": kernels}
+            "chunk_tokens": chunk_tokens, "seed": seed, "kernels": kernels, "processes": processes}
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, kind, spec, results), daemon=True) for r in range(tp)]
+    procs = [ctx.Process(target=_rank_main, args=(r, tp, port, kind, spec, results), daemon=True)
+             for r in range(processes)]
     for p in procs:
         p.start()
     got = {}
@@ -129,14 +161,19 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
                "tokens_per_round": sum(c["tokens"] for c in chunks) / max(1, sum(c["rounds"] for c in chunks)),
                "ranks_emitted_same_tokens": same,
                "collectives_per_round": {k: v / max(rounds, 1) for k, v in counts.items()}}
-    report = {"bench": "step-tp", "config": str(config_file), "tp": tp, "context": context, "drafts": drafts,
+    report = {"bench": "step-tp", "config": str(config_file), "tp": tp, "ranks": processes,
+              "partial": processes < tp, "context": context, "drafts": drafts,
               "repeats": repeats, "chunk_tokens": chunk_tokens, "seed": seed, "kernels": kernels, "backend":
               "nccl" if kind == "cuda" else "gloo", "mode": "eager (NCCL cannot be captured in conditional bodies)",
               "commit": _commit(), "device": torch.cuda.get_device_name(0) if kind == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "host": platform.node(), "summary": summary,
               "runs": [{k: v for k, v in c.items() if k != "tokens_out"} for c in chunks]}
-    print(f"bench step  config={config_file} tp={tp} ({report['backend']}, one process per rank, real collectives, "
+    who = f"tp={tp}" if processes == tp else f"ranks 0..{processes - 1} of the tp={tp} layout"
+    print(f"bench step  config={config_file} {who} ({report['backend']}, one process per rank, real collectives, "
           f"eager rounds) context={context} drafts={drafts} kernels={kernels} repeats={repeats} commit={report['commit']}")
+    if processes < tp:
+        print(f"note: collectives run among {processes} processes with TP-{tp} message sizes; the all-gather tiles "
+              f"{processes} parts to {tp}: outputs are not the model's, communication and compute are a TP-{tp} rank's")
     print(f"median round {summary['median_round_us']:.1f} us, tokens/round {summary['tokens_per_round']:.2f}; "
           f"every rank emitted the same tokens: {same}")
     print("collectives per round: " + ", ".join(f"{k} {v:.1f}" for k, v in summary["collectives_per_round"].items()))

@@ -24,6 +24,9 @@ def register(sub) -> None:
     s.add_argument("--tp", type=int, default=None,
                    help="with --config: real tensor parallelism over TP processes (one GPU each; gloo on CPU), every "
                         "rank holding its slice of the TP layout; eager rounds (instead of --tp-slice)")
+    s.add_argument("--ranks", type=int, default=None,
+                   help="with --config --tp-slice N: run ranks 0..RANKS-1 of the TP-N layout as RANKS processes with "
+                        "real collectives among them (e.g. --tp-slice 8 --ranks 2 on two H200s)")
     s.add_argument("--device", default="auto", help="with --config: cuda, cpu or auto (default auto)")
     s.add_argument("--context", type=int, default=1024, help="prompt length in tokens (default 1024)")
     s.add_argument("--drafts", type=_drafts, default=5, help="fixed draft depth 3..7 or auto (default 5)")
@@ -49,15 +52,20 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--model and --config are exclusive")
         if args.drafts == "auto" or not args.drafts:
             raise UserError("--config needs a fixed draft depth (--drafts 3..7)")
-        if args.tp is not None:
+        if args.tp is not None or args.ranks is not None:
             from ..bench.tp_step import run as tp_step
 
-            if args.tp < 2:
+            if args.tp is not None and args.tp < 2:
                 raise UserError("--tp needs at least 2 ranks (one rank is --tp-slice 1)")
+            if args.tp is not None and args.ranks is not None:
+                raise UserError("--tp and --ranks are exclusive (--ranks goes with --tp-slice)")
+            if args.ranks is not None and not 2 <= args.ranks <= args.tp_slice:
+                raise UserError(f"--ranks must be in 2..{args.tp_slice} (the --tp-slice layout)")
             if "," in args.kernels:
-                raise UserError("--tp runs one kernel variant at a time (e.g. --kernels triton)")
-            tp_step(args.config, args.tp, args.context, int(args.drafts), args.repeats, args.chunk_tokens or 16,
-                    args.seed, args.device, args.out, kernels=args.kernels)
+                raise UserError("real-collective runs take one kernel variant at a time (e.g. --kernels triton)")
+            layout = args.tp if args.tp is not None else args.tp_slice
+            tp_step(args.config, layout, args.context, int(args.drafts), args.repeats, args.chunk_tokens or 16,
+                    args.seed, args.device, args.out, kernels=args.kernels, processes=args.ranks)
             return 0
         full_step(args.config, args.tp_slice, args.context, int(args.drafts), args.repeats, args.chunk_tokens or 16,
                   args.seed, args.device, args.out, kernels=tuple(args.kernels.split(",")))

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from iquest.bench.allreduce import round_allreduces
 from iquest.cli.main import main
 from iquest.reference.config import Config
 
 TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
+TINY8 = TINY.parent / "tiny-tp8"
 
 
 def test_tp2_round_runs_in_lockstep_and_counts_its_collectives(tmp_path, capsys):
@@ -33,5 +36,34 @@ def test_tp_rejects_one_rank_and_several_variants(capsys):
     base = ["bench", "step", "--config", str(TINY / "config.json"), "--device", "cpu"]
     assert main(base + ["--tp", "1"]) != 0
     assert main(base + ["--tp", "2", "--kernels", "torch,triton"]) != 0
+    assert main(base + ["--tp-slice", "4", "--ranks", "5"]) != 0
     err = capsys.readouterr().err
-    assert "--tp needs at least 2 ranks" in err and "one kernel variant" in err
+    assert "--tp needs at least 2 ranks" in err and "one kernel variant" in err and "--ranks must be in 2..4" in err
+
+
+def test_two_ranks_of_a_wider_layout(tmp_path, capsys):
+    """Ranks 0 and 1 of the TP8 layout as two processes: TP8 slices, collectives between the two, lockstep."""
+    out = tmp_path / "tp.json"
+    rc = main(["bench", "step", "--config", str(TINY8 / "config.json"), "--tp-slice", "8", "--ranks", "2",
+               "--device", "cpu", "--repeats", "1", "--context", "40", "--chunk-tokens", "4", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "ranks 0..1 of the tp=8 layout" in text and "tiles 2 parts to 8" in text
+    r = json.loads(out.read_text())
+    assert r["tp"] == 8 and r["ranks"] == 2 and r["partial"]
+    assert r["summary"]["ranks_emitted_same_tokens"]
+    assert r["summary"]["collectives_per_round"]["all_reduce"] > 0
+
+
+@pytest.mark.gpu
+def test_two_gpu_ranks_with_nccl(tmp_path):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    out = tmp_path / "tp.json"
+    assert main(["bench", "step", "--config", str(TINY8 / "config.json"), "--tp-slice", "8", "--ranks", "2",
+                 "--device", "cuda", "--repeats", "2", "--context", "40", "--chunk-tokens", "6", "--kernels", "triton",
+                 "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["backend"] == "nccl" and r["summary"]["ranks_emitted_same_tokens"]
