@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import platform
+import queue
 import statistics
 import time
 import traceback
@@ -143,8 +144,14 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
         p.start()
     got = {}
     try:
-        for _ in procs:
-            status, rank, info = results.get(timeout=3600)
+        while len(got) < len(procs):
+            try:
+                status, rank, info = results.get(timeout=5)
+            except queue.Empty:  # a rank killed outright (memory, a NCCL abort) posts nothing: do not wait forever
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in got]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result")
+                continue
             if status != "ok":
                 raise RuntimeError(f"rank {rank} failed:\n{info}")
             got[rank] = info

@@ -37,7 +37,8 @@ def register(sub) -> None:
     s.add_argument("--out", help="write the raw JSON here (e.g. bench/results/step-mini.json)")
     s.add_argument("--kernels", default="torch",
                    help="comma-separated variants compared side by side: torch (fallback), triton (kernels/); "
-                        "e.g. torch,triton (default torch)")
+                        "e.g. torch,triton (default torch). The speedup line compares the first variant's graph round "
+                        "with torch's eager round, so include torch to get it")
     s.set_defaults(run=run)
     bench_micro_cmd.register(bsub)  # kernels, allreduce
 
@@ -45,6 +46,10 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from .main import UserError
 
+    if args.repeats < 1:
+        raise UserError(f"--repeats must be at least 1, got {args.repeats}")
+    if not args.config and (args.tp is not None or args.ranks is not None):
+        raise UserError("--tp and --ranks need --config (a model run from synthetic rank slices)")
     if args.config:
         from ..bench.full_step import run as full_step
 

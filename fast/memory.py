@@ -43,7 +43,8 @@ def check_memory(config: Config, tp: int, options, device_kind: str) -> None:
     """Raise a clear error when weights plus caches at the requested context exceed device memory."""
     if device_kind != "cuda":
         return
-    need = rank_bytes(config, tp, options.max_context) * HEADROOM
+    dtype_bytes = options.torch_dtype(torch.device("cuda")).itemsize
+    need = rank_bytes(config, tp, options.max_context, dtype_bytes) * HEADROOM
     for rank in range(tp):
         free, _ = torch.cuda.mem_get_info(rank)
         if need > free:

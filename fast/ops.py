@@ -92,6 +92,13 @@ class TritonOps(TorchOps):
         return ok
 
     @staticmethod
+    def moe_takes(gate_block: tuple[int, int], down_block: tuple[int, int], intermediate: int) -> bool:
+        """Whether the MoE kernel takes these weights: its act_quant groups are Down's K blocks (a power of two
+        >= 16 dividing the rank's intermediate size), and Gate/Up share that block width."""
+        group = down_block[1]
+        return gate_block[1] == group and intermediate % group == 0 and group >= 16 and group & (group - 1) == 0
+
+    @staticmethod
     def _pow2_at_least_16(n: int) -> bool:
         return n >= 16 and any(n % d == 0 for d in (16, 32, 64, 128))
 
@@ -107,9 +114,7 @@ class TritonOps(TorchOps):
         return h, y
 
     def moe(self, b, experts, weights, live, gate, up, down):
-        group = down.block[1]  # act_quant groups = Down's K blocks
-        if not self._fits("moe", gate.block[1] == group and down.q.shape[-1] % group == 0 and group >= 16
-                          and group & (group - 1) == 0):
+        if not self._fits("moe", self.moe_takes(gate.block, down.block, down.q.shape[-1])):
             return super().moe(b, experts, weights, live, gate, up, down)
         step = self._max_pairs // experts.shape[1]  # prefill blocks exceed the kernel's pair capacity: split rows
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],

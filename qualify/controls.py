@@ -67,10 +67,10 @@ def _ring_wrapped(sessions) -> int:
 
 REGISTRY: list[Control] = [
     Control("ring_exact_w", "sliding-window ring of exactly W slots (no 64-slot slack)", frozenset(), 0,
-            # The MTP layer is a sliding layer too (MODEL.md mtp_layer_type): its ring shrinks with the others, and
-            # its depth-1 rows read it right after a block of up to 8 rows was written into it.
-            (("numerics.logits", "ring_reused"), ("numerics.logits", "draft_depth1"), ("numerics.hidden", "draft_depth1")),
-            "decode", lambda s, d: _ring_wrapped(s),
+            # Held to the main layers' reused ring slots only. The MTP layer's ring shrinks too, and in bf16 with the
+            # fallback the defect showed only there (numerics.hidden/draft_depth1, GPU run at afb0573); accepting that
+            # would let a main-layer ring defect pass, so that run stays a failure (see docs/PERF.md).
+            (("numerics.logits", "ring_reused"),), "decode", lambda s, d: _ring_wrapped(s),
             "verification blocks written after the W-slot ring wrapped"),
     Control("drop_sink", "attention sink logit dropped from the softmax denominator", frozenset({"drop_sink"}), None,
             (("numerics.logits", "prefill"),), "decode", lambda s, d: _forward_rows(s),

@@ -110,7 +110,7 @@ def diff(model_dir, ids: list[int], position: int, dtype: str = "fp32", defects:
     engine = RankEngine(model_dir, Parallel.single(device),
                         EngineOptions(max_context=max(len(ids) + 16, 64), dtype=dtype, defects=defects,
                                       kernels=kernels))
-    tol = tolerances.scheme(dtype, kernels)  # tolerance column: dtype, +e4m3act with the MoE kernel
+    tol = tolerances.scheme(dtype, kernels, engine.config)  # dtype, +e4m3act when the MoE kernel runs
     rm, rt = _ref_taps(ref, ids, P)
     fm, ft = _fast_taps(engine, ids, P)
     stages = []

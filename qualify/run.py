@@ -1,7 +1,8 @@
 """`iquest qualify`: every check against the float64 reference, the negative controls, a table and a JSON report.
 
 Report structure (JSON, `SCHEMA` names the version):
-  schema, model, tp, dtype, kernels, tolerance_column, device, quick, jobs, seconds, passed
+  schema, model, tp, dtype, kernels, kernel_fallbacks ({stage: calls that ran the fallback}), tolerance_column,
+  device, quick, jobs (worker processes used), commit, seconds, passed
   checks:   [{check, class, worst, tolerance, verdict, rows, where}]   healthy engine, one row per check x class
   controls: [{name, what, caught, caught_by: [[check, class]], intended: [[check, class]], branch_count,
               branch_what, failing: [[check, class]], seconds}]
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..bench.step import _commit
 from ..fast.parallel import Parallel
 from ..fast.rank import EngineOptions, RankEngine
 from . import tolerances
@@ -99,20 +101,22 @@ class Plan:
     prefix: tuple
     extra: tuple
     dtype: str
-    tol: str            # tolerance column: tolerances.scheme(dtype, kernels)
+    tol: str            # tolerance column: tolerances.scheme(dtype, kernels, config, tp)
     samples: int
     device: str
 
 
-def run_healthy(plan: Plan, bar) -> list[Row]:
+def run_healthy(plan: Plan, bar) -> tuple[list[Row], dict]:
+    """The healthy candidate's rows, and the calls per stage its kernels could not take (ran the fallback)."""
     engines = _Engines(plan.model_dir, plan.tp, plan.base, plan.device)
     try:
         rows = session_rows(_sessions(engines, plan.model_dir, list(plan.cases), plan.tol, bar), classes_all())
         rows += stability(engines.single, plan.model_dir, list(plan.prefix), list(plan.extra), plan.tol)
+        fallbacks = dict(getattr(engines.rank0.model.ops, "fallbacks", {}))
     finally:
         engines.close()
     bar.update(1)
-    return rows
+    return rows, fallbacks
 
 
 def run_lossless(plan: Plan, bar) -> tuple[Row, dict]:
@@ -159,33 +163,38 @@ def _unit(kind: str, plan: Plan, name: str | None = None):
     return run_control(next(c for c in REGISTRY if c.name == name), plan, _NoBar())
 
 
-def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar) -> tuple[list[Row], dict, list[dict]]:
+def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar) -> tuple[list[Row], dict, dict, list[dict]]:
     """The healthy engine, the lossless test and every control: in this process (jobs 1) or spread over `jobs`
     worker processes. Units are independent, so the report is the same either way."""
     if jobs <= 1:
         bar.set_postfix_str("healthy engine")
-        rows = run_healthy(plan, bar)
+        rows, fallbacks = run_healthy(plan, bar)
         bar.set_postfix_str("lossless")
         lrow, linfo = run_lossless(plan, bar)
         results = []
         for ctl in chosen:
             bar.set_postfix_str(f"control {ctl.name}")
             results.append(run_control(ctl, plan, bar))
-        return rows + [lrow], linfo, results
+        return rows + [lrow], linfo, fallbacks, results
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     weight = {"healthy": len(plan.cases) + 1, "lossless": 1}
     bar.set_postfix_str(f"{jobs} worker processes")
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    try:
         futures = {"healthy": pool.submit(_unit, "healthy", plan), "lossless": pool.submit(_unit, "lossless", plan)}
         futures.update({c.name: pool.submit(_unit, "control", plan, c.name) for c in chosen})
         done = {}
         for key, fut in futures.items():  # in submission order; the bar moves as each finishes
             done[key] = fut.result()
             bar.update(weight.get(key, len(plan.cases)))
-    lrow, linfo = done["lossless"]
-    return done["healthy"] + [lrow], linfo, [done[c.name] for c in chosen]
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)  # a failed unit ends the run now, not after the others
+        raise
+    pool.shutdown()
+    (rows, fallbacks), (lrow, linfo) = done["healthy"], done["lossless"]
+    return rows + [lrow], linfo, fallbacks, [done[c.name] for c in chosen]
 
 
 def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32", json_out: str | None = None,
@@ -200,18 +209,20 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
     from .checks import sliding_ring
 
     cases, prefix, extra = _cases(model_dir, quick, probe.config.sliding_window, sliding_ring(probe))
-    del probe
     plan = Plan(model_dir, tp, base, tuple(cases), tuple(prefix), tuple(extra), dtype,
-                tolerances.scheme(dtype, kernels), 600 if quick else 3000, device)
+                tolerances.scheme(dtype, kernels, probe.config, tp), 600 if quick else 3000, device)
+    del probe
     chosen = [c for c in REGISTRY if controls is None or c.name in controls]
+    jobs = max(1, min(jobs, len(chosen) + 2))
     total = len(cases) * (1 + len(chosen)) + 2
     show = sys.stderr.isatty() if progress is None else progress
     with tqdm(total=total, desc="qualify", unit="step", disable=not show, file=sys.stderr) as bar:
-        rows, linfo, results = _run_units(plan, chosen, max(1, min(jobs, len(chosen) + 2)), bar)
+        rows, linfo, fallbacks, results = _run_units(plan, chosen, jobs, bar)
     caught = sum(r["caught"] for r in results)
     passed = all(r.passed for r in rows) and caught == len(results)
     report = {"schema": SCHEMA, "model": model_dir, "tp": tp, "dtype": dtype, "kernels": kernels,
-              "tolerance_column": plan.tol, "device": device, "quick": quick, "jobs": jobs,
+              "kernel_fallbacks": fallbacks, "tolerance_column": plan.tol, "device": device, "quick": quick,
+              "jobs": jobs, "commit": _commit(),
               "seconds": round(time.time() - t0, 2), "passed": passed, "checks": [r.as_dict() for r in rows],
               "controls": results, "lossless": linfo, "controls_caught": f"{caught}/{len(results)}",
               "tolerances": str(tolerances.PATH)}

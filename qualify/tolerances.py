@@ -25,13 +25,19 @@ def entry(check: str, cls: str = "*") -> dict:
     return found
 
 
-def scheme(dtype: str, kernels: str = "torch") -> str:
+def scheme(dtype: str, kernels: str = "torch", config=None, tp: int = 1) -> str:
     """The tolerance column for an engine: its compute dtype, plus "+e4m3act" when the MoE runs as the Triton
-    kernel, whose Down input is act_quant'ed to E4M3 (ROUND.md) where the reference and the fallback keep it."""
-    from ..fast.ops import make_ops
+    kernel, whose Down input is act_quant'ed to E4M3 (ROUND.md) where the reference and the fallback keep it.
+    With `config`, only when the kernel takes that model's shapes at `tp` (else the MoE falls back, exactly)."""
+    from ..fast.ops import TritonOps, make_ops
 
-    ops = make_ops(kernels)
-    return f"{dtype}+e4m3act" if "moe" in getattr(ops, "stages", ()) else dtype
+    if "moe" not in getattr(make_ops(kernels), "stages", ()):
+        return dtype
+    if config is not None:
+        block = tuple(config.weight_block_size)
+        if not TritonOps.moe_takes(block, block, config.moe_intermediate_size // tp):
+            return dtype
+    return f"{dtype}+e4m3act"
 
 
 def value(check: str, dtype: str, cls: str = "*"):

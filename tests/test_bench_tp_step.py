@@ -51,8 +51,10 @@ def test_two_ranks_of_a_wider_layout(tmp_path, capsys):
     assert "ranks 0..1 of the tp=8 layout" in text and "tiles 2 parts to 8" in text
     r = json.loads(out.read_text())
     assert r["tp"] == 8 and r["ranks"] == 2 and r["partial"]
-    assert r["summary"]["ranks_emitted_same_tokens"]
-    assert r["summary"]["collectives_per_round"]["all_reduce"] > 0
+    s = r["summary"]
+    assert s["ranks_emitted_same_tokens"] and s["tokens_per_round"] == 1.0
+    # The same collectives as a full TP8 round (drafts default to 5), each among the two processes.
+    assert s["collectives_per_round"]["all_reduce"] == round_allreduces(Config.from_dir(TINY8), drafts=5)
 
 
 @pytest.mark.gpu
@@ -67,3 +69,10 @@ def test_two_gpu_ranks_with_nccl(tmp_path):
                  "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["backend"] == "nccl" and r["summary"]["ranks_emitted_same_tokens"]
+
+
+def test_real_collective_flags_need_a_config_and_repeats(capsys):
+    assert main(["bench", "step", "--tp", "2"]) != 0
+    assert main(["bench", "step", "--config", str(TINY / "config.json"), "--tp", "2", "--repeats", "0"]) != 0
+    err = capsys.readouterr().err
+    assert "need --config" in err and "--repeats must be at least 1" in err

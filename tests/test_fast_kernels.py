@@ -161,7 +161,7 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
 def test_shapes_a_kernel_cannot_take_fall_back_and_are_counted():
     """The micro preset's 8-wide FP8 blocks and 8-wide heads are below what the kernels take: each such call runs
     the fallback (same result as TorchOps) and is counted, so reports can say which stages were not kernels."""
-    from iquest.fast.ops import TorchOps, make_ops
+    from iquest.fast.ops import TorchOps, TritonOps, make_ops
     from iquest.fast.weights import FP8Weight
     from iquest.reference.fp8 import E4M3
 
@@ -172,4 +172,6 @@ def test_shapes_a_kernel_cannot_take_fall_back_and_are_counted():
     x = torch.randn(3, 16, generator=g)
     assert torch.equal(ops.linear(w, x), TorchOps().linear(w, x))
     assert ops.fallbacks == {"linear": 1}
-    assert make_ops("attention").fallbacks == {} and make_ops("torch").name == "torch"
+    # A shape the kernel takes is not counted: a 16-wide block runs the kernel path's checks, not the fallback.
+    assert TritonOps.moe_takes((16, 16), (16, 16), 32) and not TritonOps.moe_takes((8, 8), (8, 8), 32)
+    assert not TritonOps.moe_takes((16, 16), (16, 16), 24)  # groups must divide the rank's intermediate slice

@@ -104,6 +104,13 @@ def test_tolerance_column_follows_the_moe_kernel():
     assert tolerances.scheme("fp32", "moe") == "fp32+e4m3act"
     assert tolerances.scheme("fp32", "linear+attention+norm+sampling") == "fp32"
     assert tolerances.scheme("bf16", "torch") == "bf16"
+    # With the model: only when the MoE kernel takes its shapes (tiny-tp8's 8-wide blocks fall back, exactly).
+    from iquest.reference.config import Config
+
+    assert tolerances.scheme("fp32", "triton", Config.from_dir(TINY.parent / "tiny-tp8")) == "fp32"
+    mini = Config.from_dir(TINY.parent / "iquest-q1-mini")
+    assert tolerances.scheme("bf16", "triton", mini) == "bf16+e4m3act"
+    assert tolerances.scheme("bf16", "triton", mini, tp=8) == "bf16+e4m3act"  # I_r = 128 / 8 = 16
     for check, per in tolerances.table()["checks"].items():
         for cls, entry in per.items():
             for dtype in ("fp32", "bf16"):
