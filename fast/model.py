@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..reference.config import Config
-from ..reference.layers import apply_rope, rms_norm, rope_inv_freq, route
+from ..reference.layers import rms_norm, rope_inv_freq, route
 from .cache import LayerKV, StaticKV
 from .ops import TorchOps
 from .profiling import stage
@@ -108,8 +108,7 @@ class FastModel:
         v = self.ops.linear(lw.wv, a).view(R, self.kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = rms_norm(q, lw.q_norm, c.rms_norm_eps), rms_norm(k, lw.k_norm, c.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv.write(positions, live, k, v)  # the block's own K/V first: rows see each other causally
+        q = self.ops.rope_write(kv, q, k, v, cos, sin, positions, live)  # K/V stored before reading: causal block
         sinks = None if "drop_sink" in self.defects else lw.sinks  # negative control: the sink logit dropped
         out = self.ops.attention(q, kv, positions, sinks)
         return self.par.all_reduce(self.ops.linear(lw.wo, out.to(self.dtype).reshape(R, -1)))

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from ..reference.layers import attention, rms_norm
+from ..reference.layers import apply_rope, attention, rms_norm
 from . import sampler
 from .cache import LayerKV
 from .profiling import stage
@@ -42,6 +42,13 @@ class TorchOps:
         h = x + residual
         return h, rms_norm(h.float(), weight.float(), eps)
 
+    def rope_write(self, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """Rotate q and k; store k and v at the rows' slots (padding rows: the trash slot). Returns rotated q."""
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv.write(positions, live, k, v)  # the block's own K/V first: rows see each other causally
+        return q
+
     def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
             gate: FP8Weight, up: FP8Weight, down: FP8Weight) -> torch.Tensor:
         """sum_j w_j Down_e(silu(Gate_e b) * Up_e b) over each row's chosen experts, in fp32 [R, H]."""
@@ -54,7 +61,8 @@ class TorchOps:
         return sampler.sample_rows(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
 
 
-STAGES = ("linear", "attention", "norm", "moe", "sampling")
+STAGES = ("linear", "attention", "norm", "moe", "sampling")  # "triton": qualified on the GPU (docs/PERF.md)
+OPT_IN = ("rope",)  # kernels not yet run on a GPU: only when named, e.g. "triton+rope"
 
 
 class TritonOps(TorchOps):
@@ -74,13 +82,14 @@ class TritonOps(TorchOps):
         from ..kernels.decode_attention import decode_attention
         from ..kernels.fp8_linear import fp8_linear
         from ..kernels.rmsnorm_residual import rmsnorm_residual
+        from ..kernels.rope_kv import rope_kv
 
         self._attention, self._linear = decode_attention, fp8_linear
         from ..kernels.moe_route import MAX_PAIRS
 
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
         self._max_pairs = MAX_PAIRS
-        self._add_norm = rmsnorm_residual
+        self._add_norm, self._rope_kv = rmsnorm_residual, rope_kv
 
     def _fits(self, stage: str, ok: bool) -> bool:
         """Whether `stage` runs as its kernel here; a shape the kernel cannot take (the 8-wide blocks and heads of
@@ -106,6 +115,13 @@ class TritonOps(TorchOps):
         if not self._fits("linear", w.q.dim() == 2 and self._pow2_at_least_16(w.block[1])):
             return super().linear(w, x)
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype)
+
+    def rope_write(self, kv, q, k, v, cos, sin, positions, live):
+        d = q.shape[-1]
+        if not self._fits("rope", d >= 2 and d & (d - 1) == 0 and kv.k.dtype == q.dtype):
+            return super().rope_write(kv, q, k, v, cos, sin, positions, live)
+        return self._rope_kv(q.contiguous(), k.contiguous(), v.contiguous(), cos.contiguous(), sin.contiguous(),
+                             positions, live, kv.k, kv.v, kv.slot_pos)
 
     def add_norm(self, x, residual, weight, eps):
         if not self._fits("norm", True):
@@ -141,12 +157,15 @@ class TritonOps(TorchOps):
 
 
 def make_ops(name: str) -> TorchOps:
-    """"torch", "triton" (every stage), or a '+'-joined subset of STAGES, e.g. "linear+attention"."""
+    """"torch", "triton" (every qualified stage), or a '+'-joined list of stages, where "triton" stands for
+    STAGES: e.g. "linear+attention", "triton+rope"."""
     if name == "torch":
         return TorchOps()
-    stages = STAGES if name == "triton" else tuple(name.split("+"))
-    unknown = set(stages) - set(STAGES)
+    stages = []
+    for part in name.split("+"):
+        stages += STAGES if part == "triton" else (part,)
+    unknown = set(stages) - set(STAGES) - set(OPT_IN)
     if unknown:
-        raise ValueError(f"unknown kernels {name!r}: choose torch, triton or a '+'-joined subset of {STAGES}")
-    return TritonOps(stages)
-
+        raise ValueError(f"unknown kernels {name!r}: choose torch, triton or a '+'-joined list of "
+                         f"{STAGES + OPT_IN} (triton = all of {STAGES})")
+    return TritonOps(tuple(dict.fromkeys(stages)))

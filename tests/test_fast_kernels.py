@@ -21,7 +21,7 @@ CASES = [(0, 3), (1, "auto")]  # (prompt index, drafts)
 N_TOKENS = 10
 # Interpreting every kernel for a whole decode takes many minutes: the decode runs the linear and
 # attention kernels; the MoE and sampling kernels run on one verification block each.
-DECODE_KERNELS = "linear+attention+norm"
+DECODE_KERNELS = "linear+attention+norm+rope"
 # E4M3 activations into Down (DeepSeek-V3 act_quant) change each Down input by up to 2^-4 relative;
 # over a random 4-layer model that moved logits by 1.3% of their range when measured; 5% leaves room
 # and is far below what a wrong expert, weight or scale produces (order 1).
@@ -74,6 +74,27 @@ def moe_prefill_split(device: str = "cpu") -> dict:
     return {"rel_err": err, "calls": calls}
 
 
+def rope_block(device: str = "cpu") -> dict:
+    """The fused rotary + KV-write kernel against the fallback, fp32: a 40-row prefill block, then a verification
+    block with 2 padding rows that wraps nothing; logits, hidden states, caches and slot labels must be identical."""
+    from iquest.tests.test_fast_engine import RING_SEQ
+
+    out = {}
+    for kernels in ("torch", "rope"):
+        e = RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=256, dtype="fp32", kernels=kernels))
+        e.cache.reset()
+        pos = torch.arange(40, device=device)
+        a = e.model.forward(torch.tensor(RING_SEQ[:40], device=device), pos, torch.ones_like(pos, dtype=torch.bool))
+        pos = torch.arange(40, 48, device=device)
+        b = e.model.forward(torch.tensor(RING_SEQ[40:48], device=device), pos, torch.arange(8, device=device) < 6)
+        out[kernels] = (a, b, [(kv.k.clone(), kv.v.clone(), kv.slot_pos.clone()) for kv in e.cache.layers],
+                        dict(getattr(e.model.ops, "fallbacks", {})))
+    (a0, b0, c0, _), (a1, b1, c1, fb) = out["torch"], out["rope"]
+    same = all(torch.equal(x, y) for x, y in zip(a0 + b0, a1 + b1))
+    caches = all(torch.equal(x, y) for l0, l1 in zip(c0, c1) for x, y in zip(l0, l1))
+    return {"outputs_identical": same, "caches_identical": caches, "fallbacks": fb}
+
+
 def sampling_block(device: str = "cpu") -> dict:
     """The sampling kernels' distributions of one 8-row logits block against the fallback's."""
     out = {}
@@ -108,6 +129,10 @@ def test_interpreted_kernels_decode_like_the_torch_fallback():
     assert "error" not in moe and "error" not in samp, (moe, samp)
     print(f"[interpreted MoE kernels] relative logit error {moe['rel_err']:.2e} (tolerance {MOE_BLOCK_TOL})")
     assert moe["rel_err"] < MOE_BLOCK_TOL
+    rope = results["rope_block"]
+    assert "error" not in rope, rope
+    print(f"[interpreted rotary + KV write kernel] {rope}")
+    assert rope["outputs_identical"] and rope["caches_identical"] and not rope["fallbacks"], rope
     split = results["moe_prefill_split"]
     assert "error" not in split, split
     print(f"[interpreted MoE kernel, 72-row block] kernel calls {split['calls']}, relative error {split['rel_err']:.2e}")
@@ -124,6 +149,14 @@ def test_interpreted_kernels_decode_like_the_torch_fallback():
                          fast_dist(torch_engine), TOLERANCE["fp32"])
         print(f"[interpreted kernels, {key}] {result}")
         assert result.explained and result.agreed >= N_TOKENS // 2, str(result)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_rope_kernel_decodes_bit_identically(dtype):
+    """Not yet run on a GPU: the fused rotary + KV-write kernel must change nothing, in either dtype."""
+    got, want = decode("rope", "cuda", dtype), decode("torch", "cuda", dtype)
+    assert got == want
 
 
 @pytest.mark.gpu
@@ -155,6 +188,7 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     worker_main([("decode", lambda: decode(DECODE_KERNELS)),
                  ("moe_block", lambda: {"rel_err": moe_block_error()}),
                  ("moe_prefill_split", moe_prefill_split),
+                 ("rope_block", rope_block),
                  ("sampling_block", sampling_block)])
 
 
@@ -175,3 +209,5 @@ def test_shapes_a_kernel_cannot_take_fall_back_and_are_counted():
     # A shape the kernel takes is not counted: a 16-wide block runs the kernel path's checks, not the fallback.
     assert TritonOps.moe_takes((16, 16), (16, 16), 32) and not TritonOps.moe_takes((8, 8), (8, 8), 32)
     assert not TritonOps.moe_takes((16, 16), (16, 16), 24)  # groups must divide the rank's intermediate slice
+    assert make_ops("triton+rope").stages == frozenset(("linear", "attention", "norm", "moe", "sampling", "rope"))
+    assert "rope" not in make_ops("triton").stages  # opt-in until the GPU tests have run

@@ -1,0 +1,112 @@
+"""Rotary embedding of a block's q and k, and the KV-cache write, in one launch.
+
+The attention stage's `apply_rope(q)`, `apply_rope(k)` and `LayerKV.write` (slot arithmetic, three
+`index_copy_`) are about fifteen small kernels per layer; a decode round runs ~90 layers of them. This
+kernel does the same work in one launch with the same roundings as the torch sequence: each product
+`x * cos` and `rotate_half(x) * sin` is rounded to the activation dtype, then their sum is, exactly
+as torch's separate elementwise kernels do. On the GPU the kernel is compiled with floating-point
+contraction off (`enable_fp_fusion=False`), so no multiply-add is fused into an FMA: the result is
+bit-identical to the torch sequence in fp32 and bf16.
+
+One program per (row, head) over q heads then kv heads. A kv program writes its rotated k and its v
+to the row's slot (`position % slots`, or the trash slot `slots` for padding rows) and the head-0
+program writes `slot_pos` (the position, or -1 for padding rows).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, live_ptr, qo_ptr, ck_ptr, cv_ptr, sp_ptr,
+                    HQ, HKV, SLOTS, D: tl.constexpr, HALF: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    i = tl.arange(0, D)
+    rot = tl.where(i < HALF, i + HALF, i - HALF)            # rotate_half: [-x[h:], x[:h]]
+    sign = tl.where(i < HALF, -1.0, 1.0)
+    c = tl.load(cos_ptr + row * D + i)
+    s = tl.load(sin_ptr + row * D + i)
+    if head < HQ:
+        base = (row * HQ + head) * D
+        x = tl.load(q_ptr + base + i)
+        xr = (tl.load(q_ptr + base + rot).to(tl.float32) * sign).to(x.dtype)
+        a = (x.to(tl.float32) * c.to(tl.float32)).to(x.dtype)
+        b = (xr.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
+        tl.store(qo_ptr + base + i, (a.to(tl.float32) + b.to(tl.float32)).to(qo_ptr.dtype.element_ty))
+    else:
+        h = head - HQ
+        pos = tl.load(pos_ptr + row)
+        live = tl.load(live_ptr + row) != 0
+        slot = tl.where(live, pos % SLOTS, SLOTS)
+        base = (row * HKV + h) * D
+        x = tl.load(k_ptr + base + i)
+        xr = (tl.load(k_ptr + base + rot).to(tl.float32) * sign).to(x.dtype)
+        a = (x.to(tl.float32) * c.to(tl.float32)).to(x.dtype)
+        b = (xr.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
+        k = (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
+        dst = (slot * HKV + h) * D
+        tl.store(ck_ptr + dst + i, k.to(ck_ptr.dtype.element_ty))
+        tl.store(cv_ptr + dst + i, tl.load(v_ptr + base + i).to(cv_ptr.dtype.element_ty))
+        if h == 0:
+            tl.store(sp_ptr + slot, tl.where(live, pos, -1))
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(f"rope_kv: {message}")
+
+
+def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            positions: torch.Tensor, live: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+            slot_pos: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotated q [R, Hq, D] (returned); rotated k and v written to `cache_k`/`cache_v` [slots + 1, Hkv, D] at
+    each row's slot, `slot_pos` [slots + 1] updated. cos/sin [R, D] in q's dtype; live bool [R]."""
+    _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q, k, v must be [R, heads, D]")
+    R, HQ, D = q.shape
+    HKV = k.shape[1]
+    _check(tuple(k.shape) == (R, HKV, D) and tuple(v.shape) == (R, HKV, D), f"k {tuple(k.shape)} and v "
+           f"{tuple(v.shape)} must be [{R}, Hkv, {D}]")
+    _check(D >= 2 and D & (D - 1) == 0, f"head_dim {D} must be a power of two")
+    _check(q.dtype in _FLOATS and k.dtype == q.dtype and v.dtype == q.dtype, "q, k, v must share a float dtype")
+    _check(cos.dtype == q.dtype and sin.dtype == q.dtype and tuple(cos.shape) == (R, D) == tuple(sin.shape),
+           f"cos and sin must be [{R}, {D}] {q.dtype}")
+    slots = cache_k.shape[0] - 1
+    _check(slots >= 1 and tuple(cache_k.shape) == (slots + 1, HKV, D) and cache_v.shape == cache_k.shape,
+           f"caches must be [slots + 1, {HKV}, {D}]")
+    _check(tuple(slot_pos.shape) == (slots + 1,) and slot_pos.dtype == torch.int64, "slot_pos must be int64 [slots + 1]")
+    _check(tuple(positions.shape) == (R,) and positions.dtype == torch.int64, f"positions must be int64 [{R}]")
+    _check(tuple(live.shape) == (R,) and live.dtype == torch.bool, f"live must be bool [{R}]")
+    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("positions", positions),
+                    ("live", live), ("cache_k", cache_k), ("cache_v", cache_v), ("slot_pos", slot_pos)):
+        _check(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+        _check(t.is_contiguous(), f"{name} must be contiguous")
+    if out is None:
+        out = torch.empty_like(q)
+    _check(out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous(), "out must be like q")
+    options = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}  # no FMA: torch's roundings
+    _rope_kv_kernel[(R, HQ + HKV)](q, k, v, cos, sin, positions, live.view(torch.uint8), out, cache_k, cache_v,
+                                   slot_pos, HQ, HKV, slots, D=D, HALF=D // 2, **options)
+    return out
+
+
+def rope_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor, live: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                slot_pos: torch.Tensor) -> torch.Tensor:
+    """The torch sequence the engine's fallback runs (reference apply_rope, then LayerKV.write's copies)."""
+    from ..reference.layers import apply_rope
+
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    slots = cache_k.shape[0] - 1
+    slot = torch.where(live, positions % slots, torch.full_like(positions, slots))
+    cache_k.index_copy_(0, slot, k.to(cache_k.dtype))
+    cache_v.index_copy_(0, slot, v.to(cache_v.dtype))
+    slot_pos.index_copy_(0, slot, torch.where(live, positions, torch.full_like(positions, -1)))
+    return q

@@ -1,0 +1,149 @@
+"""kernels/rope_kv.py against the torch sequence it replaces (apply_rope twice, LayerKV.write).
+
+Interpreted on CPU in one worker subprocess: fp32 must be bit-identical (the interpreter evaluates each
+operation in NumPy, like torch's separate kernels); bf16 may differ by one unit in the last place because
+the interpreter truncates fp32 -> bf16 where the GPU and torch round to nearest even. On the GPU both
+dtypes must be bit-identical (the kernel is compiled without FMA contraction). Every case pre-fills the
+rotated-q output with NaN and the caches with random values, and checks that only the rows' slots (and
+the trash slot for padding rows) changed.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from iquest.kernels import rope_kv as rk
+from iquest.kernels.testing import worker_fixture
+from iquest.reference.layers import rope_cos_sin
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Interpreted bf16: each of the three roundings (two products, one sum) may truncate where torch rounds, one
+# unit in the last place each (2^-7 relative to the operand at most), so 3 ulps of the tensor's largest value.
+INTERPRETED_BF16_TOL = 3 * 2.0 ** -7
+
+BASE = dict(R=8, HQ=6, HKV=1, D=128, slots=96, start=40, dead=(), dtype="fp32", seed=0)
+
+
+def case(name: str, **kw) -> dict:
+    return dict(BASE, name=name, **kw)
+
+
+CASES = [
+    case("1row_fp32", R=1),
+    case("8rows_fp32"),
+    case("8rows_padding_fp32", dead=(5, 6, 7)),                 # a verification block with k = 4 drafts
+    case("ring_wrap_fp32", start=92, dead=(7,)),                # positions 92..99 wrap a 96-slot ring
+    case("gqa_2kv_d16_fp32", HQ=4, HKV=2, D=16, slots=20, start=17),
+    case("8rows_bf16", dtype="bf16", dead=(6, 7)),
+    case("ring_wrap_bf16", dtype="bf16", start=92),
+]
+GPU_CASES = [case("gpu_tp8_rank_bf16", dtype="bf16", slots=4160, start=4157, dead=(6, 7)),
+             case("gpu_full_layer_fp32", slots=196608, start=196600)]
+
+
+def run_case(c: dict, device: str) -> dict:
+    gen = torch.Generator().manual_seed(c["seed"])
+    R, HQ, HKV, D, S, dt = c["R"], c["HQ"], c["HKV"], c["D"], c["slots"], DTYPES[c["dtype"]]
+    q, k, v = ((torch.randn(R, h, D, generator=gen) * 2).to(dt).to(device) for h in (HQ, HKV, HKV))
+    positions = torch.arange(c["start"], c["start"] + R, device=device)
+    live = torch.ones(R, dtype=torch.bool)
+    live[list(c["dead"])] = False
+    live = live.to(device)
+    cos, sin = (t.to(device) for t in rope_cos_sin(positions.cpu(), D, 1e6, None, dt))
+    cache = [(torch.randn(S + 1, HKV, D, generator=gen)).to(dt).to(device) for _ in range(2)]
+    slot_pos = torch.randint(-1, 1000, (S + 1,), generator=gen).to(device)
+    before = [t.clone() for t in cache]
+    want_k, want_v, want_sp = cache[0].clone(), cache[1].clone(), slot_pos.clone()
+    want_q = rk.rope_kv_ref(q, k, v, cos, sin, positions, live, want_k, want_v, want_sp)
+    got_q = rk.rope_kv(q, k, v, cos, sin, positions, live, cache[0], cache[1], slot_pos,
+                       out=torch.full_like(q, float("nan")))
+
+    def rel(a, b):  # relative to the largest value: rotation sums cancel, so per-element ratios mean nothing
+        a, b = a.float().cpu(), b.float().cpu()
+        return float((a - b).abs().max() / b.abs().max())
+
+    written = torch.zeros(S + 1, dtype=torch.bool)
+    written[(positions[live] % S).cpu()] = True
+    written[S] = bool((~live).any())  # padding rows write the trash slot
+    untouched = (~written).to(device)
+    return {"q_rel": rel(got_q, want_q), "q_bits": bool(torch.equal(got_q, want_q)),
+            "k_rel": rel(cache[0], want_k), "k_bits": bool(torch.equal(cache[0], want_k)),
+            "v_bits": bool(torch.equal(cache[1], want_v)), "slot_pos": bool(torch.equal(slot_pos, want_sp)),
+            "finite": bool(torch.isfinite(got_q).all()),
+            "others_untouched": all(bool(torch.equal(t[untouched], b[untouched])) for t, b in zip(cache, before))}
+
+
+def _check(c: dict, r: dict, interpreted: bool) -> None:
+    assert r["finite"], "NaN left in the rotated q"
+    assert r["slot_pos"], "slot_pos differs: live rows must record their positions, padding rows -1 in the trash slot"
+    assert r["v_bits"], "V cache differs: v is copied, so it must be bit-identical"
+    assert r["others_untouched"], "a slot outside the rows' slots changed"
+    if interpreted and c["dtype"] == "bf16":
+        assert r["q_rel"] <= INTERPRETED_BF16_TOL and r["k_rel"] <= INTERPRETED_BF16_TOL, (r["q_rel"], r["k_rel"])
+    else:
+        assert r["q_bits"] and r["k_bits"], f"{c['name']}: not bit-identical (q rel {r['q_rel']:.1e}, k rel {r['k_rel']:.1e})"
+
+
+interpreted = worker_fixture(__file__)
+
+
+@pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])
+def test_interpreted(interpreted, c):
+    r = interpreted[c["name"]]
+    assert "error" not in r, r.get("error")
+    _check(c, r, interpreted=True)
+
+
+def test_interpreted_negative_control(interpreted):
+    """A kernel that forgets the rotation's sign must fail the same comparison (the checks can fail)."""
+    r = interpreted["negative_control"]
+    assert "error" not in r, r.get("error")
+    assert not r["q_bits"] and r["q_rel"] > 0.1
+
+
+@pytest.mark.parametrize("over, message", [
+    (dict(k=torch.randn(3, 2, 8)), "must be"),
+    (dict(cos=torch.randn(2, 8, dtype=torch.float64)), "cos and sin"),
+    (dict(positions=torch.arange(2, dtype=torch.int32)), "positions"),
+    (dict(live=torch.ones(2, dtype=torch.int64)), "live"),
+    (dict(q=torch.randn(2, 4, 6), k=torch.randn(2, 1, 6), v=torch.randn(2, 1, 6)), "power of two"),
+    (dict(cache_v=torch.randn(9, 1, 8)), "caches"),
+])
+def test_rejects_bad_inputs(over, message):
+    a = dict(q=torch.randn(2, 4, 8), k=torch.randn(2, 1, 8), v=torch.randn(2, 1, 8), cos=torch.randn(2, 8),
+             sin=torch.randn(2, 8), positions=torch.arange(2), live=torch.ones(2, dtype=torch.bool),
+             cache_k=torch.randn(17, 1, 8), cache_v=torch.randn(17, 1, 8), slot_pos=torch.zeros(17, dtype=torch.int64))
+    a.update(over)
+    with pytest.raises(ValueError, match=message):
+        rk.rope_kv(**a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", CASES + GPU_CASES, ids=[c["name"] for c in CASES + GPU_CASES])
+def test_gpu(c):
+    _check(c, run_case(c, "cuda"), interpreted=False)
+
+
+def _negative_control() -> dict:
+    """rope_kv with the rotate_half sign flipped (sin negated), run through the same case."""
+    c = case("negative_control")
+    original = rk.rope_kv
+
+    def broken(q, k, v, cos, sin, *args, **kw):
+        return original(q, k, v, cos, -sin, *args, **kw)
+
+    rk.rope_kv = broken
+    try:
+        return run_case(c, "cpu")
+    finally:
+        rk.rope_kv = original
+
+
+if __name__ == "__main__" and "--interpret-worker" in sys.argv:
+    from iquest.kernels.testing import worker_main
+
+    torch.set_num_threads(1)
+    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES] + [("negative_control", _negative_control)])
