@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs == "auto":
         import os
 
-        jobs = min(len(os.sched_getaffinity(0)), len(REGISTRY) + 2)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        jobs = min(cores, len(REGISTRY) + 2)
     else:
         try:
             jobs = int(args.jobs)
