@@ -25,6 +25,7 @@ from ..fast.rank import EngineOptions, RankEngine, Request
 from ..fast.synthetic import synthetic_parallel, synthetic_weights
 from ..reference.config import Config, GenerationConfig
 from .bytes import ByteCounter, RoundRouting
+from .history import fill_history, synthetic_history
 from .step import _commit
 
 STAGES = ("attention", "moe", "norm", "lm_head", "sampling", "draft")  # labels in fast/model.py, fast/round.py
@@ -152,7 +153,8 @@ def breakdown(events, wall_us: float, rounds: int, cuda: bool) -> dict:
 
 
 def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chunk_tokens: int, seed: int,
-        device: str, out: str | None, profile_rounds: bool = True, kernels: tuple[str, ...] = ("torch",)) -> dict:
+        device: str, out: str | None, profile_rounds: bool = True, kernels: tuple[str, ...] = ("torch",),
+        history: str = "auto") -> dict:
     """`kernels`: the engine variants, each run with the captured graph (CUDA) and eagerly, all over one set of
     weights; the first variant is the one held to the byte floor, "torch" eager is the eager baseline."""
     config = Config.from_file(config_file)
@@ -166,6 +168,10 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
              "each timed chunk starts from its engine's restored post-prefill state (one prefill per engine)"]
     if not cuda:
         notes.append("no CUDA device: graph capture and the bandwidth floor are skipped (eager loop only)")
+    filled = synthetic_history(history, context)
+    if filled:
+        notes.append(f"synthetic history: positions 0..{filled - 1} hold random K/V with correct position labels "
+                     f"(bench/history.py); prefill ran on the last {context - filled} prompt tokens")
     for n in notes:
         print(n)
     bandwidth = copy_bandwidth(dev) if cuda else None
@@ -195,7 +201,9 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
         t0 = time.perf_counter()
         runner, graph = engine.runner(drafts, generation.top_k)
         t1 = time.perf_counter()
-        engine.start(req, runner)
+        if filled:
+            fill_history(engine, filled, seed)
+        engine.start(req, runner, history=filled)
         _sync(dev)
         timing[name] = {"capture_s": t1 - t0, "prefill_s": time.perf_counter() - t1}
         engines[name] = (engine, runner, graph, Snapshot(engine))
@@ -261,6 +269,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
 
     report = {"bench": "step-full", "config": str(config_file), "tp_slice": tp, "rank": 0, "context": context,
               "drafts": drafts, "repeats": repeats, "chunk_tokens": chunk_tokens, "seed": seed, "notes": notes,
+              "synthetic_history": filled,
               "kernels": list(kernels), "main_variant": main, "baseline_variant": baseline,
               "commit": _commit(), "device": torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
               "torch": torch.__version__, "host": platform.node(), "dtype": str(dtype),

@@ -34,6 +34,7 @@ from ..fast.rank import EngineOptions, RankEngine, Request
 from ..fast.synthetic import synthetic_weights
 from ..reference.config import Config, GenerationConfig
 from .full_step import Snapshot, _sync
+from .history import fill_history, synthetic_history
 from .step import _commit
 
 
@@ -94,7 +95,10 @@ def _rank_main(rank: int, tp: int, port: int, kind: str, spec: dict, results: "m
         req = Request(tuple(prompt), spec["seed"], generation.temperature, generation.top_k, generation.top_p,
                       spec["chunk_tokens"] + 1, spec["drafts"], ())
         runner, _ = engine.runner(spec["drafts"], generation.top_k)
-        engine.start(req, runner)
+        filled = synthetic_history(spec["history"], spec["context"])
+        if filled:
+            fill_history(engine, filled, spec["seed"])
+        engine.start(req, runner, history=filled)
         snap = Snapshot(engine)
         st, chunks, counts = engine.state, [], None
         for i in range(spec["repeats"] + 1):  # the first chunk warms up, untimed
@@ -124,7 +128,8 @@ def _rank_main(rank: int, tp: int, port: int, kind: str, spec: dict, results: "m
 
 
 def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chunk_tokens: int, seed: int,
-        device: str, out: str | None, kernels: str = "torch", processes: int | None = None) -> dict:
+        device: str, out: str | None, kernels: str = "torch", processes: int | None = None,
+        history: str = "auto") -> dict:
     """Layout TP-`tp`; `processes` of its ranks run (default all)."""
     config = Config.from_file(config_file)
     config.check_tp(tp)
@@ -135,7 +140,8 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
     if kind == "cuda" and torch.cuda.device_count() < processes:
         raise RuntimeError(f"{processes} ranks need {processes} GPUs, this machine has {torch.cuda.device_count()}")
     spec = {"config": str(config_file), "context": context, "drafts": drafts, "repeats": repeats,
-            "chunk_tokens": chunk_tokens, "seed": seed, "kernels": kernels, "processes": processes}
+            "chunk_tokens": chunk_tokens, "seed": seed, "kernels": kernels, "processes": processes,
+            "history": history}
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, tp, port, kind, spec, results), daemon=True)
@@ -170,6 +176,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
                "collectives_per_round": {k: v / max(rounds, 1) for k, v in counts.items()}}
     report = {"bench": "step-tp", "config": str(config_file), "tp": tp, "ranks": processes,
               "partial": processes < tp, "context": context, "drafts": drafts,
+              "synthetic_history": synthetic_history(history, context),
               "repeats": repeats, "chunk_tokens": chunk_tokens, "seed": seed, "kernels": kernels, "backend":
               "nccl" if kind == "cuda" else "gloo", "mode": "eager (NCCL cannot be captured in conditional bodies)",
               "commit": _commit(), "device": torch.cuda.get_device_name(0) if kind == "cuda" else platform.processor() or "cpu",
@@ -178,6 +185,9 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
     who = f"tp={tp}" if processes == tp else f"ranks 0..{processes - 1} of the tp={tp} layout"
     print(f"bench step  config={config_file} {who} ({report['backend']}, one process per rank, real collectives, "
           f"eager rounds) context={context} drafts={drafts} kernels={kernels} repeats={repeats} commit={report['commit']}")
+    if report["synthetic_history"]:
+        print(f"note: synthetic history: positions 0..{report['synthetic_history'] - 1} hold random K/V with correct "
+              "position labels (bench/history.py); only the prompt's tail was prefilled")
     if processes < tp:
         print(f"note: collectives run among {processes} processes with TP-{tp} message sizes; the all-gather tiles "
               f"{processes} parts to {tp}: outputs are not the model's, communication and compute are a TP-{tp} rank's")

@@ -27,6 +27,10 @@ def register(sub) -> None:
     s.add_argument("--ranks", type=int, default=None,
                    help="with --config --tp-slice N: run ranks 0..RANKS-1 of the TP-N layout as RANKS processes with "
                         "real collectives among them (e.g. --tp-slice 8 --ranks 2 on two H200s)")
+    s.add_argument("--history", choices=["auto", "synthetic", "prefill"], default="auto",
+                   help="with --config: how the context's KV gets there: prefill it, or synthetic (random K/V with "
+                        "correct position labels, only the last prompt block prefilled); auto = synthetic above "
+                        "8192 tokens (a full-size 192K prefill takes longer than a benchmark call)")
     s.add_argument("--device", default="auto", help="with --config: cuda, cpu or auto (default auto)")
     s.add_argument("--context", type=int, default=1024, help="prompt length in tokens (default 1024)")
     s.add_argument("--drafts", type=_drafts, default=5, help="fixed draft depth 3..7 or auto (default 5)")
@@ -70,10 +74,12 @@ def run(args: argparse.Namespace) -> int:
                 raise UserError("real-collective runs take one kernel variant at a time (e.g. --kernels triton)")
             layout = args.tp if args.tp is not None else args.tp_slice
             tp_step(args.config, layout, args.context, int(args.drafts), args.repeats, args.chunk_tokens or 16,
-                    args.seed, args.device, args.out, kernels=args.kernels, processes=args.ranks)
+                    args.seed, args.device, args.out, kernels=args.kernels, processes=args.ranks,
+                    history=args.history)
             return 0
         full_step(args.config, args.tp_slice, args.context, int(args.drafts), args.repeats, args.chunk_tokens or 16,
-                  args.seed, args.device, args.out, kernels=tuple(args.kernels.split(",")))
+                  args.seed, args.device, args.out, kernels=tuple(args.kernels.split(",")),
+                   history=args.history)
         return 0
     from ..bench.step import run as bench_step
     from .engines import default_model_dir

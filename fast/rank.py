@@ -125,11 +125,17 @@ class RankEngine:
 
     # ---- a request ------------------------------------------------------------------------------
     @torch.no_grad()
-    def start(self, req: Request, runner: RoundRunner) -> None:
-        """Prefill the prompt, draw the first token, draft the first round (eager: not on the decode clock)."""
+    def start(self, req: Request, runner: RoundRunner, history: int = 0) -> None:
+        """Prefill the prompt, draw the first token, draft the first round (eager: not on the decode clock).
+
+        `history` > 0 (benchmarks at long context): the caches already hold positions [0, history) of every main
+        layer and [1, history] of the MTP layer (bench/history.py fills them), so prefill starts at `history`."""
         st, m, dev = self.state, len(req.prompt), self.par.device
+        if not 0 <= history < m:
+            raise ValueError(f"history {history} must lie in [0, prompt length {m})")
         st.clear()
-        self.cache.reset()
+        if not history:
+            self.cache.reset()
         st.seed.fill_(int64_bits(req.seed))
         st.temperature.fill_(req.temperature)
         st.top_p.fill_(req.top_p)
@@ -138,11 +144,11 @@ class RankEngine:
         st.stop_ids[: len(stops)] = torch.tensor(stops, dtype=torch.int64, device=dev)
         st.tokens[:m] = torch.tensor(req.prompt, dtype=torch.int64, device=dev)
         hiddens = []
-        for s in range(0, m, PREFILL_BLOCK):
+        for s in range(history, m, PREFILL_BLOCK):
             pos = torch.arange(s, min(s + PREFILL_BLOCK, m), device=dev)
             logits, h = self.model.forward(st.tokens[pos], pos, torch.ones_like(pos, dtype=torch.bool))
             hiddens.append(h)
-        hidden = torch.cat(hiddens)
+        hidden = torch.cat(hiddens)  # main hiddens of positions history..m-1
         ids, probs = runner.dist(logits[-1:])
         first = sampler.draw(ids, probs, runner.uniform(torch.tensor([m], device=dev), PURPOSE_COMMIT))
         st.n.fill_(m - 1)
@@ -153,15 +159,16 @@ class RankEngine:
         runner.settle(row, zero + 1, row, zero + 1, logprob, zero, zero)
         if runner.controller is None or bool(st.done):
             return
-        # Depth 0 over the whole prompt: rows at positions 1..m from the main hiddens of 0..m-1.
-        for s in range(1, m + 1, PREFILL_BLOCK):
+        # Depth 0 over the whole prompt: rows at positions history+1..m from the main hiddens of history..m-1.
+        for s in range(history + 1, m + 1, PREFILL_BLOCK):
             e = min(s + PREFILL_BLOCK, m + 1)
             pos = torch.arange(s, e, device=dev)
             live = torch.ones_like(pos, dtype=torch.bool)
+            prev = hidden[s - 1 - history:e - 1 - history]
             if e <= m:
-                self.model.draft(st.tokens[pos], hidden[s - 1:e - 1], pos, live)
+                self.model.draft(st.tokens[pos], prev, pos, live)
             else:
-                runner.draft(st.tokens[pos], hidden[s - 1:e - 1], pos, live, last=torch.tensor(e - s - 1, device=dev))
+                runner.draft(st.tokens[pos], prev, pos, live, last=torch.tensor(e - s - 1, device=dev))
 
     def decode_chunk(self, runner: RoundRunner, graph) -> None:
         """Run rounds on the device until TOKENS_PER_READ more tokens are logged or the request ends."""
