@@ -25,6 +25,7 @@ from ..fast.rank import EngineOptions, RankEngine, Request
 from ..fast.synthetic import synthetic_parallel, synthetic_weights
 from ..reference.config import Config, GenerationConfig
 from .bytes import ByteCounter, RoundRouting
+from .acceptance import tpot
 from .history import fill_history, synthetic_history
 from .step import _commit
 
@@ -253,6 +254,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
                   if routings else None,
                   "distinct_experts_verify_upper": counter.upper_bound_experts(drafts + 1)}
     best = summary[main]["median_round_us"]
+    profile = tpot(best, drafts)
     floor = None
     if bandwidth:
         floor = {"bandwidth_bytes_per_s": bandwidth, "floor_us": (measured or upper["total"]) / bandwidth * 1e6,
@@ -275,7 +277,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
               "torch": torch.__version__, "host": platform.node(), "dtype": str(dtype),
               "weight_bytes": weight_bytes, "build_s": build_s, "engines": timing,
               "restore_all_kv": all(e[3].all_kv for e in engines.values()), "summary": summary, "bytes": bytes_info,
-              "floor": floor, "stages_us_per_round": stages,
+              "floor": floor, "stages_us_per_round": stages, "tpot_mini_profile": profile,
               "targets": {"floor_ratio_max": TARGET_FLOOR_RATIO, "speedup_min": TARGET_SPEEDUP,
                           "floor_met": floor is not None and floor["ratio"] <= TARGET_FLOOR_RATIO,
                           "speedup_met": summary.get("speedup", 0.0) >= TARGET_SPEEDUP},
@@ -322,6 +324,10 @@ def _print(r: dict) -> None:
             print(f"{key:14} {v['median_round_us']:18.1f} {v['tokens_per_round']:13.2f}")
     if "speedup" in s:
         print(f"{r['main_variant']} speedup over {r['baseline_variant']}: {s['speedup']:.2f}x (target >= {TARGET_SPEEDUP:.0f}x)")
+    if r.get("tpot_mini_profile"):
+        p = r["tpot_mini_profile"]
+        print(f"TPOT on the mini model's acceptance profile ({p['tokens_per_round']:.2f} tokens/round at depth "
+              f"{r['drafts']}, {p['source']}): {p['tpot_us']:.1f} us for {r['main_variant']}")
     measured = b["measured_median"]
     print(f"bytes per round: {measured / 1e6:.2f} MB measured routing (median of {b['rounds_recorded']} rounds), "
           f"{b['upper_bound'] / 1e6:.2f} MB upper bound" if measured else

@@ -34,6 +34,7 @@ from ..fast.rank import EngineOptions, RankEngine, Request
 from ..fast.synthetic import synthetic_weights
 from ..reference.config import Config, GenerationConfig
 from .full_step import Snapshot, _sync
+from .acceptance import tpot
 from .history import fill_history, synthetic_history
 from .step import _commit
 
@@ -174,6 +175,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
                "tokens_per_round": sum(c["tokens"] for c in chunks) / max(1, sum(c["rounds"] for c in chunks)),
                "ranks_emitted_same_tokens": same,
                "collectives_per_round": {k: v / max(rounds, 1) for k, v in counts.items()}}
+    summary["tpot_mini_profile"] = tpot(summary["median_round_us"], drafts)
     report = {"bench": "step-tp", "config": str(config_file), "tp": tp, "ranks": processes,
               "partial": processes < tp, "context": context, "drafts": drafts,
               "synthetic_history": synthetic_history(history, context),
@@ -193,6 +195,10 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
               f"{processes} parts to {tp}: outputs are not the model's, communication and compute are a TP-{tp} rank's")
     print(f"median round {summary['median_round_us']:.1f} us, tokens/round {summary['tokens_per_round']:.2f}; "
           f"every rank emitted the same tokens: {same}")
+    if summary["tpot_mini_profile"]:
+        p = summary["tpot_mini_profile"]
+        print(f"TPOT on the mini model's acceptance profile ({p['tokens_per_round']:.2f} tokens/round at depth "
+              f"{drafts}): {p['tpot_us']:.1f} us")
     print("collectives per round: " + ", ".join(f"{k} {v:.1f}" for k, v in summary["collectives_per_round"].items()))
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

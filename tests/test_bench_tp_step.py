@@ -30,6 +30,9 @@ def test_tp2_round_runs_in_lockstep_and_counts_its_collectives(tmp_path, capsys)
     assert s["tokens_per_round"] == 1.0
     assert s["collectives_per_round"]["all_reduce"] == round_allreduces(Config.from_dir(TINY), drafts=5)
     assert s["collectives_per_round"]["all_gather_last"] == 1 + 5  # sampling candidates: verify + each depth
+    # TPOT on the mini model's profile: the round divided by the card's tokens per round at depth 5.
+    p = s["tpot_mini_profile"]
+    assert p["tokens_per_round"] > 2.0 and abs(p["tpot_us"] * p["tokens_per_round"] - s["median_round_us"]) < 1e-6
 
 
 def test_tp_rejects_one_rank_and_several_variants(capsys):

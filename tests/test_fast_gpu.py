@@ -62,3 +62,19 @@ def test_tp2_on_two_gpus_agrees_with_tp1():
     result = compare(PROMPTS[0], two, one, fast_dist(single), fast_dist(single), TOLERANCE["fp32"])
     print(f"[cuda tp=2] {result}")
     assert result.explained and result.agreed >= 20, str(result)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 8, reason="needs eight GPUs")
+def test_tp8_on_eight_gpus_agrees_with_tp1():
+    """Issue 8: the same tokens at TP=8 as at TP=1 on the fixture built for TP8, until an explained divergence."""
+    tiny8 = TINY.parent / "tiny-tp8"
+    single = RankEngine(tiny8, Parallel.single("cuda"), EngineOptions(max_context=512, dtype="fp32"))
+    one, _, _ = _run(single, PROMPTS[0], 5, 3, graphs=True, n=24)
+    engine = FastEngine.load(tiny8, tp=8, device="cuda", options=EngineOptions(max_context=512, dtype="fp32"))
+    try:
+        eight = tokens(engine.generate(PROMPTS[0], seed=5, params=PARAMS, max_new_tokens=24, drafts=3))
+    finally:
+        engine.close()
+    result = compare(PROMPTS[0], eight, one, fast_dist(single), fast_dist(single), TOLERANCE["fp32"])
+    print(f"[cuda tp=8] {result}")
+    assert result.explained and result.agreed >= 20, str(result)
