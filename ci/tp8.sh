@@ -11,7 +11,7 @@ tp8() {  # $1 context
     --repeats 3 --out "$out/step-tp8-ctx$1-d5.json" 2>&1 | tee "$out/step-tp8-ctx$1-d5.log"
 }
 case "${1:-}" in
-  tests) timeout 560 bash ci/gpu.sh tests tests/test_fast_gpu.py -k "tp8 or tp2" ;;  # TP8 vs TP1 tokens
+  tests) timeout 560 bash ci/gpu.sh tests tests/test_fast_gpu.py -k "test_tp_on_gpus" ;;  # TP8 vs TP1 tokens
   1k) tp8 1024 ;;
   192k) tp8 196608 ;;  # synthetic KV history (bench/history.py): a real 192K prefill does not fit one call
   slice) CUDA_VISIBLE_DEVICES=0 timeout 560 bash ci/gpu.sh bench step --config $full --tp-slice 8 \
