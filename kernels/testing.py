@@ -66,3 +66,23 @@ def worker_fixture(script: str):
         return run_worker(os.path.abspath(script))
 
     return interpreted
+
+
+def interpreted_tests(script: str, cases: list[dict], check, summary=None):
+    """(`interpreted` fixture, `test_interpreted`) for a kernel test module: one test per case of `cases` (dicts
+    with a "name"), each taking the worker's result for that case, failing on a reported error, then
+    `check(case, result)`; `summary(case, result)`, if given, is printed (shown with -s)."""
+    import pytest
+
+    fixture = worker_fixture(script)
+
+    @pytest.mark.parametrize("c", cases, ids=[c["name"] for c in cases])
+    def test_interpreted(interpreted, c):
+        r = interpreted[c["name"]]
+        assert "error" not in r, r.get("error")
+        check(c, r)
+        if summary is not None:
+            print(summary(c, r))
+
+    return fixture, test_interpreted
+

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from iquest.kernels import decode_attention as da
-from iquest.kernels.testing import worker_fixture
+from iquest.kernels.testing import interpreted_tests
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOL = {"fp32": 2e-5, "bf16": 2e-2, "bf16_gpu": 3e-2, "fp32_gpu": 1e-4}
@@ -131,15 +131,8 @@ def _check(c: dict, r: dict, tol: float) -> None:
 
 
 # ---- interpreter tests ---------------------------------------------------------------------------------
-interpreted = worker_fixture(__file__)
-
-
-@pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])
-def test_interpreted(interpreted, c):
-    r = interpreted[c["name"]]
-    assert "error" not in r, r.get("error")
-    _check(c, r, TOL[c["dtype"]])
-    print(f"{c['name']}: max err {r['err']:.2e}")
+interpreted, test_interpreted = interpreted_tests(__file__, CASES, lambda c, r: _check(c, r, TOL[c["dtype"]]),
+                                                  lambda c, r: f"{c['name']}: max err {r['err']:.2e}")
 
 
 def test_visible_ref_is_the_cache_rule():

@@ -16,7 +16,7 @@ import torch
 
 from iquest.kernels import fp8_linear as fl
 from iquest.reference.fp8 import quantize
-from iquest.kernels.testing import worker_fixture
+from iquest.kernels.testing import interpreted_tests
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 2e-3}  # relative to max |ref|, by output dtype
@@ -92,15 +92,8 @@ def _check(c: dict, r: dict) -> None:
 
 
 # ---- interpreter tests ---------------------------------------------------------------------------------
-interpreted = worker_fixture(__file__)
-
-
-@pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])
-def test_interpreted(interpreted, c):
-    r = interpreted[c["name"]]
-    assert "error" not in r, r.get("error")
-    _check(c, r)
-    print(f"{c['name']}: rel err {r['rel_err']:.2e}")
+interpreted, test_interpreted = interpreted_tests(__file__, CASES, _check,
+                                                  lambda c, r: f"{c['name']}: rel err {r['rel_err']:.2e}")
 
 
 def test_split_k_heuristic():

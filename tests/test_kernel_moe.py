@@ -26,7 +26,7 @@ import torch
 from iquest.kernels import moe as mk
 from iquest.kernels.moe_route import moe_group, moe_group_ref
 from iquest.reference.fp8 import act_quant as act_quant_ref, quantize
-from iquest.kernels.testing import worker_fixture
+from iquest.kernels.testing import interpreted_tests
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Relative to max |ref|, by output dtype. Kernel vs Down applied to the kernel's own E4M3 activations
@@ -277,15 +277,9 @@ def run_act_quant(device: str) -> dict:
 
 
 # ---- interpreter tests ---------------------------------------------------------------------------------
-interpreted = worker_fixture(__file__)
-
-
-@pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])
-def test_interpreted(interpreted, c):
-    r = interpreted[c["name"]]
-    assert "error" not in r, r.get("error")
-    _check(c, r)
-    print(f"{c['name']}: rel err {r['rel_err']:.2e}, act_quant err / bound {r['quant_err_over_bound']:.3f}")
+interpreted, test_interpreted = interpreted_tests(
+    __file__, CASES, _check,
+    lambda c, r: f"{c['name']}: rel err {r['rel_err']:.2e}, act_quant err / bound {r['quant_err_over_bound']:.3f}")
 
 
 def test_interpreted_act_quant_bit_exact(interpreted):

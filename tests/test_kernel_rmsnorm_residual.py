@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from iquest.kernels import rmsnorm_residual as rn
-from iquest.kernels.testing import worker_fixture
+from iquest.kernels.testing import interpreted_tests
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOL = {"fp32": 1e-6, "bf16": 1.6e-2}  # on y relative to max |y|: fp32 summation order; bf16 roundings
@@ -65,14 +65,7 @@ def _check(c: dict, r: dict, interpreted: bool = False) -> None:
     assert r["y_err"] <= tol, f"{c['name']}: max |y - ref| / max |ref| = {r['y_err']:.2e} > {tol:.1e}"
 
 
-interpreted = worker_fixture(__file__)
-
-
-@pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])
-def test_interpreted(interpreted, c):
-    r = interpreted[c["name"]]
-    assert "error" not in r, r.get("error")
-    _check(c, r, interpreted=True)
+interpreted, test_interpreted = interpreted_tests(__file__, CASES, lambda c, r: _check(c, r, interpreted=True))
 
 
 @pytest.mark.parametrize("over, message", [

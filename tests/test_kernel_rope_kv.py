@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from iquest.kernels import rope_kv as rk
-from iquest.kernels.testing import worker_fixture
+from iquest.kernels.testing import interpreted_tests
 from iquest.reference.layers import rope_cos_sin
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -87,14 +87,7 @@ def _check(c: dict, r: dict, interpreted: bool) -> None:
         assert r["q_bits"] and r["k_bits"], f"{c['name']}: not bit-identical (q rel {r['q_rel']:.1e}, k rel {r['k_rel']:.1e})"
 
 
-interpreted = worker_fixture(__file__)
-
-
-@pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])
-def test_interpreted(interpreted, c):
-    r = interpreted[c["name"]]
-    assert "error" not in r, r.get("error")
-    _check(c, r, interpreted=True)
+interpreted, test_interpreted = interpreted_tests(__file__, CASES, lambda c, r: _check(c, r, interpreted=True))
 
 
 def test_interpreted_negative_control(interpreted):

@@ -27,7 +27,7 @@ from iquest.fast import philox, sampler
 from iquest.kernels import sample as sm
 from iquest.kernels import topk as tk
 from iquest.reference import rng
-from iquest.kernels.testing import worker_fixture
+from iquest.kernels.testing import interpreted_tests
 
 PROB_TOL = 1e-6
 MARGIN = 1e-5  # draws and top-p cuts this close to a boundary may differ by rounding
@@ -258,14 +258,7 @@ def _check(c: dict, r: dict) -> None:
 
 
 # ---- interpreter tests ---------------------------------------------------------------------------------
-interpreted = worker_fixture(__file__)
-
-
-@pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])
-def test_interpreted(interpreted, c):
-    r = interpreted[c["name"]]
-    assert "error" not in r, r.get("error")
-    _check(c, r)
+interpreted, test_interpreted = interpreted_tests(__file__, CASES, _check)
 
 
 def _scalars():

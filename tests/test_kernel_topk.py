@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from iquest.kernels import topk as tk
-from iquest.kernels.testing import worker_fixture
+from iquest.kernels.testing import interpreted_tests
 
 BASE = dict(R=8, V=1000, k=20, tile=128, offset=0, data="randn", skip=True, stride=None, seed=0)
 
@@ -99,14 +99,7 @@ def _check(c: dict, r: dict) -> None:
 
 
 # ---- interpreter tests ---------------------------------------------------------------------------------
-interpreted = worker_fixture(__file__)
-
-
-@pytest.mark.parametrize("c", CASES, ids=[c["name"] for c in CASES])
-def test_interpreted(interpreted, c):
-    r = interpreted[c["name"]]
-    assert "error" not in r, r.get("error")
-    _check(c, r)
+interpreted, test_interpreted = interpreted_tests(__file__, CASES, _check)
 
 
 @pytest.mark.parametrize("kw, message", [
