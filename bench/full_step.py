@@ -179,8 +179,8 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
     weight_bytes = rank_weight_bytes(config, tp, 0)
     if cuda:
         free, _ = torch.cuda.mem_get_info(dev)
-        # Shared weights, plus each engine's fp32 LM-head copy (fast/model.py); caches at 1K context are small.
-        need = weight_bytes + len(kernels) * (config.vocab_size // tp) * config.hidden_size * 4
+        # The engines share the weights (LM head held as fp32, stored bf16); caches at 1K context are small.
+        need = weight_bytes + (config.vocab_size // tp) * config.hidden_size * 2
         print(f"rank 0 of tp={tp}: {weight_bytes / 1e9:.1f} GB of weights; {free / 1e9:.1f} GB free")
         if need > free:
             raise RuntimeError(f"rank slice needs {need / 1e9:.1f} GB, the device has {free / 1e9:.1f} GB free")

@@ -33,9 +33,6 @@ class FastModel:
         self.q_heads = config.num_attention_heads // tp
         self.kv_heads = max(config.num_key_value_heads // tp, 1)
         self.vocab_local = config.vocab_size // tp
-        # fp32 logits from exact products: one fp32 copy of the LM head, made once (converting the bf16 rows on
-        # every call moved ~0.7 GB per call at full size: 3.1 ms of a 33 ms round, commit d572fe8).
-        self.lm_head32 = weights.lm_head.float()
         inv_freq, self.rope_factor = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self.inv_freq = inv_freq.to(par.device)  # on the device: no host copy inside a captured graph
 
@@ -49,7 +46,7 @@ class FastModel:
     @stage("lm_head")
     def logits(self, x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         """This rank's fp32 logits [R, V/tp] for its vocabulary rows."""
-        return rms_norm(x, norm, self.config.rms_norm_eps).float() @ self.lm_head32.T
+        return rms_norm(x, norm, self.config.rms_norm_eps).float() @ self.w.lm_head.T  # fp32 rows (fast/weights.lm_head_fp32)
 
     # ---- blocks -------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,

@@ -87,11 +87,17 @@ class MTPWeights:
 @dataclass
 class ModelWeights:
     embed: torch.Tensor             # [V/tp, H] this rank's vocabulary rows
-    lm_head: torch.Tensor           # [V/tp, H]
+    lm_head: torch.Tensor           # [V/tp, H] fp32 (lm_head_fp32)
     norm: torch.Tensor
     layers: list[LayerWeights]
     mtp: MTPWeights
     vocab_offset: int
+
+
+def lm_head_fp32(w: torch.Tensor) -> torch.Tensor:
+    """The LM head rounded to the compute dtype, kept as fp32: the logits are fp32 products of those values, and
+    converting the rows per call would move ~0.7 GB per call at full size (3.1 ms of a 33 ms round, d572fe8)."""
+    return w.float()
 
 
 def _to(t: torch.Tensor, par: Parallel, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -152,5 +158,5 @@ def load_weights(model_dir, config: Config, par: Parallel, dtype: torch.dtype,
                          ld.plain(m + "hnorm.weight"), ld.fp8(m + "eh_proj.weight"),
                          ld.plain(m + "shared_head.norm.weight"))
         embed = ld.plain("model.embed_tokens.weight")
-        return ModelWeights(embed=embed, lm_head=ld.plain("lm_head.weight"), norm=ld.plain("model.norm.weight"),
+        return ModelWeights(embed=embed, lm_head=lm_head_fp32(ld.plain("lm_head.weight")), norm=ld.plain("model.norm.weight"),
                             layers=layers, mtp=mtp, vocab_offset=par.rank * (config.vocab_size // par.world))
