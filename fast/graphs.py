@@ -25,12 +25,9 @@ def capture_decode_loop(engine, runner: RoundRunner) -> DecodeLoopGraph:
     st = engine.state
     body_round = runner.plain_round if runner.controller is None else runner.speculative_round
 
-    def running() -> None:
-        st.running.copy_(((st.done == 0) & (st.emitted < st.target)).to(torch.int32))
-
     def body() -> None:
         body_round()
-        running()
+        st.update_running()
 
     # Warm up every kernel and library call eagerly (on state that start() will clear), then capture.
     side = torch.cuda.Stream(engine.par.device)
@@ -49,7 +46,7 @@ def capture_decode_loop(engine, runner: RoundRunner) -> DecodeLoopGraph:
     try:
         with torch.cuda.graph(graph):
             st.target.copy_(st.emitted + TOKENS_PER_READ)
-            running()
+            st.update_running()
             flow.loop(st.running, body)
     finally:
         runner.flow = EagerFlow()  # prefill's drafting runs eagerly

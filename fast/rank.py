@@ -178,8 +178,10 @@ class RankEngine:
             return
         st.target.copy_(st.emitted + TOKENS_PER_READ)
         body = runner.plain_round if runner.controller is None else runner.speculative_round
-        while not bool(st.done) and int(st.emitted) < int(st.target):
+        st.update_running()
+        while bool(st.running):  # one host read per round, the graph's loop condition
             body()
+            st.update_running()
 
     def decode(self, req: Request):
         """Generator of Steps (rank 0 consumes them; other ranks just drive the collectives)."""

@@ -66,6 +66,10 @@ class DecodeState:
             getattr(self, f.name).zero_()
         self.stop_ids.fill_(-1)
 
+    def update_running(self) -> None:
+        """The decode loop's condition, on the device: no stop yet and fewer than `target` tokens emitted."""
+        self.running.copy_(((self.done == 0) & (self.emitted < self.target)).to(torch.int32))
+
     @property
     def trash(self) -> int:
         """Index of the tokens buffer's trash entry (masked scatters of padding rows land there)."""
