@@ -45,6 +45,11 @@ class EngineOptions:
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
 
 
+def cache_capacity(options: EngineOptions) -> int:
+    """Positions the caches hold: drafts and padding rows run past the request's budget."""
+    return options.max_context + 2 * VERIFY_ROWS
+
+
 @dataclass(frozen=True)
 class Request:
     prompt: tuple[int, ...]
@@ -83,7 +88,7 @@ class RankEngine:
         self.dtype = options.torch_dtype(par.device)
         c = self.config
         kv_heads = max(c.num_key_value_heads // par.world, 1)
-        self.capacity = options.max_context + 2 * VERIFY_ROWS  # drafts and padding rows run past the budget
+        self.capacity = cache_capacity(options)
         self.cache = StaticKV(c, kv_heads, self.capacity, self.dtype, par.device, options.ring_slack,
                               causal="open_causal_mask" not in options.defects)
         self.model = FastModel(c, weights, self.cache, par, self.dtype, options.defects, make_ops(options.kernels))

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import torch
 
+from ..fast.cache import layer_slots
 from ..fast.parallel import Parallel
-from ..fast.rank import EngineOptions, RankEngine, Request
+from ..fast.rank import PREFILL_BLOCK, EngineOptions, RankEngine, Request, cache_capacity
+from ..reference.config import Config
 from ..reference import sampling
 from ..reference.model import ReferenceModel
 from ..reference.sampling import SamplingParams
@@ -102,8 +104,8 @@ def fast_prefill_dist(engine: RankEngine, params: SamplingParams):
         engine.state.top_p.fill_(params.top_p)
         engine.cache.reset()
         dev = engine.par.device
-        for s in range(0, len(prefix), 64):
-            p = torch.arange(s, min(s + 64, len(prefix)), device=dev)
+        for s in range(0, len(prefix), PREFILL_BLOCK):
+            p = torch.arange(s, min(s + PREFILL_BLOCK, len(prefix)), device=dev)
             logits, _ = engine.model.forward(torch.tensor(prefix, device=dev)[p], p, torch.ones_like(p, dtype=torch.bool))
         ids, probs = runner.dist(logits[-1:])
         keep = probs[0] > 0
@@ -120,10 +122,11 @@ def reference_dist(model_dir: str, params: SamplingParams):
     return dist
 
 
-def sliding_ring(engine: RankEngine) -> int:
-    c = engine.config
-    sliding = [kv.slots for i, kv in enumerate(engine.cache.layers[:-1]) if c.layer_type(i) == "sliding_attention"]
-    return min(sliding) if sliding else engine.cache.layers[0].slots
+def sliding_ring(config: Config, options: EngineOptions) -> int:
+    """Slots of a main sliding layer's ring under `options` (the whole capacity when no layer slides)."""
+    sliding = any(config.layer_type(i) == "sliding_attention" for i in range(config.num_hidden_layers))
+    return layer_slots(config, "sliding_attention" if sliding else "full_attention", cache_capacity(options),
+                       options.ring_slack)
 
 
 def decode_session(engine: RankEngine, model_dir: str, case: Case, tol: str, run=None,
@@ -141,10 +144,11 @@ def decode_session(engine: RankEngine, model_dir: str, case: Case, tol: str, run
     stream = list(case.prompt) + out
     tol_rel = tolerances.value("numerics.logits", tol)
     ref = reference(model_dir)
-    result = score(rec.blocks, ref, stream, params, tol_rel, engine.config.sliding_window, sliding_ring(engine),
+    ring = sliding_ring(engine.config, engine.options)
+    result = score(rec.blocks, ref, stream, params, tol_rel, engine.config.sliding_window, ring,
                    engine.model.w.vocab_offset, full_vocab=engine.par.world == 1,
                    sampler_tol=tolerances.value("numerics.sampler", tol))
-    session = Session(case, steps, rec.blocks, result.scores, result.round_ratio, sliding_ring(engine), params)
+    session = Session(case, steps, rec.blocks, result.scores, result.round_ratio, ring, params)
     session.agreement_rows = agreement(dist_engine or engine, model_dir, case, params, out, _acceptance(steps), result.round_ratio,
                                        tol_rel)
     return session
@@ -161,8 +165,9 @@ def agreement(engine, model_dir, case: Case, params, out, acc, round_ratio, tol_
         logits, _ = reference(model_dir).forward(torch.tensor(prefix), torch.arange(len(prefix)),
                                                  reference(model_dir).new_cache())
         bound = 2 * tol_rel * float(logits[-1].abs().max()) / t
-        res = compare(case.prompt, out, ref_out, fast_prefill_dist(engine, params), reference_dist(model_dir, params),
-                      bound)
+        # The reference's distribution at the divergence is the forward just run (compare asks for this prefix only).
+        res = compare(case.prompt, out, ref_out, fast_prefill_dist(engine, params),
+                      lambda _: sampling.dist(logits[-1], params), bound)
         tokens_row = Row("decode.tokens", "first_divergence", res.l1, bound, res.explained, total, f"{tag}: {res}")
     else:
         tokens_row = Row("decode.tokens", "first_divergence", 0.0, 1.0, True, total, f"{tag}: agree on all {total} tokens")

@@ -27,19 +27,17 @@ from ..bench.step import _commit
 from ..fast.parallel import Parallel
 from ..fast.rank import EngineOptions, RankEngine
 from . import tolerances
-from .checks import Case, Row, decode_session, lossless, session_rows, stability
+from ..reference.config import Config
+from .checks import Case, Row, decode_session, lossless, session_rows, sliding_ring, stability
 from .controls import REGISTRY, Control
 from .replay import classes_all
 
 SCHEMA = "iquest-qualify/1"
 
 
-def _cases(model_dir: str, quick: bool, window: int, ring: int) -> tuple[list[Case], list[int], list[int]]:
+def _cases(vocab: int, quick: bool, ring: int) -> tuple[list[Case], list[int], list[int]]:
     """Prompts long enough that decoding passes the sliding window and wraps the ring."""
     gen = torch.Generator().manual_seed(7)
-    from ..reference.config import Config
-
-    vocab = Config.from_dir(model_dir).vocab_size
     need = ring + 8
     if quick:
         prompt = tuple(int(x) for x in torch.randint(2, vocab, (min(56, max(need - 48, 8)),), generator=gen))
@@ -205,13 +203,10 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
     # Eager on CUDA too: the recorder wraps the engine's Python calls, which a graph replay skips. The
     # graph is held to the eager round separately (bit-exact: tests/test_fast_gpu.py).
     base = EngineOptions(max_context=512, dtype=dtype, graphs=False, kernels=kernels)
-    probe = RankEngine(model_dir, Parallel.single(device), base)
-    from .checks import sliding_ring
-
-    cases, prefix, extra = _cases(model_dir, quick, probe.config.sliding_window, sliding_ring(probe))
+    config = Config.from_dir(model_dir)
+    cases, prefix, extra = _cases(config.vocab_size, quick, sliding_ring(config, base))
     plan = Plan(model_dir, tp, base, tuple(cases), tuple(prefix), tuple(extra), dtype,
-                tolerances.scheme(dtype, kernels, probe.config, tp), 600 if quick else 3000, device)
-    del probe
+                tolerances.scheme(dtype, kernels, config, tp), 600 if quick else 3000, device)
     chosen = [c for c in REGISTRY if controls is None or c.name in controls]
     jobs = max(1, min(jobs, len(chosen) + 2))
     total = len(cases) * (1 + len(chosen)) + 2
