@@ -132,10 +132,10 @@ def _worker(rank: int, world: int, port: int, rows_list: list[int], hidden: int,
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:
-        from .step import _commit
+        from ..provenance import commit
 
         config = Config.from_file(config_file)
-        report = {"bench": "allreduce", "commit": _commit(), "ranks": world, "hidden": hidden, "rows": rows_list,
+        report = {"bench": "allreduce", "commit": commit(), "ranks": world, "hidden": hidden, "rows": rows_list,
                   "repeats": repeats, "calls_per_graph": CALLS, "command": command, "host": platform.node(),
                   "devices": [torch.cuda.get_device_name(i) for i in range(world)], "torch": torch.__version__,
                   "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),

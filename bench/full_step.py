@@ -27,7 +27,7 @@ from ..reference.config import Config, GenerationConfig
 from .bytes import ByteCounter, RoundRouting
 from .acceptance import tpot
 from .history import fill_history, synthetic_history
-from .step import _commit
+from ..provenance import commit
 
 STAGES = ("attention", "moe", "norm", "lm_head", "sampling", "draft")  # labels in fast/model.py, fast/round.py
 TARGET_FLOOR_RATIO, TARGET_SPEEDUP = 1.5, 8.0
@@ -273,7 +273,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
               "drafts": drafts, "repeats": repeats, "chunk_tokens": chunk_tokens, "seed": seed, "notes": notes,
               "synthetic_history": filled,
               "kernels": list(kernels), "main_variant": main, "baseline_variant": baseline,
-              "commit": _commit(), "device": torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
+              "commit": commit(), "device": torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
               "torch": torch.__version__, "host": platform.node(), "dtype": str(dtype),
               "weight_bytes": weight_bytes, "build_s": build_s, "engines": timing,
               "restore_all_kv": all(e[3].all_kv for e in engines.values()), "summary": summary, "bytes": bytes_info,

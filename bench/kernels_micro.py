@@ -311,14 +311,14 @@ def _copies(nbytes: int) -> int:
 
 def run(rows: tuple[int, ...], repeats: int, out: str | None, config_file: str | Path = FULL_CONFIG) -> dict:
     from .full_step import copy_bandwidth
-    from .step import _commit
+    from ..provenance import commit
 
     if not torch.cuda.is_available():
         raise RuntimeError("iquest bench kernels needs a CUDA device")
     config = Config.from_file(config_file)
     dev = torch.device("cuda")
     bandwidth = copy_bandwidth(dev)
-    report = {"bench": "kernels", "commit": _commit(), "device": torch.cuda.get_device_name(dev),
+    report = {"bench": "kernels", "commit": commit(), "device": torch.cuda.get_device_name(dev),
               "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
               "host": platform.node(), "command": shlex.join(["iquest", *sys.argv[1:]]), "config": str(config_file),
               "tp": TP, "rows": list(rows), "repeats": repeats, "copy_bandwidth_bytes_per_s": bandwidth,

@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
 from ..fast.parallel import Parallel
+from ..provenance import commit
 from ..fast.rank import EngineOptions, RankEngine, Request
 
 
@@ -35,19 +35,6 @@ def _prompt(engine: RankEngine, context: int, seed: int) -> list[int]:
             return ids[:context]
     g = torch.Generator().manual_seed(seed)
     return torch.randint(2, engine.config.vocab_size, (context,), generator=g).tolist()
-
-
-def _commit() -> str:
-    """The source revision: $IQUEST_COMMIT where the tree travels without .git (the lent GPU machines)."""
-    import os
-
-    if os.environ.get("IQUEST_COMMIT"):
-        return os.environ["IQUEST_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def _time_chunk(engine: RankEngine, runner, graph, req: Request) -> dict:
@@ -93,7 +80,7 @@ def run(model_dir: str, context: int, drafts: int | str, repeats: int, chunk_tok
     for variant in summary:
         summary[variant]["ratio_to_first_graph"] = summary[variant]["median_round_us"] / base
     report = {"bench": "step", "model": str(model_dir), "context": context, "drafts": drafts, "repeats": repeats,
-              "chunk_tokens": chunk_tokens, "kernels": list(kernels), "commit": _commit(),
+              "chunk_tokens": chunk_tokens, "kernels": list(kernels), "commit": commit(),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),
               "summary": summary, "runs": results}
     print(f"bench step  model={model_dir} context={context} drafts={drafts} repeats={repeats} "

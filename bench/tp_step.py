@@ -36,7 +36,7 @@ from ..reference.config import Config, GenerationConfig
 from .full_step import Snapshot, _sync
 from .acceptance import tpot
 from .history import fill_history, synthetic_history
-from .step import _commit
+from ..provenance import commit
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
               "synthetic_history": synthetic_history(history, context),
               "repeats": repeats, "chunk_tokens": chunk_tokens, "seed": seed, "kernels": kernels, "backend":
               "nccl" if kind == "cuda" else "gloo", "mode": "eager (NCCL cannot be captured in conditional bodies)",
-              "commit": _commit(), "device": torch.cuda.get_device_name(0) if kind == "cuda" else platform.processor() or "cpu",
+              "commit": commit(), "device": torch.cuda.get_device_name(0) if kind == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "host": platform.node(), "summary": summary,
               "runs": [{k: v for k, v in c.items() if k != "tokens_out"} for c in chunks]}
     who = f"tp={tp}" if processes == tp else f"ranks 0..{processes - 1} of the tp={tp} layout"

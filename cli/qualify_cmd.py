@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..qualify.controls import REGISTRY
+    from ..reference.config import TP_DEGREES
     from ..qualify.run import qualify
     from .engines import default_model_dir
 
@@ -41,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
     for name in args.control or []:
         if name not in known:
             raise ValueError(f"unknown negative control {name!r}; known: {', '.join(sorted(known))}")
-    if args.tp not in (1, 2, 4, 8):
-        raise ValueError(f"--tp must be 1, 2, 4 or 8, got {args.tp}")
+    if args.tp not in TP_DEGREES:
+        raise ValueError(f"--tp must be one of {TP_DEGREES}, got {args.tp}")
     from ..fast.ops import make_ops
 
     make_ops(args.kernels)  # an unknown stage name fails here, before any work
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         import os
 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        jobs = min(cores, len(REGISTRY) + 2)
+        jobs = cores  # qualify() uses no more workers than it has units
     else:
         try:
             jobs = int(args.jobs)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..bench.step import _commit
+from ..provenance import commit
 from ..fast.parallel import Parallel
 from ..fast.rank import EngineOptions, RankEngine
 from . import tolerances
@@ -217,7 +217,7 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
     passed = all(r.passed for r in rows) and caught == len(results)
     report = {"schema": SCHEMA, "model": model_dir, "tp": tp, "dtype": dtype, "kernels": kernels,
               "kernel_fallbacks": fallbacks, "tolerance_column": plan.tol, "device": device, "quick": quick,
-              "jobs": jobs, "commit": _commit(),
+              "jobs": jobs, "commit": commit(),
               "seconds": round(time.time() - t0, 2), "passed": passed, "checks": [r.as_dict() for r in rows],
               "controls": results, "lossless": linfo, "controls_caught": f"{caught}/{len(results)}",
               "tolerances": str(tolerances.PATH)}
