@@ -42,34 +42,6 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _rank_tensor_bytes(config, tp: int) -> dict[str, int]:
-    """Rank 0's bytes of each tensor of the layout, its scale_inv included."""
-    import torch
-
-    from ..reference.checkpoint import expected_dtypes_and_shapes, shard_range, tensor_specs
-
-    specs = tensor_specs(config)
-    out: dict[str, int] = {}
-    sizes: dict[torch.dtype, int] = {}
-    for name, (shape, dtype) in expected_dtypes_and_shapes(config).items():
-        is_scale = name.endswith("_scale_inv")
-        base = name[: -len("_scale_inv")] if is_scale else name
-        numel = 1
-        for d in shape:
-            numel *= d
-        part = shard_range(specs[base], config, tp, 0)
-        if part is not None:
-            dim, start, stop = part
-            if is_scale:
-                b = config.weight_block_size[dim]
-                start, stop = start // b, -(-stop // b)
-            numel = numel // shape[dim] * (stop - start)
-        if dtype not in sizes:
-            sizes[dtype] = torch.empty((), dtype=dtype).element_size()
-        out[base] = out.get(base, 0) + numel * sizes[dtype]
-    return out
-
-
 def kv_read_bytes(config, tp: int, context: int, dtype_bytes: int = 2) -> int:
     """K and V bytes one round reads per rank: sliding layers min(context, window), full layers context."""
     kv_heads = max(config.num_key_value_heads // tp, 1)
@@ -81,7 +53,7 @@ def kv_read_bytes(config, tp: int, context: int, dtype_bytes: int = 2) -> int:
 
 
 def summarize(config, tp: int, context: int, bandwidth_tbs: float = 4.8) -> dict:
-    from ..fast.memory import rank_bytes, rank_weight_bytes
+    from ..fast.memory import rank_bytes, rank_tensor_bytes
     from ..reference.checkpoint import tensor_specs
 
     config.check_tp(tp)
@@ -99,7 +71,7 @@ def summarize(config, tp: int, context: int, bandwidth_tbs: float = 4.8) -> dict
     layers = c.num_hidden_layers + c.num_nextn_predict_layers
     active = params - expert_params - c.vocab_size * c.hidden_size + layers * c.num_experts_per_tok * per_expert_params
 
-    tb = _rank_tensor_bytes(c, tp)
+    tb = rank_tensor_bytes(c, tp)
     expert_bytes = sum(b for n, b in tb.items() if ".mlp.experts." in n)
     embed = tb["model.embed_tokens.weight"]
     dense = sum(tb.values()) - expert_bytes - embed + VERIFY_ROWS * c.hidden_size * 2  # 8 bf16 embedding rows
@@ -108,7 +80,7 @@ def summarize(config, tp: int, context: int, bandwidth_tbs: float = 4.8) -> dict
     kv = kv_read_bytes(c, tp, context)
     round_all = dense + expert_bytes + kv
     round_distinct = dense + layers * distinct * one_expert + kv
-    weights = rank_weight_bytes(c, tp)
+    weights = sum(tb.values())
     memory = rank_bytes(c, tp, context)
     return {
         "config": {

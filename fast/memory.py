@@ -11,26 +11,30 @@ from .cache import StaticKV
 HEADROOM = 1.15  # activations, graph pools, allocator slack
 
 
-def rank_weight_bytes(config: Config, tp: int, rank: int = 0) -> int:
-    """Bytes of one rank's checkpoint slices (weights and their scales), as loaded."""
+def rank_tensor_bytes(config: Config, tp: int, rank: int = 0) -> dict[str, int]:
+    """Bytes of one rank's checkpoint slice of each tensor (its scale_inv included), by tensor name."""
     specs = tensor_specs(config)
-    stored = expected_dtypes_and_shapes(config)
-    total = 0
-    for name, (shape, dtype) in stored.items():
-        spec = specs.get(name) or specs[name[: -len("_scale_inv")]]
+    out: dict[str, int] = {}
+    for name, (shape, dtype) in expected_dtypes_and_shapes(config).items():
+        is_scale = name.endswith("_scale_inv")
+        base = name[: -len("_scale_inv")] if is_scale else name
         numel = 1
         for d in shape:
             numel *= d
-        part = shard_range(spec, config, tp, rank)
+        part = shard_range(specs[base], config, tp, rank)
         if part is not None:
             dim, start, stop = part
-            if name.endswith("_scale_inv"):
+            if is_scale:
                 b = config.weight_block_size[dim]
                 start, stop = start // b, -(-stop // b)
             numel = numel // shape[dim] * (stop - start)
-        bytes_per = torch.empty((), dtype=dtype).element_size()
-        total += numel * bytes_per
-    return total
+        out[base] = out.get(base, 0) + numel * dtype.itemsize
+    return out
+
+
+def rank_weight_bytes(config: Config, tp: int, rank: int = 0) -> int:
+    """Bytes of one rank's checkpoint slices (weights and their scales), as loaded."""
+    return sum(rank_tensor_bytes(config, tp, rank).values())
 
 
 def rank_bytes(config: Config, tp: int, max_context: int, dtype_bytes: int = 2) -> int:
