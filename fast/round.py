@@ -42,7 +42,7 @@ class RoundRunner:
             probs = probs / probs.sum(-1, keepdim=True)
         return ids, probs
 
-    def uniform(self, positions: torch.Tensor, purpose: int, depth: int = 0) -> torch.Tensor:
+    def uniform(self, positions: torch.Tensor, purpose: int, depth: int | torch.Tensor = 0) -> torch.Tensor:
         return philox.uniforms(self.st.seed, philox.offsets(positions, purpose, depth))
 
     # ---- the round ---------------------------------------------------------------------------------
@@ -128,6 +128,9 @@ class RoundRunner:
         st = self.st
         st.product.fill_(1.0)
         st.more.zero_()
+        # Every depth's uniform in one Philox evaluation (each is a function of its own counter only): one call
+        # of ~300 small kernels per round instead of one per depth.
+        st.u_draft.copy_(self.uniform(st.n + self.depths, PURPOSE_DRAFT, self.depths))
         self.sample_draft(1, logits.index_select(0, last.view(1)), h.index_select(0, last.view(1)))
         for depth in range(2, MAX_DRAFTS + 1):
             if depth <= MIN_DRAFTS:
@@ -146,7 +149,7 @@ class RoundRunner:
     def sample_draft(self, depth: int, logits: torch.Tensor, h: torch.Tensor) -> None:
         st = self.st
         ids, probs = self.dist(logits)
-        d = sampler.draw(ids, probs, self.uniform((st.n + depth).view(1), PURPOSE_DRAFT, depth))
+        d = sampler.draw(ids, probs, st.u_draft[depth - 1:depth])
         served = sampler.prob_of(ids, probs, d)[0]
         st.drafts[depth - 1] = d[0]
         st.q_ids[depth - 1] = ids[0]

@@ -35,6 +35,7 @@ class DecodeState:
     draft_h: torch.Tensor       # [1, H]: the last draft row's hidden (input of the next depth)
     product: torch.Tensor       # float32: running product of served probabilities
     more: torch.Tensor          # int32 [MAX_DRAFTS + 2]: more[d] = run draft depth d
+    u_draft: torch.Tensor       # float32 [MAX_DRAFTS]: this round's draft uniforms, depth d at index d - 1
     # result log
     log_tokens: torch.Tensor    # int64 [log capacity]
     log_logprobs: torch.Tensor  # float32 [log capacity]
@@ -57,6 +58,7 @@ class DecodeState:
             n=z(), tokens=z(capacity + 1), hid=z(VERIFY_ROWS, hidden, dt=dtype),
             k=z(), drafts=z(MAX_DRAFTS), q_ids=z(MAX_DRAFTS, top_k), q_probs=z(MAX_DRAFTS, top_k, dt=torch.float32),
             draft_h=z(1, hidden, dt=dtype), product=z(dt=torch.float32), more=z(MAX_DRAFTS + 2, dt=torch.int32),
+            u_draft=z(MAX_DRAFTS, dt=torch.float32),
             log_tokens=z(log_capacity + 1), log_logprobs=z(log_capacity + 1, dt=torch.float32),
             log_rounds=z(log_capacity + 1, 4), emitted=z(), rounds=z(), done=z(dt=torch.int32),
             running=z(dt=torch.int32), target=z())
