@@ -123,7 +123,8 @@ class RoundRunner:
     def draft(self, tokens: torch.Tensor, hiddens: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
               last: torch.Tensor) -> None:
         """Depth 0 over a block (its row `last` gives q_1), then depths 2.. one row each.
-        Drafts 1-3 always run; after each of 3..6 the controller decides on the device."""
+        Drafts 1-3 always run; after each of 3..6 the controller decides on the device (a fixed depth k runs
+        depths 1..k unconditionally)."""
         logits, h = self.m.draft(tokens, hiddens, positions, live)
         st = self.st
         st.product.fill_(1.0)
@@ -132,10 +133,11 @@ class RoundRunner:
         # of ~300 small kernels per round instead of one per depth.
         st.u_draft.copy_(self.uniform(st.n + self.depths, PURPOSE_DRAFT, self.depths))
         self.sample_draft(1, logits.index_select(0, last.view(1)), h.index_select(0, last.view(1)))
+        fixed = self.controller.k if isinstance(self.controller, FixedDepth) else None
         for depth in range(2, MAX_DRAFTS + 1):
-            if depth <= MIN_DRAFTS:
+            if depth <= MIN_DRAFTS or (fixed is not None and depth <= fixed):
                 self.draft_row(depth)
-            else:
+            elif fixed is None:  # a fixed depth is known when the round is built: no device decision to wait on
                 self.flow.when(st.more[depth], lambda d=depth: self.draft_row(d))
 
     def draft_row(self, depth: int) -> None:
@@ -157,13 +159,11 @@ class RoundRunner:
         st.draft_h.copy_(h)
         st.k.fill_(depth)
         st.product.mul_(served)
-        if depth < MAX_DRAFTS:
+        if depth < MAX_DRAFTS and not isinstance(self.controller, FixedDepth):
             st.more[depth + 1] = self.more(depth, served, probs[0])
 
     def more(self, depth: int, served: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """The depth controller's rule (reference/depth.py) evaluated on device tensors."""
-        if isinstance(self.controller, FixedDepth):
-            return torch.full((), int(depth < self.controller.k), dtype=torch.int32, device=served.device)
+        """The fitted depth controller's rule (reference/depth.py) evaluated on device tensors."""
         if depth < MIN_DRAFTS:
             return torch.ones((), dtype=torch.int32, device=served.device)
         assert isinstance(self.controller, LogisticDepth)
