@@ -33,8 +33,12 @@ def _worker(rank: int, world: int, port: int, kind: str, model_dir: str, options
             requests: "mp.Queue", ready: "mp.Queue") -> None:
     try:
         torch.set_num_threads(1)
+        check_memory(Config.from_dir(model_dir), world, options, kind, ranks=(rank,))
         engine = RankEngine(model_dir, init_process(rank, world, port, kind), options)
         ready.put(("ok", rank))
+    except ConfigError as e:  # a clear one-line reason (e.g. this GPU's memory), raised as such by rank 0
+        ready.put(("config", str(e)))
+        return
     except BaseException:  # report instead of hanging rank 0 in its first collective
         ready.put(("error", traceback.format_exc()))
         return
@@ -61,7 +65,7 @@ class FastEngine:
         if options.max_context > config.max_position_embeddings:
             options = replace(options, max_context=config.max_position_embeddings)
         CheckpointReader(model_dir, config)  # names, shapes, dtypes from the headers: fail before any device work
-        check_memory(config, tp, options, kind)
+        check_memory(config, tp, options, kind, ranks=(0,))  # each worker checks its own GPU
         port = free_port()
         ctx = mp.get_context("spawn")
         ready = ctx.Queue()
@@ -76,6 +80,8 @@ class FastEngine:
             rank0 = RankEngine(model_dir, init_process(0, tp, port, kind), options)
             for _ in procs:
                 status, info = ready.get(timeout=600)
+                if status == "config":
+                    raise ConfigError(info)
                 if status != "ok":
                     raise RuntimeError(f"a tensor-parallel worker failed to start:\n{info}")
         except BaseException:

@@ -43,13 +43,14 @@ def rank_bytes(config: Config, tp: int, max_context: int, dtype_bytes: int = 2) 
     return rank_weight_bytes(config, tp) + lm_head32 + StaticKV.bytes_needed(config, kv_heads, max_context, dtype_bytes)
 
 
-def check_memory(config: Config, tp: int, options, device_kind: str) -> None:
-    """Raise a clear error when weights plus caches at the requested context exceed device memory."""
+def check_memory(config: Config, tp: int, options, device_kind: str, ranks=None) -> None:
+    """Raise a clear error when weights plus caches at the requested context exceed device memory on the GPUs of
+    `ranks` (default all): each process checks only its own GPU, since querying one creates a context on it."""
     if device_kind != "cuda":
         return
     dtype_bytes = options.torch_dtype(torch.device("cuda")).itemsize
     need = rank_bytes(config, tp, options.max_context, dtype_bytes) * HEADROOM
-    for rank in range(tp):
+    for rank in range(tp) if ranks is None else ranks:
         free, _ = torch.cuda.mem_get_info(rank)
         if need > free:
             raise ConfigError(f"rank {rank} needs about {need / 2**30:.1f} GiB for weights and KV caches at "
