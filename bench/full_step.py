@@ -31,6 +31,7 @@ from ..provenance import commit
 
 STAGES = ("attention", "moe", "norm", "lm_head", "sampling", "draft")  # labels in fast/model.py, fast/round.py
 TARGET_FLOOR_RATIO, TARGET_SPEEDUP = 1.5, 8.0
+TOP_KERNELS, KERNEL_NAME_CHARS, PRINT_KERNELS = 40, 120, 20  # per-kernel rows kept in the profile (by device time)
 PROFILE_TOKENS = 4  # tokens decoded under the profiler, per variant
 SNAPSHOT_KV_LIMIT = 4 << 30  # restore every layer's KV contents when they are this small
 
@@ -134,6 +135,7 @@ def breakdown(events, wall_us: float, rounds: int, cuda: bool) -> dict:
 
     per = dict.fromkeys(STAGES + ("other",), 0.0)
     busy = 0.0
+    by_kernel: dict[str, list[float]] = {}  # device kernel name -> [launches, us]
     for e in events:
         if e.device_type == DeviceType.CPU:
             t = sum(k.duration for k in e.kernels) if cuda else e.self_cpu_time_total
@@ -141,6 +143,9 @@ def breakdown(events, wall_us: float, rounds: int, cuda: bool) -> dict:
                 per[_stage_of(e)] += t
         elif cuda and not getattr(e, "is_user_annotation", False) and e.name not in STAGES:
             busy += e.time_range.elapsed_us()
+            slot = by_kernel.setdefault(e.name[:KERNEL_NAME_CHARS], [0, 0.0])
+            slot[0] += 1
+            slot[1] += e.time_range.elapsed_us()
     if cuda:  # kernels the profiler saw but could not tie to a CPU op (e.g. inside graph replays)
         per["other"] += max(0.0, busy - sum(per.values()))
     else:
@@ -150,6 +155,9 @@ def breakdown(events, wall_us: float, rounds: int, cuda: bool) -> dict:
     out["busy"] = busy / rounds
     out["gaps"] = wall_us / rounds - out["busy"]
     out["wall"] = wall_us / rounds
+    out["launches"] = sum(n for n, _ in by_kernel.values()) / rounds
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    out["top_kernels"] = [{"name": k, "launches": n / rounds, "us": t / rounds} for k, (n, t) in top]
     return out
 
 
@@ -348,6 +356,8 @@ def _print(r: dict) -> None:
                   "bodies; see the eager row of the same kernels")
             continue
         cols = "  ".join(f"{k} {st[k]:.0f}" for k in STAGES + ("other", "gaps"))
-        print(f"stages, {key} (us/round): {cols}  [wall {st['wall']:.0f}]")
+        print(f"stages, {key} (us/round): {cols}  [wall {st['wall']:.0f}, {st.get('launches', 0):.0f} kernels]")
+        for row in st.get("top_kernels", [])[:PRINT_KERNELS]:
+            print(f"    {row['us']:9.1f} us {row['launches']:7.1f} x  {row['name'][:100]}")
     for n in r["notes"]:
         print("note:", n)
