@@ -89,9 +89,9 @@ class RoutingRecorder:
         model, runner, current = self.model, self.runner, {}
         layer, moe, round_ = model.decoder_layer, model.moe, runner.speculative_round
 
-        def rec_layer(lw, kv, x, positions, live, *rest):
-            current["tag"] = rest[-1]
-            return layer(lw, kv, x, positions, live, *rest)
+        def rec_layer(*args):
+            current["tag"] = args[-1]
+            return layer(*args)
 
         def rec_moe(lw, b32, live):
             out = moe(lw, b32, live)

@@ -39,7 +39,7 @@ def rank_weight_bytes(config: Config, tp: int, rank: int = 0) -> int:
 
 def rank_bytes(config: Config, tp: int, max_context: int, dtype_bytes: int = 2) -> int:
     kv_heads = max(config.num_key_value_heads // tp, 1)
-    lm_head32 = config.vocab_size // tp * config.hidden_size * (4 - 2)  # held as fp32, stored bf16 (lm_head_fp32)
+    lm_head32 = config.vocab_size // tp * config.hidden_size * (4 - 2)  # the fallback's fp32 copy (hold_lm_head_fp32)
     return rank_weight_bytes(config, tp) + lm_head32 + StaticKV.bytes_needed(config, kv_heads, max_context, dtype_bytes)
 
 

@@ -9,6 +9,8 @@ Taps use the reference's names (see reference/model.py) for `iquest debug diff`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..reference.config import Config
@@ -20,7 +22,14 @@ from .parallel import Parallel
 from .weights import LayerWeights, ModelWeights
 
 
-rms_norm = stage("norm")(rms_norm)
+class Block(NamedTuple):
+    """What every layer of one forward shares about its rows, computed once per forward."""
+
+    positions: torch.Tensor  # [R] int64
+    live: torch.Tensor       # [R] bool
+    cos: torch.Tensor        # [R, D] rotary tables in the compute dtype
+    sin: torch.Tensor
+    kv_len: torch.Tensor     # [1] int64: last position + 1 (how far a full layer's history is read)
 
 
 class FastModel:
@@ -28,6 +37,7 @@ class FastModel:
                  defects: frozenset[str] = frozenset(), ops: TorchOps | None = None):
         self.config, self.w, self.cache, self.par, self.dtype = config, weights, cache, par, dtype
         self.ops = ops or TorchOps()  # torch fallback or the Triton kernels (fast/ops.py)
+        self.ops.prepare(weights)
         self.defects = defects  # named deliberate bugs for negative controls (qualify/); empty in production
         tp = par.world
         self.q_heads = config.num_attention_heads // tp
@@ -46,16 +56,16 @@ class FastModel:
     @stage("lm_head")
     def logits(self, x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         """This rank's fp32 logits [R, V/tp] for its vocabulary rows."""
-        return rms_norm(x, norm, self.config.rms_norm_eps).float() @ self.w.lm_head.T  # fp32 rows (fast/weights.lm_head_fp32)
+        return self.ops.lm_head(self.ops.norm(x, norm, self.config.rms_norm_eps), self.w)
 
     # ---- blocks -------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
                 taps: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Main model: (local logits [R, V/tp] fp32, pre-norm final hidden [R, H])."""
         x = self.embed(tokens)
-        cos, sin = self._rope(positions)
+        blk = self._block(positions, live)
         for i, lw in enumerate(self.w.layers):
-            x = self.decoder_layer(lw, self.cache[i], x, positions, live, cos, sin, taps, f"layer{i}.")
+            x = self.decoder_layer(lw, self.cache[i], x, blk, taps, f"layer{i}.")
         _tap(taps, "final_hidden", x)
         return self.logits(x, self.w.norm), x
 
@@ -63,16 +73,18 @@ class FastModel:
               taps: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer: rows at positions p from (x_p, hidden for p-1) -> (local logits for p+1, h')."""
         m, eps = self.w.mtp, self.config.rms_norm_eps
-        e = rms_norm(self.embed(tokens), m.enorm, eps)
-        h = rms_norm(prev_hidden.to(self.dtype), m.hnorm, eps)
+        e = self.ops.norm(self.embed(tokens), m.enorm, eps)
+        h = self.ops.norm(prev_hidden.to(self.dtype), m.hnorm, eps)
         cat = torch.cat([e, h], dim=-1)  # embedding first; eh_proj is row-parallel over these 2H inputs
         width = cat.shape[-1] // self.par.world
         u = self.par.all_reduce(self.ops.linear(m.eh_proj, cat[:, self.par.rank * width:(self.par.rank + 1) * width]))
         _tap(taps, "mtp.input", u)
-        cos, sin = self._rope(positions)
-        h_out = self.decoder_layer(m.block, self.cache[self.config.mtp_layer_index], u, positions, live, cos, sin,
+        h_out = self.decoder_layer(m.block, self.cache[self.config.mtp_layer_index], u, self._block(positions, live),
                                    taps, "mtp.")
         return self.logits(h_out, m.head_norm), h_out
+
+    def _block(self, positions: torch.Tensor, live: torch.Tensor) -> Block:
+        return Block(positions, live, *self._rope(positions), (positions.max() + 1).view(1))
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [R, D] as reference.layers.rope_cos_sin (float64 angles), from the cached inv_freq."""
@@ -82,14 +94,13 @@ class FastModel:
         emb = torch.cat([angles, angles], dim=-1)
         return (emb.cos() * self.rope_factor).to(self.dtype), (emb.sin() * self.rope_factor).to(self.dtype)
 
-    def decoder_layer(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, positions: torch.Tensor,
-                      live: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, taps: dict | None,
+    def decoder_layer(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, blk: Block, taps: dict | None,
                       tag: str) -> torch.Tensor:
         eps = self.config.rms_norm_eps
-        attn_out = self.attention(lw, kv, rms_norm(x, lw.input_norm, eps), positions, live, cos, sin)
+        attn_out = self.attention(lw, kv, self.ops.norm(x, lw.input_norm, eps), blk)
         # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
         x, b32 = self.ops.add_norm(x, attn_out, lw.post_norm, eps)
-        moe_out, scores, experts = self.moe(lw, b32, live)
+        moe_out, scores, experts = self.moe(lw, b32, blk.live)
         x = x + moe_out
         for name, value in (("attn_out", attn_out), ("router_scores", scores), ("experts", experts),
                             ("moe_out", moe_out), ("hidden", x)):
@@ -97,17 +108,14 @@ class FastModel:
         return x
 
     @stage("attention")
-    def attention(self, lw: LayerWeights, kv: LayerKV, a: torch.Tensor, positions: torch.Tensor,
-                  live: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def attention(self, lw: LayerWeights, kv: LayerKV, a: torch.Tensor, blk: Block) -> torch.Tensor:
         c, R = self.config, a.shape[0]
-        q = self.ops.linear(lw.wq, a).view(R, self.q_heads, c.head_dim)
-        k = self.ops.linear(lw.wk, a).view(R, self.kv_heads, c.head_dim)
-        v = self.ops.linear(lw.wv, a).view(R, self.kv_heads, c.head_dim)
+        q, k, v = (t.view(R, -1, c.head_dim) for t in self.ops.qkv(lw, a))
         if c.qk_norm:
             q, k = rms_norm(q, lw.q_norm, c.rms_norm_eps), rms_norm(k, lw.k_norm, c.rms_norm_eps)
-        q = self.ops.rope_write(kv, q, k, v, cos, sin, positions, live)  # K/V stored before reading: causal block
+        q = self.ops.rope_write(kv, q, k, v, blk.cos, blk.sin, blk.positions, blk.live)  # K/V stored first: causal block
         sinks = None if "drop_sink" in self.defects else lw.sinks  # negative control: the sink logit dropped
-        out = self.ops.attention(q, kv, positions, sinks)
+        out = self.ops.attention(q, kv, blk.positions, sinks, blk.kv_len)
         return self.par.all_reduce(self.ops.linear(lw.wo, out.to(self.dtype).reshape(R, -1)))
 
     @stage("moe")

@@ -20,17 +20,33 @@ from ..reference.layers import apply_rope, attention, rms_norm
 from . import sampler
 from .cache import LayerKV
 from .profiling import stage
-from .weights import FP8Weight
+from .weights import FP8Weight, LayerWeights, ModelWeights
 
 
 class TorchOps:
     name = "torch"
 
+    def prepare(self, w: ModelWeights) -> None:
+        """Derived weights this implementation reads, made before any graph capture."""
+        w.hold_lm_head_fp32()
+
+    def lm_head(self, a: torch.Tensor, w: ModelWeights) -> torch.Tensor:
+        """fp32 logits [R, V/tp] of the normalized rows: fp32 products of the compute-dtype head's values."""
+        return a.float() @ w.lm_head32.T
+
     def linear(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
         return w.linear(x)
 
-    def attention(self, q: torch.Tensor, kv: LayerKV, positions: torch.Tensor,
-                  sinks: torch.Tensor | None) -> torch.Tensor:
+    def qkv(self, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The q, k, v projections [R, n] each (possibly column views of one product)."""
+        return self.linear(lw.wq, x), self.linear(lw.wk, x), self.linear(lw.wv, x)
+
+    @stage("norm")
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def attention(self, q: torch.Tensor, kv: LayerKV, positions: torch.Tensor, sinks: torch.Tensor | None,
+                  kv_len: torch.Tensor) -> torch.Tensor:
         return attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(positions), sinks).to(q.dtype)
 
 
@@ -61,8 +77,8 @@ class TorchOps:
         return sampler.sample_rows(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
 
 
-STAGES = ("linear", "attention", "norm", "moe", "sampling")  # "triton": qualified on the GPU (docs/PERF.md)
-OPT_IN = ("rope",)  # kernels not yet run on a GPU: only when named, e.g. "triton+rope"
+STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope")  # "triton": qualified on the GPU (docs/PERF.md)
+OPT_IN = ("lm_head",)  # kernels not yet run on a GPU: only when named, e.g. "triton+lm_head"
 
 
 class TritonOps(TorchOps):
@@ -81,15 +97,15 @@ class TritonOps(TorchOps):
         from ..kernels import moe, sample, topk
         from ..kernels.decode_attention import decode_attention
         from ..kernels.fp8_linear import fp8_linear
-        from ..kernels.rmsnorm_residual import rmsnorm_residual
+        from ..kernels.lm_head import lm_head
+        from ..kernels.moe_route import MAX_PAIRS
+        from ..kernels.rmsnorm_residual import rmsnorm, rmsnorm_residual
         from ..kernels.rope_kv import rope_kv
 
-        self._attention, self._linear = decode_attention, fp8_linear
-        from ..kernels.moe_route import MAX_PAIRS
-
+        self._attention, self._linear, self._lm_head = decode_attention, fp8_linear, lm_head
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
         self._max_pairs = MAX_PAIRS
-        self._add_norm, self._rope_kv = rmsnorm_residual, rope_kv
+        self._add_norm, self._norm, self._rope_kv = rmsnorm_residual, rmsnorm, rope_kv
 
     def _fits(self, stage: str, ok: bool) -> bool:
         """Whether `stage` runs as its kernel here; a shape the kernel cannot take (the 8-wide blocks and heads of
@@ -116,11 +132,34 @@ class TritonOps(TorchOps):
             return super().linear(w, x)
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype)
 
+    def prepare(self, w):
+        if "lm_head" not in self.stages:
+            super().prepare(w)
+
+    def lm_head(self, a, w):
+        if not self._fits("lm_head", True):
+            return super().lm_head(a, w)
+        return self._lm_head(a.contiguous(), w.lm_head)
+
+    def qkv(self, lw, x):
+        w = lw.wqkv
+        if w is None or not self._fits("linear", self._pow2_at_least_16(w.block[1])):
+            return super().qkv(lw, x)
+        y = self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype)  # one launch: column views, no copies
+        nq, nk = lw.wq.q.shape[0], lw.wk.q.shape[0]
+        return y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
+
+    def norm(self, x, weight, eps):
+        if not self._fits("norm", True):
+            return super().norm(x, weight, eps)
+        return self._norm(x.contiguous(), weight, eps)
+
     def rope_write(self, kv, q, k, v, cos, sin, positions, live):
         d = q.shape[-1]
         if not self._fits("rope", d >= 2 and d & (d - 1) == 0 and kv.k.dtype == q.dtype):
             return super().rope_write(kv, q, k, v, cos, sin, positions, live)
-        return self._rope_kv(q.contiguous(), k.contiguous(), v.contiguous(), cos.contiguous(), sin.contiguous(),
+        dense = (lambda t: t if t.stride(-1) == 1 and t.stride(-2) == d else t.contiguous())  # row views pass as is
+        return self._rope_kv(dense(q), dense(k), dense(v), cos.contiguous(), sin.contiguous(),
                              positions, live, kv.k, kv.v, kv.slot_pos)
 
     def add_norm(self, x, residual, weight, eps):
@@ -144,14 +183,12 @@ class TritonOps(TorchOps):
         keys = self._topk(local_logits.float().contiguous(), k, vocab_offset)[0]
         return self._global_dist(gather(keys).contiguous(), top_k, temperature, top_p)
 
-    def attention(self, q: torch.Tensor, kv: LayerKV, positions: torch.Tensor,
-                  sinks: torch.Tensor | None) -> torch.Tensor:
+    def attention(self, q, kv, positions, sinks, kv_len):
         rows, q_heads = q.shape[0], q.shape[1]
         d = q.shape[-1]
         if not self._fits("attention", rows * (q_heads // kv.k.shape[1]) <= self.MAX_MATRIX_ROWS
                           and d >= 16 and d & (d - 1) == 0):
-            return super().attention(q, kv, positions, sinks)
-        kv_len = (positions.max() + 1).view(1)
+            return super().attention(q, kv, positions, sinks, kv_len)
         return self._attention(q.contiguous(), kv.k, kv.v, kv.slot_pos, positions, sinks, kv.window,
                                kv.first_position, kv_len, causal=kv.causal)
 

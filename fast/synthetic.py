@@ -20,7 +20,7 @@ from ..reference.checkpoint import TensorSpec, layer_prefix, shard_range, tensor
 from ..reference.config import Config
 from ..reference.fp8 import E4M3, E4M3_MAX
 from .parallel import Parallel
-from .weights import FP8Weight, LayerWeights, ModelWeights, MTPWeights, lm_head_fp32
+from .weights import FP8Weight, LayerWeights, ModelWeights, MTPWeights
 
 Q_STD = 64.0            # spread of the stored E4M3 values
 CHUNK_ELEMENTS = 1 << 26  # fp32 elements generated at once (256 MB)
@@ -128,7 +128,7 @@ def synthetic_weights(config: Config, tp: int, rank: int, device: torch.device |
     if progress:
         progress(total, total)
     return ModelWeights(embed=mk.plain("model.embed_tokens.weight", kind="rows"),
-                        lm_head=lm_head_fp32(mk.plain("lm_head.weight", kind="rows")), norm=mk.plain("model.norm.weight"),
+                        lm_head=mk.plain("lm_head.weight", kind="rows"), norm=mk.plain("model.norm.weight"),
                         layers=layers, mtp=mtp, vocab_offset=rank * (config.vocab_size // tp))
 
 

@@ -8,7 +8,7 @@ per call otherwise, so the full-size rank slice never holds a second, bf16 copy 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -57,6 +57,21 @@ class FP8Weight:
         tiles = q.view(*q.shape[:-2], rows // b0, b0, cols // b1, b1)
         return tiles.mul_(s[..., :, None, :, None]).view(q.shape).to(self.dtype)
 
+    def rows(self, start: int, stop: int) -> "FP8Weight":
+        """Output rows [start, stop) as a view (both ends on block boundaries, so the scales slice with them)."""
+        b0 = self.block[0]
+        return FP8Weight(self.q[start:stop], self.scale[start // b0:stop // b0], self.block, self.dtype)
+
+
+def cat_rows(parts: list[FP8Weight]) -> FP8Weight | None:
+    """One weight whose output rows are `parts`' in order, or None when a part's rows end inside a scale block
+    (its last scale row would then cover the next part's first rows)."""
+    first = parts[0]
+    if any(p.q.dim() != 2 or p.block != first.block or p.q.shape[1] != first.q.shape[1]
+           or p.q.shape[0] % first.block[0] for p in parts):
+        return None
+    return FP8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), first.block, first.dtype)
+
 
 @dataclass
 class LayerWeights:
@@ -73,6 +88,16 @@ class LayerWeights:
     gate: FP8Weight                 # [E, I/tp, H]
     up: FP8Weight                   # [E, I/tp, H]
     down: FP8Weight                 # [E, H, I/tp]
+    wqkv: FP8Weight | None = field(default=None, repr=False)  # q, k, v rows in one tensor (__post_init__)
+
+    def __post_init__(self) -> None:
+        """Hold q/k/v as one weight so one launch projects all three (a decode block's projections are
+        launch-bound); wq, wk, wv become views of it, so the fallback's matmuls are unchanged."""
+        self.wqkv = cat_rows([self.wq, self.wk, self.wv])
+        if self.wqkv is not None:
+            nq, nk = self.wq.q.shape[0], self.wk.q.shape[0]
+            self.wq, self.wk, self.wv = (self.wqkv.rows(a, b) for a, b in
+                                         ((0, nq), (nq, nq + nk), (nq + nk, self.wqkv.q.shape[0])))
 
 
 @dataclass
@@ -87,17 +112,20 @@ class MTPWeights:
 @dataclass
 class ModelWeights:
     embed: torch.Tensor             # [V/tp, H] this rank's vocabulary rows
-    lm_head: torch.Tensor           # [V/tp, H] fp32 (lm_head_fp32)
+    lm_head: torch.Tensor           # [V/tp, H] in the compute dtype; the logits are fp32 products of these values
     norm: torch.Tensor
     layers: list[LayerWeights]
     mtp: MTPWeights
     vocab_offset: int
+    lm_head32: torch.Tensor | None = field(default=None, repr=False)  # the fallback's fp32 copy (hold_lm_head_fp32)
 
-
-def lm_head_fp32(w: torch.Tensor) -> torch.Tensor:
-    """The LM head rounded to the compute dtype, kept as fp32: the logits are fp32 products of those values, and
-    converting the rows per call would move ~0.7 GB per call at full size (3.1 ms of a 33 ms round, d572fe8)."""
-    return w.float()
+    def hold_lm_head_fp32(self) -> torch.Tensor:
+        """An fp32 copy of the LM head for the fallback's fp32 matmul, made once when an engine is built (never
+        lazily: inside a graph capture the copy would only be recorded). Converting per call moved ~0.7 GB per
+        call at full size (3.1 ms of a 33 ms round, d572fe8); the LM-head kernel reads the rows as they are."""
+        if self.lm_head32 is None:
+            self.lm_head32 = self.lm_head if self.lm_head.dtype == torch.float32 else self.lm_head.float()
+        return self.lm_head32
 
 
 def _to(t: torch.Tensor, par: Parallel, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -158,5 +186,5 @@ def load_weights(model_dir, config: Config, par: Parallel, dtype: torch.dtype,
                          ld.plain(m + "hnorm.weight"), ld.fp8(m + "eh_proj.weight"),
                          ld.plain(m + "shared_head.norm.weight"))
         embed = ld.plain("model.embed_tokens.weight")
-        return ModelWeights(embed=embed, lm_head=lm_head_fp32(ld.plain("lm_head.weight")), norm=ld.plain("model.norm.weight"),
+        return ModelWeights(embed=embed, lm_head=ld.plain("lm_head.weight"), norm=ld.plain("model.norm.weight"),
                             layers=layers, mtp=mtp, vocab_offset=par.rank * (config.vocab_size // par.world))

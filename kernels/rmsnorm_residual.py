@@ -1,4 +1,5 @@
-"""Fused residual add + RMSNorm: h = x + r (the new residual, in the residual's dtype), y = rmsnorm(h) * w.
+"""Fused residual add + RMSNorm: h = x + r (the new residual, in the residual's dtype), y = rmsnorm(h) * w;
+and the same kernel without the residual (`rmsnorm`: the layer's input norm, one launch instead of six).
 
 The decoder layer's `x = x + attn_out; b = rms_norm(x, post_norm)` in one pass over each row. The sum
 is rounded to the residual's dtype first and the norm reads that rounded value, as the torch
@@ -18,15 +19,18 @@ MAX_HIDDEN = 65536
 
 @triton.jit
 def _rmsnorm_residual_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, H, eps,
-                             stride_x, stride_r, stride_y, stride_h, BLOCK: tl.constexpr):
+                             stride_x, stride_r, stride_y, stride_h, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
     row = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     ok = i < H
     x = tl.load(x_ptr + row * stride_x + i, mask=ok, other=0.0).to(tl.float32)
-    r = tl.load(r_ptr + row * stride_r + i, mask=ok, other=0.0).to(tl.float32)
-    h = (x + r).to(h_ptr.dtype.element_ty)
-    tl.store(h_ptr + row * stride_h + i, h, mask=ok)
-    h = h.to(tl.float32)
+    if RESIDUAL:
+        r = tl.load(r_ptr + row * stride_r + i, mask=ok, other=0.0).to(tl.float32)
+        h = (x + r).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * stride_h + i, h, mask=ok)
+        h = h.to(tl.float32)
+    else:
+        h = x
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
     w = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + i, (h * inv * w).to(y_ptr.dtype.element_ty), mask=ok)
@@ -66,8 +70,38 @@ def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     _check(isinstance(eps, float) and eps > 0, f"eps must be a positive float, got {eps!r}")
     _rmsnorm_residual_kernel[(R,)](x, residual, weight, out, residual_out, H, eps, x.stride(0), residual.stride(0),
                                    out.stride(0), residual_out.stride(0), BLOCK=triton.next_power_of_2(H),
-                                   num_warps=num_warps)
+                                   RESIDUAL=True, num_warps=num_warps)
     return out, residual_out
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None, *,
+            out: torch.Tensor | None = None, num_warps: int = 8) -> torch.Tensor:
+    """y = rmsnorm(x) * w [R, H] in out_dtype (default x's), computed in fp32 from x (no residual)."""
+    _check(x.dim() == 2, f"x must be [R, H], got {tuple(x.shape)}")
+    R, H = x.shape
+    _check(R >= 1 and 1 <= H <= MAX_HIDDEN, f"rows {R} and hidden {H} must be >= 1 (hidden <= {MAX_HIDDEN})")
+    _check(tuple(weight.shape) == (H,), f"weight must be [{H}], got {tuple(weight.shape)}")
+    _check(x.dtype in _FLOATS and weight.dtype in _FLOATS, f"dtypes {x.dtype}, {weight.dtype} must be bf16, fp16 or fp32")
+    out_dtype = out_dtype or x.dtype
+    _check(out_dtype in _FLOATS, f"out_dtype {out_dtype} must be bf16, fp16 or fp32")
+    if out is None:
+        out = torch.empty((R, H), dtype=out_dtype, device=x.device)
+    _check(tuple(out.shape) == (R, H) and out.dtype == out_dtype, f"out must be [{R}, {H}] {out_dtype}")
+    for name, t in (("x", x), ("weight", weight), ("out", out)):
+        _check(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
+        _check(t.stride(-1) == 1, f"{name} must have unit stride along the hidden dimension")
+    _check(isinstance(eps, float) and eps > 0, f"eps must be a positive float, got {eps!r}")
+    _rmsnorm_residual_kernel[(R,)](x, x, weight, out, out, H, eps, x.stride(0), x.stride(0), out.stride(0),
+                                   out.stride(0), BLOCK=triton.next_power_of_2(H), RESIDUAL=False,
+                                   num_warps=num_warps)
+    return out
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Reference rms_norm of x in fp32, rounded to out_dtype (default x's)."""
+    from ..reference.layers import rms_norm
+
+    return rms_norm(x.float(), weight.float(), eps).to(out_dtype or x.dtype)
 
 
 def rmsnorm_residual_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

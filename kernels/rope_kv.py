@@ -26,7 +26,7 @@ _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 @triton.jit
 def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, live_ptr, qo_ptr, ck_ptr, cv_ptr, sp_ptr,
-                    HQ, HKV, SLOTS, D: tl.constexpr, HALF: tl.constexpr):
+                    HQ, HKV, SLOTS, stride_q, stride_k, stride_v, D: tl.constexpr, HALF: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     i = tl.arange(0, D)
@@ -35,18 +35,18 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, live_ptr, qo
     c = tl.load(cos_ptr + row * D + i)
     s = tl.load(sin_ptr + row * D + i)
     if head < HQ:
-        base = (row * HQ + head) * D
+        base = row * stride_q + head * D
         x = tl.load(q_ptr + base + i)
         xr = (tl.load(q_ptr + base + rot).to(tl.float32) * sign).to(x.dtype)
         a = (x.to(tl.float32) * c.to(tl.float32)).to(x.dtype)
         b = (xr.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
-        tl.store(qo_ptr + base + i, (a.to(tl.float32) + b.to(tl.float32)).to(qo_ptr.dtype.element_ty))
+        tl.store(qo_ptr + (row * HQ + head) * D + i, (a.to(tl.float32) + b.to(tl.float32)).to(qo_ptr.dtype.element_ty))
     else:
         h = head - HQ
         pos = tl.load(pos_ptr + row)
         live = tl.load(live_ptr + row) != 0
         slot = tl.where(live, pos % SLOTS, SLOTS)
-        base = (row * HKV + h) * D
+        base = row * stride_k + h * D
         x = tl.load(k_ptr + base + i)
         xr = (tl.load(k_ptr + base + rot).to(tl.float32) * sign).to(x.dtype)
         a = (x.to(tl.float32) * c.to(tl.float32)).to(x.dtype)
@@ -54,7 +54,7 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, live_ptr, qo
         k = (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
         dst = (slot * HKV + h) * D
         tl.store(ck_ptr + dst + i, k.to(ck_ptr.dtype.element_ty))
-        tl.store(cv_ptr + dst + i, tl.load(v_ptr + base + i).to(cv_ptr.dtype.element_ty))
+        tl.store(cv_ptr + dst + i, tl.load(v_ptr + row * stride_v + h * D + i).to(cv_ptr.dtype.element_ty))
         if h == 0:
             tl.store(sp_ptr + slot, tl.where(live, pos, -1))
 
@@ -67,8 +67,9 @@ def _check(cond: bool, message: str) -> None:
 def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             positions: torch.Tensor, live: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
             slot_pos: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotated q [R, Hq, D] (returned); rotated k and v written to `cache_k`/`cache_v` [slots + 1, Hkv, D] at
-    each row's slot, `slot_pos` [slots + 1] updated. cos/sin [R, D] in q's dtype; live bool [R]."""
+    """Rotated q [R, Hq, D] (returned, contiguous); rotated k and v written to `cache_k`/`cache_v` [slots + 1, Hkv, D]
+    at each row's slot, `slot_pos` [slots + 1] updated. cos/sin [R, D] in q's dtype; live bool [R]. q, k and v may be
+    column slices of one projection's rows (any row stride; heads and head_dim dense within a row)."""
     _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q, k, v must be [R, heads, D]")
     R, HQ, D = q.shape
     HKV = k.shape[1]
@@ -87,13 +88,17 @@ def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor
     for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("positions", positions),
                     ("live", live), ("cache_k", cache_k), ("cache_v", cache_v), ("slot_pos", slot_pos)):
         _check(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
-        _check(t.is_contiguous(), f"{name} must be contiguous")
+        if name in ("q", "k", "v"):
+            _check(t.stride(2) == 1 and t.stride(1) == D, f"{name} must be dense within a row (strides [*, {D}, 1])")
+        else:
+            _check(t.is_contiguous(), f"{name} must be contiguous")
     if out is None:
         out = torch.empty_like(q)
     _check(out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous(), "out must be like q")
     options = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}  # no FMA: torch's roundings
     _rope_kv_kernel[(R, HQ + HKV)](q, k, v, cos, sin, positions, live.view(torch.uint8), out, cache_k, cache_v,
-                                   slot_pos, HQ, HKV, slots, D=D, HALF=D // 2, **options)
+                                   slot_pos, HQ, HKV, slots, q.stride(0), k.stride(0), v.stride(0), D=D, HALF=D // 2,
+                                   **options)
     return out
 
 

@@ -21,7 +21,7 @@ TOL = {"fp32": 1e-6, "bf16": 1.6e-2}  # on y relative to max |y|: fp32 summation
 # bf16 residual may differ from torch's rounded sum by one unit in the last place (2^-7 relative).
 INTERPRETED_BF16_ULP = 2.0 ** -7
 
-BASE = dict(R=8, H=100, dtype="bf16", out=None, inplace=False, stride=None, seed=0)
+BASE = dict(R=8, H=100, dtype="bf16", out=None, inplace=False, stride=None, residual=True, seed=0)
 
 
 def case(name: str, **kw) -> dict:
@@ -35,9 +35,12 @@ CASES = [
     case("bf16_residual_fp32_out", out="fp32"),
     case("inplace_residual", inplace=True),
     case("strided_rows", stride=3, H=37),
+    case("norm_only_1row_bf16", R=1, residual=False),
+    case("norm_only_8rows_fp32", dtype="fp32", H=48, residual=False),
+    case("norm_only_strided_fp32_out", stride=3, H=37, out="fp32", residual=False),
 ]
 GPU_CASES = [case("gpu_1row", R=1, H=6144), case("gpu_8rows", H=6144), case("gpu_8rows_fp32_out", H=6144, out="fp32"),
-             case("gpu_inplace", H=6144, inplace=True)]
+             case("gpu_inplace", H=6144, inplace=True), case("gpu_norm_only_8rows", H=6144, residual=False)]
 
 
 def run_case(c: dict, device: str) -> dict:
@@ -47,6 +50,11 @@ def run_case(c: dict, device: str) -> dict:
     r = (torch.randn(R, H, generator=gen) * 3).to(dt).to(device)
     w = (1 + 0.5 * torch.randn(H, generator=gen)).to(dt).to(device)
     eps = 1e-6
+    if not c["residual"]:  # the input norm: the same kernel without the residual sum
+        y_ref = rn.rmsnorm_ref(x, w, eps, DTYPES[c["out"]] if c["out"] else None)
+        y = rn.rmsnorm(x, w, eps, DTYPES[c["out"]] if c["out"] else None, out=torch.full_like(y_ref, float("nan")))
+        return {"y_err": (y.float() - y_ref.float()).abs().max().item() / y_ref.float().abs().max().item(),
+                "h_err": 0.0, "finite": bool(torch.isfinite(y).all())}
     y_ref, h_ref = rn.rmsnorm_residual_ref(x, r, w, eps, DTYPES[c["out"]] if c["out"] else None)
     out = torch.full_like(y_ref, float("nan"))
     h_out = r if c["inplace"] else torch.full_like(r, float("nan"))

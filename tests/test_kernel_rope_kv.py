@@ -24,7 +24,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # unit in the last place each (2^-7 relative to the operand at most), so 3 ulps of the tensor's largest value.
 INTERPRETED_BF16_TOL = 3 * 2.0 ** -7
 
-BASE = dict(R=8, HQ=6, HKV=1, D=128, slots=96, start=40, dead=(), dtype="fp32", seed=0)
+BASE = dict(R=8, HQ=6, HKV=1, D=128, slots=96, start=40, dead=(), dtype="fp32", fused=False, seed=0)
 
 
 def case(name: str, **kw) -> dict:
@@ -39,8 +39,11 @@ CASES = [
     case("gqa_2kv_d16_fp32", HQ=4, HKV=2, D=16, slots=20, start=17),
     case("8rows_bf16", dtype="bf16", dead=(6, 7)),
     case("ring_wrap_bf16", dtype="bf16", start=92),
+    case("qkv_column_views_fp32", dead=(7,), fused=True),       # q, k, v as column views of one projection
+    case("qkv_column_views_gqa_fp32", HQ=4, HKV=2, D=16, slots=20, start=17, fused=True),
 ]
 GPU_CASES = [case("gpu_tp8_rank_bf16", dtype="bf16", slots=4160, start=4157, dead=(6, 7)),
+             case("gpu_tp8_rank_qkv_views_bf16", dtype="bf16", slots=4160, start=4157, dead=(7,), fused=True),
              case("gpu_full_layer_fp32", slots=196608, start=196600)]
 
 
@@ -48,6 +51,11 @@ def run_case(c: dict, device: str) -> dict:
     gen = torch.Generator().manual_seed(c["seed"])
     R, HQ, HKV, D, S, dt = c["R"], c["HQ"], c["HKV"], c["D"], c["slots"], DTYPES[c["dtype"]]
     q, k, v = ((torch.randn(R, h, D, generator=gen) * 2).to(dt).to(device) for h in (HQ, HKV, HKV))
+    if c["fused"]:  # one [R, (HQ + 2 HKV) D] product, as TritonOps.qkv returns it: row stride != heads * D
+        y = torch.cat([t.reshape(R, -1) for t in (q, k, v)], dim=1)
+        q, k, v = (y[:, a:b].view(R, -1, D) for a, b in ((0, HQ * D), (HQ * D, (HQ + HKV) * D),
+                                                          ((HQ + HKV) * D, (HQ + 2 * HKV) * D)))
+        assert not q.is_contiguous() and not v.is_contiguous()
     positions = torch.arange(c["start"], c["start"] + R, device=device)
     live = torch.ones(R, dtype=torch.bool)
     live[list(c["dead"])] = False
