@@ -7,9 +7,10 @@ an fp16 value) and multiplied in x's dtype with fp32 accumulation; the block sca
 tile's [M, BLOCK_N] partial product instead of every weight element.
 
 When N gives too few tiles to fill the GPU (k/v projections, one KV head per rank), K is split
-over a second grid axis: each split writes fp32 partials and a second pass sums them in a fixed
-order and casts (deterministic, unlike atomics). The split count comes from N: about two programs
-per SM in all.
+over a second grid axis: each split writes fp32 partials, which are summed in a fixed split order
+and cast (deterministic, unlike atomic accumulation). The split count comes from N: about two
+programs per SM in all. The sum is a second pass, or, given a buffer of zeroed counters, is done by
+each output tile's last split to arrive (an atomic arrival count per tile): one launch, same bits.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ BLOCK_M = 16  # tl.dot's smallest M; decode blocks have 1..8 rows
 
 @triton.jit
 def _fp8_linear_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr,
-    M, N, K, stride_xm, stride_ym, scale_cols, k_per_split,
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_ym, scale_cols, k_per_split, splits,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+    SPLIT: tl.constexpr, SERIAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -58,6 +59,18 @@ def _fp8_linear_kernel(
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
         tl.store(part_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=mask)
+        if SERIAL:
+            # The tile's last split to finish sums all partials (in split order, so the result does not depend
+            # on which one arrives last) and re-arms the counter: no second launch for the sum.
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            lock = lock_ptr + pid_m * tl.num_programs(0) + pid_n
+            if tl.atomic_add(lock, 1, sem="acq_rel") == splits - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for sk in range(0, splits):
+                    total += tl.load(part_ptr + (sk * M + m[:, None]) * N + n[None, :], mask=mask, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(lock, 0)
     else:
         tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -90,6 +103,11 @@ def _block_k(b1: int) -> int:
     return bk
 
 
+def lock_count(m: int, n: int, block_n: int = 64) -> int:
+    """Counters `fp8_linear(locks=...)` needs for an [m, n] output: one per output tile."""
+    return triton.cdiv(n, block_n) * triton.cdiv(m, BLOCK_M)
+
+
 def choose_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
     """Splits along K so that N tiles x splits ~ two programs per SM (1 when N alone fills the GPU)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -99,9 +117,14 @@ def choose_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.dev
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
                out_dtype: torch.dtype | None = None, *, split_k: int | None = None, block_n: int = 64,
-               out: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+               out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
+               num_stages: int = 3) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
-    [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation."""
+    [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
+
+    `locks`: zeroed int32 counters (>= one per output tile, see `lock_count`); with them a split K is summed by
+    the tile's last split inside the one launch (same order, same bits), and they are left zeroed for the next
+    call. Calls sharing counters must not overlap in time (one stream). Without them a second kernel sums."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -133,11 +156,16 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     f32 = INTERPRETED or x.dtype == torch.float32
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, BLOCK_M))
+    if locks is not None:
+        _check(locks.dtype == torch.int32 and locks.is_contiguous() and locks.device == x.device
+               and locks.numel() >= grid[0] * grid[2], f"locks must be contiguous int32 on {x.device} with at least "
+               f"{grid[0] * grid[2]} counters")
+    serial = split_k > 1 and locks is not None
     _fp8_linear_kernel[grid](
-        x, w, scale, out, part, M, N, K, x.stride(0), out.stride(0), expect[1], k_per_split,
-        B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split_k > 1, F32=f32,
-        PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages)
-    if split_k > 1:
+        x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
+        k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split_k > 1,
+        SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages)
+    if split_k > 1 and not serial:
         BLOCK = 1024
         _split_k_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, out, M, N, out.stride(0), split_k, BLOCK=BLOCK)
     return out
