@@ -4,19 +4,30 @@ routing finishes"; MODEL.md forward and TP layout; ROUND.md act_quant).
     out[r] = sum_j w[r, j] * Down_e( act_quant( silu(Gate_e x_r) * Up_e x_r ) ),   e = experts[r, j]
 
 on this rank's slice I_r of every expert's intermediate dimension (Down is row-parallel: the caller
-all-reduces `out`). Three launches, no host sync, grids sized for the worst case:
+all-reduces `out`). At decode the work is a weight stream (a few rows against ~k..R*k experts'
+E4M3 weights), so every launch is laid out to read each chosen expert's bytes once, spread over
+the whole GPU. Five launches, no host sync, grids sized for the worst case (programs of unused
+segments exit at once), no atomics: eager runs and graph replays are bit-identical.
 
 1. `moe_group` (moe_route.py): drop padding rows' pairs, sort the live (row, slot) pairs by expert,
    one segment per distinct expert.
-2. Gate/Up: a program per (segment, I_r tile of GROUP channels) reads that expert's Gate and Up
-   tiles once for every row that chose it, applies SiLU and the product in fp32, and quantizes the
-   tile with DeepSeek-V3's act_quant (per row and GROUP contiguous channels: s = max(amax, 1e-4) /
-   448, e4m3(h / s)) into `act` [P, I_r] E4M3 and `act_scale` [P, I_r / GROUP] fp32, row = pair.
-   The tile is one quantization group, so amax needs no second pass. Unused segments have length 0.
-3. Down: a program per (row, H tile) handles the row's k experts in parallel (a [k, BLOCK_N,
-   BLOCK_K] weight tile, each slot's E4M3 activations as a GEMV), scales each slot by its
-   activation scale, weight block scale and routing weight, and sums the slots in a fixed order.
-   Padding rows load no weights and write zeros.
+2. Gate/Up, grid (segment, I_r tile of up to 128 channels, K split): a program reads its K range
+   of the expert's Gate and Up tiles once for every row that chose it and writes fp32 partial
+   products to `part` [SPLIT, P, 2, I_r] (row = pair). Segments x I_r tiles alone are far too few
+   programs to stream the weights at full bandwidth (~13 x 2 at full size: 26 SMs busy), so H is
+   split until they are about two per SM (`plan_split`); a split's K range is whole K tiles, so a
+   tile never crosses a scale block.
+3. Finalize, grid (P / ROWS positions of `order`, I_r / GROUP): sums the splits in a fixed order
+   (s = 0, 1, ...), applies SiLU and the product in fp32, and quantizes the tile with DeepSeek-V3's
+   act_quant (per row and GROUP contiguous channels: s = max(amax, 1e-4) / 448, e4m3(h / s)) into
+   `act` [P, I_r] E4M3 and `act_scale` [P, I_r / GROUP] fp32. The tile is one quantization group,
+   so amax needs no second pass. Only live pairs (those in `order`) are touched.
+4. Down, grid (segment, H tile): a program reads the expert's Down tile once for all the segment's
+   rows (the E4M3 activations as a [rows, I_r] operand of one dot per K tile), scales each K
+   tile's partial product per row by that row's activation scale and per column by the weight
+   block scale, and writes the fp32 per-pair result y [P, H].
+5. Combine, grid (row, H tile): out[r] = sum_j w[r, j] * y[r * k + j] in slot order, cast to
+   out_dtype. Padding rows read nothing and write exact zeros.
 
 GROUP must equal Down's weight block along I (B1): then a K tile of Down lies in one activation
 group and one weight block, so both scales factor out of the tile's dot product exactly as in
@@ -30,6 +41,8 @@ is what torch and the GPU's `cvt.rn.satfinite` compute, so one path is bit-exact
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -39,6 +52,13 @@ from .moe_route import check_live, load_live, moe_group
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 BLOCK_M = 16  # tl.dot's smallest M; a segment holds the rows that chose one expert (<= R)
+# Gate/Up program tile: 128 channels x 64 of K (block_k) with 8 warps compiles for sm_90 to ~128
+# registers a thread and 36 KB of shared memory (3 stages of cp.async), so two programs fit an SM
+# with 64 KB of weights in flight; 128 x 128 takes 169 registers (one program an SM).
+GATE_UP_BLOCK_N = 128
+GATE_UP_WARPS = 8
+FINALIZE_ROWS = 2  # pairs per finalize program: its loads are SPLIT x 2 x ROWS x GROUP fp32, spread widely
+COMBINE_BLOCK = 256  # columns per combine program (k fp32 loads each): ~200 programs for 8 rows at H = 6144
 E4M3_MAX = tl.constexpr(448.0)
 
 
@@ -78,17 +98,20 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, N, GROUP: tl.constexpr, BLOCK_M: t
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, order_ptr, seg_e_ptr, seg_start_ptr, seg_len_ptr,
-    act_ptr, act_s_ptr, h_ptr, H, I, K_TOP, stride_x, s_rows, s_cols,
-    B0: tl.constexpr, B1: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32: tl.constexpr, PREC: tl.constexpr, STORE_H: tl.constexpr,
+    x_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, order_ptr, seg_e_ptr, seg_start_ptr, seg_len_ptr, part_ptr,
+    H, I, P, K_TOP, stride_x, s_rows, s_cols, k_per_split,
+    B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    F32: tl.constexpr, PREC: tl.constexpr,
 ):
     seg = tl.program_id(0)
     tile = tl.program_id(1)
+    split = tl.program_id(2)
     e = tl.load(seg_e_ptr + seg).to(tl.int64)
     start = tl.load(seg_start_ptr + seg)
     length = tl.load(seg_len_ptr + seg)  # 0 for unused segments: nothing below runs
-    n = tile * GROUP + tl.arange(0, GROUP)  # I % GROUP == 0: always in range
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N divides I: always in range
+    k_start = split * k_per_split  # a multiple of BLOCK_K, which divides B1
+    k_end = tl.minimum(k_start + k_per_split, H)
     g_rows = g_ptr + e * I * H + n[:, None] * H
     u_rows = u_ptr + e * I * H + n[:, None] * H
     gs_row = gs_ptr + e * s_rows * s_cols + (n // B0) * s_cols
@@ -99,9 +122,9 @@ def _moe_gate_up_kernel(
         m_ok = mi < length
         pair = tl.load(order_ptr + start + mi, mask=m_ok, other=0)
         x_rows = x_ptr + (pair // K_TOP)[:, None] * stride_x
-        acc_g = tl.zeros([BLOCK_M, GROUP], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, GROUP], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < H
             x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -118,45 +141,90 @@ def _moe_gate_up_kernel(
                 wu = wu.to(x.dtype)
             acc_g += tl.dot(x, tl.trans(wg), input_precision=PREC) * sg[None, :]
             acc_u += tl.dot(x, tl.trans(wu), input_precision=PREC) * su[None, :]
-        h = acc_g * tl.sigmoid(acc_g) * acc_u
-        q, s = _act_quant_tile(h)
-        ok = m_ok[:, None]
-        tl.store(act_ptr + pair[:, None] * I + n[None, :], q, mask=ok)
-        tl.store(act_s_ptr + pair * (I // GROUP) + tile, s, mask=m_ok)
-        if STORE_H:
-            tl.store(h_ptr + pair[:, None] * I + n[None, :], h, mask=ok)
+        dst = part_ptr + ((split * P + pair) * 2)[:, None] * I + n[None, :]
+        tl.store(dst, acc_g, mask=m_ok[:, None])
+        tl.store(dst + I, acc_u, mask=m_ok[:, None])
+
+
+@triton.jit
+def _moe_finalize_kernel(
+    part_ptr, order_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, P, I,
+    SPLIT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STORE_H: tl.constexpr, DROP_LAST: tl.constexpr,
+):
+    q = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    tile = tl.program_id(1)
+    pair = tl.load(order_ptr + q, mask=q < P, other=-1)  # -1 past the live pairs: padding pairs stay unwritten
+    ok = pair >= 0
+    n = tile * GROUP + tl.arange(0, GROUP)
+    src = part_ptr + (pair * 2)[:, None] * I + n[None, :]
+    g = tl.zeros([ROWS, GROUP], tl.float32)
+    u = tl.zeros([ROWS, GROUP], tl.float32)
+    summed = 0  # splits added (compile-time): debug's split_counts, so a test sees which sum ran
+    # Unrolled, so every split's loads issue at once; the adds keep the order s = 0, 1, ... (the
+    # sum must not depend on scheduling). DROP_LAST (tests' negative control) skips the last split.
+    for s in tl.static_range(SPLIT - DROP_LAST):
+        g += tl.load(src + s * P * 2 * I, mask=ok[:, None], other=0.0)
+        u += tl.load(src + s * P * 2 * I + I, mask=ok[:, None], other=0.0)
+        summed += 1
+    h = g * tl.sigmoid(g) * u
+    q8, sc = _act_quant_tile(h)
+    tl.store(act_ptr + pair[:, None] * I + n[None, :], q8, mask=ok[:, None])
+    tl.store(act_s_ptr + pair * (I // GROUP) + tile, sc, mask=ok)
+    if STORE_H:
+        tl.store(h_ptr + pair[:, None] * I + n[None, :], h, mask=ok[:, None])
+        tl.store(count_ptr + pair, summed + 0 * pair, mask=ok & (tile == 0))
 
 
 @triton.jit
 def _moe_down_kernel(
-    act_ptr, act_s_ptr, w_ptr, ws_ptr, experts_ptr, weights_ptr, live_ptr, out_ptr,
-    R, H, I, K_TOP, stride_o, s_rows, s_cols,
-    B0: tl.constexpr, GROUP: tl.constexpr, KS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    LIVE_COUNT: tl.constexpr,
+    act_ptr, act_s_ptr, w_ptr, ws_ptr, order_ptr, seg_e_ptr, seg_start_ptr, seg_len_ptr, y_ptr,
+    H, I, s_rows, s_cols,
+    B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    F32: tl.constexpr,
 ):
-    r = tl.program_id(0)
+    seg = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
-    j = tl.arange(0, KS)
-    live = load_live(live_ptr, r + j * 0, R, LIVE_COUNT)
-    j_ok = (j < K_TOP) & live  # a padding row masks every load: it reads no weights
-    pair = r * K_TOP + j
-    e = tl.load(experts_ptr + pair, mask=j_ok, other=0).to(tl.int64)
-    w_route = tl.load(weights_ptr + pair, mask=j_ok, other=0.0)
-    w_rows = w_ptr + e[:, None, None] * H * I + n[None, :, None] * I  # [KS, BLOCK_N, 1]
-    ws_row = ws_ptr + e[:, None] * s_rows * s_cols + (n[None, :] // B0) * s_cols  # [KS, BLOCK_N]
-    w_ok = j_ok[:, None, None] & n_ok[None, :, None]
-    acc = tl.zeros([KS, BLOCK_N], tl.float32)
-    for k0 in range(0, I, BLOCK_K):  # BLOCK_K divides GROUP == B1: one scale block per tile
-        kk = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(act_ptr + pair[:, None] * I + kk[None, :], mask=j_ok[:, None], other=0.0).to(tl.float32)
-        w = tl.load(w_rows + kk[None, None, :], mask=w_ok, other=0.0).to(tl.float32)
-        part = tl.sum(w * a[:, None, :], axis=2)  # [KS, BLOCK_N]: every slot's GEMV at once
-        sa = tl.load(act_s_ptr + pair * (I // GROUP) + k0 // GROUP, mask=j_ok, other=0.0)
-        sw = tl.load(ws_row + k0 // GROUP, mask=j_ok[:, None] & n_ok[None, :], other=0.0)
-        acc += part * sa[:, None] * sw
-    y = tl.sum(acc * w_route[:, None], axis=0)
-    tl.store(out_ptr + r * stride_o + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    e = tl.load(seg_e_ptr + seg).to(tl.int64)
+    start = tl.load(seg_start_ptr + seg)
+    length = tl.load(seg_len_ptr + seg)  # 0 for unused segments: nothing below runs
+    w_rows = w_ptr + e * H * I + n[:, None] * I
+    ws_row = ws_ptr + e * s_rows * s_cols + (n // B0) * s_cols
+
+    for m0 in range(0, length, BLOCK_M):
+        mi = m0 + tl.arange(0, BLOCK_M)
+        m_ok = mi < length
+        pair = tl.load(order_ptr + start + mi, mask=m_ok, other=0)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, I, BLOCK_K):  # BLOCK_K divides GROUP == B1: one group and scale block per tile
+            kk = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(act_ptr + pair[:, None] * I + kk[None, :], mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
+            sa = tl.load(act_s_ptr + pair * (I // GROUP) + k0 // GROUP, mask=m_ok, other=0.0)
+            sw = tl.load(ws_row + k0 // GROUP, mask=n_ok, other=0.0)
+            if F32:
+                part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:  # E4M3 -> bf16 is exact and so are the products; the dot accumulates in fp32
+                part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+            acc += part * sa[:, None] * sw[None, :]  # the act scale differs per row (pair)
+        tl.store(y_ptr + pair[:, None] * H + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(
+    y_ptr, weights_ptr, live_ptr, out_ptr, R, H, stride_o,
+    K_TOP: tl.constexpr, BLOCK: tl.constexpr, LIVE_COUNT: tl.constexpr,
+):
+    r = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n_ok = n < H
+    live = load_live(live_ptr, r + 0 * n, R, LIVE_COUNT)
+    ok = n_ok & live  # a padding row's pairs have no y (never computed): read nothing, sum exact zeros
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(K_TOP):  # slot order, fixed
+        w = tl.load(weights_ptr + r * K_TOP + j + 0 * n, mask=live, other=0.0)
+        acc += w * tl.load(y_ptr + (r * K_TOP + j) * H + n, mask=ok, other=0.0)
+    tl.store(out_ptr + r * stride_o + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 # ---- host wrappers ---------------------------------------------------------------------------------
@@ -197,18 +265,49 @@ def act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Te
     return q, s
 
 
+def expected_segments(pairs: int, experts: int, k: int) -> int:
+    """Distinct experts to plan Gate/Up's K split for: a decode block's rows share most of their
+    experts (13 for 6 rows at k = 8 on the full model; exactly k for one row). Guessing high is the
+    cheap side: a few more segments only leave part of one wave of programs unused, while more
+    programs than the GPU holds at once add a second wave whose few programs run on a nearly idle
+    memory system."""
+    return max(1, min(pairs, experts, 2 * k))
+
+
+def plan_split(P: int, E: int, k: int, H: int, I: int, block_n: int, block_k: int, split_k: int | None,
+               sms: int) -> tuple[int, int]:
+    """Gate/Up's K split: (splits, K range per split). By default about two programs per SM, the
+    most the GPU holds at once (GATE_UP_WARPS, ~128 registers a thread), for `expected_segments`
+    segments x I_r / block_n tiles x splits (fp8_linear's rule); a K range is whole K tiles, so none
+    crosses a scale block, and no split is empty."""
+    k_tiles = triton.cdiv(H, block_k)
+    if split_k is None:
+        split_k = (2 * sms) // (expected_segments(P, E, k) * (I // block_n))
+    k_per_split = triton.cdiv(k_tiles, max(1, min(split_k, k_tiles))) * block_k
+    return triton.cdiv(H, k_per_split), k_per_split
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
 def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
         gate: torch.Tensor, gate_scale: torch.Tensor, up: torch.Tensor, up_scale: torch.Tensor,
         down: torch.Tensor, down_scale: torch.Tensor, block: tuple[int, int] = (128, 128), group: int = 128,
-        out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None, block_k: int = 128,
-        down_block_n: int = 32, down_block_k: int = 64, debug: dict | None = None) -> torch.Tensor:
+        out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None, block_k: int = 64,
+        down_block_n: int = 64, down_block_k: int = 128, split_k: int | None = None,
+        debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
     experts [R, k] int (valid ids < E: unchecked, that would sync), weights [R, k] fp32; gate, up
     [E, I_r, H] and down [E, H, I_r] E4M3 with fp32 block scales for `block`; group == block[1].
-    `debug`, when a dict, receives the groups, `act`, `act_scale` and the fp32 `hidden` before
-    quantization (tests only: it adds a store)."""
+    `split_k` overrides the number of Gate/Up splits along H (default from the SM count; reduced
+    so that no split is empty). `debug`, when a dict, receives the groups, `act`, `act_scale`, the
+    fp32 `hidden` before quantization, the `split` used and `split_counts` [P] (splits the
+    finalize summed per live pair, 0 elsewhere); tests only: it adds stores. debug["drop_last_split"]
+    = True makes the finalize skip the last split (the tests' negative control)."""
     _check(x.dim() == 2 and x.dtype in _FLOATS and x.stride(1) == 1, "x must be a float [R, H] with unit stride")
     R, H = x.shape
     _check(experts.dim() == 2 and experts.shape[0] == R, f"experts must be [{R}, k], got {tuple(experts.shape)}")
@@ -232,28 +331,48 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         out = torch.empty((R, H), dtype=out_dtype, device=x.device)
     _check(tuple(out.shape) == (R, H) and out.dtype == out_dtype and out.stride(1) == 1,
            f"out must be [{R}, {H}] {out_dtype} with unit stride")
-    _check(down_block_n >= 1 and down_block_n & (down_block_n - 1) == 0, "down_block_n must be a power of two")
+    _check(down_block_n >= 16 and down_block_n & (down_block_n - 1) == 0,
+           "down_block_n must be a power of two >= 16 (a dot operand)")
+    _check(split_k is None or split_k >= 1, f"split_k must be >= 1, got {split_k}")
 
     experts = experts.contiguous()
     groups = moe_group(experts, live)
     P = R * k
-    act = torch.empty((P, I), dtype=torch.float8_e4m3fn, device=x.device)
-    act_scale = torch.empty((P, I // group), dtype=torch.float32, device=x.device)
-    hidden = torch.full((P, I), float("nan"), device=x.device) if debug is not None else act_scale
+    slots = min(P, E)  # segments that can be used: one per distinct expert
+    i_tiles = I // group
+    bn = _pow2_divisor(I, GATE_UP_BLOCK_N)  # partials need no whole group: the finalize quantizes
+    bk = _pow2_divisor(block[1], block_k)
+    split, k_per_split = plan_split(P, E, k, H, I, bn, bk, split_k, _sm_count(x.device))
+
+    dev = x.device
+    part = torch.empty((split, P, 2, I), dtype=torch.float32, device=dev)
+    act = torch.empty((P, I), dtype=torch.float8_e4m3fn, device=dev)
+    act_scale = torch.empty((P, i_tiles), dtype=torch.float32, device=dev)
+    y = torch.empty((P, H), dtype=torch.float32, device=dev)
+    store_h = debug is not None
+    hidden = torch.full((P, I), float("nan"), device=dev) if store_h else act_scale
+    counts = torch.zeros(P, dtype=torch.int32, device=dev) if store_h else act_scale
     f32 = INTERPRETED or x.dtype == torch.float32
-    s_rows, s_cols = gate_scale.shape[1], gate_scale.shape[2]
-    _moe_gate_up_kernel[(P, I // group)](
-        x, gate, gate_scale, up, up_scale, *groups, act.view(torch.uint8), act_scale, hidden, H, I, k, x.stride(0),
-        s_rows, s_cols,
-        B0=block[0], B1=block[1], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_K=_pow2_divisor(block[1], block_k),
-        F32=f32, PREC="ieee" if f32 else "tf32", STORE_H=debug is not None, num_warps=8)
+
+    _moe_gate_up_kernel[(slots, I // bn, split)](
+        x, gate, gate_scale, up, up_scale, *groups, part, H, I, P, k, x.stride(0),
+        gate_scale.shape[1], gate_scale.shape[2], k_per_split,
+        B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+        F32=f32, PREC="ieee" if f32 else "tf32", num_warps=GATE_UP_WARPS)
+    _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
+        part, groups.order, act.view(torch.uint8), act_scale, hidden, counts, P, I,
+        SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,
+        DROP_LAST=bool(store_h and debug.get("drop_last_split", False)), num_warps=4)
+    _moe_down_kernel[(slots, triton.cdiv(H, down_block_n))](
+        act, act_scale, down, down_scale, *groups, y, H, I, down_scale.shape[1], down_scale.shape[2],
+        B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
+        BLOCK_K=_pow2_divisor(group, down_block_k), F32=INTERPRETED, num_warps=4)
     live_arg = live.view(torch.uint8) if live.dtype == torch.bool else live
-    _moe_down_kernel[(R, triton.cdiv(H, down_block_n))](
-        act, act_scale, down, down_scale, experts, weights, live_arg, out, R, H, I, k, out.stride(0),
-        down_scale.shape[1], down_scale.shape[2], B0=block[0], GROUP=group, KS=max(2, triton.next_power_of_2(k)),
-        BLOCK_N=down_block_n, BLOCK_K=_pow2_divisor(group, down_block_k), LIVE_COUNT=count, num_warps=8)
-    if debug is not None:
-        debug.update(groups=groups, act=act, act_scale=act_scale, hidden=hidden)
+    _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
+        y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
+        num_warps=4)
+    if store_h:
+        debug.update(groups=groups, act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts)
     return out
 
 

@@ -3,6 +3,9 @@
 Per case (fresh random x, expert weights from reference/fp8.quantize with per-block magnitudes
 spanning two decades, routing choices, NaN-prefilled outputs), the interpreter worker checks:
 - grouping equal to torch.sort-based `moe_group_ref` (order, segment experts, starts, lengths);
+- Gate/Up's split along H: the finalize summed exactly `split` partials for every live pair and
+  none for padding pairs (the split cases force split > 1 with several K tiles per split, a last
+  split shorter or ending in a partial tile, split boundaries inside a scale block);
 - the kernel's E4M3 activations and scales bit-exact vs reference/fp8.act_quant of its own fp32
   hidden (silu(Gate x) * Up x), which itself matches the float64 hidden to fp32 accuracy;
 - the output vs Down applied to its own E4M3 activations (DOWN_TOL), and vs `moe_ref` (same
@@ -12,6 +15,8 @@ spanning two decades, routing choices, NaN-prefilled outputs), the interpreter w
 - `moe_ref` vs the unquantized float math within the E4M3 rounding bound, elementwise:
   |out_q - out| <= sum_j |w_j| sum_i |Down_e[n, i]| (2^-4 |h_i| + 2^-10 s_g(i))   (half an E4M3
   ulp relative in the normal range, half the subnormal spacing 2^-9 times the group scale below).
+Negative control: a debug switch makes the finalize drop the last split; the value checks must
+fail on that run, whose split counts show the broken branch ran for every live pair.
 The standalone act_quant kernel is checked bit-exact on E4M3 midpoints (ties to even), values just
 beside them, subnormals, saturation at 448, all-zero groups and groups below the 1e-4 clamp.
 """
@@ -36,7 +41,7 @@ DOWN_TOL = {"fp32": 1e-5, "bf16": 1e-2}
 TOL = {"fp32": 2e-3, "bf16": 1e-2}
 
 BASE = dict(R=8, k=4, E=16, H=64, I=32, block=(16, 16), x="fp32", out="fp32", live="all", pattern="random",
-            block_k=128, down_block_n=32, down_block_k=64, seed=0)
+            block_k=128, down_block_n=32, down_block_k=64, seed=0, split_k=None)
 
 
 def case(name: str, **kw) -> dict:
@@ -61,14 +66,40 @@ CASES = [
     case("bf16_in_bf16_out", x="bf16", out="bf16"),
     case("bf16_in_fp32_out_3rows", R=3, x="bf16"),
     case("mini_model_shape", R=4, E=16, k=4, H=256, I=128, block=(16, 16)),
+    case("mini_model_default_tiles", R=2, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None, down_block_n=None,
+         down_block_k=None),  # moe()'s defaults, as fast/ops.py calls it
+    # Gate/Up split along H (block_k = 16 below: K tiles of 16; `split` = the split the wrapper must use)
+    case("split3_tiles_3_3_2", H=128, block_k=16, split_k=3, split=3),
+    case("split3_last_tile_partial", H=136, block_k=16, split_k=3, split=3),  # 3, 3, 2.5 tiles
+    case("split4_shared_uneven_segments", H=128, block_k=16, split_k=4, split=4, pattern="shared"),
+    case("split3_all_8rows_same", H=128, block_k=16, split_k=3, split=3, pattern="same"),
+    case("split4_1row_k8", R=1, k=8, E=32, H=128, block_k=16, split_k=4, split=4),
+    case("split3_padding_mask_poisoned", H=96, block_k=16, split_k=3, split=3, live="mask", pattern="poison"),
+    case("split2_padding_count_poisoned", R=7, H=96, block_k=16, split_k=2, split=2, live="count",
+         pattern="poison"),
+    case("split2_no_live_rows", H=96, block_k=16, split_k=2, split=2, live="none"),
+    case("split2_segments_of_24_rows", R=24, k=4, E=8, H=96, block_k=16, split_k=2, split=2, pattern="same"),
+    case("split_clamped_to_k_tiles", H=64, block_k=16, split_k=100, split=4),  # one K tile each
+    case("split_5_becomes_4", H=128, block_k=16, split_k=5, split=4),  # 2 tiles each, no empty split
+    case("split2_in_scale_block_group32", block=(32, 32), I=64, H=96, block_k=16, down_block_k=16, split_k=2,
+         split=2),  # splits of 48: the boundary lies inside a 32-wide scale block
+    case("split3_bf16_in_bf16_out", H=128, block_k=16, split_k=3, split=3, x="bf16", out="bf16"),
 ]
+# Negative control (run by the worker, not by test_interpreted): the finalize drops the last split.
+NEG_CASE = case("neg_drop_last_split", H=128, block_k=16, split_k=3, split=3, drop_last_split=True)
 
-GPU_CASES = [  # one TP8 rank at full size (I/TP = 256) and the mini model (E=16, top-4, H=256, I=128, block 16)
-    *[case(f"gpu_full_{r}rows", R=r, k=8, E=256, H=6144, I=256, block=(128, 128), x="bf16", out="bf16",
-           down_block_n=32, down_block_k=64) for r in (1, 2, 4, 8)],
-    case("gpu_full_8rows_same", R=8, k=8, E=256, H=6144, I=256, block=(128, 128), x="bf16", pattern="same"),
-    case("gpu_full_8rows_poison", R=8, k=8, E=256, H=6144, I=256, block=(128, 128), x="bf16", pattern="poison",
-         live="count"),
+FULL = dict(k=8, E=256, H=6144, I=256, block=(128, 128), x="bf16", block_k=None, down_block_n=None,
+            down_block_k=None)  # one TP8 rank at full size (I/TP = 256); None: moe()'s default tiles
+GPU_CASES = [  # full size and the mini model (E=16, top-4, H=256, I=128, block 16)
+    # min_split: the default split must take the split path at full size (8-16 on an H200)
+    *[case(f"gpu_full_{r}rows", R=r, out="bf16", min_split=2, **FULL) for r in (1, 2, 4, 6, 8)],
+    case("gpu_full_8rows_same", R=8, pattern="same", min_split=2, **FULL),
+    case("gpu_full_8rows_poison", R=8, pattern="poison", live="count", min_split=2, **FULL),
+    case("gpu_full_8rows_mask_fp32", R=8, live="mask", min_split=2, **dict(FULL, x="fp32")),
+    case("gpu_full_8rows_split1", R=8, split_k=1, split=1, **FULL),
+    case("gpu_full_8rows_split96", R=8, split_k=96, split=96, **FULL),  # one 64-wide K tile per split
+    case("gpu_full_6rows_other_tiles", R=6, split_k=5, split=5,  # the pre-split tiles: 128-wide K, Down 32 x 64
+         **dict(FULL, block_k=128, down_block_n=32, down_block_k=64)),
     *[case(f"gpu_mini_{r}rows", R=r, k=4, E=16, H=256, I=128, block=(16, 16), x="bf16") for r in (1, 8)],
 ]
 
@@ -125,9 +156,9 @@ ARGS = ("x", "experts", "weights", "live", "gate", "gate_scale", "up", "up_scale
 
 def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
     out = torch.full((c["R"], c["H"]), float("nan"), dtype=DTYPES[c["out"]], device=t["x"].device)
+    tiles = {n: c[n] for n in ("block_k", "down_block_n", "down_block_k") if c[n] is not None}
     got = mk.moe(*(t[a] for a in ARGS), block=c["block"], group=c["block"][1], out_dtype=DTYPES[c["out"]],
-                 out=out, block_k=c["block_k"], down_block_n=c["down_block_n"], down_block_k=c["down_block_k"],
-                 debug=debug)
+                 out=out, split_k=c["split_k"], debug=debug, **tiles)
     assert got is out
     return got
 
@@ -135,7 +166,7 @@ def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
 def run_case(c: dict, device: str) -> dict:
     t, live = build(c, device)
     R, k, H, group = c["R"], c["k"], c["H"], c["block"][1]
-    debug = {}
+    debug = {"drop_last_split": True} if c.get("drop_last_split") else {}
     got = run_kernel(c, t, debug)
     res = {"finite": bool(torch.isfinite(got).all()), "dtype": str(got.dtype).removeprefix("torch.")}
     res["pad_zero"] = bool((got[~live.to(device)] == 0).all())
@@ -149,6 +180,11 @@ def run_case(c: dict, device: str) -> dict:
     res["act_bit_exact"] = bool(torch.equal(debug["act"][pairs].view(torch.uint8), q_ref.view(torch.uint8))
                                 and torch.equal(debug["act_scale"][pairs], s_ref))
     res["act_pairs"] = len(pairs)
+    res["split"] = debug["split"]
+    counts = debug["split_counts"].cpu()
+    pad_pairs_cpu = (~live.cpu()).repeat_interleave(k)
+    res["split_counts_live"] = sorted(set(counts[~pad_pairs_cpu].tolist()))  # splits summed per live pair
+    res["split_counts_pad_zero"] = bool((counts[pad_pairs_cpu] == 0).all())
 
     res["down_rel_err"] = _down_from_act(c, t, pairs, debug, got)
     ref_q = mk.moe_ref(*(t[a] for a in ARGS), block=c["block"], group=group)
@@ -230,6 +266,15 @@ def _e4m3_bound(c, t, pairs, h64):
 
 
 def _check(c: dict, r: dict) -> None:
+    _check_values(c, r)
+    if "split" in c:
+        assert r["split"] == c["split"], f"split {r['split']}, expected {c['split']}"
+    assert r["split"] >= c.get("min_split", 1), f"split {r['split']} < {c.get('min_split')}: not the split path"
+    assert r["split_counts_live"] in ([], [r["split"]]), f"splits summed per live pair: {r['split_counts_live']}"
+    assert r["split_counts_pad_zero"], "the finalize touched a padding pair"
+
+
+def _check_values(c: dict, r: dict) -> None:
     assert r["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[c["out"]]
     assert r["finite"], "kernel left NaN in the output"
     assert r["pad_zero"], "padding rows must be written as 0"
@@ -289,6 +334,20 @@ def test_interpreted_act_quant_bit_exact(interpreted):
         assert v["q"] and v["s"], f"{group}: {v}"
 
 
+def test_interpreted_negative_control_drop_last_split(interpreted):
+    """The checks catch a wrong split sum: with the last split dropped they fail, on a run in which the
+    broken branch summed split - 1 partials for every live pair."""
+    c, r = NEG_CASE, interpreted[NEG_CASE["name"]]
+    assert "error" not in r, r.get("error")
+    assert r["split"] == 3 and r["act_pairs"] > 0
+    assert r["split_counts_live"] == [2], f"the broken branch did not run: {r['split_counts_live']}"
+    assert r["rel_err"] > TOL[c["out"]], "the output check alone must catch it"
+    with pytest.raises(AssertionError, match="hidden rel err"):
+        _check_values(c, r)
+    with pytest.raises(AssertionError):
+        _check(c, r)
+
+
 def test_interpreted_group_matches_sort(interpreted):
     r = interpreted["group_random"]
     assert "error" not in r, r.get("error")
@@ -325,12 +384,26 @@ def _args(**over):
     (dict(down_scale=torch.ones(16, 4, 3)), "down scale must be"),
     (dict(gate=torch.zeros(16, 32, 64)), "gate must be"),
     (dict(out_dtype=torch.int8), "out_dtype"),
+    (dict(split_k=0), "split_k must be"),
+    (dict(down_block_n=8), "down_block_n must be"),
 ])
 def test_rejects_bad_inputs(over, message):
     t = _args(**{k: v for k, v in over.items() if k in ARGS})
     kw = {k: v for k, v in over.items() if k not in ARGS}
     with pytest.raises(ValueError, match=message):
         mk.moe(*(t[a] for a in ARGS), block=(16, 16), **{"group": 16, **kw})
+
+
+@pytest.mark.parametrize("R, split", [(1, 16), (2, 8), (6, 8), (8, 8), (16, 8)])
+def test_default_split_fills_h200(R, split):
+    """At TP8 full size on an H200 (132 SMs), default tiles (128 channels x 64 of K), the default split
+    gives ~1.5-2 Gate/Up programs per SM for the decode pattern (~13 distinct experts at 6 rows, k at
+    1 row) without exceeding the two an SM holds, in whole K tiles."""
+    k, H, I, bn, bk = 8, 6144, 256, mk.GATE_UP_BLOCK_N, 64
+    got, k_per_split = mk.plan_split(R * k, 256, k, H, I, bn, bk, None, sms=132)
+    assert got == split and k_per_split % bk == 0 and (got - 1) * k_per_split < H <= got * k_per_split
+    segments = k if R == 1 else 13
+    assert 1.5 <= segments * (I // bn) * got / 132 <= 2
 
 
 # ---- GPU tests (real shapes) -------------------------------------------------------------------------
@@ -340,6 +413,36 @@ def test_gpu(c):
     r = run_case(c, "cuda")
     _check(c, r)
     print(f"{c['name']}: rel err {r['rel_err']:.2e}, act_quant err / bound {r['quant_err_over_bound']:.3f}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 6, 8])
+def test_gpu_graph_replay_bit_identical(R):
+    """Full size, default split: repeated eager runs and CUDA graph replays (new x and routing copied
+    into the captured inputs, a different live count) are bit-identical to eager (no atomics)."""
+    c = case("g", R=R, k=8, E=256, H=6144, I=256, block=(128, 128), x="bf16", out="fp32", live="count")
+    t, _ = build(c, "cuda")
+    other, _ = build(dict(c, seed=1), "cuda")  # new inputs and routing, the same expert weights
+    t2 = dict(t, x=other["x"], experts=other["experts"], weights=other["weights"],
+              live=torch.tensor(R, dtype=torch.int32, device="cuda"))
+
+    def run(src):
+        return mk.moe(*(src[a] for a in ARGS), block=(128, 128), group=128, out_dtype=torch.float32)
+
+    eager = [run(t).clone() for _ in range(2)]
+    eager2 = run(t2).clone()
+    assert torch.equal(eager[0], eager[1])
+    static = {a: t[a].clone() for a in ARGS}
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(static)
+    for src, want in ((t, eager[0]), (t2, eager2), (t, eager[0])):
+        for a in ("x", "experts", "weights", "live"):
+            static[a].copy_(src[a])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
 
 
 @pytest.mark.gpu
@@ -358,11 +461,13 @@ def test_gpu_speed_report(R):
     t, _ = build(c, "cuda")
     ms = do_bench(lambda: mk.moe(*(t[a] for a in ARGS), block=(128, 128), group=128), warmup=20, rep=200)
     distinct = len(set(t["experts"].flatten().tolist()))
-    print(f"R={R}: {ms * 1e3:.1f} us, {distinct} experts, {3 * distinct * 256 * 6144 / (ms * 1e-3) / 1e12:.2f} TB/s")
+    split = mk.plan_split(R * 8, 256, 8, 6144, 256, 128, 128, None, mk._sm_count(torch.device("cuda")))[0]
+    print(f"R={R}: {ms * 1e3:.1f} us, {distinct} experts, split {split}, "
+          f"{3 * distinct * 256 * 6144 / (ms * 1e-3) / 1e12:.2f} TB/s")
 
 
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
-    jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES]
+    jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + [NEG_CASE]]
     worker_main(jobs + [("act_quant", lambda: run_act_quant("cpu")), ("group_random", run_group_random)])
