@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from ..reference.config import Config
-from ..reference.layers import rms_norm, rope_inv_freq, route
+from ..reference.layers import rms_norm, rope_inv_freq
 from .cache import LayerKV, StaticKV
 from .ops import TorchOps
 from .profiling import stage
@@ -124,8 +124,8 @@ class FastModel:
         """Routed experts on this rank's slice of every expert's intermediate dimension (padding rows'
         experts are not read by the kernel path)."""
         c = self.config
-        weights, experts, scores = route(b32 @ lw.router.T, c.num_experts_per_tok, c.norm_topk_prob,
-                                         c.routed_scaling_factor)
+        weights, experts, scores = self.ops.route(b32, lw.router, c.num_experts_per_tok, c.norm_topk_prob,
+                                                  c.routed_scaling_factor)
         out = self.ops.moe(b32.to(self.dtype), experts, weights, live, lw.gate, lw.up, lw.down).to(self.dtype)
         return self.par.all_reduce(out), scores, experts
 

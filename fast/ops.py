@@ -16,8 +16,8 @@ import os
 
 import torch
 
-from ..reference.layers import apply_rope, attention, rms_norm
-from . import sampler
+from ..reference.layers import apply_rope, attention, rms_norm, route
+from . import philox, sampler
 from .cache import LayerKV
 from .profiling import stage
 from .weights import FP8Weight, LayerWeights, ModelWeights
@@ -65,20 +65,36 @@ class TorchOps:
         kv.write(positions, live, k, v)  # the block's own K/V first: rows see each other causally
         return q
 
+    @staticmethod
+    def route(b32: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Softmax routing of the fp32 normalized rows: (weights [R, k], experts [R, k] long, scores [R, E])."""
+        return route(b32 @ router.T, top_k, norm_topk_prob, scaling)
+
     def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
             gate: FP8Weight, up: FP8Weight, down: FP8Weight) -> torch.Tensor:
-        """sum_j w_j Down_e(silu(Gate_e b) * Up_e b) over each row's chosen experts, in fp32 [R, H]."""
+        """sum_j w_j Down_e(silu(Gate_e b) * Up_e b) over each row's chosen experts [R, H], summed in fp32 and
+        returned in fp32 here, in b's dtype by the kernel (the caller rounds to b's dtype either way)."""
         g, u, d = (w.select(experts) for w in (gate, up, down))
         hidden = torch.nn.functional.silu(torch.einsum("rh,rkih->rki", b, g)) * torch.einsum("rh,rkih->rki", b, u)
         y = torch.einsum("rki,rkhi->rkh", hidden, d)
         return (y.float() * weights[..., None]).sum(dim=1)
+
+    @staticmethod
+    def uniforms(seed: torch.Tensor, positions: torch.Tensor, purpose: int,
+                 depth: int | torch.Tensor = 0) -> torch.Tensor:
+        """float32 Philox uniforms for decisions at `positions` (fast/philox.py: ~100 integer kernels each)."""
+        return philox.uniforms(seed, philox.offsets(positions, purpose, depth))
 
     def dist(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p):
         return sampler.sample_rows(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
 
 
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope")  # "triton": qualified on the GPU (docs/PERF.md)
-OPT_IN = ("lm_head",)  # kernels not yet run on a GPU: only when named, e.g. "triton+lm_head"
+OPT_IN = ("lm_head", "rng", "route")  # kernels not yet run on a GPU: only when named, e.g. "triton+lm_head"
+
+
+LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
 
 
 class TritonOps(TorchOps):
@@ -90,21 +106,24 @@ class TritonOps(TorchOps):
     def __init__(self, stages: tuple[str, ...] = STAGES) -> None:
         self.stages = frozenset(stages)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
+        self._locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
             from ..kernels.testing import patch_interpreter
 
             patch_interpreter()
         from ..kernels import moe, sample, topk
         from ..kernels.decode_attention import decode_attention
-        from ..kernels.fp8_linear import fp8_linear
+        from ..kernels.fp8_linear import fp8_linear, lock_count
         from ..kernels.lm_head import lm_head
         from ..kernels.moe_route import MAX_PAIRS
+        from ..kernels.philox import uniforms
+        from ..kernels.router import route as router_route
         from ..kernels.rmsnorm_residual import rmsnorm, rmsnorm_residual
         from ..kernels.rope_kv import rope_kv
 
-        self._attention, self._linear, self._lm_head = decode_attention, fp8_linear, lm_head
+        self._attention, self._linear, self._lm_head, self._lock_count = decode_attention, fp8_linear, lm_head, lock_count
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
-        self._max_pairs = MAX_PAIRS
+        self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
         self._add_norm, self._norm, self._rope_kv = rmsnorm_residual, rmsnorm, rope_kv
 
     def _fits(self, stage: str, ok: bool) -> bool:
@@ -130,11 +149,19 @@ class TritonOps(TorchOps):
     def linear(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
         if not self._fits("linear", w.q.dim() == 2 and self._pow2_at_least_16(w.block[1])):
             return super().linear(w, x)
-        return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype)
+        return self._fp8(w, x)
+
+    def _fp8(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
+        locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
+        fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
+        return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None)
 
     def prepare(self, w):
         if "lm_head" not in self.stages:
             super().prepare(w)
+        # The FP8 linear's split-K arrival counters (kernels/fp8_linear.py): zeroed once, before any capture; every
+        # call leaves them zeroed, and the engine's calls run one after another on one stream.
+        self._locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
 
     def lm_head(self, a, w):
         if not self._fits("lm_head", True):
@@ -145,7 +172,7 @@ class TritonOps(TorchOps):
         w = lw.wqkv
         if w is None or not self._fits("linear", self._pow2_at_least_16(w.block[1])):
             return super().qkv(lw, x)
-        y = self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype)  # one launch: column views, no copies
+        y = self._fp8(w, x)  # one launch: column views, no copies
         nq, nk = lw.wq.q.shape[0], lw.wk.q.shape[0]
         return y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
 
@@ -168,14 +195,24 @@ class TritonOps(TorchOps):
         y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=torch.float32)
         return h, y
 
+    def route(self, b32, router, top_k, norm_topk_prob, scaling):
+        if not self._fits("route", True):
+            return super().route(b32, router, top_k, norm_topk_prob, scaling)
+        return self._route(b32, router, top_k, norm_topk_prob, scaling)
+
     def moe(self, b, experts, weights, live, gate, up, down):
         if not self._fits("moe", self.moe_takes(gate.block, down.block, down.q.shape[-1])):
             return super().moe(b, experts, weights, live, gate, up, down)
         step = self._max_pairs // experts.shape[1]  # prefill blocks exceed the kernel's pair capacity: split rows
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
-                           group=down.block[1], out_dtype=torch.float32) for s in range(0, b.shape[0], step)]
+                           group=down.block[1], out_dtype=b.dtype) for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def uniforms(self, seed, positions, purpose, depth=0):
+        if not self._fits("rng", True):
+            return super().uniforms(seed, positions, purpose, depth)
+        return self._uniforms(seed, positions, purpose, depth)  # one launch, the same bits (tl.rand = rng.rand)
 
     def dist(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p):
         if not self._fits("sampling", True):

@@ -15,7 +15,7 @@ import torch
 
 from ..reference.depth import FEATURES, MIN_DRAFTS, FixedDepth, LogisticDepth
 from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT, PURPOSE_DRAFT
-from . import philox, sampler
+from . import sampler
 from .model import FastModel
 from .profiling import stage
 from .state import MAX_DRAFTS, VERIFY_ROWS, DecodeState
@@ -43,7 +43,7 @@ class RoundRunner:
         return ids, probs
 
     def uniform(self, positions: torch.Tensor, purpose: int, depth: int | torch.Tensor = 0) -> torch.Tensor:
-        return philox.uniforms(self.st.seed, philox.offsets(positions, purpose, depth))
+        return self.m.ops.uniforms(self.st.seed, positions, purpose, depth)
 
     # ---- the round ---------------------------------------------------------------------------------
     def speculative_round(self) -> None:
@@ -130,7 +130,7 @@ class RoundRunner:
         st.product.fill_(1.0)
         st.more.zero_()
         # Every depth's uniform in one Philox evaluation (each is a function of its own counter only): one call
-        # of ~300 small kernels per round instead of one per depth.
+        # per round instead of one per depth.
         st.u_draft.copy_(self.uniform(st.n + self.depths, PURPOSE_DRAFT, self.depths))
         self.sample_draft(1, logits.index_select(0, last.view(1)), h.index_select(0, last.view(1)))
         fixed = self.controller.k if isinstance(self.controller, FixedDepth) else None

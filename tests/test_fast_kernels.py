@@ -21,7 +21,7 @@ CASES = [(0, 3), (1, "auto")]  # (prompt index, drafts)
 N_TOKENS = 10
 # Interpreting every kernel for a whole decode takes many minutes: the decode runs the linear and
 # attention kernels; the MoE and sampling kernels run on one verification block each.
-DECODE_KERNELS = "linear+attention+norm+rope+lm_head"
+DECODE_KERNELS = "linear+attention+norm+rope+lm_head+rng+route"
 # E4M3 activations into Down (DeepSeek-V3 act_quant) change each Down input by up to 2^-4 relative;
 # over a random 4-layer model that moved logits by 1.3% of their range when measured; 5% leaves room
 # and is far below what a wrong expert, weight or scale produces (order 1).
@@ -129,6 +129,8 @@ def test_interpreted_kernels_decode_like_the_torch_fallback():
     assert "error" not in moe and "error" not in samp, (moe, samp)
     print(f"[interpreted MoE kernels] relative logit error {moe['rel_err']:.2e} (tolerance {MOE_BLOCK_TOL})")
     assert moe["rel_err"] < MOE_BLOCK_TOL
+    rng = results["rng_identical"]
+    assert "error" not in rng and rng["identical"], rng  # one-launch Philox: the same tokens and acceptances
     rope = results["rope_block"]
     assert "error" not in rope, rope
     print(f"[interpreted rotary + KV write kernel] {rope}")
@@ -157,6 +159,13 @@ def test_cuda_rope_kernel_decodes_bit_identically(dtype):
     """The fused rotary + KV-write kernel must change nothing, in either dtype (passed at 8530935)."""
     got, want = decode("rope", "cuda", dtype), decode("torch", "cuda", dtype)
     assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_rng_kernel_decodes_bit_identically(dtype):
+    """The one-launch Philox uniforms must change nothing: same tokens and acceptance sequence."""
+    assert decode("rng", "cuda", dtype) == decode("torch", "cuda", dtype)
 
 
 @pytest.mark.gpu
@@ -189,13 +198,14 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
                  ("moe_block", lambda: {"rel_err": moe_block_error()}),
                  ("moe_prefill_split", moe_prefill_split),
                  ("rope_block", rope_block),
+                 ("rng_identical", lambda: {"identical": decode("rng") == decode("torch")}),
                  ("sampling_block", sampling_block)])
 
 
 def test_shapes_a_kernel_cannot_take_fall_back_and_are_counted():
     """The micro preset's 8-wide FP8 blocks and 8-wide heads are below what the kernels take: each such call runs
     the fallback (same result as TorchOps) and is counted, so reports can say which stages were not kernels."""
-    from iquest.fast.ops import TorchOps, TritonOps, make_ops
+    from iquest.fast.ops import STAGES, TorchOps, TritonOps, make_ops
     from iquest.fast.weights import FP8Weight
     from iquest.reference.fp8 import E4M3
 
@@ -209,5 +219,6 @@ def test_shapes_a_kernel_cannot_take_fall_back_and_are_counted():
     # A shape the kernel takes is not counted: a 16-wide block runs the kernel path's checks, not the fallback.
     assert TritonOps.moe_takes((16, 16), (16, 16), 32) and not TritonOps.moe_takes((8, 8), (8, 8), 32)
     assert not TritonOps.moe_takes((16, 16), (16, 16), 24)  # groups must divide the rank's intermediate slice
-    assert make_ops("triton+rope").stages == frozenset(("linear", "attention", "norm", "moe", "sampling", "rope"))
-    assert "rope" not in make_ops("triton").stages  # opt-in until the GPU tests have run
+    assert "rope" in make_ops("triton").stages  # its GPU tests passed (bench/results/gpu-tests-rope-8530935.log)
+    assert not {"lm_head", "rng", "route"} & make_ops("triton").stages  # opt-in until their GPU tests have run
+    assert make_ops("triton+lm_head+rng+route").stages == frozenset(STAGES) | {"lm_head", "rng", "route"}
