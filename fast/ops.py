@@ -1,13 +1,16 @@
 """The two implementations of the model's heavy stages, chosen once per engine (`EngineOptions.kernels`).
 
 `TorchOps` is the fallback every device runs (CPU CI included): dequantized matmuls, masked attention
-over the whole static cache, gathered-expert MoE, a full sort for top-k. `TritonOps` calls the kernels
-of `kernels/`: the FP8 block-scaled linear; split-KV decode attention, which evaluates visibility from
-`slot_pos` in the kernel and reads a full layer only up to the block's last position (`kv_len` stays a
-device tensor: no host read, graph-capturable); the MoE over live rows grouped by expert, with
-act_quant'ed E4M3 activations into Down; the tiled top-k scan and the global top-k/top-p. Same math;
-the kernels round differently (fp32 accumulation in other orders, E4M3 activations into Down), which
-the qualification suite measures.
+over the whole static cache, gathered-expert MoE, a full sort for top-k, Philox in integer ops. `TritonOps`
+calls the kernels of `kernels/`: the FP8 block-scaled linear (q/k/v as one weight; split-K summed in the
+launch); split-KV decode attention, which evaluates visibility from `slot_pos` in the kernel and reads a
+full layer only up to the block's last position (`kv_len` stays a device tensor: no host read,
+graph-capturable); rotary + KV write in one launch; RMSNorm with and without the residual add; router
+logits with softmax/top-k; the MoE over live rows grouped by expert, with act_quant'ed E4M3 activations
+into Down; the LM head from its bf16 rows; the tiled top-k scan and the global top-k/top-p; Philox
+uniforms in one launch. Same math; the kernels round differently (fp32 accumulation in other orders,
+E4M3 activations into Down), which the qualification suite measures. At one decode block every kernel
+is launch- or latency-bound, so the point of most of them is fewer launches (docs/PERF.md).
 """
 
 from __future__ import annotations
@@ -90,8 +93,9 @@ class TorchOps:
         return sampler.sample_rows(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
 
 
-STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope")  # "triton": qualified on the GPU (docs/PERF.md)
-OPT_IN = ("lm_head", "rng", "route")  # kernels not yet run on a GPU: only when named, e.g. "triton+lm_head"
+# "triton" = every stage whose kernels passed their GPU tests (docs/PERF.md); qualified with `iquest qualify`.
+STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route")
+OPT_IN: tuple[str, ...] = ()  # kernels not yet run on a GPU: only when named, e.g. "triton+NAME"
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
