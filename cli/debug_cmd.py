@@ -21,8 +21,9 @@ def register(sub) -> None:
     d.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="fast engine compute dtype")
     d.add_argument("--defect", action="append", default=[], metavar="NAME",
                    help="switch on a negative-control defect in the fast engine (repeatable)")
-    d.add_argument("--kernels", default="torch",
-                   help="fast engine stages: torch, triton or a '+'-joined subset (default torch; see iquest qualify)")
+    d.add_argument("--kernels", default="auto",
+                   help="fast engine stages: auto (default: triton on cuda, torch on cpu), torch, triton or a "
+                        "'+'-joined subset (see iquest qualify)")
     d.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the fast engine runs")
     d.add_argument("--plot", default="debug-diff.png", help="PNG path for the error-by-layer plot")
     d.add_argument("--json", metavar="OUT", help="also write the per-stage table as JSON")

@@ -51,7 +51,7 @@ class ReferenceEngine:
 
 
 def load_engine(name: str, model_dir: str | Path, tp: int = 1, max_context: int = 4096, dtype: str = "auto",
-                device: str = "auto", kernels: str = "torch") -> Engine:
+                device: str = "auto", kernels: str = "auto") -> Engine:
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"model folder {model_dir} has no config.json")

@@ -38,10 +38,10 @@ def register(sub) -> None:
                    help="fast engine compute dtype (auto = bf16 on GPU, fp32 on CPU)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="fast engine device (auto = cuda when available)")
-    p.add_argument("--kernels", default="torch",
-                   help="fast engine stages: torch (fallback, default), triton (every Triton kernel of kernels/), "
-                        "or a '+'-joined subset of linear, attention, norm, moe, sampling; on CPU kernels need "
-                        "TRITON_INTERPRET=1")
+    p.add_argument("--kernels", default="auto",
+                   help="fast engine stages: auto (default: triton on GPU, torch on CPU), torch (fallback), triton "
+                        "(every Triton kernel of kernels/), or a '+'-joined subset of linear, attention, norm, moe, "
+                        "sampling, rope, lm_head, rng, route; on CPU kernels need TRITON_INTERPRET=1")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text (default: a Python header)")
     src.add_argument("--prompt-ids", help="comma-separated token ids instead of text, e.g. 1,2,3")

@@ -16,10 +16,11 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="fast engine compute dtype (default fp32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the candidate runs (cuda: the GPU engine, eagerly, so every block is recorded)")
-    p.add_argument("--kernels", default="torch",
-                   help="the candidate's stages: torch (fallback), triton (every kernel of kernels/), or a '+'-joined "
-                        "subset such as linear+attention (default torch). With the MoE kernel the tolerance column is "
-                        "DTYPE+e4m3act (its Down input is E4M3)")
+    p.add_argument("--kernels", default="auto",
+                   help="the candidate's stages: auto (default: what the engine runs on the device: triton on cuda, "
+                        "torch on cpu), torch (fallback), triton (every kernel of kernels/), or a '+'-joined subset such "
+                        "as linear+attention. With the MoE kernel the tolerance column is DTYPE+e4m3act (its Down "
+                        "input is E4M3)")
     p.add_argument("--jobs", default="auto",
                    help="worker processes for the independent units (healthy engine, lossless test, each control); "
                         "auto = min(CPU cores, 11) (default auto); 1 runs everything in this process")
@@ -45,8 +46,10 @@ def run(args: argparse.Namespace) -> int:
     if args.tp not in TP_DEGREES:
         raise ValueError(f"--tp must be one of {TP_DEGREES}, got {args.tp}")
     from ..fast.ops import make_ops
+    from ..fast.rank import EngineOptions
 
-    make_ops(args.kernels)  # an unknown stage name fails here, before any work
+    kernels = EngineOptions(kernels=args.kernels).kernel_set(torch.device(args.device))
+    make_ops(kernels)  # an unknown stage name fails here, before any work
     if args.jobs == "auto":
         import os
 
@@ -62,5 +65,5 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     report = qualify(args.model or str(default_model_dir()), tp=args.tp, quick=args.quick, dtype=args.dtype,
                      json_out=args.json, controls=args.control, device=args.device,
-                     kernels=args.kernels, jobs=jobs)
+                     kernels=kernels, jobs=jobs)
     return 0 if report["passed"] else 1

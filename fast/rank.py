@@ -36,8 +36,15 @@ class EngineOptions:
     dtype: str = "auto"             # auto = bf16 on CUDA, fp32 on CPU
     graphs: bool = True             # capture CUDA graphs (ignored on CPU)
     ring_slack: int = RING_SLACK    # 0 only in the "ring of exactly W slots" negative control
-    kernels: str = "torch"          # torch fallback, or "triton": the kernels of kernels/ (fast/ops.py)
+    kernels: str = "auto"           # auto = triton (the kernels of kernels/) on CUDA, the torch fallback on CPU
     defects: frozenset[str] = field(default_factory=frozenset)  # negative controls (qualify/)
+
+    def kernel_set(self, device: torch.device) -> str:
+        """The stages to run as kernels (fast/ops.make_ops): "auto" takes the GPU-tested set on CUDA; on CPU the
+        kernels would run only under Triton's interpreter."""
+        if self.kernels == "auto":
+            return "triton" if device.type == "cuda" else "torch"
+        return self.kernels
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
@@ -91,7 +98,7 @@ class RankEngine:
         self.capacity = cache_capacity(options)
         self.cache = StaticKV(c, kv_heads, self.capacity, self.dtype, par.device, options.ring_slack,
                               causal="open_causal_mask" not in options.defects)
-        self.model = FastModel(c, weights, self.cache, par, self.dtype, options.defects, make_ops(options.kernels))
+        self.model = FastModel(c, weights, self.cache, par, self.dtype, options.defects, make_ops(options.kernel_set(par.device)))
         self.state = DecodeState.allocate(self.capacity, options.max_context, c.hidden_size,
                                           min(self.generation.top_k, c.vocab_size), self.dtype, par.device)
         self._runners: dict[tuple, tuple[RoundRunner, object]] = {}

@@ -100,7 +100,8 @@ def _compare(layer: str, stage: str, r: torch.Tensor, f: torch.Tensor, dtype: st
 
 def diff(model_dir, ids: list[int], position: int, dtype: str = "fp32", defects: frozenset = frozenset(),
          plot: str = "debug-diff.png", json_out: str | None = None, device: str = "cpu",
-         kernels: str = "torch") -> DiffResult:
+         kernels: str = "auto") -> DiffResult:
+    kernels = EngineOptions(kernels=kernels).kernel_set(torch.device(device))
     if not ids:
         raise ValueError("the prompt is empty")
     P = position if position >= 0 else len(ids) + position

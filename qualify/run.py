@@ -197,9 +197,10 @@ def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar) -> tuple[list[
 
 def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32", json_out: str | None = None,
             progress: bool | None = None, controls: list[str] | None = None, out=sys.stdout,
-            device: str = "cpu", kernels: str = "torch", jobs: int = 1) -> dict:
+            device: str = "cpu", kernels: str = "auto", jobs: int = 1) -> dict:
     t0 = time.time()
     model_dir = str(model_dir)
+    kernels = EngineOptions(kernels=kernels).kernel_set(torch.device(device))  # the report names the stages run
     # Eager on CUDA too: the recorder wraps the engine's Python calls, which a graph replay skips. The
     # graph is held to the eager round separately (bit-exact: tests/test_fast_gpu.py).
     base = EngineOptions(max_context=512, dtype=dtype, graphs=False, kernels=kernels)
