@@ -12,6 +12,7 @@ from iquest.fast.rank import EngineOptions, RankEngine, Request
 from iquest.qualify.agreement import compare
 
 from iquest.tests.test_fast_engine import PARAMS, PROMPTS, TINY, TOLERANCE, fast_dist, ref_dist, reference, tokens
+from iquest.tests.test_fast_kernels import GPU_KERNELS
 
 pytestmark = pytest.mark.gpu
 
@@ -37,16 +38,18 @@ def test_graph_replay_is_bit_exact_against_eager(drafts):
         assert torch.equal(g_lp, e_lp)                   # same values, bit for bit
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_cuda_engine_agrees_with_reference(dtype):
-    engine = RankEngine(TINY, Parallel.single("cuda"), EngineOptions(max_context=512, dtype=dtype))
+@pytest.mark.parametrize("dtype,kernels", [("bf16", "auto"), ("fp32", GPU_KERNELS["fp32"]), ("fp32", "torch")])
+def test_cuda_engine_agrees_with_reference(dtype, kernels):
+    """The default engine (bf16, every kernel) and fp32 with every kernel but the MoE's, whose E4M3 activations
+    are a designed change this random fixture cannot explain (see GPU_KERNELS); fp32 fallback for contrast."""
+    engine = RankEngine(TINY, Parallel.single("cuda"), EngineOptions(max_context=512, dtype=dtype, kernels=kernels))
     from iquest.reference.speculative import generate
 
     for i, prompt in enumerate(PROMPTS):
         out_fast, _, _ = _run(engine, prompt, 70 + i, 5, graphs=True, n=40)
         out_ref = tokens(generate(reference(TINY), prompt, seed=70 + i, params=PARAMS, max_new_tokens=40, drafts=5))
         result = compare(prompt, out_fast, out_ref, fast_dist(engine), ref_dist(TINY), TOLERANCE[dtype])
-        print(f"[cuda {dtype} prompt {i}] {result}")
+        print(f"[cuda {dtype} {kernels} prompt {i}] {result}")
         assert result.explained, str(result)
 
 
