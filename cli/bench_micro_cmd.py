@@ -1,4 +1,5 @@
-"""`iquest bench kernels` and `iquest bench allreduce`: microbenchmarks (registered by cli/bench_cmd.py)."""
+"""`iquest bench kernels`, `iquest bench tune` and `iquest bench allreduce`: microbenchmarks (registered by
+cli/bench_cmd.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,27 @@ def register(bsub) -> None:
     k.add_argument("--repeats", type=int, default=20, help="timed graph replays per variant (default 20)")
     k.add_argument("--out", help="write the raw JSON here (e.g. bench/results/kernels-h200.json)")
     k.set_defaults(run=run_kernels)
+    t = bsub.add_parser("tune", help="sweep our kernels' launch configurations at the decode shapes; best defaults",
+                        description="For each op (moe, linear_qkv, linear_o, attention_sliding, attention_full, "
+                                    "router, moe_group) at one TP8 rank's decode shapes (6 rows, 1K context): a few "
+                                    "candidate configurations, the current default first, each checked against the "
+                                    "default's output and the op's reference, then timed in CUDA graphs rotating over"
+                                    " weight/KV copies (MoE: over routings) so reads come from HBM. Prints per op the"
+                                    " median us per call, the byte floor, the launch floor (an empty Triton kernel), "
+                                    "the best configuration and whether it beats the default; never changes a "
+                                    "default. About 3 minutes on an H200 for all ops, compilation included.")
+    t.add_argument("--ops", default=None,
+                   help="comma-separated ops: moe, linear_qkv, linear_o, attention_sliding, attention_full, router, "
+                        "moe_group (default: all)")
+    t.add_argument("--repeats", type=int, default=20,
+                   help="timed rounds, each replaying every candidate once (default 20)")
+    t.add_argument("--budget", type=float, default=240.0,
+                   help="seconds after which the remaining non-default candidates are skipped, and reported as "
+                        "skipped (default 240)")
+    t.add_argument("--rows", type=int, default=6, help="rows of the decode block (default 6: depth 5)")
+    t.add_argument("--context", type=int, default=1024, help="history positions before the block (default 1024)")
+    t.add_argument("--out", help="write the raw JSON here (e.g. bench/results/tune-h200.json)")
+    t.set_defaults(run=run_tune)
     a = bsub.add_parser("allreduce", help="bf16 all-reduce: NCCL vs torch symmetric memory, in CUDA graphs",
                         description="Spawns one process per GPU (NVLink multicast off) and times an all-reduce of "
                                     "[rows, hidden] bf16 with NCCL, symmetric-memory one-shot and two-shot, each "
@@ -56,6 +78,30 @@ def run_kernels(args: argparse.Namespace) -> int:
     from ..bench.kernels_micro import run
 
     run(args.rows, args.repeats, args.out)
+    return 0
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from .main import UserError
+
+    from ..bench.tune import OPS
+
+    ops = OPS if args.ops is None else tuple(o.strip() for o in args.ops.split(",") if o.strip())
+    unknown = [o for o in ops if o not in OPS]
+    if not ops or unknown:
+        raise UserError(f"--ops: unknown op(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(OPS)}")
+    if args.repeats < 1:
+        raise UserError("--repeats must be >= 1")
+    if args.budget <= 0:
+        raise UserError("--budget must be > 0 seconds")
+    if not 1 <= args.rows <= 16:
+        raise UserError(f"--rows must be in 1..16, got {args.rows}")
+    if args.context < 1:
+        raise UserError(f"--context must be >= 1, got {args.context}")
+    _need_gpus("iquest bench tune", 1)
+    from ..bench.tune import run
+
+    run(tuple(dict.fromkeys(ops)), args.repeats, args.out, budget_s=args.budget, rows=args.rows, context=args.context)
     return 0
 
 
