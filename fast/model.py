@@ -126,7 +126,8 @@ class FastModel:
         c = self.config
         weights, experts, scores = self.ops.route(b32, lw.router, c.num_experts_per_tok, c.norm_topk_prob,
                                                   c.routed_scaling_factor)
-        out = self.ops.moe(b32.to(self.dtype), experts, weights, live, lw.gate, lw.up, lw.down).to(self.dtype)
+        out = self.ops.moe(b32, experts, weights, live, lw.gate, lw.up, lw.down, compute_dtype=self.dtype)
+        out = out.to(self.dtype)
         return self.par.all_reduce(out), scores, experts
 
 

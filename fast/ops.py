@@ -75,9 +75,12 @@ class TorchOps:
         return route(b32 @ router.T, top_k, norm_topk_prob, scaling)
 
     def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
-            gate: FP8Weight, up: FP8Weight, down: FP8Weight) -> torch.Tensor:
-        """sum_j w_j Down_e(silu(Gate_e b) * Up_e b) over each row's chosen experts [R, H], summed in fp32 and
-        returned in fp32 here, in b's dtype by the kernel (the caller rounds to b's dtype either way)."""
+            gate: FP8Weight, up: FP8Weight, down: FP8Weight, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """sum_j w_j Down_e(silu(Gate_e b) * Up_e b) over each row's chosen experts [R, H] of b rounded to
+        `compute_dtype` (default b's dtype), summed in fp32 and returned in fp32 here, in compute_dtype by the
+        kernel (the caller rounds to it either way). The kernel rounds fp32 b in registers (no conversion launch)."""
+        if compute_dtype is not None:
+            b = b.to(compute_dtype)
         g, u, d = (w.select(experts) for w in (gate, up, down))
         hidden = torch.nn.functional.silu(torch.einsum("rh,rkih->rki", b, g)) * torch.einsum("rh,rkih->rki", b, u)
         y = torch.einsum("rki,rkhi->rkh", hidden, d)
@@ -204,13 +207,14 @@ class TritonOps(TorchOps):
             return super().route(b32, router, top_k, norm_topk_prob, scaling)
         return self._route(b32, router, top_k, norm_topk_prob, scaling)
 
-    def moe(self, b, experts, weights, live, gate, up, down):
+    def moe(self, b, experts, weights, live, gate, up, down, compute_dtype=None):
         if not self._fits("moe", self.moe_takes(gate.block, down.block, down.q.shape[-1])):
-            return super().moe(b, experts, weights, live, gate, up, down)
+            return super().moe(b, experts, weights, live, gate, up, down, compute_dtype)
         step = self._max_pairs // experts.shape[1]  # prefill blocks exceed the kernel's pair capacity: split rows
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
-                           group=down.block[1], out_dtype=b.dtype) for s in range(0, b.shape[0], step)]
+                           group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype)
+                 for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def uniforms(self, seed, positions, purpose, depth=0):

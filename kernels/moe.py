@@ -6,28 +6,43 @@ routing finishes"; MODEL.md forward and TP layout; ROUND.md act_quant).
 on this rank's slice I_r of every expert's intermediate dimension (Down is row-parallel: the caller
 all-reduces `out`). At decode the work is a weight stream (a few rows against ~k..R*k experts'
 E4M3 weights), so every launch is laid out to read each chosen expert's bytes once, spread over
-the whole GPU. Five launches, no host sync, grids sized for the worst case (programs of unused
-segments exit at once), no atomics: eager runs and graph replays are bit-identical.
+the whole GPU. Four launches, no host sync, grids sized for the worst case (programs with nothing
+to do exit at once), no atomics: eager runs and graph replays are bit-identical.
 
-1. `moe_group` (moe_route.py): drop padding rows' pairs, sort the live (row, slot) pairs by expert,
-   one segment per distinct expert.
-2. Gate/Up, grid (segment, I_r tile of up to 128 channels, K split): a program reads its K range
-   of the expert's Gate and Up tiles once for every row that chose it and writes fp32 partial
-   products to `part` [SPLIT, P, 2, I_r] (row = pair). Segments x I_r tiles alone are far too few
-   programs to stream the weights at full bandwidth (~13 x 2 at full size: 26 SMs busy), so H is
-   split until they are about two per SM (`plan_split`); a split's K range is whole K tiles, so a
-   tile never crosses a scale block.
-3. Finalize, grid (P / ROWS positions of `order`, I_r / GROUP): sums the splits in a fixed order
-   (s = 0, 1, ...), applies SiLU and the product in fp32, and quantizes the tile with DeepSeek-V3's
-   act_quant (per row and GROUP contiguous channels: s = max(amax, 1e-4) / 448, e4m3(h / s)) into
-   `act` [P, I_r] E4M3 and `act_scale` [P, I_r / GROUP] fp32. The tile is one quantization group,
-   so amax needs no second pass. Only live pairs (those in `order`) are touched.
-4. Down, grid (segment, H tile): a program reads the expert's Down tile once for all the segment's
-   rows (the E4M3 activations as a [rows, I_r] operand of one dot per K tile), scales each K
-   tile's partial product per row by that row's activation scale and per column by the weight
-   block scale, and writes the fp32 per-pair result y [P, H].
-5. Combine, grid (row, H tile): out[r] = sum_j w[r, j] * y[r * k + j] in slot order, cast to
+No grouping launch: a row's k experts are distinct, so the rows that chose expert e are exactly the
+live rows r with e in experts[r, :], each at one slot j_r, and a program finds them itself. Gate/Up
+and Down programs are indexed by pair p = r * k + j (P = R * k along that axis); program p takes
+e = experts[p] and runs only if p's row is live and no earlier live pair (row-major) chose e, so each
+distinct live expert has exactly one program (its first live pair) and an expert chosen only by
+padding rows has none: its weights are never read. Its rows are the R rows in blocks of BLOCK_M from
+the owner's block on, masked by live & "row r chose e", row r's pair being r * k + j_r: O(P) work a
+program (the routing metadata is a few hundred bytes in L2), where the grouping launch this replaced
+(an O(P^2) ranking in one program, moe_route.moe_group) cost more than the finalize and combine
+together. The fp32 routing input may be passed as is with `compute_dtype`: Gate/Up rounds it in
+registers, which drops the caller's conversion launch.
+
+1. Gate/Up, grid (pair, I_r tile of up to 128 channels, K split): the owner program of an expert
+   reads its K range of the expert's Gate and Up tiles once for every row that chose it and writes
+   fp32 partial products to `part` [SPLIT, P, 2, I_r] (row = pair). Distinct experts x I_r tiles
+   alone are far too few programs to stream the weights at full bandwidth (~13 x 2 at full size:
+   26 SMs busy), so H is split until they are about two per SM (`plan_split`); a split's K range is
+   whole K tiles, so a tile never crosses a scale block.
+2. Finalize, grid (P / ROWS pairs, I_r / GROUP): sums the splits in a fixed order (s = 0, 1, ...),
+   applies SiLU and the product in fp32, and quantizes the tile with DeepSeek-V3's act_quant (per
+   row and GROUP contiguous channels: s = max(amax, 1e-4) / 448, e4m3(h / s)) into `act` [P, I_r]
+   E4M3 and `act_scale` [P, I_r / GROUP] fp32. The tile is one quantization group, so amax needs
+   no second pass. Only live rows' pairs are touched.
+3. Down, grid (pair, H tile): the owner program of an expert reads the expert's Down tile once for
+   all the rows that chose it (the E4M3 activations as a [rows, I_r] operand of one dot per K tile),
+   scales each K tile's partial product per row by that row's activation scale and per column by
+   the weight block scale, and writes the fp32 per-pair result y [P, H].
+4. Combine, grid (row, H tile): out[r] = sum_j w[r, j] * y[r * k + j] in slot order, cast to
    out_dtype. Padding rows read nothing and write exact zeros.
+
+Every sum has the order it had with the grouping launch (splits in order, slots in order, one dot
+per row and K tile), and a row's dot result does not depend on which other rows share its tile or
+where in the tile it sits (the grouped form packed a segment's rows at the top), so the output is
+bit-identical to that five-launch form: tests/test_kernel_moe.py keeps it as a reference and checks.
 
 GROUP must equal Down's weight block along I (B1): then a K tile of Down lies in one activation
 group and one weight block, so both scales factor out of the tile's dot product exactly as in
@@ -36,7 +51,11 @@ DeepSeek-V3's fp8_gemm. The wrapper rejects any other GROUP; I_r must be a multi
 E4M3 rounding is done explicitly (round half to even onto the E4M3 grid in fp32, then the bit
 pattern assembled with integer ops) instead of a `.to(tl.float8e4nv)` cast: Triton 3.6's interpreter
 rounds fp32 -> e4m3 wrongly at and near midpoints and drops the sign of -0, while the explicit form
-is what torch and the GPU's `cvt.rn.satfinite` compute, so one path is bit-exact on both.
+is what torch and the GPU's `cvt.rn.satfinite` compute, so one path is bit-exact on both. The same
+holds for fp32 x with compute_dtype bf16: on the GPU `.to(tl.bfloat16)` rounds to nearest even like
+torch's `.to`, but the interpreter truncates (its "rtne" mode rounds half up without carry, and it
+mangles subnormals), so x is rounded onto the bf16 grid with integer ops; the GPU then casts it
+exactly and the interpreter, which computes in fp32 anyway, keeps it in fp32.
 """
 
 from __future__ import annotations
@@ -47,11 +66,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_route import check_live, load_live, moe_group
+from .moe_route import MAX_PAIRS, check_live, load_live
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
-BLOCK_M = 16  # tl.dot's smallest M; a segment holds the rows that chose one expert (<= R)
+BLOCK_M = 16  # tl.dot's smallest M; a program's rows are the block's R rows (R <= 8 at decode), in blocks of it
 # Gate/Up program tile: 128 channels x 64 of K (block_k) with 8 warps compiles for sm_90 to ~128
 # registers a thread and 36 KB of shared memory (3 stages of cp.async), so two programs fit an SM
 # with 64 KB of weights in flight; 128 x 128 takes 169 registers (one program an SM).
@@ -97,64 +116,109 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, N, GROUP: tl.constexpr, BLOCK_M: t
 
 
 @triton.jit
+def _bf16_grid(x):
+    """fp32 x rounded to the nearest bf16 (ties to even; overflow to inf), still fp32: what torch's
+    `.to(torch.bfloat16)` gives, on the GPU and under the interpreter alike. NaN stays NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536  # two's complement add = unsigned add on the pattern
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _expert_owner(experts_ptr, live_ptr, p, R, K_TOP: tl.constexpr, P_PAD: tl.constexpr,
+                  LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr):
+    """(e = experts[p], whether pair p's program handles e): p's row is live and no earlier live pair
+    (q < p, row-major) chose e. DEDUP = False (tests' negative control) drops the second condition."""
+    e = tl.load(experts_ptr + p)
+    run = load_live(live_ptr, p // K_TOP, R, LIVE_COUNT)
+    if DEDUP:
+        q = tl.arange(0, P_PAD)
+        before = q < p
+        same = before & (tl.load(experts_ptr + q, mask=before, other=-1) == e)
+        same = same & load_live(live_ptr, q // K_TOP, R, LIVE_COUNT)
+        run = run & (tl.sum(same.to(tl.int32), axis=0) == 0)
+    return e, run
+
+
+@triton.jit
+def _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl.constexpr,
+                 BLOCK_M: tl.constexpr, LIVE_COUNT: tl.constexpr):
+    """Rows m0 .. m0 + BLOCK_M - 1: (rows, their pair r * k + j_r with j_r the slot of e, mask of the
+    live rows that chose e). A row's experts are distinct: at most one slot matches."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    j = tl.arange(0, K_PAD)
+    ex = tl.load(experts_ptr + rows[:, None] * K_TOP + j[None, :],
+                 mask=(rows < R)[:, None] & (j < K_TOP)[None, :], other=-1)
+    hit = ex == e
+    ok = (tl.sum(hit.to(tl.int32), axis=1) > 0) & load_live(live_ptr, rows, R, LIVE_COUNT)
+    return rows, rows * K_TOP + tl.sum(tl.where(hit, j[None, :], 0), axis=1), ok
+
+
+@triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, order_ptr, seg_e_ptr, seg_start_ptr, seg_len_ptr, part_ptr,
-    H, I, P, K_TOP, stride_x, s_rows, s_cols, k_per_split,
+    x_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, ran_ptr,
+    R, H, I, P, stride_x, s_rows, s_cols, k_per_split,
+    K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32: tl.constexpr, PREC: tl.constexpr,
+    ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
 ):
-    seg = tl.program_id(0)
+    p = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
-    e = tl.load(seg_e_ptr + seg).to(tl.int64)
-    start = tl.load(seg_start_ptr + seg)
-    length = tl.load(seg_len_ptr + seg)  # 0 for unused segments: nothing below runs
-    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N divides I: always in range
-    k_start = split * k_per_split  # a multiple of BLOCK_K, which divides B1
-    k_end = tl.minimum(k_start + k_per_split, H)
-    g_rows = g_ptr + e * I * H + n[:, None] * H
-    u_rows = u_ptr + e * I * H + n[:, None] * H
-    gs_row = gs_ptr + e * s_rows * s_cols + (n // B0) * s_cols
-    us_row = us_ptr + e * s_rows * s_cols + (n // B0) * s_cols
-
-    for m0 in range(0, length, BLOCK_M):  # one pass when the segment fits BLOCK_M rows
-        mi = m0 + tl.arange(0, BLOCK_M)
-        m_ok = mi < length
-        pair = tl.load(order_ptr + start + mi, mask=m_ok, other=0)
-        x_rows = x_ptr + (pair // K_TOP)[:, None] * stride_x
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < H
-            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(g_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-            wu = tl.load(u_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-            sg = tl.load(gs_row + k0 // B1)  # the tile lies in one K block
-            su = tl.load(us_row + k0 // B1)
-            if F32:
-                x = x.to(tl.float32)
-                wg = wg.to(tl.float32)
-                wu = wu.to(tl.float32)
-            else:
-                wg = wg.to(x.dtype)  # exact
-                wu = wu.to(x.dtype)
-            acc_g += tl.dot(x, tl.trans(wg), input_precision=PREC) * sg[None, :]
-            acc_u += tl.dot(x, tl.trans(wu), input_precision=PREC) * su[None, :]
-        dst = part_ptr + ((split * P + pair) * 2)[:, None] * I + n[None, :]
-        tl.store(dst, acc_g, mask=m_ok[:, None])
-        tl.store(dst + I, acc_u, mask=m_ok[:, None])
+    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
+    if STORE_RAN:  # debug: which pairs' programs did the work
+        tl.store(ran_ptr + p, run.to(tl.int32), mask=(tile == 0) & (split == 0))
+    # No pass unless this program owns e; one when R <= BLOCK_M (always at k = 8: R * k <= MAX_PAIRS). A live
+    # row above the owner's that chose e would own it instead, so the passes start at the owner's row block.
+    for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):
+        rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
+        if tl.sum(m_ok.to(tl.int32), axis=0) > 0:  # a block of rows none of which chose e streams nothing
+            n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N divides I: always in range
+            k_start = split * k_per_split  # a multiple of BLOCK_K, which divides B1
+            k_end = tl.minimum(k_start + k_per_split, H)
+            ex = e.to(tl.int64)
+            g_rows = g_ptr + ex * I * H + n[:, None] * H
+            u_rows = u_ptr + ex * I * H + n[:, None] * H
+            gs_row = gs_ptr + ex * s_rows * s_cols + (n // B0) * s_cols
+            us_row = us_ptr + ex * s_rows * s_cols + (n // B0) * s_cols
+            x_rows = x_ptr + rows[:, None] * stride_x
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(k_start, k_end, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < H
+                x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                if ROUND_BF16:  # fp32 x, bf16 compute: onto the bf16 grid; F32 (interpreter) keeps it in fp32
+                    x = _bf16_grid(x)
+                    if not F32:
+                        x = x.to(tl.bfloat16)  # exact
+                wg = tl.load(g_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
+                wu = tl.load(u_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
+                sg = tl.load(gs_row + k0 // B1)  # the tile lies in one K block
+                su = tl.load(us_row + k0 // B1)
+                if F32:
+                    x = x.to(tl.float32)
+                    wg = wg.to(tl.float32)
+                    wu = wu.to(tl.float32)
+                else:
+                    wg = wg.to(x.dtype)  # exact
+                    wu = wu.to(x.dtype)
+                acc_g += tl.dot(x, tl.trans(wg), input_precision=PREC) * sg[None, :]
+                acc_u += tl.dot(x, tl.trans(wu), input_precision=PREC) * su[None, :]
+            dst = part_ptr + ((split * P + pair) * 2)[:, None] * I + n[None, :]
+            tl.store(dst, acc_g, mask=m_ok[:, None])
+            tl.store(dst + I, acc_u, mask=m_ok[:, None])
 
 
 @triton.jit
 def _moe_finalize_kernel(
-    part_ptr, order_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, P, I,
+    part_ptr, live_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, R, P, I,
+    K_TOP: tl.constexpr, LIVE_COUNT: tl.constexpr,
     SPLIT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STORE_H: tl.constexpr, DROP_LAST: tl.constexpr,
 ):
-    q = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    pair = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     tile = tl.program_id(1)
-    pair = tl.load(order_ptr + q, mask=q < P, other=-1)  # -1 past the live pairs: padding pairs stay unwritten
-    ok = pair >= 0
+    ok = (pair < P) & load_live(live_ptr, pair // K_TOP, R, LIVE_COUNT)  # padding rows' pairs stay unwritten
     n = tile * GROUP + tl.arange(0, GROUP)
     src = part_ptr + (pair * 2)[:, None] * I + n[None, :]
     g = tl.zeros([ROWS, GROUP], tl.float32)
@@ -177,37 +241,39 @@ def _moe_finalize_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    act_ptr, act_s_ptr, w_ptr, ws_ptr, order_ptr, seg_e_ptr, seg_start_ptr, seg_len_ptr, y_ptr,
-    H, I, s_rows, s_cols,
+    act_ptr, act_s_ptr, w_ptr, ws_ptr, experts_ptr, live_ptr, y_ptr, ran_ptr,
+    R, H, I, s_rows, s_cols,
+    K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32: tl.constexpr,
+    F32: tl.constexpr, STORE_RAN: tl.constexpr,
 ):
-    seg = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < H
-    e = tl.load(seg_e_ptr + seg).to(tl.int64)
-    start = tl.load(seg_start_ptr + seg)
-    length = tl.load(seg_len_ptr + seg)  # 0 for unused segments: nothing below runs
-    w_rows = w_ptr + e * H * I + n[:, None] * I
-    ws_row = ws_ptr + e * s_rows * s_cols + (n // B0) * s_cols
+    p = tl.program_id(0)
+    tile = tl.program_id(1)
+    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
+    if STORE_RAN:
+        tl.store(ran_ptr + p, run.to(tl.int32), mask=tile == 0)
 
-    for m0 in range(0, length, BLOCK_M):
-        mi = m0 + tl.arange(0, BLOCK_M)
-        m_ok = mi < length
-        pair = tl.load(order_ptr + start + mi, mask=m_ok, other=0)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, I, BLOCK_K):  # BLOCK_K divides GROUP == B1: one group and scale block per tile
-            kk = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(act_ptr + pair[:, None] * I + kk[None, :], mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
-            sa = tl.load(act_s_ptr + pair * (I // GROUP) + k0 // GROUP, mask=m_ok, other=0.0)
-            sw = tl.load(ws_row + k0 // GROUP, mask=n_ok, other=0.0)
-            if F32:
-                part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:  # E4M3 -> bf16 is exact and so are the products; the dot accumulates in fp32
-                part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-            acc += part * sa[:, None] * sw[None, :]  # the act scale differs per row (pair)
-        tl.store(y_ptr + pair[:, None] * H + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+    for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):  # as in Gate/Up
+        rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
+        if tl.sum(m_ok.to(tl.int32), axis=0) > 0:
+            n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = n < H
+            ex = e.to(tl.int64)
+            w_rows = w_ptr + ex * H * I + n[:, None] * I
+            ws_row = ws_ptr + ex * s_rows * s_cols + (n // B0) * s_cols
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, I, BLOCK_K):  # BLOCK_K divides GROUP == B1: one group and scale block per tile
+                kk = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(act_ptr + pair[:, None] * I + kk[None, :], mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
+                sa = tl.load(act_s_ptr + pair * (I // GROUP) + k0 // GROUP, mask=m_ok, other=0.0)
+                sw = tl.load(ws_row + k0 // GROUP, mask=n_ok, other=0.0)
+                if F32:
+                    part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+                else:  # E4M3 -> bf16 is exact and so are the products; the dot accumulates in fp32
+                    part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+                acc += part * sa[:, None] * sw[None, :]  # the act scale differs per row (pair)
+            tl.store(y_ptr + pair[:, None] * H + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -295,23 +361,35 @@ def _sm_count(device: torch.device) -> int:
 def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
         gate: torch.Tensor, gate_scale: torch.Tensor, up: torch.Tensor, up_scale: torch.Tensor,
         down: torch.Tensor, down_scale: torch.Tensor, block: tuple[int, int] = (128, 128), group: int = 128,
-        out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None, block_k: int = 64,
-        down_block_n: int = 64, down_block_k: int = 128, split_k: int | None = None,
-        debug: dict | None = None) -> torch.Tensor:
+        out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None,
+        compute_dtype: torch.dtype | None = None, block_k: int = 64, down_block_n: int = 64,
+        down_block_k: int = 128, split_k: int | None = None, debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
-    experts [R, k] int (valid ids < E: unchecked, that would sync), weights [R, k] fp32; gate, up
-    [E, I_r, H] and down [E, H, I_r] E4M3 with fp32 block scales for `block`; group == block[1].
-    `split_k` overrides the number of Gate/Up splits along H (default from the SM count; reduced
-    so that no split is empty). `debug`, when a dict, receives the groups, `act`, `act_scale`, the
-    fp32 `hidden` before quantization, the `split` used and `split_counts` [P] (splits the
-    finalize summed per live pair, 0 elsewhere); tests only: it adds stores. debug["drop_last_split"]
-    = True makes the finalize skip the last split (the tests' negative control)."""
+    `compute_dtype` (default x.dtype) is the dtype Gate/Up reads x in: fp32 x with torch.bfloat16
+    is rounded in registers (to nearest even, as x.to(torch.bfloat16)), so the result is bit-identical
+    to passing x.to(torch.bfloat16) without that conversion's launch; out_dtype defaults to it.
+    experts [R, k] int (valid ids < E: unchecked, that would sync), weights [R, k] fp32, R * k <=
+    MAX_PAIRS; gate, up [E, I_r, H] and down [E, H, I_r] E4M3 with fp32 block scales for `block`;
+    group == block[1]. `split_k` overrides the number of Gate/Up splits along H (default from the SM
+    count; reduced so that no split is empty). `debug`, when a dict, receives `act`, `act_scale`, the
+    fp32 `hidden` before quantization, the `split` used, `split_counts` [P] (splits the finalize
+    summed per live pair, 0 elsewhere) and `programs` [2, P] int32 (1 where pair p's Gate/Up, resp.
+    Down, program did the work: the first live pair of each distinct expert); tests only: it adds
+    stores. debug["drop_last_split"] = True makes the finalize skip the last split, and
+    debug["no_dedup"] = True lets every live pair's program work, repeated experts included (the
+    tests' negative controls)."""
     _check(x.dim() == 2 and x.dtype in _FLOATS and x.stride(1) == 1, "x must be a float [R, H] with unit stride")
     R, H = x.shape
-    _check(experts.dim() == 2 and experts.shape[0] == R, f"experts must be [{R}, k], got {tuple(experts.shape)}")
+    compute_dtype = compute_dtype or x.dtype
+    _check(compute_dtype == x.dtype or (x.dtype == torch.float32 and compute_dtype == torch.bfloat16),
+           f"compute_dtype {compute_dtype} must be x's dtype ({x.dtype}), or bf16 for fp32 x")
+    _check(experts.dim() == 2 and experts.shape[0] == R and experts.dtype in (torch.int32, torch.int64),
+           f"experts must be int [{R}, k], got {experts.dtype} {tuple(experts.shape)}")
     k = experts.shape[1]
+    P = R * k
+    _check(1 <= P <= MAX_PAIRS, f"R * k = {P} pairs, at most {MAX_PAIRS}")
     _check(weights.dtype == torch.float32 and tuple(weights.shape) == (R, k) and weights.is_contiguous(),
            f"weights must be contiguous fp32 [{R}, {k}]")
     E, I = gate.shape[0], gate.shape[1]
@@ -325,7 +403,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     devices = {t.device for t in (x, experts, weights, gate, gate_scale, up, up_scale, down, down_scale)}
     _check(len(devices) == 1, f"tensors on several devices: {devices}")
     count = check_live(live, R, x.device)
-    out_dtype = out_dtype or x.dtype
+    out_dtype = out_dtype or compute_dtype
     _check(out_dtype in _FLOATS, f"out_dtype {out_dtype} must be bf16, fp16 or fp32")
     if out is None:
         out = torch.empty((R, H), dtype=out_dtype, device=x.device)
@@ -336,13 +414,13 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     _check(split_k is None or split_k >= 1, f"split_k must be >= 1, got {split_k}")
 
     experts = experts.contiguous()
-    groups = moe_group(experts, live)
-    P = R * k
-    slots = min(P, E)  # segments that can be used: one per distinct expert
+    live_arg = live.view(torch.uint8) if live.dtype == torch.bool else live
     i_tiles = I // group
     bn = _pow2_divisor(I, GATE_UP_BLOCK_N)  # partials need no whole group: the finalize quantizes
     bk = _pow2_divisor(block[1], block_k)
     split, k_per_split = plan_split(P, E, k, H, I, bn, bk, split_k, _sm_count(x.device))
+    routing = dict(K_TOP=k, K_PAD=max(2, triton.next_power_of_2(k)), P_PAD=max(16, triton.next_power_of_2(P)),
+                   LIVE_COUNT=count, DEDUP=not (debug is not None and debug.get("no_dedup", False)))
 
     dev = x.device
     part = torch.empty((split, P, 2, I), dtype=torch.float32, device=dev)
@@ -352,27 +430,29 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     store_h = debug is not None
     hidden = torch.full((P, I), float("nan"), device=dev) if store_h else act_scale
     counts = torch.zeros(P, dtype=torch.int32, device=dev) if store_h else act_scale
-    f32 = INTERPRETED or x.dtype == torch.float32
+    programs = torch.full((2, P), -1, dtype=torch.int32, device=dev) if store_h else act_scale
+    f32 = INTERPRETED or compute_dtype == torch.float32
 
-    _moe_gate_up_kernel[(slots, I // bn, split)](
-        x, gate, gate_scale, up, up_scale, *groups, part, H, I, P, k, x.stride(0),
-        gate_scale.shape[1], gate_scale.shape[2], k_per_split,
+    _moe_gate_up_kernel[(P, I // bn, split)](
+        x, gate, gate_scale, up, up_scale, experts, live_arg, part, programs[0], R, H, I, P, x.stride(0),
+        gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-        F32=f32, PREC="ieee" if f32 else "tf32", num_warps=GATE_UP_WARPS)
+        ROUND_BF16=compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32", STORE_RAN=store_h,
+        num_warps=GATE_UP_WARPS)
     _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
-        part, groups.order, act.view(torch.uint8), act_scale, hidden, counts, P, I,
+        part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
         SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,
         DROP_LAST=bool(store_h and debug.get("drop_last_split", False)), num_warps=4)
-    _moe_down_kernel[(slots, triton.cdiv(H, down_block_n))](
-        act, act_scale, down, down_scale, *groups, y, H, I, down_scale.shape[1], down_scale.shape[2],
+    _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
+        act, act_scale, down, down_scale, experts, live_arg, y, programs[1], R, H, I,
+        down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
-        BLOCK_K=_pow2_divisor(group, down_block_k), F32=INTERPRETED, num_warps=4)
-    live_arg = live.view(torch.uint8) if live.dtype == torch.bool else live
+        BLOCK_K=_pow2_divisor(group, down_block_k), F32=INTERPRETED, STORE_RAN=store_h, num_warps=4)
     _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
         y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
         num_warps=4)
     if store_h:
-        debug.update(groups=groups, act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts)
+        debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs)
     return out
 
 

@@ -1,11 +1,14 @@
-"""Group the live rows' expert choices by expert, on the device and without a host sync.
+"""Live-row helpers of the MoE kernels (`load_live`, `check_live`, the pair capacity MAX_PAIRS), and
+`moe_group`, the device-side grouping that kernels/moe.py launched before its programs found their
+experts' rows themselves. moe no longer calls moe_group; bench/tune.py (its `moe_group` op) and the
+bit-identity reference in tests/test_kernel_moe.py (the five-launch form) still do.
 
-A verification block has R rows (R <= 8 at decode) and each row chose k experts, so there are at
-most P = R * k (row, slot) pairs, pair p = r * k + j. Pairs of padding rows are dropped first, so
+moe_group: a verification block has R rows (R <= 8 at decode) and each row chose k experts, so there
+are at most P = R * k (row, slot) pairs, pair p = r * k + j. Pairs of padding rows are dropped first, so
 nothing downstream reads the weights of an expert that only padding rows chose. The live pairs are
 ordered by (expert, pair index) and cut into one segment per distinct expert. Every output has a
-fixed size of P entries, so the MoE kernels' grids are sized for the worst case (P distinct
-experts) and programs of unused entries exit at once:
+fixed size of P entries, so consumers' grids are sized for the worst case (P distinct experts) and
+programs of unused entries exit at once:
 
     order     [P] int32  pair indices, live pairs sorted by (expert, pair); entries past the live
                          pair count are -1
@@ -25,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_PAIRS = 128
+MAX_PAIRS = 128  # R * k a moe call takes (its programs' pair vectors); TritonOps splits longer blocks
 
 
 class Groups(NamedTuple):

@@ -1,8 +1,13 @@
-"""kernels/moe.py and kernels/moe_route.py against plain torch (reference/fp8.py).
+"""kernels/moe.py and kernels/moe_route.py against plain torch (reference/fp8.py) and against the
+five-launch form moe.py replaced (a moe_group sort, then per-segment kernels), kept below as
+`sorted_moe`: the output must be bit-identical to it.
 
 Per case (fresh random x, expert weights from reference/fp8.quantize with per-block magnitudes
 spanning two decades, routing choices, NaN-prefilled outputs), the interpreter worker checks:
-- grouping equal to torch.sort-based `moe_group_ref` (order, segment experts, starts, lengths);
+- the output, E4M3 activations and scales bit-identical to `sorted_moe` on the same inputs (for fp32
+  x with compute_dtype bf16: to `sorted_moe` and to `moe` itself on x.to(torch.bfloat16));
+- expert ownership without a grouping launch: the Gate/Up and Down programs that did work are
+  exactly the first live pair (row-major) of each distinct live expert, none for padding rows;
 - Gate/Up's split along H: the finalize summed exactly `split` partials for every live pair and
   none for padding pairs (the split cases force split > 1 with several K tiles per split, a last
   split shorter or ending in a partial tile, split boundaries inside a scale block);
@@ -11,14 +16,24 @@ spanning two decades, routing choices, NaN-prefilled outputs), the interpreter w
 - the output vs Down applied to its own E4M3 activations (DOWN_TOL), and vs `moe_ref` (same
   act_quant rounding, float64) within TOL; padding rows exactly 0;
 - padding rows read no expert weights: experts chosen only by padding rows are filled with NaN
-  (weights and scales of Gate, Up and Down), and the output must stay finite and bit-equal;
+  (weights and scales of Gate, Up and Down), the output must stay finite and bit-equal, no program
+  owns them and padding pairs' hidden rows stay unwritten;
 - `moe_ref` vs the unquantized float math within the E4M3 rounding bound, elementwise:
   |out_q - out| <= sum_j |w_j| sum_i |Down_e[n, i]| (2^-4 |h_i| + 2^-10 s_g(i))   (half an E4M3
   ulp relative in the normal range, half the subnormal spacing 2^-9 times the group scale below).
-Negative control: a debug switch makes the finalize drop the last split; the value checks must
-fail on that run, whose split counts show the broken branch ran for every live pair.
+fp32 x rounded to bf16 in the kernel is bit-exact under the interpreter too (moe.py rounds with
+integer ops, since the interpreter's own fp32 -> bf16 cast truncates): the fp32-x cases put exact
+bf16 midpoints and their fp32 neighbours into x, and a probe kernel checks the rounding alone against
+torch (and shows the interpreter's plain cast differs), so no case needs a wider tolerance.
+Negative controls: a debug switch makes the finalize drop the last split; the value checks must
+fail on that run, whose split counts show the broken branch ran for every live pair. Another lets
+every live pair's program work, repeated experts included: the ownership check must fail on a run
+whose program counts show the extra programs ran (their stores repeat the owner's values, so the
+output is unchanged: only the ownership check sees them).
 The standalone act_quant kernel is checked bit-exact on E4M3 midpoints (ties to even), values just
 beside them, subnormals, saturation at 448, all-zero groups and groups below the 1e-4 clamp.
+moe_group (moe_route.py; no longer launched by moe, still used by `sorted_moe` and bench/tune.py)
+is checked against its torch.sort form.
 """
 
 from __future__ import annotations
@@ -27,8 +42,11 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from iquest.kernels import moe as mk
+from iquest.kernels.moe import _act_quant_tile
 from iquest.kernels.moe_route import moe_group, moe_group_ref
 from iquest.reference.fp8 import act_quant as act_quant_ref, quantize
 from iquest.kernels.testing import interpreted_tests
@@ -41,7 +59,7 @@ DOWN_TOL = {"fp32": 1e-5, "bf16": 1e-2}
 TOL = {"fp32": 2e-3, "bf16": 1e-2}
 
 BASE = dict(R=8, k=4, E=16, H=64, I=32, block=(16, 16), x="fp32", out="fp32", live="all", pattern="random",
-            block_k=128, down_block_n=32, down_block_k=64, seed=0, split_k=None)
+            block_k=128, down_block_n=32, down_block_k=64, seed=0, split_k=None, compute=None)
 
 
 def case(name: str, **kw) -> dict:
@@ -84,9 +102,28 @@ CASES = [
     case("split2_in_scale_block_group32", block=(32, 32), I=64, H=96, block_k=16, down_block_k=16, split_k=2,
          split=2),  # splits of 48: the boundary lies inside a 32-wide scale block
     case("split3_bf16_in_bf16_out", H=128, block_k=16, split_k=3, split=3, x="bf16", out="bf16"),
+    # ownership without a grouping launch: repeated experts, several row blocks, padding-only experts
+    case("dup_16rows_k4_E8", R=16, k=4, E=8, H=64),  # every expert chosen by ~8 rows, in varying slots
+    case("dup_32rows_k4_E6_mask_two_row_blocks", R=32, k=4, E=6, live="mask"),  # P = MAX_PAIRS, rows 0-15, 16-31
+    case("dup_31rows_count_split2", R=31, k=4, E=8, H=96, block_k=16, split_k=2, split=2, live="count"),
+    case("same8_k8_8rows", R=8, k=8, E=32, pattern="same"),  # all rows on the same 8 experts, permuted slots
+    case("same8_k8_split3_bf16", R=8, k=8, E=32, H=128, block_k=16, split_k=3, split=3, pattern="same",
+         x="bf16", out="bf16"),
+    case("poison_k8_mask_padding_only_experts", R=8, k=8, E=64, live="mask", pattern="poison"),
+    case("poison_k8_count_split2", R=8, k=8, E=64, H=96, block_k=16, split_k=2, split=2, live="count",
+         pattern="poison"),
+    # fp32 x, bf16 compute (x holds exact bf16 midpoints and their fp32 neighbours): bit-identical to bf16 x
+    case("fp32x_bf16_6rows_bf16_out", R=6, compute="bf16", out="bf16", x_ties=True, default_out=True),
+    case("fp32x_bf16_fp32_out_split3_shared", H=128, block_k=16, split_k=3, split=3, pattern="shared",
+         compute="bf16", x_ties=True),
+    case("fp32x_bf16_poison_count", R=7, live="count", pattern="poison", compute="bf16", out="bf16", x_ties=True),
+    case("fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
+         down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True),  # as fast/ops.py calls it
 ]
-# Negative control (run by the worker, not by test_interpreted): the finalize drops the last split.
+# Negative controls (run by the worker, not by test_interpreted): the finalize drops the last split;
+# every live pair's program works, repeated experts included.
 NEG_CASE = case("neg_drop_last_split", H=128, block_k=16, split_k=3, split=3, drop_last_split=True)
+NEG_DEDUP_CASE = case("neg_no_dedup", pattern="shared", no_dedup=True)
 
 FULL = dict(k=8, E=256, H=6144, I=256, block=(128, 128), x="bf16", block_k=None, down_block_n=None,
             down_block_k=None)  # one TP8 rank at full size (I/TP = 256); None: moe()'s default tiles
@@ -100,6 +137,12 @@ GPU_CASES = [  # full size and the mini model (E=16, top-4, H=256, I=128, block 
     case("gpu_full_8rows_split96", R=8, split_k=96, split=96, **FULL),  # one 64-wide K tile per split
     case("gpu_full_6rows_other_tiles", R=6, split_k=5, split=5,  # the pre-split tiles: 128-wide K, Down 32 x 64
          **dict(FULL, block_k=128, down_block_n=32, down_block_k=64)),
+    # the engine's call: fp32 routing input, bf16 compute and output (bit-identical to bf16 x)
+    *[case(f"gpu_full_{r}rows_fp32x_bf16", R=r, out="bf16", compute="bf16", x_ties=True, min_split=2,
+           **dict(FULL, x="fp32")) for r in (1, 6, 8)],
+    case("gpu_full_8rows_fp32x_bf16_poison", R=8, pattern="poison", live="count", out="bf16", compute="bf16",
+         x_ties=True, min_split=2, **dict(FULL, x="fp32")),
+    case("gpu_full_16rows_max_pairs", R=16, out="bf16", min_split=2, **FULL),  # P = R * k = MAX_PAIRS
     *[case(f"gpu_mini_{r}rows", R=r, k=4, E=16, H=256, I=128, block=(16, 16), x="bf16") for r in (1, 8)],
 ]
 
@@ -145,36 +188,81 @@ def build(c: dict, device: str) -> dict:
     if c.get("weights") == "equal":
         weights = torch.full((R, k), 1.0 / k)
     x = torch.randn(R, H, generator=gen).to(DTYPES[c["x"]])
+    if c.get("x_ties"):  # fp32: columns cycle through bf16 values, exact midpoints, and the fp32 values beside them
+        x = with_bf16_ties(x)
     live_arg = live if c["live"] in ("all", "mask") else torch.tensor(int(live.sum()), dtype=torch.int32)
     t = dict(x=x, experts=experts, weights=weights.float(), live=live_arg, gate=gate, gate_scale=gate_scale,
              up=up, up_scale=up_scale, down=down, down_scale=down_scale)
     return {name: v.to(device) for name, v in t.items()}, live
 
 
+def with_bf16_ties(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x whose columns cycle through: x on the bf16 grid, the exact midpoint between it and the next
+    bf16 value away from zero (a tie), and that midpoint's fp32 neighbours above and below."""
+    b = x.to(torch.bfloat16)
+    nxt = (b.view(torch.int16) + 1).view(torch.bfloat16)  # sign-magnitude: one step away from zero
+    mid = (b.float() + nxt.float()) / 2  # exact in fp32
+    kind = torch.arange(x.shape[-1]) % 4
+    return torch.where(kind == 0, b.float(), torch.where(kind == 1, mid, torch.where(
+        kind == 2, mid.nextafter(torch.tensor(float("inf"))), mid.nextafter(torch.tensor(float("-inf"))))))
+
+
 ARGS = ("x", "experts", "weights", "live", "gate", "gate_scale", "up", "up_scale", "down", "down_scale")
+
+
+def tiles(c: dict) -> dict:
+    return {n: c[n] for n in ("block_k", "down_block_n", "down_block_k") if c[n] is not None}
 
 
 def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
     out = torch.full((c["R"], c["H"]), float("nan"), dtype=DTYPES[c["out"]], device=t["x"].device)
-    tiles = {n: c[n] for n in ("block_k", "down_block_n", "down_block_k") if c[n] is not None}
+    compute = {"compute_dtype": DTYPES[c["compute"]]} if c["compute"] else {}
     got = mk.moe(*(t[a] for a in ARGS), block=c["block"], group=c["block"][1], out_dtype=DTYPES[c["out"]],
-                 out=out, split_k=c["split_k"], debug=debug, **tiles)
+                 out=out, split_k=c["split_k"], debug=debug, **compute, **tiles(c))
     assert got is out
     return got
+
+
+def expected_owners(experts: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """[P] bool: pair p = r * k + j owns its expert iff row r is live and no earlier live pair chose it."""
+    k = experts.shape[1]
+    e, lp = experts.cpu().flatten().tolist(), live.cpu().repeat_interleave(k).tolist()
+    return torch.tensor([lp[p] and not any(lp[q] and e[q] == e[p] for q in range(p)) for p in range(len(e))])
 
 
 def run_case(c: dict, device: str) -> dict:
     t, live = build(c, device)
     R, k, H, group = c["R"], c["k"], c["H"], c["block"][1]
     debug = {"drop_last_split": True} if c.get("drop_last_split") else {}
+    if c.get("no_dedup"):
+        debug["no_dedup"] = True
     got = run_kernel(c, t, debug)
     res = {"finite": bool(torch.isfinite(got).all()), "dtype": str(got.dtype).removeprefix("torch.")}
     res["pad_zero"] = bool((got[~live.to(device)] == 0).all())
-
-    ref_groups = moe_group_ref(t["experts"], t["live"])
-    res["groups_equal"] = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(debug["groups"], ref_groups))
-
+    # What the kernel computes with: fp32 x with bf16 compute is x.to(torch.bfloat16) (round to nearest even).
+    tr = dict(t, x=t["x"].to(DTYPES[c["compute"]])) if c["compute"] else t
     pairs = live.repeat_interleave(k).nonzero().flatten().to(device)  # live (row, slot) pairs
+
+    ref_out, ref_act, ref_scale = sorted_moe(*(tr[a] for a in ARGS), block=c["block"], group=group,
+                                             out_dtype=DTYPES[c["out"]], split_k=c["split_k"], **tiles(c))
+    res["bit_identical"] = bool(torch.equal(got, ref_out) and torch.equal(
+        debug["act"][pairs].view(torch.uint8), ref_act[pairs].view(torch.uint8))
+        and torch.equal(debug["act_scale"][pairs], ref_scale[pairs]))
+    if c["compute"]:  # the kernel's own rounding vs torch's: the same as passing rounded x
+        res["same_as_rounded_x"] = bool(torch.equal(got, run_kernel(dict(c, compute=None), tr)))
+        if c.get("default_out"):
+            res["default_out_dtype"] = str(mk.moe(*(t[a] for a in ARGS), block=c["block"], group=group,
+                                                  compute_dtype=DTYPES[c["compute"]], split_k=c["split_k"],
+                                                  **tiles(c)).dtype).removeprefix("torch.")
+        res["x_off_grid"] = int((t["x"].to(torch.bfloat16).float() != t["x"]).sum())
+
+    owners = expected_owners(t["experts"], live)
+    programs = debug["programs"].cpu()
+    res["owners_ok"] = [bool(torch.equal(programs[i] == 1, owners) and ((programs[i] == 0) | (programs[i] == 1)).all())
+                        for i in range(2)]
+    res["programs_ran"] = programs.clamp(min=0).sum(1).tolist()
+    res["distinct_live_experts"] = len(set(t["experts"].cpu()[live].flatten().tolist()))
+    res["repeated_live_pairs"] = int(len(pairs) - owners.sum())
     h = debug["hidden"][pairs]
     q_ref, s_ref = act_quant_ref(h, group)
     res["act_bit_exact"] = bool(torch.equal(debug["act"][pairs].view(torch.uint8), q_ref.view(torch.uint8))
@@ -186,16 +274,16 @@ def run_case(c: dict, device: str) -> dict:
     res["split_counts_live"] = sorted(set(counts[~pad_pairs_cpu].tolist()))  # splits summed per live pair
     res["split_counts_pad_zero"] = bool((counts[pad_pairs_cpu] == 0).all())
 
-    res["down_rel_err"] = _down_from_act(c, t, pairs, debug, got)
-    ref_q = mk.moe_ref(*(t[a] for a in ARGS), block=c["block"], group=group)
-    ref_f = mk.moe_ref(*(t[a] for a in ARGS), block=c["block"], group=group, quantize_act=False)
-    h64 = _hidden64(c, t, pairs)
+    res["down_rel_err"] = _down_from_act(c, tr, pairs, debug, got)
+    ref_q = mk.moe_ref(*(tr[a] for a in ARGS), block=c["block"], group=group)
+    ref_f = mk.moe_ref(*(tr[a] for a in ARGS), block=c["block"], group=group, quantize_act=False)
+    h64 = _hidden64(c, tr, pairs)
     scale = max(ref_q.abs().max().item(), 1e-30)
     res["hidden_rel_err"] = 0.0
     if len(pairs):
         res["hidden_rel_err"] = ((h.double() - h64).abs().max() / h64.abs().max().clamp(min=1e-30)).item()
     res["rel_err"] = (got.double() - ref_q).abs().max().item() / scale
-    bound = _e4m3_bound(c, t, pairs, h64)
+    bound = _e4m3_bound(c, tr, pairs, h64)
     res["quant_err_over_bound"] = ((ref_q - ref_f).abs() / bound.clamp(min=1e-30)).max().item()
     res["quant_rel_err"] = (ref_q - ref_f).abs().max().item() / scale
 
@@ -212,11 +300,12 @@ def run_case(c: dict, device: str) -> dict:
         poisoned = run_kernel(c, bad)
         res["poison_finite_equal"] = bool(torch.isfinite(poisoned).all() and torch.equal(poisoned, got))
         res["poisoned_experts"] = len(only_pad)
-        # Gate/Up ran no program for them: no segment names them, and padding pairs' hidden rows
-        # (NaN-prefilled) were never written. Down masks every load of a padding row.
-        seg_experts = set(debug["groups"].seg_expert.tolist())
+        # No Gate/Up or Down program worked on them (each owner is a live pair, and a live pair's expert
+        # is a live row's), and padding pairs' hidden rows (NaN-prefilled) were never written.
+        owned = set(t["experts"].cpu().flatten()[programs[0] == 1].tolist()) | set(
+            t["experts"].cpu().flatten()[programs[1] == 1].tolist())
         pad_pairs = (~live).repeat_interleave(k).nonzero().flatten().to(device)
-        res["pad_never_computed"] = bool(not seg_experts & set(only_pad) and debug["hidden"][pad_pairs].isnan().all())
+        res["pad_never_computed"] = bool(not owned & set(only_pad) and debug["hidden"][pad_pairs].isnan().all())
     return res
 
 
@@ -267,6 +356,7 @@ def _e4m3_bound(c, t, pairs, h64):
 
 def _check(c: dict, r: dict) -> None:
     _check_values(c, r)
+    _check_owners(c, r)
     if "split" in c:
         assert r["split"] == c["split"], f"split {r['split']}, expected {c['split']}"
     assert r["split"] >= c.get("min_split", 1), f"split {r['split']} < {c.get('min_split')}: not the split path"
@@ -278,7 +368,12 @@ def _check_values(c: dict, r: dict) -> None:
     assert r["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[c["out"]]
     assert r["finite"], "kernel left NaN in the output"
     assert r["pad_zero"], "padding rows must be written as 0"
-    assert r["groups_equal"], "moe_group differs from moe_group_ref"
+    assert r["bit_identical"], "output, activations or scales differ from the five-launch form (sorted_moe)"
+    if c["compute"]:
+        assert r["same_as_rounded_x"], "fp32 x with bf16 compute differs from passing x.to(torch.bfloat16)"
+        if c.get("default_out"):
+            assert r["default_out_dtype"] == "bfloat16", f"default out_dtype {r['default_out_dtype']}, not compute's"
+        assert r["x_off_grid"] > 0, "the case's x is already on the bf16 grid: the rounding is not exercised"
     assert r["act_bit_exact"], "E4M3 activations or scales differ from reference/fp8.act_quant"
     assert r["hidden_rel_err"] <= 1e-5, f"hidden rel err {r['hidden_rel_err']:.2e}"
     tol = DOWN_TOL[c["out"]]
@@ -290,6 +385,171 @@ def _check_values(c: dict, r: dict) -> None:
         assert r["poisoned_experts"] > 0
         assert r["poison_finite_equal"], "a padding row's expert weights were read"
         assert r["pad_never_computed"], "Gate/Up computed a padding row's expert"
+
+
+def _check_owners(c: dict, r: dict) -> None:
+    assert r["owners_ok"] == [True, True], (
+        f"Gate/Up, Down programs that worked != first live pair per distinct expert: {r['owners_ok']}, "
+        f"ran {r['programs_ran']} for {r['distinct_live_experts']} experts")
+    assert r["programs_ran"] == [r["distinct_live_experts"]] * 2
+
+
+# ---- the five-launch form moe.py replaced: the bit-identity reference -----------------------------------
+# moe_group sorted the live pairs by expert into segments; Gate/Up and Down ran one program per segment on
+# its rows packed into the tile in pair order; the finalize walked the sorted order. Kernels as they were
+# (the finalize's debug switches off); the combine is unchanged and shared.
+@triton.jit
+def _sorted_gate_up_kernel(
+    x_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, order_ptr, seg_e_ptr, seg_start_ptr, seg_len_ptr, part_ptr,
+    H, I, P, K_TOP, stride_x, s_rows, s_cols, k_per_split,
+    B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    F32: tl.constexpr, PREC: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
+    e = tl.load(seg_e_ptr + seg).to(tl.int64)
+    start = tl.load(seg_start_ptr + seg)
+    length = tl.load(seg_len_ptr + seg)  # 0 for unused segments: nothing below runs
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N divides I: always in range
+    k_start = split * k_per_split  # a multiple of BLOCK_K, which divides B1
+    k_end = tl.minimum(k_start + k_per_split, H)
+    g_rows = g_ptr + e * I * H + n[:, None] * H
+    u_rows = u_ptr + e * I * H + n[:, None] * H
+    gs_row = gs_ptr + e * s_rows * s_cols + (n // B0) * s_cols
+    us_row = us_ptr + e * s_rows * s_cols + (n // B0) * s_cols
+
+    for m0 in range(0, length, BLOCK_M):  # one pass when the segment fits BLOCK_M rows
+        mi = m0 + tl.arange(0, BLOCK_M)
+        m_ok = mi < length
+        pair = tl.load(order_ptr + start + mi, mask=m_ok, other=0)
+        x_rows = x_ptr + (pair // K_TOP)[:, None] * stride_x
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < H
+            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(g_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
+            wu = tl.load(u_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
+            sg = tl.load(gs_row + k0 // B1)  # the tile lies in one K block
+            su = tl.load(us_row + k0 // B1)
+            if F32:
+                x = x.to(tl.float32)
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+            else:
+                wg = wg.to(x.dtype)  # exact
+                wu = wu.to(x.dtype)
+            acc_g += tl.dot(x, tl.trans(wg), input_precision=PREC) * sg[None, :]
+            acc_u += tl.dot(x, tl.trans(wu), input_precision=PREC) * su[None, :]
+        dst = part_ptr + ((split * P + pair) * 2)[:, None] * I + n[None, :]
+        tl.store(dst, acc_g, mask=m_ok[:, None])
+        tl.store(dst + I, acc_u, mask=m_ok[:, None])
+
+
+@triton.jit
+def _sorted_finalize_kernel(
+    part_ptr, order_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, P, I,
+    SPLIT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STORE_H: tl.constexpr, DROP_LAST: tl.constexpr,
+):
+    q = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    tile = tl.program_id(1)
+    pair = tl.load(order_ptr + q, mask=q < P, other=-1)  # -1 past the live pairs: padding pairs stay unwritten
+    ok = pair >= 0
+    n = tile * GROUP + tl.arange(0, GROUP)
+    src = part_ptr + (pair * 2)[:, None] * I + n[None, :]
+    g = tl.zeros([ROWS, GROUP], tl.float32)
+    u = tl.zeros([ROWS, GROUP], tl.float32)
+    summed = 0  # splits added (compile-time): debug's split_counts, so a test sees which sum ran
+    # Unrolled, so every split's loads issue at once; the adds keep the order s = 0, 1, ... (the
+    # sum must not depend on scheduling). DROP_LAST (tests' negative control) skips the last split.
+    for s in tl.static_range(SPLIT - DROP_LAST):
+        g += tl.load(src + s * P * 2 * I, mask=ok[:, None], other=0.0)
+        u += tl.load(src + s * P * 2 * I + I, mask=ok[:, None], other=0.0)
+        summed += 1
+    h = g * tl.sigmoid(g) * u
+    q8, sc = _act_quant_tile(h)
+    tl.store(act_ptr + pair[:, None] * I + n[None, :], q8, mask=ok[:, None])
+    tl.store(act_s_ptr + pair * (I // GROUP) + tile, sc, mask=ok)
+    if STORE_H:
+        tl.store(h_ptr + pair[:, None] * I + n[None, :], h, mask=ok[:, None])
+        tl.store(count_ptr + pair, summed + 0 * pair, mask=ok & (tile == 0))
+
+
+@triton.jit
+def _sorted_down_kernel(
+    act_ptr, act_s_ptr, w_ptr, ws_ptr, order_ptr, seg_e_ptr, seg_start_ptr, seg_len_ptr, y_ptr,
+    H, I, s_rows, s_cols,
+    B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    F32: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    e = tl.load(seg_e_ptr + seg).to(tl.int64)
+    start = tl.load(seg_start_ptr + seg)
+    length = tl.load(seg_len_ptr + seg)  # 0 for unused segments: nothing below runs
+    w_rows = w_ptr + e * H * I + n[:, None] * I
+    ws_row = ws_ptr + e * s_rows * s_cols + (n // B0) * s_cols
+
+    for m0 in range(0, length, BLOCK_M):
+        mi = m0 + tl.arange(0, BLOCK_M)
+        m_ok = mi < length
+        pair = tl.load(order_ptr + start + mi, mask=m_ok, other=0)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, I, BLOCK_K):  # BLOCK_K divides GROUP == B1: one group and scale block per tile
+            kk = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(act_ptr + pair[:, None] * I + kk[None, :], mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
+            sa = tl.load(act_s_ptr + pair * (I // GROUP) + k0 // GROUP, mask=m_ok, other=0.0)
+            sw = tl.load(ws_row + k0 // GROUP, mask=n_ok, other=0.0)
+            if F32:
+                part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:  # E4M3 -> bf16 is exact and so are the products; the dot accumulates in fp32
+                part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+            acc += part * sa[:, None] * sw[None, :]  # the act scale differs per row (pair)
+        tl.store(y_ptr + pair[:, None] * H + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def sorted_moe(x, experts, weights, live, gate, gate_scale, up, up_scale, down, down_scale, block, group,
+               out_dtype, block_k=64, down_block_n=64, down_block_k=128, split_k=None):
+    """(out, act, act_scale) of the five-launch form on the same tiles and split as `mk.moe`."""
+    R, H = x.shape
+    k = experts.shape[1]
+    E, I = gate.shape[0], gate.shape[1]
+    experts = experts.contiguous()
+    count = live.dtype != torch.bool
+    groups = moe_group(experts, live)
+    P = R * k
+    slots = min(P, E)
+    bn = mk._pow2_divisor(I, mk.GATE_UP_BLOCK_N)
+    bk = mk._pow2_divisor(block[1], block_k)
+    split, k_per_split = mk.plan_split(P, E, k, H, I, bn, bk, split_k, mk._sm_count(x.device))
+    dev = x.device
+    part = torch.empty((split, P, 2, I), dtype=torch.float32, device=dev)
+    act = torch.empty((P, I), dtype=torch.float8_e4m3fn, device=dev)
+    act_scale = torch.empty((P, I // group), dtype=torch.float32, device=dev)
+    y = torch.empty((P, H), dtype=torch.float32, device=dev)
+    out = torch.empty((R, H), dtype=out_dtype, device=dev)
+    f32 = mk.INTERPRETED or x.dtype == torch.float32
+    _sorted_gate_up_kernel[(slots, I // bn, split)](
+        x, gate, gate_scale, up, up_scale, *groups, part, H, I, P, k, x.stride(0),
+        gate_scale.shape[1], gate_scale.shape[2], k_per_split,
+        B0=block[0], B1=block[1], BLOCK_M=mk.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+        F32=f32, PREC="ieee" if f32 else "tf32", num_warps=mk.GATE_UP_WARPS)
+    _sorted_finalize_kernel[(triton.cdiv(P, mk.FINALIZE_ROWS), I // group)](
+        part, groups.order, act.view(torch.uint8), act_scale, act_scale, act_scale, P, I,
+        SPLIT=split, GROUP=group, ROWS=mk.FINALIZE_ROWS, STORE_H=False, DROP_LAST=False, num_warps=4)
+    _sorted_down_kernel[(slots, triton.cdiv(H, down_block_n))](
+        act, act_scale, down, down_scale, *groups, y, H, I, down_scale.shape[1], down_scale.shape[2],
+        B0=block[0], GROUP=group, BLOCK_M=mk.BLOCK_M, BLOCK_N=down_block_n,
+        BLOCK_K=mk._pow2_divisor(group, down_block_k), F32=mk.INTERPRETED, num_warps=4)
+    live_arg = live.view(torch.uint8) if live.dtype == torch.bool else live
+    mk._moe_combine_kernel[(R, triton.cdiv(H, mk.COMBINE_BLOCK))](
+        y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=mk.COMBINE_BLOCK, LIVE_COUNT=count,
+        num_warps=4)
+    return out, act, act_scale
 
 
 # ---- act_quant alone: ties, near-ties, subnormals, clamps ----------------------------------------------
@@ -342,10 +602,37 @@ def test_interpreted_negative_control_drop_last_split(interpreted):
     assert r["split"] == 3 and r["act_pairs"] > 0
     assert r["split_counts_live"] == [2], f"the broken branch did not run: {r['split_counts_live']}"
     assert r["rel_err"] > TOL[c["out"]], "the output check alone must catch it"
-    with pytest.raises(AssertionError, match="hidden rel err"):
-        _check_values(c, r)
+    assert not r["bit_identical"], "the reference comparison must catch it"
+    with pytest.raises(AssertionError, match="hidden rel err"):  # and the torch checks without the reference
+        _check_values(c, dict(r, bit_identical=True))
     with pytest.raises(AssertionError):
         _check(c, r)
+
+
+def test_interpreted_negative_control_no_dedup(interpreted):
+    """The ownership check catches programs that do not exit for a repeated expert: with the dedup
+    switched off it fails, on a run in which a program worked for every live pair (more than the
+    distinct experts). The repeats store the owner's values again, so the values stay bit-identical."""
+    c, r = NEG_DEDUP_CASE, interpreted[NEG_DEDUP_CASE["name"]]
+    assert "error" not in r, r.get("error")
+    assert r["repeated_live_pairs"] > 0 and r["act_pairs"] == r["distinct_live_experts"] + r["repeated_live_pairs"]
+    assert r["programs_ran"] == [r["act_pairs"]] * 2, f"the broken branch did not run: {r['programs_ran']}"
+    _check_values(c, r)  # the values cannot show it
+    with pytest.raises(AssertionError, match="first live pair per distinct expert"):
+        _check_owners(c, r)
+    with pytest.raises(AssertionError):
+        _check(c, r)
+
+
+def test_interpreted_bf16_rounding(interpreted):
+    """moe.py's fp32 -> bf16 rounding (Gate/Up's compute_dtype) is torch's, bit for bit, on ties,
+    near-ties, subnormals, overflow, signed zeros, infinities and NaN; the interpreter's own cast is not
+    (it truncates), which is why moe.py does not rely on it (and, interpreted, never casts x to bf16)."""
+    r = interpreted["bf16_rounding"]
+    assert "error" not in r, r.get("error")
+    assert r["values"] > 1000 and r["ties"] > 100
+    assert r["mismatches"] == 0, r
+    assert r["plain_cast_mismatches"] > 0, "the interpreter's cast rounds correctly now: the note in moe.py is stale"
 
 
 def test_interpreted_group_matches_sort(interpreted):
@@ -367,6 +654,52 @@ def run_group_random() -> dict:
     return {"mismatches": bad, "trials": trials}
 
 
+@triton.jit
+def _bf16_probe_kernel(x_ptr, y_ptr, N, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """fp32 out: 0 = moe.py's rounding onto the bf16 grid, 1 = Triton's cast (round trip), 2 = both, as
+    Gate/Up does on the GPU (grid, then an exact cast)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < N, other=0.0)
+    if MODE != 1:
+        x = mk._bf16_grid(x)
+    if MODE != 0:
+        x = x.to(tl.bfloat16).to(tl.float32)
+    tl.store(y_ptr + i, x, mask=i < N)
+
+
+def bf16_rounding_inputs() -> tuple[torch.Tensor, int]:
+    """(fp32 values, how many are exact bf16 midpoints): random bf16 values, the midpoints between them and
+    the next bf16 value away from zero, those midpoints' fp32 neighbours, values over 60 decades, specials."""
+    gen = torch.Generator().manual_seed(3)
+    b = torch.randint(-32768, 32768, (4000,), generator=gen, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    b = b[torch.isfinite(b) & torch.isfinite((b.view(torch.int16) + 1).view(torch.bfloat16))]
+    step = (b.view(torch.int16) + 1).view(torch.bfloat16).float()  # one bf16 step away from zero
+    mid = (b.float() + step) / 2  # exact in fp32
+    fmax = torch.finfo(torch.float32).max
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), fmax, -fmax,
+                            # bf16 max, then the ties above it (they round to inf)
+                            3.3895313892515355e38, 3.3961775292304485e38, -3.3961775292304485e38,
+                            1e-45, -1e-45, 1.1754942e-38, 1.17549435e-38, 9.2e-41])
+    vals = torch.cat([b.float(), mid, mid.nextafter(torch.tensor(float("inf"))),
+                      mid.nextafter(torch.tensor(float("-inf"))),
+                      torch.randn(2000, generator=gen) * 10 ** (torch.rand(2000, generator=gen) * 60 - 30), special])
+    return vals, len(mid)
+
+
+def run_bf16_rounding(device: str) -> dict:
+    x, ties = bf16_rounding_inputs()
+    x = x.to(device)
+    want = x.to(torch.bfloat16)
+    res = {"values": x.numel(), "ties": ties}
+    want = want.float()  # exact
+    for mode, name in enumerate(("mismatches", "plain_cast_mismatches", "grid_then_cast_mismatches")):
+        y = torch.empty_like(x)
+        _bf16_probe_kernel[(triton.cdiv(x.numel(), 256),)](x, y, x.numel(), MODE=mode, BLOCK=256)
+        same = (y.view(torch.int32) == want.view(torch.int32)) | (y.isnan() & want.isnan())
+        res[name] = int((~same).sum())
+    return res
+
+
 def _args(**over):
     c = case("args", R=2)
     t, _ = build(c, "cpu")
@@ -386,6 +719,10 @@ def _args(**over):
     (dict(out_dtype=torch.int8), "out_dtype"),
     (dict(split_k=0), "split_k must be"),
     (dict(down_block_n=8), "down_block_n must be"),
+    (dict(compute_dtype=torch.float16), "compute_dtype"),  # fp32 x: bf16 or fp32 only
+    (dict(x=torch.randn(2, 64).to(torch.bfloat16), compute_dtype=torch.float32), "compute_dtype"),
+    (dict(experts=torch.zeros(2, 4)), "experts must be"),
+    (dict(experts=torch.zeros(2, 65, dtype=torch.long), weights=torch.ones(2, 65)), "at most 128"),
 ])
 def test_rejects_bad_inputs(over, message):
     t = _args(**{k: v for k, v in over.items() if k in ARGS})
@@ -416,18 +753,20 @@ def test_gpu(c):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("R", [1, 6, 8])
-def test_gpu_graph_replay_bit_identical(R):
+@pytest.mark.parametrize("R, x", [(1, "bf16"), (6, "bf16"), (8, "bf16"), (6, "fp32")])
+def test_gpu_graph_replay_bit_identical(R, x):
     """Full size, default split: repeated eager runs and CUDA graph replays (new x and routing copied
-    into the captured inputs, a different live count) are bit-identical to eager (no atomics)."""
-    c = case("g", R=R, k=8, E=256, H=6144, I=256, block=(128, 128), x="bf16", out="fp32", live="count")
+    into the captured inputs, a different live count) are bit-identical to eager (no atomics). fp32 x
+    runs with bf16 compute, as the engine calls it."""
+    c = case("g", R=R, k=8, E=256, H=6144, I=256, block=(128, 128), x=x, out="fp32", live="count")
     t, _ = build(c, "cuda")
     other, _ = build(dict(c, seed=1), "cuda")  # new inputs and routing, the same expert weights
     t2 = dict(t, x=other["x"], experts=other["experts"], weights=other["weights"],
               live=torch.tensor(R, dtype=torch.int32, device="cuda"))
 
     def run(src):
-        return mk.moe(*(src[a] for a in ARGS), block=(128, 128), group=128, out_dtype=torch.float32)
+        return mk.moe(*(src[a] for a in ARGS), block=(128, 128), group=128, out_dtype=torch.float32,
+                      compute_dtype=torch.bfloat16)
 
     eager = [run(t).clone() for _ in range(2)]
     eager2 = run(t2).clone()
@@ -446,6 +785,13 @@ def test_gpu_graph_replay_bit_identical(R):
 
 
 @pytest.mark.gpu
+def test_gpu_bf16_rounding():
+    """The kernel's rounding and the GPU's own cast both equal torch's .to(torch.bfloat16)."""
+    r = run_bf16_rounding("cuda")
+    assert r["mismatches"] == 0 and r["plain_cast_mismatches"] == 0 and r["grid_then_cast_mismatches"] == 0, r
+
+
+@pytest.mark.gpu
 def test_gpu_act_quant_bit_exact():
     for group, v in run_act_quant("cuda").items():
         assert v["q"] and v["s"], f"{group}: {v}"
@@ -457,17 +803,23 @@ def test_gpu_speed_report(R):
     """Prints time and expert-weight bandwidth (distinct experts' Gate/Up/Down bytes) at TP8 full size."""
     from triton.testing import do_bench
 
-    c = case("t", R=R, k=8, E=256, H=6144, I=256, block=(128, 128), x="bf16", out="bf16")
+    c = case("t", R=R, k=8, E=256, H=6144, I=256, block=(128, 128), x="fp32", out="bf16")
     t, _ = build(c, "cuda")
-    ms = do_bench(lambda: mk.moe(*(t[a] for a in ARGS), block=(128, 128), group=128), warmup=20, rep=200)
+    args = [t[a] for a in ARGS]
+    ms = do_bench(lambda: mk.moe(*args, block=(128, 128), group=128, compute_dtype=torch.bfloat16),
+                  warmup=20, rep=200)
+    x16 = t["x"].to(torch.bfloat16)
+    ms_sorted = do_bench(lambda: sorted_moe(x16, *args[1:], block=(128, 128), group=128, out_dtype=torch.bfloat16),
+                         warmup=20, rep=200)
     distinct = len(set(t["experts"].flatten().tolist()))
     split = mk.plan_split(R * 8, 256, 8, 6144, 256, 128, 128, None, mk._sm_count(torch.device("cuda")))[0]
-    print(f"R={R}: {ms * 1e3:.1f} us, {distinct} experts, split {split}, "
-          f"{3 * distinct * 256 * 6144 / (ms * 1e-3) / 1e12:.2f} TB/s")
+    print(f"R={R}: {ms * 1e3:.1f} us (fp32 x, 4 launches; the five-launch form on bf16 x: {ms_sorted * 1e3:.1f} us), "
+          f"{distinct} experts, split {split}, {3 * distinct * 256 * 6144 / (ms * 1e-3) / 1e12:.2f} TB/s")
 
 
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
-    jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + [NEG_CASE]]
-    worker_main(jobs + [("act_quant", lambda: run_act_quant("cpu")), ("group_random", run_group_random)])
+    jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + [NEG_CASE, NEG_DEDUP_CASE]]
+    worker_main(jobs + [("act_quant", lambda: run_act_quant("cpu")), ("group_random", run_group_random),
+                        ("bf16_rounding", lambda: run_bf16_rounding("cpu"))])
