@@ -219,7 +219,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
                 "num_stages": g["num_stages"]}
     if family(op) == "attention":
         bn = g["block_n"]
-        ms = 4 * bn if g["min_split"] is None else g["min_split"]
+        ms = bn if g["min_split"] is None else g["min_split"]  # decode_attention's default: one tile
         ns = g["num_splits"] or _attention_auto_splits(attention_slots(op, shape), shape.kv_heads, ms, sms)
         per = max(triton.cdiv(triton.cdiv(shape.kv_len, ns), bn) * bn, ms)  # the kernels' _split_len
         return {"num_splits": ns, "live_splits": triton.cdiv(shape.kv_len, per), "block_n": bn, "min_split": ms,
@@ -245,7 +245,8 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(down_block_n=32), cand(down_block_n=128), cand(down_block_k=64),
                 cand(down_block_n=32, down_block_k=64), cand(down_block_n=128, down_block_k=64),
                 cand("2x auto split", split_k=2 * s, down_block_n=32),
-                cand("2x auto split", split_k=2 * s, down_block_n=128)]
+                cand("2x auto split", split_k=2 * s, down_block_n=128),
+                cand("932ec08 default", block_k=64, down_block_n=64, down_block_k=128)]
     if family(op) == "linear":
         auto = {bn: resolve(op, {"block_n": bn}, shape, sms)["split_k"] for bn in (32, 64, 128)}
         half = {bn: max(1, a // 2) for bn, a in auto.items()}
@@ -253,12 +254,12 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(num_warps=8), cand(num_stages=4), cand(num_warps=8, num_stages=4),
                 cand(block_n=32), cand("auto x2", block_n=32, split_k=2 * auto[32]), cand(block_n=32, num_stages=4),
                 cand(block_n=128), cand(block_n=128, num_warps=8), cand("auto/2", block_n=128, split_k=half[128]),
-                cand(block_n=128, num_warps=8, num_stages=4)]
+                cand(block_n=128, num_warps=8, num_stages=4), cand("932ec08 default", block_n=64, num_stages=3)]
     if family(op) == "attention":
         return [cand(), cand(min_split=128), cand(min_split=64), cand(min_split=64, num_warps=8),
                 cand(num_stages=3), cand(min_split=128, num_stages=3),
                 cand(block_n=32, min_split=64), cand(block_n=32, min_split=32),
-                cand(block_n=128, min_split=128, num_warps=8)]
+                cand(block_n=128, min_split=128, num_warps=8), cand("932ec08 default", min_split=256)]
     if op == "router":
         s = resolve(op, {}, shape, sms)["split"]
         return [cand(), cand("auto/2", split=max(1, s // 2)), cand(block_h=256),
@@ -809,7 +810,7 @@ NOTES = [
     "moe_group: num_warps variants launch _moe_group_kernel directly (moe_group has no keyword for it)",
     "moe: Gate/Up's BLOCK_N (GATE_UP_BLOCK_N) and warps (GATE_UP_WARPS), finalize/combine tiles are module "
     "constants, not swept; 'combined best' = fastest Gate/Up settings + fastest Down settings",
-    "attention: min_split (default 4 x block_n) also sets the default split count at long context; this sweep "
+    "attention: min_split (default block_n) also sets the default split count at long context; this sweep "
     "is at the stated context only",
     "router: the select kernel (launch 2) has no keyword in route(): not swept",
     "linear: block_k is fixed by the weight block (128); split-K summed in the launch with fresh zeroed counters",

@@ -22,6 +22,10 @@ import triton.language as tl
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 BLOCK_M = 16  # tl.dot's smallest M; decode blocks have 1..8 rows
+# Output tile width and pipeline depth: the fastest of `iquest bench tune` at one TP8 rank's decode shapes on an
+# H200 (bench/results/tune-h200-932ec08.*): q/k/v [1024 x 6144] 8.25 -> 7.57 us, o_proj [6144 x 768] 7.01 -> 5.42 us
+# against 64-wide tiles and 3 stages (narrower tiles: more programs, so fewer K splits).
+BLOCK_N, NUM_STAGES = 32, 4
 
 
 @triton.jit
@@ -103,7 +107,7 @@ def _block_k(b1: int) -> int:
     return bk
 
 
-def lock_count(m: int, n: int, block_n: int = 64) -> int:
+def lock_count(m: int, n: int, block_n: int = BLOCK_N) -> int:
     """Counters `fp8_linear(locks=...)` needs for an [m, n] output: one per output tile."""
     return triton.cdiv(n, block_n) * triton.cdiv(m, BLOCK_M)
 
@@ -116,9 +120,9 @@ def choose_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.dev
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
-               out_dtype: torch.dtype | None = None, *, split_k: int | None = None, block_n: int = 64,
+               out_dtype: torch.dtype | None = None, *, split_k: int | None = None, block_n: int = BLOCK_N,
                out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
-               num_stages: int = 3) -> torch.Tensor:
+               num_stages: int = NUM_STAGES) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 

@@ -71,9 +71,10 @@ from .moe_route import MAX_PAIRS, check_live, load_live
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 BLOCK_M = 16  # tl.dot's smallest M; a program's rows are the block's R rows (R <= 8 at decode), in blocks of it
-# Gate/Up program tile: 128 channels x 64 of K (block_k) with 8 warps compiles for sm_90 to ~128
-# registers a thread and 36 KB of shared memory (3 stages of cp.async), so two programs fit an SM
-# with 64 KB of weights in flight; 128 x 128 takes 169 registers (one program an SM).
+# Gate/Up program tile: 128 channels x block_k of K with 8 warps. 128 x 64 compiles for sm_90 to ~128
+# registers a thread (two programs an SM), 128 x 128 to 169 (one), yet 128 x 128 with Down at 128 x 64 was
+# the fastest on an H200 at one TP8 rank's decode shape: 58.3 -> 54.8 us a call (`iquest bench tune`,
+# bench/results/tune-h200-932ec08.*), so those are the defaults of `moe`.
 GATE_UP_BLOCK_N = 128
 GATE_UP_WARPS = 8
 FINALIZE_ROWS = 2  # pairs per finalize program: its loads are SPLIT x 2 x ROWS x GROUP fp32, spread widely
@@ -362,8 +363,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         gate: torch.Tensor, gate_scale: torch.Tensor, up: torch.Tensor, up_scale: torch.Tensor,
         down: torch.Tensor, down_scale: torch.Tensor, block: tuple[int, int] = (128, 128), group: int = 128,
         out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None,
-        compute_dtype: torch.dtype | None = None, block_k: int = 64, down_block_n: int = 64,
-        down_block_k: int = 128, split_k: int | None = None, debug: dict | None = None) -> torch.Tensor:
+        compute_dtype: torch.dtype | None = None, block_k: int = 128, down_block_n: int = 128,
+        down_block_k: int = 64, split_k: int | None = None, debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
