@@ -259,13 +259,13 @@ def agreement(op: str, t, variants: dict[str, Variant]) -> dict[str, dict]:
 
 
 # ---- timing ------------------------------------------------------------------------------------------
-def graph_times(calls: list[Callable[[], object]], repeats: int) -> tuple[list[float], int]:
-    """Per-call microseconds of `repeats` replays of one CUDA graph holding `calls` back to back (cycled
-    to at least MIN_CALLS), each replay timed with CUDA events; returns (times, calls per replay)."""
-    seq = calls * math.ceil(MIN_CALLS / len(calls))
+def capture_calls(calls: list[Callable[[], object]], min_calls: int = MIN_CALLS) -> tuple[torch.cuda.CUDAGraph, int]:
+    """One CUDA graph holding `calls` back to back (cycled to at least `min_calls`), replayed once; returns
+    (graph, calls per replay). Compilation, autotuning and first-use allocations run first, on a side stream."""
+    seq = calls * math.ceil(min_calls / len(calls))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compilation, autotuning and first-use allocations stay out of the graph
+    with torch.cuda.stream(side):
         for c in calls:
             c()
     torch.cuda.current_stream().wait_stream(side)
@@ -274,6 +274,13 @@ def graph_times(calls: list[Callable[[], object]], repeats: int) -> tuple[list[f
         for c in seq:
             c()
     graph.replay()
+    return graph, len(seq)
+
+
+def graph_times(calls: list[Callable[[], object]], repeats: int) -> tuple[list[float], int]:
+    """Per-call microseconds of `repeats` replays of one CUDA graph holding `calls` back to back (cycled
+    to at least MIN_CALLS), each replay timed with CUDA events; returns (times, calls per replay)."""
+    graph, n = capture_calls(calls)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(repeats):
@@ -281,8 +288,8 @@ def graph_times(calls: list[Callable[[], object]], repeats: int) -> tuple[list[f
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(seq))
-    return times, len(seq)
+        times.append(start.elapsed_time(end) * 1e3 / n)
+    return times, n
 
 
 def _measure(op: str, base, copies: list, variants: dict[str, Variant], repeats: int, floor_bytes: int,

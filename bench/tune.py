@@ -57,7 +57,8 @@ from ..kernels import moe_route as mr
 from ..kernels import router as rt
 from ..reference.config import Config
 from ..reference.fp8 import E4M3
-from .kernels_micro import FULL_CONFIG, MIN_CALLS, ROTATE_BYTES, TP, error_text, linear_bytes, rel_diff
+from .kernels_micro import (FULL_CONFIG, MIN_CALLS, ROTATE_BYTES, TP, capture_calls, error_text, linear_bytes,
+                            rel_diff)
 
 OPS = ("moe", "linear_qkv", "linear_o", "attention_sliding", "attention_full", "router", "moe_group")
 LAUNCH = "launch"
@@ -575,22 +576,10 @@ def check(case: OpCase, kw: dict, default_out) -> tuple[dict, object]:
 
 # ---- timing ------------------------------------------------------------------------------------------
 def capture(calls: list[Callable[[], object]]) -> tuple[torch.cuda.CUDAGraph, int]:
-    """kernels_micro.graph_times' capture: the calls (cycled to >= MIN_CALLS) back to back in one graph,
-    compilation and first-use allocations on a side stream first; replayed once."""
-    seq = calls * math.ceil(MIN_CALLS / len(calls))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in seq:
-            c()
-    graph.replay()
+    """kernels_micro.capture_calls with this sweep's MIN_CALLS, synchronized."""
+    graph, n = capture_calls(calls, MIN_CALLS)
     torch.cuda.synchronize()
-    return graph, len(seq)
+    return graph, n
 
 
 def _queue_behind_sleep() -> None:
