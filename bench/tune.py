@@ -53,23 +53,22 @@ from ..fast.cache import RING_SLACK
 from ..kernels import decode_attention as da
 from ..kernels import fp8_linear as fl
 from ..kernels import moe as mk
-from ..kernels import moe_route as mr
 from ..kernels import router as rt
 from ..reference.config import Config
 from ..reference.fp8 import E4M3
 from .kernels_micro import (FULL_CONFIG, MIN_CALLS, ROTATE_BYTES, TP, capture_calls, error_text, linear_bytes,
                             rel_diff)
 
-OPS = ("moe", "linear_qkv", "linear_o", "attention_sliding", "attention_full", "router", "moe_group")
+OPS = ("moe", "linear_qkv", "linear_o", "attention_sliding", "attention_full", "router")
 LAUNCH = "launch"
 H200_SMS = 132  # candidate lists for tests and --help are built for the H200's SM count
 LINEAR_LOCKS = 4096  # fast/ops.py's split-K counters (one per output tile)
 # max |y - ref| / max |ref| (kernels_micro, tests/test_kernel_*): bf16 outputs; the router's fp32 scores and weights
 TOL = {"moe": 1e-2, "linear_qkv": 1e-2, "linear_o": 1e-2, "attention_sliding": 3e-2, "attention_full": 3e-2,
-       "router": 5e-5, "moe_group": 0.0}
+       "router": 5e-5}
 NOISE = 0.02  # a candidate must beat the default by more than this (and the two spreads) to be recommended
 SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU sleep before each timing round: the round's replays queue behind it
-ROUTINGS = 16  # MoE / moe_group calls rotate over this many routings (disjoint expert sets when E allows)
+ROUTINGS = 16  # MoE calls rotate over this many routings (disjoint expert sets when E allows)
 
 
 # ---- shapes ------------------------------------------------------------------------------------------
@@ -120,30 +119,13 @@ def tune_shape(config: Config, tp: int = TP, rows: int = 6, context: int = 1024)
                      scaling=float(config.routed_scaling_factor))
 
 
-# ---- moe_group with a warp count (moe_group itself has no tunable) ------------------------------------
-def moe_group_tuned(experts: torch.Tensor, live: torch.Tensor, *, num_warps: int | None = None) -> mr.Groups:
-    """`moe_group`, or, given num_warps, its kernel launched exactly as moe_group launches it but with that
-    many warps (moe_group exposes no keyword: applying a result means adding one)."""
-    if num_warps is None:
-        return mr.moe_group(experts, live)
-    R, k = experts.shape
-    P = R * k
-    count = mr.check_live(live, R, experts.device)
-    out = torch.empty((4, P), dtype=torch.int32, device=experts.device)
-    live_arg = live.view(torch.uint8) if live.dtype == torch.bool else live
-    mr._moe_group_kernel[(1,)](experts, live_arg, out[0], out[1], out[2], out[3], R, k,
-                               P_PAD=max(16, triton.next_power_of_2(P)), LIVE_COUNT=count, num_warps=num_warps)
-    return mr.Groups(*out.unbind(0))
-
-
 WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "linear_o": fl.fp8_linear,
                                  "attention_sliding": da.decode_attention, "attention_full": da.decode_attention,
-                                 "router": rt.route, "moe_group": moe_group_tuned}
+                                 "router": rt.route}
 TUNABLES = {"moe": ("split_k", "block_k", "down_block_n", "down_block_k"),
             "linear": ("split_k", "block_n", "num_warps", "num_stages"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages"),
-            "router": ("split", "block_e", "block_h", "num_warps"),
-            "moe_group": ("num_warps",)}
+            "router": ("split", "block_e", "block_h", "num_warps")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
 MOE_GROUPS = (("split_k", "block_k"), ("down_block_n", "down_block_k"))
 
@@ -229,8 +211,6 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         split = g["split"] or _router_auto_split(shape.experts, shape.hidden, g["block_e"], g["block_h"], sms)
         splits, _ = rt._split_plan(shape.hidden, split, g["block_h"])
         return {"split": splits, "block_e": g["block_e"], "block_h": g["block_h"], "num_warps": g["num_warps"]}
-    if op == "moe_group":
-        return {"num_warps": g["num_warps"] or 4}  # Triton's default warp count, which moe_group launches with
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -267,8 +247,6 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand("auto x2", block_h=256, split=2 * s),
                 cand(num_warps=2), cand(block_e=8, num_warps=2), cand("default's split", block_e=2, split=s),
                 cand("auto x2", block_e=8, block_h=256, split=2 * s)]
-    if op == "moe_group":
-        return [cand(), cand(num_warps=1), cand(num_warps=2), cand(num_warps=8)]
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -387,7 +365,7 @@ def moe_case(shape: TuneShape, device, rotate: int = ROTATE_BYTES) -> OpCase:
     return OpCase("moe", f"x [{R}, {H}] {xs}, {E} experts x I_r {I} (E4M3, {b0}x{b1} scales), top-{shape.top_k}; "
                          f"{len(routes)} routings of {min(distinct)}..{max(distinct)} distinct experts "
                          f"({sum(distinct) * per_expert / 1e6:.0f} MB of experts per rotation)",
-                  nbytes, 5 if hasattr(mk, "moe_group") else 4, len(routes), run, ref,
+                  nbytes, 4, len(routes), run, ref,
                   new_out=lambda: torch.empty(R, H, dtype=torch.bfloat16, device=device),
                   facts={"distinct_experts": distinct, "expert_bytes": per_expert, "x_dtype": str(x.dtype)})
 
@@ -474,19 +452,6 @@ def router_case(shape: TuneShape, device, rotate: int = ROTATE_BYTES) -> OpCase:
                   rt.route_ref(x, w0, k, shape.norm_topk_prob, shape.scaling))
 
 
-def moe_group_case(shape: TuneShape, device) -> OpCase:
-    routes = routings(shape, ROUTINGS, device)
-    live = torch.ones(shape.rows, dtype=torch.bool, device=device)
-    P = shape.rows * shape.top_k
-
-    def run(kw, i, out=None):
-        return moe_group_tuned(routes[i][0], live, **kw)
-
-    return OpCase("moe_group", f"experts [{shape.rows}, {shape.top_k}] int64 -> order/segments [4, {P}] int32 (one "
-                               f"program); {len(routes)} routings", 8 * P + shape.rows + 16 * P, 1, len(routes), run,
-                  mr.moe_group_ref(routes[0][0], live))
-
-
 def build_case(op: str, shape: TuneShape, device, sms: int, rotate: int = ROTATE_BYTES) -> OpCase:
     if op == "moe":
         return moe_case(shape, device, rotate)
@@ -496,17 +461,12 @@ def build_case(op: str, shape: TuneShape, device, sms: int, rotate: int = ROTATE
         return attention_case(op, shape, device, sms, rotate)
     if op == "router":
         return router_case(shape, device, rotate)
-    if op == "moe_group":
-        return moe_group_case(shape, device)
     raise ValueError(f"unknown op {op!r}")
 
 
 def compare(op: str, got, want) -> tuple[float, str | None]:
     """(difference, why it fails or None): max |got - want| / max |want| for tensors; the router's scores and
-    weights that way with its experts equal; moe_group's four outputs equal."""
-    if op == "moe_group":
-        bad = [name for name, a, b in zip(mr.Groups._fields, got, want) if not torch.equal(a.cpu(), b.cpu())]
-        return (0.0, None) if not bad else (float(len(bad)), "differs in " + ", ".join(bad))
+    weights that way with its experts equal."""
     if op == "router":
         (w, e, s), (w2, e2, s2) = got, want
         diff = max(rel_diff(s, s2), rel_diff(w, w2))
@@ -796,7 +756,6 @@ def _write(report: dict, out: str | None) -> None:
 
 
 NOTES = [
-    "moe_group: num_warps variants launch _moe_group_kernel directly (moe_group has no keyword for it)",
     "moe: Gate/Up's BLOCK_N (GATE_UP_BLOCK_N) and warps (GATE_UP_WARPS), finalize/combine tiles are module "
     "constants, not swept; 'combined best' = fastest Gate/Up settings + fastest Down settings",
     "attention: min_split (default block_n) also sets the default split count at long context; this sweep "
@@ -857,10 +816,6 @@ def run(ops: tuple[str, ...], repeats: int, out: str | None, budget_s: float = 2
             torch.cuda.empty_cache()
         report["elapsed_s"] = clock.elapsed()
         _write(report, out)  # partial results survive a later crash
-    moe_kernels = (report["ops"].get("moe") or {}).get("kernels")
-    if moe_kernels and "_moe_group_kernel" not in moe_kernels:
-        report["notes"] = report["notes"] + ["moe no longer launches _moe_group_kernel in this tree: the moe_group "
-                                             "op is informational"]
     report["elapsed_s"] = clock.elapsed()
     print_report(report)
     _write(report, out)

@@ -1,6 +1,6 @@
-"""kernels/moe.py and kernels/moe_route.py against plain torch (reference/fp8.py) and against the
-five-launch form moe.py replaced (a moe_group sort, then per-segment kernels), kept below as
-`sorted_moe`: the output must be bit-identical to it.
+"""kernels/moe.py against plain torch (reference/fp8.py) and against the five-launch form moe.py
+replaced (a sort of the live pairs by expert, then per-segment kernels), kept below as `sorted_moe`:
+the output must be bit-identical to it.
 
 Per case (fresh random x, expert weights from reference/fp8.quantize with per-block magnitudes
 spanning two decades, routing choices, NaN-prefilled outputs), the interpreter worker checks:
@@ -32,8 +32,6 @@ whose program counts show the extra programs ran (their stores repeat the owner'
 output is unchanged: only the ownership check sees them).
 The standalone act_quant kernel is checked bit-exact on E4M3 midpoints (ties to even), values just
 beside them, subnormals, saturation at 448, all-zero groups and groups below the 1e-4 clamp.
-moe_group (moe_route.py; no longer launched by moe, still used by `sorted_moe` and bench/tune.py)
-is checked against its torch.sort form.
 """
 
 from __future__ import annotations
@@ -47,7 +45,6 @@ import triton.language as tl
 
 from iquest.kernels import moe as mk
 from iquest.kernels.moe import _act_quant_tile
-from iquest.kernels.moe_route import moe_group, moe_group_ref
 from iquest.reference.fp8 import act_quant as act_quant_ref, quantize
 from iquest.kernels.testing import interpreted_tests
 
@@ -395,7 +392,7 @@ def _check_owners(c: dict, r: dict) -> None:
 
 
 # ---- the five-launch form moe.py replaced: the bit-identity reference -----------------------------------
-# moe_group sorted the live pairs by expert into segments; Gate/Up and Down ran one program per segment on
+# sorted_groups sorts the live pairs by expert into segments; Gate/Up and Down ran one program per segment on
 # its rows packed into the tile in pair order; the finalize walked the sorted order. Kernels as they were
 # (the finalize's debug switches off); the combine is unchanged and shared.
 @triton.jit
@@ -512,6 +509,27 @@ def _sorted_down_kernel(
         tl.store(y_ptr + pair[:, None] * H + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
+def sorted_groups(experts: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The five-launch form's segments, with torch.sort (stable): (order, seg_expert, seg_start, seg_len), each
+    [P] int32 on experts' device: live pairs sorted by (expert, pair), -1 past them; one segment per distinct
+    live expert, ascending, -1 / 0 / 0 past them."""
+    R, k = experts.shape
+    P = R * k
+    mask = live if live.dtype == torch.bool else torch.arange(R, device=experts.device) < live.reshape(())
+    keep = mask.repeat_interleave(k)
+    sorted_key, idx = torch.sort(torch.where(keep, experts.reshape(-1), 2**30), stable=True)
+    n = int(keep.sum())
+    order = torch.full((P,), -1, dtype=torch.int32)
+    order[:n] = idx[:n].int().cpu()
+    uniq, counts = torch.unique_consecutive(sorted_key[:n].cpu(), return_counts=True)
+    d = len(uniq)
+    seg_expert, seg_start, seg_len = torch.full((P,), -1, dtype=torch.int32), torch.zeros(P, dtype=torch.int32), \
+        torch.zeros(P, dtype=torch.int32)
+    seg_expert[:d], seg_len[:d] = uniq.int(), counts.int()
+    seg_start[:d] = (torch.cumsum(counts, 0) - counts).int()
+    return tuple(t.to(experts.device) for t in (order, seg_expert, seg_start, seg_len))
+
+
 def sorted_moe(x, experts, weights, live, gate, gate_scale, up, up_scale, down, down_scale, block, group,
                out_dtype, block_k=64, down_block_n=64, down_block_k=128, split_k=None):
     """(out, act, act_scale) of the five-launch form on the same tiles and split as `mk.moe`."""
@@ -520,7 +538,7 @@ def sorted_moe(x, experts, weights, live, gate, gate_scale, up, up_scale, down, 
     E, I = gate.shape[0], gate.shape[1]
     experts = experts.contiguous()
     count = live.dtype != torch.bool
-    groups = moe_group(experts, live)
+    groups = sorted_groups(experts, live)
     P = R * k
     slots = min(P, E)
     bn = mk._pow2_divisor(I, mk.GATE_UP_BLOCK_N)
@@ -539,7 +557,7 @@ def sorted_moe(x, experts, weights, live, gate, gate_scale, up, up_scale, down, 
         B0=block[0], B1=block[1], BLOCK_M=mk.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         F32=f32, PREC="ieee" if f32 else "tf32", num_warps=mk.GATE_UP_WARPS)
     _sorted_finalize_kernel[(triton.cdiv(P, mk.FINALIZE_ROWS), I // group)](
-        part, groups.order, act.view(torch.uint8), act_scale, act_scale, act_scale, P, I,
+        part, groups[0], act.view(torch.uint8), act_scale, act_scale, act_scale, P, I,
         SPLIT=split, GROUP=group, ROWS=mk.FINALIZE_ROWS, STORE_H=False, DROP_LAST=False, num_warps=4)
     _sorted_down_kernel[(slots, triton.cdiv(H, down_block_n))](
         act, act_scale, down, down_scale, *groups, y, H, I, down_scale.shape[1], down_scale.shape[2],
@@ -633,25 +651,6 @@ def test_interpreted_bf16_rounding(interpreted):
     assert r["values"] > 1000 and r["ties"] > 100
     assert r["mismatches"] == 0, r
     assert r["plain_cast_mismatches"] > 0, "the interpreter's cast rounds correctly now: the note in moe.py is stale"
-
-
-def test_interpreted_group_matches_sort(interpreted):
-    r = interpreted["group_random"]
-    assert "error" not in r, r.get("error")
-    assert r["mismatches"] == [] and r["trials"] > 100
-
-
-def run_group_random() -> dict:
-    gen = torch.Generator().manual_seed(2)
-    bad, trials = [], 0
-    for R, k, E in [(1, 8, 256), (8, 8, 256), (8, 4, 16), (8, 8, 9), (3, 2, 3), (16, 8, 8)]:
-        for t in range(24):
-            experts = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(R)])
-            for live in (torch.rand(R, generator=gen) < 0.6, torch.tensor(t % (R + 1))):
-                trials += 1
-                if not all(torch.equal(a, b) for a, b in zip(moe_group(experts, live), moe_group_ref(experts, live))):
-                    bad.append([R, k, E, t])
-    return {"mismatches": bad, "trials": trials}
 
 
 @triton.jit
@@ -821,5 +820,5 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
     jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + [NEG_CASE, NEG_DEDUP_CASE]]
-    worker_main(jobs + [("act_quant", lambda: run_act_quant("cpu")), ("group_random", run_group_random),
+    worker_main(jobs + [("act_quant", lambda: run_act_quant("cpu")),
                         ("bf16_rounding", lambda: run_bf16_rounding("cpu"))])
