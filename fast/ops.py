@@ -6,8 +6,8 @@ calls the kernels of `kernels/`: the FP8 block-scaled linear (q/k/v as one weigh
 launch); split-KV decode attention, which evaluates visibility from `slot_pos` in the kernel and reads a
 full layer only up to the block's last position (`kv_len` stays a device tensor: no host read,
 graph-capturable); rotary + KV write in one launch; RMSNorm with and without the residual add; router
-logits with softmax/top-k; the MoE over live rows grouped by expert, with act_quant'ed E4M3 activations
-into Down; the LM head from its bf16 rows; the tiled top-k scan and the global top-k/top-p; Philox
+logits with softmax/top-k; the MoE over live rows, each chosen expert's weights read once, with act_quant'ed E4M3
+activations into Down; the LM head from its bf16 rows; the tiled top-k scan and the global top-k/top-p; Philox
 uniforms in one launch. Same math; the kernels round differently (fp32 accumulation in other orders,
 E4M3 activations into Down), which the qualification suite measures. At one decode block every kernel
 is launch- or latency-bound, so the point of most of them is fewer launches (docs/PERF.md).
@@ -150,11 +150,12 @@ class TritonOps(TorchOps):
         return gate_block[1] == group and intermediate % group == 0 and group >= 16 and group & (group - 1) == 0
 
     @staticmethod
-    def _pow2_at_least_16(n: int) -> bool:
-        return n >= 16 and any(n % d == 0 for d in (16, 32, 64, 128))
+    def _k_tiles(n: int) -> bool:
+        """Whether a weight block of n columns holds whole K tiles of 16 (the kernels' smallest)."""
+        return n >= 16 and n % 16 == 0
 
     def linear(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
-        if not self._fits("linear", w.q.dim() == 2 and self._pow2_at_least_16(w.block[1])):
+        if not self._fits("linear", w.q.dim() == 2 and self._k_tiles(w.block[1])):
             return super().linear(w, x)
         return self._fp8(w, x)
 
@@ -177,7 +178,7 @@ class TritonOps(TorchOps):
 
     def qkv(self, lw, x):
         w = lw.wqkv
-        if w is None or not self._fits("linear", self._pow2_at_least_16(w.block[1])):
+        if w is None or not self._fits("linear", self._k_tiles(w.block[1])):
             return super().qkv(lw, x)
         y = self._fp8(w, x)  # one launch: column views, no copies
         nq, nk = lw.wq.q.shape[0], lw.wk.q.shape[0]

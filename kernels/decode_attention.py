@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import FLOATS as _FLOATS, sm_count as _sm_count
+
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 LOG2E = 1.4426950408889634
@@ -158,7 +160,6 @@ def _attention_combine_kernel(
 
 
 # ---- host wrapper ----------------------------------------------------------------------------------
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -169,7 +170,7 @@ def _check(cond: bool, message: str) -> None:
 def default_num_splits(slots: int, kv_heads: int, device: torch.device, min_split: int) -> int:
     """Enough splits for about two programs per SM at full capacity; short contexts use fewer
     (the kernel shares kv_len out in whole tiles of at least `min_split` slots)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = _sm_count(device)
     return max(1, min(triton.cdiv(slots, min_split), max(1, 2 * sms // kv_heads)))
 
 

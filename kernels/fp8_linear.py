@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import FLOATS as _FLOATS, sm_count as _sm_count
+
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 BLOCK_M = 16  # tl.dot's smallest M; decode blocks have 1..8 rows
@@ -90,7 +92,6 @@ def _split_k_sum_kernel(part_ptr, y_ptr, M, N, stride_ym, splits, BLOCK: tl.cons
 
 
 # ---- host wrapper ----------------------------------------------------------------------------------
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -114,7 +115,7 @@ def lock_count(m: int, n: int, block_n: int = BLOCK_N) -> int:
 
 def choose_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
     """Splits along K so that N tiles x splits ~ two programs per SM (1 when N alone fills the GPU)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = _sm_count(device)
     n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     return max(1, min(k_tiles, (2 * sms) // n_tiles))
 

@@ -28,11 +28,11 @@ apply reference/layers.rms_norm (the engine's torch ops, bit for bit) before the
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from .device import FLOATS as _FLOATS, sm_count as _sm_count
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): the bf16
 # parts are upcast to fp32 (exactly) before the dot there.
@@ -105,18 +105,12 @@ def _lm_head_kernel(x_ptr, w_ptr, y_ptr, R, V, H, stride_x, stride_w, stride_y,
 
 
 # ---- host wrapper ----------------------------------------------------------------------------------
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _X_PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}  # bf16 parts that hold x exactly
 
 
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(f"lm_head: {message}")
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def choose_block_v(v: int, device: torch.device) -> int:

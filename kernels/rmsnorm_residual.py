@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import FLOATS as _FLOATS
+
 MAX_HIDDEN = 65536
 
 
@@ -36,7 +38,6 @@ def _rmsnorm_residual_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, H, eps,
     tl.store(y_ptr + row * stride_y + i, (h * inv * w).to(y_ptr.dtype.element_ty), mask=ok)
 
 
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _check(cond: bool, message: str) -> None:

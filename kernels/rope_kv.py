@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+from .device import FLOATS as _FLOATS
+
 
 
 @triton.jit

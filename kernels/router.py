@@ -42,7 +42,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from triton.language.extra import libdevice
+
+from .device import sm_count as _sm_count
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 MAX_ROWS = 8  # rows per launch-1 program (decode blocks have 1..8); more rows take more row blocks
@@ -140,8 +143,6 @@ def _pow2(n: int) -> bool:
     return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def choose_split(e: int, h: int, block_e: int, block_h: int, device: torch.device) -> int:
