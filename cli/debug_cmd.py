@@ -1,4 +1,5 @@
-"""`iquest debug`: debugging tools. `debug diff`: both engines' activation taps side by side."""
+"""`iquest debug`: debugging tools. `debug diff`: both engines' activation taps side by side; `debug chain`:
+each recursive draft depth's error split into what it carried in and what it added."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 
 
 def register(sub) -> None:
-    p = sub.add_parser("debug", help="debugging tools (debug diff: taps of both engines side by side)",
+    p = sub.add_parser("debug", help="debugging tools (debug diff: taps side by side; debug chain: draft depths)",
                        description="Debugging tools for the fast engine against the float64 reference.")
     dsub = p.add_subparsers(dest="debug", required=True, metavar="TOOL")
     d = dsub.add_parser("diff", help="per layer and stage: fast vs reference activations at one position",
@@ -28,6 +29,20 @@ def register(sub) -> None:
     d.add_argument("--plot", default="debug-diff.png", help="PNG path for the error-by-layer plot")
     d.add_argument("--json", metavar="OUT", help="also write the per-stage table as JSON")
     d.set_defaults(run=run)
+
+    c = dsub.add_parser("chain", help="per draft depth: error carried along the chain vs error the depth adds",
+                        description="Decode the qualification cases (as iquest qualify) and, for every recursive "
+                                    "draft row, compare the fast engine with the reference's own chain (what "
+                                    "qualify scores) and with the reference run from the fast engine's own "
+                                    "previous-depth output (what that depth adds), with the MTP router's top-k "
+                                    "margin and expert choices. Prints a table per depth and the worst chain.")
+    c.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
+    c.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="fast engine compute dtype")
+    c.add_argument("--kernels", default="auto", help="fast engine stages, as for iquest qualify")
+    c.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the fast engine runs")
+    c.add_argument("--jobs", type=int, default=1, help="worker processes (one per case)")
+    c.add_argument("--json", metavar="OUT", help="also write every row as JSON")
+    c.set_defaults(run=run_chain)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,4 +70,18 @@ def run(args: argparse.Namespace) -> int:
     result = diff(model_dir, ids, args.position, args.dtype, frozenset(args.defect), args.plot, args.json,
                   device=args.device, kernels=args.kernels)
     print_diff(result)
+    return 0
+
+
+def run_chain(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..qualify.chain import chain_report, print_chain, write_json
+    from .engines import default_model_dir
+
+    model_dir = str(Path(args.model) if args.model else default_model_dir())
+    rows = chain_report(model_dir, args.dtype, args.kernels, args.device, args.jobs)
+    print_chain(rows)
+    if args.json:
+        write_json(rows, args.json)
     return 0

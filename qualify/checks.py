@@ -129,26 +129,32 @@ def sliding_ring(config: Config, options: EngineOptions) -> int:
                        options.ring_slack)
 
 
-def decode_session(engine: RankEngine, model_dir: str, case: Case, tol: str, run=None,
-                   dist_engine: RankEngine | None = None) -> Session:
-    """`engine`: the (rank-0) engine recorded; `run(req)`: how a request is decoded (default engine.decode; a
-    FastEngine's generate under TP); `dist_engine`: a single-rank engine for fresh-prefill distributions."""
+def record(engine: RankEngine, case: Case, run=None, taps: bool = False) -> tuple[SamplingParams, list, list]:
+    """Decode `case` on `engine` (or through `run(req)`) under a Recorder: (params, steps, recorded blocks)."""
     params = params_for(engine)
     req = Request(case.prompt, case.seed, params.temperature, params.top_k, params.top_p, case.max_new_tokens,
                   case.drafts, ())
     runner, _ = engine.runner(case.drafts, params.top_k)
-    rec = Recorder(engine, runner)
+    rec = Recorder(engine, runner, taps)
     with rec.active():
         steps = list((run or engine.decode)(req))
+    return params, steps, rec.blocks
+
+
+def decode_session(engine: RankEngine, model_dir: str, case: Case, tol: str, run=None,
+                   dist_engine: RankEngine | None = None) -> Session:
+    """`engine`: the (rank-0) engine recorded; `run(req)`: how a request is decoded (default engine.decode; a
+    FastEngine's generate under TP); `dist_engine`: a single-rank engine for fresh-prefill distributions."""
+    params, steps, blocks = record(engine, case, run)
     out = _tokens(steps)
     stream = list(case.prompt) + out
     tol_rel = tolerances.value("numerics.logits", tol)
     ref = reference(model_dir)
     ring = sliding_ring(engine.config, engine.options)
-    result = score(rec.blocks, ref, stream, params, tol_rel, engine.config.sliding_window, ring,
+    result = score(blocks, ref, stream, params, tol_rel, engine.config.sliding_window, ring,
                    engine.model.w.vocab_offset, full_vocab=engine.par.world == 1,
                    sampler_tol=tolerances.value("numerics.sampler", tol))
-    session = Session(case, steps, rec.blocks, result.scores, result.round_ratio, ring, params)
+    session = Session(case, steps, blocks, result.scores, result.round_ratio, ring, params)
     session.agreement_rows = agreement(dist_engine or engine, model_dir, case, params, out, _acceptance(steps), result.round_ratio,
                                        tol_rel)
     return session

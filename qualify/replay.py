@@ -49,13 +49,15 @@ class Block:
     logits: torch.Tensor        # [R, V/tp] float64, rank 0's vocabulary slice
     hidden: torch.Tensor        # [R, H] float64
     dists: list = field(default_factory=list)  # (row, ids [K], probs [K], input logits [V/tp]) per runner.dist row
+    taps: dict | None = None    # draft blocks of a Recorder(taps=True): the fast model's activation taps
 
 
 class Recorder:
-    """Wraps one engine (rank 0) and one round runner; `blocks` lists every model call in order."""
+    """Wraps one engine (rank 0) and one round runner; `blocks` lists every model call in order. With `taps`,
+    draft blocks also keep the fast model's activation taps (router scores, experts; `iquest debug chain`)."""
 
-    def __init__(self, engine, runner):
-        self.engine, self.runner = engine, runner
+    def __init__(self, engine, runner, taps: bool = False):
+        self.engine, self.runner, self.taps = engine, runner, taps
         self.blocks: list[Block] = []
         self.in_start = False
         self.round = -1
@@ -81,8 +83,11 @@ class Recorder:
             return logits, hidden
 
         def draft(tokens, prev_hidden, positions, live, taps=None):
+            if taps is None and self.taps:
+                taps = {}
             logits, h = drf(tokens, prev_hidden, positions, live, taps)
             self._record("draft", tokens, positions, live, logits, h, self.chain, self.depth)
+            self.blocks[-1].taps = taps
             return logits, h
 
         def runner_dist(local_logits):

@@ -35,7 +35,7 @@ from .replay import classes_all
 SCHEMA = "iquest-qualify/1"
 
 
-def _cases(vocab: int, quick: bool, ring: int) -> tuple[list[Case], list[int], list[int]]:
+def qualify_cases(vocab: int, quick: bool, ring: int) -> tuple[list[Case], list[int], list[int]]:
     """Prompts long enough that decoding passes the sliding window and wraps the ring."""
     gen = torch.Generator().manual_seed(7)
     need = ring + 8
@@ -205,7 +205,7 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
     # graph is held to the eager round separately (bit-exact: tests/test_fast_gpu.py).
     base = EngineOptions(max_context=512, dtype=dtype, graphs=False, kernels=kernels)
     config = Config.from_dir(model_dir)
-    cases, prefix, extra = _cases(config.vocab_size, quick, sliding_ring(config, base))
+    cases, prefix, extra = qualify_cases(config.vocab_size, quick, sliding_ring(config, base))
     plan = Plan(model_dir, tp, base, tuple(cases), tuple(prefix), tuple(extra), dtype,
                 tolerances.scheme(dtype, kernels, config, tp), 600 if quick else 3000, device)
     chosen = [c for c in REGISTRY if controls is None or c.name in controls]
