@@ -1,13 +1,13 @@
 """`iquest debug chain`: where a recursive draft row's error comes from.
 
-A draft at depth d >= 2 is the MTP layer applied to the previous depth's output, so qualify's
-numerics.hidden/draft_depth{d} compares the ends of two chains: the fast engine's (its own hiddens) and the
-reference's (its own). That error is what this depth's rounding adds plus what the d - 1 earlier depths carried
-in, passed through the layer. For every recursive row of the qualification decodes this tool separates them:
+A draft at depth d >= 2 is the MTP layer applied to the previous depth's output. Against a reference that
+recurses on its own outputs, the error at depth d is what this depth's rounding adds plus what the d - 1 earlier
+depths carried in, passed through the layer (and through any router tie the two chains cross differently). For
+every draft row of the qualification decodes this tool shows both:
 
-  chain   fast against the reference's own chain (the value qualify scores)
-  step    fast against the reference run from the fast engine's own previous-depth output at the same
-          position (the error this depth adds)
+  chain   fast against the reference recursing on its own outputs
+  step    fast against the reference recursing on the fast engine's outputs (what qualify scores,
+          qualify/replay.py): the error this depth adds
 
 beside the MTP router's top-k margin (log of the k-th over the (k+1)-th score; rounding can only swap experts
 whose margin it can cross) and whether the fast engine chose the experts the step reference chose.
@@ -59,51 +59,32 @@ def _experts(taps: dict | None, row: int) -> list[int]:
     return sorted(int(e) for e in taps["mtp.experts"][row]) if taps else []
 
 
-class _ChainReference(StreamReference):
-    """StreamReference that also runs each recursive row from the fast engine's own previous-depth output.
+class _Replay:
+    """One StreamReference over the recorded blocks, keeping each draft block's last live row (the row the next
+    depth starts from) with the reference's router taps for it."""
 
-    The step row runs before the chain row at the same position: both write the MTP K/V of that position and
-    the chain's write must be the one left behind (later depths attend to it)."""
-
-    def __init__(self, ref, stream, k: int):
-        super().__init__(ref, stream)
-        self.k, self.fast_prev, self.chain_taps = k, None, None
+    def __init__(self, ref, stream, recursion: str):
+        self.sr = StreamReference(ref, stream, recursion)
+        self.taps: dict = {}
         draft = ref.draft
 
         def tapped(*args):
-            self.chain_taps = {}
-            return draft(*args, self.chain_taps)
-        self.m = _Tapped(ref, tapped)
+            self.taps = {}
+            return draft(*args, self.taps)
+        self.sr.m = _Tapped(ref, tapped)
 
-    def rows(self, b: Block, case: int) -> list[ChainRow]:
-        out: list[ChainRow] = []
-        step = None
-        p = b.positions[0]
-        if b.depth >= 2 and self.chain_h is not None and p == self.chain_pos + 1 and self.fast_prev is not None:
-            taps: dict = {}
-            sl, sh = self.m.ref.draft(torch.tensor([b.tokens[0]]), self.fast_prev[None], torch.tensor([p]),
-                                      self.cache, taps)
-            step = (sl[0], sh[0], taps)
-        got = self.draft_block(b)
-        live = [i for i, x in enumerate(b.live) if x]
-        last = 0 if b.depth >= 2 else max(live)
-        self.fast_prev = b.hidden[last]
-        r = got[last] if last < len(got) else None
+    def block(self, b: Block):
+        """(logits, hidden, taps row) of the block's last live row, or None when the reference did not cover it."""
+        if b.kind != "draft":
+            self.sr.main_block(b)
+            return None
+        self.taps = {}
+        got = self.sr.draft_block(b)
+        last = max((i for i, x in enumerate(b.live) if x), default=None)
+        r = got[last] if last is not None and last < len(got) else None
         if r is None or r[0] != "ok":
-            self.fast_prev = None
-            return out
-        _, rl, rh = r
-        fl, fh = b.logits[last], b.hidden[last]
-        chain_experts = _experts(self.chain_taps, -1)  # the depth-0 block's reference rows end at this row
-        if step is None:
-            out.append(ChainRow(case, b.round, b.depth, b.positions[last], _rel(fh, rh), _rel(fl, rl), math.nan,
-                                math.nan, math.nan, _experts(b.taps, last), [], chain_experts))
-        else:
-            sl, sh, taps = step
-            out.append(ChainRow(case, b.round, b.depth, p, _rel(fh, rh), _rel(fl, rl), _rel(fh, sh), _rel(fl, sl),
-                                _margin(taps["mtp.router_scores"][0], self.k), _experts(b.taps, 0),
-                                _experts(taps, 0), chain_experts))
-        return out
+            return None
+        return r[1], r[2], self.taps  # the draft call's rows end at this row (taps row -1)
 
 
 class _Tapped:
@@ -117,16 +98,23 @@ class _Tapped:
 
 
 def chain_rows(engine: RankEngine, model_dir: str, case, index: int) -> list[ChainRow]:
-    """Decode one qualification case on `engine` and split every draft chain's error by depth."""
+    """Decode one qualification case on `engine` and split every draft row's error: the reference replayed
+    twice over the same recorded blocks, its recursion from its own outputs (chain) and from the engine's
+    (step, what qualify scores)."""
     _, steps, blocks = record(engine, case, taps=True)
     stream = list(case.prompt) + [t for s in steps for t in s.tokens]
-    cr = _ChainReference(reference(model_dir), stream, engine.config.num_experts_per_tok)
+    ref, k = reference(model_dir), engine.config.num_experts_per_tok
+    chain, step = _Replay(ref, stream, "reference"), _Replay(ref, stream, "fast")
     rows: list[ChainRow] = []
     for b in blocks:
-        if b.kind == "draft":
-            rows += cr.rows(b, index)
-        else:
-            cr.main_block(b)
+        c, s = chain.block(b), step.block(b)
+        if c is None or s is None:
+            continue
+        last = max(i for i, x in enumerate(b.live) if x)
+        fl, fh = b.logits[last], b.hidden[last]
+        rows.append(ChainRow(index, b.round, b.depth, b.positions[last], _rel(fh, c[1]), _rel(fl, c[0]),
+                             _rel(fh, s[1]), _rel(fl, s[0]), _margin(s[2]["mtp.router_scores"][-1], k),
+                             _experts(b.taps, last), _experts(s[2], -1), _experts(c[2], -1)))
     return rows
 
 

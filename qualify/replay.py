@@ -15,6 +15,16 @@ confined to one class is never averaged away by the others):
   past_window      verification rows at positions >= sliding_window (the window no longer starts at 0)
   ring_reused      verification rows at positions >= the engine's ring size (their slot held another position)
   draft_depth{d}   draft rows giving q_d: d = 1 is the depth-0 redraft block (all its live rows), d >= 2 one row
+
+A recursive draft row (depth >= 2) is the MTP layer applied to the previous depth's output, a continuous value.
+The reference recomputes it from the *fast engine's* previous output (`recursion="fast"`), as it recomputes a
+verification row from the engine's tokens: each depth is then held to one layer's rounding. Run from its own
+previous output (`recursion="reference"`), the reference follows a second chain whose rounding differs from the
+first at every depth, and the two can cross a router tie at different depths: on the GPU (bf16, Triton kernels,
+commit 92f916d) a depth-5 row the engine computed within 0.009 of the step reference differed by 0.396 from the
+reference chain, whose own router swapped an expert at a log-score margin of 3e-4 (`iquest debug chain` splits
+the two; docs/PERF.md). The engine's feeding of its previous output is still checked: the row is recomputed
+from what the previous depth *output*, so feeding anything else shows up as an error at that depth.
 """
 
 from __future__ import annotations
@@ -132,8 +142,10 @@ class Recorder:
 class StreamReference:
     """The float64 reference with stream-true caches: KV at committed positions always from the stream."""
 
-    def __init__(self, ref: ReferenceModel, stream: list[int]):
-        self.m, self.stream = ref, stream
+    def __init__(self, ref: ReferenceModel, stream: list[int], recursion: str = "fast"):
+        if recursion not in ("fast", "reference"):
+            raise ValueError(f"recursion must be 'fast' or 'reference', got {recursion!r}")
+        self.m, self.stream, self.recursion = ref, stream, recursion
         self.cache = ref.new_cache()
         self.main_valid = 0      # main KV and hiddens are stream-true for positions < main_valid
         self.mtp_valid = 1       # MTP KV is the depth-0 (main-hidden) KV for positions 1..mtp_valid-1
@@ -186,7 +198,7 @@ class StreamReference:
                 self.chain_h = None
                 return [("uncovered",)]
             logits, h = self.m.draft(torch.tensor([b.tokens[0]]), self.chain_h[None], torch.tensor([p]), self.cache)
-            self.chain_h, self.chain_pos = h[0], p
+            self.chain_h, self.chain_pos = self._next(h[0], b.hidden[0]), p
             return [("ok", logits[0], h[0])]
         idx = [i for i, x in enumerate(b.live) if x]
         inside = [i for i in idx if b.positions[i] < len(self.stream)]
@@ -212,8 +224,12 @@ class StreamReference:
                 out[i] = ("ok", logits[p - s], h[p - s])
         last = max(idx)
         if b.positions[last] == P and out[last][0] == "ok":
-            self.chain_h, self.chain_pos = h[P - s], P
+            self.chain_h, self.chain_pos = self._next(h[P - s], b.hidden[last]), P
         return out
+
+    def _next(self, ref_h: torch.Tensor, fast_h: torch.Tensor) -> torch.Tensor:
+        """The previous-depth output the next recursive row starts from (see the module docstring)."""
+        return fast_h if self.recursion == "fast" else ref_h
 
 
 # ---- scoring ------------------------------------------------------------------------------------------------
