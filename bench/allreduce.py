@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..reference.config import Config
+from .timing import replay_times
 
 VARIANTS = ("nccl", "one_shot", "two_shot")
 CALLS = 60  # per captured graph (a multiple of three, like the fused kernel's rotating slots)
@@ -87,18 +88,14 @@ def _graph_times(call, repeats: int) -> list[float]:
     with torch.cuda.graph(graph):
         for _ in range(CALLS):
             call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats + 1):  # the first replay warms up, untimed
-        torch.cuda.synchronize()
-        dist.barrier()
-        torch.cuda.synchronize()
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return times[1:]
+    return replay_times(graph, CALLS, repeats, warmup=1, before=_lockstep)
+
+
+def _lockstep() -> None:
+    """Every rank idle, then all released together: a replay waiting on a late peer would time the wait."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    torch.cuda.synchronize()
 
 
 def _measure(name: str, rows: int, hidden: int, repeats: int, rank: int, world: int, device, group) -> dict:

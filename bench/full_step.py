@@ -27,6 +27,7 @@ from ..reference.config import Config, GenerationConfig
 from .bytes import ByteCounter, RoundRouting
 from .acceptance import tpot
 from .history import fill_history, synthetic_history
+from .timing import sync, time_chunk
 from ..provenance import commit
 
 STAGES = ("attention", "moe", "norm", "lm_head", "sampling", "draft")  # labels in fast/model.py, fast/round.py
@@ -213,22 +214,14 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
         if filled:
             fill_history(engine, filled, seed)
         engine.start(req, runner, history=filled)
-        _sync(dev)
+        sync(dev)
         timing[name] = {"capture_s": t1 - t0, "prefill_s": time.perf_counter() - t1}
         engines[name] = (engine, runner, graph, Snapshot(engine))
 
     def chunk(name: str, mode: str) -> dict:
         engine, runner, graph, snap = engines[name]
         snap.restore()
-        st = engine.state
-        rounds0, emitted0 = int(st.rounds), int(st.emitted)
-        _sync(dev)
-        start = time.perf_counter()
-        engine.decode_chunk(runner, graph if mode == "graph" else None)
-        _sync(dev)
-        dt = time.perf_counter() - start
-        rounds, emitted = int(st.rounds) - rounds0, int(st.emitted) - emitted0
-        return {"seconds": dt, "rounds": rounds, "tokens": emitted, "round_us": dt / max(rounds, 1) * 1e6}
+        return time_chunk(engine, lambda: engine.decode_chunk(runner, graph if mode == "graph" else None), dev)
 
     variants = [(k, m) for k in kernels for m in (("graph", "eager") if cuda else ("eager",))]
     for k, m in variants:  # warm-up, untimed: first-use allocations, kernel compiles, lazily kept dense weights
@@ -297,11 +290,6 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
     return report
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _profiled(engine: RankEngine, runner, graph, snap: Snapshot, dev: torch.device) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -311,11 +299,11 @@ def _profiled(engine: RankEngine, runner, graph, snap: Snapshot, dev: torch.devi
     st = engine.state
     st.budget.copy_(st.emitted + PROFILE_TOKENS)  # a few rounds: the profiler's trace stays small
     rounds0 = int(st.rounds)
-    _sync(dev)
+    sync(dev)
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         engine.decode_chunk(runner, graph)
-        _sync(dev)
+        sync(dev)
         wall_us = (time.perf_counter() - start) * 1e6
     return breakdown(prof.events(), wall_us, int(st.rounds) - rounds0, cuda)
 

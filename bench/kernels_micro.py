@@ -39,6 +39,7 @@ from ..kernels.decode_attention import decode_attention, decode_attention_ref, v
 from ..kernels.fp8_linear import fp8_linear, fp8_linear_ref
 from ..reference.config import Config
 from ..reference.fp8 import E4M3, dequantize, expand_scales
+from .timing import replay_times
 
 FULL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "iquest-q1.json"
 TP = 8
@@ -281,15 +282,7 @@ def graph_times(calls: list[Callable[[], object]], repeats: int) -> tuple[list[f
     """Per-call microseconds of `repeats` replays of one CUDA graph holding `calls` back to back (cycled
     to at least MIN_CALLS), each replay timed with CUDA events; returns (times, calls per replay)."""
     graph, n = capture_calls(calls)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / n)
-    return times, n
+    return replay_times(graph, n, repeats), n
 
 
 def _measure(op: str, base, copies: list, variants: dict[str, Variant], repeats: int, floor_bytes: int,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ import torch
 from ..fast.parallel import Parallel
 from ..provenance import commit
 from ..fast.rank import EngineOptions, RankEngine, Request
+from .timing import time_chunk
 
 
 def _prompt(engine: RankEngine, context: int, seed: int) -> list[int]:
@@ -39,16 +39,9 @@ def _prompt(engine: RankEngine, context: int, seed: int) -> list[int]:
 
 def _time_chunk(engine: RankEngine, runner, graph, req: Request) -> dict:
     engine.start(req, runner)  # prefill and first drafts: untimed
-    st = engine.state
-    rounds0, emitted0 = int(st.rounds), int(st.emitted)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    engine.decode_chunk(runner, graph)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    rounds, emitted = int(st.rounds) - rounds0, int(st.emitted) - emitted0
-    return {"seconds": dt, "rounds": rounds, "tokens": emitted, "round_us": dt / rounds * 1e6,
-            "tokens_per_round": emitted / rounds}
+    row = time_chunk(engine, lambda: engine.decode_chunk(runner, graph), torch.device("cuda"))
+    row["tokens_per_round"] = row["tokens"] / row["rounds"]
+    return row
 
 
 def run(model_dir: str, context: int, drafts: int | str, repeats: int, chunk_tokens: int, seed: int,

@@ -22,8 +22,8 @@ import multiprocessing as mp
 import platform
 import queue
 import statistics
-import time
 import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,9 +33,10 @@ from ..fast.parallel import Parallel, free_port, init_process
 from ..fast.rank import EngineOptions, RankEngine, Request
 from ..fast.synthetic import synthetic_weights
 from ..reference.config import Config, GenerationConfig
-from .full_step import Snapshot, _sync
+from .full_step import Snapshot
 from .acceptance import tpot
 from .history import fill_history, synthetic_history
+from .timing import time_chunk
 from ..provenance import commit
 
 
@@ -77,6 +78,12 @@ class CollectiveCounter:
             object.__delattr__(self.par, name)
 
 
+def _decode(engine: RankEngine, runner, counter: CollectiveCounter | None) -> None:
+    """One eager decode chunk, its collectives counted while `counter` is given (the barrier around it is not)."""
+    with counter if counter is not None else nullcontext():
+        engine.decode_chunk(runner, None)
+
+
 def _rank_main(rank: int, tp: int, port: int, kind: str, spec: dict, results: "mp.Queue") -> None:
     """`tp` is the layout; `spec["processes"]` how many of its ranks run (all of them for --tp)."""
     try:
@@ -104,22 +111,13 @@ def _rank_main(rank: int, tp: int, port: int, kind: str, spec: dict, results: "m
         st, chunks, counts = engine.state, [], None
         for i in range(spec["repeats"] + 1):  # the first chunk warms up, untimed
             snap.restore()
-            rounds0, emitted0 = int(st.rounds), int(st.emitted)
-            _sync(par.device)
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            if i == 1:
-                with CollectiveCounter(par) as counter:
-                    engine.decode_chunk(runner, None)
+            counter = CollectiveCounter(par) if i == 1 else None
+            chunk = time_chunk(engine, lambda: _decode(engine, runner, counter), par.device,
+                               before=torch.distributed.barrier)
+            if counter is not None:
                 counts = dict(counter.calls)
-            else:
-                engine.decode_chunk(runner, None)
-            _sync(par.device)
-            dt = time.perf_counter() - start
-            rounds, tokens = int(st.rounds) - rounds0, int(st.emitted) - emitted0
             if i:
-                chunks.append({"seconds": dt, "rounds": rounds, "tokens": tokens,
-                               "round_us": dt / max(rounds, 1) * 1e6, "tokens_out": st.log_tokens[:int(st.emitted)].tolist()})
+                chunks.append({**chunk, "tokens_out": st.log_tokens[:int(st.emitted)].tolist()})
         results.put(("ok", rank, {"chunks": chunks, "collectives_first_timed_chunk": counts}))
     except BaseException:
         results.put(("error", rank, traceback.format_exc()))
