@@ -133,7 +133,7 @@ GPU_CASES = [  # full size and the mini model (E=16, top-4, H=256, I=128, block 
     case("gpu_full_8rows_poison", R=8, pattern="poison", live="count", min_split=2, **FULL),
     case("gpu_full_8rows_mask_fp32", R=8, live="mask", min_split=2, **dict(FULL, x="fp32")),
     case("gpu_full_8rows_split1", R=8, split_k=1, split=1, **FULL),
-    case("gpu_full_8rows_split96", R=8, split_k=96, split=96, **FULL),  # one 64-wide K tile per split
+    case("gpu_full_8rows_split48", R=8, split_k=48, split=48, **FULL),  # one K tile (128 wide, the default) per split
     case("gpu_full_6rows_other_tiles", R=6, split_k=5, split=5,  # the pre-split tiles: 128-wide K, Down 32 x 64
          **dict(FULL, block_k=128, down_block_n=32, down_block_k=64)),
     # the engine's call: fp32 routing input, bf16 compute and output (bit-identical to bf16 x)
