@@ -100,9 +100,9 @@ class FastModel:
         attn_out = self.attention(lw, kv, self.ops.norm(x, lw.input_norm, eps), blk)
         # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
         x, b32 = self.ops.add_norm(x, attn_out, lw.post_norm, eps)
-        moe_out, scores, experts = self.moe(lw, b32, blk.live)
+        moe_out, scores, experts = self.moe(lw, b32, blk.live, mtp=tag == "mtp.")
         x = x + moe_out
-        for name, value in (("attn_out", attn_out), ("router_scores", scores), ("experts", experts),
+        for name, value in (("attn_out", attn_out), ("moe_in", b32), ("router_scores", scores), ("experts", experts),
                             ("moe_out", moe_out), ("hidden", x)):
             _tap(taps, tag + name, value)
         return x
@@ -119,13 +119,17 @@ class FastModel:
         return self.par.all_reduce(self.ops.linear(lw.wo, out.to(self.dtype).reshape(R, -1)))
 
     @stage("moe")
-    def moe(self, lw: LayerWeights, b32: torch.Tensor,
-            live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def moe(self, lw: LayerWeights, b32: torch.Tensor, live: torch.Tensor,
+            mtp: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Routed experts on this rank's slice of every expert's intermediate dimension (padding rows'
         experts are not read by the kernel path)."""
         c = self.config
         weights, experts, scores = self.ops.route(b32, lw.router, c.num_experts_per_tok, c.norm_topk_prob,
                                                   c.routed_scaling_factor)
+        if mtp and "mtp_router_shift" in self.defects:  # negative control: the draft layer skips its best expert
+            experts = torch.topk(scores, c.num_experts_per_tok + 1, dim=-1).indices[:, 1:]
+            weights = scores.gather(-1, experts)
+            weights = (weights / weights.sum(-1, keepdim=True) if c.norm_topk_prob else weights) * c.routed_scaling_factor
         out = self.ops.moe(b32, experts, weights, live, lw.gate, lw.up, lw.down, compute_dtype=self.dtype)
         out = out.to(self.dtype)
         return self.par.all_reduce(out), scores, experts

@@ -55,46 +55,26 @@ def _margin(scores: torch.Tensor, k: int) -> float:
     return math.log(float(s[k - 1]) / float(s[k])) if s.numel() > k and float(s[k]) > 0 else math.inf
 
 
-def _experts(taps: dict | None, row: int) -> list[int]:
-    return sorted(int(e) for e in taps["mtp.experts"][row]) if taps else []
+def _experts(experts: torch.Tensor) -> list[int]:
+    return sorted(int(e) for e in experts)
 
 
 class _Replay:
     """One StreamReference over the recorded blocks, keeping each draft block's last live row (the row the next
-    depth starts from) with the reference's router taps for it."""
+    depth starts from)."""
 
     def __init__(self, ref, stream, recursion: str):
         self.sr = StreamReference(ref, stream, recursion)
-        self.taps: dict = {}
-        draft = ref.draft
-
-        def tapped(*args):
-            self.taps = {}
-            return draft(*args, self.taps)
-        self.sr.m = _Tapped(ref, tapped)
 
     def block(self, b: Block):
-        """(logits, hidden, taps row) of the block's last live row, or None when the reference did not cover it."""
+        """The reference's ("ok", logits, hidden, DraftRow) for the block's last live row, or None."""
         if b.kind != "draft":
             self.sr.main_block(b)
             return None
-        self.taps = {}
         got = self.sr.draft_block(b)
         last = max((i for i, x in enumerate(b.live) if x), default=None)
         r = got[last] if last is not None and last < len(got) else None
-        if r is None or r[0] != "ok":
-            return None
-        return r[1], r[2], self.taps  # the draft call's rows end at this row (taps row -1)
-
-
-class _Tapped:
-    """The reference model with `draft` replaced (the replay calls self.m.draft / self.m.forward)."""
-
-    def __init__(self, ref, draft):
-        self.ref, self.draft = ref, draft
-
-    def __getattr__(self, name):
-        return getattr(self.ref, name)
+        return r if r is not None and r[0] == "ok" else None
 
 
 def chain_rows(engine: RankEngine, model_dir: str, case, index: int) -> list[ChainRow]:
@@ -112,9 +92,10 @@ def chain_rows(engine: RankEngine, model_dir: str, case, index: int) -> list[Cha
             continue
         last = max(i for i, x in enumerate(b.live) if x)
         fl, fh = b.logits[last], b.hidden[last]
-        rows.append(ChainRow(index, b.round, b.depth, b.positions[last], _rel(fh, c[1]), _rel(fl, c[0]),
-                             _rel(fh, s[1]), _rel(fl, s[0]), _margin(s[2]["mtp.router_scores"][-1], k),
-                             _experts(b.taps, last), _experts(s[2], -1), _experts(c[2], -1)))
+        rows.append(ChainRow(index, b.round, b.depth, b.positions[last], _rel(fh, c[2]), _rel(fl, c[1]),
+                             _rel(fh, s[2]), _rel(fl, s[1]), _margin(s[3].tap("router_scores"), k),
+                             _experts(b.taps["mtp.experts"][last]), _experts(s[3].tap("experts")),
+                             _experts(c[3].tap("experts"))))
     return rows
 
 

@@ -145,7 +145,7 @@ def decode_session(engine: RankEngine, model_dir: str, case: Case, tol: str, run
                    dist_engine: RankEngine | None = None) -> Session:
     """`engine`: the (rank-0) engine recorded; `run(req)`: how a request is decoded (default engine.decode; a
     FastEngine's generate under TP); `dist_engine`: a single-rank engine for fresh-prefill distributions."""
-    params, steps, blocks = record(engine, case, run)
+    params, steps, blocks = record(engine, case, run, taps=True)  # draft taps: numerics.router
     out = _tokens(steps)
     stream = list(case.prompt) + out
     tol_rel = tolerances.value("numerics.logits", tol)
@@ -153,7 +153,8 @@ def decode_session(engine: RankEngine, model_dir: str, case: Case, tol: str, run
     ring = sliding_ring(engine.config, engine.options)
     result = score(blocks, ref, stream, params, tol_rel, engine.config.sliding_window, ring,
                    engine.model.w.vocab_offset, full_vocab=engine.par.world == 1,
-                   sampler_tol=tolerances.value("numerics.sampler", tol))
+                   sampler_tol=tolerances.value("numerics.sampler", tol),
+                   router_tol=tolerances.value("numerics.router", tol))
     session = Session(case, steps, blocks, result.scores, result.round_ratio, ring, params)
     session.agreement_rows = agreement(dist_engine or engine, model_dir, case, params, out, _acceptance(steps), result.round_ratio,
                                        tol_rel)
@@ -196,9 +197,12 @@ def session_rows(sessions: list[Session], classes: list[str]) -> list[Row]:
     for s in sessions:
         merged.merge(s.scores)
     rows = []
-    metrics = sorted({m for m, _ in merged.table}, key=lambda m: ("logits", "hidden", "kl", "topk", "sampler").index(m.split(".")[1]))
+    metrics = sorted({m for m, _ in merged.table},
+                     key=lambda m: ("logits", "hidden", "kl", "topk", "sampler", "router").index(m.split(".")[1]))
     for m in metrics:
         for c in classes:
+            if m == "numerics.router" and not c.startswith("draft_depth"):
+                continue  # the draft layer's router only (qualify/router.py)
             w = merged.table.get((m, c))
             if w is None:
                 rows.append(Row(m, c, math.nan, math.nan, False, 0, "no rows of this class were exercised"))

@@ -41,6 +41,10 @@ def _forward_rows(sessions) -> int:
     return sum(sum(b.live) for s in sessions for b in s.blocks if b.kind != "draft")
 
 
+def _draft_rows(sessions) -> int:
+    return sum(sum(b.live) for s in sessions for b in s.blocks if b.kind == "draft")
+
+
 def _square_scales(model_dir) -> int:
     reader = CheckpointReader(model_dir)
     count = 0
@@ -88,6 +92,9 @@ REGISTRY: list[Control] = [
             frozenset({"skip_redraft"}), None,
             (("decode.acceptance", "first_divergence"),) + tuple(("numerics.logits", c) for c in DRAFT), "decode",
             lambda s, d: _rounds(s, lambda st: st.accepted >= 1), "rounds with an accepted draft (redraft > 1 row)"),
+    Control("mtp_router_shift", "draft layer's router skips its best expert (ranks 2..k+1 chosen)",
+            frozenset({"mtp_router_shift"}), None, tuple(("numerics.router", c) for c in DRAFT), "decode",
+            lambda s, d: _draft_rows(s), "live draft rows (each routed by the shifted router)"),
     Control("fp8_scales_transposed", "FP8 scale blocks indexed transposed (scale[c//B1, r//B0])",
             frozenset({"fp8_scales_transposed"}), None, (("numerics.logits", "prefill"),), "decode",
             lambda s, d: _square_scales(d), "quantized weights whose square scale grid is not symmetric"),

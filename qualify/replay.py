@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..reference import sampling
+from ..reference.checkpoint import layer_prefix
 from ..reference.model import ReferenceModel
 from ..reference.sampling import Dist, SamplingParams
+from .router import swap_ratio
 
 VERIFY_ROWS = 8
 METRICS = ("numerics.logits", "numerics.hidden", "numerics.kl", "numerics.topk", "numerics.sampler")
@@ -138,6 +140,19 @@ class Recorder:
                 obj.__dict__.pop(name, None)
 
 
+@dataclass
+class DraftRow:
+    """What the reference computed one draft row from, and its MTP taps (the row is `row` of `taps`)."""
+    token: int
+    position: int
+    prev: torch.Tensor          # [H] the previous hidden the row started from
+    taps: dict
+    row: int
+
+    def tap(self, name: str) -> torch.Tensor:
+        return self.taps["mtp." + name][self.row]
+
+
 # ---- the reference side -------------------------------------------------------------------------------
 class StreamReference:
     """The float64 reference with stream-true caches: KV at committed positions always from the stream."""
@@ -191,15 +206,17 @@ class StreamReference:
         return out
 
     def draft_block(self, b: Block) -> list:
+        """Per row: None, ("uncovered",), ("context", why) or ("ok", logits, hidden, DraftRow)."""
         out: list = [None] * len(b.tokens)
         if b.depth >= 2:  # one recursive row from the previous depth's hidden
             i, p = 0, b.positions[0]
             if self.chain_h is None or p != self.chain_pos + 1:
                 self.chain_h = None
                 return [("uncovered",)]
-            logits, h = self.m.draft(torch.tensor([b.tokens[0]]), self.chain_h[None], torch.tensor([p]), self.cache)
+            prev, taps = self.chain_h, {}
+            logits, h = self.m.draft(torch.tensor([b.tokens[0]]), prev[None], torch.tensor([p]), self.cache, taps)
             self.chain_h, self.chain_pos = self._next(h[0], b.hidden[0]), p
-            return [("ok", logits[0], h[0])]
+            return [("ok", logits[0], h[0], DraftRow(b.tokens[0], p, prev, taps, 0))]
         idx = [i for i, x in enumerate(b.live) if x]
         inside = [i for i in idx if b.positions[i] < len(self.stream)]
         self.chain_h = None
@@ -213,7 +230,8 @@ class StreamReference:
         s = max(1, min(self.mtp_valid, min(b.positions[i] for i in inside)))
         pos = torch.arange(s, P + 1)
         prev = torch.stack([self.H[p - 1] for p in pos.tolist()])
-        logits, h = self.m.draft(torch.tensor(self.stream[s:P + 1]), prev, pos, self.cache)
+        taps: dict = {}
+        logits, h = self.m.draft(torch.tensor(self.stream[s:P + 1]), prev, pos, self.cache, taps)
         self.mtp_valid = P + 1
         for i in inside:
             p = b.positions[i]
@@ -221,11 +239,18 @@ class StreamReference:
                 out[i] = ("context", f"draft row at position {p} carries token {b.tokens[i]}, the stream has "
                                      f"{self.stream[p]}")
             else:
-                out[i] = ("ok", logits[p - s], h[p - s])
+                out[i] = ("ok", logits[p - s], h[p - s], DraftRow(self.stream[p], p, prev[p - s], taps, p - s))
         last = max(idx)
         if b.positions[last] == P and out[last][0] == "ok":
             self.chain_h, self.chain_pos = self._next(h[P - s], b.hidden[last]), P
         return out
+
+    def forced(self, row: "DraftRow", experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, h') of a draft row recomputed with the MTP layer's experts given (qualify/router.py). The
+        row's K/V is written before its MoE, so rewriting it leaves the cache as it was."""
+        logits, h = self.m.draft(torch.tensor([row.token]), row.prev[None], torch.tensor([row.position]),
+                                 self.cache, None, experts.view(1, -1))
+        return logits[0], h[0]
 
     def _next(self, ref_h: torch.Tensor, fast_h: torch.Tensor) -> torch.Tensor:
         """The previous-depth output the next recursive row starts from (see the module docstring)."""
@@ -330,8 +355,13 @@ class ReplayResult:
 
 
 def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: SamplingParams, tol_rel: float,
-          window: int, ring: int, vocab_offset: int = 0, full_vocab: bool = True, sampler_tol: float = 1e-5) -> ReplayResult:
+          window: int, ring: int, vocab_offset: int = 0, full_vocab: bool = True, sampler_tol: float = 1e-5,
+          router_tol: float = 1.0) -> ReplayResult:
+    """Every recorded row against the stream-true reference. Draft rows recorded with taps also get
+    numerics.router (qualify/router.py): a swap of MTP experts that the engine's own MoE input explains is
+    scored against the reference recomputed with the engine's experts."""
     sr = StreamReference(ref, stream)
+    router_w = ref.w[layer_prefix(ref.config.mtp_layer_index) + "mlp.gate.weight"]
     scores, round_ratio = Scores(), {}
     t = params.temperature if params.temperature > 0 else 1.0
     covered = uncovered = 0
@@ -351,7 +381,14 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
                 for m in METRICS[:4]:
                     scores.add(m, classes, math.inf, 1.0, f"{where}: {r[1]}")
                 continue
-            _, rl, rh = r
+            rl, rh = r[1], r[2]
+            if b.kind == "draft" and b.taps is not None:
+                fast_experts = b.taps["mtp.experts"][i]
+                swapped, ratio = swap_ratio(router_w, b.taps["mtp.moe_in"][i], r[3].tap("moe_in"), fast_experts,
+                                            r[3].tap("experts"))
+                scores.add("numerics.router", classes, ratio, router_tol, where)
+                if swapped and ratio <= router_tol:
+                    rl, rh = sr.forced(r[3], fast_experts)
             ref_rows[i] = (rl, rh)
             fl, fh = b.logits[i], b.hidden[i]
             scale = float(rl.abs().max())

@@ -112,15 +112,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 # ---- mixture of experts -------------------------------------------------------------------------
-def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
-          scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float,
+          experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Softmax routing: (weights [R, k], experts [R, k] long, scores [R, E]).
 
     Experts are ordered by descending score; equal scores go to the lower expert index (a stable
-    sort keeps index order among ties, which torch.topk does not promise).
+    sort keeps index order among ties, which torch.topk does not promise). `experts` [R, k], when given,
+    replaces the selection (weights are still these experts' scores): qualification recomputes a row under
+    another engine's choice at a router tie (qualify/router.py).
     """
     scores = torch.softmax(router_logits, dim=-1)
-    experts = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    if experts is None:
+        experts = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    elif experts.shape != (scores.shape[0], top_k):
+        raise ValueError(f"forced experts have shape {tuple(experts.shape)}, expected {(scores.shape[0], top_k)}")
     weights = scores.gather(-1, experts)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -14,6 +14,7 @@ state), so the MTP layer never reads position 0 of its own cache.
 
 Taps (a debugging contract shared with the fast engine). Pass `taps={}`; each call stores copies:
   layer{l}.attn_out       [R, H]  float64  o_proj output, before the residual add
+  layer{l}.moe_in         [R, H]  float64  post-attention RMSNorm output: the MoE and router input
   layer{l}.router_scores  [R, E]  float64  softmax over all experts
   layer{l}.experts        [R, k]  int64    chosen experts, best first (ties: lower index)
   layer{l}.moe_out        [R, H]  float64  weighted sum of the chosen experts, before the residual add
@@ -21,7 +22,7 @@ Taps (a debugging contract shared with the fast engine). Pass `taps={}`; each ca
   final_hidden            [R, H]  float64  pre-norm output of the last layer (the MTP input)
   logits                  [R, V]  float64
 The draft layer stores the same per-layer names with prefix "mtp." instead of "layer{l}."
-(mtp.attn_out, mtp.router_scores, mtp.experts, mtp.moe_out, mtp.hidden), plus mtp.input (u, the
+(mtp.attn_out, mtp.moe_in, mtp.router_scores, mtp.experts, mtp.moe_out, mtp.hidden), plus mtp.input (u, the
 eh_proj output) and mtp.logits.
 """
 
@@ -136,8 +137,9 @@ class ReferenceModel:
     # ---- the MTP draft layer --------------------------------------------------------------------
     @torch.no_grad()
     def draft(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-              taps: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft rows at positions p >= 1 from (token x_p, hidden for p-1): (logits for p+1, h')."""
+              taps: dict | None = None, experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft rows at positions p >= 1 from (token x_p, hidden for p-1): (logits for p+1, h').
+        `experts` [R, k]: the MTP layer's experts chosen by the caller instead of by its router (qualify)."""
         c = self.config
         self._check_rows(tokens, positions, first_position=1)
         if prev_hidden.shape != (tokens.shape[0], c.hidden_size):
@@ -149,7 +151,7 @@ class ReferenceModel:
         u = torch.cat([e, h], dim=-1) @ self.w[m + "eh_proj.weight"].T  # embedding first
         _tap(taps, "mtp.input", u)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling, self.dtype)
-        h_out = self._decoder_layer(c.mtp_layer_index, u, positions, cos, sin, cache, taps, "mtp.", 1)
+        h_out = self._decoder_layer(c.mtp_layer_index, u, positions, cos, sin, cache, taps, "mtp.", 1, experts)
         logits = self._lm_head(h_out, m + "shared_head.norm.weight")
         _tap(taps, "mtp.logits", logits)
         return logits, h_out
@@ -157,15 +159,16 @@ class ReferenceModel:
     # ---- one decoder layer (main layers and the MTP layer) ----------------------------------------
     def _decoder_layer(self, layer: int, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, cache: KVCache, taps: dict | None, tag: str,
-                       first_position: int) -> torch.Tensor:
+                       first_position: int, experts: torch.Tensor | None = None) -> torch.Tensor:
         p, eps = layer_prefix(layer), self.config.rms_norm_eps
         a = rms_norm(x, self.w[p + "input_layernorm.weight"], eps)
         attn_out = self._attention(layer, a, positions, cos, sin, cache, first_position)
         x = x + attn_out
         b = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], eps)
-        moe_out, scores, experts = self._moe(p, b)
+        moe_out, scores, experts = self._moe(p, b, experts)
         x = x + moe_out
         _tap(taps, tag + "attn_out", attn_out)
+        _tap(taps, tag + "moe_in", b)
         _tap(taps, tag + "router_scores", scores)
         _tap(taps, tag + "experts", experts)
         _tap(taps, tag + "moe_out", moe_out)
@@ -197,10 +200,11 @@ class ReferenceModel:
         out = attention(q, keys, values, mask, sinks)
         return out.reshape(R, -1) @ self.w[p + "self_attn.o_proj.weight"].T
 
-    def _moe(self, p: str, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _moe(self, p: str, b: torch.Tensor,
+             experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.config
         weights, experts, scores = route(b @ self.w[p + "mlp.gate.weight"].T, c.num_experts_per_tok,
-                                         c.norm_topk_prob, c.routed_scaling_factor)
+                                         c.norm_topk_prob, c.routed_scaling_factor, experts)
         out = torch.zeros_like(b)
         for e in experts.unique().tolist():  # ascending expert id: a fixed summation order per row
             rows, slot = (experts == e).nonzero(as_tuple=True)

@@ -193,7 +193,7 @@ def test_taps_carry_the_documented_names(default_model):
     taps: dict = {}
     cache = m.new_cache()
     logits, hidden = m.forward(toks, torch.arange(12), cache, taps)
-    per_layer = ("attn_out", "router_scores", "experts", "moe_out", "hidden")
+    per_layer = ("attn_out", "moe_in", "router_scores", "experts", "moe_out", "hidden")
     assert set(taps) == {f"layer{l}.{n}" for l in range(L) for n in per_layer} | {"final_hidden", "logits"}
     assert torch.equal(taps["logits"], logits) and torch.equal(taps["final_hidden"], hidden)
     assert torch.equal(taps[f"layer{L - 1}.hidden"], hidden)

@@ -1,0 +1,46 @@
+"""Router ties in the draft layer: when may the fast engine's MTP experts differ from the reference's?
+
+The draft layer is one decoder layer, so its output h' is mostly that layer's MoE output: one expert swapped
+at a router tie moves h' by a sizeable fraction of its scale (GPU, bf16: 0.394 at a log-score margin of 3e-4,
+where the same row under the engine's experts is within 0.009). A swap is a rounding event, not a defect,
+only if the engine's own input could have produced it. Both engines compute logits l = W b from their MoE
+input b (the normalized residual): the engine from b_f, the reference from b_r. If the engine chose expert x
+and not y while the reference ranks y above x by m = l_r[y] - l_r[x] >= 0, then
+
+    (l_f[x] - l_f[y]) - (l_r[x] - l_r[y]) = (w_x - w_y) . (b_f - b_r) + (the engine's rounding of both)
+
+and the engine ranking x first needs m <= band = |(w_x - w_y) . (b_f - b_r)| + rho, with rho the fp32
+rounding bound of two length-H dot products, gamma_H * sum_j (|w_xj| + |w_yj|) |b_fj| (Higham, Thm 3.1;
+gamma_H = H u / (1 - H u), u = 2^-24), plus 8u for the engine's fp32 softmax and selection (log-score).
+Every pair (x chosen by the engine only, y chosen by the reference only) must satisfy it; the row's value is
+max m / band (<= 1: explained). An explained row is then held to its usual tolerances against the reference
+recomputed with the engine's experts, so the rest of the layer is still checked at rounding level.
+"""
+
+from __future__ import annotations
+
+import torch
+
+U32 = 2.0 ** -24
+
+
+def swap_ratio(w: torch.Tensor, b_fast: torch.Tensor, b_ref: torch.Tensor, fast_experts: torch.Tensor,
+               ref_experts: torch.Tensor) -> tuple[bool, float]:
+    """(swapped, max m / band over the swapped pairs) for one row; (False, 0.0) when the expert sets agree.
+
+    w [E, H] router weight, b_fast / b_ref [H] the two engines' MoE inputs, *_experts [k] chosen experts."""
+    fast, ref = set(fast_experts.tolist()), set(ref_experts.tolist())
+    if fast == ref:
+        return False, 0.0
+    w, bf, br = w.double(), b_fast.double(), b_ref.double()
+    h = w.shape[1]
+    gamma = h * U32 / (1 - h * U32)
+    l_ref = w @ br
+    worst = 0.0
+    for x in fast - ref:
+        for y in ref - fast:
+            m = float(l_ref[y] - l_ref[x])
+            d = w[x] - w[y]
+            band = abs(float(d @ (bf - br))) + gamma * float((w[x].abs() + w[y].abs()) @ bf.abs()) + 8 * U32
+            worst = max(worst, max(m, 0.0) / band)
+    return True, worst

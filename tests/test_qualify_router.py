@@ -1,0 +1,83 @@
+"""qualify/router.py: a swap of draft-layer experts is explained exactly when the engine's own MoE input
+(within fp32 rounding) could have produced it; the reference recomputes a row under forced experts."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings, strategies as st
+
+from iquest.qualify.router import swap_ratio
+from iquest.reference.layers import route
+
+
+def _topk(logits: torch.Tensor, k: int, skip: int = 0) -> torch.Tensor:
+    return torch.sort(logits, descending=True, stable=True).indices[skip:skip + k]
+
+
+def _case(seed: int, E: int, H: int, noise: float):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(E, H, generator=g, dtype=torch.float64) / H ** 0.5
+    b_ref = torch.randn(H, generator=g, dtype=torch.float64)
+    b_fast = (b_ref + noise * torch.randn(H, generator=g, dtype=torch.float64)).float()  # the engine's fp32 input
+    return w, b_ref, b_fast
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 10_000), E=st.integers(4, 64), H=st.integers(8, 512), k=st.integers(1, 4),
+       noise=st.sampled_from([0.0, 1e-4, 1e-2, 0.1, 1.0]))
+def test_an_engine_routing_on_its_own_input_is_always_explained(seed, E, H, k, noise):
+    w, b_ref, b_fast = _case(seed, E, H, noise)
+    fast = _topk(w.float() @ b_fast, k)          # the engine: fp32 logits of its own input
+    ref = _topk(w @ b_ref, k)
+    swapped, ratio = swap_ratio(w, b_fast, b_ref, fast, ref)
+    assert swapped == (set(fast.tolist()) != set(ref.tolist()))
+    assert ratio <= 1.0, (swapped, ratio)
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 10_000), E=st.integers(6, 64), H=st.integers(64, 512), k=st.integers(1, 4))
+def test_skipping_the_best_expert_is_not_explained(seed, E, H, k):
+    """Negative control: the engine's router takes ranks 2..k+1 of its own logits (same input up to fp32)."""
+    w, b_ref, b_fast = _case(seed, E, H, 0.0)
+    fast = _topk(w.float() @ b_fast, k, skip=1)
+    ref = _topk(w @ b_ref, k)
+    swapped, ratio = swap_ratio(w, b_fast, b_ref, fast, ref)
+    assert swapped and ratio > 1.0
+
+
+def test_agreeing_sets_in_any_order_are_not_a_swap():
+    w, b_ref, b_fast = _case(0, 16, 32, 0.0)
+    assert swap_ratio(w, b_fast, b_ref, torch.tensor([3, 1, 2]), torch.tensor([1, 2, 3])) == (False, 0.0)
+
+
+def test_forced_experts_keep_the_scores_and_replace_the_choice():
+    logits = torch.randn(3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    w0, e0, s0 = route(logits, 2, True, 1.0)
+    w1, e1, s1 = route(logits, 2, True, 1.0, experts=e0)
+    assert torch.equal(w0, w1) and torch.equal(e0, e1) and torch.equal(s0, s1)
+    other = e0.flip(-1).clone()
+    other[:, 0] = (e0[:, 0] + 1) % 8
+    w2, e2, _ = route(logits, 2, True, 1.0, experts=other)
+    assert torch.equal(e2, other)
+    assert torch.allclose(w2, s0.gather(-1, other) / s0.gather(-1, other).sum(-1, keepdim=True))
+
+
+def test_the_draft_layer_under_its_own_experts_is_unchanged_and_under_others_moves():
+    from pathlib import Path
+
+    from iquest.reference.model import ReferenceModel
+
+    ref = ReferenceModel.load(Path(__file__).resolve().parent.parent / "fixtures" / "tiny")
+    toks, pos = torch.tensor([5, 9, 13, 2]), torch.arange(4)
+    cache = ref.new_cache()
+    _, hidden = ref.forward(toks, pos, cache)
+    taps: dict = {}
+    logits, h = ref.draft(toks[1:], hidden[:3], pos[1:], cache, taps)
+    own = taps["mtp.experts"]
+    logits2, h2 = ref.draft(toks[1:], hidden[:3], pos[1:], cache, None, own)
+    assert torch.equal(logits, logits2) and torch.equal(h, h2)
+    E = taps["mtp.router_scores"].shape[1]
+    other = own.clone()
+    other[:, -1] = torch.tensor([next(e for e in range(E) if e not in r.tolist()) for r in own])
+    _, h3 = ref.draft(toks[1:], hidden[:3], pos[1:], cache, None, other)
+    assert (h3 - h).abs().max() > 1e-6
