@@ -94,8 +94,8 @@ class RoutingRecorder:
             current["tag"] = args[-1]
             return layer(*args)
 
-        def rec_moe(lw, b32, live):
-            out = moe(lw, b32, live)
+        def rec_moe(lw, b32, live, **kw):
+            out = moe(lw, b32, live, **kw)
             if self.rounds:
                 self.rounds[-1].append((current["tag"], int(live.sum()), int(out[2][live].unique().numel())))
             return out

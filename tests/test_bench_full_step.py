@@ -127,3 +127,23 @@ def test_cpu_smoke_run(tmp_path, capsys):
     assert b["rounds_recorded"] >= 1 and 0 < b["measured_median"] <= b["upper_bound"]
     stages = r["stages_us_per_round"]["torch/eager"]
     assert stages["attention"] > 0 and stages["moe"] > 0 and stages["sampling"] > 0
+
+
+def test_routing_recorder_counts_every_moe_call_of_eager_rounds():
+    """The byte count's routing comes from wrapping the model's decoder layers and MoE calls: every round must
+    show one call per main layer and one per draft depth, with distinct experts within what the rows can choose."""
+    from iquest.bench.full_step import RoutingRecorder
+
+    engine = RankEngine(str(TINY), Parallel.single("cpu"), EngineOptions(max_context=256, dtype="fp32", graphs=False))
+    c, drafts = engine.config, 3
+    runner, _ = engine.runner(drafts, 20)
+    engine.start(Request(tuple(range(5, 25)), 3, 1.0, 20, 0.95, 24, drafts, ()), runner)
+    with RoutingRecorder(engine, runner) as rec:
+        engine.decode_chunk(runner, None)
+    routings = rec.routings(c.num_hidden_layers, drafts)
+    assert routings, "no complete round was recorded"
+    for r in routings:
+        assert len(r.verify) == c.num_hidden_layers and len(r.draft) == drafts
+        assert all(1 <= n <= min(c.n_routed_experts, (drafts + 1) * c.num_experts_per_tok) for n in r.verify)
+        assert all(1 <= n <= c.num_experts_per_tok * (drafts + 1) for n in r.draft)
+    assert "decoder_layer" not in vars(engine.model) and "moe" not in vars(engine.model)  # unwrapped on exit
