@@ -54,20 +54,21 @@ class FastModel:
         return self.par.all_reduce(x)
 
     @stage("lm_head")
-    def logits(self, x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
-        """This rank's fp32 logits [R, V/tp] for its vocabulary rows."""
-        return self.ops.lm_head(self.ops.norm(x, norm, self.config.rms_norm_eps), self.w)
+    def logits(self, a: torch.Tensor) -> torch.Tensor:
+        """This rank's fp32 logits [R, V/tp] for its vocabulary rows, from the normalized rows `a`."""
+        return self.ops.lm_head(a, self.w)
 
     # ---- blocks -------------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
                 taps: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Main model: (local logits [R, V/tp] fp32, pre-norm final hidden [R, H])."""
-        x = self.embed(tokens)
+        x, pending = self.embed(tokens), None
         blk = self._block(positions, live)
         for i, lw in enumerate(self.w.layers):
-            x = self.decoder_layer(lw, self.cache[i], x, blk, taps, f"layer{i}.")
+            x, pending = self.decoder_layer(lw, self.cache[i], x, pending, blk, taps, f"layer{i}.")
+        x, a = self.ops.residual_norm(x, pending, self.w.norm, self.config.rms_norm_eps)
         _tap(taps, "final_hidden", x)
-        return self.logits(x, self.w.norm), x
+        return self.logits(a), x
 
     def draft(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
               taps: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,9 +80,10 @@ class FastModel:
         width = cat.shape[-1] // self.par.world
         u = self.par.all_reduce(self.ops.linear(m.eh_proj, cat[:, self.par.rank * width:(self.par.rank + 1) * width]))
         _tap(taps, "mtp.input", u)
-        h_out = self.decoder_layer(m.block, self.cache[self.config.mtp_layer_index], u, self._block(positions, live),
-                                   taps, "mtp.")
-        return self.logits(h_out, m.head_norm), h_out
+        x, pending = self.decoder_layer(m.block, self.cache[self.config.mtp_layer_index], u, None,
+                                        self._block(positions, live), taps, "mtp.")
+        h_out, a = self.ops.residual_norm(x, pending, m.head_norm, eps)
+        return self.logits(a), h_out
 
     def _block(self, positions: torch.Tensor, live: torch.Tensor) -> Block:
         return Block(positions, live, *self._rope(positions), (positions.max() + 1).view(1))
@@ -94,18 +96,25 @@ class FastModel:
         emb = torch.cat([angles, angles], dim=-1)
         return (emb.cos() * self.rope_factor).to(self.dtype), (emb.sin() * self.rope_factor).to(self.dtype)
 
-    def decoder_layer(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, blk: Block, taps: dict | None,
-                      tag: str) -> torch.Tensor:
+    def decoder_layer(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, pending: torch.Tensor | None,
+                      blk: Block, taps: dict | None, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on the residual stream x + pending, where `pending` is the previous layer's MoE output not
+        yet added (None for the first layer). Returns (x, this layer's MoE output): the caller folds the add
+        into the next norm (one launch fewer per layer; the sum is rounded to the compute dtype either way)."""
         eps = self.config.rms_norm_eps
-        attn_out = self.attention(lw, kv, self.ops.norm(x, lw.input_norm, eps), blk)
+        if pending is None:
+            a = self.ops.norm(x, lw.input_norm, eps)
+        else:
+            x, a = self.ops.residual_norm(x, pending, lw.input_norm, eps)
+        attn_out = self.attention(lw, kv, a, blk)
         # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
         x, b32 = self.ops.add_norm(x, attn_out, lw.post_norm, eps)
         moe_out, scores, experts = self.moe(lw, b32, blk.live, mtp=tag == "mtp.")
-        x = x + moe_out
-        for name, value in (("attn_out", attn_out), ("moe_in", b32), ("router_scores", scores), ("experts", experts),
-                            ("moe_out", moe_out), ("hidden", x)):
-            _tap(taps, tag + name, value)
-        return x
+        if taps is not None:  # the layer's output as the next norm will form it (the same rounded sum)
+            for name, value in (("attn_out", attn_out), ("moe_in", b32), ("router_scores", scores),
+                                ("experts", experts), ("moe_out", moe_out), ("hidden", x + moe_out)):
+                _tap(taps, tag + name, value)
+        return x, moe_out
 
     @stage("attention")
     def attention(self, lw: LayerWeights, kv: LayerKV, a: torch.Tensor, blk: Block) -> torch.Tensor:

@@ -54,6 +54,14 @@ class TorchOps:
 
 
     @stage("norm")
+    def residual_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h = x + residual in x's dtype, rmsnorm(h) * weight as `norm` gives it): a layer's MoE output added
+        where the next norm reads it (the next layer's input norm, the final norm, the draft head's norm)."""
+        h = x + residual
+        return h, self.norm(h, weight, eps)
+
+    @stage("norm")
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(h = x + residual in x's dtype, rmsnorm(h) * weight in fp32): the post-attention residual and
@@ -98,7 +106,9 @@ class TorchOps:
 
 # "triton" = every stage whose kernels passed their GPU tests (docs/PERF.md); qualified with `iquest qualify`.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route")
-OPT_IN: tuple[str, ...] = ()  # kernels not yet run on a GPU: only when named, e.g. "triton+NAME"
+# Kernels not yet run on a GPU: only when named, e.g. "triton+NAME". residual: the MoE output's residual add folded
+# into the next norm kernel (one launch fewer per layer).
+OPT_IN: tuple[str, ...] = ("residual",)
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
@@ -196,6 +206,14 @@ class TritonOps(TorchOps):
         dense = (lambda t: t if t.stride(-1) == 1 and t.stride(-2) == d else t.contiguous())  # row views pass as is
         return self._rope_kv(dense(q), dense(k), dense(v), cos.contiguous(), sin.contiguous(),
                              positions, live, kv.k, kv.v, kv.slot_pos)
+
+    def residual_norm(self, x, residual, weight, eps):
+        if not self._fits("residual", True):
+            return super().residual_norm(x, residual, weight, eps)
+        # The same kernel as `norm` with its residual input on: the sum is rounded to x's dtype and the norm reads
+        # that rounded row, as the unfused add then norm does, so the two are bit-identical.
+        y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=x.dtype)
+        return h, y
 
     def add_norm(self, x, residual, weight, eps):
         if not self._fits("norm", True):

@@ -95,6 +95,34 @@ def rope_block(device: str = "cpu") -> dict:
     return {"outputs_identical": same, "caches_identical": caches, "fallbacks": fb}
 
 
+def residual_block(device: str = "cpu", dtype: str = "fp32") -> dict:
+    """The residual add folded into the next norm kernel ("+residual") against the add then norm kernel: a
+    40-row prefill block, a verification block with 2 padding rows and a draft block; logits, hidden states and
+    caches must be identical, and the fused kernel must have run (no fallback). bf16 only on a GPU: Triton's
+    interpreter casts fp32 to bf16 by truncation, torch and the GPU round to nearest even."""
+    from iquest.tests.test_fast_engine import RING_SEQ
+
+    out = {}
+    for kernels in ("norm", "norm+residual"):
+        e = RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=256, dtype=dtype, kernels=kernels))
+        e.cache.reset()
+        m, calls = e.model, []
+        fused = m.ops.residual_norm
+        m.ops.residual_norm = lambda *a: calls.append(1) or fused(*a)
+        pos = torch.arange(40, device=device)
+        a = m.forward(torch.tensor(RING_SEQ[:40], device=device), pos, torch.ones_like(pos, dtype=torch.bool))
+        pos = torch.arange(40, 48, device=device)
+        live = torch.arange(8, device=device) < 6
+        b = m.forward(torch.tensor(RING_SEQ[40:48], device=device), pos, live)
+        d = m.draft(torch.tensor(RING_SEQ[41:49], device=device), b[1], pos + 1, live)
+        out[kernels] = (a + b + d, [(kv.k.clone(), kv.v.clone()) for kv in e.cache.layers],
+                        dict(getattr(m.ops, "fallbacks", {})), len(calls))
+    (o0, c0, _, _), (o1, c1, fb, n) = out["norm"], out["norm+residual"]
+    return {"outputs_identical": all(torch.equal(x, y) for x, y in zip(o0, o1)),
+            "caches_identical": all(torch.equal(x, y) for l0, l1 in zip(c0, c1) for x, y in zip(l0, l1)),
+            "fallbacks": fb, "fused_calls": n}
+
+
 def sampling_block(device: str = "cpu") -> dict:
     """The sampling kernels' distributions of one 8-row logits block against the fallback's."""
     out = {}
@@ -135,6 +163,12 @@ def test_interpreted_kernels_decode_like_the_torch_fallback():
     assert "error" not in rope, rope
     print(f"[interpreted rotary + KV write kernel] {rope}")
     assert rope["outputs_identical"] and rope["caches_identical"] and not rope["fallbacks"], rope
+    fused = results["residual_block"]
+    assert "error" not in fused, fused
+    print(f"[interpreted residual add folded into the next norm] {fused}")
+    # 2 forwards x 4 layers (3 next-layer norms + the final norm) + the draft head's norm
+    assert fused["outputs_identical"] and fused["caches_identical"] and not fused["fallbacks"], fused
+    assert fused["fused_calls"] == 2 * 4 + 1, fused
     split = results["moe_prefill_split"]
     assert "error" not in split, split
     print(f"[interpreted MoE kernel, 72-row block] kernel calls {split['calls']}, relative error {split['rel_err']:.2e}")
@@ -169,6 +203,16 @@ def test_cuda_rng_kernel_decodes_bit_identically(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_residual_fold_changes_nothing(dtype):
+    """The residual add folded into the next norm: the same outputs and caches per block, and the same tokens
+    and acceptance sequence over a decode, as the default kernels."""
+    fused = residual_block("cuda", dtype)
+    assert fused["outputs_identical"] and fused["caches_identical"] and not fused["fallbacks"], fused
+    assert decode("triton+residual", "cuda", dtype) == decode("triton", "cuda", dtype)
+
+
+@pytest.mark.gpu
 def test_cuda_moe_splits_prefill_blocks():
     split = moe_prefill_split("cuda")
     assert len(split["calls"]) > 1 and sum(split["calls"]) == 72 and split["rel_err"] < MOE_BLOCK_TOL, split
@@ -198,6 +242,7 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
                  ("moe_block", lambda: {"rel_err": moe_block_error()}),
                  ("moe_prefill_split", moe_prefill_split),
                  ("rope_block", rope_block),
+                 ("residual_block", residual_block),
                  ("rng_identical", lambda: {"identical": decode("rng") == decode("torch")}),
                  ("sampling_block", sampling_block)])
 
