@@ -105,10 +105,10 @@ class TorchOps:
 
 
 # "triton" = every stage whose kernels passed their GPU tests (docs/PERF.md); qualified with `iquest qualify`.
-STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route")
-# Kernels not yet run on a GPU: only when named, e.g. "triton+NAME". residual: the MoE output's residual add folded
-# into the next norm kernel (one launch fewer per layer).
-OPT_IN: tuple[str, ...] = ("residual",)
+# residual: the MoE output's residual add folded into the next norm kernel (one launch fewer per layer; bit-identical
+# to the add then norm on the GPU, bench/results/gpu-tests-residual-*.log).
+STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual")
+OPT_IN: tuple[str, ...] = ()  # kernels not yet run on a GPU: only when named, e.g. "triton+NAME"
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear

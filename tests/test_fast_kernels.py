@@ -74,6 +74,12 @@ def moe_prefill_split(device: str = "cpu") -> dict:
     return {"rel_err": err, "calls": calls}
 
 
+def _real_slots(kv) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V without the trash slot: several padding rows write it in no defined order on a GPU (it is never
+    read; tests/test_kernel_rope_kv.py checks it holds some padding row's values)."""
+    return kv.k[:-1].clone(), kv.v[:-1].clone()
+
+
 def rope_block(device: str = "cpu") -> dict:
     """The fused rotary + KV-write kernel against the fallback, fp32: a 40-row prefill block, then a verification
     block with 2 padding rows that wraps nothing; logits, hidden states, caches and slot labels must be identical."""
@@ -87,7 +93,7 @@ def rope_block(device: str = "cpu") -> dict:
         a = e.model.forward(torch.tensor(RING_SEQ[:40], device=device), pos, torch.ones_like(pos, dtype=torch.bool))
         pos = torch.arange(40, 48, device=device)
         b = e.model.forward(torch.tensor(RING_SEQ[40:48], device=device), pos, torch.arange(8, device=device) < 6)
-        out[kernels] = (a, b, [(kv.k.clone(), kv.v.clone(), kv.slot_pos.clone()) for kv in e.cache.layers],
+        out[kernels] = (a, b, [(*_real_slots(kv), kv.slot_pos.clone()) for kv in e.cache.layers],
                         dict(getattr(e.model.ops, "fallbacks", {})))
     (a0, b0, c0, _), (a1, b1, c1, fb) = out["torch"], out["rope"]
     same = all(torch.equal(x, y) for x, y in zip(a0 + b0, a1 + b1))
@@ -115,7 +121,7 @@ def residual_block(device: str = "cpu", dtype: str = "fp32") -> dict:
         live = torch.arange(8, device=device) < 6
         b = m.forward(torch.tensor(RING_SEQ[40:48], device=device), pos, live)
         d = m.draft(torch.tensor(RING_SEQ[41:49], device=device), b[1], pos + 1, live)
-        out[kernels] = (a + b + d, [(kv.k.clone(), kv.v.clone()) for kv in e.cache.layers],
+        out[kernels] = (a + b + d, [_real_slots(kv) for kv in e.cache.layers],
                         dict(getattr(m.ops, "fallbacks", {})), len(calls))
     (o0, c0, _, _), (o1, c1, fb, n) = out["norm"], out["norm+residual"]
     return {"outputs_identical": all(torch.equal(x, y) for x, y in zip(o0, o1)),
@@ -206,10 +212,13 @@ def test_cuda_rng_kernel_decodes_bit_identically(dtype):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_cuda_residual_fold_changes_nothing(dtype):
     """The residual add folded into the next norm: the same outputs and caches per block, and the same tokens
-    and acceptance sequence over a decode, as the default kernels."""
+    and acceptance sequence over a decode, as every other kernel without it."""
+    from iquest.fast.ops import STAGES
+
     fused = residual_block("cuda", dtype)
     assert fused["outputs_identical"] and fused["caches_identical"] and not fused["fallbacks"], fused
-    assert decode("triton+residual", "cuda", dtype) == decode("triton", "cuda", dtype)
+    unfused = "+".join(s for s in STAGES if s != "residual")
+    assert "residual" in STAGES and decode("triton", "cuda", dtype) == decode(unfused, "cuda", dtype)
 
 
 @pytest.mark.gpu
