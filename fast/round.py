@@ -60,14 +60,9 @@ class RoundRunner:
         _, a = sampler.acceptance(p_d, q_d, self.uniform(n + self.depths, PURPOSE_ACCEPT), self.depths <= k)
         #    At the first rejection draw from normalize(max(0, p - q)); if all k passed, the extra
         #    row's p_k gives a bonus token. Both are the commit draw of position n+a+1.
-        # (0-dim index tensors go through index_select: plain indexing may read them on the host)
-        pa_ids, pa_probs = p_ids.index_select(0, a.view(1)), p_probs.index_select(0, a.view(1))
-        qi = a.clamp(max=MAX_DRAFTS - 1).view(1)
-        r_ids, r_probs = sampler.residual(pa_ids, pa_probs, st.q_ids.index_select(0, qi), st.q_probs.index_select(0, qi))
-        if "replacement_from_p" in self.defects:
-            r_ids, r_probs = pa_ids, pa_probs
-        rejected = a < k
-        f_ids, f_probs = torch.where(rejected, r_ids, pa_ids), torch.where(rejected, r_probs, pa_probs)
+        f_ids, f_probs = sampler.commit_dist(p_ids, p_probs, st.q_ids, st.q_probs, a, k)
+        if "replacement_from_p" in self.defects:  # negative control: the replacement drawn from p_a itself
+            f_ids, f_probs = p_ids.index_select(0, a.view(1)), p_probs.index_select(0, a.view(1))
         x_new = sampler.draw(f_ids, f_probs, self.uniform((n + a + 1).view(1), PURPOSE_COMMIT))
         emitted = torch.where(j < a, torch.cat([st.drafts, st.drafts[:1]]), x_new)
         logprobs = torch.log(sampler.prob_of(p_ids, p_probs, emitted))

@@ -178,12 +178,11 @@ def commit_dist(p_ids: torch.Tensor, p_probs: torch.Tensor, q_ids: torch.Tensor,
 
     p: the k_max+1 verification rows ([k_max+1, Kp], row i = p_i); q: the k_max proposals ([k_max, Kq],
     row i = q_{i+1}); a: accepted drafts, k: live drafts (0-dim int64, a <= k). A rejection (a < k) is
-    replaced from residual(p_a, q_{a+1}); with all k accepted the bonus comes from p_k.
+    replaced from residual(p_a, q_{a+1}); with all k accepted the bonus comes from p_k. Only row a's
+    residual is formed (0-dim indices go through index_select: plain indexing may read them on the host).
     """
-    r_ids, r_probs = residual(p_ids[:-1], p_probs[:-1], q_ids, q_probs)
-    # Row k_max has no proposal after it: pad the residuals with p_{k_max}, selected only when a = k.
-    r_ids, r_probs = torch.cat([r_ids, p_ids[-1:]]), torch.cat([r_probs, p_probs[-1:]])
-    row, rejected = a.reshape(1), a < k
-    ids = torch.where(rejected, r_ids.index_select(0, row), p_ids.index_select(0, row))
-    probs = torch.where(rejected, r_probs.index_select(0, row), p_probs.index_select(0, row))
-    return ids, probs
+    pa_ids, pa_probs = p_ids.index_select(0, a.view(1)), p_probs.index_select(0, a.view(1))
+    qi = a.clamp(max=q_ids.shape[0] - 1).view(1)  # a = k_max has no proposal after it: its residual is unused
+    r_ids, r_probs = residual(pa_ids, pa_probs, q_ids.index_select(0, qi), q_probs.index_select(0, qi))
+    rejected = a < k
+    return torch.where(rejected, r_ids, pa_ids), torch.where(rejected, r_probs, pa_probs)
