@@ -576,8 +576,8 @@ def summarize(times: list[float]) -> dict:
 
 # ---- the sweep ---------------------------------------------------------------------------------------
 class Clock:
-    def __init__(self, budget_s: float, log=sys.stderr):
-        self.t0, self.budget, self.log = time.monotonic(), budget_s, log
+    def __init__(self, budget_s: float, log=None):
+        self.t0, self.budget, self.log = time.monotonic(), budget_s, log or sys.stderr
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0

@@ -6,8 +6,9 @@ depths carried in, passed through the layer (and through any router tie the two 
 every draft row of the qualification decodes this tool shows both:
 
   chain   fast against the reference recursing on its own outputs
-  step    fast against the reference recursing on the fast engine's outputs (what qualify scores,
-          qualify/replay.py): the error this depth adds
+  step    fast against the reference recursing on the fast engine's outputs: the error this depth adds
+  scored  what qualify scores (qualify/replay.py): step, except that a swap of MTP experts the engine's own
+          input explains (qualify/router.py) is scored against the reference under the engine's experts
 
 beside the MTP router's top-k margin (log of the k-th over the (k+1)-th score; rounding can only swap experts
 whose margin it can cross) and whether the fast engine chose the experts the step reference chose.
@@ -26,8 +27,9 @@ import torch
 from ..fast.parallel import Parallel
 from ..fast.rank import EngineOptions, RankEngine
 from ..reference.config import Config
+from . import tolerances
 from .checks import record, reference, sliding_ring
-from .replay import Block, StreamReference
+from .replay import Block, StreamReference, router_checked, router_weight
 
 
 @dataclass
@@ -40,6 +42,8 @@ class ChainRow:
     chain_logits: float
     step_hidden: float          # the same against the reference run from the fast engine's previous output
     step_logits: float
+    scored_hidden: float        # what qualify scores: step, or under the engine's experts for an explained swap
+    router: float               # qualify's numerics.router value (<= 1: any swap explained)
     margin: float               # MTP router margin of the step reference (log score ratio, k-th / (k+1)-th)
     experts_fast: list[int]
     experts_step: list[int]
@@ -77,14 +81,15 @@ class _Replay:
         return r if r is not None and r[0] == "ok" else None
 
 
-def chain_rows(engine: RankEngine, model_dir: str, case, index: int) -> list[ChainRow]:
+def chain_rows(engine: RankEngine, model_dir: str, case, index: int, router_tol: float = 1.0) -> list[ChainRow]:
     """Decode one qualification case on `engine` and split every draft row's error: the reference replayed
     twice over the same recorded blocks, its recursion from its own outputs (chain) and from the engine's
-    (step, what qualify scores)."""
+    (step), and what qualify scores after its router check (`router_tol`: numerics.router's tolerance)."""
     _, steps, blocks = record(engine, case, taps=True)
     stream = list(case.prompt) + [t for s in steps for t in s.tokens]
     ref, k = reference(model_dir), engine.config.num_experts_per_tok
     chain, step = _Replay(ref, stream, "reference"), _Replay(ref, stream, "fast")
+    router_w = router_weight(ref)
     rows: list[ChainRow] = []
     for b in blocks:
         c, s = chain.block(b), step.block(b)
@@ -92,8 +97,10 @@ def chain_rows(engine: RankEngine, model_dir: str, case, index: int) -> list[Cha
             continue
         last = max(i for i, x in enumerate(b.live) if x)
         fl, fh = b.logits[last], b.hidden[last]
+        _, scored, ratio = router_checked(step.sr, router_w, b, last, s, router_tol)
         rows.append(ChainRow(index, b.round, b.depth, b.positions[last], _rel(fh, c[2]), _rel(fl, c[1]),
-                             _rel(fh, s[2]), _rel(fl, s[1]), _margin(s[3].tap("router_scores"), k),
+                             _rel(fh, s[2]), _rel(fl, s[1]), _rel(fh, scored), ratio,
+                             _margin(s[3].tap("router_scores"), k),
                              _experts(b.taps["mtp.experts"][last]), _experts(s[3].tap("experts")),
                              _experts(c[3].tap("experts"))))
     return rows
@@ -105,7 +112,8 @@ def _case_rows(model_dir: str, options: EngineOptions, device: str, index: int) 
     torch.set_num_threads(1)
     engine = RankEngine(model_dir, Parallel.single(device), options)
     cases, _, _ = qualify_cases(engine.config.vocab_size, False, sliding_ring(engine.config, options))
-    return chain_rows(engine, model_dir, cases[index], index)
+    tol = tolerances.value("numerics.router", tolerances.scheme(options.dtype, options.kernels, engine.config))
+    return chain_rows(engine, model_dir, cases[index], index, tol)
 
 
 def chain_report(model_dir: str, dtype: str = "bf16", kernels: str = "auto", device: str = "cpu",
@@ -136,20 +144,23 @@ def swap(r: ChainRow) -> bool:
 def print_chain(rows: list[ChainRow], out=None) -> None:
     """Per depth: worst chain and step errors, routing disagreements; then the chain of the worst row."""
     out = out or sys.stdout
-    f = "{:<6} {:>5} {:>12} {:>12} {:>12} {:>12} {:>12} {:>8} {:>11}"
-    print(f.format("depth", "rows", "chain hidden", "step hidden", "same experts", "chain logit", "step logit",
-                   "swapped", "max margin"), file=out)
+    f = "{:<6} {:>5} {:>12} {:>12} {:>12} {:>13} {:>12} {:>12} {:>8} {:>11} {:>7}"
+    print(f.format("depth", "rows", "chain hidden", "step hidden", "same experts", "scored hidden", "chain logit",
+                   "step logit", "swapped", "max margin", "router"), file=out)
     for d in sorted({r.depth for r in rows}):
         mine = [r for r in rows if r.depth == d]
         stepped = [r for r in mine if not math.isnan(r.step_hidden)]
         swapped = [r for r in stepped if swap(r)]
         mx = lambda xs: f"{max(xs):.3g}" if xs else "-"  # noqa: E731
         print(f.format(d, len(mine), mx([r.chain_hidden for r in mine]), mx([r.step_hidden for r in stepped]),
-                       mx([r.step_hidden for r in stepped if not swap(r)]), mx([r.chain_logits for r in mine]),
-                       mx([r.step_logits for r in stepped]), len(swapped), mx([r.margin for r in swapped])),
+                       mx([r.step_hidden for r in stepped if not swap(r)]), mx([r.scored_hidden for r in mine]),
+                       mx([r.chain_logits for r in mine]), mx([r.step_logits for r in stepped]), len(swapped),
+                       mx([r.margin for r in swapped]), mx([r.router for r in mine if r.router is not None])),
               file=out)
     print("same experts: worst step error over rows whose fast experts equal the step reference's (rounding "
-          "alone); swapped: the other rows; max margin: the widest router margin a swap crossed", file=out)
+          "alone); swapped: the other rows; max margin: the widest router margin a swap crossed; scored hidden "
+          "and router: what iquest qualify scores (explained swaps against the reference under the engine's "
+          "experts; router <= 1: every swap explained)", file=out)
     if not rows:
         return
     worst = max(rows, key=lambda r: r.chain_hidden)

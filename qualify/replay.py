@@ -354,6 +354,24 @@ class ReplayResult:
     uncovered: int
 
 
+def router_checked(sr: StreamReference, router_w: torch.Tensor, b: Block, i: int, r: tuple,
+                   tol: float) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+    """(logits, hidden) draft row i of `b` is scored against, and its numerics.router value (None when the
+    block has no taps): the reference's own row (r, from draft_block), or, for a swap of MTP experts that the
+    engine's own input explains (value <= tol), the reference recomputed with the engine's experts."""
+    if b.taps is None:
+        return r[1], r[2], None
+    fast = b.taps["mtp.experts"][i]
+    swapped, ratio = swap_ratio(router_w, b.taps["mtp.moe_in"][i], r[3].tap("moe_in"), fast, r[3].tap("experts"))
+    if swapped and ratio <= tol:
+        return (*sr.forced(r[3], fast), ratio)
+    return r[1], r[2], ratio
+
+
+def router_weight(ref: ReferenceModel) -> torch.Tensor:
+    return ref.w[layer_prefix(ref.config.mtp_layer_index) + "mlp.gate.weight"]
+
+
 def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: SamplingParams, tol_rel: float,
           window: int, ring: int, vocab_offset: int = 0, full_vocab: bool = True, sampler_tol: float = 1e-5,
           router_tol: float = 1.0) -> ReplayResult:
@@ -361,7 +379,7 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
     numerics.router (qualify/router.py): a swap of MTP experts that the engine's own MoE input explains is
     scored against the reference recomputed with the engine's experts."""
     sr = StreamReference(ref, stream)
-    router_w = ref.w[layer_prefix(ref.config.mtp_layer_index) + "mlp.gate.weight"]
+    router_w = router_weight(ref)
     scores, round_ratio = Scores(), {}
     t = params.temperature if params.temperature > 0 else 1.0
     covered = uncovered = 0
@@ -382,13 +400,10 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
                     scores.add(m, classes, math.inf, 1.0, f"{where}: {r[1]}")
                 continue
             rl, rh = r[1], r[2]
-            if b.kind == "draft" and b.taps is not None:
-                fast_experts = b.taps["mtp.experts"][i]
-                swapped, ratio = swap_ratio(router_w, b.taps["mtp.moe_in"][i], r[3].tap("moe_in"), fast_experts,
-                                            r[3].tap("experts"))
-                scores.add("numerics.router", classes, ratio, router_tol, where)
-                if swapped and ratio <= router_tol:
-                    rl, rh = sr.forced(r[3], fast_experts)
+            if b.kind == "draft":
+                rl, rh, ratio = router_checked(sr, router_w, b, i, r, router_tol)
+                if ratio is not None:
+                    scores.add("numerics.router", classes, ratio, router_tol, where)
             ref_rows[i] = (rl, rh)
             fl, fh = b.logits[i], b.hidden[i]
             scale = float(rl.abs().max())

@@ -196,7 +196,7 @@ def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar) -> tuple[list[
 
 
 def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32", json_out: str | None = None,
-            progress: bool | None = None, controls: list[str] | None = None, out=sys.stdout,
+            progress: bool | None = None, controls: list[str] | None = None, out=None,
             device: str = "cpu", kernels: str = "auto", jobs: int = 1) -> dict:
     t0 = time.time()
     model_dir = str(model_dir)
@@ -236,7 +236,8 @@ def _fmt(x) -> str:
     return f"{x:.3g}"
 
 
-def print_table(report: dict, out=sys.stdout) -> None:
+def print_table(report: dict, out=None) -> None:
+    out = out or sys.stdout  # read at call time: a default bound at import keeps whatever stream was current then
     w = "{:<20} {:<18} {:>10} {:>10}  {:<7} {}"
     print(w.format("check", "class", "worst", "tolerance", "verdict", "rows"), file=out)
     for r in report["checks"]:
