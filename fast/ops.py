@@ -5,10 +5,10 @@ over the whole static cache, gathered-expert MoE, a full sort for top-k, Philox 
 calls the kernels of `kernels/`: the FP8 block-scaled linear (q/k/v as one weight; split-K summed in the
 launch); split-KV decode attention, which evaluates visibility from `slot_pos` in the kernel and reads a
 full layer only up to the block's last position (`kv_len` stays a device tensor: no host read,
-graph-capturable); rotary + KV write in one launch; RMSNorm with and without the residual add; router
-logits with softmax/top-k; the MoE over live rows, each chosen expert's weights read once, with act_quant'ed E4M3
-activations into Down; the LM head from its bf16 rows; the tiled top-k scan and the global top-k/top-p; Philox
-uniforms in one launch. Same math; the kernels round differently (fp32 accumulation in other orders,
+graph-capturable); rotary + KV write in one launch; RMSNorm with and without the residual add (the MoE
+output's add folded into the next norm); router logits with softmax/top-k; the MoE over live rows, each chosen
+expert's weights read once, with act_quant'ed E4M3 activations into Down; the LM head from its bf16 rows; the
+tiled top-k scan and the global top-k/top-p; Philox uniforms in one launch. Same math; the kernels round differently (fp32 accumulation in other orders,
 E4M3 activations into Down), which the qualification suite measures. At one decode block every kernel
 is launch- or latency-bound, so the point of most of them is fewer launches (docs/PERF.md).
 """
