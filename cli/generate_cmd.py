@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..fast.ops import STAGES
 from ..reference.config import check_sampling
 
 
@@ -40,8 +41,8 @@ def register(sub) -> None:
                    help="fast engine device (auto = cuda when available)")
     p.add_argument("--kernels", default="auto",
                    help="fast engine stages: auto (default: triton on GPU, torch on CPU), torch (fallback), triton "
-                        "(every Triton kernel of kernels/), or a '+'-joined subset of linear, attention, norm, moe, "
-                        "sampling, rope, lm_head, rng, route; on CPU kernels need TRITON_INTERPRET=1")
+                        f"(every Triton kernel of kernels/), or a '+'-joined subset of {', '.join(STAGES)}; on CPU "
+                        "kernels need TRITON_INTERPRET=1")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text (default: a Python header)")
     src.add_argument("--prompt-ids", help="comma-separated token ids instead of text, e.g. 1,2,3")
