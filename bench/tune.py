@@ -122,12 +122,14 @@ def tune_shape(config: Config, tp: int = TP, rows: int = 6, context: int = 1024)
 WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "linear_o": fl.fp8_linear,
                                  "attention_sliding": da.decode_attention, "attention_full": da.decode_attention,
                                  "router": rt.route}
-TUNABLES = {"moe": ("split_k", "block_k", "down_block_n", "down_block_k"),
+TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
+                    "down_block_k", "down_warps", "down_stages"),
             "linear": ("split_k", "block_n", "num_warps", "num_stages"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages"),
             "router": ("split", "block_e", "block_h", "num_warps")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
-MOE_GROUPS = (("split_k", "block_k"), ("down_block_n", "down_block_k"))
+MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages"),
+              ("down_block_n", "down_block_k", "down_warps", "down_stages"))
 
 
 def family(op: str) -> str:
@@ -154,10 +156,10 @@ def cand(note: str = "", **kw) -> Candidate:
     return Candidate(tuple(sorted(kw.items())), note)
 
 
-def _moe_dims(shape: TuneShape) -> tuple[int, int, int, int, int, int]:
+def _moe_dims(shape: TuneShape, gate_up_block_n: int = mk.GATE_UP_BLOCK_N) -> tuple[int, int, int, int, int, int]:
     """(P, E, k, H, I, Gate/Up block_n) as moe() computes them."""
     return (shape.rows * shape.top_k, shape.experts, shape.top_k, shape.hidden, shape.inter,
-            mk._pow2_divisor(shape.inter, mk.GATE_UP_BLOCK_N))
+            mk._pow2_divisor(shape.inter, gate_up_block_n))
 
 
 def _linear_auto_split(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
@@ -188,11 +190,13 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
     d = wrapper_defaults(WRAPPERS[op])
     g = {**d, **kw}
     if op == "moe":
-        P, E, k, H, I, bn = _moe_dims(shape)
+        P, E, k, H, I, bn = _moe_dims(shape, g["gate_up_block_n"])
         bk = mk._pow2_divisor(shape.block[1], g["block_k"])
         split, _ = mk.plan_split(P, E, k, H, I, bn, bk, g["split_k"], sms)
-        return {"split_k": split, "block_k": bk, "down_block_n": g["down_block_n"],
-                "down_block_k": mk._pow2_divisor(shape.block[1], g["down_block_k"])}
+        return {"split_k": split, "block_k": bk, "gate_up_block_n": bn, "gate_up_warps": g["gate_up_warps"],
+                "gate_up_stages": g["gate_up_stages"], "down_block_n": g["down_block_n"],
+                "down_block_k": mk._pow2_divisor(shape.block[1], g["down_block_k"]),
+                "down_warps": g["down_warps"], "down_stages": g["down_stages"]}
     if family(op) == "linear":
         n, k = shape.qkv if op == "linear_qkv" else shape.o
         bk = fl._block_k(shape.block[1])
@@ -227,7 +231,13 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(down_block_n=32, down_block_k=64), cand(down_block_n=128, down_block_k=64),
                 cand("2x auto split", split_k=2 * s, down_block_n=32),
                 cand("2x auto split", split_k=2 * s, down_block_n=128),
-                cand("932ec08 default", block_k=64, down_block_n=64, down_block_k=128)]
+                cand("932ec08 default", block_k=64, down_block_n=64, down_block_k=128),
+                # Gate/Up's and Down's launch settings: more bytes in flight per SM (deeper pipelines, narrower
+                # tiles with more programs, fewer warps per program so more programs fit)
+                cand(gate_up_stages=2), cand(gate_up_stages=4), cand(gate_up_stages=5), cand(gate_up_warps=4),
+                cand(gate_up_warps=4, gate_up_stages=4), cand(gate_up_block_n=64),
+                cand(gate_up_block_n=64, gate_up_warps=4), cand(gate_up_block_n=64, gate_up_stages=4),
+                cand(down_warps=8), cand(down_stages=2), cand(down_stages=4), cand(down_warps=8, down_stages=4)]
     if family(op) == "linear":
         auto = {bn: resolve(op, {"block_n": bn}, shape, sms)["split_k"] for bn in (32, 64, 128)}
         half = {bn: max(1, a // 2) for bn, a in auto.items()}
@@ -756,8 +766,8 @@ def _write(report: dict, out: str | None) -> None:
 
 
 NOTES = [
-    "moe: Gate/Up's BLOCK_N (GATE_UP_BLOCK_N) and warps (GATE_UP_WARPS), finalize/combine tiles are module "
-    "constants, not swept; 'combined best' = fastest Gate/Up settings + fastest Down settings",
+    "moe: the finalize/combine tiles are module constants, not swept; 'combined best' = fastest Gate/Up "
+    "settings + fastest Down settings",
     "attention: min_split (default block_n) also sets the default split count at long context; this sweep "
     "is at the stated context only",
     "router: the select kernel (launch 2) has no keyword in route(): not swept",

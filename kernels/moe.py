@@ -76,6 +76,8 @@ BLOCK_M = 16  # tl.dot's smallest M; a program's rows are the block's R rows (R 
 # bench/results/tune-h200-932ec08.*), so those are the defaults of `moe`.
 GATE_UP_BLOCK_N = 128
 GATE_UP_WARPS = 8
+NUM_STAGES = 3  # Triton's default software pipelining depth, named so that `iquest bench tune` can sweep it
+DOWN_WARPS = 4
 FINALIZE_ROWS = 2  # pairs per finalize program: its loads are SPLIT x 2 x ROWS x GROUP fp32, spread widely
 COMBINE_BLOCK = 256  # columns per combine program (k fp32 loads each): ~200 programs for 8 rows at H = 6144
 E4M3_MAX = tl.constexpr(448.0)
@@ -357,7 +359,9 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         down: torch.Tensor, down_scale: torch.Tensor, block: tuple[int, int] = (128, 128), group: int = 128,
         out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None,
         compute_dtype: torch.dtype | None = None, block_k: int = 128, down_block_n: int = 128,
-        down_block_k: int = 64, split_k: int | None = None, debug: dict | None = None) -> torch.Tensor:
+        down_block_k: int = 64, split_k: int | None = None, gate_up_block_n: int = GATE_UP_BLOCK_N,
+        gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
+        down_stages: int = NUM_STAGES, debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -367,7 +371,9 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     experts [R, k] int (valid ids < E: unchecked, that would sync), weights [R, k] fp32, R * k <=
     MAX_PAIRS; gate, up [E, I_r, H] and down [E, H, I_r] E4M3 with fp32 block scales for `block`;
     group == block[1]. `split_k` overrides the number of Gate/Up splits along H (default from the SM
-    count; reduced so that no split is empty). `debug`, when a dict, receives `act`, `act_scale`, the
+    count; reduced so that no split is empty). `gate_up_block_n` (a power of two >= 16; the largest one
+    dividing I_r up to it is used), `*_warps` and `*_stages` are the two weight-streaming kernels' launch
+    settings, for `iquest bench tune`. `debug`, when a dict, receives `act`, `act_scale`, the
     fp32 `hidden` before quantization, the `split` used, `split_counts` [P] (splits the finalize
     summed per live pair, 0 elsewhere) and `programs` [2, P] int32 (1 where pair p's Gate/Up, resp.
     Down, program did the work: the first live pair of each distinct expert); tests only: it adds
@@ -406,11 +412,17 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     _check(down_block_n >= 16 and down_block_n & (down_block_n - 1) == 0,
            "down_block_n must be a power of two >= 16 (a dot operand)")
     _check(split_k is None or split_k >= 1, f"split_k must be >= 1, got {split_k}")
+    _check(gate_up_block_n >= 16 and gate_up_block_n & (gate_up_block_n - 1) == 0,
+           f"gate_up_block_n must be a power of two >= 16 (a dot operand), got {gate_up_block_n}")
+    for name, w in (("gate_up_warps", gate_up_warps), ("down_warps", down_warps)):
+        _check(w in (1, 2, 4, 8, 16), f"{name} must be 1, 2, 4, 8 or 16, got {w}")
+    for name, st in (("gate_up_stages", gate_up_stages), ("down_stages", down_stages)):
+        _check(isinstance(st, int) and 1 <= st <= 8, f"{name} must be an int in 1..8, got {st}")
 
     experts = experts.contiguous()
     live_arg = live.view(torch.uint8) if live.dtype == torch.bool else live
     i_tiles = I // group
-    bn = _pow2_divisor(I, GATE_UP_BLOCK_N)  # partials need no whole group: the finalize quantizes
+    bn = _pow2_divisor(I, gate_up_block_n)  # partials need no whole group: the finalize quantizes
     bk = _pow2_divisor(block[1], block_k)
     split, k_per_split = plan_split(P, E, k, H, I, bn, bk, split_k, _sm_count(x.device))
     routing = dict(K_TOP=k, K_PAD=max(2, triton.next_power_of_2(k)), P_PAD=max(16, triton.next_power_of_2(P)),
@@ -432,7 +444,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32", STORE_RAN=store_h,
-        num_warps=GATE_UP_WARPS)
+        num_warps=gate_up_warps, num_stages=gate_up_stages)
     _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
         part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
         SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,
@@ -441,7 +453,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         act, act_scale, down, down_scale, experts, live_arg, y, programs[1], R, H, I,
         down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
-        BLOCK_K=_pow2_divisor(group, down_block_k), F32=INTERPRETED, STORE_RAN=store_h, num_warps=4)
+        BLOCK_K=_pow2_divisor(group, down_block_k), F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
+        num_stages=down_stages)
     _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
         y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
         num_warps=4)

@@ -44,7 +44,7 @@ def test_shape_is_one_tp8_rank_at_decode():
 def test_candidates_default_first_unique_and_accepted(op, shape, sms):
     cands = t.candidates(op, shape, sms)
     assert cands[0].kwargs == () and cands[0] == t.cand(), "the default (no keywords) comes first"
-    assert 1 <= len(cands) <= 13
+    assert 1 <= len(cands) <= (26 if op == "moe" else 13)  # the MoE sweeps two kernels' launch settings
     resolved = [tuple(t.resolve(op, c.kw, shape, sms).items()) for c in cands]
     assert len(set(resolved)) == len(resolved), "two candidates launch the same configuration"
     assert len({c.kwargs for c in cands}) == len(cands)
@@ -55,7 +55,8 @@ def test_candidates_default_first_unique_and_accepted(op, shape, sms):
                                                              inspect.Parameter.POSITIONAL_OR_KEYWORD), (op, name)
             assert name in t.TUNABLES[t.family(op)], (op, name)
             assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, (op, name, value)
-            if name in ("block_n", "block_k", "block_e", "block_h", "down_block_n", "down_block_k", "num_warps"):
+            if name in ("block_n", "block_k", "block_e", "block_h", "down_block_n", "down_block_k", "num_warps",
+                        "gate_up_block_n", "gate_up_warps", "down_warps"):
                 assert value & (value - 1) == 0, (op, name, value)
         r = t.resolve(op, c.kw, shape, sms)
         if t.family(op) == "attention":
@@ -73,7 +74,9 @@ def test_h200_defaults_and_the_suggested_variants():
     # defaults (tuned at 932ec08), by hand: MoE 264 programs / (16 expected segments x 2 I tiles) = 8 splits;
     # q/k/v 264 / 32 N tiles = 8; o_proj 264 // 192 = 1; attention 17 live splits of 64 slots for 1030 (the ring's
     # 4161 slots: 66 splits); router min(12 H tiles, 17) = 12
-    assert r["moe"][0] == {"split_k": 8, "block_k": 128, "down_block_n": 128, "down_block_k": 64}
+    assert r["moe"][0] == {"split_k": 8, "block_k": 128, "gate_up_block_n": 128, "gate_up_warps": 8,
+                           "gate_up_stages": 3, "down_block_n": 128, "down_block_k": 64, "down_warps": 4,
+                           "down_stages": 3}
     assert r["linear_qkv"][0] == {"split_k": 8, "block_n": 32, "num_warps": 4, "num_stages": 4}
     assert r["linear_o"][0]["split_k"] == 1
     assert r["attention_sliding"][0] == {"num_splits": 66, "live_splits": 17, "block_n": 64, "min_split": 64,
@@ -84,7 +87,11 @@ def test_h200_defaults_and_the_suggested_variants():
     def values(op, key):
         return {x[key] for x in r[op]}
 
-    assert values("moe", "split_k") == {8, 16, 24} and values("moe", "block_k") == {64, 128}  # 4x: capped
+    # 4x: capped; 4 = the default split for 64-wide Gate/Up tiles (twice the tiles, half the splits)
+    assert values("moe", "split_k") == {4, 8, 16, 24} and values("moe", "block_k") == {64, 128}
+    assert values("moe", "gate_up_block_n") == {64, 128} and values("moe", "gate_up_warps") == {4, 8}
+    assert values("moe", "gate_up_stages") == {2, 3, 4, 5} and values("moe", "down_stages") == {2, 3, 4}
+    assert values("moe", "down_warps") == {4, 8}
     assert values("moe", "down_block_n") == {32, 64, 128} and values("moe", "down_block_k") == {64, 128}
     for op in ("linear_qkv", "linear_o"):
         assert values(op, "block_n") == {32, 64, 128} and values(op, "num_warps") == {4, 8}

@@ -83,6 +83,8 @@ CASES = [
     case("bf16_in_bf16_out", x="bf16", out="bf16"),
     case("bf16_in_fp32_out_3rows", R=3, x="bf16"),
     case("mini_model_shape", R=4, E=16, k=4, H=256, I=128, block=(16, 16)),
+    case("gate_up_16_wide_other_launch", R=5, I=64, gate_up_block_n=16,  # 4 Gate/Up tiles; warps/stages: GPU only
+         launch=dict(gate_up_warps=4, gate_up_stages=2, down_warps=8, down_stages=4)),
     case("mini_model_default_tiles", R=2, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None, down_block_n=None,
          down_block_k=None),  # moe()'s defaults, as fast/ops.py calls it
     # Gate/Up split along H (block_k = 16 below: K tiles of 16; `split` = the split the wrapper must use)
@@ -213,14 +215,15 @@ def tiles(c: dict) -> dict:
     """The case's tiles, None meaning mk.moe's defaults (passed explicitly, so the sorted oracle runs the very
     tiles, and summation order, of the kernel under test: its own defaults predate the tuned ones)."""
     default = inspect.signature(mk.moe).parameters
-    return {n: default[n].default if c[n] is None else c[n] for n in ("block_k", "down_block_n", "down_block_k")}
+    return {n: default[n].default if c.get(n) is None else c[n]
+            for n in ("block_k", "down_block_n", "down_block_k", "gate_up_block_n")}
 
 
 def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
     out = torch.full((c["R"], c["H"]), float("nan"), dtype=DTYPES[c["out"]], device=t["x"].device)
     compute = {"compute_dtype": DTYPES[c["compute"]]} if c["compute"] else {}
     got = mk.moe(*(t[a] for a in ARGS), block=c["block"], group=c["block"][1], out_dtype=DTYPES[c["out"]],
-                 out=out, split_k=c["split_k"], debug=debug, **compute, **tiles(c))
+                 out=out, split_k=c["split_k"], debug=debug, **compute, **tiles(c), **c.get("launch", {}))
     assert got is out
     return got
 
@@ -536,7 +539,7 @@ def sorted_groups(experts: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tens
 
 
 def sorted_moe(x, experts, weights, live, gate, gate_scale, up, up_scale, down, down_scale, block, group,
-               out_dtype, block_k, down_block_n, down_block_k, split_k=None):
+               out_dtype, block_k, down_block_n, down_block_k, gate_up_block_n, split_k=None):
     """(out, act, act_scale) of the five-launch form on the same tiles and split as `mk.moe`."""
     R, H = x.shape
     k = experts.shape[1]
@@ -546,7 +549,7 @@ def sorted_moe(x, experts, weights, live, gate, gate_scale, up, up_scale, down, 
     groups = sorted_groups(experts, live)
     P = R * k
     slots = min(P, E)
-    bn = mk._pow2_divisor(I, mk.GATE_UP_BLOCK_N)
+    bn = mk._pow2_divisor(I, gate_up_block_n)
     bk = mk._pow2_divisor(block[1], block_k)
     split, k_per_split = mk.plan_split(P, E, k, H, I, bn, bk, split_k, mk._sm_count(x.device))
     dev = x.device
@@ -723,6 +726,9 @@ def _args(**over):
     (dict(out_dtype=torch.int8), "out_dtype"),
     (dict(split_k=0), "split_k must be"),
     (dict(down_block_n=8), "down_block_n must be"),
+    (dict(gate_up_block_n=24), "gate_up_block_n must be"),
+    (dict(gate_up_warps=3), "gate_up_warps must be"),
+    (dict(down_stages=0), "down_stages must be"),
     (dict(compute_dtype=torch.float16), "compute_dtype"),  # fp32 x: bf16 or fp32 only
     (dict(x=torch.randn(2, 64).to(torch.bfloat16), compute_dtype=torch.float32), "compute_dtype"),
     (dict(experts=torch.zeros(2, 4)), "experts must be"),
