@@ -31,11 +31,13 @@ def register(sub) -> None:
     d.set_defaults(run=run)
 
     c = dsub.add_parser("chain", help="per draft depth: error carried along the chain vs error the depth adds",
-                        description="Decode the qualification cases (as iquest qualify) and, for every recursive "
-                                    "draft row, compare the fast engine with the reference's own chain (what "
-                                    "qualify scores) and with the reference run from the fast engine's own "
-                                    "previous-depth output (what that depth adds), with the MTP router's top-k "
-                                    "margin and expert choices. Prints a table per depth and the worst chain.")
+                        description="Decode the qualification cases (as iquest qualify) and, for every draft "
+                                    "row, compare the fast engine with the reference recursing on its own outputs "
+                                    "(chain), with the reference recursing on the engine's outputs (step: what "
+                                    "each depth adds), and with what iquest qualify scores (an expert swap the "
+                                    "engine's own input explains compared under the engine's experts), with the "
+                                    "MTP router's top-k margin and expert choices. Prints a table per depth and "
+                                    "the worst chain.")
     c.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
     c.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="fast engine compute dtype")
     c.add_argument("--kernels", default="auto", help="fast engine stages, as for iquest qualify")

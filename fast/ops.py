@@ -104,9 +104,10 @@ class TorchOps:
         return sampler.sample_rows(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
 
 
-# "triton" = every stage whose kernels passed their GPU tests (docs/PERF.md); qualified with `iquest qualify`.
-# residual: the MoE output's residual add folded into the next norm kernel (one launch fewer per layer; bit-identical
-# to the add then norm on the GPU, bench/results/gpu-tests-residual-*.log).
+# "triton" = every stage whose kernels passed their GPU tests (docs/PERF.md); qualified with `iquest qualify` at
+# 7f9f77c. residual (added after): the MoE output's residual add folded into the next norm kernel, one launch fewer
+# per layer; bit-identical to the add then the norm kernel on the GPU (bench/results/gpu-tests-residual-*.log), so
+# that qualification holds for it.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual")
 OPT_IN: tuple[str, ...] = ()  # kernels not yet run on a GPU: only when named, e.g. "triton+NAME"
 
@@ -208,10 +209,11 @@ class TritonOps(TorchOps):
                              positions, live, kv.k, kv.v, kv.slot_pos)
 
     def residual_norm(self, x, residual, weight, eps):
-        if not self._fits("residual", True):
-            return super().residual_norm(x, residual, weight, eps)
         # The same kernel as `norm` with its residual input on: the sum is rounded to x's dtype and the norm reads
-        # that rounded row, as the unfused add then norm does, so the two are bit-identical.
+        # that rounded row, as the unfused add then the norm kernel does, so the two are bit-identical. Without the
+        # norm kernel (torch's norm rounds differently) the fold is not taken, and the call counts as a fallback.
+        if not self._fits("residual", "norm" in self.stages):
+            return super().residual_norm(x, residual, weight, eps)
         y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=x.dtype)
         return h, y
 

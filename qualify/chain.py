@@ -109,7 +109,6 @@ def chain_rows(engine: RankEngine, model_dir: str, case, index: int, router_tol:
 def _case_rows(model_dir: str, options: EngineOptions, device: str, index: int) -> list[ChainRow]:
     from .run import qualify_cases
 
-    torch.set_num_threads(1)
     engine = RankEngine(model_dir, Parallel.single(device), options)
     cases, _, _ = qualify_cases(engine.config.vocab_size, False, sliding_ring(engine.config, options))
     tol = tolerances.value("numerics.router", tolerances.scheme(options.dtype, options.kernels, engine.config))
@@ -131,7 +130,8 @@ def chain_report(model_dir: str, dtype: str = "bf16", kernels: str = "auto", dev
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(min(jobs, n), mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(min(jobs, n), mp_context=multiprocessing.get_context("spawn"),
+                             initializer=torch.set_num_threads, initargs=(1,)) as pool:  # one core per worker
         parts = list(pool.map(_case_rows, [model_dir] * n, [options] * n, [device] * n, range(n)))
     return [r for part in parts for r in part]
 

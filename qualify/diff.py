@@ -20,7 +20,7 @@ from ..fast.rank import PREFILL_BLOCK, EngineOptions, RankEngine
 from ..reference.model import ReferenceModel
 from . import tolerances
 
-STAGES = ("attn_out", "router_scores", "experts", "moe_out", "hidden")
+STAGES = ("attn_out", "moe_in", "router_scores", "experts", "moe_out", "hidden")
 
 
 @dataclass
@@ -144,7 +144,7 @@ def _plot(stages: list[StageDiff], P: int, path: str, dtype: str) -> None:
     layers = list(dict.fromkeys(s.layer for s in stages))
     x = {name: i for i, name in enumerate(layers)}
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for st in ("attn_out", "router_scores", "moe_out", "hidden", "final_hidden", "logits", "input"):
+    for st in ("attn_out", "moe_in", "router_scores", "moe_out", "hidden", "final_hidden", "logits", "input"):
         pts = [(x[s.layer], max(s.error, 1e-18)) for s in stages if s.stage == st]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=st)

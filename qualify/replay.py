@@ -247,9 +247,13 @@ class StreamReference:
 
     def forced(self, row: "DraftRow", experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, h') of a draft row recomputed with the MTP layer's experts given (qualify/router.py). The
-        row's K/V is written before its MoE, so rewriting it leaves the cache as it was."""
-        logits, h = self.m.draft(torch.tensor([row.token]), row.prev[None], torch.tensor([row.position]),
+        row's K/V (written before its MoE, so equal up to float64 rounding of a one-row recompute) is put back
+        as the block left it, so the replay does not depend on which rows were recomputed."""
+        layer, p = self.m.config.num_hidden_layers, row.position  # the cache's MTP entry
+        k, v = self.cache.k[layer][p].clone(), self.cache.v[layer][p].clone()
+        logits, h = self.m.draft(torch.tensor([row.token]), row.prev[None], torch.tensor([p]),
                                  self.cache, None, experts.view(1, -1))
+        self.cache.k[layer][p], self.cache.v[layer][p] = k, v
         return logits[0], h[0]
 
     def _next(self, ref_h: torch.Tensor, fast_h: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,7 @@ def test_a_perturbed_recursion_shows_in_the_step_error():
     draft, fed = engine.model.draft, []
 
     def broken(tokens, prev_hidden, positions, live, taps=None):
-        if tokens.shape[0] == 1:  # recursive rows only (depth >= 2): the previous output, scaled and shifted
+        if tokens.shape[0] == 1:  # recursive rows only (depth >= 2): the previous output, reversed
             fed.append(int(positions[0]))
             prev_hidden = prev_hidden.flip(-1)
         return draft(tokens, prev_hidden, positions, live, taps)
