@@ -126,7 +126,7 @@ TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "g
                     "down_block_k", "down_warps", "down_stages"),
             "linear": ("split_k", "block_n", "num_warps", "num_stages"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages"),
-            "router": ("split", "block_e", "block_h", "num_warps")}
+            "router": ("split", "block_e", "block_h", "num_warps", "select_warps")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
 MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages"),
               ("down_block_n", "down_block_k", "down_warps", "down_stages"))
@@ -214,7 +214,8 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
     if op == "router":
         split = g["split"] or _router_auto_split(shape.experts, shape.hidden, g["block_e"], g["block_h"], sms)
         splits, _ = rt._split_plan(shape.hidden, split, g["block_h"])
-        return {"split": splits, "block_e": g["block_e"], "block_h": g["block_h"], "num_warps": g["num_warps"]}
+        return {"split": splits, "block_e": g["block_e"], "block_h": g["block_h"], "num_warps": g["num_warps"],
+                "select_warps": g["select_warps"]}
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -256,7 +257,8 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
         return [cand(), cand("auto/2", split=max(1, s // 2)), cand(block_h=256),
                 cand("auto x2", block_h=256, split=2 * s),
                 cand(num_warps=2), cand(block_e=8, num_warps=2), cand("default's split", block_e=2, split=s),
-                cand("auto x2", block_e=8, block_h=256, split=2 * s)]
+                cand("auto x2", block_e=8, block_h=256, split=2 * s),
+                cand(select_warps=1), cand(select_warps=2), cand(select_warps=8)]
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -770,7 +772,7 @@ NOTES = [
     "settings + fastest Down settings",
     "attention: min_split (default block_n) also sets the default split count at long context; this sweep "
     "is at the stated context only",
-    "router: the select kernel (launch 2) has no keyword in route(): not swept",
+    "router: the select kernel (launch 2) is swept by its warps only",
     "linear: block_k is fixed by the weight block (128); split-K summed in the launch with fresh zeroed counters",
 ]
 

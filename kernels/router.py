@@ -175,11 +175,13 @@ def _select(part: torch.Tensor, splits: int, weights: torch.Tensor, experts: tor
 
 def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float, *,
           split: int | None = None, debug: dict | None = None, block_e: int = 4, block_h: int = 512,
-          num_warps: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          num_warps: int = 1, select_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights [R, k] fp32, experts [R, k] int64, scores [R, E] fp32) = reference `route(x @ router_w.T,
     top_k, norm_topk_prob, scaling)` for x [R, H] fp32 (unit stride along H) and router_w [E, H] fp32
     (contiguous). `split`: H splits wanted (default `choose_split`; each split gets whole block_h tiles, so
-    fewer may run). `block_e`, `block_h`, `num_warps`: launch 1's tile and warps. `debug`, a dict, receives
+    fewer may run). `block_e`, `block_h`, `num_warps`: launch 1's tile and warps; `select_warps`: launch 2's
+    (its reductions' trees follow the warps, so other values may round differently: `iquest bench tune` compares
+    each against the default). `debug`, a dict, receives
     "logits" [R, E] fp32 (the summed logits the selection used), "split" and "h_per_split" (what was launched)."""
     _check(isinstance(x, torch.Tensor) and isinstance(router_w, torch.Tensor), "x and router_w must be tensors")
     _check(x.dim() == 2 and router_w.dim() == 2, f"x {tuple(x.shape)} and router_w {tuple(router_w.shape)} must be 2-D")
@@ -203,6 +205,7 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
     _check(_pow2(block_e) and _pow2(block_h) and block_h >= 16,
            f"block_e {block_e} and block_h {block_h} must be powers of two (block_h >= 16)")
     _check(_pow2(num_warps) and num_warps <= 16, f"num_warps {num_warps} must be a power of two <= 16")
+    _check(_pow2(select_warps) and select_warps <= 16, f"select_warps {select_warps} must be a power of two <= 16")
     _check(debug is None or isinstance(debug, dict), "debug must be a dict or None")
     if split is None:
         split = choose_split(E, H, block_e, block_h, x.device)
@@ -222,7 +225,8 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
     _router_logits_kernel[grid](x, router_w, part, R, E, H, x.stride(0), h_per_split, ROWS=rows,
                                 ROWS_PAD=triton.next_power_of_2(rows), BLOCK_E=block_e, BLOCK_H=block_h,
                                 num_warps=num_warps)
-    _select(part, splits, weights, experts, scores, logits, top_k, norm_topk_prob, float(scaling))
+    _select(part, splits, weights, experts, scores, logits, top_k, norm_topk_prob, float(scaling),
+            num_warps=select_warps)
     if debug is not None:
         debug.update(logits=logits, split=splits, h_per_split=h_per_split)
     return weights, experts, scores

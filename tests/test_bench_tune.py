@@ -56,7 +56,7 @@ def test_candidates_default_first_unique_and_accepted(op, shape, sms):
             assert name in t.TUNABLES[t.family(op)], (op, name)
             assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, (op, name, value)
             if name in ("block_n", "block_k", "block_e", "block_h", "down_block_n", "down_block_k", "num_warps",
-                        "gate_up_block_n", "gate_up_warps", "down_warps"):
+                        "gate_up_block_n", "gate_up_warps", "down_warps", "select_warps"):
                 assert value & (value - 1) == 0, (op, name, value)
         r = t.resolve(op, c.kw, shape, sms)
         if t.family(op) == "attention":
@@ -82,7 +82,7 @@ def test_h200_defaults_and_the_suggested_variants():
     assert r["attention_sliding"][0] == {"num_splits": 66, "live_splits": 17, "block_n": 64, "min_split": 64,
                                          "num_warps": 4, "num_stages": 2}
     assert r["attention_full"][0]["num_splits"] == 264 and r["attention_full"][0]["live_splits"] == 17
-    assert r["router"][0] == {"split": 12, "block_e": 4, "block_h": 512, "num_warps": 1}
+    assert r["router"][0] == {"split": 12, "block_e": 4, "block_h": 512, "num_warps": 1, "select_warps": 4}
 
     def values(op, key):
         return {x[key] for x in r[op]}
@@ -97,7 +97,7 @@ def test_h200_defaults_and_the_suggested_variants():
         assert values(op, "block_n") == {32, 64, 128} and values(op, "num_warps") == {4, 8}
         assert values(op, "num_stages") == {3, 4} and len(values(op, "split_k")) >= 3
     assert values("attention_sliding", "live_splits") == {5, 9, 17, 33}
-    assert values("router", "split") == {6, 12, 24}
+    assert values("router", "split") == {6, 12, 24} and values("router", "select_warps") == {1, 2, 4, 8}
 
 
 @pytest.mark.parametrize("n, k", [(1024, 6144), (6144, 768), (128, 6144), (64, 256), (300, 1000)])

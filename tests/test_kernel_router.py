@@ -65,6 +65,7 @@ CASES = [
     case("E48_not_power_of_two_k5", R=3, E=48, k=5, H=120, split=2, seed=12),
     case("k_equals_E16", R=3, E=16, k=16, H=60, split=2, seed=13),
     case("strided_x", R=5, H=140, split=3, x_stride=2, seed=14),
+    case("select_2_warps", R=6, E=64, H=150, split=2, select_warps=2, seed=18),  # warps: GPU only
     case("integer_data_ties", R=8, E=64, H=96, data="int", split=3, seed=15),
     case("integer_data_k1", R=3, E=16, k=1, H=40, data="int", split=2, seed=16),
     case("integer_data_no_norm", R=3, E=256, k=8, H=64, data="int", norm=False, scaling=2.5, seed=17),
@@ -82,6 +83,8 @@ GPU_CASES = [  # the model: H = 6144, E = 256, k = 8, norm_topk_prob, routed_sca
     case("gpu_8rows_split1", R=8, E=256, H=6144, block_e=None, block_h=None, split=1, seed=105),
     case("gpu_8rows_split7_uneven", R=8, E=256, H=6144, block_e=None, block_h=None, split=7, seed=106),
     case("gpu_8rows_tile_8x256", R=8, E=256, H=6144, block_e=8, block_h=256, seed=107),
+    *[case(f"gpu_6rows_select_{w}_warps", R=6, E=256, H=6144, block_e=None, block_h=None, select_warps=w, seed=111 + w)
+      for w in (1, 2, 8)],  # bench tune's candidates for the select launch
     case("gpu_8rows_integer_ties", R=8, E=256, H=6144, block_e=None, block_h=None, data="int", seed=108),
     case("gpu_broken_ties_high", R=8, E=256, H=6144, block_e=None, block_h=None, broken="ties_high", seed=109),
     case("gpu_broken_dropped_split", R=8, E=256, H=6144, block_e=None, block_h=None, broken="drop_split", seed=110),
@@ -155,7 +158,7 @@ def run_case(c: dict, device: str) -> dict:
             splits -= 1
         return original(part, splits, *args, **kw)
 
-    blocks = {b: c[b] for b in ("block_e", "block_h") if c[b] is not None}
+    blocks = {b: c[b] for b in ("block_e", "block_h", "select_warps") if c.get(b) is not None}
     dbg = {}
     if c["broken"]:
         rt._select = broken
@@ -278,6 +281,7 @@ def _args(**over):
     (dict(split=0), "split"),
     (dict(block_e=3), "powers of two"),
     (dict(block_h=8), "powers of two"),
+    (dict(select_warps=3), "select_warps"),
     (dict(debug=[]), "debug"),
     (dict(router_w=torch.randn(rt.MAX_EXPERTS + 1, 40)), "experts"),
 ])
