@@ -119,10 +119,9 @@ def chain_report(model_dir: str, dtype: str = "bf16", kernels: str = "auto", dev
                  jobs: int = 1) -> list[ChainRow]:
     """Every recursive draft row of the qualification decodes (the cases of `iquest qualify`, same engine
     options), one worker process per case when jobs > 1."""
-    from .run import qualify_cases
+    from .run import candidate_options, qualify_cases
 
-    options = EngineOptions(max_context=512, dtype=dtype, graphs=False,
-                            kernels=EngineOptions(kernels=kernels).kernel_set(torch.device(device)))
+    options = candidate_options(dtype, kernels, device)
     config = Config.from_dir(model_dir)
     n = len(qualify_cases(config.vocab_size, False, sliding_ring(config, options))[0])
     if jobs <= 1:
