@@ -110,7 +110,7 @@ class TorchOps:
 # per layer; bit-identical to the add then the norm kernel on the GPU (bench/results/gpu-tests-residual-*.log), so
 # that qualification holds for it.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual")
-OPT_IN: tuple[str, ...] = ()  # kernels not yet run on a GPU: only when named, e.g. "triton+NAME"
+OPT_IN: tuple[str, ...] = ("pdl", "prefetch")  # not yet measured on a GPU: only when named, e.g. "triton+pdl"
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
@@ -124,6 +124,11 @@ class TritonOps(TorchOps):
 
     def __init__(self, stages: tuple[str, ...] = STAGES) -> None:
         self.stages = frozenset(stages)
+        # Programmatic dependent launch of every kernel (kernels/launch.py): scheduling only, the same bits. Off the
+        # GPU it is ignored (the interpreter has no grid dependencies).
+        self.pdl = "pdl" in self.stages and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+        # With it, the FP8 linears and the router ask L2 for their constant weights before that wait.
+        self.prefetch = self.pdl and "prefetch" in self.stages
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -154,6 +159,9 @@ class TritonOps(TorchOps):
             self.fallbacks[stage] = self.fallbacks.get(stage, 0) + 1
         return ok
 
+    def _pdl(self, t: torch.Tensor) -> bool:
+        return self.pdl and t.is_cuda
+
     @staticmethod
     def moe_takes(gate_block: tuple[int, int], down_block: tuple[int, int], intermediate: int) -> bool:
         """Whether the MoE kernel takes these weights: its act_quant groups are Down's K blocks (a power of two
@@ -174,7 +182,8 @@ class TritonOps(TorchOps):
     def _fp8(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
         locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
         fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
-        return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None)
+        return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
+                            pdl=self._pdl(x), prefetch=self.prefetch and self._pdl(x))
 
     def prepare(self, w):
         if "lm_head" not in self.stages:
@@ -186,7 +195,7 @@ class TritonOps(TorchOps):
     def lm_head(self, a, w):
         if not self._fits("lm_head", True):
             return super().lm_head(a, w)
-        return self._lm_head(a.contiguous(), w.lm_head)
+        return self._lm_head(a.contiguous(), w.lm_head, pdl=self._pdl(a))
 
     def qkv(self, lw, x):
         w = lw.wqkv
@@ -199,7 +208,7 @@ class TritonOps(TorchOps):
     def norm(self, x, weight, eps):
         if not self._fits("norm", True):
             return super().norm(x, weight, eps)
-        return self._norm(x.contiguous(), weight, eps)
+        return self._norm(x.contiguous(), weight, eps, pdl=self._pdl(x))
 
     def rope_write(self, kv, q, k, v, cos, sin, positions, live):
         d = q.shape[-1]
@@ -207,7 +216,7 @@ class TritonOps(TorchOps):
             return super().rope_write(kv, q, k, v, cos, sin, positions, live)
         dense = (lambda t: t if t.stride(-1) == 1 and t.stride(-2) == d else t.contiguous())  # row views pass as is
         return self._rope_kv(dense(q), dense(k), dense(v), cos.contiguous(), sin.contiguous(),
-                             positions, live, kv.k, kv.v, kv.slot_pos)
+                             positions, live, kv.k, kv.v, kv.slot_pos, pdl=self._pdl(q))
 
     def residual_norm(self, x, residual, weight, eps):
         # The same kernel as `norm` with its residual input on: the sum is rounded to x's dtype and the norm reads
@@ -215,19 +224,21 @@ class TritonOps(TorchOps):
         # norm kernel (torch's norm rounds differently) the fold is not taken, and the call counts as a fallback.
         if not self._fits("residual", "norm" in self.stages):
             return super().residual_norm(x, residual, weight, eps)
-        y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=x.dtype)
+        y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=x.dtype, pdl=self._pdl(x))
         return h, y
 
     def add_norm(self, x, residual, weight, eps):
         if not self._fits("norm", True):
             return super().add_norm(x, residual, weight, eps)
-        y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=torch.float32)
+        y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=torch.float32,
+                              pdl=self._pdl(x))
         return h, y
 
     def route(self, b32, router, top_k, norm_topk_prob, scaling):
         if not self._fits("route", True):
             return super().route(b32, router, top_k, norm_topk_prob, scaling)
-        return self._route(b32, router, top_k, norm_topk_prob, scaling)
+        return self._route(b32, router, top_k, norm_topk_prob, scaling, pdl=self._pdl(b32),
+                           prefetch=self.prefetch and self._pdl(b32))
 
     def moe(self, b, experts, weights, live, gate, up, down, compute_dtype=None):
         if not self._fits("moe", self.moe_takes(gate.block, down.block, down.q.shape[-1])):
@@ -235,20 +246,22 @@ class TritonOps(TorchOps):
         step = self._max_pairs // experts.shape[1]  # prefill blocks exceed the kernel's pair capacity: split rows
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
-                           group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype)
+                           group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
+                           pdl=self._pdl(b))
                  for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def uniforms(self, seed, positions, purpose, depth=0):
         if not self._fits("rng", True):
             return super().uniforms(seed, positions, purpose, depth)
-        return self._uniforms(seed, positions, purpose, depth)  # one launch, the same bits (tl.rand = rng.rand)
+        # one launch, the same bits (tl.rand = rng.rand)
+        return self._uniforms(seed, positions, purpose, depth, pdl=self._pdl(positions))
 
     def dist(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p):
         if not self._fits("sampling", True):
             return super().dist(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
-        keys = self._topk(local_logits.float().contiguous(), k, vocab_offset)[0]
-        return self._global_dist(gather(keys).contiguous(), top_k, temperature, top_p)
+        keys = self._topk(local_logits.float().contiguous(), k, vocab_offset, pdl=self._pdl(local_logits))[0]
+        return self._global_dist(gather(keys).contiguous(), top_k, temperature, top_p, pdl=self._pdl(keys))
 
     def attention(self, q, kv, positions, sinks, kv_len):
         rows, q_heads = q.shape[0], q.shape[1]
@@ -257,7 +270,7 @@ class TritonOps(TorchOps):
                           and d >= 16 and d & (d - 1) == 0):
             return super().attention(q, kv, positions, sinks, kv_len)
         return self._attention(q.contiguous(), kv.k, kv.v, kv.slot_pos, positions, sinks, kv.window,
-                               kv.first_position, kv_len, causal=kv.causal)
+                               kv.first_position, kv_len, causal=kv.causal, pdl=self._pdl(q))
 
 
 def make_ops(name: str) -> TorchOps:

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS, sm_count as _sm_count
+from .launch import launch_options, wait_for_inputs
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -58,7 +59,9 @@ def _attention_split_kernel(
     G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_KV_LEN: tl.constexpr,
     SLIDING: tl.constexpr, CAUSAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     g = tl.program_id(0)
     split = tl.program_id(1)
     kv_len = _load_kv_len(kv_len_ptr, S, HAS_KV_LEN)
@@ -119,7 +122,9 @@ def _attention_combine_kernel(
     S, R, stride_or, stride_oh,
     G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_KV_LEN: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     RG = R * G
     pid = tl.program_id(0)
     g = pid // RG
@@ -179,7 +184,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
                      first_position: int = 0, kv_len: torch.Tensor | None = None, *, causal: bool = True,
                      num_splits: int | None = None, block_n: int = 64, min_split: int | None = None,
                      out: torch.Tensor | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
-                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int = 2, pdl: bool = False) -> torch.Tensor:
     """Attention of R query rows over a static KV cache: q [R, Hq, D], k/v [S, Hkv, D] -> [R, Hq, D].
 
     slot_pos [S] int64 (position held by each slot, -1 = empty), q_pos [R] int64, sinks [Hq] fp32 or
@@ -244,12 +249,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         G=G, D=D, NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(RG)), BLOCK_N=block_n,
         MIN_SPLIT=min_split, HAS_KV_LEN=kv_len is not None, SLIDING=window is not None, CAUSAL=causal,
-        F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages)
+        F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages, PDL=pdl,
+        **launch_options(pdl, q.device))
     _attention_combine_kernel[(Hkv * RG,)](
         part_m, part_l, part_acc, sinks if sinks is not None else part_m, kv_len_arg, out,
         S, R, out.stride(0), out.stride(1),
         G=G, D=D, NUM_SPLITS=num_splits, BLOCK_S=min(16, triton.next_power_of_2(num_splits)), BLOCK_N=block_n,
-        MIN_SPLIT=min_split, HAS_KV_LEN=kv_len is not None, HAS_SINKS=sinks is not None, num_warps=1)
+        MIN_SPLIT=min_split, HAS_KV_LEN=kv_len is not None, HAS_SINKS=sinks is not None, num_warps=1, PDL=pdl,
+        **launch_options(pdl, q.device))
     return out
 
 

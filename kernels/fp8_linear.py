@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS, sm_count as _sm_count
+from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -36,6 +37,7 @@ def _fp8_linear_kernel(
     M, N, K, stride_xm, stride_ym, scale_cols, k_per_split, splits,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, SERIAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+    PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -46,6 +48,9 @@ def _fp8_linear_kernel(
     n_ok = n < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    if PREFETCH_LINES > 0:  # the weight is constant: its reads may start before the previous kernel ends
+        prefetch_rows(w_ptr + tl.minimum(n, N - 1) * K, k_start, k_end, 128, PREFETCH_LINES)
+    wait_for_inputs(PDL)
     s_row = s_ptr + (n // B0) * scale_cols
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -82,7 +87,8 @@ def _fp8_linear_kernel(
 
 
 @triton.jit
-def _split_k_sum_kernel(part_ptr, y_ptr, M, N, stride_ym, splits, BLOCK: tl.constexpr):
+def _split_k_sum_kernel(part_ptr, y_ptr, M, N, stride_ym, splits, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < M * N
     acc = tl.zeros([BLOCK], tl.float32)
@@ -123,13 +129,15 @@ def choose_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.dev
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
                out_dtype: torch.dtype | None = None, *, split_k: int | None = None, block_n: int = BLOCK_N,
                out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
-               num_stages: int = NUM_STAGES) -> torch.Tensor:
+               num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
     `locks`: zeroed int32 counters (>= one per output tile, see `lock_count`); with them a split K is summed by
     the tile's last split inside the one launch (same order, same bits), and they are left zeroed for the next
-    call. Calls sharing counters must not overlap in time (one stream). Without them a second kernel sums."""
+    call. Calls sharing counters must not overlap in time (one stream). Without them a second kernel sums.
+    `pdl`: programmatic dependent launch; `prefetch`: with it, each program asks L2 for its weight range before
+    waiting for the previous kernel (kernels/launch.py). Neither changes a value."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -169,10 +177,12 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     _fp8_linear_kernel[grid](
         x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
         k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split_k > 1,
-        SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages)
+        SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages, PDL=pdl,
+        PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, **launch_options(pdl, x.device))
     if split_k > 1 and not serial:
         BLOCK = 1024
-        _split_k_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, out, M, N, out.stride(0), split_k, BLOCK=BLOCK)
+        _split_k_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, out, M, N, out.stride(0), split_k, BLOCK=BLOCK, PDL=pdl,
+                                                          **launch_options(pdl, x.device))
     return out
 
 

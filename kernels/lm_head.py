@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS, sm_count as _sm_count
+from .launch import launch_options, wait_for_inputs
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): the bf16
 # parts are upcast to fp32 (exactly) before the dot there.
@@ -77,7 +78,9 @@ def _accumulate(acc, x, w, X_PARTS: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _lm_head_kernel(x_ptr, w_ptr, y_ptr, R, V, H, stride_x, stride_w, stride_y,
                     BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                    X_PARTS: tl.constexpr, UPCAST: tl.constexpr):
+                    X_PARTS: tl.constexpr, UPCAST: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     pid_v = tl.program_id(0)
     pid_r = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -124,17 +127,17 @@ def choose_block_v(v: int, device: torch.device) -> int:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, H: int, x_parts: int, block_v: int,
-            block_k: int, num_warps: int, num_stages: int) -> None:
+            block_k: int, num_warps: int, num_stages: int, pdl: bool = False) -> None:
     R, V = out.shape
     grid = (triton.cdiv(V, block_v), triton.cdiv(R, BLOCK_R))
     _lm_head_kernel[grid](x, weight, out, R, V, H, x.stride(0), weight.stride(0), out.stride(0),
                           BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_K=block_k, X_PARTS=x_parts, UPCAST=INTERPRETED,
-                          num_warps=num_warps, num_stages=num_stages)
+                          num_warps=num_warps, num_stages=num_stages, PDL=pdl, **launch_options(pdl, x.device))
 
 
 def lm_head(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float | None = None,
             *, out: torch.Tensor | None = None, block_v: int | None = None, block_k: int = 128, num_warps: int = 4,
-            num_stages: int = 4) -> torch.Tensor:
+            num_stages: int = 4, pdl: bool = False) -> torch.Tensor:
     """Logits [R, V] fp32 = x.float() @ weight.float().T, fp32 accumulation, exact products.
 
     x [R, H] bf16 / fp16 / fp32 (unit stride along H); weight [V, H] bf16 (the fast path; fp16 / fp32
@@ -173,7 +176,7 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
 
         x = rms_norm(x, norm_weight, eps)
     x_parts = _X_PARTS[x.dtype] if weight.dtype == torch.bfloat16 else 0
-    _launch(x, weight, out, H, x_parts, block_v, block_k, num_warps, num_stages)
+    _launch(x, weight, out, H, x_parts, block_v, block_k, num_warps, num_stages, pdl)
     return out
 
 

@@ -66,6 +66,7 @@ import triton.language as tl
 
 from .device import FLOATS as _FLOATS, sm_count as _sm_count
 from .moe_route import MAX_PAIRS, check_live, load_live
+from .launch import launch_options, wait_for_inputs
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -163,7 +164,9 @@ def _moe_gate_up_kernel(
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     p = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
@@ -217,7 +220,9 @@ def _moe_finalize_kernel(
     part_ptr, live_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, R, P, I,
     K_TOP: tl.constexpr, LIVE_COUNT: tl.constexpr,
     SPLIT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STORE_H: tl.constexpr, DROP_LAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     pair = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     tile = tl.program_id(1)
     ok = (pair < P) & load_live(live_ptr, pair // K_TOP, R, LIVE_COUNT)  # padding rows' pairs stay unwritten
@@ -248,7 +253,9 @@ def _moe_down_kernel(
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32: tl.constexpr, STORE_RAN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     p = tl.program_id(0)
     tile = tl.program_id(1)
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
@@ -282,7 +289,9 @@ def _moe_down_kernel(
 def _moe_combine_kernel(
     y_ptr, weights_ptr, live_ptr, out_ptr, R, H, stride_o,
     K_TOP: tl.constexpr, BLOCK: tl.constexpr, LIVE_COUNT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     r = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n_ok = n < H
@@ -361,7 +370,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         compute_dtype: torch.dtype | None = None, block_k: int = 128, down_block_n: int = 128,
         down_block_k: int = 64, split_k: int | None = None, gate_up_block_n: int = GATE_UP_BLOCK_N,
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
-        down_stages: int = NUM_STAGES, debug: dict | None = None) -> torch.Tensor:
+        down_stages: int = NUM_STAGES, pdl: bool = False, debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -373,11 +382,11 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     group == block[1]. `split_k` overrides the number of Gate/Up splits along H (default from the SM
     count; reduced so that no split is empty). `gate_up_block_n` (a power of two >= 16; the largest one
     dividing I_r up to it is used), `*_warps` and `*_stages` are the two weight-streaming kernels' launch
-    settings, for `iquest bench tune`. `debug`, when a dict, receives `act`, `act_scale`, the
-    fp32 `hidden` before quantization, the `split` used, `split_counts` [P] (splits the finalize
-    summed per live pair, 0 elsewhere) and `programs` [2, P] int32 (1 where pair p's Gate/Up, resp.
-    Down, program did the work: the first live pair of each distinct expert); tests only: it adds
-    stores. debug["drop_last_split"] = True makes the finalize skip the last split, and
+    settings, for `iquest bench tune`. `pdl`: programmatic dependent launch (kernels/launch.py). `debug`,
+    when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
+    `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
+    (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
+    expert); tests only: it adds stores. debug["drop_last_split"] = True makes the finalize skip the last split, and
     debug["no_dedup"] = True lets every live pair's program work, repeated experts included (the
     tests' negative controls)."""
     _check(x.dim() == 2 and x.dtype in _FLOATS and x.stride(1) == 1, "x must be a float [R, H] with unit stride")
@@ -438,26 +447,27 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     counts = torch.zeros(P, dtype=torch.int32, device=dev) if store_h else act_scale
     programs = torch.full((2, P), -1, dtype=torch.int32, device=dev) if store_h else act_scale
     f32 = INTERPRETED or compute_dtype == torch.float32
+    launch = launch_options(pdl, dev)
 
     _moe_gate_up_kernel[(P, I // bn, split)](
         x, gate, gate_scale, up, up_scale, experts, live_arg, part, programs[0], R, H, I, P, x.stride(0),
         gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32", STORE_RAN=store_h,
-        num_warps=gate_up_warps, num_stages=gate_up_stages)
+        num_warps=gate_up_warps, num_stages=gate_up_stages, PDL=pdl, **launch)
     _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
         part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
         SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,
-        DROP_LAST=bool(store_h and debug.get("drop_last_split", False)), num_warps=4)
+        DROP_LAST=bool(store_h and debug.get("drop_last_split", False)), num_warps=4, PDL=pdl, **launch)
     _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
         act, act_scale, down, down_scale, experts, live_arg, y, programs[1], R, H, I,
         down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=_pow2_divisor(group, down_block_k), F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
-        num_stages=down_stages)
+        num_stages=down_stages, PDL=pdl, **launch)
     _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
         y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
-        num_warps=4)
+        num_warps=4, PDL=pdl, **launch)
     if store_h:
         debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs)
     return out

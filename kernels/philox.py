@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT, PURPOSE_DRAFT, SLOTS_PER_POSITION, offset
+from .launch import launch_options, wait_for_inputs
 
 MAX_BLOCK = 1024
 _DRAFT_SLOT_1 = offset(0, PURPOSE_DRAFT, 1)  # slot of the depth-1 draft sample; depth d is this + d - 1
@@ -29,7 +30,9 @@ _DRAFT_SLOT_1 = offset(0, PURPOSE_DRAFT, 1)  # slot of the depth-1 draft sample;
 
 @triton.jit
 def _philox_uniforms_kernel(seed_ptr, pos_ptr, depth_ptr, out_ptr, n, slot, stride_pos, stride_depth, stride_out,
-                            SLOTS: tl.constexpr, BLOCK: tl.constexpr, DEPTH_TENSOR: tl.constexpr):
+                            SLOTS: tl.constexpr, BLOCK: tl.constexpr, DEPTH_TENSOR: tl.constexpr,
+                            PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     pos = tl.load(pos_ptr + i * stride_pos, mask=m, other=0).to(tl.int64)
@@ -51,7 +54,7 @@ def _is_int_tensor(t: torch.Tensor) -> bool:
 
 
 def _launch(seed: torch.Tensor, positions: torch.Tensor, slot: int, depth: torch.Tensor | None,
-            out: torch.Tensor, num_warps: int) -> torch.Tensor:
+            out: torch.Tensor, num_warps: int, pdl: bool = False) -> torch.Tensor:
     """The launch itself, for an already-checked slot (the tests' negative control calls it with a wrong one)."""
     n = positions.shape[0]
     if n == 0:
@@ -60,12 +63,13 @@ def _launch(seed: torch.Tensor, positions: torch.Tensor, slot: int, depth: torch
     _philox_uniforms_kernel[(triton.cdiv(n, block),)](
         seed, positions, positions if depth is None else depth, out, n, slot, positions.stride(0),
         0 if depth is None or depth.dim() == 0 else depth.stride(0), out.stride(0),
-        SLOTS=SLOTS_PER_POSITION, BLOCK=block, DEPTH_TENSOR=depth is not None, num_warps=num_warps)
+        SLOTS=SLOTS_PER_POSITION, BLOCK=block, DEPTH_TENSOR=depth is not None, num_warps=num_warps, PDL=pdl,
+        **launch_options(pdl, out.device))
     return out
 
 
 def uniforms(seed: torch.Tensor, positions: torch.Tensor, purpose: int, depth: int | torch.Tensor = 0, *,
-             out: torch.Tensor | None = None, num_warps: int = 1) -> torch.Tensor:
+             out: torch.Tensor | None = None, num_warps: int = 1, pdl: bool = False) -> torch.Tensor:
     """float32 [N] = `fast.philox.uniforms(seed, fast.philox.offsets(positions, purpose, depth))`, bit for bit.
 
     seed: 0-dim int64 tensor holding the request seed's 64 bits (`rng.int64_bits(seed)`), on the positions'
@@ -99,7 +103,7 @@ def uniforms(seed: torch.Tensor, positions: torch.Tensor, purpose: int, depth: i
     _check(tuple(out.shape) == (n,) and out.dtype == torch.float32,
            f"out must be float32 [{n}], got {out.dtype} {tuple(out.shape)}")
     _check(out.device == positions.device, f"out is on {out.device}, positions on {positions.device}")
-    return _launch(seed, positions, slot, depth_t, out, num_warps)
+    return _launch(seed, positions, slot, depth_t, out, num_warps, pdl)
 
 
 def uniforms_ref(seed: torch.Tensor, positions: torch.Tensor, purpose: int,

@@ -15,13 +15,16 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS
+from .launch import launch_options, wait_for_inputs
 
 MAX_HIDDEN = 65536
 
 
 @triton.jit
 def _rmsnorm_residual_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, H, eps,
-                             stride_x, stride_r, stride_y, stride_h, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
+                             stride_x, stride_r, stride_y, stride_h, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
+                             PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     ok = i < H
@@ -47,7 +50,8 @@ def _check(cond: bool, message: str) -> None:
 
 def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                      out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None,
-                     residual_out: torch.Tensor | None = None, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                     residual_out: torch.Tensor | None = None, num_warps: int = 8,
+                     pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [R, H] in out_dtype (default residual's), h = x + residual [R, H] in residual's dtype)."""
     _check(x.dim() == 2 and tuple(residual.shape) == tuple(x.shape), f"x {tuple(x.shape)} and residual "
            f"{tuple(residual.shape)} must be the same [R, H]")
@@ -71,12 +75,12 @@ def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     _check(isinstance(eps, float) and eps > 0, f"eps must be a positive float, got {eps!r}")
     _rmsnorm_residual_kernel[(R,)](x, residual, weight, out, residual_out, H, eps, x.stride(0), residual.stride(0),
                                    out.stride(0), residual_out.stride(0), BLOCK=triton.next_power_of_2(H),
-                                   RESIDUAL=True, num_warps=num_warps)
+                                   RESIDUAL=True, num_warps=num_warps, PDL=pdl, **launch_options(pdl, x.device))
     return out, residual_out
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None, *,
-            out: torch.Tensor | None = None, num_warps: int = 8) -> torch.Tensor:
+            out: torch.Tensor | None = None, num_warps: int = 8, pdl: bool = False) -> torch.Tensor:
     """y = rmsnorm(x) * w [R, H] in out_dtype (default x's), computed in fp32 from x (no residual)."""
     _check(x.dim() == 2, f"x must be [R, H], got {tuple(x.shape)}")
     R, H = x.shape
@@ -94,7 +98,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.
     _check(isinstance(eps, float) and eps > 0, f"eps must be a positive float, got {eps!r}")
     _rmsnorm_residual_kernel[(R,)](x, x, weight, out, out, H, eps, x.stride(0), x.stride(0), out.stride(0),
                                    out.stride(0), BLOCK=triton.next_power_of_2(H), RESIDUAL=False,
-                                   num_warps=num_warps)
+                                   num_warps=num_warps, PDL=pdl, **launch_options(pdl, x.device))
     return out
 
 

@@ -22,12 +22,15 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS
+from .launch import launch_options, wait_for_inputs
 
 
 
 @triton.jit
 def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, live_ptr, qo_ptr, ck_ptr, cv_ptr, sp_ptr,
-                    HQ, HKV, SLOTS, stride_q, stride_k, stride_v, D: tl.constexpr, HALF: tl.constexpr):
+                    HQ, HKV, SLOTS, stride_q, stride_k, stride_v, D: tl.constexpr, HALF: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     i = tl.arange(0, D)
@@ -67,7 +70,7 @@ def _check(cond: bool, message: str) -> None:
 
 def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             positions: torch.Tensor, live: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-            slot_pos: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+            slot_pos: torch.Tensor, *, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Rotated q [R, Hq, D] (returned, contiguous); rotated k and v written to `cache_k`/`cache_v` [slots + 1, Hkv, D]
     at each row's slot, `slot_pos` [slots + 1] updated. cos/sin [R, D] in q's dtype; live bool [R]. q, k and v may be
     column slices of one projection's rows (any row stride; heads and head_dim dense within a row)."""
@@ -99,7 +102,7 @@ def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor
     options = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}  # no FMA: torch's roundings
     _rope_kv_kernel[(R, HQ + HKV)](q, k, v, cos, sin, positions, live.view(torch.uint8), out, cache_k, cache_v,
                                    slot_pos, HQ, HKV, slots, q.stride(0), k.stride(0), v.stride(0), D=D, HALF=D // 2,
-                                   **options)
+                                   PDL=pdl, **options, **launch_options(pdl, q.device))
     return out
 
 

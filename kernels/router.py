@@ -46,6 +46,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .device import sm_count as _sm_count
+from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 MAX_ROWS = 8  # rows per launch-1 program (decode blocks have 1..8); more rows take more row blocks
@@ -56,7 +57,8 @@ PART_CHUNK = 8192  # launch 2 loads at most this many partial values (splits x p
 
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split,
-                          ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+                          ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                          PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0):
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)
     r0 = tl.program_id(2) * ROWS
@@ -65,6 +67,9 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split
     rows = tl.arange(0, ROWS_PAD)
     h_start = pid_s * h_per_split
     h_end = tl.minimum(h_start + h_per_split, H)
+    if PREFETCH_LINES > 0:  # the router weight is constant: its reads may start before the previous kernel ends
+        prefetch_rows(w_ptr + tl.minimum(e, E - 1) * H, h_start, h_end, 32, PREFETCH_LINES)
+    wait_for_inputs(PDL)
     acc = tl.zeros([BLOCK_E, ROWS_PAD], tl.float32)  # acc[e, i]: row r0 + i
     for h0 in range(h_start, h_end, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
@@ -82,7 +87,9 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split
 def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, logits_ptr, R, E, splits, scaling,
                           E_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
                           K_PAD: tl.constexpr, NORM: tl.constexpr, WRITE_LOGITS: tl.constexpr,
-                          ACCURATE_EXP: tl.constexpr, LOWER_TIES: tl.constexpr):
+                          ACCURATE_EXP: tl.constexpr, LOWER_TIES: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     idx = tl.arange(0, E_PAD)
     ok = idx < E
@@ -160,7 +167,7 @@ def _split_plan(h: int, split: int, block_h: int) -> tuple[int, int]:
 
 def _select(part: torch.Tensor, splits: int, weights: torch.Tensor, experts: torch.Tensor, scores: torch.Tensor,
             logits: torch.Tensor | None, top_k: int, norm_topk_prob: bool, scaling: float, *,
-            lower_ties: bool = True, num_warps: int = 4) -> None:
+            lower_ties: bool = True, num_warps: int = 4, pdl: bool = False) -> None:
     """Launch 2 on the first `splits` partials of part [S, R, E]. Tests wrap it for the negative controls
     (`lower_ties=False`, one split fewer)."""
     _, R, E = part.shape
@@ -170,18 +177,19 @@ def _select(part: torch.Tensor, splits: int, weights: torch.Tensor, experts: tor
         part, weights, experts, scores, scores if logits is None else logits, R, E, splits, scaling,
         E_PAD=e_pad, SPLIT_BLOCK=split_block, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         NORM=bool(norm_topk_prob), WRITE_LOGITS=logits is not None, ACCURATE_EXP=not INTERPRETED,
-        LOWER_TIES=lower_ties, num_warps=num_warps)
+        LOWER_TIES=lower_ties, num_warps=num_warps, PDL=pdl, **launch_options(pdl, part.device))
 
 
 def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float, *,
           split: int | None = None, debug: dict | None = None, block_e: int = 4, block_h: int = 512,
-          num_warps: int = 1, select_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          num_warps: int = 1, select_warps: int = 4,
+          pdl: bool = False, prefetch: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights [R, k] fp32, experts [R, k] int64, scores [R, E] fp32) = reference `route(x @ router_w.T,
     top_k, norm_topk_prob, scaling)` for x [R, H] fp32 (unit stride along H) and router_w [E, H] fp32
     (contiguous). `split`: H splits wanted (default `choose_split`; each split gets whole block_h tiles, so
     fewer may run). `block_e`, `block_h`, `num_warps`: launch 1's tile and warps; `select_warps`: launch 2's
     (its reductions' trees follow the warps, so other values may round differently: `iquest bench tune` compares
-    each against the default). `debug`, a dict, receives
+    each against the default). `pdl`, `prefetch`: as fp8_linear's (kernels/launch.py). `debug`, a dict, receives
     "logits" [R, E] fp32 (the summed logits the selection used), "split" and "h_per_split" (what was launched)."""
     _check(isinstance(x, torch.Tensor) and isinstance(router_w, torch.Tensor), "x and router_w must be tensors")
     _check(x.dim() == 2 and router_w.dim() == 2, f"x {tuple(x.shape)} and router_w {tuple(router_w.shape)} must be 2-D")
@@ -224,9 +232,11 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
     grid = (triton.cdiv(E, block_e), splits, triton.cdiv(R, rows))
     _router_logits_kernel[grid](x, router_w, part, R, E, H, x.stride(0), h_per_split, ROWS=rows,
                                 ROWS_PAD=triton.next_power_of_2(rows), BLOCK_E=block_e, BLOCK_H=block_h,
-                                num_warps=num_warps)
+                                num_warps=num_warps, PDL=pdl,
+                                PREFETCH_LINES=prefetch_lines(h_per_split, 4)[1] if prefetch else 0,
+                                **launch_options(pdl, dev))
     _select(part, splits, weights, experts, scores, logits, top_k, norm_topk_prob, float(scaling),
-            num_warps=select_warps)
+            num_warps=select_warps, pdl=pdl)
     if debug is not None:
         debug.update(logits=logits, split=splits, h_per_split=h_per_split)
     return weights, experts, scores

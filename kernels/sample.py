@@ -30,6 +30,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .topk import SENTINEL, _unkey
+from .launch import launch_options, wait_for_inputs
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)  # the interpreter has no libdevice
 MAX_K = 64
@@ -60,7 +61,9 @@ def _draw(ids, probs, ok, u):
 @triton.jit
 def _global_sample_kernel(keys_ptr, stride_keys, C, K, temp_ptr, top_p_ptr, seed_ptr, offsets_ptr,
                           ids_ptr, probs_ptr, tokens_ptr,
-                          CP: tl.constexpr, KP: tl.constexpr, DRAW: tl.constexpr, LIBDEVICE: tl.constexpr):
+                          CP: tl.constexpr, KP: tl.constexpr, DRAW: tl.constexpr, LIBDEVICE: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     r = tl.program_id(0)
     c = tl.arange(0, CP)
     keys = tl.load(keys_ptr + r * stride_keys + c, mask=c < C, other=SENTINEL)
@@ -98,7 +101,7 @@ def _scalar(t: torch.Tensor, dtype: torch.dtype, name: str, where: str, device: 
 
 def global_sample(keys: torch.Tensor, top_k: int, temperature: torch.Tensor, top_p: torch.Tensor,
                   seed: torch.Tensor | None = None, offsets: torch.Tensor | None = None, *,
-                  out: tuple[torch.Tensor, ...] | None = None, num_warps: int = 4):
+                  out: tuple[torch.Tensor, ...] | None = None, num_warps: int = 4, pdl: bool = False):
     """dist() of R rows from their gathered candidate keys [R, C] int64, and a draw per row.
 
     Equal to `fast.sampler._dist_from_keys` (= `global_dist` of the unkeyed values and ids) and
@@ -139,7 +142,7 @@ def global_sample(keys: torch.Tensor, top_k: int, temperature: torch.Tensor, top
     _global_sample_kernel[(R,)](
         keys, keys.stride(0), C, K, temperature, top_p, seed if draw else keys, offsets if draw else keys,
         ids, probs, tokens if draw else ids, CP=cp, KP=kp, DRAW=draw, LIBDEVICE=not INTERPRETED,
-        num_warps=num_warps)
+        num_warps=num_warps, PDL=pdl, **launch_options(pdl, dev))
     return tokens, ids, probs
 
 
@@ -154,7 +157,9 @@ def global_dist(keys: torch.Tensor, top_k: int, temperature: torch.Tensor, top_p
 def _accept_settle_kernel(p_ids_ptr, p_probs_ptr, q_ids_ptr, q_probs_ptr, drafts_ptr, k_ptr, n_ptr, seed_ptr,
                           a_ptr, token_ptr, emitted_ptr, logprobs_ptr, f_ids_ptr, f_probs_ptr,
                           Kp, Kq, KMAX,
-                          ROWS: tl.constexpr, KPP: tl.constexpr, KPQ: tl.constexpr):
+                          ROWS: tl.constexpr, KPP: tl.constexpr, KPQ: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     i = tl.arange(0, ROWS)  # row i: p_i, and draft d_{i+1} with its proposal q_{i+1}
     cp = tl.arange(0, KPP)
     cq = tl.arange(0, KPQ)
@@ -217,7 +222,8 @@ def _accept_settle_kernel(p_ids_ptr, p_probs_ptr, q_ids_ptr, q_probs_ptr, drafts
 
 def accept_settle(p_ids: torch.Tensor, p_probs: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
                   drafts: torch.Tensor, k: torch.Tensor, n: torch.Tensor, seed: torch.Tensor, *,
-                  out: dict[str, torch.Tensor] | None = None, num_warps: int = 4) -> dict[str, torch.Tensor]:
+                  out: dict[str, torch.Tensor] | None = None, num_warps: int = 4,
+                  pdl: bool = False) -> dict[str, torch.Tensor]:
     """The accept step of `fast.round.RoundRunner.speculative_round` (step 2) in one program.
 
     p_ids/p_probs [KMAX+1, Kp]: the verification rows' distributions (row i = p_i); q_ids/q_probs
@@ -252,7 +258,7 @@ def accept_settle(p_ids: torch.Tensor, p_probs: torch.Tensor, q_ids: torch.Tenso
         p_ids, p_probs, q_ids, q_probs, drafts, k, n, seed,
         out["a"], out["token"], out["emitted"], out["logprobs"], out["ids"], out["probs"], kp, kq, kmax,
         ROWS=triton.next_power_of_2(kmax + 1), KPP=triton.next_power_of_2(kp), KPQ=triton.next_power_of_2(kq),
-        num_warps=num_warps)
+        num_warps=num_warps, PDL=pdl, **launch_options(pdl, dev))
     return out
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from .launch import launch_options, wait_for_inputs
 
 LOW = 0xFFFFFFFF  # low word of a key: LOW - id
 SENTINEL = tl.constexpr(-(2**63))  # below every key of a float (see _key): padding in lists and tiles
@@ -55,7 +56,9 @@ def _unkey(keys):
 # ---- pass 1: per-tile candidates -----------------------------------------------------------------
 @triton.jit
 def _tile_topk_kernel(logits_ptr, cand_ptr, V, stride_r, vocab_offset, n_tiles,
-                      TILE: tl.constexpr, KP: tl.constexpr):
+                      TILE: tl.constexpr, KP: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     r = tl.program_id(1)
     col = t * TILE + tl.arange(0, TILE)
@@ -69,7 +72,9 @@ def _tile_topk_kernel(logits_ptr, cand_ptr, V, stride_r, vocab_offset, n_tiles,
 # ---- pass 2: ordered merge of the tiles that can contribute --------------------------------------
 @triton.jit
 def _merge_kernel(cand_ptr, keys_ptr, values_ptr, ids_ptr, n_tiles, vocab_offset, K,
-                  TILE: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr, SKIP: tl.constexpr):
+                  TILE: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr, SKIP: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
     r = tl.program_id(0)
     row = cand_ptr + r * n_tiles * KP
     j = tl.arange(0, KP)
@@ -101,7 +106,7 @@ def _check(cond: bool, message: str) -> None:
 
 def local_topk_keys(logits: torch.Tensor, k: int, vocab_offset: int, *, tile: int = 2048, skip: bool = True,
                     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    num_warps: int = 4, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(keys int64, values fp32, global ids int64), each [R, min(k, Vr)], of logits [R, Vr] fp32.
 
     Equal to `fast.sampler._local_keys` and `local_candidates`. tile: columns per pass-1 program (a power
@@ -130,9 +135,11 @@ def local_topk_keys(logits: torch.Tensor, k: int, vocab_offset: int, *, tile: in
                f"out tensors must be contiguous [{R}, {K}] (int64, float32, int64)")
     cand = torch.empty((R, n_tiles, kp), dtype=torch.int64, device=logits.device)
     _tile_topk_kernel[(n_tiles, R)](logits, cand, V, logits.stride(0), vocab_offset, n_tiles,
-                                     TILE=tile, KP=kp, num_warps=num_warps)
+                                     TILE=tile, KP=kp, num_warps=num_warps, PDL=pdl,
+                                     **launch_options(pdl, logits.device))
     _merge_kernel[(R,)](cand, keys, values, ids, n_tiles, vocab_offset, K,
-                        TILE=tile, KP=kp, TP=tp, SKIP=skip and tp > kp, num_warps=num_warps)
+                        TILE=tile, KP=kp, TP=tp, SKIP=skip and tp > kp, num_warps=num_warps, PDL=pdl,
+                        **launch_options(pdl, logits.device))
     return keys, values, ids
 
 

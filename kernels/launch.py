@@ -1,0 +1,72 @@
+"""Programmatic dependent launch (PDL, sm_90+): let a kernel's programs start while its predecessor on the stream
+is still finishing, so launch latency, program start-up and (with `prefetch_l2`) the first weight reads overlap
+the previous kernel's tail instead of following it.
+
+A decode round is ~1,750 dependent kernels of 5-30 us each, and every boundary costs a drain of the previous
+grid plus the next one's launch and ramp. With PDL the driver may launch kernel B once every program of the
+previous kernel A has signalled `griddepcontrol.launch_dependents` (or exited); B's programs then run up to
+`griddepcontrol.wait`, which returns once A has completed and its memory is visible.
+
+The contract every kernel launched with `pdl=True` keeps, so that it reads and writes exactly what a plainly
+serialized launch would:
+  * `wait_for_inputs(PDL)` is the first thing every program does that touches memory another kernel writes or
+    reads: no activation load, no store, no atomic comes before it. Only constant weights may be read before
+    it (`prefetch_l2`), and only into L2.
+  * Every program calls it, unconditionally, so the kernel cannot complete before its predecessor has: the
+    chain stays transitive for the kernel after it (which may be a plain launch: that one waits for this
+    kernel's completion as usual).
+  * It signals its own dependents right after the wait, not before: at most two kernels are in flight, the
+    running one and the next one's programs parked at their wait.
+Arithmetic is untouched, so results are bit-identical with and without PDL (tests/test_kernel_launch.py and
+the engine's graph-vs-eager checks on the GPU).
+
+Under the interpreter (CPU) PDL is off: the flag is a constexpr that removes the PTX, and `launch_options`
+refuses PDL for a tensor off the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """With PDL: wait for the previous kernel to complete, then allow the next one to launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines holding `ptrs` (every one a valid address: clamp, do not mask), without
+    waiting: for constant weights, before `wait_for_inputs`, so their reads overlap the previous kernel. A hint:
+    it changes no value."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_rows(row_ptrs, start, end, ELEMS_PER_LINE: tl.constexpr, LINES: tl.constexpr):
+    """`prefetch_l2` of columns [start, end) of the rows `row_ptrs` points at (each a valid row: clamp the row
+    index, do not mask), one request per ELEMS_PER_LINE columns; LINES >= the lines of the range."""
+    c = start + tl.arange(0, LINES) * ELEMS_PER_LINE
+    prefetch_l2(row_ptrs[:, None] + tl.where(c < end, c, start)[None, :])
+
+
+def prefetch_lines(columns: int, element_bytes: int) -> tuple[int, int]:
+    """(ELEMS_PER_LINE, LINES) for `prefetch_rows` over `columns` columns of `element_bytes`-byte elements."""
+    per_line = max(1, 128 // element_bytes)
+    return per_line, triton.next_power_of_2(max(1, triton.cdiv(columns, per_line)))
+
+
+def launch_options(pdl: bool, device: torch.device) -> dict:
+    """Launch keywords for a kernel call: `launch_pdl` on a GPU when asked."""
+    if not pdl:
+        return {}
+    if device.type != "cuda":
+        raise ValueError(f"programmatic dependent launch needs a CUDA device, got {device}")
+    return {"launch_pdl": True}

@@ -1,0 +1,113 @@
+"""Programmatic dependent launch (kernels/launch.py): it must overlap kernels (else it is dead weight), the wait
+must order them (else results race), and the engine's output must not change by one bit.
+
+The overlap and ordering probe: a producer kernel spins ~50 us on the GPU timer, then writes 1; a consumer
+launched with PDL copies that value. With the wait it must read 1. Without it (the negative control) it reads 0:
+that proves the consumer really started while the producer ran, eagerly, in a captured graph and inside a
+conditional node's body graph (the decode loop's form), so the wait is what orders the two there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import globaltimer
+
+from iquest.kernels.launch import launch_options, prefetch_lines, wait_for_inputs
+from iquest.tests.test_fast_kernels import CASES, N_TOKENS
+from iquest.tests.test_fast_engine import PROMPTS, TINY, fast_steps
+
+SPIN_NS = 50_000
+
+
+@triton.jit
+def _late_write(out_ptr, spin_ns):
+    wait_for_inputs(True)  # a PDL kernel itself: waits for the zeroing, then lets the consumer launch
+    t0 = globaltimer()
+    while globaltimer() - t0 < spin_ns:
+        pass
+    tl.store(out_ptr, 1)
+
+
+@triton.jit
+def _copy(src_ptr, dst_ptr, WAIT: tl.constexpr):
+    wait_for_inputs(WAIT)
+    tl.store(dst_ptr, tl.load(src_ptr))
+
+
+def probe(where: str, wait: bool) -> int:
+    """The value the consumer read: 1 = after the producer's write."""
+    src = torch.zeros(1, dtype=torch.int32, device="cuda")
+    dst = torch.full((1,), -1, dtype=torch.int32, device="cuda")
+    pdl = launch_options(True, src.device)
+
+    def body():
+        src.zero_()
+        _late_write[(1,)](src, SPIN_NS, **pdl)
+        _copy[(1,)](src, dst, WAIT=wait, **pdl)
+
+    body()  # compile, and the eager result
+    torch.cuda.synchronize()
+    if where == "eager":
+        return int(dst.item())
+    dst.fill_(-1)
+    if where == "graph":
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            body()
+    else:  # "body": inside a conditional IF node, as the decode loop's bodies are
+        from iquest.fast.flow import GraphFlow, new_flag
+
+        flow, flag = GraphFlow(), new_flag("cuda", 1)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            flow.when(flag, body)
+    g.replay()
+    torch.cuda.synchronize()
+    return int(dst.item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["eager", "graph", "body"])
+def test_cuda_pdl_overlaps_and_the_wait_orders(where):
+    assert probe(where, wait=True) == 1
+    assert probe(where, wait=False) == 0, f"no overlap {where}: the consumer did not start before the producer ended"
+
+
+def test_launch_options_refuse_pdl_off_the_gpu():
+    assert launch_options(False, torch.device("cpu")) == {}
+    with pytest.raises(ValueError, match="CUDA"):
+        launch_options(True, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("columns, element_bytes, want", [(768, 1, (128, 8)), (512, 4, (32, 16)), (100, 1, (128, 1)),
+                                                          (6144, 1, (128, 64)), (1, 2, (64, 1))])
+def test_prefetch_covers_the_range(columns, element_bytes, want):
+    per_line, lines = prefetch_lines(columns, element_bytes)
+    assert (per_line, lines) == want and per_line * lines >= columns
+
+
+def decode_with_logprobs(kernels: str, dtype: str) -> dict:
+    from iquest.fast.parallel import Parallel
+    from iquest.fast.rank import EngineOptions, RankEngine
+
+    engine = RankEngine(TINY, Parallel.single("cuda"), EngineOptions(max_context=256, dtype=dtype, kernels=kernels))
+    out = {}
+    for i, drafts in CASES:
+        steps = fast_steps(engine, PROMPTS[i], 40 + i, drafts, n=N_TOKENS)
+        out[f"{i}-{drafts}"] = [(s.tokens, s.logprobs, s.drafts, s.accepted) for s in steps]
+    return {"steps": out, "pdl": engine.model.ops.pdl, "prefetch": engine.model.ops.prefetch}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_pdl_decodes_bit_identically(dtype):
+    """Every kernel launched with PDL, with and without the weight prefetch: the same tokens, logprobs and
+    acceptance sequence as the default kernels, through the captured decode loop."""
+    base = decode_with_logprobs("triton", dtype)
+    pdl = decode_with_logprobs("triton+pdl", dtype)
+    both = decode_with_logprobs("triton+pdl+prefetch", dtype)
+    assert (base["pdl"], pdl["pdl"], both["pdl"], both["prefetch"]) == (False, True, True, True)
+    assert pdl["steps"] == base["steps"] and both["steps"] == base["steps"]
