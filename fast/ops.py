@@ -109,8 +109,11 @@ class TorchOps:
 # 7f9f77c. residual (added after): the MoE output's residual add folded into the next norm kernel, one launch fewer
 # per layer; bit-identical to the add then the norm kernel on the GPU (bench/results/gpu-tests-residual-*.log), so
 # that qualification holds for it.
-STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual")
-OPT_IN: tuple[str, ...] = ("pdl", "prefetch")  # not yet measured on a GPU: only when named, e.g. "triton+pdl"
+# "pdl" is not a kernel but how all of them launch (programmatic dependent launch, kernels/launch.py): the same bits,
+# 10,572 -> 9,779 us a full-size round on an H200 (docs/PERF.md, bench/results/step-full-tp8slice-ctx1k-d5-pdl-a788a79.*).
+STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl")
+# Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
+OPT_IN: tuple[str, ...] = ("prefetch",)
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear

@@ -71,14 +71,16 @@ from .launch import launch_options, wait_for_inputs
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 BLOCK_M = 16  # tl.dot's smallest M; a program's rows are the block's R rows (R <= 8 at decode), in blocks of it
-# Gate/Up program tile: 128 channels x block_k of K with 8 warps. 128 x 64 compiles for sm_90 to ~128
-# registers a thread (two programs an SM), 128 x 128 to 169 (one), yet 128 x 128 with Down at 128 x 64 was
-# the fastest on an H200 at one TP8 rank's decode shape: 58.3 -> 54.8 us a call (`iquest bench tune`,
-# bench/results/tune-h200-932ec08.*), so those are the defaults of `moe`.
+# Gate/Up program tile: 128 channels x block_k of K. 128 x 128 with Down at 128 x 64 was the fastest on an H200
+# at one TP8 rank's decode shape: 58.3 -> 54.8 us a call (`iquest bench tune`, bench/results/tune-h200-932ec08.*).
+# Then 4 warps for Gate/Up (8 before) and a 2-deep pipeline for Down (Triton's default 3 before): 54.7 -> 48.6 us,
+# the output bit-identical to the previous defaults' (bench/results/tune-h200-a788a79.*): launch settings
+# that do not change any tile's dot or sum order.
 GATE_UP_BLOCK_N = 128
-GATE_UP_WARPS = 8
+GATE_UP_WARPS = 4
 NUM_STAGES = 3  # Triton's default software pipelining depth, named so that `iquest bench tune` can sweep it
 DOWN_WARPS = 4
+DOWN_STAGES = 2
 FINALIZE_ROWS = 2  # pairs per finalize program: its loads are SPLIT x 2 x ROWS x GROUP fp32, spread widely
 COMBINE_BLOCK = 256  # columns per combine program (k fp32 loads each): ~200 programs for 8 rows at H = 6144
 E4M3_MAX = tl.constexpr(448.0)
@@ -370,7 +372,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         compute_dtype: torch.dtype | None = None, block_k: int = 128, down_block_n: int = 128,
         down_block_k: int = 64, split_k: int | None = None, gate_up_block_n: int = GATE_UP_BLOCK_N,
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
-        down_stages: int = NUM_STAGES, pdl: bool = False, debug: dict | None = None) -> torch.Tensor:
+        down_stages: int = DOWN_STAGES, pdl: bool = False, debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
