@@ -113,11 +113,10 @@ class TorchOps:
 # 10,572 -> 9,779 us a full-size round on an H200 (docs/PERF.md, bench/results/step-full-tp8slice-ctx1k-d5-pdl-a788a79.*).
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl")
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fuse")  # moe_fuse: the MoE finalize and combine inside Gate/Up and Down
+OPT_IN: tuple[str, ...] = ("prefetch",)
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
-MOE_LOCKS = 4096  # the MoE's arrival counters (kernels/moe.py lock_count): 128 pairs x 16 tiles + 2048 columns
 
 
 class TritonOps(TorchOps):
@@ -135,7 +134,6 @@ class TritonOps(TorchOps):
         self.prefetch = self.pdl and "prefetch" in self.stages
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
-        self._moe_locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
             from ..kernels.testing import patch_interpreter
 
@@ -152,7 +150,6 @@ class TritonOps(TorchOps):
 
         self._attention, self._linear, self._lm_head, self._lock_count = decode_attention, fp8_linear, lm_head, lock_count
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
-        self._moe_lock_count = moe.lock_count
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
         self._add_norm, self._norm, self._rope_kv = rmsnorm_residual, rmsnorm, rope_kv
 
@@ -197,8 +194,6 @@ class TritonOps(TorchOps):
         # The FP8 linear's split-K arrival counters (kernels/fp8_linear.py): zeroed once, before any capture; every
         # call leaves them zeroed, and the engine's calls run one after another on one stream.
         self._locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
-        if "moe_fuse" in self.stages:  # its own counters: a linear's and the MoE's never share one
-            self._moe_locks = torch.zeros(MOE_LOCKS, dtype=torch.int32, device=w.embed.device)
 
     def lm_head(self, a, w):
         if not self._fits("lm_head", True):
@@ -252,14 +247,10 @@ class TritonOps(TorchOps):
         if not self._fits("moe", self.moe_takes(gate.block, down.block, down.q.shape[-1])):
             return super().moe(b, experts, weights, live, gate, up, down, compute_dtype)
         step = self._max_pairs // experts.shape[1]  # prefill blocks exceed the kernel's pair capacity: split rows
-        k, (_, inter, hidden) = experts.shape[1], gate.q.shape
-        locks = self._moe_locks
-        if locks is not None and self._moe_lock_count(min(step, b.shape[0]) * k, inter, hidden) > locks.numel():
-            locks = None  # counters too few for this shape: the separate finalize and combine launches
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
-                           locks=locks, pdl=self._pdl(b))
+                           pdl=self._pdl(b))
                  for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

@@ -6,9 +6,8 @@ routing finishes"; MODEL.md forward and TP layout; ROUND.md act_quant).
 on this rank's slice I_r of every expert's intermediate dimension (Down is row-parallel: the caller
 all-reduces `out`). At decode the work is a weight stream (a few rows against ~k..R*k experts'
 E4M3 weights), so every launch is laid out to read each chosen expert's bytes once, spread over
-the whole GPU. Four launches (two with arrival counters, below), no host sync, grids sized for the worst case
-(programs with nothing to do exit at once); every sum has a fixed order, so eager runs and graph replays are
-bit-identical.
+the whole GPU. Four launches, no host sync, grids sized for the worst case (programs with nothing
+to do exit at once), no atomics: eager runs and graph replays are bit-identical.
 
 No grouping launch: a row's k experts are distinct, so the rows that chose expert e are exactly the
 live rows r with e in experts[r, :], each at one slot j_r, and a program finds them itself. Gate/Up
@@ -39,11 +38,6 @@ registers, which drops the caller's conversion launch.
    the weight block scale, and writes the fp32 per-pair result y [P, H].
 4. Combine, grid (row, H tile): out[r] = sum_j w[r, j] * y[r * k + j] in slot order, cast to
    out_dtype. Padding rows read nothing and write exact zeros.
-
-With `locks` (arrival counters, as fp8_linear's split-K sum) 2 runs inside 1 and 4 inside 3: the last of an
-expert tile's K splits to store its partials finalizes that tile (a Gate/Up tile is then one act_quant group), and
-the last program of a Down column tile (owner or not: all P arrive) combines it for every row. Same code, same
-order of every sum, so the same bits; at decode it removes two launches and their dependency gaps from each MoE.
 
 Every sum has the order it had with the grouping launch (splits in order, slots in order, one dot
 per row and K tile), and a row's dot result does not depend on which other rows share its tile or
@@ -168,13 +162,11 @@ def _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl
 @triton.jit
 def _moe_gate_up_kernel(
     x_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, ran_ptr,
-    lock_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr,
     R, H, I, P, stride_x, s_rows, s_cols, k_per_split,
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
-    FINALIZE: tl.constexpr = False, SPLIT: tl.constexpr = 1, STORE_H: tl.constexpr = False,
-    DROP_LAST: tl.constexpr = 0, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -223,41 +215,6 @@ def _moe_gate_up_kernel(
             dst = part_ptr + ((split * P + pair) * 2)[:, None] * I + n[None, :]
             tl.store(dst, acc_g, mask=m_ok[:, None])
             tl.store(dst + I, acc_u, mask=m_ok[:, None])
-            if FINALIZE:  # the tile is one act_quant group (BLOCK_N == GROUP) and all its rows are in this block
-                # The last of the expert's splits to store its partials finalizes the tile (in split order, as
-                # the finalize launch does: which one is last changes no bit) and re-arms the counter.
-                tl.debug_barrier()  # every thread's partials stored before the release below
-                lock = lock_ptr + p * tl.num_programs(1) + tile
-                if tl.atomic_add(lock, 1, sem="acq_rel") == SPLIT - 1:
-                    _finalize_rows(part_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, pair, m_ok, tile, P, I,
-                                   BLOCK_M, SPLIT, BLOCK_N, STORE_H, DROP_LAST)
-                    tl.atomic_xchg(lock, 0)
-
-
-@triton.jit
-def _finalize_rows(part_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, pair, ok, tile, P, I,
-                   ROWS: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr, STORE_H: tl.constexpr,
-                   DROP_LAST: tl.constexpr):
-    """Sum the Gate/Up partials of pairs `pair` (where `ok`) at group `tile`, SiLU x Up, act_quant, store."""
-    n = tile * GROUP + tl.arange(0, GROUP)
-    src = part_ptr + (pair * 2)[:, None] * I + n[None, :]
-    g = tl.zeros([ROWS, GROUP], tl.float32)
-    u = tl.zeros([ROWS, GROUP], tl.float32)
-    summed = 0  # splits added (compile-time): debug's split_counts, so a test sees which sum ran
-    # Unrolled, so every split's loads issue at once; the adds keep the order s = 0, 1, ... (the sum must not
-    # depend on scheduling). DROP_LAST (tests' negative control) skips the last split. ".cg": partials other
-    # programs of the same launch stored reach this one through L2, never a stale L1 line.
-    for s in tl.static_range(SPLIT - DROP_LAST):
-        g += tl.load(src + s * P * 2 * I, mask=ok[:, None], other=0.0, cache_modifier=".cg")
-        u += tl.load(src + s * P * 2 * I + I, mask=ok[:, None], other=0.0, cache_modifier=".cg")
-        summed += 1
-    h = g * tl.sigmoid(g) * u
-    q8, sc = _act_quant_tile(h)
-    tl.store(act_ptr + pair[:, None] * I + n[None, :], q8, mask=ok[:, None])
-    tl.store(act_s_ptr + pair * (I // GROUP) + tile, sc, mask=ok)
-    if STORE_H:
-        tl.store(h_ptr + pair[:, None] * I + n[None, :], h, mask=ok[:, None])
-        tl.store(count_ptr + pair, summed + 0 * pair, mask=ok & (tile == 0))
 
 
 @triton.jit
@@ -269,19 +226,35 @@ def _moe_finalize_kernel(
 ):
     wait_for_inputs(PDL)
     pair = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    tile = tl.program_id(1)
     ok = (pair < P) & load_live(live_ptr, pair // K_TOP, R, LIVE_COUNT)  # padding rows' pairs stay unwritten
-    _finalize_rows(part_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, pair, ok, tl.program_id(1), P, I,
-                   ROWS, SPLIT, GROUP, STORE_H, DROP_LAST)
+    n = tile * GROUP + tl.arange(0, GROUP)
+    src = part_ptr + (pair * 2)[:, None] * I + n[None, :]
+    g = tl.zeros([ROWS, GROUP], tl.float32)
+    u = tl.zeros([ROWS, GROUP], tl.float32)
+    summed = 0  # splits added (compile-time): debug's split_counts, so a test sees which sum ran
+    # Unrolled, so every split's loads issue at once; the adds keep the order s = 0, 1, ... (the
+    # sum must not depend on scheduling). DROP_LAST (tests' negative control) skips the last split.
+    for s in tl.static_range(SPLIT - DROP_LAST):
+        g += tl.load(src + s * P * 2 * I, mask=ok[:, None], other=0.0)
+        u += tl.load(src + s * P * 2 * I + I, mask=ok[:, None], other=0.0)
+        summed += 1
+    h = g * tl.sigmoid(g) * u
+    q8, sc = _act_quant_tile(h)
+    tl.store(act_ptr + pair[:, None] * I + n[None, :], q8, mask=ok[:, None])
+    tl.store(act_s_ptr + pair * (I // GROUP) + tile, sc, mask=ok)
+    if STORE_H:
+        tl.store(h_ptr + pair[:, None] * I + n[None, :], h, mask=ok[:, None])
+        tl.store(count_ptr + pair, summed + 0 * pair, mask=ok & (tile == 0))
 
 
 @triton.jit
 def _moe_down_kernel(
     act_ptr, act_s_ptr, w_ptr, ws_ptr, experts_ptr, live_ptr, y_ptr, ran_ptr,
-    lock_ptr, weights_ptr, out_ptr, stride_o,
     R, H, I, s_rows, s_cols,
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32: tl.constexpr, STORE_RAN: tl.constexpr, COMBINE: tl.constexpr = False, R_PAD: tl.constexpr = 1,
+    F32: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
@@ -312,36 +285,6 @@ def _moe_down_kernel(
                     part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
                 acc += part * sa[:, None] * sw[None, :]  # the act scale differs per row (pair)
             tl.store(y_ptr + pair[:, None] * H + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
-    if COMBINE:
-        # Every program of the column tile, owner or not, arrives once; the last sums the tile's rows over their
-        # slots (the combine launch's order: which program is last changes no bit) and re-arms the counter.
-        tl.debug_barrier()  # every thread's y stored before the release below
-        lock = lock_ptr + tile
-        if tl.atomic_add(lock, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, tl.arange(0, R_PAD),
-                          tile * BLOCK_N + tl.arange(0, BLOCK_N), R, H, stride_o, K_TOP, LIVE_COUNT, True)
-            tl.atomic_xchg(lock, 0)
-
-
-@triton.jit
-def _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, rows, n, R, H, stride_o,
-                  K_TOP: tl.constexpr, LIVE_COUNT: tl.constexpr, CG: tl.constexpr):
-    """out[rows, n] = sum_j w[r, j] * y[r * k + j, n] in slot order; padding rows read nothing and get exact zeros.
-    CG: y comes from other programs of the same launch (through L2, never a stale L1 line)."""
-    n_ok = n < H
-    live = load_live(live_ptr, rows, R, LIVE_COUNT)
-    ok = live[:, None] & n_ok[None, :]  # a padding row's pairs have no y (never computed)
-    acc = tl.zeros([rows.shape[0], n.shape[0]], tl.float32)
-    for j in tl.static_range(K_TOP):  # slot order, fixed
-        w = tl.load(weights_ptr + rows * K_TOP + j, mask=live, other=0.0)
-        src = y_ptr + (rows * K_TOP + j)[:, None] * H + n[None, :]
-        if CG:
-            y = tl.load(src, mask=ok, other=0.0, cache_modifier=".cg")
-        else:
-            y = tl.load(src, mask=ok, other=0.0)
-        acc += w[:, None] * y
-    tl.store(out_ptr + rows[:, None] * stride_o + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(rows < R)[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -351,9 +294,16 @@ def _moe_combine_kernel(
     PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
-    rows = tl.program_id(0) + tl.arange(0, 1)
+    r = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, rows, n, R, H, stride_o, K_TOP, LIVE_COUNT, False)
+    n_ok = n < H
+    live = load_live(live_ptr, r + 0 * n, R, LIVE_COUNT)
+    ok = n_ok & live  # a padding row's pairs have no y (never computed): read nothing, sum exact zeros
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(K_TOP):  # slot order, fixed
+        w = tl.load(weights_ptr + r * K_TOP + j + 0 * n, mask=live, other=0.0)
+        acc += w * tl.load(y_ptr + (r * K_TOP + j) * H + n, mask=ok, other=0.0)
+    tl.store(out_ptr + r * stride_o + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 # ---- host wrappers ---------------------------------------------------------------------------------
@@ -415,12 +365,6 @@ def plan_split(P: int, E: int, k: int, H: int, I: int, block_n: int, block_k: in
     return triton.cdiv(H, k_per_split), k_per_split
 
 
-def lock_count(pairs: int, intermediate: int, hidden: int, gate_up_block_n: int = GATE_UP_BLOCK_N,
-               down_block_n: int = 128) -> int:
-    """Arrival counters `moe(locks=...)` needs: one per (pair, Gate/Up tile), then one per Down column tile."""
-    return pairs * (intermediate // _pow2_divisor(intermediate, gate_up_block_n)) + triton.cdiv(hidden, down_block_n)
-
-
 def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
         gate: torch.Tensor, gate_scale: torch.Tensor, up: torch.Tensor, up_scale: torch.Tensor,
         down: torch.Tensor, down_scale: torch.Tensor, block: tuple[int, int] = (128, 128), group: int = 128,
@@ -428,8 +372,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         compute_dtype: torch.dtype | None = None, block_k: int = 128, down_block_n: int = 128,
         down_block_k: int = 64, split_k: int | None = None, gate_up_block_n: int = GATE_UP_BLOCK_N,
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
-        down_stages: int = DOWN_STAGES, locks: torch.Tensor | None = None, pdl: bool = False,
-        debug: dict | None = None) -> torch.Tensor:
+        down_stages: int = DOWN_STAGES, pdl: bool = False, debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -441,11 +384,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     group == block[1]. `split_k` overrides the number of Gate/Up splits along H (default from the SM
     count; reduced so that no split is empty). `gate_up_block_n` (a power of two >= 16; the largest one
     dividing I_r up to it is used), `*_warps` and `*_stages` are the two weight-streaming kernels' launch
-    settings, for `iquest bench tune`. `locks`: zeroed int32 arrival counters (at least `lock_count(...)`; left
-    zeroed; calls sharing them run one after another on one stream): with them the finalize runs in Gate/Up's
-    launch (when a Gate/Up tile is one act_quant group and the rows fit one row block) and the combine in
-    Down's, by each tile's last program, with the same sums in the same order: two launches fewer, the same
-    bits. `pdl`: programmatic dependent launch (kernels/launch.py). `debug`,
+    settings, for `iquest bench tune`. `pdl`: programmatic dependent launch (kernels/launch.py). `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -512,43 +451,27 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     f32 = INTERPRETED or compute_dtype == torch.float32
     launch = launch_options(pdl, dev)
 
-    finalize = locks is not None and bn == group and R <= BLOCK_M
-    combine = locks is not None and R <= BLOCK_M
-    h_tiles = triton.cdiv(H, down_block_n)
-    if locks is not None:
-        _check(locks.dtype == torch.int32 and locks.is_contiguous() and locks.device == dev
-               and locks.numel() >= lock_count(P, I, H, bn, down_block_n),
-               f"locks must be contiguous int32 on {dev} with at least {lock_count(P, I, H, bn, down_block_n)} counters")
-    down_locks = locks[P * (I // bn):] if locks is not None else act_scale
-    drop_last = int(bool(store_h and debug.get("drop_last_split", False)))
     _moe_gate_up_kernel[(P, I // bn, split)](
-        x, gate, gate_scale, up, up_scale, experts, live_arg, part, programs[0],
-        locks if finalize else act_scale, act.view(torch.uint8), act_scale, hidden, counts, R, H, I, P, x.stride(0),
+        x, gate, gate_scale, up, up_scale, experts, live_arg, part, programs[0], R, H, I, P, x.stride(0),
         gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32", STORE_RAN=store_h,
-        FINALIZE=finalize, SPLIT=split, STORE_H=store_h, DROP_LAST=drop_last,
         num_warps=gate_up_warps, num_stages=gate_up_stages, PDL=pdl, **launch)
-    if not finalize:
-        _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
-            part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
-            SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h, DROP_LAST=drop_last, num_warps=4,
-            PDL=pdl, **launch)
-    _moe_down_kernel[(P, h_tiles)](
-        act, act_scale, down, down_scale, experts, live_arg, y, programs[1],
-        down_locks if combine else act_scale, weights, out, out.stride(0), R, H, I,
+    _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
+        part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
+        SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,
+        DROP_LAST=bool(store_h and debug.get("drop_last_split", False)), num_warps=4, PDL=pdl, **launch)
+    _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
+        act, act_scale, down, down_scale, experts, live_arg, y, programs[1], R, H, I,
         down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
-        BLOCK_K=_pow2_divisor(group, down_block_k), F32=INTERPRETED, STORE_RAN=store_h,
-        COMBINE=combine, R_PAD=triton.next_power_of_2(R), num_warps=down_warps,
+        BLOCK_K=_pow2_divisor(group, down_block_k), F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
         num_stages=down_stages, PDL=pdl, **launch)
-    if not combine:
-        _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
-            y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
-            num_warps=4, PDL=pdl, **launch)
+    _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
+        y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
+        num_warps=4, PDL=pdl, **launch)
     if store_h:
-        debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
-                     fused=(finalize, combine))
+        debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs)
     return out
 
 

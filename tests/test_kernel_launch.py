@@ -16,7 +16,8 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
 from iquest.kernels.launch import launch_options, prefetch_lines, wait_for_inputs
-from iquest.tests.test_fast_kernels import decode_with_logprobs
+from iquest.tests.test_fast_kernels import CASES, N_TOKENS
+from iquest.tests.test_fast_engine import PROMPTS, TINY, fast_steps
 
 SPIN_NS = 500_000  # far above the host's launch gap between the two eager launches
 
@@ -88,6 +89,18 @@ def test_launch_options_refuse_pdl_off_the_gpu():
 def test_prefetch_covers_the_range(columns, element_bytes, want):
     per_line, lines = prefetch_lines(columns, element_bytes)
     assert (per_line, lines) == want and per_line * lines >= columns
+
+
+def decode_with_logprobs(kernels: str, dtype: str) -> dict:
+    from iquest.fast.parallel import Parallel
+    from iquest.fast.rank import EngineOptions, RankEngine
+
+    engine = RankEngine(TINY, Parallel.single("cuda"), EngineOptions(max_context=256, dtype=dtype, kernels=kernels))
+    out = {}
+    for i, drafts in CASES:
+        steps = fast_steps(engine, PROMPTS[i], 40 + i, drafts, n=N_TOKENS)
+        out[f"{i}-{drafts}"] = [(s.tokens, s.logprobs, s.drafts, s.accepted) for s in steps]
+    return {"steps": out, "pdl": engine.model.ops.pdl, "prefetch": engine.model.ops.prefetch}
 
 
 @pytest.mark.gpu

@@ -120,28 +120,11 @@ CASES = [
     case("fp32x_bf16_poison_count", R=7, live="count", pattern="poison", compute="bf16", out="bf16", x_ties=True),
     case("fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
          down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True),  # as fast/ops.py calls it
-    # with arrival counters: the finalize inside Gate/Up (its tiles one act_quant group wide) and the combine inside
-    # Down; the same bits as the five-launch form. `fused` = what must have run fused (finalize, combine).
-    case("fused_8rows_random", gate_up_block_n=16, locks=True, fused=(True, True)),
-    case("fused_split3_shared", H=128, block_k=16, split_k=3, split=3, pattern="shared", gate_up_block_n=16,
-         locks=True, fused=(True, True)),
-    case("fused_split2_poison_count", R=7, H=96, block_k=16, split_k=2, split=2, live="count", pattern="poison",
-         gate_up_block_n=16, locks=True, fused=(True, True)),
-    case("fused_1row_k8_mask", R=1, k=8, E=32, live="mask", gate_up_block_n=16, locks=True, fused=(True, True)),
-    case("fused_no_live_rows", live="none", gate_up_block_n=16, locks=True, fused=(True, True)),
-    case("fused_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
-         down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True, locks=True,
-         fused=(False, True)),  # Gate/Up tiles of 128 span 8 groups of 16: the finalize stays a launch
-    case("fused_combine_only_wide_tiles", I=64, locks=True, fused=(False, True)),  # 64-wide Gate/Up tiles, group 16
-    case("fused_none_32rows", R=32, k=4, E=6, live="mask", gate_up_block_n=16, locks=True,
-         fused=(False, False)),  # two row blocks: both stay launches
 ]
 # Negative controls (run by the worker, not by test_interpreted): the finalize drops the last split;
 # every live pair's program works, repeated experts included.
 NEG_CASE = case("neg_drop_last_split", H=128, block_k=16, split_k=3, split=3, drop_last_split=True)
 NEG_DEDUP_CASE = case("neg_no_dedup", pattern="shared", no_dedup=True)
-NEG_FUSED_CASE = case("neg_fused_drop_last_split", H=128, block_k=16, split_k=3, split=3, drop_last_split=True,
-                      gate_up_block_n=16, locks=True, fused=(True, True))
 
 FULL = dict(k=8, E=256, H=6144, I=256, block=(128, 128), x="bf16", block_k=None, down_block_n=None,
             down_block_k=None)  # one TP8 rank at full size (I/TP = 256); None: moe()'s default tiles
@@ -162,12 +145,6 @@ GPU_CASES = [  # full size and the mini model (E=16, top-4, H=256, I=128, block 
          x_ties=True, min_split=2, **dict(FULL, x="fp32")),
     case("gpu_full_16rows_max_pairs", R=16, out="bf16", min_split=2, **FULL),  # P = R * k = MAX_PAIRS
     *[case(f"gpu_mini_{r}rows", R=r, k=4, E=16, H=256, I=128, block=(16, 16), x="bf16") for r in (1, 8)],
-    # with arrival counters, as TritonOps calls it with "moe_fuse": both folds at full size
-    *[case(f"gpu_full_{r}rows_fp32x_bf16_fused", R=r, out="bf16", compute="bf16", x_ties=True, min_split=2,
-           locks=True, fused=(True, True), **dict(FULL, x="fp32")) for r in (1, 6, 8, 16)],
-    case("gpu_full_8rows_poison_fused", R=8, pattern="poison", live="count", out="bf16", compute="bf16", x_ties=True,
-         min_split=2, locks=True, fused=(True, True), **dict(FULL, x="fp32")),
-    case("gpu_full_8rows_split48_fused", R=8, split_k=48, split=48, locks=True, fused=(True, True), **FULL),
 ]
 
 
@@ -242,21 +219,11 @@ def tiles(c: dict) -> dict:
             for n in ("block_k", "down_block_n", "down_block_k", "gate_up_block_n")}
 
 
-def case_locks(c: dict, device) -> torch.Tensor:
-    """Zeroed counters for a case with `locks`, two more than it needs (they must stay zero: nothing beyond)."""
-    t = tiles(c)
-    need = mk.lock_count(c["R"] * c["k"], c["I"], c["H"], t["gate_up_block_n"], t["down_block_n"])
-    return torch.zeros(need + 2, dtype=torch.int32, device=device)
-
-
-def run_kernel(c: dict, t: dict, debug: dict | None = None, locks: torch.Tensor | None = None) -> torch.Tensor:
+def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
     out = torch.full((c["R"], c["H"]), float("nan"), dtype=DTYPES[c["out"]], device=t["x"].device)
     compute = {"compute_dtype": DTYPES[c["compute"]]} if c["compute"] else {}
-    if c.get("locks") and locks is None:
-        locks = case_locks(c, t["x"].device)
     got = mk.moe(*(t[a] for a in ARGS), block=c["block"], group=c["block"][1], out_dtype=DTYPES[c["out"]],
-                 out=out, split_k=c["split_k"], debug=debug, locks=locks, **compute, **tiles(c),
-                 **c.get("launch", {}))
+                 out=out, split_k=c["split_k"], debug=debug, **compute, **tiles(c), **c.get("launch", {}))
     assert got is out
     return got
 
@@ -274,13 +241,8 @@ def run_case(c: dict, device: str) -> dict:
     debug = {"drop_last_split": True} if c.get("drop_last_split") else {}
     if c.get("no_dedup"):
         debug["no_dedup"] = True
-    locks = case_locks(c, device) if c.get("locks") else None
-    got = run_kernel(c, t, debug, locks)
+    got = run_kernel(c, t, debug)
     res = {"finite": bool(torch.isfinite(got).all()), "dtype": str(got.dtype).removeprefix("torch.")}
-    res["fused"] = list(debug["fused"])
-    res["locks_rezeroed"] = locks is None or bool((locks == 0).all())
-    if c.get("locks"):  # and twice in a row on the same counters: the same bits (they were re-armed)
-        res["repeat_identical"] = bool(torch.equal(run_kernel(c, t, dict(debug), locks), got))
     res["pad_zero"] = bool((got[~live.to(device)] == 0).all())
     # What the kernel computes with: fp32 x with bf16 compute is x.to(torch.bfloat16) (round to nearest even).
     tr = dict(t, x=t["x"].to(DTYPES[c["compute"]])) if c["compute"] else t
@@ -405,10 +367,6 @@ def _check(c: dict, r: dict) -> None:
     assert r["split"] >= c.get("min_split", 1), f"split {r['split']} < {c.get('min_split')}: not the split path"
     assert r["split_counts_live"] in ([], [r["split"]]), f"splits summed per live pair: {r['split_counts_live']}"
     assert r["split_counts_pad_zero"], "the finalize touched a padding pair"
-    assert r["fused"] == list(c.get("fused", (False, False))), f"fused (finalize, combine) {r['fused']}"
-    assert r["locks_rezeroed"], "the arrival counters were not left zeroed"
-    if c.get("locks"):
-        assert r["repeat_identical"], "a second call on the same counters differs"
 
 
 def _check_values(c: dict, r: dict) -> None:
@@ -662,13 +620,11 @@ def test_interpreted_act_quant_bit_exact(interpreted):
         assert v["q"] and v["s"], f"{group}: {v}"
 
 
-@pytest.mark.parametrize("c", [NEG_CASE, NEG_FUSED_CASE], ids=["launch", "fused"])
-def test_interpreted_negative_control_drop_last_split(interpreted, c):
+def test_interpreted_negative_control_drop_last_split(interpreted):
     """The checks catch a wrong split sum: with the last split dropped they fail, on a run in which the
-    broken branch summed split - 1 partials for every live pair (in the finalize launch, or inside Gate/Up)."""
-    r = interpreted[c["name"]]
+    broken branch summed split - 1 partials for every live pair."""
+    c, r = NEG_CASE, interpreted[NEG_CASE["name"]]
     assert "error" not in r, r.get("error")
-    assert r["fused"] == list(c.get("fused", (False, False))), r["fused"]
     assert r["split"] == 3 and r["act_pairs"] > 0
     assert r["split_counts_live"] == [2], f"the broken branch did not run: {r['split_counts_live']}"
     assert r["rel_err"] > TOL[c["out"]], "the output check alone must catch it"
@@ -807,23 +763,20 @@ def test_gpu(c):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("R, x, fused", [(1, "bf16", False), (6, "bf16", False), (8, "bf16", False),
-                                         (6, "fp32", False), (6, "fp32", True), (8, "fp32", True)])
-def test_gpu_graph_replay_bit_identical(R, x, fused):
+@pytest.mark.parametrize("R, x", [(1, "bf16"), (6, "bf16"), (8, "bf16"), (6, "fp32")])
+def test_gpu_graph_replay_bit_identical(R, x):
     """Full size, default split: repeated eager runs and CUDA graph replays (new x and routing copied
-    into the captured inputs, a different live count) are bit-identical to eager (fixed sum orders; with `fused`,
-    counters re-armed by every call). fp32 x runs with bf16 compute, as the engine calls it."""
+    into the captured inputs, a different live count) are bit-identical to eager (no atomics). fp32 x
+    runs with bf16 compute, as the engine calls it."""
     c = case("g", R=R, k=8, E=256, H=6144, I=256, block=(128, 128), x=x, out="fp32", live="count")
     t, _ = build(c, "cuda")
     other, _ = build(dict(c, seed=1), "cuda")  # new inputs and routing, the same expert weights
     t2 = dict(t, x=other["x"], experts=other["experts"], weights=other["weights"],
               live=torch.tensor(R, dtype=torch.int32, device="cuda"))
 
-    locks = torch.zeros(mk.lock_count(R * 8, 256, 6144), dtype=torch.int32, device="cuda") if fused else None
-
     def run(src):
         return mk.moe(*(src[a] for a in ARGS), block=(128, 128), group=128, out_dtype=torch.float32,
-                      compute_dtype=torch.bfloat16, locks=locks)
+                      compute_dtype=torch.bfloat16)
 
     eager = [run(t).clone() for _ in range(2)]
     eager2 = run(t2).clone()
@@ -878,6 +831,6 @@ def test_gpu_speed_report(R):
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
-    jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + [NEG_CASE, NEG_DEDUP_CASE, NEG_FUSED_CASE]]
+    jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + [NEG_CASE, NEG_DEDUP_CASE]]
     worker_main(jobs + [("act_quant", lambda: run_act_quant("cpu")),
                         ("bf16_rounding", lambda: run_bf16_rounding("cpu"))])
