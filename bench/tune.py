@@ -122,13 +122,13 @@ def tune_shape(config: Config, tp: int = TP, rows: int = 6, context: int = 1024)
 WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "linear_o": fl.fp8_linear,
                                  "attention_sliding": da.decode_attention, "attention_full": da.decode_attention,
                                  "router": rt.route}
-TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "gate_up_form",
-                    "down_block_n", "down_block_k", "down_warps", "down_stages"),
-            "linear": ("split_k", "block_n", "num_warps", "num_stages", "swap"),
+TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
+                    "down_block_k", "down_warps", "down_stages"),
+            "linear": ("split_k", "block_n", "num_warps", "num_stages"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
-MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "gate_up_form"),
+MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages"),
               ("down_block_n", "down_block_k", "down_warps", "down_stages"))
 
 
@@ -194,7 +194,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         bk = mk._pow2_divisor(shape.block[1], g["block_k"])
         split, _ = mk.plan_split(P, E, k, H, I, bn, bk, g["split_k"], sms)
         return {"split_k": split, "block_k": bk, "gate_up_block_n": bn, "gate_up_warps": g["gate_up_warps"],
-                "gate_up_stages": g["gate_up_stages"], "gate_up_form": g["gate_up_form"], "down_block_n": g["down_block_n"],
+                "gate_up_stages": g["gate_up_stages"], "down_block_n": g["down_block_n"],
                 "down_block_k": mk._pow2_divisor(shape.block[1], g["down_block_k"]),
                 "down_warps": g["down_warps"], "down_stages": g["down_stages"]}
     if family(op) == "linear":
@@ -203,7 +203,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         split = g["split_k"] or _linear_auto_split(n, k, g["block_n"], bk, sms)
         k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk
         return {"split_k": triton.cdiv(k, k_per_split), "block_n": g["block_n"], "num_warps": g["num_warps"],
-                "num_stages": g["num_stages"], "swap": g["swap"]}
+                "num_stages": g["num_stages"]}
     if family(op) == "attention":
         bn = g["block_n"]
         ms = bn if g["min_split"] is None else g["min_split"]  # decode_attention's default: one tile
@@ -235,16 +235,10 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand("932ec08 default", block_k=64, down_block_n=64, down_block_k=128),
                 # Gate/Up's and Down's launch settings: more bytes in flight per SM (deeper pipelines, narrower
                 # tiles with more programs, fewer warps per program so more programs fit)
-                cand(gate_up_stages=2), cand(gate_up_stages=4), cand(gate_up_stages=5), cand(gate_up_warps=4),
-                cand(gate_up_warps=4, gate_up_stages=4), cand(gate_up_block_n=64),
-                cand(gate_up_block_n=64, gate_up_warps=4), cand(gate_up_block_n=64, gate_up_stages=4),
-                cand(down_warps=8), cand(down_stages=3), cand(down_stages=4), cand(down_warps=8, down_stages=4),
-                # Gate/Up as two loops, or as (W x^T)^T (the weight the MMA's A operand: wgmma), by compiled register
-                # use without spills for sm_90 (block_k 32 at 4 warps, 64 at 8 warps and 4 stages)
-                cand(gate_up_form="separate"), cand(gate_up_form="separate", gate_up_warps=8),
-                cand(gate_up_form="swap"), cand(gate_up_form="swap", block_k=32),
-                cand(gate_up_form="swap", block_k=64, gate_up_warps=8, gate_up_stages=4),
-                cand(gate_up_form="swap", block_k=64), cand(gate_up_form="swap", gate_up_warps=8)]
+                cand(gate_up_stages=2), cand(gate_up_stages=4), cand(gate_up_stages=5), cand(gate_up_warps=8),
+                cand(gate_up_warps=8, gate_up_stages=4), cand(gate_up_block_n=64),
+                cand(gate_up_block_n=64, gate_up_warps=8), cand(gate_up_block_n=64, gate_up_stages=4),
+                cand(down_warps=8), cand(down_stages=3), cand(down_stages=4), cand(down_warps=8, down_stages=4)]
     if family(op) == "linear":
         auto = {bn: resolve(op, {"block_n": bn}, shape, sms)["split_k"] for bn in (32, 64, 128)}
         half = {bn: max(1, a // 2) for bn, a in auto.items()}
@@ -252,10 +246,7 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(num_warps=8), cand(num_stages=4), cand(num_warps=8, num_stages=4),
                 cand(block_n=32), cand("auto x2", block_n=32, split_k=2 * auto[32]), cand(block_n=32, num_stages=4),
                 cand(block_n=128), cand(block_n=128, num_warps=8), cand("auto/2", block_n=128, split_k=half[128]),
-                cand(block_n=128, num_warps=8, num_stages=4), cand("932ec08 default", block_n=64, num_stages=3),
-                # (W x^T)^T: the weight the MMA's A operand (wgmma from 64 rows of W)
-                cand(swap=True), cand(swap=True, block_n=64), cand(swap=True, block_n=64, num_stages=3),
-                cand(swap=True, block_n=128, num_stages=3), cand(swap=True, block_n=128, num_warps=8)]
+                cand(block_n=128, num_warps=8, num_stages=4), cand("932ec08 default", block_n=64, num_stages=3)]
     if family(op) == "attention":
         return [cand(), cand(min_split=128), cand(min_split=64), cand(min_split=64, num_warps=8),
                 cand(num_stages=3), cand(min_split=128, num_stages=3),

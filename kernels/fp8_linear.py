@@ -37,7 +37,7 @@ def _fp8_linear_kernel(
     M, N, K, stride_xm, stride_ym, scale_cols, k_per_split, splits,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, SERIAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, SWAP: tl.constexpr = False,
+    PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -53,32 +53,19 @@ def _fp8_linear_kernel(
     wait_for_inputs(PDL)
     s_row = s_ptr + (n // B0) * scale_cols
 
-    if SWAP:  # (w @ x^T)^T: the weight as the MMA's untransposed A operand, which Triton's pipeliner streams
-        acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < K
-            x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            s = tl.load(s_row + k0 // B1, mask=n_ok, other=0.0)  # the tile lies in one K block
-            if F32:
-                x = x.to(tl.float32)
-            acc_t += tl.dot(w.to(x.dtype), tl.trans(x), input_precision=PREC) * s[:, None]
-        acc = tl.trans(acc_t)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < K
-            x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            s = tl.load(s_row + k0 // B1, mask=n_ok, other=0.0)  # the tile lies in one K block
-            if F32:
-                x = x.to(tl.float32)
-                w = w.to(tl.float32)
-            else:
-                w = w.to(x.dtype)  # exact
-            acc += tl.dot(x, tl.trans(w), input_precision=PREC) * s[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        s = tl.load(s_row + k0 // B1, mask=n_ok, other=0.0)  # the tile lies in one K block
+        if F32:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        else:
+            w = w.to(x.dtype)  # exact
+        acc += tl.dot(x, tl.trans(w), input_precision=PREC) * s[None, :]
 
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
@@ -142,7 +129,7 @@ def choose_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.dev
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
                out_dtype: torch.dtype | None = None, *, split_k: int | None = None, block_n: int = BLOCK_N,
                out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
-               num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False, swap: bool = False) -> torch.Tensor:
+               num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
@@ -191,7 +178,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
         k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split_k > 1,
         SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages, PDL=pdl,
-        PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, SWAP=swap, **launch_options(pdl, x.device))
+        PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, **launch_options(pdl, x.device))
     if split_k > 1 and not serial:
         BLOCK = 1024
         _split_k_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, out, M, N, out.stride(0), split_k, BLOCK=BLOCK, PDL=pdl,

@@ -160,59 +160,13 @@ def _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl
 
 
 @triton.jit
-def _x_tile(x_rows, m_ok, kk, k_ok, ROUND_BF16: tl.constexpr, F32: tl.constexpr):
-    """The rows' x at columns kk in the dtype the dot takes."""
-    x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-    if ROUND_BF16:  # fp32 x, bf16 compute: onto the bf16 grid; F32 (interpreter) keeps it in fp32
-        x = _bf16_grid(x)
-        if not F32:
-            x = x.to(tl.bfloat16)  # exact
-    if F32:
-        x = x.to(tl.float32)
-    return x
-
-
-@triton.jit
-def _tile_dot(x, w, F32: tl.constexpr, PREC: tl.constexpr):
-    """x [rows, K] @ w [N, K]^T in fp32, w E4M3 converted exactly to x's dtype."""
-    if F32:
-        return tl.dot(x, tl.trans(w.to(tl.float32)), input_precision=PREC)
-    return tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PREC)
-
-
-@triton.jit
-def _stream_tile(x_rows, m_ok, w_rows, s_row, k_start, k_end, H, B1: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr, F32: tl.constexpr,
-                 PREC: tl.constexpr, SWAP: tl.constexpr = False):
-    """sum over the K tiles of [k_start, k_end) of (x tile @ w tile^T) * the tile's block scale, in K order.
-    SWAP: computed as (w tile @ x tile^T)^T, the weight as the MMA's A operand."""
-    if SWAP:
-        acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < H
-            x = _x_tile(x_rows, m_ok, kk, k_ok, ROUND_BF16, F32)
-            w = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-            acc_t += tl.dot(w.to(x.dtype), tl.trans(x), input_precision=PREC) * tl.load(s_row + k0 // B1)[:, None]
-        return tl.trans(acc_t)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < H
-        x = _x_tile(x_rows, m_ok, kk, k_ok, ROUND_BF16, F32)
-        w = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-        acc += _tile_dot(x, w, F32, PREC) * tl.load(s_row + k0 // B1)[None, :]  # the tile lies in one K block
-    return acc
-
-
-@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, ran_ptr,
     R, H, I, P, stride_x, s_rows, s_cols, k_per_split,
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
-    SEPARATE: tl.constexpr = False, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -235,24 +189,29 @@ def _moe_gate_up_kernel(
             gs_row = gs_ptr + ex * s_rows * s_cols + (n // B0) * s_cols
             us_row = us_ptr + ex * s_rows * s_cols + (n // B0) * s_cols
             x_rows = x_ptr + rows[:, None] * stride_x
-            if SEPARATE:  # one weight stream at a time: half the registers of the joint loop (the same dots)
-                acc_g = _stream_tile(x_rows, m_ok, g_rows, gs_row, k_start, k_end, H, B1, BLOCK_M, BLOCK_N, BLOCK_K,
-                                     ROUND_BF16, F32, PREC, SWAP)
-                acc_u = _stream_tile(x_rows, m_ok, u_rows, us_row, k_start, k_end, H, B1, BLOCK_M, BLOCK_N, BLOCK_K,
-                                     ROUND_BF16, F32, PREC, SWAP)
-            else:
-                acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for k0 in range(k_start, k_end, BLOCK_K):
-                    kk = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = kk < H
-                    x = _x_tile(x_rows, m_ok, kk, k_ok, ROUND_BF16, F32)
-                    wg = tl.load(g_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-                    wu = tl.load(u_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-                    sg = tl.load(gs_row + k0 // B1)  # the tile lies in one K block
-                    su = tl.load(us_row + k0 // B1)
-                    acc_g += _tile_dot(x, wg, F32, PREC) * sg[None, :]
-                    acc_u += _tile_dot(x, wu, F32, PREC) * su[None, :]
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(k_start, k_end, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < H
+                x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                if ROUND_BF16:  # fp32 x, bf16 compute: onto the bf16 grid; F32 (interpreter) keeps it in fp32
+                    x = _bf16_grid(x)
+                    if not F32:
+                        x = x.to(tl.bfloat16)  # exact
+                wg = tl.load(g_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
+                wu = tl.load(u_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
+                sg = tl.load(gs_row + k0 // B1)  # the tile lies in one K block
+                su = tl.load(us_row + k0 // B1)
+                if F32:
+                    x = x.to(tl.float32)
+                    wg = wg.to(tl.float32)
+                    wu = wu.to(tl.float32)
+                else:
+                    wg = wg.to(x.dtype)  # exact
+                    wu = wu.to(x.dtype)
+                acc_g += tl.dot(x, tl.trans(wg), input_precision=PREC) * sg[None, :]
+                acc_u += tl.dot(x, tl.trans(wu), input_precision=PREC) * su[None, :]
             dst = part_ptr + ((split * P + pair) * 2)[:, None] * I + n[None, :]
             tl.store(dst, acc_g, mask=m_ok[:, None])
             tl.store(dst + I, acc_u, mask=m_ok[:, None])
@@ -413,8 +372,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         compute_dtype: torch.dtype | None = None, block_k: int = 128, down_block_n: int = 128,
         down_block_k: int = 64, split_k: int | None = None, gate_up_block_n: int = GATE_UP_BLOCK_N,
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
-        down_stages: int = DOWN_STAGES, gate_up_form: str = "joint", pdl: bool = False,
-        debug: dict | None = None) -> torch.Tensor:
+        down_stages: int = DOWN_STAGES, pdl: bool = False, debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -426,9 +384,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     group == block[1]. `split_k` overrides the number of Gate/Up splits along H (default from the SM
     count; reduced so that no split is empty). `gate_up_block_n` (a power of two >= 16; the largest one
     dividing I_r up to it is used), `*_warps` and `*_stages` are the two weight-streaming kernels' launch
-    settings, for `iquest bench tune`, as is `gate_up_form`: "joint" (Gate and Up tiles in one K loop), "separate"
-    (one loop each: the same dots) or "swap" (one loop each, as (W x^T)^T: the weight the MMA's A operand, which
-    Triton runs as Hopper's wgmma). `pdl`: programmatic dependent launch (kernels/launch.py). `debug`,
+    settings, for `iquest bench tune`. `pdl`: programmatic dependent launch (kernels/launch.py). `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -471,7 +427,6 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
            f"gate_up_block_n must be a power of two >= 16 (a dot operand), got {gate_up_block_n}")
     for name, w in (("gate_up_warps", gate_up_warps), ("down_warps", down_warps)):
         _check(w in (1, 2, 4, 8, 16), f"{name} must be 1, 2, 4, 8 or 16, got {w}")
-    _check(gate_up_form in ("joint", "separate", "swap"), f"gate_up_form must be joint, separate or swap, got {gate_up_form!r}")
     for name, st in (("gate_up_stages", gate_up_stages), ("down_stages", down_stages)):
         _check(isinstance(st, int) and 1 <= st <= 8, f"{name} must be an int in 1..8, got {st}")
 
@@ -501,8 +456,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32", STORE_RAN=store_h,
-        SEPARATE=gate_up_form != "joint", SWAP=gate_up_form == "swap", num_warps=gate_up_warps,
-        num_stages=gate_up_stages, PDL=pdl, **launch)
+        num_warps=gate_up_warps, num_stages=gate_up_stages, PDL=pdl, **launch)
     _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
         part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
         SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,

@@ -50,9 +50,6 @@ CASES = [
     case("serial_17rows_partial_k", M=17, N=33, K=88, split_k=6, serial=True),
     case("serial_bf16_out", x="bf16", split_k=2, serial=True),
     case("serial_no_split", split_k=1, N=200, block_n=32, serial=True),
-    # (W x^T)^T: the weight as the MMA's A operand
-    case("swap_17rows_partial_k_serial", M=17, N=33, K=88, split_k=6, serial=True, swap=True),
-    case("swap_bf16_1row", M=1, x="bf16", swap=True),
 ]
 
 GPU_CASES = [  # one TP8 rank at full size: H = 6144, 6 query heads + 1 KV head of 128, I/tp = 256
@@ -67,10 +64,6 @@ GPU_CASES = [  # one TP8 rank at full size: H = 6144, 6 query heads + 1 KV head 
     case("gpu_qkv_proj_8rows_serial", N=1024, K=6144, block=(128, 128), x="bf16", block_n=64, serial=True),
     case("gpu_o_proj_6rows_serial", M=6, N=6144, K=768, block=(128, 128), x="bf16", block_n=64, serial=True),
     case("gpu_k_proj_1row_serial", M=1, N=128, K=6144, block=(128, 128), x="bf16", block_n=64, serial=True),
-    *[case(f"gpu_qkv_proj_6rows_serial_swap_{bn}", M=6, N=1024, K=6144, block=(128, 128), x="bf16", block_n=bn,
-           serial=True, swap=True) for bn in (32, 64, 128)],
-    case("gpu_o_proj_6rows_serial_swap", M=6, N=6144, K=768, block=(128, 128), x="bf16", block_n=64, serial=True,
-         swap=True),
 ]
 
 
@@ -90,9 +83,8 @@ def run_case(c: dict, device: str) -> dict:
     t = build(c, device)
     out_dtype = DTYPES[c["out"]] if c["out"] else None
     out = torch.full((c["M"], c["N"]), float("nan"), dtype=out_dtype or t["x"].dtype, device=device)
-    swap = {"swap": True} if c.get("swap") else {}
     got = fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype, split_k=c["split_k"],
-                        block_n=c["block_n"], out=out, **swap)
+                        block_n=c["block_n"], out=out)
     assert got is out
     ref = fl.fp8_linear_ref(t["x"], t["w"], t["scale"], c["block"], torch.float32)
     scale = ref.abs().max().item()
@@ -101,7 +93,7 @@ def run_case(c: dict, device: str) -> dict:
     if c["serial"]:
         locks = torch.zeros(fl.lock_count(c["M"], c["N"], c["block_n"]) + 3, dtype=torch.int32, device=device)
         runs = [fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype, split_k=c["split_k"],
-                              block_n=c["block_n"], locks=locks, out=torch.full_like(out, float("nan")), **swap)
+                              block_n=c["block_n"], locks=locks, out=torch.full_like(out, float("nan")))
                 for _ in range(2)]  # the second call reuses the counters the first one left
         r.update(serial_bits=all(bool(torch.equal(g, got)) for g in runs), locks_rearmed=int(locks.abs().sum()) == 0)
     return r
