@@ -11,7 +11,9 @@ expert's weights read once, with act_quant'ed E4M3 activations into Down; the LM
 tiled top-k scan and the global top-k/top-p; Philox uniforms in one launch. Same math; the kernels round
 differently (fp32 accumulation in other orders, E4M3 activations into Down), which the qualification suite
 measures. At one decode block every kernel
-is launch- or latency-bound, so the point of most of them is fewer launches (docs/PERF.md).
+is launch- or latency-bound, so the point of most of them is fewer launches (docs/PERF.md), and every one is
+launched with programmatic dependent launch ("pdl", kernels/launch.py) so that its start overlaps the previous
+kernel's tail.
 """
 
 from __future__ import annotations
