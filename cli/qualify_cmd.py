@@ -22,9 +22,9 @@ def register(sub) -> None:
                         "as linear+attention. With the MoE kernel the tolerance column is DTYPE+e4m3act (its Down "
                         "input is E4M3)")
     p.add_argument("--jobs", default="auto",
-                   help="worker processes for the independent units (healthy engine, lossless test, each control); "
-                        "auto = one per CPU core, at most one per unit (the healthy engine, the lossless test and each negative "
-                        "control: 12 now) (default auto); 1 runs everything in this process")
+                   help="worker processes for the independent units (the healthy engine, the lossless test and each "
+                        "negative control: 12 now); auto (default) = one per CPU core, at most one per unit; 1 runs "
+                        "everything in this process")
     p.add_argument("--quick", action="store_true", help="one request and fewer samples: fits CI on fixtures/tiny")
     p.add_argument("--json", metavar="OUT", help="write the JSON report here")
     p.add_argument("--control", action="append", metavar="NAME",

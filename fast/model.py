@@ -138,7 +138,8 @@ class FastModel:
         if mtp and "mtp_router_shift" in self.defects:  # negative control: the draft layer skips its best expert
             experts = torch.topk(scores, c.num_experts_per_tok + 1, dim=-1).indices[:, 1:]
             weights = scores.gather(-1, experts)
-            weights = (weights / weights.sum(-1, keepdim=True) if c.norm_topk_prob else weights) * c.routed_scaling_factor
+            weights = weights / weights.sum(-1, keepdim=True) if c.norm_topk_prob else weights
+            weights = weights * c.routed_scaling_factor
         out = self.ops.moe(b32, experts, weights, live, lw.gate, lw.up, lw.down, compute_dtype=self.dtype)
         out = out.to(self.dtype)
         return self.par.all_reduce(out), scores, experts

@@ -55,7 +55,6 @@ class TorchOps:
                   kv_len: torch.Tensor) -> torch.Tensor:
         return attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(positions), sinks).to(q.dtype)
 
-
     @stage("norm")
     def residual_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,8 +110,9 @@ class TorchOps:
 # 7f9f77c. residual (added after): the MoE output's residual add folded into the next norm kernel, one launch fewer
 # per layer; bit-identical to the add then the norm kernel on the GPU (bench/results/gpu-tests-residual-*.log), so
 # that qualification holds for it.
-# "pdl" is not a kernel but how all of them launch (programmatic dependent launch, kernels/launch.py): the same bits,
-# 10,572 -> 9,779 us a full-size round on an H200 (docs/PERF.md, bench/results/step-full-tp8slice-ctx1k-d5-pdl-a788a79.*).
+# "pdl" is not a kernel but how all of them launch (programmatic dependent launch, kernels/launch.py): the same
+# bits, 10,572 -> 9,779 us a full-size round on an H200 (docs/PERF.md,
+# bench/results/step-full-tp8slice-ctx1k-d5-pdl-a788a79.*).
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl")
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
 OPT_IN: tuple[str, ...] = ("prefetch",)
@@ -129,10 +129,10 @@ class TritonOps(TorchOps):
 
     def __init__(self, stages: tuple[str, ...] = STAGES) -> None:
         self.stages = frozenset(stages)
-        # Programmatic dependent launch of every kernel (kernels/launch.py): scheduling only, the same bits. Off the
-        # GPU it is ignored (the interpreter has no grid dependencies).
-        self.pdl = "pdl" in self.stages and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-        # With it, the FP8 linears and the router ask L2 for their constant weights before that wait.
+        # Programmatic dependent launch of every kernel (kernels/launch.py): scheduling only, the same bits; taken for
+        # CUDA tensors only (`_pdl`). With it, "prefetch" lets the FP8 linears and the router ask L2 for their
+        # constant weights before the wait.
+        self.pdl = "pdl" in self.stages
         self.prefetch = self.pdl and "prefetch" in self.stages
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
@@ -167,6 +167,9 @@ class TritonOps(TorchOps):
     def _pdl(self, t: torch.Tensor) -> bool:
         return self.pdl and t.is_cuda
 
+    def _prefetch(self, t: torch.Tensor) -> bool:
+        return self.prefetch and t.is_cuda
+
     @staticmethod
     def moe_takes(gate_block: tuple[int, int], down_block: tuple[int, int], intermediate: int) -> bool:
         """Whether the MoE kernel takes these weights: its act_quant groups are Down's K blocks (a power of two
@@ -188,7 +191,7 @@ class TritonOps(TorchOps):
         locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
         fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
-                            pdl=self._pdl(x), prefetch=self.prefetch and self._pdl(x))
+                            pdl=self._pdl(x), prefetch=self._prefetch(x))
 
     def prepare(self, w):
         if "lm_head" not in self.stages:
@@ -243,7 +246,7 @@ class TritonOps(TorchOps):
         if not self._fits("route", True):
             return super().route(b32, router, top_k, norm_topk_prob, scaling)
         return self._route(b32, router, top_k, norm_topk_prob, scaling, pdl=self._pdl(b32),
-                           prefetch=self.prefetch and self._pdl(b32))
+                           prefetch=self._prefetch(b32))
 
     def moe(self, b, experts, weights, live, gate, up, down, compute_dtype=None):
         if not self._fits("moe", self.moe_takes(gate.block, down.block, down.q.shape[-1])):

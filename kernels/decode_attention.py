@@ -249,13 +249,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         G=G, D=D, NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(RG)), BLOCK_N=block_n,
         MIN_SPLIT=min_split, HAS_KV_LEN=kv_len is not None, SLIDING=window is not None, CAUSAL=causal,
-        F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages, PDL=pdl,
+        F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         **launch_options(pdl, q.device))
     _attention_combine_kernel[(Hkv * RG,)](
         part_m, part_l, part_acc, sinks if sinks is not None else part_m, kv_len_arg, out,
         S, R, out.stride(0), out.stride(1),
         G=G, D=D, NUM_SPLITS=num_splits, BLOCK_S=min(16, triton.next_power_of_2(num_splits)), BLOCK_N=block_n,
-        MIN_SPLIT=min_split, HAS_KV_LEN=kv_len is not None, HAS_SINKS=sinks is not None, num_warps=1, PDL=pdl,
+        MIN_SPLIT=min_split, HAS_KV_LEN=kv_len is not None, HAS_SINKS=sinks is not None, num_warps=1,
         **launch_options(pdl, q.device))
     return out
 

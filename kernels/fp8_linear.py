@@ -177,11 +177,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     _fp8_linear_kernel[grid](
         x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
         k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split_k > 1,
-        SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages, PDL=pdl,
+        SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, **launch_options(pdl, x.device))
     if split_k > 1 and not serial:
         BLOCK = 1024
-        _split_k_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, out, M, N, out.stride(0), split_k, BLOCK=BLOCK, PDL=pdl,
+        _split_k_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, out, M, N, out.stride(0), split_k, BLOCK=BLOCK,
                                                           **launch_options(pdl, x.device))
     return out
 

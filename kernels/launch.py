@@ -64,9 +64,11 @@ def prefetch_lines(columns: int, element_bytes: int) -> tuple[int, int]:
 
 
 def launch_options(pdl: bool, device: torch.device) -> dict:
-    """Launch keywords for a kernel call: `launch_pdl` on a GPU when asked."""
+    """Launch keywords for a kernel call with PDL: the launch attribute and the kernel's PDL constexpr, always
+    together (a PDL launch of a kernel compiled without its wait would race its predecessor); {} without PDL
+    (the kernels' PDL defaults to False)."""
     if not pdl:
         return {}
     if device.type != "cuda":
         raise ValueError(f"programmatic dependent launch needs a CUDA device, got {device}")
-    return {"launch_pdl": True}
+    return {"launch_pdl": True, "PDL": True}

@@ -132,7 +132,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, H: int, x_
     grid = (triton.cdiv(V, block_v), triton.cdiv(R, BLOCK_R))
     _lm_head_kernel[grid](x, weight, out, R, V, H, x.stride(0), weight.stride(0), out.stride(0),
                           BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_K=block_k, X_PARTS=x_parts, UPCAST=INTERPRETED,
-                          num_warps=num_warps, num_stages=num_stages, PDL=pdl, **launch_options(pdl, x.device))
+                          num_warps=num_warps, num_stages=num_stages, **launch_options(pdl, x.device))
 
 
 def lm_head(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float | None = None,

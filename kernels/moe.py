@@ -456,20 +456,20 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32", STORE_RAN=store_h,
-        num_warps=gate_up_warps, num_stages=gate_up_stages, PDL=pdl, **launch)
+        num_warps=gate_up_warps, num_stages=gate_up_stages, **launch)
     _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
         part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
         SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,
-        DROP_LAST=bool(store_h and debug.get("drop_last_split", False)), num_warps=4, PDL=pdl, **launch)
+        DROP_LAST=bool(store_h and debug.get("drop_last_split", False)), num_warps=4, **launch)
     _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
         act, act_scale, down, down_scale, experts, live_arg, y, programs[1], R, H, I,
         down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=_pow2_divisor(group, down_block_k), F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
-        num_stages=down_stages, PDL=pdl, **launch)
+        num_stages=down_stages, **launch)
     _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
         y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
-        num_warps=4, PDL=pdl, **launch)
+        num_warps=4, **launch)
     if store_h:
         debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs)
     return out

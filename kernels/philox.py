@@ -63,7 +63,7 @@ def _launch(seed: torch.Tensor, positions: torch.Tensor, slot: int, depth: torch
     _philox_uniforms_kernel[(triton.cdiv(n, block),)](
         seed, positions, positions if depth is None else depth, out, n, slot, positions.stride(0),
         0 if depth is None or depth.dim() == 0 else depth.stride(0), out.stride(0),
-        SLOTS=SLOTS_PER_POSITION, BLOCK=block, DEPTH_TENSOR=depth is not None, num_warps=num_warps, PDL=pdl,
+        SLOTS=SLOTS_PER_POSITION, BLOCK=block, DEPTH_TENSOR=depth is not None, num_warps=num_warps,
         **launch_options(pdl, out.device))
     return out
 

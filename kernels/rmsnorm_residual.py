@@ -75,7 +75,7 @@ def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     _check(isinstance(eps, float) and eps > 0, f"eps must be a positive float, got {eps!r}")
     _rmsnorm_residual_kernel[(R,)](x, residual, weight, out, residual_out, H, eps, x.stride(0), residual.stride(0),
                                    out.stride(0), residual_out.stride(0), BLOCK=triton.next_power_of_2(H),
-                                   RESIDUAL=True, num_warps=num_warps, PDL=pdl, **launch_options(pdl, x.device))
+                                   RESIDUAL=True, num_warps=num_warps, **launch_options(pdl, x.device))
     return out, residual_out
 
 
@@ -98,7 +98,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.
     _check(isinstance(eps, float) and eps > 0, f"eps must be a positive float, got {eps!r}")
     _rmsnorm_residual_kernel[(R,)](x, x, weight, out, out, H, eps, x.stride(0), x.stride(0), out.stride(0),
                                    out.stride(0), BLOCK=triton.next_power_of_2(H), RESIDUAL=False,
-                                   num_warps=num_warps, PDL=pdl, **launch_options(pdl, x.device))
+                                   num_warps=num_warps, **launch_options(pdl, x.device))
     return out
 
 

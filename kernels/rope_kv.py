@@ -102,7 +102,7 @@ def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor
     options = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}  # no FMA: torch's roundings
     _rope_kv_kernel[(R, HQ + HKV)](q, k, v, cos, sin, positions, live.view(torch.uint8), out, cache_k, cache_v,
                                    slot_pos, HQ, HKV, slots, q.stride(0), k.stride(0), v.stride(0), D=D, HALF=D // 2,
-                                   PDL=pdl, **options, **launch_options(pdl, q.device))
+                                   **options, **launch_options(pdl, q.device))
     return out
 
 

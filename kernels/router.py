@@ -177,7 +177,7 @@ def _select(part: torch.Tensor, splits: int, weights: torch.Tensor, experts: tor
         part, weights, experts, scores, scores if logits is None else logits, R, E, splits, scaling,
         E_PAD=e_pad, SPLIT_BLOCK=split_block, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         NORM=bool(norm_topk_prob), WRITE_LOGITS=logits is not None, ACCURATE_EXP=not INTERPRETED,
-        LOWER_TIES=lower_ties, num_warps=num_warps, PDL=pdl, **launch_options(pdl, part.device))
+        LOWER_TIES=lower_ties, num_warps=num_warps, **launch_options(pdl, part.device))
 
 
 def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float, *,
@@ -232,7 +232,7 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
     grid = (triton.cdiv(E, block_e), splits, triton.cdiv(R, rows))
     _router_logits_kernel[grid](x, router_w, part, R, E, H, x.stride(0), h_per_split, ROWS=rows,
                                 ROWS_PAD=triton.next_power_of_2(rows), BLOCK_E=block_e, BLOCK_H=block_h,
-                                num_warps=num_warps, PDL=pdl,
+                                num_warps=num_warps,
                                 PREFETCH_LINES=prefetch_lines(h_per_split, 4)[1] if prefetch else 0,
                                 **launch_options(pdl, dev))
     _select(part, splits, weights, experts, scores, logits, top_k, norm_topk_prob, float(scaling),

@@ -142,7 +142,7 @@ def global_sample(keys: torch.Tensor, top_k: int, temperature: torch.Tensor, top
     _global_sample_kernel[(R,)](
         keys, keys.stride(0), C, K, temperature, top_p, seed if draw else keys, offsets if draw else keys,
         ids, probs, tokens if draw else ids, CP=cp, KP=kp, DRAW=draw, LIBDEVICE=not INTERPRETED,
-        num_warps=num_warps, PDL=pdl, **launch_options(pdl, dev))
+        num_warps=num_warps, **launch_options(pdl, dev))
     return tokens, ids, probs
 
 
@@ -258,7 +258,7 @@ def accept_settle(p_ids: torch.Tensor, p_probs: torch.Tensor, q_ids: torch.Tenso
         p_ids, p_probs, q_ids, q_probs, drafts, k, n, seed,
         out["a"], out["token"], out["emitted"], out["logprobs"], out["ids"], out["probs"], kp, kq, kmax,
         ROWS=triton.next_power_of_2(kmax + 1), KPP=triton.next_power_of_2(kp), KPQ=triton.next_power_of_2(kq),
-        num_warps=num_warps, PDL=pdl, **launch_options(pdl, dev))
+        num_warps=num_warps, **launch_options(pdl, dev))
     return out
 
 

@@ -135,10 +135,10 @@ def local_topk_keys(logits: torch.Tensor, k: int, vocab_offset: int, *, tile: in
                f"out tensors must be contiguous [{R}, {K}] (int64, float32, int64)")
     cand = torch.empty((R, n_tiles, kp), dtype=torch.int64, device=logits.device)
     _tile_topk_kernel[(n_tiles, R)](logits, cand, V, logits.stride(0), vocab_offset, n_tiles,
-                                     TILE=tile, KP=kp, num_warps=num_warps, PDL=pdl,
+                                     TILE=tile, KP=kp, num_warps=num_warps,
                                      **launch_options(pdl, logits.device))
     _merge_kernel[(R,)](cand, keys, values, ids, n_tiles, vocab_offset, K,
-                        TILE=tile, KP=kp, TP=tp, SKIP=skip and tp > kp, num_warps=num_warps, PDL=pdl,
+                        TILE=tile, KP=kp, TP=tp, SKIP=skip and tp > kp, num_warps=num_warps,
                         **launch_options(pdl, logits.device))
     return keys, values, ids
 

@@ -71,7 +71,8 @@ def test_budget_of_the_full_sweep():
 
 def test_h200_defaults_and_the_suggested_variants():
     r = {op: [t.resolve(op, c.kw, SHAPE, t.H200_SMS) for c in t.candidates(op, SHAPE, t.H200_SMS)] for op in t.OPS}
-    # defaults (tuned at 932ec08; the MoE's Gate/Up warps and Down stages at a788a79), by hand: MoE 264 programs / (16 expected segments x 2 I tiles) = 8 splits;
+    # defaults (tuned at 932ec08; the MoE's Gate/Up warps and Down stages at a788a79), by hand:
+    # MoE 264 programs / (16 expected segments x 2 I tiles) = 8 splits;
     # q/k/v 264 / 32 N tiles = 8; o_proj 264 // 192 = 1; attention 17 live splits of 64 slots for 1030 (the ring's
     # 4161 slots: 66 splits); router min(12 H tiles, 17) = 12
     assert r["moe"][0] == {"split_k": 8, "block_k": 128, "gate_up_block_n": 128, "gate_up_warps": 4,

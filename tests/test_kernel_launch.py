@@ -23,8 +23,8 @@ SPIN_NS = 500_000  # far above the host's launch gap between the two eager launc
 
 
 @triton.jit
-def _late_write(out_ptr, spin_ns):
-    wait_for_inputs(True)  # a PDL kernel itself: waits for the zeroing, then lets the consumer launch
+def _late_write(out_ptr, spin_ns, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)  # a PDL kernel itself: waits for the zeroing, then lets the consumer launch
     t0 = globaltimer()
     while globaltimer() - t0 < spin_ns:
         pass
@@ -32,7 +32,9 @@ def _late_write(out_ptr, spin_ns):
 
 
 @triton.jit
-def _copy(src_ptr, dst_ptr, WAIT: tl.constexpr):
+def _copy(src_ptr, dst_ptr, WAIT: tl.constexpr, PDL: tl.constexpr = False):
+    # Launched with PDL always (the PDL flag launch_options passes is ignored): WAIT = False is the defect, a PDL
+    # launch of a kernel that skips its wait.
     wait_for_inputs(WAIT)
     tl.store(dst_ptr, tl.load(src_ptr))
 
@@ -80,6 +82,8 @@ def test_cuda_pdl_overlaps_and_the_wait_orders(where):
 
 def test_launch_options_refuse_pdl_off_the_gpu():
     assert launch_options(False, torch.device("cpu")) == {}
+    # the launch attribute never without the kernel's wait
+    assert launch_options(True, torch.device("cuda")) == {"launch_pdl": True, "PDL": True}
     with pytest.raises(ValueError, match="CUDA"):
         launch_options(True, torch.device("cpu"))
 
