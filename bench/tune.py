@@ -123,12 +123,12 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "attention_sliding": da.decode_attention, "attention_full": da.decode_attention,
                                  "router": rt.route}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
-                    "down_block_k", "down_warps", "down_stages"),
-            "linear": ("split_k", "block_n", "num_warps", "num_stages"),
+                    "down_block_k", "down_warps", "down_stages", "f16"),
+            "linear": ("split_k", "block_n", "num_warps", "num_stages", "f16"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
-MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages"),
+MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16"),
               ("down_block_n", "down_block_k", "down_warps", "down_stages"))
 
 
@@ -196,14 +196,14 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         return {"split_k": split, "block_k": bk, "gate_up_block_n": bn, "gate_up_warps": g["gate_up_warps"],
                 "gate_up_stages": g["gate_up_stages"], "down_block_n": g["down_block_n"],
                 "down_block_k": mk._pow2_divisor(shape.block[1], g["down_block_k"]),
-                "down_warps": g["down_warps"], "down_stages": g["down_stages"]}
+                "down_warps": g["down_warps"], "down_stages": g["down_stages"], "f16": g["f16"]}
     if family(op) == "linear":
         n, k = shape.qkv if op == "linear_qkv" else shape.o
         bk = fl._block_k(shape.block[1])
         split = g["split_k"] or _linear_auto_split(n, k, g["block_n"], bk, sms)
         k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk
         return {"split_k": triton.cdiv(k, k_per_split), "block_n": g["block_n"], "num_warps": g["num_warps"],
-                "num_stages": g["num_stages"]}
+                "num_stages": g["num_stages"], "f16": g["f16"]}
     if family(op) == "attention":
         bn = g["block_n"]
         ms = bn if g["min_split"] is None else g["min_split"]  # decode_attention's default: one tile
@@ -238,7 +238,13 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(gate_up_stages=2), cand(gate_up_stages=4), cand(gate_up_stages=5), cand(gate_up_warps=8),
                 cand(gate_up_warps=8, gate_up_stages=4), cand(gate_up_block_n=64),
                 cand(gate_up_block_n=64, gate_up_warps=8), cand(gate_up_block_n=64, gate_up_stages=4),
-                cand(down_warps=8), cand(down_stages=3), cand(down_stages=4), cand(down_warps=8, down_stages=4)]
+                cand(down_warps=8), cand(down_stages=3), cand(down_stages=4), cand(down_warps=8, down_stages=4),
+                # fp16 tensor-core operands (kernels/f16_operands.py): one E4M3 conversion per two weights, so the
+                # conversion no longer sets the time; then more warps or a deeper pipeline may pay
+                cand(f16=True), cand(f16=True, gate_up_warps=8), cand(f16=True, gate_up_stages=4),
+                cand(f16=True, gate_up_warps=8, gate_up_stages=4), cand(f16=True, gate_up_block_n=64),
+                cand("2x auto split", f16=True, split_k=2 * s), cand(f16=True, down_stages=3),
+                cand(f16=True, down_warps=8), cand(f16=True, down_block_k=128)]
     if family(op) == "linear":
         auto = {bn: resolve(op, {"block_n": bn}, shape, sms)["split_k"] for bn in (32, 64, 128)}
         half = {bn: max(1, a // 2) for bn, a in auto.items()}
@@ -246,7 +252,9 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(num_warps=8), cand(num_stages=4), cand(num_warps=8, num_stages=4),
                 cand(block_n=32), cand("auto x2", block_n=32, split_k=2 * auto[32]), cand(block_n=32, num_stages=4),
                 cand(block_n=128), cand(block_n=128, num_warps=8), cand("auto/2", block_n=128, split_k=half[128]),
-                cand(block_n=128, num_warps=8, num_stages=4), cand("932ec08 default", block_n=64, num_stages=3)]
+                cand(block_n=128, num_warps=8, num_stages=4), cand("932ec08 default", block_n=64, num_stages=3),
+                cand(f16=True), cand(f16=True, block_n=64), cand(f16=True, num_stages=3),
+                cand(f16=True, num_warps=8), cand(f16=True, block_n=64, num_warps=8)]
     if family(op) == "attention":
         return [cand(), cand(min_split=128), cand(min_split=64), cand(min_split=64, num_warps=8),
                 cand(num_stages=3), cand(min_split=128, num_stages=3),

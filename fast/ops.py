@@ -115,7 +115,9 @@ class TorchOps:
 # bench/results/step-full-tp8slice-ctx1k-d5-pdl-a788a79.*).
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl")
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
-OPT_IN: tuple[str, ...] = ("prefetch",)
+# "f16": the FP8 linears' and the MoE's tensor-core operands in fp16 instead of bf16 (kernels/f16_operands.py):
+# E4M3 weights convert in one instruction per two; bf16 activations are scaled into exact fp16 by powers of two.
+OPT_IN: tuple[str, ...] = ("prefetch", "f16")
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
@@ -134,6 +136,7 @@ class TritonOps(TorchOps):
         # constant weights before the wait.
         self.pdl = "pdl" in self.stages
         self.prefetch = self.pdl and "prefetch" in self.stages
+        self.f16 = "f16" in self.stages
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -170,6 +173,9 @@ class TritonOps(TorchOps):
     def _prefetch(self, t: torch.Tensor) -> bool:
         return self.prefetch and t.is_cuda
 
+    def _f16(self, t: torch.Tensor) -> bool:  # the interpreter computes in fp32 and has no fp16 operand path
+        return self.f16 and t.is_cuda
+
     @staticmethod
     def moe_takes(gate_block: tuple[int, int], down_block: tuple[int, int], intermediate: int) -> bool:
         """Whether the MoE kernel takes these weights: its act_quant groups are Down's K blocks (a power of two
@@ -191,7 +197,7 @@ class TritonOps(TorchOps):
         locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
         fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
-                            pdl=self._pdl(x), prefetch=self._prefetch(x))
+                            pdl=self._pdl(x), prefetch=self._prefetch(x), f16=self._f16(x))
 
     def prepare(self, w):
         if "lm_head" not in self.stages:
@@ -255,7 +261,7 @@ class TritonOps(TorchOps):
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
-                           pdl=self._pdl(b))
+                           pdl=self._pdl(b), f16=self._f16(b))
                  for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

@@ -66,6 +66,7 @@ import triton.language as tl
 
 from .device import FLOATS as _FLOATS, sm_count as _sm_count
 from .moe_route import MAX_PAIRS, check_live, load_live
+from .f16_operands import f16_rows
 from .launch import launch_options, wait_for_inputs
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
@@ -166,7 +167,7 @@ def _moe_gate_up_kernel(
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, F16: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -197,7 +198,7 @@ def _moe_gate_up_kernel(
                 x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 if ROUND_BF16:  # fp32 x, bf16 compute: onto the bf16 grid; F32 (interpreter) keeps it in fp32
                     x = _bf16_grid(x)
-                    if not F32:
+                    if not F32 and not F16:
                         x = x.to(tl.bfloat16)  # exact
                 wg = tl.load(g_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
                 wu = tl.load(u_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
@@ -207,11 +208,20 @@ def _moe_gate_up_kernel(
                     x = x.to(tl.float32)
                     wg = wg.to(tl.float32)
                     wu = wu.to(tl.float32)
+                elif F16:  # x's rows scaled by powers of two into exact fp16 (kernels/f16_operands.py)
+                    x, x_down = f16_rows(x.to(tl.float32))
+                    sg = x_down[:, None] * sg[None, :]  # exact: the scaled product rounds as the unscaled one did
+                    su = x_down[:, None] * su[None, :]
+                    wg = wg.to(tl.float16)  # exact, one conversion per two weights
+                    wu = wu.to(tl.float16)
                 else:
                     wg = wg.to(x.dtype)  # exact
                     wu = wu.to(x.dtype)
-                acc_g += tl.dot(x, tl.trans(wg), input_precision=PREC) * sg[None, :]
-                acc_u += tl.dot(x, tl.trans(wu), input_precision=PREC) * su[None, :]
+                if not F16:
+                    sg = sg[None, :]
+                    su = su[None, :]
+                acc_g += tl.dot(x, tl.trans(wg), input_precision=PREC) * sg
+                acc_u += tl.dot(x, tl.trans(wu), input_precision=PREC) * su
             dst = part_ptr + ((split * P + pair) * 2)[:, None] * I + n[None, :]
             tl.store(dst, acc_g, mask=m_ok[:, None])
             tl.store(dst + I, acc_u, mask=m_ok[:, None])
@@ -255,7 +265,7 @@ def _moe_down_kernel(
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32: tl.constexpr, STORE_RAN: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, F16: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -281,6 +291,8 @@ def _moe_down_kernel(
                 sw = tl.load(ws_row + k0 // GROUP, mask=n_ok, other=0.0)
                 if F32:
                     part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+                elif F16:  # E4M3 -> fp16 is exact too, in one conversion per two values instead of two steps
+                    part = tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)))
                 else:  # E4M3 -> bf16 is exact and so are the products; the dot accumulates in fp32
                     part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
                 acc += part * sa[:, None] * sw[None, :]  # the act scale differs per row (pair)
@@ -372,7 +384,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         compute_dtype: torch.dtype | None = None, block_k: int = 128, down_block_n: int = 128,
         down_block_k: int = 64, split_k: int | None = None, gate_up_block_n: int = GATE_UP_BLOCK_N,
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
-        down_stages: int = DOWN_STAGES, pdl: bool = False, debug: dict | None = None) -> torch.Tensor:
+        down_stages: int = DOWN_STAGES, pdl: bool = False, f16: bool = False,
+        debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -384,7 +397,9 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     group == block[1]. `split_k` overrides the number of Gate/Up splits along H (default from the SM
     count; reduced so that no split is empty). `gate_up_block_n` (a power of two >= 16; the largest one
     dividing I_r up to it is used), `*_warps` and `*_stages` are the two weight-streaming kernels' launch
-    settings, for `iquest bench tune`. `pdl`: programmatic dependent launch (kernels/launch.py). `debug`,
+    settings, for `iquest bench tune`. `pdl`: programmatic dependent launch (kernels/launch.py). `f16`: the
+    tensor cores take fp16 operands (E4M3 weights and activations exactly; bf16 x scaled per row and K tile by a
+    power of two, kernels/f16_operands.py) instead of bf16; used for bf16 compute on the GPU only. `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -449,6 +464,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     counts = torch.zeros(P, dtype=torch.int32, device=dev) if store_h else act_scale
     programs = torch.full((2, P), -1, dtype=torch.int32, device=dev) if store_h else act_scale
     f32 = INTERPRETED or compute_dtype == torch.float32
+    f16 = f16 and not f32 and compute_dtype == torch.bfloat16  # fp16 compute converts E4M3 to fp16 already
     launch = launch_options(pdl, dev)
 
     _moe_gate_up_kernel[(P, I // bn, split)](
@@ -456,7 +472,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32", STORE_RAN=store_h,
-        num_warps=gate_up_warps, num_stages=gate_up_stages, **launch)
+        F16=f16, num_warps=gate_up_warps, num_stages=gate_up_stages, **launch)
     _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
         part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
         SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,
@@ -466,7 +482,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=_pow2_divisor(group, down_block_k), F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
-        num_stages=down_stages, **launch)
+        num_stages=down_stages, F16=f16, **launch)
     _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
         y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
         num_warps=4, **launch)

@@ -44,7 +44,8 @@ def test_shape_is_one_tp8_rank_at_decode():
 def test_candidates_default_first_unique_and_accepted(op, shape, sms):
     cands = t.candidates(op, shape, sms)
     assert cands[0].kwargs == () and cands[0] == t.cand(), "the default (no keywords) comes first"
-    assert 1 <= len(cands) <= (26 if op == "moe" else 13)  # the MoE sweeps two kernels' launch settings
+    # The MoE sweeps two kernels' launch settings; the MoE and the linears each also with fp16 operands
+    assert 1 <= len(cands) <= {"moe": 35, "linear": 19}.get(t.family(op), 13)
     resolved = [tuple(t.resolve(op, c.kw, shape, sms).items()) for c in cands]
     assert len(set(resolved)) == len(resolved), "two candidates launch the same configuration"
     assert len({c.kwargs for c in cands}) == len(cands)
@@ -54,6 +55,9 @@ def test_candidates_default_first_unique_and_accepted(op, shape, sms):
             assert name in params and params[name].kind in (inspect.Parameter.KEYWORD_ONLY,
                                                              inspect.Parameter.POSITIONAL_OR_KEYWORD), (op, name)
             assert name in t.TUNABLES[t.family(op)], (op, name)
+            if name == "f16":  # an operand format, not a size
+                assert value is True, (op, value)
+                continue
             assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, (op, name, value)
             if name in ("block_n", "block_k", "block_e", "block_h", "down_block_n", "down_block_k", "num_warps",
                         "gate_up_block_n", "gate_up_warps", "down_warps", "select_warps"):
@@ -64,9 +68,10 @@ def test_candidates_default_first_unique_and_accepted(op, shape, sms):
 
 
 def test_budget_of_the_full_sweep():
-    """~50 candidates over the six ops at the H200 shapes: ~1 s of compilation each keeps the sweep near 3 minutes."""
+    """~80 candidates over the six ops at the H200 shapes (the fp16-operand variants of the MoE and the linears
+    included): ~1 s of compilation each keeps the sweep near 4 minutes."""
     total = sum(len(t.candidates(op, SHAPE, t.H200_SMS)) for op in t.OPS)
-    assert 40 <= total <= 75, total
+    assert 40 <= total <= 90, total
 
 
 def test_h200_defaults_and_the_suggested_variants():
@@ -77,8 +82,8 @@ def test_h200_defaults_and_the_suggested_variants():
     # 4161 slots: 66 splits); router min(12 H tiles, 17) = 12
     assert r["moe"][0] == {"split_k": 8, "block_k": 128, "gate_up_block_n": 128, "gate_up_warps": 4,
                            "gate_up_stages": 3, "down_block_n": 128, "down_block_k": 64, "down_warps": 4,
-                           "down_stages": 2}
-    assert r["linear_qkv"][0] == {"split_k": 8, "block_n": 32, "num_warps": 4, "num_stages": 4}
+                           "down_stages": 2, "f16": False}
+    assert r["linear_qkv"][0] == {"split_k": 8, "block_n": 32, "num_warps": 4, "num_stages": 4, "f16": False}
     assert r["linear_o"][0]["split_k"] == 1
     assert r["attention_sliding"][0] == {"num_splits": 66, "live_splits": 17, "block_n": 64, "min_split": 64,
                                          "num_warps": 4, "num_stages": 2}
@@ -92,11 +97,12 @@ def test_h200_defaults_and_the_suggested_variants():
     assert values("moe", "split_k") == {4, 8, 16, 24} and values("moe", "block_k") == {64, 128}
     assert values("moe", "gate_up_block_n") == {64, 128} and values("moe", "gate_up_warps") == {4, 8}
     assert values("moe", "gate_up_stages") == {2, 3, 4, 5} and values("moe", "down_stages") == {2, 3, 4}
-    assert values("moe", "down_warps") == {4, 8}
+    assert values("moe", "down_warps") == {4, 8} and values("moe", "f16") == {False, True}
     assert values("moe", "down_block_n") == {32, 64, 128} and values("moe", "down_block_k") == {64, 128}
     for op in ("linear_qkv", "linear_o"):
         assert values(op, "block_n") == {32, 64, 128} and values(op, "num_warps") == {4, 8}
         assert values(op, "num_stages") == {3, 4} and len(values(op, "split_k")) >= 3
+        assert values(op, "f16") == {False, True}
     assert values("attention_sliding", "live_splits") == {5, 9, 17, 33}
     assert values("router", "split") == {6, 12, 24} and values("router", "select_warps") == {1, 2, 4, 8}
 
