@@ -124,7 +124,7 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "router": rt.route}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
                     "down_block_k", "down_warps", "down_stages", "f16"),
-            "linear": ("split_k", "block_n", "num_warps", "num_stages", "f16"),
+            "linear": ("split_k", "block_n", "num_warps", "num_stages"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
@@ -203,7 +203,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         split = g["split_k"] or _linear_auto_split(n, k, g["block_n"], bk, sms)
         k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk
         return {"split_k": triton.cdiv(k, k_per_split), "block_n": g["block_n"], "num_warps": g["num_warps"],
-                "num_stages": g["num_stages"], "f16": g["f16"]}
+                "num_stages": g["num_stages"]}
     if family(op) == "attention":
         bn = g["block_n"]
         ms = bn if g["min_split"] is None else g["min_split"]  # decode_attention's default: one tile
@@ -239,12 +239,9 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(gate_up_warps=8, gate_up_stages=4), cand(gate_up_block_n=64),
                 cand(gate_up_block_n=64, gate_up_warps=8), cand(gate_up_block_n=64, gate_up_stages=4),
                 cand(down_warps=8), cand(down_stages=3), cand(down_stages=4), cand(down_warps=8, down_stages=4),
-                # fp16 tensor-core operands (kernels/f16_operands.py): one E4M3 conversion per two weights, so the
-                # conversion no longer sets the time; then more warps or a deeper pipeline may pay
-                cand(f16=True), cand(f16=True, gate_up_warps=8), cand(f16=True, gate_up_stages=4),
-                cand(f16=True, gate_up_warps=8, gate_up_stages=4), cand(f16=True, gate_up_block_n=64),
-                cand("2x auto split", f16=True, split_k=2 * s), cand(f16=True, down_stages=3),
-                cand(f16=True, down_warps=8), cand(f16=True, down_block_k=128)]
+                # bf16 tensor-core operands (before ef1c46c): two conversion steps per E4M3 weight
+                cand("bf16 operands", f16=False), cand("a788a79 default", f16=False, down_stages=2),
+                cand(down_stages=2), cand(down_block_k=128), cand(gate_up_block_n=64, gate_up_stages=3)]
     if family(op) == "linear":
         auto = {bn: resolve(op, {"block_n": bn}, shape, sms)["split_k"] for bn in (32, 64, 128)}
         half = {bn: max(1, a // 2) for bn, a in auto.items()}
@@ -252,9 +249,7 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(num_warps=8), cand(num_stages=4), cand(num_warps=8, num_stages=4),
                 cand(block_n=32), cand("auto x2", block_n=32, split_k=2 * auto[32]), cand(block_n=32, num_stages=4),
                 cand(block_n=128), cand(block_n=128, num_warps=8), cand("auto/2", block_n=128, split_k=half[128]),
-                cand(block_n=128, num_warps=8, num_stages=4), cand("932ec08 default", block_n=64, num_stages=3),
-                cand(f16=True), cand(f16=True, block_n=64), cand(f16=True, num_stages=3),
-                cand(f16=True, num_warps=8), cand(f16=True, block_n=64, num_warps=8)]
+                cand(block_n=128, num_warps=8, num_stages=4), cand("932ec08 default", block_n=64, num_stages=3)]
     if family(op) == "attention":
         return [cand(), cand(min_split=128), cand(min_split=64), cand(min_split=64, num_warps=8),
                 cand(num_stages=3), cand(min_split=128, num_stages=3),

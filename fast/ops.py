@@ -113,11 +113,13 @@ class TorchOps:
 # "pdl" is not a kernel but how all of them launch (programmatic dependent launch, kernels/launch.py): the same
 # bits, 10,572 -> 9,779 us a full-size round on an H200 (docs/PERF.md,
 # bench/results/step-full-tp8slice-ctx1k-d5-pdl-a788a79.*).
-STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl")
+# "f16" is the MoE's operand format: fp16 instead of bf16 into the tensor cores (kernels/f16_operands.py), so E4M3
+# weights convert in one instruction per two; bf16 activations are scaled into exact fp16 by powers of two. The same
+# bits as bf16 operands on every GPU test and decode (tests/test_kernel_f16_operands.py), 48.6 -> 37.5 us a call.
+STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
+          "f16")
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
-# "f16": the FP8 linears' and the MoE's tensor-core operands in fp16 instead of bf16 (kernels/f16_operands.py):
-# E4M3 weights convert in one instruction per two; bf16 activations are scaled into exact fp16 by powers of two.
-OPT_IN: tuple[str, ...] = ("prefetch", "f16")
+OPT_IN: tuple[str, ...] = ("prefetch",)
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
@@ -197,7 +199,7 @@ class TritonOps(TorchOps):
         locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
         fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
-                            pdl=self._pdl(x), prefetch=self._prefetch(x), f16=self._f16(x))
+                            pdl=self._pdl(x), prefetch=self._prefetch(x))
 
     def prepare(self, w):
         if "lm_head" not in self.stages:

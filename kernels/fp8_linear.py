@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS, sm_count as _sm_count
-from .f16_operands import f16_rows
 from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
@@ -38,7 +37,7 @@ def _fp8_linear_kernel(
     M, N, K, stride_xm, stride_ym, scale_cols, k_per_split, splits,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, SERIAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, F16: tl.constexpr = False,
+    PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -64,13 +63,9 @@ def _fp8_linear_kernel(
         if F32:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
-            acc += tl.dot(x, tl.trans(w), input_precision=PREC) * s[None, :]
-        elif F16:  # bf16 x's rows scaled by powers of two into exact fp16 (kernels/f16_operands.py)
-            x, x_down = f16_rows(x.to(tl.float32))
-            acc += tl.dot(x, tl.trans(w.to(tl.float16))) * (x_down[:, None] * s[None, :])  # exact factor
         else:
             w = w.to(x.dtype)  # exact
-            acc += tl.dot(x, tl.trans(w), input_precision=PREC) * s[None, :]
+        acc += tl.dot(x, tl.trans(w), input_precision=PREC) * s[None, :]
 
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
@@ -134,8 +129,7 @@ def choose_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.dev
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
                out_dtype: torch.dtype | None = None, *, split_k: int | None = None, block_n: int = BLOCK_N,
                out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
-               num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False,
-               f16: bool = False) -> torch.Tensor:
+               num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
@@ -143,9 +137,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     the tile's last split inside the one launch (same order, same bits), and they are left zeroed for the next
     call. Calls sharing counters must not overlap in time (one stream). Without them a second kernel sums.
     `pdl`: programmatic dependent launch; `prefetch`: with it, each program asks L2 for its weight range before
-    waiting for the previous kernel (kernels/launch.py). Neither changes a value. `f16`: bf16 x enters the tensor
-    cores as fp16 (rows scaled by powers of two, kernels/f16_operands.py) and the E4M3 weight converts to fp16,
-    one instruction per two weights; other dtypes ignore it."""
+    waiting for the previous kernel (kernels/launch.py). Neither changes a value."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -185,8 +177,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     _fp8_linear_kernel[grid](
         x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
         k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split_k > 1,
-        SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", F16=f16 and not f32 and x.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages,
+        SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, **launch_options(pdl, x.device))
     if split_k > 1 and not serial:
         BLOCK = 1024

@@ -77,11 +77,15 @@ BLOCK_M = 16  # tl.dot's smallest M; a program's rows are the block's R rows (R 
 # Then 4 warps for Gate/Up (8 before) and a 2-deep pipeline for Down (Triton's default 3 before): 54.7 -> 48.6 us,
 # the output bit-identical to the previous defaults' (bench/results/tune-h200-a788a79.*): launch settings
 # that do not change any tile's dot or sum order.
+# Then fp16 tensor-core operands (F16_OPERANDS, kernels/f16_operands.py) with a 3-deep Down pipeline: 48.6 -> 37.5 us,
+# bit-identical again (bench/results/tune-h200-f16-ef1c46c.*). The E4M3 -> bf16 conversion had set Gate/Up's and
+# Down's time (ncu: 34% of DRAM bandwidth; F2F and PRMT the top stalls), not the bytes.
 GATE_UP_BLOCK_N = 128
 GATE_UP_WARPS = 4
 NUM_STAGES = 3  # Triton's default software pipelining depth, named so that `iquest bench tune` can sweep it
 DOWN_WARPS = 4
-DOWN_STAGES = 2
+DOWN_STAGES = 3
+F16_OPERANDS = True
 FINALIZE_ROWS = 2  # pairs per finalize program: its loads are SPLIT x 2 x ROWS x GROUP fp32, spread widely
 COMBINE_BLOCK = 256  # columns per combine program (k fp32 loads each): ~200 programs for 8 rows at H = 6144
 E4M3_MAX = tl.constexpr(448.0)
@@ -384,7 +388,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         compute_dtype: torch.dtype | None = None, block_k: int = 128, down_block_n: int = 128,
         down_block_k: int = 64, split_k: int | None = None, gate_up_block_n: int = GATE_UP_BLOCK_N,
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
-        down_stages: int = DOWN_STAGES, pdl: bool = False, f16: bool = False,
+        down_stages: int = DOWN_STAGES, pdl: bool = False, f16: bool = F16_OPERANDS,
         debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
@@ -399,7 +403,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     dividing I_r up to it is used), `*_warps` and `*_stages` are the two weight-streaming kernels' launch
     settings, for `iquest bench tune`. `pdl`: programmatic dependent launch (kernels/launch.py). `f16`: the
     tensor cores take fp16 operands (E4M3 weights and activations exactly; bf16 x scaled per row and K tile by a
-    power of two, kernels/f16_operands.py) instead of bf16; used for bf16 compute on the GPU only. `debug`,
+    power of two, kernels/f16_operands.py) instead of bf16; taken for bf16 compute on the GPU only (the
+    interpreter computes in fp32, fp16 compute converts to fp16 already). `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct

@@ -1,5 +1,5 @@
-"""kernels/f16_operands.py: bf16 rows scaled by powers of two into exact fp16 tensor-core operands, and the FP8
-linear and MoE with `f16=True` against their bf16-operand form.
+"""kernels/f16_operands.py: bf16 rows scaled by powers of two into exact fp16 tensor-core operands, and the MoE
+with `f16=True` against its bf16-operand form.
 
 CPU (the interpreter worker, and plain torch):
 - the kernel's conversion is bit-identical to `f16_rows_tiles_ref` on rows of every magnitude class: ordinary
@@ -8,9 +8,10 @@ CPU (the interpreter worker, and plain torch):
   and the scaled fp32 product (x16 @ W^T) * 2^-s equals x @ W^T bit for bit: the identity the kernels rely on;
 - the boundary: an element 2^-40 below its row's largest does not survive (the documented exception), and the
   check sees it.
-GPU (real TP8-rank shapes): `fp8_linear(f16=True)` and `moe(f16=True)` bit-identical to f16=False on fresh random
-inputs (1, 6 and 8 rows; split K; the fp32 MoE input rounded to bf16 in the kernel); and on the boundary row, where
-the small elements are all the product has, the two paths differ: the comparison is not blind.
+GPU (a TP8 rank's shapes): `moe(f16=True)` bit-identical to f16=False on fresh random inputs (1, 6 and 8 rows; the
+fp32 input rounded to bf16 in the kernel, and bf16 input); on the boundary rows, where the small elements are all
+Gate/Up has, the two differ (the comparison is not blind); and decoding with the default kernels gives the same
+tokens, logprobs and acceptance sequence with f16 operands as with bf16 ones.
 """
 
 from __future__ import annotations
@@ -113,63 +114,71 @@ def test_rejects_bad_inputs():
         fo.f16_rows_tiles(torch.ones(4, 100))
 
 
-# ---- GPU: the kernels with f16 operands against their bf16 form ------------------------------------------------
-@pytest.mark.gpu
-@pytest.mark.parametrize("M, N, K, serial", [(1, 1024, 6144, True), (6, 1024, 6144, True), (8, 6144, 768, True),
-                                             (6, 6144, 1536, False), (8, 128, 6144, False)])
-def test_gpu_linear_f16_is_bit_identical(M, N, K, serial):
-    from iquest.kernels import fp8_linear as fl
-    from iquest.reference.fp8 import quantize
-
-    gen = torch.Generator(device="cuda").manual_seed(M * N + K)
-    w, s = quantize(torch.randn(N, K, device="cuda", generator=gen) * 0.02, (128, 128))
-    x = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)
-    locks = torch.zeros(fl.lock_count(M, N), dtype=torch.int32, device="cuda") if serial else None
-    a = fl.fp8_linear(x, w, s, (128, 128), locks=locks)
-    b = fl.fp8_linear(x, w, s, (128, 128), locks=locks, f16=True)
-    assert _equal_bits(a, b), f"max diff {(a.float() - b.float()).abs().max().item():.3e}"
+# ---- GPU: the MoE with f16 operands against its bf16 form ------------------------------------------------------
+def moe_inputs(R: int, gen: torch.Generator, E: int = 256, I: int = 256, H: int = 6144, k: int = 8) -> dict:
+    fp8 = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).to(torch.float8_e4m3fn)
+    sc = lambda *shape: (torch.rand(*shape, device="cuda", generator=gen) + 0.5) / 64
+    return dict(gate=fp8(E, I, H), gate_scale=sc(E, I // 128, H // 128), up=fp8(E, I, H),
+                up_scale=sc(E, I // 128, H // 128), down=fp8(E, H, I), down_scale=sc(E, H // 128, I // 128),
+                experts=torch.stack([torch.randperm(24, device="cuda", generator=gen)[:k] for _ in range(R)]),
+                weights=torch.softmax(torch.randn(R, k, device="cuda", generator=gen), -1),
+                live=torch.ones(R, dtype=torch.bool, device="cuda"))
 
 
-@pytest.mark.gpu
-def test_gpu_linear_f16_boundary_row_differs():
-    """The comparison above is not blind: a row whose only product terms are elements 2^-40 below the row's
-    largest (whose weight column is zero) gives a different output through fp16 operands."""
-    from iquest.kernels import fp8_linear as fl
+def run_moe(x: torch.Tensor, t: dict, f16: bool, **kw) -> tuple[torch.Tensor, dict]:
+    from iquest.kernels import moe as mk
 
-    K, N = 768, 256
-    x = torch.full((2, K), 2.0 ** -40, device="cuda").to(torch.bfloat16)
-    x[:, ::128] = 1.0  # one large element per K tile ...
-    w = torch.ones(N, K, device="cuda").to(torch.float8_e4m3fn)
-    w[:, ::128] = 0  # ... against a zero weight column
-    s = torch.ones(N // 128, K // 128, device="cuda")
-    a = fl.fp8_linear(x, w, s, (128, 128), out_dtype=torch.float32)
-    b = fl.fp8_linear(x, w, s, (128, 128), out_dtype=torch.float32, f16=True)
-    assert float(a.abs().min()) > 0 and not _equal_bits(a, b)
+    debug = {}
+    out = mk.moe(x, t["experts"], t["weights"], t["live"], t["gate"], t["gate_scale"], t["up"], t["up_scale"],
+                 t["down"], t["down_scale"], out_dtype=torch.bfloat16, debug=debug, f16=f16, **kw)
+    return out, debug
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("R, x_dtype", [(1, "fp32"), (6, "fp32"), (8, "bf16")])
 def test_gpu_moe_f16_is_bit_identical(R, x_dtype):
-    from iquest.kernels import moe as mk
-
+    """Fresh random inputs at one TP8 rank's shape: Gate/Up's fp32 hidden and the output are the bf16 form's bits."""
     gen = torch.Generator(device="cuda").manual_seed(R)
-    E, I, H, k = 256, 256, 6144, 8
-    fp8 = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).to(torch.float8_e4m3fn)
-    sc = lambda *shape: (torch.rand(*shape, device="cuda", generator=gen) + 0.5) / 64
-    gate, up, down = fp8(E, I, H), fp8(E, I, H), fp8(E, H, I)
-    gs, us, ds = sc(E, I // 128, H // 128), sc(E, I // 128, H // 128), sc(E, H // 128, I // 128)
-    x = torch.randn(R, H, device="cuda", generator=gen)
-    experts = torch.stack([torch.randperm(24, device="cuda", generator=gen)[:k] for _ in range(R)])
-    weights = torch.softmax(torch.randn(R, k, device="cuda", generator=gen), -1)
-    live = torch.ones(R, dtype=torch.bool, device="cuda")
+    t = moe_inputs(R, gen)
+    x = torch.randn(R, 6144, device="cuda", generator=gen)
     kw = dict(compute_dtype=torch.bfloat16) if x_dtype == "fp32" else {}
     x = x if x_dtype == "fp32" else x.to(torch.bfloat16)
-    da, db = {}, {}
-    a = mk.moe(x, experts, weights, live, gate, gs, up, us, down, ds, out_dtype=torch.bfloat16, debug=da, **kw)
-    b = mk.moe(x, experts, weights, live, gate, gs, up, us, down, ds, out_dtype=torch.bfloat16, debug=db,
-               f16=True, **kw)
-    assert _equal_bits(da["hidden"].nan_to_num(), db["hidden"].nan_to_num()), "Gate/Up differ"
+    a, da = run_moe(x, t, False, **kw)
+    b, db = run_moe(x, t, True, **kw)
+    assert _equal_bits(da["hidden"], db["hidden"]), "Gate/Up differ"
     assert _equal_bits(a, b), f"max diff {(a.float() - b.float()).abs().max().item():.3e}"
+
+
+@pytest.mark.gpu
+def test_gpu_moe_f16_boundary_row_differs():
+    """The comparison above is not blind: rows whose only Gate/Up terms are elements 2^-40 below the row tile's
+    largest (against whose weight column is zero) lose them through fp16 operands, and the hidden differs."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    t = moe_inputs(2, gen)
+    for name in ("gate", "up"):
+        w = torch.ones_like(t[name], dtype=torch.float32)
+        w[..., ::128] = 0  # each K tile's first column
+        t[name] = w.to(torch.float8_e4m3fn)
+    x = torch.full((2, 6144), 2.0 ** -40, device="cuda")
+    x[:, ::128] = 1.0
+    x = x.to(torch.bfloat16)
+    _, da = run_moe(x, t, False)
+    _, db = run_moe(x, t, True)
+    live = da["hidden"][:16]  # both rows' pairs
+    assert float(live.abs().min()) > 0 and not _equal_bits(da["hidden"], db["hidden"])
+
+
+@pytest.mark.gpu
+def test_cuda_f16_decodes_bit_identically():
+    """The default kernels (f16 MoE operands) decode the same tokens, logprobs and acceptance sequence as the same
+    kernels with bf16 operands, in bf16 through the captured decode loop; the MoE kernel ran (no fallback)."""
+    from iquest.fast.ops import STAGES
+    from iquest.tests.test_kernel_launch import decode_with_logprobs
+
+    f16 = decode_with_logprobs("triton", "bf16")
+    bf16 = decode_with_logprobs("+".join(s for s in STAGES if s != "f16"), "bf16")
+    assert (f16["f16"], bf16["f16"]) == (True, False) and "moe" not in f16["fallbacks"]
+    assert f16["steps"] == bf16["steps"]
 
 
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:

@@ -104,7 +104,8 @@ def decode_with_logprobs(kernels: str, dtype: str) -> dict:
     for i, drafts in CASES:
         steps = fast_steps(engine, PROMPTS[i], 40 + i, drafts, n=N_TOKENS)
         out[f"{i}-{drafts}"] = [(s.tokens, s.logprobs, s.drafts, s.accepted) for s in steps]
-    return {"steps": out, "pdl": engine.model.ops.pdl, "prefetch": engine.model.ops.prefetch}
+    ops = engine.model.ops
+    return {"steps": out, "pdl": ops.pdl, "prefetch": ops.prefetch, "f16": ops.f16, "fallbacks": dict(ops.fallbacks)}
 
 
 @pytest.mark.gpu
