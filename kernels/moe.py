@@ -86,7 +86,6 @@ NUM_STAGES = 3  # Triton's default software pipelining depth, named so that `iqu
 DOWN_WARPS = 4
 DOWN_STAGES = 3
 F16_OPERANDS = True
-COMPACT = True
 FINALIZE_ROWS = 2  # pairs per finalize program: its loads are SPLIT x 2 x ROWS x GROUP fp32, spread widely
 COMBINE_BLOCK = 256  # columns per combine program (k fp32 loads each): ~200 programs for 8 rows at H = 6144
 E4M3_MAX = tl.constexpr(448.0)
@@ -166,70 +165,25 @@ def _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl
 
 
 @triton.jit
-def _owned_pair(experts_ptr, live_ptr, d, R, K_TOP: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
-                DEDUP: tl.constexpr):
-    """The d-th distinct live expert of the block (COMPACT grids): (its first live pair p, e = experts[p], whether
-    there is a d-th, the block's experts [P_PAD] (-1 past P), live [P_PAD], q = arange, owner [P_PAD]). One vector
-    load of the routing, so a program knows its expert after one round trip, and programs d < distinct come first
-    in launch order, the rest exit. DEDUP = False (tests' negative control): every live pair owns its expert."""
-    q = tl.arange(0, P_PAD)
-    P = R * K_TOP
-    ex = tl.load(experts_ptr + q, mask=q < P, other=-1)
-    live = load_live(live_ptr, q // K_TOP, R, LIVE_COUNT) & (q < P)
-    owner = live
-    if DEDUP:
-        earlier = (ex[:, None] == ex[None, :]) & (q[None, :] < q[:, None]) & live[None, :]
-        owner = live & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
-    hit = owner & (tl.cumsum(owner.to(tl.int32), axis=0) == d + 1)
-    p = tl.sum(tl.where(hit, q, 0), axis=0)
-    e = tl.sum(tl.where(hit, ex, 0), axis=0)
-    return p, e, tl.sum(hit.to(tl.int32), axis=0) > 0, ex, live, q, owner
-
-
-@triton.jit
-def _chosen_rows(ex, live, q, e, m0, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """`_expert_rows` from the loaded routing vectors: (rows, pair r * k + j_r, live rows that chose e)."""
-    rows = m0 + tl.arange(0, BLOCK_M)
-    chose = ((q // K_TOP)[None, :] == rows[:, None]) & (ex == e)[None, :] & live[None, :]
-    return rows, tl.sum(tl.where(chose, q[None, :], 0), axis=1), tl.sum(chose.to(tl.int32), axis=1) > 0
-
-
-@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, ran_ptr,
     R, H, I, P, stride_x, s_rows, s_cols, k_per_split,
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
-    PDL: tl.constexpr = False, F16: tl.constexpr = False, COMPACT: tl.constexpr = False,
+    PDL: tl.constexpr = False, F16: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
-    if COMPACT:  # grid (tile, split, d): the distinct experts' programs first
-        tile = tl.program_id(0)
-        split = tl.program_id(1)
-        p, e, run, ex_q, live_q, q, owner = _owned_pair(experts_ptr, live_ptr, tl.program_id(2), R, K_TOP, P_PAD,
-                                                        LIVE_COUNT, DEDUP)
-        if STORE_RAN:  # debug: which pairs' programs did the work (program 0 marks the pairs no program owns)
-            first = (tile == 0) & (split == 0)
-            tl.store(ran_ptr + p, 1, mask=first & run)
-            tl.store(ran_ptr + q, 0, mask=first & (tl.program_id(2) == 0) & (q < P) & ~owner)
-        # BLOCK_M >= R here: one block of rows, found before the loop so the routing vectors die before it
-        rows_c, pair_c, ok_c = _chosen_rows(ex_q, live_q, q, e, 0, K_TOP, BLOCK_M)
-    else:
-        p = tl.program_id(0)
-        tile = tl.program_id(1)
-        split = tl.program_id(2)
-        e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
-        rows_c, pair_c, ok_c = p, p, run  # unused: the loop body names them in its COMPACT branch
-        if STORE_RAN:  # debug: which pairs' programs did the work
-            tl.store(ran_ptr + p, run.to(tl.int32), mask=(tile == 0) & (split == 0))
+    p = tl.program_id(0)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
+    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
+    if STORE_RAN:  # debug: which pairs' programs did the work
+        tl.store(ran_ptr + p, run.to(tl.int32), mask=(tile == 0) & (split == 0))
     # No pass unless this program owns e; one when R <= BLOCK_M (always at k = 8: R * k <= MAX_PAIRS). A live
     # row above the owner's that chose e would own it instead, so the passes start at the owner's row block.
     for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):
-        if COMPACT:
-            rows, pair, m_ok = rows_c, pair_c, ok_c
-        else:
-            rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
+        rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
         if tl.sum(m_ok.to(tl.int32), axis=0) > 0:  # a block of rows none of which chose e streams nothing
             n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N divides I: always in range
             k_start = split * k_per_split  # a multiple of BLOCK_K, which divides B1
@@ -315,30 +269,17 @@ def _moe_down_kernel(
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32: tl.constexpr, STORE_RAN: tl.constexpr,
-    PDL: tl.constexpr = False, F16: tl.constexpr = False, COMPACT: tl.constexpr = False,
+    PDL: tl.constexpr = False, F16: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
-    if COMPACT:  # grid (tile, d), as in Gate/Up
-        tile = tl.program_id(0)
-        p, e, run, ex_q, live_q, q, owner = _owned_pair(experts_ptr, live_ptr, tl.program_id(1), R, K_TOP, P_PAD,
-                                                        LIVE_COUNT, DEDUP)
-        if STORE_RAN:
-            tl.store(ran_ptr + p, 1, mask=(tile == 0) & run)
-            tl.store(ran_ptr + q, 0, mask=(tile == 0) & (tl.program_id(1) == 0) & (q < R * K_TOP) & ~owner)
-        rows_c, pair_c, ok_c = _chosen_rows(ex_q, live_q, q, e, 0, K_TOP, BLOCK_M)  # as in Gate/Up
-    else:
-        p = tl.program_id(0)
-        tile = tl.program_id(1)
-        e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
-        rows_c, pair_c, ok_c = p, p, run  # unused, as in Gate/Up
-        if STORE_RAN:
-            tl.store(ran_ptr + p, run.to(tl.int32), mask=tile == 0)
+    p = tl.program_id(0)
+    tile = tl.program_id(1)
+    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
+    if STORE_RAN:
+        tl.store(ran_ptr + p, run.to(tl.int32), mask=tile == 0)
 
     for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):  # as in Gate/Up
-        if COMPACT:
-            rows, pair, m_ok = rows_c, pair_c, ok_c
-        else:
-            rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
+        rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
         if tl.sum(m_ok.to(tl.int32), axis=0) > 0:
             n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = n < H
@@ -447,7 +388,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         compute_dtype: torch.dtype | None = None, block_k: int = 128, down_block_n: int = 128,
         down_block_k: int = 64, split_k: int | None = None, gate_up_block_n: int = GATE_UP_BLOCK_N,
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
-        down_stages: int = DOWN_STAGES, pdl: bool = False, f16: bool = F16_OPERANDS, compact: bool = COMPACT,
+        down_stages: int = DOWN_STAGES, pdl: bool = False, f16: bool = F16_OPERANDS,
         debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
@@ -463,9 +404,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     settings, for `iquest bench tune`. `pdl`: programmatic dependent launch (kernels/launch.py). `f16`: the
     tensor cores take fp16 operands (E4M3 weights and activations exactly; bf16 x scaled per row and K tile by a
     power of two, kernels/f16_operands.py) instead of bf16; taken for bf16 compute on the GPU only (the
-    interpreter computes in fp32, fp16 compute converts to fp16 already). `compact`: Gate/Up's and Down's programs
-    are indexed by distinct expert (the d-th owner pair, found from one load of the routing) and launched first,
-    instead of by pair (each finding whether it owns its expert). `debug`,
+    interpreter computes in fp32, fp16 compute converts to fp16 already). `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -529,27 +468,26 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     hidden = torch.full((P, I), float("nan"), device=dev) if store_h else act_scale
     counts = torch.zeros(P, dtype=torch.int32, device=dev) if store_h else act_scale
     programs = torch.full((2, P), -1, dtype=torch.int32, device=dev) if store_h else act_scale
-    block_m = max(BLOCK_M, triton.next_power_of_2(R)) if compact else BLOCK_M  # compact: all rows in one block
     f32 = INTERPRETED or compute_dtype == torch.float32
     f16 = f16 and not f32 and compute_dtype == torch.bfloat16  # fp16 compute converts E4M3 to fp16 already
     launch = launch_options(pdl, dev)
 
-    _moe_gate_up_kernel[(I // bn, split, P) if compact else (P, I // bn, split)](
+    _moe_gate_up_kernel[(P, I // bn, split)](
         x, gate, gate_scale, up, up_scale, experts, live_arg, part, programs[0], R, H, I, P, x.stride(0),
         gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
-        B0=block[0], B1=block[1], BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+        B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32", STORE_RAN=store_h,
-        F16=f16, COMPACT=compact, num_warps=gate_up_warps, num_stages=gate_up_stages, **launch)
+        F16=f16, num_warps=gate_up_warps, num_stages=gate_up_stages, **launch)
     _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
         part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
         SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,
         DROP_LAST=bool(store_h and debug.get("drop_last_split", False)), num_warps=4, **launch)
-    _moe_down_kernel[(triton.cdiv(H, down_block_n), P) if compact else (P, triton.cdiv(H, down_block_n))](
+    _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
         act, act_scale, down, down_scale, experts, live_arg, y, programs[1], R, H, I,
         down_scale.shape[1], down_scale.shape[2], **routing,
-        B0=block[0], GROUP=group, BLOCK_M=block_m, BLOCK_N=down_block_n,
+        B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=_pow2_divisor(group, down_block_k), F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
-        num_stages=down_stages, F16=f16, COMPACT=compact, **launch)
+        num_stages=down_stages, F16=f16, **launch)
     _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
         y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
         num_warps=4, **launch)
