@@ -123,12 +123,12 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "attention_sliding": da.decode_attention, "attention_full": da.decode_attention,
                                  "router": rt.route}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
-                    "down_block_k", "down_warps", "down_stages", "f16", "gate_up_apart"),
+                    "down_block_k", "down_warps", "down_stages", "f16"),
             "linear": ("split_k", "block_n", "num_warps", "num_stages"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
-MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "gate_up_apart"),
+MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16"),
               ("down_block_n", "down_block_k", "down_warps", "down_stages"))
 
 
@@ -196,8 +196,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         return {"split_k": split, "block_k": bk, "gate_up_block_n": bn, "gate_up_warps": g["gate_up_warps"],
                 "gate_up_stages": g["gate_up_stages"], "down_block_n": g["down_block_n"],
                 "down_block_k": mk._pow2_divisor(shape.block[1], g["down_block_k"]),
-                "down_warps": g["down_warps"], "down_stages": g["down_stages"], "f16": g["f16"],
-                "gate_up_apart": g["gate_up_apart"]}
+                "down_warps": g["down_warps"], "down_stages": g["down_stages"], "f16": g["f16"]}
     if family(op) == "linear":
         n, k = shape.qkv if op == "linear_qkv" else shape.o
         bk = fl._block_k(shape.block[1])
@@ -242,12 +241,7 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(down_warps=8), cand(down_stages=3), cand(down_stages=4), cand(down_warps=8, down_stages=4),
                 # bf16 tensor-core operands (before ef1c46c): two conversion steps per E4M3 weight
                 cand("bf16 operands", f16=False), cand("a788a79 default", f16=False, down_stages=2),
-                cand(down_stages=2), cand(down_block_k=128),
-                # Gate and Up in programs of their own (one accumulator and weight tile each: no spills); wider Down
-                # tiles (half the programs, each streaming twice the bytes after its routing preamble)
-                cand(gate_up_apart=True), cand(gate_up_apart=True, gate_up_warps=8),
-                cand(gate_up_apart=True, gate_up_stages=4), cand(gate_up_apart=True, gate_up_stages=2),
-                cand(down_block_n=256), cand(down_block_n=256, down_stages=2), cand(down_block_n=256, down_warps=8)]
+                cand(down_stages=2), cand(down_block_k=128), cand(gate_up_block_n=64, gate_up_stages=3)]
     if family(op) == "linear":
         auto = {bn: resolve(op, {"block_n": bn}, shape, sms)["split_k"] for bn in (32, 64, 128)}
         half = {bn: max(1, a // 2) for bn, a in auto.items()}

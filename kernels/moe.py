@@ -86,7 +86,6 @@ NUM_STAGES = 3  # Triton's default software pipelining depth, named so that `iqu
 DOWN_WARPS = 4
 DOWN_STAGES = 3
 F16_OPERANDS = True
-GATE_UP_APART = False
 FINALIZE_ROWS = 2  # pairs per finalize program: its loads are SPLIT x 2 x ROWS x GROUP fp32, spread widely
 COMBINE_BLOCK = 256  # columns per combine program (k fp32 loads each): ~200 programs for 8 rows at H = 6144
 E4M3_MAX = tl.constexpr(448.0)
@@ -166,48 +165,18 @@ def _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl
 
 
 @triton.jit
-def _one_weight(x_rows, w_rows, s_row, m_ok, k_start, k_end, H, B1: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr, F32: tl.constexpr,
-                PREC: tl.constexpr, F16: tl.constexpr):
-    """One weight's K range for Gate/Up's APART programs: the same per-tile dots and scale products as the
-    fused loop's acc_g (or acc_u), so the partial is the same bits."""
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < H
-        x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if ROUND_BF16:
-            x = _bf16_grid(x)
-            if not F32 and not F16:
-                x = x.to(tl.bfloat16)
-        w = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-        sw = tl.load(s_row + k0 // B1)
-        if F32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision=PREC) * sw[None, :]
-        elif F16:
-            x, x_down = f16_rows(x.to(tl.float32))
-            acc += tl.dot(x, tl.trans(w.to(tl.float16))) * (x_down[:, None] * sw[None, :])
-        else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PREC) * sw[None, :]
-    return acc
-
-
-@triton.jit
 def _moe_gate_up_kernel(
     x_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, ran_ptr,
     R, H, I, P, stride_x, s_rows, s_cols, k_per_split,
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
-    PDL: tl.constexpr = False, F16: tl.constexpr = False, APART: tl.constexpr = False,
+    PDL: tl.constexpr = False, F16: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
-    if APART:  # Gate and Up in programs of their own: tile = 2 * I tile + (0 Gate, 1 Up)
-        which = tile % 2
-        tile = tile // 2
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
     if STORE_RAN:  # debug: which pairs' programs did the work
         tl.store(ran_ptr + p, run.to(tl.int32), mask=(tile == 0) & (split == 0))
@@ -225,46 +194,41 @@ def _moe_gate_up_kernel(
             gs_row = gs_ptr + ex * s_rows * s_cols + (n // B0) * s_cols
             us_row = us_ptr + ex * s_rows * s_cols + (n // B0) * s_cols
             x_rows = x_ptr + rows[:, None] * stride_x
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(k_start, k_end, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < H
+                x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                if ROUND_BF16:  # fp32 x, bf16 compute: onto the bf16 grid; F32 (interpreter) keeps it in fp32
+                    x = _bf16_grid(x)
+                    if not F32 and not F16:
+                        x = x.to(tl.bfloat16)  # exact
+                wg = tl.load(g_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
+                wu = tl.load(u_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
+                sg = tl.load(gs_row + k0 // B1)  # the tile lies in one K block
+                su = tl.load(us_row + k0 // B1)
+                if F32:
+                    x = x.to(tl.float32)
+                    wg = wg.to(tl.float32)
+                    wu = wu.to(tl.float32)
+                elif F16:  # x's rows scaled by powers of two into exact fp16 (kernels/f16_operands.py)
+                    x, x_down = f16_rows(x.to(tl.float32))
+                    sg = x_down[:, None] * sg[None, :]  # exact: the scaled product rounds as the unscaled one did
+                    su = x_down[:, None] * su[None, :]
+                    wg = wg.to(tl.float16)  # exact, one conversion per two weights
+                    wu = wu.to(tl.float16)
+                else:
+                    wg = wg.to(x.dtype)  # exact
+                    wu = wu.to(x.dtype)
+                if not F16:
+                    sg = sg[None, :]
+                    su = su[None, :]
+                acc_g += tl.dot(x, tl.trans(wg), input_precision=PREC) * sg
+                acc_u += tl.dot(x, tl.trans(wu), input_precision=PREC) * su
             dst = part_ptr + ((split * P + pair) * 2)[:, None] * I + n[None, :]
-            if APART:
-                acc = _one_weight(x_rows, tl.where(which == 0, g_rows, u_rows), tl.where(which == 0, gs_row, us_row),
-                                  m_ok, k_start, k_end, H, B1, BLOCK_M, BLOCK_N, BLOCK_K, ROUND_BF16, F32, PREC, F16)
-                tl.store(dst + which * I, acc, mask=m_ok[:, None])
-            else:
-                acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for k0 in range(k_start, k_end, BLOCK_K):
-                    kk = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = kk < H
-                    x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                    if ROUND_BF16:  # fp32 x, bf16 compute: onto the bf16 grid; F32 (interpreter) keeps it in fp32
-                        x = _bf16_grid(x)
-                        if not F32 and not F16:
-                            x = x.to(tl.bfloat16)  # exact
-                    wg = tl.load(g_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-                    wu = tl.load(u_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-                    sg = tl.load(gs_row + k0 // B1)  # the tile lies in one K block
-                    su = tl.load(us_row + k0 // B1)
-                    if F32:
-                        x = x.to(tl.float32)
-                        wg = wg.to(tl.float32)
-                        wu = wu.to(tl.float32)
-                    elif F16:  # x's rows scaled by powers of two into exact fp16 (kernels/f16_operands.py)
-                        x, x_down = f16_rows(x.to(tl.float32))
-                        sg = x_down[:, None] * sg[None, :]  # exact: the scaled product rounds as the unscaled one did
-                        su = x_down[:, None] * su[None, :]
-                        wg = wg.to(tl.float16)  # exact, one conversion per two weights
-                        wu = wu.to(tl.float16)
-                    else:
-                        wg = wg.to(x.dtype)  # exact
-                        wu = wu.to(x.dtype)
-                    if not F16:
-                        sg = sg[None, :]
-                        su = su[None, :]
-                    acc_g += tl.dot(x, tl.trans(wg), input_precision=PREC) * sg
-                    acc_u += tl.dot(x, tl.trans(wu), input_precision=PREC) * su
-                tl.store(dst, acc_g, mask=m_ok[:, None])
-                tl.store(dst + I, acc_u, mask=m_ok[:, None])
+            tl.store(dst, acc_g, mask=m_ok[:, None])
+            tl.store(dst + I, acc_u, mask=m_ok[:, None])
 
 
 @triton.jit
@@ -425,7 +389,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         down_block_k: int = 64, split_k: int | None = None, gate_up_block_n: int = GATE_UP_BLOCK_N,
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
         down_stages: int = DOWN_STAGES, pdl: bool = False, f16: bool = F16_OPERANDS,
-        gate_up_apart: bool = GATE_UP_APART, debug: dict | None = None) -> torch.Tensor:
+        debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -440,8 +404,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     settings, for `iquest bench tune`. `pdl`: programmatic dependent launch (kernels/launch.py). `f16`: the
     tensor cores take fp16 operands (E4M3 weights and activations exactly; bf16 x scaled per row and K tile by a
     power of two, kernels/f16_operands.py) instead of bf16; taken for bf16 compute on the GPU only (the
-    interpreter computes in fp32, fp16 compute converts to fp16 already). `gate_up_apart`: Gate and Up tiles in
-    programs of their own (twice the programs, each with one accumulator and one weight tile in registers). `debug`,
+    interpreter computes in fp32, fp16 compute converts to fp16 already). `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -509,12 +472,12 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     f16 = f16 and not f32 and compute_dtype == torch.bfloat16  # fp16 compute converts E4M3 to fp16 already
     launch = launch_options(pdl, dev)
 
-    _moe_gate_up_kernel[(P, (2 if gate_up_apart else 1) * (I // bn), split)](
+    _moe_gate_up_kernel[(P, I // bn, split)](
         x, gate, gate_scale, up, up_scale, experts, live_arg, part, programs[0], R, H, I, P, x.stride(0),
         gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32", STORE_RAN=store_h,
-        F16=f16, APART=gate_up_apart, num_warps=gate_up_warps, num_stages=gate_up_stages, **launch)
+        F16=f16, num_warps=gate_up_warps, num_stages=gate_up_stages, **launch)
     _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
         part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
         SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,

@@ -108,11 +108,6 @@ CASES = [
     case("dup_32rows_k4_E6_mask_two_row_blocks", R=32, k=4, E=6, live="mask"),  # P = MAX_PAIRS, rows 0-15, 16-31
     case("dup_31rows_count_split2", R=31, k=4, E=8, H=96, block_k=16, split_k=2, split=2, live="count"),
     case("same8_k8_8rows", R=8, k=8, E=32, pattern="same"),  # all rows on the same 8 experts, permuted slots
-    # Gate and Up in programs of their own: the same partials, so the same bits as the oracle
-    case("apart_8rows_random", launch=dict(gate_up_apart=True)),
-    case("apart_split3_padding_mask_poisoned", H=96, block_k=16, split_k=3, split=3, live="mask", pattern="poison",
-         launch=dict(gate_up_apart=True)),
-    case("apart_dup_32rows_two_row_blocks", R=32, k=4, E=6, live="mask", launch=dict(gate_up_apart=True)),
     case("same8_k8_split3_bf16", R=8, k=8, E=32, H=128, block_k=16, split_k=3, split=3, pattern="same",
          x="bf16", out="bf16"),
     case("poison_k8_mask_padding_only_experts", R=8, k=8, E=64, live="mask", pattern="poison"),
