@@ -4,6 +4,8 @@
 #   bash ci/gpu.sh tests [PATHS...]      the @pytest.mark.gpu tests (all of tests/ by default)
 #   bash ci/gpu.sh bench ARGS...         iquest bench ARGS...
 #   bash ci/gpu.sh iquest ARGS...        any iquest command (e.g. qualify --device cuda)
+#   bash ci/gpu.sh ncu [OPS]             Nsight Compute over one call of each op (bench/ncu_ops.py): the full
+#                                        section set, then its details page and the MoE kernels' SASS with stalls
 # Results go to $OUT when it is set (the device tool brings that folder back).
 set -euo pipefail
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/iquest
@@ -14,5 +16,12 @@ case "${1:-tests}" in
   tests) shift || true; python3 -m pytest -q -m gpu -p no:cacheprovider -s "${@:-tests}" 2>&1 | tee "$out/gpu-tests.log" ;;
   bench) shift; python3 -m iquest.cli.main bench "$@" ;;
   iquest) shift; python3 -m iquest.cli.main "$@" ;;
-  *) echo "usage: bash ci/gpu.sh tests|bench|iquest ..." >&2; exit 2 ;;
+  ncu) shift
+    ncu --clock-control none --profile-from-start off --set full --import-source yes -f -o "$out/ops" \
+      python3 -m iquest.bench.ncu_ops "$@" > "$out/ncu-run.log" 2>&1
+    ncu --import "$out/ops.ncu-rep" --page details > "$out/ncu-details.txt"
+    for k in _moe_gate_up_kernel _moe_down_kernel; do
+      ncu --import "$out/ops.ncu-rep" --page source --csv --print-source sass -k "$k" > "$out/ncu-sass-$k.csv" || true
+    done ;;
+  *) echo "usage: bash ci/gpu.sh tests|bench|iquest|ncu ..." >&2; exit 2 ;;
 esac
