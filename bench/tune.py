@@ -236,13 +236,12 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 # Gate/Up's and Down's launch settings: more bytes in flight per SM (deeper pipelines, narrower
                 # tiles with more programs, fewer warps per program so more programs fit)
                 cand(gate_up_stages=2), cand(gate_up_stages=4), cand(gate_up_stages=5), cand(gate_up_warps=8),
-                cand(gate_up_warps=8, gate_up_stages=4), cand(gate_up_block_n=128),
-                cand(gate_up_block_n=128, gate_up_warps=8), cand(gate_up_block_n=128, gate_up_stages=4),
+                cand(gate_up_warps=8, gate_up_stages=4), cand(gate_up_block_n=64),
+                cand(gate_up_block_n=64, gate_up_warps=8), cand(gate_up_block_n=64, gate_up_stages=4),
                 cand(down_warps=8), cand(down_stages=3), cand(down_stages=4), cand(down_warps=8, down_stages=4),
                 # bf16 tensor-core operands (before ef1c46c): two conversion steps per E4M3 weight
-                cand("bf16 operands", f16=False),
-                cand("a788a79 default", f16=False, down_stages=2, gate_up_block_n=128),
-                cand(down_stages=2), cand(down_block_k=128), cand("4329903 default", gate_up_block_n=128, down_stages=3)]
+                cand("bf16 operands", f16=False), cand("a788a79 default", f16=False, down_stages=2),
+                cand(down_stages=2), cand(down_block_k=128), cand(gate_up_block_n=64, gate_up_stages=3)]
     if family(op) == "linear":
         auto = {bn: resolve(op, {"block_n": bn}, shape, sms)["split_k"] for bn in (32, 64, 128)}
         half = {bn: max(1, a // 2) for bn, a in auto.items()}

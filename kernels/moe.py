@@ -79,10 +79,8 @@ BLOCK_M = 16  # tl.dot's smallest M; a program's rows are the block's R rows (R 
 # that do not change any tile's dot or sum order.
 # Then fp16 tensor-core operands (F16_OPERANDS, kernels/f16_operands.py) with a 3-deep Down pipeline: 48.6 -> 37.5 us,
 # bit-identical again (bench/results/tune-h200-f16-ef1c46c.*). The E4M3 -> bf16 conversion had set Gate/Up's and
-# Down's time (ncu: 34% of DRAM bandwidth; F2F and PRMT the top stalls), not the bytes. Then 64-wide Gate/Up tiles
-# (4 K splits instead of 8): 37.6 -> 36.2 us (tune-h200-apart-c064135.*). The splits' partial sums group differently,
-# a numerical change: qualified again at the commit that made it the default (docs/PERF.md).
-GATE_UP_BLOCK_N = 64
+# Down's time (ncu: 34% of DRAM bandwidth; F2F and PRMT the top stalls), not the bytes.
+GATE_UP_BLOCK_N = 128
 GATE_UP_WARPS = 4
 NUM_STAGES = 3  # Triton's default software pipelining depth, named so that `iquest bench tune` can sweep it
 DOWN_WARPS = 4

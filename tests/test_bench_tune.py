@@ -77,10 +77,10 @@ def test_budget_of_the_full_sweep():
 def test_h200_defaults_and_the_suggested_variants():
     r = {op: [t.resolve(op, c.kw, SHAPE, t.H200_SMS) for c in t.candidates(op, SHAPE, t.H200_SMS)] for op in t.OPS}
     # defaults (tuned at 932ec08; the MoE's Gate/Up warps at a788a79, fp16 operands and Down stages at ef1c46c), by hand:
-    # MoE 264 programs / (16 expected segments x 4 I tiles of 64) = 4 splits;
+    # MoE 264 programs / (16 expected segments x 2 I tiles) = 8 splits;
     # q/k/v 264 / 32 N tiles = 8; o_proj 264 // 192 = 1; attention 17 live splits of 64 slots for 1030 (the ring's
     # 4161 slots: 66 splits); router min(12 H tiles, 17) = 12
-    assert r["moe"][0] == {"split_k": 4, "block_k": 128, "gate_up_block_n": 64, "gate_up_warps": 4,
+    assert r["moe"][0] == {"split_k": 8, "block_k": 128, "gate_up_block_n": 128, "gate_up_warps": 4,
                            "gate_up_stages": 3, "down_block_n": 128, "down_block_k": 64, "down_warps": 4,
                            "down_stages": 3, "f16": True}
     assert r["linear_qkv"][0] == {"split_k": 8, "block_n": 32, "num_warps": 4, "num_stages": 4}
@@ -93,8 +93,8 @@ def test_h200_defaults_and_the_suggested_variants():
     def values(op, key):
         return {x[key] for x in r[op]}
 
-    # 4 = the default split for 64-wide Gate/Up tiles, 8 and 16 = 2x and 4x it (and 8 = the 128-wide tiles' split)
-    assert values("moe", "split_k") == {4, 8, 16} and values("moe", "block_k") == {64, 128}
+    # 4x: capped; 4 = the default split for 64-wide Gate/Up tiles (twice the tiles, half the splits)
+    assert values("moe", "split_k") == {4, 8, 16, 24} and values("moe", "block_k") == {64, 128}
     assert values("moe", "gate_up_block_n") == {64, 128} and values("moe", "gate_up_warps") == {4, 8}
     assert values("moe", "gate_up_stages") == {2, 3, 4, 5} and values("moe", "down_stages") == {2, 3, 4}
     assert values("moe", "down_warps") == {4, 8} and values("moe", "f16") == {False, True}
@@ -120,9 +120,9 @@ def test_resolution_matches_the_wrappers_helpers(n, k, block_n):
 
 def test_moe_resolution_uses_plan_split():
     P, E, k, H, I, bn = t._moe_dims(SHAPE)
-    assert (P, bn) == (48, 64)
-    for kw in ({}, {"split_k": 16}, {"block_k": 64}, {"block_k": 64, "split_k": 16}):
-        bk = kw.get("block_k", t.wrapper_defaults(mk.moe)["block_k"])
+    assert (P, bn) == (48, 128)
+    for kw in ({}, {"split_k": 16}, {"block_k": 128}, {"block_k": 128, "split_k": 16}):
+        bk = kw.get("block_k", 64)
         want = mk.plan_split(P, E, k, H, I, bn, bk, kw.get("split_k"), 132)[0]
         assert t.resolve("moe", kw, SHAPE, 132)["split_k"] == want
 
