@@ -1,5 +1,5 @@
-"""What the kernel wrappers ask of the device: the float dtypes they take, and the SM count their grids are sized
-by (8 off the GPU, where only the interpreter runs them)."""
+"""What the kernel wrappers ask of the device: the float dtypes they take, the SM count their grids are sized by (8
+off the GPU, where only the interpreter runs them), and the check of a row-grouped float input."""
 
 from __future__ import annotations
 
@@ -13,3 +13,14 @@ FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 @functools.lru_cache(maxsize=None)  # asked on every launch of some wrappers
 def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def row_groups(x: torch.Tensor, group: int, op: str) -> tuple[int, int]:
+    """(M, N) of a contiguous float x [M, N] cut into groups of `group` columns (a power of two >= 16 dividing N),
+    as the per-row-group kernels (act_quant, f16 rows) take it; ValueError naming `op` otherwise."""
+    if not (x.dim() == 2 and x.is_contiguous() and x.dtype in FLOATS):
+        raise ValueError(f"{op}: x must be a contiguous float [M, N]")
+    M, N = x.shape
+    if not (group >= 16 and group & (group - 1) == 0 and N % group == 0):
+        raise ValueError(f"{op}: group {group} must be a power of two >= 16 dividing N = {N}")
+    return M, N

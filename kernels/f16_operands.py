@@ -1,9 +1,10 @@
 """bf16 activations as exact fp16 tensor-core operands, so that E4M3 weights convert to fp16 (docs/PERF.md, "fp16
 operands").
 
-Why: at decode the FP8 kernels (the linears, the MoE's Gate/Up and Down) are weight streams whose cost on an H200
-is the conversion of every E4M3 weight for the tensor cores, not the bytes (ncu: 34% of DRAM bandwidth, the
-conversion's F2F and PRMT 30% of Gate/Up's instructions). E4M3 -> fp16 is one instruction per two weights
+Why: at decode the MoE's Gate/Up and Down are weight streams whose cost on an H200 was the conversion of every
+E4M3 weight for the tensor cores, not the bytes (ncu: 34% of DRAM bandwidth, the conversion's F2F and PRMT 30% of
+Gate/Up's instructions). The FP8 linears, whose tiles are narrow and latency-bound, were slower this way (the row
+scale costs them more than the conversion saves: docs/PERF.md), so only the MoE uses it. E4M3 -> fp16 is one instruction per two weights
 (`cvt.rn.f16x2.e4m3x2`) and exact; E4M3 -> bf16 goes through fp16 and then one conversion per weight. The other
 operand must then be fp16 too, and a bf16 value is not always an fp16 one (fp16 has 3 more mantissa bits but 3
 fewer exponent bits).
@@ -29,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import FLOATS as _FLOATS
+from .device import row_groups
 
 TOP_EXPONENT = 14  # the row's largest |x| * 2^s lands in [2^14, 2^15): below fp16's largest finite (65504)
 MIN_EXPONENT_FIELD = 15  # the largest |x|'s biased fp32 exponent is taken >= 15, so 2^s <= 2^126 and 2^-s >= 2^-126
@@ -64,18 +65,10 @@ def _f16_rows_kernel(x_ptr, y_ptr, d_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: 
     tl.store(d_ptr + m * tl.num_programs(1) + tl.program_id(1), down, mask=m < M)
 
 
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(f"f16_rows: {message}")
-
-
 def f16_rows_tiles(x: torch.Tensor, block_k: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' conversion on its own, per [row, block_k tile]: (fp16 [M, K], 2^-s [M, K / block_k] fp32).
     x: contiguous bf16 or fp32 [M, K] (fp32 holding bf16 values, as the MoE's rounded input)."""
-    _check(x.dim() == 2 and x.is_contiguous() and x.dtype in _FLOATS, "x must be a contiguous float [M, K]")
-    M, K = x.shape
-    _check(block_k >= 16 and block_k & (block_k - 1) == 0 and K % block_k == 0,
-           f"block_k {block_k} must be a power of two >= 16 dividing K = {K}")
+    M, K = row_groups(x, block_k, "f16_rows")
     y = torch.empty((M, K), dtype=torch.float16, device=x.device)
     d = torch.empty((M, K // block_k), dtype=torch.float32, device=x.device)
     _f16_rows_kernel[(triton.cdiv(M, 16), K // block_k)](x, y, d, M, K, BLOCK_M=16, BLOCK_K=block_k)

@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import FLOATS as _FLOATS, sm_count as _sm_count
+from .device import FLOATS as _FLOATS, row_groups, sm_count as _sm_count
 from .moe_route import MAX_PAIRS, check_live, load_live
 from .f16_operands import f16_rows
 from .launch import launch_options, wait_for_inputs
@@ -349,10 +349,7 @@ def _check_weight(name: str, q: torch.Tensor, s: torch.Tensor, shape: tuple[int,
 
 def act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' act_quant on its own: x [M, N] float -> (E4M3 [M, N], fp32 scales [M, N / group])."""
-    _check(x.dim() == 2 and x.is_contiguous() and x.dtype in _FLOATS, "x must be a contiguous float [M, N]")
-    M, N = x.shape
-    _check(group >= 16 and group & (group - 1) == 0 and N % group == 0,
-           f"group {group} must be a power of two >= 16 dividing {N}")
+    M, N = row_groups(x, group, "moe")
     q = torch.empty((M, N), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((M, N // group), dtype=torch.float32, device=x.device)
     _act_quant_kernel[(triton.cdiv(M, 16), N // group)](x, q.view(torch.uint8), s, M, N, GROUP=group, BLOCK_M=16)

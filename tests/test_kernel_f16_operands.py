@@ -110,7 +110,7 @@ def test_the_boundary_element_is_lost():
 def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="contiguous float"):
         fo.f16_rows_tiles(torch.ones(4, 128, dtype=torch.int32))
-    with pytest.raises(ValueError, match="dividing K"):
+    with pytest.raises(ValueError, match="dividing N"):
         fo.f16_rows_tiles(torch.ones(4, 100))
 
 
