@@ -1,5 +1,5 @@
-"""`iquest bench kernels`, `iquest bench tune` and `iquest bench allreduce`: microbenchmarks (registered by
-cli/bench_cmd.py)."""
+"""`iquest bench kernels`, `iquest bench tune`, `iquest bench allreduce` and `iquest bench sass`: microbenchmarks
+and the offline compile report (registered by cli/bench_cmd.py)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,19 @@ def register(bsub) -> None:
     a.add_argument("--repeats", type=int, default=20, help="timed graph replays per variant (default 20)")
     a.add_argument("--out", help="write the raw JSON here (rank 0)")
     a.set_defaults(run=run_allreduce)
+    c = bsub.add_parser("sass", help="the decode kernels compiled for the H200 here, no GPU: registers, spills, "
+                                     "instruction mix",
+                        description="Compiles the MoE's Gate/Up and Down and the FP8 linear for sm_90a with their "
+                                    "wrappers' defaults at one TP8 rank's decode shapes (Triton's own ptxas, "
+                                    "nvdisasm and cuobjdump; no GPU needed) and prints registers per thread, stack "
+                                    "bytes (spills), shared memory and the most frequent instructions.")
+    c.add_argument("--kernels", default="moe_gate_up,moe_down,fp8_linear",
+                   help="comma-separated: moe_gate_up, moe_down, fp8_linear (default: all)")
+    c.add_argument("--set", action="append", default=[], metavar="KERNEL.NAME=VALUE",
+                   help="override one constexpr, e.g. moe_down.F16=False (repeatable)")
+    c.add_argument("--top", type=int, default=10, help="instructions listed per kernel (default 10)")
+    c.add_argument("--json", metavar="OUT", help="write the report here")
+    c.set_defaults(run=run_sass)
 
 
 def _need_gpus(what: str, n: int) -> None:
@@ -116,4 +129,42 @@ def run_allreduce(args: argparse.Namespace) -> int:
     from ..bench.allreduce import run
 
     run(args.ranks, args.rows, args.hidden, args.repeats, args.out)
+    return 0
+
+
+def _constexpr(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"True": True, "False": False}.get(text, text)
+
+
+def run_sass(args: argparse.Namespace) -> int:
+    import json
+
+    from .main import UserError
+
+    from ..bench.sass import run, specs
+
+    known = tuple(specs())
+    names = tuple(dict.fromkeys(n.strip() for n in args.kernels.split(",") if n.strip()))
+    unknown = [n for n in names if n not in known]
+    if not names or unknown:
+        raise UserError(f"--kernels: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}")
+    overrides: dict[str, dict] = {}
+    for item in args.set:
+        target, eq, value = item.partition("=")
+        kernel, dot, name = target.partition(".")
+        if not (eq and dot and name) or kernel not in known:
+            raise UserError(f"--set {item!r}: expected KERNEL.NAME=VALUE with KERNEL one of {', '.join(known)}")
+        overrides.setdefault(kernel, {})[name] = _constexpr(value)
+    try:
+        out = run(names, overrides, args.top)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"target": "sm_90a", "overrides": overrides, "kernels": out}, f, indent=1)
     return 0

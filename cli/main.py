@@ -48,4 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m iquest.cli.main` (ci/gpu.sh) runs this file as __main__, a second copy of the module: the commands
+    # raise iquest.cli.main.UserError, which only that module's main() catches.
+    from iquest.cli.main import main as package_main
+
+    sys.exit(package_main())

@@ -1,0 +1,127 @@
+"""`iquest bench sass`: the decode kernels compiled for the H200 (sm_90a) on any machine, no GPU needed.
+
+Triton compiles for a named target without a device; the ptxas, nvdisasm and cuobjdump of its wheel then give what
+ncu would start from: registers per thread, stack (spills), shared memory, and the static instruction mix. The
+kernels are compiled as their wrappers launch them at one TP8 rank's decode shapes: the wrappers' defaults for
+tiles, warps and stages, and the divisibility by 16 that the runtime finds in every pointer and stride there (without
+it, loads are not vectorized and the numbers mean nothing). Use it to check a kernel change for spills and
+conversion instructions before spending GPU time (docs/PERF.md: the compact MoE grid's spills were visible here).
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ..kernels import fp8_linear as fl, moe as mk
+
+TARGET = GPUTarget("cuda", 90, 32)
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+_ROUTING = dict(K_TOP=8, K_PAD=8, P_PAD=64, LIVE_COUNT=False, DEDUP=True)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel as a wrapper launches it: pointer types, constexprs, the arguments the runtime sees divisible
+    by 16, and the launch's warps and stages."""
+
+    fn: object
+    types: dict[str, str]
+    constexprs: dict[str, object]
+    div16: tuple[str, ...]
+    num_warps: int
+    num_stages: int
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def specs() -> dict[str, KernelSpec]:
+    """The MoE's weight-streaming kernels and the FP8 linear at one TP8 rank (H 6144, I_r 256, 6 rows, fp32 MoE
+    input rounded to bf16 in the kernel, bf16 linear input), with the wrappers' current defaults."""
+    moe_kw = {n: p.default for n, p in inspect.signature(mk.moe).parameters.items()}
+    gate_up = KernelSpec(
+        mk._moe_gate_up_kernel,
+        dict(x_ptr="*fp32", g_ptr="*fp8e4nv", gs_ptr="*fp32", u_ptr="*fp8e4nv", us_ptr="*fp32", experts_ptr="*i64",
+             live_ptr="*u8", part_ptr="*fp32", ran_ptr="*fp32"),
+        dict(_ROUTING, B0=128, B1=128, BLOCK_M=mk.BLOCK_M, BLOCK_N=moe_kw["gate_up_block_n"],
+             BLOCK_K=moe_kw["block_k"], ROUND_BF16=True, F32=False, PREC="tf32", STORE_RAN=False, PDL=True,
+             F16=moe_kw["f16"]),
+        ("x_ptr", "g_ptr", "gs_ptr", "u_ptr", "us_ptr", "experts_ptr", "live_ptr", "part_ptr", "H", "I", "P",
+         "stride_x", "k_per_split"),
+        moe_kw["gate_up_warps"], moe_kw["gate_up_stages"], "MoE Gate/Up")
+    down = KernelSpec(
+        mk._moe_down_kernel,
+        dict(act_ptr="*fp8e4nv", act_s_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", experts_ptr="*i64",
+             live_ptr="*u8", y_ptr="*fp32", ran_ptr="*fp32"),
+        dict(_ROUTING, B0=128, GROUP=128, BLOCK_M=mk.BLOCK_M, BLOCK_N=moe_kw["down_block_n"],
+             BLOCK_K=moe_kw["down_block_k"], F32=False, STORE_RAN=False, PDL=True, F16=moe_kw["f16"]),
+        ("act_ptr", "act_s_ptr", "w_ptr", "ws_ptr", "experts_ptr", "live_ptr", "y_ptr", "H", "I"),
+        moe_kw["down_warps"], moe_kw["down_stages"], "MoE Down")
+    lin_kw = {n: p.default for n, p in inspect.signature(fl.fp8_linear).parameters.items()}
+    linear = KernelSpec(
+        fl._fp8_linear_kernel,
+        dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32"),
+        dict(B0=128, B1=128, BLOCK_M=fl.BLOCK_M, BLOCK_N=lin_kw["block_n"], BLOCK_K=128, SPLIT=True, SERIAL=True,
+             F32=False, PREC="tf32", PDL=True, PREFETCH_LINES=0),
+        ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "lock_ptr", "N", "K", "stride_xm", "stride_ym",
+         "k_per_split"),
+        lin_kw["num_warps"], lin_kw["num_stages"], "FP8 linear, split K summed in the launch")
+    return {"moe_gate_up": gate_up, "moe_down": down, "fp8_linear": linear}
+
+
+def compile_spec(spec: KernelSpec, **constexprs) -> object:
+    """The compiled kernel for sm_90a (`constexprs` override the spec's, e.g. F16=False)."""
+    names = list(inspect.signature(spec.fn.fn).parameters)
+    values = {**spec.constexprs, **constexprs}
+    unknown = set(values) - set(names)
+    if unknown:
+        raise ValueError(f"{spec.note}: no parameters {sorted(unknown)} (the kernel's signature changed?)")
+    signature = {n: "constexpr" if n in values else spec.types.get(n, "i32") for n in names}
+    source = ASTSource(spec.fn, signature, {(names.index(k),): v for k, v in values.items()},
+                       {(names.index(n),): [["tt.divisibility", 16]] for n in spec.div16})
+    return triton.compile(source, target=TARGET, options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+
+
+def _tool(name: str, cubin: str, *args: str) -> str:
+    return subprocess.run([os.path.join(_BIN, name), *args, cubin], capture_output=True, text=True, check=True).stdout
+
+
+def report(kernel) -> dict:
+    """{"registers", "stack_bytes", "shared_bytes", "instructions", "mix": {opcode: static count}}."""
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = _tool("nvdisasm", cubin, "-c")
+        usage = _tool("cuobjdump", cubin, "-res-usage")
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
+    if m is None:
+        raise RuntimeError(f"cuobjdump -res-usage gave no register count:\n{usage}")
+    mix = collections.Counter()
+    for line in sass.splitlines():
+        ins = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9]*)", line)
+        if ins:
+            mix[ins.group(1)] += 1
+    return {"registers": int(m.group(1)), "stack_bytes": int(m.group(2)), "shared_bytes": kernel.metadata.shared,
+            "instructions": sum(mix.values()), "mix": dict(mix.most_common())}
+
+
+def run(names: tuple[str, ...], overrides: dict, top: int = 10) -> dict:
+    table = specs()
+    out = {}
+    for name in names:
+        r = report(compile_spec(table[name], **overrides.get(name, {})))
+        out[name] = r
+        print(f"{name} ({table[name].note}): {r['registers']} registers, {r['stack_bytes']} B stack, "
+              f"{r['shared_bytes']} B shared, {r['instructions']} instructions")
+        print("   " + ", ".join(f"{op} {n}" for op, n in list(r["mix"].items())[:top]))
+    return out
