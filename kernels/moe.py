@@ -65,9 +65,9 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS, row_groups, sm_count as _sm_count
-from .moe_route import MAX_PAIRS, check_live, load_live
 from .f16_operands import f16_rows
 from .launch import launch_options, wait_for_inputs
+from .moe_route import MAX_PAIRS, check_live, load_live
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
