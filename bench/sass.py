@@ -16,7 +16,7 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -41,7 +41,6 @@ class KernelSpec:
     num_warps: int
     num_stages: int
     note: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 def specs() -> dict[str, KernelSpec]:

@@ -176,9 +176,6 @@ class TritonOps(TorchOps):
     def _prefetch(self, t: torch.Tensor) -> bool:
         return self.prefetch and t.is_cuda
 
-    def _f16(self, t: torch.Tensor) -> bool:  # the interpreter computes in fp32 and has no fp16 operand path
-        return self.f16 and t.is_cuda
-
     @staticmethod
     def moe_takes(gate_block: tuple[int, int], down_block: tuple[int, int], intermediate: int) -> bool:
         """Whether the MoE kernel takes these weights: its act_quant groups are Down's K blocks (a power of two
@@ -264,7 +261,7 @@ class TritonOps(TorchOps):
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
-                           pdl=self._pdl(b), f16=self._f16(b))
+                           pdl=self._pdl(b), f16=self.f16)  # moe() takes it on the GPU only
                  for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

@@ -2,7 +2,7 @@
 is still finishing, so launch latency, program start-up and (with `prefetch_l2`) the first weight reads overlap
 the previous kernel's tail instead of following it.
 
-A decode round is ~1,750 dependent kernels of 5-30 us each, and every boundary costs a drain of the previous
+A decode round is ~1,660 dependent kernels of 5-30 us each, and every boundary costs a drain of the previous
 grid plus the next one's launch and ramp. With PDL the driver may launch kernel B once every program of the
 previous kernel A has signalled `griddepcontrol.launch_dependents` (or exited); B's programs then run up to
 `griddepcontrol.wait`, which returns once A has completed and its memory is visible.

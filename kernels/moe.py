@@ -206,24 +206,21 @@ def _moe_gate_up_kernel(
                         x = x.to(tl.bfloat16)  # exact
                 wg = tl.load(g_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
                 wu = tl.load(u_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-                sg = tl.load(gs_row + k0 // B1)  # the tile lies in one K block
-                su = tl.load(us_row + k0 // B1)
+                sg = tl.load(gs_row + k0 // B1)[None, :]  # the tile lies in one K block
+                su = tl.load(us_row + k0 // B1)[None, :]
                 if F32:
                     x = x.to(tl.float32)
                     wg = wg.to(tl.float32)
                     wu = wu.to(tl.float32)
                 elif F16:  # x's rows scaled by powers of two into exact fp16 (kernels/f16_operands.py)
                     x, x_down = f16_rows(x.to(tl.float32))
-                    sg = x_down[:, None] * sg[None, :]  # exact: the scaled product rounds as the unscaled one did
-                    su = x_down[:, None] * su[None, :]
+                    sg = x_down[:, None] * sg  # exact: the scaled product rounds as the unscaled one did
+                    su = x_down[:, None] * su
                     wg = wg.to(tl.float16)  # exact, one conversion per two weights
                     wu = wu.to(tl.float16)
                 else:
                     wg = wg.to(x.dtype)  # exact
                     wu = wu.to(x.dtype)
-                if not F16:
-                    sg = sg[None, :]
-                    su = su[None, :]
                 acc_g += tl.dot(x, tl.trans(wg), input_precision=PREC) * sg
                 acc_u += tl.dot(x, tl.trans(wu), input_precision=PREC) * su
             dst = part_ptr + ((split * P + pair) * 2)[:, None] * I + n[None, :]
