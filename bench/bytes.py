@@ -2,7 +2,7 @@
 
 A round at context `c` with fixed depth `k` is
   * one verification over k+1 rows: every main layer's attention weights (q/k/v/o E4M3 + fp32 block
-    scales, sinks), its router (as held: fp32), the DISTINCT experts the k+1 rows route to (gate/up/down
+    scales, sinks), its router (as held: bf16), the DISTINCT experts the k+1 rows route to (gate/up/down
     E4M3 + scales, this rank's slice of each), its two norms, the KV history the rows can see (sliding
     layers min(c, W) positions, full layers c; K and V of this rank's KV heads); then the final norm,
     this rank's LM head rows and the rows' embeddings;
@@ -36,9 +36,9 @@ class RoundRouting:
 
 
 class ByteCounter:
-    def __init__(self, config: Config, tp: int, rank: int = 0, act_bytes: int = 2, router_bytes: int = 4):
+    def __init__(self, config: Config, tp: int, rank: int = 0, act_bytes: int = 2, router_bytes: int = 2):
         """act_bytes: bytes per element of tensors held in the compute dtype (norms, embedding, LM head, KV);
-        router_bytes: per router element as held (fp32 in fast/weights.py)."""
+        router_bytes: per router element as held (bf16 in fast/weights.py, as stored)."""
         self.c, self.tp, self.rank = config, tp, rank
         self.act_bytes, self.router_bytes = act_bytes, router_bytes
         self.specs = tensor_specs(config)
@@ -133,5 +133,5 @@ class ByteCounter:
 
 
 def round_bytes(config: Config, tp: int, context: int, k: int, routing: RoundRouting | None = None,
-                rank: int = 0, act_bytes: int = 2, router_bytes: int = 4) -> dict:
+                rank: int = 0, act_bytes: int = 2, router_bytes: int = 2) -> dict:
     return ByteCounter(config, tp, rank, act_bytes, router_bytes).round(context, k, routing)

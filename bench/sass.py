@@ -47,16 +47,20 @@ def specs() -> dict[str, KernelSpec]:
     """The MoE's weight-streaming kernels and the FP8 linear at one TP8 rank (H 6144, I_r 256, 6 rows, fp32 MoE
     input rounded to bf16 in the kernel, bf16 linear input), with the wrappers' current defaults."""
     moe_kw = {n: p.default for n, p in inspect.signature(mk.moe).parameters.items()}
-    gate_up = KernelSpec(
-        mk._moe_gate_up_kernel,
-        dict(x_ptr="*fp32", g_ptr="*fp8e4nv", gs_ptr="*fp32", u_ptr="*fp8e4nv", us_ptr="*fp32", experts_ptr="*i64",
-             live_ptr="*u8", part_ptr="*fp32", ran_ptr="*fp32"),
-        dict(_ROUTING, B0=128, B1=128, BLOCK_M=mk.BLOCK_M, BLOCK_N=moe_kw["gate_up_block_n"],
-             BLOCK_K=moe_kw["block_k"], ROUND_BF16=True, F32=False, PREC="tf32", STORE_RAN=False, PDL=True,
-             F16=moe_kw["f16"]),
-        ("x_ptr", "g_ptr", "gs_ptr", "u_ptr", "us_ptr", "experts_ptr", "live_ptr", "part_ptr", "H", "I", "P",
-         "stride_x", "k_per_split"),
-        moe_kw["gate_up_warps"], moe_kw["gate_up_stages"], "MoE Gate/Up")
+    gate_up_types = dict(x_ptr="*fp32", xd_ptr="*fp32", g_ptr="*fp8e4nv", gs_ptr="*fp32", u_ptr="*fp8e4nv",
+                         us_ptr="*fp32", experts_ptr="*i64", live_ptr="*u8", part_ptr="*fp32", ran_ptr="*fp32")
+    gate_up_constexprs = dict(_ROUTING, B0=128, B1=128, BLOCK_M=mk.BLOCK_M, BLOCK_N=moe_kw["gate_up_block_n"],
+                              BLOCK_K=moe_kw["block_k"], ROUND_BF16=True, F32=False, PREC="tf32", STORE_RAN=False,
+                              PDL=True, F16=moe_kw["f16"])
+    gate_up_div16 = ("x_ptr", "xd_ptr", "g_ptr", "gs_ptr", "u_ptr", "us_ptr", "experts_ptr", "live_ptr", "part_ptr",
+                     "H", "I", "P", "stride_x", "stride_xd", "k_per_split")
+    gate_up = KernelSpec(mk._moe_gate_up_kernel, gate_up_types, gate_up_constexprs, gate_up_div16,
+                         moe_kw["gate_up_warps"], moe_kw["gate_up_stages"], "MoE Gate/Up")
+    # As the engine calls it with stage f16_norm: x's fp16 operand tiles made by the post-attention norm
+    gate_up_prescaled = KernelSpec(mk._moe_gate_up_kernel, dict(gate_up_types, x_ptr="*fp16"),
+                                   dict(gate_up_constexprs, ROUND_BF16=False, PRESCALED=True), gate_up_div16,
+                                   moe_kw["gate_up_warps"], moe_kw["gate_up_stages"],
+                                   "MoE Gate/Up on the norm's fp16 tiles")
     down = KernelSpec(
         mk._moe_down_kernel,
         dict(act_ptr="*fp8e4nv", act_s_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", experts_ptr="*i64",
@@ -74,13 +78,17 @@ def specs() -> dict[str, KernelSpec]:
         ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "lock_ptr", "N", "K", "stride_xm", "stride_ym",
          "k_per_split"),
         lin_kw["num_warps"], lin_kw["num_stages"], "FP8 linear, split K summed in the launch")
-    return {"moe_gate_up": gate_up, "moe_down": down, "fp8_linear": linear}
+    return {"moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_down": down,
+            "fp8_linear": linear}
 
 
 def compile_spec(spec: KernelSpec, **constexprs) -> object:
     """The compiled kernel for sm_90a (`constexprs` override the spec's, e.g. F16=False)."""
-    names = list(inspect.signature(spec.fn.fn).parameters)
-    values = {**spec.constexprs, **constexprs}
+    params = inspect.signature(spec.fn.fn).parameters
+    names = list(params)
+    defaults = {n: p.default for n, p in params.items()  # constexpr keywords the spec leaves at their defaults
+                if p.default is not inspect.Parameter.empty and "constexpr" in str(p.annotation)}
+    values = {**defaults, **spec.constexprs, **constexprs}
     unknown = set(values) - set(names)
     if unknown:
         raise ValueError(f"{spec.note}: no parameters {sorted(unknown)} (the kernel's signature changed?)")

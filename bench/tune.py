@@ -53,6 +53,7 @@ from ..fast.cache import RING_SLACK
 from ..kernels import decode_attention as da
 from ..kernels import fp8_linear as fl
 from ..kernels import moe as mk
+from ..kernels.f16_operands import f16_rows_tiles_ref
 from ..kernels import router as rt
 from ..reference.config import Config
 from ..reference.fp8 import E4M3
@@ -123,12 +124,14 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "attention_sliding": da.decode_attention, "attention_full": da.decode_attention,
                                  "router": rt.route}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
-                    "down_block_k", "down_warps", "down_stages", "f16"),
+                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "early_rows"),
             "linear": ("split_k", "block_n", "num_warps", "num_stages"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages"),
-            "router": ("split", "block_e", "block_h", "num_warps", "select_warps")}
+            "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
-MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16"),
+# (tma is one switch for both kernels' weight loads; it sits with Gate/Up's, whose bytes dominate.)
+MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "f16_input", "tma",
+               "early_rows"),
               ("down_block_n", "down_block_k", "down_warps", "down_stages"))
 
 
@@ -196,7 +199,8 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         return {"split_k": split, "block_k": bk, "gate_up_block_n": bn, "gate_up_warps": g["gate_up_warps"],
                 "gate_up_stages": g["gate_up_stages"], "down_block_n": g["down_block_n"],
                 "down_block_k": mk._pow2_divisor(shape.block[1], g["down_block_k"]),
-                "down_warps": g["down_warps"], "down_stages": g["down_stages"], "f16": g["f16"]}
+                "down_warps": g["down_warps"], "down_stages": g["down_stages"], "f16": g["f16"],
+                "f16_input": bool(g["f16_input"]), "tma": g["tma"], "early_rows": g["early_rows"]}
     if family(op) == "linear":
         n, k = shape.qkv if op == "linear_qkv" else shape.o
         bk = fl._block_k(shape.block[1])
@@ -215,7 +219,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         split = g["split"] or _router_auto_split(shape.experts, shape.hidden, g["block_e"], g["block_h"], sms)
         splits, _ = rt._split_plan(shape.hidden, split, g["block_h"])
         return {"split": splits, "block_e": g["block_e"], "block_h": g["block_h"], "num_warps": g["num_warps"],
-                "select_warps": g["select_warps"]}
+                "select_warps": g["select_warps"], "packed_topk": g["packed_topk"]}
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -241,7 +245,14 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(down_warps=8), cand(down_stages=3), cand(down_stages=4), cand(down_warps=8, down_stages=4),
                 # bf16 tensor-core operands (before ef1c46c): two conversion steps per E4M3 weight
                 cand("bf16 operands", f16=False), cand("a788a79 default", f16=False, down_stages=2),
-                cand(down_stages=2), cand(down_block_k=128), cand(gate_up_block_n=64, gate_up_stages=3)]
+                cand(down_stages=2), cand(down_block_k=128), cand(gate_up_block_n=64, gate_up_stages=3),
+                # x's fp16 operand tiles made ahead (in the engine by the post-attention norm: stage f16_norm)
+                cand("tiles from the norm", f16_input=True),
+                # weight tiles through tensor descriptors (TMA): no per-element address arithmetic in the programs
+                cand(tma=True), cand("tiles from the norm", f16_input=True, tma=True),
+                cand(tma=True, gate_up_stages=4), cand(tma=True, down_stages=4),
+                # the first row block's routing read after the owner check (before this session's default)
+                cand(early_rows=False), cand("tiles from the norm", f16_input=True, early_rows=False)]
     if family(op) == "linear":
         auto = {bn: resolve(op, {"block_n": bn}, shape, sms)["split_k"] for bn in (32, 64, 128)}
         half = {bn: max(1, a // 2) for bn, a in auto.items()}
@@ -261,7 +272,10 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand("auto x2", block_h=256, split=2 * s),
                 cand(num_warps=2), cand(block_e=8, num_warps=2), cand("default's split", block_e=2, split=s),
                 cand("auto x2", block_e=8, block_h=256, split=2 * s),
-                cand(select_warps=1), cand(select_warps=2), cand(select_warps=8)]
+                cand("the fp32 router's 8 KB tile", block_h=1024),  # a bf16 tile holds half the bytes in flight
+                cand(select_warps=1), cand(select_warps=2), cand(select_warps=8),  # packed top-k keys (default)
+                # the select's top-k by two reductions per round (before 64-bit keys): the same bits, "=" vs the default
+                cand("two-reduction top-k", packed_topk=False)]
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -369,8 +383,15 @@ def moe_case(shape: TuneShape, device, rotate: int = ROTATE_BYTES) -> OpCase:
     distinct = [len(set(e.flatten().tolist())) for e, _ in routes]
     nbytes = round(statistics.mean(distinct)) * per_expert + x.element_size() * R * H + 2 * R * H
 
+    tiles = {}  # f16_input=True: x's operand tiles for that K tile, made once (the engine's norm makes them)
+
     def run(kw, i, out=None):
         e, w = routes[i]
+        if kw.get("f16_input"):
+            tile = mk.gate_up_k_tile(shape.block, kw.get("block_k", 128))
+            if tile not in tiles:
+                tiles[tile] = tuple(t.contiguous() for t in f16_rows_tiles_ref(x32.to(torch.bfloat16), tile))
+            kw = {**kw, "f16_input": tiles[tile]}
         return mk.moe(x, e, w, live, gate, gs, up, us, down, ds, shape.block, group=b1, out_dtype=torch.bfloat16,
                       out=out, **given, **kw)
 
@@ -455,15 +476,15 @@ def router_case(shape: TuneShape, device, rotate: int = ROTATE_BYTES) -> OpCase:
     g = _gen(device, 3)
     R, H, E, k = shape.rows, shape.hidden, shape.experts, shape.top_k
     x = torch.randn(R, H, generator=g, device=device)
-    w0 = torch.randn(E, H, generator=g, device=device) * 0.05
-    copies = _copies(4 * E * H, rotate)
+    w0 = (torch.randn(E, H, generator=g, device=device) * 0.05).bfloat16()  # held in bf16, as fast/weights.py does
+    copies = _copies(2 * E * H, rotate)
     ws = [w0] + [w0.clone() for _ in range(copies - 1)]
 
     def run(kw, i, out=None):
         return rt.route(x, ws[i], k, shape.norm_topk_prob, shape.scaling, **kw)
 
-    return OpCase("router", f"x [{R}, {H}] fp32 @ router_w [{E}, {H}]^T fp32, softmax, top-{k}; {copies} weight copies",
-                  4 * E * H + 4 * R * H + R * E * 4 + R * k * 12, 2, copies, run,
+    return OpCase("router", f"x [{R}, {H}] fp32 @ router_w [{E}, {H}]^T bf16, softmax, top-{k}; {copies} weight copies",
+                  2 * E * H + 4 * R * H + R * E * 4 + R * k * 12, 2, copies, run,
                   rt.route_ref(x, w0, k, shape.norm_topk_prob, shape.scaling))
 
 
@@ -775,7 +796,8 @@ NOTES = [
     "settings + fastest Down settings",
     "attention: min_split (default block_n) also sets the default split count at long context; this sweep "
     "is at the stated context only",
-    "router: the select kernel (launch 2) is swept by its warps only",
+    "router: the select kernel (launch 2) is swept by its warps and its top-k form (packed_topk=False: two "
+    "reductions per round, the same bits)",
     "linear: block_k is fixed by the weight block (128); split-K summed in the launch with fresh zeroed counters",
 ]
 

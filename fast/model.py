@@ -108,8 +108,8 @@ class FastModel:
             x, a = self.ops.residual_norm(x, pending, lw.input_norm, eps)
         attn_out = self.attention(lw, kv, a, blk)
         # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
-        x, b32 = self.ops.add_norm(x, attn_out, lw.post_norm, eps)
-        moe_out, scores, experts = self.moe(lw, b32, blk.live, mtp=tag == "mtp.")
+        x, b32, b16 = self.ops.add_norm(x, attn_out, lw.post_norm, eps, moe_block=lw.gate.block)
+        moe_out, scores, experts = self.moe(lw, b32, blk.live, mtp=tag == "mtp.", f16_input=b16)
         if taps is not None:  # the layer's output as the next norm will form it (the same rounded sum)
             for name, value in (("attn_out", attn_out), ("moe_in", b32), ("router_scores", scores),
                                 ("experts", experts), ("moe_out", moe_out), ("hidden", x + moe_out)):
@@ -128,10 +128,11 @@ class FastModel:
         return self.par.all_reduce(self.ops.linear(lw.wo, out.to(self.dtype).reshape(R, -1)))
 
     @stage("moe")
-    def moe(self, lw: LayerWeights, b32: torch.Tensor, live: torch.Tensor,
-            mtp: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def moe(self, lw: LayerWeights, b32: torch.Tensor, live: torch.Tensor, mtp: bool = False,
+            f16_input: object = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Routed experts on this rank's slice of every expert's intermediate dimension (padding rows'
-        experts are not read by the kernel path)."""
+        experts are not read by the kernel path). `f16_input`: b32's Gate/Up operand form, from the norm that
+        made it (ops.add_norm), or None."""
         c = self.config
         weights, experts, scores = self.ops.route(b32, lw.router, c.num_experts_per_tok, c.norm_topk_prob,
                                                   c.routed_scaling_factor)
@@ -140,7 +141,8 @@ class FastModel:
             weights = scores.gather(-1, experts)
             weights = weights / weights.sum(-1, keepdim=True) if c.norm_topk_prob else weights
             weights = weights * c.routed_scaling_factor
-        out = self.ops.moe(b32, experts, weights, live, lw.gate, lw.up, lw.down, compute_dtype=self.dtype)
+        out = self.ops.moe(b32, experts, weights, live, lw.gate, lw.up, lw.down, compute_dtype=self.dtype,
+                           f16_input=f16_input)
         out = out.to(self.dtype)
         return self.par.all_reduce(out), scores, experts
 

@@ -64,12 +64,13 @@ class TorchOps:
         return h, self.norm(h, weight, eps)
 
     @stage("norm")
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h = x + residual in x's dtype, rmsnorm(h) * weight in fp32): the post-attention residual and
-        the fp32 input that routing reads."""
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 moe_block: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """(h = x + residual in x's dtype, rmsnorm(h) * weight in fp32, the MoE's extra input or None): the
+        post-attention residual, the fp32 input that routing reads, and what `moe(f16_input=)` takes (made here by
+        the kernels only; `moe_block` is the MoE's weight block, which sets its form)."""
         h = x + residual
-        return h, rms_norm(h.float(), weight.float(), eps)
+        return h, rms_norm(h.float(), weight.float(), eps), None
 
     def rope_write(self, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -81,11 +82,13 @@ class TorchOps:
     @staticmethod
     def route(b32: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool,
               scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Softmax routing of the fp32 normalized rows: (weights [R, k], experts [R, k] long, scores [R, E])."""
-        return route(b32 @ router.T, top_k, norm_topk_prob, scaling)
+        """Softmax routing of the fp32 normalized rows: (weights [R, k], experts [R, k] long, scores [R, E]).
+        The router is held in bf16; widening it is exact, so the logits are the fp32 products of its values."""
+        return route(b32 @ router.float().T, top_k, norm_topk_prob, scaling)
 
     def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
-            gate: FP8Weight, up: FP8Weight, down: FP8Weight, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+            gate: FP8Weight, up: FP8Weight, down: FP8Weight, compute_dtype: torch.dtype | None = None,
+            f16_input: object = None) -> torch.Tensor:
         """sum_j w_j Down_e(silu(Gate_e b) * Up_e b) over each row's chosen experts [R, H] of b rounded to
         `compute_dtype` (default b's dtype), summed in fp32 and returned in fp32 here, in compute_dtype by the
         kernel (the caller rounds to it either way). The kernel rounds fp32 b in registers (no conversion launch)."""
@@ -117,10 +120,13 @@ class TorchOps:
 # weights convert in one instruction per two; bf16 activations are scaled into exact fp16 by powers of two. The same
 # bits as bf16 operands on every GPU test and decode (tests/test_kernel_f16_operands.py) and in qualification (every
 # value of the 8b8e3a1 report again at 6177dfe); 48.6 -> 37.5 us a call, 9,228 -> 8,208 us a full-size round.
+# "f16_norm": the post-attention norm also writes the MoE input's fp16 operand tiles (kernels/rmsnorm_residual.py),
+# which every Gate/Up program rescaled for itself before: the same operands, so the same bits.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
-          "f16")
+          "f16", "f16_norm")
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
-OPT_IN: tuple[str, ...] = ("prefetch",)
+# "tma": the MoE's weight tiles through tensor descriptors (kernels/moe.py); the same bits, being measured.
+OPT_IN: tuple[str, ...] = ("prefetch", "tma")
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
@@ -140,6 +146,9 @@ class TritonOps(TorchOps):
         self.pdl = "pdl" in self.stages
         self.prefetch = self.pdl and "prefetch" in self.stages
         self.f16 = "f16" in self.stages
+        self.f16_norm = self.f16 and {"f16_norm", "moe", "norm"} <= self.stages
+        self.tma = "tma" in self.stages and "moe" in self.stages
+        self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -147,6 +156,7 @@ class TritonOps(TorchOps):
 
             patch_interpreter()
         from ..kernels import moe, sample, topk
+        from ..kernels.moe import gate_up_k_tile
         from ..kernels.decode_attention import decode_attention
         from ..kernels.fp8_linear import fp8_linear, lock_count
         from ..kernels.lm_head import lm_head
@@ -160,6 +170,7 @@ class TritonOps(TorchOps):
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
         self._add_norm, self._norm, self._rope_kv = rmsnorm_residual, rmsnorm, rope_kv
+        self._gate_up_k_tile = gate_up_k_tile
 
     def _fits(self, stage: str, ok: bool) -> bool:
         """Whether `stage` runs as its kernel here; a shape the kernel cannot take (the 8-wide blocks and heads of
@@ -241,12 +252,20 @@ class TritonOps(TorchOps):
         y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=x.dtype, pdl=self._pdl(x))
         return h, y
 
-    def add_norm(self, x, residual, weight, eps):
+    def add_norm(self, x, residual, weight, eps, moe_block=None):
         if not self._fits("norm", True):
-            return super().add_norm(x, residual, weight, eps)
+            return super().add_norm(x, residual, weight, eps, moe_block)
+        f16_input = None
+        if self.f16_norm and moe_block is not None and x.dtype == torch.bfloat16:  # what moe() rounds b32 to
+            R, H = x.shape
+            tile = self._gate_up_k_tile(moe_block)
+            if H % tile == 0:
+                f16_input = (torch.empty((R, H), dtype=torch.float16, device=x.device),
+                             torch.empty((R, H // tile), dtype=torch.float32, device=x.device))
+                self.f16_norm_calls += 1
         y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=torch.float32,
-                              pdl=self._pdl(x))
-        return h, y
+                              f16_out=f16_input, pdl=self._pdl(x))
+        return h, y, f16_input
 
     def route(self, b32, router, top_k, norm_topk_prob, scaling):
         if not self._fits("route", True):
@@ -254,14 +273,18 @@ class TritonOps(TorchOps):
         return self._route(b32, router, top_k, norm_topk_prob, scaling, pdl=self._pdl(b32),
                            prefetch=self._prefetch(b32))
 
-    def moe(self, b, experts, weights, live, gate, up, down, compute_dtype=None):
+    def moe(self, b, experts, weights, live, gate, up, down, compute_dtype=None, f16_input=None):
         if not self._fits("moe", self.moe_takes(gate.block, down.block, down.q.shape[-1])):
             return super().moe(b, experts, weights, live, gate, up, down, compute_dtype)
+        if (compute_dtype or b.dtype) != torch.bfloat16:
+            f16_input = None  # made for bf16 compute only
         step = self._max_pairs // experts.shape[1]  # prefill blocks exceed the kernel's pair capacity: split rows
+        rows = lambda t, s: None if t is None else tuple(part[s:s + step] for part in t)
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
-                           pdl=self._pdl(b), f16=self.f16)  # moe() takes it on the GPU only
+                           pdl=self._pdl(b), f16=self.f16,  # moe() takes it on the GPU only
+                           f16_input=rows(f16_input, s), tma=self.tma)
                  for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

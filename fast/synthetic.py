@@ -105,7 +105,7 @@ class _Maker:
             sinks=self.plain(p + "self_attn.sinks", torch.float32, "plain") if c.attention_sinks else None,
             q_norm=self.plain(p + "self_attn.q_norm.weight") if c.qk_norm else None,
             k_norm=self.plain(p + "self_attn.k_norm.weight") if c.qk_norm else None,
-            router=self.plain(p + "mlp.gate.weight", torch.float32, "rows"),
+            router=self.plain(p + "mlp.gate.weight", torch.bfloat16, "rows"),
             gate=self.experts(p, "gate_proj"), up=self.experts(p, "up_proj"), down=self.experts(p, "down_proj"),
         )
 

@@ -84,7 +84,7 @@ class LayerWeights:
     sinks: torch.Tensor | None      # this rank's query heads, fp32
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    router: torch.Tensor            # [E, H] fp32, replicated (routing from the unrounded fp32 input)
+    router: torch.Tensor            # [E, H] bf16 as stored, replicated; routed in fp32 from the unrounded fp32 input
     gate: FP8Weight                 # [E, I/tp, H]
     up: FP8Weight                   # [E, I/tp, H]
     down: FP8Weight                 # [E, H, I/tp]
@@ -165,7 +165,7 @@ class _Loader:
             sinks=self.plain(p + "self_attn.sinks", torch.float32) if c.attention_sinks else None,
             q_norm=self.plain(p + "self_attn.q_norm.weight") if c.qk_norm else None,
             k_norm=self.plain(p + "self_attn.k_norm.weight") if c.qk_norm else None,
-            router=self.plain(p + "mlp.gate.weight", torch.float32),
+            router=self.plain(p + "mlp.gate.weight", torch.bfloat16),  # the kernel widens it in registers
             gate=self.experts(p, "gate_proj", c.n_routed_experts),
             up=self.experts(p, "up_proj", c.n_routed_experts),
             down=self.experts(p, "down_proj", c.n_routed_experts),

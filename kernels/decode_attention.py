@@ -122,7 +122,7 @@ def _attention_combine_kernel(
     S, R, stride_or, stride_oh,
     G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_KV_LEN: tl.constexpr, HAS_SINKS: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, ONE_PASS: tl.constexpr = True,
 ):
     wait_for_inputs(PDL)
     RG = R * G
@@ -136,28 +136,53 @@ def _attention_combine_kernel(
     n_live = tl.cdiv(kv_len, split_len)  # <= NUM_SPLITS; later splits exited without storing
 
     d = tl.arange(0, D)
+    s = tl.arange(0, BLOCK_S)
     m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), axis=0)
-    for s0 in range(0, n_live, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        ms = tl.load(part_m_ptr + (g * NUM_SPLITS + s) * RG + row, mask=s < n_live, other=float("-inf"))
-        m = tl.maximum(m, tl.max(ms, axis=0))
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2 domain, like the partials
-        m = tl.maximum(m, sink)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-
     den = tl.sum(tl.zeros([BLOCK_S], tl.float32), axis=0)
     acc = tl.zeros([D], tl.float32)
-    for s0 in range(0, n_live, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        ok = s < n_live
-        part = (g * NUM_SPLITS + s) * RG + row
-        ms = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"))
-        ls = tl.load(part_l_ptr + part, mask=ok, other=0.0)
-        a = tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        w = tl.exp2(ms - m_safe)
-        den += tl.sum(ls * w, axis=0)
-        acc += tl.sum(a * w[:, None], axis=0)
+    if ONE_PASS and n_live <= 2 * BLOCK_S:
+        # At most two chunks (at 1K context 17 live splits of 16 per chunk): their maxima, sums and weighted V are
+        # loaded together, one L2 round trip instead of two; the arithmetic is the loops' below, op for op (the
+        # second chunk's adds only when the loop would run them: adding zeros could turn a -0 into +0).
+        ok0, ok1 = s < n_live, BLOCK_S + s < n_live
+        part0 = (g * NUM_SPLITS + s) * RG + row
+        part1 = part0 + BLOCK_S * RG
+        ms0 = tl.load(part_m_ptr + part0, mask=ok0, other=float("-inf"))
+        ls0 = tl.load(part_l_ptr + part0, mask=ok0, other=0.0)
+        a0 = tl.load(part_acc_ptr + part0[:, None] * D + d[None, :], mask=ok0[:, None], other=0.0)
+        ms1 = tl.load(part_m_ptr + part1, mask=ok1, other=float("-inf"))
+        ls1 = tl.load(part_l_ptr + part1, mask=ok1, other=0.0)
+        a1 = tl.load(part_acc_ptr + part1[:, None] * D + d[None, :], mask=ok1[:, None], other=0.0)
+        m = tl.maximum(tl.maximum(m, tl.max(ms0, axis=0)), tl.max(ms1, axis=0))  # -inf for an empty chunk: exact
+        if HAS_SINKS:
+            m = tl.maximum(m, sink)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w0 = tl.exp2(ms0 - m_safe)
+        den += tl.sum(ls0 * w0, axis=0)
+        acc += tl.sum(a0 * w0[:, None], axis=0)
+        if n_live > BLOCK_S:
+            w1 = tl.exp2(ms1 - m_safe)
+            den += tl.sum(ls1 * w1, axis=0)
+            acc += tl.sum(a1 * w1[:, None], axis=0)
+    else:
+        for s0 in range(0, n_live, BLOCK_S):
+            ms = tl.load(part_m_ptr + (g * NUM_SPLITS + s0 + s) * RG + row, mask=s0 + s < n_live,
+                         other=float("-inf"))
+            m = tl.maximum(m, tl.max(ms, axis=0))
+        if HAS_SINKS:
+            m = tl.maximum(m, sink)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        for s0 in range(0, n_live, BLOCK_S):
+            ok = s0 + s < n_live
+            part = (g * NUM_SPLITS + s0 + s) * RG + row
+            ms = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"))
+            ls = tl.load(part_l_ptr + part, mask=ok, other=0.0)
+            a = tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+            w = tl.exp2(ms - m_safe)
+            den += tl.sum(ls * w, axis=0)
+            acc += tl.sum(a * w[:, None], axis=0)
     if HAS_SINKS:
         den += tl.exp2(sink - m_safe)  # the sink, exactly once
     out = tl.where(den > 0, acc / den, 0.0)  # no visible slot and no sink: zeros, not NaN
@@ -184,14 +209,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
                      first_position: int = 0, kv_len: torch.Tensor | None = None, *, causal: bool = True,
                      num_splits: int | None = None, block_n: int = 64, min_split: int | None = None,
                      out: torch.Tensor | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
-                     num_warps: int = 4, num_stages: int = 2, pdl: bool = False) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int = 2, pdl: bool = False, one_pass: bool = True) -> torch.Tensor:
     """Attention of R query rows over a static KV cache: q [R, Hq, D], k/v [S, Hkv, D] -> [R, Hq, D].
 
     slot_pos [S] int64 (position held by each slot, -1 = empty), q_pos [R] int64, sinks [Hq] fp32 or
     None, window (sliding layers) or None, kv_len: int tensor of one element on q's device, an upper
     bound on the slots holding visible history (None = all S). Output in q's dtype; fp32 softmax.
     `out` (like q) and `workspace` (from `decode_attention_workspace`) may be given as static
-    buffers, e.g. for CUDA graphs; every element of `out` is written.
+    buffers, e.g. for CUDA graphs; every element of `out` is written. `one_pass`: the combine loads up to two
+    chunks of split partials in one round trip (False: the max pass, then the sum pass); the same bits.
     """
     _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q, k, v must be [R, Hq, D], [S, Hkv, D], [S, Hkv, D]")
     R, Hq, D = q.shape
@@ -255,7 +281,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
         part_m, part_l, part_acc, sinks if sinks is not None else part_m, kv_len_arg, out,
         S, R, out.stride(0), out.stride(1),
         G=G, D=D, NUM_SPLITS=num_splits, BLOCK_S=min(16, triton.next_power_of_2(num_splits)), BLOCK_N=block_n,
-        MIN_SPLIT=min_split, HAS_KV_LEN=kv_len is not None, HAS_SINKS=sinks is not None, num_warps=1,
+        MIN_SPLIT=min_split, HAS_KV_LEN=kv_len is not None, HAS_SINKS=sinks is not None, ONE_PASS=one_pass,
+        num_warps=1,
         **launch_options(pdl, q.device))
     return out
 

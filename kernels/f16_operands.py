@@ -37,6 +37,16 @@ MIN_EXPONENT_FIELD = 15  # the largest |x|'s biased fp32 exponent is taken >= 15
 
 
 @triton.jit
+def bf16_grid(x):
+    """fp32 x rounded to the nearest bf16 (ties to even; overflow to inf), still fp32: what torch's
+    `.to(torch.bfloat16)` gives, on the GPU and under the interpreter alike (whose own cast truncates). NaN stays
+    NaN."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536  # two's complement add = unsigned add on the pattern
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def row_pow2(x):
     """(2^s, 2^-s) per row of the fp32 tile x [M, K]: 2^s puts the row's largest |x| in [2^14, 2^15). From the
     exponent bits (no log2): biased exponent e of max|x| gives s = 14 - (e - 127); e is taken >= 15 (zero and tiny

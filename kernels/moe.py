@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS, row_groups, sm_count as _sm_count
-from .f16_operands import f16_rows
+from .f16_operands import bf16_grid, f16_rows
 from .launch import launch_options, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
 
@@ -126,15 +126,6 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, N, GROUP: tl.constexpr, BLOCK_M: t
 
 
 @triton.jit
-def _bf16_grid(x):
-    """fp32 x rounded to the nearest bf16 (ties to even; overflow to inf), still fp32: what torch's
-    `.to(torch.bfloat16)` gives, on the GPU and under the interpreter alike. NaN stays NaN."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536  # two's complement add = unsigned add on the pattern
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-
-
-@triton.jit
 def _expert_owner(experts_ptr, live_ptr, p, R, K_TOP: tl.constexpr, P_PAD: tl.constexpr,
                   LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr):
     """(e = experts[p], whether pair p's program handles e): p's row is live and no earlier live pair
@@ -166,12 +157,13 @@ def _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, ran_ptr,
-    R, H, I, P, stride_x, s_rows, s_cols, k_per_split,
+    x_ptr, xd_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, ran_ptr,
+    R, H, I, P, stride_x, stride_xd, s_rows, s_cols, k_per_split,
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
-    PDL: tl.constexpr = False, F16: tl.constexpr = False,
+    PDL: tl.constexpr = False, F16: tl.constexpr = False, PRESCALED: tl.constexpr = False, TMA: tl.constexpr = False,
+    EARLY_ROWS: tl.constexpr = True,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -182,38 +174,54 @@ def _moe_gate_up_kernel(
         tl.store(ran_ptr + p, run.to(tl.int32), mask=(tile == 0) & (split == 0))
     # No pass unless this program owns e; one when R <= BLOCK_M (always at k = 8: R * k <= MAX_PAIRS). A live
     # row above the owner's that chose e would own it instead, so the passes start at the owner's row block.
-    for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):
-        rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
+    # That block's routing is read before the owner check is known: its loads go out with the check's, one L2 round
+    # trip before the weight stream instead of two.
+    m_first = (p // K_TOP) // BLOCK_M * BLOCK_M
+    rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m_first, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
+    for m0 in range(m_first, tl.where(run, R, 0), BLOCK_M):
+        if m0 > m_first or not EARLY_ROWS:
+            rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
         if tl.sum(m_ok.to(tl.int32), axis=0) > 0:  # a block of rows none of which chose e streams nothing
             n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N divides I: always in range
             k_start = split * k_per_split  # a multiple of BLOCK_K, which divides B1
             k_end = tl.minimum(k_start + k_per_split, H)
             ex = e.to(tl.int64)
-            g_rows = g_ptr + ex * I * H + n[:, None] * H
-            u_rows = u_ptr + ex * I * H + n[:, None] * H
+            if not TMA:  # with TMA, g_ptr and u_ptr are tensor descriptors of the [E, I, H] weights
+                g_rows = g_ptr + ex * I * H + n[:, None] * H
+                u_rows = u_ptr + ex * I * H + n[:, None] * H
             gs_row = gs_ptr + ex * s_rows * s_cols + (n // B0) * s_cols
             us_row = us_ptr + ex * s_rows * s_cols + (n // B0) * s_cols
             x_rows = x_ptr + rows[:, None] * stride_x
+            xd_rows = xd_ptr + rows * stride_xd
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(k_start, k_end, BLOCK_K):
                 kk = k0 + tl.arange(0, BLOCK_K)
                 k_ok = kk < H
                 x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                if ROUND_BF16:  # fp32 x, bf16 compute: onto the bf16 grid; F32 (interpreter) keeps it in fp32
-                    x = _bf16_grid(x)
+                if PRESCALED:  # x is already the tile's fp16 operand (made by the norm), with its 2^-s per row
+                    x_down = tl.load(xd_rows + k0 // BLOCK_K, mask=m_ok, other=1.0)
+                elif ROUND_BF16:  # fp32 x, bf16 compute: onto the bf16 grid; F32 (interpreter) keeps it in fp32
+                    x = bf16_grid(x)
                     if not F32 and not F16:
                         x = x.to(tl.bfloat16)  # exact
-                wg = tl.load(g_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-                wu = tl.load(u_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
+                if TMA:  # the copy engine fetches the tiles: no per-element addresses in the program
+                    wg = g_ptr.load([e.to(tl.int32), tile * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
+                    wu = u_ptr.load([e.to(tl.int32), tile * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
+                else:
+                    wg = tl.load(g_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
+                    wu = tl.load(u_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
                 sg = tl.load(gs_row + k0 // B1)[None, :]  # the tile lies in one K block
                 su = tl.load(us_row + k0 // B1)[None, :]
                 if F32:
                     x = x.to(tl.float32)
+                    if PRESCALED:
+                        x = x * x_down[:, None]  # the bf16 value again, exactly
                     wg = wg.to(tl.float32)
                     wu = wu.to(tl.float32)
                 elif F16:  # x's rows scaled by powers of two into exact fp16 (kernels/f16_operands.py)
-                    x, x_down = f16_rows(x.to(tl.float32))
+                    if not PRESCALED:
+                        x, x_down = f16_rows(x.to(tl.float32))
                     sg = x_down[:, None] * sg  # exact: the scaled product rounds as the unscaled one did
                     su = x_down[:, None] * su
                     wg = wg.to(tl.float16)  # exact, one conversion per two weights
@@ -238,7 +246,8 @@ def _moe_finalize_kernel(
     wait_for_inputs(PDL)
     pair = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     tile = tl.program_id(1)
-    ok = (pair < P) & load_live(live_ptr, pair // K_TOP, R, LIVE_COUNT)  # padding rows' pairs stay unwritten
+    in_range = pair < P
+    ok = in_range & load_live(live_ptr, pair // K_TOP, R, LIVE_COUNT)  # padding rows' pairs stay unwritten
     n = tile * GROUP + tl.arange(0, GROUP)
     src = part_ptr + (pair * 2)[:, None] * I + n[None, :]
     g = tl.zeros([ROWS, GROUP], tl.float32)
@@ -246,9 +255,11 @@ def _moe_finalize_kernel(
     summed = 0  # splits added (compile-time): debug's split_counts, so a test sees which sum ran
     # Unrolled, so every split's loads issue at once; the adds keep the order s = 0, 1, ... (the
     # sum must not depend on scheduling). DROP_LAST (tests' negative control) skips the last split.
+    # The loads do not wait for liveness (a padding pair reads its never-written partials, and nothing of it is
+    # stored): they go out with the live mask's.
     for s in tl.static_range(SPLIT - DROP_LAST):
-        g += tl.load(src + s * P * 2 * I, mask=ok[:, None], other=0.0)
-        u += tl.load(src + s * P * 2 * I + I, mask=ok[:, None], other=0.0)
+        g += tl.load(src + s * P * 2 * I, mask=in_range[:, None], other=0.0)
+        u += tl.load(src + s * P * 2 * I + I, mask=in_range[:, None], other=0.0)
         summed += 1
     h = g * tl.sigmoid(g) * u
     q8, sc = _act_quant_tile(h)
@@ -266,7 +277,7 @@ def _moe_down_kernel(
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32: tl.constexpr, STORE_RAN: tl.constexpr,
-    PDL: tl.constexpr = False, F16: tl.constexpr = False,
+    PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False, EARLY_ROWS: tl.constexpr = True,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -275,19 +286,26 @@ def _moe_down_kernel(
     if STORE_RAN:
         tl.store(ran_ptr + p, run.to(tl.int32), mask=tile == 0)
 
-    for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):  # as in Gate/Up
-        rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
+    m_first = (p // K_TOP) // BLOCK_M * BLOCK_M  # as in Gate/Up
+    rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m_first, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
+    for m0 in range(m_first, tl.where(run, R, 0), BLOCK_M):
+        if m0 > m_first or not EARLY_ROWS:
+            rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
         if tl.sum(m_ok.to(tl.int32), axis=0) > 0:
             n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = n < H
             ex = e.to(tl.int64)
-            w_rows = w_ptr + ex * H * I + n[:, None] * I
+            if not TMA:  # with TMA, w_ptr is a tensor descriptor of the [E, H, I] weight
+                w_rows = w_ptr + ex * H * I + n[:, None] * I
             ws_row = ws_ptr + ex * s_rows * s_cols + (n // B0) * s_cols
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, I, BLOCK_K):  # BLOCK_K divides GROUP == B1: one group and scale block per tile
                 kk = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(act_ptr + pair[:, None] * I + kk[None, :], mask=m_ok[:, None], other=0.0)
-                w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
+                if TMA:
+                    w = w_ptr.load([e.to(tl.int32), tile * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
+                else:
+                    w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
                 sa = tl.load(act_s_ptr + pair * (I // GROUP) + k0 // GROUP, mask=m_ok, other=0.0)
                 sw = tl.load(ws_row + k0 // GROUP, mask=n_ok, other=0.0)
                 if F32:
@@ -311,11 +329,13 @@ def _moe_combine_kernel(
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n_ok = n < H
     live = load_live(live_ptr, r + 0 * n, R, LIVE_COUNT)
-    ok = n_ok & live  # a padding row's pairs have no y (never computed): read nothing, sum exact zeros
     acc = tl.zeros([BLOCK], tl.float32)
+    # The loads do not wait for liveness (they go out with it): a padding row's pairs have no y (never computed),
+    # so its sum is garbage and replaced by exact zeros.
     for j in tl.static_range(K_TOP):  # slot order, fixed
-        w = tl.load(weights_ptr + r * K_TOP + j + 0 * n, mask=live, other=0.0)
-        acc += w * tl.load(y_ptr + (r * K_TOP + j) * H + n, mask=ok, other=0.0)
+        w = tl.load(weights_ptr + r * K_TOP + j + 0 * n)
+        acc += w * tl.load(y_ptr + (r * K_TOP + j) * H + n, mask=n_ok, other=0.0)
+    acc = tl.where(live, acc, 0.0)
     tl.store(out_ptr + r * stride_o + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -325,6 +345,33 @@ def _moe_combine_kernel(
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(f"moe: {message}")
+
+
+def _check_f16_input(f16_input, R: int, H: int, tile: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(isinstance(f16_input, tuple) and len(f16_input) == 2, "f16_input must be a pair (fp16 x, 2^-s)")
+    x16, down = f16_input
+    _check(H % tile == 0, f"f16_input needs whole K tiles: H = {H} is not a multiple of {tile}")
+    _check(x16.dtype == torch.float16 and tuple(x16.shape) == (R, H) and x16.stride(1) == 1,
+           f"f16_input[0] must be fp16 [{R}, {H}] with unit stride, got {x16.dtype} {tuple(x16.shape)}")
+    _check(down.dtype == torch.float32 and tuple(down.shape) == (R, H // tile) and down.stride(1) == 1,
+           f"f16_input[1] must be fp32 [{R}, {H // tile}] (one 2^-s per row and {tile}-wide K tile), "
+           f"got {down.dtype} {tuple(down.shape)}")
+    _check(x16.device == device and down.device == device, f"f16_input is not on {device}")
+    return x16, down
+
+
+def _descriptor(w: torch.Tensor, tile: tuple[int, int]):
+    """A tensor descriptor of the [E, rows, cols] E4M3 weight for [1, *tile] boxes (one expert's tile)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    _check(w.is_contiguous() and w.shape[-1] % 16 == 0 and w.data_ptr() % 16 == 0,
+           f"tma needs contiguous weights with 16-byte aligned rows, got {tuple(w.shape)}")
+    return TensorDescriptor.from_tensor(w, [1, *tile])
+
+
+def gate_up_k_tile(block: tuple[int, int], block_k: int = 128) -> int:
+    """Gate/Up's K tile for weight blocks `block` (moe()'s block_k default): the width of f16_input's row tiles."""
+    return _pow2_divisor(block[1], block_k)
 
 
 def _pow2_divisor(b: int, cap: int) -> int:
@@ -383,6 +430,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         down_block_k: int = 64, split_k: int | None = None, gate_up_block_n: int = GATE_UP_BLOCK_N,
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
         down_stages: int = DOWN_STAGES, pdl: bool = False, f16: bool = F16_OPERANDS,
+        f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool = False, early_rows: bool = True,
         debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
@@ -398,7 +446,14 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     settings, for `iquest bench tune`. `pdl`: programmatic dependent launch (kernels/launch.py). `f16`: the
     tensor cores take fp16 operands (E4M3 weights and activations exactly; bf16 x scaled per row and K tile by a
     power of two, kernels/f16_operands.py) instead of bf16; taken for bf16 compute on the GPU only (the
-    interpreter computes in fp32, fp16 compute converts to fp16 already). `debug`,
+    interpreter computes in fp32, fp16 compute converts to fp16 already). `f16_input`: x's Gate/Up operand made
+    ahead, (fp16 [R, H], 2^-s fp32 [R, H / t]) as `f16_operands.f16_rows_tiles(x rounded to bf16, t)` gives it
+    with t = `gate_up_k_tile(block, block_k)` (the post-attention norm writes it: kernels/rmsnorm_residual.py);
+    Gate/Up then reads it instead of x, the same operands (so the same bits) without every program rescaling x
+    again; bf16 compute with the f16 path (or the interpreter) only. `tma`: Gate/Up and Down read their weight
+    tiles through tensor descriptors (the Hopper copy engine) instead of per-element pointers; the same tiles, so
+    the same bits. `early_rows`: Gate/Up and Down load the first row block's routing together with the owner check
+    (one L2 round trip before the weights instead of two; False: after it, as before). `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -465,23 +520,35 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     f32 = INTERPRETED or compute_dtype == torch.float32
     f16 = f16 and not f32 and compute_dtype == torch.bfloat16  # fp16 compute converts E4M3 to fp16 already
     launch = launch_options(pdl, dev)
+    x_in, xd_in = x, x  # xd_in: unused pointer unless prescaled
+    if f16_input is not None:
+        x_in, xd_in = _check_f16_input(f16_input, R, H, bk, dev)
+        _check(compute_dtype == torch.bfloat16 and (f16 or f32),
+               f"f16_input is Gate/Up's fp16 operand: it needs bf16 compute (got {compute_dtype}) with f16=True")
 
+    down_bk = _pow2_divisor(group, down_block_k)
+    g_arg, u_arg, d_arg = gate, up, down
+    if tma:
+        g_arg, u_arg, d_arg = (_descriptor(w, b) for w, b in ((gate, (bn, bk)), (up, (bn, bk)),
+                                                               (down, (down_block_n, down_bk))))
     _moe_gate_up_kernel[(P, I // bn, split)](
-        x, gate, gate_scale, up, up_scale, experts, live_arg, part, programs[0], R, H, I, P, x.stride(0),
-        gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
+        x_in, xd_in, g_arg, gate_scale, u_arg, up_scale, experts, live_arg, part, programs[0], R, H, I, P,
+        x_in.stride(0), xd_in.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-        ROUND_BF16=compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32", STORE_RAN=store_h,
-        F16=f16, num_warps=gate_up_warps, num_stages=gate_up_stages, **launch)
+        ROUND_BF16=f16_input is None and compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32",
+        STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma, EARLY_ROWS=early_rows,
+        num_warps=gate_up_warps,
+        num_stages=gate_up_stages, **launch)
     _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
         part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
         SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,
         DROP_LAST=bool(store_h and debug.get("drop_last_split", False)), num_warps=4, **launch)
     _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
-        act, act_scale, down, down_scale, experts, live_arg, y, programs[1], R, H, I,
+        act, act_scale, d_arg, down_scale, experts, live_arg, y, programs[1], R, H, I,
         down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
-        BLOCK_K=_pow2_divisor(group, down_block_k), F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
-        num_stages=down_stages, F16=f16, **launch)
+        BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
+        num_stages=down_stages, F16=f16, TMA=tma, EARLY_ROWS=early_rows, **launch)
     _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
         y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
         num_warps=4, **launch)

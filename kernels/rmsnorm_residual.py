@@ -6,6 +6,10 @@ is rounded to the residual's dtype first and the norm reads that rounded value, 
 sequence does; the norm itself runs in fp32 and `y` may be kept in fp32 (routing reads the fp32
 normalized input, see fast/model.py). One program per row holds the whole row, so `residual_out`
 may alias `x` or `residual` (update in place).
+
+`f16_out` (the post-attention norm, whose y is the MoE's input): the kernel also writes y rounded to bf16 as the
+MoE's Gate/Up fp16 operand tiles (kernels/f16_operands.py), once per row, instead of every Gate/Up program that
+reads a tile rescaling it (ncu: ~14% of Gate/Up's instructions). Same values, so the same bits downstream.
 """
 
 from __future__ import annotations
@@ -15,14 +19,16 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS
+from .f16_operands import bf16_grid, f16_rows
 from .launch import launch_options, wait_for_inputs
 
 MAX_HIDDEN = 65536
 
 
 @triton.jit
-def _rmsnorm_residual_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, H, eps,
-                             stride_x, stride_r, stride_y, stride_h, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr,
+def _rmsnorm_residual_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, f16_ptr, f16d_ptr, H, eps,
+                             stride_x, stride_r, stride_y, stride_h, stride_f16, stride_f16d,
+                             BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, F16_TILE: tl.constexpr = 0,
                              PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
@@ -38,7 +44,14 @@ def _rmsnorm_residual_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, H, eps,
         h = x
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
     w = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + i, (h * inv * w).to(y_ptr.dtype.element_ty), mask=ok)
+    y = (h * inv * w).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + i, y, mask=ok)
+    if F16_TILE > 0:  # y's tiles as Gate/Up's fp16 operands: y rounded to bf16, scaled per tile by 2^s
+        tiles = tl.arange(0, BLOCK // F16_TILE)
+        y16, down = f16_rows(tl.reshape(bf16_grid(y.to(tl.float32)), [BLOCK // F16_TILE, F16_TILE]))
+        col = tiles[:, None] * F16_TILE + tl.arange(0, F16_TILE)[None, :]
+        tl.store(f16_ptr + row * stride_f16 + col, y16, mask=col < H)
+        tl.store(f16d_ptr + row * stride_f16d + tiles, down, mask=tiles < H // F16_TILE)
 
 
 
@@ -50,9 +63,11 @@ def _check(cond: bool, message: str) -> None:
 
 def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                      out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None,
-                     residual_out: torch.Tensor | None = None, num_warps: int = 8,
-                     pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [R, H] in out_dtype (default residual's), h = x + residual [R, H] in residual's dtype)."""
+                     residual_out: torch.Tensor | None = None, f16_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     num_warps: int = 8, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [R, H] in out_dtype (default residual's), h = x + residual [R, H] in residual's dtype).
+    `f16_out` = (fp16 [R, H], fp32 [R, H / t]) is filled with y rounded to bf16 as the MoE's Gate/Up operand tiles
+    of width t (a power of two dividing H): `f16_operands.f16_rows_tiles(y.to(bf16), t)`."""
     _check(x.dim() == 2 and tuple(residual.shape) == tuple(x.shape), f"x {tuple(x.shape)} and residual "
            f"{tuple(residual.shape)} must be the same [R, H]")
     R, H = x.shape
@@ -73,10 +88,31 @@ def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
         _check(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
         _check(t.stride(-1) == 1, f"{name} must have unit stride along the hidden dimension")
     _check(isinstance(eps, float) and eps > 0, f"eps must be a positive float, got {eps!r}")
-    _rmsnorm_residual_kernel[(R,)](x, residual, weight, out, residual_out, H, eps, x.stride(0), residual.stride(0),
-                                   out.stride(0), residual_out.stride(0), BLOCK=triton.next_power_of_2(H),
-                                   RESIDUAL=True, num_warps=num_warps, **launch_options(pdl, x.device))
+    y16, down, tile = _check_f16_out(f16_out, R, H, out)
+    _rmsnorm_residual_kernel[(R,)](x, residual, weight, out, residual_out, y16, down, H, eps, x.stride(0),
+                                   residual.stride(0), out.stride(0), residual_out.stride(0), y16.stride(0),
+                                   down.stride(0), BLOCK=triton.next_power_of_2(H), RESIDUAL=True, F16_TILE=tile,
+                                   num_warps=num_warps, **launch_options(pdl, x.device))
     return out, residual_out
+
+
+def _check_f16_out(f16_out, R: int, H: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(fp16 tiles, their 2^-s, tile width); without f16_out, `out` twice and width 0 (pointers left unused)."""
+    if f16_out is None:
+        return out, out, 0
+    device = out.device
+    _check(isinstance(f16_out, tuple) and len(f16_out) == 2, "f16_out must be a pair (fp16 [R, H], fp32 [R, H / t])")
+    y16, down = f16_out
+    _check(y16.dtype == torch.float16 and tuple(y16.shape) == (R, H) and y16.stride(1) == 1,
+           f"f16_out[0] must be fp16 [{R}, {H}] with unit stride, got {y16.dtype} {tuple(y16.shape)}")
+    tiles = down.shape[1] if down.dim() == 2 else 0
+    tile = H // tiles if tiles else 0
+    _check(down.dtype == torch.float32 and down.dim() == 2 and down.shape[0] == R and down.stride(1) == 1
+           and tile * tiles == H and tile >= 2 and tile & (tile - 1) == 0,
+           f"f16_out[1] must be fp32 [{R}, H / t] for a power-of-two tile t dividing H = {H}, got "
+           f"{down.dtype} {tuple(down.shape)}")
+    _check(y16.device == device and down.device == device, f"f16_out is not on {device}")
+    return y16, down, tile
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None, *,
@@ -96,8 +132,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.
         _check(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
         _check(t.stride(-1) == 1, f"{name} must have unit stride along the hidden dimension")
     _check(isinstance(eps, float) and eps > 0, f"eps must be a positive float, got {eps!r}")
-    _rmsnorm_residual_kernel[(R,)](x, x, weight, out, out, H, eps, x.stride(0), x.stride(0), out.stride(0),
-                                   out.stride(0), BLOCK=triton.next_power_of_2(H), RESIDUAL=False,
+    _rmsnorm_residual_kernel[(R,)](x, x, weight, out, out, out, out, H, eps, x.stride(0), x.stride(0), out.stride(0),
+                                   out.stride(0), 0, 0, BLOCK=triton.next_power_of_2(H), RESIDUAL=False,
                                    num_warps=num_warps, **launch_options(pdl, x.device))
     return out
 

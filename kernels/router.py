@@ -1,24 +1,29 @@
 """MoE routing for a few rows: `reference.layers.route(x @ router_w.T, top_k, norm_topk_prob, scaling)`.
 
-x [R, H] fp32 (R = 1..8 at decode), router_w [E, H] fp32 (E = 256, H = 6144 in the model: 6.3 MB, a
-weight stream). Two launches, fixed grids, no host sync, no atomics (graph-capturable, replays
-bit-identical to eager):
+x [R, H] fp32 (R = 1..8 at decode), router_w [E, H] bf16 as the checkpoint holds it (E = 256, H = 6144 in
+the model: 3.1 MB, a weight stream; fp32 is taken too). Two launches, fixed grids, no host sync, no
+atomics (graph-capturable, replays bit-identical to eager):
 
 Launch 1, grid (cdiv(E, BLOCK_E), SPLIT, cdiv(R, 8)): router logits with the H axis split over the
-second grid axis. Each program holds a [BLOCK_E, BLOCK_H] weight tile in registers (read once) and
-uses it for every row of its row block (all R <= 8 rows: one row block at decode; more rows take more
-row blocks, each reading the weight again), reducing each row over H with fp32 FMAs in a fixed tree
-(IEEE fp32 like torch's GEMM: no TF32, no tensor cores), then writes fp32 partial logits
-part [SPLIT, R, E]. Defaults: one warp per program and a [4, 512] tile (8 KB), so the H reduction
-stays inside a warp (each lane sums 16 columns of each of its 4 expert rows, then 5 shuffle steps; no
-shared memory, no barriers; 168 registers, no spills for sm_90a). SPLIT comes from the SM count
+second grid axis. Each program holds a [BLOCK_E, BLOCK_H] weight tile in registers (read once, widened to
+fp32 there, exactly, and loaded 4 columns at a time as an fp32 tile is, so that the lanes sum the same
+columns in the same order: a bf16-held router gives the bits of its values held in fp32) and uses it for
+every row of its row block (all R <= 8 rows: one row block at decode; more rows take more row blocks,
+each reading the weight again), reducing each row over H with fp32 FMAs in a fixed tree (IEEE fp32 like
+torch's GEMM: no TF32, no tensor cores), then writes fp32 partial logits part [SPLIT, R, E]. Defaults:
+one warp per program and a [4, 512] tile (4 KB of bf16), so the H reduction stays inside a warp (each
+lane sums 16 columns of each of its 4 expert rows, then 5 shuffle steps; no shared memory, no barriers;
+168 registers, no spills for sm_90a, bf16 or fp32 tile). SPLIT comes from the SM count
 (`choose_split`: about PROGRAMS_PER_SM one-warp programs per SM): at E = 256, H = 6144 that is 12
-splits of one 512-column tile, 768 programs, all resident at once, so the whole 6.3 MB is in flight
+splits of one 512-column tile, 768 programs, all resident at once, so the whole 3.1 MB is in flight
 together (a weight stream this short needs most of its bytes in flight to run at bandwidth).
 
 Launch 2, grid (R,): one program per row sums the SPLIT partials in a fixed order (chunks of splits
 in index order, each chunk by one fixed reduction tree), then softmax, top-k by k rounds of argmax
-(equal scores go to the lower expert index; the chosen one is masked), gather, normalize, scale.
+(equal scores go to the lower expert index; the chosen one is masked), gather, normalize, scale. A round
+is one int64 max over keys score_bits << 32 | (E_PAD - 1 - index): scores are >= 0, so their bits order
+as the values do, and the key's high half is the score itself (`packed_topk=False`: the same choice by
+two block-wide reductions per round, a max and then the min index among equals; the same bits).
 Selection is on the kernel's own fp32 scores, as the reference sorts torch's fp32 softmax scores:
 bit-equal logits give equal scores, and so does any pair that rounds to one score.
 
@@ -30,9 +35,9 @@ the divisions are IEEE round-to-nearest (tl.div_rn, not Triton's default approxi
 The sum's order differs from torch's, so scores agree to a few ulps, not bit for bit. Under
 TRITON_INTERPRET=1 (no libdevice) the exp is NumPy's.
 
-Traffic at R = 8, E = 256, H = 6144 (defaults): 6.29 MB of router weight read once; x (197 KB) read
-by every expert tile of its split, 12.6 MB of L2 hits in all; 98 KB of partials written and read
-back; 8 KB of scores, 0.8 KB of weights and experts written.
+Traffic at R = 8, E = 256, H = 6144 (defaults): 3.15 MB of bf16 router weight read once (6.29 MB if
+held in fp32); x (197 KB) read by every expert tile of its split, 12.6 MB of L2 hits in all; 98 KB of
+partials written and read back; 8 KB of scores, 0.8 KB of weights and experts written.
 
 Any E >= 1 works (the row program pads E to a power of two with masked lanes); 1 <= top_k <= E.
 """
@@ -58,7 +63,7 @@ PART_CHUNK = 8192  # launch 2 loads at most this many partial values (splits x p
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split,
                           ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                          PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0):
+                          PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 32):
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)
     r0 = tl.program_id(2) * ROWS
@@ -68,13 +73,19 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split
     h_start = pid_s * h_per_split
     h_end = tl.minimum(h_start + h_per_split, H)
     if PREFETCH_LINES > 0:  # the router weight is constant: its reads may start before the previous kernel ends
-        prefetch_rows(w_ptr + tl.minimum(e, E - 1) * H, h_start, h_end, 32, PREFETCH_LINES)
+        prefetch_rows(w_ptr + tl.minimum(e, E - 1) * H, h_start, h_end, LINE_ELEMS, PREFETCH_LINES)
     wait_for_inputs(PDL)
     acc = tl.zeros([BLOCK_E, ROWS_PAD], tl.float32)  # acc[e, i]: row r0 + i
+    cols = tl.arange(0, BLOCK_H)
+    # The same columns, but known contiguous in runs of 4 only: Triton vectorizes the weight load by that, so a bf16
+    # tile gets an fp32 tile's register layout (4 columns per load, not 8). The layout sets which columns each lane
+    # sums and in what order, so bf16 then gives fp32's bits (checked on the GPU: tests' "twins" cases).
+    w_cols = cols // 4 * 4 + cols % 4
     for h0 in range(h_start, h_end, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
+        h = h0 + cols
         h_ok = h < h_end
-        w = tl.load(w_ptr + e[:, None] * H + h[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + e[:, None] * H + (h0 + w_cols)[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
+        w = w.to(tl.float32)  # bf16 -> fp32 is exact: the same products as an fp32-held weight
         for i in tl.static_range(ROWS):  # the weight tile stays in registers for every row
             x = tl.load(x_ptr + (r0 + i) * stride_x + h, mask=h_ok & (r0 + i < R), other=0.0)
             acc = tl.where(rows[None, :] == i, acc + tl.sum(w * x[None, :], axis=1)[:, None], acc)
@@ -87,7 +98,7 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split
 def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, logits_ptr, R, E, splits, scaling,
                           E_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
                           K_PAD: tl.constexpr, NORM: tl.constexpr, WRITE_LOGITS: tl.constexpr,
-                          ACCURATE_EXP: tl.constexpr, LOWER_TIES: tl.constexpr,
+                          ACCURATE_EXP: tl.constexpr, LOWER_TIES: tl.constexpr, PACKED_TOPK: tl.constexpr = True,
                           PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
@@ -116,20 +127,40 @@ def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, logits
     tl.store(scores_ptr + row * E + idx, scores, mask=ok)
 
     # Top-k: k rounds of argmax; equal scores go to the lower index; the chosen one is masked.
-    # Scores are >= 0, so -1 is below every live entry (padding lanes included).
-    work = tl.where(ok, scores, -1.0)
     slot = tl.arange(0, K_PAD)
     sel_e = tl.zeros([K_PAD], tl.int32)
     sel_v = tl.zeros([K_PAD], tl.float32)
-    for j in range(TOP_K):
-        best = tl.max(work, axis=0)
+    if PACKED_TOPK:
+        # One int64 max per round instead of a max and then a min index among equals. Scores are >= +0 (never
+        # -0 or NaN for finite logits), so their bit patterns order as the values do; the low half breaks ties
+        # (E_PAD - 1 - idx: larger for the lower index). Keys are unique, and -1 is below every live key.
+        low = idx
         if LOWER_TIES:
-            pick = tl.min(tl.where(work == best, idx, E_PAD), axis=0)
-        else:  # negative control only (tests): ties to the higher index
-            pick = tl.max(tl.where(work == best, idx, -1), axis=0)
-        sel_e = tl.where(slot == j, pick, sel_e)
-        sel_v = tl.where(slot == j, best, sel_v)
-        work = tl.where(idx == pick, -1.0, work)
+            low = E_PAD - 1 - idx
+        # else: negative control only (tests): ties to the higher index
+        bits = scores.to(tl.int32, bitcast=True).to(tl.int64)
+        key = tl.where(ok, (bits << 32) | low.to(tl.int64), -1)
+        for j in range(TOP_K):
+            best = tl.max(key, axis=0)
+            pick = (best & 0xFFFFFFFF).to(tl.int32)
+            if LOWER_TIES:
+                pick = E_PAD - 1 - pick
+            # the high half is the score's own bits: sel_v (and so the weights) bit-equal the unpacked form's
+            sel_e = tl.where(slot == j, pick, sel_e)
+            sel_v = tl.where(slot == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), sel_v)
+            key = tl.where(key == best, -1, key)
+    else:  # two reductions per round; kept for `iquest bench tune` to time against (the same bits)
+        # Scores are >= 0, so -1 is below every live entry (padding lanes included).
+        work = tl.where(ok, scores, -1.0)
+        for j in range(TOP_K):
+            best = tl.max(work, axis=0)
+            if LOWER_TIES:
+                pick = tl.min(tl.where(work == best, idx, E_PAD), axis=0)
+            else:  # negative control only (tests): ties to the higher index
+                pick = tl.max(tl.where(work == best, idx, -1), axis=0)
+            sel_e = tl.where(slot == j, pick, sel_e)
+            sel_v = tl.where(slot == j, best, sel_v)
+            work = tl.where(idx == pick, -1.0, work)
 
     weights = sel_v
     if NORM:
@@ -154,7 +185,7 @@ def _pow2(n: int) -> bool:
 
 def choose_split(e: int, h: int, block_e: int, block_h: int, device: torch.device) -> int:
     """Splits along H so that E tiles x splits ~ PROGRAMS_PER_SM programs per SM (at most one split per
-    H tile): the weight stream needs most of its 6.3 MB in flight at once to run at bandwidth."""
+    H tile): the weight stream needs most of its 3.1 MB (bf16) in flight at once to run at bandwidth."""
     e_tiles, h_tiles = triton.cdiv(e, block_e), triton.cdiv(h, block_h)
     return max(1, min(h_tiles, triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), e_tiles)))
 
@@ -167,7 +198,7 @@ def _split_plan(h: int, split: int, block_h: int) -> tuple[int, int]:
 
 def _select(part: torch.Tensor, splits: int, weights: torch.Tensor, experts: torch.Tensor, scores: torch.Tensor,
             logits: torch.Tensor | None, top_k: int, norm_topk_prob: bool, scaling: float, *,
-            lower_ties: bool = True, num_warps: int = 4, pdl: bool = False) -> None:
+            lower_ties: bool = True, packed_topk: bool = True, num_warps: int = 4, pdl: bool = False) -> None:
     """Launch 2 on the first `splits` partials of part [S, R, E]. Tests wrap it for the negative controls
     (`lower_ties=False`, one split fewer)."""
     _, R, E = part.shape
@@ -177,19 +208,22 @@ def _select(part: torch.Tensor, splits: int, weights: torch.Tensor, experts: tor
         part, weights, experts, scores, scores if logits is None else logits, R, E, splits, scaling,
         E_PAD=e_pad, SPLIT_BLOCK=split_block, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         NORM=bool(norm_topk_prob), WRITE_LOGITS=logits is not None, ACCURATE_EXP=not INTERPRETED,
-        LOWER_TIES=lower_ties, num_warps=num_warps, **launch_options(pdl, part.device))
+        LOWER_TIES=lower_ties, PACKED_TOPK=packed_topk, num_warps=num_warps, **launch_options(pdl, part.device))
 
 
 def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float, *,
           split: int | None = None, debug: dict | None = None, block_e: int = 4, block_h: int = 512,
-          num_warps: int = 1, select_warps: int = 4,
+          num_warps: int = 1, select_warps: int = 4, packed_topk: bool = True,
           pdl: bool = False, prefetch: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights [R, k] fp32, experts [R, k] int64, scores [R, E] fp32) = reference `route(x @ router_w.T,
-    top_k, norm_topk_prob, scaling)` for x [R, H] fp32 (unit stride along H) and router_w [E, H] fp32
-    (contiguous). `split`: H splits wanted (default `choose_split`; each split gets whole block_h tiles, so
-    fewer may run). `block_e`, `block_h`, `num_warps`: launch 1's tile and warps; `select_warps`: launch 2's
-    (its reductions' trees follow the warps, so other values may round differently: `iquest bench tune` compares
-    each against the default). `pdl`, `prefetch`: as fp8_linear's (kernels/launch.py). `debug`, a dict, receives
+    top_k, norm_topk_prob, scaling)` for x [R, H] fp32 (unit stride along H) and router_w [E, H] bf16 (as the
+    checkpoint holds it) or fp32, contiguous; a bf16 router gives exactly the outputs of its values held in fp32
+    (the kernel widens them before its fp32 FMAs). `split`: H splits wanted (default `choose_split`; each split
+    gets whole block_h tiles, so fewer may run). `block_e`, `block_h`, `num_warps`: launch 1's tile and warps;
+    `select_warps`: launch 2's (its reductions' trees follow the warps, so other values may round differently:
+    `iquest bench tune` compares each against the default). `packed_topk`: launch 2's top-k by one max of packed
+    (score, index) keys per round (default), or by a max and a min-index reduction per round (False; the same
+    bits, kept to time against). `pdl`, `prefetch`: as fp8_linear's (kernels/launch.py). `debug`, a dict, receives
     "logits" [R, E] fp32 (the summed logits the selection used), "split" and "h_per_split" (what was launched)."""
     _check(isinstance(x, torch.Tensor) and isinstance(router_w, torch.Tensor), "x and router_w must be tensors")
     _check(x.dim() == 2 and router_w.dim() == 2, f"x {tuple(x.shape)} and router_w {tuple(router_w.shape)} must be 2-D")
@@ -198,8 +232,9 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
     _check(Hw == H, f"x has H={H}, router_w has H={Hw}")
     _check(R >= 1 and H >= 1, f"rows {R} and hidden {H} must be >= 1")
     _check(1 <= E <= MAX_EXPERTS, f"experts {E} must be in 1..{MAX_EXPERTS}")
-    _check(x.dtype == torch.float32 and router_w.dtype == torch.float32,
-           f"x {x.dtype} and router_w {router_w.dtype} must be float32")
+    _check(x.dtype == torch.float32, f"x {x.dtype} must be float32")
+    _check(router_w.dtype in (torch.bfloat16, torch.float32),
+           f"router_w {router_w.dtype} must be bfloat16 (as the checkpoint holds it) or float32")
     _check(x.device == router_w.device, f"devices differ: x {x.device}, router_w {router_w.device}")
     _check(x.stride(1) == 1 or H == 1, "x must have unit stride along H")
     _check(router_w.is_contiguous(), "router_w must be contiguous")
@@ -214,6 +249,7 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
            f"block_e {block_e} and block_h {block_h} must be powers of two (block_h >= 16)")
     _check(_pow2(num_warps) and num_warps <= 16, f"num_warps {num_warps} must be a power of two <= 16")
     _check(_pow2(select_warps) and select_warps <= 16, f"select_warps {select_warps} must be a power of two <= 16")
+    _check(isinstance(packed_topk, bool), f"packed_topk must be a bool, got {packed_topk!r}")
     _check(debug is None or isinstance(debug, dict), "debug must be a dict or None")
     if split is None:
         split = choose_split(E, H, block_e, block_h, x.device)
@@ -230,13 +266,13 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
 
     rows = min(R, MAX_ROWS)
     grid = (triton.cdiv(E, block_e), splits, triton.cdiv(R, rows))
+    line_elems, lines = prefetch_lines(h_per_split, router_w.element_size())
     _router_logits_kernel[grid](x, router_w, part, R, E, H, x.stride(0), h_per_split, ROWS=rows,
                                 ROWS_PAD=triton.next_power_of_2(rows), BLOCK_E=block_e, BLOCK_H=block_h,
-                                num_warps=num_warps,
-                                PREFETCH_LINES=prefetch_lines(h_per_split, 4)[1] if prefetch else 0,
+                                num_warps=num_warps, PREFETCH_LINES=lines if prefetch else 0, LINE_ELEMS=line_elems,
                                 **launch_options(pdl, dev))
     _select(part, splits, weights, experts, scores, logits, top_k, norm_topk_prob, float(scaling),
-            num_warps=select_warps, pdl=pdl)
+            packed_topk=packed_topk, num_warps=select_warps, pdl=pdl)
     if debug is not None:
         debug.update(logits=logits, split=splits, h_per_split=h_per_split)
     return weights, experts, scores
@@ -245,7 +281,8 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
 # ---- reference -------------------------------------------------------------------------------------
 def route_ref(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool,
               scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch sequence this replaces: reference `route(x @ router_w.T, ...)` (fast/model.py's moe)."""
+    """The torch sequence this replaces: reference `route(x @ router_w.float().T, ...)` (fast/ops.py's
+    TorchOps.route; a bf16 router widened exactly)."""
     from ..reference.layers import route as reference_route
 
-    return reference_route(x @ router_w.T, top_k, norm_topk_prob, scaling)
+    return reference_route(x @ router_w.float().T, top_k, norm_topk_prob, scaling)

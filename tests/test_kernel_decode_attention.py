@@ -51,6 +51,9 @@ CASES = [
     case("sliding_before_wrap_kv_len", kind="sliding", last=9, num_splits=3),
     case("sliding_window_edge_exact", kind="sliding", W=29, slack=16, last=60, kv_len="max", num_splits=2),
     case("mtp_first_position_1", kind="sliding", R=6, last=5, first=1),
+    # the combine's one-pass form: 20 live splits (two chunks of 16) and 40 (the loops), both against the loops
+    case("full_20_live_splits_two_chunks", capacity=400, last=319, num_splits=24),
+    case("full_40_live_splits_loops", capacity=700, last=639, num_splits=48, dtype="bf16"),
 ]
 
 GPU_CASES = [
@@ -68,6 +71,9 @@ GPU_CASES = [
          min_split=None),
     case("gpu_full_q_fp32_kv_bf16", D=128, dtype="fp32", kv_dtype="bf16", capacity=40_000, last=20_000,
          num_splits=None, block_n=64, min_split=None),
+    # 1K context as the full-size step runs it: 16 and 17 live splits of 64 slots (one and two combine chunks)
+    *[case(f"gpu_full_1k_{n}_live_splits", R=6, D=128, dtype="bf16", capacity=196_608, last=64 * n - 1 + extra,
+           num_splits=None, block_n=64, min_split=None) for n, extra in ((16, 0), (17, -58))],
 ]
 
 
@@ -116,11 +122,20 @@ def run_case(c: dict, device: str) -> dict:
     got = da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"], t["sinks"], window, c["first"],
                               t["kv_len"], num_splits=splits, out=out, workspace=ws, **kw)
     assert got is out
+    # The combine's one-pass form against its two loops: the same bits (fresh poisoned buffers)
+    ws2 = tuple(x.clone().fill_(float("nan")) for x in ws)
+    loops = da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"], t["sinks"], window, c["first"],
+                                t["kv_len"], num_splits=splits, out=torch.full_like(out, float("nan")), workspace=ws2,
+                                one_pass=False, **kw)
+    kv_len = int(t["kv_len"]) if t["kv_len"] is not None else t["k"].shape[0]
+    min_split = c["min_split"] or c["block_n"]
+    per = max(-(-(-(-kv_len // splits)) // c["block_n"]) * c["block_n"], min_split)  # the kernels' _split_len
     ref = da.decode_attention_ref(t["q"], t["k_ref"], t["v_ref"], t["slot_pos"], t["q_pos"], t["sinks"], window,
                                   c["first"], t["kv_len"], causal=c["causal"])
     err = (got.float() - ref.float()).abs().max().item()
     return {"err": err, "finite": bool(torch.isfinite(got).all()), "ref_finite": bool(torch.isfinite(ref).all()),
-            "ref_scale": ref.float().abs().max().item()}
+            "ref_scale": ref.float().abs().max().item(), "one_pass_same": bool(torch.equal(got, loops)),
+            "live_splits": -(-kv_len // per)}
 
 
 def _check(c: dict, r: dict, tol: float) -> None:
@@ -128,6 +143,10 @@ def _check(c: dict, r: dict, tol: float) -> None:
     assert r["finite"], "kernel left NaN in the output (unwritten element or a read past kv_len)"
     assert r["err"] <= tol, (f"{c['name']}: max |kernel - ref| = {r['err']:.3e} > {tol:.1e} "
                              f"(|ref| <= {r['ref_scale']:.2f})")
+    assert r["one_pass_same"], "the combine's one-pass form differs from its loops"
+    for n in (16, 17, 20, 40):  # the cases meant to take each form of the combine do
+        if f"_{n}_live_splits" in c["name"]:
+            assert r["live_splits"] == n, r
 
 
 # ---- interpreter tests ---------------------------------------------------------------------------------

@@ -52,9 +52,78 @@ def rows(kind: str, gen: torch.Generator, M: int = 5, K: int = 256) -> torch.Ten
 
 CASES = [{"name": k, "kind": k, "dtype": d} for k in ("ordinary", "zero", "tiny", "huge", "special", "subnormal_bf16")
          for d in ("bf16", "fp32")]
+# The post-attention norm writing the MoE's operand tiles (f16_out), and the MoE reading them (f16_input).
+NORM_CASES = [{"name": f"norm_{k}_t{t}", "op": "norm", "kind": k, "tile": t}
+              for k in ("ordinary", "zero", "huge", "special") for t in (32, 128)]
+MOE_CASES = [{"name": f"moe_prescaled_R{R}", "op": "moe", "rows": R} for R in (1, 3)]
+MOE_CASES.append({"name": "moe_prescaled_wrong_scale", "op": "moe", "rows": 3, "defect": True})
+
+
+def run_norm_case(c: dict, device: str) -> dict:
+    """y, h with and without f16_out, and the tiles against f16_rows_tiles_ref of y rounded to bf16."""
+    from iquest.kernels import rmsnorm_residual as rn
+
+    gen = torch.Generator().manual_seed(len(c["name"]))
+    x = rows(c["kind"], gen).to(device)
+    residual = (torch.randn(x.shape, generator=gen) / 8).to(torch.bfloat16).to(device)
+    weight = (torch.rand(x.shape[1], generator=gen) + 0.5).to(device)
+    R, H = x.shape
+    tiles = (torch.full((R, H), float("nan"), dtype=torch.float16, device=device),
+             torch.full((R, H // c["tile"]), float("nan"), device=device))
+    y, h = rn.rmsnorm_residual(x, residual, weight, 1e-6, out_dtype=torch.float32, f16_out=tiles)
+    y0, h0 = rn.rmsnorm_residual(x, residual, weight, 1e-6, out_dtype=torch.float32)
+    ry, rd = fo.f16_rows_tiles_ref(y.cpu().to(torch.bfloat16), c["tile"])
+    return {"y_same": _equal_bits(y, y0) and _equal_bits(h, h0), "tiles_bits": _equal_bits(tiles[0].cpu(), ry),
+            "down_bits": _equal_bits(tiles[1].cpu(), rd), "nan_free_tiles": int((~rd.isnan()).all(-1).sum())}
+
+
+def moe_case_inputs(R: int, gen: torch.Generator, E: int = 6, I: int = 64, H: int = 128, k: int = 2,
+                    block: int = 32) -> dict:
+    """Small MoE inputs for the interpreter (block-scaled E4M3 weights, a norm's bf16-valued fp32 output)."""
+    fp8 = lambda *shape: torch.randn(*shape, generator=gen).to(torch.float8_e4m3fn)
+    sc = lambda *shape: (torch.rand(*shape, generator=gen) + 0.5) / 16
+    nb = lambda n: n // block
+    return dict(gate=fp8(E, I, H), gate_scale=sc(E, nb(I), nb(H)), up=fp8(E, I, H), up_scale=sc(E, nb(I), nb(H)),
+                down=fp8(E, H, I), down_scale=sc(E, nb(H), nb(I)),
+                experts=torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(R)]),
+                weights=torch.softmax(torch.randn(R, k, generator=gen), -1), live=torch.ones(R, dtype=torch.bool),
+                x=torch.randn(R, H, generator=gen).to(torch.bfloat16), residual=torch.randn(R, H, generator=gen) / 4,
+                norm=torch.rand(H, generator=gen) + 0.5, block=(block, block))
+
+
+def prescaled_moe(t: dict, defect: bool = False) -> dict:
+    """The MoE on a norm's fp32 output, rounded to bf16 in Gate/Up (as the engine passes it), and on the tiles the
+    norm wrote. `defect`: the tiles' 2^-s doubled (the negative control: it must change the output, which shows
+    Gate/Up read the tiles). Works on any device; the GPU cases below run it at a TP8 rank's shape."""
+    from iquest.kernels import moe as mk
+    from iquest.kernels import rmsnorm_residual as rn
+
+    R, H = t["x"].shape
+    tile = mk.gate_up_k_tile(t["block"])
+    tiles = (torch.empty((R, H), dtype=torch.float16, device=t["x"].device),
+             torch.empty((R, H // tile), device=t["x"].device))
+    b32, _ = rn.rmsnorm_residual(t["x"], t["residual"].to(torch.bfloat16), t["norm"], 1e-6, out_dtype=torch.float32,
+                                 f16_out=tiles)
+    if defect:
+        tiles = (tiles[0], tiles[1] * 2)
+    args = [t[a] for a in ("experts", "weights", "live", "gate", "gate_scale", "up", "up_scale", "down", "down_scale")]
+    kw = dict(block=t["block"], group=t["block"][1], out_dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
+    da, db = {}, {}
+    a = mk.moe(b32, *args, **kw, debug=da)
+    b = mk.moe(b32, *args, **kw, f16_input=tiles, debug=db)
+    return {"hidden_bits": _equal_bits(da["hidden"], db["hidden"]), "out_bits": _equal_bits(a, b),
+            "max_diff": float((a.float() - b.float()).abs().max())}
+
+
+def run_moe_case(c: dict) -> dict:
+    return prescaled_moe(moe_case_inputs(c["rows"], torch.Generator().manual_seed(c["rows"])), c.get("defect", False))
 
 
 def run_case(c: dict, device: str) -> dict:
+    if c.get("op") == "norm":
+        return run_norm_case(c, device)
+    if c.get("op") == "moe":
+        return run_moe_case(c)
     x = rows(c["kind"], torch.Generator().manual_seed(len(c["name"])))
     x = (x if c["dtype"] == "bf16" else x.float()).to(device)
     y, d = fo.f16_rows_tiles(x)
@@ -64,12 +133,24 @@ def run_case(c: dict, device: str) -> dict:
 
 
 def _check(c: dict, r: dict) -> None:
+    if c.get("op") == "norm":
+        assert r["y_same"], "f16_out changed the norm's own outputs"
+        assert r["tiles_bits"] and r["down_bits"], f"{c['name']}: the norm's tiles differ from f16_rows_tiles_ref"
+        if c["kind"] != "special":  # a row with inf/NaN has NaN everywhere after the norm
+            assert r["nan_free_tiles"] == 5
+        return
+    if c.get("op") == "moe":
+        if c.get("defect"):  # wrong tile scales must show: the prescaled operand is what Gate/Up used
+            assert not r["hidden_bits"] and r["max_diff"] > 0, r
+        else:
+            assert r["hidden_bits"] and r["out_bits"], r
+        return
     assert r["y_bits"] and r["down_bits"], f"{c['name']}: kernel conversion differs from f16_rows_tiles_ref"
     if c["kind"] in ("ordinary", "zero", "huge"):
         assert r["exact_tiles"] == r["tiles"]
 
 
-interpreted, test_interpreted = interpreted_tests(__file__, CASES, _check)
+interpreted, test_interpreted = interpreted_tests(__file__, CASES + NORM_CASES + MOE_CASES, _check)
 
 
 def bf16_row(draw_exps, signs, mants) -> torch.Tensor:
@@ -169,6 +250,36 @@ def test_gpu_moe_f16_boundary_row_differs():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 6, 8])
+def test_gpu_moe_prescaled_is_bit_identical(R):
+    """At one TP8 rank's shape: Gate/Up reading the norm's fp16 tiles gives the bits of Gate/Up rescaling the norm's
+    fp32 output itself (hidden and output), and doubled tile scales (the negative control) do not."""
+    gen = torch.Generator(device="cuda").manual_seed(R + 10)
+    t = moe_inputs(R, gen)
+    t.update(x=torch.randn(R, 6144, device="cuda", generator=gen).to(torch.bfloat16),
+             residual=torch.randn(R, 6144, device="cuda", generator=gen) / 4,
+             norm=torch.rand(6144, device="cuda", generator=gen) + 0.5, block=(128, 128))
+    good = prescaled_moe(t)
+    assert good["hidden_bits"] and good["out_bits"], good
+    bad = prescaled_moe(t, defect=True)
+    assert not bad["hidden_bits"] and bad["max_diff"] > 0, bad
+
+
+@pytest.mark.gpu
+def test_cuda_f16_norm_decodes_bit_identically():
+    """The default kernels (the norm writing Gate/Up's operand tiles) decode the same tokens, logprobs and
+    acceptance sequence as without f16_norm, in bf16 through the captured decode loop."""
+    from iquest.fast.ops import STAGES
+    from iquest.tests.test_kernel_launch import decode_with_logprobs
+
+    on = decode_with_logprobs("triton", "bf16")
+    off = decode_with_logprobs("+".join(s for s in STAGES if s != "f16_norm"), "bf16")
+    assert "moe" not in on["fallbacks"] and "norm" not in on["fallbacks"]
+    assert on["f16_norm_calls"] > 0 and off["f16_norm_calls"] == 0  # the tiles were made (and used: above)
+    assert on["steps"] == off["steps"]
+
+
+@pytest.mark.gpu
 def test_cuda_f16_decodes_bit_identically():
     """The default kernels (f16 MoE operands) decode the same tokens, logprobs and acceptance sequence as the same
     kernels with bf16 operands, in bf16 through the captured decode loop; the MoE kernel ran (no fallback)."""
@@ -184,4 +295,4 @@ def test_cuda_f16_decodes_bit_identically():
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
-    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES])
+    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + NORM_CASES + MOE_CASES])

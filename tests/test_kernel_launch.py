@@ -105,7 +105,8 @@ def decode_with_logprobs(kernels: str, dtype: str) -> dict:
         steps = fast_steps(engine, PROMPTS[i], 40 + i, drafts, n=N_TOKENS)
         out[f"{i}-{drafts}"] = [(s.tokens, s.logprobs, s.drafts, s.accepted) for s in steps]
     ops = engine.model.ops
-    return {"steps": out, "pdl": ops.pdl, "prefetch": ops.prefetch, "f16": ops.f16, "fallbacks": dict(ops.fallbacks)}
+    return {"steps": out, "pdl": ops.pdl, "prefetch": ops.prefetch, "f16": ops.f16, "fallbacks": dict(ops.fallbacks),
+            "f16_norm_calls": ops.f16_norm_calls}
 
 
 @pytest.mark.gpu

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from iquest.kernels import moe as mk
+from iquest.kernels.f16_operands import bf16_grid
 from iquest.kernels.moe import _act_quant_tile
 from iquest.reference.fp8 import act_quant as act_quant_ref, quantize
 from iquest.kernels.testing import interpreted_tests
@@ -120,6 +121,12 @@ CASES = [
     case("fp32x_bf16_poison_count", R=7, live="count", pattern="poison", compute="bf16", out="bf16", x_ties=True),
     case("fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
          down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True),  # as fast/ops.py calls it
+    # weight tiles through tensor descriptors (tma=True): the same tiles, so the oracle's bits
+    case("tma_8rows_random", launch=dict(tma=True)),
+    case("tma_split3_poison_count", R=7, H=96, block_k=16, split_k=3, split=3, live="count", pattern="poison",
+         launch=dict(tma=True)),
+    case("tma_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
+         down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True, launch=dict(tma=True)),
 ]
 # Negative controls (run by the worker, not by test_interpreted): the finalize drops the last split;
 # every live pair's program works, repeated experts included.
@@ -144,6 +151,10 @@ GPU_CASES = [  # full size and the mini model (E=16, top-4, H=256, I=128, block 
     case("gpu_full_8rows_fp32x_bf16_poison", R=8, pattern="poison", live="count", out="bf16", compute="bf16",
          x_ties=True, min_split=2, **dict(FULL, x="fp32")),
     case("gpu_full_16rows_max_pairs", R=16, out="bf16", min_split=2, **FULL),  # P = R * k = MAX_PAIRS
+    *[case(f"gpu_full_{r}rows_fp32x_bf16_tma", R=r, out="bf16", compute="bf16", x_ties=True, min_split=2,
+           launch=dict(tma=True), **dict(FULL, x="fp32")) for r in (1, 6)],
+    case("gpu_full_8rows_poison_tma", R=8, pattern="poison", live="count", min_split=2, launch=dict(tma=True),
+         **FULL),
     *[case(f"gpu_mini_{r}rows", R=r, k=4, E=16, H=256, I=128, block=(16, 16), x="bf16") for r in (1, 8)],
 ]
 
@@ -668,7 +679,7 @@ def _bf16_probe_kernel(x_ptr, y_ptr, N, MODE: tl.constexpr, BLOCK: tl.constexpr)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + i, mask=i < N, other=0.0)
     if MODE != 1:
-        x = mk._bf16_grid(x)
+        x = bf16_grid(x)
     if MODE != 0:
         x = x.to(tl.bfloat16).to(tl.float32)
     tl.store(y_ptr + i, x, mask=i < N)

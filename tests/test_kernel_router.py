@@ -16,11 +16,16 @@ Checks, per case:
   weights  within WEIGHT_TOL (relative) of the reference's
   ties     tie cases must actually put a bit-equal logit next to a selected expert (counted)
 
+Bit identity ("twins" cases): a router held in bf16 (as the engine holds it) gives exactly the outputs of its
+values held in fp32, and the packed-key top-k exactly those of the two-reduction form (`packed_topk=False`).
+
 Negative controls (same checks, must FAIL, and their broken branch is counted as taken): the row
-program with ties going to the HIGHER index, and the row program summing one split fewer.
-A hypothesis property test (random small shapes, splits, tiles, ties) runs in the worker too.
+program with ties going to the HIGHER index (both top-k forms), and the row program summing one split fewer.
+Two hypothesis property tests run in the worker too: random small shapes, splits, tiles, ties against the
+reference; and the select launch alone, packed vs two-reduction top-k bit for bit on partials made to tie.
 `@pytest.mark.gpu`: the same cases plus the model's shape (R = 6, 8; H = 6144; E = 256; k = 8), graph
-replay bit-identical to eager, agreement with the torch path (`route_ref`), and a timing report.
+replay bit-identical to eager, agreement with the torch path (`route_ref`), bf16 vs fp32 router and packed vs
+two-reduction top-k bit for bit at the model's shape, and a timing report.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ WEIGHT_TOL = 3e-6  # one more sum and division
 TORCH_PATH_TOL = 5e-5  # GPU only: against torch's own logits (another summation order), see test_gpu_matches_torch_path
 
 BASE = dict(R=8, E=64, H=200, k=8, norm=True, scaling=2.5, split=None, block_e=16, block_h=32, ties=True,
-            data="randn", x_stride=None, broken=None, seed=0)
+            data="randn", x_stride=None, broken=None, seed=0, wdtype="fp32", twins=False)
+# wdtype "bf16": the router held as the engine holds it (the values rounded to bf16 first). twins: also run the same
+# values held in fp32 (bf16 cases) and the other top-k form (packed_topk flipped); all outputs must be bit-equal.
 
 
 def case(name: str, **kw) -> dict:
@@ -69,8 +76,15 @@ CASES = [
     case("integer_data_ties", R=8, E=64, H=96, data="int", split=3, seed=15),
     case("integer_data_k1", R=3, E=16, k=1, H=40, data="int", split=2, seed=16),
     case("integer_data_no_norm", R=3, E=256, k=8, H=64, data="int", norm=False, scaling=2.5, seed=17),
+    case("bf16_router_ties", R=8, E=64, H=150, split=3, wdtype="bf16", twins=True, seed=22),
+    case("bf16_router_E17_k5_two_row_blocks", R=11, E=17, k=5, H=90, split=2, wdtype="bf16", twins=True, seed=23),
+    case("bf16_router_integer_data", R=3, E=48, k=8, H=64, data="int", wdtype="bf16", twins=True, seed=24),
+    case("bf16_router_default_tile", R=6, E=64, H=600, block_e=None, block_h=None, wdtype="bf16", twins=True, seed=25),
+    case("two_reduction_topk_ties", R=8, E=64, H=120, split=2, packed_topk=False, twins=True, seed=26),
     # negative controls: must fail the checks above
     case("broken_ties_to_higher_index", R=8, E=64, H=120, split=2, broken="ties_high", seed=20),
+    case("broken_ties_to_higher_index_two_reductions", R=8, E=64, H=120, split=2, broken="ties_high",
+         packed_topk=False, seed=27),
     case("broken_dropped_split", R=3, E=64, H=200, split=4, broken="drop_split", seed=21),
 ]
 
@@ -86,7 +100,16 @@ GPU_CASES = [  # the model: H = 6144, E = 256, k = 8, norm_topk_prob, routed_sca
     *[case(f"gpu_6rows_select_{w}_warps", R=6, E=256, H=6144, block_e=None, block_h=None, select_warps=w, seed=111 + w)
       for w in (1, 2, 8)],  # bench tune's candidates for the select launch
     case("gpu_8rows_integer_ties", R=8, E=256, H=6144, block_e=None, block_h=None, data="int", seed=108),
+    # the router as the engine holds it (bf16), each checked bit-equal to its fp32-held values and the other top-k form
+    case("gpu_6rows_model_bf16", R=6, E=256, H=6144, block_e=None, block_h=None, scaling=1.0, wdtype="bf16",
+         twins=True, seed=120),
+    case("gpu_8rows_integer_ties_bf16", R=8, E=256, H=6144, block_e=None, block_h=None, data="int", wdtype="bf16",
+         twins=True, seed=121),
+    case("gpu_6rows_select_1_warp_bf16", R=6, E=256, H=6144, block_e=None, block_h=None, select_warps=1,
+         wdtype="bf16", twins=True, seed=122),
     case("gpu_broken_ties_high", R=8, E=256, H=6144, block_e=None, block_h=None, broken="ties_high", seed=109),
+    case("gpu_broken_ties_high_two_reductions", R=8, E=256, H=6144, block_e=None, block_h=None, broken="ties_high",
+         packed_topk=False, seed=123),
     case("gpu_broken_dropped_split", R=8, E=256, H=6144, block_e=None, block_h=None, broken="drop_split", seed=110),
 ]
 
@@ -110,6 +133,8 @@ def build(c: dict, device: str) -> dict:
             a = int(order[min(rank, E - 1)])
             b = (a + 1 + int(torch.randint(0, E - 1, (1,), generator=gen))) % E  # any other expert
             w[b] = w[a]
+    if c["wdtype"] == "bf16":
+        w = w.bfloat16()
     return dict(x=x.to(device), w=w.contiguous().to(device))
 
 
@@ -158,7 +183,7 @@ def run_case(c: dict, device: str) -> dict:
             splits -= 1
         return original(part, splits, *args, **kw)
 
-    blocks = {b: c[b] for b in ("block_e", "block_h", "select_warps") if c.get(b) is not None}
+    blocks = {b: c[b] for b in ("block_e", "block_h", "select_warps", "packed_topk") if c.get(b) is not None}
     dbg = {}
     if c["broken"]:
         rt._select = broken
@@ -167,8 +192,18 @@ def run_case(c: dict, device: str) -> dict:
                                             debug=dbg, **blocks)
     finally:
         rt._select = original
-    return dict(measure(c, t, weights, experts, scores, dbg), broken_calls=len(calls),
-                broken_splits=calls[0] if calls else 0)
+    r = dict(measure(c, t, weights, experts, scores, dbg), broken_calls=len(calls),
+             broken_splits=calls[0] if calls else 0)
+    if c["twins"]:
+        got = (weights, experts, scores, dbg["logits"])
+        twins = {"other_topk": (t["w"], dict(blocks, packed_topk=not blocks.get("packed_topk", True)))}
+        if t["w"].dtype == torch.bfloat16:
+            twins["fp32_held"] = (t["w"].float(), blocks)
+        for name, (w, kw) in twins.items():
+            d = {}
+            out = rt.route(t["x"], w, c["k"], c["norm"], c["scaling"], split=c["split"], debug=d, **kw)
+            r[f"{name}_bit_equal"] = all(torch.equal(a, b) for a, b in zip((*out, d["logits"]), got))
+    return r
 
 
 def check_values(c: dict, r: dict) -> None:
@@ -185,6 +220,10 @@ def check_values(c: dict, r: dict) -> None:
         assert r["tie_slots"] > 0, f"{c['name']}: no selected expert had a bit-equal rival (ties not exercised)"
     if c["split"] is not None and c["split"] > 1:
         assert r["split"] > 1, f"{c['name']}: asked for {c['split']} splits, ran {r['split']}"
+    if c["twins"]:
+        assert r["other_topk_bit_equal"], f"{c['name']}: packed and two-reduction top-k differ"
+        if c["wdtype"] == "bf16":
+            assert r["fp32_held_bit_equal"], f"{c['name']}: the bf16 router differs from its values held in fp32"
 
 
 def _check(c: dict, r: dict) -> None:
@@ -243,11 +282,74 @@ def _check_property(c: dict, r: dict) -> None:
     assert r["split_gt1"] > 0 and r["tie_slots"] > 0 and r["multi_row_block"] > 0, r
 
 
+SELECT_EXAMPLES = 40
+
+
+def select(part: torch.Tensor, k: int, norm: bool, scaling: float, **kw) -> tuple[torch.Tensor, ...]:
+    """(weights, experts, scores, logits) of launch 2 alone on the partials part [S, R, E]."""
+    S, R, E = part.shape
+    out = (torch.empty(R, k), torch.empty(R, k, dtype=torch.int64), torch.empty(R, E), torch.empty(R, E))
+    rt._select(part, S, *out[:3], out[3], k, norm, scaling, **kw)
+    return out
+
+
+def select_property_job() -> dict:
+    """Packed keys and two reductions per round choose the same experts with the same bits, on partials made to
+    tie: columns copied over others (bit-equal logits), small integers, and logits so spread that most scores are
+    exactly 0. Launch 2 alone (no H to sum), so many examples stay cheap under the interpreter."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    seen = {"examples": 0, "tie_slots": 0, "zero_ties": 0, "not_pow2": 0, "k_is_E": 0, "ties_high": 0}
+
+    @settings(max_examples=SELECT_EXAMPLES, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(R=st.integers(1, 8), E=st.sampled_from([1, 3, 5, 16, 17, 48, 100]), k=st.integers(1, 20),
+           splits=st.integers(1, 3), norm=st.booleans(), scaling=st.floats(0.1, 4.0),
+           data=st.sampled_from(["randn", "dup", "int", "underflow"]), lower_ties=st.booleans(),
+           seed=st.integers(0, 2**20))
+    def prop(R, E, k, splits, norm, scaling, data, lower_ties, seed):
+        k = min(k, E)
+        gen = torch.Generator().manual_seed(seed)
+        if data == "int":
+            part = torch.randint(-3, 4, (splits, R, E), generator=gen).float()
+        else:  # "underflow": exp(l - max) is exactly 0 below -104, so most scores are 0 (ties at 0)
+            part = torch.randn(splits, R, E, generator=gen) * (100.0 if data == "underflow" else 2.0)
+        if data == "dup":  # the same partials in the same order: bit-equal logits
+            src, dst = torch.randint(0, E, (2, max(1, E // 3)), generator=gen)
+            part[:, :, dst] = part[:, :, src]
+        packed = select(part, k, norm, scaling, lower_ties=lower_ties)
+        unpacked = select(part, k, norm, scaling, lower_ties=lower_ties, packed_topk=False)
+        for name, a, b in zip(("weights", "experts", "scores", "logits"), packed, unpacked):
+            assert torch.equal(a, b), f"{name} differ: R={R} E={E} k={k} {data} lower_ties={lower_ties}"
+        weights, experts, scores, logits = packed
+        if lower_ties:
+            assert torch.equal(experts, reference_route(logits.clone(), k, norm, scaling)[1])
+        sel = scores.gather(1, experts)
+        rivals = (scores.unsqueeze(1) == sel.unsqueeze(2)).sum(-1) > 1  # [R, k]: another expert has this score
+        seen["examples"] += 1
+        seen["tie_slots"] += bool(rivals.any())
+        seen["zero_ties"] += bool((rivals & (sel == 0)).any())
+        seen["not_pow2"] += E & (E - 1) != 0
+        seen["k_is_E"] += k == E > 1
+        seen["ties_high"] += not lower_ties and bool(rivals.any())
+
+    prop()
+    return seen
+
+
+def _check_select_property(c: dict, r: dict) -> None:
+    assert r["examples"] >= SELECT_EXAMPLES
+    assert all(v > 0 for v in r.values()), r
+
+
 # ---- interpreter tests ---------------------------------------------------------------------------------
 PROPERTY = dict(name="hypothesis_property")
+SELECT_PROPERTY = dict(name="packed_topk_property")
+_JOB_CHECKS = {PROPERTY["name"]: _check_property, SELECT_PROPERTY["name"]: _check_select_property}
 interpreted, test_interpreted = interpreted_tests(
-    __file__, CASES + [PROPERTY], lambda c, r: (_check_property if c["name"] == PROPERTY["name"] else _check)(c, r),
-    lambda c, r: f"{c['name']}: {r}" if c["name"] == PROPERTY["name"] else _summary(c, r))
+    __file__, CASES + [PROPERTY, SELECT_PROPERTY], lambda c, r: _JOB_CHECKS.get(c["name"], _check)(c, r),
+    lambda c, r: f"{c['name']}: {r}" if c["name"] in _JOB_CHECKS else _summary(c, r))
 
 
 def test_split_heuristic():
@@ -269,8 +371,10 @@ def _args(**over):
 @pytest.mark.parametrize("over, message", [
     (dict(x=torch.randn(3, 41)), "H="),
     (dict(x=torch.randn(40)), "2-D"),
-    (dict(x=torch.randn(3, 40).double()), "float32"),
-    (dict(router_w=torch.randn(16, 40).bfloat16()), "float32"),
+    (dict(x=torch.randn(3, 40).double()), "x torch.float64 must be float32"),
+    (dict(x=torch.randn(3, 40).bfloat16()), "x torch.bfloat16 must be float32"),
+    (dict(router_w=torch.randn(16, 40).half()), r"router_w torch.float16 must be bfloat16 \(as the checkpoint"),
+    (dict(router_w=torch.randn(16, 40).double()), "router_w torch.float64 must be bfloat16"),
     (dict(x=torch.randn(40, 3).T), "unit stride"),
     (dict(router_w=torch.randn(40, 16).T), "contiguous"),
     (dict(top_k=0), "top_k"),
@@ -282,6 +386,7 @@ def _args(**over):
     (dict(block_e=3), "powers of two"),
     (dict(block_h=8), "powers of two"),
     (dict(select_warps=3), "select_warps"),
+    (dict(packed_topk=1), "packed_topk must be a bool"),
     (dict(debug=[]), "debug"),
     (dict(router_w=torch.randn(rt.MAX_EXPERTS + 1, 40)), "experts"),
 ])
@@ -293,6 +398,9 @@ def test_rejects_bad_inputs(over, message):
 def test_route_ref_is_the_torch_sequence():
     x, w = torch.randn(4, 40), torch.randn(16, 40)
     for got, want in zip(rt.route_ref(x, w, 3, True, 2.5), reference_route(x @ w.T, 3, True, 2.5)):
+        assert torch.equal(got, want)
+    wb = w.bfloat16()  # held as the engine holds it: widened exactly, the fp32 GEMM of the same values
+    for got, want in zip(rt.route_ref(x, wb, 3, True, 2.5), rt.route_ref(x, wb.float(), 3, True, 2.5)):
         assert torch.equal(got, want)
 
 
@@ -342,13 +450,19 @@ def test_gpu_matches_torch_path(R):
     rows whose reference scores have a near-tie at the top-k boundary or inside it (logit rounding)."""
     c = case("torch_path", R=R, E=256, H=6144, block_e=None, block_h=None, ties=False, seed=300 + R)
     t = build(c, "cuda")
+    check_torch_path(t, rt.route(t["x"], t["w"], 8, True, 1.0), f"R={R}")
+
+
+def check_torch_path(t: dict, got: tuple, label: str) -> None:
+    """`got` (weights, experts, scores) against route_ref on torch's fp32 GEMM of t's x and router (k = 8, norm,
+    scaling 1)."""
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
         rw, re, rs = rt.route_ref(t["x"], t["w"], 8, True, 1.0)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
-    w, e, s = rt.route(t["x"], t["w"], 8, True, 1.0)
+    w, e, s = got
     # Two fp32 summation orders of H = 6144 products give logits ~3e-6 apart (|logit| ~ 2), so scores
     # ~3e-6 apart (relative; measured on the CPU with torch): TORCH_PATH_TOL leaves a margin.
     top = torch.sort(rs, dim=-1, descending=True).values[:, :9]
@@ -358,7 +472,30 @@ def test_gpu_matches_torch_path(R):
     same = ~differs
     assert ((s - rs).abs() <= TORCH_PATH_TOL * rs + 1e-30).all()
     assert ((w[same] - rw[same]).abs() <= TORCH_PATH_TOL * rw[same].abs()).all()
-    print(f"R={R}: {int(differs.sum())} rows differ from the torch path (near-ties: {int(near_tie.sum())})")
+    print(f"{label}: {int(differs.sum())} rows differ from the torch path (near-ties: {int(near_tie.sum())})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("data, ties", [("randn", False), ("randn", True), ("int", True)])
+def test_gpu_bf16_router_and_packed_topk_bit_identical(data, ties):
+    """At the model's decode shape (R = 6, E = 256, H = 6144, k = 8): the router held in bf16 gives the bits of
+    its values held in fp32, the packed top-k the bits of the two-reduction one, and all four within the torch
+    path's tolerance."""
+    c = case("bf16_packed", R=6, E=256, H=6144, block_e=None, block_h=None, scaling=1.0, data=data, ties=ties,
+             wdtype="bf16", seed=500 + ties)
+    t = build(c, "cuda")
+    assert t["w"].dtype == torch.bfloat16
+    outs = {}
+    for held in ("bf16", "fp32"):
+        for packed in (True, False):
+            dbg = {}
+            w = t["w"] if held == "bf16" else t["w"].float()
+            outs[held, packed] = (*rt.route(t["x"], w, 8, True, 1.0, packed_topk=packed, debug=dbg), dbg["logits"])
+    want = outs["bf16", True]  # the engine's: bf16 router, packed keys
+    for key, got in outs.items():
+        for name, a, b in zip(("weights", "experts", "scores", "logits"), got, want):
+            assert torch.equal(a, b), f"{key}: {name} differ from the bf16/packed outputs"
+        check_torch_path(t, got[:3], f"{data} ties={ties} {key}")
 
 
 @pytest.mark.gpu
@@ -367,18 +504,23 @@ def test_gpu_speed_report(R):
     """Prints the kernel pair's time beside the torch sequence (fp32 GEMM + softmax + stable sort + gather)."""
     from triton.testing import do_bench
 
-    c = case("speed", R=R, E=256, H=6144, block_e=None, block_h=None, seed=400)
+    c = case("speed", R=R, E=256, H=6144, block_e=None, block_h=None, wdtype="bf16", seed=400)
     t = build(c, "cuda")
     ms_ref = do_bench(lambda: rt.route_ref(t["x"], t["w"], 8, True, 1.0), warmup=20, rep=200)
     print(f"R={R}: torch route {ms_ref * 1e3:.1f} us")
-    for block_e, block_h, num_warps in ((4, 512, 1), (8, 256, 1), (2, 1024, 1), (8, 512, 2), (16, 128, 4)):
-        ms = do_bench(lambda: rt.route(t["x"], t["w"], 8, True, 1.0, block_e=block_e, block_h=block_h,
-                                       num_warps=num_warps), warmup=20, rep=200)
-        print(f"R={R}: router kernels [{block_e}, {block_h}] x{num_warps} warps: {ms * 1e3:.1f} us "
-              f"({256 * 6144 * 4 / (ms * 1e-3) / 1e12:.2f} TB/s of weight)")
+    for held, w in (("bf16", t["w"]), ("fp32", t["w"].float())):
+        for block_e, block_h, num_warps, packed in ((4, 512, 1, True), (4, 512, 1, False), (8, 256, 1, True),
+                                                    (2, 1024, 1, True), (4, 1024, 1, True), (8, 512, 2, True),
+                                                    (16, 128, 4, True)):
+            ms = do_bench(lambda: rt.route(t["x"], w, 8, True, 1.0, block_e=block_e, block_h=block_h,
+                                           num_warps=num_warps, packed_topk=packed), warmup=20, rep=200)
+            print(f"R={R}: router kernels, {held} router [{block_e}, {block_h}] x{num_warps} warps, "
+                  f"{'packed' if packed else 'two-reduction'} top-k: {ms * 1e3:.1f} us "
+                  f"({w.numel() * w.element_size() / (ms * 1e-3) / 1e12:.2f} TB/s of weight)")
 
 
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
-    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES] + [(PROPERTY["name"], property_job)])
+    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES]
+                + [(PROPERTY["name"], property_job), (SELECT_PROPERTY["name"], select_property_job)])
