@@ -126,7 +126,7 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
                     "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "early_rows"),
             "linear": ("split_k", "block_n", "num_warps", "num_stages"),
-            "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages"),
+            "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
 # (tma is one switch for both kernels' weight loads; it sits with Gate/Up's, whose bytes dominate.)
@@ -214,7 +214,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         ns = g["num_splits"] or _attention_auto_splits(attention_slots(op, shape), shape.kv_heads, ms, sms)
         per = max(triton.cdiv(triton.cdiv(shape.kv_len, ns), bn) * bn, ms)  # the kernels' _split_len
         return {"num_splits": ns, "live_splits": triton.cdiv(shape.kv_len, per), "block_n": bn, "min_split": ms,
-                "num_warps": g["num_warps"], "num_stages": g["num_stages"]}
+                "num_warps": g["num_warps"], "num_stages": g["num_stages"], "one_pass": g["one_pass"]}
     if op == "router":
         split = g["split"] or _router_auto_split(shape.experts, shape.hidden, g["block_e"], g["block_h"], sms)
         splits, _ = rt._split_plan(shape.hidden, split, g["block_h"])
@@ -265,7 +265,8 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
         return [cand(), cand(min_split=128), cand(min_split=64), cand(min_split=64, num_warps=8),
                 cand(num_stages=3), cand(min_split=128, num_stages=3),
                 cand(block_n=32, min_split=64), cand(block_n=32, min_split=32),
-                cand(block_n=128, min_split=128, num_warps=8), cand("932ec08 default", min_split=256)]
+                cand(block_n=128, min_split=128, num_warps=8), cand("932ec08 default", min_split=256),
+                cand("the combine's two passes (before bb464d3)", one_pass=False)]
     if op == "router":
         s = resolve(op, {}, shape, sms)["split"]
         return [cand(), cand("auto/2", split=max(1, s // 2)), cand(block_h=256),
