@@ -124,14 +124,13 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "attention_sliding": da.decode_attention, "attention_full": da.decode_attention,
                                  "router": rt.route}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
-                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "early_rows"),
-            "linear": ("split_k", "block_n", "num_warps", "num_stages"),
+                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma"),
+            "linear": ("split_k", "block_n", "num_warps", "num_stages", "tma"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
 # (tma is one switch for both kernels' weight loads; it sits with Gate/Up's, whose bytes dominate.)
-MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "f16_input", "tma",
-               "early_rows"),
+MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "f16_input", "tma"),
               ("down_block_n", "down_block_k", "down_warps", "down_stages"))
 
 
@@ -200,14 +199,16 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
                 "gate_up_stages": g["gate_up_stages"], "down_block_n": g["down_block_n"],
                 "down_block_k": mk._pow2_divisor(shape.block[1], g["down_block_k"]),
                 "down_warps": g["down_warps"], "down_stages": g["down_stages"], "f16": g["f16"],
-                "f16_input": bool(g["f16_input"]), "tma": g["tma"], "early_rows": g["early_rows"]}
+                # the engine's call: x's tiles made by the norm (stage f16_norm); TMA where aligned (it is here)
+                "f16_input": g["f16"] and (g["f16_input"] is None or bool(g["f16_input"])),
+                "tma": True if g["tma"] is None else g["tma"]}
     if family(op) == "linear":
         n, k = shape.qkv if op == "linear_qkv" else shape.o
         bk = fl._block_k(shape.block[1])
         split = g["split_k"] or _linear_auto_split(n, k, g["block_n"], bk, sms)
         k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk
         return {"split_k": triton.cdiv(k, k_per_split), "block_n": g["block_n"], "num_warps": g["num_warps"],
-                "num_stages": g["num_stages"]}
+                "num_stages": g["num_stages"], "tma": g["tma"]}
     if family(op) == "attention":
         bn = g["block_n"]
         ms = bn if g["min_split"] is None else g["min_split"]  # decode_attention's default: one tile
@@ -246,13 +247,11 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 # bf16 tensor-core operands (before ef1c46c): two conversion steps per E4M3 weight
                 cand("bf16 operands", f16=False), cand("a788a79 default", f16=False, down_stages=2),
                 cand(down_stages=2), cand(down_block_k=128), cand(gate_up_block_n=64, gate_up_stages=3),
-                # x's fp16 operand tiles made ahead (in the engine by the post-attention norm: stage f16_norm)
-                cand("tiles from the norm", f16_input=True),
-                # weight tiles through tensor descriptors (TMA): no per-element address arithmetic in the programs
-                cand(tma=True), cand("tiles from the norm", f16_input=True, tma=True),
-                cand(tma=True, gate_up_stages=4), cand(tma=True, down_stages=4),
-                # the first row block's routing read after the owner check (before this session's default)
-                cand(early_rows=False), cand("tiles from the norm", f16_input=True, early_rows=False)]
+                # x rescaled by every Gate/Up program, weight tiles through per-element pointers (before 242fbb5)
+                cand("x rescaled in the programs", f16_input=False), cand("pointer loads", tma=False),
+                cand("both, the 9b0188f default", f16_input=False, tma=False),
+                # with TMA: wider Down tiles, more warps
+                cand(down_block_n=256), cand(gate_up_warps=8, down_warps=8), cand(down_block_k=128, down_stages=2)]
     if family(op) == "linear":
         auto = {bn: resolve(op, {"block_n": bn}, shape, sms)["split_k"] for bn in (32, 64, 128)}
         half = {bn: max(1, a // 2) for bn, a in auto.items()}
@@ -260,7 +259,9 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(num_warps=8), cand(num_stages=4), cand(num_warps=8, num_stages=4),
                 cand(block_n=32), cand("auto x2", block_n=32, split_k=2 * auto[32]), cand(block_n=32, num_stages=4),
                 cand(block_n=128), cand(block_n=128, num_warps=8), cand("auto/2", block_n=128, split_k=half[128]),
-                cand(block_n=128, num_warps=8, num_stages=4), cand("932ec08 default", block_n=64, num_stages=3)]
+                cand(block_n=128, num_warps=8, num_stages=4), cand("932ec08 default", block_n=64, num_stages=3),
+                # the weight tiles through a tensor descriptor
+                cand(tma=True), cand(tma=True, num_stages=6), cand(tma=True, block_n=64)]
     if family(op) == "attention":
         return [cand(), cand(min_split=128), cand(min_split=64), cand(min_split=64, num_warps=8),
                 cand(num_stages=3), cand(min_split=128, num_stages=3),
@@ -388,11 +389,14 @@ def moe_case(shape: TuneShape, device, rotate: int = ROTATE_BYTES) -> OpCase:
 
     def run(kw, i, out=None):
         e, w = routes[i]
-        if kw.get("f16_input"):
+        # By default as the engine calls it: the tiles made by the norm (fp16 operands only); False: none.
+        if kw.get("f16_input", True) and kw.get("f16", True):
             tile = mk.gate_up_k_tile(shape.block, kw.get("block_k", 128))
             if tile not in tiles:
                 tiles[tile] = tuple(t.contiguous() for t in f16_rows_tiles_ref(x32.to(torch.bfloat16), tile))
             kw = {**kw, "f16_input": tiles[tile]}
+        else:
+            kw = {**kw, "f16_input": None}
         return mk.moe(x, e, w, live, gate, gs, up, us, down, ds, shape.block, group=b1, out_dtype=torch.bfloat16,
                       out=out, **given, **kw)
 

@@ -121,12 +121,15 @@ class TorchOps:
 # bits as bf16 operands on every GPU test and decode (tests/test_kernel_f16_operands.py) and in qualification (every
 # value of the 8b8e3a1 report again at 6177dfe); 48.6 -> 37.5 us a call, 9,228 -> 8,208 us a full-size round.
 # "f16_norm": the post-attention norm also writes the MoE input's fp16 operand tiles (kernels/rmsnorm_residual.py),
-# which every Gate/Up program rescaled for itself before: the same operands, so the same bits.
+# which every Gate/Up program rescaled for itself before: the same operands, so the same bits. "tma": the MoE reads
+# its weight tiles through tensor descriptors (kernels/moe.py), the same tiles. At 242fbb5 on an H200 (docs/PERF.md,
+# bench/results/*-242fbb5.*): MoE 37.4 -> 30.8 us a call with both, all "="; full-size round 8,108 (neither) -> 7,663
+# (f16_norm) -> 7,413 us (both), same process.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
-          "f16", "f16_norm")
+          "f16", "f16_norm", "tma")
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
-# "tma": the MoE's weight tiles through tensor descriptors (kernels/moe.py); the same bits, being measured.
-OPT_IN: tuple[str, ...] = ("prefetch", "tma")
+# "tma_linear": the FP8 linears' weight tiles through tensor descriptors; the same bits, being measured.
+OPT_IN: tuple[str, ...] = ("prefetch", "tma_linear")
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
@@ -148,7 +151,9 @@ class TritonOps(TorchOps):
         self.f16 = "f16" in self.stages
         self.f16_norm = self.f16 and {"f16_norm", "moe", "norm"} <= self.stages
         self.tma = "tma" in self.stages and "moe" in self.stages
+        self.tma_linear = "tma_linear" in self.stages and not self.prefetch
         self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
+        self.tma_calls = 0  # MoE calls through tensor descriptors (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -156,7 +161,7 @@ class TritonOps(TorchOps):
 
             patch_interpreter()
         from ..kernels import moe, sample, topk
-        from ..kernels.moe import gate_up_k_tile
+        from ..kernels.moe import gate_up_k_tile, tma_fits
         from ..kernels.decode_attention import decode_attention
         from ..kernels.fp8_linear import fp8_linear, lock_count
         from ..kernels.lm_head import lm_head
@@ -170,7 +175,7 @@ class TritonOps(TorchOps):
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
         self._add_norm, self._norm, self._rope_kv = rmsnorm_residual, rmsnorm, rope_kv
-        self._gate_up_k_tile = gate_up_k_tile
+        self._gate_up_k_tile, self._tma_fits = gate_up_k_tile, tma_fits
 
     def _fits(self, stage: str, ok: bool) -> bool:
         """Whether `stage` runs as its kernel here; a shape the kernel cannot take (the 8-wide blocks and heads of
@@ -208,7 +213,8 @@ class TritonOps(TorchOps):
         locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
         fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
-                            pdl=self._pdl(x), prefetch=self._prefetch(x))
+                            pdl=self._pdl(x), prefetch=self._prefetch(x),
+                            tma=self.tma_linear and w.q.shape[1] % 16 == 0)
 
     def prepare(self, w):
         if "lm_head" not in self.stages:
@@ -278,13 +284,15 @@ class TritonOps(TorchOps):
             return super().moe(b, experts, weights, live, gate, up, down, compute_dtype)
         if (compute_dtype or b.dtype) != torch.bfloat16:
             f16_input = None  # made for bf16 compute only
+        tma = self.tma and self._tma_fits(gate.q, up.q, down.q)
+        self.tma_calls += tma
         step = self._max_pairs // experts.shape[1]  # prefill blocks exceed the kernel's pair capacity: split rows
         rows = lambda t, s: None if t is None else tuple(part[s:s + step] for part in t)
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
                            pdl=self._pdl(b), f16=self.f16,  # moe() takes it on the GPU only
-                           f16_input=rows(f16_input, s), tma=self.tma)
+                           f16_input=rows(f16_input, s), tma=tma)
                  for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

@@ -163,7 +163,6 @@ def _moe_gate_up_kernel(
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, PRESCALED: tl.constexpr = False, TMA: tl.constexpr = False,
-    EARLY_ROWS: tl.constexpr = True,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -174,13 +173,8 @@ def _moe_gate_up_kernel(
         tl.store(ran_ptr + p, run.to(tl.int32), mask=(tile == 0) & (split == 0))
     # No pass unless this program owns e; one when R <= BLOCK_M (always at k = 8: R * k <= MAX_PAIRS). A live
     # row above the owner's that chose e would own it instead, so the passes start at the owner's row block.
-    # That block's routing is read before the owner check is known: its loads go out with the check's, one L2 round
-    # trip before the weight stream instead of two.
-    m_first = (p // K_TOP) // BLOCK_M * BLOCK_M
-    rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m_first, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
-    for m0 in range(m_first, tl.where(run, R, 0), BLOCK_M):
-        if m0 > m_first or not EARLY_ROWS:
-            rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
+    for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):
+        rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
         if tl.sum(m_ok.to(tl.int32), axis=0) > 0:  # a block of rows none of which chose e streams nothing
             n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N divides I: always in range
             k_start = split * k_per_split  # a multiple of BLOCK_K, which divides B1
@@ -277,7 +271,7 @@ def _moe_down_kernel(
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32: tl.constexpr, STORE_RAN: tl.constexpr,
-    PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False, EARLY_ROWS: tl.constexpr = True,
+    PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -286,11 +280,8 @@ def _moe_down_kernel(
     if STORE_RAN:
         tl.store(ran_ptr + p, run.to(tl.int32), mask=tile == 0)
 
-    m_first = (p // K_TOP) // BLOCK_M * BLOCK_M  # as in Gate/Up
-    rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m_first, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
-    for m0 in range(m_first, tl.where(run, R, 0), BLOCK_M):
-        if m0 > m_first or not EARLY_ROWS:
-            rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
+    for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):  # as in Gate/Up
+        rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
         if tl.sum(m_ok.to(tl.int32), axis=0) > 0:
             n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = n < H
@@ -369,6 +360,11 @@ def _descriptor(w: torch.Tensor, tile: tuple[int, int]):
     return TensorDescriptor.from_tensor(w, [1, *tile])
 
 
+def tma_fits(*weights: torch.Tensor) -> bool:
+    """Whether tensor descriptors can address these contiguous [E, rows, cols] weights: 16-byte aligned rows."""
+    return all(w.shape[-1] % 16 == 0 and w.data_ptr() % 16 == 0 for w in weights)
+
+
 def gate_up_k_tile(block: tuple[int, int], block_k: int = 128) -> int:
     """Gate/Up's K tile for weight blocks `block` (moe()'s block_k default): the width of f16_input's row tiles."""
     return _pow2_divisor(block[1], block_k)
@@ -430,7 +426,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         down_block_k: int = 64, split_k: int | None = None, gate_up_block_n: int = GATE_UP_BLOCK_N,
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
         down_stages: int = DOWN_STAGES, pdl: bool = False, f16: bool = F16_OPERANDS,
-        f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool = False, early_rows: bool = True,
+        f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
         debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
@@ -452,8 +448,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     Gate/Up then reads it instead of x, the same operands (so the same bits) without every program rescaling x
     again; bf16 compute with the f16 path (or the interpreter) only. `tma`: Gate/Up and Down read their weight
     tiles through tensor descriptors (the Hopper copy engine) instead of per-element pointers; the same tiles, so
-    the same bits. `early_rows`: Gate/Up and Down load the first row block's routing together with the owner check
-    (one L2 round trip before the weights instead of two; False: after it, as before). `debug`,
+    the same bits; None (default): when the weights' rows are 16-byte multiples, as the descriptors need. `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -528,6 +523,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
 
     down_bk = _pow2_divisor(group, down_block_k)
     g_arg, u_arg, d_arg = gate, up, down
+    if tma is None:
+        tma = tma_fits(gate, up, down)
     if tma:
         g_arg, u_arg, d_arg = (_descriptor(w, b) for w, b in ((gate, (bn, bk)), (up, (bn, bk)),
                                                                (down, (down_block_n, down_bk))))
@@ -536,7 +533,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         x_in.stride(0), xd_in.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=f16_input is None and compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32",
-        STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma, EARLY_ROWS=early_rows,
+        STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma,
         num_warps=gate_up_warps,
         num_stages=gate_up_stages, **launch)
     _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
@@ -548,7 +545,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
-        num_stages=down_stages, F16=f16, TMA=tma, EARLY_ROWS=early_rows, **launch)
+        num_stages=down_stages, F16=f16, TMA=tma, **launch)
     _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
         y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
         num_warps=4, **launch)

@@ -121,12 +121,13 @@ CASES = [
     case("fp32x_bf16_poison_count", R=7, live="count", pattern="poison", compute="bf16", out="bf16", x_ties=True),
     case("fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
          down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True),  # as fast/ops.py calls it
-    # weight tiles through tensor descriptors (tma=True): the same tiles, so the oracle's bits
-    case("tma_8rows_random", launch=dict(tma=True)),
-    case("tma_split3_poison_count", R=7, H=96, block_k=16, split_k=3, split=3, live="count", pattern="poison",
-         launch=dict(tma=True)),
-    case("tma_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
-         down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True, launch=dict(tma=True)),
+    # weight tiles through per-element pointers (tma=False; the default takes tensor descriptors wherever the rows
+    # are 16-byte multiples, i.e. in every case above but the partial ones): the same tiles, so the oracle's bits
+    case("pointer_loads_8rows_random", launch=dict(tma=False)),
+    case("pointer_loads_split3_poison_count", R=7, H=96, block_k=16, split_k=3, split=3, live="count",
+         pattern="poison", launch=dict(tma=False)),
+    case("pointer_loads_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
+         down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True, launch=dict(tma=False)),
 ]
 # Negative controls (run by the worker, not by test_interpreted): the finalize drops the last split;
 # every live pair's program works, repeated experts included.
@@ -151,10 +152,10 @@ GPU_CASES = [  # full size and the mini model (E=16, top-4, H=256, I=128, block 
     case("gpu_full_8rows_fp32x_bf16_poison", R=8, pattern="poison", live="count", out="bf16", compute="bf16",
          x_ties=True, min_split=2, **dict(FULL, x="fp32")),
     case("gpu_full_16rows_max_pairs", R=16, out="bf16", min_split=2, **FULL),  # P = R * k = MAX_PAIRS
-    *[case(f"gpu_full_{r}rows_fp32x_bf16_tma", R=r, out="bf16", compute="bf16", x_ties=True, min_split=2,
-           launch=dict(tma=True), **dict(FULL, x="fp32")) for r in (1, 6)],
-    case("gpu_full_8rows_poison_tma", R=8, pattern="poison", live="count", min_split=2, launch=dict(tma=True),
-         **FULL),
+    *[case(f"gpu_full_{r}rows_fp32x_bf16_pointer_loads", R=r, out="bf16", compute="bf16", x_ties=True, min_split=2,
+           launch=dict(tma=False), **dict(FULL, x="fp32")) for r in (1, 6)],
+    case("gpu_full_8rows_poison_pointer_loads", R=8, pattern="poison", live="count", min_split=2,
+         launch=dict(tma=False), **FULL),
     *[case(f"gpu_mini_{r}rows", R=r, k=4, E=16, H=256, I=128, block=(16, 16), x="bf16") for r in (1, 8)],
 ]
 
@@ -803,6 +804,19 @@ def test_gpu_graph_replay_bit_identical(R, x):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+def test_cuda_tma_decodes_bit_identically():
+    """The default kernels (the MoE's weights through tensor descriptors) decode the same tokens, logprobs and
+    acceptance sequence as with pointer loads, in bf16 through the captured decode loop; the descriptors were used."""
+    from iquest.fast.ops import STAGES
+    from iquest.tests.test_kernel_launch import decode_with_logprobs
+
+    on = decode_with_logprobs("triton", "bf16")
+    off = decode_with_logprobs("+".join(s for s in STAGES if s != "tma"), "bf16")
+    assert "moe" not in on["fallbacks"] and on["tma_calls"] > 0 and off["tma_calls"] == 0
+    assert on["steps"] == off["steps"]
 
 
 @pytest.mark.gpu
