@@ -125,7 +125,7 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "router": rt.route}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
                     "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma"),
-            "linear": ("split_k", "block_n", "num_warps", "num_stages", "tma"),
+            "linear": ("split_k", "block_n", "num_warps", "num_stages"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
@@ -208,7 +208,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         split = g["split_k"] or _linear_auto_split(n, k, g["block_n"], bk, sms)
         k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk
         return {"split_k": triton.cdiv(k, k_per_split), "block_n": g["block_n"], "num_warps": g["num_warps"],
-                "num_stages": g["num_stages"], "tma": g["tma"]}
+                "num_stages": g["num_stages"]}
     if family(op) == "attention":
         bn = g["block_n"]
         ms = bn if g["min_split"] is None else g["min_split"]  # decode_attention's default: one tile
@@ -259,9 +259,7 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(num_warps=8), cand(num_stages=4), cand(num_warps=8, num_stages=4),
                 cand(block_n=32), cand("auto x2", block_n=32, split_k=2 * auto[32]), cand(block_n=32, num_stages=4),
                 cand(block_n=128), cand(block_n=128, num_warps=8), cand("auto/2", block_n=128, split_k=half[128]),
-                cand(block_n=128, num_warps=8, num_stages=4), cand("932ec08 default", block_n=64, num_stages=3),
-                # the weight tiles through a tensor descriptor
-                cand(tma=True), cand(tma=True, num_stages=6), cand(tma=True, block_n=64)]
+                cand(block_n=128, num_warps=8, num_stages=4), cand("932ec08 default", block_n=64, num_stages=3)]
     if family(op) == "attention":
         return [cand(), cand(min_split=128), cand(min_split=64), cand(min_split=64, num_warps=8),
                 cand(num_stages=3), cand(min_split=128, num_stages=3),

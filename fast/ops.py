@@ -128,8 +128,7 @@ class TorchOps:
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
           "f16", "f16_norm", "tma")
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
-# "tma_linear": the FP8 linears' weight tiles through tensor descriptors; the same bits, being measured.
-OPT_IN: tuple[str, ...] = ("prefetch", "tma_linear")
+OPT_IN: tuple[str, ...] = ("prefetch",)
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
@@ -151,7 +150,6 @@ class TritonOps(TorchOps):
         self.f16 = "f16" in self.stages
         self.f16_norm = self.f16 and {"f16_norm", "moe", "norm"} <= self.stages
         self.tma = "tma" in self.stages and "moe" in self.stages
-        self.tma_linear = "tma_linear" in self.stages and not self.prefetch
         self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
         self.tma_calls = 0  # MoE calls through tensor descriptors (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
@@ -213,8 +211,7 @@ class TritonOps(TorchOps):
         locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
         fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
-                            pdl=self._pdl(x), prefetch=self._prefetch(x),
-                            tma=self.tma_linear and w.q.shape[1] % 16 == 0)
+                            pdl=self._pdl(x), prefetch=self._prefetch(x))
 
     def prepare(self, w):
         if "lm_head" not in self.stages:

@@ -37,7 +37,7 @@ def _fp8_linear_kernel(
     M, N, K, stride_xm, stride_ym, scale_cols, k_per_split, splits,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, SERIAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, TMA: tl.constexpr = False,
+    PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -58,10 +58,7 @@ def _fp8_linear_kernel(
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < K
         x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if TMA:  # w_ptr is a tensor descriptor: the copy engine fetches the tile (zeros outside, as the mask)
-            w = w_ptr.load([pid_n * BLOCK_N, k0])
-        else:
-            w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         s = tl.load(s_row + k0 // B1, mask=n_ok, other=0.0)  # the tile lies in one K block
         if F32:
             x = x.to(tl.float32)
@@ -132,8 +129,7 @@ def choose_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.dev
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
                out_dtype: torch.dtype | None = None, *, split_k: int | None = None, block_n: int = BLOCK_N,
                out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
-               num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False,
-               tma: bool = False) -> torch.Tensor:
+               num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
@@ -141,8 +137,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     the tile's last split inside the one launch (same order, same bits), and they are left zeroed for the next
     call. Calls sharing counters must not overlap in time (one stream). Without them a second kernel sums.
     `pdl`: programmatic dependent launch; `prefetch`: with it, each program asks L2 for its weight range before
-    waiting for the previous kernel (kernels/launch.py). `tma`: the weight tiles through a tensor descriptor (K a
-    multiple of 16; not with `prefetch`). None of these changes a value."""
+    waiting for the previous kernel (kernels/launch.py). Neither changes a value."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -179,18 +174,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                and locks.numel() >= grid[0] * grid[2], f"locks must be contiguous int32 on {x.device} with at least "
                f"{grid[0] * grid[2]} counters")
     serial = split_k > 1 and locks is not None
-    w_arg = w
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        _check(K % 16 == 0 and w.data_ptr() % 16 == 0 and not prefetch,
-               f"tma needs 16-byte aligned weight rows (K = {K}) and no prefetch")
-        w_arg = TensorDescriptor.from_tensor(w, [block_n, block_k])
     _fp8_linear_kernel[grid](
-        x, w_arg, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
+        x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
         k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split_k > 1,
         SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
-        PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, TMA=tma, **launch_options(pdl, x.device))
+        PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, **launch_options(pdl, x.device))
     if split_k > 1 and not serial:
         BLOCK = 1024
         _split_k_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, out, M, N, out.stride(0), split_k, BLOCK=BLOCK,

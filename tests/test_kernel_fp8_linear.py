@@ -90,9 +90,6 @@ def run_case(c: dict, device: str) -> dict:
     scale = ref.abs().max().item()
     r = {"rel_err": (got.float() - ref).abs().max().item() / scale, "finite": bool(torch.isfinite(got).all()),
          "dtype": str(got.dtype).removeprefix("torch.")}
-    if c["K"] % 16 == 0:  # the weight through a tensor descriptor: the same tiles, the same bits
-        r["tma_bits"] = bool(torch.equal(got, fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype,
-                                                           split_k=c["split_k"], block_n=c["block_n"], tma=True)))
     if c["serial"]:
         locks = torch.zeros(fl.lock_count(c["M"], c["N"], c["block_n"]) + 3, dtype=torch.int32, device=device)
         runs = [fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype, split_k=c["split_k"],
@@ -106,7 +103,6 @@ def _check(c: dict, r: dict) -> None:
     out = c["out"] or c["x"]
     assert r["dtype"] == {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[out]
     assert r["finite"], "kernel left NaN in the output"
-    assert r.get("tma_bits", True), "the tensor-descriptor form differs from pointer loads"
     assert r["rel_err"] <= TOL[out], (f"{c['name']}: max |kernel - ref| / max |ref| = {r['rel_err']:.2e} "
                                       f"> {TOL[out]:.0e}")
     if c["serial"]:
