@@ -26,6 +26,7 @@ from ..kernels import fp8_linear as fl, moe as mk
 
 TARGET = GPUTarget("cuda", 90, 32)
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+_ROUTING = dict(K_TOP=8, K_PAD=8, P_PAD=64, LIVE_COUNT=False, DEDUP=True)
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,11 @@ def specs() -> dict[str, KernelSpec]:
     input rounded to bf16 in the kernel, bf16 linear input), with the wrappers' current defaults."""
     moe_kw = {n: p.default for n, p in inspect.signature(mk.moe).parameters.items()}
     gate_up_types = dict(x_ptr="*fp32", xd_ptr="*fp32", g_ptr="*fp8e4nv", gs_ptr="*fp32", u_ptr="*fp8e4nv",
-                         us_ptr="*fp32", plan_ptr="*i32", part_ptr="*fp32", ran_ptr="*fp32")
-    gate_up_constexprs = dict(B0=128, B1=128, BLOCK_M=mk.BLOCK_M, BLOCK_N=moe_kw["gate_up_block_n"],
+                         us_ptr="*fp32", experts_ptr="*i64", live_ptr="*u8", part_ptr="*fp32", ran_ptr="*fp32")
+    gate_up_constexprs = dict(_ROUTING, B0=128, B1=128, BLOCK_M=mk.BLOCK_M, BLOCK_N=moe_kw["gate_up_block_n"],
                               BLOCK_K=moe_kw["block_k"], ROUND_BF16=True, F32=False, PREC="tf32", STORE_RAN=False,
                               PDL=True, F16=moe_kw["f16"])
-    gate_up_div16 = ("x_ptr", "xd_ptr", "g_ptr", "gs_ptr", "u_ptr", "us_ptr", "plan_ptr", "part_ptr",
+    gate_up_div16 = ("x_ptr", "xd_ptr", "g_ptr", "gs_ptr", "u_ptr", "us_ptr", "experts_ptr", "live_ptr", "part_ptr",
                      "H", "I", "P", "stride_x", "stride_xd", "k_per_split")
     gate_up = KernelSpec(mk._moe_gate_up_kernel, gate_up_types, gate_up_constexprs, gate_up_div16,
                          moe_kw["gate_up_warps"], moe_kw["gate_up_stages"], "MoE Gate/Up")
@@ -62,11 +63,11 @@ def specs() -> dict[str, KernelSpec]:
                                    "MoE Gate/Up on the norm's fp16 tiles")
     down = KernelSpec(
         mk._moe_down_kernel,
-        dict(act_ptr="*fp8e4nv", act_s_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", plan_ptr="*i32",
-             y_ptr="*fp32", ran_ptr="*fp32"),
-        dict(B0=128, GROUP=128, BLOCK_M=mk.BLOCK_M, BLOCK_N=moe_kw["down_block_n"],
+        dict(act_ptr="*fp8e4nv", act_s_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", experts_ptr="*i64",
+             live_ptr="*u8", y_ptr="*fp32", ran_ptr="*fp32"),
+        dict(_ROUTING, B0=128, GROUP=128, BLOCK_M=mk.BLOCK_M, BLOCK_N=moe_kw["down_block_n"],
              BLOCK_K=moe_kw["down_block_k"], F32=False, STORE_RAN=False, PDL=True, F16=moe_kw["f16"]),
-        ("act_ptr", "act_s_ptr", "w_ptr", "ws_ptr", "plan_ptr", "y_ptr", "H", "I", "P"),
+        ("act_ptr", "act_s_ptr", "w_ptr", "ws_ptr", "experts_ptr", "live_ptr", "y_ptr", "H", "I"),
         moe_kw["down_warps"], moe_kw["down_stages"], "MoE Down")
     lin_kw = {n: p.default for n, p in inspect.signature(fl.fp8_linear).parameters.items()}
     linear = KernelSpec(

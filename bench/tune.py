@@ -404,7 +404,7 @@ def moe_case(shape: TuneShape, device, rotate: int = ROTATE_BYTES) -> OpCase:
     return OpCase("moe", f"x [{R}, {H}] {xs}, {E} experts x I_r {I} (E4M3, {b0}x{b1} scales), top-{shape.top_k}; "
                          f"{len(routes)} routings of {min(distinct)}..{max(distinct)} distinct experts "
                          f"({sum(distinct) * per_expert / 1e6:.0f} MB of experts per rotation)",
-                  nbytes, 5, len(routes), run, ref,
+                  nbytes, 4, len(routes), run, ref,
                   new_out=lambda: torch.empty(R, H, dtype=torch.bfloat16, device=device),
                   facts={"distinct_experts": distinct, "expert_bytes": per_expert, "x_dtype": str(x.dtype)})
 

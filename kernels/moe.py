@@ -6,22 +6,22 @@ routing finishes"; MODEL.md forward and TP layout; ROUND.md act_quant).
 on this rank's slice I_r of every expert's intermediate dimension (Down is row-parallel: the caller
 all-reduces `out`). At decode the work is a weight stream (a few rows against ~k..R*k experts'
 E4M3 weights), so every launch is laid out to read each chosen expert's bytes once, spread over
-the whole GPU. Five launches, no host sync, grids sized for the worst case (programs with nothing
+the whole GPU. Four launches, no host sync, grids sized for the worst case (programs with nothing
 to do exit at once), no atomics: eager runs and graph replays are bit-identical.
 
-0. The routing plan (kernels/moe_route.py, one program): a row's k experts are distinct, so the rows
-   that chose expert e are exactly the live rows r with e in experts[r, :], each at one slot j_r. The
-   plan lists the distinct experts of the live rows, each once, in the row-major order of its first
-   live pair (its owner), with row r's pair r * k + j_r for every row that chose it (-1 for the
-   others and for padding rows): an expert chosen only by padding rows is not listed, so its weights
-   are never read. Gate/Up and Down programs are indexed by entry d (P = R * k entries at most);
-   entry d's programs read its expert and rows with one load each, and programs past the count exit
-   after one. Until 2c6bef4 every Gate/Up and Down program deduplicated the routing itself (O(P) work
-   and two dependent L2 round trips a program, and registers: Down 143 -> 128 with the plan).
-   The fp32 routing input may be passed as is with `compute_dtype`: Gate/Up rounds it in registers,
-   which drops the caller's conversion launch.
+No grouping launch: a row's k experts are distinct, so the rows that chose expert e are exactly the
+live rows r with e in experts[r, :], each at one slot j_r, and a program finds them itself. Gate/Up
+and Down programs are indexed by pair p = r * k + j (P = R * k along that axis); program p takes
+e = experts[p] and runs only if p's row is live and no earlier live pair (row-major) chose e, so each
+distinct live expert has exactly one program (its first live pair) and an expert chosen only by
+padding rows has none: its weights are never read. Its rows are the R rows in blocks of BLOCK_M from
+the owner's block on, masked by live & "row r chose e", row r's pair being r * k + j_r: O(P) work a
+program (the routing metadata is a few hundred bytes in L2), where the grouping launch this replaced
+(an O(P^2) ranking in one program, 7.8 us a call on an H200) cost more than the finalize and combine
+together. The fp32 routing input may be passed as is with `compute_dtype`: Gate/Up rounds it in
+registers, which drops the caller's conversion launch.
 
-1. Gate/Up, grid (I_r tile of up to 128 channels x K split, entry): each program of an entry
+1. Gate/Up, grid (pair, I_r tile of up to 128 channels, K split): the owner program of an expert
    reads its K range of the expert's Gate and Up tiles once for every row that chose it and writes
    fp32 partial products to `part` [SPLIT, P, 2, I_r] (row = pair). Distinct experts x I_r tiles
    alone are far too few programs to stream the weights at full bandwidth (~13 x 2 at full size:
@@ -32,12 +32,12 @@ to do exit at once), no atomics: eager runs and graph replays are bit-identical.
    row and GROUP contiguous channels: s = max(amax, 1e-4) / 448, e4m3(h / s)) into `act` [P, I_r]
    E4M3 and `act_scale` [P, I_r / GROUP] fp32. The tile is one quantization group, so amax needs
    no second pass. Only live rows' pairs are touched.
-3. Down, grid (H tile, entry): the program of an entry and H tile reads the expert's Down tile once for
+3. Down, grid (pair, H tile): the owner program of an expert reads the expert's Down tile once for
    all the rows that chose it (the E4M3 activations as a [rows, I_r] operand of one dot per K tile),
    scales each K tile's partial product per row by that row's activation scale and per column by
    the weight block scale, and writes the fp32 per-pair result y [P, H].
 4. Combine, grid (row, H tile): out[r] = sum_j w[r, j] * y[r * k + j] in slot order, cast to
-   out_dtype. Padding rows write exact zeros.
+   out_dtype. Padding rows read nothing and write exact zeros.
 
 Every sum has the order it had with the grouping launch (splits in order, slots in order, one dot
 per row and K tile), and a row's dot result does not depend on which other rows share its tile or
@@ -67,7 +67,7 @@ import triton.language as tl
 from .device import FLOATS as _FLOATS, row_groups, sm_count as _sm_count
 from .f16_operands import bf16_grid, f16_rows
 from .launch import launch_options, wait_for_inputs
-from .moe_route import MAX_PAIRS, check_live, load_live, moe_plan
+from .moe_route import MAX_PAIRS, check_live, load_live
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -126,38 +126,55 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, N, GROUP: tl.constexpr, BLOCK_M: t
 
 
 @triton.jit
-def _plan_entry(plan_ptr, d):
-    """(expert of the plan's entry d, whether d < the plan's count). Both loads go out at once: an entry past the
-    count holds garbage, never used."""
-    return tl.load(plan_ptr + 1 + d), d < tl.load(plan_ptr)
+def _expert_owner(experts_ptr, live_ptr, p, R, K_TOP: tl.constexpr, P_PAD: tl.constexpr,
+                  LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr):
+    """(e = experts[p], whether pair p's program handles e): p's row is live and no earlier live pair
+    (q < p, row-major) chose e. DEDUP = False (tests' negative control) drops the second condition."""
+    e = tl.load(experts_ptr + p)
+    run = load_live(live_ptr, p // K_TOP, R, LIVE_COUNT)
+    if DEDUP:
+        q = tl.arange(0, P_PAD)
+        before = q < p
+        same = before & (tl.load(experts_ptr + q, mask=before, other=-1) == e)
+        same = same & load_live(live_ptr, q // K_TOP, R, LIVE_COUNT)
+        run = run & (tl.sum(same.to(tl.int32), axis=0) == 0)
+    return e, run
 
 
 @triton.jit
-def _plan_rows(plan_ptr, d, m0, R, P, BLOCK_M: tl.constexpr):
-    """Rows m0 .. m0 + BLOCK_M - 1 of entry d: (rows, their pair r * k + j_r, mask of the live rows that chose it)."""
+def _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl.constexpr,
+                 BLOCK_M: tl.constexpr, LIVE_COUNT: tl.constexpr):
+    """Rows m0 .. m0 + BLOCK_M - 1: (rows, their pair r * k + j_r with j_r the slot of e, mask of the
+    live rows that chose e). A row's experts are distinct: at most one slot matches."""
     rows = m0 + tl.arange(0, BLOCK_M)
-    pair = tl.load(plan_ptr + 1 + 2 * P + d * R + rows, mask=rows < R, other=-1)
-    return rows, pair, pair >= 0
+    j = tl.arange(0, K_PAD)
+    ex = tl.load(experts_ptr + rows[:, None] * K_TOP + j[None, :],
+                 mask=(rows < R)[:, None] & (j < K_TOP)[None, :], other=-1)
+    hit = ex == e
+    ok = (tl.sum(hit.to(tl.int32), axis=1) > 0) & load_live(live_ptr, rows, R, LIVE_COUNT)
+    return rows, rows * K_TOP + tl.sum(tl.where(hit, j[None, :], 0), axis=1), ok
 
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, xd_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, plan_ptr, part_ptr, ran_ptr,
-    R, H, I, P, stride_x, stride_xd, s_rows, s_cols, k_per_split, n_tiles,
+    x_ptr, xd_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, ran_ptr,
+    R, H, I, P, stride_x, stride_xd, s_rows, s_cols, k_per_split,
+    K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, PRESCALED: tl.constexpr = False, TMA: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
-    tile = tl.program_id(0) % n_tiles
-    split = tl.program_id(0) // n_tiles
-    d = tl.program_id(1)  # the plan's d-th distinct expert (moe_route.moe_plan); past its count: nothing to do
-    e, run = _plan_entry(plan_ptr, d)
-    if STORE_RAN:  # debug: which pairs' programs did the work (an entry's owner pair)
-        tl.store(ran_ptr + tl.load(plan_ptr + 1 + P + d), 1, mask=run & (tile == 0) & (split == 0))
-    # One pass when R <= BLOCK_M (always at k = 8: R * k <= MAX_PAIRS), none past the plan's count.
-    for m0 in range(0, tl.where(run, R, 0), BLOCK_M):
-        rows, pair, m_ok = _plan_rows(plan_ptr, d, m0, R, P, BLOCK_M)
+    p = tl.program_id(0)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
+    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
+    if STORE_RAN:  # debug: which pairs' programs did the work
+        tl.store(ran_ptr + p, run.to(tl.int32), mask=(tile == 0) & (split == 0))
+    # No pass unless this program owns e; one when R <= BLOCK_M (always at k = 8: R * k <= MAX_PAIRS). A live
+    # row above the owner's that chose e would own it instead, so the passes start at the owner's row block.
+    for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):
+        rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
         if tl.sum(m_ok.to(tl.int32), axis=0) > 0:  # a block of rows none of which chose e streams nothing
             n = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N divides I: always in range
             k_start = split * k_per_split  # a multiple of BLOCK_K, which divides B1
@@ -249,20 +266,22 @@ def _moe_finalize_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    act_ptr, act_s_ptr, w_ptr, ws_ptr, plan_ptr, y_ptr, ran_ptr,
-    R, H, I, P, s_rows, s_cols,
+    act_ptr, act_s_ptr, w_ptr, ws_ptr, experts_ptr, live_ptr, y_ptr, ran_ptr,
+    R, H, I, s_rows, s_cols,
+    K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
-    tile = tl.program_id(0)
-    d = tl.program_id(1)  # as in Gate/Up
-    e, run = _plan_entry(plan_ptr, d)
+    p = tl.program_id(0)
+    tile = tl.program_id(1)
+    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
     if STORE_RAN:
-        tl.store(ran_ptr + tl.load(plan_ptr + 1 + P + d), 1, mask=run & (tile == 0))
-    for m0 in range(0, tl.where(run, R, 0), BLOCK_M):
-        rows, pair, m_ok = _plan_rows(plan_ptr, d, m0, R, P, BLOCK_M)
+        tl.store(ran_ptr + p, run.to(tl.int32), mask=tile == 0)
+
+    for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):  # as in Gate/Up
+        rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
         if tl.sum(m_ok.to(tl.int32), axis=0) > 0:
             n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = n < H
@@ -481,6 +500,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     bn = _pow2_divisor(I, gate_up_block_n)  # partials need no whole group: the finalize quantizes
     bk = _pow2_divisor(block[1], block_k)
     split, k_per_split = plan_split(P, E, k, H, I, bn, bk, split_k, _sm_count(x.device))
+    routing = dict(K_TOP=k, K_PAD=max(2, triton.next_power_of_2(k)), P_PAD=max(16, triton.next_power_of_2(P)),
+                   LIVE_COUNT=count, DEDUP=not (debug is not None and debug.get("no_dedup", False)))
 
     dev = x.device
     part = torch.empty((split, P, 2, I), dtype=torch.float32, device=dev)
@@ -490,7 +511,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     store_h = debug is not None
     hidden = torch.full((P, I), float("nan"), device=dev) if store_h else act_scale
     counts = torch.zeros(P, dtype=torch.int32, device=dev) if store_h else act_scale
-    programs = torch.zeros((2, P), dtype=torch.int32, device=dev) if store_h else act_scale
+    programs = torch.full((2, P), -1, dtype=torch.int32, device=dev) if store_h else act_scale
     f32 = INTERPRETED or compute_dtype == torch.float32
     f16 = f16 and not f32 and compute_dtype == torch.bfloat16  # fp16 compute converts E4M3 to fp16 already
     launch = launch_options(pdl, dev)
@@ -507,11 +528,9 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     if tma:
         g_arg, u_arg, d_arg = (_descriptor(w, b) for w, b in ((gate, (bn, bk)), (up, (bn, bk)),
                                                                (down, (down_block_n, down_bk))))
-    plan = moe_plan(experts, live, dedup=not (debug is not None and debug.get("no_dedup", False)), pdl=pdl)
-    # Grids with the entry d as the slow axis: the programs of the first (working) entries are dispatched first.
-    _moe_gate_up_kernel[((I // bn) * split, P)](
-        x_in, xd_in, g_arg, gate_scale, u_arg, up_scale, plan, part, programs[0], R, H, I, P,
-        x_in.stride(0), xd_in.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, I // bn,
+    _moe_gate_up_kernel[(P, I // bn, split)](
+        x_in, xd_in, g_arg, gate_scale, u_arg, up_scale, experts, live_arg, part, programs[0], R, H, I, P,
+        x_in.stride(0), xd_in.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=f16_input is None and compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32",
         STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma,
@@ -521,9 +540,9 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
         SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,
         DROP_LAST=bool(store_h and debug.get("drop_last_split", False)), num_warps=4, **launch)
-    _moe_down_kernel[(triton.cdiv(H, down_block_n), P)](
-        act, act_scale, d_arg, down_scale, plan, y, programs[1], R, H, I, P,
-        down_scale.shape[1], down_scale.shape[2],
+    _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
+        act, act_scale, d_arg, down_scale, experts, live_arg, y, programs[1], R, H, I,
+        down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
         num_stages=down_stages, F16=f16, TMA=tma, **launch)
