@@ -259,13 +259,12 @@ class TritonOps(TorchOps):
         if not self._fits("norm", True):
             return super().add_norm(x, residual, weight, eps, moe_block)
         f16_input = None
-        if self.f16_norm and moe_block is not None and x.dtype == torch.bfloat16:  # what moe() rounds b32 to
+        tile = self.f16_tile(moe_block, x.shape[1])
+        if self.f16_norm and tile and x.dtype == torch.bfloat16:  # bf16: what moe() rounds b32 to
             R, H = x.shape
-            tile = self._gate_up_k_tile(moe_block)
-            if H % tile == 0:
-                f16_input = (torch.empty((R, H), dtype=torch.float16, device=x.device),
-                             torch.empty((R, H // tile), dtype=torch.float32, device=x.device))
-                self.f16_norm_calls += 1
+            f16_input = (torch.empty((R, H), dtype=torch.float16, device=x.device),
+                         torch.empty((R, H // tile), dtype=torch.float32, device=x.device))
+            self.f16_norm_calls += 1
         y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=torch.float32,
                               f16_out=f16_input, pdl=self._pdl(x))
         return h, y, f16_input
@@ -275,6 +274,15 @@ class TritonOps(TorchOps):
             return super().route(b32, router, top_k, norm_topk_prob, scaling)
         return self._route(b32, router, top_k, norm_topk_prob, scaling, pdl=self._pdl(b32),
                            prefetch=self._prefetch(b32))
+
+    def f16_tile(self, moe_block: tuple[int, int] | None, hidden: int) -> int | None:
+        """The width of the MoE input's fp16 operand tiles for weight blocks `moe_block` (Gate/Up's K tile), or None
+        where the MoE kernel cannot take such blocks (a block width without a power-of-two divisor >= 16, e.g. the
+        micro preset's 8) or the hidden size is not whole tiles."""
+        if moe_block is None or moe_block[1] % 16:
+            return None
+        tile = self._gate_up_k_tile(moe_block)
+        return tile if hidden % tile == 0 else None
 
     def moe(self, b, experts, weights, live, gate, up, down, compute_dtype=None, f16_input=None):
         if not self._fits("moe", self.moe_takes(gate.block, down.block, down.q.shape[-1])):

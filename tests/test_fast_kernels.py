@@ -277,3 +277,16 @@ def test_shapes_a_kernel_cannot_take_fall_back_and_are_counted():
     assert "rope" in make_ops("triton").stages  # its GPU tests passed (bench/results/gpu-tests-rope-8530935.log)
     # Their GPU tests passed (bench/results/gpu-tests-kernels-edc6542.log): part of "triton".
     assert {"lm_head", "rng", "route"} <= make_ops("triton").stages == frozenset(STAGES)
+
+
+def test_f16_tile_only_where_the_moe_kernel_takes_the_blocks():
+    """The post-attention norm writes the MoE's fp16 operand tiles only for weight blocks the MoE kernel takes: the
+    micro preset's 8-wide blocks have no tile (the first GPU qualification at b1ac415 stopped on exactly this:
+    "moe: block 8 has no power-of-two divisor >= 16"), and a hidden size that is not whole tiles has none."""
+    from iquest.fast.ops import make_ops
+
+    ops = make_ops("triton")
+    assert ops.f16_tile((128, 128), 6144) == 128 and ops.f16_tile((16, 16), 256) == 16
+    assert ops.f16_tile((32, 48), 256) == 16  # Gate/Up's K tile: the largest power of two dividing the block
+    assert ops.f16_tile((8, 8), 64) is None and ops.f16_tile((4, 24), 96) is None and ops.f16_tile(None, 64) is None
+    assert ops.f16_tile((128, 128), 6144 + 64) is None
