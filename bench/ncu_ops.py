@@ -15,7 +15,7 @@ from ..kernels.device import sm_count
 from ..reference.config import Config
 from . import tune
 
-OPS = ("moe", "router", "linear_qkv", "linear_o", "attention_sliding", "attention_full")
+OPS = ("moe", "router", "linear_qkv", "linear_o", "attention_sliding", "attention_full", "norm")
 
 
 def main(argv: list[str]) -> None:

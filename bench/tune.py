@@ -54,19 +54,21 @@ from ..kernels import decode_attention as da
 from ..kernels import fp8_linear as fl
 from ..kernels import moe as mk
 from ..kernels.f16_operands import f16_rows_tiles_ref
+from ..kernels import rmsnorm_residual as rn
 from ..kernels import router as rt
 from ..reference.config import Config
 from ..reference.fp8 import E4M3
 from .kernels_micro import (FULL_CONFIG, MIN_CALLS, ROTATE_BYTES, TP, capture_calls, error_text, linear_bytes,
                             rel_diff)
 
-OPS = ("moe", "linear_qkv", "linear_o", "attention_sliding", "attention_full", "router")
+OPS = ("moe", "linear_qkv", "linear_o", "attention_sliding", "attention_full", "router", "norm")
 LAUNCH = "launch"
 H200_SMS = 132  # candidate lists for tests and --help are built for the H200's SM count
 LINEAR_LOCKS = 4096  # fast/ops.py's split-K counters (one per output tile)
-# max |y - ref| / max |ref| (kernels_micro, tests/test_kernel_*): bf16 outputs; the router's fp32 scores and weights
+# max |y - ref| / max |ref| (kernels_micro, tests/test_kernel_*): bf16 outputs; the router's fp32 scores and weights;
+# the norm's fp32 output of a residual sum rounded to bf16 (which Triton's CPU interpreter truncates: one bf16 ulp)
 TOL = {"moe": 1e-2, "linear_qkv": 1e-2, "linear_o": 1e-2, "attention_sliding": 3e-2, "attention_full": 3e-2,
-       "router": 5e-5}
+       "router": 5e-5, "norm": 1e-2}
 NOISE = 0.02  # a candidate must beat the default by more than this (and the two spreads) to be recommended
 SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU sleep before each timing round: the round's replays queue behind it
 ROUTINGS = 16  # MoE calls rotate over this many routings (disjoint expert sets when E allows)
@@ -122,12 +124,13 @@ def tune_shape(config: Config, tp: int = TP, rows: int = 6, context: int = 1024)
 
 WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "linear_o": fl.fp8_linear,
                                  "attention_sliding": da.decode_attention, "attention_full": da.decode_attention,
-                                 "router": rt.route}
+                                 "router": rt.route, "norm": rn.rmsnorm_residual}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
                     "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma"),
             "linear": ("split_k", "block_n", "num_warps", "num_stages"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
-            "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk")}
+            "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk"),
+            "norm": ("num_warps", "f16_out")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
 # (tma is one switch for both kernels' weight loads; it sits with Gate/Up's, whose bytes dominate.)
 MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "f16_input", "tma"),
@@ -221,6 +224,8 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         splits, _ = rt._split_plan(shape.hidden, split, g["block_h"])
         return {"split": splits, "block_e": g["block_e"], "block_h": g["block_h"], "num_warps": g["num_warps"],
                 "select_warps": g["select_warps"], "packed_topk": g["packed_topk"]}
+    if op == "norm":  # by default as the engine calls it: with the MoE's operand tiles (stage f16_norm)
+        return {"num_warps": g["num_warps"], "f16_out": g["f16_out"] is None or bool(g["f16_out"])}
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -276,6 +281,9 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(select_warps=1), cand(select_warps=2), cand(select_warps=8),  # packed top-k keys (default)
                 # the select's top-k by two reductions per round (before 64-bit keys): the same bits, "=" vs the default
                 cand("two-reduction top-k", packed_topk=False)]
+    if op == "norm":  # one program per row: its warps set the reduction tree, so other counts may round differently
+        return [cand(), cand(num_warps=1), cand(num_warps=2), cand(num_warps=4), cand(num_warps=16),
+                cand("without the MoE's tiles", f16_out=False)]
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -491,6 +499,29 @@ def router_case(shape: TuneShape, device, rotate: int = ROTATE_BYTES) -> OpCase:
                   rt.route_ref(x, w0, k, shape.norm_topk_prob, shape.scaling))
 
 
+def norm_case(shape: TuneShape, device) -> OpCase:
+    """The post-attention norm as the engine calls it: bf16 residual + attention output, fp32 normalized rows for
+    routing, and (by default) the MoE input's fp16 operand tiles. Its inputs are activations just written, so they
+    are read from L2, as here (no copies)."""
+    g = _gen(device, 4)
+    R, H = shape.rows, shape.hidden
+    x = torch.randn(R, H, generator=g, device=device).to(torch.bfloat16)
+    attn = (torch.randn(R, H, generator=g, device=device) / 8).to(torch.bfloat16)
+    w = (torch.rand(H, generator=g, device=device) + 0.5).to(torch.bfloat16)
+    tile = mk.gate_up_k_tile(shape.block)
+    tiles = (torch.empty(R, H, dtype=torch.float16, device=device), torch.empty(R, H // tile, device=device))
+    eps = 1e-6
+
+    def run(kw, i, out=None):
+        kw = {**kw, "f16_out": tiles if kw.get("f16_out", True) else None}
+        return rn.rmsnorm_residual(attn, x, w, eps, torch.float32, out=out, **kw)[0]
+
+    return OpCase("norm", f"residual add + RMSNorm of [{R}, {H}] bf16, fp32 output, the MoE's fp16 tiles of "
+                          f"{tile} columns; inputs from L2", R * H * (2 + 2 + 4 + 2 + 2) + 2 * H, 1, 1, run,
+                  rn.rmsnorm_residual_ref(attn, x, w, eps, torch.float32)[0],
+                  new_out=lambda: torch.empty(R, H, dtype=torch.float32, device=device))
+
+
 def build_case(op: str, shape: TuneShape, device, sms: int, rotate: int = ROTATE_BYTES) -> OpCase:
     if op == "moe":
         return moe_case(shape, device, rotate)
@@ -500,6 +531,8 @@ def build_case(op: str, shape: TuneShape, device, sms: int, rotate: int = ROTATE
         return attention_case(op, shape, device, sms, rotate)
     if op == "router":
         return router_case(shape, device, rotate)
+    if op == "norm":
+        return norm_case(shape, device)
     raise ValueError(f"unknown op {op!r}")
 
 

@@ -28,16 +28,17 @@ def register(bsub) -> None:
     k.set_defaults(run=run_kernels)
     t = bsub.add_parser("tune", help="sweep our kernels' launch configurations at the decode shapes; best defaults",
                         description="For each op (moe, linear_qkv, linear_o, attention_sliding, attention_full, "
-                                    "router) at one TP8 rank's decode shapes (6 rows, 1K context): a few "
+                                    "router, norm) at one TP8 rank's decode shapes (6 rows, 1K context): a few "
                                     "candidate configurations, the current default first, each checked against the "
                                     "default's output and the op's reference, then timed in CUDA graphs rotating over"
-                                    " weight/KV copies (MoE: over routings) so reads come from HBM. Prints per op the"
+                                    " weight/KV copies (MoE: over routings; the norm's activations stay in L2) so "
+                                    "weight reads come from HBM. Prints per op the"
                                     " median us per call, the byte floor, the launch floor (an empty Triton kernel), "
                                     "the best configuration and whether it beats the default; never changes a "
                                     "default. About 3 minutes on an H200 for all ops, compilation included.")
     t.add_argument("--ops", default=None,
-                   help="comma-separated ops: moe, linear_qkv, linear_o, attention_sliding, attention_full, router "
-                        "(default: all)")
+                   help="comma-separated ops: moe, linear_qkv, linear_o, attention_sliding, attention_full, router, "
+                        "norm (default: all)")
     t.add_argument("--repeats", type=int, default=20,
                    help="timed rounds, each replaying every candidate once (default 20)")
     t.add_argument("--budget", type=float, default=240.0,

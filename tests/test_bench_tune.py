@@ -55,7 +55,7 @@ def test_candidates_default_first_unique_and_accepted(op, shape, sms):
             assert name in params and params[name].kind in (inspect.Parameter.KEYWORD_ONLY,
                                                              inspect.Parameter.POSITIONAL_OR_KEYWORD), (op, name)
             assert name in t.TUNABLES[t.family(op)], (op, name)
-            if name in ("f16", "f16_input", "tma", "packed_topk", "one_pass"):  # an operand format or load path, a top-k form
+            if name in ("f16", "f16_input", "tma", "packed_topk", "one_pass", "f16_out"):  # formats, not sizes
                 assert isinstance(value, bool), (op, value)
                 continue
             assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, (op, name, value)
@@ -90,6 +90,7 @@ def test_h200_defaults_and_the_suggested_variants():
     assert r["attention_full"][0]["num_splits"] == 264 and r["attention_full"][0]["live_splits"] == 17
     assert r["router"][0] == {"split": 12, "block_e": 4, "block_h": 512, "num_warps": 1, "select_warps": 4,
                               "packed_topk": True}
+    assert r["norm"][0] == {"num_warps": 8, "f16_out": True}  # as the engine calls the post-attention norm
 
     def values(op, key):
         return {x[key] for x in r[op]}
@@ -106,6 +107,7 @@ def test_h200_defaults_and_the_suggested_variants():
         assert values(op, "num_stages") == {3, 4} and len(values(op, "split_k")) >= 3
     assert values("attention_sliding", "live_splits") == {5, 9, 17, 33}
     assert values("router", "split") == {6, 12, 24} and values("router", "select_warps") == {1, 2, 4, 8}
+    assert values("norm", "num_warps") == {1, 2, 4, 8, 16} and values("norm", "f16_out") == {False, True}
     assert values("router", "packed_topk") == {False, True} and values("router", "block_h") == {256, 512, 1024}
 
 
