@@ -134,7 +134,7 @@ class FastModel:
         experts are not read by the kernel path). `f16_input`: b32's Gate/Up operand form, from the norm that
         made it (ops.add_norm), or None."""
         c = self.config
-        weights, experts, scores = self.ops.route(b32, lw.router, c.num_experts_per_tok, c.norm_topk_prob,
+        weights, experts, scores = self.ops.route(b32, lw, c.num_experts_per_tok, c.norm_topk_prob,
                                                   c.routed_scaling_factor)
         if mtp and "mtp_router_shift" in self.defects:  # negative control: the draft layer skips its best expert
             experts = torch.topk(scores, c.num_experts_per_tok + 1, dim=-1).indices[:, 1:]

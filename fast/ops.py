@@ -35,6 +35,7 @@ class TorchOps:
     def prepare(self, w: ModelWeights) -> None:
         """Derived weights this implementation reads, made before any graph capture."""
         w.hold_lm_head_fp32()
+        w.hold_router_fp32()
 
     def lm_head(self, a: torch.Tensor, w: ModelWeights) -> torch.Tensor:
         """fp32 logits [R, V/tp] of the normalized rows: fp32 products of the compute-dtype head's values."""
@@ -80,11 +81,12 @@ class TorchOps:
         return q
 
     @staticmethod
-    def route(b32: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool,
+    def route(b32: torch.Tensor, lw: LayerWeights, top_k: int, norm_topk_prob: bool,
               scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Softmax routing of the fp32 normalized rows: (weights [R, k], experts [R, k] long, scores [R, E]).
-        The router is held in bf16; widening it is exact, so the logits are the fp32 products of its values."""
-        return route(b32 @ router.float().T, top_k, norm_topk_prob, scaling)
+        The layer's router is held in bf16; its fp32 copy (prepare) is exact, so the logits are the fp32 products of
+        its values."""
+        return route(b32 @ lw.router32.T, top_k, norm_topk_prob, scaling)
 
     def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
             gate: FP8Weight, up: FP8Weight, down: FP8Weight, compute_dtype: torch.dtype | None = None,
@@ -214,8 +216,10 @@ class TritonOps(TorchOps):
                             pdl=self._pdl(x), prefetch=self._prefetch(x))
 
     def prepare(self, w):
-        if "lm_head" not in self.stages:
-            super().prepare(w)
+        if "lm_head" not in self.stages:  # the fallbacks' fp32 copies, only for the stages that fall back
+            w.hold_lm_head_fp32()
+        if "route" not in self.stages:
+            w.hold_router_fp32()
         # The FP8 linear's split-K arrival counters (kernels/fp8_linear.py): zeroed once, before any capture; every
         # call leaves them zeroed, and the engine's calls run one after another on one stream.
         self._locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
@@ -269,10 +273,10 @@ class TritonOps(TorchOps):
                               f16_out=f16_input, pdl=self._pdl(x))
         return h, y, f16_input
 
-    def route(self, b32, router, top_k, norm_topk_prob, scaling):
+    def route(self, b32, lw, top_k, norm_topk_prob, scaling):
         if not self._fits("route", True):
-            return super().route(b32, router, top_k, norm_topk_prob, scaling)
-        return self._route(b32, router, top_k, norm_topk_prob, scaling, pdl=self._pdl(b32),
+            return super().route(b32, lw, top_k, norm_topk_prob, scaling)
+        return self._route(b32, lw.router, top_k, norm_topk_prob, scaling, pdl=self._pdl(b32),
                            prefetch=self._prefetch(b32))
 
     def f16_tile(self, moe_block: tuple[int, int] | None, hidden: int) -> int | None:

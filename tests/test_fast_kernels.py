@@ -290,3 +290,15 @@ def test_f16_tile_only_where_the_moe_kernel_takes_the_blocks():
     assert ops.f16_tile((32, 48), 256) == 16  # Gate/Up's K tile: the largest power of two dividing the block
     assert ops.f16_tile((8, 8), 64) is None and ops.f16_tile((4, 24), 96) is None and ops.f16_tile(None, 64) is None
     assert ops.f16_tile((128, 128), 6144 + 64) is None
+
+
+def test_fallback_routers_widened_once_at_build():
+    """The torch fallback routes with an fp32 copy of each router made when the engine is built (not per call); the
+    copy is exact, the held router stays bf16, and an engine whose routing is the kernel makes no copy."""
+    def routers(kernels):
+        e = RankEngine(TINY, Parallel.single("cpu"), EngineOptions(max_context=64, dtype="fp32", kernels=kernels))
+        return [(lw.router, lw.router32) for lw in (*e.model.w.layers, e.model.w.mtp.block)]
+
+    for held, copy in routers("torch"):
+        assert held.dtype == torch.bfloat16 and copy.dtype == torch.float32 and torch.equal(copy, held.float())
+    assert all(copy is None for _, copy in routers("linear+route"))  # the router kernel reads the bf16 rows
