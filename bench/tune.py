@@ -53,7 +53,7 @@ from ..fast.cache import RING_SLACK
 from ..kernels import decode_attention as da
 from ..kernels import fp8_linear as fl
 from ..kernels import moe as mk
-from ..kernels.f16_operands import f16_rows_tiles_ref
+from ..kernels.f16_operands import empty_tiles, f16_rows_tiles_ref
 from ..kernels import rmsnorm_residual as rn
 from ..kernels import router as rt
 from ..reference.config import Config
@@ -509,7 +509,7 @@ def norm_case(shape: TuneShape, device) -> OpCase:
     attn = (torch.randn(R, H, generator=g, device=device) / 8).to(torch.bfloat16)
     w = (torch.rand(H, generator=g, device=device) + 0.5).to(torch.bfloat16)
     tile = mk.gate_up_k_tile(shape.block)
-    tiles = (torch.empty(R, H, dtype=torch.float16, device=device), torch.empty(R, H // tile, device=device))
+    tiles = empty_tiles(R, H, tile, device)
     eps = 1e-6
 
     def run(kw, i, out=None):

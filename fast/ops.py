@@ -161,6 +161,7 @@ class TritonOps(TorchOps):
 
             patch_interpreter()
         from ..kernels import moe, sample, topk
+        from ..kernels.f16_operands import empty_tiles
         from ..kernels.moe import gate_up_k_tile, tma_fits
         from ..kernels.decode_attention import decode_attention
         from ..kernels.fp8_linear import fp8_linear, lock_count
@@ -175,7 +176,7 @@ class TritonOps(TorchOps):
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
         self._add_norm, self._norm, self._rope_kv = rmsnorm_residual, rmsnorm, rope_kv
-        self._gate_up_k_tile, self._tma_fits = gate_up_k_tile, tma_fits
+        self._gate_up_k_tile, self._tma_fits, self._empty_tiles = gate_up_k_tile, tma_fits, empty_tiles
 
     def _fits(self, stage: str, ok: bool) -> bool:
         """Whether `stage` runs as its kernel here; a shape the kernel cannot take (the 8-wide blocks and heads of
@@ -197,7 +198,12 @@ class TritonOps(TorchOps):
         """Whether the MoE kernel takes these weights: its act_quant groups are Down's K blocks (a power of two
         >= 16 dividing the rank's intermediate size), and Gate/Up share that block width."""
         group = down_block[1]
-        return gate_block[1] == group and intermediate % group == 0 and group >= 16 and group & (group - 1) == 0
+        return gate_block[1] == group and intermediate % group == 0 and TritonOps.moe_group(group)
+
+    @staticmethod
+    def moe_group(width: int) -> bool:
+        """Whether the MoE kernel takes weight blocks this wide along K: a power of two >= 16."""
+        return width >= 16 and width & (width - 1) == 0
 
     @staticmethod
     def _k_tiles(n: int) -> bool:
@@ -265,9 +271,7 @@ class TritonOps(TorchOps):
         f16_input = None
         tile = self.f16_tile(moe_block, x.shape[1])
         if self.f16_norm and tile and x.dtype == torch.bfloat16:  # bf16: what moe() rounds b32 to
-            R, H = x.shape
-            f16_input = (torch.empty((R, H), dtype=torch.float16, device=x.device),
-                         torch.empty((R, H // tile), dtype=torch.float32, device=x.device))
+            f16_input = self._empty_tiles(*x.shape, tile, x.device)
             self.f16_norm_calls += 1
         y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=torch.float32,
                               f16_out=f16_input, pdl=self._pdl(x))
@@ -281,9 +285,9 @@ class TritonOps(TorchOps):
 
     def f16_tile(self, moe_block: tuple[int, int] | None, hidden: int) -> int | None:
         """The width of the MoE input's fp16 operand tiles for weight blocks `moe_block` (Gate/Up's K tile), or None
-        where the MoE kernel cannot take such blocks (a block width without a power-of-two divisor >= 16, e.g. the
-        micro preset's 8) or the hidden size is not whole tiles."""
-        if moe_block is None or moe_block[1] % 16:
+        where the MoE kernel does not take such blocks (`moe_group`: e.g. the micro preset's 8) or the hidden size is
+        not whole tiles."""
+        if moe_block is None or not self.moe_group(moe_block[1]):
             return None
         tile = self._gate_up_k_tile(moe_block)
         return tile if hidden % tile == 0 else None

@@ -85,6 +85,33 @@ def f16_rows_tiles(x: torch.Tensor, block_k: int = 128) -> tuple[torch.Tensor, t
     return y, d
 
 
+def empty_tiles(rows: int, cols: int, tile: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Buffers for the operand tiles of a [rows, cols] input: (fp16 [rows, cols], 2^-s fp32 [rows, cols / tile])."""
+    return (torch.empty((rows, cols), dtype=torch.float16, device=device),
+            torch.empty((rows, cols // tile), dtype=torch.float32, device=device))
+
+
+def tile_width(tiles, rows: int, cols: int, device, what: str) -> int:
+    """The tile width t of operand tiles (fp16 [rows, cols], 2^-s fp32 [rows, cols / t]), as the norm writes them
+    (`f16_out`) and Gate/Up reads them (`f16_input`): a power of two dividing cols. ValueError naming `what`."""
+    def check(cond: bool, message: str) -> None:
+        if not cond:
+            raise ValueError(what + message)
+
+    check(isinstance(tiles, tuple) and len(tiles) == 2, " must be a pair (fp16 [R, H], fp32 [R, H / t])")
+    x16, down = tiles
+    check(x16.dtype == torch.float16 and tuple(x16.shape) == (rows, cols) and x16.stride(1) == 1,
+          f"[0] must be fp16 [{rows}, {cols}] with unit stride, got {x16.dtype} {tuple(x16.shape)}")
+    n = down.shape[1] if down.dim() == 2 else 0
+    tile = cols // n if n else 0
+    check(down.dtype == torch.float32 and down.dim() == 2 and down.shape[0] == rows and down.stride(1) == 1
+          and tile * n == cols and tile >= 2 and tile & (tile - 1) == 0,
+          f"[1] must be fp32 [{rows}, H / t] for a power-of-two tile t dividing H = {cols}, got "
+          f"{down.dtype} {tuple(down.shape)}")
+    check(x16.device == down.device == device, f" is not on {device}")
+    return tile
+
+
 def f16_rows_tiles_ref(x: torch.Tensor, block_k: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch: the same powers of two from the same exponent bits."""
     M, K = x.shape

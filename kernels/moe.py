@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS, row_groups, sm_count as _sm_count
-from .f16_operands import bf16_grid, f16_rows
+from .f16_operands import bf16_grid, f16_rows, tile_width
 from .launch import launch_options, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
 
@@ -338,19 +338,6 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(f"moe: {message}")
 
 
-def _check_f16_input(f16_input, R: int, H: int, tile: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(isinstance(f16_input, tuple) and len(f16_input) == 2, "f16_input must be a pair (fp16 x, 2^-s)")
-    x16, down = f16_input
-    _check(H % tile == 0, f"f16_input needs whole K tiles: H = {H} is not a multiple of {tile}")
-    _check(x16.dtype == torch.float16 and tuple(x16.shape) == (R, H) and x16.stride(1) == 1,
-           f"f16_input[0] must be fp16 [{R}, {H}] with unit stride, got {x16.dtype} {tuple(x16.shape)}")
-    _check(down.dtype == torch.float32 and tuple(down.shape) == (R, H // tile) and down.stride(1) == 1,
-           f"f16_input[1] must be fp32 [{R}, {H // tile}] (one 2^-s per row and {tile}-wide K tile), "
-           f"got {down.dtype} {tuple(down.shape)}")
-    _check(x16.device == device and down.device == device, f"f16_input is not on {device}")
-    return x16, down
-
-
 def _descriptor(w: torch.Tensor, tile: tuple[int, int]):
     """A tensor descriptor of the [E, rows, cols] E4M3 weight for [1, *tile] boxes (one expert's tile)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -517,7 +504,9 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     launch = launch_options(pdl, dev)
     x_in, xd_in = x, x  # xd_in: unused pointer unless prescaled
     if f16_input is not None:
-        x_in, xd_in = _check_f16_input(f16_input, R, H, bk, dev)
+        tile = tile_width(f16_input, R, H, dev, "moe: f16_input")
+        _check(tile == bk, f"f16_input's tiles are {tile} wide; Gate/Up's K tile here is {bk}")
+        x_in, xd_in = f16_input
         _check(compute_dtype == torch.bfloat16 and (f16 or f32),
                f"f16_input is Gate/Up's fp16 operand: it needs bf16 compute (got {compute_dtype}) with f16=True")
 

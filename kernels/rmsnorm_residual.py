@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS
-from .f16_operands import bf16_grid, f16_rows
+from .f16_operands import bf16_grid, f16_rows, tile_width
 from .launch import launch_options, wait_for_inputs
 
 MAX_HIDDEN = 65536
@@ -100,19 +100,7 @@ def _check_f16_out(f16_out, R: int, H: int, out: torch.Tensor) -> tuple[torch.Te
     """(fp16 tiles, their 2^-s, tile width); without f16_out, `out` twice and width 0 (pointers left unused)."""
     if f16_out is None:
         return out, out, 0
-    device = out.device
-    _check(isinstance(f16_out, tuple) and len(f16_out) == 2, "f16_out must be a pair (fp16 [R, H], fp32 [R, H / t])")
-    y16, down = f16_out
-    _check(y16.dtype == torch.float16 and tuple(y16.shape) == (R, H) and y16.stride(1) == 1,
-           f"f16_out[0] must be fp16 [{R}, {H}] with unit stride, got {y16.dtype} {tuple(y16.shape)}")
-    tiles = down.shape[1] if down.dim() == 2 else 0
-    tile = H // tiles if tiles else 0
-    _check(down.dtype == torch.float32 and down.dim() == 2 and down.shape[0] == R and down.stride(1) == 1
-           and tile * tiles == H and tile >= 2 and tile & (tile - 1) == 0,
-           f"f16_out[1] must be fp32 [{R}, H / t] for a power-of-two tile t dividing H = {H}, got "
-           f"{down.dtype} {tuple(down.shape)}")
-    _check(y16.device == device and down.device == device, f"f16_out is not on {device}")
-    return y16, down, tile
+    return (*f16_out, tile_width(f16_out, R, H, out.device, "rmsnorm_residual: f16_out"))
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None, *,

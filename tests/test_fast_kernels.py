@@ -287,8 +287,9 @@ def test_f16_tile_only_where_the_moe_kernel_takes_the_blocks():
 
     ops = make_ops("triton")
     assert ops.f16_tile((128, 128), 6144) == 128 and ops.f16_tile((16, 16), 256) == 16
-    assert ops.f16_tile((32, 48), 256) == 16  # Gate/Up's K tile: the largest power of two dividing the block
+    assert ops.f16_tile((32, 256), 512) == 128  # Gate/Up's K tile: at most 128 wide
     assert ops.f16_tile((8, 8), 64) is None and ops.f16_tile((4, 24), 96) is None and ops.f16_tile(None, 64) is None
+    assert ops.f16_tile((32, 48), 96) is None  # not a power of two: the MoE kernel falls back, no tiles to make
     assert ops.f16_tile((128, 128), 6144 + 64) is None
 
 

@@ -100,8 +100,7 @@ def prescaled_moe(t: dict, defect: bool = False) -> dict:
 
     R, H = t["x"].shape
     tile = mk.gate_up_k_tile(t["block"])
-    tiles = (torch.empty((R, H), dtype=torch.float16, device=t["x"].device),
-             torch.empty((R, H // tile), device=t["x"].device))
+    tiles = fo.empty_tiles(R, H, tile, t["x"].device)
     b32, _ = rn.rmsnorm_residual(t["x"], t["residual"].to(torch.bfloat16), t["norm"], 1e-6, out_dtype=torch.float32,
                                  f16_out=tiles)
     if defect:
@@ -186,6 +185,26 @@ def test_the_boundary_element_is_lost():
     assert fo.exact_in_f16(x).tolist() == [[True], [False]]
     y, d = fo.f16_rows_tiles_ref(x)
     assert float(y[1, 5]) * float(d[1, 0]) != 2.0 ** -40
+
+
+def test_operand_tiles_are_checked_where_they_are_written_and_read():
+    """The norm's f16_out and the MoE's f16_input go through one check (f16_operands.tile_width): wrong dtypes, a tile
+    count that does not divide H, and (the MoE) tiles of another width than its K tile are refused before a launch."""
+    from iquest.kernels import moe as mk
+    from iquest.kernels import rmsnorm_residual as rn
+
+    x, w = torch.ones(3, 128, dtype=torch.bfloat16), torch.ones(128)
+    assert fo.tile_width(fo.empty_tiles(3, 128, 32, "cpu"), 3, 128, torch.device("cpu"), "t") == 32
+    for bad, message in ((fo.empty_tiles(3, 128, 32, "cpu")[::-1], r"\[0\] must be fp16"),
+                         ((torch.empty(3, 128, dtype=torch.float16), torch.empty(3, 3)), r"\[1\] must be fp32"),
+                         ((torch.empty(3, 128, dtype=torch.float16),), " must be a pair")):
+        with pytest.raises(ValueError, match="rmsnorm_residual: f16_out" + message):
+            rn.rmsnorm_residual(x, x, w, 1e-6, torch.float32, f16_out=bad)
+    t = moe_case_inputs(3, torch.Generator().manual_seed(0))
+    args = [t[a] for a in ("experts", "weights", "live", "gate", "gate_scale", "up", "up_scale", "down", "down_scale")]
+    with pytest.raises(ValueError, match="f16_input's tiles are 64 wide; Gate/Up's K tile here is 32"):
+        mk.moe(t["x"].float(), *args, block=t["block"], group=32, compute_dtype=torch.bfloat16,
+               f16_input=fo.empty_tiles(3, 128, 64, "cpu"))
 
 
 def test_rejects_bad_inputs():
