@@ -295,8 +295,6 @@ class TritonOps(TorchOps):
     def moe(self, b, experts, weights, live, gate, up, down, compute_dtype=None, f16_input=None):
         if not self._fits("moe", self.moe_takes(gate.block, down.block, down.q.shape[-1])):
             return super().moe(b, experts, weights, live, gate, up, down, compute_dtype)
-        if (compute_dtype or b.dtype) != torch.bfloat16:
-            f16_input = None  # made for bf16 compute only
         tma = self.tma and self._tma_fits(gate.q, up.q, down.q)
         self.tma_calls += tma
         step = self._max_pairs // experts.shape[1]  # prefill blocks exceed the kernel's pair capacity: split rows

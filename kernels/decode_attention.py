@@ -117,6 +117,23 @@ def _attention_split_kernel(
 
 
 @triton.jit
+def _combine_chunk(part_m_ptr, part_l_ptr, part_acc_ptr, part, ok, d, D: tl.constexpr):
+    """Split partials `part` of one (KV head, row): their max, sum of exponentials and weighted V (none where not
+    `ok`)."""
+    ms = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"))
+    ls = tl.load(part_l_ptr + part, mask=ok, other=0.0)
+    a = tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    return ms, ls, a
+
+
+@triton.jit
+def _combine_add(den, acc, ms, ls, a, m_safe):
+    """A chunk of splits added to the denominator and the weighted V at the final max."""
+    w = tl.exp2(ms - m_safe)
+    return den + tl.sum(ls * w, axis=0), acc + tl.sum(a * w[:, None], axis=0)
+
+
+@triton.jit
 def _attention_combine_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, kv_len_ptr, out_ptr,
     S, R, stride_or, stride_oh,
@@ -149,23 +166,15 @@ def _attention_combine_kernel(
         ok0, ok1 = s < n_live, BLOCK_S + s < n_live
         part0 = (g * NUM_SPLITS + s) * RG + row
         part1 = part0 + BLOCK_S * RG
-        ms0 = tl.load(part_m_ptr + part0, mask=ok0, other=float("-inf"))
-        ls0 = tl.load(part_l_ptr + part0, mask=ok0, other=0.0)
-        a0 = tl.load(part_acc_ptr + part0[:, None] * D + d[None, :], mask=ok0[:, None], other=0.0)
-        ms1 = tl.load(part_m_ptr + part1, mask=ok1, other=float("-inf"))
-        ls1 = tl.load(part_l_ptr + part1, mask=ok1, other=0.0)
-        a1 = tl.load(part_acc_ptr + part1[:, None] * D + d[None, :], mask=ok1[:, None], other=0.0)
+        ms0, ls0, a0 = _combine_chunk(part_m_ptr, part_l_ptr, part_acc_ptr, part0, ok0, d, D)
+        ms1, ls1, a1 = _combine_chunk(part_m_ptr, part_l_ptr, part_acc_ptr, part1, ok1, d, D)
         m = tl.maximum(tl.maximum(m, tl.max(ms0, axis=0)), tl.max(ms1, axis=0))  # -inf for an empty chunk: exact
         if HAS_SINKS:
             m = tl.maximum(m, sink)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w0 = tl.exp2(ms0 - m_safe)
-        den += tl.sum(ls0 * w0, axis=0)
-        acc += tl.sum(a0 * w0[:, None], axis=0)
+        den, acc = _combine_add(den, acc, ms0, ls0, a0, m_safe)
         if n_live > BLOCK_S:
-            w1 = tl.exp2(ms1 - m_safe)
-            den += tl.sum(ls1 * w1, axis=0)
-            acc += tl.sum(a1 * w1[:, None], axis=0)
+            den, acc = _combine_add(den, acc, ms1, ls1, a1, m_safe)
     else:
         for s0 in range(0, n_live, BLOCK_S):
             ms = tl.load(part_m_ptr + (g * NUM_SPLITS + s0 + s) * RG + row, mask=s0 + s < n_live,
@@ -175,14 +184,9 @@ def _attention_combine_kernel(
             m = tl.maximum(m, sink)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         for s0 in range(0, n_live, BLOCK_S):
-            ok = s0 + s < n_live
             part = (g * NUM_SPLITS + s0 + s) * RG + row
-            ms = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"))
-            ls = tl.load(part_l_ptr + part, mask=ok, other=0.0)
-            a = tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-            w = tl.exp2(ms - m_safe)
-            den += tl.sum(ls * w, axis=0)
-            acc += tl.sum(a * w[:, None], axis=0)
+            ms, ls, a = _combine_chunk(part_m_ptr, part_l_ptr, part_acc_ptr, part, s0 + s < n_live, d, D)
+            den, acc = _combine_add(den, acc, ms, ls, a, m_safe)
     if HAS_SINKS:
         den += tl.exp2(sink - m_safe)  # the sink, exactly once
     out = tl.where(den > 0, acc / den, 0.0)  # no visible slot and no sink: zeros, not NaN
