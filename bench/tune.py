@@ -126,15 +126,14 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "attention_sliding": da.decode_attention, "attention_full": da.decode_attention,
                                  "router": rt.route, "norm": rn.rmsnorm_residual}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
-                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "locks"),
+                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma"),
             "linear": ("split_k", "block_n", "num_warps", "num_stages"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk"),
             "norm": ("num_warps", "f16_out")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
 # (tma is one switch for both kernels' weight loads; it sits with Gate/Up's, whose bytes dominate.)
-MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "f16_input", "tma",
-               "locks"),
+MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "f16_input", "tma"),
               ("down_block_n", "down_block_k", "down_warps", "down_stages"))
 
 
@@ -205,9 +204,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
                 "down_warps": g["down_warps"], "down_stages": g["down_stages"], "f16": g["f16"],
                 # the engine's call: x's tiles made by the norm (stage f16_norm); TMA where aligned (it is here)
                 "f16_input": g["f16"] and (g["f16_input"] is None or bool(g["f16_input"])),
-                "tma": True if g["tma"] is None else g["tma"],
-                # the engine's call: the finalize and combine folded (stage moe_fold); locks=False: four launches
-                "fold": g["locks"] is not False}
+                "tma": True if g["tma"] is None else g["tma"]}
     if family(op) == "linear":
         n, k = shape.qkv if op == "linear_qkv" else shape.o
         bk = fl._block_k(shape.block[1])
@@ -259,9 +256,7 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand("x rescaled in the programs", f16_input=False), cand("pointer loads", tma=False),
                 cand("both, the 9b0188f default", f16_input=False, tma=False),
                 # with TMA: wider Down tiles, more warps
-                cand(down_block_n=256), cand(gate_up_warps=8, down_warps=8), cand(down_block_k=128, down_stages=2),
-                # the finalize and combine as launches of their own (before the fold)
-                cand("four launches", locks=False)]
+                cand(down_block_n=256), cand(gate_up_warps=8, down_warps=8), cand(down_block_k=128, down_stages=2)]
     if family(op) == "linear":
         auto = {bn: resolve(op, {"block_n": bn}, shape, sms)["split_k"] for bn in (32, 64, 128)}
         half = {bn: max(1, a // 2) for bn, a in auto.items()}
@@ -397,12 +392,9 @@ def moe_case(shape: TuneShape, device, rotate: int = ROTATE_BYTES) -> OpCase:
     nbytes = round(statistics.mean(distinct)) * per_expert + x.element_size() * R * H + 2 * R * H
 
     tiles = {}  # f16_input=True: x's operand tiles for that K tile, made once (the engine's norm makes them)
-    # The fold's counters, shared by every call (as the engine's are): enough for the narrowest tiles swept.
-    locks = torch.zeros(mk.lock_count(R * shape.top_k, I, H, 16, 16), dtype=torch.int32, device=device)
 
     def run(kw, i, out=None):
         e, w = routes[i]
-        kw = {**kw, "locks": None if kw.get("locks") is False else locks}  # by default folded, as the engine calls it
         # By default as the engine calls it: the tiles made by the norm (fp16 operands only); False: none.
         if kw.get("f16_input", True) and kw.get("f16", True):
             tile = mk.gate_up_k_tile(shape.block, kw.get("block_k", 128))
@@ -420,7 +412,7 @@ def moe_case(shape: TuneShape, device, rotate: int = ROTATE_BYTES) -> OpCase:
     return OpCase("moe", f"x [{R}, {H}] {xs}, {E} experts x I_r {I} (E4M3, {b0}x{b1} scales), top-{shape.top_k}; "
                          f"{len(routes)} routings of {min(distinct)}..{max(distinct)} distinct experts "
                          f"({sum(distinct) * per_expert / 1e6:.0f} MB of experts per rotation)",
-                  nbytes, 2, len(routes), run, ref,  # Gate/Up and Down, the finalize and combine folded in
+                  nbytes, 4, len(routes), run, ref,
                   new_out=lambda: torch.empty(R, H, dtype=torch.bfloat16, device=device),
                   facts={"distinct_experts": distinct, "expert_bytes": per_expert, "x_dtype": str(x.dtype)})
 

@@ -7,8 +7,7 @@ launch); split-KV decode attention, which evaluates visibility from `slot_pos` i
 full layer only up to the block's last position (`kv_len` stays a device tensor: no host read,
 graph-capturable); rotary + KV write in one launch; RMSNorm with and without the residual add (the MoE
 output's add folded into the next norm); router logits with softmax/top-k; the MoE over live rows, each chosen
-expert's weights read once, with act_quant'ed E4M3 activations into Down (its finalize and combine folded into
-the two weight-streaming launches: "moe_fold"); the LM head from its bf16 rows; the
+expert's weights read once, with act_quant'ed E4M3 activations into Down; the LM head from its bf16 rows; the
 tiled top-k scan and the global top-k/top-p; Philox uniforms in one launch. Same math; the kernels round
 differently (fp32 accumulation in other orders, E4M3 activations into Down), which the qualification suite
 measures. At one decode block every kernel
@@ -129,15 +128,12 @@ class TorchOps:
 # bench/results/*-242fbb5.*): MoE 37.4 -> 30.8 us a call with both, all "="; full-size round 8,108 (neither) -> 7,663
 # (f16_norm) -> 7,413 us (both), same process.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
-          "f16", "f16_norm", "tma", "moe_fold")
+          "f16", "f16_norm", "tma")
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
 OPT_IN: tuple[str, ...] = ("prefetch",)
 
 
-# Arrival counters: the FP8 linear's split-K sums (one per output tile of the largest decode and prefill-block
-# linear) and the MoE's fold (kernels/moe.py lock_count: 304 at one TP8 rank's decode block). One buffer serves both:
-# the calls run one after another on one stream and each leaves its counters zeroed.
-LINEAR_LOCKS = 4096
+LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
 
 
 class TritonOps(TorchOps):
@@ -156,8 +152,6 @@ class TritonOps(TorchOps):
         self.f16 = "f16" in self.stages
         self.f16_norm = self.f16 and {"f16_norm", "moe", "norm"} <= self.stages
         self.tma = "tma" in self.stages and "moe" in self.stages
-        self.moe_fold = "moe_fold" in self.stages
-        self.fold_calls = 0  # MoE calls with the finalize and combine folded into Gate/Up and Down (likewise)
         self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
         self.tma_calls = 0  # MoE calls through tensor descriptors (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
@@ -183,7 +177,6 @@ class TritonOps(TorchOps):
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
         self._add_norm, self._norm, self._rope_kv = rmsnorm_residual, rmsnorm, rope_kv
         self._gate_up_k_tile, self._tma_fits, self._empty_tiles = gate_up_k_tile, tma_fits, empty_tiles
-        self._moe_locks = moe.lock_count
 
     def _fits(self, stage: str, ok: bool) -> bool:
         """Whether `stage` runs as its kernel here; a shape the kernel cannot take (the 8-wide blocks and heads of
@@ -306,14 +299,11 @@ class TritonOps(TorchOps):
         self.tma_calls += tma
         step = self._max_pairs // experts.shape[1]  # prefill blocks exceed the kernel's pair capacity: split rows
         rows = lambda t, s: None if t is None else tuple(part[s:s + step] for part in t)
-        fold = (self.moe_fold and self._locks is not None
-                and self._moe_locks(self._max_pairs, gate.q.shape[1], b.shape[1]) <= self._locks.numel())
-        self.fold_calls += fold
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
                            pdl=self._pdl(b), f16=self.f16,  # moe() takes it on the GPU only
-                           f16_input=rows(f16_input, s), tma=tma, locks=self._locks if fold else None)
+                           f16_input=rows(f16_input, s), tma=tma)
                  for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

@@ -6,9 +6,8 @@ routing finishes"; MODEL.md forward and TP layout; ROUND.md act_quant).
 on this rank's slice I_r of every expert's intermediate dimension (Down is row-parallel: the caller
 all-reduces `out`). At decode the work is a weight stream (a few rows against ~k..R*k experts'
 E4M3 weights), so every launch is laid out to read each chosen expert's bytes once, spread over
-the whole GPU. Four launches (two with `locks`, below), no host sync, grids sized for the worst case
-(programs with nothing to do exit at once), no atomic arithmetic on values: eager runs and graph replays
-are bit-identical.
+the whole GPU. Four launches, no host sync, grids sized for the worst case (programs with nothing
+to do exit at once), no atomics: eager runs and graph replays are bit-identical.
 
 No grouping launch: a row's k experts are distinct, so the rows that chose expert e are exactly the
 live rows r with e in experts[r, :], each at one slot j_r, and a program finds them itself. Gate/Up
@@ -39,14 +38,6 @@ registers, which drops the caller's conversion launch.
    the weight block scale, and writes the fp32 per-pair result y [P, H].
 4. Combine, grid (row, H tile): out[r] = sum_j w[r, j] * y[r * k + j] in slot order, cast to
    out_dtype. Padding rows read nothing and write exact zeros.
-
-The fold (`locks` given): launches 2 and 4 run inside 1 and 3. Each Gate/Up program of an owner, after storing
-its split's partials, arrives at a counter of its (pair, channel tile); the last of the splits to arrive runs the
-finalize for that expert's rows on that tile (a tile of whole quantization groups; otherwise the finalize stays a
-launch). Each Down program, owner or not, arrives at a counter of its H tile; the last to arrive runs the combine
-for every row on that tile. Counters only choose which program does the sums, never their order (splits, then
-slots, as the launches do), so the output is bit-identical; the last program re-arms its counter. A launch's
-fixed cost (~2 us each at decode: drain, launch, ramp) is what this saves, against one program's serial tail.
 
 Every sum has the order it had with the grouping launch (splits in order, slots in order, one dot
 per row and K tile), and a row's dot result does not depend on which other rows share its tile or
@@ -172,10 +163,6 @@ def _moe_gate_up_kernel(
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, PRESCALED: tl.constexpr = False, TMA: tl.constexpr = False,
-    # FOLD: the finalize runs here, in the last split program of each (owner, channel tile) to arrive at its counter
-    lock_ptr=None, act_ptr=None, act_s_ptr=None, h_ptr=None, count_ptr=None, FOLD: tl.constexpr = False,
-    SPLIT: tl.constexpr = 1, GROUP: tl.constexpr = 128, STORE_H: tl.constexpr = False, DROP_LAST: tl.constexpr = False,
-    REARM: tl.constexpr = True,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -241,55 +228,6 @@ def _moe_gate_up_kernel(
             dst = part_ptr + ((split * P + pair) * 2)[:, None] * I + n[None, :]
             tl.store(dst, acc_g, mask=m_ok[:, None])
             tl.store(dst + I, acc_u, mask=m_ok[:, None])
-    if FOLD:
-        # The expert's last split to arrive sums all of its splits (in split order, as the finalize launch does, so
-        # the same bits whichever arrives last) and finalizes its rows' pairs on this tile's channels.
-        if run:
-            lock = lock_ptr + p * tl.num_programs(1) + tile
-            if _last_arrival(lock, tl.num_programs(2)):
-                for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, R, BLOCK_M):
-                    rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
-                    for g in tl.static_range(BLOCK_N // GROUP):  # BLOCK_N is whole quantization groups
-                        _finalize_rows(part_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, pair, m_ok, m_ok,
-                                       tile * (BLOCK_N // GROUP) + g, P, I, SPLIT, GROUP, STORE_H, DROP_LAST, ".cg")
-                if REARM:  # (False: tests' negative control)
-                    tl.atomic_xchg(lock, 0)  # re-armed for the next call
-
-
-@triton.jit
-def _finalize_rows(part_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, pair, load_ok, ok, tile, P, I,
-                   SPLIT: tl.constexpr, GROUP: tl.constexpr, STORE_H: tl.constexpr, DROP_LAST: tl.constexpr,
-                   CACHE: tl.constexpr):
-    """The finalize of pairs `pair` on channels tile * GROUP ...: the split sum, SiLU and product, act_quant; stores
-    for the pairs in `ok` (loads for those in `load_ok`). Shared by the finalize launch and Gate/Up's fold."""
-    n = tile * GROUP + tl.arange(0, GROUP)
-    src = part_ptr + (pair * 2)[:, None] * I + n[None, :]
-    g = tl.zeros([pair.shape[0], GROUP], tl.float32)
-    u = tl.zeros([pair.shape[0], GROUP], tl.float32)
-    summed = 0  # splits added (compile-time): debug's split_counts, so a test sees which sum ran
-    # Unrolled, so every split's loads issue at once; the adds keep the order s = 0, 1, ... (the
-    # sum must not depend on scheduling). DROP_LAST (tests' negative control) skips the last split.
-    for s in tl.static_range(SPLIT - DROP_LAST):
-        g += tl.load(src + s * P * 2 * I, mask=load_ok[:, None], other=0.0, cache_modifier=CACHE)
-        u += tl.load(src + s * P * 2 * I + I, mask=load_ok[:, None], other=0.0, cache_modifier=CACHE)
-        summed += 1
-    h = g * tl.sigmoid(g) * u
-    q8, sc = _act_quant_tile(h)
-    tl.store(act_ptr + pair[:, None] * I + n[None, :], q8, mask=ok[:, None])
-    tl.store(act_s_ptr + pair * (I // GROUP) + tile, sc, mask=ok)
-    if STORE_H:
-        tl.store(h_ptr + pair[:, None] * I + n[None, :], h, mask=ok[:, None])
-        tl.store(count_ptr + pair, summed + 0 * pair, mask=ok & (tile == 0))
-
-
-@triton.jit
-def _last_arrival(lock_ptr, arrivals):
-    """Whether this program is the last of `arrivals` to reach `lock_ptr` (an int32 counter, zero before the
-    first): every program's stores made before its arrival are visible to the last one (a barrier, then an
-    acquire-release add; the last one then loads with .cg, past its L1). The caller re-arms the counter
-    (`_rearm`) when done."""
-    tl.debug_barrier()  # every thread's stores issued before the release below
-    return tl.atomic_add(lock_ptr, 1, sem="acq_rel") == arrivals - 1
 
 
 @triton.jit
@@ -301,12 +239,29 @@ def _moe_finalize_kernel(
 ):
     wait_for_inputs(PDL)
     pair = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    tile = tl.program_id(1)
     in_range = pair < P
     ok = in_range & load_live(live_ptr, pair // K_TOP, R, LIVE_COUNT)  # padding rows' pairs stay unwritten
+    n = tile * GROUP + tl.arange(0, GROUP)
+    src = part_ptr + (pair * 2)[:, None] * I + n[None, :]
+    g = tl.zeros([ROWS, GROUP], tl.float32)
+    u = tl.zeros([ROWS, GROUP], tl.float32)
+    summed = 0  # splits added (compile-time): debug's split_counts, so a test sees which sum ran
+    # Unrolled, so every split's loads issue at once; the adds keep the order s = 0, 1, ... (the
+    # sum must not depend on scheduling). DROP_LAST (tests' negative control) skips the last split.
     # The loads do not wait for liveness (a padding pair reads its never-written partials, and nothing of it is
     # stored): they go out with the live mask's.
-    _finalize_rows(part_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, pair, in_range, ok, tl.program_id(1), P, I,
-                   SPLIT, GROUP, STORE_H, DROP_LAST, "")
+    for s in tl.static_range(SPLIT - DROP_LAST):
+        g += tl.load(src + s * P * 2 * I, mask=in_range[:, None], other=0.0)
+        u += tl.load(src + s * P * 2 * I + I, mask=in_range[:, None], other=0.0)
+        summed += 1
+    h = g * tl.sigmoid(g) * u
+    q8, sc = _act_quant_tile(h)
+    tl.store(act_ptr + pair[:, None] * I + n[None, :], q8, mask=ok[:, None])
+    tl.store(act_s_ptr + pair * (I // GROUP) + tile, sc, mask=ok)
+    if STORE_H:
+        tl.store(h_ptr + pair[:, None] * I + n[None, :], h, mask=ok[:, None])
+        tl.store(count_ptr + pair, summed + 0 * pair, mask=ok & (tile == 0))
 
 
 @triton.jit
@@ -317,10 +272,6 @@ def _moe_down_kernel(
     B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False,
-    # FOLD: the combine runs here, in the last program of each H tile to arrive at its counter (every pair's
-    # program arrives, owner or not)
-    lock_ptr=None, weights_ptr=None, out_ptr=None, stride_o=0, FOLD: tl.constexpr = False,
-    COMBINE_ROWS: tl.constexpr = 8, REARM: tl.constexpr = True,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -356,32 +307,6 @@ def _moe_down_kernel(
                     part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
                 acc += part * sa[:, None] * sw[None, :]  # the act scale differs per row (pair)
             tl.store(y_ptr + pair[:, None] * H + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
-    if FOLD:
-        # The tile's last program sums every row's routed experts in slot order, as the combine launch does.
-        if _last_arrival(lock_ptr + tile, tl.num_programs(0)):
-            n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            for r0 in range(0, R, COMBINE_ROWS):
-                _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, r0 + tl.arange(0, COMBINE_ROWS), n, n < H,
-                              R, H, stride_o, K_TOP, LIVE_COUNT, ".cg")
-            if REARM:
-                tl.atomic_xchg(lock_ptr + tile, 0)  # re-armed for the next call
-
-
-@triton.jit
-def _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, rows, n, n_ok, R, H, stride_o,
-                  K_TOP: tl.constexpr, LIVE_COUNT: tl.constexpr, CACHE: tl.constexpr):
-    """out[rows, n] = sum_j w[r, j] * y[r * k + j, n], slot order fixed; shared by the combine launch and Down's
-    fold. The loads do not wait for liveness (they go out with it): a padding row's pairs have no y (never
-    computed), so its sum is garbage and replaced by exact zeros."""
-    r_ok = rows < R
-    acc = tl.zeros([rows.shape[0], n.shape[0]], tl.float32)
-    for j in tl.static_range(K_TOP):
-        w = tl.load(weights_ptr + rows * K_TOP + j, mask=r_ok, other=0.0)
-        acc += w[:, None] * tl.load(y_ptr + (rows * K_TOP + j)[:, None] * H + n[None, :],
-                                    mask=r_ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=CACHE)
-    acc = tl.where(load_live(live_ptr, rows, R, LIVE_COUNT)[:, None], acc, 0.0)
-    tl.store(out_ptr + rows[:, None] * stride_o + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=r_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -391,9 +316,18 @@ def _moe_combine_kernel(
     PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
+    r = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, tl.program_id(0) + tl.arange(0, 1), n, n < H, R, H,
-                  stride_o, K_TOP, LIVE_COUNT, "")
+    n_ok = n < H
+    live = load_live(live_ptr, r + 0 * n, R, LIVE_COUNT)
+    acc = tl.zeros([BLOCK], tl.float32)
+    # The loads do not wait for liveness (they go out with it): a padding row's pairs have no y (never computed),
+    # so its sum is garbage and replaced by exact zeros.
+    for j in tl.static_range(K_TOP):  # slot order, fixed
+        w = tl.load(weights_ptr + r * K_TOP + j + 0 * n)
+        acc += w * tl.load(y_ptr + (r * K_TOP + j) * H + n, mask=n_ok, other=0.0)
+    acc = tl.where(live, acc, 0.0)
+    tl.store(out_ptr + r * stride_o + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 # ---- host wrappers ---------------------------------------------------------------------------------
@@ -416,12 +350,6 @@ def _descriptor(w: torch.Tensor, tile: tuple[int, int]):
 def tma_fits(*weights: torch.Tensor) -> bool:
     """Whether tensor descriptors can address these contiguous [E, rows, cols] weights: 16-byte aligned rows."""
     return all(w.shape[-1] % 16 == 0 and w.data_ptr() % 16 == 0 for w in weights)
-
-
-def lock_count(pairs: int, inter: int, hidden: int, gate_up_block_n: int = GATE_UP_BLOCK_N,
-               down_block_n: int = 128) -> int:
-    """Counters `moe(locks=...)` needs: one per Gate/Up (pair, channel tile), then one per Down H tile."""
-    return pairs * (inter // _pow2_divisor(inter, gate_up_block_n)) + triton.cdiv(hidden, down_block_n)
 
 
 def gate_up_k_tile(block: tuple[int, int], block_k: int = 128) -> int:
@@ -486,7 +414,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
         down_stages: int = DOWN_STAGES, pdl: bool = False, f16: bool = F16_OPERANDS,
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
-        locks: torch.Tensor | None = None, debug: dict | None = None) -> torch.Tensor:
+        debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -507,18 +435,13 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     Gate/Up then reads it instead of x, the same operands (so the same bits) without every program rescaling x
     again; bf16 compute with the f16 path (or the interpreter) only. `tma`: Gate/Up and Down read their weight
     tiles through tensor descriptors (the Hopper copy engine) instead of per-element pointers; the same tiles, so
-    the same bits; None (default): when the weights' rows are 16-byte multiples, as the descriptors need. `locks`:
-    zeroed int32 counters (>= `lock_count`), left zeroed; with them the finalize and the combine are folded into
-    Gate/Up and Down (each output tile's last program to arrive does that tile's sums, in the same order: the same
-    bits, two launches instead of four; the finalize stays a launch where Gate/Up's channel tile is not whole
-    quantization groups). Calls sharing counters must not overlap in time (one stream). `debug`,
+    the same bits; None (default): when the weights' rows are 16-byte multiples, as the descriptors need. `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
-    `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere), `folded` (whether Gate/Up and
-    Down did the finalize and the combine) and `programs` [2, P] int32
+    `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
     expert); tests only: it adds stores. debug["drop_last_split"] = True makes the finalize skip the last split, and
-    debug["no_dedup"] = True lets every live pair's program work, repeated experts included, and
-    debug["no_rearm"] = True leaves the fold's counters where the call left them (the tests' negative controls)."""
+    debug["no_dedup"] = True lets every live pair's program work, repeated experts included (the
+    tests' negative controls)."""
     _check(x.dim() == 2 and x.dtype in _FLOATS and x.stride(1) == 1, "x must be a float [R, H] with unit stride")
     R, H = x.shape
     compute_dtype = compute_dtype or x.dtype
@@ -594,42 +517,29 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     if tma:
         g_arg, u_arg, d_arg = (_descriptor(w, b) for w, b in ((gate, (bn, bk)), (up, (bn, bk)),
                                                                (down, (down_block_n, down_bk))))
-    fold_finalize = locks is not None and bn % group == 0
-    if locks is not None:
-        need = lock_count(P, I, H, bn, down_block_n)
-        _check(locks.dtype == torch.int32 and locks.is_contiguous() and locks.device == x.device
-               and locks.numel() >= need, f"locks must be contiguous int32 on {x.device} with >= {need} counters")
-    finalize = dict(SPLIT=split, GROUP=group, STORE_H=store_h,
-                    DROP_LAST=bool(store_h and debug.get("drop_last_split", False)))
-    rearm = not (store_h and debug.get("no_rearm", False))
-    fold = dict(lock_ptr=locks, act_ptr=act.view(torch.uint8), act_s_ptr=act_scale, h_ptr=hidden, count_ptr=counts,
-                FOLD=True, REARM=rearm, **finalize) if fold_finalize else {}
     _moe_gate_up_kernel[(P, I // bn, split)](
         x_in, xd_in, g_arg, gate_scale, u_arg, up_scale, experts, live_arg, part, programs[0], R, H, I, P,
         x_in.stride(0), xd_in.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=f16_input is None and compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32",
         STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma,
-        num_warps=gate_up_warps, num_stages=gate_up_stages, **fold, **launch)
-    if not fold_finalize:
-        _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
-            part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
-            ROWS=FINALIZE_ROWS, num_warps=4, **finalize, **launch)
-    fold = dict(lock_ptr=locks[P * (I // bn):], weights_ptr=weights, out_ptr=out, stride_o=out.stride(0),
-                FOLD=True, REARM=rearm) if locks is not None else {}
+        num_warps=gate_up_warps,
+        num_stages=gate_up_stages, **launch)
+    _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
+        part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
+        SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,
+        DROP_LAST=bool(store_h and debug.get("drop_last_split", False)), num_warps=4, **launch)
     _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
         act, act_scale, d_arg, down_scale, experts, live_arg, y, programs[1], R, H, I,
         down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
-        num_stages=down_stages, F16=f16, TMA=tma, **fold, **launch)
-    if locks is None:
-        _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
-            y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
-            num_warps=4, **launch)
+        num_stages=down_stages, F16=f16, TMA=tma, **launch)
+    _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
+        y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
+        num_warps=4, **launch)
     if store_h:
-        debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
-                     folded=(fold_finalize, locks is not None))
+        debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs)
     return out
 
 

@@ -128,21 +128,11 @@ CASES = [
          pattern="poison", launch=dict(tma=False)),
     case("pointer_loads_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
          down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True, launch=dict(tma=False)),
-    # four launches (fold=False; every case above folds the finalize and the combine into Gate/Up and Down, as the
-    # engine calls it), and a Gate/Up tile narrower than a quantization group (the finalize stays a launch)
-    case("four_launches_8rows_random", fold=False),
-    case("four_launches_split3_poison_count", R=7, H=96, block_k=16, split_k=3, split=3, live="count",
-         pattern="poison", fold=False),
-    case("four_launches_dup_32rows_two_row_blocks", R=32, k=4, E=6, live="mask", fold=False),
-    case("fold_down_only_gate_up_16_of_group_32", block=(32, 32), I=64, H=96, block_k=16, down_block_k=16,
-         gate_up_block_n=16, split_k=2, split=2, fold_gate_up=False),
 ]
 # Negative controls (run by the worker, not by test_interpreted): the finalize drops the last split;
-# every live pair's program works, repeated experts included; the fold leaves its counters armed.
+# every live pair's program works, repeated experts included.
 NEG_CASE = case("neg_drop_last_split", H=128, block_k=16, split_k=3, split=3, drop_last_split=True)
 NEG_DEDUP_CASE = case("neg_no_dedup", pattern="shared", no_dedup=True)
-NEG_REARM_CASE = case("neg_no_rearm", H=128, block_k=16, split_k=3, split=3, no_rearm=True)
-NEG_CASES = [NEG_CASE, NEG_DEDUP_CASE, NEG_REARM_CASE]
 
 FULL = dict(k=8, E=256, H=6144, I=256, block=(128, 128), x="bf16", block_k=None, down_block_n=None,
             down_block_k=None)  # one TP8 rank at full size (I/TP = 256); None: moe()'s default tiles
@@ -241,22 +231,11 @@ def tiles(c: dict) -> dict:
             for n in ("block_k", "down_block_n", "down_block_k", "gate_up_block_n")}
 
 
-def new_locks(c: dict, device) -> torch.Tensor | None:
-    """Zeroed fold counters for the case's moe() calls (the engine's form), or None: fold=False cases run the four
-    launches."""
-    if not c.get("fold", True):
-        return None
-    bn = mk._pow2_divisor(c["I"], tiles(c)["gate_up_block_n"])
-    return torch.zeros(mk.lock_count(c["R"] * c["k"], c["I"], c["H"], bn, tiles(c)["down_block_n"]),
-                       dtype=torch.int32, device=device)
-
-
-def run_kernel(c: dict, t: dict, debug: dict | None = None, locks: torch.Tensor | None = None) -> torch.Tensor:
+def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
     out = torch.full((c["R"], c["H"]), float("nan"), dtype=DTYPES[c["out"]], device=t["x"].device)
     compute = {"compute_dtype": DTYPES[c["compute"]]} if c["compute"] else {}
     got = mk.moe(*(t[a] for a in ARGS), block=c["block"], group=c["block"][1], out_dtype=DTYPES[c["out"]],
-                 out=out, split_k=c["split_k"], debug=debug, locks=locks, **compute, **tiles(c),
-                 **c.get("launch", {}))
+                 out=out, split_k=c["split_k"], debug=debug, **compute, **tiles(c), **c.get("launch", {}))
     assert got is out
     return got
 
@@ -274,15 +253,8 @@ def run_case(c: dict, device: str) -> dict:
     debug = {"drop_last_split": True} if c.get("drop_last_split") else {}
     if c.get("no_dedup"):
         debug["no_dedup"] = True
-    if c.get("no_rearm"):
-        debug["no_rearm"] = True
-    locks = new_locks(c, device)  # shared by every call of the case: each must leave them zeroed for the next
-    got = run_kernel(c, t, debug, locks)
+    got = run_kernel(c, t, debug)
     res = {"finite": bool(torch.isfinite(got).all()), "dtype": str(got.dtype).removeprefix("torch.")}
-    res["folded"] = list(debug["folded"])
-    res["locks_left"] = 0 if locks is None else int(locks.count_nonzero())
-    if c.get("no_rearm"):  # what counters left armed do to the next call
-        res["next_call_equal"] = bool(torch.equal(run_kernel(c, t, None, locks), got))
     res["pad_zero"] = bool((got[~live.to(device)] == 0).all())
     # What the kernel computes with: fp32 x with bf16 compute is x.to(torch.bfloat16) (round to nearest even).
     tr = dict(t, x=t["x"].to(DTYPES[c["compute"]])) if c["compute"] else t
@@ -294,7 +266,7 @@ def run_case(c: dict, device: str) -> dict:
         debug["act"][pairs].view(torch.uint8), ref_act[pairs].view(torch.uint8))
         and torch.equal(debug["act_scale"][pairs], ref_scale[pairs]))
     if c["compute"]:  # the kernel's own rounding vs torch's: the same as passing rounded x
-        res["same_as_rounded_x"] = bool(torch.equal(got, run_kernel(dict(c, compute=None), tr, None, locks)))
+        res["same_as_rounded_x"] = bool(torch.equal(got, run_kernel(dict(c, compute=None), tr)))
         if c.get("default_out"):
             res["default_out_dtype"] = str(mk.moe(*(t[a] for a in ARGS), block=c["block"], group=group,
                                                   compute_dtype=DTYPES[c["compute"]], split_k=c["split_k"],
@@ -342,7 +314,7 @@ def run_case(c: dict, device: str) -> dict:
             bad[name][only_pad] = float("nan")
             bad[name + "_scale"] = t[name + "_scale"].clone()
             bad[name + "_scale"][only_pad] = float("nan")
-        poisoned = run_kernel(c, bad, None, locks)
+        poisoned = run_kernel(c, bad)
         res["poison_finite_equal"] = bool(torch.isfinite(poisoned).all() and torch.equal(poisoned, got))
         res["poisoned_experts"] = len(only_pad)
         # No Gate/Up or Down program worked on them (each owner is a live pair, and a live pair's expert
@@ -402,7 +374,6 @@ def _e4m3_bound(c, t, pairs, h64):
 def _check(c: dict, r: dict) -> None:
     _check_values(c, r)
     _check_owners(c, r)
-    _check_fold(c, r)
     if "split" in c:
         assert r["split"] == c["split"], f"split {r['split']}, expected {c['split']}"
     assert r["split"] >= c.get("min_split", 1), f"split {r['split']} < {c.get('min_split')}: not the split path"
@@ -431,12 +402,6 @@ def _check_values(c: dict, r: dict) -> None:
         assert r["poisoned_experts"] > 0
         assert r["poison_finite_equal"], "a padding row's expert weights were read"
         assert r["pad_never_computed"], "Gate/Up computed a padding row's expert"
-
-
-def _check_fold(c: dict, r: dict) -> None:
-    fold = c.get("fold", True)
-    assert r["folded"] == [fold and c.get("fold_gate_up", True), fold], f"folded {r['folded']}: not the case's path"
-    assert r["locks_left"] == 0, f"{r['locks_left']} fold counters left armed: the next call would misfire"
 
 
 def _check_owners(c: dict, r: dict) -> None:
@@ -682,18 +647,6 @@ def test_interpreted_negative_control_drop_last_split(interpreted):
         _check(c, r)
 
 
-def test_interpreted_negative_control_no_rearm(interpreted):
-    """The counter check catches a fold that leaves its counters armed, on a run in which both folds ran: the
-    call itself is right (its values pass), and the next call on the same counters is wrong."""
-    c, r = NEG_REARM_CASE, interpreted[NEG_REARM_CASE["name"]]
-    assert "error" not in r, r.get("error")
-    assert r["folded"] == [True, True] and r["split"] == 3
-    _check_values(c, r)
-    assert r["locks_left"] > 0 and not r["next_call_equal"]
-    with pytest.raises(AssertionError, match="fold counters left armed"):
-        _check_fold(c, r)
-
-
 def test_interpreted_negative_control_no_dedup(interpreted):
     """The ownership check catches programs that do not exit for a repeated expert: with the dedup
     switched off it fails, on a run in which a program worked for every live pair (more than the
@@ -822,30 +775,24 @@ def test_gpu(c):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fold", [False, True], ids=["four_launches", "fold"])
 @pytest.mark.parametrize("R, x", [(1, "bf16"), (6, "bf16"), (8, "bf16"), (6, "fp32")])
-def test_gpu_graph_replay_bit_identical(R, x, fold):
+def test_gpu_graph_replay_bit_identical(R, x):
     """Full size, default split: repeated eager runs and CUDA graph replays (new x and routing copied
-    into the captured inputs, a different live count) are bit-identical to eager (no value atomics). fp32 x
-    runs with bf16 compute, as the engine calls it. With the fold, every call and replay leaves its counters
-    zeroed and equals the four launches bit for bit."""
+    into the captured inputs, a different live count) are bit-identical to eager (no atomics). fp32 x
+    runs with bf16 compute, as the engine calls it."""
     c = case("g", R=R, k=8, E=256, H=6144, I=256, block=(128, 128), x=x, out="fp32", live="count")
     t, _ = build(c, "cuda")
     other, _ = build(dict(c, seed=1), "cuda")  # new inputs and routing, the same expert weights
     t2 = dict(t, x=other["x"], experts=other["experts"], weights=other["weights"],
               live=torch.tensor(R, dtype=torch.int32, device="cuda"))
-    locks = torch.zeros(mk.lock_count(R * 8, 256, 6144), dtype=torch.int32, device="cuda") if fold else None
 
-    def run(src, locks=locks):
+    def run(src):
         return mk.moe(*(src[a] for a in ARGS), block=(128, 128), group=128, out_dtype=torch.float32,
-                      compute_dtype=torch.bfloat16, locks=locks)
+                      compute_dtype=torch.bfloat16)
 
     eager = [run(t).clone() for _ in range(2)]
     eager2 = run(t2).clone()
     assert torch.equal(eager[0], eager[1])
-    if fold:
-        assert torch.equal(eager[0], run(t, None)) and torch.equal(eager2, run(t2, None))
-        assert locks.count_nonzero() == 0
     static = {a: t[a].clone() for a in ARGS}
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -857,7 +804,6 @@ def test_gpu_graph_replay_bit_identical(R, x, fold):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
-        assert locks is None or locks.count_nonzero() == 0
 
 
 @pytest.mark.gpu
@@ -870,19 +816,6 @@ def test_cuda_tma_decodes_bit_identically():
     on = decode_with_logprobs("triton", "bf16")
     off = decode_with_logprobs("+".join(s for s in STAGES if s != "tma"), "bf16")
     assert "moe" not in on["fallbacks"] and on["tma_calls"] > 0 and off["tma_calls"] == 0
-    assert on["steps"] == off["steps"]
-
-
-@pytest.mark.gpu
-def test_cuda_fold_decodes_bit_identically():
-    """The default kernels (the MoE's finalize and combine folded into Gate/Up and Down) decode the same tokens,
-    logprobs and acceptance sequence as the four launches, in bf16 through the captured decode loop; the fold ran."""
-    from iquest.fast.ops import STAGES
-    from iquest.tests.test_kernel_launch import decode_with_logprobs
-
-    on = decode_with_logprobs("triton", "bf16")
-    off = decode_with_logprobs("+".join(s for s in STAGES if s != "moe_fold"), "bf16")
-    assert "moe" not in on["fallbacks"] and on["fold_calls"] > 0 and off["fold_calls"] == 0
     assert on["steps"] == off["steps"]
 
 
@@ -923,6 +856,6 @@ def test_gpu_speed_report(R):
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
-    jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + NEG_CASES]
+    jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + [NEG_CASE, NEG_DEDUP_CASE]]
     worker_main(jobs + [("act_quant", lambda: run_act_quant("cpu")),
                         ("bf16_rounding", lambda: run_bf16_rounding("cpu"))])
