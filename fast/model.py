@@ -14,11 +14,12 @@ from typing import NamedTuple
 import torch
 
 from ..reference.config import Config
-from ..reference.layers import rms_norm, rope_inv_freq
+from ..reference.layers import rms_norm, rope_cos_sin
 from .cache import LayerKV, StaticKV
 from .ops import TorchOps
 from .profiling import stage
 from .parallel import Parallel
+from .state import VERIFY_ROWS
 from .weights import LayerWeights, ModelWeights
 
 
@@ -27,9 +28,7 @@ class Block(NamedTuple):
 
     positions: torch.Tensor  # [R] int64
     live: torch.Tensor       # [R] bool
-    cos: torch.Tensor        # [R, D] rotary tables in the compute dtype
-    sin: torch.Tensor
-    kv_len: torch.Tensor     # [1] int64: last position + 1 (how far a full layer's history is read)
+    rope_rows: torch.Tensor  # [R] int64: the rows' rows of the model's rotary tables (their positions)
 
 
 class FastModel:
@@ -43,15 +42,11 @@ class FastModel:
         self.q_heads = config.num_attention_heads // tp
         self.kv_heads = max(config.num_key_value_heads // tp, 1)
         self.vocab_local = config.vocab_size // tp
-        inv_freq, self.rope_factor = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.inv_freq = inv_freq.to(par.device)  # on the device: no host copy inside a captured graph
+        self.rope_cos, self.rope_sin = rope_tables(config, cache.max_context + VERIFY_ROWS, dtype, par.device)
 
     # ---- embedding and head (vocabulary-parallel) ----------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        local = tokens - self.w.vocab_offset
-        mine = (local >= 0) & (local < self.vocab_local)
-        x = self.w.embed[local.clamp(0, self.vocab_local - 1)] * mine[:, None].to(self.dtype)
-        return self.par.all_reduce(x)
+        return self.par.all_reduce(self.ops.embed(tokens, self.w))
 
     @stage("lm_head")
     def logits(self, a: torch.Tensor) -> torch.Tensor:
@@ -86,15 +81,10 @@ class FastModel:
         return self.logits(a), h_out
 
     def _block(self, positions: torch.Tensor, live: torch.Tensor) -> Block:
-        return Block(positions, live, *self._rope(positions), (positions.max() + 1).view(1))
-
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [R, D] as reference.layers.rope_cos_sin (float64 angles), from the cached inv_freq."""
+        rope_rows = positions
         if "rope_shift_rows" in self.defects:  # rows after a block's first rotated one position too far
-            positions = positions + (torch.arange(positions.shape[0], device=positions.device) > 0)
-        angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([angles, angles], dim=-1)
-        return (emb.cos() * self.rope_factor).to(self.dtype), (emb.sin() * self.rope_factor).to(self.dtype)
+            rope_rows = positions + (torch.arange(positions.shape[0], device=positions.device) > 0)
+        return Block(positions, live, rope_rows)
 
     def decoder_layer(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, pending: torch.Tensor | None,
                       blk: Block, taps: dict | None, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,9 +112,10 @@ class FastModel:
         q, k, v = (t.view(R, -1, c.head_dim) for t in self.ops.qkv(lw, a))
         if c.qk_norm:
             q, k = rms_norm(q, lw.q_norm, c.rms_norm_eps), rms_norm(k, lw.k_norm, c.rms_norm_eps)
-        q = self.ops.rope_write(kv, q, k, v, blk.cos, blk.sin, blk.positions, blk.live)  # K/V stored first: causal block
+        q = self.ops.rope_write(kv, q, k, v, self.rope_cos, self.rope_sin, blk.rope_rows, blk.positions,
+                                blk.live)  # K/V stored first: causal block
         sinks = None if "drop_sink" in self.defects else lw.sinks  # negative control: the sink logit dropped
-        out = self.ops.attention(q, kv, blk.positions, sinks, blk.kv_len)
+        out = self.ops.attention(q, kv, blk.positions, sinks)
         return self.par.all_reduce(self.ops.linear(lw.wo, out.to(self.dtype).reshape(R, -1)))
 
     @stage("moe")
@@ -145,6 +136,15 @@ class FastModel:
                            f16_input=f16_input)
         out = out.to(self.dtype)
         return self.par.all_reduce(out), scores, experts
+
+
+def rope_tables(config: Config, rows: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [rows, D] at positions 0..rows-1, as reference.layers.rope_cos_sin computes them (float64 angles,
+    then the compute dtype): made once, so a forward gathers its rows' entries instead of recomputing them (nine
+    small kernels a forward, six forwards a round). Elementwise, so row p is bit for bit what rope_cos_sin gives
+    for position p in any block."""
+    return rope_cos_sin(torch.arange(rows, device=device), config.head_dim, config.rope_theta, config.rope_scaling,
+                        dtype)
 
 
 def _tap(taps: dict | None, name: str, value: torch.Tensor) -> None:

@@ -4,8 +4,8 @@
 over the whole static cache, gathered-expert MoE, a full sort for top-k, Philox in integer ops. `TritonOps`
 calls the kernels of `kernels/`: the FP8 block-scaled linear (q/k/v as one weight; split-K summed in the
 launch); split-KV decode attention, which evaluates visibility from `slot_pos` in the kernel and reads a
-full layer only up to the block's last position (`kv_len` stays a device tensor: no host read,
-graph-capturable); rotary + KV write in one launch; RMSNorm with and without the residual add (the MoE
+full layer only up to the block's last position (which the kernels take from the positions: no host read,
+graph-capturable); rotary (from the model's tables) + KV write in one launch; the embedding lookup in one; RMSNorm with and without the residual add (the MoE
 output's add folded into the next norm); router logits with softmax/top-k; the MoE over live rows, each chosen
 expert's weights read once, with act_quant'ed E4M3 activations into Down; the LM head from its bf16 rows; the
 tiled top-k scan and the global top-k/top-p; Philox uniforms in one launch. Same math; the kernels round
@@ -52,8 +52,8 @@ class TorchOps:
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
-    def attention(self, q: torch.Tensor, kv: LayerKV, positions: torch.Tensor, sinks: torch.Tensor | None,
-                  kv_len: torch.Tensor) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, kv: LayerKV, positions: torch.Tensor,
+                  sinks: torch.Tensor | None) -> torch.Tensor:
         return attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(positions), sinks).to(q.dtype)
 
     @stage("norm")
@@ -74,11 +74,24 @@ class TorchOps:
         return h, rms_norm(h.float(), weight.float(), eps), None
 
     def rope_write(self, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """Rotate q and k; store k and v at the rows' slots (padding rows: the trash slot). Returns rotated q."""
+                   sin: torch.Tensor, rope_rows: torch.Tensor, positions: torch.Tensor,
+                   live: torch.Tensor) -> torch.Tensor:
+        """Rotate q and k by the rotary tables' rows `rope_rows` (cos, sin [T, D]: fast/model.rope_tables); store k
+        and v at the rows' slots (padding rows: the trash slot). Returns rotated q."""
+        rows = rope_rows.clamp(max=cos.shape[0] - 1)  # padding rows may run past the tables; live rows never do
+        cos, sin = cos.index_select(0, rows), sin.index_select(0, rows)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(positions, live, k, v)  # the block's own K/V first: rows see each other causally
         return q
+
+    @staticmethod
+    def embed(tokens: torch.Tensor, w: ModelWeights) -> torch.Tensor:
+        """This rank's embedding rows of `tokens` [R] (zero rows for tokens outside its vocabulary slice), before the
+        all-reduce that sums them over ranks."""
+        local = tokens - w.vocab_offset
+        rows = w.embed.shape[0]
+        mine = (local >= 0) & (local < rows)
+        return w.embed[local.clamp(0, rows - 1)] * mine[:, None].to(w.embed.dtype)
 
     @staticmethod
     def route(b32: torch.Tensor, lw: LayerWeights, top_k: int, norm_topk_prob: bool,
@@ -128,7 +141,9 @@ class TorchOps:
 # bench/results/*-242fbb5.*): MoE 37.4 -> 30.8 us a call with both, all "="; full-size round 8,108 (neither) -> 7,663
 # (f16_norm) -> 7,413 us (both), same process.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
-          "f16", "f16_norm", "tma")
+          "f16", "f16_norm", "tma", "embed")
+# "embed": the embedding lookup in one launch (kernels/embed.py) instead of eight torch kernels, six times a round;
+# bit-identical (tests/test_kernel_embed.py, with a decode on and off on the GPU). Figures in docs/PERF.md.
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
 OPT_IN: tuple[str, ...] = ("prefetch",)
 
@@ -154,6 +169,7 @@ class TritonOps(TorchOps):
         self.tma = "tma" in self.stages and "moe" in self.stages
         self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
         self.tma_calls = 0  # MoE calls through tensor descriptors (likewise)
+        self.embed_calls = 0  # embedding lookups by the kernel (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -171,11 +187,12 @@ class TritonOps(TorchOps):
         from ..kernels.router import route as router_route
         from ..kernels.rmsnorm_residual import rmsnorm, rmsnorm_residual
         from ..kernels.rope_kv import rope_kv
+        from ..kernels.embed import embed
 
         self._attention, self._linear, self._lm_head, self._lock_count = decode_attention, fp8_linear, lm_head, lock_count
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
-        self._add_norm, self._norm, self._rope_kv = rmsnorm_residual, rmsnorm, rope_kv
+        self._add_norm, self._norm, self._rope_kv, self._embed = rmsnorm_residual, rmsnorm, rope_kv, embed
         self._gate_up_k_tile, self._tma_fits, self._empty_tiles = gate_up_k_tile, tma_fits, empty_tiles
 
     def _fits(self, stage: str, ok: bool) -> bool:
@@ -248,13 +265,19 @@ class TritonOps(TorchOps):
             return super().norm(x, weight, eps)
         return self._norm(x.contiguous(), weight, eps, pdl=self._pdl(x))
 
-    def rope_write(self, kv, q, k, v, cos, sin, positions, live):
+    def rope_write(self, kv, q, k, v, cos, sin, rope_rows, positions, live):
         d = q.shape[-1]
         if not self._fits("rope", d >= 2 and d & (d - 1) == 0 and kv.k.dtype == q.dtype):
-            return super().rope_write(kv, q, k, v, cos, sin, positions, live)
+            return super().rope_write(kv, q, k, v, cos, sin, rope_rows, positions, live)
         dense = (lambda t: t if t.stride(-1) == 1 and t.stride(-2) == d else t.contiguous())  # row views pass as is
-        return self._rope_kv(dense(q), dense(k), dense(v), cos.contiguous(), sin.contiguous(),
-                             positions, live, kv.k, kv.v, kv.slot_pos, pdl=self._pdl(q))
+        return self._rope_kv(dense(q), dense(k), dense(v), cos, sin, positions, live, kv.k, kv.v, kv.slot_pos,
+                             rope_rows=rope_rows, pdl=self._pdl(q))
+
+    def embed(self, tokens, w):
+        if not self._fits("embed", w.embed.is_contiguous()):
+            return super().embed(tokens, w)
+        self.embed_calls += 1
+        return self._embed(tokens.contiguous(), w.embed, w.vocab_offset, pdl=self._pdl(tokens))
 
     def residual_norm(self, x, residual, weight, eps):
         # The same kernel as `norm` with its residual input on: the sum is rounded to x's dtype and the norm reads
@@ -319,14 +342,15 @@ class TritonOps(TorchOps):
         keys = self._topk(local_logits.float().contiguous(), k, vocab_offset, pdl=self._pdl(local_logits))[0]
         return self._global_dist(gather(keys).contiguous(), top_k, temperature, top_p, pdl=self._pdl(keys))
 
-    def attention(self, q, kv, positions, sinks, kv_len):
+    def attention(self, q, kv, positions, sinks):
         rows, q_heads = q.shape[0], q.shape[1]
         d = q.shape[-1]
         if not self._fits("attention", rows * (q_heads // kv.k.shape[1]) <= self.MAX_MATRIX_ROWS
                           and d >= 16 and d & (d - 1) == 0):
-            return super().attention(q, kv, positions, sinks, kv_len)
+            return super().attention(q, kv, positions, sinks)
+        # kv_len (how far a full layer's history is read) = the block's last position + 1, taken by the kernels
         return self._attention(q.contiguous(), kv.k, kv.v, kv.slot_pos, positions, sinks, kv.window,
-                               kv.first_position, kv_len, causal=kv.causal, pdl=self._pdl(q))
+                               kv.first_position, causal=kv.causal, pdl=self._pdl(q), kv_len_from_q=True)
 
 
 def make_ops(name: str) -> TorchOps:

@@ -41,12 +41,18 @@ def _split_len(kv_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLI
 
 
 @triton.jit
-def _load_kv_len(kv_len_ptr, S, HAS_KV_LEN: tl.constexpr):
-    if HAS_KV_LEN:
-        n = tl.load(kv_len_ptr).to(tl.int32)
-        n = tl.minimum(tl.maximum(n, 0), S)
-    else:
+def _load_kv_len(kv_len_ptr, S, R, HAS_KV_LEN: tl.constexpr, R_PAD: tl.constexpr):
+    """The slots to read: S (HAS_KV_LEN 0), the kv_len tensor's value (1), or the rows' last position + 1 with
+    kv_len_ptr at the rows' positions (2): a value the caller would otherwise compute with two launches."""
+    if HAS_KV_LEN == 0:
         n = S
+    else:
+        if HAS_KV_LEN == 1:
+            n = tl.load(kv_len_ptr).to(tl.int32)
+        else:
+            i = tl.arange(0, R_PAD)
+            n = tl.max(tl.load(kv_len_ptr + i, mask=i < R, other=-1), axis=0).to(tl.int32) + 1
+        n = tl.minimum(tl.maximum(n, 0), S)
     return n
 
 
@@ -59,12 +65,12 @@ def _attention_split_kernel(
     G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_KV_LEN: tl.constexpr,
     SLIDING: tl.constexpr, CAUSAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, R_PAD: tl.constexpr = 16,
 ):
     wait_for_inputs(PDL)
     g = tl.program_id(0)
     split = tl.program_id(1)
-    kv_len = _load_kv_len(kv_len_ptr, S, HAS_KV_LEN)
+    kv_len = _load_kv_len(kv_len_ptr, S, R, HAS_KV_LEN, R_PAD)
     split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
     start = split * split_len
     if start >= kv_len:
@@ -139,7 +145,7 @@ def _attention_combine_kernel(
     S, R, stride_or, stride_oh,
     G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_KV_LEN: tl.constexpr, HAS_SINKS: tl.constexpr,
-    PDL: tl.constexpr = False, ONE_PASS: tl.constexpr = True,
+    PDL: tl.constexpr = False, ONE_PASS: tl.constexpr = True, R_PAD: tl.constexpr = 16,
 ):
     wait_for_inputs(PDL)
     RG = R * G
@@ -148,7 +154,7 @@ def _attention_combine_kernel(
     row = pid % RG
     r = row // G
     head = g * G + row % G
-    kv_len = _load_kv_len(kv_len_ptr, S, HAS_KV_LEN)
+    kv_len = _load_kv_len(kv_len_ptr, S, R, HAS_KV_LEN, R_PAD)
     split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
     n_live = tl.cdiv(kv_len, split_len)  # <= NUM_SPLITS; later splits exited without storing
 
@@ -213,7 +219,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
                      first_position: int = 0, kv_len: torch.Tensor | None = None, *, causal: bool = True,
                      num_splits: int | None = None, block_n: int = 64, min_split: int | None = None,
                      out: torch.Tensor | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
-                     num_warps: int = 4, num_stages: int = 2, pdl: bool = False, one_pass: bool = True) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int = 2, pdl: bool = False, one_pass: bool = True,
+                     kv_len_from_q: bool = False) -> torch.Tensor:
     """Attention of R query rows over a static KV cache: q [R, Hq, D], k/v [S, Hkv, D] -> [R, Hq, D].
 
     slot_pos [S] int64 (position held by each slot, -1 = empty), q_pos [R] int64, sinks [Hq] fp32 or
@@ -222,6 +229,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
     `out` (like q) and `workspace` (from `decode_attention_workspace`) may be given as static
     buffers, e.g. for CUDA graphs; every element of `out` is written. `one_pass`: the combine loads up to two
     chunks of split partials in one round trip (False: the max pass, then the sum pass); the same bits.
+    `kv_len_from_q`: the kernels take kv_len = q_pos.max() + 1 themselves (instead of a kv_len tensor, which the
+    caller would make with two launches); the same bound, so the same bits.
     """
     _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q, k, v must be [R, Hq, D], [S, Hkv, D], [S, Hkv, D]")
     R, Hq, D = q.shape
@@ -272,21 +281,24 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
     _check(tuple(out.shape) == tuple(q.shape) and out.dtype == q.dtype and out.device == q.device
            and out.is_contiguous(), "out must be a contiguous tensor like q")
     f32 = INTERPRETED or q.dtype == torch.float32 or k.dtype == torch.float32 or q.dtype != k.dtype
-    kv_len_arg = kv_len if kv_len is not None else slot_pos  # unused pointer when HAS_KV_LEN is off
+    _check(not (kv_len_from_q and kv_len is not None), "give kv_len or kv_len_from_q, not both")
+    has_kv_len = 2 if kv_len_from_q else int(kv_len is not None)
+    kv_len_arg = q_pos if kv_len_from_q else kv_len if kv_len is not None else slot_pos  # unused when mode 0
     _attention_split_kernel[(Hkv, num_splits)](
         q, k, v, slot_pos, q_pos, kv_len_arg, part_m, part_l, part_acc,
         S, R, window or 0, first_position, LOG2E / math.sqrt(D),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         G=G, D=D, NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(RG)), BLOCK_N=block_n,
-        MIN_SPLIT=min_split, HAS_KV_LEN=kv_len is not None, SLIDING=window is not None, CAUSAL=causal,
-        F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+        MIN_SPLIT=min_split, HAS_KV_LEN=has_kv_len, SLIDING=window is not None, CAUSAL=causal,
+        F32=f32, PREC="ieee" if f32 else "tf32", R_PAD=max(16, triton.next_power_of_2(R)), num_warps=num_warps,
+        num_stages=num_stages,
         **launch_options(pdl, q.device))
     _attention_combine_kernel[(Hkv * RG,)](
         part_m, part_l, part_acc, sinks if sinks is not None else part_m, kv_len_arg, out,
         S, R, out.stride(0), out.stride(1),
         G=G, D=D, NUM_SPLITS=num_splits, BLOCK_S=min(16, triton.next_power_of_2(num_splits)), BLOCK_N=block_n,
-        MIN_SPLIT=min_split, HAS_KV_LEN=kv_len is not None, HAS_SINKS=sinks is not None, ONE_PASS=one_pass,
-        num_warps=1,
+        MIN_SPLIT=min_split, HAS_KV_LEN=has_kv_len, HAS_SINKS=sinks is not None, ONE_PASS=one_pass,
+        R_PAD=max(16, triton.next_power_of_2(R)), num_warps=1,
         **launch_options(pdl, q.device))
     return out
 

@@ -8,7 +8,8 @@ as torch's separate elementwise kernels do. On the GPU the kernel is compiled wi
 contraction off (`enable_fp_fusion=False`), so no multiply-add is fused into an FMA: the result is
 bit-identical to the torch sequence in fp32 and bf16.
 
-One program per (row, head) over q heads then kv heads. A kv program writes its rotated k and its v
+The rotary factors come from the model's tables (fast/model.rope_tables), row `rope_rows[r]` for row r, so a
+forward computes none. One program per (row, head) over q heads then kv heads. A kv program writes its rotated k and its v
 to the row's slot (`position % slots`, or the trash slot `slots` for padding rows) and the head-0
 program writes `slot_pos` (the position, or -1 for padding rows).
 """
@@ -27,8 +28,8 @@ from .launch import launch_options, wait_for_inputs
 
 
 @triton.jit
-def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, live_ptr, qo_ptr, ck_ptr, cv_ptr, sp_ptr,
-                    HQ, HKV, SLOTS, stride_q, stride_k, stride_v, D: tl.constexpr, HALF: tl.constexpr,
+def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, rr_ptr, pos_ptr, live_ptr, qo_ptr, ck_ptr, cv_ptr, sp_ptr,
+                    HQ, HKV, SLOTS, TABLE_ROWS, stride_q, stride_k, stride_v, D: tl.constexpr, HALF: tl.constexpr,
                     PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
@@ -36,8 +37,9 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, live_ptr, qo
     i = tl.arange(0, D)
     rot = tl.where(i < HALF, i + HALF, i - HALF)            # rotate_half: [-x[h:], x[:h]]
     sign = tl.where(i < HALF, -1.0, 1.0)
-    c = tl.load(cos_ptr + row * D + i)
-    s = tl.load(sin_ptr + row * D + i)
+    t = tl.minimum(tl.load(rr_ptr + row), TABLE_ROWS - 1)  # padding rows may run past the tables
+    c = tl.load(cos_ptr + t * D + i)
+    s = tl.load(sin_ptr + t * D + i)
     if head < HQ:
         base = row * stride_q + head * D
         x = tl.load(q_ptr + base + i)
@@ -70,10 +72,13 @@ def _check(cond: bool, message: str) -> None:
 
 def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             positions: torch.Tensor, live: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-            slot_pos: torch.Tensor, *, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+            slot_pos: torch.Tensor, *, rope_rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            pdl: bool = False) -> torch.Tensor:
     """Rotated q [R, Hq, D] (returned, contiguous); rotated k and v written to `cache_k`/`cache_v` [slots + 1, Hkv, D]
-    at each row's slot, `slot_pos` [slots + 1] updated. cos/sin [R, D] in q's dtype; live bool [R]. q, k and v may be
-    column slices of one projection's rows (any row stride; heads and head_dim dense within a row)."""
+    at each row's slot, `slot_pos` [slots + 1] updated. cos/sin: rotary tables [T, D] in q's dtype, row r rotated by
+    their row `rope_rows[r]` (int64 [R]; default `positions`; clamped to T - 1, which only padding rows reach); live
+    bool [R]. q, k and v may be column slices of one projection's rows (any row stride; heads and head_dim dense
+    within a row)."""
     _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q, k, v must be [R, heads, D]")
     R, HQ, D = q.shape
     HKV = k.shape[1]
@@ -81,15 +86,19 @@ def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor
            f"{tuple(v.shape)} must be [{R}, Hkv, {D}]")
     _check(D >= 2 and D & (D - 1) == 0, f"head_dim {D} must be a power of two")
     _check(q.dtype in _FLOATS and k.dtype == q.dtype and v.dtype == q.dtype, "q, k, v must share a float dtype")
-    _check(cos.dtype == q.dtype and sin.dtype == q.dtype and tuple(cos.shape) == (R, D) == tuple(sin.shape),
-           f"cos and sin must be [{R}, {D}] {q.dtype}")
+    _check(cos.dtype == q.dtype and sin.dtype == q.dtype and cos.dim() == 2 and cos.shape[0] >= 1
+           and cos.shape[1] == D and cos.shape == sin.shape, f"cos and sin must be [T, {D}] {q.dtype} tables")
+    if rope_rows is None:
+        rope_rows = positions
     slots = cache_k.shape[0] - 1
     _check(slots >= 1 and tuple(cache_k.shape) == (slots + 1, HKV, D) and cache_v.shape == cache_k.shape,
            f"caches must be [slots + 1, {HKV}, {D}]")
     _check(tuple(slot_pos.shape) == (slots + 1,) and slot_pos.dtype == torch.int64, "slot_pos must be int64 [slots + 1]")
     _check(tuple(positions.shape) == (R,) and positions.dtype == torch.int64, f"positions must be int64 [{R}]")
     _check(tuple(live.shape) == (R,) and live.dtype == torch.bool, f"live must be bool [{R}]")
+    _check(tuple(rope_rows.shape) == (R,) and rope_rows.dtype == torch.int64, f"rope_rows must be int64 [{R}]")
     for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("positions", positions),
+                    ("rope_rows", rope_rows),
                     ("live", live), ("cache_k", cache_k), ("cache_v", cache_v), ("slot_pos", slot_pos)):
         _check(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
         if name in ("q", "k", "v"):
@@ -100,18 +109,21 @@ def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor
         out = torch.empty_like(q)
     _check(out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous(), "out must be like q")
     options = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}  # no FMA: torch's roundings
-    _rope_kv_kernel[(R, HQ + HKV)](q, k, v, cos, sin, positions, live.view(torch.uint8), out, cache_k, cache_v,
-                                   slot_pos, HQ, HKV, slots, q.stride(0), k.stride(0), v.stride(0), D=D, HALF=D // 2,
-                                   **options, **launch_options(pdl, q.device))
+    _rope_kv_kernel[(R, HQ + HKV)](q, k, v, cos, sin, rope_rows, positions, live.view(torch.uint8), out, cache_k,
+                                   cache_v, slot_pos, HQ, HKV, slots, cos.shape[0], q.stride(0), k.stride(0),
+                                   v.stride(0), D=D, HALF=D // 2, **options, **launch_options(pdl, q.device))
     return out
 
 
 def rope_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 positions: torch.Tensor, live: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                slot_pos: torch.Tensor) -> torch.Tensor:
-    """The torch sequence the engine's fallback runs (reference apply_rope, then LayerKV.write's copies)."""
+                slot_pos: torch.Tensor, rope_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch sequence the engine's fallback runs (the tables' rows, reference apply_rope, then LayerKV.write's
+    copies)."""
     from ..reference.layers import apply_rope
 
+    rows = (positions if rope_rows is None else rope_rows).clamp(max=cos.shape[0] - 1)
+    cos, sin = cos.index_select(0, rows), sin.index_select(0, rows)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     slots = cache_k.shape[0] - 1
     slot = torch.where(live, positions % slots, torch.full_like(positions, slots))

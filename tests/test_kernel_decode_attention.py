@@ -127,6 +127,13 @@ def run_case(c: dict, device: str) -> dict:
     loops = da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"], t["sinks"], window, c["first"],
                                 t["kv_len"], num_splits=splits, out=torch.full_like(out, float("nan")), workspace=ws2,
                                 one_pass=False, **kw)
+    from_q_same = None  # kv_len taken by the kernels from the rows' positions: the same bound, so the same bits
+    if t["kv_len"] is not None and int(t["q_pos"].max()) + 1 == int(t["kv_len"]):
+        ws3 = tuple(x.clone().fill_(float("nan")) for x in ws)
+        from_q = da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"], t["sinks"], window,
+                                     c["first"], num_splits=splits, out=torch.full_like(out, float("nan")),
+                                     workspace=ws3, kv_len_from_q=True, **kw)
+        from_q_same = bool(torch.equal(got, from_q))
     kv_len = int(t["kv_len"]) if t["kv_len"] is not None else t["k"].shape[0]
     min_split = c["min_split"] or c["block_n"]
     per = max(-(-(-(-kv_len // splits)) // c["block_n"]) * c["block_n"], min_split)  # the kernels' _split_len
@@ -135,12 +142,14 @@ def run_case(c: dict, device: str) -> dict:
     err = (got.float() - ref.float()).abs().max().item()
     return {"err": err, "finite": bool(torch.isfinite(got).all()), "ref_finite": bool(torch.isfinite(ref).all()),
             "ref_scale": ref.float().abs().max().item(), "one_pass_same": bool(torch.equal(got, loops)),
+            "from_q_same": from_q_same,
             "live_splits": -(-kv_len // per)}
 
 
 def _check(c: dict, r: dict, tol: float) -> None:
     assert r["ref_finite"], "reference produced non-finite values: the case is ill-posed"
     assert r["finite"], "kernel left NaN in the output (unwritten element or a read past kv_len)"
+    assert r["from_q_same"] in (None, True), "kv_len from the rows' positions differs from the kv_len tensor"
     assert r["err"] <= tol, (f"{c['name']}: max |kernel - ref| = {r['err']:.3e} > {tol:.1e} "
                              f"(|ref| <= {r['ref_scale']:.2f})")
     assert r["one_pass_same"], "the combine's one-pass form differs from its loops"

@@ -106,7 +106,8 @@ def decode_with_logprobs(kernels: str, dtype: str) -> dict:
         out[f"{i}-{drafts}"] = [(s.tokens, s.logprobs, s.drafts, s.accepted) for s in steps]
     ops = engine.model.ops
     return {"steps": out, "pdl": ops.pdl, "prefetch": ops.prefetch, "f16": ops.f16, "fallbacks": dict(ops.fallbacks),
-            "f16_norm_calls": ops.f16_norm_calls, "tma_calls": ops.tma_calls}
+            "f16_norm_calls": ops.f16_norm_calls, "tma_calls": ops.tma_calls,
+            "embed_calls": ops.embed_calls}
 
 
 @pytest.mark.gpu

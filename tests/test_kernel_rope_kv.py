@@ -41,6 +41,8 @@ CASES = [
     case("ring_wrap_bf16", dtype="bf16", start=92),
     case("qkv_column_views_fp32", dead=(7,), fused=True),       # q, k, v as column views of one projection
     case("qkv_column_views_gqa_fp32", HQ=4, HKV=2, D=16, slots=20, start=17, fused=True),
+    case("rows_shifted_fp32", row_shift=1),                     # rope rows other than the positions (a defect)
+    case("table_ends_in_block_bf16", dtype="bf16", dead=(5, 6, 7), table_rows=45),  # rows 45..47 clamped to 44
 ]
 GPU_CASES = [case("gpu_tp8_rank_bf16", dtype="bf16", slots=4160, start=4157, dead=(6, 7)),
              case("gpu_tp8_rank_qkv_views_bf16", dtype="bf16", slots=4160, start=4157, dead=(7,), fused=True),
@@ -60,14 +62,23 @@ def run_case(c: dict, device: str) -> dict:
     live = torch.ones(R, dtype=torch.bool)
     live[list(c["dead"])] = False
     live = live.to(device)
-    cos, sin = (t.to(device) for t in rope_cos_sin(positions.cpu(), D, 1e6, None, dt))
+    # The model's rotary tables (fast/model.rope_tables): rows 0..T-1; a case may end them inside the block (its
+    # last rows are clamped to the last entry, as padding rows past the tables are) or rotate rows by other rows.
+    T = c.get("table_rows") or c["start"] + R + 3
+    table_cos, table_sin = (t.to(device) for t in rope_cos_sin(torch.arange(T), D, 1e6, None, dt))
+    rope_rows = positions + c.get("row_shift", 0) * (torch.arange(R, device=device) > 0)
+    rows = rope_rows.clamp(max=T - 1)
+    cos, sin = table_cos[rows], table_sin[rows]
+    # The gathered entries are bit for bit what the per-block computation gives for those rows
+    block_cos, block_sin = rope_cos_sin(rows.cpu(), D, 1e6, None, dt)
+    table_equal = bool(torch.equal(cos.cpu(), block_cos) and torch.equal(sin.cpu(), block_sin))
     cache = [(torch.randn(S + 1, HKV, D, generator=gen)).to(dt).to(device) for _ in range(2)]
     slot_pos = torch.randint(-1, 1000, (S + 1,), generator=gen).to(device)
     before = [t.clone() for t in cache]
     want_k, want_v, want_sp = cache[0].clone(), cache[1].clone(), slot_pos.clone()
-    want_q = rk.rope_kv_ref(q, k, v, cos, sin, positions, live, want_k, want_v, want_sp)
-    got_q = rk.rope_kv(q, k, v, cos, sin, positions, live, cache[0], cache[1], slot_pos,
-                       out=torch.full_like(q, float("nan")))
+    want_q = rk.rope_kv_ref(q, k, v, table_cos, table_sin, positions, live, want_k, want_v, want_sp, rope_rows)
+    got_q = rk.rope_kv(q, k, v, table_cos, table_sin, positions, live, cache[0], cache[1], slot_pos,
+                       rope_rows=None if "row_shift" not in c else rope_rows, out=torch.full_like(q, float("nan")))
 
     def rel(a, b):  # relative to the largest value: rotation sums cancel, so per-element ratios mean nothing
         a, b = a.float().cpu(), b.float().cpu()
@@ -90,7 +101,8 @@ def run_case(c: dict, device: str) -> dict:
     return {"q_rel": rel(got_q, want_q), "q_bits": bool(torch.equal(got_q, want_q)),
             "k_rel": rel(cache[0][:S], want_k[:S]), "k_bits": bool(torch.equal(cache[0][:S], want_k[:S])),
             "v_bits": bool(torch.equal(cache[1][:S], want_v[:S])), "slot_pos": bool(torch.equal(slot_pos, want_sp)),
-            "trash_err": trash_err,
+            "trash_err": trash_err, "table_equal": table_equal,
+            "rotated_as_block": bool(torch.equal(want_q, apply_rope(q, cos, sin))),
             "finite": bool(torch.isfinite(got_q).all()),
             "others_untouched": all(bool(torch.equal(t[untouched], b[untouched])) for t, b in zip(cache, before))}
 
@@ -100,6 +112,8 @@ def _check(c: dict, r: dict, interpreted: bool) -> None:
     assert r["slot_pos"], "slot_pos differs: live rows must record their positions, padding rows -1 in the trash slot"
     assert r["v_bits"], "V cache differs: v is copied, so it must be bit-identical"
     assert r["others_untouched"], "a slot outside the rows' slots changed"
+    assert r["table_equal"], "the tables' rows differ from rope_cos_sin at those positions"
+    assert r["rotated_as_block"], "the reference did not rotate by the rows' table entries"
     if interpreted and c["dtype"] == "bf16":
         assert r["q_rel"] <= INTERPRETED_BF16_TOL and r["k_rel"] <= INTERPRETED_BF16_TOL, (r["q_rel"], r["k_rel"])
         assert r["trash_err"] <= INTERPRETED_BF16_TOL, f"trash slot holds no padding row's k/v ({r['trash_err']:.1e})"
@@ -118,17 +132,27 @@ def test_interpreted_negative_control(interpreted):
     assert not r["q_bits"] and r["q_rel"] > 0.1
 
 
+def test_interpreted_negative_control_rows(interpreted):
+    """A kernel that rotates by the positions instead of the given table rows fails on rows that differ: the
+    rows after the first (shifted) are wrong, with nothing else changed."""
+    r = interpreted["negative_control_rows"]
+    assert "error" not in r, r.get("error")
+    assert not r["q_bits"] and not r["k_bits"] and r["v_bits"] and r["slot_pos"]
+
+
 @pytest.mark.parametrize("over, message", [
     (dict(k=torch.randn(3, 2, 8)), "must be"),
     (dict(cos=torch.randn(2, 8, dtype=torch.float64)), "cos and sin"),
     (dict(positions=torch.arange(2, dtype=torch.int32)), "positions"),
+    (dict(cos=torch.randn(5, 4), sin=torch.randn(5, 4)), "cos and sin"),
+    (dict(rope_rows=torch.arange(3)), "rope_rows"),
     (dict(live=torch.ones(2, dtype=torch.int64)), "live"),
     (dict(q=torch.randn(2, 4, 6), k=torch.randn(2, 1, 6), v=torch.randn(2, 1, 6)), "power of two"),
     (dict(cache_v=torch.randn(9, 1, 8)), "caches"),
 ])
 def test_rejects_bad_inputs(over, message):
-    a = dict(q=torch.randn(2, 4, 8), k=torch.randn(2, 1, 8), v=torch.randn(2, 1, 8), cos=torch.randn(2, 8),
-             sin=torch.randn(2, 8), positions=torch.arange(2), live=torch.ones(2, dtype=torch.bool),
+    a = dict(q=torch.randn(2, 4, 8), k=torch.randn(2, 1, 8), v=torch.randn(2, 1, 8), cos=torch.randn(5, 8),
+             sin=torch.randn(5, 8), positions=torch.arange(2), live=torch.ones(2, dtype=torch.bool),
              cache_k=torch.randn(17, 1, 8), cache_v=torch.randn(17, 1, 8), slot_pos=torch.zeros(17, dtype=torch.int64))
     a.update(over)
     with pytest.raises(ValueError, match=message):
@@ -156,8 +180,25 @@ def _negative_control() -> dict:
         rk.rope_kv = original
 
 
+def _negative_control_rows() -> dict:
+    """rope_kv told to rotate by the positions instead of the given table rows, on the shifted-rows case."""
+    c = next(c for c in CASES if c["name"] == "rows_shifted_fp32")
+    original = rk.rope_kv
+
+    def broken(*args, rope_rows=None, **kw):
+        return original(*args, **kw)
+
+    rk.rope_kv = broken
+    try:
+        return run_case(c, "cpu")
+    finally:
+        rk.rope_kv = original
+
+
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
     torch.set_num_threads(1)
-    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES] + [("negative_control", _negative_control)])
+    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES] + [("negative_control", _negative_control),
+                                                                               ("negative_control_rows",
+                                                                                _negative_control_rows)])
