@@ -123,6 +123,27 @@ class TorchOps:
     def dist(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p):
         return sampler.sample_rows(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
 
+    def sample(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p, u: torch.Tensor,
+               out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], edit=None) -> torch.Tensor:
+        """`dist` and the draw with uniforms u [R]: writes out = (tokens [R], ids [R, K], probs [R, K]) and returns the
+        drawn tokens' probabilities [R] (fast.sampler.prob_of). `edit` (a negative control's) changes the
+        distribution between the two."""
+        ids, probs = self.dist(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
+        if edit is not None:
+            ids, probs = edit(ids, probs)
+        tokens = sampler.draw(ids, probs, u)
+        for dst, src in zip(out, (tokens, ids, probs)):
+            dst.copy_(src)
+        return sampler.prob_of(ids, probs, tokens)
+
+    def fuses_accept(self, kp: int, kq: int) -> bool:
+        """Whether `accept_settle` takes distributions of kp and kq entries as one kernel (fast/round.py then calls
+        it; the torch form of the accept step is RoundRunner.accept's)."""
+        return False
+
+    def accept_settle(self, p_ids, p_probs, q_ids, q_probs, drafts, k, n, seed) -> dict[str, torch.Tensor]:
+        raise NotImplementedError("the torch form of the accept step is fast/round.py's RoundRunner.accept")
+
 
 # "triton" = every stage whose kernels passed their GPU tests (docs/PERF.md); qualified with `iquest qualify` at
 # 7f9f77c. residual (added after): the MoE output's residual add folded into the next norm kernel, one launch fewer
@@ -141,9 +162,15 @@ class TorchOps:
 # bench/results/*-242fbb5.*): MoE 37.4 -> 30.8 us a call with both, all "="; full-size round 8,108 (neither) -> 7,663
 # (f16_norm) -> 7,413 us (both), same process.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
-          "f16", "f16_norm", "tma", "embed")
+          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept")
 # "embed": the embedding lookup in one launch (kernels/embed.py) instead of eight torch kernels, six times a round;
 # bit-identical (tests/test_kernel_embed.py, with a decode on and off on the GPU). Figures in docs/PERF.md.
+# "sample_draw": a draft depth's draw (and its served probability) inside the sampling kernel, written straight into
+# the draft and proposal rows (kernels/sample.global_sample), instead of ~19 torch kernels; "accept": the round's
+# accept step (acceptance, residual or bonus, the commit draw, emitted tokens and logprobs) as one kernel
+# (kernels/sample.accept_settle) instead of ~50. Numerical change: the draws' cumulative sums and the residual's
+# normalizing sum are summed in the kernels' order, so a draw whose uniform lies within rounding of a boundary may
+# differ; qualification measures it (docs/PERF.md).
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
 OPT_IN: tuple[str, ...] = ("prefetch",)
 
@@ -170,6 +197,8 @@ class TritonOps(TorchOps):
         self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
         self.tma_calls = 0  # MoE calls through tensor descriptors (likewise)
         self.embed_calls = 0  # embedding lookups by the kernel (likewise)
+        self.sample_draw_calls = 0  # draft draws inside the sampling kernel (likewise)
+        self.accept_calls = 0  # accept steps by the one kernel (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -191,6 +220,7 @@ class TritonOps(TorchOps):
 
         self._attention, self._linear, self._lm_head, self._lock_count = decode_attention, fp8_linear, lm_head, lock_count
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
+        self._global_sample, self._accept_settle, self._max_k = sample.global_sample, sample.accept_settle, sample.MAX_K
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
         self._add_norm, self._norm, self._rope_kv, self._embed = rmsnorm_residual, rmsnorm, rope_kv, embed
         self._gate_up_k_tile, self._tma_fits, self._empty_tiles = gate_up_k_tile, tma_fits, empty_tiles
@@ -336,11 +366,32 @@ class TritonOps(TorchOps):
         # one launch, the same bits (tl.rand = rng.rand)
         return self._uniforms(seed, positions, purpose, depth, pdl=self._pdl(positions))
 
+    def _keys(self, local_logits, k, vocab_offset, gather):
+        keys = self._topk(local_logits.float().contiguous(), k, vocab_offset, pdl=self._pdl(local_logits))[0]
+        return gather(keys).contiguous()
+
     def dist(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p):
         if not self._fits("sampling", True):
             return super().dist(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
-        keys = self._topk(local_logits.float().contiguous(), k, vocab_offset, pdl=self._pdl(local_logits))[0]
-        return self._global_dist(gather(keys).contiguous(), top_k, temperature, top_p, pdl=self._pdl(keys))
+        keys = self._keys(local_logits, k, vocab_offset, gather)
+        return self._global_dist(keys, top_k, temperature, top_p, pdl=self._pdl(keys))
+
+    def sample(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p, u, out, edit=None):
+        if edit is not None or "sampling" not in self.stages or not self._fits("sample_draw", top_k <= self._max_k):
+            return super().sample(local_logits, k, vocab_offset, gather, top_k, temperature, top_p, u, out, edit)
+        keys = self._keys(local_logits, k, vocab_offset, gather)
+        served = torch.empty(u.shape, dtype=torch.float32, device=u.device)
+        self._global_sample(keys, top_k, temperature, top_p, uniforms=u, out=out, served=served, pdl=self._pdl(keys))
+        self.sample_draw_calls += 1
+        return served
+
+    def fuses_accept(self, kp, kq):
+        return self._fits("accept", max(kp, kq) <= self._max_k)
+
+    def accept_settle(self, p_ids, p_probs, q_ids, q_probs, drafts, k, n, seed):
+        self.accept_calls += 1
+        return self._accept_settle(p_ids.contiguous(), p_probs.contiguous(), q_ids, q_probs, drafts, k, n, seed,
+                                   pdl=self._pdl(p_ids))
 
     def attention(self, q, kv, positions, sinks):
         rows, q_heads = q.shape[0], q.shape[1]

@@ -29,18 +29,33 @@ class RoundRunner:
         dev = state.n.device
         self.rows = torch.arange(VERIFY_ROWS, device=dev)
         self.depths = torch.arange(1, MAX_DRAFTS + 1, device=dev)
+        # What dist() does to a distribution after computing it: nothing, except in a negative control
+        self.edit = self._drop_crossing if "top_p_drops_crossing" in defects else None
 
     # ---- sampling helpers ---------------------------------------------------------------------
+    def _sampling_args(self) -> tuple:
+        m = self.m
+        return (min(self.top_k, m.vocab_local), m.w.vocab_offset, m.par.all_gather_last, self.top_k,
+                self.st.temperature, self.st.top_p)
+
     @stage("sampling")
     def dist(self, local_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Vocabulary-parallel top-k/top-p: (ids [R, K], probs [R, K]), identical on every rank."""
-        ids, probs = self.m.ops.dist(local_logits, min(self.top_k, self.m.vocab_local), self.m.w.vocab_offset,
-                                     self.m.par.all_gather_last, self.top_k, self.st.temperature, self.st.top_p)
-        if "top_p_drops_crossing" in self.defects:  # negative control: the last kept (crossing) token cut too
-            last = (probs > 0).sum(-1, keepdim=True) - 1  # Dist order: the crossing token is the last one kept
-            probs = torch.where((torch.arange(probs.shape[-1], device=probs.device) == last) & (last > 0), 0.0, probs)
-            probs = probs / probs.sum(-1, keepdim=True)
-        return ids, probs
+        ids, probs = self.m.ops.dist(local_logits, *self._sampling_args())
+        return (ids, probs) if self.edit is None else self.edit(ids, probs)
+
+    def sample(self, local_logits: torch.Tensor, u: torch.Tensor,
+               out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """dist() and the draw with uniforms u [R], written into out = (tokens [R], ids [R, K], probs [R, K]);
+        returns the drawn tokens' probabilities [R]."""
+        return self.m.ops.sample(local_logits, *self._sampling_args(), u, out, self.edit)
+
+    @staticmethod
+    def _drop_crossing(ids: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Negative control top_p_drops_crossing: the last kept (crossing) token cut too."""
+        last = (probs > 0).sum(-1, keepdim=True) - 1  # Dist order: the crossing token is the last one kept
+        probs = torch.where((torch.arange(probs.shape[-1], device=probs.device) == last) & (last > 0), 0.0, probs)
+        return ids, probs / probs.sum(-1, keepdim=True)
 
     def uniform(self, positions: torch.Tensor, purpose: int, depth: int | torch.Tensor = 0) -> torch.Tensor:
         return self.m.ops.uniforms(self.st.seed, positions, purpose, depth)
@@ -54,18 +69,8 @@ class RoundRunner:
         rows = torch.cat([st.tokens.index_select(0, n.view(1)), st.drafts])
         logits, hidden = self.m.forward(rows, n + j, j <= k)
         p_ids, p_probs = self.dist(logits)
-        # 2. Accept d_i when u < min(1, p_{i-1}(d_i) / q_i(d_i)); a = leading accepted drafts.
-        p_d = sampler.prob_of(p_ids[:MAX_DRAFTS], p_probs[:MAX_DRAFTS], st.drafts)
-        q_d = sampler.prob_of(st.q_ids, st.q_probs, st.drafts)
-        _, a = sampler.acceptance(p_d, q_d, self.uniform(n + self.depths, PURPOSE_ACCEPT), self.depths <= k)
-        #    At the first rejection draw from normalize(max(0, p - q)); if all k passed, the extra
-        #    row's p_k gives a bonus token. Both are the commit draw of position n+a+1.
-        f_ids, f_probs = sampler.commit_dist(p_ids, p_probs, st.q_ids, st.q_probs, a, k)
-        if "replacement_from_p" in self.defects:  # negative control: the replacement drawn from p_a itself
-            f_ids, f_probs = p_ids.index_select(0, a.view(1)), p_probs.index_select(0, a.view(1))
-        x_new = sampler.draw(f_ids, f_probs, self.uniform((n + a + 1).view(1), PURPOSE_COMMIT))
-        emitted = torch.where(j < a, torch.cat([st.drafts, st.drafts[:1]]), x_new)
-        logprobs = torch.log(sampler.prob_of(p_ids, p_probs, emitted))
+        # 2. Accept, and the round's new token x at n+a+1 (emitted: d_1..d_a then x; their logprobs under p)
+        a, x_new, emitted, logprobs = self.accept(p_ids, p_probs, n, k)
         # 3. Settle: a+1 tokens committed; main KV is valid through n+a, later rows are stale and
         #    rewritten before any query reaches them. Rollback is this length change.
         st.hid.copy_(hidden)
@@ -79,6 +84,27 @@ class RoundRunner:
         if "skip_redraft" in self.defects:
             redraft_live = j == count - 1
         self.draft(st.tokens[n + 1 + j], st.hid, n + 1 + j, redraft_live, last=count - 1)
+
+    def accept(self, p_ids: torch.Tensor, p_probs: torch.Tensor, n: torch.Tensor,
+               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(a, x, emitted [VERIFY_ROWS], logprobs [VERIFY_ROWS]) of step 2, in one kernel (ops.accept_settle) where
+        the ops have it; the torch sequence below otherwise, and for the negative control that edits its middle."""
+        st, j = self.st, self.rows
+        if "replacement_from_p" not in self.defects and self.m.ops.fuses_accept(p_ids.shape[1], st.q_ids.shape[1]):
+            r = self.m.ops.accept_settle(p_ids, p_probs, st.q_ids, st.q_probs, st.drafts, k, n, st.seed)
+            return r["a"], r["token"], r["emitted"], r["logprobs"]
+        # Accept d_i when u < min(1, p_{i-1}(d_i) / q_i(d_i)); a = leading accepted drafts.
+        p_d = sampler.prob_of(p_ids[:MAX_DRAFTS], p_probs[:MAX_DRAFTS], st.drafts)
+        q_d = sampler.prob_of(st.q_ids, st.q_probs, st.drafts)
+        _, a = sampler.acceptance(p_d, q_d, self.uniform(n + self.depths, PURPOSE_ACCEPT), self.depths <= k)
+        # At the first rejection draw from normalize(max(0, p - q)); if all k passed, the extra
+        # row's p_k gives a bonus token. Both are the commit draw of position n+a+1.
+        f_ids, f_probs = sampler.commit_dist(p_ids, p_probs, st.q_ids, st.q_probs, a, k)
+        if "replacement_from_p" in self.defects:  # negative control: the replacement drawn from p_a itself
+            f_ids, f_probs = p_ids.index_select(0, a.view(1)), p_probs.index_select(0, a.view(1))
+        x_new = sampler.draw(f_ids, f_probs, self.uniform((n + a + 1).view(1), PURPOSE_COMMIT))
+        emitted = torch.where(j < a, torch.cat([st.drafts, st.drafts[:1]]), x_new)
+        return a, x_new, emitted, torch.log(sampler.prob_of(p_ids, p_probs, emitted))
 
     def plain_round(self) -> None:
         """Plain autoregressive sampling (--drafts 0): the baseline every speculative result is compared with."""
@@ -145,17 +171,15 @@ class RoundRunner:
     @stage("sampling")
     def sample_draft(self, depth: int, logits: torch.Tensor, h: torch.Tensor) -> None:
         st = self.st
-        ids, probs = self.dist(logits)
-        d = sampler.draw(ids, probs, st.u_draft[depth - 1:depth])
-        served = sampler.prob_of(ids, probs, d)[0]
-        st.drafts[depth - 1] = d[0]
-        st.q_ids[depth - 1] = ids[0]
-        st.q_probs[depth - 1] = probs[0]
+        # dist() and the draw, written into this depth's draft and proposal rows (one kernel where the ops have it)
+        out = (st.drafts[depth - 1:depth], st.q_ids[depth - 1:depth], st.q_probs[depth - 1:depth])
+        served = self.sample(logits, st.u_draft[depth - 1:depth], out)[0]
+        probs = out[2][0]
         st.draft_h.copy_(h)
         st.k.fill_(depth)
         st.product.mul_(served)
         if depth < MAX_DRAFTS and not isinstance(self.controller, FixedDepth):
-            st.more[depth + 1] = self.more(depth, served, probs[0])
+            st.more[depth + 1] = self.more(depth, served, probs)
 
     def more(self, depth: int, served: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """The fitted depth controller's rule (reference/depth.py) evaluated on device tensors."""

@@ -46,23 +46,36 @@ def _exp(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _draw(ids, probs, ok, u):
-    """fast.sampler.draw on one row in Dist order: the first token whose cumulative probability exceeds u,
+def _log(x, LIBDEVICE: tl.constexpr):
+    if LIBDEVICE:
+        return libdevice.log(x)  # CUDA's logf, as torch's log (tl.log is an approximation)
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def _draw_at(probs, ok, u):
+    """fast.sampler.draw's index on one row in Dist order: the first token whose cumulative probability exceeds u,
     else the last of positive probability."""
     cum = tl.cumsum(probs, 0)
     first_above = tl.sum(((cum <= u) & ok).to(tl.int32), 0)
     last_positive = tl.sum(((probs > 0) & ok).to(tl.int32), 0) - 1
-    i = tl.maximum(tl.minimum(first_above, last_positive), 0)
+    return tl.maximum(tl.minimum(first_above, last_positive), 0)
+
+
+@triton.jit
+def _draw(ids, probs, ok, u):
+    """fast.sampler.draw on one row: the token at `_draw_at`."""
     j = tl.arange(0, probs.shape[0])
-    return tl.sum(tl.where(j == i, ids, 0), 0)
+    return tl.sum(tl.where(j == _draw_at(probs, ok, u), ids, 0), 0)
 
 
 # ---- global top-k / top-p / draw -----------------------------------------------------------------
 @triton.jit
 def _global_sample_kernel(keys_ptr, stride_keys, C, K, temp_ptr, top_p_ptr, seed_ptr, offsets_ptr,
-                          ids_ptr, probs_ptr, tokens_ptr,
+                          ids_ptr, probs_ptr, tokens_ptr, served_ptr,
                           CP: tl.constexpr, KP: tl.constexpr, DRAW: tl.constexpr, LIBDEVICE: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          PDL: tl.constexpr = False, GIVEN_U: tl.constexpr = False):
     wait_for_inputs(PDL)
     r = tl.program_id(0)
     c = tl.arange(0, CP)
@@ -85,8 +98,14 @@ def _global_sample_kernel(keys_ptr, stride_keys, C, K, temp_ptr, top_p_ptr, seed
     tl.store(ids_ptr + r * K + j, ids, mask=ok)
     tl.store(probs_ptr + r * K + j, probs, mask=ok)
     if DRAW:
-        u = tl.rand(tl.load(seed_ptr), tl.load(offsets_ptr + r))
-        tl.store(tokens_ptr + r, _draw(ids, probs, ok, u))
+        if GIVEN_U:  # the uniforms themselves (offsets_ptr: float32 [R])
+            u = tl.load(offsets_ptr + r)
+        else:
+            u = tl.rand(tl.load(seed_ptr), tl.load(offsets_ptr + r))
+        at = j == _draw_at(probs, ok, u)
+        tl.store(tokens_ptr + r, tl.sum(tl.where(at, ids, 0), 0))
+        # the drawn token's probability, fast.sampler.prob_of's value: the ids are distinct, so one term
+        tl.store(served_ptr + r, tl.sum(tl.where(at, probs, 0.0), 0))
 
 
 def _check(cond: bool, where: str, message: str) -> None:
@@ -101,14 +120,17 @@ def _scalar(t: torch.Tensor, dtype: torch.dtype, name: str, where: str, device: 
 
 def global_sample(keys: torch.Tensor, top_k: int, temperature: torch.Tensor, top_p: torch.Tensor,
                   seed: torch.Tensor | None = None, offsets: torch.Tensor | None = None, *,
-                  out: tuple[torch.Tensor, ...] | None = None, num_warps: int = 4, pdl: bool = False):
+                  uniforms: torch.Tensor | None = None, out: tuple[torch.Tensor, ...] | None = None,
+                  served: torch.Tensor | None = None, num_warps: int = 4, pdl: bool = False):
     """dist() of R rows from their gathered candidate keys [R, C] int64, and a draw per row.
 
     Equal to `fast.sampler._dist_from_keys` (= `global_dist` of the unkeyed values and ids) and
     `draw(ids, probs, philox.uniforms(seed, offsets))`. temperature, top_p: 0-dim float32 tensors; seed:
-    0-dim int64 (`rng.int64_bits`); offsets: [R] int32 Philox counters. Returns (tokens [R] int64, ids
-    [R, K] int64, probs [R, K] float32), K = min(top_k, C); without seed and offsets, (None, ids, probs).
-    out: preallocated (tokens, ids, probs) (tokens None without a draw).
+    0-dim int64 (`rng.int64_bits`); offsets: [R] int32 Philox counters; or `uniforms` [R] float32, the draws'
+    uniforms themselves. Returns (tokens [R] int64, ids [R, K] int64, probs [R, K] float32), K = min(top_k, C);
+    without a draw, (None, ids, probs). out: preallocated (tokens, ids, probs) (tokens None without a draw; views of
+    a larger buffer's rows are fine). `served` [R] float32, when drawing: receives each drawn token's probability
+    (`fast.sampler.prob_of`'s value).
     """
     where = "global_sample"
     _check(keys.dim() == 2 and keys.dtype == torch.int64 and keys.stride(1) == 1, where,
@@ -119,12 +141,19 @@ def global_sample(keys: torch.Tensor, top_k: int, temperature: torch.Tensor, top
     _check(1 <= top_k <= MAX_K, where, f"top_k must be in [1, {MAX_K}], got {top_k}")
     _scalar(temperature, torch.float32, "temperature", where, dev)
     _scalar(top_p, torch.float32, "top_p", where, dev)
-    draw = offsets is not None
-    _check(draw == (seed is not None), where, "seed and offsets go together")
-    if draw:
+    _check(offsets is None or uniforms is None, where, "give offsets (with seed) or uniforms, not both")
+    draw = offsets is not None or uniforms is not None
+    _check((offsets is not None) == (seed is not None), where, "seed and offsets go together")
+    if offsets is not None:
         _scalar(seed, torch.int64, "seed", where, dev)
         _check(tuple(offsets.shape) == (R,) and offsets.dtype == torch.int32 and offsets.device == dev
                and offsets.is_contiguous(), where, f"offsets must be contiguous int32 [{R}] (int64 is another stream)")
+    if uniforms is not None:
+        _check(tuple(uniforms.shape) == (R,) and uniforms.dtype == torch.float32 and uniforms.device == dev
+               and uniforms.is_contiguous(), where, f"uniforms must be contiguous float32 [{R}]")
+    if served is not None:
+        _check(draw and tuple(served.shape) == (R,) and served.dtype == torch.float32 and served.device == dev
+               and served.is_contiguous(), where, f"served must be contiguous float32 [{R}], with a draw")
     K = min(top_k, C)
     kp = max(2, triton.next_power_of_2(K))  # tl.topk needs at least two
     cp = max(kp, triton.next_power_of_2(C))
@@ -132,18 +161,27 @@ def global_sample(keys: torch.Tensor, top_k: int, temperature: torch.Tensor, top
         out = (torch.empty(R, dtype=torch.int64, device=dev) if draw else None,
                torch.empty((R, K), dtype=torch.int64, device=dev), torch.empty((R, K), dtype=torch.float32, device=dev))
     tokens, ids, probs = out
-    _check(tuple(ids.shape) == (R, K) and ids.dtype == torch.int64 and ids.is_contiguous()
-           and tuple(probs.shape) == (R, K) and probs.dtype == torch.float32 and probs.is_contiguous(), where,
-           f"out ids/probs must be contiguous [{R}, {K}] int64/float32")
+    rows = lambda t: t.stride(1) == 1 and (R == 1 or t.stride(0) == K)  # row-major [R, K], e.g. rows of a buffer
+    _check(tuple(ids.shape) == (R, K) and ids.dtype == torch.int64 and rows(ids)
+           and tuple(probs.shape) == (R, K) and probs.dtype == torch.float32 and rows(probs), where,
+           f"out ids/probs must be row-major [{R}, {K}] int64/float32")
     _check((tokens is not None) == draw, where, "out tokens must be given exactly when drawing")
     if draw:
         _check(tuple(tokens.shape) == (R,) and tokens.dtype == torch.int64 and tokens.is_contiguous(), where,
                f"out tokens must be contiguous int64 [{R}]")
+    u_arg = uniforms if uniforms is not None else offsets if offsets is not None else keys  # unused without a draw
+    served_arg = served if served is not None else _scratch(R, dev) if draw else probs
     _global_sample_kernel[(R,)](
-        keys, keys.stride(0), C, K, temperature, top_p, seed if draw else keys, offsets if draw else keys,
-        ids, probs, tokens if draw else ids, CP=cp, KP=kp, DRAW=draw, LIBDEVICE=not INTERPRETED,
+        keys, keys.stride(0), C, K, temperature, top_p, seed if seed is not None else keys, u_arg,
+        ids, probs, tokens if draw else ids, served_arg,
+        CP=cp, KP=kp, DRAW=draw, LIBDEVICE=not INTERPRETED, GIVEN_U=uniforms is not None,
         num_warps=num_warps, **launch_options(pdl, dev))
     return tokens, ids, probs
+
+
+def _scratch(R: int, device: torch.device) -> torch.Tensor:
+    """Where a draw's served probabilities go when the caller does not want them."""
+    return torch.empty(R, dtype=torch.float32, device=device)
 
 
 def global_dist(keys: torch.Tensor, top_k: int, temperature: torch.Tensor, top_p: torch.Tensor, **kw):
@@ -158,7 +196,7 @@ def _accept_settle_kernel(p_ids_ptr, p_probs_ptr, q_ids_ptr, q_probs_ptr, drafts
                           a_ptr, token_ptr, emitted_ptr, logprobs_ptr, f_ids_ptr, f_probs_ptr,
                           Kp, Kq, KMAX,
                           ROWS: tl.constexpr, KPP: tl.constexpr, KPQ: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          PDL: tl.constexpr = False, LIBDEVICE: tl.constexpr = False):
     wait_for_inputs(PDL)
     i = tl.arange(0, ROWS)  # row i: p_i, and draft d_{i+1} with its proposal q_{i+1}
     cp = tl.arange(0, KPP)
@@ -210,7 +248,7 @@ def _accept_settle_kernel(p_ids_ptr, p_probs_ptr, q_ids_ptr, q_probs_ptr, drafts
 
     # Settle: a accepted drafts then the new token; log p_j(emitted_j) for each row.
     emitted = tl.where(i < a, d, token)
-    logp = tl.log(tl.sum(tl.where(P_ids == emitted[:, None], P, 0.0), 1))
+    logp = _log(tl.sum(tl.where(P_ids == emitted[:, None], P, 0.0), 1), LIBDEVICE)
     rows_ok = i <= KMAX
     tl.store(a_ptr, a.to(tl.int64))
     tl.store(token_ptr, token)
@@ -258,7 +296,7 @@ def accept_settle(p_ids: torch.Tensor, p_probs: torch.Tensor, q_ids: torch.Tenso
         p_ids, p_probs, q_ids, q_probs, drafts, k, n, seed,
         out["a"], out["token"], out["emitted"], out["logprobs"], out["ids"], out["probs"], kp, kq, kmax,
         ROWS=triton.next_power_of_2(kmax + 1), KPP=triton.next_power_of_2(kp), KPQ=triton.next_power_of_2(kq),
-        num_warps=num_warps, **launch_options(pdl, dev))
+        LIBDEVICE=not INTERPRETED, num_warps=num_warps, **launch_options(pdl, dev))
     return out
 
 

@@ -1,7 +1,7 @@
 """Per-position numerics by replay: record every block the fast engine really ran during a decode, recompute
 each one with the float64 reference on the committed token stream, and score every row in its position classes.
 
-Recording wraps the engine's own calls (`FastModel.forward/draft`, `RoundRunner.dist/draft/draft_row`), so the
+Recording wraps the engine's own calls (`FastModel.forward/draft`, `RoundRunner.dist/sample/draft/draft_row`), so the
 blocks compared are the engine's actual verification blocks, redraft blocks and draft rows, with their padding,
 their live masks and the KV state the real rounds left behind. The reference side keeps its own caches
 *stream-true*: main and MTP KV at committed positions always come from the emitted token stream (prompt +
@@ -84,6 +84,7 @@ class Recorder:
     def active(self):
         model, runner, engine = self.engine.model, self.runner, self.engine
         fwd, drf, dist, rdraft, rrow, start = model.forward, model.draft, runner.dist, runner.draft, runner.draft_row, engine.start
+        sample = runner.sample
 
         def forward(tokens, positions, live, taps=None):
             logits, hidden = fwd(tokens, positions, live, taps)
@@ -102,14 +103,24 @@ class Recorder:
             self.blocks[-1].taps = taps
             return logits, h
 
-        def runner_dist(local_logits):
-            ids, probs = dist(local_logits)
+        def record_dist(local_logits, ids, probs):
             b = self.blocks[-1]
             R = local_logits.shape[0]
             rows = list(range(R)) if R == len(b.tokens) else [max(i for i, x in enumerate(b.live) if x)]
             for r, row in enumerate(rows):
-                b.dists.append((row, ids[r].cpu(), probs[r].double().cpu(), local_logits[r].detach().double().cpu()))
+                # copies: ids and probs may be views of the decode state's rows (a draft's proposal), rewritten later
+                b.dists.append((row, ids[r].cpu().clone(), probs[r].double().cpu().clone(),
+                                local_logits[r].detach().double().cpu()))
+
+        def runner_dist(local_logits):
+            ids, probs = dist(local_logits)
+            record_dist(local_logits, ids, probs)
             return ids, probs
+
+        def runner_sample(local_logits, u, out):  # a draft depth's dist and draw (one kernel where fused)
+            served = sample(local_logits, u, out)
+            record_dist(local_logits, out[1], out[2])
+            return served
 
         def runner_draft(*args, **kwargs):
             self.chain += 1
@@ -131,12 +142,12 @@ class Recorder:
                 self.in_start = False
 
         model.forward, model.draft, runner.dist, runner.draft, runner.draft_row = forward, draft, runner_dist, runner_draft, draft_row
-        engine.start = engine_start
+        runner.sample, engine.start = runner_sample, engine_start
         try:
             yield self
         finally:
-            for obj, name in ((model, "forward"), (model, "draft"), (runner, "dist"), (runner, "draft"),
-                              (runner, "draft_row"), (engine, "start")):
+            for obj, name in ((model, "forward"), (model, "draft"), (runner, "dist"), (runner, "sample"),
+                              (runner, "draft"), (runner, "draft_row"), (engine, "start")):
                 obj.__dict__.pop(name, None)
 
 

@@ -148,7 +148,15 @@ def run_sample(c: dict, device: str) -> dict:
         res["prob_err"] = max(res["prob_err"], (got[2] - ref[2]).abs().max().item())
         res["finite"] &= bool(torch.isfinite(got[2]).all())
         if c["draw"]:
-            near = _near(ref[2], philox.uniforms(seed, offsets))
+            u = philox.uniforms(seed, offsets)
+            # The same draw from the uniforms themselves (the draft path), with each drawn token's probability
+            out_u = tuple(torch.full_like(t, -1) for t in out)
+            served = torch.full((R,), float("nan"), device=device)
+            sm.global_sample(keys, c["top_k"], T, top_p, uniforms=u, out=out_u, served=served)
+            res["uniforms_same"] = res.get("uniforms_same", True) and all(torch.equal(a, b) for a, b in zip(out_u, got))
+            res["served_exact"] = res.get("served_exact", True) and torch.equal(
+                served, sampler.prob_of(got[1], got[2], got[0]))
+            near = _near(ref[2], u)
             same = got[0] == ref[0]
             res["tokens_equal"] += int(same.sum())
             res["tokens_skipped"] += int((~same & near).sum())
@@ -244,6 +252,8 @@ def _check(c: dict, r: dict) -> None:
         if c["draw"]:
             total = c["R"] * c["draws"]
             assert r["tokens_equal"] + r["tokens_skipped"] == total and r["tokens_skipped"] <= max(1, total // 20)
+            assert r["uniforms_same"], f"{name}: drawing from the uniforms differs from drawing from their counters"
+            assert r["served_exact"], f"{name}: the served probabilities differ from prob_of of the drawn tokens"
         return
     assert not r["differ"], f"{name}: accept step differs: {r['differ'][:3]}"
     total = len(c["ks"]) * c["trials"]
