@@ -149,6 +149,7 @@ def run_sample(c: dict, device: str) -> dict:
         res["finite"] &= bool(torch.isfinite(got[2]).all())
         if c["draw"]:
             u = philox.uniforms(seed, offsets)
+        if c["draw"] and d == 0:
             # The same draw from the uniforms themselves (the draft path), with each drawn token's probability
             out_u = tuple(torch.full_like(t, -1) for t in out)
             served = torch.full((R,), float("nan"), device=device)
@@ -156,6 +157,7 @@ def run_sample(c: dict, device: str) -> dict:
             res["uniforms_same"] = res.get("uniforms_same", True) and all(torch.equal(a, b) for a, b in zip(out_u, got))
             res["served_exact"] = res.get("served_exact", True) and torch.equal(
                 served, sampler.prob_of(got[1], got[2], got[0]))
+        if c["draw"]:
             near = _near(ref[2], u)
             same = got[0] == ref[0]
             res["tokens_equal"] += int(same.sum())

@@ -6,8 +6,8 @@ The two differ only in the order the draws' cumulative sums (and the residual's 
 draw could differ only where its uniform lies within rounding of a boundary; on these fixed seeds none does, and
 the decodes must agree token for token and round for round, with logprobs equal on the GPU (libdevice's logf is
 torch's log there) and within 1e-5 under the interpreter (NumPy's log). The fused paths are counted, so a decode
-that silently fell back would fail. On CPU one short decode runs interpreted (the vocabulary scans dominate: about
-100 s each); the GPU runs longer ones in both dtypes.
+that silently fell back would fail. On CPU one short decode (4 tokens, a few rounds) runs interpreted for each side
+(slow: about a minute each); the GPU runs longer ones in both dtypes.
 """
 
 from __future__ import annotations
@@ -90,4 +90,4 @@ def test_cuda_round_check_catches_a_broken_accept(monkeypatch):
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
-    worker_main([("round", lambda: round_decode("cpu", "fp32", ((0, 3),), 8))])
+    worker_main([("round", lambda: round_decode("cpu", "fp32", ((0, 3),), 4))])
