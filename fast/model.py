@@ -28,7 +28,9 @@ class Block(NamedTuple):
 
     positions: torch.Tensor  # [R] int64
     live: torch.Tensor       # [R] bool
-    rope_rows: torch.Tensor  # [R] int64: the rows' rows of the model's rotary tables (their positions)
+    cos: torch.Tensor        # the rows' rotary factors as ops.rope_write takes them (ops.rotary): gathered rows
+    sin: torch.Tensor        # [R, D], or the model's tables [T, D] with the rows' table rows (their positions)
+    rope_rows: torch.Tensor | None
 
 
 class FastModel:
@@ -84,7 +86,7 @@ class FastModel:
         rope_rows = positions
         if "rope_shift_rows" in self.defects:  # rows after a block's first rotated one position too far
             rope_rows = positions + (torch.arange(positions.shape[0], device=positions.device) > 0)
-        return Block(positions, live, rope_rows)
+        return Block(positions, live, *self.ops.rotary(self.rope_cos, self.rope_sin, rope_rows))
 
     def decoder_layer(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, pending: torch.Tensor | None,
                       blk: Block, taps: dict | None, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +114,7 @@ class FastModel:
         q, k, v = (t.view(R, -1, c.head_dim) for t in self.ops.qkv(lw, a))
         if c.qk_norm:
             q, k = rms_norm(q, lw.q_norm, c.rms_norm_eps), rms_norm(k, lw.k_norm, c.rms_norm_eps)
-        q = self.ops.rope_write(kv, q, k, v, self.rope_cos, self.rope_sin, blk.rope_rows, blk.positions,
+        q = self.ops.rope_write(kv, q, k, v, blk.cos, blk.sin, blk.rope_rows, blk.positions,
                                 blk.live)  # K/V stored first: causal block
         sinks = None if "drop_sink" in self.defects else lw.sinks  # negative control: the sink logit dropped
         out = self.ops.attention(q, kv, blk.positions, sinks)

@@ -73,13 +73,21 @@ class TorchOps:
         h = x + residual
         return h, rms_norm(h.float(), weight.float(), eps), None
 
-    def rope_write(self, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, rope_rows: torch.Tensor, positions: torch.Tensor,
-                   live: torch.Tensor) -> torch.Tensor:
-        """Rotate q and k by the rotary tables' rows `rope_rows` (cos, sin [T, D]: fast/model.rope_tables); store k
-        and v at the rows' slots (padding rows: the trash slot). Returns rotated q."""
+    @staticmethod
+    def rotary(cos: torch.Tensor, sin: torch.Tensor,
+               rope_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A forward's rotary factors from the model's tables cos, sin [T, D] (fast/model.rope_tables), once for all its
+        layers, as `rope_write` takes them: here the rows' entries gathered, (cos [R, D], sin [R, D], None)."""
         rows = rope_rows.clamp(max=cos.shape[0] - 1)  # padding rows may run past the tables; live rows never do
-        cos, sin = cos.index_select(0, rows), sin.index_select(0, rows)
+        return cos.index_select(0, rows), sin.index_select(0, rows), None
+
+    def rope_write(self, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, rope_rows: torch.Tensor | None, positions: torch.Tensor,
+                   live: torch.Tensor) -> torch.Tensor:
+        """Rotate q and k by `rotary`'s factors (rows [R, D], or tables [T, D] with the rows' `rope_rows`); store k
+        and v at the rows' slots (padding rows: the trash slot). Returns rotated q."""
+        if rope_rows is not None:
+            cos, sin, _ = TorchOps.rotary(cos, sin, rope_rows)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(positions, live, k, v)  # the block's own K/V first: rows see each other causally
         return q
@@ -87,11 +95,10 @@ class TorchOps:
     @staticmethod
     def embed(tokens: torch.Tensor, w: ModelWeights) -> torch.Tensor:
         """This rank's embedding rows of `tokens` [R] (zero rows for tokens outside its vocabulary slice), before the
-        all-reduce that sums them over ranks."""
-        local = tokens - w.vocab_offset
-        rows = w.embed.shape[0]
-        mine = (local >= 0) & (local < rows)
-        return w.embed[local.clamp(0, rows - 1)] * mine[:, None].to(w.embed.dtype)
+        all-reduce that sums them over ranks: the torch sequence kernels/embed.py replaces."""
+        from ..kernels.embed import embed_ref
+
+        return embed_ref(tokens, w.embed, w.vocab_offset)
 
     @staticmethod
     def route(b32: torch.Tensor, lw: LayerWeights, top_k: int, norm_topk_prob: bool,
@@ -137,12 +144,9 @@ class TorchOps:
         return sampler.prob_of(ids, probs, tokens)
 
     def fuses_accept(self, kp: int, kq: int) -> bool:
-        """Whether `accept_settle` takes distributions of kp and kq entries as one kernel (fast/round.py then calls
-        it; the torch form of the accept step is RoundRunner.accept's)."""
+        """Whether the ops have the accept step as one kernel (TritonOps.accept_settle) for distributions of kp and kq
+        entries; fast/round.py then calls it, and runs the torch form (RoundRunner.accept's) otherwise."""
         return False
-
-    def accept_settle(self, p_ids, p_probs, q_ids, q_probs, drafts, k, n, seed) -> dict[str, torch.Tensor]:
-        raise NotImplementedError("the torch form of the accept step is fast/round.py's RoundRunner.accept")
 
 
 # "triton" = every stage whose kernels passed their GPU tests (docs/PERF.md); qualified with `iquest qualify` at
@@ -294,6 +298,11 @@ class TritonOps(TorchOps):
         if not self._fits("norm", True):
             return super().norm(x, weight, eps)
         return self._norm(x.contiguous(), weight, eps, pdl=self._pdl(x))
+
+    def rotary(self, cos, sin, rope_rows):
+        if "rope" not in self.stages:
+            return super().rotary(cos, sin, rope_rows)
+        return cos, sin, rope_rows  # the kernel gathers each row's entries itself
 
     def rope_write(self, kv, q, k, v, cos, sin, rope_rows, positions, live):
         d = q.shape[-1]
