@@ -176,9 +176,7 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # normalizing sum are summed in the kernels' order, so a draw whose uniform lies within rounding of a boundary may
 # differ; qualification measures it (docs/PERF.md).
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
-# "prefetch_down": the MoE's finalize asks L2 (evict-last) for Down's weights of the chosen experts while Gate/Up
-# streams (kernels/moe.py); the same bits.
-OPT_IN: tuple[str, ...] = ("prefetch", "prefetch_down")
+OPT_IN: tuple[str, ...] = ("prefetch",)
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
@@ -367,8 +365,7 @@ class TritonOps(TorchOps):
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
                            pdl=self._pdl(b), f16=self.f16,  # moe() takes it on the GPU only
-                           f16_input=rows(f16_input, s), tma=tma,
-                           prefetch_down=2 if "prefetch_down" in self.stages and b.is_cuda else 0)
+                           f16_input=rows(f16_input, s), tma=tma)
                  for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
