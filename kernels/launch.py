@@ -11,10 +11,7 @@ The contract every kernel launched with `pdl=True` keeps, so that it reads and w
 serialized launch would:
   * `wait_for_inputs(PDL)` is the first thing every program does that touches memory another kernel writes or
     reads: no activation load, no store, no atomic comes before it. Only constant weights may be read before
-    it (`prefetch_l2`), and only into L2; and inputs written two or more launches back, which no kernel between
-    writes (`ROUTED_EARLY` in kernels/moe.py: the routing, made before Gate/Up). Those are complete: a program
-    of this kernel starts only once every program of its predecessor has passed its own wait, which returns
-    once the kernel before that has completed and its memory is visible.
+    it (`prefetch_l2`), and only into L2.
   * Every program calls it, unconditionally, so the kernel cannot complete before its predecessor has: the
     chain stays transitive for the kernel after it (which may be a plain launch: that one waits for this
     kernel's completion as usual).
@@ -49,14 +46,6 @@ def prefetch_l2(ptrs):
     waiting: for constant weights, before `wait_for_inputs`, so their reads overlap the previous kernel. A hint:
     it changes no value."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_l2_last(ptrs):
-    """`prefetch_l2` with L2's evict-last priority: for lines read a kernel or two later, which a weight stream
-    in between should not push out first."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
 
 

@@ -66,7 +66,7 @@ import triton.language as tl
 
 from .device import FLOATS as _FLOATS, row_groups, sm_count as _sm_count
 from .f16_operands import bf16_grid, f16_rows, tile_width
-from .launch import launch_options, prefetch_l2, prefetch_l2_last, wait_for_inputs
+from .launch import launch_options, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
@@ -232,30 +232,11 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_finalize_kernel(
-    part_ptr, live_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, experts_ptr, down_ptr, R, P, I, H,
+    part_ptr, live_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, R, P, I,
     K_TOP: tl.constexpr, LIVE_COUNT: tl.constexpr,
     SPLIT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STORE_H: tl.constexpr, DROP_LAST: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH_DOWN: tl.constexpr = 0, P_PAD: tl.constexpr = 16, DEDUP: tl.constexpr = True,
-    LINES: tl.constexpr = 1024,
+    PDL: tl.constexpr = False,
 ):
-    if PREFETCH_DOWN > 0:
-        # While Gate/Up still streams, ask L2 for Down's weights of the experts this program's pairs own (each
-        # distinct expert has one owner pair, as in Gate/Up and Down; the program's tile picks its share of the
-        # expert's [H, I] bytes). The routing is complete here (kernels/launch.py); a prefetch changes no value.
-        share = tl.cdiv(tl.cdiv(H * I, tl.num_programs(1)), 128) * 128
-        lo = tl.program_id(1) * share
-        hi = tl.minimum(lo + share, H * I)
-        for r in tl.static_range(ROWS):
-            p = tl.program_id(0) * ROWS + r
-            e, own = _expert_owner(experts_ptr, live_ptr, tl.minimum(p, P - 1), R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
-            base = down_ptr + e.to(tl.int64) * H * I
-            for c in range(lo, tl.where(own & (p < P), hi, lo), LINES * 128):
-                line = c + tl.arange(0, LINES) * 128
-                line = tl.where(line < hi, line, c)  # clamp, not mask: every address valid
-                if PREFETCH_DOWN == 2:
-                    prefetch_l2_last(base + line)
-                else:
-                    prefetch_l2(base + line)
     wait_for_inputs(PDL)
     pair = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     tile = tl.program_id(1)
@@ -291,16 +272,11 @@ def _moe_down_kernel(
     B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False,
-    ROUTED_EARLY: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     p = tl.program_id(0)
     tile = tl.program_id(1)
-    if ROUTED_EARLY:  # the routing was complete before Gate/Up (kernels/launch.py): its reads overlap the finalize
-        e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
-        wait_for_inputs(PDL)
-    else:
-        wait_for_inputs(PDL)
-        e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
+    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
     if STORE_RAN:
         tl.store(ran_ptr + p, run.to(tl.int32), mask=tile == 0)
 
@@ -438,7 +414,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
         down_stages: int = DOWN_STAGES, pdl: bool = False, f16: bool = F16_OPERANDS,
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
-        routed_early: bool = True, prefetch_down: int = 0, debug: dict | None = None) -> torch.Tensor:
+        debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -459,11 +435,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     Gate/Up then reads it instead of x, the same operands (so the same bits) without every program rescaling x
     again; bf16 compute with the f16 path (or the interpreter) only. `tma`: Gate/Up and Down read their weight
     tiles through tensor descriptors (the Hopper copy engine) instead of per-element pointers; the same tiles, so
-    the same bits; None (default): when the weights' rows are 16-byte multiples, as the descriptors need.
-    `routed_early`: Down's programs read the routing before their PDL wait (it was complete before Gate/Up), so
-    those reads overlap the finalize. `prefetch_down` (GPU only): the finalize's programs ask L2 for Down's weights
-    of the chosen experts before their wait, while Gate/Up streams: 1 with L2's normal priority, 2 with evict-last;
-    0 not. Neither changes a value. `debug`,
+    the same bits; None (default): when the weights' rows are 16-byte multiples, as the descriptors need. `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -553,19 +525,16 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma,
         num_warps=gate_up_warps,
         num_stages=gate_up_stages, **launch)
-    _check(prefetch_down in (0, 1, 2), f"prefetch_down must be 0, 1 or 2, got {prefetch_down!r}")
     _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
-        part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, experts, down, R, P, I, H, K_TOP=k,
-        LIVE_COUNT=count, SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,
-        DROP_LAST=bool(store_h and debug.get("drop_last_split", False)), num_warps=4,
-        PREFETCH_DOWN=prefetch_down if dev.type == "cuda" and not INTERPRETED else 0, P_PAD=routing["P_PAD"],
-        DEDUP=routing["DEDUP"], **launch)
+        part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
+        SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,
+        DROP_LAST=bool(store_h and debug.get("drop_last_split", False)), num_warps=4, **launch)
     _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
         act, act_scale, d_arg, down_scale, experts, live_arg, y, programs[1], R, H, I,
         down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
-        num_stages=down_stages, F16=f16, TMA=tma, ROUTED_EARLY=routed_early, **launch)
+        num_stages=down_stages, F16=f16, TMA=tma, **launch)
     _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
         y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
         num_warps=4, **launch)
