@@ -82,8 +82,7 @@ def test_h200_defaults_and_the_suggested_variants():
     # 4161 slots: 66 splits); router min(12 H tiles, 17) = 12
     assert r["moe"][0] == {"split_k": 8, "block_k": 128, "gate_up_block_n": 128, "gate_up_warps": 4,
                            "gate_up_stages": 3, "down_block_n": 128, "down_block_k": 64, "down_warps": 4,
-                           "down_stages": 3, "f16": True, "f16_input": True, "tma": True, "compact": True,
-                           "gate_up_programs": 2, "down_programs": 3}
+                           "down_stages": 3, "f16": True, "f16_input": True, "tma": True}
     assert r["linear_qkv"][0] == {"split_k": 8, "block_n": 32, "num_warps": 4, "num_stages": 4}
     assert r["linear_o"][0]["split_k"] == 1
     assert r["attention_sliding"][0] == {"num_splits": 66, "live_splits": 17, "block_n": 64, "min_split": 64,
