@@ -166,9 +166,7 @@ class TorchOps:
 # bench/results/*-242fbb5.*): MoE 37.4 -> 30.8 us a call with both, all "="; full-size round 8,108 (neither) -> 7,663
 # (f16_norm) -> 7,413 us (both), same process.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
-          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "compact")
-# "compact": the MoE's Gate/Up and Down as fixed grids that walk the distinct experts' items (kernels/moe.py) instead
-# of a program per pair of which only the owners work; the same items, so the same bits (tests/test_kernel_moe.py).
+          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept")
 # "embed": the embedding lookup in one launch (kernels/embed.py) instead of eight torch kernels, six times a round;
 # bit-identical (tests/test_kernel_embed.py, with a decode on and off on the GPU). Figures in docs/PERF.md.
 # "sample_draw": a draft depth's draw (and its served probability) inside the sampling kernel, written straight into
@@ -367,7 +365,7 @@ class TritonOps(TorchOps):
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
                            pdl=self._pdl(b), f16=self.f16,  # moe() takes it on the GPU only
-                           f16_input=rows(f16_input, s), tma=tma, compact="compact" in self.stages)
+                           f16_input=rows(f16_input, s), tma=tma)
                  for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

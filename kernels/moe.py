@@ -86,11 +86,6 @@ NUM_STAGES = 3  # Triton's default software pipelining depth, named so that `iqu
 DOWN_WARPS = 4
 DOWN_STAGES = 3
 F16_OPERANDS = True
-# Compact grids: ~13 distinct experts among 48 pairs left ~3/4 of the per-pair grids' programs (2,304 for Down) to
-# start, check ownership and exit, in waves. Programs per SM: Gate/Up holds two per SM, Down three (registers).
-COMPACT = True
-GATE_UP_PROGRAMS = 2
-DOWN_PROGRAMS = 3
 FINALIZE_ROWS = 2  # pairs per finalize program: its loads are SPLIT x 2 x ROWS x GROUP fp32, spread widely
 COMBINE_BLOCK = 256  # columns per combine program (k fp32 loads each): ~200 programs for 8 rows at H = 6144
 E4M3_MAX = tl.constexpr(448.0)
@@ -161,40 +156,21 @@ def _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl
 
 
 @triton.jit
-def _owner_list(experts_ptr, live_ptr, R, P, K_TOP: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
-                DEDUP: tl.constexpr):
-    """Every pair's `_expert_owner` at once, for the compact grids: (pairs q [P_PAD], their experts, owner mask,
-    each owner's rank among the owners in pair order, the number D of owners = distinct live experts)."""
-    q = tl.arange(0, P_PAD)
-    ok = q < P
-    ex = tl.load(experts_ptr + q, mask=ok, other=-1)
-    live = load_live(live_ptr, q // K_TOP, R, LIVE_COUNT) & ok
-    if DEDUP:
-        earlier = (ex[:, None] == ex[None, :]) & (q[None, :] < q[:, None]) & live[None, :]
-        owner = live & (tl.sum(earlier.to(tl.int32), axis=1) == 0)
-    else:
-        owner = live
-    o = owner.to(tl.int32)
-    return q, ex, owner, tl.cumsum(o, axis=0) - o, tl.sum(o, axis=0)
-
-
-@triton.jit
-def _owner_of(q, ex, owner, rank, d):
-    """(pair, expert) of the d-th owner."""
-    sel = owner & (rank == d)
-    return tl.sum(tl.where(sel, q, 0), axis=0), tl.sum(tl.where(sel, ex, 0), axis=0)
-
-
-@triton.jit
-def _gate_up_item(
-    x_ptr, xd_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, p, e, run, tile, split,
+def _moe_gate_up_kernel(
+    x_ptr, xd_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, ran_ptr,
     R, H, I, P, stride_x, stride_xd, s_rows, s_cols, k_per_split,
-    K_TOP: tl.constexpr, K_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
+    K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, F16: tl.constexpr, PRESCALED: tl.constexpr,
-    TMA: tl.constexpr,
+    ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
+    PDL: tl.constexpr = False, F16: tl.constexpr = False, PRESCALED: tl.constexpr = False, TMA: tl.constexpr = False,
 ):
-    """Pair p's program's work on Gate/Up tile `tile`, K split `split` (nothing unless `run`: p owns expert e)."""
+    wait_for_inputs(PDL)
+    p = tl.program_id(0)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
+    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
+    if STORE_RAN:  # debug: which pairs' programs did the work
+        tl.store(ran_ptr + p, run.to(tl.int32), mask=(tile == 0) & (split == 0))
     # No pass unless this program owns e; one when R <= BLOCK_M (always at k = 8: R * k <= MAX_PAIRS). A live
     # row above the owner's that chose e would own it instead, so the passes start at the owner's row block.
     for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):
@@ -254,41 +230,6 @@ def _gate_up_item(
             tl.store(dst + I, acc_u, mask=m_ok[:, None])
 
 
-
-@triton.jit
-def _moe_gate_up_kernel(
-    x_ptr, xd_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, ran_ptr,
-    R, H, I, P, stride_x, stride_xd, s_rows, s_cols, k_per_split, splits,
-    K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
-    B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
-    PDL: tl.constexpr = False, F16: tl.constexpr = False, PRESCALED: tl.constexpr = False, TMA: tl.constexpr = False,
-    COMPACT: tl.constexpr = False,
-):
-    wait_for_inputs(PDL)
-    if COMPACT:  # a fixed grid walks the distinct experts' (tile, split) items: no program is spent on a non-owner
-        q, ex, owner, rank, D = _owner_list(experts_ptr, live_ptr, R, P, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
-        if STORE_RAN:
-            tl.store(ran_ptr + q, owner.to(tl.int32), mask=(q < P) & (tl.program_id(0) == 0))
-        tiles = I // BLOCK_N
-        for w in range(tl.program_id(0), D * tiles * splits, tl.num_programs(0)):
-            p, e = _owner_of(q, ex, owner, rank, w % D)
-            _gate_up_item(x_ptr, xd_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, p, e, D > 0,
-                          (w // D) % tiles, w // D // tiles, R, H, I, P, stride_x, stride_xd, s_rows, s_cols,
-                          k_per_split, K_TOP, K_PAD, LIVE_COUNT, B0, B1, BLOCK_M, BLOCK_N, BLOCK_K, ROUND_BF16, F32,
-                          PREC, F16, PRESCALED, TMA)
-    else:
-        p = tl.program_id(0)
-        tile = tl.program_id(1)
-        split = tl.program_id(2)
-        e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
-        if STORE_RAN:  # debug: which pairs' programs did the work
-            tl.store(ran_ptr + p, run.to(tl.int32), mask=(tile == 0) & (split == 0))
-        _gate_up_item(x_ptr, xd_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, p, e, run, tile,
-                      split, R, H, I, P, stride_x, stride_xd, s_rows, s_cols, k_per_split, K_TOP, K_PAD, LIVE_COUNT,
-                      B0, B1, BLOCK_M, BLOCK_N, BLOCK_K, ROUND_BF16, F32, PREC, F16, PRESCALED, TMA)
-
-
 @triton.jit
 def _moe_finalize_kernel(
     part_ptr, live_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, R, P, I,
@@ -324,13 +265,21 @@ def _moe_finalize_kernel(
 
 
 @triton.jit
-def _down_item(
-    act_ptr, act_s_ptr, w_ptr, ws_ptr, experts_ptr, live_ptr, y_ptr, p, e, run, tile, R, H, I, s_rows, s_cols,
-    K_TOP: tl.constexpr, K_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, B0: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr, F16: tl.constexpr,
-    TMA: tl.constexpr,
+def _moe_down_kernel(
+    act_ptr, act_s_ptr, w_ptr, ws_ptr, experts_ptr, live_ptr, y_ptr, ran_ptr,
+    R, H, I, s_rows, s_cols,
+    K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
+    B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    F32: tl.constexpr, STORE_RAN: tl.constexpr,
+    PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False,
 ):
-    """Pair p's program's work on Down's H tile `tile` (nothing unless `run`: p owns expert e)."""
+    wait_for_inputs(PDL)
+    p = tl.program_id(0)
+    tile = tl.program_id(1)
+    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
+    if STORE_RAN:
+        tl.store(ran_ptr + p, run.to(tl.int32), mask=tile == 0)
+
     for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):  # as in Gate/Up
         rows, pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
         if tl.sum(m_ok.to(tl.int32), axis=0) > 0:
@@ -358,36 +307,6 @@ def _down_item(
                     part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
                 acc += part * sa[:, None] * sw[None, :]  # the act scale differs per row (pair)
             tl.store(y_ptr + pair[:, None] * H + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
-
-
-
-
-@triton.jit
-def _moe_down_kernel(
-    act_ptr, act_s_ptr, w_ptr, ws_ptr, experts_ptr, live_ptr, y_ptr, ran_ptr,
-    R, H, I, P, s_rows, s_cols,
-    K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
-    B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32: tl.constexpr, STORE_RAN: tl.constexpr,
-    PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False, COMPACT: tl.constexpr = False,
-):
-    wait_for_inputs(PDL)
-    if COMPACT:  # as in Gate/Up: a fixed grid walks the distinct experts' H tiles
-        q, ex, owner, rank, D = _owner_list(experts_ptr, live_ptr, R, P, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
-        if STORE_RAN:
-            tl.store(ran_ptr + q, owner.to(tl.int32), mask=(q < P) & (tl.program_id(0) == 0))
-        for w in range(tl.program_id(0), D * tl.cdiv(H, BLOCK_N), tl.num_programs(0)):
-            p, e = _owner_of(q, ex, owner, rank, w % D)
-            _down_item(act_ptr, act_s_ptr, w_ptr, ws_ptr, experts_ptr, live_ptr, y_ptr, p, e, D > 0, w // D, R, H, I,
-                       s_rows, s_cols, K_TOP, K_PAD, LIVE_COUNT, B0, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, F32, F16, TMA)
-    else:
-        p = tl.program_id(0)
-        tile = tl.program_id(1)
-        e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
-        if STORE_RAN:
-            tl.store(ran_ptr + p, run.to(tl.int32), mask=tile == 0)
-        _down_item(act_ptr, act_s_ptr, w_ptr, ws_ptr, experts_ptr, live_ptr, y_ptr, p, e, run, tile, R, H, I, s_rows,
-                   s_cols, K_TOP, K_PAD, LIVE_COUNT, B0, GROUP, BLOCK_M, BLOCK_N, BLOCK_K, F32, F16, TMA)
 
 
 @triton.jit
@@ -495,7 +414,6 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
         down_stages: int = DOWN_STAGES, pdl: bool = False, f16: bool = F16_OPERANDS,
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
-        compact: bool = COMPACT, gate_up_programs: int = GATE_UP_PROGRAMS, down_programs: int = DOWN_PROGRAMS,
         debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
@@ -517,10 +435,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     Gate/Up then reads it instead of x, the same operands (so the same bits) without every program rescaling x
     again; bf16 compute with the f16 path (or the interpreter) only. `tma`: Gate/Up and Down read their weight
     tiles through tensor descriptors (the Hopper copy engine) instead of per-element pointers; the same tiles, so
-    the same bits; None (default): when the weights' rows are 16-byte multiples, as the descriptors need.
-    `compact`: Gate/Up and Down launch a fixed grid of `gate_up_programs` (`down_programs`) programs per SM (at most
-    one per item) that walk the items of the distinct live experts (expert x tile x split), instead of a program
-    per pair x tile x split of which only the owners work: the same items, so the same bits. `debug`,
+    the same bits; None (default): when the weights' rows are 16-byte multiples, as the descriptors need. `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -559,8 +474,6 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     _check(down_block_n >= 16 and down_block_n & (down_block_n - 1) == 0,
            "down_block_n must be a power of two >= 16 (a dot operand)")
     _check(split_k is None or split_k >= 1, f"split_k must be >= 1, got {split_k}")
-    for name, n in (("gate_up_programs", gate_up_programs), ("down_programs", down_programs)):
-        _check(isinstance(n, int) and n >= 1, f"{name} must be an int >= 1 (programs per SM), got {n!r}")
     _check(gate_up_block_n >= 16 and gate_up_block_n & (gate_up_block_n - 1) == 0,
            f"gate_up_block_n must be a power of two >= 16 (a dot operand), got {gate_up_block_n}")
     for name, w in (("gate_up_warps", gate_up_warps), ("down_warps", down_warps)):
@@ -604,30 +517,24 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     if tma:
         g_arg, u_arg, d_arg = (_descriptor(w, b) for w, b in ((gate, (bn, bk)), (up, (bn, bk)),
                                                                (down, (down_block_n, down_bk))))
-    sms = _sm_count(dev)
-    gate_up_grid = (P, I // bn, split)
-    if compact:
-        gate_up_grid = (min(P * (I // bn) * split, gate_up_programs * sms),)
-    _moe_gate_up_kernel[gate_up_grid](
+    _moe_gate_up_kernel[(P, I // bn, split)](
         x_in, xd_in, g_arg, gate_scale, u_arg, up_scale, experts, live_arg, part, programs[0], R, H, I, P,
-        x_in.stride(0), xd_in.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, split, **routing,
+        x_in.stride(0), xd_in.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=f16_input is None and compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32",
-        STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma, COMPACT=compact,
+        STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma,
         num_warps=gate_up_warps,
         num_stages=gate_up_stages, **launch)
     _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
         part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
         SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,
         DROP_LAST=bool(store_h and debug.get("drop_last_split", False)), num_warps=4, **launch)
-    h_tiles = triton.cdiv(H, down_block_n)
-    down_grid = (min(P * h_tiles, down_programs * sms),) if compact else (P, h_tiles)
-    _moe_down_kernel[down_grid](
-        act, act_scale, d_arg, down_scale, experts, live_arg, y, programs[1], R, H, I, P,
+    _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
+        act, act_scale, d_arg, down_scale, experts, live_arg, y, programs[1], R, H, I,
         down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
-        num_stages=down_stages, F16=f16, TMA=tma, COMPACT=compact, **launch)
+        num_stages=down_stages, F16=f16, TMA=tma, **launch)
     _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
         y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
         num_warps=4, **launch)

@@ -619,38 +619,6 @@ def run_act_quant(device: str) -> dict:
     return out
 
 
-def run_compact_vs_grid(device: str) -> dict:
-    """The compact grids (a fixed grid walking the distinct experts' items) against the per-pair grids: output,
-    activations and which pairs worked, bit for bit, at several programs per SM (on the CPU the wrappers assume 8
-    SMs, so a program walks up to ~20 items; on the GPU one program per SM still walks several)."""
-    small = device == "cpu"
-    res = {}
-    for R in (1, 3, 8):
-        c = (case("c", R=R, k=4, E=16, H=256, I=128, block=(16, 16), x="bf16", live="count") if small else
-             case("c", R=R, k=8, E=256, H=6144, I=256, block=(128, 128), x="fp32", out="bf16", compute="bf16",
-                  live="count"))
-        t, live = build(c, device)
-        extra = {} if small else {"compute_dtype": torch.bfloat16}
-
-        def run(**kw):
-            debug = {}
-            out = mk.moe(*(t[a] for a in ARGS), block=c["block"], group=c["block"][1], debug=debug, **extra, **kw)
-            return out, debug
-
-        want, dbg = run(compact=False)
-        sms = mk._sm_count(torch.device(device))
-        distinct = len(set(t["experts"][live.to(device)].flatten().tolist()))
-        for programs in (1, 2, 3):
-            got, gdbg = run(compact=True, gate_up_programs=programs, down_programs=programs)
-            items = distinct * (c["I"] // min(c["I"], mk.GATE_UP_BLOCK_N)) * dbg["split"]
-            res[f"R{R}_p{programs}"] = {
-                "out": bool(torch.equal(got, want)), "act": bool(torch.equal(gdbg["act"].view(torch.uint8)[
-                    dbg["programs"][1] == 1], dbg["act"].view(torch.uint8)[dbg["programs"][1] == 1])),
-                "programs": bool(torch.equal(gdbg["programs"], dbg["programs"])),
-                "gate_up_items_per_program": -(-items // min(items, programs * sms))}
-    return res
-
-
 # ---- interpreter tests ---------------------------------------------------------------------------------
 interpreted, test_interpreted = interpreted_tests(
     __file__, CASES, _check,
@@ -703,22 +671,6 @@ def test_interpreted_bf16_rounding(interpreted):
     assert r["values"] > 1000 and r["ties"] > 100
     assert r["mismatches"] == 0, r
     assert r["plain_cast_mismatches"] > 0, "the interpreter's cast rounds correctly now: the note in moe.py is stale"
-
-
-def _check_compact(res: dict) -> None:
-    assert res and "error" not in res, res.get("error")
-    for name, r in res.items():
-        assert r["out"] and r["act"] and r["programs"], f"{name}: {r}"
-    assert max(r["gate_up_items_per_program"] for r in res.values()) > 1, "no program walked several items"
-
-
-def test_interpreted_compact_grids_bit_identical(interpreted):
-    _check_compact(interpreted["compact"])
-
-
-@pytest.mark.gpu
-def test_gpu_compact_grids_bit_identical():
-    _check_compact(run_compact_vs_grid("cuda"))
 
 
 @triton.jit
@@ -906,5 +858,4 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
 
     jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + [NEG_CASE, NEG_DEDUP_CASE]]
     worker_main(jobs + [("act_quant", lambda: run_act_quant("cpu")),
-                        ("bf16_rounding", lambda: run_bf16_rounding("cpu")),
-                        ("compact", lambda: run_compact_vs_grid("cpu"))])
+                        ("bf16_rounding", lambda: run_bf16_rounding("cpu"))])
