@@ -155,6 +155,13 @@ class TorchOps:
         entries; fast/round.py then calls it, and runs the torch form (RoundRunner.accept's) otherwise."""
         return False
 
+    @staticmethod
+    def settle(st, committed, count, emitted, n_emit, logprobs, k, a, out):
+        """The round's settle step and the next drafting's inputs (kernels/settle.py's torch sequence)."""
+        from ..kernels.settle import settle_ref
+
+        return settle_ref(st, committed, count, emitted, n_emit, logprobs, k, a, out)
+
 
 # "triton" = every stage whose kernels passed their GPU tests (docs/PERF.md); qualified with `iquest qualify` at
 # 7f9f77c. residual (added after): the MoE output's residual add folded into the next norm kernel, one launch fewer
@@ -173,7 +180,9 @@ class TorchOps:
 # bench/results/*-242fbb5.*): MoE 37.4 -> 30.8 us a call with both, all "="; full-size round 8,108 (neither) -> 7,663
 # (f16_norm) -> 7,413 us (both), same process.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
-          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "qkv_rope")
+          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "qkv_rope", "settle")
+# "settle": the round's settle step (commit, log, stop, round record) and the next drafting's inputs as one kernel
+# (kernels/settle.py) instead of ~45 torch kernels; integer bookkeeping, the same state (tests/test_kernel_settle.py).
 # "qkv_rope": the q/k/v projection's last split of each output tile also does rope_kv's work on it (rotate q and k,
 # store k and v at the rows' slots; kernels/fp8_linear.fp8_linear_rope), one launch instead of two per layer; with
 # 16-bit activations bit-identical to the two launches (tests/test_kernel_qkv_rope.py).
@@ -214,6 +223,7 @@ class TritonOps(TorchOps):
         self.sample_draw_calls = 0  # draft draws inside the sampling kernel (likewise)
         self.accept_calls = 0  # accept steps by the one kernel (likewise)
         self.qkv_rope_calls = 0  # q/k/v projections that rotated and stored in their last split (likewise)
+        self.settle_calls = 0  # settle steps by the one kernel (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -232,9 +242,10 @@ class TritonOps(TorchOps):
         from ..kernels.rmsnorm_residual import rmsnorm, rmsnorm_residual
         from ..kernels.rope_kv import rope_kv
         from ..kernels.embed import embed
+        from ..kernels.settle import settle
 
         self._attention, self._linear, self._lm_head, self._lock_count = decode_attention, fp8_linear, lm_head, lock_count
-        self._linear_rope, self._rope_fits = fp8_linear_rope, rope_fits
+        self._linear_rope, self._rope_fits, self._settle = fp8_linear_rope, rope_fits, settle
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
         self._global_sample, self._accept_settle, self._max_k = sample.global_sample, sample.accept_settle, sample.MAX_K
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
@@ -428,6 +439,13 @@ class TritonOps(TorchOps):
         self.accept_calls += 1
         return self._accept_settle(p_ids.contiguous(), p_probs.contiguous(), q_ids, q_probs, drafts, k, n, seed,
                                    pdl=self._pdl(p_ids))
+
+    def settle(self, st, committed, count, emitted, n_emit, logprobs, k, a, out):
+        if not self._fits("settle", st.stop_ids.numel() <= 8):
+            return super().settle(st, committed, count, emitted, n_emit, logprobs, k, a, out)
+        self.settle_calls += 1
+        return self._settle(st, committed.contiguous(), count, emitted.contiguous(), n_emit, logprobs.float(), k, a,
+                            out, pdl=self._pdl(st.n))
 
     def attention(self, q, kv, positions, sinks):
         rows, q_heads = q.shape[0], q.shape[1]

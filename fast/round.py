@@ -18,6 +18,7 @@ from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT, PURPOSE_DRAFT
 from . import sampler
 from .model import FastModel
 from .profiling import stage
+from ..kernels.settle import DraftInputs
 from .state import MAX_DRAFTS, VERIFY_ROWS, DecodeState
 
 
@@ -29,6 +30,8 @@ class RoundRunner:
         dev = state.n.device
         self.rows = torch.arange(VERIFY_ROWS, device=dev)
         self.depths = torch.arange(1, MAX_DRAFTS + 1, device=dev)
+        self.next = DraftInputs.allocate(dev)  # the drafting inputs each settle step leaves (kernels/settle.py)
+        self.one_live = torch.ones(1, dtype=torch.bool, device=dev)  # a draft row's live mask
         # What dist() does to a distribution after computing it: nothing, except in a negative control
         self.edit = self._drop_crossing if "top_p_drops_crossing" in defects else None
 
@@ -77,13 +80,13 @@ class RoundRunner:
         committed, count = emitted, a + 1
         if "keep_rejected_kv" in self.defects:  # rejected rows stay in the context: no rollback
             committed, count = torch.where(j < k, torch.cat([st.drafts, st.drafts[:1]]), x_new), k + 1
-        self.settle(committed, count, emitted, a + 1, logprobs, k, a)
-        # 4. Draft: depth 0 re-runs the draft layer on the newly committed positions with the
+        nxt = self.settle(committed, count, emitted, a + 1, logprobs, k, a)
+        # 4. Draft: depth 0 re-runs the draft layer on the newly committed positions n+1+j with the
         #    main model's hiddens (overwriting draft KV written from draft hiddens), then deeper rows.
-        redraft_live = j < count
+        redraft_live = nxt.live
         if "skip_redraft" in self.defects:
             redraft_live = j == count - 1
-        self.draft(st.tokens[n + 1 + j], st.hid, n + 1 + j, redraft_live, last=count - 1)
+        self.draft(nxt.tokens, st.hid, nxt.positions, redraft_live, last=nxt.last)
 
     def accept(self, p_ids: torch.Tensor, p_probs: torch.Tensor, n: torch.Tensor,
                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,25 +122,11 @@ class RoundRunner:
         self.settle(emitted, one, emitted, one, logprobs, zero, zero)
 
     def settle(self, committed: torch.Tensor, count: torch.Tensor, emitted: torch.Tensor, n_emit: torch.Tensor,
-               logprobs: torch.Tensor, k: torch.Tensor, a: torch.Tensor) -> None:
-        """Commit `count` tokens at n+1.. and log the emitted ones, cut at a stop token or the budget."""
-        st, j = self.st, self.rows
-        st.tokens.index_copy_(0, torch.where(j < count, st.n + 1 + j, st.trash), committed)
-        st.n.add_(count)
-        is_stop = (emitted[:, None] == st.stop_ids[None, :]).any(-1) & (j < n_emit)
-        first_stop = torch.where(is_stop.any(), is_stop.int().argmax() + 1, n_emit)
-        keep = torch.minimum(first_stop, st.budget - st.emitted).clamp(min=0)
-        slots = torch.where(j < keep, st.emitted + j, st.log_trash)
-        st.log_tokens.index_copy_(0, slots, emitted)
-        st.log_logprobs.index_copy_(0, slots, logprobs.float())
-        record = torch.stack([k, a, keep, (a == k) & (k > 0)]).to(torch.int64)
-        st.log_rounds.index_copy_(0, st.rounds.view(1).clamp(max=st.log_trash), record.view(1, 4))
-        st.emitted.add_(keep)
-        st.rounds.add_(1)
-        # The budget check keeps a healthy request inside its context; the capacity check is a backstop
-        # (a run whose length outgrows what it emitted, e.g. a negative control, stops instead of overrunning).
-        full = st.n + 2 * VERIFY_ROWS >= st.trash
-        st.done.copy_(((first_stop <= keep) & is_stop.any()) | (st.emitted >= st.budget) | full)
+               logprobs: torch.Tensor, k: torch.Tensor, a: torch.Tensor) -> DraftInputs:
+        """Commit `count` tokens at n+1.., log the first `n_emit` emitted ones cut at a stop token or the budget, record
+        the round, set done (kernels/settle.py: one kernel, or `settle_ref`'s torch sequence); returns the next
+        drafting's inputs (the committed rows read back with their positions, each depth's positions)."""
+        return self.m.ops.settle(self.st, committed, count, emitted, n_emit, logprobs, k, a, self.next)
 
     # ---- drafting -----------------------------------------------------------------------------
     @stage("draft")
@@ -151,8 +140,8 @@ class RoundRunner:
         st.product.fill_(1.0)
         st.more.zero_()
         # Every depth's uniform in one Philox evaluation (each is a function of its own counter only): one call
-        # per round instead of one per depth.
-        st.u_draft.copy_(self.uniform(st.n + self.depths, PURPOSE_DRAFT, self.depths))
+        # per round instead of one per depth; positions n + d from the settle step that precedes every drafting.
+        st.u_draft.copy_(self.uniform(self.next.u_pos, PURPOSE_DRAFT, self.depths))
         self.sample_draft(1, logits.index_select(0, last.view(1)), h.index_select(0, last.view(1)))
         fixed = self.controller.k if isinstance(self.controller, FixedDepth) else None
         for depth in range(2, MAX_DRAFTS + 1):
@@ -164,8 +153,8 @@ class RoundRunner:
     def draft_row(self, depth: int) -> None:
         """One recursive draft row: token d_{depth-1} at position n+depth-1 with the previous draft hidden."""
         st = self.st
-        pos = (st.n + depth - 1).view(1)
-        logits, h = self.m.draft(st.drafts[depth - 2].view(1), st.draft_h, pos, torch.ones_like(pos, dtype=torch.bool))
+        logits, h = self.m.draft(st.drafts[depth - 2].view(1), st.draft_h, self.next.row_pos[depth - 1:depth],
+                                 self.one_live)
         self.sample_draft(depth, logits, h)
 
     @stage("sampling")

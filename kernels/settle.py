@@ -1,0 +1,165 @@
+"""The round's settle step (ROUND.md: commit, log, stop) and the next drafts' inputs, in one launch.
+
+After the accept step the round commits `count` tokens at positions n+1.., logs the emitted ones (cut at the first
+stop token or the output budget), records the round, and decides whether the request is done; drafting then reads
+the committed tokens back with their positions. In torch that is ~45 small kernels a round (comparisons, `any`,
+`argmax`, `where`, three scatters, in-place adds), each a full kernel boundary in the captured round. Here one
+program holds the 8 verification rows as a vector and does all of it; integer bookkeeping only, so the state it
+leaves is the torch sequence's (`settle_ref`, which fast/ops.TorchOps runs) exactly.
+
+State read and written (fields of fast/state.DecodeState): tokens, n, stop_ids, budget, emitted, log_tokens,
+log_logprobs, log_rounds, rounds, done. Several rows may land on a trash entry (tokens' or the log's last
+entry), in no defined order, as with torch's index_copy_; trash entries are never read.
+
+The drafting inputs (`DraftInputs`): the redraft block's tokens, positions and live mask (the rows just committed,
+at n+1+j), its last live row, and for each draft depth d = 1..7 the position of its input row (n'+d-1, with n' the
+new n) and of its uniform (n'+d).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import launch_options, wait_for_inputs
+
+ROWS = 8  # fast.state.VERIFY_ROWS
+DEPTHS = 7  # fast.state.MAX_DRAFTS
+
+
+class DraftInputs(NamedTuple):
+    tokens: torch.Tensor     # int64 [ROWS]: tokens[n + 1 + j] after the commit
+    positions: torch.Tensor  # int64 [ROWS]: n + 1 + j
+    live: torch.Tensor       # bool [ROWS]: j < count
+    last: torch.Tensor       # int64 (): count - 1
+    row_pos: torch.Tensor    # int64 [DEPTHS]: n' + d - 1 for depth d = 1..DEPTHS (n' = n + count)
+    u_pos: torch.Tensor      # int64 [DEPTHS]: n' + d
+
+    @classmethod
+    def allocate(cls, device: torch.device) -> "DraftInputs":
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(torch.zeros(ROWS, **i64), torch.zeros(ROWS, **i64), torch.zeros(ROWS, dtype=torch.bool,
+                   device=device), torch.zeros((), **i64), torch.zeros(DEPTHS, **i64), torch.zeros(DEPTHS, **i64))
+
+
+@triton.jit
+def _settle_kernel(committed_ptr, count_ptr, emitted_ptr, n_emit_ptr, logprobs_ptr, k_ptr, a_ptr,
+                   tokens_ptr, n_ptr, stop_ptr, budget_ptr, em_ptr, log_tok_ptr, log_lp_ptr, log_rounds_ptr,
+                   rounds_ptr, done_ptr, d_tok_ptr, d_pos_ptr, d_live_ptr, d_last_ptr, d_row_ptr, d_u_ptr,
+                   trash, log_trash, n_stops, ROWS: tl.constexpr, STOPS: tl.constexpr, DEPTHS: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
+    j = tl.arange(0, ROWS)
+    n = tl.load(n_ptr)
+    count = tl.load(count_ptr)
+    n_emit = tl.load(n_emit_ptr)
+    k = tl.load(k_ptr)
+    a = tl.load(a_ptr)
+    committed = tl.load(committed_ptr + j)
+    emitted = tl.load(emitted_ptr + j)
+    # commit: count tokens at n+1.. (the others to the trash entry)
+    tl.store(tokens_ptr + tl.where(j < count, n + 1 + j, trash), committed)
+    n_new = n + count
+    tl.store(n_ptr, n_new)
+    # the first stop token among the emitted ones, the budget, and what is logged
+    s = tl.arange(0, STOPS)
+    stops = tl.load(stop_ptr + s, mask=s < n_stops, other=-1)  # -1 marks an unused entry, as in stop_ids
+    is_stop = (tl.sum((emitted[:, None] == stops[None, :]).to(tl.int32), axis=1) > 0) & (j < n_emit)
+    any_stop = tl.max(is_stop.to(tl.int32), axis=0) > 0
+    first_stop = tl.where(any_stop, tl.min(tl.where(is_stop, j, ROWS), axis=0) + 1, n_emit)
+    done_before = tl.load(em_ptr)
+    budget = tl.load(budget_ptr)
+    keep = tl.maximum(tl.minimum(first_stop, budget - done_before), 0)
+    slots = tl.where(j < keep, done_before + j, log_trash)
+    tl.store(log_tok_ptr + slots, emitted)
+    tl.store(log_lp_ptr + slots, tl.load(logprobs_ptr + j))
+    r = tl.load(rounds_ptr)
+    c = tl.arange(0, 4)
+    bonus = ((a == k) & (k > 0)).to(tl.int64)
+    record = tl.where(c == 0, k, tl.where(c == 1, a, tl.where(c == 2, keep, bonus)))
+    tl.store(log_rounds_ptr + tl.minimum(r, log_trash) * 4 + c, record)
+    tl.store(em_ptr, done_before + keep)
+    tl.store(rounds_ptr, r + 1)
+    full = n_new + 2 * ROWS >= trash
+    done = ((first_stop <= keep) & any_stop) | (done_before + keep >= budget) | full
+    tl.store(done_ptr, done.to(tl.int32))
+    # the next drafts' inputs: the committed rows read back (the others' entries are not written here)
+    later = tl.load(tokens_ptr + n + 1 + j, mask=j >= count, other=0)
+    tl.store(d_tok_ptr + j, tl.where(j < count, committed, later))
+    tl.store(d_pos_ptr + j, n + 1 + j)
+    tl.store(d_live_ptr + j, (j < count).to(tl.int8))
+    tl.store(d_last_ptr, count - 1)
+    d = tl.arange(0, ROWS)
+    tl.store(d_row_ptr + d, n_new + d, mask=d < DEPTHS)
+    tl.store(d_u_ptr + d, n_new + d + 1, mask=d < DEPTHS)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(f"settle: {message}")
+
+
+def _check_state(st, committed, emitted, logprobs, scalars: dict, out: DraftInputs) -> None:
+    dev = st.n.device
+    for name, t in (("committed", committed), ("emitted", emitted)):
+        _check(t.dtype == torch.int64 and tuple(t.shape) == (ROWS,) and t.is_contiguous() and t.device == dev,
+               f"{name} must be contiguous int64 [{ROWS}] on {dev}")
+    _check(logprobs.dtype == torch.float32 and tuple(logprobs.shape) == (ROWS,) and logprobs.device == dev,
+           f"logprobs must be float32 [{ROWS}] on {dev}")
+    for name, t in scalars.items():
+        _check(t.dtype == torch.int64 and t.numel() == 1 and t.device == dev, f"{name} must be one int64 on {dev}")
+    _check(st.stop_ids.numel() <= ROWS and st.log_rounds.shape[1:] == (4,) and st.done.dtype == torch.int32,
+           "state: stop_ids of at most 8, log_rounds [*, 4], done int32")
+    _check(all(t.device == dev for t in out) and out.live.dtype == torch.bool, f"draft inputs must be on {dev}")
+
+
+def settle(st, committed: torch.Tensor, count: torch.Tensor, emitted: torch.Tensor, n_emit: torch.Tensor,
+           logprobs: torch.Tensor, k: torch.Tensor, a: torch.Tensor, out: DraftInputs, *,
+           pdl: bool = False) -> DraftInputs:
+    """Commit `count` of `committed` [8] at n+1.., log the first `n_emit` of `emitted` [8] with `logprobs` [8] up to a
+    stop token or the budget, record the round (k, a, kept, bonus), set done; fill `out` for the drafting that
+    follows. `st`: fast.state.DecodeState (fields in the module docstring). Scalars are int64 device tensors."""
+    _check_state(st, committed, emitted, logprobs, dict(count=count, n_emit=n_emit, k=k, a=a), out)
+    stops = st.stop_ids
+    _settle_kernel[(1,)](committed, count, emitted, n_emit, logprobs.contiguous(), k, a, st.tokens, st.n, stops,
+                         st.budget, st.emitted, st.log_tokens, st.log_logprobs, st.log_rounds, st.rounds, st.done,
+                         out.tokens, out.positions, out.live.view(torch.int8), out.last, out.row_pos, out.u_pos,
+                         st.tokens.shape[0] - 1, st.log_tokens.shape[0] - 1, stops.numel(), ROWS=ROWS,
+                         STOPS=triton.next_power_of_2(stops.numel()), DEPTHS=DEPTHS, num_warps=1,
+                         **launch_options(pdl, st.n.device))
+    return out
+
+
+def settle_ref(st, committed: torch.Tensor, count: torch.Tensor, emitted: torch.Tensor, n_emit: torch.Tensor,
+               logprobs: torch.Tensor, k: torch.Tensor, a: torch.Tensor, out: DraftInputs) -> DraftInputs:
+    """The torch sequence (the engine's fallback): the same state changes and drafting inputs as `settle`."""
+    j = torch.arange(ROWS, device=st.n.device)
+    trash, log_trash = st.tokens.shape[0] - 1, st.log_tokens.shape[0] - 1
+    n = st.n.clone()
+    st.tokens.index_copy_(0, torch.where(j < count, st.n + 1 + j, trash), committed)
+    st.n.add_(count)
+    is_stop = (emitted[:, None] == st.stop_ids[None, :]).any(-1) & (j < n_emit)
+    first_stop = torch.where(is_stop.any(), is_stop.int().argmax() + 1, n_emit)
+    keep = torch.minimum(first_stop, st.budget - st.emitted).clamp(min=0)
+    slots = torch.where(j < keep, st.emitted + j, log_trash)
+    st.log_tokens.index_copy_(0, slots, emitted)
+    st.log_logprobs.index_copy_(0, slots, logprobs.float())
+    record = torch.stack([k, a, keep, (a == k) & (k > 0)]).to(torch.int64)
+    st.log_rounds.index_copy_(0, st.rounds.view(1).clamp(max=log_trash), record.view(1, 4))
+    st.emitted.add_(keep)
+    st.rounds.add_(1)
+    # The budget check keeps a healthy request inside its context; the capacity check is a backstop
+    # (a run whose length outgrows what it emitted, e.g. a negative control, stops instead of overrunning).
+    full = st.n + 2 * ROWS >= trash
+    st.done.copy_(((first_stop <= keep) & is_stop.any()) | (st.emitted >= st.budget) | full)
+    out.tokens.copy_(st.tokens[n + 1 + j])
+    out.positions.copy_(n + 1 + j)
+    out.live.copy_(j < count)
+    out.last.copy_(count - 1)
+    depths = torch.arange(1, DEPTHS + 1, device=st.n.device)
+    out.row_pos.copy_(st.n + depths - 1)
+    out.u_pos.copy_(st.n + depths)
+    return out
