@@ -78,16 +78,8 @@ def specs() -> dict[str, KernelSpec]:
         ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "lock_ptr", "N", "K", "stride_xm", "stride_ym",
          "k_per_split"),
         lin_kw["num_warps"], lin_kw["num_stages"], "FP8 linear, split K summed in the launch")
-    # The q/k/v projection with the rotary embedding and KV write in its last split (stage qkv_rope)
-    linear_rope = KernelSpec(
-        fl._fp8_linear_kernel,
-        dict(linear.types, cos_ptr="*bf16", sin_ptr="*bf16", rr_ptr="*i64", pos_ptr="*i64", live_ptr="*u8",
-             qo_ptr="*bf16", ck_ptr="*bf16", cv_ptr="*bf16", sp_ptr="*i64"),
-        dict(linear.constexprs, ROPE=True, D=128),
-        linear.div16 + ("cos_ptr", "sin_ptr", "qo_ptr", "ck_ptr", "cv_ptr"),
-        lin_kw["num_warps"], lin_kw["num_stages"], "FP8 q/k/v projection with rotary and KV write")
     return {"moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_down": down,
-            "fp8_linear": linear, "fp8_linear_qkv_rope": linear_rope}
+            "fp8_linear": linear}
 
 
 def compile_spec(spec: KernelSpec, **constexprs) -> object:

@@ -67,19 +67,19 @@ def _rope_epilogue(y, m, m_ok, pid_n, cos_ptr, sin_ptr, rr_ptr, pos_ptr, live_pt
         o2 = ((y2.to(tl.float32) * c2).to(y.dtype).to(tl.float32) + (y1.to(tl.float32) * s2).to(y.dtype).to(tl.float32))
         mask = m_ok[:, None]
         if head < HQ:
-            q_dst = qo_ptr + (m[:, None] * HQ + head) * D + f[None, :]
-            tl.store(q_dst, o1.to(qo_ptr.dtype.element_ty), mask=mask)
-            tl.store(q_dst + HALF, o2.to(qo_ptr.dtype.element_ty), mask=mask)
+            dst = qo_ptr + (m[:, None] * HQ + head) * D + f[None, :]
+            tl.store(dst, o1.to(qo_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF, o2.to(qo_ptr.dtype.element_ty), mask=mask)
         else:
-            k_dst = ck_ptr + (slot[:, None] * HKV + head - HQ) * D + f[None, :]
-            tl.store(k_dst, o1.to(y.dtype).to(ck_ptr.dtype.element_ty), mask=mask)
-            tl.store(k_dst + HALF, o2.to(y.dtype).to(ck_ptr.dtype.element_ty), mask=mask)
+            dst = ck_ptr + (slot[:, None] * HKV + head - HQ) * D + f[None, :]
+            tl.store(dst, o1.to(y.dtype).to(ck_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF, o2.to(y.dtype).to(ck_ptr.dtype.element_ty), mask=mask)
             if pid_n == HQ * TPH:  # the first k tile: the rows' positions, -1 for padding rows
                 tl.store(sp_ptr + slot, tl.where(live, pos, -1), mask=m_ok)
     else:
         d = (pid_n % TPH) * BLOCK_N + tl.arange(0, BLOCK_N)
-        v_dst = cv_ptr + (slot[:, None] * HKV + head - HQ - HKV) * D + d[None, :]
-        tl.store(v_dst, y.to(cv_ptr.dtype.element_ty), mask=m_ok[:, None])
+        dst = cv_ptr + (slot[:, None] * HKV + head - HQ - HKV) * D + d[None, :]
+        tl.store(dst, y.to(cv_ptr.dtype.element_ty), mask=m_ok[:, None])
 
 
 @triton.jit
