@@ -92,13 +92,6 @@ class TorchOps:
         kv.write(positions, live, k, v)  # the block's own K/V first: rows see each other causally
         return q
 
-    def qkv_rope(self, lw: LayerWeights, x: torch.Tensor, kv: LayerKV, head_dim: int, cos: torch.Tensor,
-                 sin: torch.Tensor, rope_rows: torch.Tensor | None, positions: torch.Tensor,
-                 live: torch.Tensor) -> torch.Tensor:
-        """`qkv` then `rope_write` (a layer without q/k norms): the rotated q [R, Hq, D], k and v stored."""
-        q, k, v = (t.view(x.shape[0], -1, head_dim) for t in self.qkv(lw, x))
-        return self.rope_write(kv, q, k, v, cos, sin, rope_rows, positions, live)
-
     @staticmethod
     def embed(tokens: torch.Tensor, w: ModelWeights) -> torch.Tensor:
         """This rank's embedding rows of `tokens` [R] (zero rows for tokens outside its vocabulary slice), before the
@@ -180,12 +173,9 @@ class TorchOps:
 # bench/results/*-242fbb5.*): MoE 37.4 -> 30.8 us a call with both, all "="; full-size round 8,108 (neither) -> 7,663
 # (f16_norm) -> 7,413 us (both), same process.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
-          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "qkv_rope", "settle")
+          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "settle")
 # "settle": the round's settle step (commit, log, stop, round record) and the next drafting's inputs as one kernel
 # (kernels/settle.py) instead of ~45 torch kernels; integer bookkeeping, the same state (tests/test_kernel_settle.py).
-# "qkv_rope": the q/k/v projection's last split of each output tile also does rope_kv's work on it (rotate q and k,
-# store k and v at the rows' slots; kernels/fp8_linear.fp8_linear_rope), one launch instead of two per layer; with
-# 16-bit activations bit-identical to the two launches (tests/test_kernel_qkv_rope.py).
 # "embed": the embedding lookup in one launch (kernels/embed.py) instead of eight torch kernels, six times a round;
 # bit-identical (tests/test_kernel_embed.py, with a decode on and off on the GPU). Figures in docs/PERF.md.
 # "sample_draw": a draft depth's draw (and its served probability) inside the sampling kernel, written straight into
@@ -222,7 +212,6 @@ class TritonOps(TorchOps):
         self.embed_calls = 0  # embedding lookups by the kernel (likewise)
         self.sample_draw_calls = 0  # draft draws inside the sampling kernel (likewise)
         self.accept_calls = 0  # accept steps by the one kernel (likewise)
-        self.qkv_rope_calls = 0  # q/k/v projections that rotated and stored in their last split (likewise)
         self.settle_calls = 0  # settle steps by the one kernel (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
@@ -234,7 +223,7 @@ class TritonOps(TorchOps):
         from ..kernels.f16_operands import empty_tiles
         from ..kernels.moe import gate_up_k_tile, tma_fits
         from ..kernels.decode_attention import decode_attention
-        from ..kernels.fp8_linear import fp8_linear, fp8_linear_rope, lock_count, rope_fits
+        from ..kernels.fp8_linear import fp8_linear, lock_count
         from ..kernels.lm_head import lm_head
         from ..kernels.moe_route import MAX_PAIRS
         from ..kernels.philox import uniforms
@@ -245,7 +234,7 @@ class TritonOps(TorchOps):
         from ..kernels.settle import settle
 
         self._attention, self._linear, self._lm_head, self._lock_count = decode_attention, fp8_linear, lm_head, lock_count
-        self._linear_rope, self._rope_fits, self._settle = fp8_linear_rope, rope_fits, settle
+        self._settle = settle
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
         self._global_sample, self._accept_settle, self._max_k = sample.global_sample, sample.accept_settle, sample.MAX_K
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
@@ -334,21 +323,6 @@ class TritonOps(TorchOps):
         dense = (lambda t: t if t.stride(-1) == 1 and t.stride(-2) == d else t.contiguous())  # row views pass as is
         return self._rope_kv(dense(q), dense(k), dense(v), cos, sin, positions, live, kv.k, kv.v, kv.slot_pos,
                              rope_rows=rope_rows, pdl=self._pdl(q))
-
-    def qkv_rope(self, lw, x, kv, head_dim, cos, sin, rope_rows, positions, live):
-        w = lw.wqkv
-        if not ({"linear", "rope"} <= self.stages and w is not None and rope_rows is not None and self._fits(
-                "qkv_rope", self._k_tiles(w.block[1]) and self._rope_fits(x.dtype, head_dim)
-                and kv.k.dtype == x.dtype)):
-            return super().qkv_rope(lw, x, kv, head_dim, cos, sin, rope_rows, positions, live)
-        locks = self._locks
-        fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
-        if not fits:  # a K split is summed by its last split only with counters
-            return super().qkv_rope(lw, x, kv, head_dim, cos, sin, rope_rows, positions, live)
-        self.qkv_rope_calls += 1
-        return self._linear_rope(x.contiguous(), w.q, w.scale, w.block, (lw.wq.q.shape[0] // head_dim, kv.k.shape[1]),
-                                 cos, sin, rope_rows, positions, live, kv.k, kv.v, kv.slot_pos, locks=locks,
-                                 pdl=self._pdl(x), prefetch=self._prefetch(x))
 
     def embed(self, tokens, w):
         if not self._fits("embed", w.embed.is_contiguous()):

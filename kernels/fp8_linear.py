@@ -32,74 +32,18 @@ BLOCK_N, NUM_STAGES = 32, 4
 
 
 @triton.jit
-def _rope_columns(pid_n, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """The columns of output tile pid_n in the rotary region: BLOCK_N / 2 columns of a head's first half and the
-    same columns of its second half, the pairs rotate_half mixes, so the tile's last split can rotate them."""
-    j = tl.arange(0, BLOCK_N)
-    t = pid_n % (D // BLOCK_N)
-    return (pid_n // (D // BLOCK_N)) * D + t * (BLOCK_N // 2) + j % (BLOCK_N // 2) + (j // (BLOCK_N // 2)) * (D // 2)
-
-
-@triton.jit
-def _rope_epilogue(y, m, m_ok, pid_n, cos_ptr, sin_ptr, rr_ptr, pos_ptr, live_ptr, qo_ptr, ck_ptr, cv_ptr, sp_ptr,
-                   HQ, HKV, SLOTS, TABLE_ROWS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
-    """kernels/rope_kv.py's work on one finished output tile y [BLOCK_M, BLOCK_N] (in the activation dtype) of the
-    q/k/v projection: a q tile's rows rotated into qo [M, HQ, D]; a k tile's rotated and a v tile's as they are into
-    the caches at each row's slot (`position % SLOTS`, the trash slot SLOTS for padding rows), and slot_pos by the
-    first k tile. The same roundings as rope_kv (each product rounded to the activation dtype, then their sum); with
-    16-bit activations the roundings between them leave nothing to contract into an FMA."""
-    HALF: tl.constexpr = D // 2
-    TPH: tl.constexpr = D // BLOCK_N  # tiles per head
-    head = pid_n // TPH
-    live = tl.load(live_ptr + m, mask=m_ok, other=0) != 0
-    pos = tl.load(pos_ptr + m, mask=m_ok, other=0)
-    slot = tl.where(live, pos % SLOTS, SLOTS)
-    if head < HQ + HKV:
-        y1, y2 = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
-        f = (pid_n % TPH) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)  # columns of the first half
-        t = tl.minimum(tl.load(rr_ptr + m, mask=m_ok, other=0), TABLE_ROWS - 1)[:, None] * D
-        c1 = tl.load(cos_ptr + t + f[None, :]).to(tl.float32)
-        c2 = tl.load(cos_ptr + t + HALF + f[None, :]).to(tl.float32)
-        s1 = tl.load(sin_ptr + t + f[None, :]).to(tl.float32)
-        s2 = tl.load(sin_ptr + t + HALF + f[None, :]).to(tl.float32)
-        r2 = (y2.to(tl.float32) * -1.0).to(y.dtype)  # rotate_half's -x[HALF:]
-        o1 = ((y1.to(tl.float32) * c1).to(y.dtype).to(tl.float32) + (r2.to(tl.float32) * s1).to(y.dtype).to(tl.float32))
-        o2 = ((y2.to(tl.float32) * c2).to(y.dtype).to(tl.float32) + (y1.to(tl.float32) * s2).to(y.dtype).to(tl.float32))
-        mask = m_ok[:, None]
-        if head < HQ:
-            dst = qo_ptr + (m[:, None] * HQ + head) * D + f[None, :]
-            tl.store(dst, o1.to(qo_ptr.dtype.element_ty), mask=mask)
-            tl.store(dst + HALF, o2.to(qo_ptr.dtype.element_ty), mask=mask)
-        else:
-            dst = ck_ptr + (slot[:, None] * HKV + head - HQ) * D + f[None, :]
-            tl.store(dst, o1.to(y.dtype).to(ck_ptr.dtype.element_ty), mask=mask)
-            tl.store(dst + HALF, o2.to(y.dtype).to(ck_ptr.dtype.element_ty), mask=mask)
-            if pid_n == HQ * TPH:  # the first k tile: the rows' positions, -1 for padding rows
-                tl.store(sp_ptr + slot, tl.where(live, pos, -1), mask=m_ok)
-    else:
-        d = (pid_n % TPH) * BLOCK_N + tl.arange(0, BLOCK_N)
-        dst = cv_ptr + (slot[:, None] * HKV + head - HQ - HKV) * D + d[None, :]
-        tl.store(dst, y.to(cv_ptr.dtype.element_ty), mask=m_ok[:, None])
-
-
-@triton.jit
 def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr,
     M, N, K, stride_xm, stride_ym, scale_cols, k_per_split, splits,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, SERIAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
-    cos_ptr=None, sin_ptr=None, rr_ptr=None, pos_ptr=None, live_ptr=None, qo_ptr=None, ck_ptr=None, cv_ptr=None,
-    sp_ptr=None, HQ=0, HKV=0, SLOTS=0, TABLE_ROWS=0, ROPE: tl.constexpr = False, D: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if ROPE:
-        if pid_n < (HQ + HKV) * (D // BLOCK_N):
-            n = _rope_columns(pid_n, BLOCK_N, D)
     m_ok = m < M
     n_ok = n < N
     k_start = pid_k * k_per_split
@@ -136,17 +80,8 @@ def _fp8_linear_kernel(
                 for sk in range(0, splits):
                     total += tl.load(part_ptr + (sk * M + m[:, None]) * N + n[None, :], mask=mask, other=0.0,
                                      cache_modifier=".cg")
-                if ROPE:
-                    _rope_epilogue(total.to(y_ptr.dtype.element_ty), m, m_ok, pid_n, cos_ptr, sin_ptr, rr_ptr,
-                                   pos_ptr, live_ptr, qo_ptr, ck_ptr, cv_ptr, sp_ptr, HQ, HKV, SLOTS, TABLE_ROWS,
-                                   BLOCK_M, BLOCK_N, D)
-                else:
-                    tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], total.to(y_ptr.dtype.element_ty),
-                             mask=mask)
+                tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(lock, 0)
-    elif ROPE:
-        _rope_epilogue(acc.to(y_ptr.dtype.element_ty), m, m_ok, pid_n, cos_ptr, sin_ptr, rr_ptr, pos_ptr, live_ptr,
-                       qo_ptr, ck_ptr, cv_ptr, sp_ptr, HQ, HKV, SLOTS, TABLE_ROWS, BLOCK_M, BLOCK_N, D)
     else:
         tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -194,8 +129,7 @@ def choose_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.dev
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
                out_dtype: torch.dtype | None = None, *, split_k: int | None = None, block_n: int = BLOCK_N,
                out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
-               num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False,
-               _rope: dict | None = None) -> torch.Tensor:
+               num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
@@ -223,8 +157,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     _check(out_dtype in _FLOATS, f"out_dtype {out_dtype} must be bf16, fp16 or fp32")
     if out is None:
         out = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    _check(_rope is not None or (tuple(out.shape) == (M, N) and out.dtype == out_dtype and out.device == x.device
-                                 and out.stride(1) == 1), f"out must be [{M}, {N}] {out_dtype} with unit stride along N")
+    _check(tuple(out.shape) == (M, N) and out.dtype == out_dtype and out.device == x.device and out.stride(1) == 1,
+           f"out must be [{M}, {N}] {out_dtype} with unit stride along N")
 
     block_k = _block_k(B1)
     if split_k is None:
@@ -244,69 +178,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
         k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split_k > 1,
         SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
-        PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, **launch_options(pdl, x.device),
-        **(_rope or {}))
+        PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, **launch_options(pdl, x.device))
     if split_k > 1 and not serial:
         BLOCK = 1024
         _split_k_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, out, M, N, out.stride(0), split_k, BLOCK=BLOCK,
                                                           **launch_options(pdl, x.device))
-    return out
-
-
-def rope_fits(x_dtype: torch.dtype, head_dim: int, block_n: int = BLOCK_N) -> bool:
-    """Whether `fp8_linear_rope` takes this activation dtype and head size: 16-bit activations (their roundings
-    between the rotary products keep the compiler from fusing them, so the bits are rope_kv's) and heads of whole
-    output tiles."""
-    return x_dtype in (torch.bfloat16, torch.float16) and head_dim % block_n == 0 and block_n >= 4
-
-
-def fp8_linear_rope(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], heads: tuple[int, int],
-                    cos: torch.Tensor, sin: torch.Tensor, rope_rows: torch.Tensor, positions: torch.Tensor,
-                    live: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slot_pos: torch.Tensor, *,
-                    locks: torch.Tensor | None = None, split_k: int | None = None, block_n: int = BLOCK_N,
-                    out: torch.Tensor | None = None, num_warps: int = 4, num_stages: int = NUM_STAGES,
-                    pdl: bool = False, prefetch: bool = False) -> torch.Tensor:
-    """The q/k/v projection x @ W^T (W the [(Hq + 2 Hkv) * D, K] E4M3 weight of q, k and v, as `fp8_linear`) with
-    kernels/rope_kv.py's work done by each output tile's last split: returns the rotated q [R, Hq, D] and writes the
-    rotated k and v to `cache_k`/`cache_v` [slots + 1, Hkv, D] at each row's slot and `slot_pos`, bit for bit what
-    `fp8_linear` then `rope_kv` give (their arguments as there; `heads` = (Hq, Hkv), D from the caches). One launch
-    instead of two; the unrotated q/k/v are never written. 16-bit activations only (`rope_fits`); a K split needs
-    `locks`."""
-    HQ, HKV = heads
-    M, K = x.shape if x.dim() == 2 else (0, 0)
-    _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
-    D = cache_k.shape[-1]
-    _check(rope_fits(x.dtype, D, block_n), f"fp8_linear_rope takes bf16/fp16 x and heads of whole {block_n}-wide "
-           f"tiles, got {x.dtype} and head_dim {D}")
-    _check(w.shape[0] == (HQ + 2 * HKV) * D, f"w has {w.shape[0]} rows; q, k and v of {heads} heads of {D} need "
-           f"{(HQ + 2 * HKV) * D}")
-    slots = cache_k.shape[0] - 1
-    _check(slots >= 1 and tuple(cache_k.shape) == (slots + 1, HKV, D) and cache_v.shape == cache_k.shape
-           and cache_k.dtype == x.dtype and cache_v.dtype == x.dtype, f"caches must be [slots + 1, {HKV}, {D}] {x.dtype}")
-    _check(tuple(slot_pos.shape) == (slots + 1,) and slot_pos.dtype == torch.int64, "slot_pos must be int64 [slots + 1]")
-    _check(cos.dtype == x.dtype and sin.shape == cos.shape and sin.dtype == cos.dtype and cos.dim() == 2
-           and cos.shape[1] == D and cos.is_contiguous() and sin.is_contiguous(), f"cos and sin must be contiguous "
-           f"[T, {D}] {x.dtype} tables")
-    for name, t, dtype in (("rope_rows", rope_rows, torch.int64), ("positions", positions, torch.int64),
-                           ("live", live, torch.bool)):
-        _check(tuple(t.shape) == (M,) and t.dtype == dtype and t.is_contiguous(), f"{name} must be {dtype} [{M}]")
-    for name, t in (("cos", cos), ("rope_rows", rope_rows), ("positions", positions), ("live", live),
-                    ("cache_k", cache_k), ("slot_pos", slot_pos)):
-        _check(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
-    if out is None:
-        out = torch.empty((M, HQ, D), dtype=x.dtype, device=x.device)
-    _check(tuple(out.shape) == (M, HQ, D) and out.dtype == x.dtype and out.is_contiguous(), f"out must be [{M}, {HQ}, {D}]")
-    N = w.shape[0]
-    block_k = _block_k(block[1])
-    if split_k is None:
-        split_k = choose_split_k(N, K, block_n, block_k, x.device)
-    k_per_split = triton.cdiv(triton.cdiv(K, block_k), max(1, split_k)) * block_k
-    _check(triton.cdiv(K, k_per_split) == 1 or locks is not None, "a K split needs locks (the last split rotates)")
-    fp8_linear(x, w, scale, block, x.dtype, split_k=split_k, block_n=block_n, out=x.new_empty((1, 1)), locks=locks,
-               num_warps=num_warps, num_stages=num_stages, pdl=pdl, prefetch=prefetch,
-               _rope=dict(cos_ptr=cos, sin_ptr=sin, rr_ptr=rope_rows, pos_ptr=positions,
-                          live_ptr=live.view(torch.uint8), qo_ptr=out, ck_ptr=cache_k, cv_ptr=cache_v, sp_ptr=slot_pos,
-                          HQ=HQ, HKV=HKV, SLOTS=slots, TABLE_ROWS=cos.shape[0], ROPE=True, D=D))
     return out
 
 
