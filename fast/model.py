@@ -70,10 +70,11 @@ class FastModel:
     def draft(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
               taps: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer: rows at positions p from (x_p, hidden for p-1) -> (local logits for p+1, h')."""
-        m, eps = self.w.mtp, self.config.rms_norm_eps
-        e = self.ops.norm(self.embed(tokens), m.enorm, eps)
-        h = self.ops.norm(prev_hidden.to(self.dtype), m.hnorm, eps)
-        cat = torch.cat([e, h], dim=-1)  # embedding first; eh_proj is row-parallel over these 2H inputs
+        m, eps, H = self.w.mtp, self.config.rms_norm_eps, self.config.hidden_size
+        # [norm(embedding), norm(hidden)], each norm writing its half; eh_proj is row-parallel over these 2H inputs
+        cat = torch.empty(tokens.shape[0], 2 * H, dtype=self.dtype, device=tokens.device)
+        self.ops.norm(self.embed(tokens), m.enorm, eps, out=cat[:, :H])
+        self.ops.norm(prev_hidden.to(self.dtype), m.hnorm, eps, out=cat[:, H:])
         width = cat.shape[-1] // self.par.world
         u = self.par.all_reduce(self.ops.linear(m.eh_proj, cat[:, self.par.rank * width:(self.par.rank + 1) * width]))
         _tap(taps, "mtp.input", u)

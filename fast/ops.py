@@ -49,8 +49,10 @@ class TorchOps:
         return self.linear(lw.wq, x), self.linear(lw.wk, x), self.linear(lw.wv, x)
 
     @stage("norm")
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm(x, weight, eps)
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """rmsnorm(x) * weight in x's dtype, into `out` (a view, e.g. half of a wider row) when given."""
+        y = rms_norm(x, weight, eps)
+        return y if out is None else out.copy_(y)
 
     def attention(self, q: torch.Tensor, kv: LayerKV, positions: torch.Tensor,
                   sinks: torch.Tensor | None) -> torch.Tensor:
@@ -123,25 +125,33 @@ class TorchOps:
 
     @staticmethod
     def uniforms(seed: torch.Tensor, positions: torch.Tensor, purpose: int,
-                 depth: int | torch.Tensor = 0) -> torch.Tensor:
-        """float32 Philox uniforms for decisions at `positions` (fast/philox.py: ~100 integer kernels each)."""
-        return philox.uniforms(seed, philox.offsets(positions, purpose, depth))
+                 depth: int | torch.Tensor = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 Philox uniforms for decisions at `positions` (fast/philox.py: ~100 integer kernels each), into
+        `out` when given."""
+        u = philox.uniforms(seed, philox.offsets(positions, purpose, depth))
+        return u if out is None else out.copy_(u)
 
     def dist(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p):
         return sampler.sample_rows(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
 
     def sample(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p, u: torch.Tensor,
-               out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], edit=None) -> torch.Tensor:
+               out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], edit=None, chain=None) -> torch.Tensor:
         """`dist` and the draw with uniforms u [R]: writes out = (tokens [R], ids [R, K], probs [R, K]) and returns the
         drawn tokens' probabilities [R] (fast.sampler.prob_of). `edit` (a negative control's) changes the
-        distribution between the two."""
+        distribution between the two. `chain` = (k, depth, product) for a draft depth's one row: then also k = depth
+        and product *= the drawn token's probability."""
         ids, probs = self.dist(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
         if edit is not None:
             ids, probs = edit(ids, probs)
         tokens = sampler.draw(ids, probs, u)
         for dst, src in zip(out, (tokens, ids, probs)):
             dst.copy_(src)
-        return sampler.prob_of(ids, probs, tokens)
+        served = sampler.prob_of(ids, probs, tokens)
+        if chain is not None:
+            drafts, depth, product = chain
+            drafts.fill_(depth)
+            product.mul_(served[0])
+        return served
 
     def fuses_accept(self, kp: int, kq: int) -> bool:
         """Whether the ops have the accept step as one kernel (TritonOps.accept_settle) for distributions of kp and kq
@@ -306,10 +316,10 @@ class TritonOps(TorchOps):
         nq, nk = lw.wq.q.shape[0], lw.wk.q.shape[0]
         return y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
 
-    def norm(self, x, weight, eps):
+    def norm(self, x, weight, eps, out=None):
         if not self._fits("norm", True):
-            return super().norm(x, weight, eps)
-        return self._norm(x.contiguous(), weight, eps, pdl=self._pdl(x))
+            return super().norm(x, weight, eps, out)
+        return self._norm(x.contiguous(), weight, eps, out=out, pdl=self._pdl(x))
 
     def rotary(self, cos, sin, rope_rows):
         if "rope" not in self.stages:
@@ -381,11 +391,11 @@ class TritonOps(TorchOps):
                  for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def uniforms(self, seed, positions, purpose, depth=0):
+    def uniforms(self, seed, positions, purpose, depth=0, out=None):
         if not self._fits("rng", True):
-            return super().uniforms(seed, positions, purpose, depth)
+            return super().uniforms(seed, positions, purpose, depth, out)
         # one launch, the same bits (tl.rand = rng.rand)
-        return self._uniforms(seed, positions, purpose, depth, pdl=self._pdl(positions))
+        return self._uniforms(seed, positions, purpose, depth, out=out, pdl=self._pdl(positions))
 
     def _keys(self, local_logits, k, vocab_offset, gather):
         keys = self._topk(local_logits.float().contiguous(), k, vocab_offset, pdl=self._pdl(local_logits))[0]
@@ -397,12 +407,14 @@ class TritonOps(TorchOps):
         keys = self._keys(local_logits, k, vocab_offset, gather)
         return self._global_dist(keys, top_k, temperature, top_p, pdl=self._pdl(keys))
 
-    def sample(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p, u, out, edit=None):
+    def sample(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p, u, out, edit=None, chain=None):
         if edit is not None or "sampling" not in self.stages or not self._fits("sample_draw", top_k <= self._max_k):
-            return super().sample(local_logits, k, vocab_offset, gather, top_k, temperature, top_p, u, out, edit)
+            return super().sample(local_logits, k, vocab_offset, gather, top_k, temperature, top_p, u, out, edit,
+                                  chain)
         keys = self._keys(local_logits, k, vocab_offset, gather)
         served = torch.empty(u.shape, dtype=torch.float32, device=u.device)
-        self._global_sample(keys, top_k, temperature, top_p, uniforms=u, out=out, served=served, pdl=self._pdl(keys))
+        self._global_sample(keys, top_k, temperature, top_p, uniforms=u, out=out, served=served, chain=chain,
+                            pdl=self._pdl(keys))
         self.sample_draw_calls += 1
         return served
 

@@ -48,10 +48,10 @@ class RoundRunner:
         return (ids, probs) if self.edit is None else self.edit(ids, probs)
 
     def sample(self, local_logits: torch.Tensor, u: torch.Tensor,
-               out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+               out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], chain: tuple | None = None) -> torch.Tensor:
         """dist() and the draw with uniforms u [R], written into out = (tokens [R], ids [R, K], probs [R, K]);
-        returns the drawn tokens' probabilities [R]."""
-        return self.m.ops.sample(local_logits, *self._sampling_args(), u, out, self.edit)
+        returns the drawn tokens' probabilities [R]. `chain` = (k, depth, product): a draft depth's state update."""
+        return self.m.ops.sample(local_logits, *self._sampling_args(), u, out, self.edit, chain)
 
     @staticmethod
     def _drop_crossing(ids: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,13 +60,14 @@ class RoundRunner:
         probs = torch.where((torch.arange(probs.shape[-1], device=probs.device) == last) & (last > 0), 0.0, probs)
         return ids, probs / probs.sum(-1, keepdim=True)
 
-    def uniform(self, positions: torch.Tensor, purpose: int, depth: int | torch.Tensor = 0) -> torch.Tensor:
-        return self.m.ops.uniforms(self.st.seed, positions, purpose, depth)
+    def uniform(self, positions: torch.Tensor, purpose: int, depth: int | torch.Tensor = 0,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.m.ops.uniforms(self.st.seed, positions, purpose, depth, out)
 
     # ---- the round ---------------------------------------------------------------------------------
     def speculative_round(self) -> None:
         st, j = self.st, self.rows
-        n, k = st.n.clone(), st.k.clone()
+        n, k = st.n, st.k  # read before the settle step changes n and the drafting changes k: no copies
         # 1. Verify x_n and the k drafts at positions n..n+k; row i gives p_i for position n+i+1.
         #    Rows past k are padding: computed, never written to the cache, never accepted.
         rows = torch.cat([st.tokens.index_select(0, n.view(1)), st.drafts])
@@ -137,11 +138,9 @@ class RoundRunner:
         depths 1..k unconditionally)."""
         logits, h = self.m.draft(tokens, hiddens, positions, live)
         st = self.st
-        st.product.fill_(1.0)
-        st.more.zero_()
-        # Every depth's uniform in one Philox evaluation (each is a function of its own counter only): one call
-        # per round instead of one per depth; positions n + d from the settle step that precedes every drafting.
-        st.u_draft.copy_(self.uniform(self.next.u_pos, PURPOSE_DRAFT, self.depths))
+        # The settle step that precedes every drafting reset product and more. Every depth's uniform in one Philox
+        # evaluation (each is a function of its own counter only), at positions n + d from that step.
+        self.uniform(self.next.u_pos, PURPOSE_DRAFT, self.depths, out=st.u_draft)
         self.sample_draft(1, logits.index_select(0, last.view(1)), h.index_select(0, last.view(1)))
         fixed = self.controller.k if isinstance(self.controller, FixedDepth) else None
         for depth in range(2, MAX_DRAFTS + 1):
@@ -161,12 +160,11 @@ class RoundRunner:
     def sample_draft(self, depth: int, logits: torch.Tensor, h: torch.Tensor) -> None:
         st = self.st
         # dist() and the draw, written into this depth's draft and proposal rows (one kernel where the ops have it)
+        # and k = depth, product *= the served probability (in the same kernel where the ops have it)
         out = (st.drafts[depth - 1:depth], st.q_ids[depth - 1:depth], st.q_probs[depth - 1:depth])
-        served = self.sample(logits, st.u_draft[depth - 1:depth], out)[0]
+        served = self.sample(logits, st.u_draft[depth - 1:depth], out, chain=(st.k, depth, st.product))[0]
         probs = out[2][0]
         st.draft_h.copy_(h)
-        st.k.fill_(depth)
-        st.product.mul_(served)
         if depth < MAX_DRAFTS and not isinstance(self.controller, FixedDepth):
             st.more[depth + 1] = self.more(depth, served, probs)
 

@@ -75,7 +75,8 @@ def _draw(ids, probs, ok, u):
 def _global_sample_kernel(keys_ptr, stride_keys, C, K, temp_ptr, top_p_ptr, seed_ptr, offsets_ptr,
                           ids_ptr, probs_ptr, tokens_ptr, served_ptr,
                           CP: tl.constexpr, KP: tl.constexpr, DRAW: tl.constexpr, LIBDEVICE: tl.constexpr,
-                          PDL: tl.constexpr = False, GIVEN_U: tl.constexpr = False):
+                          PDL: tl.constexpr = False, GIVEN_U: tl.constexpr = False,
+                          k_ptr=None, depth=0, product_ptr=None, CHAIN: tl.constexpr = False):
     wait_for_inputs(PDL)
     r = tl.program_id(0)
     c = tl.arange(0, CP)
@@ -105,7 +106,11 @@ def _global_sample_kernel(keys_ptr, stride_keys, C, K, temp_ptr, top_p_ptr, seed
         at = j == _draw_at(probs, ok, u)
         tl.store(tokens_ptr + r, tl.sum(tl.where(at, ids, 0), 0))
         # the drawn token's probability, fast.sampler.prob_of's value: the ids are distinct, so one term
-        tl.store(served_ptr + r, tl.sum(tl.where(at, probs, 0.0), 0))
+        served = tl.sum(tl.where(at, probs, 0.0), 0)
+        tl.store(served_ptr + r, served)
+        if CHAIN:  # a draft depth's row (R = 1): the drafts made so far, and the served probabilities' product
+            tl.store(k_ptr, tl.zeros([], tl.int64) + depth)  # depth 1 arrives as a constexpr
+            tl.store(product_ptr, tl.load(product_ptr) * served)
 
 
 def _check(cond: bool, where: str, message: str) -> None:
@@ -121,7 +126,8 @@ def _scalar(t: torch.Tensor, dtype: torch.dtype, name: str, where: str, device: 
 def global_sample(keys: torch.Tensor, top_k: int, temperature: torch.Tensor, top_p: torch.Tensor,
                   seed: torch.Tensor | None = None, offsets: torch.Tensor | None = None, *,
                   uniforms: torch.Tensor | None = None, out: tuple[torch.Tensor, ...] | None = None,
-                  served: torch.Tensor | None = None, num_warps: int = 4, pdl: bool = False):
+                  served: torch.Tensor | None = None, chain: tuple | None = None, num_warps: int = 4,
+                  pdl: bool = False):
     """dist() of R rows from their gathered candidate keys [R, C] int64, and a draw per row.
 
     Equal to `fast.sampler._dist_from_keys` (= `global_dist` of the unkeyed values and ids) and
@@ -130,7 +136,9 @@ def global_sample(keys: torch.Tensor, top_k: int, temperature: torch.Tensor, top
     uniforms themselves. Returns (tokens [R] int64, ids [R, K] int64, probs [R, K] float32), K = min(top_k, C);
     without a draw, (None, ids, probs). out: preallocated (tokens, ids, probs) (tokens None without a draw; views of
     a larger buffer's rows are fine). `served` [R] float32, when drawing: receives each drawn token's probability
-    (`fast.sampler.prob_of`'s value).
+    (`fast.sampler.prob_of`'s value). `chain` = (k, depth, product), when drawing one row (a draft depth's): also
+    k = depth (int64 0-dim) and product *= the served probability (float32 0-dim), as fast/round.py's sample_draft
+    did with two torch kernels.
     """
     where = "global_sample"
     _check(keys.dim() == 2 and keys.dtype == torch.int64 and keys.stride(1) == 1, where,
@@ -169,13 +177,20 @@ def global_sample(keys: torch.Tensor, top_k: int, temperature: torch.Tensor, top
     if draw:
         _check(tuple(tokens.shape) == (R,) and tokens.dtype == torch.int64 and tokens.is_contiguous(), where,
                f"out tokens must be contiguous int64 [{R}]")
+    chain_args = {}
+    if chain is not None:
+        k, depth, product = chain
+        _check(draw and R == 1, where, "chain updates a draft depth's state: one row, with a draw")
+        _scalar(k, torch.int64, "chain's k", where, dev)
+        _scalar(product, torch.float32, "chain's product", where, dev)
+        chain_args = dict(k_ptr=k, depth=int(depth), product_ptr=product, CHAIN=True)
     u_arg = uniforms if uniforms is not None else offsets if offsets is not None else keys  # unused without a draw
     served_arg = served if served is not None else _scratch(R, dev) if draw else probs
     _global_sample_kernel[(R,)](
         keys, keys.stride(0), C, K, temperature, top_p, seed if seed is not None else keys, u_arg,
         ids, probs, tokens if draw else ids, served_arg,
         CP=cp, KP=kp, DRAW=draw, LIBDEVICE=not INTERPRETED, GIVEN_U=uniforms is not None,
-        num_warps=num_warps, **launch_options(pdl, dev))
+        num_warps=num_warps, **chain_args, **launch_options(pdl, dev))
     return tokens, ids, probs
 
 

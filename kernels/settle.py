@@ -8,7 +8,8 @@ program holds the 8 verification rows as a vector and does all of it; integer bo
 leaves is the torch sequence's (`settle_ref`, which fast/ops.TorchOps runs) exactly.
 
 State read and written (fields of fast/state.DecodeState): tokens, n, stop_ids, budget, emitted, log_tokens,
-log_logprobs, log_rounds, rounds, done. Several rows may land on a trash entry (tokens' or the log's last
+log_logprobs, log_rounds, rounds, done; and the drafting's product (reset to 1) and more (to 0), since a drafting
+follows every settle step. Several rows may land on a trash entry (tokens' or the log's last
 entry), in no defined order, as with torch's index_copy_; trash entries are never read.
 
 The drafting inputs (`DraftInputs`): the redraft block's tokens, positions and live mask (the rows just committed,
@@ -49,7 +50,7 @@ class DraftInputs(NamedTuple):
 def _settle_kernel(committed_ptr, count_ptr, emitted_ptr, n_emit_ptr, logprobs_ptr, k_ptr, a_ptr,
                    tokens_ptr, n_ptr, stop_ptr, budget_ptr, em_ptr, log_tok_ptr, log_lp_ptr, log_rounds_ptr,
                    rounds_ptr, done_ptr, d_tok_ptr, d_pos_ptr, d_live_ptr, d_last_ptr, d_row_ptr, d_u_ptr,
-                   trash, log_trash, n_stops, ROWS: tl.constexpr, STOPS: tl.constexpr, DEPTHS: tl.constexpr,
+                   product_ptr, more_ptr, n_more, trash, log_trash, n_stops, ROWS: tl.constexpr, STOPS: tl.constexpr, DEPTHS: tl.constexpr,
                    PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     j = tl.arange(0, ROWS)
@@ -95,6 +96,9 @@ def _settle_kernel(committed_ptr, count_ptr, emitted_ptr, n_emit_ptr, logprobs_p
     d = tl.arange(0, ROWS)
     tl.store(d_row_ptr + d, n_new + d, mask=d < DEPTHS)
     tl.store(d_u_ptr + d, n_new + d + 1, mask=d < DEPTHS)
+    tl.store(product_ptr, 1.0)
+    mo = tl.arange(0, 2 * ROWS)
+    tl.store(more_ptr + mo, tl.zeros([2 * ROWS], tl.int32), mask=mo < n_more)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -111,8 +115,9 @@ def _check_state(st, committed, emitted, logprobs, scalars: dict, out: DraftInpu
            f"logprobs must be float32 [{ROWS}] on {dev}")
     for name, t in scalars.items():
         _check(t.dtype == torch.int64 and t.numel() == 1 and t.device == dev, f"{name} must be one int64 on {dev}")
-    _check(st.stop_ids.numel() <= ROWS and st.log_rounds.shape[1:] == (4,) and st.done.dtype == torch.int32,
-           "state: stop_ids of at most 8, log_rounds [*, 4], done int32")
+    _check(st.stop_ids.numel() <= ROWS and st.log_rounds.shape[1:] == (4,) and st.done.dtype == torch.int32
+           and st.product.dtype == torch.float32 and st.more.dtype == torch.int32 and st.more.numel() <= 2 * ROWS,
+           "state: stop_ids of at most 8, log_rounds [*, 4], done int32, product float32, more int32 [<= 16]")
     _check(all(t.device == dev for t in out) and out.live.dtype == torch.bool, f"draft inputs must be on {dev}")
 
 
@@ -127,7 +132,7 @@ def settle(st, committed: torch.Tensor, count: torch.Tensor, emitted: torch.Tens
     _settle_kernel[(1,)](committed, count, emitted, n_emit, logprobs.contiguous(), k, a, st.tokens, st.n, stops,
                          st.budget, st.emitted, st.log_tokens, st.log_logprobs, st.log_rounds, st.rounds, st.done,
                          out.tokens, out.positions, out.live.view(torch.int8), out.last, out.row_pos, out.u_pos,
-                         st.tokens.shape[0] - 1, st.log_tokens.shape[0] - 1, stops.numel(), ROWS=ROWS,
+                         st.product, st.more, st.more.numel(), st.tokens.shape[0] - 1, st.log_tokens.shape[0] - 1, stops.numel(), ROWS=ROWS,
                          STOPS=triton.next_power_of_2(stops.numel()), DEPTHS=DEPTHS, num_warps=1,
                          **launch_options(pdl, st.n.device))
     return out
@@ -162,4 +167,6 @@ def settle_ref(st, committed: torch.Tensor, count: torch.Tensor, emitted: torch.
     depths = torch.arange(1, DEPTHS + 1, device=st.n.device)
     out.row_pos.copy_(st.n + depths - 1)
     out.u_pos.copy_(st.n + depths)
+    st.product.fill_(1.0)
+    st.more.zero_()
     return out

@@ -117,8 +117,8 @@ class Recorder:
             record_dist(local_logits, ids, probs)
             return ids, probs
 
-        def runner_sample(local_logits, u, out):  # a draft depth's dist and draw (one kernel where fused)
-            served = sample(local_logits, u, out)
+        def runner_sample(local_logits, u, out, chain=None):  # a draft depth's dist and draw (one kernel where fused)
+            served = sample(local_logits, u, out, chain)
             record_dist(local_logits, out[1], out[2])
             return served
 

@@ -157,6 +157,13 @@ def run_sample(c: dict, device: str) -> dict:
             res["uniforms_same"] = res.get("uniforms_same", True) and all(torch.equal(a, b) for a, b in zip(out_u, got))
             res["served_exact"] = res.get("served_exact", True) and torch.equal(
                 served, sampler.prob_of(got[1], got[2], got[0]))
+            # A draft depth's row with its state update (chain): k = depth, product *= the served probability
+            k, product = torch.zeros((), dtype=torch.int64, device=device), torch.full((), 0.37, device=device)
+            want = product * served[0]
+            row = tuple(torch.full_like(t[:1], -1) for t in out)
+            sm.global_sample(keys[:1], c["top_k"], T, top_p, uniforms=u[:1], out=row, chain=(k, 3 + R, product))
+            res["chain_exact"] = res.get("chain_exact", True) and int(k) == 3 + R and torch.equal(product, want) \
+                and all(torch.equal(a, b[:1]) for a, b in zip(row, got))
         if c["draw"]:
             near = _near(ref[2], u)
             same = got[0] == ref[0]
@@ -256,6 +263,7 @@ def _check(c: dict, r: dict) -> None:
             assert r["tokens_equal"] + r["tokens_skipped"] == total and r["tokens_skipped"] <= max(1, total // 20)
             assert r["uniforms_same"], f"{name}: drawing from the uniforms differs from drawing from their counters"
             assert r["served_exact"], f"{name}: the served probabilities differ from prob_of of the drawn tokens"
+            assert r["chain_exact"], f"{name}: a draft row's k or running product differs from the torch update"
         return
     assert not r["differ"], f"{name}: accept step differs: {r['differ'][:3]}"
     total = len(c["ks"]) * c["trials"]

@@ -43,7 +43,8 @@ def make_case(n: int, a: int, k: int, stops: list[int], stop_at: int | None, bud
                budget=torch.tensor(budget), emitted=torch.tensor(done_before),
                log_tokens=torch.randint(0, 1000, (LOG + 1,), generator=gen), log_logprobs=torch.randn(LOG + 1,
                generator=gen), log_rounds=torch.randint(0, 9, (LOG + 1, 4), generator=gen),
-               rounds=torch.tensor(rounds), done=torch.tensor(0, dtype=torch.int32))
+               rounds=torch.tensor(rounds), done=torch.tensor(0, dtype=torch.int32),
+               product=torch.rand((), generator=gen), more=torch.randint(0, 2, (9,), generator=gen, dtype=torch.int32))
     emitted = torch.randint(10, 1000, (8,), generator=gen)
     if stop_at is not None and stops:
         emitted[stop_at] = stops[seed % len(stops)]
