@@ -8,7 +8,8 @@ full layer only up to the block's last position (which the kernels take from the
 graph-capturable); rotary (from the model's tables) + KV write in one launch; the embedding lookup in one; RMSNorm with and without the residual add (the MoE
 output's add folded into the next norm); router logits with softmax/top-k; the MoE over live rows, each chosen
 expert's weights read once, with act_quant'ed E4M3 activations into Down; the LM head from its bf16 rows; the
-tiled top-k scan and the global top-k/top-p; Philox uniforms in one launch. Same math; the kernels round
+tiled top-k scan and the global top-k/top-p (a draft depth's draw and state update inside it); the accept step and
+the settle step, one kernel each; Philox uniforms in one launch. Same math; the kernels round
 differently (fp32 accumulation in other orders, E4M3 activations into Down), which the qualification suite
 measures. At one decode block every kernel
 is launch- or latency-bound, so the point of most of them is fewer launches (docs/PERF.md), and every one is
