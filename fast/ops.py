@@ -149,8 +149,8 @@ class TorchOps:
             dst.copy_(src)
         served = sampler.prob_of(ids, probs, tokens)
         if chain is not None:
-            drafts, depth, product = chain
-            drafts.fill_(depth)
+            made, depth, product = chain
+            made.fill_(depth)
             product.mul_(served[0])
         return served
 
@@ -428,7 +428,7 @@ class TritonOps(TorchOps):
                                    pdl=self._pdl(p_ids))
 
     def settle(self, st, committed, count, emitted, n_emit, logprobs, k, a, out):
-        if not self._fits("settle", st.stop_ids.numel() <= 8):
+        if not self._fits("settle", True):
             return super().settle(st, committed, count, emitted, n_emit, logprobs, k, a, out)
         self.settle_calls += 1
         return self._settle(st, committed.contiguous(), count, emitted.contiguous(), n_emit, logprobs.float(), k, a,

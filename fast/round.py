@@ -18,8 +18,7 @@ from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT, PURPOSE_DRAFT
 from . import sampler
 from .model import FastModel
 from .profiling import stage
-from ..kernels.settle import DraftInputs
-from .state import MAX_DRAFTS, VERIFY_ROWS, DecodeState
+from .state import MAX_DRAFTS, VERIFY_ROWS, DecodeState, DraftInputs
 
 
 class RoundRunner:

@@ -7,12 +7,31 @@ fills it by copying, never by re-allocating. Scalars are 0-dim tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 
 MAX_DRAFTS = 7
 VERIFY_ROWS = MAX_DRAFTS + 1  # one committed token + up to 7 drafts: the verification kernel width
 MAX_STOP_IDS = 8
+
+
+class DraftInputs(NamedTuple):
+    """What the settle step leaves for the drafting that follows it (kernels/settle.py)."""
+
+    tokens: torch.Tensor     # int64 [VERIFY_ROWS]: tokens[n + 1 + j] after the commit (the redraft block)
+    positions: torch.Tensor  # int64 [VERIFY_ROWS]: n + 1 + j
+    live: torch.Tensor       # bool [VERIFY_ROWS]: j < count
+    last: torch.Tensor       # int64 (): count - 1, the block's last live row
+    row_pos: torch.Tensor    # int64 [MAX_DRAFTS]: n' + d - 1 for draft depth d = 1.. (n' = n + count): its input row
+    u_pos: torch.Tensor      # int64 [MAX_DRAFTS]: n' + d, its uniform's position
+
+    @classmethod
+    def allocate(cls, device: torch.device) -> "DraftInputs":
+        def z(n, dt=torch.int64):
+            return torch.zeros(n, dtype=dt, device=device)
+
+        return cls(z(VERIFY_ROWS), z(VERIFY_ROWS), z(VERIFY_ROWS, torch.bool), z(()), z(MAX_DRAFTS), z(MAX_DRAFTS))
 
 
 @dataclass

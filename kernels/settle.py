@@ -12,14 +12,13 @@ log_logprobs, log_rounds, rounds, done; and the drafting's product (reset to 1) 
 follows every settle step. Several rows may land on a trash entry (tokens' or the log's last
 entry), in no defined order, as with torch's index_copy_; trash entries are never read.
 
-The drafting inputs (`DraftInputs`): the redraft block's tokens, positions and live mask (the rows just committed,
-at n+1+j), its last live row, and for each draft depth d = 1..7 the position of its input row (n'+d-1, with n' the
-new n) and of its uniform (n'+d).
+The drafting inputs (fast/state.DraftInputs): the redraft block's tokens, positions and live mask (the rows just
+committed, at n+1+j), its last live row, and for each draft depth d = 1..7 the position of its input row (n'+d-1,
+with n' the new n) and of its uniform (n'+d). Sizes come from the tensors: the rows from `committed`, the depths from
+`out.row_pos`.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -27,30 +26,12 @@ import triton.language as tl
 
 from .launch import launch_options, wait_for_inputs
 
-ROWS = 8  # fast.state.VERIFY_ROWS
-DEPTHS = 7  # fast.state.MAX_DRAFTS
-
-
-class DraftInputs(NamedTuple):
-    tokens: torch.Tensor     # int64 [ROWS]: tokens[n + 1 + j] after the commit
-    positions: torch.Tensor  # int64 [ROWS]: n + 1 + j
-    live: torch.Tensor       # bool [ROWS]: j < count
-    last: torch.Tensor       # int64 (): count - 1
-    row_pos: torch.Tensor    # int64 [DEPTHS]: n' + d - 1 for depth d = 1..DEPTHS (n' = n + count)
-    u_pos: torch.Tensor      # int64 [DEPTHS]: n' + d
-
-    @classmethod
-    def allocate(cls, device: torch.device) -> "DraftInputs":
-        i64 = dict(dtype=torch.int64, device=device)
-        return cls(torch.zeros(ROWS, **i64), torch.zeros(ROWS, **i64), torch.zeros(ROWS, dtype=torch.bool,
-                   device=device), torch.zeros((), **i64), torch.zeros(DEPTHS, **i64), torch.zeros(DEPTHS, **i64))
-
-
 @triton.jit
 def _settle_kernel(committed_ptr, count_ptr, emitted_ptr, n_emit_ptr, logprobs_ptr, k_ptr, a_ptr,
                    tokens_ptr, n_ptr, stop_ptr, budget_ptr, em_ptr, log_tok_ptr, log_lp_ptr, log_rounds_ptr,
                    rounds_ptr, done_ptr, d_tok_ptr, d_pos_ptr, d_live_ptr, d_last_ptr, d_row_ptr, d_u_ptr,
-                   product_ptr, more_ptr, n_more, trash, log_trash, n_stops, ROWS: tl.constexpr, STOPS: tl.constexpr, DEPTHS: tl.constexpr,
+                   product_ptr, more_ptr, n_more, trash, log_trash, n_stops, depths, ROWS: tl.constexpr,
+                   STOPS: tl.constexpr, DEPTHS: tl.constexpr, MORE: tl.constexpr,
                    PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     j = tl.arange(0, ROWS)
@@ -93,12 +74,12 @@ def _settle_kernel(committed_ptr, count_ptr, emitted_ptr, n_emit_ptr, logprobs_p
     tl.store(d_pos_ptr + j, n + 1 + j)
     tl.store(d_live_ptr + j, (j < count).to(tl.int8))
     tl.store(d_last_ptr, count - 1)
-    d = tl.arange(0, ROWS)
-    tl.store(d_row_ptr + d, n_new + d, mask=d < DEPTHS)
-    tl.store(d_u_ptr + d, n_new + d + 1, mask=d < DEPTHS)
+    d = tl.arange(0, DEPTHS)
+    tl.store(d_row_ptr + d, n_new + d, mask=d < depths)
+    tl.store(d_u_ptr + d, n_new + d + 1, mask=d < depths)
     tl.store(product_ptr, 1.0)
-    mo = tl.arange(0, 2 * ROWS)
-    tl.store(more_ptr + mo, tl.zeros([2 * ROWS], tl.int32), mask=mo < n_more)
+    mo = tl.arange(0, MORE)
+    tl.store(more_ptr + mo, tl.zeros([MORE], tl.int32), mask=mo < n_more)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -106,43 +87,47 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(f"settle: {message}")
 
 
-def _check_state(st, committed, emitted, logprobs, scalars: dict, out: DraftInputs) -> None:
-    dev = st.n.device
-    for name, t in (("committed", committed), ("emitted", emitted)):
-        _check(t.dtype == torch.int64 and tuple(t.shape) == (ROWS,) and t.is_contiguous() and t.device == dev,
-               f"{name} must be contiguous int64 [{ROWS}] on {dev}")
-    _check(logprobs.dtype == torch.float32 and tuple(logprobs.shape) == (ROWS,) and logprobs.device == dev,
-           f"logprobs must be float32 [{ROWS}] on {dev}")
-    for name, t in scalars.items():
+def _check_state(st, committed, emitted, logprobs, scalars: dict, out) -> None:
+    dev, rows = st.n.device, committed.shape[0]
+    _check(rows >= 1 and rows & (rows - 1) == 0, f"committed must have a power-of-two row count, got {rows}")
+    for name, t in (("committed", committed), ("emitted", emitted), ("out.tokens", out.tokens),
+                    ("out.positions", out.positions)):
+        _check(t.dtype == torch.int64 and tuple(t.shape) == (rows,) and t.is_contiguous() and t.device == dev,
+               f"{name} must be contiguous int64 [{rows}] on {dev}")
+    _check(logprobs.dtype == torch.float32 and tuple(logprobs.shape) == (rows,) and logprobs.device == dev,
+           f"logprobs must be float32 [{rows}] on {dev}")
+    for name, t in (*scalars.items(), ("out.last", out.last)):
         _check(t.dtype == torch.int64 and t.numel() == 1 and t.device == dev, f"{name} must be one int64 on {dev}")
-    _check(st.stop_ids.numel() <= ROWS and st.log_rounds.shape[1:] == (4,) and st.done.dtype == torch.int32
-           and st.product.dtype == torch.float32 and st.more.dtype == torch.int32 and st.more.numel() <= 2 * ROWS,
-           "state: stop_ids of at most 8, log_rounds [*, 4], done int32, product float32, more int32 [<= 16]")
-    _check(all(t.device == dev for t in out) and out.live.dtype == torch.bool, f"draft inputs must be on {dev}")
+    _check(out.live.dtype == torch.bool and tuple(out.live.shape) == (rows,) and out.row_pos.shape == out.u_pos.shape
+           and all(t.device == dev and t.is_contiguous() for t in out), f"draft inputs must be contiguous on {dev}")
+    _check(st.log_rounds.shape[1:] == (4,) and st.done.dtype == torch.int32 and st.product.dtype == torch.float32
+           and st.more.dtype == torch.int32, "state: log_rounds [*, 4], done int32, product float32, more int32")
 
 
 def settle(st, committed: torch.Tensor, count: torch.Tensor, emitted: torch.Tensor, n_emit: torch.Tensor,
-           logprobs: torch.Tensor, k: torch.Tensor, a: torch.Tensor, out: DraftInputs, *,
-           pdl: bool = False) -> DraftInputs:
-    """Commit `count` of `committed` [8] at n+1.., log the first `n_emit` of `emitted` [8] with `logprobs` [8] up to a
-    stop token or the budget, record the round (k, a, kept, bonus), set done; fill `out` for the drafting that
-    follows. `st`: fast.state.DecodeState (fields in the module docstring). Scalars are int64 device tensors."""
+           logprobs: torch.Tensor, k: torch.Tensor, a: torch.Tensor, out, *, pdl: bool = False):
+    """Commit `count` of `committed` [R] at n+1.., log the first `n_emit` of `emitted` [R] with `logprobs` [R] up to a
+    stop token or the budget, record the round (k, a, kept, bonus), set done; fill `out` (fast.state.DraftInputs)
+    for the drafting that follows. `st`: fast.state.DecodeState (fields in the module docstring). Scalars are int64
+    device tensors."""
     _check_state(st, committed, emitted, logprobs, dict(count=count, n_emit=n_emit, k=k, a=a), out)
-    stops = st.stop_ids
+    stops, depths = st.stop_ids, out.row_pos.numel()
     _settle_kernel[(1,)](committed, count, emitted, n_emit, logprobs.contiguous(), k, a, st.tokens, st.n, stops,
                          st.budget, st.emitted, st.log_tokens, st.log_logprobs, st.log_rounds, st.rounds, st.done,
                          out.tokens, out.positions, out.live.view(torch.int8), out.last, out.row_pos, out.u_pos,
-                         st.product, st.more, st.more.numel(), st.tokens.shape[0] - 1, st.log_tokens.shape[0] - 1, stops.numel(), ROWS=ROWS,
-                         STOPS=triton.next_power_of_2(stops.numel()), DEPTHS=DEPTHS, num_warps=1,
-                         **launch_options(pdl, st.n.device))
+                         st.product, st.more, st.more.numel(), st.trash, st.log_trash, stops.numel(), depths,
+                         ROWS=committed.shape[0], STOPS=triton.next_power_of_2(stops.numel()),
+                         DEPTHS=triton.next_power_of_2(depths), MORE=triton.next_power_of_2(st.more.numel()),
+                         num_warps=1, **launch_options(pdl, st.n.device))
     return out
 
 
 def settle_ref(st, committed: torch.Tensor, count: torch.Tensor, emitted: torch.Tensor, n_emit: torch.Tensor,
-               logprobs: torch.Tensor, k: torch.Tensor, a: torch.Tensor, out: DraftInputs) -> DraftInputs:
+               logprobs: torch.Tensor, k: torch.Tensor, a: torch.Tensor, out):
     """The torch sequence (the engine's fallback): the same state changes and drafting inputs as `settle`."""
-    j = torch.arange(ROWS, device=st.n.device)
-    trash, log_trash = st.tokens.shape[0] - 1, st.log_tokens.shape[0] - 1
+    rows = committed.shape[0]
+    j = torch.arange(rows, device=st.n.device)
+    trash, log_trash = st.trash, st.log_trash
     n = st.n.clone()
     st.tokens.index_copy_(0, torch.where(j < count, st.n + 1 + j, trash), committed)
     st.n.add_(count)
@@ -158,13 +143,13 @@ def settle_ref(st, committed: torch.Tensor, count: torch.Tensor, emitted: torch.
     st.rounds.add_(1)
     # The budget check keeps a healthy request inside its context; the capacity check is a backstop
     # (a run whose length outgrows what it emitted, e.g. a negative control, stops instead of overrunning).
-    full = st.n + 2 * ROWS >= trash
+    full = st.n + 2 * rows >= trash
     st.done.copy_(((first_stop <= keep) & is_stop.any()) | (st.emitted >= st.budget) | full)
     out.tokens.copy_(st.tokens[n + 1 + j])
     out.positions.copy_(n + 1 + j)
     out.live.copy_(j < count)
     out.last.copy_(count - 1)
-    depths = torch.arange(1, DEPTHS + 1, device=st.n.device)
+    depths = torch.arange(1, out.row_pos.numel() + 1, device=st.n.device)
     out.row_pos.copy_(st.n + depths - 1)
     out.u_pos.copy_(st.n + depths)
     st.product.fill_(1.0)

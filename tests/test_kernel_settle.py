@@ -10,41 +10,39 @@ the CPU (one worker subprocess) and on the GPU. Then whole decodes with and with
 from __future__ import annotations
 
 import sys
+from dataclasses import fields
 
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as hs
 
+from iquest.fast.state import DecodeState, DraftInputs
 from iquest.kernels import settle as sk
 from iquest.kernels.testing import worker_fixture
 
 CAPACITY, LOG = 64, 24
 
 
-class State:
-    """The DecodeState fields the step reads and writes."""
-
-    def __init__(self, device, **t):
-        for name, value in t.items():
-            setattr(self, name, value.to(device))
-
-    def clone(self):
-        return State("cpu", **{k: v.clone() for k, v in vars(self).items()})
-
-    def to(self, device):
-        return State(device, **vars(self))
+def state_on(st: DecodeState, device: str) -> DecodeState:
+    """A copy of the decode state on `device`."""
+    return DecodeState(**{f.name: getattr(st, f.name).clone().to(device) for f in fields(DecodeState)})
 
 
 def make_case(n: int, a: int, k: int, stops: list[int], stop_at: int | None, budget: int, done_before: int,
               rounds: int, seed: int, rejected_kv: bool = False) -> tuple:
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(10, 1000, (CAPACITY + 1,), generator=gen)
-    st = State("cpu", tokens=tokens, n=torch.tensor(n), stop_ids=torch.tensor(stops + [-1] * (8 - len(stops))),
-               budget=torch.tensor(budget), emitted=torch.tensor(done_before),
-               log_tokens=torch.randint(0, 1000, (LOG + 1,), generator=gen), log_logprobs=torch.randn(LOG + 1,
-               generator=gen), log_rounds=torch.randint(0, 9, (LOG + 1, 4), generator=gen),
-               rounds=torch.tensor(rounds), done=torch.tensor(0, dtype=torch.int32),
-               product=torch.rand((), generator=gen), more=torch.randint(0, 2, (9,), generator=gen, dtype=torch.int32))
+    st = DecodeState.allocate(CAPACITY, LOG, hidden=4, top_k=4, dtype=torch.float32, device=torch.device("cpu"))
+    st.tokens.copy_(torch.randint(10, 1000, (CAPACITY + 1,), generator=gen))
+    st.n.fill_(n)
+    st.stop_ids[: len(stops)] = torch.tensor(stops, dtype=torch.int64)
+    st.budget.fill_(budget)
+    st.emitted.fill_(done_before)
+    st.log_tokens.copy_(torch.randint(0, 1000, (LOG + 1,), generator=gen))
+    st.log_logprobs.copy_(torch.randn(LOG + 1, generator=gen))
+    st.log_rounds.copy_(torch.randint(0, 9, (LOG + 1, 4), generator=gen))
+    st.rounds.fill_(rounds)
+    st.product.fill_(float(torch.rand((), generator=gen)))
+    st.more.copy_(torch.randint(0, 2, st.more.shape, generator=gen, dtype=torch.int32))
     emitted = torch.randint(10, 1000, (8,), generator=gen)
     if stop_at is not None and stops:
         emitted[stop_at] = stops[seed % len(stops)]
@@ -56,15 +54,16 @@ def make_case(n: int, a: int, k: int, stops: list[int], stop_at: int | None, bud
 
 def compare(case: tuple, device: str) -> dict:
     st, committed, count, emitted, n_emit, logprobs, k, a = case
-    ref_st, ker_st = st.clone().to(device), st.clone().to(device)
+    ref_st, ker_st = state_on(st, device), state_on(st, device)
     args = [t.to(device) for t in (committed, count, emitted, n_emit, logprobs, k, a)]
-    want = sk.settle_ref(ref_st, *args, sk.DraftInputs.allocate(torch.device(device)))
-    got = sk.settle(ker_st, *args, sk.DraftInputs.allocate(torch.device(device)))
+    want = sk.settle_ref(ref_st, *args, DraftInputs.allocate(torch.device(device)))
+    got = sk.settle(ker_st, *args, DraftInputs.allocate(torch.device(device)))
     trash_free = {"tokens": slice(0, CAPACITY), "log_tokens": slice(0, LOG), "log_logprobs": slice(0, LOG),
                   "log_rounds": slice(0, LOG)}
     cut = lambda name, v: v[trash_free[name]] if name in trash_free else v
-    diffs = [name for name, v in vars(ref_st).items() if not torch.equal(cut(name, v), cut(name, getattr(ker_st, name)))]
-    diffs += [f"draft.{name}" for name, x, y in zip(sk.DraftInputs._fields, want, got) if not torch.equal(x, y)]
+    diffs = [f.name for f in fields(DecodeState)
+             if not torch.equal(cut(f.name, getattr(ref_st, f.name)), cut(f.name, getattr(ker_st, f.name)))]
+    diffs += [f"draft.{name}" for name, x, y in zip(DraftInputs._fields, want, got) if not torch.equal(x, y)]
     keep = int(ref_st.emitted) - int(st.emitted)
     return {"diffs": diffs, "kept": keep, "cut_by_budget": keep < int(n_emit) and int(ref_st.emitted) >= int(st.budget),
             "done": int(ref_st.done)}
@@ -91,6 +90,7 @@ def run_property(device: str, examples: int) -> dict:
     @given(cases())
     @example(make_case(CAPACITY - 17, 3, 5, [77], 1, LOG, 0, 0, 1))  # context full after the commit
     @example(make_case(5, 7, 7, [], None, 3, 1, 2, 2))  # budget cuts the log
+    @example(make_case(10, 5, 6, [77], 2, LOG, 0, 0, 3))  # a stop token at row 2 of 6 emitted
     def prop(case):
         r = compare(case, device)
         if r["diffs"]:
@@ -108,13 +108,12 @@ def negative_control(device: str) -> dict:
     """The comparison catches a settle step that ignores the budget (the kernel given a larger one), on a case the
     budget cuts."""
     st, *rest = make_case(5, 7, 7, [], None, 3, 1, 2, 2)
-    bigger = st.clone()
-    bigger.budget = bigger.budget + 4
     ref = compare((st, *rest), device)
-    broken_st, ker_st = st.clone().to(device), bigger.clone().to(device)
+    broken_st, ker_st = state_on(st, device), state_on(st, device)
+    ker_st.budget.add_(4)
     args = [t.to(device) for t in rest]
-    sk.settle_ref(broken_st, *args, sk.DraftInputs.allocate(torch.device(device)))
-    sk.settle(ker_st, *args, sk.DraftInputs.allocate(torch.device(device)))
+    sk.settle_ref(broken_st, *args, DraftInputs.allocate(torch.device(device)))
+    sk.settle(ker_st, *args, DraftInputs.allocate(torch.device(device)))
     return {"cut_by_budget": ref["cut_by_budget"], "log_equal": bool(torch.equal(broken_st.log_rounds[:LOG],
                                                                                  ker_st.log_rounds[:LOG])),
             "emitted_equal": bool(torch.equal(broken_st.emitted, ker_st.emitted))}
