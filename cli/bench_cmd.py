@@ -40,8 +40,9 @@ def register(sub) -> None:
     s.add_argument("--seed", type=int, default=0, help="request seed of the first repeat (default 0)")
     s.add_argument("--out", help="write the raw JSON here (e.g. bench/results/step-mini.json)")
     s.add_argument("--kernels", default="torch",
-                   help="comma-separated variants compared side by side: torch (fallback), triton (kernels/); "
-                        "e.g. torch,triton (default torch). The speedup line compares the first variant's graph round "
+                   help="comma-separated variants compared side by side: torch (fallback), triton (kernels/), or "
+                        "any stage set of --kernels elsewhere; e.g. torch,triton or triton,triton-settle (one stage's "
+                        "A/B; default torch). The speedup line compares the first variant's graph round "
                         "with torch's eager round, so include torch to get it")
     s.set_defaults(run=run)
     bench_micro_cmd.register(bsub)  # kernels, allreduce

@@ -41,7 +41,8 @@ def register(sub) -> None:
                    help="fast engine device (auto = cuda when available)")
     p.add_argument("--kernels", default="auto",
                    help="fast engine stages: auto (default: triton on GPU, torch on CPU), torch (fallback), triton "
-                        f"(every Triton kernel of kernels/), or a '+'-joined subset of {', '.join(STAGES)}; on CPU "
+                        f"(every Triton kernel of kernels/), or a '+'-joined subset of {', '.join(STAGES)} ('-stage' drops "
+                        "one, e.g. triton-settle); on CPU "
                         "kernels need TRITON_INTERPRET=1")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text (default: a Python header)")

@@ -19,7 +19,7 @@ def register(sub) -> None:
     p.add_argument("--kernels", default="auto",
                    help="the candidate's stages: auto (default: what the engine runs on the device: triton on cuda, "
                         "torch on cpu), torch (fallback), triton (every kernel of kernels/), or a '+'-joined subset such "
-                        "as linear+attention. With the MoE kernel the tolerance column is DTYPE+e4m3act (its Down "
+                        "as linear+attention ('-stage' drops one: triton-settle). With the MoE kernel the tolerance column is DTYPE+e4m3act (its Down "
                         "input is E4M3)")
     p.add_argument("--jobs", default="auto",
                    help="worker processes for the independent units (the healthy engine, the lossless test and each "

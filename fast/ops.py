@@ -447,14 +447,17 @@ class TritonOps(TorchOps):
 
 def make_ops(name: str) -> TorchOps:
     """"torch", "triton" (every qualified stage), or a '+'-joined list of stages, where "triton" stands for
-    STAGES: e.g. "linear+attention", "triton+rope"."""
+    STAGES: e.g. "linear+attention", "triton+prefetch"; "-stage" drops a stage from what its part has so far, e.g.
+    "triton-settle" (every qualified stage but settle: the A/B of one stage)."""
     if name == "torch":
         return TorchOps()
-    stages = []
+    stages: list[str] = []
     for part in name.split("+"):
-        stages += STAGES if part == "triton" else (part,)
-    unknown = set(stages) - set(STAGES) - set(OPT_IN)
+        first, *dropped = part.split("-")
+        stages += STAGES if first == "triton" else (first,)
+        stages = [s for s in stages if s not in dropped]
+    unknown = (set(stages) | {d for part in name.split("+") for d in part.split("-")[1:]}) - set(STAGES) - set(OPT_IN)
     if unknown:
         raise ValueError(f"unknown kernels {name!r}: choose torch, triton or a '+'-joined list of "
-                         f"{STAGES + OPT_IN} (triton = all of {STAGES})")
+                         f"{STAGES + OPT_IN} (triton = all of {STAGES}; '-stage' drops one)")
     return TritonOps(tuple(dict.fromkeys(stages)))

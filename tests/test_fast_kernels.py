@@ -218,7 +218,7 @@ def test_cuda_residual_fold_changes_nothing(dtype):
 
     fused = residual_block("cuda", dtype)
     assert fused["outputs_identical"] and fused["caches_identical"] and not fused["fallbacks"], fused
-    unfused = "+".join(s for s in STAGES if s != "residual")
+    unfused = "triton-residual"
     assert "residual" in STAGES and decode("triton", "cuda", dtype) == decode(unfused, "cuda", dtype)
 
 
@@ -277,6 +277,19 @@ def test_shapes_a_kernel_cannot_take_fall_back_and_are_counted():
     assert "rope" in make_ops("triton").stages  # its GPU tests passed (bench/results/gpu-tests-rope-8530935.log)
     # Their GPU tests passed (bench/results/gpu-tests-kernels-edc6542.log): part of "triton".
     assert {"lm_head", "rng", "route"} <= make_ops("triton").stages == frozenset(STAGES)
+
+
+def test_stage_sets_drop_stages():
+    """"triton-x" is every qualified stage but x (the A/B of one stage, as the GPU decode tests and the benchmarks run
+    it); drops apply to what their part has so far; an unknown stage, kept or dropped, is refused."""
+    from iquest.fast.ops import OPT_IN, STAGES, make_ops
+
+    assert make_ops("triton-settle").stages == frozenset(STAGES) - {"settle"}
+    assert make_ops("triton-settle-embed+prefetch").stages == frozenset(STAGES) - {"settle", "embed"} | set(OPT_IN)
+    assert make_ops("linear+attention-linear").stages == {"attention"}
+    for bad in ("triton-bogus", "triton-", "bogus"):
+        with pytest.raises(ValueError, match="unknown kernels"):
+            make_ops(bad)
 
 
 def test_f16_tile_only_where_the_moe_kernel_takes_the_blocks():
