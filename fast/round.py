@@ -158,8 +158,8 @@ class RoundRunner:
     @stage("sampling")
     def sample_draft(self, depth: int, logits: torch.Tensor, h: torch.Tensor) -> None:
         st = self.st
-        # dist() and the draw, written into this depth's draft and proposal rows (one kernel where the ops have it)
-        # and k = depth, product *= the served probability (in the same kernel where the ops have it)
+        # dist() and the draw into this depth's draft and proposal rows, with k = depth and product *= the served
+        # probability (all one kernel where the ops have it)
         out = (st.drafts[depth - 1:depth], st.q_ids[depth - 1:depth], st.q_probs[depth - 1:depth])
         served = self.sample(logits, st.u_draft[depth - 1:depth], out, chain=(st.k, depth, st.product))[0]
         probs = out[2][0]
