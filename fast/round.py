@@ -77,10 +77,11 @@ class RoundRunner:
         # 3. Settle: a+1 tokens committed; main KV is valid through n+a, later rows are stale and
         #    rewritten before any query reaches them. Rollback is this length change.
         st.hid.copy_(hidden)
-        committed, count = emitted, a + 1
+        n_emit = a + 1
+        committed, count = emitted, n_emit
         if "keep_rejected_kv" in self.defects:  # rejected rows stay in the context: no rollback
             committed, count = torch.where(j < k, torch.cat([st.drafts, st.drafts[:1]]), x_new), k + 1
-        nxt = self.settle(committed, count, emitted, a + 1, logprobs, k, a)
+        nxt = self.settle(committed, count, emitted, n_emit, logprobs, k, a)
         # 4. Draft: depth 0 re-runs the draft layer on the newly committed positions n+1+j with the
         #    main model's hiddens (overwriting draft KV written from draft hiddens), then deeper rows.
         redraft_live = nxt.live
