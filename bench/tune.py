@@ -42,7 +42,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -127,9 +127,9 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "router": rt.route, "norm": rn.rmsnorm_residual}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
                     "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma"),
-            "linear": ("split_k", "block_n", "num_warps", "num_stages"),
+            "linear": ("split_k", "block_n", "num_warps", "num_stages", "prefetch", "preload"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
-            "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk"),
+            "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk", "prefetch", "preload"),
             "norm": ("num_warps", "f16_out")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
 # (tma is one switch for both kernels' weight loads; it sits with Gate/Up's, whose bytes dominate.)
@@ -211,7 +211,8 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         split = g["split_k"] or _linear_auto_split(n, k, g["block_n"], bk, sms)
         k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk
         return {"split_k": triton.cdiv(k, k_per_split), "block_n": g["block_n"], "num_warps": g["num_warps"],
-                "num_stages": g["num_stages"]}
+                "num_stages": g["num_stages"], "prefetch": g["prefetch"],
+                "preload": bool(g["preload"] and fl.preload_tiles(k, k_per_split, bk))}
     if family(op) == "attention":
         bn = g["block_n"]
         ms = bn if g["min_split"] is None else g["min_split"]  # decode_attention's default: one tile
@@ -223,7 +224,8 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         split = g["split"] or _router_auto_split(shape.experts, shape.hidden, g["block_e"], g["block_h"], sms)
         splits, _ = rt._split_plan(shape.hidden, split, g["block_h"])
         return {"split": splits, "block_e": g["block_e"], "block_h": g["block_h"], "num_warps": g["num_warps"],
-                "select_warps": g["select_warps"], "packed_topk": g["packed_topk"]}
+                "select_warps": g["select_warps"], "packed_topk": g["packed_topk"], "prefetch": g["prefetch"],
+                "preload": bool(g["preload"] and rt._split_plan(shape.hidden, split, g["block_h"])[1] == g["block_h"])}
     if op == "norm":  # by default as the engine calls it: with the MoE's operand tiles (stage f16_norm)
         return {"num_warps": g["num_warps"], "f16_out": g["f16_out"] is None or bool(g["f16_out"])}
     raise ValueError(f"unknown op {op!r}")
@@ -264,7 +266,9 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(num_warps=8), cand(num_stages=4), cand(num_warps=8, num_stages=4),
                 cand(block_n=32), cand("auto x2", block_n=32, split_k=2 * auto[32]), cand(block_n=32, num_stages=4),
                 cand(block_n=128), cand(block_n=128, num_warps=8), cand("auto/2", block_n=128, split_k=half[128]),
-                cand(block_n=128, num_warps=8, num_stages=4), cand("932ec08 default", block_n=64, num_stages=3)]
+                cand(block_n=128, num_warps=8, num_stages=4), cand("932ec08 default", block_n=64, num_stages=3),
+                # constant weights read before the PDL wait (meaningful with --pdl): into L2, or into registers
+                cand(prefetch=True), cand(preload=True)]
     if family(op) == "attention":
         return [cand(), cand(min_split=128), cand(min_split=64), cand(min_split=64, num_warps=8),
                 cand(num_stages=3), cand(min_split=128, num_stages=3),
@@ -280,7 +284,8 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand("the fp32 router's 8 KB tile", block_h=1024),  # a bf16 tile holds half the bytes in flight
                 cand(select_warps=1), cand(select_warps=2), cand(select_warps=8),  # packed top-k keys (default)
                 # the select's top-k by two reductions per round (before 64-bit keys): the same bits, "=" vs the default
-                cand("two-reduction top-k", packed_topk=False)]
+                cand("two-reduction top-k", packed_topk=False),
+                cand(prefetch=True), cand(preload=True)]  # the weight tile before the PDL wait (see linear)
     if op == "norm":  # one program per row: its warps set the reduction tree, so other counts may round differently
         return [cand(), cand(num_warps=1), cand(num_warps=2), cand(num_warps=4), cand(num_warps=16),
                 cand("without the MoE's tiles", f16_out=False)]
@@ -703,11 +708,20 @@ def _combined_moe(rows: list[dict], cands: list[Candidate]) -> Candidate | None:
     return cand("combined best", **chosen)
 
 
+def with_pdl(run: Callable) -> Callable:
+    """An op's call with every kernel launched as the engine launches them: programmatic dependent launch."""
+    return lambda kw, i, out=None, **extra: run({**kw, "pdl": True}, i, out, **extra)
+
+
 def sweep_op(op: str, shape: TuneShape, device, sms: int, repeats: int, clock: Clock, bandwidth: float,
-             launch_us: float | None, rotate: int = ROTATE_BYTES) -> dict:
+             launch_us: float | None, rotate: int = ROTATE_BYTES, pdl: bool = False, hot: bool = False) -> dict:
     clock.say(f"{op}: building inputs")
     t_op = clock.elapsed()
     case = build_case(op, shape, device, sms, rotate)
+    if pdl:
+        case = replace(case, run=with_pdl(case.run))
+    if hot:  # one weight copy / routing: after the first call its weights are L2 hits (what latency is left)
+        case = replace(case, copies=1)
     _sync()
     floor = case.bytes / bandwidth * 1e6
     entry = {"op": op, "desc": case.desc, "bytes": case.bytes, "floor_us": floor, "launches": case.launches,
@@ -839,7 +853,7 @@ NOTES = [
 
 
 def run(ops: tuple[str, ...], repeats: int, out: str | None, budget_s: float = 240.0, rows: int = 6,
-        context: int = 1024, config_file: str | Path = FULL_CONFIG) -> dict:
+        context: int = 1024, config_file: str | Path = FULL_CONFIG, pdl: bool = False, hot: bool = False) -> dict:
     from ..provenance import commit
     from .full_step import copy_bandwidth
 
@@ -855,6 +869,7 @@ def run(ops: tuple[str, ...], repeats: int, out: str | None, budget_s: float = 2
               "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
               "host": platform.node(), "command": shlex.join(["iquest", *sys.argv[1:]]), "config": str(config_file),
               "tp": TP, "shape": asdict(shape), "shape_text": shape.text(), "repeats": repeats, "budget_s": budget_s,
+              "pdl": pdl, "hot": hot,
               "copy_bandwidth_bytes_per_s": bandwidth,
               "timing": f"per candidate one CUDA graph of >= {MIN_CALLS} back-to-back calls rotating over "
                         f"copies/routings (>= {ROTATE_BYTES >> 20} MB, reads from HBM); {repeats} rounds, each "
@@ -877,7 +892,7 @@ def run(ops: tuple[str, ...], repeats: int, out: str | None, budget_s: float = 2
                                  "candidates": []}
             continue
         try:
-            report["ops"][op] = sweep_op(op, shape, dev, sms, repeats, clock, bandwidth, launch_us)
+            report["ops"][op] = sweep_op(op, shape, dev, sms, repeats, clock, bandwidth, launch_us, pdl=pdl, hot=hot)
         except Exception as e:
             report["ops"][op] = {"op": op, "error": error_text(e), "candidates": []}
             clock.say(f"{op}: FAILED {error_text(e).splitlines()[0][:200]}")
@@ -927,6 +942,11 @@ def print_report(r: dict, file=None) -> None:
     p(f"shapes: {r['shape_text']}")
     p(f"device copy bandwidth {r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (read + written)")
     p(f"timing: {r['timing']}")
+    if r.get("pdl") or r.get("hot"):
+        p("every kernel launched with PDL (as the engine does): yes" if r.get("pdl") else "launches: plain")
+        if r.get("hot"):
+            p("HOT: one weight copy / routing per op, so its weights are L2 hits after the first call: the floors "
+              "below do not apply; this is what latency is left with the bytes already on chip")
     launch = r.get("launch") or {}
     lrows = launch.get("candidates") or []
     if lrows:

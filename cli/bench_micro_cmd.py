@@ -46,6 +46,13 @@ def register(bsub) -> None:
                         "skipped (default 240)")
     t.add_argument("--rows", type=int, default=6, help="rows of the decode block (default 6: depth 5)")
     t.add_argument("--context", type=int, default=1024, help="history positions before the block (default 1024)")
+    t.add_argument("--pdl", action="store_true",
+                   help="launch every kernel with programmatic dependent launch, as the engine does (each call then "
+                        "overlaps the previous call's tail; the weight prefetch/preload candidates need it)")
+    t.add_argument("--hot", action="store_true",
+                   help="one weight copy (MoE: one routing) per op instead of rotating over copies, so weights are L2 "
+                        "hits after the first call: what each op costs with its bytes already on chip (a diagnostic;"
+                        " the byte floors do not apply)")
     t.add_argument("--out", help="write the raw JSON here (e.g. bench/results/tune-h200.json)")
     t.set_defaults(run=run_tune)
     a = bsub.add_parser("allreduce", help="bf16 all-reduce: NCCL vs torch symmetric memory, in CUDA graphs",
@@ -115,7 +122,8 @@ def run_tune(args: argparse.Namespace) -> int:
     _need_gpus("iquest bench tune", 1)
     from ..bench.tune import run
 
-    run(tuple(dict.fromkeys(ops)), args.repeats, args.out, budget_s=args.budget, rows=args.rows, context=args.context)
+    run(tuple(dict.fromkeys(ops)), args.repeats, args.out, budget_s=args.budget, rows=args.rows, context=args.context,
+        pdl=args.pdl, hot=args.hot)
     return 0
 
 

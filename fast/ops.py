@@ -196,7 +196,9 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # normalizing sum are summed in the kernels' order, so a draw whose uniform lies within rounding of a boundary may
 # differ; qualification measures it (docs/PERF.md).
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
-OPT_IN: tuple[str, ...] = ("prefetch",)
+OPT_IN: tuple[str, ...] = ("prefetch", "preload")
+# "preload": the FP8 linears and the router load their constant weight tiles into registers before the PDL wait (the
+# same values in the same dots: the same bits), so those reads overlap the previous kernel.
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
@@ -215,6 +217,7 @@ class TritonOps(TorchOps):
         # constant weights before the wait.
         self.pdl = "pdl" in self.stages
         self.prefetch = self.pdl and "prefetch" in self.stages
+        self.preload = self.pdl and "preload" in self.stages
         self.f16 = "f16" in self.stages
         self.f16_norm = self.f16 and {"f16_norm", "moe", "norm"} <= self.stages
         self.tma = "tma" in self.stages and "moe" in self.stages
@@ -224,6 +227,7 @@ class TritonOps(TorchOps):
         self.sample_draw_calls = 0  # draft draws inside the sampling kernel (likewise)
         self.accept_calls = 0  # accept steps by the one kernel (likewise)
         self.settle_calls = 0  # settle steps by the one kernel (likewise)
+        self.preload_calls = 0  # FP8 linear calls that preloaded their weight tiles (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -234,7 +238,7 @@ class TritonOps(TorchOps):
         from ..kernels.f16_operands import empty_tiles
         from ..kernels.moe import gate_up_k_tile, tma_fits
         from ..kernels.decode_attention import decode_attention
-        from ..kernels.fp8_linear import fp8_linear, lock_count
+        from ..kernels.fp8_linear import fp8_linear, lock_count, preload_plan
         from ..kernels.lm_head import lm_head
         from ..kernels.moe_route import MAX_PAIRS
         from ..kernels.philox import uniforms
@@ -245,7 +249,7 @@ class TritonOps(TorchOps):
         from ..kernels.settle import settle
 
         self._attention, self._linear, self._lm_head, self._lock_count = decode_attention, fp8_linear, lm_head, lock_count
-        self._settle = settle
+        self._settle, self._preload_plan = settle, preload_plan
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
         self._global_sample, self._accept_settle, self._max_k = sample.global_sample, sample.accept_settle, sample.MAX_K
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
@@ -266,6 +270,9 @@ class TritonOps(TorchOps):
 
     def _prefetch(self, t: torch.Tensor) -> bool:
         return self.prefetch and t.is_cuda
+
+    def _preload(self, t: torch.Tensor) -> bool:
+        return self.preload and t.is_cuda
 
     @staticmethod
     def moe_takes(gate_block: tuple[int, int], down_block: tuple[int, int], intermediate: int) -> bool:
@@ -292,8 +299,11 @@ class TritonOps(TorchOps):
     def _fp8(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
         locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
         fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
+        preload = self._preload(x)
+        if preload and self._preload_plan(x.shape[0], *w.q.shape, w.block, device=x.device):
+            self.preload_calls += 1
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
-                            pdl=self._pdl(x), prefetch=self._prefetch(x))
+                            pdl=self._pdl(x), prefetch=self._prefetch(x), preload=preload)
 
     def prepare(self, w):
         if "lm_head" not in self.stages:  # the fallbacks' fp32 copies, only for the stages that fall back
@@ -366,7 +376,7 @@ class TritonOps(TorchOps):
         if not self._fits("route", True):
             return super().route(b32, lw, top_k, norm_topk_prob, scaling)
         return self._route(b32, lw.router, top_k, norm_topk_prob, scaling, pdl=self._pdl(b32),
-                           prefetch=self._prefetch(b32))
+                           prefetch=self._prefetch(b32), preload=self._preload(b32))
 
     def f16_tile(self, moe_block: tuple[int, int] | None, hidden: int) -> int | None:
         """The width of the MoE input's fp16 operand tiles for weight blocks `moe_block` (Gate/Up's K tile), or None

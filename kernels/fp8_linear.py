@@ -29,6 +29,30 @@ BLOCK_M = 16  # tl.dot's smallest M; decode blocks have 1..8 rows
 # H200 (bench/results/tune-h200-932ec08.*): q/k/v [1024 x 6144] 8.25 -> 7.57 us, o_proj [6144 x 768] 7.01 -> 5.42 us
 # against 64-wide tiles and 3 stages (narrower tiles: more programs, so fewer K splits).
 BLOCK_N, NUM_STAGES = 32, 4
+# Tiles a program may hold for `preload`: 8 x [32 x 128] E4M3 is 32 KB, 64 registers a thread at 4 warps.
+MAX_PRELOAD = 8
+
+
+@triton.jit
+def _after_wait(w):
+    """w unchanged (a register move), as a value the compiler cannot see through. Used after the PDL wait on the
+    preloaded weight tiles: Triton otherwise converts each tile to the dot's operand layout right after its load,
+    through shared memory with a barrier, which makes the program wait for each tile's bytes before issuing the next
+    tile's load (six HBM round trips in a row instead of one; `iquest bench sass` shows the barriers)."""
+    bits = w.to(tl.uint8, bitcast=True)
+    bits = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [bits], dtype=tl.uint8, is_pure=False, pack=4)
+    return bits.to(w.dtype, bitcast=True)
+
+
+@triton.jit
+def _tile_dot(acc, x, w, s, F32: tl.constexpr, PREC: tl.constexpr):
+    """acc + (x @ w^T) * s for one K tile: w E4M3 [BLOCK_N, BLOCK_K], s its block scale per output column."""
+    if F32:
+        x = x.to(tl.float32)
+        w = w.to(tl.float32)
+    else:
+        w = w.to(x.dtype)  # exact
+    return acc + tl.dot(x, tl.trans(w), input_precision=PREC) * s[None, :]
 
 
 @triton.jit
@@ -37,7 +61,7 @@ def _fp8_linear_kernel(
     M, N, K, stride_xm, stride_ym, scale_cols, k_per_split, splits,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, SERIAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
+    PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, PRELOAD: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -50,22 +74,35 @@ def _fp8_linear_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     if PREFETCH_LINES > 0:  # the weight is constant: its reads may start before the previous kernel ends
         prefetch_rows(w_ptr + tl.minimum(n, N - 1) * K, k_start, k_end, 128, PREFETCH_LINES)
-    wait_for_inputs(PDL)
     s_row = s_ptr + (n // B0) * scale_cols
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < K
-        x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        s = tl.load(s_row + k0 // B1, mask=n_ok, other=0.0)  # the tile lies in one K block
-        if F32:
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        else:
-            w = w.to(x.dtype)  # exact
-        acc += tl.dot(x, tl.trans(w), input_precision=PREC) * s[None, :]
+    if PRELOAD > 0:
+        # The split's PRELOAD whole K tiles (every split is full) of the constant weight and its scales are loaded
+        # into registers before the wait, so their HBM reads overlap the previous kernel; then the same dots in the
+        # same order as the loop below.
+        ws = ()
+        ss = ()
+        for t in tl.static_range(PRELOAD):
+            kk = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
+            ws = ws + (tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None], other=0.0),)
+            ss = ss + (tl.load(s_row + (k_start + t * BLOCK_K) // B1, mask=n_ok, other=0.0),)
+        wait_for_inputs(PDL)
+        xs = ()
+        for t in tl.static_range(PRELOAD):  # every x tile's load issued before the first dot
+            kk = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
+            xs = xs + (tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None], other=0.0),)
+        for t in tl.static_range(PRELOAD):
+            acc = _tile_dot(acc, xs[t], _after_wait(ws[t]), ss[t], F32, PREC)
+    else:
+        wait_for_inputs(PDL)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            s = tl.load(s_row + k0 // B1, mask=n_ok, other=0.0)  # the tile lies in one K block
+            acc = _tile_dot(acc, x, w, s, F32, PREC)
 
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
@@ -119,6 +156,31 @@ def lock_count(m: int, n: int, block_n: int = BLOCK_N) -> int:
     return triton.cdiv(n, block_n) * triton.cdiv(m, BLOCK_M)
 
 
+def _split_plan(n: int, k: int, block: tuple[int, int], split_k: int | None, block_n: int,
+                device: torch.device) -> tuple[int, int, int]:
+    """(block_k, splits launched, K columns per split) for a call's `split_k` (None: `choose_split_k`)."""
+    block_k = _block_k(block[1])
+    if split_k is None:
+        split_k = choose_split_k(n, k, block_n, block_k, device)
+    _check(split_k >= 1, f"split_k must be >= 1, got {split_k}")
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
+    return block_k, triton.cdiv(k, k_per_split), k_per_split  # no empty split
+
+
+def preload_plan(m: int, n: int, k: int, block: tuple[int, int], split_k: int | None = None, block_n: int = BLOCK_N,
+                 device: torch.device = torch.device("cpu")) -> int:
+    """K tiles each program of an [m, n, k] call preloads with `preload=True` (0: the loop runs instead)."""
+    block_k, _, k_per_split = _split_plan(n, k, block, split_k, block_n, device)
+    return preload_tiles(k, k_per_split, block_k)
+
+
+def preload_tiles(k: int, k_per_split: int, block_k: int) -> int:
+    """K tiles a program preloads (`fp8_linear(preload=True)`), 0 where it cannot: every split must be whole
+    (K a multiple of the split), and at most MAX_PRELOAD tiles are held (their registers)."""
+    tiles = k_per_split // block_k
+    return tiles if k % k_per_split == 0 and tiles <= MAX_PRELOAD else 0
+
+
 def choose_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.device) -> int:
     """Splits along K so that N tiles x splits ~ two programs per SM (1 when N alone fills the GPU)."""
     sms = _sm_count(device)
@@ -129,7 +191,8 @@ def choose_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.dev
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
                out_dtype: torch.dtype | None = None, *, split_k: int | None = None, block_n: int = BLOCK_N,
                out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
-               num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False) -> torch.Tensor:
+               num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False,
+               preload: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
@@ -137,7 +200,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     the tile's last split inside the one launch (same order, same bits), and they are left zeroed for the next
     call. Calls sharing counters must not overlap in time (one stream). Without them a second kernel sums.
     `pdl`: programmatic dependent launch; `prefetch`: with it, each program asks L2 for its weight range before
-    waiting for the previous kernel (kernels/launch.py). Neither changes a value."""
+    waiting for the previous kernel (kernels/launch.py); `preload`: each program loads its weight tiles and scales
+    into registers before that wait, where `preload_tiles` allows it (else the loop as without it). None of the three
+    changes a value."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -160,12 +225,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     _check(tuple(out.shape) == (M, N) and out.dtype == out_dtype and out.device == x.device and out.stride(1) == 1,
            f"out must be [{M}, {N}] {out_dtype} with unit stride along N")
 
-    block_k = _block_k(B1)
-    if split_k is None:
-        split_k = choose_split_k(N, K, block_n, block_k, x.device)
-    _check(split_k >= 1, f"split_k must be >= 1, got {split_k}")
-    k_per_split = triton.cdiv(triton.cdiv(K, block_k), split_k) * block_k
-    split_k = triton.cdiv(K, k_per_split)  # no empty split
+    block_k, split_k, k_per_split = _split_plan(N, K, block, split_k, block_n, x.device)
     part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
     f32 = INTERPRETED or x.dtype == torch.float32
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, BLOCK_M))
@@ -174,11 +234,13 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                and locks.numel() >= grid[0] * grid[2], f"locks must be contiguous int32 on {x.device} with at least "
                f"{grid[0] * grid[2]} counters")
     serial = split_k > 1 and locks is not None
+    tiles = preload_tiles(K, k_per_split, block_k) if preload else 0
     _fp8_linear_kernel[grid](
         x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
         k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split_k > 1,
         SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
-        PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, **launch_options(pdl, x.device))
+        PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, PRELOAD=tiles,
+        **launch_options(pdl, x.device))
     if split_k > 1 and not serial:
         BLOCK = 1024
         _split_k_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, out, M, N, out.stride(0), split_k, BLOCK=BLOCK,

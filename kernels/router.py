@@ -61,9 +61,20 @@ PART_CHUNK = 8192  # launch 2 loads at most this many partial values (splits x p
 
 
 @triton.jit
+def _rows_dot(acc, w, x_ptr, r0, R, stride_x, h, h_ok, rows, ROWS: tl.constexpr):
+    """acc[:, i] += w @ x[r0 + i, h] for the block's rows, one weight tile [BLOCK_E, BLOCK_H] held for all."""
+    w = w.to(tl.float32)  # bf16 -> fp32 is exact: the same products as an fp32-held weight
+    for i in tl.static_range(ROWS):  # the weight tile stays in registers for every row
+        x = tl.load(x_ptr + (r0 + i) * stride_x + h, mask=h_ok & (r0 + i < R), other=0.0)
+        acc = tl.where(rows[None, :] == i, acc + tl.sum(w * x[None, :], axis=1)[:, None], acc)
+    return acc
+
+
+@triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split,
                           ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                          PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 32):
+                          PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 32,
+                          PRELOAD: tl.constexpr = False):
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)
     r0 = tl.program_id(2) * ROWS
@@ -74,21 +85,29 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split
     h_end = tl.minimum(h_start + h_per_split, H)
     if PREFETCH_LINES > 0:  # the router weight is constant: its reads may start before the previous kernel ends
         prefetch_rows(w_ptr + tl.minimum(e, E - 1) * H, h_start, h_end, LINE_ELEMS, PREFETCH_LINES)
-    wait_for_inputs(PDL)
     acc = tl.zeros([BLOCK_E, ROWS_PAD], tl.float32)  # acc[e, i]: row r0 + i
     cols = tl.arange(0, BLOCK_H)
     # The same columns, but known contiguous in runs of 4 only: Triton vectorizes the weight load by that, so a bf16
     # tile gets an fp32 tile's register layout (4 columns per load, not 8). The layout sets which columns each lane
     # sums and in what order, so bf16 then gives fp32's bits (checked on the GPU: tests' "twins" cases).
     w_cols = cols // 4 * 4 + cols % 4
-    for h0 in range(h_start, h_end, BLOCK_H):
-        h = h0 + cols
+    if PRELOAD:
+        # The split is one tile: the constant weight tile is loaded into registers before the wait, so its HBM read
+        # overlaps the previous kernel; then the loop's one iteration, unchanged.
+        h = h_start + cols
         h_ok = h < h_end
-        w = tl.load(w_ptr + e[:, None] * H + (h0 + w_cols)[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
-        w = w.to(tl.float32)  # bf16 -> fp32 is exact: the same products as an fp32-held weight
-        for i in tl.static_range(ROWS):  # the weight tile stays in registers for every row
-            x = tl.load(x_ptr + (r0 + i) * stride_x + h, mask=h_ok & (r0 + i < R), other=0.0)
-            acc = tl.where(rows[None, :] == i, acc + tl.sum(w * x[None, :], axis=1)[:, None], acc)
+        w = tl.load(w_ptr + e[:, None] * H + (h_start + w_cols)[None, :], mask=e_ok[:, None] & h_ok[None, :],
+                    other=0.0)
+        wait_for_inputs(PDL)
+        acc = _rows_dot(acc, w, x_ptr, r0, R, stride_x, h, h_ok, rows, ROWS)
+    else:
+        wait_for_inputs(PDL)
+        for h0 in range(h_start, h_end, BLOCK_H):
+            h = h0 + cols
+            h_ok = h < h_end
+            w = tl.load(w_ptr + e[:, None] * H + (h0 + w_cols)[None, :], mask=e_ok[:, None] & h_ok[None, :],
+                        other=0.0)
+            acc = _rows_dot(acc, w, x_ptr, r0, R, stride_x, h, h_ok, rows, ROWS)
     r = r0 + rows
     tl.store(part_ptr + (pid_s * R + r[None, :]) * E + e[:, None], acc,
              mask=e_ok[:, None] & (rows[None, :] < ROWS) & (r[None, :] < R))
@@ -214,7 +233,8 @@ def _select(part: torch.Tensor, splits: int, weights: torch.Tensor, experts: tor
 def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float, *,
           split: int | None = None, debug: dict | None = None, block_e: int = 4, block_h: int = 512,
           num_warps: int = 1, select_warps: int = 4, packed_topk: bool = True,
-          pdl: bool = False, prefetch: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          pdl: bool = False, prefetch: bool = False, preload: bool = False
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights [R, k] fp32, experts [R, k] int64, scores [R, E] fp32) = reference `route(x @ router_w.T,
     top_k, norm_topk_prob, scaling)` for x [R, H] fp32 (unit stride along H) and router_w [E, H] bf16 (as the
     checkpoint holds it) or fp32, contiguous; a bf16 router gives exactly the outputs of its values held in fp32
@@ -223,8 +243,11 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
     `select_warps`: launch 2's (its reductions' trees follow the warps, so other values may round differently:
     `iquest bench tune` compares each against the default). `packed_topk`: launch 2's top-k by one max of packed
     (score, index) keys per round (default), or by a max and a min-index reduction per round (False; the same
-    bits, kept to time against). `pdl`, `prefetch`: as fp8_linear's (kernels/launch.py). `debug`, a dict, receives
-    "logits" [R, E] fp32 (the summed logits the selection used), "split" and "h_per_split" (what was launched)."""
+    bits, kept to time against). `pdl`, `prefetch`: as fp8_linear's (kernels/launch.py); `preload`: where a split is
+    one block_h tile (the default plan at E = 256, H = 6144), launch 1 loads it before the wait, as fp8_linear's
+    `preload` (the same values, so the same bits). `debug`, a dict, receives
+    "logits" [R, E] fp32 (the summed logits the selection used), "split", "h_per_split" and "preloaded" (what was
+    launched)."""
     _check(isinstance(x, torch.Tensor) and isinstance(router_w, torch.Tensor), "x and router_w must be tensors")
     _check(x.dim() == 2 and router_w.dim() == 2, f"x {tuple(x.shape)} and router_w {tuple(router_w.shape)} must be 2-D")
     R, H = x.shape
@@ -266,15 +289,16 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
 
     rows = min(R, MAX_ROWS)
     grid = (triton.cdiv(E, block_e), splits, triton.cdiv(R, rows))
+    preloaded = preload and h_per_split == block_h
     line_elems, lines = prefetch_lines(h_per_split, router_w.element_size())
     _router_logits_kernel[grid](x, router_w, part, R, E, H, x.stride(0), h_per_split, ROWS=rows,
                                 ROWS_PAD=triton.next_power_of_2(rows), BLOCK_E=block_e, BLOCK_H=block_h,
                                 num_warps=num_warps, PREFETCH_LINES=lines if prefetch else 0, LINE_ELEMS=line_elems,
-                                **launch_options(pdl, dev))
+                                PRELOAD=preloaded, **launch_options(pdl, dev))
     _select(part, splits, weights, experts, scores, logits, top_k, norm_topk_prob, float(scaling),
             packed_topk=packed_topk, num_warps=select_warps, pdl=pdl)
     if debug is not None:
-        debug.update(logits=logits, split=splits, h_per_split=h_per_split)
+        debug.update(logits=logits, split=splits, h_per_split=h_per_split, preloaded=preloaded)
     return weights, experts, scores
 
 

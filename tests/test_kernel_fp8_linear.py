@@ -22,7 +22,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 2e-3}  # relative to max |ref|, by output dtype
 
 BASE = dict(M=8, N=40, K=96, block=(16, 16), x="fp32", out=None, split_k=None, block_n=16, x_stride=None,
-            serial=False, seed=0)
+            serial=False, seed=0, preloads=None)
+# preloads: whether `preload=True` must be taken (whole splits of at most MAX_PRELOAD K tiles); None: either
 
 
 def case(name: str, **kw) -> dict:
@@ -31,12 +32,12 @@ def case(name: str, **kw) -> dict:
 
 CASES = [
     case("1row_fp32", M=1),
-    case("8rows_fp32"),
-    case("3rows_partial_k_block", M=3, K=72),
+    case("8rows_fp32", preloads=True),
+    case("3rows_partial_k_block", M=3, K=72, preloads=False),
     case("17rows_two_m_tiles", M=17, N=33),
     case("split_k_3", split_k=3),
-    case("split_k_max_with_partial_k", K=88, split_k=6),
-    case("no_split", split_k=1, N=200, block_n=32),
+    case("split_k_max_with_partial_k", K=88, split_k=6, preloads=False),
+    case("no_split", split_k=1, N=200, block_n=32, preloads=True),
     case("rect_blocks_32x16", block=(32, 16), N=70, K=80),
     case("rect_blocks_16x32", block=(16, 32), N=50, K=100, split_k=2),
     case("bf16_in_bf16_out", x="bf16"),
@@ -46,22 +47,24 @@ CASES = [
     case("strided_x_like_eh_proj", x_stride=2, split_k=2),
     case("auto_split_block_64", N=64, K=512, block=(32, 64), block_n=64),
     # The split sum done by each tile's last split (counters): bit-equal to the two-pass sum, counters re-armed.
-    case("serial_split_3", split_k=3, serial=True),
+    case("serial_split_3", split_k=3, serial=True, preloads=True),
     case("serial_17rows_partial_k", M=17, N=33, K=88, split_k=6, serial=True),
     case("serial_bf16_out", x="bf16", split_k=2, serial=True),
     case("serial_no_split", split_k=1, N=200, block_n=32, serial=True),
 ]
 
 GPU_CASES = [  # one TP8 rank at full size: H = 6144, 6 query heads + 1 KV head of 128, I/tp = 256
-    case("gpu_q_proj_8rows", N=768, K=6144, block=(128, 128), x="bf16", block_n=64),
+    case("gpu_q_proj_8rows", N=768, K=6144, block=(128, 128), x="bf16", block_n=64, preloads=True),
     case("gpu_k_proj_1row", M=1, N=128, K=6144, block=(128, 128), x="bf16", block_n=64),
     case("gpu_k_proj_8rows", N=128, K=6144, block=(128, 128), x="bf16", block_n=64),
     case("gpu_o_proj_8rows", N=6144, K=768, block=(128, 128), x="bf16", block_n=64),
     case("gpu_eh_proj_strided", N=6144, K=1536, block=(128, 128), x="bf16", block_n=64, x_stride=2),
     case("gpu_expert_gate_8rows", N=256, K=6144, block=(128, 128), x="bf16", block_n=64),
     case("gpu_fp32_in_fp32_out", M=4, N=768, K=6144, block=(128, 128), x="fp32", block_n=64),
-    case("gpu_bf16_fp32_out_partial", M=5, N=1000, K=2000, block=(128, 128), x="bf16", out="fp32", block_n=64),
-    case("gpu_qkv_proj_8rows_serial", N=1024, K=6144, block=(128, 128), x="bf16", block_n=64, serial=True),
+    case("gpu_bf16_fp32_out_partial", M=5, N=1000, K=2000, block=(128, 128), x="bf16", out="fp32", block_n=64,
+         preloads=False),
+    case("gpu_qkv_proj_8rows_serial", N=1024, K=6144, block=(128, 128), x="bf16", block_n=64, serial=True,
+         preloads=True),
     case("gpu_o_proj_6rows_serial", M=6, N=6144, K=768, block=(128, 128), x="bf16", block_n=64, serial=True),
     case("gpu_k_proj_1row_serial", M=1, N=128, K=6144, block=(128, 128), x="bf16", block_n=64, serial=True),
 ]
@@ -90,11 +93,16 @@ def run_case(c: dict, device: str) -> dict:
     scale = ref.abs().max().item()
     r = {"rel_err": (got.float() - ref).abs().max().item() / scale, "finite": bool(torch.isfinite(got).all()),
          "dtype": str(got.dtype).removeprefix("torch.")}
+    # The same call with the weight tiles loaded before the (PDL) wait: the same bits, where it is taken.
+    pre = fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype, split_k=c["split_k"],
+                        block_n=c["block_n"], out=torch.full_like(out, float("nan")), preload=True)
+    r.update(preload_bits=bool(torch.equal(pre, got)), preloaded=fl.preload_plan(
+        c["M"], c["N"], c["K"], c["block"], c["split_k"], c["block_n"], t["x"].device) > 0)
     if c["serial"]:
         locks = torch.zeros(fl.lock_count(c["M"], c["N"], c["block_n"]) + 3, dtype=torch.int32, device=device)
         runs = [fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype, split_k=c["split_k"],
-                              block_n=c["block_n"], locks=locks, out=torch.full_like(out, float("nan")))
-                for _ in range(2)]  # the second call reuses the counters the first one left
+                              block_n=c["block_n"], locks=locks, out=torch.full_like(out, float("nan")), preload=pre)
+                for pre in (False, False, True)]  # later calls reuse the counters the first one left
         r.update(serial_bits=all(bool(torch.equal(g, got)) for g in runs), locks_rearmed=int(locks.abs().sum()) == 0)
     return r
 
@@ -105,6 +113,9 @@ def _check(c: dict, r: dict) -> None:
     assert r["finite"], "kernel left NaN in the output"
     assert r["rel_err"] <= TOL[out], (f"{c['name']}: max |kernel - ref| / max |ref| = {r['rel_err']:.2e} "
                                       f"> {TOL[out]:.0e}")
+    assert r["preload_bits"], "the weight tiles preloaded before the wait change the output"
+    if c["preloads"] is not None:
+        assert r["preloaded"] == c["preloads"], f"{c['name']}: preload taken: {r['preloaded']}, not {c['preloads']}"
     if c["serial"]:
         assert r["serial_bits"], "the in-kernel split sum differs from the two-pass sum"
         assert r["locks_rearmed"], "a counter was left non-zero: the next call would sum too early"

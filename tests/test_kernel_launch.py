@@ -107,7 +107,7 @@ def decode_with_logprobs(kernels: str, dtype: str) -> dict:
     ops = engine.model.ops
     return {"steps": out, "pdl": ops.pdl, "prefetch": ops.prefetch, "f16": ops.f16, "fallbacks": dict(ops.fallbacks),
             "f16_norm_calls": ops.f16_norm_calls, "tma_calls": ops.tma_calls,
-            "embed_calls": ops.embed_calls, "settle_calls": ops.settle_calls}
+            "embed_calls": ops.embed_calls, "settle_calls": ops.settle_calls, "preload_calls": ops.preload_calls}
 
 
 @pytest.mark.gpu
@@ -121,3 +121,14 @@ def test_cuda_pdl_decodes_bit_identically(dtype):
     both = decode_with_logprobs("triton+prefetch", dtype)
     assert (base["pdl"], pdl["pdl"], both["pdl"], both["prefetch"]) == (False, True, True, True)
     assert pdl["steps"] == base["steps"] and both["steps"] == base["steps"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_preload_decodes_bit_identically(dtype):
+    """The FP8 linears and the router loading their weight tiles before the PDL wait (stage preload): the same tokens,
+    logprobs and acceptance sequence as without, through the captured decode loop, with the preload counted."""
+    base = decode_with_logprobs("triton", dtype)
+    pre = decode_with_logprobs("triton+preload", dtype)
+    assert base["preload_calls"] == 0 and pre["preload_calls"] > 0
+    assert pre["steps"] == base["steps"]

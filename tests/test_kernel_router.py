@@ -47,9 +47,10 @@ WEIGHT_TOL = 3e-6  # one more sum and division
 TORCH_PATH_TOL = 5e-5  # GPU only: against torch's own logits (another summation order), see test_gpu_matches_torch_path
 
 BASE = dict(R=8, E=64, H=200, k=8, norm=True, scaling=2.5, split=None, block_e=16, block_h=32, ties=True,
-            data="randn", x_stride=None, broken=None, seed=0, wdtype="fp32", twins=False)
+            data="randn", x_stride=None, broken=None, seed=0, wdtype="fp32", twins=False, preloads=False)
 # wdtype "bf16": the router held as the engine holds it (the values rounded to bf16 first). twins: also run the same
-# values held in fp32 (bf16 cases) and the other top-k form (packed_topk flipped); all outputs must be bit-equal.
+# values held in fp32 (bf16 cases), the other top-k form (packed_topk flipped) and with `preload` (the weight tile
+# loaded before the PDL wait); all outputs must be bit-equal. preloads: the preload must be taken (one tile a split).
 
 
 def case(name: str, **kw) -> dict:
@@ -81,6 +82,8 @@ CASES = [
     case("bf16_router_integer_data", R=3, E=48, k=8, H=64, data="int", wdtype="bf16", twins=True, seed=24),
     case("bf16_router_default_tile", R=6, E=64, H=600, block_e=None, block_h=None, wdtype="bf16", twins=True, seed=25),
     case("two_reduction_topk_ties", R=8, E=64, H=120, split=2, packed_topk=False, twins=True, seed=26),
+    case("preload_one_tile_splits_partial_last", R=8, E=64, H=150, split=5, wdtype="bf16", twins=True, preloads=True,
+         seed=28),
     # negative controls: must fail the checks above
     case("broken_ties_to_higher_index", R=8, E=64, H=120, split=2, broken="ties_high", seed=20),
     case("broken_ties_to_higher_index_two_reductions", R=8, E=64, H=120, split=2, broken="ties_high",
@@ -102,7 +105,7 @@ GPU_CASES = [  # the model: H = 6144, E = 256, k = 8, norm_topk_prob, routed_sca
     case("gpu_8rows_integer_ties", R=8, E=256, H=6144, block_e=None, block_h=None, data="int", seed=108),
     # the router as the engine holds it (bf16), each checked bit-equal to its fp32-held values and the other top-k form
     case("gpu_6rows_model_bf16", R=6, E=256, H=6144, block_e=None, block_h=None, scaling=1.0, wdtype="bf16",
-         twins=True, seed=120),
+         twins=True, preloads=True, seed=120),
     case("gpu_8rows_integer_ties_bf16", R=8, E=256, H=6144, block_e=None, block_h=None, data="int", wdtype="bf16",
          twins=True, seed=121),
     case("gpu_6rows_select_1_warp_bf16", R=6, E=256, H=6144, block_e=None, block_h=None, select_warps=1,
@@ -196,13 +199,15 @@ def run_case(c: dict, device: str) -> dict:
              broken_splits=calls[0] if calls else 0)
     if c["twins"]:
         got = (weights, experts, scores, dbg["logits"])
-        twins = {"other_topk": (t["w"], dict(blocks, packed_topk=not blocks.get("packed_topk", True)))}
+        twins = {"other_topk": (t["w"], dict(blocks, packed_topk=not blocks.get("packed_topk", True))),
+                 "preload": (t["w"], dict(blocks, preload=True))}
         if t["w"].dtype == torch.bfloat16:
             twins["fp32_held"] = (t["w"].float(), blocks)
         for name, (w, kw) in twins.items():
             d = {}
             out = rt.route(t["x"], w, c["k"], c["norm"], c["scaling"], split=c["split"], debug=d, **kw)
             r[f"{name}_bit_equal"] = all(torch.equal(a, b) for a, b in zip((*out, d["logits"]), got))
+            r[f"{name}_preloaded"] = d["preloaded"]
     return r
 
 
@@ -222,6 +227,9 @@ def check_values(c: dict, r: dict) -> None:
         assert r["split"] > 1, f"{c['name']}: asked for {c['split']} splits, ran {r['split']}"
     if c["twins"]:
         assert r["other_topk_bit_equal"], f"{c['name']}: packed and two-reduction top-k differ"
+        assert r["preload_bit_equal"], f"{c['name']}: the weight preloaded before the wait changes the outputs"
+    if c["preloads"]:
+        assert r["preload_preloaded"], f"{c['name']}: the preload was not taken"
         if c["wdtype"] == "bf16":
             assert r["fp32_held_bit_equal"], f"{c['name']}: the bf16 router differs from its values held in fp32"
 
