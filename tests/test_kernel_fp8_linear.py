@@ -95,13 +95,15 @@ def run_case(c: dict, device: str) -> dict:
          "dtype": str(got.dtype).removeprefix("torch.")}
     # The same call with the weight tiles loaded before the (PDL) wait: the same bits, where it is taken.
     pre = fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype, split_k=c["split_k"],
-                        block_n=c["block_n"], out=torch.full_like(out, float("nan")), preload=True)
+                        block_n=c["block_n"], out=torch.full_like(out, float("nan")), preload=True,
+                        pdl=t["x"].is_cuda)  # on the GPU with its wait, so the tiles pass the opaque move too
     r.update(preload_bits=bool(torch.equal(pre, got)), preloaded=fl.preload_plan(
         c["M"], c["N"], c["K"], c["block"], c["split_k"], c["block_n"], t["x"].device) > 0)
     if c["serial"]:
         locks = torch.zeros(fl.lock_count(c["M"], c["N"], c["block_n"]) + 3, dtype=torch.int32, device=device)
         runs = [fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype, split_k=c["split_k"],
-                              block_n=c["block_n"], locks=locks, out=torch.full_like(out, float("nan")), preload=pre)
+                              block_n=c["block_n"], locks=locks, out=torch.full_like(out, float("nan")), preload=pre,
+                              pdl=pre and t["x"].is_cuda)
                 for pre in (False, False, True)]  # later calls reuse the counters the first one left
         r.update(serial_bits=all(bool(torch.equal(g, got)) for g in runs), locks_rearmed=int(locks.abs().sum()) == 0)
     return r
