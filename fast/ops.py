@@ -184,7 +184,7 @@ class TorchOps:
 # bench/results/*-242fbb5.*): MoE 37.4 -> 30.8 us a call with both, all "="; full-size round 8,108 (neither) -> 7,663
 # (f16_norm) -> 7,413 us (both), same process.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
-          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "settle")
+          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "settle", "preload")
 # "settle": the round's settle step (commit, log, stop, round record) and the next drafting's inputs as one kernel
 # (kernels/settle.py) instead of ~45 torch kernels; integer bookkeeping, the same state (tests/test_kernel_settle.py).
 # "embed": the embedding lookup in one launch (kernels/embed.py) instead of eight torch kernels, six times a round;
@@ -195,10 +195,11 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # (kernels/sample.accept_settle) instead of ~50. Numerical change: the draws' cumulative sums and the residual's
 # normalizing sum are summed in the kernels' order, so a draw whose uniform lies within rounding of a boundary may
 # differ; qualification measures it (docs/PERF.md).
-# Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
-OPT_IN: tuple[str, ...] = ("prefetch", "preload")
 # "preload": the FP8 linears and the router load their constant weight tiles into registers before the PDL wait (the
-# same values in the same dots: the same bits), so those reads overlap the previous kernel.
+# same values in the same dots: the same bits), so those reads overlap the previous kernel. Full-size round on an H200,
+# same process: 6,807 -> 6,725 us (bench/results/step-full-tp8slice-ctx1k-d5-preload-a42bba2.*; docs/PERF.md).
+# Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
+OPT_IN: tuple[str, ...] = ("prefetch",)
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear

@@ -128,7 +128,7 @@ def test_cuda_pdl_decodes_bit_identically(dtype):
 def test_cuda_preload_decodes_bit_identically(dtype):
     """The FP8 linears and the router loading their weight tiles before the PDL wait (stage preload): the same tokens,
     logprobs and acceptance sequence as without, through the captured decode loop, with the preload counted."""
-    base = decode_with_logprobs("triton", dtype)
-    pre = decode_with_logprobs("triton+preload", dtype)
+    base = decode_with_logprobs("triton-preload", dtype)
+    pre = decode_with_logprobs("triton", dtype)  # preload is a default stage
     assert base["preload_calls"] == 0 and pre["preload_calls"] > 0
     assert pre["steps"] == base["steps"]
