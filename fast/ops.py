@@ -199,9 +199,7 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # same values in the same dots: the same bits), so those reads overlap the previous kernel. Full-size round on an H200,
 # same process: 6,807 -> 6,725 us (bench/results/step-full-tp8slice-ctx1k-d5-preload-a42bba2.*; docs/PERF.md).
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
-OPT_IN: tuple[str, ...] = ("prefetch", "early")
-# "early": every PDL kernel signals the next one before its own wait (kernels/launch.py EARLY), so three kernels are in
-# flight and a constant-weight preload gets two predecessors' time; scheduling only, the same bits.
+OPT_IN: tuple[str, ...] = ("prefetch",)
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
@@ -221,7 +219,6 @@ class TritonOps(TorchOps):
         self.pdl = "pdl" in self.stages
         self.prefetch = self.pdl and "prefetch" in self.stages
         self.preload = self.pdl and "preload" in self.stages
-        self.early = self.pdl and "early" in self.stages
         self.f16 = "f16" in self.stages
         self.f16_norm = self.f16 and {"f16_norm", "moe", "norm"} <= self.stages
         self.tma = "tma" in self.stages and "moe" in self.stages
@@ -243,7 +240,6 @@ class TritonOps(TorchOps):
         from ..kernels.moe import gate_up_k_tile, tma_fits
         from ..kernels.decode_attention import decode_attention
         from ..kernels.fp8_linear import fp8_linear, lock_count, preload_plan
-        from ..kernels.launch import EARLY
         from ..kernels.lm_head import lm_head
         from ..kernels.moe_route import MAX_PAIRS
         from ..kernels.philox import uniforms
@@ -254,7 +250,7 @@ class TritonOps(TorchOps):
         from ..kernels.settle import settle
 
         self._attention, self._linear, self._lm_head, self._lock_count = decode_attention, fp8_linear, lm_head, lock_count
-        self._settle, self._preload_plan, self._early = settle, preload_plan, EARLY
+        self._settle, self._preload_plan = settle, preload_plan
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
         self._global_sample, self._accept_settle, self._max_k = sample.global_sample, sample.accept_settle, sample.MAX_K
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
@@ -270,10 +266,8 @@ class TritonOps(TorchOps):
             self.fallbacks[stage] = self.fallbacks.get(stage, 0) + 1
         return ok
 
-    def _pdl(self, t: torch.Tensor) -> bool | int:
-        if not (self.pdl and t.is_cuda):
-            return False
-        return self._early if self.early else True
+    def _pdl(self, t: torch.Tensor) -> bool:
+        return self.pdl and t.is_cuda
 
     def _prefetch(self, t: torch.Tensor) -> bool:
         return self.prefetch and t.is_cuda

@@ -16,7 +16,7 @@ serialized launch would:
     chain stays transitive for the kernel after it (which may be a plain launch: that one waits for this
     kernel's completion as usual).
   * It signals its own dependents right after the wait, not before: at most two kernels are in flight, the
-    running one and the next one's programs parked at their wait. (Mode EARLY signals before the wait: three.)
+    running one and the next one's programs parked at their wait.
 Arithmetic is untouched, so results are bit-identical with and without PDL (tests/test_kernel_launch.py and
 the engine's graph-vs-eager checks on the GPU).
 
@@ -32,19 +32,10 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
-EARLY = 2  # `pdl` mode: signal the next kernel before waiting (see `wait_for_inputs`)
-
-
 @triton.jit
 def wait_for_inputs(PDL: tl.constexpr):
-    """With PDL: wait for the previous kernel to complete, then allow the next one to launch. With PDL == EARLY the
-    next one is allowed first: its programs may start (and read constant weights) while this kernel still waits
-    behind its own predecessor, so three kernels are in flight instead of two. The ordering is the same: every
-    kernel still waits for its predecessor's completion before touching activations, and completes after it."""
-    if PDL == 2:  # EARLY
-        gdc_launch_dependents()
-        gdc_wait()
-    elif PDL:
+    """With PDL: wait for the previous kernel to complete, then allow the next one to launch."""
+    if PDL:
         gdc_wait()
         gdc_launch_dependents()
 
@@ -72,14 +63,12 @@ def prefetch_lines(columns: int, element_bytes: int) -> tuple[int, int]:
     return per_line, triton.next_power_of_2(max(1, triton.cdiv(columns, per_line)))
 
 
-def launch_options(pdl: bool | int, device: torch.device) -> dict:
-    """Launch keywords for a kernel call with PDL (`pdl` True, or EARLY for the early signal): the launch attribute
-    and the kernel's PDL constexpr, always together (a PDL launch of a kernel compiled without its wait would race
-    its predecessor); {} without PDL (the kernels' PDL defaults to False)."""
+def launch_options(pdl: bool, device: torch.device) -> dict:
+    """Launch keywords for a kernel call with PDL: the launch attribute and the kernel's PDL constexpr, always
+    together (a PDL launch of a kernel compiled without its wait would race its predecessor); {} without PDL
+    (the kernels' PDL defaults to False)."""
     if not pdl:
         return {}
     if device.type != "cuda":
         raise ValueError(f"programmatic dependent launch needs a CUDA device, got {device}")
-    if pdl is not True and pdl != EARLY:
-        raise ValueError(f"pdl must be False, True or EARLY ({EARLY}), got {pdl!r}")
-    return {"launch_pdl": True, "PDL": EARLY if pdl == EARLY else True}
+    return {"launch_pdl": True, "PDL": True}

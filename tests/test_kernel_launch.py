@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from iquest.kernels.launch import EARLY, launch_options, prefetch_lines, wait_for_inputs
+from iquest.kernels.launch import launch_options, prefetch_lines, wait_for_inputs
 from iquest.tests.test_fast_kernels import CASES, N_TOKENS
 from iquest.tests.test_fast_engine import PROMPTS, TINY, fast_steps
 
@@ -84,50 +84,8 @@ def test_launch_options_refuse_pdl_off_the_gpu():
     assert launch_options(False, torch.device("cpu")) == {}
     # the launch attribute never without the kernel's wait
     assert launch_options(True, torch.device("cuda")) == {"launch_pdl": True, "PDL": True}
-    assert launch_options(EARLY, torch.device("cuda")) == {"launch_pdl": True, "PDL": EARLY}
     with pytest.raises(ValueError, match="CUDA"):
         launch_options(True, torch.device("cpu"))
-    with pytest.raises(ValueError, match="EARLY"):
-        launch_options(3, torch.device("cuda"))
-
-
-@triton.jit
-def _wait_only(PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
-
-
-def probe_chain(mode, wait: bool) -> int:
-    """Three kernels in a captured graph: the late writer, a kernel that only waits (launched in `mode`: True or
-    EARLY), and the copy (launched with PDL, waiting or not). The value the copy read: 1 = after the write."""
-    src = torch.zeros(1, dtype=torch.int32, device="cuda")
-    dst = torch.full((1,), -1, dtype=torch.int32, device="cuda")
-    opts = launch_options(mode, src.device)
-
-    def body():
-        src.zero_()
-        _late_write[(1,)](src, SPIN_NS, **opts)
-        _wait_only[(1,)](**opts)
-        _copy[(1,)](src, dst, WAIT=mode if wait else False, **launch_options(True, src.device))
-
-    body()
-    torch.cuda.synchronize()
-    dst.fill_(-1)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
-    g.replay()
-    torch.cuda.synchronize()
-    return int(dst.item())
-
-
-@pytest.mark.gpu
-def test_cuda_early_signal_puts_three_kernels_in_flight_and_keeps_the_order():
-    """EARLY: the third kernel starts while the first still runs (its copy without a wait reads the stale 0: the
-    negative control, which shows the early signal really acts), and with its wait it reads the write. The default
-    mode holds the third kernel back until the first has completed: even without its wait it reads 1."""
-    assert probe_chain(EARLY, wait=True) == 1
-    assert probe_chain(EARLY, wait=False) == 0, "no third kernel in flight: the early signal did nothing"
-    assert probe_chain(True, wait=False) == 1, "the default mode let a third kernel start early"
 
 
 @pytest.mark.parametrize("columns, element_bytes, want", [(768, 1, (128, 8)), (512, 4, (32, 16)), (100, 1, (128, 1)),
@@ -147,7 +105,7 @@ def decode_with_logprobs(kernels: str, dtype: str) -> dict:
         steps = fast_steps(engine, PROMPTS[i], 40 + i, drafts, n=N_TOKENS)
         out[f"{i}-{drafts}"] = [(s.tokens, s.logprobs, s.drafts, s.accepted) for s in steps]
     ops = engine.model.ops
-    return {"steps": out, "pdl": ops.pdl, "prefetch": ops.prefetch, "early": ops.early, "f16": ops.f16, "fallbacks": dict(ops.fallbacks),
+    return {"steps": out, "pdl": ops.pdl, "prefetch": ops.prefetch, "f16": ops.f16, "fallbacks": dict(ops.fallbacks),
             "f16_norm_calls": ops.f16_norm_calls, "tma_calls": ops.tma_calls,
             "embed_calls": ops.embed_calls, "settle_calls": ops.settle_calls, "preload_calls": ops.preload_calls}
 
@@ -174,14 +132,3 @@ def test_cuda_preload_decodes_bit_identically(dtype):
     pre = decode_with_logprobs("triton", dtype)  # preload is a default stage
     assert base["preload_calls"] == 0 and pre["preload_calls"] > 0
     assert pre["steps"] == base["steps"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_early_signal_decodes_bit_identically(dtype):
-    """Every PDL kernel signalling the next one before its own wait (stage early): the same tokens, logprobs and
-    acceptance sequence as the default, through the captured decode loop."""
-    base = decode_with_logprobs("triton", dtype)
-    early = decode_with_logprobs("triton+early", dtype)
-    assert early["early"] and not base["early"]
-    assert early["steps"] == base["steps"]
