@@ -199,7 +199,9 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # same values in the same dots: the same bits), so those reads overlap the previous kernel. Full-size round on an H200,
 # same process: 6,807 -> 6,725 us (bench/results/step-full-tp8slice-ctx1k-d5-preload-a42bba2.*; docs/PERF.md).
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
-OPT_IN: tuple[str, ...] = ("prefetch",)
+OPT_IN: tuple[str, ...] = ("prefetch", "select_one_warp")
+# "select_one_warp": the router's select launch with one warp instead of four: its reductions (the split partials'
+# sum, the softmax's max and sum) take another tree, so scores may differ in the last bits (a numerical change).
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
@@ -376,8 +378,9 @@ class TritonOps(TorchOps):
     def route(self, b32, lw, top_k, norm_topk_prob, scaling):
         if not self._fits("route", True):
             return super().route(b32, lw, top_k, norm_topk_prob, scaling)
+        kw = {"select_warps": 1} if "select_one_warp" in self.stages else {}
         return self._route(b32, lw.router, top_k, norm_topk_prob, scaling, pdl=self._pdl(b32),
-                           prefetch=self._prefetch(b32), preload=self._preload(b32))
+                           prefetch=self._prefetch(b32), preload=self._preload(b32), **kw)
 
     def f16_tile(self, moe_block: tuple[int, int] | None, hidden: int) -> int | None:
         """The width of the MoE input's fp16 operand tiles for weight blocks `moe_block` (Gate/Up's K tile), or None
