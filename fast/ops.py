@@ -195,8 +195,8 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # (kernels/sample.accept_settle) instead of ~50. Numerical change: the draws' cumulative sums and the residual's
 # normalizing sum are summed in the kernels' order, so a draw whose uniform lies within rounding of a boundary may
 # differ; qualification measures it (docs/PERF.md).
-# "preload": the FP8 linears and the router load their constant weight tiles into registers before the PDL wait (the
-# same values in the same dots: the same bits), so those reads overlap the previous kernel. Full-size round on an H200,
+# "preload": the FP8 linears, the router and the norms load their constant weight tiles into registers before the PDL
+# wait (the same values in the same dots: the same bits), so those reads overlap the previous kernel. Full-size round on an H200,
 # same process: 6,807 -> 6,725 us (bench/results/step-full-tp8slice-ctx1k-d5-preload-a42bba2.*; docs/PERF.md).
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
 OPT_IN: tuple[str, ...] = ("prefetch", "select_one_warp")
@@ -333,7 +333,7 @@ class TritonOps(TorchOps):
     def norm(self, x, weight, eps, out=None):
         if not self._fits("norm", True):
             return super().norm(x, weight, eps, out)
-        return self._norm(x.contiguous(), weight, eps, out=out, pdl=self._pdl(x))
+        return self._norm(x.contiguous(), weight, eps, out=out, pdl=self._pdl(x), preload=self._preload(x))
 
     def rotary(self, cos, sin, rope_rows):
         if "rope" not in self.stages:
@@ -360,7 +360,8 @@ class TritonOps(TorchOps):
         # norm kernel (torch's norm rounds differently) the fold is not taken, and the call counts as a fallback.
         if not self._fits("residual", "norm" in self.stages):
             return super().residual_norm(x, residual, weight, eps)
-        y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=x.dtype, pdl=self._pdl(x))
+        y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=x.dtype, pdl=self._pdl(x),
+                              preload=self._preload(x))
         return h, y
 
     def add_norm(self, x, residual, weight, eps, moe_block=None):
@@ -372,7 +373,7 @@ class TritonOps(TorchOps):
             f16_input = self._empty_tiles(*x.shape, tile, x.device)
             self.f16_norm_calls += 1
         y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=torch.float32,
-                              f16_out=f16_input, pdl=self._pdl(x))
+                              f16_out=f16_input, pdl=self._pdl(x), preload=self._preload(x))
         return h, y, f16_input
 
     def route(self, b32, lw, top_k, norm_topk_prob, scaling):

@@ -11,7 +11,7 @@ The contract every kernel launched with `pdl=True` keeps, so that it reads and w
 serialized launch would:
   * `wait_for_inputs(PDL)` is the first thing every program does that touches memory another kernel writes or
     reads: no activation load, no store, no atomic comes before it. Only constant weights may be read before
-    it (`prefetch_l2`), and only into L2.
+    it: into L2 (`prefetch_l2`), or into registers (the FP8 linear's, the router's and the norms' `preload`).
   * Every program calls it, unconditionally, so the kernel cannot complete before its predecessor has: the
     chain stays transitive for the kernel after it (which may be a plain launch: that one waits for this
     kernel's completion as usual).

@@ -29,11 +29,13 @@ MAX_HIDDEN = 65536
 def _rmsnorm_residual_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, f16_ptr, f16d_ptr, H, eps,
                              stride_x, stride_r, stride_y, stride_h, stride_f16, stride_f16d,
                              BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, F16_TILE: tl.constexpr = 0,
-                             PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
-    row = tl.program_id(0)
+                             PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     i = tl.arange(0, BLOCK)
     ok = i < H
+    if PRELOAD:  # the norm's weight is constant: read before the wait, so its HBM latency overlaps the previous kernel
+        w = tl.load(w_ptr + i, mask=ok, other=0.0)
+    wait_for_inputs(PDL)
+    row = tl.program_id(0)
     x = tl.load(x_ptr + row * stride_x + i, mask=ok, other=0.0).to(tl.float32)
     if RESIDUAL:
         r = tl.load(r_ptr + row * stride_r + i, mask=ok, other=0.0).to(tl.float32)
@@ -43,8 +45,9 @@ def _rmsnorm_residual_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, f16_ptr, f16d_pt
     else:
         h = x
     inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
-    w = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
-    y = (h * inv * w).to(y_ptr.dtype.element_ty)
+    if not PRELOAD:
+        w = tl.load(w_ptr + i, mask=ok, other=0.0)
+    y = (h * inv * w.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_y + i, y, mask=ok)
     if F16_TILE > 0:  # y's tiles as Gate/Up's fp16 operands: y rounded to bf16, scaled per tile by 2^s
         tiles = tl.arange(0, BLOCK // F16_TILE)
@@ -64,8 +67,9 @@ def _check(cond: bool, message: str) -> None:
 def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                      out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None,
                      residual_out: torch.Tensor | None = None, f16_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     num_warps: int = 8, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [R, H] in out_dtype (default residual's), h = x + residual [R, H] in residual's dtype).
+                     num_warps: int = 8, pdl: bool = False, preload: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [R, H] in out_dtype (default residual's), h = x + residual [R, H] in residual's dtype). `preload`: the weight
+    is read before the PDL wait (kernels/launch.py; the same values).
     `f16_out` = (fp16 [R, H], fp32 [R, H / t]) is filled with y rounded to bf16 as the MoE's Gate/Up operand tiles
     of width t (a power of two dividing H): `f16_operands.f16_rows_tiles(y.to(bf16), t)`."""
     _check(x.dim() == 2 and tuple(residual.shape) == tuple(x.shape), f"x {tuple(x.shape)} and residual "
@@ -92,7 +96,7 @@ def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     _rmsnorm_residual_kernel[(R,)](x, residual, weight, out, residual_out, y16, down, H, eps, x.stride(0),
                                    residual.stride(0), out.stride(0), residual_out.stride(0), y16.stride(0),
                                    down.stride(0), BLOCK=triton.next_power_of_2(H), RESIDUAL=True, F16_TILE=tile,
-                                   num_warps=num_warps, **launch_options(pdl, x.device))
+                                   PRELOAD=preload, num_warps=num_warps, **launch_options(pdl, x.device))
     return out, residual_out
 
 
@@ -104,8 +108,9 @@ def _check_f16_out(f16_out, R: int, H: int, out: torch.Tensor) -> tuple[torch.Te
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None, *,
-            out: torch.Tensor | None = None, num_warps: int = 8, pdl: bool = False) -> torch.Tensor:
-    """y = rmsnorm(x) * w [R, H] in out_dtype (default x's), computed in fp32 from x (no residual)."""
+            out: torch.Tensor | None = None, num_warps: int = 8, pdl: bool = False, preload: bool = False) -> torch.Tensor:
+    """y = rmsnorm(x) * w [R, H] in out_dtype (default x's), computed in fp32 from x (no residual); `preload` as
+    rmsnorm_residual's."""
     _check(x.dim() == 2, f"x must be [R, H], got {tuple(x.shape)}")
     R, H = x.shape
     _check(R >= 1 and 1 <= H <= MAX_HIDDEN, f"rows {R} and hidden {H} must be >= 1 (hidden <= {MAX_HIDDEN})")
@@ -122,7 +127,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.
     _check(isinstance(eps, float) and eps > 0, f"eps must be a positive float, got {eps!r}")
     _rmsnorm_residual_kernel[(R,)](x, x, weight, out, out, out, out, H, eps, x.stride(0), x.stride(0), out.stride(0),
                                    out.stride(0), 0, 0, BLOCK=triton.next_power_of_2(H), RESIDUAL=False,
-                                   num_warps=num_warps, **launch_options(pdl, x.device))
+                                   PRELOAD=preload, num_warps=num_warps, **launch_options(pdl, x.device))
     return out
 
 

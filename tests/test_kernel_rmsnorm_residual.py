@@ -53,20 +53,26 @@ def run_case(c: dict, device: str) -> dict:
     if not c["residual"]:  # the input norm: the same kernel without the residual sum
         y_ref = rn.rmsnorm_ref(x, w, eps, DTYPES[c["out"]] if c["out"] else None)
         y = rn.rmsnorm(x, w, eps, DTYPES[c["out"]] if c["out"] else None, out=torch.full_like(y_ref, float("nan")))
+        pre = rn.rmsnorm(x, w, eps, DTYPES[c["out"]] if c["out"] else None, out=torch.full_like(y_ref, float("nan")),
+                         preload=True, pdl=x.is_cuda)  # the weight read before the wait: the same bits
         return {"y_err": (y.float() - y_ref.float()).abs().max().item() / y_ref.float().abs().max().item(),
-                "h_err": 0.0, "finite": bool(torch.isfinite(y).all())}
+                "h_err": 0.0, "finite": bool(torch.isfinite(y).all()), "preload_bits": bool(torch.equal(pre, y))}
     y_ref, h_ref = rn.rmsnorm_residual_ref(x, r, w, eps, DTYPES[c["out"]] if c["out"] else None)
     out = torch.full_like(y_ref, float("nan"))
     h_out = r if c["inplace"] else torch.full_like(r, float("nan"))
+    r0 = r.clone()  # in place: the preloaded call below starts from the same residual
     y, h = rn.rmsnorm_residual(x, r, w, eps, DTYPES[c["out"]] if c["out"] else None, out=out, residual_out=h_out)
     assert y is out and h is h_out
+    y2, h2 = rn.rmsnorm_residual(x, r0, w, eps, DTYPES[c["out"]] if c["out"] else None, preload=True, pdl=x.is_cuda)
+    preload_bits = bool(torch.equal(y2, y) and torch.equal(h2, h))
     return {"y_err": (y.float() - y_ref.float()).abs().max().item() / y_ref.float().abs().max().item(),
             "h_err": ((h.float() - h_ref.float()).abs() / h_ref.float().abs().clamp(min=1e-30)).max().item(),
-            "finite": bool(torch.isfinite(y).all() and torch.isfinite(h).all())}
+            "finite": bool(torch.isfinite(y).all() and torch.isfinite(h).all()), "preload_bits": preload_bits}
 
 
 def _check(c: dict, r: dict, interpreted: bool = False) -> None:
     assert r["finite"], "NaN left in an output"
+    assert r["preload_bits"], "the weight read before the wait changed an output"
     h_tol = INTERPRETED_BF16_ULP if interpreted and c["dtype"] == "bf16" else 0.0
     assert r["h_err"] <= h_tol, f"the new residual differs from the rounded sum by {r['h_err']:.2e} (relative)"
     tol = max(TOL[c["out"] or c["dtype"]], h_tol)
