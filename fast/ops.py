@@ -195,13 +195,11 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # (kernels/sample.accept_settle) instead of ~50. Numerical change: the draws' cumulative sums and the residual's
 # normalizing sum are summed in the kernels' order, so a draw whose uniform lies within rounding of a boundary may
 # differ; qualification measures it (docs/PERF.md).
-# "preload": the FP8 linears, the router and the norms load their constant weight tiles into registers before the PDL
-# wait (the same values in the same dots: the same bits), so those reads overlap the previous kernel. Full-size round on an H200,
-# same process: 6,807 -> 6,725 us (bench/results/step-full-tp8slice-ctx1k-d5-preload-a42bba2.*; docs/PERF.md).
+# "preload": the FP8 linears, the router, the norms and the attention combine (its sinks) load their constant weights
+# into registers before the PDL wait (the same values in the same dots: the same bits), so those reads overlap the previous kernel. Full-size round on an H200,
+# same process: 6,776 -> 6,591 us (bench/results/step-full-tp8slice-ctx1k-d5-67412c6.*; docs/PERF.md).
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
-OPT_IN: tuple[str, ...] = ("prefetch", "select_one_warp")
-# "select_one_warp": the router's select launch with one warp instead of four: its reductions (the split partials'
-# sum, the softmax's max and sum) take another tree, so scores may differ in the last bits (a numerical change).
+OPT_IN: tuple[str, ...] = ("prefetch",)
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
@@ -379,9 +377,8 @@ class TritonOps(TorchOps):
     def route(self, b32, lw, top_k, norm_topk_prob, scaling):
         if not self._fits("route", True):
             return super().route(b32, lw, top_k, norm_topk_prob, scaling)
-        kw = {"select_warps": 1} if "select_one_warp" in self.stages else {}
         return self._route(b32, lw.router, top_k, norm_topk_prob, scaling, pdl=self._pdl(b32),
-                           prefetch=self._prefetch(b32), preload=self._preload(b32), **kw)
+                           prefetch=self._prefetch(b32), preload=self._preload(b32))
 
     def f16_tile(self, moe_block: tuple[int, int] | None, hidden: int) -> int | None:
         """The width of the MoE input's fp16 operand tiles for weight blocks `moe_block` (Gate/Up's K tile), or None
@@ -457,7 +454,8 @@ class TritonOps(TorchOps):
             return super().attention(q, kv, positions, sinks)
         # kv_len (how far a full layer's history is read) = the block's last position + 1, taken by the kernels
         return self._attention(q.contiguous(), kv.k, kv.v, kv.slot_pos, positions, sinks, kv.window,
-                               kv.first_position, causal=kv.causal, pdl=self._pdl(q), kv_len_from_q=True)
+                               kv.first_position, causal=kv.causal, pdl=self._pdl(q), kv_len_from_q=True,
+                               preload=self._preload(q))
 
 
 def make_ops(name: str) -> TorchOps:

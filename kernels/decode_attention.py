@@ -146,14 +146,17 @@ def _attention_combine_kernel(
     G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_KV_LEN: tl.constexpr, HAS_SINKS: tl.constexpr,
     PDL: tl.constexpr = False, ONE_PASS: tl.constexpr = True, R_PAD: tl.constexpr = 16,
+    PRELOAD: tl.constexpr = False,
 ):
-    wait_for_inputs(PDL)
     RG = R * G
     pid = tl.program_id(0)
     g = pid // RG
     row = pid % RG
     r = row // G
     head = g * G + row % G
+    if HAS_SINKS and PRELOAD:  # a constant weight: read before the wait, its HBM latency overlapping the split kernel
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2 domain, like the partials
+    wait_for_inputs(PDL)
     kv_len = _load_kv_len(kv_len_ptr, S, R, HAS_KV_LEN, R_PAD)
     split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
     n_live = tl.cdiv(kv_len, split_len)  # <= NUM_SPLITS; later splits exited without storing
@@ -161,7 +164,7 @@ def _attention_combine_kernel(
     d = tl.arange(0, D)
     s = tl.arange(0, BLOCK_S)
     m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), axis=0)
-    if HAS_SINKS:
+    if HAS_SINKS and not PRELOAD:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2 domain, like the partials
     den = tl.sum(tl.zeros([BLOCK_S], tl.float32), axis=0)
     acc = tl.zeros([D], tl.float32)
@@ -220,8 +223,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
                      num_splits: int | None = None, block_n: int = 64, min_split: int | None = None,
                      out: torch.Tensor | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
                      num_warps: int = 4, num_stages: int = 2, pdl: bool = False, one_pass: bool = True,
-                     kv_len_from_q: bool = False) -> torch.Tensor:
+                     kv_len_from_q: bool = False, preload: bool = False) -> torch.Tensor:
     """Attention of R query rows over a static KV cache: q [R, Hq, D], k/v [S, Hkv, D] -> [R, Hq, D].
+    `preload`: the combine reads the sinks (constant) before its PDL wait (kernels/launch.py; the same values).
 
     slot_pos [S] int64 (position held by each slot, -1 = empty), q_pos [R] int64, sinks [Hq] fp32 or
     None, window (sliding layers) or None, kv_len: int tensor of one element on q's device, an upper
@@ -298,7 +302,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
         S, R, out.stride(0), out.stride(1),
         G=G, D=D, NUM_SPLITS=num_splits, BLOCK_S=min(16, triton.next_power_of_2(num_splits)), BLOCK_N=block_n,
         MIN_SPLIT=min_split, HAS_KV_LEN=has_kv_len, HAS_SINKS=sinks is not None, ONE_PASS=one_pass,
-        R_PAD=max(16, triton.next_power_of_2(R)), num_warps=1,
+        R_PAD=max(16, triton.next_power_of_2(R)), num_warps=1, PRELOAD=preload,
         **launch_options(pdl, q.device))
     return out
 

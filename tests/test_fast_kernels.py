@@ -285,7 +285,7 @@ def test_stage_sets_drop_stages():
     from iquest.fast.ops import OPT_IN, STAGES, make_ops
 
     assert make_ops("triton-settle").stages == frozenset(STAGES) - {"settle"}
-    assert make_ops("triton-settle-embed+prefetch+select_one_warp").stages == frozenset(STAGES) - {"settle", "embed"} | set(OPT_IN)
+    assert make_ops("triton-settle-embed+prefetch").stages == frozenset(STAGES) - {"settle", "embed"} | set(OPT_IN)
     assert make_ops("linear+attention-linear").stages == {"attention"}
     for bad in ("triton-bogus", "triton-", "bogus"):
         with pytest.raises(ValueError, match="unknown kernels"):

@@ -127,6 +127,11 @@ def run_case(c: dict, device: str) -> dict:
     loops = da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"], t["sinks"], window, c["first"],
                                 t["kv_len"], num_splits=splits, out=torch.full_like(out, float("nan")), workspace=ws2,
                                 one_pass=False, **kw)
+    # The sinks read before the combine's PDL wait (preload; with the wait on the GPU): the same bits
+    ws4 = tuple(x.clone().fill_(float("nan")) for x in ws)
+    pre = da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"], t["sinks"], window, c["first"],
+                              t["kv_len"], num_splits=splits, out=torch.full_like(out, float("nan")), workspace=ws4,
+                              preload=True, pdl=t["q"].is_cuda, **kw)
     from_q_same = None  # kv_len taken by the kernels from the rows' positions: the same bound, so the same bits
     if t["kv_len"] is not None and int(t["q_pos"].max()) + 1 == int(t["kv_len"]):
         ws3 = tuple(x.clone().fill_(float("nan")) for x in ws)
@@ -142,7 +147,7 @@ def run_case(c: dict, device: str) -> dict:
     err = (got.float() - ref.float()).abs().max().item()
     return {"err": err, "finite": bool(torch.isfinite(got).all()), "ref_finite": bool(torch.isfinite(ref).all()),
             "ref_scale": ref.float().abs().max().item(), "one_pass_same": bool(torch.equal(got, loops)),
-            "from_q_same": from_q_same,
+            "from_q_same": from_q_same, "preload_same": bool(torch.equal(got, pre)),
             "live_splits": -(-kv_len // per)}
 
 
@@ -153,6 +158,7 @@ def _check(c: dict, r: dict, tol: float) -> None:
     assert r["err"] <= tol, (f"{c['name']}: max |kernel - ref| = {r['err']:.3e} > {tol:.1e} "
                              f"(|ref| <= {r['ref_scale']:.2f})")
     assert r["one_pass_same"], "the combine's one-pass form differs from its loops"
+    assert r["preload_same"], "the sinks read before the wait changed the output"
     for n in (16, 17, 20, 40):  # the cases meant to take each form of the combine do
         if f"_{n}_live_splits" in c["name"]:
             assert r["live_splits"] == n, r
