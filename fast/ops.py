@@ -328,6 +328,7 @@ class TritonOps(TorchOps):
         nq, nk = lw.wq.q.shape[0], lw.wk.q.shape[0]
         return y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
 
+    @stage("norm")  # an override keeps the label of the method it replaces (the breakdown's norms)
     def norm(self, x, weight, eps, out=None):
         if not self._fits("norm", True):
             return super().norm(x, weight, eps, out)
@@ -352,6 +353,7 @@ class TritonOps(TorchOps):
         self.embed_calls += 1
         return self._embed(tokens.contiguous(), w.embed, w.vocab_offset, pdl=self._pdl(tokens))
 
+    @stage("norm")
     def residual_norm(self, x, residual, weight, eps):
         # The same kernel as `norm` with its residual input on: the sum is rounded to x's dtype and the norm reads
         # that rounded row, as the unfused add then the norm kernel does, so the two are bit-identical. Without the
@@ -362,6 +364,7 @@ class TritonOps(TorchOps):
                               preload=self._preload(x))
         return h, y
 
+    @stage("norm")
     def add_norm(self, x, residual, weight, eps, moe_block=None):
         if not self._fits("norm", True):
             return super().add_norm(x, residual, weight, eps, moe_block)

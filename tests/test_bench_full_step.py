@@ -6,6 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from iquest.bench.bytes import ByteCounter, RoundRouting, round_bytes
@@ -148,3 +149,73 @@ def test_routing_recorder_counts_every_moe_call_of_eager_rounds():
         assert all(1 <= n <= min(c.n_routed_experts, (drafts + 1) * c.num_experts_per_tok) for n in r.verify)
         assert all(1 <= n <= c.num_experts_per_tok * (drafts + 1) for n in r.draft)
     assert "decoder_layer" not in vars(engine.model) and "moe" not in vars(engine.model)  # unwrapped on exit
+
+
+def _launched(ops, t: float, us: float, name: str = "_triton_kernel"):
+    """A kernel of `us` launched from Python at host time `t` with no torch op open (a Triton launch), as the
+    profiler records it on the GPU: a device event, and the kernel tied to the innermost of the host events `ops`
+    open at the launch, where a user annotation (a record_function range) takes none; with none open it is tied to
+    nothing. That rule was read on the H200 (torch 2.11, Triton 3.6): a Triton kernel launched inside a
+    record_function range, with or without PDL, was in no event's kernels, and inside an op of function scope in
+    that op's."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    open_ops = [e for e in ops if not e.is_user_annotation and e.time_range.start <= t <= e.time_range.end]
+    if open_ops:
+        max(open_ops, key=lambda e: e.time_range.start).append_kernel(name, 0, us)
+    return SimpleNamespace(name=name, device_type=DeviceType.CUDA, is_user_annotation=False,
+                           time_range=Interval(t + 1, t + 1 + us))
+
+
+def test_kernels_launched_inside_a_stage_count_for_it():
+    """The per-stage breakdown of `bench step` on the GPU: every stage label of a real eager round (tiny, CPU) gets a
+    kernel launched inside it between its ops, as a Triton kernel is launched, and one more is launched outside every
+    label; each must count for its label's stage (the innermost), the last for "other". While the labels were
+    record_function ranges, the profiler tied no such kernel to them and all of it was "other"."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from iquest.bench.full_step import STAGES, breakdown
+
+    engine = RankEngine(str(TINY), Parallel.single("cpu"), EngineOptions(max_context=256, dtype="fp32", graphs=False))
+    runner, _ = engine.runner(3, 20)
+    engine.start(Request(tuple(range(5, 25)), 3, 1.0, 20, 0.95, 12, 3, ()), runner)
+    engine.state.budget.copy_(engine.state.emitted + 2)  # a round or two: a small trace
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.decode_chunk(runner, None)
+    events = list(prof.events())
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    labels = [e for e in host if e.name in STAGES]
+    assert {e.name for e in labels} == set(STAGES)  # every stage is labelled in a round
+    us, kernels = 7.0, []
+    for label in labels:  # between the label's opening and its first op: no torch op open there
+        first = min((c.time_range.start for c in label.cpu_children), default=label.time_range.end)
+        kernels.append(_launched(host, (label.time_range.start + first) / 2, us))
+    kernels.append(_launched(host, min(e.time_range.start for e in host) - 10, us))  # before any label
+    b = breakdown(events + kernels, wall_us=1e6, rounds=1, cuda=True)
+    for s in STAGES:
+        assert b[s] == pytest.approx(us * sum(label.name == s for label in labels)), s
+    assert b["other"] == pytest.approx(us) and b["busy"] == pytest.approx(us * len(kernels))
+
+
+def test_triton_norms_run_inside_the_norm_label():
+    """TritonOps' norm, residual_norm and add_norm override TorchOps' labelled methods: what they launch must be
+    inside the "norm" label too (the kernels stand in as a torch op, to see which label encloses the launch)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from iquest.bench.full_step import _stage_of
+    from iquest.fast.ops import TritonOps
+
+    ops = TritonOps(stages=("norm", "residual"))
+    ops._norm = lambda x, weight, eps, **kw: torch.zeros_like(x)
+    ops._add_norm = lambda residual, x, weight, eps, **kw: (torch.zeros_like(x), torch.zeros_like(x))
+    x, w = torch.randn(4, 16), torch.ones(16)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        ops.norm(x, w, 1e-6)
+        ops.residual_norm(x, x, w, 1e-6)
+        ops.add_norm(x, x, w, 1e-6)
+    launches = [e for e in prof.events() if e.name == "aten::zeros_like"]
+    assert len(launches) == 5 and all(_stage_of(e) == "norm" for e in launches)
