@@ -22,7 +22,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 2e-3}  # relative to max |ref|, by output dtype
 
 BASE = dict(M=8, N=40, K=96, block=(16, 16), x="fp32", out=None, split_k=None, block_n=16, x_stride=None,
-            serial=False, seed=0, preloads=None)
+            serial=False, seed=0, preloads=None, order_control=False)
+# order_control: the negative control of the bit checks: the same call with another split (the same products summed in
+# another order) must NOT be bit-equal, or the preload's bit-equality check could not see a reordered sum
 # preloads: whether `preload=True` must be taken (whole splits of at most MAX_PRELOAD K tiles); None: either
 
 
@@ -32,10 +34,10 @@ def case(name: str, **kw) -> dict:
 
 CASES = [
     case("1row_fp32", M=1),
-    case("8rows_fp32", preloads=True),
+    case("8rows_fp32", preloads=True, order_control=True),
     case("3rows_partial_k_block", M=3, K=72, preloads=False),
     case("17rows_two_m_tiles", M=17, N=33),
-    case("split_k_3", split_k=3),
+    case("split_k_3", split_k=3, order_control=True),
     case("split_k_max_with_partial_k", K=88, split_k=6, preloads=False),
     case("no_split", split_k=1, N=200, block_n=32, preloads=True),
     case("rect_blocks_32x16", block=(32, 16), N=70, K=80),
@@ -99,6 +101,11 @@ def run_case(c: dict, device: str) -> dict:
                         pdl=t["x"].is_cuda)  # on the GPU with its wait, so the tiles pass the opaque move too
     r.update(preload_bits=bool(torch.equal(pre, got)), preloaded=fl.preload_plan(
         c["M"], c["N"], c["K"], c["block"], c["split_k"], c["block_n"], t["x"].device) > 0)
+    if c["order_control"]:
+        splits = fl._split_plan(c["N"], c["K"], c["block"], c["split_k"], c["block_n"], t["x"].device)[1]
+        other = fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype, split_k=1 if splits > 1 else 3,
+                              block_n=c["block_n"])
+        r["reordered_bits"] = bool(torch.equal(other, got))
     if c["serial"]:
         locks = torch.zeros(fl.lock_count(c["M"], c["N"], c["block_n"]) + 3, dtype=torch.int32, device=device)
         runs = [fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype, split_k=c["split_k"],
@@ -116,6 +123,8 @@ def _check(c: dict, r: dict) -> None:
     assert r["rel_err"] <= TOL[out], (f"{c['name']}: max |kernel - ref| / max |ref| = {r['rel_err']:.2e} "
                                       f"> {TOL[out]:.0e}")
     assert r["preload_bits"], "the weight tiles preloaded before the wait change the output"
+    if c["order_control"]:
+        assert not r["reordered_bits"], "another summation order gave the same bits: the bit checks prove nothing here"
     if c["preloads"] is not None:
         assert r["preloaded"] == c["preloads"], f"{c['name']}: preload taken: {r['preloaded']}, not {c['preloads']}"
     if c["serial"]:
