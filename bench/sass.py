@@ -25,6 +25,7 @@ from triton.compiler import ASTSource
 from ..kernels import fp8_linear as fl, moe as mk
 
 TARGET = GPUTarget("cuda", 90, 32)
+H200_SMS = 132
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _ROUTING = dict(K_TOP=8, K_PAD=8, P_PAD=64, LIVE_COUNT=False, DEDUP=True)
 
@@ -70,16 +71,22 @@ def specs() -> dict[str, KernelSpec]:
         ("act_ptr", "act_s_ptr", "w_ptr", "ws_ptr", "experts_ptr", "live_ptr", "y_ptr", "H", "I"),
         moe_kw["down_warps"], moe_kw["down_stages"], "MoE Down")
     lin_kw = {n: p.default for n, p in inspect.signature(fl.fp8_linear).parameters.items()}
+    # q/k/v as the engine calls it (stage preload): 8 splits of 6 K tiles, each program's tiles loaded before the wait
+    qkv_splits = max(1, min(6144 // 128, 2 * H200_SMS // (1024 // lin_kw["block_n"])))  # choose_split_k on an H200
+    qkv_tiles = fl.preload_plan(6, 1024, 6144, (128, 128), qkv_splits, lin_kw["block_n"])
     linear = KernelSpec(
         fl._fp8_linear_kernel,
         dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32"),
         dict(B0=128, B1=128, BLOCK_M=fl.BLOCK_M, BLOCK_N=lin_kw["block_n"], BLOCK_K=128, SPLIT=True, SERIAL=True,
-             F32=False, PREC="tf32", PDL=True, PREFETCH_LINES=0),
+             F32=False, PREC="tf32", PDL=True, PREFETCH_LINES=0, PRELOAD=qkv_tiles),
         ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "lock_ptr", "N", "K", "stride_xm", "stride_ym",
          "k_per_split"),
-        lin_kw["num_warps"], lin_kw["num_stages"], "FP8 linear, split K summed in the launch")
+        lin_kw["num_warps"], lin_kw["num_stages"], f"FP8 linear (q/k/v: {qkv_tiles} K tiles preloaded), split K summed "
+                                                   "in the launch")
+    loop = KernelSpec(linear.fn, linear.types, dict(linear.constexprs, PRELOAD=0), linear.div16, linear.num_warps,
+                      linear.num_stages, "FP8 linear, the pipelined K loop (without preload)")
     return {"moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_down": down,
-            "fp8_linear": linear}
+            "fp8_linear": linear, "fp8_linear_loop": loop}
 
 
 def compile_spec(spec: KernelSpec, **constexprs) -> object:
@@ -96,6 +103,17 @@ def compile_spec(spec: KernelSpec, **constexprs) -> object:
     source = ASTSource(spec.fn, signature, {(names.index(k),): v for k, v in values.items()},
                        {(names.index(n),): [["tt.divisibility", 16]] for n in spec.div16})
     return triton.compile(source, target=TARGET, options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+
+
+def sequence(kernel) -> list[str]:
+    """The SASS opcodes in program order (predicates and modifiers dropped: "LDG", "BAR", "ACQBULK", ...)."""
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        text = _tool("nvdisasm", cubin, "-c")
+    ops = (re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9]*)", line) for line in text.splitlines())
+    return [m.group(1) for m in ops if m]
 
 
 def _tool(name: str, cubin: str, *args: str) -> str:

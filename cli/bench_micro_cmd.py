@@ -72,7 +72,8 @@ def register(bsub) -> None:
                                     "nvdisasm and cuobjdump; no GPU needed) and prints registers per thread, stack "
                                     "bytes (spills), shared memory and the most frequent instructions.")
     c.add_argument("--kernels", default="moe_gate_up,moe_down,fp8_linear",
-                   help="comma-separated: moe_gate_up, moe_gate_up_prescaled, moe_down, fp8_linear (default: all)")
+                   help="comma-separated: moe_gate_up, moe_gate_up_prescaled, moe_down, fp8_linear (q/k/v as the engine "
+                        "runs it, tiles preloaded), fp8_linear_loop (default: moe_gate_up, moe_down, fp8_linear)")
     c.add_argument("--set", action="append", default=[], metavar="KERNEL.NAME=VALUE",
                    help="override one constexpr, e.g. moe_down.F16=False (repeatable)")
     c.add_argument("--top", type=int, default=10, help="instructions listed per kernel (default 10)")

@@ -64,6 +64,7 @@ def _fp8_linear_kernel(
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, SERIAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, PRELOAD: tl.constexpr = 0,
+    OPAQUE: tl.constexpr = True,  # False: negative control only (tests/test_bench_sass.py), see _after_wait
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -95,7 +96,7 @@ def _fp8_linear_kernel(
             kk = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
             xs = xs + (tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None], other=0.0),)
         for t in tl.static_range(PRELOAD):
-            acc = _tile_dot(acc, xs[t], _after_wait(ws[t], PDL), ss[t], F32, PREC)
+            acc = _tile_dot(acc, xs[t], _after_wait(ws[t], PDL and OPAQUE), ss[t], F32, PREC)
     else:
         wait_for_inputs(PDL)
         for k0 in range(k_start, k_end, BLOCK_K):

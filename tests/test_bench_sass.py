@@ -1,6 +1,7 @@
 """bench/sass.py: the decode kernels compiled for sm_90a on the CPU. The fp16-operand Down has no bf16 conversion
-instruction (F2F) left and the bf16 form has them (the change of docs/PERF.md, seen in the SASS); the report reads
-real registers and instruction counts; the CLI rejects unknown kernels and malformed overrides."""
+instruction (F2F) left and the bf16 form has them (the change of docs/PERF.md, seen in the SASS); the FP8 linear's
+preloaded weight tiles are all requested before the PDL wait, with nothing that waits for them before it; the report
+reads real registers and instruction counts; the CLI rejects unknown kernels and malformed overrides."""
 
 from __future__ import annotations
 
@@ -23,6 +24,27 @@ def test_fp16_operands_drop_the_bf16_conversion(down_reports):
     assert f16["instructions"] < bf16["instructions"]
     for r in (f16, bf16):
         assert r["mix"].get("HMMA", 0) > 0 and 32 <= r["registers"] <= 255 and r["shared_bytes"] > 0
+
+
+def _before_wait(spec, **constexprs) -> list[str]:
+    seq = sass.sequence(sass.compile_spec(spec, **constexprs))
+    assert seq.count("ACQBULK") == 1, "one griddepcontrol.wait"
+    return seq[:seq.index("ACQBULK")]
+
+
+def test_preloaded_tiles_are_all_requested_before_the_wait():
+    """q/k/v's 6 tiles (2 x 128-bit loads a thread each) and their scales: every load issued before the wait, and no
+    barrier there (a barrier before the wait is a layout conversion waiting for a tile's bytes, which would make the
+    tiles' HBM round trips follow one another). Negative control: without the opaque move after the wait, Triton
+    converts each tile right after its load, and the barriers appear. The loop form reads nothing before the wait."""
+    spec = sass.specs()["fp8_linear"]
+    tiles = spec.constexprs["PRELOAD"]
+    assert tiles == 6
+    early = _before_wait(spec)
+    assert early.count("LDG") >= 2 * tiles + 2 * tiles and early.count("BAR") == 0, early
+    control = _before_wait(spec, OPAQUE=False)
+    assert control.count("BAR") >= tiles - 1 and control.count("LDG") >= 2 * tiles, control
+    assert _before_wait(sass.specs()["fp8_linear_loop"]).count("LDG") == 0
 
 
 def test_unknown_constexpr_is_refused():
