@@ -23,9 +23,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ..kernels import fp8_linear as fl, moe as mk
+from .tune import H200_SMS, _linear_auto_split
 
 TARGET = GPUTarget("cuda", 90, 32)
-H200_SMS = 132
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _ROUTING = dict(K_TOP=8, K_PAD=8, P_PAD=64, LIVE_COUNT=False, DEDUP=True)
 
@@ -72,7 +72,7 @@ def specs() -> dict[str, KernelSpec]:
         moe_kw["down_warps"], moe_kw["down_stages"], "MoE Down")
     lin_kw = {n: p.default for n, p in inspect.signature(fl.fp8_linear).parameters.items()}
     # q/k/v as the engine calls it (stage preload): 8 splits of 6 K tiles, each program's tiles loaded before the wait
-    qkv_splits = max(1, min(6144 // 128, 2 * H200_SMS // (1024 // lin_kw["block_n"])))  # choose_split_k on an H200
+    qkv_splits = _linear_auto_split(1024, 6144, lin_kw["block_n"], 128, H200_SMS)
     qkv_tiles = fl.preload_plan(6, 1024, 6144, (128, 128), qkv_splits, lin_kw["block_n"])
     linear = KernelSpec(
         fl._fp8_linear_kernel,

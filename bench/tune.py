@@ -222,10 +222,10 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
                 "num_warps": g["num_warps"], "num_stages": g["num_stages"], "one_pass": g["one_pass"]}
     if op == "router":
         split = g["split"] or _router_auto_split(shape.experts, shape.hidden, g["block_e"], g["block_h"], sms)
-        splits, _ = rt._split_plan(shape.hidden, split, g["block_h"])
+        splits, h_per_split = rt._split_plan(shape.hidden, split, g["block_h"])
         return {"split": splits, "block_e": g["block_e"], "block_h": g["block_h"], "num_warps": g["num_warps"],
                 "select_warps": g["select_warps"], "packed_topk": g["packed_topk"], "prefetch": g["prefetch"],
-                "preload": bool(g["preload"] and rt._split_plan(shape.hidden, split, g["block_h"])[1] == g["block_h"])}
+                "preload": bool(g["preload"] and h_per_split == g["block_h"])}  # route()'s rule: one tile a split
     if op == "norm":  # by default as the engine calls it: with the MoE's operand tiles (stage f16_norm)
         return {"num_warps": g["num_warps"], "f16_out": g["f16_out"] is None or bool(g["f16_out"])}
     raise ValueError(f"unknown op {op!r}")

@@ -196,8 +196,9 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # normalizing sum are summed in the kernels' order, so a draw whose uniform lies within rounding of a boundary may
 # differ; qualification measures it (docs/PERF.md).
 # "preload": the FP8 linears, the router, the norms and the attention combine (its sinks) load their constant weights
-# into registers before the PDL wait (the same values in the same dots: the same bits), so those reads overlap the previous kernel. Full-size round on an H200,
-# same process: 6,776 -> 6,591 us (bench/results/step-full-tp8slice-ctx1k-d5-67412c6.*; docs/PERF.md).
+# into registers before the PDL wait (the same values in the same dots: the same bits), so those reads overlap the
+# previous kernel. Full-size round on an H200, same process: 6,776 -> 6,591 us
+# (bench/results/step-full-tp8slice-ctx1k-d5-67412c6.*; docs/PERF.md).
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
 OPT_IN: tuple[str, ...] = ("prefetch",)
 

@@ -155,7 +155,7 @@ def _attention_combine_kernel(
     r = row // G
     head = g * G + row % G
     if HAS_SINKS and PRELOAD:  # a constant weight: read before the wait, its HBM latency overlapping the split kernel
-        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2 domain, like the partials
+        sink = tl.load(sinks_ptr + head)
     wait_for_inputs(PDL)
     kv_len = _load_kv_len(kv_len_ptr, S, R, HAS_KV_LEN, R_PAD)
     split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
@@ -164,8 +164,10 @@ def _attention_combine_kernel(
     d = tl.arange(0, D)
     s = tl.arange(0, BLOCK_S)
     m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), axis=0)
-    if HAS_SINKS and not PRELOAD:
-        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2 domain, like the partials
+    if HAS_SINKS:
+        if not PRELOAD:
+            sink = tl.load(sinks_ptr + head)
+        sink = sink.to(tl.float32) * 1.4426950408889634  # log2 domain, like the partials
     den = tl.sum(tl.zeros([BLOCK_S], tl.float32), axis=0)
     acc = tl.zeros([D], tl.float32)
     if ONE_PASS and n_live <= 2 * BLOCK_S:
