@@ -132,6 +132,15 @@ def run_case(c: dict, device: str) -> dict:
     pre = da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"], t["sinks"], window, c["first"],
                               t["kv_len"], num_splits=splits, out=torch.full_like(out, float("nan")), workspace=ws4,
                               preload=True, pdl=t["q"].is_cuda, **kw)
+    control_same = None  # negative control of that check: the last head's sink changed must change the output
+    if t["sinks"] is not None:
+        sinks = t["sinks"].clone()
+        sinks[-1] += 1.0
+        bad = da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"], sinks, window, c["first"],
+                                  t["kv_len"], num_splits=splits, out=torch.full_like(out, float("nan")),
+                                  workspace=tuple(x.clone().fill_(float("nan")) for x in ws), preload=True,
+                                  pdl=t["q"].is_cuda, **kw)
+        control_same = bool(torch.equal(got, bad))
     from_q_same = None  # kv_len taken by the kernels from the rows' positions: the same bound, so the same bits
     if t["kv_len"] is not None and int(t["q_pos"].max()) + 1 == int(t["kv_len"]):
         ws3 = tuple(x.clone().fill_(float("nan")) for x in ws)
@@ -147,7 +156,7 @@ def run_case(c: dict, device: str) -> dict:
     err = (got.float() - ref.float()).abs().max().item()
     return {"err": err, "finite": bool(torch.isfinite(got).all()), "ref_finite": bool(torch.isfinite(ref).all()),
             "ref_scale": ref.float().abs().max().item(), "one_pass_same": bool(torch.equal(got, loops)),
-            "from_q_same": from_q_same, "preload_same": bool(torch.equal(got, pre)),
+            "from_q_same": from_q_same, "preload_same": bool(torch.equal(got, pre)), "control_same": control_same,
             "live_splits": -(-kv_len // per)}
 
 
@@ -159,6 +168,7 @@ def _check(c: dict, r: dict, tol: float) -> None:
                              f"(|ref| <= {r['ref_scale']:.2f})")
     assert r["one_pass_same"], "the combine's one-pass form differs from its loops"
     assert r["preload_same"], "the sinks read before the wait changed the output"
+    assert r["control_same"] is (None if not c["sinks"] else False), "a changed sink gave the same output"
     for n in (16, 17, 20, 40):  # the cases meant to take each form of the combine do
         if f"_{n}_live_splits" in c["name"]:
             assert r["live_splits"] == n, r

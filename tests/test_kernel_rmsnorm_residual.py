@@ -53,10 +53,11 @@ def run_case(c: dict, device: str) -> dict:
     if not c["residual"]:  # the input norm: the same kernel without the residual sum
         y_ref = rn.rmsnorm_ref(x, w, eps, DTYPES[c["out"]] if c["out"] else None)
         y = rn.rmsnorm(x, w, eps, DTYPES[c["out"]] if c["out"] else None, out=torch.full_like(y_ref, float("nan")))
-        pre = rn.rmsnorm(x, w, eps, DTYPES[c["out"]] if c["out"] else None, out=torch.full_like(y_ref, float("nan")),
-                         preload=True, pdl=x.is_cuda)  # the weight read before the wait: the same bits
+        pre, bad = (rn.rmsnorm(x, wp, eps, DTYPES[c["out"]] if c["out"] else None, preload=True, pdl=x.is_cuda,
+                               out=torch.full_like(y_ref, float("nan"))) for wp in (w, _off_by_one(w)))
         return {"y_err": (y.float() - y_ref.float()).abs().max().item() / y_ref.float().abs().max().item(),
-                "h_err": 0.0, "finite": bool(torch.isfinite(y).all()), "preload_bits": bool(torch.equal(pre, y))}
+                "h_err": 0.0, "finite": bool(torch.isfinite(y).all()), "preload_bits": bool(torch.equal(pre, y)),
+                "control_bits": bool(torch.equal(bad, y))}
     y_ref, h_ref = rn.rmsnorm_residual_ref(x, r, w, eps, DTYPES[c["out"]] if c["out"] else None)
     out = torch.full_like(y_ref, float("nan"))
     h_out = r if c["inplace"] else torch.full_like(r, float("nan"))
@@ -65,14 +66,26 @@ def run_case(c: dict, device: str) -> dict:
     assert y is out and h is h_out
     y2, h2 = rn.rmsnorm_residual(x, r0, w, eps, DTYPES[c["out"]] if c["out"] else None, preload=True, pdl=x.is_cuda)
     preload_bits = bool(torch.equal(y2, y) and torch.equal(h2, h))
+    bad, _ = rn.rmsnorm_residual(x, r0, _off_by_one(w), eps, DTYPES[c["out"]] if c["out"] else None, preload=True,
+                                 pdl=x.is_cuda)
     return {"y_err": (y.float() - y_ref.float()).abs().max().item() / y_ref.float().abs().max().item(),
             "h_err": ((h.float() - h_ref.float()).abs() / h_ref.float().abs().clamp(min=1e-30)).max().item(),
-            "finite": bool(torch.isfinite(y).all() and torch.isfinite(h).all()), "preload_bits": preload_bits}
+            "finite": bool(torch.isfinite(y).all() and torch.isfinite(h).all()), "preload_bits": preload_bits,
+            "control_bits": bool(torch.equal(bad, y))}
+
+
+def _off_by_one(w: torch.Tensor) -> torch.Tensor:
+    """Negative control of the preload's bit check: the weight with its last element doubled (the last, so a
+    preload that dropped the row's tail would show too)."""
+    bad = w.clone()
+    bad[-1] *= 2
+    return bad
 
 
 def _check(c: dict, r: dict, interpreted: bool = False) -> None:
     assert r["finite"], "NaN left in an output"
     assert r["preload_bits"], "the weight read before the wait changed an output"
+    assert not r["control_bits"], "a changed weight gave the same bits: the preload's bit check proves nothing"
     h_tol = INTERPRETED_BF16_ULP if interpreted and c["dtype"] == "bf16" else 0.0
     assert r["h_err"] <= h_tol, f"the new residual differs from the rounded sum by {r['h_err']:.2e} (relative)"
     tol = max(TOL[c["out"] or c["dtype"]], h_tol)
