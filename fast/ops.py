@@ -200,7 +200,10 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # previous kernel. Full-size round on an H200, same process: 6,776 -> 6,591 us
 # (bench/results/step-full-tp8slice-ctx1k-d5-67412c6.*; docs/PERF.md).
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
-OPT_IN: tuple[str, ...] = ("prefetch",)
+# "fp8_down": the MoE's Down takes its E4M3 activations and weights into the tensor cores as E4M3 (kernels/moe.py
+# fp8_down): no conversions, but the MMA accumulates a tile's exact products in its own precision, so a numerical
+# change; only when named until qualification has measured it (docs/PERF.md).
+OPT_IN: tuple[str, ...] = ("prefetch", "fp8_down")
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
@@ -223,6 +226,7 @@ class TritonOps(TorchOps):
         self.f16 = "f16" in self.stages
         self.f16_norm = self.f16 and {"f16_norm", "moe", "norm"} <= self.stages
         self.tma = "tma" in self.stages and "moe" in self.stages
+        self.fp8_down = "fp8_down" in self.stages
         self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
         self.tma_calls = 0  # MoE calls through tensor descriptors (likewise)
         self.embed_calls = 0  # embedding lookups by the kernel (likewise)
@@ -404,7 +408,7 @@ class TritonOps(TorchOps):
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
                            pdl=self._pdl(b), f16=self.f16,  # moe() takes it on the GPU only
-                           f16_input=rows(f16_input, s), tma=tma)
+                           f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down)
                  for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

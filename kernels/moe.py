@@ -86,6 +86,7 @@ NUM_STAGES = 3  # Triton's default software pipelining depth, named so that `iqu
 DOWN_WARPS = 4
 DOWN_STAGES = 3
 F16_OPERANDS = True
+FP8_DOWN = False  # E4M3 operands straight into Down's tensor cores (a numerical change): see moe(fp8_down=)
 FINALIZE_ROWS = 2  # pairs per finalize program: its loads are SPLIT x 2 x ROWS x GROUP fp32, spread widely
 COMBINE_BLOCK = 256  # columns per combine program (k fp32 loads each): ~200 programs for 8 rows at H = 6144
 E4M3_MAX = tl.constexpr(448.0)
@@ -271,7 +272,7 @@ def _moe_down_kernel(
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32: tl.constexpr, STORE_RAN: tl.constexpr,
-    PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False,
+    PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False, FP8: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -289,7 +290,10 @@ def _moe_down_kernel(
             if not TMA:  # with TMA, w_ptr is a tensor descriptor of the [E, H, I] weight
                 w_rows = w_ptr + ex * H * I + n[:, None] * I
             ws_row = ws_ptr + ex * s_rows * s_cols + (n // B0) * s_cols
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            if FP8:  # transposed: the weight tile is wgmma's 64+ row operand, the rows its N (16)
+                acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            else:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, I, BLOCK_K):  # BLOCK_K divides GROUP == B1: one group and scale block per tile
                 kk = k0 + tl.arange(0, BLOCK_K)
                 a = tl.load(act_ptr + pair[:, None] * I + kk[None, :], mask=m_ok[:, None], other=0.0)
@@ -299,14 +303,21 @@ def _moe_down_kernel(
                     w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
                 sa = tl.load(act_s_ptr + pair * (I // GROUP) + k0 // GROUP, mask=m_ok, other=0.0)
                 sw = tl.load(ws_row + k0 // GROUP, mask=n_ok, other=0.0)
-                if F32:
-                    part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-                elif F16:  # E4M3 -> fp16 is exact too, in one conversion per two values instead of two steps
-                    part = tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)))
-                else:  # E4M3 -> bf16 is exact and so are the products; the dot accumulates in fp32
-                    part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-                acc += part * sa[:, None] * sw[None, :]  # the act scale differs per row (pair)
-            tl.store(y_ptr + pair[:, None] * H + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+                if FP8:  # E4M3 x E4M3 on the tensor cores, no conversion: a numerical change (the MMA's own
+                    # accumulation of a tile's products; docs/PERF.md), scaled and summed in fp32 per tile as below
+                    acc_t += tl.dot(w, tl.trans(a)) * sa[None, :] * sw[:, None]
+                else:
+                    if F32:
+                        part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+                    elif F16:  # E4M3 -> fp16 is exact too, in one conversion per two values instead of two steps
+                        part = tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)))
+                    else:  # E4M3 -> bf16 is exact and so are the products; the dot accumulates in fp32
+                        part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+                    acc += part * sa[:, None] * sw[None, :]  # the act scale differs per row (pair)
+            if FP8:
+                tl.store(y_ptr + pair[None, :] * H + n[:, None], acc_t, mask=m_ok[None, :] & n_ok[:, None])
+            else:
+                tl.store(y_ptr + pair[:, None] * H + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -414,7 +425,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
         down_stages: int = DOWN_STAGES, pdl: bool = False, f16: bool = F16_OPERANDS,
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
-        debug: dict | None = None) -> torch.Tensor:
+        fp8_down: bool = FP8_DOWN, debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -435,7 +446,11 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     Gate/Up then reads it instead of x, the same operands (so the same bits) without every program rescaling x
     again; bf16 compute with the f16 path (or the interpreter) only. `tma`: Gate/Up and Down read their weight
     tiles through tensor descriptors (the Hopper copy engine) instead of per-element pointers; the same tiles, so
-    the same bits; None (default): when the weights' rows are 16-byte multiples, as the descriptors need. `debug`,
+    the same bits; None (default): when the weights' rows are 16-byte multiples, as the descriptors need.
+    `fp8_down`: Down multiplies its E4M3 activations and weights on the tensor cores as E4M3 (Hopper's wgmma, the
+    weight tile as the 64+ row operand), without converting either; the products are exact but the MMA accumulates a
+    tile's products in its own precision, so this is a numerical change (qualified: docs/PERF.md); taken on the GPU
+    for bf16/fp16 compute with down_block_n >= 64 only (debug["fp8_down"] says whether it was). `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -511,6 +526,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
                f"f16_input is Gate/Up's fp16 operand: it needs bf16 compute (got {compute_dtype}) with f16=True")
 
     down_bk = _pow2_divisor(group, down_block_k)
+    fp8_down = fp8_down and not f32 and x.is_cuda and down_block_n >= 64
     g_arg, u_arg, d_arg = gate, up, down
     if tma is None:
         tma = tma_fits(gate, up, down)
@@ -534,12 +550,13 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
-        num_stages=down_stages, F16=f16, TMA=tma, **launch)
+        num_stages=down_stages, F16=f16, TMA=tma, FP8=fp8_down, **launch)
     _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
         y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
         num_warps=4, **launch)
     if store_h:
-        debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs)
+        debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
+                     fp8_down=fp8_down)
     return out
 
 

@@ -806,6 +806,81 @@ def test_gpu_graph_replay_bit_identical(R, x):
         assert torch.equal(out, want)
 
 
+# Down with E4M3 operands in the tensor cores (moe(fp8_down=True)): the products are exact, the MMA accumulates a K
+# tile's 64 of them in its own precision before the fp32 scale-and-add. Measured against Down applied in float64 to
+# the kernel's own activations (down_rel_err, which isolates Down): FP8_DOWN_TOL, with fp32 output so that no output
+# rounding hides it. The default fp16 path stays within DOWN_TOL["fp32"] on the same inputs.
+FP8_DOWN_TOL = 1e-3
+
+
+def fp8_down_errors(R: int, x: str, perturb: float = 0.0) -> dict:
+    """Full-size TP8 rank: {"fp8": down_rel_err with fp8_down, "f16": the default's, "taken", "bit_equal"}.
+    `perturb` scales one live expert's Down block scales by (1 + perturb) in the fp8 run only (negative control)."""
+    c = case("fp8_down", R=R, k=8, E=256, H=6144, I=256, block=(128, 128), x=x, out="fp32",
+             compute="bf16" if x == "fp32" else None)
+    t, live = build(c, "cuda")
+    tr = dict(t, x=t["x"].to(torch.bfloat16)) if c["compute"] else t
+    pairs = live.repeat_interleave(c["k"]).nonzero().flatten().cuda()
+    res = {}
+    outs = {}
+    for name, fp8 in (("f16", False), ("fp8", True)):
+        src = dict(t)
+        if fp8 and perturb:
+            src["down_scale"] = t["down_scale"].clone()
+            src["down_scale"][int(t["experts"][0, 0])] *= 1 + perturb
+        debug = {}
+        out = torch.full((R, c["H"]), float("nan"), dtype=torch.float32, device="cuda")
+        compute = {"compute_dtype": torch.bfloat16} if c["compute"] else {}
+        mk.moe(*(src[a] for a in ARGS), block=c["block"], group=128, out_dtype=torch.float32, out=out,
+               fp8_down=fp8, debug=debug, **compute)
+        res[name] = _down_from_act(c, tr, pairs, debug, out)
+        res[name + "_taken"] = debug["fp8_down"]
+        outs[name] = out
+    res["bit_equal"] = bool(torch.equal(outs["f16"], outs["fp8"]))
+    return res
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R, x", [(1, "bf16"), (6, "fp32"), (8, "bf16")])
+def test_gpu_fp8_down_within_tolerance(R, x):
+    r = fp8_down_errors(R, x)
+    print(f"R={R} x={x}: Down rel err fp8 {r['fp8']:.2e}, fp16 operands {r['f16']:.2e}")
+    assert r["fp8_taken"] and not r["f16_taken"]
+    assert r["f16"] <= DOWN_TOL["fp32"], r
+    assert r["fp8"] <= FP8_DOWN_TOL, r
+    assert not r["bit_equal"], "fp8_down gave the fp16 path's bits: its branch did not run"
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_down_negative_control():
+    """One expert's Down scales off by 1% in the fp8 run must fail the tolerance the test above applies."""
+    r = fp8_down_errors(6, "fp32", perturb=0.01)
+    print(f"perturbed: Down rel err fp8 {r['fp8']:.2e}")
+    assert r["fp8_taken"] and r["fp8"] > FP8_DOWN_TOL, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [1, 6])
+def test_gpu_fp8_down_graph_replay_bit_identical(R):
+    """fp8_down is deterministic: eager runs and a graph replay give the same bits."""
+    c = case("g8", R=R, k=8, E=256, H=6144, I=256, block=(128, 128), x="fp32", out="bf16", live="count")
+    t, _ = build(c, "cuda")
+
+    def run(src):
+        return mk.moe(*(src[a] for a in ARGS), block=(128, 128), group=128, out_dtype=torch.bfloat16,
+                      compute_dtype=torch.bfloat16, fp8_down=True)
+
+    eager = [run(t).clone() for _ in range(2)]
+    static = {a: t[a].clone() for a in ARGS}
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(static)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(eager[0], eager[1]) and torch.equal(out, eager[0])
+
+
 @pytest.mark.gpu
 def test_cuda_tma_decodes_bit_identically():
     """The default kernels (the MoE's weights through tensor descriptors) decode the same tokens, logprobs and
