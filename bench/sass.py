@@ -62,14 +62,15 @@ def specs() -> dict[str, KernelSpec]:
                                    dict(gate_up_constexprs, ROUND_BF16=False, PRESCALED=True), gate_up_div16,
                                    moe_kw["gate_up_warps"], moe_kw["gate_up_stages"],
                                    "MoE Gate/Up on the norm's fp16 tiles")
+    down_bk, down_stages = mk.down_tile(moe_kw["fp8_down"], moe_kw["down_block_k"], moe_kw["down_stages"])
     down = KernelSpec(
         mk._moe_down_kernel,
         dict(act_ptr="*fp8e4nv", act_s_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", experts_ptr="*i64",
              live_ptr="*u8", y_ptr="*fp32", ran_ptr="*fp32"),
-        dict(_ROUTING, B0=128, GROUP=128, BLOCK_M=mk.BLOCK_M, BLOCK_N=moe_kw["down_block_n"],
-             BLOCK_K=moe_kw["down_block_k"], F32=False, STORE_RAN=False, PDL=True, F16=moe_kw["f16"]),
+        dict(_ROUTING, B0=128, GROUP=128, BLOCK_M=mk.BLOCK_M, BLOCK_N=moe_kw["down_block_n"], BLOCK_K=down_bk,
+             K_PAD_DOT=down_bk, F32=False, STORE_RAN=False, PDL=True, F16=moe_kw["f16"], FP8=moe_kw["fp8_down"]),
         ("act_ptr", "act_s_ptr", "w_ptr", "ws_ptr", "experts_ptr", "live_ptr", "y_ptr", "H", "I"),
-        moe_kw["down_warps"], moe_kw["down_stages"], "MoE Down")
+        moe_kw["down_warps"], down_stages, "MoE Down")
     lin_kw = {n: p.default for n, p in inspect.signature(fl.fp8_linear).parameters.items()}
     # q/k/v as the engine calls it (stage preload): 8 splits of 6 K tiles, each program's tiles loaded before the wait
     qkv_splits = _linear_auto_split(1024, 6144, lin_kw["block_n"], 128, H200_SMS)

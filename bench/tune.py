@@ -196,16 +196,18 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
     g = {**d, **kw}
     if op == "moe":
         P, E, k, H, I, bn = _moe_dims(shape, g["gate_up_block_n"])
+        fp8 = bool(g["fp8_down"] and g["down_block_n"] >= 64)
         bk = mk._pow2_divisor(shape.block[1], g["block_k"])
         split, _ = mk.plan_split(P, E, k, H, I, bn, bk, g["split_k"], sms)
         return {"split_k": split, "block_k": bk, "gate_up_block_n": bn, "gate_up_warps": g["gate_up_warps"],
                 "gate_up_stages": g["gate_up_stages"], "down_block_n": g["down_block_n"],
-                "down_block_k": mk._pow2_divisor(shape.block[1], g["down_block_k"]),
-                "down_warps": g["down_warps"], "down_stages": g["down_stages"], "f16": g["f16"],
+                "down_block_k": mk._pow2_divisor(shape.block[1], mk.down_tile(fp8, g["down_block_k"])[0]),
+                "down_warps": g["down_warps"], "down_stages": mk.down_tile(fp8, None, g["down_stages"])[1],
+                "f16": g["f16"],
                 # the engine's call: x's tiles made by the norm (stage f16_norm); TMA where aligned (it is here)
                 "f16_input": g["f16"] and (g["f16_input"] is None or bool(g["f16_input"])),
                 "tma": True if g["tma"] is None else g["tma"],
-                "fp8_down": bool(g["fp8_down"] and g["down_block_n"] >= 64)}
+                "fp8_down": fp8}
     if family(op) == "linear":
         n, k = shape.qkv if op == "linear_qkv" else shape.o
         bk = fl._block_k(shape.block[1])
@@ -240,17 +242,14 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
     if op == "moe":
         s = resolve(op, {}, shape, sms)["split_k"]
         return [cand(),
-                # E4M3 x E4M3 in Down's tensor cores (wgmma, weight tile as the row operand): a numerical change
-                cand(fp8_down=True), cand(fp8_down=True, down_block_k=128), cand(fp8_down=True, down_block_n=64),
-                cand(fp8_down=True, down_block_n=64, down_block_k=128), cand(fp8_down=True, down_block_n=256),
-                cand(fp8_down=True, down_stages=2), cand(fp8_down=True, down_stages=4),
-                cand(fp8_down=True, down_block_k=128, down_stages=2), cand(fp8_down=True, down_warps=8),
-                cand(fp8_down=True, down_block_n=64, down_stages=4),
+                # E4M3 x E4M3 in Down's tensor cores (wgmma, weight tile as the row operand): a numerical change;
+                # its own Down defaults (128-deep tiles, 2 stages: the best of ten at a1380b4) and neighbours
+                cand(fp8_down=True), cand(fp8_down=True, down_block_k=64), cand(fp8_down=True, down_stages=3),
+                cand(fp8_down=True, down_block_n=256), cand(fp8_down=True, down_block_n=64),
                 cand("2x auto split", split_k=2 * s), cand("4x auto split", split_k=4 * s),
                 cand(block_k=128), cand("2x auto split", block_k=128, split_k=2 * s),
                 cand(down_block_n=32), cand(down_block_n=128), cand(down_block_k=64),
                 cand(down_block_n=32, down_block_k=64), cand(down_block_n=128, down_block_k=64),
-                cand("2x auto split", split_k=2 * s, down_block_n=32),
                 cand("2x auto split", split_k=2 * s, down_block_n=128),
                 cand("932ec08 default", block_k=64, down_block_n=64, down_block_k=128),
                 # Gate/Up's and Down's launch settings: more bytes in flight per SM (deeper pipelines, narrower
@@ -260,11 +259,10 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(gate_up_block_n=64, gate_up_warps=8), cand(gate_up_block_n=64, gate_up_stages=4),
                 cand(down_warps=8), cand(down_stages=3), cand(down_stages=4), cand(down_warps=8, down_stages=4),
                 # bf16 tensor-core operands (before ef1c46c): two conversion steps per E4M3 weight
-                cand("bf16 operands", f16=False), cand("a788a79 default", f16=False, down_stages=2),
+                cand("bf16 operands", f16=False),
                 cand(down_stages=2), cand(down_block_k=128), cand(gate_up_block_n=64, gate_up_stages=3),
                 # x rescaled by every Gate/Up program, weight tiles through per-element pointers (before 242fbb5)
                 cand("x rescaled in the programs", f16_input=False), cand("pointer loads", tma=False),
-                cand("both, the 9b0188f default", f16_input=False, tma=False),
                 # with TMA: wider Down tiles, more warps
                 cand(down_block_n=256), cand(gate_up_warps=8, down_warps=8), cand(down_block_k=128, down_stages=2)]
     if family(op) == "linear":

@@ -229,6 +229,7 @@ class TritonOps(TorchOps):
         self.fp8_down = "fp8_down" in self.stages
         self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
         self.tma_calls = 0  # MoE calls through tensor descriptors (likewise)
+        self.fp8_down_calls = 0  # MoE calls whose Down took E4M3 operands (likewise)
         self.embed_calls = 0  # embedding lookups by the kernel (likewise)
         self.sample_draw_calls = 0  # draft draws inside the sampling kernel (likewise)
         self.accept_calls = 0  # accept steps by the one kernel (likewise)
@@ -242,7 +243,7 @@ class TritonOps(TorchOps):
             patch_interpreter()
         from ..kernels import moe, sample, topk
         from ..kernels.f16_operands import empty_tiles
-        from ..kernels.moe import gate_up_k_tile, tma_fits
+        from ..kernels.moe import fp8_down_applies, gate_up_k_tile, tma_fits
         from ..kernels.decode_attention import decode_attention
         from ..kernels.fp8_linear import fp8_linear, lock_count, preload_plan
         from ..kernels.lm_head import lm_head
@@ -255,7 +256,7 @@ class TritonOps(TorchOps):
         from ..kernels.settle import settle
 
         self._attention, self._linear, self._lm_head, self._lock_count = decode_attention, fp8_linear, lm_head, lock_count
-        self._settle, self._preload_plan = settle, preload_plan
+        self._settle, self._preload_plan, self._fp8_down_applies = settle, preload_plan, fp8_down_applies
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
         self._global_sample, self._accept_settle, self._max_k = sample.global_sample, sample.accept_settle, sample.MAX_K
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
@@ -402,6 +403,7 @@ class TritonOps(TorchOps):
             return super().moe(b, experts, weights, live, gate, up, down, compute_dtype)
         tma = self.tma and self._tma_fits(gate.q, up.q, down.q)
         self.tma_calls += tma
+        self.fp8_down_calls += self._fp8_down_applies(self.fp8_down, compute_dtype or b.dtype, b.device)
         step = self._max_pairs // experts.shape[1]  # prefill blocks exceed the kernel's pair capacity: split rows
         rows = lambda t, s: None if t is None else tuple(part[s:s + step] for part in t)
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],

@@ -87,6 +87,26 @@ DOWN_WARPS = 4
 DOWN_STAGES = 3
 F16_OPERANDS = True
 FP8_DOWN = False  # E4M3 operands straight into Down's tensor cores (a numerical change): see moe(fp8_down=)
+# Down's tile with fp8_down: 128 deep, 2 stages: 29.31 -> 28.07 us a MoE call against the fp16-operand default, the
+# fastest of ten E4M3 settings (bench/results/tune-h200-fp8-a1380b4.*). moe()'s down_block_k/down_stages default to
+# the form's own.
+DOWN_BLOCK_K = 64
+FP8_DOWN_BLOCK_K = 128
+FP8_DOWN_STAGES = 2
+
+
+def fp8_down_applies(fp8_down: bool, compute_dtype: torch.dtype, device: torch.device,
+                     down_block_n: int = 128) -> bool:
+    """Whether moe(fp8_down=True) takes the E4M3 wgmma: on the GPU (not the interpreter), for bf16/fp16 compute
+    (fp32 compute keeps fp32 products), with Down tiles of >= 64 rows (the wgmma's M)."""
+    return (fp8_down and not INTERPRETED and device.type == "cuda" and compute_dtype != torch.float32
+            and down_block_n >= 64)
+
+
+def down_tile(fp8_down: bool, block_k: int | None = None, stages: int | None = None) -> tuple[int, int]:
+    """Down's (K tile cap, pipeline stages): the given ones, else the defaults measured for its operand form."""
+    return (block_k or (FP8_DOWN_BLOCK_K if fp8_down else DOWN_BLOCK_K),
+            stages or (FP8_DOWN_STAGES if fp8_down else DOWN_STAGES))
 FINALIZE_ROWS = 2  # pairs per finalize program: its loads are SPLIT x 2 x ROWS x GROUP fp32, spread widely
 COMBINE_BLOCK = 256  # columns per combine program (k fp32 loads each): ~200 programs for 8 rows at H = 6144
 E4M3_MAX = tl.constexpr(448.0)
@@ -273,6 +293,7 @@ def _moe_down_kernel(
     B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False, FP8: tl.constexpr = False,
+    K_PAD_DOT: tl.constexpr = 0,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -295,12 +316,19 @@ def _moe_down_kernel(
             else:
                 acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(0, I, BLOCK_K):  # BLOCK_K divides GROUP == B1: one group and scale block per tile
-                kk = k0 + tl.arange(0, BLOCK_K)
-                a = tl.load(act_ptr + pair[:, None] * I + kk[None, :], mask=m_ok[:, None], other=0.0)
-                if TMA:
-                    w = w_ptr.load([e.to(tl.int32), tile * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
+                if K_PAD_DOT > BLOCK_K:  # an E4M3 wgmma is >= 32 deep: the tile padded with zeros (small blocks only)
+                    kk = k0 + tl.arange(0, K_PAD_DOT)
+                    k_in = tl.arange(0, K_PAD_DOT) < BLOCK_K
+                    a = tl.load(act_ptr + pair[:, None] * I + kk[None, :], mask=m_ok[:, None] & k_in[None, :],
+                                other=0.0)
+                    w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_in[None, :], other=0.0)
                 else:
-                    w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
+                    kk = k0 + tl.arange(0, BLOCK_K)
+                    a = tl.load(act_ptr + pair[:, None] * I + kk[None, :], mask=m_ok[:, None], other=0.0)
+                    if TMA:
+                        w = w_ptr.load([e.to(tl.int32), tile * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
+                    else:
+                        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
                 sa = tl.load(act_s_ptr + pair * (I // GROUP) + k0 // GROUP, mask=m_ok, other=0.0)
                 sw = tl.load(ws_row + k0 // GROUP, mask=n_ok, other=0.0)
                 if FP8:  # E4M3 x E4M3 on the tensor cores, no conversion: a numerical change (the MMA's own
@@ -421,9 +449,9 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         down: torch.Tensor, down_scale: torch.Tensor, block: tuple[int, int] = (128, 128), group: int = 128,
         out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None,
         compute_dtype: torch.dtype | None = None, block_k: int = 128, down_block_n: int = 128,
-        down_block_k: int = 64, split_k: int | None = None, gate_up_block_n: int = GATE_UP_BLOCK_N,
+        down_block_k: int | None = None, split_k: int | None = None, gate_up_block_n: int = GATE_UP_BLOCK_N,
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
-        down_stages: int = DOWN_STAGES, pdl: bool = False, f16: bool = F16_OPERANDS,
+        down_stages: int | None = None, pdl: bool = False, f16: bool = F16_OPERANDS,
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
         fp8_down: bool = FP8_DOWN, debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
@@ -493,7 +521,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
            f"gate_up_block_n must be a power of two >= 16 (a dot operand), got {gate_up_block_n}")
     for name, w in (("gate_up_warps", gate_up_warps), ("down_warps", down_warps)):
         _check(w in (1, 2, 4, 8, 16), f"{name} must be 1, 2, 4, 8 or 16, got {w}")
-    for name, st in (("gate_up_stages", gate_up_stages), ("down_stages", down_stages)):
+    for name, st in (("gate_up_stages", gate_up_stages), ("down_stages", 1 if down_stages is None else down_stages)):
         _check(isinstance(st, int) and 1 <= st <= 8, f"{name} must be an int in 1..8, got {st}")
 
     experts = experts.contiguous()
@@ -525,14 +553,18 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         _check(compute_dtype == torch.bfloat16 and (f16 or f32),
                f"f16_input is Gate/Up's fp16 operand: it needs bf16 compute (got {compute_dtype}) with f16=True")
 
+    fp8_down = fp8_down_applies(fp8_down, compute_dtype, x.device, down_block_n)
+    down_block_k, down_stages = down_tile(fp8_down, down_block_k, down_stages)
     down_bk = _pow2_divisor(group, down_block_k)
-    fp8_down = fp8_down and not f32 and x.is_cuda and down_block_n >= 64
+    down_k_pad = max(down_bk, 32) if fp8_down else down_bk  # an E4M3 wgmma is 32 deep
     g_arg, u_arg, d_arg = gate, up, down
     if tma is None:
         tma = tma_fits(gate, up, down)
     if tma:
-        g_arg, u_arg, d_arg = (_descriptor(w, b) for w, b in ((gate, (bn, bk)), (up, (bn, bk)),
-                                                               (down, (down_block_n, down_bk))))
+        g_arg, u_arg = _descriptor(gate, (bn, bk)), _descriptor(up, (bn, bk))
+    down_tma = tma and down_k_pad == down_bk  # a padded tile reads through masked pointers
+    if down_tma:
+        d_arg = _descriptor(down, (down_block_n, down_bk))
     _moe_gate_up_kernel[(P, I // bn, split)](
         x_in, xd_in, g_arg, gate_scale, u_arg, up_scale, experts, live_arg, part, programs[0], R, H, I, P,
         x_in.stride(0), xd_in.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
@@ -550,7 +582,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
-        num_stages=down_stages, F16=f16, TMA=tma, FP8=fp8_down, **launch)
+        num_stages=down_stages, F16=f16, TMA=down_tma, FP8=fp8_down, K_PAD_DOT=down_k_pad, **launch)
     _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
         y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
         num_warps=4, **launch)

@@ -282,10 +282,10 @@ def test_shapes_a_kernel_cannot_take_fall_back_and_are_counted():
 def test_stage_sets_drop_stages():
     """"triton-x" is every qualified stage but x (the A/B of one stage, as the GPU decode tests and the benchmarks run
     it); drops apply to what their part has so far; an unknown stage, kept or dropped, is refused."""
-    from iquest.fast.ops import OPT_IN, STAGES, make_ops
+    from iquest.fast.ops import STAGES, make_ops
 
     assert make_ops("triton-settle").stages == frozenset(STAGES) - {"settle"}
-    assert make_ops("triton-settle-embed+prefetch").stages == frozenset(STAGES) - {"settle", "embed"} | set(OPT_IN)
+    assert make_ops("triton-settle-embed+prefetch").stages == frozenset(STAGES) - {"settle", "embed"} | {"prefetch"}
     assert make_ops("linear+attention-linear").stages == {"attention"}
     for bad in ("triton-bogus", "triton-", "bogus"):
         with pytest.raises(ValueError, match="unknown kernels"):
