@@ -203,9 +203,7 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # "fp8_down": the MoE's Down takes its E4M3 activations and weights into the tensor cores as E4M3 (kernels/moe.py
 # fp8_down): no conversions, but the MMA accumulates a tile's exact products in its own precision, so a numerical
 # change; only when named until qualification has measured it (docs/PERF.md).
-# "pair_major": the MoE's grids with the pair as their slowest axis (kernels/moe.py pair_major): the same programs in
-# another dispatch order, so the same bits.
-OPT_IN: tuple[str, ...] = ("prefetch", "fp8_down", "pair_major")
+OPT_IN: tuple[str, ...] = ("prefetch", "fp8_down")
 
 
 LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
@@ -229,7 +227,6 @@ class TritonOps(TorchOps):
         self.f16_norm = self.f16 and {"f16_norm", "moe", "norm"} <= self.stages
         self.tma = "tma" in self.stages and "moe" in self.stages
         self.fp8_down = "fp8_down" in self.stages
-        self.pair_major = "pair_major" in self.stages
         self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
         self.tma_calls = 0  # MoE calls through tensor descriptors (likewise)
         self.fp8_down_calls = 0  # MoE calls whose Down took E4M3 operands (likewise)
@@ -413,8 +410,7 @@ class TritonOps(TorchOps):
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
                            pdl=self._pdl(b), f16=self.f16,  # moe() takes it on the GPU only
-                           f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down,
-                           pair_major=self.pair_major)
+                           f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down)
                  for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

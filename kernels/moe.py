@@ -86,7 +86,6 @@ NUM_STAGES = 3  # Triton's default software pipelining depth, named so that `iqu
 DOWN_WARPS = 4
 DOWN_STAGES = 3
 F16_OPERANDS = True
-PAIR_MAJOR = False
 FP8_DOWN = False  # E4M3 operands straight into Down's tensor cores (a numerical change): see moe(fp8_down=)
 # Down's tile with fp8_down: 128 deep, 2 stages: 29.31 -> 28.07 us a MoE call against the fp16-operand default, the
 # fastest of ten E4M3 settings (bench/results/tune-h200-fp8-a1380b4.*). moe()'s down_block_k/down_stages default to
@@ -185,16 +184,11 @@ def _moe_gate_up_kernel(
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, PRESCALED: tl.constexpr = False, TMA: tl.constexpr = False,
-    PAIR_SLOW: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
-    if PAIR_SLOW:  # grid (split, tile, pair): see moe(pair_major=)
-        p = tl.program_id(2)
-        split = tl.program_id(0)
-    else:
-        p = tl.program_id(0)
-        split = tl.program_id(2)
+    p = tl.program_id(0)
     tile = tl.program_id(1)
+    split = tl.program_id(2)
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
     if STORE_RAN:  # debug: which pairs' programs did the work
         tl.store(ran_ptr + p, run.to(tl.int32), mask=(tile == 0) & (split == 0))
@@ -299,11 +293,11 @@ def _moe_down_kernel(
     B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False, FP8: tl.constexpr = False,
-    K_PAD_DOT: tl.constexpr = 0, PAIR_SLOW: tl.constexpr = False,
+    K_PAD_DOT: tl.constexpr = 0,
 ):
     wait_for_inputs(PDL)
-    p = tl.program_id(1 if PAIR_SLOW else 0)  # grid (tile, pair) with PAIR_SLOW: see moe(pair_major=)
-    tile = tl.program_id(0 if PAIR_SLOW else 1)
+    p = tl.program_id(0)
+    tile = tl.program_id(1)
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
     if STORE_RAN:
         tl.store(ran_ptr + p, run.to(tl.int32), mask=tile == 0)
@@ -459,7 +453,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
         down_stages: int | None = None, pdl: bool = False, f16: bool = F16_OPERANDS,
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
-        fp8_down: bool = FP8_DOWN, pair_major: bool = PAIR_MAJOR, debug: dict | None = None) -> torch.Tensor:
+        fp8_down: bool = FP8_DOWN, debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -571,27 +565,24 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     down_tma = tma and down_k_pad == down_bk  # a padded tile reads through masked pointers
     if down_tma:
         d_arg = _descriptor(down, (down_block_n, down_bk))
-    gate_up_grid = (split, I // bn, P) if pair_major else (P, I // bn, split)
-    down_grid = (triton.cdiv(H, down_block_n), P) if pair_major else (P, triton.cdiv(H, down_block_n))
-    _moe_gate_up_kernel[gate_up_grid](
+    _moe_gate_up_kernel[(P, I // bn, split)](
         x_in, xd_in, g_arg, gate_scale, u_arg, up_scale, experts, live_arg, part, programs[0], R, H, I, P,
         x_in.stride(0), xd_in.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=f16_input is None and compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32",
-        STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma, PAIR_SLOW=pair_major,
+        STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma,
         num_warps=gate_up_warps,
         num_stages=gate_up_stages, **launch)
     _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
         part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
         SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,
         DROP_LAST=bool(store_h and debug.get("drop_last_split", False)), num_warps=4, **launch)
-    _moe_down_kernel[down_grid](
+    _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
         act, act_scale, d_arg, down_scale, experts, live_arg, y, programs[1], R, H, I,
         down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
-        num_stages=down_stages, F16=f16, TMA=down_tma, FP8=fp8_down, K_PAD_DOT=down_k_pad,
-        PAIR_SLOW=pair_major, **launch)
+        num_stages=down_stages, F16=f16, TMA=down_tma, FP8=fp8_down, K_PAD_DOT=down_k_pad, **launch)
     _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
         y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
         num_warps=4, **launch)

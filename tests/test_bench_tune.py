@@ -55,7 +55,7 @@ def test_candidates_default_first_unique_and_accepted(op, shape, sms):
             assert name in params and params[name].kind in (inspect.Parameter.KEYWORD_ONLY,
                                                              inspect.Parameter.POSITIONAL_OR_KEYWORD), (op, name)
             assert name in t.TUNABLES[t.family(op)], (op, name)
-            if name in ("f16", "f16_input", "tma", "packed_topk", "one_pass", "f16_out", "prefetch", "preload", "fp8_down", "pair_major"):
+            if name in ("f16", "f16_input", "tma", "packed_topk", "one_pass", "f16_out", "prefetch", "preload", "fp8_down"):
                 assert isinstance(value, bool), (op, value)
                 continue
             assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, (op, name, value)
@@ -82,8 +82,7 @@ def test_h200_defaults_and_the_suggested_variants():
     # 4161 slots: 66 splits); router min(12 H tiles, 17) = 12
     assert r["moe"][0] == {"split_k": 8, "block_k": 128, "gate_up_block_n": 128, "gate_up_warps": 4,
                            "gate_up_stages": 3, "down_block_n": 128, "down_block_k": 64, "down_warps": 4,
-                           "down_stages": 3, "f16": True, "f16_input": True, "tma": True, "fp8_down": False,
-                           "pair_major": False}
+                           "down_stages": 3, "f16": True, "f16_input": True, "tma": True, "fp8_down": False}
     assert r["linear_qkv"][0] == {"split_k": 8, "block_n": 32, "num_warps": 4, "num_stages": 4, "prefetch": False,
                                   "preload": False}
     assert r["linear_o"][0]["split_k"] == 1

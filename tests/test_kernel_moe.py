@@ -114,11 +114,6 @@ CASES = [
     case("poison_k8_mask_padding_only_experts", R=8, k=8, E=64, live="mask", pattern="poison"),
     case("poison_k8_count_split2", R=8, k=8, E=64, H=96, block_k=16, split_k=2, split=2, live="count",
          pattern="poison"),
-    # the pair as the grids' slowest axis (moe(pair_major=True)): the same programs, so the oracle's bits
-    case("pair_major_split3_shared", H=128, block_k=16, split_k=3, split=3, pattern="shared",
-         launch=dict(pair_major=True)),
-    case("pair_major_dup_31rows_count", R=31, k=4, E=8, H=96, block_k=16, split_k=2, split=2, live="count",
-         launch=dict(pair_major=True)),
     # fp32 x, bf16 compute (x holds exact bf16 midpoints and their fp32 neighbours): bit-identical to bf16 x
     case("fp32x_bf16_6rows_bf16_out", R=6, compute="bf16", out="bf16", x_ties=True, default_out=True),
     case("fp32x_bf16_fp32_out_split3_shared", H=128, block_k=16, split_k=3, split=3, pattern="shared",
