@@ -86,7 +86,7 @@ NUM_STAGES = 3  # Triton's default software pipelining depth, named so that `iqu
 DOWN_WARPS = 4
 DOWN_STAGES = 3
 F16_OPERANDS = True
-FP8_DOWN = False  # E4M3 operands straight into Down's tensor cores (a numerical change): see moe(fp8_down=)
+FP8_DOWN = False  # E4M3 operands straight into Down's tensor cores (a numerical change, not qualified): moe(fp8_down=)
 # Down's tile with fp8_down: 128 deep, 2 stages: 29.31 -> 28.07 us a MoE call against the fp16-operand default, the
 # fastest of ten E4M3 settings (bench/results/tune-h200-fp8-a1380b4.*). moe()'s down_block_k/down_stages default to
 # the form's own.
