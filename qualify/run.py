@@ -4,8 +4,9 @@ Report structure (JSON, `SCHEMA` names the version):
   schema, model, tp, dtype, kernels, kernel_fallbacks ({stage: calls that ran the fallback}), tolerance_column,
   device, quick, jobs (worker processes used), commit, seconds, passed
   checks:   [{check, class, worst, tolerance, verdict, rows, where}]   healthy engine, one row per check x class
-  controls: [{name, what, caught, caught_by: [[check, class]], intended: [[check, class]], branch_count,
-              branch_what, failing: [[check, class]], seconds}]
+  controls: [{name, what, caught, caught_by: [[check, class]], intended: [[check, class]],
+              intended_worst: [[check, class, worst, tolerance, verdict]] (the control's run, its intended checks),
+              branch_count, branch_what, failing: [[check, class]], seconds}]
   lossless: {p_value, chi2, dof, samples, replacement_rounds, replacement_drew_tested_token, observed, expected}
   controls_caught: "N/N"
   tolerances: path of the tolerance file used
@@ -142,8 +143,33 @@ def run_control(ctl: Control, plan: Plan, bar) -> dict:
     failing = _failing(rows)
     hit = [list(c) for c in ctl.catches if c in failing]
     return {"name": ctl.name, "what": ctl.what, "caught": bool(hit) and branch > 0, "caught_by": hit,
-            "intended": [list(c) for c in ctl.catches], "branch_count": branch, "branch_what": ctl.branch_what,
+            "intended": [list(c) for c in ctl.catches], "intended_worst": intended_worst(rows, ctl.catches),
+            "branch_count": branch, "branch_what": ctl.branch_what,
             "failing": sorted(list(c) for c in failing), "seconds": round(time.time() - t0, 2)}
+
+
+def intended_worst(rows: list[Row], catches) -> list[list]:
+    """[check, class, worst, tolerance, verdict] of the control's run for each check it is meant to fail: how far past
+    (or short of) its tolerance the defect lands, so a control caught only just, or missed only just, shows it."""
+    by = {(r.check, r.cls): r.as_dict() for r in rows}
+    return [[c[0], c[1], by[c]["worst"], by[c]["tolerance"], by[c]["verdict"]] for c in catches if c in by]
+
+
+def control_margin(r: dict) -> str:
+    """The intended check the control's run came closest to failing (or failed by most), as worst / tolerance (for
+    the p-value checks: tolerance / worst, as a p-value fails below it)."""
+    ratios = []
+    for check, cls, worst, tol, _ in r.get("intended_worst", []):
+        try:
+            worst, tol = float(worst), float(tol)
+        except (TypeError, ValueError):
+            continue
+        ratio = (tol / worst if worst > 0 else math.inf) if check == "lossless" else (worst / tol if tol > 0 else math.inf)
+        ratios.append((ratio, f"{check}/{cls}"))
+    if not ratios:
+        return "-"
+    ratio, where = max(ratios)
+    return f"{ratio:.3g}x ({where})"
 
 
 class _NoBar:
@@ -253,11 +279,13 @@ def print_table(report: dict, out=None) -> None:
         if r["verdict"] != "pass":
             print(f"  FAIL {r['check']} / {r['class']}: {r['where']}", file=out)
     print(file=out)
-    c = "{:<22} {:<8} {:>7}  {}"
-    print(c.format("negative control", "caught", "branch", "caught by (intended: any of the listed)"), file=out)
+    c = "{:<22} {:<8} {:>7}  {:<48} {}"
+    print(c.format("negative control", "caught", "branch", "margin: worst / tolerance, intended checks (>1 fails)",
+                   "caught by (intended: any of the listed)"), file=out)
     for r in report["controls"]:
         by = ", ".join(f"{a}/{b}" for a, b in r["caught_by"]) or "NOT CAUGHT (intended: " + ", ".join(
             f"{a}/{b}" for a, b in r["intended"][:3]) + ")"
-        print(c.format(r["name"], "yes" if r["caught"] else "NO", r["branch_count"], by[:110]), file=out)
+        print(c.format(r["name"], "yes" if r["caught"] else "NO", r["branch_count"], control_margin(r)[:48],
+                       by[:90]), file=out)
     print(f"\nnegative controls: {report['controls_caught']} caught", file=out)
     print(f"qualification {'PASSED' if report['passed'] else 'FAILED'} in {report['seconds']:.0f} s", file=out)

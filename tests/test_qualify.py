@@ -58,6 +58,13 @@ def test_each_negative_control_is_caught_where_intended(report, control):
     assert r["branch_count"] > 0, f"{control}: the broken code never ran on an input where it matters"
     assert r["caught"] and r["caught_by"], r
     assert all(tuple(x) in {tuple(i) for i in r["intended"]} for x in r["caught_by"])
+    # the margin: every check that caught it is reported past its tolerance, with the failing verdict
+    worst = {(w[0], w[1]): w for w in r["intended_worst"]}
+    for check, cls in r["caught_by"]:
+        w = worst[(check, cls)]
+        assert w[4] == "FAIL"
+        if check != "lossless":  # numerics: the worst error exceeds the tolerance (lossless fails below alpha)
+            assert float(w[2]) > float(w[3]), w
 
 
 @pytest.mark.slow
@@ -129,3 +136,19 @@ def test_qualify_rejects_bad_jobs(jobs, capsys):
 def test_qualify_rejects_unknown_kernel_stage(capsys):
     rc = main(["qualify", "--model", str(TINY), "--quick", "--kernels", "linear+warp"])
     assert rc != 0 and "unknown kernels" in capsys.readouterr().err
+
+
+def test_control_margin_reports_how_far_past_the_tolerance():
+    """The margin names the intended check the control's run came closest to failing (or failed by most): a
+    near miss reads below 1, a catch above 1, and a p-value check counts tolerance / worst (it fails below alpha)."""
+    from iquest.qualify.checks import Row
+    from iquest.qualify.run import control_margin, intended_worst
+
+    rows = [Row("numerics.logits", "ring_reused", 0.27, 0.3, True, 5), Row("numerics.logits", "prefill", 0.1, 0.3, True, 5),
+            Row("lossless", "speculative_token", 1e-6, 1e-3, False, 100)]
+    near = {"intended_worst": intended_worst(rows, [("numerics.logits", "ring_reused"), ("numerics.hidden", "x")])}
+    assert near["intended_worst"] == [["numerics.logits", "ring_reused", 0.27, 0.3, "pass"]]  # absent checks skipped
+    assert control_margin(near) == "0.9x (numerics.logits/ring_reused)"
+    both = {"intended_worst": intended_worst(rows, [("numerics.logits", "prefill"), ("lossless", "speculative_token")])}
+    assert control_margin(both) == "1e+03x (lossless/speculative_token)"
+    assert control_margin({"intended_worst": []}) == "-" and control_margin({}) == "-"
