@@ -86,8 +86,28 @@ def specs() -> dict[str, KernelSpec]:
                                                    "in the launch")
     loop = KernelSpec(linear.fn, linear.types, dict(linear.constexprs, PRELOAD=0), linear.div16, linear.num_warps,
                       linear.num_stages, "FP8 linear, the pipelined K loop (without preload)")
-    return {"moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_down": down,
+    # As the engine launches them on the H200 (stage tma): the weight tiles through tensor descriptors. These are what
+    # ncu profiles (Gate/Up's 188 registers at c199d16: bench/results/ncu-ops-c199d16-details.txt).
+    gate_up_tma = _with_descriptors(gate_up_prescaled, ("g_ptr", "u_ptr"), (1, gate_up.constexprs["BLOCK_N"],
+                                                                          gate_up.constexprs["BLOCK_K"]),
+                                    "MoE Gate/Up as the engine runs it: the norm's fp16 tiles, weights through TMA")
+    down_tma = _with_descriptors(down, ("w_ptr",), (1, down.constexprs["BLOCK_N"], down.constexprs["BLOCK_K"]),
+                                 "MoE Down as the engine runs it: weights through TMA")
+    fp8_bk, fp8_stages = mk.down_tile(True)
+    down_fp8 = _with_descriptors(
+        KernelSpec(down.fn, down.types, dict(down.constexprs, BLOCK_K=fp8_bk, K_PAD_DOT=fp8_bk, FP8=True), down.div16,
+                   down.num_warps, fp8_stages, ""),
+        ("w_ptr",), (1, down.constexprs["BLOCK_N"], fp8_bk), "MoE Down with fp8_down: E4M3 wgmma, weights through TMA")
+    return {"moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_gate_up_tma": gate_up_tma,
+            "moe_down": down, "moe_down_tma": down_tma, "moe_down_fp8": down_fp8,
             "fp8_linear": linear, "fp8_linear_loop": loop}
+
+
+def _with_descriptors(spec: KernelSpec, names: tuple[str, ...], box: tuple[int, ...], note: str) -> KernelSpec:
+    """`spec` with the E4M3 weight pointers `names` as tensor descriptors of `box` (TMA=True), as moe() passes them."""
+    desc = f"tensordesc<fp8e4nv[{','.join(map(str, box))}]>"
+    return KernelSpec(spec.fn, {**spec.types, **{n: desc for n in names}}, dict(spec.constexprs, TMA=True),
+                      tuple(n for n in spec.div16 if n not in names), spec.num_warps, spec.num_stages, note)
 
 
 def compile_spec(spec: KernelSpec, **constexprs) -> object:

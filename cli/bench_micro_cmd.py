@@ -71,9 +71,12 @@ def register(bsub) -> None:
                                     "wrappers' defaults at one TP8 rank's decode shapes (Triton's own ptxas, "
                                     "nvdisasm and cuobjdump; no GPU needed) and prints registers per thread, stack "
                                     "bytes (spills), shared memory and the most frequent instructions.")
-    c.add_argument("--kernels", default="moe_gate_up,moe_down,fp8_linear",
-                   help="comma-separated: moe_gate_up, moe_gate_up_prescaled, moe_down, fp8_linear (q/k/v as the engine "
-                        "runs it, tiles preloaded), fp8_linear_loop (default: moe_gate_up, moe_down, fp8_linear)")
+    c.add_argument("--kernels", default="moe_gate_up_tma,moe_down_tma,fp8_linear",
+                   help="comma-separated: moe_gate_up (pointer loads, x rescaled in the kernel), moe_gate_up_prescaled "
+                        "(the norm's fp16 tiles), moe_gate_up_tma (the engine's form: those tiles, weights through TMA), "
+                        "moe_down (pointer loads), moe_down_tma (the engine's form), moe_down_fp8 (stage fp8_down), "
+                        "fp8_linear (q/k/v as the engine runs it, tiles preloaded), fp8_linear_loop (default: "
+                        "moe_gate_up_tma, moe_down_tma, fp8_linear: what the engine launches)")
     c.add_argument("--set", action="append", default=[], metavar="KERNEL.NAME=VALUE",
                    help="override one constexpr, e.g. moe_down.F16=False (repeatable)")
     c.add_argument("--top", type=int, default=10, help="instructions listed per kernel (default 10)")

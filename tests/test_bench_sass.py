@@ -32,6 +32,18 @@ def _before_wait(spec, **constexprs) -> list[str]:
     return seq[:seq.index("ACQBULK")]
 
 
+def test_engine_forms_compile_with_tensor_descriptors():
+    """The TMA forms the engine launches compile here: Gate/Up at the registers ncu measured on the H200 (188 at
+    c199d16; at most 2 programs a SM), no stack; fp8_down's Down issues E4M3 wgmma and converts nothing."""
+    specs = sass.specs()
+    gate_up = sass.report(sass.compile_spec(specs["moe_gate_up_tma"]))
+    assert gate_up["stack_bytes"] == 0 and 128 < gate_up["registers"] <= 255 and gate_up["mix"].get("HMMA", 0) > 0
+    fp8 = sass.compile_spec(specs["moe_down_fp8"])
+    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in fp8.asm["ptx"]
+    assert sass.report(fp8)["mix"].get("F2FP", 0) == 0
+    assert sass.report(sass.compile_spec(specs["moe_down_tma"]))["mix"].get("F2FP", 0) > 0  # fp16 operands convert
+
+
 def test_preloaded_tiles_are_all_requested_before_the_wait():
     """q/k/v's 6 tiles (2 x 128-bit loads a thread each) and their scales: every load issued before the wait, and no
     barrier there (a barrier before the wait is a layout conversion waiting for a tile's bytes, which would make the
