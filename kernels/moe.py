@@ -107,6 +107,8 @@ def down_tile(fp8_down: bool, block_k: int | None = None, stages: int | None = N
     """Down's (K tile cap, pipeline stages): the given ones, else the defaults measured for its operand form."""
     return (block_k or (FP8_DOWN_BLOCK_K if fp8_down else DOWN_BLOCK_K),
             stages or (FP8_DOWN_STAGES if fp8_down else DOWN_STAGES))
+
+
 FINALIZE_ROWS = 2  # pairs per finalize program: its loads are SPLIT x 2 x ROWS x GROUP fp32, spread widely
 COMBINE_BLOCK = 256  # columns per combine program (k fp32 loads each): ~200 programs for 8 rows at H = 6144
 E4M3_MAX = tl.constexpr(448.0)
@@ -477,7 +479,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     the same bits; None (default): when the weights' rows are 16-byte multiples, as the descriptors need.
     `fp8_down`: Down multiplies its E4M3 activations and weights on the tensor cores as E4M3 (Hopper's wgmma, the
     weight tile as the 64+ row operand), without converting either; the products are exact but the MMA accumulates a
-    tile's products in its own precision, so this is a numerical change (qualified: docs/PERF.md); taken on the GPU
+    tile's products in its own precision, so this is a numerical change, not qualified (its qualification missed one
+    negative control: docs/PERF.md); taken on the GPU
     for bf16/fp16 compute with down_block_n >= 64 only (debug["fp8_down"] says whether it was). `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
