@@ -196,7 +196,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
     g = {**d, **kw}
     if op == "moe":
         P, E, k, H, I, bn = _moe_dims(shape, g["gate_up_block_n"])
-        fp8 = bool(g["fp8_down"] and g["down_block_n"] >= 64)
+        fp8 = bool(g["fp8_down"] and mk.fp8_down_fits(g["down_block_n"]))  # on the GPU, which tunes run on
         bk = mk._pow2_divisor(shape.block[1], g["block_k"])
         split, _ = mk.plan_split(P, E, k, H, I, bn, bk, g["split_k"], sms)
         return {"split_k": split, "block_k": bk, "gate_up_block_n": bn, "gate_up_warps": g["gate_up_warps"],

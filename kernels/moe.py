@@ -95,18 +95,23 @@ FP8_DOWN_BLOCK_K = 128
 FP8_DOWN_STAGES = 2
 
 
+def fp8_down_fits(down_block_n: int) -> bool:
+    """Whether Down's tiles can be the E4M3 wgmma's row operand: >= 64 rows (its M)."""
+    return down_block_n >= 64
+
+
 def fp8_down_applies(fp8_down: bool, compute_dtype: torch.dtype, device: torch.device,
                      down_block_n: int = 128) -> bool:
     """Whether moe(fp8_down=True) takes the E4M3 wgmma: on the GPU (not the interpreter), for bf16/fp16 compute
-    (fp32 compute keeps fp32 products), with Down tiles of >= 64 rows (the wgmma's M)."""
+    (fp32 compute keeps fp32 products), with tiles that fit it (`fp8_down_fits`)."""
     return (fp8_down and not INTERPRETED and device.type == "cuda" and compute_dtype != torch.float32
-            and down_block_n >= 64)
+            and fp8_down_fits(down_block_n))
 
 
 def down_tile(fp8_down: bool, block_k: int | None = None, stages: int | None = None) -> tuple[int, int]:
     """Down's (K tile cap, pipeline stages): the given ones, else the defaults measured for its operand form."""
-    return (block_k or (FP8_DOWN_BLOCK_K if fp8_down else DOWN_BLOCK_K),
-            stages or (FP8_DOWN_STAGES if fp8_down else DOWN_STAGES))
+    return (block_k if block_k is not None else FP8_DOWN_BLOCK_K if fp8_down else DOWN_BLOCK_K,
+            stages if stages is not None else FP8_DOWN_STAGES if fp8_down else DOWN_STAGES)
 
 
 FINALIZE_ROWS = 2  # pairs per finalize program: its loads are SPLIT x 2 x ROWS x GROUP fp32, spread widely
@@ -524,7 +529,9 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
            f"gate_up_block_n must be a power of two >= 16 (a dot operand), got {gate_up_block_n}")
     for name, w in (("gate_up_warps", gate_up_warps), ("down_warps", down_warps)):
         _check(w in (1, 2, 4, 8, 16), f"{name} must be 1, 2, 4, 8 or 16, got {w}")
-    for name, st in (("gate_up_stages", gate_up_stages), ("down_stages", 1 if down_stages is None else down_stages)):
+    fp8_down = fp8_down_applies(fp8_down, compute_dtype, x.device, down_block_n)
+    down_block_k, down_stages = down_tile(fp8_down, down_block_k, down_stages)
+    for name, st in (("gate_up_stages", gate_up_stages), ("down_stages", down_stages)):
         _check(isinstance(st, int) and 1 <= st <= 8, f"{name} must be an int in 1..8, got {st}")
 
     experts = experts.contiguous()
@@ -556,8 +563,6 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         _check(compute_dtype == torch.bfloat16 and (f16 or f32),
                f"f16_input is Gate/Up's fp16 operand: it needs bf16 compute (got {compute_dtype}) with f16=True")
 
-    fp8_down = fp8_down_applies(fp8_down, compute_dtype, x.device, down_block_n)
-    down_block_k, down_stages = down_tile(fp8_down, down_block_k, down_stages)
     down_bk = _pow2_divisor(group, down_block_k)
     down_k_pad = max(down_bk, 32) if fp8_down else down_bk  # an E4M3 wgmma is 32 deep
     g_arg, u_arg, d_arg = gate, up, down
