@@ -49,7 +49,8 @@ def specs() -> dict[str, KernelSpec]:
     input rounded to bf16 in the kernel, bf16 linear input), with the wrappers' current defaults."""
     moe_kw = {n: p.default for n, p in inspect.signature(mk.moe).parameters.items()}
     gate_up_types = dict(x_ptr="*fp32", xd_ptr="*fp32", g_ptr="*fp8e4nv", gs_ptr="*fp32", u_ptr="*fp8e4nv",
-                         us_ptr="*fp32", experts_ptr="*i64", live_ptr="*u8", part_ptr="*fp32", ran_ptr="*fp32")
+                         us_ptr="*fp32", experts_ptr="*i64", live_ptr="*u8", part_ptr="*fp32", ran_ptr="*fp32",
+                         lock_ptr="*i32", act_ptr="*u8", act_s_ptr="*fp32", h_ptr="*fp32", count_ptr="*fp32")
     gate_up_constexprs = dict(_ROUTING, B0=128, B1=128, BLOCK_M=mk.BLOCK_M, BLOCK_N=moe_kw["gate_up_block_n"],
                               BLOCK_K=moe_kw["block_k"], ROUND_BF16=True, F32=False, PREC="tf32", STORE_RAN=False,
                               PDL=True, F16=moe_kw["f16"])
@@ -66,7 +67,7 @@ def specs() -> dict[str, KernelSpec]:
     down = KernelSpec(
         mk._moe_down_kernel,
         dict(act_ptr="*fp8e4nv", act_s_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", experts_ptr="*i64",
-             live_ptr="*u8", y_ptr="*fp32", ran_ptr="*fp32"),
+             live_ptr="*u8", y_ptr="*fp32", ran_ptr="*fp32", lock_ptr="*i32", weights_ptr="*fp32", out_ptr="*bf16"),
         dict(_ROUTING, B0=128, GROUP=128, BLOCK_M=mk.BLOCK_M, BLOCK_N=moe_kw["down_block_n"], BLOCK_K=down_bk,
              K_PAD_DOT=down_bk, F32=False, STORE_RAN=False, PDL=True, F16=moe_kw["f16"], FP8=moe_kw["fp8_down"]),
         ("act_ptr", "act_s_ptr", "w_ptr", "ws_ptr", "experts_ptr", "live_ptr", "y_ptr", "H", "I"),
@@ -88,18 +89,32 @@ def specs() -> dict[str, KernelSpec]:
                       linear.num_stages, "FP8 linear, the pipelined K loop (without preload)")
     # As the engine launches them on the H200 (stage tma): the weight tiles through tensor descriptors. These are what
     # ncu profiles (Gate/Up's 188 registers at c199d16: bench/results/ncu-ops-c199d16-details.txt).
-    gate_up_tma = _with_descriptors(gate_up_prescaled, ("g_ptr", "u_ptr"), (1, gate_up.constexprs["BLOCK_N"],
-                                                                          gate_up.constexprs["BLOCK_K"]),
-                                    "MoE Gate/Up as the engine runs it: the norm's fp16 tiles, weights through TMA")
-    down_tma = _with_descriptors(down, ("w_ptr",), (1, down.constexprs["BLOCK_N"], down.constexprs["BLOCK_K"]),
-                                 "MoE Down as the engine runs it: weights through TMA")
+    # Stage moe_fold: the finalize folded into Gate/Up (its 8 splits at this shape) and the combine into Down.
+    moe_splits = mk.plan_split(6 * 8, 256, 8, 6144, 256, gate_up.constexprs["BLOCK_N"], gate_up.constexprs["BLOCK_K"],
+                               None, H200_SMS)[0]
+    gate_up_tma = _with_descriptors(
+        KernelSpec(gate_up_prescaled.fn, gate_up_prescaled.types,
+                   dict(gate_up_prescaled.constexprs, FOLD=True, SPLIT=moe_splits, GROUP=128),
+                   gate_up_prescaled.div16, gate_up.num_warps, gate_up.num_stages, ""),
+        ("g_ptr", "u_ptr"), (1, gate_up.constexprs["BLOCK_N"], gate_up.constexprs["BLOCK_K"]),
+        "MoE Gate/Up as the engine runs it: the norm's fp16 tiles, weights through TMA, the finalize folded in")
+    gate_up_tma_unfolded = _with_descriptors(
+        gate_up_prescaled, ("g_ptr", "u_ptr"), (1, gate_up.constexprs["BLOCK_N"], gate_up.constexprs["BLOCK_K"]),
+        "MoE Gate/Up: the norm's fp16 tiles, weights through TMA, the finalize its own launch")
+    down_tma_unfolded = _with_descriptors(down, ("w_ptr",), (1, down.constexprs["BLOCK_N"], down.constexprs["BLOCK_K"]),
+                                          "MoE Down: weights through TMA, the combine its own launch")
+    down_tma = KernelSpec(down_tma_unfolded.fn, down_tma_unfolded.types, dict(down_tma_unfolded.constexprs, FOLD=True),
+                          down_tma_unfolded.div16, down.num_warps, down.num_stages,
+                          "MoE Down as the engine runs it: weights through TMA, the combine folded in")
     fp8_bk, fp8_stages = mk.down_tile(True)
     down_fp8 = _with_descriptors(
-        KernelSpec(down.fn, down.types, dict(down.constexprs, BLOCK_K=fp8_bk, K_PAD_DOT=fp8_bk, FP8=True), down.div16,
+        KernelSpec(down.fn, down.types, dict(down.constexprs, BLOCK_K=fp8_bk, K_PAD_DOT=fp8_bk, FP8=True, FOLD=True),
+                   down.div16,
                    down.num_warps, fp8_stages, ""),
         ("w_ptr",), (1, down.constexprs["BLOCK_N"], fp8_bk), "MoE Down with fp8_down: E4M3 wgmma, weights through TMA")
     return {"moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_gate_up_tma": gate_up_tma,
-            "moe_down": down, "moe_down_tma": down_tma, "moe_down_fp8": down_fp8,
+            "moe_gate_up_tma_unfolded": gate_up_tma_unfolded, "moe_down": down, "moe_down_tma": down_tma,
+            "moe_down_tma_unfolded": down_tma_unfolded, "moe_down_fp8": down_fp8,
             "fp8_linear": linear, "fp8_linear_loop": loop}
 
 

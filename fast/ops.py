@@ -184,7 +184,7 @@ class TorchOps:
 # bench/results/*-242fbb5.*): MoE 37.4 -> 30.8 us a call with both, all "="; full-size round 8,108 (neither) -> 7,663
 # (f16_norm) -> 7,413 us (both), same process.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
-          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "settle", "preload")
+          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "settle", "preload", "moe_fold")
 # "settle": the round's settle step (commit, log, stop, round record) and the next drafting's inputs as one kernel
 # (kernels/settle.py) instead of ~45 torch kernels; integer bookkeeping, the same state (tests/test_kernel_settle.py).
 # "embed": the embedding lookup in one launch (kernels/embed.py) instead of eight torch kernels, six times a round;
@@ -195,6 +195,9 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # (kernels/sample.accept_settle) instead of ~50. Numerical change: the draws' cumulative sums and the residual's
 # normalizing sum are summed in the kernels' order, so a draw whose uniform lies within rounding of a boundary may
 # differ; qualification measures it (docs/PERF.md).
+# "moe_fold": the MoE's finalize and combine done by the last program of each Gate/Up and Down tile to arrive (an
+# atomic arrival count, as the FP8 linear's split-K sum): two launches a layer fewer, the same sums in the same order,
+# so the same bits (tests/test_kernel_moe.py, and a decode on and off on the GPU). Figures in docs/PERF.md.
 # "preload": the FP8 linears, the router, the norms and the attention combine (its sinks) load their constant weights
 # into registers before the PDL wait (the same values in the same dots: the same bits), so those reads overlap the
 # previous kernel. Full-size round on an H200, same process: 6,776 -> 6,591 us
@@ -207,7 +210,7 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 OPT_IN: tuple[str, ...] = ("prefetch", "fp8_down")
 
 
-LINEAR_LOCKS = 4096  # split-K counters: one per output tile of the largest decode and prefill-block linear
+LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
 
 
 class TritonOps(TorchOps):
@@ -236,6 +239,7 @@ class TritonOps(TorchOps):
         self.accept_calls = 0  # accept steps by the one kernel (likewise)
         self.settle_calls = 0  # settle steps by the one kernel (likewise)
         self.preload_calls = 0  # FP8 linear calls that preloaded their weight tiles (likewise)
+        self.moe_fold_calls = 0  # MoE calls with the finalize and combine folded in (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -244,7 +248,7 @@ class TritonOps(TorchOps):
             patch_interpreter()
         from ..kernels import moe, sample, topk
         from ..kernels.f16_operands import empty_tiles
-        from ..kernels.moe import fp8_down_applies, gate_up_k_tile, tma_fits
+        from ..kernels.moe import fp8_down_applies, gate_up_k_tile, lock_count as moe_lock_count, tma_fits
         from ..kernels.decode_attention import decode_attention
         from ..kernels.fp8_linear import fp8_linear, lock_count, preload_plan
         from ..kernels.lm_head import lm_head
@@ -263,6 +267,7 @@ class TritonOps(TorchOps):
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
         self._add_norm, self._norm, self._rope_kv, self._embed = rmsnorm_residual, rmsnorm, rope_kv, embed
         self._gate_up_k_tile, self._tma_fits, self._empty_tiles = gate_up_k_tile, tma_fits, empty_tiles
+        self._moe_lock_count = moe_lock_count
 
     def _fits(self, stage: str, ok: bool) -> bool:
         """Whether `stage` runs as its kernel here; a shape the kernel cannot take (the 8-wide blocks and heads of
@@ -318,8 +323,8 @@ class TritonOps(TorchOps):
             w.hold_lm_head_fp32()
         if "route" not in self.stages:
             w.hold_router_fp32()
-        # The FP8 linear's split-K arrival counters (kernels/fp8_linear.py): zeroed once, before any capture; every
-        # call leaves them zeroed, and the engine's calls run one after another on one stream.
+        # The arrival counters of the FP8 linear's split-K sum and the MoE's folded finalize and combine: zeroed once,
+        # before any capture; every call leaves them zeroed, and the engine's calls run one after another on one stream.
         self._locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
 
     def lm_head(self, a, w):
@@ -407,11 +412,17 @@ class TritonOps(TorchOps):
         self.fp8_down_calls += self._fp8_down_applies(self.fp8_down, compute_dtype or b.dtype, b.device)
         step = self._max_pairs // experts.shape[1]  # prefill blocks exceed the kernel's pair capacity: split rows
         rows = lambda t, s: None if t is None else tuple(part[s:s + step] for part in t)
+        # The arrival counters (shared with the FP8 linears': every call leaves them zeroed); None before prepare()
+        locks = self._locks if "moe_fold" in self.stages else None
+        if locks is not None and self._moe_lock_count(min(step, b.shape[0]), experts.shape[1], down.q.shape[-1],
+                                                      b.shape[1]) > locks.numel():
+            locks = None
+        self.moe_fold_calls += locks is not None
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
                            pdl=self._pdl(b), f16=self.f16,  # moe() takes it on the GPU only
-                           f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down)
+                           f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down, locks=locks)
                  for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

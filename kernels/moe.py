@@ -186,11 +186,14 @@ def _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl
 @triton.jit
 def _moe_gate_up_kernel(
     x_ptr, xd_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, ran_ptr,
+    lock_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr,
     R, H, I, P, stride_x, stride_xd, s_rows, s_cols, k_per_split,
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, PRESCALED: tl.constexpr = False, TMA: tl.constexpr = False,
+    FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1, GROUP: tl.constexpr = 128, STORE_H: tl.constexpr = False,
+    DROP_LAST: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 8,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -256,6 +259,57 @@ def _moe_gate_up_kernel(
             dst = part_ptr + ((split * P + pair) * 2)[:, None] * I + n[None, :]
             tl.store(dst, acc_g, mask=m_ok[:, None])
             tl.store(dst + I, acc_u, mask=m_ok[:, None])
+            if FOLD:
+                # The finalize folded in: the last of this (expert, tile, row block)'s splits to store its partials
+                # sums them all (in split order, so the result does not depend on which one arrives last), then
+                # SiLU, product and act_quant exactly as the finalize kernel, and re-arms the counter.
+                tl.debug_barrier()  # every thread's partials stored before the release below
+                lock = lock_ptr + (p * tl.num_programs(1) + tile) * tl.cdiv(R, BLOCK_M) + m0 // BLOCK_M
+                if tl.atomic_add(lock, 1, sem="acq_rel") == SPLIT - 1:
+                    for f0 in range(m0, m0 + BLOCK_M, FOLD_ROWS):  # fewer rows at a time: fewer registers
+                        f_rows, f_pair, f_ok = _expert_rows(experts_ptr, live_ptr, e, f0, R, K_TOP, K_PAD, FOLD_ROWS,
+                                                            LIVE_COUNT)
+                        if tl.sum(f_ok.to(tl.int32), axis=0) > 0:
+                            g, u, summed = _split_sum(part_ptr, f_pair, n, f_ok, P, I, SPLIT, DROP_LAST, ".cg")
+                            _act_store(g, u, f_pair, tile * BLOCK_N, f_ok, act_ptr, act_s_ptr, h_ptr, count_ptr,
+                                       summed, I, GROUP, STORE_H)
+                    tl.atomic_xchg(lock, 0)
+
+
+@triton.jit
+def _split_sum(part_ptr, pair, n, ok, P, I, SPLIT: tl.constexpr, DROP_LAST: tl.constexpr, CACHE: tl.constexpr):
+    """Gate's and Up's fp32 partials of `pair`'s rows at channels n summed over the splits in the order s = 0, 1, ...
+    (the sum must not depend on scheduling), and how many were added (compile-time: DROP_LAST, the tests' negative
+    control, skips the last split). Unrolled, so every split's loads issue at once."""
+    src = part_ptr + (pair * 2)[:, None] * I + n[None, :]
+    g = tl.zeros([pair.shape[0], n.shape[0]], tl.float32)
+    u = tl.zeros([pair.shape[0], n.shape[0]], tl.float32)
+    summed = 0
+    for s in tl.static_range(SPLIT - DROP_LAST):
+        g += tl.load(src + s * P * 2 * I, mask=ok[:, None], other=0.0, cache_modifier=CACHE)
+        u += tl.load(src + s * P * 2 * I + I, mask=ok[:, None], other=0.0, cache_modifier=CACHE)
+        summed += 1
+    return g, u, summed
+
+
+@triton.jit
+def _act_store(g, u, pair, n0, ok, act_ptr, act_s_ptr, h_ptr, count_ptr, summed, I,
+               GROUP: tl.constexpr, STORE_H: tl.constexpr):
+    """SiLU(g) * u for `pair`'s rows at channels n0 .. n0 + width (whole act_quant groups), quantized per row and
+    GROUP channels into `act` (E4M3 bits) and `act_scale`; stored where `ok`. STORE_H (debug) also stores the fp32
+    hidden and the splits summed."""
+    ROWS: tl.constexpr = g.shape[0]
+    WIDTH: tl.constexpr = g.shape[1]
+    n = n0 + tl.arange(0, WIDTH)
+    h = g * tl.sigmoid(g) * u
+    q8, sc = _act_quant_tile(tl.reshape(h, [ROWS * (WIDTH // GROUP), GROUP]))  # one group per row, in order
+    tl.store(act_ptr + pair[:, None] * I + n[None, :], tl.reshape(q8, [ROWS, WIDTH]), mask=ok[:, None])
+    grp = n0 // GROUP + tl.arange(0, WIDTH // GROUP)
+    tl.store(act_s_ptr + pair[:, None] * (I // GROUP) + grp[None, :], tl.reshape(sc, [ROWS, WIDTH // GROUP]),
+             mask=ok[:, None])
+    if STORE_H:
+        tl.store(h_ptr + pair[:, None] * I + n[None, :], h, mask=ok[:, None])
+        tl.store(count_ptr + pair, summed + 0 * pair, mask=ok & (n0 == 0))
 
 
 @triton.jit
@@ -270,26 +324,11 @@ def _moe_finalize_kernel(
     tile = tl.program_id(1)
     in_range = pair < P
     ok = in_range & load_live(live_ptr, pair // K_TOP, R, LIVE_COUNT)  # padding rows' pairs stay unwritten
-    n = tile * GROUP + tl.arange(0, GROUP)
-    src = part_ptr + (pair * 2)[:, None] * I + n[None, :]
-    g = tl.zeros([ROWS, GROUP], tl.float32)
-    u = tl.zeros([ROWS, GROUP], tl.float32)
-    summed = 0  # splits added (compile-time): debug's split_counts, so a test sees which sum ran
-    # Unrolled, so every split's loads issue at once; the adds keep the order s = 0, 1, ... (the
-    # sum must not depend on scheduling). DROP_LAST (tests' negative control) skips the last split.
     # The loads do not wait for liveness (a padding pair reads its never-written partials, and nothing of it is
     # stored): they go out with the live mask's.
-    for s in tl.static_range(SPLIT - DROP_LAST):
-        g += tl.load(src + s * P * 2 * I, mask=in_range[:, None], other=0.0)
-        u += tl.load(src + s * P * 2 * I + I, mask=in_range[:, None], other=0.0)
-        summed += 1
-    h = g * tl.sigmoid(g) * u
-    q8, sc = _act_quant_tile(h)
-    tl.store(act_ptr + pair[:, None] * I + n[None, :], q8, mask=ok[:, None])
-    tl.store(act_s_ptr + pair * (I // GROUP) + tile, sc, mask=ok)
-    if STORE_H:
-        tl.store(h_ptr + pair[:, None] * I + n[None, :], h, mask=ok[:, None])
-        tl.store(count_ptr + pair, summed + 0 * pair, mask=ok & (tile == 0))
+    g, u, summed = _split_sum(part_ptr, pair, tile * GROUP + tl.arange(0, GROUP), in_range, P, I, SPLIT, DROP_LAST,
+                              "")
+    _act_store(g, u, pair, tile * GROUP, ok, act_ptr, act_s_ptr, h_ptr, count_ptr, summed, I, GROUP, STORE_H)
 
 
 @triton.jit
@@ -301,6 +340,8 @@ def _moe_down_kernel(
     F32: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False, FP8: tl.constexpr = False,
     K_PAD_DOT: tl.constexpr = 0,
+    lock_ptr=None, weights_ptr=None, out_ptr=None, stride_o=0, FOLD: tl.constexpr = False,
+    FOLD_ROWS: tl.constexpr = 4,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -353,6 +394,36 @@ def _moe_down_kernel(
                 tl.store(y_ptr + pair[None, :] * H + n[:, None], acc_t, mask=m_ok[None, :] & n_ok[:, None])
             else:
                 tl.store(y_ptr + pair[:, None] * H + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+    if FOLD:
+        # The combine folded in: every program of this H tile arrives (owners after storing their rows of y, the
+        # others at once); the last one forms out's columns of the tile for all rows, as the combine kernel does.
+        tl.debug_barrier()  # every thread's y stored before the release below
+        lock = lock_ptr + tile
+        if tl.atomic_add(lock, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+            n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            for r0 in range(0, R, FOLD_ROWS):  # a few rows at a time: the k loads of a tile in registers at once
+                r = r0 + tl.arange(0, FOLD_ROWS)
+                _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, r, n, R, H, stride_o, K_TOP, LIVE_COUNT, ".cg")
+            tl.atomic_xchg(lock, 0)
+
+
+@triton.jit
+def _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, r, n, R, H, stride_o, K_TOP: tl.constexpr,
+                  LIVE_COUNT: tl.constexpr, CACHE: tl.constexpr):
+    """out[r, n] = sum_j w[r, j] * y[r * k + j, n] in slot order, cast to out's dtype, for rows r < R. The loads do
+    not wait for liveness (they go out with it): a padding row's pairs have no y (never computed), so its sum is
+    garbage and replaced by exact zeros."""
+    r_ok = r < R
+    n_ok = n < H
+    live = load_live(live_ptr, r, R, LIVE_COUNT) & r_ok
+    acc = tl.zeros([r.shape[0], n.shape[0]], tl.float32)
+    for j in tl.static_range(K_TOP):  # slot order, fixed
+        w = tl.load(weights_ptr + r * K_TOP + j, mask=r_ok, other=0.0, cache_modifier=CACHE)
+        acc += w[:, None] * tl.load(y_ptr + (r * K_TOP + j)[:, None] * H + n[None, :],
+                                    mask=r_ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=CACHE)
+    acc = tl.where(live[:, None], acc, 0.0)
+    tl.store(out_ptr + r[:, None] * stride_o + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -362,18 +433,9 @@ def _moe_combine_kernel(
     PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
-    r = tl.program_id(0)
+    r = tl.program_id(0) + tl.arange(0, 1)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    n_ok = n < H
-    live = load_live(live_ptr, r + 0 * n, R, LIVE_COUNT)
-    acc = tl.zeros([BLOCK], tl.float32)
-    # The loads do not wait for liveness (they go out with it): a padding row's pairs have no y (never computed),
-    # so its sum is garbage and replaced by exact zeros.
-    for j in tl.static_range(K_TOP):  # slot order, fixed
-        w = tl.load(weights_ptr + r * K_TOP + j + 0 * n)
-        acc += w * tl.load(y_ptr + (r * K_TOP + j) * H + n, mask=n_ok, other=0.0)
-    acc = tl.where(live, acc, 0.0)
-    tl.store(out_ptr + r * stride_o + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, r, n, R, H, stride_o, K_TOP, LIVE_COUNT, "")
 
 
 # ---- host wrappers ---------------------------------------------------------------------------------
@@ -429,6 +491,13 @@ def act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Te
     return q, s
 
 
+def lock_count(R: int, k: int, I: int, H: int, gate_up_block_n: int = GATE_UP_BLOCK_N,
+               down_block_n: int = 128) -> int:
+    """Arrival counters moe(locks=) needs: one per Gate/Up (pair, tile, row block), then one per Down H tile."""
+    bn = _pow2_divisor(I, gate_up_block_n)
+    return R * k * (I // bn) * triton.cdiv(R, BLOCK_M) + triton.cdiv(H, down_block_n)
+
+
 def expected_segments(pairs: int, experts: int, k: int) -> int:
     """Distinct experts to plan Gate/Up's K split for: a decode block's rows share most of their
     experts (13 for 6 rows at k = 8 on the full model; exactly k for one row). Guessing high is the
@@ -460,7 +529,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
         down_stages: int | None = None, pdl: bool = False, f16: bool = F16_OPERANDS,
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
-        fp8_down: bool = FP8_DOWN, debug: dict | None = None) -> torch.Tensor:
+        fp8_down: bool = FP8_DOWN, locks: torch.Tensor | None = None, debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -486,7 +555,12 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     weight tile as the 64+ row operand), without converting either; the products are exact but the MMA accumulates a
     tile's products in its own precision, so this is a numerical change, not qualified (its qualification missed one
     negative control: docs/PERF.md); taken on the GPU
-    for bf16/fp16 compute with down_block_n >= 64 only (debug["fp8_down"] says whether it was). `debug`,
+    for bf16/fp16 compute with down_block_n >= 64 only (debug["fp8_down"] says whether it was). `locks`: zeroed
+    int32 counters (at least `lock_count(...)`, left zeroed): with them the finalize and the combine are folded into
+    Gate/Up and Down, each done by the last program of its tile to arrive (an atomic arrival count per tile, as
+    fp8_linear's split-K sum): two launches instead of four, the same sums in the same order, so the same bits; the
+    finalize stays a launch where a Gate/Up tile is not whole act_quant groups (debug["folded"] says which were
+    folded). `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -563,6 +637,15 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         _check(compute_dtype == torch.bfloat16 and (f16 or f32),
                f"f16_input is Gate/Up's fp16 operand: it needs bf16 compute (got {compute_dtype}) with f16=True")
 
+    fold_finalize = locks is not None and bn % group == 0
+    fold_combine = locks is not None
+    if locks is not None:
+        need = lock_count(R, k, I, H, bn, down_block_n)
+        _check(locks.dtype == torch.int32 and locks.device == dev and locks.is_contiguous() and locks.numel() >= need,
+               f"locks must be contiguous int32 on {dev} with >= {need} (zeroed) counters")
+    gu_locks = P * (I // bn) * triton.cdiv(R, BLOCK_M)  # Gate/Up's counters first, then Down's
+    drop_last = bool(store_h and debug.get("drop_last_split", False))
+
     down_bk = _pow2_divisor(group, down_block_k)
     down_k_pad = max(down_bk, 32) if fp8_down else down_bk  # an E4M3 wgmma is 32 deep
     g_arg, u_arg, d_arg = gate, up, down
@@ -574,29 +657,33 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     if down_tma:
         d_arg = _descriptor(down, (down_block_n, down_bk))
     _moe_gate_up_kernel[(P, I // bn, split)](
-        x_in, xd_in, g_arg, gate_scale, u_arg, up_scale, experts, live_arg, part, programs[0], R, H, I, P,
+        x_in, xd_in, g_arg, gate_scale, u_arg, up_scale, experts, live_arg, part, programs[0],
+        locks if fold_finalize else part, act.view(torch.uint8), act_scale, hidden, counts, R, H, I, P,
         x_in.stride(0), xd_in.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=f16_input is None and compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32",
-        STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma,
-        num_warps=gate_up_warps,
+        STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma, FOLD=fold_finalize, SPLIT=split,
+        GROUP=group, STORE_H=store_h, DROP_LAST=drop_last, num_warps=gate_up_warps,
         num_stages=gate_up_stages, **launch)
-    _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
-        part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
-        SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h,
-        DROP_LAST=bool(store_h and debug.get("drop_last_split", False)), num_warps=4, **launch)
+    if not fold_finalize:
+        _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
+            part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
+            SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h, DROP_LAST=drop_last, num_warps=4, **launch)
     _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
         act, act_scale, d_arg, down_scale, experts, live_arg, y, programs[1], R, H, I,
         down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
-        num_stages=down_stages, F16=f16, TMA=down_tma, FP8=fp8_down, K_PAD_DOT=down_k_pad, **launch)
-    _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
-        y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
-        num_warps=4, **launch)
+        num_stages=down_stages, F16=f16, TMA=down_tma, FP8=fp8_down, K_PAD_DOT=down_k_pad,
+        lock_ptr=locks[gu_locks:] if fold_combine else y, weights_ptr=weights, out_ptr=out, stride_o=out.stride(0),
+        FOLD=fold_combine, **launch)
+    if not fold_combine:
+        _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
+            y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
+            num_warps=4, **launch)
     if store_h:
         debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
-                     fp8_down=fp8_down)
+                     fp8_down=fp8_down, folded=(fold_finalize, fold_combine))
     return out
 
 

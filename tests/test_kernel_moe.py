@@ -48,6 +48,7 @@ import triton.language as tl
 from iquest.kernels import moe as mk
 from iquest.kernels.f16_operands import bf16_grid
 from iquest.kernels.moe import _act_quant_tile
+from iquest.kernels.moe_route import load_live
 from iquest.reference.fp8 import act_quant as act_quant_ref, quantize
 from iquest.kernels.testing import interpreted_tests
 
@@ -128,6 +129,18 @@ CASES = [
          pattern="poison", launch=dict(tma=False)),
     case("pointer_loads_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
          down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True, launch=dict(tma=False)),
+]
+# The finalize and the combine as their own launches (moe() without locks; every case above folds them), and a Gate/Up
+# tile narrower than an act_quant group (the finalize stays a launch, the combine is folded)
+CASES += [
+    case("unfolded_8rows_random", fold=False),
+    case("unfolded_split3_padding_mask_poisoned", H=96, block_k=16, split_k=3, split=3, live="mask", pattern="poison",
+         fold=False),
+    case("unfolded_dup_32rows_k4_E6_two_row_blocks", R=32, k=4, E=6, live="mask", fold=False),
+    case("unfolded_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
+         down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True, fold=False),
+    case("fold_combine_only_gate_up_16_group_32", block=(32, 32), I=64, H=96, block_k=16, down_block_k=16,
+         gate_up_block_n=16, split_k=2, split=2),
 ]
 # Negative controls (run by the worker, not by test_interpreted): the finalize drops the last split;
 # every live pair's program works, repeated experts included.
@@ -234,12 +247,35 @@ def tiles(c: dict) -> dict:
 
 
 def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
+    """The case through mk.moe; with fold (the default, as fast/ops.py calls it) given zeroed arrival counters, which
+    debug["locks_rearmed"] then says were left zeroed."""
     out = torch.full((c["R"], c["H"]), float("nan"), dtype=DTYPES[c["out"]], device=t["x"].device)
     compute = {"compute_dtype": DTYPES[c["compute"]]} if c["compute"] else {}
+    locks = None
+    if c.get("fold", True):
+        # one spare counter past the need: it must stay zero too
+        locks = torch.zeros(fold_locks(c) + 1, dtype=torch.int32, device=t["x"].device)
     got = mk.moe(*(t[a] for a in ARGS), block=c["block"], group=c["block"][1], out_dtype=DTYPES[c["out"]],
-                 out=out, split_k=c["split_k"], debug=debug, **compute, **tiles(c), **c.get("launch", {}))
+                 out=out, split_k=c["split_k"], debug=debug, locks=locks, **compute, **tiles(c),
+                 **c.get("launch", {}))
     assert got is out
+    if debug is not None:
+        debug["locks_rearmed"] = locks is None or int(locks.abs().sum()) == 0
     return got
+
+
+def fold_locks(c: dict) -> int:
+    tl_ = tiles(c)
+    return mk.lock_count(c["R"], c["k"], c["I"], c["H"], tl_["gate_up_block_n"], tl_["down_block_n"])
+
+
+def expected_fold(c: dict) -> list[bool]:
+    """[finalize folded, combine folded]: both with counters, except a finalize whose Gate/Up tile is narrower than
+    an act_quant group."""
+    if not c.get("fold", True):
+        return [False, False]
+    bn = mk._pow2_divisor(c["I"], tiles(c)["gate_up_block_n"])
+    return [bn % c["block"][1] == 0, True]
 
 
 def expected_owners(experts: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -293,6 +329,8 @@ def run_case(c: dict, device: str) -> dict:
     res["split_counts_live"] = sorted(set(counts[~pad_pairs_cpu].tolist()))  # splits summed per live pair
     res["split_counts_pad_zero"] = bool((counts[pad_pairs_cpu] == 0).all())
 
+    res["folded"] = list(debug["folded"])
+    res["locks_rearmed"] = debug["locks_rearmed"]
     res["down_rel_err"] = _down_from_act(c, tr, pairs, debug, got)
     ref_q = mk.moe_ref(*(tr[a] for a in ARGS), block=c["block"], group=group)
     ref_f = mk.moe_ref(*(tr[a] for a in ARGS), block=c["block"], group=group, quantize_act=False)
@@ -381,6 +419,8 @@ def _check(c: dict, r: dict) -> None:
     assert r["split"] >= c.get("min_split", 1), f"split {r['split']} < {c.get('min_split')}: not the split path"
     assert r["split_counts_live"] in ([], [r["split"]]), f"splits summed per live pair: {r['split_counts_live']}"
     assert r["split_counts_pad_zero"], "the finalize touched a padding pair"
+    assert r["folded"] == expected_fold(c), f"folded (finalize, combine) {r['folded']}, expected {expected_fold(c)}"
+    assert r["locks_rearmed"], "the arrival counters were not left zeroed"
 
 
 def _check_values(c: dict, r: dict) -> None:
@@ -586,10 +626,27 @@ def sorted_moe(x, experts, weights, live, gate, gate_scale, up, up_scale, down, 
         B0=block[0], GROUP=group, BLOCK_M=mk.BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=mk._pow2_divisor(group, down_block_k), F32=mk.INTERPRETED, num_warps=4)
     live_arg = live.view(torch.uint8) if live.dtype == torch.bool else live
-    mk._moe_combine_kernel[(R, triton.cdiv(H, mk.COMBINE_BLOCK))](
+    _sorted_combine_kernel[(R, triton.cdiv(H, mk.COMBINE_BLOCK))](
         y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=mk.COMBINE_BLOCK, LIVE_COUNT=count,
         num_warps=4)
     return out, act, act_scale
+
+
+@triton.jit
+def _sorted_combine_kernel(y_ptr, weights_ptr, live_ptr, out_ptr, R, H, stride_o, K_TOP: tl.constexpr,
+                           BLOCK: tl.constexpr, LIVE_COUNT: tl.constexpr):
+    """The combine as it was (one row a program), kept as the oracle's: moe.py's now shares its body with Down's
+    folded combine."""
+    r = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n_ok = n < H
+    live = load_live(live_ptr, r + 0 * n, R, LIVE_COUNT)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(K_TOP):
+        w = tl.load(weights_ptr + r * K_TOP + j + 0 * n)
+        acc += w * tl.load(y_ptr + (r * K_TOP + j) * H + n, mask=n_ok, other=0.0)
+    acc = tl.where(live, acc, 0.0)
+    tl.store(out_ptr + r * stride_o + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 # ---- act_quant alone: ties, near-ties, subnormals, clamps ----------------------------------------------
@@ -777,20 +834,23 @@ def test_gpu(c):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "four_launches"])
 @pytest.mark.parametrize("R, x", [(1, "bf16"), (6, "bf16"), (8, "bf16"), (6, "fp32")])
-def test_gpu_graph_replay_bit_identical(R, x):
+def test_gpu_graph_replay_bit_identical(R, x, fold):
     """Full size, default split: repeated eager runs and CUDA graph replays (new x and routing copied
-    into the captured inputs, a different live count) are bit-identical to eager (no atomics). fp32 x
+    into the captured inputs, a different live count) are bit-identical to eager (the folded finalize and combine:
+    whichever program arrives last sums in the same order, and the counters re-arm across replays). fp32 x
     runs with bf16 compute, as the engine calls it."""
     c = case("g", R=R, k=8, E=256, H=6144, I=256, block=(128, 128), x=x, out="fp32", live="count")
     t, _ = build(c, "cuda")
     other, _ = build(dict(c, seed=1), "cuda")  # new inputs and routing, the same expert weights
     t2 = dict(t, x=other["x"], experts=other["experts"], weights=other["weights"],
               live=torch.tensor(R, dtype=torch.int32, device="cuda"))
+    locks = torch.zeros(mk.lock_count(R, 8, 256, 6144), dtype=torch.int32, device="cuda") if fold else None
 
     def run(src):
         return mk.moe(*(src[a] for a in ARGS), block=(128, 128), group=128, out_dtype=torch.float32,
-                      compute_dtype=torch.bfloat16)
+                      compute_dtype=torch.bfloat16, locks=locks)
 
     eager = [run(t).clone() for _ in range(2)]
     eager2 = run(t2).clone()
@@ -806,6 +866,30 @@ def test_gpu_graph_replay_bit_identical(R, x):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+    assert locks is None or int(locks.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_down", [False, True])
+@pytest.mark.parametrize("R, x", [(1, "bf16"), (6, "fp32"), (8, "bf16")])
+def test_gpu_fold_bit_identical(R, x, fp8_down):
+    """Full size, the engine's call (fp32 x with bf16 compute, or bf16; PDL): the finalize and combine folded into
+    Gate/Up and Down give the four-launch form's output, activations and scales bit for bit, with either Down."""
+    c = case("fold", R=R, k=8, E=256, H=6144, I=256, block=(128, 128), x=x, out="bf16", live="count")
+    t, live = build(c, "cuda")
+    compute = {"compute_dtype": torch.bfloat16} if x == "fp32" else {}
+    pairs = live.repeat_interleave(8).nonzero().flatten().cuda()
+    got = {}
+    for fold in (False, True):
+        locks = torch.zeros(mk.lock_count(R, 8, 256, 6144), dtype=torch.int32, device="cuda") if fold else None
+        debug = {}
+        out = mk.moe(*(t[a] for a in ARGS), block=(128, 128), group=128, locks=locks, fp8_down=fp8_down, debug=debug,
+                     pdl=True, **compute)
+        got[fold] = (out, debug["act"][pairs].view(torch.uint8), debug["act_scale"][pairs], debug["folded"])
+        assert locks is None or int(locks.abs().sum()) == 0
+    assert got[True][3] == (True, True) and got[False][3] == (False, False)
+    for a, b in zip(got[True][:3], got[False][:3]):
+        assert torch.equal(a, b)
 
 
 # Down with E4M3 operands in the tensor cores (moe(fp8_down=True)): the products are exact, the MMA accumulates a K
@@ -911,6 +995,19 @@ def test_cuda_tma_decodes_bit_identically():
     on = decode_with_logprobs("triton", "bf16")
     off = decode_with_logprobs("triton-tma", "bf16")
     assert "moe" not in on["fallbacks"] and on["tma_calls"] > 0 and off["tma_calls"] == 0
+    assert on["steps"] == off["steps"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_moe_fold_decodes_bit_identically(dtype):
+    """The finalize and combine folded into Gate/Up and Down (stage moe_fold, a default): the same tokens, logprobs and
+    acceptance sequence as the four-launch MoE through the captured decode loop, with the folded calls counted."""
+    from iquest.tests.test_kernel_launch import decode_with_logprobs
+
+    on = decode_with_logprobs("triton", dtype)
+    off = decode_with_logprobs("triton-moe_fold", dtype)
+    assert "moe" not in on["fallbacks"] and on["moe_fold_calls"] > 0 and off["moe_fold_calls"] == 0
     assert on["steps"] == off["steps"]
 
 
