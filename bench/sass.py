@@ -89,32 +89,31 @@ def specs() -> dict[str, KernelSpec]:
                       linear.num_stages, "FP8 linear, the pipelined K loop (without preload)")
     # As the engine launches them on the H200 (stage tma): the weight tiles through tensor descriptors. These are what
     # ncu profiles (Gate/Up's 188 registers at c199d16: bench/results/ncu-ops-c199d16-details.txt).
-    # Stage moe_fold: the finalize folded into Gate/Up (its 8 splits at this shape) and the combine into Down.
+    gate_up_tma = _with_descriptors(gate_up_prescaled, ("g_ptr", "u_ptr"), (1, gate_up.constexprs["BLOCK_N"],
+                                                                          gate_up.constexprs["BLOCK_K"]),
+                                    "MoE Gate/Up as the engine runs it: the norm's fp16 tiles, weights through TMA")
+    down_tma = _with_descriptors(down, ("w_ptr",), (1, down.constexprs["BLOCK_N"], down.constexprs["BLOCK_K"]),
+                                 "MoE Down as the engine runs it: weights through TMA")
+    # Stage moe_fold (opt-in): the finalize folded into Gate/Up (its 8 splits at this shape), the combine into Down
     moe_splits = mk.plan_split(6 * 8, 256, 8, 6144, 256, gate_up.constexprs["BLOCK_N"], gate_up.constexprs["BLOCK_K"],
                                None, H200_SMS)[0]
-    gate_up_tma = _with_descriptors(
-        KernelSpec(gate_up_prescaled.fn, gate_up_prescaled.types,
-                   dict(gate_up_prescaled.constexprs, FOLD=True, SPLIT=moe_splits, GROUP=128),
-                   gate_up_prescaled.div16, gate_up.num_warps, gate_up.num_stages, ""),
-        ("g_ptr", "u_ptr"), (1, gate_up.constexprs["BLOCK_N"], gate_up.constexprs["BLOCK_K"]),
-        "MoE Gate/Up as the engine runs it: the norm's fp16 tiles, weights through TMA, the finalize folded in")
-    gate_up_tma_unfolded = _with_descriptors(
-        gate_up_prescaled, ("g_ptr", "u_ptr"), (1, gate_up.constexprs["BLOCK_N"], gate_up.constexprs["BLOCK_K"]),
-        "MoE Gate/Up: the norm's fp16 tiles, weights through TMA, the finalize its own launch")
-    down_tma_unfolded = _with_descriptors(down, ("w_ptr",), (1, down.constexprs["BLOCK_N"], down.constexprs["BLOCK_K"]),
-                                          "MoE Down: weights through TMA, the combine its own launch")
-    down_tma = KernelSpec(down_tma_unfolded.fn, down_tma_unfolded.types, dict(down_tma_unfolded.constexprs, FOLD=True),
-                          down_tma_unfolded.div16, down.num_warps, down.num_stages,
-                          "MoE Down as the engine runs it: weights through TMA, the combine folded in")
+    gate_up_fold = KernelSpec(gate_up_tma.fn, gate_up_tma.types,
+                              dict(gate_up_tma.constexprs, FOLD=True, SPLIT=moe_splits, GROUP=128), gate_up_tma.div16,
+                              gate_up_tma.num_warps, gate_up_tma.num_stages, "MoE Gate/Up with the finalize folded in")
+    down_early = KernelSpec(down_tma.fn, dict(down_tma.types, w_raw_ptr="*fp8e4nv"),
+                            dict(down_tma.constexprs, EARLY=True, LINE_ELEMS=128, LINES=2), down_tma.div16,
+                            down_tma.num_warps, down_tma.num_stages,
+                            "MoE Down with early_down: routing and its tile's L2 prefetch before the wait")
+    down_fold = KernelSpec(down_tma.fn, down_tma.types, dict(down_tma.constexprs, FOLD=True), down_tma.div16,
+                           down_tma.num_warps, down_tma.num_stages, "MoE Down with the combine folded in")
     fp8_bk, fp8_stages = mk.down_tile(True)
     down_fp8 = _with_descriptors(
-        KernelSpec(down.fn, down.types, dict(down.constexprs, BLOCK_K=fp8_bk, K_PAD_DOT=fp8_bk, FP8=True, FOLD=True),
-                   down.div16,
+        KernelSpec(down.fn, down.types, dict(down.constexprs, BLOCK_K=fp8_bk, K_PAD_DOT=fp8_bk, FP8=True), down.div16,
                    down.num_warps, fp8_stages, ""),
         ("w_ptr",), (1, down.constexprs["BLOCK_N"], fp8_bk), "MoE Down with fp8_down: E4M3 wgmma, weights through TMA")
     return {"moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_gate_up_tma": gate_up_tma,
-            "moe_gate_up_tma_unfolded": gate_up_tma_unfolded, "moe_down": down, "moe_down_tma": down_tma,
-            "moe_down_tma_unfolded": down_tma_unfolded, "moe_down_fp8": down_fp8,
+            "moe_gate_up_fold": gate_up_fold, "moe_down": down, "moe_down_tma": down_tma, "moe_down_fold": down_fold,
+            "moe_down_early": down_early, "moe_down_fp8": down_fp8,
             "fp8_linear": linear, "fp8_linear_loop": loop}
 
 

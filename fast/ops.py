@@ -184,7 +184,7 @@ class TorchOps:
 # bench/results/*-242fbb5.*): MoE 37.4 -> 30.8 us a call with both, all "="; full-size round 8,108 (neither) -> 7,663
 # (f16_norm) -> 7,413 us (both), same process.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
-          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "settle", "preload", "moe_fold")
+          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "settle", "preload")
 # "settle": the round's settle step (commit, log, stop, round record) and the next drafting's inputs as one kernel
 # (kernels/settle.py) instead of ~45 torch kernels; integer bookkeeping, the same state (tests/test_kernel_settle.py).
 # "embed": the embedding lookup in one launch (kernels/embed.py) instead of eight torch kernels, six times a round;
@@ -195,9 +195,6 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # (kernels/sample.accept_settle) instead of ~50. Numerical change: the draws' cumulative sums and the residual's
 # normalizing sum are summed in the kernels' order, so a draw whose uniform lies within rounding of a boundary may
 # differ; qualification measures it (docs/PERF.md).
-# "moe_fold": the MoE's finalize and combine done by the last program of each Gate/Up and Down tile to arrive (an
-# atomic arrival count, as the FP8 linear's split-K sum): two launches a layer fewer, the same sums in the same order,
-# so the same bits (tests/test_kernel_moe.py, and a decode on and off on the GPU). Figures in docs/PERF.md.
 # "preload": the FP8 linears, the router, the norms and the attention combine (its sinks) load their constant weights
 # into registers before the PDL wait (the same values in the same dots: the same bits), so those reads overlap the
 # previous kernel. Full-size round on an H200, same process: 6,776 -> 6,591 us
@@ -207,7 +204,14 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # fp8_down): no conversions, but the MMA accumulates a tile's exact products in its own precision, so a numerical
 # change. 6,615 -> 6,448 us a full-size round on an H200, but its qualification at c199d16 caught 9 of 10 negative
 # controls (ring_exact_w not caught; every check of the healthy run passed), so only when named (docs/PERF.md).
-OPT_IN: tuple[str, ...] = ("prefetch", "fp8_down")
+# "moe_fold": the MoE's finalize and combine done by the last program of each Gate/Up and Down tile to arrive (an
+# atomic arrival count, as the FP8 linear's split-K sum): two launches a layer fewer, the same sums in the same order,
+# so the same bits (tests/test_kernel_moe.py, and a decode on and off on the GPU). Slower: a full-size round on an H200
+# 6,645 -> 7,211 us, same process (the release fence, the arrival and the one program's serial tail cost more than a
+# PDL kernel boundary; bench/results/step-full-tp8slice-ctx1k-d5-fold-038ed47.*, docs/PERF.md), so only when named.
+# "early_down": the MoE's Down reads the routing and asks L2 for its expert's weight tile before its PDL wait (the routing
+# was complete two launches earlier, kernels/launch.py): a hint, the same bits.
+OPT_IN: tuple[str, ...] = ("prefetch", "fp8_down", "moe_fold", "early_down")
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -231,6 +235,7 @@ class TritonOps(TorchOps):
         self.f16_norm = self.f16 and {"f16_norm", "moe", "norm"} <= self.stages
         self.tma = "tma" in self.stages and "moe" in self.stages
         self.fp8_down = "fp8_down" in self.stages
+        self.early_down = self.pdl and "early_down" in self.stages
         self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
         self.tma_calls = 0  # MoE calls through tensor descriptors (likewise)
         self.fp8_down_calls = 0  # MoE calls whose Down took E4M3 operands (likewise)
@@ -240,6 +245,7 @@ class TritonOps(TorchOps):
         self.settle_calls = 0  # settle steps by the one kernel (likewise)
         self.preload_calls = 0  # FP8 linear calls that preloaded their weight tiles (likewise)
         self.moe_fold_calls = 0  # MoE calls with the finalize and combine folded in (likewise)
+        self.early_down_calls = 0  # MoE calls whose Down read the routing before its wait (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -418,11 +424,13 @@ class TritonOps(TorchOps):
                                                       b.shape[1]) > locks.numel():
             locks = None
         self.moe_fold_calls += locks is not None
+        self.early_down_calls += self.early_down and self._pdl(b)
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
                            pdl=self._pdl(b), f16=self.f16,  # moe() takes it on the GPU only
-                           f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down, locks=locks)
+                           f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down, locks=locks,
+                           early_down=self.early_down)
                  for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

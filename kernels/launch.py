@@ -11,12 +11,16 @@ The contract every kernel launched with `pdl=True` keeps, so that it reads and w
 serialized launch would:
   * `wait_for_inputs(PDL)` is the first thing every program does that touches memory another kernel writes or
     reads: no activation load, no store, no atomic comes before it. Only constant weights may be read before
-    it: into L2 (`prefetch_l2`), or into registers (the FP8 linear's, the router's and the norms' `preload`).
+    it: into L2 (`prefetch_l2`), or into registers (the FP8 linear's, the router's and the norms' `preload`);
+    and data written two launches back or earlier, which the next two points make complete (MoE Down's routing,
+    `moe(early_down=True)`).
   * Every program calls it, unconditionally, so the kernel cannot complete before its predecessor has: the
     chain stays transitive for the kernel after it (which may be a plain launch: that one waits for this
     kernel's completion as usual).
   * It signals its own dependents right after the wait, not before: at most two kernels are in flight, the
-    running one and the next one's programs parked at their wait.
+    running one and the next one's programs parked at their wait. So kernel C (after B after A) is launched only
+    once every program of B has passed its wait, that is, once A has completed and its memory is visible: C is an
+    ordinary launch after A's completion, and may read what A (or anything before A) wrote without waiting.
 Arithmetic is untouched, so results are bit-identical with and without PDL (tests/test_kernel_launch.py and
 the engine's graph-vs-eager checks on the GPU).
 

@@ -66,7 +66,7 @@ import triton.language as tl
 
 from .device import FLOATS as _FLOATS, row_groups, sm_count as _sm_count
 from .f16_operands import bf16_grid, f16_rows, tile_width
-from .launch import launch_options, wait_for_inputs
+from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
@@ -341,12 +341,23 @@ def _moe_down_kernel(
     PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False, FP8: tl.constexpr = False,
     K_PAD_DOT: tl.constexpr = 0,
     lock_ptr=None, weights_ptr=None, out_ptr=None, stride_o=0, FOLD: tl.constexpr = False,
-    FOLD_ROWS: tl.constexpr = 4,
+    FOLD_ROWS: tl.constexpr = 4, EARLY: tl.constexpr = False, w_raw_ptr=None, LINE_ELEMS: tl.constexpr = 128,
+    LINES: tl.constexpr = 2,
 ):
-    wait_for_inputs(PDL)
     p = tl.program_id(0)
     tile = tl.program_id(1)
-    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
+    if EARLY:
+        # The routing was written before Gate/Up was launched, two launches back at least, so it is complete before
+        # any program of this kernel starts (kernels/launch.py): the owner and its weight tile are known before the
+        # wait, and the tile's HBM reads (into L2) overlap the previous kernel instead of following it.
+        e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
+        if run:
+            n = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), H - 1)  # clamp, do not mask (prefetch_l2)
+            prefetch_rows(w_raw_ptr + e.to(tl.int64) * H * I + n * I, 0, I, LINE_ELEMS, LINES)
+        wait_for_inputs(PDL)
+    else:
+        wait_for_inputs(PDL)
+        e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
     if STORE_RAN:
         tl.store(ran_ptr + p, run.to(tl.int32), mask=tile == 0)
 
@@ -529,7 +540,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
         down_stages: int | None = None, pdl: bool = False, f16: bool = F16_OPERANDS,
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
-        fp8_down: bool = FP8_DOWN, locks: torch.Tensor | None = None, debug: dict | None = None) -> torch.Tensor:
+        fp8_down: bool = FP8_DOWN, locks: torch.Tensor | None = None, early_down: bool = False,
+        debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -560,7 +572,9 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     Gate/Up and Down, each done by the last program of its tile to arrive (an atomic arrival count per tile, as
     fp8_linear's split-K sum): two launches instead of four, the same sums in the same order, so the same bits; the
     finalize stays a launch where a Gate/Up tile is not whole act_quant groups (debug["folded"] says which were
-    folded). `debug`,
+    folded). `early_down` (with `pdl`): Down's programs read the routing and ask L2 for their expert's weight tile
+    before the PDL wait (the routing was complete two launches earlier: kernels/launch.py), so the tile's reads overlap
+    the finalize; a hint, the same bits. `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -646,6 +660,9 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     gu_locks = P * (I // bn) * triton.cdiv(R, BLOCK_M)  # Gate/Up's counters first, then Down's
     drop_last = bool(store_h and debug.get("drop_last_split", False))
 
+    early = bool(early_down and pdl and not INTERPRETED)  # without the wait there is nothing to run ahead of
+    line_elems, lines = prefetch_lines(I, 1)
+
     down_bk = _pow2_divisor(group, down_block_k)
     down_k_pad = max(down_bk, 32) if fp8_down else down_bk  # an E4M3 wgmma is 32 deep
     g_arg, u_arg, d_arg = gate, up, down
@@ -676,14 +693,14 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
         num_stages=down_stages, F16=f16, TMA=down_tma, FP8=fp8_down, K_PAD_DOT=down_k_pad,
         lock_ptr=locks[gu_locks:] if fold_combine else y, weights_ptr=weights, out_ptr=out, stride_o=out.stride(0),
-        FOLD=fold_combine, **launch)
+        FOLD=fold_combine, EARLY=early, w_raw_ptr=down, LINE_ELEMS=line_elems, LINES=lines, **launch)
     if not fold_combine:
         _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
             y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
             num_warps=4, **launch)
     if store_h:
         debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
-                     fp8_down=fp8_down, folded=(fold_finalize, fold_combine))
+                     fp8_down=fp8_down, folded=(fold_finalize, fold_combine), early_down=early)
     return out
 
 

@@ -38,24 +38,33 @@ def test_engine_forms_compile_with_tensor_descriptors():
     specs = sass.specs()
     gate_up = sass.report(sass.compile_spec(specs["moe_gate_up_tma"]))
     assert gate_up["stack_bytes"] == 0 and 128 < gate_up["registers"] <= 255 and gate_up["mix"].get("HMMA", 0) > 0
-    fp8 = sass.compile_spec(specs["moe_down_fp8"], FOLD=False)  # folded, the combine's bf16 output converts
+    fp8 = sass.compile_spec(specs["moe_down_fp8"])
     assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in fp8.asm["ptx"]
     assert sass.report(fp8)["mix"].get("F2FP", 0) == 0
-    assert sass.report(sass.compile_spec(specs["moe_down_tma_unfolded"]))["mix"].get("F2FP", 0) > 0  # fp16 operands
+    assert sass.report(sass.compile_spec(specs["moe_down_tma"]))["mix"].get("F2FP", 0) > 0  # fp16 operands convert
 
 
 def test_folded_moe_keeps_its_occupancy():
     """The finalize and combine folded in (stage moe_fold) take their tiles a few rows at a time, so the folded
     kernels need no more registers than the unfolded ones' programs a SM allow: Gate/Up 2 (<= 255), Down 5 (<= 96 of
-    65,536 at 128 threads; 201 when the combine took 16 rows at once)."""
+    65,536 at 128 threads; 201 when the combine took 16 rows at once: the negative control)."""
     specs = sass.specs()
     regs = {name: sass.report(sass.compile_spec(specs[name]))["registers"]
-            for name in ("moe_gate_up_tma", "moe_gate_up_tma_unfolded", "moe_down_tma", "moe_down_tma_unfolded")}
-    assert specs["moe_gate_up_tma"].constexprs["FOLD"] and specs["moe_down_tma"].constexprs["FOLD"]
-    assert regs["moe_gate_up_tma"] <= 255 and regs["moe_down_tma"] <= 96, regs
-    assert regs["moe_down_tma"] <= max(96, regs["moe_down_tma_unfolded"]), regs
-    # negative control: the combine's 16 rows at once
-    assert sass.report(sass.compile_spec(specs["moe_down_tma"], FOLD_ROWS=16))["registers"] > 96
+            for name in ("moe_gate_up_fold", "moe_gate_up_tma", "moe_down_fold", "moe_down_tma")}
+    assert specs["moe_gate_up_fold"].constexprs["FOLD"] and specs["moe_down_fold"].constexprs["FOLD"]
+    assert regs["moe_gate_up_fold"] <= 255 and regs["moe_down_fold"] <= max(96, regs["moe_down_tma"]), regs
+    assert sass.report(sass.compile_spec(specs["moe_down_fold"], FOLD_ROWS=16))["registers"] > 96
+
+
+def test_early_down_prefetches_its_tile_before_the_wait():
+    """Down with early_down: the routing loads and the weight tile's L2 prefetches come before griddepcontrol.wait in the
+    PTX; the default form issues neither before it."""
+    specs = sass.specs()
+    early = sass.compile_spec(specs["moe_down_early"]).asm["ptx"]
+    head = early[:early.index("griddepcontrol.wait")]
+    assert head.count("prefetch.global.L2") >= 2 and "ld.global" in head
+    plain = sass.compile_spec(specs["moe_down_tma"]).asm["ptx"]
+    assert "prefetch.global.L2" not in plain and "ld.global" not in plain[:plain.index("griddepcontrol.wait")]
 
 
 def test_preloaded_tiles_are_all_requested_before_the_wait():

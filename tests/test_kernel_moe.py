@@ -130,21 +130,25 @@ CASES = [
     case("pointer_loads_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
          down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True, launch=dict(tma=False)),
 ]
-# The finalize and the combine as their own launches (moe() without locks; every case above folds them), and a Gate/Up
-# tile narrower than an act_quant group (the finalize stays a launch, the combine is folded)
+# The finalize and the combine folded into Gate/Up and Down (moe() given arrival counters, stage moe_fold; every case
+# above runs the four launches), and a Gate/Up tile narrower than an act_quant group (the finalize stays a launch, the
+# combine is folded)
 CASES += [
-    case("unfolded_8rows_random", fold=False),
-    case("unfolded_split3_padding_mask_poisoned", H=96, block_k=16, split_k=3, split=3, live="mask", pattern="poison",
-         fold=False),
-    case("unfolded_dup_32rows_k4_E6_two_row_blocks", R=32, k=4, E=6, live="mask", fold=False),
-    case("unfolded_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
-         down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True, fold=False),
+    case("fold_8rows_random", fold=True),
+    case("fold_split3_padding_mask_poisoned", H=96, block_k=16, split_k=3, split=3, live="mask", pattern="poison",
+         fold=True),
+    case("fold_dup_32rows_k4_E6_two_row_blocks", R=32, k=4, E=6, live="mask", fold=True),
+    case("fold_dup_31rows_count_split2", R=31, k=4, E=8, H=96, block_k=16, split_k=2, split=2, live="count",
+         fold=True),
+    case("fold_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
+         down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True, fold=True),
     case("fold_combine_only_gate_up_16_group_32", block=(32, 32), I=64, H=96, block_k=16, down_block_k=16,
-         gate_up_block_n=16, split_k=2, split=2),
+         gate_up_block_n=16, split_k=2, split=2, fold=True),
 ]
 # Negative controls (run by the worker, not by test_interpreted): the finalize drops the last split;
 # every live pair's program works, repeated experts included.
 NEG_CASE = case("neg_drop_last_split", H=128, block_k=16, split_k=3, split=3, drop_last_split=True)
+NEG_FOLD_CASE = dict(NEG_CASE, name="neg_drop_last_split_fold", fold=True)  # the same defect in the folded finalize
 NEG_DEDUP_CASE = case("neg_no_dedup", pattern="shared", no_dedup=True)
 
 FULL = dict(k=8, E=256, H=6144, I=256, block=(128, 128), x="bf16", block_k=None, down_block_n=None,
@@ -247,12 +251,12 @@ def tiles(c: dict) -> dict:
 
 
 def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
-    """The case through mk.moe; with fold (the default, as fast/ops.py calls it) given zeroed arrival counters, which
-    debug["locks_rearmed"] then says were left zeroed."""
+    """The case through mk.moe; with `fold` given zeroed arrival counters (stage moe_fold), which debug["locks_rearmed"]
+    then says were left zeroed."""
     out = torch.full((c["R"], c["H"]), float("nan"), dtype=DTYPES[c["out"]], device=t["x"].device)
     compute = {"compute_dtype": DTYPES[c["compute"]]} if c["compute"] else {}
     locks = None
-    if c.get("fold", True):
+    if c.get("fold", False):
         # one spare counter past the need: it must stay zero too
         locks = torch.zeros(fold_locks(c) + 1, dtype=torch.int32, device=t["x"].device)
     got = mk.moe(*(t[a] for a in ARGS), block=c["block"], group=c["block"][1], out_dtype=DTYPES[c["out"]],
@@ -272,7 +276,7 @@ def fold_locks(c: dict) -> int:
 def expected_fold(c: dict) -> list[bool]:
     """[finalize folded, combine folded]: both with counters, except a finalize whose Gate/Up tile is narrower than
     an act_quant group."""
-    if not c.get("fold", True):
+    if not c.get("fold", False):
         return [False, False]
     bn = mk._pow2_divisor(c["I"], tiles(c)["gate_up_block_n"])
     return [bn % c["block"][1] == 0, True]
@@ -691,10 +695,12 @@ def test_interpreted_act_quant_bit_exact(interpreted):
         assert v["q"] and v["s"], f"{group}: {v}"
 
 
-def test_interpreted_negative_control_drop_last_split(interpreted):
+@pytest.mark.parametrize("neg", [NEG_CASE, NEG_FOLD_CASE], ids=["finalize_launch", "folded_finalize"])
+def test_interpreted_negative_control_drop_last_split(interpreted, neg):
     """The checks catch a wrong split sum: with the last split dropped they fail, on a run in which the
-    broken branch summed split - 1 partials for every live pair."""
-    c, r = NEG_CASE, interpreted[NEG_CASE["name"]]
+    broken branch summed split - 1 partials for every live pair (in the finalize launch, and folded into Gate/Up)."""
+    c, r = neg, interpreted[neg["name"]]
+    assert r["folded"] == expected_fold(c), r["folded"]
     assert "error" not in r, r.get("error")
     assert r["split"] == 3 and r["act_pairs"] > 0
     assert r["split_counts_live"] == [2], f"the broken branch did not run: {r['split_counts_live']}"
@@ -834,23 +840,26 @@ def test_gpu(c):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fold", [True, False], ids=["fold", "four_launches"])
+@pytest.mark.parametrize("mode", ["four_launches", "fold", "early_down"])
 @pytest.mark.parametrize("R, x", [(1, "bf16"), (6, "bf16"), (8, "bf16"), (6, "fp32")])
-def test_gpu_graph_replay_bit_identical(R, x, fold):
+def test_gpu_graph_replay_bit_identical(R, x, mode):
     """Full size, default split: repeated eager runs and CUDA graph replays (new x and routing copied
     into the captured inputs, a different live count) are bit-identical to eager (the folded finalize and combine:
-    whichever program arrives last sums in the same order, and the counters re-arm across replays). fp32 x
+    whichever program arrives last sums in the same order, and the counters re-arm across replays; early_down, launched
+    with PDL: Down reads the routing before its wait, so new routing in every replay would show a stale read). fp32 x
     runs with bf16 compute, as the engine calls it."""
     c = case("g", R=R, k=8, E=256, H=6144, I=256, block=(128, 128), x=x, out="fp32", live="count")
     t, _ = build(c, "cuda")
     other, _ = build(dict(c, seed=1), "cuda")  # new inputs and routing, the same expert weights
     t2 = dict(t, x=other["x"], experts=other["experts"], weights=other["weights"],
               live=torch.tensor(R, dtype=torch.int32, device="cuda"))
+    fold = mode == "fold"
     locks = torch.zeros(mk.lock_count(R, 8, 256, 6144), dtype=torch.int32, device="cuda") if fold else None
+    early = dict(early_down=True, pdl=True) if mode == "early_down" else {}
 
     def run(src):
         return mk.moe(*(src[a] for a in ARGS), block=(128, 128), group=128, out_dtype=torch.float32,
-                      compute_dtype=torch.bfloat16, locks=locks)
+                      compute_dtype=torch.bfloat16, locks=locks, **early)
 
     eager = [run(t).clone() for _ in range(2)]
     eager2 = run(t2).clone()
@@ -1001,13 +1010,26 @@ def test_cuda_tma_decodes_bit_identically():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_cuda_moe_fold_decodes_bit_identically(dtype):
-    """The finalize and combine folded into Gate/Up and Down (stage moe_fold, a default): the same tokens, logprobs and
+    """The finalize and combine folded into Gate/Up and Down (opt-in stage moe_fold): the same tokens, logprobs and
     acceptance sequence as the four-launch MoE through the captured decode loop, with the folded calls counted."""
     from iquest.tests.test_kernel_launch import decode_with_logprobs
 
-    on = decode_with_logprobs("triton", dtype)
-    off = decode_with_logprobs("triton-moe_fold", dtype)
+    on = decode_with_logprobs("triton+moe_fold", dtype)
+    off = decode_with_logprobs("triton", dtype)
     assert "moe" not in on["fallbacks"] and on["moe_fold_calls"] > 0 and off["moe_fold_calls"] == 0
+    assert on["steps"] == off["steps"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_early_down_decodes_bit_identically(dtype):
+    """Down reading the routing and prefetching its tile before the PDL wait (opt-in stage early_down): the same tokens,
+    logprobs and acceptance sequence through the captured decode loop, with the early calls counted."""
+    from iquest.tests.test_kernel_launch import decode_with_logprobs
+
+    on = decode_with_logprobs("triton+early_down", dtype)
+    off = decode_with_logprobs("triton", dtype)
+    assert on["early_down_calls"] > 0 and off["early_down_calls"] == 0
     assert on["steps"] == off["steps"]
 
 
@@ -1048,6 +1070,6 @@ def test_gpu_speed_report(R):
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
-    jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + [NEG_CASE, NEG_DEDUP_CASE]]
+    jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + [NEG_CASE, NEG_FOLD_CASE, NEG_DEDUP_CASE]]
     worker_main(jobs + [("act_quant", lambda: run_act_quant("cpu")),
                         ("bf16_rounding", lambda: run_bf16_rounding("cpu"))])
