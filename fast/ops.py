@@ -209,9 +209,10 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # so the same bits (tests/test_kernel_moe.py, and a decode on and off on the GPU). Slower: a full-size round on an H200
 # 6,645 -> 7,211 us, same process (the release fence, the arrival and the one program's serial tail cost more than a
 # PDL kernel boundary; bench/results/step-full-tp8slice-ctx1k-d5-fold-038ed47.*, docs/PERF.md), so only when named.
-# "early_down": the MoE's Down reads the routing and asks L2 for its expert's weight tile before its PDL wait (the routing
-# was complete two launches earlier, kernels/launch.py): a hint, the same bits.
-OPT_IN: tuple[str, ...] = ("prefetch", "fp8_down", "moe_fold", "early_down")
+# "early": kernels read what was written two launches back or earlier before their PDL wait (kernels/launch.py): the
+# MoE's Down reads the routing and asks L2 for its expert's weight tile; attention's splits ask L2 for their first K/V
+# slots (their range follows from the positions). Hints and earlier reads of final values: the same bits.
+OPT_IN: tuple[str, ...] = ("prefetch", "fp8_down", "moe_fold", "early")
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -235,7 +236,7 @@ class TritonOps(TorchOps):
         self.f16_norm = self.f16 and {"f16_norm", "moe", "norm"} <= self.stages
         self.tma = "tma" in self.stages and "moe" in self.stages
         self.fp8_down = "fp8_down" in self.stages
-        self.early_down = self.pdl and "early_down" in self.stages
+        self.early = self.pdl and "early" in self.stages
         self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
         self.tma_calls = 0  # MoE calls through tensor descriptors (likewise)
         self.fp8_down_calls = 0  # MoE calls whose Down took E4M3 operands (likewise)
@@ -245,7 +246,7 @@ class TritonOps(TorchOps):
         self.settle_calls = 0  # settle steps by the one kernel (likewise)
         self.preload_calls = 0  # FP8 linear calls that preloaded their weight tiles (likewise)
         self.moe_fold_calls = 0  # MoE calls with the finalize and combine folded in (likewise)
-        self.early_down_calls = 0  # MoE calls whose Down read the routing before its wait (likewise)
+        self.early_calls = 0  # MoE and attention calls that read ahead of their wait (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -424,13 +425,13 @@ class TritonOps(TorchOps):
                                                       b.shape[1]) > locks.numel():
             locks = None
         self.moe_fold_calls += locks is not None
-        self.early_down_calls += self.early_down and self._pdl(b)
+        self.early_calls += self.early and self._pdl(b)
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
                            pdl=self._pdl(b), f16=self.f16,  # moe() takes it on the GPU only
                            f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down, locks=locks,
-                           early_down=self.early_down)
+                           early_down=self.early)
                  for s in range(0, b.shape[0], step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -483,9 +484,10 @@ class TritonOps(TorchOps):
                           and d >= 16 and d & (d - 1) == 0):
             return super().attention(q, kv, positions, sinks)
         # kv_len (how far a full layer's history is read) = the block's last position + 1, taken by the kernels
+        self.early_calls += self.early and self._pdl(q)
         return self._attention(q.contiguous(), kv.k, kv.v, kv.slot_pos, positions, sinks, kv.window,
                                kv.first_position, causal=kv.causal, pdl=self._pdl(q), kv_len_from_q=True,
-                               preload=self._preload(q))
+                               preload=self._preload(q), early=self.early)
 
 
 def make_ops(name: str) -> TorchOps:

@@ -26,12 +26,13 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS, sm_count as _sm_count
-from .launch import launch_options, wait_for_inputs
+from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 LOG2E = 1.4426950408889634
 MAX_MATRIX_ROWS = 128
+EARLY_SLOTS = 128  # slots a split prefetches before its wait (`early`): its first two tiles, all of one at 1K context
 
 
 @triton.jit
@@ -65,14 +66,29 @@ def _attention_split_kernel(
     G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_KV_LEN: tl.constexpr,
     SLIDING: tl.constexpr, CAUSAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
-    PDL: tl.constexpr = False, R_PAD: tl.constexpr = 16,
+    PDL: tl.constexpr = False, R_PAD: tl.constexpr = 16, EARLY_SLOTS: tl.constexpr = 0,
+    LINE_ELEMS: tl.constexpr = 64, LINES: tl.constexpr = 2,
 ):
-    wait_for_inputs(PDL)
     g = tl.program_id(0)
     split = tl.program_id(1)
-    kv_len = _load_kv_len(kv_len_ptr, S, R, HAS_KV_LEN, R_PAD)
-    split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
-    start = split * split_len
+    if EARLY_SLOTS > 0:
+        # The rows' positions (kv_len's source: HAS_KV_LEN 0 or 2) were written before the forward, two launches back or
+        # earlier, so they are complete before this kernel starts (kernels/launch.py): the split's first slots are known
+        # before the wait, and their K/V lines are requested into L2 (a hint: L2 is coherent, so a line the previous
+        # kernel is still writing is read again correctly after the wait).
+        kv_len = _load_kv_len(kv_len_ptr, S, R, HAS_KV_LEN, R_PAD)
+        split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
+        start = split * split_len
+        ahead = start + tl.arange(0, EARLY_SLOTS)
+        ahead = tl.where(ahead < tl.minimum(start + split_len, kv_len), ahead, tl.minimum(start, S - 1))  # clamp
+        prefetch_rows(k_ptr + ahead * stride_ks + g * stride_kh, 0, D, LINE_ELEMS, LINES)
+        prefetch_rows(v_ptr + ahead * stride_vs + g * stride_vh, 0, D, LINE_ELEMS, LINES)
+        wait_for_inputs(PDL)
+    else:
+        wait_for_inputs(PDL)
+        kv_len = _load_kv_len(kv_len_ptr, S, R, HAS_KV_LEN, R_PAD)
+        split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
+        start = split * split_len
     if start >= kv_len:
         return  # past the valid history: nothing read, nothing stored (combine skips it)
     end = tl.minimum(start + split_len, kv_len)
@@ -225,9 +241,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
                      num_splits: int | None = None, block_n: int = 64, min_split: int | None = None,
                      out: torch.Tensor | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
                      num_warps: int = 4, num_stages: int = 2, pdl: bool = False, one_pass: bool = True,
-                     kv_len_from_q: bool = False, preload: bool = False) -> torch.Tensor:
+                     kv_len_from_q: bool = False, preload: bool = False, early: bool = False) -> torch.Tensor:
     """Attention of R query rows over a static KV cache: q [R, Hq, D], k/v [S, Hkv, D] -> [R, Hq, D].
     `preload`: the combine reads the sinks (constant) before its PDL wait (kernels/launch.py; the same values).
+    `early` (with `pdl`, and kv_len from q_pos or none): each split asks L2 for its first EARLY_SLOTS slots' K/V lines
+    before its PDL wait (a hint: the same values).
 
     slot_pos [S] int64 (position held by each slot, -1 = empty), q_pos [R] int64, sinks [Hq] fp32 or
     None, window (sliding layers) or None, kv_len: int tensor of one element on q's device, an upper
@@ -290,6 +308,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
     _check(not (kv_len_from_q and kv_len is not None), "give kv_len or kv_len_from_q, not both")
     has_kv_len = 2 if kv_len_from_q else int(kv_len is not None)
     kv_len_arg = q_pos if kv_len_from_q else kv_len if kv_len is not None else slot_pos  # unused when mode 0
+    # early: a kv_len tensor may be written by the previous kernel, the positions not (kernels/launch.py)
+    early_slots = EARLY_SLOTS if early and pdl and has_kv_len != 1 and not INTERPRETED else 0
+    line_elems, lines = prefetch_lines(D, k.element_size())
     _attention_split_kernel[(Hkv, num_splits)](
         q, k, v, slot_pos, q_pos, kv_len_arg, part_m, part_l, part_acc,
         S, R, window or 0, first_position, LOG2E / math.sqrt(D),
@@ -297,7 +318,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
         G=G, D=D, NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(RG)), BLOCK_N=block_n,
         MIN_SPLIT=min_split, HAS_KV_LEN=has_kv_len, SLIDING=window is not None, CAUSAL=causal,
         F32=f32, PREC="ieee" if f32 else "tf32", R_PAD=max(16, triton.next_power_of_2(R)), num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, EARLY_SLOTS=early_slots, LINE_ELEMS=line_elems, LINES=lines,
         **launch_options(pdl, q.device))
     _attention_combine_kernel[(Hkv * RG,)](
         part_m, part_l, part_acc, sinks if sinks is not None else part_m, kv_len_arg, out,

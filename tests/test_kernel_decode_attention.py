@@ -148,6 +148,14 @@ def run_case(c: dict, device: str) -> dict:
                                      c["first"], num_splits=splits, out=torch.full_like(out, float("nan")),
                                      workspace=ws3, kv_len_from_q=True, **kw)
         from_q_same = bool(torch.equal(got, from_q))
+    early_same = None  # on the GPU, the splits' first K/V slots requested into L2 before the wait (a hint): the same bits
+    if t["q"].is_cuda and (from_q_same is not None or t["kv_len"] is None):
+        kv = dict(kv_len_from_q=True) if from_q_same is not None else dict(kv_len=None)
+        early = da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"], t["sinks"], window, c["first"],
+                                    num_splits=splits, out=torch.full_like(out, float("nan")),
+                                    workspace=tuple(x.clone().fill_(float("nan")) for x in ws), early=True, pdl=True,
+                                    **kv, **kw)
+        early_same = bool(torch.equal(got, early))
     kv_len = int(t["kv_len"]) if t["kv_len"] is not None else t["k"].shape[0]
     min_split = c["min_split"] or c["block_n"]
     per = max(-(-(-(-kv_len // splits)) // c["block_n"]) * c["block_n"], min_split)  # the kernels' _split_len
@@ -157,6 +165,7 @@ def run_case(c: dict, device: str) -> dict:
     return {"err": err, "finite": bool(torch.isfinite(got).all()), "ref_finite": bool(torch.isfinite(ref).all()),
             "ref_scale": ref.float().abs().max().item(), "one_pass_same": bool(torch.equal(got, loops)),
             "from_q_same": from_q_same, "preload_same": bool(torch.equal(got, pre)), "control_same": control_same,
+            "early_same": early_same,
             "live_splits": -(-kv_len // per)}
 
 
@@ -168,6 +177,7 @@ def _check(c: dict, r: dict, tol: float) -> None:
                              f"(|ref| <= {r['ref_scale']:.2f})")
     assert r["one_pass_same"], "the combine's one-pass form differs from its loops"
     assert r["preload_same"], "the sinks read before the wait changed the output"
+    assert r["early_same"] in (None, True), "the K/V prefetch before the wait changed the output"
     assert r["control_same"] is (None if not c["sinks"] else False), "a changed sink gave the same output"
     for n in (16, 17, 20, 40):  # the cases meant to take each form of the combine do
         if f"_{n}_live_splits" in c["name"]:
