@@ -184,7 +184,7 @@ class TorchOps:
 # bench/results/*-242fbb5.*): MoE 37.4 -> 30.8 us a call with both, all "="; full-size round 8,108 (neither) -> 7,663
 # (f16_norm) -> 7,413 us (both), same process.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
-          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "settle", "preload")
+          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "settle", "preload", "early")
 # "settle": the round's settle step (commit, log, stop, round record) and the next drafting's inputs as one kernel
 # (kernels/settle.py) instead of ~45 torch kernels; integer bookkeeping, the same state (tests/test_kernel_settle.py).
 # "embed": the embedding lookup in one launch (kernels/embed.py) instead of eight torch kernels, six times a round;
@@ -195,6 +195,11 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # (kernels/sample.accept_settle) instead of ~50. Numerical change: the draws' cumulative sums and the residual's
 # normalizing sum are summed in the kernels' order, so a draw whose uniform lies within rounding of a boundary may
 # differ; qualification measures it (docs/PERF.md).
+# "early": kernels read what was written two launches back or earlier before their PDL wait (kernels/launch.py): the
+# MoE's Down reads the routing and asks L2 for its expert's weight tile; attention's splits ask L2 for their first K/V
+# slots (their range follows from the positions) and its combine counts the live splits; rotary reads its factors.
+# Hints and earlier reads of final values: the same bits (the GPU tests and a decode on and off). Figures in
+# docs/PERF.md.
 # "preload": the FP8 linears, the router, the norms and the attention combine (its sinks) load their constant weights
 # into registers before the PDL wait (the same values in the same dots: the same bits), so those reads overlap the
 # previous kernel. Full-size round on an H200, same process: 6,776 -> 6,591 us
@@ -209,10 +214,7 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # so the same bits (tests/test_kernel_moe.py, and a decode on and off on the GPU). Slower: a full-size round on an H200
 # 6,645 -> 7,211 us, same process (the release fence, the arrival and the one program's serial tail cost more than a
 # PDL kernel boundary; bench/results/step-full-tp8slice-ctx1k-d5-fold-038ed47.*, docs/PERF.md), so only when named.
-# "early": kernels read what was written two launches back or earlier before their PDL wait (kernels/launch.py): the
-# MoE's Down reads the routing and asks L2 for its expert's weight tile; attention's splits ask L2 for their first K/V
-# slots (their range follows from the positions). Hints and earlier reads of final values: the same bits.
-OPT_IN: tuple[str, ...] = ("prefetch", "fp8_down", "moe_fold", "early")
+OPT_IN: tuple[str, ...] = ("prefetch", "fp8_down", "moe_fold")
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -364,7 +366,7 @@ class TritonOps(TorchOps):
             return super().rope_write(kv, q, k, v, cos, sin, rope_rows, positions, live)
         dense = (lambda t: t if t.stride(-1) == 1 and t.stride(-2) == d else t.contiguous())  # row views pass as is
         return self._rope_kv(dense(q), dense(k), dense(v), cos, sin, positions, live, kv.k, kv.v, kv.slot_pos,
-                             rope_rows=rope_rows, pdl=self._pdl(q))
+                             rope_rows=rope_rows, pdl=self._pdl(q), early=self.early)
 
     def embed(self, tokens, w):
         if not self._fits("embed", w.embed.is_contiguous()):

@@ -71,24 +71,21 @@ def _attention_split_kernel(
 ):
     g = tl.program_id(0)
     split = tl.program_id(1)
+    if EARLY_SLOTS == 0:
+        wait_for_inputs(PDL)
+    # With EARLY_SLOTS: the rows' positions (kv_len's source: HAS_KV_LEN 0 or 2) were written before the forward, two
+    # launches back or earlier, so they are complete before this kernel starts (kernels/launch.py): the split's range is
+    # known before the wait, and its first slots' K/V lines are requested into L2 (a hint: L2 is coherent, so a line the
+    # previous kernel is still writing is read again correctly after the wait).
+    kv_len = _load_kv_len(kv_len_ptr, S, R, HAS_KV_LEN, R_PAD)
+    split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
+    start = split * split_len
     if EARLY_SLOTS > 0:
-        # The rows' positions (kv_len's source: HAS_KV_LEN 0 or 2) were written before the forward, two launches back or
-        # earlier, so they are complete before this kernel starts (kernels/launch.py): the split's first slots are known
-        # before the wait, and their K/V lines are requested into L2 (a hint: L2 is coherent, so a line the previous
-        # kernel is still writing is read again correctly after the wait).
-        kv_len = _load_kv_len(kv_len_ptr, S, R, HAS_KV_LEN, R_PAD)
-        split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
-        start = split * split_len
         ahead = start + tl.arange(0, EARLY_SLOTS)
         ahead = tl.where(ahead < tl.minimum(start + split_len, kv_len), ahead, tl.minimum(start, S - 1))  # clamp
         prefetch_rows(k_ptr + ahead * stride_ks + g * stride_kh, 0, D, LINE_ELEMS, LINES)
         prefetch_rows(v_ptr + ahead * stride_vs + g * stride_vh, 0, D, LINE_ELEMS, LINES)
         wait_for_inputs(PDL)
-    else:
-        wait_for_inputs(PDL)
-        kv_len = _load_kv_len(kv_len_ptr, S, R, HAS_KV_LEN, R_PAD)
-        split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
-        start = split * split_len
     if start >= kv_len:
         return  # past the valid history: nothing read, nothing stored (combine skips it)
     end = tl.minimum(start + split_len, kv_len)
@@ -162,7 +159,7 @@ def _attention_combine_kernel(
     G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_KV_LEN: tl.constexpr, HAS_SINKS: tl.constexpr,
     PDL: tl.constexpr = False, ONE_PASS: tl.constexpr = True, R_PAD: tl.constexpr = 16,
-    PRELOAD: tl.constexpr = False,
+    PRELOAD: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
     RG = R * G
     pid = tl.program_id(0)
@@ -172,10 +169,13 @@ def _attention_combine_kernel(
     head = g * G + row % G
     if HAS_SINKS and PRELOAD:  # a constant weight: read before the wait, its HBM latency overlapping the split kernel
         sink = tl.load(sinks_ptr + head)
-    wait_for_inputs(PDL)
-    kv_len = _load_kv_len(kv_len_ptr, S, R, HAS_KV_LEN, R_PAD)
+    if not EARLY:
+        wait_for_inputs(PDL)
+    kv_len = _load_kv_len(kv_len_ptr, S, R, HAS_KV_LEN, R_PAD)  # EARLY: from the positions, as in the split kernel
     split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
     n_live = tl.cdiv(kv_len, split_len)  # <= NUM_SPLITS; later splits exited without storing
+    if EARLY:  # the partials' loads go out right after the wait, not after a load of the positions
+        wait_for_inputs(PDL)
 
     d = tl.arange(0, D)
     s = tl.arange(0, BLOCK_S)
@@ -245,7 +245,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
     """Attention of R query rows over a static KV cache: q [R, Hq, D], k/v [S, Hkv, D] -> [R, Hq, D].
     `preload`: the combine reads the sinks (constant) before its PDL wait (kernels/launch.py; the same values).
     `early` (with `pdl`, and kv_len from q_pos or none): each split asks L2 for its first EARLY_SLOTS slots' K/V lines
-    before its PDL wait (a hint: the same values).
+    before its PDL wait, and the combine computes its live splits from the positions before its wait (a hint and an
+    earlier read of final values: the same bits).
 
     slot_pos [S] int64 (position held by each slot, -1 = empty), q_pos [R] int64, sinks [Hq] fp32 or
     None, window (sliding layers) or None, kv_len: int tensor of one element on q's device, an upper
@@ -325,7 +326,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
         S, R, out.stride(0), out.stride(1),
         G=G, D=D, NUM_SPLITS=num_splits, BLOCK_S=min(16, triton.next_power_of_2(num_splits)), BLOCK_N=block_n,
         MIN_SPLIT=min_split, HAS_KV_LEN=has_kv_len, HAS_SINKS=sinks is not None, ONE_PASS=one_pass,
-        R_PAD=max(16, triton.next_power_of_2(R)), num_warps=1, PRELOAD=preload,
+        R_PAD=max(16, triton.next_power_of_2(R)), num_warps=1, PRELOAD=preload, EARLY=early_slots > 0,
         **launch_options(pdl, q.device))
     return out
 

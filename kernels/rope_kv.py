@@ -30,16 +30,21 @@ from .launch import launch_options, wait_for_inputs
 @triton.jit
 def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, rr_ptr, pos_ptr, live_ptr, qo_ptr, ck_ptr, cv_ptr, sp_ptr,
                     HQ, HKV, SLOTS, TABLE_ROWS, stride_q, stride_k, stride_v, D: tl.constexpr, HALF: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
+                    PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
+    if not EARLY:
+        wait_for_inputs(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     i = tl.arange(0, D)
     rot = tl.where(i < HALF, i + HALF, i - HALF)            # rotate_half: [-x[h:], x[:h]]
     sign = tl.where(i < HALF, -1.0, 1.0)
+    # EARLY: the rows' table rows come from the positions, written before the forward (two launches back or earlier,
+    # kernels/launch.py), and the tables are constant: the factors are read before the wait, q/k/v after it.
     t = tl.minimum(tl.load(rr_ptr + row), TABLE_ROWS - 1)  # padding rows may run past the tables
     c = tl.load(cos_ptr + t * D + i)
     s = tl.load(sin_ptr + t * D + i)
+    if EARLY:
+        wait_for_inputs(PDL)
     if head < HQ:
         base = row * stride_q + head * D
         x = tl.load(q_ptr + base + i)
@@ -73,12 +78,13 @@ def _check(cond: bool, message: str) -> None:
 def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             positions: torch.Tensor, live: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
             slot_pos: torch.Tensor, *, rope_rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
-            pdl: bool = False) -> torch.Tensor:
+            pdl: bool = False, early: bool = False) -> torch.Tensor:
     """Rotated q [R, Hq, D] (returned, contiguous); rotated k and v written to `cache_k`/`cache_v` [slots + 1, Hkv, D]
     at each row's slot, `slot_pos` [slots + 1] updated. cos/sin: rotary tables [T, D] in q's dtype, row r rotated by
     their row `rope_rows[r]` (int64 [R]; default `positions`; clamped to T - 1, which only padding rows reach); live
     bool [R]. q, k and v may be column slices of one projection's rows (any row stride; heads and head_dim dense
-    within a row)."""
+    within a row). `early` (with `pdl`): the rotary factors are read before the PDL wait (the positions and tables are
+    final by then: kernels/launch.py); the same bits."""
     _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q, k, v must be [R, heads, D]")
     R, HQ, D = q.shape
     HKV = k.shape[1]
@@ -111,7 +117,8 @@ def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor
     options = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}  # no FMA: torch's roundings
     _rope_kv_kernel[(R, HQ + HKV)](q, k, v, cos, sin, rope_rows, positions, live.view(torch.uint8), out, cache_k,
                                    cache_v, slot_pos, HQ, HKV, slots, cos.shape[0], q.stride(0), k.stride(0),
-                                   v.stride(0), D=D, HALF=D // 2, **options, **launch_options(pdl, q.device))
+                                   v.stride(0), D=D, HALF=D // 2, EARLY=bool(early and pdl), **options,
+                                   **launch_options(pdl, q.device))
     return out
 
 

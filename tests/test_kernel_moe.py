@@ -1024,12 +1024,12 @@ def test_cuda_moe_fold_decodes_bit_identically(dtype):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_cuda_early_decodes_bit_identically(dtype):
     """Down reading the routing and prefetching its tile, attention prefetching its first K/V slots, before the PDL wait
-    (opt-in stage early): the same tokens, logprobs and acceptance sequence through the captured decode loop, with the
+    (stage early): the same tokens, logprobs and acceptance sequence through the captured decode loop, with the
     early calls counted."""
     from iquest.tests.test_kernel_launch import decode_with_logprobs
 
-    on = decode_with_logprobs("triton+early", dtype)
-    off = decode_with_logprobs("triton", dtype)
+    on = decode_with_logprobs("triton", dtype)  # early is a default stage
+    off = decode_with_logprobs("triton-early", dtype)
     assert on["early_calls"] > 0 and off["early_calls"] == 0
     assert on["steps"] == off["steps"]
 

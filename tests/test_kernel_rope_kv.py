@@ -77,8 +77,10 @@ def run_case(c: dict, device: str) -> dict:
     before = [t.clone() for t in cache]
     want_k, want_v, want_sp = cache[0].clone(), cache[1].clone(), slot_pos.clone()
     want_q = rk.rope_kv_ref(q, k, v, table_cos, table_sin, positions, live, want_k, want_v, want_sp, rope_rows)
+    early = dict(early=True, pdl=True) if c.get("early") else {}  # the factors read before the PDL wait (GPU)
     got_q = rk.rope_kv(q, k, v, table_cos, table_sin, positions, live, cache[0], cache[1], slot_pos,
-                       rope_rows=None if "row_shift" not in c else rope_rows, out=torch.full_like(q, float("nan")))
+                       rope_rows=None if "row_shift" not in c else rope_rows, out=torch.full_like(q, float("nan")),
+                       **early)
 
     def rel(a, b):  # relative to the largest value: rotation sums cancel, so per-element ratios mean nothing
         a, b = a.float().cpu(), b.float().cpu()
@@ -163,6 +165,13 @@ def test_rejects_bad_inputs(over, message):
 @pytest.mark.parametrize("c", CASES + GPU_CASES, ids=[c["name"] for c in CASES + GPU_CASES])
 def test_gpu(c):
     _check(c, run_case(c, "cuda"), interpreted=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GPU_CASES, ids=[c["name"] for c in GPU_CASES])
+def test_gpu_early(c):
+    """With PDL and the rotary factors read before the wait (stage early): still torch's bits."""
+    _check(c, run_case(dict(c, early=True), "cuda"), interpreted=False)
 
 
 def _negative_control() -> dict:
