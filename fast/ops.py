@@ -198,8 +198,8 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # "early": kernels read what was written two launches back or earlier before their PDL wait (kernels/launch.py): the
 # MoE's Down reads the routing and asks L2 for its expert's weight tile; attention's splits ask L2 for their first K/V
 # slots (their range follows from the positions) and its combine counts the live splits; rotary reads its factors.
-# Hints and earlier reads of final values: the same bits (the GPU tests and a decode on and off). Figures in
-# docs/PERF.md.
+# Hints and earlier reads of final values: the same bits (the GPU tests and a decode on and off). Full-size round on an
+# H200, same process: 6,635 -> 6,533 us (bench/results/step-full-tp8slice-ctx1k-d5-early-4d25f80.*; docs/PERF.md).
 # "preload": the FP8 linears, the router, the norms and the attention combine (its sinks) load their constant weights
 # into registers before the PDL wait (the same values in the same dots: the same bits), so those reads overlap the
 # previous kernel. Full-size round on an H200, same process: 6,776 -> 6,591 us
