@@ -135,3 +135,16 @@ class ByteCounter:
 def round_bytes(config: Config, tp: int, context: int, k: int, routing: RoundRouting | None = None,
                 rank: int = 0, act_bytes: int = 2, router_bytes: int = 2) -> dict:
     return ByteCounter(config, tp, rank, act_bytes, router_bytes).round(context, k, routing)
+
+
+# Which of a round's byte items each profiled stage of bench/full_step.py reads (its labels in fast/model.py and
+# fast/round.py): the per-stage floors. The embedding rows (a few KB) belong to no labelled stage.
+STAGE_ITEMS = {"attention": ("attention_weights", "kv"), "moe": ("router", "experts"), "norm": ("norms",),
+               "lm_head": ("lm_head",), "draft": ("eh_proj",)}
+
+
+def stage_bytes(breakdown: dict) -> dict[str, int]:
+    """Bytes per profiled stage of one round's `ByteCounter.round` breakdown (verification and drafting together)."""
+    return {stage: sum(part.get(item, 0) for part in (breakdown["verify"], breakdown["draft"]) for item in items)
+            for stage, items in STAGE_ITEMS.items()}
+

@@ -24,7 +24,7 @@ from ..fast.memory import rank_weight_bytes
 from ..fast.rank import EngineOptions, RankEngine, Request
 from ..fast.synthetic import synthetic_parallel, synthetic_weights
 from ..reference.config import Config, GenerationConfig
-from .bytes import ByteCounter, RoundRouting
+from .bytes import STAGE_ITEMS, ByteCounter, RoundRouting, stage_bytes
 from .acceptance import tpot
 from .history import fill_history, synthetic_history
 from .timing import sync, time_chunk
@@ -253,7 +253,9 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
                   "breakdown_first_round": per_round[0] if per_round else None, "breakdown_upper": upper,
                   "distinct_experts_verify_mean": statistics.mean(statistics.mean(r.verify) for r in routings)
                   if routings else None,
-                  "distinct_experts_verify_upper": counter.upper_bound_experts(drafts + 1)}
+                  "distinct_experts_verify_upper": counter.upper_bound_experts(drafts + 1),
+                  "stages": {k: statistics.median(stage_bytes(b)[k] for b in per_round) for k in STAGE_ITEMS}
+                  if per_round else stage_bytes(upper)}
     best = summary[main]["median_round_us"]
     profile = tpot(best, drafts)
     floor = None
@@ -261,6 +263,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
         floor = {"bandwidth_bytes_per_s": bandwidth, "floor_us": (measured or upper["total"]) / bandwidth * 1e6,
                  "floor_upper_us": upper["total"] / bandwidth * 1e6, "variant": main}
         floor["ratio"] = best / floor["floor_us"]
+        floor["stages_us"] = {k: v / bandwidth * 1e6 for k, v in bytes_info["stages"].items()}
     stages = {}
     if profile_rounds:
         for k, m in variants:
@@ -337,6 +340,12 @@ def _print(r: dict) -> None:
               f"{f['variant']} at {f['ratio']:.2f}x the floor (target <= {TARGET_FLOOR_RATIO}x)")
     else:
         print("byte floor: skipped (no CUDA device)")
+    eager = r["stages_us_per_round"].get(r["main_variant"].split("/")[0] + "/eager")
+    if f and eager and f.get("stages_us"):  # graph replays carry no stage labels: the same kernels' eager row
+        cols = "  ".join(f"{k} {eager[k]:.0f}/{f['stages_us'][k]:.0f} ({eager[k] / f['stages_us'][k]:.1f}x)"
+                         for k in f["stages_us"] if f["stages_us"][k] > 0)
+        print(f"stages against their byte floors, {r['main_variant'].split('/')[0]}/eager (us/round, measured/floor): "
+              f"{cols}")
     for key, st in r["stages_us_per_round"].items():
         if key.endswith("/graph"):  # replays carry no stage labels: only busy and wall mean something
             print(f"stages, {key} (us/round): [wall {st['wall']:.0f}] not attributed: graph replays carry no stage "

@@ -7,7 +7,9 @@ on this rank's slice I_r of every expert's intermediate dimension (Down is row-p
 all-reduces `out`). At decode the work is a weight stream (a few rows against ~k..R*k experts'
 E4M3 weights), so every launch is laid out to read each chosen expert's bytes once, spread over
 the whole GPU. Four launches, no host sync, grids sized for the worst case (programs with nothing
-to do exit at once), no atomics: eager runs and graph replays are bit-identical.
+to do exit at once), no atomics: eager runs and graph replays are bit-identical. (Opt-in, `locks`: the
+finalize and the combine folded into Gate/Up and Down by an atomic arrival count per tile, the same sums
+in the same order; measured slower than four launches under PDL, docs/PERF.md.)
 
 No grouping launch: a row's k experts are distinct, so the rows that chose expert e are exactly the
 live rows r with e in experts[r, :], each at one slot j_r, and a program finds them itself. Gate/Up

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from iquest.bench.bytes import ByteCounter, RoundRouting, round_bytes
+from iquest.bench.bytes import ByteCounter, RoundRouting, round_bytes, stage_bytes
 from iquest.cli.main import main
 from iquest.fast import weights as fast_weights
 from iquest.fast.parallel import Parallel
@@ -79,6 +79,11 @@ def test_byte_count_by_hand_tiny_tp2():
     assert measured["draft"]["experts"] == 11 * expert
     assert measured["draft"]["embedding_rows"] == (2 + 4) * norm
     assert measured["total"] == upper["total"] - (32 - 18) * expert - (16 - 11) * expert - 4 * norm
+    # per profiled stage: every item but the embedding rows, once
+    per_stage = stage_bytes(measured)
+    assert per_stage == {"attention": 9 * 6248 + 3 * 2048 + 6400 + 5 * 2048, "moe": 9 * router + 29 * expert,
+                         "norm": 34 * norm, "lm_head": 6 * lm_head, "draft": 5 * eh_proj}
+    assert sum(per_stage.values()) == measured["total"] - (6 + 6) * norm
 
 
 def test_byte_count_replicated_kv_heads():
@@ -129,6 +134,8 @@ def test_cpu_smoke_run(tmp_path, capsys):
     assert b["rounds_recorded"] >= 1 and 0 < b["measured_median"] <= b["upper_bound"]
     stages = r["stages_us_per_round"]["torch/eager"]
     assert stages["attention"] > 0 and stages["moe"] > 0 and stages["sampling"] > 0
+    assert set(b["stages"]) == {"attention", "moe", "norm", "lm_head", "draft"} <= set(stages)
+    assert all(v > 0 for v in b["stages"].values()) and b["stages"]["moe"] < b["measured_median"]
 
 
 def test_routing_recorder_counts_every_moe_call_of_eager_rounds():

@@ -460,7 +460,7 @@ def _check_owners(c: dict, r: dict) -> None:
 # ---- the five-launch form moe.py replaced: the bit-identity reference -----------------------------------
 # sorted_groups sorts the live pairs by expert into segments; Gate/Up and Down ran one program per segment on
 # its rows packed into the tile in pair order; the finalize walked the sorted order. Kernels as they were
-# (the finalize's debug switches off); the combine is unchanged and shared.
+# (the finalize's debug switches off), the combine included (_sorted_combine_kernel).
 @triton.jit
 def _sorted_gate_up_kernel(
     x_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, order_ptr, seg_e_ptr, seg_start_ptr, seg_len_ptr, part_ptr,
