@@ -244,9 +244,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
                      kv_len_from_q: bool = False, preload: bool = False, early: bool = False) -> torch.Tensor:
     """Attention of R query rows over a static KV cache: q [R, Hq, D], k/v [S, Hkv, D] -> [R, Hq, D].
     `preload`: the combine reads the sinks (constant) before its PDL wait (kernels/launch.py; the same values).
-    `early` (with `pdl`, and kv_len from q_pos or none): each split asks L2 for its first EARLY_SLOTS slots' K/V lines
-    before its PDL wait, and the combine computes its live splits from the positions before its wait (a hint and an
-    earlier read of final values: the same bits).
+    `early` (with `pdl`, and kv_len from q_pos or none), for a caller whose q_pos was written two launches back or
+    earlier (then final: kernels/launch.py): each split asks L2 for its first EARLY_SLOTS slots' K/V lines before its
+    PDL wait, and the combine computes its live splits from the positions before its wait (a hint and an earlier read
+    of final values: the same bits).
 
     slot_pos [S] int64 (position held by each slot, -1 = empty), q_pos [R] int64, sinks [Hq] fp32 or
     None, window (sliding layers) or None, kv_len: int tensor of one element on q's device, an upper

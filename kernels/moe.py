@@ -507,8 +507,12 @@ def act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Te
 def lock_count(R: int, k: int, I: int, H: int, gate_up_block_n: int = GATE_UP_BLOCK_N,
                down_block_n: int = 128) -> int:
     """Arrival counters moe(locks=) needs: one per Gate/Up (pair, tile, row block), then one per Down H tile."""
-    bn = _pow2_divisor(I, gate_up_block_n)
-    return R * k * (I // bn) * triton.cdiv(R, BLOCK_M) + triton.cdiv(H, down_block_n)
+    return _gate_up_locks(R, k, I, _pow2_divisor(I, gate_up_block_n)) + triton.cdiv(H, down_block_n)
+
+
+def _gate_up_locks(R: int, k: int, I: int, bn: int) -> int:
+    """Gate/Up's counters, first in `locks`: its kernel indexes them (pair, tile, row block) the same way."""
+    return R * k * (I // bn) * triton.cdiv(R, BLOCK_M)
 
 
 def expected_segments(pairs: int, experts: int, k: int) -> int:
@@ -659,7 +663,6 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         need = lock_count(R, k, I, H, bn, down_block_n)
         _check(locks.dtype == torch.int32 and locks.device == dev and locks.is_contiguous() and locks.numel() >= need,
                f"locks must be contiguous int32 on {dev} with >= {need} (zeroed) counters")
-    gu_locks = P * (I // bn) * triton.cdiv(R, BLOCK_M)  # Gate/Up's counters first, then Down's
     drop_last = bool(store_h and debug.get("drop_last_split", False))
 
     early = bool(early_down and pdl and not INTERPRETED)  # without the wait there is nothing to run ahead of
@@ -694,7 +697,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
         num_stages=down_stages, F16=f16, TMA=down_tma, FP8=fp8_down, K_PAD_DOT=down_k_pad,
-        lock_ptr=locks[gu_locks:] if fold_combine else y, weights_ptr=weights, out_ptr=out, stride_o=out.stride(0),
+        lock_ptr=locks[_gate_up_locks(R, k, I, bn):] if fold_combine else y, weights_ptr=weights, out_ptr=out, stride_o=out.stride(0),
         FOLD=fold_combine, EARLY=early, w_raw_ptr=down, LINE_ELEMS=line_elems, LINES=lines, **launch)
     if not fold_combine:
         _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](

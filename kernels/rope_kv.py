@@ -83,8 +83,8 @@ def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor
     at each row's slot, `slot_pos` [slots + 1] updated. cos/sin: rotary tables [T, D] in q's dtype, row r rotated by
     their row `rope_rows[r]` (int64 [R]; default `positions`; clamped to T - 1, which only padding rows reach); live
     bool [R]. q, k and v may be column slices of one projection's rows (any row stride; heads and head_dim dense
-    within a row). `early` (with `pdl`): the rotary factors are read before the PDL wait (the positions and tables are
-    final by then: kernels/launch.py); the same bits."""
+    within a row). `early` (with `pdl`): the rotary factors are read before the PDL wait, for a caller whose rope_rows
+    were written two launches back or earlier (then final: kernels/launch.py); the same bits."""
     _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q, k, v must be [R, heads, D]")
     R, HQ, D = q.shape
     HKV = k.shape[1]

@@ -269,8 +269,8 @@ def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
 
 
 def fold_locks(c: dict) -> int:
-    tl_ = tiles(c)
-    return mk.lock_count(c["R"], c["k"], c["I"], c["H"], tl_["gate_up_block_n"], tl_["down_block_n"])
+    t = tiles(c)
+    return mk.lock_count(c["R"], c["k"], c["I"], c["H"], t["gate_up_block_n"], t["down_block_n"])
 
 
 def expected_fold(c: dict) -> list[bool]:
