@@ -154,7 +154,8 @@ def decode_session(engine: RankEngine, model_dir: str, case: Case, tol: str, run
     result = score(blocks, ref, stream, params, tol_rel, engine.config.sliding_window, ring,
                    engine.model.w.vocab_offset, full_vocab=engine.par.world == 1,
                    sampler_tol=tolerances.value("numerics.sampler", tol),
-                   router_tol=tolerances.value("numerics.router", tol))
+                   router_tol=tolerances.value("numerics.router", tol),
+                   window_tol=tolerances.value("cache.window", tol))
     session = Session(case, steps, blocks, result.scores, result.round_ratio, ring, params)
     session.agreement_rows = agreement(dist_engine or engine, model_dir, case, params, out, _acceptance(steps), result.round_ratio,
                                        tol_rel)
@@ -198,7 +199,7 @@ def session_rows(sessions: list[Session], classes: list[str]) -> list[Row]:
         merged.merge(s.scores)
     rows = []
     metrics = sorted({m for m, _ in merged.table},
-                     key=lambda m: ("logits", "hidden", "kl", "topk", "sampler", "router").index(m.split(".")[1]))
+                     key=lambda m: ("logits", "hidden", "kl", "topk", "sampler", "router", "window").index(m.split(".")[1]))
     for m in metrics:
         for c in classes:
             if m == "numerics.router" and not c.startswith("draft_depth"):

@@ -73,8 +73,11 @@ REGISTRY: list[Control] = [
     Control("ring_exact_w", "sliding-window ring of exactly W slots (no 64-slot slack)", frozenset(), 0,
             # Held to the main layers' reused ring slots only. The MTP layer's ring shrinks too, and in bf16 with the
             # fallback the defect showed only there (numerics.hidden/draft_depth1, GPU run at afb0573); accepting that
-            # would let a main-layer ring defect pass, so that run stays a failure (see docs/PERF.md).
-            (("numerics.logits", "ring_reused"),), "decode", lambda s, d: _ring_wrapped(s),
+            # would let a main-layer ring defect pass, so that run stays a failure (see docs/PERF.md). The evicted keys
+            # move bf16 logits by less than their tolerance (docs/PERF.md), so the structural check is the one that
+            # holds it in bf16; the numerical one is kept, and its margin reported.
+            (("cache.window", "ring_reused"), ("numerics.logits", "ring_reused")), "decode",
+            lambda s, d: _ring_wrapped(s),
             "verification blocks written after the W-slot ring wrapped"),
     Control("drop_sink", "attention sink logit dropped from the softmax denominator", frozenset({"drop_sink"}), None,
             (("numerics.logits", "prefill"),), "decode", lambda s, d: _forward_rows(s),

@@ -40,6 +40,7 @@ from ..reference.checkpoint import layer_prefix
 from ..reference.model import ReferenceModel
 from ..reference.sampling import Dist, SamplingParams
 from .router import swap_ratio
+from .window import record_window
 
 VERIFY_ROWS = 8
 METRICS = ("numerics.logits", "numerics.hidden", "numerics.kl", "numerics.topk", "numerics.sampler")
@@ -62,6 +63,7 @@ class Block:
     hidden: torch.Tensor        # [R, H] float64
     dists: list = field(default_factory=list)  # (row, ids [K], probs [K], input logits [V/tp]) per runner.dist row
     taps: dict | None = None    # draft blocks of a Recorder(taps=True): the fast model's activation taps
+    window: list | None = None  # per row (missing window positions, why): qualify/window.py; None: no sliding layer
 
 
 class Recorder:
@@ -79,6 +81,7 @@ class Recorder:
     def _record(self, kind, tokens, positions, live, logits, hidden, round_, depth):
         self.blocks.append(Block(kind, round_, depth, tokens.tolist(), positions.tolist(), live.tolist(),
                                  logits.detach().double().cpu(), hidden.detach().double().cpu()))
+        record_window(self.blocks[-1], self.engine.model.cache, self.engine.config)  # the ring as the rows read it
 
     @contextmanager
     def active(self):
@@ -389,10 +392,11 @@ def router_weight(ref: ReferenceModel) -> torch.Tensor:
 
 def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: SamplingParams, tol_rel: float,
           window: int, ring: int, vocab_offset: int = 0, full_vocab: bool = True, sampler_tol: float = 1e-5,
-          router_tol: float = 1.0) -> ReplayResult:
+          router_tol: float = 1.0, window_tol: float = 0.0) -> ReplayResult:
     """Every recorded row against the stream-true reference. Draft rows recorded with taps also get
     numerics.router (qualify/router.py): a swap of MTP experts that the engine's own MoE input explains is
-    scored against the reference recomputed with the engine's experts."""
+    scored against the reference recomputed with the engine's experts. Every live row of a block recorded with its
+    ring (Block.window) gets cache.window, whether or not the reference covers it."""
     sr = StreamReference(ref, stream)
     router_w = router_weight(ref)
     scores, round_ratio = Scores(), {}
@@ -406,6 +410,9 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
                 continue
             classes = row_classes(b, i, window, ring)
             where = f"{b.kind} round {b.round} row {i} position {b.positions[i]}"
+            if b.window is not None and b.live[i]:
+                missing, why = b.window[i]
+                scores.add("cache.window", classes, float(missing), window_tol, f"{where}: {why}" if why else where)
             if r[0] == "uncovered":
                 uncovered += 1
                 continue

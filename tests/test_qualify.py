@@ -47,6 +47,8 @@ def test_report_structure(report):
     for cls in classes_all():  # every position class is reported on its own, and was exercised
         assert ("numerics.logits", cls) in rows
         assert next(c for c in report["checks"] if (c["check"], c["class"]) == ("numerics.logits", cls))["rows"] > 0
+        window = next(c for c in report["checks"] if (c["check"], c["class"]) == ("cache.window", cls))
+        assert window["rows"] > 0 and window["worst"] == 0  # the ring held every row's window (qualify/window.py)
     for check in ("decode.tokens", "decode.acceptance", "stability.reference", "stability.candidate", "lossless"):
         assert any(c["check"] == check for c in report["checks"]), check
 
