@@ -184,7 +184,7 @@ class TorchOps:
 # bench/results/*-242fbb5.*): MoE 37.4 -> 30.8 us a call with both, all "="; full-size round 8,108 (neither) -> 7,663
 # (f16_norm) -> 7,413 us (both), same process.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
-          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "settle", "preload", "early")
+          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "settle", "preload", "early", "fp8_down")
 # "settle": the round's settle step (commit, log, stop, round record) and the next drafting's inputs as one kernel
 # (kernels/settle.py) instead of ~45 torch kernels; integer bookkeeping, the same state (tests/test_kernel_settle.py).
 # "embed": the embedding lookup in one launch (kernels/embed.py) instead of eight torch kernels, six times a round;
@@ -206,15 +206,17 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # (bench/results/step-full-tp8slice-ctx1k-d5-67412c6.*; docs/PERF.md).
 # Only when named, e.g. "triton+prefetch": measured at 0.2% of a round, within reach of noise (same file).
 # "fp8_down": the MoE's Down takes its E4M3 activations and weights into the tensor cores as E4M3 (kernels/moe.py
-# fp8_down): no conversions, but the MMA accumulates a tile's exact products in its own precision, so a numerical
-# change. 6,615 -> 6,448 us a full-size round on an H200, but its qualification at c199d16 caught 9 of 10 negative
-# controls (ring_exact_w not caught; every check of the healthy run passed), so only when named (docs/PERF.md).
+# fp8_down; bf16/fp16 compute on the GPU only, `fp8_down_applies`): no conversions, but the MMA accumulates a tile's
+# exact products in its own precision, so a numerical change. 6,615 -> 6,448 us a full-size round on an H200
+# (c199d16). Qualified at 3594ef6 (docs/PERF.md): every check of the healthy run passed and 10 of 10 negative controls
+# were caught, ring_exact_w by the structural cache.window check (bench/results/qualify-mini-cuda-bf16-fp8down-3594ef6.*);
+# at c199d16, before that check, the bf16 logits alone held that control only by the default's rounding noise.
 # "moe_fold": the MoE's finalize and combine done by the last program of each Gate/Up and Down tile to arrive (an
 # atomic arrival count, as the FP8 linear's split-K sum): two launches a layer fewer, the same sums in the same order,
 # so the same bits (tests/test_kernel_moe.py, and a decode on and off on the GPU). Slower: a full-size round on an H200
 # 6,645 -> 7,211 us, same process (the release fence, the arrival and the one program's serial tail cost more than a
 # PDL kernel boundary; bench/results/step-full-tp8slice-ctx1k-d5-fold-038ed47.*, docs/PERF.md), so only when named.
-OPT_IN: tuple[str, ...] = ("prefetch", "fp8_down", "moe_fold")
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold")
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
