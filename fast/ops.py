@@ -497,7 +497,18 @@ class TritonOps(TorchOps):
 def make_ops(name: str) -> TorchOps:
     """"torch", "triton" (every qualified stage), or a '+'-joined list of stages, where "triton" stands for
     STAGES: e.g. "linear+attention", "triton+prefetch"; "-stage" drops a stage from what its part has so far, e.g.
-    "triton-settle" (every qualified stage but settle: the A/B of one stage)."""
+    "triton-settle" (every qualified stage but settle: the A/B of one stage). "~op" (benchmarks only) removes an op
+    from the round, e.g. "triton~moe": fast/ablation.py."""
+    name, *ablated = name.split("~")
+    ops = _make_ops(name)
+    if ablated:
+        from .ablation import ablate
+
+        ablate(ops, set(ablated))
+    return ops
+
+
+def _make_ops(name: str) -> TorchOps:
     if name == "torch":
         return TorchOps()
     stages: list[str] = []
