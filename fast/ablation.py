@@ -63,13 +63,43 @@ def _stub(method: Callable, calls: dict) -> Callable:
     return run
 
 
+def pinned_experts(rows: int, k: int, distinct: int, like: torch.Tensor) -> torch.Tensor:
+    """experts[r, j] = (r k + j) mod distinct: each row's k choices distinct (distinct >= k), the block's `distinct`
+    experts in all (min(distinct, rows k)), as `like`'s dtype and device."""
+    r = torch.arange(rows, device=like.device)[:, None] * k + torch.arange(k, device=like.device)[None, :]
+    return (r % distinct).to(like.dtype)
+
+
+def _pinned_route(method: Callable, calls: dict, distinct: int) -> Callable:
+    """route's stub with its expert count pinned: the op's own outputs once per shape, then fixed experts
+    (`pinned_experts`) with equal weights, so that the MoE after it reads the same bytes whatever the values."""
+    kept: dict[tuple, tuple] = {}
+
+    def run(*args, **kwargs):
+        key = _key(args, kwargs)
+        if key not in kept:
+            weights, experts, scores = method(*args, **kwargs)
+            rows, k = experts.shape
+            kept[key] = (torch.full_like(weights, 1.0 / k), pinned_experts(rows, k, distinct, experts), scores.clone())
+        else:
+            calls[method.__name__] = calls.get(method.__name__, 0) + 1
+        return kept[key]
+    return run
+
+
 def ablate(ops, names: set[str]) -> None:
-    """Stub the named ops on this `ops` instance; `ops.ablated_calls` counts the calls that launched nothing."""
-    unknown = set(names) - set(ABLATABLE)
-    if unknown:
-        raise ValueError(f"unknown ablation {sorted(unknown)}: choose from {sorted(ABLATABLE)}")
-    ops.ablated = frozenset(names)
+    """Stub the named ops on this `ops` instance; `ops.ablated_calls` counts the calls that launched nothing.
+    "route:D" pins the routing to D distinct experts a block (`_pinned_route`) instead of keeping its first result:
+    the other ablations change the values, hence the routing, hence the MoE's bytes, so they are compared with it."""
+    parsed = {n.partition(":")[0]: n.partition(":")[2] for n in names}
+    unknown = set(parsed) - set(ABLATABLE)
+    if unknown or any(v and (n != "route" or not v.isdigit() or int(v) < 1) for n, v in parsed.items()):
+        raise ValueError(f"unknown ablation {sorted(names)}: choose from {sorted(ABLATABLE)} (route:D with D >= 1 "
+                         f"distinct experts)")
+    ops.ablated = frozenset(parsed)
     ops.ablated_calls = {}
-    for name in names:
+    for name, arg in parsed.items():
         for method in ABLATABLE[name]:
-            setattr(ops, method, _stub(getattr(ops, method), ops.ablated_calls))
+            stub = _pinned_route(getattr(ops, method), ops.ablated_calls, int(arg)) if arg else \
+                _stub(getattr(ops, method), ops.ablated_calls)
+            setattr(ops, method, stub)

@@ -4,8 +4,10 @@ result per shape is returned from then on (no launches), and the ablation really
 from __future__ import annotations
 
 import pytest
+import torch
+from hypothesis import given, strategies as st
 
-from iquest.fast.ablation import ABLATABLE
+from iquest.fast.ablation import ABLATABLE, pinned_experts
 from iquest.fast.ops import TorchOps, make_ops
 from iquest.fast.parallel import Parallel
 from iquest.fast.rank import EngineOptions, RankEngine
@@ -30,5 +32,31 @@ def test_ablated_ops_launch_once_per_shape_and_change_the_output():
 
 def test_ablation_names_are_checked():
     assert isinstance(make_ops("torch"), TorchOps) and not hasattr(make_ops("torch"), "ablated")
-    with pytest.raises(ValueError, match="unknown ablation"):
-        make_ops("torch~bogus")
+    for bad in ("torch~bogus", "torch~route:0", "torch~route:x", "torch~moe:3"):
+        with pytest.raises(ValueError, match="unknown ablation"):
+            make_ops(bad)
+
+
+@given(rows=st.integers(1, 8), k=st.integers(1, 8), distinct=st.integers(8, 64))
+def test_pinned_experts_have_the_asked_count(rows, k, distinct):
+    e = pinned_experts(rows, k, distinct, torch.zeros(1, dtype=torch.long))
+    assert e.shape == (rows, k) and e.dtype == torch.long and int(e.max()) < distinct
+    assert all(len(set(row.tolist())) == k for row in e)  # a row never picks an expert twice
+    assert len(set(e.flatten().tolist())) == min(distinct, rows * k)
+
+
+def test_pinned_routing_reaches_the_moe():
+    seen = []
+    _, ops = _decode("torch~route:5")
+    moe = TorchOps.moe.__get__(ops)
+
+    def spy(b, experts, *args, **kwargs):
+        seen.append(experts.clone())
+        return moe(b, experts, *args, **kwargs)
+    ops.moe = spy
+    engine = RankEngine(TINY, Parallel.single("cpu"), EngineOptions(max_context=256, dtype="fp32", kernels="torch"))
+    engine.model.ops = ops
+    fast_steps(engine, PROMPTS[0], 40, 3, n=4)
+    assert seen and ops.ablated_calls.get("route", 0) > 0
+    for experts in seen:  # top-k 4 in the tiny model: every block's experts are the pinned pattern
+        assert torch.equal(experts, pinned_experts(*experts.shape, 5, experts))
