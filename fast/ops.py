@@ -216,10 +216,7 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # so the same bits (tests/test_kernel_moe.py, and a decode on and off on the GPU). Slower: a full-size round on an H200
 # 6,645 -> 7,211 us, same process (the release fence, the arrival and the one program's serial tail cost more than a
 # PDL kernel boundary; bench/results/step-full-tp8slice-ctx1k-d5-fold-038ed47.*, docs/PERF.md), so only when named.
-# "sum_pass": the FP8 linears' split-K sum as a second (PDL) launch instead of by each tile's last split to arrive (an
-# atomic per tile): the same sums in the same order, so the same bits (tests/test_kernel_fp8_linear.py); measured
-# because under PDL a kernel boundary cost less than atomics did for the MoE (moe_fold).
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "sum_pass")
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold")
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -324,8 +321,7 @@ class TritonOps(TorchOps):
         return self._fp8(w, x)
 
     def _fp8(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
-        # None before prepare(), too few for a long prefill block, or stage sum_pass: the sum as a second pass
-        locks = None if "sum_pass" in self.stages else self._locks
+        locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
         fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
         preload = self._preload(x)
         if preload and self._preload_plan(x.shape[0], *w.q.shape, w.block, device=x.device):
