@@ -46,17 +46,16 @@ def test_pinned_experts_have_the_asked_count(rows, k, distinct):
 
 
 def test_pinned_routing_reaches_the_moe():
-    seen = []
-    _, ops = _decode("torch~route:5")
-    moe = TorchOps.moe.__get__(ops)
+    engine = RankEngine(TINY, Parallel.single("cpu"),
+                        EngineOptions(max_context=256, dtype="fp32", kernels="torch~route:5"))
+    ops, seen = engine.model.ops, []
+    moe = ops.moe
 
     def spy(b, experts, *args, **kwargs):
         seen.append(experts.clone())
         return moe(b, experts, *args, **kwargs)
     ops.moe = spy
-    engine = RankEngine(TINY, Parallel.single("cpu"), EngineOptions(max_context=256, dtype="fp32", kernels="torch"))
-    engine.model.ops = ops
     fast_steps(engine, PROMPTS[0], 40, 3, n=4)
     assert seen and ops.ablated_calls.get("route", 0) > 0
-    for experts in seen:  # top-k 4 in the tiny model: every block's experts are the pinned pattern
+    for experts in seen:  # every block's experts are the pinned pattern, its first call per shape included
         assert torch.equal(experts, pinned_experts(*experts.shape, 5, experts))
