@@ -63,7 +63,7 @@ class Block:
     hidden: torch.Tensor        # [R, H] float64
     dists: list = field(default_factory=list)  # (row, ids [K], probs [K], input logits [V/tp]) per runner.dist row
     taps: dict | None = None    # draft blocks of a Recorder(taps=True): the fast model's activation taps
-    window: list | None = None  # per row (missing window positions, why): qualify/window.py; None: no sliding layer
+    window_missing: list | None = None  # per row (missing positions, why): qualify/window.py; None: no sliding layer
 
 
 class Recorder:
@@ -396,7 +396,7 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
     """Every recorded row against the stream-true reference. Draft rows recorded with taps also get
     numerics.router (qualify/router.py): a swap of MTP experts that the engine's own MoE input explains is
     scored against the reference recomputed with the engine's experts. Every live row of a block recorded with its
-    ring (Block.window) gets cache.window, whether or not the reference covers it."""
+    ring (Block.window_missing) gets cache.window, whether or not the reference covers it."""
     sr = StreamReference(ref, stream)
     router_w = router_weight(ref)
     scores, round_ratio = Scores(), {}
@@ -410,8 +410,8 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
                 continue
             classes = row_classes(b, i, window, ring)
             where = f"{b.kind} round {b.round} row {i} position {b.positions[i]}"
-            if b.window is not None and b.live[i]:
-                missing, why = b.window[i]
+            if b.window_missing is not None and b.live[i]:
+                missing, why = b.window_missing[i]
                 scores.add("cache.window", classes, float(missing), window_tol, f"{where}: {why}" if why else where)
             if r[0] == "uncovered":
                 uncovered += 1

@@ -47,4 +47,4 @@ def record_window(block, cache, config: Config) -> None:
     """Attach `window_missing` to a recorded Block from the cache as the forward left it."""
     layers = sliding_layers(config, block.kind == "draft")
     if layers:
-        block.window = window_missing(cache, layers, block.positions, block.live)
+        block.window_missing = window_missing(cache, layers, block.positions, block.live)
