@@ -112,11 +112,12 @@ class FastModel:
     @stage("attention")
     def attention(self, lw: LayerWeights, kv: LayerKV, a: torch.Tensor, blk: Block) -> torch.Tensor:
         c, R = self.config, a.shape[0]
-        q, k, v = (t.view(R, -1, c.head_dim) for t in self.ops.qkv(lw, a))
         if c.qk_norm:
+            q, k, v = (t.view(R, -1, c.head_dim) for t in self.ops.qkv(lw, a))
             q, k = rms_norm(q, lw.q_norm, c.rms_norm_eps), rms_norm(k, lw.k_norm, c.rms_norm_eps)
-        q = self.ops.rope_write(kv, q, k, v, blk.cos, blk.sin, blk.rope_rows, blk.positions,
-                                blk.live)  # K/V stored first: causal block
+            q = self.ops.rope_write(kv, q, k, v, blk.cos, blk.sin, blk.rope_rows, blk.positions, blk.live)
+        else:  # K/V stored first: causal block
+            q = self.ops.qkv_rope(lw, kv, a, c.head_dim, blk.cos, blk.sin, blk.rope_rows, blk.positions, blk.live)
         sinks = None if "drop_sink" in self.defects else lw.sinks  # negative control: the sink logit dropped
         out = self.ops.attention(q, kv, blk.positions, sinks)
         return self.par.all_reduce(self.ops.linear(lw.wo, out.to(self.dtype).reshape(R, -1)))

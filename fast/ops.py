@@ -49,6 +49,14 @@ class TorchOps:
         """The q, k, v projections [R, n] each (possibly column views of one product)."""
         return self.linear(lw.wq, x), self.linear(lw.wk, x), self.linear(lw.wv, x)
 
+    def qkv_rope(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, head_dim: int, cos: torch.Tensor,
+                 sin: torch.Tensor, rope_rows: torch.Tensor | None, positions: torch.Tensor,
+                 live: torch.Tensor) -> torch.Tensor:
+        """`qkv` then `rope_write` (no q/k norm between them): the rotated q [R, Hq, D]; k and v stored."""
+        R = x.shape[0]
+        q, k, v = (t.view(R, -1, head_dim) for t in self.qkv(lw, x))
+        return self.rope_write(kv, q, k, v, cos, sin, rope_rows, positions, live)
+
     @stage("norm")
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """rmsnorm(x) * weight in x's dtype, into `out` (a view, e.g. half of a wider row) when given."""
@@ -216,7 +224,10 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # so the same bits (tests/test_kernel_moe.py, and a decode on and off on the GPU). Slower: a full-size round on an H200
 # 6,645 -> 7,211 us, same process (the release fence, the arrival and the one program's serial tail cost more than a
 # PDL kernel boundary; bench/results/step-full-tp8slice-ctx1k-d5-fold-038ed47.*, docs/PERF.md), so only when named.
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold")
+# "rope_sum": the q/k/v projection leaves its split-K partials unsummed and the rotary kernel sums them in split order
+# as it loads them (kernels/rope_kv.rope_kv_parts): the same sums and roundings, so the same bits
+# (tests/test_kernel_rope_kv.py), and the projection's arrival count and serial tail are gone.
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "rope_sum")
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -251,6 +262,7 @@ class TritonOps(TorchOps):
         self.preload_calls = 0  # FP8 linear calls that preloaded their weight tiles (likewise)
         self.moe_fold_calls = 0  # MoE calls with the finalize and combine folded in (likewise)
         self.early_calls = 0  # MoE and attention calls that read ahead of their wait (likewise)
+        self.rope_sum_calls = 0  # q/k/v projections summed by the rotary kernel (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -267,7 +279,7 @@ class TritonOps(TorchOps):
         from ..kernels.philox import uniforms
         from ..kernels.router import route as router_route
         from ..kernels.rmsnorm_residual import rmsnorm, rmsnorm_residual
-        from ..kernels.rope_kv import rope_kv
+        from ..kernels.rope_kv import rope_kv, rope_kv_parts
         from ..kernels.embed import embed
         from ..kernels.settle import settle
 
@@ -278,7 +290,7 @@ class TritonOps(TorchOps):
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
         self._add_norm, self._norm, self._rope_kv, self._embed = rmsnorm_residual, rmsnorm, rope_kv, embed
         self._gate_up_k_tile, self._tma_fits, self._empty_tiles = gate_up_k_tile, tma_fits, empty_tiles
-        self._moe_lock_count = moe_lock_count
+        self._moe_lock_count, self._rope_kv_parts = moe_lock_count, rope_kv_parts
 
     def _fits(self, stage: str, ok: bool) -> bool:
         """Whether `stage` runs as its kernel here; a shape the kernel cannot take (the 8-wide blocks and heads of
@@ -320,14 +332,27 @@ class TritonOps(TorchOps):
             return super().linear(w, x)
         return self._fp8(w, x)
 
-    def _fp8(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
+    def _fp8(self, w: FP8Weight, x: torch.Tensor, unsummed: bool = False) -> torch.Tensor:
         locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
         fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
         preload = self._preload(x)
         if preload and self._preload_plan(x.shape[0], *w.q.shape, w.block, device=x.device):
             self.preload_calls += 1
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
-                            pdl=self._pdl(x), prefetch=self._prefetch(x), preload=preload)
+                            pdl=self._pdl(x), prefetch=self._prefetch(x), preload=preload, unsummed=unsummed)
+
+    def qkv_rope(self, lw, kv, x, head_dim, cos, sin, rope_rows, positions, live):
+        w = lw.wqkv
+        takes = (w is not None and {"linear", "rope"} <= self.stages and self._k_tiles(w.block[1])
+                 and rope_rows is not None and head_dim >= 2 and head_dim & (head_dim - 1) == 0
+                 and kv.k.dtype == x.dtype)
+        if not self._fits("rope_sum", takes):
+            return super().qkv_rope(lw, kv, x, head_dim, cos, sin, rope_rows, positions, live)
+        self.rope_sum_calls += 1
+        parts = self._fp8(w, x, unsummed=True)
+        nq, nk = lw.wq.q.shape[0] // head_dim, lw.wk.q.shape[0] // head_dim
+        return self._rope_kv_parts(parts, nq, nk, cos, sin, positions, live, kv.k, kv.v, kv.slot_pos, dtype=x.dtype,
+                                   rope_rows=rope_rows, pdl=self._pdl(x), early=self.early)
 
     def prepare(self, w):
         if "lm_head" not in self.stages:  # the fallbacks' fp32 copies, only for the stages that fall back

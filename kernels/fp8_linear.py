@@ -200,7 +200,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                out_dtype: torch.dtype | None = None, *, split_k: int | None = None, block_n: int = BLOCK_N,
                out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
                num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False,
-               preload: bool = False) -> torch.Tensor:
+               preload: bool = False, unsummed: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
@@ -210,7 +210,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     `pdl`: programmatic dependent launch; `prefetch`: with it, each program asks L2 for its weight range before
     waiting for the previous kernel (kernels/launch.py); `preload`: each program loads its weight tiles and scales
     into registers before that wait, where `preload_tiles` allows it (else the loop as without it). None of the three
-    changes a value."""
+    changes a value.
+    `unsummed`: return the K splits' fp32 partial products [splits, M, N] instead (`out` and `locks` unused; one
+    split when K is not split): a consumer that sums them in split order from zero, 0 + p_0 + p_1 + ..., and rounds
+    the sum to out_dtype has this function's bits (`rope_kv_parts`: the sum moved into the next launch)."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -234,21 +237,24 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
            f"out must be [{M}, {N}] {out_dtype} with unit stride along N")
 
     block_k, split_k, k_per_split = _split_plan(N, K, block, split_k, block_n, x.device)
-    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    split = split_k > 1 or unsummed
+    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split else out
     f32 = INTERPRETED or x.dtype == torch.float32
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, BLOCK_M))
     if locks is not None:
         _check(locks.dtype == torch.int32 and locks.is_contiguous() and locks.device == x.device
                and locks.numel() >= grid[0] * grid[2], f"locks must be contiguous int32 on {x.device} with at least "
                f"{grid[0] * grid[2]} counters")
-    serial = split_k > 1 and locks is not None
+    serial = split_k > 1 and locks is not None and not unsummed
     tiles = preload_tiles(K, k_per_split, block_k) if preload else 0
     _fp8_linear_kernel[grid](
         x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
-        k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split_k > 1,
+        k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
         SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, PRELOAD=tiles,
         **launch_options(pdl, x.device))
+    if unsummed:
+        return part
     if split_k > 1 and not serial:
         BLOCK = 1024
         _split_k_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, out, M, N, out.stride(0), split_k, BLOCK=BLOCK,

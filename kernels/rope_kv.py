@@ -28,9 +28,23 @@ from .launch import launch_options, wait_for_inputs
 
 
 @triton.jit
+def _values(ptr, off, stride_s, D: tl.constexpr, PARTS: tl.constexpr):
+    """What the projection holds at ptr + off: its values (PARTS = 0), or, from its K splits' fp32 partial products
+    (fp8_linear(unsummed=True)), what fp8_linear would have stored before rounding: the one split's product, or the
+    splits summed in order from zero. The caller rounds to the activation dtype, as fp8_linear does."""
+    if PARTS <= 1:
+        return tl.load(ptr + off)
+    acc = tl.zeros([D], tl.float32)
+    for sk in tl.static_range(PARTS):
+        acc += tl.load(ptr + sk * stride_s + off)
+    return acc
+
+
+@triton.jit
 def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, rr_ptr, pos_ptr, live_ptr, qo_ptr, ck_ptr, cv_ptr, sp_ptr,
-                    HQ, HKV, SLOTS, TABLE_ROWS, stride_q, stride_k, stride_v, D: tl.constexpr, HALF: tl.constexpr,
-                    PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
+                    HQ, HKV, SLOTS, TABLE_ROWS, stride_q, stride_k, stride_v, stride_s, D: tl.constexpr,
+                    HALF: tl.constexpr, PARTS: tl.constexpr = 0, PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
+    DT: tl.constexpr = qo_ptr.dtype.element_ty  # the activation dtype (q's; k and v's too)
     if not EARLY:
         wait_for_inputs(PDL)
     row = tl.program_id(0)
@@ -47,8 +61,8 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, rr_ptr, pos_ptr, live
         wait_for_inputs(PDL)
     if head < HQ:
         base = row * stride_q + head * D
-        x = tl.load(q_ptr + base + i)
-        xr = (tl.load(q_ptr + base + rot).to(tl.float32) * sign).to(x.dtype)
+        x = _values(q_ptr, base + i, stride_s, D, PARTS).to(DT)
+        xr = (_values(q_ptr, base + rot, stride_s, D, PARTS).to(DT).to(tl.float32) * sign).to(DT)
         a = (x.to(tl.float32) * c.to(tl.float32)).to(x.dtype)
         b = (xr.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
         tl.store(qo_ptr + (row * HQ + head) * D + i, (a.to(tl.float32) + b.to(tl.float32)).to(qo_ptr.dtype.element_ty))
@@ -58,14 +72,15 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, rr_ptr, pos_ptr, live
         live = tl.load(live_ptr + row) != 0
         slot = tl.where(live, pos % SLOTS, SLOTS)
         base = row * stride_k + h * D
-        x = tl.load(k_ptr + base + i)
-        xr = (tl.load(k_ptr + base + rot).to(tl.float32) * sign).to(x.dtype)
+        x = _values(k_ptr, base + i, stride_s, D, PARTS).to(DT)
+        xr = (_values(k_ptr, base + rot, stride_s, D, PARTS).to(DT).to(tl.float32) * sign).to(DT)
         a = (x.to(tl.float32) * c.to(tl.float32)).to(x.dtype)
         b = (xr.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
         k = (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
         dst = (slot * HKV + h) * D
         tl.store(ck_ptr + dst + i, k.to(ck_ptr.dtype.element_ty))
-        tl.store(cv_ptr + dst + i, tl.load(v_ptr + row * stride_v + h * D + i).to(cv_ptr.dtype.element_ty))
+        v = _values(v_ptr, row * stride_v + h * D + i, stride_s, D, PARTS).to(DT)
+        tl.store(cv_ptr + dst + i, v.to(cv_ptr.dtype.element_ty))
         if h == 0:
             tl.store(sp_ptr + slot, tl.where(live, pos, -1))
 
@@ -90,10 +105,39 @@ def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor
     HKV = k.shape[1]
     _check(tuple(k.shape) == (R, HKV, D) and tuple(v.shape) == (R, HKV, D), f"k {tuple(k.shape)} and v "
            f"{tuple(v.shape)} must be [{R}, Hkv, {D}]")
-    _check(D >= 2 and D & (D - 1) == 0, f"head_dim {D} must be a power of two")
     _check(q.dtype in _FLOATS and k.dtype == q.dtype and v.dtype == q.dtype, "q, k, v must share a float dtype")
-    _check(cos.dtype == q.dtype and sin.dtype == q.dtype and cos.dim() == 2 and cos.shape[0] >= 1
-           and cos.shape[1] == D and cos.shape == sin.shape, f"cos and sin must be [T, {D}] {q.dtype} tables")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+        _check(t.stride(2) == 1 and t.stride(1) == D, f"{name} must be dense within a row (strides [*, {D}, 1])")
+    return _launch(q, k, v, (q.stride(0), k.stride(0), v.stride(0)), 0, 0, R, HQ, HKV, D, q.dtype, cos, sin,
+                   positions, live, cache_k, cache_v, slot_pos, rope_rows, out, pdl, early)
+
+
+def rope_kv_parts(parts: torch.Tensor, heads_q: int, heads_kv: int, cos: torch.Tensor, sin: torch.Tensor,
+                  positions: torch.Tensor, live: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                  slot_pos: torch.Tensor, *, dtype: torch.dtype, rope_rows: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, pdl: bool = False, early: bool = False) -> torch.Tensor:
+    """`rope_kv` of the q/k/v projection left unsummed: `parts` [S, R, (Hq + 2 Hkv) D] fp32, the K splits' partial
+    products of fp8_linear(unsummed=True) (q's columns, then k's, then v's). Each value is summed in split order and
+    rounded to `dtype` here, as fp8_linear would have before storing it, so the result is rope_kv's of fp8_linear's
+    output, bit for bit; the projection's own sum (an arrival count and a serial tail per tile) is gone."""
+    _check(parts.dim() == 3 and parts.dtype == torch.float32 and parts.is_contiguous() and parts.shape[0] >= 1,
+           f"parts must be contiguous fp32 [splits, R, N], got {parts.dtype} {tuple(parts.shape)}")
+    S, R, N = parts.shape
+    D = cache_k.shape[-1] if cache_k.dim() == 3 else 0
+    _check(heads_q >= 1 and heads_kv >= 1 and N == (heads_q + 2 * heads_kv) * D,
+           f"parts' {N} columns must be (heads_q + 2 heads_kv) x head_dim = ({heads_q} + 2 x {heads_kv}) x {D}")
+    _check(dtype in _FLOATS, f"dtype {dtype} must be bf16, fp16 or fp32")
+    q, k, v = parts[0, :, :heads_q * D], parts[0, :, heads_q * D:], parts[0, :, (heads_q + heads_kv) * D:]
+    return _launch(q, k, v, (N, N, N), R * N, S, R, heads_q, heads_kv, D, dtype, cos, sin, positions, live, cache_k,
+                   cache_v, slot_pos, rope_rows, out, pdl, early)
+
+
+def _launch(q, k, v, strides, stride_s, parts, R, HQ, HKV, D, dtype, cos, sin, positions, live, cache_k, cache_v,
+            slot_pos, rope_rows, out, pdl, early):
+    _check(D >= 2 and D & (D - 1) == 0, f"head_dim {D} must be a power of two")
+    _check(cos.dtype == dtype and sin.dtype == dtype and cos.dim() == 2 and cos.shape[0] >= 1
+           and cos.shape[1] == D and cos.shape == sin.shape, f"cos and sin must be [T, {D}] {dtype} tables")
     if rope_rows is None:
         rope_rows = positions
     slots = cache_k.shape[0] - 1
@@ -103,21 +147,18 @@ def rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor
     _check(tuple(positions.shape) == (R,) and positions.dtype == torch.int64, f"positions must be int64 [{R}]")
     _check(tuple(live.shape) == (R,) and live.dtype == torch.bool, f"live must be bool [{R}]")
     _check(tuple(rope_rows.shape) == (R,) and rope_rows.dtype == torch.int64, f"rope_rows must be int64 [{R}]")
-    for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("positions", positions),
-                    ("rope_rows", rope_rows),
-                    ("live", live), ("cache_k", cache_k), ("cache_v", cache_v), ("slot_pos", slot_pos)):
+    for name, t in (("cos", cos), ("sin", sin), ("positions", positions), ("rope_rows", rope_rows), ("live", live),
+                    ("cache_k", cache_k), ("cache_v", cache_v), ("slot_pos", slot_pos)):
         _check(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
-        if name in ("q", "k", "v"):
-            _check(t.stride(2) == 1 and t.stride(1) == D, f"{name} must be dense within a row (strides [*, {D}, 1])")
-        else:
-            _check(t.is_contiguous(), f"{name} must be contiguous")
+        _check(t.is_contiguous(), f"{name} must be contiguous")
     if out is None:
-        out = torch.empty_like(q)
-    _check(out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous(), "out must be like q")
+        out = torch.empty((R, HQ, D), dtype=dtype, device=q.device)
+    _check(tuple(out.shape) == (R, HQ, D) and out.dtype == dtype and out.is_contiguous(),
+           f"out must be contiguous [{R}, {HQ}, {D}] {dtype}")
     options = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}  # no FMA: torch's roundings
     _rope_kv_kernel[(R, HQ + HKV)](q, k, v, cos, sin, rope_rows, positions, live.view(torch.uint8), out, cache_k,
-                                   cache_v, slot_pos, HQ, HKV, slots, cos.shape[0], q.stride(0), k.stride(0),
-                                   v.stride(0), D=D, HALF=D // 2, EARLY=bool(early and pdl), **options,
+                                   cache_v, slot_pos, HQ, HKV, slots, cos.shape[0], *strides, stride_s, D=D,
+                                   HALF=D // 2, PARTS=parts, EARLY=bool(early and pdl), **options,
                                    **launch_options(pdl, q.device))
     return out
 

@@ -174,6 +174,89 @@ def test_gpu_early(c):
     _check(c, run_case(dict(c, early=True), "cuda"), interpreted=False)
 
 
+# rope_kv_parts: the q/k/v projection's split-K partials summed inside the rotary kernel. Held bit for bit to
+# fp8_linear (its in-launch sum) followed by rope_kv, over the same inputs and caches; `drop` is the negative control
+# (the last split left out of the sum).
+PARTS_CASES = [
+    dict(name="parts_split3_fp32", R=8, HQ=6, HKV=1, D=32, K=192, splits=3, dtype="fp32", dead=(7,), start=40),
+    dict(name="parts_split3_bf16", R=6, HQ=4, HKV=2, D=16, K=256, splits=3, dtype="bf16", dead=(), start=17),
+    dict(name="parts_one_split_bf16", R=1, HQ=2, HKV=1, D=16, K=64, splits=1, dtype="bf16", dead=(), start=5),
+    dict(name="parts_ring_wrap_fp32", R=8, HQ=4, HKV=1, D=16, K=128, splits=4, dtype="fp32", dead=(6, 7), start=92),
+]
+PARTS_GPU_CASES = [dict(name="gpu_parts_tp8_rank_bf16", R=8, HQ=6, HKV=1, D=128, K=6144, splits=8, dtype="bf16",
+                        dead=(6, 7), start=4157)]
+SLOTS = 96
+
+
+def run_parts_case(c: dict, device: str, drop: bool = False) -> dict:
+    from iquest.kernels import fp8_linear as fl
+    from iquest.reference.fp8 import quantize
+
+    gen = torch.Generator().manual_seed(1)
+    R, HQ, HKV, D, K, dt = c["R"], c["HQ"], c["HKV"], c["D"], c["K"], DTYPES[c["dtype"]]
+    N, S = (HQ + 2 * HKV) * D, (4160 if D == 128 else SLOTS)
+    block = (16, 32) if D < 128 else (128, 128)
+    w, scale = (t.to(device) for t in quantize(torch.randn(N, K, generator=gen) * 0.05, block))
+    x = torch.randn(R, K, generator=gen).to(dt).to(device)
+    positions = torch.arange(c["start"], c["start"] + R, device=device)
+    live = torch.ones(R, dtype=torch.bool)
+    live[list(c["dead"])] = False
+    live = live.to(device)
+    cos, sin = (t.to(device) for t in rope_cos_sin(torch.arange(c["start"] + R + 3), D, 1e6, None, dt))
+    caches = [(torch.randn(S + 1, HKV, D, generator=gen)).to(dt).to(device) for _ in range(2)]
+    slot_pos = torch.randint(-1, 1000, (S + 1,), generator=gen).to(device)
+    mine = [t.clone() for t in caches] + [slot_pos.clone()]
+    locks = torch.zeros(4096, dtype=torch.int32, device=device)
+    y = fl.fp8_linear(x, w, scale, block, split_k=c["splits"], locks=locks)
+    q, k, v = (y[:, a:b].view(R, -1, D) for a, b in ((0, HQ * D), (HQ * D, (HQ + HKV) * D), ((HQ + HKV) * D, N)))
+    want = rk.rope_kv(q, k, v, cos, sin, positions, live, caches[0], caches[1], slot_pos)
+    parts = fl.fp8_linear(x, w, scale, block, split_k=c["splits"], unsummed=True)
+    if drop:
+        parts = parts[:-1].contiguous()
+    got = rk.rope_kv_parts(parts, HQ, HKV, cos, sin, positions, live, mine[0], mine[1], mine[2], dtype=dt,
+                           out=torch.full((R, HQ, D), float("nan"), dtype=dt, device=device))
+    return {"splits": parts.shape[0], "q_bits": bool(torch.equal(got, want)),
+            "k_bits": bool(torch.equal(mine[0], caches[0])), "v_bits": bool(torch.equal(mine[1], caches[1])),
+            "slot_pos": bool(torch.equal(mine[2], slot_pos)), "finite": bool(torch.isfinite(got).all())}
+
+
+def _check_parts(c: dict, r: dict) -> None:
+    assert "error" not in r, r.get("error")
+    assert r["splits"] == c["splits"], r
+    assert r["finite"] and r["q_bits"] and r["k_bits"] and r["v_bits"] and r["slot_pos"], r
+
+
+@pytest.mark.parametrize("c", PARTS_CASES, ids=[c["name"] for c in PARTS_CASES])
+def test_interpreted_parts_bit_identical(interpreted, c):
+    _check_parts(c, interpreted[c["name"]])
+
+
+def test_interpreted_parts_negative_control(interpreted):
+    """A sum missing its last split must fail the same comparison, with the slot bookkeeping unchanged."""
+    r = interpreted["parts_negative_control"]
+    assert "error" not in r, r.get("error")
+    assert not r["q_bits"] and not r["k_bits"] and not r["v_bits"] and r["slot_pos"], r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", PARTS_CASES + PARTS_GPU_CASES, ids=[c["name"] for c in PARTS_CASES + PARTS_GPU_CASES])
+def test_gpu_parts_bit_identical(c):
+    _check_parts(c, run_parts_case(c, "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_rope_sum_decodes_bit_identically(dtype):
+    """The projection's partials summed by the rotary kernel (opt-in stage rope_sum): the same tokens, logprobs and
+    acceptance sequence through the captured decode loop, with the summing calls counted."""
+    from iquest.tests.test_kernel_launch import decode_with_logprobs
+
+    on = decode_with_logprobs("triton+rope_sum", dtype)
+    off = decode_with_logprobs("triton", dtype)
+    assert on["rope_sum_calls"] > 0 and off["rope_sum_calls"] == 0 and "rope_sum" not in on["fallbacks"]
+    assert on["steps"] == off["steps"]
+
+
 def _negative_control() -> dict:
     """rope_kv with the rotate_half sign flipped (sin negated), run through the same case."""
     c = case("negative_control")
@@ -208,6 +291,7 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
     torch.set_num_threads(1)
-    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES] + [("negative_control", _negative_control),
-                                                                               ("negative_control_rows",
-                                                                                _negative_control_rows)])
+    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES]
+                + [(c["name"], lambda c=c: run_parts_case(c, "cpu")) for c in PARTS_CASES]
+                + [("negative_control", _negative_control), ("negative_control_rows", _negative_control_rows),
+                   ("parts_negative_control", lambda: run_parts_case(PARTS_CASES[0], "cpu", drop=True))])
