@@ -33,11 +33,12 @@ def _values(ptr, off, stride_s, D: tl.constexpr, PARTS: tl.constexpr):
     (fp8_linear(unsummed=True)), what fp8_linear would have stored before rounding: the one split's product, or the
     splits summed in order from zero. The caller rounds to the activation dtype, as fp8_linear does."""
     if PARTS <= 1:
-        return tl.load(ptr + off)
-    acc = tl.zeros([D], tl.float32)
-    for sk in tl.static_range(PARTS):
-        acc += tl.load(ptr + sk * stride_s + off)
-    return acc
+        values = tl.load(ptr + off)
+    else:  # one return only: Triton types every return of a function, the pruned branch's too
+        values = tl.zeros([D], tl.float32)
+        for sk in tl.static_range(PARTS):
+            values += tl.load(ptr + sk * stride_s + off)
+    return values
 
 
 @triton.jit
