@@ -226,9 +226,10 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # PDL kernel boundary; bench/results/step-full-tp8slice-ctx1k-d5-fold-038ed47.*, docs/PERF.md), so only when named.
 # "rope_sum": the q/k/v projection leaves its split-K partials unsummed and the rotary kernel sums them in split order
 # as it loads them (kernels/rope_kv.rope_kv_parts): the same sums and roundings, so the same bits under the interpreter
-# (tests/test_kernel_rope_kv.py), and the projection's arrival count and serial tail are gone. Not yet run on a GPU:
-# its first GPU build failed (fixed at 4e39906 and compiled for sm_90a on the CPU, tests/test_bench_sass.py), and the
-# session's device time ended before its GPU tests and its measurement (docs/PERF.md), so only when named.
+# (tests/test_kernel_rope_kv.py), and the projection's arrival count and serial tail are gone. On the GPU at 4f814d6 its
+# fp32 forms were bit-identical (kernel cases, and a decode through the captured loop), but its bf16 build failed (fixed
+# at 4e39906 and compiled for sm_90a on the CPU, tests/test_bench_sass.py); the device time ended before the bf16 tests
+# and the measurement (docs/PERF.md), so only when named.
 OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "rope_sum")
 
 
