@@ -46,13 +46,14 @@ def _kept(value):
     return value
 
 
-def _stub(method: Callable, calls: dict) -> Callable:
+def _stub(method: Callable, calls: dict, keep: Callable = _kept) -> Callable:
+    """`method` run once per argument shape, `keep` of its result returned from then on (those calls counted)."""
     kept: dict[tuple, object] = {}
 
     def run(*args, **kwargs):
         key = _key(args, kwargs)
         if key not in kept:
-            kept[key] = _kept(method(*args, **kwargs))
+            kept[key] = keep(method(*args, **kwargs))
             return kept[key]
         calls[method.__name__] = calls.get(method.__name__, 0) + 1
         out = kwargs.get("out")
@@ -70,26 +71,19 @@ def pinned_experts(rows: int, k: int, distinct: int, like: torch.Tensor) -> torc
     return (r % distinct).to(like.dtype)
 
 
-def _pinned_route(method: Callable, calls: dict, distinct: int) -> Callable:
-    """route's stub with its expert count pinned: the op's own outputs once per shape, then fixed experts
-    (`pinned_experts`) with equal weights, so that the MoE after it reads the same bytes whatever the values."""
-    kept: dict[tuple, tuple] = {}
-
-    def run(*args, **kwargs):
-        key = _key(args, kwargs)
-        if key not in kept:
-            weights, experts, scores = method(*args, **kwargs)
-            rows, k = experts.shape
-            kept[key] = (torch.full_like(weights, 1.0 / k), pinned_experts(rows, k, distinct, experts), scores.clone())
-        else:
-            calls[method.__name__] = calls.get(method.__name__, 0) + 1
-        return kept[key]
-    return run
+def _pinned(distinct: int) -> Callable:
+    """route's `keep`: fixed experts (`pinned_experts`) with equal weights instead of the ones it chose, so that the
+    MoE after it reads the same bytes whatever the values."""
+    def keep(routed: tuple) -> tuple:
+        weights, experts, scores = routed
+        rows, k = experts.shape
+        return torch.full_like(weights, 1.0 / k), pinned_experts(rows, k, distinct, experts), scores.clone()
+    return keep
 
 
 def ablate(ops, names: set[str]) -> None:
     """Stub the named ops on this `ops` instance; `ops.ablated_calls` counts the calls that launched nothing.
-    "route:D" pins the routing to D distinct experts a block (`_pinned_route`) instead of keeping its first result:
+    "route:D" pins the routing to D distinct experts a block (`_pinned`) instead of keeping its first result:
     the other ablations change the values, hence the routing, hence the MoE's bytes, so they are compared with it."""
     parsed = {n.partition(":")[0]: n.partition(":")[2] for n in names}
     unknown = set(parsed) - set(ABLATABLE)
@@ -100,6 +94,4 @@ def ablate(ops, names: set[str]) -> None:
     ops.ablated_calls = {}
     for name, arg in parsed.items():
         for method in ABLATABLE[name]:
-            stub = _pinned_route(getattr(ops, method), ops.ablated_calls, int(arg)) if arg else \
-                _stub(getattr(ops, method), ops.ablated_calls)
-            setattr(ops, method, stub)
+            setattr(ops, method, _stub(getattr(ops, method), ops.ablated_calls, _pinned(int(arg)) if arg else _kept))

@@ -347,8 +347,7 @@ class TritonOps(TorchOps):
     def qkv_rope(self, lw, kv, x, head_dim, cos, sin, rope_rows, positions, live):
         w = lw.wqkv
         takes = (w is not None and {"linear", "rope"} <= self.stages and self._k_tiles(w.block[1])
-                 and rope_rows is not None and head_dim >= 2 and head_dim & (head_dim - 1) == 0
-                 and kv.k.dtype == x.dtype)
+                 and rope_rows is not None and self._rope_takes(head_dim, kv, x.dtype))
         if not self._fits("rope_sum", takes):
             return super().qkv_rope(lw, kv, x, head_dim, cos, sin, rope_rows, positions, live)
         self.rope_sum_calls += 1
@@ -390,9 +389,14 @@ class TritonOps(TorchOps):
             return super().rotary(cos, sin, rope_rows)
         return cos, sin, rope_rows  # the kernel gathers each row's entries itself
 
+    @staticmethod
+    def _rope_takes(head_dim: int, kv: LayerKV, dtype: torch.dtype) -> bool:
+        """Whether the rotary kernel takes these heads: a power-of-two head_dim, a cache in the activations' dtype."""
+        return head_dim >= 2 and head_dim & (head_dim - 1) == 0 and kv.k.dtype == dtype
+
     def rope_write(self, kv, q, k, v, cos, sin, rope_rows, positions, live):
         d = q.shape[-1]
-        if not self._fits("rope", d >= 2 and d & (d - 1) == 0 and kv.k.dtype == q.dtype):
+        if not self._fits("rope", self._rope_takes(d, kv, q.dtype)):
             return super().rope_write(kv, q, k, v, cos, sin, rope_rows, positions, live)
         dense = (lambda t: t if t.stride(-1) == 1 and t.stride(-2) == d else t.contiguous())  # row views pass as is
         return self._rope_kv(dense(q), dense(k), dense(v), cos, sin, positions, live, kv.k, kv.v, kv.slot_pos,

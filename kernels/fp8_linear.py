@@ -211,7 +211,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     waiting for the previous kernel (kernels/launch.py); `preload`: each program loads its weight tiles and scales
     into registers before that wait, where `preload_tiles` allows it (else the loop as without it). None of the three
     changes a value.
-    `unsummed`: return the K splits' fp32 partial products [splits, M, N] instead (`out` and `locks` unused; one
+    `unsummed`: return the K splits' fp32 partial products [splits, M, N] instead (no `out`; `locks` unused; one
     split when K is not split): a consumer that sums them in split order from zero, 0 + p_0 + p_1 + ..., and rounds
     the sum to out_dtype has this function's bits (`rope_kv_parts`: the sum moved into the next launch)."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
@@ -231,14 +231,18 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     _check(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n {block_n} must be a power of two >= 16")
     out_dtype = out_dtype or x.dtype
     _check(out_dtype in _FLOATS, f"out_dtype {out_dtype} must be bf16, fp16 or fp32")
-    if out is None:
-        out = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    _check(tuple(out.shape) == (M, N) and out.dtype == out_dtype and out.device == x.device and out.stride(1) == 1,
-           f"out must be [{M}, {N}] {out_dtype} with unit stride along N")
-
+    _check(not (unsummed and out is not None), "unsummed returns the partials: give no out")
     block_k, split_k, k_per_split = _split_plan(N, K, block, split_k, block_n, x.device)
     split = split_k > 1 or unsummed
-    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split else out
+    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split else None
+    if unsummed:
+        out = part[0]  # the kernel's y argument, never stored to under SPLIT
+    else:
+        if out is None:
+            out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+        _check(tuple(out.shape) == (M, N) and out.dtype == out_dtype and out.device == x.device
+               and out.stride(1) == 1, f"out must be [{M}, {N}] {out_dtype} with unit stride along N")
+        part = part if split else out
     f32 = INTERPRETED or x.dtype == torch.float32
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, BLOCK_M))
     if locks is not None:

@@ -88,7 +88,7 @@ NUM_STAGES = 3  # Triton's default software pipelining depth, named so that `iqu
 DOWN_WARPS = 4
 DOWN_STAGES = 3
 F16_OPERANDS = True
-FP8_DOWN = False  # E4M3 operands straight into Down's tensor cores (a numerical change, not qualified): moe(fp8_down=)
+FP8_DOWN = False  # E4M3 operands straight into Down's tensor cores, a numerical change: moe(fp8_down=); stage fp8_down
 # Down's tile with fp8_down: 128 deep, 2 stages: 29.31 -> 28.07 us a MoE call against the fp16-operand default, the
 # fastest of ten E4M3 settings (bench/results/tune-h200-fp8-a1380b4.*). moe()'s down_block_k/down_stages default to
 # the form's own.
@@ -571,8 +571,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     the same bits; None (default): when the weights' rows are 16-byte multiples, as the descriptors need.
     `fp8_down`: Down multiplies its E4M3 activations and weights on the tensor cores as E4M3 (Hopper's wgmma, the
     weight tile as the 64+ row operand), without converting either; the products are exact but the MMA accumulates a
-    tile's products in its own precision, so this is a numerical change, not qualified (its qualification missed one
-    negative control: docs/PERF.md); taken on the GPU
+    tile's products in its own precision, so this is a numerical change (qualified at 3594ef6, the engine's default
+    since: docs/PERF.md); taken on the GPU
     for bf16/fp16 compute with down_block_n >= 64 only (debug["fp8_down"] says whether it was). `locks`: zeroed
     int32 counters (at least `lock_count(...)`, left zeroed): with them the finalize and the combine are folded into
     Gate/Up and Down, each done by the last program of its tile to arrive (an atomic arrival count per tile, as
@@ -697,8 +697,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
         num_stages=down_stages, F16=f16, TMA=down_tma, FP8=fp8_down, K_PAD_DOT=down_k_pad,
-        lock_ptr=locks[_gate_up_locks(R, k, I, bn):] if fold_combine else y, weights_ptr=weights, out_ptr=out, stride_o=out.stride(0),
-        FOLD=fold_combine, EARLY=early, w_raw_ptr=down, LINE_ELEMS=line_elems, LINES=lines, **launch)
+        lock_ptr=locks[_gate_up_locks(R, k, I, bn):] if fold_combine else y, weights_ptr=weights, out_ptr=out,
+        stride_o=out.stride(0), FOLD=fold_combine, EARLY=early, w_raw_ptr=down, LINE_ELEMS=line_elems, LINES=lines, **launch)
     if not fold_combine:
         _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
             y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,

@@ -40,7 +40,7 @@ from ..reference.checkpoint import layer_prefix
 from ..reference.model import ReferenceModel
 from ..reference.sampling import Dist, SamplingParams
 from .router import swap_ratio
-from .window import record_window
+from .window import record_window, sliding_layers
 
 VERIFY_ROWS = 8
 METRICS = ("numerics.logits", "numerics.hidden", "numerics.kl", "numerics.topk", "numerics.sampler")
@@ -72,6 +72,7 @@ class Recorder:
 
     def __init__(self, engine, runner, taps: bool = False):
         self.engine, self.runner, self.taps = engine, runner, taps
+        self.sliding = {draft: sliding_layers(engine.config, draft) for draft in (False, True)}  # cache.window's
         self.blocks: list[Block] = []
         self.in_start = False
         self.round = -1
@@ -81,7 +82,7 @@ class Recorder:
     def _record(self, kind, tokens, positions, live, logits, hidden, round_, depth):
         self.blocks.append(Block(kind, round_, depth, tokens.tolist(), positions.tolist(), live.tolist(),
                                  logits.detach().double().cpu(), hidden.detach().double().cpu()))
-        record_window(self.blocks[-1], self.engine.model.cache, self.engine.config)  # the ring as the rows read it
+        record_window(self.blocks[-1], self.engine.model.cache, self.sliding[kind == "draft"])  # as the rows read it
 
     @contextmanager
     def active(self):

@@ -43,8 +43,8 @@ def window_missing(cache, layers: list[int], positions: list[int], live: list[bo
     return out
 
 
-def record_window(block, cache, config: Config) -> None:
-    """Attach `window_missing` to a recorded Block from the cache as the forward left it."""
-    layers = sliding_layers(config, block.kind == "draft")
+def record_window(block, cache, layers: list[int]) -> None:
+    """Attach `window_missing` to a recorded Block from the cache as the forward left it (`layers`: the sliding ones
+    of the block's kind, `sliding_layers`)."""
     if layers:
         block.window_missing = window_missing(cache, layers, block.positions, block.live)

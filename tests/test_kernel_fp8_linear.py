@@ -161,6 +161,7 @@ def _args(**over):
     (dict(block=(16, 8), scale=torch.ones(3, 12)), "power-of-two divisor"),
     (dict(out_dtype=torch.int8), "out_dtype"),
     (dict(out=torch.empty(3, 41)), "out must be"),
+    (dict(out=torch.empty(3, 40), unsummed=True), "give no out"),
 ])
 def test_rejects_bad_inputs(over, message):
     with pytest.raises(ValueError, match=message):
