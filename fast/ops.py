@@ -230,7 +230,11 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # fp32 forms were bit-identical (kernel cases, and a decode through the captured loop), but its bf16 build failed (fixed
 # at 4e39906 and compiled for sm_90a on the CPU, tests/test_bench_sass.py); the device time ended before the bf16 tests
 # and the measurement (docs/PERF.md), so only when named.
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "rope_sum")
+# "cascade": every kernel signals the next one's launch before its PDL wait instead of after it (kernels/launch.Pdl):
+# kernels many launches ahead park at their waits with their constant weights loaded (preload), so the next layer's
+# projections and router read theirs while this layer's experts stream. Scheduling only: the same bits. It voids the
+# bound "early" relies on (two launches back are complete), so the two are refused together: "triton-early+cascade".
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "rope_sum", "cascade")
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -255,6 +259,13 @@ class TritonOps(TorchOps):
         self.tma = "tma" in self.stages and "moe" in self.stages
         self.fp8_down = "fp8_down" in self.stages
         self.early = self.pdl and "early" in self.stages
+        self.cascade = self.pdl and "cascade" in self.stages
+        from ..kernels.launch import Pdl
+
+        if self.cascade and self.early:
+            raise ValueError("stage 'cascade' lets kernels launch any number of launches ahead, so the reads 'early' "
+                             "makes before the wait are no longer final: drop it, e.g. 'triton-early+cascade'")
+        self._pdl_off, self._pdl_on = Pdl.OFF, Pdl.CASCADE if self.cascade else Pdl.CHAINED
         self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
         self.tma_calls = 0  # MoE calls through tensor descriptors (likewise)
         self.fp8_down_calls = 0  # MoE calls whose Down took E4M3 operands (likewise)
@@ -266,6 +277,7 @@ class TritonOps(TorchOps):
         self.moe_fold_calls = 0  # MoE calls with the finalize and combine folded in (likewise)
         self.early_calls = 0  # MoE and attention calls that read ahead of their wait (likewise)
         self.rope_sum_calls = 0  # q/k/v projections summed by the rotary kernel (likewise)
+        self.cascade_calls = 0  # kernel calls launched to signal before their wait (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -304,8 +316,11 @@ class TritonOps(TorchOps):
             self.fallbacks[stage] = self.fallbacks.get(stage, 0) + 1
         return ok
 
-    def _pdl(self, t: torch.Tensor) -> bool:
-        return self.pdl and t.is_cuda
+    def _pdl(self, t: torch.Tensor) -> Pdl:
+        if not (self.pdl and t.is_cuda):
+            return self._pdl_off
+        self.cascade_calls += self.cascade
+        return self._pdl_on
 
     def _prefetch(self, t: torch.Tensor) -> bool:
         return self.prefetch and t.is_cuda

@@ -18,10 +18,19 @@ serialized launch would:
   * Every program calls it, unconditionally, so the kernel cannot complete before its predecessor has: the
     chain stays transitive for the kernel after it (which may be a plain launch: that one waits for this
     kernel's completion as usual).
-  * It signals its own dependents right after the wait, not before: at most two kernels are in flight, the
-    running one and the next one's programs parked at their wait. So kernel C (after B after A) is launched only
-    once every program of B has passed its wait, that is, once A has completed and its memory is visible: C is an
-    ordinary launch after A's completion, and may read what A (or anything before A) wrote without waiting.
+  * It signals its own dependents right after the wait, not before (`Pdl.CHAINED`): at most two kernels are in
+    flight, the running one and the next one's programs parked at their wait. So kernel C (after B after A) is
+    launched only once every program of B has passed its wait, that is, once A has completed and its memory is
+    visible: C is an ordinary launch after A's completion, and may read what A (or anything before A) wrote without
+    waiting.
+  * `Pdl.CASCADE` signals before the wait instead (after the constant reads are issued): C may launch as soon as
+    every program of B has started, and D as soon as every program of C has, so kernels many launches ahead park at
+    their waits with their constant weights loaded (the next layer's projections while this layer's experts
+    stream). Ordering still holds, transitively: C's wait returns once B has completed, and B cannot complete
+    before its own wait returned, that is, before A completed. What no longer holds is the bound above, so no
+    kernel may read anything but constants before its wait (fast/ops.py refuses stage "early" with "cascade").
+    Resources are taken in launch order (a kernel launches only once all its predecessor's programs have started),
+    so parked programs never keep an earlier kernel's programs off the SMs.
 Arithmetic is untouched, so results are bit-identical with and without PDL (tests/test_kernel_launch.py and
 the engine's graph-vs-eager checks on the GPU).
 
@@ -31,16 +40,30 @@ refuses PDL for a tensor off the GPU.
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
+class Pdl(IntEnum):
+    """How a kernel launches: the value of its PDL constexpr (see the contract above)."""
+
+    OFF = 0  # a plain launch: no wait compiled in
+    CHAINED = 1  # signal the next kernel after the wait: at most two kernels in flight
+    CASCADE = 2  # signal it before the wait: any number of kernels parked ahead, each waiting for its predecessor
+
+
 @triton.jit
 def wait_for_inputs(PDL: tl.constexpr):
-    """With PDL: wait for the previous kernel to complete, then allow the next one to launch."""
-    if PDL:
+    """With PDL: wait for the previous kernel to complete, and allow the next one to launch (after the wait, or with
+    Pdl.CASCADE before it)."""
+    if PDL == 2:  # Pdl.CASCADE
+        gdc_launch_dependents()
+        gdc_wait()
+    elif PDL:
         gdc_wait()
         gdc_launch_dependents()
 
@@ -68,12 +91,12 @@ def prefetch_lines(columns: int, element_bytes: int) -> tuple[int, int]:
     return per_line, triton.next_power_of_2(max(1, triton.cdiv(columns, per_line)))
 
 
-def launch_options(pdl: bool, device: torch.device) -> dict:
-    """Launch keywords for a kernel call with PDL: the launch attribute and the kernel's PDL constexpr, always
-    together (a PDL launch of a kernel compiled without its wait would race its predecessor); {} without PDL
-    (the kernels' PDL defaults to False)."""
+def launch_options(pdl: bool | Pdl, device: torch.device) -> dict:
+    """Launch keywords for a kernel call with PDL (True = Pdl.CHAINED, or a `Pdl`): the launch attribute and the
+    kernel's PDL constexpr, always together (a PDL launch of a kernel compiled without its wait would race its
+    predecessor); {} without PDL (the kernels' PDL defaults to False)."""
     if not pdl:
         return {}
     if device.type != "cuda":
         raise ValueError(f"programmatic dependent launch needs a CUDA device, got {device}")
-    return {"launch_pdl": True, "PDL": True}
+    return {"launch_pdl": True, "PDL": True if int(pdl) == Pdl.CHAINED else int(pdl)}

@@ -82,6 +82,18 @@ def test_preloaded_tiles_are_all_requested_before_the_wait():
     assert _before_wait(sass.specs()["fp8_linear_loop"]).count("LDG") == 0
 
 
+def test_cascade_signals_before_the_wait():
+    """Pdl.CASCADE (stage cascade): the preloaded q/k/v projection signals the next launch after its weight tiles are
+    requested and before its wait; Pdl.CHAINED signals only after the wait."""
+    spec = sass.specs()["fp8_linear"]
+    for pdl, before in ((2, True), (True, False)):
+        ptx = sass.compile_spec(spec, PDL=pdl).asm["ptx"]
+        wait, signal = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+        assert ptx.count("griddepcontrol.launch_dependents") == 1 and (signal < wait) == before, pdl
+        if before:
+            assert "ld.global" in ptx[:signal]  # the preloads are issued first
+
+
 def test_unknown_constexpr_is_refused():
     with pytest.raises(ValueError, match="no parameters"):
         sass.compile_spec(sass.specs()["moe_down"], NOT_A_PARAMETER=1)

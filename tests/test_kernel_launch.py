@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from iquest.kernels.launch import launch_options, prefetch_lines, wait_for_inputs
+from iquest.kernels.launch import Pdl, launch_options, prefetch_lines, wait_for_inputs
 from iquest.tests.test_fast_kernels import CASES, N_TOKENS
 from iquest.tests.test_fast_engine import PROMPTS, TINY, fast_steps
 
@@ -80,10 +80,72 @@ def test_cuda_pdl_overlaps_and_the_wait_orders(where):
     assert probe(where, wait=False) == 0, f"no overlap {where}: the consumer did not start before the producer ended"
 
 
+@triton.jit
+def _read_twice(src_ptr, early_ptr, dst_ptr, PDL: tl.constexpr = False):
+    # The third kernel of the cascade probe: what it reads before its wait (a read no kernel may make, the probe's
+    # defect) shows whether it started while the first kernel ran; what it reads after shows the order still holds.
+    tl.store(early_ptr, tl.load(src_ptr, volatile=True))
+    wait_for_inputs(PDL)
+    tl.store(dst_ptr, tl.load(src_ptr, volatile=True))
+
+
+def cascade_probe(mode: Pdl, where: str) -> tuple[int, int]:
+    """(read before its wait, read after) by the third of three PDL kernels, the first of which writes 1 late."""
+    src = torch.zeros(1, dtype=torch.int32, device="cuda")
+    mid = torch.zeros(1, dtype=torch.int32, device="cuda")
+    early = torch.full((1,), -1, dtype=torch.int32, device="cuda")
+    dst = torch.full((1,), -1, dtype=torch.int32, device="cuda")
+    pdl = launch_options(mode, src.device)
+
+    def body():
+        src.zero_()
+        _late_write[(1,)](src, SPIN_NS, **pdl)
+        _copy[(1,)](src, mid, WAIT=int(mode), **pdl)  # the middle kernel: waits (in `mode`), copies
+        _read_twice[(1,)](src, early, dst, **pdl)
+
+    body()
+    torch.cuda.synchronize()
+    early.fill_(-1)
+    dst.fill_(-1)
+    if where == "eager":
+        body()
+    else:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            body()
+        g.replay()
+    torch.cuda.synchronize()
+    return int(early.item()), int(dst.item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["eager", "graph"])
+def test_cuda_cascade_runs_ahead_and_keeps_the_order(where):
+    """Pdl.CASCADE: the third kernel starts while the first still runs (it reads 0 before its wait: two launches
+    ahead, which CHAINED never allows), and its wait still orders it after the first (it reads 1 after). CHAINED, the
+    control: the third kernel starts only after the first completed, so even its read before the wait sees 1 (the
+    bound stage "early" relies on)."""
+    assert cascade_probe(Pdl.CASCADE, where) == (0, 1)
+    assert cascade_probe(Pdl.CHAINED, where) == (1, 1)
+
+
+def test_cascade_is_refused_with_early():
+    from iquest.fast.ops import make_ops
+
+    with pytest.raises(ValueError, match="early"):
+        make_ops("triton+cascade")
+    ops = make_ops("triton-early+cascade")
+    assert ops.cascade and not ops.early and ops._pdl_on == Pdl.CASCADE
+    assert make_ops("triton")._pdl_on == Pdl.CHAINED and not make_ops("triton-pdl+cascade").cascade
+
+
 def test_launch_options_refuse_pdl_off_the_gpu():
     assert launch_options(False, torch.device("cpu")) == {}
     # the launch attribute never without the kernel's wait
     assert launch_options(True, torch.device("cuda")) == {"launch_pdl": True, "PDL": True}
+    assert launch_options(Pdl.CHAINED, torch.device("cuda")) == {"launch_pdl": True, "PDL": True}
+    assert launch_options(Pdl.CASCADE, torch.device("cuda")) == {"launch_pdl": True, "PDL": 2}
+    assert launch_options(Pdl.OFF, torch.device("cpu")) == {}
     with pytest.raises(ValueError, match="CUDA"):
         launch_options(True, torch.device("cpu"))
 
@@ -109,7 +171,7 @@ def decode_with_logprobs(kernels: str, dtype: str) -> dict:
             "f16_norm_calls": ops.f16_norm_calls, "tma_calls": ops.tma_calls,
             "embed_calls": ops.embed_calls, "settle_calls": ops.settle_calls, "preload_calls": ops.preload_calls,
             "fp8_down_calls": ops.fp8_down_calls, "moe_fold_calls": ops.moe_fold_calls,
-            "early_calls": ops.early_calls, "rope_sum_calls": ops.rope_sum_calls}
+            "early_calls": ops.early_calls, "rope_sum_calls": ops.rope_sum_calls, "cascade_calls": ops.cascade_calls}
 
 
 @pytest.mark.gpu
@@ -134,3 +196,14 @@ def test_cuda_preload_decodes_bit_identically(dtype):
     pre = decode_with_logprobs("triton", dtype)  # preload is a default stage
     assert base["preload_calls"] == 0 and pre["preload_calls"] > 0
     assert pre["steps"] == base["steps"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_cascade_decodes_bit_identically(dtype):
+    """Every kernel signalling the next before its wait (stage cascade): the same tokens, logprobs and acceptance
+    sequence as signalling after it, through the captured decode loop, with the cascading launches counted."""
+    base = decode_with_logprobs("triton-early", dtype)
+    cascade = decode_with_logprobs("triton-early+cascade", dtype)
+    assert base["cascade_calls"] == 0 and cascade["cascade_calls"] > 0
+    assert cascade["steps"] == base["steps"]
