@@ -234,7 +234,9 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # kernels many launches ahead park at their waits with their constant weights loaded (preload), so the next layer's
 # projections and router read theirs while this layer's experts stream. Scheduling only: the same bits. It voids the
 # bound "early" relies on (two launches back are complete), so the two are refused together: "triton-early+cascade".
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "rope_sum", "cascade")
+# "cascade_dense": the same for every kernel but the router's and the MoE's, which signal after their wait as before,
+# so the MoE's grids are still placed on the SMs only once the router has finished.
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "rope_sum", "cascade", "cascade_dense")
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -259,13 +261,15 @@ class TritonOps(TorchOps):
         self.tma = "tma" in self.stages and "moe" in self.stages
         self.fp8_down = "fp8_down" in self.stages
         self.early = self.pdl and "early" in self.stages
-        self.cascade = self.pdl and "cascade" in self.stages
+        self.cascade = self.pdl and bool({"cascade", "cascade_dense"} & self.stages)
+        self._routed_chained = "cascade" not in self.stages  # cascade_dense only
         from ..kernels.launch import Pdl
 
         if self.cascade and self.early:
             raise ValueError("stage 'cascade' lets kernels launch any number of launches ahead, so the reads 'early' "
                              "makes before the wait are no longer final: drop it, e.g. 'triton-early+cascade'")
-        self._pdl_off, self._pdl_on = Pdl.OFF, Pdl.CASCADE if self.cascade else Pdl.CHAINED
+        self._pdl_off, self._pdl_chained = Pdl.OFF, Pdl.CHAINED
+        self._pdl_on = Pdl.CASCADE if self.cascade else Pdl.CHAINED
         self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
         self.tma_calls = 0  # MoE calls through tensor descriptors (likewise)
         self.fp8_down_calls = 0  # MoE calls whose Down took E4M3 operands (likewise)
@@ -316,9 +320,12 @@ class TritonOps(TorchOps):
             self.fallbacks[stage] = self.fallbacks.get(stage, 0) + 1
         return ok
 
-    def _pdl(self, t: torch.Tensor) -> Pdl:
+    def _pdl(self, t: torch.Tensor, routed: bool = False) -> Pdl:
+        """How a kernel call on `t` launches; `routed`: the router's and the MoE's (see stage cascade_dense)."""
         if not (self.pdl and t.is_cuda):
             return self._pdl_off
+        if routed and self._routed_chained:
+            return self._pdl_chained
         self.cascade_calls += self.cascade
         return self._pdl_on
 
@@ -450,7 +457,7 @@ class TritonOps(TorchOps):
     def route(self, b32, lw, top_k, norm_topk_prob, scaling):
         if not self._fits("route", True):
             return super().route(b32, lw, top_k, norm_topk_prob, scaling)
-        return self._route(b32, lw.router, top_k, norm_topk_prob, scaling, pdl=self._pdl(b32),
+        return self._route(b32, lw.router, top_k, norm_topk_prob, scaling, pdl=self._pdl(b32, routed=True),
                            prefetch=self._prefetch(b32), preload=self._preload(b32))
 
     def f16_tile(self, moe_block: tuple[int, int] | None, hidden: int) -> int | None:
@@ -480,7 +487,7 @@ class TritonOps(TorchOps):
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
-                           pdl=self._pdl(b), f16=self.f16,  # moe() takes it on the GPU only
+                           pdl=self._pdl(b, routed=True), f16=self.f16,  # moe() takes it on the GPU only
                            f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down, locks=locks,
                            early_down=self.early)
                  for s in range(0, b.shape[0], step)]

@@ -215,8 +215,11 @@ def run_parts_case(c: dict, device: str, drop: bool = False) -> dict:
         parts = parts[:-1].contiguous()
     got = rk.rope_kv_parts(parts, HQ, HKV, cos, sin, positions, live, mine[0], mine[1], mine[2], dtype=dt,
                            out=torch.full((R, HQ, D), float("nan"), dtype=dt, device=device))
+    # The caches' last slot is the trash slot every padding row writes (and slot_pos marks -1): with two padding
+    # rows, which one's values land there is up to the GPU's program order, in either form, and nothing reads it.
     return {"splits": parts.shape[0], "q_bits": bool(torch.equal(got, want)),
-            "k_bits": bool(torch.equal(mine[0], caches[0])), "v_bits": bool(torch.equal(mine[1], caches[1])),
+            "k_bits": bool(torch.equal(mine[0][:S], caches[0][:S])),
+            "v_bits": bool(torch.equal(mine[1][:S], caches[1][:S])),
             "slot_pos": bool(torch.equal(mine[2], slot_pos)), "finite": bool(torch.isfinite(got).all())}
 
 
