@@ -83,6 +83,16 @@ def register(bsub) -> None:
     c.add_argument("--top", type=int, default=10, help="instructions listed per kernel (default 10)")
     c.add_argument("--json", metavar="OUT", help="write the report here")
     c.set_defaults(run=run_sass)
+    w = bsub.add_parser("parking", help="what waiting programs cost a weight stream beside them (PDL wait, flag spin, "
+                                        "cascaded launches)",
+                        description="Times a copy through HBM alone, beside programs parked at a PDL wait, beside "
+                                    "programs spinning on a flag, and a CUDA graph of [copy + small kernels] launched "
+                                    "CHAINED against CASCADE (bench/parking.py).")
+    w.add_argument("--repeats", type=int, default=9, help="timed repeats per variant, alternated (default 9)")
+    w.add_argument("--mb", type=int, default=32, help="MB each copy reads (default 32, about a layer's expert bytes)")
+    w.add_argument("--small", type=int, default=10, help="small kernels after each copy in the chain (default 10)")
+    w.add_argument("--out", help="write the raw JSON here")
+    w.set_defaults(run=run_parking)
 
 
 def _need_gpus(what: str, n: int) -> None:
@@ -153,6 +163,18 @@ def _constexpr(text: str):
         except ValueError:
             pass
     return {"True": True, "False": False}.get(text, text)
+
+
+def run_parking(args: argparse.Namespace) -> int:
+    from .main import UserError
+
+    if args.repeats < 1 or args.mb < 1 or args.small < 0:
+        raise UserError("--repeats and --mb must be >= 1, --small >= 0")
+    _need_gpus("iquest bench parking", 1)
+    from ..bench.parking import run
+
+    run(args.out, repeats=args.repeats, mb=args.mb, small=args.small)
+    return 0
 
 
 def run_sass(args: argparse.Namespace) -> int:

@@ -192,7 +192,8 @@ class TorchOps:
 # bench/results/*-242fbb5.*): MoE 37.4 -> 30.8 us a call with both, all "="; full-size round 8,108 (neither) -> 7,663
 # (f16_norm) -> 7,413 us (both), same process.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
-          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "settle", "preload", "early", "fp8_down")
+          "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "settle", "preload", "early", "fp8_down",
+          "rope_sum")
 # "settle": the round's settle step (commit, log, stop, round record) and the next drafting's inputs as one kernel
 # (kernels/settle.py) instead of ~45 torch kernels; integer bookkeeping, the same state (tests/test_kernel_settle.py).
 # "embed": the embedding lookup in one launch (kernels/embed.py) instead of eight torch kernels, six times a round;
@@ -225,18 +226,18 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # 6,645 -> 7,211 us, same process (the release fence, the arrival and the one program's serial tail cost more than a
 # PDL kernel boundary; bench/results/step-full-tp8slice-ctx1k-d5-fold-038ed47.*, docs/PERF.md), so only when named.
 # "rope_sum": the q/k/v projection leaves its split-K partials unsummed and the rotary kernel sums them in split order
-# as it loads them (kernels/rope_kv.rope_kv_parts): the same sums and roundings, so the same bits under the interpreter
-# (tests/test_kernel_rope_kv.py), and the projection's arrival count and serial tail are gone. On the GPU at 4f814d6 its
-# fp32 forms were bit-identical (kernel cases, and a decode through the captured loop), but its bf16 build failed (fixed
-# at 4e39906 and compiled for sm_90a on the CPU, tests/test_bench_sass.py); the device time ended before the bf16 tests
-# and the measurement (docs/PERF.md), so only when named.
+# as it loads them (kernels/rope_kv.rope_kv_parts): the same sums and roundings, so the same bits, and the projection's
+# arrival count and serial tail are gone. Bit-identical on an H200: a decode through the captured loop (fp32, bf16) at
+# 2dd3a78 and the kernel cases (fp32, bf16, one TP8 rank's shape) at 6d2346c, bench/results/gpu-tests-cascade-ropesum-*;
+# so the qualification of the set without it holds. Full-size round, same process: 6,333 -> 6,220 us at 2dd3a78
+# (bench/results/step-full-tp8slice-ctx1k-d5-cascade-2dd3a78.*; docs/PERF.md).
 # "cascade": every kernel signals the next one's launch before its PDL wait instead of after it (kernels/launch.Pdl):
 # kernels many launches ahead park at their waits with their constant weights loaded (preload), so the next layer's
 # projections and router read theirs while this layer's experts stream. Scheduling only: the same bits. It voids the
 # bound "early" relies on (two launches back are complete), so the two are refused together: "triton-early+cascade".
-# "cascade_dense": the same for every kernel but the router's and the MoE's, which signal after their wait as before,
-# so the MoE's grids are still placed on the SMs only once the router has finished.
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "rope_sum", "cascade", "cascade_dense")
+# Measured slower on an H200, same process: 6,499 -> 6,769 us a full-size round at 2dd3a78; so only when named
+# (bench/results/step-full-tp8slice-ctx1k-d5-cascade-*.*, docs/PERF.md).
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "cascade")
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -261,15 +262,13 @@ class TritonOps(TorchOps):
         self.tma = "tma" in self.stages and "moe" in self.stages
         self.fp8_down = "fp8_down" in self.stages
         self.early = self.pdl and "early" in self.stages
-        self.cascade = self.pdl and bool({"cascade", "cascade_dense"} & self.stages)
-        self._routed_chained = "cascade" not in self.stages  # cascade_dense only
+        self.cascade = self.pdl and "cascade" in self.stages
         from ..kernels.launch import Pdl
 
         if self.cascade and self.early:
             raise ValueError("stage 'cascade' lets kernels launch any number of launches ahead, so the reads 'early' "
                              "makes before the wait are no longer final: drop it, e.g. 'triton-early+cascade'")
-        self._pdl_off, self._pdl_chained = Pdl.OFF, Pdl.CHAINED
-        self._pdl_on = Pdl.CASCADE if self.cascade else Pdl.CHAINED
+        self._pdl_off, self._pdl_on = Pdl.OFF, Pdl.CASCADE if self.cascade else Pdl.CHAINED
         self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
         self.tma_calls = 0  # MoE calls through tensor descriptors (likewise)
         self.fp8_down_calls = 0  # MoE calls whose Down took E4M3 operands (likewise)
@@ -320,12 +319,10 @@ class TritonOps(TorchOps):
             self.fallbacks[stage] = self.fallbacks.get(stage, 0) + 1
         return ok
 
-    def _pdl(self, t: torch.Tensor, routed: bool = False) -> Pdl:
-        """How a kernel call on `t` launches; `routed`: the router's and the MoE's (see stage cascade_dense)."""
+    def _pdl(self, t: torch.Tensor) -> Pdl:
+        """How a kernel call on `t` launches (kernels/launch.Pdl)."""
         if not (self.pdl and t.is_cuda):
             return self._pdl_off
-        if routed and self._routed_chained:
-            return self._pdl_chained
         self.cascade_calls += self.cascade
         return self._pdl_on
 
@@ -457,7 +454,7 @@ class TritonOps(TorchOps):
     def route(self, b32, lw, top_k, norm_topk_prob, scaling):
         if not self._fits("route", True):
             return super().route(b32, lw, top_k, norm_topk_prob, scaling)
-        return self._route(b32, lw.router, top_k, norm_topk_prob, scaling, pdl=self._pdl(b32, routed=True),
+        return self._route(b32, lw.router, top_k, norm_topk_prob, scaling, pdl=self._pdl(b32),
                            prefetch=self._prefetch(b32), preload=self._preload(b32))
 
     def f16_tile(self, moe_block: tuple[int, int] | None, hidden: int) -> int | None:
@@ -487,7 +484,7 @@ class TritonOps(TorchOps):
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
-                           pdl=self._pdl(b, routed=True), f16=self.f16,  # moe() takes it on the GPU only
+                           pdl=self._pdl(b), f16=self.f16,  # moe() takes it on the GPU only
                            f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down, locks=locks,
                            early_down=self.early)
                  for s in range(0, b.shape[0], step)]

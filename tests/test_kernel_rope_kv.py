@@ -250,12 +250,12 @@ def test_gpu_parts_bit_identical(c):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_cuda_rope_sum_decodes_bit_identically(dtype):
-    """The projection's partials summed by the rotary kernel (opt-in stage rope_sum): the same tokens, logprobs and
+    """The projection's partials summed by the rotary kernel (stage rope_sum, a default): the same tokens, logprobs and
     acceptance sequence through the captured decode loop, with the summing calls counted."""
     from iquest.tests.test_kernel_launch import decode_with_logprobs
 
-    on = decode_with_logprobs("triton+rope_sum", dtype)
-    off = decode_with_logprobs("triton", dtype)
+    on = decode_with_logprobs("triton", dtype)
+    off = decode_with_logprobs("triton-rope_sum", dtype)
     assert on["rope_sum_calls"] > 0 and off["rope_sum_calls"] == 0 and "rope_sum" not in on["fallbacks"]
     assert on["steps"] == off["steps"]
 
