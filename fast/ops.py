@@ -236,8 +236,11 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # projections and router read theirs while this layer's experts stream. Scheduling only: the same bits. It voids the
 # bound "early" relies on (two launches back are complete), so the two are refused together: "triton-early+cascade".
 # Measured slower on an H200, same process: 6,499 -> 6,769 us a full-size round at 2dd3a78; so only when named
-# (bench/results/step-full-tp8slice-ctx1k-d5-cascade-*.*, docs/PERF.md).
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "cascade")
+# (bench/results/step-full-tp8slice-ctx1k-d5-cascade-*.*, docs/PERF.md). "cascade" stands for one stage per op group,
+# cascade_OP, so that a subset can be measured: "triton-early+cascade-cascade_moe" cascades all but the MoE's kernels.
+CASCADE_OPS = ("norm", "linear", "rope", "attention", "route", "moe", "lm_head", "glue")
+CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold") + CASCADE
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -262,13 +265,14 @@ class TritonOps(TorchOps):
         self.tma = "tma" in self.stages and "moe" in self.stages
         self.fp8_down = "fp8_down" in self.stages
         self.early = self.pdl and "early" in self.stages
-        self.cascade = self.pdl and "cascade" in self.stages
+        self.cascade_ops = frozenset(op for op in CASCADE_OPS if self.pdl and f"cascade_{op}" in self.stages)
+        self.cascade = bool(self.cascade_ops)
         from ..kernels.launch import Pdl
 
         if self.cascade and self.early:
             raise ValueError("stage 'cascade' lets kernels launch any number of launches ahead, so the reads 'early' "
                              "makes before the wait are no longer final: drop it, e.g. 'triton-early+cascade'")
-        self._pdl_off, self._pdl_on = Pdl.OFF, Pdl.CASCADE if self.cascade else Pdl.CHAINED
+        self._pdl_off, self._pdl_chained, self._pdl_cascade = Pdl.OFF, Pdl.CHAINED, Pdl.CASCADE
         self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
         self.tma_calls = 0  # MoE calls through tensor descriptors (likewise)
         self.fp8_down_calls = 0  # MoE calls whose Down took E4M3 operands (likewise)
@@ -319,12 +323,14 @@ class TritonOps(TorchOps):
             self.fallbacks[stage] = self.fallbacks.get(stage, 0) + 1
         return ok
 
-    def _pdl(self, t: torch.Tensor) -> Pdl:
-        """How a kernel call on `t` launches (kernels/launch.Pdl)."""
+    def _pdl(self, t: torch.Tensor, op: str) -> Pdl:
+        """How a kernel call of `op` (one of CASCADE_OPS) on `t` launches (kernels/launch.Pdl)."""
         if not (self.pdl and t.is_cuda):
             return self._pdl_off
-        self.cascade_calls += self.cascade
-        return self._pdl_on
+        if op in self.cascade_ops:
+            self.cascade_calls += 1
+            return self._pdl_cascade
+        return self._pdl_chained
 
     def _prefetch(self, t: torch.Tensor) -> bool:
         return self.prefetch and t.is_cuda
@@ -361,7 +367,8 @@ class TritonOps(TorchOps):
         if preload and self._preload_plan(x.shape[0], *w.q.shape, w.block, device=x.device):
             self.preload_calls += 1
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
-                            pdl=self._pdl(x), prefetch=self._prefetch(x), preload=preload, unsummed=unsummed)
+                            pdl=self._pdl(x, "linear"), prefetch=self._prefetch(x), preload=preload,
+                            unsummed=unsummed)
 
     def qkv_rope(self, lw, kv, x, head_dim, cos, sin, rope_rows, positions, live):
         w = lw.wqkv
@@ -373,7 +380,7 @@ class TritonOps(TorchOps):
         parts = self._fp8(w, x, unsummed=True)
         nq, nk = lw.wq.q.shape[0] // head_dim, lw.wk.q.shape[0] // head_dim
         return self._rope_kv_parts(parts, nq, nk, cos, sin, positions, live, kv.k, kv.v, kv.slot_pos, dtype=x.dtype,
-                                   rope_rows=rope_rows, pdl=self._pdl(x), early=self.early)
+                                   rope_rows=rope_rows, pdl=self._pdl(x, "rope"), early=self.early)
 
     def prepare(self, w):
         if "lm_head" not in self.stages:  # the fallbacks' fp32 copies, only for the stages that fall back
@@ -387,7 +394,7 @@ class TritonOps(TorchOps):
     def lm_head(self, a, w):
         if not self._fits("lm_head", True):
             return super().lm_head(a, w)
-        return self._lm_head(a.contiguous(), w.lm_head, pdl=self._pdl(a))
+        return self._lm_head(a.contiguous(), w.lm_head, pdl=self._pdl(a, "lm_head"))
 
     def qkv(self, lw, x):
         w = lw.wqkv
@@ -401,7 +408,7 @@ class TritonOps(TorchOps):
     def norm(self, x, weight, eps, out=None):
         if not self._fits("norm", True):
             return super().norm(x, weight, eps, out)
-        return self._norm(x.contiguous(), weight, eps, out=out, pdl=self._pdl(x), preload=self._preload(x))
+        return self._norm(x.contiguous(), weight, eps, out=out, pdl=self._pdl(x, "norm"), preload=self._preload(x))
 
     def rotary(self, cos, sin, rope_rows):
         if "rope" not in self.stages:
@@ -419,13 +426,13 @@ class TritonOps(TorchOps):
             return super().rope_write(kv, q, k, v, cos, sin, rope_rows, positions, live)
         dense = (lambda t: t if t.stride(-1) == 1 and t.stride(-2) == d else t.contiguous())  # row views pass as is
         return self._rope_kv(dense(q), dense(k), dense(v), cos, sin, positions, live, kv.k, kv.v, kv.slot_pos,
-                             rope_rows=rope_rows, pdl=self._pdl(q), early=self.early)
+                             rope_rows=rope_rows, pdl=self._pdl(q, "rope"), early=self.early)
 
     def embed(self, tokens, w):
         if not self._fits("embed", w.embed.is_contiguous()):
             return super().embed(tokens, w)
         self.embed_calls += 1
-        return self._embed(tokens.contiguous(), w.embed, w.vocab_offset, pdl=self._pdl(tokens))
+        return self._embed(tokens.contiguous(), w.embed, w.vocab_offset, pdl=self._pdl(tokens, "glue"))
 
     @stage("norm")
     def residual_norm(self, x, residual, weight, eps):
@@ -434,7 +441,8 @@ class TritonOps(TorchOps):
         # norm kernel (torch's norm rounds differently) the fold is not taken, and the call counts as a fallback.
         if not self._fits("residual", "norm" in self.stages):
             return super().residual_norm(x, residual, weight, eps)
-        y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=x.dtype, pdl=self._pdl(x),
+        y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=x.dtype,
+                              pdl=self._pdl(x, "norm"),
                               preload=self._preload(x))
         return h, y
 
@@ -448,13 +456,13 @@ class TritonOps(TorchOps):
             f16_input = self._empty_tiles(*x.shape, tile, x.device)
             self.f16_norm_calls += 1
         y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=torch.float32,
-                              f16_out=f16_input, pdl=self._pdl(x), preload=self._preload(x))
+                              f16_out=f16_input, pdl=self._pdl(x, "norm"), preload=self._preload(x))
         return h, y, f16_input
 
     def route(self, b32, lw, top_k, norm_topk_prob, scaling):
         if not self._fits("route", True):
             return super().route(b32, lw, top_k, norm_topk_prob, scaling)
-        return self._route(b32, lw.router, top_k, norm_topk_prob, scaling, pdl=self._pdl(b32),
+        return self._route(b32, lw.router, top_k, norm_topk_prob, scaling, pdl=self._pdl(b32, "route"),
                            prefetch=self._prefetch(b32), preload=self._preload(b32))
 
     def f16_tile(self, moe_block: tuple[int, int] | None, hidden: int) -> int | None:
@@ -480,11 +488,11 @@ class TritonOps(TorchOps):
                                                       b.shape[1]) > locks.numel():
             locks = None
         self.moe_fold_calls += locks is not None
-        self.early_calls += self.early and self._pdl(b)
+        self.early_calls += self.early and self._pdl(b, "moe")
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
-                           pdl=self._pdl(b), f16=self.f16,  # moe() takes it on the GPU only
+                           pdl=self._pdl(b, "moe"), f16=self.f16,  # moe() takes it on the GPU only
                            f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down, locks=locks,
                            early_down=self.early)
                  for s in range(0, b.shape[0], step)]
@@ -494,17 +502,18 @@ class TritonOps(TorchOps):
         if not self._fits("rng", True):
             return super().uniforms(seed, positions, purpose, depth, out)
         # one launch, the same bits (tl.rand = rng.rand)
-        return self._uniforms(seed, positions, purpose, depth, out=out, pdl=self._pdl(positions))
+        return self._uniforms(seed, positions, purpose, depth, out=out, pdl=self._pdl(positions, "glue"))
 
     def _keys(self, local_logits, k, vocab_offset, gather):
-        keys = self._topk(local_logits.float().contiguous(), k, vocab_offset, pdl=self._pdl(local_logits))[0]
+        keys = self._topk(local_logits.float().contiguous(), k, vocab_offset,
+                          pdl=self._pdl(local_logits, "glue"))[0]
         return gather(keys).contiguous()
 
     def dist(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p):
         if not self._fits("sampling", True):
             return super().dist(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
         keys = self._keys(local_logits, k, vocab_offset, gather)
-        return self._global_dist(keys, top_k, temperature, top_p, pdl=self._pdl(keys))
+        return self._global_dist(keys, top_k, temperature, top_p, pdl=self._pdl(keys, "glue"))
 
     def sample(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p, u, out, edit=None, chain=None):
         if edit is not None or "sampling" not in self.stages or not self._fits("sample_draw", top_k <= self._max_k):
@@ -513,7 +522,7 @@ class TritonOps(TorchOps):
         keys = self._keys(local_logits, k, vocab_offset, gather)
         served = torch.empty(u.shape, dtype=torch.float32, device=u.device)
         self._global_sample(keys, top_k, temperature, top_p, uniforms=u, out=out, served=served, chain=chain,
-                            pdl=self._pdl(keys))
+                            pdl=self._pdl(keys, "glue"))
         self.sample_draw_calls += 1
         return served
 
@@ -523,14 +532,14 @@ class TritonOps(TorchOps):
     def accept_settle(self, p_ids, p_probs, q_ids, q_probs, drafts, k, n, seed):
         self.accept_calls += 1
         return self._accept_settle(p_ids.contiguous(), p_probs.contiguous(), q_ids, q_probs, drafts, k, n, seed,
-                                   pdl=self._pdl(p_ids))
+                                   pdl=self._pdl(p_ids, "glue"))
 
     def settle(self, st, committed, count, emitted, n_emit, logprobs, k, a, out):
         if not self._fits("settle", True):
             return super().settle(st, committed, count, emitted, n_emit, logprobs, k, a, out)
         self.settle_calls += 1
         return self._settle(st, committed.contiguous(), count, emitted.contiguous(), n_emit, logprobs.float(), k, a,
-                            out, pdl=self._pdl(st.n))
+                            out, pdl=self._pdl(st.n, "glue"))
 
     def attention(self, q, kv, positions, sinks):
         rows, q_heads = q.shape[0], q.shape[1]
@@ -539,9 +548,9 @@ class TritonOps(TorchOps):
                           and d >= 16 and d & (d - 1) == 0):
             return super().attention(q, kv, positions, sinks)
         # kv_len (how far a full layer's history is read) = the block's last position + 1, taken by the kernels
-        self.early_calls += self.early and self._pdl(q)
+        self.early_calls += self.early and self._pdl(q, "attention")
         return self._attention(q.contiguous(), kv.k, kv.v, kv.slot_pos, positions, sinks, kv.window,
-                               kv.first_position, causal=kv.causal, pdl=self._pdl(q), kv_len_from_q=True,
+                               kv.first_position, causal=kv.causal, pdl=self._pdl(q, "attention"), kv_len_from_q=True,
                                preload=self._preload(q), early=self.early)
 
 
@@ -565,9 +574,10 @@ def _make_ops(name: str) -> TorchOps:
     stages: list[str] = []
     for part in name.split("+"):
         first, *dropped = part.split("-")
-        stages += STAGES if first == "triton" else (first,)
+        stages += STAGES if first == "triton" else CASCADE if first == "cascade" else (first,)
         stages = [s for s in stages if s not in dropped]
-    unknown = (set(stages) | {d for part in name.split("+") for d in part.split("-")[1:]}) - set(STAGES) - set(OPT_IN)
+    unknown = ((set(stages) | {d for part in name.split("+") for d in part.split("-")[1:]})
+               - set(STAGES) - set(OPT_IN) - {"cascade"})
     if unknown:
         raise ValueError(f"unknown kernels {name!r}: choose torch, triton or a '+'-joined list of "
                          f"{STAGES + OPT_IN} (triton = all of {STAGES}; '-stage' drops one)")

@@ -132,16 +132,21 @@ def test_cuda_cascade_runs_ahead_and_keeps_the_order(where):
 
 
 def test_cascade_is_refused_with_early():
-    from iquest.fast.ops import make_ops
+    from iquest.fast.ops import CASCADE_OPS, make_ops
 
-    with pytest.raises(ValueError, match="early"):
-        make_ops("triton+cascade")
-    ops = make_ops("triton-early+cascade")
-    assert ops.cascade and not ops.early and ops._pdl_on == Pdl.CASCADE
-    assert make_ops("triton")._pdl_on == Pdl.CHAINED and not make_ops("triton-pdl+cascade").cascade
+    for name in ("triton+cascade", "triton+cascade_norm"):
+        with pytest.raises(ValueError, match="early"):
+            make_ops(name)
     cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)  # `_pdl` reads only is_cuda
-    assert (ops._pdl(cuda), ops._pdl(cpu), ops.cascade_calls) == (Pdl.CASCADE, Pdl.OFF, 1)
-    assert make_ops("triton")._pdl(cuda) == Pdl.CHAINED and make_ops("triton-pdl")._pdl(cuda) == Pdl.OFF
+    every = make_ops("triton-early+cascade")
+    assert every.cascade and not every.early and every.cascade_ops == set(CASCADE_OPS)
+    assert [every._pdl(cuda, op) for op in CASCADE_OPS] == [Pdl.CASCADE] * len(CASCADE_OPS)
+    assert (every._pdl(cpu, "moe"), every.cascade_calls) == (Pdl.OFF, len(CASCADE_OPS))
+    but_moe = make_ops("triton-early+cascade-cascade_moe")  # a subset: every group but the MoE's
+    assert but_moe.cascade_ops == set(CASCADE_OPS) - {"moe"}
+    assert (but_moe._pdl(cuda, "moe"), but_moe._pdl(cuda, "norm")) == (Pdl.CHAINED, Pdl.CASCADE)
+    assert make_ops("triton")._pdl(cuda, "norm") == Pdl.CHAINED and make_ops("triton-pdl")._pdl(cuda, "norm") == Pdl.OFF
+    assert not make_ops("triton-pdl+cascade").cascade
 
 
 def test_launch_options_refuse_pdl_off_the_gpu():
