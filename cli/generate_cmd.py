@@ -43,7 +43,8 @@ def register(sub) -> None:
                    help="fast engine stages: auto (default: triton on GPU, torch on CPU), torch (fallback), triton "
                         f"(every Triton kernel of kernels/), or a '+'-joined subset of {', '.join(STAGES)} ('-stage' drops "
                         f"one, e.g. triton-settle); opt-in stages outside triton: {', '.join(OPT_IN)} (e.g. "
-                        "triton+prefetch: docs/PERF.md); on CPU "
+                        "triton+prefetch: docs/PERF.md; cascade = every cascade_OP, refused with early: "
+                        "triton-early+cascade); on CPU "
                         "kernels need TRITON_INTERPRET=1")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text (default: a Python header)")
