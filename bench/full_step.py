@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..fast.ablation import check_reached
 from ..fast.memory import rank_weight_bytes
 from ..fast.rank import EngineOptions, RankEngine, Request
 from ..fast.synthetic import synthetic_parallel, synthetic_weights
@@ -226,6 +227,8 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
     variants = [(k, m) for k in kernels for m in (("graph", "eager") if cuda else ("eager",))]
     for k, m in variants:  # warm-up, untimed: first-use allocations, kernel compiles, lazily kept dense weights
         chunk(k, m)
+    for k in kernels:
+        check_reached(engines[k][0].model.ops, k)
     runs: dict[str, list[dict]] = {f"{k}/{m}": [] for k, m in variants}
     for _ in range(repeats):  # alternating: drifts in clocks or temperature hit every variant alike
         for k, m in variants:

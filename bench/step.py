@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..fast.ablation import check_reached
 from ..fast.parallel import Parallel
 from ..provenance import commit
 from ..fast.rank import EngineOptions, RankEngine, Request
@@ -62,6 +63,8 @@ def run(model_dir: str, context: int, drafts: int | str, repeats: int, chunk_tok
             runner, graph = runners[k]
             results[f"{k}/graph"].append(_time_chunk(engine, runner, graph, req))
             results[f"{k}/eager"].append(_time_chunk(engine, runner, None, req))
+    for k, engine in engines.items():
+        check_reached(engine.model.ops, k)
     summary = {}
     for variant, rows in results.items():
         summary[variant] = {

@@ -21,8 +21,9 @@ import torch
 # ablation name -> the ops.TorchOps methods it stubs
 ABLATABLE: dict[str, tuple[str, ...]] = {
     "norm": ("norm", "residual_norm", "add_norm"),
-    "qkv": ("qkv",),
-    "rope": ("rope_write",),
+    "qkv": ("qkv",),             # these two only where rope_sum is off (e.g. triton-rope_sum~qkv): with it,
+    "rope": ("rope_write",),     # the projection and the rotary kernel are one op, qkv_rope
+    "qkv_rope": ("qkv_rope",),   # q/k/v projection, rotary and the KV write, as one
     "attention": ("attention",),
     "linear": ("linear",),       # o_proj and the draft layer's eh_proj
     "route": ("route",),         # router logits and selection
@@ -79,6 +80,21 @@ def _pinned(distinct: int) -> Callable:
         rows, k = experts.shape
         return torch.full_like(weights, 1.0 / k), pinned_experts(rows, k, distinct, experts), scores.clone()
     return keep
+
+
+def unreached(ops) -> list[str]:
+    """The ablations of `ops` none of whose stubs has returned a kept value yet: after a decode, an op that is not on
+    the variant's path (e.g. ~qkv where rope_sum runs the projection inside qkv_rope), so removing it measured nothing."""
+    calls = getattr(ops, "ablated_calls", {})
+    return sorted(n for n in getattr(ops, "ablated", ()) if not any(calls.get(m) for m in ABLATABLE[n]))
+
+
+def check_reached(ops, variant: str) -> None:
+    """Refuse a benchmark variant (after its decode) whose ablation removed nothing: it timed the unablated round."""
+    missing = unreached(ops)
+    if missing:
+        raise ValueError(f"variant {variant!r}: ablated {', '.join(missing)} never ran on its path, so removing it "
+                         "measures nothing (with rope_sum, ablate qkv_rope instead of qkv or rope)")
 
 
 def ablate(ops, names: set[str]) -> None:

@@ -3,11 +3,13 @@ result per shape is returned from then on (no launches), and the ablation really
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from iquest.fast.ablation import ABLATABLE, pinned_experts
+from iquest.fast.ablation import ABLATABLE, check_reached, pinned_experts, unreached
 from iquest.fast.ops import TorchOps, make_ops
 from iquest.fast.parallel import Parallel
 from iquest.fast.rank import EngineOptions, RankEngine
@@ -21,13 +23,27 @@ def _decode(kernels: str):
 
 def test_ablated_ops_launch_once_per_shape_and_change_the_output():
     base, _ = _decode("torch")
-    for name in ("moe", "norm"):
+    for name in ("moe", "norm", "qkv_rope"):
         got, ops = _decode(f"torch~{name}")
         assert ops.ablated == {name}
         stubbed = ABLATABLE[name]
         assert sum(ops.ablated_calls.get(m, 0) for m in stubbed) > 0, ops.ablated_calls  # calls that ran nothing
         assert set(ops.ablated_calls) <= set(stubbed)
         assert got != base, f"removing {name} left the decode unchanged: the stub did not take effect"
+
+
+def test_an_ablation_off_the_path_is_refused():
+    """With rope_sum the projection runs inside qkv_rope, so ~qkv would stub a method the round never calls and time
+    the unablated round: the benchmarks refuse such a variant after its decode."""
+    _, ops = _decode("torch~moe")
+    assert unreached(ops) == []
+    check_reached(ops, "torch~moe")
+    ops.ablated_calls.clear()  # as if the MoE were off this variant's path
+    assert unreached(ops) == ["moe"]
+    with pytest.raises(ValueError, match="never ran"):
+        check_reached(ops, "torch~moe")
+    off_path = SimpleNamespace(ablated=frozenset({"qkv", "qkv_rope"}), ablated_calls={"qkv_rope": 5})
+    assert unreached(off_path) == ["qkv"]
 
 
 def test_ablation_names_are_checked():
