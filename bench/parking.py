@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -39,9 +40,12 @@ def _copy_kernel(src_ptr, dst_ptr, n, per_program, BLOCK: tl.constexpr, PDL: tl.
 
 
 @triton.jit
-def _small_kernel(out_ptr, PDL: tl.constexpr = False):
+def _small_kernel(out_ptr, DEPENDENT: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
-    tl.store(out_ptr + tl.program_id(0), tl.program_id(0))
+    if DEPENDENT:  # a true dependency on the previous kernel, as each of the round's small kernels has
+        tl.store(out_ptr + tl.program_id(0), tl.load(out_ptr + tl.program_id(0)) + 1)
+    else:
+        tl.store(out_ptr + tl.program_id(0), tl.program_id(0))
 
 
 @triton.jit
@@ -50,6 +54,22 @@ def _hold_kernel(ns, PDL: tl.constexpr = False):
     t0 = globaltimer()
     while globaltimer() - t0 < ns:
         pass
+
+
+@triton.jit
+def _barrier_chain_kernel(out_ptr, count_ptr, steps, G):
+    """`steps` dependent steps inside one launch of G co-resident programs (GPU only: the programs spin on each
+    other): step i waits until all G programs finished step i - 1 (an acquire poll of its counter), reads a
+    neighbour's value of that step and writes its own, then counts itself (a release add). What a persistent kernel
+    pays per dependency where the round pays a kernel boundary."""
+    pid = tl.program_id(0)
+    for i in range(steps):
+        if i > 0:
+            while tl.atomic_add(count_ptr + i - 1, 0, sem="acquire") < G:
+                pass
+        v = tl.load(out_ptr + (i % 2) * G + (pid + 1) % G, volatile=True)
+        tl.store(out_ptr + ((i + 1) % 2) * G + pid, v + 1)
+        tl.atomic_add(count_ptr + i, 1, sem="release")
 
 
 @triton.jit
@@ -108,13 +128,17 @@ def beside(streams: Streams, waiters: int, how: str, iters: int) -> float:
     return us
 
 
-def chain_graph(streams: Streams, small: int, pdl: Pdl, iters: int, out: torch.Tensor) -> torch.cuda.CUDAGraph:
+def chain_graph(streams: Streams | None, small: int, pdl: Pdl, iters: int, out: torch.Tensor,
+                dependent: bool = False) -> torch.cuda.CUDAGraph:
+    """[copy (unless `streams` is None), `small` small kernels] x iters, every launch with `pdl`."""
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(iters):
-            streams.copy(pdl)
+            if streams is not None:
+                streams.copy(pdl)
             for _ in range(small):
-                _small_kernel[(sm_count(out.device),)](out, num_warps=4, **launch_options(pdl, out.device))
+                _small_kernel[(sm_count(out.device),)](out, DEPENDENT=dependent, num_warps=4,
+                                                       **launch_options(pdl, out.device))
     return g
 
 
@@ -139,6 +163,20 @@ def run(out_path: str | None, repeats: int = 9, mb: int = 32, small: int = 10, i
     out = torch.zeros(sms, dtype=torch.int32, device=dev)
     graphs = {mode.name: chain_graph(streams, small, mode, iters, out) for mode in (Pdl.CHAINED, Pdl.CASCADE)}
     alone = {"copies": chain_graph(streams, 0, Pdl.CHAINED, iters, out)}
+    # The latency of one dependent step with nothing else to hide it: small kernels that each read what the previous
+    # one wrote (the round's chain of norms, rotary, attention combine, router select...), per launch mode.
+    steps = 10 * small if small else 10
+    graphs.update({f"dependent {mode.name}": chain_graph(None, steps, mode, 1, out, dependent=True)
+                   for mode in (Pdl.OFF, Pdl.CHAINED, Pdl.CASCADE)})
+    count = torch.zeros(steps, dtype=torch.int32, device=dev)
+    pair = torch.zeros(2 * sms, dtype=torch.int32, device=dev)
+
+    def barrier_chain():
+        count.zero_()
+        _barrier_chain_kernel[(sms,)](pair, count, steps, sms, num_warps=4)
+
+    barrier_chain()  # compile
+    graphs["dependent in-kernel"] = SimpleNamespace(replay=barrier_chain)  # one launch, not a graph: timed alike
     chain = {k: [] for k in list(graphs) + list(alone)}
     for g in list(graphs.values()) + list(alone.values()):
         g.replay()
@@ -146,14 +184,21 @@ def run(out_path: str | None, repeats: int = 9, mb: int = 32, small: int = 10, i
     for _ in range(repeats):
         for k, g in {**graphs, **alone}.items():
             chain[k].append(_events_us(g.replay, iters))
-    report["chain"] = {"small_kernels": small, "iters": iters,
-                       "us_per_iter": {k: {"median": statistics.median(v), "all": v} for k, v in chain.items()}}
+    for k in [k for k in chain if k.startswith("dependent")]:  # one graph of `steps` kernels: us a step
+        chain[k] = [t * iters / steps for t in chain[k]]
+    report["chain"] = {"small_kernels": small, "iters": iters, "dependent_steps": steps,
+                       "us_per_iter": {k: {"median": statistics.median(v), "all": v} for k, v in chain.items()
+                                       if not k.startswith("dependent")},
+                       "us_per_dependent_step": {k.split()[1]: {"median": statistics.median(v), "all": v}
+                                                 for k, v in chain.items() if k.startswith("dependent")}}
     print(f"copy of {mb} MB (read) through HBM, {streams.programs} programs: {base:.1f} us, "
           f"{report['copy_tb_s']:.2f} TB/s (read + written)")
     for k, v in report["beside_us_per_copy"].items():
         print(f"  beside {k:>14} waiting programs: {v['median']:8.1f} us a copy ({v['median'] / base:.3f}x)")
     for k, v in report["chain"]["us_per_iter"].items():
         print(f"  chain [copy + {small} small] {k:>8}: {v['median']:8.1f} us an iteration")
+    for k, v in report["chain"]["us_per_dependent_step"].items():
+        print(f"  {steps} dependent small kernels, {k:>8}: {v['median']:6.2f} us a step")
     if out_path:
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)
