@@ -73,6 +73,27 @@ def _barrier_chain_kernel(out_ptr, count_ptr, steps, G):
 
 
 @triton.jit
+def _wait_count(ptr, target):
+    """Every thread polls `ptr` (acquire, GPU scope) until it holds >= target: no block barrier per poll, as the scalar
+    atomic's broadcast through shared memory would add."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; spin${:uid}: ld.global.acquire.gpu.b32 $0, [$1]; setp.lt.s32 p, $0, $2; @p bra spin${:uid}; }",
+        "=r,l,r", [ptr, target], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _flag_chain_kernel(out_ptr, count_ptr, steps, G):
+    """`_barrier_chain_kernel` with the poll in PTX by every thread (`_wait_count`)."""
+    pid = tl.program_id(0)
+    for i in range(steps):
+        if i > 0:
+            _wait_count(count_ptr + i - 1, G)
+        v = tl.load(out_ptr + (i % 2) * G + (pid + 1) % G, volatile=True)
+        tl.store(out_ptr + ((i + 1) % 2) * G + pid, v + 1)
+        tl.atomic_add(count_ptr + i, 1, sem="release")
+
+
+@triton.jit
 def _spin_kernel(flag_ptr):
     while tl.load(flag_ptr, volatile=True) == 0:
         pass
@@ -175,8 +196,14 @@ def run(out_path: str | None, repeats: int = 9, mb: int = 32, small: int = 10, i
         count.zero_()
         _barrier_chain_kernel[(sms,)](pair, count, steps, sms, num_warps=4)
 
+    def flag_chain():
+        count.zero_()
+        _flag_chain_kernel[(sms,)](pair, count, steps, sms, num_warps=4)
+
     barrier_chain()  # compile
+    flag_chain()
     graphs["dependent in-kernel"] = SimpleNamespace(replay=barrier_chain)  # one launch, not a graph: timed alike
+    graphs["dependent in-kernel-asm"] = SimpleNamespace(replay=flag_chain)
     chain = {k: [] for k in list(graphs) + list(alone)}
     for g in list(graphs.values()) + list(alone.values()):
         g.replay()
