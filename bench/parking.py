@@ -94,6 +94,25 @@ def _flag_chain_kernel(out_ptr, count_ptr, steps, G):
 
 
 @triton.jit
+def _own_flags_chain_kernel(out_ptr, flag_ptr, steps, G, G_PAD: tl.constexpr):
+    """The same steps with one flag per program instead of one shared counter: a program publishes its step with a
+    release store to its own flag (no atomics queueing at one address), and waits by polling all G flags (volatile
+    loads, then an acquire fence)."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, G_PAD)
+    for i in range(steps):
+        if i > 0:
+            seen = tl.min(tl.load(flag_ptr + offs, mask=offs < G, other=steps, volatile=True), axis=0)
+            while seen < i:
+                seen = tl.min(tl.load(flag_ptr + offs, mask=offs < G, other=steps, volatile=True), axis=0)
+            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                      pack=1)
+        v = tl.load(out_ptr + (i % 2) * G + (pid + 1) % G, volatile=True)
+        tl.store(out_ptr + ((i + 1) % 2) * G + pid, v + 1)
+        tl.atomic_xchg(flag_ptr + pid, i + 1, sem="release")
+
+
+@triton.jit
 def _spin_kernel(flag_ptr):
     while tl.load(flag_ptr, volatile=True) == 0:
         pass
@@ -189,7 +208,7 @@ def run(out_path: str | None, repeats: int = 9, mb: int = 32, small: int = 10, i
     steps = 10 * small if small else 10
     graphs.update({f"dependent {mode.name}": chain_graph(None, steps, mode, 1, out, dependent=True)
                    for mode in (Pdl.OFF, Pdl.CHAINED, Pdl.CASCADE)})
-    count = torch.zeros(steps, dtype=torch.int32, device=dev)
+    count = torch.zeros(max(steps, sms), dtype=torch.int32, device=dev)  # the counters, or one flag a program
     pair = torch.zeros(2 * sms, dtype=torch.int32, device=dev)
 
     def barrier_chain():
@@ -200,10 +219,16 @@ def run(out_path: str | None, repeats: int = 9, mb: int = 32, small: int = 10, i
         count.zero_()
         _flag_chain_kernel[(sms,)](pair, count, steps, sms, num_warps=4)
 
+    def own_flags_chain():
+        count.zero_()
+        _own_flags_chain_kernel[(sms,)](pair, count, steps, sms, G_PAD=triton.next_power_of_2(sms), num_warps=4)
+
     barrier_chain()  # compile
     flag_chain()
+    own_flags_chain()
     graphs["dependent in-kernel"] = SimpleNamespace(replay=barrier_chain)  # one launch, not a graph: timed alike
     graphs["dependent in-kernel-asm"] = SimpleNamespace(replay=flag_chain)
+    graphs["dependent in-kernel-flags"] = SimpleNamespace(replay=own_flags_chain)
     chain = {k: [] for k in list(graphs) + list(alone)}
     for g in list(graphs.values()) + list(alone.values()):
         g.replay()

@@ -27,4 +27,4 @@ def test_cuda_probe_runs(tmp_path):
     assert len(report["beside_us_per_copy"]) == 5 and all(v["median"] > 0 for v in report["beside_us_per_copy"].values())
     assert set(report["chain"]["us_per_iter"]) == {"CHAINED", "CASCADE", "copies"}
     steps = report["chain"]["us_per_dependent_step"]
-    assert set(steps) == {"OFF", "CHAINED", "CASCADE", "in-kernel", "in-kernel-asm"} and all(0 < v["median"] < 50 for v in steps.values()), steps
+    assert set(steps) == {"OFF", "CHAINED", "CASCADE", "in-kernel", "in-kernel-asm", "in-kernel-flags"} and all(0 < v["median"] < 50 for v in steps.values()), steps
