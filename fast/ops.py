@@ -267,12 +267,9 @@ class TritonOps(TorchOps):
         self.early = self.pdl and "early" in self.stages
         self.cascade_ops = frozenset(op for op in CASCADE_OPS if self.pdl and f"cascade_{op}" in self.stages)
         self.cascade = bool(self.cascade_ops)
-        from ..kernels.launch import Pdl
-
         if self.cascade and self.early:
             raise ValueError("stage 'cascade' lets kernels launch any number of launches ahead, so the reads 'early' "
                              "makes before the wait are no longer final: drop it, e.g. 'triton-early+cascade'")
-        self._pdl_off, self._pdl_chained, self._pdl_cascade = Pdl.OFF, Pdl.CHAINED, Pdl.CASCADE
         self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
         self.tma_calls = 0  # MoE calls through tensor descriptors (likewise)
         self.fp8_down_calls = 0  # MoE calls whose Down took E4M3 operands (likewise)
@@ -303,6 +300,7 @@ class TritonOps(TorchOps):
         from ..kernels.rmsnorm_residual import rmsnorm, rmsnorm_residual
         from ..kernels.rope_kv import rope_kv, rope_kv_parts
         from ..kernels.embed import embed
+        from ..kernels.launch import Pdl
         from ..kernels.settle import settle
 
         self._attention, self._linear, self._lm_head, self._lock_count = decode_attention, fp8_linear, lm_head, lock_count
@@ -313,6 +311,7 @@ class TritonOps(TorchOps):
         self._add_norm, self._norm, self._rope_kv, self._embed = rmsnorm_residual, rmsnorm, rope_kv, embed
         self._gate_up_k_tile, self._tma_fits, self._empty_tiles = gate_up_k_tile, tma_fits, empty_tiles
         self._moe_lock_count, self._rope_kv_parts = moe_lock_count, rope_kv_parts
+        self._pdl_off, self._pdl_chained, self._pdl_cascade = Pdl.OFF, Pdl.CHAINED, Pdl.CASCADE
 
     def _fits(self, stage: str, ok: bool) -> bool:
         """Whether `stage` runs as its kernel here; a shape the kernel cannot take (the 8-wide blocks and heads of
@@ -442,8 +441,7 @@ class TritonOps(TorchOps):
         if not self._fits("residual", "norm" in self.stages):
             return super().residual_norm(x, residual, weight, eps)
         y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=x.dtype,
-                              pdl=self._pdl(x, "norm"),
-                              preload=self._preload(x))
+                              pdl=self._pdl(x, "norm"), preload=self._preload(x))
         return h, y
 
     @stage("norm")
