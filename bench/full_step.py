@@ -6,7 +6,10 @@ without communication. In one process: the device copy bandwidth (before the wei
 then a prefill (untimed, once), then alternating timed decode chunks with the captured decode-loop
 graph and with the eager loop, each from the same restored post-prefill state; one more eager chunk
 records the routing (distinct experts per MoE call) for the byte count (bench/bytes.py); a few rounds of
-each variant under torch.profiler give the per-stage breakdown. Prints a table and writes JSON.
+each variant under torch.profiler give the per-stage breakdown. The round's kernels form one dependent chain, so
+besides the byte floor it reports a step-and-byte bound (`step_bound`): the profiled kernel count times one bare
+dependent step measured in the same run (bench/parking.py), plus each stage's bytes beyond its own steps. Prints a
+table and writes JSON.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ..fast.rank import EngineOptions, RankEngine, Request
 from ..fast.synthetic import synthetic_parallel, synthetic_weights
 from ..reference.config import Config, GenerationConfig
 from .bytes import STAGE_ITEMS, ByteCounter, RoundRouting, stage_bytes
+from .parking import dependent_step_us
 from .acceptance import tpot
 from .history import fill_history, synthetic_history
 from .timing import sync, time_chunk
@@ -121,6 +125,15 @@ class RoutingRecorder:
         return out
 
 
+def step_bound(step_us: float, launches: float, launches_by_stage: dict[str, float],
+               stage_floor_us: dict[str, float]) -> float:
+    """Least round time for a chain of `launches` dependent kernels, each at least one bare dependent step, whose stages
+    must also move their bytes: every kernel's step, plus each stage's byte floor beyond its own kernels' steps (a
+    stage's bytes can hide under its own steps, not under another stage's: each waits for the one before)."""
+    extra = sum(max(0.0, floor - step_us * launches_by_stage.get(stage, 0.0)) for stage, floor in stage_floor_us.items())
+    return step_us * launches + extra
+
+
 def _stage_of(event) -> str:
     e = event
     while e is not None:
@@ -136,6 +149,7 @@ def breakdown(events, wall_us: float, rounds: int, cuda: bool) -> dict:
     from torch.autograd import DeviceType
 
     per = dict.fromkeys(STAGES + ("other",), 0.0)
+    launched = dict.fromkeys(STAGES + ("other",), 0)  # device kernels a stage's ops launched
     busy = 0.0
     by_kernel: dict[str, list[float]] = {}  # device kernel name -> [launches, us]
     for e in events:
@@ -143,6 +157,7 @@ def breakdown(events, wall_us: float, rounds: int, cuda: bool) -> dict:
             t = sum(k.duration for k in e.kernels) if cuda else e.self_cpu_time_total
             if t:
                 per[_stage_of(e)] += t
+            launched[_stage_of(e)] += len(e.kernels)
         elif cuda and not getattr(e, "is_user_annotation", False) and e.name not in STAGES:
             busy += e.time_range.elapsed_us()
             slot = by_kernel.setdefault(e.name[:KERNEL_NAME_CHARS], [0, 0.0])
@@ -158,6 +173,7 @@ def breakdown(events, wall_us: float, rounds: int, cuda: bool) -> dict:
     out["gaps"] = wall_us / rounds - out["busy"]
     out["wall"] = wall_us / rounds
     out["launches"] = sum(n for n, _ in by_kernel.values()) / rounds
+    out["launches_by_stage"] = {k: v / rounds for k, v in launched.items()}
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
     out["top_kernels"] = [{"name": k, "launches": n / rounds, "us": t / rounds} for k, (n, t) in top]
     return out
@@ -186,6 +202,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
     for n in notes:
         print(n)
     bandwidth = copy_bandwidth(dev) if cuda else None
+    bare_step = dependent_step_us(dev) if cuda else None
     weight_bytes = rank_weight_bytes(config, tp, 0)
     if cuda:
         free, _ = torch.cuda.mem_get_info(dev)
@@ -276,6 +293,11 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
             except Exception as exc:  # a profiler failure must not lose the timings above
                 notes.append(f"profiling {k}/{m} failed: {type(exc).__name__}: {exc}")
 
+    eager = stages.get(f"{kernels[0]}/eager")
+    if floor and bare_step and eager and eager.get("launches"):
+        floor["dependent_step_us"], floor["launches"] = bare_step, eager["launches"]
+        floor["step_bound_us"] = step_bound(bare_step, eager["launches"], eager["launches_by_stage"], floor["stages_us"])
+        floor["step_bound_ratio"] = floor["step_bound_us"] / floor["floor_us"]
     report = {"bench": "step-full", "config": str(config_file), "tp_slice": tp, "rank": 0, "context": context,
               "drafts": drafts, "repeats": repeats, "chunk_tokens": chunk_tokens, "seed": seed, "notes": notes,
               "synthetic_history": filled,
@@ -343,6 +365,11 @@ def _print(r: dict) -> None:
               f"{f['variant']} at {f['ratio']:.2f}x the floor (target <= {TARGET_FLOOR_RATIO}x)")
     else:
         print("byte floor: skipped (no CUDA device)")
+    if f and f.get("step_bound_us"):
+        print(f"dependent step {f['dependent_step_us']:.2f} us (a chained small kernel, same run) x "
+              f"{f['launches']:.0f} kernels a round, plus each stage's bytes beyond its steps: step-and-byte bound "
+              f"{f['step_bound_us']:.1f} us = {f['step_bound_ratio']:.2f}x the byte floor; {f['variant']} at "
+              f"{f['ratio'] / f['step_bound_ratio']:.2f}x that bound")
     eager = r["stages_us_per_round"].get(r["main_variant"].split("/")[0] + "/eager")
     if f and eager and f.get("stages_us"):  # graph replays carry no stage labels: the same kernels' eager row
         cols = "  ".join(f"{k} {eager[k]:.0f}/{f['stages_us'][k]:.0f} ({eager[k] / f['stages_us'][k]:.1f}x)"

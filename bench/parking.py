@@ -182,6 +182,16 @@ def chain_graph(streams: Streams | None, small: int, pdl: Pdl, iters: int, out: 
     return g
 
 
+def dependent_step_us(device: torch.device, steps: int = 100, repeats: int = 9) -> float:
+    """Median us of one dependent step as the engine launches it (a PDL-chained small kernel on every SM that reads
+    what the previous one wrote): the least any kernel of the round's chain can cost."""
+    out = torch.zeros(sm_count(device), dtype=torch.int32, device=device)
+    g = chain_graph(None, steps, Pdl.CHAINED, 1, out, dependent=True)
+    g.replay()
+    torch.cuda.synchronize(device)
+    return statistics.median(_events_us(g.replay, steps) for _ in range(repeats))
+
+
 def run(out_path: str | None, repeats: int = 9, mb: int = 32, small: int = 10, iters: int = 20) -> dict:
     dev = torch.device("cuda")
     streams = Streams(mb, 8, dev)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, strategies as st
 import torch
 
 from iquest.bench.bytes import ByteCounter, RoundRouting, round_bytes, stage_bytes
@@ -205,7 +206,34 @@ def test_kernels_launched_inside_a_stage_count_for_it():
     b = breakdown(events + kernels, wall_us=1e6, rounds=1, cuda=True)
     for s in STAGES:
         assert b[s] == pytest.approx(us * sum(label.name == s for label in labels)), s
+        assert b["launches_by_stage"][s] == sum(label.name == s for label in labels), s
     assert b["other"] == pytest.approx(us) and b["busy"] == pytest.approx(us * len(kernels))
+    # the kernel launched outside every op is tied to no event: a launch of the round, but of no stage
+    assert b["launches"] == len(kernels) and sum(b["launches_by_stage"].values()) == len(kernels) - 1
+
+
+def test_step_bound_by_hand():
+    from iquest.bench.full_step import step_bound
+
+    # 10 kernels at 1 us; the MoE's 4 of them must also move 10 us of bytes, the norm's none: 10 + (10 - 4)
+    assert step_bound(1.0, 10, {"moe": 4, "norm": 3}, {"moe": 10.0, "norm": 0.0}) == pytest.approx(16.0)
+    # bytes that fit under their own stage's steps add nothing
+    assert step_bound(2.0, 10, {"moe": 4}, {"moe": 5.0}) == pytest.approx(20.0)
+
+
+@given(step=st.floats(0.0, 10.0), counts=st.lists(st.integers(0, 50), min_size=1, max_size=6),
+       floors=st.lists(st.floats(0.0, 1e4), min_size=6, max_size=6), other=st.integers(0, 50))
+def test_step_bound_covers_steps_and_bytes(step, counts, floors, other):
+    """The bound is at least every kernel's step and at least every stage's bytes (their sum), and it grows with the
+    step: it never claims a round could beat either floor."""
+    from iquest.bench.full_step import step_bound
+
+    by_stage = {f"s{i}": float(n) for i, n in enumerate(counts)}
+    stage_floor = {f"s{i}": floors[i] for i in range(len(counts))}
+    launches = sum(counts) + other
+    bound = step_bound(step, launches, by_stage, stage_floor)
+    assert bound >= step * launches - 1e-9 and bound >= sum(stage_floor.values()) - 1e-6
+    assert step_bound(step + 0.5, launches, by_stage, stage_floor) >= bound - 1e-9
 
 
 def test_triton_norms_run_inside_the_norm_label():
