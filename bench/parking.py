@@ -152,12 +152,13 @@ def beside(streams: Streams, waiters: int, how: str, iters: int) -> float:
     dev = streams.bufs[0][0].device
     side = torch.cuda.Stream(dev)
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    sink = torch.empty(max(waiters, 1), dtype=torch.int32, device=dev)  # a slot per parked program; launches nothing
     hold_ns = 20_000_000  # far longer than the timed copies; the spinners are released by the flag
     if waiters:
         with torch.cuda.stream(side):
             if how == "parked":  # a PDL kernel itself, so it signals the waiters' launch at once, then holds them
                 _hold_kernel[(1,)](hold_ns, num_warps=1, **launch_options(Pdl.CHAINED, dev))
-                _small_kernel[(waiters,)](flag, num_warps=4, **launch_options(Pdl.CHAINED, dev))
+                _small_kernel[(waiters,)](sink, num_warps=4, **launch_options(Pdl.CHAINED, dev))
             else:
                 _spin_kernel[(waiters,)](flag, num_warps=4)
         torch.cuda._sleep(2_000_000)  # let the side programs take their places before the timed copies
