@@ -11,6 +11,9 @@ repeats, variants alternated:
   does while it waits).
 * `chain`: a CUDA graph of [stream, N small kernels] x ITER, all launched with PDL, CHAINED against CASCADE: the round's
   pattern, where the small kernels are latency and the stream is bytes.
+* `dependent step`: 10 N small kernels that each read what the previous one wrote, as plain, chained and cascaded
+  launches, and the same steps inside one launch of co-resident programs behind three kinds of grid barrier: what one
+  dependency costs, the unit of `bench step`'s step-and-byte bound (`dependent_step_us`).
 """
 
 from __future__ import annotations
