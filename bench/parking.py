@@ -60,22 +60,6 @@ def _hold_kernel(ns, PDL: tl.constexpr = False):
 
 
 @triton.jit
-def _barrier_chain_kernel(out_ptr, count_ptr, steps, G):
-    """`steps` dependent steps inside one launch of G co-resident programs (GPU only: the programs spin on each
-    other): step i waits until all G programs finished step i - 1 (an acquire poll of its counter), reads a
-    neighbour's value of that step and writes its own, then counts itself (a release add). What a persistent kernel
-    pays per dependency where the round pays a kernel boundary."""
-    pid = tl.program_id(0)
-    for i in range(steps):
-        if i > 0:
-            while tl.atomic_add(count_ptr + i - 1, 0, sem="acquire") < G:
-                pass
-        v = tl.load(out_ptr + (i % 2) * G + (pid + 1) % G, volatile=True)
-        tl.store(out_ptr + ((i + 1) % 2) * G + pid, v + 1)
-        tl.atomic_add(count_ptr + i, 1, sem="release")
-
-
-@triton.jit
 def _wait_count(ptr, target):
     """Every thread polls `ptr` (acquire, GPU scope) until it holds >= target: no block barrier per poll, as the scalar
     atomic's broadcast through shared memory would add."""
@@ -85,34 +69,35 @@ def _wait_count(ptr, target):
 
 
 @triton.jit
-def _flag_chain_kernel(out_ptr, count_ptr, steps, G):
-    """`_barrier_chain_kernel` with the poll in PTX by every thread (`_wait_count`)."""
-    pid = tl.program_id(0)
-    for i in range(steps):
-        if i > 0:
-            _wait_count(count_ptr + i - 1, G)
-        v = tl.load(out_ptr + (i % 2) * G + (pid + 1) % G, volatile=True)
-        tl.store(out_ptr + ((i + 1) % 2) * G + pid, v + 1)
-        tl.atomic_add(count_ptr + i, 1, sem="release")
-
-
-@triton.jit
-def _own_flags_chain_kernel(out_ptr, flag_ptr, steps, G, G_PAD: tl.constexpr):
-    """The same steps with one flag per program instead of one shared counter: a program publishes its step with a
-    release store to its own flag (no atomics queueing at one address), and waits by polling all G flags (volatile
-    loads, then an acquire fence)."""
+def _barrier_chain_kernel(out_ptr, sync_ptr, steps, G, BARRIER: tl.constexpr, G_PAD: tl.constexpr = 1):
+    """`steps` dependent steps inside one launch of G co-resident programs (GPU only: the programs spin on each
+    other): step i waits until all G programs finished step i - 1, reads a neighbour's value of that step and writes
+    its own, then publishes itself. What a persistent kernel pays per dependency where the round pays a kernel
+    boundary. BARRIER: "atomic", one counter a step (release add; a scalar acquire poll); "asm", the same counters
+    with every thread polling in PTX (`_wait_count`); "flags", one flag a program (a release store of the step done;
+    the waiter polls all G flags, G_PAD >= G, with volatile loads, then an acquire fence): no atomics queueing at
+    one address."""
     pid = tl.program_id(0)
     offs = tl.arange(0, G_PAD)
     for i in range(steps):
         if i > 0:
-            seen = tl.min(tl.load(flag_ptr + offs, mask=offs < G, other=steps, volatile=True), axis=0)
-            while seen < i:
-                seen = tl.min(tl.load(flag_ptr + offs, mask=offs < G, other=steps, volatile=True), axis=0)
-            tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
-                                      pack=1)
+            if BARRIER == "flags":
+                seen = tl.min(tl.load(sync_ptr + offs, mask=offs < G, other=steps, volatile=True), axis=0)
+                while seen < i:
+                    seen = tl.min(tl.load(sync_ptr + offs, mask=offs < G, other=steps, volatile=True), axis=0)
+                tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+            elif BARRIER == "asm":
+                _wait_count(sync_ptr + i - 1, G)
+            else:
+                while tl.atomic_add(sync_ptr + i - 1, 0, sem="acquire") < G:
+                    pass
         v = tl.load(out_ptr + (i % 2) * G + (pid + 1) % G, volatile=True)
         tl.store(out_ptr + ((i + 1) % 2) * G + pid, v + 1)
-        tl.atomic_xchg(flag_ptr + pid, i + 1, sem="release")
+        if BARRIER == "flags":
+            tl.atomic_xchg(sync_ptr + pid, i + 1, sem="release")
+        else:
+            tl.atomic_add(sync_ptr + i, 1, sem="release")
 
 
 @triton.jit
@@ -225,24 +210,14 @@ def run(out_path: str | None, repeats: int = 9, mb: int = 32, small: int = 10, i
     count = torch.zeros(max(steps, sms), dtype=torch.int32, device=dev)  # the counters, or one flag a program
     pair = torch.zeros(2 * sms, dtype=torch.int32, device=dev)
 
-    def barrier_chain():
-        count.zero_()
-        _barrier_chain_kernel[(sms,)](pair, count, steps, sms, num_warps=4)
+    for name, barrier in (("in-kernel", "atomic"), ("in-kernel-asm", "asm"), ("in-kernel-flags", "flags")):
+        def launch(barrier=barrier):
+            count.zero_()
+            _barrier_chain_kernel[(sms,)](pair, count, steps, sms, BARRIER=barrier, G_PAD=triton.next_power_of_2(sms),
+                                          num_warps=4)
 
-    def flag_chain():
-        count.zero_()
-        _flag_chain_kernel[(sms,)](pair, count, steps, sms, num_warps=4)
-
-    def own_flags_chain():
-        count.zero_()
-        _own_flags_chain_kernel[(sms,)](pair, count, steps, sms, G_PAD=triton.next_power_of_2(sms), num_warps=4)
-
-    barrier_chain()  # compile
-    flag_chain()
-    own_flags_chain()
-    graphs["dependent in-kernel"] = SimpleNamespace(replay=barrier_chain)  # one launch, not a graph: timed alike
-    graphs["dependent in-kernel-asm"] = SimpleNamespace(replay=flag_chain)
-    graphs["dependent in-kernel-flags"] = SimpleNamespace(replay=own_flags_chain)
+        launch()  # compile
+        graphs[f"dependent {name}"] = SimpleNamespace(replay=launch)  # one launch, not a graph: timed alike
     chain = {k: [] for k in list(graphs) + list(alone)}
     for g in list(graphs.values()) + list(alone.values()):
         g.replay()

@@ -311,7 +311,7 @@ class TritonOps(TorchOps):
         self._add_norm, self._norm, self._rope_kv, self._embed = rmsnorm_residual, rmsnorm, rope_kv, embed
         self._gate_up_k_tile, self._tma_fits, self._empty_tiles = gate_up_k_tile, tma_fits, empty_tiles
         self._moe_lock_count, self._rope_kv_parts = moe_lock_count, rope_kv_parts
-        self._pdl_off, self._pdl_chained, self._pdl_cascade = Pdl.OFF, Pdl.CHAINED, Pdl.CASCADE
+        self._Pdl = Pdl  # kernels/launch.py is imported with the kernels, not at module level
 
     def _fits(self, stage: str, ok: bool) -> bool:
         """Whether `stage` runs as its kernel here; a shape the kernel cannot take (the 8-wide blocks and heads of
@@ -325,11 +325,11 @@ class TritonOps(TorchOps):
     def _pdl(self, t: torch.Tensor, op: str) -> Pdl:
         """How a kernel call of `op` (one of CASCADE_OPS) on `t` launches (kernels/launch.Pdl)."""
         if not (self.pdl and t.is_cuda):
-            return self._pdl_off
+            return self._Pdl.OFF
         if op in self.cascade_ops:
             self.cascade_calls += 1
-            return self._pdl_cascade
-        return self._pdl_chained
+            return self._Pdl.CASCADE
+        return self._Pdl.CHAINED
 
     def _prefetch(self, t: torch.Tensor) -> bool:
         return self.prefetch and t.is_cuda
@@ -555,7 +555,8 @@ class TritonOps(TorchOps):
 def make_ops(name: str) -> TorchOps:
     """"torch", "triton" (every qualified stage), or a '+'-joined list of stages, where "triton" stands for
     STAGES: e.g. "linear+attention", "triton+prefetch"; "-stage" drops a stage from what its part has so far, e.g.
-    "triton-settle" (every qualified stage but settle: the A/B of one stage). "~op" (benchmarks only) removes an op
+    "triton-settle" (every qualified stage but settle: the A/B of one stage); "cascade" stands for every cascade_OP.
+    "~op" (benchmarks only) removes an op
     from the round, e.g. "triton~moe": fast/ablation.py."""
     name, *ablated = name.split("~")
     ops = _make_ops(name)
@@ -574,8 +575,7 @@ def _make_ops(name: str) -> TorchOps:
         first, *dropped = part.split("-")
         stages += STAGES if first == "triton" else CASCADE if first == "cascade" else (first,)
         stages = [s for s in stages if s not in dropped]
-    unknown = ((set(stages) | {d for part in name.split("+") for d in part.split("-")[1:]})
-               - set(STAGES) - set(OPT_IN) - {"cascade"})
+    unknown = (set(stages) | {d for part in name.split("+") for d in part.split("-")[1:]}) - set(STAGES) - set(OPT_IN)
     if unknown:
         raise ValueError(f"unknown kernels {name!r}: choose torch, triton or a '+'-joined list of "
                          f"{STAGES + OPT_IN} (triton = all of {STAGES}; '-stage' drops one)")
