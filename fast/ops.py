@@ -556,8 +556,7 @@ def make_ops(name: str) -> TorchOps:
     """"torch", "triton" (every qualified stage), or a '+'-joined list of stages, where "triton" stands for
     STAGES: e.g. "linear+attention", "triton+prefetch"; "-stage" drops a stage from what its part has so far, e.g.
     "triton-settle" (every qualified stage but settle: the A/B of one stage); "cascade" stands for every cascade_OP.
-    "~op" (benchmarks only) removes an op
-    from the round, e.g. "triton~moe": fast/ablation.py."""
+    "~op" (benchmarks only) removes an op from the round, e.g. "triton~moe": fast/ablation.py."""
     name, *ablated = name.split("~")
     ops = _make_ops(name)
     if ablated:
