@@ -95,9 +95,9 @@ class RoutingRecorder:
         model, runner, current = self.model, self.runner, {}
         layer, moe, round_ = model.decoder_layer, model.moe, runner.speculative_round
 
-        def rec_layer(*args):
-            current["tag"] = args[-1]
-            return layer(*args)
+        def rec_layer(*args, **kw):
+            current["tag"] = args[6]  # decoder_layer(lw, kv, x, pending, blk, taps, tag, ...)
+            return layer(*args, **kw)
 
         def rec_moe(lw, b32, live, **kw):
             out = moe(lw, b32, live, **kw)

@@ -87,6 +87,10 @@ def specs() -> dict[str, KernelSpec]:
                                                    "in the launch")
     loop = KernelSpec(linear.fn, linear.types, dict(linear.constexprs, PRELOAD=0), linear.div16, linear.num_warps,
                       linear.num_stages, "FP8 linear, the pipelined K loop (without preload)")
+    # stage norm_qkv: q/k/v normalizing the residual stream on load (24 sums of squares a row), partials left unsummed
+    norm = KernelSpec(linear.fn, dict(linear.types, nw_ptr="*bf16", sumsq_ptr="*fp32", eps="fp32"),
+                      dict(linear.constexprs, SERIAL=False, NORM=32), linear.div16 + ("nw_ptr", "sumsq_ptr"),
+                      linear.num_warps, linear.num_stages, "FP8 linear (q/k/v) with the input norm done on load")
     # As the engine launches them on the H200 (stage tma): the weight tiles through tensor descriptors. These are what
     # ncu profiles (Gate/Up's 188 registers at c199d16: bench/results/ncu-ops-c199d16-details.txt).
     gate_up_tma = _with_descriptors(gate_up_prescaled, ("g_ptr", "u_ptr"), (1, gate_up.constexprs["BLOCK_N"],
@@ -114,7 +118,7 @@ def specs() -> dict[str, KernelSpec]:
     return {"moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_gate_up_tma": gate_up_tma,
             "moe_gate_up_fold": gate_up_fold, "moe_down": down, "moe_down_tma": down_tma, "moe_down_fold": down_fold,
             "moe_down_early": down_early, "moe_down_fp8": down_fp8,
-            "fp8_linear": linear, "fp8_linear_loop": loop}
+            "fp8_linear": linear, "fp8_linear_loop": loop, "fp8_linear_norm": norm}
 
 
 def _with_descriptors(spec: KernelSpec, names: tuple[str, ...], box: tuple[int, ...], note: str) -> KernelSpec:

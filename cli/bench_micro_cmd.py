@@ -76,7 +76,8 @@ def register(bsub) -> None:
                         "(the norm's fp16 tiles), moe_gate_up_tma (the engine's form: those tiles, weights through TMA), "
                         "moe_down (pointer loads), moe_down_tma (the engine's form), moe_down_fp8 (stage fp8_down), "
                         "moe_gate_up_fold, moe_down_fold (stage moe_fold: the finalize, the combine folded in), "
-                        "fp8_linear (q/k/v as the engine runs it, tiles preloaded), fp8_linear_loop (default: "
+                        "fp8_linear (q/k/v as the engine runs it, tiles preloaded), fp8_linear_loop, fp8_linear_norm "
+                        "(stage norm_qkv: the input norm on load) (default: "
                         "moe_gate_up_tma, moe_down_tma, fp8_linear: what the engine launches)")
     c.add_argument("--set", action="append", default=[], metavar="KERNEL.NAME=VALUE",
                    help="override one constexpr, e.g. moe_down.F16=False (repeatable)")

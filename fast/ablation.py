@@ -42,8 +42,9 @@ def _key(args: tuple, kwargs: dict) -> tuple:
 def _kept(value):
     if isinstance(value, torch.Tensor):
         return value.clone()
-    if isinstance(value, tuple):
-        return tuple(_kept(v) for v in value)
+    if isinstance(value, tuple):  # a NamedTuple (ops.Residual) keeps its type
+        items = [_kept(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     return value
 
 

@@ -16,7 +16,7 @@ import torch
 from ..reference.config import Config
 from ..reference.layers import rms_norm, rope_cos_sin
 from .cache import LayerKV, StaticKV
-from .ops import TorchOps
+from .ops import PendingNorm, Residual, TorchOps
 from .profiling import stage
 from .parallel import Parallel
 from .state import VERIFY_ROWS
@@ -61,8 +61,9 @@ class FastModel:
         """Main model: (local logits [R, V/tp] fp32, pre-norm final hidden [R, H])."""
         x, pending = self.embed(tokens), None
         blk = self._block(positions, live)
+        last = len(self.w.layers) - 1
         for i, lw in enumerate(self.w.layers):
-            x, pending = self.decoder_layer(lw, self.cache[i], x, pending, blk, taps, f"layer{i}.")
+            x, pending = self.decoder_layer(lw, self.cache[i], x, pending, blk, taps, f"layer{i}.", add_next=i < last)
         x, a = self.ops.residual_norm(x, pending, self.w.norm, self.config.rms_norm_eps)
         _tap(taps, "final_hidden", x)
         return self.logits(a), x
@@ -89,31 +90,40 @@ class FastModel:
             rope_rows = positions + (torch.arange(positions.shape[0], device=positions.device) > 0)
         return Block(positions, live, *self.ops.rotary(self.rope_cos, self.rope_sin, rope_rows))
 
-    def decoder_layer(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, pending: torch.Tensor | None,
-                      blk: Block, taps: dict | None, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def decoder_layer(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, pending: torch.Tensor | Residual | None,
+                      blk: Block, taps: dict | None, tag: str,
+                      add_next: bool = False) -> tuple[torch.Tensor, torch.Tensor | Residual]:
         """One layer on the residual stream x + pending, where `pending` is the previous layer's MoE output not
-        yet added (None for the first layer). Returns (x, this layer's MoE output): the caller folds the add
-        into the next norm (one launch fewer per layer; the sum is rounded to the compute dtype either way)."""
+        yet added (None for the first layer), or a `Residual`: the stream with it added. Returns (x, this layer's MoE
+        output): the caller folds the add into the next norm (one launch fewer per layer; the sum is rounded to the
+        compute dtype either way). With `add_next` (the next norm is another layer's input norm) the ops may instead
+        add it in the MoE's combine and return a Residual, whose norm the next layer's q/k/v projection does as it
+        loads (stage norm_qkv): one launch fewer again. Only where the collectives are local: at TP > 1 the MoE
+        output's all-reduce comes between the combine and the add."""
         eps = self.config.rms_norm_eps
-        if pending is None:
+        if isinstance(pending, Residual):
+            x, a = pending.h, PendingNorm(pending, lw.input_norm, eps)
+        elif pending is None:
             a = self.ops.norm(x, lw.input_norm, eps)
         else:
             x, a = self.ops.residual_norm(x, pending, lw.input_norm, eps)
         attn_out = self.attention(lw, kv, a, blk)
         # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
         x, b32, b16 = self.ops.add_norm(x, attn_out, lw.post_norm, eps, moe_block=lw.gate.block)
-        moe_out, scores, experts = self.moe(lw, b32, blk.live, mtp=tag == "mtp.", f16_input=b16)
+        moe_out, scores, experts = self.moe(lw, b32, blk.live, mtp=tag == "mtp.", f16_input=b16,
+                                            residual=x if add_next and not self.par.active else None)
         if taps is not None:  # the layer's output as the next norm will form it (the same rounded sum)
+            out, hidden = ((moe_out.moe_out, moe_out.h) if isinstance(moe_out, Residual) else (moe_out, x + moe_out))
             for name, value in (("attn_out", attn_out), ("moe_in", b32), ("router_scores", scores),
-                                ("experts", experts), ("moe_out", moe_out), ("hidden", x + moe_out)):
+                                ("experts", experts), ("moe_out", out), ("hidden", hidden)):
                 _tap(taps, tag + name, value)
         return x, moe_out
 
     @stage("attention")
-    def attention(self, lw: LayerWeights, kv: LayerKV, a: torch.Tensor, blk: Block) -> torch.Tensor:
-        c, R = self.config, a.shape[0]
+    def attention(self, lw: LayerWeights, kv: LayerKV, a: torch.Tensor | PendingNorm, blk: Block) -> torch.Tensor:
+        c, R = self.config, blk.positions.shape[0]
         if c.qk_norm:
-            q, k, v = (t.view(R, -1, c.head_dim) for t in self.ops.qkv(lw, a))
+            q, k, v = (t.view(R, -1, c.head_dim) for t in self.ops.qkv(lw, self.ops.normed(a)))
             q, k = rms_norm(q, lw.q_norm, c.rms_norm_eps), rms_norm(k, lw.k_norm, c.rms_norm_eps)
             q = self.ops.rope_write(kv, q, k, v, blk.cos, blk.sin, blk.rope_rows, blk.positions, blk.live)
         else:  # K/V stored first: causal block
@@ -124,10 +134,11 @@ class FastModel:
 
     @stage("moe")
     def moe(self, lw: LayerWeights, b32: torch.Tensor, live: torch.Tensor, mtp: bool = False,
-            f16_input: object = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            f16_input: object = None,
+            residual: torch.Tensor | None = None) -> tuple[torch.Tensor | Residual, torch.Tensor, torch.Tensor]:
         """Routed experts on this rank's slice of every expert's intermediate dimension (padding rows'
         experts are not read by the kernel path). `f16_input`: b32's Gate/Up operand form, from the norm that
-        made it (ops.add_norm), or None."""
+        made it (ops.add_norm), or None. `residual`: the stream, for the ops to add the output to (decoder_layer)."""
         c = self.config
         weights, experts, scores = self.ops.route(b32, lw, c.num_experts_per_tok, c.norm_topk_prob,
                                                   c.routed_scaling_factor)
@@ -137,7 +148,9 @@ class FastModel:
             weights = weights / weights.sum(-1, keepdim=True) if c.norm_topk_prob else weights
             weights = weights * c.routed_scaling_factor
         out = self.ops.moe(b32, experts, weights, live, lw.gate, lw.up, lw.down, compute_dtype=self.dtype,
-                           f16_input=f16_input)
+                           f16_input=f16_input, residual=residual)
+        if isinstance(out, Residual):  # added to the stream already (no all-reduce between: the caller's contract)
+            return out, scores, experts
         out = out.to(self.dtype)
         return self.par.all_reduce(out), scores, experts
 

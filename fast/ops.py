@@ -20,6 +20,7 @@ kernel's tail.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -28,6 +29,25 @@ from . import philox, sampler
 from .cache import LayerKV
 from .profiling import stage
 from .weights import FP8Weight, LayerWeights, ModelWeights
+
+
+class Residual(NamedTuple):
+    """The residual stream h = x + a layer's MoE output, added by the MoE's combine kernel (stage norm_qkv), with each
+    row's sums of h^2 over tiles of its columns (fp32 [R, T]) and the MoE output itself (the taps'): the next norm's
+    input, which the next layer's q/k/v projection normalizes as it loads it, instead of a norm launch."""
+
+    h: torch.Tensor
+    sumsq: torch.Tensor
+    moe_out: torch.Tensor
+
+
+class PendingNorm(NamedTuple):
+    """rmsnorm(residual.h) * weight, not yet computed: what a layer's attention takes in place of its normalized
+    rows; a consumer that cannot normalize as it loads has `ops.normed` compute them."""
+
+    residual: Residual
+    weight: torch.Tensor
+    eps: float
 
 
 class TorchOps:
@@ -53,9 +73,17 @@ class TorchOps:
                  sin: torch.Tensor, rope_rows: torch.Tensor | None, positions: torch.Tensor,
                  live: torch.Tensor) -> torch.Tensor:
         """`qkv` then `rope_write` (no q/k norm between them): the rotated q [R, Hq, D]; k and v stored."""
+        x = self.normed(x)
         R = x.shape[0]
         q, k, v = (t.view(R, -1, head_dim) for t in self.qkv(lw, x))
         return self.rope_write(kv, q, k, v, cos, sin, rope_rows, positions, live)
+
+    def normed(self, a: torch.Tensor | PendingNorm) -> torch.Tensor:
+        """The normalized rows: `a` itself, or a pending norm computed by `norm` (whose kernel gives what the fused
+        add and norm gave: the same rounded h, the same sum)."""
+        if isinstance(a, PendingNorm):
+            return self.norm(a.residual.h, a.weight, a.eps)
+        return a
 
     @stage("norm")
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,10 +149,12 @@ class TorchOps:
 
     def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
             gate: FP8Weight, up: FP8Weight, down: FP8Weight, compute_dtype: torch.dtype | None = None,
-            f16_input: object = None) -> torch.Tensor:
+            f16_input: object = None, residual: torch.Tensor | None = None) -> torch.Tensor | Residual:
         """sum_j w_j Down_e(silu(Gate_e b) * Up_e b) over each row's chosen experts [R, H] of b rounded to
         `compute_dtype` (default b's dtype), summed in fp32 and returned in fp32 here, in compute_dtype by the
-        kernel (the caller rounds to it either way). The kernel rounds fp32 b in registers (no conversion launch)."""
+        kernel (the caller rounds to it either way). The kernel rounds fp32 b in registers (no conversion launch).
+        `residual`: the residual stream, which the kernels' stage norm_qkv adds the output to (a `Residual` returned
+        instead; the caller's collectives must be local); ignored here."""
         if compute_dtype is not None:
             b = b.to(compute_dtype)
         g, u, d = (w.select(experts) for w in (gate, up, down))
@@ -240,7 +270,14 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # cascade_OP, so that a subset can be measured: "triton-early+cascade-cascade_moe" cascades all but the MoE's kernels.
 CASCADE_OPS = ("norm", "linear", "rope", "attention", "route", "moe", "lm_head", "glue")
 CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold") + CASCADE
+# "norm_qkv": a layer's input norm done by its q/k/v projection as it loads the residual stream (kernels/fp8_linear
+# `norm`), from each row's sums of squares over 256-column tiles, which the previous layer's MoE combine writes while it
+# adds its output to the stream (kernels/moe.py `residual`): one launch a layer fewer (87 of a round's 93 input norms:
+# not the first layer's, nor the draft layer's, whose input is no MoE output). A numerical change: the squares are
+# summed in another order than rmsnorm_residual's. Taken only where the collectives are local (one rank, or a
+# rank-slice benchmark): at TP > 1 the all-reduce of the MoE output sits between the combine and the add, and it would
+# have to write h and the sums itself.
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "norm_qkv") + CASCADE
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -267,6 +304,7 @@ class TritonOps(TorchOps):
         self.early = self.pdl and "early" in self.stages
         self.cascade_ops = frozenset(op for op in CASCADE_OPS if self.pdl and f"cascade_{op}" in self.stages)
         self.cascade = bool(self.cascade_ops)
+        self.norm_qkv = "norm_qkv" in self.stages and {"moe", "linear", "rope", "rope_sum"} <= self.stages
         if self.cascade and self.early:
             raise ValueError("stage 'cascade' lets kernels launch any number of launches ahead, so the reads 'early' "
                              "makes before the wait are no longer final: drop it, e.g. 'triton-early+cascade'")
@@ -282,6 +320,8 @@ class TritonOps(TorchOps):
         self.early_calls = 0  # MoE and attention calls that read ahead of their wait (likewise)
         self.rope_sum_calls = 0  # q/k/v projections summed by the rotary kernel (likewise)
         self.cascade_calls = 0  # kernel calls launched to signal before their wait (likewise)
+        self.residual_adds = 0  # MoE calls whose combine added the residual stream (likewise)
+        self.norm_qkv_calls = 0  # q/k/v projections that normalized the stream as they loaded it (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -311,6 +351,7 @@ class TritonOps(TorchOps):
         self._add_norm, self._norm, self._rope_kv, self._embed = rmsnorm_residual, rmsnorm, rope_kv, embed
         self._gate_up_k_tile, self._tma_fits, self._empty_tiles = gate_up_k_tile, tma_fits, empty_tiles
         self._moe_lock_count, self._rope_kv_parts = moe_lock_count, rope_kv_parts
+        self._residual_tiles = moe.residual_tiles
         self._Pdl = Pdl  # kernels/launch.py is imported with the kernels, not at module level
 
     def _fits(self, stage: str, ok: bool) -> bool:
@@ -359,7 +400,7 @@ class TritonOps(TorchOps):
             return super().linear(w, x)
         return self._fp8(w, x)
 
-    def _fp8(self, w: FP8Weight, x: torch.Tensor, unsummed: bool = False) -> torch.Tensor:
+    def _fp8(self, w: FP8Weight, x: torch.Tensor, unsummed: bool = False, norm: tuple | None = None) -> torch.Tensor:
         locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
         fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
         preload = self._preload(x)
@@ -367,16 +408,21 @@ class TritonOps(TorchOps):
             self.preload_calls += 1
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
                             pdl=self._pdl(x, "linear"), prefetch=self._prefetch(x), preload=preload,
-                            unsummed=unsummed)
+                            unsummed=unsummed, norm=norm)
 
     def qkv_rope(self, lw, kv, x, head_dim, cos, sin, rope_rows, positions, live):
         w = lw.wqkv
+        norm = None
+        if isinstance(x, PendingNorm):  # the input norm done on load (stage norm_qkv)
+            norm, x = (x.weight, x.residual.sumsq, x.eps), x.residual.h
         takes = (w is not None and {"linear", "rope"} <= self.stages and self._k_tiles(w.block[1])
                  and rope_rows is not None and self._rope_takes(head_dim, kv, x.dtype))
         if not self._fits("rope_sum", takes):
+            x = x if norm is None else self.norm(x, norm[0], norm[2])
             return super().qkv_rope(lw, kv, x, head_dim, cos, sin, rope_rows, positions, live)
         self.rope_sum_calls += 1
-        parts = self._fp8(w, x, unsummed=True)
+        self.norm_qkv_calls += norm is not None
+        parts = self._fp8(w, x, unsummed=True, norm=norm)
         nq, nk = lw.wq.q.shape[0] // head_dim, lw.wk.q.shape[0] // head_dim
         return self._rope_kv_parts(parts, nq, nk, cos, sin, positions, live, kv.k, kv.v, kv.slot_pos, dtype=x.dtype,
                                    rope_rows=rope_rows, pdl=self._pdl(x, "rope"), early=self.early)
@@ -472,7 +518,7 @@ class TritonOps(TorchOps):
         tile = self._gate_up_k_tile(moe_block)
         return tile if hidden % tile == 0 else None
 
-    def moe(self, b, experts, weights, live, gate, up, down, compute_dtype=None, f16_input=None):
+    def moe(self, b, experts, weights, live, gate, up, down, compute_dtype=None, f16_input=None, residual=None):
         if not self._fits("moe", self.moe_takes(gate.block, down.block, down.q.shape[-1])):
             return super().moe(b, experts, weights, live, gate, up, down, compute_dtype)
         tma = self.tma and self._tma_fits(gate.q, up.q, down.q)
@@ -487,13 +533,21 @@ class TritonOps(TorchOps):
             locks = None
         self.moe_fold_calls += locks is not None
         self.early_calls += self.early and self._pdl(b, "moe")
+        add = None  # the next norm's add and sums of squares, where one call covers the rows and the combine runs
+        if self.norm_qkv and residual is not None and locks is None and b.shape[0] <= step:
+            tiles = -(-b.shape[1] // self._residual_tiles(b.shape[1]))
+            add = (residual, torch.empty_like(residual),
+                   torch.empty((b.shape[0], tiles), dtype=torch.float32, device=b.device))
+            self.residual_adds += 1
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
                            pdl=self._pdl(b, "moe"), f16=self.f16,  # moe() takes it on the GPU only
                            f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down, locks=locks,
-                           early_down=self.early)
+                           early_down=self.early, residual=add)
                  for s in range(0, b.shape[0], step)]
+        if add is not None:
+            return Residual(add[1], add[2], parts[0])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def uniforms(self, seed, positions, purpose, depth=0, out=None):

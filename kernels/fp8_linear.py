@@ -63,6 +63,21 @@ def _tile_dot(acc, x, w, s, F32: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _inv_rms(sumsq_ptr, m, m_ok, stride, tiles, K, eps, NORM: tl.constexpr):
+    """The rows' 1 / rms as rmsnorm_residual computes it, from their `tiles` partial sums of squares (the MoE
+    combine's): summed in one fixed order, the same in every program, so every K range is scaled alike."""
+    t = tl.arange(0, NORM)
+    part = tl.load(sumsq_ptr + m[:, None] * stride + t[None, :], mask=m_ok[:, None] & (t < tiles)[None, :], other=0.0)
+    return 1.0 / tl.sqrt(tl.sum(part, axis=1) / K + eps)
+
+
+@triton.jit
+def _normed(h, inv, w):
+    """rmsnorm's y = h * inv * w, rounded to h's dtype, as rmsnorm_residual forms it."""
+    return (h.to(tl.float32) * inv[:, None] * w.to(tl.float32)[None, :]).to(h.dtype)
+
+
+@triton.jit
 def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr,
     M, N, K, stride_xm, stride_ym, scale_cols, k_per_split, splits,
@@ -70,6 +85,8 @@ def _fp8_linear_kernel(
     SPLIT: tl.constexpr, SERIAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, PRELOAD: tl.constexpr = 0,
     OPAQUE: tl.constexpr = True,  # False: negative control only (tests/test_bench_sass.py), see _after_wait
+    nw_ptr=None, sumsq_ptr=None, stride_sumsq=0, norm_tiles=0, eps=0.0,
+    NORM: tl.constexpr = 0,  # > 0: x is the residual stream, normalized on load (`norm`); the sums' padded count
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -91,23 +108,35 @@ def _fp8_linear_kernel(
         # same order as the loop below.
         ws = ()
         ss = ()
+        nws = ()
         for t in tl.static_range(PRELOAD):
             kk = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
             ws = ws + (tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None], other=0.0),)
             ss = ss + (tl.load(s_row + (k_start + t * BLOCK_K) // B1, mask=n_ok, other=0.0),)
+            if NORM > 0:  # the norm's weight is constant too
+                nws = nws + (tl.load(nw_ptr + kk),)
         wait_for_inputs(PDL)
         xs = ()
         for t in tl.static_range(PRELOAD):  # every x tile's load issued before the first dot
             kk = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
             xs = xs + (tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None], other=0.0),)
+        if NORM > 0:
+            inv = _inv_rms(sumsq_ptr, m, m_ok, stride_sumsq, norm_tiles, K, eps, NORM)
         for t in tl.static_range(PRELOAD):
-            acc = _tile_dot(acc, xs[t], _after_wait(ws[t], PDL and OPAQUE), ss[t], F32, PREC)
+            x = xs[t]
+            if NORM > 0:
+                x = _normed(x, inv, nws[t])
+            acc = _tile_dot(acc, x, _after_wait(ws[t], PDL and OPAQUE), ss[t], F32, PREC)
     else:
         wait_for_inputs(PDL)
+        if NORM > 0:
+            inv = _inv_rms(sumsq_ptr, m, m_ok, stride_sumsq, norm_tiles, K, eps, NORM)
         for k0 in range(k_start, k_end, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
             x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if NORM > 0:
+                x = _normed(x, inv, tl.load(nw_ptr + kk, mask=k_ok, other=0.0))
             w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             s = tl.load(s_row + k0 // B1, mask=n_ok, other=0.0)  # the tile lies in one K block
             acc = _tile_dot(acc, x, w, s, F32, PREC)
@@ -200,7 +229,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                out_dtype: torch.dtype | None = None, *, split_k: int | None = None, block_n: int = BLOCK_N,
                out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
                num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False,
-               preload: bool = False, unsummed: bool = False) -> torch.Tensor:
+               preload: bool = False, unsummed: bool = False,
+               norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
@@ -213,7 +243,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     changes a value.
     `unsummed`: return the K splits' fp32 partial products [splits, M, N] instead (no `out`; `locks` unused; one
     split when K is not split): a consumer that sums them in split order from zero, 0 + p_0 + p_1 + ..., and rounds
-    the sum to out_dtype has this function's bits (`rope_kv_parts`: the sum moved into the next launch)."""
+    the sum to out_dtype has this function's bits (`rope_kv_parts`: the sum moved into the next launch).
+    `norm` = (w [K], sumsq [M, T] fp32, eps): x is a residual stream h, and the product is taken of
+    rmsnorm(h) * w rounded to x's dtype, with each row's 1 / rms from its T partial sums of h^2 (kernels/moe.py's
+    `residual`), summed in one fixed order by every program: the norm's own launch is gone. rmsnorm_residual sums
+    the squares in another order, so this is a numerical change (qualified: docs/PERF.md)."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -243,6 +277,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         _check(tuple(out.shape) == (M, N) and out.dtype == out_dtype and out.device == x.device
                and out.stride(1) == 1, f"out must be [{M}, {N}] {out_dtype} with unit stride along N")
         part = part if split else out
+    norm_args = _norm_args(norm, M, K, x.device)
     f32 = INTERPRETED or x.dtype == torch.float32
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, BLOCK_M))
     if locks is not None:
@@ -255,7 +290,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
         k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
         SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
-        PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, PRELOAD=tiles,
+        PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, PRELOAD=tiles, **norm_args,
         **launch_options(pdl, x.device))
     if unsummed:
         return part
@@ -264,6 +299,32 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         _split_k_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, out, M, N, out.stride(0), split_k, BLOCK=BLOCK,
                                                           **launch_options(pdl, x.device))
     return out
+
+
+def _norm_args(norm, M: int, K: int, device: torch.device) -> dict:
+    """The kernel's arguments for `fp8_linear(norm=...)` (none without it), checked."""
+    if norm is None:
+        return {}
+    w, sumsq, eps = norm
+    _check(tuple(w.shape) == (K,) and w.dtype in _FLOATS and w.is_contiguous() and w.device == device,
+           f"norm's weight must be a contiguous float [{K}] on {device}, got {w.dtype} {tuple(w.shape)}")
+    _check(sumsq.dim() == 2 and sumsq.shape[0] == M and sumsq.shape[1] >= 1 and sumsq.dtype == torch.float32
+           and sumsq.stride(1) == 1 and sumsq.device == device,
+           f"norm's sumsq must be fp32 [{M}, T] with unit stride on {device}, got {sumsq.dtype} {tuple(sumsq.shape)}")
+    _check(isinstance(eps, float) and eps > 0, f"norm's eps must be a positive float, got {eps!r}")
+    tiles = sumsq.shape[1]
+    return dict(nw_ptr=w, sumsq_ptr=sumsq, stride_sumsq=sumsq.stride(0), norm_tiles=tiles, eps=eps,
+                NORM=max(2, triton.next_power_of_2(tiles)))
+
+
+def fp8_linear_normed_ref(h: torch.Tensor, sumsq: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
+                          scale: torch.Tensor, block: tuple[int, int] = (128, 128),
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`fp8_linear(h, norm=(norm_w, sumsq, eps))` in torch: y = rmsnorm(h) * norm_w rounded to h's dtype, with 1 / rms
+    from the rows' partial sums of squares (summed in torch's order), then fp8_linear_ref."""
+    inv = torch.rsqrt(sumsq.sum(dim=1, keepdim=True) / h.shape[1] + eps)
+    a = (h.float() * inv * norm_w.float()).to(h.dtype)
+    return fp8_linear_ref(a, w, scale, block, out_dtype)
 
 
 # ---- reference -------------------------------------------------------------------------------------

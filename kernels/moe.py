@@ -434,9 +434,9 @@ def _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, r, n, R, H, stride_o, K
         w = tl.load(weights_ptr + r * K_TOP + j, mask=r_ok, other=0.0, cache_modifier=CACHE)
         acc += w[:, None] * tl.load(y_ptr + (r * K_TOP + j)[:, None] * H + n[None, :],
                                     mask=r_ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=CACHE)
-    acc = tl.where(live[:, None], acc, 0.0)
-    tl.store(out_ptr + r[:, None] * stride_o + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=r_ok[:, None] & n_ok[None, :])
+    acc = tl.where(live[:, None], acc, 0.0).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + r[:, None] * stride_o + n[None, :], acc, mask=r_ok[:, None] & n_ok[None, :])
+    return acc
 
 
 @triton.jit
@@ -444,11 +444,28 @@ def _moe_combine_kernel(
     y_ptr, weights_ptr, live_ptr, out_ptr, R, H, stride_o,
     K_TOP: tl.constexpr, BLOCK: tl.constexpr, LIVE_COUNT: tl.constexpr,
     PDL: tl.constexpr = False,
+    res_ptr=None, h_ptr=None, sumsq_ptr=None, stride_res=0, stride_h=0, stride_sumsq=0,
+    RESIDUAL: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
-    wait_for_inputs(PDL)
     r = tl.program_id(0) + tl.arange(0, 1)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, r, n, R, H, stride_o, K_TOP, LIVE_COUNT, "")
+    ok = (r < R)[:, None] & (n < H)[None, :]
+    if RESIDUAL and EARLY:  # the stream was written by the post-attention norm, launches back (kernels/launch.py)
+        x = tl.load(res_ptr + r[:, None] * stride_res + n[None, :], mask=ok, other=0.0)
+    wait_for_inputs(PDL)
+    if RESIDUAL and not EARLY:
+        x = tl.load(res_ptr + r[:, None] * stride_res + n[None, :], mask=ok, other=0.0)
+    o = _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, r, n, R, H, stride_o, K_TOP, LIVE_COUNT, "")
+    if RESIDUAL:
+        # The next norm's add, as rmsnorm_residual does it (the sum rounded to the stream's dtype), and the tile's
+        # share of that norm's sum of squares: the consumer normalizes as it loads (fp8_linear's `norm`).
+        h = x.to(tl.float32) + o.to(tl.float32)
+        if h_ptr.dtype.element_ty == tl.bfloat16:  # round to nearest even under the interpreter too (its cast truncates)
+            h = bf16_grid(h)
+        h = h.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + r[:, None] * stride_h + n[None, :], h, mask=ok)
+        hf = h.to(tl.float32)
+        tl.store(sumsq_ptr + r * stride_sumsq + tl.program_id(1), tl.sum(hf * hf, axis=1), mask=r < R)
 
 
 # ---- host wrappers ---------------------------------------------------------------------------------
@@ -457,6 +474,31 @@ def _moe_combine_kernel(
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(f"moe: {message}")
+
+
+def residual_tiles(H: int) -> int:
+    """Columns of h that one sum of squares of `moe(residual=...)` covers: sumsq is [R, ceil(H / this)]."""
+    return COMBINE_BLOCK
+
+
+def _check_residual(residual, R: int, H: int, dev: torch.device) -> None:
+    if residual is None:
+        return
+    stream, h, sumsq = residual
+    for name, t in (("stream", stream), ("h", h)):
+        _check(tuple(t.shape) == (R, H) and t.dtype in _FLOATS and t.stride(1) == 1 and t.device == dev,
+               f"residual's {name} must be a float [{R}, {H}] with unit stride on {dev}")
+    _check(h.dtype == stream.dtype, f"residual's h ({h.dtype}) must be in the stream's dtype ({stream.dtype})")
+    tiles = triton.cdiv(H, residual_tiles(H))
+    _check(tuple(sumsq.shape) == (R, tiles) and sumsq.dtype == torch.float32 and sumsq.stride(1) == 1
+           and sumsq.device == dev, f"residual's sumsq must be fp32 [{R}, {tiles}] with unit stride on {dev}")
+
+
+def _residual_strides(residual) -> dict:
+    if residual is None:
+        return {}
+    stream, h, sumsq = residual
+    return dict(stride_res=stream.stride(0), stride_h=h.stride(0), stride_sumsq=sumsq.stride(0))
 
 
 def _descriptor(w: torch.Tensor, tile: tuple[int, int]):
@@ -547,6 +589,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         down_stages: int | None = None, pdl: bool = False, f16: bool = F16_OPERANDS,
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
         fp8_down: bool = FP8_DOWN, locks: torch.Tensor | None = None, early_down: bool = False,
+        residual: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
@@ -580,7 +623,12 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     finalize stays a launch where a Gate/Up tile is not whole act_quant groups (debug["folded"] says which were
     folded). `early_down` (with `pdl`): Down's programs read the routing and ask L2 for their expert's weight tile
     before the PDL wait (the routing was complete two launches earlier: kernels/launch.py), so the tile's reads overlap
-    the finalize; a hint, the same bits. `debug`,
+    the finalize; a hint, the same bits. `residual` = (stream [R, H], h [R, H], sumsq [R, ceil(H / t)] fp32, t =
+    `residual_tiles(H)`): the combine also adds `out` to the residual stream, h = stream + out rounded to h's dtype
+    (as rmsnorm_residual forms the next norm's input; h may alias the stream), and writes each row's sum of h^2 over
+    each t columns, from which a consumer normalizes as it loads (fp8_linear's `norm`), so the next norm's launch is
+    gone. Not with `locks` (the combine folded into Down). With `early_down` the stream is read before the PDL wait
+    (the caller's post-attention norm wrote it launches earlier). `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -657,6 +705,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         _check(compute_dtype == torch.bfloat16 and (f16 or f32),
                f"f16_input is Gate/Up's fp16 operand: it needs bf16 compute (got {compute_dtype}) with f16=True")
 
+    _check(residual is None or locks is None, "residual: the combine folded into Down (locks) does not add it")
+    _check_residual(residual, R, H, dev)
     fold_finalize = locks is not None and bn % group == 0
     fold_combine = locks is not None
     if locks is not None:
@@ -700,9 +750,11 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         lock_ptr=locks[_gate_up_locks(R, k, I, bn):] if fold_combine else y, weights_ptr=weights, out_ptr=out,
         stride_o=out.stride(0), FOLD=fold_combine, EARLY=early, w_raw_ptr=down, LINE_ELEMS=line_elems, LINES=lines, **launch)
     if not fold_combine:
+        stream, h, sumsq = residual if residual is not None else (None, None, None)
         _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
             y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
-            num_warps=4, **launch)
+            num_warps=4, res_ptr=stream, h_ptr=h, sumsq_ptr=sumsq, **_residual_strides(residual),
+            RESIDUAL=residual is not None, EARLY=early, **launch)
     if store_h:
         debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
                      fp8_down=fp8_down, folded=(fold_finalize, fold_combine), early_down=early)

@@ -130,6 +130,38 @@ def residual_block(device: str = "cpu", dtype: str = "fp32") -> dict:
             "fallbacks": fb, "fused_calls": n1 - n0}
 
 
+NORM_QKV_BASE = "moe+linear+rope+rope_sum+norm+residual"
+# fp32: the input norm's sum of squares in another order moves the normalized rows by an ulp or so; 1e-5 of the logits'
+# range is ~100x what was measured and ~1e-4 of what the negative control (sums of squares off by 4) produces.
+NORM_QKV_TOL = 1e-5
+
+
+def norm_qkv_block(device: str = "cpu", dtype: str = "fp32", broken: bool = False) -> dict:
+    """The input norm done by the q/k/v projection from the MoE combine's sums of squares (stage norm_qkv) against the
+    norm kernel: an 8-row block, then a verification block with 2 padding rows; the second block's logits (live rows)
+    relative to their range. `broken`: the negative control, every normalizing projection given sums of squares 4x too
+    large (1/rms halved); `calls` counts the projections that normalized, `adds` the combines that added."""
+    from iquest.tests.test_fast_engine import RING_SEQ
+
+    logits = {}
+    for kernels in (NORM_QKV_BASE, NORM_QKV_BASE + "+norm_qkv"):
+        e = RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=256, dtype=dtype, kernels=kernels))
+        e.cache.reset()
+        ops = e.model.ops
+        if broken:
+            fp8 = ops._fp8
+            ops._fp8 = lambda w, x, unsummed=False, norm=None: fp8(
+                w, x, unsummed, None if norm is None else (norm[0], norm[1] * 4, norm[2]))
+        pos = torch.arange(8, device=device)
+        e.model.forward(torch.tensor(RING_SEQ[:8], device=device), pos, torch.ones_like(pos, dtype=torch.bool))
+        pos = torch.arange(8, 16, device=device)
+        lg, _ = e.model.forward(torch.tensor(RING_SEQ[8:16], device=device), pos, torch.arange(8, device=device) < 6)
+        logits[kernels] = lg[:6].double().cpu()
+    want, got = logits[NORM_QKV_BASE], logits[NORM_QKV_BASE + "+norm_qkv"]
+    return {"rel_err": float((got - want).abs().max() / want.abs().max()), "calls": ops.norm_qkv_calls,
+            "adds": ops.residual_adds, "fallbacks": dict(ops.fallbacks)}
+
+
 def sampling_block(device: str = "cpu") -> dict:
     """The sampling kernels' distributions of one 8-row logits block against the fallback's."""
     out = {}
@@ -176,6 +208,7 @@ def test_interpreted_kernels_decode_like_the_torch_fallback():
     # 2 forwards x 4 layers (3 next-layer norms + the final norm) + the draft head's norm
     assert fused["outputs_identical"] and fused["caches_identical"] and not fused["fallbacks"], fused
     assert fused["fused_calls"] == 2 * 4 + 1, fused
+    _check_norm_qkv(results["norm_qkv_block"], results["norm_qkv_broken"], TINY_LAYERS)
     split = results["moe_prefill_split"]
     assert "error" not in split, split
     print(f"[interpreted MoE kernel, 72-row block] kernel calls {split['calls']}, relative error {split['rel_err']:.2e}")
@@ -222,6 +255,50 @@ def test_cuda_residual_fold_changes_nothing(dtype):
     assert "residual" in STAGES and decode("triton", "cuda", dtype) == decode(unfused, "cuda", dtype)
 
 
+TINY_LAYERS = 4
+
+
+def _check_norm_qkv(r: dict, broken: dict, layers: int) -> None:
+    assert "error" not in r and "error" not in broken, (r, broken)
+    print(f"[norm_qkv] relative logit error {r['rel_err']:.2e} (tolerance {NORM_QKV_TOL:.0e}); "
+          f"control {broken['rel_err']:.2e}")
+    # two forwards, each adding in every layer's combine but the last's and normalizing in every layer's q/k/v but the
+    # first's
+    assert r["calls"] == r["adds"] == 2 * (layers - 1) and not r["fallbacks"], r
+    assert r["rel_err"] <= NORM_QKV_TOL, r
+    assert broken["calls"] == r["calls"] and broken["rel_err"] > 100 * NORM_QKV_TOL, broken
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_norm_qkv_block(dtype):
+    """The input norm done on load, per block on the GPU: fp32 within NORM_QKV_TOL; bf16 (a rounding of the normalized
+    rows that may flip) within the fallback comparison's bf16 tolerance of the logits' range."""
+    r, broken = norm_qkv_block("cuda", dtype), norm_qkv_block("cuda", dtype, broken=True)
+    if dtype == "fp32":
+        _check_norm_qkv(r, broken, TINY_LAYERS)
+    else:
+        print(f"[norm_qkv bf16] {r}; control {broken}")
+        assert r["calls"] == r["adds"] == 2 * (TINY_LAYERS - 1) and r["rel_err"] < 0.02 < broken["rel_err"], (r, broken)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_norm_qkv_decodes_like_without_it(dtype):
+    """A decode with the input norm done on load (stage norm_qkv) against the same kernels without it, through the
+    captured loop: every divergence explained by the two engines' own distributions (a numerical change)."""
+    kernels = "triton" if dtype == "bf16" else GPU_KERNELS["fp32"] + "+moe+rope_sum+residual"
+    got, want = decode(kernels + "+norm_qkv", "cuda", dtype), decode(kernels, "cuda", dtype)
+    engines = [RankEngine(TINY, Parallel.single("cuda"), EngineOptions(max_context=256, dtype=dtype, kernels=k))
+               for k in (kernels + "+norm_qkv", kernels)]
+    for i, drafts in CASES:
+        key = f"{i}-{drafts}"
+        result = compare(PROMPTS[i], got[key]["tokens"], want[key]["tokens"], fast_dist(engines[0]),
+                         fast_dist(engines[1]), TOLERANCE[dtype])
+        print(f"[norm_qkv decode {dtype}, {key}] {result}")
+        assert result.explained, str(result)  # that the fold ran is counted per block: test_cuda_norm_qkv_block
+
+
 @pytest.mark.gpu
 def test_cuda_moe_splits_prefill_blocks():
     split = moe_prefill_split("cuda")
@@ -253,6 +330,8 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
                  ("moe_prefill_split", moe_prefill_split),
                  ("rope_block", rope_block),
                  ("residual_block", residual_block),
+                 ("norm_qkv_block", norm_qkv_block),
+                 ("norm_qkv_broken", lambda: norm_qkv_block(broken=True)),
                  ("rng_identical", lambda: {"identical": decode("rng") == decode("torch")}),
                  ("sampling_block", sampling_block)])
 

@@ -145,6 +145,13 @@ CASES += [
     case("fold_combine_only_gate_up_16_group_32", block=(32, 32), I=64, H=96, block_k=16, down_block_k=16,
          gate_up_block_n=16, split_k=2, split=2, fold=True),
 ]
+# The combine also adds the residual stream and writes the next norm's partial sums of squares (stage norm_qkv);
+# `residual` = the tiles a row has (COMBINE_BLOCK = 256 columns each, the last one partial at H = 560)
+CASES += [
+    case("residual_3rows_mask_3_tiles", R=3, H=560, live="mask", out="bf16", x="bf16", residual=3),
+    case("residual_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
+         down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True, residual=1),
+]
 # Negative controls (run by the worker, not by test_interpreted): the finalize drops the last split;
 # every live pair's program works, repeated experts included.
 NEG_CASE = case("neg_drop_last_split", H=128, block_k=16, split_k=3, split=3, drop_last_split=True)
@@ -174,6 +181,8 @@ GPU_CASES = [  # full size and the mini model (E=16, top-4, H=256, I=128, block 
     case("gpu_full_8rows_poison_pointer_loads", R=8, pattern="poison", live="count", min_split=2,
          launch=dict(tma=False), **FULL),
     *[case(f"gpu_mini_{r}rows", R=r, k=4, E=16, H=256, I=128, block=(16, 16), x="bf16") for r in (1, 8)],
+    case("gpu_full_6rows_fp32x_bf16_residual", R=6, live="count", out="bf16", compute="bf16", x_ties=True, min_split=2,
+         residual=24, **dict(FULL, x="fp32")),
 ]
 
 
@@ -256,13 +265,22 @@ def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
     out = torch.full((c["R"], c["H"]), float("nan"), dtype=DTYPES[c["out"]], device=t["x"].device)
     compute = {"compute_dtype": DTYPES[c["compute"]]} if c["compute"] else {}
     locks = None
+    extra = {}
+    if c.get("residual"):  # the next norm's add and partial sums of squares (stage norm_qkv), into NaN-filled outputs
+        gen = torch.Generator().manual_seed(c["seed"] + 1)
+        stream = (torch.randn(c["R"], c["H"], generator=gen) * 4).to(DTYPES[c["out"]]).to(t["x"].device)
+        tiles_ = triton.cdiv(c["H"], mk.residual_tiles(c["H"]))
+        extra["residual"] = (stream, torch.full_like(stream, float("nan")),
+                             torch.full((c["R"], tiles_), float("nan"), device=t["x"].device))
     if c.get("fold", False):
         # one spare counter past the need: it must stay zero too
         locks = torch.zeros(fold_locks(c) + 1, dtype=torch.int32, device=t["x"].device)
     got = mk.moe(*(t[a] for a in ARGS), block=c["block"], group=c["block"][1], out_dtype=DTYPES[c["out"]],
                  out=out, split_k=c["split_k"], debug=debug, locks=locks, **compute, **tiles(c),
-                 **c.get("launch", {}))
+                 **c.get("launch", {}), **extra)
     assert got is out
+    if debug is not None and extra:
+        debug["residual"] = extra["residual"]
     if debug is not None:
         debug["locks_rearmed"] = locks is None or int(locks.abs().sum()) == 0
     return got
@@ -333,6 +351,15 @@ def run_case(c: dict, device: str) -> dict:
     res["split_counts_live"] = sorted(set(counts[~pad_pairs_cpu].tolist()))  # splits summed per live pair
     res["split_counts_pad_zero"] = bool((counts[pad_pairs_cpu] == 0).all())
 
+    if c.get("residual"):  # h bit for bit as rmsnorm_residual adds; each tile's sum of squares of that h
+        stream, h_out, sumsq = debug["residual"]
+        h_ref = (stream.float() + got.float()).to(stream.dtype)
+        res["residual_h_exact"] = bool(torch.equal(h_out, h_ref))
+        res["residual_changed"] = bool(not torch.equal(h_out, stream))
+        sq = h_ref.double().square().split(mk.residual_tiles(H), dim=1)
+        sq_ref = torch.stack([part.sum(dim=1) for part in sq], dim=1)
+        res["residual_sumsq_err"] = ((sumsq.double() - sq_ref).abs() / sq_ref.clamp(min=1e-30)).max().item()
+        res["residual_tiles"] = sumsq.shape[1]
     res["folded"] = list(debug["folded"])
     res["locks_rearmed"] = debug["locks_rearmed"]
     res["down_rel_err"] = _down_from_act(c, tr, pairs, debug, got)
@@ -429,6 +456,11 @@ def _check(c: dict, r: dict) -> None:
 
 def _check_values(c: dict, r: dict) -> None:
     assert r["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[c["out"]]
+    if c.get("residual"):
+        assert r["residual_h_exact"], "the combine's residual add differs from (stream + out) rounded to its dtype"
+        assert r["residual_changed"], "h equals the stream: the add is not exercised"
+        assert r["residual_sumsq_err"] <= 1e-5, f"sums of squares off by {r['residual_sumsq_err']:.1e} (relative)"
+        assert r["residual_tiles"] == c["residual"], f"{r['residual_tiles']} sums a row, not {c['residual']}"
     assert r["finite"], "kernel left NaN in the output"
     assert r["pad_zero"], "padding rows must be written as 0"
     assert r["bit_identical"], "output, activations or scales differ from the five-launch form (sorted_moe)"
