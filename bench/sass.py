@@ -88,9 +88,9 @@ def specs() -> dict[str, KernelSpec]:
     loop = KernelSpec(linear.fn, linear.types, dict(linear.constexprs, PRELOAD=0), linear.div16, linear.num_warps,
                       linear.num_stages, "FP8 linear, the pipelined K loop (without preload)")
     # stage norm_qkv: q/k/v normalizing the residual stream on load (24 sums of squares a row), partials left unsummed
-    norm = KernelSpec(linear.fn, dict(linear.types, nw_ptr="*bf16", sumsq_ptr="*fp32", eps="fp32"),
-                      dict(linear.constexprs, SERIAL=False, NORM=32), linear.div16 + ("nw_ptr", "sumsq_ptr"),
-                      linear.num_warps, linear.num_stages, "FP8 linear (q/k/v) with the input norm done on load")
+    norm = KernelSpec(linear.fn, dict(linear.types, sumsq_ptr="*fp32", eps="fp32"),
+                      dict(linear.constexprs, SERIAL=False, NORM=32), linear.div16 + ("sumsq_ptr",),
+                      linear.num_warps, linear.num_stages, "FP8 linear (q/k/v) scaling its rows by 1 / rms")
     # As the engine launches them on the H200 (stage tma): the weight tiles through tensor descriptors. These are what
     # ncu profiles (Gate/Up's 188 registers at c199d16: bench/results/ncu-ops-c199d16-details.txt).
     gate_up_tma = _with_descriptors(gate_up_prescaled, ("g_ptr", "u_ptr"), (1, gate_up.constexprs["BLOCK_N"],

@@ -63,7 +63,8 @@ class FastModel:
         blk = self._block(positions, live)
         last = len(self.w.layers) - 1
         for i, lw in enumerate(self.w.layers):
-            x, pending = self.decoder_layer(lw, self.cache[i], x, pending, blk, taps, f"layer{i}.", add_next=i < last)
+            x, pending = self.decoder_layer(lw, self.cache[i], x, pending, blk, taps, f"layer{i}.",
+                                            next_norm=self.w.layers[i + 1].input_norm if i < last else None)
         x, a = self.ops.residual_norm(x, pending, self.w.norm, self.config.rms_norm_eps)
         _tap(taps, "final_hidden", x)
         return self.logits(a), x
@@ -92,17 +93,18 @@ class FastModel:
 
     def decoder_layer(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, pending: torch.Tensor | Residual | None,
                       blk: Block, taps: dict | None, tag: str,
-                      add_next: bool = False) -> tuple[torch.Tensor, torch.Tensor | Residual]:
+                      next_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | Residual]:
         """One layer on the residual stream x + pending, where `pending` is the previous layer's MoE output not
         yet added (None for the first layer), or a `Residual`: the stream with it added. Returns (x, this layer's MoE
         output): the caller folds the add into the next norm (one launch fewer per layer; the sum is rounded to the
-        compute dtype either way). With `add_next` (the next norm is another layer's input norm) the ops may instead
-        add it in the MoE's combine and return a Residual, whose norm the next layer's q/k/v projection does as it
-        loads (stage norm_qkv): one launch fewer again. Only where the collectives are local: at TP > 1 the MoE
-        output's all-reduce comes between the combine and the add."""
+        compute dtype either way). Given `next_norm` (the next layer's input norm weight) the ops may instead add it in
+        the MoE's combine and return a Residual, whose norm the next layer's q/k/v projection takes as a row scaling
+        (stage norm_qkv): one launch fewer again. Only where the collectives are local: at TP > 1 the MoE output's
+        all-reduce comes between the combine and the add."""
         eps = self.config.rms_norm_eps
         if isinstance(pending, Residual):
-            x, a = pending.h, PendingNorm(pending, lw.input_norm, eps)
+            assert pending.weight is lw.input_norm, "a Residual prepared for another norm"
+            x, a = pending.h, PendingNorm(pending, eps)
         elif pending is None:
             a = self.ops.norm(x, lw.input_norm, eps)
         else:
@@ -111,7 +113,7 @@ class FastModel:
         # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
         x, b32, b16 = self.ops.add_norm(x, attn_out, lw.post_norm, eps, moe_block=lw.gate.block)
         moe_out, scores, experts = self.moe(lw, b32, blk.live, mtp=tag == "mtp.", f16_input=b16,
-                                            residual=x if add_next and not self.par.active else None)
+                                            residual=None if next_norm is None or self.par.active else (x, next_norm))
         if taps is not None:  # the layer's output as the next norm will form it (the same rounded sum)
             out, hidden = ((moe_out.moe_out, moe_out.h) if isinstance(moe_out, Residual) else (moe_out, x + moe_out))
             for name, value in (("attn_out", attn_out), ("moe_in", b32), ("router_scores", scores),
@@ -135,10 +137,11 @@ class FastModel:
     @stage("moe")
     def moe(self, lw: LayerWeights, b32: torch.Tensor, live: torch.Tensor, mtp: bool = False,
             f16_input: object = None,
-            residual: torch.Tensor | None = None) -> tuple[torch.Tensor | Residual, torch.Tensor, torch.Tensor]:
+            residual: tuple | None = None) -> tuple[torch.Tensor | Residual, torch.Tensor, torch.Tensor]:
         """Routed experts on this rank's slice of every expert's intermediate dimension (padding rows'
         experts are not read by the kernel path). `f16_input`: b32's Gate/Up operand form, from the norm that
-        made it (ops.add_norm), or None. `residual`: the stream, for the ops to add the output to (decoder_layer)."""
+        made it (ops.add_norm), or None. `residual`: (the stream, the next norm's weight), for the ops to add the output
+        to (decoder_layer)."""
         c = self.config
         weights, experts, scores = self.ops.route(b32, lw, c.num_experts_per_tok, c.norm_topk_prob,
                                                   c.routed_scaling_factor)

@@ -32,21 +32,23 @@ from .weights import FP8Weight, LayerWeights, ModelWeights
 
 
 class Residual(NamedTuple):
-    """The residual stream h = x + a layer's MoE output, added by the MoE's combine kernel (stage norm_qkv), with each
-    row's sums of h^2 over tiles of its columns (fp32 [R, T]) and the MoE output itself (the taps'): the next norm's
-    input, which the next layer's q/k/v projection normalizes as it loads it, instead of a norm launch."""
+    """The residual stream h = x + a layer's MoE output, added by the MoE's combine kernel (stage norm_qkv), with what
+    the next RMSNorm (weight `weight`) needs: g = h * weight rounded, each row's sums of h^2 over tiles of its columns
+    (fp32 [R, T]); and the MoE output itself (the taps'). The next layer's q/k/v projection takes g and scales its
+    product's rows by 1 / rms, instead of a norm launch."""
 
     h: torch.Tensor
+    g: torch.Tensor
     sumsq: torch.Tensor
+    weight: torch.Tensor
     moe_out: torch.Tensor
 
 
 class PendingNorm(NamedTuple):
-    """rmsnorm(residual.h) * weight, not yet computed: what a layer's attention takes in place of its normalized
-    rows; a consumer that cannot normalize as it loads has `ops.normed` compute them."""
+    """rmsnorm(residual.h) * residual.weight, not yet computed: what a layer's attention takes in place of its
+    normalized rows; a consumer that cannot take it has `ops.normed` compute them."""
 
     residual: Residual
-    weight: torch.Tensor
     eps: float
 
 
@@ -82,7 +84,7 @@ class TorchOps:
         """The normalized rows: `a` itself, or a pending norm computed by `norm` (whose kernel gives what the fused
         add and norm gave: the same rounded h, the same sum)."""
         if isinstance(a, PendingNorm):
-            return self.norm(a.residual.h, a.weight, a.eps)
+            return self.norm(a.residual.h, a.residual.weight, a.eps)
         return a
 
     @stage("norm")
@@ -153,8 +155,9 @@ class TorchOps:
         """sum_j w_j Down_e(silu(Gate_e b) * Up_e b) over each row's chosen experts [R, H] of b rounded to
         `compute_dtype` (default b's dtype), summed in fp32 and returned in fp32 here, in compute_dtype by the
         kernel (the caller rounds to it either way). The kernel rounds fp32 b in registers (no conversion launch).
-        `residual`: the residual stream, which the kernels' stage norm_qkv adds the output to (a `Residual` returned
-        instead; the caller's collectives must be local); ignored here."""
+        `residual` = (the residual stream, the next RMSNorm's weight): the kernels' stage norm_qkv adds the output to
+        the stream and prepares that norm (a `Residual` returned instead; the caller's collectives must be local);
+        ignored here."""
         if compute_dtype is not None:
             b = b.to(compute_dtype)
         g, u, d = (w.select(experts) for w in (gate, up, down))
@@ -400,7 +403,7 @@ class TritonOps(TorchOps):
             return super().linear(w, x)
         return self._fp8(w, x)
 
-    def _fp8(self, w: FP8Weight, x: torch.Tensor, unsummed: bool = False, norm: tuple | None = None) -> torch.Tensor:
+    def _fp8(self, w: FP8Weight, x: torch.Tensor, unsummed: bool = False, rms: tuple | None = None) -> torch.Tensor:
         locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
         fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
         preload = self._preload(x)
@@ -408,21 +411,20 @@ class TritonOps(TorchOps):
             self.preload_calls += 1
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
                             pdl=self._pdl(x, "linear"), prefetch=self._prefetch(x), preload=preload,
-                            unsummed=unsummed, norm=norm)
+                            unsummed=unsummed, rms=rms)
 
     def qkv_rope(self, lw, kv, x, head_dim, cos, sin, rope_rows, positions, live):
         w = lw.wqkv
-        norm = None
-        if isinstance(x, PendingNorm):  # the input norm done on load (stage norm_qkv)
-            norm, x = (x.weight, x.residual.sumsq, x.eps), x.residual.h
+        pending, rms = x, None
+        if isinstance(x, PendingNorm):  # the input norm as g's product scaled by 1 / rms (stage norm_qkv)
+            x, rms = x.residual.g, (x.residual.sumsq, x.eps)
         takes = (w is not None and {"linear", "rope"} <= self.stages and self._k_tiles(w.block[1])
                  and rope_rows is not None and self._rope_takes(head_dim, kv, x.dtype))
         if not self._fits("rope_sum", takes):
-            x = x if norm is None else self.norm(x, norm[0], norm[2])
-            return super().qkv_rope(lw, kv, x, head_dim, cos, sin, rope_rows, positions, live)
+            return super().qkv_rope(lw, kv, self.normed(pending), head_dim, cos, sin, rope_rows, positions, live)
         self.rope_sum_calls += 1
-        self.norm_qkv_calls += norm is not None
-        parts = self._fp8(w, x, unsummed=True, norm=norm)
+        self.norm_qkv_calls += rms is not None
+        parts = self._fp8(w, x, unsummed=True, rms=rms)
         nq, nk = lw.wq.q.shape[0] // head_dim, lw.wk.q.shape[0] // head_dim
         return self._rope_kv_parts(parts, nq, nk, cos, sin, positions, live, kv.k, kv.v, kv.slot_pos, dtype=x.dtype,
                                    rope_rows=rope_rows, pdl=self._pdl(x, "rope"), early=self.early)
@@ -535,8 +537,9 @@ class TritonOps(TorchOps):
         self.early_calls += self.early and self._pdl(b, "moe")
         add = None  # the next norm's add and sums of squares, where one call covers the rows and the combine runs
         if self.norm_qkv and residual is not None and locks is None and b.shape[0] <= step:
+            stream, weight = residual
             tiles = -(-b.shape[1] // self._residual_tiles(b.shape[1]))
-            add = (residual, torch.empty_like(residual),
+            add = (stream, weight, torch.empty_like(stream), torch.empty_like(stream),
                    torch.empty((b.shape[0], tiles), dtype=torch.float32, device=b.device))
             self.residual_adds += 1
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
@@ -547,7 +550,8 @@ class TritonOps(TorchOps):
                            early_down=self.early, residual=add)
                  for s in range(0, b.shape[0], step)]
         if add is not None:
-            return Residual(add[1], add[2], parts[0])
+            stream, weight, h, g, sumsq = add
+            return Residual(h, g, sumsq, weight, parts[0])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def uniforms(self, seed, positions, purpose, depth=0, out=None):

@@ -72,12 +72,6 @@ def _inv_rms(sumsq_ptr, m, m_ok, stride, tiles, K, eps, NORM: tl.constexpr):
 
 
 @triton.jit
-def _normed(h, inv, w):
-    """rmsnorm's y = h * inv * w, rounded to h's dtype, as rmsnorm_residual forms it."""
-    return (h.to(tl.float32) * inv[:, None] * w.to(tl.float32)[None, :]).to(h.dtype)
-
-
-@triton.jit
 def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr,
     M, N, K, stride_xm, stride_ym, scale_cols, k_per_split, splits,
@@ -85,8 +79,8 @@ def _fp8_linear_kernel(
     SPLIT: tl.constexpr, SERIAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, PRELOAD: tl.constexpr = 0,
     OPAQUE: tl.constexpr = True,  # False: negative control only (tests/test_bench_sass.py), see _after_wait
-    nw_ptr=None, sumsq_ptr=None, stride_sumsq=0, norm_tiles=0, eps=0.0,
-    NORM: tl.constexpr = 0,  # > 0: x is the residual stream, normalized on load (`norm`); the sums' padded count
+    sumsq_ptr=None, stride_sumsq=0, norm_tiles=0, eps=0.0,
+    NORM: tl.constexpr = 0,  # > 0: the rows scaled by their 1 / rms (`rms`); the sums' count padded to a power of two
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -108,39 +102,29 @@ def _fp8_linear_kernel(
         # same order as the loop below.
         ws = ()
         ss = ()
-        nws = ()
         for t in tl.static_range(PRELOAD):
             kk = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
             ws = ws + (tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None], other=0.0),)
             ss = ss + (tl.load(s_row + (k_start + t * BLOCK_K) // B1, mask=n_ok, other=0.0),)
-            if NORM > 0:  # the norm's weight is constant too
-                nws = nws + (tl.load(nw_ptr + kk),)
         wait_for_inputs(PDL)
         xs = ()
         for t in tl.static_range(PRELOAD):  # every x tile's load issued before the first dot
             kk = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
             xs = xs + (tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None], other=0.0),)
-        if NORM > 0:
-            inv = _inv_rms(sumsq_ptr, m, m_ok, stride_sumsq, norm_tiles, K, eps, NORM)
         for t in tl.static_range(PRELOAD):
-            x = xs[t]
-            if NORM > 0:
-                x = _normed(x, inv, nws[t])
-            acc = _tile_dot(acc, x, _after_wait(ws[t], PDL and OPAQUE), ss[t], F32, PREC)
+            acc = _tile_dot(acc, xs[t], _after_wait(ws[t], PDL and OPAQUE), ss[t], F32, PREC)
     else:
         wait_for_inputs(PDL)
-        if NORM > 0:
-            inv = _inv_rms(sumsq_ptr, m, m_ok, stride_sumsq, norm_tiles, K, eps, NORM)
         for k0 in range(k_start, k_end, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
             x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if NORM > 0:
-                x = _normed(x, inv, tl.load(nw_ptr + kk, mask=k_ok, other=0.0))
             w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             s = tl.load(s_row + k0 // B1, mask=n_ok, other=0.0)  # the tile lies in one K block
             acc = _tile_dot(acc, x, w, s, F32, PREC)
 
+    if NORM > 0:  # each split's partial scaled alike: the sum is the row's product scaled
+        acc = acc * _inv_rms(sumsq_ptr, m, m_ok, stride_sumsq, norm_tiles, K, eps, NORM)[:, None]
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
         tl.store(part_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=mask)
@@ -230,7 +214,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
                num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False,
                preload: bool = False, unsummed: bool = False,
-               norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+               rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
@@ -244,10 +228,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     `unsummed`: return the K splits' fp32 partial products [splits, M, N] instead (no `out`; `locks` unused; one
     split when K is not split): a consumer that sums them in split order from zero, 0 + p_0 + p_1 + ..., and rounds
     the sum to out_dtype has this function's bits (`rope_kv_parts`: the sum moved into the next launch).
-    `norm` = (w [K], sumsq [M, T] fp32, eps): x is a residual stream h, and the product is taken of
-    rmsnorm(h) * w rounded to x's dtype, with each row's 1 / rms from its T partial sums of h^2 (kernels/moe.py's
-    `residual`), summed in one fixed order by every program: the norm's own launch is gone. rmsnorm_residual sums
-    the squares in another order, so this is a numerical change (qualified: docs/PERF.md)."""
+    `rms` = (sumsq [M, T] fp32, eps): row m of the product (of each split's partial, unsummed) is scaled by
+    1 / sqrt(sum_t sumsq[m, t] / K + eps), the sums taken in one fixed order by every program. With x = h * w rounded
+    and sumsq the partial sums of h^2 (kernels/moe.py's `residual`), that is the product of rmsnorm(h) * w without the
+    norm's launch: a numerical change (the normalized rows rounded before their scaling, the squares summed in another
+    order than rmsnorm_residual's), qualified in docs/PERF.md."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -277,7 +262,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         _check(tuple(out.shape) == (M, N) and out.dtype == out_dtype and out.device == x.device
                and out.stride(1) == 1, f"out must be [{M}, {N}] {out_dtype} with unit stride along N")
         part = part if split else out
-    norm_args = _norm_args(norm, M, K, x.device)
+    norm_args = _rms_args(rms, M, x.device)
     f32 = INTERPRETED or x.dtype == torch.float32
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, BLOCK_M))
     if locks is not None:
@@ -301,30 +286,26 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     return out
 
 
-def _norm_args(norm, M: int, K: int, device: torch.device) -> dict:
-    """The kernel's arguments for `fp8_linear(norm=...)` (none without it), checked."""
-    if norm is None:
+def _rms_args(rms, M: int, device: torch.device) -> dict:
+    """The kernel's arguments for `fp8_linear(rms=...)` (none without it), checked."""
+    if rms is None:
         return {}
-    w, sumsq, eps = norm
-    _check(tuple(w.shape) == (K,) and w.dtype in _FLOATS and w.is_contiguous() and w.device == device,
-           f"norm's weight must be a contiguous float [{K}] on {device}, got {w.dtype} {tuple(w.shape)}")
+    sumsq, eps = rms
     _check(sumsq.dim() == 2 and sumsq.shape[0] == M and sumsq.shape[1] >= 1 and sumsq.dtype == torch.float32
            and sumsq.stride(1) == 1 and sumsq.device == device,
-           f"norm's sumsq must be fp32 [{M}, T] with unit stride on {device}, got {sumsq.dtype} {tuple(sumsq.shape)}")
-    _check(isinstance(eps, float) and eps > 0, f"norm's eps must be a positive float, got {eps!r}")
+           f"rms's sumsq must be fp32 [{M}, T] with unit stride on {device}, got {sumsq.dtype} {tuple(sumsq.shape)}")
+    _check(isinstance(eps, float) and eps > 0, f"rms's eps must be a positive float, got {eps!r}")
     tiles = sumsq.shape[1]
-    return dict(nw_ptr=w, sumsq_ptr=sumsq, stride_sumsq=sumsq.stride(0), norm_tiles=tiles, eps=eps,
+    return dict(sumsq_ptr=sumsq, stride_sumsq=sumsq.stride(0), norm_tiles=tiles, eps=eps,
                 NORM=max(2, triton.next_power_of_2(tiles)))
 
 
-def fp8_linear_normed_ref(h: torch.Tensor, sumsq: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor,
-                          scale: torch.Tensor, block: tuple[int, int] = (128, 128),
-                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`fp8_linear(h, norm=(norm_w, sumsq, eps))` in torch: y = rmsnorm(h) * norm_w rounded to h's dtype, with 1 / rms
-    from the rows' partial sums of squares (summed in torch's order), then fp8_linear_ref."""
-    inv = torch.rsqrt(sumsq.sum(dim=1, keepdim=True) / h.shape[1] + eps)
-    a = (h.float() * inv * norm_w.float()).to(h.dtype)
-    return fp8_linear_ref(a, w, scale, block, out_dtype)
+def fp8_linear_rms_ref(x: torch.Tensor, sumsq: torch.Tensor, eps: float, w: torch.Tensor, scale: torch.Tensor,
+                       block: tuple[int, int] = (128, 128), out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`fp8_linear(x, rms=(sumsq, eps))` in torch: the fp32 product's rows scaled by 1 / rms from their partial sums
+    of squares (summed in torch's order), cast to out_dtype (default x's)."""
+    inv = torch.rsqrt(sumsq.sum(dim=1, keepdim=True) / x.shape[1] + eps)
+    return (fp8_linear_ref(x, w, scale, block, torch.float32) * inv).to(out_dtype or x.dtype)
 
 
 # ---- reference -------------------------------------------------------------------------------------

@@ -444,12 +444,14 @@ def _moe_combine_kernel(
     y_ptr, weights_ptr, live_ptr, out_ptr, R, H, stride_o,
     K_TOP: tl.constexpr, BLOCK: tl.constexpr, LIVE_COUNT: tl.constexpr,
     PDL: tl.constexpr = False,
-    res_ptr=None, h_ptr=None, sumsq_ptr=None, stride_res=0, stride_h=0, stride_sumsq=0,
+    res_ptr=None, h_ptr=None, sumsq_ptr=None, nw_ptr=None, g_ptr=None, stride_res=0, stride_h=0, stride_sumsq=0,
     RESIDUAL: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
     r = tl.program_id(0) + tl.arange(0, 1)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = (r < R)[:, None] & (n < H)[None, :]
+    if RESIDUAL:  # the next norm's weight is constant
+        nw = tl.load(nw_ptr + n, mask=n < H, other=0.0).to(tl.float32)
     if RESIDUAL and EARLY:  # the stream was written by the post-attention norm, launches back (kernels/launch.py)
         x = tl.load(res_ptr + r[:, None] * stride_res + n[None, :], mask=ok, other=0.0)
     wait_for_inputs(PDL)
@@ -457,15 +459,23 @@ def _moe_combine_kernel(
         x = tl.load(res_ptr + r[:, None] * stride_res + n[None, :], mask=ok, other=0.0)
     o = _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, r, n, R, H, stride_o, K_TOP, LIVE_COUNT, "")
     if RESIDUAL:
-        # The next norm's add, as rmsnorm_residual does it (the sum rounded to the stream's dtype), and the tile's
-        # share of that norm's sum of squares: the consumer normalizes as it loads (fp8_linear's `norm`).
-        h = x.to(tl.float32) + o.to(tl.float32)
-        if h_ptr.dtype.element_ty == tl.bfloat16:  # round to nearest even under the interpreter too (its cast truncates)
-            h = bf16_grid(h)
-        h = h.to(h_ptr.dtype.element_ty)
+        # The next norm's add, as rmsnorm_residual does it (the sum rounded to the stream's dtype); the tile's share of
+        # that norm's sum of squares; and h times the norm's weight, rounded to the stream's dtype: the consumer's
+        # input, whose product it scales by each row's 1 / rms (fp8_linear's `rms`).
+        h = _round_to(x.to(tl.float32) + o.to(tl.float32), h_ptr.dtype.element_ty)
         tl.store(h_ptr + r[:, None] * stride_h + n[None, :], h, mask=ok)
         hf = h.to(tl.float32)
         tl.store(sumsq_ptr + r * stride_sumsq + tl.program_id(1), tl.sum(hf * hf, axis=1), mask=r < R)
+        tl.store(g_ptr + r[:, None] * stride_h + n[None, :], _round_to(hf * nw[None, :], g_ptr.dtype.element_ty),
+                 mask=ok)
+
+
+@triton.jit
+def _round_to(v, dtype: tl.constexpr):
+    """fp32 v rounded to `dtype` to nearest even, under the interpreter too (whose cast to bf16 truncates)."""
+    if dtype == tl.bfloat16:
+        v = bf16_grid(v)
+    return v.to(dtype)
 
 
 # ---- host wrappers ---------------------------------------------------------------------------------
@@ -484,11 +494,14 @@ def residual_tiles(H: int) -> int:
 def _check_residual(residual, R: int, H: int, dev: torch.device) -> None:
     if residual is None:
         return
-    stream, h, sumsq = residual
-    for name, t in (("stream", stream), ("h", h)):
+    stream, weight, h, g, sumsq = residual
+    for name, t in (("stream", stream), ("h", h), ("g", g)):
         _check(tuple(t.shape) == (R, H) and t.dtype in _FLOATS and t.stride(1) == 1 and t.device == dev,
                f"residual's {name} must be a float [{R}, {H}] with unit stride on {dev}")
-    _check(h.dtype == stream.dtype, f"residual's h ({h.dtype}) must be in the stream's dtype ({stream.dtype})")
+    _check(h.dtype == stream.dtype and g.dtype == stream.dtype and g.stride(0) == h.stride(0),
+           f"residual's h and g must be in the stream's dtype ({stream.dtype}), with one row stride")
+    _check(tuple(weight.shape) == (H,) and weight.dtype in _FLOATS and weight.is_contiguous() and weight.device == dev,
+           f"residual's weight must be a contiguous float [{H}] on {dev}")
     tiles = triton.cdiv(H, residual_tiles(H))
     _check(tuple(sumsq.shape) == (R, tiles) and sumsq.dtype == torch.float32 and sumsq.stride(1) == 1
            and sumsq.device == dev, f"residual's sumsq must be fp32 [{R}, {tiles}] with unit stride on {dev}")
@@ -497,8 +510,9 @@ def _check_residual(residual, R: int, H: int, dev: torch.device) -> None:
 def _residual_strides(residual) -> dict:
     if residual is None:
         return {}
-    stream, h, sumsq = residual
-    return dict(stride_res=stream.stride(0), stride_h=h.stride(0), stride_sumsq=sumsq.stride(0))
+    stream, weight, h, g, sumsq = residual
+    return dict(res_ptr=stream, nw_ptr=weight, h_ptr=h, g_ptr=g, sumsq_ptr=sumsq, stride_res=stream.stride(0),
+                stride_h=h.stride(0), stride_sumsq=sumsq.stride(0))
 
 
 def _descriptor(w: torch.Tensor, tile: tuple[int, int]):
@@ -589,7 +603,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         down_stages: int | None = None, pdl: bool = False, f16: bool = F16_OPERANDS,
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
         fp8_down: bool = FP8_DOWN, locks: torch.Tensor | None = None, early_down: bool = False,
-        residual: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        residual: tuple[torch.Tensor, ...] | None = None,
         debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
@@ -623,12 +637,13 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     finalize stays a launch where a Gate/Up tile is not whole act_quant groups (debug["folded"] says which were
     folded). `early_down` (with `pdl`): Down's programs read the routing and ask L2 for their expert's weight tile
     before the PDL wait (the routing was complete two launches earlier: kernels/launch.py), so the tile's reads overlap
-    the finalize; a hint, the same bits. `residual` = (stream [R, H], h [R, H], sumsq [R, ceil(H / t)] fp32, t =
-    `residual_tiles(H)`): the combine also adds `out` to the residual stream, h = stream + out rounded to h's dtype
-    (as rmsnorm_residual forms the next norm's input; h may alias the stream), and writes each row's sum of h^2 over
-    each t columns, from which a consumer normalizes as it loads (fp8_linear's `norm`), so the next norm's launch is
-    gone. Not with `locks` (the combine folded into Down). With `early_down` the stream is read before the PDL wait
-    (the caller's post-attention norm wrote it launches earlier). `debug`,
+    the finalize; a hint, the same bits. `residual` = (stream [R, H], w [H], h [R, H], g [R, H], sumsq [R, ceil(H / t)]
+    fp32, t = `residual_tiles(H)`), w the next RMSNorm's weight: the combine also adds `out` to the residual stream,
+    h = stream + out rounded to the stream's dtype (as rmsnorm_residual forms the next norm's input), and writes each
+    row's sum of h^2 over each t columns and g = h * w rounded to that dtype. A consumer then takes the norm's
+    product as g's product scaled by each row's 1 / rms (fp8_linear's `rms`), and the next norm's launch is gone. Not
+    with `locks` (the combine folded into Down). With `early_down` the stream is read before the PDL wait (the
+    caller's post-attention norm wrote it launches earlier). `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -750,11 +765,9 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         lock_ptr=locks[_gate_up_locks(R, k, I, bn):] if fold_combine else y, weights_ptr=weights, out_ptr=out,
         stride_o=out.stride(0), FOLD=fold_combine, EARLY=early, w_raw_ptr=down, LINE_ELEMS=line_elems, LINES=lines, **launch)
     if not fold_combine:
-        stream, h, sumsq = residual if residual is not None else (None, None, None)
         _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
             y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
-            num_warps=4, res_ptr=stream, h_ptr=h, sumsq_ptr=sumsq, **_residual_strides(residual),
-            RESIDUAL=residual is not None, EARLY=early, **launch)
+            num_warps=4, **_residual_strides(residual), RESIDUAL=residual is not None, EARLY=early, **launch)
     if store_h:
         debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
                      fp8_down=fp8_down, folded=(fold_finalize, fold_combine), early_down=early)

@@ -131,8 +131,9 @@ def residual_block(device: str = "cpu", dtype: str = "fp32") -> dict:
 
 
 NORM_QKV_BASE = "moe+linear+rope+rope_sum+norm+residual"
-# fp32: the input norm's sum of squares in another order moves the normalized rows by an ulp or so; 1e-5 of the logits'
-# range is ~100x what was measured and ~1e-4 of what the negative control (sums of squares off by 4) produces.
+# fp32: the input norm's 1 / rms applied after the product instead of before its rounding (and its squares summed in
+# another order) moves the products by an ulp or so; 1e-5 of the logits' range is far above that and ~1e-4 of what the
+# negative control (sums of squares off by 4) produces.
 NORM_QKV_TOL = 1e-5
 
 
@@ -148,18 +149,19 @@ def norm_qkv_block(device: str = "cpu", dtype: str = "fp32", broken: bool = Fals
         e = RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=256, dtype=dtype, kernels=kernels))
         e.cache.reset()
         ops = e.model.ops
+        counts = (getattr(ops, "norm_qkv_calls", 0), getattr(ops, "residual_adds", 0))  # the GPU engine's captures ran
         if broken:
             fp8 = ops._fp8
-            ops._fp8 = lambda w, x, unsummed=False, norm=None: fp8(
-                w, x, unsummed, None if norm is None else (norm[0], norm[1] * 4, norm[2]))
+            ops._fp8 = lambda w, x, unsummed=False, rms=None: fp8(
+                w, x, unsummed, None if rms is None else (rms[0] * 4, rms[1]))
         pos = torch.arange(8, device=device)
         e.model.forward(torch.tensor(RING_SEQ[:8], device=device), pos, torch.ones_like(pos, dtype=torch.bool))
         pos = torch.arange(8, 16, device=device)
         lg, _ = e.model.forward(torch.tensor(RING_SEQ[8:16], device=device), pos, torch.arange(8, device=device) < 6)
         logits[kernels] = lg[:6].double().cpu()
     want, got = logits[NORM_QKV_BASE], logits[NORM_QKV_BASE + "+norm_qkv"]
-    return {"rel_err": float((got - want).abs().max() / want.abs().max()), "calls": ops.norm_qkv_calls,
-            "adds": ops.residual_adds, "fallbacks": dict(ops.fallbacks)}
+    return {"rel_err": float((got - want).abs().max() / want.abs().max()), "calls": ops.norm_qkv_calls - counts[0],
+            "adds": ops.residual_adds - counts[1], "fallbacks": dict(ops.fallbacks)}
 
 
 def sampling_block(device: str = "cpu") -> dict:

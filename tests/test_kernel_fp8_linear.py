@@ -22,11 +22,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 2e-3}  # relative to max |ref|, by output dtype
 
 BASE = dict(M=8, N=40, K=96, block=(16, 16), x="fp32", out=None, split_k=None, block_n=16, x_stride=None,
-            serial=False, seed=0, preloads=None, order_control=False, norm=0)
+            serial=False, seed=0, preloads=None, order_control=False, rms=0)
 # order_control: the negative control of the bit checks: the same call with another split (the same products summed in
 # another order) must NOT be bit-equal, or the preload's bit-equality check could not see a reordered sum
 # preloads: whether `preload=True` must be taken (whole splits of at most MAX_PRELOAD K tiles); None: either
-# norm: T > 0: x is a residual stream normalized on load (`norm=`), from its rows' sums of squares over T-column tiles
+# rms: T > 0: the rows scaled by 1 / rms (`rms=`) from a stream's sums of squares over T-column tiles (stage norm_qkv)
 
 
 def case(name: str, **kw) -> dict:
@@ -54,10 +54,10 @@ CASES = [
     case("serial_17rows_partial_k", M=17, N=33, K=88, split_k=6, serial=True),
     case("serial_bf16_out", x="bf16", split_k=2, serial=True),
     case("serial_no_split", split_k=1, N=200, block_n=32, serial=True),
-    # The input norm done on load, from the MoE combine's partial sums of squares (kernels/moe.py `residual`).
-    case("norm_bf16_split_3", x="bf16", split_k=3, norm=16, preloads=True),
-    case("norm_bf16_loop_partial_k", M=3, x="bf16", K=72, norm=32, preloads=False),
-    case("norm_fp32_17rows_serial", M=17, N=33, K=88, split_k=6, serial=True, norm=16),
+    # The input norm's scaling, from the MoE combine's partial sums of squares (kernels/moe.py `residual`).
+    case("rms_bf16_split_3", x="bf16", split_k=3, rms=16, preloads=True),
+    case("rms_bf16_loop_partial_k", M=3, x="bf16", K=72, rms=32, preloads=False),
+    case("rms_fp32_17rows_serial", M=17, N=33, K=88, split_k=6, serial=True, rms=16),
 ]
 
 GPU_CASES = [  # one TP8 rank at full size: H = 6144, 6 query heads + 1 KV head of 128, I/tp = 256
@@ -74,8 +74,9 @@ GPU_CASES = [  # one TP8 rank at full size: H = 6144, 6 query heads + 1 KV head 
          preloads=True),
     case("gpu_o_proj_6rows_serial", M=6, N=6144, K=768, block=(128, 128), x="bf16", block_n=64, serial=True),
     case("gpu_k_proj_1row_serial", M=1, N=128, K=6144, block=(128, 128), x="bf16", block_n=64, serial=True),
-    case("gpu_qkv_proj_8rows_norm", N=1024, K=6144, block=(128, 128), x="bf16", norm=256, preloads=True),
-    case("gpu_qkv_proj_1row_norm_fp32", M=1, N=1024, K=6144, block=(128, 128), x="fp32", norm=256),
+    case("gpu_qkv_proj_8rows_rms", N=1024, K=6144, block=(128, 128), x="bf16", block_n=fl.BLOCK_N, rms=256,
+         preloads=True),
+    case("gpu_qkv_proj_1row_rms_fp32", M=1, N=1024, K=6144, block=(128, 128), x="fp32", block_n=fl.BLOCK_N, rms=256),
 ]
 
 
@@ -89,16 +90,15 @@ def build(c: dict, device: str) -> dict:
     wide = torch.randn(M, K * (c["x_stride"] or 1), generator=gen).to(DTYPES[c["x"]])
     x = wide[:, :K]  # unit stride along K, row stride K * x_stride
     t = dict(x=x.to(device), w=w.to(device), scale=scale.to(device))
-    if c["norm"]:  # a residual stream of rows with scales far from 1 (so a norm that is not applied shows)
-        h = (wide[:, :K].float() * 10 ** (torch.rand(M, 1, generator=gen) * 4 - 1)).to(DTYPES[c["x"]])
-        tiles = h.float().square().split(c["norm"], dim=1)
-        t.update(x=h.to(device), norm_w=(1 + torch.rand(K, generator=gen)).to(DTYPES[c["x"]]).to(device),
-                 sumsq=torch.stack([p.sum(dim=1) for p in tiles], dim=1).to(device))
+    if c["rms"]:  # a stream's rows at scales far from 1 and from each other (so a scaling not applied shows)
+        h = torch.randn(M, K, generator=gen) * 10 ** (torch.rand(M, 1, generator=gen) * 4 - 1)
+        tiles = h.square().split(c["rms"], dim=1)
+        t["sumsq"] = torch.stack([p.sum(dim=1) for p in tiles], dim=1).to(device)
     return t
 
 
-def _norm(c: dict, t: dict, sumsq_scale: float = 1.0):
-    return (t["norm_w"], t["sumsq"] * sumsq_scale, 1e-6) if c["norm"] else None
+def _rms(c: dict, t: dict, sumsq_scale: float = 1.0):
+    return (t["sumsq"] * sumsq_scale, 1e-6) if c["rms"] else None
 
 
 def run_case(c: dict, device: str) -> dict:
@@ -106,25 +106,24 @@ def run_case(c: dict, device: str) -> dict:
     out_dtype = DTYPES[c["out"]] if c["out"] else None
     out = torch.full((c["M"], c["N"]), float("nan"), dtype=out_dtype or t["x"].dtype, device=device)
     got = fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype, split_k=c["split_k"],
-                        block_n=c["block_n"], out=out, norm=_norm(c, t))
+                        block_n=c["block_n"], out=out, rms=_rms(c, t))
     assert got is out
-    if c["norm"]:
-        ref = fl.fp8_linear_normed_ref(t["x"], t["sumsq"], t["norm_w"], 1e-6, t["w"], t["scale"], c["block"],
-                                       torch.float32)
+    if c["rms"]:
+        ref = fl.fp8_linear_rms_ref(t["x"], t["sumsq"], 1e-6, t["w"], t["scale"], c["block"], torch.float32)
     else:
         ref = fl.fp8_linear_ref(t["x"], t["w"], t["scale"], c["block"], torch.float32)
     scale = ref.abs().max().item()
     r = {"rel_err": (got.float() - ref).abs().max().item() / scale, "finite": bool(torch.isfinite(got).all()),
          "dtype": str(got.dtype).removeprefix("torch.")}
-    if c["norm"]:  # negative controls: the stream unnormalized, and the squares' sums off by 4 (1/rms off by 2)
-        for key, norm in (("unnormed_err", None), ("wrong_sumsq_err", _norm(c, t, 4.0))):
+    if c["rms"]:  # negative controls: the rows not scaled, and the squares' sums off by 4 (1/rms off by 2)
+        for key, rms in (("unscaled_err", None), ("wrong_sumsq_err", _rms(c, t, 4.0))):
             bad = fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype, split_k=c["split_k"],
-                                block_n=c["block_n"], norm=norm)
+                                block_n=c["block_n"], rms=rms)
             r[key] = (bad.float() - ref).abs().max().item() / scale
     # The same call with the weight tiles loaded before the (PDL) wait: the same bits, where it is taken.
     pre = fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype, split_k=c["split_k"],
                         block_n=c["block_n"], out=torch.full_like(out, float("nan")), preload=True,
-                        pdl=t["x"].is_cuda, norm=_norm(c, t))  # on the GPU with its wait: the opaque move too
+                        pdl=t["x"].is_cuda, rms=_rms(c, t))  # on the GPU with its wait: the opaque move too
     r.update(preload_bits=bool(torch.equal(pre, got)), preloaded=fl.preload_plan(
         c["M"], c["N"], c["K"], c["block"], c["split_k"], c["block_n"], t["x"].device) > 0)
     if c["order_control"]:
@@ -136,7 +135,7 @@ def run_case(c: dict, device: str) -> dict:
         locks = torch.zeros(fl.lock_count(c["M"], c["N"], c["block_n"]) + 3, dtype=torch.int32, device=device)
         runs = [fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype, split_k=c["split_k"],
                               block_n=c["block_n"], locks=locks, out=torch.full_like(out, float("nan")), preload=pre,
-                              pdl=pre and t["x"].is_cuda, norm=_norm(c, t))
+                              pdl=pre and t["x"].is_cuda, rms=_rms(c, t))
                 for pre in (False, False, True)]  # later calls reuse the counters the first one left
         r.update(serial_bits=all(bool(torch.equal(g, got)) for g in runs), locks_rearmed=int(locks.abs().sum()) == 0)
     return r
@@ -149,8 +148,8 @@ def _check(c: dict, r: dict) -> None:
     assert r["rel_err"] <= TOL[out], (f"{c['name']}: max |kernel - ref| / max |ref| = {r['rel_err']:.2e} "
                                       f"> {TOL[out]:.0e}")
     assert r["preload_bits"], "the weight tiles preloaded before the wait change the output"
-    if c["norm"]:
-        for key in ("unnormed_err", "wrong_sumsq_err"):
+    if c["rms"]:
+        for key in ("unscaled_err", "wrong_sumsq_err"):
             assert r[key] > 10 * TOL[out], f"{c['name']}: the control {key} passes ({r[key]:.2e}): the check is blind"
     if c["order_control"]:
         assert not r["reordered_bits"], "another summation order gave the same bits: the bit checks prove nothing here"
@@ -191,10 +190,9 @@ def _args(**over):
     (dict(out_dtype=torch.int8), "out_dtype"),
     (dict(out=torch.empty(3, 41)), "out must be"),
     (dict(out=torch.empty(3, 40), unsummed=True), "give no out"),
-    (dict(norm=(torch.ones(95), torch.ones(3, 6), 1e-6)), "norm's weight"),
-    (dict(norm=(torch.ones(96), torch.ones(4, 6), 1e-6)), "norm's sumsq"),
-    (dict(norm=(torch.ones(96), torch.ones(3, 6, dtype=torch.float64), 1e-6)), "norm's sumsq"),
-    (dict(norm=(torch.ones(96), torch.ones(3, 6), 0.0)), "norm's eps"),
+    (dict(rms=(torch.ones(4, 6), 1e-6)), "rms's sumsq"),
+    (dict(rms=(torch.ones(3, 6, dtype=torch.float64), 1e-6)), "rms's sumsq"),
+    (dict(rms=(torch.ones(3, 6), 0.0)), "rms's eps"),
 ])
 def test_rejects_bad_inputs(over, message):
     with pytest.raises(ValueError, match=message):

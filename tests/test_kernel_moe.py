@@ -269,8 +269,9 @@ def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
     if c.get("residual"):  # the next norm's add and partial sums of squares (stage norm_qkv), into NaN-filled outputs
         gen = torch.Generator().manual_seed(c["seed"] + 1)
         stream = (torch.randn(c["R"], c["H"], generator=gen) * 4).to(DTYPES[c["out"]]).to(t["x"].device)
+        weight = (0.5 + torch.rand(c["H"], generator=gen)).to(DTYPES[c["out"]]).to(t["x"].device)
         tiles_ = triton.cdiv(c["H"], mk.residual_tiles(c["H"]))
-        extra["residual"] = (stream, torch.full_like(stream, float("nan")),
+        extra["residual"] = (stream, weight, torch.full_like(stream, float("nan")), torch.full_like(stream, float("nan")),
                              torch.full((c["R"], tiles_), float("nan"), device=t["x"].device))
     if c.get("fold", False):
         # one spare counter past the need: it must stay zero too
@@ -351,10 +352,11 @@ def run_case(c: dict, device: str) -> dict:
     res["split_counts_live"] = sorted(set(counts[~pad_pairs_cpu].tolist()))  # splits summed per live pair
     res["split_counts_pad_zero"] = bool((counts[pad_pairs_cpu] == 0).all())
 
-    if c.get("residual"):  # h bit for bit as rmsnorm_residual adds; each tile's sum of squares of that h
-        stream, h_out, sumsq = debug["residual"]
+    if c.get("residual"):  # h bit for bit as rmsnorm_residual adds, and h * w; each tile's sum of squares of that h
+        stream, weight, h_out, g_out, sumsq = debug["residual"]
         h_ref = (stream.float() + got.float()).to(stream.dtype)
-        res["residual_h_exact"] = bool(torch.equal(h_out, h_ref))
+        res["residual_h_exact"] = bool(torch.equal(h_out, h_ref)
+                                       and torch.equal(g_out, (h_ref.float() * weight.float()).to(stream.dtype)))
         res["residual_changed"] = bool(not torch.equal(h_out, stream))
         sq = h_ref.double().square().split(mk.residual_tiles(H), dim=1)
         sq_ref = torch.stack([part.sum(dim=1) for part in sq], dim=1)
@@ -457,7 +459,7 @@ def _check(c: dict, r: dict) -> None:
 def _check_values(c: dict, r: dict) -> None:
     assert r["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[c["out"]]
     if c.get("residual"):
-        assert r["residual_h_exact"], "the combine's residual add differs from (stream + out) rounded to its dtype"
+        assert r["residual_h_exact"], "the combine's h (stream + out) or g (h * w), each rounded, differ from torch's"
         assert r["residual_changed"], "h equals the stream: the add is not exercised"
         assert r["residual_sumsq_err"] <= 1e-5, f"sums of squares off by {r['residual_sumsq_err']:.1e} (relative)"
         assert r["residual_tiles"] == c["residual"], f"{r['residual_tiles']} sums a row, not {c['residual']}"
