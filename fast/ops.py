@@ -226,7 +226,7 @@ class TorchOps:
 # (f16_norm) -> 7,413 us (both), same process.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
           "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "settle", "preload", "early", "fp8_down",
-          "rope_sum")
+          "rope_sum", "norm_qkv")
 # "settle": the round's settle step (commit, log, stop, round record) and the next drafting's inputs as one kernel
 # (kernels/settle.py) instead of ~45 torch kernels; integer bookkeeping, the same state (tests/test_kernel_settle.py).
 # "embed": the embedding lookup in one launch (kernels/embed.py) instead of eight torch kernels, six times a round;
@@ -273,14 +273,18 @@ STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "
 # cascade_OP, so that a subset can be measured: "triton-early+cascade-cascade_moe" cascades all but the MoE's kernels.
 CASCADE_OPS = ("norm", "linear", "rope", "attention", "route", "moe", "lm_head", "glue")
 CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
-# "norm_qkv": a layer's input norm done by its q/k/v projection as it loads the residual stream (kernels/fp8_linear
-# `norm`), from each row's sums of squares over 256-column tiles, which the previous layer's MoE combine writes while it
-# adds its output to the stream (kernels/moe.py `residual`): one launch a layer fewer (87 of a round's 93 input norms:
-# not the first layer's, nor the draft layer's, whose input is no MoE output). A numerical change: the squares are
-# summed in another order than rmsnorm_residual's. Taken only where the collectives are local (one rank, or a
-# rank-slice benchmark): at TP > 1 the all-reduce of the MoE output sits between the combine and the add, and it would
-# have to write h and the sums itself.
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "norm_qkv") + CASCADE
+# "norm_qkv": a layer's input norm taken into the previous layer's MoE combine and its own q/k/v projection, no launch of
+# its own: the combine adds its output to the stream (h), writes g = h * the norm's weight and each row's sums of h^2
+# over 256-column tiles (kernels/moe.py `residual`); the projection multiplies g and scales its product's rows by
+# 1 / rms (kernels/fp8_linear.py `rms`). 87 of a round's 93 input norms (not the first layer's, nor the draft layer's,
+# nor a block wider than one MoE call). A numerical change: the normalized rows are rounded before their 1 / rms is
+# applied, and the squares are summed in another order. Qualified on an H200 at d521403 (bf16, every check, 10/10
+# controls: bench/results/qualify-mini-cuda-bf16-normqkv-d521403.*); full-size round 6,208 -> 6,100 us, same process
+# (bench/results/step-full-tp8slice-ctx1k-d5-normqkv-d521403.*; docs/PERF.md). Normalizing every loaded tile in the
+# projection instead (1e78bc2) cost it 1.7 us a call, all the norm saved. Taken only where the collectives are local
+# (one rank, or a rank-slice benchmark): at TP > 1 the MoE output's all-reduce sits between the combine and the add,
+# and a fused all-reduce would have to write h, g and the sums itself.
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold") + CASCADE
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)

@@ -289,7 +289,7 @@ def test_cuda_norm_qkv_block(dtype):
 def test_cuda_norm_qkv_decodes_like_without_it(dtype):
     """A decode with the input norm done on load (stage norm_qkv) against the same kernels without it, through the
     captured loop: every divergence explained by the two engines' own distributions (a numerical change)."""
-    kernels = "triton" if dtype == "bf16" else GPU_KERNELS["fp32"] + "+moe+rope_sum+residual"
+    kernels = "triton-norm_qkv" if dtype == "bf16" else GPU_KERNELS["fp32"] + "+moe+rope_sum+residual"
     got, want = decode(kernels + "+norm_qkv", "cuda", dtype), decode(kernels, "cuda", dtype)
     engines = [RankEngine(TINY, Parallel.single("cuda"), EngineOptions(max_context=256, dtype=dtype, kernels=k))
                for k in (kernels + "+norm_qkv", kernels)]

@@ -1048,8 +1048,8 @@ def test_cuda_moe_fold_decodes_bit_identically(dtype):
     acceptance sequence as the four-launch MoE through the captured decode loop, with the folded calls counted."""
     from iquest.tests.test_kernel_launch import decode_with_logprobs
 
-    on = decode_with_logprobs("triton+moe_fold", dtype)
-    off = decode_with_logprobs("triton", dtype)
+    on = decode_with_logprobs("triton-norm_qkv+moe_fold", dtype)  # the folded combine does not add the residual
+    off = decode_with_logprobs("triton-norm_qkv", dtype)
     assert "moe" not in on["fallbacks"] and on["moe_fold_calls"] > 0 and off["moe_fold_calls"] == 0
     assert on["steps"] == off["steps"]
 
@@ -1065,6 +1065,7 @@ def test_cuda_early_decodes_bit_identically(dtype):
     on = decode_with_logprobs("triton", dtype)  # early is a default stage
     off = decode_with_logprobs("triton-early", dtype)
     assert on["early_calls"] > 0 and off["early_calls"] == 0
+    assert on["norm_qkv_calls"] > 0  # the combine's residual read ahead too (default stage norm_qkv)
     assert on["steps"] == off["steps"]
 
 

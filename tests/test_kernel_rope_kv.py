@@ -254,8 +254,8 @@ def test_cuda_rope_sum_decodes_bit_identically(dtype):
     acceptance sequence through the captured decode loop, with the summing calls counted."""
     from iquest.tests.test_kernel_launch import decode_with_logprobs
 
-    on = decode_with_logprobs("triton", dtype)
-    off = decode_with_logprobs("triton-rope_sum", dtype)
+    on = decode_with_logprobs("triton-norm_qkv", dtype)  # norm_qkv needs rope_sum (and changes the numerics)
+    off = decode_with_logprobs("triton-norm_qkv-rope_sum", dtype)
     assert on["rope_sum_calls"] > 0 and off["rope_sum_calls"] == 0 and "rope_sum" not in on["fallbacks"]
     assert on["steps"] == off["steps"]
 
