@@ -75,3 +75,17 @@ def test_pinned_routing_reaches_the_moe():
     assert seen and ops.ablated_calls.get("route", 0) > 0
     for experts in seen:  # every block's experts are the pinned pattern, its first call per shape included
         assert torch.equal(experts, pinned_experts(*experts.shape, 5, experts))
+
+
+def test_a_kept_residual_is_relabelled_for_the_norm_it_is_handed_to():
+    """`~moe` with stage norm_qkv: the kept Residual was prepared for the first layer's next norm; each later layer
+    checks the weight is its own (fast/model.py), so the stub hands it over relabelled, values untouched."""
+    from iquest.fast.ablation import _for_this_norm
+    from iquest.fast.ops import Residual
+
+    t = torch.zeros(2, 4)
+    first, later = torch.ones(4), torch.full((4,), 2.0)
+    kept = Residual(t, t + 1, torch.zeros(2, 1), first, t + 2)
+    got = _for_this_norm(kept, {"residual": (t, later)})
+    assert got.weight is later and got.h is kept.h and got.g is kept.g and got.moe_out is kept.moe_out
+    assert _for_this_norm(kept, {}) is kept and _for_this_norm(t, {"residual": (t, later)}) is t
