@@ -56,7 +56,7 @@ def _stub(method: Callable, calls: dict, keep: Callable = _kept) -> Callable:
         key = _key(args, kwargs)
         if key not in kept:
             kept[key] = keep(method(*args, **kwargs))
-            return kept[key]
+            return _for_this_norm(kept[key], kwargs)  # the kept copy's weight is a clone
         calls[method.__name__] = calls.get(method.__name__, 0) + 1
         out = kwargs.get("out")
         if isinstance(out, torch.Tensor):

@@ -80,12 +80,17 @@ def test_pinned_routing_reaches_the_moe():
 def test_a_kept_residual_is_relabelled_for_the_norm_it_is_handed_to():
     """`~moe` with stage norm_qkv: the kept Residual was prepared for the first layer's next norm; each later layer
     checks the weight is its own (fast/model.py), so the stub hands it over relabelled, values untouched."""
-    from iquest.fast.ablation import _for_this_norm
+    from iquest.fast.ablation import _stub
     from iquest.fast.ops import Residual
 
     t = torch.zeros(2, 4)
-    first, later = torch.ones(4), torch.full((4,), 2.0)
-    kept = Residual(t, t + 1, torch.zeros(2, 1), first, t + 2)
-    got = _for_this_norm(kept, {"residual": (t, later)})
-    assert got.weight is later and got.h is kept.h and got.g is kept.g and got.moe_out is kept.moe_out
-    assert _for_this_norm(kept, {}) is kept and _for_this_norm(t, {"residual": (t, later)}) is t
+
+    def moe(b, residual=None):
+        return Residual(b + 1, b + 2, torch.zeros(2, 1), residual[1], b + 3)
+
+    calls: dict = {}
+    stub = _stub(moe, calls)
+    weights = [torch.full((4,), float(i)) for i in range(3)]
+    got = [stub(t, residual=(t, w)) for w in weights]  # the first call runs the op (its kept copy is a clone)
+    assert all(g.weight is w for g, w in zip(got, weights)), "a layer got another norm's (or a cloned) weight"
+    assert calls == {"moe": 2} and all(torch.equal(g.h, got[0].h) and g.h is got[1].h for g in got[1:])
