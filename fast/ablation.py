@@ -34,8 +34,10 @@ ABLATABLE: dict[str, tuple[str, ...]] = {
 
 def _key(args: tuple, kwargs: dict) -> tuple:
     """The call's argument shapes and dtypes (what its outputs' shapes depend on)."""
-    def one(a):
-        return (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else None
+    def one(a):  # a tuple by its parts (ops.moe's residual, a PendingNorm), None apart from other values
+        if isinstance(a, torch.Tensor):
+            return tuple(a.shape), a.dtype
+        return tuple(one(v) for v in a) if isinstance(a, tuple) else a is None
     return tuple(one(a) for a in args) + tuple((k, one(v)) for k, v in sorted(kwargs.items()) if k != "out")
 
 

@@ -86,7 +86,7 @@ def test_a_kept_residual_is_relabelled_for_the_norm_it_is_handed_to():
     t = torch.zeros(2, 4)
 
     def moe(b, residual=None):
-        return Residual(b + 1, b + 2, torch.zeros(2, 1), residual[1], b + 3)
+        return b + 3 if residual is None else Residual(b + 1, b + 2, torch.zeros(2, 1), residual[1], b + 3)
 
     calls: dict = {}
     stub = _stub(moe, calls)
@@ -94,3 +94,5 @@ def test_a_kept_residual_is_relabelled_for_the_norm_it_is_handed_to():
     got = [stub(t, residual=(t, w)) for w in weights]  # the first call runs the op (its kept copy is a clone)
     assert all(g.weight is w for g, w in zip(got, weights)), "a layer got another norm's (or a cloned) weight"
     assert calls == {"moe": 2} and all(torch.equal(g.h, got[0].h) and g.h is got[1].h for g in got[1:])
+    # the last layer's call (no next norm: no residual) is another call, kept apart: a tensor, not a Residual
+    assert isinstance(stub(t, residual=None), torch.Tensor) and calls == {"moe": 2}
