@@ -151,7 +151,7 @@ class TorchOps:
 
     def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
             gate: FP8Weight, up: FP8Weight, down: FP8Weight, compute_dtype: torch.dtype | None = None,
-            f16_input: object = None, residual: torch.Tensor | None = None) -> torch.Tensor | Residual:
+            f16_input: object = None, residual: tuple | None = None) -> torch.Tensor | Residual:
         """sum_j w_j Down_e(silu(Gate_e b) * Up_e b) over each row's chosen experts [R, H] of b rounded to
         `compute_dtype` (default b's dtype), summed in fp32 and returned in fp32 here, in compute_dtype by the
         kernel (the caller rounds to it either way). The kernel rounds fp32 b in registers (no conversion launch).
@@ -328,7 +328,7 @@ class TritonOps(TorchOps):
         self.rope_sum_calls = 0  # q/k/v projections summed by the rotary kernel (likewise)
         self.cascade_calls = 0  # kernel calls launched to signal before their wait (likewise)
         self.residual_adds = 0  # MoE calls whose combine added the residual stream (likewise)
-        self.norm_qkv_calls = 0  # q/k/v projections that normalized the stream as they loaded it (likewise)
+        self.norm_qkv_calls = 0  # q/k/v projections that took their input norm as a row scaling (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix

@@ -39,7 +39,9 @@ registers, which drops the caller's conversion launch.
    scales each K tile's partial product per row by that row's activation scale and per column by
    the weight block scale, and writes the fp32 per-pair result y [P, H].
 4. Combine, grid (row, H tile): out[r] = sum_j w[r, j] * y[r * k + j] in slot order, cast to
-   out_dtype. Padding rows read nothing and write exact zeros.
+   out_dtype. Padding rows read nothing and write exact zeros. With `residual` it also adds out to the
+   residual stream and prepares the next RMSNorm (h, h * w, the tile's sum of h^2), so that the next
+   layer's q/k/v projection takes that norm without a launch of its own (fast/ops.py, stage norm_qkv).
 
 Every sum has the order it had with the grouping launch (splits in order, slots in order, one dot
 per row and K tile), and a row's dot result does not depend on which other rows share its tile or
