@@ -358,7 +358,7 @@ class TritonOps(TorchOps):
         self._add_norm, self._norm, self._rope_kv, self._embed = rmsnorm_residual, rmsnorm, rope_kv, embed
         self._gate_up_k_tile, self._tma_fits, self._empty_tiles = gate_up_k_tile, tma_fits, empty_tiles
         self._moe_lock_count, self._rope_kv_parts = moe_lock_count, rope_kv_parts
-        self._residual_tiles = moe.residual_tiles
+        self._residual_buffers = moe.residual_buffers
         self._Pdl = Pdl  # kernels/launch.py is imported with the kernels, not at module level
 
     def _fits(self, stage: str, ok: bool) -> bool:
@@ -541,10 +541,7 @@ class TritonOps(TorchOps):
         self.early_calls += self.early and self._pdl(b, "moe")
         add = None  # the next norm's add and sums of squares, where one call covers the rows and the combine runs
         if self.norm_qkv and residual is not None and locks is None and b.shape[0] <= step:
-            stream, weight = residual
-            tiles = -(-b.shape[1] // self._residual_tiles(b.shape[1]))
-            add = (stream, weight, torch.empty_like(stream), torch.empty_like(stream),
-                   torch.empty((b.shape[0], tiles), dtype=torch.float32, device=b.device))
+            add = (*residual, *self._residual_buffers(residual[0]))  # (stream, weight, h, g, sumsq)
             self.residual_adds += 1
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,

@@ -488,9 +488,12 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(f"moe: {message}")
 
 
-def residual_tiles(H: int) -> int:
-    """Columns of h that one sum of squares of `moe(residual=...)` covers: sumsq is [R, ceil(H / this)]."""
-    return COMBINE_BLOCK
+def residual_buffers(stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (h, g, sumsq) that `moe(residual=(stream, w, h, g, sumsq))` fills, for a stream [R, H]: h and g like it,
+    sumsq fp32 [R, ceil(H / COMBINE_BLOCK)] (one sum of squares a combine tile)."""
+    R, H = stream.shape
+    sumsq = torch.empty((R, triton.cdiv(H, COMBINE_BLOCK)), dtype=torch.float32, device=stream.device)
+    return torch.empty_like(stream), torch.empty_like(stream), sumsq
 
 
 def _check_residual(residual, R: int, H: int, dev: torch.device) -> None:
@@ -504,7 +507,7 @@ def _check_residual(residual, R: int, H: int, dev: torch.device) -> None:
            f"residual's h and g must be in the stream's dtype ({stream.dtype}), with one row stride")
     _check(tuple(weight.shape) == (H,) and weight.dtype in _FLOATS and weight.is_contiguous() and weight.device == dev,
            f"residual's weight must be a contiguous float [{H}] on {dev}")
-    tiles = triton.cdiv(H, residual_tiles(H))
+    tiles = triton.cdiv(H, COMBINE_BLOCK)
     _check(tuple(sumsq.shape) == (R, tiles) and sumsq.dtype == torch.float32 and sumsq.stride(1) == 1
            and sumsq.device == dev, f"residual's sumsq must be fp32 [{R}, {tiles}] with unit stride on {dev}")
 
@@ -640,7 +643,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     folded). `early_down` (with `pdl`): Down's programs read the routing and ask L2 for their expert's weight tile
     before the PDL wait (the routing was complete two launches earlier: kernels/launch.py), so the tile's reads overlap
     the finalize; a hint, the same bits. `residual` = (stream [R, H], w [H], h [R, H], g [R, H], sumsq [R, ceil(H / t)]
-    fp32, t = `residual_tiles(H)`), w the next RMSNorm's weight: the combine also adds `out` to the residual stream,
+    fp32, t = COMBINE_BLOCK; `residual_buffers` makes the last three), w the next RMSNorm's weight: the combine also adds `out` to the residual stream,
     h = stream + out rounded to the stream's dtype (as rmsnorm_residual forms the next norm's input), and writes each
     row's sum of h^2 over each t columns and g = h * w rounded to that dtype. A consumer then takes the norm's
     product as g's product scaled by each row's 1 / rms (fp8_linear's `rms`), and the next norm's launch is gone. Not

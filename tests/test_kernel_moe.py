@@ -270,9 +270,11 @@ def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
         gen = torch.Generator().manual_seed(c["seed"] + 1)
         stream = (torch.randn(c["R"], c["H"], generator=gen) * 4).to(DTYPES[c["out"]]).to(t["x"].device)
         weight = (0.5 + torch.rand(c["H"], generator=gen)).to(DTYPES[c["out"]]).to(t["x"].device)
-        tiles_ = triton.cdiv(c["H"], mk.residual_tiles(c["H"]))
-        extra["residual"] = (stream, weight, torch.full_like(stream, float("nan")), torch.full_like(stream, float("nan")),
-                             torch.full((c["R"], tiles_), float("nan"), device=t["x"].device))
+        extra["residual"] = (stream, weight, *(b.fill_(float("nan")) for b in mk.residual_buffers(stream)))
+        if c.get("residual_break"):  # negative control: the kernel is given one weight entry doubled, the check not
+            broken = weight.clone()
+            broken[c["H"] // 2] *= 2
+            extra["residual"] = (stream, broken, *extra["residual"][2:])
     if c.get("fold", False):
         # one spare counter past the need: it must stay zero too
         locks = torch.zeros(fold_locks(c) + 1, dtype=torch.int32, device=t["x"].device)
@@ -281,7 +283,7 @@ def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
                  **c.get("launch", {}), **extra)
     assert got is out
     if debug is not None and extra:
-        debug["residual"] = extra["residual"]
+        debug["residual"] = (extra["residual"][0], weight, *extra["residual"][2:])
     if debug is not None:
         debug["locks_rearmed"] = locks is None or int(locks.abs().sum()) == 0
     return got
@@ -354,11 +356,13 @@ def run_case(c: dict, device: str) -> dict:
 
     if c.get("residual"):  # h bit for bit as rmsnorm_residual adds, and h * w; each tile's sum of squares of that h
         stream, weight, h_out, g_out, sumsq = debug["residual"]
+        res["residual_h_exact"] = _residual_h_g_exact(debug, got)
+        broken: dict = {}  # the same check on a run whose kernel had one weight entry doubled must fail
+        res["residual_control_caught"] = not _residual_h_g_exact(broken, run_kernel(dict(c, residual_break=True), t,
+                                                                                    broken))
         h_ref = (stream.float() + got.float()).to(stream.dtype)
-        res["residual_h_exact"] = bool(torch.equal(h_out, h_ref)
-                                       and torch.equal(g_out, (h_ref.float() * weight.float()).to(stream.dtype)))
         res["residual_changed"] = bool(not torch.equal(h_out, stream))
-        sq = h_ref.double().square().split(mk.residual_tiles(H), dim=1)
+        sq = h_ref.double().square().split(mk.COMBINE_BLOCK, dim=1)
         sq_ref = torch.stack([part.sum(dim=1) for part in sq], dim=1)
         res["residual_sumsq_err"] = ((sumsq.double() - sq_ref).abs() / sq_ref.clamp(min=1e-30)).max().item()
         res["residual_tiles"] = sumsq.shape[1]
@@ -397,6 +401,14 @@ def run_case(c: dict, device: str) -> dict:
         pad_pairs = (~live).repeat_interleave(k).nonzero().flatten().to(device)
         res["pad_never_computed"] = bool(not owned & set(only_pad) and debug["hidden"][pad_pairs].isnan().all())
     return res
+
+
+def _residual_h_g_exact(debug: dict, got: torch.Tensor) -> bool:
+    """Whether the combine's h = stream + out and g = h * w equal torch's bit for bit (each rounded to the stream's
+    dtype), w being the weight the check was given."""
+    stream, weight, h_out, g_out, _ = debug["residual"]
+    h_ref = (stream.float() + got.float()).to(stream.dtype)
+    return torch.equal(h_out, h_ref) and torch.equal(g_out, (h_ref.float() * weight.float()).to(stream.dtype))
 
 
 def _hidden64(c, t, pairs):
@@ -460,6 +472,7 @@ def _check_values(c: dict, r: dict) -> None:
     assert r["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[c["out"]]
     if c.get("residual"):
         assert r["residual_h_exact"], "the combine's h (stream + out) or g (h * w), each rounded, differ from torch's"
+        assert r["residual_control_caught"], "a doubled norm weight went unnoticed: the h/g check is blind"
         assert r["residual_changed"], "h equals the stream: the add is not exercised"
         assert r["residual_sumsq_err"] <= 1e-5, f"sums of squares off by {r['residual_sumsq_err']:.1e} (relative)"
         assert r["residual_tiles"] == c["residual"], f"{r['residual_tiles']} sums a row, not {c['residual']}"
