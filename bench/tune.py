@@ -126,15 +126,14 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "attention_sliding": da.decode_attention, "attention_full": da.decode_attention,
                                  "router": rt.route, "norm": rn.rmsnorm_residual}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
-                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down", "gate_up_wgmma"),
+                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down"),
             "linear": ("split_k", "block_n", "num_warps", "num_stages", "prefetch", "preload"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk", "prefetch", "preload"),
             "norm": ("num_warps", "f16_out")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
 # (tma is one switch for both kernels' weight loads; it sits with Gate/Up's, whose bytes dominate.)
-MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "f16_input", "tma",
-               "gate_up_wgmma"),
+MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "f16_input", "tma"),
               ("down_block_n", "down_block_k", "down_warps", "down_stages", "fp8_down"))
 
 
@@ -208,7 +207,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
                 # the engine's call: x's tiles made by the norm (stage f16_norm); TMA where aligned (it is here)
                 "f16_input": g["f16"] and (g["f16_input"] is None or bool(g["f16_input"])),
                 "tma": True if g["tma"] is None else g["tma"],
-                "fp8_down": fp8, "gate_up_wgmma": bool(g["gate_up_wgmma"])}
+                "fp8_down": fp8}
     if family(op) == "linear":
         n, k = shape.qkv if op == "linear_qkv" else shape.o
         bk = fl._block_k(shape.block[1])
@@ -243,13 +242,6 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
     if op == "moe":
         s = resolve(op, {}, shape, sms)["split_k"]
         return [cand(),
-                # Gate/Up's weight tile as the wgmma's row operand (fp16 from registers) instead of mma.sync's column
-                # operand: the same products; with more warps (two warpgroups share the 128 channels), other depths
-                cand(gate_up_wgmma=True), cand(gate_up_wgmma=True, gate_up_warps=8),
-                cand(gate_up_wgmma=True, gate_up_stages=2), cand(gate_up_wgmma=True, gate_up_stages=4),
-                cand(gate_up_wgmma=True, gate_up_warps=8, gate_up_stages=4),
-                cand(gate_up_wgmma=True, gate_up_block_n=64),
-                cand(gate_up_wgmma=True, gate_up_block_n=256, gate_up_warps=8, gate_up_stages=2),
                 # E4M3 x E4M3 in Down's tensor cores (wgmma, weight tile as the row operand): a numerical change;
                 # its own Down defaults (128-deep tiles, 2 stages: the best of ten at a1380b4) and neighbours
                 cand(fp8_down=True), cand(fp8_down=True, down_block_k=64), cand(fp8_down=True, down_stages=3),

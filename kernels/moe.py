@@ -90,8 +90,6 @@ NUM_STAGES = 3  # Triton's default software pipelining depth, named so that `iqu
 DOWN_WARPS = 4
 DOWN_STAGES = 3
 F16_OPERANDS = True
-# Gate/Up's weight tile as the MMA's row operand (gate_up_wgmma): Hopper's wgmma instead of mma.sync; opt-in until measured
-GATE_UP_WGMMA = False
 FP8_DOWN = False  # E4M3 operands straight into Down's tensor cores, a numerical change: moe(fp8_down=); stage fp8_down
 # Down's tile with fp8_down: 128 deep, 2 stages: 29.31 -> 28.07 us a MoE call against the fp16-operand default, the
 # fastest of ten E4M3 settings (bench/results/tune-h200-fp8-a1380b4.*). moe()'s down_block_k/down_stages default to
@@ -199,7 +197,7 @@ def _moe_gate_up_kernel(
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, PRESCALED: tl.constexpr = False, TMA: tl.constexpr = False,
     FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1, GROUP: tl.constexpr = 128, STORE_H: tl.constexpr = False,
-    DROP_LAST: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 8, SWAP: tl.constexpr = False,
+    DROP_LAST: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 8,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -224,12 +222,8 @@ def _moe_gate_up_kernel(
             us_row = us_ptr + ex * s_rows * s_cols + (n // B0) * s_cols
             x_rows = x_ptr + rows[:, None] * stride_x
             xd_rows = xd_ptr + rows * stride_xd
-            if SWAP:  # transposed: the weight tile is the MMA's 64+ row operand (Hopper's wgmma), the rows its N
-                acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-                acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            else:
-                acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(k_start, k_end, BLOCK_K):
                 kk = k0 + tl.arange(0, BLOCK_K)
                 k_ok = kk < H
@@ -246,14 +240,8 @@ def _moe_gate_up_kernel(
                 else:
                     wg = tl.load(g_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
                     wu = tl.load(u_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-                sg = tl.load(gs_row + k0 // B1)  # the tile lies in one K block
-                su = tl.load(us_row + k0 // B1)
-                if SWAP:  # per output channel: the accumulator's rows
-                    sg = sg[:, None]
-                    su = su[:, None]
-                else:
-                    sg = sg[None, :]
-                    su = su[None, :]
+                sg = tl.load(gs_row + k0 // B1)[None, :]  # the tile lies in one K block
+                su = tl.load(us_row + k0 // B1)[None, :]
                 if F32:
                     x = x.to(tl.float32)
                     if PRESCALED:
@@ -263,31 +251,18 @@ def _moe_gate_up_kernel(
                 elif F16:  # x's rows scaled by powers of two into exact fp16 (kernels/f16_operands.py)
                     if not PRESCALED:
                         x, x_down = f16_rows(x.to(tl.float32))
-                    if SWAP:
-                        sg = sg * x_down[None, :]  # the same products as below, transposed
-                        su = su * x_down[None, :]
-                    else:
-                        sg = x_down[:, None] * sg  # exact: the scaled product rounds as the unscaled one did
-                        su = x_down[:, None] * su
+                    sg = x_down[:, None] * sg  # exact: the scaled product rounds as the unscaled one did
+                    su = x_down[:, None] * su
                     wg = wg.to(tl.float16)  # exact, one conversion per two weights
                     wu = wu.to(tl.float16)
                 else:
                     wg = wg.to(x.dtype)  # exact
                     wu = wu.to(x.dtype)
-                if SWAP:
-                    acc_g += tl.dot(wg, tl.trans(x), input_precision=PREC) * sg
-                    acc_u += tl.dot(wu, tl.trans(x), input_precision=PREC) * su
-                else:
-                    acc_g += tl.dot(x, tl.trans(wg), input_precision=PREC) * sg
-                    acc_u += tl.dot(x, tl.trans(wu), input_precision=PREC) * su
-            if SWAP:
-                dst = part_ptr + ((split * P + pair) * 2)[None, :] * I + n[:, None]
-                tl.store(dst, acc_g, mask=m_ok[None, :])
-                tl.store(dst + I, acc_u, mask=m_ok[None, :])
-            else:
-                dst = part_ptr + ((split * P + pair) * 2)[:, None] * I + n[None, :]
-                tl.store(dst, acc_g, mask=m_ok[:, None])
-                tl.store(dst + I, acc_u, mask=m_ok[:, None])
+                acc_g += tl.dot(x, tl.trans(wg), input_precision=PREC) * sg
+                acc_u += tl.dot(x, tl.trans(wu), input_precision=PREC) * su
+            dst = part_ptr + ((split * P + pair) * 2)[:, None] * I + n[None, :]
+            tl.store(dst, acc_g, mask=m_ok[:, None])
+            tl.store(dst + I, acc_u, mask=m_ok[:, None])
             if FOLD:
                 # The finalize folded in: the last of this (expert, tile, row block)'s splits to store its partials
                 # sums them all (in split order, so the result does not depend on which one arrives last), then
@@ -633,7 +608,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         down_stages: int | None = None, pdl: bool = False, f16: bool = F16_OPERANDS,
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
         fp8_down: bool = FP8_DOWN, locks: torch.Tensor | None = None, early_down: bool = False,
-        residual: tuple[torch.Tensor, ...] | None = None, gate_up_wgmma: bool = GATE_UP_WGMMA,
+        residual: tuple[torch.Tensor, ...] | None = None,
         debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
@@ -673,10 +648,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     row's sum of h^2 over each t columns and g = h * w rounded to that dtype. A consumer then takes the norm's
     product as g's product scaled by each row's 1 / rms (fp8_linear's `rms`), and the next norm's launch is gone. Not
     with `locks` (the combine folded into Down). With `early_down` the stream is read before the PDL wait (the
-    caller's post-attention norm wrote it launches earlier). `gate_up_wgmma`: Gate/Up's
-    dot transposed, the weight tile its row operand and the rows its 16 columns, so that Hopper takes it as a wgmma
-    (with `f16`, the fp16 weight tile from registers) instead of an mma.sync; the same products and per-tile scaling
-    (debug["gate_up_wgmma"] says whether it was taken). `debug`,
+    caller's post-attention norm wrote it launches earlier). `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -744,7 +716,6 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     programs = torch.full((2, P), -1, dtype=torch.int32, device=dev) if store_h else act_scale
     f32 = INTERPRETED or compute_dtype == torch.float32
     f16 = f16 and not f32 and compute_dtype == torch.bfloat16  # fp16 compute converts E4M3 to fp16 already
-    swap = bool(gate_up_wgmma)
     launch = launch_options(pdl, dev)
     x_in, xd_in = x, x  # xd_in: unused pointer unless prescaled
     if f16_input is not None:
@@ -784,7 +755,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=f16_input is None and compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32",
         STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma, FOLD=fold_finalize, SPLIT=split,
-        GROUP=group, STORE_H=store_h, DROP_LAST=drop_last, SWAP=swap, num_warps=gate_up_warps,
+        GROUP=group, STORE_H=store_h, DROP_LAST=drop_last, num_warps=gate_up_warps,
         num_stages=gate_up_stages, **launch)
     if not fold_finalize:
         _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
@@ -804,7 +775,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
             num_warps=4, **_residual_strides(residual), RESIDUAL=residual is not None, EARLY=early, **launch)
     if store_h:
         debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
-                     fp8_down=fp8_down, folded=(fold_finalize, fold_combine), early_down=early, gate_up_wgmma=swap)
+                     fp8_down=fp8_down, folded=(fold_finalize, fold_combine), early_down=early)
     return out
 
 

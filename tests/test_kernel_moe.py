@@ -130,15 +130,6 @@ CASES = [
     case("pointer_loads_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
          down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True, launch=dict(tma=False)),
 ]
-# Gate/Up's dot transposed (gate_up_wgmma: the weight tile as the MMA's row operand): the same products, the same bits
-CASES += [
-    case("wgmma_8rows_random", launch=dict(gate_up_wgmma=True)),
-    case("wgmma_split3_poison_count", R=7, H=96, block_k=16, split_k=3, split=3, live="count", pattern="poison",
-         launch=dict(gate_up_wgmma=True)),
-    case("wgmma_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
-         down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True,
-         launch=dict(gate_up_wgmma=True)),
-]
 # The finalize and the combine folded into Gate/Up and Down (moe() given arrival counters, stage moe_fold; every case
 # above runs the four launches), and a Gate/Up tile narrower than an act_quant group (the finalize stays a launch, the
 # combine is folded)
@@ -190,10 +181,6 @@ GPU_CASES = [  # full size and the mini model (E=16, top-4, H=256, I=128, block 
     case("gpu_full_8rows_poison_pointer_loads", R=8, pattern="poison", live="count", min_split=2,
          launch=dict(tma=False), **FULL),
     *[case(f"gpu_mini_{r}rows", R=r, k=4, E=16, H=256, I=128, block=(16, 16), x="bf16") for r in (1, 8)],
-    *[case(f"gpu_full_{r}rows_fp32x_bf16_wgmma", R=r, out="bf16", compute="bf16", x_ties=True, min_split=2,
-           launch=dict(gate_up_wgmma=True), **dict(FULL, x="fp32")) for r in (1, 6, 8)],
-    case("gpu_full_8rows_poison_wgmma", R=8, pattern="poison", live="count", min_split=2,
-         launch=dict(gate_up_wgmma=True), **FULL),
     case("gpu_full_6rows_fp32x_bf16_residual", R=6, live="count", out="bf16", compute="bf16", x_ties=True, min_split=2,
          residual=24, **dict(FULL, x="fp32")),
 ]
@@ -380,7 +367,6 @@ def run_case(c: dict, device: str) -> dict:
         res["residual_sumsq_err"] = ((sumsq.double() - sq_ref).abs() / sq_ref.clamp(min=1e-30)).max().item()
         res["residual_tiles"] = sumsq.shape[1]
     res["folded"] = list(debug["folded"])
-    res["gate_up_wgmma"] = debug["gate_up_wgmma"]
     res["locks_rearmed"] = debug["locks_rearmed"]
     res["down_rel_err"] = _down_from_act(c, tr, pairs, debug, got)
     ref_q = mk.moe_ref(*(tr[a] for a in ARGS), block=c["block"], group=group)
@@ -480,8 +466,6 @@ def _check(c: dict, r: dict) -> None:
     assert r["split_counts_pad_zero"], "the finalize touched a padding pair"
     assert r["folded"] == expected_fold(c), f"folded (finalize, combine) {r['folded']}, expected {expected_fold(c)}"
     assert r["locks_rearmed"], "the arrival counters were not left zeroed"
-    wgmma = c.get("launch", {}).get("gate_up_wgmma", False)
-    assert r["gate_up_wgmma"] == wgmma, f"gate_up_wgmma taken: {r['gate_up_wgmma']}, asked: {wgmma}"
 
 
 def _check_values(c: dict, r: dict) -> None:
