@@ -211,7 +211,7 @@ def _moe_gate_up_kernel(
     PDL: tl.constexpr = False, F16: tl.constexpr = False, PRESCALED: tl.constexpr = False, TMA: tl.constexpr = False,
     FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1, GROUP: tl.constexpr = 128, STORE_H: tl.constexpr = False,
     DROP_LAST: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 8, FP8X: tl.constexpr = False,
-    K_DOT: tl.constexpr = 0,
+    K_DOT: tl.constexpr = 0, TILED: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -256,7 +256,11 @@ def _moe_gate_up_kernel(
                     x = bf16_grid(x)
                     if not F32 and not F16:
                         x = x.to(tl.bfloat16)  # exact
-                if TMA:  # the copy engine fetches the tiles: no per-element addresses in the program
+                if TMA and TILED:  # tile-major weights (`tile_major`): each [BLOCK_N, BLOCK_K] tile is contiguous
+                    row = (tile * (H // BLOCK_K) + k0 // BLOCK_K) * BLOCK_N
+                    wg = g_ptr.load([e.to(tl.int32), row, 0]).reshape(BLOCK_N, BLOCK_K)
+                    wu = u_ptr.load([e.to(tl.int32), row, 0]).reshape(BLOCK_N, BLOCK_K)
+                elif TMA:  # the copy engine fetches the tiles: no per-element addresses in the program
                     wg = g_ptr.load([e.to(tl.int32), tile * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
                     wu = u_ptr.load([e.to(tl.int32), tile * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
                 else:
@@ -605,6 +609,15 @@ def _check_weight(name: str, q: torch.Tensor, s: torch.Tensor, shape: tuple[int,
            f"{name} scale must be contiguous fp32 {expect}, got {s.dtype} {tuple(s.shape)}")
 
 
+def tile_major(w: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """An [E, N, K] weight as [E, N * K / block_k, block_k], each [block_n, block_k] tile's rows contiguous, tiles in
+    (N tile, K tile) order: tile (t, k) holds rows [(t * K / block_k + k) * block_n, ... + block_n)."""
+    E, N, K = w.shape
+    _check(N % block_n == 0 and K % block_k == 0, f"tile_major: [{N}, {K}] is not whole [{block_n}, {block_k}] tiles")
+    t = w.view(E, N // block_n, block_n, K // block_k, block_k).permute(0, 1, 3, 2, 4)
+    return t.contiguous().view(E, N * K // block_k, block_k)
+
+
 def act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' act_quant on its own: x [M, N] float -> (E4M3 [M, N], fp32 scales [M, N / group])."""
     M, N = row_groups(x, group, "moe")
@@ -658,6 +671,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
         fp8_down: bool = FP8_DOWN, locks: torch.Tensor | None = None, early_down: bool = False,
         residual: tuple[torch.Tensor, ...] | None = None, fp8_gate_up: bool = FP8_GATE_UP,
+        gate_up_tiled: tuple[torch.Tensor, torch.Tensor] | None = None,
         debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
@@ -701,7 +715,10 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     (per row and K tile of `group` channels, ROUND.md's formula) and multiplies E4M3 x E4M3 on the tensor cores (the
     weight tile as the wgmma's row operand), as Down does with `fp8_down`: a numerical change (x is quantized, which
     the reference does only to Down's input; moe_ref(quantize_x=True) models it); taken on the GPU on the fp16-operand
-    path with block_k == group and Gate/Up tiles >= 64 channels (debug["fp8_gate_up"] says whether it was). `debug`,
+    path with block_k == group and Gate/Up tiles >= 64 channels (debug["fp8_gate_up"] says whether it was).
+    `gate_up_tiled`: (tile_major(gate, bn, bk), tile_major(up, bn, bk)) with Gate/Up's tile (bn, bk): Gate/Up reads its
+    tiles from these copies, each tile contiguous, instead of 128-byte pieces of 128 rows (the same tiles, so the same
+    bits). `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -799,7 +816,12 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     if tma is None:
         tma = tma_fits(gate, up, down)
     gate_up_tma = tma and gate_up_k_dot == bk  # a padded tile reads through masked pointers
-    if gate_up_tma:
+    if gate_up_tiled is not None:
+        _check(gate_up_tma and H % bk == 0 and all(
+            tuple(w.shape) == (E, I * H // bk, bk) and w.is_contiguous() and w.dtype == torch.float8_e4m3fn
+            for w in gate_up_tiled), f"gate_up_tiled must be tile_major(gate/up, {bn}, {bk}) with TMA")
+        g_arg, u_arg = _descriptor(gate_up_tiled[0], (bn, bk)), _descriptor(gate_up_tiled[1], (bn, bk))
+    elif gate_up_tma:
         g_arg, u_arg = _descriptor(gate, (bn, bk)), _descriptor(up, (bn, bk))
     down_tma = tma and down_k_pad == down_bk  # a padded tile reads through masked pointers
     if down_tma:
@@ -812,7 +834,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         ROUND_BF16=f16_input is None and compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32",
         STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=gate_up_tma, FOLD=fold_finalize, SPLIT=split,
         GROUP=group, STORE_H=store_h, DROP_LAST=drop_last, FP8X=fp8_gate_up, K_DOT=gate_up_k_dot,
-        num_warps=gate_up_warps,
+        TILED=gate_up_tiled is not None, num_warps=gate_up_warps,
         num_stages=gate_up_stages, **launch)
     if not fold_finalize:
         _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](

@@ -41,6 +41,7 @@ import inspect
 import sys
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 import triton
 import triton.language as tl
@@ -130,6 +131,14 @@ CASES = [
     case("pointer_loads_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
          down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True, launch=dict(tma=False)),
 ]
+# Gate/Up reading tile-major copies of its weights (moe(gate_up_tiled=)): the same tiles, so the oracle's bits
+CASES += [
+    case("tiled_8rows_random", tiled=True),
+    case("tiled_split3_poison_count", R=7, H=96, block_k=16, split_k=3, split=3, live="count", pattern="poison",
+         tiled=True),
+    case("tiled_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
+         down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True, tiled=True),
+]
 # The finalize and the combine folded into Gate/Up and Down (moe() given arrival counters, stage moe_fold; every case
 # above runs the four launches), and a Gate/Up tile narrower than an act_quant group (the finalize stays a launch, the
 # combine is folded)
@@ -181,6 +190,8 @@ GPU_CASES = [  # full size and the mini model (E=16, top-4, H=256, I=128, block 
     case("gpu_full_8rows_poison_pointer_loads", R=8, pattern="poison", live="count", min_split=2,
          launch=dict(tma=False), **FULL),
     *[case(f"gpu_mini_{r}rows", R=r, k=4, E=16, H=256, I=128, block=(16, 16), x="bf16") for r in (1, 8)],
+    *[case(f"gpu_full_{r}rows_fp32x_bf16_tiled", R=r, out="bf16", compute="bf16", x_ties=True, min_split=2,
+           tiled=True, **dict(FULL, x="fp32")) for r in (1, 6, 8)],
     case("gpu_full_6rows_fp32x_bf16_residual", R=6, live="count", out="bf16", compute="bf16", x_ties=True, min_split=2,
          residual=24, **dict(FULL, x="fp32")),
 ]
@@ -275,6 +286,11 @@ def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
             broken = weight.clone()
             broken[c["H"] // 2] *= 2
             extra["residual"] = (stream, broken, *extra["residual"][2:])
+    if c.get("tiled"):  # Gate/Up reads tile-major copies of its weights
+        tl_ = tiles(c)
+        bn = mk._pow2_divisor(c["I"], tl_["gate_up_block_n"])
+        bk = mk.gate_up_k_tile(c["block"], tl_["block_k"])
+        extra["gate_up_tiled"] = (mk.tile_major(t["gate"], bn, bk), mk.tile_major(t["up"], bn, bk))
     if c.get("fold", False):
         # one spare counter past the need: it must stay zero too
         locks = torch.zeros(fold_locks(c) + 1, dtype=torch.int32, device=t["x"].device)
@@ -282,7 +298,7 @@ def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
                  out=out, split_k=c["split_k"], debug=debug, locks=locks, **compute, **tiles(c),
                  **c.get("launch", {}), **extra)
     assert got is out
-    if debug is not None and extra:
+    if debug is not None and "residual" in extra:
         debug["residual"] = (extra["residual"][0], weight, *extra["residual"][2:])
     if debug is not None:
         debug["locks_rearmed"] = locks is None or int(locks.abs().sum()) == 0
@@ -698,6 +714,20 @@ def _sorted_combine_kernel(y_ptr, weights_ptr, live_ptr, out_ptr, R, H, stride_o
         acc += w * tl.load(y_ptr + (r * K_TOP + j) * H + n, mask=n_ok, other=0.0)
     acc = tl.where(live, acc, 0.0)
     tl.store(out_ptr + r * stride_o + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@settings(max_examples=30, deadline=None)
+@given(E=st.integers(1, 3), nt=st.integers(1, 3), kt=st.integers(1, 3), bn=st.sampled_from([1, 2, 16]),
+       bk=st.sampled_from([16, 32]))
+def test_tile_major_puts_each_tile_contiguous(E, nt, kt, bn, bk):
+    w = torch.randint(0, 120, (E, nt * bn, kt * bk), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    packed = mk.tile_major(w, bn, bk)
+    assert packed.shape == (E, nt * bn * kt, bk) and packed.is_contiguous()
+    for t in range(nt):
+        for k in range(kt):
+            rows = slice((t * kt + k) * bn, (t * kt + k + 1) * bn)
+            assert torch.equal(packed[:, rows].view(torch.uint8),
+                               w[:, t * bn:(t + 1) * bn, k * bk:(k + 1) * bk].view(torch.uint8))
 
 
 # ---- act_quant alone: ties, near-ties, subnormals, clamps ----------------------------------------------
