@@ -126,16 +126,14 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "attention_sliding": da.decode_attention, "attention_full": da.decode_attention,
                                  "router": rt.route, "norm": rn.rmsnorm_residual}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
-                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down", "fp8_gate_up",
-                    "gate_up_tiled"),
+                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down"),
             "linear": ("split_k", "block_n", "num_warps", "num_stages", "prefetch", "preload"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk", "prefetch", "preload"),
             "norm": ("num_warps", "f16_out")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
 # (tma is one switch for both kernels' weight loads; it sits with Gate/Up's, whose bytes dominate.)
-MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "f16_input", "tma",
-               "fp8_gate_up", "gate_up_tiled"),
+MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "f16_input", "tma"),
               ("down_block_n", "down_block_k", "down_warps", "down_stages", "fp8_down"))
 
 
@@ -209,9 +207,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
                 # the engine's call: x's tiles made by the norm (stage f16_norm); TMA where aligned (it is here)
                 "f16_input": g["f16"] and (g["f16_input"] is None or bool(g["f16_input"])),
                 "tma": True if g["tma"] is None else g["tma"],
-                "fp8_down": fp8,
-                "fp8_gate_up": bool(g["fp8_gate_up"] and g["f16"] and bn >= 64 and bk == shape.block[1]),
-                "gate_up_tiled": bool(g["gate_up_tiled"])}
+                "fp8_down": fp8}
     if family(op) == "linear":
         n, k = shape.qkv if op == "linear_qkv" else shape.o
         bk = fl._block_k(shape.block[1])
@@ -246,17 +242,6 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
     if op == "moe":
         s = resolve(op, {}, shape, sms)["split_k"]
         return [cand(),
-                # Gate/Up's weights tile-major (each 16 KB tile contiguous instead of 128-byte pieces of 128 rows)
-                cand(gate_up_tiled=True), cand(gate_up_tiled=True, fp8_down=True),
-                cand(gate_up_tiled=True, fp8_down=True, gate_up_stages=4),
-                cand(gate_up_tiled=True, fp8_down=True, gate_up_stages=2),
-                # act_quant'ed x and E4M3 x E4M3 in Gate/Up's tensor cores (a numerical change), alone and with
-                # fp8_down (the engine's default); its pipeline depth, warps and split
-                cand(fp8_gate_up=True), cand(fp8_gate_up=True, fp8_down=True),
-                cand(fp8_gate_up=True, fp8_down=True, gate_up_stages=2),
-                cand(fp8_gate_up=True, fp8_down=True, gate_up_stages=4),
-                cand(fp8_gate_up=True, fp8_down=True, gate_up_warps=8),
-                cand("2x auto split", fp8_gate_up=True, fp8_down=True, split_k=2 * s, gate_up_stages=2),
                 # E4M3 x E4M3 in Down's tensor cores (wgmma, weight tile as the row operand): a numerical change;
                 # its own Down defaults (128-deep tiles, 2 stages: the best of ten at a1380b4) and neighbours
                 cand(fp8_down=True), cand(fp8_down=True, down_block_k=64), cand(fp8_down=True, down_stages=3),
@@ -418,17 +403,10 @@ def moe_case(shape: TuneShape, device, rotate: int = ROTATE_BYTES) -> OpCase:
     nbytes = round(statistics.mean(distinct)) * per_expert + x.element_size() * R * H + 2 * R * H
 
     tiles = {}  # f16_input=True: x's operand tiles for that K tile, made once (the engine's norm makes them)
-    tiled = {}  # gate_up_tiled=True: the weights tile-major, per Gate/Up tile
 
     def run(kw, i, out=None):
         e, w = routes[i]
         # By default as the engine calls it: the tiles made by the norm (fp16 operands only); False: none.
-        if kw.get("gate_up_tiled"):  # the tile-major copies of this case's weights, made once
-            bn = mk._pow2_divisor(I, kw.get("gate_up_block_n", mk.GATE_UP_BLOCK_N))
-            bk = mk.gate_up_k_tile(shape.block, kw.get("block_k", 128))
-            if (bn, bk) not in tiled:
-                tiled[bn, bk] = (mk.tile_major(gate, bn, bk), mk.tile_major(up, bn, bk))
-            kw = {**kw, "gate_up_tiled": tiled[bn, bk]}
         if kw.get("f16_input", True) and kw.get("f16", True):
             tile = mk.gate_up_k_tile(shape.block, kw.get("block_k", 128))
             if tile not in tiles:

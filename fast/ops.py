@@ -284,10 +284,7 @@ CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
 # projection instead (1e78bc2) cost it 1.7 us a call, all the norm saved. Taken only where the collectives are local
 # (one rank, or a rank-slice benchmark): at TP > 1 the MoE output's all-reduce sits between the combine and the add,
 # and a fused all-reduce would have to write h, g and the sums itself.
-# "fp8_gate_up": Gate/Up quantizes its x tiles with act_quant (as Down's input is) and multiplies E4M3 x E4M3 on the
-# tensor cores (kernels/moe.py fp8_gate_up; the GPU's bf16 compute only): a numerical change that the reference does
-# not make (ROUND.md quantizes Down's input only), so opt-in until the qualification measures it.
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "fp8_gate_up") + CASCADE
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold") + CASCADE
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -311,7 +308,6 @@ class TritonOps(TorchOps):
         self.f16_norm = self.f16 and {"f16_norm", "moe", "norm"} <= self.stages
         self.tma = "tma" in self.stages and "moe" in self.stages
         self.fp8_down = "fp8_down" in self.stages
-        self.fp8_gate_up = "fp8_gate_up" in self.stages
         self.early = self.pdl and "early" in self.stages
         self.cascade_ops = frozenset(op for op in CASCADE_OPS if self.pdl and f"cascade_{op}" in self.stages)
         self.cascade = bool(self.cascade_ops)
@@ -322,7 +318,6 @@ class TritonOps(TorchOps):
         self.f16_norm_calls = 0  # norms that wrote the MoE's operand tiles (tests check the path was taken)
         self.tma_calls = 0  # MoE calls through tensor descriptors (likewise)
         self.fp8_down_calls = 0  # MoE calls whose Down took E4M3 operands (likewise)
-        self.fp8_gate_up_calls = 0  # MoE calls whose Gate/Up took E4M3 operands (likewise)
         self.embed_calls = 0  # embedding lookups by the kernel (likewise)
         self.sample_draw_calls = 0  # draft draws inside the sampling kernel (likewise)
         self.accept_calls = 0  # accept steps by the one kernel (likewise)
@@ -342,8 +337,7 @@ class TritonOps(TorchOps):
             patch_interpreter()
         from ..kernels import moe, sample, topk
         from ..kernels.f16_operands import empty_tiles
-        from ..kernels.moe import (fp8_down_applies, fp8_gate_up_applies, gate_up_k_tile, lock_count as moe_lock_count,
-                                   tma_fits)
+        from ..kernels.moe import fp8_down_applies, gate_up_k_tile, lock_count as moe_lock_count, tma_fits
         from ..kernels.decode_attention import decode_attention
         from ..kernels.fp8_linear import fp8_linear, lock_count, preload_plan
         from ..kernels.lm_head import lm_head
@@ -358,7 +352,6 @@ class TritonOps(TorchOps):
 
         self._attention, self._linear, self._lm_head, self._lock_count = decode_attention, fp8_linear, lm_head, lock_count
         self._settle, self._preload_plan, self._fp8_down_applies = settle, preload_plan, fp8_down_applies
-        self._fp8_gate_up_applies = fp8_gate_up_applies
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
         self._global_sample, self._accept_settle, self._max_k = sample.global_sample, sample.accept_settle, sample.MAX_K
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
@@ -537,8 +530,6 @@ class TritonOps(TorchOps):
         tma = self.tma and self._tma_fits(gate.q, up.q, down.q)
         self.tma_calls += tma
         self.fp8_down_calls += self._fp8_down_applies(self.fp8_down, compute_dtype or b.dtype, b.device)
-        self.fp8_gate_up_calls += self._fp8_gate_up_applies(self.fp8_gate_up, self.f16, compute_dtype or b.dtype,
-                                                            b.device, gate.q.shape[1], gate.block, down.block[1])
         step = self._max_pairs // experts.shape[1]  # prefill blocks exceed the kernel's pair capacity: split rows
         rows = lambda t, s: None if t is None else tuple(part[s:s + step] for part in t)
         # The arrival counters (shared with the FP8 linears': every call leaves them zeroed); None before prepare()
@@ -557,7 +548,7 @@ class TritonOps(TorchOps):
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
                            pdl=self._pdl(b, "moe"), f16=self.f16,  # moe() takes it on the GPU only
                            f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down, locks=locks,
-                           early_down=self.early, residual=add, fp8_gate_up=self.fp8_gate_up)
+                           early_down=self.early, residual=add)
                  for s in range(0, b.shape[0], step)]
         if add is not None:
             stream, weight, h, g, sumsq = add

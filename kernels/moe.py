@@ -90,9 +90,6 @@ NUM_STAGES = 3  # Triton's default software pipelining depth, named so that `iqu
 DOWN_WARPS = 4
 DOWN_STAGES = 3
 F16_OPERANDS = True
-# Gate/Up with act_quant'ed x, E4M3 x E4M3 in the tensor cores (a numerical change: x quantized as Down's input is;
-# moe(fp8_gate_up=)); opt-in until measured and qualified
-FP8_GATE_UP = False
 FP8_DOWN = False  # E4M3 operands straight into Down's tensor cores, a numerical change: moe(fp8_down=); stage fp8_down
 # Down's tile with fp8_down: 128 deep, 2 stages: 29.31 -> 28.07 us a MoE call against the fp16-operand default, the
 # fastest of ten E4M3 settings (bench/results/tune-h200-fp8-a1380b4.*). moe()'s down_block_k/down_stages default to
@@ -113,16 +110,6 @@ def fp8_down_applies(fp8_down: bool, compute_dtype: torch.dtype, device: torch.d
     (fp32 compute keeps fp32 products), with tiles that fit it (`fp8_down_fits`)."""
     return (fp8_down and not INTERPRETED and device.type == "cuda" and compute_dtype != torch.float32
             and fp8_down_fits(down_block_n))
-
-
-def fp8_gate_up_applies(fp8_gate_up: bool, f16: bool, compute_dtype: torch.dtype, device: torch.device, inter: int,
-                        block: tuple[int, int], group: int, block_k: int = 128,
-                        gate_up_block_n: int = GATE_UP_BLOCK_N) -> bool:
-    """Whether moe(fp8_gate_up=True, f16=f16, ...) takes the E4M3 wgmma for experts of I_r = `inter`: on the GPU (not
-    the interpreter), on the fp16-operand path (bf16 compute), with Gate/Up tiles of >= 64 channels (the wgmma's M)
-    and one act_quant group deep (a tile under the wgmma's 32 is padded with zeros, as the mini model's 16)."""
-    return bool(fp8_gate_up and f16 and not INTERPRETED and device.type == "cuda" and compute_dtype == torch.bfloat16
-                and _pow2_divisor(inter, gate_up_block_n) >= 64 and _pow2_divisor(block[1], block_k) == group)
 
 
 def down_tile(fp8_down: bool, block_k: int | None = None, stages: int | None = None) -> tuple[int, int]:
@@ -210,8 +197,7 @@ def _moe_gate_up_kernel(
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, PRESCALED: tl.constexpr = False, TMA: tl.constexpr = False,
     FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1, GROUP: tl.constexpr = 128, STORE_H: tl.constexpr = False,
-    DROP_LAST: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 8, FP8X: tl.constexpr = False,
-    K_DOT: tl.constexpr = 0, TILED: tl.constexpr = False,
+    DROP_LAST: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 8,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -236,19 +222,11 @@ def _moe_gate_up_kernel(
             us_row = us_ptr + ex * s_rows * s_cols + (n // B0) * s_cols
             x_rows = x_ptr + rows[:, None] * stride_x
             xd_rows = xd_ptr + rows * stride_xd
-            if FP8X:  # transposed: the weight tile is the E4M3 wgmma's 64+ row operand, the rows its N (16)
-                acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-                acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            else:
-                acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(k_start, k_end, BLOCK_K):
-                if K_DOT > BLOCK_K:  # an E4M3 wgmma is >= 32 deep: the tile padded with zeros (small blocks only)
-                    kk = k0 + tl.arange(0, K_DOT)
-                    k_ok = (kk < H) & (tl.arange(0, K_DOT) < BLOCK_K)
-                else:
-                    kk = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = kk < H
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < H
                 x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 if PRESCALED:  # x is already the tile's fp16 operand (made by the norm), with its 2^-s per row
                     x_down = tl.load(xd_rows + k0 // BLOCK_K, mask=m_ok, other=1.0)
@@ -256,11 +234,7 @@ def _moe_gate_up_kernel(
                     x = bf16_grid(x)
                     if not F32 and not F16:
                         x = x.to(tl.bfloat16)  # exact
-                if TMA and TILED:  # tile-major weights (`tile_major`): each [BLOCK_N, BLOCK_K] tile is contiguous
-                    row = (tile * (H // BLOCK_K) + k0 // BLOCK_K) * BLOCK_N
-                    wg = g_ptr.load([e.to(tl.int32), row, 0]).reshape(BLOCK_N, BLOCK_K)
-                    wu = u_ptr.load([e.to(tl.int32), row, 0]).reshape(BLOCK_N, BLOCK_K)
-                elif TMA:  # the copy engine fetches the tiles: no per-element addresses in the program
+                if TMA:  # the copy engine fetches the tiles: no per-element addresses in the program
                     wg = g_ptr.load([e.to(tl.int32), tile * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
                     wu = u_ptr.load([e.to(tl.int32), tile * BLOCK_N, k0]).reshape(BLOCK_N, BLOCK_K)
                 else:
@@ -277,34 +251,18 @@ def _moe_gate_up_kernel(
                 elif F16:  # x's rows scaled by powers of two into exact fp16 (kernels/f16_operands.py)
                     if not PRESCALED:
                         x, x_down = f16_rows(x.to(tl.float32))
-                    if FP8X:
-                        # act_quant of the tile (one group per row: BLOCK_K == GROUP), E4M3 weights and activations
-                        # straight into the tensor cores: a numerical change (`fp8_gate_up`)
-                        xq, xs = _x_quant(x, x_down)
-                        sg = tl.reshape(sg, [BLOCK_N, 1]) * xs[None, :]
-                        su = tl.reshape(su, [BLOCK_N, 1]) * xs[None, :]
-                    else:
-                        sg = x_down[:, None] * sg  # exact: the scaled product rounds as the unscaled one did
-                        su = x_down[:, None] * su
-                        wg = wg.to(tl.float16)  # exact, one conversion per two weights
-                        wu = wu.to(tl.float16)
+                    sg = x_down[:, None] * sg  # exact: the scaled product rounds as the unscaled one did
+                    su = x_down[:, None] * su
+                    wg = wg.to(tl.float16)  # exact, one conversion per two weights
+                    wu = wu.to(tl.float16)
                 else:
                     wg = wg.to(x.dtype)  # exact
                     wu = wu.to(x.dtype)
-                if FP8X:
-                    acc_g += tl.dot(wg, tl.trans(xq)) * sg
-                    acc_u += tl.dot(wu, tl.trans(xq)) * su
-                else:
-                    acc_g += tl.dot(x, tl.trans(wg), input_precision=PREC) * sg
-                    acc_u += tl.dot(x, tl.trans(wu), input_precision=PREC) * su
-            if FP8X:
-                dst = part_ptr + ((split * P + pair) * 2)[None, :] * I + n[:, None]
-                tl.store(dst, acc_g, mask=m_ok[None, :])
-                tl.store(dst + I, acc_u, mask=m_ok[None, :])
-            else:
-                dst = part_ptr + ((split * P + pair) * 2)[:, None] * I + n[None, :]
-                tl.store(dst, acc_g, mask=m_ok[:, None])
-                tl.store(dst + I, acc_u, mask=m_ok[:, None])
+                acc_g += tl.dot(x, tl.trans(wg), input_precision=PREC) * sg
+                acc_u += tl.dot(x, tl.trans(wu), input_precision=PREC) * su
+            dst = part_ptr + ((split * P + pair) * 2)[:, None] * I + n[None, :]
+            tl.store(dst, acc_g, mask=m_ok[:, None])
+            tl.store(dst + I, acc_u, mask=m_ok[:, None])
             if FOLD:
                 # The finalize folded in: the last of this (expert, tile, row block)'s splits to store its partials
                 # sums them all (in split order, so the result does not depend on which one arrives last), then
@@ -320,17 +278,6 @@ def _moe_gate_up_kernel(
                             _act_store(g, u, f_pair, tile * BLOCK_N, f_ok, act_ptr, act_s_ptr, h_ptr, count_ptr,
                                        summed, I, GROUP, STORE_H)
                     tl.atomic_xchg(lock, 0)
-
-
-@triton.jit
-def _x_quant(x16, x_down):
-    """act_quant (ROUND.md: s = max(amax, 1e-4) / 448, e4m3(x / s)) of a tile of rows x = x16 * x_down, x16 fp16 rows
-    scaled by powers of two (kernels/f16_operands.py): (E4M3 tile, s per row). x is divided by s as a product with
-    s's reciprocal, so a code may differ from act_quant's where the quotient lies within an fp32 ulp of an E4M3
-    rounding midpoint. The power-of-two factor is exact, so s is act_quant's scale of x."""
-    xf = x16.to(tl.float32) * x_down[:, None]
-    s = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-4) / E4M3_MAX
-    return (xf * (1.0 / s)[:, None]).to(tl.float8e4nv), s
 
 
 @triton.jit
@@ -609,15 +556,6 @@ def _check_weight(name: str, q: torch.Tensor, s: torch.Tensor, shape: tuple[int,
            f"{name} scale must be contiguous fp32 {expect}, got {s.dtype} {tuple(s.shape)}")
 
 
-def tile_major(w: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
-    """An [E, N, K] weight as [E, N * K / block_k, block_k], each [block_n, block_k] tile's rows contiguous, tiles in
-    (N tile, K tile) order: tile (t, k) holds rows [(t * K / block_k + k) * block_n, ... + block_n)."""
-    E, N, K = w.shape
-    _check(N % block_n == 0 and K % block_k == 0, f"tile_major: [{N}, {K}] is not whole [{block_n}, {block_k}] tiles")
-    t = w.view(E, N // block_n, block_n, K // block_k, block_k).permute(0, 1, 3, 2, 4)
-    return t.contiguous().view(E, N * K // block_k, block_k)
-
-
 def act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' act_quant on its own: x [M, N] float -> (E4M3 [M, N], fp32 scales [M, N / group])."""
     M, N = row_groups(x, group, "moe")
@@ -670,8 +608,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         down_stages: int | None = None, pdl: bool = False, f16: bool = F16_OPERANDS,
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
         fp8_down: bool = FP8_DOWN, locks: torch.Tensor | None = None, early_down: bool = False,
-        residual: tuple[torch.Tensor, ...] | None = None, fp8_gate_up: bool = FP8_GATE_UP,
-        gate_up_tiled: tuple[torch.Tensor, torch.Tensor] | None = None,
+        residual: tuple[torch.Tensor, ...] | None = None,
         debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
@@ -711,14 +648,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     row's sum of h^2 over each t columns and g = h * w rounded to that dtype. A consumer then takes the norm's
     product as g's product scaled by each row's 1 / rms (fp8_linear's `rms`), and the next norm's launch is gone. Not
     with `locks` (the combine folded into Down). With `early_down` the stream is read before the PDL wait (the
-    caller's post-attention norm wrote it launches earlier). `fp8_gate_up`: Gate/Up quantizes each x tile with act_quant
-    (per row and K tile of `group` channels, ROUND.md's formula) and multiplies E4M3 x E4M3 on the tensor cores (the
-    weight tile as the wgmma's row operand), as Down does with `fp8_down`: a numerical change (x is quantized, which
-    the reference does only to Down's input; moe_ref(quantize_x=True) models it); taken on the GPU on the fp16-operand
-    path with block_k == group and Gate/Up tiles >= 64 channels (debug["fp8_gate_up"] says whether it was).
-    `gate_up_tiled`: (tile_major(gate, bn, bk), tile_major(up, bn, bk)) with Gate/Up's tile (bn, bk): Gate/Up reads its
-    tiles from these copies, each tile contiguous, instead of 128-byte pieces of 128 rows (the same tiles, so the same
-    bits). `debug`,
+    caller's post-attention norm wrote it launches earlier). `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -786,8 +716,6 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     programs = torch.full((2, P), -1, dtype=torch.int32, device=dev) if store_h else act_scale
     f32 = INTERPRETED or compute_dtype == torch.float32
     f16 = f16 and not f32 and compute_dtype == torch.bfloat16  # fp16 compute converts E4M3 to fp16 already
-    fp8_gate_up = fp8_gate_up_applies(fp8_gate_up, f16, compute_dtype, dev, I, block, group, block_k, gate_up_block_n)
-    gate_up_k_dot = max(bk, 32) if fp8_gate_up else bk  # an E4M3 wgmma is 32 deep
     launch = launch_options(pdl, dev)
     x_in, xd_in = x, x  # xd_in: unused pointer unless prescaled
     if f16_input is not None:
@@ -815,13 +743,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     g_arg, u_arg, d_arg = gate, up, down
     if tma is None:
         tma = tma_fits(gate, up, down)
-    gate_up_tma = tma and gate_up_k_dot == bk  # a padded tile reads through masked pointers
-    if gate_up_tiled is not None:
-        _check(gate_up_tma and H % bk == 0 and all(
-            tuple(w.shape) == (E, I * H // bk, bk) and w.is_contiguous() and w.dtype == torch.float8_e4m3fn
-            for w in gate_up_tiled), f"gate_up_tiled must be tile_major(gate/up, {bn}, {bk}) with TMA")
-        g_arg, u_arg = _descriptor(gate_up_tiled[0], (bn, bk)), _descriptor(gate_up_tiled[1], (bn, bk))
-    elif gate_up_tma:
+    if tma:
         g_arg, u_arg = _descriptor(gate, (bn, bk)), _descriptor(up, (bn, bk))
     down_tma = tma and down_k_pad == down_bk  # a padded tile reads through masked pointers
     if down_tma:
@@ -832,9 +754,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         x_in.stride(0), xd_in.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=f16_input is None and compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32",
-        STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=gate_up_tma, FOLD=fold_finalize, SPLIT=split,
-        GROUP=group, STORE_H=store_h, DROP_LAST=drop_last, FP8X=fp8_gate_up, K_DOT=gate_up_k_dot,
-        TILED=gate_up_tiled is not None, num_warps=gate_up_warps,
+        STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma, FOLD=fold_finalize, SPLIT=split,
+        GROUP=group, STORE_H=store_h, DROP_LAST=drop_last, num_warps=gate_up_warps,
         num_stages=gate_up_stages, **launch)
     if not fold_finalize:
         _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
@@ -854,26 +775,20 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
             num_warps=4, **_residual_strides(residual), RESIDUAL=residual is not None, EARLY=early, **launch)
     if store_h:
         debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
-                     fp8_down=fp8_down, folded=(fold_finalize, fold_combine), early_down=early,
-                     fp8_gate_up=fp8_gate_up)
+                     fp8_down=fp8_down, folded=(fold_finalize, fold_combine), early_down=early)
     return out
 
 
 # ---- reference -------------------------------------------------------------------------------------
 def moe_ref(x, experts, weights, live, gate, gate_scale, up, up_scale, down, down_scale,
-            block=(128, 128), group: int = 128, quantize_act: bool = True, dtype=torch.float64,
-            quantize_x: bool = False) -> torch.Tensor:
+            block=(128, 128), group: int = 128, quantize_act: bool = True, dtype=torch.float64) -> torch.Tensor:
     """Plain torch in `dtype`: per live (row, slot) h = silu(Gate x) * Up x from dequantized weights,
-    act_quant(h) (reference/fp8.py) when `quantize_act`, Down, routing weights; padding rows 0. `quantize_x`: x
-    act_quant'ed too before Gate/Up (what moe(fp8_gate_up=True) computes)."""
+    act_quant(h) (reference/fp8.py) when `quantize_act`, Down, routing weights; padding rows 0."""
     from ..reference.fp8 import act_quant as act_quant_ref, dequantize
 
     R, H = x.shape
     mask = live if live.dtype == torch.bool else torch.arange(R, device=x.device) < live.reshape(())
     out = torch.zeros((R, H), dtype=dtype, device=x.device)
-    if quantize_x:
-        q, s = act_quant_ref(x.float(), group)
-        x = (q.float().unflatten(-1, (-1, group)) * s[..., None]).flatten(-2)
     for r in range(R):
         if not bool(mask[r]):
             continue  # padding rows never touch expert weights
