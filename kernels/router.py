@@ -82,26 +82,30 @@ def _inv_rms(sumsq_ptr, row, stride, tiles, H, eps, NORM: tl.constexpr):
 
 @triton.jit
 def _f16_tiles(x_ptr, sumsq_ptr, f16_ptr, f16d_ptr, r0, R, stride_x, stride_sumsq, tiles, H, eps, h0, h_end,
-               stride_f16, stride_f16d, ROWS: tl.constexpr, NORM: tl.constexpr, F16_TILE: tl.constexpr,
-               BLOCK_H: tl.constexpr, NORMED: tl.constexpr):
-    """Gate/Up's fp16 operand tiles (kernels/f16_operands.py) of the normalized rows, x * (1 / rms) rounded to bf16,
-    for columns h0 .. h0 + BLOCK_H (whole tiles, up to h_end): what the post-attention norm's f16_out wrote (stage
+               stride_f16, stride_f16d, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, NORM: tl.constexpr,
+               F16_TILE: tl.constexpr, BLOCK_H: tl.constexpr, NORMED: tl.constexpr):
+    """The MoE input of the normalized rows x * (1 / rms) for columns h0 .. h0 + BLOCK_H (up to h_end), in tiles of
+    F16_TILE columns shared out over the split's expert programs (program e takes tiles e, e + programs, ...), each
+    tile for all of the block's rows at once: Gate/Up's fp16 operand tiles of the rows rounded to bf16
+    (kernels/f16_operands.py, what the post-attention norm's f16_out wrote), or with NORMED the fp32 rows (stage
     norm_moe)."""
-    T: tl.constexpr = BLOCK_H // F16_TILE
-    h = h0 + tl.arange(0, BLOCK_H)
-    h_ok = h < h_end
-    t = tl.arange(0, T)
-    for i in tl.static_range(ROWS):
-        row = r0 + i
-        if row < R:
-            inv = _inv_rms(sumsq_ptr, row, stride_sumsq, tiles, H, eps, NORM)
-            x = tl.load(x_ptr + row * stride_x + h, mask=h_ok, other=0.0) * inv
-            if NORMED:  # the normalized rows themselves, fp32 (an fp32 MoE input has no operand tiles)
-                tl.store(f16_ptr + row * stride_f16 + h, x, mask=h_ok)
-            else:
-                x16, down = f16_rows(tl.reshape(bf16_grid(x), [T, F16_TILE]))
-                tl.store(f16_ptr + row * stride_f16 + h, tl.reshape(x16, [BLOCK_H]), mask=h_ok)
-                tl.store(f16d_ptr + row * stride_f16d + h0 // F16_TILE + t, down, mask=h0 + t * F16_TILE < h_end)
+    rows = r0 + tl.arange(0, ROWS_PAD)
+    r_ok = (rows < R) & (tl.arange(0, ROWS_PAD) < ROWS)
+    t = tl.arange(0, NORM)
+    part = tl.load(sumsq_ptr + rows[:, None] * stride_sumsq + t[None, :], mask=r_ok[:, None] & (t < tiles)[None, :],
+                   other=0.0)
+    inv = 1.0 / tl.sqrt(tl.sum(part, axis=1) / H + eps)
+    for ti in range(tl.program_id(0), BLOCK_H // F16_TILE, tl.num_programs(0)):
+        c0 = h0 + ti * F16_TILE
+        c = c0 + tl.arange(0, F16_TILE)
+        ok = r_ok[:, None] & (c < h_end)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=ok, other=0.0) * inv[:, None]
+        if NORMED:  # the normalized rows themselves, fp32 (an fp32 MoE input has no operand tiles)
+            tl.store(f16_ptr + rows[:, None] * stride_f16 + c[None, :], x, mask=ok)
+        else:
+            x16, down = f16_rows(bf16_grid(x))
+            tl.store(f16_ptr + rows[:, None] * stride_f16 + c[None, :], x16, mask=ok)
+            tl.store(f16d_ptr + rows * stride_f16d + c0 // F16_TILE, down, mask=r_ok & (c0 < h_end))
 
 
 @triton.jit
@@ -137,9 +141,9 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split
                     other=0.0)
         wait_for_inputs(PDL)
         acc = _rows_dot(acc, w, x_ptr, r0, R, stride_x, h, h_ok, rows, ROWS)
-        if F16_TILE > 0 and pid_e == 0:  # one program per split makes its columns' Gate/Up operand tiles
+        if F16_TILE > 0:  # the split's expert programs make its columns' MoE input
             _f16_tiles(x_ptr, sumsq_ptr, f16_ptr, f16d_ptr, r0, R, stride_x, stride_sumsq, norm_tiles, H, eps, h_start,
-                       h_end, stride_f16, stride_f16d, ROWS, RMS_PAD, F16_TILE, BLOCK_H, NORMED)
+                       h_end, stride_f16, stride_f16d, ROWS, ROWS_PAD, RMS_PAD, F16_TILE, BLOCK_H, NORMED)
     else:
         wait_for_inputs(PDL)
         for h0 in range(h_start, h_end, BLOCK_H):
@@ -148,9 +152,9 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split
             w = tl.load(w_ptr + e[:, None] * H + (h0 + w_cols)[None, :], mask=e_ok[:, None] & h_ok[None, :],
                         other=0.0)
             acc = _rows_dot(acc, w, x_ptr, r0, R, stride_x, h, h_ok, rows, ROWS)
-            if F16_TILE > 0 and pid_e == 0:
+            if F16_TILE > 0:
                 _f16_tiles(x_ptr, sumsq_ptr, f16_ptr, f16d_ptr, r0, R, stride_x, stride_sumsq, norm_tiles, H, eps, h0,
-                           h_end, stride_f16, stride_f16d, ROWS, RMS_PAD, F16_TILE, BLOCK_H, NORMED)
+                           h_end, stride_f16, stride_f16d, ROWS, ROWS_PAD, RMS_PAD, F16_TILE, BLOCK_H, NORMED)
     r = r0 + rows
     tl.store(part_ptr + (pid_s * R + r[None, :]) * E + e[:, None], acc,
              mask=e_ok[:, None] & (rows[None, :] < ROWS) & (r[None, :] < R))
@@ -304,7 +308,7 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
     before the softmax (the norm as a scaling of the logits: a numerical change, their fp32 products rounded in
     another order). `f16_out` = (fp16 [R, H], fp32 [R, H / t]), with `rms`: the logits launch also writes the rows
     x * (1 / rms) rounded to bf16 as Gate/Up's fp16 operand tiles of width t (what rmsnorm_residual's f16_out wrote),
-    one program per split; t must divide the split's width. `normed_out` (fp32 [R, H]), with `rms`, instead: the
+    each tile by one of its split's expert programs; t must divide the logits tile (block_h). `normed_out` (fp32 [R, H]), with `rms`, instead: the
     normalized rows x * (1 / rms) themselves (an fp32 MoE input)."""
     _check(isinstance(x, torch.Tensor) and isinstance(router_w, torch.Tensor), "x and router_w must be tensors")
     _check(x.dim() == 2 and router_w.dim() == 2, f"x {tuple(x.shape)} and router_w {tuple(router_w.shape)} must be 2-D")
@@ -383,8 +387,8 @@ def _norm_args(rms, f16_out, normed_out, R: int, H: int, block_h: int, device: t
     if normed_out is not None:
         _check(tuple(normed_out.shape) == (R, H) and normed_out.dtype == torch.float32 and normed_out.stride(1) == 1
                and normed_out.device == device, f"normed_out must be fp32 [{R}, {H}] with unit stride on {device}")
-        args.update(f16_ptr=normed_out, f16d_ptr=normed_out, stride_f16=normed_out.stride(0), F16_TILE=1,
-                    NORMED=True)
+        args.update(f16_ptr=normed_out, f16d_ptr=normed_out, stride_f16=normed_out.stride(0),
+                    F16_TILE=min(block_h, 128), NORMED=True)
     return args
 
 

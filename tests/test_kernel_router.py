@@ -367,8 +367,8 @@ def norm_fold_job(device: str = "cpu", R: int = 6, E: int = 64, H: int = 256, ti
     router = (torch.randn(E, H, generator=gen) * (2 / H ** 0.5)).to(torch.bfloat16).to(device)
     eps = 1e-6
     normed64 = g.double() * torch.rsqrt(sumsq.double().sum(1, keepdim=True) / H + eps)
-    rw, re, rs = reference_route(normed64 @ router.double().T, 8, True, 1.0)
-    t16, td = f16_rows_tiles_ref(normed64.to(torch.bfloat16).float(), tile)
+    rw, re, rs = reference_route((normed64 @ router.double().T).cpu(), 8, True, 1.0)
+    t16, td = (t.cpu() for t in f16_rows_tiles_ref(normed64.to(torch.bfloat16).float(), tile))
     out = {}
     for name, scale in (("healthy", 1.0), ("control", 4.0)):
         tiles = (torch.full((R, H), float("nan"), dtype=torch.float16, device=device),
@@ -381,7 +381,7 @@ def norm_fold_job(device: str = "cpu", R: int = 6, E: int = 64, H: int = 256, ti
                      "score_err": float(((scores.double().cpu() - rs.cpu()).abs() / (rs.cpu() + 1e-30)).max()),
                      "tiles_equal_frac": float((tiles[0].cpu() == t16).float().mean()),
                      "downs_equal": bool(torch.equal(tiles[1].cpu(), td)),
-                     "rows_err": float(((rows.double() - normed64).abs() / normed64.abs().max()).max())}
+                     "rows_err": float(((rows.double() - normed64).abs() / normed64.abs().max()).max().cpu())}
     return out
 
 
