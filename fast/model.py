@@ -109,26 +109,20 @@ class FastModel:
             a = self.ops.norm(x, lw.input_norm, eps)
         else:
             x, a = self.ops.residual_norm(x, pending, lw.input_norm, eps)
-        attn_out = self.attention(lw, kv, a, blk, stream=None if self.par.active else x)
-        if isinstance(attn_out, Residual):  # o_proj added it to the stream (stage norm_moe): the norm is pending
-            x, b32, b16, attn_out = attn_out.h, PendingNorm(attn_out, eps), None, attn_out.out
-        else:
-            # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
-            x, b32, b16 = self.ops.add_norm(x, attn_out, lw.post_norm, eps, moe_block=lw.gate.block)
+        attn_out = self.attention(lw, kv, a, blk)
+        # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
+        x, b32, b16 = self.ops.add_norm(x, attn_out, lw.post_norm, eps, moe_block=lw.gate.block)
         moe_out, scores, experts = self.moe(lw, b32, blk.live, mtp=tag == "mtp.", f16_input=b16,
                                             residual=None if next_norm is None or self.par.active else (x, next_norm))
         if taps is not None:  # the layer's output as the next norm will form it (the same rounded sum)
-            out, hidden = ((moe_out.out, moe_out.h) if isinstance(moe_out, Residual) else (moe_out, x + moe_out))
-            for name, value in (("attn_out", attn_out), ("moe_in", self.ops.normed32(b32)), ("router_scores", scores),
+            out, hidden = ((moe_out.moe_out, moe_out.h) if isinstance(moe_out, Residual) else (moe_out, x + moe_out))
+            for name, value in (("attn_out", attn_out), ("moe_in", b32), ("router_scores", scores),
                                 ("experts", experts), ("moe_out", out), ("hidden", hidden)):
                 _tap(taps, tag + name, value)
         return x, moe_out
 
     @stage("attention")
-    def attention(self, lw: LayerWeights, kv: LayerKV, a: torch.Tensor | PendingNorm, blk: Block,
-                  stream: torch.Tensor | None = None) -> torch.Tensor | Residual:
-        """The attention output [R, H]; given the residual `stream` (local collectives only), the ops may add it there
-        in o_proj and return a Residual instead (stage norm_moe)."""
+    def attention(self, lw: LayerWeights, kv: LayerKV, a: torch.Tensor | PendingNorm, blk: Block) -> torch.Tensor:
         c, R = self.config, blk.positions.shape[0]
         if c.qk_norm:
             q, k, v = (t.view(R, -1, c.head_dim) for t in self.ops.qkv(lw, self.ops.normed(a)))
@@ -137,25 +131,20 @@ class FastModel:
         else:  # K/V stored first: causal block
             q = self.ops.qkv_rope(lw, kv, a, c.head_dim, blk.cos, blk.sin, blk.rope_rows, blk.positions, blk.live)
         sinks = None if "drop_sink" in self.defects else lw.sinks  # negative control: the sink logit dropped
-        out = self.ops.attention(q, kv, blk.positions, sinks).to(self.dtype).reshape(R, -1)
-        folded = None if stream is None else self.ops.linear_norm(lw, out, stream, c.rms_norm_eps)
-        return folded if folded is not None else self.par.all_reduce(self.ops.linear(lw.wo, out))
+        out = self.ops.attention(q, kv, blk.positions, sinks)
+        return self.par.all_reduce(self.ops.linear(lw.wo, out.to(self.dtype).reshape(R, -1)))
 
     @stage("moe")
-    def moe(self, lw: LayerWeights, b32: torch.Tensor | PendingNorm, live: torch.Tensor, mtp: bool = False,
+    def moe(self, lw: LayerWeights, b32: torch.Tensor, live: torch.Tensor, mtp: bool = False,
             f16_input: object = None,
             residual: tuple | None = None) -> tuple[torch.Tensor | Residual, torch.Tensor, torch.Tensor]:
         """Routed experts on this rank's slice of every expert's intermediate dimension (padding rows'
         experts are not read by the kernel path). `f16_input`: b32's Gate/Up operand form, from the norm that
-        made it (ops.add_norm), or None. b32 a PendingNorm (stage norm_moe): the router takes the norm and makes that
-        form. `residual`: (the stream, the next norm's weight), for the ops to add the output to (decoder_layer)."""
+        made it (ops.add_norm), or None. `residual`: (the stream, the next norm's weight), for the ops to add the output
+        to (decoder_layer)."""
         c = self.config
-        pending = b32 if isinstance(b32, PendingNorm) else None
-        made = None if pending is None else self.ops.moe_input(pending, lw.gate.block)
         weights, experts, scores = self.ops.route(b32, lw, c.num_experts_per_tok, c.norm_topk_prob,
-                                                  c.routed_scaling_factor, moe_input=made)
-        if pending is not None:  # the router made the MoE's input: operand tiles (b32 then only gives the shape), or rows
-            b32, f16_input = (pending.residual.g, made) if isinstance(made, tuple) else (made, None)
+                                                  c.routed_scaling_factor)
         if mtp and "mtp_router_shift" in self.defects:  # negative control: the draft layer skips its best expert
             experts = torch.topk(scores, c.num_experts_per_tok + 1, dim=-1).indices[:, 1:]
             weights = scores.gather(-1, experts)

@@ -32,18 +32,16 @@ from .weights import FP8Weight, LayerWeights, ModelWeights
 
 
 class Residual(NamedTuple):
-    """The residual stream h = x + an output added by the kernel that made it, with what the next RMSNorm (weight
-    `weight`) needs: g = h * weight, each row's sums of h^2 over tiles of its columns (fp32 [R, T]); and the added
-    output itself (the taps'). Stage norm_qkv: the MoE's combine adds a layer's MoE output (g rounded to h's dtype)
-    and the next layer's q/k/v projection scales its product's rows by 1 / rms. Stage norm_moe: o_proj adds the
-    attention output (g in fp32), the router scales its logits by 1 / rms and makes Gate/Up's operand tiles. Either
-    way, a norm launch fewer."""
+    """The residual stream h = x + a layer's MoE output, added by the MoE's combine kernel (stage norm_qkv), with what
+    the next RMSNorm (weight `weight`) needs: g = h * weight rounded, each row's sums of h^2 over tiles of its columns
+    (fp32 [R, T]); and the MoE output itself (the taps'). The next layer's q/k/v projection takes g and scales its
+    product's rows by 1 / rms, instead of a norm launch."""
 
     h: torch.Tensor
     g: torch.Tensor
     sumsq: torch.Tensor
     weight: torch.Tensor
-    out: torch.Tensor
+    moe_out: torch.Tensor
 
 
 class PendingNorm(NamedTuple):
@@ -81,23 +79,6 @@ class TorchOps:
         R = x.shape[0]
         q, k, v = (t.view(R, -1, head_dim) for t in self.qkv(lw, x))
         return self.rope_write(kv, q, k, v, cos, sin, rope_rows, positions, live)
-
-    def linear_norm(self, lw: LayerWeights, x: torch.Tensor, stream: torch.Tensor, eps: float) -> Residual | None:
-        """o_proj of x with the post-attention norm's add (stage norm_moe): a `Residual` (the stream plus the product,
-        g, the sums of squares), or None where it is not taken (here: never), the caller then adding and norming."""
-        return None
-
-    def moe_input(self, pending: PendingNorm, moe_block: tuple[int, int]) -> tuple | torch.Tensor:
-        """The buffer the router fills from a pending norm (stage norm_moe): Gate/Up's operand tiles (bf16), or the
-        normalized rows (fp32)."""
-        raise NotImplementedError("the torch ops take no pending post-attention norm")
-
-    @staticmethod
-    def normed32(b: torch.Tensor | PendingNorm) -> torch.Tensor:
-        """The MoE input as add_norm gives it, fp32: `b` itself, or a pending norm computed (the taps' view)."""
-        if isinstance(b, PendingNorm):
-            return rms_norm(b.residual.h.float(), b.residual.weight.float(), b.eps)
-        return b
 
     def normed(self, a: torch.Tensor | PendingNorm) -> torch.Tensor:
         """The normalized rows: `a` itself, or a pending norm computed by `norm` (whose kernel gives what the fused
@@ -160,13 +141,13 @@ class TorchOps:
 
         return embed_ref(tokens, w.embed, w.vocab_offset)
 
-    def route(self, b32: torch.Tensor | PendingNorm, lw: LayerWeights, top_k: int, norm_topk_prob: bool,
-              scaling: float, moe_input: object = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def route(b32: torch.Tensor, lw: LayerWeights, top_k: int, norm_topk_prob: bool,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Softmax routing of the fp32 normalized rows: (weights [R, k], experts [R, k] long, scores [R, E]).
         The layer's router is held in bf16; its fp32 copy (prepare) is exact, so the logits are the fp32 products of
-        its values. `moe_input`: the kernels' (stage norm_moe, `moe_input`), never given here."""
-        assert moe_input is None, "the torch router fills no MoE input"
-        return route(self.normed32(b32) @ lw.router32.T, top_k, norm_topk_prob, scaling)
+        its values."""
+        return route(b32 @ lw.router32.T, top_k, norm_topk_prob, scaling)
 
     def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
             gate: FP8Weight, up: FP8Weight, down: FP8Weight, compute_dtype: torch.dtype | None = None,
@@ -303,14 +284,7 @@ CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
 # projection instead (1e78bc2) cost it 1.7 us a call, all the norm saved. Taken only where the collectives are local
 # (one rank, or a rank-slice benchmark): at TP > 1 the MoE output's all-reduce sits between the combine and the add,
 # and a fused all-reduce would have to write h, g and the sums itself.
-# "norm_moe": a layer's post-attention norm taken into its o_proj and its router, no launch of its own: o_proj adds
-# its product to the stream (h) and writes g = h * the norm's weight (fp32) and each row's sums of h^2 over its
-# output tiles (kernels/fp8_linear.py `residual`); the router's select scales the summed logits by 1 / rms, and its
-# logits programs write Gate/Up's fp16 operand tiles of g * (1 / rms) rounded to bf16 (kernels/router.py `rms`,
-# `f16_out`). A numerical change (the logits' products rounded before the norm's scaling; the squares summed in
-# another order), so opt-in until qualified. Taken for bf16 decode blocks (<= 8 rows, o_proj in one K split) where
-# the collectives are local and the router, the MoE and its operand tiles all run as kernels.
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "norm_moe") + CASCADE
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold") + CASCADE
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -338,7 +312,6 @@ class TritonOps(TorchOps):
         self.cascade_ops = frozenset(op for op in CASCADE_OPS if self.pdl and f"cascade_{op}" in self.stages)
         self.cascade = bool(self.cascade_ops)
         self.norm_qkv = "norm_qkv" in self.stages and {"moe", "linear", "rope", "rope_sum"} <= self.stages
-        self.norm_moe = "norm_moe" in self.stages and {"linear", "route", "moe", "norm"} <= self.stages
         if self.cascade and self.early:
             raise ValueError("stage 'cascade' lets kernels launch any number of launches ahead, so the reads 'early' "
                              "makes before the wait are no longer final: drop it, e.g. 'triton-early+cascade'")
@@ -355,7 +328,6 @@ class TritonOps(TorchOps):
         self.rope_sum_calls = 0  # q/k/v projections summed by the rotary kernel (likewise)
         self.cascade_calls = 0  # kernel calls launched to signal before their wait (likewise)
         self.residual_adds = 0  # MoE calls whose combine added the residual stream (likewise)
-        self.norm_moe_calls = 0  # o_proj calls that took the post-attention norm's add (likewise)
         self.norm_qkv_calls = 0  # q/k/v projections that took their input norm as a row scaling (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
@@ -385,10 +357,6 @@ class TritonOps(TorchOps):
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
         self._add_norm, self._norm, self._rope_kv, self._embed = rmsnorm_residual, rmsnorm, rope_kv, embed
         self._gate_up_k_tile, self._tma_fits, self._empty_tiles = gate_up_k_tile, tma_fits, empty_tiles
-        from ..kernels.fp8_linear import residual_buffers as linear_residual_buffers
-        from ..kernels.router import MAX_ROWS as router_rows
-
-        self._linear_residual_buffers, self._router_rows = linear_residual_buffers, router_rows
         self._moe_lock_count, self._rope_kv_parts = moe_lock_count, rope_kv_parts
         self._residual_buffers = moe.residual_buffers
         self._Pdl = Pdl  # kernels/launch.py is imported with the kernels, not at module level
@@ -541,37 +509,11 @@ class TritonOps(TorchOps):
                               f16_out=f16_input, pdl=self._pdl(x, "norm"), preload=self._preload(x))
         return h, y, f16_input
 
-    def route(self, b32, lw, top_k, norm_topk_prob, scaling, moe_input=None):
+    def route(self, b32, lw, top_k, norm_topk_prob, scaling):
         if not self._fits("route", True):
-            return super().route(b32, lw, top_k, norm_topk_prob, scaling, moe_input)
-        rms = None
-        if isinstance(b32, PendingNorm):  # the post-attention norm as the logits' scaling (stage norm_moe)
-            b32, rms = b32.residual.g, (b32.residual.sumsq, b32.eps)
-        tiles = moe_input if isinstance(moe_input, tuple) else None
+            return super().route(b32, lw, top_k, norm_topk_prob, scaling)
         return self._route(b32, lw.router, top_k, norm_topk_prob, scaling, pdl=self._pdl(b32, "route"),
-                           prefetch=self._prefetch(b32), preload=self._preload(b32), rms=rms, f16_out=tiles,
-                           normed_out=moe_input if tiles is None else None)
-
-    def linear_norm(self, lw, x, stream, eps):
-        w, R, H = lw.wo, *stream.shape
-        takes = (self.norm_moe and w.q.dim() == 2 and self._k_tiles(w.block[1]) and R <= self._router_rows
-                 and stream.dtype == x.dtype and (x.dtype == torch.float32 or (  # bf16: Gate/Up's operand tiles
-                     x.dtype == torch.bfloat16 and self.f16_norm and self.f16_tile(lw.gate.block, H) is not None))
-                 and self.moe_takes(lw.gate.block, lw.down.block, lw.down.q.shape[-1]))
-        if not takes:
-            return None
-        self.norm_moe_calls += 1
-        h, g, sumsq = self._linear_residual_buffers(stream)
-        y = self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, split_k=1, pdl=self._pdl(x, "linear"),
-                         prefetch=self._prefetch(x), preload=self._preload(x),
-                         residual=(stream, lw.post_norm, h, g, sumsq), early=self.early)
-        return Residual(h, g, sumsq, lw.post_norm, y)
-
-    def moe_input(self, pending, moe_block):
-        h = pending.residual.h
-        if h.dtype == torch.float32:
-            return torch.empty(h.shape, dtype=torch.float32, device=h.device)
-        return self._empty_tiles(*h.shape, self.f16_tile(moe_block, h.shape[1]), h.device)
+                           prefetch=self._prefetch(b32), preload=self._preload(b32))
 
     def f16_tile(self, moe_block: tuple[int, int] | None, hidden: int) -> int | None:
         """The width of the MoE input's fp16 operand tiles for weight blocks `moe_block` (Gate/Up's K tile), or None

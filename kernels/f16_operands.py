@@ -47,14 +47,6 @@ def bf16_grid(x):
 
 
 @triton.jit
-def round_to(v, dtype: tl.constexpr):
-    """fp32 v rounded to `dtype` to nearest even, under the interpreter too (whose cast to bf16 truncates)."""
-    if dtype == tl.bfloat16:
-        v = bf16_grid(v)
-    return v.to(dtype)
-
-
-@triton.jit
 def row_pow2(x):
     """(2^s, 2^-s) per row of the fp32 tile x [M, K]: 2^s puts the row's largest |x| in [2^14, 2^15). From the
     exponent bits (no log2): biased exponent e of max|x| gives s = 14 - (e - 127); e is taken >= 15 (zero and tiny

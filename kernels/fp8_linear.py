@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS, sm_count as _sm_count
-from .f16_operands import round_to
 from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
@@ -82,8 +81,6 @@ def _fp8_linear_kernel(
     OPAQUE: tl.constexpr = True,  # False: negative control only (tests/test_bench_sass.py), see _after_wait
     sumsq_ptr=None, stride_sumsq=0, norm_tiles=0, eps=0.0,
     NORM: tl.constexpr = 0,  # > 0: the rows scaled by their 1 / rms (`rms`); the sums' count padded to a power of two
-    res_ptr=None, nw_ptr=None, h_ptr=None, g_ptr=None, sq_ptr=None, stride_res=0, stride_h=0, stride_g=0, stride_sq=0,
-    RESIDUAL: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -97,11 +94,6 @@ def _fp8_linear_kernel(
     if PREFETCH_LINES > 0:  # the weight is constant: its reads may start before the previous kernel ends
         prefetch_rows(w_ptr + tl.minimum(n, N - 1) * K, k_start, k_end, 128, PREFETCH_LINES)
     s_row = s_ptr + (n // B0) * scale_cols
-    if RESIDUAL:  # the norm's weight is constant; with EARLY the stream too (written launches back: kernels/launch.py)
-        nw = tl.load(nw_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
-        if EARLY:
-            stream = tl.load(res_ptr + m[:, None] * stride_res + n[None, :], mask=m_ok[:, None] & n_ok[None, :],
-                             other=0.0)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if PRELOAD > 0:
@@ -148,20 +140,6 @@ def _fp8_linear_kernel(
                                      cache_modifier=".cg")
                 tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(lock, 0)
-    elif RESIDUAL:
-        # The next norm's add (stage norm_moe), as rmsnorm_residual forms it: the product rounded to y's dtype, added
-        # to the stream and rounded to the stream's dtype (h); g = h * the norm's weight in fp32; and the tile's
-        # share of the row's sum of h^2. The norm's 1 / rms is left to the consumers (the router's select scales the
-        # logits, its logits kernel makes Gate/Up's operand tiles).
-        y = acc.to(y_ptr.dtype.element_ty)  # as the plain store below: the same product bits
-        tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y, mask=mask)
-        if not EARLY:
-            stream = tl.load(res_ptr + m[:, None] * stride_res + n[None, :], mask=mask, other=0.0)
-        h = round_to(stream.to(tl.float32) + y.to(tl.float32), h_ptr.dtype.element_ty)
-        tl.store(h_ptr + m[:, None] * stride_h + n[None, :], h, mask=mask)
-        hf = tl.where(mask, h.to(tl.float32), 0.0)
-        tl.store(g_ptr + m[:, None] * stride_g + n[None, :], hf * nw[None, :], mask=mask)
-        tl.store(sq_ptr + m * stride_sq + pid_n, tl.sum(hf * hf, axis=1), mask=m_ok)
     else:
         tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -236,8 +214,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
                num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False,
                preload: bool = False, unsummed: bool = False,
-               rms: tuple[torch.Tensor, float] | None = None,
-               residual: tuple[torch.Tensor, ...] | None = None, early: bool = False) -> torch.Tensor:
+               rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
@@ -255,14 +232,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     1 / sqrt(sum_t sumsq[m, t] / K + eps), the sums taken in one fixed order by every program. With x = h * w rounded
     and sumsq the partial sums of h^2 (kernels/moe.py's `residual`), that is the product of rmsnorm(h) * w without the
     norm's launch: a numerical change (the normalized rows rounded before their scaling, the squares summed in another
-    order than rmsnorm_residual's), qualified in docs/PERF.md.
-    `residual` = (stream [M, N], w [N], h [M, N], g fp32 [M, N], sumsq fp32 [M, ceil(N / block_n)]; `residual_buffers`
-    makes the last three): the product y (returned, rounded to out_dtype) is also added to the stream for the next
-    RMSNorm (weight w), as rmsnorm_residual does: h = stream + y rounded to the stream's dtype, g = h * w in fp32,
-    and each row's sums of h^2 over the output tiles; a consumer then takes the norm as g scaled by 1 / rms (stage
-    norm_moe: the router and Gate/Up's operand tiles). Only where K is not split (one split: `split_k` = 1 is passed
-    by the caller where the plan would split). `early` (with `pdl`): the stream is read before the PDL wait, which
-    the caller guarantees it may (written two launches back or earlier: kernels/launch.py)."""
+    order than rmsnorm_residual's), qualified in docs/PERF.md."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -293,9 +263,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                and out.stride(1) == 1, f"out must be [{M}, {N}] {out_dtype} with unit stride along N")
         part = part if split else out
     norm_args = _rms_args(rms, M, x.device)
-    res_args = _residual_args(residual, M, N, block_n, x.device, bool(early and pdl and not INTERPRETED))
-    _check(residual is None or (split_k == 1 and not unsummed and rms is None),
-           f"residual: the add needs the whole product in one program (one K split, got {split_k}), summed, no rms")
     f32 = INTERPRETED or x.dtype == torch.float32
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, BLOCK_M))
     if locks is not None:
@@ -308,7 +275,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
         k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
         SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
-        PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, PRELOAD=tiles, **norm_args, **res_args,
+        PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, PRELOAD=tiles, **norm_args,
         **launch_options(pdl, x.device))
     if unsummed:
         return part
@@ -331,44 +298,6 @@ def _rms_args(rms, M: int, device: torch.device) -> dict:
     tiles = sumsq.shape[1]
     return dict(sumsq_ptr=sumsq, stride_sumsq=sumsq.stride(0), norm_tiles=tiles, eps=eps,
                 NORM=max(2, triton.next_power_of_2(tiles)))
-
-
-def residual_buffers(stream: torch.Tensor, block_n: int = BLOCK_N) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The (h, g, sumsq) that `fp8_linear(residual=(stream, w, h, g, sumsq))` fills for a stream [M, N]: h like it,
-    g fp32, sumsq fp32 [M, ceil(N / block_n)]."""
-    M, N = stream.shape
-    return (torch.empty_like(stream), torch.empty((M, N), dtype=torch.float32, device=stream.device),
-            torch.empty((M, triton.cdiv(N, block_n)), dtype=torch.float32, device=stream.device))
-
-
-def _residual_args(residual, M: int, N: int, block_n: int, device: torch.device, early: bool) -> dict:
-    """The kernel's arguments for `fp8_linear(residual=...)` (none without it), checked."""
-    if residual is None:
-        return {}
-    stream, weight, h, g, sumsq = residual
-    _check(tuple(stream.shape) == (M, N) and stream.dtype in _FLOATS and stream.stride(1) == 1
-           and tuple(h.shape) == (M, N) and h.dtype == stream.dtype and h.stride(1) == 1,
-           f"residual's stream and h must be [{M}, {N}] in one float dtype with unit stride")
-    _check(tuple(g.shape) == (M, N) and g.dtype == torch.float32 and g.stride(1) == 1,
-           f"residual's g must be fp32 [{M}, {N}] with unit stride")
-    tiles = triton.cdiv(N, block_n)
-    _check(tuple(sumsq.shape) == (M, tiles) and sumsq.dtype == torch.float32 and sumsq.stride(1) == 1,
-           f"residual's sumsq must be fp32 [{M}, {tiles}] with unit stride")
-    _check(tuple(weight.shape) == (N,) and weight.dtype in _FLOATS and weight.is_contiguous(),
-           f"residual's weight must be a contiguous float [{N}]")
-    _check(all(t.device == device for t in residual), f"residual's tensors must be on {device}")
-    return dict(res_ptr=stream, nw_ptr=weight, h_ptr=h, g_ptr=g, sq_ptr=sumsq, stride_res=stream.stride(0),
-                stride_h=h.stride(0), stride_g=g.stride(0), stride_sq=sumsq.stride(0), RESIDUAL=True, EARLY=early)
-
-
-def fp8_linear_residual_ref(y: torch.Tensor, stream: torch.Tensor, weight: torch.Tensor,
-                            block_n: int = BLOCK_N) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h, g, sumsq) of `fp8_linear(residual=...)` for its product y in torch: h = stream + y rounded to the stream's
-    dtype, g = h * weight in fp32, sumsq the sums of h^2 over block_n columns (in torch's order)."""
-    h = (stream.float() + y.float()).to(stream.dtype)
-    hf = h.float()
-    sq = torch.stack([t.square().sum(dim=1) for t in hf.split(block_n, dim=1)], dim=1)
-    return h, hf * weight.float(), sq
 
 
 def fp8_linear_rms_ref(x: torch.Tensor, sumsq: torch.Tensor, eps: float, w: torch.Tensor, scale: torch.Tensor,

@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS, row_groups, sm_count as _sm_count
-from .f16_operands import bf16_grid, f16_rows, round_to, tile_width
+from .f16_operands import bf16_grid, f16_rows, tile_width
 from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
 
@@ -464,12 +464,20 @@ def _moe_combine_kernel(
         # The next norm's add, as rmsnorm_residual does it (the sum rounded to the stream's dtype); the tile's share of
         # that norm's sum of squares; and h times the norm's weight, rounded to the stream's dtype: the consumer's
         # input, whose product it scales by each row's 1 / rms (fp8_linear's `rms`).
-        h = round_to(x.to(tl.float32) + o.to(tl.float32), h_ptr.dtype.element_ty)
+        h = _round_to(x.to(tl.float32) + o.to(tl.float32), h_ptr.dtype.element_ty)
         tl.store(h_ptr + r[:, None] * stride_h + n[None, :], h, mask=ok)
         hf = h.to(tl.float32)
         tl.store(sumsq_ptr + r * stride_sumsq + tl.program_id(1), tl.sum(hf * hf, axis=1), mask=r < R)
-        tl.store(g_ptr + r[:, None] * stride_h + n[None, :], round_to(hf * nw[None, :], g_ptr.dtype.element_ty),
+        tl.store(g_ptr + r[:, None] * stride_h + n[None, :], _round_to(hf * nw[None, :], g_ptr.dtype.element_ty),
                  mask=ok)
+
+
+@triton.jit
+def _round_to(v, dtype: tl.constexpr):
+    """fp32 v rounded to `dtype` to nearest even, under the interpreter too (whose cast to bf16 truncates)."""
+    if dtype == tl.bfloat16:
+        v = bf16_grid(v)
+    return v.to(dtype)
 
 
 # ---- host wrappers ---------------------------------------------------------------------------------

@@ -51,7 +51,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .device import sm_count as _sm_count
-from .f16_operands import bf16_grid, f16_rows, tile_width
 from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -72,50 +71,10 @@ def _rows_dot(acc, w, x_ptr, r0, R, stride_x, h, h_ok, rows, ROWS: tl.constexpr)
 
 
 @triton.jit
-def _inv_rms(sumsq_ptr, row, stride, tiles, H, eps, NORM: tl.constexpr):
-    """A row's 1 / rms from its `tiles` partial sums of squares (fp8_linear's `residual`), summed in one fixed order:
-    the same in every program that needs it."""
-    t = tl.arange(0, NORM)
-    part = tl.load(sumsq_ptr + row * stride + t, mask=t < tiles, other=0.0)
-    return 1.0 / tl.sqrt(tl.sum(part, axis=0) / H + eps)
-
-
-@triton.jit
-def _f16_tiles(x_ptr, sumsq_ptr, f16_ptr, f16d_ptr, r0, R, stride_x, stride_sumsq, tiles, H, eps, h0, h_end,
-               stride_f16, stride_f16d, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, NORM: tl.constexpr,
-               F16_TILE: tl.constexpr, BLOCK_H: tl.constexpr, NORMED: tl.constexpr):
-    """The MoE input of the normalized rows x * (1 / rms) for columns h0 .. h0 + BLOCK_H (up to h_end), in tiles of
-    F16_TILE columns shared out over the split's expert programs (program e takes tiles e, e + programs, ...), each
-    tile for all of the block's rows at once: Gate/Up's fp16 operand tiles of the rows rounded to bf16
-    (kernels/f16_operands.py, what the post-attention norm's f16_out wrote), or with NORMED the fp32 rows (stage
-    norm_moe)."""
-    rows = r0 + tl.arange(0, ROWS_PAD)
-    r_ok = (rows < R) & (tl.arange(0, ROWS_PAD) < ROWS)
-    t = tl.arange(0, NORM)
-    part = tl.load(sumsq_ptr + rows[:, None] * stride_sumsq + t[None, :], mask=r_ok[:, None] & (t < tiles)[None, :],
-                   other=0.0)
-    inv = 1.0 / tl.sqrt(tl.sum(part, axis=1) / H + eps)
-    for ti in range(tl.program_id(0), BLOCK_H // F16_TILE, tl.num_programs(0)):
-        c0 = h0 + ti * F16_TILE
-        c = c0 + tl.arange(0, F16_TILE)
-        ok = r_ok[:, None] & (c < h_end)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=ok, other=0.0) * inv[:, None]
-        if NORMED:  # the normalized rows themselves, fp32 (an fp32 MoE input has no operand tiles)
-            tl.store(f16_ptr + rows[:, None] * stride_f16 + c[None, :], x, mask=ok)
-        else:
-            x16, down = f16_rows(bf16_grid(x))
-            tl.store(f16_ptr + rows[:, None] * stride_f16 + c[None, :], x16, mask=ok)
-            tl.store(f16d_ptr + rows * stride_f16d + c0 // F16_TILE, down, mask=r_ok & (c0 < h_end))
-
-
-@triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split,
                           ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
                           PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 32,
-                          PRELOAD: tl.constexpr = False,
-                          sumsq_ptr=None, f16_ptr=None, f16d_ptr=None, stride_sumsq=0, norm_tiles=0, eps=0.0,
-                          stride_f16=0, stride_f16d=0, RMS_PAD: tl.constexpr = 0, F16_TILE: tl.constexpr = 0,
-                          NORMED: tl.constexpr = False):
+                          PRELOAD: tl.constexpr = False):
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)
     r0 = tl.program_id(2) * ROWS
@@ -141,9 +100,6 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split
                     other=0.0)
         wait_for_inputs(PDL)
         acc = _rows_dot(acc, w, x_ptr, r0, R, stride_x, h, h_ok, rows, ROWS)
-        if F16_TILE > 0:  # the split's expert programs make its columns' MoE input
-            _f16_tiles(x_ptr, sumsq_ptr, f16_ptr, f16d_ptr, r0, R, stride_x, stride_sumsq, norm_tiles, H, eps, h_start,
-                       h_end, stride_f16, stride_f16d, ROWS, ROWS_PAD, RMS_PAD, F16_TILE, BLOCK_H, NORMED)
     else:
         wait_for_inputs(PDL)
         for h0 in range(h_start, h_end, BLOCK_H):
@@ -152,9 +108,6 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split
             w = tl.load(w_ptr + e[:, None] * H + (h0 + w_cols)[None, :], mask=e_ok[:, None] & h_ok[None, :],
                         other=0.0)
             acc = _rows_dot(acc, w, x_ptr, r0, R, stride_x, h, h_ok, rows, ROWS)
-            if F16_TILE > 0:
-                _f16_tiles(x_ptr, sumsq_ptr, f16_ptr, f16d_ptr, r0, R, stride_x, stride_sumsq, norm_tiles, H, eps, h0,
-                           h_end, stride_f16, stride_f16d, ROWS, ROWS_PAD, RMS_PAD, F16_TILE, BLOCK_H, NORMED)
     r = r0 + rows
     tl.store(part_ptr + (pid_s * R + r[None, :]) * E + e[:, None], acc,
              mask=e_ok[:, None] & (rows[None, :] < ROWS) & (r[None, :] < R))
@@ -165,8 +118,7 @@ def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, logits
                           E_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
                           K_PAD: tl.constexpr, NORM: tl.constexpr, WRITE_LOGITS: tl.constexpr,
                           ACCURATE_EXP: tl.constexpr, LOWER_TIES: tl.constexpr, PACKED_TOPK: tl.constexpr = True,
-                          PDL: tl.constexpr = False, sumsq_ptr=None, stride_sumsq=0, norm_tiles=0, H=1, eps=0.0,
-                          RMS_PAD: tl.constexpr = 0):
+                          PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     idx = tl.arange(0, E_PAD)
@@ -179,8 +131,6 @@ def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, logits
         part = tl.load(part_ptr + ((s[:, None] * R + row) * E + idx[None, :]),
                        mask=(s[:, None] < splits) & ok[None, :], other=0.0)
         logits += tl.sum(part, axis=0)
-    if RMS_PAD > 0:  # the rows' norm as a scaling of their logits (stage norm_moe: x is h * w, not yet normalized)
-        logits = logits * _inv_rms(sumsq_ptr, row, stride_sumsq, norm_tiles, H, eps, RMS_PAD)
     if WRITE_LOGITS:
         tl.store(logits_ptr + row * E + idx, logits, mask=ok)
 
@@ -267,29 +217,24 @@ def _split_plan(h: int, split: int, block_h: int) -> tuple[int, int]:
 
 def _select(part: torch.Tensor, splits: int, weights: torch.Tensor, experts: torch.Tensor, scores: torch.Tensor,
             logits: torch.Tensor | None, top_k: int, norm_topk_prob: bool, scaling: float, *,
-            lower_ties: bool = True, packed_topk: bool = True, num_warps: int = 4, pdl: bool = False,
-            norm_args: dict | None = None) -> None:
+            lower_ties: bool = True, packed_topk: bool = True, num_warps: int = 4, pdl: bool = False) -> None:
     """Launch 2 on the first `splits` partials of part [S, R, E]. Tests wrap it for the negative controls
     (`lower_ties=False`, one split fewer)."""
     _, R, E = part.shape
-    norm_args = {k: v for k, v in (norm_args or {}).items() if k in ("sumsq_ptr", "stride_sumsq", "norm_tiles", "H",
-                                                                       "eps", "RMS_PAD")}
     e_pad = triton.next_power_of_2(E)
     split_block = max(1, min(triton.next_power_of_2(splits), PART_CHUNK // e_pad))
     _router_select_kernel[(R,)](
         part, weights, experts, scores, scores if logits is None else logits, R, E, splits, scaling,
         E_PAD=e_pad, SPLIT_BLOCK=split_block, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         NORM=bool(norm_topk_prob), WRITE_LOGITS=logits is not None, ACCURATE_EXP=not INTERPRETED,
-        LOWER_TIES=lower_ties, PACKED_TOPK=packed_topk, num_warps=num_warps, **norm_args,
-        **launch_options(pdl, part.device))
+        LOWER_TIES=lower_ties, PACKED_TOPK=packed_topk, num_warps=num_warps, **launch_options(pdl, part.device))
 
 
 def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float, *,
           split: int | None = None, debug: dict | None = None, block_e: int = 4, block_h: int = 512,
           num_warps: int = 1, select_warps: int = 4, packed_topk: bool = True,
-          pdl: bool = False, prefetch: bool = False, preload: bool = False,
-          rms: tuple[torch.Tensor, float] | None = None, f16_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-          normed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          pdl: bool = False, prefetch: bool = False, preload: bool = False
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights [R, k] fp32, experts [R, k] int64, scores [R, E] fp32) = reference `route(x @ router_w.T,
     top_k, norm_topk_prob, scaling)` for x [R, H] fp32 (unit stride along H) and router_w [E, H] bf16 (as the
     checkpoint holds it) or fp32, contiguous; a bf16 router gives exactly the outputs of its values held in fp32
@@ -302,14 +247,7 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
     one block_h tile (the default plan at E = 256, H = 6144), launch 1 loads it before the wait, as fp8_linear's
     `preload` (the same values, so the same bits). `debug`, a dict, receives
     "logits" [R, E] fp32 (the summed logits the selection used), "split", "h_per_split" and "preloaded" (what was
-    launched).
-    `rms` = (sumsq [R, T] fp32, eps) (stage norm_moe): x is h * w, the norm not yet applied, and sumsq the partial
-    sums of h^2 (fp8_linear's `residual`): the summed logits of each row are scaled by 1 / sqrt(sum_t sumsq / H + eps)
-    before the softmax (the norm as a scaling of the logits: a numerical change, their fp32 products rounded in
-    another order). `f16_out` = (fp16 [R, H], fp32 [R, H / t]), with `rms`: the logits launch also writes the rows
-    x * (1 / rms) rounded to bf16 as Gate/Up's fp16 operand tiles of width t (what rmsnorm_residual's f16_out wrote),
-    each tile by one of its split's expert programs; t must divide the logits tile (block_h). `normed_out` (fp32 [R, H]), with `rms`, instead: the
-    normalized rows x * (1 / rms) themselves (an fp32 MoE input)."""
+    launched)."""
     _check(isinstance(x, torch.Tensor) and isinstance(router_w, torch.Tensor), "x and router_w must be tensors")
     _check(x.dim() == 2 and router_w.dim() == 2, f"x {tuple(x.shape)} and router_w {tuple(router_w.shape)} must be 2-D")
     R, H = x.shape
@@ -353,43 +291,15 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
     grid = (triton.cdiv(E, block_e), splits, triton.cdiv(R, rows))
     preloaded = preload and h_per_split == block_h
     line_elems, lines = prefetch_lines(h_per_split, router_w.element_size())
-    norm_args = _norm_args(rms, f16_out, normed_out, R, H, block_h, dev)
     _router_logits_kernel[grid](x, router_w, part, R, E, H, x.stride(0), h_per_split, ROWS=rows,
                                 ROWS_PAD=triton.next_power_of_2(rows), BLOCK_E=block_e, BLOCK_H=block_h,
                                 num_warps=num_warps, PREFETCH_LINES=lines if prefetch else 0, LINE_ELEMS=line_elems,
-                                PRELOAD=preloaded, **{k: v for k, v in norm_args.items() if k != "H"},
-                                **launch_options(pdl, dev))
+                                PRELOAD=preloaded, **launch_options(pdl, dev))
     _select(part, splits, weights, experts, scores, logits, top_k, norm_topk_prob, float(scaling),
-            packed_topk=packed_topk, num_warps=select_warps, pdl=pdl, norm_args=norm_args)
+            packed_topk=packed_topk, num_warps=select_warps, pdl=pdl)
     if debug is not None:
         debug.update(logits=logits, split=splits, h_per_split=h_per_split, preloaded=preloaded)
     return weights, experts, scores
-
-
-def _norm_args(rms, f16_out, normed_out, R: int, H: int, block_h: int, device: torch.device) -> dict:
-    """The kernels' arguments for `route(rms=..., f16_out=..., normed_out=...)` (none without them), checked."""
-    _check(f16_out is None or normed_out is None, "f16_out or normed_out, not both")
-    if rms is None:
-        _check(f16_out is None and normed_out is None, "f16_out and normed_out need rms (they hold normalized rows)")
-        return {}
-    sumsq, eps = rms
-    _check(sumsq.dim() == 2 and sumsq.shape[0] == R and sumsq.shape[1] >= 1 and sumsq.dtype == torch.float32
-           and sumsq.stride(1) == 1 and sumsq.device == device,
-           f"rms's sumsq must be fp32 [{R}, T] with unit stride on {device}, got {sumsq.dtype} {tuple(sumsq.shape)}")
-    _check(isinstance(eps, float) and eps > 0, f"rms's eps must be a positive float, got {eps!r}")
-    args = dict(sumsq_ptr=sumsq, stride_sumsq=sumsq.stride(0), norm_tiles=sumsq.shape[1], H=H, eps=eps,
-                RMS_PAD=max(2, triton.next_power_of_2(sumsq.shape[1])))
-    if f16_out is not None:
-        tile = tile_width(f16_out, R, H, device, "router: f16_out")
-        _check(block_h % tile == 0, f"f16_out's tiles ({tile} wide) must divide the logits tile ({block_h})")
-        args.update(f16_ptr=f16_out[0], f16d_ptr=f16_out[1], stride_f16=f16_out[0].stride(0),
-                    stride_f16d=f16_out[1].stride(0), F16_TILE=tile)
-    if normed_out is not None:
-        _check(tuple(normed_out.shape) == (R, H) and normed_out.dtype == torch.float32 and normed_out.stride(1) == 1
-               and normed_out.device == device, f"normed_out must be fp32 [{R}, {H}] with unit stride on {device}")
-        args.update(f16_ptr=normed_out, f16d_ptr=normed_out, stride_f16=normed_out.stride(0),
-                    F16_TILE=min(block_h, 128), NORMED=True)
-    return args
 
 
 # ---- reference -------------------------------------------------------------------------------------

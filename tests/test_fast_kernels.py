@@ -164,33 +164,6 @@ def norm_qkv_block(device: str = "cpu", dtype: str = "fp32", broken: bool = Fals
             "adds": ops.residual_adds - counts[1], "fallbacks": dict(ops.fallbacks)}
 
 
-def norm_moe_block(device: str = "cpu", dtype: str = "fp32", broken: bool = False) -> dict:
-    """The post-attention norm taken by o_proj and the router (stage norm_moe) against the norm kernel, as
-    `norm_qkv_block`: the router makes the MoE's input (fp32: the normalized rows; bf16: Gate/Up's operand tiles).
-    `broken`: the negative control, the router given sums of squares 4x too large (1/rms halved: its logits' scaling
-    and the MoE input it makes); `calls` counts the o_proj calls that added."""
-    from iquest.tests.test_fast_engine import RING_SEQ
-
-    logits = {}
-    base = "triton"
-    for kernels in (base, base + "+norm_moe"):
-        e = RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=256, dtype=dtype, kernels=kernels))
-        e.cache.reset()
-        ops = e.model.ops
-        calls = ops.norm_moe_calls  # the GPU engine's capture has run forwards already
-        if broken:
-            route = ops._route
-            ops._route = lambda *a, rms=None, **k: route(*a, rms=None if rms is None else (rms[0] * 4, rms[1]), **k)
-        pos = torch.arange(8, device=device)
-        e.model.forward(torch.tensor(RING_SEQ[:8], device=device), pos, torch.ones_like(pos, dtype=torch.bool))
-        pos = torch.arange(8, 16, device=device)
-        lg, _ = e.model.forward(torch.tensor(RING_SEQ[8:16], device=device), pos, torch.arange(8, device=device) < 6)
-        logits[kernels] = lg[:6].double().cpu()
-    want, got = logits[base], logits[base + "+norm_moe"]
-    return {"rel_err": float((got - want).abs().max() / want.abs().max()), "calls": ops.norm_moe_calls - calls,
-            "fallbacks": dict(ops.fallbacks)}
-
-
 def sampling_block(device: str = "cpu") -> dict:
     """The sampling kernels' distributions of one 8-row logits block against the fallback's."""
     out = {}
@@ -238,7 +211,6 @@ def test_interpreted_kernels_decode_like_the_torch_fallback():
     assert fused["outputs_identical"] and fused["caches_identical"] and not fused["fallbacks"], fused
     assert fused["fused_calls"] == 2 * 4 + 1, fused
     _check_norm_qkv(results["norm_qkv_block"], results["norm_qkv_broken"], TINY_LAYERS)
-    _check_norm_moe(results["norm_moe_block"], results["norm_moe_broken"], TINY_LAYERS)
     split = results["moe_prefill_split"]
     assert "error" not in split, split
     print(f"[interpreted MoE kernel, 72-row block] kernel calls {split['calls']}, relative error {split['rel_err']:.2e}")
@@ -297,52 +269,6 @@ def _check_norm_qkv(r: dict, broken: dict, layers: int) -> None:
     assert r["calls"] == r["adds"] == 2 * (layers - 1) and not r["fallbacks"], r
     assert r["rel_err"] <= NORM_QKV_TOL, r
     assert broken["calls"] == r["calls"] and broken["rel_err"] > 100 * NORM_QKV_TOL, broken
-
-
-# fp32: the norm taken as g's logits scaled by 1 / rms and the normalized rows g * (1 / rms), against h * (1 / rms) * w:
-# a few fp32 roundings (measured 2.5e-7 interpreted), as NORM_QKV_TOL.
-NORM_MOE_TOL = NORM_QKV_TOL
-
-
-def _check_norm_moe(r: dict, broken: dict, layers: int) -> None:
-    assert "error" not in r and "error" not in broken, (r, broken)
-    print(f"[norm_moe] relative logit error {r['rel_err']:.2e} (tolerance {NORM_MOE_TOL:.0e}); "
-          f"control {broken['rel_err']:.2e}")
-    assert r["calls"] == 2 * layers and not r["fallbacks"], r  # two forwards, every layer's post-attention norm
-    assert r["rel_err"] <= NORM_MOE_TOL, r
-    assert broken["calls"] == r["calls"] and broken["rel_err"] > 100 * NORM_MOE_TOL, broken
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_norm_moe_block(dtype):
-    """The post-attention norm taken by o_proj and the router, per block on the GPU: fp32 within NORM_MOE_TOL; bf16
-    (Gate/Up's operand tiles of the normalized rows, a rounding that may flip) within the bf16 tolerance of
-    test_cuda_norm_qkv_block."""
-    r, broken = norm_moe_block("cuda", dtype), norm_moe_block("cuda", dtype, broken=True)
-    if dtype == "fp32":
-        _check_norm_moe(r, broken, TINY_LAYERS)
-    else:
-        print(f"[norm_moe bf16] {r}; control {broken}")
-        assert r["calls"] == 2 * TINY_LAYERS and r["rel_err"] < 0.02 < broken["rel_err"], (r, broken)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_norm_moe_decodes_like_without_it(dtype):
-    """A decode with the post-attention norm taken by o_proj and the router (stage norm_moe) against the default
-    kernels, through the captured loop: every divergence explained by the two engines' own distributions."""
-    kernels = "triton" if dtype == "bf16" else GPU_KERNELS["fp32"] + "+moe"
-    got, want = decode(kernels + "+norm_moe", "cuda", dtype), decode(kernels, "cuda", dtype)
-    engines = [RankEngine(TINY, Parallel.single("cuda"), EngineOptions(max_context=256, dtype=dtype, kernels=k))
-               for k in (kernels + "+norm_moe", kernels)]
-    assert engines[0].model.ops.norm_moe_calls > 0 and engines[1].model.ops.norm_moe_calls == 0
-    for i, drafts in CASES:
-        key = f"{i}-{drafts}"
-        result = compare(PROMPTS[i], got[key]["tokens"], want[key]["tokens"], fast_dist(engines[0]),
-                         fast_dist(engines[1]), TOLERANCE[dtype])
-        print(f"[norm_moe decode {dtype}, {key}] {result}")
-        assert result.explained, str(result)
 
 
 @pytest.mark.gpu
@@ -408,8 +334,6 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
                  ("residual_block", residual_block),
                  ("norm_qkv_block", norm_qkv_block),
                  ("norm_qkv_broken", lambda: norm_qkv_block(broken=True)),
-                 ("norm_moe_block", norm_moe_block),
-                 ("norm_moe_broken", lambda: norm_moe_block(broken=True)),
                  ("rng_identical", lambda: {"identical": decode("rng") == decode("torch")}),
                  ("sampling_block", sampling_block)])
 
