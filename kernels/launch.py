@@ -85,6 +85,20 @@ def prefetch_rows(row_ptrs, start, end, ELEMS_PER_LINE: tl.constexpr, LINES: tl.
     prefetch_l2(row_ptrs[:, None] + tl.where(c < end, c, start)[None, :])
 
 
+@triton.jit
+def global_ns(after):
+    """The GPU's global nanosecond timer (%globaltimer), read once `after` (any int32 value: its producers) is
+    available; for timelines of one launch (`moe(stamps=)`), never on the engine's path."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def sm_id(after):
+    """The SM this program runs on (%smid), read once `after` is available."""
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [after], dtype=tl.int32, is_pure=False, pack=1)
+
+
 def prefetch_lines(columns: int, element_bytes: int) -> tuple[int, int]:
     """(ELEMS_PER_LINE, LINES) for `prefetch_rows` over `columns` columns of `element_bytes`-byte elements."""
     per_line = max(1, 128 // element_bytes)

@@ -70,7 +70,7 @@ import triton.language as tl
 
 from .device import FLOATS as _FLOATS, row_groups, sm_count as _sm_count
 from .f16_operands import bf16_grid, f16_rows, tile_width
-from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
+from .launch import global_ns, launch_options, prefetch_lines, prefetch_rows, sm_id, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
@@ -197,13 +197,19 @@ def _moe_gate_up_kernel(
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, PRESCALED: tl.constexpr = False, TMA: tl.constexpr = False,
     FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1, GROUP: tl.constexpr = 128, STORE_H: tl.constexpr = False,
-    DROP_LAST: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 8,
+    DROP_LAST: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 8, stamp_ptr=None, STAMP: tl.constexpr = False,
 ):
+    if STAMP:  # a timeline (debug): started, owner known, done (ns), SM; per program in launch order
+        slot = stamp_ptr + ((tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0)
+                            + tl.program_id(0)) * 4
+        tl.store(slot, global_ns(tl.program_id(0)))
     wait_for_inputs(PDL)
     p = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
+    if STAMP:
+        tl.store(slot + 1, global_ns(run.to(tl.int32) + e.to(tl.int32)))
     if STORE_RAN:  # debug: which pairs' programs did the work
         tl.store(ran_ptr + p, run.to(tl.int32), mask=(tile == 0) & (split == 0))
     # No pass unless this program owns e; one when R <= BLOCK_M (always at k = 8: R * k <= MAX_PAIRS). A live
@@ -278,6 +284,10 @@ def _moe_gate_up_kernel(
                             _act_store(g, u, f_pair, tile * BLOCK_N, f_ok, act_ptr, act_s_ptr, h_ptr, count_ptr,
                                        summed, I, GROUP, STORE_H)
                     tl.atomic_xchg(lock, 0)
+            if STAMP:  # after the last tile's products (the stores take them)
+                tl.store(slot + 2, global_ns(tl.sum(acc_u, axis=1).to(tl.int32).max(axis=0)))
+    if STAMP:
+        tl.store(slot + 3, sm_id(run.to(tl.int32)).to(tl.int64))
 
 
 @triton.jit
@@ -565,6 +575,14 @@ def act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Te
     return q, s
 
 
+def gate_up_programs(R: int, k: int, E: int, H: int, I: int, block: tuple[int, int] = (128, 128), device=None,
+                     block_k: int = 128, gate_up_block_n: int = GATE_UP_BLOCK_N) -> int:
+    """Gate/Up's grid size for these shapes with moe()'s defaults (the rows of `stamps`)."""
+    bn, bk = _pow2_divisor(I, gate_up_block_n), _pow2_divisor(block[1], block_k)
+    split = plan_split(R * k, E, k, H, I, bn, bk, None, _sm_count(device or torch.device("cuda")))[0]
+    return R * k * (I // bn) * split
+
+
 def lock_count(R: int, k: int, I: int, H: int, gate_up_block_n: int = GATE_UP_BLOCK_N,
                down_block_n: int = 128) -> int:
     """Arrival counters moe(locks=) needs: one per Gate/Up (pair, tile, row block), then one per Down H tile."""
@@ -608,7 +626,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         down_stages: int | None = None, pdl: bool = False, f16: bool = F16_OPERANDS,
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
         fp8_down: bool = FP8_DOWN, locks: torch.Tensor | None = None, early_down: bool = False,
-        residual: tuple[torch.Tensor, ...] | None = None,
+        residual: tuple[torch.Tensor, ...] | None = None, stamps: torch.Tensor | None = None,
         debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
@@ -648,7 +666,10 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     row's sum of h^2 over each t columns and g = h * w rounded to that dtype. A consumer then takes the norm's
     product as g's product scaled by each row's 1 / rms (fp8_linear's `rms`), and the next norm's launch is gone. Not
     with `locks` (the combine folded into Down). With `early_down` the stream is read before the PDL wait (the
-    caller's post-attention norm wrote it launches earlier). `debug`,
+    caller's post-attention norm wrote it launches earlier). `stamps` (a timeline, for bench/moe_timeline.py): int64
+    [Gate/Up programs, 4] (`gate_up_programs`), filled per program in launch order with the global timer (ns) at its
+    start, once its owner check is known and after its last tile's products (0 for a program that owns nothing),
+    and its SM. `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -726,6 +747,11 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
                f"f16_input is Gate/Up's fp16 operand: it needs bf16 compute (got {compute_dtype}) with f16=True")
 
     _check(residual is None or locks is None, "residual: the combine folded into Down (locks) does not add it")
+    if stamps is not None:
+        n_prog = P * (I // bn) * split
+        _check(stamps.dtype == torch.int64 and tuple(stamps.shape) == (n_prog, 4) and stamps.is_contiguous()
+               and stamps.device == dev and not INTERPRETED, f"stamps must be contiguous int64 [{n_prog}, 4] on the GPU")
+        stamps.zero_()
     _check_residual(residual, R, H, dev)
     fold_finalize = locks is not None and bn % group == 0
     fold_combine = locks is not None
@@ -755,7 +781,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=f16_input is None and compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32",
         STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma, FOLD=fold_finalize, SPLIT=split,
-        GROUP=group, STORE_H=store_h, DROP_LAST=drop_last, num_warps=gate_up_warps,
+        GROUP=group, STORE_H=store_h, DROP_LAST=drop_last, stamp_ptr=stamps, STAMP=stamps is not None,
+        num_warps=gate_up_warps,
         num_stages=gate_up_stages, **launch)
     if not fold_finalize:
         _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](

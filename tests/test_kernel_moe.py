@@ -1083,6 +1083,25 @@ def test_cuda_early_decodes_bit_identically(dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_stamps_change_nothing_and_mark_the_owners():
+    """moe(stamps=) (bench/moe_timeline.py's timeline) gives the same output bits, and marks exactly the owner
+    programs: distinct live experts x I tiles x splits, each with start <= owner known <= done."""
+    c = case("stamps", R=6, k=8, E=256, H=6144, I=256, block=(128, 128), x="fp32", out="bf16", compute="bf16")
+    t, live = build(c, "cuda")
+    kw = dict(block=(128, 128), group=128, compute_dtype=torch.bfloat16)
+    want = mk.moe(*(t[a] for a in ARGS), **kw)
+    n = mk.gate_up_programs(6, 8, 256, 6144, 256, (128, 128), torch.device("cuda"))
+    stamps = torch.zeros(n, 4, dtype=torch.int64, device="cuda")
+    got = mk.moe(*(t[a] for a in ARGS), stamps=stamps, **kw)
+    s = stamps.cpu()
+    owners = s[s[:, 2] > 0]
+    distinct = len(set(t["experts"].cpu()[live].flatten().tolist()))
+    assert torch.equal(got, want)
+    assert len(owners) == distinct * 2 * (n // (6 * 8 * 2)), (len(owners), distinct, n)
+    assert bool((owners[:, 0] <= owners[:, 1]).all() and (owners[:, 1] <= owners[:, 2]).all())
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_rounding():
     """The kernel's rounding and the GPU's own cast both equal torch's .to(torch.bfloat16)."""
     r = run_bf16_rounding("cuda")
