@@ -1,0 +1,137 @@
+"""How fast can one layer's Gate/Up weights be streamed, by decomposition (`python -m iquest.bench.stream_probe`, GPU).
+
+Gate/Up reads 13 experts' Gate and Up slices (41 MB at one TP8 rank) in ~16 us, 2.6 TB/s, and its timeline
+(bench/moe_timeline.py) shows every owner program streaming for ~12.8 us: the memory system, not the program's
+arithmetic, sets the pace. This probe streams exactly those tiles with no MoE arithmetic at all (each [128, 128]
+E4M3 tile goes through TMA into shared memory and into one E4M3 wgmma against a zero tile, the cheapest use that
+keeps the load), so that decompositions can be compared on the bytes alone:
+  * `gate_up`: Gate/Up's own grid: one program per (pair, I tile, K split), the non-owner pairs exiting at once;
+  * `owners`: only the owner programs (13 experts x 2 I tiles x splits), no grid padding;
+  * each at several K splits and pipeline depths;
+  * `flat`: the same byte count read as one contiguous buffer by ~2 programs a SM (the layout's best case).
+Each variant is timed with CUDA events over rotating expert sets (the weights come from HBM), medians of repeats,
+all in one process. Prints us and TB/s per variant; writes JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kernels.device import sm_count
+from ..provenance import commit
+
+E, I, H = 256, 256, 6144  # one TP8 rank's experts: Gate and Up [E, I_r, H] E4M3
+ROWS, TOP_K, DISTINCT = 6, 8, 13
+BN, BK = 128, 128
+
+
+@triton.jit
+def _stream_kernel(g_desc, u_desc, experts_ptr, zero_ptr, out_ptr, n_pairs, k_per_split, OWNERS_ONLY: tl.constexpr,
+                   N_OWNERS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Program (pair, tile, split) (or, OWNERS_ONLY, item (owner, tile, split)): its K range of the expert's Gate and
+    Up tiles through TMA, each into one E4M3 wgmma against zeros; a pair owns its expert if it is among the first
+    N_OWNERS (the others exit, as Gate/Up's non-owners do)."""
+    p = tl.program_id(0)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
+    if OWNERS_ONLY or p < N_OWNERS:
+        e = tl.load(experts_ptr + p).to(tl.int32)
+        zero = tl.load(zero_ptr + tl.arange(0, BK)[:, None] * 16 + tl.arange(0, 16)[None, :])  # zeros, from memory
+        acc = tl.zeros([BN, 16], tl.float32)
+        k0 = split * k_per_split
+        for k in range(k0, k0 + k_per_split, BK):
+            wg = g_desc.load([e, tile * BN, k]).reshape(BN, BK)
+            wu = u_desc.load([e, tile * BN, k]).reshape(BN, BK)
+            acc = tl.dot(wg, zero, acc)
+            acc = tl.dot(wu, zero, acc)
+        tl.store(out_ptr + (p * tl.num_programs(1) + tile) * tl.num_programs(2) + split, tl.sum(tl.sum(acc, 1), 0))
+
+
+@triton.jit
+def _flat_kernel(src_ptr, out_ptr, n_bytes, per_program, BLOCK: tl.constexpr):
+    """Program i reads bytes [i * per_program, (i + 1) * per_program) in BLOCK chunks; one value stored."""
+    base = tl.program_id(0).to(tl.int64) * per_program
+    acc = tl.zeros([BLOCK // 4], tl.int32)
+    for off in range(0, per_program, BLOCK):
+        i = base + off + tl.arange(0, BLOCK // 4) * 4
+        v = tl.load((src_ptr + i).to(tl.pointer_type(tl.int32)), mask=i < n_bytes, other=0)
+        acc = acc ^ v
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+
+def _time(fn, sets: int, repeats: int) -> float:
+    """Median us of one call, each timed alone (synchronized), rotating over `sets` inputs."""
+    for i in range(sets):
+        fn(i)
+    out = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for r in range(repeats):
+        torch.cuda.synchronize()
+        start.record()
+        fn(r % sets)
+        end.record()
+        torch.cuda.synchronize()
+        out.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(out)
+
+
+def main(argv: list[str]) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    out_path = argv[0] if argv else None
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    gate = torch.randint(0, 120, (E, I, H), dtype=torch.uint8, device=dev, generator=gen).view(torch.float8_e4m3fn)
+    up = torch.randint(0, 120, (E, I, H), dtype=torch.uint8, device=dev, generator=gen).view(torch.float8_e4m3fn)
+    gd, ud = TensorDescriptor.from_tensor(gate, [1, BN, BK]), TensorDescriptor.from_tensor(up, [1, BN, BK])
+    sets = 16  # disjoint expert sets of 13: 16 x 13 x 3.1 MB = 654 MB rotated, far beyond L2
+    perm = torch.randperm(E, device=dev, generator=gen)
+    experts = [torch.cat([perm[s * DISTINCT:(s + 1) * DISTINCT], perm[:ROWS * TOP_K - DISTINCT]]).contiguous()
+               for s in range(sets)]
+    nbytes = DISTINCT * 2 * I * H
+    flat = torch.randint(0, 255, (sets, nbytes), dtype=torch.uint8, device=dev, generator=gen)
+    out = torch.empty(1 << 16, device=dev)
+    zero = torch.zeros(BK * 16, dtype=torch.float8_e4m3fn, device=dev)
+    sms = sm_count(dev)
+    rows = []
+
+    def stream(grid_pairs, owners_only, splits, stages, warps=4):
+        kps = H // splits
+
+        def run(i):
+            _stream_kernel[(grid_pairs, I // BN, splits)](gd, ud, experts[i], zero, out, grid_pairs, kps,
+                                                          OWNERS_ONLY=owners_only, N_OWNERS=DISTINCT, BN=BN, BK=BK,
+                                                          num_warps=warps, num_stages=stages)
+        return run
+
+    variants = []
+    for splits in (4, 8, 12, 16, 24):
+        for stages in (2, 3, 4):
+            variants.append((f"gate_up grid (48 pairs) split {splits} stages {stages}", stream(48, False, splits, stages)))
+            variants.append((f"owners only (13) split {splits} stages {stages}", stream(DISTINCT, True, splits, stages)))
+    for per_sm in (1, 2, 4, 8):
+        progs = per_sm * sms
+        per = triton.cdiv(triton.cdiv(nbytes, progs), 4096) * 4096
+        variants.append((f"flat contiguous, {per_sm} programs a SM",
+                         lambda i, progs=progs, per=per: _flat_kernel[(progs,)](flat[i], out, nbytes, per,
+                                                                               BLOCK=4096, num_warps=4)))
+    for name, fn in variants:
+        us = _time(fn, sets, 40)
+        rows.append({"variant": name, "us": us, "tb_s": nbytes / (us * 1e-6) / 1e12})
+        print(f"{us:8.2f} us  {rows[-1]['tb_s']:5.2f} TB/s  {name}", flush=True)
+    report = {"bench": "stream-probe", "commit": commit(), "device": torch.cuda.get_device_name(dev),
+              "bytes": nbytes, "rows": rows}
+    if out_path:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
