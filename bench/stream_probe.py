@@ -9,8 +9,8 @@ keeps the load), so that decompositions can be compared on the bytes alone:
   * `owners`: only the owner programs (13 experts x 2 I tiles x splits), no grid padding;
   * each at several K splits and pipeline depths;
   * `flat`: the same byte count read as one contiguous buffer by ~2 programs a SM (the layout's best case).
-Each variant is timed with CUDA events over rotating expert sets (the weights come from HBM), medians of repeats,
-all in one process. Prints us and TB/s per variant; writes JSON.
+Each variant is timed as `iquest bench tune` times an op: a CUDA graph of back-to-back calls over rotating expert
+sets (the weights come from HBM), plain launches, medians of replays, all in one process. Prints us and TB/s per variant; writes JSON.
 """
 
 from __future__ import annotations
@@ -67,18 +67,25 @@ def _flat_kernel(src_ptr, out_ptr, n_bytes, per_program, BLOCK: tl.constexpr):
 
 
 def _time(fn, sets: int, repeats: int) -> float:
-    """Median us of one call, each timed alone (synchronized), rotating over `sets` inputs."""
+    """Median us of one call: a CUDA graph of 2 x `sets` calls back to back (rotating inputs, so weights come from
+    HBM), replayed `repeats` times, each replay timed with events."""
     for i in range(sets):
         fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(2 * sets):
+            fn(i % sets)
+    graph.replay()
     out = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for r in range(repeats):
+    for _ in range(repeats):
         torch.cuda.synchronize()
         start.record()
-        fn(r % sets)
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
-        out.append(start.elapsed_time(end) * 1e3)
+        out.append(start.elapsed_time(end) * 1e3 / (2 * sets))
     return statistics.median(out)
 
 
@@ -123,7 +130,7 @@ def main(argv: list[str]) -> None:
                          lambda i, progs=progs, per=per: _flat_kernel[(progs,)](flat[i], out, nbytes, per,
                                                                                BLOCK=4096, num_warps=4)))
     for name, fn in variants:
-        us = _time(fn, sets, 40)
+        us = _time(fn, sets, 15)
         rows.append({"variant": name, "us": us, "tb_s": nbytes / (us * 1e-6) / 1e12})
         print(f"{us:8.2f} us  {rows[-1]['tb_s']:5.2f} TB/s  {name}", flush=True)
     report = {"bench": "stream-probe", "commit": commit(), "device": torch.cuda.get_device_name(dev),
