@@ -129,9 +129,28 @@ def main(argv: list[str]) -> None:
         variants.append((f"flat contiguous, {per_sm} programs a SM",
                          lambda i, progs=progs, per=per: _flat_kernel[(progs,)](flat[i], out, nbytes, per,
                                                                                BLOCK=4096, num_warps=4)))
+    # The flat read's time by size: what a weight stream of each of the round's sizes can take at best, launched
+    # back to back (so each call also pays one kernel boundary): q/k/v, o_proj, the router, Down, Gate/Up, the LM head
+    sizes_mb = (0.5, 1.0, 3.1, 4.7, 6.3, 10.0, 20.4, 40.9, 100.0, 246.0)
+    big = torch.randint(0, 255, (int(2 * max(sizes_mb) * 1e6) + (1 << 20),), dtype=torch.uint8, device=dev,
+                        generator=gen)
+    rotations = {}
+    for mb in sizes_mb:
+        n = int(mb * 1e6) // 4096 * 4096
+        # successive calls read regions >= 8 MB apart, 64 of them for small sizes: >= 200 MB touched, beyond L2
+        stride = max(n, 8 << 20) // 4096 * 4096
+        regions = max(2, min(64, (big.numel() - n) // stride))
+        for per_sm in (8, 16):
+            progs = per_sm * sms
+            per = triton.cdiv(triton.cdiv(n, progs), 4096) * 4096
+            name = f"flat {mb:g} MB, {per_sm} programs a SM"
+            rotations[name] = regions
+            variants.append((name, lambda i, n=n, progs=progs, per=per, stride=stride: _flat_kernel[(progs,)](
+                big[i * stride:i * stride + n], out, n, per, BLOCK=4096, num_warps=4)))
     for name, fn in variants:
-        us = _time(fn, sets, 15)
-        rows.append({"variant": name, "us": us, "tb_s": nbytes / (us * 1e-6) / 1e12})
+        us = _time(fn, rotations.get(name, sets), 15)
+        size = float(name.split()[1]) * 1e6 if name.startswith("flat ") and "MB" in name else nbytes
+        rows.append({"variant": name, "us": us, "bytes": size, "tb_s": size / (us * 1e-6) / 1e12})
         print(f"{us:8.2f} us  {rows[-1]['tb_s']:5.2f} TB/s  {name}", flush=True)
     report = {"bench": "stream-probe", "commit": commit(), "device": torch.cuda.get_device_name(dev),
               "bytes": nbytes, "rows": rows}
