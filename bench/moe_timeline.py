@@ -1,4 +1,4 @@
-"""A timeline of one MoE Gate/Up launch at one TP8 rank's decode shape (`python -m iquest.bench.moe_timeline`, GPU).
+"""A timeline of one MoE Gate/Up launch at one TP8 rank's decode shape (`iquest bench moe-timeline`, GPU).
 
 Why: Gate/Up streams ~41 MB at about half the device's bandwidth, and neither E4M3 operands on the tensor cores (no
 conversions at all) nor tile-contiguous weights changed its time (docs/PERF.md). Each program records the global

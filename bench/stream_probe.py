@@ -1,4 +1,4 @@
-"""How fast can one layer's Gate/Up weights be streamed, by decomposition (`python -m iquest.bench.stream_probe`, GPU).
+"""How fast can one layer's Gate/Up weights be streamed, by decomposition (`iquest bench stream-probe`, GPU).
 
 Gate/Up reads 13 experts' Gate and Up slices (41 MB at one TP8 rank) in ~16 us, 2.6 TB/s, and its timeline
 (bench/moe_timeline.py) shows every owner program streaming for ~12.8 us: the memory system, not the program's
@@ -64,6 +64,25 @@ def _flat_kernel(src_ptr, out_ptr, n_bytes, per_program, BLOCK: tl.constexpr):
         v = tl.load((src_ptr + i).to(tl.pointer_type(tl.int32)), mask=i < n_bytes, other=0)
         acc = acc ^ v
     tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+
+# One round of the full-size default at one TP8 rank (93 layer calls: 88 layers and 5 draft depths; 6 LM heads; 1,197
+# kernels at cac51df, docs/PERF.md): each layer call's weight streams in MB, and the round's LM-head streams.
+LAYER_STREAMS_MB = {"router": 3.1, "o_proj": 4.7, "qkv": 6.3, "down": 20.4, "gate_up": 40.9}
+LAYER_CALLS, LM_HEADS, LM_HEAD_MB, ROUND_KERNELS = 93, 6, 246.0, 1197
+
+
+def stream_bound(flat_us: dict[float, float], step_us: float, pdl_overlap: bool = False) -> dict:
+    """The round's time if every weight stream ran as fast as a flat contiguous read of its size (`flat_us`: MB ->
+    us a call, measured back to back, so each includes one kernel boundary) and every other kernel took one bare
+    dependent step: the kernel-per-op structure's bound at the measured stream efficiencies. `pdl_overlap`: each
+    stream's boundary taken as hidden under the previous kernel (PDL), i.e. one step less per stream."""
+    layer = sum(flat_us[mb] for mb in LAYER_STREAMS_MB.values())
+    streams = LAYER_CALLS * len(LAYER_STREAMS_MB) + LM_HEADS
+    us = LAYER_CALLS * layer + LM_HEADS * flat_us[LM_HEAD_MB] + (ROUND_KERNELS - streams) * step_us
+    if pdl_overlap:
+        us -= streams * step_us
+    return {"us": us, "layer_streams_us": layer, "streams": streams, "other_kernels": ROUND_KERNELS - streams}
 
 
 def _time(fn, sets: int, repeats: int) -> float:
@@ -152,8 +171,16 @@ def main(argv: list[str]) -> None:
         size = float(name.split()[1]) * 1e6 if name.startswith("flat ") and "MB" in name else nbytes
         rows.append({"variant": name, "us": us, "bytes": size, "tb_s": size / (us * 1e-6) / 1e12})
         print(f"{us:8.2f} us  {rows[-1]['tb_s']:5.2f} TB/s  {name}", flush=True)
+    flat_us = {mb: min(r["us"] for r in rows if r["variant"].startswith(f"flat {mb:g} MB,")) for mb in sizes_mb}
+    from .parking import dependent_step_us
+
+    step = dependent_step_us(dev)
+    bounds = {k: stream_bound(flat_us, step, k == "pdl") for k in ("plain", "pdl")}
+    print(f"dependent step {step:.2f} us; the round with every weight stream at its flat-read speed and every other "
+          f"kernel one step: {bounds['plain']['us']:.0f} us ({bounds['pdl']['us']:.0f} us with each stream's boundary "
+          f"hidden by PDL)")
     report = {"bench": "stream-probe", "commit": commit(), "device": torch.cuda.get_device_name(dev),
-              "bytes": nbytes, "rows": rows}
+              "bytes": nbytes, "rows": rows, "flat_us": flat_us, "dependent_step_us": step, "stream_bound": bounds}
     if out_path:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         Path(out_path).write_text(json.dumps(report, indent=1) + "\n")

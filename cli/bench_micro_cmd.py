@@ -94,6 +94,36 @@ def register(bsub) -> None:
     w.add_argument("--small", type=int, default=10, help="small kernels after each copy in the chain (default 10)")
     w.add_argument("--out", help="write the raw JSON here")
     w.set_defaults(run=run_parking)
+    m = bsub.add_parser("moe-timeline", help="a per-program timeline of one MoE Gate/Up launch (global timer)",
+                        description="Runs the MoE at one TP8 rank's decode shape (bench tune's inputs, 13 distinct "
+                                    "experts, rotating routings) with Gate/Up stamping each program's start, owner "
+                                    "check and last tile with the global timer: when owners start and finish, how "
+                                    "long each streams, owners per SM (bench/moe_timeline.py).")
+    m.add_argument("--out", help="write the raw JSON here")
+    m.set_defaults(run=run_moe_timeline)
+    sp = bsub.add_parser("stream-probe", help="how fast a layer's Gate/Up tiles and flat reads of each size stream",
+                         description="Streams one layer's Gate/Up tiles with no MoE arithmetic by decomposition "
+                                     "(Gate/Up's grid, owners only, K splits, pipeline depths) and flat contiguous "
+                                     "reads of 0.5-246 MB, each timed back to back in a CUDA graph from HBM "
+                                     "(bench/stream_probe.py).")
+    sp.add_argument("--out", help="write the raw JSON here")
+    sp.set_defaults(run=run_stream_probe)
+
+
+def run_moe_timeline(args: argparse.Namespace) -> int:
+    _need_gpus("iquest bench moe-timeline", 1)
+    from ..bench.moe_timeline import main
+
+    main([args.out] if args.out else [])
+    return 0
+
+
+def run_stream_probe(args: argparse.Namespace) -> int:
+    _need_gpus("iquest bench stream-probe", 1)
+    from ..bench.stream_probe import main
+
+    main([args.out] if args.out else [])
+    return 0
 
 
 def _need_gpus(what: str, n: int) -> None:

@@ -22,3 +22,14 @@ def test_one_call_reads_owners_windows_and_sms():
     # 2 experts x 2 MB of Gate/Up weight over 15 us
     assert abs(r["window_tb_s"] - 4e6 / 15e-6 / 1e12) < 1e-12
     assert r["owners_per_sm"] == {"1": 1, "2": 1}  # one SM ran two owners, one SM ran one
+
+
+def test_stream_bound_sums_streams_and_steps():
+    from iquest.bench import stream_probe as sp
+
+    flat = {mb: 1.0 for mb in sp.LAYER_STREAMS_MB.values()} | {sp.LM_HEAD_MB: 10.0}
+    r = sp.stream_bound(flat, step_us=0.5)
+    streams = sp.LAYER_CALLS * 5 + sp.LM_HEADS
+    assert r["streams"] == streams and r["layer_streams_us"] == 5.0
+    assert r["us"] == sp.LAYER_CALLS * 5.0 + sp.LM_HEADS * 10.0 + (sp.ROUND_KERNELS - streams) * 0.5
+    assert sp.stream_bound(flat, 0.5, pdl_overlap=True)["us"] == r["us"] - streams * 0.5
