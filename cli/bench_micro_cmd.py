@@ -94,35 +94,30 @@ def register(bsub) -> None:
     w.add_argument("--small", type=int, default=10, help="small kernels after each copy in the chain (default 10)")
     w.add_argument("--out", help="write the raw JSON here")
     w.set_defaults(run=run_parking)
-    m = bsub.add_parser("moe-timeline", help="a per-program timeline of one MoE Gate/Up launch (global timer)",
-                        description="Runs the MoE at one TP8 rank's decode shape (bench tune's inputs, 13 distinct "
-                                    "experts, rotating routings) with Gate/Up stamping each program's start, owner "
-                                    "check and last tile with the global timer: when owners start and finish, how "
-                                    "long each streams, owners per SM (bench/moe_timeline.py).")
-    m.add_argument("--out", help="write the raw JSON here")
-    m.set_defaults(run=run_moe_timeline)
-    sp = bsub.add_parser("stream-probe", help="how fast a layer's Gate/Up tiles and flat reads of each size stream",
-                         description="Streams one layer's Gate/Up tiles with no MoE arithmetic by decomposition "
-                                     "(Gate/Up's grid, owners only, K splits, pipeline depths) and flat contiguous "
-                                     "reads of 0.5-246 MB, each timed back to back in a CUDA graph from HBM "
-                                     "(bench/stream_probe.py).")
-    sp.add_argument("--out", help="write the raw JSON here")
-    sp.set_defaults(run=run_stream_probe)
+    probes = {
+        "moe-timeline": ("moe_timeline", "a per-program timeline of one MoE Gate/Up launch (global timer)",
+                         "Runs the MoE at one TP8 rank's decode shape (bench tune's inputs, 13 distinct experts, "
+                         "rotating routings) with Gate/Up stamping each program's start, owner check and last tile "
+                         "with the global timer: when owners start and finish, how long each streams, owners per SM "
+                         "(bench/moe_timeline.py)."),
+        "stream-probe": ("stream_probe", "how fast a layer's Gate/Up tiles and flat reads of each size stream",
+                         "Streams one layer's Gate/Up tiles with no MoE arithmetic by decomposition (Gate/Up's grid, "
+                         "owners only, K splits, pipeline depths) and flat contiguous reads of 0.5-246 MB, each timed "
+                         "back to back in a CUDA graph from HBM; prints the round's bound at those speeds "
+                         "(bench/stream_probe.py)."),
+    }
+    for name, (module, help_text, description) in probes.items():
+        pp = bsub.add_parser(name, help=help_text, description=description)
+        pp.add_argument("--out", help="write the raw JSON here")
+        pp.set_defaults(run=lambda args, name=name, module=module: run_probe(args, name, module))
 
 
-def run_moe_timeline(args: argparse.Namespace) -> int:
-    _need_gpus("iquest bench moe-timeline", 1)
-    from ..bench.moe_timeline import main
+def run_probe(args: argparse.Namespace, name: str, module: str) -> int:
+    """A GPU probe of bench/ (`module`.main takes the JSON path, if any)."""
+    import importlib
 
-    main([args.out] if args.out else [])
-    return 0
-
-
-def run_stream_probe(args: argparse.Namespace) -> int:
-    _need_gpus("iquest bench stream-probe", 1)
-    from ..bench.stream_probe import main
-
-    main([args.out] if args.out else [])
+    _need_gpus(f"iquest bench {name}", 1)
+    importlib.import_module(f"..bench.{module}", __package__).main([args.out] if args.out else [])
     return 0
 
 
