@@ -23,6 +23,7 @@ from ..kernels import moe as mk
 from ..provenance import commit
 from ..reference.config import Config
 from . import tune
+from .kernels_micro import FULL_CONFIG
 
 
 def _q(values: list[float]) -> dict:
@@ -68,7 +69,7 @@ def _counts(per_sm: dict[int, int]) -> dict[int, int]:
 def main(argv: list[str]) -> None:
     out_path = argv[0] if argv else None
     dev = torch.device("cuda")
-    shape = tune.tune_shape(Config.from_file("configs/iquest-q1.json"))
+    shape = tune.tune_shape(Config.from_file(FULL_CONFIG))
     case = tune.moe_case(shape, dev)
     n = mk.gate_up_programs(shape.rows, shape.top_k, shape.experts, shape.hidden, shape.inter, shape.block, dev)
     stamps = torch.zeros(n, 4, dtype=torch.int64, device=dev)

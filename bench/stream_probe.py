@@ -24,12 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernels import moe as mk
 from ..kernels.device import sm_count
 from ..provenance import commit
+from ..reference.config import Config
+from . import tune
+from .kernels_micro import FULL_CONFIG, graph_times
 
-E, I, H = 256, 256, 6144  # one TP8 rank's experts: Gate and Up [E, I_r, H] E4M3
-ROWS, TOP_K, DISTINCT = 6, 8, 13
-BN, BK = 128, 128
+DRAFTS = 5  # the benchmarked round's depth: 5 draft layer calls and 6 LM heads beside the main layers
+ROUND_KERNELS = 1197  # the default round's kernel launches at cac51df (bench step's eager profile, docs/PERF.md)
+EXTRA_MB = (0.5, 1.0, 10.0, 100.0)  # flat reads beside the round's own stream sizes, to show the curve
 
 
 @triton.jit
@@ -66,46 +70,33 @@ def _flat_kernel(src_ptr, out_ptr, n_bytes, per_program, BLOCK: tl.constexpr):
     tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
 
 
-# One round of the full-size default at one TP8 rank (93 layer calls: 88 layers and 5 draft depths; 6 LM heads; 1,197
-# kernels at cac51df, docs/PERF.md): each layer call's weight streams in MB, and the round's LM-head streams.
-LAYER_STREAMS_MB = {"router": 3.1, "o_proj": 4.7, "qkv": 6.3, "down": 20.4, "gate_up": 40.9}
-LAYER_CALLS, LM_HEADS, LM_HEAD_MB, ROUND_KERNELS = 93, 6, 246.0, 1197
+def round_streams(config: Config, shape: tune.TuneShape) -> dict[str, int]:
+    """Bytes of each weight stream of a layer call at one rank (router bf16, the FP8 projections, the MoE's
+    `shape.distinct` experts), and of one LM head (bf16, this rank's vocabulary slice)."""
+    down = shape.distinct * shape.inter * shape.hidden
+    return {"router": shape.experts * shape.hidden * 2, "o_proj": shape.o[0] * shape.o[1],
+            "qkv": shape.qkv[0] * shape.qkv[1], "down": down, "gate_up": 2 * down,
+            "lm_head": -(-config.vocab_size // tune.TP) * shape.hidden * 2}
 
 
-def stream_bound(flat_us: dict[float, float], step_us: float, pdl_overlap: bool = False) -> dict:
-    """The round's time if every weight stream ran as fast as a flat contiguous read of its size (`flat_us`: MB ->
-    us a call, measured back to back, so each includes one kernel boundary) and every other kernel took one bare
-    dependent step: the kernel-per-op structure's bound at the measured stream efficiencies. `pdl_overlap`: each
-    stream's boundary taken as hidden under the previous kernel (PDL), i.e. one step less per stream."""
-    layer = sum(flat_us[mb] for mb in LAYER_STREAMS_MB.values())
-    streams = LAYER_CALLS * len(LAYER_STREAMS_MB) + LM_HEADS
-    us = LAYER_CALLS * layer + LM_HEADS * flat_us[LM_HEAD_MB] + (ROUND_KERNELS - streams) * step_us
+def stream_bound(flat_us: dict[str, float], step_us: float, layer_calls: int, lm_heads: int,
+                 round_kernels: int = ROUND_KERNELS, pdl_overlap: bool = False) -> dict:
+    """The round's time if every weight stream ran as fast as a flat contiguous read of its size (`flat_us`: stream
+    name of `round_streams` -> us a call, measured back to back, so each includes one kernel boundary) and every
+    other kernel took one bare dependent step: the kernel-per-op structure's bound at the measured stream
+    efficiencies. `pdl_overlap`: each stream's boundary taken as hidden under the previous kernel (PDL), i.e. one
+    step less per stream."""
+    layer = sum(us for name, us in flat_us.items() if name != "lm_head")
+    streams = layer_calls * (len(flat_us) - 1) + lm_heads
+    us = layer_calls * layer + lm_heads * flat_us["lm_head"] + (round_kernels - streams) * step_us
     if pdl_overlap:
         us -= streams * step_us
-    return {"us": us, "layer_streams_us": layer, "streams": streams, "other_kernels": ROUND_KERNELS - streams}
+    return {"us": us, "layer_streams_us": layer, "streams": streams, "other_kernels": round_kernels - streams}
 
 
 def _time(fn, sets: int, repeats: int) -> float:
-    """Median us of one call: a CUDA graph of 2 x `sets` calls back to back (rotating inputs, so weights come from
-    HBM), replayed `repeats` times, each replay timed with events."""
-    for i in range(sets):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(2 * sets):
-            fn(i % sets)
-    graph.replay()
-    out = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        out.append(start.elapsed_time(end) * 1e3 / (2 * sets))
-    return statistics.median(out)
+    """Median us of one call in a CUDA graph of calls back to back over `sets` rotating inputs (weights from HBM)."""
+    return statistics.median(graph_times([lambda i=i: fn(i) for i in range(sets)], repeats)[0])
 
 
 def main(argv: list[str]) -> None:
@@ -113,15 +104,21 @@ def main(argv: list[str]) -> None:
 
     out_path = argv[0] if argv else None
     dev = torch.device("cuda")
+    config = Config.from_file(FULL_CONFIG)  # one TP8 rank of it (bench tune's shapes)
+    shape = tune.tune_shape(config)
+    E, I, H, DISTINCT = shape.experts, shape.inter, shape.hidden, shape.distinct
+    BN, BK = mk.GATE_UP_BLOCK_N, shape.block[1]
+    pairs = shape.rows * shape.top_k
     gen = torch.Generator(device=dev).manual_seed(0)
     gate = torch.randint(0, 120, (E, I, H), dtype=torch.uint8, device=dev, generator=gen).view(torch.float8_e4m3fn)
     up = torch.randint(0, 120, (E, I, H), dtype=torch.uint8, device=dev, generator=gen).view(torch.float8_e4m3fn)
     gd, ud = TensorDescriptor.from_tensor(gate, [1, BN, BK]), TensorDescriptor.from_tensor(up, [1, BN, BK])
     sets = 16  # disjoint expert sets of 13: 16 x 13 x 3.1 MB = 654 MB rotated, far beyond L2
     perm = torch.randperm(E, device=dev, generator=gen)
-    experts = [torch.cat([perm[s * DISTINCT:(s + 1) * DISTINCT], perm[:ROWS * TOP_K - DISTINCT]]).contiguous()
+    experts = [torch.cat([perm[s * DISTINCT:(s + 1) * DISTINCT], perm[:pairs - DISTINCT]]).contiguous()
                for s in range(sets)]
-    nbytes = DISTINCT * 2 * I * H
+    streams = round_streams(config, shape)
+    nbytes = streams["gate_up"]
     flat = torch.randint(0, 255, (sets, nbytes), dtype=torch.uint8, device=dev, generator=gen)
     out = torch.empty(1 << 16, device=dev)
     zero = torch.zeros(BK * 16, dtype=torch.float8_e4m3fn, device=dev)
@@ -140,8 +137,10 @@ def main(argv: list[str]) -> None:
     variants = []
     for splits in (4, 8, 12, 16, 24):
         for stages in (2, 3, 4):
-            variants.append((f"gate_up grid (48 pairs) split {splits} stages {stages}", stream(48, False, splits, stages)))
-            variants.append((f"owners only (13) split {splits} stages {stages}", stream(DISTINCT, True, splits, stages)))
+            variants.append((f"gate_up grid ({pairs} pairs) split {splits} stages {stages}",
+                             stream(pairs, False, splits, stages)))
+            variants.append((f"owners only ({DISTINCT}) split {splits} stages {stages}",
+                             stream(DISTINCT, True, splits, stages)))
     for per_sm in (1, 2, 4, 8):
         progs = per_sm * sms
         per = triton.cdiv(triton.cdiv(nbytes, progs), 4096) * 4096
@@ -150,37 +149,38 @@ def main(argv: list[str]) -> None:
                                                                                BLOCK=4096, num_warps=4)))
     # The flat read's time by size: what a weight stream of each of the round's sizes can take at best, launched
     # back to back (so each call also pays one kernel boundary): q/k/v, o_proj, the router, Down, Gate/Up, the LM head
-    sizes_mb = (0.5, 1.0, 3.1, 4.7, 6.3, 10.0, 20.4, 40.9, 100.0, 246.0)
-    big = torch.randint(0, 255, (int(2 * max(sizes_mb) * 1e6) + (1 << 20),), dtype=torch.uint8, device=dev,
-                        generator=gen)
-    rotations = {}
-    for mb in sizes_mb:
-        n = int(mb * 1e6) // 4096 * 4096
+    sizes = {name: n // 4096 * 4096 for name, n in streams.items()} | {f"{mb:g} MB": int(mb * 1e6) // 4096 * 4096
+                                                                        for mb in EXTRA_MB}
+    big = torch.randint(0, 255, (2 * max(sizes.values()) + (1 << 20),), dtype=torch.uint8, device=dev, generator=gen)
+    rotations, flat_names = {}, {}
+    for label, n in sizes.items():
         # successive calls read regions >= 8 MB apart, 64 of them for small sizes: >= 200 MB touched, beyond L2
         stride = max(n, 8 << 20) // 4096 * 4096
         regions = max(2, min(64, (big.numel() - n) // stride))
         for per_sm in (8, 16):
             progs = per_sm * sms
             per = triton.cdiv(triton.cdiv(n, progs), 4096) * 4096
-            name = f"flat {mb:g} MB, {per_sm} programs a SM"
-            rotations[name] = regions
+            name = f"flat {n / 1e6:.1f} MB ({label}), {per_sm} programs a SM"
+            rotations[name], flat_names[name] = regions, (label, n)
             variants.append((name, lambda i, n=n, progs=progs, per=per, stride=stride: _flat_kernel[(progs,)](
                 big[i * stride:i * stride + n], out, n, per, BLOCK=4096, num_warps=4)))
     for name, fn in variants:
         us = _time(fn, rotations.get(name, sets), 15)
-        size = float(name.split()[1]) * 1e6 if name.startswith("flat ") and "MB" in name else nbytes
-        rows.append({"variant": name, "us": us, "bytes": size, "tb_s": size / (us * 1e-6) / 1e12})
+        label, size = flat_names.get(name, (None, nbytes))
+        rows.append({"variant": name, "stream": label, "us": us, "bytes": size, "tb_s": size / (us * 1e-6) / 1e12})
         print(f"{us:8.2f} us  {rows[-1]['tb_s']:5.2f} TB/s  {name}", flush=True)
-    flat_us = {mb: min(r["us"] for r in rows if r["variant"].startswith(f"flat {mb:g} MB,")) for mb in sizes_mb}
+    flat_us = {name: min(r["us"] for r in rows if r["stream"] == name) for name in streams}
     from .parking import dependent_step_us
 
     step = dependent_step_us(dev)
-    bounds = {k: stream_bound(flat_us, step, k == "pdl") for k in ("plain", "pdl")}
+    layer_calls, lm_heads = config.num_hidden_layers + DRAFTS, DRAFTS + 1
+    bounds = {k: stream_bound(flat_us, step, layer_calls, lm_heads, pdl_overlap=k == "pdl") for k in ("plain", "pdl")}
     print(f"dependent step {step:.2f} us; the round with every weight stream at its flat-read speed and every other "
           f"kernel one step: {bounds['plain']['us']:.0f} us ({bounds['pdl']['us']:.0f} us with each stream's boundary "
           f"hidden by PDL)")
     report = {"bench": "stream-probe", "commit": commit(), "device": torch.cuda.get_device_name(dev),
-              "bytes": nbytes, "rows": rows, "flat_us": flat_us, "dependent_step_us": step, "stream_bound": bounds}
+              "bytes": nbytes, "streams": streams, "rows": rows, "flat_us": flat_us, "dependent_step_us": step,
+              "stream_bound": bounds}
     if out_path:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         Path(out_path).write_text(json.dumps(report, indent=1) + "\n")

@@ -575,12 +575,21 @@ def act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Te
     return q, s
 
 
+def gate_up_grid(P: int, E: int, k: int, H: int, I: int, block: tuple[int, int], block_k: int, gate_up_block_n: int,
+                 split_k: int | None, sms: int) -> tuple[tuple[int, int, int], int, int, int]:
+    """Gate/Up's launch: (grid (pairs, I tiles, K splits), channel tile bn, K tile bk, K columns per split)."""
+    bn = _pow2_divisor(I, gate_up_block_n)  # partials need no whole group: the finalize quantizes
+    bk = _pow2_divisor(block[1], block_k)
+    split, k_per_split = plan_split(P, E, k, H, I, bn, bk, split_k, sms)
+    return (P, I // bn, split), bn, bk, k_per_split
+
+
 def gate_up_programs(R: int, k: int, E: int, H: int, I: int, block: tuple[int, int] = (128, 128), device=None,
                      block_k: int = 128, gate_up_block_n: int = GATE_UP_BLOCK_N) -> int:
-    """Gate/Up's grid size for these shapes with moe()'s defaults (the rows of `stamps`)."""
-    bn, bk = _pow2_divisor(I, gate_up_block_n), _pow2_divisor(block[1], block_k)
-    split = plan_split(R * k, E, k, H, I, bn, bk, None, _sm_count(device or torch.device("cuda")))[0]
-    return R * k * (I // bn) * split
+    """Gate/Up's program count for these shapes with moe()'s defaults (the rows of `stamps`)."""
+    grid = gate_up_grid(R * k, E, k, H, I, block, block_k, gate_up_block_n, None,
+                        _sm_count(device or torch.device("cuda")))[0]
+    return grid[0] * grid[1] * grid[2]
 
 
 def lock_count(R: int, k: int, I: int, H: int, gate_up_block_n: int = GATE_UP_BLOCK_N,
@@ -720,9 +729,9 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     experts = experts.contiguous()
     live_arg = live.view(torch.uint8) if live.dtype == torch.bool else live
     i_tiles = I // group
-    bn = _pow2_divisor(I, gate_up_block_n)  # partials need no whole group: the finalize quantizes
-    bk = _pow2_divisor(block[1], block_k)
-    split, k_per_split = plan_split(P, E, k, H, I, bn, bk, split_k, _sm_count(x.device))
+    grid, bn, bk, k_per_split = gate_up_grid(P, E, k, H, I, block, block_k, gate_up_block_n, split_k,
+                                             _sm_count(x.device))
+    split = grid[2]
     routing = dict(K_TOP=k, K_PAD=max(2, triton.next_power_of_2(k)), P_PAD=max(16, triton.next_power_of_2(P)),
                    LIVE_COUNT=count, DEDUP=not (debug is not None and debug.get("no_dedup", False)))
 
@@ -748,7 +757,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
 
     _check(residual is None or locks is None, "residual: the combine folded into Down (locks) does not add it")
     if stamps is not None:
-        n_prog = P * (I // bn) * split
+        n_prog = grid[0] * grid[1] * grid[2]
         _check(stamps.dtype == torch.int64 and tuple(stamps.shape) == (n_prog, 4) and stamps.is_contiguous()
                and stamps.device == dev and not INTERPRETED, f"stamps must be contiguous int64 [{n_prog}, 4] on the GPU")
         stamps.zero_()
@@ -774,7 +783,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     down_tma = tma and down_k_pad == down_bk  # a padded tile reads through masked pointers
     if down_tma:
         d_arg = _descriptor(down, (down_block_n, down_bk))
-    _moe_gate_up_kernel[(P, I // bn, split)](
+    _moe_gate_up_kernel[grid](
         x_in, xd_in, g_arg, gate_scale, u_arg, up_scale, experts, live_arg, part, programs[0],
         locks if fold_finalize else part, act.view(torch.uint8), act_scale, hidden, counts, R, H, I, P,
         x_in.stride(0), xd_in.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
