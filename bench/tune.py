@@ -126,7 +126,8 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "attention_sliding": da.decode_attention, "attention_full": da.decode_attention,
                                  "router": rt.route, "norm": rn.rmsnorm_residual}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
-                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down"),
+                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down", "early_down",
+                    "bulk_down", "bulk_evict_last"),
             "linear": ("split_k", "block_n", "num_warps", "num_stages", "prefetch", "preload"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk", "prefetch", "preload"),
@@ -134,7 +135,8 @@ TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "g
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
 # (tma is one switch for both kernels' weight loads; it sits with Gate/Up's, whose bytes dominate.)
 MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "f16_input", "tma"),
-              ("down_block_n", "down_block_k", "down_warps", "down_stages", "fp8_down"))
+              ("down_block_n", "down_block_k", "down_warps", "down_stages", "fp8_down", "early_down", "bulk_down",
+               "bulk_evict_last"))
 
 
 def family(op: str) -> str:
@@ -207,7 +209,8 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
                 # the engine's call: x's tiles made by the norm (stage f16_norm); TMA where aligned (it is here)
                 "f16_input": g["f16"] and (g["f16_input"] is None or bool(g["f16_input"])),
                 "tma": True if g["tma"] is None else g["tma"],
-                "fp8_down": fp8}
+                "fp8_down": fp8, "early_down": g["early_down"], "bulk_down": g["bulk_down"],
+                "bulk_evict_last": g["bulk_evict_last"]}
     if family(op) == "linear":
         n, k = shape.qkv if op == "linear_qkv" else shape.o
         bk = fl._block_k(shape.block[1])
@@ -241,7 +244,14 @@ def label(resolved: dict) -> str:
 def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
     if op == "moe":
         s = resolve(op, {}, shape, sms)["split_k"]
+        engine = dict(fp8_down=True, early_down=True)  # as fast/ops.py calls it (early_down takes effect with --pdl)
         return [cand(),
+                cand("engine", **engine),
+                # Gate/Up's owners ask L2 for their expert's Down weights through the copy engine (moe(bulk_down=)):
+                # once the expert is known (1) or after their own tiles (2); evict-last or normal priority
+                cand("engine bulk_down", **engine, bulk_down=1), cand("engine bulk_down", **engine, bulk_down=2),
+                cand("engine bulk_down", **engine, bulk_down=1, bulk_evict_last=True),
+                cand("engine bulk_down", **engine, bulk_down=2, bulk_evict_last=True),
                 # E4M3 x E4M3 in Down's tensor cores (wgmma, weight tile as the row operand): a numerical change;
                 # its own Down defaults (128-deep tiles, 2 stages: the best of ten at a1380b4) and neighbours
                 cand(fp8_down=True), cand(fp8_down=True, down_block_k=64), cand(fp8_down=True, down_stages=3),
@@ -298,12 +308,16 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
     raise ValueError(f"unknown op {op!r}")
 
 
-def candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
+def candidates(op: str, shape: TuneShape, sms: int, only: tuple[str, ...] = ()) -> list[Candidate]:
     """The op's candidates, the default (no keywords) first; alternatives that resolve to a launch already
-    listed are left out (e.g. a doubled split that the wrapper rounds back to the same count)."""
+    listed are left out (e.g. a doubled split that the wrapper rounds back to the same count). `only`: keep just
+    the default and the candidates whose label or note contains one of these strings."""
     out, seen = [], set()
-    for c in _raw_candidates(op, shape, sms):
-        key = tuple(resolve(op, c.kw, shape, sms).items())
+    for j, c in enumerate(_raw_candidates(op, shape, sms)):
+        res = resolve(op, c.kw, shape, sms)
+        key = tuple(res.items())
+        if j and only and not any(o in label(res) or o in c.note for o in only):
+            continue
         if key not in seen:
             seen.add(key)
             out.append(c)
@@ -720,7 +734,8 @@ def with_pdl(run: Callable) -> Callable:
 
 
 def sweep_op(op: str, shape: TuneShape, device, sms: int, repeats: int, clock: Clock, bandwidth: float,
-             launch_us: float | None, rotate: int = ROTATE_BYTES, pdl: bool = False, hot: bool = False) -> dict:
+             launch_us: float | None, rotate: int = ROTATE_BYTES, pdl: bool = False, hot: bool = False,
+             only: tuple[str, ...] = ()) -> dict:
     clock.say(f"{op}: building inputs")
     t_op = clock.elapsed()
     case = build_case(op, shape, device, sms, rotate)
@@ -733,7 +748,7 @@ def sweep_op(op: str, shape: TuneShape, device, sms: int, repeats: int, clock: C
     entry = {"op": op, "desc": case.desc, "bytes": case.bytes, "floor_us": floor, "launches": case.launches,
              "launch_bound_us": case.launches * launch_us if launch_us else None, "copies": case.copies,
              "tolerance": TOL[op], "facts": case.facts, "candidates": []}
-    cands = candidates(op, shape, sms)
+    cands = candidates(op, shape, sms, only)
     rows: list[dict] = []
     captured: list[tuple[int, tuple]] = []  # (row index, (graph, calls))
     keep_alive: list = []
@@ -859,7 +874,8 @@ NOTES = [
 
 
 def run(ops: tuple[str, ...], repeats: int, out: str | None, budget_s: float = 240.0, rows: int = 6,
-        context: int = 1024, config_file: str | Path = FULL_CONFIG, pdl: bool = False, hot: bool = False) -> dict:
+        context: int = 1024, config_file: str | Path = FULL_CONFIG, pdl: bool = False, hot: bool = False,
+        only: tuple[str, ...] = ()) -> dict:
     from ..provenance import commit
     from .full_step import copy_bandwidth
 
@@ -875,7 +891,7 @@ def run(ops: tuple[str, ...], repeats: int, out: str | None, budget_s: float = 2
               "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
               "host": platform.node(), "command": shlex.join(["iquest", *sys.argv[1:]]), "config": str(config_file),
               "tp": TP, "shape": asdict(shape), "shape_text": shape.text(), "repeats": repeats, "budget_s": budget_s,
-              "pdl": pdl, "hot": hot,
+              "pdl": pdl, "hot": hot, "only": list(only),
               "copy_bandwidth_bytes_per_s": bandwidth,
               "timing": f"per candidate one CUDA graph of >= {MIN_CALLS} back-to-back calls rotating over "
                         f"copies/routings (>= {ROTATE_BYTES >> 20} MB, reads from HBM); {repeats} rounds, each "
@@ -898,7 +914,8 @@ def run(ops: tuple[str, ...], repeats: int, out: str | None, budget_s: float = 2
                                  "candidates": []}
             continue
         try:
-            report["ops"][op] = sweep_op(op, shape, dev, sms, repeats, clock, bandwidth, launch_us, pdl=pdl, hot=hot)
+            report["ops"][op] = sweep_op(op, shape, dev, sms, repeats, clock, bandwidth, launch_us, pdl=pdl, hot=hot,
+                                         only=only)
         except Exception as e:
             report["ops"][op] = {"op": op, "error": error_text(e), "candidates": []}
             clock.say(f"{op}: FAILED {error_text(e).splitlines()[0][:200]}")

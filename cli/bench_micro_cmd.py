@@ -53,6 +53,9 @@ def register(bsub) -> None:
                    help="one weight copy (MoE: one routing) per op instead of rotating over copies, so weights are L2 "
                         "hits after the first call: what each op costs with its bytes already on chip (a diagnostic;"
                         " the byte floors do not apply)")
+    t.add_argument("--only", default=None,
+                   help="comma-separated strings: time only the default and the candidates whose label or note "
+                        "contains one (e.g. 'bulk_down' or 'engine'); default: every candidate")
     t.add_argument("--out", help="write the raw JSON here (e.g. bench/results/tune-h200.json)")
     t.set_defaults(run=run_tune)
     a = bsub.add_parser("allreduce", help="bf16 all-reduce: NCCL vs torch symmetric memory, in CUDA graphs",
@@ -164,7 +167,7 @@ def run_tune(args: argparse.Namespace) -> int:
     from ..bench.tune import run
 
     run(tuple(dict.fromkeys(ops)), args.repeats, args.out, budget_s=args.budget, rows=args.rows, context=args.context,
-        pdl=args.pdl, hot=args.hot)
+        pdl=args.pdl, hot=args.hot, only=tuple(o.strip() for o in (args.only or "").split(",") if o.strip()))
     return 0
 
 
