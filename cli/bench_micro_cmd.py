@@ -97,6 +97,21 @@ def register(bsub) -> None:
     w.add_argument("--small", type=int, default=10, help="small kernels after each copy in the chain (default 10)")
     w.add_argument("--out", help="write the raw JSON here")
     w.set_defaults(run=run_parking)
+    gt = bsub.add_parser("graph-trace", help="what each kernel adds to a captured verification forward (GPU)",
+                         description="Builds one TP8 rank's slice of the full-size model (random FP8 weights, "
+                                     "collectives as local no-ops), captures one plain CUDA graph of the verification "
+                                     "forward over --rows rows plus one draft-layer call, traces its replays with "
+                                     "torch.profiler, and prints what each kernel adds to the chain: its end minus the "
+                                     "previous kernel's end, grouped by 'previous kernel -> kernel', medians over "
+                                     "replays (bench/graph_trace.py).")
+    gt.add_argument("--config", default="configs/iquest-q1.json", help="model config (default configs/iquest-q1.json)")
+    gt.add_argument("--context", type=int, default=1024, help="positions of synthetic history (default 1024)")
+    gt.add_argument("--rows", type=int, default=6, help="rows of the verification block (default 6: depth 5)")
+    gt.add_argument("--kernels", default="triton", help="comma-separated engine variants (default triton)")
+    gt.add_argument("--replays", type=int, default=5, help="traced replays (default 5)")
+    gt.add_argument("--seed", type=int, default=0, help="weights, history and tokens seed (default 0)")
+    gt.add_argument("--out", help="write the raw JSON here")
+    gt.set_defaults(run=run_graph_trace)
     probes = {
         "moe-timeline": ("moe_timeline", "a per-program timeline of one MoE Gate/Up launch (global timer)",
                          "Runs the MoE at one TP8 rank's decode shape (bench tune's inputs, 13 distinct experts, "
@@ -113,6 +128,23 @@ def register(bsub) -> None:
         pp = bsub.add_parser(name, help=help_text, description=description)
         pp.add_argument("--out", help="write the raw JSON here")
         pp.set_defaults(run=lambda args, name=name, module=module: run_probe(args, name, module))
+
+
+def run_graph_trace(args: argparse.Namespace) -> int:
+    from .main import UserError
+
+    if not 1 <= args.rows <= 16:
+        raise UserError(f"--rows must be in 1..16, got {args.rows}")
+    if args.context < 1 or args.replays < 1:
+        raise UserError("--context and --replays must be >= 1")
+    kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
+    if not kernels:
+        raise UserError("--kernels: give at least one engine variant, e.g. triton")
+    _need_gpus("iquest bench graph-trace", 1)
+    from ..bench.graph_trace import run
+
+    run(args.config, args.context, args.rows, kernels, args.replays, args.seed, args.out)
+    return 0
 
 
 def run_probe(args: argparse.Namespace, name: str, module: str) -> int:

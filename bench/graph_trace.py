@@ -1,0 +1,201 @@
+"""`iquest bench graph-trace`: where a captured verification forward's time goes, kernel by kernel (GPU).
+
+Why: the step bench times the round as one graph, and its eager profile gives each kernel's duration; but under
+programmatic dependent launch a kernel starts while its predecessor runs and parks at its wait, so its duration is
+not what it adds to the chain. What a kernel adds is how much later it *ends* than the kernel before it: every
+kernel waits for its predecessor's completion, so the ends are in launch order and their increments add up to the
+forward's span.
+
+The bench builds one TP8 rank's slice of the full-size model (random FP8 weights, collectives as local no-ops, as
+`iquest bench step` does), fills `context` positions of synthetic history, and captures one plain CUDA graph (no
+conditional nodes) of the verification forward over `rows` rows (every layer, the final norm, the LM head) followed
+by one draft-layer call on one row. Each replay is traced by torch.profiler (CUPTI records every kernel node of a
+plain graph). Per replay, the kernels are ordered by their end; each kernel's increment is its end minus the
+previous kernel's end. Increments are grouped by transition "previous kernel -> kernel" (so the FP8 linear after
+the MoE combine, q/k/v, is told apart from the one after the attention combine, o_proj), with medians over replays.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ..provenance import commit
+
+SHORT = 48  # characters of a kernel's name kept in the report
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its template arguments and parameter list, cut to SHORT characters."""
+    if name.startswith(("Memcpy", "Memset")):
+        return name.split("(")[0].strip()[:SHORT]
+    base = name.split("(")[0].split("<")[0].strip()
+    return base.rsplit(" ", 1)[-1][:SHORT] if base else name[:SHORT]
+
+
+def attribute(kernels: list[tuple[str, float, float]]) -> dict:
+    """One traced replay: kernels (name, start, end) in any order (times in us) -> {"span_us", "kernels",
+    "by_transition": {"prev -> name": {"count", "us"}}, "by_kernel": {name: {"count", "us"}}}. The first kernel's
+    increment is its own duration; each later one's is its end minus the previous end (ends sorted)."""
+    if not kernels:
+        raise ValueError("no kernels traced in the replay")
+    order = sorted(kernels, key=lambda k: (k[2], k[1]))
+    by_transition: dict[str, dict] = {}
+    by_kernel: dict[str, dict] = {}
+    prev_name, prev_end = None, None
+    for name, start, end in order:
+        name = short_name(name)
+        inc = end - (start if prev_end is None else prev_end)
+        key = f"{prev_name or 'start'} -> {name}"
+        for table, k in ((by_transition, key), (by_kernel, name)):
+            slot = table.setdefault(k, {"count": 0, "us": 0.0})
+            slot["count"] += 1
+            slot["us"] += inc
+        prev_name, prev_end = name, end
+    return {"span_us": order[-1][2] - order[0][1], "kernels": len(order), "by_transition": by_transition,
+            "by_kernel": by_kernel}
+
+
+def merge(replays: list[dict]) -> dict:
+    """Medians over replays of each transition's and kernel's us (and its count, which must not vary)."""
+    out = {"span_us": statistics.median(r["span_us"] for r in replays),
+           "kernels": statistics.median(r["kernels"] for r in replays)}
+    for table in ("by_transition", "by_kernel"):
+        keys = {k for r in replays for k in r[table]}
+        out[table] = {k: {"count": statistics.median(r[table].get(k, {"count": 0})["count"] for r in replays),
+                          "us": statistics.median(r[table].get(k, {"us": 0.0})["us"] for r in replays)}
+                      for k in keys}
+    return out
+
+
+def split_replays(events: list[tuple[str, float, float]], gap_us: float = 20.0) -> list[list[tuple[str, float, float]]]:
+    """The traced kernels cut into replays: each replay follows a host sync, so it starts more than `gap_us` after
+    everything before it has ended, while a replay's own kernels follow each other without such a gap."""
+    events = sorted(events, key=lambda e: e[1])
+    out: list[list[tuple[str, float, float]]] = []
+    last_end = None
+    for e in events:
+        if last_end is None or e[1] > last_end + gap_us:
+            out.append([])
+        out[-1].append(e)
+        last_end = e[2] if last_end is None else max(last_end, e[2])
+    return out
+
+
+def _trace(graph, replays: int) -> list[tuple[str, float, float]]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+
+
+def _replay_us(graph, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def trace_variant(config, weights, name: str, context: int, rows: int, replays: int, seed: int) -> dict:
+    """One engine variant's captured forward (+ one draft call), traced over `replays` replays."""
+    from ..fast.rank import EngineOptions, RankEngine
+    from ..fast.synthetic import synthetic_parallel
+    from ..reference.config import GenerationConfig
+    from .history import fill_history
+
+    dev = torch.device("cuda")
+    options = replace(EngineOptions(max_context=context + 64, graphs=False), kernels=name)
+    engine = RankEngine.from_weights(config, weights, GenerationConfig(eos_token_id=config.eos_token_id),
+                                     synthetic_parallel(8, 0, dev), options)
+    fill_history(engine, context, seed)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    tokens = torch.randint(2, config.vocab_size // 8, (rows,), device=dev, generator=g)
+    positions = torch.arange(context, context + rows, device=dev)
+    live = torch.ones(rows, dtype=torch.bool, device=dev)
+    model = engine.model
+
+    def forward():
+        logits, h = model.forward(tokens, positions, live)
+        model.draft(tokens[:1], h[:1], positions[:1] + 1, live[:1])
+        return logits
+
+    side = torch.cuda.Stream(dev)  # warm-up (compiles every kernel) off the capture
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    graph.replay()
+    torch.cuda.synchronize()
+    replay_us = _replay_us(graph, 10)
+    parts = split_replays(_trace(graph, replays))
+    counts = [len(p) for p in parts]
+    if len(parts) != replays or len(set(counts)) != 1:  # a dropped record would shift every increment after it
+        raise RuntimeError(f"traced {len(parts)} replays of {counts} kernels, expected {replays} equal ones")
+    return {"variant": name, "replay_us": replay_us, "kernels_per_replay": counts[0],
+            **merge([attribute(p) for p in parts])}
+
+
+def run(config_file: str, context: int, rows: int, kernels: tuple[str, ...], replays: int, seed: int,
+        out: str | None) -> dict:
+    from ..fast.rank import EngineOptions
+    from ..fast.synthetic import synthetic_weights
+    from ..reference.config import Config
+
+    config = Config.from_file(config_file)
+    dev = torch.device("cuda")
+    t0 = time.perf_counter()
+    weights = synthetic_weights(config, 8, 0, dev, EngineOptions().torch_dtype(dev), seed)
+    build_s = time.perf_counter() - t0
+    report = {"bench": "graph-trace", "commit": commit(), "device": torch.cuda.get_device_name(dev),
+              "torch": torch.__version__, "host": platform.node(), "command": shlex.join(["iquest", *sys.argv[1:]]),
+              "config": config_file, "tp_slice": 8, "context": context, "rows": rows, "replays": replays,
+              "build_s": build_s,
+              "notes": ["one plain CUDA graph: the verification forward over the rows, then one draft-layer call on "
+                        "one row; collectives as local no-ops (one TP8 rank's slice)",
+                        "a kernel's increment = its end minus the previous kernel's end (ends in launch order); "
+                        "medians over the traced replays"],
+              "variants": []}
+    for name in kernels:
+        report["variants"].append(trace_variant(config, weights, name, context, rows, replays, seed))
+        _print(report["variants"][-1])
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def _print(v: dict, top: int = 30) -> None:
+    print(f"\n{v['variant']}: replay {v['replay_us']:.1f} us (CUDA events), traced span {v['span_us']:.1f} us, "
+          f"{v['kernels_per_replay']} kernels a replay")
+    print(f"  {'us a replay':>11} {'count':>6} {'us a call':>9}  previous kernel -> kernel")
+    rows = sorted(v["by_transition"].items(), key=lambda kv: -kv[1]["us"])
+    for k, s in rows[:top]:
+        print(f"  {s['us']:11.1f} {s['count']:6.0f} {s['us'] / max(s['count'], 1):9.2f}  {k}")
+    rest = rows[top:]
+    if rest:
+        print(f"  {sum(s['us'] for _, s in rest):11.1f} {sum(s['count'] for _, s in rest):6.0f}            "
+              f"({len(rest)} more transitions)")
