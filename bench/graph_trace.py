@@ -116,8 +116,12 @@ def _replay_us(graph, repeats: int) -> float:
 
 
 @torch.no_grad()
-def trace_variant(config, weights, name: str, context: int, rows: int, replays: int, seed: int) -> dict:
-    """One engine variant's captured forward (+ one draft call), traced over `replays` replays."""
+def trace_variant(config, weights, name: str, context: int, rows: int, replays: int, seed: int,
+                  tokens_mode: str = "same") -> dict:
+    """One engine variant's captured forward (+ one draft call), traced over `replays` replays. `tokens_mode`: "same"
+    (one token in every row, as a decode block continuing one context; with random weights `iquest bench step`'s
+    blocks chose ~13 distinct experts a layer) or "distinct" (a random token a row: ~40 distinct experts a layer, so
+    ~3x the MoE's bytes)."""
     from ..fast.rank import EngineOptions, RankEngine
     from ..fast.synthetic import synthetic_parallel
     from ..reference.config import GenerationConfig
@@ -129,7 +133,8 @@ def trace_variant(config, weights, name: str, context: int, rows: int, replays: 
                                      synthetic_parallel(8, 0, dev), options)
     fill_history(engine, context, seed)
     g = torch.Generator(device=dev).manual_seed(seed)
-    tokens = torch.randint(2, config.vocab_size // 8, (rows,), device=dev, generator=g)
+    tokens = torch.randint(2, config.vocab_size // 8, (1 if tokens_mode == "same" else rows,), device=dev,
+                           generator=g).expand(rows).contiguous()
     positions = torch.arange(context, context + rows, device=dev)
     live = torch.ones(rows, dtype=torch.bool, device=dev)
     model = engine.model
@@ -143,7 +148,11 @@ def trace_variant(config, weights, name: str, context: int, rows: int, replays: 
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):
         forward()
+        taps: dict = {}
+        model.forward(tokens, positions, live, taps=taps)  # the routing the captured forward takes
     torch.cuda.current_stream(dev).wait_stream(side)
+    distinct = [len(set(v.flatten().tolist())) for k, v in taps.items() if k.startswith("layer") and
+                k.endswith(".experts")]
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -155,12 +164,13 @@ def trace_variant(config, weights, name: str, context: int, rows: int, replays: 
     counts = [len(p) for p in parts]
     if len(parts) != replays or len(set(counts)) != 1:  # a dropped record would shift every increment after it
         raise RuntimeError(f"traced {len(parts)} replays of {counts} kernels, expected {replays} equal ones")
-    return {"variant": name, "replay_us": replay_us, "kernels_per_replay": counts[0],
+    return {"variant": name, "replay_us": replay_us, "kernels_per_replay": counts[0], "tokens": tokens_mode,
+            "distinct_experts_median": statistics.median(distinct) if distinct else None,
             **merge([attribute(p) for p in parts])}
 
 
 def run(config_file: str, context: int, rows: int, kernels: tuple[str, ...], replays: int, seed: int,
-        out: str | None) -> dict:
+        out: str | None, tokens_mode: str = "same") -> dict:
     from ..fast.rank import EngineOptions
     from ..fast.synthetic import synthetic_weights
     from ..reference.config import Config
@@ -180,7 +190,7 @@ def run(config_file: str, context: int, rows: int, kernels: tuple[str, ...], rep
                         "medians over the traced replays"],
               "variants": []}
     for name in kernels:
-        report["variants"].append(trace_variant(config, weights, name, context, rows, replays, seed))
+        report["variants"].append(trace_variant(config, weights, name, context, rows, replays, seed, tokens_mode))
         _print(report["variants"][-1])
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -190,7 +200,8 @@ def run(config_file: str, context: int, rows: int, kernels: tuple[str, ...], rep
 
 def _print(v: dict, top: int = 30) -> None:
     print(f"\n{v['variant']}: replay {v['replay_us']:.1f} us (CUDA events), traced span {v['span_us']:.1f} us, "
-          f"{v['kernels_per_replay']} kernels a replay")
+          f"{v['kernels_per_replay']} kernels a replay; tokens {v['tokens']}, median "
+          f"{v['distinct_experts_median']} distinct experts a main layer")
     print(f"  {'us a replay':>11} {'count':>6} {'us a call':>9}  previous kernel -> kernel")
     rows = sorted(v["by_transition"].items(), key=lambda kv: -kv[1]["us"])
     for k, s in rows[:top]:

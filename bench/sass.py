@@ -115,14 +115,7 @@ def specs() -> dict[str, KernelSpec]:
         KernelSpec(down.fn, down.types, dict(down.constexprs, BLOCK_K=fp8_bk, K_PAD_DOT=fp8_bk, FP8=True), down.div16,
                    down.num_warps, fp8_stages, ""),
         ("w_ptr",), (1, down.constexprs["BLOCK_N"], fp8_bk), "MoE Down with fp8_down: E4M3 wgmma, weights through TMA")
-    # Stage bulk_down (opt-in): the owners ask L2 for their expert's Down weights, one 768-byte request a thread
-    gate_up_bulk = KernelSpec(gate_up_tma.fn, dict(gate_up_tma.types, down_raw_ptr="*u8", down_chunk="i32"),
-                              dict(gate_up_tma.constexprs, BULK_DOWN=1, BULK_PIECES=32 * gate_up_tma.num_warps,
-                                   BULK_PIECE=768), gate_up_tma.div16 + ("down_raw_ptr", "down_chunk"),
-                              gate_up_tma.num_warps, gate_up_tma.num_stages,
-                              "MoE Gate/Up with bulk_down: its expert's Down weights asked of L2 by the copy engine")
     return {"moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_gate_up_tma": gate_up_tma,
-            "moe_gate_up_bulk_down": gate_up_bulk,
             "moe_gate_up_fold": gate_up_fold, "moe_down": down, "moe_down_tma": down_tma, "moe_down_fold": down_fold,
             "moe_down_early": down_early, "moe_down_fp8": down_fp8,
             "fp8_linear": linear, "fp8_linear_loop": loop, "fp8_linear_norm": norm}

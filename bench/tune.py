@@ -126,8 +126,7 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "attention_sliding": da.decode_attention, "attention_full": da.decode_attention,
                                  "router": rt.route, "norm": rn.rmsnorm_residual}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
-                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down", "early_down",
-                    "bulk_down", "bulk_evict_last"),
+                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down", "early_down"),
             "linear": ("split_k", "block_n", "num_warps", "num_stages", "prefetch", "preload"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk", "prefetch", "preload"),
@@ -135,8 +134,7 @@ TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "g
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
 # (tma is one switch for both kernels' weight loads; it sits with Gate/Up's, whose bytes dominate.)
 MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "f16_input", "tma"),
-              ("down_block_n", "down_block_k", "down_warps", "down_stages", "fp8_down", "early_down", "bulk_down",
-               "bulk_evict_last"))
+              ("down_block_n", "down_block_k", "down_warps", "down_stages", "fp8_down", "early_down"))
 
 
 def family(op: str) -> str:
@@ -209,8 +207,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
                 # the engine's call: x's tiles made by the norm (stage f16_norm); TMA where aligned (it is here)
                 "f16_input": g["f16"] and (g["f16_input"] is None or bool(g["f16_input"])),
                 "tma": True if g["tma"] is None else g["tma"],
-                "fp8_down": fp8, "early_down": g["early_down"], "bulk_down": g["bulk_down"],
-                "bulk_evict_last": g["bulk_evict_last"]}
+                "fp8_down": fp8, "early_down": g["early_down"]}
     if family(op) == "linear":
         n, k = shape.qkv if op == "linear_qkv" else shape.o
         bk = fl._block_k(shape.block[1])
@@ -247,11 +244,6 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
         engine = dict(fp8_down=True, early_down=True)  # as fast/ops.py calls it (early_down takes effect with --pdl)
         return [cand(),
                 cand("engine", **engine),
-                # Gate/Up's owners ask L2 for their expert's Down weights through the copy engine (moe(bulk_down=)):
-                # once the expert is known (1) or after their own tiles (2); evict-last or normal priority
-                cand("engine bulk_down", **engine, bulk_down=1), cand("engine bulk_down", **engine, bulk_down=2),
-                cand("engine bulk_down", **engine, bulk_down=1, bulk_evict_last=True),
-                cand("engine bulk_down", **engine, bulk_down=2, bulk_evict_last=True),
                 # E4M3 x E4M3 in Down's tensor cores (wgmma, weight tile as the row operand): a numerical change;
                 # its own Down defaults (128-deep tiles, 2 stages: the best of ten at a1380b4) and neighbours
                 cand(fp8_down=True), cand(fp8_down=True, down_block_k=64), cand(fp8_down=True, down_stages=3),

@@ -55,7 +55,7 @@ def register(bsub) -> None:
                         " the byte floors do not apply)")
     t.add_argument("--only", default=None,
                    help="comma-separated strings: time only the default and the candidates whose label or note "
-                        "contains one (e.g. 'bulk_down' or 'engine'); default: every candidate")
+                        "contains one (e.g. 'engine': the MoE as fast/ops.py calls it); default: every candidate")
     t.add_argument("--out", help="write the raw JSON here (e.g. bench/results/tune-h200.json)")
     t.set_defaults(run=run_tune)
     a = bsub.add_parser("allreduce", help="bf16 all-reduce: NCCL vs torch symmetric memory, in CUDA graphs",
@@ -110,6 +110,9 @@ def register(bsub) -> None:
     gt.add_argument("--kernels", default="triton", help="comma-separated engine variants (default triton)")
     gt.add_argument("--replays", type=int, default=5, help="traced replays (default 5)")
     gt.add_argument("--seed", type=int, default=0, help="weights, history and tokens seed (default 0)")
+    gt.add_argument("--tokens", choices=("same", "distinct"), default="same",
+                    help="the block's tokens: one token in every row (default; ~13 distinct experts a layer with "
+                         "random weights, as bench step's decode blocks) or a random token a row (~3x the experts)")
     gt.add_argument("--out", help="write the raw JSON here")
     gt.set_defaults(run=run_graph_trace)
     probes = {
@@ -143,7 +146,7 @@ def run_graph_trace(args: argparse.Namespace) -> int:
     _need_gpus("iquest bench graph-trace", 1)
     from ..bench.graph_trace import run
 
-    run(args.config, args.context, args.rows, kernels, args.replays, args.seed, args.out)
+    run(args.config, args.context, args.rows, kernels, args.replays, args.seed, args.out, args.tokens)
     return 0
 
 

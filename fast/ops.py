@@ -284,12 +284,7 @@ CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
 # projection instead (1e78bc2) cost it 1.7 us a call, all the norm saved. Taken only where the collectives are local
 # (one rank, or a rank-slice benchmark): at TP > 1 the MoE output's all-reduce sits between the combine and the add,
 # and a fused all-reduce would have to write h, g and the sums itself.
-# "bulk_down": each MoE Gate/Up owner program asks L2 for its share of its expert's Down weights through the copy
-# engine (kernels/moe.py `bulk_down`) once its expert is known, so Down's 20 MB come in beside Gate/Up's stream, which
-# leaves HBM bandwidth unused; "bulk_down_late": after the program's own tiles instead; "bulk_evict_last": those lines
-# evict-last. Hints: the same bits.
-BULK_DOWN = ("bulk_down", "bulk_down_late", "bulk_evict_last")
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold") + BULK_DOWN + CASCADE
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold") + CASCADE
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -317,8 +312,6 @@ class TritonOps(TorchOps):
         self.cascade_ops = frozenset(op for op in CASCADE_OPS if self.pdl and f"cascade_{op}" in self.stages)
         self.cascade = bool(self.cascade_ops)
         self.norm_qkv = "norm_qkv" in self.stages and {"moe", "linear", "rope", "rope_sum"} <= self.stages
-        self.bulk_down = 2 if "bulk_down_late" in self.stages else 1 if "bulk_down" in self.stages else 0
-        self.bulk_evict_last = bool(self.bulk_down) and "bulk_evict_last" in self.stages
         if self.cascade and self.early:
             raise ValueError("stage 'cascade' lets kernels launch any number of launches ahead, so the reads 'early' "
                              "makes before the wait are no longer final: drop it, e.g. 'triton-early+cascade'")
@@ -335,7 +328,6 @@ class TritonOps(TorchOps):
         self.rope_sum_calls = 0  # q/k/v projections summed by the rotary kernel (likewise)
         self.cascade_calls = 0  # kernel calls launched to signal before their wait (likewise)
         self.residual_adds = 0  # MoE calls whose combine added the residual stream (likewise)
-        self.bulk_down_calls = 0  # MoE calls whose Gate/Up asked L2 for Down's weights (likewise)
         self.norm_qkv_calls = 0  # q/k/v projections that took their input norm as a row scaling (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
@@ -547,8 +539,6 @@ class TritonOps(TorchOps):
             locks = None
         self.moe_fold_calls += locks is not None
         self.early_calls += self.early and self._pdl(b, "moe")
-        bulk_down = self.bulk_down if b.is_cuda else 0  # PTX on the GPU only (moe() ignores it elsewhere too)
-        self.bulk_down_calls += bool(bulk_down)
         add = None  # the next norm's add and sums of squares, where one call covers the rows and the combine runs
         if self.norm_qkv and residual is not None and locks is None and b.shape[0] <= step:
             add = (*residual, *self._residual_buffers(residual[0]))  # (stream, weight, h, g, sumsq)
@@ -558,8 +548,7 @@ class TritonOps(TorchOps):
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
                            pdl=self._pdl(b, "moe"), f16=self.f16,  # moe() takes it on the GPU only
                            f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down, locks=locks,
-                           early_down=self.early, residual=add, bulk_down=bulk_down,
-                           bulk_evict_last=self.bulk_evict_last)
+                           early_down=self.early, residual=add)
                  for s in range(0, b.shape[0], step)]
         if add is not None:
             stream, weight, h, g, sumsq = add

@@ -86,33 +86,6 @@ def prefetch_rows(row_ptrs, start, end, ELEMS_PER_LINE: tl.constexpr, LINES: tl.
 
 
 @triton.jit
-def prefetch_bulk_l2(base, start, end, PIECES: tl.constexpr, PIECE: tl.constexpr, EVICT_LAST: tl.constexpr = False):
-    """Ask L2 for bytes [start, end) after `base` (a uint8 pointer to constant data; start and PIECE multiples of 16,
-    the range 16-byte aligned) through the copy engine (`cp.async.bulk.prefetch.L2`, sm_90): PIECES requests of up
-    to PIECE bytes, one per thread when PIECES is the program's thread count, so a program asks for ~100 KB with one
-    instruction a thread where `prefetch_l2` needs one per 128-byte line. EVICT_LAST marks the lines to be kept over
-    streamed ones. A hint: it changes no value, and nothing waits for it."""
-    off = start + tl.arange(0, PIECES).to(tl.int64) * PIECE
-    size = tl.minimum(end - off, PIECE).to(tl.int32)  # <= 0: no request
-    ptrs = base + tl.where(size > 0, off, start)
-    if EVICT_LAST:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b64 pol; setp.gt.s32 p, $2, 0; "
-            "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-            "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-def bulk_pieces(nbytes: int, threads: int) -> int:
-    """PIECE for `prefetch_bulk_l2` over `nbytes` with `threads` requests: the share of each, rounded up to 16 bytes."""
-    return max(16, triton.cdiv(triton.cdiv(nbytes, threads), 16) * 16)
-
-
-@triton.jit
 def global_ns(after):
     """The GPU's global nanosecond timer (%globaltimer), read once `after` (any int32 value: its producers) is
     available; for timelines of one launch (`moe(stamps=)`), never on the engine's path."""

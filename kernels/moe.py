@@ -70,8 +70,7 @@ import triton.language as tl
 
 from .device import FLOATS as _FLOATS, row_groups, sm_count as _sm_count
 from .f16_operands import bf16_grid, f16_rows, tile_width
-from .launch import (bulk_pieces, global_ns, launch_options, prefetch_bulk_l2, prefetch_lines, prefetch_rows, sm_id,
-                     wait_for_inputs)
+from .launch import global_ns, launch_options, prefetch_lines, prefetch_rows, sm_id, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
@@ -199,8 +198,6 @@ def _moe_gate_up_kernel(
     PDL: tl.constexpr = False, F16: tl.constexpr = False, PRESCALED: tl.constexpr = False, TMA: tl.constexpr = False,
     FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1, GROUP: tl.constexpr = 128, STORE_H: tl.constexpr = False,
     DROP_LAST: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 8, stamp_ptr=None, STAMP: tl.constexpr = False,
-    down_raw_ptr=None, down_chunk=0, BULK_DOWN: tl.constexpr = 0, BULK_PIECES: tl.constexpr = 128,
-    BULK_PIECE: tl.constexpr = 16, BULK_EVICT_LAST: tl.constexpr = False,
 ):
     if STAMP:  # a timeline (debug): started, owner known, done (ns), SM; per program in launch order
         slot = stamp_ptr + ((tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0)
@@ -215,9 +212,6 @@ def _moe_gate_up_kernel(
         tl.store(slot + 1, global_ns(run.to(tl.int32) + e.to(tl.int32)))
     if STORE_RAN:  # debug: which pairs' programs did the work
         tl.store(ran_ptr + p, run.to(tl.int32), mask=(tile == 0) & (split == 0))
-    if BULK_DOWN == 1:  # as soon as the expert is known: Down's weights come in beside Gate/Up's stream
-        if run:
-            _prefetch_down(down_raw_ptr, e, H * I, down_chunk, BULK_PIECES, BULK_PIECE, BULK_EVICT_LAST)
     # No pass unless this program owns e; one when R <= BLOCK_M (always at k = 8: R * k <= MAX_PAIRS). A live
     # row above the owner's that chose e would own it instead, so the passes start at the owner's row block.
     for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):
@@ -292,22 +286,8 @@ def _moe_gate_up_kernel(
                     tl.atomic_xchg(lock, 0)
             if STAMP:  # after the last tile's products (the stores take them)
                 tl.store(slot + 2, global_ns(tl.sum(acc_u, axis=1).to(tl.int32).max(axis=0)))
-    if BULK_DOWN == 2:  # after this program's own stream: Down's weights come in during Gate/Up's tail
-        if run:
-            _prefetch_down(down_raw_ptr, e, H * I, down_chunk, BULK_PIECES, BULK_PIECE, BULK_EVICT_LAST)
     if STAMP:
         tl.store(slot + 3, sm_id(run.to(tl.int32)).to(tl.int64))
-
-
-@triton.jit
-def _prefetch_down(down_ptr, e, expert_bytes, chunk, PIECES: tl.constexpr, PIECE: tl.constexpr,
-                   EVICT_LAST: tl.constexpr):
-    """Ask L2 for this Gate/Up program's share (`chunk` bytes; the expert's programs (tile, split) split it in order)
-    of expert e's Down weights, which the Down launch two launches later streams (`moe(bulk_down=)`)."""
-    c = tl.program_id(1) * tl.num_programs(2) + tl.program_id(2)
-    first = e.to(tl.int64) * expert_bytes
-    start = first + c * chunk
-    prefetch_bulk_l2(down_ptr, start, tl.minimum(start + chunk, first + expert_bytes), PIECES, PIECE, EVICT_LAST)
 
 
 @triton.jit
@@ -656,7 +636,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
         fp8_down: bool = FP8_DOWN, locks: torch.Tensor | None = None, early_down: bool = False,
         residual: tuple[torch.Tensor, ...] | None = None, stamps: torch.Tensor | None = None,
-        bulk_down: int = 0, bulk_evict_last: bool = False, debug: dict | None = None) -> torch.Tensor:
+        debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -698,9 +678,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     caller's post-attention norm wrote it launches earlier). `stamps` (a timeline, for bench/moe_timeline.py): int64
     [Gate/Up programs, 4] (`gate_up_programs`), filled per program in launch order with the global timer (ns) at its
     start, once its owner check is known and after its last tile's products (0 for a program that owns nothing),
-    and its SM. `bulk_down` (GPU only, a hint: the same bits): each Gate/Up owner program asks L2 for its share of its
-    expert's Down weights through the copy engine (`launch.prefetch_bulk_l2`), 1 = once its owner check is known, 2 =
-    after its own tiles; `bulk_evict_last` marks those lines evict-last. `debug`,
+    and its SM. `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -793,12 +771,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     drop_last = bool(store_h and debug.get("drop_last_split", False))
 
     early = bool(early_down and pdl and not INTERPRETED)  # without the wait there is nothing to run ahead of
-    _check(bulk_down in (0, 1, 2) and isinstance(bulk_evict_last, bool),
-           f"bulk_down must be 0, 1 or 2 and bulk_evict_last a bool, got {bulk_down!r}, {bulk_evict_last!r}")
-    bulk_down = 0 if INTERPRETED or dev.type != "cuda" else bulk_down  # PTX: nothing to prefetch into off the GPU
     line_elems, lines = prefetch_lines(I, 1)
 
-    down_chunk = triton.cdiv(triton.cdiv(H * I, grid[1] * grid[2]), 16) * 16  # an owner's share of its Down bytes
     down_bk = _pow2_divisor(group, down_block_k)
     down_k_pad = max(down_bk, 32) if fp8_down else down_bk  # an E4M3 wgmma is 32 deep
     g_arg, u_arg, d_arg = gate, up, down
@@ -817,9 +791,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         ROUND_BF16=f16_input is None and compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32",
         STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma, FOLD=fold_finalize, SPLIT=split,
         GROUP=group, STORE_H=store_h, DROP_LAST=drop_last, stamp_ptr=stamps, STAMP=stamps is not None,
-        down_raw_ptr=down.view(torch.uint8), down_chunk=down_chunk, BULK_DOWN=bulk_down,
-        BULK_PIECES=32 * gate_up_warps, BULK_PIECE=bulk_pieces(down_chunk, 32 * gate_up_warps),
-        BULK_EVICT_LAST=bulk_evict_last, num_warps=gate_up_warps,
+        num_warps=gate_up_warps,
         num_stages=gate_up_stages, **launch)
     if not fold_finalize:
         _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
@@ -839,7 +811,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
             num_warps=4, **_residual_strides(residual), RESIDUAL=residual is not None, EARLY=early, **launch)
     if store_h:
         debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
-                     fp8_down=fp8_down, folded=(fold_finalize, fold_combine), early_down=early, bulk_down=bulk_down)
+                     fp8_down=fp8_down, folded=(fold_finalize, fold_combine), early_down=early)
     return out
 
 

@@ -56,19 +56,6 @@ def test_folded_moe_keeps_its_occupancy():
     assert sass.report(sass.compile_spec(specs["moe_down_fold"], FOLD_ROWS=16))["registers"] > 96
 
 
-def test_bulk_down_issues_bulk_prefetches_without_registers():
-    """Gate/Up with bulk_down: the copy engine's L2 prefetch (`UBLKPF`) is in the SASS, once a thread's request is
-    uniform, and it costs no registers (188 as the default); the default has none."""
-    spec = sass.specs()["moe_gate_up_bulk_down"]
-    default = sass.report(sass.compile_spec(sass.specs()["moe_gate_up_tma"]))
-    assert default["mix"].get("UBLKPF", 0) == 0
-    for mode, keep in ((1, False), (2, True)):
-        k = sass.compile_spec(spec, BULK_DOWN=mode, BULK_EVICT_LAST=keep)
-        r = sass.report(k)
-        assert r["mix"].get("UBLKPF", 0) >= 1 and r["registers"] <= default["registers"], r
-        assert ("evict_last" in k.asm["ptx"]) == keep
-
-
 def test_early_down_prefetches_its_tile_before_the_wait():
     """Down with early_down: the routing loads and the weight tile's L2 prefetches come before griddepcontrol.wait in the
     PTX; the default form issues neither before it."""

@@ -55,7 +55,8 @@ def test_candidates_default_first_unique_and_accepted(op, shape, sms):
             assert name in params and params[name].kind in (inspect.Parameter.KEYWORD_ONLY,
                                                              inspect.Parameter.POSITIONAL_OR_KEYWORD), (op, name)
             assert name in t.TUNABLES[t.family(op)], (op, name)
-            if name in ("f16", "f16_input", "tma", "packed_topk", "one_pass", "f16_out", "prefetch", "preload", "fp8_down"):
+            if name in ("f16", "f16_input", "tma", "packed_topk", "one_pass", "f16_out", "prefetch", "preload", "fp8_down",
+                        "early_down"):
                 assert isinstance(value, bool), (op, value)
                 continue
             assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, (op, name, value)
@@ -67,11 +68,23 @@ def test_candidates_default_first_unique_and_accepted(op, shape, sms):
             assert r["min_split"] % r["block_n"] == 0 and r["live_splits"] <= r["num_splits"]
 
 
+def test_only_keeps_the_default_and_the_matching_candidates():
+    """`--only engine`: the default and the MoE as fast/ops.py calls it (fp8_down, early_down), nothing else; a string
+    no candidate holds leaves the default alone."""
+    cands = t.candidates("moe", SHAPE, t.H200_SMS, ("engine",))
+    assert [c.kw for c in cands] == [{}, {"fp8_down": True, "early_down": True}]
+    assert [c.kw for c in t.candidates("router", SHAPE, t.H200_SMS, ("no such candidate",))] == [{}]
+    # a label matches too: every router candidate with a 256-wide tile
+    wide = t.candidates("router", SHAPE, t.H200_SMS, ("block_h=256",))
+    assert len(wide) >= 2 and all(c.kw.get("block_h") == 256 for c in wide[1:])
+
+
 def test_budget_of_the_full_sweep():
-    """~70 candidates over the six ops at the H200 shapes (the MoE's fp16-operand variants included): ~1 s of
-    compilation each keeps the sweep near 4 minutes."""
+    """~90 candidates over the six ops at the H200 shapes (the MoE's fp16-operand variants and, since the bulk_down
+    session, its engine form included): ~1 s of compilation each keeps the sweep near 4 minutes (`--only` times a
+    few)."""
     total = sum(len(t.candidates(op, SHAPE, t.H200_SMS)) for op in t.OPS)
-    assert 40 <= total <= 90, total
+    assert 40 <= total <= 95, total
 
 
 def test_h200_defaults_and_the_suggested_variants():
@@ -82,7 +95,8 @@ def test_h200_defaults_and_the_suggested_variants():
     # 4161 slots: 66 splits); router min(12 H tiles, 17) = 12
     assert r["moe"][0] == {"split_k": 8, "block_k": 128, "gate_up_block_n": 128, "gate_up_warps": 4,
                            "gate_up_stages": 3, "down_block_n": 128, "down_block_k": 64, "down_warps": 4,
-                           "down_stages": 3, "f16": True, "f16_input": True, "tma": True, "fp8_down": False}
+                           "down_stages": 3, "f16": True, "f16_input": True, "tma": True, "fp8_down": False,
+                           "early_down": False}
     assert r["linear_qkv"][0] == {"split_k": 8, "block_n": 32, "num_warps": 4, "num_stages": 4, "prefetch": False,
                                   "preload": False}
     assert r["linear_o"][0]["split_k"] == 1

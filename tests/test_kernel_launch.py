@@ -182,7 +182,7 @@ def decode_with_logprobs(kernels: str, dtype: str) -> dict:
             "embed_calls": ops.embed_calls, "settle_calls": ops.settle_calls, "preload_calls": ops.preload_calls,
             "fp8_down_calls": ops.fp8_down_calls, "moe_fold_calls": ops.moe_fold_calls,
             "early_calls": ops.early_calls, "rope_sum_calls": ops.rope_sum_calls, "cascade_calls": ops.cascade_calls,
-            "norm_qkv_calls": ops.norm_qkv_calls, "bulk_down_calls": ops.bulk_down_calls}
+            "norm_qkv_calls": ops.norm_qkv_calls}
 
 
 @pytest.mark.gpu

@@ -125,7 +125,6 @@ CASES = [
     # weight tiles through per-element pointers (tma=False; the default takes tensor descriptors wherever the rows
     # are 16-byte multiples, i.e. in every case above but the partial ones): the same tiles, so the oracle's bits
     case("pointer_loads_8rows_random", launch=dict(tma=False)),
-    case("bulk_down_ignored_interpreted", launch=dict(bulk_down=1, bulk_evict_last=True)),
     case("pointer_loads_split3_poison_count", R=7, H=96, block_k=16, split_k=3, split=3, live="count",
          pattern="poison", launch=dict(tma=False)),
     case("pointer_loads_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
@@ -184,9 +183,6 @@ GPU_CASES = [  # full size and the mini model (E=16, top-4, H=256, I=128, block 
     *[case(f"gpu_mini_{r}rows", R=r, k=4, E=16, H=256, I=128, block=(16, 16), x="bf16") for r in (1, 8)],
     case("gpu_full_6rows_fp32x_bf16_residual", R=6, live="count", out="bf16", compute="bf16", x_ties=True, min_split=2,
          residual=24, **dict(FULL, x="fp32")),
-    # Gate/Up's owners asking L2 for their experts' Down weights (a hint): still the oracle's bits
-    *[case(f"gpu_full_{r}rows_fp32x_bf16_bulk_down{mode}", R=r, out="bf16", compute="bf16", x_ties=True, min_split=2,
-           launch=dict(bulk_down=mode, bulk_evict_last=mode == 2), **dict(FULL, x="fp32")) for r, mode in ((6, 1), (8, 2))],
 ]
 
 
@@ -321,7 +317,7 @@ def run_case(c: dict, device: str) -> dict:
     if c.get("no_dedup"):
         debug["no_dedup"] = True
     got = run_kernel(c, t, debug)
-    res = {"finite": bool(torch.isfinite(got).all()), "dtype": str(got.dtype).removeprefix("torch."), "device": device}
+    res = {"finite": bool(torch.isfinite(got).all()), "dtype": str(got.dtype).removeprefix("torch.")}
     res["pad_zero"] = bool((got[~live.to(device)] == 0).all())
     # What the kernel computes with: fp32 x with bf16 compute is x.to(torch.bfloat16) (round to nearest even).
     tr = dict(t, x=t["x"].to(DTYPES[c["compute"]])) if c["compute"] else t
@@ -371,7 +367,6 @@ def run_case(c: dict, device: str) -> dict:
         res["residual_sumsq_err"] = ((sumsq.double() - sq_ref).abs() / sq_ref.clamp(min=1e-30)).max().item()
         res["residual_tiles"] = sumsq.shape[1]
     res["folded"] = list(debug["folded"])
-    res["bulk_down"] = debug["bulk_down"]
     res["locks_rearmed"] = debug["locks_rearmed"]
     res["down_rel_err"] = _down_from_act(c, tr, pairs, debug, got)
     ref_q = mk.moe_ref(*(tr[a] for a in ARGS), block=c["block"], group=group)
@@ -471,9 +466,6 @@ def _check(c: dict, r: dict) -> None:
     assert r["split_counts_pad_zero"], "the finalize touched a padding pair"
     assert r["folded"] == expected_fold(c), f"folded (finalize, combine) {r['folded']}, expected {expected_fold(c)}"
     assert r["locks_rearmed"], "the arrival counters were not left zeroed"
-    # bulk_down is PTX: taken on the GPU as asked, dropped under the interpreter
-    want = c.get("launch", {}).get("bulk_down", 0) if r.get("device") == "cuda" else 0
-    assert r["bulk_down"] == want, f"bulk_down {r['bulk_down']}, expected {want}"
 
 
 def _check_values(c: dict, r: dict) -> None:
@@ -865,8 +857,6 @@ def _args(**over):
     (dict(x=torch.randn(2, 64).to(torch.bfloat16), compute_dtype=torch.float32), "compute_dtype"),
     (dict(experts=torch.zeros(2, 4)), "experts must be"),
     (dict(experts=torch.zeros(2, 65, dtype=torch.long), weights=torch.ones(2, 65)), "at most 128"),
-    (dict(bulk_down=3), "bulk_down must be"),
-    (dict(bulk_down=1, bulk_evict_last=1), "bulk_evict_last a bool"),
 ])
 def test_rejects_bad_inputs(over, message):
     t = _args(**{k: v for k, v in over.items() if k in ARGS})
@@ -897,7 +887,7 @@ def test_gpu(c):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["four_launches", "fold", "early_down", "bulk_down", "bulk_down_late_keep"])
+@pytest.mark.parametrize("mode", ["four_launches", "fold", "early_down"])
 @pytest.mark.parametrize("R, x", [(1, "bf16"), (6, "bf16"), (8, "bf16"), (6, "fp32")])
 def test_gpu_graph_replay_bit_identical(R, x, mode):
     """Full size, default split: repeated eager runs and CUDA graph replays (new x and routing copied
@@ -912,9 +902,7 @@ def test_gpu_graph_replay_bit_identical(R, x, mode):
               live=torch.tensor(R, dtype=torch.int32, device="cuda"))
     fold = mode == "fold"
     locks = torch.zeros(mk.lock_count(R, 8, 256, 6144), dtype=torch.int32, device="cuda") if fold else None
-    early = dict(early_down=True, pdl=True) if mode in ("early_down", "bulk_down", "bulk_down_late_keep") else {}
-    if mode.startswith("bulk_down"):  # Gate/Up asking L2 for Down's weights: a hint, so the same bits
-        early.update(bulk_down=2 if "late" in mode else 1, bulk_evict_last="keep" in mode)
+    early = dict(early_down=True, pdl=True) if mode == "early_down" else {}
 
     def run(src):
         return mk.moe(*(src[a] for a in ARGS), block=(128, 128), group=128, out_dtype=torch.float32,
@@ -1091,20 +1079,6 @@ def test_cuda_early_decodes_bit_identically(dtype):
     off = decode_with_logprobs("triton-early", dtype)
     assert on["early_calls"] > 0 and off["early_calls"] == 0
     assert on["norm_qkv_calls"] > 0  # the combine's residual read ahead too (default stage norm_qkv)
-    assert on["steps"] == off["steps"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("stages", ["triton+bulk_down", "triton+bulk_down_late+bulk_evict_last"])
-def test_cuda_bulk_down_decodes_bit_identically(stages):
-    """Gate/Up's owners asking L2 for their experts' Down weights (opt-in stages bulk_down*): the same tokens, logprobs
-    and acceptance sequence as the default through the captured decode loop (bf16), with the prefetching calls
-    counted."""
-    from iquest.tests.test_kernel_launch import decode_with_logprobs
-
-    on = decode_with_logprobs(stages, "bf16")
-    off = decode_with_logprobs("triton", "bf16")
-    assert "moe" not in on["fallbacks"] and on["bulk_down_calls"] > 0 and off["bulk_down_calls"] == 0
     assert on["steps"] == off["steps"]
 
 
