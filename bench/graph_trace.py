@@ -117,26 +117,38 @@ def _replay_us(graph, repeats: int) -> float:
 
 @torch.no_grad()
 def trace_variant(config, weights, name: str, context: int, rows: int, replays: int, seed: int,
-                  tokens_mode: str = "same") -> dict:
-    """One engine variant's captured forward (+ one draft call), traced over `replays` replays. `tokens_mode`: "same"
-    (one token in every row, as a decode block continuing one context; with random weights `iquest bench step`'s
-    blocks chose ~13 distinct experts a layer) or "distinct" (a random token a row: ~40 distinct experts a layer, so
-    ~3x the MoE's bytes)."""
-    from ..fast.rank import EngineOptions, RankEngine
+                  tokens_mode: str = "decode") -> dict:
+    """One engine variant's captured forward (+ one draft call), traced over `replays` replays. `tokens_mode`:
+    "decode" (the prompt prefilled for real, then the first round's verification block: the committed token and its
+    drafts at their positions, as `iquest bench step` decodes; ~13 distinct experts a layer there), "same" (one
+    random token in every row after synthetic history) or "distinct" (a random token a row); the last two route to
+    ~3x the experts (~44 a layer at b6fcf0f/99b7508), so their MoE streams ~3x the bytes."""
+    from ..fast.rank import EngineOptions, RankEngine, Request
     from ..fast.synthetic import synthetic_parallel
     from ..reference.config import GenerationConfig
     from .history import fill_history
 
     dev = torch.device("cuda")
+    generation = GenerationConfig(eos_token_id=config.eos_token_id)
     options = replace(EngineOptions(max_context=context + 64, graphs=False), kernels=name)
-    engine = RankEngine.from_weights(config, weights, GenerationConfig(eos_token_id=config.eos_token_id),
-                                     synthetic_parallel(8, 0, dev), options)
-    fill_history(engine, context, seed)
+    engine = RankEngine.from_weights(config, weights, generation, synthetic_parallel(8, 0, dev), options)
     g = torch.Generator(device=dev).manual_seed(seed)
-    tokens = torch.randint(2, config.vocab_size // 8, (1 if tokens_mode == "same" else rows,), device=dev,
-                           generator=g).expand(rows).contiguous()
-    positions = torch.arange(context, context + rows, device=dev)
-    live = torch.ones(rows, dtype=torch.bool, device=dev)
+    if tokens_mode == "decode":  # as bench/full_step.py: a prompt of rank 0's vocabulary rows, prefilled for real
+        gc = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(2, config.vocab_size // 8, (context,), generator=gc).tolist()
+        runner, _ = engine.runner(rows - 1, generation.top_k)
+        engine.start(Request(tuple(prompt), seed, generation.temperature, generation.top_k, generation.top_p, 64,
+                             rows - 1, ()), runner)
+        st, j = engine.state, runner.rows
+        tokens = torch.cat([st.tokens.index_select(0, st.n.view(1)), st.drafts]).clone()
+        positions, live = (st.n + j).clone(), (j <= st.k).clone()
+        rows = tokens.shape[0]
+    else:
+        fill_history(engine, context, seed)
+        tokens = torch.randint(2, config.vocab_size // 8, (1 if tokens_mode == "same" else rows,), device=dev,
+                               generator=g).expand(rows).contiguous()
+        positions = torch.arange(context, context + rows, device=dev)
+        live = torch.ones(rows, dtype=torch.bool, device=dev)
     model = engine.model
 
     def forward():
@@ -165,12 +177,13 @@ def trace_variant(config, weights, name: str, context: int, rows: int, replays: 
     if len(parts) != replays or len(set(counts)) != 1:  # a dropped record would shift every increment after it
         raise RuntimeError(f"traced {len(parts)} replays of {counts} kernels, expected {replays} equal ones")
     return {"variant": name, "replay_us": replay_us, "kernels_per_replay": counts[0], "tokens": tokens_mode,
+            "rows": rows, "live_rows": int(live.sum()),
             "distinct_experts_median": statistics.median(distinct) if distinct else None,
             **merge([attribute(p) for p in parts])}
 
 
 def run(config_file: str, context: int, rows: int, kernels: tuple[str, ...], replays: int, seed: int,
-        out: str | None, tokens_mode: str = "same") -> dict:
+        out: str | None, tokens_mode: str = "decode") -> dict:
     from ..fast.rank import EngineOptions
     from ..fast.synthetic import synthetic_weights
     from ..reference.config import Config
@@ -200,7 +213,8 @@ def run(config_file: str, context: int, rows: int, kernels: tuple[str, ...], rep
 
 def _print(v: dict, top: int = 30) -> None:
     print(f"\n{v['variant']}: replay {v['replay_us']:.1f} us (CUDA events), traced span {v['span_us']:.1f} us, "
-          f"{v['kernels_per_replay']} kernels a replay; tokens {v['tokens']}, median "
+          f"{v['kernels_per_replay']} kernels a replay; tokens {v['tokens']} ({v['live_rows']} of {v['rows']} rows live), "
+          f"median "
           f"{v['distinct_experts_median']} distinct experts a main layer")
     print(f"  {'us a replay':>11} {'count':>6} {'us a call':>9}  previous kernel -> kernel")
     rows = sorted(v["by_transition"].items(), key=lambda kv: -kv[1]["us"])

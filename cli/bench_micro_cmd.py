@@ -110,9 +110,11 @@ def register(bsub) -> None:
     gt.add_argument("--kernels", default="triton", help="comma-separated engine variants (default triton)")
     gt.add_argument("--replays", type=int, default=5, help="traced replays (default 5)")
     gt.add_argument("--seed", type=int, default=0, help="weights, history and tokens seed (default 0)")
-    gt.add_argument("--tokens", choices=("same", "distinct"), default="same",
-                    help="the block's tokens: one token in every row (default; ~13 distinct experts a layer with "
-                         "random weights, as bench step's decode blocks) or a random token a row (~3x the experts)")
+    gt.add_argument("--tokens", choices=("decode", "same", "distinct"), default="decode",
+                    help="the block: 'decode' (default: the prompt prefilled for real, then the first round's "
+                         "verification block, as bench step decodes, ~13 distinct experts a layer), 'same' (one random "
+                         "token a row after synthetic history) or 'distinct' (a random token a row); the last two "
+                         "route to ~3x the experts")
     gt.add_argument("--out", help="write the raw JSON here")
     gt.set_defaults(run=run_graph_trace)
     probes = {
