@@ -63,10 +63,8 @@ class FastModel:
         blk = self._block(positions, live)
         last = len(self.w.layers) - 1
         for i, lw in enumerate(self.w.layers):
-            nxt = self.w.layers[i + 1] if i < last else None
             x, pending = self.decoder_layer(lw, self.cache[i], x, pending, blk, taps, f"layer{i}.",
-                                            next_norm=None if nxt is None else nxt.input_norm,
-                                            ahead=() if nxt is None or nxt.wqkv is None else (nxt.wqkv.q,))
+                                            next_norm=self.w.layers[i + 1].input_norm if i < last else None)
         x, a = self.ops.residual_norm(x, pending, self.w.norm, self.config.rms_norm_eps)
         _tap(taps, "final_hidden", x)
         return self.logits(a), x
@@ -95,16 +93,14 @@ class FastModel:
 
     def decoder_layer(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, pending: torch.Tensor | Residual | None,
                       blk: Block, taps: dict | None, tag: str,
-                      next_norm: torch.Tensor | None = None,
-                      ahead: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | Residual]:
+                      next_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | Residual]:
         """One layer on the residual stream x + pending, where `pending` is the previous layer's MoE output not
         yet added (None for the first layer), or a `Residual`: the stream with it added. Returns (x, this layer's MoE
         output): the caller folds the add into the next norm (one launch fewer per layer; the sum is rounded to the
         compute dtype either way). Given `next_norm` (the next layer's input norm weight) the ops may instead add it in
         the MoE's combine and return a Residual, whose norm the next layer's q/k/v projection takes as a row scaling
         (stage norm_qkv): one launch fewer again. Only where the collectives are local: at TP > 1 the MoE output's
-        all-reduce comes between the combine and the add. `ahead`: the next layer's constant weights the MoE's kernels
-        may ask L2 for (stage l2_ahead)."""
+        all-reduce comes between the combine and the add."""
         eps = self.config.rms_norm_eps
         if isinstance(pending, Residual):
             assert pending.weight is lw.input_norm, "a Residual prepared for another norm"
@@ -117,8 +113,7 @@ class FastModel:
         # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
         x, b32, b16 = self.ops.add_norm(x, attn_out, lw.post_norm, eps, moe_block=lw.gate.block)
         moe_out, scores, experts = self.moe(lw, b32, blk.live, mtp=tag == "mtp.", f16_input=b16,
-                                            residual=None if next_norm is None or self.par.active else (x, next_norm),
-                                            ahead=ahead)
+                                            residual=None if next_norm is None or self.par.active else (x, next_norm))
         if taps is not None:  # the layer's output as the next norm will form it (the same rounded sum)
             out, hidden = ((moe_out.moe_out, moe_out.h) if isinstance(moe_out, Residual) else (moe_out, x + moe_out))
             for name, value in (("attn_out", attn_out), ("moe_in", b32), ("router_scores", scores),
@@ -136,13 +131,13 @@ class FastModel:
         else:  # K/V stored first: causal block
             q = self.ops.qkv_rope(lw, kv, a, c.head_dim, blk.cos, blk.sin, blk.rope_rows, blk.positions, blk.live)
         sinks = None if "drop_sink" in self.defects else lw.sinks  # negative control: the sink logit dropped
-        out = self.ops.attention(q, kv, blk.positions, sinks, ahead=(lw.wo.q, lw.router))
+        out = self.ops.attention(q, kv, blk.positions, sinks)
         return self.par.all_reduce(self.ops.linear(lw.wo, out.to(self.dtype).reshape(R, -1)))
 
     @stage("moe")
     def moe(self, lw: LayerWeights, b32: torch.Tensor, live: torch.Tensor, mtp: bool = False,
-            f16_input: object = None, residual: tuple | None = None,
-            ahead: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor | Residual, torch.Tensor, torch.Tensor]:
+            f16_input: object = None,
+            residual: tuple | None = None) -> tuple[torch.Tensor | Residual, torch.Tensor, torch.Tensor]:
         """Routed experts on this rank's slice of every expert's intermediate dimension (padding rows'
         experts are not read by the kernel path). `f16_input`: b32's Gate/Up operand form, from the norm that
         made it (ops.add_norm), or None. `residual`: (the stream, the next norm's weight), for the ops to add the output
@@ -156,7 +151,7 @@ class FastModel:
             weights = weights / weights.sum(-1, keepdim=True) if c.norm_topk_prob else weights
             weights = weights * c.routed_scaling_factor
         out = self.ops.moe(b32, experts, weights, live, lw.gate, lw.up, lw.down, compute_dtype=self.dtype,
-                           f16_input=f16_input, residual=residual, ahead=ahead)
+                           f16_input=f16_input, residual=residual)
         if isinstance(out, Residual):  # added to the stream already (no all-reduce between: the caller's contract)
             return out, scores, experts
         out = out.to(self.dtype)

@@ -94,9 +94,7 @@ class TorchOps:
         return y if out is None else out.copy_(y)
 
     def attention(self, q: torch.Tensor, kv: LayerKV, positions: torch.Tensor,
-                  sinks: torch.Tensor | None, ahead: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
-        """`ahead`: constant weights later ops read, which the kernels may ask L2 for (stage l2_ahead); ignored
-        here."""
+                  sinks: torch.Tensor | None) -> torch.Tensor:
         return attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(positions), sinks).to(q.dtype)
 
     @stage("norm")
@@ -153,14 +151,13 @@ class TorchOps:
 
     def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
             gate: FP8Weight, up: FP8Weight, down: FP8Weight, compute_dtype: torch.dtype | None = None,
-            f16_input: object = None, residual: tuple | None = None,
-            ahead: tuple[torch.Tensor, ...] = ()) -> torch.Tensor | Residual:
+            f16_input: object = None, residual: tuple | None = None) -> torch.Tensor | Residual:
         """sum_j w_j Down_e(silu(Gate_e b) * Up_e b) over each row's chosen experts [R, H] of b rounded to
         `compute_dtype` (default b's dtype), summed in fp32 and returned in fp32 here, in compute_dtype by the
         kernel (the caller rounds to it either way). The kernel rounds fp32 b in registers (no conversion launch).
         `residual` = (the residual stream, the next RMSNorm's weight): the kernels' stage norm_qkv adds the output to
         the stream and prepares that norm (a `Residual` returned instead; the caller's collectives must be local);
-        ignored here, as is `ahead` (see `attention`)."""
+        ignored here."""
         if compute_dtype is not None:
             b = b.to(compute_dtype)
         g, u, d = (w.select(experts) for w in (gate, up, down))
@@ -287,10 +284,7 @@ CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
 # projection instead (1e78bc2) cost it 1.7 us a call, all the norm saved. Taken only where the collectives are local
 # (one rank, or a rank-slice benchmark): at TP > 1 the MoE output's all-reduce sits between the combine and the add,
 # and a fused all-reduce would have to write h, g and the sums itself.
-# "l2_ahead": kernels that move few bytes ask L2 for later ops' constant weights through the copy engine (kernels/launch.py
-# prefetch_ahead): the attention split for the layer's o_proj and router weights, the MoE finalize (after Gate/Up's
-# stream) for the next layer's q/k/v. Hints: the same bits.
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "l2_ahead") + CASCADE
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold") + CASCADE
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -318,7 +312,6 @@ class TritonOps(TorchOps):
         self.cascade_ops = frozenset(op for op in CASCADE_OPS if self.pdl and f"cascade_{op}" in self.stages)
         self.cascade = bool(self.cascade_ops)
         self.norm_qkv = "norm_qkv" in self.stages and {"moe", "linear", "rope", "rope_sum"} <= self.stages
-        self.l2_ahead = "l2_ahead" in self.stages
         if self.cascade and self.early:
             raise ValueError("stage 'cascade' lets kernels launch any number of launches ahead, so the reads 'early' "
                              "makes before the wait are no longer final: drop it, e.g. 'triton-early+cascade'")
@@ -335,7 +328,6 @@ class TritonOps(TorchOps):
         self.rope_sum_calls = 0  # q/k/v projections summed by the rotary kernel (likewise)
         self.cascade_calls = 0  # kernel calls launched to signal before their wait (likewise)
         self.residual_adds = 0  # MoE calls whose combine added the residual stream (likewise)
-        self.l2_ahead_calls = 0  # attention and MoE calls that asked L2 for later ops' weights (likewise)
         self.norm_qkv_calls = 0  # q/k/v projections that took their input norm as a row scaling (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
@@ -532,8 +524,7 @@ class TritonOps(TorchOps):
         tile = self._gate_up_k_tile(moe_block)
         return tile if hidden % tile == 0 else None
 
-    def moe(self, b, experts, weights, live, gate, up, down, compute_dtype=None, f16_input=None, residual=None,
-            ahead=()):
+    def moe(self, b, experts, weights, live, gate, up, down, compute_dtype=None, f16_input=None, residual=None):
         if not self._fits("moe", self.moe_takes(gate.block, down.block, down.q.shape[-1])):
             return super().moe(b, experts, weights, live, gate, up, down, compute_dtype)
         tma = self.tma and self._tma_fits(gate.q, up.q, down.q)
@@ -557,7 +548,7 @@ class TritonOps(TorchOps):
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
                            pdl=self._pdl(b, "moe"), f16=self.f16,  # moe() takes it on the GPU only
                            f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down, locks=locks,
-                           early_down=self.early, residual=add, ahead=self._ahead(ahead, b))
+                           early_down=self.early, residual=add)
                  for s in range(0, b.shape[0], step)]
         if add is not None:
             stream, weight, h, g, sumsq = add
@@ -607,14 +598,7 @@ class TritonOps(TorchOps):
         return self._settle(st, committed.contiguous(), count, emitted.contiguous(), n_emit, logprobs.float(), k, a,
                             out, pdl=self._pdl(st.n, "glue"))
 
-    def _ahead(self, ahead: tuple, x: torch.Tensor) -> tuple:
-        """The tensors a kernel asks L2 for ahead of their op (stage l2_ahead, CUDA only: PTX), counted."""
-        if not (self.l2_ahead and ahead and x.is_cuda):
-            return ()
-        self.l2_ahead_calls += 1
-        return tuple(ahead)
-
-    def attention(self, q, kv, positions, sinks, ahead=()):
+    def attention(self, q, kv, positions, sinks):
         rows, q_heads = q.shape[0], q.shape[1]
         d = q.shape[-1]
         if not self._fits("attention", rows * (q_heads // kv.k.shape[1]) <= self.MAX_MATRIX_ROWS
@@ -624,7 +608,7 @@ class TritonOps(TorchOps):
         self.early_calls += self.early and self._pdl(q, "attention")
         return self._attention(q.contiguous(), kv.k, kv.v, kv.slot_pos, positions, sinks, kv.window,
                                kv.first_position, causal=kv.causal, pdl=self._pdl(q, "attention"), kv_len_from_q=True,
-                               preload=self._preload(q), early=self.early, ahead=self._ahead(ahead, q))
+                               preload=self._preload(q), early=self.early)
 
 
 def make_ops(name: str) -> TorchOps:

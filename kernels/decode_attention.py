@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS, sm_count as _sm_count
-from .launch import ahead_args, launch_options, prefetch_ahead, prefetch_lines, prefetch_rows, wait_for_inputs
+from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -68,13 +68,9 @@ def _attention_split_kernel(
     SLIDING: tl.constexpr, CAUSAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr = False, R_PAD: tl.constexpr = 16, EARLY_SLOTS: tl.constexpr = 0,
     LINE_ELEMS: tl.constexpr = 64, LINES: tl.constexpr = 2,
-    a0_ptr=None, a0_bytes=0, a1_ptr=None, a1_bytes=0, AHEAD: tl.constexpr = 0, AHEAD_PIECES: tl.constexpr = 128,
 ):
     g = tl.program_id(0)
     split = tl.program_id(1)
-    # Later kernels' constant weights into L2 (`ahead`): attention moves few bytes of its own
-    prefetch_ahead(a0_ptr, a0_bytes, a1_ptr, a1_bytes, g * NUM_SPLITS + split, tl.num_programs(0) * NUM_SPLITS,
-                   AHEAD, AHEAD_PIECES)
     if EARLY_SLOTS == 0:
         wait_for_inputs(PDL)
     # With EARLY_SLOTS: the rows' positions (kv_len's source: HAS_KV_LEN 0 or 2) were written before the forward, two
@@ -245,16 +241,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
                      num_splits: int | None = None, block_n: int = 64, min_split: int | None = None,
                      out: torch.Tensor | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
                      num_warps: int = 4, num_stages: int = 2, pdl: bool = False, one_pass: bool = True,
-                     kv_len_from_q: bool = False, preload: bool = False, early: bool = False,
-                     ahead: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+                     kv_len_from_q: bool = False, preload: bool = False, early: bool = False) -> torch.Tensor:
     """Attention of R query rows over a static KV cache: q [R, Hq, D], k/v [S, Hkv, D] -> [R, Hq, D].
     `preload`: the combine reads the sinks (constant) before its PDL wait (kernels/launch.py; the same values).
     `early` (with `pdl`, and kv_len from q_pos or none), for a caller whose q_pos was written two launches back or
     earlier (then final: kernels/launch.py): each split asks L2 for its first EARLY_SLOTS slots' K/V lines before its
     PDL wait, and the combine computes its live splits from the positions before its wait (a hint and an earlier read
-    of final values: the same bits). `ahead`: up to two constant tensors a later kernel reads (the layer's o_proj and
-    router weights, stage l2_ahead): the split programs ask L2 for them through the copy engine, each its share, at
-    their start (GPU only; a hint, the same bits).
+    of final values: the same bits).
 
     slot_pos [S] int64 (position held by each slot, -1 = empty), q_pos [R] int64, sinks [Hq] fp32 or
     None, window (sliding layers) or None, kv_len: int tensor of one element on q's device, an upper
@@ -328,7 +321,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
         MIN_SPLIT=min_split, HAS_KV_LEN=has_kv_len, SLIDING=window is not None, CAUSAL=causal,
         F32=f32, PREC="ieee" if f32 else "tf32", R_PAD=max(16, triton.next_power_of_2(R)), num_warps=num_warps,
         num_stages=num_stages, EARLY_SLOTS=early_slots, LINE_ELEMS=line_elems, LINES=lines,
-        AHEAD_PIECES=32 * num_warps, **ahead_args(tuple(ahead), q.device, INTERPRETED), **launch_options(pdl, q.device))
+        **launch_options(pdl, q.device))
     _attention_combine_kernel[(Hkv * RG,)](
         part_m, part_l, part_acc, sinks if sinks is not None else part_m, kv_len_arg, out,
         S, R, out.stride(0), out.stride(1),

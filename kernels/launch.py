@@ -86,47 +86,6 @@ def prefetch_rows(row_ptrs, start, end, ELEMS_PER_LINE: tl.constexpr, LINES: tl.
 
 
 @triton.jit
-def prefetch_share_l2(base, nbytes, index, shares, PIECES: tl.constexpr):
-    """Ask L2 for program `index`'s share (of `shares` equal, contiguous ones) of the `nbytes` constant bytes after
-    `base` (a uint8 pointer; base and nbytes 16-byte multiples), through the copy engine (`cp.async.bulk.prefetch.L2`,
-    sm_90): PIECES requests, one a thread when PIECES is the program's thread count, so a program asks for tens of KB
-    with one instruction a thread where `prefetch_l2` needs one per 128-byte line. For weights a later kernel reads
-    (`ahead` of decode_attention and moe): their HBM reads then overlap kernels that move few bytes. A hint: it changes
-    no value, and nothing waits for it."""
-    share = tl.cdiv(tl.cdiv(nbytes, shares), 16) * 16
-    piece = tl.cdiv(tl.cdiv(share, PIECES), 16) * 16
-    start = index.to(tl.int64) * share
-    off = start + tl.arange(0, PIECES).to(tl.int64) * piece
-    size = tl.minimum(tl.minimum(start + share, nbytes) - off, piece).to(tl.int32)  # <= 0: no request
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [base + tl.where(size > 0, off, 0), size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_ahead(a0_ptr, a0_bytes, a1_ptr, a1_bytes, index, shares, AHEAD: tl.constexpr, PIECES: tl.constexpr):
-    """`prefetch_share_l2` of up to two constant tensors (AHEAD of them: 0, 1 or 2), this program's share of each."""
-    if AHEAD >= 1:
-        prefetch_share_l2(a0_ptr, a0_bytes, index, shares, PIECES)
-    if AHEAD >= 2:
-        prefetch_share_l2(a1_ptr, a1_bytes, index, shares, PIECES)
-
-
-def ahead_args(ahead: tuple[torch.Tensor, ...], device: torch.device, interpreted: bool) -> dict:
-    """Kernel arguments for `prefetch_ahead` of the constant tensors `ahead` (at most two, contiguous, on `device`,
-    16-byte multiples): none under the interpreter or off the GPU (PTX), where AHEAD is 0."""
-    if len(ahead) > 2 or any(not (t.is_contiguous() and t.device == device and t.numel() * t.element_size() % 16 == 0)
-                             for t in ahead):
-        raise ValueError("ahead: at most two contiguous tensors on the kernel's device, each a multiple of 16 bytes")
-    if interpreted or device.type != "cuda" or not ahead:
-        return {"AHEAD": 0}
-    args, views = {"AHEAD": len(ahead)}, list(ahead) + [ahead[0]] * (2 - len(ahead))
-    for i, t in enumerate(views):
-        args[f"a{i}_ptr"], args[f"a{i}_bytes"] = t.view(torch.uint8), t.numel() * t.element_size()
-    return args
-
-
-@triton.jit
 def global_ns(after):
     """The GPU's global nanosecond timer (%globaltimer), read once `after` (any int32 value: its producers) is
     available; for timelines of one launch (`moe(stamps=)`), never on the engine's path."""

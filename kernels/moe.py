@@ -70,8 +70,7 @@ import triton.language as tl
 
 from .device import FLOATS as _FLOATS, row_groups, sm_count as _sm_count
 from .f16_operands import bf16_grid, f16_rows, tile_width
-from .launch import (ahead_args, global_ns, launch_options, prefetch_ahead, prefetch_lines, prefetch_rows, sm_id,
-                     wait_for_inputs)
+from .launch import global_ns, launch_options, prefetch_lines, prefetch_rows, sm_id, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
@@ -333,12 +332,8 @@ def _moe_finalize_kernel(
     K_TOP: tl.constexpr, LIVE_COUNT: tl.constexpr,
     SPLIT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STORE_H: tl.constexpr, DROP_LAST: tl.constexpr,
     PDL: tl.constexpr = False,
-    a0_ptr=None, a0_bytes=0, a1_ptr=None, a1_bytes=0, AHEAD: tl.constexpr = 0, AHEAD_PIECES: tl.constexpr = 128,
 ):
     wait_for_inputs(PDL)
-    # Later kernels' constant weights into L2 (`ahead`, e.g. the next layer's q/k/v), after Gate/Up's stream
-    prefetch_ahead(a0_ptr, a0_bytes, a1_ptr, a1_bytes, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                   tl.num_programs(0) * tl.num_programs(1), AHEAD, AHEAD_PIECES)
     pair = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     tile = tl.program_id(1)
     in_range = pair < P
@@ -641,7 +636,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
         fp8_down: bool = FP8_DOWN, locks: torch.Tensor | None = None, early_down: bool = False,
         residual: tuple[torch.Tensor, ...] | None = None, stamps: torch.Tensor | None = None,
-        ahead: tuple[torch.Tensor, ...] = (), debug: dict | None = None) -> torch.Tensor:
+        debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -683,9 +678,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     caller's post-attention norm wrote it launches earlier). `stamps` (a timeline, for bench/moe_timeline.py): int64
     [Gate/Up programs, 4] (`gate_up_programs`), filled per program in launch order with the global timer (ns) at its
     start, once its owner check is known and after its last tile's products (0 for a program that owns nothing),
-    and its SM. `ahead`: up to two constant tensors a later kernel reads (the next layer's q/k/v weights, stage
-    l2_ahead): the finalize's programs ask L2 for them through the copy engine after Gate/Up's stream, each its share
-    (GPU only; a hint, the same bits; without `locks`, whose folded finalize has no launch). `debug`,
+    and its SM. `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -803,8 +796,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     if not fold_finalize:
         _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
             part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
-            SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h, DROP_LAST=drop_last, num_warps=4,
-            AHEAD_PIECES=128, **ahead_args(tuple(ahead), dev, INTERPRETED), **launch)
+            SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h, DROP_LAST=drop_last, num_warps=4, **launch)
     _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
         act, act_scale, d_arg, down_scale, experts, live_arg, y, programs[1], R, H, I,
         down_scale.shape[1], down_scale.shape[2], **routing,

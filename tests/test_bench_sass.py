@@ -131,19 +131,3 @@ def test_rope_kv_builds_for_the_gpu_with_and_without_partials(dtype):
         assert r["stack_bytes"] == 0 and r["registers"] <= 64, r
         loads[parts] = sum(1 for op in sass.sequence(kernel) if op == "LDG")
     assert loads[8] > loads[1] >= loads[0] > 0, loads
-
-
-def test_ahead_prefetch_is_one_bulk_request_a_thread_and_costs_no_registers():
-    """The MoE finalize with `ahead` (stage l2_ahead): the copy engine's L2 prefetch (`UBLKPF`) is in the SASS and
-    the registers are the plain form's; without it there is none."""
-    from iquest.kernels import moe as mk
-
-    types = dict(part_ptr="*fp32", live_ptr="*u8", act_ptr="*u8", act_s_ptr="*fp32", h_ptr="*fp32",
-                 count_ptr="*fp32", a0_ptr="*u8", a1_ptr="*u8", a0_bytes="i64", a1_bytes="i64")
-    constexprs = dict(K_TOP=8, LIVE_COUNT=True, SPLIT=8, GROUP=128, ROWS=mk.FINALIZE_ROWS, STORE_H=False,
-                      DROP_LAST=False, PDL=True, AHEAD_PIECES=128)
-    spec = sass.KernelSpec(mk._moe_finalize_kernel, types, constexprs,
-                           ("part_ptr", "act_ptr", "act_s_ptr", "a0_ptr", "a1_ptr"), 4, 3, "MoE finalize")
-    plain, ahead = (sass.report(sass.compile_spec(spec, AHEAD=n)) for n in (0, 1))
-    assert plain["mix"].get("UBLKPF", 0) == 0 and ahead["mix"].get("UBLKPF", 0) >= 1
-    assert ahead["registers"] <= plain["registers"] and ahead["stack_bytes"] == 0

@@ -182,7 +182,7 @@ def decode_with_logprobs(kernels: str, dtype: str) -> dict:
             "embed_calls": ops.embed_calls, "settle_calls": ops.settle_calls, "preload_calls": ops.preload_calls,
             "fp8_down_calls": ops.fp8_down_calls, "moe_fold_calls": ops.moe_fold_calls,
             "early_calls": ops.early_calls, "rope_sum_calls": ops.rope_sum_calls, "cascade_calls": ops.cascade_calls,
-            "norm_qkv_calls": ops.norm_qkv_calls, "l2_ahead_calls": ops.l2_ahead_calls}
+            "norm_qkv_calls": ops.norm_qkv_calls}
 
 
 @pytest.mark.gpu
@@ -218,39 +218,3 @@ def test_cuda_cascade_decodes_bit_identically(dtype):
     cascade = decode_with_logprobs("triton-early+cascade", dtype)
     assert base["cascade_calls"] == 0 and cascade["cascade_calls"] > 0
     assert cascade["steps"] == base["steps"]
-
-
-def test_ahead_args_validate_and_stay_off_the_gpu_path_elsewhere():
-    """`ahead_args`: at most two contiguous tensors of whole 16-byte pieces; none taken under the interpreter or off
-    the GPU (the copy engine's prefetch is PTX); on the GPU, uint8 views of the tensors and their byte counts."""
-    from iquest.kernels.launch import ahead_args
-
-    a, b = torch.zeros(16), torch.zeros(8, dtype=torch.bfloat16)
-    assert ahead_args((a, b), torch.device("cpu"), False) == {"AHEAD": 0}
-    assert ahead_args((), torch.device("cpu"), True) == {"AHEAD": 0}
-    for bad in ((a, a, a), (torch.zeros(3),), (torch.zeros(8, 8).t(),)):
-        with pytest.raises(ValueError, match="ahead"):
-            ahead_args(bad, torch.device("cpu"), False)
-
-
-@pytest.mark.gpu
-def test_cuda_ahead_args_on_the_gpu():
-    from iquest.kernels.launch import ahead_args
-
-    a, b = torch.zeros(16, device="cuda"), torch.zeros(8, dtype=torch.bfloat16, device="cuda")
-    args = ahead_args((a, b), a.device, False)
-    assert args["AHEAD"] == 2 and args["a0_bytes"] == 64 and args["a1_bytes"] == 16
-    assert args["a0_ptr"].dtype == torch.uint8 and args["a0_ptr"].data_ptr() == a.data_ptr()
-    one = ahead_args((a,), a.device, False)
-    assert one["AHEAD"] == 1 and one["a1_ptr"].data_ptr() == a.data_ptr()  # a valid pointer, never used
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_l2_ahead_decodes_bit_identically(dtype):
-    """Later ops' weights asked of L2 by the attention split and the MoE finalize (opt-in stage l2_ahead): the same
-    tokens, logprobs and acceptance sequence as the default through the captured decode loop, the calls counted."""
-    on = decode_with_logprobs("triton+l2_ahead", dtype)
-    off = decode_with_logprobs("triton", dtype)
-    assert on["l2_ahead_calls"] > 0 and off["l2_ahead_calls"] == 0
-    assert on["steps"] == off["steps"]

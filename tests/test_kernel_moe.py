@@ -125,7 +125,6 @@ CASES = [
     # weight tiles through per-element pointers (tma=False; the default takes tensor descriptors wherever the rows
     # are 16-byte multiples, i.e. in every case above but the partial ones): the same tiles, so the oracle's bits
     case("pointer_loads_8rows_random", launch=dict(tma=False)),
-    case("ahead_dropped_interpreted", launch=dict(ahead="6MB")),  # PTX: not taken under the interpreter, same bits
     case("pointer_loads_split3_poison_count", R=7, H=96, block_k=16, split_k=3, split=3, live="count",
          pattern="poison", launch=dict(tma=False)),
     case("pointer_loads_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
@@ -184,9 +183,6 @@ GPU_CASES = [  # full size and the mini model (E=16, top-4, H=256, I=128, block 
     *[case(f"gpu_mini_{r}rows", R=r, k=4, E=16, H=256, I=128, block=(16, 16), x="bf16") for r in (1, 8)],
     case("gpu_full_6rows_fp32x_bf16_residual", R=6, live="count", out="bf16", compute="bf16", x_ties=True, min_split=2,
          residual=24, **dict(FULL, x="fp32")),
-    # the finalize asking L2 for a later kernel's 6 MB of weights (stage l2_ahead, a hint): still the oracle's bits
-    case("gpu_full_6rows_fp32x_bf16_ahead", R=6, out="bf16", compute="bf16", x_ties=True, min_split=2,
-         launch=dict(ahead="6MB"), **dict(FULL, x="fp32")),
 ]
 
 
@@ -282,11 +278,9 @@ def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
     if c.get("fold", False):
         # one spare counter past the need: it must stay zero too
         locks = torch.zeros(fold_locks(c) + 1, dtype=torch.int32, device=t["x"].device)
-    launch = dict(c.get("launch", {}))
-    if launch.get("ahead") == "6MB":  # a later kernel's constant weights (stage l2_ahead), made on the case's device
-        launch["ahead"] = (torch.randn(6 * 1024 * 1024 // 4, device=t["x"].device),)
     got = mk.moe(*(t[a] for a in ARGS), block=c["block"], group=c["block"][1], out_dtype=DTYPES[c["out"]],
-                 out=out, split_k=c["split_k"], debug=debug, locks=locks, **compute, **tiles(c), **launch, **extra)
+                 out=out, split_k=c["split_k"], debug=debug, locks=locks, **compute, **tiles(c),
+                 **c.get("launch", {}), **extra)
     assert got is out
     if debug is not None and extra:
         debug["residual"] = (extra["residual"][0], weight, *extra["residual"][2:])
