@@ -268,15 +268,23 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 # with TMA: wider Down tiles, more warps
                 cand(down_block_n=256), cand(gate_up_warps=8, down_warps=8), cand(down_block_k=128, down_stages=2)]
     if family(op) == "linear":
-        auto = {bn: resolve(op, {"block_n": bn}, shape, sms)["split_k"] for bn in (32, 64, 128)}
+        auto = {bn: resolve(op, {"block_n": bn}, shape, sms)["split_k"] for bn in (16, 32, 64, 128)}
         half = {bn: max(1, a // 2) for bn, a in auto.items()}
+        narrow = max(auto[16], auto[32])  # 16-wide tiles keep the 32-wide split: whole splits of <= 8 tiles (preload)
         return [cand(), cand("auto/2", split_k=half[64]), cand("auto x2", split_k=2 * auto[64]),
                 cand(num_warps=8), cand(num_stages=4), cand(num_warps=8, num_stages=4),
                 cand(block_n=32), cand("auto x2", block_n=32, split_k=2 * auto[32]), cand(block_n=32, num_stages=4),
                 cand(block_n=128), cand(block_n=128, num_warps=8), cand("auto/2", block_n=128, split_k=half[128]),
                 cand(block_n=128, num_warps=8, num_stages=4), cand("932ec08 default", block_n=64, num_stages=3),
                 # constant weights read before the PDL wait (meaningful with --pdl): into L2, or into registers
-                cand(prefetch=True), cand(preload=True)]
+                cand(prefetch=True), cand("engine", preload=True),
+                # the engine's form (preload) with the router's shape of work: fewer warps a program, more programs
+                # (the router's logits, 768 one-warp programs, stream their 3.1 MB in ~2.6 us of the captured round)
+                cand("engine warps", preload=True, num_warps=2), cand("engine warps", preload=True, num_warps=1),
+                cand("engine warps", preload=True, num_warps=2, block_n=16, split_k=narrow),
+                cand("engine warps", preload=True, num_warps=1, block_n=16, split_k=narrow),
+                cand("engine warps x2", preload=True, num_warps=2, split_k=2 * auto[32]),
+                cand("engine warps x2", preload=True, num_warps=1, block_n=16, split_k=2 * narrow)]
     if family(op) == "attention":
         return [cand(), cand(min_split=128), cand(min_split=64), cand(min_split=64, num_warps=8),
                 cand(num_stages=3), cand(min_split=128, num_stages=3),
