@@ -244,6 +244,11 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
         engine = dict(fp8_down=True, early_down=True)  # as fast/ops.py calls it (early_down takes effect with --pdl)
         return [cand(),
                 cand("engine", **engine),
+                # Down's grid in the engine's form: fewer, wider programs (fewer waves behind the owners) or more warps
+                cand("engine down", **engine, down_block_n=256), cand("engine down", **engine, down_block_n=256,
+                                                                      down_warps=8),
+                cand("engine down", **engine, down_warps=8), cand("engine down", **engine, down_block_n=64),
+                cand("engine down", **engine, down_stages=1),
                 # E4M3 x E4M3 in Down's tensor cores (wgmma, weight tile as the row operand): a numerical change;
                 # its own Down defaults (128-deep tiles, 2 stages: the best of ten at a1380b4) and neighbours
                 cand(fp8_down=True), cand(fp8_down=True, down_block_k=64), cand(fp8_down=True, down_stages=3),

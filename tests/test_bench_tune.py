@@ -72,7 +72,8 @@ def test_only_keeps_the_default_and_the_matching_candidates():
     """`--only engine`: the default and the MoE as fast/ops.py calls it (fp8_down, early_down), nothing else; a string
     no candidate holds leaves the default alone."""
     cands = t.candidates("moe", SHAPE, t.H200_SMS, ("engine",))
-    assert [c.kw for c in cands] == [{}, {"fp8_down": True, "early_down": True}]
+    assert cands[1].kw == {"fp8_down": True, "early_down": True}
+    assert len(cands) > 2 and all("engine" in c.note and c.kw["early_down"] for c in cands[1:])
     assert [c.kw for c in t.candidates("router", SHAPE, t.H200_SMS, ("no such candidate",))] == [{}]
     # a label matches too: every router candidate with a 256-wide tile
     wide = t.candidates("router", SHAPE, t.H200_SMS, ("block_h=256",))
@@ -113,7 +114,7 @@ def test_h200_defaults_and_the_suggested_variants():
     # 4x: capped; 4 = the default split for 64-wide Gate/Up tiles (twice the tiles, half the splits)
     assert values("moe", "split_k") == {4, 8, 16, 24} and values("moe", "block_k") == {64, 128}
     assert values("moe", "gate_up_block_n") == {64, 128} and values("moe", "gate_up_warps") == {4, 8}
-    assert values("moe", "gate_up_stages") == {2, 3, 4, 5} and values("moe", "down_stages") == {2, 3, 4}
+    assert values("moe", "gate_up_stages") == {2, 3, 4, 5} and values("moe", "down_stages") == {1, 2, 3, 4}
     assert values("moe", "down_warps") == {4, 8} and values("moe", "f16") == {False, True}
     assert values("moe", "f16_input") == {False, True} and values("moe", "tma") == {False, True}
     assert values("moe", "down_block_n") == {32, 64, 128, 256} and values("moe", "down_block_k") == {64, 128}
