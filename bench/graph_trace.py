@@ -76,6 +76,31 @@ def merge(replays: list[dict]) -> dict:
     return out
 
 
+def linear_timeline(stamps) -> dict:
+    """One FP8 linear call's per-program stamps (ns: start, after the PDL wait, last x tile arrived, products done;
+    `fp8_linear(stamps=)`) -> us from the first program's wait returning (about when the kernel before completed):
+    "waited_last" (the last program past its wait), "x_us" and "dot_us" (medians over programs: the x tiles' arrival
+    after the wait, the products after that), "done_last" (the last program's products) and "parked_us" (median time a
+    program waited before the kernel before it completed)."""
+    rows = [r for r in stamps if r[1] > 0]
+    if not rows:
+        raise ValueError("no program stamped")
+    t0 = min(r[1] for r in rows)
+    med = lambda v: statistics.median(v) / 1e3
+    return {"programs": len(rows), "waited_last": (max(r[1] for r in rows) - t0) / 1e3,
+            "x_us": med([r[2] - r[1] for r in rows]), "dot_us": med([r[3] - r[2] for r in rows]),
+            "done_last": (max(r[3] for r in rows) - t0) / 1e3, "parked_us": med([r[1] - r[0] for r in rows])}
+
+
+def linear_timelines(calls: list[dict]) -> dict:
+    """Medians over the calls of each FP8 linear shape ("N x K") of `linear_timeline`'s fields."""
+    by_shape: dict[str, list[dict]] = {}
+    for c in calls:
+        by_shape.setdefault(f"{c['n']} x {c['k']}", []).append(linear_timeline(c["stamps"]))
+    return {shape: {"calls": len(rows), **{k: statistics.median(r[k] for r in rows) for k in rows[0]}}
+            for shape, rows in by_shape.items()}
+
+
 def split_replays(events: list[tuple[str, float, float]], gap_us: float = 20.0) -> list[list[tuple[str, float, float]]]:
     """The traced kernels cut into replays: each replay follows a host sync, so it starts more than `gap_us` after
     everything before it has ended, while a replay's own kernels follow each other without such a gap."""
@@ -117,12 +142,13 @@ def _replay_us(graph, repeats: int) -> float:
 
 @torch.no_grad()
 def trace_variant(config, weights, name: str, context: int, rows: int, replays: int, seed: int,
-                  tokens_mode: str = "decode") -> dict:
+                  tokens_mode: str = "decode", stamps: bool = False) -> dict:
     """One engine variant's captured forward (+ one draft call), traced over `replays` replays. `tokens_mode`:
     "decode" (the prompt prefilled for real, then the first round's verification block: the committed token and its
     drafts at their positions, as `iquest bench step` decodes; ~13 distinct experts a layer there), "same" (one
     random token in every row after synthetic history) or "distinct" (a random token a row); the last two route to
-    ~3x the experts (~44 a layer at b6fcf0f/99b7508), so their MoE streams ~3x the bytes."""
+    ~3x the experts (~44 a layer at b6fcf0f/99b7508), so their MoE streams ~3x the bytes. `stamps`: the FP8 linears
+    also record per-program timelines (`fp8_linear(stamps=)`), summarized by shape from the last replay."""
     from ..fast.rank import EngineOptions, RankEngine, Request
     from ..fast.synthetic import synthetic_parallel
     from ..reference.config import GenerationConfig
@@ -167,8 +193,12 @@ def trace_variant(config, weights, name: str, context: int, rows: int, replays: 
                 k.endswith(".experts")]
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
+    model.ops.linear_stamps = [] if stamps else None
+    try:
+        with torch.cuda.graph(graph):
+            forward()
+    finally:
+        calls, model.ops.linear_stamps = model.ops.linear_stamps, None
     graph.replay()
     torch.cuda.synchronize()
     replay_us = _replay_us(graph, 10)
@@ -176,14 +206,16 @@ def trace_variant(config, weights, name: str, context: int, rows: int, replays: 
     counts = [len(p) for p in parts]
     if len(parts) != replays or len(set(counts)) != 1:  # a dropped record would shift every increment after it
         raise RuntimeError(f"traced {len(parts)} replays of {counts} kernels, expected {replays} equal ones")
+    timelines = linear_timelines([dict(c, stamps=c["stamps"].cpu().tolist()) for c in calls]) if calls else None
     return {"variant": name, "replay_us": replay_us, "kernels_per_replay": counts[0], "tokens": tokens_mode,
+            "linear_timelines": timelines,
             "rows": rows, "live_rows": int(live.sum()),
             "distinct_experts_median": statistics.median(distinct) if distinct else None,
             **merge([attribute(p) for p in parts])}
 
 
 def run(config_file: str, context: int, rows: int, kernels: tuple[str, ...], replays: int, seed: int,
-        out: str | None, tokens_mode: str = "decode") -> dict:
+        out: str | None, tokens_mode: str = "decode", stamps: bool = False) -> dict:
     from ..fast.rank import EngineOptions
     from ..fast.synthetic import synthetic_weights
     from ..reference.config import Config
@@ -203,7 +235,8 @@ def run(config_file: str, context: int, rows: int, kernels: tuple[str, ...], rep
                         "medians over the traced replays"],
               "variants": []}
     for name in kernels:
-        report["variants"].append(trace_variant(config, weights, name, context, rows, replays, seed, tokens_mode))
+        report["variants"].append(trace_variant(config, weights, name, context, rows, replays, seed, tokens_mode,
+                                                stamps))
         _print(report["variants"][-1])
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -220,6 +253,10 @@ def _print(v: dict, top: int = 30) -> None:
     rows = sorted(v["by_transition"].items(), key=lambda kv: -kv[1]["us"])
     for k, s in rows[:top]:
         print(f"  {s['us']:11.1f} {s['count']:6.0f} {s['us'] / max(s['count'], 1):9.2f}  {k}")
+    for shape, t in (v.get("linear_timelines") or {}).items():
+        print(f"  FP8 linear {shape} ({t['calls']} calls, {t['programs']:.0f} programs), us after the first program's "
+              f"wait: last past its wait {t['waited_last']:.2f}, x arrived +{t['x_us']:.2f}, products +{t['dot_us']:.2f} "
+              f"(medians), last products {t['done_last']:.2f}; parked {t['parked_us']:.2f}")
     rest = rows[top:]
     if rest:
         print(f"  {sum(s['us'] for _, s in rest):11.1f} {sum(s['count'] for _, s in rest):6.0f}            "

@@ -115,6 +115,9 @@ def register(bsub) -> None:
                          "verification block, as bench step decodes, ~13 distinct experts a layer), 'same' (one random "
                          "token a row after synthetic history) or 'distinct' (a random token a row); the last two "
                          "route to ~3x the experts")
+    gt.add_argument("--stamps", action="store_true",
+                    help="the FP8 linears also stamp each program with the global timer (start, after its wait, x "
+                         "arrived, products done): their timelines by shape")
     gt.add_argument("--out", help="write the raw JSON here")
     gt.set_defaults(run=run_graph_trace)
     probes = {
@@ -148,7 +151,7 @@ def run_graph_trace(args: argparse.Namespace) -> int:
     _need_gpus("iquest bench graph-trace", 1)
     from ..bench.graph_trace import run
 
-    run(args.config, args.context, args.rows, kernels, args.replays, args.seed, args.out, args.tokens)
+    run(args.config, args.context, args.rows, kernels, args.replays, args.seed, args.out, args.tokens, args.stamps)
     return 0
 
 

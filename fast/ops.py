@@ -328,6 +328,9 @@ class TritonOps(TorchOps):
         self.rope_sum_calls = 0  # q/k/v projections summed by the rotary kernel (likewise)
         self.cascade_calls = 0  # kernel calls launched to signal before their wait (likewise)
         self.residual_adds = 0  # MoE calls whose combine added the residual stream (likewise)
+        # Benchmarks only (bench/graph_trace.py): a list receives each preloading FP8 linear call's per-program timeline
+        # ({"n", "k", "stamps"}: fp8_linear(stamps=)) while it is not None
+        self.linear_stamps: list | None = None
         self.norm_qkv_calls = 0  # q/k/v projections that took their input norm as a row scaling (likewise)
         self.fallbacks: dict[str, int] = {}  # stage -> calls the kernel could not take (see _fits)
         self._locks: torch.Tensor | None = None
@@ -339,7 +342,7 @@ class TritonOps(TorchOps):
         from ..kernels.f16_operands import empty_tiles
         from ..kernels.moe import fp8_down_applies, gate_up_k_tile, lock_count as moe_lock_count, tma_fits
         from ..kernels.decode_attention import decode_attention
-        from ..kernels.fp8_linear import fp8_linear, lock_count, preload_plan
+        from ..kernels.fp8_linear import fp8_linear, linear_programs, lock_count, preload_plan
         from ..kernels.lm_head import lm_head
         from ..kernels.moe_route import MAX_PAIRS
         from ..kernels.philox import uniforms
@@ -352,6 +355,7 @@ class TritonOps(TorchOps):
 
         self._attention, self._linear, self._lm_head, self._lock_count = decode_attention, fp8_linear, lm_head, lock_count
         self._settle, self._preload_plan, self._fp8_down_applies = settle, preload_plan, fp8_down_applies
+        self._linear_programs = linear_programs
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
         self._global_sample, self._accept_settle, self._max_k = sample.global_sample, sample.accept_settle, sample.MAX_K
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
@@ -411,11 +415,16 @@ class TritonOps(TorchOps):
         locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
         fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
         preload = self._preload(x)
+        stamps = None
         if preload and self._preload_plan(x.shape[0], *w.q.shape, w.block, device=x.device):
             self.preload_calls += 1
+            if self.linear_stamps is not None and x.is_cuda:  # a timeline of this call (bench/graph_trace.py)
+                n_prog = self._linear_programs(x.shape[0], *w.q.shape, w.block, device=x.device)
+                stamps = torch.zeros(n_prog, 4, dtype=torch.int64, device=x.device)
+                self.linear_stamps.append({"n": w.q.shape[0], "k": w.q.shape[1], "stamps": stamps})
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
                             pdl=self._pdl(x, "linear"), prefetch=self._prefetch(x), preload=preload,
-                            unsummed=unsummed, rms=rms)
+                            unsummed=unsummed, rms=rms, stamps=stamps)
 
     def qkv_rope(self, lw, kv, x, head_dim, cos, sin, rope_rows, positions, live):
         w = lw.wqkv

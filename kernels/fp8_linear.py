@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS, sm_count as _sm_count
-from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
+from .launch import global_ns, launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -81,10 +81,14 @@ def _fp8_linear_kernel(
     OPAQUE: tl.constexpr = True,  # False: negative control only (tests/test_bench_sass.py), see _after_wait
     sumsq_ptr=None, stride_sumsq=0, norm_tiles=0, eps=0.0,
     NORM: tl.constexpr = 0,  # > 0: the rows scaled by their 1 / rms (`rms`); the sums' count padded to a power of two
+    stamp_ptr=None, STAMP: tl.constexpr = False,  # a timeline (debug): `fp8_linear(stamps=)`
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    if STAMP:
+        slot = stamp_ptr + ((pid_m * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n) * 4
+        tl.store(slot, global_ns(pid_n))
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < M
@@ -107,10 +111,14 @@ def _fp8_linear_kernel(
             ws = ws + (tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None], other=0.0),)
             ss = ss + (tl.load(s_row + (k_start + t * BLOCK_K) // B1, mask=n_ok, other=0.0),)
         wait_for_inputs(PDL)
+        if STAMP:
+            tl.store(slot + 1, global_ns(pid_k))
         xs = ()
         for t in tl.static_range(PRELOAD):  # every x tile's load issued before the first dot
             kk = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
             xs = xs + (tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None], other=0.0),)
+        if STAMP:  # once the last x tile has arrived
+            tl.store(slot + 2, global_ns(tl.sum(xs[PRELOAD - 1].to(tl.float32), axis=1).to(tl.int32).max(axis=0)))
         for t in tl.static_range(PRELOAD):
             acc = _tile_dot(acc, xs[t], _after_wait(ws[t], PDL and OPAQUE), ss[t], F32, PREC)
     else:
@@ -125,6 +133,8 @@ def _fp8_linear_kernel(
 
     if NORM > 0:  # each split's partial scaled alike: the sum is the row's product scaled
         acc = acc * _inv_rms(sumsq_ptr, m, m_ok, stride_sumsq, norm_tiles, K, eps, NORM)[:, None]
+    if STAMP:  # the products done (the stores take them)
+        tl.store(slot + 3, global_ns(tl.sum(acc, axis=1).to(tl.int32).max(axis=0)))
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
         tl.store(part_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=mask)
@@ -188,6 +198,13 @@ def _split_plan(n: int, k: int, block: tuple[int, int], split_k: int | None, blo
     return block_k, triton.cdiv(k, k_per_split), k_per_split  # no empty split
 
 
+def linear_programs(m: int, n: int, k: int, block: tuple[int, int], split_k: int | None = None,
+                    block_n: int = BLOCK_N, device: torch.device = torch.device("cpu")) -> int:
+    """Programs an [m, n, k] call launches (the rows of `fp8_linear(stamps=)`)."""
+    _, splits, _ = _split_plan(n, k, block, split_k, block_n, device)
+    return triton.cdiv(n, block_n) * splits * triton.cdiv(m, BLOCK_M)
+
+
 def preload_plan(m: int, n: int, k: int, block: tuple[int, int], split_k: int | None = None, block_n: int = BLOCK_N,
                  device: torch.device = torch.device("cpu")) -> int:
     """K tiles each program of an [m, n, k] call preloads with `preload=True` (0: the loop runs instead)."""
@@ -214,7 +231,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
                num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False,
                preload: bool = False, unsummed: bool = False,
-               rms: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+               rms: tuple[torch.Tensor, float] | None = None, stamps: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
@@ -232,7 +249,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     1 / sqrt(sum_t sumsq[m, t] / K + eps), the sums taken in one fixed order by every program. With x = h * w rounded
     and sumsq the partial sums of h^2 (kernels/moe.py's `residual`), that is the product of rmsnorm(h) * w without the
     norm's launch: a numerical change (the normalized rows rounded before their scaling, the squares summed in another
-    order than rmsnorm_residual's), qualified in docs/PERF.md."""
+    order than rmsnorm_residual's), qualified in docs/PERF.md.
+    `stamps` (a timeline, for bench/graph_trace.py; GPU, preloading calls only): int64 [programs, 4]
+    (`linear_programs`), filled per program with the global timer (ns) at its start, after its PDL wait, once its
+    last x tile has arrived and once its products are done. The same values are computed."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -271,12 +291,17 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                f"{grid[0] * grid[2]} counters")
     serial = split_k > 1 and locks is not None and not unsummed
     tiles = preload_tiles(K, k_per_split, block_k) if preload else 0
+    if stamps is not None:
+        n_prog = grid[0] * grid[1] * grid[2]
+        _check(stamps.dtype == torch.int64 and tuple(stamps.shape) == (n_prog, 4) and stamps.is_contiguous()
+               and stamps.device == x.device and not INTERPRETED and tiles > 0,
+               f"stamps must be contiguous int64 [{n_prog}, 4] on the GPU, for a preloading call")
     _fp8_linear_kernel[grid](
         x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
         k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
         SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, PRELOAD=tiles, **norm_args,
-        **launch_options(pdl, x.device))
+        stamp_ptr=stamps, STAMP=stamps is not None, **launch_options(pdl, x.device))
     if unsummed:
         return part
     if split_k > 1 and not serial:
