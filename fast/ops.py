@@ -420,7 +420,8 @@ class TritonOps(TorchOps):
             self.preload_calls += 1
             if self.linear_stamps is not None and x.is_cuda:  # a timeline of this call (bench/graph_trace.py)
                 n_prog = self._linear_programs(x.shape[0], *w.q.shape, w.block, device=x.device)
-                stamps = torch.zeros(n_prog, 4, dtype=torch.int64, device=x.device)
+                # empty, not zeros: a fill would be a kernel of its own in the captured chain (every program stamps)
+                stamps = torch.empty(n_prog, 4, dtype=torch.int64, device=x.device)
                 self.linear_stamps.append({"n": w.q.shape[0], "k": w.q.shape[1], "stamps": stamps})
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
                             pdl=self._pdl(x, "linear"), prefetch=self._prefetch(x), preload=preload,
