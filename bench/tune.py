@@ -289,7 +289,11 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand("engine warps", preload=True, num_warps=2, block_n=16, split_k=narrow),
                 cand("engine warps", preload=True, num_warps=1, block_n=16, split_k=narrow),
                 cand("engine warps x2", preload=True, num_warps=2, split_k=2 * auto[32]),
-                cand("engine warps x2", preload=True, num_warps=1, block_n=16, split_k=2 * narrow)]
+                cand("engine warps x2", preload=True, num_warps=1, block_n=16, split_k=2 * narrow),
+                # shorter chains a program: half the K tiles each (twice the splits), or 64-wide tiles
+                cand("engine x2", preload=True, split_k=2 * auto[32]), cand("engine x4", preload=True, split_k=4 * auto[32]),
+                cand("engine 64", preload=True, block_n=64, split_k=auto[32]),
+                cand("engine 8 warps", preload=True, num_warps=8)]
     if family(op) == "attention":
         return [cand(), cand(min_split=128), cand(min_split=64), cand(min_split=64, num_warps=8),
                 cand(num_stages=3), cand(min_split=128, num_stages=3),
