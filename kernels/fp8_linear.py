@@ -52,22 +52,14 @@ def _after_wait(w, PDL: tl.constexpr):
 
 
 @triton.jit
-def _tile_dot(acc, x, w, s, F32: tl.constexpr, PREC: tl.constexpr, xd=None, F16: tl.constexpr = False):
-    """acc + (x @ w^T) * s for one K tile: w E4M3 [BLOCK_N, BLOCK_K], s its block scale per output column. F16: x is
-    the tile's exact fp16 form scaled per row by 2^s (`f16_input`) and xd its 2^-s per row: the weights convert to
-    fp16 in one instruction per two (to bf16 it takes three), and the product scaled by 2^-s * s is the bf16 one's
-    (kernels/f16_operands.py)."""
+def _tile_dot(acc, x, w, s, F32: tl.constexpr, PREC: tl.constexpr):
+    """acc + (x @ w^T) * s for one K tile: w E4M3 [BLOCK_N, BLOCK_K], s its block scale per output column."""
     if F32:
         x = x.to(tl.float32)
         w = w.to(tl.float32)
-        if F16:
-            x = x * xd[:, None]  # the bf16 value again, exactly
-        out = acc + tl.dot(x, tl.trans(w), input_precision=PREC) * s[None, :]
-    elif F16:
-        out = acc + tl.dot(x, tl.trans(w.to(tl.float16))) * (xd[:, None] * s[None, :])
     else:
-        out = acc + tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PREC) * s[None, :]  # the conversion is exact
-    return out
+        w = w.to(x.dtype)  # exact
+    return acc + tl.dot(x, tl.trans(w), input_precision=PREC) * s[None, :]
 
 
 @triton.jit
@@ -90,7 +82,6 @@ def _fp8_linear_kernel(
     sumsq_ptr=None, stride_sumsq=0, norm_tiles=0, eps=0.0,
     NORM: tl.constexpr = 0,  # > 0: the rows scaled by their 1 / rms (`rms`); the sums' count padded to a power of two
     stamp_ptr=None, STAMP: tl.constexpr = False,  # a timeline (debug): `fp8_linear(stamps=)`
-    xd_ptr=None, stride_xd=0, F16: tl.constexpr = False,  # x_ptr the fp16 tiles, xd_ptr their 2^-s (`f16_input`)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -123,19 +114,13 @@ def _fp8_linear_kernel(
         if STAMP:
             tl.store(slot + 1, global_ns(pid_k))
         xs = ()
-        xds = ()
         for t in tl.static_range(PRELOAD):  # every x tile's load issued before the first dot
             kk = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
             xs = xs + (tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None], other=0.0),)
-            if F16:
-                xds = xds + (tl.load(xd_ptr + m * stride_xd + (k_start // BLOCK_K + t), mask=m_ok, other=1.0),)
         if STAMP:  # once the last x tile has arrived
             tl.store(slot + 2, global_ns(tl.sum(xs[PRELOAD - 1].to(tl.float32), axis=1).to(tl.int32).max(axis=0)))
         for t in tl.static_range(PRELOAD):
-            if F16:
-                acc = _tile_dot(acc, xs[t], _after_wait(ws[t], PDL and OPAQUE), ss[t], F32, PREC, xds[t], True)
-            else:
-                acc = _tile_dot(acc, xs[t], _after_wait(ws[t], PDL and OPAQUE), ss[t], F32, PREC)
+            acc = _tile_dot(acc, xs[t], _after_wait(ws[t], PDL and OPAQUE), ss[t], F32, PREC)
     else:
         wait_for_inputs(PDL)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -144,11 +129,7 @@ def _fp8_linear_kernel(
             x = tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             s = tl.load(s_row + k0 // B1, mask=n_ok, other=0.0)  # the tile lies in one K block
-            if F16:
-                xd = tl.load(xd_ptr + m * stride_xd + k0 // BLOCK_K, mask=m_ok, other=1.0)
-                acc = _tile_dot(acc, x, w, s, F32, PREC, xd, True)
-            else:
-                acc = _tile_dot(acc, x, w, s, F32, PREC)
+            acc = _tile_dot(acc, x, w, s, F32, PREC)
 
     if NORM > 0:  # each split's partial scaled alike: the sum is the row's product scaled
         acc = acc * _inv_rms(sumsq_ptr, m, m_ok, stride_sumsq, norm_tiles, K, eps, NORM)[:, None]
@@ -250,8 +231,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
                num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False,
                preload: bool = False, unsummed: bool = False,
-               rms: tuple[torch.Tensor, float] | None = None, stamps: torch.Tensor | None = None,
-               f16_input: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               rms: tuple[torch.Tensor, float] | None = None, stamps: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
@@ -272,11 +252,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     order than rmsnorm_residual's), qualified in docs/PERF.md.
     `stamps` (a timeline, for bench/graph_trace.py; GPU, preloading calls only): int64 [programs, 4]
     (`linear_programs`), filled per program with the global timer (ns) at its start, after its PDL wait, once its
-    last x tile has arrived and once its products are done. The same values are computed.
-    `f16_input` = (fp16 [M, K], fp32 [M, K / 128]): x's tiles as `f16_operands.f16_rows_tiles` makes them (each row
-    of each 128-wide K tile scaled into fp16 by a power of two, and that power's inverse), which the kernel reads
-    instead of x (x still gives the shapes and the output dtype): bf16 x's products, with the weights converted to
-    fp16 (kernels/f16_operands.py says when that is exact)."""
+    last x tile has arrived and once its products are done. The same values are computed."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -307,15 +283,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                and out.stride(1) == 1, f"out must be [{M}, {N}] {out_dtype} with unit stride along N")
         part = part if split else out
     norm_args = _rms_args(rms, M, x.device)
-    x_arg, f16_args = x, {}
-    if f16_input is not None:
-        x16, xd = f16_input
-        _check(x.dtype == torch.bfloat16, f"f16_input: the fp16 form of bf16 x, got x {x.dtype}")
-        _check(_block_k(B1) == 128 and K % 128 == 0, "f16_input: the tiles are 128 wide: K and its blocks must be too")
-        _check(x16.dtype == torch.float16 and tuple(x16.shape) == (M, K) and x16.stride(1) == 1
-               and xd.dtype == torch.float32 and tuple(xd.shape) == (M, K // 128) and xd.stride(1) == 1
-               and x16.device == xd.device == x.device, f"f16_input must be fp16 [{M}, {K}] and fp32 [{M}, {K // 128}]")
-        x_arg, f16_args = x16, dict(xd_ptr=xd, stride_xd=xd.stride(0), F16=True)
     f32 = INTERPRETED or x.dtype == torch.float32
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, BLOCK_M))
     if locks is not None:
@@ -330,11 +297,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                and stamps.device == x.device and not INTERPRETED and tiles > 0,
                f"stamps must be contiguous int64 [{n_prog}, 4] on the GPU, for a preloading call")
     _fp8_linear_kernel[grid](
-        x_arg, w, scale, out, part, locks if serial else part, M, N, K, x_arg.stride(0), out.stride(0), expect[1],
+        x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
         k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
         SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, PRELOAD=tiles, **norm_args,
-        stamp_ptr=stamps, STAMP=stamps is not None, **f16_args, **launch_options(pdl, x.device))
+        stamp_ptr=stamps, STAMP=stamps is not None, **launch_options(pdl, x.device))
     if unsummed:
         return part
     if split_k > 1 and not serial:

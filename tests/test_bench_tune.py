@@ -99,7 +99,7 @@ def test_h200_defaults_and_the_suggested_variants():
                            "down_stages": 3, "f16": True, "f16_input": True, "tma": True, "fp8_down": False,
                            "early_down": False}
     assert r["linear_qkv"][0] == {"split_k": 8, "block_n": 32, "num_warps": 4, "num_stages": 4, "prefetch": False,
-                                  "preload": False, "f16_input": False}
+                                  "preload": False}
     assert r["linear_o"][0]["split_k"] == 1
     assert r["attention_sliding"][0] == {"num_splits": 66, "live_splits": 17, "block_n": 64, "min_split": 64,
                                          "num_warps": 4, "num_stages": 2, "one_pass": True}
