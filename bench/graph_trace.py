@@ -77,19 +77,21 @@ def merge(replays: list[dict]) -> dict:
 
 
 def linear_timeline(stamps) -> dict:
-    """One FP8 linear call's per-program stamps (ns: start, after the PDL wait, last x tile arrived, products done;
-    `fp8_linear(stamps=)`) -> us from the first program's wait returning (about when the kernel before completed):
-    "waited_last" (the last program past its wait), "x_us" and "dot_us" (medians over programs: the x tiles' arrival
-    after the wait, the products after that), "done_last" (the last program's products) and "parked_us" (median time a
-    program waited before the kernel before it completed)."""
+    """One FP8 linear call's per-program stamps (ns: start, after the PDL wait, last x tile arrived, first tile's
+    product, every tile's product, after the norm's scaling; `fp8_linear(stamps=)`) -> us from the first program's
+    wait returning (about when the kernel before completed): "waited_last" (the last program past its wait); medians
+    over programs of "x_us" (x's tiles after the wait), "first_us" (the first tile's product after that: its weights
+    arrived, converted, multiplied), "rest_us" (the other tiles' products after that), "rms_us" (the norm's scaling);
+    "done_last" (the last program's products) and "parked_us" (how long a program waited before the kernel before it
+    completed)."""
     rows = [r for r in stamps if r[1] > 0]
     if not rows:
         raise ValueError("no program stamped")
     t0 = min(r[1] for r in rows)
-    med = lambda v: statistics.median(v) / 1e3
-    return {"programs": len(rows), "waited_last": (max(r[1] for r in rows) - t0) / 1e3,
-            "x_us": med([r[2] - r[1] for r in rows]), "dot_us": med([r[3] - r[2] for r in rows]),
-            "done_last": (max(r[3] for r in rows) - t0) / 1e3, "parked_us": med([r[1] - r[0] for r in rows])}
+    med = lambda i, j: statistics.median(r[j] - r[i] for r in rows) / 1e3
+    return {"programs": len(rows), "waited_last": (max(r[1] for r in rows) - t0) / 1e3, "x_us": med(1, 2),
+            "first_us": med(2, 3), "rest_us": med(3, 4), "rms_us": med(4, 5),
+            "done_last": (max(r[5] for r in rows) - t0) / 1e3, "parked_us": med(0, 1)}
 
 
 def linear_timelines(calls: list[dict]) -> dict:
@@ -255,8 +257,9 @@ def _print(v: dict, top: int = 30) -> None:
         print(f"  {s['us']:11.1f} {s['count']:6.0f} {s['us'] / max(s['count'], 1):9.2f}  {k}")
     for shape, t in (v.get("linear_timelines") or {}).items():
         print(f"  FP8 linear {shape} ({t['calls']} calls, {t['programs']:.0f} programs), us after the first program's "
-              f"wait: last past its wait {t['waited_last']:.2f}, x arrived +{t['x_us']:.2f}, products +{t['dot_us']:.2f} "
-              f"(medians), last products {t['done_last']:.2f}; parked {t['parked_us']:.2f}")
+              f"wait: last past its wait {t['waited_last']:.2f}; medians: x arrived +{t['x_us']:.2f}, first tile's "
+              f"product +{t['first_us']:.2f}, the other tiles' +{t['rest_us']:.2f}, the norm's scaling "
+              f"+{t['rms_us']:.2f}; last products {t['done_last']:.2f}; parked {t['parked_us']:.2f}")
     rest = rows[top:]
     if rest:
         print(f"  {sum(s['us'] for _, s in rest):11.1f} {sum(s['count'] for _, s in rest):6.0f}            "

@@ -34,6 +34,7 @@ BLOCK_M = 16  # tl.dot's smallest M; decode blocks have 1..8 rows
 # H200 (bench/results/tune-h200-932ec08.*): q/k/v [1024 x 6144] 8.25 -> 7.57 us, o_proj [6144 x 768] 7.01 -> 5.42 us
 # against 64-wide tiles and 3 stages (narrower tiles: more programs, so fewer K splits).
 BLOCK_N, NUM_STAGES = 32, 4
+STAMPS = 6  # `fp8_linear(stamps=)`: timer readings a program
 # Tiles a program may hold for `preload`: 8 x [32 x 128] E4M3 is 32 KB, 64 registers a thread at 4 warps.
 MAX_PRELOAD = 8
 
@@ -82,12 +83,13 @@ def _fp8_linear_kernel(
     sumsq_ptr=None, stride_sumsq=0, norm_tiles=0, eps=0.0,
     NORM: tl.constexpr = 0,  # > 0: the rows scaled by their 1 / rms (`rms`); the sums' count padded to a power of two
     stamp_ptr=None, STAMP: tl.constexpr = False,  # a timeline (debug): `fp8_linear(stamps=)`
+    STAMPS: tl.constexpr = 6,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     if STAMP:
-        slot = stamp_ptr + ((pid_m * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n) * 4
+        slot = stamp_ptr + ((pid_m * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n) * STAMPS
         tl.store(slot, global_ns(pid_n))
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,6 +123,10 @@ def _fp8_linear_kernel(
             tl.store(slot + 2, global_ns(tl.sum(xs[PRELOAD - 1].to(tl.float32), axis=1).to(tl.int32).max(axis=0)))
         for t in tl.static_range(PRELOAD):
             acc = _tile_dot(acc, xs[t], _after_wait(ws[t], PDL and OPAQUE), ss[t], F32, PREC)
+            if STAMP and t == 0:  # the first tile's product: its weights arrived, converted and multiplied
+                tl.store(slot + 3, global_ns(tl.sum(acc, axis=1).to(tl.int32).max(axis=0)))
+        if STAMP:  # every tile's product
+            tl.store(slot + 4, global_ns(tl.sum(acc, axis=1).to(tl.int32).max(axis=0)))
     else:
         wait_for_inputs(PDL)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -133,8 +139,8 @@ def _fp8_linear_kernel(
 
     if NORM > 0:  # each split's partial scaled alike: the sum is the row's product scaled
         acc = acc * _inv_rms(sumsq_ptr, m, m_ok, stride_sumsq, norm_tiles, K, eps, NORM)[:, None]
-    if STAMP:  # the products done (the stores take them)
-        tl.store(slot + 3, global_ns(tl.sum(acc, axis=1).to(tl.int32).max(axis=0)))
+    if STAMP:  # the products done, with the norm's scaling (the stores take them)
+        tl.store(slot + 5, global_ns(tl.sum(acc, axis=1).to(tl.int32).max(axis=0)))
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
         tl.store(part_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=mask)
@@ -250,9 +256,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     and sumsq the partial sums of h^2 (kernels/moe.py's `residual`), that is the product of rmsnorm(h) * w without the
     norm's launch: a numerical change (the normalized rows rounded before their scaling, the squares summed in another
     order than rmsnorm_residual's), qualified in docs/PERF.md.
-    `stamps` (a timeline, for bench/graph_trace.py; GPU, preloading calls only): int64 [programs, 4]
+    `stamps` (a timeline, for bench/graph_trace.py; GPU, preloading calls only): int64 [programs, STAMPS]
     (`linear_programs`), filled per program with the global timer (ns) at its start, after its PDL wait, once its
-    last x tile has arrived and once its products are done. The same values are computed."""
+    last x tile has arrived, once its first tile's product is done (its weights arrived, converted and multiplied),
+    once every tile's is, and after the norm's scaling (`rms`; else the same). The same values are computed."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -293,15 +300,15 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     tiles = preload_tiles(K, k_per_split, block_k) if preload else 0
     if stamps is not None:
         n_prog = grid[0] * grid[1] * grid[2]
-        _check(stamps.dtype == torch.int64 and tuple(stamps.shape) == (n_prog, 4) and stamps.is_contiguous()
+        _check(stamps.dtype == torch.int64 and tuple(stamps.shape) == (n_prog, STAMPS) and stamps.is_contiguous()
                and stamps.device == x.device and not INTERPRETED and tiles > 0,
-               f"stamps must be contiguous int64 [{n_prog}, 4] on the GPU, for a preloading call")
+               f"stamps must be contiguous int64 [{n_prog}, {STAMPS}] on the GPU, for a preloading call")
     _fp8_linear_kernel[grid](
         x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
         k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
         SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, PRELOAD=tiles, **norm_args,
-        stamp_ptr=stamps, STAMP=stamps is not None, **launch_options(pdl, x.device))
+        stamp_ptr=stamps, STAMP=stamps is not None, STAMPS=STAMPS, **launch_options(pdl, x.device))
     if unsummed:
         return part
     if split_k > 1 and not serial:

@@ -193,7 +193,7 @@ def _args(**over):
     (dict(rms=(torch.ones(4, 6), 1e-6)), "rms's sumsq"),
     (dict(rms=(torch.ones(3, 6, dtype=torch.float64), 1e-6)), "rms's sumsq"),
     (dict(rms=(torch.ones(3, 6), 0.0)), "rms's eps"),
-    (dict(stamps=torch.zeros(1, 4, dtype=torch.int64)), "stamps must be"),  # the GPU only, preloading calls only
+    (dict(stamps=torch.zeros(1, fl.STAMPS, dtype=torch.int64)), "stamps must be"),  # the GPU only, preloading calls only
 ])
 def test_rejects_bad_inputs(over, message):
     with pytest.raises(ValueError, match=message):
@@ -231,15 +231,15 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
 @pytest.mark.gpu
 def test_gpu_stamps_change_nothing_and_are_ordered():
     """fp8_linear(stamps=) (bench/graph_trace.py's timelines) at o_proj's shape with preload and PDL: the same output
-    bits, and every program stamped start <= after its wait <= x arrived <= products done."""
+    bits, and every program's stamps in order (start, after its wait, x arrived, first tile, every tile, scaled)."""
     w, s = quantize(torch.randn(6144, 768), (128, 128))
     x = torch.randn(6, 768).to(torch.bfloat16).cuda()
     w, s = w.cuda(), s.cuda()
     kw = dict(block=(128, 128), preload=True, pdl=True)
     want = fl.fp8_linear(x, w, s, **kw)
     n = fl.linear_programs(6, 6144, 768, (128, 128), device=x.device)
-    stamps = torch.zeros(n, 4, dtype=torch.int64, device="cuda")
+    stamps = torch.zeros(n, fl.STAMPS, dtype=torch.int64, device="cuda")
     got = fl.fp8_linear(x, w, s, stamps=stamps, **kw)
     t = stamps.cpu()
     assert torch.equal(got, want)
-    assert bool((t[:, 0] > 0).all() and (t[:, :3] <= t[:, 1:]).all()), t[:4]
+    assert bool((t[:, 0] > 0).all() and (t[:, :-1] <= t[:, 1:]).all()), t[:4]
