@@ -127,7 +127,7 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "router": rt.route, "norm": rn.rmsnorm_residual}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
                     "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down", "early_down"),
-            "linear": ("split_k", "block_n", "num_warps", "num_stages", "prefetch", "preload", "batched"),
+            "linear": ("split_k", "block_n", "num_warps", "num_stages", "prefetch", "preload"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk", "prefetch", "preload"),
             "norm": ("num_warps", "f16_out")}
@@ -215,8 +215,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk
         return {"split_k": triton.cdiv(k, k_per_split), "block_n": g["block_n"], "num_warps": g["num_warps"],
                 "num_stages": g["num_stages"], "prefetch": g["prefetch"],
-                "preload": bool(g["preload"] and fl.preload_tiles(k, k_per_split, bk)),
-                "batched": bool(g["batched"] and g["preload"] and fl.preload_tiles(k, k_per_split, bk))}
+                "preload": bool(g["preload"] and fl.preload_tiles(k, k_per_split, bk))}
     if family(op) == "attention":
         bn = g["block_n"]
         ms = bn if g["min_split"] is None else g["min_split"]  # decode_attention's default: one tile
@@ -294,11 +293,7 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 # shorter chains a program: half the K tiles each (twice the splits), or 64-wide tiles
                 cand("engine x2", preload=True, split_k=2 * auto[32]), cand("engine x4", preload=True, split_k=4 * auto[32]),
                 cand("engine 64", preload=True, block_n=64, split_k=auto[32]),
-                cand("engine 8 warps", preload=True, num_warps=8),
-                # the tiles as one batched dot: one staging into the MMA's layout and independent products instead of a
-                # chain of six (graph-trace --stamps: ~0.5 us a tile after the first); the sum's order changes
-                cand("engine batched", preload=True, batched=True),
-                cand("engine batched 2x", preload=True, batched=True, split_k=2 * auto[32])]
+                cand("engine 8 warps", preload=True, num_warps=8)]
     if family(op) == "attention":
         return [cand(), cand(min_split=128), cand(min_split=64), cand(min_split=64, num_warps=8),
                 cand(num_stages=3), cand(min_split=128, num_stages=3),

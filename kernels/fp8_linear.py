@@ -84,7 +84,6 @@ def _fp8_linear_kernel(
     NORM: tl.constexpr = 0,  # > 0: the rows scaled by their 1 / rms (`rms`); the sums' count padded to a power of two
     stamp_ptr=None, STAMP: tl.constexpr = False,  # a timeline (debug): `fp8_linear(stamps=)`
     STAMPS: tl.constexpr = 6,
-    BATCH: tl.constexpr = 0,  # > 0 (with PRELOAD): the tiles' products as one batched dot of BATCH >= PRELOAD tiles
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -103,27 +102,7 @@ def _fp8_linear_kernel(
     s_row = s_ptr + (n // B0) * scale_cols
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if BATCH > 0:
-        # The split's PRELOAD tiles as one [BATCH, ...] operand each (tiles past PRELOAD are zeros): one staging of the
-        # weights into the MMA's layout for all of them instead of one (and its barriers) a tile, and independent
-        # products. The tiles' scaled products are then summed by a reduction over the batch: another order of fp32
-        # additions than the loop's, so a numerical change (opt-in, `fp8_linear(batched=True)`).
-        tb = tl.arange(0, BATCH)
-        tb_ok = tb < PRELOAD
-        kb = k_start + tb[:, None, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, None, :]
-        w3 = tl.load(w_ptr + n[None, :, None] * K + kb, mask=tb_ok[:, None, None] & n_ok[None, :, None], other=0.0)
-        s3 = tl.load(s_row[None, :] + ((k_start + tb * BLOCK_K) // B1)[:, None], mask=tb_ok[:, None] & n_ok[None, :],
-                     other=0.0)
-        wait_for_inputs(PDL)
-        x3 = tl.load(x_ptr + m[None, :, None] * stride_xm + kb, mask=tb_ok[:, None, None] & m_ok[None, :, None],
-                     other=0.0)
-        w3 = _after_wait(w3, PDL and OPAQUE)
-        if F32:
-            d = tl.dot(x3.to(tl.float32), tl.permute(w3.to(tl.float32), (0, 2, 1)), input_precision=PREC)
-        else:
-            d = tl.dot(x3, tl.permute(w3.to(x3.dtype), (0, 2, 1)), input_precision=PREC)  # the conversion is exact
-        acc = tl.sum(d * s3[:, None, :], axis=0)
-    elif PRELOAD > 0:
+    if PRELOAD > 0:
         # The split's PRELOAD whole K tiles (every split is full) of the constant weight and its scales are loaded
         # into registers before the wait, so their HBM reads overlap the previous kernel; then the same dots in the
         # same order as the loop below.
@@ -258,8 +237,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
                num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False,
                preload: bool = False, unsummed: bool = False,
-               rms: tuple[torch.Tensor, float] | None = None, stamps: torch.Tensor | None = None,
-               batched: bool = False) -> torch.Tensor:
+               rms: tuple[torch.Tensor, float] | None = None, stamps: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
@@ -281,10 +259,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     `stamps` (a timeline, for bench/graph_trace.py; GPU, preloading calls only): int64 [programs, STAMPS]
     (`linear_programs`), filled per program with the global timer (ns) at its start, after its PDL wait, once its
     last x tile has arrived, once its first tile's product is done (its weights arrived, converted and multiplied),
-    once every tile's is, and after the norm's scaling (`rms`; else the same). The same values are computed.
-    `batched` (with `preload`, where it applies): the split's K tiles multiplied as one batched dot (one staging of the
-    weights into the MMA's operand layout, independent products), their scaled products summed by a reduction: the
-    same products, summed in another order (a numerical change within fp32 rounding)."""
+    once every tile's is, and after the norm's scaling (`rms`; else the same). The same values are computed."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -323,8 +298,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                f"{grid[0] * grid[2]} counters")
     serial = split_k > 1 and locks is not None and not unsummed
     tiles = preload_tiles(K, k_per_split, block_k) if preload else 0
-    batch = triton.next_power_of_2(tiles) if batched and tiles else 0
-    _check(stamps is None or not batch, "stamps: the tile-by-tile form only (batched=False)")
     if stamps is not None:
         n_prog = grid[0] * grid[1] * grid[2]
         _check(stamps.dtype == torch.int64 and tuple(stamps.shape) == (n_prog, STAMPS) and stamps.is_contiguous()
@@ -335,7 +308,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
         SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, PRELOAD=tiles, **norm_args,
-        stamp_ptr=stamps, STAMP=stamps is not None, STAMPS=STAMPS, BATCH=batch, **launch_options(pdl, x.device))
+        stamp_ptr=stamps, STAMP=stamps is not None, STAMPS=STAMPS, **launch_options(pdl, x.device))
     if unsummed:
         return part
     if split_k > 1 and not serial:

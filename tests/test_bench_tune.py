@@ -56,7 +56,7 @@ def test_candidates_default_first_unique_and_accepted(op, shape, sms):
                                                              inspect.Parameter.POSITIONAL_OR_KEYWORD), (op, name)
             assert name in t.TUNABLES[t.family(op)], (op, name)
             if name in ("f16", "f16_input", "tma", "packed_topk", "one_pass", "f16_out", "prefetch", "preload", "fp8_down",
-                        "early_down", "batched"):
+                        "early_down"):
                 assert isinstance(value, bool), (op, value)
                 continue
             assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, (op, name, value)
@@ -99,7 +99,7 @@ def test_h200_defaults_and_the_suggested_variants():
                            "down_stages": 3, "f16": True, "f16_input": True, "tma": True, "fp8_down": False,
                            "early_down": False}
     assert r["linear_qkv"][0] == {"split_k": 8, "block_n": 32, "num_warps": 4, "num_stages": 4, "prefetch": False,
-                                  "preload": False, "batched": False}
+                                  "preload": False}
     assert r["linear_o"][0]["split_k"] == 1
     assert r["attention_sliding"][0] == {"num_splits": 66, "live_splits": 17, "block_n": 64, "min_split": 64,
                                          "num_warps": 4, "num_stages": 2, "one_pass": True}

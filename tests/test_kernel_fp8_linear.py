@@ -126,11 +126,6 @@ def run_case(c: dict, device: str) -> dict:
                         pdl=t["x"].is_cuda, rms=_rms(c, t))  # on the GPU with its wait: the opaque move too
     r.update(preload_bits=bool(torch.equal(pre, got)), preloaded=fl.preload_plan(
         c["M"], c["N"], c["K"], c["block"], c["split_k"], c["block_n"], t["x"].device) > 0)
-    r["batched_err"] = None
-    if r["preloaded"]:  # the tiles as one batched dot (opt-in): the same products, summed in another order
-        b = fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype, split_k=c["split_k"],
-                          block_n=c["block_n"], preload=True, batched=True, pdl=t["x"].is_cuda, rms=_rms(c, t))
-        r["batched_err"] = (b.float() - got.float()).abs().max().item() / ref.abs().max().item()
     if c["order_control"]:
         splits = fl._split_plan(c["N"], c["K"], c["block"], c["split_k"], c["block_n"], t["x"].device)[1]
         other = fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype, split_k=1 if splits > 1 else 3,
@@ -160,9 +155,6 @@ def _check(c: dict, r: dict) -> None:
         assert not r["reordered_bits"], "another summation order gave the same bits: the bit checks prove nothing here"
     if c["preloads"] is not None:
         assert r["preloaded"] == c["preloads"], f"{c['name']}: preload taken: {r['preloaded']}, not {c['preloads']}"
-    if r["batched_err"] is not None:  # fp32 reassociation, then one rounding to the output dtype
-        assert r["batched_err"] <= {"fp32": 1e-6, "bf16": 8e-3, "fp16": 1e-3}[out], (
-            f"{c['name']}: the batched dot differs from the tile loop by {r['batched_err']:.2e}")
     if c["serial"]:
         assert r["serial_bits"], "the in-kernel split sum differs from the two-pass sum"
         assert r["locks_rearmed"], "a counter was left non-zero: the next call would sum too early"
