@@ -42,6 +42,16 @@ PROFILE_TOKENS = 4  # tokens decoded under the profiler, per variant
 SNAPSHOT_KV_LIMIT = 4 << 30  # restore every layer's KV contents when they are this small
 
 
+def synthetic_request(config: Config, tp: int, context: int, seed: int, generation: GenerationConfig,
+                      max_new_tokens: int, drafts: int) -> Request:
+    """A decode request of `context` random prompt tokens from rank 0's vocabulary rows (other ranks' rows would embed
+    to zero without the all-reduce), with the generation config's sampling."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(2, config.vocab_size // tp, (context,), generator=g).tolist()
+    return Request(tuple(prompt), seed, generation.temperature, generation.top_k, generation.top_p, max_new_tokens,
+                   drafts, ())
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, copies: int = 10) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read + written (GPU_FACTS.md)."""
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
@@ -217,11 +227,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
     weights = synthetic_weights(config, tp, 0, dev, dtype, seed)
     build_s = time.perf_counter() - t0
     generation = GenerationConfig(eos_token_id=config.eos_token_id)
-    # Prompt from rank 0's vocabulary rows: other ranks' rows would embed to zero without the all-reduce.
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(2, config.vocab_size // tp, (context,), generator=g).tolist()
-    req = Request(tuple(prompt), seed, generation.temperature, generation.top_k, generation.top_p,
-                  chunk_tokens + 1, drafts, ())
+    req = synthetic_request(config, tp, context, seed, generation, chunk_tokens + 1, drafts)
     engines, timing = {}, {}
     for name in kernels:  # the weights are shared; each engine has its own caches, state and graph
         engine = RankEngine.from_weights(config, weights, generation, synthetic_parallel(tp, 0, dev),

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..provenance import commit
+from .kernels_micro import TP  # one rank of the TP8 layout
 
 SHORT = 48  # characters of a kernel's name kept in the report
 
@@ -129,19 +130,6 @@ def _trace(graph, replays: int) -> list[tuple[str, float, float]]:
             if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
 
 
-def _replay_us(graph, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
 @torch.no_grad()
 def trace_variant(config, weights, name: str, context: int, rows: int, replays: int, seed: int,
                   tokens_mode: str = "decode", stamps: bool = False) -> dict:
@@ -151,29 +139,28 @@ def trace_variant(config, weights, name: str, context: int, rows: int, replays: 
     random token in every row after synthetic history) or "distinct" (a random token a row); the last two route to
     ~3x the experts (~44 a layer at b6fcf0f/99b7508), so their MoE streams ~3x the bytes. `stamps`: the FP8 linears
     also record per-program timelines (`fp8_linear(stamps=)`), summarized by shape from the last replay."""
-    from ..fast.rank import EngineOptions, RankEngine, Request
+    from ..fast.rank import EngineOptions, RankEngine
     from ..fast.synthetic import synthetic_parallel
     from ..reference.config import GenerationConfig
+    from .full_step import synthetic_request
     from .history import fill_history
+    from .timing import replay_times
 
     dev = torch.device("cuda")
     generation = GenerationConfig(eos_token_id=config.eos_token_id)
     options = replace(EngineOptions(max_context=context + 64, graphs=False), kernels=name)
-    engine = RankEngine.from_weights(config, weights, generation, synthetic_parallel(8, 0, dev), options)
+    engine = RankEngine.from_weights(config, weights, generation, synthetic_parallel(TP, 0, dev), options)
     g = torch.Generator(device=dev).manual_seed(seed)
-    if tokens_mode == "decode":  # as bench/full_step.py: a prompt of rank 0's vocabulary rows, prefilled for real
-        gc = torch.Generator().manual_seed(seed)
-        prompt = torch.randint(2, config.vocab_size // 8, (context,), generator=gc).tolist()
+    if tokens_mode == "decode":  # as bench/full_step.py: its request, prefilled for real
         runner, _ = engine.runner(rows - 1, generation.top_k)
-        engine.start(Request(tuple(prompt), seed, generation.temperature, generation.top_k, generation.top_p, 64,
-                             rows - 1, ()), runner)
+        engine.start(synthetic_request(config, TP, context, seed, generation, 64, rows - 1), runner)
         st, j = engine.state, runner.rows
         tokens = torch.cat([st.tokens.index_select(0, st.n.view(1)), st.drafts]).clone()
         positions, live = (st.n + j).clone(), (j <= st.k).clone()
         rows = tokens.shape[0]
     else:
         fill_history(engine, context, seed)
-        tokens = torch.randint(2, config.vocab_size // 8, (1 if tokens_mode == "same" else rows,), device=dev,
+        tokens = torch.randint(2, config.vocab_size // TP, (1 if tokens_mode == "same" else rows,), device=dev,
                                generator=g).expand(rows).contiguous()
         positions = torch.arange(context, context + rows, device=dev)
         live = torch.ones(rows, dtype=torch.bool, device=dev)
@@ -203,7 +190,7 @@ def trace_variant(config, weights, name: str, context: int, rows: int, replays: 
         calls, model.ops.linear_stamps = model.ops.linear_stamps, None
     graph.replay()
     torch.cuda.synchronize()
-    replay_us = _replay_us(graph, 10)
+    replay_us = statistics.median(replay_times(graph, 1, 10))
     parts = split_replays(_trace(graph, replays))
     counts = [len(p) for p in parts]
     if len(parts) != replays or len(set(counts)) != 1:  # a dropped record would shift every increment after it
@@ -225,11 +212,11 @@ def run(config_file: str, context: int, rows: int, kernels: tuple[str, ...], rep
     config = Config.from_file(config_file)
     dev = torch.device("cuda")
     t0 = time.perf_counter()
-    weights = synthetic_weights(config, 8, 0, dev, EngineOptions().torch_dtype(dev), seed)
+    weights = synthetic_weights(config, TP, 0, dev, EngineOptions().torch_dtype(dev), seed)
     build_s = time.perf_counter() - t0
     report = {"bench": "graph-trace", "commit": commit(), "device": torch.cuda.get_device_name(dev),
               "torch": torch.__version__, "host": platform.node(), "command": shlex.join(["iquest", *sys.argv[1:]]),
-              "config": config_file, "tp_slice": 8, "context": context, "rows": rows, "replays": replays,
+              "config": config_file, "tp_slice": TP, "context": context, "rows": rows, "replays": replays,
               "build_s": build_s,
               "notes": ["one plain CUDA graph: the verification forward over the rows, then one draft-layer call on "
                         "one row; collectives as local no-ops (one TP8 rank's slice)",

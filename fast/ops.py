@@ -342,7 +342,7 @@ class TritonOps(TorchOps):
         from ..kernels.f16_operands import empty_tiles
         from ..kernels.moe import fp8_down_applies, gate_up_k_tile, lock_count as moe_lock_count, tma_fits
         from ..kernels.decode_attention import decode_attention
-        from ..kernels.fp8_linear import STAMPS, fp8_linear, linear_programs, lock_count, preload_plan
+        from ..kernels.fp8_linear import fp8_linear, linear_stamps, lock_count, preload_plan
         from ..kernels.lm_head import lm_head
         from ..kernels.moe_route import MAX_PAIRS
         from ..kernels.philox import uniforms
@@ -355,7 +355,7 @@ class TritonOps(TorchOps):
 
         self._attention, self._linear, self._lm_head, self._lock_count = decode_attention, fp8_linear, lm_head, lock_count
         self._settle, self._preload_plan, self._fp8_down_applies = settle, preload_plan, fp8_down_applies
-        self._linear_programs, self._linear_stamps_per_program = linear_programs, STAMPS
+        self._linear_stamps = linear_stamps
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
         self._global_sample, self._accept_settle, self._max_k = sample.global_sample, sample.accept_settle, sample.MAX_K
         self._max_pairs, self._uniforms, self._route = MAX_PAIRS, uniforms, router_route
@@ -419,9 +419,7 @@ class TritonOps(TorchOps):
         if preload and self._preload_plan(x.shape[0], *w.q.shape, w.block, device=x.device):
             self.preload_calls += 1
             if self.linear_stamps is not None and x.is_cuda:  # a timeline of this call (bench/graph_trace.py)
-                n_prog = self._linear_programs(x.shape[0], *w.q.shape, w.block, device=x.device)
-                # empty, not zeros: a fill would be a kernel of its own in the captured chain (every program stamps)
-                stamps = torch.empty(n_prog, self._linear_stamps_per_program, dtype=torch.int64, device=x.device)
+                stamps = self._linear_stamps(x.shape[0], *w.q.shape, w.block, x.device)
                 self.linear_stamps.append({"n": w.q.shape[0], "k": w.q.shape[1], "stamps": stamps})
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
                             pdl=self._pdl(x, "linear"), prefetch=self._prefetch(x), preload=preload,

@@ -83,7 +83,7 @@ def _fp8_linear_kernel(
     sumsq_ptr=None, stride_sumsq=0, norm_tiles=0, eps=0.0,
     NORM: tl.constexpr = 0,  # > 0: the rows scaled by their 1 / rms (`rms`); the sums' count padded to a power of two
     stamp_ptr=None, STAMP: tl.constexpr = False,  # a timeline (debug): `fp8_linear(stamps=)`
-    STAMPS: tl.constexpr = 6,
+    STAMPS: tl.constexpr = 0,  # readings a program (the module's STAMPS, with STAMP)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -204,11 +204,18 @@ def _split_plan(n: int, k: int, block: tuple[int, int], split_k: int | None, blo
     return block_k, triton.cdiv(k, k_per_split), k_per_split  # no empty split
 
 
-def linear_programs(m: int, n: int, k: int, block: tuple[int, int], split_k: int | None = None,
-                    block_n: int = BLOCK_N, device: torch.device = torch.device("cpu")) -> int:
-    """Programs an [m, n, k] call launches (the rows of `fp8_linear(stamps=)`)."""
+def _grid(m: int, n: int, splits: int, block_n: int) -> tuple[int, int, int]:
+    """The launch grid (N tiles, K splits, M tiles)."""
+    return triton.cdiv(n, block_n), splits, triton.cdiv(m, BLOCK_M)
+
+
+def linear_stamps(m: int, n: int, k: int, block: tuple[int, int], device: torch.device, split_k: int | None = None,
+                  block_n: int = BLOCK_N) -> torch.Tensor:
+    """An (unfilled) `fp8_linear(stamps=)` buffer for an [m, n, k] call: int64 [programs, STAMPS]. Empty, not zeroed:
+    every program writes its row, and a fill would be a kernel of its own in a captured chain."""
     _, splits, _ = _split_plan(n, k, block, split_k, block_n, device)
-    return triton.cdiv(n, block_n) * splits * triton.cdiv(m, BLOCK_M)
+    g = _grid(m, n, splits, block_n)
+    return torch.empty(g[0] * g[1] * g[2], STAMPS, dtype=torch.int64, device=device)
 
 
 def preload_plan(m: int, n: int, k: int, block: tuple[int, int], split_k: int | None = None, block_n: int = BLOCK_N,
@@ -257,7 +264,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     norm's launch: a numerical change (the normalized rows rounded before their scaling, the squares summed in another
     order than rmsnorm_residual's), qualified in docs/PERF.md.
     `stamps` (a timeline, for bench/graph_trace.py; GPU, preloading calls only): int64 [programs, STAMPS]
-    (`linear_programs`), filled per program with the global timer (ns) at its start, after its PDL wait, once its
+    (`linear_stamps` makes one), filled per program with the global timer (ns) at its start, after its PDL wait, once its
     last x tile has arrived, once its first tile's product is done (its weights arrived, converted and multiplied),
     once every tile's is, and after the norm's scaling (`rms`; else the same). The same values are computed."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
@@ -291,7 +298,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         part = part if split else out
     norm_args = _rms_args(rms, M, x.device)
     f32 = INTERPRETED or x.dtype == torch.float32
-    grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, BLOCK_M))
+    grid = _grid(M, N, split_k, block_n)
     if locks is not None:
         _check(locks.dtype == torch.int32 and locks.is_contiguous() and locks.device == x.device
                and locks.numel() >= grid[0] * grid[2], f"locks must be contiguous int32 on {x.device} with at least "

@@ -237,9 +237,18 @@ def test_gpu_stamps_change_nothing_and_are_ordered():
     w, s = w.cuda(), s.cuda()
     kw = dict(block=(128, 128), preload=True, pdl=True)
     want = fl.fp8_linear(x, w, s, **kw)
-    n = fl.linear_programs(6, 6144, 768, (128, 128), device=x.device)
-    stamps = torch.zeros(n, fl.STAMPS, dtype=torch.int64, device="cuda")
+    stamps = fl.linear_stamps(6, 6144, 768, (128, 128), x.device)
     got = fl.fp8_linear(x, w, s, stamps=stamps, **kw)
     t = stamps.cpu()
     assert torch.equal(got, want)
     assert bool((t[:, 0] > 0).all() and (t[:, :-1] <= t[:, 1:]).all()), t[:4]
+
+
+def test_linear_stamps_has_a_row_per_program():
+    """`linear_stamps`: one row of STAMPS readings for each program the call launches (N tiles x K splits x M tiles)."""
+    cpu = torch.device("cpu")
+    for m, n, k, split in ((6, 1024, 6144, None), (17, 40, 96, 3)):
+        _, splits, _ = fl._split_plan(n, k, (128, 128) if k % 128 == 0 else (16, 16), split, fl.BLOCK_N, cpu)
+        t = fl.linear_stamps(m, n, k, (128, 128) if k % 128 == 0 else (16, 16), cpu, split)
+        assert tuple(t.shape) == (-(-n // fl.BLOCK_N) * splits * -(-m // fl.BLOCK_M), fl.STAMPS)
+        assert t.dtype == torch.int64
