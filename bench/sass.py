@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
-from ..kernels import fp8_linear as fl, moe as mk
+from ..kernels import fp8_linear as fl, fp8_linear_direct as fd, moe as mk
 from .tune import H200_SMS, _linear_auto_split
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -115,7 +116,12 @@ def specs() -> dict[str, KernelSpec]:
         KernelSpec(down.fn, down.types, dict(down.constexprs, BLOCK_K=fp8_bk, K_PAD_DOT=fp8_bk, FP8=True), down.div16,
                    down.num_warps, fp8_stages, ""),
         ("w_ptr",), (1, down.constexprs["BLOCK_N"], fp8_bk), "MoE Down with fp8_down: E4M3 wgmma, weights through TMA")
-    return {"moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_gate_up_tma": gate_up_tma,
+    # fp8_linear(direct=...) at o_proj's shape as the engine would call it (one split of 6 tiles, stored; one warp)
+    direct = KernelSpec(
+        fd._fp8_linear_direct_kernel, dict(linear.types, x_ptr="*bf16"),
+        dict(B0=128, B1=128, WARPS=1, W_LOAD=fd.load_layout(1), SPLIT=False, SERIAL=False, PRELOAD=6, PDL=True),
+        linear.div16, 1, 1, "FP8 linear, operands straight into the MMA's registers (Gluon; o_proj, one warp)")
+    return {"fp8_linear_direct": direct, "moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_gate_up_tma": gate_up_tma,
             "moe_gate_up_fold": gate_up_fold, "moe_down": down, "moe_down_tma": down_tma, "moe_down_fold": down_fold,
             "moe_down_early": down_early, "moe_down_fp8": down_fp8,
             "fp8_linear": linear, "fp8_linear_loop": loop, "fp8_linear_norm": norm}
@@ -139,8 +145,9 @@ def compile_spec(spec: KernelSpec, **constexprs) -> object:
     if unknown:
         raise ValueError(f"{spec.note}: no parameters {sorted(unknown)} (the kernel's signature changed?)")
     signature = {n: "constexpr" if n in values else spec.types.get(n, "i32") for n in names}
-    source = ASTSource(spec.fn, signature, {(names.index(k),): v for k, v in values.items()},
-                       {(names.index(n),): [["tt.divisibility", 16]] for n in spec.div16})
+    make = GluonASTSource if getattr(spec.fn, "is_gluon", lambda: False)() else ASTSource
+    source = make(spec.fn, signature, {(names.index(k),): v for k, v in values.items()},
+                  {(names.index(n),): [["tt.divisibility", 16]] for n in spec.div16})
     return triton.compile(source, target=TARGET, options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
 
 

@@ -52,6 +52,7 @@ import triton
 from ..fast.cache import RING_SLACK
 from ..kernels import decode_attention as da
 from ..kernels import fp8_linear as fl
+from ..kernels.fp8_linear_direct import direct_weight
 from ..kernels import moe as mk
 from ..kernels.f16_operands import empty_tiles, f16_rows_tiles_ref
 from ..kernels import rmsnorm_residual as rn
@@ -127,7 +128,7 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "router": rt.route, "norm": rn.rmsnorm_residual}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
                     "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down", "early_down"),
-            "linear": ("split_k", "block_n", "num_warps", "num_stages", "prefetch", "preload"),
+            "linear": ("split_k", "block_n", "num_warps", "num_stages", "prefetch", "preload", "direct", "direct_warps"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk", "prefetch", "preload"),
             "norm": ("num_warps", "f16_out")}
@@ -213,9 +214,10 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         bk = fl._block_k(shape.block[1])
         split = g["split_k"] or _linear_auto_split(n, k, g["block_n"], bk, sms)
         k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk
+        direct = {"direct_warps": g["direct_warps"]} if g["direct"] else {}  # the Gluon kernel (direct=True here)
         return {"split_k": triton.cdiv(k, k_per_split), "block_n": g["block_n"], "num_warps": g["num_warps"],
                 "num_stages": g["num_stages"], "prefetch": g["prefetch"],
-                "preload": bool(g["preload"] and fl.preload_tiles(k, k_per_split, bk))}
+                "preload": bool(g["preload"] and fl.preload_tiles(k, k_per_split, bk)), **direct}
     if family(op) == "attention":
         bn = g["block_n"]
         ms = bn if g["min_split"] is None else g["min_split"]  # decode_attention's default: one tile
@@ -293,7 +295,10 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 # shorter chains a program: half the K tiles each (twice the splits), or 64-wide tiles
                 cand("engine x2", preload=True, split_k=2 * auto[32]), cand("engine x4", preload=True, split_k=4 * auto[32]),
                 cand("engine 64", preload=True, block_n=64, split_k=auto[32]),
-                cand("engine 8 warps", preload=True, num_warps=8)]
+                cand("engine 8 warps", preload=True, num_warps=8),
+                # operands straight into the MMA's registers (kernels/fp8_linear_direct.py, Gluon): 1, 2 or 4 warps of
+                # 16 output columns a program, 8 rows; the same splits as the engine's form
+                *(cand("engine direct", preload=True, direct=True, direct_warps=w) for w in (1, 2, 4))]
     if family(op) == "attention":
         return [cand(), cand(min_split=128), cand(min_split=64), cand(min_split=64, num_warps=8),
                 cand(num_stages=3), cand(min_split=128, num_stages=3),
@@ -462,9 +467,17 @@ def linear_case(op: str, shape: TuneShape, device, rotate: int = ROTATE_BYTES) -
     xq = torch.randn(m, k, generator=g, device=device).to(E4M3)  # x = E4M3 x powers of two: exact in bf16
     x = (xq.float() * torch.exp2(torch.randint(-3, 3, (m, 1), generator=g, device=device).float())).to(torch.bfloat16)
 
-    def run(kw, i, out=None, locks=None):
+    def run(kw, i, out=None, locks=None, directs=None):
         w, s = ws[i]
+        if kw.get("direct"):  # direct=True: fp8_linear's direct= with this copy's weight in the MMA's order
+            kw = dict(kw, direct=directs[i])
         return fl.fp8_linear(x, w, s, shape.block, out_dtype=x.dtype, out=out, locks=locks, **kw)
+
+    def prepare(kw):  # before any capture: the counters, and the direct-ordered copies a direct candidate reads
+        extra = {"locks": torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=device)}
+        if kw.get("direct"):
+            extra["directs"] = [direct_weight(w) for w, _ in ws]
+        return extra
 
     what = "q/k/v fused" if op == "linear_qkv" else "o_proj"
     return OpCase(op, f"{what}: x [{m}, {k}] bf16 @ W[{n}, {k}]^T E4M3 ({b0}x{b1} scales), split-K summed in the "
@@ -472,8 +485,7 @@ def linear_case(op: str, shape: TuneShape, device, rotate: int = ROTATE_BYTES) -
                   linear_bytes("triton", m, n, k), 1, copies, run,
                   fl.fp8_linear_ref(x, w0, s0, shape.block, torch.float32),
                   new_out=lambda: torch.empty(m, n, dtype=x.dtype, device=device),
-                  prepare=lambda kw: {"locks": torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=device)},
-                  facts={"n": n, "k": k})
+                  prepare=prepare, facts={"n": n, "k": k})
 
 
 def attention_case(op: str, shape: TuneShape, device, sms: int, rotate: int = ROTATE_BYTES) -> OpCase:

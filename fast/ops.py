@@ -284,7 +284,11 @@ CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
 # projection instead (1e78bc2) cost it 1.7 us a call, all the norm saved. Taken only where the collectives are local
 # (one rank, or a rank-slice benchmark): at TP > 1 the MoE output's all-reduce sits between the combine and the add,
 # and a fused all-reduce would have to write h, g and the sums itself.
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold") + CASCADE
+# "linear_direct": the decode FP8 linears (rows <= 8, preloading) by kernels/fp8_linear_direct.py's Gluon kernel, which
+# loads each thread's MMA operands straight into registers from a copy of the weight in the fragments' order (made at
+# prepare, ~1 GB at one full-size TP8 rank); the same tiles, scales, order and splits as the Triton kernel's preloading
+# path. Opt-in until measured (docs/PERF.md).
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "linear_direct") + CASCADE
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -312,6 +316,8 @@ class TritonOps(TorchOps):
         self.cascade_ops = frozenset(op for op in CASCADE_OPS if self.pdl and f"cascade_{op}" in self.stages)
         self.cascade = bool(self.cascade_ops)
         self.norm_qkv = "norm_qkv" in self.stages and {"moe", "linear", "rope", "rope_sum"} <= self.stages
+        self.direct = self.preload and "linear_direct" in self.stages
+        self.direct_calls = 0  # FP8 linear calls by the direct kernel (tests check the path was taken)
         if self.cascade and self.early:
             raise ValueError("stage 'cascade' lets kernels launch any number of launches ahead, so the reads 'early' "
                              "makes before the wait are no longer final: drop it, e.g. 'triton-early+cascade'")
@@ -342,7 +348,8 @@ class TritonOps(TorchOps):
         from ..kernels.f16_operands import empty_tiles
         from ..kernels.moe import fp8_down_applies, gate_up_k_tile, lock_count as moe_lock_count, tma_fits
         from ..kernels.decode_attention import decode_attention
-        from ..kernels.fp8_linear import fp8_linear, linear_stamps, lock_count, preload_plan
+        from ..kernels.fp8_linear import direct_applies, fp8_linear, linear_stamps, lock_count, preload_plan
+        from ..kernels.fp8_linear_direct import direct_weight
         from ..kernels.lm_head import lm_head
         from ..kernels.moe_route import MAX_PAIRS
         from ..kernels.philox import uniforms
@@ -355,6 +362,7 @@ class TritonOps(TorchOps):
 
         self._attention, self._linear, self._lm_head, self._lock_count = decode_attention, fp8_linear, lm_head, lock_count
         self._settle, self._preload_plan, self._fp8_down_applies = settle, preload_plan, fp8_down_applies
+        self._direct_applies, self._direct_weight = direct_applies, direct_weight
         self._linear_stamps = linear_stamps
         self._moe, self._topk, self._global_dist = moe.moe, topk.local_topk_keys, sample.global_dist
         self._global_sample, self._accept_settle, self._max_k = sample.global_sample, sample.accept_settle, sample.MAX_K
@@ -415,15 +423,20 @@ class TritonOps(TorchOps):
         locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
         fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
         preload = self._preload(x)
-        stamps = None
-        if preload and self._preload_plan(x.shape[0], *w.q.shape, w.block, device=x.device):
+        stamps = direct = None
+        tiles = self._preload_plan(x.shape[0], *w.q.shape, w.block, device=x.device) if preload else 0
+        if tiles:
             self.preload_calls += 1
-            if self.linear_stamps is not None and x.is_cuda:  # a timeline of this call (bench/graph_trace.py)
+            if (self.direct and w.direct is not None and x.shape[0] <= 8 and w.block[1] == 128
+                    and -(-w.q.shape[0] // 16) <= LINEAR_LOCKS and self._direct_applies(x, 128, tiles)):
+                direct = w.direct  # one row block of 8; a split-K sum's counters: one per 16 output columns
+                self.direct_calls += 1
+            elif self.linear_stamps is not None and x.is_cuda:  # a timeline of this call (bench/graph_trace.py)
                 stamps = self._linear_stamps(x.shape[0], *w.q.shape, w.block, x.device)
                 self.linear_stamps.append({"n": w.q.shape[0], "k": w.q.shape[1], "stamps": stamps})
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
                             pdl=self._pdl(x, "linear"), prefetch=self._prefetch(x), preload=preload,
-                            unsummed=unsummed, rms=rms, stamps=stamps)
+                            unsummed=unsummed, rms=rms, stamps=stamps, direct=direct)
 
     def qkv_rope(self, lw, kv, x, head_dim, cos, sin, rope_rows, positions, live):
         w = lw.wqkv
@@ -449,6 +462,8 @@ class TritonOps(TorchOps):
         # The arrival counters of the FP8 linear's split-K sum and the MoE's folded finalize and combine: zeroed once,
         # before any capture; every call leaves them zeroed, and the engine's calls run one after another on one stream.
         self._locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
+        if self.direct and w.embed.is_cuda:  # the linears' weights in the MMA's order (stage linear_direct)
+            w.hold_linear_direct(self._direct_weight)
 
     def lm_head(self, a, w):
         if not self._fits("lm_head", True):

@@ -30,6 +30,9 @@ class FP8Weight:
     block: tuple[int, int]
     dtype: torch.dtype
     _dense: torch.Tensor | None = None
+    # q in the MMA fragments' order (kernels/fp8_linear_direct.direct_weight), for stage linear_direct; made once,
+    # before any capture (ModelWeights.hold_linear_direct)
+    direct: torch.Tensor | None = field(default=None, repr=False)
 
     def dense(self) -> torch.Tensor:
         if self._dense is not None:
@@ -127,6 +130,17 @@ class ModelWeights:
         if self.lm_head32 is None:
             self.lm_head32 = self.lm_head if self.lm_head.dtype == torch.float32 else self.lm_head.float()
         return self.lm_head32
+
+    def hold_linear_direct(self, make) -> int:
+        """Every decode linear's weight (q/k/v, o_proj, the MTP block's and its eh_proj) also held as `make(q)` (the
+        MMA fragments' order, stage linear_direct), made once when an engine is built, never inside a capture. Weights
+        whose K is not whole 128-wide tiles are skipped (the kernel reads those tiles). Returns the weights made."""
+        made = 0
+        for fw in (*(w for lw in (*self.layers, self.mtp.block) for w in (lw.wqkv, lw.wo)), self.mtp.eh_proj):
+            if fw is not None and fw.direct is None and fw.q.dim() == 2 and fw.q.shape[1] % 128 == 0:
+                fw.direct = make(fw.q)
+                made += 1
+        return made
 
     def hold_router_fp32(self) -> None:
         """fp32 copies of every router (the MTP block's too) for the fallback's fp32 routing matmul, made once when an

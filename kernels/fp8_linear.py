@@ -244,7 +244,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
                num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False,
                preload: bool = False, unsummed: bool = False,
-               rms: tuple[torch.Tensor, float] | None = None, stamps: torch.Tensor | None = None) -> torch.Tensor:
+               rms: tuple[torch.Tensor, float] | None = None, stamps: torch.Tensor | None = None,
+               direct: torch.Tensor | None = None, direct_warps: int = 1,
+               direct_reversed: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
@@ -266,7 +268,12 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     `stamps` (a timeline, for bench/graph_trace.py; GPU, preloading calls only): int64 [programs, STAMPS]
     (`linear_stamps` makes one), filled per program with the global timer (ns) at its start, after its PDL wait, once its
     last x tile has arrived, once its first tile's product is done (its weights arrived, converted and multiplied),
-    once every tile's is, and after the norm's scaling (`rms`; else the same). The same values are computed."""
+    once every tile's is, and after the norm's scaling (`rms`; else the same). The same values are computed.
+    `direct`: W's copy in the MMA fragments' order (kernels/fp8_linear_direct.direct_weight); with it, a preloading
+    call runs that module's Gluon kernel (`direct_warps` warps, 16 output columns each, 8 rows a program) instead:
+    GPU only, bf16 or fp16 x, 128-wide K tiles, no stamps (`direct_applies`). The same tiles, scales, order and
+    splits as the Triton kernel's preloading path. `direct_reversed`: a negative control only (tests): its tiles summed
+    last to first."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -298,24 +305,28 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         part = part if split else out
     norm_args = _rms_args(rms, M, x.device)
     f32 = INTERPRETED or x.dtype == torch.float32
-    grid = _grid(M, N, split_k, block_n)
+    tiles = preload_tiles(K, k_per_split, block_k) if preload else 0
+    if direct is not None:
+        _check(direct_applies(x, block_k, tiles) and stamps is None and direct_warps in (1, 2, 4, 8),
+               "direct needs a preloading call (whole splits of <= 8 tiles) on the GPU with bf16 or fp16 x, 128-wide K "
+               "tiles, no stamps and 1, 2, 4 or 8 warps")
+        _check(direct.shape == w.shape and direct.dtype == w.dtype and direct.is_contiguous()
+               and direct.device == w.device, f"direct must be W's [{N}, {K}] E4M3 copy (direct_weight), contiguous")
+    grid = _direct_grid(M, N, split_k, direct_warps) if direct is not None else _grid(M, N, split_k, block_n)
     if locks is not None:
         _check(locks.dtype == torch.int32 and locks.is_contiguous() and locks.device == x.device
                and locks.numel() >= grid[0] * grid[2], f"locks must be contiguous int32 on {x.device} with at least "
                f"{grid[0] * grid[2]} counters")
     serial = split_k > 1 and locks is not None and not unsummed
-    tiles = preload_tiles(K, k_per_split, block_k) if preload else 0
-    if stamps is not None:
-        n_prog = grid[0] * grid[1] * grid[2]
-        _check(stamps.dtype == torch.int64 and tuple(stamps.shape) == (n_prog, STAMPS) and stamps.is_contiguous()
-               and stamps.device == x.device and not INTERPRETED and tiles > 0,
-               f"stamps must be contiguous int64 [{n_prog}, {STAMPS}] on the GPU, for a preloading call")
-    _fp8_linear_kernel[grid](
-        x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
-        k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-        SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
-        PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, PRELOAD=tiles, **norm_args,
-        stamp_ptr=stamps, STAMP=stamps is not None, STAMPS=STAMPS, **launch_options(pdl, x.device))
+    if direct is not None:
+        from .fp8_linear_direct import launch
+
+        launch(grid, x, direct, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0),
+               expect[1], k_per_split, split_k, block, direct_warps, split, serial, tiles, norm_args,
+               launch_options(pdl, x.device), reversed_tiles=direct_reversed)
+    else:
+        _launch_triton(x, w, scale, out, part, locks, grid, M, N, K, expect[1], k_per_split, split_k, B0, B1, block_n,
+                       block_k, split, serial, f32, num_warps, num_stages, prefetch, tiles, norm_args, stamps, pdl)
     if unsummed:
         return part
     if split_k > 1 and not serial:
@@ -323,6 +334,34 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         _split_k_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, out, M, N, out.stride(0), split_k, BLOCK=BLOCK,
                                                           **launch_options(pdl, x.device))
     return out
+
+
+def _launch_triton(x, w, scale, out, part, locks, grid, M, N, K, scale_cols, k_per_split, split_k, B0, B1, block_n,
+                   block_k, split, serial, f32, num_warps, num_stages, prefetch, tiles, norm_args, stamps, pdl) -> None:
+    """The Triton kernel's launch for `fp8_linear` (its arguments checked there)."""
+    if stamps is not None:
+        n_prog = grid[0] * grid[1] * grid[2]
+        _check(stamps.dtype == torch.int64 and tuple(stamps.shape) == (n_prog, STAMPS) and stamps.is_contiguous()
+               and stamps.device == x.device and not INTERPRETED and tiles > 0,
+               f"stamps must be contiguous int64 [{n_prog}, {STAMPS}] on the GPU, for a preloading call")
+    _fp8_linear_kernel[grid](
+        x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), scale_cols,
+        k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
+        SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+        PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, PRELOAD=tiles, **norm_args,
+        stamp_ptr=stamps, STAMP=stamps is not None, STAMPS=STAMPS, **launch_options(pdl, x.device))
+
+
+def direct_applies(x: torch.Tensor, block_k: int, tiles: int) -> bool:
+    """Whether `fp8_linear(direct=...)` takes a call: a preloading one (`tiles` > 0) on the GPU (compiled, not
+    interpreted) with bf16 or fp16 x and 128-wide K tiles."""
+    return (not INTERPRETED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and block_k == 128
+            and tiles > 0)
+
+
+def _direct_grid(m: int, n: int, splits: int, warps: int) -> tuple[int, int, int]:
+    """The direct kernel's grid (N tiles of 16 x warps columns, K splits, row blocks of 8)."""
+    return triton.cdiv(n, 16 * warps), splits, triton.cdiv(m, 8)
 
 
 def _rms_args(rms, M: int, device: torch.device) -> dict:

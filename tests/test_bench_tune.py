@@ -56,12 +56,12 @@ def test_candidates_default_first_unique_and_accepted(op, shape, sms):
                                                              inspect.Parameter.POSITIONAL_OR_KEYWORD), (op, name)
             assert name in t.TUNABLES[t.family(op)], (op, name)
             if name in ("f16", "f16_input", "tma", "packed_topk", "one_pass", "f16_out", "prefetch", "preload", "fp8_down",
-                        "early_down"):
+                        "early_down", "direct"):
                 assert isinstance(value, bool), (op, value)
                 continue
             assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, (op, name, value)
             if name in ("block_n", "block_k", "block_e", "block_h", "down_block_n", "down_block_k", "num_warps",
-                        "gate_up_block_n", "gate_up_warps", "down_warps", "select_warps"):
+                        "gate_up_block_n", "gate_up_warps", "down_warps", "select_warps", "direct_warps"):
                 assert value & (value - 1) == 0, (op, name, value)
         r = t.resolve(op, c.kw, shape, sms)
         if t.family(op) == "attention":

@@ -1,0 +1,113 @@
+"""`fp8_linear(direct=...)` (kernels/fp8_linear_direct.py, Gluon): the weight's fragment order on the CPU, its
+SASS for the H200 compiled on any machine, and on the GPU the same bits as the Triton kernel's preloading path at one
+TP8 rank's projection shapes, with a negative control (the tiles summed in reverse) that those checks catch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from iquest.kernels import fp8_linear as fl
+from iquest.kernels.fp8_linear_direct import direct_weight
+from iquest.reference.fp8 import quantize
+
+E4M3 = torch.float8_e4m3fn
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 40), tiles=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_direct_weight_is_the_fragment_order(n, tiles, seed):
+    """Column 32q + 4s + 2h + e of each 128-wide tile holds W's column 16s + 8h + 2q + e (the m16n8k16 A fragment of
+    lane quarter q at K step s), every byte once; W is unchanged."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(0, 256, (n, 128 * tiles), generator=g, dtype=torch.uint8).view(E4M3)
+    before = w.view(torch.uint8).clone()
+    d = direct_weight(w).view(torch.uint8)
+    src = torch.tensor([16 * s + 8 * h + 2 * q + e for q in range(4) for s in range(8) for h in range(2)
+                        for e in range(2)])
+    cols = torch.cat([128 * t + src for t in range(tiles)])
+    assert d.shape == w.shape and d.is_contiguous()
+    assert torch.equal(d, w.view(torch.uint8)[:, cols])
+    assert torch.equal(w.view(torch.uint8), before)
+
+
+def test_direct_weight_rejects_a_partial_tile():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        direct_weight(torch.zeros(16, 96).to(E4M3))
+
+
+def test_direct_refused_off_the_gpu():
+    """On the CPU (the interpreter) the wrapper refuses `direct` with the reason, rather than running another form."""
+    w, s = quantize(torch.randn(64, 256), (128, 128))
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="direct needs a preloading call"):
+        fl.fp8_linear(x, w, s, preload=True, direct=direct_weight(w))
+
+
+def test_sass_has_no_shared_memory_staging():
+    """The design's point, checked on the compiled kernel (sm_90a, any machine): o_proj's form stages nothing through
+    shared memory (no STS, LDS, LDSM or BAR), all six K tiles' 48 MMAs are there, and every weight load is issued
+    before the PDL wait, as 16-byte loads."""
+    from iquest.bench import sass
+
+    r = sass.report(sass.compile_spec(sass.specs()["fp8_linear_direct"]))
+    seq = sass.sequence(sass.compile_spec(sass.specs()["fp8_linear_direct"]))
+    mix = r["mix"]
+    assert r["shared_bytes"] == 0 and not any(mix.get(op) for op in ("STS", "LDS", "LDSM", "BAR")), mix
+    assert mix["HMMA"] == 48
+    wait = seq.index("ACQBULK")
+    assert sum(op == "LDG" for op in seq[:wait]) >= 24  # 6 tiles x 2 rows x 2 16-byte loads, and the scales
+
+
+# ---- GPU ------------------------------------------------------------------------------------------------
+def _operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int, rms_tiles: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    mag = 10 ** (torch.rand(-(-n // 128), k // 128, generator=g) * 4 - 2)  # each block's scale matters
+    real = torch.randn(n, k, generator=g) * mag.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)
+    w, s = quantize(real, (128, 128))
+    x = torch.randn(m, k, generator=g).to(dtype)
+    extra = {}
+    if rms_tiles:  # rows at scales far from 1 and from each other, so a scaling not applied shows
+        h = torch.randn(m, k, generator=g) * 10 ** (torch.rand(m, 1, generator=g) * 4 - 1)
+        extra["sumsq"] = torch.stack([p.sum(dim=1) for p in h.square().split(k // rms_tiles, dim=1)], dim=1).cuda()
+    return x.cuda(), w.cuda(), s.cuda(), extra
+
+
+# (rows, N, K, form): q/k/v as the engine calls it (8 splits, partials unsummed, rows scaled by 1 / rms; or summed
+# in the launch), o_proj (one split, stored), a partial output tile, and more rows than one block
+GPU_CASES = [(6, 1024, 6144, "unsummed_rms"), (6, 1024, 6144, "serial"), (1, 1024, 6144, "unsummed_rms"),
+             (8, 1024, 6144, "serial"), (6, 6144, 768, "out"), (1, 6144, 768, "out"), (6, 1000, 768, "out"),
+             (12, 1024, 6144, "serial")]
+
+
+def _call(form, x, w, s, extra, **kw):
+    kw = dict(block=(128, 128), preload=True, pdl=True, **kw)
+    if form == "unsummed_rms":
+        return fl.fp8_linear(x, w, s, unsummed=True, rms=(extra["sumsq"], 1e-6), **kw)
+    if form == "serial":
+        locks = torch.zeros(4096, dtype=torch.int32, device=x.device)
+        got = fl.fp8_linear(x, w, s, locks=locks, **kw)
+        assert int(locks.abs().sum()) == 0  # left zeroed for the next call
+        return got
+    return fl.fp8_linear(x, w, s, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k,form", GPU_CASES)
+@pytest.mark.parametrize("warps", [1, 2])
+def test_gpu_same_bits_as_the_triton_kernel(m, n, k, form, dtype, warps):
+    x, w, s, extra = _operands(m, n, k, dtype, seed=m * 7 + n + warps, rms_tiles=24 if form == "unsummed_rms" else 0)
+    assert fl.preload_plan(m, n, k, (128, 128)) > 0
+    want = _call(form, x, w, s, extra)
+    d = direct_weight(w)
+    got = _call(form, x, w, s, extra, direct=d, direct_warps=warps)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    same = got.view(-1).view(torch.uint8) == want.view(-1).view(torch.uint8)
+    assert bool(same.all()), f"{int((~same).sum())} bytes differ; max |diff| {(got.float() - want.float()).abs().max()}"
+    # The negative control runs: the same kernel with its tiles summed last to first is caught by this comparison
+    # (a different fp32 rounding), and stays close to the reference (it is the same product).
+    bad = _call(form, x, w, s, extra, direct=d, direct_warps=warps, direct_reversed=True)
+    assert not torch.equal(bad, want)
+    torch.testing.assert_close(bad.float(), want.float(), rtol=1e-3, atol=1e-3 * float(want.float().abs().max()))
