@@ -99,15 +99,18 @@ def _call(form, x, w, s, extra, **kw):
 @pytest.mark.parametrize("warps", [1, 2])
 def test_gpu_same_bits_as_the_triton_kernel(m, n, k, form, dtype, warps):
     x, w, s, extra = _operands(m, n, k, dtype, seed=m * 7 + n + warps, rms_tiles=24 if form == "unsummed_rms" else 0)
-    assert fl.preload_plan(m, n, k, (128, 128)) > 0
+    assert fl.preload_plan(m, n, k, (128, 128), device=x.device) > 0
     want = _call(form, x, w, s, extra)
     d = direct_weight(w)
     got = _call(form, x, w, s, extra, direct=d, direct_warps=warps)
     assert got.shape == want.shape and got.dtype == want.dtype
     same = got.view(-1).view(torch.uint8) == want.view(-1).view(torch.uint8)
     assert bool(same.all()), f"{int((~same).sum())} bytes differ; max |diff| {(got.float() - want.float()).abs().max()}"
-    # The negative control runs: the same kernel with its tiles summed last to first is caught by this comparison
-    # (a different fp32 rounding), and stays close to the reference (it is the same product).
+    # The negative control runs: the same kernel with its tiles summed last to first, the same product in another
+    # fp32 rounding. The fp32 partials (unsummed) show it, so this comparison catches it there; a stored bf16 or fp16
+    # output mostly rounds it away (at o_proj's shape every element matched on the H200), so there it is only
+    # checked to stay close.
     bad = _call(form, x, w, s, extra, direct=d, direct_warps=warps, direct_reversed=True)
-    assert not torch.equal(bad, want)
-    torch.testing.assert_close(bad.float(), want.float(), rtol=1e-3, atol=1e-3 * float(want.float().abs().max()))
+    if form == "unsummed_rms":
+        assert not torch.equal(bad, want)
+    torch.testing.assert_close(bad.float(), want.float(), rtol=1e-2, atol=1e-2 * float(want.float().abs().max()))
