@@ -116,11 +116,11 @@ def specs() -> dict[str, KernelSpec]:
         KernelSpec(down.fn, down.types, dict(down.constexprs, BLOCK_K=fp8_bk, K_PAD_DOT=fp8_bk, FP8=True), down.div16,
                    down.num_warps, fp8_stages, ""),
         ("w_ptr",), (1, down.constexprs["BLOCK_N"], fp8_bk), "MoE Down with fp8_down: E4M3 wgmma, weights through TMA")
-    # fp8_linear(direct=...) at o_proj's shape as the engine would call it (one split of 6 tiles, stored; one warp)
+    # fp8_linear(direct=...) at o_proj's shape as the engine would call it (one split of 6 tiles over 2 warps, stored)
     direct = KernelSpec(
         fd._fp8_linear_direct_kernel, dict(linear.types, x_ptr="*bf16"),
-        dict(B0=128, B1=128, WARPS=1, W_LOAD=fd.load_layout(1), SPLIT=False, SERIAL=False, PRELOAD=6, PDL=True),
-        linear.div16, 1, 1, "FP8 linear, operands straight into the MMA's registers (Gluon; o_proj, one warp)")
+        dict(B0=128, B1=128, G=2, W_LOAD=fd.load_layout(2), SPLIT=False, SERIAL=False, PRELOAD=6, PDL=True),
+        linear.div16, 2, 1, "FP8 linear, operands straight into the MMA's registers (Gluon; o_proj, 2 warps)")
     return {"fp8_linear_direct": direct, "moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_gate_up_tma": gate_up_tma,
             "moe_gate_up_fold": gate_up_fold, "moe_down": down, "moe_down_tma": down_tma, "moe_down_fold": down_fold,
             "moe_down_early": down_early, "moe_down_fp8": down_fp8,

@@ -128,7 +128,7 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "router": rt.route, "norm": rn.rmsnorm_residual}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
                     "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down", "early_down"),
-            "linear": ("split_k", "block_n", "num_warps", "num_stages", "prefetch", "preload", "direct", "direct_warps"),
+            "linear": ("split_k", "block_n", "num_warps", "num_stages", "prefetch", "preload", "direct"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk", "prefetch", "preload"),
             "norm": ("num_warps", "f16_out")}
@@ -214,7 +214,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         bk = fl._block_k(shape.block[1])
         split = g["split_k"] or _linear_auto_split(n, k, g["block_n"], bk, sms)
         k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk
-        direct = {"direct_warps": g["direct_warps"]} if g["direct"] else {}  # the Gluon kernel (direct=True here)
+        direct = {"direct": True} if g["direct"] else {}  # the Gluon kernel (direct=True here: the weight's copy)
         return {"split_k": triton.cdiv(k, k_per_split), "block_n": g["block_n"], "num_warps": g["num_warps"],
                 "num_stages": g["num_stages"], "prefetch": g["prefetch"],
                 "preload": bool(g["preload"] and fl.preload_tiles(k, k_per_split, bk)), **direct}
@@ -296,9 +296,9 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand("engine x2", preload=True, split_k=2 * auto[32]), cand("engine x4", preload=True, split_k=4 * auto[32]),
                 cand("engine 64", preload=True, block_n=64, split_k=auto[32]),
                 cand("engine 8 warps", preload=True, num_warps=8),
-                # operands straight into the MMA's registers (kernels/fp8_linear_direct.py, Gluon): 1, 2 or 4 warps of
-                # 16 output columns a program, 8 rows; the same splits as the engine's form
-                *(cand("engine direct", preload=True, direct=True, direct_warps=w) for w in (1, 2, 4))]
+                # operands straight into the MMA's registers (kernels/fp8_linear_direct.py, Gluon): 16 output columns
+                # and 8 rows a program, its K tiles over 2 warps; the same splits as the engine's form
+                cand("engine direct", preload=True, direct=True)]
     if family(op) == "attention":
         return [cand(), cand(min_split=128), cand(min_split=64), cand(min_split=64, num_warps=8),
                 cand(num_stages=3), cand(min_split=128, num_stages=3),

@@ -245,8 +245,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False,
                preload: bool = False, unsummed: bool = False,
                rms: tuple[torch.Tensor, float] | None = None, stamps: torch.Tensor | None = None,
-               direct: torch.Tensor | None = None, direct_warps: int = 1,
-               direct_reversed: bool = False) -> torch.Tensor:
+               direct: torch.Tensor | None = None, direct_reversed: bool = False) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
@@ -270,7 +269,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     last x tile has arrived, once its first tile's product is done (its weights arrived, converted and multiplied),
     once every tile's is, and after the norm's scaling (`rms`; else the same). The same values are computed.
     `direct`: W's copy in the MMA fragments' order (kernels/fp8_linear_direct.direct_weight); with it, a preloading
-    call runs that module's Gluon kernel (`direct_warps` warps, 16 output columns each, 8 rows a program) instead:
+    call runs that module's Gluon kernel (16 output columns and 8 rows a program, its K tiles over 2 warps) instead:
     GPU only, bf16 or fp16 x, 128-wide K tiles, no stamps (`direct_applies`). The same tiles, scales, order and
     splits as the Triton kernel's preloading path. `direct_reversed`: a negative control only (tests): its tiles summed
     last to first."""
@@ -307,23 +306,26 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     f32 = INTERPRETED or x.dtype == torch.float32
     tiles = preload_tiles(K, k_per_split, block_k) if preload else 0
     if direct is not None:
-        _check(direct_applies(x, block_k, tiles) and stamps is None and direct_warps in (1, 2, 4, 8),
+        _check(direct_applies(x, block_k, tiles) and stamps is None,
                "direct needs a preloading call (whole splits of <= 8 tiles) on the GPU with bf16 or fp16 x, 128-wide K "
-               "tiles, no stamps and 1, 2, 4 or 8 warps")
+               "tiles and no stamps")
         _check(direct.shape == w.shape and direct.dtype == w.dtype and direct.is_contiguous()
                and direct.device == w.device, f"direct must be W's [{N}, {K}] E4M3 copy (direct_weight), contiguous")
-    grid = _direct_grid(M, N, split_k, direct_warps) if direct is not None else _grid(M, N, split_k, block_n)
+    if direct is not None:
+        from . import fp8_linear_direct as fd
+
+        grid = fd.grid(M, N, split_k)
+    else:
+        grid = _grid(M, N, split_k, block_n)
     if locks is not None:
         _check(locks.dtype == torch.int32 and locks.is_contiguous() and locks.device == x.device
                and locks.numel() >= grid[0] * grid[2], f"locks must be contiguous int32 on {x.device} with at least "
                f"{grid[0] * grid[2]} counters")
     serial = split_k > 1 and locks is not None and not unsummed
     if direct is not None:
-        from .fp8_linear_direct import launch
-
-        launch(grid, x, direct, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0),
-               expect[1], k_per_split, split_k, block, direct_warps, split, serial, tiles, norm_args,
-               launch_options(pdl, x.device), reversed_tiles=direct_reversed)
+        fd.launch(grid, x, direct, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0),
+                  expect[1], k_per_split, split_k, block, split, serial, tiles, norm_args, launch_options(pdl, x.device),
+                  reversed_tiles=direct_reversed)
     else:
         _launch_triton(x, w, scale, out, part, locks, grid, M, N, K, expect[1], k_per_split, split_k, B0, B1, block_n,
                        block_k, split, serial, f32, num_warps, num_stages, prefetch, tiles, norm_args, stamps, pdl)
@@ -357,11 +359,6 @@ def direct_applies(x: torch.Tensor, block_k: int, tiles: int) -> bool:
     interpreted) with bf16 or fp16 x and 128-wide K tiles."""
     return (not INTERPRETED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and block_k == 128
             and tiles > 0)
-
-
-def _direct_grid(m: int, n: int, splits: int, warps: int) -> tuple[int, int, int]:
-    """The direct kernel's grid (N tiles of 16 x warps columns, K splits, row blocks of 8)."""
-    return triton.cdiv(n, 16 * warps), splits, triton.cdiv(m, 8)
 
 
 def _rms_args(rms, M: int, device: torch.device) -> dict:

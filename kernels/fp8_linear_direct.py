@@ -43,14 +43,19 @@ def direct_weight(w: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 1, 4, 2, 3, 5).reshape(n, k).contiguous().view(w.dtype)
 
 
-def load_layout(warps: int) -> gl.DistributedLinearLayout:
-    """Where each byte of a program's [WARP_N * warps, 4, 32] slab of a direct-ordered weight tile lives: a thread
-    (lane 4g + q) holds the 32 contiguous bytes (q's quarter) of rows g and g + 8 of its warp's 16."""
+def load_layout(groups: int) -> gl.DistributedLinearLayout:
+    """Where each byte of a program's [groups, 16, 4, 32] slab of direct-ordered weight tiles lives: warp g takes
+    group g's tile; in it a thread (lane 4l + q) holds the 32 contiguous bytes (q's quarter) of rows l and l + 8."""
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [8, 0, 0]],
-        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[WARP_N.value << i, 0, 0] for i in range(warps.bit_length() - 1)],
-        block_bases=[], shape=[WARP_N.value * warps, 4, 32])
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 0, 8], [0, 0, 0, 16], [0, 8, 0, 0]],
+        lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
+        warp_bases=[[1 << i, 0, 0, 0] for i in range(groups.bit_length() - 1)],
+        block_bases=[], shape=[groups, WARP_N.value, 4, 32])
+
+
+def groups_for(tiles: int) -> int:
+    """Warps a program splits its K tiles over: 2 where the tiles pair up, else 1."""
+    return 2 if tiles % 2 == 0 else 1
 
 
 @gluon.jit
@@ -67,78 +72,99 @@ def _wait_for_inputs(PDL: gl.constexpr):
 
 
 @gluon.jit
-def _tile_product(acc, w, x, s, w_op: gl.constexpr, mma: gl.constexpr):
-    """acc + (W_tile x_tile^T) * s: w the tile's loaded [n, 4, 32] slab, relabelled into W's K order (no data moves),
-    converted exactly to x's dtype; the product from zero over its K steps, scaled by the tile's block scale per
-    output column."""
-    n: gl.constexpr = w.shape[0]
-    w = w.reshape(n, 4, 8, 2, 2).permute(0, 2, 3, 1, 4).reshape(n, 4 * 32)
+def _tile_products(w, x, s, w_op: gl.constexpr, mma: gl.constexpr, sums: gl.constexpr):
+    """The G tiles' scaled products, one a warp: w the tiles' loaded [G, 16, 4, 32] slabs, relabelled into W's K
+    order (no data moves) and converted exactly to x's dtype; each product from zero over its K steps, times its
+    block scale per output column. Returned as [16, 8, G] with the group in each thread's registers (`sums`)."""
+    G: gl.constexpr = w.shape[0]
+    n: gl.constexpr = w.shape[1]
+    w = w.reshape(G, n, 4, 8, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(G, n, 4 * 32)
     w = gl.convert_layout(w.to(x.dtype), w_op)
-    return acc + mma_v2(w, x, gl.zeros(acc.shape, gl.float32, layout=mma)) * s[:, None]
+    p = mma_v2(w, x, gl.zeros([G, n, x.shape[2]], gl.float32, layout=mma)) * s[:, :, None]
+    return gl.convert_layout(p.permute(1, 2, 0), sums)
 
 
 @gluon.jit
 def _fp8_linear_direct_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr,
     M, N, K, stride_xm, stride_ym, scale_cols, k_per_split, splits,
-    B0: gl.constexpr, B1: gl.constexpr, WARPS: gl.constexpr, W_LOAD: gl.constexpr,
+    B0: gl.constexpr, B1: gl.constexpr, G: gl.constexpr, W_LOAD: gl.constexpr,
     SPLIT: gl.constexpr, SERIAL: gl.constexpr, PRELOAD: gl.constexpr, PDL: gl.constexpr = False,
     sumsq_ptr=None, stride_sumsq=0, norm_tiles=0, eps=0.0, NORM: gl.constexpr = 0,
     REVERSED: gl.constexpr = False,  # True: negative control only (tests): the tiles summed last to first
 ):
-    BLOCK_N: gl.constexpr = WARP_N * WARPS
+    # G warps a program, each with every G-th of the split's PRELOAD K tiles (tile t = j * G + g at step j) for the
+    # program's 16 output columns: the MMAs are batched over the warps (a 3-D MMA layout, batch = warp).
+    STEPS: gl.constexpr = PRELOAD // G
     TILE_K: gl.constexpr = BLOCK_K
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[G, 1, 1], instr_shape=[1, 16, 8])
     w_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     x_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    cols: gl.constexpr = gl.SliceLayout(1, mma)  # output columns n: the product's rows
-    rows: gl.constexpr = gl.SliceLayout(0, mma)  # x's rows m: the product's columns
+    # the products' ordered sum: a program's [16, 8] in one warp's threads, the G groups in each thread's registers
+    sums: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, G], threads_per_warp=[8, 4, 1],
+                                          warps_per_cta=[G, 1, 1], order=[2, 1, 0])
+    acc_l: gl.constexpr = gl.SliceLayout(2, sums)
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     pid_m = gl.program_id(2)
     k_start = pid_k * k_per_split
 
-    nw = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, W_LOAD)))
-    qw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, W_LOAD)))
-    cw = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, W_LOAD)))
-    w_off = gl.minimum(nw, N - 1)[:, None, None] * K + qw[None, :, None] * 32 + cw[None, None, :]
-    n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols)
-    n_ok = n < N
+    gw = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, W_LOAD))))
+    nw = pid_n * WARP_N + gl.arange(0, WARP_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, W_LOAD))))
+    qw = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, W_LOAD))))
+    cw = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, W_LOAD))))
+    w_off = (gw[:, None, None, None] * TILE_K + gl.minimum(nw, N - 1)[None, :, None, None] * K
+             + qw[None, None, :, None] * 32 + cw[None, None, None, :])
+    gs = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))
+    ns = pid_n * WARP_N + gl.arange(0, WARP_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))
     ws = ()
     ss = ()
-    for t in gl.static_range(PRELOAD):  # the constant weight and its scales, before the wait
-        k0 = k_start + t * TILE_K
+    for j in gl.static_range(STEPS):  # the constant weight and its scales, before the wait
+        k0 = k_start + j * G * TILE_K
         ws = ws + (gl.load(w_ptr + k0 + w_off),)  # rows past N read row N - 1: their columns are never stored
-        ss = ss + (gl.load(s_ptr + (n // B0) * scale_cols + k0 // B1, mask=n_ok, other=0.0),)
+        ss = ss + (gl.load(s_ptr + (ns // B0)[None, :] * scale_cols + ((k0 + gs * TILE_K) // B1)[:, None],
+                           mask=(ns < N)[None, :], other=0.0),)
     _wait_for_inputs(PDL)
 
-    kx = gl.arange(0, TILE_K, layout=gl.SliceLayout(1, x_op))
-    mx = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, x_op))
+    # x^T's tiles read with 16-byte loads (8 of a row's K a thread), all in flight at once, then moved into the MMA's
+    # B fragments through shared memory; loaded straight into the fragments they were 4-byte loads, which ptxas
+    # issued between the MMAs, each another L2 round trip after the last (`bench sass`).
+    x_ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8, 1], threads_per_warp=[1, 4, 8],
+                                          warps_per_cta=[G, 1, 1], order=[1, 2, 0])
+    gx = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_ld)))
+    kx = gl.arange(0, TILE_K, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_ld)))
+    mx = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_ld)))
+    x_off = mx[None, None, :] * stride_xm + (gx * TILE_K)[:, None, None] + kx[None, :, None]
     xs = ()
-    for u in gl.static_range(PRELOAD):  # x^T's fragments: every tile's load issued before the first product
-        k0 = k_start + u * TILE_K
-        xs = xs + (gl.load(x_ptr + mx[None, :] * stride_xm + (k0 + kx)[:, None], mask=(mx < M)[None, :],
-                           other=0.0),)
-    acc = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=mma)
-    for i in gl.static_range(PRELOAD):
+    for u in gl.static_range(STEPS):
+        xs = xs + (gl.load(x_ptr + k_start + u * G * TILE_K + x_off, mask=(mx < M)[None, None, :], other=0.0),)
+    if NORM > 0:  # the rows' sums of squares, read alongside x
+        red: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8],
+                                             warps_per_cta=[G, 1], order=[1, 0])
+        mr = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, red))
+        tr = gl.arange(0, NORM, layout=gl.SliceLayout(0, red))
+        sumsq = gl.load(sumsq_ptr + mr[:, None] * stride_sumsq + tr[None, :],
+                        mask=(mr < M)[:, None] & (tr < norm_tiles)[None, :], other=0.0)
+    ps = ()
+    for j in gl.static_range(STEPS):
+        ps = ps + (_tile_products(ws[j], gl.convert_layout(xs[j], x_op), ss[j], w_op, mma, sums),)
+    # The scaled products added to the sum in tile order (t = j * G + g), as the Triton kernel adds them.
+    acc = gl.zeros([WARP_N, ROWS], gl.float32, layout=acc_l)
+    for i in gl.static_range(STEPS):
         if REVERSED:
-            acc = _tile_product(acc, ws[PRELOAD - 1 - i], xs[PRELOAD - 1 - i], ss[PRELOAD - 1 - i], w_op, mma)
+            acc = _add_groups(acc, ps[STEPS - 1 - i], G, True, acc_l)
         else:
-            acc = _tile_product(acc, ws[i], xs[i], ss[i], w_op, mma)
+            acc = _add_groups(acc, ps[i], G, False, acc_l)
 
-    m = pid_m * ROWS + gl.arange(0, ROWS, layout=rows)
+    n = pid_n * WARP_N + gl.arange(0, WARP_N, layout=gl.SliceLayout(1, acc_l))
+    m = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, acc_l))
+    n_ok = n < N
     m_ok = m < M
     if NORM > 0:
         # The rows' 1 / rms as kernels/fp8_linear._inv_rms computes it, reduced in the layout Triton gives it there
-        # (sizePerThread [1, 4], threadsPerWarp [4, 8] over the sums): the same tree, so the same sums.
-        red: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8],
-                                             warps_per_cta=[WARPS, 1], order=[1, 0])
-        mr = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, red))
-        tr = gl.arange(0, NORM, layout=gl.SliceLayout(0, red))
-        part = gl.load(sumsq_ptr + mr[:, None] * stride_sumsq + tr[None, :],
-                       mask=(mr < M)[:, None] & (tr < norm_tiles)[None, :], other=0.0)
-        inv = 1.0 / gl.sqrt(gl.sum(part, axis=1) / K + eps)
-        acc = acc * gl.convert_layout(inv, rows)[None, :]
+        # (`red`: sizePerThread [1, 4], threadsPerWarp [4, 8] over the sums): the same tree, so the same sums.
+        inv = 1.0 / gl.sqrt(gl.sum(sumsq, axis=1) / K + eps)
+        acc = acc * gl.convert_layout(inv, gl.SliceLayout(0, acc_l))[None, :]
     mask = n_ok[:, None] & m_ok[None, :]
     if SPLIT:
         gl.store(part_ptr + (pid_k * M + m[None, :]) * N + n[:, None], acc, mask=mask)
@@ -146,7 +172,7 @@ def _fp8_linear_direct_kernel(
             gl.thread_barrier()  # every thread's partial stored before the release below
             lock = lock_ptr + pid_m * gl.num_programs(0) + pid_n
             if gl.atomic_add(lock, 1, sem="acq_rel") == splits - 1:
-                total = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=mma)
+                total = gl.zeros([WARP_N, ROWS], gl.float32, layout=acc_l)
                 for sk in range(0, splits):
                     total += gl.load(part_ptr + (sk * M + m[None, :]) * N + n[:, None], mask=mask, other=0.0,
                                      cache_modifier=".cg")
@@ -156,10 +182,34 @@ def _fp8_linear_direct_kernel(
         gl.store(y_ptr + m[None, :] * stride_ym + n[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@gluon.jit
+def _add_groups(acc, p, G: gl.constexpr, REVERSED: gl.constexpr, acc_l: gl.constexpr):
+    """acc + p[..., 0] + p[..., 1] (G = 2; in reverse order for the negative control), or acc + p[..., 0] (G = 1):
+    one step's tiles in tile order. Exact picks of the groups (a split, a one-element sum), no arithmetic but the
+    adds."""
+    if G == 2:
+        a, b = gl.split(p)
+        if REVERSED:
+            acc = acc + gl.convert_layout(b, acc_l)
+            acc = acc + gl.convert_layout(a, acc_l)
+        else:
+            acc = acc + gl.convert_layout(a, acc_l)
+            acc = acc + gl.convert_layout(b, acc_l)
+    else:
+        acc = acc + gl.sum(p, axis=2)
+    return acc
+
+
 def launch(grid, x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits,
-           block, warps, split, serial, tiles, norm_args, launch_kw, reversed_tiles=False) -> None:
-    """The kernel's launch for `fp8_linear(direct=...)`, which checks the arguments."""
+           block, split, serial, tiles, norm_args, launch_kw, reversed_tiles=False) -> None:
+    """The kernel's launch for `fp8_linear(direct=...)`, which checks the arguments; `grid` is `grid(M, N, splits)`."""
+    g = groups_for(tiles)
     _fp8_linear_direct_kernel[grid](
         x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits,
-        B0=block[0], B1=block[1], WARPS=warps, W_LOAD=load_layout(warps), SPLIT=split, SERIAL=serial, PRELOAD=tiles,
-        REVERSED=reversed_tiles, **norm_args, num_warps=warps, **launch_kw)
+        B0=block[0], B1=block[1], G=g, W_LOAD=load_layout(g), SPLIT=split, SERIAL=serial, PRELOAD=tiles,
+        REVERSED=reversed_tiles, **norm_args, num_warps=g, **launch_kw)
+
+
+def grid(m: int, n: int, splits: int) -> tuple[int, int, int]:
+    """The kernel's grid: 16 output columns, one K split and 8 rows a program."""
+    return -(-n // WARP_N.value), splits, -(-m // ROWS.value)

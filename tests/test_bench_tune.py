@@ -61,7 +61,7 @@ def test_candidates_default_first_unique_and_accepted(op, shape, sms):
                 continue
             assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, (op, name, value)
             if name in ("block_n", "block_k", "block_e", "block_h", "down_block_n", "down_block_k", "num_warps",
-                        "gate_up_block_n", "gate_up_warps", "down_warps", "select_warps", "direct_warps"):
+                        "gate_up_block_n", "gate_up_warps", "down_warps", "select_warps"):
                 assert value & (value - 1) == 0, (op, name, value)
         r = t.resolve(op, c.kw, shape, sms)
         if t.family(op) == "attention":
