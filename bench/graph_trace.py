@@ -44,8 +44,10 @@ def short_name(name: str) -> str:
 
 def attribute(kernels: list[tuple[str, float, float]]) -> dict:
     """One traced replay: kernels (name, start, end) in any order (times in us) -> {"span_us", "kernels",
-    "by_transition": {"prev -> name": {"count", "us"}}, "by_kernel": {name: {"count", "us"}}}. The first kernel's
-    increment is its own duration; each later one's is its end minus the previous end (ends sorted)."""
+    "by_transition": {"prev -> name": {"count", "us", "own_us"}}, "by_kernel": {name: {"count", "us"}}}. The first
+    kernel's increment is its own duration; each later one's is its end minus the previous end (ends sorted).
+    "own_us" sums the kernels' own spans (start to end), which tells a kernel that starts late from one that runs
+    long."""
     if not kernels:
         raise ValueError("no kernels traced in the replay")
     order = sorted(kernels, key=lambda k: (k[2], k[1]))
@@ -60,6 +62,8 @@ def attribute(kernels: list[tuple[str, float, float]]) -> dict:
             slot = table.setdefault(k, {"count": 0, "us": 0.0})
             slot["count"] += 1
             slot["us"] += inc
+        # and the kernel's own span, start to end (under PDL it includes the time parked at its wait)
+        by_transition[key]["own_us"] = by_transition[key].get("own_us", 0.0) + end - start
         prev_name, prev_end = name, end
     return {"span_us": order[-1][2] - order[0][1], "kernels": len(order), "by_transition": by_transition,
             "by_kernel": by_kernel}
@@ -74,6 +78,8 @@ def merge(replays: list[dict]) -> dict:
         out[table] = {k: {"count": statistics.median(r[table].get(k, {"count": 0})["count"] for r in replays),
                           "us": statistics.median(r[table].get(k, {"us": 0.0})["us"] for r in replays)}
                       for k in keys}
+    for k, slot in out["by_transition"].items():
+        slot["own_us"] = statistics.median(r["by_transition"].get(k, {}).get("own_us", 0.0) for r in replays)
     return out
 
 
@@ -238,10 +244,11 @@ def _print(v: dict, top: int = 30) -> None:
           f"{v['kernels_per_replay']} kernels a replay; tokens {v['tokens']} ({v['live_rows']} of {v['rows']} rows live), "
           f"median "
           f"{v['distinct_experts_median']} distinct experts a main layer")
-    print(f"  {'us a replay':>11} {'count':>6} {'us a call':>9}  previous kernel -> kernel")
+    print(f"  {'us a replay':>11} {'count':>6} {'us a call':>9} {'own a call':>10}  previous kernel -> kernel")
     rows = sorted(v["by_transition"].items(), key=lambda kv: -kv[1]["us"])
     for k, s in rows[:top]:
-        print(f"  {s['us']:11.1f} {s['count']:6.0f} {s['us'] / max(s['count'], 1):9.2f}  {k}")
+        n = max(s["count"], 1)
+        print(f"  {s['us']:11.1f} {s['count']:6.0f} {s['us'] / n:9.2f} {s.get('own_us', 0.0) / n:10.2f}  {k}")
     for shape, t in (v.get("linear_timelines") or {}).items():
         print(f"  FP8 linear {shape} ({t['calls']} calls, {t['programs']:.0f} programs), us after the first program's "
               f"wait: last past its wait {t['waited_last']:.2f}; medians: x arrived +{t['x_us']:.2f}, first tile's "

@@ -288,7 +288,7 @@ CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
 # loads each thread's MMA operands straight into registers from a copy of the weight in the fragments' order (made at
 # prepare, ~1 GB at one full-size TP8 rank); the same tiles, scales, order and splits as the Triton kernel's preloading
 # path. Opt-in until measured (docs/PERF.md).
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "linear_direct") + CASCADE
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "linear_direct", "direct_qkv", "direct_o", "direct_hold") + CASCADE
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -316,7 +316,11 @@ class TritonOps(TorchOps):
         self.cascade_ops = frozenset(op for op in CASCADE_OPS if self.pdl and f"cascade_{op}" in self.stages)
         self.cascade = bool(self.cascade_ops)
         self.norm_qkv = "norm_qkv" in self.stages and {"moe", "linear", "rope", "rope_sum"} <= self.stages
-        self.direct = self.preload and "linear_direct" in self.stages
+        # stage linear_direct: both kinds of decode linear; direct_qkv, direct_o: one of them; direct_hold: the copies
+        # made but not read (diagnostics: which of them moves what in the round)
+        self.direct_qkv = self.preload and bool({"linear_direct", "direct_qkv"} & self.stages)
+        self.direct_o = self.preload and bool({"linear_direct", "direct_o"} & self.stages)
+        self.direct = self.direct_qkv or self.direct_o or (self.preload and "direct_hold" in self.stages)
         self.direct_calls = 0  # FP8 linear calls by the direct kernel (tests check the path was taken)
         if self.cascade and self.early:
             raise ValueError("stage 'cascade' lets kernels launch any number of launches ahead, so the reads 'early' "
@@ -419,7 +423,8 @@ class TritonOps(TorchOps):
             return super().linear(w, x)
         return self._fp8(w, x)
 
-    def _fp8(self, w: FP8Weight, x: torch.Tensor, unsummed: bool = False, rms: tuple | None = None) -> torch.Tensor:
+    def _fp8(self, w: FP8Weight, x: torch.Tensor, unsummed: bool = False, rms: tuple | None = None,
+             qkv: bool = False) -> torch.Tensor:
         locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
         fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
         preload = self._preload(x)
@@ -427,7 +432,8 @@ class TritonOps(TorchOps):
         tiles = self._preload_plan(x.shape[0], *w.q.shape, w.block, device=x.device) if preload else 0
         if tiles:
             self.preload_calls += 1
-            if (self.direct and w.direct is not None and x.shape[0] <= 8 and w.block[1] == 128
+            if ((self.direct_qkv if qkv else self.direct_o) and w.direct is not None and x.shape[0] <= 8
+                    and w.block[1] == 128
                     and -(-w.q.shape[0] // 16) <= LINEAR_LOCKS and self._direct_applies(x, 128, tiles)):
                 direct = w.direct  # one row block of 8; a split-K sum's counters: one per 16 output columns
                 self.direct_calls += 1
@@ -449,7 +455,7 @@ class TritonOps(TorchOps):
             return super().qkv_rope(lw, kv, self.normed(pending), head_dim, cos, sin, rope_rows, positions, live)
         self.rope_sum_calls += 1
         self.norm_qkv_calls += rms is not None
-        parts = self._fp8(w, x, unsummed=True, rms=rms)
+        parts = self._fp8(w, x, unsummed=True, rms=rms, qkv=True)
         nq, nk = lw.wq.q.shape[0] // head_dim, lw.wk.q.shape[0] // head_dim
         return self._rope_kv_parts(parts, nq, nk, cos, sin, positions, live, kv.k, kv.v, kv.slot_pos, dtype=x.dtype,
                                    rope_rows=rope_rows, pdl=self._pdl(x, "rope"), early=self.early)
@@ -474,7 +480,7 @@ class TritonOps(TorchOps):
         w = lw.wqkv
         if w is None or not self._fits("linear", self._k_tiles(w.block[1])):
             return super().qkv(lw, x)
-        y = self._fp8(w, x)  # one launch: column views, no copies
+        y = self._fp8(w, x, qkv=True)  # one launch: column views, no copies
         nq, nk = lw.wq.q.shape[0], lw.wk.q.shape[0]
         return y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
 

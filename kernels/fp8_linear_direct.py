@@ -73,15 +73,19 @@ def _wait_for_inputs(PDL: gl.constexpr):
 
 @gluon.jit
 def _tile_products(w, x, s, w_op: gl.constexpr, mma: gl.constexpr, sums: gl.constexpr):
-    """The G tiles' scaled products, one a warp: w the tiles' loaded [G, 16, 4, 32] slabs, relabelled into W's K
-    order (no data moves) and converted exactly to x's dtype; each product from zero over its K steps, times its
-    block scale per output column. Returned as [16, 8, G] with the group in each thread's registers (`sums`)."""
+    """The G tiles' products, one a warp: w the tiles' loaded [G, 16, 4, 32] slabs, relabelled into W's K order (no
+    data moves) and converted exactly to x's dtype; each product from zero over its K steps. Returned with the tiles'
+    block scales per output column, both [16, 8, G] with the group in each thread's registers (`sums`): the scaling
+    is left to the sum, where it fuses with the add as the Triton kernel's does (one rounding, an FMA)."""
     G: gl.constexpr = w.shape[0]
     n: gl.constexpr = w.shape[1]
     w = w.reshape(G, n, 4, 8, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(G, n, 4 * 32)
     w = gl.convert_layout(w.to(x.dtype), w_op)
-    p = mma_v2(w, x, gl.zeros([G, n, x.shape[2]], gl.float32, layout=mma)) * s[:, :, None]
-    return gl.convert_layout(p.permute(1, 2, 0), sums)
+    p = mma_v2(w, x, gl.zeros([G, n, x.shape[2]], gl.float32, layout=mma))
+    s = gl.convert_layout(s.permute(1, 0), gl.SliceLayout(1, sums))[:, None, :]
+    p = gl.convert_layout(p.permute(1, 2, 0), sums)
+    p, s = gl.broadcast(p, s)
+    return p, s
 
 
 @gluon.jit
@@ -152,9 +156,9 @@ def _fp8_linear_direct_kernel(
     acc = gl.zeros([WARP_N, ROWS], gl.float32, layout=acc_l)
     for i in gl.static_range(STEPS):
         if REVERSED:
-            acc = _add_groups(acc, ps[STEPS - 1 - i], G, True, acc_l)
+            acc = _add_groups(acc, ps[STEPS - 1 - i][0], ps[STEPS - 1 - i][1], G, True, acc_l)
         else:
-            acc = _add_groups(acc, ps[i], G, False, acc_l)
+            acc = _add_groups(acc, ps[i][0], ps[i][1], G, False, acc_l)
 
     n = pid_n * WARP_N + gl.arange(0, WARP_N, layout=gl.SliceLayout(1, acc_l))
     m = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, acc_l))
@@ -183,20 +187,21 @@ def _fp8_linear_direct_kernel(
 
 
 @gluon.jit
-def _add_groups(acc, p, G: gl.constexpr, REVERSED: gl.constexpr, acc_l: gl.constexpr):
-    """acc + p[..., 0] + p[..., 1] (G = 2; in reverse order for the negative control), or acc + p[..., 0] (G = 1):
-    one step's tiles in tile order. Exact picks of the groups (a split, a one-element sum), no arithmetic but the
-    adds."""
+def _add_groups(acc, p, s, G: gl.constexpr, REVERSED: gl.constexpr, acc_l: gl.constexpr):
+    """acc + p[..., 0] * s[..., 0] + p[..., 1] * s[..., 1] (G = 2; in reverse order for the negative control), or
+    acc + p[..., 0] * s[..., 0] (G = 1): one step's tiles in tile order, each scaled and added as the Triton kernel's
+    `acc + dot * s` (an FMA). The groups are picked exactly (a split; a one-element sum)."""
     if G == 2:
         a, b = gl.split(p)
+        sa, sb = gl.split(s)
         if REVERSED:
-            acc = acc + gl.convert_layout(b, acc_l)
-            acc = acc + gl.convert_layout(a, acc_l)
+            acc = acc + gl.convert_layout(b, acc_l) * gl.convert_layout(sb, acc_l)
+            acc = acc + gl.convert_layout(a, acc_l) * gl.convert_layout(sa, acc_l)
         else:
-            acc = acc + gl.convert_layout(a, acc_l)
-            acc = acc + gl.convert_layout(b, acc_l)
+            acc = acc + gl.convert_layout(a, acc_l) * gl.convert_layout(sa, acc_l)
+            acc = acc + gl.convert_layout(b, acc_l) * gl.convert_layout(sb, acc_l)
     else:
-        acc = acc + gl.sum(p, axis=2)
+        acc = acc + gl.sum(p, axis=2) * gl.sum(s, axis=2)
     return acc
 
 

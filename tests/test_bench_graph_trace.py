@@ -21,6 +21,9 @@ def test_increments_add_up_to_the_span_and_split_by_transition():
     assert r["by_transition"]["a_kernel -> b_kernel"]["us"] == pytest.approx(3.0)
     assert r["by_transition"]["c_kernel -> b_kernel"]["us"] == pytest.approx(4.0)
     assert r["by_kernel"]["b_kernel"] == {"count": 2, "us": pytest.approx(7.0)}
+    # own spans (start to end), apart from the increments
+    assert r["by_transition"]["a_kernel -> b_kernel"]["own_us"] == pytest.approx(7.0)  # b parked from t0 + 1
+    assert r["by_transition"]["b_kernel -> c_kernel"]["own_us"] == pytest.approx(3.0)
     # not the kernels' own durations (which overlap under PDL): b ran 7 us and 5 us
     assert r["by_kernel"]["b_kernel"]["us"] != pytest.approx(12.0)
 

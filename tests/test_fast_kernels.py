@@ -152,8 +152,8 @@ def norm_qkv_block(device: str = "cpu", dtype: str = "fp32", broken: bool = Fals
         counts = (ops.norm_qkv_calls, ops.residual_adds)  # the GPU engine's capture has run forwards already
         if broken:
             fp8 = ops._fp8
-            ops._fp8 = lambda w, x, unsummed=False, rms=None: fp8(
-                w, x, unsummed, None if rms is None else (rms[0] * 4, rms[1]))
+            ops._fp8 = lambda w, x, unsummed=False, rms=None, **kw: fp8(
+                w, x, unsummed, None if rms is None else (rms[0] * 4, rms[1]), **kw)
         pos = torch.arange(8, device=device)
         e.model.forward(torch.tensor(RING_SEQ[:8], device=device), pos, torch.ones_like(pos, dtype=torch.bool))
         pos = torch.arange(8, 16, device=device)
