@@ -288,7 +288,8 @@ CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
 # loads each thread's MMA operands straight into registers from a copy of the weight in the fragments' order (made at
 # prepare, ~1 GB at one full-size TP8 rank); the same tiles, scales, order and splits as the Triton kernel's preloading
 # path. Opt-in until measured (docs/PERF.md).
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "linear_direct", "direct_qkv", "direct_o", "direct_hold") + CASCADE
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "linear_direct", "direct_qkv", "direct_o", "direct_hold",
+                           "direct_smem", "direct_l1") + CASCADE
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -321,6 +322,8 @@ class TritonOps(TorchOps):
         self.direct_qkv = self.preload and bool({"linear_direct", "direct_qkv"} & self.stages)
         self.direct_o = self.preload and bool({"linear_direct", "direct_o"} & self.stages)
         self.direct = self.direct_qkv or self.direct_o or (self.preload and "direct_hold" in self.stages)
+        # direct_smem, direct_l1 (diagnostics): the direct kernel's preferred shared-memory carveout, all or none
+        self.direct_carveout = 100 if "direct_smem" in self.stages else 0 if "direct_l1" in self.stages else None
         self.direct_calls = 0  # FP8 linear calls by the direct kernel (tests check the path was taken)
         if self.cascade and self.early:
             raise ValueError("stage 'cascade' lets kernels launch any number of launches ahead, so the reads 'early' "
@@ -442,7 +445,8 @@ class TritonOps(TorchOps):
                 self.linear_stamps.append({"n": w.q.shape[0], "k": w.q.shape[1], "stamps": stamps})
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
                             pdl=self._pdl(x, "linear"), prefetch=self._prefetch(x), preload=preload,
-                            unsummed=unsummed, rms=rms, stamps=stamps, direct=direct)
+                            unsummed=unsummed, rms=rms, stamps=stamps, direct=direct,
+                            direct_carveout=self.direct_carveout if direct is not None else None)
 
     def qkv_rope(self, lw, kv, x, head_dim, cos, sin, rope_rows, positions, live):
         w = lw.wqkv

@@ -206,13 +206,22 @@ def _add_groups(acc, p, s, G: gl.constexpr, REVERSED: gl.constexpr, acc_l: gl.co
 
 
 def launch(grid, x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits,
-           block, split, serial, tiles, norm_args, launch_kw, reversed_tiles=False) -> None:
-    """The kernel's launch for `fp8_linear(direct=...)`, which checks the arguments; `grid` is `grid(M, N, splits)`."""
+           block, split, serial, tiles, norm_args, launch_kw, reversed_tiles=False, carveout: int | None = None) -> None:
+    """The kernel's launch for `fp8_linear(direct=...)`, which checks the arguments; `grid` is `grid(M, N, splits)`.
+    `carveout` (diagnostics): the compiled kernel's preferred shared-memory carveout (percent of the most an SM
+    has), set after the launch, so from the next launch on."""
     g = groups_for(tiles)
-    _fp8_linear_direct_kernel[grid](
+    compiled = _fp8_linear_direct_kernel[grid](
         x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits,
         B0=block[0], B1=block[1], G=g, W_LOAD=load_layout(g), SPLIT=split, SERIAL=serial, PRELOAD=tiles,
         REVERSED=reversed_tiles, **norm_args, num_warps=g, **launch_kw)
+    if carveout is not None:
+        from cuda.bindings import driver  # GPU-only dependency, imported lazily
+
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+        err, = driver.cuFuncSetAttribute(driver.CUfunction(compiled.function), attr, carveout)
+        if int(err) != 0:
+            raise RuntimeError(f"cuFuncSetAttribute(carveout={carveout}) failed: {err!r}")
 
 
 def grid(m: int, n: int, splits: int) -> tuple[int, int, int]:
