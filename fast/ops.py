@@ -289,7 +289,7 @@ CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
 # prepare, ~1 GB at one full-size TP8 rank); the same tiles, scales, order and splits as the Triton kernel's preloading
 # path. Opt-in until measured (docs/PERF.md).
 OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "linear_direct", "direct_qkv", "direct_o", "direct_hold",
-                           "direct_smem", "direct_l1") + CASCADE
+                           "direct_smem", "direct_driver") + CASCADE
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -322,8 +322,9 @@ class TritonOps(TorchOps):
         self.direct_qkv = self.preload and bool({"linear_direct", "direct_qkv"} & self.stages)
         self.direct_o = self.preload and bool({"linear_direct", "direct_o"} & self.stages)
         self.direct = self.direct_qkv or self.direct_o or (self.preload and "direct_hold" in self.stages)
-        # direct_smem, direct_l1 (diagnostics): the direct kernel's preferred shared-memory carveout, all or none
-        self.direct_carveout = 100 if "direct_smem" in self.stages else 0 if "direct_l1" in self.stages else None
+        # direct_smem, direct_driver (diagnostics): the direct kernel's preferred shared-memory carveout all shared
+        # memory, or the driver's choice, instead of its default (least shared memory: kernels/fp8_linear_direct.py)
+        self.direct_carveout = 100 if "direct_smem" in self.stages else -1 if "direct_driver" in self.stages else None
         self.direct_calls = 0  # FP8 linear calls by the direct kernel (tests check the path was taken)
         if self.cascade and self.early:
             raise ValueError("stage 'cascade' lets kernels launch any number of launches ahead, so the reads 'early' "

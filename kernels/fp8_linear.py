@@ -273,7 +273,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     call runs that module's Gluon kernel (16 output columns and 8 rows a program, its K tiles over 2 warps) instead:
     GPU only, bf16 or fp16 x, 128-wide K tiles, no stamps (`direct_applies`). The same tiles, scales, order and
     splits as the Triton kernel's preloading path. `direct_reversed`: a negative control only (tests): its tiles summed
-    last to first. `direct_carveout` (diagnostics): the direct kernel's preferred shared-memory carveout, in percent."""
+    last to first. `direct_carveout` (diagnostics): the direct kernel's preferred shared-memory carveout in percent
+    (-1: the driver's choice) instead of its default (fp8_linear_direct.CARVEOUT)."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -326,7 +327,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     if direct is not None:
         fd.launch(grid, x, direct, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0),
                   expect[1], k_per_split, split_k, block, split, serial, tiles, norm_args, launch_options(pdl, x.device),
-                  reversed_tiles=direct_reversed, carveout=direct_carveout)
+                  reversed_tiles=direct_reversed,
+                  **({} if direct_carveout is None else {"carveout": direct_carveout}))
     else:
         _launch_triton(x, w, scale, out, part, locks, grid, M, N, K, expect[1], k_per_split, split_k, B0, B1, block_n,
                        block_k, split, serial, f32, num_warps, num_stages, prefetch, tiles, norm_args, stamps, pdl)

@@ -205,23 +205,35 @@ def _add_groups(acc, p, s, G: gl.constexpr, REVERSED: gl.constexpr, acc_l: gl.co
     return acc
 
 
-def launch(grid, x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits,
-           block, split, serial, tiles, norm_args, launch_kw, reversed_tiles=False, carveout: int | None = None) -> None:
-    """The kernel's launch for `fp8_linear(direct=...)`, which checks the arguments; `grid` is `grid(M, N, splits)`.
-    `carveout` (diagnostics): the compiled kernel's preferred shared-memory carveout (percent of the most an SM
-    has), set after the launch, so from the next launch on."""
-    g = groups_for(tiles)
-    compiled = _fp8_linear_direct_kernel[grid](
-        x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits,
-        B0=block[0], B1=block[1], G=g, W_LOAD=load_layout(g), SPLIT=split, SERIAL=serial, PRELOAD=tiles,
-        REVERSED=reversed_tiles, **norm_args, num_warps=g, **launch_kw)
-    if carveout is not None:
-        from cuda.bindings import driver  # GPU-only dependency, imported lazily
+# The kernel's preferred shared-memory carveout (percent of an SM's most): 0, the least shared memory (it needs 1 KB a
+# program) and the most L1. Left to the driver, a full-size round was 2.8% slower with the direct o_proj than without
+# it, the router select two launches later taking 4.2 us longer; with 0 it is 3.1% faster, the select unchanged
+# (docs/PERF.md, bench/results/*-d72a32c.*). What the driver chose instead is not known.
+CARVEOUT = 0
 
-        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-        err, = driver.cuFuncSetAttribute(driver.CUfunction(compiled.function), attr, carveout)
-        if int(err) != 0:
-            raise RuntimeError(f"cuFuncSetAttribute(carveout={carveout}) failed: {err!r}")
+
+def launch(grid, x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits,
+           block, split, serial, tiles, norm_args, launch_kw, reversed_tiles=False, carveout: int = CARVEOUT) -> None:
+    """The kernel's launch for `fp8_linear(direct=...)`, which checks the arguments; `grid` is `grid(M, N, splits)`.
+    `carveout`: the compiled kernel's preferred shared-memory carveout (percent; -1: the driver's choice), set on the
+    function before the launch (so before any capture records it)."""
+    g = groups_for(tiles)
+    args = (x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits)
+    kw = dict(B0=block[0], B1=block[1], G=g, W_LOAD=load_layout(g), SPLIT=split, SERIAL=serial, PRELOAD=tiles,
+              REVERSED=reversed_tiles, **norm_args, num_warps=g, **launch_kw)
+    compiled = _fp8_linear_direct_kernel.warmup(*args, grid=grid, **kw)  # compiled (or cached), not launched
+    _prefer_carveout(compiled, carveout)
+    _fp8_linear_direct_kernel[grid](*args, **kw)
+
+
+def _prefer_carveout(compiled, percent: int) -> None:
+    from cuda.bindings import driver  # GPU-only dependency, imported lazily
+
+    compiled._init_handles()  # loads the module: the function handle exists from here
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    err, = driver.cuFuncSetAttribute(driver.CUfunction(compiled.function), attr, percent)
+    if int(err) != 0:
+        raise RuntimeError(f"cuFuncSetAttribute(preferred carveout {percent}) failed: {err!r}")
 
 
 def grid(m: int, n: int, splits: int) -> tuple[int, int, int]:
