@@ -226,7 +226,7 @@ class TorchOps:
 # (f16_norm) -> 7,413 us (both), same process.
 STAGES = ("linear", "attention", "norm", "moe", "sampling", "rope", "lm_head", "rng", "route", "residual", "pdl",
           "f16", "f16_norm", "tma", "embed", "sample_draw", "accept", "settle", "preload", "early", "fp8_down",
-          "rope_sum", "norm_qkv")
+          "rope_sum", "norm_qkv", "linear_direct")
 # "settle": the round's settle step (commit, log, stop, round record) and the next drafting's inputs as one kernel
 # (kernels/settle.py) instead of ~45 torch kernels; integer bookkeeping, the same state (tests/test_kernel_settle.py).
 # "embed": the embedding lookup in one launch (kernels/embed.py) instead of eight torch kernels, six times a round;
@@ -284,11 +284,16 @@ CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
 # projection instead (1e78bc2) cost it 1.7 us a call, all the norm saved. Taken only where the collectives are local
 # (one rank, or a rank-slice benchmark): at TP > 1 the MoE output's all-reduce sits between the combine and the add,
 # and a fused all-reduce would have to write h, g and the sums itself.
-# "linear_direct": the decode FP8 linears (rows <= 8, preloading) by kernels/fp8_linear_direct.py's Gluon kernel, which
-# loads each thread's MMA operands straight into registers from a copy of the weight in the fragments' order (made at
-# prepare, ~1 GB at one full-size TP8 rank); the same tiles, scales, order and splits as the Triton kernel's preloading
-# path. Opt-in until measured (docs/PERF.md).
-OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "linear_direct", "direct_qkv", "direct_o", "direct_hold",
+# "linear_direct": the decode FP8 linears (rows <= 8, preloading; q/k/v and o_proj) by kernels/fp8_linear_direct.py's
+# Gluon kernel, which loads each thread's MMA operands straight into registers from a copy of the weight in the
+# fragments' order (made at prepare: ~1 GB more at one full-size TP8 rank). The same tiles, scales, order and splits as
+# the Triton kernel's preloading path: the same bits (tests/test_kernel_fp8_linear_direct.py on the H200, kernel cases
+# and a decode through the captured loop with the calls counted), so the qualification of the set without it holds.
+# Full-size round on an H200, same process: 6,098.9 -> 5,735.1 us at 123b6fb (q/k/v 5.91 -> 4.11 us, o_proj 5.89 ->
+# 3.80 us a call in the captured forward; bench/results/*-123b6fb.*, docs/PERF.md). "direct_qkv" and "direct_o" take
+# one kind only, "direct_hold" makes the copies without reading them, "direct_smem" and "direct_driver" change the
+# kernel's shared-memory carveout (diagnostics: the carveout is what made the direct o_proj slow the round at first).
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "direct_qkv", "direct_o", "direct_hold",
                            "direct_smem", "direct_driver") + CASCADE
 
 

@@ -356,6 +356,8 @@ def test_shapes_a_kernel_cannot_take_fall_back_and_are_counted():
     assert TritonOps.moe_takes((16, 16), (16, 16), 32) and not TritonOps.moe_takes((8, 8), (8, 8), 32)
     assert not TritonOps.moe_takes((16, 16), (16, 16), 24)  # groups must divide the rank's intermediate slice
     assert "rope" in make_ops("triton").stages  # its GPU tests passed (bench/results/gpu-tests-rope-8530935.log)
+    # bit-identical on the H200, kernel cases and a decode (bench/results/gpu-tests-direct-123b6fb.log)
+    assert "linear_direct" in make_ops("triton").stages and "linear_direct" not in make_ops("triton-linear_direct").stages
     # Their GPU tests passed (bench/results/gpu-tests-kernels-edc6542.log): part of "triton".
     assert {"lm_head", "rng", "route"} <= make_ops("triton").stages == frozenset(STAGES)
 

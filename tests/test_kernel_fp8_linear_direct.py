@@ -119,7 +119,7 @@ def test_gpu_same_bits_as_the_triton_kernel(m, n, k, form, dtype):
 
 @pytest.mark.gpu
 def test_gpu_decode_with_direct_linears_is_bit_identical(tmp_path):
-    """Stage linear_direct through the engine's captured decode loop, on a small random model whose linears have
+    """Stage linear_direct (a default) through the engine's captured decode loop, on a small random model whose linears have
     128 x 128 blocks (the fixtures' 16 x 16 and 8 x 8 blocks never take the kernel): the same tokens, logprobs and
     acceptance sequence as without it, with the direct calls counted (and none without the stage)."""
     from iquest.fast.parallel import Parallel
@@ -134,12 +134,12 @@ def test_gpu_decode_with_direct_linears_is_bit_identical(tmp_path):
                                                         "weight_block_size": [128, 128]}))
     save_checkpoint(tmp_path, config, random_weights(config, 3), GenerationConfig(eos_token_id=config.eos_token_id))
     runs = {}
-    for kernels in ("triton", "triton+linear_direct"):
+    for kernels in ("triton-linear_direct", "triton"):  # a default stage
         engine = RankEngine(tmp_path, Parallel.single("cuda"), EngineOptions(max_context=256, dtype="bf16",
                                                                            kernels=kernels))
         steps = [fast_steps(engine, PROMPTS[i], 40 + i, drafts, n=24) for i, drafts in ((0, 3), (1, 7))]
         runs[kernels] = ([[(s.tokens, s.logprobs, s.drafts, s.accepted) for s in st] for st in steps],
                          engine.model.ops.direct_calls)
-    (base, base_calls), (direct, direct_calls) = runs["triton"], runs["triton+linear_direct"]
+    (base, base_calls), (direct, direct_calls) = runs["triton-linear_direct"], runs["triton"]
     assert base_calls == 0 and direct_calls > 0
     assert direct == base
