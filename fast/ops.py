@@ -293,8 +293,10 @@ CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
 # 3.80 us a call in the captured forward; bench/results/*-123b6fb.*, docs/PERF.md). "direct_qkv" and "direct_o" take
 # one kind only, "direct_hold" makes the copies without reading them, "direct_smem" and "direct_driver" change the
 # kernel's shared-memory carveout (diagnostics: the carveout is what made the direct o_proj slow the round at first).
+# "carveout_l1", "carveout_smem" (benchmarks only): every kernel compiled in the process so far prefers the least (or
+# the most) shared memory, set when the engine is prepared, before its capture (kernels/launch.prefer_carveout).
 OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "direct_qkv", "direct_o", "direct_hold",
-                           "direct_smem", "direct_driver") + CASCADE
+                           "direct_smem", "direct_driver", "carveout_l1", "carveout_smem") + CASCADE
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -331,6 +333,7 @@ class TritonOps(TorchOps):
         # memory, or the driver's choice, instead of its default (least shared memory: kernels/fp8_linear_direct.py)
         self.direct_carveout = 100 if "direct_smem" in self.stages else -1 if "direct_driver" in self.stages else None
         self.direct_calls = 0  # FP8 linear calls by the direct kernel (tests check the path was taken)
+        self.carveout_kernels = 0  # kernels whose carveout stage carveout_l1 / carveout_smem set (likewise)
         if self.cascade and self.early:
             raise ValueError("stage 'cascade' lets kernels launch any number of launches ahead, so the reads 'early' "
                              "makes before the wait are no longer final: drop it, e.g. 'triton-early+cascade'")
@@ -480,6 +483,10 @@ class TritonOps(TorchOps):
         self._locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
         if self.direct and w.embed.is_cuda:  # the linears' weights in the MMA's order (stage linear_direct)
             w.hold_linear_direct(self._direct_weight)
+        if w.embed.is_cuda and {"carveout_l1", "carveout_smem"} & self.stages:  # benchmarks only, before any capture
+            from ..kernels.launch import prefer_carveout
+
+            self.carveout_kernels = prefer_carveout(0 if "carveout_l1" in self.stages else 100)
 
     def lm_head(self, a, w):
         if not self._fits("lm_head", True):

@@ -114,3 +114,39 @@ def launch_options(pdl: bool | Pdl, device: torch.device) -> dict:
     if device.type != "cuda":
         raise ValueError(f"programmatic dependent launch needs a CUDA device, got {device}")
     return {"launch_pdl": True, "PDL": True if int(pdl) == Pdl.CHAINED else int(pdl)}
+
+
+def compiled_kernels() -> list:
+    """Every kernel of this package compiled so far in the process (Triton's and Gluon's JIT caches)."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    from .. import kernels as package
+
+    out = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for fn in vars(module).values():
+            if isinstance(fn, JITFunction):
+                for cache in fn.device_caches.values():
+                    out.extend(cache[0].values())
+    return out
+
+
+def prefer_carveout(percent: int) -> int:
+    """Set the preferred shared-memory carveout (percent of an SM's most; 0: the least shared memory, the most L1) of
+    every kernel compiled so far (`compiled_kernels`); a kernel's own need still wins. A graph records the preference
+    when it is captured, so this must come before the capture. Returns the kernels set. Benchmarks only (stage
+    carveout_l1): kernels compiled later keep the driver's choice."""
+    from cuda.bindings import driver  # GPU-only dependency, imported lazily
+
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    kernels = compiled_kernels()
+    for k in kernels:
+        k._init_handles()
+        err, = driver.cuFuncSetAttribute(driver.CUfunction(k.function), attr, percent)
+        if int(err) != 0:
+            raise RuntimeError(f"cuFuncSetAttribute(preferred carveout {percent}) on {k.name} failed: {err!r}")
+    return len(kernels)

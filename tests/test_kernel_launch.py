@@ -218,3 +218,23 @@ def test_cuda_cascade_decodes_bit_identically(dtype):
     cascade = decode_with_logprobs("triton-early+cascade", dtype)
     assert base["cascade_calls"] == 0 and cascade["cascade_calls"] > 0
     assert cascade["steps"] == base["steps"]
+
+
+@pytest.mark.gpu
+def test_prefer_carveout_reaches_the_compiled_kernels():
+    """kernels/launch.prefer_carveout (stages carveout_l1, carveout_smem): every kernel compiled so far, read back."""
+    from cuda.bindings import driver
+
+    from iquest.kernels.fp8_linear import fp8_linear
+    from iquest.kernels.launch import compiled_kernels, prefer_carveout
+    from iquest.reference.fp8 import quantize
+
+    w, s = quantize(torch.randn(256, 256), (128, 128))
+    fp8_linear(torch.randn(4, 256).to(torch.bfloat16).cuda(), w.cuda(), s.cuda())
+    names = {k.name for k in compiled_kernels()}
+    assert "_fp8_linear_kernel" in names
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    for percent in (0, 100):
+        assert prefer_carveout(percent) == len(compiled_kernels())
+        got = {driver.cuFuncGetAttribute(attr, driver.CUfunction(k.function))[1] for k in compiled_kernels()}
+        assert got == {percent}
