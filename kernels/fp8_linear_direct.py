@@ -1,23 +1,26 @@
-"""`fp8_linear(direct=...)`: the FP8 linear's preloading form for decode rows (M <= 8 a row block) with its operands
-loaded straight into the tensor cores' registers (Triton's Gluon dialect): no shared memory, no barriers.
+"""`fp8_linear(direct=...)`: the FP8 linear's preloading form for decode rows (M <= 8 a row block) with the weights
+loaded straight into the tensor cores' registers (Triton's Gluon dialect), never staged through shared memory.
 
-Why. In the Triton kernel (kernels/fp8_linear.py) every K tile's weights and x rows go from their load layout through
-shared memory into the MMA's operand layout behind barriers, one tile after another: in the captured round each of a
-program's six tiles costs ~0.5 us in series after the PDL wait (docs/PERF.md, `graph-trace --stamps`). Triton's
+Why. In the Triton kernel (kernels/fp8_linear.py) every K tile's weights go from their load layout through shared
+memory into the MMA's operand layout behind barriers, one tile after another: in the captured round each of a
+program's six tiles cost ~0.5 us in series after the PDL wait (docs/PERF.md, `graph-trace --stamps`). Triton's
 frontend does not let a kernel choose its layouts; Gluon does.
 
-The product is taken as (W x^T)^T: the weight is the `mma.sync.m16n8k16` A operand (16 output columns a warp) and
-x^T the B operand, whose 8 columns are the block's rows, so no MMA row is padding. A thread's A fragment of a 128-wide
-K tile is 32 bytes of each of two weight rows, at K offsets 16s + 8h + 2q + e (s the K step, q its lane's quarter);
-`direct_weight` stores each tile's columns in that order, k' = 32q + 4s + 2h + e, once, when the engine is built, so
-a thread loads them with two 16-byte loads a row. Loaded as [n, q, 32] and relabelled by a reshape and a permute,
-they are the fragments in W's own K order, so the MMAs take W's and x's values at the same K as the Triton kernel's.
+The product is taken as (W x^T)^T: the weight is the `mma.sync.m16n8k16` A operand (16 output columns a program)
+and x^T the B operand, whose 8 columns are the block's rows, so no MMA row is padding. A thread's A fragment of a
+128-wide K tile is 32 bytes of each of two weight rows, at K offsets 16s + 8h + 2q + e (s the K step, q its lane's
+quarter); `direct_weight` stores each tile's columns in that order, k' = 32q + 4s + 2h + e, once, when the engine is
+built, so a thread loads them with two 16-byte loads a row, before the PDL wait. Loaded as [n, q, 32] and relabelled
+by a reshape and a permute, they are the fragments in W's own K order, so the MMAs take W's and x's values at the same
+K as the Triton kernel's. Two warps split a program's K tiles (a batched MMA: tile 2j + g at step j on warp g), so
+each holds half the weights (no spills); their products meet in 1 KB of shared memory. x's tiles are read with
+16-byte loads, all in one L2 round trip, and moved into the B fragments through shared memory.
 
 The same arithmetic as the Triton kernel's preloading path: each tile's product from zero over its eight K steps in
-order, scaled by its block scale and added to the sum in tile order; the rows' 1 / rms reduced in the layout Triton
-gives it there; the split-K partials, their in-launch sum and the stores as there. Whether the tensor cores give the
-same bits with the operands exchanged is the GPU test's to show (tests/test_kernel_fp8_linear_direct.py). GPU only
-(Gluon has no interpreter); bf16 or fp16 x; 128-wide K tiles, whole preloaded splits: `fp8_linear` checks that.
+order, then `acc + product * scale` (an FMA) in tile order; the rows' 1 / rms reduced in the layout Triton gives it
+there; the split-K partials, their in-launch sum and the stores as there. So the same bits, which the GPU tests show
+(tests/test_kernel_fp8_linear_direct.py: kernel cases against the Triton kernel, and a decode through the engine).
+GPU only (Gluon has no interpreter); bf16 or fp16 x; 128-wide K tiles, whole preloaded splits: `fp8_linear` checks.
 """
 
 from __future__ import annotations
