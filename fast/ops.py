@@ -294,9 +294,10 @@ CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
 # one kind only, "direct_hold" makes the copies without reading them, "direct_smem" and "direct_driver" change the
 # kernel's shared-memory carveout (diagnostics: the carveout is what made the direct o_proj slow the round at first).
 # "carveout_l1", "carveout_smem" (benchmarks only): every kernel compiled in the process so far prefers the least (or
-# the most) shared memory, set when the engine is prepared, before its capture (kernels/launch.prefer_carveout).
+# the most) shared memory, set when the engine is prepared, before its capture (kernels/launch.prefer_carveout);
+# "carveout_small": the least, for the kernels using at most 48 KB of shared memory only.
 OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "direct_qkv", "direct_o", "direct_hold",
-                           "direct_smem", "direct_driver", "carveout_l1", "carveout_smem") + CASCADE
+                           "direct_smem", "direct_driver", "carveout_l1", "carveout_smem", "carveout_small") + CASCADE
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -483,10 +484,13 @@ class TritonOps(TorchOps):
         self._locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
         if self.direct and w.embed.is_cuda:  # the linears' weights in the MMA's order (stage linear_direct)
             w.hold_linear_direct(self._direct_weight)
-        if w.embed.is_cuda and {"carveout_l1", "carveout_smem"} & self.stages:  # benchmarks only, before any capture
+        if w.embed.is_cuda and {"carveout_l1", "carveout_smem", "carveout_small"} & self.stages:  # benchmarks only
             from ..kernels.launch import prefer_carveout
 
-            self.carveout_kernels = prefer_carveout(0 if "carveout_l1" in self.stages else 100)
+            if "carveout_small" in self.stages:  # the least shared memory for kernels using at most 48 KB
+                self.carveout_kernels = prefer_carveout(0, max_shared=48 * 1024)
+            else:
+                self.carveout_kernels = prefer_carveout(0 if "carveout_l1" in self.stages else 100)
 
     def lm_head(self, a, w):
         if not self._fits("lm_head", True):

@@ -135,15 +135,16 @@ def compiled_kernels() -> list:
     return out
 
 
-def prefer_carveout(percent: int) -> int:
+def prefer_carveout(percent: int, max_shared: int | None = None) -> int:
     """Set the preferred shared-memory carveout (percent of an SM's most; 0: the least shared memory, the most L1) of
-    every kernel compiled so far (`compiled_kernels`); a kernel's own need still wins. A graph records the preference
-    when it is captured, so this must come before the capture. Returns the kernels set. Benchmarks only (stage
-    carveout_l1): kernels compiled later keep the driver's choice."""
+    every kernel compiled so far (`compiled_kernels`), or of those using at most `max_shared` bytes of shared memory; a
+    kernel's own need still wins. A graph records the preference when it is captured, so this must come before the
+    capture. Returns the kernels set. Benchmarks only (stages carveout_*): kernels compiled later keep the driver's
+    choice."""
     from cuda.bindings import driver  # GPU-only dependency, imported lazily
 
     attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-    kernels = compiled_kernels()
+    kernels = [k for k in compiled_kernels() if max_shared is None or k.metadata.shared <= max_shared]
     for k in kernels:
         k._init_handles()
         err, = driver.cuFuncSetAttribute(driver.CUfunction(k.function), attr, percent)

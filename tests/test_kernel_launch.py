@@ -238,3 +238,6 @@ def test_prefer_carveout_reaches_the_compiled_kernels():
         assert prefer_carveout(percent) == len(compiled_kernels())
         got = {driver.cuFuncGetAttribute(attr, driver.CUfunction(k.function))[1] for k in compiled_kernels()}
         assert got == {percent}
+    small = [k for k in compiled_kernels() if k.metadata.shared <= 48 * 1024]
+    assert small and prefer_carveout(0, max_shared=48 * 1024) == len(small)
+    assert {driver.cuFuncGetAttribute(attr, driver.CUfunction(k.function))[1] for k in small} == {0}
