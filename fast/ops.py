@@ -329,7 +329,7 @@ class TritonOps(TorchOps):
         # made but not read (diagnostics: which of them moves what in the round)
         self.direct_qkv = self.preload and bool({"linear_direct", "direct_qkv"} & self.stages)
         self.direct_o = self.preload and bool({"linear_direct", "direct_o"} & self.stages)
-        self.direct = self.direct_qkv or self.direct_o or (self.preload and "direct_hold" in self.stages)
+        self.hold_direct = self.direct_qkv or self.direct_o or (self.preload and "direct_hold" in self.stages)
         # direct_smem, direct_driver (diagnostics): the direct kernel's preferred shared-memory carveout all shared
         # memory, or the driver's choice, instead of its default (least shared memory: kernels/fp8_linear_direct.py)
         self.direct_carveout = 100 if "direct_smem" in self.stages else -1 if "direct_driver" in self.stages else None
@@ -438,21 +438,21 @@ class TritonOps(TorchOps):
 
     def _fp8(self, w: FP8Weight, x: torch.Tensor, unsummed: bool = False, rms: tuple | None = None,
              qkv: bool = False) -> torch.Tensor:
-        locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
-        fits = locks is not None and self._lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
         preload = self._preload(x)
         stamps = direct = None
         tiles = self._preload_plan(x.shape[0], *w.q.shape, w.block, device=x.device) if preload else 0
         if tiles:
             self.preload_calls += 1
             if ((self.direct_qkv if qkv else self.direct_o) and w.direct is not None and x.shape[0] <= 8
-                    and w.block[1] == 128
-                    and -(-w.q.shape[0] // 16) <= LINEAR_LOCKS and self._direct_applies(x, 128, tiles)):
-                direct = w.direct  # one row block of 8; a split-K sum's counters: one per 16 output columns
+                    and self._direct_applies(x, w.block[1], tiles)):  # a decode block: one row block of 8
+                direct = w.direct
                 self.direct_calls += 1
             elif self.linear_stamps is not None and x.is_cuda:  # a timeline of this call (bench/graph_trace.py)
                 stamps = self._linear_stamps(x.shape[0], *w.q.shape, w.block, x.device)
                 self.linear_stamps.append({"n": w.q.shape[0], "k": w.q.shape[1], "stamps": stamps})
+        locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
+        fits = (locks is not None
+                and self._lock_count(x.shape[0], w.q.shape[0], direct=direct is not None) <= locks.numel())
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
                             pdl=self._pdl(x, "linear"), prefetch=self._prefetch(x), preload=preload,
                             unsummed=unsummed, rms=rms, stamps=stamps, direct=direct,
@@ -482,7 +482,7 @@ class TritonOps(TorchOps):
         # The arrival counters of the FP8 linear's split-K sum and the MoE's folded finalize and combine: zeroed once,
         # before any capture; every call leaves them zeroed, and the engine's calls run one after another on one stream.
         self._locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
-        if self.direct and w.embed.is_cuda:  # the linears' weights in the MMA's order (stage linear_direct)
+        if self.hold_direct and w.embed.is_cuda:  # the linears' weights in the MMA's order (stage linear_direct)
             w.hold_linear_direct(self._direct_weight)
         if w.embed.is_cuda and {"carveout_l1", "carveout_smem", "carveout_small"} & self.stages:  # benchmarks only
             from ..kernels.launch import prefer_carveout

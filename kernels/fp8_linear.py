@@ -188,8 +188,14 @@ def _block_k(b1: int) -> int:
     return bk
 
 
-def lock_count(m: int, n: int, block_n: int = BLOCK_N) -> int:
-    """Counters `fp8_linear(locks=...)` needs for an [m, n] output: one per output tile."""
+def lock_count(m: int, n: int, block_n: int = BLOCK_N, direct: bool = False) -> int:
+    """Counters `fp8_linear(locks=...)` needs for an [m, n] output: one per output tile (the direct kernel's tiles
+    with `direct`)."""
+    if direct:
+        from .fp8_linear_direct import grid
+
+        g = grid(m, n, 1)
+        return g[0] * g[2]
     return triton.cdiv(n, block_n) * triton.cdiv(m, BLOCK_M)
 
 
@@ -313,7 +319,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                "tiles and no stamps")
         _check(direct.shape == w.shape and direct.dtype == w.dtype and direct.is_contiguous()
                and direct.device == w.device, f"direct must be W's [{N}, {K}] E4M3 copy (direct_weight), contiguous")
-    if direct is not None:
         from . import fp8_linear_direct as fd
 
         grid = fd.grid(M, N, split_k)

@@ -30,6 +30,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from .launch import set_carveout
+
 BLOCK_K = gl.constexpr(128)  # the K tile the fragment order is laid out for (a weight scale block at 128 x 128)
 ROWS = gl.constexpr(8)  # x rows a program takes: the MMA's N
 WARP_N = gl.constexpr(16)  # output columns a warp computes: the MMA's M
@@ -218,25 +220,19 @@ CARVEOUT = 0
 def launch(grid, x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits,
            block, split, serial, tiles, norm_args, launch_kw, reversed_tiles=False, carveout: int = CARVEOUT) -> None:
     """The kernel's launch for `fp8_linear(direct=...)`, which checks the arguments; `grid` is `grid(M, N, splits)`.
-    `carveout`: the compiled kernel's preferred shared-memory carveout (percent; -1: the driver's choice), set on the
-    function before the launch (so before any capture records it)."""
+    `carveout`: the compiled kernel's preferred shared-memory carveout (percent; -1: the driver's choice). A graph
+    keeps the preference a kernel had when it was captured, so inside a capture it is set before the launch (the
+    kernel looked up, or compiled, first); outside one, after it (the lookup is the launch's own), so only a kernel's
+    first eager launch may run with the driver's choice."""
     g = groups_for(tiles)
     args = (x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits)
     kw = dict(B0=block[0], B1=block[1], G=g, W_LOAD=load_layout(g), SPLIT=split, SERIAL=serial, PRELOAD=tiles,
               REVERSED=reversed_tiles, **norm_args, num_warps=g, **launch_kw)
-    compiled = _fp8_linear_direct_kernel.warmup(*args, grid=grid, **kw)  # compiled (or cached), not launched
-    _prefer_carveout(compiled, carveout)
-    _fp8_linear_direct_kernel[grid](*args, **kw)
-
-
-def _prefer_carveout(compiled, percent: int) -> None:
-    from cuda.bindings import driver  # GPU-only dependency, imported lazily
-
-    compiled._init_handles()  # loads the module: the function handle exists from here
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-    err, = driver.cuFuncSetAttribute(driver.CUfunction(compiled.function), attr, percent)
-    if int(err) != 0:
-        raise RuntimeError(f"cuFuncSetAttribute(preferred carveout {percent}) failed: {err!r}")
+    if torch.cuda.is_current_stream_capturing():
+        set_carveout(_fp8_linear_direct_kernel.warmup(*args, grid=grid, **kw), carveout)
+        _fp8_linear_direct_kernel[grid](*args, **kw)
+    else:
+        set_carveout(_fp8_linear_direct_kernel[grid](*args, **kw), carveout)
 
 
 def grid(m: int, n: int, splits: int) -> tuple[int, int, int]:

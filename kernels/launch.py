@@ -141,13 +141,22 @@ def prefer_carveout(percent: int, max_shared: int | None = None) -> int:
     kernel's own need still wins. A graph records the preference when it is captured, so this must come before the
     capture. Returns the kernels set. Benchmarks only (stages carveout_*): kernels compiled later keep the driver's
     choice."""
-    from cuda.bindings import driver  # GPU-only dependency, imported lazily
-
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
     kernels = [k for k in compiled_kernels() if max_shared is None or k.metadata.shared <= max_shared]
     for k in kernels:
-        k._init_handles()
-        err, = driver.cuFuncSetAttribute(driver.CUfunction(k.function), attr, percent)
-        if int(err) != 0:
-            raise RuntimeError(f"cuFuncSetAttribute(preferred carveout {percent}) on {k.name} failed: {err!r}")
+        set_carveout(k, percent)
     return len(kernels)
+
+
+def set_carveout(compiled, percent: int) -> None:
+    """Set a compiled kernel's preferred shared-memory carveout (percent of an SM's most; -1: the driver's choice),
+    once: the value is kept on the kernel object, so asking again for the same one costs no driver call."""
+    if getattr(compiled, "iquest_carveout", None) == percent:
+        return
+    from cuda.bindings import driver  # GPU-only dependency, imported lazily
+
+    compiled._init_handles()  # loads the module: the function handle exists from here
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    err, = driver.cuFuncSetAttribute(driver.CUfunction(compiled.function), attr, percent)
+    if int(err) != 0:
+        raise RuntimeError(f"cuFuncSetAttribute(preferred carveout {percent}) on {compiled.name} failed: {err!r}")
+    compiled.iquest_carveout = percent
