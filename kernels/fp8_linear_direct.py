@@ -30,7 +30,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .launch import set_carveout
+from .launch import launch_with_carveout
 
 BLOCK_K = gl.constexpr(128)  # the K tile the fragment order is laid out for (a weight scale block at 128 x 128)
 ROWS = gl.constexpr(8)  # x rows a program takes: the MMA's N
@@ -220,19 +220,13 @@ CARVEOUT = 0
 def launch(grid, x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits,
            block, split, serial, tiles, norm_args, launch_kw, reversed_tiles=False, carveout: int = CARVEOUT) -> None:
     """The kernel's launch for `fp8_linear(direct=...)`, which checks the arguments; `grid` is `grid(M, N, splits)`.
-    `carveout`: the compiled kernel's preferred shared-memory carveout (percent; -1: the driver's choice). A graph
-    keeps the preference a kernel had when it was captured, so inside a capture it is set before the launch (the
-    kernel looked up, or compiled, first); outside one, after it (the lookup is the launch's own), so only a kernel's
-    first eager launch may run with the driver's choice."""
+    `carveout`: the compiled kernel's preferred shared-memory carveout (percent; -1: the driver's choice), set as
+    `launch.launch_with_carveout` does."""
     g = groups_for(tiles)
     args = (x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits)
     kw = dict(B0=block[0], B1=block[1], G=g, W_LOAD=load_layout(g), SPLIT=split, SERIAL=serial, PRELOAD=tiles,
               REVERSED=reversed_tiles, **norm_args, num_warps=g, **launch_kw)
-    if torch.cuda.is_current_stream_capturing():
-        set_carveout(_fp8_linear_direct_kernel.warmup(*args, grid=grid, **kw), carveout)
-        _fp8_linear_direct_kernel[grid](*args, **kw)
-    else:
-        set_carveout(_fp8_linear_direct_kernel[grid](*args, **kw), carveout)
+    launch_with_carveout(_fp8_linear_direct_kernel, grid, args, kw, carveout)
 
 
 def grid(m: int, n: int, splits: int) -> tuple[int, int, int]:

@@ -160,3 +160,17 @@ def set_carveout(compiled, percent: int) -> None:
     if int(err) != 0:
         raise RuntimeError(f"cuFuncSetAttribute(preferred carveout {percent}) on {compiled.name} failed: {err!r}")
     compiled.iquest_carveout = percent
+
+
+def launch_with_carveout(kernel, grid, args: tuple, kw: dict, carveout: int | None) -> None:
+    """kernel[grid](*args, **kw) with the compiled kernel's preferred shared-memory carveout (`set_carveout`; None:
+    left as it is). A graph keeps the preference a kernel had when it was captured, so inside a capture it is set
+    before the launch (the kernel looked up, or compiled, first); outside one, after it (the lookup is the launch's
+    own), so only a kernel's first eager launch may run with the driver's choice."""
+    if carveout is None:
+        kernel[grid](*args, **kw)
+    elif torch.cuda.is_current_stream_capturing():
+        set_carveout(kernel.warmup(*args, grid=grid, **kw), carveout)
+        kernel[grid](*args, **kw)
+    else:
+        set_carveout(kernel[grid](*args, **kw), carveout)
