@@ -84,7 +84,7 @@ def _products(w8, x, sg, xd, mma: gl.constexpr, sums: gl.constexpr):
     """One step's G tiles, one a warp: the loaded E4M3 bytes [G, 16, 128] moved into the A fragments inside each warp,
     converted exactly to fp16 and multiplied by x^T's fragments from zero; returned with each product's scale
     2^-s_row x the weight block's, both [16, 8, G] in `sums` (each thread holding the G groups)."""
-    w = gl.convert_layout(w8, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)).to(gl.float16)
+    w = gl.convert_layout(w8, gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)).to(gl.float16)
     p = mma_v2(w, x, gl.zeros([w8.shape[0], w8.shape[1], x.shape[2]], gl.float32, layout=mma))
     p = gl.convert_layout(p.permute(1, 2, 0), sums)
     s = xd[None, :, :] * sg[:, None, :]  # exact: a power of two times the block scale, as the Triton kernel's
@@ -103,7 +103,7 @@ def _moe_gate_up_direct_kernel(
 ):
     STEPS: gl.constexpr = TILES // G
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[G, 1, 1], instr_shape=[1, 16, 8])
-    x_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    x_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
     sums: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, G], threads_per_warp=[8, 4, 1],
                                           warps_per_cta=[G, 1, 1], order=[2, 1, 0])
     acc_l: gl.constexpr = gl.SliceLayout(2, sums)
