@@ -654,6 +654,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         fp8_down: bool = FP8_DOWN, locks: torch.Tensor | None = None, early_down: bool = False,
         residual: tuple[torch.Tensor, ...] | None = None, stamps: torch.Tensor | None = None,
         gate_up_direct: bool = False, gate_up_direct_carveout: int | None = None,
+        gate_up_direct_per_sm: int | None = None,
         debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
@@ -701,7 +702,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     f16 path, at most 8 rows, 128 x 128 blocks, the same K split in whole tile pairs of at most 8 tiles
     (`moe_gate_up_direct.applies`), without `locks` or `stamps`; else the Triton kernel (debug["gate_up_direct"] says
     which ran). The same tiles, scales, sums and partials, so the same bits. `gate_up_direct_carveout`: its preferred
-    shared-memory carveout in percent (-1: the driver's; default moe_gate_up_direct.CARVEOUT). `debug`,
+    shared-memory carveout in percent (-1: the driver's; default moe_gate_up_direct.CARVEOUT);
+    `gate_up_direct_per_sm`: its programs a SM (default moe_gate_up_direct.PROGRAMS_PER_SM). `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -815,7 +817,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         gud.launch(x_in, xd_in, gate, gate_scale, up, up_scale, experts, live_arg, part, programs[0], R, H, I, P,
                    k_per_split, split, block, routing, store_h, launch,
                    reversed_tiles=bool(store_h and debug.get("reversed_gate_up", False)),
-                   **({} if gate_up_direct_carveout is None else {"carveout": gate_up_direct_carveout}))
+                   **({} if gate_up_direct_carveout is None else {"carveout": gate_up_direct_carveout}),
+                   **({} if gate_up_direct_per_sm is None else {"per_sm": gate_up_direct_per_sm}))
     else:
         _moe_gate_up_kernel[grid](
             x_in, xd_in, g_arg, gate_scale, u_arg, up_scale, experts, live_arg, part, programs[0],

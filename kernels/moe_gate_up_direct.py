@@ -32,6 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .fp8_linear_direct import _add_groups, _wait_for_inputs, groups_for
+from .device import sm_count
 from .launch import launch_with_carveout
 
 BLOCK_K = gl.constexpr(128)  # the K tile (one weight scale block at 128 x 128; x's operand tiles are this wide)
@@ -93,88 +94,106 @@ def _products(w8, x, sg, xd, mma: gl.constexpr, sums: gl.constexpr):
 
 
 @gluon.jit
+def _owners(experts_ptr, live_ptr, R, P, K_TOP: gl.constexpr, P_PAD: gl.constexpr, LIVE_COUNT: gl.constexpr,
+            DEDUP: gl.constexpr, sq: gl.constexpr):
+    """The block's distinct live experts, as kernels/moe._expert_owner assigns them: pair q owns its expert when its
+    row is live and (DEDUP) no earlier live pair chose it. Returns (pairs q, their experts, owns, owners before q),
+    [P_PAD] each (in SliceLayout(1, sq)), and the number of owners."""
+    q = gl.arange(0, P_PAD, layout=gl.SliceLayout(1, sq))
+    c = gl.arange(0, P_PAD, layout=gl.SliceLayout(0, sq))
+    eq = gl.load(experts_ptr + q, mask=q < P, other=-1)
+    own = _live(live_ptr, q // K_TOP, R, LIVE_COUNT) & (q < P)
+    earlier = c[None, :] < q[:, None]
+    if DEDUP:
+        ec = gl.load(experts_ptr + c, mask=c < P, other=-1)
+        lc = _live(live_ptr, c // K_TOP, R, LIVE_COUNT) & (c < P)
+        own = own & (gl.sum((earlier & (ec[None, :] == eq[:, None]) & lc[None, :]).to(gl.int32), axis=1) == 0)
+    rank = gl.sum((earlier & gl.convert_layout(own, gl.SliceLayout(0, sq))[None, :]).to(gl.int32), axis=1)
+    return q, eq, own, rank, gl.sum(own.to(gl.int32), axis=0)
+
+
+@gluon.jit
 def _moe_gate_up_direct_kernel(
     x_ptr, xd_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, ran_ptr,
-    R, H, I, P, stride_x, stride_xd, s_rows, s_cols, k_per_split,
+    R, H, I, P, stride_x, stride_xd, s_rows, s_cols, k_per_split, splits,
     K_TOP: gl.constexpr, K_PAD: gl.constexpr, P_PAD: gl.constexpr, LIVE_COUNT: gl.constexpr, DEDUP: gl.constexpr,
     B0: gl.constexpr, B1: gl.constexpr, G: gl.constexpr, W_LOAD: gl.constexpr, TILES: gl.constexpr,
     STORE_RAN: gl.constexpr, PDL: gl.constexpr = False,
     REVERSED: gl.constexpr = False,  # True: negative control only (tests): each split's tiles summed last to first
 ):
+    # A fixed grid (programs resident at once) working through the items (distinct expert d, 16 channels, K split),
+    # d fastest: no program is spent on a pair whose expert another pair owns.
     STEPS: gl.constexpr = TILES // G
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[G, 1, 1], instr_shape=[1, 16, 8])
     x_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
     sums: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, G], threads_per_warp=[8, 4, 1],
                                           warps_per_cta=[G, 1, 1], order=[2, 1, 0])
     acc_l: gl.constexpr = gl.SliceLayout(2, sums)
+    sq: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8], warps_per_cta=[G, 1],
+                                        order=[1, 0])
     route: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[G, 1],
                                            order=[1, 0])
-    p = gl.program_id(0)
-    tile = gl.program_id(1)
-    split = gl.program_id(2)
     _wait_for_inputs(PDL)
 
-    # The owner check, as kernels/moe._expert_owner: pair p's row is live and (DEDUP) no earlier live pair chose e.
-    # One L2 round trip: e, the earlier pairs' experts and the block's routing matrix go out together.
-    e = gl.load(experts_ptr + p)
-    q = gl.arange(0, P_PAD, layout=gl.SliceLayout(0, route))
-    before = q < p
-    earlier = gl.load(experts_ptr + q, mask=before, other=-1)
+    # The routing, one L2 round trip: every pair's expert and liveness, and the block's [rows, k] matrix
     rr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, route))
     jj = gl.arange(0, K_PAD, layout=gl.SliceLayout(0, route))
     chosen = gl.load(experts_ptr + rr[:, None] * K_TOP + jj[None, :], mask=(rr < R)[:, None] & (jj < K_TOP)[None, :],
                      other=-1)
-    run = _live(live_ptr, p // K_TOP, R, LIVE_COUNT)
-    if DEDUP:
-        same = before & (earlier == e) & _live(live_ptr, q // K_TOP, R, LIVE_COUNT)
-        run = run & (gl.sum(same.to(gl.int32), axis=0) == 0)
-    if STORE_RAN:  # debug: which pairs' programs did the work
-        gl.store(ran_ptr + p, run.to(gl.int32), mask=(tile == 0) & (split == 0))
-    if run:
+    row_live = _live(live_ptr, rr, R, LIVE_COUNT)
+    q, eq, own, rank, owners = _owners(experts_ptr, live_ptr, R, P, K_TOP, P_PAD, LIVE_COUNT, DEDUP, sq)
+    if STORE_RAN:  # debug: which pairs' experts were streamed (by whichever programs)
+        gl.store(ran_ptr + q, own.to(gl.int32), mask=(q < P) & (gl.program_id(0) == 0))
+
+    channel_groups = I // WARP_N
+    gw = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, W_LOAD)))
+    nw = gl.arange(0, WARP_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, W_LOAD)))
+    cw = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, W_LOAD)))
+    gs_ = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, sums)))
+    ns = gl.arange(0, WARP_N, layout=gl.SliceLayout(1, gl.SliceLayout(1, sums)))
+    x_ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8, 1], threads_per_warp=[1, 4, 8],
+                                          warps_per_cta=[G, 1, 1], order=[1, 2, 0])
+    gx = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_ld)))
+    kx = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_ld)))
+    mx = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_ld)))
+    md = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(0, sums)))
+    gd = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(0, sums)))
+    for item in range(gl.program_id(0), owners * channel_groups * splits, gl.num_programs(0)):
+        d = item % owners
+        tile = (item // owners) % channel_groups
+        split = item // (owners * channel_groups)
+        e = gl.sum(gl.where(own & (rank == d), eq, 0), axis=0)
         k_start = split * k_per_split
         ex = e.to(gl.int64)
-        # Gate's and Up's tiles (tile t = j * G + g at step j), then their block scales: all issued at once
-        gw = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, W_LOAD)))
-        nw = tile * WARP_N + gl.arange(0, WARP_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, W_LOAD)))
-        cw = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gl.SliceLayout(1, W_LOAD)))
-        w_off = k_start + gw[:, None, None] * BLOCK_K + nw[None, :, None] * H + cw[None, None, :]  # in the expert
-        gs_ = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, sums)))
-        ns = tile * WARP_N + gl.arange(0, WARP_N, layout=gl.SliceLayout(1, gl.SliceLayout(1, sums)))
-        s_off = (ns // B0)[:, None] * s_cols + ((k_start + gs_ * BLOCK_K) // B1)[None, :]
+        # Gate's and Up's tiles (tile t = j * G + g at step j), their block scales, x^T's operand tiles (fp16, 16-byte
+        # loads) and their 2^-s: all issued at once. Rows that did not choose e are multiplied and never stored.
+        n0 = tile * WARP_N
+        w_off = k_start + gw[:, None, None] * BLOCK_K + (n0 + nw)[None, :, None] * H + cw[None, None, :]
+        s_off = ((n0 + ns) // B0)[:, None] * s_cols + ((k_start + gs_ * BLOCK_K) // B1)[None, :]
         g_e = g_ptr + ex * I * H
         u_e = u_ptr + ex * I * H
         gs_e = gs_ptr + ex * s_rows * s_cols
         us_e = us_ptr + ex * s_rows * s_cols
+        x_off = mx[None, None, :] * stride_x + k_start + (gx * BLOCK_K)[:, None, None] + kx[None, :, None]
+        d_off = md[:, None] * stride_xd + k_start // BLOCK_K + gd[None, :]
         wg = ()
         wu = ()
-        sg = ()
-        su = ()
         for j in gl.static_range(STEPS):
             wg = wg + (gl.load(g_e + w_off + j * G * BLOCK_K),)
             wu = wu + (gl.load(u_e + w_off + j * G * BLOCK_K),)
-        for j in gl.static_range(STEPS):
-            sg = sg + (gl.load(gs_e + s_off + (j * G * BLOCK_K) // B1),)
-            su = su + (gl.load(us_e + s_off + (j * G * BLOCK_K) // B1),)
-        # x^T's operand tiles (fp16, 16-byte loads) and their 2^-s, for the block's rows (those that did not choose e
-        # are multiplied too and never stored)
-        x_ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8, 1], threads_per_warp=[1, 4, 8],
-                                              warps_per_cta=[G, 1, 1], order=[1, 2, 0])
-        gx = gl.arange(0, G, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_ld)))
-        kx = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_ld)))
-        mx = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_ld)))
-        x_off = mx[None, None, :] * stride_x + k_start + (gx * BLOCK_K)[:, None, None] + kx[None, :, None]
-        md = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(0, sums)))
-        gd = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(0, sums)))
-        d_off = md[:, None] * stride_xd + k_start // BLOCK_K + gd[None, :]
+        sg = ()
+        su = ()
         xs = ()
         xds = ()
         for j in gl.static_range(STEPS):
+            sg = sg + (gl.load(gs_e + s_off + (j * G * BLOCK_K) // B1),)
+            su = su + (gl.load(us_e + s_off + (j * G * BLOCK_K) // B1),)
             xs = xs + (gl.load(x_ptr + x_off + j * G * BLOCK_K, mask=(mx < R)[None, None, :], other=0.0),)
             xds = xds + (gl.load(xd_ptr + d_off + j * G, mask=(md < R)[:, None], other=1.0),)
 
         # The rows that chose e (a row's experts are distinct: at most one slot matches) and their pairs
         hit = chosen == e
-        m_ok = (gl.sum(hit.to(gl.int32), axis=1) > 0) & _live(live_ptr, rr, R, LIVE_COUNT)
+        m_ok = (gl.sum(hit.to(gl.int32), axis=1) > 0) & row_live
         pair = rr * K_TOP + gl.sum(gl.where(hit, jj[None, :], 0), axis=1)
 
         pg = ()
@@ -193,7 +212,7 @@ def _moe_gate_up_direct_kernel(
                 acc_g = _add_groups(acc_g, pg[i][0], pg[i][1], G, False, acc_l)
                 acc_u = _add_groups(acc_u, pu[i][0], pu[i][1], G, False, acc_l)
 
-        n = tile * WARP_N + gl.arange(0, WARP_N, layout=gl.SliceLayout(1, acc_l))
+        n = n0 + gl.arange(0, WARP_N, layout=gl.SliceLayout(1, acc_l))
         pair = gl.convert_layout(pair, gl.SliceLayout(0, acc_l))
         m_ok = gl.convert_layout(m_ok, gl.SliceLayout(0, acc_l))
         dst = part_ptr + ((split * P + pair) * 2)[None, :] * I + n[:, None]
@@ -208,15 +227,19 @@ def _moe_gate_up_direct_kernel(
 CARVEOUT = 0
 
 
+PROGRAMS_PER_SM = 4  # the grid: programs a SM (at ~200 registers a thread, 5 of 2 warps fit)
+
+
 def launch(x16, xd, gate, gate_scale, up, up_scale, experts, live_arg, part, ran, R, H, I, P, k_per_split, split,
            block, routing: dict, store_ran: bool, launch_kw: dict, reversed_tiles: bool = False,
-           carveout: int = CARVEOUT) -> None:
-    """The kernel's launch for `moe(gate_up_direct=True)`, which checks the arguments and that `applies`: a program
-    per (pair, 16 channels, K split); `carveout` as `launch.launch_with_carveout` takes it (-1: the driver's)."""
+           carveout: int = CARVEOUT, per_sm: int = PROGRAMS_PER_SM) -> None:
+    """The kernel's launch for `moe(gate_up_direct=True)`, which checks the arguments and that `applies`: `per_sm`
+    programs a SM, working through the items (distinct expert, 16 channels, K split); `carveout` as
+    `launch.launch_with_carveout` takes it (-1: the driver's)."""
     tiles = tiles_per_split(k_per_split)
     g = groups_for(tiles)
     args = (x16, xd, gate, gate_scale, up, up_scale, experts, live_arg, part, ran, R, H, I, P, x16.stride(0),
-            xd.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split)
+            xd.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, split)
     kw = dict(**routing, B0=block[0], B1=block[1], G=g, W_LOAD=load_layout(g), TILES=tiles, STORE_RAN=store_ran,
               REVERSED=reversed_tiles, num_warps=g, **launch_kw)
-    launch_with_carveout(_moe_gate_up_direct_kernel, (P, I // WARP_N.value, split), args, kw, carveout)
+    launch_with_carveout(_moe_gate_up_direct_kernel, (per_sm * sm_count(x16.device),), args, kw, carveout)

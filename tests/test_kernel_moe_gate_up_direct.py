@@ -39,19 +39,19 @@ def test_not_taken_off_the_gpu():
 
 def test_sass_loads_every_weight_at_once_and_stages_nothing_across_warps():
     """The design's point, on the compiled kernel (sm_90a, any machine) at the engine's full-size form (8 splits of
-    6 K tiles, 2 warps): after the owner check's exit, every load (Gate's and Up's 24 KB, their scales, x's tiles) is
-    issued before the first MMA; 3 tiles a warp of Gate and of Up are 48 MMAs; shared memory is 1 KB (the two warps'
-    products; a warp's own 512-byte transposes of its bytes), where a program's weights are 24 KB; nothing spills."""
+    6 K tiles, 2 warps): in an item's pass every load (Gate's and Up's 24 KB, their scales, x's tiles) is issued
+    before its first MMA; 3 tiles a warp of Gate and of Up are 48 MMAs; shared memory is 1 KB (the two warps'
+    products; a warp's own transposes of its bytes), where a program's weights are 24 KB; nothing spills."""
     from iquest.bench import sass
 
     kernel = sass.compile_spec(sass.specs()["moe_gate_up_direct"])
     r, seq = sass.report(kernel), sass.sequence(kernel)
     assert r["stack_bytes"] == 0 and r["shared_bytes"] <= 1024 and r["mix"]["HMMA"] == 48, r
     wait, first_mma = seq.index("ACQBULK"), seq.index("HMMA")
-    owner_exit = seq.index("EXIT", wait)
-    assert sum(op == "LDG" for op in seq[owner_exit:first_mma]) >= 2 * 3 * 4 + 3 * 4  # weights (16 B each), x tiles
+    routing = seq.index("STS", wait)  # the routing's loads, then the owners' exchange between the warps
+    assert sum(op == "LDG" for op in seq[wait:routing]) >= 3  # the pairs' experts (twice), the routing matrix
+    assert sum(op == "LDG" for op in seq[routing:first_mma]) >= 2 * 3 * 4 + 3 * 4  # weights (16 B each), x's tiles
     assert "LDG" not in seq[first_mma:]
-    assert sum(op == "LDG" for op in seq[wait:owner_exit]) >= 3  # e, the earlier pairs, the routing matrix
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------
