@@ -253,7 +253,8 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
         return [cand(),
                 cand("engine", **engine),
                 # Gate/Up by the Gluon kernel (stage moe_direct): programs a SM, the carveout left to the driver
-                *[cand("engine direct", **engine, gate_up_direct=True, gate_up_direct_per_sm=n) for n in (4, 3, 2)],
+                cand("engine direct", **engine, gate_up_direct=True),
+                *[cand("engine direct", **engine, gate_up_direct=True, gate_up_direct_per_sm=n) for n in (4, 8)],
                 cand("engine direct", **engine, gate_up_direct=True, gate_up_direct_carveout=-1),
                 # Down's grid in the engine's form: fewer, wider programs (fewer waves behind the owners) or more warps
                 cand("engine down", **engine, down_block_n=256), cand("engine down", **engine, down_block_n=256,

@@ -703,7 +703,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     (`moe_gate_up_direct.applies`), without `locks` or `stamps`; else the Triton kernel (debug["gate_up_direct"] says
     which ran). The same tiles, scales, sums and partials, so the same bits. `gate_up_direct_carveout`: its preferred
     shared-memory carveout in percent (-1: the driver's; default moe_gate_up_direct.CARVEOUT);
-    `gate_up_direct_per_sm`: its programs a SM (default moe_gate_up_direct.PROGRAMS_PER_SM). `debug`,
+    `gate_up_direct_per_sm`: a fixed grid of that many programs a SM looping over its items (default: one program an
+    item for `expected_segments` experts). `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
@@ -815,7 +816,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         from . import moe_gate_up_direct as gud
 
         gud.launch(x_in, xd_in, gate, gate_scale, up, up_scale, experts, live_arg, part, programs[0], R, H, I, P,
-                   k_per_split, split, block, routing, store_h, launch,
+                   k_per_split, split, block, routing, store_h, launch, expected_segments(P, E, k),
                    reversed_tiles=bool(store_h and debug.get("reversed_gate_up", False)),
                    **({} if gate_up_direct_carveout is None else {"carveout": gate_up_direct_carveout}),
                    **({} if gate_up_direct_per_sm is None else {"per_sm": gate_up_direct_per_sm}))

@@ -227,19 +227,19 @@ def _moe_gate_up_direct_kernel(
 CARVEOUT = 0
 
 
-PROGRAMS_PER_SM = 4  # the grid: programs a SM (at ~200 registers a thread, 5 of 2 warps fit)
-
-
 def launch(x16, xd, gate, gate_scale, up, up_scale, experts, live_arg, part, ran, R, H, I, P, k_per_split, split,
-           block, routing: dict, store_ran: bool, launch_kw: dict, reversed_tiles: bool = False,
-           carveout: int = CARVEOUT, per_sm: int = PROGRAMS_PER_SM) -> None:
-    """The kernel's launch for `moe(gate_up_direct=True)`, which checks the arguments and that `applies`: `per_sm`
-    programs a SM, working through the items (distinct expert, 16 channels, K split); `carveout` as
-    `launch.launch_with_carveout` takes it (-1: the driver's)."""
+           block, routing: dict, store_ran: bool, launch_kw: dict, segments: int, reversed_tiles: bool = False,
+           carveout: int = CARVEOUT, per_sm: int | None = None) -> None:
+    """The kernel's launch for `moe(gate_up_direct=True)`, which checks the arguments and that `applies`: by default
+    one program an item for `segments` distinct experts (moe.expected_segments; the hardware then schedules the
+    items as programs finish, and a block with more experts loops), else `per_sm` programs a SM working through
+    the items (distinct expert, 16 channels, K split); `carveout` as `launch.launch_with_carveout` takes it (-1: the
+    driver's)."""
     tiles = tiles_per_split(k_per_split)
     g = groups_for(tiles)
     args = (x16, xd, gate, gate_scale, up, up_scale, experts, live_arg, part, ran, R, H, I, P, x16.stride(0),
             xd.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, split)
     kw = dict(**routing, B0=block[0], B1=block[1], G=g, W_LOAD=load_layout(g), TILES=tiles, STORE_RAN=store_ran,
               REVERSED=reversed_tiles, num_warps=g, **launch_kw)
-    launch_with_carveout(_moe_gate_up_direct_kernel, (per_sm * sm_count(x16.device),), args, kw, carveout)
+    programs = segments * (I // WARP_N.value) * split if per_sm is None else per_sm * sm_count(x16.device)
+    launch_with_carveout(_moe_gate_up_direct_kernel, (programs,), args, kw, carveout)
