@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from ..kernels import fp8_linear as fl, fp8_linear_direct as fd, moe as mk, moe_gate_up_direct as gud
+from ..kernels import fp8_linear as fl, fp8_linear_direct as fd, moe as mk
 from .tune import H200_SMS, _linear_auto_split
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -121,14 +121,7 @@ def specs() -> dict[str, KernelSpec]:
         fd._fp8_linear_direct_kernel, dict(linear.types, x_ptr="*bf16"),
         dict(B0=128, B1=128, G=2, W_LOAD=fd.load_layout(2), SPLIT=False, SERIAL=False, PRELOAD=6, PDL=True),
         linear.div16, 2, 1, "FP8 linear, operands straight into the MMA's registers (Gluon; o_proj, 2 warps)")
-    # moe(gate_up_direct=True) as the engine calls it (stage moe_direct): the norm's fp16 tiles, 8 splits of 6 K tiles
-    gate_up_direct = KernelSpec(
-        gud._moe_gate_up_direct_kernel, {n: gate_up_prescaled.types[n] for n in (
-            "x_ptr", "xd_ptr", "g_ptr", "gs_ptr", "u_ptr", "us_ptr", "experts_ptr", "live_ptr", "part_ptr", "ran_ptr")},
-        dict(_ROUTING, B0=128, B1=128, G=2, W_LOAD=gud.load_layout(2), TILES=6, STORE_RAN=False, PDL=True),
-        tuple(n for n in gate_up_div16 if n != "stride_xd"), 2, 1,
-        "MoE Gate/Up, weights straight into the MMA's registers (Gluon; moe_direct, 2 warps)")
-    return {"fp8_linear_direct": direct, "moe_gate_up_direct": gate_up_direct, "moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_gate_up_tma": gate_up_tma,
+    return {"fp8_linear_direct": direct, "moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_gate_up_tma": gate_up_tma,
             "moe_gate_up_fold": gate_up_fold, "moe_down": down, "moe_down_tma": down_tma, "moe_down_fold": down_fold,
             "moe_down_early": down_early, "moe_down_fp8": down_fp8,
             "fp8_linear": linear, "fp8_linear_loop": loop, "fp8_linear_norm": norm}

@@ -127,16 +127,14 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "attention_sliding": da.decode_attention, "attention_full": da.decode_attention,
                                  "router": rt.route, "norm": rn.rmsnorm_residual}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
-                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down", "early_down",
-                    "gate_up_direct", "gate_up_direct_per_sm", "gate_up_direct_carveout"),
+                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down", "early_down"),
             "linear": ("split_k", "block_n", "num_warps", "num_stages", "prefetch", "preload", "direct"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk", "prefetch", "preload"),
             "norm": ("num_warps", "f16_out")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
 # (tma is one switch for both kernels' weight loads; it sits with Gate/Up's, whose bytes dominate.)
-MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "f16_input", "tma",
-               "gate_up_direct", "gate_up_direct_per_sm", "gate_up_direct_carveout"),
+MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "f16_input", "tma"),
               ("down_block_n", "down_block_k", "down_warps", "down_stages", "fp8_down", "early_down"))
 
 
@@ -210,11 +208,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
                 # the engine's call: x's tiles made by the norm (stage f16_norm); TMA where aligned (it is here)
                 "f16_input": g["f16"] and (g["f16_input"] is None or bool(g["f16_input"])),
                 "tma": True if g["tma"] is None else g["tma"],
-                "fp8_down": fp8, "early_down": g["early_down"],
-                # the Gluon Gate/Up (moe_gate_up_direct), its programs a SM and carveout where not the defaults
-                **({"gate_up_direct": True} if g["gate_up_direct"] else {}),
-                **{n: g[n] for n in ("gate_up_direct_per_sm", "gate_up_direct_carveout")
-                   if g["gate_up_direct"] and g[n] is not None}}
+                "fp8_down": fp8, "early_down": g["early_down"]}
     if family(op) == "linear":
         n, k = shape.qkv if op == "linear_qkv" else shape.o
         bk = fl._block_k(shape.block[1])
@@ -252,10 +246,6 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
         engine = dict(fp8_down=True, early_down=True)  # as fast/ops.py calls it (early_down takes effect with --pdl)
         return [cand(),
                 cand("engine", **engine),
-                # Gate/Up by the Gluon kernel (stage moe_direct): programs a SM, the carveout left to the driver
-                cand("engine direct", **engine, gate_up_direct=True),
-                *[cand("engine direct", **engine, gate_up_direct=True, gate_up_direct_per_sm=n) for n in (4, 8)],
-                cand("engine direct", **engine, gate_up_direct=True, gate_up_direct_carveout=-1),
                 # Down's grid in the engine's form: fewer, wider programs (fewer waves behind the owners) or more warps
                 cand("engine down", **engine, down_block_n=256), cand("engine down", **engine, down_block_n=256,
                                                                       down_warps=8),

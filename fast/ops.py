@@ -296,13 +296,8 @@ CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
 # "carveout_l1", "carveout_smem" (benchmarks only): every kernel compiled in the process so far prefers the least (or
 # the most) shared memory, set when the engine is prepared, before its capture (kernels/launch.prefer_carveout);
 # "carveout_small": the least, for the kernels using at most 48 KB of shared memory only.
-# "moe_direct": the MoE's Gate/Up at decode by kernels/moe_gate_up_direct.py's Gluon kernel (16 channels of Gate and Up,
-# one K split, 2 warps a program, every weight load issued at once and moved into the MMA's operand registers inside
-# its warp; no copy of the weights): the same tiles, scales, splits and sums as the Triton kernel, so the same bits.
-# "moe_direct_driver" (diagnostics): that kernel with the driver's shared-memory carveout instead of its own.
 OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "direct_qkv", "direct_o", "direct_hold",
-                           "direct_smem", "direct_driver", "carveout_l1", "carveout_smem", "carveout_small",
-                           "moe_direct", "moe_direct_driver") + CASCADE
+                           "direct_smem", "direct_driver", "carveout_l1", "carveout_smem", "carveout_small") + CASCADE
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -339,10 +334,6 @@ class TritonOps(TorchOps):
         # memory, or the driver's choice, instead of its default (least shared memory: kernels/fp8_linear_direct.py)
         self.direct_carveout = 100 if "direct_smem" in self.stages else -1 if "direct_driver" in self.stages else None
         self.direct_calls = 0  # FP8 linear calls by the direct kernel (tests check the path was taken)
-        # stage moe_direct: the MoE's Gate/Up by the Gluon kernel where it applies (decode blocks, f16_norm's tiles)
-        self.moe_direct = self.f16_norm and bool({"moe_direct", "moe_direct_driver"} & self.stages)
-        self.moe_direct_carveout = -1 if "moe_direct_driver" in self.stages else None
-        self.moe_direct_calls = 0  # MoE calls whose Gate/Up the direct kernel took (likewise)
         self.carveout_kernels = 0  # kernels whose carveout stage carveout_l1 / carveout_smem set (likewise)
         if self.cascade and self.early:
             raise ValueError("stage 'cascade' lets kernels launch any number of launches ahead, so the reads 'early' "
@@ -372,8 +363,7 @@ class TritonOps(TorchOps):
             patch_interpreter()
         from ..kernels import moe, sample, topk
         from ..kernels.f16_operands import empty_tiles
-        from ..kernels.moe import (fp8_down_applies, gate_up_direct_takes, gate_up_k_tile, lock_count as moe_lock_count,
-                                   tma_fits)
+        from ..kernels.moe import fp8_down_applies, gate_up_k_tile, lock_count as moe_lock_count, tma_fits
         from ..kernels.decode_attention import decode_attention
         from ..kernels.fp8_linear import direct_applies, fp8_linear, linear_stamps, lock_count, preload_plan
         from ..kernels.fp8_linear_direct import direct_weight
@@ -397,7 +387,7 @@ class TritonOps(TorchOps):
         self._add_norm, self._norm, self._rope_kv, self._embed = rmsnorm_residual, rmsnorm, rope_kv, embed
         self._gate_up_k_tile, self._tma_fits, self._empty_tiles = gate_up_k_tile, tma_fits, empty_tiles
         self._moe_lock_count, self._rope_kv_parts = moe_lock_count, rope_kv_parts
-        self._residual_buffers, self._gate_up_direct_takes = moe.residual_buffers, gate_up_direct_takes
+        self._residual_buffers = moe.residual_buffers
         self._Pdl = Pdl  # kernels/launch.py is imported with the kernels, not at module level
 
     def _fits(self, stage: str, ok: bool) -> bool:
@@ -608,15 +598,8 @@ class TritonOps(TorchOps):
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
                            pdl=self._pdl(b, "moe"), f16=self.f16,  # moe() takes it on the GPU only
                            f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down, locks=locks,
-                           early_down=self.early, residual=add, gate_up_direct=self.moe_direct,
-                           gate_up_direct_carveout=self.moe_direct_carveout)
+                           early_down=self.early, residual=add)
                  for s in range(0, b.shape[0], step)]
-        if self.moe_direct and self.f16 and locks is None:  # what moe() takes (its f16 path: bf16 compute on the GPU)
-            bf16 = (compute_dtype or b.dtype) == torch.bfloat16
-            self.moe_direct_calls += sum(
-                bf16 and self._gate_up_direct_takes(rows(f16_input, s), min(step, b.shape[0] - s), experts.shape[1],
-                                                     gate.q.shape[0], b.shape[1], gate.q.shape[1], gate.block)
-                for s in range(0, b.shape[0], step))
         if add is not None:
             stream, weight, h, g, sumsq = add
             return Residual(h, g, sumsq, weight, parts[0])

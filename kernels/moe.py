@@ -575,23 +575,6 @@ def act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Te
     return q, s
 
 
-def _gate_up_direct_applies(x16, R, H, I, block, k_per_split) -> bool:
-    from .moe_gate_up_direct import applies
-
-    return applies(x16, R, H, I, block, k_per_split)
-
-
-def gate_up_direct_takes(f16_input, R: int, k: int, E: int, H: int, I: int, block: tuple[int, int],
-                         block_k: int = 128) -> bool:
-    """Whether `moe(gate_up_direct=True, f16_input=...)` with the f16 path and moe()'s default tiles runs the direct
-    Gate/Up for these shapes (the engine counts its calls with it)."""
-    if f16_input is None or INTERPRETED:
-        return False
-    x16 = f16_input[0]
-    k_per_split = gate_up_grid(R * k, E, k, H, I, block, block_k, GATE_UP_BLOCK_N, None, _sm_count(x16.device))[3]
-    return _gate_up_direct_applies(x16, R, H, I, block, k_per_split)
-
-
 def gate_up_grid(P: int, E: int, k: int, H: int, I: int, block: tuple[int, int], block_k: int, gate_up_block_n: int,
                  split_k: int | None, sms: int) -> tuple[tuple[int, int, int], int, int, int]:
     """Gate/Up's launch: (grid (pairs, I tiles, K splits), channel tile bn, K tile bk, K columns per split)."""
@@ -653,8 +636,6 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
         fp8_down: bool = FP8_DOWN, locks: torch.Tensor | None = None, early_down: bool = False,
         residual: tuple[torch.Tensor, ...] | None = None, stamps: torch.Tensor | None = None,
-        gate_up_direct: bool = False, gate_up_direct_carveout: int | None = None,
-        gate_up_direct_per_sm: int | None = None,
         debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
@@ -697,20 +678,12 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     caller's post-attention norm wrote it launches earlier). `stamps` (a timeline, for bench/moe_timeline.py): int64
     [Gate/Up programs, 4] (`gate_up_programs`), filled per program in launch order with the global timer (ns) at its
     start, once its owner check is known and after its last tile's products (0 for a program that owns nothing),
-    and its SM. `gate_up_direct`: Gate/Up by kernels/moe_gate_up_direct.py's Gluon kernel (each program's weights
-    loaded at once straight into the MMA's operand registers), where it applies: on the GPU with `f16_input` and the
-    f16 path, at most 8 rows, 128 x 128 blocks, the same K split in whole tile pairs of at most 8 tiles
-    (`moe_gate_up_direct.applies`), without `locks` or `stamps`; else the Triton kernel (debug["gate_up_direct"] says
-    which ran). The same tiles, scales, sums and partials, so the same bits. `gate_up_direct_carveout`: its preferred
-    shared-memory carveout in percent (-1: the driver's; default moe_gate_up_direct.CARVEOUT);
-    `gate_up_direct_per_sm`: a fixed grid of that many programs a SM looping over its items (default: one program an
-    item for `expected_segments` experts). `debug`,
+    and its SM. `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
     expert); tests only: it adds stores. debug["drop_last_split"] = True makes the finalize skip the last split, and
-    debug["no_dedup"] = True lets every live pair's program work, repeated experts included, and
-    debug["reversed_gate_up"] = True makes the direct Gate/Up sum each split's tiles last to first (the
+    debug["no_dedup"] = True lets every live pair's program work, repeated experts included (the
     tests' negative controls)."""
     _check(x.dim() == 2 and x.dtype in _FLOATS and x.stride(1) == 1, "x must be a float [R, H] with unit stride")
     R, H = x.shape
@@ -810,27 +783,16 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     down_tma = tma and down_k_pad == down_bk  # a padded tile reads through masked pointers
     if down_tma:
         d_arg = _descriptor(down, (down_block_n, down_bk))
-    direct = (gate_up_direct and f16_input is not None and f16 and not INTERPRETED and not fold_finalize
-              and stamps is None and _gate_up_direct_applies(x_in, R, H, I, block, k_per_split))
-    if direct:
-        from . import moe_gate_up_direct as gud
-
-        gud.launch(x_in, xd_in, gate, gate_scale, up, up_scale, experts, live_arg, part, programs[0], R, H, I, P,
-                   k_per_split, split, block, routing, store_h, launch, expected_segments(P, E, k),
-                   reversed_tiles=bool(store_h and debug.get("reversed_gate_up", False)),
-                   **({} if gate_up_direct_carveout is None else {"carveout": gate_up_direct_carveout}),
-                   **({} if gate_up_direct_per_sm is None else {"per_sm": gate_up_direct_per_sm}))
-    else:
-        _moe_gate_up_kernel[grid](
-            x_in, xd_in, g_arg, gate_scale, u_arg, up_scale, experts, live_arg, part, programs[0],
-            locks if fold_finalize else part, act.view(torch.uint8), act_scale, hidden, counts, R, H, I, P,
-            x_in.stride(0), xd_in.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
-            B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-            ROUND_BF16=f16_input is None and compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32",
-            STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma, FOLD=fold_finalize, SPLIT=split,
-            GROUP=group, STORE_H=store_h, DROP_LAST=drop_last, stamp_ptr=stamps, STAMP=stamps is not None,
-            num_warps=gate_up_warps,
-            num_stages=gate_up_stages, **launch)
+    _moe_gate_up_kernel[grid](
+        x_in, xd_in, g_arg, gate_scale, u_arg, up_scale, experts, live_arg, part, programs[0],
+        locks if fold_finalize else part, act.view(torch.uint8), act_scale, hidden, counts, R, H, I, P,
+        x_in.stride(0), xd_in.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
+        B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+        ROUND_BF16=f16_input is None and compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32",
+        STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma, FOLD=fold_finalize, SPLIT=split,
+        GROUP=group, STORE_H=store_h, DROP_LAST=drop_last, stamp_ptr=stamps, STAMP=stamps is not None,
+        num_warps=gate_up_warps,
+        num_stages=gate_up_stages, **launch)
     if not fold_finalize:
         _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
             part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
@@ -848,7 +810,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
             y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
             num_warps=4, **_residual_strides(residual), RESIDUAL=residual is not None, EARLY=early, **launch)
     if store_h:
-        debug.update(gate_up_direct=direct, act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
+        debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
                      fp8_down=fp8_down, folded=(fold_finalize, fold_combine), early_down=early)
     return out
 
