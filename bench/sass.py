@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from ..kernels import fp8_linear as fl, fp8_linear_direct as fd, moe as mk, moe_down_direct as mdd
+from ..kernels import fp8_linear as fl, fp8_linear_direct as fd, moe as mk
 from .tune import H200_SMS, _linear_auto_split
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -121,15 +121,7 @@ def specs() -> dict[str, KernelSpec]:
         fd._fp8_linear_direct_kernel, dict(linear.types, x_ptr="*bf16"),
         dict(B0=128, B1=128, G=2, W_LOAD=fd.load_layout(2), SPLIT=False, SERIAL=False, PRELOAD=6, PDL=True),
         linear.div16, 2, 1, "FP8 linear, operands straight into the MMA's registers (Gluon; o_proj, 2 warps)")
-    # moe(down_direct=True) as the engine would call it (stage down_direct, with early): I_r 256, 4 K tiles of 64
-    down_direct = KernelSpec(
-        mdd._moe_down_direct_kernel,
-        dict(act_ptr="*fp8e4nv", act_s_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", experts_ptr="*i64",
-             live_ptr="*u8", y_ptr="*fp32", ran_ptr="*fp32"),
-        dict(_ROUTING, B0=128, GROUP=128, TILES=4, W_LD=mdd.load_layout(), STORE_RAN=False, EARLY=True, PDL=True),
-        ("act_ptr", "act_s_ptr", "w_ptr", "ws_ptr", "experts_ptr", "live_ptr", "y_ptr", "H", "I", "P"), mdd.WARPS, 1,
-        "MoE Down, its weights in the MMA's registers before the wait (Gluon; down_direct, 4 warps)")
-    return {"fp8_linear_direct": direct, "moe_down_direct": down_direct, "moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_gate_up_tma": gate_up_tma,
+    return {"fp8_linear_direct": direct, "moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_gate_up_tma": gate_up_tma,
             "moe_gate_up_fold": gate_up_fold, "moe_down": down, "moe_down_tma": down_tma, "moe_down_fold": down_fold,
             "moe_down_early": down_early, "moe_down_fp8": down_fp8,
             "fp8_linear": linear, "fp8_linear_loop": loop, "fp8_linear_norm": norm}

@@ -127,8 +127,7 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "attention_sliding": da.decode_attention, "attention_full": da.decode_attention,
                                  "router": rt.route, "norm": rn.rmsnorm_residual}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
-                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down", "early_down",
-                    "down_direct"),
+                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down", "early_down"),
             "linear": ("split_k", "block_n", "num_warps", "num_stages", "prefetch", "preload", "direct"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk", "prefetch", "preload"),
@@ -136,7 +135,7 @@ TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "g
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
 # (tma is one switch for both kernels' weight loads; it sits with Gate/Up's, whose bytes dominate.)
 MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "f16_input", "tma"),
-              ("down_block_n", "down_block_k", "down_warps", "down_stages", "fp8_down", "early_down", "down_direct"))
+              ("down_block_n", "down_block_k", "down_warps", "down_stages", "fp8_down", "early_down"))
 
 
 def family(op: str) -> str:
@@ -209,8 +208,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
                 # the engine's call: x's tiles made by the norm (stage f16_norm); TMA where aligned (it is here)
                 "f16_input": g["f16"] and (g["f16_input"] is None or bool(g["f16_input"])),
                 "tma": True if g["tma"] is None else g["tma"],
-                "fp8_down": fp8, "early_down": g["early_down"],
-                **({"down_direct": True} if g["down_direct"] and not fp8 else {})}  # the Gluon Down, where it applies
+                "fp8_down": fp8, "early_down": g["early_down"]}
     if family(op) == "linear":
         n, k = shape.qkv if op == "linear_qkv" else shape.o
         bk = fl._block_k(shape.block[1])
@@ -248,9 +246,6 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
         engine = dict(fp8_down=True, early_down=True)  # as fast/ops.py calls it (early_down takes effect with --pdl)
         return [cand(),
                 cand("engine", **engine),
-                # Down on fp16 operands (not the engine's E4M3 wgmma): the Triton kernel, and the Gluon one with its
-                # weights in registers before the wait (stage down_direct); the same bits as each other
-                cand("engine f16 down", early_down=True), cand("engine f16 down direct", early_down=True, down_direct=True),
                 # Down's grid in the engine's form: fewer, wider programs (fewer waves behind the owners) or more warps
                 cand("engine down", **engine, down_block_n=256), cand("engine down", **engine, down_block_n=256,
                                                                       down_warps=8),

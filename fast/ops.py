@@ -296,13 +296,8 @@ CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
 # "carveout_l1", "carveout_smem" (benchmarks only): every kernel compiled in the process so far prefers the least (or
 # the most) shared memory, set when the engine is prepared, before its capture (kernels/launch.prefer_carveout);
 # "carveout_small": the least, for the kernels using at most 48 KB of shared memory only.
-# "down_direct": the MoE's Down at decode by kernels/moe_down_direct.py's Gluon kernel (a program per distinct expert and
-# 128 channels; with "early", its routing and its weights in the MMA's registers before the PDL wait) in place of the
-# fp16-operand Triton Down: the same bits as that Down, which is not the default's ("fp8_down" takes precedence), so
-# it is measured as "triton-fp8_down+down_direct" against "triton-fp8_down" and "triton".
 OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "direct_qkv", "direct_o", "direct_hold",
-                           "direct_smem", "direct_driver", "carveout_l1", "carveout_smem", "carveout_small",
-                           "down_direct") + CASCADE
+                           "direct_smem", "direct_driver", "carveout_l1", "carveout_smem", "carveout_small") + CASCADE
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -339,8 +334,6 @@ class TritonOps(TorchOps):
         # memory, or the driver's choice, instead of its default (least shared memory: kernels/fp8_linear_direct.py)
         self.direct_carveout = 100 if "direct_smem" in self.stages else -1 if "direct_driver" in self.stages else None
         self.direct_calls = 0  # FP8 linear calls by the direct kernel (tests check the path was taken)
-        self.down_direct = "down_direct" in self.stages
-        self.down_direct_calls = 0  # MoE calls whose Down the direct kernel took (likewise)
         self.carveout_kernels = 0  # kernels whose carveout stage carveout_l1 / carveout_smem set (likewise)
         if self.cascade and self.early:
             raise ValueError("stage 'cascade' lets kernels launch any number of launches ahead, so the reads 'early' "
@@ -370,8 +363,7 @@ class TritonOps(TorchOps):
             patch_interpreter()
         from ..kernels import moe, sample, topk
         from ..kernels.f16_operands import empty_tiles
-        from ..kernels.moe import (down_direct_applies, fp8_down_applies, gate_up_k_tile, lock_count as moe_lock_count,
-                                   tma_fits)
+        from ..kernels.moe import fp8_down_applies, gate_up_k_tile, lock_count as moe_lock_count, tma_fits
         from ..kernels.decode_attention import decode_attention
         from ..kernels.fp8_linear import direct_applies, fp8_linear, linear_stamps, lock_count, preload_plan
         from ..kernels.fp8_linear_direct import direct_weight
@@ -395,8 +387,7 @@ class TritonOps(TorchOps):
         self._add_norm, self._norm, self._rope_kv, self._embed = rmsnorm_residual, rmsnorm, rope_kv, embed
         self._gate_up_k_tile, self._tma_fits, self._empty_tiles = gate_up_k_tile, tma_fits, empty_tiles
         self._moe_lock_count, self._rope_kv_parts = moe_lock_count, rope_kv_parts
-        self._residual_buffers, self._down_direct_applies = moe.residual_buffers, down_direct_applies
-        self._down_direct_tile = moe.down_tile(False)[0]  # the fp16-operand Down's K tile (what moe() resolves)
+        self._residual_buffers = moe.residual_buffers
         self._Pdl = Pdl  # kernels/launch.py is imported with the kernels, not at module level
 
     def _fits(self, stage: str, ok: bool) -> bool:
@@ -588,8 +579,7 @@ class TritonOps(TorchOps):
             return super().moe(b, experts, weights, live, gate, up, down, compute_dtype)
         tma = self.tma and self._tma_fits(gate.q, up.q, down.q)
         self.tma_calls += tma
-        fp8_down = self._fp8_down_applies(self.fp8_down, compute_dtype or b.dtype, b.device)
-        self.fp8_down_calls += fp8_down
+        self.fp8_down_calls += self._fp8_down_applies(self.fp8_down, compute_dtype or b.dtype, b.device)
         step = self._max_pairs // experts.shape[1]  # prefill blocks exceed the kernel's pair capacity: split rows
         rows = lambda t, s: None if t is None else tuple(part[s:s + step] for part in t)
         # The arrival counters (shared with the FP8 linears': every call leaves them zeroed); None before prepare()
@@ -608,13 +598,8 @@ class TritonOps(TorchOps):
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
                            pdl=self._pdl(b, "moe"), f16=self.f16,  # moe() takes it on the GPU only
                            f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down, locks=locks,
-                           early_down=self.early, residual=add, down_direct=self.down_direct)
+                           early_down=self.early, residual=add)
                  for s in range(0, b.shape[0], step)]
-        f16 = self.f16 and (compute_dtype or b.dtype) == torch.bfloat16  # what moe() takes as its f16 path
-        self.down_direct_calls += sum(
-            self._down_direct_applies(self.down_direct, fp8_down, f16, b.device, min(step, b.shape[0] - s), b.shape[1],
-                                      down.q.shape[-1], gate.block, down.block[1], self._down_direct_tile, locks)
-            for s in range(0, b.shape[0], step))
         if add is not None:
             stream, weight, h, g, sumsq = add
             return Residual(h, g, sumsq, weight, parts[0])

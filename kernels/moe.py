@@ -575,17 +575,6 @@ def act_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Te
     return q, s
 
 
-def down_direct_applies(down_direct: bool, fp8_down: bool, f16: bool, device: torch.device, R: int, H: int, I: int,
-                        block: tuple[int, int], group: int, down_block_k: int, locks=None) -> bool:
-    """Whether moe(down_direct=True) runs the direct Down: asked for, on the GPU (compiled), in place of the fp16-operand
-    Triton Down (`f16` taken, `fp8_down` not), without `locks`, at shapes `moe_down_direct.fits` takes."""
-    if not (down_direct and f16 and not fp8_down and locks is None and device.type == "cuda" and not INTERPRETED):
-        return False
-    from .moe_down_direct import fits
-
-    return fits(R, H, I, block, group, down_block_k)
-
-
 def gate_up_grid(P: int, E: int, k: int, H: int, I: int, block: tuple[int, int], block_k: int, gate_up_block_n: int,
                  split_k: int | None, sms: int) -> tuple[tuple[int, int, int], int, int, int]:
     """Gate/Up's launch: (grid (pairs, I tiles, K splits), channel tile bn, K tile bk, K columns per split)."""
@@ -647,7 +636,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
         fp8_down: bool = FP8_DOWN, locks: torch.Tensor | None = None, early_down: bool = False,
         residual: tuple[torch.Tensor, ...] | None = None, stamps: torch.Tensor | None = None,
-        down_direct: bool = False, debug: dict | None = None) -> torch.Tensor:
+        debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -689,17 +678,12 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     caller's post-attention norm wrote it launches earlier). `stamps` (a timeline, for bench/moe_timeline.py): int64
     [Gate/Up programs, 4] (`gate_up_programs`), filled per program in launch order with the global timer (ns) at its
     start, once its owner check is known and after its last tile's products (0 for a program that owns nothing),
-    and its SM. `down_direct`: Down by kernels/moe_down_direct.py's Gluon kernel (its expert's weights in the MMA's
-    operand registers before the PDL wait with `early_down`; a program per distinct expert and 128 channels) where
-    `down_direct_applies`: the fp16-operand Down (f16, fp8_down not taken), at most 8 rows, 128 x 128 blocks, 64-wide
-    K tiles, I_r <= 256, no `locks`; the same bits as that path's Triton kernel (debug["down_direct"] says which ran).
-    `debug`,
+    and its SM. `debug`,
     when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
     (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
     expert); tests only: it adds stores. debug["drop_last_split"] = True makes the finalize skip the last split, and
-    debug["no_dedup"] = True lets every live pair's program work, repeated experts included, and
-    debug["reversed_down"] = True makes the direct Down sum its K tiles last to first (the
+    debug["no_dedup"] = True lets every live pair's program work, repeated experts included (the
     tests' negative controls)."""
     _check(x.dim() == 2 and x.dtype in _FLOATS and x.stride(1) == 1, "x must be a float [R, H] with unit stride")
     R, H = x.shape
@@ -813,28 +797,20 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
             part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
             SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h, DROP_LAST=drop_last, num_warps=4, **launch)
-    direct = down_direct_applies(down_direct, fp8_down, f16, x.device, R, H, I, block, group, down_bk, locks)
-    if direct:
-        from . import moe_down_direct as mdd
-
-        mdd.launch(act, act_scale, down, down_scale, experts, live_arg, y, programs[1], R, H, I, P, routing, store_h,
-                   early, launch, expected_segments(P, E, k),
-                   reversed_tiles=bool(store_h and debug.get("reversed_down", False)))
-    else:
-        _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
-            act, act_scale, d_arg, down_scale, experts, live_arg, y, programs[1], R, H, I,
-            down_scale.shape[1], down_scale.shape[2], **routing,
-            B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
-            BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
-            num_stages=down_stages, F16=f16, TMA=down_tma, FP8=fp8_down, K_PAD_DOT=down_k_pad,
-            lock_ptr=locks[_gate_up_locks(R, k, I, bn):] if fold_combine else y, weights_ptr=weights, out_ptr=out,
-            stride_o=out.stride(0), FOLD=fold_combine, EARLY=early, w_raw_ptr=down, LINE_ELEMS=line_elems, LINES=lines, **launch)
+    _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
+        act, act_scale, d_arg, down_scale, experts, live_arg, y, programs[1], R, H, I,
+        down_scale.shape[1], down_scale.shape[2], **routing,
+        B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
+        BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
+        num_stages=down_stages, F16=f16, TMA=down_tma, FP8=fp8_down, K_PAD_DOT=down_k_pad,
+        lock_ptr=locks[_gate_up_locks(R, k, I, bn):] if fold_combine else y, weights_ptr=weights, out_ptr=out,
+        stride_o=out.stride(0), FOLD=fold_combine, EARLY=early, w_raw_ptr=down, LINE_ELEMS=line_elems, LINES=lines, **launch)
     if not fold_combine:
         _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
             y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
             num_warps=4, **_residual_strides(residual), RESIDUAL=residual is not None, EARLY=early, **launch)
     if store_h:
-        debug.update(down_direct=direct, act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
+        debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
                      fp8_down=fp8_down, folded=(fold_finalize, fold_combine), early_down=early)
     return out
 

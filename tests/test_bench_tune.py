@@ -56,7 +56,7 @@ def test_candidates_default_first_unique_and_accepted(op, shape, sms):
                                                              inspect.Parameter.POSITIONAL_OR_KEYWORD), (op, name)
             assert name in t.TUNABLES[t.family(op)], (op, name)
             if name in ("f16", "f16_input", "tma", "packed_topk", "one_pass", "f16_out", "prefetch", "preload", "fp8_down",
-                        "early_down", "direct", "down_direct"):
+                        "early_down", "direct"):
                 assert isinstance(value, bool), (op, value)
                 continue
             assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, (op, name, value)
