@@ -241,3 +241,37 @@ def test_prefer_carveout_reaches_the_compiled_kernels():
     small = [k for k in compiled_kernels() if k.metadata.shared <= 48 * 1024]
     assert small and prefer_carveout(0, max_shared=48 * 1024) == len(small)
     assert {driver.cuFuncGetAttribute(attr, driver.CUfunction(k.function))[1] for k in small} == {0}
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+@pytest.mark.parametrize("carveout", [None, 0, -1])
+def test_launch_with_carveout_sets_it_where_a_graph_keeps_it(monkeypatch, capturing, carveout):
+    """kernels/launch.launch_with_carveout's order of events, on a stand-in kernel: inside a capture the compiled
+    kernel is looked up (warmup) and its carveout set before the captured launch (a graph keeps what the kernel had
+    when captured); outside one the launch comes first and the carveout is set on what it returned; None sets
+    nothing and launches once."""
+    from iquest.kernels import launch as ln
+
+    events = []
+
+    class Kernel:
+        def warmup(self, *args, grid, **kw):
+            events.append(("warmup", grid, args, kw))
+            return "compiled"
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                events.append(("launch", grid, args, kw))
+                return "compiled"
+            return run
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    monkeypatch.setattr(ln, "set_carveout", lambda compiled, percent: events.append(("carveout", compiled, percent)))
+    ln.launch_with_carveout(Kernel(), (3, 1, 2), (7, 8), {"X": 1}, carveout)
+    launch = ("launch", (3, 1, 2), (7, 8), {"X": 1})
+    if carveout is None:
+        assert events == [launch]
+    elif capturing:
+        assert events == [("warmup", (3, 1, 2), (7, 8), {"X": 1}), ("carveout", "compiled", carveout), launch]
+    else:
+        assert events == [launch, ("carveout", "compiled", carveout)]
