@@ -25,6 +25,8 @@ GPU only (Gluon has no interpreter); bf16 or fp16 x; 128-wide K tiles, whole pre
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -48,6 +50,7 @@ def direct_weight(w: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 1, 4, 2, 3, 5).reshape(n, k).contiguous().view(w.dtype)
 
 
+@functools.cache  # built once a group count: constructing one takes ~20 us of host time, on every eager launch
 def load_layout(groups: int) -> gl.DistributedLinearLayout:
     """Where each byte of a program's [groups, 16, 4, 32] slab of direct-ordered weight tiles lives: warp g takes
     group g's tile; in it a thread (lane 4l + q) holds the 32 contiguous bytes (q's quarter) of rows l and l + 8."""
