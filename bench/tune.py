@@ -361,6 +361,7 @@ class OpCase:
     new_out: Callable | None = None  # () -> a static output for one copy (ops with `out=`)
     prepare: Callable | None = None  # (kw) -> extra keywords shared by the candidate's calls (static workspaces)
     facts: dict = field(default_factory=dict)
+    tensors: dict = field(default_factory=dict)  # inputs a probe may need by name (the MoE: weights and routings)
 
 
 def _gen(device, seed: int) -> torch.Generator:
@@ -453,7 +454,8 @@ def moe_case(shape: TuneShape, device, rotate: int = ROTATE_BYTES) -> OpCase:
                          f"({sum(distinct) * per_expert / 1e6:.0f} MB of experts per rotation)",
                   nbytes, 4, len(routes), run, ref,
                   new_out=lambda: torch.empty(R, H, dtype=torch.bfloat16, device=device),
-                  facts={"distinct_experts": distinct, "expert_bytes": per_expert, "x_dtype": str(x.dtype)})
+                  facts={"distinct_experts": distinct, "expert_bytes": per_expert, "x_dtype": str(x.dtype)},
+                  tensors={"gate": gate, "up": up, "down": down, "routes": routes})
 
 
 def linear_case(op: str, shape: TuneShape, device, rotate: int = ROTATE_BYTES) -> OpCase:

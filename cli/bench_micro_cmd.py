@@ -131,6 +131,11 @@ def register(bsub) -> None:
                          "owners only, K splits, pipeline depths) and flat contiguous reads of 0.5-246 MB, each timed "
                          "back to back in a CUDA graph from HBM; prints the round's bound at those speeds "
                          "(bench/stream_probe.py)."),
+        "l2-warm": ("l2_warm", "what the MoE gains when its experts' weights are in L2 as it starts",
+                    "Runs the MoE at one TP8 rank's decode shape (bench tune's inputs, 13 distinct experts, rotating "
+                    "routings, E4M3 Down, PDL) after a read of its own experts' weights (warm) or of other experts' "
+                    "(cold, the same bytes), and after bulk L2 requests ~20 us ahead; prints us an iteration and the "
+                    "MoE's gain, and each kernel's duration (bench/l2_warm.py)."),
     }
     for name, (module, help_text, description) in probes.items():
         pp = bsub.add_parser(name, help=help_text, description=description)
