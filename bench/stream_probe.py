@@ -8,7 +8,8 @@ keeps the load), so that decompositions can be compared on the bytes alone:
   * `gate_up`: Gate/Up's own grid: one program per (pair, I tile, K split), the non-owner pairs exiting at once;
   * `owners`: only the owner programs (13 experts x 2 I tiles x splits), no grid padding;
   * each at several K splits and pipeline depths;
-  * `flat`: the same byte count read as one contiguous buffer by ~2 programs a SM (the layout's best case).
+  * `flat`: the same byte count read as one contiguous buffer by 4-16 programs a SM (the layout's best case), with
+    16-byte loads, and with the 4-byte loads this probe used before 2026-12-01 (its earlier figures), side by side.
 Each variant is timed as `iquest bench tune` times an op: a CUDA graph of back-to-back calls over rotating expert
 sets (the weights come from HBM), plain launches, medians of replays, all in one process. Prints us and TB/s per variant; writes JSON.
 """
@@ -34,6 +35,10 @@ from .kernels_micro import FULL_CONFIG, graph_times
 DRAFTS = 5  # the benchmarked round's depth: 5 draft layer calls and 6 LM heads beside the main layers
 ROUND_KERNELS = 1197  # the default round's kernel launches at cac51df (bench step's eager profile, docs/PERF.md)
 EXTRA_MB = (0.5, 1.0, 10.0, 100.0)  # flat reads beside the round's own stream sizes, to show the curve
+# (4-byte loads, programs a SM, int32 words a program takes a step): the 16-byte-load forms, and the 4-byte form the
+# probe used before 2026-12-01 (4 KB a step, 8 and 16 programs a SM)
+FLAT_FORMS = ((False, 4, 1024), (False, 8, 1024), (False, 16, 1024), (False, 4, 4096), (True, 8, 1024),
+              (True, 16, 1024))
 
 
 @triton.jit
@@ -59,15 +64,34 @@ def _stream_kernel(g_desc, u_desc, experts_ptr, zero_ptr, out_ptr, n_pairs, k_pe
 
 
 @triton.jit
-def _flat_kernel(src_ptr, out_ptr, n_bytes, per_program, BLOCK: tl.constexpr):
-    """Program i reads bytes [i * per_program, (i + 1) * per_program) in BLOCK chunks; one value stored."""
+def _flat_kernel(src_ptr, out_ptr, n_words, per_program, BLOCK: tl.constexpr, SCALAR: tl.constexpr = False):
+    """Program i reads int32 words [i * per_program, (i + 1) * per_program) of src in BLOCK-word chunks; one value
+    stored. SCALAR: the addresses built from byte offsets, as this probe read before 2026-12-01, which compiles to
+    4-byte loads (`ld.global.b32`) instead of 16-byte ones (`ld.global.v4.b32`): kept to show what that cost."""
     base = tl.program_id(0).to(tl.int64) * per_program
-    acc = tl.zeros([BLOCK // 4], tl.int32)
+    acc = tl.zeros([BLOCK], tl.int32)
     for off in range(0, per_program, BLOCK):
-        i = base + off + tl.arange(0, BLOCK // 4) * 4
-        v = tl.load((src_ptr + i).to(tl.pointer_type(tl.int32)), mask=i < n_bytes, other=0)
+        if SCALAR:
+            b = (base + off) * 4 + tl.arange(0, BLOCK) * 4
+            v = tl.load((src_ptr.to(tl.pointer_type(tl.uint8)) + b).to(tl.pointer_type(tl.int32)), mask=b < n_words * 4,
+                        other=0)
+        else:
+            i = base + off + tl.arange(0, BLOCK)
+            v = tl.load(src_ptr + i, mask=i < n_words, other=0)
         acc = acc ^ v
     tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+
+def flat_read(src: torch.Tensor, out: torch.Tensor, programs: int, scalar: bool = False, block: int = 1024) -> None:
+    """Read all of `src` (bytes, a multiple of 16, 16-byte aligned) once with `programs` programs of 4 warps."""
+    words = src.numel() * src.element_size() // 4
+    per = triton.cdiv(triton.cdiv(words, programs), block) * block
+    _flat_kernel[(triton.cdiv(words, per),)](src.view(torch.int32), out, words, per, BLOCK=block, SCALAR=scalar,
+                                              num_warps=4)
+
+
+def _flat_name(per_sm: int, scalar: bool, block: int) -> str:
+    return f"{per_sm} programs a SM, {4 * block // 1024} KB a step" + (", 4-byte loads" if scalar else "")
 
 
 def round_streams(config: Config, shape: tune.TuneShape) -> dict[str, int]:
@@ -141,12 +165,10 @@ def main(argv: list[str]) -> None:
                              stream(pairs, False, splits, stages)))
             variants.append((f"owners only ({DISTINCT}) split {splits} stages {stages}",
                              stream(DISTINCT, True, splits, stages)))
-    for per_sm in (1, 2, 4, 8):
-        progs = per_sm * sms
-        per = triton.cdiv(triton.cdiv(nbytes, progs), 4096) * 4096
-        variants.append((f"flat contiguous, {per_sm} programs a SM",
-                         lambda i, progs=progs, per=per: _flat_kernel[(progs,)](flat[i], out, nbytes, per,
-                                                                               BLOCK=4096, num_warps=4)))
+    for scalar, per_sm, block in FLAT_FORMS:
+        variants.append((f"flat contiguous, {_flat_name(per_sm, scalar, block)}",
+                         lambda i, progs=per_sm * sms, scalar=scalar, block=block: flat_read(flat[i], out, progs,
+                                                                                             scalar, block)))
     # The flat read's time by size: what a weight stream of each of the round's sizes can take at best, launched
     # back to back (so each call also pays one kernel boundary): q/k/v, o_proj, the router, Down, Gate/Up, the LM head
     sizes = {name: n // 4096 * 4096 for name, n in streams.items()} | {f"{mb:g} MB": int(mb * 1e6) // 4096 * 4096
@@ -157,30 +179,33 @@ def main(argv: list[str]) -> None:
         # successive calls read regions >= 8 MB apart, 64 of them for small sizes: >= 200 MB touched, beyond L2
         stride = max(n, 8 << 20) // 4096 * 4096
         regions = max(2, min(64, (big.numel() - n) // stride))
-        for per_sm in (8, 16):
-            progs = per_sm * sms
-            per = triton.cdiv(triton.cdiv(n, progs), 4096) * 4096
-            name = f"flat {n / 1e6:.1f} MB ({label}), {per_sm} programs a SM"
-            rotations[name], flat_names[name] = regions, (label, n)
-            variants.append((name, lambda i, n=n, progs=progs, per=per, stride=stride: _flat_kernel[(progs,)](
-                big[i * stride:i * stride + n], out, n, per, BLOCK=4096, num_warps=4)))
+        for scalar, per_sm, block in FLAT_FORMS:
+            name = f"flat {n / 1e6:.1f} MB ({label}), {_flat_name(per_sm, scalar, block)}"
+            rotations[name], flat_names[name] = regions, (label, n, scalar)
+            variants.append((name, lambda i, n=n, progs=per_sm * sms, stride=stride, scalar=scalar, block=block:
+                             flat_read(big[i * stride:i * stride + n], out, progs, scalar, block)))
     for name, fn in variants:
         us = _time(fn, rotations.get(name, sets), 15)
-        label, size = flat_names.get(name, (None, nbytes))
-        rows.append({"variant": name, "stream": label, "us": us, "bytes": size, "tb_s": size / (us * 1e-6) / 1e12})
+        label, size, scalar = flat_names.get(name, (None, nbytes, None))
+        rows.append({"variant": name, "stream": label, "scalar_loads": scalar, "us": us, "bytes": size,
+                     "tb_s": size / (us * 1e-6) / 1e12})
         print(f"{us:8.2f} us  {rows[-1]['tb_s']:5.2f} TB/s  {name}", flush=True)
-    flat_us = {name: min(r["us"] for r in rows if r["stream"] == name) for name in streams}
+    flat_us = {name: min(r["us"] for r in rows if r["stream"] == name and not r["scalar_loads"]) for name in streams}
+    scalar_us = {name: min(r["us"] for r in rows if r["stream"] == name and r["scalar_loads"]) for name in streams}
     from .parking import dependent_step_us
 
     step = dependent_step_us(dev)
     layer_calls, lm_heads = config.num_hidden_layers + DRAFTS, DRAFTS + 1
     bounds = {k: stream_bound(flat_us, step, layer_calls, lm_heads, pdl_overlap=k == "pdl") for k in ("plain", "pdl")}
+    scalar_bounds = {k: stream_bound(scalar_us, step, layer_calls, lm_heads, pdl_overlap=k == "pdl")
+                     for k in ("plain", "pdl")}
     print(f"dependent step {step:.2f} us; the round with every weight stream at its flat-read speed and every other "
           f"kernel one step: {bounds['plain']['us']:.0f} us ({bounds['pdl']['us']:.0f} us with each stream's boundary "
-          f"hidden by PDL)")
+          f"hidden by PDL); with 4-byte loads, as measured before: {scalar_bounds['plain']['us']:.0f} "
+          f"({scalar_bounds['pdl']['us']:.0f}) us")
     report = {"bench": "stream-probe", "commit": commit(), "device": torch.cuda.get_device_name(dev),
-              "bytes": nbytes, "streams": streams, "rows": rows, "flat_us": flat_us, "dependent_step_us": step,
-              "stream_bound": bounds}
+              "bytes": nbytes, "streams": streams, "rows": rows, "flat_us": flat_us, "flat_us_scalar": scalar_us,
+              "dependent_step_us": step, "stream_bound": bounds, "stream_bound_scalar": scalar_bounds}
     if out_path:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         Path(out_path).write_text(json.dumps(report, indent=1) + "\n")
