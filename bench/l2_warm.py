@@ -43,7 +43,7 @@ PIECES = (768, 12_288)  # bytes a bulk request: bulk_down's size, and one progra
 def _read_kernel(base_ptr, experts_ptr, out_ptr, expert_words, per_program, BLOCK: tl.constexpr,
                  EVICT_LAST: tl.constexpr):
     """Program (expert j, chunk c) reads int32 words [c * per_program, (c + 1) * per_program) of expert
-    experts[j]'s contiguous slab of expert_words (per_program divides it); one value stored, so the loads stay."""
+    experts[j]'s contiguous slab of expert_words (per_program divides it); their xor stored, so the loads stay."""
     e = tl.load(experts_ptr + tl.program_id(0)).to(tl.int64)
     start = e * expert_words + tl.program_id(1).to(tl.int64) * per_program
     acc = tl.zeros([BLOCK], tl.int32)
@@ -54,7 +54,7 @@ def _read_kernel(base_ptr, experts_ptr, out_ptr, expert_words, per_program, BLOC
         else:
             v = tl.load(p)
         acc = acc ^ v
-    tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.sum(acc, 0))
+    tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.xor_sum(acc, 0))
 
 
 @triton.jit

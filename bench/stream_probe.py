@@ -66,7 +66,7 @@ def _stream_kernel(g_desc, u_desc, experts_ptr, zero_ptr, out_ptr, n_pairs, k_pe
 @triton.jit
 def _flat_kernel(src_ptr, out_ptr, n_words, per_program, BLOCK: tl.constexpr, SCALAR: tl.constexpr = False):
     """Program i reads int32 words [i * per_program, (i + 1) * per_program) of src in BLOCK-word chunks; one value
-    stored. SCALAR: the addresses built from byte offsets, as this probe read before 2026-12-01, which compiles to
+    stored (their xor). SCALAR: the addresses built from byte offsets, as this probe read before 2026-12-01, which compiles to
     4-byte loads (`ld.global.b32`) instead of 16-byte ones (`ld.global.v4.b32`): kept to show what that cost."""
     base = tl.program_id(0).to(tl.int64) * per_program
     acc = tl.zeros([BLOCK], tl.int32)
@@ -79,7 +79,7 @@ def _flat_kernel(src_ptr, out_ptr, n_words, per_program, BLOCK: tl.constexpr, SC
             i = base + off + tl.arange(0, BLOCK)
             v = tl.load(src_ptr + i, mask=i < n_words, other=0)
         acc = acc ^ v
-    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
 
 
 def flat_read(src: torch.Tensor, out: torch.Tensor, programs: int, scalar: bool = False, block: int = 1024) -> None:
