@@ -13,7 +13,8 @@ a CUDA graph of 16 iterations, one a routing; an iteration is a warm read, then 
   * `moe only`: no read.
 Warm and cold read the same bytes from HBM, so their difference is what the MoE gains from finding its weights on
 chip (an oracle: every expert predicted right). The read alone is timed too (`read <part>`), and a profiler pass
-gives each kernel's own duration by variant. Prints us an iteration (medians of replays) and writes JSON.
+gives each kernel's own duration by variant. The same warm and cold reads also precede Gate/Up's tiles streamed
+alone (`bench stream-probe`'s kernel, no MoE arithmetic): how fast the bytes come once on chip. Prints us an iteration (medians of replays) and writes JSON.
 """
 
 from __future__ import annotations
@@ -132,6 +133,32 @@ def main(argv: list[str]) -> None:
         variants[f"cold {part}"] = variant(part, False)
         variants[f"warm {part}"] = variant(part, True)
         variants[f"read {part}"] = variant(part, True, with_moe=False)
+    # Gate/Up's tiles alone (stream-probe's kernel: TMA, one E4M3 wgmma a tile against zeros, owners only, 8 splits,
+    # 3 stages): how fast the bytes themselves come once on chip, without the MoE's arithmetic
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from .stream_probe import _stream_kernel
+
+    BN, BK = 128, shape.block[1]
+    gd = TensorDescriptor.from_tensor(weights["gate"], [1, BN, BK])
+    ud = TensorDescriptor.from_tensor(weights["up"], [1, BN, BK])
+    zero = torch.zeros(BK * 16, dtype=weights["gate"].dtype, device=dev)
+    tiles_out = torch.empty(1 << 16, device=dev)
+
+    def tiles(warm: bool | None):
+        def it(i):
+            if warm is not None:
+                src = i if warm else (i + n // 2) % n
+                read_experts([weights["gate"], weights["up"]], distinct[src], sink, sms)
+            d = distinct[i]
+            _stream_kernel[(d.numel(), shape.inter // BN, 8)](gd, ud, d, zero, tiles_out, d.numel(), shape.hidden // 8,
+                                                              OWNERS_ONLY=True, N_OWNERS=d.numel(), BN=BN, BK=BK,
+                                                              num_warps=4, num_stages=3)
+        return it
+
+    variants["tiles only"] = tiles(None)
+    variants["cold gate_up, tiles"] = tiles(False)
+    variants["warm gate_up, tiles"] = tiles(True)
     variants["warm gate_up evict_last"] = variant("gate_up", True, evict_last=True)
     variants["cold gate_up evict_last"] = variant("gate_up", False, evict_last=True)
 
@@ -189,6 +216,9 @@ def main(argv: list[str]) -> None:
         gains[part] = med[f"cold {part}"] - med[f"warm {part}"]
         print(f"  MoE gain with its {part} in L2 (cold - warm): {gains[part]:+.2f} us a call "
               f"(MoE alone {med['moe only']:.2f} us)")
+    gains["tiles"] = med["cold gate_up, tiles"] - med["warm gate_up, tiles"]
+    print(f"  Gate/Up's tiles alone (no MoE arithmetic) gain with them in L2: {gains['tiles']:+.2f} us a call "
+          f"(alone, from HBM: {med['tiles only']:.2f} us)")
     for piece in PIECES:
         gains[f"bulk {piece}"] = med[f"bulk {piece} cold gate_up"] - med[f"bulk {piece} warm gate_up"]
         print(f"  MoE gain with Gate/Up asked of L2 in {piece}-byte requests ~20 us ahead: {gains[f'bulk {piece}']:+.2f}"
@@ -208,7 +238,7 @@ def _profile(variants: dict, n: int) -> dict[str, dict[str, float]]:
 
     out = {}
     for name in ("moe only", "cold gate_up", "warm gate_up", "cold all", "warm all", "bulk 12288 cold gate_up",
-                 "bulk 12288 warm gate_up"):
+                 "bulk 12288 warm gate_up", "tiles only", "cold gate_up, tiles", "warm gate_up, tiles"):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 for i in range(n):
