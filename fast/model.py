@@ -148,7 +148,8 @@ class FastModel:
         sinks = None if "drop_sink" in self.defects else lw.sinks  # negative control: the sink logit dropped
         out = self.ops.attention(q, kv, blk.positions, sinks).to(self.dtype).reshape(R, -1)
         parts = None if fold_x is None else self.ops.route_parts(fold_x, out, lw)
-        o = self.par.all_reduce(self.ops.linear(lw.wo, out))
+        # with the fold, o_proj's input was written before the router's launch: it may read it early (kernels/launch.py)
+        o = self.par.all_reduce(self.ops.linear(lw.wo, out, early=parts is not None))
         return o if parts is None else (o, parts)
 
     @stage("moe")
