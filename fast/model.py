@@ -148,8 +148,7 @@ class FastModel:
         sinks = None if "drop_sink" in self.defects else lw.sinks  # negative control: the sink logit dropped
         out = self.ops.attention(q, kv, blk.positions, sinks).to(self.dtype).reshape(R, -1)
         parts = None if fold_x is None else self.ops.route_parts(fold_x, out, lw)
-        # with the fold, o_proj's input was written before the router's launch: it may read it early (kernels/launch.py)
-        o = self.par.all_reduce(self.ops.linear(lw.wo, out, early=parts is not None))
+        o = self.par.all_reduce(self.ops.linear(lw.wo, out))
         return o if parts is None else (o, parts)
 
     @stage("moe")

@@ -65,9 +65,7 @@ class TorchOps:
         """fp32 logits [R, V/tp] of the normalized rows: fp32 products of the compute-dtype head's values."""
         return a.float() @ w.lm_head32.T
 
-    def linear(self, w: FP8Weight, x: torch.Tensor, early: bool = False) -> torch.Tensor:
-        """x @ W^T. `early`: x was written two launches back or earlier (stage route_fold's o_proj), so a kernel may
-        read it before its PDL wait; no effect on the value."""
+    def linear(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
         return w.linear(x)
 
     def qkv(self, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -459,13 +457,13 @@ class TritonOps(TorchOps):
         """Whether a weight block of n columns holds whole K tiles of 16 (the kernels' smallest)."""
         return n >= 16 and n % 16 == 0
 
-    def linear(self, w: FP8Weight, x: torch.Tensor, early: bool = False) -> torch.Tensor:
+    def linear(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
         if not self._fits("linear", w.q.dim() == 2 and self._k_tiles(w.block[1])):
             return super().linear(w, x)
-        return self._fp8(w, x, early=early)
+        return self._fp8(w, x)
 
     def _fp8(self, w: FP8Weight, x: torch.Tensor, unsummed: bool = False, rms: tuple | None = None,
-             qkv: bool = False, early: bool = False) -> torch.Tensor:
+             qkv: bool = False) -> torch.Tensor:
         preload = self._preload(x)
         stamps = direct = None
         tiles = self._preload_plan(x.shape[0], *w.q.shape, w.block, device=x.device) if preload else 0
@@ -484,8 +482,7 @@ class TritonOps(TorchOps):
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
                             pdl=self._pdl(x, "linear"), prefetch=self._prefetch(x), preload=preload,
                             unsummed=unsummed, rms=rms, stamps=stamps, direct=direct,
-                            direct_carveout=self.direct_carveout if direct is not None else None,
-                            early_x=early and self.early and direct is not None and self._pdl(x, "linear") != 0)
+                            direct_carveout=self.direct_carveout if direct is not None else None)
 
     def qkv_rope(self, lw, kv, x, head_dim, cos, sin, rope_rows, positions, live):
         w = lw.wqkv
@@ -595,9 +592,8 @@ class TritonOps(TorchOps):
 
         if not self._fits("route_fold", self.route_fold):
             return super().route_parts(x, a, lw)
-        pdl = self._pdl(x, "route")
         return route_parts(x.contiguous(), lw.post_norm, a.contiguous(), lw.router, lw.router_fold,
-                           pdl=pdl, preload=self._preload(x), early=self.early and pdl != 0)
+                           pdl=self._pdl(x, "route"), preload=self._preload(x))
 
     @stage("norm")
     def add_norm_route(self, x, residual, weight, eps, parts, top_k, norm_topk_prob, scaling, moe_block=None):
@@ -613,7 +609,7 @@ class TritonOps(TorchOps):
         self.route_fold_calls += 1
         y, h, *routing = rmsnorm_residual_route(residual.contiguous(), x.contiguous(), weight, eps, parts, top_k,
                                                 norm_topk_prob, scaling, f16_out=f16_input, pdl=self._pdl(x, "norm"),
-                                                preload=self._preload(x), early=self.early and self._pdl(x, "norm") != 0)
+                                                preload=self._preload(x))
         return h, y, f16_input, tuple(routing)
 
     def route(self, b32, lw, top_k, norm_topk_prob, scaling):

@@ -34,16 +34,13 @@ def _rmsnorm_residual_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, f16_ptr, f16d_pt
                              part_ptr=None, weights_ptr=None, experts_ptr=None, scores_ptr=None, E=0, splits=0,
                              scaling=1.0, ROUTE: tl.constexpr = False, E_PAD: tl.constexpr = 1,
                              SPLIT_BLOCK: tl.constexpr = 1, TOP_K: tl.constexpr = 1, K_PAD: tl.constexpr = 1,
-                             NORM_TOPK: tl.constexpr = False, ACCURATE_EXP: tl.constexpr = False,
-                             EARLY_PARTS: tl.constexpr = False):
+                             NORM_TOPK: tl.constexpr = False, ACCURATE_EXP: tl.constexpr = False):
     i = tl.arange(0, BLOCK)
     ok = i < H
-    row = tl.program_id(0)
     if PRELOAD:  # the norm's weight is constant: read before the wait, so its HBM latency overlaps the previous kernel
         w = tl.load(w_ptr + i, mask=ok, other=0.0)
-    if ROUTE and EARLY_PARTS:  # written two launches back (kernels/router_fold.py): summed before the wait
-        raw = sum_parts(part_ptr, row, tl.num_programs(0), E, splits, E_PAD, SPLIT_BLOCK)
     wait_for_inputs(PDL)
+    row = tl.program_id(0)
     x = tl.load(x_ptr + row * stride_x + i, mask=ok, other=0.0).to(tl.float32)
     if RESIDUAL:
         r = tl.load(r_ptr + row * stride_r + i, mask=ok, other=0.0).to(tl.float32)
@@ -64,9 +61,7 @@ def _rmsnorm_residual_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, f16_ptr, f16d_pt
         tl.store(f16_ptr + row * stride_f16 + col, y16, mask=col < H)
         tl.store(f16d_ptr + row * stride_f16d + tiles, down, mask=tiles < H // F16_TILE)
     if ROUTE:  # stage route_fold: the row's folded router logits (kernels/router_fold.py) scaled by this 1 / rms
-        if not EARLY_PARTS:
-            raw = sum_parts(part_ptr, row, tl.num_programs(0), E, splits, E_PAD, SPLIT_BLOCK)
-        logits = raw * inv
+        logits = sum_parts(part_ptr, row, tl.num_programs(0), E, splits, E_PAD, SPLIT_BLOCK) * inv
         select_row(logits, row, weights_ptr, experts_ptr, scores_ptr, E, scaling, E_PAD, TOP_K, K_PAD, NORM_TOPK,
                    ACCURATE_EXP, True, True)
 
@@ -119,12 +114,11 @@ def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 def rmsnorm_residual_route(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                            part: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float, *,
                            f16_out: tuple[torch.Tensor, torch.Tensor] | None = None, num_warps: int = 8,
-                           pdl: bool = False, preload: bool = False, early: bool = False) -> tuple[torch.Tensor, ...]:
+                           pdl: bool = False, preload: bool = False) -> tuple[torch.Tensor, ...]:
     """`rmsnorm_residual` with fp32 y and the layer's routing (stage route_fold): the folded router logits, the sum of
     part [S, R, E] (kernels/router_fold.route_parts) times the row's 1 / rms, selected as kernels/router.py selects
     (softmax, top-k with ties to the lower index, weights normalized if `norm_topk_prob`, times `scaling`). Returns
-    (y [R, H] fp32, h [R, H], weights [R, k] fp32, experts [R, k] int64, scores [R, E] fp32). `early`: `part` was
-    written two launches back or earlier (kernels/launch.py): it is read and summed before the PDL wait."""
+    (y [R, H] fp32, h [R, H], weights [R, k] fp32, experts [R, k] int64, scores [R, E] fp32)."""
     _check(x.dim() == 2 and tuple(residual.shape) == tuple(x.shape), f"x {tuple(x.shape)} and residual "
            f"{tuple(residual.shape)} must be the same [R, H]")
     R, H = x.shape
@@ -144,8 +138,7 @@ def rmsnorm_residual_route(x: torch.Tensor, residual: torch.Tensor, weight: torc
     route = dict(part_ptr=part, weights_ptr=weights, experts_ptr=experts, scores_ptr=scores, E=E, splits=S,
                  scaling=float(scaling), ROUTE=True, E_PAD=e_pad,
                  SPLIT_BLOCK=max(1, min(triton.next_power_of_2(S), PART_CHUNK // e_pad)), TOP_K=top_k,
-                 K_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, ACCURATE_EXP=not INTERPRETED,
-                 EARLY_PARTS=early)
+                 K_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, ACCURATE_EXP=not INTERPRETED)
     y, h = rmsnorm_residual(x, residual, weight, eps, torch.float32, f16_out=f16_out, num_warps=num_warps, pdl=pdl,
                             preload=preload, _route=route)
     return y, h, weights, experts, scores

@@ -20,10 +20,6 @@ One launch, grid (E tiles, splits of H then splits of A, row blocks), one warp a
 kernel: a split is one BLOCK_H-wide tile of W_r (bf16) or of F (fp32), loaded into registers before the PDL wait
 (`preload`: constant weights), and each program writes fp32 partials part [S, R, E] of its rows: splits of H first,
 then of A. Fixed grid, no atomics: replays are bit-identical to eager runs.
-
-With PDL (kernels/launch.py) the stream's term does not wait at all (`early`: x was written launches ago), and o_proj,
-launched next, reads the attention output it shares with this launch's A splits before its own wait
-(fp8_linear(early_x=)), so the two run side by side; the norm after o_proj reads these partials before its wait too.
 """
 
 from __future__ import annotations
@@ -52,8 +48,7 @@ def _rows_dot_scaled(acc, w, x_ptr, g, r0, R, stride_x, h, h_ok, rows, ROWS: tl.
 @triton.jit
 def _route_parts_kernel(x_ptr, g_ptr, a_ptr, w_ptr, f_ptr, part_ptr, R, E, H, A, stride_x, stride_a, splits_h,
                         ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                        PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False, DROP_A: tl.constexpr = False,
-                        EARLY: tl.constexpr = False):
+                        PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False, DROP_A: tl.constexpr = False):
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)
     r0 = tl.program_id(2) * ROWS
@@ -65,21 +60,15 @@ def _route_parts_kernel(x_ptr, g_ptr, a_ptr, w_ptr, f_ptr, part_ptr, R, E, H, A,
     if pid_s < splits_h:  # W_r (g2 * x): the router's bf16 tile, the norm weight's columns
         h = pid_s * BLOCK_H + cols
         h_ok = h < H
-        if EARLY:  # x was written two launches back or earlier: the whole term before the wait (launch.py)
+        if PRELOAD:  # constant weights: read before the wait, so their HBM latency overlaps the previous kernel
             w = tl.load(w_ptr + e[:, None] * H + h[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
             g = tl.load(g_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
-            acc = _rows_dot_scaled(acc, w, x_ptr, g, r0, R, stride_x, h, h_ok, rows, ROWS)
             wait_for_inputs(PDL)
         else:
-            if PRELOAD:  # constant weights: read before the wait, so their HBM latency overlaps the previous kernel
-                w = tl.load(w_ptr + e[:, None] * H + h[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
-                g = tl.load(g_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
-                wait_for_inputs(PDL)
-            else:
-                wait_for_inputs(PDL)
-                w = tl.load(w_ptr + e[:, None] * H + h[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
-                g = tl.load(g_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
-            acc = _rows_dot_scaled(acc, w, x_ptr, g, r0, R, stride_x, h, h_ok, rows, ROWS)
+            wait_for_inputs(PDL)
+            w = tl.load(w_ptr + e[:, None] * H + h[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
+            g = tl.load(g_ptr + h, mask=h_ok, other=0.0).to(tl.float32)
+        acc = _rows_dot_scaled(acc, w, x_ptr, g, r0, R, stride_x, h, h_ok, rows, ROWS)
     else:  # F a: the folded o_proj's fp32 tile
         c = (pid_s - splits_h) * BLOCK_H + cols
         c_ok = c < A
@@ -108,13 +97,11 @@ def splits(h: int, a: int) -> tuple[int, int]:
 
 def route_parts(x: torch.Tensor, g: torch.Tensor, a: torch.Tensor, router_w: torch.Tensor, fold_w: torch.Tensor, *,
                 out: torch.Tensor | None = None, pdl: bool = False, preload: bool = False,
-                drop_a: bool = False, early: bool = False) -> torch.Tensor:
+                drop_a: bool = False) -> torch.Tensor:
     """Partial router logits part [S, R, E] fp32 whose sum over S is W_r (g * x) + F a (not yet scaled by the norm's
     1 / rms): x [R, H] the residual stream, g [H] the post-attention norm's weight, a [R, A] the attention output as
     o_proj takes it, router_w [E, H] bf16 (or fp32), fold_w = `fold_weight(...)` [E, A] fp32. `preload`: the weight
-    tiles are read before the PDL wait (kernels/launch.py); `early`: the stream's whole term is computed before it
-    (x written two launches back or earlier: the layer's input, the previous layer's output; the same values).
-    `drop_a` (tests' negative control only) leaves out F a."""
+    tiles are read before the PDL wait (kernels/launch.py). `drop_a` (tests' negative control only) leaves out F a."""
     for name, t in (("x", x), ("g", g), ("a", a), ("router_w", router_w), ("fold_w", fold_w)):
         _check(isinstance(t, torch.Tensor), f"{name} must be a tensor")
         _check(t.device == x.device, f"{name} is on {t.device}, x on {x.device}")
@@ -143,7 +130,7 @@ def route_parts(x: torch.Tensor, g: torch.Tensor, a: torch.Tensor, router_w: tor
     grid = (triton.cdiv(E, BLOCK_E), sh + sa, triton.cdiv(R, rows))
     _route_parts_kernel[grid](x, g, a, router_w, fold_w, out, R, E, H, A, x.stride(0), a.stride(0), sh, ROWS=rows,
                               ROWS_PAD=triton.next_power_of_2(rows), BLOCK_E=BLOCK_E, BLOCK_H=BLOCK_H, PRELOAD=preload,
-                              DROP_A=drop_a, EARLY=early, num_warps=1, **launch_options(pdl, x.device))
+                              DROP_A=drop_a, num_warps=1, **launch_options(pdl, x.device))
     return out
 
 

@@ -37,7 +37,7 @@ SCORE_TOL = 2e-5  # the logits' fp32 rounding times |logit| (<~ 10 here), then e
 WEIGHT_TOL = 3e-5
 
 BASE = dict(R=6, H=600, A=130, E=33, k=4, norm=True, scaling=2.5, x_stride=None, seed=0, xdtype="fp32",
-            drop_a=False, preload=False, early=False)
+            drop_a=False, preload=False)
 
 
 def case(name: str, **kw) -> dict:
@@ -50,7 +50,6 @@ CASES = [
     case("model_A_and_E", R=8, H=1024, A=768, E=256, k=8, seed=1),
     case("two_row_blocks", R=11, H=200, A=64, E=16, k=3, norm=False, scaling=1.0, seed=2),
     case("strided_x", R=3, H=136, A=520, E=24, k=5, x_stride=200, seed=3),
-    case("early_reads", early=True, preload=True, seed=8),  # the forms that read before the PDL wait: the same values
     case("drop_a_control", drop_a=True, seed=4),
 ]
 
@@ -76,11 +75,10 @@ def run_case(c: dict, device: str) -> dict:
         x = x.contiguous()
     sh, sa = rf.splits(c["H"], c["A"])
     part = torch.full((sh + sa, c["R"], c["E"]), float("nan"), device=device)
-    pdl = c["early"] and device == "cuda"
     rf.route_parts(x, t["g"], t["a"], t["router_w"], t["fold_w"], out=part, drop_a=c["drop_a"],
-                   preload=c["preload"], early=c["early"], pdl=pdl)
+                   preload=c["preload"])
     y, h, weights, experts, scores = rn.rmsnorm_residual_route(
-        t["residual"], x.contiguous(), t["g"], 1e-6, part, c["k"], c["norm"], c["scaling"], early=c["early"], pdl=pdl)
+        t["residual"], x.contiguous(), t["g"], 1e-6, part, c["k"], c["norm"], c["scaling"])
     y0, h0 = rn.rmsnorm_residual(t["residual"], x.contiguous(), t["g"], 1e-6, torch.float32)
     want = (x.double() * t["g"].double()) @ t["router_w"].double().T + t["a"].double() @ t["fold_w"].double().T
     bound = (x.double() * t["g"].double()).abs() @ t["router_w"].double().abs().T + \
@@ -148,8 +146,6 @@ def test_route_parts_refuses_what_it_cannot_take():
 GPU_CASES = [dict(c, name=c["name"] + "_gpu") for c in CASES if not c["drop_a"]] + [
     case("model_shape_bf16_gpu", R=6, H=6144, A=768, E=256, k=8, xdtype="bf16", seed=5),
     case("model_shape_bf16_preload_gpu", R=6, H=6144, A=768, E=256, k=8, xdtype="bf16", seed=5, preload=True),
-    case("model_shape_bf16_early_gpu", R=6, H=6144, A=768, E=256, k=8, xdtype="bf16", seed=5, preload=True,
-         early=True),
     case("drop_a_control_gpu", drop_a=True, seed=4),
 ]
 
@@ -171,8 +167,6 @@ def test_gpu_preload_and_graph_replay_are_bit_identical():
                                              pdl=pdl)
     eager = run(False, False)
     assert torch.equal(run(True, True), eager)
-    assert torch.equal(rf.route_parts(t["x"], t["g"], t["a"], t["router_w"], t["fold_w"], preload=True, pdl=True,
-                                      early=True), eager)
     out = torch.full_like(eager, float("nan"))
     graph = torch.cuda.CUDAGraph()
     run(True, True)  # compiled before the capture
