@@ -114,11 +114,16 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split
 
 
 @triton.jit
-def sum_parts(part_ptr, row, R, E, splits, E_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
-    """Row `row`'s logits [E_PAD] (fp32, 0 past E) from the partials part [splits, R, E]: chunks of SPLIT_BLOCK splits
-    in index order, each summed by one fixed tree."""
+def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, logits_ptr, R, E, splits, scaling,
+                          E_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+                          K_PAD: tl.constexpr, NORM: tl.constexpr, WRITE_LOGITS: tl.constexpr,
+                          ACCURATE_EXP: tl.constexpr, LOWER_TIES: tl.constexpr, PACKED_TOPK: tl.constexpr = True,
+                          PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
+    row = tl.program_id(0)
     idx = tl.arange(0, E_PAD)
     ok = idx < E
+    # Sum the partials: chunks of SPLIT_BLOCK splits in index order, each summed by one fixed tree.
     s_in = tl.arange(0, SPLIT_BLOCK)
     logits = tl.zeros([E_PAD], tl.float32)
     for s0 in range(0, splits, SPLIT_BLOCK):
@@ -126,17 +131,9 @@ def sum_parts(part_ptr, row, R, E, splits, E_PAD: tl.constexpr, SPLIT_BLOCK: tl.
         part = tl.load(part_ptr + ((s[:, None] * R + row) * E + idx[None, :]),
                        mask=(s[:, None] < splits) & ok[None, :], other=0.0)
         logits += tl.sum(part, axis=0)
-    return logits
+    if WRITE_LOGITS:
+        tl.store(logits_ptr + row * E + idx, logits, mask=ok)
 
-
-@triton.jit
-def select_row(logits, row, weights_ptr, experts_ptr, scores_ptr, E, scaling, E_PAD: tl.constexpr,
-               TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, ACCURATE_EXP: tl.constexpr,
-               LOWER_TIES: tl.constexpr, PACKED_TOPK: tl.constexpr):
-    """Softmax of one row's fp32 logits [E_PAD], its top-k and their weights, stored at row `row` of scores [R, E],
-    weights and experts [R, k]."""
-    idx = tl.arange(0, E_PAD)
-    ok = idx < E
     # Softmax, as torch's CUDA kernel: exp(l - max) / sum.
     logits = tl.where(ok, logits, float("-inf"))
     z = logits - tl.max(logits, axis=0)
@@ -191,22 +188,6 @@ def select_row(logits, row, weights_ptr, experts_ptr, scores_ptr, E, scaling, E_
     k_ok = slot < TOP_K
     tl.store(weights_ptr + row * TOP_K + slot, weights, mask=k_ok)
     tl.store(experts_ptr + row * TOP_K + slot, sel_e.to(tl.int64), mask=k_ok)
-
-
-@triton.jit
-def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, logits_ptr, R, E, splits, scaling,
-                          E_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
-                          K_PAD: tl.constexpr, NORM: tl.constexpr, WRITE_LOGITS: tl.constexpr,
-                          ACCURATE_EXP: tl.constexpr, LOWER_TIES: tl.constexpr, PACKED_TOPK: tl.constexpr = True,
-                          PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
-    row = tl.program_id(0)
-    logits = sum_parts(part_ptr, row, R, E, splits, E_PAD, SPLIT_BLOCK)
-    if WRITE_LOGITS:
-        idx = tl.arange(0, E_PAD)
-        tl.store(logits_ptr + row * E + idx, logits, mask=idx < E)
-    select_row(logits, row, weights_ptr, experts_ptr, scores_ptr, E, scaling, E_PAD, TOP_K, K_PAD, NORM, ACCURATE_EXP,
-               LOWER_TIES, PACKED_TOPK)
 
 
 # ---- host wrapper ----------------------------------------------------------------------------------
