@@ -296,12 +296,8 @@ CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
 # "carveout_l1", "carveout_smem" (benchmarks only): every kernel compiled in the process so far prefers the least (or
 # the most) shared memory, set when the engine is prepared, before its capture (kernels/launch.prefer_carveout);
 # "carveout_small": the least, for the kernels using at most 48 KB of shared memory only.
-# "serial_combine": the MoE combine launched in stream order (kernels/launch.Pdl.SERIAL), so its programs do not park
-# on the SMs while Down's last wave streams; scheduling only, the same bits. The captured forward's trace had it add
-# 3.25 us a call with PDL against 2.54 without (docs/PERF.md, graph-trace at 508fdd9).
 OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "direct_qkv", "direct_o", "direct_hold",
-                           "direct_smem", "direct_driver", "carveout_l1", "carveout_smem", "carveout_small",
-                           "serial_combine") + CASCADE
+                           "direct_smem", "direct_driver", "carveout_l1", "carveout_smem", "carveout_small") + CASCADE
 
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode and prefill-block linear (or MoE)
@@ -355,7 +351,6 @@ class TritonOps(TorchOps):
         self.rope_sum_calls = 0  # q/k/v projections summed by the rotary kernel (likewise)
         self.cascade_calls = 0  # kernel calls launched to signal before their wait (likewise)
         self.residual_adds = 0  # MoE calls whose combine added the residual stream (likewise)
-        self.serial_combines = 0  # MoE calls whose combine launched in stream order ("serial_combine"; likewise)
         # Benchmarks only (bench/graph_trace.py): a list receives each preloading FP8 linear call's per-program timeline
         # ({"n", "k", "stamps"}: fp8_linear(stamps=)) while it is not None
         self.linear_stamps: list | None = None
@@ -598,15 +593,12 @@ class TritonOps(TorchOps):
         if self.norm_qkv and residual is not None and locks is None and b.shape[0] <= step:
             add = (*residual, *self._residual_buffers(residual[0]))  # (stream, weight, h, g, sumsq)
             self.residual_adds += 1
-        pdl = self._pdl(b, "moe")
-        combine_pdl = self._Pdl.SERIAL if "serial_combine" in self.stages and pdl and locks is None else None
-        self.serial_combines += combine_pdl is not None
         parts = [self._moe(b[s:s + step], experts[s:s + step], weights[s:s + step], live[s:s + step],
                            gate.q, gate.scale, up.q, up.scale, down.q, down.scale, gate.block,
                            group=down.block[1], out_dtype=compute_dtype or b.dtype, compute_dtype=compute_dtype,
-                           pdl=pdl, f16=self.f16,  # moe() takes it on the GPU only
+                           pdl=self._pdl(b, "moe"), f16=self.f16,  # moe() takes it on the GPU only
                            f16_input=rows(f16_input, s), tma=tma, fp8_down=self.fp8_down, locks=locks,
-                           early_down=self.early, residual=add, combine_pdl=combine_pdl)
+                           early_down=self.early, residual=add)
                  for s in range(0, b.shape[0], step)]
         if add is not None:
             stream, weight, h, g, sumsq = add

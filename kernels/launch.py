@@ -31,9 +31,6 @@ serialized launch would:
     kernel may read anything but constants before its wait (fast/ops.py refuses stage "early" with "cascade").
     Resources are taken in launch order (a kernel launches only once all its predecessor's programs have started),
     so parked programs never keep an earlier kernel's programs off the SMs.
-  * `Pdl.SERIAL` launches without the attribute: B starts once A has completed, as a plain launch, and its wait
-    returns at once; it still signals after that wait, so C may launch while B runs. The bound above holds (C
-    launches after A completed), so "early" reads stay valid around it.
 Arithmetic is untouched, so results are bit-identical with and without PDL (tests/test_kernel_launch.py and
 the engine's graph-vs-eager checks on the GPU).
 
@@ -57,10 +54,6 @@ class Pdl(IntEnum):
     OFF = 0  # a plain launch: no wait compiled in
     CHAINED = 1  # signal the next kernel after the wait: at most two kernels in flight
     CASCADE = 2  # signal it before the wait: any number of kernels parked ahead, each waiting for its predecessor
-    # Launched in stream order (no launch attribute: it starts once its predecessor has completed) but compiled as
-    # CHAINED, so that it still lets the next kernel launch from its start; its wait returns at once. For a kernel
-    # whose early programs would only sit on SM slots its predecessor's last wave could use.
-    SERIAL = 3
 
 
 @triton.jit
@@ -120,8 +113,6 @@ def launch_options(pdl: bool | Pdl, device: torch.device) -> dict:
         return {}
     if device.type != "cuda":
         raise ValueError(f"programmatic dependent launch needs a CUDA device, got {device}")
-    if int(pdl) == Pdl.SERIAL:  # the wait compiled in, the attribute not set: the safe pairing of the two
-        return {"PDL": True}
     return {"launch_pdl": True, "PDL": True if int(pdl) == Pdl.CHAINED else int(pdl)}
 
 

@@ -636,7 +636,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
         fp8_down: bool = FP8_DOWN, locks: torch.Tensor | None = None, early_down: bool = False,
         residual: tuple[torch.Tensor, ...] | None = None, stamps: torch.Tensor | None = None,
-        combine_pdl: bool | None = None, debug: dict | None = None) -> torch.Tensor:
+        debug: dict | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -648,8 +648,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     group == block[1]. `split_k` overrides the number of Gate/Up splits along H (default from the SM
     count; reduced so that no split is empty). `gate_up_block_n` (a power of two >= 16; the largest one
     dividing I_r up to it is used), `*_warps` and `*_stages` are the two weight-streaming kernels' launch
-    settings, for `iquest bench tune`. `pdl`: programmatic dependent launch (kernels/launch.py); `combine_pdl`: the
-    combine's own (a `Pdl`; default `pdl`), e.g. Pdl.SERIAL to keep its programs off the SMs while Down streams. `f16`: the
+    settings, for `iquest bench tune`. `pdl`: programmatic dependent launch (kernels/launch.py). `f16`: the
     tensor cores take fp16 operands (E4M3 weights and activations exactly; bf16 x scaled per row and K tile by a
     power of two, kernels/f16_operands.py) instead of bf16; taken for bf16 compute on the GPU only (the
     interpreter computes in fp32, fp16 compute converts to fp16 already). `f16_input`: x's Gate/Up operand made
@@ -809,8 +808,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     if not fold_combine:
         _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
             y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
-            num_warps=4, **_residual_strides(residual), RESIDUAL=residual is not None, EARLY=early,
-            **(launch if combine_pdl is None else launch_options(combine_pdl, dev)))
+            num_warps=4, **_residual_strides(residual), RESIDUAL=residual is not None, EARLY=early, **launch)
     if store_h:
         debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
                      fp8_down=fp8_down, folded=(fold_finalize, fold_combine), early_down=early)

@@ -41,8 +41,8 @@ def _copy(src_ptr, dst_ptr, WAIT: tl.constexpr, PDL: tl.constexpr = False):
     tl.store(dst_ptr, tl.load(src_ptr))
 
 
-def probe(where: str, wait: bool, consumer: Pdl = Pdl.CHAINED) -> int:
-    """The value the consumer (launched as `consumer`) read: 1 = after the producer's write."""
+def probe(where: str, wait: bool) -> int:
+    """The value the consumer read: 1 = after the producer's write."""
     src = torch.zeros(1, dtype=torch.int32, device="cuda")
     dst = torch.full((1,), -1, dtype=torch.int32, device="cuda")
     pdl = launch_options(True, src.device)
@@ -50,7 +50,7 @@ def probe(where: str, wait: bool, consumer: Pdl = Pdl.CHAINED) -> int:
     def body():
         src.zero_()
         _late_write[(1,)](src, SPIN_NS, **pdl)
-        _copy[(1,)](src, dst, WAIT=wait, **launch_options(consumer, src.device))
+        _copy[(1,)](src, dst, WAIT=wait, **pdl)
 
     body()  # compile both kernels (the first consumer launch waits for its compilation: no overlap to see)
     torch.cuda.synchronize()
@@ -80,15 +80,6 @@ def probe(where: str, wait: bool, consumer: Pdl = Pdl.CHAINED) -> int:
 def test_cuda_pdl_overlaps_and_the_wait_orders(where):
     assert probe(where, wait=True) == 1
     assert probe(where, wait=False) == 0, f"no overlap {where}: the consumer did not start before the producer ended"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("where", ["eager", "graph", "body"])
-def test_cuda_serial_launch_waits_for_the_producer(where):
-    """Pdl.SERIAL (stage serial_combine): no launch attribute, so even a consumer without its wait starts only after
-    the producer completed and reads its write. The same consumer launched CHAINED reads 0 (the test above)."""
-    assert probe(where, wait=False, consumer=Pdl.SERIAL) == 1
-    assert probe(where, wait=True, consumer=Pdl.SERIAL) == 1
 
 
 @triton.jit
@@ -164,10 +155,6 @@ def test_launch_options_refuse_pdl_off_the_gpu():
     assert launch_options(True, torch.device("cuda")) == {"launch_pdl": True, "PDL": True}
     assert launch_options(Pdl.CHAINED, torch.device("cuda")) == {"launch_pdl": True, "PDL": True}
     assert launch_options(Pdl.CASCADE, torch.device("cuda")) == {"launch_pdl": True, "PDL": 2}
-    # the wait compiled in without the attribute: a plain launch that still signals the next kernel after it
-    assert launch_options(Pdl.SERIAL, torch.device("cuda")) == {"PDL": True}
-    with pytest.raises(ValueError, match="CUDA"):
-        launch_options(Pdl.SERIAL, torch.device("cpu"))
     assert launch_options(Pdl.OFF, torch.device("cpu")) == {}
     with pytest.raises(ValueError, match="CUDA"):
         launch_options(True, torch.device("cpu"))
@@ -195,7 +182,7 @@ def decode_with_logprobs(kernels: str, dtype: str) -> dict:
             "embed_calls": ops.embed_calls, "settle_calls": ops.settle_calls, "preload_calls": ops.preload_calls,
             "fp8_down_calls": ops.fp8_down_calls, "moe_fold_calls": ops.moe_fold_calls,
             "early_calls": ops.early_calls, "rope_sum_calls": ops.rope_sum_calls, "cascade_calls": ops.cascade_calls,
-            "norm_qkv_calls": ops.norm_qkv_calls, "serial_combines": ops.serial_combines}
+            "norm_qkv_calls": ops.norm_qkv_calls}
 
 
 @pytest.mark.gpu
@@ -231,17 +218,6 @@ def test_cuda_cascade_decodes_bit_identically(dtype):
     cascade = decode_with_logprobs("triton-early+cascade", dtype)
     assert base["cascade_calls"] == 0 and cascade["cascade_calls"] > 0
     assert cascade["steps"] == base["steps"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_serial_combine_decodes_bit_identically(dtype):
-    """The MoE combine launched in stream order (stage serial_combine): the same tokens, logprobs and acceptance
-    sequence as the default, through the captured decode loop, with the serial combines counted."""
-    base = decode_with_logprobs("triton", dtype)
-    serial = decode_with_logprobs("triton+serial_combine", dtype)
-    assert base["serial_combines"] == 0 and serial["serial_combines"] > 0
-    assert serial["steps"] == base["steps"]
 
 
 @pytest.mark.gpu
