@@ -109,23 +109,11 @@ class FastModel:
             a = self.ops.norm(x, lw.input_norm, eps)
         else:
             x, a = self.ops.residual_norm(x, pending, lw.input_norm, eps)
-        routing = None
-        if self.ops.route_fold and not self.par.active:
-            # Stage route_fold: the router's logits made from x and the attention output before o_proj runs, and the
-            # experts chosen by the norm after it (kernels/router_fold.py). Where the collectives are local only: at
-            # TP > 1 the attention term is a partial sum, which the o_proj all-reduce would have to carry.
-            attn_out, parts = self.attention(lw, kv, a, blk, fold_x=x)
-            c = self.config
-            x, b32, b16, routing = self.ops.add_norm_route(x, attn_out, lw.post_norm, eps, parts,
-                                                           c.num_experts_per_tok, c.norm_topk_prob,
-                                                           c.routed_scaling_factor, moe_block=lw.gate.block)
-        else:
-            attn_out = self.attention(lw, kv, a, blk)
-            # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
-            x, b32, b16 = self.ops.add_norm(x, attn_out, lw.post_norm, eps, moe_block=lw.gate.block)
+        attn_out = self.attention(lw, kv, a, blk)
+        # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
+        x, b32, b16 = self.ops.add_norm(x, attn_out, lw.post_norm, eps, moe_block=lw.gate.block)
         moe_out, scores, experts = self.moe(lw, b32, blk.live, mtp=tag == "mtp.", f16_input=b16,
-                                            residual=None if next_norm is None or self.par.active else (x, next_norm),
-                                            routing=routing)
+                                            residual=None if next_norm is None or self.par.active else (x, next_norm))
         if taps is not None:  # the layer's output as the next norm will form it (the same rounded sum)
             out, hidden = ((moe_out.moe_out, moe_out.h) if isinstance(moe_out, Residual) else (moe_out, x + moe_out))
             for name, value in (("attn_out", attn_out), ("moe_in", b32), ("router_scores", scores),
@@ -134,10 +122,7 @@ class FastModel:
         return x, moe_out
 
     @stage("attention")
-    def attention(self, lw: LayerWeights, kv: LayerKV, a: torch.Tensor | PendingNorm, blk: Block,
-                  fold_x: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The attention block's output [R, H] (all-reduced); with `fold_x` (the stream entering the layer, stage
-        route_fold) also the folded router's partial logits, launched between the attention and o_proj."""
+    def attention(self, lw: LayerWeights, kv: LayerKV, a: torch.Tensor | PendingNorm, blk: Block) -> torch.Tensor:
         c, R = self.config, blk.positions.shape[0]
         if c.qk_norm:
             q, k, v = (t.view(R, -1, c.head_dim) for t in self.ops.qkv(lw, self.ops.normed(a)))
@@ -146,23 +131,20 @@ class FastModel:
         else:  # K/V stored first: causal block
             q = self.ops.qkv_rope(lw, kv, a, c.head_dim, blk.cos, blk.sin, blk.rope_rows, blk.positions, blk.live)
         sinks = None if "drop_sink" in self.defects else lw.sinks  # negative control: the sink logit dropped
-        out = self.ops.attention(q, kv, blk.positions, sinks).to(self.dtype).reshape(R, -1)
-        parts = None if fold_x is None else self.ops.route_parts(fold_x, out, lw)
-        # with the fold, o_proj's input was written before the router's launch: it may read it early (kernels/launch.py)
-        o = self.par.all_reduce(self.ops.linear(lw.wo, out, early=parts is not None))
-        return o if parts is None else (o, parts)
+        out = self.ops.attention(q, kv, blk.positions, sinks)
+        return self.par.all_reduce(self.ops.linear(lw.wo, out.to(self.dtype).reshape(R, -1)))
 
     @stage("moe")
     def moe(self, lw: LayerWeights, b32: torch.Tensor, live: torch.Tensor, mtp: bool = False,
-            f16_input: object = None, residual: tuple | None = None,
-            routing: tuple | None = None) -> tuple[torch.Tensor | Residual, torch.Tensor, torch.Tensor]:
+            f16_input: object = None,
+            residual: tuple | None = None) -> tuple[torch.Tensor | Residual, torch.Tensor, torch.Tensor]:
         """Routed experts on this rank's slice of every expert's intermediate dimension (padding rows'
         experts are not read by the kernel path). `f16_input`: b32's Gate/Up operand form, from the norm that
         made it (ops.add_norm), or None. `residual`: (the stream, the next norm's weight), for the ops to add the output
-        to (decoder_layer). `routing`: (weights, experts, scores) already chosen (stage route_fold), or None."""
+        to (decoder_layer)."""
         c = self.config
-        weights, experts, scores = routing or self.ops.route(b32, lw, c.num_experts_per_tok, c.norm_topk_prob,
-                                                             c.routed_scaling_factor)
+        weights, experts, scores = self.ops.route(b32, lw, c.num_experts_per_tok, c.norm_topk_prob,
+                                                  c.routed_scaling_factor)
         if mtp and "mtp_router_shift" in self.defects:  # negative control: the draft layer skips its best expert
             experts = torch.topk(scores, c.num_experts_per_tok + 1, dim=-1).indices[:, 1:]
             weights = scores.gather(-1, experts)

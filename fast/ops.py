@@ -54,7 +54,6 @@ class PendingNorm(NamedTuple):
 
 class TorchOps:
     name = "torch"
-    route_fold = False  # stage route_fold (TritonOps): the router folded into the attention tail
 
     def prepare(self, w: ModelWeights) -> None:
         """Derived weights this implementation reads, made before any graph capture."""
@@ -65,9 +64,7 @@ class TorchOps:
         """fp32 logits [R, V/tp] of the normalized rows: fp32 products of the compute-dtype head's values."""
         return a.float() @ w.lm_head32.T
 
-    def linear(self, w: FP8Weight, x: torch.Tensor, early: bool = False) -> torch.Tensor:
-        """x @ W^T. `early`: x was written two launches back or earlier (stage route_fold's o_proj), so a kernel may
-        read it before its PDL wait; no effect on the value."""
+    def linear(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
         return w.linear(x)
 
     def qkv(self, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -151,27 +148,6 @@ class TorchOps:
         The layer's router is held in bf16; its fp32 copy (prepare) is exact, so the logits are the fp32 products of
         its values."""
         return route(b32 @ lw.router32.T, top_k, norm_topk_prob, scaling)
-
-    @staticmethod
-    def route_parts(x: torch.Tensor, a: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
-        """Stage route_fold: the folded router's logits before the norm's 1 / rms, W_r (post_norm * x) + F a, from
-        the stream x entering the layer and the attention output a as o_proj takes it (kernels/router_fold.py), as
-        partials [S, R, E] fp32 whose sum `add_norm_route` takes; here one partial."""
-        from ..kernels.router_fold import route_logits_ref
-
-        return route_logits_ref(x, lw.post_norm, a, lw.router, lw.router_fold)[None]
-
-    @stage("norm")
-    def add_norm_route(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                       parts: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float,
-                       moe_block: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, object, tuple]:
-        """`add_norm` and the layer's routing from the folded logits (stage route_fold): (h, b32, the MoE's extra
-        input or None, (weights, experts, scores)), the routing on the sum of `parts` times h's 1 / rms."""
-        from ..kernels.rmsnorm_residual import rmsnorm_residual_route_ref
-
-        b32, h, *routing = rmsnorm_residual_route_ref(residual, x, weight, eps, parts.sum(0), top_k, norm_topk_prob,
-                                                      scaling)
-        return h, b32, None, tuple(routing)
 
     def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
             gate: FP8Weight, up: FP8Weight, down: FP8Weight, compute_dtype: torch.dtype | None = None,
@@ -320,7 +296,7 @@ CASCADE = tuple(f"cascade_{op}" for op in CASCADE_OPS)
 # "carveout_l1", "carveout_smem" (benchmarks only): every kernel compiled in the process so far prefers the least (or
 # the most) shared memory, set when the engine is prepared, before its capture (kernels/launch.prefer_carveout);
 # "carveout_small": the least, for the kernels using at most 48 KB of shared memory only.
-OPT_IN: tuple[str, ...] = ("route_fold", "prefetch", "moe_fold", "direct_qkv", "direct_o", "direct_hold",
+OPT_IN: tuple[str, ...] = ("prefetch", "moe_fold", "direct_qkv", "direct_o", "direct_hold",
                            "direct_smem", "direct_driver", "carveout_l1", "carveout_smem", "carveout_small") + CASCADE
 
 
@@ -349,10 +325,6 @@ class TritonOps(TorchOps):
         self.cascade_ops = frozenset(op for op in CASCADE_OPS if self.pdl and f"cascade_{op}" in self.stages)
         self.cascade = bool(self.cascade_ops)
         self.norm_qkv = "norm_qkv" in self.stages and {"moe", "linear", "rope", "rope_sum"} <= self.stages
-        # stage route_fold: the router folded into the attention tail (kernels/router_fold.py), with the kernels that
-        # route and normalize; the model takes it where the collectives are local (fast/model.py)
-        self.route_fold = "route_fold" in self.stages and {"route", "norm"} <= self.stages
-        self.route_fold_calls = 0  # norms that routed on folded logits by the kernel (tests check the path was taken)
         # stage linear_direct: both kinds of decode linear; direct_qkv, direct_o: one of them; direct_hold: the copies
         # made but not read (diagnostics: which of them moves what in the round)
         self.direct_qkv = self.preload and bool({"linear_direct", "direct_qkv"} & self.stages)
@@ -459,13 +431,13 @@ class TritonOps(TorchOps):
         """Whether a weight block of n columns holds whole K tiles of 16 (the kernels' smallest)."""
         return n >= 16 and n % 16 == 0
 
-    def linear(self, w: FP8Weight, x: torch.Tensor, early: bool = False) -> torch.Tensor:
+    def linear(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
         if not self._fits("linear", w.q.dim() == 2 and self._k_tiles(w.block[1])):
             return super().linear(w, x)
-        return self._fp8(w, x, early=early)
+        return self._fp8(w, x)
 
     def _fp8(self, w: FP8Weight, x: torch.Tensor, unsummed: bool = False, rms: tuple | None = None,
-             qkv: bool = False, early: bool = False) -> torch.Tensor:
+             qkv: bool = False) -> torch.Tensor:
         preload = self._preload(x)
         stamps = direct = None
         tiles = self._preload_plan(x.shape[0], *w.q.shape, w.block, device=x.device) if preload else 0
@@ -484,8 +456,7 @@ class TritonOps(TorchOps):
         return self._linear(x, w.q, w.scale, w.block, out_dtype=x.dtype, locks=locks if fits else None,
                             pdl=self._pdl(x, "linear"), prefetch=self._prefetch(x), preload=preload,
                             unsummed=unsummed, rms=rms, stamps=stamps, direct=direct,
-                            direct_carveout=self.direct_carveout if direct is not None else None,
-                            early_x=early and self.early and direct is not None and self._pdl(x, "linear") != 0)
+                            direct_carveout=self.direct_carveout if direct is not None else None)
 
     def qkv_rope(self, lw, kv, x, head_dim, cos, sin, rope_rows, positions, live):
         w = lw.wqkv
@@ -508,8 +479,6 @@ class TritonOps(TorchOps):
             w.hold_lm_head_fp32()
         if "route" not in self.stages:
             w.hold_router_fp32()
-        if self.route_fold:
-            w.hold_router_fold()
         # The arrival counters of the FP8 linear's split-K sum and the MoE's folded finalize and combine: zeroed once,
         # before any capture; every call leaves them zeroed, and the engine's calls run one after another on one stream.
         self._locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
@@ -589,32 +558,6 @@ class TritonOps(TorchOps):
         y, h = self._add_norm(residual.contiguous(), x.contiguous(), weight, eps, out_dtype=torch.float32,
                               f16_out=f16_input, pdl=self._pdl(x, "norm"), preload=self._preload(x))
         return h, y, f16_input
-
-    def route_parts(self, x, a, lw):
-        from ..kernels.router_fold import route_parts
-
-        if not self._fits("route_fold", self.route_fold):
-            return super().route_parts(x, a, lw)
-        pdl = self._pdl(x, "route")
-        return route_parts(x.contiguous(), lw.post_norm, a.contiguous(), lw.router, lw.router_fold,
-                           pdl=pdl, preload=self._preload(x), early=self.early and pdl != 0)
-
-    @stage("norm")
-    def add_norm_route(self, x, residual, weight, eps, parts, top_k, norm_topk_prob, scaling, moe_block=None):
-        from ..kernels.rmsnorm_residual import rmsnorm_residual_route
-
-        if not self._fits("route_fold", self.route_fold):
-            return super().add_norm_route(x, residual, weight, eps, parts, top_k, norm_topk_prob, scaling, moe_block)
-        f16_input = None
-        tile = self.f16_tile(moe_block, x.shape[1])
-        if self.f16_norm and tile and x.dtype == torch.bfloat16:  # as add_norm
-            f16_input = self._empty_tiles(*x.shape, tile, x.device)
-            self.f16_norm_calls += 1
-        self.route_fold_calls += 1
-        y, h, *routing = rmsnorm_residual_route(residual.contiguous(), x.contiguous(), weight, eps, parts, top_k,
-                                                norm_topk_prob, scaling, f16_out=f16_input, pdl=self._pdl(x, "norm"),
-                                                preload=self._preload(x), early=self.early and self._pdl(x, "norm") != 0)
-        return h, y, f16_input, tuple(routing)
 
     def route(self, b32, lw, top_k, norm_topk_prob, scaling):
         if not self._fits("route", True):

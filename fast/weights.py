@@ -93,9 +93,6 @@ class LayerWeights:
     down: FP8Weight                 # [E, H, I/tp]
     wqkv: FP8Weight | None = field(default=None, repr=False)  # q, k, v rows in one tensor (__post_init__)
     router32: torch.Tensor | None = field(default=None, repr=False)  # the fallback's fp32 copy (hold_router_fp32)
-    # W_r diag(post_norm) W_o [E, A] fp32: the router folded into the attention tail (stage route_fold,
-    # kernels/router_fold.py), made once by ModelWeights.hold_router_fold
-    router_fold: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         """Hold q/k/v as one weight so one launch projects all three (a decode block's projections are
@@ -144,18 +141,6 @@ class ModelWeights:
                 fw.direct = make(fw.q)
                 made += 1
         return made
-
-    def hold_router_fold(self) -> None:
-        """Every layer's folded router F = W_r diag(post_norm) W_o (the MTP block's too), for stage route_fold: float64
-        products of the exact dequantized o_proj (E4M3 times its block scales), rounded once to fp32; made when an
-        engine is built, never inside a capture."""
-        from ..kernels.router_fold import fold_weight
-
-        for lw in (*self.layers, self.mtp.block):
-            if lw.router_fold is None:
-                wo = lw.wo
-                dense = wo.q.double() * expand_scales(wo.scale, tuple(wo.q.shape[-2:]), wo.block).double()
-                lw.router_fold = fold_weight(lw.router, lw.post_norm, dense)
 
     def hold_router_fp32(self) -> None:
         """fp32 copies of every router (the MTP block's too) for the fallback's fp32 routing matmul, made once when an

@@ -252,7 +252,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                preload: bool = False, unsummed: bool = False,
                rms: tuple[torch.Tensor, float] | None = None, stamps: torch.Tensor | None = None,
                direct: torch.Tensor | None = None, direct_reversed: bool = False,
-               direct_carveout: int | None = None, early_x: bool = False) -> torch.Tensor:
+               direct_carveout: int | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
@@ -280,10 +280,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     GPU only, bf16 or fp16 x, 128-wide K tiles, no stamps (`direct_applies`). The same tiles, scales, order and
     splits as the Triton kernel's preloading path. `direct_reversed`: a negative control only (tests): its tiles summed
     last to first. `direct_carveout` (diagnostics): the direct kernel's preferred shared-memory carveout in percent
-    (-1: the driver's choice) instead of its default (fp8_linear_direct.CARVEOUT). `early_x` (with `direct` and
-    `pdl`): x is read and multiplied before the PDL wait, which then comes just before the stores; only for an x
-    written two launches back or earlier (kernels/launch.py's contract: stage route_fold's o_proj, whose x the
-    attention combine wrote before the router's launch). The same values."""
+    (-1: the driver's choice) instead of its default (fp8_linear_direct.CARVEOUT)."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -326,7 +323,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
 
         grid = fd.grid(M, N, split_k)
     else:
-        _check(not early_x, "early_x is the direct kernel's (give direct)")
         grid = _grid(M, N, split_k, block_n)
     if locks is not None:
         _check(locks.dtype == torch.int32 and locks.is_contiguous() and locks.device == x.device
@@ -336,7 +332,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     if direct is not None:
         fd.launch(grid, x, direct, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0),
                   expect[1], k_per_split, split_k, block, split, serial, tiles, norm_args, launch_options(pdl, x.device),
-                  reversed_tiles=direct_reversed, early_x=early_x,
+                  reversed_tiles=direct_reversed,
                   **({} if direct_carveout is None else {"carveout": direct_carveout}))
     else:
         _launch_triton(x, w, scale, out, part, locks, grid, M, N, K, expect[1], k_per_split, split_k, B0, B1, block_n,

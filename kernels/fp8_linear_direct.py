@@ -104,7 +104,6 @@ def _fp8_linear_direct_kernel(
     SPLIT: gl.constexpr, SERIAL: gl.constexpr, PRELOAD: gl.constexpr, PDL: gl.constexpr = False,
     sumsq_ptr=None, stride_sumsq=0, norm_tiles=0, eps=0.0, NORM: gl.constexpr = 0,
     REVERSED: gl.constexpr = False,  # True: negative control only (tests): the tiles summed last to first
-    EARLY_X: gl.constexpr = False,
 ):
     # G warps a program, each with every G-th of the split's PRELOAD K tiles (tile t = j * G + g at step j) for the
     # program's 16 output columns: the MMAs are batched over the warps (a 3-D MMA layout, batch = warp).
@@ -137,8 +136,7 @@ def _fp8_linear_direct_kernel(
         ws = ws + (gl.load(w_ptr + k0 + w_off),)  # rows past N read row N - 1: their columns are never stored
         ss = ss + (gl.load(s_ptr + (ns // B0)[None, :] * scale_cols + ((k0 + gs * TILE_K) // B1)[:, None],
                            mask=(ns < N)[None, :], other=0.0),)
-    if not EARLY_X:
-        _wait_for_inputs(PDL)
+    _wait_for_inputs(PDL)
 
     # x^T's tiles read with 16-byte loads (8 of a row's K a thread), all in flight at once, then moved into the MMA's
     # B fragments through shared memory; loaded straight into the fragments they were 4-byte loads, which ptxas
@@ -170,9 +168,6 @@ def _fp8_linear_direct_kernel(
         else:
             acc = _add_groups(acc, ps[i][0], ps[i][1], G, False, acc_l)
 
-    if EARLY_X:  # x (and sumsq) were written two launches back or earlier: read and multiplied before the wait, which
-        # still comes before any store, so the kernel completes only after its predecessor (launch.py's contract)
-        _wait_for_inputs(PDL)
     n = pid_n * WARP_N + gl.arange(0, WARP_N, layout=gl.SliceLayout(1, acc_l))
     m = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, acc_l))
     n_ok = n < N
@@ -226,16 +221,14 @@ CARVEOUT = 0
 
 
 def launch(grid, x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits,
-           block, split, serial, tiles, norm_args, launch_kw, reversed_tiles=False, carveout: int = CARVEOUT,
-           early_x: bool = False) -> None:
+           block, split, serial, tiles, norm_args, launch_kw, reversed_tiles=False, carveout: int = CARVEOUT) -> None:
     """The kernel's launch for `fp8_linear(direct=...)`, which checks the arguments; `grid` is `grid(M, N, splits)`.
-    `early_x`: x is read and multiplied before the PDL wait (fp8_linear's `early_x`).
     `carveout`: the compiled kernel's preferred shared-memory carveout (percent; -1: the driver's choice), set as
     `launch.launch_with_carveout` does."""
     g = groups_for(tiles)
     args = (x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits)
     kw = dict(B0=block[0], B1=block[1], G=g, W_LOAD=load_layout(g), SPLIT=split, SERIAL=serial, PRELOAD=tiles,
-              REVERSED=reversed_tiles, EARLY_X=early_x, **norm_args, num_warps=g, **launch_kw)
+              REVERSED=reversed_tiles, **norm_args, num_warps=g, **launch_kw)
     launch_with_carveout(_fp8_linear_direct_kernel, grid, args, kw, carveout)
 
 

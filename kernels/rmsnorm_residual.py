@@ -21,7 +21,6 @@ import triton.language as tl
 from .device import FLOATS as _FLOATS
 from .f16_operands import bf16_grid, f16_rows, tile_width
 from .launch import launch_options, wait_for_inputs
-from .router import INTERPRETED, PART_CHUNK, rank_row, sum_parts, weigh_row
 
 MAX_HIDDEN = 65536
 
@@ -30,21 +29,13 @@ MAX_HIDDEN = 65536
 def _rmsnorm_residual_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, f16_ptr, f16d_ptr, H, eps,
                              stride_x, stride_r, stride_y, stride_h, stride_f16, stride_f16d,
                              BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, F16_TILE: tl.constexpr = 0,
-                             PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False,
-                             part_ptr=None, weights_ptr=None, experts_ptr=None, scores_ptr=None, E=0, splits=0,
-                             scaling=1.0, ROUTE: tl.constexpr = False, E_PAD: tl.constexpr = 1,
-                             SPLIT_BLOCK: tl.constexpr = 1, TOP_K: tl.constexpr = 1, K_PAD: tl.constexpr = 1,
-                             NORM_TOPK: tl.constexpr = False, ACCURATE_EXP: tl.constexpr = False,
-                             EARLY_PARTS: tl.constexpr = False):
+                             PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     i = tl.arange(0, BLOCK)
     ok = i < H
-    row = tl.program_id(0)
     if PRELOAD:  # the norm's weight is constant: read before the wait, so its HBM latency overlaps the previous kernel
         w = tl.load(w_ptr + i, mask=ok, other=0.0)
-    if ROUTE and EARLY_PARTS:  # written two launches back (kernels/router_fold.py): summed and ranked before the wait
-        raw = sum_parts(part_ptr, row, tl.num_programs(0), E, splits, E_PAD, SPLIT_BLOCK)
-        sel_e, sel_v = rank_row(raw, E, E_PAD, TOP_K, K_PAD)
     wait_for_inputs(PDL)
+    row = tl.program_id(0)
     x = tl.load(x_ptr + row * stride_x + i, mask=ok, other=0.0).to(tl.float32)
     if RESIDUAL:
         r = tl.load(r_ptr + row * stride_r + i, mask=ok, other=0.0).to(tl.float32)
@@ -64,13 +55,6 @@ def _rmsnorm_residual_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, f16_ptr, f16d_pt
         col = tiles[:, None] * F16_TILE + tl.arange(0, F16_TILE)[None, :]
         tl.store(f16_ptr + row * stride_f16 + col, y16, mask=col < H)
         tl.store(f16d_ptr + row * stride_f16d + tiles, down, mask=tiles < H // F16_TILE)
-    if ROUTE:  # stage route_fold: the row's folded router logits (kernels/router_fold.py) scaled by this 1 / rms
-        if not EARLY_PARTS:
-            raw = sum_parts(part_ptr, row, tl.num_programs(0), E, splits, E_PAD, SPLIT_BLOCK)
-            sel_e, sel_v = rank_row(raw, E, E_PAD, TOP_K, K_PAD)
-        # the experts are ranked on the unscaled sum (1 / rms > 0 keeps its order): only the weights need 1 / rms
-        weigh_row(raw, inv, sel_e, sel_v, row, weights_ptr, experts_ptr, scores_ptr, E, scaling, E_PAD, TOP_K, K_PAD,
-                  NORM_TOPK, ACCURATE_EXP)
 
 
 
@@ -83,8 +67,7 @@ def _check(cond: bool, message: str) -> None:
 def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                      out_dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None,
                      residual_out: torch.Tensor | None = None, f16_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     num_warps: int = 8, pdl: bool = False, preload: bool = False,
-                     _route: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     num_warps: int = 8, pdl: bool = False, preload: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [R, H] in out_dtype (default residual's), h = x + residual [R, H] in residual's dtype). `preload`: the weight
     is read before the PDL wait (kernels/launch.py; the same values).
     `f16_out` = (fp16 [R, H], fp32 [R, H / t]) is filled with y rounded to bf16 as the MoE's Gate/Up operand tiles
@@ -113,59 +96,8 @@ def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     _rmsnorm_residual_kernel[(R,)](x, residual, weight, out, residual_out, y16, down, H, eps, x.stride(0),
                                    residual.stride(0), out.stride(0), residual_out.stride(0), y16.stride(0),
                                    down.stride(0), BLOCK=triton.next_power_of_2(H), RESIDUAL=True, F16_TILE=tile,
-                                   PRELOAD=preload, num_warps=num_warps, **(_route or {}),
-                                   **launch_options(pdl, x.device))
+                                   PRELOAD=preload, num_warps=num_warps, **launch_options(pdl, x.device))
     return out, residual_out
-
-
-def rmsnorm_residual_route(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                           part: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float, *,
-                           f16_out: tuple[torch.Tensor, torch.Tensor] | None = None, num_warps: int = 8,
-                           pdl: bool = False, preload: bool = False, early: bool = False) -> tuple[torch.Tensor, ...]:
-    """`rmsnorm_residual` with fp32 y and the layer's routing (stage route_fold): the folded router logits, the sum of
-    part [S, R, E] (kernels/router_fold.route_parts) times the row's 1 / rms: softmax scores, the top-k ranked on the
-    unscaled sum (ties to the lower index; with `early`, before the wait), weights normalized if `norm_topk_prob`,
-    times `scaling`. Returns
-    (y [R, H] fp32, h [R, H], weights [R, k] fp32, experts [R, k] int64, scores [R, E] fp32). `early`: `part` was
-    written two launches back or earlier (kernels/launch.py): it is read and summed before the PDL wait."""
-    _check(x.dim() == 2 and tuple(residual.shape) == tuple(x.shape), f"x {tuple(x.shape)} and residual "
-           f"{tuple(residual.shape)} must be the same [R, H]")
-    R, H = x.shape
-    _check(isinstance(part, torch.Tensor) and part.dim() == 3 and part.shape[1] == R and part.dtype == torch.float32
-           and part.is_contiguous() and part.device == x.device,
-           f"part must be a contiguous [S, {R}, E] fp32 on {x.device}, got {tuple(part.shape)} {part.dtype}")
-    S, _, E = part.shape
-    _check(isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k <= E,
-           f"top_k {top_k!r} must be an int in 1..{E}")
-    _check(isinstance(norm_topk_prob, bool), f"norm_topk_prob must be a bool, got {norm_topk_prob!r}")
-    _check(isinstance(scaling, (int, float)) and not isinstance(scaling, bool), f"scaling must be a float, got {scaling!r}")
-    dev = x.device
-    weights = torch.empty((R, top_k), dtype=torch.float32, device=dev)
-    experts = torch.empty((R, top_k), dtype=torch.int64, device=dev)
-    scores = torch.empty((R, E), dtype=torch.float32, device=dev)
-    e_pad = triton.next_power_of_2(E)
-    route = dict(part_ptr=part, weights_ptr=weights, experts_ptr=experts, scores_ptr=scores, E=E, splits=S,
-                 scaling=float(scaling), ROUTE=True, E_PAD=e_pad,
-                 SPLIT_BLOCK=max(1, min(triton.next_power_of_2(S), PART_CHUNK // e_pad)), TOP_K=top_k,
-                 K_PAD=triton.next_power_of_2(top_k), NORM_TOPK=norm_topk_prob, ACCURATE_EXP=not INTERPRETED,
-                 EARLY_PARTS=early)
-    y, h = rmsnorm_residual(x, residual, weight, eps, torch.float32, f16_out=f16_out, num_warps=num_warps, pdl=pdl,
-                            preload=preload, _route=route)
-    return y, h, weights, experts, scores
-
-
-def rmsnorm_residual_route_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                               logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
-                               scaling: float) -> tuple[torch.Tensor, ...]:
-    """The torch sequence: h = x + residual rounded to its dtype, y = rms_norm(h) * w in fp32, and routing on
-    `logits` [R, E] (the folded sum) times h's 1 / rms (fast/ops.py's fallback of stage route_fold)."""
-    from ..reference.layers import route
-
-    h = (x.float() + residual.float()).to(residual.dtype)
-    hf = h.float()
-    inv = torch.rsqrt(hf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    y = hf * inv * weight.float()
-    return (y, h, *route(logits.float() * inv, top_k, norm_topk_prob, scaling))
 
 
 def _check_f16_out(f16_out, R: int, H: int, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -114,11 +114,16 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split
 
 
 @triton.jit
-def sum_parts(part_ptr, row, R, E, splits, E_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
-    """Row `row`'s logits [E_PAD] (fp32, 0 past E) from the partials part [splits, R, E]: chunks of SPLIT_BLOCK splits
-    in index order, each summed by one fixed tree."""
+def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, logits_ptr, R, E, splits, scaling,
+                          E_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
+                          K_PAD: tl.constexpr, NORM: tl.constexpr, WRITE_LOGITS: tl.constexpr,
+                          ACCURATE_EXP: tl.constexpr, LOWER_TIES: tl.constexpr, PACKED_TOPK: tl.constexpr = True,
+                          PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
+    row = tl.program_id(0)
     idx = tl.arange(0, E_PAD)
     ok = idx < E
+    # Sum the partials: chunks of SPLIT_BLOCK splits in index order, each summed by one fixed tree.
     s_in = tl.arange(0, SPLIT_BLOCK)
     logits = tl.zeros([E_PAD], tl.float32)
     for s0 in range(0, splits, SPLIT_BLOCK):
@@ -126,68 +131,9 @@ def sum_parts(part_ptr, row, R, E, splits, E_PAD: tl.constexpr, SPLIT_BLOCK: tl.
         part = tl.load(part_ptr + ((s[:, None] * R + row) * E + idx[None, :]),
                        mask=(s[:, None] < splits) & ok[None, :], other=0.0)
         logits += tl.sum(part, axis=0)
-    return logits
+    if WRITE_LOGITS:
+        tl.store(logits_ptr + row * E + idx, logits, mask=ok)
 
-
-@triton.jit
-def rank_row(raw, E, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
-    """(experts [K_PAD] int32, their values [K_PAD] fp32): the top-k of one row's fp32 values [E_PAD] (any sign; ties to
-    the lower index), by k rounds of one int64 max over keys whose high half orders as the values do (a float's bits,
-    the magnitude bits flipped where negative) and whose low half is E_PAD - 1 - index. Stage route_fold ranks the
-    folded logits before the norm's 1 / rms is known: a positive factor keeps their order."""
-    idx = tl.arange(0, E_PAD)
-    bits = raw.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    floor = tl.full([E_PAD], -2**31, tl.int32).to(tl.int64) << 32  # below every live key
-    key = tl.where(idx < E, (ordered.to(tl.int64) << 32) | (E_PAD - 1 - idx).to(tl.int64), floor)
-    slot = tl.arange(0, K_PAD)
-    sel_e = tl.zeros([K_PAD], tl.int32)
-    sel_v = tl.zeros([K_PAD], tl.float32)
-    for j in range(TOP_K):
-        best = tl.max(key, axis=0)
-        hi = (best >> 32).to(tl.int32)
-        sel_e = tl.where(slot == j, E_PAD - 1 - (best & 0xFFFFFFFF).to(tl.int32), sel_e)
-        sel_v = tl.where(slot == j, tl.where(hi >= 0, hi, hi ^ 0x7FFFFFFF).to(tl.float32, bitcast=True), sel_v)
-        key = tl.where(key == best, floor, key)
-    return sel_e, sel_v
-
-
-@triton.jit
-def weigh_row(raw, inv, sel_e, sel_v, row, weights_ptr, experts_ptr, scores_ptr, E, scaling, E_PAD: tl.constexpr,
-              TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, ACCURATE_EXP: tl.constexpr):
-    """The scores softmax(raw * inv) [E] of one row and the weights of the experts `rank_row` chose, as select_row
-    forms them (the chosen scores are the same operations on the same values, so the same bits as scores[e])."""
-    idx = tl.arange(0, E_PAD)
-    ok = idx < E
-    m = tl.max(tl.where(ok, raw, float("-inf")), axis=0) * inv  # = max(raw * inv): rounding keeps the order
-    z = tl.where(ok, raw * inv, float("-inf")) - m
-    zk = sel_v * inv - m
-    if ACCURATE_EXP:
-        p = libdevice.exp(z)
-        pk = libdevice.exp(zk)
-    else:
-        p = tl.exp(z)
-        pk = tl.exp(zk)
-    total = tl.sum(tl.where(ok, p, 0.0), axis=0)
-    tl.store(scores_ptr + row * E + idx, tl.div_rn(p, tl.zeros([E_PAD], tl.float32) + total), mask=ok)
-    slot = tl.arange(0, K_PAD)
-    k_ok = slot < TOP_K
-    weights = tl.where(k_ok, tl.div_rn(pk, tl.zeros([K_PAD], tl.float32) + total), 0.0)
-    if NORM:
-        weights = tl.div_rn(weights, tl.zeros([K_PAD], tl.float32) + tl.sum(weights, axis=0))
-    weights = weights * scaling
-    tl.store(weights_ptr + row * TOP_K + slot, weights, mask=k_ok)
-    tl.store(experts_ptr + row * TOP_K + slot, sel_e.to(tl.int64), mask=k_ok)
-
-
-@triton.jit
-def select_row(logits, row, weights_ptr, experts_ptr, scores_ptr, E, scaling, E_PAD: tl.constexpr,
-               TOP_K: tl.constexpr, K_PAD: tl.constexpr, NORM: tl.constexpr, ACCURATE_EXP: tl.constexpr,
-               LOWER_TIES: tl.constexpr, PACKED_TOPK: tl.constexpr):
-    """Softmax of one row's fp32 logits [E_PAD], its top-k and their weights, stored at row `row` of scores [R, E],
-    weights and experts [R, k]."""
-    idx = tl.arange(0, E_PAD)
-    ok = idx < E
     # Softmax, as torch's CUDA kernel: exp(l - max) / sum.
     logits = tl.where(ok, logits, float("-inf"))
     z = logits - tl.max(logits, axis=0)
@@ -242,22 +188,6 @@ def select_row(logits, row, weights_ptr, experts_ptr, scores_ptr, E, scaling, E_
     k_ok = slot < TOP_K
     tl.store(weights_ptr + row * TOP_K + slot, weights, mask=k_ok)
     tl.store(experts_ptr + row * TOP_K + slot, sel_e.to(tl.int64), mask=k_ok)
-
-
-@triton.jit
-def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, logits_ptr, R, E, splits, scaling,
-                          E_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
-                          K_PAD: tl.constexpr, NORM: tl.constexpr, WRITE_LOGITS: tl.constexpr,
-                          ACCURATE_EXP: tl.constexpr, LOWER_TIES: tl.constexpr, PACKED_TOPK: tl.constexpr = True,
-                          PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
-    row = tl.program_id(0)
-    logits = sum_parts(part_ptr, row, R, E, splits, E_PAD, SPLIT_BLOCK)
-    if WRITE_LOGITS:
-        idx = tl.arange(0, E_PAD)
-        tl.store(logits_ptr + row * E + idx, logits, mask=idx < E)
-    select_row(logits, row, weights_ptr, experts_ptr, scores_ptr, E, scaling, E_PAD, TOP_K, K_PAD, NORM, ACCURATE_EXP,
-               LOWER_TIES, PACKED_TOPK)
 
 
 # ---- host wrapper ----------------------------------------------------------------------------------

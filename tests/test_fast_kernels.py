@@ -164,48 +164,6 @@ def norm_qkv_block(device: str = "cpu", dtype: str = "fp32", broken: bool = Fals
             "adds": ops.residual_adds - counts[1], "fallbacks": dict(ops.fallbacks)}
 
 
-ROUTE_FOLD_BASE = "route+norm"
-# fp32: the folded logits are the same sums in another order (and F rounded to fp32 once), ~1e-7 of their size; an
-# expert choice can flip only at a near-tie. 1e-5 of the logits' range is far above the rounding and far below what the
-# negative control (the attention term left out of the router) produces.
-ROUTE_FOLD_TOL = 1e-5
-
-
-def route_fold_block(device: str = "cpu", dtype: str = "fp32", broken: bool = False) -> dict:
-    """The router folded into the attention tail (stage route_fold: partial logits from the stream and the attention
-    output before o_proj, the experts chosen by the norm after it) against the router kernels after the norm: an
-    8-row block, then a verification block with 2 padding rows; the second block's logits (live rows) relative to
-    their range. `broken`: the negative control, the fold given zeros for the attention output (its term left out);
-    `calls` counts the norms that routed on folded logits."""
-    from iquest.tests.test_fast_engine import RING_SEQ
-
-    logits = {}
-    for kernels in (ROUTE_FOLD_BASE, ROUTE_FOLD_BASE + "+route_fold"):
-        e = RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=256, dtype=dtype, kernels=kernels))
-        e.cache.reset()
-        ops = e.model.ops
-        count = ops.route_fold_calls  # the GPU engine's capture has run forwards already
-        if broken:
-            parts = ops.route_parts
-            ops.route_parts = lambda x, a, lw: parts(x, torch.zeros_like(a), lw)
-        pos = torch.arange(8, device=device)
-        e.model.forward(torch.tensor(RING_SEQ[:8], device=device), pos, torch.ones_like(pos, dtype=torch.bool))
-        pos = torch.arange(8, 16, device=device)
-        lg, _ = e.model.forward(torch.tensor(RING_SEQ[8:16], device=device), pos, torch.arange(8, device=device) < 6)
-        logits[kernels] = lg[:6].double().cpu()
-    want, got = logits[ROUTE_FOLD_BASE], logits[ROUTE_FOLD_BASE + "+route_fold"]
-    return {"rel_err": float((got - want).abs().max() / want.abs().max()), "calls": ops.route_fold_calls - count,
-            "fallbacks": dict(ops.fallbacks)}
-
-
-def _check_route_fold(r: dict, broken: dict, layers: int, tol: float = ROUTE_FOLD_TOL) -> None:
-    assert "error" not in r and "error" not in broken, (r, broken)
-    print(f"[route_fold] relative logit error {r['rel_err']:.2e} (tolerance {tol:.0e}); control {broken['rel_err']:.2e}")
-    assert r["calls"] == 2 * layers and not r["fallbacks"], r  # two forwards, every layer routed by the fold
-    assert r["rel_err"] <= tol, r
-    assert broken["calls"] == r["calls"] and broken["rel_err"] > 100 * ROUTE_FOLD_TOL, broken
-
-
 def sampling_block(device: str = "cpu") -> dict:
     """The sampling kernels' distributions of one 8-row logits block against the fallback's."""
     out = {}
@@ -253,7 +211,6 @@ def test_interpreted_kernels_decode_like_the_torch_fallback():
     assert fused["outputs_identical"] and fused["caches_identical"] and not fused["fallbacks"], fused
     assert fused["fused_calls"] == 2 * 4 + 1, fused
     _check_norm_qkv(results["norm_qkv_block"], results["norm_qkv_broken"], TINY_LAYERS)
-    _check_route_fold(results["route_fold_block"], results["route_fold_broken"], TINY_LAYERS)
     split = results["moe_prefill_split"]
     assert "error" not in split, split
     print(f"[interpreted MoE kernel, 72-row block] kernel calls {split['calls']}, relative error {split['rel_err']:.2e}")
@@ -345,63 +302,6 @@ def test_cuda_norm_qkv_decodes_like_without_it(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_route_fold_block(dtype):
-    """The router folded into the attention tail, per block on the GPU: fp32 within ROUTE_FOLD_TOL; bf16 (the fold
-    routes on the unrounded x + o where the norm rounds it, so a near-tie may flip) within the fallback comparison's
-    bf16 tolerance of the logits' range."""
-    r, broken = route_fold_block("cuda", dtype), route_fold_block("cuda", dtype, broken=True)
-    _check_route_fold(r, broken, TINY_LAYERS, ROUTE_FOLD_TOL if dtype == "fp32" else 0.02)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_route_fold_decodes_like_without_it(dtype):
-    """A decode with the router folded into the attention tail (stage route_fold) against the same kernels without
-    it, through the captured loop: every divergence explained by the two engines' own distributions (a numerical
-    change), and the fold taken in every layer call of the decode."""
-    kernels = "triton" if dtype == "bf16" else GPU_KERNELS["fp32"]
-    engines = [RankEngine(TINY, Parallel.single("cuda"), EngineOptions(max_context=256, dtype=dtype, kernels=k))
-               for k in (kernels + "+route_fold", kernels)]
-    got, want = decode(kernels + "+route_fold", "cuda", dtype), decode(kernels, "cuda", dtype)
-    for i, drafts in CASES:
-        key = f"{i}-{drafts}"
-        result = compare(PROMPTS[i], got[key]["tokens"], want[key]["tokens"], fast_dist(engines[0]),
-                         fast_dist(engines[1]), TOLERANCE[dtype])
-        print(f"[route_fold decode {dtype}, {key}] {result}")
-        assert result.explained, str(result)
-    assert engines[0].model.ops.route_fold_calls > 0 and engines[1].model.ops.route_fold_calls == 0
-
-
-def route_fold_outputs(kernels: str, device: str, dtype: str) -> list[torch.Tensor]:
-    """Logits and hidden states of a prefill block, a verification block with 2 padding rows and a draft block."""
-    from iquest.tests.test_fast_engine import RING_SEQ
-
-    e = RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=256, dtype=dtype, kernels=kernels))
-    e.cache.reset()
-    m = e.model
-    pos = torch.arange(40, device=device)
-    a = m.forward(torch.tensor(RING_SEQ[:40], device=device), pos, torch.ones_like(pos, dtype=torch.bool))
-    pos = torch.arange(40, 48, device=device)
-    live = torch.arange(8, device=device) < 6
-    b = m.forward(torch.tensor(RING_SEQ[40:48], device=device), pos, live)
-    d = m.draft(torch.tensor(RING_SEQ[41:49], device=device), b[1], pos + 1, live)
-    return [t.cpu() for t in (*a, *b, *d)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_route_fold_early_reads_change_nothing(dtype):
-    """With stage route_fold the router's stream term, o_proj's input and the norm's partial logits are read before
-    their kernels' PDL waits (stage early; kernels/launch.py's two-launches-back bound). Reads of incomplete data would
-    change values: the blocks and a decode through the captured loop must be bit-identical with the early reads off."""
-    with_early, without = "triton+route_fold", "triton-early+route_fold"
-    assert all(torch.equal(x, y) for x, y in zip(route_fold_outputs(with_early, "cuda", dtype),
-                                                 route_fold_outputs(without, "cuda", dtype)))
-    assert decode(with_early, "cuda", dtype) == decode(without, "cuda", dtype)
-
-
-@pytest.mark.gpu
 def test_cuda_moe_splits_prefill_blocks():
     split = moe_prefill_split("cuda")
     assert len(split["calls"]) > 1 and sum(split["calls"]) == 72 and split["rel_err"] < MOE_BLOCK_TOL, split
@@ -434,8 +334,6 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
                  ("residual_block", residual_block),
                  ("norm_qkv_block", norm_qkv_block),
                  ("norm_qkv_broken", lambda: norm_qkv_block(broken=True)),
-                 ("route_fold_block", route_fold_block),
-                 ("route_fold_broken", lambda: route_fold_block(broken=True)),
                  ("rng_identical", lambda: {"identical": decode("rng") == decode("torch")}),
                  ("sampling_block", sampling_block)])
 

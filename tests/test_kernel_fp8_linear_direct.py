@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from hypothesis import given, settings, strategies as st
-from triton.language.extra.cuda import globaltimer
 
 from iquest.kernels import fp8_linear as fl
 from iquest.kernels.fp8_linear_direct import direct_weight
-from iquest.kernels.launch import launch_options, wait_for_inputs
 from iquest.reference.fp8 import quantize
 
 E4M3 = torch.float8_e4m3fn
@@ -119,64 +115,6 @@ def test_gpu_same_bits_as_the_triton_kernel(m, n, k, form, dtype):
     if form == "unsummed_rms":
         assert not torch.equal(bad, want)
     torch.testing.assert_close(bad.float(), want.float(), rtol=1e-2, atol=1e-2 * float(want.float().abs().max()))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,form", [(6, 6144, 768, "out"), (6, 1024, 6144, "serial"), (1, 6144, 768, "out")])
-def test_gpu_early_x_same_bits(m, n, k, form):
-    """`early_x` (x read and multiplied before the PDL wait, stage route_fold's o_proj): the same bits as with the wait
-    first, and refused off the direct kernel. (Whether the engine's early reads race their producers is the engine
-    test's question: tests/test_fast_kernels.py, route_fold with and without stage early, bit for bit.)"""
-    x, w, s, extra = _operands(m, n, k, torch.bfloat16, seed=m * 11 + n)
-    d = direct_weight(w)
-    want = _call(form, x, w, s, extra, direct=d)
-    got = _call(form, x, w, s, extra, direct=d, early_x=True)
-    assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="early_x"):
-        fl.fp8_linear(x, w, s, block=(128, 128), preload=True, pdl=True, early_x=True)  # not the direct kernel
-
-
-@triton.jit
-def _late_copy(src_ptr, dst_ptr, n, spin_ns, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """A PDL producer that lets its dependents launch at once, spins, then writes dst (x) from src."""
-    wait_for_inputs(PDL)
-    t0 = globaltimer()
-    while globaltimer() - t0 < spin_ns:
-        pass
-    for i in range(0, n, BLOCK):
-        c = i + tl.arange(0, BLOCK)
-        tl.store(dst_ptr + c, tl.load(src_ptr + c, mask=c < n), mask=c < n)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("between", [True, False])
-def test_gpu_early_x_reads_only_what_two_launches_back_wrote(between):
-    """The contract `early_x` relies on (kernels/launch.py): x written two launches back is complete when the linear
-    starts. A producer writes x after a 0.5 ms spin (having let its dependents launch at once); with one PDL kernel
-    between (as stage route_fold puts the router's launch between the attention and o_proj) the early read sees the
-    new x. Without it (the negative control) the linear starts while the producer spins and reads the old x, which
-    shows that the read really comes before the wait."""
-    from iquest.tests.test_kernel_launch import SPIN_NS, _copy
-
-    x_new, w, s, extra = _operands(6, 6144, 768, torch.bfloat16, seed=5)
-    d = direct_weight(w)
-    want = _call("out", x_new, w, s, extra, direct=d)
-    x = torch.zeros_like(x_new)
-    flag, sink = torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda")
-    pdl = launch_options(True, x.device)
-
-    def run():
-        _late_copy[(1,)](x_new, x, x.numel(), SPIN_NS, BLOCK=1024, **pdl)
-        if between:
-            _copy[(1,)](flag, sink, WAIT=True, **pdl)
-        return _call("out", x, w, s, extra, direct=d, early_x=True)
-
-    run()  # compiled, so the timed launches follow each other
-    torch.cuda.synchronize()
-    x.zero_()
-    got = run()
-    torch.cuda.synchronize()
-    assert torch.equal(got, want) == between
 
 
 @pytest.mark.gpu
