@@ -43,6 +43,13 @@ class ReferenceEngine:
         self.config = self.model.config
         self.generation = GenerationConfig.from_dir(self.model_dir, self.config)
 
+    def policy(self, drafts):
+        """The reference runs what it is asked: `auto` is the fitted controller on every device."""
+        from ..fast.depth_policy import DepthPolicy
+
+        return DepthPolicy(drafts, "plain sampling (--drafts 0)" if drafts == 0 else "auto = the fitted depth "
+                           "controller" if drafts == "auto" else f"fixed depth {drafts}")
+
     def generate(self, prompt, *, seed, params, max_new_tokens, drafts, stop_ids):
         from ..reference.speculative import generate
 

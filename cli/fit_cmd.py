@@ -23,6 +23,10 @@ def register(sub) -> None:
     p.add_argument("--folds", type=int, default=4, help="cross-validation folds over prompts (default 4)")
     p.add_argument("--out", help="where to write the controller (default: MODEL/depth_controller.json)")
     p.add_argument("--no-write", action="store_true", help="print only; write no file")
+    p.add_argument("--round-costs", choices=["cpu", "cuda"], metavar="DEVICE",
+                   help="instead of fitting: measure decode time per output token on DEVICE (cpu or cuda), plain "
+                        "and with the controller, over 10 held-out prompts of 64 tokens, and record it in "
+                        "MODEL/round_costs.json, from which --drafts auto picks plain sampling where drafting loses")
     p.set_defaults(run=run)
 
 
@@ -34,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts < 2 or args.tokens < 1 or args.folds < 2:
         raise ValueError("--prompts must be >= 2, --tokens >= 1 and --folds >= 2")
     model_dir = Path(args.model) if args.model else default_model_dir()
+    if args.round_costs:
+        return _round_costs(model_dir, args.round_costs, args.no_write)
     if not (model_dir / "corpus.json").exists():
         raise FileNotFoundError(f"{model_dir} has no corpus.json (held-out files to replay)")
     command = f"iquest fit-depth --model {args.model or 'fixtures/iquest-q1-mini'} --prompts {args.prompts} " \
@@ -44,4 +50,21 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out) if args.out else model_dir / CONTROLLER_FILE
         out.write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {out}")
+    return 0
+
+
+def _round_costs(model_dir: Path, device: str, no_write: bool) -> int:
+    import torch
+
+    from ..fixtures import round_costs
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--round-costs cuda needs a CUDA device")
+    if not (model_dir / "corpus.json").exists():
+        raise FileNotFoundError(f"{model_dir} has no corpus.json (held-out files to decode)")
+    entry = round_costs.measure(model_dir, device)
+    print(f"{device}: {entry['plain'] / 1000:.2f} ms a token plain, {entry['auto'] / 1000:.2f} ms with the controller "
+          f"({entry['prompts']} prompts x {entry['tokens_per_prompt']} tokens, decode only)")
+    if not no_write:
+        print(f"wrote {round_costs.write(model_dir, device, entry)}")
     return 0

@@ -52,7 +52,9 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, help="output budget in tokens (default 64)")
     p.add_argument("--seed", type=int, default=0, help="request seed: same seed, same tokens (default 0)")
     p.add_argument("--drafts", type=_drafts, default="auto",
-                   help="auto = depth controller, 3..7 = fixed drafts per round, 0 = plain sampling")
+                   help="auto (default) = the model's fitted depth controller where drafting pays on this device, plain "
+                        "sampling where it does not (measured costs in round_costs.json beside the model: on CPU "
+                        "plain wins); 3..7 = fixed drafts per round; 0 = plain sampling")
     p.add_argument("--temperature", type=float, help="override generation_config.json (0 = greedy)")
     p.add_argument("--top-k", type=int, help="override generation_config.json")
     p.add_argument("--top-p", type=float, help="override generation_config.json, in (0, 1]")
@@ -78,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     tok = _tokenizer(model_dir)
+    started = time.perf_counter()
     engine = load_engine(args.engine, model_dir, args.tp, max_context=args.max_context, dtype=args.dtype,
                          device=args.device, kernels=args.kernels)
     cfg, gen = engine.config, engine.generation
@@ -103,14 +106,24 @@ def run(args: argparse.Namespace) -> int:
     if len(prompt) + args.max_new_tokens + 8 > cfg.max_position_embeddings:
         raise UserError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens}) exceed the "
                         f"model context of {cfg.max_position_embeddings} positions")
+    policy = engine.policy(args.drafts)
+    run_info = _describe(args, engine) | {"depth_policy": policy.label}
+    if args.engine == "fast" and engine.kernels != "torch":
+        print(f"[{args.engine}] compiling kernels and capturing the decode loop (the first run on a machine takes "
+              "~30 s; later runs read Triton's cache)...", file=sys.stderr, flush=True)
+        engine.warm_up(prompt, policy.drafts, params)
+    startup = time.perf_counter() - started
 
     stop = tuple(gen.eos_token_id)
     out_ids: list[int] = []
     rounds: list[dict] = []
     printed = ""
     t0 = time.perf_counter()
+    first_at = None
     for step in engine.generate(prompt, seed=args.seed, params=params, max_new_tokens=args.max_new_tokens,
-                                drafts=args.drafts, stop_ids=stop):
+                                drafts=policy.drafts, stop_ids=stop):
+        if first_at is None:  # the token drawn from the prefill: what came before it is prefill, not decode
+            first_at = time.perf_counter()
         out_ids += step.tokens
         rounds.append({"tokens": step.tokens, "logprobs": step.logprobs, "drafts": step.drafts,
                        "accepted": step.accepted, "served_probs": step.served_probs, "bonus": step.bonus})
@@ -123,7 +136,9 @@ def run(args: argparse.Namespace) -> int:
         elif not args.json:
             sys.stdout.write(" ".join(map(str, step.tokens)) + " ")
             sys.stdout.flush()
-    elapsed = time.perf_counter() - t0
+    end = time.perf_counter()
+    prefill, decode = (first_at or end) - t0, end - (first_at or end)
+    decoded = max(len(out_ids) - 1, 0)  # every token after the prefill's own
     spec = [r for r in rounds if r["drafts"] > 0]
     summary = {
         "tokens": len(out_ids),
@@ -131,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
         "mean_accepted": sum(r["accepted"] for r in spec) / len(spec) if spec else 0.0,
         "mean_emitted_per_round": sum(len(r["tokens"]) for r in spec) / len(spec) if spec else 0.0,
         "mean_drafts": sum(r["drafts"] for r in spec) / len(spec) if spec else 0.0,
-        "seconds": elapsed,
+        "startup_seconds": startup, "prefill_seconds": prefill, "decode_seconds": decode,
+        "decode_tokens_per_second": decoded / decode if decode > 0 else None,
+        **run_info,
     }
     if args.json:
         print(json.dumps({"engine": args.engine, "model": str(model_dir), "seed": args.seed,
@@ -140,8 +157,21 @@ def run(args: argparse.Namespace) -> int:
                           "rounds": rounds, "summary": summary}))
     else:
         sys.stdout.write("\n")
-        print(f"[{args.engine}] {summary['tokens']} tokens in {summary['rounds']} rounds, "
-              f"mean accepted {summary['mean_accepted']:.2f} of {summary['mean_drafts']:.2f} drafts, "
-              f"{summary['mean_emitted_per_round']:.2f} tokens/round, {elapsed:.2f} s "
-              f"({summary['tokens'] / max(elapsed, 1e-9):.1f} tok/s)", file=sys.stderr)
+        speed = f"{summary['decode_tokens_per_second']:.1f} tok/s" if decode > 0 else "no decode"
+        spec_line = (f"mean accepted {summary['mean_accepted']:.2f} of {summary['mean_drafts']:.2f} drafts, "
+                     f"{summary['mean_emitted_per_round']:.2f} tokens/round" if spec else "one token a round")
+        print(f"[{args.engine}] {summary['tokens']} tokens in {summary['rounds']} rounds, {spec_line}\n"
+              f"  ran: {run_info['engine_run']}; depth policy: {run_info['depth_policy']}\n"
+              f"  start-up {startup:.2f} s ({run_info['startup_what']}); prefill {prefill:.3f} s "
+              f"({len(prompt)} prompt tokens); decode {decode:.3f} s for {decoded} tokens ({speed})", file=sys.stderr)
     return 0
+
+
+def _describe(args: argparse.Namespace, engine) -> dict:
+    """What ran, in words: the engine, its device, TP, kernels and dtype."""
+    if args.engine == "reference":
+        return {"engine_run": "reference (float64, CPU)", "startup_what": "load"}
+    dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(str(engine.rank0.dtype).removeprefix("torch."),
+                                                        str(engine.rank0.dtype))
+    return {"engine_run": f"fast on {engine.device.type}, tp {engine.tp}, {engine.kernels} kernels, {dtype}",
+            "startup_what": "load" if engine.kernels == "torch" else "load, kernel compilation, graph capture"}

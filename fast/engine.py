@@ -18,6 +18,7 @@ from ..reference.checkpoint import CheckpointReader
 from ..reference.config import Config, ConfigError, GenerationConfig
 from ..reference.sampling import SamplingParams
 from ..reference.speculative import Step
+from .depth_policy import DepthPolicy, depth_policy
 from .memory import check_memory
 from .parallel import free_port, init_process
 from .rank import EngineOptions, RankEngine, Request
@@ -89,6 +90,31 @@ class FastEngine:
                 p.kill()
             raise
         return cls(rank0, procs, queues)
+
+    @property
+    def kernels(self) -> str:
+        """The op implementation the ranks run: "torch" or "triton" (fast/ops.py)."""
+        return self.rank0.model.ops.name
+
+    @property
+    def device(self) -> torch.device:
+        return self.rank0.par.device
+
+    @property
+    def tp(self) -> int:
+        return self.rank0.par.world
+
+    def policy(self, drafts: int | str) -> DepthPolicy:
+        """What a user's `--drafts` (auto, 0, 3..7) runs on this engine's device (fast/depth_policy.py)."""
+        return depth_policy(drafts, self.rank0.model_dir, self.device.type)
+
+    def warm_up(self, prompt: Sequence[int], drafts: int | str, params: SamplingParams = SamplingParams()) -> None:
+        """Compile the Triton kernels and capture the decode loop for this request's shapes, off the decode clock: a
+        two-token decode of the same prompt (the torch fallback has nothing to compile, so it returns at once)."""
+        if self.kernels == "torch":
+            return
+        for _ in self.generate(prompt, seed=0, params=params, max_new_tokens=2, drafts=drafts):
+            pass
 
     def generate(self, prompt: Sequence[int], *, seed: int, params: SamplingParams = SamplingParams(),
                  max_new_tokens: int = 64, drafts: int | str = "auto", stop_ids: Sequence[int] = ()) -> Iterator[Step]:

@@ -16,7 +16,8 @@ import torch
 from ..reference.config import Config
 from ..reference.layers import rms_norm, rope_cos_sin
 from .cache import LayerKV, StaticKV
-from .ops import PendingNorm, Residual, TorchOps
+from .residual import PendingNorm, Residual
+from .torch_ops import TorchOps
 from .profiling import stage
 from .parallel import Parallel
 from .state import VERIFY_ROWS

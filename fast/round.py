@@ -125,7 +125,7 @@ class RoundRunner:
     def settle(self, committed: torch.Tensor, count: torch.Tensor, emitted: torch.Tensor, n_emit: torch.Tensor,
                logprobs: torch.Tensor, k: torch.Tensor, a: torch.Tensor) -> DraftInputs:
         """Commit `count` tokens at n+1.., log the first `n_emit` emitted ones cut at a stop token or the budget, record
-        the round, set done (kernels/settle.py: one kernel, or `settle_ref`'s torch sequence); returns the next
+        the round, set done (kernels/settle.py in one kernel, or fast/torch_ops.settle); returns the next
         drafting's inputs (the committed rows read back with their positions, each depth's positions)."""
         return self.m.ops.settle(self.st, committed, count, emitted, n_emit, logprobs, k, a, self.next)
 

@@ -67,10 +67,3 @@ def embed(tokens: torch.Tensor, table: torch.Tensor, offset: int, *, out: torch.
         _embed_kernel[(R, triton.cdiv(H, BLOCK))](tokens, table, out, offset, V, H, BLOCK=BLOCK,
                                                  **launch_options(pdl, table.device))
     return out
-
-
-def embed_ref(tokens: torch.Tensor, table: torch.Tensor, offset: int) -> torch.Tensor:
-    """The torch sequence this replaces (fast/model.py's embedding before the all-reduce)."""
-    local = tokens - offset
-    mine = (local >= 0) & (local < table.shape[0])
-    return table[local.clamp(0, table.shape[0] - 1)] * mine[:, None].to(table.dtype)

@@ -5,7 +5,7 @@ stop token or the output budget), records the round, and decides whether the req
 the committed tokens back with their positions. In torch that is ~45 small kernels a round (comparisons, `any`,
 `argmax`, `where`, three scatters, in-place adds), each a full kernel boundary in the captured round. Here one
 program holds the 8 verification rows as a vector and does all of it; integer bookkeeping only, so the state it
-leaves is the torch sequence's (`settle_ref`, which fast/ops.TorchOps runs) exactly.
+leaves is the torch sequence's (`fast/torch_ops.settle`, which the torch fallback runs) exactly.
 
 State read and written (fields of fast/state.DecodeState): tokens, n, stop_ids, budget, emitted, log_tokens,
 log_logprobs, log_rounds, rounds, done; and the drafting's product (reset to 1) and more (to 0), since a drafting
@@ -119,39 +119,4 @@ def settle(st, committed: torch.Tensor, count: torch.Tensor, emitted: torch.Tens
                          ROWS=committed.shape[0], STOPS=triton.next_power_of_2(stops.numel()),
                          DEPTHS=triton.next_power_of_2(depths), MORE=triton.next_power_of_2(st.more.numel()),
                          num_warps=1, **launch_options(pdl, st.n.device))
-    return out
-
-
-def settle_ref(st, committed: torch.Tensor, count: torch.Tensor, emitted: torch.Tensor, n_emit: torch.Tensor,
-               logprobs: torch.Tensor, k: torch.Tensor, a: torch.Tensor, out):
-    """The torch sequence (the engine's fallback): the same state changes and drafting inputs as `settle`."""
-    rows = committed.shape[0]
-    j = torch.arange(rows, device=st.n.device)
-    trash, log_trash = st.trash, st.log_trash
-    n = st.n.clone()
-    st.tokens.index_copy_(0, torch.where(j < count, st.n + 1 + j, trash), committed)
-    st.n.add_(count)
-    is_stop = (emitted[:, None] == st.stop_ids[None, :]).any(-1) & (j < n_emit)
-    first_stop = torch.where(is_stop.any(), is_stop.int().argmax() + 1, n_emit)
-    keep = torch.minimum(first_stop, st.budget - st.emitted).clamp(min=0)
-    slots = torch.where(j < keep, st.emitted + j, log_trash)
-    st.log_tokens.index_copy_(0, slots, emitted)
-    st.log_logprobs.index_copy_(0, slots, logprobs.float())
-    record = torch.stack([k, a, keep, (a == k) & (k > 0)]).to(torch.int64)
-    st.log_rounds.index_copy_(0, st.rounds.view(1).clamp(max=log_trash), record.view(1, 4))
-    st.emitted.add_(keep)
-    st.rounds.add_(1)
-    # The budget check keeps a healthy request inside its context; the capacity check is a backstop
-    # (a run whose length outgrows what it emitted, e.g. a negative control, stops instead of overrunning).
-    full = st.n + 2 * rows >= trash
-    st.done.copy_(((first_stop <= keep) & is_stop.any()) | (st.emitted >= st.budget) | full)
-    out.tokens.copy_(st.tokens[n + 1 + j])
-    out.positions.copy_(n + 1 + j)
-    out.live.copy_(j < count)
-    out.last.copy_(count - 1)
-    depths = torch.arange(1, out.row_pos.numel() + 1, device=st.n.device)
-    out.row_pos.copy_(st.n + depths - 1)
-    out.u_pos.copy_(st.n + depths)
-    st.product.fill_(1.0)
-    st.more.zero_()
     return out

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from iquest.fast.ablation import ABLATABLE, check_reached, pinned_experts, unreached
-from iquest.fast.ops import TorchOps, make_ops
+from iquest.fast.ops import make_ops
+from iquest.fast.torch_ops import TorchOps
 from iquest.fast.parallel import Parallel
 from iquest.fast.rank import EngineOptions, RankEngine
 from iquest.tests.test_fast_engine import PROMPTS, TINY, fast_steps, tokens
@@ -81,7 +82,7 @@ def test_a_kept_residual_is_relabelled_for_the_norm_it_is_handed_to():
     """`~moe` with stage norm_qkv: the kept Residual was prepared for the first layer's next norm; each later layer
     checks the weight is its own (fast/model.py), so the stub hands it over relabelled, values untouched."""
     from iquest.fast.ablation import _stub
-    from iquest.fast.ops import Residual
+    from iquest.fast.residual import Residual
 
     t = torch.zeros(2, 4)
 

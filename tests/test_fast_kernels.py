@@ -54,7 +54,8 @@ def moe_block_error(device: str = "cpu") -> float:
 def moe_prefill_split(device: str = "cpu") -> dict:
     """A prefill-sized block (72 rows x k=2 = 144 pairs > the kernel's 128): TritonOps splits it into row chunks.
     Returns the relative error against the fallback and how many kernel calls ran (must be > 1)."""
-    from iquest.fast.ops import TorchOps, TritonOps
+    from iquest.fast.ops import TritonOps
+    from iquest.fast.torch_ops import TorchOps
 
     e = RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=256, dtype="fp32"))
     lw, c = e.model.w.layers[0], e.config
@@ -341,7 +342,8 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
 def test_shapes_a_kernel_cannot_take_fall_back_and_are_counted():
     """The micro preset's 8-wide FP8 blocks and 8-wide heads are below what the kernels take: each such call runs
     the fallback (same result as TorchOps) and is counted, so reports can say which stages were not kernels."""
-    from iquest.fast.ops import STAGES, TorchOps, TritonOps, make_ops
+    from iquest.fast.ops import STAGES, TritonOps, make_ops
+    from iquest.fast.torch_ops import TorchOps
     from iquest.fast.weights import FP8Weight
     from iquest.reference.fp8 import E4M3
 

@@ -1,4 +1,4 @@
-"""kernels/embed.py against the torch sequence it replaces (embed_ref: fast/model.py's embedding before the
+"""kernels/embed.py against the torch sequence it replaces (fast/torch_ops.embed: the engine's embedding before the
 all-reduce), bit for bit, zero signs included (NaN as NaN, whatever its payload).
 
 Each case draws a rank's slice of a vocabulary ([V, H] rows, V = vocab / tp, offset = rank * V) with a NaN row and
@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from iquest.fast import torch_ops
 from iquest.kernels import embed as ek
 from iquest.kernels.testing import interpreted_tests
 
@@ -58,7 +59,7 @@ def run_case(c: dict, device: str, offset_delta: int = 0) -> dict:
     table, tokens, offset = build(c, device)
     out = torch.full((c["R"], c["H"]), float("nan"), dtype=table.dtype, device=device)
     got = ek.embed(tokens, table, offset + offset_delta, out=out)
-    want = ek.embed_ref(tokens, table, offset)
+    want = torch_ops.embed(tokens, table, offset)
     local = tokens - offset
     inside = ((local >= 0) & (local < c["V"])).cpu()
     # NaN rows compare as NaN (payload bits are not a value: the interpreter's casts give other NaN codes)

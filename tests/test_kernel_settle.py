@@ -1,4 +1,4 @@
-"""kernels/settle.py (the round's settle step and the next drafting's inputs, one kernel) against settle_ref, the torch
+"""kernels/settle.py (the round's settle step and the next drafting's inputs, one kernel) against fast/torch_ops.settle, the torch
 sequence the engine's fallback runs.
 
 Property test over the step's input space (position, committed count, accepted count and drafts, stop tokens anywhere
@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as hs
 
 from iquest.fast.state import DecodeState, DraftInputs
+from iquest.fast import torch_ops
 from iquest.kernels import settle as sk
 from iquest.kernels.testing import worker_fixture
 
@@ -56,7 +57,7 @@ def compare(case: tuple, device: str) -> dict:
     st, committed, count, emitted, n_emit, logprobs, k, a = case
     ref_st, ker_st = state_on(st, device), state_on(st, device)
     args = [t.to(device) for t in (committed, count, emitted, n_emit, logprobs, k, a)]
-    want = sk.settle_ref(ref_st, *args, DraftInputs.allocate(torch.device(device)))
+    want = torch_ops.settle(ref_st, *args, DraftInputs.allocate(torch.device(device)))
     got = sk.settle(ker_st, *args, DraftInputs.allocate(torch.device(device)))
     trash_free = {"tokens": slice(0, CAPACITY), "log_tokens": slice(0, LOG), "log_logprobs": slice(0, LOG),
                   "log_rounds": slice(0, LOG)}
@@ -112,7 +113,7 @@ def negative_control(device: str) -> dict:
     broken_st, ker_st = state_on(st, device), state_on(st, device)
     ker_st.budget.add_(4)
     args = [t.to(device) for t in rest]
-    sk.settle_ref(broken_st, *args, DraftInputs.allocate(torch.device(device)))
+    torch_ops.settle(broken_st, *args, DraftInputs.allocate(torch.device(device)))
     sk.settle(ker_st, *args, DraftInputs.allocate(torch.device(device)))
     return {"cut_by_budget": ref["cut_by_budget"], "log_equal": bool(torch.equal(broken_st.log_rounds[:LOG],
                                                                                  ker_st.log_rounds[:LOG])),

@@ -105,9 +105,10 @@ def test_rope_scores_depend_only_on_relative_position():
     def score(m, n):
         cq, sq = rope_cos_sin(torch.tensor([m]), 32, 1e6, None, F64)
         ck, sk = rope_cos_sin(torch.tensor([n]), 32, 1e6, None, F64)
-        return (apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum()
+        return (apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum().item()  # a float: approx takes no 0-d tensor
 
     assert score(10, 3) == pytest.approx(score(190_007, 190_000), rel=1e-9)
+    assert score(10, 3) != pytest.approx(score(10, 4), rel=1e-9)  # and the score does move with the distance
 
 
 # ---- attention with sinks and windows -----------------------------------------------------------

@@ -1,0 +1,214 @@
+"""The torch form of every op the fast engine runs: the fallback every device has (CPU CI included), and the
+reference each kernel of `kernels/` is tested against.
+
+Dequantized matmuls, masked attention over the whole static cache, gathered-expert MoE, a full sort for top-k,
+Philox in integer ops. Importing this module needs no triton: the CPU path of the engine runs from here alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference.layers import apply_rope, attention, rms_norm, route
+from . import philox, sampler
+from .cache import LayerKV
+from .profiling import stage
+from .residual import PendingNorm, Residual
+from .weights import FP8Weight, LayerWeights, ModelWeights
+
+
+class TorchOps:
+    name = "torch"
+
+    def prepare(self, w: ModelWeights) -> None:
+        """Derived weights this implementation reads, made before any graph capture."""
+        w.hold_lm_head_fp32()
+        w.hold_router_fp32()
+
+    def lm_head(self, a: torch.Tensor, w: ModelWeights) -> torch.Tensor:
+        """fp32 logits [R, V/tp] of the normalized rows: fp32 products of the compute-dtype head's values."""
+        return a.float() @ w.lm_head32.T
+
+    def linear(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
+        return w.linear(x)
+
+    def qkv(self, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The q, k, v projections [R, n] each (possibly column views of one product)."""
+        return self.linear(lw.wq, x), self.linear(lw.wk, x), self.linear(lw.wv, x)
+
+    def qkv_rope(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, head_dim: int, cos: torch.Tensor,
+                 sin: torch.Tensor, rope_rows: torch.Tensor | None, positions: torch.Tensor,
+                 live: torch.Tensor) -> torch.Tensor:
+        """`qkv` then `rope_write` (no q/k norm between them): the rotated q [R, Hq, D]; k and v stored."""
+        x = self.normed(x)
+        R = x.shape[0]
+        q, k, v = (t.view(R, -1, head_dim) for t in self.qkv(lw, x))
+        return self.rope_write(kv, q, k, v, cos, sin, rope_rows, positions, live)
+
+    def normed(self, a: torch.Tensor | PendingNorm) -> torch.Tensor:
+        """The normalized rows: `a` itself, or a pending norm computed by `norm` (whose kernel gives what the fused
+        add and norm gave: the same rounded h, the same sum)."""
+        if isinstance(a, PendingNorm):
+            return self.norm(a.residual.h, a.residual.weight, a.eps)
+        return a
+
+    @stage("norm")
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """rmsnorm(x) * weight in x's dtype, into `out` (a view, e.g. half of a wider row) when given."""
+        y = rms_norm(x, weight, eps)
+        return y if out is None else out.copy_(y)
+
+    def attention(self, q: torch.Tensor, kv: LayerKV, positions: torch.Tensor,
+                  sinks: torch.Tensor | None) -> torch.Tensor:
+        return attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(positions), sinks).to(q.dtype)
+
+    @stage("norm")
+    def residual_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h = x + residual in x's dtype, rmsnorm(h) * weight as `norm` gives it): a layer's MoE output added
+        where the next norm reads it (the next layer's input norm, the final norm, the draft head's norm)."""
+        h = x + residual
+        return h, self.norm(h, weight, eps)
+
+    @stage("norm")
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 moe_block: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """(h = x + residual in x's dtype, rmsnorm(h) * weight in fp32, the MoE's extra input or None): the
+        post-attention residual, the fp32 input that routing reads, and what `moe(f16_input=)` takes (made here by
+        the kernels only; `moe_block` is the MoE's weight block, which sets its form)."""
+        h = x + residual
+        return h, rms_norm(h.float(), weight.float(), eps), None
+
+    @staticmethod
+    def rotary(cos: torch.Tensor, sin: torch.Tensor,
+               rope_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A forward's rotary factors from the model's tables cos, sin [T, D] (fast/model.rope_tables), once for all its
+        layers, as `rope_write` takes them: here the rows' entries gathered, (cos [R, D], sin [R, D], None)."""
+        rows = rope_rows.clamp(max=cos.shape[0] - 1)  # padding rows may run past the tables; live rows never do
+        return cos.index_select(0, rows), sin.index_select(0, rows), None
+
+    def rope_write(self, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, rope_rows: torch.Tensor | None, positions: torch.Tensor,
+                   live: torch.Tensor) -> torch.Tensor:
+        """Rotate q and k by `rotary`'s factors (rows [R, D], or tables [T, D] with the rows' `rope_rows`); store k
+        and v at the rows' slots (padding rows: the trash slot). Returns rotated q."""
+        if rope_rows is not None:
+            cos, sin, _ = TorchOps.rotary(cos, sin, rope_rows)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv.write(positions, live, k, v)  # the block's own K/V first: rows see each other causally
+        return q
+
+    @staticmethod
+    def embed(tokens: torch.Tensor, w: ModelWeights) -> torch.Tensor:
+        """This rank's embedding rows of `tokens` [R] (zero rows for tokens outside its vocabulary slice), before the
+        all-reduce that sums them over ranks: the torch sequence kernels/embed.py replaces."""
+        return embed(tokens, w.embed, w.vocab_offset)
+
+    @staticmethod
+    def route(b32: torch.Tensor, lw: LayerWeights, top_k: int, norm_topk_prob: bool,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Softmax routing of the fp32 normalized rows: (weights [R, k], experts [R, k] long, scores [R, E]).
+        The layer's router is held in bf16; its fp32 copy (prepare) is exact, so the logits are the fp32 products of
+        its values."""
+        return route(b32 @ lw.router32.T, top_k, norm_topk_prob, scaling)
+
+    def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
+            gate: FP8Weight, up: FP8Weight, down: FP8Weight, compute_dtype: torch.dtype | None = None,
+            f16_input: object = None, residual: tuple | None = None) -> torch.Tensor | Residual:
+        """sum_j w_j Down_e(silu(Gate_e b) * Up_e b) over each row's chosen experts [R, H] of b rounded to
+        `compute_dtype` (default b's dtype), summed in fp32 and returned in fp32 here, in compute_dtype by the
+        kernel (the caller rounds to it either way). The kernel rounds fp32 b in registers (no conversion launch).
+        `residual` = (the residual stream, the next RMSNorm's weight): the kernels' stage norm_qkv adds the output to
+        the stream and prepares that norm (a `Residual` returned instead; the caller's collectives must be local);
+        ignored here."""
+        if compute_dtype is not None:
+            b = b.to(compute_dtype)
+        g, u, d = (w.select(experts) for w in (gate, up, down))
+        hidden = torch.nn.functional.silu(torch.einsum("rh,rkih->rki", b, g)) * torch.einsum("rh,rkih->rki", b, u)
+        y = torch.einsum("rki,rkhi->rkh", hidden, d)
+        return (y.float() * weights[..., None]).sum(dim=1)
+
+    @staticmethod
+    def uniforms(seed: torch.Tensor, positions: torch.Tensor, purpose: int,
+                 depth: int | torch.Tensor = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 Philox uniforms for decisions at `positions` (fast/philox.py: ~100 integer kernels each), into
+        `out` when given."""
+        u = philox.uniforms(seed, philox.offsets(positions, purpose, depth))
+        return u if out is None else out.copy_(u)
+
+    def dist(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p):
+        return sampler.sample_rows(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
+
+    def sample(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p, u: torch.Tensor,
+               out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], edit=None, chain=None) -> torch.Tensor:
+        """`dist` and the draw with uniforms u [R]: writes out = (tokens [R], ids [R, K], probs [R, K]) and returns the
+        drawn tokens' probabilities [R] (fast.sampler.prob_of). `edit` (a negative control's) changes the
+        distribution between the two. `chain` = (k, depth, product) for a draft depth's one row: then also k = depth
+        and product *= the drawn token's probability."""
+        ids, probs = self.dist(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
+        if edit is not None:
+            ids, probs = edit(ids, probs)
+        tokens = sampler.draw(ids, probs, u)
+        for dst, src in zip(out, (tokens, ids, probs)):
+            dst.copy_(src)
+        served = sampler.prob_of(ids, probs, tokens)
+        if chain is not None:
+            made, depth, product = chain
+            made.fill_(depth)
+            product.mul_(served[0])
+        return served
+
+    def fuses_accept(self, kp: int, kq: int) -> bool:
+        """Whether the ops have the accept step as one kernel (TritonOps.accept_settle) for distributions of kp and kq
+        entries; fast/round.py then calls it, and runs the torch form (RoundRunner.accept's) otherwise."""
+        return False
+
+    @staticmethod
+    def settle(st, committed, count, emitted, n_emit, logprobs, k, a, out):
+        """The round's settle step and the next drafting's inputs (`settle` below; kernels/settle.py in one launch)."""
+        return settle(st, committed, count, emitted, n_emit, logprobs, k, a, out)
+
+
+def embed(tokens: torch.Tensor, table: torch.Tensor, offset: int) -> torch.Tensor:
+    """This rank's embedding rows of `tokens` [R]: table[t - offset], zero rows for tokens outside its vocabulary
+    slice [offset, offset + V); the all-reduce that follows sums the owning rank's row into every rank."""
+    local = tokens - offset
+    mine = (local >= 0) & (local < table.shape[0])
+    return table[local.clamp(0, table.shape[0] - 1)] * mine[:, None].to(table.dtype)
+
+
+def settle(st, committed: torch.Tensor, count: torch.Tensor, emitted: torch.Tensor, n_emit: torch.Tensor,
+               logprobs: torch.Tensor, k: torch.Tensor, a: torch.Tensor, out):
+    """The round's settle step (ROUND.md: commit `count` tokens at n+1.., log the first `n_emit` emitted ones cut at
+    a stop token or the budget, record the round, set done) and the next drafting's inputs `out` (DraftInputs).
+    `st`: fast.state.DecodeState. Scalars are int64 device tensors."""
+    rows = committed.shape[0]
+    j = torch.arange(rows, device=st.n.device)
+    trash, log_trash = st.trash, st.log_trash
+    n = st.n.clone()
+    st.tokens.index_copy_(0, torch.where(j < count, st.n + 1 + j, trash), committed)
+    st.n.add_(count)
+    is_stop = (emitted[:, None] == st.stop_ids[None, :]).any(-1) & (j < n_emit)
+    first_stop = torch.where(is_stop.any(), is_stop.int().argmax() + 1, n_emit)
+    keep = torch.minimum(first_stop, st.budget - st.emitted).clamp(min=0)
+    slots = torch.where(j < keep, st.emitted + j, log_trash)
+    st.log_tokens.index_copy_(0, slots, emitted)
+    st.log_logprobs.index_copy_(0, slots, logprobs.float())
+    record = torch.stack([k, a, keep, (a == k) & (k > 0)]).to(torch.int64)
+    st.log_rounds.index_copy_(0, st.rounds.view(1).clamp(max=log_trash), record.view(1, 4))
+    st.emitted.add_(keep)
+    st.rounds.add_(1)
+    # The budget check keeps a healthy request inside its context; the capacity check is a backstop
+    # (a run whose length outgrows what it emitted, e.g. a negative control, stops instead of overrunning).
+    full = st.n + 2 * rows >= trash
+    st.done.copy_(((first_stop <= keep) & is_stop.any()) | (st.emitted >= st.budget) | full)
+    out.tokens.copy_(st.tokens[n + 1 + j])
+    out.positions.copy_(n + 1 + j)
+    out.live.copy_(j < count)
+    out.last.copy_(count - 1)
+    depths = torch.arange(1, out.row_pos.numel() + 1, device=st.n.device)
+    out.row_pos.copy_(st.n + depths - 1)
+    out.u_pos.copy_(st.n + depths)
+    st.product.fill_(1.0)
+    st.more.zero_()
+    return out

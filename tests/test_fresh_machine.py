@@ -1,0 +1,99 @@
+"""What a fresh CPU machine runs: the main job without triton installed, `--drafts auto` choosing by this device's
+measured costs, and a summary that separates start-up, prefill and decode."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from iquest.cli.main import main
+from iquest.fast.depth_policy import ROUND_COSTS_FILE, depth_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+MINI = ROOT / "fixtures" / "iquest-q1-mini"
+TINY = ROOT / "fixtures" / "tiny"
+NO_TRITON = "import sys; sys.modules['triton'] = None; from iquest.cli.main import main; sys.exit(main({argv!r}))"
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--max-new-tokens", "4"],  # the README's main job: the shipped model, the fast engine on CPU
+    ["generate", "--max-new-tokens", "6", "--drafts", "5"],  # speculative rounds: the torch accept and settle
+    ["generate", "--engine", "reference", "--max-new-tokens", "3"],
+    ["info"],
+])
+def test_cpu_commands_run_where_triton_cannot_be_imported(argv):
+    """With `import triton` failing (sys.modules['triton'] = None), as on a machine where only `pip install -e .` ran."""
+    done = subprocess.run([sys.executable, "-c", NO_TRITON.format(argv=argv)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "triton" not in done.stderr.lower(), done.stderr[-3000:]
+
+
+def test_blocking_triton_does_block_it():
+    """The check above can fail: a module that imports triton at its top does fail under the same block."""
+    code = "import sys; sys.modules['triton'] = None; import iquest.kernels.embed"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "triton" in done.stderr
+
+
+def _costs(tmp_path: Path, **entry) -> Path:
+    (tmp_path / ROUND_COSTS_FILE).write_text(json.dumps({"cpu": entry}))
+    return tmp_path
+
+
+def test_auto_is_plain_where_the_measured_plain_step_is_cheaper(tmp_path):
+    policy = depth_policy("auto", _costs(tmp_path, plain_us_per_token=100.0, auto_us_per_token=300.0), "cpu")
+    assert policy.drafts == 0 and "plain sampling on cpu" in policy.label
+    # the same file says nothing about another device kind: there the controller stays
+    assert depth_policy("auto", tmp_path, "cuda").drafts == "auto"
+
+
+def test_auto_keeps_the_controller_where_drafting_pays_or_nothing_was_measured(tmp_path):
+    assert depth_policy("auto", _costs(tmp_path, plain_us_per_token=300.0, auto_us_per_token=100.0), "cpu").drafts \
+        == "auto"
+    assert depth_policy("auto", tmp_path / "nowhere", "cpu").drafts == "auto"
+    assert depth_policy(0, tmp_path, "cpu").drafts == 0 and depth_policy(5, tmp_path, "cpu").label == "fixed depth 5"
+
+
+def test_a_broken_round_cost_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="plain_us_per_token"):
+        depth_policy("auto", _costs(tmp_path, plain_us_per_token=-1, auto_us_per_token=1), "cpu")
+    (tmp_path / ROUND_COSTS_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match="not a round-cost file"):
+        depth_policy("auto", tmp_path, "cpu")
+
+
+def test_the_shipped_model_measured_its_cpu_costs():
+    entry = json.loads((MINI / ROUND_COSTS_FILE).read_text())["cpu"]
+    assert entry["command"].startswith("iquest fit-depth") and entry["tokens"]["plain"] > 0
+
+
+def _generate(capsys, *argv: str) -> dict:
+    assert main(["generate", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_auto_on_cpu_runs_what_the_costs_choose_and_says_so(capsys):
+    """On the shipped model, CPU costs say plain sampling: `auto` then decodes exactly as `--drafts 0`."""
+    chosen = depth_policy("auto", MINI, "cpu")
+    auto = _generate(capsys, "--max-new-tokens", "12", "--seed", "4")
+    explicit = _generate(capsys, "--max-new-tokens", "12", "--seed", "4", "--drafts", str(chosen.drafts))
+    assert auto["output_ids"] == explicit["output_ids"]
+    assert auto["summary"]["depth_policy"] == chosen.label
+    assert (auto["summary"]["rounds"] == 11) == (chosen.drafts == 0)  # plain: one token a round
+
+
+def test_summary_separates_startup_prefill_and_decode(capsys):
+    r = _generate(capsys, "--model", str(TINY), "--max-new-tokens", "10", "--drafts", "3", "--seed", "2")
+    s = r["summary"]
+    assert s["startup_seconds"] > 0 and s["prefill_seconds"] > 0 and s["decode_seconds"] > 0
+    decoded = len(r["output_ids"]) - 1  # the first token comes from the prefill
+    assert s["decode_tokens_per_second"] == pytest.approx(decoded / s["decode_seconds"])
+    assert s["engine_run"] == "fast on cpu, tp 1, torch kernels, fp32" and s["depth_policy"] == "fixed depth 3"
+    assert main(["generate", "--model", str(TINY), "--max-new-tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "start-up" in err and "prefill" in err and "decode" in err and "depth policy: auto" in err
