@@ -14,7 +14,9 @@ def register(sub) -> None:
         description="Serve /v1/completions, /v1/chat/completions (streaming as server-sent events or not), "
                     "/v1/models, /health and /metrics (Prometheus). One request decodes at a time; others wait "
                     "in a bounded queue and are refused with 429 past it. A client that disconnects mid-stream "
-                    "stops its decode at the engine's next log read (about every 32 tokens).")
+                    "stops its decode at the engine's next log read (about every 32 tokens). SIGTERM or "
+                    "SIGINT drains: 503 for the queued, an error event ending the running stream at its next "
+                    "log read, then exit.")
     p.add_argument("--model", help="checkpoint folder with tokenizer.json and tokenizer_config.json "
                                    "(default: the shipped mini model)")
     p.add_argument("--served-model-name", help="the model id clients send and /v1/models lists "

@@ -1,10 +1,10 @@
 """The HTTP routes: /v1/completions, /v1/chat/completions (streaming or not), /v1/models, /health, /metrics.
 
 A request is checked (`prepare.py`), admitted to the worker's bounded queue (429 past it), waits for
-the engine (503/504 when the server stops or the deadline passes first), then turns the worker's
-Steps into text: all at once, or as server-sent events in OpenAI's chunk format ending `data: [DONE]`.
-A stream whose client goes away is cancelled (Starlette cancels the generator; the worker closes the
-engine's generator at its next read).
+the engine (503/504 when the server stops or the deadline passes first; a client that leaves gives
+its place back), then turns the worker's Steps into text: all at once, or as server-sent events in
+OpenAI's chunk format ending `data: [DONE]`. A stream whose client goes away is cancelled (Starlette
+cancels the generator; the worker closes the engine's generator at its next read).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
         try:
             await wait_for_start(request, job)
         except BaseException:
-            job.cancelled.set()
+            worker.withdraw(job)
             raise
         answer = Answer(job, p, chat, options.model_name, tokenizer, metrics, arrival, options.deadline)
         if p.stream:
@@ -166,13 +166,17 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
 
 
 def end_error(event: tuple, deadline: float | None, where: str) -> APIError:
-    """The error for a decode that did not end normally: ("error", message) or ("end", deadline|cancelled)."""
+    """The error for a decode that did not end normally: ("error", message) or
+    ("end", deadline|shutdown|cancelled)."""
     if event[0] == "error":
         return APIError(500, f"the engine failed: {event[1]}", "server_error")
     if event[1] == "deadline":
         return APIError(504, f"the request passed its deadline of {deadline or 0:g} s while {where}",
                         "timeout_error", None, "deadline_exceeded")
-    return APIError(503, "the server is shutting down", "server_error", None, "shutting_down")
+    if event[1] == "shutdown":
+        return APIError(503, f"the server is shutting down; the request ended while {where}", "server_error", None,
+                        "shutting_down")
+    return APIError(503, "the request was cancelled", "server_error", None, "cancelled")
 
 
 class Answer:
@@ -216,7 +220,8 @@ class Answer:
         if self.first_token_at is not None and self.tokens > 1:
             self.metrics.tpot.observe((time.monotonic() - self.first_token_at) / (self.tokens - 1))
         finish = "stop" if self.text.stopped or self.eos else "length"
-        self.metrics.finished.labels(reason if reason in ("cancelled", "deadline", "error") else finish).inc()
+        ended = reason if reason in ("cancelled", "deadline", "shutdown", "error") else finish
+        self.metrics.finished.labels(ended).inc()
         return finish
 
     def usage(self) -> dict:

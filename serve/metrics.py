@@ -14,7 +14,7 @@ class Metrics:
         self.requests = Counter("iquest_requests", "HTTP requests answered, by route and status code "
                                 "(499 = the client went away mid-request)", ["route", "status"], registry=r)
         self.finished = Counter("iquest_decodes", "Decodes ended, by reason (stop, length, cancelled, "
-                                "deadline, error)", ["reason"], registry=r)
+                                "deadline, shutdown, error)", ["reason"], registry=r)
         self.tokens = Counter("iquest_emitted_tokens", "Tokens emitted by the engine", registry=r)
         self.rounds = Counter("iquest_rounds", "Speculative rounds run (steps that verified drafts)", registry=r)
         self.drafts = Counter("iquest_drafts", "Drafts verified in speculative rounds", registry=r)
