@@ -30,6 +30,7 @@ class Job:
     stop_ids: Sequence[int]
     deadline: float                       # time.monotonic() past which the request ends
     loop: asyncio.AbstractEventLoop
+    top_logprobs: int = 0
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -128,12 +129,15 @@ class Worker:
             job.emit("end", "deadline")
             return
         job.emit("start")
+        self.metrics.prompt_tokens.inc(len(job.prompt))
+        # only an engine that supports it gets the keyword (the fast engine does not yet)
+        extra = {"top_logprobs": job.top_logprobs} if job.top_logprobs else {}
         gen = None
         reason = "done"
         try:
             gen = self.engine.generate(job.prompt, seed=job.seed, params=job.params,
                                        max_new_tokens=job.max_new_tokens, drafts=self.drafts,
-                                       stop_ids=job.stop_ids)
+                                       stop_ids=job.stop_ids, **extra)
             for step in gen:
                 self.metrics.observe_step(step)
                 job.emit("step", step)

@@ -106,7 +106,7 @@ def test_serve_help_explains_each_flag(capsys):
     assert main(["serve", "--help"]) == 0
     out = capsys.readouterr().out
     for flag in ("--model", "--engine", "--tp", "--host", "--port", "--api-key", "--queue-size", "--deadline",
-                 "--max-context", "--drafts", "--served-model-name"):
+                 "--max-context", "--drafts", "--served-model-name", "--max-body-size"):
         assert flag in out
     assert "127.0.0.1" in out and "429" in out
 
@@ -115,6 +115,7 @@ def test_serve_help_explains_each_flag(capsys):
     (["--port", "70000"], "--port"),
     (["--queue-size", "-1"], "--queue-size"),
     (["--deadline", "-2"], "--deadline"),
+    (["--max-body-size", "0"], "--max-body-size"),
     (["--model", "/no/such/model"], "does not exist"),
     (["--engine", "turbo"], "invalid choice"),
 ])
