@@ -23,6 +23,9 @@ def default_model_dir() -> Path:
 
 
 class Engine(Protocol):
+    """An engine whose `supports_top_logprobs` is true also takes `generate(..., top_logprobs=N)` and fills
+    `Step.top_logprobs`; the server refuses top_logprobs for one that does not."""
+
     config: Config
     generation: GenerationConfig
 
@@ -35,6 +38,7 @@ class ReferenceEngine:
     """The float64 reference: slow, exact, the ground truth for numerics."""
 
     model_dir: Path
+    supports_top_logprobs = True
 
     def __post_init__(self) -> None:
         from ..reference.model import ReferenceModel
@@ -50,11 +54,11 @@ class ReferenceEngine:
         return DepthPolicy(drafts, "plain sampling (--drafts 0)" if drafts == 0 else "auto = the fitted depth "
                            "controller" if drafts == "auto" else f"fixed depth {drafts}")
 
-    def generate(self, prompt, *, seed, params, max_new_tokens, drafts, stop_ids):
+    def generate(self, prompt, *, seed, params, max_new_tokens, drafts, stop_ids, top_logprobs=0):
         from ..reference.speculative import generate
 
         return generate(self.model, prompt, seed=seed, params=params, max_new_tokens=max_new_tokens,
-                        drafts=drafts, stop_ids=stop_ids)
+                        drafts=drafts, stop_ids=stop_ids, top_logprobs=top_logprobs)
 
 
 def load_engine(name: str, model_dir: str | Path, tp: int = 1, max_context: int = 4096, dtype: str = "auto",

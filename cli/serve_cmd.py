@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from .generate_cmd import _drafts
@@ -12,9 +13,11 @@ def register(sub) -> None:
     p = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (streaming, cancellable, bounded queue)",
         description="Serve /v1/completions, /v1/chat/completions (streaming as server-sent events or not), "
-                    "/v1/models, /health and /metrics (Prometheus). One request decodes at a time; others wait "
-                    "in a bounded queue and are refused with 429 past it. A client that disconnects mid-stream "
-                    "stops its decode at the engine's next log read (about every 32 tokens).")
+                    "/v1/models, /tokenize, /detokenize, /health and /metrics (Prometheus). One request decodes "
+                    "at a time; others wait in a bounded queue and are refused with 429 past it. A client that "
+                    "disconnects mid-stream stops its decode at the engine's next log read (about every 32 "
+                    "tokens). SIGTERM or SIGINT drains: 503 for the queued, an error event ending the running "
+                    "stream at its next log read, then exit.")
     p.add_argument("--model", help="checkpoint folder with tokenizer.json and tokenizer_config.json "
                                    "(default: the shipped mini model)")
     p.add_argument("--served-model-name", help="the model id clients send and /v1/models lists "
@@ -30,14 +33,18 @@ def register(sub) -> None:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="fast engine device (auto = cuda when available)")
     p.add_argument("--drafts", type=_drafts, default="auto",
-                   help="auto = depth controller, 3..7 = fixed drafts per round, 0 = plain sampling")
+                   help="auto (default) = the fitted depth controller where drafting pays on this device, else plain "
+                        "sampling (round_costs.json beside the model); 3..7 = fixed drafts per round; 0 = plain")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (401 otherwise); "
-                                     "/health stays open")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize, "
+                                     "/metrics, /docs and /openapi.json (401 otherwise); /health stays open")
     p.add_argument("--queue-size", type=int, default=16,
                    help="requests that may wait while one decodes; past that the server answers 429 (default 16)")
+    p.add_argument("--max-body-size", type=int, metavar="BYTES",
+                   help="largest request body accepted; past it the answer is 413 (default: 16 bytes per token "
+                        "of --max-context, at least 1 MiB)")
     p.add_argument("--deadline", type=float, default=600.0,
                    help="seconds from arrival after which a request ends: 504 while it waits, an error event "
                         "mid-stream (default 600; 0 = no deadline)")
@@ -63,13 +70,17 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--deadline must be >= 0 seconds, got {args.deadline}")
     if args.max_context < 2:
         raise UserError(f"--max-context must be >= 2, got {args.max_context}")
+    if args.max_body_size is not None and args.max_body_size < 1:
+        raise UserError(f"--max-body-size must be >= 1 byte, got {args.max_body_size}")
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key is empty")
     tokenizer = load_tokenizer(model_dir)
     engine = load_engine(args.engine, model_dir, args.tp, max_context=args.max_context, dtype=args.dtype,
                          device=args.device)
+    policy = engine.policy(args.drafts)  # auto: plain sampling where drafting loses on this device
+    print(f"iquest serve: depth policy {policy.label}", file=sys.stderr, flush=True)
     options = ServeOptions(model_name=args.served_model_name or model_dir.resolve().name, api_key=args.api_key,
                            queue_size=args.queue_size, deadline=args.deadline or None,
-                           max_context=args.max_context, drafts=args.drafts)
+                           max_context=args.max_context, drafts=policy.drafts, max_body_size=args.max_body_size)
     serve(engine, tokenizer, options, args.host, args.port, args.log_level)
     return 0

@@ -50,6 +50,15 @@ class Step:
     served_probs: list[float] = field(default_factory=list)  # q_i(d_i) of the verified drafts
     bonus: bool = False            # every draft accepted and the target's extra row supplied a token
     stopped: bool = False
+    # per token, when generate(top_logprobs=N) asks: the N most likely (id, log p) under the target
+    # distribution at its position, in Dist order; fewer where top-k/top-p left fewer tokens
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    def cut(self, n: int) -> None:
+        """Keep the first n tokens (a budget or a stop id ended the decode inside this Step)."""
+        self.tokens, self.logprobs = self.tokens[:n], self.logprobs[:n]
+        if self.top_logprobs is not None:
+            self.top_logprobs = self.top_logprobs[:n]
 
 
 @dataclass
@@ -71,15 +80,24 @@ class SpeculativeDecoder:
     """One request's decode state over a reference model (anything with forward/draft/new_cache)."""
 
     def __init__(self, model, params: SamplingParams, seed: int, controller: Controller,
-                 rules: Rules = Rules(), redraft: bool = True):
+                 rules: Rules = Rules(), redraft: bool = True, top_logprobs: int = 0):
         self.model, self.params, self.controller, self.rules = model, params, controller, rules
         self.rng = RequestRNG(seed)
         self.redraft = redraft  # False only in the "depth-0 redraft skipped" negative control
+        self.top_logprobs = top_logprobs
         self.cache = model.new_cache()
         self.seq: list[int] = []
 
     def _dist(self, logits_row: torch.Tensor) -> Dist:
         return sampling.dist(logits_row, self.params)
+
+    def _tops(self, dists: list[Dist]) -> list[list[tuple[int, float]]] | None:
+        """Step.top_logprobs of tokens drawn at positions with these target distributions."""
+        if not self.top_logprobs:
+            return None
+        # Dist order is descending probability: the first N entries are the N most likely
+        n = self.top_logprobs
+        return [[(int(t), math.log(float(q))) for t, q in zip(p.ids[:n], p.probs[:n])] for p in dists]
 
     # ---- prefill ------------------------------------------------------------------------------
     def prefill(self, prompt: Sequence[int]) -> tuple[Step, torch.Tensor]:
@@ -89,7 +107,7 @@ class SpeculativeDecoder:
         p = self._dist(logits[-1])
         first = sampling.draw(p, self.rng.uniform(m, PURPOSE_COMMIT))
         self.seq = list(prompt) + [first]
-        return Step([first], [_log(p.prob(first))]), hidden
+        return Step([first], [_log(p.prob(first))], top_logprobs=self._tops([p])), hidden
 
     # ---- drafting -------------------------------------------------------------------------------
     def draft(self, start: int, main_hidden: torch.Tensor) -> _Drafts:
@@ -141,7 +159,7 @@ class SpeculativeDecoder:
         #    any query can read them (a query at t reads only positions <= t).
         self.seq += out
         served = [q.prob(d) for d, q in zip(drafts.tokens, drafts.dists)]
-        return Step(out, logprobs, k, a, served, bonus), hidden[: a + 1]
+        return Step(out, logprobs, k, a, served, bonus, top_logprobs=self._tops(p[: a + 1])), hidden[: a + 1]
 
 
 def controller_for(drafts: int | str, model_dir=None) -> Controller:
@@ -154,8 +172,10 @@ def controller_for(drafts: int | str, model_dir=None) -> Controller:
 
 def generate(model, prompt: Sequence[int], *, seed: int, params: SamplingParams = SamplingParams(),
              max_new_tokens: int = 64, drafts: int | str = "auto", controller: Controller | None = None,
-             stop_ids: Sequence[int] = (), rules: Rules = Rules(), redraft: bool = True) -> Iterator[Step]:
-    """Decode one request. `drafts=0` is plain autoregressive sampling (the lossless baseline)."""
+             stop_ids: Sequence[int] = (), rules: Rules = Rules(), redraft: bool = True,
+             top_logprobs: int = 0) -> Iterator[Step]:
+    """Decode one request. `drafts=0` is plain autoregressive sampling (the lossless baseline).
+    `top_logprobs=N` also gives each token's N most likely alternatives (`Step.top_logprobs`)."""
     if len(prompt) < 1:
         raise ValueError("the prompt must hold at least one token")
     limit = model.config.max_position_embeddings
@@ -164,16 +184,19 @@ def generate(model, prompt: Sequence[int], *, seed: int, params: SamplingParams 
                          f"context of {limit} positions (8 reserved for the verification block)")
     if controller is None and drafts != 0:
         controller = controller_for(drafts, getattr(model, "model_dir", None))  # "auto": the model's fitted rule
-    dec = SpeculativeDecoder(model, params, seed, controller, rules, redraft)
+    if top_logprobs < 0:
+        raise ValueError(f"top_logprobs must be >= 0, got {top_logprobs}")
+    dec = SpeculativeDecoder(model, params, seed, controller, rules, redraft, top_logprobs)
     step, hidden = dec.prefill(prompt)
     emitted = 0
     while True:
         if len(step.tokens) > max_new_tokens - emitted:  # the budget cuts this round short
-            step.tokens, step.logprobs = step.tokens[: max_new_tokens - emitted], step.logprobs[: max_new_tokens - emitted]
+            step.cut(max_new_tokens - emitted)
             step.bonus = False  # the bonus token, if any, was the last one and is gone
         for j, t in enumerate(step.tokens):
             if t in stop_ids:
-                step.tokens, step.logprobs, step.stopped = step.tokens[: j + 1], step.logprobs[: j + 1], True
+                step.cut(j + 1)
+                step.stopped = True
                 break
         emitted += len(step.tokens)
         yield step
@@ -195,4 +218,4 @@ def _plain_step(dec: SpeculativeDecoder) -> tuple[Step, torch.Tensor]:
     p = dec._dist(logits[-1])
     t = sampling.draw(p, dec.rng.uniform(n + 1, PURPOSE_COMMIT))
     dec.seq.append(t)
-    return Step([t], [_log(p.prob(t))]), hidden
+    return Step([t], [_log(p.prob(t))], top_logprobs=dec._tops([p])), hidden

@@ -1,15 +1,18 @@
-"""The HTTP routes: /v1/completions, /v1/chat/completions (streaming or not), /v1/models, /health, /metrics.
+"""The HTTP routes: /v1/completions, /v1/chat/completions (streaming or not), /v1/models[/{id}], /tokenize,
+/detokenize, /health, /metrics.
 
-A request is checked (`prepare.py`), admitted to the worker's bounded queue (429 past it), waits for
-the engine (503/504 when the server stops or the deadline passes first), then turns the worker's
-Steps into text: all at once, or as server-sent events in OpenAI's chunk format ending `data: [DONE]`.
-A stream whose client goes away is cancelled (Starlette cancels the generator; the worker closes the
-engine's generator at its next read).
+A request's body is capped (413 past `max_body_size`), then checked and tokenized on a worker thread
+(`prepare.py`; the event loop keeps serving meanwhile), admitted to the worker's bounded queue (429
+past it), waits for the engine (503/504 when the server stops or the deadline passes first; a client
+that leaves gives its place back), then turns the worker's Steps into text: all at once, or as
+server-sent events in OpenAI's chunk format ending `data: [DONE]`. A stream whose client goes away is
+cancelled (Starlette cancels the generator; the worker closes the engine's generator at its next read).
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import hmac
 import json
 import time
@@ -18,17 +21,25 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from .metrics import Metrics
-from .prepare import (CHAT_DEFAULT_MAX_TOKENS, COMPLETION_DEFAULT_MAX_TOKENS, Limits, Prepared, chat_prompt,
-                      completion_prompt, end_of_turn_ids, parse, prepare, unauthorized)
-from .protocol import APIError, ChatRequest, CompletionRequest
-from .text import TextStream
+from .prepare import (Encoder, Limits, Prepared, detokenize, end_of_turn_ids, prepare_chat, prepare_completion,
+                      tokenize, unauthorized)
+from .protocol import APIError
+from .text import TextStream, TokenText
 from .worker import Job, Worker
 
 DISCONNECT_POLL_S = 0.25  # while a request waits for the engine, how often to ask whether its client left
+LOGPROB_FLOOR = -9999.0   # OpenAI's logprob for a token of probability 0 (JSON has no -inf)
+
+
+def default_max_body_size(context: int) -> int:
+    """16 bytes a context token (a prompt as token ids, or as text with JSON escapes), at least 1 MiB."""
+    return max(2**20, 16 * context)
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,7 @@ class ServeOptions:
     deadline: float | None = 600.0   # seconds from arrival; None = no deadline
     max_context: int = 4096
     drafts: int | str = "auto"
+    max_body_size: int | None = None  # bytes; None = default_max_body_size(max_context)
 
 
 class ClientGone(Exception):
@@ -50,8 +62,11 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
     from ..reference.sampling import SamplingParams
 
     limits = Limits(options.model_name, min(options.max_context, cfg.max_position_embeddings - 8), cfg.vocab_size,
-                    SamplingParams(gen.temperature, gen.top_k, gen.top_p), tuple(gen.eos_token_id))
+                    SamplingParams(gen.temperature, gen.top_k, gen.top_p), tuple(gen.eos_token_id),
+                    top_logprobs=bool(getattr(engine, "supports_top_logprobs", False)))
     chat_stop_ids = end_of_turn_ids(tokenizer)
+    encoder, token_text = Encoder(tokenizer), TokenText(tokenizer)
+    body_limit = options.max_body_size or default_max_body_size(options.max_context)
     metrics = Metrics()
     worker = Worker(engine, drafts=options.drafts, queue_size=options.queue_size, metrics=metrics)
 
@@ -63,11 +78,14 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
         finally:
             await asyncio.to_thread(worker.stop)
 
-    app = FastAPI(title="IQuestRT", lifespan=lifespan)
+    # with a key, the API's description is behind it too (the routes below)
+    hidden = {} if options.api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="IQuestRT", lifespan=lifespan, max_body_size=body_limit, **hidden)
     app.state.metrics, app.state.worker, app.state.limits = metrics, worker, limits
 
     def count(request: Request, status: int) -> None:
-        metrics.requests.labels(request.url.path, str(status)).inc()
+        route = request.scope.get("route")  # the route's template: a client's made-up paths add no series
+        metrics.requests.labels(route.path if route is not None else "unmatched", str(status)).inc()
 
     def authorize(request: Request) -> None:
         if options.api_key is None:
@@ -83,6 +101,17 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
         headers = {"Retry-After": "1"} if exc.status == 429 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        # Starlette's own refusals (no such route, wrong method, a body past the limit) in OpenAI's shape. A
+        # body whose Content-Length is past the limit gets Starlette's plain-text 413 in place of this one.
+        messages = {404: f"no route {request.method} {request.url.path}",
+                    405: f"{request.method} is not allowed on {request.url.path}",
+                    413: f"the request body is larger than {body_limit} bytes (--max-body-size)"}
+        count(request, exc.status_code)
+        err = APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail)))
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, exc: ClientGone):
         count(request, 499)
@@ -97,42 +126,78 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
         authorize(request)
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    card = {"id": options.model_name, "object": "model", "created": 0, "owned_by": "iquest",
+            "max_model_len": limits.context}
+
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        return {"object": "list", "data": [{"id": options.model_name, "object": "model", "created": 0,
-                                            "owned_by": "iquest", "max_model_len": limits.context}]}
+        return {"object": "list", "data": [card]}
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str):
+        authorize(request)
+        if model_id != options.model_name:
+            raise APIError(404, f"model {model_id!r} is not served here (this server serves "
+                           f"{options.model_name!r})", "invalid_request_error", "model", "model_not_found")
+        return card
+
+    if options.api_key is not None:
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi(request: Request):
+            authorize(request)
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", include_in_schema=False)
+        async def docs(request: Request):
+            authorize(request)
+            return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+
+    # Parsing and tokenizing run on a thread: a long prompt must not hold the event loop (and every other
+    # client) while it is encoded.
     @app.post("/v1/completions")
     async def completions(request: Request):
+        arrival = time.monotonic()
         authorize(request)
-        req = parse(CompletionRequest, await request.body())
-        p = prepare(req, completion_prompt(req, tokenizer, limits), limits,
-                    default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS)
-        return await serve(request, p, chat=False)
+        p = await asyncio.to_thread(prepare_completion, await request.body(), encoder, limits)
+        return await serve(request, p, False, arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        arrival = time.monotonic()
         authorize(request)
-        req = parse(ChatRequest, await request.body())
-        p = prepare(req, chat_prompt(req, tokenizer), limits, default_max_tokens=CHAT_DEFAULT_MAX_TOKENS,
-                    extra_stop_ids=chat_stop_ids)
-        return await serve(request, p, chat=True)
+        p = await asyncio.to_thread(prepare_chat, await request.body(), encoder, limits, chat_stop_ids)
+        return await serve(request, p, True, arrival)
+
+    async def answer_with(request: Request, handler) -> dict:
+        authorize(request)
+        body = await asyncio.to_thread(handler, await request.body(), encoder, limits)
+        count(request, 200)
+        return body
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await answer_with(request, tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await answer_with(request, detokenize)
 
     # ---- one request ------------------------------------------------------------------------------
-    async def serve(request: Request, p: Prepared, chat: bool):
-        arrival = time.monotonic()
+    async def serve(request: Request, p: Prepared, chat: bool, arrival: float):
         deadline = arrival + options.deadline if options.deadline else float("inf")
-        job = Job(p.prompt, p.seed, p.params, p.max_tokens, p.stop_ids, deadline, asyncio.get_running_loop())
+        job = Job(p.prompt, p.seed, p.params, p.max_tokens, p.stop_ids, deadline, asyncio.get_running_loop(),
+                  p.logprobs or 0)
         if not worker.submit(job):
             raise APIError(429, f"the server is busy: {options.queue_size} requests already wait for the engine; "
                            "retry later", "rate_limit_error", None, "queue_full")
         try:
             await wait_for_start(request, job)
         except BaseException:
-            job.cancelled.set()
+            worker.withdraw(job)
             raise
-        answer = Answer(job, p, chat, options.model_name, tokenizer, metrics, arrival, options.deadline)
+        answer = Answer(job, p, chat, options.model_name, tokenizer, token_text, metrics, arrival,
+                        options.deadline)
         if p.stream:
             return StreamingResponse(answer.events(lambda status: count(request, status)),
                                      media_type="text/event-stream",
@@ -166,28 +231,41 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
 
 
 def end_error(event: tuple, deadline: float | None, where: str) -> APIError:
-    """The error for a decode that did not end normally: ("error", message) or ("end", deadline|cancelled)."""
+    """The error for a decode that did not end normally: ("error", message) or
+    ("end", deadline|shutdown|cancelled)."""
     if event[0] == "error":
         return APIError(500, f"the engine failed: {event[1]}", "server_error")
     if event[1] == "deadline":
         return APIError(504, f"the request passed its deadline of {deadline or 0:g} s while {where}",
                         "timeout_error", None, "deadline_exceeded")
-    return APIError(503, "the server is shutting down", "server_error", None, "shutting_down")
+    if event[1] == "shutdown":
+        return APIError(503, f"the server is shutting down; the request ended while {where}", "server_error", None,
+                        "shutting_down")
+    return APIError(503, "the request was cancelled", "server_error", None, "cancelled")
 
 
 class Answer:
     """Turns one running Job's events into an OpenAI response body or a stream of chunks."""
 
-    def __init__(self, job: Job, p: Prepared, chat: bool, model: str, tokenizer, metrics: Metrics, arrival: float,
-                 deadline_s: float | None):
+    def __init__(self, job: Job, p: Prepared, chat: bool, model: str, tokenizer, token_text: TokenText,
+                 metrics: Metrics, arrival: float, deadline_s: float | None):
         self.job, self.p, self.chat, self.model, self.metrics, self.arrival = job, p, chat, model, metrics, arrival
-        self.deadline_s = deadline_s
+        self.deadline_s, self.token_text = deadline_s, token_text
         self.text = TextStream(tokenizer, p.stops)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.tokens = 0
         self.eos = False
         self.first_token_at: float | None = None
+        self.unsent: list[tuple] = []   # (token, logprob, top alternatives) not yet in a response's logprobs
+        self.offset = len(p.echo)       # completions' text_offset: characters of text before the next token
+        # the text's characters from its bytes, as the tokenizer's decode makes them (U+FFFD for bad bytes);
+        # a token that starts inside a character gets that character's offset
+        self.chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens: those the text holds (a stop string drops the rest of its round)."""
+        return len(self.text.ids)
 
     async def next_event(self) -> tuple:
         remaining = self.job.deadline - time.monotonic()
@@ -203,9 +281,12 @@ class Answer:
         if self.first_token_at is None and step.tokens:
             self.first_token_at = now
             self.metrics.ttft.observe(now - self.arrival)
-        self.tokens += len(step.tokens)
         self.eos = self.eos or step.stopped
+        before = self.tokens
         new = self.text.push(step.tokens)
+        if self.p.logprobs is not None:
+            tops = step.top_logprobs or [()] * len(step.tokens)
+            self.unsent += list(zip(step.tokens, step.logprobs, tops))[: self.tokens - before]
         if self.text.stopped:
             self.job.cancelled.set()  # a stop string ended the text: the engine can stop at its next read
         return new
@@ -213,19 +294,47 @@ class Answer:
     def finish(self, reason: str) -> str:
         """Record the decode's end; return the OpenAI finish_reason."""
         self.job.cancelled.set()
+        now = time.monotonic()
         if self.first_token_at is not None and self.tokens > 1:
-            self.metrics.tpot.observe((time.monotonic() - self.first_token_at) / (self.tokens - 1))
+            self.metrics.tpot.observe((now - self.first_token_at) / (self.tokens - 1))
+        self.metrics.e2e.observe(now - self.arrival)
         finish = "stop" if self.text.stopped or self.eos else "length"
-        self.metrics.finished.labels(reason if reason in ("cancelled", "deadline", "error") else finish).inc()
+        ended = reason if reason in ("cancelled", "deadline", "shutdown", "error") else finish
+        self.metrics.finished.labels(ended).inc()
         return finish
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.p.prompt), "completion_tokens": self.tokens,
                 "total_tokens": len(self.p.prompt) + self.tokens}
 
+    def logprobs(self) -> dict | None:
+        """The logprobs of the tokens not yet sent, in OpenAI's shape for this route (None: not asked for)."""
+        if self.p.logprobs is None:
+            return None
+        taken, self.unsent = self.unsent, []
+        shown = self.token_text
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict:
+                text, raw = shown(token)
+                return {"token": text, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": list(raw)}
+
+            return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
+                                for t, lp, top in taken], "refusal": None}
+        offsets = []
+        for t, _, _ in taken:
+            offsets.append(self.offset)
+            self.offset += len(self.chars.decode(shown.text_bytes(t)))
+        tops = None
+        if self.p.logprobs:  # OpenAI's shape: the alternatives and the chosen token, by their text
+            tops = [{**{shown(a)[0]: max(alp, LOGPROB_FLOOR) for a, alp in top},
+                     shown(t)[0]: max(lp, LOGPROB_FLOOR)} for t, lp, top in taken]
+        return {"tokens": [shown(t)[0] for t, _, _ in taken],
+                "token_logprobs": [max(lp, LOGPROB_FLOOR) for _, lp, _ in taken],
+                "top_logprobs": tops, "text_offset": offsets}
+
     # ---- whole answer -------------------------------------------------------------------------------
     async def collect(self, request: Request) -> dict:
-        parts: list[str] = []
+        parts: list[str] = [self.p.echo]
         while True:
             event = await self.next_event()
             if event[0] == "step":
@@ -244,20 +353,23 @@ class Answer:
         finish = self.finish("done")
         text = "".join(parts)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(),
                       "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(), "finish_reason": finish}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage()}
 
     # ---- stream -------------------------------------------------------------------------------------
     def chunk(self, text: str | None, finish: str | None = None, first: bool = False) -> str:
+        """One chunk; it carries the logprobs of the tokens decoded since the last one (their text may
+        come later: text that could start a stop string, or part of a character, is held back)."""
+        logprobs = None if first else self.logprobs()
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice]}
         if self.p.include_usage:
@@ -269,11 +381,13 @@ class Answer:
         try:
             if self.chat:
                 yield self.chunk(None, first=True)
+            elif self.p.echo:
+                yield self.chunk(self.p.echo, first=True)
             while True:
                 event = await self.next_event()
                 if event[0] == "step":
                     new = self.take_step(event[1])
-                    if new:
+                    if new or self.unsent:
                         yield self.chunk(new)
                     if self.text.stopped:
                         break

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 TOKEN_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+REQUEST_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class Metrics:
@@ -14,8 +15,10 @@ class Metrics:
         self.requests = Counter("iquest_requests", "HTTP requests answered, by route and status code "
                                 "(499 = the client went away mid-request)", ["route", "status"], registry=r)
         self.finished = Counter("iquest_decodes", "Decodes ended, by reason (stop, length, cancelled, "
-                                "deadline, error)", ["reason"], registry=r)
+                                "deadline, shutdown, error)", ["reason"], registry=r)
         self.tokens = Counter("iquest_emitted_tokens", "Tokens emitted by the engine", registry=r)
+        self.prompt_tokens = Counter("iquest_prompt_tokens", "Prompt tokens of the decodes started (prefilled)",
+                                     registry=r)
         self.rounds = Counter("iquest_rounds", "Speculative rounds run (steps that verified drafts)", registry=r)
         self.drafts = Counter("iquest_drafts", "Drafts verified in speculative rounds", registry=r)
         self.accepted = Counter("iquest_accepted_drafts", "Drafts accepted in speculative rounds", registry=r)
@@ -30,6 +33,8 @@ class Metrics:
                               registry=r)
         self.ttft = Histogram("iquest_time_to_first_token_seconds", "Per request: arrival to first token "
                               "(queueing and prefill included)", registry=r)
+        self.e2e = Histogram("iquest_e2e_request_latency_seconds", "Per decode: arrival to its end, "
+                             "whatever the reason", buckets=REQUEST_SECONDS_BUCKETS, registry=r)
 
     def observe_step(self, step) -> None:
         self.tokens.inc(len(step.tokens))

@@ -1,20 +1,26 @@
 """From a request body to what the engine needs: prompt ids, budget, sampling, stops; or a 400.
 
 Every check names the field it is about (`param` of the OpenAI error), and runs before the request
-takes a place in the queue.
+takes a place in the queue. The routes run all of this on a worker thread (tokenizing a long prompt
+takes a while), and a prompt too long for the context is refused before it is tokenized where its
+length in characters already proves it (`Encoder.check_fits`).
 """
 
 from __future__ import annotations
 
+import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import ValidationError
+from tokenizers import Tokenizer
 
 from ..reference.sampling import SamplingParams
-from .protocol import APIError, ChatRequest, CompletionRequest, bad_request
+from .protocol import (UNSUPPORTED, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, Message,
+                       TokenizeRequest, bad_request)
 
 MAX_STOPS = 16
+MAX_TOP_LOGPROBS = 20                   # OpenAI's cap too
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # the OpenAI default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 1024          # capped by what the context has left
 END_OF_TURN = ("<|end|>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>")  # chat: stop at the turn's end
@@ -27,6 +33,7 @@ class Limits:
     vocab_size: int
     defaults: SamplingParams
     eos_ids: tuple[int, ...]
+    top_logprobs: bool = False  # the engine gives each token's top alternatives
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,8 @@ class Prepared:
     stop_ids: tuple[int, ...]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None     # None: no logprobs; N: each token's logprob and its N top alternatives
+    echo: str = ""                  # completions: the prompt's text, sent before the output
 
 
 def parse(model, raw: bytes):
@@ -54,12 +63,81 @@ def parse(model, raw: bytes):
         raise bad_request(f"{where}: {err['msg']}", param=loc[0] if loc else None, code="invalid_type") from None
 
 
-def completion_prompt(req: CompletionRequest, tokenizer, limits: Limits) -> list[int]:
+class Encoder:
+    """The tokenizer as the server uses it. Chat message content is encoded as plain text: text in it that
+    spells a control token (`<|end|>`) is not that token; only the chat template makes control tokens."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.specials = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        # one group, so that split() keeps the control tokens: text, token, text, ...
+        self.special_re = re.compile("(" + "|".join(map(re.escape, sorted(self.specials, key=len, reverse=True)))
+                                     + ")") if self.specials else None
+        # A second backend, so that no request flips the shared one's flag under another thread's encode
+        self.plain = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        self.plain.encode_special_tokens = True
+        # No token covers more characters than its vocabulary entry has (byte-level: one per byte), so a
+        # text of c characters is at least c / max_chars tokens. A normalizer could shrink the text first.
+        self.max_chars = None if tokenizer.backend_tokenizer.normalizer is not None else \
+            max(map(len, tokenizer.get_vocab()))
+
+    def check_fits(self, text: str, limits: Limits, param: str) -> None:
+        """Refuse, without tokenizing it, a text that has too many characters to fit the context."""
+        if self.max_chars is not None and len(text) > (limits.context - 1) * self.max_chars:
+            raise bad_request(f"the prompt is {len(text)} characters: at least "
+                              f"{-(-len(text) // self.max_chars)} tokens (a token here spans at most "
+                              f"{self.max_chars} characters); the context holds {limits.context}", param,
+                              "context_length_exceeded")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # the template's own raise_exception (role order, ...) or a missing template
+            raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
+
+    def chat(self, messages: list[Message], limits: Limits | None = None, add_generation_prompt: bool = True) \
+            -> list[int]:
+        """The prompt ids of chat messages; with `limits`, a render too long to fit is refused unencoded."""
+        msgs = [{"role": m.role, "content": m.text()} for m in messages]
+        text = self.render(msgs, add_generation_prompt)
+        if limits is not None:
+            self.check_fits(text, limits, "messages")
+        if self.special_re is None or not any(self.special_re.search(m["content"]) for m in msgs):
+            return self.encode(text, add_special_tokens=False)
+        # Some content spells control tokens. Render again with a marker in place of each content, so the
+        # template's own text is known, then encode: its control tokens as such, everything else (content
+        # included) as plain text, cut at the template's control tokens as a normal encode cuts there.
+        marks = [f"\ue000{i}\ue001" for i in range(len(msgs))]
+        skeleton = self.render([{**m, "content": k} for m, k in zip(msgs, marks)], add_generation_prompt)
+        parts = re.split("(\ue000\\d+\ue001)", skeleton)
+        contents = {k: m["content"] for k, m in zip(marks, msgs)}
+        if any(skeleton.count(k) != 1 for k in marks) or "".join(contents.get(q, q) for q in parts) != text:
+            raise bad_request("a message spells a control token, and this chat template changes message text, "
+                              "so it cannot be encoded as plain text", "messages")
+        ids: list[int] = []
+        pending = ""
+        for i, part in enumerate(parts):
+            if i % 2:
+                pending += contents[part]
+                continue
+            for j, piece in enumerate(self.special_re.split(part)):
+                if j % 2 == 0:
+                    pending += piece
+                    continue
+                ids += self.plain.encode(pending, add_special_tokens=False).ids if pending else []
+                ids.append(self.specials[piece])
+                pending = ""
+        return ids + (self.plain.encode(pending, add_special_tokens=False).ids if pending else [])
+
+
+def completion_prompt(req: CompletionRequest, enc: Encoder, limits: Limits) -> list[int]:
     p = req.prompt
     if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
-        bad = [t for t in p if not 0 <= t < limits.vocab_size]
-        if bad:
-            raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{limits.vocab_size - 1})", "prompt")
+        check_ids(p, limits, "prompt")
         return list(p)
     if isinstance(p, list):
         if len(p) != 1:
@@ -68,18 +146,14 @@ def completion_prompt(req: CompletionRequest, tokenizer, limits: Limits) -> list
         p = p[0]
     if not p:
         raise bad_request("prompt is empty", "prompt")
-    return list(tokenizer.encode(p))
+    enc.check_fits(p, limits, "prompt")
+    return enc.encode(p)
 
 
-def chat_prompt(req: ChatRequest, tokenizer) -> list[int]:
+def chat_prompt(req: ChatRequest, enc: Encoder, limits: Limits) -> list[int]:
     if not req.messages:
         raise bad_request("messages is empty: send at least one message", "messages")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # the template's own raise_exception (role order, ...) or a missing template
-        raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return enc.chat(req.messages, limits)
 
 
 def end_of_turn_ids(tokenizer) -> tuple[int, ...]:
@@ -87,11 +161,93 @@ def end_of_turn_ids(tokenizer) -> tuple[int, ...]:
     return tuple(vocab[t] for t in END_OF_TURN if t in vocab)
 
 
-def prepare(req, prompt: list[int], limits: Limits, *, default_max_tokens: int,
-            extra_stop_ids: tuple[int, ...] = ()) -> Prepared:
-    if req.model is not None and req.model != limits.model_name:
-        raise bad_request(f"model {req.model!r} is not served here (this server serves {limits.model_name!r})",
+def prepare_completion(raw: bytes, enc: Encoder, limits: Limits) -> Prepared:
+    req = parse(CompletionRequest, raw)
+    logprobs = check_options(req, limits)
+    if req.echo and logprobs is not None:
+        raise bad_request("echo with logprobs would need the prompt's logprobs, which this server does not "
+                          "compute; ask for one of them", "echo")
+    prompt = completion_prompt(req, enc, limits)
+    p = prepare(req, prompt, limits, default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS, logprobs=logprobs)
+    if not req.echo:
+        return p
+    if isinstance(req.prompt, str):
+        return replace(p, echo=req.prompt)
+    if isinstance(req.prompt[0], str):
+        return replace(p, echo=req.prompt[0])
+    return replace(p, echo=enc.tokenizer.decode(prompt, skip_special_tokens=True))
+
+
+def prepare_chat(raw: bytes, enc: Encoder, limits: Limits, end_of_turn: tuple[int, ...]) -> Prepared:
+    req = parse(ChatRequest, raw)
+    logprobs = check_options(req, limits)
+    return prepare(req, chat_prompt(req, enc, limits), limits, default_max_tokens=CHAT_DEFAULT_MAX_TOKENS,
+                   extra_stop_ids=end_of_turn, logprobs=logprobs)
+
+
+def tokenize(raw: bytes, enc: Encoder, limits: Limits) -> dict:
+    """vLLM's /tokenize: the ids a prompt or chat messages become (as the completion routes encode them)."""
+    req = parse(TokenizeRequest, raw)
+    check_model(req.model, limits)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("send either prompt or messages", "prompt")
+    if req.prompt is not None:
+        ids = enc.encode(req.prompt, req.add_special_tokens)
+    elif not req.messages:
+        raise bad_request("messages is empty: send at least one message", "messages")
+    else:
+        ids = enc.chat(req.messages, add_generation_prompt=req.add_generation_prompt)
+    return {"count": len(ids), "max_model_len": limits.context, "tokens": ids,
+            "token_strs": enc.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+
+def detokenize(raw: bytes, enc: Encoder, limits: Limits) -> dict:
+    req = parse(DetokenizeRequest, raw)
+    check_model(req.model, limits)
+    check_ids(req.tokens, limits, "tokens")
+    return {"prompt": enc.tokenizer.decode(req.tokens)}
+
+
+def check_ids(ids: list[int], limits: Limits, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary (0..{limits.vocab_size - 1})", param)
+
+
+def check_model(model: str | None, limits: Limits) -> None:
+    if model is not None and model != limits.model_name:
+        raise bad_request(f"model {model!r} is not served here (this server serves {limits.model_name!r})",
                           "model", "model_not_found")
+
+
+def check_options(req, limits: Limits) -> int | None:
+    """Refuse what this server does not do (before any tokenizing); return Prepared.logprobs."""
+    check_model(req.model, limits)
+    for name in UNSUPPORTED.keys() & type(req).model_fields.keys():
+        value = getattr(req, name)
+        if value is not None and value not in UNSUPPORTED[name]:
+            raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        n, param = (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs"
+    else:
+        n, param = req.logprobs, "logprobs"
+    if n is None:
+        return None
+    if not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"{param} must be in [0, {MAX_TOP_LOGPROBS}], got {n}: the alternatives come from the "
+                          f"sampling distribution, which holds at most top_k (by default 20) tokens; OpenAI "
+                          f"caps it at 20 too", param)
+    if n > 0 and not limits.top_logprobs:
+        raise bad_request(f"{param}={n}: this server's engine gives each token's own logprob but not the top "
+                          f"alternatives; ask for {param}=0, or serve with --engine reference", param,
+                          "unsupported_parameter")
+    return n
+
+
+def prepare(req, prompt: list[int], limits: Limits, *, default_max_tokens: int,
+            extra_stop_ids: tuple[int, ...] = (), logprobs: int | None = None) -> Prepared:
     if req.n != 1:
         raise bad_request(f"n={req.n}: this server returns one choice per request", "n")
     param = "messages" if isinstance(req, ChatRequest) else "prompt"
@@ -113,12 +269,14 @@ def prepare(req, prompt: list[int], limits: Limits, *, default_max_tokens: int,
     temperature = d.temperature if req.temperature is None else req.temperature
     top_p = d.top_p if req.top_p is None else req.top_p
     top_k = d.top_k if req.top_k is None else req.top_k
+    if top_k == -1:  # vLLM's "off"
+        top_k = limits.vocab_size
     if not temperature >= 0:
         raise bad_request(f"temperature must be >= 0, got {temperature}", "temperature")
     if not 0 < top_p <= 1:
         raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
     if not 1 <= top_k <= limits.vocab_size:
-        raise bad_request(f"top_k must be in [1, {limits.vocab_size}], got {top_k}", "top_k")
+        raise bad_request(f"top_k must be -1 (off) or in [1, {limits.vocab_size}], got {top_k}", "top_k")
     seed = secrets.randbits(63) if req.seed is None else req.seed
     if not 0 <= seed < 2**64:
         raise bad_request(f"seed must be in [0, 2**64), got {seed}", "seed")
@@ -128,7 +286,7 @@ def prepare(req, prompt: list[int], limits: Limits, *, default_max_tokens: int,
     stop_ids = tuple(dict.fromkeys(limits.eos_ids + extra_stop_ids))[:8]
     return Prepared(prompt, max_tokens, SamplingParams(float(temperature), top_k, float(top_p)), seed,
                     [s for s in stops if s], stop_ids, req.stream,
-                    bool(req.stream_options and req.stream_options.include_usage))
+                    bool(req.stream_options and req.stream_options.include_usage), logprobs)
 
 
 def unauthorized() -> APIError:

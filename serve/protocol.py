@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,7 +24,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 class _Strict(BaseModel):
-    # Unknown fields (logit_bias, user, ...) are ignored as OpenAI clients send many; known ones are typed.
+    # Unknown fields (user, metadata, ...) are ignored as OpenAI clients send many; known ones are typed.
+    # Fields typed Any are options this server does not implement: `prepare` refuses them unless neutral.
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
@@ -43,10 +44,18 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None   # vLLM's
+    logit_bias: Any = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = None      # the chosen token's logprob and this many alternatives per token
+    echo: bool = False
+    best_of: Any = None
+    suffix: Any = None
 
 
 class TextPart(_Strict):
@@ -70,3 +79,33 @@ class Message(_Strict):
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(...)
     max_completion_tokens: int | None = None  # the newer OpenAI name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+
+# The options of `Any` type above, and the values of each that change nothing (accepted as if absent).
+UNSUPPORTED = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+               "logit_bias": ({},), "best_of": (1,), "suffix": ("",), "response_format": ({"type": "text"},),
+               "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",)}
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt (`add_special_tokens` as for completions) or chat messages (encoded as
+    /v1/chat/completions encodes them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

@@ -35,6 +35,18 @@ def uvicorn_config(app, host: str, port: int, log_level: str = "info") -> uvicor
                           access_log=log_level == "debug")
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, but its shutdown (SIGTERM, SIGINT, `should_exit`) first drains the app's decode
+    worker: new requests get 503, queued ones 503 at once, the running one an error event at its next
+    Step. uvicorn then waits for those answers to go out, not for decodes to run to their end."""
+
+    async def shutdown(self, sockets=None) -> None:
+        worker = getattr(getattr(self.config.app, "state", None), "worker", None)
+        if worker is not None:
+            worker.drain()
+        await super().shutdown(sockets=sockets)
+
+
 class ServerThread:
     """A live uvicorn server on a background thread: `with ServerThread(app) as s: ... s.url ...`.
 
@@ -42,7 +54,7 @@ class ServerThread:
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level))
+        self.server = Server(uvicorn_config(app, host, port, log_level))
         self.server.install_signal_handlers = lambda: None  # signals belong to the main thread
         self.thread = threading.Thread(target=self.server.run, name="iquest-serve", daemon=True)
         self.host = host
@@ -70,4 +82,4 @@ class ServerThread:
 
 
 def serve(engine, tokenizer, options: ServeOptions, host: str, port: int, log_level: str = "info") -> None:
-    uvicorn.Server(uvicorn_config(create_app(engine, tokenizer, options), host, port, log_level)).run()
+    Server(uvicorn_config(create_app(engine, tokenizer, options), host, port, log_level)).run()

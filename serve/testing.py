@@ -13,6 +13,7 @@ class HeldEngine:
 
     def __init__(self, engine):
         self.engine, self.config, self.generation = engine, engine.config, engine.generation
+        self.supports_top_logprobs = getattr(engine, "supports_top_logprobs", False)
         self.hold_start = self.hold_after_first = False
         self.entered = threading.Event()    # a decode is at its hold point
         self._release = threading.Event()

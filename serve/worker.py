@@ -1,17 +1,19 @@
 """The decode worker: one thread owns the engine and runs one request at a time.
 
 Requests are admitted into a bounded queue (`submit` says False past the bound: the route answers
-429). The worker drives the engine's generator and hands each Step to the request's asyncio queue;
-between Steps (the fast engine reads its device log about every 32 tokens) it checks the request's
-cancel flag and deadline, and closing the generator cancels the decode on every TP rank.
+429); one whose client leaves before it starts is taken out at once (`withdraw`). The worker drives
+the engine's generator and hands each Step to the request's asyncio queue; between Steps (the fast
+engine reads its device log about every 32 tokens) it checks the request's cancel flag, its deadline
+and shutdown, and closing the generator cancels the decode on every TP rank. `drain` (the server is
+stopping) ends the waiting requests at once and the running one at its next Step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -19,7 +21,7 @@ from ..reference.sampling import SamplingParams
 from .metrics import Metrics
 
 
-@dataclass
+@dataclass(eq=False)  # identity: withdraw() finds this job, not an equal one
 class Job:
     prompt: list[int]
     seed: int
@@ -28,6 +30,7 @@ class Job:
     stop_ids: Sequence[int]
     deadline: float                       # time.monotonic() past which the request ends
     loop: asyncio.AbstractEventLoop
+    top_logprobs: int = 0
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -40,82 +43,107 @@ class Job:
 
 
 class Worker:
-    """Events a Job receives, in order: ("start",), then ("step", Step)*, then one of
-    ("end", reason) with reason in {"done", "cancelled", "deadline"} or ("error", message)."""
+    """Events a Job receives, in order: ("start",), then ("step", Step)*, then one of ("end", reason)
+    with reason in {"done", "cancelled", "deadline", "shutdown"} or ("error", message). A job that never
+    starts gets only the end."""
 
     def __init__(self, engine, *, drafts: int | str, queue_size: int, metrics: Metrics):
         if queue_size < 0:
             raise ValueError(f"queue_size must be >= 0, got {queue_size}")
         self.engine, self.drafts, self.queue_size, self.metrics = engine, drafts, queue_size, metrics
-        self._jobs: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._admitted = 0                  # running + waiting
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
         self._current: Job | None = None
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="iquest-decode", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    def drain(self) -> None:
+        """The server is stopping: refuse new jobs, end the waiting ones now and the running one at its
+        next Step, each with reason "shutdown"."""
+        with self._cond:
+            self._closing = True
+            waiting, self._waiting = list(self._waiting), deque()
+            self._publish()
+            self._cond.notify()
+        for job in waiting:
+            job.emit("end", "shutdown")
+
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel the running request, drop the waiting ones, and end the thread."""
-        current = self._current
-        if current is not None:
-            current.cancelled.set()
-        self._jobs.put(None)
+        """Drain, and end the thread."""
+        self.drain()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     def submit(self, job: Job) -> bool:
-        with self._lock:
-            if self._admitted >= 1 + self.queue_size:
+        with self._cond:
+            if self._closing:
+                job.emit("end", "shutdown")
+                return True
+            if len(self._waiting) + (self._current is not None) >= 1 + self.queue_size:
                 return False
-            self._admitted += 1
+            self._waiting.append(job)
             self._publish()
-        self._jobs.put(job)
+            self._cond.notify()
         return True
 
+    def withdraw(self, job: Job) -> None:
+        """The job's client left (or its deadline passed) before it started: its place is free now.
+        A job that has started stops at its next Step instead."""
+        job.cancelled.set()
+        with self._cond:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self._publish()
+
     def _publish(self) -> None:
-        running = 1 if self._current is not None else 0
-        self.metrics.running.set(running)
-        self.metrics.queue_depth.set(self._admitted - running)
+        self.metrics.running.set(1 if self._current is not None else 0)
+        self.metrics.queue_depth.set(len(self._waiting))
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            with self._lock:
-                self._current = job
+        while True:
+            with self._cond:
+                while not self._waiting and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                job = self._current = self._waiting.popleft()
                 self._publish()
             try:
                 self._decode(job)
             finally:
-                with self._lock:
+                with self._cond:
                     self._current = None
-                    self._admitted -= 1
                     self._publish()
-        while True:  # shutting down: whatever still waits ends as cancelled
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
-            if job is not None:
-                job.emit("end", "cancelled")
 
     def _decode(self, job: Job) -> None:
-        if job.cancelled.is_set():  # the client left (or its deadline passed) while it waited
+        if self._closing:  # drained as the worker took it
+            job.emit("end", "shutdown")
+            return
+        if job.cancelled.is_set():  # withdrawn as the worker took it
             job.emit("end", "cancelled")
             return
         if time.monotonic() >= job.deadline:
             job.emit("end", "deadline")
             return
         job.emit("start")
+        self.metrics.prompt_tokens.inc(len(job.prompt))
+        # only an engine that supports it gets the keyword (the fast engine does not yet)
+        extra = {"top_logprobs": job.top_logprobs} if job.top_logprobs else {}
         gen = None
         reason = "done"
         try:
             gen = self.engine.generate(job.prompt, seed=job.seed, params=job.params,
                                        max_new_tokens=job.max_new_tokens, drafts=self.drafts,
-                                       stop_ids=job.stop_ids)
+                                       stop_ids=job.stop_ids, **extra)
             for step in gen:
                 self.metrics.observe_step(step)
                 job.emit("step", step)
+                if self._closing:
+                    reason = "shutdown"
+                    break
                 if job.cancelled.is_set():
                     reason = "cancelled"
                     break

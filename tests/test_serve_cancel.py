@@ -1,8 +1,8 @@
 """Cancellation, the bounded queue and the deadline, with the decode held at known points
 (`HeldEngine`) instead of sleeps: a stream abandoned mid-way stops its decode at the engine's next
 read and the next request is unaffected; past the queue bound the answer is 429 at once; a queued
-client that leaves is skipped; the deadline ends a queued request with 504 and a running stream with
-an error event."""
+client that leaves gives its place back at once; the deadline ends a queued request with 504 and a
+running stream with an error event."""
 
 from __future__ import annotations
 
@@ -92,31 +92,40 @@ def test_abandoned_stream_stops_at_the_next_read_and_the_next_request_is_unaffec
         assert metric(s.url, "iquest_running") == 0
 
 
-def test_queue_bound_429_and_a_queued_client_that_leaves_is_skipped(held):
+def test_queue_bound_429_and_a_queued_client_that_leaves_gives_its_place_back(held):
     body = {"prompt": "x", "max_tokens": 4, "seed": 2}
     with start(held, queue_size=1) as s, httpx.Client(base_url=s.url, timeout=WAIT) as http:
         held.hold_start = True
         results: dict[str, httpx.Response] = {}
-        a = threading.Thread(target=lambda: results.setdefault("a", http.post("/v1/completions", json=body)))
-        a.start()
+
+        def post(name: str, **extra) -> threading.Thread:
+            t = threading.Thread(target=lambda: results.setdefault(name, http.post("/v1/completions",
+                                                                                   json={**body, **extra})))
+            t.start()
+            return t
+
+        a = post("a")
         assert held.entered.wait(WAIT)  # A decodes (held)
 
-        # B waits in the queue, then its client gives up
+        # B waits in the queue, then its client gives up: its place is free again at once
         with pytest.raises(httpx.TimeoutException):
             http.post("/v1/completions", json={**body, "seed": 3}, timeout=0.5)
         until(lambda: metric(s.url, "iquest_requests_total", route="/v1/completions", status="499") == 1,
               "the server to notice B left")
-        assert metric(s.url, "iquest_queue_depth") == 1  # B's place is kept until the worker reaches it
+        assert metric(s.url, "iquest_queue_depth") == 0
 
-        c = http.post("/v1/completions", json=body)  # A running + B queued = the bound
-        assert c.status_code == 429 and c.json()["error"]["code"] == "queue_full"
-        assert c.headers["retry-after"] == "1"
+        c = post("c", seed=4)  # C takes that place: A running + C queued = the bound
+        until(lambda: metric(s.url, "iquest_queue_depth") == 1, "C to be queued")
+        d = http.post("/v1/completions", json=body)
+        assert d.status_code == 429 and d.json()["error"]["code"] == "queue_full"
+        assert d.headers["retry-after"] == "1"
 
         held.release()
         a.join(WAIT)
-        assert results["a"].status_code == 200
+        c.join(WAIT)
+        assert results["a"].status_code == 200 and results["c"].status_code == 200
         until(lambda: metric(s.url, "iquest_queue_depth") == 0, "the queue to drain")
-        assert len(held.requests) == 1  # B never reached the engine
+        assert len(held.requests) == 2  # B never reached the engine
         held.hold_start = False
         assert http.post("/v1/completions", json=body).status_code == 200
 

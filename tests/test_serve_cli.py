@@ -1,13 +1,16 @@
 """`iquest serve` as a user starts it: a subprocess on 127.0.0.1 with --api-key, answered by the openai
-client, stopped with SIGINT; --help explains each flag; bad flags are one-line errors."""
+client, stopped with SIGINT; SIGTERM mid-stream drains (an error event for the stream, 503 for the
+queued, a prompt exit, no traceback); --help explains each flag; bad flags are one-line errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,24 +29,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_subprocess_with_api_key():
+def serve(*flags: str) -> tuple[subprocess.Popen, str]:
+    """`iquest serve` on the tiny model in a subprocess, once /health answers; its URL."""
     port = free_port()
-    cmd = [sys.executable, "-m", "iquest.cli.main", "serve", "--model", str(TINY), "--port", str(port),
-           "--api-key", "k3y", "--max-context", "256", "--queue-size", "2", "--log-level", "warning"]
+    cmd = [sys.executable, "-m", "iquest.cli.main", "serve", "--model", str(TINY), "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    end = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > end:
+            proc.kill()
+            raise AssertionError("the server did not come up")
+        time.sleep(0.1)
+
+
+def test_serve_subprocess_with_api_key():
+    proc, url = serve("--api-key", "k3y", "--max-context", "256", "--queue-size", "2", "--log-level", "warning")
     try:
-        url = f"http://127.0.0.1:{port}"
-        end = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < end, "the server did not come up"
-            time.sleep(0.1)
         assert httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=10).status_code == 401
         client = openai.OpenAI(base_url=url + "/v1", api_key="k3y", max_retries=0, timeout=60)
         assert client.models.list().data[0].id == "tiny"
@@ -60,11 +69,44 @@ def test_serve_subprocess_with_api_key():
     assert proc.returncode is not None
 
 
+def test_sigterm_drains_the_running_stream_and_the_queue():
+    proc, url = serve("--max-context", "2048", "--queue-size", "2", "--drafts", "0")
+    queued: dict = {}
+    try:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            with http.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 2000, "stream": True,
+                                                              "seed": 1}) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")  # decoding
+                waiter = threading.Thread(target=lambda: queued.setdefault("r", httpx.post(
+                    url + "/v1/completions", json={"prompt": "y", "max_tokens": 4}, timeout=30)))
+                waiter.start()
+                end = time.monotonic() + 20
+                while "iquest_queue_depth 1.0" not in http.get("/metrics").text:
+                    assert time.monotonic() < end, "the second request was not queued"
+                    time.sleep(0.02)
+                sent = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+            waiter.join(30)
+        proc.wait(10)
+        exited = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    log = proc.stdout.read()
+    assert exited < 3, f"exit took {exited:.1f} s"
+    assert "[DONE]" not in events and json.loads(events[-1])["error"]["code"] == "shutting_down"
+    assert queued["r"].status_code == 503 and queued["r"].json()["error"]["code"] == "shutting_down"
+    assert "Traceback" not in log and "CancelledError" not in log, log
+
+
 def test_serve_help_explains_each_flag(capsys):
     assert main(["serve", "--help"]) == 0
     out = capsys.readouterr().out
     for flag in ("--model", "--engine", "--tp", "--host", "--port", "--api-key", "--queue-size", "--deadline",
-                 "--max-context", "--drafts", "--served-model-name"):
+                 "--max-context", "--drafts", "--served-model-name", "--max-body-size"):
         assert flag in out
     assert "127.0.0.1" in out and "429" in out
 
@@ -73,6 +115,7 @@ def test_serve_help_explains_each_flag(capsys):
     (["--port", "70000"], "--port"),
     (["--queue-size", "-1"], "--queue-size"),
     (["--deadline", "-2"], "--deadline"),
+    (["--max-body-size", "0"], "--max-body-size"),
     (["--model", "/no/such/model"], "does not exist"),
     (["--engine", "turbo"], "invalid choice"),
 ])

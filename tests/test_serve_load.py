@@ -1,12 +1,17 @@
-"""A bounded load test on 127.0.0.1: 30 concurrent streaming clients per round (some cancel after the
-first chunk, some send bad input) against a queue of 6. Every valid request completes or gets 429,
+"""Bounded load tests on 127.0.0.1. 30 concurrent streaming clients per round (some cancel after the
+first chunk, some send bad input) against a queue of 6: every valid request completes or gets 429,
 every bad one 400, nothing hangs (every wait is bounded), the server ends each round idle, and its
-memory (RSS of this process, where the server runs) stays within a bound across rounds."""
+memory (RSS of this process, where the server runs) stays within a bound across rounds. And a mix of
+what must not freeze or starve it (issue 36): bodies at and past the size cap, queued clients that
+give up, a stream cancelled mid-way; /health stays fast throughout, the abandoned leave the queue
+while the engine is still busy, and the next request returns what it returns alone."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -14,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from iquest.cli.engines import load_engine
-from iquest.serve.app import ServeOptions, create_app
+from iquest.serve.app import ServeOptions, create_app, default_max_body_size
 from iquest.serve.server import ServerThread, load_tokenizer
 from iquest.serve.testing import sse_events
 
@@ -102,3 +107,76 @@ def test_concurrent_clients_complete_or_get_429_and_memory_stays_bounded(server)
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, "seed": 1}, timeout=TIMEOUT)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
     assert sizes[-1] - sizes[0] < RSS_GROWTH_BOUND, f"RSS by round: {[s >> 20 for s in sizes]} MiB"
+
+
+# seconds for one /health answer under the mix below, its clients' threads in this process too (a 1 MiB
+# prompt tokenized on the event loop held it about 1 s; test_serve_limits holds the server alone to 0.1 s)
+HEALTH_BOUND = 0.25
+
+
+def test_large_bodies_abandoned_clients_and_cancels_neither_freeze_nor_starve_the_server(server):
+    normal = {"prompt": "def g(x):", "max_tokens": 16, "seed": 21}
+    limit = default_max_body_size(256)
+    filler = limit - len(json.dumps({"prompt": "", "max_tokens": 4}))
+    large = [(json.dumps({"prompt": "x" * filler, "max_tokens": 4}).encode(), 400),
+             (json.dumps({"prompt": "x" * (filler + 1), "max_tokens": 4}).encode(), 413)]
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+        alone = http.post("/v1/completions", json=normal).json()["choices"][0]["text"]
+        latencies: list[float] = []
+        stop_polling = threading.Event()
+
+        def poll_health() -> None:
+            with httpx.Client(base_url=server.url, timeout=TIMEOUT) as h:
+                h.get("/health")
+                while not stop_polling.is_set():
+                    start = time.perf_counter()
+                    assert h.get("/health").status_code == 200
+                    latencies.append(time.perf_counter() - start)
+                    time.sleep(0.01)
+
+        def abandon(i: int, out: dict) -> None:  # waits in the queue behind the long stream, then gives up
+            try:
+                r = httpx.post(server.url + "/v1/completions", json={**normal, "seed": i}, timeout=0.3)
+                out[i] = r.status_code
+            except httpx.TimeoutException:
+                out[i] = "gave up"
+
+        def send_large(i: int, out: dict) -> None:
+            raw, _ = large[i % 2]
+            r = httpx.post(server.url + "/v1/completions", content=raw, timeout=TIMEOUT,
+                           headers={"content-type": "application/json"})
+            out[i] = r.status_code
+
+        poller = threading.Thread(target=poll_health, daemon=True)
+        poller.start()
+        for _ in range(2):
+            with http.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 200, "stream": True,
+                                                              "seed": 3}) as long:
+                lines = long.iter_lines()
+                assert next(lines).startswith("data: ")  # the engine is busy with this stream
+                waited: dict = {}
+                sized: dict = {}
+                threads = [threading.Thread(target=abandon, args=(i, waited)) for i in range(8)] + \
+                          [threading.Thread(target=send_large, args=(i, sized)) for i in range(4)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(TIMEOUT)
+                assert not any(t.is_alive() for t in threads), "a client hung"
+                assert set(waited.values()) <= {"gave up", 429} and "gave up" in waited.values(), waited
+                assert sized == {i: large[i % 2][1] for i in range(4)}, sized
+                end = time.monotonic() + 5
+                while metric(server.url, "iquest_queue_depth") != 0:  # the abandoned leave while it decodes
+                    assert time.monotonic() < end, "abandoned clients kept their places"
+                    time.sleep(0.02)
+                assert metric(server.url, "iquest_running") == 1
+            # leaving the block closes the long stream mid-way: its decode is cancelled
+            end = time.monotonic() + 10
+            while metric(server.url, "iquest_running") != 0:
+                assert time.monotonic() < end, "the cancelled stream kept decoding"
+                time.sleep(0.02)
+        stop_polling.set()
+        poller.join(TIMEOUT)
+        assert http.post("/v1/completions", json=normal).json()["choices"][0]["text"] == alone
+    assert len(latencies) >= 10 and max(latencies) < HEALTH_BOUND, \
+        f"/health took up to {max(latencies) * 1e3:.0f} ms"
