@@ -18,12 +18,11 @@ import json
 import platform
 import statistics
 import time
-from dataclasses import fields, replace
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 
-from ..fast.ablation import check_reached
 from ..fast.memory import rank_weight_bytes
 from ..fast.rank import EngineOptions, RankEngine, Request
 from ..fast.synthetic import synthetic_parallel, synthetic_weights
@@ -32,6 +31,7 @@ from .bytes import STAGE_ITEMS, ByteCounter, RoundRouting, stage_bytes
 from .parking import dependent_step_us
 from .acceptance import tpot
 from .history import fill_history, synthetic_history
+from . import variants
 from .timing import sync, time_chunk
 from ..provenance import commit
 
@@ -103,7 +103,7 @@ class RoutingRecorder:
 
     def __enter__(self) -> "RoutingRecorder":
         model, runner, current = self.model, self.runner, {}
-        layer, moe, round_ = model.decoder_layer, model.moe, runner.speculative_round
+        layer, moe, round_ = model.decoder_layer, model.moe, runner.round
 
         def rec_layer(*args, **kw):
             current["tag"] = args[6]  # decoder_layer(lw, kv, x, pending, blk, taps, tag, ...)
@@ -119,11 +119,13 @@ class RoutingRecorder:
             self.rounds.append([])
             round_()
 
-        model.decoder_layer, model.moe, runner.speculative_round = rec_layer, rec_moe, rec_round
+        model.decoder_layer, model.moe, runner.round = rec_layer, rec_moe, rec_round
+        self._round = round_
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.model.decoder_layer, self.model.moe, self.runner.speculative_round
+        del self.model.decoder_layer, self.model.moe  # the class's methods again
+        self.runner.round = self._round  # an attribute of the runner itself (RoundRunner.__init__)
 
     def routings(self, layers: int, k: int) -> list[RoundRouting]:
         out = []
@@ -230,8 +232,8 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
     req = synthetic_request(config, tp, context, seed, generation, chunk_tokens + 1, drafts)
     engines, timing = {}, {}
     for name in kernels:  # the weights are shared; each engine has its own caches, state and graph
-        engine = RankEngine.from_weights(config, weights, generation, synthetic_parallel(tp, 0, dev),
-                                         replace(options, kernels=name))
+        engine = variants.prepare(RankEngine.from_weights(config, weights, generation, synthetic_parallel(tp, 0, dev),
+                                                          variants.options(name, options)), name)
         t0 = time.perf_counter()
         runner, graph = engine.runner(drafts, generation.top_k)
         t1 = time.perf_counter()
@@ -247,20 +249,20 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
         snap.restore()
         return time_chunk(engine, lambda: engine.decode_chunk(runner, graph if mode == "graph" else None), dev)
 
-    variants = [(k, m) for k in kernels for m in (("graph", "eager") if cuda else ("eager",))]
-    for k, m in variants:  # warm-up, untimed: first-use allocations, kernel compiles, lazily kept dense weights
+    modes = [(k, m) for k in kernels for m in (("graph", "eager") if cuda else ("eager",))]
+    for k, m in modes:  # warm-up, untimed: first-use allocations, kernel compiles, lazily kept dense weights
         chunk(k, m)
     for k in kernels:
-        check_reached(engines[k][0].model.ops, k)
-    runs: dict[str, list[dict]] = {f"{k}/{m}": [] for k, m in variants}
+        variants.check(engines[k][0], k)
+    runs: dict[str, list[dict]] = {f"{k}/{m}": [] for k, m in modes}
     for _ in range(repeats):  # alternating: drifts in clocks or temperature hit every variant alike
-        for k, m in variants:
+        for k, m in modes:
             runs[f"{k}/{m}"].append(chunk(k, m))
     summary: dict = {}
     for key, rows in runs.items():
         summary[key] = {"median_round_us": statistics.median(r["round_us"] for r in rows),
                         "tokens_per_round": sum(r["tokens"] for r in rows) / max(1, sum(r["rounds"] for r in rows))}
-    main = variants[0][0] + "/" + variants[0][1]
+    main = modes[0][0] + "/" + modes[0][1]
     baseline = "torch/eager" if "torch/eager" in summary else None
     if baseline and baseline != main:
         summary["speedup"] = summary[baseline]["median_round_us"] / summary[main]["median_round_us"]
@@ -292,7 +294,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
         floor["stages_us"] = {k: v / bandwidth * 1e6 for k, v in bytes_info["stages"].items()}
     stages = {}
     if profile_rounds:
-        for k, m in variants:
+        for k, m in modes:
             engine, runner, graph, snap = engines[k]
             try:
                 stages[f"{k}/{m}"] = _profiled(engine, runner, graph if m == "graph" else None, snap, dev)

@@ -23,12 +23,12 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..provenance import commit
+from . import variants
 from .kernels_micro import TP  # one rank of the TP8 layout
 
 SHORT = 48  # characters of a kernel's name kept in the report
@@ -154,8 +154,9 @@ def trace_variant(config, weights, name: str, context: int, rows: int, replays: 
 
     dev = torch.device("cuda")
     generation = GenerationConfig(eos_token_id=config.eos_token_id)
-    options = replace(EngineOptions(max_context=context + 64, graphs=False), kernels=name)
-    engine = RankEngine.from_weights(config, weights, generation, synthetic_parallel(TP, 0, dev), options)
+    options = variants.options(name, EngineOptions(max_context=context + 64, graphs=False))
+    engine = variants.prepare(RankEngine.from_weights(config, weights, generation, synthetic_parallel(TP, 0, dev),
+                                                      options), name)
     g = torch.Generator(device=dev).manual_seed(seed)
     if tokens_mode == "decode":  # as bench/full_step.py: its request, prefilled for real
         runner, _ = engine.runner(rows - 1, generation.top_k)

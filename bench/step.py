@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from ..fast.ablation import check_reached
 from ..fast.parallel import Parallel
 from ..provenance import commit
 from ..fast.rank import EngineOptions, RankEngine, Request
+from . import variants
 from .timing import time_chunk
 
 
@@ -50,8 +50,9 @@ def run(model_dir: str, context: int, drafts: int | str, repeats: int, chunk_tok
     """Each kernels variant gets its own engine; every repeat runs all variants (graph and eager) in turn."""
     if not torch.cuda.is_available():
         raise RuntimeError("iquest bench step needs a CUDA device")
-    engines = {k: RankEngine(model_dir, Parallel.single("cuda"),
-                             EngineOptions(max_context=context + 2 * chunk_tokens + 64, kernels=k)) for k in kernels}
+    base = EngineOptions(max_context=context + 2 * chunk_tokens + 64)
+    engines = {k: variants.prepare(RankEngine(model_dir, Parallel.single("cuda"), variants.options(k, base)), k)
+               for k in kernels}
     first = next(iter(engines.values()))
     gen = first.generation
     prompt = _prompt(first, context, seed)
@@ -64,7 +65,7 @@ def run(model_dir: str, context: int, drafts: int | str, repeats: int, chunk_tok
             results[f"{k}/graph"].append(_time_chunk(engine, runner, graph, req))
             results[f"{k}/eager"].append(_time_chunk(engine, runner, None, req))
     for k, engine in engines.items():
-        check_reached(engine.model.ops, k)
+        variants.check(engine, k)
     summary = {}
     for variant, rows in results.items():
         summary[variant] = {

@@ -20,11 +20,11 @@ def register(sub) -> None:
     src.add_argument("--prompt-ids", help="comma-separated token ids instead of text")
     d.add_argument("--position", type=int, default=-1, help="absolute position to compare (default: the last)")
     d.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="fast engine compute dtype")
-    d.add_argument("--defect", action="append", default=[], metavar="NAME",
-                   help="switch on a negative-control defect in the fast engine (repeatable)")
-    d.add_argument("--kernels", default="auto",
-                   help="fast engine stages: auto (default: triton on cuda, torch on cpu), torch, triton or a "
-                        "'+'-joined subset (see iquest qualify)")
+    d.add_argument("--control", metavar="NAME",
+                   help="build the fast engine as this negative control of iquest qualify does (its broken piece "
+                        "substituted), to see where its defect shows; default: the healthy engine")
+    d.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
+                   help="fast engine kernels: auto (default: triton on cuda, torch on cpu), torch or triton")
     d.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the fast engine runs")
     d.add_argument("--plot", default="debug-diff.png", help="PNG path for the error-by-layer plot")
     d.add_argument("--json", metavar="OUT", help="also write the per-stage table as JSON")
@@ -40,7 +40,8 @@ def register(sub) -> None:
                                     "the worst chain.")
     c.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
     c.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="fast engine compute dtype")
-    c.add_argument("--kernels", default="auto", help="fast engine stages, as for iquest qualify")
+    c.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
+                   help="fast engine kernels: auto (default: triton on cuda, torch on cpu), torch or triton")
     c.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the fast engine runs")
     c.add_argument("--jobs", type=int, default=1, help="worker processes (one per case)")
     c.add_argument("--json", metavar="OUT", help="also write every row as JSON")
@@ -52,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from ..fast.rank import EngineParts
+    from ..qualify.controls import control
     from ..qualify.diff import diff, print_diff
     from .engines import default_model_dir
 
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         if not path.exists():
             raise FileNotFoundError(f"{model_dir} has no tokenizer.json: pass --prompt-ids")
         ids = Tokenizer.from_file(str(path)).encode(args.prompt).ids
-    result = diff(model_dir, ids, args.position, args.dtype, frozenset(args.defect), args.plot, args.json,
+    parts = EngineParts() if args.control is None else control(args.control).parts  # an unknown name: one line
+    result = diff(model_dir, ids, args.position, args.dtype, parts, args.plot, args.json,
                   device=args.device, kernels=args.kernels)
     print_diff(result)
     return 0

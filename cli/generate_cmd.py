@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-from ..fast.ops import OPT_IN, STAGES
 from ..reference.config import check_sampling
 
 
@@ -39,13 +38,9 @@ def register(sub) -> None:
                    help="fast engine compute dtype (auto = bf16 on GPU, fp32 on CPU)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="fast engine device (auto = cuda when available)")
-    p.add_argument("--kernels", default="auto",
-                   help="fast engine stages: auto (default: triton on GPU, torch on CPU), torch (fallback), triton "
-                        f"(every Triton kernel of kernels/), or a '+'-joined subset of {', '.join(STAGES)} ('-stage' drops "
-                        f"one, e.g. triton-settle); opt-in stages outside triton: {', '.join(OPT_IN)} (e.g. "
-                        "triton+prefetch: docs/PERF.md; cascade = every cascade_OP, refused with early: "
-                        "triton-early+cascade); on CPU "
-                        "kernels need TRITON_INTERPRET=1")
+    p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
+                   help="fast engine kernels: auto (default: triton on a GPU, torch on CPU), torch (the torch form of "
+                        "every op) or triton (the Triton kernels of kernels/; on CPU only under TRITON_INTERPRET=1)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text (default: a Python header)")
     src.add_argument("--prompt-ids", help="comma-separated token ids instead of text, e.g. 1,2,3")

@@ -16,11 +16,10 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="fast engine compute dtype (default fp32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the candidate runs (cuda: the GPU engine, eagerly, so every block is recorded)")
-    p.add_argument("--kernels", default="auto",
-                   help="the candidate's stages: auto (default: what the engine runs on the device: triton on cuda, "
-                        "torch on cpu), torch (fallback), triton (every kernel of kernels/), or a '+'-joined subset such "
-                        "as linear+attention ('-stage' drops one: triton-settle). With the MoE kernel the tolerance column is DTYPE+e4m3act (its Down "
-                        "input is E4M3)")
+    p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
+                   help="the candidate's kernels: auto (default: what the engine runs on the device: triton on cuda, "
+                        "torch on cpu), torch (the torch forms) or triton (the kernel plan of kernels/). With the MoE "
+                        "kernel the tolerance column is DTYPE+e4m3act (its Down input is E4M3)")
     p.add_argument("--jobs", default="auto",
                    help="worker processes for the independent units (the healthy engine, the lossless test and each "
                         "negative control: 12 now); auto (default) = one per CPU core, at most one per unit; 1 runs "
@@ -46,11 +45,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown negative control {name!r}; known: {', '.join(sorted(known))}")
     if args.tp not in TP_DEGREES:
         raise ValueError(f"--tp must be one of {TP_DEGREES}, got {args.tp}")
-    from ..fast.ops import make_ops
-    from ..fast.rank import EngineOptions
+    from ..fast.plan import KernelPlan
 
-    kernels = EngineOptions(kernels=args.kernels).kernel_set(torch.device(args.device))
-    make_ops(kernels)  # an unknown stage name fails here, before any work
+    kernels = KernelPlan.choose(args.kernels, args.device)
     if args.jobs == "auto":
         import os
 

@@ -30,7 +30,7 @@ class LayerKV:
     slots: int
     window: int | None       # None for full attention
     first_position: int      # the MTP layer's sequence starts at position 1
-    causal: bool = True      # False only in the "causal mask open" negative control
+    causal = True            # queries read no later position (a class attribute: the kernels take it too)
 
     def write(self, positions: torch.Tensor, live: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store rows' K/V at their positions; rows with live=False go to the trash slot."""
@@ -59,19 +59,21 @@ def layer_slots(config: Config, layer_type: str, max_context: int, ring_slack: i
 class StaticKV:
     """One rank's caches: main layers 0..L-1 and the MTP layer at index L."""
 
-    def __init__(self, config: Config, kv_heads: int, max_context: int, dtype: torch.dtype,
-                 device: torch.device, ring_slack: int = RING_SLACK, causal: bool = True):
+    ring_slack = RING_SLACK  # spare ring slots of a sliding-window layer
+    layer_kv = LayerKV
+
+    def __init__(self, config: Config, kv_heads: int, max_context: int, dtype: torch.dtype, device: torch.device):
         self.max_context = max_context
         self.layers: list[LayerKV] = []
         for layer in range(config.num_hidden_layers + 1):
             kind = config.layer_type(layer)
-            slots = layer_slots(config, kind, max_context, ring_slack)
+            slots = layer_slots(config, kind, max_context, self.ring_slack)
             shape = (slots + 1, kv_heads, config.head_dim)
-            self.layers.append(LayerKV(
+            self.layers.append(self.layer_kv(
                 k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device),
                 slot_pos=torch.full((slots + 1,), -1, dtype=torch.int64, device=device), slots=slots,
                 window=config.sliding_window if kind == "sliding_attention" else None,
-                first_position=1 if layer == config.mtp_layer_index else 0, causal=causal))
+                first_position=1 if layer == config.mtp_layer_index else 0))
 
     def reset(self) -> None:
         for kv in self.layers:

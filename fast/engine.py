@@ -21,7 +21,7 @@ from ..reference.speculative import Step
 from .depth_policy import DepthPolicy, depth_policy
 from .memory import check_memory
 from .parallel import free_port, init_process
-from .rank import EngineOptions, RankEngine, Request
+from .rank import EngineOptions, EngineParts, RankEngine, Request
 
 
 def _device_kind(device: str) -> str:
@@ -30,12 +30,12 @@ def _device_kind(device: str) -> str:
     return device
 
 
-def _worker(rank: int, world: int, port: int, kind: str, model_dir: str, options: EngineOptions,
+def _worker(rank: int, world: int, port: int, kind: str, model_dir: str, options: EngineOptions, parts: EngineParts,
             requests: "mp.Queue", ready: "mp.Queue") -> None:
     try:
         torch.set_num_threads(1)
         check_memory(Config.from_dir(model_dir), world, options, kind, ranks=(rank,))
-        engine = RankEngine(model_dir, init_process(rank, world, port, kind), options)
+        engine = RankEngine(model_dir, init_process(rank, world, port, kind), options, parts)
         ready.put(("ok", rank))
     except ConfigError as e:  # a clear one-line reason (e.g. this GPU's memory), raised as such by rank 0
         ready.put(("config", str(e)))
@@ -56,7 +56,7 @@ class FastEngine:
 
     @classmethod
     def load(cls, model_dir: str | Path, tp: int = 1, device: str = "auto",
-             options: EngineOptions = EngineOptions()) -> "FastEngine":
+             options: EngineOptions = EngineOptions(), parts: EngineParts = EngineParts()) -> "FastEngine":
         model_dir = Path(model_dir)
         config = Config.from_dir(model_dir)
         config.check_tp(tp)  # before any device work
@@ -73,12 +73,13 @@ class FastEngine:
         procs, queues = [], []
         for rank in range(1, tp):
             q = ctx.Queue()
-            p = ctx.Process(target=_worker, args=(rank, tp, port, kind, str(model_dir), options, q, ready), daemon=True)
+            p = ctx.Process(target=_worker, args=(rank, tp, port, kind, str(model_dir), options, parts, q, ready),
+                            daemon=True)
             p.start()
             procs.append(p)
             queues.append(q)
         try:
-            rank0 = RankEngine(model_dir, init_process(0, tp, port, kind), options)
+            rank0 = RankEngine(model_dir, init_process(0, tp, port, kind), options, parts)
             for _ in procs:
                 status, info = ready.get(timeout=600)
                 if status == "config":
@@ -93,8 +94,8 @@ class FastEngine:
 
     @property
     def kernels(self) -> str:
-        """The op implementation the ranks run: "torch" or "triton" (fast/ops.py)."""
-        return self.rank0.model.ops.name
+        """What the ranks run: "torch", "triton" or a debugging plan's groups (fast/plan.py)."""
+        return self.rank0.plan.name
 
     @property
     def device(self) -> torch.device:

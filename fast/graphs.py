@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from .flow import EagerFlow, GraphFlow
-from .rank import TOKENS_PER_READ
 from .round import RoundRunner
+from .state import TOKENS_PER_READ, DecodeState
 
 
 class DecodeLoopGraph:
@@ -21,26 +21,23 @@ class DecodeLoopGraph:
         self.graph.replay()
 
 
-def capture_decode_loop(engine, runner: RoundRunner) -> DecodeLoopGraph:
-    st = engine.state
-    body_round = runner.plain_round if runner.controller is None else runner.speculative_round
-
+def capture_decode_loop(st: DecodeState, runner: RoundRunner, device: torch.device) -> DecodeLoopGraph:
     def body() -> None:
-        body_round()
+        runner.round()
         st.update_running()
 
     # Warm up every kernel and library call eagerly (on state that start() will clear), then capture.
-    side = torch.cuda.Stream(engine.par.device)
-    side.wait_stream(torch.cuda.current_stream(engine.par.device))
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for more in (0, 1):
             st.clear()
             st.more.fill_(more)
-            body_round()
-    torch.cuda.current_stream(engine.par.device).wait_stream(side)
-    torch.cuda.synchronize(engine.par.device)
+            runner.round()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
     st.clear()
-    flow = GraphFlow(engine.par.device)
+    flow = GraphFlow(device)
     runner.flow = flow
     graph = torch.cuda.CUDAGraph()
     try:

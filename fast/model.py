@@ -36,11 +36,10 @@ class Block(NamedTuple):
 
 class FastModel:
     def __init__(self, config: Config, weights: ModelWeights, cache: StaticKV, par: Parallel, dtype: torch.dtype,
-                 defects: frozenset[str] = frozenset(), ops: TorchOps | None = None):
+                 ops: TorchOps | None = None):
         self.config, self.w, self.cache, self.par, self.dtype = config, weights, cache, par, dtype
-        self.ops = ops or TorchOps()  # torch fallback or the Triton kernels (fast/ops.py)
+        self.ops = ops or TorchOps()  # the torch forms, or the Triton kernels of the kernel plan (fast/triton_ops.py)
         self.ops.prepare(weights)
-        self.defects = defects  # named deliberate bugs for negative controls (qualify/); empty in production
         tp = par.world
         self.q_heads = config.num_attention_heads // tp
         self.kv_heads = max(config.num_key_value_heads // tp, 1)
@@ -87,10 +86,7 @@ class FastModel:
         return self.logits(a), h_out
 
     def _block(self, positions: torch.Tensor, live: torch.Tensor) -> Block:
-        rope_rows = positions
-        if "rope_shift_rows" in self.defects:  # rows after a block's first rotated one position too far
-            rope_rows = positions + (torch.arange(positions.shape[0], device=positions.device) > 0)
-        return Block(positions, live, *self.ops.rotary(self.rope_cos, self.rope_sin, rope_rows))
+        return Block(positions, live, *self.ops.rotary(self.rope_cos, self.rope_sin, positions))
 
     def decoder_layer(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, pending: torch.Tensor | Residual | None,
                       blk: Block, taps: dict | None, tag: str,
@@ -113,7 +109,7 @@ class FastModel:
         attn_out = self.attention(lw, kv, a, blk)
         # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
         x, b32, b16 = self.ops.add_norm(x, attn_out, lw.post_norm, eps, moe_block=lw.gate.block)
-        moe_out, scores, experts = self.moe(lw, b32, blk.live, mtp=tag == "mtp.", f16_input=b16,
+        moe_out, scores, experts = self.moe(lw, b32, blk.live, f16_input=b16,
                                             residual=None if next_norm is None or self.par.active else (x, next_norm))
         if taps is not None:  # the layer's output as the next norm will form it (the same rounded sum)
             out, hidden = ((moe_out.moe_out, moe_out.h) if isinstance(moe_out, Residual) else (moe_out, x + moe_out))
@@ -131,13 +127,11 @@ class FastModel:
             q = self.ops.rope_write(kv, q, k, v, blk.cos, blk.sin, blk.rope_rows, blk.positions, blk.live)
         else:  # K/V stored first: causal block
             q = self.ops.qkv_rope(lw, kv, a, c.head_dim, blk.cos, blk.sin, blk.rope_rows, blk.positions, blk.live)
-        sinks = None if "drop_sink" in self.defects else lw.sinks  # negative control: the sink logit dropped
-        out = self.ops.attention(q, kv, blk.positions, sinks)
+        out = self.ops.attention(q, kv, blk.positions, lw.sinks)
         return self.par.all_reduce(self.ops.linear(lw.wo, out.to(self.dtype).reshape(R, -1)))
 
     @stage("moe")
-    def moe(self, lw: LayerWeights, b32: torch.Tensor, live: torch.Tensor, mtp: bool = False,
-            f16_input: object = None,
+    def moe(self, lw: LayerWeights, b32: torch.Tensor, live: torch.Tensor, f16_input: object = None,
             residual: tuple | None = None) -> tuple[torch.Tensor | Residual, torch.Tensor, torch.Tensor]:
         """Routed experts on this rank's slice of every expert's intermediate dimension (padding rows'
         experts are not read by the kernel path). `f16_input`: b32's Gate/Up operand form, from the norm that
@@ -146,11 +140,6 @@ class FastModel:
         c = self.config
         weights, experts, scores = self.ops.route(b32, lw, c.num_experts_per_tok, c.norm_topk_prob,
                                                   c.routed_scaling_factor)
-        if mtp and "mtp_router_shift" in self.defects:  # negative control: the draft layer skips its best expert
-            experts = torch.topk(scores, c.num_experts_per_tok + 1, dim=-1).indices[:, 1:]
-            weights = scores.gather(-1, experts)
-            weights = weights / weights.sum(-1, keepdim=True) if c.norm_topk_prob else weights
-            weights = weights * c.routed_scaling_factor
         out = self.ops.moe(b32, experts, weights, live, lw.gate, lw.up, lw.down, compute_dtype=self.dtype,
                            f16_input=f16_input, residual=residual)
         if isinstance(out, Residual):  # added to the stream already (no all-reduce between: the caller's contract)

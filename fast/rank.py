@@ -8,7 +8,7 @@ cancellation) and at the end; between reads the decode loop runs on the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,15 +18,17 @@ from ..reference.depth import FixedDepth, load_controller
 from ..reference.rng import PURPOSE_COMMIT, int64_bits
 from ..reference.speculative import Step
 from . import sampler
-from .cache import RING_SLACK, StaticKV
+from .cache import StaticKV
+from .flow import EagerFlow
+from .graphs import capture_decode_loop
 from .model import FastModel
-from .ops import make_ops
 from .parallel import Parallel
+from .plan import KernelPlan
 from .round import RoundRunner
-from .state import MAX_STOP_IDS, VERIFY_ROWS, DecodeState
-from .weights import ModelWeights, load_weights
+from .state import MAX_STOP_IDS, TOKENS_PER_READ, VERIFY_ROWS, DecodeState
+from .torch_ops import TorchOps
+from .weights import ModelWeights, WeightLoader, load_weights
 
-TOKENS_PER_READ = 32
 PREFILL_BLOCK = 64  # rows per prefill block: no more than the ring's spare slots (see cache.py)
 
 
@@ -35,21 +37,36 @@ class EngineOptions:
     max_context: int = 4096
     dtype: str = "auto"             # auto = bf16 on CUDA, fp32 on CPU
     graphs: bool = True             # capture CUDA graphs (ignored on CPU)
-    ring_slack: int = RING_SLACK    # 0 only in the "ring of exactly W slots" negative control
-    kernels: str = "auto"           # auto = triton (the kernels of kernels/) on CUDA, the torch fallback on CPU
-    defects: frozenset[str] = field(default_factory=frozenset)  # negative controls (qualify/)
+    kernels: str | KernelPlan = "auto"  # auto = Triton on CUDA, the torch forms on CPU; or torch, triton, a plan
 
-    def kernel_set(self, device: torch.device) -> str:
-        """The stages to run as kernels (fast/ops.make_ops): "auto" takes the GPU-tested set on CUDA; on CPU the
-        kernels would run only under Triton's interpreter."""
-        if self.kernels == "auto":
-            return "triton" if device.type == "cuda" else "torch"
-        return self.kernels
+    def plan(self, device: torch.device) -> KernelPlan:
+        """The kernel plan for this device (on CPU, Triton kernels run only under Triton's interpreter)."""
+        return self.kernels if isinstance(self.kernels, KernelPlan) else KernelPlan.choose(self.kernels, device)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return {"bf16": torch.bfloat16, "fp32": torch.float32}[self.dtype]
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """The pieces an engine is built from. The product's are these; a negative control of qualify/ substitutes a
+    broken subclass of one of them, so that no product file carries a branch for it."""
+
+    loader: type[WeightLoader] = WeightLoader
+    cache: type[StaticKV] = StaticKV
+    model: type[FastModel] = FastModel
+    runner: type[RoundRunner] = RoundRunner
+
+
+def make_ops(plan: KernelPlan) -> TorchOps:
+    """The torch forms, or the Triton dispatcher for a plan with kernels (imported only then: it imports triton)."""
+    if not plan.uses_triton:
+        return TorchOps()
+    from .triton_ops import TritonOps
+
+    return TritonOps(plan)
 
 
 def cache_capacity(options: EngineOptions) -> int:
@@ -70,35 +87,36 @@ class Request:
 
 
 class RankEngine:
-    def __init__(self, model_dir: str | Path, par: Parallel, options: EngineOptions):
+    def __init__(self, model_dir: str | Path, par: Parallel, options: EngineOptions,
+                 parts: EngineParts = EngineParts()):
         model_dir = Path(model_dir)
         config = Config.from_dir(model_dir)
         config.check_tp(par.world)
         generation = GenerationConfig.from_dir(model_dir, config)
-        weights = load_weights(model_dir, config, par, options.torch_dtype(par.device), defects=options.defects)
-        self._build(model_dir, config, generation, weights, par, options)
+        weights = load_weights(model_dir, config, par, options.torch_dtype(par.device), loader=parts.loader)
+        self._build(model_dir, config, generation, weights, par, options, parts)
 
     @classmethod
     def from_weights(cls, config: Config, weights: ModelWeights, generation: GenerationConfig, par: Parallel,
-                     options: EngineOptions) -> "RankEngine":
+                     options: EngineOptions, parts: EngineParts = EngineParts()) -> "RankEngine":
         """An engine over weights already in memory (e.g. fast/synthetic.py), without a checkpoint folder.
         Nothing is captured at construction, and the "auto" depth controller is unavailable (no model folder)."""
         config.check_tp(par.world)
         engine = cls.__new__(cls)
-        engine._build(None, config, generation, weights, par, options)
+        engine._build(None, config, generation, weights, par, options, parts)
         return engine
 
     def _build(self, model_dir: Path | None, config: Config, generation: GenerationConfig, weights: ModelWeights,
-               par: Parallel, options: EngineOptions) -> None:
-        self.model_dir, self.par, self.options = model_dir, par, options
+               par: Parallel, options: EngineOptions, parts: EngineParts) -> None:
+        self.model_dir, self.par, self.options, self.parts = model_dir, par, options, parts
         self.config, self.generation = config, generation
         self.dtype = options.torch_dtype(par.device)
         c = self.config
         kv_heads = max(c.num_key_value_heads // par.world, 1)
         self.capacity = cache_capacity(options)
-        self.cache = StaticKV(c, kv_heads, self.capacity, self.dtype, par.device, options.ring_slack,
-                              causal="open_causal_mask" not in options.defects)
-        self.model = FastModel(c, weights, self.cache, par, self.dtype, options.defects, make_ops(options.kernel_set(par.device)))
+        self.plan = options.plan(par.device)
+        self.cache = parts.cache(c, kv_heads, self.capacity, self.dtype, par.device)
+        self.model = parts.model(c, weights, self.cache, par, self.dtype, make_ops(self.plan))
         self.state = DecodeState.allocate(self.capacity, options.max_context, c.hidden_size,
                                           min(self.generation.top_k, c.vocab_size), self.dtype, par.device)
         self._runners: dict[tuple, tuple[RoundRunner, object]] = {}
@@ -120,8 +138,8 @@ class RankEngine:
                 self.state = DecodeState.allocate(self.capacity, self.options.max_context, self.config.hidden_size,
                                                   width, self.dtype, self.par.device)
                 self._runners.clear()
-            runner = RoundRunner(self.model, self.state, top_k, controller, EagerFlow(), self.options.defects)
-            graph = self._capture(runner) if self._use_graphs() else None
+            runner = self.parts.runner(self.model, self.state, top_k, controller, EagerFlow())
+            graph = capture_decode_loop(self.state, runner, self.par.device) if self._use_graphs() else None
             self._runners[key] = (runner, graph)
         return self._runners[key]
 
@@ -129,11 +147,6 @@ class RankEngine:
         # NCCL collectives cannot live inside conditional-node bodies (capture fails): tensor-parallel
         # CUDA runs eagerly until the collectives are plain kernels (the fused all-reduce of issue 5).
         return self.options.graphs and self.par.device.type == "cuda" and not self.par.active
-
-    def _capture(self, runner: RoundRunner):
-        from .graphs import capture_decode_loop
-
-        return capture_decode_loop(self, runner)
 
     # ---- a request ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -189,10 +202,9 @@ class RankEngine:
             graph.replay()
             return
         st.target.copy_(st.emitted + TOKENS_PER_READ)
-        body = runner.plain_round if runner.controller is None else runner.speculative_round
         st.update_running()
         while bool(st.running):  # one host read per round, the graph's loop condition
-            body()
+            runner.round()
             st.update_running()
 
     def decode(self, req: Request):

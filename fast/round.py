@@ -14,7 +14,7 @@ import math
 import torch
 
 from ..reference.depth import FEATURES, MIN_DRAFTS, FixedDepth, LogisticDepth
-from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT, PURPOSE_DRAFT
+from ..reference.rng import PURPOSE_COMMIT, PURPOSE_DRAFT
 from . import sampler
 from .model import FastModel
 from .profiling import stage
@@ -22,17 +22,15 @@ from .state import MAX_DRAFTS, VERIFY_ROWS, DecodeState, DraftInputs
 
 
 class RoundRunner:
-    def __init__(self, model: FastModel, state: DecodeState, top_k: int, controller, flow,
-                 defects: frozenset[str] = frozenset()):
+    def __init__(self, model: FastModel, state: DecodeState, top_k: int, controller, flow):
         self.m, self.st, self.top_k, self.controller, self.flow = model, state, top_k, controller, flow
-        self.defects = defects  # named deliberate bugs for negative controls (qualify/); empty in production
+        # The one place plain sampling (--drafts 0: no controller) and speculative rounds part ways
+        self.round = self.plain_round if controller is None else self.speculative_round
         dev = state.n.device
         self.rows = torch.arange(VERIFY_ROWS, device=dev)
         self.depths = torch.arange(1, MAX_DRAFTS + 1, device=dev)
         self.next = DraftInputs.allocate(dev)  # the drafting inputs each settle step leaves (kernels/settle.py)
         self.one_live = torch.ones(1, dtype=torch.bool, device=dev)  # a draft row's live mask
-        # What dist() does to a distribution after computing it: nothing, except in a negative control
-        self.edit = self._drop_crossing if "top_p_drops_crossing" in defects else None
 
     # ---- sampling helpers ---------------------------------------------------------------------
     def _sampling_args(self) -> tuple:
@@ -43,21 +41,13 @@ class RoundRunner:
     @stage("sampling")
     def dist(self, local_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Vocabulary-parallel top-k/top-p: (ids [R, K], probs [R, K]), identical on every rank."""
-        ids, probs = self.m.ops.dist(local_logits, *self._sampling_args())
-        return (ids, probs) if self.edit is None else self.edit(ids, probs)
+        return self.m.ops.dist(local_logits, *self._sampling_args())
 
     def sample(self, local_logits: torch.Tensor, u: torch.Tensor,
                out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], chain: tuple | None = None) -> torch.Tensor:
         """dist() and the draw with uniforms u [R], written into out = (tokens [R], ids [R, K], probs [R, K]);
         returns the drawn tokens' probabilities [R]. `chain` = (k, depth, product): a draft depth's state update."""
-        return self.m.ops.sample(local_logits, *self._sampling_args(), u, out, self.edit, chain)
-
-    @staticmethod
-    def _drop_crossing(ids: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Negative control top_p_drops_crossing: the last kept (crossing) token cut too."""
-        last = (probs > 0).sum(-1, keepdim=True) - 1  # Dist order: the crossing token is the last one kept
-        probs = torch.where((torch.arange(probs.shape[-1], device=probs.device) == last) & (last > 0), 0.0, probs)
-        return ids, probs / probs.sum(-1, keepdim=True)
+        return self.m.ops.sample(local_logits, *self._sampling_args(), u, out, chain)
 
     def uniform(self, positions: torch.Tensor, purpose: int, depth: int | torch.Tensor = 0,
                 out: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,43 +62,23 @@ class RoundRunner:
         rows = torch.cat([st.tokens.index_select(0, n.view(1)), st.drafts])
         logits, hidden = self.m.forward(rows, n + j, j <= k)
         p_ids, p_probs = self.dist(logits)
-        # 2. Accept, and the round's new token x at n+a+1 (emitted: d_1..d_a then x; their logprobs under p)
-        a, x_new, emitted, logprobs = self.accept(p_ids, p_probs, n, k)
+        # 2. Accept: d_i when u < min(1, p_{i-1}(d_i) / q_i(d_i)), up to the first rejection, whose replacement
+        #    comes from normalize(max(0, p - q)); all k accepted: a bonus token from p_k. Emitted: d_1..d_a, then x.
+        a, x, emitted, logprobs = self.accept(p_ids, p_probs, n, k)
         # 3. Settle: a+1 tokens committed; main KV is valid through n+a, later rows are stale and
         #    rewritten before any query reaches them. Rollback is this length change.
         st.hid.copy_(hidden)
         n_emit = a + 1
-        committed, count = emitted, n_emit
-        if "keep_rejected_kv" in self.defects:  # rejected rows stay in the context: no rollback
-            committed, count = torch.where(j < k, torch.cat([st.drafts, st.drafts[:1]]), x_new), k + 1
-        nxt = self.settle(committed, count, emitted, n_emit, logprobs, k, a)
+        nxt = self.settle(emitted, n_emit, emitted, n_emit, logprobs, k, a)
         # 4. Draft: depth 0 re-runs the draft layer on the newly committed positions n+1+j with the
         #    main model's hiddens (overwriting draft KV written from draft hiddens), then deeper rows.
-        redraft_live = nxt.live
-        if "skip_redraft" in self.defects:
-            redraft_live = j == count - 1
-        self.draft(nxt.tokens, st.hid, nxt.positions, redraft_live, last=nxt.last)
+        self.draft(nxt.tokens, st.hid, nxt.positions, nxt.live, last=nxt.last)
 
     def accept(self, p_ids: torch.Tensor, p_probs: torch.Tensor, n: torch.Tensor,
                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(a, x, emitted [VERIFY_ROWS], logprobs [VERIFY_ROWS]) of step 2, in one kernel (ops.accept_settle) where
-        the ops have it; the torch sequence below otherwise, and for the negative control that edits its middle."""
-        st, j = self.st, self.rows
-        if "replacement_from_p" not in self.defects and self.m.ops.fuses_accept(p_ids.shape[1], st.q_ids.shape[1]):
-            r = self.m.ops.accept_settle(p_ids, p_probs, st.q_ids, st.q_probs, st.drafts, k, n, st.seed)
-            return r["a"], r["token"], r["emitted"], r["logprobs"]
-        # Accept d_i when u < min(1, p_{i-1}(d_i) / q_i(d_i)); a = leading accepted drafts.
-        p_d = sampler.prob_of(p_ids[:MAX_DRAFTS], p_probs[:MAX_DRAFTS], st.drafts)
-        q_d = sampler.prob_of(st.q_ids, st.q_probs, st.drafts)
-        _, a = sampler.acceptance(p_d, q_d, self.uniform(n + self.depths, PURPOSE_ACCEPT), self.depths <= k)
-        # At the first rejection draw from normalize(max(0, p - q)); if all k passed, the extra
-        # row's p_k gives a bonus token. Both are the commit draw of position n+a+1.
-        f_ids, f_probs = sampler.commit_dist(p_ids, p_probs, st.q_ids, st.q_probs, a, k)
-        if "replacement_from_p" in self.defects:  # negative control: the replacement drawn from p_a itself
-            f_ids, f_probs = p_ids.index_select(0, a.view(1)), p_probs.index_select(0, a.view(1))
-        x_new = sampler.draw(f_ids, f_probs, self.uniform((n + a + 1).view(1), PURPOSE_COMMIT))
-        emitted = torch.where(j < a, torch.cat([st.drafts, st.drafts[:1]]), x_new)
-        return a, x_new, emitted, torch.log(sampler.prob_of(p_ids, p_probs, emitted))
+        """(a, x, emitted [VERIFY_ROWS], logprobs [VERIFY_ROWS]) of step 2 (fast/torch_ops.py writes the rule)."""
+        st = self.st
+        return self.m.ops.accept(p_ids, p_probs, st.q_ids, st.q_probs, st.drafts, k, n, st.seed)
 
     def plain_round(self) -> None:
         """Plain autoregressive sampling (--drafts 0): the baseline every speculative result is compared with."""

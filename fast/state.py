@@ -14,6 +14,7 @@ import torch
 MAX_DRAFTS = 7
 VERIFY_ROWS = MAX_DRAFTS + 1  # one committed token + up to 7 drafts: the verification kernel width
 MAX_STOP_IDS = 8
+TOKENS_PER_READ = 32  # the host reads the result log once per this many emitted tokens (streaming, cancel)
 
 
 class DraftInputs(NamedTuple):

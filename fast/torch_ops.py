@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..reference.layers import apply_rope, attention, rms_norm, route
+from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT
 from . import philox, sampler
 from .cache import LayerKV
 from .profiling import stage
@@ -140,14 +141,11 @@ class TorchOps:
         return sampler.sample_rows(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
 
     def sample(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p, u: torch.Tensor,
-               out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], edit=None, chain=None) -> torch.Tensor:
+               out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], chain=None) -> torch.Tensor:
         """`dist` and the draw with uniforms u [R]: writes out = (tokens [R], ids [R, K], probs [R, K]) and returns the
-        drawn tokens' probabilities [R] (fast.sampler.prob_of). `edit` (a negative control's) changes the
-        distribution between the two. `chain` = (k, depth, product) for a draft depth's one row: then also k = depth
-        and product *= the drawn token's probability."""
+        drawn tokens' probabilities [R] (fast.sampler.prob_of). `chain` = (k, depth, product) for a draft depth's one
+        row: then also k = depth and product *= the drawn token's probability."""
         ids, probs = self.dist(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
-        if edit is not None:
-            ids, probs = edit(ids, probs)
         tokens = sampler.draw(ids, probs, u)
         for dst, src in zip(out, (tokens, ids, probs)):
             dst.copy_(src)
@@ -158,10 +156,26 @@ class TorchOps:
             product.mul_(served[0])
         return served
 
-    def fuses_accept(self, kp: int, kq: int) -> bool:
-        """Whether the ops have the accept step as one kernel (TritonOps.accept_settle) for distributions of kp and kq
-        entries; fast/round.py then calls it, and runs the torch form (RoundRunner.accept's) otherwise."""
-        return False
+    def accept(self, p_ids: torch.Tensor, p_probs: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
+               drafts: torch.Tensor, k: torch.Tensor, n: torch.Tensor,
+               seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The round's accept step (ROUND.md step 2) on the verification rows' distributions p_0..p_K (row i = p_i) and
+        the proposals q_1..q_K (row i = q_{i+1}) of drafts d_1..d_K, k of them live, x_n at position n. Returns
+        (a, x, emitted [K+1], logprobs [K+1]): accepted drafts, the round's new token at n+a+1, the emitted tokens
+        d_1..d_a then x, and their logprobs under p. kernels/sample.accept_settle is this in one launch."""
+        kmax = q_ids.shape[0]
+        depths = torch.arange(1, kmax + 1, device=drafts.device)
+        j = torch.arange(kmax + 1, device=drafts.device)
+        # Accept d_i when u < min(1, p_{i-1}(d_i) / q_i(d_i)); a = leading accepted drafts (only live ones count).
+        p_d = sampler.prob_of(p_ids[:kmax], p_probs[:kmax], drafts)
+        q_d = sampler.prob_of(q_ids, q_probs, drafts)
+        _, a = sampler.acceptance(p_d, q_d, self.uniforms(seed, n + depths, PURPOSE_ACCEPT), depths <= k)
+        # At the first rejection draw from normalize(max(0, p_a - q_{a+1})); if all k passed, p_k gives a bonus
+        # token. Both are the commit draw of position n+a+1.
+        f_ids, f_probs = sampler.commit_dist(p_ids, p_probs, q_ids, q_probs, a, k)
+        x = sampler.draw(f_ids, f_probs, self.uniforms(seed, (n + a + 1).view(1), PURPOSE_COMMIT))
+        emitted = torch.where(j < a, torch.cat([drafts, drafts[:1]]), x)
+        return a, x[0], emitted, torch.log(sampler.prob_of(p_ids, p_probs, emitted))
 
     @staticmethod
     def settle(st, committed, count, emitted, n_emit, logprobs, k, a, out):

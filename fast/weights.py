@@ -155,10 +155,11 @@ def _to(t: torch.Tensor, par: Parallel, dtype: torch.dtype | None = None) -> tor
     return t.to(device=par.device, dtype=dtype or t.dtype)
 
 
-class _Loader:
-    def __init__(self, reader: CheckpointReader, par: Parallel, dtype: torch.dtype, bar, defects=frozenset()):
+class WeightLoader:
+    """Reads one rank's slices of a checkpoint into the engine's weight types."""
+
+    def __init__(self, reader: CheckpointReader, par: Parallel, dtype: torch.dtype, bar):
         self.reader, self.par, self.dtype, self.bar = reader, par, dtype, bar
-        self.defects = defects  # named deliberate bugs for negative controls (qualify/); empty in production
         self.block = reader.config.weight_block_size
 
     def plain(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -168,8 +169,6 @@ class _Loader:
 
     def fp8(self, name: str) -> FP8Weight:
         w, s = self.reader.read_weight(name, self.par.world, self.par.rank)
-        if "fp8_scales_transposed" in self.defects and s.shape[-1] == s.shape[-2]:  # scale[c//B1, r//B0]
-            s = s.transpose(-1, -2).contiguous()
         self.bar.update(1)
         return FP8Weight(_to(w, self.par), _to(s, self.par), self.block, self.dtype)
 
@@ -195,14 +194,14 @@ class _Loader:
         )
 
 
-def load_weights(model_dir, config: Config, par: Parallel, dtype: torch.dtype,
-                 progress: bool | None = None, defects: frozenset[str] = frozenset()) -> ModelWeights:
+def load_weights(model_dir, config: Config, par: Parallel, dtype: torch.dtype, progress: bool | None = None,
+                 loader: type[WeightLoader] = WeightLoader) -> ModelWeights:
     """Read this rank's slices of every tensor, with a progress bar on rank 0."""
     reader = CheckpointReader(model_dir, config)
     total = sum(1 for _ in reader.names())
     show = (par.rank == 0 and sys.stderr.isatty()) if progress is None else progress
     with tqdm(total=total, desc=f"loading weights (tp={par.world})", disable=not show, unit="tensor") as bar:
-        ld = _Loader(reader, par, dtype, bar, defects)
+        ld = loader(reader, par, dtype, bar)
         layers = [ld.layer(i) for i in range(config.num_hidden_layers)]
         m = layer_prefix(config.mtp_layer_index)
         mtp = MTPWeights(ld.layer(config.mtp_layer_index), ld.plain(m + "enorm.weight"),

@@ -111,7 +111,7 @@ def _case_rows(model_dir: str, options: EngineOptions, device: str, index: int) 
 
     engine = RankEngine(model_dir, Parallel.single(device), options)
     cases, _, _ = qualify_cases(engine.config.vocab_size, False, sliding_ring(engine.config, options))
-    tol = tolerances.value("numerics.router", tolerances.scheme(options.dtype, options.kernels, engine.config))
+    tol = tolerances.value("numerics.router", tolerances.scheme(options.dtype, engine.plan, engine.config))
     return chain_rows(engine, model_dir, cases[index], index, tol)
 
 

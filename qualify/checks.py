@@ -19,7 +19,8 @@ import torch
 
 from ..fast.cache import layer_slots
 from ..fast.parallel import Parallel
-from ..fast.rank import PREFILL_BLOCK, EngineOptions, RankEngine, Request, cache_capacity
+from ..fast.plan import KernelPlan
+from ..fast.rank import PREFILL_BLOCK, EngineOptions, EngineParts, RankEngine, Request, cache_capacity
 from ..reference.config import Config
 from ..reference import sampling
 from ..reference.model import ReferenceModel
@@ -125,8 +126,7 @@ def reference_dist(model_dir: str, params: SamplingParams):
 def sliding_ring(config: Config, options: EngineOptions) -> int:
     """Slots of a main sliding layer's ring under `options` (the whole capacity when no layer slides)."""
     sliding = any(config.layer_type(i) == "sliding_attention" for i in range(config.num_hidden_layers))
-    return layer_slots(config, "sliding_attention" if sliding else "full_attention", cache_capacity(options),
-                       options.ring_slack)
+    return layer_slots(config, "sliding_attention" if sliding else "full_attention", cache_capacity(options))
 
 
 def record(engine: RankEngine, case: Case, run=None, taps: bool = False) -> tuple[SamplingParams, list, list]:
@@ -298,12 +298,12 @@ def exact_second_token(model_dir: str, prompt: list[int], params: SamplingParams
     return out
 
 
-def lossless(dtype: str, samples: int, defects: frozenset = frozenset(), drafts: int = 3,
-             device: str = "cpu", kernels: str = "torch") -> tuple[Row, dict]:
+def lossless(dtype: str, samples: int, parts: EngineParts = EngineParts(), drafts: int = 3,
+             device: str = "cpu", kernels: str | KernelPlan = "torch") -> tuple[Row, dict]:
     """Chi-square of the first speculative token (output index 1) against its exact distribution."""
     model_dir = micro_fixture()
     engine = RankEngine(model_dir, Parallel.single(device),
-                        EngineOptions(max_context=64, dtype=dtype, defects=defects, graphs=False, kernels=kernels))
+                        EngineOptions(max_context=64, dtype=dtype, graphs=False, kernels=kernels), parts)
     g = engine.generation
     params = SamplingParams(g.temperature, min(g.top_k, engine.config.vocab_size), g.top_p)
     prompt = [3, 5, 2, 7, 1, 4]
@@ -330,7 +330,7 @@ def lossless(dtype: str, samples: int, defects: frozenset = frozenset(), drafts:
              f"replacement branch ran in {rejected} rounds ({replaced} drew the tested token)")
     fallbacks = getattr(engine.model.ops, "fallbacks", {})
     if fallbacks:  # the micro preset's 8-wide blocks and heads are below what some kernels take
-        where += f"; kernels {kernels}: stages on the torch fallback for this model's shapes: {sorted(fallbacks)}"
+        where += f"; kernels {engine.plan.name}: op groups on their torch forms for this model's shapes: {sorted(fallbacks)}"
     info = {"p_value": pval, "chi2": stat, "dof": dof, "samples": samples, "replacement_rounds": rejected,
             "replacement_drew_tested_token": replaced, "observed": counts.tolist(), "expected": expected.tolist()}
     # The verdict is on the p-value; the tolerance column shows alpha (a p-value below it fails).

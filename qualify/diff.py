@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..fast.parallel import Parallel
-from ..fast.rank import PREFILL_BLOCK, EngineOptions, RankEngine
+from ..fast.rank import PREFILL_BLOCK, EngineOptions, EngineParts, RankEngine
 from ..reference.model import ReferenceModel
 from . import tolerances
 
@@ -98,10 +98,10 @@ def _compare(layer: str, stage: str, r: torch.Tensor, f: torch.Tensor, dtype: st
     return StageDiff(layer, stage, rn, float(f.norm()), err, tolerances.value("diff", dtype))
 
 
-def diff(model_dir, ids: list[int], position: int, dtype: str = "fp32", defects: frozenset = frozenset(),
+def diff(model_dir, ids: list[int], position: int, dtype: str = "fp32", parts: EngineParts = EngineParts(),
          plot: str = "debug-diff.png", json_out: str | None = None, device: str = "cpu",
          kernels: str = "auto") -> DiffResult:
-    kernels = EngineOptions(kernels=kernels).kernel_set(torch.device(device))
+    """`parts`: the candidate's engine pieces (a negative control's, to see where its defect shows)."""
     if not ids:
         raise ValueError("the prompt is empty")
     P = position if position >= 0 else len(ids) + position
@@ -109,9 +109,8 @@ def diff(model_dir, ids: list[int], position: int, dtype: str = "fp32", defects:
         raise ValueError(f"--position {position} is outside the prompt's {len(ids)} positions")
     ref = ReferenceModel.load(model_dir)
     engine = RankEngine(model_dir, Parallel.single(device),
-                        EngineOptions(max_context=max(len(ids) + 16, 64), dtype=dtype, defects=defects,
-                                      kernels=kernels))
-    tol = tolerances.scheme(dtype, kernels, engine.config)  # dtype, +e4m3act when the MoE kernel runs
+                        EngineOptions(max_context=max(len(ids) + 16, 64), dtype=dtype, kernels=kernels), parts)
+    tol = tolerances.scheme(dtype, engine.plan, engine.config)  # dtype, +e4m3act when the MoE kernel runs
     rm, rt = _ref_taps(ref, ids, P)
     fm, ft = _fast_taps(engine, ids, P)
     stages = []

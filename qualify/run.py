@@ -18,7 +18,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,11 +26,12 @@ from tqdm import tqdm
 
 from ..provenance import commit
 from ..fast.parallel import Parallel
-from ..fast.rank import EngineOptions, RankEngine
+from ..fast.plan import KernelPlan
+from ..fast.rank import EngineOptions, EngineParts, RankEngine
 from . import tolerances
 from ..reference.config import Config
 from .checks import Case, Row, decode_session, lossless, session_rows, sliding_ring, stability
-from .controls import REGISTRY, Control
+from .controls import REGISTRY, Control, control
 from .replay import classes_all
 
 SCHEMA = "iquest-qualify/1"
@@ -52,21 +53,22 @@ def qualify_cases(vocab: int, quick: bool, ring: int) -> tuple[list[Case], list[
 
 
 class _Engines:
-    """The candidate under some options: (recorded rank-0 engine, run(req), single-rank engine for dists)."""
+    """The candidate under some options and parts: (recorded rank-0 engine, run(req), single-rank engine for dists)."""
 
-    def __init__(self, model_dir: str, tp: int, options: EngineOptions, device: str = "cpu"):
+    def __init__(self, model_dir: str, tp: int, options: EngineOptions, device: str = "cpu",
+                 parts: EngineParts = EngineParts()):
         self.fe = None
         if tp == 1:
-            self.rank0 = RankEngine(model_dir, Parallel.single(device), options)
+            self.rank0 = RankEngine(model_dir, Parallel.single(device), options, parts)
             self.single, self.run = self.rank0, None
         else:
             from ..fast.engine import FastEngine
             from ..reference.sampling import SamplingParams
 
-            self.fe = FastEngine.load(model_dir, tp=tp, device=device, options=options)
+            self.fe = FastEngine.load(model_dir, tp=tp, device=device, options=options, parts=parts)
             self.rank0 = self.fe.rank0
             # Ranks only change reduction order: a single-rank engine stands in for fresh-prefill distributions.
-            self.single = RankEngine(model_dir, Parallel.single(device), options)
+            self.single = RankEngine(model_dir, Parallel.single(device), options, parts)
 
             def run(req):
                 return self.fe.generate(req.prompt, seed=req.seed, params=SamplingParams(req.temperature, req.top_k,
@@ -100,7 +102,7 @@ class Plan:
     prefix: tuple
     extra: tuple
     dtype: str
-    tol: str            # tolerance column: tolerances.scheme(dtype, kernels, config, tp)
+    tol: str            # tolerance column: tolerances.scheme(dtype, plan, config, tp)
     samples: int
     device: str
 
@@ -111,7 +113,7 @@ def run_healthy(plan: Plan, bar) -> tuple[list[Row], dict]:
     try:
         rows = session_rows(_sessions(engines, plan.model_dir, list(plan.cases), plan.tol, bar), classes_all())
         rows += stability(engines.single, plan.model_dir, list(plan.prefix), list(plan.extra), plan.tol)
-        fallbacks = dict(getattr(engines.rank0.model.ops, "fallbacks", {}))
+        fallbacks = dict(getattr(engines.rank0.model.ops, "fallbacks", {}))  # op group -> calls
     finally:
         engines.close()
     bar.update(1)
@@ -126,15 +128,12 @@ def run_lossless(plan: Plan, bar) -> tuple[Row, dict]:
 
 def run_control(ctl: Control, plan: Plan, bar) -> dict:
     t0 = time.time()
-    options = replace(plan.base, defects=frozenset(plan.base.defects) | ctl.defects)
-    if ctl.ring_slack is not None:
-        options = replace(options, ring_slack=ctl.ring_slack)
     if ctl.family == "lossless":
-        row, info = lossless(plan.dtype, plan.samples, ctl.defects, device=plan.device, kernels=plan.base.kernels)
+        row, info = lossless(plan.dtype, plan.samples, ctl.parts, device=plan.device, kernels=plan.base.kernels)
         rows, branch = [row], ctl.branch(info, plan.model_dir)
         bar.update(len(plan.cases))
     else:
-        engines = _Engines(plan.model_dir, plan.tp, options, plan.device)
+        engines = _Engines(plan.model_dir, plan.tp, plan.base, plan.device, ctl.parts)
         try:
             sessions = _sessions(engines, plan.model_dir, list(plan.cases), plan.tol, bar)
         finally:
@@ -184,7 +183,7 @@ def _unit(kind: str, plan: Plan, name: str | None = None):
         return run_healthy(plan, _NoBar())
     if kind == "lossless":
         return run_lossless(plan, _NoBar())
-    return run_control(next(c for c in REGISTRY if c.name == name), plan, _NoBar())
+    return run_control(control(name), plan, _NoBar())
 
 
 def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar) -> tuple[list[Row], dict, dict, list[dict]]:
@@ -221,25 +220,24 @@ def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar) -> tuple[list[
     return rows + [lrow], linfo, fallbacks, [done[c.name] for c in chosen]
 
 
-def candidate_options(dtype: str, kernels: str, device: str) -> EngineOptions:
-    """The healthy candidate's engine options (`kernels` resolved for the device, e.g. auto -> triton). Eager on
-    CUDA too: the recorder wraps the engine's Python calls, which a graph replay skips. The graph is held to the
-    eager round separately (bit-exact: tests/test_fast_gpu.py)."""
+def candidate_options(dtype: str, kernels: str | KernelPlan, device: str) -> EngineOptions:
+    """The healthy candidate's engine options (`kernels` resolved to a plan for the device, e.g. auto -> triton).
+    Eager on CUDA too: the recorder wraps the engine's Python calls, which a graph replay skips. The graph is held to
+    the eager round separately (bit-exact: tests/test_fast_gpu.py)."""
     return EngineOptions(max_context=512, dtype=dtype, graphs=False,
-                         kernels=EngineOptions(kernels=kernels).kernel_set(torch.device(device)))
+                         kernels=EngineOptions(kernels=kernels).plan(torch.device(device)))
 
 
 def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32", json_out: str | None = None,
             progress: bool | None = None, controls: list[str] | None = None, out=None,
-            device: str = "cpu", kernels: str = "auto", jobs: int = 1) -> dict:
+            device: str = "cpu", kernels: str | KernelPlan = "auto", jobs: int = 1) -> dict:
     t0 = time.time()
     model_dir = str(model_dir)
     base = candidate_options(dtype, kernels, device)
-    kernels = base.kernels  # the report names the stages run
     config = Config.from_dir(model_dir)
     cases, prefix, extra = qualify_cases(config.vocab_size, quick, sliding_ring(config, base))
     plan = Plan(model_dir, tp, base, tuple(cases), tuple(prefix), tuple(extra), dtype,
-                tolerances.scheme(dtype, kernels, config, tp), 600 if quick else 3000, device)
+                tolerances.scheme(dtype, base.kernels, config, tp), 600 if quick else 3000, device)
     chosen = [c for c in REGISTRY if controls is None or c.name in controls]
     jobs = max(1, min(jobs, len(chosen) + 2))
     total = len(cases) * (1 + len(chosen)) + 2
@@ -248,7 +246,7 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
         rows, linfo, fallbacks, results = _run_units(plan, chosen, jobs, bar)
     caught = sum(r["caught"] for r in results)
     passed = all(r.passed for r in rows) and caught == len(results)
-    report = {"schema": SCHEMA, "model": model_dir, "tp": tp, "dtype": dtype, "kernels": kernels,
+    report = {"schema": SCHEMA, "model": model_dir, "tp": tp, "dtype": dtype, "kernels": base.kernels.name,
               "kernel_fallbacks": fallbacks, "tolerance_column": plan.tol, "device": device, "quick": quick,
               "jobs": jobs, "commit": commit(),
               "seconds": round(time.time() - t0, 2), "passed": passed, "checks": [r.as_dict() for r in rows],

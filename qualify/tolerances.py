@@ -25,17 +25,18 @@ def entry(check: str, cls: str = "*") -> dict:
     return found
 
 
-def scheme(dtype: str, kernels: str = "torch", config=None, tp: int = 1) -> str:
-    """The tolerance column for an engine: its compute dtype, plus "+e4m3act" when the MoE runs as the Triton
-    kernel, whose Down input is act_quant'ed to E4M3 (ROUND.md) where the reference and the fallback keep it.
-    With `config`, only when the kernel takes that model's shapes at `tp` (else the MoE falls back, exactly)."""
-    from ..fast.ops import TritonOps, make_ops
-
-    if "moe" not in getattr(make_ops(kernels), "stages", ()):
+def scheme(dtype: str, plan=None, config=None, tp: int = 1) -> str:
+    """The tolerance column for an engine: its compute dtype, plus "+e4m3act" when the kernel plan (fast/plan.py) runs
+    the MoE as the Triton kernel, whose Down input is act_quant'ed to E4M3 (ROUND.md) where the reference and the
+    torch form keep it. With `config`, only when the kernel takes that model's shapes at `tp` (else the MoE runs its
+    torch form, exactly)."""
+    if plan is None or not plan.moe:
         return dtype
     if config is not None:
+        from ..fast.triton_ops import moe_takes
+
         block = tuple(config.weight_block_size)
-        if not TritonOps.moe_takes(block, block, config.moe_intermediate_size // tp):
+        if not moe_takes(block, block, config.moe_intermediate_size // tp):
             return dtype
     return f"{dtype}+e4m3act"
 

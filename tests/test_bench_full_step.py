@@ -236,17 +236,19 @@ def test_step_bound_covers_steps_and_bytes(step, counts, floors, other):
     assert step_bound(step + 0.5, launches, by_stage, stage_floor) >= bound - 1e-9
 
 
-def test_triton_norms_run_inside_the_norm_label():
+def test_triton_norms_run_inside_the_norm_label(monkeypatch):
     """TritonOps' norm, residual_norm and add_norm override TorchOps' labelled methods: what they launch must be
     inside the "norm" label too (the kernels stand in as a torch op, to see which label encloses the launch)."""
     from torch.profiler import ProfilerActivity, profile
 
     from iquest.bench.full_step import _stage_of
-    from iquest.fast.ops import TritonOps
+    from iquest.fast import triton_ops
+    from iquest.fast.plan import KernelPlan
 
-    ops = TritonOps(stages=("norm", "residual"))
-    ops._norm = lambda x, weight, eps, **kw: torch.zeros_like(x)
-    ops._add_norm = lambda residual, x, weight, eps, **kw: (torch.zeros_like(x), torch.zeros_like(x))
+    ops = triton_ops.TritonOps(KernelPlan(norm=True))
+    monkeypatch.setattr(triton_ops.rmsnorm_residual, "rmsnorm", lambda x, weight, eps, **kw: torch.zeros_like(x))
+    monkeypatch.setattr(triton_ops.rmsnorm_residual, "rmsnorm_residual",
+                        lambda residual, x, weight, eps, **kw: (torch.zeros_like(x), torch.zeros_like(x)))
     x, w = torch.randn(4, 16), torch.ones(16)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         ops.norm(x, w, 1e-6)

@@ -10,7 +10,7 @@ import torch
 from iquest.bench.history import fill_history, history_for
 from iquest.fast.parallel import Parallel
 from iquest.fast.rank import PREFILL_BLOCK, EngineOptions, RankEngine, Request
-from iquest.tests.test_fast_engine import RING_SEQ
+from iquest.tests.helpers import RING_SEQ
 
 TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
 

@@ -7,67 +7,16 @@ tokens are printed (pytest -s) so a reader sees how long the engines stay togeth
 
 from __future__ import annotations
 
-from functools import lru_cache
-from pathlib import Path
-
 import pytest
 import torch
 
 from iquest.fast.engine import FastEngine
-from iquest.fast.parallel import Parallel
-from iquest.fast.rank import EngineOptions, RankEngine, Request
+from iquest.fast.rank import EngineOptions, EngineParts, RankEngine, Request
 from iquest.qualify.agreement import compare
-from iquest.qualify.checks import fast_prefill_dist, reference_dist
-from iquest.reference.model import ReferenceModel
-from iquest.reference.sampling import SamplingParams
+from iquest.qualify.controls import ExactWindowRing, OpenCausalMask
 from iquest.reference.speculative import generate
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "fixtures" / "tiny"
-TINY_TP8 = ROOT / "fixtures" / "tiny-tp8"
-PARAMS = SamplingParams()
-# How far the two engines' probabilities of a diverging token may differ and still count as rounding.
-# fp32 compute is within ~1e-6 of float64 in probability. bf16 activations on a random MoE move logits
-# by up to ~1.5 (router flips amplify rounding; measured alike on CPU and CUDA, final hidden ~12% off), which on
-# these flat 20-token distributions (top probabilities ~0.03-0.05) moves a token's probability by a
-# few hundredths; 0.05 allows that and still rejects a token one engine favours and the other omits.
-TOLERANCE = {"fp32": 1e-3, "bf16": 0.05}
-
-
-@lru_cache(maxsize=None)
-def reference(model_dir: Path) -> ReferenceModel:
-    return ReferenceModel.load(model_dir)
-
-
-@lru_cache(maxsize=None)
-def rank_engine(model_dir: Path, dtype: str = "fp32", ring_slack: int = 64,
-                defects: frozenset = frozenset()) -> RankEngine:
-    return RankEngine(model_dir, Parallel.single(), EngineOptions(max_context=512, dtype=dtype,
-                                                                  ring_slack=ring_slack, defects=defects))
-
-
-def request(prompt, seed, drafts, n=40) -> Request:
-    return Request(tuple(prompt), seed, PARAMS.temperature, PARAMS.top_k, PARAMS.top_p, n, drafts, ())
-
-
-def fast_steps(engine, prompt, seed, drafts, n=40):
-    return list(engine.decode(request(prompt, seed, drafts, n)))
-
-
-def tokens(steps) -> list[int]:
-    return [t for s in steps for t in s.tokens]
-
-
-def ref_dist(model_dir: Path):
-    return reference_dist(str(model_dir), PARAMS)
-
-
-def fast_dist(engine: RankEngine):
-    """The fast engine's target distribution after a prefix, from a fresh prefill."""
-    return fast_prefill_dist(engine, PARAMS)
-
-
-PROMPTS = [list(range(3, 23)), [7, 100, 200, 300, 11, 5, 77, 91, 402, 33] * 3, list(range(400, 470))]
+from iquest.tests.helpers import (MINI, PARAMS, PROMPTS, RING_SEQ, TINY, TINY_TP8, TOLERANCE, fast_dist, fast_steps,
+                                  rank_engine, ref_dist, reference, tokens)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -125,9 +74,6 @@ def block_errors(engine: RankEngine, seq: list[int], advance: list[int]) -> floa
     return worst
 
 
-RING_SEQ = [int(x) for x in torch.randint(0, 512, (220,), generator=torch.Generator().manual_seed(3))]
-
-
 def test_ring_wrap_matches_reference_at_every_position():
     # Window 32: 220 positions wrap the ring ~5 times; advances of 1..8 rows mimic accept counts.
     assert block_errors(rank_engine(TINY), RING_SEQ, [1, 3, 8, 2, 5]) < 1e-4
@@ -135,7 +81,7 @@ def test_ring_wrap_matches_reference_at_every_position():
 
 def test_ring_of_exactly_w_slots_fails_the_ring_test():
     """Negative control: with W slots, rows written later in a block evict history of earlier rows."""
-    assert block_errors(rank_engine(TINY, ring_slack=0), RING_SEQ, [1, 3, 8, 2, 5]) > 1e-2
+    assert block_errors(rank_engine(TINY, parts=EngineParts(cache=ExactWindowRing)), RING_SEQ, [1, 3, 8, 2, 5]) > 1e-2
 
 
 POISON = 1e4
@@ -165,11 +111,11 @@ def rollback_errors(engine: RankEngine, seq: list[int], widths: list[int], accep
     return worst
 
 
-@pytest.mark.parametrize("defects,caught", [(frozenset(), False), (frozenset({"open_causal_mask"}), True)])
-def test_rollback_never_reads_rejected_kv(defects, caught):
+@pytest.mark.parametrize("parts,caught", [(EngineParts(), False), (EngineParts(cache=OpenCausalMask), True)])
+def test_rollback_never_reads_rejected_kv(parts, caught):
     """Rounds of varying width leave rejected rows' KV past the next block; reading any of it would
     bring the poison in. Negative control: an open causal mask does read it and must be caught."""
-    err = rollback_errors(rank_engine(TINY, defects=defects), RING_SEQ, [8, 4, 6, 5, 8], [6, 0, 2, 1, 3])
+    err = rollback_errors(rank_engine(TINY, parts=parts), RING_SEQ, [8, 4, 6, 5, 8], [6, 0, 2, 1, 3])
     assert (err > 1e-2) if caught else (err < 1e-4), err
 
 
@@ -178,7 +124,7 @@ def test_decode_loop_unaffected_by_poisoned_rejected_rows():
     engine = rank_engine(TINY)
     clean = tokens(fast_steps(engine, PROMPTS[2], 21, 7))
     runner, _ = engine.runner(7, PARAMS.top_k)
-    original, hits = runner.speculative_round, [0]
+    original, hits = runner.round, [0]
 
     def poisoned():
         original()
@@ -187,16 +133,16 @@ def test_decode_loop_unaffected_by_poisoned_rejected_rows():
             hits[0] += int(stale.sum())
             kv.k[stale] = POISON
             kv.v[stale] = POISON
-    runner.speculative_round = poisoned
+    runner.round = poisoned
     try:
         assert tokens(fast_steps(engine, PROMPTS[2], 21, 7)) == clean
     finally:
-        runner.speculative_round = original
+        runner.round = original
     assert hits[0] > 100, "rejected rows must exist for the poison to mean anything"
 
 
 # ---- tensor parallelism (processes with gloo) -------------------------------------------------------
-def _tp_tokens(model_dir: Path, tp: int, prompt, seed, drafts, n=24) -> list[int]:
+def _tp_tokens(model_dir, tp: int, prompt, seed, drafts, n=24) -> list[int]:
     engine = FastEngine.load(model_dir, tp=tp, device="cpu", options=EngineOptions(max_context=256, dtype="fp32"))
     try:
         return tokens(engine.generate(prompt, seed=seed, params=PARAMS, max_new_tokens=n, drafts=drafts))
@@ -220,7 +166,6 @@ def test_tensor_parallel_agrees_with_tp1(model_dir, tp):
 
 
 # ---- the trained mini model: real routing and real acceptance ------------------------------------------
-MINI = ROOT / "fixtures" / "iquest-q1-mini"
 MINI_PROMPTS = ["def parse_args(argv):\n    ", "class Cache:\n    def __init__(self, size):\n        self.",
                 "import os\n\ndef walk(top):\n    \"\"\"Yield every file under top.\"\"\"\n"]
 

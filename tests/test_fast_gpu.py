@@ -11,8 +11,7 @@ from iquest.fast.parallel import Parallel
 from iquest.fast.rank import EngineOptions, RankEngine, Request
 from iquest.qualify.agreement import compare
 
-from iquest.tests.test_fast_engine import PARAMS, PROMPTS, TINY, TOLERANCE, fast_dist, ref_dist, reference, tokens
-from iquest.tests.test_fast_kernels import GPU_KERNELS
+from iquest.tests.helpers import GPU_PLANS, PARAMS, PROMPTS, TINY, TOLERANCE, fast_dist, ref_dist, reference, tokens
 
 pytestmark = pytest.mark.gpu
 
@@ -38,10 +37,10 @@ def test_graph_replay_is_bit_exact_against_eager(drafts):
         assert torch.equal(g_lp, e_lp)                   # same values, bit for bit
 
 
-@pytest.mark.parametrize("dtype,kernels", [("bf16", "auto"), ("fp32", GPU_KERNELS["fp32"]), ("fp32", "torch")])
+@pytest.mark.parametrize("dtype,kernels", [("bf16", "auto"), ("fp32", GPU_PLANS["fp32"]), ("fp32", "torch")])
 def test_cuda_engine_agrees_with_reference(dtype, kernels):
     """The default engine (bf16, every kernel) and fp32 with every kernel but the MoE's, whose E4M3 activations
-    are a designed change this random fixture cannot explain (see GPU_KERNELS); fp32 fallback for contrast."""
+    are a designed change this random fixture cannot explain (see GPU_PLANS); fp32 fallback for contrast."""
     engine = RankEngine(TINY, Parallel.single("cuda"), EngineOptions(max_context=512, dtype=dtype, kernels=kernels))
     from iquest.reference.speculative import generate
 

@@ -64,7 +64,7 @@ def test_cost_model_is_the_line_through_perf_md():
     assert cost.points == {3: 4164.0, 5: 5980.0, 7: 7556.0}
     assert cost.base_us == pytest.approx(1660, abs=1) and cost.per_draft_us == pytest.approx(848, abs=1)
     assert all(abs(r) < 100 for r in cost.to_dict()["residuals_us"].values())
-    assert "docs/PERF.md" in cost.source
+    assert "docs/perf-history.md" in cost.source
 
 
 def test_threshold_search_uses_the_engines_stopping_rule():
@@ -99,7 +99,7 @@ def test_cli_writes_a_controller_that_loads(tmp_path, capsys):
     assert rule.weights == raw["weights"] and rule.threshold == raw["threshold"] and set(rule.weights) == set(FEATURES)
     fit = raw["fit"]
     assert fit["data"]["rounds"] > 0 and len(fit["replay"]["prompts"]) == 4
-    assert fit["cost_model"]["source"].startswith("docs/PERF.md")
+    assert fit["cost_model"]["source"].startswith("docs/perf-history.md")
 
 
 def test_shipped_controller_loads():

@@ -97,7 +97,7 @@ def test_debug_diff_writes_png_and_names_a_stage(tmp_path, capsys):
     png, js = tmp_path / "diff.png", tmp_path / "diff.json"
     ids = ",".join(str(i) for i in range(3, 23))
     assert main(["debug", "diff", "--model", str(TINY), "--prompt-ids", ids, "--position", "12", "--plot", str(png),
-                 "--json", str(js), "--defect", "rope_shift_rows"]) == 0
+                 "--json", str(js), "--control", "rope_shift_rows"]) == 0
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     data = json.loads(js.read_text())
     assert data["first_over"] == {"layer": "0", "stage": "attn_out"}
@@ -107,19 +107,29 @@ def test_debug_diff_writes_png_and_names_a_stage(tmp_path, capsys):
     assert json.loads(js.read_text())["first_over"] is None
 
 
+def test_debug_diff_refuses_an_unknown_control(tmp_path, capsys):
+    rc = main(["debug", "diff", "--model", str(TINY), "--prompt-ids", "3,4,5", "--plot", str(tmp_path / "d.png"),
+               "--control", "bogus"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "bogus" in err[0] and "rope_shift_rows" in err[0]
+    assert not (tmp_path / "d.png").exists()
+
+
 def test_tolerance_column_follows_the_moe_kernel():
     """The E4M3 Down activations exist only with the MoE kernel: only then does the e4m3act column apply."""
-    assert tolerances.scheme("bf16", "triton") == "bf16+e4m3act"
-    assert tolerances.scheme("fp32", "moe") == "fp32+e4m3act"
-    assert tolerances.scheme("fp32", "linear+attention+norm+sampling") == "fp32"
-    assert tolerances.scheme("bf16", "torch") == "bf16"
-    # With the model: only when the MoE kernel takes its shapes (tiny-tp8's 8-wide blocks fall back, exactly).
+    from iquest.fast.plan import KernelPlan
     from iquest.reference.config import Config
 
-    assert tolerances.scheme("fp32", "triton", Config.from_dir(TINY.parent / "tiny-tp8")) == "fp32"
+    triton, torch_forms = KernelPlan.triton(), KernelPlan.torch()
+    assert tolerances.scheme("bf16", triton) == "bf16+e4m3act"
+    assert tolerances.scheme("fp32", KernelPlan(moe=True)) == "fp32+e4m3act"
+    assert tolerances.scheme("fp32", KernelPlan(linear=True, attention=True, norm=True, sampling=True)) == "fp32"
+    assert tolerances.scheme("bf16", torch_forms) == "bf16"
+    # With the model: only when the MoE kernel takes its shapes (tiny-tp8's 8-wide blocks fall back, exactly).
+    assert tolerances.scheme("fp32", triton, Config.from_dir(TINY.parent / "tiny-tp8")) == "fp32"
     mini = Config.from_dir(TINY.parent / "iquest-q1-mini")
-    assert tolerances.scheme("bf16", "triton", mini) == "bf16+e4m3act"
-    assert tolerances.scheme("bf16", "triton", mini, tp=8) == "bf16+e4m3act"  # I_r = 128 / 8 = 16
+    assert tolerances.scheme("bf16", triton, mini) == "bf16+e4m3act"
+    assert tolerances.scheme("bf16", triton, mini, tp=8) == "bf16+e4m3act"  # I_r = 128 / 8 = 16
     for check, per in tolerances.table()["checks"].items():
         for cls, entry in per.items():
             for dtype in ("fp32", "bf16"):
@@ -135,9 +145,10 @@ def test_qualify_rejects_bad_jobs(jobs, capsys):
     assert rc != 0 and "--jobs" in capsys.readouterr().err
 
 
-def test_qualify_rejects_unknown_kernel_stage(capsys):
-    rc = main(["qualify", "--model", str(TINY), "--quick", "--kernels", "linear+warp"])
-    assert rc != 0 and "unknown kernels" in capsys.readouterr().err
+def test_qualify_rejects_kernels_other_than_the_user_choices(capsys):
+    rc = main(["qualify", "--model", str(TINY), "--quick", "--kernels", "triton-settle"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--kernels" in err and "auto" in err and "triton" in err
 
 
 def test_control_margin_reports_how_far_past_the_tolerance():

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from iquest.qualify.router import swap_ratio
 from iquest.reference.layers import route
@@ -37,8 +37,13 @@ def test_an_engine_routing_on_its_own_input_is_always_explained(seed, E, H, k, n
 @settings(max_examples=100, deadline=None)
 @given(seed=st.integers(0, 10_000), E=st.integers(6, 64), H=st.integers(64, 512), k=st.integers(1, 4))
 def test_skipping_the_best_expert_is_not_explained(seed, E, H, k):
-    """Negative control: the engine's router takes ranks 2..k+1 of its own logits (same input up to fp32)."""
+    """Negative control: the engine's router takes ranks 2..k+1 of its own logits (same input up to fp32). Where the
+    best and the (k+1)-th reference logits lie within the fp32 rounding bound of a dot product (seed 30, E 6, H 321,
+    k 1: a gap of 1.9e-4 against a bound of 4.4e-4), the swap is one rounding could make, rightly explained; the
+    control needs a gap well past that bound (logits here are ~N(0, 1), the bound below ~1e-3)."""
     w, b_ref, b_fast = _case(seed, E, H, 0.0)
+    ordered = torch.sort(w @ b_ref, descending=True).values
+    assume(float(ordered[0] - ordered[k]) > 1e-2)
     fast = _topk(w.float() @ b_fast, k, skip=1)
     ref = _topk(w @ b_ref, k)
     swapped, ratio = swap_ratio(w, b_fast, b_ref, fast, ref)

@@ -33,12 +33,17 @@ def _expected(p: int, rows: int, slots: int, window: int, first: int) -> list[in
     return out
 
 
+def _ring(slack: int) -> type[StaticKV]:
+    """The engine's cache with `slack` spare ring slots (ring_exact_w's substitution is slack 0)."""
+    return type(f"Ring{slack}", (StaticKV,), {"ring_slack": slack})
+
+
 @settings(max_examples=150, deadline=None)
 @given(window=st.integers(4, 40), rows=st.integers(1, 8), p=st.integers(0, 120), slack=st.sampled_from([0, 3, 7, 64]),
        mtp=st.booleans())
 def test_missing_window_positions_match_the_ring_arithmetic(window, rows, p, slack, mtp):
     config = _config(window)
-    cache = StaticKV(config, 1, 256, torch.float32, torch.device("cpu"), ring_slack=slack)
+    cache = _ring(slack)(config, 1, 256, torch.float32, torch.device("cpu"))
     layer = sliding_layers(config, draft=mtp)[0]
     kv = cache[layer]
     first = kv.first_position
@@ -60,7 +65,7 @@ def test_missing_window_positions_match_the_ring_arithmetic(window, rows, p, sla
 
 def test_padding_rows_and_full_layers_are_not_counted():
     config = _config(8)
-    cache = StaticKV(config, 1, 64, torch.float32, torch.device("cpu"), ring_slack=0)
+    cache = _ring(0)(config, 1, 64, torch.float32, torch.device("cpu"))
     layers = sliding_layers(config, draft=False)
     assert layers and all(config.layer_type(i) == "sliding_attention" for i in layers)
     assert config.num_hidden_layers not in layers  # the MTP layer is a draft forward's

@@ -1,6 +1,7 @@
 """The round with its draws and accept step inside the sampling kernels (fast/round.py: RoundRunner.sample and
-RoundRunner.accept through kernels/sample.py's global_sample and accept_settle) against the same round with them
-in torch, through whole decodes.
+RoundRunner.accept through kernels/sample.py's global_sample and accept_settle) against the same round with those
+two in their torch forms (fast/torch_ops.py: TorchOps.sample and TorchOps.accept, the rule written once), the rest
+of the sampling kernels alike, through whole decodes.
 
 The two differ only in the order the draws' cumulative sums (and the residual's normalizing sum) are added, so a
 draw could differ only where its uniform lies within rounding of a boundary; on these fixed seeds none does, and
@@ -18,23 +19,22 @@ import pytest
 
 from iquest.kernels.testing import worker_fixture
 
-FUSED = "sampling+rng+sample_draw+accept"  # the draft draws and the accept step as kernels
-PLAIN = "sampling+rng"  # the same sampling kernels, the draws and accept step in torch
+FUSED, PLAIN = "fused", "torch sample and accept"
 
 
 def round_decode(device: str, dtype: str, cases, n: int) -> dict:
     from iquest.fast.parallel import Parallel
-    from iquest.fast.rank import EngineOptions, RankEngine
-    from iquest.tests.test_fast_engine import PROMPTS, TINY, fast_steps
+    from iquest.fast.plan import KernelPlan
+    from iquest.fast.rank import EngineOptions, EngineParts, RankEngine
+    from iquest.tests.helpers import PROMPTS, TINY, fast_steps, torch_forms
 
     out, calls = {}, {}
-    for kernels in (FUSED, PLAIN):
-        engine = RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=256, dtype=dtype,
-                                                                         kernels=kernels))
-        out[kernels] = [[(s.tokens, s.logprobs, s.drafts, s.accepted) for s in
-                         fast_steps(engine, PROMPTS[i], 40 + i, drafts, n=n)] for i, drafts in cases]
-        ops = engine.model.ops
-        calls[kernels] = [ops.sample_draw_calls, ops.accept_calls]
+    for name, parts in ((FUSED, EngineParts()), (PLAIN, torch_forms("sample", "accept"))):
+        engine = RankEngine(TINY, Parallel.single(device),
+                            EngineOptions(max_context=256, dtype=dtype, kernels=KernelPlan(sampling=True)), parts)
+        out[name] = [[(s.tokens, s.logprobs, s.drafts, s.accepted) for s in
+                      fast_steps(engine, PROMPTS[i], 40 + i, drafts, n=n)] for i, drafts in cases]
+        calls[name] = [engine.model.ops.calls["sample_draw"], engine.model.ops.calls["accept"]]
     fused, plain = out[FUSED], out[PLAIN]
     lp = max(abs(a - b) for r1, r2 in zip(fused, plain) for s1, s2 in zip(r1, r2) for a, b in zip(s1[1], s2[1]))
     return {"tokens_equal": [[s[0] for s in run] for run in fused] == [[s[0] for s in run] for run in plain],
@@ -67,20 +67,20 @@ def test_cuda_round_with_fused_draws_and_accept(dtype):
 def test_cuda_round_check_catches_a_broken_accept(monkeypatch):
     """Negative control: an accept kernel whose new token is off by one id must fail the comparison, on a decode in
     which it ran."""
-    from iquest.fast.ops import TritonOps
+    from iquest.kernels import sample
 
-    original = TritonOps.accept_settle
+    original = sample.accept_settle
 
-    def broken(self, *args):
+    def broken(*args, **kwargs):
         import torch
 
-        r = dict(original(self, *args))  # captured into the decode graph: device ops only, no host read
+        r = dict(original(*args, **kwargs))  # captured into the decode graph: device ops only, no host read
         rows = torch.arange(r["emitted"].shape[0], device=r["emitted"].device)
         r["token"] = r["token"] + 1
         r["emitted"] = torch.where(rows == r["a"], r["emitted"] + 1, r["emitted"])
         return r
 
-    monkeypatch.setattr(TritonOps, "accept_settle", broken)
+    monkeypatch.setattr(sample, "accept_settle", broken)
     r = round_decode("cuda", "bf16", ((0, 3),), 16)
     assert r["calls"][FUSED][1] > 0
     with pytest.raises(AssertionError):

@@ -1,4 +1,4 @@
-"""fast/ablation.py: `--kernels X~op` removes an op from the round for timing; the decode still runs, the op's first
+"""lab/ablation.py: a benchmark variant `X~op` removes an op from the round for timing; the decode still runs, the op's first
 result per shape is returned from then on (no launches), and the ablation really changes what the model computes."""
 
 from __future__ import annotations
@@ -9,16 +9,20 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from iquest.fast.ablation import ABLATABLE, check_reached, pinned_experts, unreached
-from iquest.fast.ops import make_ops
-from iquest.fast.torch_ops import TorchOps
+from iquest.bench import variants
 from iquest.fast.parallel import Parallel
 from iquest.fast.rank import EngineOptions, RankEngine
-from iquest.tests.test_fast_engine import PROMPTS, TINY, fast_steps, tokens
+from iquest.lab.ablation import ABLATABLE, check_reached, pinned_experts, unreached
+from iquest.tests.helpers import PROMPTS, TINY, fast_steps, tokens
 
 
-def _decode(kernels: str):
-    engine = RankEngine(TINY, Parallel.single("cpu"), EngineOptions(max_context=256, dtype="fp32", kernels=kernels))
+def _engine(variant: str) -> RankEngine:
+    base = EngineOptions(max_context=256, dtype="fp32")
+    return variants.prepare(RankEngine(TINY, Parallel.single("cpu"), variants.options(variant, base)), variant)
+
+
+def _decode(variant: str):
+    engine = _engine(variant)
     return tokens(fast_steps(engine, PROMPTS[0], 40, 3, n=12)), engine.model.ops
 
 
@@ -34,7 +38,7 @@ def test_ablated_ops_launch_once_per_shape_and_change_the_output():
 
 
 def test_an_ablation_off_the_path_is_refused():
-    """With rope_sum the projection runs inside qkv_rope, so ~qkv would stub a method the round never calls and time
+    """With the Triton kernels the projection runs inside qkv_rope, so ~qkv would stub a method the round never calls and time
     the unablated round: the benchmarks refuse such a variant after its decode."""
     _, ops = _decode("torch~moe")
     assert unreached(ops) == []
@@ -47,11 +51,14 @@ def test_an_ablation_off_the_path_is_refused():
     assert unreached(off_path) == ["qkv"]
 
 
-def test_ablation_names_are_checked():
-    assert isinstance(make_ops("torch"), TorchOps) and not hasattr(make_ops("torch"), "ablated")
+def test_variant_names_are_checked():
+    assert not hasattr(_engine("torch").model.ops, "ablated")
     for bad in ("torch~bogus", "torch~route:0", "torch~route:x", "torch~moe:3"):
         with pytest.raises(ValueError, match="unknown ablation"):
-            make_ops(bad)
+            _engine(bad)
+    for bad in ("triton-settle", "bogus~moe"):  # the stage language is gone: torch or triton, then ablations
+        with pytest.raises(ValueError, match="kernels must be torch or triton"):
+            variants.split(bad)
 
 
 @given(rows=st.integers(1, 8), k=st.integers(1, 8), distinct=st.integers(8, 64))
@@ -63,8 +70,7 @@ def test_pinned_experts_have_the_asked_count(rows, k, distinct):
 
 
 def test_pinned_routing_reaches_the_moe():
-    engine = RankEngine(TINY, Parallel.single("cpu"),
-                        EngineOptions(max_context=256, dtype="fp32", kernels="torch~route:5"))
+    engine = _engine("torch~route:5")
     ops, seen = engine.model.ops, []
     moe = ops.moe
 
@@ -79,9 +85,9 @@ def test_pinned_routing_reaches_the_moe():
 
 
 def test_a_kept_residual_is_relabelled_for_the_norm_it_is_handed_to():
-    """`~moe` with stage norm_qkv: the kept Residual was prepared for the first layer's next norm; each later layer
+    """`~moe` with the fused input norm: the kept Residual was prepared for the first layer's next norm; each later layer
     checks the weight is its own (fast/model.py), so the stub hands it over relabelled, values untouched."""
-    from iquest.fast.ablation import _stub
+    from iquest.lab.ablation import _stub
     from iquest.fast.residual import Residual
 
     t = torch.zeros(2, 4)

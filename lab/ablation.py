@@ -1,5 +1,5 @@
-"""Timing-only ablation of the fast engine's ops (`--kernels triton~moe`, for `iquest bench step`): where a round's
-time goes on its critical path.
+"""Timing-only ablation of the fast engine's ops (`iquest bench step --kernels triton~moe`): where a round's time goes
+on its critical path. Lab code: benchmarks import it (bench/variants.py), the product never does.
 
 A kernel's eager duration is not its share of a captured round: under programmatic dependent launch part of it
 overlaps its neighbours, and moving a kernel's work into another one can move its latency with it (docs/PERF.md,
@@ -18,11 +18,11 @@ from typing import Callable
 
 import torch
 
-# ablation name -> the ops.TorchOps methods it stubs
+# ablation name -> the fast.torch_ops.TorchOps methods it stubs
 ABLATABLE: dict[str, tuple[str, ...]] = {
     "norm": ("norm", "residual_norm", "add_norm"),
-    "qkv": ("qkv",),             # these two only where rope_sum is off (e.g. triton-rope_sum~qkv): with it,
-    "rope": ("rope_write",),     # the projection and the rotary kernel are one op, qkv_rope
+    "qkv": ("qkv",),             # these two where the projection and the rotary kernel are separate ops (the torch
+    "rope": ("rope_write",),     # forms); with the kernels they are one, qkv_rope
     "qkv_rope": ("qkv_rope",),   # q/k/v projection, rotary and the KV write, as one
     "attention": ("attention",),
     "linear": ("linear",),       # o_proj and the draft layer's eh_proj
@@ -44,7 +44,7 @@ def _key(args: tuple, kwargs: dict) -> tuple:
 def _kept(value):
     if isinstance(value, torch.Tensor):
         return value.clone()
-    if isinstance(value, tuple):  # a NamedTuple (ops.Residual) keeps its type
+    if isinstance(value, tuple):  # a NamedTuple (fast.residual.Residual) keeps its type
         items = [_kept(v) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     return value
@@ -69,7 +69,7 @@ def _stub(method: Callable, calls: dict, keep: Callable = _kept) -> Callable:
 
 
 def _for_this_norm(value, kwargs: dict):
-    """A kept MoE output that added the residual (ops.Residual, stage norm_qkv) carries the norm weight it was prepared
+    """A kept MoE output that added the residual (fast.residual.Residual, the fused input norm) carries the norm weight it was prepared
     for; the layer it is handed to checks that it is its own, so it is relabelled with this call's (its values are
     garbage either way)."""
     residual = kwargs.get("residual")
@@ -97,7 +97,7 @@ def _pinned(distinct: int) -> Callable:
 
 def unreached(ops) -> list[str]:
     """The ablations of `ops` none of whose stubs has returned a kept value yet: after a decode, an op that is not on
-    the variant's path (e.g. ~qkv where rope_sum runs the projection inside qkv_rope), so removing it measured nothing."""
+    the variant's path (e.g. ~qkv where the kernels run the projection inside qkv_rope), so removing it measured nothing."""
     calls = getattr(ops, "ablated_calls", {})
     return sorted(n for n in getattr(ops, "ablated", ()) if not any(calls.get(m) for m in ABLATABLE[n]))
 
@@ -107,7 +107,7 @@ def check_reached(ops, variant: str) -> None:
     missing = unreached(ops)
     if missing:
         raise ValueError(f"variant {variant!r}: ablated {', '.join(missing)} never ran on its path, so removing it "
-                         "measures nothing (with rope_sum, ablate qkv_rope instead of qkv or rope)")
+                         "measures nothing (with the Triton kernels, ablate qkv_rope instead of qkv or rope)")
 
 
 def ablate(ops, names: set[str]) -> None:
