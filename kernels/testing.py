@@ -7,6 +7,9 @@ worker subprocess with the variable set, once, and checks the per-case results i
 Triton 3.6's interpreter holds scalars as shape-(1,) NumPy arrays and turns them into loop bounds
 with `int(array)`, which NumPy >= 2.3 refuses; `patch_interpreter()` makes that conversion take the
 single element, so kernels may keep device-computed loop bounds (as they must on the GPU).
+
+Interpreted cases are CPU-expensive (a case costs 0.1-30 s), so the worker also reports each case's seconds under
+"_seconds": `python -m iquest.kernels.testing tests/test_kernel_X.py ...` prints them, slowest first.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 
 def patch_interpreter() -> None:
@@ -44,16 +48,20 @@ def run_worker(script: str, timeout: float = 1200) -> dict:
 
 def worker_main(jobs) -> None:
     """A test module's worker body: run each (name, job) under the interpreter, print the results as
-    JSON (an exception is reported per case, so one broken case does not hide the others)."""
+    JSON (an exception is reported per case, so one broken case does not hide the others), with each case's
+    seconds under "_seconds"."""
     import traceback
 
     patch_interpreter()
-    results = {}
+    results, seconds = {}, {}
     for name, job in jobs:
+        start = time.process_time()
         try:
             results[name] = job()
         except Exception as e:
             results[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"}
+        seconds[name] = round(time.process_time() - start, 3)
+    results["_seconds"] = seconds
     print(json.dumps(results))
 
 
@@ -86,3 +94,24 @@ def interpreted_tests(script: str, cases: list[dict], check, summary=None):
 
     return fixture, test_interpreted
 
+
+
+def main(argv: list[str]) -> int:
+    """Run each test module's worker and print its cases' CPU seconds, slowest first, and the worker's totals (CPU
+    time with start-up and imports, and wall time)."""
+    import resource
+
+    for script in argv:
+        start, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        seconds = run_worker(os.path.abspath(script))["_seconds"]
+        used = resource.getrusage(resource.RUSAGE_CHILDREN)
+        total = used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime
+        print(f"{script}: {sum(seconds.values()):.1f} s in cases, worker {total:.1f} s CPU, "
+              f"{time.perf_counter() - start:.1f} s wall")
+        for name, s in sorted(seconds.items(), key=lambda kv: -kv[1]):
+            print(f"  {s:8.2f}  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
