@@ -8,11 +8,12 @@ all-gather tiles the M parts to N (the outputs are not the model's; the communic
 rank's).
 
 Every rank makes its own slice of the TP-N layout (random FP8 weights on its device, fast/synthetic.py), joins
-the process group (NCCL on GPUs, gloo on CPU; multicast stays off) and runs the same schedule: prefill, then
-`repeats` timed decode chunks, each from the restored post-prefill state. Ranks stay in lockstep because the
-schedule is fixed and sampling is identical on every rank (all-gathered candidates, shared uniforms). Rank 0
-times each chunk between barriers and counts the collectives a round issues. The round runs eagerly: NCCL
-cannot be captured inside the conditional-node decode graph (fast/rank.py), so this measures eager TP rounds.
+the process group (gloo: on GPUs it only bootstraps the peer-memory collectives of fast/collectives.py; multicast
+stays off) and runs the same schedule: prefill, then `repeats` timed decode chunks, each from the restored
+post-prefill state, with the captured decode-loop graph (GPUs) and eagerly, alternating. Ranks stay in lockstep
+because the schedule is fixed and sampling is identical on every rank (all-gathered candidates, shared uniforms).
+Rank 0 times each chunk between barriers and counts the collectives an eager round issues. `shared_gpu`: every
+rank on GPU 0 (under an MPS daemon): a correctness and lockstep run, its times emulation, not NVLink figures.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import queue
 import statistics
 import traceback
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -50,7 +51,20 @@ class PartialParallel(Parallel):
     def active(self) -> bool:
         return self.processes > 1
 
+    def with_peers(self, hidden: int, candidates: int, dtype: torch.dtype) -> "Parallel":
+        if self.device.type != "cuda" or self.peers is not None:
+            return self
+        from ..fast.collectives import PeerCollectives
+
+        return replace(self, peers=PeerCollectives(self.group, self.rank, self.processes, hidden, candidates, dtype,
+                                                   self.device))
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        if self.peers is not None:
+            k = x.shape[-1]
+            got = self.peers.all_gather_last(x)
+            return torch.cat([got[..., (i % self.processes) * k:(i % self.processes + 1) * k]
+                              for i in range(self.world)], dim=-1)
         parts = [torch.empty_like(x) for _ in range(self.processes)]
         torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat([parts[i % self.processes] for i in range(self.world)], dim=-1)
@@ -78,22 +92,24 @@ class CollectiveCounter:
             object.__delattr__(self.par, name)
 
 
-def _decode(engine: RankEngine, runner, counter: CollectiveCounter | None) -> None:
-    """One eager decode chunk, its collectives counted while `counter` is given (the barrier around it is not)."""
+def _decode(engine: RankEngine, runner, graph, counter: CollectiveCounter | None) -> None:
+    """One decode chunk (the captured loop, or eager with `graph` None), its collectives counted while `counter` is
+    given (the barrier around it is not)."""
     with counter if counter is not None else nullcontext():
-        engine.decode_chunk(runner, None)
+        engine.decode_chunk(runner, graph)
+    engine.par.check()
 
 
 def _rank_main(rank: int, tp: int, port: int, kind: str, spec: dict, results: "mp.Queue") -> None:
     """`tp` is the layout; `spec["processes"]` how many of its ranks run (all of them for --tp)."""
     try:
         torch.set_num_threads(1)
-        joined = init_process(rank, spec["processes"], port, kind)
+        joined = init_process(rank, spec["processes"], port, kind, spec["shared_gpu"])
         par = joined if spec["processes"] == tp else PartialParallel(rank, tp, joined.device, joined.group,
                                                                       processes=spec["processes"])
         config = Config.from_file(spec["config"])
-        options = EngineOptions(max_context=spec["context"] + 2 * spec["chunk_tokens"] + 64, graphs=False,
-                                kernels=spec["kernels"])
+        options = EngineOptions(max_context=spec["context"] + 2 * spec["chunk_tokens"] + 64, graphs=kind == "cuda",
+                                kernels=spec["kernels"], shared_gpu=spec["shared_gpu"])
         dtype = options.torch_dtype(par.device)
         weights = synthetic_weights(config, tp, rank, par.device, dtype, spec["seed"])
         generation = GenerationConfig(eos_token_id=config.eos_token_id)
@@ -102,22 +118,25 @@ def _rank_main(rank: int, tp: int, port: int, kind: str, spec: dict, results: "m
         prompt = torch.randint(2, config.vocab_size, (spec["context"],), generator=g).tolist()
         req = Request(tuple(prompt), spec["seed"], generation.temperature, generation.top_k, generation.top_p,
                       spec["chunk_tokens"] + 1, spec["drafts"], ())
-        runner, _ = engine.runner(spec["drafts"], generation.top_k)
+        runner, graph = engine.runner(spec["drafts"], generation.top_k)
         filled = synthetic_history(spec["history"], spec["context"])
         if filled:
             fill_history(engine, filled, spec["seed"])
         engine.start(req, runner, history=filled)
         snap = Snapshot(engine)
-        st, chunks, counts = engine.state, [], None
-        for i in range(spec["repeats"] + 1):  # the first chunk warms up, untimed
-            snap.restore()
-            counter = CollectiveCounter(par) if i == 1 else None
-            chunk = time_chunk(engine, lambda: _decode(engine, runner, counter), par.device,
-                               before=torch.distributed.barrier)
-            if counter is not None:
-                counts = dict(counter.calls)
-            if i:
-                chunks.append({**chunk, "tokens_out": st.log_tokens[:int(st.emitted)].tolist()})
+        st, chunks, counts = engine.state, {"graph": [], "eager": []}, None
+        modes = [("graph", graph), ("eager", None)] if graph is not None else [("eager", None)]
+        for i in range(spec["repeats"] + 1):  # the first chunk of each mode warms up, untimed
+            for mode, g in modes:
+                snap.restore()
+                counter = CollectiveCounter(engine.par) if i == 1 and mode == "eager" else None
+                chunk = time_chunk(engine, lambda: _decode(engine, runner, g, counter), engine.par.device,
+                                   before=torch.distributed.barrier)
+                if counter is not None:
+                    counts = dict(counter.calls)
+                if i:
+                    chunks[mode].append({**chunk, "tokens_out": st.log_tokens[:int(st.emitted)].tolist()})
+        engine.close()
         results.put(("ok", rank, {"chunks": chunks, "collectives_first_timed_chunk": counts}))
     except BaseException:
         results.put(("error", rank, traceback.format_exc()))
@@ -128,7 +147,7 @@ def _rank_main(rank: int, tp: int, port: int, kind: str, spec: dict, results: "m
 
 def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chunk_tokens: int, seed: int,
         device: str, out: str | None, kernels: str = "torch", processes: int | None = None,
-        history: str = "auto") -> dict:
+        history: str = "auto", shared_gpu: bool = False) -> dict:
     """Layout TP-`tp`; `processes` of its ranks run (default all)."""
     config = Config.from_file(config_file)
     config.check_tp(tp)
@@ -136,11 +155,12 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
     if not 2 <= processes <= tp:
         raise ValueError(f"ranks must be in 2..{tp} for a TP-{tp} layout, got {processes}")
     kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    if kind == "cuda" and torch.cuda.device_count() < processes:
-        raise RuntimeError(f"{processes} ranks need {processes} GPUs, this machine has {torch.cuda.device_count()}")
+    if kind == "cuda" and not shared_gpu and torch.cuda.device_count() < processes:
+        raise RuntimeError(f"{processes} ranks need {processes} GPUs, this machine has {torch.cuda.device_count()} "
+                           "(--share-gpu puts every rank on GPU 0, under an MPS daemon, for a correctness run)")
     spec = {"config": str(config_file), "context": context, "drafts": drafts, "repeats": repeats,
             "chunk_tokens": chunk_tokens, "seed": seed, "kernels": kernels, "processes": processes,
-            "history": history}
+            "history": history, "shared_gpu": shared_gpu}
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, tp, port, kind, spec, results), daemon=True)
@@ -165,11 +185,16 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    chunks = got[0]["chunks"]
-    same = all(got[r]["chunks"][-1]["tokens_out"] == chunks[-1]["tokens_out"] for r in got)
+    by_mode = got[0]["chunks"]
+    main = "graph" if by_mode["graph"] else "eager"
+    chunks = by_mode[main]
+    same = all(got[r]["chunks"][m][-1]["tokens_out"] == by_mode[main][-1]["tokens_out"]
+               for r in got for m in by_mode if by_mode[m])
     counts = got[0]["collectives_first_timed_chunk"]
-    rounds = chunks[0]["rounds"]
-    summary = {"median_round_us": statistics.median(c["round_us"] for c in chunks),
+    rounds = by_mode["eager"][0]["rounds"]
+    summary = {"median_round_us": statistics.median(c["round_us"] for c in chunks), "mode": main,
+               "median_round_us_by_mode": {m: statistics.median(c["round_us"] for c in cs) for m, cs in by_mode.items()
+                                           if cs},
                "tokens_per_round": sum(c["tokens"] for c in chunks) / max(1, sum(c["rounds"] for c in chunks)),
                "ranks_emitted_same_tokens": same,
                "collectives_per_round": {k: v / max(rounds, 1) for k, v in counts.items()}}
@@ -178,21 +203,23 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
               "partial": processes < tp, "context": context, "drafts": drafts,
               "synthetic_history": synthetic_history(history, context),
               "repeats": repeats, "chunk_tokens": chunk_tokens, "seed": seed, "kernels": kernels, "backend":
-              "nccl" if kind == "cuda" else "gloo", "mode": "eager (NCCL cannot be captured in conditional bodies)",
+              "peer-memory kernels (gloo bootstrap)" if kind == "cuda" else "gloo", "shared_gpu": shared_gpu,
               "commit": commit(), "device": torch.cuda.get_device_name(0) if kind == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "host": platform.node(), "summary": summary,
-              "runs": [{k: v for k, v in c.items() if k != "tokens_out"} for c in chunks]}
+              "runs": {m: [{k: v for k, v in c.items() if k != "tokens_out"} for c in cs] for m, cs in by_mode.items()}}
     who = f"tp={tp}" if processes == tp else f"ranks 0..{processes - 1} of the tp={tp} layout"
-    print(f"bench step  config={config_file} {who} ({report['backend']}, one process per rank, real collectives, "
-          f"eager rounds) context={context} drafts={drafts} kernels={kernels} repeats={repeats} commit={report['commit']}")
+    print(f"bench step  config={config_file} {who} ({report['backend']}, one process per rank, real collectives) "
+          f"context={context} drafts={drafts} kernels={kernels} repeats={repeats} commit={report['commit']}")
+    if shared_gpu:
+        print("note: every rank on one GPU (MPS): a correctness and lockstep run; times are emulation, not NVLink")
     if report["synthetic_history"]:
         print(f"note: synthetic history: positions 0..{report['synthetic_history'] - 1} hold random K/V with correct "
               "position labels (bench/history.py); only the prompt's tail was prefilled")
     if processes < tp:
         print(f"note: collectives run among {processes} processes with TP-{tp} message sizes; the all-gather tiles "
               f"{processes} parts to {tp}: outputs are not the model's, communication and compute are a TP-{tp} rank's")
-    print(f"median round {summary['median_round_us']:.1f} us, tokens/round {summary['tokens_per_round']:.2f}; "
-          f"every rank emitted the same tokens: {same}")
+    print("median round " + ", ".join(f"{m} {v:.1f} us" for m, v in summary["median_round_us_by_mode"].items())
+          + f"; tokens/round {summary['tokens_per_round']:.2f}; every rank emitted the same tokens (both modes): {same}")
     if summary["tpot_mini_profile"]:
         p = summary["tpot_mini_profile"]
         print(f"TPOT on the mini model's acceptance profile ({p['tokens_per_round']:.2f} tokens/round at depth "

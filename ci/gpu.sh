@@ -4,6 +4,8 @@
 #   bash ci/gpu.sh tests [PATHS...]      the @pytest.mark.gpu tests (all of tests/ by default)
 #   bash ci/gpu.sh bench ARGS...         iquest bench ARGS...
 #   bash ci/gpu.sh iquest ARGS...        any iquest command (e.g. qualify --device cuda)
+#   bash ci/gpu.sh mps COMMAND...       COMMAND (any of these) with an MPS daemon running, so that several ranks on one
+#                                        GPU run side by side (e.g. mps iquest qualify --tp 2 --device cuda --share-gpu)
 #   bash ci/gpu.sh ncu [OPS]             Nsight Compute over one call of each op (bench/ncu_ops.py): the full
 #                                        section set, then its details page and the MoE kernels' SASS with stalls
 # Results go to $OUT when it is set (the device tool brings that folder back).
@@ -16,6 +18,14 @@ case "${1:-tests}" in
   tests) shift || true; python3 -m pytest -q -m gpu -p no:cacheprovider -s "${@:-tests}" 2>&1 | tee "$out/gpu-tests.log" ;;
   bench) shift; python3 -m iquest.cli.main bench "$@" ;;
   iquest) shift; python3 -m iquest.cli.main "$@" ;;
+  mps) shift
+    control=$(command -v nvidia-cuda-mps-control || echo /usr/local/nvidia/bin/nvidia-cuda-mps-control)
+    mps=$(mktemp -d /tmp/iquest-mps-XXXX)
+    export CUDA_MPS_PIPE_DIRECTORY=$mps/pipe CUDA_MPS_LOG_DIRECTORY=$mps/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    "$control" -d
+    trap 'echo quit | "$control"; rm -rf "$mps"' EXIT
+    bash "$0" "$@" ;;
   ncu) shift
     ncu --clock-control none --profile-from-start off --set full --import-source yes -f -o "$out/ops" \
       python3 -m iquest.bench.ncu_ops "$@" > "$out/ncu-run.log" 2>&1
@@ -23,5 +33,5 @@ case "${1:-tests}" in
     for k in _moe_gate_up_kernel _moe_down_kernel; do
       ncu --import "$out/ops.ncu-rep" --page source --csv --print-source sass -k "$k" > "$out/ncu-sass-$k.csv" || true
     done ;;
-  *) echo "usage: bash ci/gpu.sh tests|bench|iquest|ncu ..." >&2; exit 2 ;;
+  *) echo "usage: bash ci/gpu.sh tests|bench|iquest|mps|ncu ..." >&2; exit 2 ;;
 esac

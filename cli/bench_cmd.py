@@ -27,6 +27,9 @@ def register(sub) -> None:
     s.add_argument("--ranks", type=int, default=None,
                    help="with --config --tp-slice N: run ranks 0..RANKS-1 of the TP-N layout as RANKS processes with "
                         "real collectives among them (e.g. --tp-slice 8 --ranks 2 on two H200s)")
+    s.add_argument("--share-gpu", action="store_true",
+                   help="with --tp or --ranks on GPUs: every rank on GPU 0 (under an MPS daemon: bash ci/gpu.sh mps "
+                        "...), a correctness and lockstep run whose times are emulation")
     s.add_argument("--history", choices=["auto", "synthetic", "prefill"], default="auto",
                    help="with --config: how the context's KV gets there: prefill it, or synthetic (random K/V with "
                         "correct position labels, only the last prompt block prefilled); auto = synthetic above "
@@ -76,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             layout = args.tp if args.tp is not None else args.tp_slice
             tp_step(args.config, layout, args.context, int(args.drafts), args.repeats, args.chunk_tokens or 16,
                     args.seed, args.device, args.out, kernels=args.kernels, processes=args.ranks,
-                    history=args.history)
+                    history=args.history, shared_gpu=args.share_gpu)
             return 0
         full_step(args.config, args.tp_slice, args.context, int(args.drafts), args.repeats, args.chunk_tokens or 16,
                   args.seed, args.device, args.out, kernels=tuple(args.kernels.split(",")),

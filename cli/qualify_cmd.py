@@ -20,6 +20,9 @@ def register(sub) -> None:
                    help="the candidate's kernels: auto (default: what the engine runs on the device: triton on cuda, "
                         "torch on cpu), torch (the torch forms) or triton (the kernel plan of kernels/). With the MoE "
                         "kernel the tolerance column is DTYPE+e4m3act (its Down input is E4M3)")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="with --tp N --device cuda: every rank on GPU 0 (testing tensor parallelism on one GPU; run "
+                        "under an MPS daemon so the ranks' kernels run side by side: bash ci/gpu.sh mps ...)")
     p.add_argument("--jobs", default="auto",
                    help="worker processes for the independent units (the healthy engine, the lossless test and each "
                         "negative control: 12 now); auto (default) = one per CPU core, at most one per unit; 1 runs "
@@ -63,5 +66,5 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     report = qualify(args.model or str(default_model_dir()), tp=args.tp, quick=args.quick, dtype=args.dtype,
                      json_out=args.json, controls=args.control, device=args.device,
-                     kernels=kernels, jobs=jobs)
+                     kernels=kernels, jobs=jobs, shared_gpu=args.share_gpu)
     return 0 if report["passed"] else 1

@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, port: int, kind: str, model_dir: str, options
     try:
         torch.set_num_threads(1)
         check_memory(Config.from_dir(model_dir), world, options, kind, ranks=(rank,))
-        engine = RankEngine(model_dir, init_process(rank, world, port, kind), options, parts)
+        engine = RankEngine(model_dir, init_process(rank, world, port, kind, options.shared_gpu), options, parts)
         ready.put(("ok", rank))
     except ConfigError as e:  # a clear one-line reason (e.g. this GPU's memory), raised as such by rank 0
         ready.put(("config", str(e)))
@@ -46,6 +46,7 @@ def _worker(rank: int, world: int, port: int, kind: str, model_dir: str, options
     while (req := requests.get()) is not None:
         for _ in engine.decode(req):
             pass
+    engine.close()
 
 
 class FastEngine:
@@ -61,8 +62,9 @@ class FastEngine:
         config = Config.from_dir(model_dir)
         config.check_tp(tp)  # before any device work
         kind = _device_kind(device)
-        if kind == "cuda" and torch.cuda.device_count() < tp:
-            raise ConfigError(f"--tp {tp} needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
+        if kind == "cuda" and not options.shared_gpu and torch.cuda.device_count() < tp:
+            raise ConfigError(f"--tp {tp} needs {tp} GPUs, this machine has {torch.cuda.device_count()} (--share-gpu "
+                              "runs every rank on GPU 0, for testing, under an MPS daemon)")
         if options.max_context > config.max_position_embeddings:
             options = replace(options, max_context=config.max_position_embeddings)
         CheckpointReader(model_dir, config)  # names, shapes, dtypes from the headers: fail before any device work
@@ -79,7 +81,7 @@ class FastEngine:
             procs.append(p)
             queues.append(q)
         try:
-            rank0 = RankEngine(model_dir, init_process(0, tp, port, kind), options, parts)
+            rank0 = RankEngine(model_dir, init_process(0, tp, port, kind, options.shared_gpu), options, parts)
             for _ in procs:
                 status, info = ready.get(timeout=600)
                 if status == "config":
@@ -131,6 +133,8 @@ class FastEngine:
     def close(self) -> None:
         for q in self.queues:
             q.put(None)
+        if self.procs:
+            self.rank0.close()
         for p in self.procs:
             p.join(timeout=30)
             if p.is_alive():

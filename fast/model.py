@@ -65,7 +65,7 @@ class FastModel:
         for i, lw in enumerate(self.w.layers):
             x, pending = self.decoder_layer(lw, self.cache[i], x, pending, blk, taps, f"layer{i}.",
                                             next_norm=self.w.layers[i + 1].input_norm if i < last else None)
-        x, a = self.ops.residual_norm(x, pending, self.w.norm, self.config.rms_norm_eps)
+        x, a = self.residual_norm(x, pending, self.w.norm)
         _tap(taps, "final_hidden", x)
         return self.logits(a), x
 
@@ -82,7 +82,7 @@ class FastModel:
         _tap(taps, "mtp.input", u)
         x, pending = self.decoder_layer(m.block, self.cache[self.config.mtp_layer_index], u, None,
                                         self._block(positions, live), taps, "mtp.")
-        h_out, a = self.ops.residual_norm(x, pending, m.head_norm, eps)
+        h_out, a = self.residual_norm(x, pending, m.head_norm)
         return self.logits(a), h_out
 
     def _block(self, positions: torch.Tensor, live: torch.Tensor) -> Block:
@@ -105,18 +105,43 @@ class FastModel:
         elif pending is None:
             a = self.ops.norm(x, lw.input_norm, eps)
         else:
-            x, a = self.ops.residual_norm(x, pending, lw.input_norm, eps)
-        attn_out = self.attention(lw, kv, a, blk)
+            x, a = self.residual_norm(x, pending, lw.input_norm)
+        partial = self.attention(lw, kv, a, blk)
         # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
-        x, b32, b16 = self.ops.add_norm(x, attn_out, lw.post_norm, eps, moe_block=lw.gate.block)
+        attn_out, x, b32, b16 = self.reduce_add_norm(x, partial, lw.post_norm, lw.gate.block)
         moe_out, scores, experts = self.moe(lw, b32, blk.live, f16_input=b16,
                                             residual=None if next_norm is None or self.par.active else (x, next_norm))
-        if taps is not None:  # the layer's output as the next norm will form it (the same rounded sum)
-            out, hidden = ((moe_out.moe_out, moe_out.h) if isinstance(moe_out, Residual) else (moe_out, x + moe_out))
-            for name, value in (("attn_out", attn_out), ("moe_in", b32), ("router_scores", scores),
-                                ("experts", experts), ("moe_out", out), ("hidden", hidden)):
+        if taps is not None:
+            _tap(taps, tag + "attn_out", attn_out)
+            for name, value in (("moe_in", b32), ("router_scores", scores), ("experts", experts)):
                 _tap(taps, tag + name, value)
+            if not self.par.fuses_add_norm:  # the layer's output as the next norm will form it (the same rounded sum)
+                out, hidden = ((moe_out.moe_out, moe_out.h) if isinstance(moe_out, Residual)
+                               else (moe_out, x + moe_out))
+                _tap(taps, tag + "moe_out", out)
+                _tap(taps, tag + "hidden", hidden)
         return x, moe_out
+
+    def reduce_add_norm(self, x: torch.Tensor, partial: torch.Tensor, weight: torch.Tensor,
+                        moe_block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
+        """A layer's post-attention point: (the attention output summed over ranks, h = x + it, rmsnorm(h) * weight in
+        fp32, the MoE's operand tiles or None), in one launch where the collectives fuse the reduction and the norm
+        (the peer kernels: the MoE then forms its operands itself, the same values)."""
+        eps = self.config.rms_norm_eps
+        fused = self.par.all_reduce_add_norm(partial, x, weight, eps, torch.float32)
+        if fused is not None:
+            return (*fused, None)
+        attn_out = self.par.all_reduce(partial)
+        return (attn_out, *self.ops.add_norm(x, attn_out, weight, eps, moe_block=moe_block))
+
+    def residual_norm(self, x: torch.Tensor, pending: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(h = x + pending, rmsnorm(h) * weight): `pending` is a layer's MoE output, this rank's partial where the
+        collectives fuse its reduction into this norm (moe() leaves it unreduced then)."""
+        eps = self.config.rms_norm_eps
+        fused = self.par.all_reduce_add_norm(pending, x, weight, eps, self.dtype)
+        if fused is not None:
+            return fused[1], fused[2]
+        return self.ops.residual_norm(x, pending, weight, eps)
 
     @stage("attention")
     def attention(self, lw: LayerWeights, kv: LayerKV, a: torch.Tensor | PendingNorm, blk: Block) -> torch.Tensor:
@@ -128,7 +153,7 @@ class FastModel:
         else:  # K/V stored first: causal block
             q = self.ops.qkv_rope(lw, kv, a, c.head_dim, blk.cos, blk.sin, blk.rope_rows, blk.positions, blk.live)
         out = self.ops.attention(q, kv, blk.positions, lw.sinks)
-        return self.par.all_reduce(self.ops.linear(lw.wo, out.to(self.dtype).reshape(R, -1)))
+        return self.ops.linear(lw.wo, out.to(self.dtype).reshape(R, -1))  # row-parallel: this rank's partial
 
     @stage("moe")
     def moe(self, lw: LayerWeights, b32: torch.Tensor, live: torch.Tensor, f16_input: object = None,
@@ -144,8 +169,8 @@ class FastModel:
                            f16_input=f16_input, residual=residual)
         if isinstance(out, Residual):  # added to the stream already (no all-reduce between: the caller's contract)
             return out, scores, experts
-        out = out.to(self.dtype)
-        return self.par.all_reduce(out), scores, experts
+        out = out.to(self.dtype)  # row-parallel: reduced here, or with the next norm where the collectives fuse them
+        return (out if self.par.fuses_add_norm else self.par.all_reduce(out)), scores, experts
 
 
 def rope_tables(config: Config, rows: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,9 @@
 """Tensor-parallel context: which rank this process is, and the two collectives the model uses.
 
 Passed explicitly to every layer (no module-level rank or backend). A single process is `Parallel.single()`,
-whose collectives are identities. MODEL.md's TP layout: two all-reduces per decoder layer (after the
+whose collectives are identities. On CPU the collectives are torch's over gloo; on GPUs they are our own kernels over
+peer memory (fast/collectives.py), with gloo only to bootstrap them and for the host's per-chunk flag, so no NCCL
+call is on the decode path and the TP round is captured in the decode-loop graph. MODEL.md's TP layout: two all-reduces per decoder layer (after the
 row-parallel o_proj and Down), one after the vocabulary-parallel embedding and eh_proj, and one
 all-gather of sampling candidates per sampled row block.
 """
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ class Parallel:
     device: torch.device
     group: Any = field(default=None, compare=False)
     local_collectives: bool = False  # rank-slice benchmarks: collectives replaced by local no-ops
+    peers: Any = field(default=None, compare=False)  # fast.collectives.PeerCollectives on GPUs (with_peers)
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> "Parallel":
@@ -33,14 +36,45 @@ class Parallel:
     def active(self) -> bool:
         return self.world > 1 and not self.local_collectives
 
+    @property
+    def capturable(self) -> bool:
+        """Whether a round's collectives may be captured in a CUDA graph: none, or our peer-memory kernels."""
+        return not self.active or self.peers is not None
+
+    @property
+    def fuses_add_norm(self) -> bool:
+        """Whether a row-parallel output's reduction is fused with the residual add and norm that follow it."""
+        return self.peers is not None
+
+    def with_peers(self, hidden: int, candidates: int, dtype: torch.dtype) -> "Parallel":
+        """This context with its peer-memory collectives (GPUs, TP > 1), built collectively by every rank."""
+        if not self.active or self.device.type != "cuda" or self.peers is not None:
+            return self
+        from .collectives import PeerCollectives
+
+        return replace(self, peers=PeerCollectives(self.group, self.rank, self.world, hidden, candidates, dtype,
+                                                   self.device))
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum partial results of a row-parallel layer over ranks (in place)."""
+        """Sum partial results of a row-parallel layer over ranks (rank order with the peer kernels)."""
+        if self.peers is not None:
+            return self.peers.all_reduce(x)
         if self.active:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_add_norm(self, partial: torch.Tensor, stream: torch.Tensor, weight: torch.Tensor, eps: float,
+                            y_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(sum, stream + sum, rmsnorm(stream + sum) * weight) in one launch where the collectives fuse them (the peer
+        kernels); None elsewhere: the caller reduces, then runs its norm."""
+        if self.peers is None:
+            return None
+        return self.peers.all_reduce_add_norm(partial, stream, weight, eps, y_dtype)
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `x` along the last dimension, in rank order."""
+        if self.peers is not None:
+            return self.peers.all_gather_last(x)
         if not self.active:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world)]
@@ -48,9 +82,17 @@ class Parallel:
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """A host-level value (the per-chunk continue flag) from `src`: through the host, as gloo takes it."""
         if self.active:
-            dist.broadcast(x, src=src, group=self.group)
+            host = x.cpu()
+            dist.broadcast(host, src=src, group=self.group)
+            x.copy_(host)
         return x
+
+    def check(self) -> None:
+        """Raise if a peer collective gave up waiting (fast/collectives.py)."""
+        if self.peers is not None:
+            self.peers.check()
 
 
 def free_port() -> int:
@@ -59,18 +101,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_process(rank: int, world: int, port: int, device_kind: str) -> Parallel:
-    """Join the process group of `world` ranks on this host: NCCL on GPUs, gloo on CPU."""
+def init_process(rank: int, world: int, port: int, device_kind: str, shared_gpu: bool = False) -> Parallel:
+    """Join the process group of `world` ranks on this host (gloo: on GPUs it only bootstraps the peer collectives).
+    `shared_gpu`: every rank on GPU 0 (testing TP on one GPU, under an MPS daemon so the ranks run side by side)."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     if device_kind == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        backend = "nccl"
+        index = 0 if shared_gpu else rank
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
-        backend = "gloo"
     if world > 1:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                device_id=device if device_kind == "cuda" else None)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     return Parallel(rank, world, device, group=dist.group.WORLD if world > 1 else None)

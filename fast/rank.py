@@ -9,6 +9,7 @@ cancellation) and at the end; between reads the decode loop runs on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from ..reference.rng import PURPOSE_COMMIT, int64_bits
 from ..reference.speculative import Step
 from . import sampler
 from .cache import StaticKV
+from .collectives import CollectiveError
 from .flow import EagerFlow
 from .graphs import capture_decode_loop
 from .model import FastModel
@@ -30,6 +32,7 @@ from .torch_ops import TorchOps
 from .weights import ModelWeights, WeightLoader, load_weights
 
 PREFILL_BLOCK = 64  # rows per prefill block: no more than the ring's spare slots (see cache.py)
+MAX_CANDIDATES = 256  # sampling candidates a rank contributes to the all-gather at most
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class EngineOptions:
     max_context: int = 4096
     dtype: str = "auto"             # auto = bf16 on CUDA, fp32 on CPU
     graphs: bool = True             # capture CUDA graphs (ignored on CPU)
+    shared_gpu: bool = False        # TP > 1 with every rank on GPU 0 (testing on one GPU, under an MPS daemon)
     kernels: str | KernelPlan = "auto"  # auto = Triton on CUDA, the torch forms on CPU; or torch, triton, a plan
 
     def plan(self, device: torch.device) -> KernelPlan:
@@ -108,6 +112,9 @@ class RankEngine:
 
     def _build(self, model_dir: Path | None, config: Config, generation: GenerationConfig, weights: ModelWeights,
                par: Parallel, options: EngineOptions, parts: EngineParts) -> None:
+        # On GPUs the ranks' collectives are our peer-memory kernels (fast/collectives.py), made here, collectively
+        candidates = min(MAX_CANDIDATES, config.vocab_size // par.world)
+        par = par.with_peers(config.hidden_size, candidates, options.torch_dtype(par.device))
         self.model_dir, self.par, self.options, self.parts = model_dir, par, options, parts
         self.config, self.generation = config, generation
         self.dtype = options.torch_dtype(par.device)
@@ -117,8 +124,7 @@ class RankEngine:
         self.plan = options.plan(par.device)
         self.cache = parts.cache(c, kv_heads, self.capacity, self.dtype, par.device)
         self.model = parts.model(c, weights, self.cache, par, self.dtype, make_ops(self.plan))
-        self.state = DecodeState.allocate(self.capacity, options.max_context, c.hidden_size,
-                                          min(self.generation.top_k, c.vocab_size), self.dtype, par.device)
+        self.state = self._allocate_state(min(self.generation.top_k, c.vocab_size))
         self._runners: dict[tuple, tuple[RoundRunner, object]] = {}
         if self._use_graphs() and model_dir is not None:  # capture (and upload) the default decode loop now
             self.runner("auto", self.generation.top_k)
@@ -135,18 +141,23 @@ class RankEngine:
             controller = load_controller(self.model_dir) if drafts == "auto" else FixedDepth(int(drafts)) if drafts else None
             width = min(top_k, self.config.vocab_size)  # a distribution never has more entries than the vocabulary
             if width != self.state.q_ids.shape[1]:
-                self.state = DecodeState.allocate(self.capacity, self.options.max_context, self.config.hidden_size,
-                                                  width, self.dtype, self.par.device)
+                self.state = self._allocate_state(width)
                 self._runners.clear()
             runner = self.parts.runner(self.model, self.state, top_k, controller, EagerFlow())
             graph = capture_decode_loop(self.state, runner, self.par.device) if self._use_graphs() else None
             self._runners[key] = (runner, graph)
         return self._runners[key]
 
+    def _allocate_state(self, width: int) -> DecodeState:
+        state = DecodeState.allocate(self.capacity, self.options.max_context, self.config.hidden_size, width,
+                                     self.dtype, self.par.device)
+        if self.par.peers is not None:  # a collective that gives up ends the decode loop
+            state.halt = self.par.peers.error
+        return state
+
     def _use_graphs(self) -> bool:
-        # NCCL collectives cannot live inside conditional-node bodies (capture fails): tensor-parallel
-        # CUDA runs eagerly until the collectives are plain kernels (the fused all-reduce of issue 5).
-        return self.options.graphs and self.par.device.type == "cuda" and not self.par.active
+        # Torch's collectives (NCCL) cannot live inside conditional-node bodies; the peer kernels can.
+        return self.options.graphs and self.par.device.type == "cuda" and self.par.capturable
 
     # ---- a request ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -211,8 +222,10 @@ class RankEngine:
         """Generator of Steps (rank 0 consumes them; other ranks just drive the collectives)."""
         runner, graph = self.runner(req.drafts, req.top_k)
         self.start(req, runner)
+        self.par.check()
         read_tokens = read_rounds = 0
         flag = torch.ones(1, dtype=torch.int64, device=self.par.device)
+        failed = False
         try:
             while True:
                 steps, read_tokens, read_rounds = self._read_log(read_tokens, read_rounds)
@@ -225,11 +238,26 @@ class RankEngine:
                 if int(flag) == 0:
                     return
                 self.decode_chunk(runner, graph)
+                self.par.check()
+        except CollectiveError:
+            failed = True  # a peer is gone: no flag to hand to it
+            raise
         finally:
-            if not bool(self.state.done):
+            if not bool(self.state.done) and not failed:
                 flag.fill_(0)
                 if self.par.rank == 0:
                     self.par.broadcast(flag)
+
+    def close(self) -> None:
+        """Drop the peers' buffer views, then wait for every rank to have done so (a rank that exits while a peer
+        still maps its buffer makes torch warn); a rank already gone is not waited for long."""
+        if self.par.peers is None:
+            return
+        self.par.peers.release()
+        try:
+            torch.distributed.monitored_barrier(group=self.par.group, timeout=timedelta(seconds=10))
+        except RuntimeError:
+            pass  # a peer stopped (its error was raised where it happened)
 
     def _read_log(self, read_tokens: int, read_rounds: int) -> tuple[list[Step], int, int]:
         st = self.state

@@ -65,6 +65,7 @@ class DecodeState:
     done: torch.Tensor          # int32: a stop token or the budget was reached
     running: torch.Tensor       # int32: condition of the decode loop
     target: torch.Tensor        # int64: the loop returns to the host once emitted reaches this
+    halt: torch.Tensor          # int32: nonzero ends the loop (a peer collective gave up: fast/collectives.py)
 
     @classmethod
     def allocate(cls, capacity: int, log_capacity: int, hidden: int, top_k: int, dtype: torch.dtype,
@@ -81,7 +82,7 @@ class DecodeState:
             u_draft=z(MAX_DRAFTS, dt=torch.float32),
             log_tokens=z(log_capacity + 1), log_logprobs=z(log_capacity + 1, dt=torch.float32),
             log_rounds=z(log_capacity + 1, 4), emitted=z(), rounds=z(), done=z(dt=torch.int32),
-            running=z(dt=torch.int32), target=z())
+            running=z(dt=torch.int32), target=z(), halt=z(dt=torch.int32))
 
     def clear(self) -> None:
         for f in fields(self):
@@ -89,8 +90,8 @@ class DecodeState:
         self.stop_ids.fill_(-1)
 
     def update_running(self) -> None:
-        """The decode loop's condition, on the device: no stop yet and fewer than `target` tokens emitted."""
-        self.running.copy_(((self.done == 0) & (self.emitted < self.target)).to(torch.int32))
+        """The decode loop's condition, on the device: no stop yet, fewer than `target` tokens emitted, no halt."""
+        self.running.copy_(((self.done == 0) & (self.emitted < self.target) & (self.halt == 0)).to(torch.int32))
 
     @property
     def trash(self) -> int:

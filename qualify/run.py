@@ -220,20 +220,20 @@ def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar) -> tuple[list[
     return rows + [lrow], linfo, fallbacks, [done[c.name] for c in chosen]
 
 
-def candidate_options(dtype: str, kernels: str | KernelPlan, device: str) -> EngineOptions:
+def candidate_options(dtype: str, kernels: str | KernelPlan, device: str, shared_gpu: bool = False) -> EngineOptions:
     """The healthy candidate's engine options (`kernels` resolved to a plan for the device, e.g. auto -> triton).
     Eager on CUDA too: the recorder wraps the engine's Python calls, which a graph replay skips. The graph is held to
     the eager round separately (bit-exact: tests/test_fast_gpu.py)."""
-    return EngineOptions(max_context=512, dtype=dtype, graphs=False,
+    return EngineOptions(max_context=512, dtype=dtype, graphs=False, shared_gpu=shared_gpu,
                          kernels=EngineOptions(kernels=kernels).plan(torch.device(device)))
 
 
 def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32", json_out: str | None = None,
             progress: bool | None = None, controls: list[str] | None = None, out=None,
-            device: str = "cpu", kernels: str | KernelPlan = "auto", jobs: int = 1) -> dict:
+            device: str = "cpu", kernels: str | KernelPlan = "auto", jobs: int = 1, shared_gpu: bool = False) -> dict:
     t0 = time.time()
     model_dir = str(model_dir)
-    base = candidate_options(dtype, kernels, device)
+    base = candidate_options(dtype, kernels, device, shared_gpu)
     config = Config.from_dir(model_dir)
     cases, prefix, extra = qualify_cases(config.vocab_size, quick, sliding_ring(config, base))
     plan = Plan(model_dir, tp, base, tuple(cases), tuple(prefix), tuple(extra), dtype,

@@ -150,7 +150,6 @@ def _tp_tokens(model_dir, tp: int, prompt, seed, drafts, n=24) -> list[int]:
         engine.close()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model_dir,tp", [(TINY, 2), (TINY_TP8, 8)])
 def test_tensor_parallel_agrees_with_tp1(model_dir, tp):
     prompt = PROMPTS[0]

@@ -28,14 +28,12 @@ def report(tmp_path_factory):
     return data
 
 
-@pytest.mark.slow
 def test_quick_qualify_passes_on_the_healthy_engine(report):
     failed = [c for c in report["checks"] if c["verdict"] != "pass"]
     assert report["_rc"] == 0 and report["passed"], failed
     assert report["controls_caught"] == f"{len(REGISTRY)}/{len(REGISTRY)}"
 
 
-@pytest.mark.slow
 def test_report_structure(report):
     for key in ("schema", "model", "tp", "dtype", "quick", "seconds", "passed", "checks", "controls", "lossless",
                 "controls_caught", "tolerances"):
@@ -53,7 +51,6 @@ def test_report_structure(report):
         assert any(c["check"] == check for c in report["checks"]), check
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("control", [c.name for c in REGISTRY])
 def test_each_negative_control_is_caught_where_intended(report, control):
     r = next(c for c in report["controls"] if c["name"] == control)
@@ -69,7 +66,6 @@ def test_each_negative_control_is_caught_where_intended(report, control):
             assert float(w[2]) > float(w[3]), w
 
 
-@pytest.mark.slow
 def test_controls_stay_in_their_classes(report):
     """A defect confined to one place is caught there and not everywhere: the classes keep it visible."""
     failing = {c["name"]: {tuple(x) for x in c["failing"]} for c in report["controls"]}

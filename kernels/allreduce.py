@@ -1,0 +1,265 @@
+"""Tensor-parallel collectives as kernels over peer memory: the data itself is the readiness signal.
+
+Every rank owns a buffer of 3 slots x WORLD lanes x CAP rows, mapped into every peer by CUDA IPC (fast/collectives.py
+exchanges the handles once). A call takes the next slot s of this rank's call counter (a device int, so graph
+replays and device-chosen draft depths keep the sequence): each program (one row) stores its partial row into lane
+`rank` of slot s in every peer's buffer, then polls its own buffer's lanes of that row with volatile loads until no
+element holds the sentinel, and reduces them in rank order 0, 1, ..., WORLD-1 in fp32, so every rank computes the
+same bits by construction. It then re-arms (fills with the sentinel) the rows the previous call used in slot
+s - 1 of its own buffer: every peer finished writing that slot before this rank could have read it, and no peer
+writes it again before this rank's next call has pushed (three slots make the order safe). The call's last
+program to arrive advances the counter.
+
+The sentinel is -0.0 (TensorRT-LLM's choice), and a pushed -0.0 is stored as +0.0: then a NaN a rank produces flows
+into the sum as it would through NCCL instead of reading as "not written yet", and the only value changed is the
+sign of a zero (a sum of zeros comes out +0.0). Candidate keys (int64, the all-gather of vocabulary-parallel
+sampling) use INT64_MIN, which no key holds (its id part would be 2^32 - 1).
+
+A poll that waits past `timeout_ns` (the GPU's global timer) gives up: it records (tag, lane) in the error flag and
+the kernel completes with a wrong value; the decode loop's condition reads the flag and ends, and the host raises
+naming the rank and the collective (fast/collectives.py). A rank that never writes cannot hang its peers.
+
+`NORM` fuses the residual add and RMSNorm after the reduction (the two reduction points of a decoder layer): the sum
+rounded to the stream's dtype, h = stream + sum rounded again, y = rmsnorm(h) * w, the same arithmetic and program
+shape as kernels/rmsnorm_residual.py, so the fused call gives the bits of the all-reduce followed by that kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import launch_options, wait_for_inputs
+
+SLOTS = 3
+INT64_MIN = -(2 ** 63)
+
+
+@triton.jit
+def _now(after):
+    """The GPU's global nanosecond timer, read once `after` is available."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _sentinel_of(v, BITS: tl.constexpr):
+    """Where `v` holds the sentinel: -0.0 for floats (BITS 16 or 32), INT64_MIN for keys (BITS 64)."""
+    if BITS == 16:
+        return v.to(tl.int16, bitcast=True) == -32768
+    elif BITS == 32:
+        return v.to(tl.int32, bitcast=True) == -2147483648
+    else:
+        return v == -9223372036854775807 - 1
+
+
+@triton.jit
+def _sentinel(v, BITS: tl.constexpr):
+    if BITS == 16:
+        return tl.full(v.shape, -32768, tl.int16).to(v.dtype, bitcast=True)
+    elif BITS == 32:
+        return tl.full(v.shape, -2147483648, tl.int32).to(v.dtype, bitcast=True)
+    else:
+        return tl.full(v.shape, -9223372036854775807 - 1, tl.int64)
+
+
+@triton.jit
+def _push(v, row, W, S, peers_ptr, own_ptr, state_ptr, rank, WORLD: tl.constexpr, CAP: tl.constexpr,
+          BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """Store this row `v` [BLOCK] (W valid; the buffer's rows are S wide) into lane `rank` of this call's slot in every
+    peer's buffer (this rank's own included). Returns (the call number, its slot)."""
+    i = tl.arange(0, BLOCK)
+    ok = i < W
+    call = tl.load(state_ptr)
+    slot = call % 3
+    if BITS != 64:  # -0.0 is the sentinel: push +0.0 for it (equal in every later operation)
+        v = tl.where(_sentinel_of(v, BITS), tl.zeros_like(v), v)
+    lane = ((slot * WORLD + rank) * CAP + row).to(tl.int64) * S
+    for p in tl.static_range(WORLD):
+        peer = tl.load(peers_ptr + p).to(tl.pointer_type(own_ptr.dtype.element_ty))
+        tl.store(peer + lane + i, v, mask=ok)
+    return call, slot
+
+
+@triton.jit
+def _poll(own_ptr, slot, p, row, W, S, error_ptr, timeout_ns, tag, start,
+          WORLD: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """Lane p of this row in slot `slot` of the own buffer, once no element holds the sentinel (or the timeout)."""
+    i = tl.arange(0, BLOCK)
+    ok = i < W
+    ptr = own_ptr + ((slot * WORLD + p) * CAP + row).to(tl.int64) * S + i
+    got = tl.load(ptr, mask=ok, volatile=True)
+    waiting = tl.sum((_sentinel_of(got, BITS) & ok).to(tl.int32), axis=0)
+    late = waiting * 0
+    while (waiting > 0) & (late == 0):
+        got = tl.load(ptr, mask=ok, volatile=True)
+        waiting = tl.sum((_sentinel_of(got, BITS) & ok).to(tl.int32), axis=0)
+        late = (_now(waiting) - start > timeout_ns).to(tl.int32)
+    if waiting > 0:  # the first timeout is kept: (tag + 1) * 1024 + the lane that never arrived
+        tl.atomic_cas(error_ptr, 0, (tag + 1) * 1024 + p)
+    return got
+
+
+@triton.jit
+def _rearm_and_advance(own_ptr, state_ptr, call, slot, row, R, W, S, WORLD: tl.constexpr, CAP: tl.constexpr,
+                       BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """Fill the previous slot's used rows of the own buffer with the sentinel (this program's share: rows row, row + R,
+    ...), then count this program in; the last one records this call's rows and advances the call counter."""
+    i = tl.arange(0, BLOCK)
+    ok = i < W
+    prev = (call + 2) % 3
+    prev_rows = tl.load(state_ptr + 2 + prev)
+    r = row
+    while r < prev_rows:
+        for p in tl.static_range(WORLD):
+            dst = own_ptr + ((prev * WORLD + p) * CAP + r).to(tl.int64) * S + i
+            tl.store(dst, _sentinel(tl.zeros([BLOCK], dtype=own_ptr.dtype.element_ty), BITS), mask=ok)
+        r += R
+    ticket = tl.atomic_add(state_ptr + 1, 1)
+    if ticket == R - 1:
+        tl.store(state_ptr + 1, 0)
+        tl.store(state_ptr + 2 + slot, R)
+        tl.store(state_ptr, call + 1)
+
+
+@triton.jit
+def _rank_order(step, rank, WORLD: tl.constexpr):
+    """The lane a reduction adds at `step`: the same order, 0, 1, ..., on every rank."""
+    return step
+
+
+@triton.jit
+def _all_reduce_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, sum_ptr, res_ptr, w_ptr, h_ptr, y_ptr,
+                       R, H, S, rank, eps, timeout_ns, tag, stride_x, stride_sum, stride_res, stride_h, stride_y,
+                       WORLD: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                       NORM: tl.constexpr, POLL: tl.constexpr, REARM: tl.constexpr, ORDER: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    # POLL, REARM, ORDER: the pieces of the protocol (_poll, _rearm_and_advance, _rank_order); the tests' negative
+    # controls pass broken ones to show that their checks fail
+    row = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    ok = i < H
+    if NORM:  # the norm's weight is constant: read before the wait
+        w = tl.load(w_ptr + i, mask=ok, other=0.0)
+    wait_for_inputs(PDL)
+    v = tl.load(x_ptr + row * stride_x + i, mask=ok, other=0.0)
+    call, slot = _push(v, row, H, S, peers_ptr, own_ptr, state_ptr, rank, WORLD, CAP, BLOCK, BITS)
+    start = _now(row)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for step in tl.static_range(WORLD):  # rank order: the same sum on every rank
+        acc += POLL(own_ptr, slot, ORDER(step, rank, WORLD), row, H, S, error_ptr, timeout_ns, tag, start, WORLD, CAP,
+                    BLOCK, BITS).to(tl.float32)
+    s = acc.to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + row * stride_sum + i, s, mask=ok)
+    if NORM:  # rmsnorm_residual's arithmetic: h rounded to the stream's dtype, the norm on the rounded h
+        x = tl.load(res_ptr + row * stride_res + i, mask=ok, other=0.0).to(tl.float32)
+        h = (x + s.to(tl.float32)).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * stride_h + i, h, mask=ok)
+        h = h.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
+        tl.store(y_ptr + row * stride_y + i, (h * inv * w.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=ok)
+    REARM(own_ptr, state_ptr, call, slot, row, R, H, S, WORLD, CAP, BLOCK, BITS)
+
+
+@triton.jit
+def _all_gather_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, out_ptr, R, K, S, rank, timeout_ns, tag,
+                       stride_x, stride_out, WORLD: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    row = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    ok = i < K
+    wait_for_inputs(PDL)
+    v = tl.load(x_ptr + row * stride_x + i, mask=ok, other=0)
+    call, slot = _push(v, row, K, S, peers_ptr, own_ptr, state_ptr, rank, WORLD, CAP, BLOCK, 64)
+    start = _now(row)
+    for p in tl.static_range(WORLD):  # the ranks' candidates concatenated in rank order
+        got = _poll(own_ptr, slot, p, row, K, S, error_ptr, timeout_ns, tag, start, WORLD, CAP, BLOCK, 64)
+        tl.store(out_ptr + row * stride_out + p * K + i, got, mask=ok)
+    _rearm_and_advance(own_ptr, state_ptr, call, slot, row, R, K, S, WORLD, CAP, BLOCK, 64)
+
+
+# ---- wrappers ----------------------------------------------------------------------------------------------
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(f"allreduce: {message}")
+
+
+def sentinel_bits(dtype: torch.dtype) -> int:
+    return {torch.bfloat16: 16, torch.float16: 16, torch.float32: 32, torch.int64: 64}[dtype]
+
+
+def arm(buffer: torch.Tensor) -> torch.Tensor:
+    """Fill a communication buffer with its sentinel (-0.0, or INT64_MIN for keys), in place."""
+    if buffer.dtype == torch.int64:
+        return buffer.fill_(INT64_MIN)
+    return buffer.fill_(-0.0)
+
+
+def _check_buffer(x: torch.Tensor, peers: torch.Tensor, own: torch.Tensor, state: torch.Tensor,
+                  error: torch.Tensor, rank: int) -> tuple[int, int]:
+    world = peers.numel()
+    _check(own.dim() == 4 and own.shape[0] == SLOTS and own.shape[1] == world and own.is_contiguous(),
+           f"the buffer must be contiguous [{SLOTS}, {world}, CAP, width], got {tuple(own.shape)}")
+    _check(0 <= rank < world, f"rank {rank} outside the {world} lanes")
+    _check(x.dim() == 2 and x.shape[0] <= own.shape[2] and x.shape[1] <= own.shape[3] and x.stride(-1) == 1,
+           f"rows [R <= {own.shape[2]}, <= {own.shape[3]}] with unit stride expected, got {tuple(x.shape)}")
+    _check(x.dtype == own.dtype, f"rows are {x.dtype}, the buffer {own.dtype}")
+    _check(peers.dtype == torch.int64 and state.dtype == torch.int32 and state.numel() >= 5
+           and error.dtype == torch.int32, "peers int64 [world], state int32 [>= 5], error int32")
+    _check(all(t.device == x.device for t in (peers, own, state, error)), "tensors on several devices")
+    return world, x.shape[0]
+
+
+def all_reduce(x: torch.Tensor, peers: torch.Tensor, own: torch.Tensor, state: torch.Tensor, error: torch.Tensor,
+               rank: int, *, tag: int = 0, timeout_ns: int = 2_000_000_000, out: torch.Tensor | None = None,
+               norm: tuple | None = None, pdl: bool = False):
+    """sum over ranks of x [R, H] (rank order, fp32, rounded to x's dtype), into `out`. `peers` int64 [world]: every
+    rank's buffer address (this rank's own at index rank); `own` this rank's buffer [3, world, CAP, H] in x's dtype
+    (armed); `state` int32 [8] this rank's call counter, arrival count and rows per slot (zeroed at the start);
+    `error` int32 [>= 1]: 0, or (tag + 1) * 1024 + the lane a poll gave up on.
+    `norm` = (stream [R, H], weight [H], eps, y dtype): also h = stream + sum and y = rmsnorm(h) * weight; returns
+    (sum, h, y) then, else the sum."""
+    return _all_reduce(x, peers, own, state, error, rank, tag, timeout_ns, out, norm, pdl)
+
+
+def _all_reduce(x, peers, own, state, error, rank, tag, timeout_ns, out, norm, pdl,
+                poll=_poll, rearm=_rearm_and_advance, order=_rank_order):
+    """all_reduce with the protocol's pieces given: the negative controls of tests/test_tp_collectives.py."""
+    world, R = _check_buffer(x, peers, own, state, error, rank)
+    H = x.shape[1]
+    out = torch.empty_like(x) if out is None else out
+    _check(out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1, "out must be like x")
+    if norm is not None:
+        stream, weight, eps, y_dtype = norm
+        _check(stream.shape == x.shape and stream.stride(-1) == 1 and tuple(weight.shape) == (H,),
+               "norm: stream [R, H] with unit stride and weight [H]")
+        h = torch.empty_like(stream)
+        y = torch.empty((R, H), dtype=y_dtype, device=x.device)
+        extra = (stream, weight, h, y, float(eps), stream.stride(0), h.stride(0), y.stride(0))
+    else:
+        extra = (out, out, out, out, 1.0, 0, 0, 0)
+    stream_, weight_, h_, y_, eps_, s_res, s_h, s_y = extra
+    if R:
+        _all_reduce_kernel[(R,)](x, peers, own, state, error, out, stream_, weight_, h_, y_, R, H, own.shape[3],
+                                 rank, eps_,
+                                 timeout_ns, tag, x.stride(0), out.stride(0), s_res, s_h, s_y, WORLD=world,
+                                 CAP=own.shape[2], BLOCK=triton.next_power_of_2(H), BITS=sentinel_bits(x.dtype),
+                                 NORM=norm is not None, POLL=poll, REARM=rearm, ORDER=order, num_warps=8,
+                                 **launch_options(pdl, x.device))
+    return out if norm is None else (out, h_, y_)
+
+
+def all_gather(x: torch.Tensor, peers: torch.Tensor, own: torch.Tensor, state: torch.Tensor, error: torch.Tensor,
+               rank: int, *, tag: int = 0, timeout_ns: int = 2_000_000_000, pdl: bool = False) -> torch.Tensor:
+    """Every rank's int64 x [R, K] concatenated along the last dimension in rank order: [R, world * K]."""
+    world, R = _check_buffer(x, peers, own, state, error, rank)
+    _check(x.dtype == torch.int64, "the gather takes int64 keys")
+    K = x.shape[1]
+    out = torch.empty((R, world * K), dtype=torch.int64, device=x.device)
+    if R:
+        _all_gather_kernel[(R,)](x, peers, own, state, error, out, R, K, own.shape[3], rank, timeout_ns, tag,
+                                 x.stride(0),
+                                 out.stride(0), WORLD=world, CAP=own.shape[2], BLOCK=max(16, triton.next_power_of_2(K)),
+                                 num_warps=1, **launch_options(pdl, x.device))
+    return out
