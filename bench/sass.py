@@ -50,8 +50,7 @@ def specs() -> dict[str, KernelSpec]:
     input rounded to bf16 in the kernel, bf16 linear input), with the wrappers' current defaults."""
     moe_kw = {n: p.default for n, p in inspect.signature(mk.moe).parameters.items()}
     gate_up_types = dict(x_ptr="*fp32", xd_ptr="*fp32", g_ptr="*fp8e4nv", gs_ptr="*fp32", u_ptr="*fp8e4nv",
-                         us_ptr="*fp32", experts_ptr="*i64", live_ptr="*u8", part_ptr="*fp32", ran_ptr="*fp32",
-                         lock_ptr="*i32", act_ptr="*u8", act_s_ptr="*fp32", h_ptr="*fp32", count_ptr="*fp32")
+                         us_ptr="*fp32", experts_ptr="*i64", live_ptr="*u8", part_ptr="*fp32", ran_ptr="*fp32")
     gate_up_constexprs = dict(_ROUTING, B0=128, B1=128, BLOCK_M=mk.BLOCK_M, BLOCK_N=moe_kw["gate_up_block_n"],
                               BLOCK_K=moe_kw["block_k"], ROUND_BF16=True, F32=False, PREC="tf32", STORE_RAN=False,
                               PDL=True, F16=moe_kw["f16"])
@@ -59,7 +58,7 @@ def specs() -> dict[str, KernelSpec]:
                      "H", "I", "P", "stride_x", "stride_xd", "k_per_split")
     gate_up = KernelSpec(mk._moe_gate_up_kernel, gate_up_types, gate_up_constexprs, gate_up_div16,
                          moe_kw["gate_up_warps"], moe_kw["gate_up_stages"], "MoE Gate/Up")
-    # As the engine calls it with stage f16_norm: x's fp16 operand tiles made by the post-attention norm
+    # As the engine calls it: x's fp16 operand tiles made by the post-attention norm
     gate_up_prescaled = KernelSpec(mk._moe_gate_up_kernel, dict(gate_up_types, x_ptr="*fp16"),
                                    dict(gate_up_constexprs, ROUND_BF16=False, PRESCALED=True), gate_up_div16,
                                    moe_kw["gate_up_warps"], moe_kw["gate_up_stages"],
@@ -68,49 +67,42 @@ def specs() -> dict[str, KernelSpec]:
     down = KernelSpec(
         mk._moe_down_kernel,
         dict(act_ptr="*fp8e4nv", act_s_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32", experts_ptr="*i64",
-             live_ptr="*u8", y_ptr="*fp32", ran_ptr="*fp32", lock_ptr="*i32", weights_ptr="*fp32", out_ptr="*bf16"),
+             live_ptr="*u8", y_ptr="*fp32", ran_ptr="*fp32"),
         dict(_ROUTING, B0=128, GROUP=128, BLOCK_M=mk.BLOCK_M, BLOCK_N=moe_kw["down_block_n"], BLOCK_K=down_bk,
              K_PAD_DOT=down_bk, F32=False, STORE_RAN=False, PDL=True, F16=moe_kw["f16"], FP8=moe_kw["fp8_down"]),
         ("act_ptr", "act_s_ptr", "w_ptr", "ws_ptr", "experts_ptr", "live_ptr", "y_ptr", "H", "I"),
         moe_kw["down_warps"], down_stages, "MoE Down")
     lin_kw = {n: p.default for n, p in inspect.signature(fl.fp8_linear).parameters.items()}
-    # q/k/v as the engine calls it (stage preload): 8 splits of 6 K tiles, each program's tiles loaded before the wait
+    # q/k/v as the engine calls it: 8 splits of 6 K tiles, each program's tiles loaded before the wait
     qkv_splits = _linear_auto_split(1024, 6144, lin_kw["block_n"], 128, H200_SMS)
     qkv_tiles = fl.preload_plan(6, 1024, 6144, (128, 128), qkv_splits, lin_kw["block_n"])
     linear = KernelSpec(
         fl._fp8_linear_kernel,
         dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32"),
         dict(B0=128, B1=128, BLOCK_M=fl.BLOCK_M, BLOCK_N=lin_kw["block_n"], BLOCK_K=128, SPLIT=True, SERIAL=True,
-             F32=False, PREC="tf32", PDL=True, PREFETCH_LINES=0, PRELOAD=qkv_tiles),
+             F32=False, PREC="tf32", PDL=True, PRELOAD=qkv_tiles),
         ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "lock_ptr", "N", "K", "stride_xm", "stride_ym",
          "k_per_split"),
         lin_kw["num_warps"], lin_kw["num_stages"], f"FP8 linear (q/k/v: {qkv_tiles} K tiles preloaded), split K summed "
                                                    "in the launch")
     loop = KernelSpec(linear.fn, linear.types, dict(linear.constexprs, PRELOAD=0), linear.div16, linear.num_warps,
                       linear.num_stages, "FP8 linear, the pipelined K loop (without preload)")
-    # stage norm_qkv: q/k/v normalizing the residual stream on load (24 sums of squares a row), partials left unsummed
+    # The plan's fused_input_norm: q/k/v scaling its rows by the residual stream's 1 / rms (24 sums of squares a row),
+    # partials left unsummed
     norm = KernelSpec(linear.fn, dict(linear.types, sumsq_ptr="*fp32", eps="fp32"),
                       dict(linear.constexprs, SERIAL=False, NORM=32), linear.div16 + ("sumsq_ptr",),
                       linear.num_warps, linear.num_stages, "FP8 linear (q/k/v) scaling its rows by 1 / rms")
-    # As the engine launches them on the H200 (stage tma): the weight tiles through tensor descriptors. These are what
+    # As the engine launches them on the H200: the weight tiles through tensor descriptors. These are what
     # ncu profiles (Gate/Up's 188 registers at c199d16: bench/results/ncu-ops-c199d16-details.txt).
     gate_up_tma = _with_descriptors(gate_up_prescaled, ("g_ptr", "u_ptr"), (1, gate_up.constexprs["BLOCK_N"],
                                                                           gate_up.constexprs["BLOCK_K"]),
                                     "MoE Gate/Up as the engine runs it: the norm's fp16 tiles, weights through TMA")
     down_tma = _with_descriptors(down, ("w_ptr",), (1, down.constexprs["BLOCK_N"], down.constexprs["BLOCK_K"]),
                                  "MoE Down as the engine runs it: weights through TMA")
-    # Stage moe_fold (opt-in): the finalize folded into Gate/Up (its 8 splits at this shape), the combine into Down
-    moe_splits = mk.plan_split(6 * 8, 256, 8, 6144, 256, gate_up.constexprs["BLOCK_N"], gate_up.constexprs["BLOCK_K"],
-                               None, H200_SMS)[0]
-    gate_up_fold = KernelSpec(gate_up_tma.fn, gate_up_tma.types,
-                              dict(gate_up_tma.constexprs, FOLD=True, SPLIT=moe_splits, GROUP=128), gate_up_tma.div16,
-                              gate_up_tma.num_warps, gate_up_tma.num_stages, "MoE Gate/Up with the finalize folded in")
     down_early = KernelSpec(down_tma.fn, dict(down_tma.types, w_raw_ptr="*fp8e4nv"),
                             dict(down_tma.constexprs, EARLY=True, LINE_ELEMS=128, LINES=2), down_tma.div16,
                             down_tma.num_warps, down_tma.num_stages,
                             "MoE Down with early_down: routing and its tile's L2 prefetch before the wait")
-    down_fold = KernelSpec(down_tma.fn, down_tma.types, dict(down_tma.constexprs, FOLD=True), down_tma.div16,
-                           down_tma.num_warps, down_tma.num_stages, "MoE Down with the combine folded in")
     fp8_bk, fp8_stages = mk.down_tile(True)
     down_fp8 = _with_descriptors(
         KernelSpec(down.fn, down.types, dict(down.constexprs, BLOCK_K=fp8_bk, K_PAD_DOT=fp8_bk, FP8=True), down.div16,
@@ -121,10 +113,9 @@ def specs() -> dict[str, KernelSpec]:
         fd._fp8_linear_direct_kernel, dict(linear.types, x_ptr="*bf16"),
         dict(B0=128, B1=128, G=2, W_LOAD=fd.load_layout(2), SPLIT=False, SERIAL=False, PRELOAD=6, PDL=True),
         linear.div16, 2, 1, "FP8 linear, operands straight into the MMA's registers (Gluon; o_proj, 2 warps)")
-    return {"fp8_linear_direct": direct, "moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled, "moe_gate_up_tma": gate_up_tma,
-            "moe_gate_up_fold": gate_up_fold, "moe_down": down, "moe_down_tma": down_tma, "moe_down_fold": down_fold,
-            "moe_down_early": down_early, "moe_down_fp8": down_fp8,
-            "fp8_linear": linear, "fp8_linear_loop": loop, "fp8_linear_norm": norm}
+    return {"fp8_linear_direct": direct, "moe_gate_up": gate_up, "moe_gate_up_prescaled": gate_up_prescaled,
+            "moe_gate_up_tma": gate_up_tma, "moe_down": down, "moe_down_tma": down_tma, "moe_down_early": down_early,
+            "moe_down_fp8": down_fp8, "fp8_linear": linear, "fp8_linear_loop": loop, "fp8_linear_norm": norm}
 
 
 def _with_descriptors(spec: KernelSpec, names: tuple[str, ...], box: tuple[int, ...], note: str) -> KernelSpec:

@@ -7,9 +7,7 @@ on this rank's slice I_r of every expert's intermediate dimension (Down is row-p
 all-reduces `out`). At decode the work is a weight stream (a few rows against ~k..R*k experts'
 E4M3 weights), so every launch is laid out to read each chosen expert's bytes once, spread over
 the whole GPU. Four launches, no host sync, grids sized for the worst case (programs with nothing
-to do exit at once), no atomics: eager runs and graph replays are bit-identical. (Opt-in, `locks`: the
-finalize and the combine folded into Gate/Up and Down by an atomic arrival count per tile, the same sums
-in the same order; measured slower than four launches under PDL, docs/PERF.md.)
+to do exit at once), no atomics: eager runs and graph replays are bit-identical.
 
 No grouping launch: a row's k experts are distinct, so the rows that chose expert e are exactly the
 live rows r with e in experts[r, :], each at one slot j_r, and a program finds them itself. Gate/Up
@@ -41,7 +39,8 @@ registers, which drops the caller's conversion launch.
 4. Combine, grid (row, H tile): out[r] = sum_j w[r, j] * y[r * k + j] in slot order, cast to
    out_dtype. Padding rows read nothing and write exact zeros. With `residual` it also adds out to the
    residual stream and prepares the next RMSNorm (h, h * w, the tile's sum of h^2), so that the next
-   layer's q/k/v projection takes that norm without a launch of its own (fast/ops.py, stage norm_qkv).
+   layer's q/k/v projection takes that norm without a launch of its own (fp8_linear's `rms`; the kernel
+   plan's `fused_input_norm`).
 
 Every sum has the order it had with the grouping launch (splits in order, slots in order, one dot
 per row and K tile), and a row's dot result does not depend on which other rows share its tile or
@@ -70,7 +69,7 @@ import triton.language as tl
 
 from .device import FLOATS as _FLOATS, row_groups, sm_count as _sm_count
 from .f16_operands import bf16_grid, f16_rows, tile_width
-from .launch import global_ns, launch_options, prefetch_lines, prefetch_rows, sm_id, wait_for_inputs
+from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
@@ -90,7 +89,7 @@ NUM_STAGES = 3  # Triton's default software pipelining depth, named so that `iqu
 DOWN_WARPS = 4
 DOWN_STAGES = 3
 F16_OPERANDS = True
-FP8_DOWN = False  # E4M3 operands straight into Down's tensor cores, a numerical change: moe(fp8_down=); stage fp8_down
+FP8_DOWN = False  # E4M3 operands straight into Down's tensor cores, a numerical change: moe(fp8_down=)
 # Down's tile with fp8_down: 128 deep, 2 stages: 29.31 -> 28.07 us a MoE call against the fp16-operand default, the
 # fastest of ten E4M3 settings (bench/results/tune-h200-fp8-a1380b4.*). moe()'s down_block_k/down_stages default to
 # the form's own.
@@ -190,27 +189,18 @@ def _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl
 @triton.jit
 def _moe_gate_up_kernel(
     x_ptr, xd_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, ran_ptr,
-    lock_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr,
     R, H, I, P, stride_x, stride_xd, s_rows, s_cols, k_per_split,
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, PRESCALED: tl.constexpr = False, TMA: tl.constexpr = False,
-    FOLD: tl.constexpr = False, SPLIT: tl.constexpr = 1, GROUP: tl.constexpr = 128, STORE_H: tl.constexpr = False,
-    DROP_LAST: tl.constexpr = False, FOLD_ROWS: tl.constexpr = 8, stamp_ptr=None, STAMP: tl.constexpr = False,
 ):
-    if STAMP:  # a timeline (debug): started, owner known, done (ns), SM; per program in launch order
-        slot = stamp_ptr + ((tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0)
-                            + tl.program_id(0)) * 4
-        tl.store(slot, global_ns(tl.program_id(0)))
     wait_for_inputs(PDL)
     p = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
-    if STAMP:
-        tl.store(slot + 1, global_ns(run.to(tl.int32) + e.to(tl.int32)))
-    if STORE_RAN:  # debug: which pairs' programs did the work
+    if STORE_RAN:  # tests only (`_moe_probed`): which pairs' programs did the work
         tl.store(ran_ptr + p, run.to(tl.int32), mask=(tile == 0) & (split == 0))
     # No pass unless this program owns e; one when R <= BLOCK_M (always at k = 8: R * k <= MAX_PAIRS). A live
     # row above the owner's that chose e would own it instead, so the passes start at the owner's row block.
@@ -269,29 +259,10 @@ def _moe_gate_up_kernel(
             dst = part_ptr + ((split * P + pair) * 2)[:, None] * I + n[None, :]
             tl.store(dst, acc_g, mask=m_ok[:, None])
             tl.store(dst + I, acc_u, mask=m_ok[:, None])
-            if FOLD:
-                # The finalize folded in: the last of this (expert, tile, row block)'s splits to store its partials
-                # sums them all (in split order, so the result does not depend on which one arrives last), then
-                # SiLU, product and act_quant exactly as the finalize kernel, and re-arms the counter.
-                tl.debug_barrier()  # every thread's partials stored before the release below
-                lock = lock_ptr + (p * tl.num_programs(1) + tile) * tl.cdiv(R, BLOCK_M) + m0 // BLOCK_M
-                if tl.atomic_add(lock, 1, sem="acq_rel") == SPLIT - 1:
-                    for f0 in range(m0, m0 + BLOCK_M, FOLD_ROWS):  # fewer rows at a time: fewer registers
-                        f_rows, f_pair, f_ok = _expert_rows(experts_ptr, live_ptr, e, f0, R, K_TOP, K_PAD, FOLD_ROWS,
-                                                            LIVE_COUNT)
-                        if tl.sum(f_ok.to(tl.int32), axis=0) > 0:
-                            g, u, summed = _split_sum(part_ptr, f_pair, n, f_ok, P, I, SPLIT, DROP_LAST, ".cg")
-                            _act_store(g, u, f_pair, tile * BLOCK_N, f_ok, act_ptr, act_s_ptr, h_ptr, count_ptr,
-                                       summed, I, GROUP, STORE_H)
-                    tl.atomic_xchg(lock, 0)
-            if STAMP:  # after the last tile's products (the stores take them)
-                tl.store(slot + 2, global_ns(tl.sum(acc_u, axis=1).to(tl.int32).max(axis=0)))
-    if STAMP:
-        tl.store(slot + 3, sm_id(run.to(tl.int32)).to(tl.int64))
 
 
 @triton.jit
-def _split_sum(part_ptr, pair, n, ok, P, I, SPLIT: tl.constexpr, DROP_LAST: tl.constexpr, CACHE: tl.constexpr):
+def _split_sum(part_ptr, pair, n, ok, P, I, SPLIT: tl.constexpr, DROP_LAST: tl.constexpr):
     """Gate's and Up's fp32 partials of `pair`'s rows at channels n summed over the splits in the order s = 0, 1, ...
     (the sum must not depend on scheduling), and how many were added (compile-time: DROP_LAST, the tests' negative
     control, skips the last split). Unrolled, so every split's loads issue at once."""
@@ -300,8 +271,8 @@ def _split_sum(part_ptr, pair, n, ok, P, I, SPLIT: tl.constexpr, DROP_LAST: tl.c
     u = tl.zeros([pair.shape[0], n.shape[0]], tl.float32)
     summed = 0
     for s in tl.static_range(SPLIT - DROP_LAST):
-        g += tl.load(src + s * P * 2 * I, mask=ok[:, None], other=0.0, cache_modifier=CACHE)
-        u += tl.load(src + s * P * 2 * I + I, mask=ok[:, None], other=0.0, cache_modifier=CACHE)
+        g += tl.load(src + s * P * 2 * I, mask=ok[:, None], other=0.0)
+        u += tl.load(src + s * P * 2 * I + I, mask=ok[:, None], other=0.0)
         summed += 1
     return g, u, summed
 
@@ -310,8 +281,8 @@ def _split_sum(part_ptr, pair, n, ok, P, I, SPLIT: tl.constexpr, DROP_LAST: tl.c
 def _act_store(g, u, pair, n0, ok, act_ptr, act_s_ptr, h_ptr, count_ptr, summed, I,
                GROUP: tl.constexpr, STORE_H: tl.constexpr):
     """SiLU(g) * u for `pair`'s rows at channels n0 .. n0 + width (whole act_quant groups), quantized per row and
-    GROUP channels into `act` (E4M3 bits) and `act_scale`; stored where `ok`. STORE_H (debug) also stores the fp32
-    hidden and the splits summed."""
+    GROUP channels into `act` (E4M3 bits) and `act_scale`; stored where `ok`. STORE_H (tests only, `_moe_probed`)
+    also stores the fp32 hidden and the splits summed."""
     ROWS: tl.constexpr = g.shape[0]
     WIDTH: tl.constexpr = g.shape[1]
     n = n0 + tl.arange(0, WIDTH)
@@ -340,8 +311,7 @@ def _moe_finalize_kernel(
     ok = in_range & load_live(live_ptr, pair // K_TOP, R, LIVE_COUNT)  # padding rows' pairs stay unwritten
     # The loads do not wait for liveness (a padding pair reads its never-written partials, and nothing of it is
     # stored): they go out with the live mask's.
-    g, u, summed = _split_sum(part_ptr, pair, tile * GROUP + tl.arange(0, GROUP), in_range, P, I, SPLIT, DROP_LAST,
-                              "")
+    g, u, summed = _split_sum(part_ptr, pair, tile * GROUP + tl.arange(0, GROUP), in_range, P, I, SPLIT, DROP_LAST)
     _act_store(g, u, pair, tile * GROUP, ok, act_ptr, act_s_ptr, h_ptr, count_ptr, summed, I, GROUP, STORE_H)
 
 
@@ -353,9 +323,7 @@ def _moe_down_kernel(
     B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False, FP8: tl.constexpr = False,
-    K_PAD_DOT: tl.constexpr = 0,
-    lock_ptr=None, weights_ptr=None, out_ptr=None, stride_o=0, FOLD: tl.constexpr = False,
-    FOLD_ROWS: tl.constexpr = 4, EARLY: tl.constexpr = False, w_raw_ptr=None, LINE_ELEMS: tl.constexpr = 128,
+    K_PAD_DOT: tl.constexpr = 0, EARLY: tl.constexpr = False, w_raw_ptr=None, LINE_ELEMS: tl.constexpr = 128,
     LINES: tl.constexpr = 2,
 ):
     p = tl.program_id(0)
@@ -419,22 +387,11 @@ def _moe_down_kernel(
                 tl.store(y_ptr + pair[None, :] * H + n[:, None], acc_t, mask=m_ok[None, :] & n_ok[:, None])
             else:
                 tl.store(y_ptr + pair[:, None] * H + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
-    if FOLD:
-        # The combine folded in: every program of this H tile arrives (owners after storing their rows of y, the
-        # others at once); the last one forms out's columns of the tile for all rows, as the combine kernel does.
-        tl.debug_barrier()  # every thread's y stored before the release below
-        lock = lock_ptr + tile
-        if tl.atomic_add(lock, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            for r0 in range(0, R, FOLD_ROWS):  # a few rows at a time: the k loads of a tile in registers at once
-                r = r0 + tl.arange(0, FOLD_ROWS)
-                _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, r, n, R, H, stride_o, K_TOP, LIVE_COUNT, ".cg")
-            tl.atomic_xchg(lock, 0)
 
 
 @triton.jit
 def _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, r, n, R, H, stride_o, K_TOP: tl.constexpr,
-                  LIVE_COUNT: tl.constexpr, CACHE: tl.constexpr):
+                  LIVE_COUNT: tl.constexpr):
     """out[r, n] = sum_j w[r, j] * y[r * k + j, n] in slot order, cast to out's dtype, for rows r < R. The loads do
     not wait for liveness (they go out with it): a padding row's pairs have no y (never computed), so its sum is
     garbage and replaced by exact zeros."""
@@ -443,9 +400,9 @@ def _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, r, n, R, H, stride_o, K
     live = load_live(live_ptr, r, R, LIVE_COUNT) & r_ok
     acc = tl.zeros([r.shape[0], n.shape[0]], tl.float32)
     for j in tl.static_range(K_TOP):  # slot order, fixed
-        w = tl.load(weights_ptr + r * K_TOP + j, mask=r_ok, other=0.0, cache_modifier=CACHE)
+        w = tl.load(weights_ptr + r * K_TOP + j, mask=r_ok, other=0.0)
         acc += w[:, None] * tl.load(y_ptr + (r * K_TOP + j)[:, None] * H + n[None, :],
-                                    mask=r_ok[:, None] & n_ok[None, :], other=0.0, cache_modifier=CACHE)
+                                    mask=r_ok[:, None] & n_ok[None, :], other=0.0)
     acc = tl.where(live[:, None], acc, 0.0).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + r[:, None] * stride_o + n[None, :], acc, mask=r_ok[:, None] & n_ok[None, :])
     return acc
@@ -469,7 +426,7 @@ def _moe_combine_kernel(
     wait_for_inputs(PDL)
     if RESIDUAL and not EARLY:
         x = tl.load(res_ptr + r[:, None] * stride_res + n[None, :], mask=ok, other=0.0)
-    o = _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, r, n, R, H, stride_o, K_TOP, LIVE_COUNT, "")
+    o = _combine_rows(y_ptr, weights_ptr, live_ptr, out_ptr, r, n, R, H, stride_o, K_TOP, LIVE_COUNT)
     if RESIDUAL:
         # The next norm's add, as rmsnorm_residual does it (the sum rounded to the stream's dtype); the tile's share of
         # that norm's sum of squares; and h times the norm's weight, rounded to the stream's dtype: the consumer's
@@ -584,25 +541,6 @@ def gate_up_grid(P: int, E: int, k: int, H: int, I: int, block: tuple[int, int],
     return (P, I // bn, split), bn, bk, k_per_split
 
 
-def gate_up_programs(R: int, k: int, E: int, H: int, I: int, block: tuple[int, int] = (128, 128), device=None,
-                     block_k: int = 128, gate_up_block_n: int = GATE_UP_BLOCK_N) -> int:
-    """Gate/Up's program count for these shapes with moe()'s defaults (the rows of `stamps`)."""
-    grid = gate_up_grid(R * k, E, k, H, I, block, block_k, gate_up_block_n, None,
-                        _sm_count(device or torch.device("cuda")))[0]
-    return grid[0] * grid[1] * grid[2]
-
-
-def lock_count(R: int, k: int, I: int, H: int, gate_up_block_n: int = GATE_UP_BLOCK_N,
-               down_block_n: int = 128) -> int:
-    """Arrival counters moe(locks=) needs: one per Gate/Up (pair, tile, row block), then one per Down H tile."""
-    return _gate_up_locks(R, k, I, _pow2_divisor(I, gate_up_block_n)) + triton.cdiv(H, down_block_n)
-
-
-def _gate_up_locks(R: int, k: int, I: int, bn: int) -> int:
-    """Gate/Up's counters, first in `locks`: its kernel indexes them (pair, tile, row block) the same way."""
-    return R * k * (I // bn) * triton.cdiv(R, BLOCK_M)
-
-
 def expected_segments(pairs: int, experts: int, k: int) -> int:
     """Distinct experts to plan Gate/Up's K split for: a decode block's rows share most of their
     experts (13 for 6 rows at k = 8 on the full model; exactly k for one row). Guessing high is the
@@ -634,9 +572,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
         down_stages: int | None = None, pdl: bool = False, f16: bool = F16_OPERANDS,
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
-        fp8_down: bool = FP8_DOWN, locks: torch.Tensor | None = None, early_down: bool = False,
-        residual: tuple[torch.Tensor, ...] | None = None, stamps: torch.Tensor | None = None,
-        debug: dict | None = None) -> torch.Tensor:
+        fp8_down: bool = FP8_DOWN, early_down: bool = False,
+        residual: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
 
@@ -660,31 +597,18 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     the same bits; None (default): when the weights' rows are 16-byte multiples, as the descriptors need.
     `fp8_down`: Down multiplies its E4M3 activations and weights on the tensor cores as E4M3 (Hopper's wgmma, the
     weight tile as the 64+ row operand), without converting either; the products are exact but the MMA accumulates a
-    tile's products in its own precision, so this is a numerical change (qualified at 3594ef6, the engine's default
-    since: docs/PERF.md); taken on the GPU
-    for bf16/fp16 compute with down_block_n >= 64 only (debug["fp8_down"] says whether it was). `locks`: zeroed
-    int32 counters (at least `lock_count(...)`, left zeroed): with them the finalize and the combine are folded into
-    Gate/Up and Down, each done by the last program of its tile to arrive (an atomic arrival count per tile, as
-    fp8_linear's split-K sum): two launches instead of four, the same sums in the same order, so the same bits; the
-    finalize stays a launch where a Gate/Up tile is not whole act_quant groups (debug["folded"] says which were
-    folded). `early_down` (with `pdl`): Down's programs read the routing and ask L2 for their expert's weight tile
-    before the PDL wait (the routing was complete two launches earlier: kernels/launch.py), so the tile's reads overlap
-    the finalize; a hint, the same bits. `residual` = (stream [R, H], w [H], h [R, H], g [R, H], sumsq [R, ceil(H / t)]
-    fp32, t = COMBINE_BLOCK; `residual_buffers` makes the last three), w the next RMSNorm's weight: the combine also adds `out` to the residual stream,
-    h = stream + out rounded to the stream's dtype (as rmsnorm_residual forms the next norm's input), and writes each
-    row's sum of h^2 over each t columns and g = h * w rounded to that dtype. A consumer then takes the norm's
-    product as g's product scaled by each row's 1 / rms (fp8_linear's `rms`), and the next norm's launch is gone. Not
-    with `locks` (the combine folded into Down). With `early_down` the stream is read before the PDL wait (the
-    caller's post-attention norm wrote it launches earlier). `stamps` (a timeline, for bench/moe_timeline.py): int64
-    [Gate/Up programs, 4] (`gate_up_programs`), filled per program in launch order with the global timer (ns) at its
-    start, once its owner check is known and after its last tile's products (0 for a program that owns nothing),
-    and its SM. `debug`,
-    when a dict, receives `act`, `act_scale`, the fp32 `hidden` before quantization, the `split` used,
-    `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere) and `programs` [2, P] int32
-    (1 where pair p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct
-    expert); tests only: it adds stores. debug["drop_last_split"] = True makes the finalize skip the last split, and
-    debug["no_dedup"] = True lets every live pair's program work, repeated experts included (the
-    tests' negative controls)."""
+    tile's products in its own precision, so this is a numerical change (qualified: docs/PERF.md); taken on the GPU
+    for bf16/fp16 compute with down_block_n >= 64 only (`fp8_down_applies`). `early_down` (with `pdl`): Down's
+    programs read the routing and ask L2 for their expert's weight tile before the PDL wait (the routing was complete
+    two launches earlier: kernels/launch.py), so the tile's reads overlap the finalize; a hint, the same bits.
+    `residual` = (stream [R, H], w [H], h [R, H], g [R, H], sumsq [R, ceil(H / t)] fp32, t = COMBINE_BLOCK;
+    `residual_buffers` makes the last three), w the next RMSNorm's weight: the combine also adds `out` to the
+    residual stream, h = stream + out rounded to the stream's dtype (as rmsnorm_residual forms the next norm's
+    input), and writes each row's sum of h^2 over each t columns and g = h * w rounded to that dtype. A consumer then
+    takes the norm's product as g's product scaled by each row's 1 / rms (fp8_linear's `rms`), and the next norm's
+    launch is gone. With `early_down` the stream is read before the PDL wait (the caller's post-attention norm wrote
+    it launches earlier)."""
+    probe = _PROBE
     _check(x.dim() == 2 and x.dtype in _FLOATS and x.stride(1) == 1, "x must be a float [R, H] with unit stride")
     R, H = x.shape
     compute_dtype = compute_dtype or x.dtype
@@ -733,14 +657,14 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
                                              _sm_count(x.device))
     split = grid[2]
     routing = dict(K_TOP=k, K_PAD=max(2, triton.next_power_of_2(k)), P_PAD=max(16, triton.next_power_of_2(P)),
-                   LIVE_COUNT=count, DEDUP=not (debug is not None and debug.get("no_dedup", False)))
+                   LIVE_COUNT=count, DEDUP=not (probe is not None and probe["no_dedup"]))
 
     dev = x.device
     part = torch.empty((split, P, 2, I), dtype=torch.float32, device=dev)
     act = torch.empty((P, I), dtype=torch.float8_e4m3fn, device=dev)
     act_scale = torch.empty((P, i_tiles), dtype=torch.float32, device=dev)
     y = torch.empty((P, H), dtype=torch.float32, device=dev)
-    store_h = debug is not None
+    store_h = probe is not None
     hidden = torch.full((P, I), float("nan"), device=dev) if store_h else act_scale
     counts = torch.zeros(P, dtype=torch.int32, device=dev) if store_h else act_scale
     programs = torch.full((2, P), -1, dtype=torch.int32, device=dev) if store_h else act_scale
@@ -754,21 +678,8 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         x_in, xd_in = f16_input
         _check(compute_dtype == torch.bfloat16 and (f16 or f32),
                f"f16_input is Gate/Up's fp16 operand: it needs bf16 compute (got {compute_dtype}) with f16=True")
-
-    _check(residual is None or locks is None, "residual: the combine folded into Down (locks) does not add it")
-    if stamps is not None:
-        n_prog = grid[0] * grid[1] * grid[2]
-        _check(stamps.dtype == torch.int64 and tuple(stamps.shape) == (n_prog, 4) and stamps.is_contiguous()
-               and stamps.device == dev and not INTERPRETED, f"stamps must be contiguous int64 [{n_prog}, 4] on the GPU")
-        stamps.zero_()
     _check_residual(residual, R, H, dev)
-    fold_finalize = locks is not None and bn % group == 0
-    fold_combine = locks is not None
-    if locks is not None:
-        need = lock_count(R, k, I, H, bn, down_block_n)
-        _check(locks.dtype == torch.int32 and locks.device == dev and locks.is_contiguous() and locks.numel() >= need,
-               f"locks must be contiguous int32 on {dev} with >= {need} (zeroed) counters")
-    drop_last = bool(store_h and debug.get("drop_last_split", False))
+    drop_last = bool(store_h and probe["drop_last_split"])
 
     early = bool(early_down and pdl and not INTERPRETED)  # without the wait there is nothing to run ahead of
     line_elems, lines = prefetch_lines(I, 1)
@@ -784,35 +695,52 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     if down_tma:
         d_arg = _descriptor(down, (down_block_n, down_bk))
     _moe_gate_up_kernel[grid](
-        x_in, xd_in, g_arg, gate_scale, u_arg, up_scale, experts, live_arg, part, programs[0],
-        locks if fold_finalize else part, act.view(torch.uint8), act_scale, hidden, counts, R, H, I, P,
+        x_in, xd_in, g_arg, gate_scale, u_arg, up_scale, experts, live_arg, part, programs[0], R, H, I, P,
         x_in.stride(0), xd_in.stride(0), gate_scale.shape[1], gate_scale.shape[2], k_per_split, **routing,
         B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         ROUND_BF16=f16_input is None and compute_dtype != x.dtype, F32=f32, PREC="ieee" if f32 else "tf32",
-        STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma, FOLD=fold_finalize, SPLIT=split,
-        GROUP=group, STORE_H=store_h, DROP_LAST=drop_last, stamp_ptr=stamps, STAMP=stamps is not None,
-        num_warps=gate_up_warps,
+        STORE_RAN=store_h, F16=f16, PRESCALED=f16_input is not None, TMA=tma, num_warps=gate_up_warps,
         num_stages=gate_up_stages, **launch)
-    if not fold_finalize:
-        _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
-            part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
-            SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h, DROP_LAST=drop_last, num_warps=4, **launch)
+    _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
+        part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
+        SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h, DROP_LAST=drop_last, num_warps=4, **launch)
     _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
         act, act_scale, d_arg, down_scale, experts, live_arg, y, programs[1], R, H, I,
         down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
         num_stages=down_stages, F16=f16, TMA=down_tma, FP8=fp8_down, K_PAD_DOT=down_k_pad,
-        lock_ptr=locks[_gate_up_locks(R, k, I, bn):] if fold_combine else y, weights_ptr=weights, out_ptr=out,
-        stride_o=out.stride(0), FOLD=fold_combine, EARLY=early, w_raw_ptr=down, LINE_ELEMS=line_elems, LINES=lines, **launch)
-    if not fold_combine:
-        _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
-            y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
-            num_warps=4, **_residual_strides(residual), RESIDUAL=residual is not None, EARLY=early, **launch)
+        EARLY=early, w_raw_ptr=down, LINE_ELEMS=line_elems, LINES=lines, **launch)
+    _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
+        y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
+        num_warps=4, **_residual_strides(residual), RESIDUAL=residual is not None, EARLY=early, **launch)
     if store_h:
-        debug.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
-                     fp8_down=fp8_down, folded=(fold_finalize, fold_combine), early_down=early)
+        probe.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
+                     fp8_down=fp8_down, early_down=early)
     return out
+
+
+# ---- instrumentation, for tests only ---------------------------------------------------------------
+_PROBE: dict | None = None  # set only inside `_moe_probed`
+
+
+def _moe_probed(*args, drop_last_split: bool = False, no_dedup: bool = False, **kwargs) -> tuple[torch.Tensor, dict]:
+    """Tests only: `moe(*args, **kwargs)` with the kernels' instrumentation compiled in (their STORE_RAN / STORE_H
+    stores, which the product's launches compile out), returning (out, probe). The probe holds the E4M3 `act` and
+    its `act_scale`, the fp32 `hidden` before quantization (NaN where the finalize wrote nothing), the `split` used,
+    `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere), `programs` [2, P] int32 (1 where pair
+    p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct expert), and whether
+    `fp8_down` and `early_down` were taken. The negative controls' defects: `drop_last_split` (the finalize skips
+    the last split) and `no_dedup` (every live pair's program works, repeated experts included). Not thread-safe:
+    the switch is module state, set for the one call."""
+    global _PROBE
+    probe = {"drop_last_split": drop_last_split, "no_dedup": no_dedup}
+    _PROBE = probe
+    try:
+        out = moe(*args, **kwargs)
+    finally:
+        _PROBE = None
+    return out, probe
 
 
 # ---- reference -------------------------------------------------------------------------------------

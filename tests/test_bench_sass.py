@@ -44,18 +44,6 @@ def test_engine_forms_compile_with_tensor_descriptors():
     assert sass.report(sass.compile_spec(specs["moe_down_tma"]))["mix"].get("F2FP", 0) > 0  # fp16 operands convert
 
 
-def test_folded_moe_keeps_its_occupancy():
-    """The finalize and combine folded in (stage moe_fold) take their tiles a few rows at a time, so the folded
-    kernels need no more registers than the unfolded ones' programs a SM allow: Gate/Up 2 (<= 255), Down 5 (<= 96 of
-    65,536 at 128 threads; 201 when the combine took 16 rows at once: the negative control)."""
-    specs = sass.specs()
-    regs = {name: sass.report(sass.compile_spec(specs[name]))["registers"]
-            for name in ("moe_gate_up_fold", "moe_gate_up_tma", "moe_down_fold", "moe_down_tma")}
-    assert specs["moe_gate_up_fold"].constexprs["FOLD"] and specs["moe_down_fold"].constexprs["FOLD"]
-    assert regs["moe_gate_up_fold"] <= 255 and regs["moe_down_fold"] <= max(96, regs["moe_down_tma"]), regs
-    assert sass.report(sass.compile_spec(specs["moe_down_fold"], FOLD_ROWS=16))["registers"] > 96
-
-
 def test_early_down_prefetches_its_tile_before_the_wait():
     """Down with early_down: the routing loads and the weight tile's L2 prefetches come before griddepcontrol.wait in the
     PTX; the default form issues neither before it."""
@@ -82,16 +70,13 @@ def test_preloaded_tiles_are_all_requested_before_the_wait():
     assert _before_wait(sass.specs()["fp8_linear_loop"]).count("LDG") == 0
 
 
-def test_cascade_signals_before_the_wait():
-    """Pdl.CASCADE (stage cascade): the preloaded q/k/v projection signals the next launch after its weight tiles are
-    requested and before its wait; Pdl.CHAINED signals only after the wait."""
-    spec = sass.specs()["fp8_linear"]
-    for pdl, before in ((2, True), (True, False)):
-        ptx = sass.compile_spec(spec, PDL=pdl).asm["ptx"]
-        wait, signal = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
-        assert ptx.count("griddepcontrol.launch_dependents") == 1 and (signal < wait) == before, pdl
-        if before:
-            assert "ld.global" in ptx[:signal]  # the preloads are issued first
+def test_pdl_signals_after_the_wait():
+    """The preloaded q/k/v projection signals the next launch once, after its wait (so at most two kernels are in
+    flight: kernels/launch.py), with its weight tiles requested before that wait."""
+    ptx = sass.compile_spec(sass.specs()["fp8_linear"]).asm["ptx"]
+    wait, signal = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+    assert ptx.count("griddepcontrol.wait") == ptx.count("griddepcontrol.launch_dependents") == 1 and wait < signal
+    assert "ld.global" in ptx[:wait]  # the preloads are issued first
 
 
 def test_unknown_constexpr_is_refused():

@@ -25,9 +25,11 @@ fp32 x rounded to bf16 in the kernel is bit-exact under the interpreter too (moe
 integer ops, since the interpreter's own fp32 -> bf16 cast truncates): the fp32-x cases put exact
 bf16 midpoints and their fp32 neighbours into x, and a probe kernel checks the rounding alone against
 torch (and shows the interpreter's plain cast differs), so no case needs a wider tolerance.
-Negative controls: a debug switch makes the finalize drop the last split; the value checks must
-fail on that run, whose split counts show the broken branch ran for every live pair. Another lets
-every live pair's program work, repeated experts included: the ownership check must fail on a run
+The internals (activations, hidden, split counts, which programs worked) come from `mk._moe_probed`, a
+test-only launcher that compiles the kernels' instrumentation stores in (the product's launches compile
+them out). Negative controls, through the same launcher: the finalize drops the last split; the value
+checks must fail on that run, whose split counts show the broken branch ran for every live pair. Another
+lets every live pair's program work, repeated experts included: the ownership check must fail on a run
 whose program counts show the extra programs ran (their stores repeat the owner's values, so the
 output is unchanged: only the ownership check sees them).
 The standalone act_quant kernel is checked bit-exact on E4M3 midpoints (ties to even), values just
@@ -88,7 +90,7 @@ CASES = [
     case("gate_up_16_wide_other_launch", R=5, I=64, gate_up_block_n=16,  # 4 Gate/Up tiles; warps/stages: GPU only
          launch=dict(gate_up_warps=4, gate_up_stages=2, down_warps=8, down_stages=4)),
     case("mini_model_default_tiles", R=2, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None, down_block_n=None,
-         down_block_k=None),  # moe()'s defaults, as fast/ops.py calls it
+         down_block_k=None),  # moe()'s defaults, as fast/triton_ops.py calls it
     # Gate/Up split along H (block_k = 16 below: K tiles of 16; `split` = the split the wrapper must use)
     case("split3_tiles_3_3_2", H=128, block_k=16, split_k=3, split=3),
     case("split3_last_tile_partial", H=136, block_k=16, split_k=3, split=3),  # 3, 3, 2.5 tiles
@@ -121,7 +123,7 @@ CASES = [
          compute="bf16", x_ties=True),
     case("fp32x_bf16_poison_count", R=7, live="count", pattern="poison", compute="bf16", out="bf16", x_ties=True),
     case("fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
-         down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True),  # as fast/ops.py calls it
+         down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True),  # as fast/triton_ops.py calls it
     # weight tiles through per-element pointers (tma=False; the default takes tensor descriptors wherever the rows
     # are 16-byte multiples, i.e. in every case above but the partial ones): the same tiles, so the oracle's bits
     case("pointer_loads_8rows_random", launch=dict(tma=False)),
@@ -130,22 +132,7 @@ CASES = [
     case("pointer_loads_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
          down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True, launch=dict(tma=False)),
 ]
-# The finalize and the combine folded into Gate/Up and Down (moe() given arrival counters, stage moe_fold; every case
-# above runs the four launches), and a Gate/Up tile narrower than an act_quant group (the finalize stays a launch, the
-# combine is folded)
-CASES += [
-    case("fold_8rows_random", fold=True),
-    case("fold_split3_padding_mask_poisoned", H=96, block_k=16, split_k=3, split=3, live="mask", pattern="poison",
-         fold=True),
-    case("fold_dup_32rows_k4_E6_two_row_blocks", R=32, k=4, E=6, live="mask", fold=True),
-    case("fold_dup_31rows_count_split2", R=31, k=4, E=8, H=96, block_k=16, split_k=2, split=2, live="count",
-         fold=True),
-    case("fold_fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
-         down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True, fold=True),
-    case("fold_combine_only_gate_up_16_group_32", block=(32, 32), I=64, H=96, block_k=16, down_block_k=16,
-         gate_up_block_n=16, split_k=2, split=2, fold=True),
-]
-# The combine also adds the residual stream and writes the next norm's partial sums of squares (stage norm_qkv);
+# The combine also adds the residual stream and writes the next norm's partial sums of squares (fused_input_norm);
 # `residual` = the tiles a row has (COMBINE_BLOCK = 256 columns each, the last one partial at H = 560)
 CASES += [
     case("residual_3rows_mask_3_tiles", R=3, H=560, live="mask", out="bf16", x="bf16", residual=3),
@@ -155,7 +142,6 @@ CASES += [
 # Negative controls (run by the worker, not by test_interpreted): the finalize drops the last split;
 # every live pair's program works, repeated experts included.
 NEG_CASE = case("neg_drop_last_split", H=128, block_k=16, split_k=3, split=3, drop_last_split=True)
-NEG_FOLD_CASE = dict(NEG_CASE, name="neg_drop_last_split_fold", fold=True)  # the same defect in the folded finalize
 NEG_DEDUP_CASE = case("neg_no_dedup", pattern="shared", no_dedup=True)
 
 FULL = dict(k=8, E=256, H=6144, I=256, block=(128, 128), x="bf16", block_k=None, down_block_n=None,
@@ -259,14 +245,12 @@ def tiles(c: dict) -> dict:
     return out
 
 
-def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
-    """The case through mk.moe; with `fold` given zeroed arrival counters (stage moe_fold), which debug["locks_rearmed"]
-    then says were left zeroed."""
+def run_kernel(c: dict, t: dict) -> tuple[torch.Tensor, dict]:
+    """(output, probe) of the case through mk._moe_probed (the negative controls' defects as the case asks)."""
     out = torch.full((c["R"], c["H"]), float("nan"), dtype=DTYPES[c["out"]], device=t["x"].device)
     compute = {"compute_dtype": DTYPES[c["compute"]]} if c["compute"] else {}
-    locks = None
     extra = {}
-    if c.get("residual"):  # the next norm's add and partial sums of squares (stage norm_qkv), into NaN-filled outputs
+    if c.get("residual"):  # the next norm's add and partial sums of squares (fused_input_norm), into NaN-filled outputs
         gen = torch.Generator().manual_seed(c["seed"] + 1)
         stream = (torch.randn(c["R"], c["H"], generator=gen) * 4).to(DTYPES[c["out"]]).to(t["x"].device)
         weight = (0.5 + torch.rand(c["H"], generator=gen)).to(DTYPES[c["out"]]).to(t["x"].device)
@@ -275,32 +259,14 @@ def run_kernel(c: dict, t: dict, debug: dict | None = None) -> torch.Tensor:
             broken = weight.clone()
             broken[c["H"] // 2] *= 2
             extra["residual"] = (stream, broken, *extra["residual"][2:])
-    if c.get("fold", False):
-        # one spare counter past the need: it must stay zero too
-        locks = torch.zeros(fold_locks(c) + 1, dtype=torch.int32, device=t["x"].device)
-    got = mk.moe(*(t[a] for a in ARGS), block=c["block"], group=c["block"][1], out_dtype=DTYPES[c["out"]],
-                 out=out, split_k=c["split_k"], debug=debug, locks=locks, **compute, **tiles(c),
-                 **c.get("launch", {}), **extra)
+    got, probe = mk._moe_probed(*(t[a] for a in ARGS), block=c["block"], group=c["block"][1],
+                                out_dtype=DTYPES[c["out"]], out=out, split_k=c["split_k"], **compute, **tiles(c),
+                                **c.get("launch", {}), **extra, drop_last_split=c.get("drop_last_split", False),
+                                no_dedup=c.get("no_dedup", False))
     assert got is out
-    if debug is not None and extra:
-        debug["residual"] = (extra["residual"][0], weight, *extra["residual"][2:])
-    if debug is not None:
-        debug["locks_rearmed"] = locks is None or int(locks.abs().sum()) == 0
-    return got
-
-
-def fold_locks(c: dict) -> int:
-    t = tiles(c)
-    return mk.lock_count(c["R"], c["k"], c["I"], c["H"], t["gate_up_block_n"], t["down_block_n"])
-
-
-def expected_fold(c: dict) -> list[bool]:
-    """[finalize folded, combine folded]: both with counters, except a finalize whose Gate/Up tile is narrower than
-    an act_quant group."""
-    if not c.get("fold", False):
-        return [False, False]
-    bn = mk._pow2_divisor(c["I"], tiles(c)["gate_up_block_n"])
-    return [bn % c["block"][1] == 0, True]
+    if extra:
+        probe["residual"] = (extra["residual"][0], weight, *extra["residual"][2:])
+    return got, probe
 
 
 def expected_owners(experts: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -313,10 +279,7 @@ def expected_owners(experts: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
 def run_case(c: dict, device: str) -> dict:
     t, live = build(c, device)
     R, k, H, group = c["R"], c["k"], c["H"], c["block"][1]
-    debug = {"drop_last_split": True} if c.get("drop_last_split") else {}
-    if c.get("no_dedup"):
-        debug["no_dedup"] = True
-    got = run_kernel(c, t, debug)
+    got, probe = run_kernel(c, t)
     res = {"finite": bool(torch.isfinite(got).all()), "dtype": str(got.dtype).removeprefix("torch.")}
     res["pad_zero"] = bool((got[~live.to(device)] == 0).all())
     # What the kernel computes with: fp32 x with bf16 compute is x.to(torch.bfloat16) (round to nearest even).
@@ -326,10 +289,10 @@ def run_case(c: dict, device: str) -> dict:
     ref_out, ref_act, ref_scale = sorted_moe(*(tr[a] for a in ARGS), block=c["block"], group=group,
                                              out_dtype=DTYPES[c["out"]], split_k=c["split_k"], **tiles(c))
     res["bit_identical"] = bool(torch.equal(got, ref_out) and torch.equal(
-        debug["act"][pairs].view(torch.uint8), ref_act[pairs].view(torch.uint8))
-        and torch.equal(debug["act_scale"][pairs], ref_scale[pairs]))
+        probe["act"][pairs].view(torch.uint8), ref_act[pairs].view(torch.uint8))
+        and torch.equal(probe["act_scale"][pairs], ref_scale[pairs]))
     if c["compute"]:  # the kernel's own rounding vs torch's: the same as passing rounded x
-        res["same_as_rounded_x"] = bool(torch.equal(got, run_kernel(dict(c, compute=None), tr)))
+        res["same_as_rounded_x"] = bool(torch.equal(got, run_kernel(dict(c, compute=None), tr)[0]))
         if c.get("default_out"):
             res["default_out_dtype"] = str(mk.moe(*(t[a] for a in ARGS), block=c["block"], group=group,
                                                   compute_dtype=DTYPES[c["compute"]], split_k=c["split_k"],
@@ -337,38 +300,36 @@ def run_case(c: dict, device: str) -> dict:
         res["x_off_grid"] = int((t["x"].to(torch.bfloat16).float() != t["x"]).sum())
 
     owners = expected_owners(t["experts"], live)
-    programs = debug["programs"].cpu()
+    programs = probe["programs"].cpu()
     res["owners_ok"] = [bool(torch.equal(programs[i] == 1, owners) and ((programs[i] == 0) | (programs[i] == 1)).all())
                         for i in range(2)]
     res["programs_ran"] = programs.clamp(min=0).sum(1).tolist()
     res["distinct_live_experts"] = len(set(t["experts"].cpu()[live].flatten().tolist()))
     res["repeated_live_pairs"] = int(len(pairs) - owners.sum())
-    h = debug["hidden"][pairs]
+    h = probe["hidden"][pairs]
     q_ref, s_ref = act_quant_ref(h, group)
-    res["act_bit_exact"] = bool(torch.equal(debug["act"][pairs].view(torch.uint8), q_ref.view(torch.uint8))
-                                and torch.equal(debug["act_scale"][pairs], s_ref))
+    res["act_bit_exact"] = bool(torch.equal(probe["act"][pairs].view(torch.uint8), q_ref.view(torch.uint8))
+                                and torch.equal(probe["act_scale"][pairs], s_ref))
     res["act_pairs"] = len(pairs)
-    res["split"] = debug["split"]
-    counts = debug["split_counts"].cpu()
+    res["split"] = probe["split"]
+    counts = probe["split_counts"].cpu()
     pad_pairs_cpu = (~live.cpu()).repeat_interleave(k)
     res["split_counts_live"] = sorted(set(counts[~pad_pairs_cpu].tolist()))  # splits summed per live pair
     res["split_counts_pad_zero"] = bool((counts[pad_pairs_cpu] == 0).all())
 
     if c.get("residual"):  # h bit for bit as rmsnorm_residual adds, and h * w; each tile's sum of squares of that h
-        stream, weight, h_out, g_out, sumsq = debug["residual"]
-        res["residual_h_exact"] = _residual_h_g_exact(debug, got)
-        broken: dict = {}  # the same check on a run whose kernel had one weight entry doubled must fail
-        res["residual_control_caught"] = not _residual_h_g_exact(broken, run_kernel(dict(c, residual_break=True), t,
-                                                                                    broken))
+        stream, weight, h_out, g_out, sumsq = probe["residual"]
+        res["residual_h_exact"] = _residual_h_g_exact(probe, got)
+        # the same check on a run whose kernel had one weight entry doubled must fail
+        broken_out, broken = run_kernel(dict(c, residual_break=True), t)
+        res["residual_control_caught"] = not _residual_h_g_exact(broken, broken_out)
         h_ref = (stream.float() + got.float()).to(stream.dtype)
         res["residual_changed"] = bool(not torch.equal(h_out, stream))
         sq = h_ref.double().square().split(mk.COMBINE_BLOCK, dim=1)
         sq_ref = torch.stack([part.sum(dim=1) for part in sq], dim=1)
         res["residual_sumsq_err"] = ((sumsq.double() - sq_ref).abs() / sq_ref.clamp(min=1e-30)).max().item()
         res["residual_tiles"] = sumsq.shape[1]
-    res["folded"] = list(debug["folded"])
-    res["locks_rearmed"] = debug["locks_rearmed"]
-    res["down_rel_err"] = _down_from_act(c, tr, pairs, debug, got)
+    res["down_rel_err"] = _down_from_act(c, tr, pairs, probe, got)
     ref_q = mk.moe_ref(*(tr[a] for a in ARGS), block=c["block"], group=group)
     ref_f = mk.moe_ref(*(tr[a] for a in ARGS), block=c["block"], group=group, quantize_act=False)
     h64 = _hidden64(c, tr, pairs)
@@ -391,7 +352,7 @@ def run_case(c: dict, device: str) -> dict:
             bad[name][only_pad] = float("nan")
             bad[name + "_scale"] = t[name + "_scale"].clone()
             bad[name + "_scale"][only_pad] = float("nan")
-        poisoned = run_kernel(c, bad)
+        poisoned = run_kernel(c, bad)[0]
         res["poison_finite_equal"] = bool(torch.isfinite(poisoned).all() and torch.equal(poisoned, got))
         res["poisoned_experts"] = len(only_pad)
         # No Gate/Up or Down program worked on them (each owner is a live pair, and a live pair's expert
@@ -399,14 +360,14 @@ def run_case(c: dict, device: str) -> dict:
         owned = set(t["experts"].cpu().flatten()[programs[0] == 1].tolist()) | set(
             t["experts"].cpu().flatten()[programs[1] == 1].tolist())
         pad_pairs = (~live).repeat_interleave(k).nonzero().flatten().to(device)
-        res["pad_never_computed"] = bool(not owned & set(only_pad) and debug["hidden"][pad_pairs].isnan().all())
+        res["pad_never_computed"] = bool(not owned & set(only_pad) and probe["hidden"][pad_pairs].isnan().all())
     return res
 
 
-def _residual_h_g_exact(debug: dict, got: torch.Tensor) -> bool:
+def _residual_h_g_exact(probe: dict, got: torch.Tensor) -> bool:
     """Whether the combine's h = stream + out and g = h * w equal torch's bit for bit (each rounded to the stream's
     dtype), w being the weight the check was given."""
-    stream, weight, h_out, g_out, _ = debug["residual"]
+    stream, weight, h_out, g_out, _ = probe["residual"]
     h_ref = (stream.float() + got.float()).to(stream.dtype)
     return torch.equal(h_out, h_ref) and torch.equal(g_out, (h_ref.float() * weight.float()).to(stream.dtype))
 
@@ -425,7 +386,7 @@ def _hidden64(c, t, pairs):
     return torch.stack(rows) if rows else torch.zeros(0, c["I"], dtype=torch.float64, device=t["x"].device)
 
 
-def _down_from_act(c, t, pairs, debug, got) -> float:
+def _down_from_act(c, t, pairs, probe, got) -> float:
     """max |kernel - sum_j w_j Down_e(kernel's dequantized activations)| / max |that| (float64)."""
     from iquest.reference.fp8 import dequantize
 
@@ -434,7 +395,7 @@ def _down_from_act(c, t, pairs, debug, got) -> float:
     for p in pairs.tolist():
         r, j = divmod(p, c["k"])
         e = int(t["experts"][r, j])
-        a = debug["act"][p].double().unflatten(-1, (-1, group)) * debug["act_scale"][p].double()[:, None]
+        a = probe["act"][p].double().unflatten(-1, (-1, group)) * probe["act_scale"][p].double()[:, None]
         y[r] += float(t["weights"][r, j]) * (dequantize(t["down"][e], t["down_scale"][e], c["block"]) @ a.flatten())
     return (got.double() - y).abs().max().item() / max(y.abs().max().item(), 1e-30)
 
@@ -464,8 +425,6 @@ def _check(c: dict, r: dict) -> None:
     assert r["split"] >= c.get("min_split", 1), f"split {r['split']} < {c.get('min_split')}: not the split path"
     assert r["split_counts_live"] in ([], [r["split"]]), f"splits summed per live pair: {r['split_counts_live']}"
     assert r["split_counts_pad_zero"], "the finalize touched a padding pair"
-    assert r["folded"] == expected_fold(c), f"folded (finalize, combine) {r['folded']}, expected {expected_fold(c)}"
-    assert r["locks_rearmed"], "the arrival counters were not left zeroed"
 
 
 def _check_values(c: dict, r: dict) -> None:
@@ -507,7 +466,7 @@ def _check_owners(c: dict, r: dict) -> None:
 # ---- the five-launch form moe.py replaced: the bit-identity reference -----------------------------------
 # sorted_groups sorts the live pairs by expert into segments; Gate/Up and Down ran one program per segment on
 # its rows packed into the tile in pair order; the finalize walked the sorted order. Kernels as they were
-# (the finalize's debug switches off), the combine included (_sorted_combine_kernel).
+# (the finalize's instrumentation off), the combine included (_sorted_combine_kernel).
 @triton.jit
 def _sorted_gate_up_kernel(
     x_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, order_ptr, seg_e_ptr, seg_start_ptr, seg_len_ptr, part_ptr,
@@ -571,7 +530,7 @@ def _sorted_finalize_kernel(
     src = part_ptr + (pair * 2)[:, None] * I + n[None, :]
     g = tl.zeros([ROWS, GROUP], tl.float32)
     u = tl.zeros([ROWS, GROUP], tl.float32)
-    summed = 0  # splits added (compile-time): debug's split_counts, so a test sees which sum ran
+    summed = 0  # splits added (compile-time): probe's split_counts, so a test sees which sum ran
     # Unrolled, so every split's loads issue at once; the adds keep the order s = 0, 1, ... (the
     # sum must not depend on scheduling). DROP_LAST (tests' negative control) skips the last split.
     for s in tl.static_range(SPLIT - DROP_LAST):
@@ -686,8 +645,7 @@ def sorted_moe(x, experts, weights, live, gate, gate_scale, up, up_scale, down, 
 @triton.jit
 def _sorted_combine_kernel(y_ptr, weights_ptr, live_ptr, out_ptr, R, H, stride_o, K_TOP: tl.constexpr,
                            BLOCK: tl.constexpr, LIVE_COUNT: tl.constexpr):
-    """The combine as it was (one row a program), kept as the oracle's: moe.py's now shares its body with Down's
-    folded combine."""
+    """The combine as it was (one row a program), kept as the oracle's."""
     r = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n_ok = n < H
@@ -742,12 +700,10 @@ def test_interpreted_act_quant_bit_exact(interpreted):
         assert v["q"] and v["s"], f"{group}: {v}"
 
 
-@pytest.mark.parametrize("neg", [NEG_CASE, NEG_FOLD_CASE], ids=["finalize_launch", "folded_finalize"])
-def test_interpreted_negative_control_drop_last_split(interpreted, neg):
+def test_interpreted_negative_control_drop_last_split(interpreted):
     """The checks catch a wrong split sum: with the last split dropped they fail, on a run in which the
-    broken branch summed split - 1 partials for every live pair (in the finalize launch, and folded into Gate/Up)."""
-    c, r = neg, interpreted[neg["name"]]
-    assert r["folded"] == expected_fold(c), r["folded"]
+    broken branch summed split - 1 partials for every live pair."""
+    c, r = NEG_CASE, interpreted[NEG_CASE["name"]]
     assert "error" not in r, r.get("error")
     assert r["split"] == 3 and r["act_pairs"] > 0
     assert r["split_counts_live"] == [2], f"the broken branch did not run: {r['split_counts_live']}"
@@ -887,26 +843,23 @@ def test_gpu(c):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["four_launches", "fold", "early_down"])
+@pytest.mark.parametrize("mode", ["plain", "early_down"])
 @pytest.mark.parametrize("R, x", [(1, "bf16"), (6, "bf16"), (8, "bf16"), (6, "fp32")])
 def test_gpu_graph_replay_bit_identical(R, x, mode):
     """Full size, default split: repeated eager runs and CUDA graph replays (new x and routing copied
-    into the captured inputs, a different live count) are bit-identical to eager (the folded finalize and combine:
-    whichever program arrives last sums in the same order, and the counters re-arm across replays; early_down, launched
-    with PDL: Down reads the routing before its wait, so new routing in every replay would show a stale read). fp32 x
-    runs with bf16 compute, as the engine calls it."""
+    into the captured inputs, a different live count) are bit-identical to eager (early_down, launched with PDL: Down
+    reads the routing before its wait, so new routing in every replay would show a stale read). fp32 x runs with bf16
+    compute, as the engine calls it."""
     c = case("g", R=R, k=8, E=256, H=6144, I=256, block=(128, 128), x=x, out="fp32", live="count")
     t, _ = build(c, "cuda")
     other, _ = build(dict(c, seed=1), "cuda")  # new inputs and routing, the same expert weights
     t2 = dict(t, x=other["x"], experts=other["experts"], weights=other["weights"],
               live=torch.tensor(R, dtype=torch.int32, device="cuda"))
-    fold = mode == "fold"
-    locks = torch.zeros(mk.lock_count(R, 8, 256, 6144), dtype=torch.int32, device="cuda") if fold else None
     early = dict(early_down=True, pdl=True) if mode == "early_down" else {}
 
     def run(src):
         return mk.moe(*(src[a] for a in ARGS), block=(128, 128), group=128, out_dtype=torch.float32,
-                      compute_dtype=torch.bfloat16, locks=locks, **early)
+                      compute_dtype=torch.bfloat16, **early)
 
     eager = [run(t).clone() for _ in range(2)]
     eager2 = run(t2).clone()
@@ -922,30 +875,6 @@ def test_gpu_graph_replay_bit_identical(R, x, mode):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
-    assert locks is None or int(locks.abs().sum()) == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fp8_down", [False, True])
-@pytest.mark.parametrize("R, x", [(1, "bf16"), (6, "fp32"), (8, "bf16")])
-def test_gpu_fold_bit_identical(R, x, fp8_down):
-    """Full size, the engine's call (fp32 x with bf16 compute, or bf16; PDL): the finalize and combine folded into
-    Gate/Up and Down give the four-launch form's output, activations and scales bit for bit, with either Down."""
-    c = case("fold", R=R, k=8, E=256, H=6144, I=256, block=(128, 128), x=x, out="bf16", live="count")
-    t, live = build(c, "cuda")
-    compute = {"compute_dtype": torch.bfloat16} if x == "fp32" else {}
-    pairs = live.repeat_interleave(8).nonzero().flatten().cuda()
-    got = {}
-    for fold in (False, True):
-        locks = torch.zeros(mk.lock_count(R, 8, 256, 6144), dtype=torch.int32, device="cuda") if fold else None
-        debug = {}
-        out = mk.moe(*(t[a] for a in ARGS), block=(128, 128), group=128, locks=locks, fp8_down=fp8_down, debug=debug,
-                     pdl=True, **compute)
-        got[fold] = (out, debug["act"][pairs].view(torch.uint8), debug["act_scale"][pairs], debug["folded"])
-        assert locks is None or int(locks.abs().sum()) == 0
-    assert got[True][3] == (True, True) and got[False][3] == (False, False)
-    for a, b in zip(got[True][:3], got[False][:3]):
-        assert torch.equal(a, b)
 
 
 # Down with E4M3 operands in the tensor cores (moe(fp8_down=True)): the products are exact, the MMA accumulates a K
@@ -971,13 +900,12 @@ def fp8_down_errors(R: int, x: str, perturb: float = 0.0, **shape) -> dict:
         if fp8 and perturb:
             src["down_scale"] = t["down_scale"].clone()
             src["down_scale"][int(t["experts"][0, 0])] *= 1 + perturb
-        debug = {}
         out = torch.full((R, c["H"]), float("nan"), dtype=torch.float32, device="cuda")
         compute = {"compute_dtype": torch.bfloat16} if c["compute"] else {}
-        mk.moe(*(src[a] for a in ARGS), block=c["block"], group=c["block"][1], out_dtype=torch.float32, out=out,
-               fp8_down=fp8, debug=debug, **compute)
-        res[name] = _down_from_act(c, tr, pairs, debug, out)
-        res[name + "_taken"] = debug["fp8_down"]
+        _, probe = mk._moe_probed(*(src[a] for a in ARGS), block=c["block"], group=c["block"][1],
+                                  out_dtype=torch.float32, out=out, fp8_down=fp8, **compute)
+        res[name] = _down_from_act(c, tr, pairs, probe, out)
+        res[name + "_taken"] = probe["fp8_down"]
         outs[name] = out
     res["bit_equal"] = bool(torch.equal(outs["f16"], outs["fp8"]))
     return res
@@ -1027,81 +955,6 @@ def test_gpu_fp8_down_graph_replay_bit_identical(R):
 
 
 @pytest.mark.gpu
-def test_cuda_fp8_down_decodes():
-    """Stage fp8_down (a default) through the captured decode loop (bf16): every MoE call took the E4M3 Down (counted),
-    none fell back, and the decode is the fp16-operand Down's up to the numerical change: most steps equal. (How close
-    to the reference is qualification's to measure: docs/PERF.md.)"""
-    from iquest.tests.test_kernel_launch import decode_with_logprobs
-
-    on = decode_with_logprobs("triton", "bf16")
-    off = decode_with_logprobs("triton-fp8_down", "bf16")
-    assert "moe" not in on["fallbacks"] and on["fp8_down_calls"] > 0 and off["fp8_down_calls"] == 0
-    steps = [(a, b) for case in on["steps"] for a, b in zip(on["steps"][case], off["steps"][case])]
-    same = sum(a[0] == b[0] for a, b in steps)
-    print(f"fp8_down: {on['fp8_down_calls']} MoE calls; {same} of {len(steps)} steps emit the fp16 Down's tokens")
-    assert same >= 0.5 * len(steps)
-
-
-@pytest.mark.gpu
-def test_cuda_tma_decodes_bit_identically():
-    """The default kernels (the MoE's weights through tensor descriptors) decode the same tokens, logprobs and
-    acceptance sequence as with pointer loads, in bf16 through the captured decode loop; the descriptors were used."""
-    from iquest.tests.test_kernel_launch import decode_with_logprobs
-
-    on = decode_with_logprobs("triton", "bf16")
-    off = decode_with_logprobs("triton-tma", "bf16")
-    assert "moe" not in on["fallbacks"] and on["tma_calls"] > 0 and off["tma_calls"] == 0
-    assert on["steps"] == off["steps"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_moe_fold_decodes_bit_identically(dtype):
-    """The finalize and combine folded into Gate/Up and Down (opt-in stage moe_fold): the same tokens, logprobs and
-    acceptance sequence as the four-launch MoE through the captured decode loop, with the folded calls counted."""
-    from iquest.tests.test_kernel_launch import decode_with_logprobs
-
-    on = decode_with_logprobs("triton-norm_qkv+moe_fold", dtype)  # the folded combine does not add the residual
-    off = decode_with_logprobs("triton-norm_qkv", dtype)
-    assert "moe" not in on["fallbacks"] and on["moe_fold_calls"] > 0 and off["moe_fold_calls"] == 0
-    assert on["steps"] == off["steps"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_early_decodes_bit_identically(dtype):
-    """Down reading the routing and prefetching its tile, attention prefetching its first K/V slots, before the PDL wait
-    (stage early): the same tokens, logprobs and acceptance sequence through the captured decode loop, with the
-    early calls counted."""
-    from iquest.tests.test_kernel_launch import decode_with_logprobs
-
-    on = decode_with_logprobs("triton", dtype)  # early is a default stage
-    off = decode_with_logprobs("triton-early", dtype)
-    assert on["early_calls"] > 0 and off["early_calls"] == 0
-    assert on["norm_qkv_calls"] > 0  # the combine's residual read ahead too (default stage norm_qkv)
-    assert on["steps"] == off["steps"]
-
-
-@pytest.mark.gpu
-def test_gpu_stamps_change_nothing_and_mark_the_owners():
-    """moe(stamps=) (bench/moe_timeline.py's timeline) gives the same output bits, and marks exactly the owner
-    programs: distinct live experts x I tiles x splits, each with start <= owner known <= done."""
-    c = case("stamps", R=6, k=8, E=256, H=6144, I=256, block=(128, 128), x="fp32", out="bf16", compute="bf16")
-    t, live = build(c, "cuda")
-    kw = dict(block=(128, 128), group=128, compute_dtype=torch.bfloat16)
-    want = mk.moe(*(t[a] for a in ARGS), **kw)
-    n = mk.gate_up_programs(6, 8, 256, 6144, 256, (128, 128), torch.device("cuda"))
-    stamps = torch.zeros(n, 4, dtype=torch.int64, device="cuda")
-    got = mk.moe(*(t[a] for a in ARGS), stamps=stamps, **kw)
-    s = stamps.cpu()
-    owners = s[s[:, 2] > 0]
-    distinct = len(set(t["experts"].cpu()[live].flatten().tolist()))
-    assert torch.equal(got, want)
-    assert len(owners) == distinct * 2 * (n // (6 * 8 * 2)), (len(owners), distinct, n)
-    assert bool((owners[:, 0] <= owners[:, 1]).all() and (owners[:, 1] <= owners[:, 2]).all())
-
-
-@pytest.mark.gpu
 def test_gpu_bf16_rounding():
     """The kernel's rounding and the GPU's own cast both equal torch's .to(torch.bfloat16)."""
     r = run_bf16_rounding("cuda")
@@ -1114,30 +967,9 @@ def test_gpu_act_quant_bit_exact():
         assert v["q"] and v["s"], f"{group}: {v}"
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("R", [1, 4, 8])
-def test_gpu_speed_report(R):
-    """Prints time and expert-weight bandwidth (distinct experts' Gate/Up/Down bytes) at TP8 full size."""
-    from triton.testing import do_bench
-
-    c = case("t", R=R, k=8, E=256, H=6144, I=256, block=(128, 128), x="fp32", out="bf16")
-    t, _ = build(c, "cuda")
-    args = [t[a] for a in ARGS]
-    ms = do_bench(lambda: mk.moe(*args, block=(128, 128), group=128, compute_dtype=torch.bfloat16),
-                  warmup=20, rep=200)
-    x16 = t["x"].to(torch.bfloat16)
-    ms_sorted = do_bench(lambda: sorted_moe(x16, *args[1:], block=(128, 128), group=128, out_dtype=torch.bfloat16,
-                                            **tiles(dict(c, block_k=None, down_block_n=None, down_block_k=None))),
-                         warmup=20, rep=200)
-    distinct = len(set(t["experts"].flatten().tolist()))
-    split = mk.plan_split(R * 8, 256, 8, 6144, 256, 128, 128, None, mk._sm_count(torch.device("cuda")))[0]
-    print(f"R={R}: {ms * 1e3:.1f} us (fp32 x, 4 launches; the five-launch form on bf16 x: {ms_sorted * 1e3:.1f} us), "
-          f"{distinct} experts, split {split}, {3 * distinct * 256 * 6144 / (ms * 1e-3) / 1e12:.2f} TB/s")
-
-
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
-    jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + [NEG_CASE, NEG_FOLD_CASE, NEG_DEDUP_CASE]]
+    jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + [NEG_CASE, NEG_DEDUP_CASE]]
     worker_main(jobs + [("act_quant", lambda: run_act_quant("cpu")),
                         ("bf16_rounding", lambda: run_bf16_rounding("cpu"))])
