@@ -83,33 +83,6 @@ def merge(replays: list[dict]) -> dict:
     return out
 
 
-def linear_timeline(stamps) -> dict:
-    """One FP8 linear call's per-program stamps (ns: start, after the PDL wait, last x tile arrived, first tile's
-    product, every tile's product, after the norm's scaling; `fp8_linear(stamps=)`) -> us from the first program's
-    wait returning (about when the kernel before completed): "waited_last" (the last program past its wait); medians
-    over programs of "x_us" (x's tiles after the wait), "first_us" (the first tile's product after that: its weights
-    arrived, converted, multiplied), "rest_us" (the other tiles' products after that), "rms_us" (the norm's scaling);
-    "done_last" (the last program's products) and "parked_us" (how long a program waited before the kernel before it
-    completed)."""
-    rows = [r for r in stamps if r[1] > 0]
-    if not rows:
-        raise ValueError("no program stamped")
-    t0 = min(r[1] for r in rows)
-    med = lambda i, j: statistics.median(r[j] - r[i] for r in rows) / 1e3
-    return {"programs": len(rows), "waited_last": (max(r[1] for r in rows) - t0) / 1e3, "x_us": med(1, 2),
-            "first_us": med(2, 3), "rest_us": med(3, 4), "rms_us": med(4, 5),
-            "done_last": (max(r[5] for r in rows) - t0) / 1e3, "parked_us": med(0, 1)}
-
-
-def linear_timelines(calls: list[dict]) -> dict:
-    """Medians over the calls of each FP8 linear shape ("N x K") of `linear_timeline`'s fields."""
-    by_shape: dict[str, list[dict]] = {}
-    for c in calls:
-        by_shape.setdefault(f"{c['n']} x {c['k']}", []).append(linear_timeline(c["stamps"]))
-    return {shape: {"calls": len(rows), **{k: statistics.median(r[k] for r in rows) for k in rows[0]}}
-            for shape, rows in by_shape.items()}
-
-
 def split_replays(events: list[tuple[str, float, float]], gap_us: float = 20.0) -> list[list[tuple[str, float, float]]]:
     """The traced kernels cut into replays: each replay follows a host sync, so it starts more than `gap_us` after
     everything before it has ended, while a replay's own kernels follow each other without such a gap."""
@@ -138,13 +111,12 @@ def _trace(graph, replays: int) -> list[tuple[str, float, float]]:
 
 @torch.no_grad()
 def trace_variant(config, weights, name: str, context: int, rows: int, replays: int, seed: int,
-                  tokens_mode: str = "decode", stamps: bool = False) -> dict:
+                  tokens_mode: str = "decode") -> dict:
     """One engine variant's captured forward (+ one draft call), traced over `replays` replays. `tokens_mode`:
     "decode" (the prompt prefilled for real, then the first round's verification block: the committed token and its
     drafts at their positions, as `iquest bench step` decodes; ~13 distinct experts a layer there), "same" (one
     random token in every row after synthetic history) or "distinct" (a random token a row); the last two route to
-    ~3x the experts (~44 a layer at b6fcf0f/99b7508), so their MoE streams ~3x the bytes. `stamps`: the FP8 linears
-    also record per-program timelines (`fp8_linear(stamps=)`), summarized by shape from the last replay."""
+    ~3x the experts (~44 a layer at b6fcf0f/99b7508), so their MoE streams ~3x the bytes."""
     from ..fast.rank import EngineOptions, RankEngine
     from ..fast.synthetic import synthetic_parallel
     from ..reference.config import GenerationConfig
@@ -189,12 +161,8 @@ def trace_variant(config, weights, name: str, context: int, rows: int, replays: 
                 k.endswith(".experts")]
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    model.ops.linear_stamps = [] if stamps else None
-    try:
-        with torch.cuda.graph(graph):
-            forward()
-    finally:
-        calls, model.ops.linear_stamps = model.ops.linear_stamps, None
+    with torch.cuda.graph(graph):
+        forward()
     graph.replay()
     torch.cuda.synchronize()
     replay_us = statistics.median(replay_times(graph, 1, 10))
@@ -202,16 +170,14 @@ def trace_variant(config, weights, name: str, context: int, rows: int, replays: 
     counts = [len(p) for p in parts]
     if len(parts) != replays or len(set(counts)) != 1:  # a dropped record would shift every increment after it
         raise RuntimeError(f"traced {len(parts)} replays of {counts} kernels, expected {replays} equal ones")
-    timelines = linear_timelines([dict(c, stamps=c["stamps"].cpu().tolist()) for c in calls]) if calls else None
     return {"variant": name, "replay_us": replay_us, "kernels_per_replay": counts[0], "tokens": tokens_mode,
-            "linear_timelines": timelines,
             "rows": rows, "live_rows": int(live.sum()),
             "distinct_experts_median": statistics.median(distinct) if distinct else None,
             **merge([attribute(p) for p in parts])}
 
 
 def run(config_file: str, context: int, rows: int, kernels: tuple[str, ...], replays: int, seed: int,
-        out: str | None, tokens_mode: str = "decode", stamps: bool = False) -> dict:
+        out: str | None, tokens_mode: str = "decode") -> dict:
     from ..fast.rank import EngineOptions
     from ..fast.synthetic import synthetic_weights
     from ..reference.config import Config
@@ -231,8 +197,7 @@ def run(config_file: str, context: int, rows: int, kernels: tuple[str, ...], rep
                         "medians over the traced replays"],
               "variants": []}
     for name in kernels:
-        report["variants"].append(trace_variant(config, weights, name, context, rows, replays, seed, tokens_mode,
-                                                stamps))
+        report["variants"].append(trace_variant(config, weights, name, context, rows, replays, seed, tokens_mode))
         _print(report["variants"][-1])
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -250,11 +215,6 @@ def _print(v: dict, top: int = 30) -> None:
     for k, s in rows[:top]:
         n = max(s["count"], 1)
         print(f"  {s['us']:11.1f} {s['count']:6.0f} {s['us'] / n:9.2f} {s.get('own_us', 0.0) / n:10.2f}  {k}")
-    for shape, t in (v.get("linear_timelines") or {}).items():
-        print(f"  FP8 linear {shape} ({t['calls']} calls, {t['programs']:.0f} programs), us after the first program's "
-              f"wait: last past its wait {t['waited_last']:.2f}; medians: x arrived +{t['x_us']:.2f}, first tile's "
-              f"product +{t['first_us']:.2f}, the other tiles' +{t['rest_us']:.2f}, the norm's scaling "
-              f"+{t['rms_us']:.2f}; last products {t['done_last']:.2f}; parked {t['parked_us']:.2f}")
     rest = rows[top:]
     if rest:
         print(f"  {sum(s['us'] for _, s in rest):11.1f} {sum(s['count'] for _, s in rest):6.0f}            "

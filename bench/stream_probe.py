@@ -1,8 +1,8 @@
 """How fast can one layer's Gate/Up weights be streamed, by decomposition (`iquest bench stream-probe`, GPU).
 
 Gate/Up reads 13 experts' Gate and Up slices (41 MB at one TP8 rank) in ~16 us, 2.6 TB/s, and its timeline
-(bench/moe_timeline.py) shows every owner program streaming for ~12.8 us: the memory system, not the program's
-arithmetic, sets the pace. This probe streams exactly those tiles with no MoE arithmetic at all (each [128, 128]
+(`bench moe-timeline`, which the tree held up to b414030) showed every owner program streaming for ~12.8 us: the
+memory system, not the program's arithmetic, sets the pace. This probe streams exactly those tiles with no MoE arithmetic at all (each [128, 128]
 E4M3 tile goes through TMA into shared memory and into one E4M3 wgmma against a zero tile, the cheapest use that
 keeps the load), so that decompositions can be compared on the bytes alone:
   * `gate_up`: Gate/Up's own grid: one program per (pair, I tile, K split), the non-owner pairs exiting at once;

@@ -1,5 +1,5 @@
-"""`iquest bench kernels`, `iquest bench tune`, `iquest bench allreduce` and `iquest bench sass`: microbenchmarks
-and the offline compile report (registered by cli/bench_cmd.py)."""
+"""`iquest bench kernels`, `tune`, `allreduce`, `graph-trace` and `stream-probe`: microbenchmarks and GPU probes;
+`iquest bench sass`: the offline compile report (registered by cli/bench_cmd.py)."""
 
 from __future__ import annotations
 
@@ -48,14 +48,15 @@ def register(bsub) -> None:
     t.add_argument("--context", type=int, default=1024, help="history positions before the block (default 1024)")
     t.add_argument("--pdl", action="store_true",
                    help="launch every kernel with programmatic dependent launch, as the engine does (each call then "
-                        "overlaps the previous call's tail; the weight prefetch/preload candidates need it)")
+                        "overlaps the previous call's tail; the weight preload candidates need it)")
     t.add_argument("--hot", action="store_true",
                    help="one weight copy (MoE: one routing) per op instead of rotating over copies, so weights are L2 "
                         "hits after the first call: what each op costs with its bytes already on chip (a diagnostic;"
                         " the byte floors do not apply)")
     t.add_argument("--only", default=None,
                    help="comma-separated strings: time only the default and the candidates whose label or note "
-                        "contains one (e.g. 'engine': the MoE as fast/ops.py calls it); default: every candidate")
+                        "contains one (e.g. 'engine': the MoE as fast/triton_ops.py calls it); default: every "
+                        "candidate")
     t.add_argument("--out", help="write the raw JSON here (e.g. bench/results/tune-h200.json)")
     t.set_defaults(run=run_tune)
     a = bsub.add_parser("allreduce", help="bf16 all-reduce: NCCL vs torch symmetric memory, in CUDA graphs",
@@ -77,26 +78,16 @@ def register(bsub) -> None:
     c.add_argument("--kernels", default="moe_gate_up_tma,moe_down_tma,fp8_linear",
                    help="comma-separated: moe_gate_up (pointer loads, x rescaled in the kernel), moe_gate_up_prescaled "
                         "(the norm's fp16 tiles), moe_gate_up_tma (the engine's form: those tiles, weights through TMA), "
-                        "moe_down (pointer loads), moe_down_tma (the engine's form), moe_down_fp8 (stage fp8_down), "
-                        "moe_gate_up_fold, moe_down_fold (stage moe_fold: the finalize, the combine folded in), "
-                        "fp8_linear (q/k/v as the engine runs it, tiles preloaded), fp8_linear_loop, fp8_linear_norm "
-                        "(stage norm_qkv: the input norm on load) (default: "
-                        "moe_gate_up_tma, moe_down_tma, fp8_linear: what the engine launches)")
+                        "moe_down (pointer loads), moe_down_tma (the engine's form), moe_down_early (with early_down), "
+                        "moe_down_fp8 (the plan's fp8_down), fp8_linear (q/k/v as the engine runs it, tiles "
+                        "preloaded), fp8_linear_loop, fp8_linear_norm (the plan's fused_input_norm: rows scaled by "
+                        "1 / rms), fp8_linear_direct (Gluon, o_proj) (default: moe_gate_up_tma, moe_down_tma, "
+                        "fp8_linear: what the engine launches)")
     c.add_argument("--set", action="append", default=[], metavar="KERNEL.NAME=VALUE",
                    help="override one constexpr, e.g. moe_down.F16=False (repeatable)")
     c.add_argument("--top", type=int, default=10, help="instructions listed per kernel (default 10)")
     c.add_argument("--json", metavar="OUT", help="write the report here")
     c.set_defaults(run=run_sass)
-    w = bsub.add_parser("parking", help="what waiting programs cost a weight stream beside them (PDL wait, flag spin, "
-                                        "cascaded launches)",
-                        description="Times a copy through HBM alone, beside programs parked at a PDL wait, beside "
-                                    "programs spinning on a flag, and a CUDA graph of [copy + small kernels] launched "
-                                    "CHAINED against CASCADE (bench/parking.py).")
-    w.add_argument("--repeats", type=int, default=9, help="timed repeats per variant, alternated (default 9)")
-    w.add_argument("--mb", type=int, default=32, help="MB each copy reads (default 32, about a layer's expert bytes)")
-    w.add_argument("--small", type=int, default=10, help="small kernels after each copy in the chain (default 10)")
-    w.add_argument("--out", help="write the raw JSON here")
-    w.set_defaults(run=run_parking)
     gt = bsub.add_parser("graph-trace", help="what each kernel adds to a captured verification forward (GPU)",
                          description="Builds one TP8 rank's slice of the full-size model (random FP8 weights, "
                                      "collectives as local no-ops), captures one plain CUDA graph of the verification "
@@ -115,27 +106,14 @@ def register(bsub) -> None:
                          "verification block, as bench step decodes, ~13 distinct experts a layer), 'same' (one random "
                          "token a row after synthetic history) or 'distinct' (a random token a row); the last two "
                          "route to ~3x the experts")
-    gt.add_argument("--stamps", action="store_true",
-                    help="the FP8 linears also stamp each program with the global timer (start, after its wait, x "
-                         "arrived, products done): their timelines by shape")
     gt.add_argument("--out", help="write the raw JSON here")
     gt.set_defaults(run=run_graph_trace)
     probes = {
-        "moe-timeline": ("moe_timeline", "a per-program timeline of one MoE Gate/Up launch (global timer)",
-                         "Runs the MoE at one TP8 rank's decode shape (bench tune's inputs, 13 distinct experts, "
-                         "rotating routings) with Gate/Up stamping each program's start, owner check and last tile "
-                         "with the global timer: when owners start and finish, how long each streams, owners per SM "
-                         "(bench/moe_timeline.py)."),
         "stream-probe": ("stream_probe", "how fast a layer's Gate/Up tiles and flat reads of each size stream",
                          "Streams one layer's Gate/Up tiles with no MoE arithmetic by decomposition (Gate/Up's grid, "
                          "owners only, K splits, pipeline depths) and flat contiguous reads of 0.5-246 MB, each timed "
                          "back to back in a CUDA graph from HBM; prints the round's bound at those speeds "
                          "(bench/stream_probe.py)."),
-        "l2-warm": ("l2_warm", "what the MoE gains when its experts' weights are in L2 as it starts",
-                    "Runs the MoE at one TP8 rank's decode shape (bench tune's inputs, 13 distinct experts, rotating "
-                    "routings, E4M3 Down, PDL) after a read of its own experts' weights (warm) or of other experts' "
-                    "(cold, the same bytes), and after bulk L2 requests ~20 us ahead; prints us an iteration and the "
-                    "MoE's gain, and each kernel's duration (bench/l2_warm.py)."),
     }
     for name, (module, help_text, description) in probes.items():
         pp = bsub.add_parser(name, help=help_text, description=description)
@@ -156,7 +134,7 @@ def run_graph_trace(args: argparse.Namespace) -> int:
     _need_gpus("iquest bench graph-trace", 1)
     from ..bench.graph_trace import run
 
-    run(args.config, args.context, args.rows, kernels, args.replays, args.seed, args.out, args.tokens, args.stamps)
+    run(args.config, args.context, args.rows, kernels, args.replays, args.seed, args.out, args.tokens)
     return 0
 
 
@@ -237,18 +215,6 @@ def _constexpr(text: str):
         except ValueError:
             pass
     return {"True": True, "False": False}.get(text, text)
-
-
-def run_parking(args: argparse.Namespace) -> int:
-    from .main import UserError
-
-    if args.repeats < 1 or args.mb < 1 or args.small < 0:
-        raise UserError("--repeats and --mb must be >= 1, --small >= 0")
-    _need_gpus("iquest bench parking", 1)
-    from ..bench.parking import run
-
-    run(args.out, repeats=args.repeats, mb=args.mb, small=args.small)
-    return 0
 
 
 def run_sass(args: argparse.Namespace) -> int:

@@ -49,21 +49,3 @@ def test_short_names():
 def test_cli_refuses_bad_arguments_before_needing_a_gpu():
     assert main(["bench", "graph-trace", "--rows", "0"]) != 0
     assert main(["bench", "graph-trace", "--kernels", ","]) != 0
-
-
-def test_linear_timelines_from_stamps():
-    """fp8_linear's per-program stamps (ns: start, waited, x arrived, first tile, every tile, scaled) -> us after the
-    first wait."""
-    from iquest.bench.graph_trace import linear_timeline, linear_timelines
-
-    call = [[0, 1000, 1500, 2000, 2500, 2600], [200, 1200, 1900, 2300, 2700, 2800],
-            [100, 3000, 3400, 3900, 4400, 4500], [0, 0, 0, 0, 0, 0]]  # the last never ran
-    t = linear_timeline(call)
-    assert t["programs"] == 3 and t["waited_last"] == pytest.approx(2.0) and t["done_last"] == pytest.approx(3.5)
-    assert t["x_us"] == pytest.approx(0.5) and t["first_us"] == pytest.approx(0.5) and t["rest_us"] == pytest.approx(0.5)
-    assert t["rms_us"] == pytest.approx(0.1) and t["parked_us"] == pytest.approx(1.0)
-    by = linear_timelines([{"n": 8, "k": 4, "stamps": call}, {"n": 8, "k": 4, "stamps": call},
-                           {"n": 4, "k": 8, "stamps": call}])
-    assert by["8 x 4"]["calls"] == 2 and by["4 x 8"]["done_last"] == pytest.approx(3.5)
-    with pytest.raises(ValueError, match="no program"):
-        linear_timeline([[0] * 6])

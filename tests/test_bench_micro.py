@@ -89,7 +89,7 @@ def test_cli_errors_without_cuda(capsys, no_cuda):
     _fails(capsys, ["bench", "allreduce", "--ranks", "2"], "needs 2 CUDA devices, found 0")
     _fails(capsys, ["bench", "allreduce", "--ranks", "1"], "--ranks must be >= 2")
     _fails(capsys, ["bench", "kernels", "--rows", "1,x"], "--rows")
-    _fails(capsys, ["bench", "moe-timeline"], "iquest bench moe-timeline needs 1 CUDA device, found 0")
+    _fails(capsys, ["bench", "graph-trace"], "iquest bench graph-trace needs 1 CUDA device, found 0")
     _fails(capsys, ["bench", "stream-probe", "--out", "x.json"], "iquest bench stream-probe needs 1 CUDA device")
 
 
