@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .device import FLOATS as _FLOATS, sm_count as _sm_count
-from .launch import global_ns, launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
+from .launch import launch_options, wait_for_inputs
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -34,7 +34,6 @@ BLOCK_M = 16  # tl.dot's smallest M; decode blocks have 1..8 rows
 # H200 (bench/results/tune-h200-932ec08.*): q/k/v [1024 x 6144] 8.25 -> 7.57 us, o_proj [6144 x 768] 7.01 -> 5.42 us
 # against 64-wide tiles and 3 stages (narrower tiles: more programs, so fewer K splits).
 BLOCK_N, NUM_STAGES = 32, 4
-STAMPS = 6  # `fp8_linear(stamps=)`: timer readings a program
 # Tiles a program may hold for `preload`: 8 x [32 x 128] E4M3 is 32 KB, 64 registers a thread at 4 warps.
 MAX_PRELOAD = 8
 
@@ -78,27 +77,20 @@ def _fp8_linear_kernel(
     M, N, K, stride_xm, stride_ym, scale_cols, k_per_split, splits,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, SERIAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, PRELOAD: tl.constexpr = 0,
+    PDL: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
     OPAQUE: tl.constexpr = True,  # False: negative control only (tests/test_bench_sass.py), see _after_wait
     sumsq_ptr=None, stride_sumsq=0, norm_tiles=0, eps=0.0,
     NORM: tl.constexpr = 0,  # > 0: the rows scaled by their 1 / rms (`rms`); the sums' count padded to a power of two
-    stamp_ptr=None, STAMP: tl.constexpr = False,  # a timeline (debug): `fp8_linear(stamps=)`
-    STAMPS: tl.constexpr = 0,  # readings a program (the module's STAMPS, with STAMP)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    if STAMP:
-        slot = stamp_ptr + ((pid_m * tl.num_programs(1) + pid_k) * tl.num_programs(0) + pid_n) * STAMPS
-        tl.store(slot, global_ns(pid_n))
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < M
     n_ok = n < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if PREFETCH_LINES > 0:  # the weight is constant: its reads may start before the previous kernel ends
-        prefetch_rows(w_ptr + tl.minimum(n, N - 1) * K, k_start, k_end, 128, PREFETCH_LINES)
     s_row = s_ptr + (n // B0) * scale_cols
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -113,20 +105,12 @@ def _fp8_linear_kernel(
             ws = ws + (tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None], other=0.0),)
             ss = ss + (tl.load(s_row + (k_start + t * BLOCK_K) // B1, mask=n_ok, other=0.0),)
         wait_for_inputs(PDL)
-        if STAMP:
-            tl.store(slot + 1, global_ns(pid_k))
         xs = ()
         for t in tl.static_range(PRELOAD):  # every x tile's load issued before the first dot
             kk = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
             xs = xs + (tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None], other=0.0),)
-        if STAMP:  # once the last x tile has arrived
-            tl.store(slot + 2, global_ns(tl.sum(xs[PRELOAD - 1].to(tl.float32), axis=1).to(tl.int32).max(axis=0)))
         for t in tl.static_range(PRELOAD):
             acc = _tile_dot(acc, xs[t], _after_wait(ws[t], PDL and OPAQUE), ss[t], F32, PREC)
-            if STAMP and t == 0:  # the first tile's product: its weights arrived, converted and multiplied
-                tl.store(slot + 3, global_ns(tl.sum(acc, axis=1).to(tl.int32).max(axis=0)))
-        if STAMP:  # every tile's product
-            tl.store(slot + 4, global_ns(tl.sum(acc, axis=1).to(tl.int32).max(axis=0)))
     else:
         wait_for_inputs(PDL)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -139,8 +123,6 @@ def _fp8_linear_kernel(
 
     if NORM > 0:  # each split's partial scaled alike: the sum is the row's product scaled
         acc = acc * _inv_rms(sumsq_ptr, m, m_ok, stride_sumsq, norm_tiles, K, eps, NORM)[:, None]
-    if STAMP:  # the products done, with the norm's scaling (the stores take them)
-        tl.store(slot + 5, global_ns(tl.sum(acc, axis=1).to(tl.int32).max(axis=0)))
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
         tl.store(part_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=mask)
@@ -215,15 +197,6 @@ def _grid(m: int, n: int, splits: int, block_n: int) -> tuple[int, int, int]:
     return triton.cdiv(n, block_n), splits, triton.cdiv(m, BLOCK_M)
 
 
-def linear_stamps(m: int, n: int, k: int, block: tuple[int, int], device: torch.device, split_k: int | None = None,
-                  block_n: int = BLOCK_N) -> torch.Tensor:
-    """An (unfilled) `fp8_linear(stamps=)` buffer for an [m, n, k] call: int64 [programs, STAMPS]. Empty, not zeroed:
-    every program writes its row, and a fill would be a kernel of its own in a captured chain."""
-    _, splits, _ = _split_plan(n, k, block, split_k, block_n, device)
-    g = _grid(m, n, splits, block_n)
-    return torch.empty(g[0] * g[1] * g[2], STAMPS, dtype=torch.int64, device=device)
-
-
 def preload_plan(m: int, n: int, k: int, block: tuple[int, int], split_k: int | None = None, block_n: int = BLOCK_N,
                  device: torch.device = torch.device("cpu")) -> int:
     """K tiles each program of an [m, n, k] call preloads with `preload=True` (0: the loop runs instead)."""
@@ -248,21 +221,17 @@ def choose_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.dev
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
                out_dtype: torch.dtype | None = None, *, split_k: int | None = None, block_n: int = BLOCK_N,
                out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
-               num_stages: int = NUM_STAGES, pdl: bool = False, prefetch: bool = False,
-               preload: bool = False, unsummed: bool = False,
-               rms: tuple[torch.Tensor, float] | None = None, stamps: torch.Tensor | None = None,
-               direct: torch.Tensor | None = None, direct_reversed: bool = False,
-               direct_carveout: int | None = None) -> torch.Tensor:
+               num_stages: int = NUM_STAGES, pdl: bool = False, preload: bool = False, unsummed: bool = False,
+               rms: tuple[torch.Tensor, float] | None = None, direct: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
     [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
 
     `locks`: zeroed int32 counters (>= one per output tile, see `lock_count`); with them a split K is summed by
     the tile's last split inside the one launch (same order, same bits), and they are left zeroed for the next
     call. Calls sharing counters must not overlap in time (one stream). Without them a second kernel sums.
-    `pdl`: programmatic dependent launch; `prefetch`: with it, each program asks L2 for its weight range before
-    waiting for the previous kernel (kernels/launch.py); `preload`: each program loads its weight tiles and scales
-    into registers before that wait, where `preload_tiles` allows it (else the loop as without it). None of the three
-    changes a value.
+    `pdl`: programmatic dependent launch (kernels/launch.py); `preload`: with it, each program loads its weight tiles
+    and scales into registers before waiting for the previous kernel, where `preload_tiles` allows it (else the loop
+    as without it). Neither changes a value.
     `unsummed`: return the K splits' fp32 partial products [splits, M, N] instead (no `out`; `locks` unused; one
     split when K is not split): a consumer that sums them in split order from zero, 0 + p_0 + p_1 + ..., and rounds
     the sum to out_dtype has this function's bits (`rope_kv_parts`: the sum moved into the next launch).
@@ -271,16 +240,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     and sumsq the partial sums of h^2 (kernels/moe.py's `residual`), that is the product of rmsnorm(h) * w without the
     norm's launch: a numerical change (the normalized rows rounded before their scaling, the squares summed in another
     order than rmsnorm_residual's), qualified in docs/PERF.md.
-    `stamps` (a timeline, for bench/graph_trace.py; GPU, preloading calls only): int64 [programs, STAMPS]
-    (`linear_stamps` makes one), filled per program with the global timer (ns) at its start, after its PDL wait, once its
-    last x tile has arrived, once its first tile's product is done (its weights arrived, converted and multiplied),
-    once every tile's is, and after the norm's scaling (`rms`; else the same). The same values are computed.
     `direct`: W's copy in the MMA fragments' order (kernels/fp8_linear_direct.direct_weight); with it, a preloading
     call runs that module's Gluon kernel (16 output columns and 8 rows a program, its K tiles over 2 warps) instead:
-    GPU only, bf16 or fp16 x, 128-wide K tiles, no stamps (`direct_applies`). The same tiles, scales, order and
-    splits as the Triton kernel's preloading path. `direct_reversed`: a negative control only (tests): its tiles summed
-    last to first. `direct_carveout` (diagnostics): the direct kernel's preferred shared-memory carveout in percent
-    (-1: the driver's choice) instead of its default (fp8_linear_direct.CARVEOUT)."""
+    GPU only, bf16 or fp16 x, 128-wide K tiles (`direct_applies`). The same tiles, scales, order and splits as the
+    Triton kernel's preloading path."""
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
@@ -314,9 +277,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     f32 = INTERPRETED or x.dtype == torch.float32
     tiles = preload_tiles(K, k_per_split, block_k) if preload else 0
     if direct is not None:
-        _check(direct_applies(x, block_k, tiles) and stamps is None,
-               "direct needs a preloading call (whole splits of <= 8 tiles) on the GPU with bf16 or fp16 x, 128-wide K "
-               "tiles and no stamps")
+        _check(direct_applies(x, block_k, tiles),
+               "direct needs a preloading call (whole splits of <= 8 tiles) on the GPU with bf16 or fp16 x and "
+               "128-wide K tiles")
         _check(direct.shape == w.shape and direct.dtype == w.dtype and direct.is_contiguous()
                and direct.device == w.device, f"direct must be W's [{N}, {K}] E4M3 copy (direct_weight), contiguous")
         from . import fp8_linear_direct as fd
@@ -332,11 +295,13 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     if direct is not None:
         fd.launch(grid, x, direct, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0),
                   expect[1], k_per_split, split_k, block, split, serial, tiles, norm_args, launch_options(pdl, x.device),
-                  reversed_tiles=direct_reversed,
-                  **({} if direct_carveout is None else {"carveout": direct_carveout}))
+                  reversed_tiles=_REVERSED_TILES)
     else:
-        _launch_triton(x, w, scale, out, part, locks, grid, M, N, K, expect[1], k_per_split, split_k, B0, B1, block_n,
-                       block_k, split, serial, f32, num_warps, num_stages, prefetch, tiles, norm_args, stamps, pdl)
+        _fp8_linear_kernel[grid](
+            x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
+            k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
+            SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+            PRELOAD=tiles, **norm_args, **launch_options(pdl, x.device))
     if unsummed:
         return part
     if split_k > 1 and not serial:
@@ -346,27 +311,27 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     return out
 
 
-def _launch_triton(x, w, scale, out, part, locks, grid, M, N, K, scale_cols, k_per_split, split_k, B0, B1, block_n,
-                   block_k, split, serial, f32, num_warps, num_stages, prefetch, tiles, norm_args, stamps, pdl) -> None:
-    """The Triton kernel's launch for `fp8_linear` (its arguments checked there)."""
-    if stamps is not None:
-        n_prog = grid[0] * grid[1] * grid[2]
-        _check(stamps.dtype == torch.int64 and tuple(stamps.shape) == (n_prog, STAMPS) and stamps.is_contiguous()
-               and stamps.device == x.device and not INTERPRETED and tiles > 0,
-               f"stamps must be contiguous int64 [{n_prog}, {STAMPS}] on the GPU, for a preloading call")
-    _fp8_linear_kernel[grid](
-        x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), scale_cols,
-        k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-        SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
-        PREFETCH_LINES=prefetch_lines(k_per_split, 1)[1] if prefetch else 0, PRELOAD=tiles, **norm_args,
-        stamp_ptr=stamps, STAMP=stamps is not None, STAMPS=STAMPS, **launch_options(pdl, x.device))
-
-
 def direct_applies(x: torch.Tensor, block_k: int, tiles: int) -> bool:
     """Whether `fp8_linear(direct=...)` takes a call: a preloading one (`tiles` > 0) on the GPU (compiled, not
     interpreted) with bf16 or fp16 x and 128-wide K tiles."""
     return (not INTERPRETED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and block_k == 128
             and tiles > 0)
+
+
+# ---- instrumentation, for tests only ---------------------------------------------------------------
+_REVERSED_TILES = False  # set only inside `_reversed_direct`
+
+
+def _reversed_direct(*args, **kwargs) -> torch.Tensor:
+    """Tests only, the negative control of the direct kernel's bit checks: `fp8_linear(*args, **kwargs)` (with
+    `direct=`) with that kernel's K tiles summed last to first, the same products in another fp32 order. Not
+    thread-safe: the switch is module state, set for the one call."""
+    global _REVERSED_TILES
+    _REVERSED_TILES = True
+    try:
+        return fp8_linear(*args, **kwargs)
+    finally:
+        _REVERSED_TILES = False
 
 
 def _rms_args(rms, M: int, device: torch.device) -> dict:

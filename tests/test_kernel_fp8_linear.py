@@ -26,7 +26,7 @@ BASE = dict(M=8, N=40, K=96, block=(16, 16), x="fp32", out=None, split_k=None, b
 # order_control: the negative control of the bit checks: the same call with another split (the same products summed in
 # another order) must NOT be bit-equal, or the preload's bit-equality check could not see a reordered sum
 # preloads: whether `preload=True` must be taken (whole splits of at most MAX_PRELOAD K tiles); None: either
-# rms: T > 0: the rows scaled by 1 / rms (`rms=`) from a stream's sums of squares over T-column tiles (stage norm_qkv)
+# rms: T > 0: the rows scaled by 1 / rms (`rms=`) from a stream's sums of squares over T-column tiles (fused_input_norm)
 
 
 def case(name: str, **kw) -> dict:
@@ -193,7 +193,6 @@ def _args(**over):
     (dict(rms=(torch.ones(4, 6), 1e-6)), "rms's sumsq"),
     (dict(rms=(torch.ones(3, 6, dtype=torch.float64), 1e-6)), "rms's sumsq"),
     (dict(rms=(torch.ones(3, 6), 0.0)), "rms's eps"),
-    (dict(stamps=torch.zeros(1, fl.STAMPS, dtype=torch.int64)), "stamps must be"),  # the GPU only, preloading calls only
 ])
 def test_rejects_bad_inputs(over, message):
     with pytest.raises(ValueError, match=message):
@@ -209,46 +208,7 @@ def test_gpu(c):
     print(f"{c['name']}: rel err {r['rel_err']:.2e}")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("M, N, K", [(1, 128, 6144), (8, 128, 6144), (8, 768, 6144), (8, 6144, 768),
-                                     (8, 6144, 1536), (8, 18432, 7168)])
-def test_gpu_speed_report(M, N, K):
-    """Prints achieved weight-stream bandwidth (GPU_FACTS.md: ~2.8 TB/s plain at 8x18432x7168)."""
-    from triton.testing import do_bench
-
-    c = case("t", M=M, N=N, K=K, block=(128, 128), x="bf16", block_n=64)
-    t = build(c, "cuda")
-    ms = do_bench(lambda: fl.fp8_linear(t["x"], t["w"], t["scale"], (128, 128)), warmup=20, rep=200)
-    print(f"{M}x{N}x{K}: {ms * 1e3:.1f} us, {N * K / (ms * 1e-3) / 1e12:.2f} TB/s of E4M3 weight")
-
-
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
     worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES])
-
-
-@pytest.mark.gpu
-def test_gpu_stamps_change_nothing_and_are_ordered():
-    """fp8_linear(stamps=) (bench/graph_trace.py's timelines) at o_proj's shape with preload and PDL: the same output
-    bits, and every program's stamps in order (start, after its wait, x arrived, first tile, every tile, scaled)."""
-    w, s = quantize(torch.randn(6144, 768), (128, 128))
-    x = torch.randn(6, 768).to(torch.bfloat16).cuda()
-    w, s = w.cuda(), s.cuda()
-    kw = dict(block=(128, 128), preload=True, pdl=True)
-    want = fl.fp8_linear(x, w, s, **kw)
-    stamps = fl.linear_stamps(6, 6144, 768, (128, 128), x.device).fill_(-1)  # an unwritten reading shows as -1
-    got = fl.fp8_linear(x, w, s, stamps=stamps, **kw)
-    t = stamps.cpu()
-    assert torch.equal(got, want)
-    assert bool((t[:, 0] > 0).all() and (t[:, :-1] <= t[:, 1:]).all()), t[:4]
-
-
-def test_linear_stamps_has_a_row_per_program():
-    """`linear_stamps`: one row of STAMPS readings for each program the call launches (N tiles x K splits x M tiles)."""
-    cpu = torch.device("cpu")
-    for m, n, k, split in ((6, 1024, 6144, None), (17, 40, 96, 3)):
-        _, splits, _ = fl._split_plan(n, k, (128, 128) if k % 128 == 0 else (16, 16), split, fl.BLOCK_N, cpu)
-        t = fl.linear_stamps(m, n, k, (128, 128) if k % 128 == 0 else (16, 16), cpu, split)
-        assert tuple(t.shape) == (-(-n // fl.BLOCK_N) * splits * -(-m // fl.BLOCK_M), fl.STAMPS)
-        assert t.dtype == torch.int64

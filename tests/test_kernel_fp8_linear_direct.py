@@ -83,16 +83,16 @@ GPU_CASES = [(6, 1024, 6144, "unsummed_rms"), (6, 1024, 6144, "serial"), (1, 102
              (6, 512, 256, "serial"), (6, 6144, 384, "out")]
 
 
-def _call(form, x, w, s, extra, **kw):
+def _call(form, x, w, s, extra, linear=fl.fp8_linear, **kw):
     kw = dict(block=(128, 128), preload=True, pdl=True, **kw)
     if form == "unsummed_rms":
-        return fl.fp8_linear(x, w, s, unsummed=True, rms=(extra["sumsq"], 1e-6), **kw)
+        return linear(x, w, s, unsummed=True, rms=(extra["sumsq"], 1e-6), **kw)
     if form == "serial":
         locks = torch.zeros(4096, dtype=torch.int32, device=x.device)
-        got = fl.fp8_linear(x, w, s, locks=locks, **kw)
+        got = linear(x, w, s, locks=locks, **kw)
         assert int(locks.abs().sum()) == 0  # left zeroed for the next call
         return got
-    return fl.fp8_linear(x, w, s, **kw)
+    return linear(x, w, s, **kw)
 
 
 @pytest.mark.gpu
@@ -111,35 +111,7 @@ def test_gpu_same_bits_as_the_triton_kernel(m, n, k, form, dtype):
     # fp32 rounding. The fp32 partials (unsummed) show it, so this comparison catches it there; a stored bf16 or fp16
     # output mostly rounds it away (at o_proj's shape every element matched on the H200), so there it is only
     # checked to stay close.
-    bad = _call(form, x, w, s, extra, direct=d, direct_reversed=True)
+    bad = _call(form, x, w, s, extra, linear=fl._reversed_direct, direct=d)
     if form == "unsummed_rms":
         assert not torch.equal(bad, want)
     torch.testing.assert_close(bad.float(), want.float(), rtol=1e-2, atol=1e-2 * float(want.float().abs().max()))
-
-
-@pytest.mark.gpu
-def test_gpu_decode_with_direct_linears_is_bit_identical(tmp_path):
-    """Stage linear_direct (a default) through the engine's captured decode loop, on a small random model whose linears have
-    128 x 128 blocks (the fixtures' 16 x 16 and 8 x 8 blocks never take the kernel): the same tokens, logprobs and
-    acceptance sequence as without it, with the direct calls counted (and none without the stage)."""
-    from iquest.fast.parallel import Parallel
-    from iquest.fast.rank import EngineOptions, RankEngine
-    from iquest.fixtures.make import PRESETS, random_weights
-    from iquest.reference.checkpoint import save_checkpoint
-    from iquest.reference.config import Config, GenerationConfig
-    from iquest.tests.test_fast_engine import PROMPTS, fast_steps
-
-    config = Config.from_dict(dict(PRESETS["tiny"], hidden_size=256, head_dim=64, moe_intermediate_size=128,
-                                   quantization_config={"quant_method": "fp8", "fmt": "e4m3",
-                                                        "weight_block_size": [128, 128]}))
-    save_checkpoint(tmp_path, config, random_weights(config, 3), GenerationConfig(eos_token_id=config.eos_token_id))
-    runs = {}
-    for kernels in ("triton-linear_direct", "triton"):  # a default stage
-        engine = RankEngine(tmp_path, Parallel.single("cuda"), EngineOptions(max_context=256, dtype="bf16",
-                                                                           kernels=kernels))
-        steps = [fast_steps(engine, PROMPTS[i], 40 + i, drafts, n=24) for i, drafts in ((0, 3), (1, 7))]
-        runs[kernels] = ([[(s.tokens, s.logprobs, s.drafts, s.accepted) for s in st] for st in steps],
-                         engine.model.ops.direct_calls)
-    (base, base_calls), (direct, direct_calls) = runs["triton-linear_direct"], runs["triton"]
-    assert base_calls == 0 and direct_calls > 0
-    assert direct == base
