@@ -23,8 +23,8 @@ Triton kernel in a graph, timed the same way) times launches, so a ratio to max(
 launch floor) tells launch-bound from bandwidth-bound. The MoE gets one extra candidate after the
 sweep: the fastest Gate/Up settings (split_k, block_k) with the fastest Down settings (down_block_n,
 down_block_k), each chosen among candidates that keep the other kernel's settings at the default.
-The MoE is called as fast/ops.py calls it: fp32 x with compute_dtype=bf16 where moe() takes that
-keyword, else bf16 x.
+The MoE is called as fast/triton_ops.py calls it: fp32 x with compute_dtype=bf16 where moe() takes
+that keyword, else bf16 x.
 
 Nothing here changes a kernel default: the output names the best configuration per op for the
 lead to apply. Shapes (defaults): R = 6 rows (decode depth 5), hidden 6144, 6 query heads + 1 KV
@@ -65,7 +65,7 @@ from .kernels_micro import (FULL_CONFIG, MIN_CALLS, ROTATE_BYTES, TP, capture_ca
 OPS = ("moe", "linear_qkv", "linear_o", "attention_sliding", "attention_full", "router", "norm")
 LAUNCH = "launch"
 H200_SMS = 132  # candidate lists for tests and --help are built for the H200's SM count
-LINEAR_LOCKS = 4096  # fast/ops.py's split-K counters (one per output tile)
+LINEAR_LOCKS = 4096  # fast/triton_ops.py's split-K counters (one per output tile)
 # max |y - ref| / max |ref| (kernels_micro, tests/test_kernel_*): bf16 outputs; the router's fp32 scores and weights;
 # the norm's fp32 output of a residual sum rounded to bf16 (which Triton's CPU interpreter truncates: one bf16 ulp)
 TOL = {"moe": 1e-2, "linear_qkv": 1e-2, "linear_o": 1e-2, "attention_sliding": 3e-2, "attention_full": 3e-2,
@@ -128,9 +128,9 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "router": rt.route, "norm": rn.rmsnorm_residual}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
                     "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down", "early_down"),
-            "linear": ("split_k", "block_n", "num_warps", "num_stages", "prefetch", "preload", "direct"),
+            "linear": ("split_k", "block_n", "num_warps", "num_stages", "preload", "direct"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
-            "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk", "prefetch", "preload"),
+            "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk", "preload"),
             "norm": ("num_warps", "f16_out")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
 # (tma is one switch for both kernels' weight loads; it sits with Gate/Up's, whose bytes dominate.)
@@ -205,7 +205,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
                 "down_block_k": mk._pow2_divisor(shape.block[1], mk.down_tile(fp8, g["down_block_k"])[0]),
                 "down_warps": g["down_warps"], "down_stages": mk.down_tile(fp8, None, g["down_stages"])[1],
                 "f16": g["f16"],
-                # the engine's call: x's tiles made by the norm (stage f16_norm); TMA where aligned (it is here)
+                # the engine's call: x's tiles made by the norm; TMA where aligned (it is here)
                 "f16_input": g["f16"] and (g["f16_input"] is None or bool(g["f16_input"])),
                 "tma": True if g["tma"] is None else g["tma"],
                 "fp8_down": fp8, "early_down": g["early_down"]}
@@ -216,8 +216,8 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         k_per_split = triton.cdiv(triton.cdiv(k, bk), split) * bk
         direct = {"direct": True} if g["direct"] else {}  # the Gluon kernel (direct=True here: the weight's copy)
         return {"split_k": triton.cdiv(k, k_per_split), "block_n": g["block_n"], "num_warps": g["num_warps"],
-                "num_stages": g["num_stages"], "prefetch": g["prefetch"],
-                "preload": bool(g["preload"] and fl.preload_tiles(k, k_per_split, bk)), **direct}
+                "num_stages": g["num_stages"], "preload": bool(g["preload"] and fl.preload_tiles(k, k_per_split, bk)),
+                **direct}
     if family(op) == "attention":
         bn = g["block_n"]
         ms = bn if g["min_split"] is None else g["min_split"]  # decode_attention's default: one tile
@@ -229,9 +229,9 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         split = g["split"] or _router_auto_split(shape.experts, shape.hidden, g["block_e"], g["block_h"], sms)
         splits, h_per_split = rt._split_plan(shape.hidden, split, g["block_h"])
         return {"split": splits, "block_e": g["block_e"], "block_h": g["block_h"], "num_warps": g["num_warps"],
-                "select_warps": g["select_warps"], "packed_topk": g["packed_topk"], "prefetch": g["prefetch"],
+                "select_warps": g["select_warps"], "packed_topk": g["packed_topk"],
                 "preload": bool(g["preload"] and h_per_split == g["block_h"])}  # route()'s rule: one tile a split
-    if op == "norm":  # by default as the engine calls it: with the MoE's operand tiles (stage f16_norm)
+    if op == "norm":  # by default as the engine calls it: with the MoE's operand tiles
         return {"num_warps": g["num_warps"], "f16_out": g["f16_out"] is None or bool(g["f16_out"])}
     raise ValueError(f"unknown op {op!r}")
 
@@ -243,7 +243,7 @@ def label(resolved: dict) -> str:
 def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
     if op == "moe":
         s = resolve(op, {}, shape, sms)["split_k"]
-        engine = dict(fp8_down=True, early_down=True)  # as fast/ops.py calls it (early_down takes effect with --pdl)
+        engine = dict(fp8_down=True, early_down=True)  # as fast/triton_ops.py calls it (early_down needs --pdl)
         return [cand(),
                 cand("engine", **engine),
                 # Down's grid in the engine's form: fewer, wider programs (fewer waves behind the owners) or more warps
@@ -283,8 +283,8 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(block_n=32), cand("auto x2", block_n=32, split_k=2 * auto[32]), cand(block_n=32, num_stages=4),
                 cand(block_n=128), cand(block_n=128, num_warps=8), cand("auto/2", block_n=128, split_k=half[128]),
                 cand(block_n=128, num_warps=8, num_stages=4), cand("932ec08 default", block_n=64, num_stages=3),
-                # constant weights read before the PDL wait (meaningful with --pdl): into L2, or into registers
-                cand(prefetch=True), cand("engine", preload=True),
+                # constant weights read into registers before the PDL wait (meaningful with --pdl)
+                cand("engine", preload=True),
                 # the engine's form (preload) with the router's shape of work: fewer warps a program, more programs
                 # (the router's logits, 768 one-warp programs, stream their 3.1 MB in ~2.6 us of the captured round)
                 cand("engine warps", preload=True, num_warps=2), cand("engine warps", preload=True, num_warps=1),
@@ -315,7 +315,7 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(select_warps=1), cand(select_warps=2), cand(select_warps=8),  # packed top-k keys (default)
                 # the select's top-k by two reductions per round (before 64-bit keys): the same bits, "=" vs the default
                 cand("two-reduction top-k", packed_topk=False),
-                cand(prefetch=True), cand(preload=True)]  # the weight tile before the PDL wait (see linear)
+                cand(preload=True)]  # the weight tile before the PDL wait (see linear)
     if op == "norm":  # one program per row: its warps set the reduction tree, so other counts may round differently
         return [cand(), cand(num_warps=1), cand(num_warps=2), cand(num_warps=4), cand(num_warps=16),
                 cand("without the MoE's tiles", f16_out=False)]
@@ -408,8 +408,8 @@ def routings(shape: TuneShape, count: int, device) -> list[tuple[torch.Tensor, t
 
 
 def moe_takes_fp32_x() -> bool:
-    """Whether moe() takes fp32 x with compute_dtype=bf16 (rounded in its registers), as fast/ops.py then
-    calls it; otherwise the caller converts x to bf16 first."""
+    """Whether moe() takes fp32 x with compute_dtype=bf16 (rounded in its registers), as fast/triton_ops.py
+    then calls it; otherwise the caller converts x to bf16 first."""
     return "compute_dtype" in inspect.signature(mk.moe).parameters
 
 
@@ -483,7 +483,7 @@ def linear_case(op: str, shape: TuneShape, device, rotate: int = ROTATE_BYTES) -
 
     what = "q/k/v fused" if op == "linear_qkv" else "o_proj"
     return OpCase(op, f"{what}: x [{m}, {k}] bf16 @ W[{n}, {k}]^T E4M3 ({b0}x{b1} scales), split-K summed in the "
-                      f"launch (fast/ops.py's {LINEAR_LOCKS} counters); {copies} weight copies",
+                      f"launch (fast/triton_ops.py's {LINEAR_LOCKS} counters); {copies} weight copies",
                   linear_bytes("triton", m, n, k), 1, copies, run,
                   fl.fp8_linear_ref(x, w0, s0, shape.block, torch.float32),
                   new_out=lambda: torch.empty(m, n, dtype=x.dtype, device=device),

@@ -51,7 +51,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .device import sm_count as _sm_count
-from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
+from .launch import launch_options, wait_for_inputs
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 MAX_ROWS = 8  # rows per launch-1 program (decode blocks have 1..8); more rows take more row blocks
@@ -73,8 +73,7 @@ def _rows_dot(acc, w, x_ptr, r0, R, stride_x, h, h_ok, rows, ROWS: tl.constexpr)
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split,
                           ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                          PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 32,
-                          PRELOAD: tl.constexpr = False):
+                          PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)
     r0 = tl.program_id(2) * ROWS
@@ -83,8 +82,6 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split
     rows = tl.arange(0, ROWS_PAD)
     h_start = pid_s * h_per_split
     h_end = tl.minimum(h_start + h_per_split, H)
-    if PREFETCH_LINES > 0:  # the router weight is constant: its reads may start before the previous kernel ends
-        prefetch_rows(w_ptr + tl.minimum(e, E - 1) * H, h_start, h_end, LINE_ELEMS, PREFETCH_LINES)
     acc = tl.zeros([BLOCK_E, ROWS_PAD], tl.float32)  # acc[e, i]: row r0 + i
     cols = tl.arange(0, BLOCK_H)
     # The same columns, but known contiguous in runs of 4 only: Triton vectorizes the weight load by that, so a bf16
@@ -200,8 +197,6 @@ def _pow2(n: int) -> bool:
     return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
 
 
-
-
 def choose_split(e: int, h: int, block_e: int, block_h: int, device: torch.device) -> int:
     """Splits along H so that E tiles x splits ~ PROGRAMS_PER_SM programs per SM (at most one split per
     H tile): the weight stream needs most of its 3.1 MB (bf16) in flight at once to run at bandwidth."""
@@ -218,8 +213,9 @@ def _split_plan(h: int, split: int, block_h: int) -> tuple[int, int]:
 def _select(part: torch.Tensor, splits: int, weights: torch.Tensor, experts: torch.Tensor, scores: torch.Tensor,
             logits: torch.Tensor | None, top_k: int, norm_topk_prob: bool, scaling: float, *,
             lower_ties: bool = True, packed_topk: bool = True, num_warps: int = 4, pdl: bool = False) -> None:
-    """Launch 2 on the first `splits` partials of part [S, R, E]. Tests wrap it for the negative controls
-    (`lower_ties=False`, one split fewer)."""
+    """Launch 2 on the first `splits` partials of part [S, R, E]; `logits` [R, E], if given, receives the summed
+    logits the selection used (route() gives none). Tests wrap it for the negative controls (`lower_ties=False`, one
+    split fewer) and to read those logits."""
     _, R, E = part.shape
     e_pad = triton.next_power_of_2(E)
     split_block = max(1, min(triton.next_power_of_2(splits), PART_CHUNK // e_pad))
@@ -231,9 +227,8 @@ def _select(part: torch.Tensor, splits: int, weights: torch.Tensor, experts: tor
 
 
 def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float, *,
-          split: int | None = None, debug: dict | None = None, block_e: int = 4, block_h: int = 512,
-          num_warps: int = 1, select_warps: int = 4, packed_topk: bool = True,
-          pdl: bool = False, prefetch: bool = False, preload: bool = False
+          split: int | None = None, block_e: int = 4, block_h: int = 512, num_warps: int = 1, select_warps: int = 4,
+          packed_topk: bool = True, pdl: bool = False, preload: bool = False
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights [R, k] fp32, experts [R, k] int64, scores [R, E] fp32) = reference `route(x @ router_w.T,
     top_k, norm_topk_prob, scaling)` for x [R, H] fp32 (unit stride along H) and router_w [E, H] bf16 (as the
@@ -243,11 +238,9 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
     `select_warps`: launch 2's (its reductions' trees follow the warps, so other values may round differently:
     `iquest bench tune` compares each against the default). `packed_topk`: launch 2's top-k by one max of packed
     (score, index) keys per round (default), or by a max and a min-index reduction per round (False; the same
-    bits, kept to time against). `pdl`, `prefetch`: as fp8_linear's (kernels/launch.py); `preload`: where a split is
-    one block_h tile (the default plan at E = 256, H = 6144), launch 1 loads it before the wait, as fp8_linear's
-    `preload` (the same values, so the same bits). `debug`, a dict, receives
-    "logits" [R, E] fp32 (the summed logits the selection used), "split", "h_per_split" and "preloaded" (what was
-    launched)."""
+    bits, kept to time against). `pdl`: as fp8_linear's (kernels/launch.py); `preload`: where a split is one block_h
+    tile (the default plan at E = 256, H = 6144), launch 1 loads it before the wait, as fp8_linear's `preload` (the
+    same values, so the same bits)."""
     _check(isinstance(x, torch.Tensor) and isinstance(router_w, torch.Tensor), "x and router_w must be tensors")
     _check(x.dim() == 2 and router_w.dim() == 2, f"x {tuple(x.shape)} and router_w {tuple(router_w.shape)} must be 2-D")
     R, H = x.shape
@@ -273,7 +266,6 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
     _check(_pow2(num_warps) and num_warps <= 16, f"num_warps {num_warps} must be a power of two <= 16")
     _check(_pow2(select_warps) and select_warps <= 16, f"select_warps {select_warps} must be a power of two <= 16")
     _check(isinstance(packed_topk, bool), f"packed_topk must be a bool, got {packed_topk!r}")
-    _check(debug is None or isinstance(debug, dict), "debug must be a dict or None")
     if split is None:
         split = choose_split(E, H, block_e, block_h, x.device)
     _check(isinstance(split, int) and not isinstance(split, bool) and split >= 1,
@@ -285,28 +277,23 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
     weights = torch.empty((R, top_k), dtype=torch.float32, device=dev)
     experts = torch.empty((R, top_k), dtype=torch.int64, device=dev)
     scores = torch.empty((R, E), dtype=torch.float32, device=dev)
-    logits = torch.empty((R, E), dtype=torch.float32, device=dev) if debug is not None else None
 
     rows = min(R, MAX_ROWS)
     grid = (triton.cdiv(E, block_e), splits, triton.cdiv(R, rows))
-    preloaded = preload and h_per_split == block_h
-    line_elems, lines = prefetch_lines(h_per_split, router_w.element_size())
     _router_logits_kernel[grid](x, router_w, part, R, E, H, x.stride(0), h_per_split, ROWS=rows,
                                 ROWS_PAD=triton.next_power_of_2(rows), BLOCK_E=block_e, BLOCK_H=block_h,
-                                num_warps=num_warps, PREFETCH_LINES=lines if prefetch else 0, LINE_ELEMS=line_elems,
-                                PRELOAD=preloaded, **launch_options(pdl, dev))
-    _select(part, splits, weights, experts, scores, logits, top_k, norm_topk_prob, float(scaling),
+                                num_warps=num_warps, PRELOAD=preload and h_per_split == block_h,
+                                **launch_options(pdl, dev))
+    _select(part, splits, weights, experts, scores, None, top_k, norm_topk_prob, float(scaling),
             packed_topk=packed_topk, num_warps=select_warps, pdl=pdl)
-    if debug is not None:
-        debug.update(logits=logits, split=splits, h_per_split=h_per_split, preloaded=preloaded)
     return weights, experts, scores
 
 
 # ---- reference -------------------------------------------------------------------------------------
 def route_ref(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool,
               scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch sequence this replaces: reference `route(x @ router_w.float().T, ...)` (fast/ops.py's
-    TorchOps.route; a bf16 router widened exactly)."""
+    """The torch sequence this replaces: reference `route(x @ router_w.float().T, ...)` (the torch form of the op,
+    fast/torch_ops.py; a bf16 router widened exactly)."""
     from ..reference.layers import route as reference_route
 
     return reference_route(x @ router_w.float().T, top_k, norm_topk_prob, scaling)

@@ -55,7 +55,7 @@ def test_candidates_default_first_unique_and_accepted(op, shape, sms):
             assert name in params and params[name].kind in (inspect.Parameter.KEYWORD_ONLY,
                                                              inspect.Parameter.POSITIONAL_OR_KEYWORD), (op, name)
             assert name in t.TUNABLES[t.family(op)], (op, name)
-            if name in ("f16", "f16_input", "tma", "packed_topk", "one_pass", "f16_out", "prefetch", "preload", "fp8_down",
+            if name in ("f16", "f16_input", "tma", "packed_topk", "one_pass", "f16_out", "preload", "fp8_down",
                         "early_down", "direct"):
                 assert isinstance(value, bool), (op, value)
                 continue
@@ -69,8 +69,8 @@ def test_candidates_default_first_unique_and_accepted(op, shape, sms):
 
 
 def test_only_keeps_the_default_and_the_matching_candidates():
-    """`--only engine`: the default and the MoE as fast/ops.py calls it (fp8_down, early_down), nothing else; a string
-    no candidate holds leaves the default alone."""
+    """`--only engine`: the default and the MoE as fast/triton_ops.py calls it (fp8_down, early_down), nothing else; a
+    string no candidate holds leaves the default alone."""
     cands = t.candidates("moe", SHAPE, t.H200_SMS, ("engine",))
     assert cands[1].kw == {"fp8_down": True, "early_down": True}
     assert len(cands) > 2 and all("engine" in c.note and c.kw["early_down"] for c in cands[1:])
@@ -98,14 +98,13 @@ def test_h200_defaults_and_the_suggested_variants():
                            "gate_up_stages": 3, "down_block_n": 128, "down_block_k": 64, "down_warps": 4,
                            "down_stages": 3, "f16": True, "f16_input": True, "tma": True, "fp8_down": False,
                            "early_down": False}
-    assert r["linear_qkv"][0] == {"split_k": 8, "block_n": 32, "num_warps": 4, "num_stages": 4, "prefetch": False,
-                                  "preload": False}
+    assert r["linear_qkv"][0] == {"split_k": 8, "block_n": 32, "num_warps": 4, "num_stages": 4, "preload": False}
     assert r["linear_o"][0]["split_k"] == 1
     assert r["attention_sliding"][0] == {"num_splits": 66, "live_splits": 17, "block_n": 64, "min_split": 64,
                                          "num_warps": 4, "num_stages": 2, "one_pass": True}
     assert r["attention_full"][0]["num_splits"] == 264 and r["attention_full"][0]["live_splits"] == 17
     assert r["router"][0] == {"split": 12, "block_e": 4, "block_h": 512, "num_warps": 1, "select_warps": 4,
-                              "packed_topk": True, "prefetch": False, "preload": False}
+                              "packed_topk": True, "preload": False}
     assert r["norm"][0] == {"num_warps": 8, "f16_out": True}  # as the engine calls the post-attention norm
 
     def values(op, key):
@@ -127,7 +126,7 @@ def test_h200_defaults_and_the_suggested_variants():
     assert values("router", "packed_topk") == {False, True} and values("router", "block_h") == {256, 512, 1024}
     # the weights read before the PDL wait: the preload is taken at both linears' and the router's default plans
     for op in ("linear_qkv", "linear_o", "router"):
-        assert values(op, "prefetch") == {False, True} and values(op, "preload") == {False, True}
+        assert values(op, "preload") == {False, True}
 
 
 @pytest.mark.parametrize("n, k", [(1024, 6144), (6144, 768), (128, 6144), (64, 256), (300, 1000)])

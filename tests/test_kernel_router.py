@@ -25,7 +25,7 @@ Two hypothesis property tests run in the worker too: random small shapes, splits
 reference; and the select launch alone, packed vs two-reduction top-k bit for bit on partials made to tie.
 `@pytest.mark.gpu`: the same cases plus the model's shape (R = 6, 8; H = 6144; E = 256; k = 8), graph
 replay bit-identical to eager, agreement with the torch path (`route_ref`), bf16 vs fp32 router and packed vs
-two-reduction top-k bit for bit at the model's shape, and a timing report.
+two-reduction top-k bit for bit at the model's shape.
 """
 
 from __future__ import annotations
@@ -142,9 +142,9 @@ def build(c: dict, device: str) -> dict:
 
 
 # ---- one case -----------------------------------------------------------------------------------------
-def measure(c: dict, t: dict, weights, experts, scores, dbg: dict) -> dict:
+def measure(c: dict, t: dict, weights, experts, scores, seen: dict) -> dict:
     R, E, k = c["R"], c["E"], c["k"]
-    logits = dbg["logits"]
+    logits = seen["logits"]
     x64, w64 = t["x"].double().cpu(), t["w"].double().cpu()
     bound = (x64.abs() @ w64.abs().T).clamp_min(1e-300)
     logit_err = ((logits.double().cpu() - x64 @ w64.T).abs() / bound).max().item()
@@ -160,7 +160,7 @@ def measure(c: dict, t: dict, weights, experts, scores, dbg: dict) -> dict:
         "shapes": [list(weights.shape), list(experts.shape), list(scores.shape)],
         "dtypes": [str(weights.dtype), str(experts.dtype), str(scores.dtype)],
         "finite": bool(torch.isfinite(weights).all() and torch.isfinite(scores).all() and torch.isfinite(logits).all()),
-        "split": dbg["split"],
+        "split": seen["split"],
         "logit_err": logit_err,
         "experts_equal": bool(torch.equal(experts, re)),
         "experts_differ_rows": int((experts != re).any(dim=1).sum()),
@@ -173,39 +173,61 @@ def measure(c: dict, t: dict, weights, experts, scores, dbg: dict) -> dict:
     }
 
 
+class _Observed:
+    """A kernel whose launches record their grid's split count, h_per_split and PRELOAD into `seen`, then run."""
+
+    def __init__(self, kernel, seen: dict):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kw):
+            self.seen.update(split=grid[1], h_per_split=args[7], preloaded=bool(kw["PRELOAD"]))
+            return launch(*args, **kw)
+        return run
+
+
+def observed_route(x, w, k, norm, scaling, broken=None, **kw) -> tuple[tuple[torch.Tensor, ...], dict]:
+    """rt.route(...)'s (weights, experts, scores) and what its launches did: "logits" (the summed logits the
+    selection used: the select launch given a buffer for them), "split", "h_per_split" and "preloaded" (launch 1's),
+    and "broken_splits" (the splits the select launch was given, when a negative control's defect `broken` ran:
+    "ties_high" (ties to the higher index) or "drop_split" (one split fewer summed))."""
+    seen, original, kernel = {}, rt._select, rt._router_logits_kernel
+
+    def select(part, splits, weights, experts, scores, logits, *args, **skw):
+        seen["logits"] = torch.empty_like(scores)
+        if broken is not None:
+            seen["broken_splits"] = splits
+        if broken == "ties_high":
+            skw["lower_ties"] = False
+        elif broken == "drop_split":
+            splits -= 1
+        return original(part, splits, weights, experts, scores, seen["logits"], *args, **skw)
+
+    rt._select, rt._router_logits_kernel = select, _Observed(kernel, seen)
+    try:
+        out = rt.route(x, w, k, norm, scaling, **kw)
+    finally:
+        rt._select, rt._router_logits_kernel = original, kernel
+    return out, seen
+
+
 def run_case(c: dict, device: str) -> dict:
     t = build(c, device)
-    calls = []
-    original = rt._select
-
-    def broken(part, splits, *args, **kw):  # negative controls: a wrong row program
-        calls.append(splits)
-        if c["broken"] == "ties_high":
-            kw["lower_ties"] = False
-        elif c["broken"] == "drop_split":
-            splits -= 1
-        return original(part, splits, *args, **kw)
-
     blocks = {b: c[b] for b in ("block_e", "block_h", "select_warps", "packed_topk") if c.get(b) is not None}
-    dbg = {}
-    if c["broken"]:
-        rt._select = broken
-    try:
-        weights, experts, scores = rt.route(t["x"], t["w"], c["k"], c["norm"], c["scaling"], split=c["split"],
-                                            debug=dbg, **blocks)
-    finally:
-        rt._select = original
-    r = dict(measure(c, t, weights, experts, scores, dbg), broken_calls=len(calls),
-             broken_splits=calls[0] if calls else 0)
+    (weights, experts, scores), seen = observed_route(t["x"], t["w"], c["k"], c["norm"], c["scaling"],
+                                                      broken=c["broken"], split=c["split"], **blocks)
+    r = dict(measure(c, t, weights, experts, scores, seen), broken_calls=int("broken_splits" in seen),
+             broken_splits=seen.get("broken_splits", 0))
     if c["twins"]:
-        got = (weights, experts, scores, dbg["logits"])
+        got = (weights, experts, scores, seen["logits"])
         twins = {"other_topk": (t["w"], dict(blocks, packed_topk=not blocks.get("packed_topk", True))),
                  "preload": (t["w"], dict(blocks, preload=True))}
         if t["w"].dtype == torch.bfloat16:
             twins["fp32_held"] = (t["w"].float(), blocks)
         for name, (w, kw) in twins.items():
-            d = {}
-            out = rt.route(t["x"], w, c["k"], c["norm"], c["scaling"], split=c["split"], debug=d, **kw)
+            out, d = observed_route(t["x"], w, c["k"], c["norm"], c["scaling"], split=c["split"], **kw)
             r[f"{name}_bit_equal"] = all(torch.equal(a, b) for a, b in zip((*out, d["logits"]), got))
             r[f"{name}_preloaded"] = d["preloaded"]
     return r
@@ -395,7 +417,6 @@ def _args(**over):
     (dict(block_h=8), "powers of two"),
     (dict(select_warps=3), "select_warps"),
     (dict(packed_topk=1), "packed_topk must be a bool"),
-    (dict(debug=[]), "debug"),
     (dict(router_w=torch.randn(rt.MAX_EXPERTS + 1, 40)), "experts"),
 ])
 def test_rejects_bad_inputs(over, message):
@@ -496,35 +517,14 @@ def test_gpu_bf16_router_and_packed_topk_bit_identical(data, ties):
     outs = {}
     for held in ("bf16", "fp32"):
         for packed in (True, False):
-            dbg = {}
             w = t["w"] if held == "bf16" else t["w"].float()
-            outs[held, packed] = (*rt.route(t["x"], w, 8, True, 1.0, packed_topk=packed, debug=dbg), dbg["logits"])
+            out, seen = observed_route(t["x"], w, 8, True, 1.0, packed_topk=packed)
+            outs[held, packed] = (*out, seen["logits"])
     want = outs["bf16", True]  # the engine's: bf16 router, packed keys
     for key, got in outs.items():
         for name, a, b in zip(("weights", "experts", "scores", "logits"), got, want):
             assert torch.equal(a, b), f"{key}: {name} differ from the bf16/packed outputs"
         check_torch_path(t, got[:3], f"{data} ties={ties} {key}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("R", [1, 8])
-def test_gpu_speed_report(R):
-    """Prints the kernel pair's time beside the torch sequence (fp32 GEMM + softmax + stable sort + gather)."""
-    from triton.testing import do_bench
-
-    c = case("speed", R=R, E=256, H=6144, block_e=None, block_h=None, wdtype="bf16", seed=400)
-    t = build(c, "cuda")
-    ms_ref = do_bench(lambda: rt.route_ref(t["x"], t["w"], 8, True, 1.0), warmup=20, rep=200)
-    print(f"R={R}: torch route {ms_ref * 1e3:.1f} us")
-    for held, w in (("bf16", t["w"]), ("fp32", t["w"].float())):
-        for block_e, block_h, num_warps, packed in ((4, 512, 1, True), (4, 512, 1, False), (8, 256, 1, True),
-                                                    (2, 1024, 1, True), (4, 1024, 1, True), (8, 512, 2, True),
-                                                    (16, 128, 4, True)):
-            ms = do_bench(lambda: rt.route(t["x"], w, 8, True, 1.0, block_e=block_e, block_h=block_h,
-                                           num_warps=num_warps, packed_topk=packed), warmup=20, rep=200)
-            print(f"R={R}: router kernels, {held} router [{block_e}, {block_h}] x{num_warps} warps, "
-                  f"{'packed' if packed else 'two-reduction'} top-k: {ms * 1e3:.1f} us "
-                  f"({w.numel() * w.element_size() / (ms * 1e-3) / 1e12:.2f} TB/s of weight)")
 
 
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
