@@ -3,7 +3,7 @@ loaded straight into the tensor cores' registers (Triton's Gluon dialect), never
 
 Why. In the Triton kernel (kernels/fp8_linear.py) every K tile's weights go from their load layout through shared
 memory into the MMA's operand layout behind barriers, one tile after another: in the captured round each of a
-program's six tiles cost ~0.5 us in series after the PDL wait (docs/PERF.md, `graph-trace --stamps`). Triton's
+program's six tiles cost ~0.5 us in series after the PDL wait (docs/PERF.md). Triton's
 frontend does not let a kernel choose its layouts; Gluon does.
 
 The product is taken as (W x^T)^T: the weight is the `mma.sync.m16n8k16` A operand (16 output columns a program)
@@ -68,12 +68,8 @@ def groups_for(tiles: int) -> int:
 
 @gluon.jit
 def _wait_for_inputs(PDL: gl.constexpr):
-    """kernels/launch.wait_for_inputs in Gluon: the same two PTX instructions in the same order per `Pdl`."""
-    if PDL == 2:  # Pdl.CASCADE
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    elif PDL:
+    """kernels/launch.wait_for_inputs in Gluon: the same two PTX instructions in the same order."""
+    if PDL:
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
@@ -221,15 +217,15 @@ CARVEOUT = 0
 
 
 def launch(grid, x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits,
-           block, split, serial, tiles, norm_args, launch_kw, reversed_tiles=False, carveout: int = CARVEOUT) -> None:
+           block, split, serial, tiles, norm_args, launch_kw, reversed_tiles: bool = False) -> None:
     """The kernel's launch for `fp8_linear(direct=...)`, which checks the arguments; `grid` is `grid(M, N, splits)`.
-    `carveout`: the compiled kernel's preferred shared-memory carveout (percent; -1: the driver's choice), set as
-    `launch.launch_with_carveout` does."""
+    The compiled kernel's preferred shared-memory carveout is set to CARVEOUT, as `launch.launch_with_carveout`
+    does. `reversed_tiles`: the negative control's defect (tests only, through `fp8_linear._reversed_direct`)."""
     g = groups_for(tiles)
     args = (x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits)
     kw = dict(B0=block[0], B1=block[1], G=g, W_LOAD=load_layout(g), SPLIT=split, SERIAL=serial, PRELOAD=tiles,
               REVERSED=reversed_tiles, **norm_args, num_warps=g, **launch_kw)
-    launch_with_carveout(_fp8_linear_direct_kernel, grid, args, kw, carveout)
+    launch_with_carveout(_fp8_linear_direct_kernel, grid, args, kw, CARVEOUT)
 
 
 def grid(m: int, n: int, splits: int) -> tuple[int, int, int]:

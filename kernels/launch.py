@@ -1,8 +1,8 @@
 """Programmatic dependent launch (PDL, sm_90+): let a kernel's programs start while its predecessor on the stream
-is still finishing, so launch latency, program start-up and (with `prefetch_l2`) the first weight reads overlap
-the previous kernel's tail instead of following it.
+is still finishing, so launch latency, program start-up and the first constant-weight reads overlap the previous
+kernel's tail instead of following it.
 
-A decode round is ~1,660 dependent kernels of 5-30 us each, and every boundary costs a drain of the previous
+A decode round is ~1,200 dependent kernels of 5-30 us each, and every boundary costs a drain of the previous
 grid plus the next one's launch and ramp. With PDL the driver may launch kernel B once every program of the
 previous kernel A has signalled `griddepcontrol.launch_dependents` (or exited); B's programs then run up to
 `griddepcontrol.wait`, which returns once A has completed and its memory is visible.
@@ -11,26 +11,17 @@ The contract every kernel launched with `pdl=True` keeps, so that it reads and w
 serialized launch would:
   * `wait_for_inputs(PDL)` is the first thing every program does that touches memory another kernel writes or
     reads: no activation load, no store, no atomic comes before it. Only constant weights may be read before
-    it: into L2 (`prefetch_l2`), or into registers (the FP8 linear's, the router's and the norms' `preload`);
-    and data written two launches back or earlier, which the next two points make complete (the callers of
-    `moe(early_down=True)`, `decode_attention(early=True)` and `rope_kv(early=True)` guarantee that of the routing
-    and of the positions; fast/ops.py's stage "early").
+    it (into registers: the FP8 linear's, the router's and the norms' `preload`), and data written two launches
+    back or earlier, which the next two points make complete: read, or asked of L2 with `prefetch_l2` (the callers
+    of `moe(early_down=True)`, `decode_attention(early=True)` and `rope_kv(early=True)` guarantee that of the
+    routing and of the positions).
   * Every program calls it, unconditionally, so the kernel cannot complete before its predecessor has: the
     chain stays transitive for the kernel after it (which may be a plain launch: that one waits for this
     kernel's completion as usual).
-  * It signals its own dependents right after the wait, not before (`Pdl.CHAINED`): at most two kernels are in
-    flight, the running one and the next one's programs parked at their wait. So kernel C (after B after A) is
-    launched only once every program of B has passed its wait, that is, once A has completed and its memory is
-    visible: C is an ordinary launch after A's completion, and may read what A (or anything before A) wrote without
-    waiting.
-  * `Pdl.CASCADE` signals before the wait instead (after the constant reads are issued): C may launch as soon as
-    every program of B has started, and D as soon as every program of C has, so kernels many launches ahead park at
-    their waits with their constant weights loaded (the next layer's projections while this layer's experts
-    stream). Ordering still holds, transitively: C's wait returns once B has completed, and B cannot complete
-    before its own wait returned, that is, before A completed. What no longer holds is the bound above, so no
-    kernel may read anything but constants before its wait (fast/ops.py refuses stage "early" with "cascade").
-    Resources are taken in launch order (a kernel launches only once all its predecessor's programs have started),
-    so parked programs never keep an earlier kernel's programs off the SMs.
+  * It signals its own dependents right after the wait, not before: at most two kernels are in flight, the running
+    one and the next one's programs parked at their wait. So kernel C (after B after A) is launched only once every
+    program of B has passed its wait, that is, once A has completed and its memory is visible: C is an ordinary
+    launch after A's completion, and may read what A (or anything before A) wrote without waiting.
 Arithmetic is untouched, so results are bit-identical with and without PDL (tests/test_kernel_launch.py and
 the engine's graph-vs-eager checks on the GPU).
 
@@ -40,30 +31,16 @@ refuses PDL for a tensor off the GPU.
 
 from __future__ import annotations
 
-from enum import IntEnum
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
-class Pdl(IntEnum):
-    """How a kernel launches: the value of its PDL constexpr (see the contract above)."""
-
-    OFF = 0  # a plain launch: no wait compiled in
-    CHAINED = 1  # signal the next kernel after the wait: at most two kernels in flight
-    CASCADE = 2  # signal it before the wait: any number of kernels parked ahead, each waiting for its predecessor
-
-
 @triton.jit
 def wait_for_inputs(PDL: tl.constexpr):
-    """With PDL: wait for the previous kernel to complete, and allow the next one to launch (after the wait, or with
-    Pdl.CASCADE before it)."""
-    if PDL == 2:  # Pdl.CASCADE
-        gdc_launch_dependents()
-        gdc_wait()
-    elif PDL:
+    """With PDL: wait for the previous kernel to complete, then allow the next one to launch."""
+    if PDL:
         gdc_wait()
         gdc_launch_dependents()
 
@@ -71,8 +48,8 @@ def wait_for_inputs(PDL: tl.constexpr):
 @triton.jit
 def prefetch_l2(ptrs):
     """Ask L2 for the 128-byte lines holding `ptrs` (every one a valid address: clamp, do not mask), without
-    waiting: for constant weights, before `wait_for_inputs`, so their reads overlap the previous kernel. A hint:
-    it changes no value."""
+    waiting: before `wait_for_inputs`, for data the contract above lets a kernel read there, so those reads overlap
+    the previous kernel. A hint: it changes no value."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
 
@@ -85,66 +62,21 @@ def prefetch_rows(row_ptrs, start, end, ELEMS_PER_LINE: tl.constexpr, LINES: tl.
     prefetch_l2(row_ptrs[:, None] + tl.where(c < end, c, start)[None, :])
 
 
-@triton.jit
-def global_ns(after):
-    """The GPU's global nanosecond timer (%globaltimer), read once `after` (any int32 value: its producers) is
-    available; for timelines of one launch (`moe(stamps=)`), never on the engine's path."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=tl.int64, is_pure=False,
-                                     pack=1)
-
-
-@triton.jit
-def sm_id(after):
-    """The SM this program runs on (%smid), read once `after` is available."""
-    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [after], dtype=tl.int32, is_pure=False, pack=1)
-
-
 def prefetch_lines(columns: int, element_bytes: int) -> tuple[int, int]:
     """(ELEMS_PER_LINE, LINES) for `prefetch_rows` over `columns` columns of `element_bytes`-byte elements."""
     per_line = max(1, 128 // element_bytes)
     return per_line, triton.next_power_of_2(max(1, triton.cdiv(columns, per_line)))
 
 
-def launch_options(pdl: bool | Pdl, device: torch.device) -> dict:
-    """Launch keywords for a kernel call with PDL (True = Pdl.CHAINED, or a `Pdl`): the launch attribute and the
-    kernel's PDL constexpr, always together (a PDL launch of a kernel compiled without its wait would race its
-    predecessor); {} without PDL (the kernels' PDL defaults to False)."""
+def launch_options(pdl: bool, device: torch.device) -> dict:
+    """Launch keywords for a kernel call with PDL: the launch attribute and the kernel's PDL constexpr, always
+    together (a PDL launch of a kernel compiled without its wait would race its predecessor); {} without PDL (the
+    kernels' PDL defaults to False)."""
     if not pdl:
         return {}
     if device.type != "cuda":
         raise ValueError(f"programmatic dependent launch needs a CUDA device, got {device}")
-    return {"launch_pdl": True, "PDL": True if int(pdl) == Pdl.CHAINED else int(pdl)}
-
-
-def compiled_kernels() -> list:
-    """Every kernel of this package compiled so far in the process (Triton's and Gluon's JIT caches)."""
-    import importlib
-    import pkgutil
-
-    from triton.runtime.jit import JITFunction
-
-    from .. import kernels as package
-
-    out = []
-    for info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
-        for fn in vars(module).values():
-            if isinstance(fn, JITFunction):
-                for cache in fn.device_caches.values():
-                    out.extend(cache[0].values())
-    return out
-
-
-def prefer_carveout(percent: int, max_shared: int | None = None) -> int:
-    """Set the preferred shared-memory carveout (percent of an SM's most; 0: the least shared memory, the most L1) of
-    every kernel compiled so far (`compiled_kernels`), or of those using at most `max_shared` bytes of shared memory; a
-    kernel's own need still wins. A graph records the preference when it is captured, so this must come before the
-    capture. Returns the kernels set. Benchmarks only (stages carveout_*): kernels compiled later keep the driver's
-    choice."""
-    kernels = [k for k in compiled_kernels() if max_shared is None or k.metadata.shared <= max_shared]
-    for k in kernels:
-        set_carveout(k, percent)
-    return len(kernels)
+    return {"launch_pdl": True, "PDL": True}
 
 
 def set_carveout(compiled, percent: int) -> None:

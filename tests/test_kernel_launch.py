@@ -1,15 +1,15 @@
-"""Programmatic dependent launch (kernels/launch.py): it must overlap kernels (else it is dead weight), the wait
-must order them (else results race), and the engine's output must not change by one bit.
+"""Programmatic dependent launch (kernels/launch.py): it must overlap kernels (else it is dead weight), and the wait
+must order them (else results race), for the next kernel and for the one after it.
 
 The overlap and ordering probe: a producer kernel spins 0.5 ms on the GPU timer, then writes 1; a consumer
 launched with PDL copies that value. With the wait it must read 1. Without it (the negative control) it reads 0:
 that proves the consumer really started while the producer ran, eagerly, in a captured graph and inside a
-conditional node's body graph (the decode loop's form), so the wait is what orders the two there.
+conditional node's body graph (the decode loop's form), so the wait is what orders the two there. A third kernel
+may read what the first wrote before its own wait (the kernels' "early" reads): it must read 1, and reads 0 when
+the middle kernel skips its wait (the control: the bound comes from every kernel waiting before it signals).
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,9 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from iquest.kernels.launch import Pdl, launch_options, prefetch_lines, wait_for_inputs
-from iquest.tests.test_fast_kernels import CASES, N_TOKENS
-from iquest.tests.test_fast_engine import PROMPTS, TINY, fast_steps
+from iquest.kernels.launch import launch_options, prefetch_lines, wait_for_inputs
 
 SPIN_NS = 500_000  # far above the host's launch gap between the two eager launches
 
@@ -84,25 +82,26 @@ def test_cuda_pdl_overlaps_and_the_wait_orders(where):
 
 @triton.jit
 def _read_twice(src_ptr, early_ptr, dst_ptr, PDL: tl.constexpr = False):
-    # The third kernel of the cascade probe: what it reads before its wait (a read no kernel may make, the probe's
-    # defect) shows whether it started while the first kernel ran; what it reads after shows the order still holds.
+    # The third kernel of the two-back probe: what it reads before its wait shows whether it started while the first
+    # kernel ran; what it reads after, that its own wait still orders it.
     tl.store(early_ptr, tl.load(src_ptr, volatile=True))
     wait_for_inputs(PDL)
     tl.store(dst_ptr, tl.load(src_ptr, volatile=True))
 
 
-def cascade_probe(mode: Pdl, where: str) -> tuple[int, int]:
-    """(read before its wait, read after) by the third of three PDL kernels, the first of which writes 1 late."""
+def two_back_probe(middle_waits: bool, where: str) -> tuple[int, int]:
+    """(read before its wait, read after) by the third of three PDL kernels, the first of which writes 1 late; the
+    middle one copies it, with its wait or (the control) without."""
     src = torch.zeros(1, dtype=torch.int32, device="cuda")
     mid = torch.zeros(1, dtype=torch.int32, device="cuda")
     early = torch.full((1,), -1, dtype=torch.int32, device="cuda")
     dst = torch.full((1,), -1, dtype=torch.int32, device="cuda")
-    pdl = launch_options(mode, src.device)
+    pdl = launch_options(True, src.device)
 
     def body():
         src.zero_()
         _late_write[(1,)](src, SPIN_NS, **pdl)
-        _copy[(1,)](src, mid, WAIT=int(mode), **pdl)  # the middle kernel: waits (in `mode`), copies
+        _copy[(1,)](src, mid, WAIT=middle_waits, **pdl)
         _read_twice[(1,)](src, early, dst, **pdl)
 
     body()
@@ -122,40 +121,18 @@ def cascade_probe(mode: Pdl, where: str) -> tuple[int, int]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("where", ["eager", "graph"])
-def test_cuda_cascade_runs_ahead_and_keeps_the_order(where):
-    """Pdl.CASCADE: the third kernel starts while the first still runs (it reads 0 before its wait: two launches
-    ahead, which CHAINED never allows), and its wait still orders it after the first (it reads 1 after). CHAINED, the
-    control: the third kernel starts only after the first completed, so even its read before the wait sees 1 (the
-    bound stage "early" relies on)."""
-    assert cascade_probe(Pdl.CASCADE, where) == (0, 1)
-    assert cascade_probe(Pdl.CHAINED, where) == (1, 1)
-
-
-def test_cascade_is_refused_with_early():
-    from iquest.fast.ops import CASCADE_OPS, make_ops
-
-    for name in ("triton+cascade", "triton+cascade_norm"):
-        with pytest.raises(ValueError, match="early"):
-            make_ops(name)
-    cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)  # `_pdl` reads only is_cuda
-    every = make_ops("triton-early+cascade")
-    assert every.cascade and not every.early and every.cascade_ops == set(CASCADE_OPS)
-    assert [every._pdl(cuda, op) for op in CASCADE_OPS] == [Pdl.CASCADE] * len(CASCADE_OPS)
-    assert (every._pdl(cpu, "moe"), every.cascade_calls) == (Pdl.OFF, len(CASCADE_OPS))
-    but_moe = make_ops("triton-early+cascade-cascade_moe")  # a subset: every group but the MoE's
-    assert but_moe.cascade_ops == set(CASCADE_OPS) - {"moe"}
-    assert (but_moe._pdl(cuda, "moe"), but_moe._pdl(cuda, "norm")) == (Pdl.CHAINED, Pdl.CASCADE)
-    assert make_ops("triton")._pdl(cuda, "norm") == Pdl.CHAINED and make_ops("triton-pdl")._pdl(cuda, "norm") == Pdl.OFF
-    assert not make_ops("triton-pdl+cascade").cascade
+def test_cuda_a_kernel_two_launches_back_is_complete_before_the_wait(where):
+    """Every kernel waits before it signals, so the third kernel starts only after the first completed: even its read
+    before the wait sees 1 (the bound the kernels' early reads rely on), and after the wait too. The control: with
+    the middle kernel skipping its wait, the third starts while the first still runs, and its early read sees 0."""
+    assert two_back_probe(True, where) == (1, 1)
+    assert two_back_probe(False, where)[0] == 0, f"no overlap {where}: the probe cannot see a read ahead"
 
 
 def test_launch_options_refuse_pdl_off_the_gpu():
     assert launch_options(False, torch.device("cpu")) == {}
     # the launch attribute never without the kernel's wait
     assert launch_options(True, torch.device("cuda")) == {"launch_pdl": True, "PDL": True}
-    assert launch_options(Pdl.CHAINED, torch.device("cuda")) == {"launch_pdl": True, "PDL": True}
-    assert launch_options(Pdl.CASCADE, torch.device("cuda")) == {"launch_pdl": True, "PDL": 2}
-    assert launch_options(Pdl.OFF, torch.device("cpu")) == {}
     with pytest.raises(ValueError, match="CUDA"):
         launch_options(True, torch.device("cpu"))
 
@@ -165,82 +142,6 @@ def test_launch_options_refuse_pdl_off_the_gpu():
 def test_prefetch_covers_the_range(columns, element_bytes, want):
     per_line, lines = prefetch_lines(columns, element_bytes)
     assert (per_line, lines) == want and per_line * lines >= columns
-
-
-def decode_with_logprobs(kernels: str, dtype: str) -> dict:
-    from iquest.fast.parallel import Parallel
-    from iquest.fast.rank import EngineOptions, RankEngine
-
-    engine = RankEngine(TINY, Parallel.single("cuda"), EngineOptions(max_context=256, dtype=dtype, kernels=kernels))
-    out = {}
-    for i, drafts in CASES:
-        steps = fast_steps(engine, PROMPTS[i], 40 + i, drafts, n=N_TOKENS)
-        out[f"{i}-{drafts}"] = [(s.tokens, s.logprobs, s.drafts, s.accepted) for s in steps]
-    ops = engine.model.ops
-    return {"steps": out, "pdl": ops.pdl, "prefetch": ops.prefetch, "f16": ops.f16, "fallbacks": dict(ops.fallbacks),
-            "f16_norm_calls": ops.f16_norm_calls, "tma_calls": ops.tma_calls,
-            "embed_calls": ops.embed_calls, "settle_calls": ops.settle_calls, "preload_calls": ops.preload_calls,
-            "fp8_down_calls": ops.fp8_down_calls, "moe_fold_calls": ops.moe_fold_calls,
-            "early_calls": ops.early_calls, "rope_sum_calls": ops.rope_sum_calls, "cascade_calls": ops.cascade_calls,
-            "norm_qkv_calls": ops.norm_qkv_calls}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_pdl_decodes_bit_identically(dtype):
-    """Every kernel launched with PDL, with and without the weight prefetch: the same tokens, logprobs and
-    acceptance sequence as every kernel launched plainly, through the captured decode loop."""
-
-    base = decode_with_logprobs("triton-pdl", dtype)
-    pdl = decode_with_logprobs("triton", dtype)  # pdl is a default stage
-    both = decode_with_logprobs("triton+prefetch", dtype)
-    assert (base["pdl"], pdl["pdl"], both["pdl"], both["prefetch"]) == (False, True, True, True)
-    assert pdl["steps"] == base["steps"] and both["steps"] == base["steps"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_preload_decodes_bit_identically(dtype):
-    """The FP8 linears and the router loading their weight tiles before the PDL wait (stage preload): the same tokens,
-    logprobs and acceptance sequence as without, through the captured decode loop, with the preload counted."""
-    base = decode_with_logprobs("triton-preload", dtype)
-    pre = decode_with_logprobs("triton", dtype)  # preload is a default stage
-    assert base["preload_calls"] == 0 and pre["preload_calls"] > 0
-    assert pre["steps"] == base["steps"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_cascade_decodes_bit_identically(dtype):
-    """Every kernel signalling the next before its wait (stage cascade): the same tokens, logprobs and acceptance
-    sequence as signalling after it, through the captured decode loop, with the cascading launches counted."""
-    base = decode_with_logprobs("triton-early", dtype)
-    cascade = decode_with_logprobs("triton-early+cascade", dtype)
-    assert base["cascade_calls"] == 0 and cascade["cascade_calls"] > 0
-    assert cascade["steps"] == base["steps"]
-
-
-@pytest.mark.gpu
-def test_prefer_carveout_reaches_the_compiled_kernels():
-    """kernels/launch.prefer_carveout (stages carveout_l1, carveout_smem): every kernel compiled so far, read back."""
-    from cuda.bindings import driver
-
-    from iquest.kernels.fp8_linear import fp8_linear
-    from iquest.kernels.launch import compiled_kernels, prefer_carveout
-    from iquest.reference.fp8 import quantize
-
-    w, s = quantize(torch.randn(256, 256), (128, 128))
-    fp8_linear(torch.randn(4, 256).to(torch.bfloat16).cuda(), w.cuda(), s.cuda())
-    names = {k.name for k in compiled_kernels()}
-    assert "_fp8_linear_kernel" in names
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-    for percent in (0, 100):
-        assert prefer_carveout(percent) == len(compiled_kernels())
-        got = {driver.cuFuncGetAttribute(attr, driver.CUfunction(k.function))[1] for k in compiled_kernels()}
-        assert got == {percent}
-    small = [k for k in compiled_kernels() if k.metadata.shared <= 48 * 1024]
-    assert small and prefer_carveout(0, max_shared=48 * 1024) == len(small)
-    assert {driver.cuFuncGetAttribute(attr, driver.CUfunction(k.function))[1] for k in small} == {0}
 
 
 @pytest.mark.parametrize("capturing", [False, True])
