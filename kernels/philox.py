@@ -104,11 +104,3 @@ def uniforms(seed: torch.Tensor, positions: torch.Tensor, purpose: int, depth: i
            f"out must be float32 [{n}], got {out.dtype} {tuple(out.shape)}")
     _check(out.device == positions.device, f"out is on {out.device}, positions on {positions.device}")
     return _launch(seed, positions, slot, depth_t, out, num_warps, pdl)
-
-
-def uniforms_ref(seed: torch.Tensor, positions: torch.Tensor, purpose: int,
-                 depth: int | torch.Tensor = 0) -> torch.Tensor:
-    """The torch path this kernel replaces: `fast.philox.uniforms` of `fast.philox.offsets`."""
-    from ..fast import philox
-
-    return philox.uniforms(seed, philox.offsets(positions, purpose, depth))

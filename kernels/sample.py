@@ -313,36 +313,3 @@ def accept_settle(p_ids: torch.Tensor, p_probs: torch.Tensor, q_ids: torch.Tenso
         ROWS=triton.next_power_of_2(kmax + 1), KPP=triton.next_power_of_2(kp), KPQ=triton.next_power_of_2(kq),
         LIBDEVICE=not INTERPRETED, num_warps=num_warps, **launch_options(pdl, dev))
     return out
-
-
-# ---- references ----------------------------------------------------------------------------------
-def global_sample_ref(keys, top_k, temperature, top_p, seed=None, offsets=None):
-    """fast.sampler's dist of the keys, and its draw with fast.philox's uniforms."""
-    from ..fast import philox, sampler
-
-    ids, probs = sampler._dist_from_keys(keys, top_k, temperature, top_p)
-    tokens = None if offsets is None else sampler.draw(ids, probs, philox.uniforms(seed, offsets))
-    return tokens, ids, probs
-
-
-def accept_settle_ref(p_ids, p_probs, q_ids, q_probs, drafts, k, n, seed) -> dict[str, torch.Tensor]:
-    """fast/round.py step 2 verbatim (acceptance, residual or bonus, the commit draw, emitted/logprobs)."""
-    from ..fast import philox, sampler
-    from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT
-
-    kmax = q_ids.shape[0]
-    depths = torch.arange(1, kmax + 1, device=drafts.device)
-    j = torch.arange(kmax + 1, device=drafts.device)
-    p_d = sampler.prob_of(p_ids[:kmax], p_probs[:kmax], drafts)
-    q_d = sampler.prob_of(q_ids, q_probs, drafts)
-    u = philox.uniforms(seed, philox.offsets(n + depths, PURPOSE_ACCEPT))
-    _, a = sampler.acceptance(p_d, q_d, u, depths <= k)
-    pa_ids, pa_probs = p_ids.index_select(0, a.view(1)), p_probs.index_select(0, a.view(1))
-    qi = a.clamp(max=kmax - 1).view(1)
-    r_ids, r_probs = sampler.residual(pa_ids, pa_probs, q_ids.index_select(0, qi), q_probs.index_select(0, qi))
-    rejected = a < k
-    f_ids, f_probs = torch.where(rejected, r_ids, pa_ids), torch.where(rejected, r_probs, pa_probs)
-    token = sampler.draw(f_ids, f_probs, philox.uniforms(seed, philox.offsets((n + a + 1).view(1), PURPOSE_COMMIT)))
-    emitted = torch.where(j < a, torch.cat([drafts, drafts[:1]]), token)
-    logprobs = torch.log(sampler.prob_of(p_ids, p_probs, emitted))
-    return dict(a=a, token=token[0], emitted=emitted, logprobs=logprobs, ids=f_ids[0], probs=f_probs[0])

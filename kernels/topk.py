@@ -147,13 +147,3 @@ def local_topk(logits: torch.Tensor, k: int, vocab_offset: int, **kw) -> tuple[t
     """This rank's top-k (values [R, k'] fp32, global ids [R, k'] int64): `fast.sampler.local_candidates`."""
     _, values, ids = local_topk_keys(logits, k, vocab_offset, **kw)
     return values, ids
-
-
-# ---- reference -----------------------------------------------------------------------------------
-def local_topk_ref(logits: torch.Tensor, k: int, vocab_offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(keys, values, ids) by torch: the contract."""
-    from ..fast import sampler
-
-    keys = sampler._local_keys(logits, k, vocab_offset)
-    values, ids = sampler._unkey(keys)
-    return keys, values, ids

@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 
+from iquest.fast import philox
 from iquest.kernels import philox as kp
 from iquest.kernels.testing import interpreted_tests
 from iquest.reference import rng
@@ -38,6 +39,12 @@ SLOTS = {  # name -> (purpose, depth); "tensor" = per-element depths 1 + i % 7
 }
 # Outside the checked ranges: the torch path wraps (int64 arithmetic, low 32 bits); so must the kernel.
 WRAP_POSITIONS = [MAX_POSITION + 1, 2**40 + 3, -1, -7, 2**62 + 5, -(2**63), 2**63 - 1, 2**28]
+
+def torch_uniforms(seed: torch.Tensor, positions: torch.Tensor, purpose: int,
+                   depth: int | torch.Tensor = 0) -> torch.Tensor:
+    """The torch path the kernel replaces: `fast.philox.uniforms` of `fast.philox.offsets`."""
+    return philox.uniforms(seed, philox.offsets(positions, purpose, depth))
+
 
 BASE = dict(seeds=SEEDS, purpose=PURPOSE_COMMIT, depth=0, depth_dtype="int64", pos_stride=1, out="fresh",
             negative=False)
@@ -124,7 +131,7 @@ def run_case(c: dict, device: str) -> dict:
     first = ""
     for seed in c["seeds"]:
         seed_t = torch.tensor(rng.int64_bits(seed), dtype=torch.int64, device=device)
-        want = kp.uniforms_ref(seed_t, positions, c["purpose"], depth)
+        want = torch_uniforms(seed_t, positions, c["purpose"], depth)
         if c["out"] == "strided":
             buf = torch.full((2 * n,), float("nan"), device=device)
             out = buf[::2]
@@ -217,7 +224,7 @@ def _property_job(device: str, slot_shift: int = 0, max_examples: int = PROPERTY
             got = kp._launch(seed_t, positions, slot + slot_shift, dt, out, 1)
         else:
             got = kp.uniforms(seed_t, positions, purpose, depth)
-        k, first = _compare(got, kp.uniforms_ref(seed_t, positions, purpose, depth))
+        k, first = _compare(got, torch_uniforms(seed_t, positions, purpose, depth))
         assert k == 0, f"torch path: {first}"
         k, first = _compare(got, rng.rand(seed, _reference_offsets(positions_l, purpose, depth)))
         assert k == 0, f"rng.rand: {first}"
@@ -284,8 +291,6 @@ def test_rejects_bad_inputs(over, message):
 
 def test_reference_offsets_match_fast_offsets():
     """The tests' independent counters agree with fast.philox.offsets (so the third leg checks the same thing)."""
-    from iquest.fast import philox
-
     for c in CASES:
         pos = torch.tensor(c["positions"], dtype=torch.int64)
         depth = _depth(c, len(c["positions"]), "cpu")
@@ -358,9 +363,9 @@ def test_gpu_graph_capture_replay():
             u.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        for got, want in [(u_accept, kp.uniforms_ref(seed, n + depths, PURPOSE_ACCEPT)),
-                          (u_commit, kp.uniforms_ref(seed, n + 3, PURPOSE_COMMIT)),
-                          (u_draft, kp.uniforms_ref(seed, n + depths, PURPOSE_DRAFT, depths))]:
+        for got, want in [(u_accept, torch_uniforms(seed, n + depths, PURPOSE_ACCEPT)),
+                          (u_commit, torch_uniforms(seed, n + 3, PURPOSE_COMMIT)),
+                          (u_draft, torch_uniforms(seed, n + depths, PURPOSE_DRAFT, depths))]:
             k, first = _compare(got, want)
             assert k == 0, f"replay seed={s:#x} n={pos}: {first}"
         replays += 1

@@ -1,4 +1,5 @@
-"""kernels/sample.py against fast/sampler.py + fast/philox.py (and fast/round.py's accept step).
+"""kernels/sample.py against fast/sampler.py + fast/philox.py, and the accept step against its torch form
+(fast/torch_ops.TorchOps.accept).
 
 global_sample: tensor parallelism is simulated by splitting the logits into tp vocabulary shards and
 concatenating each rank's local candidate keys in rank order (tp 1, 2, 8). The global ids must be
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 from iquest.fast import philox, sampler
+from iquest.fast.torch_ops import TorchOps
 from iquest.kernels import sample as sm
 from iquest.kernels import topk as tk
 from iquest.reference import rng
@@ -87,6 +89,14 @@ GPU_CASES = [
 
 
 # ---- global_sample ---------------------------------------------------------------------------------
+def torch_sample(keys, top_k, temperature, top_p, seed=None, offsets=None):
+    """(tokens or None, ids, probs): fast.sampler's distribution of the keys, and its draw with fast.philox's
+    uniforms."""
+    ids, probs = sampler._dist_from_keys(keys, top_k, temperature, top_p)
+    tokens = None if offsets is None else sampler.draw(ids, probs, philox.uniforms(seed, offsets))
+    return tokens, ids, probs
+
+
 def _seed(seed: int, device: str) -> torch.Tensor:
     return torch.tensor(rng.int64_bits(seed), dtype=torch.int64, device=device)
 
@@ -140,7 +150,7 @@ def run_sample(c: dict, device: str) -> dict:
                torch.full((R, K), float("nan"), device=device))
         got = sm.global_sample(keys, c["top_k"], T, top_p, seed if c["draw"] else None, offsets, out=out)
         assert all(g is o for g, o in zip(got, out))
-        ref = sm.global_sample_ref(keys, c["top_k"], T, top_p, seed if c["draw"] else None, offsets)
+        ref = torch_sample(keys, c["top_k"], T, top_p, seed if c["draw"] else None, offsets)
         if c["e2e"]:
             res["ids"] &= torch.equal(got[1], r_ids)
             res["prob_err"] = max(res["prob_err"], (got[2] - r_probs).abs().max().item())
@@ -204,6 +214,14 @@ def _accept_inputs(c: dict, gen: torch.Generator, k: int):
     return p_ids, p_probs, q_ids, q_probs, drafts
 
 
+def torch_accept(p_ids, p_probs, q_ids, q_probs, drafts, k, n, seed) -> dict[str, torch.Tensor]:
+    """The accept step's torch form (fast/torch_ops.TorchOps.accept) as the kernel's outputs, with the distribution
+    the new token is drawn from (fast.sampler.commit_dist of the accepted count)."""
+    a, token, emitted, logprobs = TorchOps().accept(p_ids, p_probs, q_ids, q_probs, drafts, k, n, seed)
+    f_ids, f_probs = sampler.commit_dist(p_ids, p_probs, q_ids, q_probs, a, k)
+    return dict(a=a, token=token, emitted=emitted, logprobs=logprobs, ids=f_ids[0], probs=f_probs[0])
+
+
 def run_accept(c: dict, device: str) -> dict:
     gen = torch.Generator().manual_seed(c["seed"])
     res = dict(exact=0, skipped=0, differ=[], prob_err=0.0, ids=True, bonus=0, residual=0, fallback=0, a_hist=[0] * 8)
@@ -222,7 +240,7 @@ def run_accept(c: dict, device: str) -> dict:
                        probs=torch.full((Kp,), float("nan"), device=device))
             got = sm.accept_settle(p_ids, p_probs, q_ids, q_probs, drafts, kt, n, seed, out=out)
             assert got is out
-            ref = sm.accept_settle_ref(p_ids, p_probs, q_ids, q_probs, drafts, kt, n, seed)
+            ref = torch_accept(p_ids, p_probs, q_ids, q_probs, drafts, kt, n, seed)
             a = int(ref["a"])
             res["a_hist"][a] += 1
             if a == k:
@@ -334,30 +352,9 @@ def test_gpu_graph_capture():
     for t, p, s in ((0.7, 0.9, 11), (0.0, 0.95, 2**63), (1.5, 1.0, 3)):
         T.fill_(t), top_p.fill_(p), seed.copy_(_seed(s, dev))
         g.replay()
-        r_tokens, r_ids, r_probs = sm.global_sample_ref(keys, 20, T, top_p, seed, offsets)
+        r_tokens, r_ids, r_probs = torch_sample(keys, 20, T, top_p, seed, offsets)
         assert torch.equal(ids, r_ids) and (probs - r_probs).abs().max().item() <= PROB_TOL
         assert torch.equal(tokens, r_tokens)
-
-
-@pytest.mark.gpu
-def test_gpu_speed_report():
-    """Prints kernel time beside fast.sampler's torch ops (one rank, tp = 8 candidates, 8 and 1 rows)."""
-    from triton.testing import do_bench
-
-    dev = "cuda"
-    for R in (8, 1):
-        keys = torch.cat([sampler._local_keys(torch.randn(R, 20000, device=dev), 20, r * 20000) for r in range(8)], -1)
-        T, top_p, seed = torch.tensor(1.0, device=dev), torch.tensor(0.95, device=dev), _seed(5, dev)
-        offsets = torch.arange(R, dtype=torch.int32, device=dev) * 16
-        t_k = do_bench(lambda: sm.global_sample(keys, 20, T, top_p, seed, offsets), warmup=20, rep=200)
-        t_r = do_bench(lambda: sm.global_sample_ref(keys, 20, T, top_p, seed, offsets), warmup=20, rep=200)
-        print(f"global_sample R={R}: kernel {t_k * 1e3:.1f} us, torch {t_r * 1e3:.1f} us")
-    c = acase("speed")
-    args = [t.to(dev) for t in _accept_inputs(c, torch.Generator().manual_seed(0), 7)]
-    k, n, seed = torch.tensor(7, device=dev), torch.tensor(100, device=dev), _seed(5, dev)
-    t_k = do_bench(lambda: sm.accept_settle(*args, k, n, seed), warmup=20, rep=200)
-    t_r = do_bench(lambda: sm.accept_settle_ref(*args, k, n, seed), warmup=20, rep=200)
-    print(f"accept_settle: kernel {t_k * 1e3:.1f} us, torch {t_r * 1e3:.1f} us")
 
 
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
