@@ -1,6 +1,6 @@
 """Rotary embedding of a block's q and k, and the KV-cache write, in one launch.
 
-The attention stage's `apply_rope(q)`, `apply_rope(k)` and `LayerKV.write` (slot arithmetic, three
+The attention block's `apply_rope(q)`, `apply_rope(k)` and `LayerKV.write` (slot arithmetic, three
 `index_copy_`) are about fifteen small kernels per layer; a decode round runs ~90 layers of them. This
 kernel does the same work in one launch with the same roundings as the torch sequence: each product
 `x * cos` and `rotate_half(x) * sin` is rounded to the activation dtype, then their sum is, exactly

@@ -190,17 +190,23 @@ interpreted, test_interpreted = interpreted_tests(__file__, CASES, lambda c, r: 
 
 
 def test_visible_ref_is_the_cache_rule():
+    """visible_ref is LayerKV.visible, for the cache and for the open mask (the class attribute `causal` False, as
+    qualify's open_causal_mask control sets it)."""
     from iquest.fast.cache import LayerKV
+
+    class OpenKV(LayerKV):
+        causal = False
 
     gen = torch.Generator().manual_seed(1)
     slot_pos = torch.randint(-1, 50, (41,), generator=gen)
     q_pos = torch.tensor([-1, 0, 3, 20, 45, 49])
     for window in (None, 7):
         for first in (0, 1):
-            for causal in (True, False):
-                kv = LayerKV(k=torch.empty(0), v=torch.empty(0), slot_pos=slot_pos, slots=40, window=window,
-                             first_position=first, causal=causal)
-                assert torch.equal(kv.visible(q_pos), da.visible_ref(slot_pos, q_pos, window, first, causal=causal))
+            for kind in (LayerKV, OpenKV):
+                kv = kind(k=torch.empty(0), v=torch.empty(0), slot_pos=slot_pos, slots=40, window=window,
+                          first_position=first)
+                assert torch.equal(kv.visible(q_pos), da.visible_ref(slot_pos, q_pos, window, first,
+                                                                     causal=kind.causal))
 
 
 def _args(**over):

@@ -109,18 +109,6 @@ def test_gpu(c):
     _check(c, run_case(c, "cuda"))
 
 
-@pytest.mark.gpu
-def test_cuda_embed_decodes_bit_identically():
-    """The default kernels (the embedding by this kernel) decode the same tokens, logprobs and acceptance sequence as
-    with the torch embedding, in bf16 through the captured decode loop; the kernel path was taken (no fallback)."""
-    from iquest.tests.test_kernel_launch import decode_with_logprobs
-
-    on = decode_with_logprobs("triton", "bf16")
-    off = decode_with_logprobs("triton-embed", "bf16")
-    assert "embed" not in on["fallbacks"] and on["embed_calls"] > 0 and off["embed_calls"] == 0
-    assert on["steps"] == off["steps"]
-
-
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 

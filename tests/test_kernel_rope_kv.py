@@ -170,7 +170,7 @@ def test_gpu(c):
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", GPU_CASES, ids=[c["name"] for c in GPU_CASES])
 def test_gpu_early(c):
-    """With PDL and the rotary factors read before the wait (stage early): still torch's bits."""
+    """With PDL and the rotary factors read before the wait (`early`): still torch's bits."""
     _check(c, run_case(dict(c, early=True), "cuda"), interpreted=False)
 
 
@@ -245,19 +245,6 @@ def test_interpreted_parts_negative_control(interpreted):
 @pytest.mark.parametrize("c", PARTS_CASES + PARTS_GPU_CASES, ids=[c["name"] for c in PARTS_CASES + PARTS_GPU_CASES])
 def test_gpu_parts_bit_identical(c):
     _check_parts(c, run_parts_case(c, "cuda"))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_rope_sum_decodes_bit_identically(dtype):
-    """The projection's partials summed by the rotary kernel (stage rope_sum, a default): the same tokens, logprobs and
-    acceptance sequence through the captured decode loop, with the summing calls counted."""
-    from iquest.tests.test_kernel_launch import decode_with_logprobs
-
-    on = decode_with_logprobs("triton-norm_qkv", dtype)  # norm_qkv needs rope_sum (and changes the numerics)
-    off = decode_with_logprobs("triton-norm_qkv-rope_sum", dtype)
-    assert on["rope_sum_calls"] > 0 and off["rope_sum_calls"] == 0 and "rope_sum" not in on["fallbacks"]
-    assert on["steps"] == off["steps"]
 
 
 def _negative_control() -> dict:
