@@ -1,6 +1,6 @@
 """`iquest bench kernels`: our Triton kernels beside what torch offers, at one TP8 rank's shapes.
 
-Two ops of a decode step, every variant given the same numbers:
+The ops of a decode step, every variant given the same numbers:
 - FP8 block-scaled linear, y = x W^T with W E4M3 and fp32 128x128 block scales: kernels.fp8_linear;
   torch's block-wise scaled GEMM (F.scaled_mm, else torch._scaled_mm: x as E4M3 with 1x128 scales, W
   with 128x128; GPU_FACTS.md); cuBLAS bf16 `x @ W.T` on the weight dequantized once (what a bf16 weight
@@ -11,6 +11,9 @@ Two ops of a decode step, every variant given the same numbers:
   has none): kernels.decode_attention vs F.scaled_dot_product_attention(enable_gqa=True) given the
   cache's visibility as a boolean mask (equal work), and SDPA without a mask (less work: a lower bound
   on its time, and the form GPU_FACTS.md measured).
+- The other ops, each against the engine's torch form of it (fast/torch_ops.py, fast/sampler.py): the MoE (no torch
+  variant: against its float64 reference), the router, the LM head, the local top-k, the global distribution and its
+  draw, and the accept step.
 
 Timing: a variant's calls are captured back to back into one CUDA graph; each replay is timed with CUDA
 events and divided by the calls in it. The calls rotate over copies of the weight or KV cache totalling
@@ -309,6 +312,222 @@ def _copies(nbytes: int) -> int:
     return max(1, math.ceil(ROTATE_BYTES / nbytes))
 
 
+# ---- the other decode ops: ours against the engine's torch forms --------------------------------------
+@dataclass
+class OpBench:
+    """One op at one row count: its variants (each a list of calls, one per weight copy or input set, that the graph
+    rotates over), the bytes a call must move per variant, and the agreement check on the variants' first calls."""
+
+    op: str
+    rows: int
+    desc: str
+    variants: dict[str, list[Callable[[], object]]]
+    bytes: dict[str, int]
+    check: Callable[[dict], tuple[float | None, str | None]]  # outputs by variant -> (difference, why not agreeing)
+
+
+def _rel_check(tol: float) -> Callable[[dict], tuple[float | None, str | None]]:
+    def check(outs: dict) -> tuple[float | None, str | None]:
+        if OURS not in outs or "torch" not in outs:
+            return None, None
+        d = rel_diff(outs[OURS], outs["torch"])
+        return d, (f"{d:.1e} > tol {tol:.0e}" if not d <= tol else None)
+    return check
+
+
+def _equal_check(names: tuple[str, ...]) -> Callable[[dict], tuple[float | None, str | None]]:
+    """Tuples of outputs that must be equal element by element (integer results: ids, tokens, keys)."""
+    def check(outs: dict) -> tuple[float | None, str | None]:
+        if OURS not in outs or "torch" not in outs:
+            return None, None
+        ours, theirs = outs[OURS], outs["torch"]
+        ours, theirs = (ours, theirs) if isinstance(ours, tuple) else ((ours,), (theirs,))
+        bad = [n for n, a, b in zip(names, ours, theirs) if not torch.equal(a, b)]
+        return 0.0 if not bad else None, (f"{', '.join(bad)} differ" if bad else None)
+    return check
+
+
+def moe_bench(config: Config, rows: int, device) -> OpBench:
+    """The MoE as the engine's plan calls it (fp32 routing input rounded to bf16 in the kernel, the norm's fp16
+    tiles, TMA, E4M3 Down), rotating over routings of ~13 distinct experts each (`bench tune`'s inputs), against the
+    float64 reference with the same act_quant (no torch variant: the fallback's per-expert loop is not the same work)."""
+    from .tune import compare, moe_case, tune_shape
+
+    case = moe_case(tune_shape(config, TP, rows=rows), device)
+    calls = [lambda i=i: case.run({"fp8_down": True}, i) for i in range(case.copies)]
+
+    def check(outs: dict) -> tuple[float | None, str | None]:
+        return compare("moe", outs[OURS], case.ref) if OURS in outs else (None, None)
+
+    return OpBench("moe", rows, case.desc + "; fp8_down", {OURS: calls}, {OURS: case.bytes}, check)
+
+
+def router_bench(config: Config, rows: int, device, ours=None, seed: int = 3) -> OpBench:
+    """The router (logits, softmax, top-k, weights) of a bf16-held router weight, rotating over weight copies, against
+    the torch form on the fp32 copy the fallback holds (fast/torch_ops.TorchOps.route)."""
+    from ..kernels import router as rt
+    from ..reference.layers import route as torch_route
+    from .tune import compare
+
+    ours = ours or rt.route
+    g = torch.Generator().manual_seed(seed)
+    E, H, k = config.n_routed_experts, config.hidden_size, config.num_experts_per_tok
+    norm, scaling = config.norm_topk_prob, float(config.routed_scaling_factor)
+    x = torch.randn(rows, H, generator=g).to(device)
+    w0 = (torch.randn(E, H, generator=g) * 0.05).bfloat16().to(device)
+    ws = [w0] + [w0.clone() for _ in range(_copies(2 * E * H) - 1)]
+    w32 = [w.float() for w in ws[:_copies(4 * E * H)]]
+    small = 4 * rows * H + 4 * rows * E + 12 * rows * k  # x read, scores and the choice written
+    return OpBench("router", rows, f"x [{rows}, {H}] fp32 @ router [{E}, {H}]^T, softmax, top-{k}",
+                   {OURS: [lambda w=w: ours(x, w, k, norm, scaling) for w in ws],
+                    "torch": [lambda w=w: torch_route(x @ w.T, k, norm, scaling) for w in w32]},
+                   {OURS: 2 * E * H + small, "torch": 4 * E * H + small},
+                   lambda outs: compare("router", outs[OURS], outs["torch"]) if len(outs) == 2 else (None, None))
+
+
+def lm_head_bench(config: Config, rows: int, device, ours=None, seed: int = 4) -> OpBench:
+    """The vocabulary-parallel LM head of one rank (bf16 weight, fp32 logits), against the fallback's fp32 product on
+    the fp32 copy it holds (TorchOps.lm_head)."""
+    from ..kernels.lm_head import lm_head
+
+    ours = ours or lm_head
+    g = torch.Generator().manual_seed(seed)
+    V, H = config.vocab_size // TP, config.hidden_size
+    x = torch.randn(rows, H, generator=g).to(torch.bfloat16).to(device)
+    w0 = (torch.randn(V, H, generator=g) * 0.02).to(torch.bfloat16).to(device)
+    ws = [w0] + [w0.clone() for _ in range(_copies(2 * V * H) - 1)]
+    w32 = [w.float() for w in ws[:_copies(4 * V * H)]]
+    io = 2 * rows * H + 4 * rows * V
+    return OpBench("lm_head", rows, f"x [{rows}, {H}] bf16 @ W [{V}, {H}]^T bf16, fp32 logits",
+                   {OURS: [lambda w=w: ours(x, w) for w in ws], "torch": [lambda w=w: x.float() @ w.T for w in w32]},
+                   {OURS: 2 * V * H + io, "torch": 4 * V * H + io}, _rel_check(1e-4))
+
+
+def topk_bench(config: Config, rows: int, device, ours=None, k: int = 20, seed: int = 5) -> OpBench:
+    """This rank's top-k candidates as rank keys (the sampling's first step), against fast.sampler's torch form."""
+    from ..fast import sampler
+    from ..kernels.topk import local_topk_keys
+
+    ours = ours or (lambda *a: local_topk_keys(*a)[0])
+    g = torch.Generator().manual_seed(seed)
+    V = config.vocab_size // TP
+    logits = (torch.randn(rows, V, generator=g) * 3).to(device)
+    offset = 3 * V  # rank 3's slice
+    return OpBench("topk", rows, f"logits [{rows}, {V}] fp32, top-{k} rank keys",
+                   {OURS: [lambda: ours(logits, k, offset)], "torch": [lambda: sampler._local_keys(logits, k, offset)]},
+                   {v: 4 * rows * V + 8 * rows * k for v in (OURS, "torch")}, _equal_check(("keys",)))
+
+
+def _sampling_inputs(rows: int, vocab: int, k: int, device, seed: int) -> tuple[torch.Tensor, ...]:
+    """The all-gathered candidate keys [rows, TP * k] of TP vocabulary slices, and the 0-dim temperature, top_p and
+    seed the sampling kernels read."""
+    from ..fast import sampler
+    from ..reference import rng
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, TP * vocab, generator=g) * 3
+    keys = torch.cat([sampler._local_keys(s, k, r * vocab) for r, s in enumerate(logits.split(vocab, -1))], -1)
+    scalars = (torch.tensor(1.0), torch.tensor(0.95), torch.tensor(rng.int64_bits(seed), dtype=torch.int64))
+    return tuple(t.to(device) for t in (keys, *scalars))
+
+
+def sample_bench(config: Config, rows: int, device, ours=None, k: int = 20, seed: int = 6) -> OpBench:
+    """The global distribution of the gathered candidates and its draw (the commit draw of `rows` positions), against
+    fast.sampler's distribution and draw with fast.philox's uniforms."""
+    from ..fast import philox, sampler
+    from ..kernels.sample import global_sample
+    from ..reference.rng import PURPOSE_COMMIT
+
+    ours = ours or global_sample
+    keys, temperature, top_p, seed_t = _sampling_inputs(rows, config.vocab_size // TP, k, device, seed)
+    offsets = philox.offsets(torch.arange(1000, 1000 + rows, device=device), PURPOSE_COMMIT)
+
+    def torch_sample():
+        ids, probs = sampler._dist_from_keys(keys, k, temperature, top_p)
+        return sampler.draw(ids, probs, philox.uniforms(seed_t, offsets)), ids, probs
+
+    def check(outs: dict) -> tuple[float | None, str | None]:
+        if len(outs) < 2:
+            return None, None
+        (t1, i1, p1), (t2, i2, p2) = outs[OURS], outs["torch"]
+        d = (p1 - p2).abs().max().item()
+        why = "ids differ" if not torch.equal(i1, i2) else "tokens differ" if not torch.equal(t1, t2) else None
+        return d, why or (f"probabilities {d:.1e} apart" if d > 1e-6 else None)
+
+    return OpBench("sample", rows, f"candidates [{rows}, {keys.shape[1]}] (TP{TP} x top-{k}), top-p 0.95, a draw",
+                   {OURS: [lambda: ours(keys, k, temperature, top_p, seed_t, offsets)], "torch": [torch_sample]},
+                   {v: keys.numel() * 8 + rows * (8 + 12 * k) for v in (OURS, "torch")}, check)
+
+
+def accept_bench(config: Config, drafts: int, device, ours=None, k: int = 20, seed: int = 7) -> OpBench:
+    """The round's accept step at depth `drafts` (every draft live): acceptance, the residual or bonus, the commit
+    draw and the emitted tokens' logprobs, against its torch form (fast/torch_ops.TorchOps.accept)."""
+    from ..fast import sampler
+    from ..fast.torch_ops import TorchOps
+    from ..kernels.sample import accept_settle
+
+    ours = ours or (lambda *a: (lambda r: (r["a"], r["token"], r["emitted"], r["logprobs"]))(accept_settle(*a)))
+    keys, temperature, top_p, seed_t = _sampling_inputs(2 * drafts + 1, config.vocab_size // TP, k, device, seed)
+    p_ids, p_probs = sampler._dist_from_keys(keys[:drafts + 1], k, temperature, top_p)
+    q_ids, q_probs = sampler._dist_from_keys(keys[drafts + 1:], k, temperature, top_p)
+    q_ids = p_ids[:drafts].clone()  # proposals over the targets' candidates, so some drafts pass
+    d = sampler.draw(q_ids, q_probs, torch.rand(drafts, generator=torch.Generator().manual_seed(seed)).to(device))
+    live, n = torch.tensor(drafts, device=device), torch.tensor(1000, device=device)
+    args = (p_ids, p_probs, q_ids, q_probs, d, live, n, seed_t)
+    return OpBench("accept", drafts + 1, f"depth {drafts}: p [{drafts + 1}, {k}], q [{drafts}, {k}]",
+                   {OURS: [lambda: ours(*args)], "torch": [lambda: TorchOps().accept(*args)]},
+                   {v: sum(t.numel() * t.element_size() for t in args) for v in (OURS, "torch")},
+                   _equal_check(("accepted", "token", "emitted")))
+
+
+def op_benches(config: Config, rows: tuple[int, ...], device) -> list[Callable[[], OpBench]]:
+    """The ops' benches, built one at a time (the MoE's expert stack is 1.2 GB): MoE, router, LM head, top-k and
+    the sampling draw at each row count; the accept step at depth rows - 1 for each row count above 1."""
+    out = []
+    for m in rows:
+        out += [lambda m=m, f=f: f(config, m, device) for f in (moe_bench, router_bench, lm_head_bench, topk_bench,
+                                                                 sample_bench)]
+    out += [lambda m=m: accept_bench(config, m - 1, device) for m in rows if m > 1]
+    return out
+
+
+def op_agreement(b: OpBench) -> list[dict]:
+    """Per variant a row: the error its first call raised, or (ours) the difference from the torch form or reference
+    and why it is not agreement (None: it is)."""
+    outs, rows = {}, []
+    for name, calls in b.variants.items():
+        row = {"op": b.op, "rows": b.rows, "desc": b.desc, "variant": name}
+        try:
+            outs[name] = calls[0]()
+        except Exception as e:  # recorded, not fatal
+            row["error"] = error_text(e)
+        rows.append(row)
+    diff, why = b.check(outs)
+    for row in rows:
+        if row["variant"] == OURS and "error" not in row:
+            row.update(agreement=diff, mismatch=why)
+    return rows
+
+
+def measure_op(b: OpBench, repeats: int, bandwidth: float) -> list[dict]:
+    """Per variant: its first call's output checked (`op_agreement`), then its calls timed in one graph."""
+    rows = op_agreement(b)
+    for row in rows:
+        if "error" in row:
+            continue
+        try:
+            times, n = graph_times(b.variants[row["variant"]], repeats)
+            med = statistics.median(times)
+            nbytes = b.bytes[row["variant"]]
+            row.update(median_us=med, bytes=nbytes, gb_per_s=nbytes / med / 1e3, floor_us=nbytes / bandwidth * 1e6,
+                       calls_per_graph=n, copies=len(b.variants[row["variant"]]), times_us=times)
+            row["x_floor"] = med / row["floor_us"]
+        except Exception as e:
+            row["error"] = error_text(e)
+        torch.cuda.synchronize()
+    return rows
+
+
 def run(rows: tuple[int, ...], repeats: int, out: str | None, config_file: str | Path = FULL_CONFIG) -> dict:
     from .full_step import copy_bandwidth
     from ..provenance import commit
@@ -332,8 +551,11 @@ def run(rows: tuple[int, ...], repeats: int, out: str | None, config_file: str |
                         "(x given as E4M3 + 1x128 scales)",
                         "bf16 mm: weight dequantized to bf16 once, untimed",
                         "attention without sinks (SDPA has none); sdpa (mask) gets the cache's visibility mask "
-                        "(equal work); sdpa (no mask) is a lower bound on its time"],
-              "linear": [], "attention": []}
+                        "(equal work); sdpa (no mask) is a lower bound on its time",
+                        "other ops: torch = the engine's torch form of the op (fp32 copies of the router and LM head, "
+                        "as the fallback holds them); the MoE against its float64 reference (same act_quant); each "
+                        "floor is that variant's own bytes"],
+              "linear": [], "attention": [], "ops": []}
     for shape in linear_shapes(config):
         for m in rows:
             base = make_linear(m, shape.n, shape.k, dev)
@@ -356,6 +578,9 @@ def run(rows: tuple[int, ...], repeats: int, out: str | None, config_file: str |
                                             "rows": m, **r})
             del base, copies
             torch.cuda.empty_cache()
+    for make in op_benches(config, rows, dev):  # one at a time: each holds its own weights
+        report["ops"].extend(measure_op(make(), repeats, bandwidth))
+        torch.cuda.empty_cache()
     print_report(report)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -364,10 +589,14 @@ def run(rows: tuple[int, ...], repeats: int, out: str | None, config_file: str |
 
 
 # ---- report ------------------------------------------------------------------------------------------
-def _cells(r: dict) -> str:
+def _cells(r: dict, agreement: bool = False) -> str:
     if "error" in r:
         return "error: " + r["error"].splitlines()[0][:100]
-    diff = "-" if r.get("rel_diff_vs_ref") is None else f"{r['rel_diff_vs_ref']:.1e}"
+    if agreement:
+        diff = "-" if r.get("agreement") is None else f"{r['agreement']:.1e}"
+        diff += "" if r.get("mismatch") is None else f" MISMATCH ({r['mismatch']})"
+    else:
+        diff = "-" if r.get("rel_diff_vs_ref") is None else f"{r['rel_diff_vs_ref']:.1e}"
     if "rel_diff_vs_torch" in r:
         diff += f" (vs torch {r['rel_diff_vs_torch']:.1e})"
     return (f"{r['median_us']:10.1f} {r['bytes'] / 1e6:9.2f} {r['gb_per_s']:8.0f} {r['floor_us']:9.1f} "
@@ -387,6 +616,16 @@ def print_report(r: dict) -> None:
     print(f"{'context':24} {'rows':>4} {'variant':14} {head}")
     for x in r["attention"]:
         print(f"{str(x['context']) + ' ' + x['kind']:24} {x['rows']:4} {x['variant']:14} {_cells(x)}")
+    if r.get("ops"):
+        print("\nOther decode ops, one rank: ours against the engine's torch form; floor = the variant's own bytes")
+        print(f"{'op':24} {'rows':>4} {'variant':14} {head[:-len('max rel diff vs fp32 ref')]}agreement")
+        for x in r["ops"]:
+            print(f"{x['op']:24} {x['rows']:4} {x['variant']:14} {_cells(x, agreement=True)}")
+        for x in r["ops"]:
+            if x["variant"] == OURS and (x.get("agreement") is not None or x.get("mismatch") is not None):
+                against = "reference" if x["op"] == "moe" else "torch"
+                print(f"agreement {x['op']} rows={x['rows']}: triton vs {against} "
+                      f"{'ok' if x['mismatch'] is None else 'MISMATCH: ' + x['mismatch']}")
     for op, key in (("linear", "linear"), ("attention", "attention")):
         for x in r[key]:
             if "rel_diff_vs_torch" in x:

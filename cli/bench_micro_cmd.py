@@ -17,11 +17,14 @@ def _rows(value: str) -> tuple[int, ...]:
 
 
 def register(bsub) -> None:
-    k = bsub.add_parser("kernels", help="our Triton kernels vs torch (_scaled_mm, cuBLAS, SDPA) at TP8 rank shapes",
+    k = bsub.add_parser("kernels", help="our Triton kernels vs torch (_scaled_mm, cuBLAS, SDPA, the engine's torch "
+                                        "forms) at TP8 rank shapes",
                         description="FP8 block-scaled linear (q/k/v/o, expert gate/up/down, eh_proj slices of one "
-                                    "TP8 rank) and decode attention (4K sliding ring, 32K and 192K full layer): "
-                                    "median time in CUDA graphs, bytes, GB/s, ratio to the copy-bandwidth floor, and "
-                                    "each output's agreement with the fp32 reference and with torch's variant.")
+                                    "TP8 rank), decode attention (4K sliding ring, 32K and 192K full layer), and the "
+                                    "MoE, router, LM head, local top-k, sampling draw and accept step against the "
+                                    "engine's torch forms: median time in CUDA graphs, bytes, GB/s, ratio to the "
+                                    "copy-bandwidth floor, and each output's agreement with the fp32 reference and "
+                                    "with torch's variant.")
     k.add_argument("--rows", type=_rows, default=(1, 8), help="comma-separated row counts (default 1,8)")
     k.add_argument("--repeats", type=int, default=20, help="timed graph replays per variant (default 20)")
     k.add_argument("--out", help="write the raw JSON here (e.g. bench/results/kernels-h200.json)")

@@ -1,6 +1,6 @@
 """`iquest bench kernels` and `iquest bench allreduce`: shape and byte tables, CLI errors without CUDA, and
-the correctness-check helpers on CPU (the kernels' *_ref functions and an emulated _scaled_mm stand in
-for the GPU code). Timings only run under `@pytest.mark.gpu`."""
+the correctness-check helpers on CPU (the kernels' *_ref functions, the ops' torch forms and an emulated _scaled_mm
+stand in for the GPU code). Timings only run under `@pytest.mark.gpu`."""
 
 from __future__ import annotations
 
@@ -139,6 +139,56 @@ def test_attention_agreement_on_cpu(kind, context, rows):
     assert got["sdpa (no mask)"] == {"rel_diff_vs_ref": None}
 
 
+# ---- the other ops' benches, on CPU with their torch forms standing in for the kernels ----------------------
+TINY = Config.from_file(Path(__file__).resolve().parent.parent / "fixtures" / "tiny" / "config.json")
+
+
+def _torch_forms() -> dict:
+    """Stand-ins for the kernels with the kernels' call signatures: each op's torch form."""
+    from iquest.fast import philox, sampler
+    from iquest.fast.torch_ops import TorchOps
+    from iquest.reference.layers import route
+
+    def sample(keys, k, temperature, top_p, seed, offsets):
+        ids, probs = sampler._dist_from_keys(keys, k, temperature, top_p)
+        return sampler.draw(ids, probs, philox.uniforms(seed, offsets)), ids, probs
+
+    return {"router": lambda x, w, k, norm, scaling: route(x @ w.float().T, k, norm, scaling),
+            "lm_head": lambda x, w: x.float() @ w.float().T, "topk": sampler._local_keys, "sample": sample,
+            "accept": lambda *a: TorchOps().accept(*a)}
+
+
+def _benches(rows: int, forms: dict) -> list:
+    out = [km.router_bench(TINY, rows, "cpu", ours=forms["router"]),
+           km.lm_head_bench(TINY, rows, "cpu", ours=forms["lm_head"]),
+           km.topk_bench(TINY, rows, "cpu", ours=forms["topk"]), km.sample_bench(TINY, rows, "cpu", ours=forms["sample"])]
+    return out + ([km.accept_bench(TINY, rows - 1, "cpu", ours=forms["accept"])] if rows > 1 else [])
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_op_benches_check_ours_against_the_torch_forms(rows):
+    """Every op bench builds its inputs and both variants, and its agreement check passes when ours is the torch
+    form itself; each variant's floor counts at least the bytes of its weights."""
+    for b in _benches(rows, _torch_forms()):
+        ours = next(r for r in km.op_agreement(b) if r["variant"] == "triton")
+        assert set(b.variants) == {"triton", "torch"} and "error" not in ours, (b.op, ours)
+        assert ours["mismatch"] is None and ours["agreement"] is not None, (b.op, ours)
+        assert b.bytes["torch"] >= b.bytes["triton"] > 0
+
+
+def test_op_benches_catch_a_wrong_kernel():
+    """The same checks on stand-ins with one defect each report a mismatch."""
+    forms = _torch_forms()
+    wrong = {"router": lambda *a: tuple(t.flip(-1) for t in forms["router"](*a)),
+             "lm_head": lambda x, w: forms["lm_head"](x, w) * (1 + 1e-3),
+             "topk": lambda logits, k, offset: forms["topk"](logits, k, offset + 1),
+             "sample": lambda *a: (lambda t, i, p: (t, i.flip(-1), p))(*forms["sample"](*a)),
+             "accept": lambda *a: (lambda a_, x, e, lp: (a_, x + 1, e, lp))(*forms["accept"](*a))}
+    for b in _benches(6, wrong):
+        ours = next(r for r in km.op_agreement(b) if r["variant"] == "triton")
+        assert ours["mismatch"] is not None, (b.op, ours)
+
+
 # ---- GPU: the benchmarks themselves, briefly --------------------------------------------------------------
 @pytest.mark.gpu
 def test_gpu_kernels_bench(tmp_path, capsys):
@@ -152,6 +202,10 @@ def test_gpu_kernels_bench(tmp_path, capsys):
         assert ours and all("error" not in x and x["rel_diff_vs_ref"] <= km.TOL[op] for x in ours), ours
         assert all(x["rel_diff_vs_torch"] <= km.TOL[op] for x in ours if "rel_diff_vs_torch" in x)
         assert all(len(x["times_us"]) == 3 for x in ours)
+    ours = [x for x in r["ops"] if x["variant"] == "triton"]
+    assert {(x["op"], x["rows"]) for x in ours} == {(op, m) for op in ("moe", "router", "lm_head", "topk", "sample")
+                                                    for m in (1, 8)} | {("accept", 8)}
+    assert all("error" not in x and x["mismatch"] is None and len(x["times_us"]) == 3 for x in ours), ours
 
 
 @pytest.mark.gpu
