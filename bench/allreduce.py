@@ -1,10 +1,15 @@
 """`iquest bench allreduce`: one bf16 all-reduce of [rows, hidden] over --ranks GPUs, as TP decode issues it.
 
-One process per GPU (torch.multiprocessing.spawn). NVLink multicast stays off: NCCL_NVLS_ENABLE=0 and
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are set before the process group starts (GPU_FACTS.md). Variants:
-  nccl      dist.all_reduce, in place
-  one_shot  torch symmetric memory one_shot_all_reduce: every rank reads all peers' buffers (out of place)
-  two_shot  torch symmetric memory two_shot_all_reduce_: reduce-scatter then all-gather via peers (in place)
+One process per GPU (torch.multiprocessing.spawn), or every rank on GPU 0 with --share-gpu (under an MPS daemon: an
+emulation whose times say nothing about NVLink; NCCL and symmetric memory refuse several ranks on one GPU, so only
+the peer kernels run there). NVLink multicast stays off: NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+are set before the process group starts (GPU_FACTS.md). Variants:
+  peer       the engine's all-reduce (kernels/allreduce.py through fast/collectives.py): push, poll, rank order
+  peer+norm  the same fused with the residual add and RMSNorm (a decoder layer's reduction point)
+  nccl       dist.all_reduce, in place
+  nccl+norm  NCCL, then torch's add and RMSNorm: what the fused kernel replaces
+  one_shot   torch symmetric memory one_shot_all_reduce: every rank reads all peers' buffers (out of place)
+  two_shot   torch symmetric memory two_shot_all_reduce_: reduce-scatter then all-gather via peers (in place)
 Each is first checked on a rank-dependent fill whose sum is exact in bf16, then timed inside a CUDA
 graph of CALLS calls on zeros (in-place sums stay finite); per call = replay time / CALLS, replays
 started together after a barrier. A variant that is unavailable or fails records its error instead.
@@ -26,9 +31,11 @@ import torch
 import torch.distributed as dist
 
 from ..reference.config import Config
+from ..reference.layers import rms_norm
 from .timing import replay_times
 
-VARIANTS = ("nccl", "one_shot", "two_shot")
+VARIANTS = ("peer", "peer+norm", "nccl", "nccl+norm", "one_shot", "two_shot")
+PEER = ("peer", "peer+norm")
 CALLS = 60  # per captured graph (a multiple of three, like the fused kernel's rotating slots)
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 FULL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "iquest-q1.json"
@@ -58,14 +65,26 @@ def expected_sum(world: int, rows: int, hidden: int, device=None) -> torch.Tenso
     return (_pattern(rows, hidden, device) * (world * (world + 1) // 2)).to(torch.bfloat16)
 
 
-def _variant(name: str, rows: int, hidden: int, device: torch.device, group):
-    """(buffer the rank writes its partial into, call returning the reduced tensor)."""
-    if name == "nccl":
-        x = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
-
+def _variant(name: str, rows: int, hidden: int, device: torch.device, group, peers):
+    """(buffer the rank writes its partial into, call returning the reduced tensor: with a norm, the residual stream
+    plus it, h, whose exact value the check knows)."""
+    stream = torch.ones(rows, hidden, dtype=torch.bfloat16, device=device)
+    weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
+    x = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
+    if name == "peer":
+        return x, lambda: peers.all_reduce(x)
+    if name == "peer+norm":
+        return x, lambda: peers.all_reduce_add_norm(x, stream, weight, 1e-6, torch.float32)[1]
+    if group is None:
+        raise RuntimeError("NCCL and torch symmetric memory refuse several ranks on one GPU")
+    if name in ("nccl", "nccl+norm"):
         def call():
             dist.all_reduce(x, group=group)
-            return x
+            if name == "nccl":
+                return x
+            h = stream + x
+            _ = rms_norm(h.float(), weight.float(), 1e-6)
+            return h
         return x, call
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -98,14 +117,17 @@ def _lockstep() -> None:
     torch.cuda.synchronize()
 
 
-def _measure(name: str, rows: int, hidden: int, repeats: int, rank: int, world: int, device, group) -> dict:
+def _measure(name: str, rows: int, hidden: int, repeats: int, rank: int, world: int, device, group, peers) -> dict:
     row: dict = {"variant": name, "rows": rows, "hidden": hidden}
     try:
-        buf, call = _variant(name, rows, hidden, device, group)
+        buf, call = _variant(name, rows, hidden, device, group, peers)
         buf.copy_(fill(rank, rows, hidden, device))
         torch.cuda.synchronize()
         dist.barrier()  # every peer's partial is written before anyone reads it
-        row["verified"] = bool(torch.equal(call(), expected_sum(world, rows, hidden, device)))
+        want = expected_sum(world, rows, hidden, device)
+        if name.endswith("+norm"):  # h = the stream of ones + the sum
+            want = (want.float() + 1).to(torch.bfloat16)
+        row["verified"] = bool(torch.equal(call(), want))
         torch.cuda.synchronize()
         dist.barrier()  # no peer still reads this buffer when it is zeroed
         buf.zero_()
@@ -119,13 +141,16 @@ def _measure(name: str, rows: int, hidden: int, repeats: int, rank: int, world: 
 
 
 def _worker(rank: int, world: int, port: int, rows_list: list[int], hidden: int, repeats: int, out: str | None,
-            command: str, config_file: str) -> None:
+            command: str, config_file: str, shared_gpu: bool) -> None:
     os.environ.update(MULTICAST_OFF)  # before the process group and any symmetric memory exist
+    from ..fast.collectives import PeerCollectives
     from ..fast.parallel import init_process
 
-    par = init_process(rank, world, port, "cuda")
-    group = dist.group.WORLD
-    mine = [_measure(v, r, hidden, repeats, rank, world, par.device, group) for r in rows_list for v in VARIANTS]
+    par = init_process(rank, world, port, "cuda", shared_gpu)  # gloo: it bootstraps the peer buffers
+    group = None if shared_gpu else dist.new_group(backend="nccl")
+    peers = PeerCollectives(par.group, rank, world, hidden, 32, torch.bfloat16, par.device)
+    mine = [_measure(v, r, hidden, repeats, rank, world, par.device, group, peers) for r in rows_list
+            for v in VARIANTS]
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:
@@ -133,8 +158,10 @@ def _worker(rank: int, world: int, port: int, rows_list: list[int], hidden: int,
 
         config = Config.from_file(config_file)
         report = {"bench": "allreduce", "commit": commit(), "ranks": world, "hidden": hidden, "rows": rows_list,
+                  "shared_gpu": shared_gpu, "emulation": shared_gpu,
                   "repeats": repeats, "calls_per_graph": CALLS, "command": command, "host": platform.node(),
-                  "devices": [torch.cuda.get_device_name(i) for i in range(world)], "torch": torch.__version__,
+                  "devices": [torch.cuda.get_device_name(0 if shared_gpu else i) for i in range(world)],
+                  "torch": torch.__version__,
                   "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
                   "env": {k: os.environ.get(k) for k in MULTICAST_OFF}, "config": config_file,
                   "allreduces_per_round": round_allreduces(config),
@@ -146,19 +173,22 @@ def _worker(rank: int, world: int, port: int, rows_list: list[int], hidden: int,
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(json.dumps(report, indent=1) + "\n")
     dist.barrier()
+    peers.release()
+    dist.barrier()
     dist.destroy_process_group()
 
 
 def run(ranks: int, rows: tuple[int, ...], hidden: int, repeats: int, out: str | None,
-        config_file: str | Path = FULL_CONFIG) -> None:
+        config_file: str | Path = FULL_CONFIG, shared_gpu: bool = False) -> None:
     from ..fast.parallel import free_port
 
-    if torch.cuda.device_count() < ranks:
-        raise RuntimeError(f"iquest bench allreduce needs {ranks} CUDA devices, found {torch.cuda.device_count()}")
+    if not shared_gpu and torch.cuda.device_count() < ranks:
+        raise RuntimeError(f"iquest bench allreduce needs {ranks} CUDA devices, found {torch.cuda.device_count()} "
+                           "(--share-gpu: every rank on GPU 0 under an MPS daemon, an emulation)")
     os.environ.update(MULTICAST_OFF)  # inherited by the spawned ranks
     command = shlex.join(["iquest", *sys.argv[1:]])
     torch.multiprocessing.spawn(_worker, args=(ranks, free_port(), list(rows), hidden, repeats, out, command,
-                                               str(config_file)), nprocs=ranks, join=True)
+                                               str(config_file), shared_gpu), nprocs=ranks, join=True)
 
 
 def print_report(r: dict) -> None:
@@ -166,6 +196,9 @@ def print_report(r: dict) -> None:
           f"torch={r['torch']} nccl={r['nccl']} multicast off ({', '.join(f'{k}={v}' for k, v in r['env'].items())})")
     print(f"timing: CUDA graph of {r['calls_per_graph']} calls, replay time / calls, median of {r['repeats']} "
           "replays (rank 0's CUDA events; replays start after a barrier)")
+    if r.get("emulation"):
+        print("note: every rank on one GPU under MPS: an emulation (the ranks share one GPU's SMs and memory), "
+              "not a latency figure")
     print(f"{'rows':>4} {'variant':10} {'verified':>8} {'median us':>10} {'per-rank medians (us)':>24}")
     for x in r["results"]:
         if "error" in x:

@@ -70,6 +70,9 @@ def register(bsub) -> None:
     a.add_argument("--rows", type=_rows, default=(1, 8), help="comma-separated row counts (default 1,8)")
     a.add_argument("--hidden", type=int, default=6144, help="row width (default 6144, the model's hidden size)")
     a.add_argument("--repeats", type=int, default=20, help="timed graph replays per variant (default 20)")
+    a.add_argument("--share-gpu", action="store_true",
+                   help="every rank on GPU 0 (under an MPS daemon: bash ci/gpu.sh mps ...): the peer kernels only, "
+                        "an emulation, not a latency figure")
     a.add_argument("--out", help="write the raw JSON here (rank 0)")
     a.set_defaults(run=run_allreduce)
     c = bsub.add_parser("sass", help="the decode kernels compiled for the H200 here, no GPU: registers, spills, "
@@ -204,10 +207,10 @@ def run_allreduce(args: argparse.Namespace) -> int:
         raise UserError("--ranks must be >= 2")
     if args.repeats < 1 or args.hidden < 1:
         raise UserError("--repeats and --hidden must be >= 1")
-    _need_gpus("iquest bench allreduce", args.ranks)
+    _need_gpus("iquest bench allreduce", 1 if args.share_gpu else args.ranks)
     from ..bench.allreduce import run
 
-    run(args.ranks, args.rows, args.hidden, args.repeats, args.out)
+    run(args.ranks, args.rows, args.hidden, args.repeats, args.out, shared_gpu=args.share_gpu)
     return 0
 
 
