@@ -15,6 +15,8 @@ accept_settle: kmax 7 and 3, every live count, proposals close to / far from / e
 (all accepted: the bonus path), a proposal that leaves the residual without mass (the fallback to p
 and a 0/0 ratio), dead rows poisoned with NaN and garbage drafts; many (seed, n) trials per case.
 Outputs are pre-filled with NaN / -1. `@pytest.mark.gpu` cases use real shapes (C = 8 x 20, R = 8, 1).
+The interpreter runs INTERPRETED_CASES: the same properties at one or two rows and one draw (a row's program costs it
+~0.4 s a call), 8 rows and several draws once each, 3 trials a live count; the GPU runs those, CASES and GPU_CASES.
 """
 
 from __future__ import annotations
@@ -78,7 +80,32 @@ CASES = [
     acase("accept_kp1_greedy_target", Kp=1, ks=(3, 7)),
 ]
 
+# The interpreter's set: the same properties with one or two rows and one draw (a row's program costs the
+# interpreter ~0.4 s a call), eight rows once, several draws once, the kernel pipeline over one tile a rank, and 3
+# trials a live count in the accept cases (enough to take each case's paths). The GPU runs these and all of the above.
+INTERPRETED_CASES = [
+    case("tp1_2rows", R=2, tp=1, Vr=300, draws=1),
+    case("tp2_1row_4draws", R=1, tp=2, Vr=200, draws=4),
+    case("8rows_tp2_1draw", tp=2, draws=1),
+    case("tp8_ties_2rows", R=2, data="ties", top_p=0.82, draws=1),
+    case("greedy_ties_2rows", R=2, T=0.0, data="ties", top_p=0.82, draws=1),
+    case("top_p_1_1row", R=1, top_p=1.0, draws=1),
+    case("top_p_small_1row", R=1, top_p=0.05, draws=1),
+    case("temperature_small_1row", R=1, T=0.05, draws=1),
+    case("temperature_large_1row", R=1, T=5.0, draws=1),
+    case("top_k_7_1row", R=1, k=7, top_k=7, draws=1),
+    case("top_k_1", k=1, top_k=1, tp=2, R=2, draws=1),
+    case("fewer_candidates_than_top_k_1row", R=1, tp=1, Vr=10, draws=1),
+    case("seed_high_bit_1row", R=1, rng_seed=2**64 - 1, draws=1),
+    case("seed_2_63_offsets_near_int32_max_1row", R=1, rng_seed=2**63, pos=rng.MAX_POSITION - 8, draws=1),
+    case("no_draw_1row", R=1, draw=False),
+    case("e2e_kernels_tp8_one_tile_1row", e2e=True, Vr=150, R=1, draws=1),
+    case("e2e_kernels_tp2_ties_two_tiles_1row", e2e=True, tp=2, Vr=300, R=1, data="ties", top_p=0.82, draws=1),
+    *[dict(c, name=c["name"] + "_3trials", trials=3) for c in CASES if c["kind"] == "accept"],
+]
+
 GPU_CASES = [
+    *INTERPRETED_CASES,
     case("gpu_tp8_8rows_k20", Vr=20000, draws=32),
     case("gpu_tp8_1row_k20", R=1, Vr=20000, draws=64),
     case("gpu_tp8_greedy", Vr=20000, T=0.0),
@@ -296,7 +323,7 @@ def _check(c: dict, r: dict) -> None:
 
 
 # ---- interpreter tests ---------------------------------------------------------------------------------
-interpreted, test_interpreted = interpreted_tests(__file__, CASES, _check)
+interpreted, test_interpreted = interpreted_tests(__file__, INTERPRETED_CASES, _check)
 
 
 def _scalars():
@@ -360,4 +387,4 @@ def test_gpu_graph_capture():
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
-    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES])
+    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in INTERPRETED_CASES])

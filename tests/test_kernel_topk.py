@@ -5,6 +5,8 @@ interpreter in one worker subprocess: 1 and 8 rows, partial last tiles, fewer co
 power of two, exact ties (integer-valued logits, +-0.0, +-inf), a rank's vocabulary offset, strided
 rows, and more tiles than the merge reads (the tile-maxima skip, checked against the full merge).
 Outputs are pre-filled with NaN / -1. `@pytest.mark.gpu` cases use one TP8 rank: Vr = 20000, k = 20.
+The interpreter runs INTERPRETED_CASES: every property above at one or two rows and a few tiles, the skip at k = 5
+(a bitonic top-k costs it ~0.1-0.3 s a program); the GPU runs those, CASES and GPU_CASES.
 """
 
 from __future__ import annotations
