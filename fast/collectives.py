@@ -17,7 +17,9 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 ROWS = 64  # rows a call takes: the largest block (a prefill block of fast/rank.py's PREFILL_BLOCK)
 TAGS = ("all_reduce", "all_reduce_add_norm", "all_gather")
-TIMEOUT_NS = 2_000_000_000
+# A peer that has not written after this long has stopped: long enough for the ranks' first calls, which may each wait
+# on another rank still compiling its kernels (seconds under load), short enough that a dead rank ends the decode.
+TIMEOUT_NS = 60_000_000_000
 
 
 class CollectiveError(RuntimeError):

@@ -45,35 +45,6 @@ def digest(*tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-# ---- the broken protocol pieces of the negative controls -----------------------------------------------------------
-def _broken_pieces():
-    import triton
-    import triton.language as tl
-
-    from iquest.kernels import allreduce as ar
-
-    @triton.jit
-    def poll_without_waiting(own_ptr, slot, p, row, W, S, error_ptr, timeout_ns, tag, start, WORLD: tl.constexpr,
-                             CAP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
-        i = tl.arange(0, BLOCK)
-        return tl.load(own_ptr + ((slot * WORLD + p) * CAP + row).to(tl.int64) * S + i, mask=i < W, volatile=True)
-
-    @triton.jit
-    def never_rearm(own_ptr, state_ptr, call, slot, row, R, W, S, WORLD: tl.constexpr, CAP: tl.constexpr,
-                    BLOCK: tl.constexpr, BITS: tl.constexpr):
-        ticket = tl.atomic_add(state_ptr + 1, 1)
-        if ticket == R - 1:
-            tl.store(state_ptr + 1, 0)
-            tl.store(state_ptr + 2 + slot, R)
-            tl.store(state_ptr, call + 1)
-
-    @triton.jit
-    def own_order(step, rank, WORLD: tl.constexpr):
-        return (step + rank) % WORLD
-
-    return {"poll": poll_without_waiting, "rearm": never_rearm, "order": own_order}, ar
-
-
 # ---- scenarios (each runs in every rank; the return value is gathered) ------------------------------------------
 def _collectives(par, hidden: int, candidates: int = 32, dtype=torch.bfloat16):
     from iquest.fast.collectives import PeerCollectives
@@ -191,7 +162,9 @@ def controls(par, hidden: int = 1024) -> dict:
     exit: the error flag, then one clear error, nothing hangs)."""
     from iquest.fast.collectives import CollectiveError
 
-    broken, ar = _broken_pieces()
+    from iquest.kernels import allreduce as ar
+    from iquest.tests.tp_controls import BROKEN as broken
+
     out = {}
     for name in ("healthy", "poll", "rearm"):
         c = _collectives(par, hidden)
@@ -202,7 +175,7 @@ def controls(par, hidden: int = 1024) -> dict:
             mine, want = _exact(par, 8, hidden, call)
             if call % 3 == 0:
                 _late(par, 1)
-            got = ar._all_reduce(mine, b.peers, b.own, b.state, c.error, par.rank, 0, 2_000_000_000, None, None,
+            got = ar._all_reduce(mine, b.peers, b.own, b.state, c.error, par.rank, 0, 60_000_000_000, None, None,
                                  False, **pieces)
             bad += int((got != want).sum())
         torch.cuda.synchronize(par.device)
@@ -216,7 +189,7 @@ def controls(par, hidden: int = 1024) -> dict:
         g = torch.Generator(device=par.device).manual_seed(3 + par.rank)
         x = (torch.randn(8, hidden, generator=g, device=par.device) * 10 ** (par.rank % 4)).to(torch.bfloat16)
         pieces = {} if name == "healthy" else {"order": broken["order"]}
-        got = ar._all_reduce(x, b.peers, b.own, b.state, c.error, par.rank, 0, 2_000_000_000, None, None, False,
+        got = ar._all_reduce(x, b.peers, b.own, b.state, c.error, par.rank, 0, 60_000_000_000, None, None, False,
                              **pieces)
         digests[name] = digest(got)
         torch.distributed.barrier(group=par.group)
