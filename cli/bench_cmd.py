@@ -10,7 +10,9 @@ from .generate_cmd import _drafts
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (need a CUDA device)",
-                       description="Performance benchmarks. Each prints a table and can write raw JSON.")
+                       description="Performance benchmarks. Each prints a table and can write its raw JSON with --out "
+                                   "FILE: a file of record (bench/results/), which is why the benchmarks take --out "
+                                   "where the other commands' --json prints on stdout.")
     bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     s = bsub.add_parser("step", help="median latency of one speculative round: CUDA graphs vs eager",
                         description="Prefill a prompt of --context tokens, then time decode chunks with the "
@@ -33,8 +35,10 @@ def register(sub) -> None:
     s.add_argument("--history", choices=["auto", "synthetic", "prefill"], default="auto",
                    help="with --config: how the context's KV gets there: prefill it, or synthetic (random K/V with "
                         "correct position labels, only the last prompt block prefilled); auto = synthetic above "
-                        "8192 tokens (a full-size 192K prefill takes longer than a benchmark call)")
-    s.add_argument("--device", default="auto", help="with --config: cuda, cpu or auto (default auto)")
+                        "8192 tokens (a full-size 192K prefill takes longer than a benchmark call; default auto)")
+    s.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="with --config: auto (cuda when a GPU is visible), cuda or cpu (default auto); without "
+                        "--config bench step needs a CUDA device")
     s.add_argument("--context", type=int, default=1024, help="prompt length in tokens (default 1024)")
     s.add_argument("--drafts", type=_drafts, default=5, help="fixed draft depth 3..7 or auto (default 5)")
     s.add_argument("--repeats", type=int, default=10, help="measurements per variant (default 10)")
@@ -60,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--tp and --ranks need --config (a model run from synthetic rank slices)")
     if args.config:
         from ..bench.full_step import run as full_step
+        from .options import resolve_device
+
+        resolve_device(args.device)  # --device cuda without a GPU: one line
 
         if args.model:
             raise UserError("--model and --config are exclusive")
@@ -85,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
                   args.seed, args.device, args.out, kernels=tuple(args.kernels.split(",")),
                    history=args.history)
         return 0
+    bench_micro_cmd._need_gpus("iquest bench step (without --config)", 1)
     from ..bench.step import run as bench_step
     from .engines import default_model_dir
 

@@ -92,7 +92,7 @@ def register(bsub) -> None:
     c.add_argument("--set", action="append", default=[], metavar="KERNEL.NAME=VALUE",
                    help="override one constexpr, e.g. moe_down.F16=False (repeatable)")
     c.add_argument("--top", type=int, default=10, help="instructions listed per kernel (default 10)")
-    c.add_argument("--json", metavar="OUT", help="write the report here")
+    c.add_argument("--out", help="write the raw JSON report here")
     c.set_defaults(run=run_sass)
     gt = bsub.add_parser("graph-trace", help="what each kernel adds to a captured verification forward (GPU)",
                          description="Builds one TP8 rank's slice of the full-size model (random FP8 weights, "
@@ -246,7 +246,7 @@ def run_sass(args: argparse.Namespace) -> int:
         out = run(names, overrides, args.top)
     except ValueError as e:
         raise UserError(str(e)) from None
-    if args.json:
-        with open(args.json, "w") as f:
+    if args.out:
+        with open(args.out, "w") as f:
             json.dump({"target": "sm_90a", "overrides": overrides, "kernels": out}, f, indent=1)
     return 0

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 
+from .options import add_device, add_json, add_kernels, add_prompt
+
+DEFAULT_PROMPT = "def fibonacci(n):\n"
+
 
 def register(sub) -> None:
     p = sub.add_parser("debug", help="debugging tools (debug diff: taps side by side; debug chain: draft depths)",
@@ -15,19 +19,17 @@ def register(sub) -> None:
                                     "stages side by side with their relative error at --position, name the first "
                                     "layer and stage over its tolerance, and plot error by layer (PNG).")
     d.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
-    src = d.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text (tokenized with tokenizer.json)")
-    src.add_argument("--prompt-ids", help="comma-separated token ids instead of text")
-    d.add_argument("--position", type=int, default=-1, help="absolute position to compare (default: the last)")
-    d.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="fast engine compute dtype")
+    add_prompt(d, DEFAULT_PROMPT)
+    d.add_argument("--position", type=int, default=-1, help="absolute position to compare (default -1: the last)")
+    d.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="fast engine compute dtype (default fp32)")
     d.add_argument("--control", metavar="NAME",
                    help="build the fast engine as this negative control of iquest qualify does (its broken piece "
-                        "substituted), to see where its defect shows; default: the healthy engine")
-    d.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
-                   help="fast engine kernels: auto (default: triton on cuda, torch on cpu), torch or triton")
-    d.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the fast engine runs")
-    d.add_argument("--plot", default="debug-diff.png", help="PNG path for the error-by-layer plot")
-    d.add_argument("--json", metavar="OUT", help="also write the per-stage table as JSON")
+                        "substituted), to see where its defect shows (default: the healthy engine)")
+    add_kernels(d)
+    add_device(d, default="cpu")
+    d.add_argument("--plot", default="debug-diff.png", help="PNG path for the error-by-layer plot (default "
+                                                           "debug-diff.png)")
+    add_json(d, text_to_stderr=True)
     d.set_defaults(run=run)
 
     c = dsub.add_parser("chain", help="per draft depth: error carried along the chain vs error the depth adds",
@@ -39,55 +41,54 @@ def register(sub) -> None:
                                     "MTP router's top-k margin and expert choices. Prints a table per depth and "
                                     "the worst chain.")
     c.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
-    c.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="fast engine compute dtype")
-    c.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
-                   help="fast engine kernels: auto (default: triton on cuda, torch on cpu), torch or triton")
-    c.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the fast engine runs")
-    c.add_argument("--jobs", type=int, default=1, help="worker processes (one per case)")
-    c.add_argument("--json", metavar="OUT", help="also write every row as JSON")
+    c.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="fast engine compute dtype (default bf16)")
+    add_kernels(c)
+    add_device(c, default="cpu")
+    c.add_argument("--jobs", type=int, default=1, help="worker processes, one per case (default 1)")
+    add_json(c, text_to_stderr=True)
     c.set_defaults(run=run_chain)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    import contextlib
+    import sys
 
     import torch
 
     from ..fast.rank import EngineParts
     from ..qualify.controls import control
     from ..qualify.diff import diff, print_diff
-    from .engines import default_model_dir
+    from .options import engine_target, load_tokenizer, model_folder, print_json_file, prompt_ids
 
-    torch.set_num_threads(1)
-    model_dir = Path(args.model) if args.model else default_model_dir()
-    if args.prompt_ids:
-        try:
-            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-    else:
-        from tokenizers import Tokenizer
-
-        path = model_dir / "tokenizer.json"
-        if not path.exists():
-            raise FileNotFoundError(f"{model_dir} has no tokenizer.json: pass --prompt-ids")
-        ids = Tokenizer.from_file(str(path)).encode(args.prompt).ids
     parts = EngineParts() if args.control is None else control(args.control).parts  # an unknown name: one line
-    result = diff(model_dir, ids, args.position, args.dtype, parts, args.plot, args.json,
-                  device=args.device, kernels=args.kernels)
-    print_diff(result)
+    model_dir = model_folder(args.model)
+    ids = prompt_ids(args, load_tokenizer(model_dir), model_dir)
+    device = engine_target(args.device, args.kernels)
+    torch.set_num_threads(1)
+
+    def diff_to(json_path):
+        return diff(model_dir, ids, args.position, args.dtype, parts, args.plot, json_path, device=device,
+                    kernels=args.kernels)
+    if not args.json:
+        print_diff(diff_to(None))
+        return 0
+    result = print_json_file(diff_to)
+    with contextlib.redirect_stdout(sys.stderr):
+        print_diff(result)
     return 0
 
 
 def run_chain(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    import sys
 
     from ..qualify.chain import chain_report, print_chain, write_json
-    from .engines import default_model_dir
+    from .options import engine_target, model_folder, print_json_file
 
-    model_dir = str(Path(args.model) if args.model else default_model_dir())
-    rows = chain_report(model_dir, args.dtype, args.kernels, args.device, args.jobs)
-    print_chain(rows)
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    model_dir = str(model_folder(args.model))
+    rows = chain_report(model_dir, args.dtype, args.kernels, engine_target(args.device, args.kernels), args.jobs)
+    print_chain(rows, sys.stderr if args.json else sys.stdout)
     if args.json:
-        write_json(rows, args.json)
+        print_json_file(lambda path: write_json(rows, path))
     return 0

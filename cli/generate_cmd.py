@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 from ..reference.config import check_sampling
+from .options import (add_device, add_json, add_kernels, add_prompt, engine_target, load_tokenizer, model_folder,
+                      print_json, prompt_ids)
+
+DEFAULT_PROMPT = "def fibonacci(n):\n"
 
 
 def _drafts(value: str):
@@ -24,9 +26,12 @@ def _drafts(value: str):
 
 
 def register(sub) -> None:
+    from ..reference.config import GenerationConfig as G
+
     p = sub.add_parser("generate", help="decode one prompt with speculative rounds",
                        description="Decode one request. Text streams to stdout as it is produced; a summary "
-                                   "(tokens, rounds, mean accepted length, speed) follows on stderr.")
+                                   "(the engine, device, TP, kernels and depth policy that ran; tokens, rounds, mean "
+                                   "accepted length; start-up, prefill and decode times) follows on stderr.")
     p.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
     p.add_argument("--engine", choices=["reference", "fast"], default="fast",
                    help="fast = the optimized engine (default); reference = the float64 CPU ground truth")
@@ -35,64 +40,44 @@ def register(sub) -> None:
     p.add_argument("--max-context", type=int, default=4096,
                    help="fast engine: positions its static KV caches hold (default 4096)")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="fast engine compute dtype (auto = bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                   help="fast engine device (auto = cuda when available)")
-    p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
-                   help="fast engine kernels: auto (default: triton on a GPU, torch on CPU), torch (the torch form of "
-                        "every op) or triton (the Triton kernels of kernels/; on CPU only under TRITON_INTERPRET=1)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default="def fibonacci(n):\n", help="prompt text (default: a Python header)")
-    src.add_argument("--prompt-ids", help="comma-separated token ids instead of text, e.g. 1,2,3")
+                   help="fast engine compute dtype (default auto: bf16 on GPU, fp32 on CPU)")
+    add_device(p, what="fast engine device")
+    add_kernels(p)
+    add_prompt(p, DEFAULT_PROMPT)
     p.add_argument("--max-new-tokens", type=int, default=64, help="output budget in tokens (default 64)")
     p.add_argument("--seed", type=int, default=0, help="request seed: same seed, same tokens (default 0)")
     p.add_argument("--drafts", type=_drafts, default="auto",
                    help="auto (default) = the model's fitted depth controller where drafting pays on this device, plain "
                         "sampling where it does not (measured costs in round_costs.json beside the model: on CPU "
                         "plain wins); 3..7 = fixed drafts per round; 0 = plain sampling")
-    p.add_argument("--temperature", type=float, help="override generation_config.json (0 = greedy)")
-    p.add_argument("--top-k", type=int, help="override generation_config.json")
-    p.add_argument("--top-p", type=float, help="override generation_config.json, in (0, 1]")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen = "default: the model's generation_config.json, {} in the shipped model and where the file has none"
+    p.add_argument("--temperature", type=float, help=f"sampling temperature, 0 = greedy ({gen.format(G.temperature)})")
+    p.add_argument("--top-k", type=int, help=f"keep the k most likely tokens ({gen.format(G.top_k)})")
+    p.add_argument("--top-p", type=float, help=f"nucleus mass in (0, 1] ({gen.format(G.top_p)})")
+    add_json(p)
     p.set_defaults(run=run)
-
-
-def _tokenizer(model_dir: Path):
-    from tokenizers import Tokenizer
-
-    path = model_dir / "tokenizer.json"
-    return Tokenizer.from_file(str(path)) if path.exists() else None
 
 
 def run(args: argparse.Namespace) -> int:
     from ..reference.sampling import SamplingParams
-    from .engines import default_model_dir, load_engine
+    from .engines import load_engine
     from .main import UserError
 
-    model_dir = Path(args.model) if args.model else default_model_dir()
-    if not model_dir.is_dir():
-        raise UserError(f"model folder {model_dir} does not exist")
+    model_dir = model_folder(args.model)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    tok = _tokenizer(model_dir)
+    tok = load_tokenizer(model_dir)
+    prompt = prompt_ids(args, tok, model_dir)
+    device = engine_target(args.device, args.kernels) if args.engine == "fast" else "cpu"
     started = time.perf_counter()
     engine = load_engine(args.engine, model_dir, args.tp, max_context=args.max_context, dtype=args.dtype,
-                         device=args.device, kernels=args.kernels)
+                         device=device, kernels=args.kernels)
     cfg, gen = engine.config, engine.generation
     params = SamplingParams(
         temperature=gen.temperature if args.temperature is None else args.temperature,
         top_k=gen.top_k if args.top_k is None else args.top_k,
         top_p=gen.top_p if args.top_p is None else args.top_p)
     check_sampling(params.temperature, params.top_k, params.top_p)
-    if args.prompt_ids is not None:
-        try:
-            prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise UserError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-    elif tok is None:
-        raise UserError(f"{model_dir} has no tokenizer.json: pass --prompt-ids")
-    else:
-        prompt = tok.encode(args.prompt).ids
     if not prompt:
         raise UserError("the prompt is empty")
     bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
@@ -146,10 +131,10 @@ def run(args: argparse.Namespace) -> int:
         **run_info,
     }
     if args.json:
-        print(json.dumps({"engine": args.engine, "model": str(model_dir), "seed": args.seed,
-                          "prompt_ids": prompt, "output_ids": out_ids,
-                          "text": tok.decode(out_ids) if tok is not None else None,
-                          "rounds": rounds, "summary": summary}))
+        print_json({"engine": args.engine, "model": str(model_dir), "seed": args.seed,
+                    "prompt_ids": prompt, "output_ids": out_ids,
+                    "text": tok.decode(out_ids) if tok is not None else None,
+                    "rounds": rounds, "summary": summary})
     else:
         sys.stdout.write("\n")
         speed = f"{summary['decode_tokens_per_second']:.1f} tok/s" if decode > 0 else "no decode"

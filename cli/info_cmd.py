@@ -17,8 +17,8 @@ MTP layer drafts. What it reads:
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+
+from .options import add_json, print_json
 
 VERIFY_ROWS = 8
 
@@ -27,18 +27,20 @@ def register(sub) -> None:
     p = sub.add_parser("info", help="config summary, parameter count, bytes per round, memory per rank",
                        description="Summarize a model config: parameter count (from the checkpoint layout), the "
                                    "bytes one speculative round reads at a context (dense weights, experts, KV "
-                                   "cache) and the memory a rank needs at a TP degree and context. Reads only "
-                                   "config.json, so it works on configs/iquest-q1.json (never materialized).")
+                                   "cache) and the memory a rank needs at a TP degree and context. With --model it "
+                                   "checks the checkpoint's safetensors headers (names, shapes, dtypes, complete "
+                                   "files) against the layout it counts; --config reads a config alone, so it works "
+                                   "on configs/iquest-q1.json (never materialized).")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="a model folder with config.json (default: the shipped mini model)")
-    src.add_argument("--config", help="a config file instead, e.g. configs/iquest-q1.json")
+    src.add_argument("--model", help="a checkpoint folder (default: the shipped mini model)")
+    src.add_argument("--config", help="a config file alone instead, e.g. configs/iquest-q1.json")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree 1/2/4/8: bytes are per rank (default 1)")
     p.add_argument("--context", type=int, default=None,
                    help="tokens in the KV cache for bytes per round and memory (default: min(32768, "
                         "max_position_embeddings))")
     p.add_argument("--bandwidth", type=float, default=4.8,
                    help="memory bandwidth in TB/s for the round-time lower bound (default 4.8, an H200)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    add_json(p)
     p.set_defaults(run=run)
 
 
@@ -117,24 +119,42 @@ def _size(n: float) -> str:
 
 
 def _count(n: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    for unit, scale in (("billion", 1e9), ("million", 1e6), ("thousand", 1e3)):
         if n >= scale:
-            return f"{n / scale:.2f}{unit}"
+            return f"{n / scale:.2f} {unit}"
     return str(n)
+
+
+def _duration(seconds: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-6:.3g} us"
+
+
+def check_checkpoint(model_dir, config) -> dict:
+    """The checkpoint's headers against the layout `summarize` counts (CheckpointReader: names, shapes, dtypes,
+    files covering what their headers describe; no weight bytes read)."""
+    from ..reference.checkpoint import CheckpointReader, expected_dtypes_and_shapes
+
+    CheckpointReader(model_dir, config)
+    files = sorted(model_dir.glob("*.safetensors"))
+    return {"files": len(files), "tensors": len(expected_dtypes_and_shapes(config)),
+            "bytes": sum(f.stat().st_size for f in files)}
 
 
 def run(args: argparse.Namespace) -> int:
     from ..reference.config import Config
-    from .engines import default_model_dir
     from .main import UserError
+    from .options import model_folder
 
+    checkpoint = None
     if args.config:
         config, source = Config.from_file(args.config), args.config
     else:
-        model_dir = Path(args.model) if args.model else default_model_dir()
-        if not model_dir.is_dir():
-            raise UserError(f"model folder {model_dir} does not exist")
+        model_dir = model_folder(args.model)
         config, source = Config.from_dir(model_dir), str(model_dir)
+        checkpoint = check_checkpoint(model_dir, config)
     context = args.context if args.context is not None else min(32768, config.max_position_embeddings)
     if not 1 <= context <= config.max_position_embeddings:
         raise UserError(f"--context must be in 1..{config.max_position_embeddings} (max_position_embeddings), "
@@ -143,28 +163,33 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--bandwidth must be > 0 TB/s, got {args.bandwidth}")
     info = summarize(config, args.tp, context, args.bandwidth)
     info["source"] = source
+    info["checkpoint"] = checkpoint
     if args.json:
-        print(json.dumps(info))
+        print_json(info)
         return 0
     c, p, r, m = info["config"], info["parameters"], info["round_bytes"], info["memory_per_rank"]
     print(f"{source}")
-    print(f"  layers        {c['num_hidden_layers']} ({c['sliding_layers']} sliding, window {c['sliding_window']}; "
-          f"{c['full_layers']} full) + {c['mtp_layers']} MTP layer")
-    print(f"  attention     hidden {c['hidden_size']}, {c['num_attention_heads']} heads x {c['head_dim']}, "
+    if checkpoint is not None:
+        print(f"  checkpoint    {checkpoint['tensors']} tensors in {checkpoint['files']} safetensors "
+              f"file{'s' if checkpoint['files'] != 1 else ''}, "
+              f"{_size(checkpoint['bytes'])} on disk: headers match the layout")
+    print(f"  layers        {c['num_hidden_layers']} main ({c['sliding_layers']} sliding, window {c['sliding_window']} "
+          f"tokens; {c['full_layers']} full) + {c['mtp_layers']} MTP layer")
+    print(f"  attention     hidden {c['hidden_size']} dims, {c['num_attention_heads']} heads x {c['head_dim']} dims, "
           f"{c['num_key_value_heads']} KV heads")
-    print(f"  experts       {c['n_routed_experts']} routed, top-{c['num_experts_per_tok']}, "
-          f"intermediate {c['moe_intermediate_size']}")
-    print(f"  vocabulary    {c['vocab_size']}, max positions {c['max_position_embeddings']}")
+    print(f"  experts       {c['n_routed_experts']} routed, top-{c['num_experts_per_tok']} a token, "
+          f"intermediate {c['moe_intermediate_size']} dims")
+    print(f"  vocabulary    {c['vocab_size']} tokens, max positions {c['max_position_embeddings']} tokens")
     print(f"  parameters    {_count(p['total'])} total, {_count(p['experts'])} in experts, "
           f"{_count(p['active_per_token'])} active per token")
-    print(f"one round at context {context}, per rank at tp={args.tp} (8 verify rows):")
+    print(f"one round at a context of {context} tokens, per rank at tp={args.tp} (8 verify rows):")
     print(f"  dense weights {_size(r['dense'])}   (attention, routers, LM head, MTP layer)")
     print(f"  experts       {_size(r['experts_all'])} all experts | {_size(r['experts_distinct'])} "
           f"for {r['distinct_experts_per_layer']} distinct per layer (8 rows x top-k)")
     print(f"  KV cache      {_size(r['kv'])}")
     print(f"  total         {_size(r['total_all_experts'])} (all experts) | {_size(r['total_distinct_experts'])} "
-          f"(distinct): >= {r['seconds_lower_bound_all'] * 1e3:.3g} | {r['seconds_lower_bound_distinct'] * 1e3:.3g} ms "
-          f"at {args.bandwidth:g} TB/s")
-    print(f"memory per rank at tp={args.tp}, --max-context {context}: {_size(m['total'])} "
+          f"(distinct): >= {_duration(r['seconds_lower_bound_all'])} | "
+          f"{_duration(r['seconds_lower_bound_distinct'])} at {args.bandwidth:g} TB/s")
+    print(f"memory per rank at tp={args.tp}, --max-context {context} tokens: {_size(m['total'])} "
           f"(weights {_size(m['weights'])}, KV caches {_size(m['kv_cache'])}; plus ~15% headroom)")
     return 0

@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import argparse
 
+from .options import add_device, add_json, add_kernels
+
 
 def register(sub) -> None:
     p = sub.add_parser("qualify", help="qualify the fast engine against the float64 reference",
                        description="Per-position numerics (replayed decode, per position class), append-one/"
                                    "append-eight stability, decode agreement, lossless sampling, and a registry of "
-                                   "negative controls that must all be caught. Prints a table, writes a JSON "
-                                   "report, exits 1 on any failure.")
+                                   "negative controls that must all be caught. Prints a table (with --json: the "
+                                   "JSON report on stdout, the table on stderr) and progress on stderr; exits 1 on any "
+                                   "failure.")
     p.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the candidate (CPU, gloo; default 1)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="fast engine compute dtype (default fp32)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="where the candidate runs (cuda: the GPU engine, eagerly, so every block is recorded)")
-    p.add_argument("--kernels", choices=["auto", "torch", "triton"], default="auto",
-                   help="the candidate's kernels: auto (default: what the engine runs on the device: triton on cuda, "
-                        "torch on cpu), torch (the torch forms) or triton (the kernel plan of kernels/). With the MoE "
-                        "kernel the tolerance column is DTYPE+e4m3act (its Down input is E4M3)")
+    add_device(p, default="cpu", what="where the candidate runs (cuda: the GPU engine, eagerly, so every block is "
+                                      "recorded)")
+    add_kernels(p, what="the candidate's kernels (with the MoE kernel the tolerance column is DTYPE+e4m3act: its "
+                        "Down input is E4M3)")
     p.add_argument("--share-gpu", action="store_true",
                    help="with --tp N --device cuda: every rank on GPU 0 (testing tensor parallelism on one GPU; run "
                         "under an MPS daemon so the ranks' kernels run side by side: bash ci/gpu.sh mps ...)")
@@ -27,20 +28,23 @@ def register(sub) -> None:
                    help="worker processes for the independent units (the healthy engine, the lossless test and each "
                         "negative control: 12 now); auto (default) = one per CPU core, at most one per unit; 1 runs "
                         "everything in this process")
-    p.add_argument("--quick", action="store_true", help="one request and fewer samples: fits CI on fixtures/tiny")
-    p.add_argument("--json", metavar="OUT", help="write the JSON report here")
+    p.add_argument("--quick", action="store_true",
+                   help="one request and 600 lossless samples instead of four and 3000: fits CI on fixtures/tiny")
+    add_json(p, text_to_stderr=True)
     p.add_argument("--control", action="append", metavar="NAME",
-                   help="run only this negative control (repeatable; default: all)")
+                   help="run only this negative control (repeatable; default: all of them)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
     import torch
 
     from ..qualify.controls import REGISTRY
     from ..reference.config import TP_DEGREES
     from ..qualify.run import qualify
-    from .engines import default_model_dir
+    from .options import engine_target, model_folder, print_json
 
     known = {c.name for c in REGISTRY}
     for name in args.control or []:
@@ -50,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tp must be one of {TP_DEGREES}, got {args.tp}")
     from ..fast.plan import KernelPlan
 
-    kernels = KernelPlan.choose(args.kernels, args.device)
+    device = engine_target(args.device, args.kernels)
+    kernels = KernelPlan.choose(args.kernels, device)
     if args.jobs == "auto":
         import os
 
@@ -64,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
         if jobs < 1:
             raise ValueError(f"--jobs must be a positive integer or auto, got {args.jobs!r}")
     torch.set_num_threads(1)
-    report = qualify(args.model or str(default_model_dir()), tp=args.tp, quick=args.quick, dtype=args.dtype,
-                     json_out=args.json, controls=args.control, device=args.device,
-                     kernels=kernels, jobs=jobs, shared_gpu=args.share_gpu)
+    report = qualify(str(model_folder(args.model)), tp=args.tp, quick=args.quick, dtype=args.dtype,
+                     controls=args.control, device=device, kernels=kernels, jobs=jobs, shared_gpu=args.share_gpu,
+                     out=sys.stderr if args.json else None)
+    if args.json:
+        print_json(report)
     return 0 if report["passed"] else 1

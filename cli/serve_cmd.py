@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from .generate_cmd import _drafts
+from .options import add_device
 
 
 def register(sub) -> None:
@@ -29,9 +29,8 @@ def register(sub) -> None:
                    help="prompt + max_tokens limit in tokens; the fast engine sizes its KV caches to it "
                         "(default 4096, capped by the model's max_position_embeddings)")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="fast engine compute dtype (auto = bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                   help="fast engine device (auto = cuda when available)")
+                   help="fast engine compute dtype (default auto: bf16 on GPU, fp32 on CPU)")
+    add_device(p, what="fast engine device")
     p.add_argument("--drafts", type=_drafts, default="auto",
                    help="auto (default) = the fitted depth controller where drafting pays on this device, else plain "
                         "sampling (round_costs.json beside the model); 3..7 = fixed drafts per round; 0 = plain")
@@ -56,12 +55,11 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..serve.app import ServeOptions
     from ..serve.server import load_tokenizer, serve
-    from .engines import default_model_dir, load_engine
+    from .engines import load_engine
     from .main import UserError
+    from .options import model_folder, resolve_device
 
-    model_dir = Path(args.model) if args.model else default_model_dir()
-    if not model_dir.is_dir():
-        raise UserError(f"model folder {model_dir} does not exist")
+    model_dir = model_folder(args.model)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
     if args.queue_size < 0:
@@ -75,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key is empty")
     tokenizer = load_tokenizer(model_dir)
+    device = resolve_device(args.device) if args.engine == "fast" else "cpu"
     engine = load_engine(args.engine, model_dir, args.tp, max_context=args.max_context, dtype=args.dtype,
-                         device=args.device)
+                         device=device)
     policy = engine.policy(args.drafts)  # auto: plain sampling where drafting loses on this device
     print(f"iquest serve: depth policy {policy.label}", file=sys.stderr, flush=True)
     options = ServeOptions(model_name=args.served_model_name or model_dir.resolve().name, api_key=args.api_key,

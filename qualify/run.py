@@ -241,8 +241,7 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
     chosen = [c for c in REGISTRY if controls is None or c.name in controls]
     jobs = max(1, min(jobs, len(chosen) + 2))
     total = len(cases) * (1 + len(chosen)) + 2
-    show = sys.stderr.isatty() if progress is None else progress
-    with tqdm(total=total, desc="qualify", unit="step", disable=not show, file=sys.stderr) as bar:
+    with progress_bar(total, progress) as bar:
         rows, linfo, fallbacks, results = _run_units(plan, chosen, jobs, bar)
     caught = sum(r["caught"] for r in results)
     passed = all(r.passed for r in rows) and caught == len(results)
@@ -258,6 +257,38 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
     return report
 
 
+class _Lines:
+    """Progress as plain lines on stderr, for a log rather than a terminal: steps done of the total, time elapsed
+    and what is running."""
+
+    def __init__(self, total: int, out=None):
+        self.total, self.done, self.what, self.t0 = total, 0, "", time.time()
+        self.out = out or sys.stderr
+
+    def __enter__(self):
+        print(f"qualify: {self.total} steps to run", file=self.out, flush=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def set_postfix_str(self, what: str) -> None:
+        self.what = what
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = f" ({self.what})" if self.what else ""
+        print(f"qualify: {self.done}/{self.total} steps done, {time.time() - self.t0:.0f} s elapsed{now}",
+              file=self.out, flush=True)
+
+
+def progress_bar(total: int, progress: bool | None = None):
+    """progress None: a tqdm bar on a terminal, plain lines (_Lines) elsewhere; True: the bar; False: neither."""
+    if progress is None and not sys.stderr.isatty():
+        return _Lines(total)
+    return tqdm(total=total, desc="qualify", unit="step", disable=progress is False, file=sys.stderr)
+
+
 def _fmt(x) -> str:
     if isinstance(x, str):
         return x
@@ -266,24 +297,42 @@ def _fmt(x) -> str:
     return f"{x:.3g}"
 
 
+def _columns(rows: list[tuple], out) -> None:
+    """Rows of cells, each column as wide as its widest cell (left-aligned; the last column unpadded)."""
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + str(r[-1]), file=out)
+
+
+def _listed(pairs, most: int = 3) -> str:
+    """check/class pairs, the first `most` of them and how many more: never cut inside a name."""
+    names = [f"{a}/{b}" for a, b in pairs]
+    return ", ".join(names[:most]) + (f" (+{len(names) - most} more)" if len(names) > most else "")
+
+
 def print_table(report: dict, out=None) -> None:
     out = out or sys.stdout  # read at call time: a default bound at import keeps whatever stream was current then
-    w = "{:<20} {:<18} {:>10} {:>10}  {:<7} {}"
-    print(w.format("check", "class", "worst", "tolerance", "verdict", "rows"), file=out)
+    checks = [("check", "class", "worst", "tolerance", "verdict", "rows")]
     for r in report["checks"]:
-        print(w.format(r["check"], r["class"], _fmt(r["worst"]), _fmt(r["tolerance"]), r["verdict"], r["rows"]),
-              file=out)
+        if r["check"] == "lossless":  # a p-value against its significance level: it fails when small
+            worst, tol = f"p = {_fmt(r['worst'])}", f"alpha = {_fmt(r['tolerance'])}"
+        else:
+            worst, tol = _fmt(r["worst"]), _fmt(r["tolerance"])
+        checks.append((r["check"], r["class"], worst, tol, r["verdict"], r["rows"]))
+    _columns(checks, out)
+    if any(r["check"] == "lossless" for r in report["checks"]):
+        print("(worst/tolerance: the largest error and the most allowed, passing at or below it; lossless: the "
+              "chi-square test's p-value, passing at or above the significance level alpha)", file=out)
     for r in report["checks"]:
         if r["verdict"] != "pass":
             print(f"  FAIL {r['check']} / {r['class']}: {r['where']}", file=out)
     print(file=out)
-    c = "{:<22} {:<8} {:>7}  {:<48} {}"
-    print(c.format("negative control", "caught", "branch", "margin: worst / tolerance, intended checks (>1 fails)",
-                   "caught by (intended: any of the listed)"), file=out)
+    controls = [("negative control", "caught", "branch", "margin (>1: past its tolerance)", "caught by")]
     for r in report["controls"]:
-        by = ", ".join(f"{a}/{b}" for a, b in r["caught_by"]) or "NOT CAUGHT (intended: " + ", ".join(
-            f"{a}/{b}" for a, b in r["intended"][:3]) + ")"
-        print(c.format(r["name"], "yes" if r["caught"] else "NO", r["branch_count"], control_margin(r)[:48],
-                       by[:90]), file=out)
+        by = _listed(r["caught_by"]) if r["caught_by"] else f"NOT CAUGHT (intended: {_listed(r['intended'])})"
+        controls.append((r["name"], "yes" if r["caught"] else "NO", r["branch_count"], control_margin(r), by))
+    _columns(controls, out)
+    print("(branch: times the broken code ran on an input where it matters; margin: the largest worst / tolerance "
+          "of its intended checks, alpha / p for lossless: above 1 it was caught with that much to spare)", file=out)
     print(f"\nnegative controls: {report['controls_caught']} caught", file=out)
     print(f"qualification {'PASSED' if report['passed'] else 'FAILED'} in {report['seconds']:.0f} s", file=out)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import Config, GenerationConfig
@@ -152,7 +152,7 @@ class CheckpointReader:
                 raise CheckpointError(f"no {INDEX_FILE} and no *.safetensors file in {self.dir}")
             files = {}
             for path in singles:
-                with safe_open(path, "pt") as f:
+                with _safe_open(path) as f:
                     files.update({name: path for name in f.keys()})
         for name, path in files.items():
             if not path.exists():
@@ -191,7 +191,7 @@ class CheckpointReader:
     def _open(self, path: Path):
         key = str(path)
         if key not in self._handles:
-            self._handles[key] = safe_open(path, framework="pt", device="cpu")
+            self._handles[key] = _safe_open(path)
         return self._handles[key]
 
     # ---- reading --------------------------------------------------------------------------------
@@ -232,6 +232,32 @@ class CheckpointReader:
                                   f"aligned to the weight block {b}")
         s = self.read(spec.scale_name, dim, start // b, -(-stop // b))
         return w, s
+
+
+def _safe_open(path: Path):
+    """safe_open, where a damaged file (truncated, or not safetensors at all) is a CheckpointError naming it."""
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except SafetensorError as exc:
+        raise CheckpointError(f"{path}: {_damage(path)} (safetensors: {exc})") from None
+
+
+def _damage(path: Path) -> str:
+    """What is wrong with a file safe_open refused, from its size and header (8-byte length, JSON, offsets)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else None
+        if n is None or 8 + n > size:
+            return f"{size} bytes, too short for the header it declares: truncated, or not a safetensors file"
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "its header is not a safetensors header: not a safetensors file, or damaged"
+    if 8 + n + end > size:
+        return f"{size} bytes of the {8 + n + end} its header describes: the file is truncated"
+    return "not a readable safetensors file"
 
 
 _DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16, "F64": torch.float64,

@@ -88,7 +88,7 @@ def test_cli(tmp_path, capsys):
     from iquest.cli.main import main
 
     out = tmp_path / "sass.json"
-    assert main(["bench", "sass", "--kernels", "moe_down", "--set", "moe_down.F16=False", "--json", str(out)]) == 0
+    assert main(["bench", "sass", "--kernels", "moe_down", "--set", "moe_down.F16=False", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["overrides"] == {"moe_down": {"F16": False}} and report["kernels"]["moe_down"]["mix"]["F2F"] > 0
     assert "moe_down (MoE Down)" in capsys.readouterr().out

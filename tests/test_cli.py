@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from iquest.cli.main import main
 from iquest.reference.checkpoint import CheckpointReader
@@ -17,8 +21,6 @@ from iquest.reference.checkpoint import CheckpointReader
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "fixtures" / "tiny"
 EOS = 1
-
-
 
 
 def generate(capsys, *extra: str, model: Path | str = TINY) -> dict:
@@ -172,6 +174,116 @@ def test_unknown_command_and_preset(capsys, tmp_path):
     fails(capsys, ["make-fixture", "--preset", "huge", "--out", str(tmp_path)], "huge")
 
 
+# ---- the inputs of issue 39: each a line naming the file, flag or value ------------------------------------------
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a GPU says")
+
+
+def _damaged_copy(tmp_path: Path, keep: int | None = None, text: bytes | None = None) -> tuple[Path, str]:
+    model = tmp_path / "m"
+    shutil.copytree(TINY, model)
+    shard = next(model.glob("*.safetensors"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:keep] if text is None else text)
+    return model, shard.name
+
+
+@pytest.mark.parametrize("argv", [["generate", "--engine", "reference"], ["generate", "--engine", "fast"], ["info"]],
+                         ids=["reference", "fast", "info"])
+@pytest.mark.parametrize("keep", [300_000, 100], ids=["data_cut", "header_cut"])
+def test_a_truncated_safetensors_file(capsys, tmp_path, argv, keep):
+    model, shard = _damaged_copy(tmp_path, keep)
+    line = fails(capsys, argv + ["--model", str(model)], shard, "truncated")
+    assert str(keep) in line  # its size, beside what the header describes
+
+
+def test_a_file_that_is_not_safetensors(capsys, tmp_path):
+    model, shard = _damaged_copy(tmp_path, text=b"not a checkpoint at all")
+    fails(capsys, ["info", "--model", str(model)], shard)
+
+
+def test_info_checks_the_checkpoint_it_summarizes(capsys, tmp_path):
+    assert main(["info", "--model", str(TINY)]) == 0
+    assert "headers match the layout" in capsys.readouterr().out
+    (tmp_path / "config.json").write_text((TINY / "config.json").read_text())  # a config with no weights
+    fails(capsys, ["info", "--model", str(tmp_path)], "safetensors")
+
+
+def test_a_corrupt_tokenizer(capsys, tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(TINY, model)
+    (model / "tokenizer.json").write_text("{not json")
+    fails(capsys, BASE[:3] + ["--model", str(model)], "tokenizer.json")
+
+
+def test_a_prompt_that_is_not_utf8(capsys, tmp_path, monkeypatch):
+    # argv bytes that are not UTF-8 reach Python as surrogate escapes: b"\xff" is "\udcff"
+    fails(capsys, BASE + ["--prompt", b"def \xff".decode("utf-8", "surrogateescape")], "--prompt", "UTF-8")
+    bad = tmp_path / "prompt.txt"
+    bad.write_bytes(b"def f(x):\n    return '\xe9'\n")  # Latin-1, not UTF-8
+    fails(capsys, BASE + ["--prompt-file", str(bad)], str(bad), "UTF-8", "0xe9")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe")))
+    fails(capsys, BASE + ["--prompt", "-"], "stdin", "UTF-8")
+    fails(capsys, BASE + ["--prompt-file", str(tmp_path / "none.txt")], "none.txt", "No such file")
+    fails(capsys, BASE + ["--prompt-file", str(tmp_path)], str(tmp_path))
+
+
+@NO_GPU
+@pytest.mark.parametrize("argv", [
+    ["generate", "--model", str(TINY)],
+    ["qualify", "--model", str(TINY), "--quick"],
+    ["debug", "diff", "--model", str(TINY)],
+    ["debug", "chain", "--model", str(TINY)],
+], ids=["generate", "qualify", "debug_diff", "debug_chain"])
+def test_triton_kernels_on_cpu(capsys, monkeypatch, argv):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fails(capsys, argv + ["--kernels", "triton"], "--kernels triton", "TRITON_INTERPRET=1")
+    monkeypatch.setitem(sys.modules, "triton", None)  # as where only `pip install -e .` ran
+    fails(capsys, argv + ["--kernels", "triton"], "--kernels triton", "not installed")
+
+
+@NO_GPU
+@pytest.mark.parametrize("argv", [
+    ["generate", "--model", str(TINY)],
+    ["qualify", "--model", str(TINY), "--quick"],
+    ["debug", "diff", "--model", str(TINY)],
+    ["bench", "step", "--config", str(TINY / "config.json"), "--tp-slice", "2"],
+], ids=["generate", "qualify", "debug_diff", "bench_step_config"])
+def test_device_cuda_without_a_gpu(capsys, argv):
+    fails(capsys, argv + ["--device", "cuda"], "--device cuda")
+
+
+@NO_GPU
+def test_bench_step_without_a_gpu(capsys):
+    fails(capsys, ["bench", "step"], "bench step", "CUDA device")
+
+
+def test_json_takes_no_file_name(capsys):
+    fails(capsys, ["qualify", "--json", "report.json"], "report.json", "stdout")
+
+
+# ---- prompts from a file or stdin ---------------------------------------------------------------------------
+
+def test_prompt_from_a_file_or_stdin_is_the_prompt(capsys, tmp_path, monkeypatch):
+    text = "def fibonacci(n):\n    # caf\u00e9 \u2192 ok\n"
+    path = tmp_path / "prompt.py"
+    path.write_text(text, encoding="utf-8")
+    argv = ["--max-new-tokens", "2", "--seed", "5", "--drafts", "0"]
+    inline = generate(capsys, "--prompt", text, *argv)
+    assert generate(capsys, "--prompt-file", str(path), *argv)["prompt_ids"] == inline["prompt_ids"]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    from_stdin = generate(capsys, "--prompt", "-", *argv)
+    assert from_stdin["prompt_ids"] == inline["prompt_ids"] and from_stdin["output_ids"] == inline["output_ids"]
+
+
+def test_a_prompt_past_the_argument_limit(capsys, tmp_path):
+    """1 MB: more than one argv string may hold (128 KiB on Linux). It gets in, and meets the context check."""
+    path = tmp_path / "big.txt"
+    path.write_text("x = 1\n" * ((1 << 20) // 6 + 1))
+    assert path.stat().st_size > 1 << 20
+    fails(capsys, BASE + ["--prompt-file", str(path)], "prompt (", "context")
+
+
 # ---- make-fixture ---------------------------------------------------------------------------------------
 
 def test_make_fixture_writes_a_loadable_checkpoint(capsys, tmp_path):
@@ -213,3 +325,25 @@ def test_console_script_error_has_no_traceback(tmp_path):
     assert p.stdout == ""
     assert p.stderr.strip().splitlines() == [p.stderr.strip()] and "Traceback" not in p.stderr
     assert "99999" in p.stderr
+
+
+def test_ctrl_c_while_torch_imports(tmp_path):
+    """SIGINT as soon as the process maps libtorch (inside `import torch`, which main() does after its Ctrl-C handling
+    is in place): one line and 130, as a Ctrl-C mid-decode gives."""
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc to see when torch starts loading")
+    cmd = _script() + ["generate", "--engine", "reference", "--model", str(TINY), "--prompt-ids", "1,2"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while p.poll() is None and time.monotonic() < deadline:
+        try:
+            if "libtorch" in Path(f"/proc/{p.pid}/maps").read_text():
+                break
+        except OSError:
+            pass
+        time.sleep(0.002)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert err.strip() == "iquest generate: interrupted", err

@@ -4,8 +4,10 @@ full-size config without materializing it."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import pytest
 
 from iquest.cli.info_cmd import kv_read_bytes
 from iquest.cli.main import main
@@ -79,3 +81,20 @@ def test_help_explains_each_flag(capsys):
     out = capsys.readouterr().out
     for flag in ("--model", "--config", "--tp", "--context", "--bandwidth", "--json"):
         assert flag in out
+
+
+UNITS = {"tensors", "safetensors", "B", "KiB", "MiB", "GiB", "tokens", "main", "sliding", "full", "MTP", "dims",
+         "heads", "KV", "routed", "thousand", "million", "billion", "verify", "distinct", "rows", "us", "ms", "s",
+         "TB/s", "%"}
+
+
+@pytest.mark.parametrize("argv", [["--model", str(TINY)], ["--config", str(FULL), "--tp", "8"]], ids=["tiny", "full"])
+def test_every_figure_has_its_unit(capsys, argv):
+    """Each number in the table is followed by what it counts or measures (or is a tp=N / top-N label)."""
+    assert main(["info", *argv]) == 0
+    bare = []
+    for line in capsys.readouterr().out.splitlines()[1:]:  # the first line is the source path
+        for m in re.finditer(r"(?<![\w.=-])\d+(?:\.\d+)?(?![\w.])(%|\s+([^\s,;:()|]+))?", line):
+            if (m.group(1) or "").strip().rstrip(",;:)") not in UNITS:
+                bare.append(f"{m.group(0)!r} in {line.strip()!r}")
+    assert not bare, bare

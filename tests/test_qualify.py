@@ -4,6 +4,8 @@ structure; `iquest debug diff` writes a PNG and names the first stage over toler
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -20,10 +22,11 @@ TINY = ROOT / "fixtures" / "tiny"
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("qualify") / "report.json"
-    rc = main(["qualify", "--model", str(TINY), "--quick", "--json", str(out)])
-    data = json.loads(out.read_text())
+def report():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # --json: the report on stdout (the table goes to stderr)
+        rc = main(["qualify", "--model", str(TINY), "--quick", "--json"])
+    data = json.loads(out.getvalue())
     data["_rc"] = rc
     return data
 
@@ -90,17 +93,18 @@ def test_chi2_survival_function():
 
 
 def test_debug_diff_writes_png_and_names_a_stage(tmp_path, capsys):
-    png, js = tmp_path / "diff.png", tmp_path / "diff.json"
+    png = tmp_path / "diff.png"
     ids = ",".join(str(i) for i in range(3, 23))
     assert main(["debug", "diff", "--model", str(TINY), "--prompt-ids", ids, "--position", "12", "--plot", str(png),
-                 "--json", str(js), "--control", "rope_shift_rows"]) == 0
+                 "--json", "--control", "rope_shift_rows"]) == 0
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
-    data = json.loads(js.read_text())
+    out, err = capsys.readouterr()
+    data = json.loads(out)  # --json: the JSON on stdout, the table on stderr
     assert data["first_over"] == {"layer": "0", "stage": "attn_out"}
-    assert "first over tolerance at layer 0, stage attn_out" in capsys.readouterr().out
+    assert "first over tolerance at layer 0, stage attn_out" in err
     assert main(["debug", "diff", "--model", str(TINY), "--prompt-ids", ids, "--position", "12", "--plot",
-                 str(png), "--json", str(js)]) == 0
-    assert json.loads(js.read_text())["first_over"] is None
+                 str(png)]) == 0
+    assert "every layer and stage within tolerance" in capsys.readouterr().out
 
 
 def test_debug_diff_refuses_an_unknown_control(tmp_path, capsys):
