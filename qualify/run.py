@@ -168,7 +168,7 @@ def control_margin(r: dict) -> str:
     if not ratios:
         return "-"
     ratio, where = max(ratios)
-    return f"{ratio:.3g}x ({where})"
+    return (f"{ratio:.3g}x" if math.isfinite(ratio) else "past a zero tolerance") + f" ({where})"
 
 
 class _NoBar:
