@@ -33,7 +33,50 @@ def patch_interpreter() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patched
+    _skip_relaunch_patching(interpreter)
     interpreter._iquest_patched = True
+
+
+def _skip_relaunch_patching(interpreter) -> None:
+    """Triton 3.6's interpreter re-patches triton.language (`_patch_lang`: an `inspect.getmembers` walk of four modules,
+    then every patched attribute set again) on every call of a @triton.jit helper, though within one kernel launch the
+    modules a helper sees stay patched once patched: a quarter of an interpreted kernel's time. Here each launch
+    patches each language module (triton.language, triton.language.core) the first time a function that sees it is
+    called, as before, and skips the repeats."""
+    import inspect
+
+    patched: list[set] = []  # per active launch: the language modules patched in it
+    seen: dict = {}  # function -> the language modules its globals hold
+
+    def langs(fn) -> set:
+        if fn not in seen:
+            seen[fn] = {id(v) for v in fn.__globals__.values()
+                        if inspect.ismodule(v) and v in (interpreter.tl, interpreter.tl.core)}
+        return seen[fn]
+
+    launch = interpreter.GridExecutor.__call__
+
+    def grid_call(self, *args, **kwargs):
+        patched.append(langs(self.fn))  # the launch patches its kernel's own modules first
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def device_call(self, *args, **kwargs):
+        needed = langs(self.fn)
+        if not patched or not needed <= patched[-1]:
+            interpreter._patch_lang(self.fn)
+            if patched:
+                patched[-1] |= needed
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    interpreter.GridExecutor.__call__ = grid_call
+    interpreter.InterpretedFunction.__call__ = device_call
 
 
 def run_worker(script: str, timeout: float = 1200) -> dict:
