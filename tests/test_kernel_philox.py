@@ -5,7 +5,8 @@ third leg, under Triton's CPU interpreter in one worker subprocess: several seed
 high bits set), positions 0, small and near `rng.MAX_POSITION`, all three purposes, int and per-element
 tensor depths, out-of-range positions/depths (the int32 wrap), strided inputs and outputs, several
 blocks; a hypothesis property (derandomized, so CI sees the same examples); and negative controls (the
-slot off by one) that the same checks must reject. `@pytest.mark.gpu`: the same cases on CUDA, the
+slot off by one) that the same checks must reject. The interpreter takes three of the ten seeds in the positions x
+slots grid (each seed is a launch; INTERPRETED_CASES); the GPU takes all ten. `@pytest.mark.gpu`: the same cases on CUDA, the
 property on CUDA, and a CUDA-graph capture replayed under new seeds and positions.
 
 Interpreter finding (Triton 3.6.0, torch 2.13 CPU): `tl.rand(tl.load(seed_ptr), offset)` equals
@@ -77,6 +78,11 @@ CASES += [
     case("n2000_depth_tensor", list(range(2000)), purpose=PURPOSE_DRAFT, depth="tensor", seeds=[2**64 - 1]),
     case("n0_empty", [], seeds=[1]),
 ]
+# The interpreter runs the positions x slots cases with three of the seeds (0, the sign bit alone, every bit), each
+# seed a launch; the other cases, the controls and the property with theirs. The GPU runs every case with every seed.
+FEW_SEEDS = [0, 2**63, 2**64 - 1]
+GRID = len(POSITIONS) * len(SLOTS)
+INTERPRETED_CASES = [dict(c, seeds=FEW_SEEDS) for c in CASES[:GRID]] + CASES[GRID:]
 # Negative controls: the kernel launched with the slot off by one must fail the same equality check.
 NEGATIVE_CASES = [
     case("neg_commit_slot_plus1", POSITIONS["small"], negative=True),
@@ -252,7 +258,7 @@ def test_property_negative_control_interpreted(interpreted):
     assert caught == 1 and r["examples"] >= 1, f"the property did not catch a slot off by one: {r}"
 
 
-interpreted, test_interpreted = interpreted_tests(__file__, CASES + NEGATIVE_CASES, _check)
+interpreted, test_interpreted = interpreted_tests(__file__, INTERPRETED_CASES + NEGATIVE_CASES, _check)
 
 
 # ---- argument checks (no launch) ---------------------------------------------------------------------------
@@ -375,7 +381,7 @@ def test_gpu_graph_capture_replay():
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
-    jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + NEGATIVE_CASES]
+    jobs = [(c["name"], lambda c=c: run_case(c, "cpu")) for c in INTERPRETED_CASES + NEGATIVE_CASES]
     jobs += [("property", lambda: _property_job("cpu")),
              ("property_negative", lambda: _property_job("cpu", slot_shift=1, max_examples=NEGATIVE_PROPERTY_EXAMPLES))]
     worker_main(jobs)
