@@ -88,7 +88,7 @@ NEGATIVE_CASES = [
     case("neg_commit_slot_plus1", POSITIONS["small"], negative=True),
     case("neg_draft_tensor_slot_minus1", POSITIONS["mixed7"], purpose=PURPOSE_DRAFT, depth="tensor", negative=True),
 ]
-PROPERTY_EXAMPLES = 150
+PROPERTY_EXAMPLES = 60  # under the interpreter; the GPU test runs 500
 NEGATIVE_PROPERTY_EXAMPLES = 50
 
 
