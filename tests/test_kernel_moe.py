@@ -153,15 +153,18 @@ CASES += [
     case("residual_3rows_mask_3_tiles_wide_down", R=3, H=560, live="mask", out="bf16", x="bf16", residual=3,
          down_block_n=128),
     case("dup_32rows_k4_E6_mask_two_row_blocks_narrow", R=32, k=4, E=6, H=32, I=16, live="mask"),
+    case("rect_blocks_32x16_4rows", R=4, block=(32, 16), H=80, I=48),
 ]
 # The interpreter's set: each property above once (one row, k = 8, ownership with repeats, padding rows that choose
-# experts of their own, no live rows, partial tiles and blocks, splits with a partial last tile or a boundary inside
-# a scale block, several Gate/Up tiles, two row blocks at MAX_PAIRS, fp32 x on the bf16 grid, the fused input norm,
-# moe()'s defaults); the five-launch oracle runs on the cases in ORACLE. The GPU runs every case with the oracle.
+# experts of their own, no live rows, partial tiles and blocks, rectangular scale blocks, splits with a partial last
+# tile or a boundary inside a scale block, several Gate/Up tiles, two row blocks at MAX_PAIRS, fp32 x on the bf16
+# grid, the fused input norm, moe()'s defaults); the five-launch oracle runs on the cases in ORACLE (the split plan's
+# clamping is host arithmetic: test_split_plan_clamps). The GPU runs every case with the oracle.
 INTERPRETED = ("1row", "1row_k8", "8rows_random", "ties_equal_weights_same_experts", "split2_no_live_rows",
                "partial_tiles_1row_count", "mini_model_default_tiles", "dup_32rows_k4_E6_mask_two_row_blocks_narrow",
                "split3_padding_mask_poisoned", "split3_last_tile_partial_4rows", "split2_in_scale_block_group32_4rows",
-               "gate_up_16_wide_3rows", "fp32x_bf16_4rows_bf16_out", "residual_3rows_mask_3_tiles_wide_down")
+               "gate_up_16_wide_3rows", "fp32x_bf16_4rows_bf16_out", "residual_3rows_mask_3_tiles_wide_down",
+               "rect_blocks_32x16_4rows")
 ORACLE = ("1row", "8rows_random", "partial_tiles_1row_count", "mini_model_default_tiles",
           "split3_last_tile_partial_4rows", "fp32x_bf16_4rows_bf16_out")
 INTERPRETED_CASES = [dict(c, oracle=c["name"] in ORACLE) for c in CASES if c["name"] in INTERPRETED]
@@ -846,6 +849,15 @@ def test_rejects_bad_inputs(over, message):
     kw = {k: v for k, v in over.items() if k not in ARGS}
     with pytest.raises(ValueError, match=message):
         mk.moe(*(t[a] for a in ARGS), block=(16, 16), **{"group": 16, **kw})
+
+
+@pytest.mark.parametrize("H, split_k, split, per", [(64, 100, 4, 16), (128, 5, 4, 32), (128, 3, 3, 48),
+                                                     (136, 3, 3, 48)])
+def test_split_plan_clamps(H, split_k, split, per):
+    """Gate/Up's grid for a requested split (K tiles of 16, as the split cases): at most one split a K tile, whole K
+    tiles a split, no empty split (5 becomes 4 at 8 tiles), the last one shorter where H is not whole splits."""
+    grid, bn, bk, k_per_split = mk.gate_up_grid(32, 16, 4, H, 32, (16, 16), 16, mk.GATE_UP_BLOCK_N, split_k, 132)
+    assert (grid[2], bk, k_per_split) == (split, 16, per) and (split - 1) * per < H <= split * per
 
 
 @pytest.mark.parametrize("R, split", [(1, 16), (2, 8), (6, 8), (8, 8), (16, 8)])
