@@ -3,8 +3,9 @@ takes), the launch configurations they resolve to against the wrappers' own help
 rotates over, the output comparison with its negative controls, the verdict and the table/JSON on a
 fabricated result, and the CLI without CUDA. Under the Triton interpreter (a worker subprocess), the
 sweep itself at small shapes with CUDA graphs and timing faked: every candidate checked, failing ones
-reported (error, mismatch, replay mismatch, skipped by the time budget), none dropped. The real run is
-`@pytest.mark.gpu`."""
+reported (error, mismatch, replay mismatch, skipped by the time budget), none dropped; on a 64-wide hidden size and
+one MoE routing, since every interpreted call costs the sweep's time and the checks need only a few. The real run
+is `@pytest.mark.gpu`."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ operation in NumPy, like torch's separate kernels); bf16 may differ by one unit 
 the interpreter truncates fp32 -> bf16 where the GPU and torch round to nearest even. On the GPU both
 dtypes must be bit-identical (the kernel is compiled without FMA contraction). Every case pre-fills the
 rotated-q output with NaN and the caches with random values, and checks that only the rows' slots (and
-the trash slot for padding rows) changed.
+the trash slot for padding rows) changed. The interpreter runs every case (~4 s): its cases are the boundary shapes
+(ring wrap, table ends, split partials) whose roundings it checks bit for bit.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ sequence the engine's fallback runs.
 Property test over the step's input space (position, committed count, accepted count and drafts, stop tokens anywhere
 or nowhere, budgets that cut the log or end the request, a log or context near full): from one random state both
 must leave every state tensor equal outside the trash entries, and the same drafting inputs. Under the interpreter on
-the CPU (one worker subprocess) and on the GPU, with a negative control (a settle step that ignores the budget).
+the CPU (one worker subprocess, 60 examples: integer bookkeeping, ~1 s) and on the GPU (200), with a negative control
+(a settle step that ignores the budget).
 """
 
 from __future__ import annotations
