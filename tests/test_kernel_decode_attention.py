@@ -271,20 +271,6 @@ def test_gpu_capacity_adds_no_reads():
     assert times[196_608] < 1.5 * times[4_200] + 0.005, times
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("context", [4_096, 32_768, 196_608])
-def test_gpu_speed_report(context):
-    """Prints time against the KV-read floor (GPU_FACTS.md: 0.5 / 3.9 / 23.6 us at 4.26 TB/s)."""
-    from triton.testing import do_bench
-
-    c = case("t", D=128, dtype="bf16", capacity=196_608, last=context - 1, num_splits=None, block_n=64, min_split=None)
-    t = build(c, "cuda")
-    ms = do_bench(lambda: da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"], t["sinks"], None, 0,
-                                              t["kv_len"]), warmup=20, rep=200)
-    floor_us = 2 * context * 128 * 2 / 4.26e12 * 1e6
-    print(f"context {context}: {ms * 1e3:.1f} us (KV-read floor {floor_us:.1f} us)")
-
-
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 

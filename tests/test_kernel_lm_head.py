@@ -276,30 +276,6 @@ def test_gpu_graph_replay_deterministic(R):
     assert torch.equal(lm.lm_head(t["x"], t["w"]), eager)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("R", [1, 6, 8])
-def test_gpu_speed_report(R):
-    """Prints us and TB/s of weight read for the default and a few other tile configurations, next to the engine's
-    fp32 product (491 MB per call; ~125 us measured). Nothing asserted: for tuning the defaults."""
-    from triton.testing import do_bench
-
-    t = build(case("s", R=R, **GPU), "cuda")
-    x, w = t["x"], t["w"]
-    w32 = w.float()
-    out = torch.empty(R, GPU["V"], device="cuda")
-    ms = do_bench(lambda: x.float() @ w32.T, warmup=20, rep=200)
-    print(f"R={R} engine fp32 matmul: {ms * 1e3:.1f} us, {w32.numel() * 4 / (ms * 1e-3) / 1e12:.2f} TB/s")
-    configs = [dict()] + [dict(block_v=bv, block_k=bk, num_warps=nw, num_stages=ns)
-                          for bv in (32, 64, 128) for bk in (64, 128, 256) for nw in (4, 8) for ns in (3, 4, 5)]
-    for cfg in configs:
-        try:
-            ms = do_bench(lambda: lm.lm_head(x, w, out=out, **cfg), warmup=20, rep=200)
-        except Exception as e:  # e.g. out of shared memory for the largest tiles
-            print(f"R={R} {cfg}: {type(e).__name__}")
-            continue
-        print(f"R={R} {cfg or 'default'}: {ms * 1e3:.1f} us, {w.numel() * 2 / (ms * 1e-3) / 1e12:.2f} TB/s")
-
-
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
