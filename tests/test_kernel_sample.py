@@ -94,7 +94,7 @@ INTERPRETED_CASES = [
     case("temperature_small_1row", R=1, T=0.05, draws=1),
     case("temperature_large_1row", R=1, T=5.0, draws=1),
     case("top_k_7_1row", R=1, k=7, top_k=7, draws=1),
-    case("top_k_1", k=1, top_k=1, tp=2, R=2, draws=1),
+    case("top_k_1_1draw", k=1, top_k=1, tp=2, R=2, draws=1),
     case("fewer_candidates_than_top_k_1row", R=1, tp=1, Vr=10, draws=1),
     case("seed_high_bit_1row", R=1, rng_seed=2**64 - 1, draws=1),
     case("seed_2_63_offsets_near_int32_max_1row", R=1, rng_seed=2**63, pos=rng.MAX_POSITION - 8, draws=1),
