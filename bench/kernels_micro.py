@@ -308,8 +308,8 @@ def _measure(op: str, base, copies: list, variants: dict[str, Variant], repeats:
     return out
 
 
-def _copies(nbytes: int) -> int:
-    return max(1, math.ceil(ROTATE_BYTES / nbytes))
+def _copies(nbytes: int, rotate: int = ROTATE_BYTES) -> int:
+    return max(1, math.ceil(rotate / nbytes))
 
 
 # ---- the other decode ops: ours against the engine's torch forms --------------------------------------
@@ -350,7 +350,8 @@ def _equal_check(names: tuple[str, ...]) -> Callable[[dict], tuple[float | None,
 def moe_bench(config: Config, rows: int, device) -> OpBench:
     """The MoE as the engine's plan calls it (fp32 routing input rounded to bf16 in the kernel, the norm's fp16
     tiles, TMA, E4M3 Down), rotating over routings of ~13 distinct experts each (`bench tune`'s inputs), against the
-    float64 reference with the same act_quant (no torch variant: the fallback's per-expert loop is not the same work)."""
+    float64 reference with the same act_quant (no torch variant: the fallback's per-expert loop is not the same
+    work)."""
     from .tune import compare, moe_case, tune_shape
 
     case = moe_case(tune_shape(config, TP, rows=rows), device)
@@ -362,7 +363,7 @@ def moe_bench(config: Config, rows: int, device) -> OpBench:
     return OpBench("moe", rows, case.desc + "; fp8_down", {OURS: calls}, {OURS: case.bytes}, check)
 
 
-def router_bench(config: Config, rows: int, device, ours=None, seed: int = 3) -> OpBench:
+def router_bench(config: Config, rows: int, device, ours=None, seed: int = 3, rotate: int = ROTATE_BYTES) -> OpBench:
     """The router (logits, softmax, top-k, weights) of a bf16-held router weight, rotating over weight copies, against
     the torch form on the fp32 copy the fallback holds (fast/torch_ops.TorchOps.route)."""
     from ..kernels import router as rt
@@ -375,8 +376,8 @@ def router_bench(config: Config, rows: int, device, ours=None, seed: int = 3) ->
     norm, scaling = config.norm_topk_prob, float(config.routed_scaling_factor)
     x = torch.randn(rows, H, generator=g).to(device)
     w0 = (torch.randn(E, H, generator=g) * 0.05).bfloat16().to(device)
-    ws = [w0] + [w0.clone() for _ in range(_copies(2 * E * H) - 1)]
-    w32 = [w.float() for w in ws[:_copies(4 * E * H)]]
+    ws = [w0] + [w0.clone() for _ in range(_copies(2 * E * H, rotate) - 1)]
+    w32 = [w.float() for w in ws[:_copies(4 * E * H, rotate)]]
     small = 4 * rows * H + 4 * rows * E + 12 * rows * k  # x read, scores and the choice written
     return OpBench("router", rows, f"x [{rows}, {H}] fp32 @ router [{E}, {H}]^T, softmax, top-{k}",
                    {OURS: [lambda w=w: ours(x, w, k, norm, scaling) for w in ws],
@@ -385,7 +386,7 @@ def router_bench(config: Config, rows: int, device, ours=None, seed: int = 3) ->
                    lambda outs: compare("router", outs[OURS], outs["torch"]) if len(outs) == 2 else (None, None))
 
 
-def lm_head_bench(config: Config, rows: int, device, ours=None, seed: int = 4) -> OpBench:
+def lm_head_bench(config: Config, rows: int, device, ours=None, seed: int = 4, rotate: int = ROTATE_BYTES) -> OpBench:
     """The vocabulary-parallel LM head of one rank (bf16 weight, fp32 logits), against the fallback's fp32 product on
     the fp32 copy it holds (TorchOps.lm_head)."""
     from ..kernels.lm_head import lm_head
@@ -395,8 +396,8 @@ def lm_head_bench(config: Config, rows: int, device, ours=None, seed: int = 4) -
     V, H = config.vocab_size // TP, config.hidden_size
     x = torch.randn(rows, H, generator=g).to(torch.bfloat16).to(device)
     w0 = (torch.randn(V, H, generator=g) * 0.02).to(torch.bfloat16).to(device)
-    ws = [w0] + [w0.clone() for _ in range(_copies(2 * V * H) - 1)]
-    w32 = [w.float() for w in ws[:_copies(4 * V * H)]]
+    ws = [w0] + [w0.clone() for _ in range(_copies(2 * V * H, rotate) - 1)]
+    w32 = [w.float() for w in ws[:_copies(4 * V * H, rotate)]]
     io = 2 * rows * H + 4 * rows * V
     return OpBench("lm_head", rows, f"x [{rows}, {H}] bf16 @ W [{V}, {H}]^T bf16, fp32 logits",
                    {OURS: [lambda w=w: ours(x, w) for w in ws], "torch": [lambda w=w: x.float() @ w.T for w in w32]},

@@ -83,7 +83,8 @@ def register(bsub) -> None:
                                     "bytes (spills), shared memory and the most frequent instructions.")
     c.add_argument("--kernels", default="moe_gate_up_tma,moe_down_tma,fp8_linear",
                    help="comma-separated: moe_gate_up (pointer loads, x rescaled in the kernel), moe_gate_up_prescaled "
-                        "(the norm's fp16 tiles), moe_gate_up_tma (the engine's form: those tiles, weights through TMA), "
+                        "(the norm's fp16 tiles), moe_gate_up_tma (the engine's form: those tiles, weights through "
+                        "TMA), "
                         "moe_down (pointer loads), moe_down_tma (the engine's form), moe_down_early (with early_down), "
                         "moe_down_fp8 (the plan's fp8_down), fp8_linear (q/k/v as the engine runs it, tiles "
                         "preloaded), fp8_linear_loop, fp8_linear_norm (the plan's fused_input_norm: rows scaled by "

@@ -294,8 +294,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     serial = split_k > 1 and locks is not None and not unsummed
     if direct is not None:
         fd.launch(grid, x, direct, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0),
-                  expect[1], k_per_split, split_k, block, split, serial, tiles, norm_args, launch_options(pdl, x.device),
-                  reversed_tiles=_REVERSED_TILES)
+                  expect[1], k_per_split, split_k, block, split, serial, tiles, norm_args,
+                  launch_options(pdl, x.device), reversed_tiles=_REVERSED_TILES)
     else:
         _fp8_linear_kernel[grid](
             x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],

@@ -159,9 +159,10 @@ def _torch_forms() -> dict:
 
 
 def _benches(rows: int, forms: dict) -> list:
-    out = [km.router_bench(TINY, rows, "cpu", ours=forms["router"]),
-           km.lm_head_bench(TINY, rows, "cpu", ours=forms["lm_head"]),
-           km.topk_bench(TINY, rows, "cpu", ours=forms["topk"]), km.sample_bench(TINY, rows, "cpu", ours=forms["sample"])]
+    out = [km.router_bench(TINY, rows, "cpu", ours=forms["router"], rotate=1 << 14),  # a few weight copies
+           km.lm_head_bench(TINY, rows, "cpu", ours=forms["lm_head"], rotate=1 << 14),
+           km.topk_bench(TINY, rows, "cpu", ours=forms["topk"]),
+           km.sample_bench(TINY, rows, "cpu", ours=forms["sample"])]
     return out + ([km.accept_bench(TINY, rows - 1, "cpu", ours=forms["accept"])] if rows > 1 else [])
 
 

@@ -127,7 +127,7 @@ CASES = [
          compute="bf16", x_ties=True),
     case("fp32x_bf16_poison_count", R=7, live="count", pattern="poison", compute="bf16", out="bf16", x_ties=True),
     case("fp32x_bf16_mini_default_tiles", R=6, E=16, k=4, H=256, I=128, block=(16, 16), block_k=None,
-         down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True),  # as fast/triton_ops.py calls it
+         down_block_n=None, down_block_k=None, compute="bf16", out="bf16", x_ties=True),  # the engine's call
     # weight tiles through per-element pointers (tma=False; the default takes tensor descriptors wherever the rows
     # are 16-byte multiples, i.e. in every case above but the partial ones): the same tiles, so the oracle's bits
     case("pointer_loads_8rows_random", launch=dict(tma=False)),

@@ -95,7 +95,8 @@ CASES = [
 
 # The interpreter leaves out cases whose properties others there have (E = 256 once, two row blocks once, the twins
 # of a bf16 router at the default tile and with ties); the GPU runs every case.
-INTERPRETED_CASES = [c for c in CASES if c["name"] not in ("8rows_E256_k2_no_norm", "bf16_router_E17_k5_two_row_blocks")]
+INTERPRETED_CASES = [c for c in CASES
+                     if c["name"] not in ("8rows_E256_k2_no_norm", "bf16_router_E17_k5_two_row_blocks")]
 
 GPU_CASES = [  # the model: H = 6144, E = 256, k = 8, norm_topk_prob, routed_scaling_factor 1.0
     case("gpu_8rows_model", R=8, E=256, H=6144, block_e=None, block_h=None, scaling=1.0, seed=100),
