@@ -105,7 +105,7 @@ def _poll(own_ptr, slot, p, row, W, S, error_ptr, timeout_ns, tag, start,
 def _rearm_and_advance(own_ptr, state_ptr, call, slot, row, R, W, S, WORLD: tl.constexpr, CAP: tl.constexpr,
                        BLOCK: tl.constexpr, BITS: tl.constexpr):
     """Fill the previous slot's used rows of the own buffer with the sentinel (this program's share: rows row, row + R,
-    ...), then count this program in; the last one records this call's rows and advances the call counter."""
+    ...), then `_advance`."""
     i = tl.arange(0, BLOCK)
     ok = i < W
     prev = (call + 2) % 3
@@ -116,6 +116,12 @@ def _rearm_and_advance(own_ptr, state_ptr, call, slot, row, R, W, S, WORLD: tl.c
             dst = own_ptr + ((prev * WORLD + p) * CAP + r).to(tl.int64) * S + i
             tl.store(dst, _sentinel(tl.zeros([BLOCK], dtype=own_ptr.dtype.element_ty), BITS), mask=ok)
         r += R
+    _advance(state_ptr, call, slot, R)
+
+
+@triton.jit
+def _advance(state_ptr, call, slot, R):
+    """Count this program in; the call's last one records its rows and advances the call counter."""
     ticket = tl.atomic_add(state_ptr + 1, 1)
     if ticket == R - 1:
         tl.store(state_ptr + 1, 0)

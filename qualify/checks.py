@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..fast.cache import layer_slots
+from ..fast.cache import StaticKV, layer_slots
 from ..fast.parallel import Parallel
 from ..fast.plan import KernelPlan
 from ..fast.rank import PREFILL_BLOCK, EngineOptions, EngineParts, RankEngine, Request, cache_capacity
@@ -123,10 +123,12 @@ def reference_dist(model_dir: str, params: SamplingParams):
     return dist
 
 
-def sliding_ring(config: Config, options: EngineOptions) -> int:
-    """Slots of a main sliding layer's ring under `options` (the whole capacity when no layer slides)."""
+def sliding_ring(config: Config, options: EngineOptions, cache: type[StaticKV] = StaticKV) -> int:
+    """Slots of a main sliding layer's ring under `options` with the cache class `cache` (a negative control's may
+    hold fewer spare slots); the whole capacity when no layer slides."""
     sliding = any(config.layer_type(i) == "sliding_attention" for i in range(config.num_hidden_layers))
-    return layer_slots(config, "sliding_attention" if sliding else "full_attention", cache_capacity(options))
+    return layer_slots(config, "sliding_attention" if sliding else "full_attention", cache_capacity(options),
+                       cache.ring_slack)
 
 
 def record(engine: RankEngine, case: Case, run=None, taps: bool = False) -> tuple[SamplingParams, list, list]:
@@ -150,7 +152,7 @@ def decode_session(engine: RankEngine, model_dir: str, case: Case, tol: str, run
     stream = list(case.prompt) + out
     tol_rel = tolerances.value("numerics.logits", tol)
     ref = reference(model_dir)
-    ring = sliding_ring(engine.config, engine.options)
+    ring = sliding_ring(engine.config, engine.options, type(engine.cache))
     result = score(blocks, ref, stream, params, tol_rel, engine.config.sliding_window, ring,
                    engine.model.w.vocab_offset, full_vocab=engine.par.world == 1,
                    sampler_tol=tolerances.value("numerics.sampler", tol),

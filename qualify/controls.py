@@ -10,6 +10,7 @@ with a zero count is reported as not caught.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -19,6 +20,7 @@ from ..fast.cache import LayerKV, StaticKV
 from ..fast.model import Block, FastModel
 from ..fast.rank import EngineParts
 from ..fast.round import RoundRunner
+from ..fast.torch_ops import TorchOps
 from ..fast.weights import FP8Weight, WeightLoader
 from ..reference.checkpoint import CheckpointReader
 from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT
@@ -36,46 +38,6 @@ class Control:
     family: str                     # "decode" (recorded sessions) or "lossless"
     branch: Callable                # (sessions or lossless info, model_dir) -> times the broken path mattered
     branch_what: str
-
-
-def _verify_blocks(sessions, pred=lambda b: True) -> int:
-    return sum(1 for s in sessions for b in s.blocks if b.kind == "verify" and pred(b))
-
-
-def _rounds(sessions, pred) -> int:
-    return sum(1 for s in sessions for st in s.steps[1:] if pred(st))
-
-
-def _forward_rows(sessions) -> int:
-    return sum(sum(b.live) for s in sessions for b in s.blocks if b.kind != "draft")
-
-
-def _draft_rows(sessions) -> int:
-    return sum(sum(b.live) for s in sessions for b in s.blocks if b.kind == "draft")
-
-
-def _square_scales(model_dir) -> int:
-    reader = CheckpointReader(model_dir)
-    count = 0
-    for name in reader.names():
-        if name.endswith("_scale_inv"):
-            continue
-        _, s = reader.read_weight(name)
-        if s is not None and s.shape[-1] == s.shape[-2] and not bool((s == s.transpose(-1, -2)).all()):
-            count += 1
-    return count
-
-
-def _cut_rows(sessions) -> int:
-    """Sampled rows where ROUND.md's top-p keeps more than one token (so there is a crossing token to drop)."""
-    from ..reference import sampling
-
-    return sum(1 for s in sessions for b in s.blocks for _, _, _, logits in b.dists
-               if sampling.dist(logits, s.params).ids.numel() >= 2)
-
-
-def _ring_wrapped(sessions) -> int:
-    return sum(1 for s in sessions for b in s.blocks if b.kind == "verify" and b.positions[0] >= s.ring)
 
 
 def _verify_blocks(sessions, pred=lambda b: True) -> int:
@@ -215,25 +177,21 @@ class ReplacementFromP(RoundRunner):
 
 class TopPDropsCrossing(RoundRunner):
     """top_p_drops_crossing: top-p also drops the token that crosses the threshold (every distribution the round
-    samples or verifies with, drafts included: their draws then come from the edited distribution)."""
+    samples or verifies with, drafts included: their draws then come from the edited distribution, by the torch form
+    of the draw)."""
 
-    def dist(self, local_logits):
-        ids, probs = super().dist(local_logits)
+    @staticmethod
+    def _drop_crossing(ids, probs):
         last = (probs > 0).sum(-1, keepdim=True) - 1  # Dist order: the crossing token is the last one kept
         probs = torch.where((torch.arange(probs.shape[-1], device=probs.device) == last) & (last > 0), 0.0, probs)
         return ids, probs / probs.sum(-1, keepdim=True)
 
+    def dist(self, local_logits):
+        return self._drop_crossing(*super().dist(local_logits))
+
     def sample(self, local_logits, u, out, chain=None):
-        ids, probs = self.dist(local_logits)
-        tokens = sampler.draw(ids, probs, u)
-        for dst, src in zip(out, (tokens, ids, probs)):
-            dst.copy_(src)
-        served = sampler.prob_of(ids, probs, tokens)
-        if chain is not None:
-            made, depth, product = chain
-            made.fill_(depth)
-            product.mul_(served[0])
-        return served
+        edited = SimpleNamespace(dist=lambda *args: self._drop_crossing(*self.m.ops.dist(*args)))
+        return TorchOps.sample(edited, local_logits, *self._sampling_args(), u, out, chain)
 
 
 REGISTRY: list[Control] = [

@@ -6,6 +6,8 @@ globals from its module."""
 import triton
 import triton.language as tl
 
+from iquest.kernels.allreduce import _advance
+
 
 @triton.jit
 def poll_without_waiting(own_ptr, slot, p, row, W, S, error_ptr, timeout_ns, tag, start, WORLD: tl.constexpr,
@@ -17,11 +19,7 @@ def poll_without_waiting(own_ptr, slot, p, row, W, S, error_ptr, timeout_ns, tag
 @triton.jit
 def never_rearm(own_ptr, state_ptr, call, slot, row, R, W, S, WORLD: tl.constexpr, CAP: tl.constexpr,
                 BLOCK: tl.constexpr, BITS: tl.constexpr):
-    ticket = tl.atomic_add(state_ptr + 1, 1)
-    if ticket == R - 1:
-        tl.store(state_ptr + 1, 0)
-        tl.store(state_ptr + 2 + slot, R)
-        tl.store(state_ptr, call + 1)
+    _advance(state_ptr, call, slot, R)
 
 
 @triton.jit
