@@ -119,10 +119,13 @@ class FastEngine:
         for _ in self.generate(prompt, seed=0, params=params, max_new_tokens=2, drafts=drafts):
             pass
 
+    supports_top_logprobs = True  # generate(top_logprobs=N): each token's N most likely alternatives (N <= 20)
+
     def generate(self, prompt: Sequence[int], *, seed: int, params: SamplingParams = SamplingParams(),
-                 max_new_tokens: int = 64, drafts: int | str = "auto", stop_ids: Sequence[int] = ()) -> Iterator[Step]:
+                 max_new_tokens: int = 64, drafts: int | str = "auto", stop_ids: Sequence[int] = (),
+                 top_logprobs: int = 0) -> Iterator[Step]:
         req = Request(tuple(prompt), seed, params.temperature, params.top_k, params.top_p, max_new_tokens,
-                      drafts, tuple(stop_ids))
+                      drafts, tuple(stop_ids), top_logprobs)
         if len(prompt) + max_new_tokens > self.rank0.options.max_context:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceed the engine's "
                              f"context of {self.rank0.options.max_context} (--max-context)")

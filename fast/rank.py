@@ -27,7 +27,7 @@ from .model import FastModel
 from .parallel import Parallel
 from .plan import KernelPlan
 from .round import RoundRunner
-from .state import MAX_STOP_IDS, TOKENS_PER_READ, VERIFY_ROWS, DecodeState
+from .state import MAX_STOP_IDS, MAX_TOP_LOGPROBS, TOKENS_PER_READ, VERIFY_ROWS, DecodeState
 from .torch_ops import TorchOps
 from .weights import ModelWeights, WeightLoader, load_weights
 
@@ -88,6 +88,7 @@ class Request:
     max_new_tokens: int
     drafts: int | str
     stop_ids: tuple[int, ...]
+    top_logprobs: int = 0  # each emitted token's most likely alternatives, logged (at most MAX_TOP_LOGPROBS)
 
 
 class RankEngine:
@@ -130,9 +131,12 @@ class RankEngine:
             self.runner("auto", self.generation.top_k)
 
     # ---- runners and their graphs ------------------------------------------------------------------
-    def runner(self, drafts: int | str, top_k: int) -> tuple[RoundRunner, object]:
-        """The round runner (and, on CUDA, the captured decode-loop graph) for this controller and top_k."""
-        key = (drafts, top_k)
+    def runner(self, drafts: int | str, top_k: int, top_logprobs: int = 0) -> tuple[RoundRunner, object]:
+        """The round runner (and, on CUDA, the captured decode-loop graph) for this controller, top_k and number of
+        logged alternatives."""
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {top_logprobs}")
+        key = (drafts, top_k, top_logprobs)
         if key not in self._runners:
             from .flow import EagerFlow
 
@@ -143,7 +147,7 @@ class RankEngine:
             if width != self.state.q_ids.shape[1]:
                 self.state = self._allocate_state(width)
                 self._runners.clear()
-            runner = self.parts.runner(self.model, self.state, top_k, controller, EagerFlow())
+            runner = self.parts.runner(self.model, self.state, top_k, controller, EagerFlow(), top_logprobs)
             graph = capture_decode_loop(self.state, runner, self.par.device) if self._use_graphs() else None
             self._runners[key] = (runner, graph)
         return self._runners[key]
@@ -192,6 +196,7 @@ class RankEngine:
         row[0] = first[0]
         logprob = torch.log(sampler.prob_of(ids, probs, first)).expand(VERIFY_ROWS)
         zero = torch.zeros((), dtype=torch.int64, device=dev)
+        runner.log_alternatives(ids, probs)
         runner.settle(row, zero + 1, row, zero + 1, logprob, zero, zero)
         if runner.controller is None or bool(st.done):
             return
@@ -220,7 +225,7 @@ class RankEngine:
 
     def decode(self, req: Request):
         """Generator of Steps (rank 0 consumes them; other ranks just drive the collectives)."""
-        runner, graph = self.runner(req.drafts, req.top_k)
+        runner, graph = self.runner(req.drafts, req.top_k, req.top_logprobs)
         self.start(req, runner)
         self.par.check()
         read_tokens = read_rounds = 0
@@ -228,7 +233,7 @@ class RankEngine:
         failed = False
         try:
             while True:
-                steps, read_tokens, read_rounds = self._read_log(read_tokens, read_rounds)
+                steps, read_tokens, read_rounds = self._read_log(read_tokens, read_rounds, req.top_logprobs)
                 for step in steps:
                     yield step
                 if bool(self.state.done):
@@ -259,18 +264,24 @@ class RankEngine:
         except RuntimeError:
             pass  # a peer stopped (its error was raised where it happened)
 
-    def _read_log(self, read_tokens: int, read_rounds: int) -> tuple[list[Step], int, int]:
+    def _read_log(self, read_tokens: int, read_rounds: int, top: int = 0) -> tuple[list[Step], int, int]:
         st = self.state
         rounds = int(st.rounds)
         rec = st.log_rounds[read_rounds:rounds].tolist()
         count = sum(r[2] for r in rec)
         toks = st.log_tokens[read_tokens:read_tokens + count].tolist()
         lps = st.log_logprobs[read_tokens:read_tokens + count].tolist()
+        tops = None
+        if top:  # the alternatives inside the distribution's support (fewer where top-k/top-p left fewer)
+            ids = st.log_top_ids[read_tokens:read_tokens + count, :top].tolist()
+            alp = st.log_top_lp[read_tokens:read_tokens + count, :top].tolist()
+            tops = [[(t, lp) for t, lp in zip(row_ids, row_lp) if lp != float("-inf")] for row_ids, row_lp in zip(ids, alp)]
         steps, i = [], 0
         for k, a, keep, bonus in rec:
             if keep == 0:
                 continue
-            steps.append(Step(toks[i:i + keep], lps[i:i + keep], drafts=k, accepted=a, bonus=bool(bonus)))
+            steps.append(Step(toks[i:i + keep], lps[i:i + keep], drafts=k, accepted=a, bonus=bool(bonus),
+                              top_logprobs=None if tops is None else tops[i:i + keep]))
             i += keep
         if steps and bool(st.done):
             steps[-1].stopped = bool((st.emitted < st.budget))

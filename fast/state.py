@@ -14,6 +14,7 @@ import torch
 MAX_DRAFTS = 7
 VERIFY_ROWS = MAX_DRAFTS + 1  # one committed token + up to 7 drafts: the verification kernel width
 MAX_STOP_IDS = 8
+MAX_TOP_LOGPROBS = 20  # alternatives a token's log entry keeps at most (a top-k distribution has <= 20 by default)
 TOKENS_PER_READ = 32  # the host reads the result log once per this many emitted tokens (streaming, cancel)
 
 
@@ -60,6 +61,8 @@ class DecodeState:
     log_tokens: torch.Tensor    # int64 [log capacity]
     log_logprobs: torch.Tensor  # float32 [log capacity]
     log_rounds: torch.Tensor    # int64 [round capacity, 4]: drafts, accepted, emitted, bonus
+    log_top_ids: torch.Tensor   # int64 [log capacity, MAX_TOP_LOGPROBS]: each token's most likely alternatives
+    log_top_lp: torch.Tensor    # float32 [log capacity, MAX_TOP_LOGPROBS]: their log p (-inf past the support)
     emitted: torch.Tensor       # int64
     rounds: torch.Tensor        # int64
     done: torch.Tensor          # int32: a stop token or the budget was reached
@@ -81,7 +84,9 @@ class DecodeState:
             draft_h=z(1, hidden, dt=dtype), product=z(dt=torch.float32), more=z(MAX_DRAFTS + 2, dt=torch.int32),
             u_draft=z(MAX_DRAFTS, dt=torch.float32),
             log_tokens=z(log_capacity + 1), log_logprobs=z(log_capacity + 1, dt=torch.float32),
-            log_rounds=z(log_capacity + 1, 4), emitted=z(), rounds=z(), done=z(dt=torch.int32),
+            log_rounds=z(log_capacity + 1, 4),
+            log_top_ids=z(log_capacity + 1, MAX_TOP_LOGPROBS),
+            log_top_lp=z(log_capacity + 1, MAX_TOP_LOGPROBS, dt=torch.float32), emitted=z(), rounds=z(), done=z(dt=torch.int32),
             running=z(dt=torch.int32), target=z(), halt=z(dt=torch.int32))
 
     def clear(self) -> None:

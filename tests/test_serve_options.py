@@ -88,18 +88,24 @@ def test_completion_logprobs_and_echo(reference):
         client(reference).completions.create(echo=True, logprobs=1, **kw)
 
 
-def test_fast_engine_gives_logprobs_and_refuses_top_logprobs(fast):
+def test_fast_engine_gives_logprobs_and_top_alternatives(fast):
     r = client(fast).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, seed=1, logprobs=True)
     content = r.choices[0].logprobs.content
     assert len(content) == 6 and all(e.logprob <= 0 and e.top_logprobs == [] for e in content)
-    for top, why in ((2, "top alternatives"), (21, "20")):
-        with pytest.raises(openai.BadRequestError) as info:
-            client(fast).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, logprobs=True,
-                                                 top_logprobs=top)
-        assert info.value.body["param"] == "top_logprobs" and why in info.value.body["message"]
+    r = client(fast).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, seed=1, logprobs=True,
+                                             top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6
+    for e in content:  # the engine's distribution: at most 2 alternatives, most likely first
+        assert 1 <= len(e.top_logprobs) <= 2 and e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob
+        assert e.logprob <= e.top_logprobs[0].logprob + 1e-6
     with pytest.raises(openai.BadRequestError) as info:
-        client(fast).completions.create(model="tiny", prompt="x", max_tokens=2, logprobs=2)
-    assert info.value.body["param"] == "logprobs" and "top alternatives" in info.value.body["message"]
+        client(fast).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, logprobs=True,
+                                             top_logprobs=21)
+    assert info.value.body["param"] == "top_logprobs" and "20" in info.value.body["message"]
+    tops = client(fast).completions.create(model="tiny", prompt="x", max_tokens=2, logprobs=2).choices[0].logprobs
+    # the legacy form: the 2 most likely, and the sampled token beside them where it is not among them
+    assert len(tops.top_logprobs) == 2 and all(1 <= len(t) <= 3 for t in tops.top_logprobs)
     assert client(fast).completions.create(model="tiny", prompt="x", max_tokens=2, logprobs=0) \
         .choices[0].logprobs.top_logprobs is None
 
