@@ -77,7 +77,7 @@ class Snapshot:
     def __init__(self, engine: RankEngine):
         self.engine = engine
         st, cache = engine.state, engine.cache
-        self.state = {f.name: getattr(st, f.name).clone() for f in fields(st)}
+        self.state = {f.name: t.clone() for f in fields(st) if (t := getattr(st, f.name)) is not None}
         self.slot_pos = [kv.slot_pos.clone() for kv in cache.layers]
         kv_bytes = sum(2 * kv.k.numel() * kv.k.element_size() for kv in cache.layers)
         self.all_kv = kv_bytes <= SNAPSHOT_KV_LIMIT

@@ -114,11 +114,11 @@ class RankEngine:
     def _build(self, model_dir: Path | None, config: Config, generation: GenerationConfig, weights: ModelWeights,
                par: Parallel, options: EngineOptions, parts: EngineParts) -> None:
         # On GPUs the ranks' collectives are our peer-memory kernels (fast/collectives.py), made here, collectively
+        self.dtype = options.torch_dtype(par.device)
         candidates = min(MAX_CANDIDATES, config.vocab_size // par.world)
-        par = par.with_peers(config.hidden_size, candidates, options.torch_dtype(par.device))
+        par = par.with_peers(config.hidden_size, candidates, self.dtype)
         self.model_dir, self.par, self.options, self.parts = model_dir, par, options, parts
         self.config, self.generation = config, generation
-        self.dtype = options.torch_dtype(par.device)
         c = self.config
         kv_heads = max(c.num_key_value_heads // par.world, 1)
         self.capacity = cache_capacity(options)
@@ -138,8 +138,6 @@ class RankEngine:
             raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {top_logprobs}")
         key = (drafts, top_k, top_logprobs)
         if key not in self._runners:
-            from .flow import EagerFlow
-
             if drafts == "auto" and self.model_dir is None:
                 raise ValueError("drafts='auto' needs the model folder's depth controller; use a fixed depth")
             controller = load_controller(self.model_dir) if drafts == "auto" else FixedDepth(int(drafts)) if drafts else None
@@ -147,6 +145,8 @@ class RankEngine:
             if width != self.state.q_ids.shape[1]:
                 self.state = self._allocate_state(width)
                 self._runners.clear()
+            if top_logprobs:
+                self.state.hold_alternatives()
             runner = self.parts.runner(self.model, self.state, top_k, controller, EagerFlow(), top_logprobs)
             graph = capture_decode_loop(self.state, runner, self.par.device) if self._use_graphs() else None
             self._runners[key] = (runner, graph)

@@ -61,14 +61,15 @@ class DecodeState:
     log_tokens: torch.Tensor    # int64 [log capacity]
     log_logprobs: torch.Tensor  # float32 [log capacity]
     log_rounds: torch.Tensor    # int64 [round capacity, 4]: drafts, accepted, emitted, bonus
-    log_top_ids: torch.Tensor   # int64 [log capacity, MAX_TOP_LOGPROBS]: each token's most likely alternatives
-    log_top_lp: torch.Tensor    # float32 [log capacity, MAX_TOP_LOGPROBS]: their log p (-inf past the support)
     emitted: torch.Tensor       # int64
     rounds: torch.Tensor        # int64
     done: torch.Tensor          # int32: a stop token or the budget was reached
     running: torch.Tensor       # int32: condition of the decode loop
     target: torch.Tensor        # int64: the loop returns to the host once emitted reaches this
-    halt: torch.Tensor          # int32: nonzero ends the loop (a peer collective gave up: fast/collectives.py)
+    # Held only where they are used, so a round without them launches nothing for them:
+    halt: torch.Tensor | None = None         # int32: nonzero ends the loop (a peer collective gave up: TP on GPUs)
+    log_top_ids: torch.Tensor | None = None  # int64 [log capacity, MAX_TOP_LOGPROBS]: each token's alternatives
+    log_top_lp: torch.Tensor | None = None   # float32, the same shape: their log p (-inf past the support)
 
     @classmethod
     def allocate(cls, capacity: int, log_capacity: int, hidden: int, top_k: int, dtype: torch.dtype,
@@ -84,19 +85,30 @@ class DecodeState:
             draft_h=z(1, hidden, dt=dtype), product=z(dt=torch.float32), more=z(MAX_DRAFTS + 2, dt=torch.int32),
             u_draft=z(MAX_DRAFTS, dt=torch.float32),
             log_tokens=z(log_capacity + 1), log_logprobs=z(log_capacity + 1, dt=torch.float32),
-            log_rounds=z(log_capacity + 1, 4),
-            log_top_ids=z(log_capacity + 1, MAX_TOP_LOGPROBS),
-            log_top_lp=z(log_capacity + 1, MAX_TOP_LOGPROBS, dt=torch.float32), emitted=z(), rounds=z(), done=z(dt=torch.int32),
-            running=z(dt=torch.int32), target=z(), halt=z(dt=torch.int32))
+            log_rounds=z(log_capacity + 1, 4), emitted=z(), rounds=z(), done=z(dt=torch.int32),
+            running=z(dt=torch.int32), target=z())
 
     def clear(self) -> None:
-        for f in fields(self):
-            getattr(self, f.name).zero_()
+        for t in self.tensors():
+            t.zero_()
         self.stop_ids.fill_(-1)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for f in fields(self) if (t := getattr(self, f.name)) is not None]
+
+    def hold_alternatives(self) -> None:
+        """The log of each token's top alternatives (RoundRunner.log_alternatives), made once, before a capture."""
+        if self.log_top_ids is None:
+            rows, dev = self.log_tokens.shape[0], self.log_tokens.device
+            self.log_top_ids = torch.zeros(rows, MAX_TOP_LOGPROBS, dtype=torch.int64, device=dev)
+            self.log_top_lp = torch.zeros(rows, MAX_TOP_LOGPROBS, dtype=torch.float32, device=dev)
 
     def update_running(self) -> None:
         """The decode loop's condition, on the device: no stop yet, fewer than `target` tokens emitted, no halt."""
-        self.running.copy_(((self.done == 0) & (self.emitted < self.target) & (self.halt == 0)).to(torch.int32))
+        go = (self.done == 0) & (self.emitted < self.target)
+        if self.halt is not None:
+            go = go & (self.halt == 0)
+        self.running.copy_(go.to(torch.int32))
 
     @property
     def trash(self) -> int:

@@ -27,7 +27,8 @@ CAPACITY, LOG = 64, 24
 
 def state_on(st: DecodeState, device: str) -> DecodeState:
     """A copy of the decode state on `device`."""
-    return DecodeState(**{f.name: getattr(st, f.name).clone().to(device) for f in fields(DecodeState)})
+    return DecodeState(**{f.name: t.clone().to(device) for f in fields(DecodeState)
+                          if (t := getattr(st, f.name)) is not None})
 
 
 def make_case(n: int, a: int, k: int, stops: list[int], stop_at: int | None, budget: int, done_before: int,
@@ -63,8 +64,8 @@ def compare(case: tuple, device: str) -> dict:
     trash_free = {"tokens": slice(0, CAPACITY), "log_tokens": slice(0, LOG), "log_logprobs": slice(0, LOG),
                   "log_rounds": slice(0, LOG)}
     cut = lambda name, v: v[trash_free[name]] if name in trash_free else v
-    diffs = [f.name for f in fields(DecodeState)
-             if not torch.equal(cut(f.name, getattr(ref_st, f.name)), cut(f.name, getattr(ker_st, f.name)))]
+    diffs = [f.name for f in fields(DecodeState) if getattr(ref_st, f.name) is not None
+             and not torch.equal(cut(f.name, getattr(ref_st, f.name)), cut(f.name, getattr(ker_st, f.name)))]
     diffs += [f"draft.{name}" for name, x, y in zip(DraftInputs._fields, want, got) if not torch.equal(x, y)]
     keep = int(ref_st.emitted) - int(st.emitted)
     return {"diffs": diffs, "kept": keep, "cut_by_budget": keep < int(n_emit) and int(ref_st.emitted) >= int(st.budget),
