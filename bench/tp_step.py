@@ -25,7 +25,7 @@ import queue
 import statistics
 import traceback
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,13 +51,9 @@ class PartialParallel(Parallel):
     def active(self) -> bool:
         return self.processes > 1
 
-    def with_peers(self, hidden: int, candidates: int, dtype: torch.dtype) -> "Parallel":
-        if self.device.type != "cuda" or self.peers is not None:
-            return self
-        from ..fast.collectives import PeerCollectives
-
-        return replace(self, peers=PeerCollectives(self.group, self.rank, self.processes, hidden, candidates, dtype,
-                                                   self.device))
+    @property
+    def group_size(self) -> int:
+        return self.processes
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         if self.peers is not None:
@@ -219,7 +215,8 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
         print(f"note: collectives run among {processes} processes with TP-{tp} message sizes; the all-gather tiles "
               f"{processes} parts to {tp}: outputs are not the model's, communication and compute are a TP-{tp} rank's")
     print("median round " + ", ".join(f"{m} {v:.1f} us" for m, v in summary["median_round_us_by_mode"].items())
-          + f"; tokens/round {summary['tokens_per_round']:.2f}; every rank emitted the same tokens (both modes): {same}")
+          + f"; tokens/round {summary['tokens_per_round']:.2f}; every rank emitted the same tokens (both modes): "
+          f"{same}")
     if summary["tpot_mini_profile"]:
         p = summary["tpot_mini_profile"]
         print(f"TPOT on the mini model's acceptance profile ({p['tokens_per_round']:.2f} tokens/round at depth "

@@ -3,8 +3,8 @@
 Passed explicitly to every layer (no module-level rank or backend). A single process is `Parallel.single()`,
 whose collectives are identities. On CPU the collectives are torch's over gloo; on GPUs they are our own kernels over
 peer memory (fast/collectives.py), with gloo only to bootstrap them and for the host's per-chunk flag, so no NCCL
-call is on the decode path and the TP round is captured in the decode-loop graph. MODEL.md's TP layout: two all-reduces per decoder layer (after the
-row-parallel o_proj and Down), one after the vocabulary-parallel embedding and eh_proj, and one
+call is on the decode path and the TP round is captured in the decode-loop graph.
+MODEL.md's TP layout: two all-reduces per decoder layer (after the row-parallel o_proj and Down), one after the vocabulary-parallel embedding and eh_proj, and one
 all-gather of sampling candidates per sampled row block.
 """
 
@@ -37,6 +37,11 @@ class Parallel:
         return self.world > 1 and not self.local_collectives
 
     @property
+    def group_size(self) -> int:
+        """The processes the collectives run among: the TP degree (a benchmark's partial layout may run fewer)."""
+        return self.world
+
+    @property
     def capturable(self) -> bool:
         """Whether a round's collectives may be captured in a CUDA graph: none, or our peer-memory kernels."""
         return not self.active or self.peers is not None
@@ -52,7 +57,7 @@ class Parallel:
             return self
         from .collectives import PeerCollectives
 
-        return replace(self, peers=PeerCollectives(self.group, self.rank, self.world, hidden, candidates, dtype,
+        return replace(self, peers=PeerCollectives(self.group, self.rank, self.group_size, hidden, candidates, dtype,
                                                    self.device))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -275,7 +275,8 @@ class RankEngine:
         if top:  # the alternatives inside the distribution's support (fewer where top-k/top-p left fewer)
             ids = st.log_top_ids[read_tokens:read_tokens + count, :top].tolist()
             alp = st.log_top_lp[read_tokens:read_tokens + count, :top].tolist()
-            tops = [[(t, lp) for t, lp in zip(row_ids, row_lp) if lp != float("-inf")] for row_ids, row_lp in zip(ids, alp)]
+            tops = [[(t, lp) for t, lp in zip(row_ids, row_lp) if lp != float("-inf")]
+                    for row_ids, row_lp in zip(ids, alp)]
         steps, i = [], 0
         for k, a, keep, bonus in rec:
             if keep == 0:

@@ -332,7 +332,8 @@ def lossless(dtype: str, samples: int, parts: EngineParts = EngineParts(), draft
              f"replacement branch ran in {rejected} rounds ({replaced} drew the tested token)")
     fallbacks = getattr(engine.model.ops, "fallbacks", {})
     if fallbacks:  # the micro preset's 8-wide blocks and heads are below what some kernels take
-        where += f"; kernels {engine.plan.name}: op groups on their torch forms for this model's shapes: {sorted(fallbacks)}"
+        where += (f"; kernels {engine.plan.name}: op groups on their torch forms for this model's shapes: "
+                  f"{sorted(fallbacks)}")
     info = {"p_value": pval, "chi2": stat, "dof": dof, "samples": samples, "replacement_rounds": rejected,
             "replacement_drew_tested_token": replaced, "observed": counts.tolist(), "expected": expected.tolist()}
     # The verdict is on the p-value; the tolerance column shows alpha (a p-value below it fails).
