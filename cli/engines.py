@@ -48,11 +48,10 @@ class ReferenceEngine:
         self.generation = GenerationConfig.from_dir(self.model_dir, self.config)
 
     def policy(self, drafts):
-        """The reference runs what it is asked: `auto` is the fitted controller on every device."""
-        from ..fast.depth_policy import DepthPolicy
+        """The reference runs what it is asked: `auto` is the fitted controller whatever a device's costs."""
+        from ..fast.depth_policy import depth_policy
 
-        return DepthPolicy(drafts, "plain sampling (--drafts 0)" if drafts == 0 else "auto = the fitted depth "
-                           "controller" if drafts == "auto" else f"fixed depth {drafts}")
+        return depth_policy(drafts, None, "cpu")
 
     def generate(self, prompt, *, seed, params, max_new_tokens, drafts, stop_ids, top_logprobs=0):
         from ..reference.speculative import generate

@@ -151,7 +151,8 @@ def _describe(args: argparse.Namespace, engine) -> dict:
     """What ran, in words: the engine, its device, TP, kernels and dtype."""
     if args.engine == "reference":
         return {"engine_run": "reference (float64, CPU)", "startup_what": "load"}
-    dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(str(engine.rank0.dtype).removeprefix("torch."),
-                                                        str(engine.rank0.dtype))
+    import torch
+
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[engine.rank0.dtype]
     return {"engine_run": f"fast on {engine.device.type}, tp {engine.tp}, {engine.kernels} kernels, {dtype}",
             "startup_what": "load" if engine.kernels == "torch" else "load, kernel compilation, graph capture"}
