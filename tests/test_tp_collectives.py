@@ -29,10 +29,16 @@ MPS_CONTROL = "nvidia-cuda-mps-control"
 
 @pytest.fixture(scope="module")
 def mps():
-    """An MPS daemon for this module's rank processes: the environment that makes a process its client."""
+    """An MPS daemon for this module's rank processes: the environment that makes a process its client. Under a
+    daemon already running (bash ci/gpu.sh mps ..., which sets the pipe folder) that one is used and left running:
+    one GPU serves one daemon, so a second would leave the ranks time-sliced."""
     control = shutil.which(MPS_CONTROL) or f"/usr/local/nvidia/bin/{MPS_CONTROL}"
     if not torch.cuda.is_available() or not os.path.exists(control):
         pytest.skip("needs a GPU and nvidia-cuda-mps-control")
+    running = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
+    if running and os.path.isdir(running):
+        yield {}
+        return
     root = tempfile.mkdtemp(prefix="iquest-mps-")
     env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(root, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log")}
     for d in env.values():
