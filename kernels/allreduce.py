@@ -2,13 +2,19 @@
 
 Every rank owns a buffer of 3 slots x WORLD lanes x CAP rows, mapped into every peer by CUDA IPC (fast/collectives.py
 exchanges the handles once). A call takes the next slot s of this rank's call counter (a device int, so graph
-replays and device-chosen draft depths keep the sequence): each program (one row) stores its partial row into lane
-`rank` of slot s in every peer's buffer, then polls its own buffer's lanes of that row with volatile loads until no
-element holds the sentinel, and reduces them in rank order 0, 1, ..., WORLD-1 in fp32, so every rank computes the
+replays and device-chosen draft depths keep the sequence): each program stores its partial rows into lane `rank` of
+slot s in every peer's buffer, then polls its own buffer's lanes of those rows with volatile loads until no element
+holds the sentinel, and reduces them in rank order 0, 1, ..., WORLD-1 in fp32, so every rank computes the
 same bits by construction. It then re-arms (fills with the sentinel) the rows the previous call used in slot
 s - 1 of its own buffer: every peer finished writing that slot before this rank could have read it, and no peer
 writes it again before this rank's next call has pushed (three slots make the order safe). The call's last
 program to arrive advances the counter.
+
+A call launches at most PROGRAMS programs (one row each at decode, where blocks have <= 8 rows; rows pid, pid + P, ...
+in a prefill block), and each pushes all its rows before it polls any: so a call completes once its programs are
+resident, never needing one row's program to wait for the SMs another holds while polling. This matters where ranks
+share one GPU (several ranks under MPS: the sum of their programs must fit at once) and bounds what a call holds on
+its own GPU.
 
 The sentinel is -0.0 (TensorRT-LLM's choice), and a pushed -0.0 is stored as +0.0: then a NaN a rank produces flows
 into the sum as it would through NCCL instead of reading as "not written yet", and the only value changed is the
@@ -33,6 +39,7 @@ import triton.language as tl
 from .launch import launch_options, wait_for_inputs
 
 SLOTS = 3
+PROGRAMS = 8
 INT64_MIN = -(2 ** 63)
 
 
@@ -65,21 +72,18 @@ def _sentinel(v, BITS: tl.constexpr):
 
 
 @triton.jit
-def _push(v, row, W, S, peers_ptr, own_ptr, state_ptr, rank, WORLD: tl.constexpr, CAP: tl.constexpr,
+def _push(v, row, W, S, peers_ptr, own_ptr, slot, rank, WORLD: tl.constexpr, CAP: tl.constexpr,
           BLOCK: tl.constexpr, BITS: tl.constexpr):
-    """Store this row `v` [BLOCK] (W valid; the buffer's rows are S wide) into lane `rank` of this call's slot in every
-    peer's buffer (this rank's own included). Returns (the call number, its slot)."""
+    """Store this row `v` [BLOCK] (W valid; the buffer's rows are S wide) into lane `rank` of slot `slot` in every
+    peer's buffer (this rank's own included)."""
     i = tl.arange(0, BLOCK)
     ok = i < W
-    call = tl.load(state_ptr)
-    slot = call % 3
     if BITS != 64:  # -0.0 is the sentinel: push +0.0 for it (equal in every later operation)
         v = tl.where(_sentinel_of(v, BITS), tl.zeros_like(v), v)
     lane = ((slot * WORLD + rank) * CAP + row).to(tl.int64) * S
     for p in tl.static_range(WORLD):
         peer = tl.load(peers_ptr + p).to(tl.pointer_type(own_ptr.dtype.element_ty))
         tl.store(peer + lane + i, v, mask=ok)
-    return call, slot
 
 
 @triton.jit
@@ -102,28 +106,28 @@ def _poll(own_ptr, slot, p, row, W, S, error_ptr, timeout_ns, tag, start,
 
 
 @triton.jit
-def _rearm_and_advance(own_ptr, state_ptr, call, slot, row, R, W, S, WORLD: tl.constexpr, CAP: tl.constexpr,
+def _rearm_and_advance(own_ptr, state_ptr, call, slot, first, P, R, W, S, WORLD: tl.constexpr, CAP: tl.constexpr,
                        BLOCK: tl.constexpr, BITS: tl.constexpr):
-    """Fill the previous slot's used rows of the own buffer with the sentinel (this program's share: rows row, row + R,
-    ...), then `_advance`."""
+    """Fill the previous slot's used rows of the own buffer with the sentinel (this program's share: rows first,
+    first + P, ... of P programs), then `_advance`."""
     i = tl.arange(0, BLOCK)
     ok = i < W
     prev = (call + 2) % 3
     prev_rows = tl.load(state_ptr + 2 + prev)
-    r = row
+    r = first
     while r < prev_rows:
         for p in tl.static_range(WORLD):
             dst = own_ptr + ((prev * WORLD + p) * CAP + r).to(tl.int64) * S + i
             tl.store(dst, _sentinel(tl.zeros([BLOCK], dtype=own_ptr.dtype.element_ty), BITS), mask=ok)
-        r += R
-    _advance(state_ptr, call, slot, R)
+        r += P
+    _advance(state_ptr, call, slot, P, R)
 
 
 @triton.jit
-def _advance(state_ptr, call, slot, R):
-    """Count this program in; the call's last one records its rows and advances the call counter."""
+def _advance(state_ptr, call, slot, P, R):
+    """Count this program in; the call's last of P programs records its R rows and advances the call counter."""
     ticket = tl.atomic_add(state_ptr + 1, 1)
-    if ticket == R - 1:
+    if ticket == P - 1:
         tl.store(state_ptr + 1, 0)
         tl.store(state_ptr + 2 + slot, R)
         tl.store(state_ptr, call + 1)
@@ -143,46 +147,56 @@ def _all_reduce_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, sum_ptr,
                        PDL: tl.constexpr = False):
     # POLL, REARM, ORDER: the pieces of the protocol (_poll, _rearm_and_advance, _rank_order); the tests' negative
     # controls pass broken ones to show that their checks fail
-    row = tl.program_id(0)
+    first = tl.program_id(0)
+    P = tl.num_programs(0)
     i = tl.arange(0, BLOCK)
     ok = i < H
     if NORM:  # the norm's weight is constant: read before the wait
         w = tl.load(w_ptr + i, mask=ok, other=0.0)
     wait_for_inputs(PDL)
-    v = tl.load(x_ptr + row * stride_x + i, mask=ok, other=0.0)
-    call, slot = _push(v, row, H, S, peers_ptr, own_ptr, state_ptr, rank, WORLD, CAP, BLOCK, BITS)
-    start = _now(row)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for step in tl.static_range(WORLD):  # rank order: the same sum on every rank
-        acc += POLL(own_ptr, slot, ORDER(step, rank, WORLD), row, H, S, error_ptr, timeout_ns, tag, start, WORLD, CAP,
-                    BLOCK, BITS).to(tl.float32)
-    s = acc.to(sum_ptr.dtype.element_ty)
-    tl.store(sum_ptr + row * stride_sum + i, s, mask=ok)
-    if NORM:  # rmsnorm_residual's arithmetic: h rounded to the stream's dtype, the norm on the rounded h
-        x = tl.load(res_ptr + row * stride_res + i, mask=ok, other=0.0).to(tl.float32)
-        h = (x + s.to(tl.float32)).to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + row * stride_h + i, h, mask=ok)
-        h = h.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
-        tl.store(y_ptr + row * stride_y + i, (h * inv * w.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=ok)
-    REARM(own_ptr, state_ptr, call, slot, row, R, H, S, WORLD, CAP, BLOCK, BITS)
+    call = tl.load(state_ptr)
+    slot = call % 3
+    for row in range(first, R, P):  # every row of this program pushed before any poll
+        v = tl.load(x_ptr + row * stride_x + i, mask=ok, other=0.0)
+        _push(v, row, H, S, peers_ptr, own_ptr, slot, rank, WORLD, CAP, BLOCK, BITS)
+    start = _now(first)
+    for row in range(first, R, P):
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for step in tl.static_range(WORLD):  # rank order: the same sum on every rank
+            acc += POLL(own_ptr, slot, ORDER(step, rank, WORLD), row, H, S, error_ptr, timeout_ns, tag, start, WORLD,
+                        CAP, BLOCK, BITS).to(tl.float32)
+        s = acc.to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_sum + i, s, mask=ok)
+        if NORM:  # rmsnorm_residual's arithmetic: h rounded to the stream's dtype, the norm on the rounded h
+            x = tl.load(res_ptr + row * stride_res + i, mask=ok, other=0.0).to(tl.float32)
+            h = (x + s.to(tl.float32)).to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + row * stride_h + i, h, mask=ok)
+            h = h.to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
+            tl.store(y_ptr + row * stride_y + i, (h * inv * w.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=ok)
+    REARM(own_ptr, state_ptr, call, slot, first, P, R, H, S, WORLD, CAP, BLOCK, BITS)
 
 
 @triton.jit
 def _all_gather_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, out_ptr, R, K, S, rank, timeout_ns, tag,
                        stride_x, stride_out, WORLD: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
                        PDL: tl.constexpr = False):
-    row = tl.program_id(0)
+    first = tl.program_id(0)
+    P = tl.num_programs(0)
     i = tl.arange(0, BLOCK)
     ok = i < K
     wait_for_inputs(PDL)
-    v = tl.load(x_ptr + row * stride_x + i, mask=ok, other=0)
-    call, slot = _push(v, row, K, S, peers_ptr, own_ptr, state_ptr, rank, WORLD, CAP, BLOCK, 64)
-    start = _now(row)
-    for p in tl.static_range(WORLD):  # the ranks' candidates concatenated in rank order
-        got = _poll(own_ptr, slot, p, row, K, S, error_ptr, timeout_ns, tag, start, WORLD, CAP, BLOCK, 64)
-        tl.store(out_ptr + row * stride_out + p * K + i, got, mask=ok)
-    _rearm_and_advance(own_ptr, state_ptr, call, slot, row, R, K, S, WORLD, CAP, BLOCK, 64)
+    call = tl.load(state_ptr)
+    slot = call % 3
+    for row in range(first, R, P):
+        v = tl.load(x_ptr + row * stride_x + i, mask=ok, other=0)
+        _push(v, row, K, S, peers_ptr, own_ptr, slot, rank, WORLD, CAP, BLOCK, 64)
+    start = _now(first)
+    for row in range(first, R, P):
+        for p in tl.static_range(WORLD):  # the ranks' candidates concatenated in rank order
+            got = _poll(own_ptr, slot, p, row, K, S, error_ptr, timeout_ns, tag, start, WORLD, CAP, BLOCK, 64)
+            tl.store(out_ptr + row * stride_out + p * K + i, got, mask=ok)
+    _rearm_and_advance(own_ptr, state_ptr, call, slot, first, P, R, K, S, WORLD, CAP, BLOCK, 64)
 
 
 # ---- wrappers ----------------------------------------------------------------------------------------------
@@ -247,7 +261,7 @@ def _all_reduce(x, peers, own, state, error, rank, tag, timeout_ns, out, norm, p
         extra = (out, out, out, out, 1.0, 0, 0, 0)
     stream_, weight_, h_, y_, eps_, s_res, s_h, s_y = extra
     if R:
-        _all_reduce_kernel[(R,)](x, peers, own, state, error, out, stream_, weight_, h_, y_, R, H, own.shape[3],
+        _all_reduce_kernel[(min(R, PROGRAMS),)](x, peers, own, state, error, out, stream_, weight_, h_, y_, R, H, own.shape[3],
                                  rank, eps_,
                                  timeout_ns, tag, x.stride(0), out.stride(0), s_res, s_h, s_y, WORLD=world,
                                  CAP=own.shape[2], BLOCK=triton.next_power_of_2(H), BITS=sentinel_bits(x.dtype),
@@ -264,7 +278,7 @@ def all_gather(x: torch.Tensor, peers: torch.Tensor, own: torch.Tensor, state: t
     K = x.shape[1]
     out = torch.empty((R, world * K), dtype=torch.int64, device=x.device)
     if R:
-        _all_gather_kernel[(R,)](x, peers, own, state, error, out, R, K, own.shape[3], rank, timeout_ns, tag,
+        _all_gather_kernel[(min(R, PROGRAMS),)](x, peers, own, state, error, out, R, K, own.shape[3], rank, timeout_ns, tag,
                                  x.stride(0),
                                  out.stride(0), WORLD=world, CAP=own.shape[2], BLOCK=max(16, triton.next_power_of_2(K)),
                                  num_warps=1, **launch_options(pdl, x.device))

@@ -17,9 +17,9 @@ def poll_without_waiting(own_ptr, slot, p, row, W, S, error_ptr, timeout_ns, tag
 
 
 @triton.jit
-def never_rearm(own_ptr, state_ptr, call, slot, row, R, W, S, WORLD: tl.constexpr, CAP: tl.constexpr,
+def never_rearm(own_ptr, state_ptr, call, slot, first, P, R, W, S, WORLD: tl.constexpr, CAP: tl.constexpr,
                 BLOCK: tl.constexpr, BITS: tl.constexpr):
-    _advance(state_ptr, call, slot, R)
+    _advance(state_ptr, call, slot, P, R)
 
 
 @triton.jit
