@@ -104,6 +104,7 @@ def _rank_main(rank: int, tp: int, port: int, kind: str, spec: dict, results: "m
         par = joined if spec["processes"] == tp else PartialParallel(rank, tp, joined.device, joined.group,
                                                                       processes=spec["processes"])
         config = Config.from_file(spec["config"])
+        config = config.first_layers(spec["layers"]) if spec["layers"] else config
         options = EngineOptions(max_context=spec["context"] + 2 * spec["chunk_tokens"] + 64, graphs=kind == "cuda",
                                 kernels=spec["kernels"], shared_gpu=spec["shared_gpu"])
         dtype = options.torch_dtype(par.device)
@@ -143,9 +144,10 @@ def _rank_main(rank: int, tp: int, port: int, kind: str, spec: dict, results: "m
 
 def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chunk_tokens: int, seed: int,
         device: str, out: str | None, kernels: str = "torch", processes: int | None = None,
-        history: str = "auto", shared_gpu: bool = False) -> dict:
-    """Layout TP-`tp`; `processes` of its ranks run (default all)."""
+        history: str = "auto", shared_gpu: bool = False, layers: int | None = None) -> dict:
+    """Layout TP-`tp`; `processes` of its ranks run (default all); `layers`: only the model's first main layers."""
     config = Config.from_file(config_file)
+    config = config.first_layers(layers) if layers else config
     config.check_tp(tp)
     processes = processes or tp
     if not 2 <= processes <= tp:
@@ -156,7 +158,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
                            "(--share-gpu puts every rank on GPU 0, under an MPS daemon, for a correctness run)")
     spec = {"config": str(config_file), "context": context, "drafts": drafts, "repeats": repeats,
             "chunk_tokens": chunk_tokens, "seed": seed, "kernels": kernels, "processes": processes,
-            "history": history, "shared_gpu": shared_gpu}
+            "history": history, "shared_gpu": shared_gpu, "layers": layers}
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, tp, port, kind, spec, results), daemon=True)
@@ -195,7 +197,8 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
                "ranks_emitted_same_tokens": same,
                "collectives_per_round": {k: v / max(rounds, 1) for k, v in counts.items()}}
     summary["tpot_mini_profile"] = tpot(summary["median_round_us"], drafts)
-    report = {"bench": "step-tp", "config": str(config_file), "tp": tp, "ranks": processes,
+    report = {"bench": "step-tp", "config": str(config_file), "layers": config.num_hidden_layers, "tp": tp,
+              "ranks": processes,
               "partial": processes < tp, "context": context, "drafts": drafts,
               "synthetic_history": synthetic_history(history, context),
               "repeats": repeats, "chunk_tokens": chunk_tokens, "seed": seed, "kernels": kernels, "backend":
@@ -205,7 +208,8 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
               "runs": {m: [{k: v for k, v in c.items() if k != "tokens_out"} for c in cs] for m, cs in by_mode.items()}}
     who = f"tp={tp}" if processes == tp else f"ranks 0..{processes - 1} of the tp={tp} layout"
     print(f"bench step  config={config_file} {who} ({report['backend']}, one process per rank, real collectives) "
-          f"context={context} drafts={drafts} kernels={kernels} repeats={repeats} commit={report['commit']}")
+          f"layers={config.num_hidden_layers} context={context} drafts={drafts} kernels={kernels} repeats={repeats} "
+          f"commit={report['commit']}")
     if shared_gpu:
         print("note: every rank on one GPU (MPS): a correctness and lockstep run; times are emulation, not NVLink")
     if report["synthetic_history"]:

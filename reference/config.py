@@ -7,7 +7,7 @@ it is about, so a bad or foreign checkpoint fails with a message a user can act 
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,13 @@ class Config:
         if layer == self.mtp_layer_index:
             return self.mtp_layer_type
         return self.layer_types[layer]
+
+    def first_layers(self, n: int) -> "Config":
+        """This model cut to its first `n` main layers, the MTP layer kept: a shorter stack at full width, for
+        benchmarks whose ranks must fit one GPU together."""
+        if not 1 <= n <= self.num_hidden_layers:
+            raise ConfigError(f"layers must be in 1..{self.num_hidden_layers}, got {n}")
+        return replace(self, num_hidden_layers=n, layer_types=self.layer_types[:n])
 
     def check_tp(self, tp: int) -> None:
         """Raise ConfigError unless every tensor-parallel shard of MODEL.md is whole at degree `tp`."""
