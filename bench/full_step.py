@@ -193,10 +193,12 @@ def breakdown(events, wall_us: float, rounds: int, cuda: bool) -> dict:
 
 def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chunk_tokens: int, seed: int,
         device: str, out: str | None, profile_rounds: bool = True, kernels: tuple[str, ...] = ("torch",),
-        history: str = "auto") -> dict:
-    """`kernels`: the engine variants, each run with the captured graph (CUDA) and eagerly, all over one set of
-    weights; the first variant is the one held to the byte floor, "torch" eager is the eager baseline."""
+        history: str = "auto", layers: int | None = None, eager: bool = True, quiet: bool = False) -> dict:
+    """`kernels`: the engine variants, each run with the captured graph (CUDA) and eagerly (unless not `eager`), all
+    over one set of weights; the first variant is the one held to the byte floor, "torch" eager is the eager
+    baseline. `quiet`: no report printed (a caller that prints its own)."""
     config = Config.from_file(config_file)
+    config = config.first_layers(layers) if layers else config
     config.check_tp(tp)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        "cpu" if device == "auto" else device)
@@ -211,7 +213,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
     if filled:
         notes.append(f"synthetic history: positions 0..{filled - 1} hold random K/V with correct position labels "
                      f"(bench/history.py); prefill ran on the last {context - filled} prompt tokens")
-    for n in notes:
+    for n in notes if not quiet else ():
         print(n)
     bandwidth = copy_bandwidth(dev) if cuda else None
     bare_step = dependent_step_us(dev) if cuda else None
@@ -249,7 +251,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
         snap.restore()
         return time_chunk(engine, lambda: engine.decode_chunk(runner, graph if mode == "graph" else None), dev)
 
-    modes = [(k, m) for k in kernels for m in (("graph", "eager") if cuda else ("eager",))]
+    modes = [(k, m) for k in kernels for m in ((("graph", "eager") if eager else ("graph",)) if cuda else ("eager",))]
     for k, m in modes:  # warm-up, untimed: first-use allocations, kernel compiles, lazily kept dense weights
         chunk(k, m)
     for k in kernels:
@@ -267,28 +269,18 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
     if baseline and baseline != main:
         summary["speedup"] = summary[baseline]["median_round_us"] / summary[main]["median_round_us"]
 
-    # Bytes per round from the run's routing (one more eager chunk of the main variant, recorded), and the upper bound.
-    engine, runner, _, snap = engines[kernels[0]]
+    # Bytes per round from each variant's routing (one more eager chunk of it, recorded), and the upper bound: a
+    # variant that pins the routing (triton~route:38) is held to its own floor.
     counter = ByteCounter(config, tp, 0, act_bytes=torch.finfo(dtype).bits // 8)
-    snap.restore()
-    with RoutingRecorder(engine, runner) as rec:
-        engine.decode_chunk(runner, None)
-    routings = rec.routings(config.num_hidden_layers, drafts)
-    per_round = [counter.round(context, drafts, r) for r in routings]
-    measured = statistics.median(b["total"] for b in per_round) if per_round else None
     upper = counter.round(context, drafts)
-    bytes_info = {"measured_median": measured, "upper_bound": upper["total"], "rounds_recorded": len(per_round),
-                  "breakdown_first_round": per_round[0] if per_round else None, "breakdown_upper": upper,
-                  "distinct_experts_verify_mean": statistics.mean(statistics.mean(r.verify) for r in routings)
-                  if routings else None,
-                  "distinct_experts_verify_upper": counter.upper_bound_experts(drafts + 1),
-                  "stages": {k: statistics.median(stage_bytes(b)[k] for b in per_round) for k in STAGE_ITEMS}
-                  if per_round else stage_bytes(upper)}
+    by_variant = {k: _round_bytes(engines[k], counter, config, context, drafts, upper) for k in kernels}
+    bytes_info = by_variant[kernels[0]]
     best = summary[main]["median_round_us"]
     profile = tpot(best, drafts)
-    floor = None
+    floor, floors = None, {}
     if bandwidth:
-        floor = {"bandwidth_bytes_per_s": bandwidth, "floor_us": (measured or upper["total"]) / bandwidth * 1e6,
+        floors = variant_floors(by_variant, summary, main.split("/")[1], upper["total"], bandwidth)
+        floor = {"bandwidth_bytes_per_s": bandwidth, "floor_us": floors[kernels[0]]["floor_us"],
                  "floor_upper_us": upper["total"] / bandwidth * 1e6, "variant": main}
         floor["ratio"] = best / floor["floor_us"]
         floor["stages_us"] = {k: v / bandwidth * 1e6 for k, v in bytes_info["stages"].items()}
@@ -306,7 +298,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
         floor["dependent_step_us"], floor["launches"] = bare_step, eager["launches"]
         floor["step_bound_us"] = step_bound(bare_step, eager["launches"], eager["launches_by_stage"], floor["stages_us"])
         floor["step_bound_ratio"] = floor["step_bound_us"] / floor["floor_us"]
-    report = {"bench": "step-full", "config": str(config_file), "tp_slice": tp, "rank": 0, "context": context,
+    report = {"bench": "step-full", "config": str(config_file), "layers": config.num_hidden_layers, "tp_slice": tp, "rank": 0, "context": context,
               "drafts": drafts, "repeats": repeats, "chunk_tokens": chunk_tokens, "seed": seed, "notes": notes,
               "synthetic_history": filled,
               "kernels": list(kernels), "main_variant": main, "baseline_variant": baseline,
@@ -314,16 +306,50 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
               "torch": torch.__version__, "host": platform.node(), "dtype": str(dtype),
               "weight_bytes": weight_bytes, "build_s": build_s, "engines": timing,
               "restore_all_kv": all(e[3].all_kv for e in engines.values()), "summary": summary, "bytes": bytes_info,
-              "floor": floor, "stages_us_per_round": stages, "tpot_mini_profile": profile,
+              "floor": floor, "floors_by_variant": floors,
+              "bytes_by_variant": {k: {n: b[n] for n in ("measured_median", "distinct_experts_verify_mean")}
+                                   for k, b in by_variant.items()}, "stages_us_per_round": stages, "tpot_mini_profile": profile,
               "targets": {"floor_ratio_max": TARGET_FLOOR_RATIO, "speedup_min": TARGET_SPEEDUP,
                           "floor_met": floor is not None and floor["ratio"] <= TARGET_FLOOR_RATIO,
                           "speedup_met": summary.get("speedup", 0.0) >= TARGET_SPEEDUP},
               "runs": runs}
-    _print(report)
+    if not quiet:
+        _print(report)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def variant_floors(by_variant: dict, summary: dict, mode: str, upper_total: float, bandwidth: float) -> dict:
+    """Each variant's round (in `mode`) against the byte floor of its own routing's bytes (the upper bound where
+    none was recorded)."""
+    out = {}
+    for k, b in by_variant.items():
+        floor_us = (b["measured_median"] or upper_total) / bandwidth * 1e6
+        round_us = summary[f"{k}/{mode}"]["median_round_us"]
+        out[k] = {"floor_us": floor_us, "distinct_experts_verify_mean": b["distinct_experts_verify_mean"],
+                  "bytes_measured_median": b["measured_median"], "mode": mode, "median_round_us": round_us,
+                  "ratio": round_us / floor_us}
+    return out
+
+
+def _round_bytes(built: tuple, counter: ByteCounter, config: Config, context: int, drafts: int, upper: dict) -> dict:
+    """One variant's bytes per round over the routing of one recorded eager chunk (median of its rounds)."""
+    engine, runner, _, snap = built
+    snap.restore()
+    with RoutingRecorder(engine, runner) as rec:
+        engine.decode_chunk(runner, None)
+    routings = rec.routings(config.num_hidden_layers, drafts)
+    per_round = [counter.round(context, drafts, r) for r in routings]
+    return {"measured_median": statistics.median(b["total"] for b in per_round) if per_round else None,
+            "upper_bound": upper["total"], "rounds_recorded": len(per_round),
+            "breakdown_first_round": per_round[0] if per_round else None, "breakdown_upper": upper,
+            "distinct_experts_verify_mean": statistics.mean(statistics.mean(r.verify) for r in routings)
+            if routings else None,
+            "distinct_experts_verify_upper": counter.upper_bound_experts(drafts + 1),
+            "stages": {k: statistics.median(stage_bytes(b)[k] for b in per_round) for k in STAGE_ITEMS}
+            if per_round else stage_bytes(upper)}
 
 
 def _profiled(engine: RankEngine, runner, graph, snap: Snapshot, dev: torch.device) -> dict:
@@ -371,6 +397,10 @@ def _print(r: dict) -> None:
         print(f"device copy bandwidth {f['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (read + written); "
               f"floor {f['floor_us']:.1f} us (upper-bound bytes: {f['floor_upper_us']:.1f} us); "
               f"{f['variant']} at {f['ratio']:.2f}x the floor (target <= {TARGET_FLOOR_RATIO}x)")
+        for k, v in r.get("floors_by_variant", {}).items():
+            if len(r["floors_by_variant"]) > 1:
+                print(f"  {k}/{v['mode']}: {v['distinct_experts_verify_mean']:.1f} distinct experts a main layer, "
+                      f"its own floor {v['floor_us']:.1f} us, round {v['median_round_us']:.1f} us = {v['ratio']:.2f}x")
     else:
         print("byte floor: skipped (no CUDA device)")
     if f and f.get("step_bound_us"):

@@ -8,6 +8,10 @@ from . import bench_micro_cmd
 from .generate_cmd import _drafts
 
 
+# Seven lengths from 1K to the longest whole round at max_position_embeddings 196608 (192K less one chunk's room)
+SWEEP_CONTEXTS = (1024, 4096, 16384, 32768, 65536, 131072, 196480)
+
+
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (need a CUDA device)",
                        description="Performance benchmarks. Each prints a table and can write its raw JSON with --out "
@@ -29,6 +33,9 @@ def register(sub) -> None:
     s.add_argument("--ranks", type=int, default=None,
                    help="with --config --tp-slice N: run ranks 0..RANKS-1 of the TP-N layout as RANKS processes with "
                         "real collectives among them (e.g. --tp-slice 8 --ranks 2 on two H200s)")
+    s.add_argument("--layers", type=int, default=None,
+                   help="with --config: only the model's first LAYERS main layers (default all); e.g. 40 so that two "
+                        "ranks of the TP8 layout fit one GPU together with --share-gpu (each holds ~109 GB at 88)")
     s.add_argument("--share-gpu", action="store_true",
                    help="with --tp or --ranks on GPUs: every rank on GPU 0 (under an MPS daemon: bash ci/gpu.sh mps "
                         "...), a correctness and lockstep run whose times are emulation")
@@ -47,11 +54,31 @@ def register(sub) -> None:
     s.add_argument("--seed", type=int, default=0, help="request seed of the first repeat (default 0)")
     s.add_argument("--out", help="write the raw JSON here (e.g. bench/results/step-mini.json)")
     s.add_argument("--kernels", default="torch",
-                   help="comma-separated variants compared side by side: torch (fallback), triton (kernels/), or "
-                        "any stage set of --kernels elsewhere; e.g. torch,triton or triton,triton-settle (one stage's "
-                        "A/B; default torch). The speedup line compares the first variant's graph round "
-                        "with torch's eager round, so include torch to get it")
+                   help="comma-separated variants compared side by side: torch (fallback) or triton (kernels/), "
+                        "each optionally with ops removed for timing (lab/ablation.py: triton~moe) or the routing "
+                        "pinned to D distinct experts a block (triton~route:38, the real-request routing; with "
+                        "--config each variant is held to the byte floor of its own routing); e.g. torch,triton or "
+                        "triton,triton~route:38 (default torch). The speedup line compares the first variant's graph "
+                        "round with torch's eager round, so include torch to get it")
     s.set_defaults(run=run)
+    c = bsub.add_parser("context", help="the round across context lengths 1K-192K against the added-KV floor",
+                        description="One TP rank's slice of --config at full dimensions (as bench step --config), "
+                                    "the same five-draft round at each --contexts length with synthetic history: the "
+                                    "median captured round at each, its growth from the first length against the "
+                                    "growth of the byte floor (the added KV's bytes), as a table, JSON and a PNG.")
+    c.add_argument("--config", default="configs/iquest-q1.json", help="model config.json (default configs/iquest-q1.json, the full model)")
+    c.add_argument("--tp-slice", type=int, default=8, help="TP degree whose rank 0 runs (default 8)")
+    c.add_argument("--contexts", default=",".join(str(n) for n in SWEEP_CONTEXTS),
+                   help=f"comma-separated prompt lengths (default {','.join(str(n) for n in SWEEP_CONTEXTS)})")
+    c.add_argument("--drafts", type=int, default=5, help="fixed draft depth 3..7 (default 5)")
+    c.add_argument("--repeats", type=int, default=5, help="timed chunks per length (default 5)")
+    c.add_argument("--chunk-tokens", type=int, default=16, help="tokens decoded per timed chunk (default 16)")
+    c.add_argument("--kernels", default="triton", help="one variant, as bench step's (default triton)")
+    c.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="default auto")
+    c.add_argument("--seed", type=int, default=0, help="request seed (default 0)")
+    c.add_argument("--out", help="write the raw JSON here")
+    c.add_argument("--plot", help="write the PNG here (default: beside --out)")
+    c.set_defaults(run=run_context)
     bench_micro_cmd.register(bsub)  # kernels, allreduce
 
 
@@ -60,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {args.repeats}")
+    if not args.config and args.layers is not None:
+        raise UserError("--layers needs --config (it cuts a model run from synthetic rank slices)")
     if not args.config and (args.tp is not None or args.ranks is not None):
         raise UserError("--tp and --ranks need --config (a model run from synthetic rank slices)")
     if args.config:
@@ -86,11 +115,11 @@ def run(args: argparse.Namespace) -> int:
             layout = args.tp if args.tp is not None else args.tp_slice
             tp_step(args.config, layout, args.context, int(args.drafts), args.repeats, args.chunk_tokens or 16,
                     args.seed, args.device, args.out, kernels=args.kernels, processes=args.ranks,
-                    history=args.history, shared_gpu=args.share_gpu)
+                    history=args.history, shared_gpu=args.share_gpu, layers=args.layers)
             return 0
         full_step(args.config, args.tp_slice, args.context, int(args.drafts), args.repeats, args.chunk_tokens or 16,
                   args.seed, args.device, args.out, kernels=tuple(args.kernels.split(",")),
-                   history=args.history)
+                  history=args.history, layers=args.layers)
         return 0
     bench_micro_cmd._need_gpus("iquest bench step (without --config)", 1)
     from ..bench.step import run as bench_step
@@ -98,4 +127,23 @@ def run(args: argparse.Namespace) -> int:
 
     bench_step(args.model or str(default_model_dir()), args.context, args.drafts, args.repeats,
                args.chunk_tokens or 64, args.seed, args.out, tuple(args.kernels.split(",")))
+    return 0
+
+
+def run_context(args: argparse.Namespace) -> int:
+    from ..bench.context_sweep import run as sweep
+    from .main import UserError
+
+    try:
+        contexts = tuple(int(n) for n in args.contexts.split(","))
+    except ValueError:
+        raise UserError(f"--contexts takes comma-separated integers, got {args.contexts!r}") from None
+    if len(contexts) < 2 or any(n < 1 for n in contexts) or list(contexts) != sorted(set(contexts)):
+        raise UserError("--contexts needs two or more increasing positive lengths")
+    if "," in args.kernels:
+        raise UserError("bench context takes one kernel variant (e.g. --kernels triton)")
+    if not 3 <= args.drafts <= 7:
+        raise UserError("--drafts must be in 3..7")
+    sweep(args.config, args.tp_slice, contexts, args.drafts, args.repeats, args.chunk_tokens, args.seed, args.device,
+          args.kernels, args.out, args.plot)
     return 0

@@ -21,6 +21,7 @@ EXAMPLES = {
     "make-fixture": "iquest make-fixture --preset tiny --out /tmp/tiny",
     "bench": "iquest bench step --context 1024 --drafts 5 --kernels torch,triton",
     "bench step": "iquest bench step --context 1024 --drafts 5 --kernels torch,triton --out step.json",
+    "bench context": "iquest bench context --kernels triton --out bench/results/context.json",
     "bench kernels": "iquest bench kernels --rows 1,8 --out kernels.json",
     "bench tune": "iquest bench tune --ops moe,linear_qkv --pdl",
     "bench allreduce": "iquest bench allreduce --ranks 2",

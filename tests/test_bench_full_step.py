@@ -256,3 +256,36 @@ def test_triton_norms_run_inside_the_norm_label(monkeypatch):
         ops.add_norm(x, x, w, 1e-6)
     launches = [e for e in prof.events() if e.name == "aten::zeros_like"]
     assert len(launches) == 5 and all(_stage_of(e) == "norm" for e in launches)
+
+
+def test_a_pinned_routing_variant_is_counted_with_its_own_routing(tmp_path):
+    """`--kernels torch,torch~route:3`: the pinned variant's recorded routing shows its 3 distinct experts a main
+    layer (the healthy one whatever the router chose), and each variant's floor comes from its own bytes."""
+    from iquest.bench.full_step import variant_floors
+
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--config", str(TINY / "config.json"), "--tp-slice", "2", "--device", "cpu",
+                 "--repeats", "1", "--context", "48", "--chunk-tokens", "6", "--kernels", "torch,torch~route:3",
+                 "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    pinned, healthy = r["bytes_by_variant"]["torch~route:3"], r["bytes_by_variant"]["torch"]
+    assert pinned["distinct_experts_verify_mean"] == 3.0
+    assert healthy["distinct_experts_verify_mean"] != 3.0 and healthy["measured_median"] != pinned["measured_median"]
+    floors = variant_floors({k: {**b} for k, b in r["bytes_by_variant"].items()}, r["summary"], "eager", 1e9, 1e12)
+    for k, b in r["bytes_by_variant"].items():
+        assert floors[k]["floor_us"] == pytest.approx(b["measured_median"] / 1e12 * 1e6)
+        assert floors[k]["ratio"] == pytest.approx(r["summary"][f"{k}/eager"]["median_round_us"] / floors[k]["floor_us"])
+
+
+def test_layers_cut_the_model_to_its_first_main_layers(tmp_path):
+    c = Config.from_file(TINY / "config.json")
+    cut = c.first_layers(1)
+    assert cut.num_hidden_layers == 1 and cut.layer_types == c.layer_types[:1]
+    assert cut.mtp_layer_type == c.mtp_layer_type and cut.hidden_size == c.hidden_size
+    with pytest.raises(Exception, match="layers must be in"):
+        c.first_layers(c.num_hidden_layers + 1)
+    out = tmp_path / "step.json"
+    assert main(["bench", "step", "--config", str(TINY / "config.json"), "--tp-slice", "2", "--device", "cpu",
+                 "--repeats", "1", "--context", "48", "--chunk-tokens", "6", "--layers", "1", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["layers"] == 1 and r["bytes"]["rounds_recorded"] >= 1

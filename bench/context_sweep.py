@@ -1,0 +1,115 @@
+"""`iquest bench context`: the same five-draft round of one TP rank's slice at full dimensions across context
+lengths (synthetic history at every length, so that only the KV read grows), set against the byte floor's growth.
+
+The design document's headline is the round's growth from 1K to 192K (+16%); what it is held to here is the added
+KV's cost against its bytes: (round(L) - round(L0)) / (floor(L) - floor(L0)), where the floors count the upper-bound
+bytes of each length (the same weights at every length, so their difference is the added KV and positions alone)
+at the device copy bandwidth measured in the same run. A ratio of 1 means the added context costs only its bytes.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import torch
+
+from . import full_step
+from ..provenance import commit
+
+
+def run(config_file: str, tp: int, contexts: tuple[int, ...], drafts: int, repeats: int, chunk_tokens: int,
+        seed: int, device: str, kernels: str, out: str | None, plot: str | None) -> dict:
+    rows = []
+    for i, context in enumerate(contexts):
+        print(f"[{i + 1}/{len(contexts)}] context {context}: building, capturing, filling the history, timing "
+              f"{repeats} chunks", flush=True)
+        r = full_step.run(config_file, tp, context, drafts, repeats, chunk_tokens, seed, device, None,
+                          profile_rounds=False, kernels=(kernels,), history="synthetic", eager=False, quiet=True)
+        main, floor, b = r["main_variant"], r["floor"], r["bytes"]
+        rows.append({"context": context, "median_round_us": r["summary"][main]["median_round_us"],
+                     "rounds_us": [c["round_us"] for c in r["runs"][main]],
+                     "upper_bytes": b["upper_bound"], "measured_bytes": b["measured_median"],
+                     "distinct_experts_verify_mean": b["distinct_experts_verify_mean"],
+                     "bandwidth_bytes_per_s": floor["bandwidth_bytes_per_s"] if floor else None,
+                     "floor_us": floor["floor_us"] if floor else None, "variant": main,
+                     "commit": r["commit"], "device": r["device"]})
+        print(f"    median round {rows[-1]['median_round_us']:.1f} us"
+              + (f", floor {floor['floor_us']:.1f} us" if floor else ""), flush=True)
+        del r
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the next length builds its own 100+ GB of weights
+    report = {"bench": "context", "config": str(config_file), "tp_slice": tp, "drafts": drafts, "repeats": repeats,
+              "chunk_tokens": chunk_tokens, "seed": seed, "kernels": kernels, "history": "synthetic",
+              "commit": commit(), "rows": growth(rows)}
+    _print(report)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    if plot or out:
+        _plot(report, Path(plot) if plot else Path(out).with_suffix(".png"))
+    return report
+
+
+def growth(rows: list[dict]) -> list[dict]:
+    """Each row's growth from the first: the round's, and the added KV's floor (upper-bound bytes at each row's
+    bandwidth, the first row's bytes subtracted), with their ratio: what the added context costs per byte."""
+    base = rows[0]
+    out = []
+    for r in rows:
+        g = dict(r, round_growth=r["median_round_us"] / base["median_round_us"] - 1,
+                 added_round_us=r["median_round_us"] - base["median_round_us"])
+        if r["bandwidth_bytes_per_s"]:
+            g["added_kv_floor_us"] = (r["upper_bytes"] - base["upper_bytes"]) / r["bandwidth_bytes_per_s"] * 1e6
+            g["floor_growth"] = g["added_kv_floor_us"] / base["floor_us"]
+            g["added_cost_per_floor"] = g["added_round_us"] / g["added_kv_floor_us"] if g["added_kv_floor_us"] else None
+        out.append(g)
+    return out
+
+
+def _print(r: dict) -> None:
+    rows = r["rows"]
+    print(f"bench context  config={r['config']} tp-slice={r['tp_slice']} (rank 0) drafts={r['drafts']} "
+          f"kernels={r['kernels']} repeats={r['repeats']} history=synthetic commit={r['commit']} "
+          f"device={rows[0]['device']}")
+    print(f"{'context':>8} {'round (us)':>11} {'growth':>8} {'floor (us)':>11} {'added KV floor':>15} "
+          f"{'added / floor':>14} {'experts':>8}")
+    for g in rows:
+        floor = f"{g['floor_us']:11.1f}" if g["floor_us"] else f"{'-':>11}"
+        added = f"{g['added_kv_floor_us']:15.1f}" if "added_kv_floor_us" in g else f"{'-':>15}"
+        ratio = f"{g['added_cost_per_floor']:13.2f}x" if g.get("added_cost_per_floor") else f"{'-':>14}"
+        print(f"{g['context']:8d} {g['median_round_us']:11.1f} {100 * g['round_growth']:+7.1f}% {floor} {added} "
+              f"{ratio} {g['distinct_experts_verify_mean'] or 0:8.1f}")
+    last = rows[-1]
+    if last.get("added_cost_per_floor"):
+        print(f"{rows[0]['context']} -> {last['context']}: the round grew {100 * last['round_growth']:+.1f}%, the "
+              f"floor {100 * last['floor_growth']:+.1f}%; the added KV cost {last['added_cost_per_floor']:.2f}x its "
+              "bytes (target <= 1.3x)")
+
+
+def _plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = r["rows"]
+    x = [g["context"] for g in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(x, [g["median_round_us"] for g in rows], "o-", label=f"{r['kernels']} round (median)")
+    if rows[0]["floor_us"]:
+        ax.plot(x, [rows[0]["median_round_us"] + g["added_kv_floor_us"] for g in rows], "s--",
+                label="first round + added KV floor")
+        ax.plot(x, [g["floor_us"] for g in rows], ":", label="byte floor (measured routing)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("round (us)")
+    ax.set_title(f"one TP{r['tp_slice']} rank's round against context ({r['commit']})")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    print(f"plot: {path}")
