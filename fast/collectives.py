@@ -37,8 +37,10 @@ class PeerBuffer:
         self.state = torch.zeros(8, dtype=torch.int32, device=device)  # call, arrivals, rows used per slot
         torch.cuda.synchronize(device)  # armed before any peer can map it
         handles: list = [None] * world
-        dist.all_gather_object(handles, reduce_tensor(self.own), group=group)
-        self.views = [self.own if p == rank else rebuild(*args) for p, (rebuild, args) in enumerate(handles)]
+        gpu = str(torch.cuda.get_device_properties(device).uuid)
+        dist.all_gather_object(handles, (reduce_tensor(self.own), gpu), group=group)
+        self.views = [self.own if p == rank else rebuild(*args) for p, ((rebuild, args), _) in enumerate(handles)]
+        self.shared_gpu = len({g for _, g in handles}) < world  # several ranks on one GPU (under MPS)
         self.peers = torch.tensor([v.data_ptr() for v in self.views], dtype=torch.int64, device=device)
 
     def release(self) -> None:
@@ -55,6 +57,8 @@ class PeerCollectives:
         self.reduce = PeerBuffer(group, rank, world, hidden, dtype, device)
         self.gather = PeerBuffer(group, rank, world, candidates, torch.int64, device)
         self.error = torch.zeros((), dtype=torch.int32, device=device)  # the decode loop's halt flag (fast/state.py)
+        # Ranks sharing a GPU: a collective lets the next kernel launch only once its data arrived (kernels/allreduce.py)
+        self.hold = self.reduce.shared_gpu
         dist.barrier(group=group)  # every rank holds every view before any pushes
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,7 +66,7 @@ class PeerCollectives:
 
         b = self.reduce
         return all_reduce(x.contiguous(), b.peers, b.own, b.state, self.error, self.rank, tag=0,
-                          timeout_ns=TIMEOUT_NS, pdl=True)
+                          timeout_ns=TIMEOUT_NS, pdl=True, hold=self.hold)
 
     def all_reduce_add_norm(self, partial: torch.Tensor, stream: torch.Tensor, weight: torch.Tensor, eps: float,
                             y_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,14 +76,15 @@ class PeerCollectives:
 
         b = self.reduce
         return all_reduce(partial.contiguous(), b.peers, b.own, b.state, self.error, self.rank, tag=1,
-                          timeout_ns=TIMEOUT_NS, norm=(stream.contiguous(), weight, eps, y_dtype), pdl=True)
+                          timeout_ns=TIMEOUT_NS, norm=(stream.contiguous(), weight, eps, y_dtype), pdl=True,
+                          hold=self.hold)
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         from ..kernels.allreduce import all_gather
 
         b = self.gather
         return all_gather(x.contiguous(), b.peers, b.own, b.state, self.error, self.rank, tag=2,
-                          timeout_ns=TIMEOUT_NS, pdl=True)
+                          timeout_ns=TIMEOUT_NS, pdl=True, hold=self.hold)
 
     def check(self) -> None:
         """Raise if a poll of this rank gave up waiting for a peer (one device read)."""

@@ -25,6 +25,9 @@ A poll that waits past `timeout_ns` (the GPU's global timer) gives up: it record
 the kernel completes with a wrong value; the decode loop's condition reads the flag and ends, and the host raises
 naming the rank and the collective (fast/collectives.py). A rank that never writes cannot hang its peers.
 
+`HOLD` (ranks sharing one GPU) lets the next kernel launch only once this call's data has arrived, not at the start:
+its programs, resident early and waiting, would otherwise take the SMs a peer on the same GPU needs to push.
+
 `NORM` fuses the residual add and RMSNorm after the reduction (the two reduction points of a decoder layer): the sum
 rounded to the stream's dtype, h = stream + sum rounded again, y = rmsnorm(h) * w, the same arithmetic and program
 shape as kernels/rmsnorm_residual.py, so the fused call gives the bits of the all-reduce followed by that kernel.
@@ -36,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch_options, wait_for_inputs
+from .launch import launch_options, release_dependents, wait_for_inputs, wait_holding_dependents
 
 SLOTS = 3
 PROGRAMS = 8
@@ -144,7 +147,7 @@ def _all_reduce_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, sum_ptr,
                        R, H, S, rank, eps, timeout_ns, tag, stride_x, stride_sum, stride_res, stride_h, stride_y,
                        WORLD: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
                        NORM: tl.constexpr, POLL: tl.constexpr, REARM: tl.constexpr, ORDER: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       HOLD: tl.constexpr, PDL: tl.constexpr = False):
     # POLL, REARM, ORDER: the pieces of the protocol (_poll, _rearm_and_advance, _rank_order); the tests' negative
     # controls pass broken ones to show that their checks fail
     first = tl.program_id(0)
@@ -153,7 +156,10 @@ def _all_reduce_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, sum_ptr,
     ok = i < H
     if NORM:  # the norm's weight is constant: read before the wait
         w = tl.load(w_ptr + i, mask=ok, other=0.0)
-    wait_for_inputs(PDL)
+    if HOLD:
+        wait_holding_dependents(PDL)
+    else:
+        wait_for_inputs(PDL)
     call = tl.load(state_ptr)
     slot = call % 3
     for row in range(first, R, P):  # every row of this program pushed before any poll
@@ -174,18 +180,23 @@ def _all_reduce_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, sum_ptr,
             h = h.to(tl.float32)
             inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
             tl.store(y_ptr + row * stride_y + i, (h * inv * w.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=ok)
+    if HOLD:
+        release_dependents(PDL)
     REARM(own_ptr, state_ptr, call, slot, first, P, R, H, S, WORLD, CAP, BLOCK, BITS)
 
 
 @triton.jit
 def _all_gather_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, out_ptr, R, K, S, rank, timeout_ns, tag,
                        stride_x, stride_out, WORLD: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       HOLD: tl.constexpr, PDL: tl.constexpr = False):
     first = tl.program_id(0)
     P = tl.num_programs(0)
     i = tl.arange(0, BLOCK)
     ok = i < K
-    wait_for_inputs(PDL)
+    if HOLD:
+        wait_holding_dependents(PDL)
+    else:
+        wait_for_inputs(PDL)
     call = tl.load(state_ptr)
     slot = call % 3
     for row in range(first, R, P):
@@ -196,6 +207,8 @@ def _all_gather_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, out_ptr,
         for p in tl.static_range(WORLD):  # the ranks' candidates concatenated in rank order
             got = _poll(own_ptr, slot, p, row, K, S, error_ptr, timeout_ns, tag, start, WORLD, CAP, BLOCK, 64)
             tl.store(out_ptr + row * stride_out + p * K + i, got, mask=ok)
+    if HOLD:
+        release_dependents(PDL)
     _rearm_and_advance(own_ptr, state_ptr, call, slot, first, P, R, K, S, WORLD, CAP, BLOCK, 64)
 
 
@@ -233,18 +246,18 @@ def _check_buffer(x: torch.Tensor, peers: torch.Tensor, own: torch.Tensor, state
 
 def all_reduce(x: torch.Tensor, peers: torch.Tensor, own: torch.Tensor, state: torch.Tensor, error: torch.Tensor,
                rank: int, *, tag: int = 0, timeout_ns: int = 2_000_000_000, out: torch.Tensor | None = None,
-               norm: tuple | None = None, pdl: bool = False):
+               norm: tuple | None = None, pdl: bool = False, hold: bool = False):
     """sum over ranks of x [R, H] (rank order, fp32, rounded to x's dtype), into `out`. `peers` int64 [world]: every
     rank's buffer address (this rank's own at index rank); `own` this rank's buffer [3, world, CAP, H] in x's dtype
     (armed); `state` int32 [8] this rank's call counter, arrival count and rows per slot (zeroed at the start);
     `error` int32 [>= 1]: 0, or (tag + 1) * 1024 + the lane a poll gave up on.
     `norm` = (stream [R, H], weight [H], eps, y dtype): also h = stream + sum and y = rmsnorm(h) * weight; returns
-    (sum, h, y) then, else the sum."""
-    return _all_reduce(x, peers, own, state, error, rank, tag, timeout_ns, out, norm, pdl)
+    (sum, h, y) then, else the sum. `hold`: the next kernel launches once the data arrived (ranks sharing a GPU)."""
+    return _all_reduce(x, peers, own, state, error, rank, tag, timeout_ns, out, norm, pdl, hold=hold)
 
 
 def _all_reduce(x, peers, own, state, error, rank, tag, timeout_ns, out, norm, pdl,
-                poll=_poll, rearm=_rearm_and_advance, order=_rank_order):
+                poll=_poll, rearm=_rearm_and_advance, order=_rank_order, hold=False):
     """all_reduce with the protocol's pieces given: the negative controls of tests/test_tp_collectives.py."""
     world, R = _check_buffer(x, peers, own, state, error, rank)
     H = x.shape[1]
@@ -265,13 +278,14 @@ def _all_reduce(x, peers, own, state, error, rank, tag, timeout_ns, out, norm, p
                                  rank, eps_,
                                  timeout_ns, tag, x.stride(0), out.stride(0), s_res, s_h, s_y, WORLD=world,
                                  CAP=own.shape[2], BLOCK=triton.next_power_of_2(H), BITS=sentinel_bits(x.dtype),
-                                 NORM=norm is not None, POLL=poll, REARM=rearm, ORDER=order, num_warps=8,
+                                 NORM=norm is not None, POLL=poll, REARM=rearm, ORDER=order, HOLD=hold, num_warps=8,
                                  **launch_options(pdl, x.device))
     return out if norm is None else (out, h_, y_)
 
 
 def all_gather(x: torch.Tensor, peers: torch.Tensor, own: torch.Tensor, state: torch.Tensor, error: torch.Tensor,
-               rank: int, *, tag: int = 0, timeout_ns: int = 2_000_000_000, pdl: bool = False) -> torch.Tensor:
+               rank: int, *, tag: int = 0, timeout_ns: int = 2_000_000_000, pdl: bool = False,
+               hold: bool = False) -> torch.Tensor:
     """Every rank's int64 x [R, K] concatenated along the last dimension in rank order: [R, world * K]."""
     world, R = _check_buffer(x, peers, own, state, error, rank)
     _check(x.dtype == torch.int64, "the gather takes int64 keys")
@@ -281,5 +295,5 @@ def all_gather(x: torch.Tensor, peers: torch.Tensor, own: torch.Tensor, state: t
         _all_gather_kernel[(min(R, PROGRAMS),)](x, peers, own, state, error, out, R, K, own.shape[3], rank, timeout_ns, tag,
                                  x.stride(0),
                                  out.stride(0), WORLD=world, CAP=own.shape[2], BLOCK=max(16, triton.next_power_of_2(K)),
-                                 num_warps=1, **launch_options(pdl, x.device))
+                                 HOLD=hold, num_warps=1, **launch_options(pdl, x.device))
     return out

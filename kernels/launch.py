@@ -46,6 +46,19 @@ def wait_for_inputs(PDL: tl.constexpr):
 
 
 @triton.jit
+def wait_holding_dependents(PDL: tl.constexpr):
+    """With PDL: wait for the previous kernel to complete; the next one launches at `release_dependents` (or exit)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def release_dependents(PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
 def prefetch_l2(ptrs):
     """Ask L2 for the 128-byte lines holding `ptrs` (every one a valid address: clamp, do not mask), without
     waiting: before `wait_for_inputs`, for data the contract above lets a kernel read there, so those reads overlap
