@@ -183,11 +183,11 @@ def controls(par, hidden: int = 1024) -> dict:
         torch.distributed.barrier(group=par.group)
         c.release()
     digests = {}
-    for name in ("healthy", "order"):
-        c = _collectives(par, hidden)
+    for name in ("healthy", "order"):  # fp32 rows of unlike magnitudes: a bf16 result would round the order away
+        c = _collectives(par, hidden, dtype=torch.float32)
         b = c.reduce
         g = torch.Generator(device=par.device).manual_seed(3 + par.rank)
-        x = (torch.randn(8, hidden, generator=g, device=par.device) * 10 ** (par.rank % 4)).to(torch.bfloat16)
+        x = torch.randn(8, hidden, generator=g, device=par.device) * 10 ** (par.rank % 4)
         pieces = {} if name == "healthy" else {"order": broken["order"]}
         got = ar._all_reduce(x, b.peers, b.own, b.state, c.error, par.rank, 0, 60_000_000_000, None, None, False,
                              **pieces)
