@@ -137,6 +137,18 @@ def _advance(state_ptr, call, slot, P, R):
 
 
 @triton.jit
+def _start_call(state_ptr, HOLD: tl.constexpr, PDL: tl.constexpr):
+    """After the wait for the inputs (the next kernel released now, or with HOLD once the data arrived): this call's
+    number and slot."""
+    if HOLD:
+        wait_holding_dependents(PDL)
+    else:
+        wait_for_inputs(PDL)
+    call = tl.load(state_ptr)
+    return call, call % 3
+
+
+@triton.jit
 def _rank_order(step, rank, WORLD: tl.constexpr):
     """The lane a reduction adds at `step`: the same order, 0, 1, ..., on every rank."""
     return step
@@ -156,12 +168,7 @@ def _all_reduce_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, sum_ptr,
     ok = i < H
     if NORM:  # the norm's weight is constant: read before the wait
         w = tl.load(w_ptr + i, mask=ok, other=0.0)
-    if HOLD:
-        wait_holding_dependents(PDL)
-    else:
-        wait_for_inputs(PDL)
-    call = tl.load(state_ptr)
-    slot = call % 3
+    call, slot = _start_call(state_ptr, HOLD, PDL)
     for row in range(first, R, P):  # every row of this program pushed before any poll
         v = tl.load(x_ptr + row * stride_x + i, mask=ok, other=0.0)
         _push(v, row, H, S, peers_ptr, own_ptr, slot, rank, WORLD, CAP, BLOCK, BITS)
@@ -193,12 +200,7 @@ def _all_gather_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, out_ptr,
     P = tl.num_programs(0)
     i = tl.arange(0, BLOCK)
     ok = i < K
-    if HOLD:
-        wait_holding_dependents(PDL)
-    else:
-        wait_for_inputs(PDL)
-    call = tl.load(state_ptr)
-    slot = call % 3
+    call, slot = _start_call(state_ptr, HOLD, PDL)
     for row in range(first, R, P):
         v = tl.load(x_ptr + row * stride_x + i, mask=ok, other=0)
         _push(v, row, K, S, peers_ptr, own_ptr, slot, rank, WORLD, CAP, BLOCK, 64)
