@@ -81,7 +81,11 @@ def _skip_relaunch_patching(interpreter) -> None:
 
 def run_worker(script: str, timeout: float = 1200) -> dict:
     """Run `python script --interpret-worker` with TRITON_INTERPRET=1; return the JSON it prints last."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    # The interpreter evaluates tl.dot with numpy, so its bits are OpenBLAS's: the kernel that OpenBLAS picks for the
+    # CPU blocks (and fuses multiply-adds) by matrix shape, and on an AMD EPYC two kernels' equal dots of different
+    # tile shapes came out unequal (moe 8rows_random). The plain SSE2 kernel makes them a property of the code, not of
+    # the CI machine.
+    env = dict(os.environ, TRITON_INTERPRET="1", OPENBLAS_CORETYPE="Prescott")
     done = subprocess.run([sys.executable, script, "--interpret-worker"], env=env, capture_output=True,
                           text=True, timeout=timeout)
     if done.returncode != 0:
