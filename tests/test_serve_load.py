@@ -8,6 +8,7 @@ while the engine is still busy, and the next request returns what it returns alo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -72,6 +73,33 @@ def server():
         yield s
 
 
+class HeldEngine:
+    """The real engine, whose decodes pause after each Step while `hold` is set: a test that needs the
+    engine busy holds it so, instead of racing a 200-token CPU decode (on a slow CI machine that decode
+    finished before the queued clients had given up)."""
+
+    def __init__(self, engine):
+        self.engine, self.hold = engine, threading.Event()
+        self.config, self.generation = engine.config, engine.generation
+
+    def generate(self, prompt, **kwargs):
+        with contextlib.closing(self.engine.generate(prompt, **kwargs)) as steps:
+            for step in steps:
+                yield step
+                end = time.monotonic() + TIMEOUT
+                while self.hold.is_set() and time.monotonic() < end:
+                    time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def held_server():
+    engine = HeldEngine(load_engine("fast", TINY, 1, max_context=256))
+    app = create_app(engine, load_tokenizer(TINY),
+                     ServeOptions("tiny", queue_size=6, max_context=256, drafts=0, deadline=60))
+    with ServerThread(app) as s:
+        yield s, engine
+
+
 def test_concurrent_clients_complete_or_get_429_and_memory_stays_bounded(server):
     sizes = []
     totals = {"ok": 0, "429": 0, "400": 0}
@@ -114,7 +142,8 @@ def test_concurrent_clients_complete_or_get_429_and_memory_stays_bounded(server)
 HEALTH_BOUND = 0.25
 
 
-def test_large_bodies_abandoned_clients_and_cancels_neither_freeze_nor_starve_the_server(server):
+def test_large_bodies_abandoned_clients_and_cancels_neither_freeze_nor_starve_the_server(held_server):
+    server, engine = held_server
     normal = {"prompt": "def g(x):", "max_tokens": 16, "seed": 21}
     limit = default_max_body_size(256)
     filler = limit - len(json.dumps({"prompt": "", "max_tokens": 4}))
@@ -150,6 +179,8 @@ def test_large_bodies_abandoned_clients_and_cancels_neither_freeze_nor_starve_th
         poller = threading.Thread(target=poll_health, daemon=True)
         poller.start()
         for _ in range(2):
+            emitted = metric(server.url, "iquest_emitted_tokens_total")
+            engine.hold.set()
             with http.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 200, "stream": True,
                                                               "seed": 3}) as long:
                 lines = long.iter_lines()
@@ -170,11 +201,13 @@ def test_large_bodies_abandoned_clients_and_cancels_neither_freeze_nor_starve_th
                     assert time.monotonic() < end, "abandoned clients kept their places"
                     time.sleep(0.02)
                 assert metric(server.url, "iquest_running") == 1
-            # leaving the block closes the long stream mid-way: its decode is cancelled
+            # leaving the block closes the long stream mid-way: once released, its decode is cancelled
+            engine.hold.clear()
             end = time.monotonic() + 10
             while metric(server.url, "iquest_running") != 0:
                 assert time.monotonic() < end, "the cancelled stream kept decoding"
                 time.sleep(0.02)
+            assert metric(server.url, "iquest_emitted_tokens_total") - emitted < 200, "the stream was not cancelled"
         stop_polling.set()
         poller.join(TIMEOUT)
         assert http.post("/v1/completions", json=normal).json()["choices"][0]["text"] == alone
