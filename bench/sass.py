@@ -28,7 +28,7 @@ from .tune import H200_SMS, _linear_auto_split
 
 TARGET = GPUTarget("cuda", 90, 32)
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-_ROUTING = dict(K_TOP=8, K_PAD=8, P_PAD=64, LIVE_COUNT=False, DEDUP=True)
+_ROUTING = dict(K_TOP=8, K_PAD=8, P_PAD=64, LIVE_COUNT=False)
 
 
 @dataclass(frozen=True)

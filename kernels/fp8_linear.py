@@ -78,7 +78,6 @@ def _fp8_linear_kernel(
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, SERIAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
-    OPAQUE: tl.constexpr = True,  # False: negative control only (tests/test_bench_sass.py), see _after_wait
     sumsq_ptr=None, stride_sumsq=0, norm_tiles=0, eps=0.0,
     NORM: tl.constexpr = 0,  # > 0: the rows scaled by their 1 / rms (`rms`); the sums' count padded to a power of two
 ):
@@ -110,7 +109,7 @@ def _fp8_linear_kernel(
             kk = k_start + t * BLOCK_K + tl.arange(0, BLOCK_K)
             xs = xs + (tl.load(x_ptr + m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None], other=0.0),)
         for t in tl.static_range(PRELOAD):
-            acc = _tile_dot(acc, xs[t], _after_wait(ws[t], PDL and OPAQUE), ss[t], F32, PREC)
+            acc = _tile_dot(acc, xs[t], _after_wait(ws[t], PDL), ss[t], F32, PREC)
     else:
         wait_for_inputs(PDL)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -295,7 +294,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     if direct is not None:
         fd.launch(grid, x, direct, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0),
                   expect[1], k_per_split, split_k, block, split, serial, tiles, norm_args,
-                  launch_options(pdl, x.device), reversed_tiles=_REVERSED_TILES)
+                  launch_options(pdl, x.device))
     else:
         _fp8_linear_kernel[grid](
             x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
@@ -316,22 +315,6 @@ def direct_applies(x: torch.Tensor, block_k: int, tiles: int) -> bool:
     interpreted) with bf16 or fp16 x and 128-wide K tiles."""
     return (not INTERPRETED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and block_k == 128
             and tiles > 0)
-
-
-# ---- instrumentation, for tests only ---------------------------------------------------------------
-_REVERSED_TILES = False  # set only inside `_reversed_direct`
-
-
-def _reversed_direct(*args, **kwargs) -> torch.Tensor:
-    """Tests only, the negative control of the direct kernel's bit checks: `fp8_linear(*args, **kwargs)` (with
-    `direct=`) with that kernel's K tiles summed last to first, the same products in another fp32 order. Not
-    thread-safe: the switch is module state, set for the one call."""
-    global _REVERSED_TILES
-    _REVERSED_TILES = True
-    try:
-        return fp8_linear(*args, **kwargs)
-    finally:
-        _REVERSED_TILES = False
 
 
 def _rms_args(rms, M: int, device: torch.device) -> dict:

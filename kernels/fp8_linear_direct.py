@@ -99,7 +99,6 @@ def _fp8_linear_direct_kernel(
     B0: gl.constexpr, B1: gl.constexpr, G: gl.constexpr, W_LOAD: gl.constexpr,
     SPLIT: gl.constexpr, SERIAL: gl.constexpr, PRELOAD: gl.constexpr, PDL: gl.constexpr = False,
     sumsq_ptr=None, stride_sumsq=0, norm_tiles=0, eps=0.0, NORM: gl.constexpr = 0,
-    REVERSED: gl.constexpr = False,  # True: negative control only (tests): the tiles summed last to first
 ):
     # G warps a program, each with every G-th of the split's PRELOAD K tiles (tile t = j * G + g at step j) for the
     # program's 16 output columns: the MMAs are batched over the warps (a 3-D MMA layout, batch = warp).
@@ -156,13 +155,7 @@ def _fp8_linear_direct_kernel(
     ps = ()
     for j in gl.static_range(STEPS):
         ps = ps + (_tile_products(ws[j], gl.convert_layout(xs[j], x_op), ss[j], w_op, mma, sums),)
-    # The scaled products added to the sum in tile order (t = j * G + g), as the Triton kernel adds them.
-    acc = gl.zeros([WARP_N, ROWS], gl.float32, layout=acc_l)
-    for i in gl.static_range(STEPS):
-        if REVERSED:
-            acc = _add_groups(acc, ps[STEPS - 1 - i][0], ps[STEPS - 1 - i][1], G, True, acc_l)
-        else:
-            acc = _add_groups(acc, ps[i][0], ps[i][1], G, False, acc_l)
+    acc = _ordered_sum(gl.zeros([WARP_N, ROWS], gl.float32, layout=acc_l), ps, STEPS, G, acc_l)
 
     n = pid_n * WARP_N + gl.arange(0, WARP_N, layout=gl.SliceLayout(1, acc_l))
     m = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, acc_l))
@@ -191,19 +184,24 @@ def _fp8_linear_direct_kernel(
 
 
 @gluon.jit
-def _add_groups(acc, p, s, G: gl.constexpr, REVERSED: gl.constexpr, acc_l: gl.constexpr):
-    """acc + p[..., 0] * s[..., 0] + p[..., 1] * s[..., 1] (G = 2; in reverse order for the negative control), or
-    acc + p[..., 0] * s[..., 0] (G = 1): one step's tiles in tile order, each scaled and added as the Triton kernel's
-    `acc + dot * s` (an FMA). The groups are picked exactly (a split; a one-element sum)."""
+def _ordered_sum(acc, ps, STEPS: gl.constexpr, G: gl.constexpr, acc_l: gl.constexpr):
+    """acc + the STEPS steps' scaled products `ps` ((products, scales) a step), added in tile order (t = j * G + g)
+    as the Triton kernel adds them (the negative control's order is another: tests/kernel_controls.py)."""
+    for j in gl.static_range(STEPS):
+        acc = _add_groups(acc, ps[j][0], ps[j][1], G, acc_l)
+    return acc
+
+
+@gluon.jit
+def _add_groups(acc, p, s, G: gl.constexpr, acc_l: gl.constexpr):
+    """acc + p[..., 0] * s[..., 0] + p[..., 1] * s[..., 1] (G = 2), or acc + p[..., 0] * s[..., 0] (G = 1): one
+    step's tiles in tile order, each scaled and added as the Triton kernel's `acc + dot * s` (an FMA). The groups are
+    picked exactly (a split; a one-element sum)."""
     if G == 2:
         a, b = gl.split(p)
         sa, sb = gl.split(s)
-        if REVERSED:
-            acc = acc + gl.convert_layout(b, acc_l) * gl.convert_layout(sb, acc_l)
-            acc = acc + gl.convert_layout(a, acc_l) * gl.convert_layout(sa, acc_l)
-        else:
-            acc = acc + gl.convert_layout(a, acc_l) * gl.convert_layout(sa, acc_l)
-            acc = acc + gl.convert_layout(b, acc_l) * gl.convert_layout(sb, acc_l)
+        acc = acc + gl.convert_layout(a, acc_l) * gl.convert_layout(sa, acc_l)
+        acc = acc + gl.convert_layout(b, acc_l) * gl.convert_layout(sb, acc_l)
     else:
         acc = acc + gl.sum(p, axis=2) * gl.sum(s, axis=2)
     return acc
@@ -217,14 +215,14 @@ CARVEOUT = 0
 
 
 def launch(grid, x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits,
-           block, split, serial, tiles, norm_args, launch_kw, reversed_tiles: bool = False) -> None:
+           block, split, serial, tiles, norm_args, launch_kw) -> None:
     """The kernel's launch for `fp8_linear(direct=...)`, which checks the arguments; `grid` is `grid(M, N, splits)`.
     The compiled kernel's preferred shared-memory carveout is set to CARVEOUT, as `launch.launch_with_carveout`
-    does. `reversed_tiles`: the negative control's defect (tests only, through `fp8_linear._reversed_direct`)."""
+    does."""
     g = groups_for(tiles)
     args = (x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits)
     kw = dict(B0=block[0], B1=block[1], G=g, W_LOAD=load_layout(g), SPLIT=split, SERIAL=serial, PRELOAD=tiles,
-              REVERSED=reversed_tiles, **norm_args, num_warps=g, **launch_kw)
+              **norm_args, num_warps=g, **launch_kw)
     launch_with_carveout(_fp8_linear_direct_kernel, grid, args, kw, CARVEOUT)
 
 

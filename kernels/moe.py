@@ -158,18 +158,16 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, N, GROUP: tl.constexpr, BLOCK_M: t
 
 @triton.jit
 def _expert_owner(experts_ptr, live_ptr, p, R, K_TOP: tl.constexpr, P_PAD: tl.constexpr,
-                  LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr):
+                  LIVE_COUNT: tl.constexpr):
     """(e = experts[p], whether pair p's program handles e): p's row is live and no earlier live pair
-    (q < p, row-major) chose e. DEDUP = False (tests' negative control) drops the second condition."""
+    (q < p, row-major) chose e."""
     e = tl.load(experts_ptr + p)
     run = load_live(live_ptr, p // K_TOP, R, LIVE_COUNT)
-    if DEDUP:
-        q = tl.arange(0, P_PAD)
-        before = q < p
-        same = before & (tl.load(experts_ptr + q, mask=before, other=-1) == e)
-        same = same & load_live(live_ptr, q // K_TOP, R, LIVE_COUNT)
-        run = run & (tl.sum(same.to(tl.int32), axis=0) == 0)
-    return e, run
+    q = tl.arange(0, P_PAD)
+    before = q < p
+    same = before & (tl.load(experts_ptr + q, mask=before, other=-1) == e)
+    same = same & load_live(live_ptr, q // K_TOP, R, LIVE_COUNT)
+    return e, run & (tl.sum(same.to(tl.int32), axis=0) == 0)
 
 
 @triton.jit
@@ -190,7 +188,7 @@ def _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl
 def _moe_gate_up_kernel(
     x_ptr, xd_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, part_ptr, ran_ptr,
     R, H, I, P, stride_x, stride_xd, s_rows, s_cols, k_per_split,
-    K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
+    K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, PRESCALED: tl.constexpr = False, TMA: tl.constexpr = False,
@@ -199,7 +197,7 @@ def _moe_gate_up_kernel(
     p = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
-    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
+    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
     if STORE_RAN:  # tests only (`_moe_probed`): which pairs' programs did the work
         tl.store(ran_ptr + p, run.to(tl.int32), mask=(tile == 0) & (split == 0))
     # No pass unless this program owns e; one when R <= BLOCK_M (always at k = 8: R * k <= MAX_PAIRS). A live
@@ -262,15 +260,15 @@ def _moe_gate_up_kernel(
 
 
 @triton.jit
-def _split_sum(part_ptr, pair, n, ok, P, I, SPLIT: tl.constexpr, DROP_LAST: tl.constexpr):
+def _split_sum(part_ptr, pair, n, ok, P, I, SPLIT: tl.constexpr):
     """Gate's and Up's fp32 partials of `pair`'s rows at channels n summed over the splits in the order s = 0, 1, ...
-    (the sum must not depend on scheduling), and how many were added (compile-time: DROP_LAST, the tests' negative
-    control, skips the last split). Unrolled, so every split's loads issue at once."""
+    (the sum must not depend on scheduling), and how many were added (compile-time; the probe stores it).
+    Unrolled, so every split's loads issue at once."""
     src = part_ptr + (pair * 2)[:, None] * I + n[None, :]
     g = tl.zeros([pair.shape[0], n.shape[0]], tl.float32)
     u = tl.zeros([pair.shape[0], n.shape[0]], tl.float32)
     summed = 0
-    for s in tl.static_range(SPLIT - DROP_LAST):
+    for s in tl.static_range(SPLIT):
         g += tl.load(src + s * P * 2 * I, mask=ok[:, None], other=0.0)
         u += tl.load(src + s * P * 2 * I + I, mask=ok[:, None], other=0.0)
         summed += 1
@@ -301,7 +299,7 @@ def _act_store(g, u, pair, n0, ok, act_ptr, act_s_ptr, h_ptr, count_ptr, summed,
 def _moe_finalize_kernel(
     part_ptr, live_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, R, P, I,
     K_TOP: tl.constexpr, LIVE_COUNT: tl.constexpr,
-    SPLIT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STORE_H: tl.constexpr, DROP_LAST: tl.constexpr,
+    SPLIT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STORE_H: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
@@ -311,7 +309,7 @@ def _moe_finalize_kernel(
     ok = in_range & load_live(live_ptr, pair // K_TOP, R, LIVE_COUNT)  # padding rows' pairs stay unwritten
     # The loads do not wait for liveness (a padding pair reads its never-written partials, and nothing of it is
     # stored): they go out with the live mask's.
-    g, u, summed = _split_sum(part_ptr, pair, tile * GROUP + tl.arange(0, GROUP), in_range, P, I, SPLIT, DROP_LAST)
+    g, u, summed = _split_sum(part_ptr, pair, tile * GROUP + tl.arange(0, GROUP), in_range, P, I, SPLIT)
     _act_store(g, u, pair, tile * GROUP, ok, act_ptr, act_s_ptr, h_ptr, count_ptr, summed, I, GROUP, STORE_H)
 
 
@@ -319,7 +317,7 @@ def _moe_finalize_kernel(
 def _moe_down_kernel(
     act_ptr, act_s_ptr, w_ptr, ws_ptr, experts_ptr, live_ptr, y_ptr, ran_ptr,
     R, H, I, s_rows, s_cols,
-    K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, DEDUP: tl.constexpr,
+    K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
     B0: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False, FP8: tl.constexpr = False,
@@ -332,14 +330,14 @@ def _moe_down_kernel(
         # The routing was written before Gate/Up was launched, two launches back at least, so it is complete before
         # any program of this kernel starts (kernels/launch.py): the owner and its weight tile are known before the
         # wait, and the tile's HBM reads (into L2) overlap the previous kernel instead of following it.
-        e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
+        e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
         if run:
             n = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), H - 1)  # clamp, do not mask (prefetch_l2)
             prefetch_rows(w_raw_ptr + e.to(tl.int64) * H * I + n * I, 0, I, LINE_ELEMS, LINES)
         wait_for_inputs(PDL)
     else:
         wait_for_inputs(PDL)
-        e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT, DEDUP)
+        e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
     if STORE_RAN:
         tl.store(ran_ptr + p, run.to(tl.int32), mask=tile == 0)
 
@@ -657,7 +655,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
                                              _sm_count(x.device))
     split = grid[2]
     routing = dict(K_TOP=k, K_PAD=max(2, triton.next_power_of_2(k)), P_PAD=max(16, triton.next_power_of_2(P)),
-                   LIVE_COUNT=count, DEDUP=not (probe is not None and probe["no_dedup"]))
+                   LIVE_COUNT=count)
 
     dev = x.device
     part = torch.empty((split, P, 2, I), dtype=torch.float32, device=dev)
@@ -679,7 +677,6 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         _check(compute_dtype == torch.bfloat16 and (f16 or f32),
                f"f16_input is Gate/Up's fp16 operand: it needs bf16 compute (got {compute_dtype}) with f16=True")
     _check_residual(residual, R, H, dev)
-    drop_last = bool(store_h and probe["drop_last_split"])
 
     early = bool(early_down and pdl and not INTERPRETED)  # without the wait there is nothing to run ahead of
     line_elems, lines = prefetch_lines(I, 1)
@@ -703,7 +700,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         num_stages=gate_up_stages, **launch)
     _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
         part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
-        SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h, DROP_LAST=drop_last, num_warps=4, **launch)
+        SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h, num_warps=4, **launch)
     _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
         act, act_scale, d_arg, down_scale, experts, live_arg, y, programs[1], R, H, I,
         down_scale.shape[1], down_scale.shape[2], **routing,
@@ -724,17 +721,16 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
 _PROBE: dict | None = None  # set only inside `_moe_probed`
 
 
-def _moe_probed(*args, drop_last_split: bool = False, no_dedup: bool = False, **kwargs) -> tuple[torch.Tensor, dict]:
+def _moe_probed(*args, **kwargs) -> tuple[torch.Tensor, dict]:
     """Tests only: `moe(*args, **kwargs)` with the kernels' instrumentation compiled in (their STORE_RAN / STORE_H
     stores, which the product's launches compile out), returning (out, probe). The probe holds the E4M3 `act` and
     its `act_scale`, the fp32 `hidden` before quantization (NaN where the finalize wrote nothing), the `split` used,
     `split_counts` [P] (splits the finalize summed per live pair, 0 elsewhere), `programs` [2, P] int32 (1 where pair
     p's Gate/Up, resp. Down, program did the work: the first live pair of each distinct expert), and whether
-    `fp8_down` and `early_down` were taken. The negative controls' defects: `drop_last_split` (the finalize skips
-    the last split) and `no_dedup` (every live pair's program works, repeated experts included). Not thread-safe:
-    the switch is module state, set for the one call."""
+    `fp8_down` and `early_down` were taken (the negative controls read what their broken pieces did from it:
+    tests/kernel_controls.py). Not thread-safe: the switch is module state, set for the one call."""
     global _PROBE
-    probe = {"drop_last_split": drop_last_split, "no_dedup": no_dedup}
+    probe: dict = {}
     _PROBE = probe
     try:
         out = moe(*args, **kwargs)

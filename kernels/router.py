@@ -111,10 +111,17 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, R, E, H, stride_x, h_per_split
 
 
 @triton.jit
+def _tie_rank(idx, E_PAD: tl.constexpr):
+    """Among equal scores the lower rank is chosen: an expert's rank is its index (the reference's rule). An
+    involution, so it is its own inverse (the negative control's ranks the other way, tests/kernel_controls.py)."""
+    return idx
+
+
+@triton.jit
 def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, logits_ptr, R, E, splits, scaling,
                           E_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
                           K_PAD: tl.constexpr, NORM: tl.constexpr, WRITE_LOGITS: tl.constexpr,
-                          ACCURATE_EXP: tl.constexpr, LOWER_TIES: tl.constexpr, PACKED_TOPK: tl.constexpr = True,
+                          ACCURATE_EXP: tl.constexpr, PACKED_TOPK: tl.constexpr = True,
                           PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
@@ -142,25 +149,20 @@ def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, logits
     scores = tl.div_rn(p, tl.zeros([E_PAD], tl.float32) + tl.sum(p, axis=0))
     tl.store(scores_ptr + row * E + idx, scores, mask=ok)
 
-    # Top-k: k rounds of argmax; equal scores go to the lower index; the chosen one is masked.
+    # Top-k: k rounds of argmax; equal scores go to the lower rank (`_tie_rank`); the chosen one is masked.
     slot = tl.arange(0, K_PAD)
     sel_e = tl.zeros([K_PAD], tl.int32)
     sel_v = tl.zeros([K_PAD], tl.float32)
     if PACKED_TOPK:
         # One int64 max per round instead of a max and then a min index among equals. Scores are >= +0 (never
         # -0 or NaN for finite logits), so their bit patterns order as the values do; the low half breaks ties
-        # (E_PAD - 1 - idx: larger for the lower index). Keys are unique, and -1 is below every live key.
-        low = idx
-        if LOWER_TIES:
-            low = E_PAD - 1 - idx
-        # else: negative control only (tests): ties to the higher index
+        # (E_PAD - 1 - rank: larger for the lower rank). Keys are unique, and -1 is below every live key.
+        low = E_PAD - 1 - _tie_rank(idx, E_PAD)
         bits = scores.to(tl.int32, bitcast=True).to(tl.int64)
         key = tl.where(ok, (bits << 32) | low.to(tl.int64), -1)
         for j in range(TOP_K):
             best = tl.max(key, axis=0)
-            pick = (best & 0xFFFFFFFF).to(tl.int32)
-            if LOWER_TIES:
-                pick = E_PAD - 1 - pick
+            pick = _tie_rank(E_PAD - 1 - (best & 0xFFFFFFFF).to(tl.int32), E_PAD)
             # the high half is the score's own bits: sel_v (and so the weights) bit-equal the unpacked form's
             sel_e = tl.where(slot == j, pick, sel_e)
             sel_v = tl.where(slot == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), sel_v)
@@ -170,10 +172,7 @@ def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, logits
         work = tl.where(ok, scores, -1.0)
         for j in range(TOP_K):
             best = tl.max(work, axis=0)
-            if LOWER_TIES:
-                pick = tl.min(tl.where(work == best, idx, E_PAD), axis=0)
-            else:  # negative control only (tests): ties to the higher index
-                pick = tl.max(tl.where(work == best, idx, -1), axis=0)
+            pick = _tie_rank(tl.min(tl.where(work == best, _tie_rank(idx, E_PAD), E_PAD), axis=0), E_PAD)
             sel_e = tl.where(slot == j, pick, sel_e)
             sel_v = tl.where(slot == j, best, sel_v)
             work = tl.where(idx == pick, -1.0, work)
@@ -212,10 +211,10 @@ def _split_plan(h: int, split: int, block_h: int) -> tuple[int, int]:
 
 def _select(part: torch.Tensor, splits: int, weights: torch.Tensor, experts: torch.Tensor, scores: torch.Tensor,
             logits: torch.Tensor | None, top_k: int, norm_topk_prob: bool, scaling: float, *,
-            lower_ties: bool = True, packed_topk: bool = True, num_warps: int = 4, pdl: bool = False) -> None:
+            packed_topk: bool = True, num_warps: int = 4, pdl: bool = False) -> None:
     """Launch 2 on the first `splits` partials of part [S, R, E]; `logits` [R, E], if given, receives the summed
-    logits the selection used (route() gives none). Tests wrap it for the negative controls (`lower_ties=False`, one
-    split fewer) and to read those logits."""
+    logits the selection used (route() gives none). Tests wrap it for a negative control (one split fewer) and to read
+    those logits."""
     _, R, E = part.shape
     e_pad = triton.next_power_of_2(E)
     split_block = max(1, min(triton.next_power_of_2(splits), PART_CHUNK // e_pad))
@@ -223,7 +222,7 @@ def _select(part: torch.Tensor, splits: int, weights: torch.Tensor, experts: tor
         part, weights, experts, scores, scores if logits is None else logits, R, E, splits, scaling,
         E_PAD=e_pad, SPLIT_BLOCK=split_block, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         NORM=bool(norm_topk_prob), WRITE_LOGITS=logits is not None, ACCURATE_EXP=not INTERPRETED,
-        LOWER_TIES=lower_ties, PACKED_TOPK=packed_topk, num_warps=num_warps, **launch_options(pdl, part.device))
+        PACKED_TOPK=packed_topk, num_warps=num_warps, **launch_options(pdl, part.device))
 
 
 def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool, scaling: float, *,

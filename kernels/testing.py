@@ -14,11 +14,13 @@ Interpreted cases are CPU-expensive (a case costs 0.1-30 s), so the worker also 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+import types
 
 
 def patch_interpreter() -> None:
@@ -77,6 +79,40 @@ def _skip_relaunch_patching(interpreter) -> None:
 
     interpreter.GridExecutor.__call__ = grid_call
     interpreter.InterpretedFunction.__call__ = device_call
+
+
+def substitute(kernel, **pieces):
+    """A copy of jit `kernel` whose calls to the named module-level jit functions go to `pieces` instead: how the
+    kernels' negative controls put a broken piece in (tests/kernel_controls.py), so the product kernel carries no
+    switch for it. The product kernel, and what it compiled, are untouched: the copy resolves its globals in a
+    dictionary of its own (Triton's compiler and interpreter both read a kernel's globals from `fn.__globals__`)."""
+    fn = kernel.fn
+    unknown = sorted(set(pieces) - set(fn.__code__.co_names))
+    if unknown:
+        raise ValueError(f"{fn.__name__} calls no {', '.join(unknown)}")
+    copy = types.FunctionType(fn.__code__, {**fn.__globals__, **pieces}, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+    copy.__module__, copy.__qualname__, copy.__kwdefaults__ = fn.__module__, fn.__qualname__, fn.__kwdefaults__
+    copy.__annotations__ = dict(fn.__annotations__)  # Triton finds the constexpr parameters by their annotations
+    if hasattr(kernel, "kwargs"):  # the interpreter's InterpretedFunction
+        return type(kernel)(copy, **kernel.kwargs)
+    return type(kernel)(copy, version=kernel.version, do_not_specialize=kernel.do_not_specialize,
+                        do_not_specialize_on_alignment=kernel.do_not_specialize_on_alignment, debug=kernel.debug,
+                        noinline=kernel.noinline, repr=kernel._repr, launch_metadata=kernel.launch_metadata)
+
+
+@contextlib.contextmanager
+def substituted(module, substitutions: dict):
+    """Within the block, `module`'s kernels named in `substitutions` ({kernel name: {piece name: broken jit
+    function}}) are `substitute`d copies; restored after. A test's own patch: not thread-safe."""
+    saved = {name: getattr(module, name) for name in substitutions}
+    try:
+        for name, pieces in substitutions.items():
+            setattr(module, name, substitute(saved[name], **pieces))
+        yield
+    finally:
+        for name, kernel in saved.items():
+            setattr(module, name, kernel)
 
 
 def run_worker(script: str, timeout: float = 1200) -> dict:

@@ -5,11 +5,14 @@ reads real registers and instruction counts; the CLI rejects unknown kernels and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from iquest.bench import sass
+from iquest.kernels.testing import substitute
+from iquest.tests.kernel_controls import LINEAR_TRANSPARENT
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +68,7 @@ def test_preloaded_tiles_are_all_requested_before_the_wait():
     assert tiles == 6
     early = _before_wait(spec)
     assert early.count("LDG") >= 2 * tiles + 2 * tiles and early.count("BAR") == 0, early
-    control = _before_wait(spec, OPAQUE=False)
+    control = _before_wait(dataclasses.replace(spec, fn=substitute(spec.fn, **LINEAR_TRANSPARENT)))
     assert control.count("BAR") >= tiles - 1 and control.count("LDG") >= 2 * tiles, control
     assert _before_wait(sass.specs()["fp8_linear_loop"]).count("LDG") == 0
 

@@ -8,9 +8,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from iquest.kernels import fp8_linear as fl
+from iquest.kernels import fp8_linear as fl, fp8_linear_direct as fd
 from iquest.kernels.fp8_linear_direct import direct_weight
+from iquest.kernels.testing import substituted
 from iquest.reference.fp8 import quantize
+from iquest.tests.kernel_controls import DIRECT_REVERSED
 
 E4M3 = torch.float8_e4m3fn
 
@@ -83,8 +85,8 @@ GPU_CASES = [(6, 1024, 6144, "unsummed_rms"), (6, 1024, 6144, "serial"), (1, 102
              (6, 512, 256, "serial"), (6, 6144, 384, "out")]
 
 
-def _call(form, x, w, s, extra, linear=fl.fp8_linear, **kw):
-    kw = dict(block=(128, 128), preload=True, pdl=True, **kw)
+def _call(form, x, w, s, extra, **kw):
+    linear, kw = fl.fp8_linear, dict(block=(128, 128), preload=True, pdl=True, **kw)
     if form == "unsummed_rms":
         return linear(x, w, s, unsummed=True, rms=(extra["sumsq"], 1e-6), **kw)
     if form == "serial":
@@ -111,7 +113,8 @@ def test_gpu_same_bits_as_the_triton_kernel(m, n, k, form, dtype):
     # fp32 rounding. The fp32 partials (unsummed) show it, so this comparison catches it there; a stored bf16 or fp16
     # output mostly rounds it away (at o_proj's shape every element matched on the H200), so there it is only
     # checked to stay close.
-    bad = _call(form, x, w, s, extra, linear=fl._reversed_direct, direct=d)
+    with substituted(fd, DIRECT_REVERSED):
+        bad = _call(form, x, w, s, extra, direct=d)
     if form == "unsummed_rms":
         assert not torch.equal(bad, want)
     torch.testing.assert_close(bad.float(), want.float(), rtol=1e-2, atol=1e-2 * float(want.float().abs().max()))

@@ -56,7 +56,8 @@ from iquest.kernels.f16_operands import bf16_grid
 from iquest.kernels.moe import _act_quant_tile
 from iquest.kernels.moe_route import load_live
 from iquest.reference.fp8 import act_quant as act_quant_ref, quantize
-from iquest.kernels.testing import interpreted_tests
+from iquest.kernels.testing import interpreted_tests, substituted
+from iquest.tests.kernel_controls import MOE as MOE_CONTROLS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Relative to max |ref|, by output dtype. Kernel vs Down applied to the kernel's own E4M3 activations
@@ -170,8 +171,9 @@ ORACLE = ("1row", "8rows_random", "partial_tiles_1row_count", "mini_model_defaul
 INTERPRETED_CASES = [dict(c, oracle=c["name"] in ORACLE) for c in CASES if c["name"] in INTERPRETED]
 # Negative controls (run by the worker, not by test_interpreted): the finalize drops the last split (the oracle's
 # comparison must catch it too); every live pair's program works, repeated experts included.
-NEG_CASE = case("neg_drop_last_split", R=4, H=128, block_k=16, split_k=3, split=3, drop_last_split=True, oracle=True)
-NEG_DEDUP_CASE = case("neg_no_dedup", R=4, pattern="shared", no_dedup=True)
+NEG_CASE = case("neg_drop_last_split", R=4, H=128, block_k=16, split_k=3, split=3, control="drop_last_split",
+                oracle=True)
+NEG_DEDUP_CASE = case("neg_no_dedup", R=4, pattern="shared", control="no_dedup")
 
 FULL = dict(k=8, E=256, H=6144, I=256, block=(128, 128), x="bf16", block_k=None, down_block_n=None,
             down_block_k=None)  # one TP8 rank at full size (I/TP = 256); None: moe()'s default tiles
@@ -288,10 +290,11 @@ def run_kernel(c: dict, t: dict) -> tuple[torch.Tensor, dict]:
             broken = weight.clone()
             broken[c["H"] // 2] *= 2
             extra["residual"] = (stream, broken, *extra["residual"][2:])
-    got, probe = mk._moe_probed(*(t[a] for a in ARGS), block=c["block"], group=c["block"][1],
-                                out_dtype=DTYPES[c["out"]], out=out, split_k=c["split_k"], **compute, **tiles(c),
-                                **c.get("launch", {}), **extra, drop_last_split=c.get("drop_last_split", False),
-                                no_dedup=c.get("no_dedup", False))
+    broken = {} if c.get("control") is None else MOE_CONTROLS[c["control"]]
+    with substituted(mk, broken):
+        got, probe = mk._moe_probed(*(t[a] for a in ARGS), block=c["block"], group=c["block"][1],
+                                    out_dtype=DTYPES[c["out"]], out=out, split_k=c["split_k"], **compute, **tiles(c),
+                                    **c.get("launch", {}), **extra)
     assert got is out
     if extra:
         probe["residual"] = (extra["residual"][0], weight, *extra["residual"][2:])

@@ -38,7 +38,8 @@ import pytest
 import torch
 
 from iquest.kernels import router as rt
-from iquest.kernels.testing import interpreted_tests
+from iquest.kernels.testing import interpreted_tests, substituted
+from iquest.tests.kernel_controls import ROUTER as ROUTER_CONTROLS
 from iquest.reference.layers import route as reference_route
 
 # fp32 sums of H products: error ~ sqrt(H) * 2^-24 of sum |x_h w_h| typically (n * 2^-24 worst), measured
@@ -206,15 +207,14 @@ def observed_route(x, w, k, norm, scaling, broken=None, **kw) -> tuple[tuple[tor
         seen["logits"] = torch.empty_like(scores)
         if broken is not None:
             seen["broken_splits"] = splits
-        if broken == "ties_high":
-            skw["lower_ties"] = False
-        elif broken == "drop_split":
+        if broken == "drop_split":
             splits -= 1
         return original(part, splits, weights, experts, scores, seen["logits"], *args, **skw)
 
     rt._select, rt._router_logits_kernel = select, _Observed(kernel, seen)
     try:
-        out = rt.route(x, w, k, norm, scaling, **kw)
+        with substituted(rt, ROUTER_CONTROLS if broken == "ties_high" else {}):
+            out = rt.route(x, w, k, norm, scaling, **kw)
     finally:
         rt._select, rt._router_logits_kernel = original, kernel
     return out, seen
@@ -323,11 +323,14 @@ def _check_property(c: dict, r: dict, examples: int = PROPERTY_EXAMPLES) -> None
 SELECT_EXAMPLES = 12
 
 
-def select(part: torch.Tensor, k: int, norm: bool, scaling: float, **kw) -> tuple[torch.Tensor, ...]:
-    """(weights, experts, scores, logits) of launch 2 alone on the partials part [S, R, E]."""
+def select(part: torch.Tensor, k: int, norm: bool, scaling: float, ties_high: bool = False,
+           **kw) -> tuple[torch.Tensor, ...]:
+    """(weights, experts, scores, logits) of launch 2 alone on the partials part [S, R, E] (with the negative
+    control's ties to the higher index if `ties_high`)."""
     S, R, E = part.shape
     out = (torch.empty(R, k), torch.empty(R, k, dtype=torch.int64), torch.empty(R, E), torch.empty(R, E))
-    rt._select(part, S, *out[:3], out[3], k, norm, scaling, **kw)
+    with substituted(rt, ROUTER_CONTROLS if ties_high else {}):
+        rt._select(part, S, *out[:3], out[3], k, norm, scaling, **kw)
     return out
 
 
@@ -356,8 +359,8 @@ def select_property_job() -> dict:
         if data == "dup":  # the same partials in the same order: bit-equal logits
             src, dst = torch.randint(0, E, (2, max(1, E // 3)), generator=gen)
             part[:, :, dst] = part[:, :, src]
-        packed = select(part, k, norm, scaling, lower_ties=lower_ties)
-        unpacked = select(part, k, norm, scaling, lower_ties=lower_ties, packed_topk=False)
+        packed = select(part, k, norm, scaling, ties_high=not lower_ties)
+        unpacked = select(part, k, norm, scaling, ties_high=not lower_ties, packed_topk=False)
         for name, a, b in zip(("weights", "experts", "scores", "logits"), packed, unpacked):
             assert torch.equal(a, b), f"{name} differ: R={R} E={E} k={k} {data} lower_ties={lower_ties}"
         weights, experts, scores, logits = packed

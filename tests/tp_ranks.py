@@ -163,7 +163,7 @@ def controls(par, hidden: int = 1024) -> dict:
     from iquest.fast.collectives import CollectiveError
 
     from iquest.kernels import allreduce as ar
-    from iquest.tests.tp_controls import BROKEN as broken
+    from iquest.tests.kernel_controls import BROKEN as broken
 
     out = {}
     for name in ("healthy", "poll", "rearm"):
