@@ -11,7 +11,7 @@
 # Results go to $OUT when it is set (the device tool brings that folder back).
 set -euo pipefail
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/iquest
-export PYTHONPATH=/tmp/pkg PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # multicast stays off
 out=${OUT:-/tmp}
 case "${1:-tests}" in

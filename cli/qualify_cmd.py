@@ -15,7 +15,9 @@ def register(sub) -> None:
                                    "JSON report on stdout, the table on stderr) and progress on stderr; exits 1 on any "
                                    "failure.")
     p.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the candidate (CPU, gloo; default 1)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks of the candidate (default 1; on CUDA one GPU a rank, or every rank on "
+                        "GPU 0 with --share-gpu)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="fast engine compute dtype (default fp32)")
     add_device(p, default="cpu", what="where the candidate runs (cuda: the GPU engine, eagerly, so every block is "
                                       "recorded)")

@@ -35,18 +35,45 @@ def _worker(rank: int, world: int, port: int, kind: str, model_dir: str, options
     try:
         torch.set_num_threads(1)
         check_memory(Config.from_dir(model_dir), world, options, kind, ranks=(rank,))
+        ready.put(("joining", rank))  # rank 0 joins the process group only once every worker got this far
         engine = RankEngine(model_dir, init_process(rank, world, port, kind, options.shared_gpu), options, parts)
         ready.put(("ok", rank))
     except ConfigError as e:  # a clear one-line reason (e.g. this GPU's memory), raised as such by rank 0
         ready.put(("config", str(e)))
         return
-    except BaseException:  # report instead of hanging rank 0 in its first collective
+    except BaseException:  # report instead of leaving rank 0 waiting for this rank
         ready.put(("error", traceback.format_exc()))
         return
     while (req := requests.get()) is not None:
         for _ in engine.decode(req):
             pass
     engine.close()
+
+
+def _await_workers(ready: "mp.Queue", procs: list, status: str, timeout_s: float = 600.0) -> None:
+    """Wait until every worker has reported `status`; raise at once when one reports a failure or exits without a
+    word (killed), and after `timeout_s` without progress."""
+    import queue
+    import time
+
+    left, deadline = len(procs), time.monotonic() + timeout_s
+    while left:
+        try:
+            got, info = ready.get(timeout=1.0)
+        except queue.Empty:
+            dead = [i + 1 for i, p in enumerate(procs) if p.exitcode is not None]
+            if dead:
+                raise RuntimeError(f"tensor-parallel worker rank {dead[0]} exited (code {procs[dead[0] - 1].exitcode})"
+                                   f" before it reported {status!r}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{left} tensor-parallel worker(s) did not report {status!r} within {timeout_s:.0f} s")
+            continue
+        if got == "config":
+            raise ConfigError(info)
+        if got == "error":
+            raise RuntimeError(f"a tensor-parallel worker failed to start:\n{info}")
+        left -= got == status
+        deadline = time.monotonic() + timeout_s
 
 
 class FastEngine:
@@ -81,13 +108,9 @@ class FastEngine:
             procs.append(p)
             queues.append(q)
         try:
+            _await_workers(ready, procs, "joining")  # a worker that fails first would leave rank 0 in the rendezvous
             rank0 = RankEngine(model_dir, init_process(0, tp, port, kind, options.shared_gpu), options, parts)
-            for _ in procs:
-                status, info = ready.get(timeout=600)
-                if status == "config":
-                    raise ConfigError(info)
-                if status != "ok":
-                    raise RuntimeError(f"a tensor-parallel worker failed to start:\n{info}")
+            _await_workers(ready, procs, "ok")
         except BaseException:
             for p in procs:
                 p.kill()

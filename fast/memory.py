@@ -45,14 +45,19 @@ def rank_bytes(config: Config, tp: int, max_context: int, dtype_bytes: int = 2) 
 
 def check_memory(config: Config, tp: int, options, device_kind: str, ranks=None) -> None:
     """Raise a clear error when weights plus caches at the requested context exceed device memory on the GPUs of
-    `ranks` (default all): each process checks only its own GPU, since querying one creates a context on it."""
+    `ranks` (default all): each process checks only its own GPU, since querying one creates a context on it. With
+    `options.shared_gpu` every rank lives on GPU 0, so rank 0 checks that GPU for all of them and the others skip."""
     if device_kind != "cuda":
         return
     dtype_bytes = options.torch_dtype(torch.device("cuda")).itemsize
     need = rank_bytes(config, tp, options.max_context, dtype_bytes) * HEADROOM
     for rank in range(tp) if ranks is None else ranks:
-        free, _ = torch.cuda.mem_get_info(rank)
-        if need > free:
-            raise ConfigError(f"rank {rank} needs about {need / 2**30:.1f} GiB for weights and KV caches at "
-                              f"--max-context {options.max_context} (tp={tp}), but GPU {rank} has "
+        if options.shared_gpu and rank > 0:
+            continue
+        gpu, ranks_there = (0, tp) if options.shared_gpu else (rank, 1)
+        free, _ = torch.cuda.mem_get_info(gpu)
+        if need * ranks_there > free:
+            who = f"{tp} ranks sharing GPU 0 need" if options.shared_gpu else f"rank {rank} needs"
+            raise ConfigError(f"{who} about {need * ranks_there / 2**30:.1f} GiB for weights and KV caches at "
+                              f"--max-context {options.max_context} (tp={tp}), but GPU {gpu} has "
                               f"{free / 2**30:.1f} GiB free: raise --tp or lower --max-context")

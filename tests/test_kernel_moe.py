@@ -553,7 +553,7 @@ def _sorted_gate_up_kernel(
 @triton.jit
 def _sorted_finalize_kernel(
     part_ptr, order_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, P, I,
-    SPLIT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STORE_H: tl.constexpr, DROP_LAST: tl.constexpr,
+    SPLIT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STORE_H: tl.constexpr,
 ):
     q = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     tile = tl.program_id(1)
@@ -565,8 +565,8 @@ def _sorted_finalize_kernel(
     u = tl.zeros([ROWS, GROUP], tl.float32)
     summed = 0  # splits added (compile-time): probe's split_counts, so a test sees which sum ran
     # Unrolled, so every split's loads issue at once; the adds keep the order s = 0, 1, ... (the
-    # sum must not depend on scheduling). DROP_LAST (tests' negative control) skips the last split.
-    for s in tl.static_range(SPLIT - DROP_LAST):
+    # sum must not depend on scheduling).
+    for s in tl.static_range(SPLIT):
         g += tl.load(src + s * P * 2 * I, mask=ok[:, None], other=0.0)
         u += tl.load(src + s * P * 2 * I + I, mask=ok[:, None], other=0.0)
         summed += 1
@@ -663,7 +663,7 @@ def sorted_moe(x, experts, weights, live, gate, gate_scale, up, up_scale, down, 
         F32=f32, PREC="ieee" if f32 else "tf32", num_warps=mk.GATE_UP_WARPS)
     _sorted_finalize_kernel[(triton.cdiv(P, mk.FINALIZE_ROWS), I // group)](
         part, groups[0], act.view(torch.uint8), act_scale, act_scale, act_scale, P, I,
-        SPLIT=split, GROUP=group, ROWS=mk.FINALIZE_ROWS, STORE_H=False, DROP_LAST=False, num_warps=4)
+        SPLIT=split, GROUP=group, ROWS=mk.FINALIZE_ROWS, STORE_H=False, num_warps=4)
     _sorted_down_kernel[(slots, triton.cdiv(H, down_block_n))](
         act, act_scale, down, down_scale, *groups, y, H, I, down_scale.shape[1], down_scale.shape[2],
         B0=block[0], GROUP=group, BLOCK_M=mk.BLOCK_M, BLOCK_N=down_block_n,

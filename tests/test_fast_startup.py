@@ -1,0 +1,89 @@
+"""Starting the tensor-parallel ranks: a worker that fails before the rendezvous is reported at once (rank 0 used to
+wait in the rendezvous for a rank that had already exited), and the memory check of ranks sharing one GPU asks GPU
+0 for all of them (it asked GPU `rank`, which does not exist on a one-GPU machine: the worker failed before joining)."""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from iquest.fast import memory
+from iquest.fast.engine import FastEngine, _await_workers
+from iquest.fast.rank import EngineOptions, EngineParts
+from iquest.fast.weights import WeightLoader
+from iquest.reference.config import Config, ConfigError
+from iquest.tests.helpers import TINY
+
+
+@dataclass
+class _Proc:
+    exitcode: int | None = None
+
+
+def test_await_workers_collects_every_rank():
+    q = queue.Queue()
+    for r in (1, 2, 3):
+        q.put(("joining", r))
+    _await_workers(q, [_Proc(), _Proc(), _Proc()], "joining", timeout_s=5)
+    assert q.empty()
+
+
+@pytest.mark.parametrize("status, raised", [("config", ConfigError), ("error", RuntimeError)])
+def test_await_workers_raises_a_workers_failure(status, raised):
+    q = queue.Queue()
+    q.put(("joining", 1))
+    q.put((status, "GPU 1 does not exist"))
+    with pytest.raises(raised, match="GPU 1 does not exist"):
+        _await_workers(q, [_Proc(), _Proc()], "joining", timeout_s=5)
+
+
+def test_await_workers_sees_a_silent_exit_and_a_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 2 exited \\(code -9\\)"):
+        _await_workers(queue.Queue(), [_Proc(), _Proc(-9)], "joining", timeout_s=60)
+    with pytest.raises(RuntimeError, match="did not report 'ok' within 1 s"):
+        _await_workers(queue.Queue(), [_Proc()], "ok", timeout_s=1)
+    assert time.monotonic() - t0 < 10
+
+
+class _FailingLoader(WeightLoader):
+    """Importable from the spawned worker: every rank but 0 fails while it builds its engine."""
+
+    def __init__(self, reader, par, dtype, bar):
+        if par.rank > 0:
+            raise OSError(f"rank {par.rank} could not read its shard")
+        super().__init__(reader, par, dtype, bar)
+
+
+def test_a_worker_failing_at_start_fails_load_with_its_reason():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="could not read its shard"):
+        FastEngine.load(TINY, tp=2, device="cpu", parts=EngineParts(loader=_FailingLoader))
+    assert time.monotonic() - t0 < 120
+
+
+def test_shared_gpu_memory_check_asks_gpu0_for_every_rank(monkeypatch):
+    config = Config.from_dir(TINY)
+    options = EngineOptions(max_context=512, dtype="bf16", shared_gpu=True)
+    need = memory.rank_bytes(config, 2, 512, 2) * memory.HEADROOM
+    asked = []
+
+    def free_of(gpu):
+        asked.append(gpu)
+        return free, 0
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", free_of)
+    free = int(need * 2) + 1
+    for rank in (0, 1):
+        memory.check_memory(config, 2, options, "cuda", ranks=(rank,))
+    assert asked == [0]  # rank 1 skips: rank 0 checked the one GPU for both
+    free = int(need * 1.5)  # room for one rank's share, not two
+    with pytest.raises(ConfigError, match="2 ranks sharing GPU 0 need"):
+        memory.check_memory(config, 2, options, "cuda", ranks=(0,))
+    asked.clear()
+    memory.check_memory(config, 2, EngineOptions(max_context=512, dtype="bf16"), "cuda", ranks=(1,))
+    assert asked == [1]
