@@ -42,7 +42,7 @@ def _keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return (ordered << 32) | (_LOW - ids)
 
 
-def _unkey(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def unkey(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(values float32, ids int64) of rank keys: the inverse of `_keys`."""
     ordered = keys >> 32  # arithmetic shift: the signed high word
     bits = torch.where(ordered < 0, ordered ^ _ABS, ordered)
@@ -62,7 +62,7 @@ def local_candidates(logits: torch.Tensor, k: int, vocab_offset: int) -> tuple[t
 
     logits [R, Vr] float32 hold global tokens [vocab_offset, vocab_offset + Vr).
     """
-    return _unkey(_local_keys(logits, k, vocab_offset))
+    return unkey(_local_keys(logits, k, vocab_offset))
 
 
 # ---- the sampling distribution -----------------------------------------------------------------
@@ -70,7 +70,7 @@ def _dist_from_keys(keys: torch.Tensor, top_k: int, temperature: torch.Tensor,
                     top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ROUND.md's dist() of the candidates whose rank keys are `keys` [R, C]."""
     K = min(top_k, keys.shape[-1])
-    values, ids = _unkey(torch.topk(keys, K, dim=-1, sorted=True).values)  # global top-k, Dist order
+    values, ids = unkey(torch.topk(keys, K, dim=-1, sorted=True).values)  # global top-k, Dist order
     # Softmax of values / T, shifted by the max (column 0) so that no temperature overflows exp().
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     e = torch.exp((values - values[:, :1]) / t)
@@ -152,7 +152,7 @@ def residual(p_ids: torch.Tensor, p_probs: torch.Tensor, q_ids: torch.Tensor,
     total = r.sum(-1, keepdim=True)
     has_mass = total > 0
     r = r / torch.where(has_mass, total, torch.ones_like(total))
-    r_probs, r_ids = _unkey(torch.sort(_keys(r, p_ids), dim=-1, descending=True).values)
+    r_probs, r_ids = unkey(torch.sort(_keys(r, p_ids), dim=-1, descending=True).values)
     return torch.where(has_mass, r_ids, p_ids), torch.where(has_mass, r_probs, p_probs)
 
 

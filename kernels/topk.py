@@ -35,7 +35,7 @@ SENTINEL = tl.constexpr(-(2**63))  # below every key of a float (see _key): padd
 MAX_K = 64
 
 
-# ---- rank keys (fast.sampler._keys / _unkey) ---------------------------------------------------
+# ---- rank keys (fast.sampler._keys / unkey) ---------------------------------------------------
 @triton.jit
 def _key(v, ids):
     """int64 rank keys of fp32 values v (not NaN) and int64 ids: larger key = larger value, then lower id."""

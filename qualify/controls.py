@@ -22,7 +22,7 @@ from ..fast.rank import EngineParts
 from ..fast.round import RoundRunner
 from ..fast.torch_ops import TorchOps
 from ..fast.weights import FP8Weight, WeightLoader
-from ..reference.checkpoint import CheckpointReader
+from ..reference.checkpoint import CheckpointReader, shard_range
 from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT
 
 VERIFY = [f"verify_row{i}" for i in range(8)]
@@ -98,13 +98,22 @@ class OpenCausalMask(StaticKV):
 
 
 class TransposedScales(WeightLoader):
-    """fp8_scales_transposed: square FP8 scale grids indexed transposed, scale[c // B1, r // B0]."""
+    """fp8_scales_transposed: square FP8 scale grids indexed transposed, scale[c // B1, r // B0], in the whole
+    matrix's coordinates: under tensor parallelism each rank takes its slice of the transposed grid (a rank's own
+    slice of a square grid is seldom square, so transposing that would leave most weights healthy)."""
 
     def fp8(self, name: str) -> FP8Weight:
         w = super().fp8(name)
-        if w.scale.shape[-1] == w.scale.shape[-2]:
-            w = FP8Weight(w.q, w.scale.transpose(-1, -2).contiguous(), w.block, w.dtype)
-        return w
+        _, whole = self.reader.read_weight(name)
+        if whole is None or whole.shape[-1] != whole.shape[-2]:
+            return w
+        scale = whole.transpose(-1, -2)
+        part = shard_range(self.reader.specs[name], self.reader.config, self.par.world, self.par.rank)
+        if part is not None:
+            dim, start, stop = part
+            b = self.block[dim]
+            scale = scale.narrow(dim, start // b, -(-stop // b) - start // b)
+        return FP8Weight(w.q, scale.contiguous().to(w.scale.device, w.scale.dtype), w.block, w.dtype)
 
 
 class NoSinkModel(FastModel):

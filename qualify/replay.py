@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..fast import sampler as fast_sampler
 from ..reference import sampling
 from ..reference.checkpoint import layer_prefix
 from ..reference.model import ReferenceModel
@@ -61,7 +62,9 @@ class Block:
     live: list[bool]
     logits: torch.Tensor        # [R, V/tp] float64, rank 0's vocabulary slice
     hidden: torch.Tensor        # [R, H] float64
-    dists: list = field(default_factory=list)  # (row, ids [K], probs [K], input logits [V/tp]) per runner.dist row
+    # (row, ids [K], probs [K], input logits [V]) per runner.dist row; under tensor parallelism the input is the
+    # ranks' gathered candidates (each rank's top-k, -inf elsewhere): the same top-k, so the same dist()
+    dists: list = field(default_factory=list)
     taps: dict | None = None    # draft blocks of a Recorder(taps=True): the fast model's activation taps
     window_missing: list | None = None  # per row (missing positions, why): qualify/window.py; None: no sliding layer
 
@@ -107,14 +110,29 @@ class Recorder:
             self.blocks[-1].taps = taps
             return logits, h
 
+        vocab = engine.config.vocab_size
+        sampling_args, gathered = runner._sampling_args, []
+
+        def recording_args():  # the candidates the ranks all-gather, kept: the rows' top-k over the whole vocabulary
+            args = sampling_args()
+            gather = args[2]
+
+            def recording_gather(keys):
+                gathered.append(gather(keys))
+                return gathered[-1]
+            return (*args[:2], recording_gather, *args[3:])
+
         def record_dist(local_logits, ids, probs):
             b = self.blocks[-1]
             R = local_logits.shape[0]
             rows = list(range(R)) if R == len(b.tokens) else [max(i for i, x in enumerate(b.live) if x)]
+            logits_in = local_logits.detach().double().cpu()
+            if logits_in.shape[-1] != vocab:  # a vocabulary slice: every rank's top-k candidates, -inf elsewhere
+                logits_in = candidate_logits(gathered[-1], vocab)
+            gathered.clear()
             for r, row in enumerate(rows):
                 # copies: ids and probs may be views of the decode state's rows (a draft's proposal), rewritten later
-                b.dists.append((row, ids[r].cpu().clone(), probs[r].double().cpu().clone(),
-                                local_logits[r].detach().double().cpu()))
+                b.dists.append((row, ids[r].cpu().clone(), probs[r].double().cpu().clone(), logits_in[r]))
 
         def runner_dist(local_logits):
             ids, probs = dist(local_logits)
@@ -146,12 +164,12 @@ class Recorder:
                 self.in_start = False
 
         model.forward, model.draft, runner.dist, runner.draft, runner.draft_row = forward, draft, runner_dist, runner_draft, draft_row
-        runner.sample, engine.start = runner_sample, engine_start
+        runner.sample, engine.start, runner._sampling_args = runner_sample, engine_start, recording_args
         try:
             yield self
         finally:
             for obj, name in ((model, "forward"), (model, "draft"), (runner, "dist"), (runner, "sample"),
-                              (runner, "draft"), (runner, "draft_row"), (engine, "start")):
+                              (runner, "draft"), (runner, "draft_row"), (engine, "start"), (runner, "_sampling_args")):
                 obj.__dict__.pop(name, None)
 
 
@@ -324,6 +342,15 @@ def row_classes(b: Block, i: int, window: int, ring: int) -> list[str]:
     return [f"verify_row{i}"] + (["past_window"] if p >= window else []) + (["ring_reused"] if p >= ring else [])
 
 
+def candidate_logits(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float64 [R, vocab] rows holding the candidates whose rank keys are `keys` [R, C] (fast.sampler's: value and
+    global id) and -inf elsewhere. Each rank contributes its own top-k, so a row's top-k is the whole vocabulary's
+    and dist() of it is dist() of the full row (ROUND.md: top-k first, the softmax over those alone)."""
+    values, ids = fast_sampler.unkey(keys.cpu())
+    out = torch.full((keys.shape[0], vocab), -math.inf, dtype=torch.float64)
+    return out.scatter_(1, ids, values.double())
+
+
 def kl(ref_logits: torch.Tensor, fast_logits: torch.Tensor, t: float) -> float:
     lp = torch.log_softmax(ref_logits / t, -1)
     lq = torch.log_softmax(fast_logits / t, -1)
@@ -397,7 +424,9 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
     """Every recorded row against the stream-true reference. Draft rows recorded with taps also get
     numerics.router (qualify/router.py): a swap of MTP experts that the engine's own MoE input explains is
     scored against the reference recomputed with the engine's experts. Every live row of a block recorded with its
-    ring (Block.window_missing) gets cache.window, whether or not the reference covers it."""
+    ring (Block.window_missing) gets cache.window, whether or not the reference covers it. Under tensor parallelism
+    (not `full_vocab`) the logits are rank 0's vocabulary slice, so numerics.kl and numerics.topk are not scored;
+    numerics.sampler is, on the candidates the ranks gathered (Block.dists)."""
     sr = StreamReference(ref, stream)
     router_w = router_weight(ref)
     scores, round_ratio = Scores(), {}
@@ -443,9 +472,8 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
         for row, ids, probs, logits_in in b.dists:
             classes = row_classes(b, row, window, ring)
             where = f"{b.kind} round {b.round} row {row} position {b.positions[row]}"
-            if full_vocab:
-                err, why = sampler_error(ids, probs, logits_in, params)
-                scores.add("numerics.sampler", classes, err, sampler_tol, f"{where} {why}".strip())
+            err, why = sampler_error(ids, probs, logits_in, params)  # logits_in: the whole vocabulary's top-k
+            scores.add("numerics.sampler", classes, err, sampler_tol, f"{where} {why}".strip())
             if row in ref_rows and b.kind in ("verify", "draft"):
                 rl = ref_rows[row][0]
                 bound = 2 * tol_rel * float(rl.abs().max()) / t

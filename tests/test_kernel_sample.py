@@ -142,7 +142,7 @@ def _near(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def _top_p_near(keys: torch.Tensor, top_k: int, T: float, top_p: float) -> bool:
     """Whether any row's top-p cut sits within MARGIN of a cumulative probability (torch's math)."""
-    values, _ = sampler._unkey(torch.topk(keys, min(top_k, keys.shape[1]), dim=-1).values)
+    values, _ = sampler.unkey(torch.topk(keys, min(top_k, keys.shape[1]), dim=-1).values)
     probs = torch.softmax(values.double() / (T if T > 0 else 1.0), -1)
     if T == 0:
         return False
