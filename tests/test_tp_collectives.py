@@ -89,7 +89,7 @@ def _single_tokens(model, prompt, seed, drafts, n):
     return [t for s in e.decode(req) for t in s.tokens], e
 
 
-@pytest.mark.parametrize("model,world", [(MINI, 2), (TINY_TP8, 8)])
+@pytest.mark.parametrize("model,world", [(MINI, 2), (MINI, 4), (TINY_TP8, 8)], ids=["mini-tp2", "mini-tp4", "tiny-tp8"])
 def test_tp_engine_on_one_gpu(mps, model, world):
     from iquest.qualify.agreement import compare
 
