@@ -79,6 +79,7 @@ def _await_workers(ready: "mp.Queue", procs: list, status: str, timeout_s: float
 class FastEngine:
     def __init__(self, rank0: RankEngine, procs: list, queues: list):
         self.rank0, self.procs, self.queues = rank0, procs, queues
+        self.closed = False
         self.config: Config = rank0.config
         self.generation: GenerationConfig = rank0.generation
 
@@ -107,13 +108,18 @@ class FastEngine:
             p.start()
             procs.append(p)
             queues.append(q)
+        joined = False
         try:
             _await_workers(ready, procs, "joining")  # a worker that fails first would leave rank 0 in the rendezvous
-            rank0 = RankEngine(model_dir, init_process(0, tp, port, kind, options.shared_gpu), options, parts)
+            par = init_process(0, tp, port, kind, options.shared_gpu)
+            joined = tp > 1
+            rank0 = RankEngine(model_dir, par, options, parts)
             _await_workers(ready, procs, "ok")
         except BaseException:
             for p in procs:
                 p.kill()
+            if joined:  # a failed start leaves no process group behind: the next load in this process starts clean
+                torch.distributed.destroy_process_group()
             raise
         return cls(rank0, procs, queues)
 
@@ -157,6 +163,11 @@ class FastEngine:
         return self.rank0.decode(req)
 
     def close(self) -> None:
+        """Stop the workers and end the process group, once: a closed engine collected later (`__del__`) must not end
+        the group of an engine started since."""
+        if getattr(self, "closed", True):
+            return
+        self.closed = True
         for q in self.queues:
             q.put(None)
         if self.procs:

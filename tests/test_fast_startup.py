@@ -64,6 +64,7 @@ def test_a_worker_failing_at_start_fails_load_with_its_reason():
     with pytest.raises(RuntimeError, match="could not read its shard"):
         FastEngine.load(TINY, tp=2, device="cpu", parts=EngineParts(loader=_FailingLoader))
     assert time.monotonic() - t0 < 120
+    assert not torch.distributed.is_initialized()  # rank 0 had joined: the failed start ended its group
 
 
 def test_shared_gpu_memory_check_asks_gpu0_for_every_rank(monkeypatch):
@@ -87,3 +88,21 @@ def test_shared_gpu_memory_check_asks_gpu0_for_every_rank(monkeypatch):
     asked.clear()
     memory.check_memory(config, 2, EngineOptions(max_context=512, dtype="bf16"), "cuda", ranks=(1,))
     assert asked == [1]
+
+
+def test_a_closed_engine_collected_later_leaves_the_next_engines_group():
+    """qualify runs engine after engine in one process: the first one's __del__, when the garbage collector got to it
+    after the next had started, ended the next one's process group ("Group ... is not registered")."""
+    prompt = [3, 4, 5, 6]
+    first = FastEngine.load(TINY, tp=2, device="cpu")
+    want = [t for s in first.generate(prompt, seed=1, max_new_tokens=4, drafts=3) for t in s.tokens]
+    first.close()
+    second = FastEngine.load(TINY, tp=2, device="cpu")
+    try:
+        first.__del__()  # as the collector would
+        assert torch.distributed.is_initialized()
+        got = [t for s in second.generate(prompt, seed=1, max_new_tokens=4, drafts=3) for t in s.tokens]
+        assert got == want
+    finally:
+        second.close()
+    assert not torch.distributed.is_initialized()

@@ -28,8 +28,8 @@ TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
 
 @pytest.fixture(scope="module")
 def report():
-    # A process of its own, as a user runs it: rank 0 then owns the process's one default process group (beside
-    # other tests' engines in one pytest process the group of an earlier engine was found unregistered)
+    # A process of its own, as a user runs it: rank 0 then owns the process's one default process group, whatever
+    # the other tests in this pytest worker left behind
     run = subprocess.run([sys.executable, "-m", "iquest.cli.main", "qualify", "--model", str(TINY), "--tp", "2",
                           "--quick", "--jobs", "1", "--json", "--control", "fp8_scales_transposed",
                           "--control", "top_p_drops_crossing"], capture_output=True, text=True, timeout=600)
