@@ -112,7 +112,7 @@ class FastEngine:
         try:
             _await_workers(ready, procs, "joining")  # a worker that fails first would leave rank 0 in the rendezvous
             par = init_process(0, tp, port, kind, options.shared_gpu)
-            joined = tp > 1
+            joined = par.group is not None
             rank0 = RankEngine(model_dir, par, options, parts)
             _await_workers(ready, procs, "ok")
         except BaseException:

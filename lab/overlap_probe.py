@@ -23,7 +23,7 @@ Every form must produce the same result words (checked; a run fails otherwise), 
 its wait is run once as a negative control of that check. Timed as `bench stream-probe` times a stream: CUDA graphs
 of calls back to back, CUDA events, medians. GPU only; a lab probe the product never imports.
 
-    python3 -m iquest.lab.overlap_probe OUT.json   (on the device: bash ci/gpu.sh python ... or PYTHONPATH as it sets)
+    python3 -m iquest.lab.overlap_probe OUT.json   (on the device with PYTHONPATH as ci/gpu.sh sets it)
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from ..fast.rank import EngineParts
 from ..fast.round import RoundRunner
 from ..fast.torch_ops import TorchOps
 from ..fast.weights import FP8Weight, WeightLoader
-from ..reference.checkpoint import CheckpointReader, shard_range
+from ..reference.checkpoint import CheckpointReader
 from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT
 
 VERIFY = [f"verify_row{i}" for i in range(8)]
@@ -104,15 +104,14 @@ class TransposedScales(WeightLoader):
 
     def fp8(self, name: str) -> FP8Weight:
         w = super().fp8(name)
-        _, whole = self.reader.read_weight(name)
-        if whole is None or whole.shape[-1] != whole.shape[-2]:
+        whole = self.reader.read(self.reader.specs[name].scale_name)
+        if whole.shape[-1] != whole.shape[-2]:
             return w
         scale = whole.transpose(-1, -2)
-        part = shard_range(self.reader.specs[name], self.reader.config, self.par.world, self.par.rank)
+        part = self.reader.scale_part(name, self.par.world, self.par.rank)
         if part is not None:
             dim, start, stop = part
-            b = self.block[dim]
-            scale = scale.narrow(dim, start // b, -(-stop // b) - start // b)
+            scale = scale.narrow(dim, start, stop - start)
         return FP8Weight(w.q, scale.contiguous().to(w.scale.device, w.scale.dtype), w.block, w.dtype)
 
 

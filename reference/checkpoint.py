@@ -222,16 +222,24 @@ class CheckpointReader:
         if part is None:
             w = self.read(name)
             return w, (self.read(spec.scale_name) if spec.quantized else None)
-        dim, start, stop = part
-        w = self.read(name, dim, start, stop)
+        w = self.read(name, *part)
         if not spec.quantized:
             return w, None
+        return w, self.read(spec.scale_name, *self.scale_part(name, tp, rank))
+
+    def scale_part(self, name: str, tp: int, rank: int) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of `rank`'s rows or columns of the quantized tensor `name`'s scale grid, or None when
+        the tensor is replicated."""
+        spec = self.specs[name]
+        part = shard_range(spec, self.config, tp, rank)
+        if part is None:
+            return None
+        dim, start, stop = part
         b = self.config.weight_block_size[dim]
         if start % b or (stop % b and stop != spec.shape[dim]):
             raise CheckpointError(f"{name}: rank {rank} slice [{start}:{stop}) of dimension {dim} is not "
                                   f"aligned to the weight block {b}")
-        s = self.read(spec.scale_name, dim, start // b, -(-stop // b))
-        return w, s
+        return dim, start // b, -(-stop // b)
 
 
 def _safe_open(path: Path):
