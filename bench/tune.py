@@ -129,7 +129,8 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
                     "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down", "early_down"),
             "linear": ("split_k", "block_n", "num_warps", "num_stages", "preload", "direct"),
-            "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "one_pass"),
+            "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "combine_splits",
+                          "combine_cols", "combine_warps"),
             "router": ("split", "block_e", "block_h", "num_warps", "select_warps", "packed_topk", "preload"),
             "norm": ("num_warps", "f16_out")}
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
@@ -224,7 +225,8 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         ns = g["num_splits"] or _attention_auto_splits(attention_slots(op, shape), shape.kv_heads, ms, sms)
         per = max(triton.cdiv(triton.cdiv(shape.kv_len, ns), bn) * bn, ms)  # the kernels' _split_len
         return {"num_splits": ns, "live_splits": triton.cdiv(shape.kv_len, per), "block_n": bn, "min_split": ms,
-                "num_warps": g["num_warps"], "num_stages": g["num_stages"], "one_pass": g["one_pass"]}
+                "num_warps": g["num_warps"], "num_stages": g["num_stages"], "combine_splits": g["combine_splits"],
+                "combine_cols": g["combine_cols"], "combine_warps": g["combine_warps"]}
     if op == "router":
         split = g["split"] or _router_auto_split(shape.experts, shape.hidden, g["block_e"], g["block_h"], sms)
         splits, h_per_split = rt._split_plan(shape.hidden, split, g["block_h"])
@@ -304,7 +306,9 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand(num_stages=3), cand(min_split=128, num_stages=3),
                 cand(block_n=32, min_split=64), cand(block_n=32, min_split=32),
                 cand(block_n=128, min_split=128, num_warps=8), cand("932ec08 default", min_split=256),
-                cand("the combine's two passes (before bb464d3)", one_pass=False)]
+                # the combine: more splits a step, wider column blocks (fewer programs, more warps each)
+                cand(combine_splits=256, combine_warps=8), cand(combine_cols=64, combine_warps=8),
+                cand(combine_cols=128, combine_splits=64, combine_warps=8)]
     if op == "router":
         s = resolve(op, {}, shape, sms)["split"]
         return [cand(), cand("auto/2", split=max(1, s // 2)), cand(block_h=256),

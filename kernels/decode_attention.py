@@ -136,33 +136,19 @@ def _attention_split_kernel(
 
 
 @triton.jit
-def _combine_chunk(part_m_ptr, part_l_ptr, part_acc_ptr, part, ok, d, D: tl.constexpr):
-    """Split partials `part` of one (KV head, row): their max, sum of exponentials and weighted V (none where not
-    `ok`)."""
-    ms = tl.load(part_m_ptr + part, mask=ok, other=float("-inf"))
-    ls = tl.load(part_l_ptr + part, mask=ok, other=0.0)
-    a = tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-    return ms, ls, a
-
-
-@triton.jit
-def _combine_add(den, acc, ms, ls, a, m_safe):
-    """A chunk of splits added to the denominator and the weighted V at the final max."""
-    w = tl.exp2(ms - m_safe)
-    return den + tl.sum(ls * w, axis=0), acc + tl.sum(a * w[:, None], axis=0)
-
-
-@triton.jit
 def _attention_combine_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, kv_len_ptr, out_ptr,
     S, R, stride_or, stride_oh,
-    G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_KV_LEN: tl.constexpr, HAS_SINKS: tl.constexpr,
-    PDL: tl.constexpr = False, ONE_PASS: tl.constexpr = True, R_PAD: tl.constexpr = 16,
-    PRELOAD: tl.constexpr = False, EARLY: tl.constexpr = False,
+    G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    COLS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PDL: tl.constexpr = False, R_PAD: tl.constexpr = 16, PRELOAD: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
+    # One program a (KV head, row, COLS columns), its warps across BLOCK_S splits a step: every split's partials
+    # are requested at once, not one chunk after another (a program's dependent L2 round trips were the cost).
     RG = R * G
-    pid = tl.program_id(0)
+    pid = tl.program_id(0) // (D // COLS)
+    d = (tl.program_id(0) % (D // COLS)) * COLS + tl.arange(0, COLS)
     g = pid // RG
     row = pid % RG
     r = row // G
@@ -177,43 +163,25 @@ def _attention_combine_kernel(
     if EARLY:  # the partials' loads go out right after the wait, not after a load of the positions
         wait_for_inputs(PDL)
 
-    d = tl.arange(0, D)
-    s = tl.arange(0, BLOCK_S)
-    m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), axis=0)
+    first = g * NUM_SPLITS
+    every = tl.arange(0, MAX_SPLITS)
+    m = tl.max(tl.load(part_m_ptr + (first + every) * RG + row, mask=every < n_live, other=float("-inf")), axis=0)
     if HAS_SINKS:
         if not PRELOAD:
             sink = tl.load(sinks_ptr + head)
         sink = sink.to(tl.float32) * 1.4426950408889634  # log2 domain, like the partials
+        m = tl.maximum(m, sink)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # no visible slot and no sink
+    s = tl.arange(0, BLOCK_S)
     den = tl.sum(tl.zeros([BLOCK_S], tl.float32), axis=0)
-    acc = tl.zeros([D], tl.float32)
-    if ONE_PASS and n_live <= 2 * BLOCK_S:
-        # At most two chunks (at 1K context 17 live splits of 16 per chunk): their maxima, sums and weighted V are
-        # loaded together, one L2 round trip instead of two; the arithmetic is the loops' below, op for op (the
-        # second chunk's adds only when the loop would run them: adding zeros could turn a -0 into +0).
-        ok0, ok1 = s < n_live, BLOCK_S + s < n_live
-        part0 = (g * NUM_SPLITS + s) * RG + row
-        part1 = part0 + BLOCK_S * RG
-        ms0, ls0, a0 = _combine_chunk(part_m_ptr, part_l_ptr, part_acc_ptr, part0, ok0, d, D)
-        ms1, ls1, a1 = _combine_chunk(part_m_ptr, part_l_ptr, part_acc_ptr, part1, ok1, d, D)
-        m = tl.maximum(tl.maximum(m, tl.max(ms0, axis=0)), tl.max(ms1, axis=0))  # -inf for an empty chunk: exact
-        if HAS_SINKS:
-            m = tl.maximum(m, sink)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        den, acc = _combine_add(den, acc, ms0, ls0, a0, m_safe)
-        if n_live > BLOCK_S:
-            den, acc = _combine_add(den, acc, ms1, ls1, a1, m_safe)
-    else:
-        for s0 in range(0, n_live, BLOCK_S):
-            ms = tl.load(part_m_ptr + (g * NUM_SPLITS + s0 + s) * RG + row, mask=s0 + s < n_live,
-                         other=float("-inf"))
-            m = tl.maximum(m, tl.max(ms, axis=0))
-        if HAS_SINKS:
-            m = tl.maximum(m, sink)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        for s0 in range(0, n_live, BLOCK_S):
-            part = (g * NUM_SPLITS + s0 + s) * RG + row
-            ms, ls, a = _combine_chunk(part_m_ptr, part_l_ptr, part_acc_ptr, part, s0 + s < n_live, d, D)
-            den, acc = _combine_add(den, acc, ms, ls, a, m_safe)
+    acc = tl.zeros([COLS], tl.float32)
+    for s0 in range(0, n_live, BLOCK_S):
+        ok = s0 + s < n_live
+        part = (first + s0 + s) * RG + row
+        w = tl.exp2(tl.load(part_m_ptr + part, mask=ok, other=float("-inf")) - m_safe)
+        den += tl.sum(tl.load(part_l_ptr + part, mask=ok, other=0.0) * w, axis=0)
+        acc += tl.sum(tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+                      * w[:, None], axis=0)
     if HAS_SINKS:
         den += tl.exp2(sink - m_safe)  # the sink, exactly once
     out = tl.where(den > 0, acc / den, 0.0)  # no visible slot and no sink: zeros, not NaN
@@ -240,8 +208,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
                      first_position: int = 0, kv_len: torch.Tensor | None = None, *, causal: bool = True,
                      num_splits: int | None = None, block_n: int = 64, min_split: int | None = None,
                      out: torch.Tensor | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
-                     num_warps: int = 4, num_stages: int = 2, pdl: bool = False, one_pass: bool = True,
-                     kv_len_from_q: bool = False, preload: bool = False, early: bool = False) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int = 2, pdl: bool = False, combine_splits: int = 128,
+                     combine_cols: int = 32, combine_warps: int = 4, kv_len_from_q: bool = False,
+                     preload: bool = False, early: bool = False) -> torch.Tensor:
     """Attention of R query rows over a static KV cache: q [R, Hq, D], k/v [S, Hkv, D] -> [R, Hq, D].
     `preload`: the combine reads the sinks (constant) before its PDL wait (kernels/launch.py; the same values).
     `early` (with `pdl`, and kv_len from q_pos or none), for a caller whose q_pos was written two launches back or
@@ -253,8 +222,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
     None, window (sliding layers) or None, kv_len: int tensor of one element on q's device, an upper
     bound on the slots holding visible history (None = all S). Output in q's dtype; fp32 softmax.
     `out` (like q) and `workspace` (from `decode_attention_workspace`) may be given as static
-    buffers, e.g. for CUDA graphs; every element of `out` is written. `one_pass`: the combine loads up to two
-    chunks of split partials in one round trip (False: the max pass, then the sum pass); the same bits.
+    buffers, e.g. for CUDA graphs; every element of `out` is written. The combine: a program for each (KV head, row,
+    `combine_cols` columns) with `combine_warps` warps, summing `combine_splits` splits a step (the order of its sums
+    follows these three).
     `kv_len_from_q`: the kernels take kv_len = q_pos.max() + 1 themselves (instead of a kv_len tensor, which the
     caller would make with two launches); the same bound, so the same bits.
     """
@@ -287,6 +257,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
     _check(isinstance(first_position, int) and first_position >= 0,
            f"first_position must be an int >= 0, got {first_position!r}")
     _check(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n {block_n} must be a power of two >= 16")
+    _check(combine_splits >= 16 and combine_splits & (combine_splits - 1) == 0,
+           f"combine_splits {combine_splits} must be a power of two >= 16")
+    _check(combine_cols >= 16 and combine_cols & (combine_cols - 1) == 0,
+           f"combine_cols {combine_cols} must be a power of two >= 16")
+    _check(combine_warps in (1, 2, 4, 8), f"combine_warps {combine_warps} must be 1, 2, 4 or 8")
     # One tile per split at least: at 1K context 17 live splits instead of 5, 14.5 -> 9.7 us a call on an H200
     # (`iquest bench tune`, bench/results/tune-h200-932ec08.*); long contexts are capped by default_num_splits.
     min_split = block_n if min_split is None else min_split
@@ -322,12 +297,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
         F32=f32, PREC="ieee" if f32 else "tf32", R_PAD=max(16, triton.next_power_of_2(R)), num_warps=num_warps,
         num_stages=num_stages, EARLY_SLOTS=early_slots, LINE_ELEMS=line_elems, LINES=lines,
         **launch_options(pdl, q.device))
-    _attention_combine_kernel[(Hkv * RG,)](
+    cols = min(combine_cols, D)
+    _attention_combine_kernel[(Hkv * RG * (D // cols),)](
         part_m, part_l, part_acc, sinks if sinks is not None else part_m, kv_len_arg, out,
         S, R, out.stride(0), out.stride(1),
-        G=G, D=D, NUM_SPLITS=num_splits, BLOCK_S=min(16, triton.next_power_of_2(num_splits)), BLOCK_N=block_n,
-        MIN_SPLIT=min_split, HAS_KV_LEN=has_kv_len, HAS_SINKS=sinks is not None, ONE_PASS=one_pass,
-        R_PAD=max(16, triton.next_power_of_2(R)), num_warps=1, PRELOAD=preload, EARLY=early_slots > 0,
+        G=G, D=D, NUM_SPLITS=num_splits, MAX_SPLITS=max(16, triton.next_power_of_2(num_splits)),
+        BLOCK_S=min(combine_splits, max(16, triton.next_power_of_2(num_splits))), COLS=cols, BLOCK_N=block_n,
+        MIN_SPLIT=min_split, HAS_KV_LEN=has_kv_len, HAS_SINKS=sinks is not None,
+        R_PAD=max(16, triton.next_power_of_2(R)), num_warps=combine_warps, PRELOAD=preload, EARLY=early_slots > 0,
         **launch_options(pdl, q.device))
     return out
 

@@ -59,13 +59,14 @@ def test_candidates_default_first_unique_and_accepted(op, shape, sms):
             assert name in params and params[name].kind in (inspect.Parameter.KEYWORD_ONLY,
                                                              inspect.Parameter.POSITIONAL_OR_KEYWORD), (op, name)
             assert name in t.TUNABLES[t.family(op)], (op, name)
-            if name in ("f16", "f16_input", "tma", "packed_topk", "one_pass", "f16_out", "preload", "fp8_down",
+            if name in ("f16", "f16_input", "tma", "packed_topk", "f16_out", "preload", "fp8_down",
                         "early_down", "direct"):
                 assert isinstance(value, bool), (op, value)
                 continue
             assert isinstance(value, int) and not isinstance(value, bool) and value >= 1, (op, name, value)
             if name in ("block_n", "block_k", "block_e", "block_h", "down_block_n", "down_block_k", "num_warps",
-                        "gate_up_block_n", "gate_up_warps", "down_warps", "select_warps"):
+                        "gate_up_block_n", "gate_up_warps", "down_warps", "select_warps", "combine_splits",
+                        "combine_cols", "combine_warps"):
                 assert value & (value - 1) == 0, (op, name, value)
         r = t.resolve(op, c.kw, shape, sms)
         if t.family(op) == "attention":
@@ -105,7 +106,8 @@ def test_h200_defaults_and_the_suggested_variants():
     assert r["linear_qkv"][0] == {"split_k": 8, "block_n": 32, "num_warps": 4, "num_stages": 4, "preload": False}
     assert r["linear_o"][0]["split_k"] == 1
     assert r["attention_sliding"][0] == {"num_splits": 66, "live_splits": 17, "block_n": 64, "min_split": 64,
-                                         "num_warps": 4, "num_stages": 2, "one_pass": True}
+                                         "num_warps": 4, "num_stages": 2, "combine_splits": 128, "combine_cols": 32,
+                                         "combine_warps": 4}
     assert r["attention_full"][0]["num_splits"] == 264 and r["attention_full"][0]["live_splits"] == 17
     assert r["router"][0] == {"split": 12, "block_e": 4, "block_h": 512, "num_warps": 1, "select_warps": 4,
                               "packed_topk": True, "preload": False}

@@ -4,8 +4,8 @@ Small shapes run under Triton's CPU interpreter in one worker subprocess (TRITON
 triton is imported); `@pytest.mark.gpu` cases run the compiled kernel at TP8 rank shapes (6 query
 heads x 1 KV head, D = 128, W = 4096 ring + 64 slack, 192K full capacity).
 
-The interpreter runs every case against the reference, but the forms that must give the same bits (the combine's
-loops, the preloaded sinks, kv_len from the positions) only where `also` names them: each is another full run.
+The interpreter runs every case against the reference, but the forms that must give the same bits (the preloaded
+sinks, kv_len from the positions) only where `also` names them: each is another full run.
 
 Every case builds a cache the way fast/cache.py fills it (ring slot = pos % slots for sliding layers,
 slot = pos for full ones, a trash slot last), writes a few rejected-draft positions past the last
@@ -28,7 +28,7 @@ TOL = {"fp32": 2e-5, "bf16": 2e-2, "bf16_gpu": 3e-2, "fp32_gpu": 1e-4}
 
 BASE = dict(R=8, Hq=6, Hkv=1, D=32, dtype="fp32", kv_dtype=None, kind="full", W=20, slack=16, capacity=200,
             last=77, first=0, sinks=True, kv_len="max", num_splits=4, block_n=16, min_split=16, causal=True,
-            pad_row=None, seed=0)
+            pad_row=None, seed=0, combine=None)
 
 
 def case(name: str, **kw) -> dict:
@@ -36,9 +36,9 @@ def case(name: str, **kw) -> dict:
 
 
 # Each case runs the kernel against the reference; `also` names the forms that must give its bits beside it (the
-# combine's two loops, the sinks preloaded with the sink control, kv_len from the positions). The interpreter runs
-# them where named, the GPU in every case.
-FORMS = ("loops", "preload", "from_q")
+# sinks preloaded with the sink control, kv_len from the positions). The interpreter runs them where named, the GPU
+# in every case. `combine`: the combine's keywords (its splits a step, columns a program, warps).
+FORMS = ("preload", "from_q")
 CASES = [
     case("full_1row_fp32", R=1),
     case("full_8rows_fp32", also=FORMS),
@@ -59,9 +59,12 @@ CASES = [
     case("sliding_window_edge_exact", kind="sliding", W=29, slack=16, last=60, kv_len="max", num_splits=2,
          also=("from_q",)),
     case("mtp_first_position_1", kind="sliding", R=6, last=5, first=1),
-    # the combine's one-pass form: 20 live splits (two chunks of 16) and 40 (the loops), both against the loops
-    case("full_20_live_splits_two_chunks", capacity=400, last=319, num_splits=24, also=("loops",)),
-    case("full_40_live_splits_loops", capacity=700, last=639, num_splits=48, dtype="bf16", also=("loops",)),
+    # the combine's steps: 20 live splits in one step of 32, 40 in three steps of 16 (the last one partly live), over
+    # column blocks of 16 of 32 and of the whole head
+    case("full_20_live_splits_one_step", capacity=400, last=319, num_splits=24,
+         combine=dict(combine_splits=32, combine_cols=16, combine_warps=2)),
+    case("full_40_live_splits_three_steps", capacity=700, last=639, num_splits=48, dtype="bf16",
+         combine=dict(combine_splits=16, combine_cols=32, combine_warps=1)),
 ]
 
 
@@ -122,7 +125,7 @@ def run_case(c: dict, device: str) -> dict:
     forms = FORMS if device != "cpu" else c.get("also", ())
     window = c["W"] if c["kind"] == "sliding" else None
     out = torch.full_like(t["q"], float("nan"))
-    kw = dict(causal=c["causal"], block_n=c["block_n"])
+    kw = dict(causal=c["causal"], block_n=c["block_n"], **(c["combine"] or {}))
     if c["min_split"] is not None:
         kw["min_split"] = c["min_split"]
     splits = c["num_splits"] or da.default_num_splits(t["k"].shape[0], c["Hkv"], t["q"].device,
@@ -133,12 +136,6 @@ def run_case(c: dict, device: str) -> dict:
                               t["kv_len"], num_splits=splits, out=out, workspace=ws, **kw)
     assert got is out
     r = {}
-    if "loops" in forms:  # the combine's one-pass form against its two loops: the same bits (fresh poisoned buffers)
-        ws2 = tuple(x.clone().fill_(float("nan")) for x in ws)
-        loops = da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"], t["sinks"], window, c["first"],
-                                    t["kv_len"], num_splits=splits, out=torch.full_like(out, float("nan")),
-                                    workspace=ws2, one_pass=False, **kw)
-        r["one_pass_same"] = bool(torch.equal(got, loops))
     if "preload" in forms:  # the sinks read before the combine's PDL wait (with the wait on the GPU): the same bits
         ws4 = tuple(x.clone().fill_(float("nan")) for x in ws)
         pre = da.decode_attention(t["q"], t["k"], t["v"], t["slot_pos"], t["q_pos"], t["sinks"], window, c["first"],
@@ -186,7 +183,6 @@ def _check(c: dict, r: dict, tol: float) -> None:
     assert r["from_q_same"] in (None, True), "kv_len from the rows' positions differs from the kv_len tensor"
     assert r["err"] <= tol, (f"{c['name']}: max |kernel - ref| = {r['err']:.3e} > {tol:.1e} "
                              f"(|ref| <= {r['ref_scale']:.2f})")
-    assert r.get("one_pass_same", True), "the combine's one-pass form differs from its loops"
     assert r.get("preload_same", True), "the sinks read before the wait changed the output"
     assert r["early_same"] in (None, True), "the K/V prefetch before the wait changed the output"
     if "preload_same" in r:
