@@ -144,8 +144,9 @@ def _attention_combine_kernel(
     HAS_SINKS: tl.constexpr, PDL: tl.constexpr = False, R_PAD: tl.constexpr = 16, PRELOAD: tl.constexpr = False,
     EARLY: tl.constexpr = False,
 ):
-    # One program a (KV head, row, COLS columns), its warps across BLOCK_S splits a step: every split's partials
-    # are requested at once, not one chunk after another (a program's dependent L2 round trips were the cost).
+    # One program a (KV head, row, COLS columns), its warps across BLOCK_S splits a step: a step's partials are all
+    # requested at once, so a program pays one dependent L2 round trip a step (one at up to 128 live splits, three at
+    # the 264 of a full layer on an H200) and many programs share the work.
     RG = R * G
     pid = tl.program_id(0) // (D // COLS)
     d = (tl.program_id(0) % (D // COLS)) * COLS + tl.arange(0, COLS)

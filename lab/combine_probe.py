@@ -1,25 +1,31 @@
 """Where does the context cost go, and which combine removes it? The attention combine's forms, side by side.
 
-Issue 37's context sweep found the added KV costing 2.36x its bytes, 9.4x at 4K. The code points at the combine
-(kernels/decode_attention.py): beyond 32 live splits it walks 16-split chunks twice, a max pass and a sum pass, each
-chunk one dependent L2 round trip of one warp, up to 17 chunks (257 live splits at >= 16K context on a TP8 rank).
-This probe times decode_attention (split kernel + combine, PDL as the engine launches it) at 1K-192K context with
-the product combine swapped for these forms (the split kernel is the product's in every row):
+Issue 37's context sweep found the added KV costing 2.36x its bytes, 9.4x at 4K. The combine as it was to 18d634c
+(`before` here) was one warp a (KV head, row) walking 16-split chunks twice beyond 32 live splits, a max pass and a
+sum pass, each chunk one dependent L2 round trip (257 live splits at >= 16K context on a TP8 rank: 17 chunks). This
+probe times decode_attention (split kernel + combine, PDL as the engine launches it) with the combine swapped for
+each form, and each form's combine alone (the split kernel not launched, its partials left in the workspace):
 
-  * `product`: the product combine;
-  * `wide-max`: the maxima of all live splits in one load (a max is exact in any order), then the product's sum pass;
-  * `wide-max+pair`: and the sum pass loading two chunks a step (the adds op for op the product's, in its order);
-  * `wide-max+stages3`: the product's sum loop under Triton's software pipeliner (tl.range num_stages=3);
-  * `wide-max+pair+stages2`: both;
-  * `wide64x8` (a numerical change): 64-split chunks over 8 warps, so another summation order;
+  * `before`: the combine as it was, the reference of the bit checks;
+  * `product`: the product's combine now (a program a (KV head, row, 32 columns), 4 warps over 128 splits a step);
+  * `wide-max+pair`: `before` with every live split's maximum in one load (a max is exact in any order) and the
+    sum pass two chunks a step (the adds op for op `before`'s, in its order): bit-identical;
+  * `rows`, `rows+pair`: the chunk sums written out row by row in the order tl.sum adds one thread's elements of
+    `before`'s tile (its LLVM IR is a chain: first + second + third ...): bit-identical;
+  * `rows-ds4+quad`: the same over 4 programs of 32 columns, 4 chunks a step: NOT identical (one column a thread
+    changes which products the backend fuses into FMAs; `before` mixes fused and unfused by its vector layout);
+  * `wide64x8`: 64-split chunks over 8 warps (another order);
+  * `sS-cC-wW`: the product's combine with S splits a step, C columns a program, W warps;
+  * `min256`, `min256+wide-max+pair`: 256-slot splits at least (4x fewer live splits at long context; another split);
   * `no-combine` (a diagnostic, wrong output): each program waits and stores zeros: the split kernel's cost alone.
 
-Every form but the last two must produce the product's output bit for bit, in bf16 and in fp32 (fp32 output would
-show a summation order change that bf16 rounding hides); `wide64x8` is expected to differ in fp32, showing the check
-can fail. Timed as `bench tune` times attention: CUDA graphs of calls back to back over KV copies, CUDA events,
-medians. GPU only; a lab probe the product never imports.
+The forms in EXACT must give `before`'s output bit for bit in bf16 and fp32 (fp32 output shows a summation order
+that bf16 rounding hides; `wide64x8` differing shows the check can fail). Timed as `bench tune` times attention:
+CUDA graphs of calls back to back over KV copies, CUDA events, medians. GPU only; a lab probe the product never
+imports. Results: docs/PERF.md (C22).
 
-    python3 -m iquest.lab.combine_probe OUT.json   (on the device with PYTHONPATH as ci/gpu.sh sets it)
+    python3 -m iquest.lab.combine_probe OUT.json [--cases full:16384:6,...] [--forms ...] [--ncu]
+    (on the device with PYTHONPATH as ci/gpu.sh sets it)
 """
 
 from __future__ import annotations
@@ -353,15 +359,15 @@ def case_row(op: str, context: int, rows: int, dev, sms: int) -> dict:
     split_len = max(triton.cdiv(triton.cdiv(shape.kv_len, ns), 64) * 64, 64)
     row = {"op": op, "context": context, "rows": rows, "kv_len": shape.kv_len, "num_splits": ns,
            "live_splits": triton.cdiv(shape.kv_len, split_len), "copies": case.copies, "forms": {}}
-    outs = {}
-    for name, form in FORMS.items():
-        out = case.new_out()
-        run_form(form, lambda: case.run(form_kw(kw, form), 0, out, ws))
+    outs, wss = {}, {}
+    for name, form in FORMS.items():  # a form's own workspace: its keywords may change the split count
+        out, wss[name] = case.new_out(), case.prepare(form_kw(kw, form))["workspace"]
+        run_form(form, lambda: case.run(form_kw(kw, form), 0, out, wss[name]))
         outs[name] = out
     want = outs["before"]
     for name, form in FORMS.items():
         outs_all = [case.new_out() for _ in range(case.copies)]
-        fkw = form_kw(kw, form)
+        fkw, ws = form_kw(kw, form), wss[name]
         calls = [lambda i=i, o=outs_all[i]: case.run(fkw, i, o, ws) for i in range(case.copies)]
         times = run_form(form, lambda: graph_times(calls, REPEATS)[0])
         run_form(form, lambda: case.run(fkw, 0, outs_all[0], ws))  # the partials of this form's split
@@ -446,9 +452,8 @@ def profile(cases, dev, sms) -> None:
         shape = tune.tune_shape(config, rows=rows, context=context)
         case = tune.attention_case(op, shape, dev, sms)
         kw = {"pdl": True, "preload": True}
-        ws = case.prepare(kw)["workspace"]
         for name, form in FORMS.items():
-            out = case.new_out()
+            out, ws = case.new_out(), case.prepare(form_kw(kw, form))["workspace"]
             for i in range(3):
                 run_form(form, lambda: case.run(form_kw(kw, form), i % case.copies, out, ws))
             runs.append((name, case, form, form_kw(kw, form), out, ws))
