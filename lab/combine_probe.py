@@ -52,6 +52,19 @@ REPEATS = 15
 
 
 @triton.jit
+def _live_splits(kv_len_ptr, S, R, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                 HAS_KV_LEN: tl.constexpr, R_PAD: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    """The combine's PDL wait and its live split count, in the product's order (EARLY: the count before the wait)."""
+    if not EARLY:
+        wait_for_inputs(PDL)
+    kv_len = _load_kv_len(kv_len_ptr, S, R, HAS_KV_LEN, R_PAD)
+    n_live = tl.cdiv(kv_len, _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT))
+    if EARLY:
+        wait_for_inputs(PDL)
+    return n_live
+
+
+@triton.jit
 def _combine_chunk(part_m_ptr, part_l_ptr, part_acc_ptr, part, ok, d, D: tl.constexpr):
     """Split partials `part` of one (KV head, row): their max, sum of exponentials and weighted V (the combine's
     until the change this probe measured)."""
@@ -115,13 +128,7 @@ def _combine_probe_kernel(
     d = tl.arange(0, D)
     if HAS_SINKS and PRELOAD:
         sink = tl.load(sinks_ptr + head)
-    if not EARLY:
-        wait_for_inputs(PDL)
-    kv_len = _load_kv_len(kv_len_ptr, S, R, HAS_KV_LEN, R_PAD)
-    split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
-    n_live = tl.cdiv(kv_len, split_len)
-    if EARLY:
-        wait_for_inputs(PDL)
+    n_live = _live_splits(kv_len_ptr, S, R, NUM_SPLITS, BLOCK_N, MIN_SPLIT, HAS_KV_LEN, R_PAD, PDL, EARLY)
     if ZEROS:
         tl.store(out_ptr + r * stride_or + head * stride_oh + d, tl.zeros([D], tl.float32).to(out_ptr.dtype.element_ty))
         return
@@ -219,13 +226,7 @@ def _combine_rows_kernel(
     head = g * G + row % G
     if HAS_SINKS and PRELOAD:
         sink = tl.load(sinks_ptr + head)
-    if not EARLY:
-        wait_for_inputs(PDL)
-    kv_len = _load_kv_len(kv_len_ptr, S, R, HAS_KV_LEN, R_PAD)
-    split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
-    n_live = tl.cdiv(kv_len, split_len)
-    if EARLY:
-        wait_for_inputs(PDL)
+    n_live = _live_splits(kv_len_ptr, S, R, NUM_SPLITS, BLOCK_N, MIN_SPLIT, HAS_KV_LEN, R_PAD, PDL, EARLY)
     base = g * NUM_SPLITS
     sa = tl.arange(0, MAX_BLOCK)
     m = tl.max(tl.load(part_m_ptr + (base + sa) * RG + row, mask=sa < n_live, other=float("-inf")), axis=0)
