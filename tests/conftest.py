@@ -2,9 +2,18 @@
 and `@pytest.mark.gpu` tests skipped where no CUDA device is present."""
 
 import importlib.util
+import os
+import sys
 
 import pytest
 import torch
+
+# `python -m pytest` (and each pytest-xdist worker) puts the working directory first on sys.path. From the checkout
+# that makes its folders top-level packages (kernels/, reference/, ...) that shadow installed ones of the same name:
+# transformers imports Hugging Face's `kernels` package and got ours. The project is imported as `iquest` (its
+# install), never by folder, so the checkout's root leaves the path before any test module is imported.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 torch.set_num_threads(1)
 

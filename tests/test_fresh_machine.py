@@ -97,3 +97,15 @@ def test_summary_separates_startup_prefill_and_decode(capsys):
     assert main(["generate", "--model", str(TINY), "--max-new-tokens", "4"]) == 0
     err = capsys.readouterr().err
     assert "start-up" in err and "prefill" in err and "decode" in err and "depth policy: auto" in err
+
+
+def test_checkout_folders_do_not_shadow_installed_packages():
+    """Under `python -m pytest` the checkout's folders (kernels/, reference/, ...) are not importable by their own
+    names (tests/conftest.py), so an installed package of the same name, such as Hugging Face's `kernels` that
+    transformers imports, is the one found."""
+    import importlib.util
+
+    folders = [p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()]
+    assert "kernels" in folders
+    found = {name: importlib.util.find_spec(name) for name in folders}
+    assert not [n for n, spec in found.items() if spec is not None and str(ROOT) in str(spec.origin)], found
