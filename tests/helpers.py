@@ -11,6 +11,7 @@ import torch
 from iquest.fast.parallel import Parallel
 from iquest.fast.plan import KernelPlan
 from iquest.fast.rank import EngineOptions, EngineParts, RankEngine, Request
+from iquest.fast.weights import WeightLoader
 from iquest.qualify.checks import fast_prefill_dist, reference_dist
 from iquest.reference.model import ReferenceModel
 from iquest.reference.sampling import SamplingParams
@@ -97,3 +98,13 @@ def torch_forms(*names: str) -> EngineParts:
                 setattr(self.ops, name, getattr(TorchOps, name).__get__(self.ops))
 
     return EngineParts(model=TorchFormsModel)
+
+
+class FailingLoader(WeightLoader):
+    """A start-up fault (tests/test_fast_startup.py): every rank but 0 fails while it builds its engine. Here, not in
+    the test module, so that a spawned worker unpickles it through the installed `iquest`."""
+
+    def __init__(self, reader, par, dtype, bar):
+        if par.rank > 0:
+            raise OSError(f"rank {par.rank} could not read its shard")
+        super().__init__(reader, par, dtype, bar)

@@ -14,9 +14,8 @@ import torch
 from iquest.fast import memory
 from iquest.fast.engine import FastEngine, _await_workers
 from iquest.fast.rank import EngineOptions, EngineParts
-from iquest.fast.weights import WeightLoader
 from iquest.reference.config import Config, ConfigError
-from iquest.tests.helpers import TINY
+from iquest.tests.helpers import TINY, FailingLoader
 
 
 @dataclass
@@ -50,19 +49,10 @@ def test_await_workers_sees_a_silent_exit_and_a_timeout():
     assert time.monotonic() - t0 < 10
 
 
-class _FailingLoader(WeightLoader):
-    """Importable from the spawned worker: every rank but 0 fails while it builds its engine."""
-
-    def __init__(self, reader, par, dtype, bar):
-        if par.rank > 0:
-            raise OSError(f"rank {par.rank} could not read its shard")
-        super().__init__(reader, par, dtype, bar)
-
-
 def test_a_worker_failing_at_start_fails_load_with_its_reason():
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="could not read its shard"):
-        FastEngine.load(TINY, tp=2, device="cpu", parts=EngineParts(loader=_FailingLoader))
+        FastEngine.load(TINY, tp=2, device="cpu", parts=EngineParts(loader=FailingLoader))
     assert time.monotonic() - t0 < 120
     assert not torch.distributed.is_initialized()  # rank 0 had joined: the failed start ended its group
 
