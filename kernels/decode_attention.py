@@ -298,12 +298,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
         F32=f32, PREC="ieee" if f32 else "tf32", R_PAD=max(16, triton.next_power_of_2(R)), num_warps=num_warps,
         num_stages=num_stages, EARLY_SLOTS=early_slots, LINE_ELEMS=line_elems, LINES=lines,
         **launch_options(pdl, q.device))
-    cols = min(combine_cols, D)
+    cols, max_splits = min(combine_cols, D), max(16, triton.next_power_of_2(num_splits))
     _attention_combine_kernel[(Hkv * RG * (D // cols),)](
         part_m, part_l, part_acc, sinks if sinks is not None else part_m, kv_len_arg, out,
         S, R, out.stride(0), out.stride(1),
-        G=G, D=D, NUM_SPLITS=num_splits, MAX_SPLITS=max(16, triton.next_power_of_2(num_splits)),
-        BLOCK_S=min(combine_splits, max(16, triton.next_power_of_2(num_splits))), COLS=cols, BLOCK_N=block_n,
+        G=G, D=D, NUM_SPLITS=num_splits, MAX_SPLITS=max_splits, BLOCK_S=min(combine_splits, max_splits), COLS=cols,
+        BLOCK_N=block_n,
         MIN_SPLIT=min_split, HAS_KV_LEN=has_kv_len, HAS_SINKS=sinks is not None,
         R_PAD=max(16, triton.next_power_of_2(R)), num_warps=combine_warps, PRELOAD=preload, EARLY=early_slots > 0,
         **launch_options(pdl, q.device))
