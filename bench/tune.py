@@ -303,7 +303,7 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand("engine direct", preload=True, direct=True)]
     if family(op) == "attention":
         return [cand(), cand(min_split=128), cand(min_split=64), cand(min_split=64, num_warps=8),
-                cand(num_stages=3), cand(min_split=128, num_stages=3),
+                cand("f48fb0e default", num_stages=2), cand(num_stages=4), cand(min_split=128, num_stages=2),
                 cand(block_n=32, min_split=64), cand(block_n=32, min_split=32),
                 cand(block_n=128, min_split=128, num_warps=8), cand("932ec08 default", min_split=256),
                 # the combine: more splits a step, wider column blocks (fewer programs, more warps each)
