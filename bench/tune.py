@@ -225,7 +225,10 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         ns = g["num_splits"] or _attention_auto_splits(attention_slots(op, shape), shape.kv_heads, ms, sms)
         per = max(triton.cdiv(triton.cdiv(shape.kv_len, ns), bn) * bn, ms)  # the kernels' _split_len
         return {"num_splits": ns, "live_splits": triton.cdiv(shape.kv_len, per), "block_n": bn, "min_split": ms,
-                "num_warps": g["num_warps"], "num_stages": g["num_stages"], "combine_splits": g["combine_splits"],
+                "num_warps": g["num_warps"],
+                "num_stages": g["num_stages"] or da.default_num_stages(shape.window if op == "attention_sliding"
+                                                                        else None),
+                "combine_splits": g["combine_splits"],
                 "combine_cols": g["combine_cols"], "combine_warps": g["combine_warps"]}
     if op == "router":
         split = g["split"] or _router_auto_split(shape.experts, shape.hidden, g["block_e"], g["block_h"], sms)
@@ -303,7 +306,8 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand("engine direct", preload=True, direct=True)]
     if family(op) == "attention":
         return [cand(), cand(min_split=128), cand(min_split=64), cand(min_split=64, num_warps=8),
-                cand("f48fb0e default", num_stages=2), cand(num_stages=4), cand(min_split=128, num_stages=2),
+                cand("f48fb0e default", num_stages=2), cand(num_stages=3), cand(num_stages=4),
+                cand(min_split=128, num_stages=2),
                 cand(block_n=32, min_split=64), cand(block_n=32, min_split=32),
                 cand(block_n=128, min_split=128, num_warps=8), cand("932ec08 default", min_split=256),
                 # the combine: more splits a step, wider column blocks (fewer programs, more warps each)

@@ -204,12 +204,19 @@ def default_num_splits(slots: int, kv_heads: int, device: torch.device, min_spli
     return max(1, min(triton.cdiv(slots, min_split), max(1, 2 * sms // kv_heads)))
 
 
+def default_num_stages(window: int | None) -> int:
+    """K/V tiles in flight a split program: 3 for a full layer, whose splits at long context stream many tiles (2
+    left it near 2.4 TB/s at 192K); 2 for a sliding layer, whose splits are a tile or two at any context, where the
+    third stage's shared memory only costs programs an SM (bench tune, docs/PERF.md)."""
+    return 2 if window is not None else 3
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos: torch.Tensor,
                      q_pos: torch.Tensor, sinks: torch.Tensor | None, window: int | None,
                      first_position: int = 0, kv_len: torch.Tensor | None = None, *, causal: bool = True,
                      num_splits: int | None = None, block_n: int = 64, min_split: int | None = None,
                      out: torch.Tensor | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
-                     num_warps: int = 4, num_stages: int = 3, pdl: bool = False, combine_splits: int = 128,
+                     num_warps: int = 4, num_stages: int | None = None, pdl: bool = False, combine_splits: int = 128,
                      combine_cols: int = 32, combine_warps: int = 4, kv_len_from_q: bool = False,
                      preload: bool = False, early: bool = False) -> torch.Tensor:
     """Attention of R query rows over a static KV cache: q [R, Hq, D], k/v [S, Hkv, D] -> [R, Hq, D].
@@ -226,8 +233,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
     buffers, e.g. for CUDA graphs; every element of `out` is written. The combine: a program for each (KV head, row,
     `combine_cols` columns) with `combine_warps` warps, summing `combine_splits` splits a step (the order of its sums
     follows these three).
-    `num_stages` 3: at long context the split kernel's K/V stream needs three tiles in flight (2 left it near
-    2.4 TB/s at 192K); the same bits, since staging changes no arithmetic.
+    `num_stages`: the split kernel's K/V tiles in flight (None: `default_num_stages`; any value gives the same bits).
     `kv_len_from_q`: the kernels take kv_len = q_pos.max() + 1 themselves (instead of a kv_len tensor, which the
     caller would make with two launches); the same bound, so the same bits.
     """
@@ -265,6 +271,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
     _check(combine_cols >= 16 and combine_cols & (combine_cols - 1) == 0,
            f"combine_cols {combine_cols} must be a power of two >= 16")
     _check(combine_warps in (1, 2, 4, 8), f"combine_warps {combine_warps} must be 1, 2, 4 or 8")
+    num_stages = default_num_stages(window) if num_stages is None else num_stages
+    _check(isinstance(num_stages, int) and num_stages >= 1, f"num_stages must be an int >= 1, got {num_stages!r}")
     # One tile per split at least: at 1K context 17 live splits instead of 5, 14.5 -> 9.7 us a call on an H200
     # (`iquest bench tune`, bench/results/tune-h200-932ec08.*); long contexts are capped by default_num_splits.
     min_split = block_n if min_split is None else min_split

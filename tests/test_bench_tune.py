@@ -106,9 +106,10 @@ def test_h200_defaults_and_the_suggested_variants():
     assert r["linear_qkv"][0] == {"split_k": 8, "block_n": 32, "num_warps": 4, "num_stages": 4, "preload": False}
     assert r["linear_o"][0]["split_k"] == 1
     assert r["attention_sliding"][0] == {"num_splits": 66, "live_splits": 17, "block_n": 64, "min_split": 64,
-                                         "num_warps": 4, "num_stages": 3, "combine_splits": 128, "combine_cols": 32,
+                                         "num_warps": 4, "num_stages": 2, "combine_splits": 128, "combine_cols": 32,
                                          "combine_warps": 4}
     assert r["attention_full"][0]["num_splits"] == 264 and r["attention_full"][0]["live_splits"] == 17
+    assert r["attention_full"][0]["num_stages"] == 3  # decode_attention.default_num_stages: full 3, sliding 2
     assert r["router"][0] == {"split": 12, "block_e": 4, "block_h": 512, "num_warps": 1, "select_warps": 4,
                               "packed_topk": True, "preload": False}
     assert r["norm"][0] == {"num_warps": 8, "f16_out": True}  # as the engine calls the post-attention norm
