@@ -125,12 +125,14 @@ def _top_up(w_desc, ring, bars, base, issued, stop, STAGES: gl.constexpr, BOX_R:
 
 
 @gluon.jit
-def _ring_kernel(w_desc, out_ptr, cnt_ptr, err_ptr, rows, limit0, gated, wait,
+def _ring_kernel(w_desc, out_ptr, cnt_ptr, err_ptr, epoch_ptr, rows, limit0, gated, wait,
                  A: gl.constexpr, B: gl.constexpr, GATES: gl.constexpr, N_OPS: gl.constexpr, CHUNKS: gl.constexpr,
                  STAGES: gl.constexpr, BOX_R: gl.constexpr, P2: gl.constexpr, SPIN: gl.constexpr,
-                 WARPS: gl.constexpr):
+                 WARPS: gl.constexpr, POLL: gl.constexpr):
     """The chain, program p reading rows [p * rows, (p + 1) * rows) through the ring. `gated` 0: every chunk copied
-    as soon as its stage is free (the oracle); `wait` 0: no counter waits (the control)."""
+    as soon as its stage is free (the oracle); `wait` 0: no waits (the control). POLL: no counters; each result is
+    stored as one 64-bit word (this call's epoch, the value), and an op polls the previous op's words themselves
+    until every one carries the epoch: one dependent round trip an op instead of a count and then a load."""
     pid = gl.program_id(0)
     P = gl.num_programs(0)
     tile_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
@@ -145,17 +147,31 @@ def _ring_kernel(w_desc, out_ptr, cnt_ptr, err_ptr, rows, limit0, gated, wait,
     issued = _top_up(w_desc, ring, bars, base, released, gl.minimum(STAGES, limit), STAGES, BOX_R)
     lanes = gl.arange(0, P2, layout=lane_l)
     row_i = gl.expand_dims(gl.arange(0, BOX_R, layout=gl.SliceLayout(1, tile_l)), 1)
+    if POLL:
+        epoch = gl.load(epoch_ptr)
     for o in gl.static_range(N_OPS):
         act = 0
         if o > 0:
-            if wait != 0:
-                polls = 0
-                while (gl.load(cnt_ptr + o - 1, volatile=True) < P) & (polls < SPIN):
-                    polls += 1
-                if polls >= SPIN:
-                    gl.atomic_max(err_ptr, o)
-            prev = gl.load(out_ptr + (o - 1) * P + lanes, mask=lanes < P, other=0, volatile=True)
-            act = gl.xor_sum(prev, 0)
+            if POLL:
+                prev = gl.load(out_ptr + (o - 1) * P + lanes, mask=lanes < P, other=epoch << 32, volatile=True)
+                if wait != 0:
+                    polls = 0
+                    while (gl.sum(((prev >> 32) != epoch).to(gl.int32), 0) > 0) & (polls < SPIN):
+                        prev = gl.load(out_ptr + (o - 1) * P + lanes, mask=lanes < P, other=epoch << 32,
+                                       volatile=True)
+                        polls += 1
+                    if polls >= SPIN:
+                        gl.atomic_max(err_ptr, o)
+                act = gl.xor_sum((prev & 0xFFFFFFFF).to(gl.int32), 0)
+            else:
+                if wait != 0:
+                    polls = 0
+                    while (gl.load(cnt_ptr + o - 1, volatile=True) < P) & (polls < SPIN):
+                        polls += 1
+                    if polls >= SPIN:
+                        gl.atomic_max(err_ptr, o)
+                prev = gl.load(out_ptr + (o - 1) * P + lanes, mask=lanes < P, other=0, volatile=True)
+                act = gl.xor_sum(prev, 0)
         if GATES[o] >= 0:  # this op's wait means the router chose: the next layer's expert chunks are the limit
             limit = gl.where(gated != 0, GATES[o], limit)
             issued = _top_up(w_desc, ring, bars, base, issued, gl.minimum(released + STAGES, limit), STAGES, BOX_R)
@@ -170,9 +186,13 @@ def _ring_kernel(w_desc, out_ptr, cnt_ptr, err_ptr, rows, limit0, gated, wait,
             gl.thread_barrier()  # every thread has read the stage before its next copy is asked for
             fence_async_shared()
             issued = _top_up(w_desc, ring, bars, base, issued, gl.minimum(released + STAGES, limit), STAGES, BOX_R)
-        gl.store(out_ptr + o * P + pid, gl.xor_sum(gl.xor_sum(acc, 1), 0) ^ (act * 3 + o))
-        gl.thread_barrier()  # the result is written before the program counts itself in
-        gl.atomic_add(cnt_ptr + o, 1, sem="release")
+        res = gl.xor_sum(gl.xor_sum(acc, 1), 0) ^ (act * 3 + o)
+        if POLL:
+            gl.store(out_ptr + o * P + pid, (epoch << 32) | (res.to(gl.int64) & 0xFFFFFFFF))
+        else:
+            gl.store(out_ptr + o * P + pid, res)
+            gl.thread_barrier()  # the result is written before the program counts itself in
+            gl.atomic_add(cnt_ptr + o, 1, sem="release")
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
@@ -205,17 +225,24 @@ class Ring:
         self.descs = [TensorDescriptor.from_tensor(w, [box_r, ROW], smem) for w in self.weights]
         n = len(self.layout.names)
         self.out = torch.zeros(n * programs, dtype=torch.int32, device=device)
+        self.out64 = torch.zeros(n * programs, dtype=torch.int64, device=device)
         self.cnt = torch.zeros(n, dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
 
     def run(self, form: str, call: int = 0) -> None:
-        lay = self.layout
-        self.cnt.zero_()
+        """`form`: ring[-poll][-oracle|-nowait]."""
+        lay, poll = self.layout, "-poll" in form
+        if poll:
+            self.epoch.add_(1)  # a graph node, as the counters' reset is in the other forms
+        else:
+            self.cnt.zero_()
         _ring_kernel[(self.programs,)](
-            self.descs[call % len(self.descs)], self.out, self.cnt, self.err, lay.rows, lay.limit0,
-            int(form == "ring"), int(form != "ring-nowait"), A=lay.a, B=lay.b, GATES=lay.gates, N_OPS=len(lay.names),
-            CHUNKS=lay.chunks, STAGES=self.stages, BOX_R=lay.box_r, P2=triton.next_power_of_2(self.programs),
-            SPIN=SPIN_LIMIT, WARPS=self.warps, num_warps=self.warps)
+            self.descs[call % len(self.descs)], self.out64 if poll else self.out, self.cnt, self.err, self.epoch,
+            lay.rows, lay.limit0, int(not form.endswith(("-oracle", "-nowait"))), int(not form.endswith("-nowait")),
+            A=lay.a, B=lay.b, GATES=lay.gates, N_OPS=len(lay.names), CHUNKS=lay.chunks, STAGES=self.stages,
+            BOX_R=lay.box_r, P2=triton.next_power_of_2(self.programs), SPIN=SPIN_LIMIT, WARPS=self.warps, POLL=poll,
+            num_warps=self.warps)
 
     def expected(self, call: int = 0) -> torch.Tensor:
         """The chain's results computed by torch from the same weights."""
@@ -236,11 +263,18 @@ class Ring:
         torch.cuda.synchronize(self.device)
         if int(self.err.item()):
             raise RuntimeError(f"{form}: a program stopped polling at op {int(self.err.item())} (not all resident?)")
-        return self.out.clone()
+        if "-poll" not in form:
+            return self.out.clone()
+        if not bool(((self.out64 >> 32) == self.epoch).all()):
+            raise RuntimeError(f"{form}: a result word without this call's epoch")
+        return (self.out64 & 0xFFFFFFFF).to(torch.int32)
 
 
-RING_FORMS = ("ring", "ring-oracle")
+RING_FORMS = ("ring", "ring-oracle", "ring-poll", "ring-poll-oracle")
 CHAIN_FORMS = ((2, 4096, 4096, "chain-pdl-preload"), (1, 8192, 4096, "persistent-prefetch"))
+# (streams, ring stages, chunk KB): the round's streams; then 1 KB an op a program, where the chain's dependencies
+# are all that is left of each form's time
+RUNS = (("round", 13, 16), ("round", 26, 8), ("1 KB", 8, 1))
 
 
 def _floor(weights: list[torch.Tensor], per_call: int, sms: int, device: torch.device) -> float:
@@ -251,14 +285,8 @@ def _floor(weights: list[torch.Tensor], per_call: int, sms: int, device: torch.d
         15)[0])
 
 
-def main(argv: list[str]) -> None:
-    out_path = argv[0] if argv else None
-    dev = torch.device("cuda")
-    config = Config.from_file(FULL_CONFIG)
-    streams = round_streams(config, tune.tune_shape(config))
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    report = {"probe": "ring", "commit": commit(), "device": torch.cuda.get_device_name(dev), "layers": LAYERS,
-              "streams": {k: v for k, v in streams.items() if k != "lm_head"}, "rows": []}
+def _chain_rows(label: str, streams: dict[str, int], sms: int, dev: torch.device) -> list[dict]:
+    rows = []
     for per_sm, pref, block, form in CHAIN_FORMS:
         chain = Chain(streams, per_sm * sms, LAYERS, dev, pref=pref, block=block)
         want = chain.result("chain")
@@ -267,35 +295,58 @@ def main(argv: list[str]) -> None:
         floor = _floor(chain.weights, chain.bytes, sms, dev)
         times = graph_times([lambda i=i: chain.run(form, i) for i in range(len(chain.weights))], 15)[0]
         med = statistics.median(times)
-        report["rows"].append({"form": form, "programs_per_sm": per_sm, "bytes": chain.bytes, "floor_us": floor,
-                               "median_us": med, "x_floor": med / floor, "times_us": times})
-        print(f"{form} ({per_sm} a SM, {chain.bytes / 1e6:.1f} MB): {med:.1f} us, floor {floor:.1f} us "
-              f"({med / floor:.2f}x)", flush=True)
+        rows.append({"streams": label, "form": form, "programs_per_sm": per_sm, "bytes": chain.bytes,
+                     "ops": len(chain.ops), "floor_us": floor, "median_us": med, "x_floor": med / floor,
+                     "us_per_op": med / len(chain.ops), "times_us": times})
+        print(f"[{label}] {form} ({per_sm} a SM, {chain.bytes / 1e6:.1f} MB, {len(chain.ops)} ops): {med:.1f} us "
+              f"({med / len(chain.ops):.2f} an op), floor {floor:.1f} us ({med / floor:.2f}x)", flush=True)
         del chain
         torch.cuda.empty_cache()
-    for stages, box_r in ((13, 16), (6, 16), (26, 8)):
-        ring = Ring(streams, sms, LAYERS, dev, stages, box_r)
-        for gated in (True, False):
-            schedule_check(ring.layout, stages, gated)
-        want = ring.expected()
-        checks = {f: bool(torch.equal(ring.result(f), want)) for f in RING_FORMS}
-        control = not torch.equal(ring.result("ring-nowait"), want)
-        if not all(checks.values()):
-            raise RuntimeError(f"ring {stages} x {box_r} KB: results differ from torch's: {checks}")
-        floor = _floor(ring.weights, ring.bytes, sms, dev)
-        row = {"stages": stages, "chunk_kb": box_r, "in_flight_kb": stages * box_r, "bytes": ring.bytes,
-               "ops": len(ring.layout.names), "floor_us": floor, "same_result": checks,
-               "nowait_control_differs": control}
-        for form in RING_FORMS:
-            times = graph_times([lambda i=i, f=form: ring.run(f, i) for i in range(len(ring.weights))], 15)[0]
-            med = statistics.median(times)
-            row[form] = {"median_us": med, "x_floor": med / floor, "times_us": times}
-        report["rows"].append(row)
-        print(f"ring, {stages} stages x {box_r} KB ({ring.bytes / 1e6:.1f} MB): floor {floor:.1f} us; "
-              + "; ".join(f"{f} {row[f]['median_us']:.1f} ({row[f]['x_floor']:.2f}x)" for f in RING_FORMS)
-              + f"; no-wait control {'caught' if control else 'NOT caught'}", flush=True)
-        del ring
-        torch.cuda.empty_cache()
+    return rows
+
+
+def _ring_row(label: str, streams: dict[str, int], stages: int, box_r: int, sms: int, dev: torch.device) -> dict:
+    ring = Ring(streams, sms, LAYERS, dev, stages, box_r)
+    for gated in (True, False):
+        schedule_check(ring.layout, stages, gated)
+    want = ring.expected()
+    checks = {f: bool(torch.equal(ring.result(f), want)) for f in RING_FORMS}
+    controls = {f: not torch.equal(ring.result(f), want) for f in ("ring-nowait", "ring-poll-nowait")}
+    if not all(checks.values()):
+        raise RuntimeError(f"ring {stages} x {box_r} KB: results differ from torch's: {checks}")
+    floor = _floor(ring.weights, ring.bytes, sms, dev)
+    n = len(ring.layout.names)
+    row = {"streams": label, "stages": stages, "chunk_kb": box_r, "in_flight_kb": stages * box_r,
+           "bytes": ring.bytes, "ops": n, "floor_us": floor, "same_result": checks, "nowait_controls_differ": controls}
+    for form in RING_FORMS:
+        times = graph_times([lambda i=i, f=form: ring.run(f, i) for i in range(len(ring.weights))], 15)[0]
+        med = statistics.median(times)
+        row[form] = {"median_us": med, "x_floor": med / floor, "us_per_op": med / n, "times_us": times}
+    print(f"[{label}] ring, {stages} stages x {box_r} KB ({ring.bytes / 1e6:.1f} MB, {n} ops): floor {floor:.1f} us; "
+          + "; ".join(f"{f} {row[f]['median_us']:.1f} ({row[f]['x_floor']:.2f}x, {row[f]['us_per_op']:.2f} an op)"
+                      for f in RING_FORMS)
+          + "; no-wait controls " + ", ".join(f"{f} {'caught' if c else 'NOT caught'}" for f, c in controls.items()),
+          flush=True)
+    del ring
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv: list[str]) -> None:
+    out_path = argv[0] if argv else None
+    dev = torch.device("cuda")
+    config = Config.from_file(FULL_CONFIG)
+    streams = round_streams(config, tune.tune_shape(config))
+    streams = {k: v for k, v in streams.items() if k != "lm_head"}
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    tiny = {k: sms * ROW * 4 for k in streams}
+    report = {"probe": "ring", "commit": commit(), "device": torch.cuda.get_device_name(dev), "layers": LAYERS,
+              "streams": streams, "rows": []}
+    for label, s in (("round", streams), ("1 KB", tiny)):
+        report["rows"] += _chain_rows(label, s, sms, dev)
+        for run_label, stages, box_r in RUNS:
+            if run_label == label:
+                report["rows"].append(_ring_row(label, s, stages, box_r, sms, dev))
     if out_path:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         Path(out_path).write_text(json.dumps(report, indent=1) + "\n")
