@@ -114,6 +114,13 @@ def schedule_check(lay: RingLayout, stages: int, gated: bool) -> None:
 
 
 @gluon.jit
+def _now(after):
+    """The GPU's global nanosecond timer, read once `after` is available."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=gl.int64, is_pure=False,
+                                     pack=1)
+
+
+@gluon.jit
 def _top_up(w_desc, ring, bars, base, issued, stop, STAGES: gl.constexpr, BOX_R: gl.constexpr):
     """Copies chunks issued .. stop - 1 of this program's stream into their stages; returns the new count."""
     while issued < stop:
@@ -125,14 +132,16 @@ def _top_up(w_desc, ring, bars, base, issued, stop, STAGES: gl.constexpr, BOX_R:
 
 
 @gluon.jit
-def _ring_kernel(w_desc, out_ptr, cnt_ptr, err_ptr, epoch_ptr, rows, limit0, gated, wait,
+def _ring_kernel(w_desc, out_ptr, cnt_ptr, err_ptr, epoch_ptr, stamp_ptr, rows, limit0, gated, wait,
                  A: gl.constexpr, B: gl.constexpr, GATES: gl.constexpr, N_OPS: gl.constexpr, CHUNKS: gl.constexpr,
                  STAGES: gl.constexpr, BOX_R: gl.constexpr, P2: gl.constexpr, SPIN: gl.constexpr,
-                 WARPS: gl.constexpr, POLL: gl.constexpr):
+                 WARPS: gl.constexpr, POLL: gl.constexpr, STAMPS: gl.constexpr = False):
     """The chain, program p reading rows [p * rows, (p + 1) * rows) through the ring. `gated` 0: every chunk copied
     as soon as its stage is free (the oracle); `wait` 0: no waits (the control). POLL: no counters; each result is
     stored as one 64-bit word (this call's epoch, the value), and an op polls the previous op's words themselves
-    until every one carries the epoch: one dependent round trip an op instead of a count and then a load."""
+    until every one carries the epoch: one dependent round trip an op instead of a count and then a load.
+    STAMPS: each program writes the global timer at each op's start, once its wait and activation load are done,
+    and once its result is formed ([op, program, 3] int64): where the chain's time goes."""
     pid = gl.program_id(0)
     P = gl.num_programs(0)
     tile_l: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [WARPS, 1], [1, 0])
@@ -150,6 +159,8 @@ def _ring_kernel(w_desc, out_ptr, cnt_ptr, err_ptr, epoch_ptr, rows, limit0, gat
     if POLL:
         epoch = gl.load(epoch_ptr)
     for o in gl.static_range(N_OPS):
+        if STAMPS:
+            gl.store(stamp_ptr + (o * P + pid) * 3, _now(pid))
         act = 0
         if o > 0:
             if POLL:
@@ -172,6 +183,8 @@ def _ring_kernel(w_desc, out_ptr, cnt_ptr, err_ptr, epoch_ptr, rows, limit0, gat
                         gl.atomic_max(err_ptr, o)
                 prev = gl.load(out_ptr + (o - 1) * P + lanes, mask=lanes < P, other=0, volatile=True)
                 act = gl.xor_sum(prev, 0)
+        if STAMPS:
+            gl.store(stamp_ptr + (o * P + pid) * 3 + 1, _now(act))
         if GATES[o] >= 0:  # this op's wait means the router chose: the next layer's expert chunks are the limit
             limit = gl.where(gated != 0, GATES[o], limit)
             issued = _top_up(w_desc, ring, bars, base, issued, gl.minimum(released + STAGES, limit), STAGES, BOX_R)
@@ -187,6 +200,8 @@ def _ring_kernel(w_desc, out_ptr, cnt_ptr, err_ptr, epoch_ptr, rows, limit0, gat
             fence_async_shared()
             issued = _top_up(w_desc, ring, bars, base, issued, gl.minimum(released + STAGES, limit), STAGES, BOX_R)
         res = gl.xor_sum(gl.xor_sum(acc, 1), 0) ^ (act * 3 + o)
+        if STAMPS:
+            gl.store(stamp_ptr + (o * P + pid) * 3 + 2, _now(res))
         if POLL:
             gl.store(out_ptr + o * P + pid, (epoch << 32) | (res.to(gl.int64) & 0xFFFFFFFF))
         else:
@@ -229,8 +244,9 @@ class Ring:
         self.cnt = torch.zeros(n, dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        self.stamps = torch.zeros(n, programs, 3, dtype=torch.int64, device=device)
 
-    def run(self, form: str, call: int = 0) -> None:
+    def run(self, form: str, call: int = 0, stamps: bool = False) -> None:
         """`form`: ring[-poll][-oracle|-nowait]."""
         lay, poll = self.layout, "-poll" in form
         if poll:
@@ -239,10 +255,10 @@ class Ring:
             self.cnt.zero_()
         _ring_kernel[(self.programs,)](
             self.descs[call % len(self.descs)], self.out64 if poll else self.out, self.cnt, self.err, self.epoch,
-            lay.rows, lay.limit0, int(not form.endswith(("-oracle", "-nowait"))), int(not form.endswith("-nowait")),
+            self.stamps, lay.rows, lay.limit0, int(not form.endswith(("-oracle", "-nowait"))), int(not form.endswith("-nowait")),
             A=lay.a, B=lay.b, GATES=lay.gates, N_OPS=len(lay.names), CHUNKS=lay.chunks, STAGES=self.stages,
             BOX_R=lay.box_r, P2=triton.next_power_of_2(self.programs), SPIN=SPIN_LIMIT, WARPS=self.warps, POLL=poll,
-            num_warps=self.warps)
+            STAMPS=stamps, num_warps=self.warps)
 
     def expected(self, call: int = 0) -> torch.Tensor:
         """The chain's results computed by torch from the same weights."""
@@ -256,8 +272,35 @@ class Ring:
             act = _xor_fold(res)
         return torch.cat(out)
 
+    def breakdown(self, form: str, calls: int = 5) -> dict:
+        """Where the chain's time goes, from the timer stamps of `calls` calls (the median call per op): each op's
+        increment of the chain's critical path (the last program's result minus the op before's), split into the
+        notification (the last result of the op before -> the median program past its wait and activation load)
+        and the op's own work after that (-> the last program's result)."""
+        per = []
+        for i in range(calls):
+            self.run(form, i, stamps=True)
+            torch.cuda.synchronize(self.device)
+            t = self.stamps.double() / 1e3  # us
+            last = t[:, :, 2].max(1).values
+            ready = t[:, :, 1].median(1).values
+            per.append(torch.stack([last - torch.cat([last[:1] * 0 + t[0, :, 0].min(), last[:-1]]),
+                                    ready - torch.cat([t[:1, :, 0].min(1).values, last[:-1]]),
+                                    last - ready], 1))
+        med = torch.stack(per).median(0).values.cpu()  # [op, (increment, notification, work)]
+        names = self.layout.names
+        groups: dict[str, list] = {}
+        for o in range(len(names)):  # each op by its name and the name of the streaming op it follows
+            prev = next(n for n in reversed(names[:o + 1]) if n != "bare")
+            key = names[o] if names[o] != "bare" else f"bare after {prev}"
+            groups.setdefault(key, []).append(med[o])
+        return {k: {"ops": len(v), "increment_us": float(torch.stack(v)[:, 0].sum()),
+                    "notification_us": float(torch.stack(v)[:, 1].sum()), "work_us": float(torch.stack(v)[:, 2].sum())}
+                for k, v in groups.items()} | {"total_us": float(med[:, 0].sum())}
+
     def result(self, form: str) -> torch.Tensor:
         self.out.zero_()
+        self.out64.zero_()  # (else a form that skips its waits reads the last call's words: the same values)
         self.err.zero_()
         self.run(form)
         torch.cuda.synchronize(self.device)
@@ -322,6 +365,11 @@ def _ring_row(label: str, streams: dict[str, int], stages: int, box_r: int, sms:
         times = graph_times([lambda i=i, f=form: ring.run(f, i) for i in range(len(ring.weights))], 15)[0]
         med = statistics.median(times)
         row[form] = {"median_us": med, "x_floor": med / floor, "us_per_op": med / n, "times_us": times}
+    row["breakdown"] = {f: ring.breakdown(f) for f in ("ring", "ring-oracle")}
+    for f, b in row["breakdown"].items():
+        print(f"[{label}] {f}, timer stamps: one call {b['total_us']:.1f} us; " + "; ".join(
+            f"{k} x{v['ops']}: {v['increment_us']:.1f} (notified {v['notification_us']:.1f}, work {v['work_us']:.1f})"
+            for k, v in b.items() if k != "total_us"), flush=True)
     print(f"[{label}] ring, {stages} stages x {box_r} KB ({ring.bytes / 1e6:.1f} MB, {n} ops): floor {floor:.1f} us; "
           + "; ".join(f"{f} {row[f]['median_us']:.1f} ({row[f]['x_floor']:.2f}x, {row[f]['us_per_op']:.2f} an op)"
                       for f in RING_FORMS)
