@@ -397,17 +397,19 @@ def _scales(shape: tuple[int, ...], g, device) -> torch.Tensor:
 def routings(shape: TuneShape, count: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`count` routings (experts [R, k] int64, weights [R, k] fp32, rows normalized) of the block, each over
     its own pool of `shape.distinct` experts (disjoint pools while E allows, so consecutive calls share no
-    expert): row r takes k consecutive pool entries from 2r (cyclically), in shuffled slot order, so rows
-    share most experts as decode rows do (6 rows at k = 8 over a pool of 13 use all 13)."""
+    expert): row r takes k consecutive pool entries from r * step (cyclically), in shuffled slot order, so rows
+    share experts as decode rows do (step 2: 6 rows at k = 8 over a pool of 13 use all 13; a larger pool widens the
+    step until the rows cover it, e.g. 6 apart for the 38 of real requests)."""
     R, k, E = shape.rows, shape.top_k, shape.experts
     d = min(max(k, shape.distinct), E)
     perm = torch.randperm(E, generator=torch.Generator().manual_seed(1))
+    step = max(2, -(-(d - k) // max(1, R - 1)))
     out = []
     for v in range(count):
         pool = perm.roll(-v * d)[:d]
         rows = []
         for r in range(R):
-            idx = (2 * r + torch.arange(k)) % d
+            idx = (step * r + torch.arange(k)) % d
             idx = idx[torch.randperm(k, generator=torch.Generator().manual_seed(100 * v + r))]
             rows.append(pool[idx])
         w = torch.rand(R, k, generator=torch.Generator().manual_seed(7 + v)) + 0.1
@@ -906,7 +908,7 @@ NOTES = [
 
 def run(ops: tuple[str, ...], repeats: int, out: str | None, budget_s: float = 240.0, rows: int = 6,
         context: int = 1024, config_file: str | Path = FULL_CONFIG, pdl: bool = False, hot: bool = False,
-        only: tuple[str, ...] = ()) -> dict:
+        only: tuple[str, ...] = (), distinct: int = TuneShape.distinct) -> dict:
     from ..provenance import commit
     from .full_step import copy_bandwidth
 
@@ -914,7 +916,7 @@ def run(ops: tuple[str, ...], repeats: int, out: str | None, budget_s: float = 2
         raise RuntimeError("iquest bench tune needs a CUDA device")
     clock = Clock(budget_s)
     config = Config.from_file(config_file)
-    shape = tune_shape(config, TP, rows, context)
+    shape = replace(tune_shape(config, TP, rows, context), distinct=distinct)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     bandwidth = copy_bandwidth(dev)

@@ -173,6 +173,14 @@ def test_routings_choose_13_fresh_experts_per_call():
     assert all(len(set(e.flatten().tolist())) == 6 for e, _ in small)
 
 
+@pytest.mark.parametrize("distinct", [18, 38, 48])
+def test_routings_cover_a_larger_pool(distinct):
+    """`bench tune --distinct 38` (real requests' routing): every routing visits exactly that many experts."""
+    for experts, _ in t.routings(replace(SHAPE, distinct=distinct), 4, "cpu"):
+        assert all(len(set(row.tolist())) == 8 for row in experts)
+        assert len(set(experts.flatten().tolist())) == distinct
+
+
 def test_attention_case_reads_disjoint_slots_per_copy():
     case = t.build_case("attention_full", SMALL, torch.device("cpu"), CPU_SMS, rotate=1 << 16)
     assert case.copies == -(-(1 << 16) // (2 * SMALL.kv_len * 16 * 2)) and case.facts["kv_len"] == 42
