@@ -220,7 +220,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
                 "num_stages": g["num_stages"], "preload": bool(g["preload"] and fl.preload_tiles(k, k_per_split, bk)),
                 **direct}
     if family(op) == "attention":
-        bn = g["block_n"] or da.default_block_n(shape.window if op == "attention_sliding" else None)
+        bn = g["block_n"]
         ms = bn if g["min_split"] is None else g["min_split"]  # decode_attention's default: one tile
         ns = g["num_splits"] or _attention_auto_splits(attention_slots(op, shape), shape.kv_heads, ms, sms)
         per = max(triton.cdiv(triton.cdiv(shape.kv_len, ns), bn) * bn, ms)  # the kernels' _split_len
@@ -307,7 +307,6 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
     if family(op) == "attention":
         return [cand(), cand(min_split=128), cand(min_split=64), cand(min_split=64, num_warps=8),
                 cand("f48fb0e default", num_stages=2), cand(num_stages=3), cand(num_stages=4),
-                cand("bc0f7c4 default", block_n=64, min_split=64),
                 cand(min_split=128, num_stages=2),
                 cand(block_n=32, min_split=64), cand(block_n=32, min_split=32),
                 cand(block_n=128, min_split=128, num_warps=8), cand("932ec08 default", min_split=256),

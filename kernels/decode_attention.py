@@ -204,12 +204,6 @@ def default_num_splits(slots: int, kv_heads: int, device: torch.device, min_spli
     return max(1, min(triton.cdiv(slots, min_split), max(1, 2 * sms // kv_heads)))
 
 
-def default_block_n(window: int | None) -> int:
-    """K/V slots a tile (and, by default, a split): 64 for a full layer; 32 for a sliding layer, whose ring of at most
-    window + slack slots then spreads over twice the programs, each a tile or two (bench tune, docs/PERF.md)."""
-    return 32 if window is not None else 64
-
-
 def default_num_stages(window: int | None) -> int:
     """K/V tiles in flight a split program: 3 for a full layer, whose splits at long context stream many tiles (2
     left it near 2.4 TB/s at 192K); 2 for a sliding layer, whose splits are a tile or two at any context, where the
@@ -220,7 +214,7 @@ def default_num_stages(window: int | None) -> int:
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos: torch.Tensor,
                      q_pos: torch.Tensor, sinks: torch.Tensor | None, window: int | None,
                      first_position: int = 0, kv_len: torch.Tensor | None = None, *, causal: bool = True,
-                     num_splits: int | None = None, block_n: int | None = None, min_split: int | None = None,
+                     num_splits: int | None = None, block_n: int = 64, min_split: int | None = None,
                      out: torch.Tensor | None = None, workspace: tuple[torch.Tensor, ...] | None = None,
                      num_warps: int = 4, num_stages: int | None = None, pdl: bool = False, combine_splits: int = 128,
                      combine_cols: int = 32, combine_warps: int = 4, kv_len_from_q: bool = False,
@@ -271,9 +265,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_pos
            f"window must be a positive int or None, got {window!r}")
     _check(isinstance(first_position, int) and first_position >= 0,
            f"first_position must be an int >= 0, got {first_position!r}")
-    block_n = default_block_n(window) if block_n is None else block_n
-    _check(isinstance(block_n, int) and block_n >= 16 and block_n & (block_n - 1) == 0,
-           f"block_n {block_n} must be a power of two >= 16")
+    _check(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n {block_n} must be a power of two >= 16")
     _check(combine_splits >= 16 and combine_splits & (combine_splits - 1) == 0,
            f"combine_splits {combine_splits} must be a power of two >= 16")
     _check(combine_cols >= 16 and combine_cols & (combine_cols - 1) == 0,

@@ -97,15 +97,15 @@ def test_h200_defaults_and_the_suggested_variants():
     r = {op: [t.resolve(op, c.kw, SHAPE, t.H200_SMS) for c in t.candidates(op, SHAPE, t.H200_SMS)] for op in t.OPS}
     # defaults (tuned at 932ec08; the MoE's Gate/Up warps at a788a79, fp16 operands and Down stages at ef1c46c), by hand:
     # MoE 264 programs / (16 expected segments x 2 I tiles) = 8 splits;
-    # q/k/v 264 / 32 N tiles = 8; o_proj 264 // 192 = 1; sliding attention 33 live splits of 32 slots for 1030 (the
-    # ring's 4161 slots: 131 splits), full attention 17 of 64; router min(12 H tiles, 17) = 12
+    # q/k/v 264 / 32 N tiles = 8; o_proj 264 // 192 = 1; attention 17 live splits of 64 slots for 1030 (the ring's
+    # 4161 slots: 66 splits); router min(12 H tiles, 17) = 12
     assert r["moe"][0] == {"split_k": 8, "block_k": 128, "gate_up_block_n": 128, "gate_up_warps": 4,
                            "gate_up_stages": 3, "down_block_n": 128, "down_block_k": 64, "down_warps": 4,
                            "down_stages": 3, "f16": True, "f16_input": True, "tma": True, "fp8_down": False,
                            "early_down": False}
     assert r["linear_qkv"][0] == {"split_k": 8, "block_n": 32, "num_warps": 4, "num_stages": 4, "preload": False}
     assert r["linear_o"][0]["split_k"] == 1
-    assert r["attention_sliding"][0] == {"num_splits": 131, "live_splits": 33, "block_n": 32, "min_split": 32,
+    assert r["attention_sliding"][0] == {"num_splits": 66, "live_splits": 17, "block_n": 64, "min_split": 64,
                                          "num_warps": 4, "num_stages": 2, "combine_splits": 128, "combine_cols": 32,
                                          "combine_warps": 4}
     assert r["attention_full"][0]["num_splits"] == 264 and r["attention_full"][0]["live_splits"] == 17
