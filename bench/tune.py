@@ -191,6 +191,11 @@ def attention_slots(op: str, shape: TuneShape) -> int:
     return (shape.ring_slots if op == "attention_sliding" else shape.full_slots) + 1
 
 
+def attention_window(op: str, shape: TuneShape) -> int | None:
+    """The window decode_attention is given for the op: the sliding layers' or none."""
+    return shape.window if op == "attention_sliding" else None
+
+
 def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
     """The launch configuration the wrapper ends up with for keywords `kw` (its defaults for the rest): split
     counts as launched (after the wrappers' rounding to whole tiles), so equal dicts mean equal launches."""
@@ -225,10 +230,8 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
         ns = g["num_splits"] or _attention_auto_splits(attention_slots(op, shape), shape.kv_heads, ms, sms)
         per = max(triton.cdiv(triton.cdiv(shape.kv_len, ns), bn) * bn, ms)  # the kernels' _split_len
         return {"num_splits": ns, "live_splits": triton.cdiv(shape.kv_len, per), "block_n": bn, "min_split": ms,
-                "num_warps": g["num_warps"],
-                "num_stages": g["num_stages"] or da.default_num_stages(shape.window if op == "attention_sliding"
-                                                                        else None),
-                "combine_splits": g["combine_splits"],
+                "num_warps": g["num_warps"], "num_stages": g["num_stages"] or da.default_num_stages(
+                    attention_window(op, shape)), "combine_splits": g["combine_splits"],
                 "combine_cols": g["combine_cols"], "combine_warps": g["combine_warps"]}
     if op == "router":
         split = g["split"] or _router_auto_split(shape.experts, shape.hidden, g["block_e"], g["block_h"], sms)
@@ -512,7 +515,7 @@ def attention_case(op: str, shape: TuneShape, device, sms: int, rotate: int = RO
     slots = attention_slots(op, shape)
     if n > slots - 1:
         raise ValueError(f"context {shape.context} + {R} rows does not fit {slots - 1} slots")
-    window = shape.window if op == "attention_sliding" else None
+    window = attention_window(op, shape)
     kv = 2 * n * hkv * d * 2
     copies, stride = _copies(kv, rotate), triton.cdiv(n, 64) * 64
     total = (copies - 1) * stride + slots
@@ -910,7 +913,7 @@ NOTES = [
 
 def run(ops: tuple[str, ...], repeats: int, out: str | None, budget_s: float = 240.0, rows: int = 6,
         context: int = 1024, config_file: str | Path = FULL_CONFIG, pdl: bool = False, hot: bool = False,
-        only: tuple[str, ...] = (), distinct: int = TuneShape.distinct) -> dict:
+        only: tuple[str, ...] = (), distinct: int | None = None) -> dict:
     from ..provenance import commit
     from .full_step import copy_bandwidth
 
@@ -918,7 +921,8 @@ def run(ops: tuple[str, ...], repeats: int, out: str | None, budget_s: float = 2
         raise RuntimeError("iquest bench tune needs a CUDA device")
     clock = Clock(budget_s)
     config = Config.from_file(config_file)
-    shape = replace(tune_shape(config, TP, rows, context), distinct=distinct)
+    shape = tune_shape(config, TP, rows, context)
+    shape = shape if distinct is None else replace(shape, distinct=distinct)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     bandwidth = copy_bandwidth(dev)

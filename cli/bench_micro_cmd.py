@@ -49,9 +49,9 @@ def register(bsub) -> None:
                         "skipped (default 240)")
     t.add_argument("--rows", type=int, default=6, help="rows of the decode block (default 6: depth 5)")
     t.add_argument("--context", type=int, default=1024, help="history positions before the block (default 1024)")
-    t.add_argument("--distinct", type=int, default=13,
-                   help="distinct experts each MoE routing chooses (default 13: the prefilled benchmark's 12.9; the "
-                        "design document measured 37.7 in real requests)")
+    t.add_argument("--distinct", type=int, default=None,
+                   help="distinct experts each MoE routing chooses (default: bench.tune.TuneShape's 13, the prefilled "
+                        "benchmark's 12.9; the design document measured 37.7 in real requests)")
     t.add_argument("--pdl", action="store_true",
                    help="launch every kernel with programmatic dependent launch, as the engine does (each call then "
                         "overlaps the previous call's tail; the weight preload candidates need it)")
@@ -196,7 +196,7 @@ def run_tune(args: argparse.Namespace) -> int:
         raise UserError(f"--rows must be in 1..16, got {args.rows}")
     if args.context < 1:
         raise UserError(f"--context must be >= 1, got {args.context}")
-    if not 1 <= args.distinct <= 256:
+    if args.distinct is not None and not 1 <= args.distinct <= 256:
         raise UserError(f"--distinct must be in 1..256, got {args.distinct}")
     _need_gpus("iquest bench tune", 1)
     from ..bench.tune import run
