@@ -174,6 +174,16 @@ class Chain:
         return self.out.clone()
 
 
+def flat_floor(weights: list[torch.Tensor], per_call: int, sms: int, device: torch.device) -> float:
+    """Median us of one flat read of a call's `per_call` bytes (each copy of `weights` in turn), as `bench
+    stream-probe` reads at its best: 8 programs a SM, 16-byte loads."""
+    src = torch.cat([w.reshape(-1).view(torch.uint8) for w in weights])
+    out = torch.empty(1 << 16, device=device)
+    return statistics.median(graph_times(
+        [lambda i=i: flat_read(src[i * per_call:(i + 1) * per_call], out, 8 * sms) for i in range(len(weights))],
+        15)[0])
+
+
 FORMS = ("chain", "chain-pdl", "chain-pdl-preload", "persistent", "persistent-prefetch", "persistent-prefetch-all")
 
 
@@ -194,12 +204,8 @@ def main(argv: list[str]) -> None:
         control = not torch.equal(chain.result("persistent-nowait"), want)
         if not all(checks.values()):
             raise RuntimeError(f"{per_sm} programs a SM: forms disagree with the chain: {checks}")
-        floor_src = torch.cat([w.view(torch.uint8) for w in chain.weights])
-        floor_out = torch.empty(1 << 16, device=dev)
         per_call = chain.bytes
-        floor = statistics.median(graph_times(
-            [lambda i=i: flat_read(floor_src[i * per_call:(i + 1) * per_call], floor_out, 8 * sms)
-             for i in range(len(chain.weights))], 15)[0])
+        floor = flat_floor(chain.weights, per_call, sms, dev)
         row = {"programs_per_sm": per_sm, "prefetch_words": pref, "block_words": block, "ops": len(chain.ops),
                "bytes": per_call,
                "same_result": checks, "nowait_control_differs": control, "floor_us": floor}
@@ -212,7 +218,7 @@ def main(argv: list[str]) -> None:
               f"floor {floor:.1f} us; "
               + "; ".join(f"{f} {row[f]['median_us']:.1f} ({row[f]['x_floor']:.2f}x)" for f in FORMS)
               + f"; no-wait control {'caught' if control else 'NOT caught'}", flush=True)
-        del chain, floor_src
+        del chain
         torch.cuda.empty_cache()
     if out_path:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)

@@ -42,10 +42,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ..bench import tune
 from ..bench.kernels_micro import FULL_CONFIG, graph_times
-from ..bench.stream_probe import flat_read, round_streams
+from ..bench.stream_probe import round_streams
 from ..provenance import commit
 from ..reference.config import Config
-from .overlap_probe import LAYERS, SMALL_OPS, SPIN_LIMIT, Chain
+from .overlap_probe import LAYERS, SMALL_OPS, SPIN_LIMIT, Chain, flat_floor
 
 ROW = 256  # int32 words a TMA row (1 KB); an op's share is whole rows
 EXPERT_OPS = ("gate_up", "down")
@@ -320,14 +320,6 @@ CHAIN_FORMS = ((2, 4096, 4096, "chain-pdl-preload"), (1, 8192, 4096, "persistent
 RUNS = (("round", 13, 16), ("round", 26, 8), ("1 KB", 8, 1))
 
 
-def _floor(weights: list[torch.Tensor], per_call: int, sms: int, device: torch.device) -> float:
-    src = torch.cat([w.reshape(-1).view(torch.uint8) for w in weights])
-    out = torch.empty(1 << 16, device=device)
-    return statistics.median(graph_times(
-        [lambda i=i: flat_read(src[i * per_call:(i + 1) * per_call], out, 8 * sms) for i in range(len(weights))],
-        15)[0])
-
-
 def _chain_rows(label: str, streams: dict[str, int], sms: int, dev: torch.device) -> list[dict]:
     rows = []
     for per_sm, pref, block, form in CHAIN_FORMS:
@@ -335,7 +327,7 @@ def _chain_rows(label: str, streams: dict[str, int], sms: int, dev: torch.device
         want = chain.result("chain")
         if not torch.equal(chain.result(form), want):
             raise RuntimeError(f"{form}: results differ from the chain's")
-        floor = _floor(chain.weights, chain.bytes, sms, dev)
+        floor = flat_floor(chain.weights, chain.bytes, sms, dev)
         times = graph_times([lambda i=i: chain.run(form, i) for i in range(len(chain.weights))], 15)[0]
         med = statistics.median(times)
         rows.append({"streams": label, "form": form, "programs_per_sm": per_sm, "bytes": chain.bytes,
@@ -357,7 +349,7 @@ def _ring_row(label: str, streams: dict[str, int], stages: int, box_r: int, sms:
     controls = {f: not torch.equal(ring.result(f), want) for f in ("ring-nowait", "ring-poll-nowait")}
     if not all(checks.values()):
         raise RuntimeError(f"ring {stages} x {box_r} KB: results differ from torch's: {checks}")
-    floor = _floor(ring.weights, ring.bytes, sms, dev)
+    floor = flat_floor(ring.weights, ring.bytes, sms, dev)
     n = len(ring.layout.names)
     row = {"streams": label, "stages": stages, "chunk_kb": box_r, "in_flight_kb": stages * box_r,
            "bytes": ring.bytes, "ops": n, "floor_us": floor, "same_result": checks, "nowait_controls_differ": controls}
