@@ -23,15 +23,17 @@ Beside them, in the same process, the overlap probe's two best forms on its own 
 against a torch computation of the chain. Timed as `overlap_probe` times: CUDA graphs of calls back to back over
 distinct weight copies, CUDA events, medians. GPU only (Gluon); a lab probe the product never imports.
 
-    python3 -m iquest.lab.ring_probe OUT.json   (on the device, with PYTHONPATH as ci/gpu.sh sets it)
+    python3 -m iquest.lab.ring_probe OUT.json [--distinct D] [--no-tiny]   (on the device, PYTHONPATH as ci/gpu.sh
+    sets it; --distinct 38 streams the experts of real-request routing)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -373,23 +375,32 @@ def _ring_row(label: str, streams: dict[str, int], stages: int, box_r: int, sms:
 
 
 def main(argv: list[str]) -> None:
-    out_path = argv[0] if argv else None
+    parser = argparse.ArgumentParser(prog="python3 -m iquest.lab.ring_probe", description=__doc__.split("\n")[0])
+    parser.add_argument("out", nargs="?", help="write the raw JSON here")
+    parser.add_argument("--distinct", type=int, default=tune.TuneShape.distinct,
+                        help="distinct experts a layer's Gate/Up and Down stream (default %(default)s, the prefilled "
+                             "benchmark's; 38: real-request routing)")
+    parser.add_argument("--no-tiny", action="store_true",
+                        help="leave out the 1 KB-an-op runs (they do not depend on --distinct)")
+    args = parser.parse_args(argv)
+    if not 1 <= args.distinct <= tune.TuneShape.experts:
+        parser.error(f"--distinct must be in 1..{tune.TuneShape.experts}, got {args.distinct}")
     dev = torch.device("cuda")
     config = Config.from_file(FULL_CONFIG)
-    streams = round_streams(config, tune.tune_shape(config))
+    streams = round_streams(config, replace(tune.tune_shape(config), distinct=args.distinct))
     streams = {k: v for k, v in streams.items() if k != "lm_head"}
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     tiny = {k: sms * ROW * 4 for k in streams}
     report = {"probe": "ring", "commit": commit(), "device": torch.cuda.get_device_name(dev), "layers": LAYERS,
-              "streams": streams, "rows": []}
-    for label, s in (("round", streams), ("1 KB", tiny)):
+              "distinct": args.distinct, "streams": streams, "rows": []}
+    for label, s in (("round", streams),) + ((("1 KB", tiny),) if not args.no_tiny else ()):
         report["rows"] += _chain_rows(label, s, sms, dev)
         for run_label, stages, box_r in RUNS:
             if run_label == label:
                 report["rows"].append(_ring_row(label, s, stages, box_r, sms, dev))
-    if out_path:
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_path).write_text(json.dumps(report, indent=1) + "\n")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
