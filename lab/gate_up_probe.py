@@ -12,7 +12,9 @@ MoE arithmetic) in three forms, at 13 and at 38 distinct experts:
   * `units`: G persistent programs, each taking an equal contiguous range of the K tiles of every (expert, tile) in
     one loop, so the pipeline runs on across item boundaries: the balanced bound of a persistent Gate/Up (its
     partials would fall on other boundaries than the engine's 8 splits: a numerical change); `units, affine`: the
-    same with the experts' ids computed, not loaded, in the loop (the pipeliner's best case).
+    same with the experts' ids computed, not loaded, in the loop (the pipeliner's best case);
+  * `grid, fp16 operands`: the grid with the engine's operand form (each E4M3 tile converted to fp16, then fp16 dots
+    of 16 rows, Gate's and Up's apart): what the conversions and dots add to the stream.
 G is one program a SM (6 stages, 192 KB of tiles in flight) or two (3 stages each). Beside them, a flat read of the
 same bytes (`bench stream-probe`'s best form). CUDA graphs of calls back to back over rotating expert sets (weights
 from HBM), medians of 15 replays. GPU only; a lab probe the product never imports.
@@ -43,6 +45,25 @@ from ..reference.config import Config
 SPLITS = 8  # the engine's Gate/Up K split at a decode block of 6 rows (kernels/moe.plan_split)
 DISTINCT = (13, 38)
 FORMS = ((1, 6), (2, 3))  # (programs a SM, pipeline stages) of the persistent forms
+
+
+@triton.jit
+def _convert_kernel(g_desc, u_desc, experts_ptr, zero_ptr, out_ptr, k_per_split, BN: tl.constexpr, BK: tl.constexpr):
+    """The engine's grid (owner, tile, split) with its operand form: each E4M3 tile converted to fp16 and multiplied
+    against a fp16 tile of 16 rows (the engine's BLOCK_M), as Gate/Up's f16 path does, instead of the E4M3 wgmma."""
+    zero = tl.load(zero_ptr + tl.arange(0, 16)[:, None] * BK + tl.arange(0, BK)[None, :]).to(tl.float16)
+    e = tl.load(experts_ptr + tl.program_id(0)).to(tl.int32)
+    tile = tl.program_id(1)
+    k0 = tl.program_id(2) * k_per_split
+    acc_g = tl.zeros([16, BN], tl.float32)
+    acc_u = tl.zeros([16, BN], tl.float32)
+    for k in range(k0, k0 + k_per_split, BK):
+        wg = g_desc.load([e, tile * BN, k]).reshape(BN, BK).to(tl.float16)
+        wu = u_desc.load([e, tile * BN, k]).reshape(BN, BK).to(tl.float16)
+        acc_g = tl.dot(zero, tl.trans(wg), acc_g)
+        acc_u = tl.dot(zero, tl.trans(wu), acc_u)
+    out = (tl.program_id(0) * tl.num_programs(1) + tile) * tl.num_programs(2) + tl.program_id(2)
+    tl.store(out_ptr + out, tl.sum(tl.sum(acc_g + acc_u, 1), 0))
 
 
 @triton.jit
@@ -114,6 +135,9 @@ def run(distinct: int, dev: torch.device) -> list[dict]:
                 lambda i: _stream_kernel[(distinct, tiles, SPLITS)](gd, ud, experts[i], zero, out, distinct, kps,
                                                                     OWNERS_ONLY=True, N_OWNERS=distinct, BN=BN,
                                                                     BK=BK, num_warps=4, num_stages=3)}
+    variants["grid, fp16 operands (the engine's conversions and dots)"] = (
+        lambda i: _convert_kernel[(distinct, tiles, SPLITS)](gd, ud, experts[i], zero, out, kps, BN=BN, BK=BK,
+                                                             num_warps=4, num_stages=3))
     for per_sm, stages in FORMS:
         g = per_sm * sms
         variants[f"items ({g} programs, {stages} stages)"] = (
