@@ -97,7 +97,7 @@ def _moe_fused_kernel(
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, GROUP: tl.constexpr, DOWN_N: tl.constexpr, I_CONST: tl.constexpr, PDL: tl.constexpr,
-    DOWN: tl.constexpr = True,
+    DOWN: tl.constexpr = True, FINALIZE: tl.constexpr = True,
 ):
     wait_for_inputs(PDL)
     pid, progs = tl.program_id(0), tl.num_programs(0)
@@ -143,7 +143,7 @@ def _moe_fused_kernel(
         tl.store(dst, acc_g, mask=m_ok[:, None])
         tl.store(dst + I, acc_u, mask=m_ok[:, None])
         tl.debug_barrier()  # every thread's partials issued before the count (released by it)
-        if tl.atomic_add(count_ptr + c, 1, sem="acq_rel") == GU_ITEMS - 1:  # the expert's last item: finalize it
+        if FINALIZE and tl.atomic_add(count_ptr + c, 1, sem="acq_rel") == GU_ITEMS - 1:  # the expert's last item
             tl.debug_barrier()
             for grp in tl.static_range(I_CONST // GROUP):
                 g, u, summed = mk._split_sum(part_ptr, pair, grp * GROUP + tl.arange(0, GROUP), m_ok, P, I, SPLIT)
@@ -208,7 +208,8 @@ class FusedMoE:
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
 
     def __call__(self, x, f16_input, experts, weights, live, gate, gate_scale, up, up_scale, down, down_scale,
-                 block=(128, 128), out=None, pdl=True, split_k=None, with_down=True):
+                 block=(128, 128), out=None, pdl=True, split_k=None, with_down=True,
+                 finalize=True):
         R, H = x.shape
         k = experts.shape[1]
         P = R * k
@@ -238,7 +239,7 @@ class FusedMoE:
             self.state, self.err, R, H, I, P, xt.stride(0), xd.stride(0), gate_scale.shape[1], gate_scale.shape[2],
             down_scale.shape[1], down_scale.shape[2], k_per_split, **routing, B0=block[0], B1=block[1],
             BLOCK_M=mk.BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, GROUP=group, DOWN_N=DOWN_N, I_CONST=I,
-            DOWN=with_down, num_warps=4, num_stages=mk.NUM_STAGES, **launch)
+            DOWN=with_down, FINALIZE=finalize, num_warps=4, num_stages=mk.NUM_STAGES, **launch)
         mk._moe_combine_kernel[(R, triton.cdiv(H, mk.COMBINE_BLOCK))](
             y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=mk.COMBINE_BLOCK, LIVE_COUNT=count,
             num_warps=4, **launch)
@@ -274,9 +275,13 @@ def run(distinct: int, dev: torch.device, repeats: int) -> list[dict]:
     timing_only = "fused, 2 a SM, no Down (timing only)"
     forms[timing_only] = (lambda i, out=None, f=f: f(xb, tiles, routes[i][0], routes[i][1], live, t["gate"], gs,
                                                      t["up"], us, t["down"], ds, shape.block, out=out, with_down=False))
+    items_only = "fused, 2 a SM, Gate/Up items only (timing only)"
+    forms[items_only] = (lambda i, out=None, f=f: f(xb, tiles, routes[i][0], routes[i][1], live, t["gate"], gs,
+                                                    t["up"], us, t["down"], ds, shape.block, out=out, with_down=False,
+                                                    finalize=False))
     same = {}
     for name, fn in forms.items():
-        if name in ("engine", timing_only):
+        if name in ("engine", timing_only, items_only):
             continue
         same[name] = []
         for i in range(len(routes)):
