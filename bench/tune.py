@@ -470,8 +470,7 @@ def moe_case(shape: TuneShape, device, rotate: int = ROTATE_BYTES) -> OpCase:
                   nbytes, 4, len(routes), run, ref,
                   new_out=lambda: torch.empty(R, H, dtype=torch.bfloat16, device=device),
                   facts={"distinct_experts": distinct, "expert_bytes": per_expert, "x_dtype": str(x.dtype)},
-                  tensors={"gate": gate, "up": up, "down": down, "scales": (gs, us, ds), "x32": x32,
-                           "routes": routes})
+                  tensors={"gate": gate, "up": up, "down": down, "routes": routes})
 
 
 def linear_case(op: str, shape: TuneShape, device, rotate: int = ROTATE_BYTES) -> OpCase:
