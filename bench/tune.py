@@ -127,8 +127,7 @@ WRAPPERS: dict[str, Callable] = {"moe": mk.moe, "linear_qkv": fl.fp8_linear, "li
                                  "attention_sliding": da.decode_attention, "attention_full": da.decode_attention,
                                  "router": rt.route, "norm": rn.rmsnorm_residual}
 TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "down_block_n",
-                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down", "early_down",
-                    "preload_down", "cascade_down"),
+                    "down_block_k", "down_warps", "down_stages", "f16", "f16_input", "tma", "fp8_down", "early_down"),
             "linear": ("split_k", "block_n", "num_warps", "num_stages", "preload", "direct"),
             "attention": ("num_splits", "block_n", "min_split", "num_warps", "num_stages", "combine_splits",
                           "combine_cols", "combine_warps"),
@@ -137,8 +136,7 @@ TUNABLES = {"moe": ("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "g
 # The MoE's independent kernels: the extra "combined best" candidate takes each group's fastest settings.
 # (tma is one switch for both kernels' weight loads; it sits with Gate/Up's, whose bytes dominate.)
 MOE_GROUPS = (("split_k", "block_k", "gate_up_block_n", "gate_up_warps", "gate_up_stages", "f16", "f16_input", "tma"),
-              ("down_block_n", "down_block_k", "down_warps", "down_stages", "fp8_down", "early_down", "preload_down",
-               "cascade_down"))
+              ("down_block_n", "down_block_k", "down_warps", "down_stages", "fp8_down", "early_down"))
 
 
 def family(op: str) -> str:
@@ -216,8 +214,7 @@ def resolve(op: str, kw: dict, shape: TuneShape, sms: int) -> dict:
                 # the engine's call: x's tiles made by the norm; TMA where aligned (it is here)
                 "f16_input": g["f16"] and (g["f16_input"] is None or bool(g["f16_input"])),
                 "tma": True if g["tma"] is None else g["tma"],
-                "fp8_down": fp8, "early_down": g["early_down"], "preload_down": g["preload_down"],
-                "cascade_down": g["cascade_down"]}
+                "fp8_down": fp8, "early_down": g["early_down"]}
     if family(op) == "linear":
         n, k = shape.qkv if op == "linear_qkv" else shape.o
         bk = fl._block_k(shape.block[1])
@@ -262,15 +259,6 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                                                                       down_warps=8),
                 cand("engine down", **engine, down_warps=8), cand("engine down", **engine, down_block_n=64),
                 cand("engine down", **engine, down_stages=1),
-                # Down's weights in registers before its wait; and Down launched while Gate/Up still runs (the
-                # finalize releasing it first), so its weight reads overlap Gate/Up's tail (the ring probe's gain)
-                # (128-row tiles at 4 warps spill with both K tiles in registers: 8 warps, or 64 rows)
-                cand("engine preload", **engine, preload_down=True, down_warps=8),
-                cand("engine preload", **engine, preload_down=True, down_block_n=64),
-                cand("engine cascade", **engine, preload_down=True, cascade_down=True, down_warps=8),
-                cand("engine cascade", **engine, preload_down=True, cascade_down=True, down_block_n=64),
-                cand("engine cascade", **engine, preload_down=True, cascade_down=True, down_block_n=64,
-                     down_warps=8),
                 # E4M3 x E4M3 in Down's tensor cores (wgmma, weight tile as the row operand): a numerical change;
                 # its own Down defaults (128-deep tiles, 2 stages: the best of ten at a1380b4) and neighbours
                 cand(fp8_down=True), cand(fp8_down=True, down_block_k=64), cand(fp8_down=True, down_stages=3),

@@ -69,8 +69,7 @@ import triton.language as tl
 
 from .device import FLOATS as _FLOATS, row_groups, sm_count as _sm_count
 from .f16_operands import bf16_grid, f16_rows, tile_width
-from .launch import (launch_options, prefetch_lines, prefetch_rows, release_dependents, wait_for_inputs,
-                     wait_holding_dependents)
+from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
@@ -301,13 +300,9 @@ def _moe_finalize_kernel(
     part_ptr, live_ptr, act_ptr, act_s_ptr, h_ptr, count_ptr, R, P, I,
     K_TOP: tl.constexpr, LIVE_COUNT: tl.constexpr,
     SPLIT: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, STORE_H: tl.constexpr,
-    PDL: tl.constexpr = False, TRIGGER_FIRST: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
-    if TRIGGER_FIRST:  # moe(cascade_down=True): Down may launch while Gate/Up still runs (its wait is on this kernel)
-        release_dependents(PDL)
-        wait_holding_dependents(PDL)
-    else:
-        wait_for_inputs(PDL)
+    wait_for_inputs(PDL)
     pair = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     tile = tl.program_id(1)
     in_range = pair < P
@@ -327,7 +322,7 @@ def _moe_down_kernel(
     F32: tl.constexpr, STORE_RAN: tl.constexpr,
     PDL: tl.constexpr = False, F16: tl.constexpr = False, TMA: tl.constexpr = False, FP8: tl.constexpr = False,
     K_PAD_DOT: tl.constexpr = 0, EARLY: tl.constexpr = False, w_raw_ptr=None, LINE_ELEMS: tl.constexpr = 128,
-    LINES: tl.constexpr = 2, PRELOAD_W: tl.constexpr = False,
+    LINES: tl.constexpr = 2,
 ):
     p = tl.program_id(0)
     tile = tl.program_id(1)
@@ -336,17 +331,7 @@ def _moe_down_kernel(
         # any program of this kernel starts (kernels/launch.py): the owner and its weight tile are known before the
         # wait, and the tile's HBM reads (into L2) overlap the previous kernel instead of following it.
         e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
-        if PRELOAD_W:  # FP8 with I = 2 BLOCK_K = 2 GROUP (moe(preload_down=True)): both weight K tiles, and their
-            # scales, in registers before the wait (constants: the same values the loop's loads would give)
-            n = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), H - 1)
-            wk = tl.arange(0, BLOCK_K)
-            w_pre = w_raw_ptr + e.to(tl.int64) * H * I + n[:, None] * I
-            w_pre0 = tl.load(w_pre + wk[None, :], mask=run, other=0.0)
-            w_pre1 = tl.load(w_pre + BLOCK_K + wk[None, :], mask=run, other=0.0)
-            sw_pre = ws_ptr + e.to(tl.int64) * s_rows * s_cols + (n // B0) * s_cols
-            sw_pre0 = tl.load(sw_pre, mask=run, other=0.0)
-            sw_pre1 = tl.load(sw_pre + 1, mask=run, other=0.0)
-        elif run:
+        if run:
             n = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), H - 1)  # clamp, do not mask (prefetch_l2)
             prefetch_rows(w_raw_ptr + e.to(tl.int64) * H * I + n * I, 0, I, LINE_ELEMS, LINES)
         wait_for_inputs(PDL)
@@ -369,15 +354,7 @@ def _moe_down_kernel(
                 acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             else:
                 acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            if PRELOAD_W:  # the loop's two K tiles with the preloaded weights: the same dots and sums, in order
-                kk = tl.arange(0, BLOCK_K)
-                a = tl.load(act_ptr + pair[:, None] * I + kk[None, :], mask=m_ok[:, None], other=0.0)
-                sa = tl.load(act_s_ptr + pair * (I // GROUP), mask=m_ok, other=0.0)
-                acc_t += tl.dot(w_pre0, tl.trans(a)) * sa[None, :] * sw_pre0[:, None]
-                a = tl.load(act_ptr + pair[:, None] * I + BLOCK_K + kk[None, :], mask=m_ok[:, None], other=0.0)
-                sa = tl.load(act_s_ptr + pair * (I // GROUP) + 1, mask=m_ok, other=0.0)
-                acc_t += tl.dot(w_pre1, tl.trans(a)) * sa[None, :] * sw_pre1[:, None]
-            for k0 in range(0, 0 if PRELOAD_W else I, BLOCK_K):  # BLOCK_K divides GROUP == B1: one group and scale block per tile
+            for k0 in range(0, I, BLOCK_K):  # BLOCK_K divides GROUP == B1: one group and scale block per tile
                 if K_PAD_DOT > BLOCK_K:  # an E4M3 wgmma is >= 32 deep: the tile padded with zeros (small blocks only)
                     kk = k0 + tl.arange(0, K_PAD_DOT)
                     k_in = tl.arange(0, K_PAD_DOT) < BLOCK_K
@@ -593,7 +570,7 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         gate_up_warps: int = GATE_UP_WARPS, gate_up_stages: int = NUM_STAGES, down_warps: int = DOWN_WARPS,
         down_stages: int | None = None, pdl: bool = False, f16: bool = F16_OPERANDS,
         f16_input: tuple[torch.Tensor, torch.Tensor] | None = None, tma: bool | None = None,
-        fp8_down: bool = FP8_DOWN, early_down: bool = False, preload_down: bool = False, cascade_down: bool = False,
+        fp8_down: bool = FP8_DOWN, early_down: bool = False,
         residual: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """Routed-expert output [R, H] of x [R, H] (bf16/fp16/fp32) for rows chosen by `live` (bool [R]
     or an int count of leading live rows, on the device); padding rows get zeros.
@@ -622,12 +599,6 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     for bf16/fp16 compute with down_block_n >= 64 only (`fp8_down_applies`). `early_down` (with `pdl`): Down's
     programs read the routing and ask L2 for their expert's weight tile before the PDL wait (the routing was complete
     two launches earlier: kernels/launch.py), so the tile's reads overlap the finalize; a hint, the same bits.
-    `preload_down` (with `early_down`, the E4M3 Down at I_r = 2 K tiles): Down's programs load their weight tiles and
-    scales into registers before the wait instead of asking L2 for them; the same values, so the same bits.
-    `cascade_down` (with `preload_down`): the finalize lets Down launch before its own wait, so Down's programs start,
-    and read their weights, while Gate/Up still runs (kernels/launch.py's two-kernels-in-flight rule relaxed for Down,
-    whose early reads, the routing and constant weights, are complete once every Gate/Up program has passed its
-    wait); the same bits.
     `residual` = (stream [R, H], w [H], h [R, H], g [R, H], sumsq [R, ceil(H / t)] fp32, t = COMBINE_BLOCK;
     `residual_buffers` makes the last three), w the next RMSNorm's weight: the combine also adds `out` to the
     residual stream, h = stream + out rounded to the stream's dtype (as rmsnorm_residual forms the next norm's
@@ -718,8 +689,6 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     if tma:
         g_arg, u_arg = _descriptor(gate, (bn, bk)), _descriptor(up, (bn, bk))
     down_tma = tma and down_k_pad == down_bk  # a padded tile reads through masked pointers
-    preload_w = bool(preload_down and early and fp8_down and down_bk == group and I == 2 * down_bk)
-    cascade = bool(cascade_down and preload_w)
     if down_tma:
         d_arg = _descriptor(down, (down_block_n, down_bk))
     _moe_gate_up_kernel[grid](
@@ -731,20 +700,20 @@ def moe(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         num_stages=gate_up_stages, **launch)
     _moe_finalize_kernel[(triton.cdiv(P, FINALIZE_ROWS), i_tiles)](
         part, live_arg, act.view(torch.uint8), act_scale, hidden, counts, R, P, I, K_TOP=k, LIVE_COUNT=count,
-        SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h, TRIGGER_FIRST=cascade, num_warps=4, **launch)
+        SPLIT=split, GROUP=group, ROWS=FINALIZE_ROWS, STORE_H=store_h, num_warps=4, **launch)
     _moe_down_kernel[(P, triton.cdiv(H, down_block_n))](
         act, act_scale, d_arg, down_scale, experts, live_arg, y, programs[1], R, H, I,
         down_scale.shape[1], down_scale.shape[2], **routing,
         B0=block[0], GROUP=group, BLOCK_M=BLOCK_M, BLOCK_N=down_block_n,
         BLOCK_K=down_bk, F32=INTERPRETED, STORE_RAN=store_h, num_warps=down_warps,
         num_stages=down_stages, F16=f16, TMA=down_tma, FP8=fp8_down, K_PAD_DOT=down_k_pad,
-        EARLY=early, w_raw_ptr=down, LINE_ELEMS=line_elems, LINES=lines, PRELOAD_W=preload_w, **launch)
+        EARLY=early, w_raw_ptr=down, LINE_ELEMS=line_elems, LINES=lines, **launch)
     _moe_combine_kernel[(R, triton.cdiv(H, COMBINE_BLOCK))](
         y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=COMBINE_BLOCK, LIVE_COUNT=count,
         num_warps=4, **_residual_strides(residual), RESIDUAL=residual is not None, EARLY=early, **launch)
     if store_h:
         probe.update(act=act, act_scale=act_scale, hidden=hidden, split=split, split_counts=counts, programs=programs,
-                     fp8_down=fp8_down, early_down=early, preload_down=preload_w, cascade_down=cascade)
+                     fp8_down=fp8_down, early_down=early)
     return out
 
 
