@@ -312,8 +312,6 @@ def _raw_candidates(op: str, shape: TuneShape, sms: int) -> list[Candidate]:
                 cand("f48fb0e default", num_stages=2), cand(num_stages=3), cand(num_stages=4),
                 cand(min_split=128, num_stages=2),
                 cand(block_n=32, min_split=64), cand(block_n=32, min_split=32),
-                # 32-slot splits up to 4,096 slots, 64-slot ones beyond (cf1e66f's form capped at one combine step)
-                cand("capped 32-slot splits", block_n=32, min_split=32, num_splits=128),
                 cand(block_n=128, min_split=128, num_warps=8), cand("932ec08 default", min_split=256),
                 # the combine: more splits a step, wider column blocks (fewer programs, more warps each)
                 cand(combine_splits=256, combine_warps=8), cand(combine_cols=64, combine_warps=8),

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -35,8 +34,8 @@ import triton
 import triton.language as tl
 
 from ..bench import tune
-from ..bench.kernels_micro import FULL_CONFIG, graph_times
-from ..bench.stream_probe import _stream_kernel, flat_read
+from ..bench.kernels_micro import FULL_CONFIG
+from ..bench.stream_probe import _stream_kernel, _time, flat_read
 from ..kernels import moe as mk
 from ..kernels.device import sm_count
 from ..provenance import commit
@@ -106,10 +105,6 @@ def _units_kernel(g_desc, u_desc, experts_ptr, zero_ptr, out_ptr, n_units, K_TIL
     tl.store(out_ptr + pid, tl.sum(tl.sum(acc, 1), 0))
 
 
-def _time(calls: list, repeats: int = 15) -> float:
-    return statistics.median(graph_times(calls, repeats)[0])
-
-
 def run(distinct: int, dev: torch.device) -> list[dict]:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -155,7 +150,7 @@ def run(distinct: int, dev: torch.device) -> list[dict]:
     variants["flat read (8 programs a SM)"] = lambda i: flat_read(flat[i], out, 8 * sms)
     rows = []
     for name, fn in variants.items():
-        us = _time([lambda i=i, fn=fn: fn(i) for i in range(sets)])
+        us = _time(fn, sets, 15)
         rows.append({"distinct": distinct, "variant": name, "us": us, "bytes": nbytes,
                      "tb_s": nbytes / (us * 1e-6) / 1e12})
     grid_us = rows[0]["us"]

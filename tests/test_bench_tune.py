@@ -157,19 +157,6 @@ def test_moe_resolution_uses_plan_split():
         assert t.resolve("moe", kw, SHAPE, 132)["split_k"] == want
 
 
-def test_capped_sliding_splits_keep_one_combine_step():
-    """The capped candidate (the revisit of cf1e66f in docs/PERF.md): 32-slot splits at 1K, 64-slot ones once the
-    ring is full, never more live splits than one combine step of 128 takes."""
-    kw = dict(block_n=32, min_split=32, num_splits=128)
-    at_1k = t.resolve("attention_sliding", kw, SHAPE, 132)
-    at_4k = t.resolve("attention_sliding", kw, replace(SHAPE, context=4096), 132)
-    assert (at_1k["live_splits"], at_4k["live_splits"]) == (33, 65)
-    uncapped = t.resolve("attention_sliding", dict(block_n=32, min_split=32), replace(SHAPE, context=4096), 132)
-    assert uncapped["live_splits"] == 129 > 128  # cf1e66f's form: two combine steps
-    labels = [c.note for c in t.candidates("attention_sliding", SHAPE, 132)]
-    assert "capped 32-slot splits" in labels
-
-
 # ---- inputs ----------------------------------------------------------------------------------------------
 def test_routings_choose_13_fresh_experts_per_call():
     routes = t.routings(SHAPE, t.ROUTINGS, "cpu")
@@ -450,4 +437,3 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
     worker_main([("sweep", sweep_job)])
-
