@@ -1,4 +1,4 @@
-"""FP8 E4M3 block quantization (MODEL.md: W[r, c] = W_e4m3[r, c] * scale_inv[r // B0, c // B1]).
+"""FP8 E4M3 block quantization (docs/model.md: W[r, c] = W_e4m3[r, c] * scale_inv[r // B0, c // B1]).
 
 Also DeepSeek-V3's per-token activation quantization (`act_quant`), which the fast engine's MoE Down
 projection consumes; the reference itself computes in float64 from dequantized weights.
@@ -18,19 +18,23 @@ def scale_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, in
     return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
 
 
-def expand_scales(scale_inv: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
-    """Per-element scale of a [..., rows, cols] weight: scale_inv[..., r // B0, c // B1]."""
+def expand_scales(scale_inv: torch.Tensor, shape: tuple[int, int], block: tuple[int, int],
+                  offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """Per-element scale of a [..., rows, cols] weight: scale_inv[..., (r + o0) // B0, (c + o1) // B1], where `offset`
+    is where the weight starts inside its first scale block (a rank's slice may start mid-block)."""
     full = scale_inv.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)
-    return full[..., : shape[0], : shape[1]]
+    return full[..., offset[0]: offset[0] + shape[0], offset[1]: offset[1] + shape[1]]
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-               dtype: torch.dtype = torch.float64) -> torch.Tensor:
+               dtype: torch.dtype = torch.float64, offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """Real weight of an E4M3 tensor with block scales, computed in `dtype` (exact in float64)."""
-    if weight.dim() != 2 or scale_inv.shape != scale_shape(tuple(weight.shape), block):
+    rows, cols = weight.shape[-2:]
+    want = scale_shape((rows + offset[0], cols + offset[1]), block)
+    if weight.dim() < 2 or tuple(scale_inv.shape[-2:]) != want:
         raise ValueError(f"scale shape {tuple(scale_inv.shape)} does not match weight {tuple(weight.shape)} "
-                         f"with blocks {block}")
-    return weight.to(dtype) * expand_scales(scale_inv.to(dtype), tuple(weight.shape), block)
+                         f"with blocks {block} starting at {offset}")
+    return weight.to(dtype) * expand_scales(scale_inv.to(dtype), (rows, cols), block, offset)
 
 
 def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,29 +1,26 @@
-"""The IQuest-Q1 reference model: MODEL.md's forward and MTP draft layer, in float64, row by row exact.
+"""The IQuest-Q1 reference model: docs/model.md's forward and recursive MTP draft, in float64, row by row exact.
 
-Deliberately simple: weights are dequantized once to float64, every formula is the one in
-`layers.py`, and the KV cache is a plain tensor per layer indexed by absolute position. The fast
-engine is checked against this file, so clarity beats speed everywhere.
+Deliberately simple: weights are dequantized once to float64, every formula is the one in `layers.py`, and the KV
+cache is a plain tensor per layer indexed by absolute position. The fast engine is checked against this file, so
+clarity beats speed everywhere.
 
-Rows: `forward` and `draft` take any number R of rows (tokens at distinct absolute positions): a
-prefill, a verification block, one decode row. Each layer writes the block's K/V at its positions
-first, then every row reads the written positions visible to it (`layers.visible`); a query at t
-never reads past t, so rows beyond a rejected draft are simply overwritten later (rollback).
-
-The draft layer's sequence starts at position 1 (ROUND.md: position 0 has no previous hidden
-state), so the MTP layer never reads position 0 of its own cache.
+Rows: `forward` and `draft` take any number R of rows (tokens at distinct absolute positions): a prefill, a
+verification block, one decode row. Each layer writes the block's K/V at its positions first, then every row reads
+the written positions visible to it (`layers.visible`); a query at t never reads past t, so rows beyond a rejected
+draft are simply overwritten later (rollback).
 
 Taps (a debugging contract shared with the fast engine). Pass `taps={}`; each call stores copies:
-  layer{l}.attn_out       [R, H]  float64  o_proj output, before the residual add
-  layer{l}.moe_in         [R, H]  float64  post-attention RMSNorm output: the MoE and router input
-  layer{l}.router_scores  [R, E]  float64  softmax over all experts
-  layer{l}.experts        [R, k]  int64    chosen experts, best first (ties: lower index)
-  layer{l}.moe_out        [R, H]  float64  weighted sum of the chosen experts, before the residual add
-  layer{l}.hidden         [R, H]  float64  residual stream after layer l
-  final_hidden            [R, H]  float64  pre-norm output of the last layer (the MTP input)
-  logits                  [R, V]  float64
-The draft layer stores the same per-layer names with prefix "mtp." instead of "layer{l}."
-(mtp.attn_out, mtp.moe_in, mtp.router_scores, mtp.experts, mtp.moe_out, mtp.hidden), plus mtp.input (u, the
-eh_proj output) and mtp.logits.
+  layer{l}.attn_out       [R, H]  o_proj output, before its norm (attn_out_norm)
+  layer{l}.mlp_in         [R, H]  feed_forward_norm's output: the MLP's (and router's) input
+  layer{l}.router_scores  [R, E]  softmax over all experts (MoE layers)
+  layer{l}.experts        [R, k]  int64 chosen experts, best first (ties: lower index) (MoE layers)
+  layer{l}.mlp_out        [R, H]  the dense MLP's or the MoE's output, before its norm and scale
+  layer{l}.hidden         [R, H]  residual stream after layer l
+  final_hidden            [R, H]  model.norm's output: the post-norm hidden the draft reads
+  logits                  [R, V]
+The draft stores the same per-layer names with prefix "mtp." (mtp.attn_out, ..., mtp.hidden: its fp32 residual
+stream after the block), plus mtp.input (z, the eh_proj output), mtp.final_hidden (final_layernorm's output, fed to
+the next depth) and mtp.logits.
 """
 
 from __future__ import annotations
@@ -34,14 +31,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .checkpoint import CheckpointReader, layer_prefix, tensor_specs
+from .checkpoint import DRAFT, CheckpointReader, draft_prefix, layer_prefix, tensor_specs
 from .config import Config
-from .fp8 import E4M3, dequantize
+from .fp8 import dequantize
 from .layers import apply_rope, attention, expert_mlp, rms_norm, rope_cos_sin, route, visible
 
 
 class KVCache:
-    """Per-layer K/V indexed by absolute position; entry `num_hidden_layers` is the MTP layer's.
+    """Per-layer K/V indexed by absolute position; entry `num_hidden_layers` is the draft layer's.
 
     Storage grows on demand; `written[l][t]` records that position t of layer l holds a K/V.
     Writes overwrite, so a rollback needs no action: the next block rewrites those positions.
@@ -60,8 +57,8 @@ class KVCache:
         if size <= old:
             return
         size = max(size, 2 * old)  # amortized doubling
-        for store, fill in ((self.k, 0.0), (self.v, 0.0)):
-            grown = torch.full((size, *self.shape), fill, dtype=self.dtype)
+        for store in (self.k, self.v):
+            grown = torch.zeros((size, *self.shape), dtype=self.dtype)
             grown[:old] = store[layer]
             store[layer] = grown
         written = torch.zeros(size, dtype=torch.bool)
@@ -81,10 +78,10 @@ class KVCache:
 
 
 class ReferenceModel:
-    """IQuest-Q1 with weights held dequantized in `dtype` (float64 by default)."""
+    """IQuest-Q1 (target and draft) with weights held real in `dtype` (float64 by default)."""
 
     def __init__(self, config: Config, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64):
-        """`weights`: checkpoint form (E4M3 + `*_scale_inv`, bf16, fp32) or already-real tensors."""
+        """`weights`: every logical tensor of `tensor_specs(config)`, real-valued (any float dtype)."""
         self.config = config
         self.dtype = dtype
         self.model_dir: Path | None = None  # set by load(): where the depth controller's file lives
@@ -93,12 +90,10 @@ class ReferenceModel:
             if name not in weights:
                 raise ValueError(f"missing weight {name}")
             t = weights[name]
+            if name.endswith("sink_k"):
+                t = t.reshape(spec.shape)
             if tuple(t.shape) != spec.shape:
                 raise ValueError(f"weight {name}: shape {tuple(t.shape)}, expected {spec.shape}")
-            if t.dtype == E4M3:
-                if spec.scale_name not in weights:
-                    raise ValueError(f"weight {name} is E4M3 but {spec.scale_name} is missing")
-                t = dequantize(t, weights[spec.scale_name], config.weight_block_size, dtype)
             self.w[name] = t.to(dtype)
 
     @classmethod
@@ -107,8 +102,8 @@ class ReferenceModel:
         weights: dict[str, torch.Tensor] = {}
         names = list(reader.names())
         for name in tqdm(names, desc="loading reference weights", disable=not sys.stderr.isatty()):
-            w, scale = reader.read_weight(name)
-            weights[name] = w if scale is None else dequantize(w, scale, reader.config.weight_block_size, dtype)
+            s = reader.read_weight(name)
+            weights[name] = s.weight if s.scale is None else dequantize(s.weight, s.scale, reader.block, dtype)
         model = cls(reader.config, weights, dtype)
         model.model_dir = Path(model_dir)
         return model
@@ -116,95 +111,105 @@ class ReferenceModel:
     def new_cache(self) -> KVCache:
         return KVCache(self.config, self.dtype)
 
-    # ---- the main model -------------------------------------------------------------------------
+    # ---- the target -----------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 taps: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Main model over R rows: (logits [R, V], pre-norm final hidden [R, H])."""
+        """The target over R rows: (logits [R, V], post-norm final hidden [R, H])."""
         c = self.config
-        self._check_rows(tokens, positions, first_position=0)
+        self._check_rows(tokens, positions)
         x = self.w["model.embed_tokens.weight"][tokens]
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling, self.dtype)
         for layer in range(c.num_hidden_layers):
-            x = self._decoder_layer(layer, x, positions, cos, sin, cache, taps, f"layer{layer}.", 0)
-        logits = self._lm_head(x, "model.norm.weight")
-        _tap(taps, "final_hidden", x)
+            x = self._decoder_layer(c, layer, layer_prefix(layer), layer, x, positions, cache, taps, f"layer{layer}.")
+        hidden = rms_norm(x, self.w["model.norm.weight"], c.rms_norm_eps)
+        logits = hidden @ self.w["lm_head.weight"].T * c.logit_scale
+        _tap(taps, "final_hidden", hidden)
         _tap(taps, "logits", logits)
-        return logits, x
+        return logits, hidden
 
     __call__ = forward
 
-    # ---- the MTP draft layer --------------------------------------------------------------------
+    # ---- the recursive MTP draft ----------------------------------------------------------------
     @torch.no_grad()
-    def draft(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+    def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: KVCache,
               taps: dict | None = None, experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft rows at positions p >= 1 from (token x_p, hidden for p-1): (logits for p+1, h').
-        `experts` [R, k]: the MTP layer's experts chosen by the caller instead of by its router (qualify)."""
-        c = self.config
-        self._check_rows(tokens, positions, first_position=1)
-        if prev_hidden.shape != (tokens.shape[0], c.hidden_size):
-            raise ValueError(f"prev_hidden has shape {tuple(prev_hidden.shape)}, expected "
-                             f"{(tokens.shape[0], c.hidden_size)}")
-        m, eps = layer_prefix(c.mtp_layer_index), c.rms_norm_eps
-        e = rms_norm(self.w["model.embed_tokens.weight"][tokens], self.w[m + "enorm.weight"], eps)
-        h = rms_norm(prev_hidden.to(self.dtype), self.w[m + "hnorm.weight"], eps)
-        u = torch.cat([e, h], dim=-1) @ self.w[m + "eh_proj.weight"].T  # embedding first
-        _tap(taps, "mtp.input", u)
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling, self.dtype)
-        h_out = self._decoder_layer(c.mtp_layer_index, u, positions, cos, sin, cache, taps, "mtp.", 1, experts)
-        logits = self._lm_head(h_out, m + "shared_head.norm.weight")
+        """Draft rows at positions p from (the post-norm hidden h_p, the token x_{p+1}): (logits for x_{p+2}, the
+        output fed to the next depth as its hidden). `experts` [R, k]: the draft block's experts chosen by the caller
+        instead of by its router (qualify)."""
+        d = self.config.mtp
+        self._check_rows(tokens, positions)
+        if hidden.shape != (tokens.shape[0], d.hidden_size):
+            raise ValueError(f"hidden has shape {tuple(hidden.shape)}, expected {(tokens.shape[0], d.hidden_size)}")
+        eps = d.rms_norm_eps
+        e = rms_norm(self.w[DRAFT + "embed_tokens.weight"][tokens], self.w[DRAFT + "mtp.enorm.weight"], eps)
+        g = rms_norm(hidden.to(self.dtype), self.w[DRAFT + "mtp.hnorm.weight"], eps)
+        z = torch.cat([e, g], dim=-1) @ self.w[DRAFT + "mtp.eh_proj.weight"].T  # embedding first
+        _tap(taps, "mtp.input", z)
+        r = self._decoder_layer(d, 0, draft_prefix(), self.config.num_hidden_layers, z, positions, cache, taps,
+                                "mtp.", experts)
+        out = rms_norm(r, self.w[DRAFT + "mtp.final_layernorm.weight"], eps)
+        logits = out @ self.w[DRAFT + "lm_head.weight"].T  # no logit_scale
+        _tap(taps, "mtp.final_hidden", out)
         _tap(taps, "mtp.logits", logits)
-        return logits, h_out
+        return logits, out
 
-    # ---- one decoder layer (main layers and the MTP layer) ----------------------------------------
-    def _decoder_layer(self, layer: int, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor, cache: KVCache, taps: dict | None, tag: str,
-                       first_position: int, experts: torch.Tensor | None = None) -> torch.Tensor:
-        p, eps = layer_prefix(layer), self.config.rms_norm_eps
-        a = rms_norm(x, self.w[p + "input_layernorm.weight"], eps)
-        attn_out = self._attention(layer, a, positions, cos, sin, cache, first_position)
-        x = x + attn_out
-        b = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], eps)
-        moe_out, scores, experts = self._moe(p, b, experts)
-        x = x + moe_out
+    # ---- one decoder layer (target layers and the draft block) ----------------------------------
+    def _decoder_layer(self, c: Config, layer: int, p: str, kv_layer: int, x: torch.Tensor, positions: torch.Tensor,
+                       cache: KVCache, taps: dict | None, tag: str,
+                       experts: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer 0 (and the draft block, its one layer) continues the residual from its raw input x and normalizes
+        its MLP output; every later layer continues it from the normalized input a (docs/model.md, "Forward")."""
+        w, eps = self.w, c.rms_norm_eps
+        attn_scale, mlp_scale = c.out_scales(layer)
+        a = rms_norm(x, w[p + "attention_norm.weight"], eps)
+        attn_out = self._attention(c, layer, p, kv_layer, a, positions, cache)
+        h = (x if layer == 0 else a) + rms_norm(attn_out, w[p + "attn_out_norm.weight"], eps) * attn_scale
+        b = rms_norm(h, w[p + "feed_forward_norm.weight"], eps)
+        if c.is_dense(layer):
+            mlp_out = expert_mlp(b, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"],
+                                 w[p + "mlp.down_proj.weight"])
+        else:
+            mlp_out, scores, chosen = self._moe(c, p, b, experts)
+            _tap(taps, tag + "router_scores", scores)
+            _tap(taps, tag + "experts", chosen)
+        y = rms_norm(mlp_out, w[p + "ffn_out_norm.weight"], eps) if layer == 0 else mlp_out
+        out = h + y * mlp_scale
         _tap(taps, tag + "attn_out", attn_out)
-        _tap(taps, tag + "moe_in", b)
-        _tap(taps, tag + "router_scores", scores)
-        _tap(taps, tag + "experts", experts)
-        _tap(taps, tag + "moe_out", moe_out)
-        _tap(taps, tag + "hidden", x)
-        return x
+        _tap(taps, tag + "mlp_in", b)
+        _tap(taps, tag + "mlp_out", mlp_out)
+        _tap(taps, tag + "hidden", out)
+        return out
 
-    def _attention(self, layer: int, a: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, cache: KVCache, first_position: int) -> torch.Tensor:
-        c, p, R = self.config, layer_prefix(layer), a.shape[0]
-        q = (a @ self.w[p + "self_attn.q_proj.weight"].T).view(R, c.num_attention_heads, c.head_dim)
-        k = (a @ self.w[p + "self_attn.k_proj.weight"].T).view(R, c.num_key_value_heads, c.head_dim)
-        v = (a @ self.w[p + "self_attn.v_proj.weight"].T).view(R, c.num_key_value_heads, c.head_dim)
-        if c.qk_norm:  # per-head RMSNorm, before rotation
-            q = rms_norm(q, self.w[p + "self_attn.q_norm.weight"], c.rms_norm_eps)
-            k = rms_norm(k, self.w[p + "self_attn.k_norm.weight"], c.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    def _attention(self, c: Config, layer: int, p: str, kv_layer: int, a: torch.Tensor, positions: torch.Tensor,
+                   cache: KVCache) -> torch.Tensor:
+        R, D, eps = a.shape[0], c.head_dim, c.rms_norm_eps
+        q = (a @ self.w[p + "self_attn.q_proj.weight"].T).view(R, c.num_attention_heads, D)
+        k = (a @ self.w[p + "self_attn.k_proj.weight"].T).view(R, c.num_key_value_heads, D)
+        v = (a @ self.w[p + "self_attn.v_proj.weight"].T).view(R, c.num_key_value_heads, D)
+        # q/k norm per head BEFORE the rotation; only the first rotary_dim dims rotate
+        q = rms_norm(q, self.w[p + "self_attn.q_norm.weight"], eps)
+        k = rms_norm(k, self.w[p + "self_attn.k_norm.weight"], eps)
+        theta = c.rope_theta_for(layer)
+        if theta is not None:
+            cos, sin = rope_cos_sin(positions, c.rotary_dim, theta, self.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Write this block's K/V first: rows then see each other causally, by position.
-        cache.write(layer, positions, k, v)
+        cache.write(kv_layer, positions, k, v)
         end = int(positions.max()) + 1
-        keys, values, written = cache.read(layer, end)
-        k_pos = torch.arange(end)
-        mask = visible(positions, k_pos, c.layer_type(layer), c.sliding_window) & (k_pos >= first_position)
+        keys, values, written = cache.read(kv_layer, end)
+        mask = visible(positions, torch.arange(end), c.layer_type(layer), c.sliding_window)
         unwritten = mask & ~written[None, :]
         if unwritten.any():
             row, col = unwritten.nonzero()[0].tolist()
-            raise ValueError(f"layer {layer}: the row at position {int(positions[row])} attends to position "
-                             f"{col}, which was never written to the KV cache")
-        sinks = self.w[p + "self_attn.sinks"] if c.attention_sinks else None
-        out = attention(q, keys, values, mask, sinks)
+            raise ValueError(f"{p}: the row at position {int(positions[row])} attends to position {col}, which was "
+                             "never written to the KV cache")
+        sink_k = self.w[p + "self_attn.sink_k"] if c.enable_sink_attention else None
+        out = attention(q, keys, values, mask, c.scale, sink_k)
         return out.reshape(R, -1) @ self.w[p + "self_attn.o_proj.weight"].T
 
-    def _moe(self, p: str, b: torch.Tensor,
+    def _moe(self, c: Config, p: str, b: torch.Tensor,
              experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        c = self.config
-        weights, experts, scores = route(b @ self.w[p + "mlp.gate.weight"].T, c.num_experts_per_tok,
-                                         c.norm_topk_prob, c.routed_scaling_factor, experts)
+        weights, experts, scores = route(b @ self.w[p + "mlp.router.weight"].T, c.num_experts_per_tok, experts)
         out = torch.zeros_like(b)
         for e in experts.unique().tolist():  # ascending expert id: a fixed summation order per row
             rows, slot = (experts == e).nonzero(as_tuple=True)
@@ -214,17 +219,14 @@ class ReferenceModel:
             out.index_add_(0, rows, y * weights[rows, slot, None])
         return out, scores, experts
 
-    def _lm_head(self, x: torch.Tensor, norm_name: str) -> torch.Tensor:
-        return rms_norm(x, self.w[norm_name], self.config.rms_norm_eps) @ self.w["lm_head.weight"].T
-
-    def _check_rows(self, tokens: torch.Tensor, positions: torch.Tensor, first_position: int) -> None:
+    def _check_rows(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
         if tokens.dim() != 1 or positions.shape != tokens.shape or tokens.numel() == 0:
             raise ValueError(f"tokens {tuple(tokens.shape)} and positions {tuple(positions.shape)} must be "
                              "equal-length, non-empty 1-D tensors")
         if positions.unique().numel() != positions.numel():
             raise ValueError(f"positions must be distinct within a block, got {positions.tolist()}")
-        if int(positions.min()) < first_position:
-            raise ValueError(f"positions must be >= {first_position} here, got {int(positions.min())}")
+        if int(positions.min()) < 0:
+            raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
 

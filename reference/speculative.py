@@ -1,4 +1,4 @@
-"""Speculative decoding with the recursive MTP draft layer: ROUND.md in code.
+"""Speculative decoding with the recursive MTP draft layer: docs/round.md in code.
 
 `generate` yields one `Step` per round (and one for the first token after prefill). The rule of the
 round, verify -> accept -> settle -> draft, reads top to bottom in `speculative_round`.
@@ -111,11 +111,12 @@ class SpeculativeDecoder:
 
     # ---- drafting -------------------------------------------------------------------------------
     def draft(self, start: int, main_hidden: torch.Tensor) -> _Drafts:
-        """Depth 0 over committed positions start..n (main hiddens of start-1..n-1), then one row
-        per further depth. Drafts 1-3 always run; the controller decides 4-7."""
+        """Depth 0 over rows at positions start..n-1 (row p: the target's hidden h_p and the token x_{p+1}), then one
+        row per further depth at the next position (the previous depth's output and its draft). Drafts 1-3 always
+        run; the controller decides 4-7."""
         n = len(self.seq) - 1
-        positions = torch.arange(start, n + 1)
-        logits, h = self.model.draft(torch.tensor(self.seq[start:]), main_hidden, positions, self.cache)
+        positions = torch.arange(start, n)
+        logits, h = self.model.draft(torch.tensor(self.seq[start + 1:]), main_hidden, positions, self.cache)
         tokens, dists, product = [], [], 1.0
         while True:
             depth = len(tokens) + 1
@@ -126,7 +127,7 @@ class SpeculativeDecoder:
             product *= q.prob(d)
             if not self.controller.more(DraftFeatures(depth, q.prob(d), _entropy(q), product)):
                 return _Drafts(tokens, dists)
-            logits, h = self.model.draft(torch.tensor([d]), h[-1:], torch.tensor([n + depth]), self.cache)
+            logits, h = self.model.draft(torch.tensor([d]), h[-1:], torch.tensor([n + depth - 1]), self.cache)
 
     # ---- one round ------------------------------------------------------------------------------
     def speculative_round(self, drafts: _Drafts) -> tuple[Step, torch.Tensor]:
@@ -206,9 +207,9 @@ def generate(model, prompt: Sequence[int], *, seed: int, params: SamplingParams 
             step, hidden = _plain_step(dec)
             continue
         n = len(dec.seq) - 1
-        committed = hidden.shape[0]  # the rows whose main hiddens are new: positions n-committed+1..n
-        start = n - committed + 1 if dec.redraft or step.drafts == 0 else n
-        drafted = dec.draft(start, hidden[-(n - start + 1):])
+        committed = hidden.shape[0]  # the rows whose target hiddens are new: positions n-committed..n-1
+        start = n - committed if dec.redraft or step.drafts == 0 else n - 1
+        drafted = dec.draft(start, hidden[-(n - start):])
         step, hidden = dec.speculative_round(drafted)
 
 
