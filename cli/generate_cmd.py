@@ -7,8 +7,8 @@ import sys
 import time
 
 from ..reference.config import check_sampling
-from .options import (add_device, add_json, add_kernels, add_prompt, engine_target, load_tokenizer, model_folder,
-                      print_json, prompt_ids)
+from .options import (add_chat, add_device, add_json, add_kernels, add_prompt, check_chat, engine_target,
+                      load_tokenizer, model_folder, print_json, prompt_ids)
 
 DEFAULT_PROMPT = "def fibonacci(n):\n"
 
@@ -44,6 +44,7 @@ def register(sub) -> None:
     add_device(p, what="fast engine device")
     add_kernels(p)
     add_prompt(p, DEFAULT_PROMPT)
+    add_chat(p)
     p.add_argument("--max-new-tokens", type=int, default=64, help="output budget in tokens (default 64)")
     p.add_argument("--seed", type=int, default=0, help="request seed: same seed, same tokens (default 0)")
     p.add_argument("--drafts", type=_drafts, default="auto",
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from .engines import load_engine
     from .main import UserError
 
+    check_chat(args)
     model_dir = model_folder(args.model)
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -95,6 +97,12 @@ def run(args: argparse.Namespace) -> int:
     startup = time.perf_counter() - started
 
     stop = tuple(gen.eos_token_id)
+    if args.chat:  # the answer's markup (</think>, tool calls) shown as text; the stop token ends it unshown
+        def text_of(ids: list[int]) -> str:
+            return tok.decode([t for t in ids if t not in stop], skip_special_tokens=False)
+    else:
+        def text_of(ids: list[int]) -> str:
+            return tok.decode(ids)
     out_ids: list[int] = []
     rounds: list[dict] = []
     printed = ""
@@ -108,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         rounds.append({"tokens": step.tokens, "logprobs": step.logprobs, "drafts": step.drafts,
                        "accepted": step.accepted, "served_probs": step.served_probs, "bonus": step.bonus})
         if not args.json and tok is not None:
-            text = tok.decode(out_ids)
+            text = text_of(out_ids)
             if not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
                 sys.stdout.write(text[len(printed):])
                 sys.stdout.flush()
@@ -133,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json({"engine": args.engine, "model": str(model_dir), "seed": args.seed,
                     "prompt_ids": prompt, "output_ids": out_ids,
-                    "text": tok.decode(out_ids) if tok is not None else None,
+                    "text": text_of(out_ids) if tok is not None else None,
                     "rounds": rounds, "summary": summary})
     else:
         sys.stdout.write("\n")

@@ -140,7 +140,10 @@ def load_tokenizer(model_dir: Path):
 
 
 def prompt_ids(args: argparse.Namespace, tokenizer, model_dir: Path) -> list[int]:
-    """The prompt as token ids, from --prompt-ids, --prompt-file, --prompt - (stdin) or --prompt TEXT."""
+    """The prompt as token ids, from --prompt-ids, --prompt-file, --prompt - (stdin) or --prompt TEXT; with --chat
+    (generate), that text as a user message in the model's chat template."""
+    if getattr(args, "chat", False):
+        return chat_prompt_ids(args, model_dir)
     if args.prompt_ids is not None:
         try:
             return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
@@ -149,6 +152,70 @@ def prompt_ids(args: argparse.Namespace, tokenizer, model_dir: Path) -> list[int
     if tokenizer is None:
         raise _user_error(f"{model_dir} has no tokenizer.json: pass --prompt-ids")
     return tokenizer.encode(prompt_text(args)).ids
+
+
+# ---- chat (generate --chat, --no-think) -------------------------------------------------------------------------
+
+CHAT_HELP = ("treat the prompt text as one user message: render it with the model's chat template (its "
+             "tokenizer_config.json) and the template's generation prompt, so the model answers as the assistant; "
+             "text in the prompt that spells a special token stays plain text, and the answer is shown with its "
+             "markup (</think>, tool calls) as text (default: off, the prompt is raw text)")
+NO_THINK_HELP = ("with --chat: thinking off (the template's enable_thinking=false: the prompt ends <think></think>, so "
+                 "the answer comes without reasoning) (default: thinking on, the prompt ends <think>)")
+
+
+def add_chat(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat", action="store_true", help=CHAT_HELP)
+    p.add_argument("--no-think", action="store_true", help=NO_THINK_HELP)
+
+
+def check_chat(args: argparse.Namespace) -> None:
+    """--no-think only with --chat; --chat only with prompt text. Runs before anything is loaded."""
+    if args.no_think and not args.chat:
+        raise _user_error("--no-think turns thinking off in the chat template, so it needs --chat")
+    if args.chat and args.prompt_ids is not None:
+        raise _user_error("--chat renders prompt text as a user message: give --prompt or --prompt-file, "
+                          "not --prompt-ids")
+
+
+def load_chat_tokenizer(model_dir: Path):
+    """The model's tokenizer with its chat template (transformers); a one-line error where there is none."""
+    if not (model_dir / "tokenizer.json").exists():
+        raise _user_error(f"--chat: {model_dir} has no tokenizer.json (nor a chat template)")
+    import warnings
+
+    import transformers
+    from transformers import AutoTokenizer
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # it reads config.json and warns that iquest_q1 is unknown to it
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:
+        raise _user_error(f"--chat: the tokenizer in {model_dir} does not load "
+                          f"({str(e).splitlines()[0] if str(e) else e!r})") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    if not getattr(tokenizer, "chat_template", None):
+        raise _user_error(f"--chat: {model_dir / 'tokenizer_config.json'} has no chat_template")
+    return tokenizer
+
+
+def chat_prompt_ids(args: argparse.Namespace, model_dir: Path) -> list[int]:
+    """The prompt text as one user message, rendered with the chat template and its generation prompt (thinking off
+    with --no-think), encoded as the server encodes chat: the message's text is plain text, only the template makes
+    special tokens."""
+    from ..serve.prepare import Encoder
+    from ..serve.protocol import APIError
+
+    text = prompt_text(args)
+    encoder = Encoder(load_chat_tokenizer(model_dir))
+    try:
+        return encoder.chat_ids([{"role": "user", "content": text}], enable_thinking=not args.no_think)
+    except APIError as e:
+        raise _user_error(f"--chat: {e.message}") from None
 
 
 def prompt_text(args: argparse.Namespace) -> str:

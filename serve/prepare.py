@@ -23,7 +23,9 @@ MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20                   # OpenAI's cap too
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # the OpenAI default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 1024          # capped by what the context has left
-END_OF_TURN = ("<|end|>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>")  # chat: stop at the turn's end
+# chat: stop at the turn's end. IQuest-Q1's is <|iquest_end|> (its EOS too); the others are other checkpoints'
+# (the fixtures made before the IQuest-Q1 tokenizer end turns with <|end|>)
+END_OF_TURN = ("<|iquest_end|>", "<|end|>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>")
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ def parse(model, raw: bytes):
 
 class Encoder:
     """The tokenizer as the server uses it. Chat message content is encoded as plain text: text in it that
-    spells a control token (`<|end|>`) is not that token; only the chat template makes control tokens."""
+    spells a control token (`<|iquest_end|>`, `<think>`) is not that token; only the chat template makes
+    control tokens."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -92,18 +95,24 @@ class Encoder:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **template_vars) -> str:
+        """The chat template's text; `template_vars` are its own variables (IQuest-Q1's: enable_thinking, tools)."""
         try:
             return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt, **template_vars)
         except Exception as exc:  # the template's own raise_exception (role order, ...) or a missing template
             raise bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
 
     def chat(self, messages: list[Message], limits: Limits | None = None, add_generation_prompt: bool = True) \
             -> list[int]:
         """The prompt ids of chat messages; with `limits`, a render too long to fit is refused unencoded."""
-        msgs = [{"role": m.role, "content": m.text()} for m in messages]
-        text = self.render(msgs, add_generation_prompt)
+        return self.chat_ids([{"role": m.role, "content": m.text()} for m in messages], limits,
+                             add_generation_prompt)
+
+    def chat_ids(self, msgs: list[dict], limits: Limits | None = None, add_generation_prompt: bool = True,
+                 **template_vars) -> list[int]:
+        """`chat` for messages as dicts of role and content (string), and the template's own variables."""
+        text = self.render(msgs, add_generation_prompt, **template_vars)
         if limits is not None:
             self.check_fits(text, limits, "messages")
         if self.special_re is None or not any(self.special_re.search(m["content"]) for m in msgs):
@@ -112,7 +121,8 @@ class Encoder:
         # template's own text is known, then encode: its control tokens as such, everything else (content
         # included) as plain text, cut at the template's control tokens as a normal encode cuts there.
         marks = [f"\ue000{i}\ue001" for i in range(len(msgs))]
-        skeleton = self.render([{**m, "content": k} for m, k in zip(msgs, marks)], add_generation_prompt)
+        skeleton = self.render([{**m, "content": k} for m, k in zip(msgs, marks)], add_generation_prompt,
+                               **template_vars)
         parts = re.split("(\ue000\\d+\ue001)", skeleton)
         contents = {k: m["content"] for k, m in zip(marks, msgs)}
         if any(skeleton.count(k) != 1 for k in marks) or "".join(contents.get(q, q) for q in parts) != text:

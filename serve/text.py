@@ -62,7 +62,10 @@ class TokenText:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.special = set(tokenizer.all_special_ids)
+        # what a decode with skip_special_tokens leaves out: every added token marked special (IQuest-Q1's role,
+        # think and tool-call tokens), not only those named in the tokenizer's special-token map (EOS)
+        self.special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items()
+                                                         if t.special}
         self.added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items()}
         byte_level = isinstance(tokenizer.backend_tokenizer.decoder, decoders.ByteLevel)
         self.unbyte = {c: b for b, c in bytes_to_unicode().items()} if byte_level else None
