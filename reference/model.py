@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from .checkpoint import DRAFT, CheckpointReader, draft_prefix, layer_prefix, tensor_specs
 from .config import Config
-from .fp8 import dequantize
+from .fp8 import E4M3, dequantize
 from .layers import apply_rope, attention, expert_mlp, rms_norm, rope_cos_sin, route, visible
 
 
@@ -81,7 +81,9 @@ class ReferenceModel:
     """IQuest-Q1 (target and draft) with weights held real in `dtype` (float64 by default)."""
 
     def __init__(self, config: Config, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float64):
-        """`weights`: every logical tensor of `tensor_specs(config)`, real-valued (any float dtype)."""
+        """`weights`: every logical tensor of `tensor_specs(config)`, real-valued (any float dtype), or as a checkpoint
+        stores it: an E4M3 tensor is dequantized with its `<name>_scale_inv` from `weights` (never read as if it were
+        real: that would drop its scales)."""
         self.config = config
         self.dtype = dtype
         self.model_dir: Path | None = None  # set by load(): where the depth controller's file lives
@@ -90,6 +92,10 @@ class ReferenceModel:
             if name not in weights:
                 raise ValueError(f"missing weight {name}")
             t = weights[name]
+            if t.dtype == E4M3:
+                if spec.scale_name not in weights or config.weight_block_size is None:
+                    raise ValueError(f"weight {name} is E4M3 but no {spec.scale_name} (and block size) is given")
+                t = dequantize(t, weights[spec.scale_name], config.weight_block_size, dtype)
             if name.endswith("sink_k"):
                 t = t.reshape(spec.shape)
             if tuple(t.shape) != spec.shape:
