@@ -29,7 +29,6 @@ class LayerKV:
     slot_pos: torch.Tensor   # [slots + 1] int64 position held by each slot, -1 = empty
     slots: int
     window: int | None       # None for full attention
-    first_position: int      # the MTP layer's sequence starts at position 1
     causal = True            # queries read no later position (a class attribute: the kernels take it too)
 
     def write(self, positions: torch.Tensor, live: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -42,7 +41,7 @@ class LayerKV:
     def visible(self, positions: torch.Tensor) -> torch.Tensor:
         """bool [R, slots + 1]: may the query at positions[r] read slot s?"""
         sp, q = self.slot_pos[None, :], positions[:, None]
-        mask = (sp >= self.first_position) & (q >= 0)
+        mask = (sp >= 0) & (q >= 0)
         if self.causal:
             mask = mask & (sp <= q)
         if self.window is not None:
@@ -50,14 +49,18 @@ class LayerKV:
         return mask
 
 
-def layer_slots(config: Config, layer_type: str, max_context: int, ring_slack: int = RING_SLACK) -> int:
-    if layer_type == "sliding_attention":
-        return min(config.sliding_window + ring_slack, max_context)
-    return max_context
+def layer_slots(window: int | None, max_context: int, ring_slack: int = RING_SLACK) -> int:
+    """Slots of a layer's cache: a ring of its window + `ring_slack`, or one per position."""
+    return max_context if window is None else min(window + ring_slack, max_context)
+
+
+def windows(config: Config) -> list[int | None]:
+    """Each cache's window: the target's layers 0..L-1, then the draft layer's (its own window) at index L."""
+    return [config.window(i) for i in range(config.num_hidden_layers)] + [config.mtp.window(0)]
 
 
 class StaticKV:
-    """One rank's caches: main layers 0..L-1 and the MTP layer at index L."""
+    """One rank's caches: the target's layers 0..L-1 and the draft layer at index L."""
 
     ring_slack = RING_SLACK  # spare ring slots of a sliding-window layer
     layer_kv = LayerKV
@@ -65,15 +68,12 @@ class StaticKV:
     def __init__(self, config: Config, kv_heads: int, max_context: int, dtype: torch.dtype, device: torch.device):
         self.max_context = max_context
         self.layers: list[LayerKV] = []
-        for layer in range(config.num_hidden_layers + 1):
-            kind = config.layer_type(layer)
-            slots = layer_slots(config, kind, max_context, self.ring_slack)
+        for window in windows(config):
+            slots = layer_slots(window, max_context, self.ring_slack)
             shape = (slots + 1, kv_heads, config.head_dim)
             self.layers.append(self.layer_kv(
                 k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device),
-                slot_pos=torch.full((slots + 1,), -1, dtype=torch.int64, device=device), slots=slots,
-                window=config.sliding_window if kind == "sliding_attention" else None,
-                first_position=1 if layer == config.mtp_layer_index else 0))
+                slot_pos=torch.full((slots + 1,), -1, dtype=torch.int64, device=device), slots=slots, window=window))
 
     def reset(self) -> None:
         for kv in self.layers:
@@ -85,7 +85,7 @@ class StaticKV:
     @staticmethod
     def bytes_needed(config: Config, kv_heads: int, max_context: int, dtype_bytes: int) -> int:
         total = 0
-        for layer in range(config.num_hidden_layers + 1):
-            slots = layer_slots(config, config.layer_type(layer), max_context) + 1
+        for window in windows(config):
+            slots = layer_slots(window, max_context) + 1
             total += 2 * slots * kv_heads * config.head_dim * dtype_bytes + 8 * slots
         return total

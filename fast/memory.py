@@ -4,31 +4,35 @@ from __future__ import annotations
 
 import torch
 
-from ..reference.checkpoint import expected_dtypes_and_shapes, shard_range, tensor_specs
+from ..reference.checkpoint import shard_range, tensor_specs
 from ..reference.config import Config, ConfigError
+from ..reference.fp8 import scale_shape
 from .cache import StaticKV
 
 HEADROOM = 1.15  # activations, graph pools, allocator slack
+FP32_HELD = ("lm_head.weight", "router.weight")  # held in fp32 whatever the checkpoint stores (fast/weights.py)
 
 
-def rank_tensor_bytes(config: Config, tp: int, rank: int = 0) -> dict[str, int]:
-    """Bytes of one rank's checkpoint slice of each tensor (its scale_inv included), by tensor name."""
-    specs = tensor_specs(config)
+def rank_tensor_bytes(config: Config, tp: int, rank: int = 0, fmt: str | None = None) -> dict[str, int]:
+    """Bytes of one rank's slice of each logical tensor as the engine holds it (E4M3 + fp32 scales where the linears
+    run as `fmt` = fp8, default the checkpoint's own format; bf16 elsewhere; heads and routers fp32), by name."""
+    fp8 = config.quantized if fmt is None else fmt == "fp8"
+    block = config.weight_block_size or (128, 128)
     out: dict[str, int] = {}
-    for name, (shape, dtype) in expected_dtypes_and_shapes(config).items():
-        is_scale = name.endswith("_scale_inv")
-        base = name[: -len("_scale_inv")] if is_scale else name
+    for name, spec in tensor_specs(config).items():
+        shape = list(spec.shape)
+        part = shard_range(spec, config.mtp if name.startswith("mtp/") else config, tp, rank)
+        scale = list(scale_shape(tuple(spec.shape), block)) if spec.quantized and fp8 else None
+        if part is not None:
+            dim, start, stop = part
+            shape[dim] = stop - start
+            if scale is not None:
+                scale[dim] = -(-stop // block[dim]) - start // block[dim]
         numel = 1
         for d in shape:
             numel *= d
-        part = shard_range(specs[base], config, tp, rank)
-        if part is not None:
-            dim, start, stop = part
-            if is_scale:
-                b = config.weight_block_size[dim]
-                start, stop = start // b, -(-stop // b)
-            numel = numel // shape[dim] * (stop - start)
-        out[base] = out.get(base, 0) + numel * dtype.itemsize
+        size = 1 if scale is not None else 4 if name.endswith(FP32_HELD) else 2
+        out[name] = numel * size + (4 * scale[0] * scale[1] if scale is not None else 0)
     return out
 
 
@@ -39,8 +43,7 @@ def rank_weight_bytes(config: Config, tp: int, rank: int = 0) -> int:
 
 def rank_bytes(config: Config, tp: int, max_context: int, dtype_bytes: int = 2) -> int:
     kv_heads = max(config.num_key_value_heads // tp, 1)
-    lm_head32 = config.vocab_size // tp * config.hidden_size * (4 - 2)  # the fallback's fp32 copy (hold_lm_head_fp32)
-    return rank_weight_bytes(config, tp) + lm_head32 + StaticKV.bytes_needed(config, kv_heads, max_context, dtype_bytes)
+    return rank_weight_bytes(config, tp) + StaticKV.bytes_needed(config, kv_heads, max_context, dtype_bytes)
 
 
 def check_memory(config: Config, tp: int, options, device_kind: str, ranks=None) -> None:

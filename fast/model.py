@@ -1,10 +1,10 @@
 """The fast engine's IQuest-Q1 forward on one rank: fixed-shape blocks, static caches, TP collectives.
 
-Same math as `reference/model.py` (and the same building blocks from `reference/layers.py` in the
-torch fallback), but every shape is static so a block can be captured in a CUDA graph: a block has
-R rows with a `live` mask; padding rows compute but write their KV to the trash slot and are never
-read. Collectives sit inside the row-parallel layers (o_proj, Down, embedding, eh_proj).
-Taps use the reference's names (see reference/model.py) for `iquest debug diff`.
+The same formulas as `reference/model.py` (docs/model.md, "Forward"), in the compute dtype with the published
+rounding points, and every shape static so a block can be captured in a CUDA graph: a block has R rows with a `live`
+mask; padding rows compute but write their KV to the trash slot and are never read. Collectives sit after the
+row-parallel layers (o_proj, the MLPs' Down, the embeddings, eh_proj). Taps use the reference's names (see
+reference/model.py) for `iquest debug diff`.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ from typing import NamedTuple
 import torch
 
 from ..reference.config import Config
-from ..reference.layers import rms_norm, rope_cos_sin
+from ..reference.layers import rope_cos_sin
 from .cache import LayerKV, StaticKV
-from .residual import PendingNorm, Residual
-from .torch_ops import TorchOps
-from .profiling import stage
 from .parallel import Parallel
+from .profiling import stage
 from .state import VERIFY_ROWS
-from .weights import LayerWeights, ModelWeights
+from .torch_ops import TorchOps
+from .weights import Attention, DenseMLP, LayerWeights, ModelWeights, MoE
 
 
 class Block(NamedTuple):
@@ -29,9 +28,7 @@ class Block(NamedTuple):
 
     positions: torch.Tensor  # [R] int64
     live: torch.Tensor       # [R] bool
-    cos: torch.Tensor        # the rows' rotary factors as ops.rope_write takes them (ops.rotary): gathered rows
-    sin: torch.Tensor        # [R, D], or the model's tables [T, D] with the rows' table rows (their positions)
-    rope_rows: torch.Tensor | None
+    rope: dict               # RoPE base -> the rows' (cos, sin) [R, rotary_dim] fp32
 
 
 class FastModel:
@@ -40,146 +37,120 @@ class FastModel:
         self.config, self.w, self.cache, self.par, self.dtype = config, weights, cache, par, dtype
         self.ops = ops or TorchOps()  # the torch forms, or the Triton kernels of the kernel plan (fast/triton_ops.py)
         self.ops.prepare(weights)
-        tp = par.world
-        self.q_heads = config.num_attention_heads // tp
-        self.kv_heads = max(config.num_key_value_heads // tp, 1)
-        self.vocab_local = config.vocab_size // tp
-        self.rope_cos, self.rope_sin = rope_tables(config, cache.max_context + VERIFY_ROWS, dtype, par.device)
+        self.vocab_local = config.vocab_size // par.world
+        rows = cache.max_context + VERIFY_ROWS
+        self.target_thetas = {t for i in range(config.num_hidden_layers)
+                              if (t := config.rope_theta_for(i)) is not None}
+        self.draft_thetas = {t for t in (config.mtp.rope_theta_for(0),) if t is not None}
+        self.rope_tables = {t: rope_tables(config.rotary_dim, t, rows, par.device)
+                            for t in self.target_thetas | self.draft_thetas}
 
-    # ---- embedding and head (vocabulary-parallel) ----------------------------------------------
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.par.all_reduce(self.ops.embed(tokens, self.w))
+    # ---- embeddings and heads (vocabulary-parallel) ---------------------------------------------
+    def embed(self, tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return self.par.all_reduce(self.ops.embed(tokens, table, self.w.vocab_offset))
 
     @stage("lm_head")
-    def logits(self, a: torch.Tensor) -> torch.Tensor:
-        """This rank's fp32 logits [R, V/tp] for its vocabulary rows, from the normalized rows `a`."""
-        return self.ops.lm_head(a, self.w)
+    def logits(self, hidden: torch.Tensor, head32: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """This rank's fp32 logits [R, V/tp] for its vocabulary rows: fp32 products of the post-norm rows."""
+        logits = self.ops.lm_head(hidden, head32)
+        return logits if scale == 1.0 else logits * scale
 
-    # ---- blocks -------------------------------------------------------------------------------------
+    # ---- the target ---------------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
                 taps: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Main model: (local logits [R, V/tp] fp32, pre-norm final hidden [R, H])."""
-        x, pending = self.embed(tokens), None
-        blk = self._block(positions, live)
-        last = len(self.w.layers) - 1
+        """The target: (local logits [R, V/tp] fp32, post-norm final hidden [R, H])."""
+        c = self.config
+        x = self.embed(tokens, self.w.embed)
+        blk = self._block(positions, live, self.target_thetas)
         for i, lw in enumerate(self.w.layers):
-            x, pending = self.decoder_layer(lw, self.cache[i], x, pending, blk, taps, f"layer{i}.",
-                                            next_norm=self.w.layers[i + 1].input_norm if i < last else None)
-        x, a = self.residual_norm(x, pending, self.w.norm)
-        _tap(taps, "final_hidden", x)
-        return self.logits(a), x
+            x = self.decoder_layer(c, i, lw, self.cache[i], x, blk, taps, f"layer{i}.")
+        hidden = self.ops.norm(x, self.w.norm, c.rms_norm_eps, self.dtype)
+        _tap(taps, "final_hidden", hidden)
+        return self.logits(hidden, self.w.lm_head, c.logit_scale), hidden
 
-    def draft(self, tokens: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
+    # ---- the recursive draft ----------------------------------------------------------------------
+    def draft(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
               taps: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """MTP layer: rows at positions p from (x_p, hidden for p-1) -> (local logits for p+1, h')."""
-        m, eps, H = self.w.mtp, self.config.rms_norm_eps, self.config.hidden_size
-        # [norm(embedding), norm(hidden)], each norm writing its half; eh_proj is row-parallel over these 2H inputs
+        """Draft rows at positions p from (post-norm hidden h_p, token x_{p+1}): (local logits for x_{p+2}, the
+        output the next depth reads as its hidden)."""
+        d, dw, H = self.config.mtp, self.w.draft, self.config.hidden_size
+        eps = d.rms_norm_eps
+        # [enorm(embedding), hnorm(hidden)], each norm writing its half; eh_proj is row-parallel over these 2H inputs
         cat = torch.empty(tokens.shape[0], 2 * H, dtype=self.dtype, device=tokens.device)
-        self.ops.norm(self.embed(tokens), m.enorm, eps, out=cat[:, :H])
-        self.ops.norm(prev_hidden.to(self.dtype), m.hnorm, eps, out=cat[:, H:])
+        self.ops.norm(self.embed(tokens, dw.embed), dw.enorm, eps, self.dtype, out=cat[:, :H])
+        self.ops.norm(hidden, dw.hnorm, eps, self.dtype, out=cat[:, H:])
         width = cat.shape[-1] // self.par.world
-        u = self.par.all_reduce(self.ops.linear(m.eh_proj, cat[:, self.par.rank * width:(self.par.rank + 1) * width]))
-        _tap(taps, "mtp.input", u)
-        x, pending = self.decoder_layer(m.block, self.cache[self.config.mtp_layer_index], u, None,
-                                        self._block(positions, live), taps, "mtp.")
-        h_out, a = self.residual_norm(x, pending, m.head_norm)
-        return self.logits(a), h_out
+        z = self.par.all_reduce(self.ops.linear(dw.eh_proj, cat[:, self.par.rank * width:(self.par.rank + 1) * width]))
+        _tap(taps, "mtp.input", z)
+        x = z.float() if d.fp32_residual_connection else z
+        blk = self._block(positions, live, self.draft_thetas)
+        r = self.decoder_layer(d, 0, dw.block, self.cache[self.config.num_hidden_layers], x, blk, taps, "mtp.")
+        out = self.ops.norm(r, dw.final_layernorm, eps, self.dtype)
+        _tap(taps, "mtp.final_hidden", out)
+        return self.logits(out, dw.lm_head), out
 
-    def _block(self, positions: torch.Tensor, live: torch.Tensor) -> Block:
-        return Block(positions, live, *self.ops.rotary(self.rope_cos, self.rope_sin, positions))
+    def _block(self, positions: torch.Tensor, live: torch.Tensor, thetas: set) -> Block:
+        return Block(positions, live, {t: self.ops.rotary(*self.rope_tables[t], positions) for t in thetas})
 
-    def decoder_layer(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, pending: torch.Tensor | Residual | None,
-                      blk: Block, taps: dict | None, tag: str,
-                      next_norm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | Residual]:
-        """One layer on the residual stream x + pending, where `pending` is the previous layer's MoE output not
-        yet added (None for the first layer), or a `Residual`: the stream with it added. Returns (x, this layer's MoE
-        output): the caller folds the add into the next norm (one launch fewer per layer; the sum is rounded to the
-        compute dtype either way). Given `next_norm` (the next layer's input norm weight) the ops may instead add it in
-        the MoE's combine and return a Residual, whose norm the next layer's q/k/v projection takes as a row scaling
-        (stage norm_qkv): one launch fewer again. Only where the collectives are local: at TP > 1 the MoE output's
-        all-reduce comes between the combine and the add."""
-        eps = self.config.rms_norm_eps
-        if isinstance(pending, Residual):
-            assert pending.weight is lw.input_norm, "a Residual prepared for another norm"
-            x, a = pending.h, PendingNorm(pending, eps)
-        elif pending is None:
-            a = self.ops.norm(x, lw.input_norm, eps)
-        else:
-            x, a = self.residual_norm(x, pending, lw.input_norm)
-        partial = self.attention(lw, kv, a, blk)
-        # Routing reads the fp32 normalized input (the rounded bf16 activation would route differently).
-        attn_out, x, b32, b16 = self.reduce_add_norm(x, partial, lw.post_norm, lw.gate.block)
-        moe_out, scores, experts = self.moe(lw, b32, blk.live, f16_input=b16,
-                                            residual=None if next_norm is None or self.par.active else (x, next_norm))
+    # ---- one decoder layer ----------------------------------------------------------------------------
+    def decoder_layer(self, c: Config, index: int, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, blk: Block,
+                      taps: dict | None, tag: str) -> torch.Tensor:
+        """docs/model.md's layer: layer 0 (and the draft block) continues the residual from its raw input x and
+        normalizes its MLP output; later layers continue it from the normalized input a. The residual keeps x's
+        dtype (the draft's is fp32); every norm rounds to the compute dtype."""
+        eps, dt = c.rms_norm_eps, self.dtype
+        attn_scale, mlp_scale = c.out_scales(index)
+        a = self.ops.norm(x, lw.attention_norm, eps, dt)
+        attn_out = self.par.all_reduce(self.attention(c, index, lw.attn, kv, a, blk))
+        h = _scaled_add(x if index == 0 else a, self.ops.norm(attn_out, lw.attn_out_norm, eps, dt), attn_scale)
+        b = self.ops.norm(h, lw.feed_forward_norm, eps, dt)
+        mlp_out = self.par.all_reduce(self.mlp(c, lw.mlp, b, blk.live, taps, tag))
+        y = self.ops.norm(mlp_out, lw.ffn_out_norm, eps, dt) if index == 0 else mlp_out
+        out = _scaled_add(h, y, mlp_scale)
         if taps is not None:
-            _tap(taps, tag + "attn_out", attn_out)
-            for name, value in (("moe_in", b32), ("router_scores", scores), ("experts", experts)):
+            for name, value in (("attn_out", attn_out), ("mlp_in", b), ("mlp_out", mlp_out), ("hidden", out)):
                 _tap(taps, tag + name, value)
-            if not self.par.fuses_add_norm:  # the layer's output as the next norm will form it (the same rounded sum)
-                out, hidden = ((moe_out.moe_out, moe_out.h) if isinstance(moe_out, Residual)
-                               else (moe_out, x + moe_out))
-                _tap(taps, tag + "moe_out", out)
-                _tap(taps, tag + "hidden", hidden)
-        return x, moe_out
-
-    def reduce_add_norm(self, x: torch.Tensor, partial: torch.Tensor, weight: torch.Tensor,
-                        moe_block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, object]:
-        """A layer's post-attention point: (the attention output summed over ranks, h = x + it, rmsnorm(h) * weight in
-        fp32, the MoE's operand tiles or None), in one launch where the collectives fuse the reduction and the norm
-        (the peer kernels: the MoE then forms its operands itself, the same values)."""
-        eps = self.config.rms_norm_eps
-        fused = self.par.all_reduce_add_norm(partial, x, weight, eps, torch.float32)
-        if fused is not None:
-            return (*fused, None)
-        attn_out = self.par.all_reduce(partial)
-        return (attn_out, *self.ops.add_norm(x, attn_out, weight, eps, moe_block=moe_block))
-
-    def residual_norm(self, x: torch.Tensor, pending: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(h = x + pending, rmsnorm(h) * weight): `pending` is a layer's MoE output, this rank's partial where the
-        collectives fuse its reduction into this norm (moe() leaves it unreduced then)."""
-        eps = self.config.rms_norm_eps
-        fused = self.par.all_reduce_add_norm(pending, x, weight, eps, self.dtype)
-        if fused is not None:
-            return fused[1], fused[2]
-        return self.ops.residual_norm(x, pending, weight, eps)
+        return out
 
     @stage("attention")
-    def attention(self, lw: LayerWeights, kv: LayerKV, a: torch.Tensor | PendingNorm, blk: Block) -> torch.Tensor:
-        c, R = self.config, blk.positions.shape[0]
-        if c.qk_norm:
-            q, k, v = (t.view(R, -1, c.head_dim) for t in self.ops.qkv(lw, self.ops.normed(a)))
-            q, k = rms_norm(q, lw.q_norm, c.rms_norm_eps), rms_norm(k, lw.k_norm, c.rms_norm_eps)
-            q = self.ops.rope_write(kv, q, k, v, blk.cos, blk.sin, blk.rope_rows, blk.positions, blk.live)
-        else:  # K/V stored first: causal block
-            q = self.ops.qkv_rope(lw, kv, a, c.head_dim, blk.cos, blk.sin, blk.rope_rows, blk.positions, blk.live)
-        out = self.ops.attention(q, kv, blk.positions, lw.sinks)
-        return self.ops.linear(lw.wo, out.to(self.dtype).reshape(R, -1))  # row-parallel: this rank's partial
+    def attention(self, c: Config, index: int, attn: Attention, kv: LayerKV, a: torch.Tensor,
+                  blk: Block) -> torch.Tensor:
+        """This rank's heads: q/k/v, q/k norm per head, then partial RoPE (the layer type's base), K/V stored, split
+        attention with the sink key; o_proj's partial sum (row-parallel)."""
+        R, D, eps = a.shape[0], c.head_dim, c.rms_norm_eps
+        q, k, v = (t.view(R, -1, D) for t in self.ops.qkv(attn, a))
+        q, k = self.ops.norm(q, attn.q_norm, eps, self.dtype), self.ops.norm(k, attn.k_norm, eps, self.dtype)
+        theta = c.rope_theta_for(index)
+        cos, sin = blk.rope[theta] if theta is not None else (None, None)
+        q = self.ops.rope_write(kv, q, k, v, cos, sin, blk.positions, blk.live)
+        out = self.ops.attention(q, kv, blk.positions, c.scale, attn.sink_k)
+        return self.ops.linear(attn.wo, out.to(self.dtype).reshape(R, -1))
 
-    @stage("moe")
-    def moe(self, lw: LayerWeights, b32: torch.Tensor, live: torch.Tensor, f16_input: object = None,
-            residual: tuple | None = None) -> tuple[torch.Tensor | Residual, torch.Tensor, torch.Tensor]:
-        """Routed experts on this rank's slice of every expert's intermediate dimension (padding rows'
-        experts are not read by the kernel path). `f16_input`: b32's Gate/Up operand form, from the norm that
-        made it (ops.add_norm), or None. `residual`: (the stream, the next norm's weight), for the ops to add the output
-        to (decoder_layer)."""
-        c = self.config
-        weights, experts, scores = self.ops.route(b32, lw, c.num_experts_per_tok, c.norm_topk_prob,
-                                                  c.routed_scaling_factor)
-        out = self.ops.moe(b32, experts, weights, live, lw.gate, lw.up, lw.down, compute_dtype=self.dtype,
-                           f16_input=f16_input, residual=residual)
-        if isinstance(out, Residual):  # added to the stream already (no all-reduce between: the caller's contract)
-            return out, scores, experts
-        out = out.to(self.dtype)  # row-parallel: reduced here, or with the next norm where the collectives fuse them
-        return (out if self.par.fuses_add_norm else self.par.all_reduce(out)), scores, experts
+    @stage("mlp")
+    def mlp(self, c: Config, mlp: DenseMLP | MoE, b: torch.Tensor, live: torch.Tensor, taps: dict | None,
+            tag: str) -> torch.Tensor:
+        """The dense MLP or the routed experts on this rank's slice of their intermediate dimension (a partial sum,
+        row-parallel). Routing is an fp32 product of the bf16 input and the fp32 router."""
+        if isinstance(mlp, DenseMLP):
+            act = torch.nn.functional.silu(self.ops.linear(mlp.gate, b)) * self.ops.linear(mlp.up, b)
+            return self.ops.linear(mlp.down, act)
+        weights, experts, scores = self.ops.route(b, mlp.router, c.num_experts_per_tok)
+        if taps is not None:
+            _tap(taps, tag + "router_scores", scores)
+            _tap(taps, tag + "experts", experts)
+        return self.ops.moe(b, experts, weights, live, mlp).to(self.dtype)
 
 
-def rope_tables(config: Config, rows: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [rows, D] at positions 0..rows-1, as reference.layers.rope_cos_sin computes them (float64 angles,
-    then the compute dtype): made once, so a forward gathers its rows' entries instead of recomputing them (nine
-    small kernels a forward, six forwards a round). Elementwise, so row p is bit for bit what rope_cos_sin gives
-    for position p in any block."""
-    return rope_cos_sin(torch.arange(rows, device=device), config.head_dim, config.rope_theta, config.rope_scaling,
-                        dtype)
+def _scaled_add(residual: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+    """residual + y * scale in the residual's dtype (each op rounded to it); a scale of 1 is skipped (exact)."""
+    y = y.to(residual.dtype)
+    return residual + (y if scale == 1.0 else y * scale)
+
+
+def rope_tables(rotary_dim: int, theta: float, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [rows, rotary_dim] fp32 at positions 0..rows-1, as reference.layers.rope_cos_sin computes them
+    (float64 angles): made once, so a forward gathers its rows' entries instead of recomputing them."""
+    return rope_cos_sin(torch.arange(rows, device=device), rotary_dim, theta, torch.float32)
 
 
 def _tap(taps: dict | None, name: str, value: torch.Tensor) -> None:

@@ -1,11 +1,12 @@
-"""The kernel plan: which of the engine's op groups run as the Triton kernels of `kernels/`, and which of the
-numerical variants that passed qualification are on. One frozen value per engine, built from the device by default.
+"""The kernel plan: which of the engine's op groups run as the Triton kernels of `kernels/`. One frozen value per
+engine, built from the device by default.
 
-The Triton kernels always launch the way the measurements picked (docs/PERF.md, "Decisions kept"): programmatic
-dependent launch, constant weights read before the wait, fp16 MoE operands from the norm, tensor-descriptor weight
-loads, the FP8 linears' direct register loads, the q/k/v split-K partials summed by the rotary kernel. Those give
-the same bits as the plainer forms they replaced, so they are not choices here; where a shape does not fit a kernel
-(the micro preset's 8-wide blocks, long prefill blocks) that one call runs the torch form and is counted.
+Only groups whose kernels compute the published architecture's ops may run as kernels (`PUBLISHED`): the FP8 linears
+(plain projections), the vocabulary-parallel sampling (top-k, distributions, draws, the accept step, Philox) and the
+glue (embedding lookup, settle step). The others (attention with q/k norm, partial RoPE and the sink key; the norms
+and sandwich tails; the fp32 router and the MoE; the fp32 LM head) run their torch forms on every device until their
+kernels are re-based (docs/PERF.md), and the run's summary names them. Where a shape does not fit a kernel that call
+runs the torch form and is counted.
 """
 
 from __future__ import annotations
@@ -15,22 +16,18 @@ from dataclasses import dataclass, fields
 import torch
 
 GROUPS = ("linear", "attention", "norm", "moe", "lm_head", "sampling", "glue")
-VARIANTS = ("fp8_down", "fused_input_norm")
+PUBLISHED = ("linear", "sampling", "glue")  # groups whose kernels implement the published architecture
 CHOICES = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
 class KernelPlan:
-    linear: bool = False      # the FP8 linears: q/k/v as one weight, o_proj, eh_proj
-    attention: bool = False   # rotary + KV write, split-KV decode attention
-    norm: bool = False        # the RMSNorms, the residual add folded into the next one
-    moe: bool = False         # the router and the routed experts
-    lm_head: bool = False     # the vocabulary-parallel LM head
+    linear: bool = False      # the FP8 linears: q/k/v as one weight, o_proj, eh_proj, the dense MLP
     sampling: bool = False    # local top-k, the global distribution and its draws, the accept step, Philox
-    glue: bool = False        # the embedding lookup, the settle step
-    # Numerical changes, each qualified against the reference before it became a default (docs/PERF.md):
-    fp8_down: bool = False          # Down multiplies E4M3 activations and weights on the tensor cores (3594ef6)
-    fused_input_norm: bool = False  # a layer's input norm formed by the previous MoE combine and its q/k/v (d521403)
+    glue: bool = False        # the embedding lookups, the settle step
+
+    def __post_init__(self) -> None:
+        assert tuple(f.name for f in fields(self)) == PUBLISHED, "a plan holds exactly the published groups"
 
     @classmethod
     def torch(cls) -> "KernelPlan":
@@ -52,13 +49,19 @@ class KernelPlan:
 
     @property
     def uses_triton(self) -> bool:
-        return any(getattr(self, g) for g in GROUPS)
+        return any(getattr(self, g) for g in PUBLISHED)
+
+    @property
+    def torch_groups(self) -> tuple[str, ...]:
+        """The op groups that run their torch forms under this plan."""
+        return tuple(g for g in GROUPS if not getattr(self, g, False))
 
     @property
     def name(self) -> str:
-        """"torch", "triton", or the groups and variants that run as kernels (a debugging plan)."""
+        """"torch", or "triton" with the groups still on their torch forms named (a debugging plan: its groups)."""
         if self == KernelPlan.torch():
             return "torch"
+        on = "+".join(g for g in PUBLISHED if getattr(self, g))
         if self == KernelPlan.triton():
-            return "triton"
-        return "+".join(f.name for f in fields(self) if getattr(self, f.name)) or "torch"
+            on = "triton"
+        return f"{on} (torch forms: {', '.join(self.torch_groups)})"

@@ -42,6 +42,7 @@ class EngineOptions:
     graphs: bool = True             # capture CUDA graphs (ignored on CPU)
     shared_gpu: bool = False        # TP > 1 with every rank on GPU 0 (testing on one GPU, under an MPS daemon)
     kernels: str | KernelPlan = "auto"  # auto = Triton on CUDA, the torch forms on CPU; or torch, triton, a plan
+    weights: str = "auto"           # what the linears run as (fast/weights.weight_format): auto, bf16 or fp8
 
     def plan(self, device: torch.device) -> KernelPlan:
         """The kernel plan for this device (on CPU, Triton kernels run only under Triton's interpreter)."""
@@ -98,7 +99,8 @@ class RankEngine:
         config = Config.from_dir(model_dir)
         config.check_tp(par.world)
         generation = GenerationConfig.from_dir(model_dir, config)
-        weights = load_weights(model_dir, config, par, options.torch_dtype(par.device), loader=parts.loader)
+        weights = load_weights(model_dir, config, par, options.torch_dtype(par.device), loader=parts.loader,
+                               fmt=options.weights)
         self._build(model_dir, config, generation, weights, par, options, parts)
 
     @classmethod
@@ -168,8 +170,8 @@ class RankEngine:
     def start(self, req: Request, runner: RoundRunner, history: int = 0) -> None:
         """Prefill the prompt, draw the first token, draft the first round (eager: not on the decode clock).
 
-        `history` > 0 (benchmarks at long context): the caches already hold positions [0, history) of every main
-        layer and [1, history] of the MTP layer (bench/history.py fills them), so prefill starts at `history`."""
+        `history` > 0 (benchmarks at long context): the caches already hold positions [0, history) of every layer, the
+        draft's included (bench/history.py fills them), so prefill starts at `history`."""
         st, m, dev = self.state, len(req.prompt), self.par.device
         if not 0 <= history < m:
             raise ValueError(f"history {history} must lie in [0, prompt length {m})")
@@ -200,16 +202,17 @@ class RankEngine:
         runner.settle(row, zero + 1, row, zero + 1, logprob, zero, zero)
         if runner.controller is None or bool(st.done):
             return
-        # Depth 0 over the whole prompt: rows at positions history+1..m from the main hiddens of history..m-1.
-        for s in range(history + 1, m + 1, PREFILL_BLOCK):
-            e = min(s + PREFILL_BLOCK, m + 1)
+        # Depth 0 over the whole prompt: the row at p reads the target's hidden at p and the token at p + 1 (the last
+        # row, at m - 1, the first output token).
+        for s in range(history, m, PREFILL_BLOCK):
+            e = min(s + PREFILL_BLOCK, m)
             pos = torch.arange(s, e, device=dev)
             live = torch.ones_like(pos, dtype=torch.bool)
-            prev = hidden[s - 1 - history:e - 1 - history]
-            if e <= m:
-                self.model.draft(st.tokens[pos], prev, pos, live)
+            rows = hidden[s - history:e - history]
+            if e < m:
+                self.model.draft(st.tokens[pos + 1], rows, pos, live)
             else:
-                runner.draft(st.tokens[pos], prev, pos, live, last=torch.tensor(e - s - 1, device=dev))
+                runner.draft(st.tokens[pos + 1], rows, pos, live, last=torch.tensor(e - s - 1, device=dev))
 
     def decode_chunk(self, runner: RoundRunner, graph) -> None:
         """Run rounds on the device until TOKENS_PER_READ more tokens are logged or the request ends."""

@@ -1,4 +1,4 @@
-"""The speculative round on the device: verify, accept, settle, draft (ROUND.md), with no host read.
+"""The speculative round on the device: verify, accept, settle, draft (docs/round.md), with no host read.
 
 Every quantity the round decides (accepted count, replacement or bonus token, draft depth, stop)
 stays a device tensor; data-dependent work is expressed with masks over fixed shapes (8 verification
@@ -72,8 +72,8 @@ class RoundRunner:
         st.hid.copy_(hidden)
         n_emit = a + 1
         nxt = self.settle(emitted, n_emit, emitted, n_emit, logprobs, k, a)
-        # 4. Draft: depth 0 re-runs the draft layer on the newly committed positions n+1+j with the
-        #    main model's hiddens (overwriting draft KV written from draft hiddens), then deeper rows.
+        # 4. Draft: depth 0 re-runs the draft layer at positions n+j, row p reading the target's hidden at p and the
+        #    committed token at p+1 (overwriting draft KV written from draft hiddens), then one row per deeper depth.
         self.draft(nxt.tokens, st.hid, nxt.positions, nxt.live, last=nxt.last)
 
     def accept(self, p_ids: torch.Tensor, p_probs: torch.Tensor, n: torch.Tensor,
@@ -135,7 +135,7 @@ class RoundRunner:
                 self.flow.when(st.more[depth], lambda d=depth: self.draft_row(d))
 
     def draft_row(self, depth: int) -> None:
-        """One recursive draft row: token d_{depth-1} at position n+depth-1 with the previous draft hidden."""
+        """One recursive draft row at position n+depth-2: the previous depth's output and its draft d_{depth-1}."""
         st = self.st
         logits, h = self.m.draft(st.drafts[depth - 2].view(1), st.draft_h, self.next.row_pos[depth - 1:depth],
                                  self.one_live)

@@ -22,10 +22,10 @@ class DraftInputs(NamedTuple):
     """What the settle step leaves for the drafting that follows it (kernels/settle.py)."""
 
     tokens: torch.Tensor     # int64 [VERIFY_ROWS]: tokens[n + 1 + j] after the commit (the redraft block)
-    positions: torch.Tensor  # int64 [VERIFY_ROWS]: n + 1 + j
+    positions: torch.Tensor  # int64 [VERIFY_ROWS]: n + j, the rows' positions (row p reads h_p and token p+1)
     live: torch.Tensor       # bool [VERIFY_ROWS]: j < count
     last: torch.Tensor       # int64 (): count - 1, the block's last live row
-    row_pos: torch.Tensor    # int64 [MAX_DRAFTS]: n' + d - 1 for draft depth d = 1.. (n' = n + count): its input row
+    row_pos: torch.Tensor    # int64 [MAX_DRAFTS]: n' + d - 2 for draft depth d = 1.. (n' = n + count): its row
     u_pos: torch.Tensor      # int64 [MAX_DRAFTS]: n' + d, its uniform's position
 
     @classmethod

@@ -14,117 +14,75 @@ from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT
 from . import philox, sampler
 from .cache import LayerKV
 from .profiling import stage
-from .residual import PendingNorm, Residual
-from .weights import FP8Weight, LayerWeights, ModelWeights
+from .weights import Attention, ModelWeights, MoE, Weight
 
 
 class TorchOps:
     name = "torch"
 
     def prepare(self, w: ModelWeights) -> None:
-        """Derived weights this implementation reads, made before any graph capture."""
-        w.hold_lm_head_fp32()
-        w.hold_router_fp32()
+        """Derived weights this implementation reads, made before any graph capture (none: the heads and routers are
+        held in fp32 as loaded)."""
 
-    def lm_head(self, a: torch.Tensor, w: ModelWeights) -> torch.Tensor:
-        """fp32 logits [R, V/tp] of the normalized rows: fp32 products of the compute-dtype head's values."""
-        return a.float() @ w.lm_head32.T
+    def lm_head(self, hidden: torch.Tensor, head32: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [R, V/tp] of the post-norm rows: fp32 products with the fp32 head."""
+        return hidden.float() @ head32.T
 
-    def linear(self, w: FP8Weight, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, w: Weight, x: torch.Tensor) -> torch.Tensor:
         return w.linear(x)
 
-    def qkv(self, lw: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, attn: Attention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The q, k, v projections [R, n] each (possibly column views of one product)."""
-        return self.linear(lw.wq, x), self.linear(lw.wk, x), self.linear(lw.wv, x)
-
-    def qkv_rope(self, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, head_dim: int, cos: torch.Tensor,
-                 sin: torch.Tensor, rope_rows: torch.Tensor | None, positions: torch.Tensor,
-                 live: torch.Tensor) -> torch.Tensor:
-        """`qkv` then `rope_write` (no q/k norm between them): the rotated q [R, Hq, D]; k and v stored."""
-        x = self.normed(x)
-        R = x.shape[0]
-        q, k, v = (t.view(R, -1, head_dim) for t in self.qkv(lw, x))
-        return self.rope_write(kv, q, k, v, cos, sin, rope_rows, positions, live)
-
-    def normed(self, a: torch.Tensor | PendingNorm) -> torch.Tensor:
-        """The normalized rows: `a` itself, or a pending norm computed by `norm` (whose kernel gives what the fused
-        add and norm gave: the same rounded h, the same sum)."""
-        if isinstance(a, PendingNorm):
-            return self.norm(a.residual.h, a.residual.weight, a.eps)
-        return a
+        return self.linear(attn.wq, x), self.linear(attn.wk, x), self.linear(attn.wv, x)
 
     @stage("norm")
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-        """rmsnorm(x) * weight in x's dtype, into `out` (a view, e.g. half of a wider row) when given."""
-        y = rms_norm(x, weight, eps)
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """rmsnorm over the last dimension computed in fp32 (x * rsqrt(mean(x^2) + eps) * w), rounded to `dtype`
+        (default x's), into `out` (a view, e.g. half of a wider row) when given."""
+        y = rms_norm(x.float(), weight.float(), eps).to(dtype or x.dtype)
         return y if out is None else out.copy_(y)
 
-    def attention(self, q: torch.Tensor, kv: LayerKV, positions: torch.Tensor,
-                  sinks: torch.Tensor | None) -> torch.Tensor:
-        return attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(positions), sinks).to(q.dtype)
-
-    @stage("norm")
-    def residual_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h = x + residual in x's dtype, rmsnorm(h) * weight as `norm` gives it): a layer's MoE output added
-        where the next norm reads it (the next layer's input norm, the final norm, the draft head's norm)."""
-        h = x + residual
-        return h, self.norm(h, weight, eps)
-
-    @stage("norm")
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 moe_block: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, object]:
-        """(h = x + residual in x's dtype, rmsnorm(h) * weight in fp32, the MoE's extra input or None): the
-        post-attention residual, the fp32 input that routing reads, and what `moe(f16_input=)` takes (made here by
-        the kernels only; `moe_block` is the MoE's weight block, which sets its form)."""
-        h = x + residual
-        return h, rms_norm(h.float(), weight.float(), eps), None
+    def attention(self, q: torch.Tensor, kv: LayerKV, positions: torch.Tensor, scale: float,
+                  sink_k: torch.Tensor | None) -> torch.Tensor:
+        """Attention of the rows' rotated queries over the cache's visible slots, with the zero-value sink key, in
+        fp32."""
+        return attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(positions), scale, sink_k).to(q.dtype)
 
     @staticmethod
-    def rotary(cos: torch.Tensor, sin: torch.Tensor,
-               rope_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A forward's rotary factors from the model's tables cos, sin [T, D] (fast/model.rope_tables), once for all its
-        layers, as `rope_write` takes them: here the rows' entries gathered, (cos [R, D], sin [R, D], None)."""
-        rows = rope_rows.clamp(max=cos.shape[0] - 1)  # padding rows may run past the tables; live rows never do
-        return cos.index_select(0, rows), sin.index_select(0, rows), None
+    def rotary(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A forward's rotary factors for one RoPE base, from the model's tables cos, sin [T, rotary_dim]
+        (fast/model.rope_tables), once for all its layers: the rows' entries gathered."""
+        rows = positions.clamp(max=cos.shape[0] - 1)  # padding rows may run past the tables; live rows never do
+        return cos.index_select(0, rows), sin.index_select(0, rows)
 
-    def rope_write(self, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, rope_rows: torch.Tensor | None, positions: torch.Tensor,
-                   live: torch.Tensor) -> torch.Tensor:
-        """Rotate q and k by `rotary`'s factors (rows [R, D], or tables [T, D] with the rows' `rope_rows`); store k
-        and v at the rows' slots (padding rows: the trash slot). Returns rotated q."""
-        if rope_rows is not None:
-            cos, sin, _ = TorchOps.rotary(cos, sin, rope_rows)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    def rope_write(self, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
+                   sin: torch.Tensor | None, positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """Rotate the first rotary_dim dims of q and k by the rows' factors (fp32; None: a layer without RoPE), store
+        k and v at the rows' slots (padding rows: the trash slot). Returns the rotated q."""
+        if cos is not None:
+            q = apply_rope(q.float(), cos, sin).to(q.dtype)
+            k = apply_rope(k.float(), cos, sin).to(k.dtype)
         kv.write(positions, live, k, v)  # the block's own K/V first: rows see each other causally
         return q
 
     @staticmethod
-    def embed(tokens: torch.Tensor, w: ModelWeights) -> torch.Tensor:
-        """This rank's embedding rows of `tokens` [R] (zero rows for tokens outside its vocabulary slice), before the
-        all-reduce that sums them over ranks: the torch sequence kernels/embed.py replaces."""
-        return embed(tokens, w.embed, w.vocab_offset)
+    def embed(tokens: torch.Tensor, table: torch.Tensor, offset: int) -> torch.Tensor:
+        """This rank's rows of an embedding `table` for `tokens` [R] (zero rows for tokens outside its vocabulary
+        slice), before the all-reduce that sums them over ranks: the torch sequence kernels/embed.py replaces."""
+        return embed(tokens, table, offset)
 
     @staticmethod
-    def route(b32: torch.Tensor, lw: LayerWeights, top_k: int, norm_topk_prob: bool,
-              scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Softmax routing of the fp32 normalized rows: (weights [R, k], experts [R, k] long, scores [R, E]).
-        The layer's router is held in bf16; its fp32 copy (prepare) is exact, so the logits are the fp32 products of
-        its values."""
-        return route(b32 @ lw.router32.T, top_k, norm_topk_prob, scaling)
+    def route(b: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Softmax routing: (weights [R, k], experts [R, k] long, scores [R, E]) from fp32 logits, the product of the
+        input's values widened to fp32 and the fp32 router."""
+        return route(b.float() @ router.T, top_k)
 
     def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
-            gate: FP8Weight, up: FP8Weight, down: FP8Weight, compute_dtype: torch.dtype | None = None,
-            f16_input: object = None, residual: tuple | None = None) -> torch.Tensor | Residual:
-        """sum_j w_j Down_e(silu(Gate_e b) * Up_e b) over each row's chosen experts [R, H] of b rounded to
-        `compute_dtype` (default b's dtype), summed in fp32 and returned in fp32 here, in compute_dtype by the
-        kernel (the caller rounds to it either way). The kernel rounds fp32 b in registers (no conversion launch).
-        `residual` = (the residual stream, the next RMSNorm's weight): the kernels' stage norm_qkv adds the output to
-        the stream and prepares that norm (a `Residual` returned instead; the caller's collectives must be local);
-        ignored here."""
-        if compute_dtype is not None:
-            b = b.to(compute_dtype)
-        g, u, d = (w.select(experts) for w in (gate, up, down))
+            moe: MoE) -> torch.Tensor:
+        """sum_j w_j Down_e(silu(Gate_e b) * Up_e b) over each row's chosen experts [R, H], each expert's output in
+        b's dtype, the weighted sum in fp32 (the caller rounds it)."""
+        g, u, d = (w.select(experts) for w in (moe.gate, moe.up, moe.down))
         hidden = torch.nn.functional.silu(torch.einsum("rh,rkih->rki", b, g)) * torch.einsum("rh,rkih->rki", b, u)
         y = torch.einsum("rki,rkhi->rkh", hidden, d)
         return (y.float() * weights[..., None]).sum(dim=1)
@@ -159,7 +117,7 @@ class TorchOps:
     def accept(self, p_ids: torch.Tensor, p_probs: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
                drafts: torch.Tensor, k: torch.Tensor, n: torch.Tensor,
                seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The round's accept step (ROUND.md step 2) on the verification rows' distributions p_0..p_K (row i = p_i) and
+        """The round's accept step (docs/round.md step 2) on the verification rows' distributions p_0..p_K (row i = p_i) and
         the proposals q_1..q_K (row i = q_{i+1}) of drafts d_1..d_K, k of them live, x_n at position n. Returns
         (a, x, emitted [K+1], logprobs [K+1]): accepted drafts, the round's new token at n+a+1, the emitted tokens
         d_1..d_a then x, and their logprobs under p. kernels/sample.accept_settle is this in one launch."""
@@ -193,7 +151,7 @@ def embed(tokens: torch.Tensor, table: torch.Tensor, offset: int) -> torch.Tenso
 
 def settle(st, committed: torch.Tensor, count: torch.Tensor, emitted: torch.Tensor, n_emit: torch.Tensor,
                logprobs: torch.Tensor, k: torch.Tensor, a: torch.Tensor, out):
-    """The round's settle step (ROUND.md: commit `count` tokens at n+1.., log the first `n_emit` emitted ones cut at
+    """The round's settle step (docs/round.md: commit `count` tokens at n+1.., log the first `n_emit` emitted ones cut at
     a stop token or the budget, record the round, set done) and the next drafting's inputs `out` (DraftInputs).
     `st`: fast.state.DecodeState. Scalars are int64 device tensors."""
     rows = committed.shape[0]
@@ -217,11 +175,11 @@ def settle(st, committed: torch.Tensor, count: torch.Tensor, emitted: torch.Tens
     full = st.n + 2 * rows >= trash
     st.done.copy_(((first_stop <= keep) & is_stop.any()) | (st.emitted >= st.budget) | full)
     out.tokens.copy_(st.tokens[n + 1 + j])
-    out.positions.copy_(n + 1 + j)
+    out.positions.copy_(n + j)  # a draft row at p reads the hidden at p and the token at p + 1
     out.live.copy_(j < count)
     out.last.copy_(count - 1)
     depths = torch.arange(1, out.row_pos.numel() + 1, device=st.n.device)
-    out.row_pos.copy_(st.n + depths - 1)
+    out.row_pos.copy_(st.n + depths - 2)
     out.u_pos.copy_(st.n + depths)
     st.product.fill_(1.0)
     st.more.zero_()

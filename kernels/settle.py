@@ -1,4 +1,4 @@
-"""The round's settle step (ROUND.md: commit, log, stop) and the next drafts' inputs, in one launch.
+"""The round's settle step (docs/round.md: commit, log, stop) and the next drafts' inputs, in one launch.
 
 After the accept step the round commits `count` tokens at positions n+1.., logs the emitted ones (cut at the first
 stop token or the output budget), records the round, and decides whether the request is done; drafting then reads
@@ -12,9 +12,9 @@ log_logprobs, log_rounds, rounds, done; and the drafting's product (reset to 1) 
 follows every settle step. Several rows may land on a trash entry (tokens' or the log's last
 entry), in no defined order, as with torch's index_copy_; trash entries are never read.
 
-The drafting inputs (fast/state.DraftInputs): the redraft block's tokens, positions and live mask (the rows just
-committed, at n+1+j), its last live row, and for each draft depth d = 1..7 the position of its input row (n'+d-1,
-with n' the new n) and of its uniform (n'+d). Sizes come from the tensors: the rows from `committed`, the depths from
+The drafting inputs (fast/state.DraftInputs): the redraft block's tokens (the ones just committed, at n+1+j), its
+rows' positions (n+j: a draft row at p reads the hidden at p and the token at p+1) and live mask, its last live row,
+and for each draft depth d = 1..7 the position of its row (n'+d-2, with n' the new n) and of its uniform (n'+d). Sizes come from the tensors: the rows from `committed`, the depths from
 `out.row_pos`.
 """
 
@@ -71,11 +71,11 @@ def _settle_kernel(committed_ptr, count_ptr, emitted_ptr, n_emit_ptr, logprobs_p
     # the next drafts' inputs: the committed rows read back (the others' entries are not written here)
     later = tl.load(tokens_ptr + n + 1 + j, mask=j >= count, other=0)
     tl.store(d_tok_ptr + j, tl.where(j < count, committed, later))
-    tl.store(d_pos_ptr + j, n + 1 + j)
+    tl.store(d_pos_ptr + j, n + j)
     tl.store(d_live_ptr + j, (j < count).to(tl.int8))
     tl.store(d_last_ptr, count - 1)
     d = tl.arange(0, DEPTHS)
-    tl.store(d_row_ptr + d, n_new + d, mask=d < depths)
+    tl.store(d_row_ptr + d, n_new + d - 1, mask=d < depths)
     tl.store(d_u_ptr + d, n_new + d + 1, mask=d < depths)
     tl.store(product_ptr, 1.0)
     mo = tl.arange(0, MORE)
