@@ -81,6 +81,14 @@ class Config:
     mtp: "Config | None" = field(default=None, compare=True)  # the draft's config, on a target's
 
     def __post_init__(self) -> None:
+        if self.model_type == DRAFT_TYPE and isinstance(self.num_hidden_layers, int) and 0 < self.num_hidden_layers < 8:
+            # The draft's layer type comes from its window alone: its block keys are rewritten to say so, so that its
+            # config.json describes its one layer (the file's own block keys, written for the target, are ignored).
+            kind = "sliding_attention" if self.sliding_window else "full_attention"
+            for key, value in (("first_layers_types", (kind,) * self.num_hidden_layers),
+                               ("hybrid_layers_types_block", ()), ("num_hybrid_layers_block", 0),
+                               ("last_layers_types", ())):
+                object.__setattr__(self, key, value)
         _validate(self)
 
     # ---- derived quantities -------------------------------------------------------------------
@@ -175,12 +183,13 @@ class Config:
             raw = {**DRAFT_DEFAULTS, **raw}
         if mtp is not None and model_type == DRAFT_TYPE:
             raise ConfigError("a draft config (model_type iquest_q1_mtp) has no draft of its own")
+        if "head_dim" not in raw and isinstance(raw.get("hidden_size"), int) and \
+                isinstance(raw.get("num_attention_heads"), int) and raw["num_attention_heads"] > 0:
+            raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
         kwargs: dict[str, Any] = _rope_keys(raw)
         quant = raw.pop("quantization_config", None)
         if quant is not None:
             kwargs["weight_block_size"] = _quantization(quant)
-        if "head_dim" not in raw and "hidden_size" in raw and "num_attention_heads" in raw:
-            raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
         known = {f.name for f in fields(cls)} - {"mtp", "weight_block_size"}
         for key, value in raw.items():
             if key not in known or key in kwargs:
@@ -191,7 +200,7 @@ class Config:
         if missing:
             raise ConfigError(f"config is missing required key(s): {', '.join(missing)}")
         if mtp is not None:
-            kwargs["mtp"] = cls.from_dict({**mtp, "model_type": mtp.get("model_type", DRAFT_TYPE)})
+            kwargs["mtp"] = _draft_from_dict(cls, mtp)
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
@@ -227,6 +236,22 @@ class Config:
         if self.mtp is not None:
             (model_dir / MTP_DIR).mkdir(exist_ok=True)
             (model_dir / MTP_DIR / "config.json").write_text(json.dumps(self.mtp.to_dict(), indent=2) + "\n")
+
+
+def _draft_from_dict(cls: type[Config], raw: Any) -> Config:
+    """The draft's Config from mtp/config.json's object; every error names that file."""
+    where = "mtp/config.json: "
+    if not isinstance(raw, dict):
+        raise ConfigError(where + "a config must be a JSON object")
+    model_type = raw.get("model_type", DRAFT_TYPE)
+    if model_type != DRAFT_TYPE:
+        raise ConfigError(f"{where}model_type={model_type!r} must be {DRAFT_TYPE!r}")
+    try:
+        return cls.from_dict({**raw, "model_type": DRAFT_TYPE})
+    except ConfigError as exc:
+        if str(exc).startswith(where):
+            raise
+        raise ConfigError(where + str(exc)) from None
 
 
 def _where(c: Config) -> str:
@@ -271,9 +296,14 @@ def _rope_keys(raw: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"{key}.rope_type={kind!r} is not supported (only 'default': no scaling)")
         if "partial_rotary_factor" in params and "rotary_dim" not in raw:
             factor, head_dim = params["partial_rotary_factor"], raw.get("head_dim")
-            if not isinstance(factor, (int, float)) or not 0 < factor <= 1 or not isinstance(head_dim, int):
+            if (not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1
+                    or not isinstance(head_dim, int)):
                 raise ConfigError(f"{key}.partial_rotary_factor={factor!r} must be in (0, 1] with head_dim given")
-            out["rotary_dim"] = int(round(factor * head_dim))
+            dims = factor * head_dim
+            if abs(dims - round(dims)) > 1e-6:
+                raise ConfigError(f"{key}.partial_rotary_factor={factor!r} x head_dim {head_dim} = {dims:g} is not a "
+                                  "whole number of rotary dims")
+            out["rotary_dim"] = int(round(dims))
         if "rope_theta" in params and "rope_theta" not in raw:
             out["rope_theta"] = params["rope_theta"]
     return out
