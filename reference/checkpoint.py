@@ -171,6 +171,9 @@ class CheckpointReader:
         self.dir = Path(model_dir)
         if not self.dir.is_dir():
             raise CheckpointError(f"model folder {self.dir} does not exist")
+        if not (self.dir / MTP_DIR).is_dir():
+            raise CheckpointError(f"no draft folder {self.dir / MTP_DIR} (the published layout keeps the MTP draft "
+                                  "there: its config.json and safetensors)")
         self.config = config if config is not None else Config.from_dir(self.dir)
         self.specs = tensor_specs(self.config)
         self.block = self.config.weight_block_size
@@ -180,7 +183,8 @@ class CheckpointReader:
 
     # ---- layout checks (headers only) ---------------------------------------------------------
     def _files(self, folder: Path, skipped: tuple[str, ...]) -> dict[str, Path]:
-        """Stored tensor name -> file, from the folder's index (or its safetensors files' headers)."""
+        """Stored tensor name -> file, from the folder's index (or its safetensors files' headers), without the names
+        the layout skips (those starting with one of `skipped`, and any in SKIPPED_DRAFT inside mtp/)."""
         index = folder / INDEX_FILE
         if index.exists():
             try:
@@ -195,18 +199,17 @@ class CheckpointReader:
             if not singles:
                 raise CheckpointError(f"no {INDEX_FILE} and no *.safetensors file in {folder}")
             files = {name: path for path in singles for name in self._open(path).keys()}
-        for name, path in files.items():
-            if not path.exists():
-                raise CheckpointError(f"tensor {name}: its file {path.name} is missing")
-        return {n: p for n, p in files.items() if not n.startswith(skipped) and n not in SKIPPED_DRAFT}
+        ignored = SKIPPED_DRAFT if folder != self.dir else ()
+        files = {n: p for n, p in files.items() if not n.startswith(skipped) and n not in ignored}
+        for name, path in sorted(files.items()):
+            if not path.is_file():
+                raise CheckpointError(f"tensor {name}: its file {path.name} is missing (named by {index})")
+        return files
 
     def _locate(self) -> dict[str, _Stored]:
         """Map every logical tensor (and scale) to its stored bytes, checking names, shapes and dtypes."""
         stored = self._files(self.dir, SKIPPED)
-        draft_dir = self.dir / MTP_DIR
-        if not draft_dir.is_dir():
-            raise CheckpointError(f"no draft folder {draft_dir} (the published layout keeps the MTP draft there)")
-        stored.update({DRAFT + n: p for n, p in self._files(draft_dir, ()).items()})
+        stored.update({DRAFT + n: p for n, p in self._files(self.dir / MTP_DIR, ()).items()})
         where: dict[str, _Stored] = {}
         for name, spec in self.specs.items():
             scales = [spec.scale_name] if spec.quantized and self.block else []
@@ -246,8 +249,19 @@ class CheckpointReader:
         rows = {"gate_proj": (0, I), "up_proj": (I, 2 * I), "down_proj": None}[which]
         return _Stored(stored[packed_name], _stored_name(packed_name), int(e), rows)
 
+    def _slice(self, w: _Stored, name: str):
+        """The stored tensor's lazy slice (nothing read yet); a file without it, or a damaged one, names the tensor."""
+        handle = self._open(w.file)
+        try:
+            return handle.get_slice(w.name)
+        except SafetensorError as exc:
+            if w.name not in handle.keys():
+                raise CheckpointError(f"tensor {name}: its file {w.file.name} does not hold {w.name} "
+                                      "(the index names the wrong file)") from None
+            raise CheckpointError(f"tensor {name}: {w.file}: {exc}") from None
+
     def _check_header(self, name: str, w: _Stored) -> None:
-        sl = self._open(w.file).get_slice(w.name)
+        sl = self._slice(w, name)
         shape, dtype = tuple(sl.get_shape()), _DTYPES.get(sl.get_dtype())
         label = w.name if w.expert is None else f"{w.name} (holding {name})"
         if name.endswith("_scale_inv"):
@@ -296,22 +310,32 @@ class CheckpointReader:
         if name not in self._where:
             raise CheckpointError(f"tensor {name} is not in this checkpoint")
         w = self._where[name]
-        sl = self._open(w.file).get_slice(w.name)
-        index: list = [slice(None)] * len(sl.get_shape())
+        sl = self._slice(w, name)
+        shape = sl.get_shape()
+        index: list = [slice(0, n) for n in shape]
         lead = 0
         if w.expert is not None:
             index[0] = w.expert
             lead = 1
             if w.rows is not None:
                 index[1] = slice(*w.rows)
-        elif name.endswith("sink_k") and len(sl.get_shape()) == 3:
+        elif name.endswith("sink_k") and len(shape) == 3:
             index[0], lead = 0, 1
         if dim is not None:
             r = index[lead + dim]
-            base = r.start if isinstance(r, slice) and r.start is not None else 0
-            index[lead + dim] = slice(base + start, base + (stop if stop is not None else sl.get_shape()[lead + dim]))
-        t = sl[tuple(index)]
-        if w.expert is not None and t.dim() == 3:
+            size = r.stop - r.start
+            stop = size if stop is None else stop
+            if not 0 <= start <= stop <= size:
+                raise CheckpointError(f"tensor {name}: slice [{start}:{stop}) of dimension {dim} is outside its "
+                                      f"size {size}")
+            index[lead + dim] = slice(r.start + start, r.start + stop)
+        index = [slice(None) if isinstance(i, slice) and (i.start, i.stop) == (0, n) else i
+                 for i, n in zip(index, shape)]
+        try:
+            t = sl[tuple(index)]
+        except SafetensorError as exc:
+            raise CheckpointError(f"tensor {name}: {w.file}: {exc}") from None
+        if lead and t.dim() == len(shape):
             t = t[0]  # some safetensors versions keep the indexed dimension
         if t.dtype != E4M3 and not torch.isfinite(t).all():
             raise CheckpointError(f"tensor {name} holds non-finite values")

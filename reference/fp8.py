@@ -29,9 +29,11 @@ def expand_scales(scale_inv: torch.Tensor, shape: tuple[int, int], block: tuple[
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                dtype: torch.dtype = torch.float64, offset: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """Real weight of an E4M3 tensor with block scales, computed in `dtype` (exact in float64)."""
+    if weight.dim() < 2 or scale_inv.dim() < 2:
+        raise ValueError(f"weight {tuple(weight.shape)} and scale {tuple(scale_inv.shape)} must be at least 2-D")
     rows, cols = weight.shape[-2:]
     want = scale_shape((rows + offset[0], cols + offset[1]), block)
-    if weight.dim() < 2 or tuple(scale_inv.shape[-2:]) != want:
+    if tuple(scale_inv.shape[-2:]) != want or not all(0 <= o < b for o, b in zip(offset, block)):
         raise ValueError(f"scale shape {tuple(scale_inv.shape)} does not match weight {tuple(weight.shape)} "
                          f"with blocks {block} starting at {offset}")
     return weight.to(dtype) * expand_scales(scale_inv.to(dtype), (rows, cols), block, offset)
