@@ -12,13 +12,14 @@ import os
 import sys
 
 COMMANDS = ("generate_cmd", "fixture_cmd", "bench_cmd", "card_cmd", "fit_cmd", "serve_cmd", "info_cmd", "qualify_cmd",
-            "debug_cmd")
+            "debug_cmd", "check_cmd")
 
 # One example per command, shown at the end of its --help (tests/test_cli_help.py parses every one).
 EXAMPLES = {
     "iquest": "iquest generate --prompt 'def fibonacci(n):' --max-new-tokens 64",
     "generate": "iquest generate --prompt-file task.py --max-new-tokens 128 --seed 1",
     "make-fixture": "iquest make-fixture --preset tiny --out /tmp/tiny",
+    "check-checkpoint": "iquest check-checkpoint fixtures/tiny --headers-only",
     "bench": "iquest bench step --context 1024 --drafts 5 --kernels torch,triton",
     "bench step": "iquest bench step --context 1024 --drafts 5 --kernels torch,triton --out step.json",
     "bench context": "iquest bench context --kernels triton --out bench/results/context.json",

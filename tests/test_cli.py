@@ -1,4 +1,5 @@
-"""The `iquest` command line: generate (reference engine) and make-fixture, in process and end to end."""
+"""The `iquest` command line: generate (reference engine), make-fixture and check-checkpoint, in process and end to
+end."""
 
 from __future__ import annotations
 
@@ -291,10 +292,133 @@ def test_make_fixture_writes_a_loadable_checkpoint(capsys, tmp_path):
     assert main(["make-fixture", "--preset", "tiny", "--out", str(out), "--seed", "1"]) == 0
     assert str(out) in capsys.readouterr().out
     r = CheckpointReader(out)
-    assert r.config.vocab_size == 512
-    r.read("model.layers.4.eh_proj.weight_scale_inv")
+    assert r.config.vocab_size == 512 and r.block == (16, 16) and r.is_packed("model.layers.1.")
+    r.read("mtp/mtp.eh_proj.weight_scale_inv")
     g = generate(capsys, "--max-new-tokens", "3", "--seed", "1", "--drafts", "3", model=out)
     check_output_budget(g, 3)
+
+
+def test_make_fixture_weight_format_and_expert_storage(capsys, tmp_path):
+    from iquest.fixtures.make import make_fixture
+
+    out = tmp_path / "fx"
+    assert main(["make-fixture", "--preset", "tiny", "--out", str(out), "--seed", "1", "--weights", "bf16",
+                 "--unpacked"]) == 0
+    assert "BF16" in capsys.readouterr().out
+    r = CheckpointReader(out)
+    assert r.block is None and not r.is_packed("model.layers.1.")
+    same = make_fixture("tiny", tmp_path / "api", seed=1, packed=False, weights="bf16")
+    for f in ("model-00001-of-00001.safetensors", "mtp/model-00001-of-00001.safetensors", "config.json"):
+        assert (out / f).read_bytes() == (same / f).read_bytes(), f
+    fails(capsys, ["make-fixture", "--preset", "tiny", "--out", str(tmp_path / "x"), "--weights", "int4"], "--weights")
+    text = subprocess.run(_script() + ["make-fixture", "--help"], capture_output=True, text=True, env=_env(),
+                          timeout=60).stdout
+    assert "--weights {fp8,bf16}" in text and "--unpacked" in text and "default fp8" in text
+
+
+# ---- check-checkpoint -----------------------------------------------------------------------------------
+
+def test_check_checkpoint_reports_a_valid_folder(capsys):
+    assert main(["check-checkpoint", str(TINY)]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    lines = out.splitlines()
+    assert lines[0] == f"{TINY}: valid"
+    text = "\n".join(lines)
+    for needle in ("4 layers: 2 full, 2 sliding (window 32)", "1 layer: 0 full, 1 sliding (window 16)",
+                   "FP8 E4M3, 16x16 scale blocks", "packed", "<|iquest_end|>=0", "chat template  present",
+                   "values         checked"):
+        assert needle in text, needle
+
+    assert main(["check-checkpoint", str(TINY), "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    r = json.loads(out)
+    assert r["valid"] is True and r["error"] is None and r["values_checked"]
+    assert r["target"]["layers"] == 4 and r["target"]["full_layers"] == 2 and r["target"]["sliding_layers"] == 2
+    assert r["target"]["num_experts"] == 8 and r["target"]["hidden_size"] == 64 and r["draft"]["sliding_window"] == 16
+    assert r["weights"] == {"format": "FP8", "block": [16, 16]} and r["experts"] == "packed"
+    assert r["files"] == 2 and r["bytes"] == sum(f.stat().st_size for f in TINY.rglob("*.safetensors"))
+    indexes = [TINY / "model.safetensors.index.json", TINY / "mtp" / "model.safetensors.index.json"]
+    assert r["tensors"] == sum(len(json.loads(i.read_text())["weight_map"]) for i in indexes)
+    assert r["logical_tensors"] == 164
+    assert r["tp_degrees"] == [1, 2, 4]
+    assert r["tokenizer"]["present"] and r["tokenizer"]["special_tokens"]["<|iquest_end|>"] == 0
+    assert r["tokenizer"]["eos_token"] == {"token": "<|iquest_end|>", "id": 0} and r["tokenizer"]["bos_token"] is None
+    assert r["chat_template"] is True and r["warnings"] == []
+
+
+def test_check_checkpoint_bf16_per_expert_without_tokenizer(capsys, tmp_path):
+    from iquest.fixtures.make import make_fixture
+
+    d = make_fixture("micro", tmp_path / "m", seed=0, packed=False, weights="bf16")
+    assert main(["check-checkpoint", str(d), "--json", "--headers-only"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["weights"] == {"format": "BF16", "block": None} and r["experts"] == "per-expert"
+    assert r["values_checked"] is False and r["tokenizer"]["present"] is False and r["chat_template"] is False
+
+
+def _broken(tmp_path: Path, how: str) -> Path:
+    model = tmp_path / "m"
+    shutil.copytree(TINY, model)
+    if how == "no_mtp":
+        shutil.rmtree(model / "mtp")
+    elif how == "bad_config":
+        raw = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps(dict(raw, rotary_dim=7)))
+    elif how == "missing_tensor":
+        from safetensors.torch import load_file, save_file
+
+        f = model / "mtp" / "model-00001-of-00001.safetensors"
+        tensors = load_file(f)
+        del tensors["mtp.hnorm.weight"]
+        save_file(tensors, str(f))
+        index = json.loads((model / "mtp" / "model.safetensors.index.json").read_text())
+        del index["weight_map"]["mtp.hnorm.weight"]
+        (model / "mtp" / "model.safetensors.index.json").write_text(json.dumps(index))
+    elif how == "nan_value":
+        from safetensors.torch import load_file, save_file
+
+        f = model / "model-00001-of-00001.safetensors"
+        tensors = load_file(f)
+        tensors["model.norm.weight"][3] = float("nan")
+        save_file(tensors, str(f))
+    elif how == "truncated":
+        f = model / "model-00001-of-00001.safetensors"
+        f.write_bytes(f.read_bytes()[:5000])
+    return model
+
+
+@pytest.mark.parametrize("how,needle", [
+    ("no_mtp", "mtp/config.json"),
+    ("bad_config", "rotary_dim=7"),
+    ("missing_tensor", "missing tensor mtp/mtp.hnorm.weight"),
+    ("nan_value", "tensor model.norm.weight holds non-finite values"),
+    ("truncated", "truncated"),
+])
+def test_check_checkpoint_reports_a_broken_folder(capsys, tmp_path, how, needle):
+    model = _broken(tmp_path, how)
+    assert main(["check-checkpoint", str(model)]) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == f"{model}: NOT VALID"
+    assert needle in out.splitlines()[1] and out.splitlines()[1].startswith("  problem")
+    assert err.strip().splitlines() == [err.strip()] and needle in err and "Traceback" not in err
+    assert main(["check-checkpoint", str(model), "--json"]) == 1
+    r = json.loads(capsys.readouterr().out)
+    assert r["valid"] is False and needle in r["error"] and "\n" not in r["error"]
+    assert r["tokenizer"]["present"]  # what it holds is still reported
+
+
+def test_check_checkpoint_headers_only_misses_values(capsys, tmp_path):
+    model = _broken(tmp_path, "nan_value")
+    assert main(["check-checkpoint", str(model), "--headers-only"]) == 0
+    assert "values         not read" in capsys.readouterr().out
+
+
+def test_check_checkpoint_of_no_folder(capsys, tmp_path):
+    assert main(["check-checkpoint", str(tmp_path / "nope"), "--json"]) == 1
+    r = json.loads(capsys.readouterr().out)
+    assert "does not exist" in r["error"] and r["files"] == 0
 
 
 # ---- the real console script, end to end -------------------------------------------------------------------
