@@ -186,36 +186,37 @@ class WeightLoader:
         return self._read(name).weight.to(device=self.par.device, dtype=dtype or self.dtype)
 
     def linear(self, name: str) -> Weight:
-        return self._weight(self._read_linear(name))
+        return self._weight(*self._read_linear(name))
 
-    def _read_linear(self, name: str) -> Shard:
-        """The rank's slice of a linear weight as it will run: stored FP8 as is; a BF16 weight to run as FP8 read over
-        the whole LOAD_BLOCK blocks its slice touches and quantized there, so every TP degree runs the same values."""
+    def _read_linear(self, name: str) -> tuple[Shard, tuple[int, int] | None]:
+        """The rank's slice of a linear weight as it will run, with its block: stored FP8 as is; a BF16 weight to run
+        as FP8 read over the whole LOAD_BLOCK blocks its slice touches and quantized there, so every TP degree runs
+        the same values."""
+        if self.reader.is_quantized(name) or self.fmt != "fp8":
+            return self._read(name), self.reader.block
         spec = self.reader.specs[name]
-        part = shard_range(spec, self.reader._config_of(name), self.par.world, self.par.rank)
-        if self.reader.block is not None or self.fmt != "fp8":
-            return self._read(name)
+        part = shard_range(spec, self.reader.config_of(name), self.par.world, self.par.rank)
         self.bar.update(1)
         if part is None:
-            return Shard(*quantize(self.reader.read(name), LOAD_BLOCK))
+            return Shard(*quantize(self.reader.read(name), LOAD_BLOCK)), LOAD_BLOCK
         dim, start, stop = part
         b = LOAD_BLOCK[dim]
         lo, hi = start // b * b, min(-(-stop // b) * b, spec.shape[dim])
         q, scale = quantize(self.reader.read(name, dim, lo, hi), LOAD_BLOCK)
         q = q.narrow(dim, start - lo, stop - start)
-        return Shard(q, scale, (start - lo, 0) if dim == 0 else (0, start - lo))
+        return Shard(q, scale, (start - lo, 0) if dim == 0 else (0, start - lo)), LOAD_BLOCK
 
-    def _weight(self, s: Shard) -> Weight:
+    def _weight(self, s: Shard, block: tuple[int, int] | None) -> Weight:
         dev = self.par.device
         if s.scale is not None:
-            block = self.reader.block or LOAD_BLOCK
             return Weight(s.weight.to(dev), s.scale.to(dev), block, self.dtype, s.offset)
         return Weight(s.weight.to(device=dev, dtype=torch.bfloat16), None, None, self.dtype)
 
     def experts(self, prefix: str, which: str, n: int) -> Weight:
-        shards = [self._read_linear(expert_name(prefix, e, which)) for e in range(n)]
+        parts = [self._read_linear(expert_name(prefix, e, which)) for e in range(n)]
+        shards = [p[0] for p in parts]
         scale = torch.stack([s.scale for s in shards]) if shards[0].scale is not None else None
-        return self._weight(Shard(torch.stack([s.weight for s in shards]), scale, shards[0].offset))
+        return self._weight(Shard(torch.stack([s.weight for s in shards]), scale, shards[0].offset), parts[0][1])
 
     def layer(self, c: Config, index: int, p: str) -> LayerWeights:
         a = p + "self_attn."

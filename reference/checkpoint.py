@@ -179,6 +179,7 @@ class CheckpointReader:
         self.block = self.config.weight_block_size
         self._handles: dict[str, object] = {}
         self.packed: dict[str, bool] = {}  # layer prefix -> experts stored packed (fc/proj)
+        self.unquantized: set[str] = set()  # quantizable weights an FP8 folder stores plain (no _scale_inv)
         self._where = self._locate()
 
     # ---- layout checks (headers only) ---------------------------------------------------------
@@ -213,6 +214,11 @@ class CheckpointReader:
         where: dict[str, _Stored] = {}
         for name, spec in self.specs.items():
             scales = [spec.scale_name] if spec.quantized and self.block else []
+            if scales and spec.scale_name not in stored and name in stored and self._plain_stored(name, stored[name]):
+                # an FP8 folder may keep a quantizable weight unquantized (SGLang builds eh_proj unquantized):
+                # bf16/fp32 with no scale, read as such
+                self.unquantized.add(name)
+                scales = []
             packed = self._packed_expert(name, stored)
             if packed is not None:
                 where[name] = packed
@@ -232,6 +238,13 @@ class CheckpointReader:
         for name, w in where.items():
             self._check_header(name, w)
         return where
+
+    def _plain_stored(self, name: str, path: Path) -> bool:
+        return _DTYPES.get(self._open(path).get_slice(_stored_name(name)).get_dtype()) in PLAIN
+
+    def is_quantized(self, name: str) -> bool:
+        """Whether the logical tensor `name` is stored block FP8 (E4M3 with its `_scale_inv`)."""
+        return self.specs[name].quantized and self.block is not None and name not in self.unquantized
 
     def _packed_expert(self, name: str, stored: dict[str, Path]) -> _Stored | None:
         """The packed tensor holding expert matrix `name`, or None when the experts are stored one by one."""
@@ -283,7 +296,7 @@ class CheckpointReader:
             want = shape  # the published files may keep a leading 1
         if shape != want:
             raise CheckpointError(f"tensor {label}: shape {shape}, expected {want}")
-        quantized = spec.quantized and self.block is not None
+        quantized = self.is_quantized(name)
         if quantized and dtype != E4M3:
             raise CheckpointError(f"tensor {label}: dtype {sl.get_dtype()}, expected F8_E4M3 (quantization_config "
                                   "says block FP8)")
@@ -346,8 +359,8 @@ class CheckpointReader:
     def read_weight(self, name: str, tp: int = 1, rank: int = 0) -> Shard:
         """`rank`'s slice of the logical tensor `name` and, when quantized, the scale rows/columns it touches."""
         spec = self.specs[name]
-        part = shard_range(spec, self._config_of(name), tp, rank)
-        quantized = spec.quantized and self.block is not None
+        part = shard_range(spec, self.config_of(name), tp, rank)
+        quantized = self.is_quantized(name)
         if part is None:
             return Shard(self.read(name), self.read(spec.scale_name) if quantized else None)
         dim, start, stop = part
@@ -359,7 +372,7 @@ class CheckpointReader:
         offset = (start % b, 0) if dim == 0 else (0, start % b)
         return Shard(w, scale, offset)
 
-    def _config_of(self, name: str) -> Config:
+    def config_of(self, name: str) -> Config:
         return self.config.mtp if name.startswith(DRAFT) else self.config
 
 

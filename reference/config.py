@@ -75,7 +75,7 @@ class Config:
     weight_block_size: tuple[int, int] | None = None  # block FP8 when set (quantization_config), BF16 when None
     # the draft's own keys (mtp/config.json)
     fp32_residual_connection: bool = False
-    num_draft_slots: int = 7
+    num_draft_slots: int = 7                  # informational: a round verifies at most 7 drafts (fast/state.py)
     num_target_layers: int | None = None
     model_type: str = TARGET_TYPE
     mtp: "Config | None" = field(default=None, compare=True)  # the draft's config, on a target's
@@ -183,9 +183,7 @@ class Config:
             raw = {**DRAFT_DEFAULTS, **raw}
         if mtp is not None and model_type == DRAFT_TYPE:
             raise ConfigError("a draft config (model_type iquest_q1_mtp) has no draft of its own")
-        if "head_dim" not in raw and isinstance(raw.get("hidden_size"), int) and \
-                isinstance(raw.get("num_attention_heads"), int) and raw["num_attention_heads"] > 0:
-            raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
+        raw.setdefault("head_dim", 128)  # the published default (SGLang's too), not hidden_size / heads
         kwargs: dict[str, Any] = _rope_keys(raw)
         quant = raw.pop("quantization_config", None)
         if quant is not None:
@@ -246,6 +244,10 @@ def _draft_from_dict(cls: type[Config], raw: Any) -> Config:
     model_type = raw.get("model_type", DRAFT_TYPE)
     if model_type != DRAFT_TYPE:
         raise ConfigError(f"{where}model_type={model_type!r} must be {DRAFT_TYPE!r}")
+    nested = raw.get("target_config")  # SGLang's draft config may nest the target's keys; the draft's own win
+    if nested is not None and not isinstance(nested, dict):
+        raise ConfigError(where + "target_config must be an object")
+    raw = {**(nested or {}), **{k: v for k, v in raw.items() if k != "target_config"}}
     try:
         return cls.from_dict({**raw, "model_type": DRAFT_TYPE})
     except ConfigError as exc:
@@ -391,8 +393,6 @@ def _validate(c: Config) -> None:
     if c.is_draft:
         if c.num_hidden_layers != 1:
             raise ConfigError(f"{w}num_hidden_layers={c.num_hidden_layers}: the draft is one layer")
-        if c.num_draft_slots > 7:
-            raise ConfigError(f"{w}num_draft_slots={c.num_draft_slots}: a round verifies at most 7 drafts")
     if c.mtp is not None:
         d = c.mtp
         if c.is_draft or not d.is_draft:

@@ -170,9 +170,9 @@ def test_rotary_dim_or_partial_rotary_factor():
     half = with_(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5})
     assert load(without(half, "rotary_dim")).rotary_dim == 64
     assert load(half).rotary_dim == 32  # a top-level rotary_dim wins
-    # head_dim derived from hidden_size / heads before the factor applies
-    derived = without(dict(half, hidden_size=6144), "rotary_dim", "head_dim")
-    c = load(derived, dict(draft(), hidden_size=6144))
+    # a missing head_dim is the published 128 (SGLang's default), not hidden_size / heads, before the factor applies
+    derived = without(dict(half, hidden_size=6144, num_attention_heads=24), "rotary_dim", "head_dim")
+    c = load(derived, dict(draft(), hidden_size=6144, num_attention_heads=24))
     assert c.head_dim == 128 and c.rotary_dim == 64
     theta = load(without(with_(rope_parameters={"rope_type": "default", "rope_theta": 5e5}), "rope_theta"))
     assert theta.rope_theta == 5e5
@@ -243,7 +243,7 @@ BAD_DRAFT = [
     ("vocab_differs", dict(vocab_size=151936), "vocab_size"),
     ("quantization_differs", dict(quantization_config=None), "quantization_config"),
     ("two_layers", dict(num_hidden_layers=2), "num_hidden_layers"),
-    ("draft_slots", dict(num_draft_slots=8), "num_draft_slots"),
+    ("draft_slots", dict(num_draft_slots=0), "num_draft_slots"),
     ("router_dtype", dict(moe_router_dtype="bf16"), "moe_router_dtype"),
     ("rotary_odd", dict(rotary_dim=33), "rotary_dim"),
     ("model_type", dict(model_type="iquest_q1"), "model_type"),
@@ -396,3 +396,19 @@ def test_random_patterns_derive_and_round_trip(changes):
     assert c.layer_types == want and len(want) == c.num_hidden_layers
     assert Config.from_dict(json.loads(json.dumps(c.to_dict())), json.loads(json.dumps(c.mtp.to_dict()))) == c
     assert c.group_size * c.num_key_value_heads == c.num_attention_heads
+
+
+def test_draft_config_may_nest_the_targets_keys():
+    """SGLang's draft config form: the target's keys under target_config, the draft's own keys beside them (and
+    winning); a draft slot count above 7 loads (the engine verifies at most 7 drafts a round)."""
+    own = {k: v for k, v in draft().items() if k in ("model_type", "architectures", "num_hidden_layers",
+                                                      "mlp_only_layers", "sliding_window", "swa_rope_theta",
+                                                      "fp32_residual_connection", "num_draft_slots",
+                                                      "num_target_layers")}
+    nested = load(target(), dict(own, target_config=target(), num_draft_slots=8))
+    flat = load(target(), draft())
+    assert nested.mtp.sliding_window == flat.mtp.sliding_window == 512
+    assert nested.mtp.hidden_size == flat.mtp.hidden_size and nested.mtp.layer_types == flat.mtp.layer_types
+    assert nested.mtp.num_draft_slots == 8
+    with pytest.raises(ConfigError, match="mtp/config.json: target_config"):
+        load(target(), dict(own, target_config=[1]))
