@@ -276,7 +276,8 @@ class CheckpointReader:
     def _check_header(self, name: str, w: _Stored) -> None:
         sl = self._slice(w, name)
         shape, dtype = tuple(sl.get_shape()), _DTYPES.get(sl.get_dtype())
-        label = w.name if w.expert is None else f"{w.name} (holding {name})"
+        where = DRAFT if name.startswith(DRAFT) else ""  # draft tensors are named with their folder
+        label = where + w.name if w.expert is None else f"{where}{w.name} (holding {name})"
         if name.endswith("_scale_inv"):
             spec = self.specs[name[: -len("_scale_inv")]]
             want = scale_shape(spec.shape, self.block)

@@ -197,6 +197,30 @@ def test_target_final_norm_in_mtp_is_ignored_but_not_in_the_main_folder(tmp_path
     one_line(info, "unexpected tensor target_final_norm.weight")
 
 
+def test_an_fp8_folder_may_keep_a_quantizable_weight_plain(tmp_path, logical):
+    """SGLang builds the draft's eh_proj unquantized, so an FP8 folder may store it bf16 without a _scale_inv: read as
+    plain; a plain weight that keeps its scale, or an E4M3 weight without one, is still refused."""
+    c = preset_config("tiny")
+    name = "mtp/mtp.eh_proj.weight"
+    real = dequantize(logical[name], logical[name + "_scale_inv"], c.weight_block_size, torch.float32)
+    stored = stored_tensors(c, logical, packed=True)
+    stored[name] = real.to(torch.bfloat16)
+    del stored[name + "_scale_inv"]
+    r = CheckpointReader(write_raw(tmp_path / "plain", c, stored))
+    assert not r.is_quantized(name) and r.is_quantized("model.layers.1.self_attn.q_proj.weight")
+    s = r.read_weight(name, 2, 1)
+    assert s.scale is None and same(s.weight, real.to(torch.bfloat16)[:, real.shape[1] // 2:])
+    stored[name + "_scale_inv"] = logical[name + "_scale_inv"]
+    with pytest.raises(CheckpointError) as info:
+        CheckpointReader(write_raw(tmp_path / "scaled", c, stored))
+    one_line(info, name, "F8_E4M3")
+    stored[name] = logical[name]
+    del stored[name + "_scale_inv"]
+    with pytest.raises(CheckpointError) as info:
+        CheckpointReader(write_raw(tmp_path / "unscaled", c, stored))
+    one_line(info, "missing tensor", name + "_scale_inv")
+
+
 def test_sink_k_with_a_leading_one(tmp_path, logical):
     c = preset_config("tiny")
     stored = stored_tensors(c, logical, packed=True)
@@ -266,7 +290,7 @@ HEADER_CASES = [
     ("wrong_shape", _set(NORM, torch.ones(63, dtype=torch.bfloat16)), f"tensor {NORM}: shape (63,), expected (64,)"),
     ("wrong_shape_fp8", _set(Q, lambda w: w[:, :48]), f"tensor {Q}: shape (64, 48)"),
     ("wrong_shape_packed", _set(FC, lambda w: w[:, :48]), f"tensor {FC} (holding"),
-    ("wrong_shape_in_mtp", _set(EH, lambda w: w[:, :64]), f"tensor {EH[4:]}: shape (64, 64)"),
+    ("wrong_shape_in_mtp", _set(EH, lambda w: w[:, :64]), f"tensor {EH}: shape (64, 64)"),
     ("wrong_dtype", _set(NORM, lambda w: w.half()), f"tensor {NORM}: dtype F16"),
     ("wrong_dtype_fp8", _set(Q, lambda w: w.to(torch.bfloat16)), f"tensor {Q}: dtype BF16, expected F8_E4M3"),
     ("wrong_dtype_packed", _set(PROJ, lambda w: w.to(torch.bfloat16)), f"tensor {PROJ} (holding"),
