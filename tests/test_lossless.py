@@ -7,7 +7,10 @@ What is compared
     prod_j p_j(x_j), where p_j = `sampling.dist` of the main model's logits for prompt + x_<j, each
     computed by a fresh-cache `forward` over the whole prefix (float64, independent of the decoder's
     KV bookkeeping and of the verification block). L = 5 = first token + 3 accepted drafts + bonus, so
-    a first round that accepts everything puts its bonus token inside the window.
+    a first round that accepts everything puts its bonus token inside the window. The drafts come from
+    the recursive MTP layer as docs/round.md places it: depth 0 over the whole prompt (row p consumes the
+    target's post-norm h_p and the token x_{p+1}, the last row the first output token), then one row per
+    further depth at the next position, fed the previous depth's output and its sampled token.
 
 Statistic
     Pearson chi-square goodness of fit. Cells (length-5 sequences) are sorted by expected count,
@@ -15,20 +18,23 @@ Statistic
     the previous pool); the pooling depends only on the exact distribution, never on the data, so the
     statistic is chi-square with (pools - 1) df under H0. A sequence outside the exact support (an
     emitted token the target gives probability 0) makes the test fail outright.
-    N = 600 seeds (0..599) per run; alpha = 1e-3 for the correct rules (plain and speculative);
+    N = 600 seeds (0..599) in the full form; alpha = 1e-3 for the correct rules (plain and speculative);
     a negative control must give p < 1e-6.
 
-Model (micro preset, vocab 8, random_weights(seed=2, lm_head_gain=1.0)), with three edits that turn
-the random fixture into a "noisy bigram" model on which drafting is worth something:
+Model (the micro preset of the published architecture: vocab 8, hidden 16, a sliding dense layer 0 and a full MoE
+layer 1, partial RoPE, the sink key, windows of 4 for the target and the draft; random_weights(seed=2,
+lm_head_gain=1.0), FP8 dequantized), with edits that turn the random fixture into a "noisy bigram" model on which
+drafting is worth something:
     * token embeddings x2, so the residual stream is dominated by the current token;
-    * the MTP eh_proj = [I | 0]: the draft layer reads the token embedding, as the target's residual does;
     * lm_head row sigma(x) += 0.7 * e_x / |e_x| with sigma(x) = x + 3 mod 8: token x prefers to be
       followed by sigma(x) (a permutation without short cycles), so consecutive positions have
-      different distributions (otherwise a bonus drawn from the previous draft's q would be harmless).
+      different distributions (otherwise a bonus drawn from the previous draft's q would be harmless);
+    * the draft's own mtp/embed_tokens and mtp/lm_head hold copies of those two, and its eh_proj = [I | 0]: the
+      draft layer reads the embedding of the token x_{p+1} it is given and predicts x_{p+2} with the same pull.
     Sampling: temperature 1, top_k 8, top_p 0.8 (top-p truncation is active: asserted on the rows
     of the enumeration). With these, drafts are accepted often but not always (a replacement inside
-    the window in ~70% of requests, a bonus in ~30%), and the joint of 5 tokens has
-    a few dozen cells (24 pools, 23 df).
+    the window in ~65% of requests, a bonus in ~35%), and the joint of 5 tokens has 64 cells
+    (30 pools at N = 300, 40 at N = 600).
 
 Negative controls (each must FAIL the same test, with its broken branch counted as taken in >= 5%
 of the runs, inside the compared window):
@@ -36,25 +42,25 @@ of the runs, inside the compared window):
     Inverted   acceptance ratio q/p instead of p/q;
     BonusFromQ the bonus token drawn from the last draft's q instead of p_k.
 
-Observed (this model, N = 600, 2 loaded CPU cores): plain chi2 = 22.8 on 23 df, p = 0.47;
-speculative chi2 = 18.3 on 23 df, p = 0.74 (426/600 runs with a replacement and 174/600 with a bonus
-inside the window). FromP p = 3e-20 (chi2 = 148); Inverted and BonusFromQ emit tokens the target
-cannot (307 and 94 runs outside the support: p = 0), and on the runs inside the support alone they
-still give p = 2e-39 and 2e-18 (printed as a diagnostic, not asserted).
+Observed (this model, one CPU thread): at N = 600, plain chi2 = 51.4 on 39 df (p = 0.09), speculative chi2 = 42.1 on
+39 df (p = 0.34; 383/600 runs with a replacement and 217/600 with a bonus inside the window); FromP p = 2e-43
+(chi2 = 308); Inverted and BonusFromQ emit tokens the target cannot (331 and 71 runs outside the support: p = 0),
+and on the runs inside the support alone they still give p = 2e-61 and 4e-11 (printed as a diagnostic, not
+asserted).
 
 CI form and full form: CI runs each test on seeds 0..299 (N_CI); `pytest -m slow` runs them on 0..599 (N). The
 power argument for the smaller N: a defect moves the chi-square by its non-centrality lambda = N * sum (p1 - p0)^2 / p0,
-linear in N. FromP, the one control that stays inside the support, measured chi2 = 148 on 23 df at N = 600
-(lambda ~ 125) and chi2 = 72.1 on 20 df at N = 300 (lambda ~ 52, p = 8e-8, 12x below BROKEN_P); Inverted and
-BonusFromQ leave the support in 162 and 41 of 300 runs (p = 0). So the CI form still catches every control with
-margin, and a healthy rule's p (0.44 at N = 300) is far from ALPHA; what it gives up is the power against a defect
-under half FromP's size, which the full form keeps (lambda ~ 60 at N = 600 for such a defect).
+linear in N. FromP, the one control that stays inside the support, measured chi2 = 308 on 39 df at N = 600 and
+chi2 = 146 on 29 df at N = 300 (p = 1e-17, 11 orders below BROKEN_P); Inverted and BonusFromQ leave the support in
+165 and 36 of 300 runs (p = 0). So the CI form still catches every control with margin, and a healthy rule's p
+(0.37 speculative, 0.15 plain at N = 300) is far from ALPHA; what it gives up is the power against a defect under
+half FromP's size, which the full form keeps.
 
-Speed: the reference decodes a micro request in ~15-20 ms CPU. The per-request uniforms are the
-project's own `rng.rand(seed, offsets)` for the whole offset range the request can touch, computed in
-one vectorized call and looked up by `rng.offset(position, purpose, depth)`: bit-identical to
-`RequestRNG.uniform` (asserted), ~10x cheaper than one Philox call per decision. Each variant is its
-own test so pytest-xdist spreads them over workers.
+Speed: the reference decodes a micro request in ~15 ms on one CPU thread (~5 s per 300 requests; the CI form of the
+whole module takes ~25 s). The per-request uniforms are the project's own `rng.rand(seed, offsets)` for the whole
+offset range the request can touch, computed in one vectorized call and looked up by `rng.offset(position, purpose,
+depth)`: bit-identical to `RequestRNG.uniform` (asserted), ~10x cheaper than one Philox call per decision. Each
+variant is its own test so pytest-xdist could spread them over workers (the project runs a module per worker).
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ from scipy import stats
 from iquest.fixtures.make import preset_config, random_weights
 from iquest.reference import rng as rngmod
 from iquest.reference import sampling, speculative
-from iquest.reference.checkpoint import layer_prefix
+from iquest.reference.checkpoint import DRAFT
 from iquest.reference.depth import FixedDepth
 from iquest.reference.model import ReferenceModel
 from iquest.reference.sampling import Dist, SamplingParams
@@ -83,7 +89,7 @@ ALPHA = 1e-3               # significance for the correct rules
 BROKEN_P = 1e-6            # a negative control must fall below this
 MIN_BRANCH_SHARE = 0.05    # a control's broken branch must run (inside the window) in >= 5% of runs
 MIN_EXPECTED = 5.0         # pooling threshold
-PROMPT = [1, 2, 3, 4, 5, 6]  # 6 > sliding_window 4: the sliding layer's window is already full
+PROMPT = [1, 2, 3, 4, 5, 6]  # 6 > the windows (4): the sliding layer's and the draft's are already full
 PARAMS = SamplingParams(temperature=1.0, top_k=8, top_p=0.8)
 
 
@@ -91,16 +97,16 @@ PARAMS = SamplingParams(temperature=1.0, top_k=8, top_p=0.8)
 def bigram_micro(seed: int = 2, gain: float = 1.0, embed_scale: float = 2.0, pull: float = 0.7) -> ReferenceModel:
     """The micro preset turned into a noisy bigram model (module docstring); weights are real float64."""
     config = preset_config("micro")
-    w = random_weights(config, seed, lm_head_gain=gain)
+    w = dict(ReferenceModel(config, random_weights(config, seed, lm_head_gain=gain)).w)  # FP8 dequantized
     H, V = config.hidden_size, config.vocab_size
-    emb = w["model.embed_tokens.weight"].to(torch.float64) * embed_scale
-    w["model.embed_tokens.weight"] = emb
-    w[layer_prefix(config.mtp_layer_index) + "eh_proj.weight"] = torch.cat(
-        [torch.eye(H), torch.zeros(H, H)], 1).to(torch.float64)
-    head = w["lm_head.weight"].to(torch.float64)
+    emb = w["model.embed_tokens.weight"] * embed_scale
+    head = w["lm_head.weight"].clone()
     for x in range(V):
         head[(x + 3) % V] += pull * emb[x] / emb[x].norm()
-    w["lm_head.weight"] = head
+    w["model.embed_tokens.weight"], w["lm_head.weight"] = emb, head
+    # the draft's own embedding and head: copies of the target's (its own tensors, equal values)
+    w[DRAFT + "embed_tokens.weight"], w[DRAFT + "lm_head.weight"] = emb.clone(), head.clone()
+    w[DRAFT + "mtp.eh_proj.weight"] = torch.cat([torch.eye(H), torch.zeros(H, H)], 1).to(torch.float64)
     return ReferenceModel(config, w)
 
 
@@ -260,14 +266,55 @@ def test_exact_enumeration(exact):
     assert 10 <= len(exact.probs) <= 2000
 
 
-def test_plain_sampling_matches_target(model, exact):
-    s = sample(model, drafts=0)
+SIZES = [pytest.param(N_CI, id="ci"), pytest.param(N, id="full", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_plain_sampling_matches_target(model, exact, n):
+    s = sample(model, drafts=0, seeds=range(n))
     stat, df, p = chi_square(s.counts, exact.probs)
     print(f"plain: chi2={stat:.1f} df={df} p={p:.3g}")
     assert p > ALPHA, f"plain sampling departs from the exact target distribution: chi2={stat:.1f} df={df} p={p:.3g}"
 
 
-SIZES = [pytest.param(N_CI, id="ci"), pytest.param(N, id="full", marks=pytest.mark.slow)]
+class RecordingModel:
+    """A model wrapper that records every draft call's (tokens, positions) and returns the real results."""
+
+    def __init__(self, model: ReferenceModel):
+        self.model, self.config, self.calls = model, model.config, []
+
+    def new_cache(self):
+        return self.model.new_cache()
+
+    def forward(self, tokens, positions, cache):
+        return self.model.forward(tokens, positions, cache)
+
+    def draft(self, tokens, hidden, positions, cache):
+        self.calls.append((tokens.tolist(), positions.tolist()))
+        return self.model.draft(tokens, hidden, positions, cache)
+
+
+def test_draft_rows_sit_where_round_md_puts_them(model):
+    """The decoder this test certifies drafts at docs/round.md's positions: after the prefill, depth 0 over positions
+    0..m-1 with the tokens x_1..x_m (the last the first output token); depth d >= 1 one row at m-1+d with the draft
+    just sampled; after a round that commits a+1 tokens, depth 0 over the a+1 positions n..n+a."""
+    rec = RecordingModel(model)
+    steps = list(generate(rec, PROMPT, seed=3, params=PARAMS, max_new_tokens=12, drafts=K, controller=FixedDepth(K)))
+    call, committed = iter(rec.calls), list(PROMPT)
+    for i, step in enumerate(steps[:-1]):
+        committed += step.tokens
+        n = len(committed) - 1  # x_n: the newest committed token, not yet run through the target
+        start = 0 if i == 0 else n - len(step.tokens)
+        toks, pos = next(call)
+        assert pos == list(range(start, n)) and toks == committed[start + 1:], f"depth 0 after step {i}"
+        nxt = steps[i + 1]
+        for d in range(1, nxt.drafts):  # depth d: one row at n-1+d consuming draft d
+            toks, pos = next(call)
+            assert pos == [n - 1 + d] and len(toks) == 1, f"depth {d} after step {i}"
+            if d <= nxt.accepted:
+                assert toks == [nxt.tokens[d - 1]]
+    assert sum(s.drafts for s in steps) > sum(s.accepted for s in steps) > 0
+    assert next(call, None) is None
 
 
 @pytest.mark.parametrize("n", SIZES)
