@@ -1,39 +1,69 @@
-"""The fast engine against the float64 reference: decode agreement, tensor parallelism, ring wrap, rollback.
+"""The fast engine against the float64 reference: decode agreement, tensor parallelism, ring wrap, rollback, weight
+formats, and a fixture at the published dimensions.
 
-Agreement means: same tokens until the first divergence, and every divergence explained (both tokens
-inside both engines' supports, target distributions within the tolerance). The counts of agreed
-tokens are printed (pytest -s) so a reader sees how long the engines stay together.
+At fp32 on the CPU the fast engine reproduces the reference's tokens exactly (plain and speculative, every depth
+policy, several prompts and seeds, TP 1, 2 and 8): the same uniforms and probabilities within ~1e-6 of float64 decide
+the same tokens, so any difference is a defect. At bf16 the engines may part at a decision boundary: agreement then
+means the same tokens until the first divergence, and that divergence explained (both tokens inside both engines'
+supports, target distributions within the tolerance). The counts are printed (pytest -s).
 """
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
+from iquest.fast.cache import LayerKV, StaticKV
 from iquest.fast.engine import FastEngine
 from iquest.fast.rank import EngineOptions, EngineParts, RankEngine, Request
 from iquest.qualify.agreement import compare
-from iquest.qualify.controls import ExactWindowRing, OpenCausalMask
 from iquest.reference.speculative import generate
-from iquest.tests.helpers import (MINI, PARAMS, PROMPTS, RING_SEQ, TINY, TINY_TP8, TOLERANCE, fast_dist, fast_steps,
-                                  rank_engine, ref_dist, reference, tokens)
+from iquest.tests.helpers import (PARAMS, PROMPTS, RING_SEQ, TINY, TINY_TP8, TOLERANCE, fast_dist, fast_steps,
+                                  fixture_dir, mini_or_skip, rank_engine, ref_dist, reference, tokens)
+
+SEEDS = (1000, 1001)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("drafts", [3, 7, "auto", 0])
-def test_fast_agrees_with_reference(dtype, drafts):
-    engine = rank_engine(TINY, dtype)
-    agreed = total = 0
+def ref_steps(model_dir, prompt, seed, drafts, n=40):
+    return list(generate(reference(model_dir), prompt, seed=seed, params=PARAMS, max_new_tokens=n, drafts=drafts))
+
+
+def rounds(steps) -> list[tuple]:
+    """Each round's record: (tokens, drafts verified, drafts accepted, bonus)."""
+    return [(s.tokens, s.drafts, s.accepted, s.bonus) for s in steps]
+
+
+# ---- fp32: the reference's tokens, round for round -------------------------------------------------------------
+@pytest.mark.parametrize("drafts", [0, 3, 7, "auto"])
+def test_fp32_reproduces_the_reference(drafts):
+    """Every prompt and seed: the same rounds (tokens, drafts, accepted, bonus) and logprobs within fp32 rounding."""
+    engine = rank_engine(TINY)
+    spec = 0
+    for i, prompt in enumerate(PROMPTS):
+        for seed in SEEDS:
+            got, want = fast_steps(engine, prompt, seed + i, drafts), ref_steps(TINY, prompt, seed + i, drafts)
+            assert rounds(got) == rounds(want), f"prompt {i} seed {seed + i}"
+            lp_got, lp_want = [x for s in got for x in s.logprobs], [x for s in want for x in s.logprobs]
+            assert max(abs(a - b) for a, b in zip(lp_got, lp_want)) < 1e-4
+            spec += sum(s.accepted for s in got)
+    if drafts:  # the accept, replacement and bonus paths all ran
+        assert spec > 0
+
+
+@pytest.mark.parametrize("drafts", [3, "auto", 0])
+def test_bf16_agrees_with_the_reference(drafts):
+    """bf16 activations on a random MoE with flat 20-token distributions part early (tests/helpers.py, TOLERANCE): each
+    divergence must be explained."""
+    engine = rank_engine(TINY, "bf16")
     for i, prompt in enumerate(PROMPTS):
         seed = 1000 + i
         out_fast = tokens(fast_steps(engine, prompt, seed, drafts))
-        out_ref = tokens(generate(reference(TINY), prompt, seed=seed, params=PARAMS, max_new_tokens=40, drafts=drafts))
-        result = compare(prompt, out_fast, out_ref, fast_dist(engine), ref_dist(TINY), TOLERANCE[dtype])
-        print(f"[{dtype} drafts={drafts} prompt {i}] {result}")
+        out_ref = tokens(ref_steps(TINY, prompt, seed, drafts))
+        result = compare(prompt, out_fast, out_ref, fast_dist(engine), ref_dist(TINY), TOLERANCE["bf16"])
+        print(f"[bf16 drafts={drafts} prompt {i}] {result}")
         assert result.explained, str(result)
-        agreed, total = agreed + result.agreed, total + result.total
-    if dtype == "fp32":  # float32 is close enough to float64 that a divergence should be rare
-        assert agreed >= 0.9 * total, f"only {agreed}/{total} tokens agree before divergence"
 
 
 def test_fast_is_deterministic_and_seeded():
@@ -57,6 +87,22 @@ def test_budget_and_stop_tokens():
 
 
 # ---- ring wrap and rollback, at the model level ------------------------------------------------------
+class ExactWindowRing(StaticKV):
+    """Negative control: sliding-window rings of exactly W slots, no spare slots."""
+
+    ring_slack = 0
+
+
+class _OpenMaskKV(LayerKV):
+    causal = False
+
+
+class OpenCausalMask(StaticKV):
+    """Negative control: every row of a block sees the whole block, later rows (and rejected KV) included."""
+
+    layer_kv = _OpenMaskKV
+
+
 def block_errors(engine: RankEngine, seq: list[int], advance: list[int]) -> float:
     """Run 8-row verification blocks over `seq`, advancing by `advance[i]` rows after block i (so later
     blocks overwrite rejected rows), and return the worst relative logit error against the reference."""
@@ -120,17 +166,18 @@ def test_rollback_never_reads_rejected_kv(parts, caught):
 
 
 def test_decode_loop_unaffected_by_poisoned_rejected_rows():
-    """The real round: after each settle, poison every main-layer slot past the settled length."""
+    """The real round: after each settle, poison every slot past the settled length in the target's layers and in the
+    draft's (whose rows past the last committed position hold KV written from draft hiddens: depth 0 rewrites it)."""
     engine = rank_engine(TINY)
     clean = tokens(fast_steps(engine, PROMPTS[2], 21, 7))
     runner, _ = engine.runner(7, PARAMS.top_k)
-    original, hits = runner.round, [0]
+    original, hits = runner.round, [0, 0]
 
     def poisoned():
         original()
-        for kv in engine.cache.layers[:-1]:
+        for i, kv in enumerate(engine.cache.layers):
             stale = kv.slot_pos >= engine.state.n
-            hits[0] += int(stale.sum())
+            hits[i == len(engine.cache.layers) - 1] += int(stale.sum())
             kv.k[stale] = POISON
             kv.v[stale] = POISON
     runner.round = poisoned
@@ -138,30 +185,116 @@ def test_decode_loop_unaffected_by_poisoned_rejected_rows():
         assert tokens(fast_steps(engine, PROMPTS[2], 21, 7)) == clean
     finally:
         runner.round = original
-    assert hits[0] > 100, "rejected rows must exist for the poison to mean anything"
+    assert hits[0] > 100 and hits[1] > 10, "rejected rows must exist for the poison to mean anything"
+
+
+def test_draft_rows_read_the_target_hidden_at_their_own_position():
+    """docs/model.md: the draft row at p reads h_p and x_{p+1}. The engine's depth-0 rows against the reference's
+    draft over the same (hidden, token) pairs, and against the shifted pairing (h_{p-1}, x_p) of the earlier design,
+    which must differ."""
+    engine, ref = rank_engine(TINY), reference(TINY)
+    seq = torch.tensor(PROMPTS[0])
+    m = len(seq)
+    cache = ref.new_cache()
+    _, hidden = ref.forward(seq, torch.arange(m), cache)
+    want, _ = ref.draft(seq[1:], hidden[:-1], torch.arange(m - 1), cache)
+    engine.cache.reset()
+    pos = torch.arange(m)
+    _, h = engine.model.forward(seq, pos, torch.ones(m, dtype=torch.bool))
+    got, _ = engine.model.draft(seq[1:], h[:-1], pos[:-1], torch.ones(m - 1, dtype=torch.bool))
+    assert (got.double() - want).abs().max() / want.abs().max() < 1e-4
+    shifted, _ = ref.draft(seq[1:], torch.cat([hidden[:1], hidden[:-2]]), torch.arange(m - 1), ref.new_cache())
+    assert (shifted - want).abs().max() / want.abs().max() > 1e-2
+
+
+# ---- weight formats ---------------------------------------------------------------------------------------
+def test_a_bf16_checkpoint_runs_as_stored_or_quantized_at_load():
+    """A BF16 checkpoint as BF16 reproduces the reference (which reads the same bf16 values); quantized at load to
+    FP8 it computes a different model (E4M3 values), the same one at every TP degree (each rank quantizes the whole
+    blocks its slice touches)."""
+    bf16 = fixture_dir("tiny", "bf16")
+    plain = RankEngine(bf16, _single(), EngineOptions(max_context=256, dtype="fp32", weights="bf16"))
+    assert plain.model.w.format == "bf16" and not plain.model.w.layers[0].attn.wq.quantized
+    for drafts in (0, 3):
+        got, want = fast_steps(plain, PROMPTS[0], 7, drafts, n=24), ref_steps(bf16, PROMPTS[0], 7, drafts, n=24)
+        assert rounds(got) == rounds(want)
+    quant = RankEngine(bf16, _single(), EngineOptions(max_context=256, dtype="fp32", weights="fp8"))
+    assert quant.model.w.format == "fp8" and quant.model.w.layers[1].mlp.gate.quantized
+    assert not torch.equal(quant.model.w.layers[0].attn.wq.dense(), plain.model.w.layers[0].attn.wq.dense())
+    one = tokens(fast_steps(quant, PROMPTS[0], 7, 3, n=24))
+    two = _tp_tokens(bf16, 2, PROMPTS[0], 7, 3, weights="fp8")
+    assert one == two
+    from iquest.reference.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--weights bf16"):
+        RankEngine(TINY, _single(), EngineOptions(max_context=64, dtype="fp32", weights="bf16"))
+
+
+def _single():
+    from iquest.fast.parallel import Parallel
+
+    return Parallel.single()
 
 
 # ---- tensor parallelism (processes with gloo) -------------------------------------------------------
-def _tp_tokens(model_dir, tp: int, prompt, seed, drafts, n=24) -> list[int]:
-    engine = FastEngine.load(model_dir, tp=tp, device="cpu", options=EngineOptions(max_context=256, dtype="fp32"))
+def _tp_tokens(model_dir, tp: int, prompt, seed, drafts, n=24, weights="auto") -> list[int]:
+    engine = FastEngine.load(model_dir, tp=tp, device="cpu",
+                             options=EngineOptions(max_context=256, dtype="fp32", weights=weights))
     try:
         return tokens(engine.generate(prompt, seed=seed, params=PARAMS, max_new_tokens=n, drafts=drafts))
     finally:
         engine.close()
 
 
-@pytest.mark.parametrize("model_dir,tp", [(TINY, 2), (TINY_TP8, 8)])
-def test_tensor_parallel_agrees_with_tp1(model_dir, tp):
-    prompt = PROMPTS[0]
-    single = tokens(fast_steps(rank_engine(model_dir), prompt, 77, 3, n=24))
-    multi = _tp_tokens(model_dir, tp, prompt, 77, 3)
-    # Ranks only change reduction order, so the single-rank engine's distributions stand in for the
-    # multi-rank ones when explaining a divergence (both tokens must lie in the support).
-    result = compare(prompt, multi, single, fast_dist(rank_engine(model_dir)), fast_dist(rank_engine(model_dir)),
-                     TOLERANCE["fp32"])
-    print(f"[tp={tp}] {result}")
-    assert result.explained, str(result)
-    assert result.agreed >= 20
+def test_tp2_reproduces_the_reference():
+    """One TP 2 engine (a process holds one process group at a time), plain and speculative, two prompts and seeds."""
+    engine = FastEngine.load(TINY, tp=2, device="cpu", options=EngineOptions(max_context=256, dtype="fp32"))
+    try:
+        for drafts in (0, 3, "auto"):
+            for i, seed in enumerate((77, 78)):
+                got = list(engine.generate(PROMPTS[i], seed=seed, params=PARAMS, max_new_tokens=24, drafts=drafts))
+                assert rounds(got) == rounds(ref_steps(TINY, PROMPTS[i], seed, drafts, n=24)), (drafts, seed)
+    finally:
+        engine.close()
+
+
+def test_tp8_reproduces_the_reference():
+    """tiny-tp8 at 8 ranks: KV heads replicated 2x, expert shards starting inside their 16-row scale blocks, the
+    draft's eh_proj split over embedding and hidden columns. One speculative request (~40 s on 2 cores)."""
+    t0 = time.monotonic()
+    got = _tp_tokens(TINY_TP8, 8, PROMPTS[0], 77, 3)
+    assert got == tokens(ref_steps(TINY_TP8, PROMPTS[0], 77, 3, n=24))
+    print(f"[tp8] {time.monotonic() - t0:.0f} s")
+
+
+# ---- the published dimensions ----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_published_dimensions_load_and_agree_at_tp1_and_tp8(monkeypatch):
+    """fixtures/make.py's published-small preset: hidden 3072, 48 query heads of 128 with partial RoPE over 32 dims,
+    8 KV heads, experts 1536 wide (192 rows a rank at TP 8: 128-row FP8 blocks shared by two ranks), the dense MLP
+    12288 wide, window 4096 and the draft's 512; 2 layers, 4 experts. TP 1 and TP 8 (gloo) emit the same tokens, plain
+    and speculative."""
+    from iquest.fast import weights
+
+    model = fixture_dir("published-small")
+    # TP 1 in this process: keep every dequantized weight (the same values) instead of rebuilding the large ones per
+    # call; the TP 8 ranks' slices are small enough to be kept anyway
+    monkeypatch.setattr(weights, "KEEP_DENSE_BYTES", 1 << 30)
+    prompt, seed, n = PROMPTS[0][:12], 5, 8
+    t0 = time.monotonic()
+    one = FastEngine.load(model, tp=1, device="cpu", options=EngineOptions(max_context=64, dtype="fp32"))
+    try:
+        single = {d: tokens(one.generate(prompt, seed=seed, params=PARAMS, max_new_tokens=n, drafts=d)) for d in (0, 3)}
+    finally:
+        one.close()
+    t1 = time.monotonic()
+    eight = FastEngine.load(model, tp=8, device="cpu", options=EngineOptions(max_context=64, dtype="fp32"))
+    try:
+        multi = {d: tokens(eight.generate(prompt, seed=seed, params=PARAMS, max_new_tokens=n, drafts=d)) for d in (0, 3)}
+    finally:
+        eight.close()
+    print(f"[published-small] tp1 {t1 - t0:.0f} s, tp8 {time.monotonic() - t1:.0f} s: {single}")
+    assert multi == single and all(len(v) == n for v in single.values())
 
 
 # ---- the trained mini model: real routing and real acceptance ------------------------------------------
@@ -174,19 +307,19 @@ MINI_PROMPTS = ["def parse_args(argv):\n    ", "class Cache:\n    def __init__(s
 def test_fast_agrees_with_reference_on_the_mini_model(dtype, drafts):
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(MINI / "tokenizer.json"))
-    engine = rank_engine(MINI, dtype)
+    mini = mini_or_skip()
+    tok = Tokenizer.from_file(str(mini / "tokenizer.json"))
+    engine = rank_engine(mini, dtype)
     agreed = total = accepted = 0
     for i, text in enumerate(MINI_PROMPTS):
         prompt = tok.encode(text).ids
         steps = fast_steps(engine, prompt, 300 + i, drafts, n=48)
-        out_ref = tokens(generate(reference(MINI), prompt, seed=300 + i, params=PARAMS, max_new_tokens=48,
-                                  drafts=drafts))
-        result = compare(prompt, tokens(steps), out_ref, fast_dist(engine), ref_dist(MINI), TOLERANCE[dtype])
+        out_ref = tokens(ref_steps(mini, prompt, 300 + i, drafts, n=48))
+        result = compare(prompt, tokens(steps), out_ref, fast_dist(engine), ref_dist(mini), TOLERANCE[dtype])
         print(f"[mini {dtype} drafts={drafts} prompt {i}] {result}")
         assert result.explained, str(result)
         agreed, total = agreed + result.agreed, total + result.total
         accepted += sum(s.accepted for s in steps)
     assert accepted > 0, "the trained draft layer must get drafts accepted (else acceptance paths went untested)"
     if dtype == "fp32":
-        assert agreed >= 0.9 * total, f"only {agreed}/{total} tokens agree before divergence"
+        assert agreed == total, f"only {agreed}/{total} tokens agree"
