@@ -15,7 +15,7 @@ from typing import Iterator, Protocol, Sequence
 import torch
 
 from . import sampling
-from .depth import DraftFeatures, FixedDepth
+from .depth import MAX_DRAFTS, MIN_DRAFTS, DraftFeatures, FixedDepth
 from .rng import PURPOSE_ACCEPT, PURPOSE_COMMIT, PURPOSE_DRAFT, RequestRNG
 from .sampling import Dist, SamplingParams
 
@@ -113,7 +113,7 @@ class SpeculativeDecoder:
     def draft(self, start: int, main_hidden: torch.Tensor) -> _Drafts:
         """Depth 0 over rows at positions start..n-1 (row p: the target's hidden h_p and the token x_{p+1}), then one
         row per further depth at the next position (the previous depth's output and its draft). Drafts 1-3 always
-        run; the controller decides 4-7."""
+        run; the controller decides 4-7 (whatever it answers, a round drafts 3 to 7)."""
         n = len(self.seq) - 1
         positions = torch.arange(start, n)
         logits, h = self.model.draft(torch.tensor(self.seq[start + 1:]), main_hidden, positions, self.cache)
@@ -125,7 +125,10 @@ class SpeculativeDecoder:
             tokens.append(d)
             dists.append(q)
             product *= q.prob(d)
-            if not self.controller.more(DraftFeatures(depth, q.prob(d), _entropy(q), product)):
+            # ROUND.md: d_1..d_3 always run, the controller decides after each of d_3..d_6, never past d_7
+            if depth >= MAX_DRAFTS or (depth >= MIN_DRAFTS
+                                       and not self.controller.more(DraftFeatures(depth, q.prob(d), _entropy(q),
+                                                                                  product))):
                 return _Drafts(tokens, dists)
             logits, h = self.model.draft(torch.tensor([d]), h[-1:], torch.tensor([n + depth - 1]), self.cache)
 
