@@ -313,8 +313,26 @@ def test_draft_rows_sit_where_round_md_puts_them(model):
             assert pos == [n - 1 + d] and len(toks) == 1, f"depth {d} after step {i}"
             if d <= nxt.accepted:
                 assert toks == [nxt.tokens[d - 1]]
-    assert sum(s.drafts for s in steps) > sum(s.accepted for s in steps) > 0
     assert next(call, None) is None
+    assert sum(s.drafts for s in steps) > sum(s.accepted for s in steps) > 0
+
+
+class Always:
+    def __init__(self, answer: bool):
+        self.answer, self.depths = answer, []
+
+    def more(self, f) -> bool:
+        self.depths.append(f.depth)
+        return self.answer
+
+
+@pytest.mark.parametrize("answer, k", [(False, 3), (True, 7)])
+def test_a_round_drafts_3_to_7_whatever_the_controller_says(model, answer, k):
+    """docs/round.md: drafts d_1..d_3 always run; the controller is asked after each of d_3..d_6, never after d_7."""
+    ctl = Always(answer)
+    steps = list(generate(model, PROMPT, seed=1, params=PARAMS, max_new_tokens=20, drafts=K, controller=ctl))
+    assert {s.drafts for s in steps[1:]} == {k}
+    assert set(ctl.depths) == ({3} if not answer else {3, 4, 5, 6})
 
 
 @pytest.mark.parametrize("n", SIZES)
