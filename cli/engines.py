@@ -15,9 +15,10 @@ DEFAULT_MODELS = ("fixtures/iquest-q1-mini", "fixtures/tiny")
 
 
 def default_model_dir() -> Path:
-    """The shipped default model: the trained mini model, or the tiny random fixture before it exists."""
+    """The shipped default model: the trained mini model, or the tiny random fixture before it exists in the published
+    layout (a folder without the draft's mtp/config.json predates it)."""
     for rel in DEFAULT_MODELS:
-        if (PACKAGE_ROOT / rel / "config.json").exists():
+        if (PACKAGE_ROOT / rel / "config.json").exists() and (PACKAGE_ROOT / rel / "mtp" / "config.json").exists():
             return PACKAGE_ROOT / rel
     raise FileNotFoundError(f"no shipped model found under {PACKAGE_ROOT / 'fixtures'}; pass --model DIR")
 
@@ -61,7 +62,9 @@ class ReferenceEngine:
 
 
 def load_engine(name: str, model_dir: str | Path, tp: int = 1, max_context: int = 4096, dtype: str = "auto",
-                device: str = "auto", kernels: str = "auto") -> Engine:
+                device: str = "auto", kernels: str = "auto", weights: str = "auto") -> Engine:
+    """The named engine over a model folder. `weights` (fast engine): what its linears run as, auto, bf16 or fp8
+    (fast/weights.weight_format); the reference always computes the checkpoint's exact values."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"model folder {model_dir} has no config.json")
@@ -74,5 +77,6 @@ def load_engine(name: str, model_dir: str | Path, tp: int = 1, max_context: int 
         from ..fast.rank import EngineOptions
 
         return FastEngine.load(model_dir, tp=tp, device=device,
-                               options=EngineOptions(max_context=max_context, dtype=dtype, kernels=kernels))
+                               options=EngineOptions(max_context=max_context, dtype=dtype, kernels=kernels,
+                                                     weights=weights))
     raise ValueError(f"unknown engine {name!r}")

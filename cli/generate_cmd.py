@@ -7,8 +7,8 @@ import sys
 import time
 
 from ..reference.config import check_sampling
-from .options import (add_chat, add_device, add_json, add_kernels, add_prompt, check_chat, engine_target,
-                      load_tokenizer, model_folder, print_json, prompt_ids)
+from .options import (add_chat, add_device, add_json, add_kernels, add_prompt, add_weights, check_chat,
+                      check_weights, engine_target, load_tokenizer, model_folder, print_json, prompt_ids)
 
 DEFAULT_PROMPT = "def fibonacci(n):\n"
 
@@ -30,8 +30,10 @@ def register(sub) -> None:
 
     p = sub.add_parser("generate", help="decode one prompt with speculative rounds",
                        description="Decode one request. Text streams to stdout as it is produced; a summary "
-                                   "(the engine, device, TP, kernels and depth policy that ran; tokens, rounds, mean "
-                                   "accepted length; start-up, prefill and decode times) follows on stderr.")
+                                   "(the engine, device, TP, compute dtype, weight format, the kernel plan with the "
+                                   "op groups still on their torch forms, and the depth policy that ran; tokens, "
+                                   "rounds, mean accepted length; start-up, prefill and decode times) follows on "
+                                   "stderr.")
     p.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
     p.add_argument("--engine", choices=["reference", "fast"], default="fast",
                    help="fast = the optimized engine (default); reference = the float64 CPU ground truth")
@@ -43,6 +45,7 @@ def register(sub) -> None:
                    help="fast engine compute dtype (default auto: bf16 on GPU, fp32 on CPU)")
     add_device(p, what="fast engine device")
     add_kernels(p)
+    add_weights(p)
     add_prompt(p, DEFAULT_PROMPT)
     add_chat(p)
     p.add_argument("--max-new-tokens", type=int, default=64, help="output budget in tokens (default 64)")
@@ -71,9 +74,11 @@ def run(args: argparse.Namespace) -> int:
     tok = load_tokenizer(model_dir)
     prompt = prompt_ids(args, tok, model_dir)
     device = engine_target(args.device, args.kernels) if args.engine == "fast" else "cpu"
+    if args.engine == "fast":
+        check_weights(args.weights, model_dir, device)
     started = time.perf_counter()
     engine = load_engine(args.engine, model_dir, args.tp, max_context=args.max_context, dtype=args.dtype,
-                         device=device, kernels=args.kernels)
+                         device=device, kernels=args.kernels, weights=args.weights)
     cfg, gen = engine.config, engine.generation
     params = SamplingParams(
         temperature=gen.temperature if args.temperature is None else args.temperature,
@@ -156,11 +161,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _describe(args: argparse.Namespace, engine) -> dict:
-    """What ran, in words: the engine, its device, TP, kernels and dtype."""
+    """What ran, in words (`engine_run`) and as fields: the engine, its device, TP, compute dtype, the weight format
+    (and whether a BF16 checkpoint was quantized at load), the kernel plan with the op groups on their torch forms."""
     if args.engine == "reference":
-        return {"engine_run": "reference (float64, CPU)", "startup_what": "load"}
-    import torch
-
-    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}[engine.rank0.dtype]
-    return {"engine_run": f"fast on {engine.device.type}, tp {engine.tp}, {engine.kernels} kernels, {dtype}",
+        fmt = "fp8" if engine.config.quantized else "bf16"
+        return {"engine_run": f"reference (float64, CPU; the checkpoint's {fmt} weights, dequantized exactly)",
+                "startup_what": "load", "device": "cpu", "tp": 1, "dtype": "fp64", "weights": fmt}
+    info = engine.describe()
+    return {"engine_run": info.pop("text"), **info,
             "startup_what": "load" if engine.kernels == "torch" else "load, kernel compilation, graph capture"}

@@ -1,4 +1,5 @@
-"""What several commands share: `--device`, `--kernels`, `--json` and the prompt sources, each with its check.
+"""What several commands share: `--device`, `--kernels`, `--weights`, `--json` and the prompt sources, each with its
+check.
 
 The checks run before an engine is built, so a value the machine cannot serve (`--device cuda` without a GPU,
 `--kernels triton` on a CPU without Triton's interpreter) is one line naming the flag, not a traceback from deep
@@ -19,6 +20,11 @@ from pathlib import Path
 
 DEVICES = ("auto", "cuda", "cpu")
 KERNELS = ("auto", "torch", "triton")  # fast/plan.py's CHOICES: what a user picks (plan.py imports torch)
+WEIGHTS = ("auto", "bf16", "fp8")  # fast/weights.py's WEIGHT_FORMATS (weights.py imports torch)
+WEIGHTS_HELP = ("what the fast engine's linear weights run as: auto (default) = an FP8 checkpoint as FP8; a BF16 "
+                "checkpoint as FP8 on cuda (quantized once at load to 128x128 blocks, the kernels' format) and as BF16 "
+                "elsewhere; bf16 = a BF16 checkpoint as stored (refused for an FP8 checkpoint: nothing to recover); "
+                "fp8 = block FP8 (a BF16 checkpoint quantized at load)")
 JSON_HELP = "print the result as JSON on stdout instead of as text"
 
 
@@ -90,6 +96,21 @@ def engine_target(device: str, kernels: str) -> str:
     resolved = resolve_device(device)
     check_kernels(kernels, resolved)
     return resolved
+
+
+# ---- --weights -------------------------------------------------------------------------------------------------
+
+def add_weights(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", choices=WEIGHTS, default="auto", help=WEIGHTS_HELP)
+
+
+def check_weights(choice: str, model_dir: Path, device: str) -> str:
+    """`--weights` against the checkpoint and device (fast/weights.weight_format): what its linears will run as, or a
+    one-line error (bf16 on an FP8 checkpoint) before anything loads."""
+    from ..fast.weights import weight_format
+    from ..reference.config import Config
+
+    return weight_format(choice, Config.from_dir(model_dir), device)
 
 
 # ---- --json ----------------------------------------------------------------------------------------------------

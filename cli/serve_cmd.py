@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .generate_cmd import _drafts
-from .options import add_device
+from .options import add_device, add_weights
 
 
 def register(sub) -> None:
@@ -31,6 +31,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="fast engine compute dtype (default auto: bf16 on GPU, fp32 on CPU)")
     add_device(p, what="fast engine device")
+    add_weights(p)
     p.add_argument("--drafts", type=_drafts, default="auto",
                    help="auto (default) = the fitted depth controller where drafting pays on this device, else plain "
                         "sampling (round_costs.json beside the model); 3..7 = fixed drafts per round; 0 = plain")
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from ..serve.server import load_tokenizer, serve
     from .engines import load_engine
     from .main import UserError
-    from .options import model_folder, resolve_device
+    from .options import check_weights, model_folder, resolve_device
 
     model_dir = model_folder(args.model)
     if not 0 <= args.port <= 65535:
@@ -74,10 +75,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--api-key is empty")
     tokenizer = load_tokenizer(model_dir)
     device = resolve_device(args.device) if args.engine == "fast" else "cpu"
+    if args.engine == "fast":
+        check_weights(args.weights, model_dir, device)
     engine = load_engine(args.engine, model_dir, args.tp, max_context=args.max_context, dtype=args.dtype,
-                         device=device)
+                         device=device, weights=args.weights)
     policy = engine.policy(args.drafts)  # auto: plain sampling where drafting loses on this device
-    print(f"iquest serve: depth policy {policy.label}", file=sys.stderr, flush=True)
+    ran = engine.describe()["text"] if hasattr(engine, "describe") else "reference (float64, CPU)"
+    print(f"iquest serve: {ran}; depth policy {policy.label}", file=sys.stderr, flush=True)
     options = ServeOptions(model_name=args.served_model_name or model_dir.resolve().name, api_key=args.api_key,
                            queue_size=args.queue_size, deadline=args.deadline or None,
                            max_context=args.max_context, drafts=policy.drafts, max_body_size=args.max_body_size)

@@ -21,6 +21,7 @@ from ..reference.speculative import Step
 from .depth_policy import DepthPolicy, depth_policy
 from .memory import check_memory
 from .parallel import free_port, init_process
+from .plan import PUBLISHED, KernelPlan
 from .rank import EngineOptions, EngineParts, RankEngine, Request
 
 
@@ -76,6 +77,21 @@ def _await_workers(ready: "mp.Queue", procs: list, status: str, timeout_s: float
         deadline = time.monotonic() + timeout_s
 
 
+def kernel_summary(plan: KernelPlan) -> str:
+    """What ran as which form, in words: "torch" (every op its torch form), or the groups running Triton kernels, then
+    those on their torch forms: the plan's groups it left off, and the groups with no published-architecture kernel yet
+    (fast/plan.py), e.g. "triton for linear, sampling, glue; torch forms for attention, norm, moe, lm_head (no
+    published-architecture kernel yet)"."""
+    if not plan.uses_triton:
+        return "torch"
+    on = [g for g in PUBLISHED if getattr(plan, g)]
+    off = [g for g in plan.torch_groups if g in PUBLISHED]
+    missing = [g for g in plan.torch_groups if g not in PUBLISHED]
+    parts = ([f"{', '.join(off)} (off in this plan)"] if off else []) + \
+        ([f"{', '.join(missing)} (no published-architecture kernel yet)"] if missing else [])
+    return f"triton for {', '.join(on)}" + (f"; torch forms for {' and '.join(parts)}" if parts else "")
+
+
 class FastEngine:
     def __init__(self, rank0: RankEngine, procs: list, queues: list):
         self.rank0, self.procs, self.queues = rank0, procs, queues
@@ -127,6 +143,32 @@ class FastEngine:
     def kernels(self) -> str:
         """What the ranks run: "torch", "triton" or a debugging plan's groups (fast/plan.py)."""
         return self.rank0.plan.name
+
+    @property
+    def plan(self) -> KernelPlan:
+        return self.rank0.plan
+
+    @property
+    def weights(self) -> str:
+        """What the linear weights run as: "fp8" or "bf16" (fast/weights.weight_format)."""
+        return self.rank0.model.w.format
+
+    @property
+    def quantized_at_load(self) -> bool:
+        """A BF16 checkpoint running as FP8: its linears were quantized to E4M3 blocks when they loaded."""
+        return self.weights == "fp8" and not self.config.quantized
+
+    def describe(self) -> dict:
+        """What runs, for summaries: device, TP, compute dtype, weight format and the kernel plan in words."""
+        dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.rank0.dtype, str(self.rank0.dtype))
+        weights = self.weights + (" (quantized at load from bf16)" if self.quantized_at_load else "")
+        kernels = kernel_summary(self.plan)
+        return {"device": self.device.type, "tp": self.tp, "dtype": dtype, "weights": weights,
+                "weights_quantized_at_load": self.quantized_at_load, "kernels": kernels,
+                "kernel_groups": {"triton": [g for g in PUBLISHED if getattr(self.plan, g)],
+                                  "torch": list(self.plan.torch_groups)},
+                "text": f"fast on {self.device.type}, tp {self.tp}, {dtype} activations, weights {weights}; "
+                        f"kernels: {kernels}"}
 
     @property
     def device(self) -> torch.device:
