@@ -45,7 +45,9 @@ def test_sampling_defaults_come_from_the_generation_config():
     """generate's help names the values the shipped model's generation_config.json holds, which are also what a model
     without that file gets."""
     help_of = {a.dest: a.help for a in PARSERS["generate"]._actions}
-    shipped = json.loads((ROOT / "fixtures" / "iquest-q1-mini" / "generation_config.json").read_text())
+    from iquest.cli.engines import default_model_dir
+
+    shipped = json.loads((default_model_dir() / "generation_config.json").read_text())
     for key, shown in (("temperature", "1.0"), ("top_k", "20"), ("top_p", "0.95")):
         assert str(shipped[key]) == str(getattr(GenerationConfig, key)) == shown
         assert f"default: the model's generation_config.json, {shown}" in help_of[key], help_of[key]
@@ -80,9 +82,24 @@ def test_device_is_auto_cuda_cpu_everywhere():
         assert list(_flag(name, "--device").choices) == ["auto", "cuda", "cpu"], name
 
 
+def test_weights_mean_the_same_everywhere():
+    """--weights: what the fast engine's linears run as, on every command that builds one (and info, which counts
+    them), with the documented default."""
+    from iquest.fast.weights import WEIGHT_FORMATS
+
+    having = [name for name in PARSERS if _flag(name, "--weights") and name != "make-fixture"]  # the format it writes
+    assert {"generate", "serve", "info"} <= set(having)
+    for name in having:
+        action = _flag(name, "--weights")
+        assert tuple(action.choices) == WEIGHT_FORMATS and action.default == "auto", name
+    text = _flag("generate", "--weights").help
+    assert "FP8 checkpoint as FP8" in text and "quantized once at load" in text and "BF16 elsewhere" in text
+
+
 def test_json_means_stdout_everywhere_and_bench_keeps_out():
     having = {name: _flag(name, "--json") for name in PARSERS if _flag(name, "--json")}
-    assert set(having) == {"generate", "info", "qualify", "debug diff", "debug chain"}
+    checkers = {"check-checkpoint"} & set(PARSERS)  # another command's, where it is registered
+    assert set(having) == {"generate", "info", "qualify", "debug diff", "debug chain"} | checkers
     for name, action in having.items():
         assert action.nargs == 0 and "stdout" in action.help, name  # a flag, never a file name
     for name in PARSERS:

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from iquest.cli.engines import default_model_dir
 from iquest.cli.main import main
 from iquest.fast.depth_policy import ROUND_COSTS_FILE, depth_policy
+from iquest.tests.helpers import TINY, fixture_dir, mini_or_skip
 
 ROOT = Path(__file__).resolve().parent.parent
-MINI = ROOT / "fixtures" / "iquest-q1-mini"
-TINY = ROOT / "fixtures" / "tiny"
 NO_TRITON = "import sys; sys.modules['triton'] = None; from iquest.cli.main import main; sys.exit(main({argv!r}))"
 
 
@@ -68,7 +68,7 @@ def test_a_broken_round_cost_file_is_a_clear_error(tmp_path):
 
 
 def test_the_shipped_model_measured_its_cpu_costs():
-    entry = json.loads((MINI / ROUND_COSTS_FILE).read_text())["cpu"]
+    entry = json.loads((mini_or_skip() / ROUND_COSTS_FILE).read_text())["cpu"]
     assert entry["command"].startswith("iquest fit-depth") and entry["tokens"]["plain"] > 0
 
 
@@ -78,13 +78,15 @@ def _generate(capsys, *argv: str) -> dict:
 
 
 def test_auto_on_cpu_runs_what_the_costs_choose_and_says_so(capsys):
-    """On the shipped model, CPU costs say plain sampling: `auto` then decodes exactly as `--drafts 0`."""
-    chosen = depth_policy("auto", MINI, "cpu")
+    """On the shipped model, CPU costs say plain sampling: `auto` then decodes exactly as `--drafts 0` (before the
+    mini model lands in the published layout the default is tiny, with no costs: `auto` is the controller)."""
+    chosen = depth_policy("auto", default_model_dir(), "cpu")
     auto = _generate(capsys, "--max-new-tokens", "12", "--seed", "4")
     explicit = _generate(capsys, "--max-new-tokens", "12", "--seed", "4", "--drafts", str(chosen.drafts))
     assert auto["output_ids"] == explicit["output_ids"]
     assert auto["summary"]["depth_policy"] == chosen.label
-    assert (auto["summary"]["rounds"] == 11) == (chosen.drafts == 0)  # plain: one token a round
+    drafted = [r["drafts"] for r in auto["rounds"][1:]]  # the first entry is the prefill's token
+    assert all(d == 0 for d in drafted) if chosen.drafts == 0 else all(d >= 3 for d in drafted)
 
 
 def test_summary_separates_startup_prefill_and_decode(capsys):
@@ -93,10 +95,29 @@ def test_summary_separates_startup_prefill_and_decode(capsys):
     assert s["startup_seconds"] > 0 and s["prefill_seconds"] > 0 and s["decode_seconds"] > 0
     decoded = len(r["output_ids"]) - 1  # the first token comes from the prefill
     assert s["decode_tokens_per_second"] == pytest.approx(decoded / s["decode_seconds"])
-    assert s["engine_run"] == "fast on cpu, tp 1, torch kernels, fp32" and s["depth_policy"] == "fixed depth 3"
+    assert s["engine_run"] == "fast on cpu, tp 1, fp32 activations, weights fp8; kernels: torch"
+    assert s["depth_policy"] == "fixed depth 3"
+    assert (s["device"], s["tp"], s["dtype"], s["weights"], s["kernels"]) == ("cpu", 1, "fp32", "fp8", "torch")
+    assert s["kernel_groups"]["triton"] == [] and "moe" in s["kernel_groups"]["torch"]
     assert main(["generate", "--model", str(TINY), "--max-new-tokens", "4"]) == 0
     err = capsys.readouterr().err
     assert "start-up" in err and "prefill" in err and "decode" in err and "depth policy: auto" in err
+    assert "weights fp8; kernels: torch" in err
+
+
+@pytest.mark.parametrize("weights, shown", [("auto", "weights bf16"), ("fp8", "weights fp8 (quantized at load from bf16)")])
+def test_the_summary_names_the_weight_format(capsys, weights, shown):
+    """A BF16 checkpoint runs as BF16 on the CPU by default (auto), as FP8 quantized at load when asked."""
+    bf16 = fixture_dir("tiny", "bf16")
+    r = _generate(capsys, "--model", str(bf16), "--max-new-tokens", "3", "--weights", weights, "--drafts", "3")
+    assert shown in r["summary"]["engine_run"]
+    assert r["summary"]["weights_quantized_at_load"] == (weights == "fp8")
+
+
+def test_weights_bf16_on_an_fp8_checkpoint_is_one_line(capsys):
+    assert main(["generate", "--model", str(TINY), "--weights", "bf16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--weights bf16" in err and "Traceback" not in err
 
 
 def test_checkout_folders_do_not_shadow_installed_packages():
@@ -109,3 +130,17 @@ def test_checkout_folders_do_not_shadow_installed_packages():
     assert "kernels" in folders
     found = {name: importlib.util.find_spec(name) for name in folders}
     assert not [n for n, spec in found.items() if spec is not None and str(ROOT) in str(spec.origin)], found
+
+
+def test_the_kernel_plan_in_words_names_the_torch_forms():
+    """What a GPU run's summary says: the groups on Triton kernels, then those on their torch forms, the ones with no
+    published-architecture kernel yet named as such."""
+    from iquest.fast.engine import kernel_summary
+    from iquest.fast.plan import KernelPlan
+
+    assert kernel_summary(KernelPlan.torch()) == "torch"
+    assert kernel_summary(KernelPlan.triton()) == ("triton for linear, sampling, glue; torch forms for attention, "
+                                                   "norm, moe, lm_head (no published-architecture kernel yet)")
+    assert kernel_summary(KernelPlan(linear=True)) == (
+        "triton for linear; torch forms for sampling, glue (off in this plan) and attention, norm, moe, lm_head (no "
+        "published-architecture kernel yet)")
