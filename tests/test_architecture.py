@@ -192,9 +192,10 @@ class Explicit:
             out = h + mlp(b) * c.ffn_out_scale
         return {"attn_out": attn, "mlp_in": b, "hidden": out}
 
-    def draft_input(self, token: int, hidden: torch.Tensor, embed: str = "embed_tokens.weight") -> torch.Tensor:
+    def draft_input(self, token: int, hidden: torch.Tensor) -> torch.Tensor:
+        """z = concat(rmsnorm(mtp.embed_tokens[token], enorm), rmsnorm(hidden, hnorm)) @ eh_proj^T."""
         d, w = self.c.mtp, self.w
-        e = e_rms(w[DRAFT + embed][token], w[DRAFT + "mtp.enorm.weight"], d.rms_norm_eps)
+        e = e_rms(w[DRAFT + "embed_tokens.weight"][token], w[DRAFT + "mtp.enorm.weight"], d.rms_norm_eps)
         g = e_rms(hidden, w[DRAFT + "mtp.hnorm.weight"], d.rms_norm_eps)
         return w[DRAFT + "mtp.eh_proj.weight"] @ torch.cat([e, g])  # the embedding first
 
@@ -229,7 +230,8 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, rel: float = EXPLICIT_REL) ->
 
 
 def draft_depth0(m: ReferenceModel) -> tuple[dict, object]:
-    """Taps of the prefill (prefixed "target.") and of depth 0 over positions 0..N-1, and the cache after them."""
+    """Depth 0's taps over positions 0..N-1 (plus "target.final_hidden": the prefill's post-norm hidden it read), and
+    the cache after them."""
     taps: dict = {}
     cache = m.new_cache()
     _, hidden = m.forward(TOKENS[:N], torch.arange(N), cache)

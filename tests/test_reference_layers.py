@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Glm4MoeConfig, LlamaConfig, Qwen3MoeConfig
+from transformers import Glm4MoeConfig, Qwen3MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding, apply_rotary_pos_emb
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
