@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from ..fast.parallel import Parallel
-from ..fast.rank import EngineOptions, RankEngine
+from ..fast.rank import EngineOptions, EngineParts, RankEngine
 from ..reference.config import Config
 from . import tolerances
 from .checks import record, reference, sliding_ring
-from .replay import Block, StreamReference, router_checked, router_weight
+from .replay import Block, StreamReference, recording_parts, router_checked, router_weight
 
 
 @dataclass
@@ -82,7 +82,8 @@ class _Replay:
 
 
 def chain_rows(engine: RankEngine, model_dir: str, case, index: int, router_tol: float = 1.0) -> list[ChainRow]:
-    """Decode one qualification case on `engine` and split every draft row's error: the reference replayed
+    """Decode one qualification case on `engine` (built with qualify.replay.recording_parts) and split every draft
+    row's error: the reference replayed
     twice over the same recorded blocks, its recursion from its own outputs (chain) and from the engine's
     (step), and what qualify scores after its router check (`router_tol`: numerics.router's tolerance)."""
     _, steps, blocks = record(engine, case, taps=True)
@@ -106,12 +107,13 @@ def chain_rows(engine: RankEngine, model_dir: str, case, index: int, router_tol:
     return rows
 
 
-def _case_rows(model_dir: str, options: EngineOptions, device: str, index: int) -> list[ChainRow]:
+def _case_rows(model_dir: str, options: EngineOptions, device: str, index: int,
+               parts: EngineParts = EngineParts()) -> list[ChainRow]:
     from .run import qualify_cases
 
-    engine = RankEngine(model_dir, Parallel.single(device), options)
+    engine = RankEngine(model_dir, Parallel.single(device), options, recording_parts(parts))
     cases, _, _ = qualify_cases(engine.config.vocab_size, False, sliding_ring(engine.config, options))
-    tol = tolerances.value("numerics.router", tolerances.scheme(options.dtype, engine.plan, engine.config))
+    tol = tolerances.value("numerics.router", tolerances.scheme(options.dtype))
     return chain_rows(engine, model_dir, cases[index], index, tol)
 
 

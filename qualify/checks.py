@@ -5,6 +5,11 @@
   (tokens and acceptance sequences until the first divergence, each divergence explained: qualify/agreement.py);
 - stability: the same prefix alone, +1 and +8 tokens, on both engines;
 - lossless: chi-square of the first speculative token against its exact distribution (micro preset).
+
+The reference a candidate is judged by is named by (model folder, quant): quant None is the checkpoint as stored;
+"fp8" has every linear the checkpoint stores unquantized (a BF16 checkpoint: all of them) quantized exactly as the
+engine's loader quantizes it at load (`--weights fp8`: E4M3 in fast/weights.LOAD_BLOCK blocks, over whole blocks),
+then dequantized exactly: the model the FP8 engine runs.
 """
 
 from __future__ import annotations
@@ -17,18 +22,21 @@ from pathlib import Path
 
 import torch
 
-from ..fast.cache import StaticKV, layer_slots
+from ..fast.cache import RING_SLACK, StaticKV, layer_slots
 from ..fast.parallel import Parallel
 from ..fast.plan import KernelPlan
 from ..fast.rank import PREFILL_BLOCK, EngineOptions, EngineParts, RankEngine, Request, cache_capacity
+from ..fast.weights import LOAD_BLOCK
+from ..reference.checkpoint import CheckpointReader
 from ..reference.config import Config
 from ..reference import sampling
+from ..reference.fp8 import dequantize, quantize
 from ..reference.model import ReferenceModel
 from ..reference.sampling import SamplingParams
 from ..reference.speculative import generate
 from . import tolerances
 from .agreement import compare
-from .replay import Recorder, Scores, score
+from .replay import Geometry, Recorder, Scores, recording, recording_parts, score
 
 
 @dataclass
@@ -48,13 +56,56 @@ class Row:
 
 
 @lru_cache(maxsize=None)
-def reference(model_dir: str) -> ReferenceModel:
-    return ReferenceModel.load(model_dir)
+def reference(model_dir: str, quant: str | None = None) -> ReferenceModel:
+    """The float64 reference on the checkpoint as stored (quant None), or with every linear the checkpoint stores
+    unquantized quantized as the engine's loader quantizes it at load (quant "fp8"; see the module docstring)."""
+    if quant is None:
+        return ReferenceModel.load(model_dir)
+    if quant != "fp8":
+        raise ValueError(f"unknown reference quantization {quant!r}")
+    reader = CheckpointReader(model_dir)
+    weights = {}
+    for name in reader.names():
+        s = reader.read_weight(name)
+        if s.scale is not None:
+            w = dequantize(s.weight, s.scale, reader.block, torch.float64)
+        elif at_load(reader, name):  # over the whole tensor: the loader's whole blocks are the same
+            w = dequantize(*quantize(s.weight, LOAD_BLOCK), LOAD_BLOCK, torch.float64)
+        else:
+            w = s.weight
+        weights[name] = w
+    model = ReferenceModel(reader.config, weights)
+    model.model_dir = Path(model_dir)
+    return model
 
 
-def params_for(engine: RankEngine) -> SamplingParams:
+def at_load(reader: CheckpointReader, name: str) -> bool:
+    """Whether --weights fp8 quantizes `name` at load: a linear (quantizable) the checkpoint stores unquantized."""
+    return reader.specs[name].quantized and not reader.is_quantized(name)
+
+
+def quantized_at_load(model_dir: str) -> bool:
+    """Whether --weights fp8 quantizes any of the checkpoint's linears at load (a BF16 checkpoint: all of them)."""
+    reader = CheckpointReader(model_dir)
+    return any(at_load(reader, n) for n in reader.names())
+
+
+def params_for(engine: RankEngine, case: "Case | None" = None) -> SamplingParams:
+    """The case's sampling parameters, or the model's generation_config.json defaults."""
+    if case is not None and case.params is not None:
+        return SamplingParams(*case.params)
     g = engine.generation
     return SamplingParams(g.temperature, g.top_k, g.top_p)
+
+
+@dataclass(frozen=True)
+class RefSpec:
+    """Which float64 reference judges a candidate: the model folder and its quantization (see the module docstring)."""
+    model_dir: str
+    quant: str | None = None
+
+    def model(self) -> ReferenceModel:
+        return reference(self.model_dir, self.quant)
 
 
 @dataclass(frozen=True)
@@ -63,6 +114,7 @@ class Case:
     seed: int
     drafts: int | str
     max_new_tokens: int
+    params: tuple[float, int, float] | None = None  # (temperature, top_k, top_p); None: the model's defaults
 
 
 @dataclass
@@ -74,9 +126,14 @@ class Session:
     blocks: list
     scores: Scores
     round_ratio: dict
-    ring: int
+    geometry: Geometry
     params: SamplingParams
     agreement_rows: list[Row] = field(default_factory=list)
+    source_scores: Scores | None = None  # fp8w.*: against the BF16 source's reference (a BF16 checkpoint as FP8)
+
+    @property
+    def ring(self) -> int:
+        return self.geometry.ring
 
 
 def _tokens(steps) -> list[int]:
@@ -88,11 +145,11 @@ def _acceptance(steps) -> list[tuple[int, int]]:
 
 
 @lru_cache(maxsize=None)
-def reference_decode(model_dir: str, case: Case, params: SamplingParams) -> tuple:
+def reference_decode(ref: RefSpec, case: Case, params: SamplingParams) -> tuple:
     from ..reference.depth import load_controller
 
-    controller = load_controller(model_dir) if case.drafts == "auto" else None  # the model's own rule, as fast/
-    steps = list(generate(reference(model_dir), list(case.prompt), seed=case.seed, params=params,
+    controller = load_controller(ref.model_dir) if case.drafts == "auto" else None  # the model's own rule, as fast/
+    steps = list(generate(ref.model(), list(case.prompt), seed=case.seed, params=params,
                           max_new_tokens=case.max_new_tokens, drafts=case.drafts, controller=controller))
     return tuple(_tokens(steps)), tuple(_acceptance(steps))
 
@@ -114,8 +171,8 @@ def fast_prefill_dist(engine: RankEngine, params: SamplingParams):
     return dist
 
 
-def reference_dist(model_dir: str, params: SamplingParams):
-    model = reference(model_dir)
+def reference_dist(ref: RefSpec, params: SamplingParams):
+    model = ref.model()
 
     def dist(prefix):
         logits, _ = model.forward(torch.tensor(prefix), torch.arange(len(prefix)), model.new_cache())
@@ -123,57 +180,77 @@ def reference_dist(model_dir: str, params: SamplingParams):
     return dist
 
 
+def geometry(config: Config, options: EngineOptions, cache: type[StaticKV] = StaticKV) -> Geometry:
+    """Where the position classes change for a candidate: the config's windows (the contract) and the rings the
+    engine's caches hold under `options` (the cache class `cache`: a negative control's may hold fewer spare slots).
+    A ring is the whole capacity when no layer of its kind slides."""
+    cap = cache_capacity(options)
+    slack = getattr(cache, "ring_slack", RING_SLACK)
+    window = next((config.window(i) for i in range(config.num_hidden_layers) if config.window(i)), None)
+    draft = config.mtp.window(0)
+    return Geometry(window, layer_slots(window, cap, slack), draft, layer_slots(draft, cap, slack))
+
+
 def sliding_ring(config: Config, options: EngineOptions, cache: type[StaticKV] = StaticKV) -> int:
-    """Slots of a main sliding layer's ring under `options` with the cache class `cache` (a negative control's may
-    hold fewer spare slots); the whole capacity when no layer slides."""
-    sliding = any(config.layer_type(i) == "sliding_attention" for i in range(config.num_hidden_layers))
-    return layer_slots(config, "sliding_attention" if sliding else "full_attention", cache_capacity(options),
-                       cache.ring_slack)
+    """Slots of a target sliding layer's ring (the whole capacity when no layer slides)."""
+    return geometry(config, options, cache).ring
 
 
 def record(engine: RankEngine, case: Case, run=None, taps: bool = False) -> tuple[SamplingParams, list, list]:
-    """Decode `case` on `engine` (or through `run(req)`) under a Recorder: (params, steps, recorded blocks)."""
-    params = params_for(engine)
+    """Decode `case` on `engine` (or through `run(req)`) under a Recorder: (params, steps, recorded blocks). The
+    engine is built with qualify.replay.recording_parts."""
+    params = params_for(engine, case)
     req = Request(case.prompt, case.seed, params.temperature, params.top_k, params.top_p, case.max_new_tokens,
                   case.drafts, ())
-    runner, _ = engine.runner(case.drafts, params.top_k)
-    rec = Recorder(engine, runner, taps)
-    with rec.active():
+    with recording(engine, Recorder(engine.config, taps)) as rec:
         steps = list((run or engine.decode)(req))
     return params, steps, rec.blocks
 
 
-def decode_session(engine: RankEngine, model_dir: str, case: Case, tol: str, run=None,
-                   dist_engine: RankEngine | None = None) -> Session:
+def decode_session(engine: RankEngine, ref: RefSpec, case: Case, column: str, run=None,
+                   dist_engine: RankEngine | None = None, source: RefSpec | None = None) -> Session:
     """`engine`: the (rank-0) engine recorded; `run(req)`: how a request is decoded (default engine.decode; a
-    FastEngine's generate under TP); `dist_engine`: a single-rank engine for fresh-prefill distributions."""
-    params, steps, blocks = record(engine, case, run, taps=True)  # draft taps: numerics.router
+    FastEngine's generate under TP); `dist_engine`: a single-rank engine for fresh-prefill distributions; `source`:
+    also score the recorded blocks against this reference with the fp8w.* tolerances (a BF16 checkpoint run as FP8,
+    against its BF16 weights)."""
+    params, steps, blocks = record(engine, case, run, taps=True)  # router taps: numerics.router(_scores)
     out = _tokens(steps)
     stream = list(case.prompt) + out
-    tol_rel = tolerances.value("numerics.logits", tol)
-    ref = reference(model_dir)
-    ring = sliding_ring(engine.config, engine.options, type(engine.cache))
-    result = score(blocks, ref, stream, params, tol_rel, engine.config.sliding_window, ring,
-                   engine.model.w.vocab_offset, full_vocab=engine.par.world == 1,
-                   sampler_tol=tolerances.value("numerics.sampler", tol),
-                   router_tol=tolerances.value("numerics.router", tol),
-                   window_tol=tolerances.value("cache.window", tol))
-    session = Session(case, steps, blocks, result.scores, result.round_ratio, ring, params)
-    session.agreement_rows = agreement(dist_engine or engine, model_dir, case, params, out, _acceptance(steps), result.round_ratio,
-                                       tol_rel)
+    tol = tolerances.column(column)
+    geo = geometry(engine.config, engine.options, type(engine.cache))
+    full = engine.par.world == 1
+    result = score(blocks, ref.model(), stream, params, tol, geo, engine.model.w.vocab_offset, full_vocab=full)
+    session = Session(case, steps, blocks, result.scores, result.round_ratio, geo, params)
+    session.agreement_rows = agreement(dist_engine or engine, ref, case, params, out, _acceptance(steps),
+                                       result.round_ratio, tol["numerics.logits"])
+    if source is not None:
+        session.source_scores = source_scores(blocks, source, stream, params, column, geo, engine, full)
     return session
 
 
-def agreement(engine, model_dir, case: Case, params, out, acc, round_ratio, tol_rel) -> list[Row]:
-    ref_out, ref_acc = reference_decode(model_dir, case, params)
+def source_scores(blocks, source: RefSpec, stream, params, column: str, geo: Geometry, engine, full: bool) -> Scores:
+    """fp8w.logits, fp8w.hidden, fp8w.kl of the recorded blocks against `source`'s reference."""
+    col = tolerances.fp8w(column)
+    tol = dict(tolerances.column(column), **{"numerics.logits": tolerances.value("fp8w.logits", col),
+                                             "numerics.hidden": tolerances.value("fp8w.hidden", col)})
+    result = score(blocks, source.model(), stream, params, tol, geo, engine.model.w.vocab_offset, full_vocab=full)
+    out = Scores()
+    for (check, cls), w in result.scores.table.items():
+        if check in ("numerics.logits", "numerics.hidden", "numerics.kl"):
+            out.table[("fp8w." + check.split(".")[1], cls)] = w
+    return out
+
+
+def agreement(engine, ref: RefSpec, case: Case, params, out, acc, round_ratio, tol_rel) -> list[Row]:
+    ref_out, ref_acc = reference_decode(ref, case, params)
     t = params.temperature if params.temperature > 0 else 1.0
     total = min(len(out), len(ref_out))
     i = next((j for j in range(total) if out[j] != ref_out[j]), total)
     tag = f"prompt {len(case.prompt)} tokens, seed {case.seed}, drafts {case.drafts}"
     if i < total:
         prefix = list(case.prompt) + list(out[:i])
-        logits, _ = reference(model_dir).forward(torch.tensor(prefix), torch.arange(len(prefix)),
-                                                 reference(model_dir).new_cache())
+        model = ref.model()
+        logits, _ = model.forward(torch.tensor(prefix), torch.arange(len(prefix)), model.new_cache())
         bound = 2 * tol_rel * float(logits[-1].abs().max()) / t
         # The reference's distribution at the divergence is the forward just run (compare asks for this prefix only).
         res = compare(case.prompt, out, ref_out, fast_prefill_dist(engine, params),
@@ -194,34 +271,48 @@ def agreement(engine, model_dir, case: Case, params, out, acc, round_ratio, tol_
     return [tokens_row, acc_row]
 
 
-def session_rows(sessions: list[Session], classes: list[str]) -> list[Row]:
-    """Numerics per (metric, class) over all sessions, then decode agreement (worst session first)."""
-    merged = Scores()
-    for s in sessions:
-        merged.merge(s.scores)
+ORDER = ("numerics.logits", "numerics.hidden", "numerics.kl", "numerics.topk", "numerics.sampler", "numerics.router",
+         "numerics.router_scores", "cache.window", "fp8w.logits", "fp8w.hidden", "fp8w.kl")
+
+
+def merged_rows(merged: Scores, classes: list[str]) -> list[Row]:
+    """One row per (metric, class): a class no row of which was exercised fails (nothing was checked there)."""
     rows = []
-    metrics = sorted({m for m, _ in merged.table},
-                     key=lambda m: ("logits", "hidden", "kl", "topk", "sampler", "router", "window").index(m.split(".")[1]))
-    for m in metrics:
+    for m in sorted({m for m, _ in merged.table}, key=ORDER.index):
         for c in classes:
-            if m == "numerics.router" and not c.startswith("draft_depth"):
+            if m == "numerics.router" and not c.startswith("draft"):
                 continue  # the draft layer's router only (qualify/router.py)
             w = merged.table.get((m, c))
             if w is None:
                 rows.append(Row(m, c, math.nan, math.nan, False, 0, "no rows of this class were exercised"))
             else:
                 rows.append(Row(m, c, w.value, w.tol, w.failures == 0, w.rows, w.where))
+    return rows
+
+
+def session_rows(sessions: list[Session], classes: list[str]) -> list[Row]:
+    """Numerics per (metric, class) over all sessions, then decode agreement (worst session first), then the fp8w.*
+    rows of sessions scored against a BF16 source."""
+    merged = Scores()
+    for s in sessions:
+        merged.merge(s.scores)
+    rows = merged_rows(merged, classes)
     for check in ("decode.tokens", "decode.acceptance"):
         mine = [r for s in sessions for r in s.agreement_rows if r.check == check]
         worst = max(mine, key=lambda r: (not r.passed, r.value / r.tol if r.tol else r.value))
         rows.append(Row(check, worst.cls, worst.value, worst.tol, all(r.passed for r in mine),
                         sum(r.rows for r in mine), worst.where))
+    if any(s.source_scores is not None for s in sessions):
+        source = Scores()
+        for s in sessions:
+            source.merge(s.source_scores)
+        rows += merged_rows(source, classes)
     return rows
 
 
 # ---- append-one / append-eight stability ---------------------------------------------------------------------
-def stability(engine: RankEngine, model_dir: str, prefix: list[int], extra: list[int], tol: str) -> list[Row]:
-    ref = reference(model_dir)
+def stability(engine: RankEngine, ref: RefSpec, prefix: list[int], extra: list[int], column: str) -> list[Row]:
+    ref = ref.model()
     m = len(prefix)
 
     def ref_run(seq):
@@ -240,7 +331,7 @@ def stability(engine: RankEngine, model_dir: str, prefix: list[int], extra: list
 
     rows = []
     ref_tol = tolerances.value("stability.reference", "float64")
-    cand_tol = tolerances.value("stability.candidate", tol)
+    cand_tol = tolerances.value("stability.candidate", column)
     r0, f0 = ref_run(prefix), fast_run(prefix)
     off = engine.model.w.vocab_offset
     for name, n in (("append1", 1), ("append8", 8)):
@@ -301,8 +392,9 @@ def exact_second_token(model_dir: str, prompt: list[int], params: SamplingParams
 
 
 def lossless(dtype: str, samples: int, parts: EngineParts = EngineParts(), drafts: int = 3,
-             device: str = "cpu", kernels: str | KernelPlan = "torch") -> tuple[Row, dict]:
-    """Chi-square of the first speculative token (output index 1) against its exact distribution."""
+             device: str = "cpu", kernels: str | KernelPlan = "torch", seed: int = 0) -> tuple[Row, dict]:
+    """Chi-square of the first speculative token (output index 1) against its exact distribution, over the request
+    seeds (seed << 32) + i, i < samples (`seed`: the run's --seed, so each run draws its own sample)."""
     model_dir = micro_fixture()
     engine = RankEngine(model_dir, Parallel.single(device),
                         EngineOptions(max_context=64, dtype=dtype, graphs=False, kernels=kernels), parts)
@@ -312,8 +404,8 @@ def lossless(dtype: str, samples: int, parts: EngineParts = EngineParts(), draft
     expected = exact_second_token(model_dir, prompt, params) * samples
     counts = torch.zeros_like(expected)
     replaced = rejected = 0
-    for seed in range(samples):
-        req = Request(tuple(prompt), seed, params.temperature, params.top_k, params.top_p, 2, drafts, ())
+    for i in range(samples):
+        req = Request(tuple(prompt), (seed << 32) + i, params.temperature, params.top_k, params.top_p, 2, drafts, ())
         steps = list(engine.decode(req))
         counts[steps[1].tokens[0]] += 1
         rejected += steps[1].accepted < steps[1].drafts   # the replacement branch ran this round
@@ -328,13 +420,13 @@ def lossless(dtype: str, samples: int, parts: EngineParts = EngineParts(), draft
     alpha = tolerances.entry("lossless", "speculative_token")["alpha"]
     need = tolerances.entry("lossless", "replacement_runs")["min"]
     passed = pval >= alpha and replaced >= need
-    where = (f"micro preset, {samples} requests, drafts {drafts}: chi2 {stat:.1f} on {dof} dof, p = {pval:.2e}; "
+    where = (f"micro preset, {samples} requests (seeds {seed} << 32 + i), drafts {drafts}: chi2 {stat:.1f} on {dof} dof, p = {pval:.2e}; "
              f"replacement branch ran in {rejected} rounds ({replaced} drew the tested token)")
     fallbacks = getattr(engine.model.ops, "fallbacks", {})
     if fallbacks:  # the micro preset's 8-wide blocks and heads are below what some kernels take
         where += (f"; kernels {engine.plan.name}: op groups on their torch forms for this model's shapes: "
                   f"{sorted(fallbacks)}")
-    info = {"p_value": pval, "chi2": stat, "dof": dof, "samples": samples, "replacement_rounds": rejected,
+    info = {"p_value": pval, "chi2": stat, "dof": dof, "samples": samples, "seed": seed, "replacement_rounds": rejected,
             "replacement_drew_tested_token": replaced, "observed": counts.tolist(), "expected": expected.tolist()}
     # The verdict is on the p-value; the tolerance column shows alpha (a p-value below it fails).
     return Row("lossless", "speculative_token", pval, alpha, passed, samples, where), info

@@ -2,31 +2,42 @@
 
 Each control is a broken piece substituted when its candidate is built (`EngineParts`: a subclass of the weight
 loader, the cache, the model or the round runner, defined here), with the check and position class(es) that should
-catch it; no product file carries a branch for it. A control proves something only if its broken code actually ran
-on an input where it matters, so each one also counts those occasions from the recorded run (`branch`); a control
-with a zero count is reported as not caught.
+catch it; no product file carries a branch for it, and no product object is edited at run time. A control proves
+something only if its broken code actually ran on an input where it matters, so each one also counts those occasions
+from the recorded run (`branch`); a control with a zero count is reported as not caught. A control that cannot apply
+to the candidate at all (`applies`: e.g. transposed FP8 scales on a model whose scale grids are all symmetric) is
+reported as not applicable, with the reason, and is not run.
+
+The published architecture's own features each have one (docs/model.md): partial RoPE over the wrong dims, a
+query-independent sink, the raw residual past layer 0, a draft reading the target's embedding, a draft window of
+the target's size (4096), a router rounded to bf16.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import SimpleNamespace
 from typing import Callable
 
 import torch
 
 from ..fast import sampler
-from ..fast.cache import LayerKV, StaticKV
-from ..fast.model import Block, FastModel
+from ..fast.cache import LayerKV, StaticKV, layer_slots
+from ..fast.model import Block, FastModel, _scaled_add, _tap, rope_tables
 from ..fast.rank import EngineParts
 from ..fast.round import RoundRunner
+from ..fast.state import VERIFY_ROWS
 from ..fast.torch_ops import TorchOps
-from ..fast.weights import FP8Weight, WeightLoader
-from ..reference.checkpoint import CheckpointReader
+from ..fast.weights import LOAD_BLOCK, MoE, WeightLoader
+from ..reference.checkpoint import DRAFT, CheckpointReader, Shard, shard_range
+from ..reference.config import Config
+from ..reference.fp8 import quantize
+from ..reference.layers import route
 from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT
 
 VERIFY = [f"verify_row{i}" for i in range(8)]
-DRAFT = [f"draft_depth{d}" for d in range(1, 8)]
+DRAFT_DEPTHS = [f"draft_depth{d}" for d in range(1, 8)]
+WRONG_DRAFT_WINDOW = 4096  # the target's published window, where the draft's is 512
 
 
 @dataclass(frozen=True)
@@ -38,8 +49,10 @@ class Control:
     family: str                     # "decode" (recorded sessions) or "lossless"
     branch: Callable                # (sessions or lossless info, model_dir) -> times the broken path mattered
     branch_what: str
+    applies: Callable | None = None  # (model_dir, weights format) -> None, or why the control cannot apply
 
 
+# ---- branch counters --------------------------------------------------------------------------------------------
 def _verify_blocks(sessions, pred=lambda b: True) -> int:
     return sum(1 for s in sessions for b in s.blocks if b.kind == "verify" and pred(b))
 
@@ -48,28 +61,58 @@ def _rounds(sessions, pred) -> int:
     return sum(1 for s in sessions for st in s.steps[1:] if pred(st))
 
 
+def _rows(sessions, pred=lambda b, i: True, kinds=("prefill", "verify", "draft")) -> int:
+    """Live rows of the recorded blocks of these kinds for which pred(block, row) holds."""
+    return sum(1 for s in sessions for b in s.blocks if b.kind in kinds
+               for i, live in enumerate(b.live) if live and pred(b, i))
+
+
 def _forward_rows(sessions) -> int:
-    return sum(sum(b.live) for s in sessions for b in s.blocks if b.kind != "draft")
+    return _rows(sessions, kinds=("prefill", "verify"))
 
 
 def _draft_rows(sessions) -> int:
-    return sum(sum(b.live) for s in sessions for b in s.blocks if b.kind == "draft")
+    return _rows(sessions, kinds=("draft",))
 
 
-def _square_scales(model_dir) -> int:
+def _rotated_rows(sessions) -> int:
+    """Target rows past position 0 (at position 0 every rotation is the identity)."""
+    return _rows(sessions, lambda b, i: b.positions[i] > 0, ("prefill", "verify"))
+
+
+def _scale_grid(reader: CheckpointReader, name: str) -> torch.Tensor:
+    """The whole scale grid the engine runs `name` with: stored, or made when it is quantized at load."""
+    if reader.is_quantized(name):
+        return reader.read(reader.specs[name].scale_name)
+    return quantize(reader.read(name), LOAD_BLOCK)[1]
+
+
+def _scale_grids(model_dir, fmt: str):
+    """(name, whole scale grid) of every linear the candidate runs as FP8: stored, or quantized at load."""
     reader = CheckpointReader(model_dir)
-    count = 0
-    for name in reader.names():
-        if name.endswith("_scale_inv"):
-            continue
-        _, s = reader.read_weight(name)
-        if s is not None and s.shape[-1] == s.shape[-2] and not bool((s == s.transpose(-1, -2)).all()):
-            count += 1
-    return count
+    for name, spec in reader.specs.items():
+        if spec.quantized and (reader.is_quantized(name) or fmt == "fp8"):
+            yield name, _scale_grid(reader, name)
+
+
+def _asymmetric_square(s: torch.Tensor) -> bool:
+    return s.shape[-1] == s.shape[-2] and not bool((s == s.transpose(-1, -2)).all())
+
+
+def _square_scales(model_dir, fmt: str = "auto") -> int:
+    return sum(1 for _, s in _scale_grids(model_dir, fmt) if _asymmetric_square(s))
+
+
+def _scales_apply(model_dir, fmt: str) -> str | None:
+    if fmt != "fp8":
+        return "the candidate runs no FP8 weights (a BF16 checkpoint run as BF16)"
+    if not _square_scales(model_dir, fmt):
+        return "no FP8 weight of this model has a square, asymmetric scale grid (transposing changes nothing)"
+    return None
 
 
 def _cut_rows(sessions) -> int:
-    """Sampled rows where ROUND.md's top-p keeps more than one token (so there is a crossing token to drop)."""
+    """Sampled rows where docs/round.md's top-p keeps more than one token (so there is a crossing token to drop)."""
     from ..reference import sampling
 
     return sum(1 for s in sessions for b in s.blocks for _, _, _, logits in b.dists
@@ -78,6 +121,36 @@ def _cut_rows(sessions) -> int:
 
 def _ring_wrapped(sessions) -> int:
     return sum(1 for s in sessions for b in s.blocks if b.kind == "verify" and b.positions[0] >= s.ring)
+
+
+def _past_draft_window(sessions) -> int:
+    """Draft rows at positions >= the config's draft window: the broken window lets in keys the config's excludes."""
+    window = _draft_window(sessions)
+    return _rows(sessions, lambda b, i: b.positions[i] >= window, ("draft",))
+
+
+def _draft_window(sessions) -> int:
+    w = sessions[0].geometry.draft_window if sessions else None
+    return w if w is not None else 1 << 62
+
+
+def _embedding_differs(sessions, model_dir) -> int:
+    """Draft rows whose token's row in the draft's embedding differs from the target's."""
+    reader = CheckpointReader(model_dir)
+    own, target = reader.read(DRAFT + "embed_tokens.weight"), reader.read("model.embed_tokens.weight")
+    differs = (own != target).any(-1)
+    return _rows(sessions, lambda b, i: bool(differs[b.tokens[i]]), ("draft",))
+
+
+def _router_rows(sessions, model_dir) -> int:
+    """Rows through an MoE layer whose router is not already bf16-exact (every row of a model with an MoE layer)."""
+    reader = CheckpointReader(model_dir)
+    routers = [reader.read(n) for n in reader.specs if n.endswith("mlp.router.weight")]
+    if all(bool((r.float() == r.to(torch.bfloat16).float()).all()) for r in routers):
+        return _rows(sessions, lambda b, i: b.taps is not None and any(
+            not bool((v[i] == v[i].to(torch.bfloat16).double()).all())
+            for k, v in b.taps.items() if k.endswith("mlp_in")))
+    return _rows(sessions)
 
 
 # ---- the broken pieces ---------------------------------------------------------------------------------------
@@ -97,57 +170,176 @@ class OpenCausalMask(StaticKV):
     layer_kv = OpenMaskKV
 
 
+class WideDraftWindow(StaticKV):
+    """draft_window_4096: the draft layer's cache keeps, and its queries read, a window of 4096 keys (the target's
+    published window) instead of mtp/config.json's."""
+
+    def __init__(self, config: Config, kv_heads: int, max_context: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(config, kv_heads, max_context, dtype, device)
+        slots = layer_slots(WRONG_DRAFT_WINDOW, max_context, self.ring_slack)
+        shape = (slots + 1, kv_heads, config.head_dim)
+        self.layers[config.num_hidden_layers] = self.layer_kv(
+            k=torch.zeros(shape, dtype=dtype, device=device), v=torch.zeros(shape, dtype=dtype, device=device),
+            slot_pos=torch.full((slots + 1,), -1, dtype=torch.int64, device=device), slots=slots,
+            window=WRONG_DRAFT_WINDOW)
+
+
 class TransposedScales(WeightLoader):
     """fp8_scales_transposed: square FP8 scale grids indexed transposed, scale[c // B1, r // B0], in the whole
     matrix's coordinates: under tensor parallelism each rank takes its slice of the transposed grid (a rank's own
-    slice of a square grid is seldom square, so transposing that would leave most weights healthy)."""
+    slice of a square grid is seldom square, so transposing that would leave most weights healthy). Stored scales, or
+    the scales a BF16 checkpoint gets when quantized at load."""
 
-    def fp8(self, name: str) -> FP8Weight:
-        w = super().fp8(name)
-        whole = self.reader.read(self.reader.specs[name].scale_name)
-        if whole.shape[-1] != whole.shape[-2]:
-            return w
+    def _read_linear(self, name: str) -> tuple[Shard, tuple[int, int] | None]:
+        s, block = super()._read_linear(name)
+        if s.scale is None:
+            return s, block
+        whole = _scale_grid(self.reader, name)
+        if not _asymmetric_square(whole):
+            return s, block
         scale = whole.transpose(-1, -2)
-        part = self.reader.scale_part(name, self.par.world, self.par.rank)
+        part = shard_range(self.reader.specs[name], self.reader.config_of(name), self.par.world, self.par.rank)
         if part is not None:
             dim, start, stop = part
-            scale = scale.narrow(dim, start, stop - start)
-        return FP8Weight(w.q, scale.contiguous().to(w.scale.device, w.scale.dtype), w.block, w.dtype)
+            b = block[dim]
+            scale = scale.narrow(dim, start // b, -(-stop // b) - start // b)
+        return Shard(s.weight, scale.contiguous().to(s.scale.dtype), s.offset), block
+
+
+class DraftTargetEmbedding(WeightLoader):
+    """draft_target_embedding: the draft reads the target's embedding table instead of its own (mtp/'s)."""
+
+    def plain(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return super().plain("model.embed_tokens.weight" if name == DRAFT + "embed_tokens.weight" else name, dtype)
+
+
+def _without_sink(attn):
+    """The attention weights with no sink key (a view: the same tensors, sink_k None)."""
+    return SimpleNamespace(**dict({f.name: getattr(attn, f.name) for f in fields(attn)}, sink_k=None))
 
 
 class NoSinkModel(FastModel):
     """drop_sink: attention without the sink logit in the softmax denominator."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        attention = self.ops.attention
-        self.ops.attention = lambda q, kv, positions, sinks: attention(q, kv, positions, None)
+    def attention(self, c, index, attn, kv, a, blk):
+        return super().attention(c, index, _without_sink(attn), kv, a, blk)
+
+
+def scalar_sink_attention(q, k, v, mask, scale, sink_k):
+    """Softmax attention whose sink logit is one constant per head, scale * sum_d sink_k[g, d] (the retired guess's
+    "one scalar logit per head"), instead of scale * q_h . sink_k[g]: q [R, Nq, D], k/v [T, Nkv, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("rhd,thd->hrt", q, k) * scale
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    sink = (sink_k.float().sum(-1) * scale).repeat_interleave(group)  # [Nq]: the same for every query
+    scores = torch.cat([scores, sink[:, None, None].expand(-1, q.shape[0], 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)[..., : k.shape[0]]
+    return torch.einsum("hrt,thd->rhd", probs, v)
+
+
+class ScalarSinkModel(FastModel):
+    """scalar_sink: a query-independent sink, one constant logit per head (scalar_sink_attention)."""
+
+    def attention(self, c, index, attn, kv, a, blk):
+        R, D, eps = a.shape[0], c.head_dim, c.rms_norm_eps
+        q, k, v = (t.view(R, -1, D) for t in self.ops.qkv(attn, a))
+        q, k = self.ops.norm(q, attn.q_norm, eps, self.dtype), self.ops.norm(k, attn.k_norm, eps, self.dtype)
+        theta = c.rope_theta_for(index)
+        cos, sin = blk.rope[theta] if theta is not None else (None, None)
+        q = self.ops.rope_write(kv, q, k, v, cos, sin, blk.positions, blk.live)
+        out = scalar_sink_attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(blk.positions), c.scale,
+                                    attn.sink_k).to(q.dtype)
+        return self.ops.linear(attn.wo, out.to(self.dtype).reshape(R, -1))
 
 
 class ShiftedRopeModel(FastModel):
     """rope_shift_rows: rows after a block's first rotated one position too far."""
 
-    def _block(self, positions: torch.Tensor, live: torch.Tensor) -> Block:
+    def _block(self, positions: torch.Tensor, live: torch.Tensor, thetas: set) -> Block:
         shifted = positions + (torch.arange(positions.shape[0], device=positions.device) > 0)
-        return Block(positions, live, *self.ops.rotary(self.rope_cos, self.rope_sin, shifted))
+        return Block(positions, live, {t: self.ops.rotary(*self.rope_tables[t], shifted) for t in thetas})
 
 
-class ShiftedDraftRouterModel(FastModel):
+class DoubleRotaryModel(FastModel):
+    """rope_double_dims: RoPE over 2 x rotary_dim dims (pair j at theta^(-2j / 2R)), e.g. a partial_rotary_factor
+    applied twice over."""
+
+    def __init__(self, config, weights, cache, par, dtype, ops=None):
+        super().__init__(config, weights, cache, par, dtype, ops)
+        rows = cache.max_context + VERIFY_ROWS
+        self.rope_tables = {t: rope_tables(2 * config.rotary_dim, t, rows, par.device) for t in self.rope_tables}
+
+
+class LastDimsRopeModel(FastModel):
+    """rope_last_dims: RoPE over the head's last rotary_dim dims instead of its first. Rotating q and k rolled by
+    rotary_dim and attending with them rolled (the sink key too) is exactly that: a dot product is unchanged when
+    both of its factors are permuted alike, so the cache may hold the rolled keys."""
+
+    def attention(self, c, index, attn, kv, a, blk):
+        R, D, eps, n = a.shape[0], c.head_dim, c.rms_norm_eps, c.rotary_dim
+        q, k, v = (t.view(R, -1, D) for t in self.ops.qkv(attn, a))
+        q, k = self.ops.norm(q, attn.q_norm, eps, self.dtype), self.ops.norm(k, attn.k_norm, eps, self.dtype)
+        theta = c.rope_theta_for(index)
+        cos, sin = blk.rope[theta] if theta is not None else (None, None)
+        q, k = q.roll(n, -1), k.roll(n, -1)  # the last n dims first, where the rotation acts
+        q = self.ops.rope_write(kv, q, k, v, cos, sin, blk.positions, blk.live)
+        sink = attn.sink_k.roll(n, -1) if attn.sink_k is not None else None
+        out = self.ops.attention(q, kv, blk.positions, c.scale, sink)
+        return self.ops.linear(attn.wo, out.to(self.dtype).reshape(R, -1))
+
+
+class RawResidualModel(FastModel):
+    """raw_residual: every layer continues the residual from its raw input x (layer 0's form), where layers >= 1
+    continue it from the normalized input a."""
+
+    def decoder_layer(self, c, index, lw, kv, x, blk, taps, tag):
+        eps, dt = c.rms_norm_eps, self.dtype
+        attn_scale, mlp_scale = c.out_scales(index)
+        a = self.ops.norm(x, lw.attention_norm, eps, dt)
+        attn_out = self.par.all_reduce(self.attention(c, index, lw.attn, kv, a, blk))
+        h = _scaled_add(x, self.ops.norm(attn_out, lw.attn_out_norm, eps, dt), attn_scale)  # x, not a
+        b = self.ops.norm(h, lw.feed_forward_norm, eps, dt)
+        mlp_out = self.par.all_reduce(self.mlp(c, lw.mlp, b, blk.live, taps, tag))
+        y = self.ops.norm(mlp_out, lw.ffn_out_norm, eps, dt) if index == 0 else mlp_out
+        out = _scaled_add(h, y, mlp_scale)
+        if taps is not None:
+            for name, value in (("attn_out", attn_out), ("mlp_in", b), ("mlp_out", mlp_out), ("hidden", out)):
+                _tap(taps, tag + name, value)
+        return out
+
+
+class _RoutedModel(FastModel):
+    """A model whose MoE layers route by `self._route(b, router, k, tag)` (the taps as the product's)."""
+
+    def mlp(self, c, mlp, b, live, taps, tag):
+        if not isinstance(mlp, MoE):
+            return super().mlp(c, mlp, b, live, taps, tag)
+        weights, experts, scores = self._route(b, mlp.router, c.num_experts_per_tok, tag)
+        if taps is not None:
+            _tap(taps, tag + "router_scores", scores)
+            _tap(taps, tag + "experts", experts)
+        return self.ops.moe(b, experts, weights, live, mlp).to(self.dtype)
+
+
+class ShiftedDraftRouterModel(_RoutedModel):
     """mtp_router_shift: the draft layer's router skips its best expert (ranks 2..k+1 chosen)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        route, draft_layer = self.ops.route, self.w.mtp.block
+    def _route(self, b, router, k, tag):
+        weights, experts, scores = self.ops.route(b, router, k)
+        if tag != "mtp.":
+            return weights, experts, scores
+        experts = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, 1:k + 1]
+        weights = scores.gather(-1, experts)
+        return weights / weights.sum(-1, keepdim=True), experts, scores
 
-        def shifted(b32, lw, top_k, norm_topk_prob, scaling):
-            weights, experts, scores = route(b32, lw, top_k, norm_topk_prob, scaling)
-            if lw is not draft_layer:
-                return weights, experts, scores
-            experts = torch.topk(scores, top_k + 1, dim=-1).indices[:, 1:]
-            weights = scores.gather(-1, experts)
-            weights = weights / weights.sum(-1, keepdim=True) if norm_topk_prob else weights
-            return weights * scaling, experts, scores
-        self.ops.route = shifted
+
+class Bf16RouterModel(_RoutedModel):
+    """router_bf16: router logits from the bf16-rounded MoE input and bf16-rounded router (then fp32 as usual)."""
+
+    def _route(self, b, router, k, tag):
+        b16, r16 = b.to(torch.bfloat16).float(), router.to(torch.bfloat16).float()
+        return route(b16 @ r16.T, k)
 
 
 class KeepRejectedKV(RoundRunner):
@@ -202,41 +394,65 @@ class TopPDropsCrossing(RoundRunner):
         return TorchOps.sample(edited, local_logits, *self._sampling_args(), u, out, chain)
 
 
+def _all(check: str, classes) -> tuple[tuple[str, str], ...]:
+    return tuple((check, c) for c in classes)
+
+
 REGISTRY: list[Control] = [
     Control("ring_exact_w", "sliding-window ring of exactly W slots (no 64-slot slack)",
             EngineParts(cache=ExactWindowRing),
-            # Held to the main layers' reused ring slots only. The MTP layer's ring shrinks too, and in bf16 with the
-            # fallback the defect showed only there (numerics.hidden/draft_depth1, GPU run at afb0573); accepting that
-            # would let a main-layer ring defect pass, so that run stays a failure (see docs/PERF.md). The evicted keys
-            # move bf16 logits by less than their tolerance (docs/PERF.md), so the structural check is the one that
-            # holds it in bf16; the numerical one is kept, and its margin reported.
-            (("cache.window", "ring_reused"), ("numerics.logits", "ring_reused")), "decode",
-            lambda s, d: _ring_wrapped(s),
-            "verification blocks written after the W-slot ring wrapped"),
+            # The structural check holds it in every dtype (the evicted keys can move bf16 logits by less than their
+            # tolerance); the numerical one is kept, and its margin reported.
+            (("cache.window", "ring_reused"), ("numerics.logits", "ring_reused"), ("cache.window", "draft_ring_reused")),
+            "decode", lambda s, d: _ring_wrapped(s), "verification blocks written after the W-slot ring wrapped"),
     Control("drop_sink", "attention sink logit dropped from the softmax denominator", EngineParts(model=NoSinkModel),
             (("numerics.logits", "prefill"),), "decode", lambda s, d: _forward_rows(s),
-            "main-model rows whose attention ran without the sink"),
+            "target rows whose attention ran without the sink"),
+    Control("scalar_sink", "query-independent sink: one constant logit per head (scale x sum of sink_k)",
+            EngineParts(model=ScalarSinkModel), (("numerics.logits", "prefill"),), "decode",
+            lambda s, d: _forward_rows(s), "target rows whose sink logit ignored the query"),
     Control("rope_shift_rows", "rotary position off by one for rows after a block's first",
-            EngineParts(model=ShiftedRopeModel), tuple(("numerics.logits", c) for c in VERIFY[1:]), "decode",
+            EngineParts(model=ShiftedRopeModel), _all("numerics.logits", VERIFY[1:]), "decode",
             lambda s, d: _verify_blocks(s, lambda b: sum(b.live) > 1), "verification blocks with more than one row"),
+    Control("rope_double_dims", "partial RoPE over 2 x rotary_dim dims instead of rotary_dim",
+            EngineParts(model=DoubleRotaryModel), (("numerics.logits", "prefill"),), "decode",
+            lambda s, d: _rotated_rows(s), "target rows past position 0 (rotated)"),
+    Control("rope_last_dims", "partial RoPE over the head's last rotary_dim dims instead of its first",
+            EngineParts(model=LastDimsRopeModel), (("numerics.logits", "prefill"),), "decode",
+            lambda s, d: _rotated_rows(s), "target rows past position 0 (rotated)"),
+    Control("raw_residual", "layers >= 1 continue the residual from the raw input x (layer 0's form), not from a",
+            EngineParts(model=RawResidualModel), (("numerics.logits", "prefill"),), "decode",
+            lambda s, d: _forward_rows(s), "target rows through a layer >= 1"),
     Control("open_causal_mask", "causal mask open inside the verification block", EngineParts(cache=OpenCausalMask),
-            tuple(("numerics.logits", c) for c in VERIFY[:7]), "decode",
+            _all("numerics.logits", VERIFY[:7]), "decode",
             lambda s, d: _verify_blocks(s, lambda b: sum(b.live) > 1), "verification blocks with a later live row"),
     Control("keep_rejected_kv", "rejected rows' KV left valid (no rollback)", EngineParts(runner=KeepRejectedKV),
             (("numerics.logits", "verify_row0"),), "decode",
             lambda s, d: _rounds(s, lambda st: st.accepted < st.drafts), "rounds with a rejected draft"),
     Control("skip_redraft", "depth-0 redraft skipped (draft KV of accepted positions from draft hiddens)",
             EngineParts(runner=SkipRedraft),
-            (("decode.acceptance", "first_divergence"),) + tuple(("numerics.logits", c) for c in DRAFT), "decode",
+            (("decode.acceptance", "first_divergence"),) + _all("numerics.logits", DRAFT_DEPTHS), "decode",
             lambda s, d: _rounds(s, lambda st: st.accepted >= 1), "rounds with an accepted draft (redraft > 1 row)"),
+    Control("draft_target_embedding", "the draft reads the target's embedding table instead of its own",
+            EngineParts(loader=DraftTargetEmbedding), _all("numerics.logits", DRAFT_DEPTHS), "decode",
+            _embedding_differs, "draft rows whose token's two embedding rows differ"),
+    Control("draft_window_4096", f"the draft layer's window is {WRONG_DRAFT_WINDOW} keys instead of mtp/config.json's",
+            EngineParts(cache=WideDraftWindow), (("numerics.logits", "draft_past_window"),), "decode",
+            lambda s, d: _past_draft_window(s), "draft rows at positions >= the config's draft window"),
     Control("mtp_router_shift", "draft layer's router skips its best expert (ranks 2..k+1 chosen)",
-            EngineParts(model=ShiftedDraftRouterModel), tuple(("numerics.router", c) for c in DRAFT), "decode",
+            EngineParts(model=ShiftedDraftRouterModel),
+            _all("numerics.router", DRAFT_DEPTHS) + _all("numerics.router_scores", DRAFT_DEPTHS), "decode",
             lambda s, d: _draft_rows(s), "live draft rows (each routed by the shifted router)"),
+    Control("router_bf16", "router logits from the bf16-rounded MoE input and router",
+            EngineParts(model=Bf16RouterModel),
+            _all("numerics.router_scores", ["prefill"] + VERIFY + DRAFT_DEPTHS), "decode",
+            _router_rows, "rows through an MoE layer whose router (or input) is not bf16-exact"),
     Control("fp8_scales_transposed", "FP8 scale blocks indexed transposed (scale[c//B1, r//B0])",
             EngineParts(loader=TransposedScales), (("numerics.logits", "prefill"),), "decode",
-            lambda s, d: _square_scales(d), "quantized weights whose square scale grid is not symmetric"),
+            lambda s, d: _square_scales(d, "fp8"), "FP8 weights whose square scale grid is not symmetric",
+            applies=_scales_apply),
     Control("top_p_drops_crossing", "top-p drops the token that crosses the threshold",
-            EngineParts(runner=TopPDropsCrossing), tuple(("numerics.sampler", c) for c in VERIFY + DRAFT),
+            EngineParts(runner=TopPDropsCrossing), _all("numerics.sampler", VERIFY + DRAFT_DEPTHS),
             "decode", lambda s, d: _cut_rows(s), "sampled rows"),
     Control("replacement_from_p", "replacement drawn from p instead of normalize(max(0, p - q))",
             EngineParts(runner=ReplacementFromP), (("lossless", "speculative_token"),), "lossless",

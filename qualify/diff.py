@@ -1,8 +1,9 @@
 """`iquest debug diff`: both engines' activation taps at one position, per layer and stage, side by side.
 
-Taps are the shared contract of reference/model.py and fast/model.py (same names). The main model runs the
-prompt; the draft layer then runs depth 0 over positions 1..P from each engine's own main hiddens. For each
-(layer, stage) the row at --position is compared: relative L2 error ||fast - ref|| / ||ref|| (experts: count of
+Taps are the shared contract of reference/model.py and fast/model.py (same names). The target runs the
+prompt; the draft layer then runs depth 0 over positions 0..n-2 from each engine's own target hiddens (the row at p
+reads h_p and the token at p+1). For each (layer, stage) the row at --position is compared (the draft's: the row at
+--position, or at n-2 when --position is the prompt's last): relative L2 error ||fast - ref|| / ||ref|| (experts: count of
 differing chosen experts), against the `diff` tolerances in qualify/tolerances.json. The first layer and stage
 over its tolerance is named; a PNG plots error by layer for each stage.
 """
@@ -20,7 +21,7 @@ from ..fast.rank import PREFILL_BLOCK, EngineOptions, EngineParts, RankEngine
 from ..reference.model import ReferenceModel
 from . import tolerances
 
-STAGES = ("attn_out", "moe_in", "router_scores", "experts", "moe_out", "hidden")
+STAGES = ("attn_out", "mlp_in", "router_scores", "experts", "mlp_out", "hidden")  # router_*: MoE layers only
 
 
 @dataclass
@@ -65,15 +66,22 @@ def _fast_taps(engine: RankEngine, ids: list[int], P: int) -> tuple[dict, dict]:
             main = {k: v[P - s] for k, v in taps.items()}
             main["logits"] = logits[P - s].double().cpu()
     hidden = torch.cat(hiddens)
-    if P >= 1:
-        for s, e in _blocks(P + 1, 1):
+    D = _draft_row(len(ids), P)
+    if D is not None:
+        for s, e in _blocks(len(ids) - 1):
             pos = torch.arange(s, e, device=dev)
-            taps = {} if s <= P < e else None
-            logits, _ = engine.model.draft(toks[pos], hidden[s - 1:e - 1], pos, torch.ones_like(pos, dtype=torch.bool), taps)
+            taps = {} if s <= D < e else None
+            logits, _ = engine.model.draft(toks[pos + 1], hidden[s:e], pos, torch.ones_like(pos, dtype=torch.bool),
+                                           taps)
             if taps is not None:
-                mtp = {k: v[P - s] for k, v in taps.items()}
-                mtp["mtp.logits"] = logits[P - s].double().cpu()
+                mtp = {k: v[D - s] for k, v in taps.items()}
+                mtp["mtp.logits"] = logits[D - s].double().cpu()
     return main, mtp
+
+
+def _draft_row(n: int, P: int) -> int | None:
+    """The draft row compared: the one at P, or at n-2 when P is the last position (a row needs the next token)."""
+    return min(P, n - 2) if n >= 2 else None
 
 
 def _ref_taps(ref: ReferenceModel, ids: list[int], P: int) -> tuple[dict, dict]:
@@ -81,10 +89,11 @@ def _ref_taps(ref: ReferenceModel, ids: list[int], P: int) -> tuple[dict, dict]:
     _, hidden = ref.forward(torch.tensor(ids), torch.arange(len(ids)), cache, taps)
     main = {k: v[P] for k, v in taps.items()}
     mtp = {}
-    if P >= 1:
+    D = _draft_row(len(ids), P)
+    if D is not None:
         taps = {}
-        ref.draft(torch.tensor(ids[1:P + 1]), hidden[:P], torch.arange(1, P + 1), cache, taps)
-        mtp = {k: v[P - 1] for k, v in taps.items()}
+        ref.draft(torch.tensor(ids[1:]), hidden[:-1], torch.arange(len(ids) - 1), cache, taps)
+        mtp = {k: v[D] for k, v in taps.items()}
     return main, mtp
 
 
@@ -110,18 +119,19 @@ def diff(model_dir, ids: list[int], position: int, dtype: str = "fp32", parts: E
     ref = ReferenceModel.load(model_dir)
     engine = RankEngine(model_dir, Parallel.single(device),
                         EngineOptions(max_context=max(len(ids) + 16, 64), dtype=dtype, kernels=kernels), parts)
-    tol = tolerances.scheme(dtype, engine.plan, engine.config)  # dtype, +e4m3act when the MoE kernel runs
+    tol = tolerances.scheme(dtype)
     rm, rt = _ref_taps(ref, ids, P)
     fm, ft = _fast_taps(engine, ids, P)
     stages = []
     for layer in range(ref.config.num_hidden_layers):
         for st in STAGES:
             name = f"layer{layer}.{st}"
-            stages.append(_compare(str(layer), st, rm[name], fm[name], tol))
+            if name in rm and name in fm:  # a dense layer has no router
+                stages.append(_compare(str(layer), st, rm[name], fm[name], tol))
     for st in ("final_hidden", "logits"):
         stages.append(_compare("final", st, rm[st], fm[st], tol))
-    if P >= 1:
-        for st in ("input",) + STAGES + ("logits",):
+    if rt:
+        for st in ("input",) + STAGES + ("final_hidden", "logits"):
             stages.append(_compare("mtp", st, rt[f"mtp.{st}"], ft[f"mtp.{st}"], tol))
     first = next((s for s in stages if s.over), None)
     _plot(stages, P, plot, tol)
@@ -143,7 +153,7 @@ def _plot(stages: list[StageDiff], P: int, path: str, dtype: str) -> None:
     layers = list(dict.fromkeys(s.layer for s in stages))
     x = {name: i for i, name in enumerate(layers)}
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for st in ("attn_out", "moe_in", "router_scores", "moe_out", "hidden", "final_hidden", "logits", "input"):
+    for st in ("attn_out", "mlp_in", "router_scores", "mlp_out", "hidden", "final_hidden", "logits", "input"):
         pts = [(x[s.layer], max(s.error, 1e-18)) for s in stages if s.stage == st]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=st)

@@ -1,55 +1,73 @@
 """Per-position numerics by replay: record every block the fast engine really ran during a decode, recompute
 each one with the float64 reference on the committed token stream, and score every row in its position classes.
 
-Recording wraps the engine's own calls (`FastModel.forward/draft`, `RoundRunner.dist/sample/draft/draft_row`), so the
-blocks compared are the engine's actual verification blocks, redraft blocks and draft rows, with their padding,
-their live masks and the KV state the real rounds left behind. The reference side keeps its own caches
-*stream-true*: main and MTP KV at committed positions always come from the emitted token stream (prompt +
+Recording substitutes engine parts (fast/rank.EngineParts), as the negative controls do: `recording_parts(parts)`
+gives the candidate's own model and round runner, each with a recording subclass laid over it (`RecordingModel`,
+`RecordingRunner`), and `recording(engine, recorder)` hands rank 0's model a Recorder for one decode. Nothing of a
+product object is overwritten at run time; outside `recording` (and on every other rank) the subclasses only pass
+through. The blocks compared are the engine's actual verification blocks, redraft blocks and draft rows, with their
+padding, their live masks and the KV state the real rounds left behind. The reference side keeps its own caches
+*stream-true*: target and draft KV at committed positions always come from the emitted token stream (prompt +
 output) and the reference's own hiddens, caught up lazily, so a fast engine whose context drifts from what it
 emitted (rejected KV kept, redraft skipped) is compared against what it should have computed.
 
-Position classes (a row belongs to every class that applies; each class keeps its own worst case, so a defect
-confined to one class is never averaged away by the others):
-  prefill          rows of the prompt's prefill blocks
-  verify_row{i}    live row i (0..7) of a verification block
-  past_window      verification rows at positions >= sliding_window (the window no longer starts at 0)
-  ring_reused      verification rows at positions >= the engine's ring size (their slot held another position)
-  draft_depth{d}   draft rows giving q_d: d = 1 is the depth-0 redraft block (all its live rows), d >= 2 one row
+Draft rows (docs/model.md, "Recursive MTP draft"): a draft row at position p consumes the target's post-norm hidden
+h_p and the token x_{p+1}; the draft's KV starts at position 0.
 
-A recursive draft row (depth >= 2) is the MTP layer applied to the previous depth's output, a continuous value.
+Position classes are data (qualify/tolerances.json, "classes"): a row belongs to every class that applies; each
+class keeps its own worst case, so a defect confined to one class is never averaged away by the others.
+
+A recursive draft row (depth >= 2) is the draft layer applied to the previous depth's output, a continuous value.
 The reference recomputes it from the *fast engine's* previous output (`recursion="fast"`), as it recomputes a
 verification row from the engine's tokens: each depth is then held to one layer's rounding. Run from its own
 previous output (`recursion="reference"`), the reference follows a second chain whose rounding differs from the
-first at every depth, and the two can cross a router tie at different depths: on the GPU (bf16, Triton kernels,
-commit 92f916d) a depth-5 row the engine computed within 0.009 of the step reference differed by 0.396 from the
-reference chain, whose own router swapped an expert at a log-score margin of 3e-4 (`iquest debug chain` splits
-the two; docs/PERF.md). The engine's feeding of its previous output is still checked: the row is recomputed
-from what the previous depth *output*, so feeding anything else shows up as an error at that depth.
+first at every depth, and the two can cross a router tie at different depths (`iquest debug chain` splits the two).
+The engine's feeding of its previous output is still checked: the row is recomputed from what the previous depth
+*output*, so feeding anything else shows up as an error at that depth.
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import torch
 
 from ..fast import sampler as fast_sampler
+from ..fast.model import FastModel
+from ..fast.rank import EngineParts
+from ..fast.round import RoundRunner
 from ..reference import sampling
-from ..reference.checkpoint import layer_prefix
+from ..reference.checkpoint import draft_prefix, layer_prefix
 from ..reference.model import ReferenceModel
 from ..reference.sampling import Dist, SamplingParams
-from .router import swap_ratio
+from . import tolerances
+from .router import scores_error, swap_ratio
 from .window import record_window, sliding_layers
 
 VERIFY_ROWS = 8
 METRICS = ("numerics.logits", "numerics.hidden", "numerics.kl", "numerics.topk", "numerics.sampler")
+ROUTER_TAPS = ("mlp_in", "router_scores", "experts")  # what a recorded block keeps of the engine's taps
 
 
-def classes_all(max_depth: int = 7) -> list[str]:
-    return (["prefill"] + [f"verify_row{i}" for i in range(VERIFY_ROWS)] + ["past_window", "ring_reused"]
-            + [f"draft_depth{d}" for d in range(1, max_depth + 1)])
+def classes_all() -> list[str]:
+    """Every position class, in the order of tolerances.json's "classes" (indexed ones expanded)."""
+    out = []
+    for c in tolerances.table()["classes"]:
+        lo, hi = c.get("index", (None, None))
+        out += [c["name"]] if lo is None else [c["name"].format(i=i) for i in range(lo, hi + 1)]
+    return out
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Where the position classes change: the target's sliding window and ring, the draft's window and ring."""
+    window: int | None
+    ring: int
+    draft_window: int | None
+    draft_ring: int
 
 
 @dataclass
@@ -65,120 +83,181 @@ class Block:
     # (row, ids [K], probs [K], input logits [V]) per runner.dist row; under tensor parallelism the input is the
     # ranks' gathered candidates (each rank's top-k, -inf elsewhere): the same top-k, so the same dist()
     dists: list = field(default_factory=list)
-    taps: dict | None = None    # draft blocks of a Recorder(taps=True): the fast model's activation taps
+    taps: dict | None = None    # with Recorder(taps=True): the engine's router taps (ROUTER_TAPS) of every MoE layer
     window_missing: list | None = None  # per row (missing positions, why): qualify/window.py; None: no sliding layer
 
 
 class Recorder:
-    """Wraps one engine (rank 0) and one round runner; `blocks` lists every model call in order. With `taps`,
-    draft blocks also keep the fast model's activation taps (router scores, experts; `iquest debug chain`)."""
+    """What one decode of one engine (rank 0) ran, block by block, as its recording parts report it. With `taps`,
+    blocks also keep the engine's router taps (numerics.router, numerics.router_scores, `iquest debug chain`)."""
 
-    def __init__(self, engine, runner, taps: bool = False):
-        self.engine, self.runner, self.taps = engine, runner, taps
-        self.sliding = {draft: sliding_layers(engine.config, draft) for draft in (False, True)}  # cache.window's
+    def __init__(self, config, taps: bool = False):
+        self.taps = taps
+        self.vocab = config.vocab_size
+        self.sliding = {draft: sliding_layers(config, draft) for draft in (False, True)}  # cache.window's
         self.blocks: list[Block] = []
-        self.in_start = False
+        self.in_round = False
         self.round = -1
         self.chain = -1
         self.depth = 1
+        self.gathered: list[torch.Tensor] = []
 
-    def _record(self, kind, tokens, positions, live, logits, hidden, round_, depth):
-        self.blocks.append(Block(kind, round_, depth, tokens.tolist(), positions.tolist(), live.tolist(),
-                                 logits.detach().double().cpu(), hidden.detach().double().cpu()))
-        record_window(self.blocks[-1], self.engine.model.cache, self.sliding[kind == "draft"])  # as the rows read it
+    def model_call(self, kind: str, cache, tokens, positions, live, logits, hidden, taps) -> None:
+        if kind == "verify":
+            self.round += 1
+        round_ = self.chain if kind == "draft" else self.round if kind == "verify" else -1
+        b = Block(kind, round_, self.depth if kind == "draft" else 0, tokens.tolist(), positions.tolist(),
+                  live.tolist(), logits.detach().double().cpu(), hidden.detach().double().cpu())
+        if taps is not None:
+            b.taps = {k: v for k, v in taps.items() if k.rsplit(".", 1)[-1] in ROUTER_TAPS}
+        record_window(b, cache, self.sliding[kind == "draft"])  # as the rows read it
+        self.blocks.append(b)
 
-    @contextmanager
-    def active(self):
-        model, runner, engine = self.engine.model, self.runner, self.engine
-        fwd, drf, dist, rdraft, rrow, start = model.forward, model.draft, runner.dist, runner.draft, runner.draft_row, engine.start
-        sample = runner.sample
+    def dist_call(self, local_logits, ids, probs) -> None:
+        b = self.blocks[-1]
+        R = local_logits.shape[0]
+        rows = list(range(R)) if R == len(b.tokens) else [max(i for i, x in enumerate(b.live) if x)]
+        logits_in = local_logits.detach().double().cpu()
+        if logits_in.shape[-1] != self.vocab:  # a vocabulary slice: every rank's top-k candidates, -inf elsewhere
+            logits_in = candidate_logits(self.gathered[-1], self.vocab)
+        self.gathered.clear()
+        for r, row in enumerate(rows):
+            # copies: ids and probs may be views of the decode state's rows (a draft's proposal), rewritten later
+            b.dists.append((row, ids[r].cpu().clone(), probs[r].double().cpu().clone(), logits_in[r]))
 
-        def forward(tokens, positions, live, taps=None):
-            logits, hidden = fwd(tokens, positions, live, taps)
-            if self.in_start:
-                self._record("prefill", tokens, positions, live, logits, hidden, -1, 0)
-            else:
-                self.round += 1
-                self._record("verify", tokens, positions, live, logits, hidden, self.round, 0)
-            return logits, hidden
 
-        def draft(tokens, prev_hidden, positions, live, taps=None):
-            if taps is None and self.taps:
-                taps = {}
-            logits, h = drf(tokens, prev_hidden, positions, live, taps)
-            self._record("draft", tokens, positions, live, logits, h, self.chain, self.depth)
-            self.blocks[-1].taps = taps
-            return logits, h
+class RecordingModel(FastModel):
+    """Laid over the candidate's model class (`recording_parts`): reports every forward and draft call to the
+    Recorder that `recording` hands it, and otherwise passes through."""
 
-        vocab = engine.config.vocab_size
-        sampling_args, gathered = runner._sampling_args, []
+    recorder: Recorder | None = None
 
-        def recording_args():  # the candidates the ranks all-gather, kept: the rows' top-k over the whole vocabulary
-            args = sampling_args()
-            gather = args[2]
+    def forward(self, tokens, positions, live, taps=None):
+        rec = self.recorder
+        if rec is None:
+            return super().forward(tokens, positions, live, taps)
+        mine = {} if taps is None and rec.taps else taps
+        logits, hidden = super().forward(tokens, positions, live, mine)
+        rec.model_call("verify" if rec.in_round else "prefill", self.cache, tokens, positions, live, logits, hidden,
+                       mine)
+        return logits, hidden
 
-            def recording_gather(keys):
-                gathered.append(gather(keys))
-                return gathered[-1]
-            return (*args[:2], recording_gather, *args[3:])
+    def draft(self, tokens, hidden, positions, live, taps=None):
+        rec = self.recorder
+        if rec is None:
+            return super().draft(tokens, hidden, positions, live, taps)
+        mine = {} if taps is None and rec.taps else taps
+        logits, h = super().draft(tokens, hidden, positions, live, mine)
+        rec.model_call("draft", self.cache, tokens, positions, live, logits, h, mine)
+        return logits, h
 
-        def record_dist(local_logits, ids, probs):
-            b = self.blocks[-1]
-            R = local_logits.shape[0]
-            rows = list(range(R)) if R == len(b.tokens) else [max(i for i, x in enumerate(b.live) if x)]
-            logits_in = local_logits.detach().double().cpu()
-            if logits_in.shape[-1] != vocab:  # a vocabulary slice: every rank's top-k candidates, -inf elsewhere
-                logits_in = candidate_logits(gathered[-1], vocab)
-            gathered.clear()
-            for r, row in enumerate(rows):
-                # copies: ids and probs may be views of the decode state's rows (a draft's proposal), rewritten later
-                b.dists.append((row, ids[r].cpu().clone(), probs[r].double().cpu().clone(), logits_in[r]))
 
-        def runner_dist(local_logits):
-            ids, probs = dist(local_logits)
-            record_dist(local_logits, ids, probs)
-            return ids, probs
+class RecordingRunner(RoundRunner):
+    """Laid over the candidate's round runner class: marks the rounds (a target forward inside one is a verification
+    block, outside one a prefill block), the draft chains and depths, and reports every distribution it samples with
+    (and, under tensor parallelism, the candidates the ranks gathered for it)."""
 
-        def runner_sample(local_logits, u, out, chain=None):  # a draft depth's dist and draw (one kernel where fused)
-            served = sample(local_logits, u, out, chain)
-            record_dist(local_logits, out[1], out[2])
-            return served
+    def _rec(self) -> Recorder | None:
+        return getattr(self.m, "recorder", None)
 
-        def runner_draft(*args, **kwargs):
-            self.chain += 1
-            self.depth = 1
-            return rdraft(*args, **kwargs)
+    def speculative_round(self) -> None:
+        self._in_round(super().speculative_round)
 
-        def draft_row(depth):
-            self.depth = depth
-            try:
-                return rrow(depth)
-            finally:
-                self.depth = 1
+    def plain_round(self) -> None:
+        self._in_round(super().plain_round)
 
-        def engine_start(*args, **kwargs):
-            self.in_start = True
-            try:
-                return start(*args, **kwargs)
-            finally:
-                self.in_start = False
-
-        model.forward, model.draft, runner.dist, runner.draft, runner.draft_row = forward, draft, runner_dist, runner_draft, draft_row
-        runner.sample, engine.start, runner._sampling_args = runner_sample, engine_start, recording_args
+    def _in_round(self, body) -> None:
+        rec = self._rec()
+        if rec is not None:
+            rec.in_round = True
         try:
-            yield self
+            body()
         finally:
-            for obj, name in ((model, "forward"), (model, "draft"), (runner, "dist"), (runner, "sample"),
-                              (runner, "draft"), (runner, "draft_row"), (engine, "start"), (runner, "_sampling_args")):
-                obj.__dict__.pop(name, None)
+            if rec is not None:
+                rec.in_round = False
+
+    def _sampling_args(self) -> tuple:
+        args = super()._sampling_args()
+        rec = self._rec()
+        if rec is None:
+            return args
+        gather = args[2]
+
+        def recording_gather(keys):  # the candidates the ranks all-gather, kept: the rows' top-k over the vocabulary
+            rec.gathered.append(gather(keys))
+            return rec.gathered[-1]
+        return (*args[:2], recording_gather, *args[3:])
+
+    def dist(self, local_logits):
+        ids, probs = super().dist(local_logits)
+        if (rec := self._rec()) is not None:
+            rec.dist_call(local_logits, ids, probs)
+        return ids, probs
+
+    def sample(self, local_logits, u, out, chain=None):  # a draft depth's dist and draw (one kernel where fused)
+        served = super().sample(local_logits, u, out, chain)
+        if (rec := self._rec()) is not None:
+            rec.dist_call(local_logits, out[1], out[2])
+        return served
+
+    def draft(self, *args, **kwargs):
+        if (rec := self._rec()) is not None:
+            rec.chain += 1
+            rec.depth = 1
+        return super().draft(*args, **kwargs)
+
+    def draft_row(self, depth: int) -> None:
+        rec = self._rec()
+        if rec is None:
+            return super().draft_row(depth)
+        rec.depth = depth
+        try:
+            return super().draft_row(depth)
+        finally:
+            rec.depth = 1
+
+
+@lru_cache(maxsize=None)
+def _combined(mixin: type, base: type) -> type:
+    return base if issubclass(base, mixin) else type(f"Recording{base.__name__}", (mixin, base), {})
+
+
+@dataclass(frozen=True)
+class _Recording:
+    """A picklable stand-in for a recording class (tensor-parallel workers receive the parts by pickle): builds the
+    subclass of `base` with `mixin` laid over it in whichever process constructs it."""
+    mixin: type
+    base: type
+
+    def __call__(self, *args, **kwargs):
+        return _combined(self.mixin, self.base)(*args, **kwargs)
+
+
+def recording_parts(parts: EngineParts = EngineParts()) -> EngineParts:
+    """`parts` with the recording model and runner laid over its own (a control's broken piece stays in place)."""
+    if isinstance(parts.model, _Recording):
+        return parts
+    return replace(parts, model=_Recording(RecordingModel, parts.model), runner=_Recording(RecordingRunner, parts.runner))
+
+
+@contextmanager
+def recording(engine, recorder: Recorder):
+    """Hand `engine`'s model (rank 0's) the recorder for the duration (the engine built with `recording_parts`)."""
+    if not isinstance(engine.model, RecordingModel):
+        raise TypeError("the engine was not built with qualify.replay.recording_parts(...): nothing would be recorded")
+    engine.model.recorder = recorder
+    try:
+        yield recorder
+    finally:
+        engine.model.recorder = None
 
 
 @dataclass
 class DraftRow:
-    """What the reference computed one draft row from, and its MTP taps (the row is `row` of `taps`)."""
-    token: int
-    position: int
-    prev: torch.Tensor          # [H] the previous hidden the row started from
+    """What the reference computed one draft row from, and its draft-layer taps (the row is `row` of `taps`)."""
+    token: int                  # x_{p+1}, the token the row consumes
+    position: int               # p
+    prev: torch.Tensor          # [H] the hidden h_p the row started from
     taps: dict
     row: int
 
@@ -195,8 +274,8 @@ class StreamReference:
             raise ValueError(f"recursion must be 'fast' or 'reference', got {recursion!r}")
         self.m, self.stream, self.recursion = ref, stream, recursion
         self.cache = ref.new_cache()
-        self.main_valid = 0      # main KV and hiddens are stream-true for positions < main_valid
-        self.mtp_valid = 1       # MTP KV is the depth-0 (main-hidden) KV for positions 1..mtp_valid-1
+        self.main_valid = 0      # target KV and hiddens are stream-true for positions < main_valid
+        self.mtp_valid = 0       # draft KV is the depth-0 KV (from the target's hiddens) for positions < mtp_valid
         self.H: dict[int, torch.Tensor] = {}
         self.chain_h: torch.Tensor | None = None
         self.chain_pos = -1
@@ -213,7 +292,7 @@ class StreamReference:
         return True
 
     def main_block(self, b: Block) -> list:
-        """Per row: None (padding), ("uncovered",), ("context", why) or ("ok", logits [V], hidden [H])."""
+        """Per row: None (padding), ("uncovered",), ("context", why) or ("ok", logits [V], hidden [H], taps, row)."""
         out: list = [None] * len(b.tokens)
         idx = [i for i, x in enumerate(b.live) if x]
         pos0 = b.positions[idx[0]]
@@ -241,8 +320,8 @@ class StreamReference:
     def draft_block(self, b: Block) -> list:
         """Per row: None, ("uncovered",), ("context", why) or ("ok", logits, hidden, DraftRow)."""
         out: list = [None] * len(b.tokens)
-        if b.depth >= 2:  # one recursive row from the previous depth's hidden
-            i, p = 0, b.positions[0]
+        if b.depth >= 2:  # one recursive row from the previous depth's output
+            p = b.positions[0]
             if self.chain_h is None or p != self.chain_pos + 1:
                 self.chain_h = None
                 return [("uncovered",)]
@@ -250,39 +329,40 @@ class StreamReference:
             logits, h = self.m.draft(torch.tensor([b.tokens[0]]), prev[None], torch.tensor([p]), self.cache, taps)
             self.chain_h, self.chain_pos = self._next(h[0], b.hidden[0]), p
             return [("ok", logits[0], h[0], DraftRow(b.tokens[0], p, prev, taps, 0))]
+        # depth 0: row p reads the target's h_p and x_{p+1}, both committed
         idx = [i for i, x in enumerate(b.live) if x]
-        inside = [i for i in idx if b.positions[i] < len(self.stream)]
+        inside = [i for i in idx if b.positions[i] + 1 < len(self.stream)]
         self.chain_h = None
         for i in idx:
             out[i] = ("uncovered",)
         if not inside:
             return out
         P = max(b.positions[i] for i in inside)
-        if not self.catch_up(P):
+        if not self.catch_up(P + 1):
             return out
-        s = max(1, min(self.mtp_valid, min(b.positions[i] for i in inside)))
+        s = min(self.mtp_valid, min(b.positions[i] for i in inside))
         pos = torch.arange(s, P + 1)
-        prev = torch.stack([self.H[p - 1] for p in pos.tolist()])
+        prev = torch.stack([self.H[p] for p in pos.tolist()])
         taps: dict = {}
-        logits, h = self.m.draft(torch.tensor(self.stream[s:P + 1]), prev, pos, self.cache, taps)
+        logits, h = self.m.draft(torch.tensor(self.stream[s + 1:P + 2]), prev, pos, self.cache, taps)
         self.mtp_valid = P + 1
         for i in inside:
             p = b.positions[i]
-            if b.tokens[i] != self.stream[p]:
+            if b.tokens[i] != self.stream[p + 1]:
                 out[i] = ("context", f"draft row at position {p} carries token {b.tokens[i]}, the stream has "
-                                     f"{self.stream[p]}")
+                                     f"{self.stream[p + 1]} at {p + 1}")
             else:
-                out[i] = ("ok", logits[p - s], h[p - s], DraftRow(self.stream[p], p, prev[p - s], taps, p - s))
+                out[i] = ("ok", logits[p - s], h[p - s], DraftRow(self.stream[p + 1], p, prev[p - s], taps, p - s))
         last = max(idx)
         if b.positions[last] == P and out[last][0] == "ok":
             self.chain_h, self.chain_pos = self._next(h[P - s], b.hidden[last]), P
         return out
 
     def forced(self, row: "DraftRow", experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, h') of a draft row recomputed with the MTP layer's experts given (qualify/router.py). The
+        """(logits, h') of a draft row recomputed with the draft layer's experts given (qualify/router.py). The
         row's K/V (written before its MoE, so equal up to float64 rounding of a one-row recompute) is put back
         as the block left it, so the replay does not depend on which rows were recomputed."""
-        layer, p = self.m.config.num_hidden_layers, row.position  # the cache's MTP entry
+        layer, p = self.m.config.num_hidden_layers, row.position  # the cache's draft entry
         k, v = self.cache.k[layer][p].clone(), self.cache.v[layer][p].clone()
         logits, h = self.m.draft(torch.tensor([row.token]), row.prev[None], torch.tensor([p]),
                                  self.cache, None, experts.view(1, -1))
@@ -333,19 +413,22 @@ class Scores:
                 mine.ratio, mine.value, mine.tol, mine.where = w.ratio, w.value, w.tol, w.where
 
 
-def row_classes(b: Block, i: int, window: int, ring: int) -> list[str]:
+def row_classes(b: Block, i: int, g: Geometry) -> list[str]:
+    """The position classes of row i of a block (tolerances.json, "classes")."""
+    p = b.positions[i]
+    if b.kind == "draft":
+        return ([f"draft_depth{b.depth}"] + (["draft_past_window"] if g.draft_window and p >= g.draft_window else [])
+                + (["draft_ring_reused"] if p >= g.draft_ring else []))
     if b.kind == "prefill":
         return ["prefill"]
-    if b.kind == "draft":
-        return [f"draft_depth{b.depth}"]
-    p = b.positions[i]
-    return [f"verify_row{i}"] + (["past_window"] if p >= window else []) + (["ring_reused"] if p >= ring else [])
+    return ([f"verify_row{i}"] + (["past_window"] if g.window and p >= g.window else [])
+            + (["ring_reused"] if p >= g.ring else []))
 
 
 def candidate_logits(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """float64 [R, vocab] rows holding the candidates whose rank keys are `keys` [R, C] (fast.sampler's: value and
     global id) and -inf elsewhere. Each rank contributes its own top-k, so a row's top-k is the whole vocabulary's
-    and dist() of it is dist() of the full row (ROUND.md: top-k first, the softmax over those alone)."""
+    and dist() of it is dist() of the full row (docs/round.md: top-k first, the softmax over those alone)."""
     values, ids = fast_sampler.unkey(keys.cpu())
     out = torch.full((keys.shape[0], vocab), -math.inf, dtype=torch.float64)
     return out.scatter_(1, ids, values.double())
@@ -403,32 +486,60 @@ class ReplayResult:
 def router_checked(sr: StreamReference, router_w: torch.Tensor, b: Block, i: int, r: tuple,
                    tol: float) -> tuple[torch.Tensor, torch.Tensor, float | None]:
     """(logits, hidden) draft row i of `b` is scored against, and its numerics.router value (None when the
-    block has no taps): the reference's own row (r, from draft_block), or, for a swap of MTP experts that the
+    block has no taps): the reference's own row (r, from draft_block), or, for a swap of draft-layer experts that the
     engine's own input explains (value <= tol), the reference recomputed with the engine's experts."""
     if b.taps is None:
         return r[1], r[2], None
     fast = b.taps["mtp.experts"][i]
-    swapped, ratio = swap_ratio(router_w, b.taps["mtp.moe_in"][i], r[3].tap("moe_in"), fast, r[3].tap("experts"))
+    swapped, ratio = swap_ratio(router_w, b.taps["mtp.mlp_in"][i], r[3].tap("mlp_in"), fast, r[3].tap("experts"))
     if swapped and ratio <= tol:
         return (*sr.forced(r[3], fast), ratio)
     return r[1], r[2], ratio
 
 
 def router_weight(ref: ReferenceModel) -> torch.Tensor:
-    return ref.w[layer_prefix(ref.config.mtp_layer_index) + "mlp.gate.weight"]
+    """The draft layer's router [E, H] (float64, exactly the stored values)."""
+    return ref.w[draft_prefix() + "mlp.router.weight"]
 
 
-def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: SamplingParams, tol_rel: float,
-          window: int, ring: int, vocab_offset: int = 0, full_vocab: bool = True, sampler_tol: float = 1e-5,
-          router_tol: float = 1.0, window_tol: float = 0.0) -> ReplayResult:
-    """Every recorded row against the stream-true reference. Draft rows recorded with taps also get
-    numerics.router (qualify/router.py): a swap of MTP experts that the engine's own MoE input explains is
-    scored against the reference recomputed with the engine's experts. Every live row of a block recorded with its
-    ring (Block.window_missing) gets cache.window, whether or not the reference covers it. Under tensor parallelism
-    (not `full_vocab`) the logits are rank 0's vocabulary slice, so numerics.kl and numerics.topk are not scored;
-    numerics.sampler is, on the candidates the ranks gathered (Block.dists)."""
+def routers(ref: ReferenceModel) -> dict[str, torch.Tensor]:
+    """Tap prefix ("layer{l}." or "mtp.") -> that MoE layer's stored router (float64, exact)."""
+    c = ref.config
+    out = {f"layer{i}.": ref.w[layer_prefix(i) + "mlp.router.weight"] for i in range(c.num_hidden_layers)
+           if not c.is_dense(i)}
+    out["mtp."] = router_weight(ref)
+    return out
+
+
+def score_router_scores(scores: Scores, b: Block, i: int, classes: list[str], where: str, rw: dict,
+                        tol: float) -> None:
+    """numerics.router_scores of row i over every MoE layer the block ran (qualify/router.scores_error): the worst
+    layer's value."""
+    worst, why = -1.0, ""
+    for prefix, w in rw.items():
+        if prefix + "experts" not in b.taps:
+            continue
+        v, what = scores_error(w, b.taps[prefix + "mlp_in"][i], b.taps[prefix + "router_scores"][i],
+                               b.taps[prefix + "experts"][i])
+        if v > worst:
+            worst, why = v, f"{prefix.rstrip('.')}: {what}"
+    if worst >= 0:
+        scores.add("numerics.router_scores", classes, worst, tol, f"{where}: {why}")
+
+
+def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: SamplingParams, tol: dict,
+          geometry: Geometry, vocab_offset: int = 0, full_vocab: bool = True) -> ReplayResult:
+    """Every recorded row against the stream-true reference. `tol`: check -> tolerance value (the column of the
+    candidate's scheme). Rows recorded with taps also get numerics.router_scores (every MoE layer: the router on the
+    engine's own input) and, for draft rows, numerics.router (qualify/router.py): a swap of draft-layer experts
+    that the engine's own MoE input explains is scored against the reference recomputed with the engine's experts.
+    Every live row of a block recorded with its ring (Block.window_missing) gets cache.window, whether or not the
+    reference covers it. Under tensor parallelism (not `full_vocab`) the logits are rank 0's vocabulary slice, so
+    numerics.kl and numerics.topk are not scored; numerics.sampler is, on the candidates the ranks gathered
+    (Block.dists)."""
     sr = StreamReference(ref, stream)
-    router_w = router_weight(ref)
+    router_w, rw = router_weight(ref), routers(ref)
+    tol_rel = tol["numerics.logits"]
     scores, round_ratio = Scores(), {}
     t = params.temperature if params.temperature > 0 else 1.0
     covered = uncovered = 0
@@ -438,11 +549,14 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
         for i, r in enumerate(rows):
             if r is None:
                 continue
-            classes = row_classes(b, i, window, ring)
+            classes = row_classes(b, i, geometry)
             where = f"{b.kind} round {b.round} row {i} position {b.positions[i]}"
             if b.window_missing is not None and b.live[i]:
                 missing, why = b.window_missing[i]
-                scores.add("cache.window", classes, float(missing), window_tol, f"{where}: {why}" if why else where)
+                scores.add("cache.window", classes, float(missing), tol["cache.window"],
+                           f"{where}: {why}" if why else where)
+            if b.taps is not None and b.live[i]:  # the engine's router on its own input: no reference needed
+                score_router_scores(scores, b, i, classes, where, rw, tol["numerics.router_scores"])
             if r[0] == "uncovered":
                 uncovered += 1
                 continue
@@ -453,27 +567,29 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
                 continue
             rl, rh = r[1], r[2]
             if b.kind == "draft":
-                rl, rh, ratio = router_checked(sr, router_w, b, i, r, router_tol)
+                rl, rh, ratio = router_checked(sr, router_w, b, i, r, tol["numerics.router"])
                 if ratio is not None:
-                    scores.add("numerics.router", classes, ratio, router_tol, where)
+                    scores.add("numerics.router", classes, ratio, tol["numerics.router"], where)
             ref_rows[i] = (rl, rh)
             fl, fh = b.logits[i], b.hidden[i]
             scale = float(rl.abs().max())
             e = tol_rel * scale
             rl_s = rl[vocab_offset:vocab_offset + fl.numel()]
             scores.add("numerics.logits", classes, float((fl - rl_s).abs().max()) / scale, tol_rel, where)
-            scores.add("numerics.hidden", classes, float((fh - rh).abs().max() / rh.abs().max()), tol_rel, where)
+            scores.add("numerics.hidden", classes, float((fh - rh).abs().max() / rh.abs().max()),
+                       tol["numerics.hidden"], where)
             if full_vocab:
                 scores.add("numerics.kl", classes, kl(rl, fl, t), (e / t) ** 2 / 2, where)
                 k = min(params.top_k, rl.numel())
                 kth = float(torch.sort(rl, descending=True).values[k - 1])
                 top = torch.topk(fl, k).indices
-                scores.add("numerics.topk", classes, float((rl[top] < kth - 2 * e).sum()), 0.0, where)
+                scores.add("numerics.topk", classes, float((rl[top] < kth - 2 * e).sum()), tol["numerics.topk"],
+                           where)
         for row, ids, probs, logits_in in b.dists:
-            classes = row_classes(b, row, window, ring)
+            classes = row_classes(b, row, geometry)
             where = f"{b.kind} round {b.round} row {row} position {b.positions[row]}"
             err, why = sampler_error(ids, probs, logits_in, params)  # logits_in: the whole vocabulary's top-k
-            scores.add("numerics.sampler", classes, err, sampler_tol, f"{where} {why}".strip())
+            scores.add("numerics.sampler", classes, err, tol["numerics.sampler"], f"{where} {why}".strip())
             if row in ref_rows and b.kind in ("verify", "draft"):
                 rl = ref_rows[row][0]
                 bound = 2 * tol_rel * float(rl.abs().max()) / t

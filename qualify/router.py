@@ -44,3 +44,37 @@ def swap_ratio(w: torch.Tensor, b_fast: torch.Tensor, b_ref: torch.Tensor, fast_
             band = abs(float(d @ (bf - br))) + gamma * float((w[x].abs() + w[y].abs()) @ bf.abs()) + 8 * U32
             worst = max(worst, max(m, 0.0) / band)
     return True, worst
+
+
+def scores_error(w: torch.Tensor, b: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor) -> tuple[float, str]:
+    """numerics.router_scores of one row at one MoE layer: the engine's router on the engine's own input.
+
+    w [E, H] the stored router (exact in fp32), b [H] the engine's MoE input (its tap mlp_in: a compute-dtype value,
+    exact in fp32), scores [E] the engine's softmax scores, experts [k] its chosen experts. The exact scores are
+    s = softmax(w b) in float64. The engine's fp32 logits differ from w b by at most rho_e = gamma_H sum_j |w_ej b_j|
+    (Higham, Thm 3.1: both factors are fp32 values), which moves ln s_e by at most 2 max_e rho_e; its fp32 softmax adds
+    at most u (|t_e| + max_e |t_e| + E + 9), t_e = l_e - max l (the shift's rounding, a sum of E terms, exp to within 2
+    ulps, the division). The value is max_e |ln s_fast_e - ln s_e| / that bound (<= 1: the engine's router is an fp32
+    product of its own input and the stored router, as docs/model.md says); the chosen experts must also be the top k
+    of the engine's own scores (ties: the lower index), else the value is inf. Entries whose exact score is below 1e-30
+    are compared only for having underflowed on both sides."""
+    w, b, s_fast = w.double(), b.double(), scores.double()
+    h = w.shape[1]
+    gamma = h * U32 / (1 - h * U32)
+    logits = w @ b
+    exact = torch.softmax(logits, -1)
+    rho = gamma * float(((w.abs() @ b.abs())).max())
+    t = (logits - logits.max()).abs()
+    bound = 2 * rho + U32 * (t + float(t.max()) + w.shape[0] + 9)
+    k = experts.numel()
+    own = torch.sort(s_fast, descending=True, stable=True).indices[:k]
+    if own.tolist() != experts.tolist():
+        return float("inf"), f"chosen experts {experts.tolist()} are not the top {k} of the engine's own scores " \
+                             f"({own.tolist()})"
+    big = exact > 1e-30
+    if bool(((~big) & (s_fast > 1e-28)).any()):
+        return float("inf"), "an expert whose exact score underflows has a sizeable score in the engine"
+    ratio = (torch.log(s_fast[big]) - torch.log(exact[big])).abs() / bound[big]
+    worst = int(ratio.argmax())
+    e = int(big.nonzero()[worst])
+    return float(ratio[worst]), f"expert {e}: score {float(s_fast[e]):.9g} vs exact {float(exact[e]):.9g}"

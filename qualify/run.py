@@ -1,13 +1,17 @@
 """`iquest qualify`: every check against the float64 reference, the negative controls, a table and a JSON report.
 
 Report structure (JSON, `SCHEMA` names the version):
-  schema, model, tp, dtype, kernels, kernel_fallbacks ({stage: calls that ran the fallback}), tolerance_column,
-  device, quick, jobs (worker processes used), commit, seconds, passed
+  schema, model, tp, dtype, weights (what the candidate's linears run as: bf16 or fp8), reference (the weights the
+  float64 reference is judged on: "as stored", or "fp8 at load" for a BF16 checkpoint run with --weights fp8),
+  source (that case: "bf16", the weights the fp8w.* rows measure the FP8 form against; else null), kernels,
+  kernel_fallbacks ({stage: calls that ran the fallback}), tolerance_column, device, quick, seed, jobs (worker
+  processes used), commit, seconds, passed, suite_alpha (the whole suite's statistical false-alarm rate per run)
   checks:   [{check, class, worst, tolerance, verdict, rows, where}]   healthy engine, one row per check x class
   controls: [{name, what, caught, caught_by: [[check, class]], intended: [[check, class]],
               intended_worst: [[check, class, worst, tolerance, verdict]] (the control's run, its intended checks),
               branch_count, branch_what, failing: [[check, class]], seconds}]
-  lossless: {p_value, chi2, dof, samples, replacement_rounds, replacement_drew_tested_token, observed, expected}
+  controls_not_applicable: [{name, why}]   controls that cannot apply to this candidate (not run)
+  lossless: {p_value, chi2, dof, samples, seed, replacement_rounds, replacement_drew_tested_token, observed, expected}
   controls_caught: "N/N"
   tolerances: path of the tolerance file used
 """
@@ -28,36 +32,49 @@ from ..provenance import commit
 from ..fast.parallel import Parallel
 from ..fast.plan import KernelPlan
 from ..fast.rank import EngineOptions, EngineParts, RankEngine
+from ..fast.weights import weight_format
 from . import tolerances
 from ..reference.config import Config
-from .checks import Case, Row, decode_session, lossless, session_rows, sliding_ring, stability
+from .checks import (Case, RefSpec, Row, decode_session, lossless, quantized_at_load, session_rows, sliding_ring,
+                     stability)
 from .controls import REGISTRY, Control, control
-from .replay import classes_all
+from .replay import classes_all, recording_parts
 
-SCHEMA = "iquest-qualify/1"
+SCHEMA = "iquest-qualify/2"
 
 
-def qualify_cases(vocab: int, quick: bool, ring: int) -> tuple[list[Case], list[int], list[int]]:
-    """Prompts long enough that decoding passes the sliding window and wraps the ring."""
-    gen = torch.Generator().manual_seed(7)
+def qualify_cases(vocab: int, quick: bool, ring: int, seed: int = 0) -> tuple[list[Case], list[int], list[int]]:
+    """The decode requests: a long one at the model's sampling defaults whose decode passes the sliding window and
+    wraps the ring; a "wide" one (temperature 3, top_k the whole vocabulary, top_p 1) under which even an untrained
+    draft is often accepted, so the paths after an accepted draft run on a random fixture too; and, in the full mode,
+    more lengths and depths (the fitted controller included) and a greedy one. `seed` picks the prompts and the
+    request seeds (seed 0: the historical first case). Returns (cases, stability prefix, appended tokens)."""
+    gen = torch.Generator().manual_seed(7 + seed)
     need = ring + 8
+    base = seed << 32
+    wide, greedy = (3.0, vocab, 1.0), (0.0, 20, 0.95)
+
+    def prompt(n):
+        return tuple(int(x) for x in torch.randint(2, vocab, (n,), generator=gen))
     if quick:
-        prompt = tuple(int(x) for x in torch.randint(2, vocab, (min(56, max(need - 48, 8)),), generator=gen))
-        new = max(need - len(prompt), 48)
-        return [Case(prompt, 1, 7, new)], list(prompt[:40]), list(range(2, 10))
+        first = prompt(min(56, max(need - 48, 8)))
+        cases = [Case(first, base + 1, 7, max(need - len(first), 48)), Case(prompt(16), base + 2, 7, 32, wide)]
+        return cases, list(first[:40]), list(range(2, 10))
     cases = []
     for i, (length, drafts) in enumerate([(56, 7), (40, 3), (72, "auto"), (24, 5)]):
-        prompt = tuple(int(x) for x in torch.randint(2, vocab, (length,), generator=gen))
-        cases.append(Case(prompt, 100 + i, drafts, max(need - length, 96)))
+        cases.append(Case(prompt(length), base + 100 + i, drafts, max(need - length, 96)))
+    cases += [Case(prompt(24), base + 104, 7, 96, wide), Case(prompt(24), base + 105, 4, 64, greedy)]
     return cases, list(cases[0].prompt[:40]), list(range(2, 10))
 
 
 class _Engines:
-    """The candidate under some options and parts: (recorded rank-0 engine, run(req), single-rank engine for dists)."""
+    """The candidate under some options and parts, built with the recording parts laid over them
+    (qualify/replay.py): (recorded rank-0 engine, run(req), single-rank engine for dists)."""
 
     def __init__(self, model_dir: str, tp: int, options: EngineOptions, device: str = "cpu",
                  parts: EngineParts = EngineParts()):
         self.fe = None
+        parts = recording_parts(parts)
         if tp == 1:
             self.rank0 = RankEngine(model_dir, Parallel.single(device), options, parts)
             self.single, self.run = self.rank0, None
@@ -80,10 +97,11 @@ class _Engines:
             self.fe.close()
 
 
-def _sessions(engines: _Engines, model_dir: str, cases: list[Case], tol: str, bar) -> list:
+def _sessions(engines: _Engines, plan: "Plan", bar, source: bool = False) -> list:
     out = []
-    for case in cases:
-        out.append(decode_session(engines.rank0, model_dir, case, tol, engines.run, engines.single))
+    for case in plan.cases:
+        out.append(decode_session(engines.rank0, plan.ref, case, plan.tol, engines.run, engines.single,
+                                  plan.source if source else None))
         bar.update(1)
     return out
 
@@ -102,17 +120,20 @@ class Plan:
     prefix: tuple
     extra: tuple
     dtype: str
-    tol: str            # tolerance column: tolerances.scheme(dtype, plan, config, tp)
+    tol: str            # tolerance column: tolerances.scheme(dtype)
     samples: int
     device: str
+    seed: int = 0
+    ref: RefSpec | None = None      # the reference the candidate is judged on
+    source: RefSpec | None = None   # fp8w.*: the BF16 weights an FP8 candidate came from (None: no such rows)
 
 
 def run_healthy(plan: Plan, bar) -> tuple[list[Row], dict]:
     """The healthy candidate's rows, and the calls per stage its kernels could not take (ran the fallback)."""
     engines = _Engines(plan.model_dir, plan.tp, plan.base, plan.device)
     try:
-        rows = session_rows(_sessions(engines, plan.model_dir, list(plan.cases), plan.tol, bar), classes_all())
-        rows += stability(engines.single, plan.model_dir, list(plan.prefix), list(plan.extra), plan.tol)
+        rows = session_rows(_sessions(engines, plan, bar, source=True), classes_all())
+        rows += stability(engines.single, plan.ref, list(plan.prefix), list(plan.extra), plan.tol)
         fallbacks = dict(getattr(engines.rank0.model.ops, "fallbacks", {}))  # op group -> calls
     finally:
         engines.close()
@@ -121,7 +142,7 @@ def run_healthy(plan: Plan, bar) -> tuple[list[Row], dict]:
 
 
 def run_lossless(plan: Plan, bar) -> tuple[Row, dict]:
-    out = lossless(plan.dtype, plan.samples, device=plan.device, kernels=plan.base.kernels)
+    out = lossless(plan.dtype, plan.samples, device=plan.device, kernels=plan.base.kernels, seed=plan.seed)
     bar.update(1)
     return out
 
@@ -129,13 +150,14 @@ def run_lossless(plan: Plan, bar) -> tuple[Row, dict]:
 def run_control(ctl: Control, plan: Plan, bar) -> dict:
     t0 = time.time()
     if ctl.family == "lossless":
-        row, info = lossless(plan.dtype, plan.samples, ctl.parts, device=plan.device, kernels=plan.base.kernels)
+        row, info = lossless(plan.dtype, plan.samples, ctl.parts, device=plan.device, kernels=plan.base.kernels,
+                             seed=plan.seed)
         rows, branch = [row], ctl.branch(info, plan.model_dir)
         bar.update(len(plan.cases))
     else:
         engines = _Engines(plan.model_dir, plan.tp, plan.base, plan.device, ctl.parts)
         try:
-            sessions = _sessions(engines, plan.model_dir, list(plan.cases), plan.tol, bar)
+            sessions = _sessions(engines, plan, bar)
         finally:
             engines.close()
         rows, branch = session_rows(sessions, classes_all()), ctl.branch(sessions, plan.model_dir)
@@ -173,6 +195,9 @@ def control_margin(r: dict) -> str:
 
 class _NoBar:
     def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, what: str) -> None:
         pass
 
 
@@ -220,40 +245,104 @@ def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar) -> tuple[list[
     return rows + [lrow], linfo, fallbacks, [done[c.name] for c in chosen]
 
 
-def candidate_options(dtype: str, kernels: str | KernelPlan, device: str, shared_gpu: bool = False) -> EngineOptions:
+def candidate_options(dtype: str, kernels: str | KernelPlan, device: str, shared_gpu: bool = False,
+                      weights: str = "auto") -> EngineOptions:
     """The healthy candidate's engine options (`kernels` resolved to a plan for the device, e.g. auto -> triton).
     Eager on CUDA too: the recorder wraps the engine's Python calls, which a graph replay skips. The graph is held to
     the eager round separately (bit-exact: tests/test_fast_gpu.py)."""
     return EngineOptions(max_context=512, dtype=dtype, graphs=False, shared_gpu=shared_gpu,
-                         kernels=EngineOptions(kernels=kernels).plan(torch.device(device)))
+                         kernels=EngineOptions(kernels=kernels).plan(torch.device(device)), weights=weights)
+
+
+def references(model_dir: str, config: Config, weights: str, device: str) -> tuple[str, RefSpec, RefSpec | None]:
+    """(what the candidate's linears run as, the reference it is judged on, the BF16 source the fp8w.* rows measure
+    it against or None): a BF16 checkpoint run as FP8 (quantized at load) is judged on the reference with the same
+    quantization, and measured against the BF16 reference it came from."""
+    fmt = weight_format(weights, config, torch.device(device))
+    if fmt == "fp8" and quantized_at_load(model_dir):
+        return fmt, RefSpec(model_dir, "fp8"), RefSpec(model_dir)
+    return fmt, RefSpec(model_dir), None
+
+
+def make_plan(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32", device: str = "cpu",
+              kernels: str | KernelPlan = "auto", shared_gpu: bool = False, weights: str = "auto",
+              seed: int = 0) -> tuple[Plan, str]:
+    """The plan of a run and the weight format its candidate runs."""
+    base = candidate_options(dtype, kernels, device, shared_gpu, weights)
+    config = Config.from_dir(model_dir)
+    fmt, ref, source = references(model_dir, config, weights, device)
+    cases, prefix, extra = qualify_cases(config.vocab_size, quick, sliding_ring(config, base), seed)
+    plan = Plan(model_dir, tp, base, tuple(cases), tuple(prefix), tuple(extra), dtype, tolerances.scheme(dtype),
+                600 if quick else 3000, device, seed, ref, source)
+    return plan, fmt
 
 
 def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32", json_out: str | None = None,
             progress: bool | None = None, controls: list[str] | None = None, out=None,
-            device: str = "cpu", kernels: str | KernelPlan = "auto", jobs: int = 1, shared_gpu: bool = False) -> dict:
+            device: str = "cpu", kernels: str | KernelPlan = "auto", jobs: int = 1, shared_gpu: bool = False,
+            weights: str = "auto", seed: int = 0, quiet: bool = False) -> dict:
+    """One qualification run. `weights`: --weights (auto, bf16, fp8; fast/weights.weight_format); `seed`: picks the
+    cases and the lossless test's request seeds; `controls`: names to run (None: all, [] none)."""
     t0 = time.time()
     model_dir = str(model_dir)
-    base = candidate_options(dtype, kernels, device, shared_gpu)
-    config = Config.from_dir(model_dir)
-    cases, prefix, extra = qualify_cases(config.vocab_size, quick, sliding_ring(config, base))
-    plan = Plan(model_dir, tp, base, tuple(cases), tuple(prefix), tuple(extra), dtype,
-                tolerances.scheme(dtype, base.kernels, config, tp), 600 if quick else 3000, device)
-    chosen = [c for c in REGISTRY if controls is None or c.name in controls]
+    plan, fmt = make_plan(model_dir, tp, quick, dtype, device, kernels, shared_gpu, weights, seed)
+    chosen, skipped = [], []
+    for c in REGISTRY:
+        if controls is not None and c.name not in controls:
+            continue
+        why = c.applies(model_dir, fmt) if c.applies is not None else None
+        if why is None:
+            chosen.append(c)
+        else:
+            skipped.append({"name": c.name, "why": why})
     jobs = max(1, min(jobs, len(chosen) + 2))
-    total = len(cases) * (1 + len(chosen)) + 2
+    total = len(plan.cases) * (1 + len(chosen)) + 2
     with progress_bar(total, progress) as bar:
         rows, linfo, fallbacks, results = _run_units(plan, chosen, jobs, bar)
     caught = sum(r["caught"] for r in results)
     passed = all(r.passed for r in rows) and caught == len(results)
-    report = {"schema": SCHEMA, "model": model_dir, "tp": tp, "dtype": dtype, "kernels": base.kernels.name,
+    report = {"schema": SCHEMA, "model": model_dir, "tp": tp, "dtype": dtype, "weights": fmt,
+              "reference": "fp8 at load" if plan.ref.quant else "as stored",
+              "source": "bf16" if plan.source is not None else None, "kernels": plan.base.kernels.name,
               "kernel_fallbacks": fallbacks, "tolerance_column": plan.tol, "device": device, "quick": quick,
-              "jobs": jobs, "commit": commit(),
-              "seconds": round(time.time() - t0, 2), "passed": passed, "checks": [r.as_dict() for r in rows],
-              "controls": results, "lossless": linfo, "controls_caught": f"{caught}/{len(results)}",
-              "tolerances": str(tolerances.PATH)}
-    print_table(report, out)
+              "seed": seed, "jobs": jobs, "commit": commit(), "seconds": round(time.time() - t0, 2),
+              "passed": passed, "suite_alpha": tolerances.suite_alpha(), "checks": [r.as_dict() for r in rows],
+              "controls": results, "controls_not_applicable": skipped, "lossless": linfo,
+              "controls_caught": f"{caught}/{len(results)}", "tolerances": str(tolerances.PATH)}
+    if not quiet:
+        print_table(report, out)
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def false_alarms(model_dir: str, seeds: int, out_path: str | None = None, first_seed: int = 0, dtype: str = "fp32",
+                 device: str = "cpu", kernels: str | KernelPlan = "auto", weights: str = "auto", tp: int = 1,
+                 jobs: int = 1, progress: bool | None = False, out=None) -> dict:
+    """The healthy engine's false-alarm rate: quick qualification of the healthy candidate alone (no controls) at
+    seeds first_seed .. first_seed + seeds - 1; a run that fails any check is a false alarm. Writes the raw results
+    (per seed: passed, failing checks, lossless p-value) to `out_path` when given."""
+    runs = []
+    for s in range(first_seed, first_seed + seeds):
+        r = qualify(model_dir, tp=tp, quick=True, dtype=dtype, controls=[], device=device, kernels=kernels, jobs=jobs,
+                    weights=weights, seed=s, progress=progress, quiet=True)
+        failing = [[c["check"], c["class"], c["worst"], c["tolerance"]] for c in r["checks"] if c["verdict"] != "pass"]
+        runs.append({"seed": s, "passed": r["passed"], "failing": failing, "lossless_p": r["lossless"]["p_value"],
+                     "seconds": r["seconds"]})
+        print(f"false-alarm run: seed {s}: {'pass' if r['passed'] else 'FAIL ' + str(failing)} "
+              f"(lossless p = {r['lossless']['p_value']:.3g}, {r['seconds']:.0f} s)", file=out or sys.stderr,
+              flush=True)
+    alarms = sum(not r["passed"] for r in runs)
+    lossless_alarms = sum(any(f[0] == "lossless" for f in r["failing"]) for r in runs)
+    report = {"schema": "iquest-qualify-false-alarm/1", "model": model_dir, "commit": commit(), "dtype": dtype,
+              "device": device, "weights": weights, "tp": tp, "mode": "quick, healthy engine only (no controls)",
+              "seeds": [first_seed, first_seed + seeds - 1], "runs": runs, "false_alarms": alarms,
+              "false_alarm_rate": alarms / max(seeds, 1), "lossless_false_alarms": lossless_alarms,
+              "suite_alpha": tolerances.suite_alpha(),
+              "suite_alpha_why": tolerances.table()["statistics"]["why"]}
+    if out_path:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(json.dumps(report, indent=1))
     return report
 
 
@@ -319,6 +408,9 @@ def print_table(report: dict, out=None) -> None:
         else:
             worst, tol = _fmt(r["worst"]), _fmt(r["tolerance"])
         checks.append((r["check"], r["class"], worst, tol, r["verdict"], r["rows"]))
+    if report.get("source"):
+        print(f"weights {report.get('weights')} (quantized at load): judged on the reference with the same "
+              f"quantization; fp8w.* rows measure them against the {report['source']} weights", file=out)
     _columns(checks, out)
     if any(r["check"] == "lossless" for r in report["checks"]):
         print("(worst/tolerance: the largest error and the most allowed, passing at or below it; lossless: the "
@@ -327,12 +419,19 @@ def print_table(report: dict, out=None) -> None:
         if r["verdict"] != "pass":
             print(f"  FAIL {r['check']} / {r['class']}: {r['where']}", file=out)
     print(file=out)
-    controls = [("negative control", "caught", "branch", "margin (>1: past its tolerance)", "caught by")]
-    for r in report["controls"]:
-        by = _listed(r["caught_by"]) if r["caught_by"] else f"NOT CAUGHT (intended: {_listed(r['intended'])})"
-        controls.append((r["name"], "yes" if r["caught"] else "NO", r["branch_count"], control_margin(r), by))
-    _columns(controls, out)
-    print("(branch: times the broken code ran on an input where it matters; margin: the largest worst / tolerance "
-          "of its intended checks, alpha / p for lossless: above 1 it was caught with that much to spare)", file=out)
+    if report["controls"]:
+        controls = [("negative control", "caught", "branch", "margin (>1: past its tolerance)", "caught by")]
+        for r in report["controls"]:
+            by = _listed(r["caught_by"]) if r["caught_by"] else f"NOT CAUGHT (intended: {_listed(r['intended'])})"
+            controls.append((r["name"], "yes" if r["caught"] else "NO", r["branch_count"], control_margin(r), by))
+        _columns(controls, out)
+        print("(branch: times the broken code ran on an input where it matters; margin: the largest worst / "
+              "tolerance of its intended checks, alpha / p for lossless: above 1 it was caught with that much to "
+              "spare)", file=out)
+    for r in report.get("controls_not_applicable", []):
+        print(f"not applicable: {r['name']}: {r['why']}", file=out)
     print(f"\nnegative controls: {report['controls_caught']} caught", file=out)
+    if "suite_alpha" in report:
+        print(f"statistical false-alarm rate of the whole suite per run: {report['suite_alpha']:.3g} (the lossless "
+              f"chi-square, its one statistical test; every other check is a deterministic bound)", file=out)
     print(f"qualification {'PASSED' if report['passed'] else 'FAILED'} in {report['seconds']:.0f} s", file=out)

@@ -1,4 +1,5 @@
-"""Tolerances as data (`tolerances.json`): one entry per check and position class, each with its reason."""
+"""Position classes and tolerances as data (`tolerances.json`): one entry per check and position class, each with
+the argument it comes from (`why`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from functools import lru_cache
 from pathlib import Path
 
 PATH = Path(__file__).with_name("tolerances.json")
+DTYPES = ("fp32", "bf16")
 
 
 @lru_cache(maxsize=None)
@@ -25,28 +27,36 @@ def entry(check: str, cls: str = "*") -> dict:
     return found
 
 
-def scheme(dtype: str, plan=None, config=None, tp: int = 1) -> str:
-    """The tolerance column for an engine: its compute dtype, plus "+e4m3act" when the kernel plan (fast/plan.py) runs
-    the MoE as the Triton kernel, whose Down input is act_quant'ed to E4M3 (ROUND.md) where the reference and the
-    torch form keep it. With `config`, only when the kernel takes that model's shapes at `tp` (else the MoE runs its
-    torch form, exactly)."""
-    if plan is None or not plan.moe:
-        return dtype
-    if config is not None:
-        from ..fast.triton_ops import moe_takes
-
-        block = tuple(config.weight_block_size)
-        if not moe_takes(block, block, config.moe_intermediate_size // tp):
-            return dtype
-    return f"{dtype}+e4m3act"
+def scheme(dtype: str) -> str:
+    """The tolerance column of a candidate: its compute dtype (the kernel plan changes no column: every kernel that may
+    run computes the published ops in the compute dtype, fast/plan.py)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"no tolerance column for compute dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    return dtype
 
 
-def value(check: str, dtype: str, cls: str = "*"):
+def fp8w(column: str) -> str:
+    """The column of the fp8w.* checks (a BF16 checkpoint quantized at load, against the BF16 reference)."""
+    return f"{column}+fp8w"
+
+
+def value(check: str, column: str, cls: str = "*"):
     e = entry(check, cls)
-    if dtype not in e:
-        raise KeyError(f"tolerance {check!r}/{cls!r} states no value for dtype {dtype!r}")
-    return e[dtype]
+    if column not in e:
+        raise KeyError(f"tolerance {check!r}/{cls!r} states no value for column {column!r}")
+    return e[column]
 
 
-def reason(check: str, cls: str = "*") -> str:
-    return entry(check, cls)["reason"]
+def column(column: str, checks=("numerics.logits", "numerics.hidden", "numerics.topk", "numerics.sampler",
+                                "numerics.router", "numerics.router_scores", "cache.window")) -> dict:
+    """check -> value of one column, for the replay's scoring (qualify/replay.score)."""
+    return {c: value(c, column) for c in checks}
+
+
+def why(check: str, cls: str = "*") -> str:
+    return entry(check, cls)["why"]
+
+
+def suite_alpha() -> float:
+    """The whole suite's statistical false-alarm rate per run (tolerances.json, "statistics")."""
+    return float(table()["statistics"]["suite_alpha"])
