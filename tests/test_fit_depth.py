@@ -21,10 +21,20 @@ from iquest.reference.model import ReferenceModel
 from iquest.reference.sampling import SamplingParams
 from iquest.reference.speculative import generate
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "fixtures" / "tiny"
-MINI = ROOT / "fixtures" / "iquest-q1-mini"
+from iquest.tests.helpers import TINY, mini_or_skip
+
 PARAMS = SamplingParams()
+HELD_OUT = ["textwrap.py", "json/decoder.py", "ast.py"]  # standard-library files every Python has
+
+
+@pytest.fixture
+def tiny_with_corpus(tmp_path) -> Path:
+    """The tiny fixture with a corpus.json naming held-out standard-library files, as a trained model's folder has:
+    what fit-depth, card and the round-cost measurement read their prompts from."""
+    model = tmp_path / "tiny"
+    shutil.copytree(TINY, model)
+    (model / "corpus.json").write_text(json.dumps({"held_out": HELD_OUT}))
+    return model
 
 
 def synthetic_rounds(n: int, seed: int) -> list[fd.Round]:
@@ -85,10 +95,10 @@ def test_threshold_search_uses_the_engines_stopping_rule():
     assert set(cv["policies"]) == {"fixed 3", "fixed 4", "fixed 5", "fixed 6", "fixed 7", "default rule", "fitted rule"}
 
 
-def test_cli_writes_a_controller_that_loads(tmp_path, capsys):
+def test_cli_writes_a_controller_that_loads(tmp_path, capsys, tiny_with_corpus):
     out = tmp_path / "model" / CONTROLLER_FILE
     out.parent.mkdir()
-    code = main(["fit-depth", "--model", str(MINI), "--prompts", "4", "--tokens", "12", "--folds", "2",
+    code = main(["fit-depth", "--model", str(tiny_with_corpus), "--prompts", "4", "--tokens", "12", "--folds", "2",
                  "--out", str(out)])
     text, err = capsys.readouterr()
     assert code == 0, err
@@ -103,8 +113,9 @@ def test_cli_writes_a_controller_that_loads(tmp_path, capsys):
 
 
 def test_shipped_controller_loads():
-    raw = json.loads((MINI / CONTROLLER_FILE).read_text())
-    rule = load_controller(MINI)
+    mini = mini_or_skip()
+    raw = json.loads((mini / CONTROLLER_FILE).read_text())
+    rule = load_controller(mini)
     assert rule.weights == raw["weights"] and rule.threshold == raw["threshold"]
     assert "cross_validation" in raw["fit"]
 
@@ -157,14 +168,53 @@ def test_engines_make_the_same_depth_decisions_tiny(tmp_path):
 def test_engines_make_the_same_depth_decisions_with_the_shipped_rule():
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(MINI / "tokenizer.json"))
+    mini = mini_or_skip()
+    tok = Tokenizer.from_file(str(mini / "tokenizer.json"))
     # codec-table and codec-method text: the mini model drafts these well, so the rule goes past depth 3
     texts = ["    '\\x00'     #  0x00 -> NULL\n    '\\x01'     #  0x01 -> START OF HEADING\n"
              "    '\\x02'     #  0x02 -> START OF TEXT\n    '\\x03'     #  0x03 -> END OF TEXT\n",
              "    def encode(self, input, errors='strict'):\n        return codecs.charmap_encode(input, errors, "
              "encoding_table)\n\n    def decode(self, input, errors='strict'):\n"]
     seen = set()
-    for ref, fast in _rounds_until_divergence(MINI, [tok.encode(t).ids for t in texts], 32):
+    for ref, fast in _rounds_until_divergence(mini, [tok.encode(t).ids for t in texts], 32):
         assert ref == fast
         seen |= set(ref[1:])
     assert {3, 7} <= seen and len(seen) >= 3, f"the shipped rule should give varied depths here, got {seen}"
+
+
+# ---- the card and the round costs on the published architecture ------------------------------------------------
+def test_card_figures_on_the_published_architecture(tiny_with_corpus):
+    """`iquest card`'s figures: the draft's held-out loss from rows at h_p + x_{p+1} (predicting x_{p+2}), acceptance
+    per depth, distinct experts of the MoE layers only (layer 0 is dense)."""
+    from iquest.fixtures.card import held_out_loss, make_card, render_markdown
+
+    card = make_card(tiny_with_corpus, prompts=2, tokens=8, loss_tokens=300)
+    loss = card["held_out_loss"]
+    model = _reference(tiny_with_corpus)
+    assert 0 < loss["main"] < 20 and 0 < loss["mtp"] < 20 and loss["tokens"] > 0
+    # the MTP loss is the draft's cross-entropy at the documented pairing, computed here row by row
+    ids = [int(t) for t in torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))]
+    x, cache = torch.tensor(ids[:-1]), model.new_cache()
+    _, hidden = model.forward(x, torch.arange(len(x)), cache)
+    want = sum(float(torch.nn.functional.cross_entropy(
+        model.draft(x[p + 1:p + 2], hidden[p:p + 1], torch.tensor([p]), cache)[0], torch.tensor([ids[p + 2]])))
+        for p in range(len(x) - 1)) / (len(x) - 1)
+    assert held_out_loss(model, ids)["mtp"] == pytest.approx(want, rel=1e-9)
+    moe = [i for i in range(model.config.num_hidden_layers) if not model.config.is_dense(i)]
+    assert len(card["distinct_experts_6_rows"]["real_text"]) == len(moe) == 3
+    assert all(1 <= v <= 8 for v in card["distinct_experts_6_rows"]["real_text"])
+    for depth in (3, 5, 7):
+        assert card[f"fixed_depth_{depth}"]["rounds"] > 0
+    assert "by MoE layer" in render_markdown(card, "iquest card")
+
+
+def test_round_costs_are_measured_with_the_fast_engine(tiny_with_corpus):
+    from iquest.fast.depth_policy import depth_policy, round_costs as read_costs
+    from iquest.fixtures import round_costs
+
+    entry = round_costs.measure(tiny_with_corpus, "cpu", prompts=2, tokens=8)
+    assert entry["plain"] > 0 and entry["auto"] > 0 and entry["tokens"]["plain"] > 0 and entry["prompts"] == 2
+    round_costs.write(tiny_with_corpus, "cpu", entry)
+    costs = read_costs(tiny_with_corpus, "cpu")
+    assert costs["plain_us_per_token"] > 0 and costs["auto_us_per_token"] > 0
+    assert depth_policy("auto", tiny_with_corpus, "cpu").drafts in (0, "auto")
