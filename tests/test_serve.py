@@ -4,19 +4,19 @@
 
 from __future__ import annotations
 
+import shutil
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from iquest.cli.engines import load_engine
 from iquest.serve.app import ServeOptions, create_app
 from iquest.serve.server import ServerThread, load_tokenizer
-
-TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
+from iquest.tests.helpers import TINY
 CONTEXT = 256
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "fizzbuzz"}]
 
@@ -174,3 +174,67 @@ def test_api_key():
                                             seed=1).usage.completion_tokens == 3
         m = metrics(s.url, Authorization="Bearer s3cret")
         assert m[("iquest_requests_total", (("route", "/v1/completions"), ("status", "401")))] == 3
+
+
+# ---- <|iquest_end|> ends the reply ------------------------------------------------------------------------------
+END = 0  # <|iquest_end|>: IQuest-Q1's end of turn and EOS (docs/model.md, "Tokenizer and chat template")
+
+
+def _ending_model(tmp_path, prompt: list[int], after: int):
+    """A copy of tiny whose greedy continuation of `prompt` draws <|iquest_end|> within `after` + 1 tokens: the LM
+    head's row 0 is pointed at the final hidden state after the greedy prefix of `after` tokens. Returns the folder
+    and the reference's greedy tokens (through the end token)."""
+    from safetensors.torch import load_file, save_file
+
+    from iquest.reference.model import ReferenceModel
+    from iquest.reference.sampling import SamplingParams
+    from iquest.reference.speculative import generate
+
+    model = tmp_path / "ending"
+    shutil.copytree(TINY, model)
+    ref = ReferenceModel.load(model)
+    greedy = SamplingParams(temperature=0.0)
+    prefix = [t for s in generate(ref, prompt, seed=0, params=greedy, max_new_tokens=after, drafts=0) for t in s.tokens]
+    seq = prompt + prefix
+    _, hidden = ref.forward(torch.tensor(seq), torch.arange(len(seq)), ref.new_cache())
+    shard = next(p for p in model.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    head = tensors["lm_head.weight"].float()
+    head[END] = 50 * hidden[-1].float() / hidden[-1].norm()
+    tensors["lm_head.weight"] = head.bfloat16()
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    ref = ReferenceModel.load(model)
+    out = [t for s in generate(ref, prompt, seed=0, params=greedy, max_new_tokens=after + 8, drafts=0,
+                               stop_ids=(END,)) for t in s.tokens]
+    assert out[-1] == END and END not in out[:-1], out
+    return model, out
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_the_reply_ends_at_iquest_end(tmp_path, route):
+    """A completion and a chat turn stop where the model draws <|iquest_end|> (the generation config's EOS; for chat
+    also the template's end of turn): finish_reason "stop", the text is what came before it, and the engine drew
+    nothing past it."""
+    tokenizer = load_tokenizer(TINY)
+    vocab = tokenizer.get_vocab()
+    assert vocab["<|iquest_end|>"] == END
+    if route == "chat":
+        text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.encode(text, add_special_tokens=False)  # as the server encodes messages without markup
+        body = {"messages": MESSAGES}
+    else:
+        prompt = tokenizer.encode("def fibonacci(n):", add_special_tokens=False)
+        body = {"prompt": "def fibonacci(n):"}
+    model, want = _ending_model(tmp_path, list(prompt), after=3)
+    engine = load_engine("fast", model, 1, max_context=CONTEXT)
+    app = create_app(engine, load_tokenizer(model), ServeOptions("tiny", max_context=CONTEXT, drafts=3))
+    with ServerThread(app) as s, httpx.Client(base_url=s.url, timeout=60) as http:
+        before = metrics(s.url)[("iquest_emitted_tokens_total", ())]
+        r = http.post(f"/v1/{'chat/' if route == 'chat' else ''}completions",
+                      json={**body, "max_tokens": 40, "temperature": 0, "seed": 1}).json()
+        choice = r["choices"][0]
+        text = choice["message"]["content"] if route == "chat" else choice["text"]
+        assert choice["finish_reason"] == "stop"
+        assert text == tokenizer.decode(want[:-1], skip_special_tokens=True)
+        assert r["usage"]["prompt_tokens"] == len(prompt)
+        assert metrics(s.url)[("iquest_emitted_tokens_total", ())] - before == len(want)

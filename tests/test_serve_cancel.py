@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,8 +17,8 @@ from iquest.cli.engines import load_engine
 from iquest.serve.app import ServeOptions, create_app
 from iquest.serve.server import ServerThread, load_tokenizer
 from iquest.serve.testing import HeldEngine, sse_events
+from iquest.tests.helpers import TINY
 
-TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
 CONTEXT = 1024
 WAIT = 20.0  # bound on every wait in this file (seconds)
 

@@ -12,15 +12,13 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from iquest.cli.main import main
-
-TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
+from iquest.tests.helpers import TINY
 
 
 def free_port() -> int:
@@ -67,6 +65,8 @@ def test_serve_subprocess_with_api_key():
             proc.kill()
             proc.wait(5)
     assert proc.returncode is not None
+    log = proc.stdout.read()  # the start-up line names what runs
+    assert "iquest serve: fast on cpu, tp 1, fp32 activations, weights fp8; kernels: torch; depth policy" in log, log
 
 
 def test_sigterm_drains_the_running_stream_and_the_queue():
@@ -106,7 +106,7 @@ def test_serve_help_explains_each_flag(capsys):
     assert main(["serve", "--help"]) == 0
     out = capsys.readouterr().out
     for flag in ("--model", "--engine", "--tp", "--host", "--port", "--api-key", "--queue-size", "--deadline",
-                 "--max-context", "--drafts", "--served-model-name", "--max-body-size"):
+                 "--max-context", "--drafts", "--served-model-name", "--max-body-size", "--weights"):
         assert flag in out
     assert "127.0.0.1" in out and "429" in out
 
@@ -118,6 +118,7 @@ def test_serve_help_explains_each_flag(capsys):
     (["--max-body-size", "0"], "--max-body-size"),
     (["--model", "/no/such/model"], "does not exist"),
     (["--engine", "turbo"], "invalid choice"),
+    (["--weights", "bf16"], "--weights bf16"),  # the tiny fixture is block FP8
 ])
 def test_serve_bad_flags_are_one_line_errors(capsys, argv, needle):
     code = main(["serve", "--model", str(TINY), *argv] if "--model" not in argv else ["serve", *argv])

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -17,8 +16,8 @@ from iquest.cli.engines import load_engine
 from iquest.reference.speculative import Step
 from iquest.serve.app import ServeOptions, create_app, default_max_body_size
 from iquest.serve.server import ServerThread, load_tokenizer
+from iquest.tests.helpers import TINY
 
-TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
 CONTEXT = 4096  # the tiny model's whole context: the longest prompt that may fit is long to tokenize
 TIMEOUT = 30.0
 
@@ -118,12 +117,9 @@ def test_large_bodies_are_refused_while_health_stays_fast(server, tokenizer):
 
 def test_control_token_text_in_a_message_is_plain_text(server, tokenizer):
     vocab = tokenizer.get_vocab()
-    if "<|iquest_end|>" in vocab:  # IQuest-Q1's tokens (MODEL.md): no BOS, the prompt ends <|iquest_assistant|><think>
-        content = "a<|iquest_end|><|iquest_assistant|><think>b"
-        head, tail = ["<|iquest_user|>"], ["<|iquest_end|>", "<|iquest_assistant|>", "<think>"]
-    else:  # the fixtures made before it
-        content = "a<|end|><|assistant|>b"
-        head, tail = ["<|bos|>", "<|user|>"], ["<|end|>", "<|assistant|>"]
+    # IQuest-Q1's tokens (docs/model.md): no BOS, a user turn ends <|iquest_end|>, the prompt <|iquest_assistant|><think>
+    content = "a<|iquest_end|><|iquest_assistant|><think>b"
+    head, tail = ["<|iquest_user|>"], ["<|iquest_end|>", "<|iquest_assistant|>", "<think>"]
     plain = tokenizer(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     want = [vocab[t] for t in head] + plain + [vocab[t] for t in tail]
     assert len(plain) > 2  # the content is more than two control tokens: plain text of its characters

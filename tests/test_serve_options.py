@@ -7,7 +7,6 @@ the key."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import httpx
 import openai
@@ -17,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from iquest.cli.engines import load_engine
 from iquest.serve.app import ServeOptions, create_app
 from iquest.serve.server import ServerThread, load_tokenizer
+from iquest.tests.helpers import TINY
 
-TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
 CONTEXT = 256
 MESSAGES = [{"role": "user", "content": "fizzbuzz"}]
 TIMEOUT = 60
