@@ -21,7 +21,7 @@ from iquest.reference.checkpoint import CheckpointReader
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "fixtures" / "tiny"
-EOS = 1
+EOS = 0  # <|iquest_end|>
 
 
 def generate(capsys, *extra: str, model: Path | str = TINY) -> dict:
@@ -70,6 +70,7 @@ def test_generate_json_shape(capsys):
         assert len(rnd["tokens"]) <= rnd["accepted"] + 1
     assert r["summary"]["tokens"] == len(r["output_ids"])
     assert r["summary"]["rounds"] == len(r["rounds"]) - 1
+    assert r["summary"]["engine_run"] == "reference (float64, CPU; the checkpoint's fp8 weights, dequantized exactly)"
 
 
 def test_same_seed_same_output_different_seed_different(capsys):
@@ -206,8 +207,12 @@ def test_a_file_that_is_not_safetensors(capsys, tmp_path):
 def test_info_checks_the_checkpoint_it_summarizes(capsys, tmp_path):
     assert main(["info", "--model", str(TINY)]) == 0
     assert "headers match the layout" in capsys.readouterr().out
-    (tmp_path / "config.json").write_text((TINY / "config.json").read_text())  # a config with no weights
+    (tmp_path / "config.json").write_text((TINY / "config.json").read_text())  # configs with no weights
+    (tmp_path / "mtp").mkdir()
+    (tmp_path / "mtp" / "config.json").write_text((TINY / "mtp" / "config.json").read_text())
     fails(capsys, ["info", "--model", str(tmp_path)], "safetensors")
+    shutil.rmtree(tmp_path / "mtp")  # no draft folder: the published layout keeps the draft in mtp/
+    fails(capsys, ["info", "--model", str(tmp_path)], "mtp")
 
 
 def test_a_corrupt_tokenizer(capsys, tmp_path):
