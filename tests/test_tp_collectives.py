@@ -21,7 +21,7 @@ import tempfile
 import pytest
 import torch
 
-from iquest.tests.helpers import MINI, PARAMS, PROMPTS, TINY_TP8, TOLERANCE, fast_dist
+from iquest.tests.helpers import PARAMS, PROMPTS, TOLERANCE, fast_dist, fixture_dir, mini_or_skip
 
 pytestmark = pytest.mark.gpu
 MPS_CONTROL = "nvidia-cuda-mps-control"
@@ -89,10 +89,12 @@ def _single_tokens(model, prompt, seed, drafts, n):
     return [t for s in e.decode(req) for t in s.tokens], e
 
 
-@pytest.mark.parametrize("model,world", [(MINI, 2), (MINI, 4), (TINY_TP8, 8)], ids=["mini-tp2", "mini-tp4", "tiny-tp8"])
-def test_tp_engine_on_one_gpu(mps, model, world):
+@pytest.mark.parametrize("name,world", [("mini", 2), ("mini", 4), ("tiny-tp8", 8)],
+                         ids=["mini-tp2", "mini-tp4", "tiny-tp8"])
+def test_tp_engine_on_one_gpu(mps, name, world):
     from iquest.qualify.agreement import compare
 
+    model = mini_or_skip() if name == "mini" else fixture_dir(name)
     prompt, seed, drafts, n = PROMPTS[0], 5, 3, 40
     ranks = _run("engine", world, mps, model=str(model), prompt=prompt, seed=seed, drafts=drafts, tokens=n,
                  dtype="fp32")
