@@ -383,12 +383,14 @@ class Worst:
     value: float = 0.0
     tol: float = 0.0
     where: str = ""
+    sumsq: float = 0.0          # sum of the values' squares (the RMS statistic of the fp8w.* checks)
 
     def add(self, value: float, tol: float, where: str) -> None:
         ratio = value / tol if tol > 0 else (0.0 if value == 0 else math.inf)
         if math.isnan(ratio):
             ratio = math.inf
         self.rows += 1
+        self.sumsq += value * value
         self.failures += ratio > 1
         if ratio > self.ratio:
             self.ratio, self.value, self.tol, self.where = ratio, value, tol, where
@@ -408,6 +410,7 @@ class Scores:
         for key, w in other.table.items():
             mine = self.table.setdefault(key, Worst())
             mine.rows += w.rows
+            mine.sumsq += w.sumsq
             mine.failures += w.failures
             if w.ratio > mine.ratio:
                 mine.ratio, mine.value, mine.tol, mine.where = w.ratio, w.value, w.tol, w.where

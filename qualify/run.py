@@ -277,6 +277,20 @@ def make_plan(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp
     return plan, fmt
 
 
+def select_controls(names: list[str] | None, model_dir: str, fmt: str) -> tuple[list[Control], list[dict]]:
+    """The registered controls named (None: all) that apply to this candidate, and {name, why} of those that cannot."""
+    chosen, skipped = [], []
+    for c in REGISTRY:
+        if names is not None and c.name not in names:
+            continue
+        why = c.applies(model_dir, fmt) if c.applies is not None else None
+        if why is None:
+            chosen.append(c)
+        else:
+            skipped.append({"name": c.name, "why": why})
+    return chosen, skipped
+
+
 def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32", json_out: str | None = None,
             progress: bool | None = None, controls: list[str] | None = None, out=None,
             device: str = "cpu", kernels: str | KernelPlan = "auto", jobs: int = 1, shared_gpu: bool = False,
@@ -286,15 +300,7 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
     t0 = time.time()
     model_dir = str(model_dir)
     plan, fmt = make_plan(model_dir, tp, quick, dtype, device, kernels, shared_gpu, weights, seed)
-    chosen, skipped = [], []
-    for c in REGISTRY:
-        if controls is not None and c.name not in controls:
-            continue
-        why = c.applies(model_dir, fmt) if c.applies is not None else None
-        if why is None:
-            chosen.append(c)
-        else:
-            skipped.append({"name": c.name, "why": why})
+    chosen, skipped = select_controls(controls, model_dir, fmt)
     jobs = max(1, min(jobs, len(chosen) + 2))
     total = len(plan.cases) * (1 + len(chosen)) + 2
     with progress_bar(total, progress) as bar:
