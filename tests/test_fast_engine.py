@@ -284,13 +284,15 @@ def test_published_dimensions_load_and_agree_at_tp1_and_tp8(monkeypatch):
     t0 = time.monotonic()
     one = FastEngine.load(model, tp=1, device="cpu", options=EngineOptions(max_context=64, dtype="fp32"))
     try:
-        single = {d: tokens(one.generate(prompt, seed=seed, params=PARAMS, max_new_tokens=n, drafts=d)) for d in (0, 3)}
+        single = {d: tokens(one.generate(prompt, seed=seed, params=PARAMS, max_new_tokens=n, drafts=d))
+                  for d in (0, 3)}
     finally:
         one.close()
     t1 = time.monotonic()
     eight = FastEngine.load(model, tp=8, device="cpu", options=EngineOptions(max_context=64, dtype="fp32"))
     try:
-        multi = {d: tokens(eight.generate(prompt, seed=seed, params=PARAMS, max_new_tokens=n, drafts=d)) for d in (0, 3)}
+        multi = {d: tokens(eight.generate(prompt, seed=seed, params=PARAMS, max_new_tokens=n, drafts=d))
+                 for d in (0, 3)}
     finally:
         eight.close()
     print(f"[published-small] tp1 {t1 - t0:.0f} s, tp8 {time.monotonic() - t1:.0f} s: {single}")

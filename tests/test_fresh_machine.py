@@ -105,7 +105,8 @@ def test_summary_separates_startup_prefill_and_decode(capsys):
     assert "weights fp8; kernels: torch" in err
 
 
-@pytest.mark.parametrize("weights, shown", [("auto", "weights bf16"), ("fp8", "weights fp8 (quantized at load from bf16)")])
+@pytest.mark.parametrize("weights, shown",
+                         [("auto", "weights bf16"), ("fp8", "weights fp8 (quantized at load from bf16)")])
 def test_the_summary_names_the_weight_format(capsys, weights, shown):
     """A BF16 checkpoint runs as BF16 on the CPU by default (auto), as FP8 quantized at load when asked."""
     bf16 = fixture_dir("tiny", "bf16")
