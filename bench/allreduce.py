@@ -5,9 +5,7 @@ emulation whose times say nothing about NVLink; NCCL and symmetric memory refuse
 the peer kernels run there). NVLink multicast stays off: NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 are set before the process group starts (GPU_FACTS.md). Variants:
   peer       the engine's all-reduce (kernels/allreduce.py through fast/collectives.py): push, poll, rank order
-  peer+norm  the same fused with the residual add and RMSNorm (a decoder layer's reduction point)
   nccl       dist.all_reduce, in place
-  nccl+norm  NCCL, then torch's add and RMSNorm: what the fused kernel replaces
   one_shot   torch symmetric memory one_shot_all_reduce: every rank reads all peers' buffers (out of place)
   two_shot   torch symmetric memory two_shot_all_reduce_: reduce-scatter then all-gather via peers (in place)
 Each is first checked on a rank-dependent fill whose sum is exact in bf16, then timed inside a CUDA
@@ -31,11 +29,10 @@ import torch
 import torch.distributed as dist
 
 from ..reference.config import Config
-from ..reference.layers import rms_norm
 from .timing import replay_times
 
-VARIANTS = ("peer", "peer+norm", "nccl", "nccl+norm", "one_shot", "two_shot")
-PEER = ("peer", "peer+norm")
+VARIANTS = ("peer", "nccl", "one_shot", "two_shot")
+PEER = ("peer",)
 CALLS = 60  # per captured graph (a multiple of three, like the fused kernel's rotating slots)
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 FULL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "iquest-q1.json"
@@ -45,10 +42,11 @@ DRAFTS = 5  # the fixed depth of the issue's round
 
 
 def round_allreduces(config: Config, drafts: int = DRAFTS) -> int:
-    """All-reduces in one TP decode round at a fixed draft depth: the verify pass has two per decoder layer
-    (after o_proj and Down) plus one after the vocabulary-parallel embedding; each draft depth has the
-    embedding's, eh_proj's and the MTP layer's two (counted in a real TP round: tests/test_bench_tp_step.py)."""
-    return 2 * config.num_hidden_layers + 1 + drafts * (1 + 1 + 2 * config.num_nextn_predict_layers)
+    """All-reduces in one TP decode round at a fixed draft depth (docs/model.md, "Tensor parallelism"): the verify
+    pass has two per decoder layer (after o_proj and after the MLP's Down) plus one after the vocabulary-parallel
+    embedding; each draft pass has its embedding's, eh_proj's and the draft block's two (counted in a real TP round:
+    tests/test_bench_tp_step.py)."""
+    return 2 * config.num_hidden_layers + 1 + drafts * (1 + 1 + 2 * config.mtp.num_hidden_layers)
 
 
 def _pattern(rows: int, hidden: int, device) -> torch.Tensor:
@@ -66,25 +64,16 @@ def expected_sum(world: int, rows: int, hidden: int, device=None) -> torch.Tenso
 
 
 def _variant(name: str, rows: int, hidden: int, device: torch.device, group, peers):
-    """(buffer the rank writes its partial into, call returning the reduced tensor: with a norm, the residual stream
-    plus it, h, whose exact value the check knows)."""
-    stream = torch.ones(rows, hidden, dtype=torch.bfloat16, device=device)
-    weight = torch.ones(hidden, dtype=torch.bfloat16, device=device)
+    """(buffer the rank writes its partial into, call returning the reduced tensor)."""
     x = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
     if name == "peer":
         return x, lambda: peers.all_reduce(x)
-    if name == "peer+norm":
-        return x, lambda: peers.all_reduce_add_norm(x, stream, weight, 1e-6, torch.float32)[1]
     if group is None:
         raise RuntimeError("NCCL and torch symmetric memory refuse several ranks on one GPU")
-    if name in ("nccl", "nccl+norm"):
+    if name == "nccl":
         def call():
             dist.all_reduce(x, group=group)
-            if name == "nccl":
-                return x
-            h = stream + x
-            _ = rms_norm(h.float(), weight.float(), 1e-6)
-            return h
+            return x
         return x, call
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -125,8 +114,6 @@ def _measure(name: str, rows: int, hidden: int, repeats: int, rank: int, world: 
         torch.cuda.synchronize()
         dist.barrier()  # every peer's partial is written before anyone reads it
         want = expected_sum(world, rows, hidden, device)
-        if name.endswith("+norm"):  # h = the stream of ones + the sum
-            want = (want.float() + 1).to(torch.bfloat16)
         row["verified"] = bool(torch.equal(call(), want))
         torch.cuda.synchronize()
         dist.barrier()  # no peer still reads this buffer when it is zeroed
@@ -156,7 +143,9 @@ def _worker(rank: int, world: int, port: int, rows_list: list[int], hidden: int,
     if rank == 0:
         from ..provenance import commit
 
-        config = Config.from_file(config_file)
+        from .full_step import load_config
+
+        config = load_config(config_file)
         report = {"bench": "allreduce", "commit": commit(), "ranks": world, "hidden": hidden, "rows": rows_list,
                   "shared_gpu": shared_gpu, "emulation": shared_gpu,
                   "repeats": repeats, "calls_per_graph": CALLS, "command": command, "host": platform.node(),
@@ -210,5 +199,5 @@ def print_report(r: dict) -> None:
     for rows in r["rows"]:
         cells = [f"{x['variant']} {x['median_us'] * n:.0f} us" for x in r["results"]
                  if x["rows"] == rows and "median_us" in x]
-        print(f"per-round collective estimate, rows={rows} ({n} all-reduces = 2 x layers + 1 embed + {DRAFTS} drafts x 4; "
+        print(f"per-round collective estimate, rows={rows} ({n} all-reduces = 2 x layers + 1 embed + {DRAFTS} draft passes x 4; "
               f"per-call microbenchmark median x {n}, an estimate): {', '.join(cells) or '-'}")

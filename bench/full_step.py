@@ -1,7 +1,7 @@
 """`iquest bench step --config FILE --tp-slice N`: one rank's shard of a model at full dimensions.
 
-Rank 0's slice of the TP-N layout, with random FP8 weights made on the device (fast/synthetic.py), runs
-the real round code; its collectives are replaced by local no-ops, so the figure is one rank's compute
+Rank 0's slice of the TP-N layout of docs/model.md's model, with random weights made on the device
+(fast/synthetic.py: shaped as `load_weights` gives them, FP8 where the linears run as FP8), runs the real round code; its collectives are replaced by local no-ops, so the figure is one rank's compute
 without communication. In one process: the device copy bandwidth (before the weights take the memory),
 then a prefill (untimed, once), then alternating timed decode chunks with the captured decode-loop
 graph and with the eager loop, each from the same restored post-prefill state; one more eager chunk
@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from ..fast.memory import rank_weight_bytes
+from ..fast.memory import rank_tensor_bytes
 from ..fast.rank import EngineOptions, RankEngine, Request
 from ..fast.synthetic import synthetic_parallel, synthetic_weights
+from ..fast.weights import MoE, weight_format
 from ..reference.config import Config, GenerationConfig
 from .bytes import STAGE_ITEMS, ByteCounter, RoundRouting, stage_bytes
 from .parking import dependent_step_us
@@ -35,11 +36,22 @@ from . import variants
 from .timing import sync, time_chunk
 from ..provenance import commit
 
-STAGES = ("attention", "moe", "norm", "lm_head", "sampling", "draft")  # labels in fast/model.py, fast/round.py
+STAGES = ("attention", "mlp", "norm", "lm_head", "sampling", "draft")  # labels in fast/model.py, fast/round.py,
+# fast/torch_ops.py
 TARGET_FLOOR_RATIO, TARGET_SPEEDUP = 1.5, 8.0
 TOP_KERNELS, KERNEL_NAME_CHARS, PRINT_KERNELS = 40, 120, 20  # per-kernel rows kept in the profile (by device time)
 PROFILE_TOKENS = 4  # tokens decoded under the profiler, per variant
 SNAPSHOT_KV_LIMIT = 4 << 30  # restore every layer's KV contents when they are this small
+
+
+def load_config(path: str | Path) -> Config:
+    """A model's config for the synthetic benchmarks: a model folder (config.json and mtp/config.json), or a target's
+    config file with its draft's beside it (mtp/config.json, else NAME-mtp.json: configs/iquest-q1.json and
+    configs/iquest-q1-mtp.json)."""
+    from ..cli.info_cmd import config_with_draft
+
+    path = Path(path)
+    return Config.from_dir(path) if path.is_dir() else config_with_draft(path)
 
 
 def synthetic_request(config: Config, tp: int, context: int, seed: int, generation: GenerationConfig,
@@ -81,7 +93,7 @@ class Snapshot:
         self.slot_pos = [kv.slot_pos.clone() for kv in cache.layers]
         kv_bytes = sum(2 * kv.k.numel() * kv.k.element_size() for kv in cache.layers)
         self.all_kv = kv_bytes <= SNAPSHOT_KV_LIMIT
-        layers = range(len(cache.layers)) if self.all_kv else [engine.config.mtp_layer_index]
+        layers = range(len(cache.layers)) if self.all_kv else [len(cache.layers) - 1]  # else the draft's cache
         self.kv = {i: (cache[i].k.clone(), cache[i].v.clone()) for i in layers}
 
     def restore(self) -> None:
@@ -96,43 +108,53 @@ class Snapshot:
 
 
 class RoutingRecorder:
-    """While active (eager rounds only), records each round's distinct experts per MoE call over live rows."""
+    """While active (eager rounds only), records each round's distinct experts per MoE call over live rows: the
+    model's `mlp` (which knows the layer's tag and live rows) and its ops' `route` (whose experts it keeps) are
+    wrapped on the instances, and put back on exit (a benchmark variant's own `route` stub included)."""
 
     def __init__(self, engine: RankEngine, runner):
         self.model, self.runner, self.rounds = engine.model, runner, []
 
     def __enter__(self) -> "RoutingRecorder":
-        model, runner, current = self.model, self.runner, {}
-        layer, moe, round_ = model.decoder_layer, model.moe, runner.round
+        model, runner, ops, current = self.model, self.runner, self.model.ops, {}
+        mlp, route, round_ = model.mlp, ops.route, runner.round
+        self._own_route = vars(ops).get("route")  # an ablation's stub, or None: the class's method
 
-        def rec_layer(*args, **kw):
-            current["tag"] = args[6]  # decoder_layer(lw, kv, x, pending, blk, taps, tag, ...)
-            return layer(*args, **kw)
-
-        def rec_moe(lw, b32, live, **kw):
-            out = moe(lw, b32, live, **kw)
-            if self.rounds:
-                self.rounds[-1].append((current["tag"], int(live.sum()), int(out[2][live].unique().numel())))
+        def rec_mlp(c, weights, b, live, taps, tag):
+            current.pop("experts", None)
+            out = mlp(c, weights, b, live, taps, tag)
+            if self.rounds and isinstance(weights, MoE) and "experts" in current:
+                self.rounds[-1].append((tag, int(live.sum()), int(current["experts"][live].unique().numel())))
             return out
+
+        def rec_route(*args, **kw):
+            routed = route(*args, **kw)
+            current["experts"] = routed[1]
+            return routed
 
         def rec_round():
             self.rounds.append([])
             round_()
 
-        model.decoder_layer, model.moe, runner.round = rec_layer, rec_moe, rec_round
+        model.mlp, ops.route, runner.round = rec_mlp, rec_route, rec_round
         self._round = round_
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.model.decoder_layer, self.model.moe  # the class's methods again
+        del self.model.mlp  # the class's method again
+        if self._own_route is None:
+            del self.model.ops.route
+        else:
+            self.model.ops.route = self._own_route
         self.runner.round = self._round  # an attribute of the runner itself (RoundRunner.__init__)
 
-    def routings(self, layers: int, k: int) -> list[RoundRouting]:
+    def routings(self, moe_layers: int, k: int) -> list[RoundRouting]:
+        """Each complete round's routing: `moe_layers` main MoE calls and `k` draft passes."""
         out = []
         for calls in self.rounds:
             verify = tuple(n for tag, _, n in calls if tag.startswith("layer"))
             draft = [(rows, n) for tag, rows, n in calls if tag == "mtp."]
-            if len(verify) == layers and len(draft) == k:
+            if len(verify) == moe_layers and len(draft) == k:
                 out.append(RoundRouting(verify, tuple(n for _, n in draft), accepted=draft[0][0] - 1))
         return out
 
@@ -197,7 +219,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
     """`kernels`: the engine variants, each run with the captured graph (CUDA) and eagerly (unless not `eager`), all
     over one set of weights; the first variant is the one held to the byte floor, "torch" eager is the eager
     baseline. `quiet`: no report printed (a caller that prints its own)."""
-    config = Config.from_file(config_file)
+    config = load_config(config_file)
     config = config.first_layers(layers) if layers else config
     config.check_tp(tp)
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
@@ -217,18 +239,18 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
         print(n)
     bandwidth = copy_bandwidth(dev) if cuda else None
     bare_step = dependent_step_us(dev) if cuda else None
-    weight_bytes = rank_weight_bytes(config, tp, 0)
+    fmt = weight_format("auto", config, dev)  # what the linears run as: FP8 on CUDA and for an FP8 checkpoint
+    weight_bytes = sum(rank_tensor_bytes(config, tp, 0, fmt).values())
     if cuda:
         free, _ = torch.cuda.mem_get_info(dev)
-        # The engines share the weights (LM head held as fp32, stored bf16); caches at 1K context are small.
-        need = weight_bytes + (config.vocab_size // tp) * config.hidden_size * 2
-        print(f"rank 0 of tp={tp}: {weight_bytes / 1e9:.1f} GB of weights; {free / 1e9:.1f} GB free")
+        need = weight_bytes  # the engines share the weights; caches at 1K context are small
+        print(f"rank 0 of tp={tp}: {weight_bytes / 1e9:.1f} GB of weights ({fmt}); {free / 1e9:.1f} GB free")
         if need > free:
             raise RuntimeError(f"rank slice needs {need / 1e9:.1f} GB, the device has {free / 1e9:.1f} GB free")
     options = EngineOptions(max_context=context + 2 * chunk_tokens + 64, graphs=cuda)
     dtype = options.torch_dtype(dev)
     t0 = time.perf_counter()
-    weights = synthetic_weights(config, tp, 0, dev, dtype, seed)
+    weights = synthetic_weights(config, tp, 0, dev, dtype, seed, fmt=fmt)
     build_s = time.perf_counter() - t0
     generation = GenerationConfig(eos_token_id=config.eos_token_id)
     req = synthetic_request(config, tp, context, seed, generation, chunk_tokens + 1, drafts)
@@ -271,7 +293,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
 
     # Bytes per round from each variant's routing (one more eager chunk of it, recorded), and the upper bound: a
     # variant that pins the routing (triton~route:38) is held to its own floor.
-    counter = ByteCounter(config, tp, 0, act_bytes=torch.finfo(dtype).bits // 8)
+    counter = ByteCounter(config, tp, 0, act_bytes=torch.finfo(dtype).bits // 8, fmt=fmt)
     upper = counter.round(context, drafts)
     by_variant = {k: _round_bytes(engines[k], counter, config, context, drafts, upper) for k in kernels}
     bytes_info = by_variant[kernels[0]]
@@ -303,7 +325,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
               "synthetic_history": filled,
               "kernels": list(kernels), "main_variant": main, "baseline_variant": baseline,
               "commit": commit(), "device": torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu",
-              "torch": torch.__version__, "host": platform.node(), "dtype": str(dtype),
+              "torch": torch.__version__, "host": platform.node(), "dtype": str(dtype), "weights": fmt,
               "weight_bytes": weight_bytes, "build_s": build_s, "engines": timing,
               "restore_all_kv": all(e[3].all_kv for e in engines.values()), "summary": summary, "bytes": bytes_info,
               "floor": floor, "floors_by_variant": floors,
@@ -340,13 +362,13 @@ def _round_bytes(built: tuple, counter: ByteCounter, config: Config, context: in
     snap.restore()
     with RoutingRecorder(engine, runner) as rec:
         engine.decode_chunk(runner, None)
-    routings = rec.routings(config.num_hidden_layers, drafts)
+    routings = rec.routings(len(counter.moe_layers), drafts)
     per_round = [counter.round(context, drafts, r) for r in routings]
     return {"measured_median": statistics.median(b["total"] for b in per_round) if per_round else None,
             "upper_bound": upper["total"], "rounds_recorded": len(per_round),
             "breakdown_first_round": per_round[0] if per_round else None, "breakdown_upper": upper,
             "distinct_experts_verify_mean": statistics.mean(statistics.mean(r.verify) for r in routings)
-            if routings else None,
+            if routings and counter.moe_layers else None,
             "distinct_experts_verify_upper": counter.upper_bound_experts(drafts + 1),
             "stages": {k: statistics.median(stage_bytes(b)[k] for b in per_round) for k in STAGE_ITEMS}
             if per_round else stage_bytes(upper)}
@@ -375,7 +397,7 @@ def _print(r: dict) -> None:
     print(f"bench step  config={r['config']} tp-slice={r['tp_slice']} (rank 0) context={r['context']} "
           f"drafts={r['drafts']} repeats={r['repeats']} commit={r['commit']} device={r['device']}")
     setup = "; ".join(f"{k}: capture {t['capture_s']:.1f} s, prefill {t['prefill_s']:.1f} s" for k, t in r["engines"].items())
-    print(f"weights {r['weight_bytes'] / 1e9:.2f} GB built in {r['build_s']:.1f} s; {setup} (untimed)")
+    print(f"weights {r['weight_bytes'] / 1e9:.2f} GB ({r['weights']}) built in {r['build_s']:.1f} s; {setup} (untimed)")
     print(f"{'variant':14} {'median round (us)':>18} {'tokens/round':>13}")
     for key, v in s.items():
         if isinstance(v, dict):
@@ -391,7 +413,7 @@ def _print(r: dict) -> None:
           f"{b['upper_bound'] / 1e6:.2f} MB upper bound" if measured else
           f"bytes per round: {b['upper_bound'] / 1e6:.2f} MB upper bound (no routing recorded)")
     if b["distinct_experts_verify_mean"] is not None:
-        print(f"distinct experts per main layer over {r['drafts'] + 1} rows: {b['distinct_experts_verify_mean']:.1f} "
+        print(f"distinct experts per main MoE layer over {r['drafts'] + 1} rows: {b['distinct_experts_verify_mean']:.1f} "
               f"(upper bound {b['distinct_experts_verify_upper']})")
     if f:
         print(f"device copy bandwidth {f['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (read + written); "

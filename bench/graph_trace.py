@@ -6,13 +6,13 @@ not what it adds to the chain. What a kernel adds is how much later it *ends* th
 kernel waits for its predecessor's completion, so the ends are in launch order and their increments add up to the
 forward's span.
 
-The bench builds one TP8 rank's slice of the full-size model (random FP8 weights, collectives as local no-ops, as
-`iquest bench step` does), fills `context` positions of synthetic history, and captures one plain CUDA graph (no
+The bench builds one TP8 rank's slice of the full-size model (random weights shaped as loaded, collectives as local no-ops,
+as `iquest bench step` does), fills `context` positions of synthetic history, and captures one plain CUDA graph (no
 conditional nodes) of the verification forward over `rows` rows (every layer, the final norm, the LM head) followed
 by one draft-layer call on one row. Each replay is traced by torch.profiler (CUPTI records every kernel node of a
 plain graph). Per replay, the kernels are ordered by their end; each kernel's increment is its end minus the
-previous kernel's end. Increments are grouped by transition "previous kernel -> kernel" (so the FP8 linear after
-the MoE combine, q/k/v, is told apart from the one after the attention combine, o_proj), with medians over replays.
+previous kernel's end. Increments are grouped by transition "previous kernel -> kernel" (so one kernel after two
+different predecessors, e.g. the FP8 linear as q/k/v and as o_proj, is told apart), with medians over replays.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch
 
 from ..provenance import commit
 from . import variants
-from .kernels_micro import TP  # one rank of the TP8 layout
 
 SHORT = 48  # characters of a kernel's name kept in the report
+TP = 8  # one rank of the TP8 layout
 
 
 def short_name(name: str) -> str:
@@ -116,7 +116,8 @@ def trace_variant(config, weights, name: str, context: int, rows: int, replays: 
     "decode" (the prompt prefilled for real, then the first round's verification block: the committed token and its
     drafts at their positions, as `iquest bench step` decodes; ~13 distinct experts a layer there), "same" (one
     random token in every row after synthetic history) or "distinct" (a random token a row); the last two route to
-    ~3x the experts (~44 a layer at b6fcf0f/99b7508), so their MoE streams ~3x the bytes."""
+    ~3x the experts (measured under the retired architecture: ~44 a layer at b6fcf0f/99b7508), so their MoE streams
+~3x the bytes."""
     from ..fast.rank import EngineOptions, RankEngine
     from ..fast.synthetic import synthetic_parallel
     from ..reference.config import GenerationConfig
@@ -144,10 +145,11 @@ def trace_variant(config, weights, name: str, context: int, rows: int, replays: 
         positions = torch.arange(context, context + rows, device=dev)
         live = torch.ones(rows, dtype=torch.bool, device=dev)
     model = engine.model
+    nxt = tokens[1:2] if tokens.shape[0] > 1 else tokens[:1]
 
     def forward():
         logits, h = model.forward(tokens, positions, live)
-        model.draft(tokens[:1], h[:1], positions[:1] + 1, live[:1])
+        model.draft(nxt, h[:1], positions[:1], live[:1])  # a draft row at p: h_p and the token at p + 1
         return logits
 
     side = torch.cuda.Stream(dev)  # warm-up (compiles every kernel) off the capture
@@ -180,9 +182,9 @@ def run(config_file: str, context: int, rows: int, kernels: tuple[str, ...], rep
         out: str | None, tokens_mode: str = "decode") -> dict:
     from ..fast.rank import EngineOptions
     from ..fast.synthetic import synthetic_weights
-    from ..reference.config import Config
+    from .full_step import load_config
 
-    config = Config.from_file(config_file)
+    config = load_config(config_file)
     dev = torch.device("cuda")
     t0 = time.perf_counter()
     weights = synthetic_weights(config, TP, 0, dev, EngineOptions().torch_dtype(dev), seed)

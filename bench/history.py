@@ -2,9 +2,9 @@
 
 A real prefill of 192K tokens at full size takes longer than a benchmark call may run, and a decode
 round's cost depends only on how much history each layer reads, not on its values. `fill_history`
-writes random K/V with correct position labels for positions [0, history) of every main layer and
-[1, history] of the MTP layer (rings keep their last `slots` positions, as a real prefill leaves them);
-`RankEngine.start(req, runner, history=...)` then prefills only the prompt's tail.
+writes random K/V with correct position labels for positions [0, history) of every cache, the target's layers and
+the draft's (a draft row at position p writes its KV at p), rings keeping their last `slots` positions as a real
+prefill leaves them; `RankEngine.start(req, runner, history=...)` then prefills only the prompt's tail.
 """
 
 from __future__ import annotations
@@ -32,14 +32,13 @@ def history_for(context: int) -> int:
 
 @torch.no_grad()
 def fill_history(engine: RankEngine, history: int, seed: int = 0) -> None:
-    cache, mtp = engine.cache, engine.config.mtp_layer_index
+    cache = engine.cache
     cache.reset()
     gen = torch.Generator(device=engine.par.device).manual_seed(seed)
-    for index, kv in enumerate(cache.layers):
-        lo, hi = (1, history + 1) if index == mtp else (0, history)
-        if kv.window is None and hi > kv.slots:
-            raise ValueError(f"history of {history} positions exceeds layer {index}'s {kv.slots} slots")
-        pos = torch.arange(max(lo, hi - kv.slots), hi, device=engine.par.device)
+    for index, kv in enumerate(cache.layers):  # the target's layers 0..L-1, then the draft's cache at index L
+        if kv.window is None and history > kv.slots:
+            raise ValueError(f"history of {history} positions exceeds cache {index}'s {kv.slots} slots")
+        pos = torch.arange(max(0, history - kv.slots), history, device=engine.par.device)
         slot = pos % kv.slots
         for t in (kv.k, kv.v):
             t[slot] = torch.randn((pos.numel(), *t.shape[1:]), generator=gen, device=t.device).to(t.dtype)

@@ -7,7 +7,7 @@ where a TP2 rank would not fit): collectives run among the M processes with the 
 all-gather tiles the M parts to N (the outputs are not the model's; the communication and compute are a TP-N
 rank's).
 
-Every rank makes its own slice of the TP-N layout (random FP8 weights on its device, fast/synthetic.py), joins
+Every rank makes its own slice of the TP-N layout (random weights on its device, fast/synthetic.py), joins
 the process group (gloo: on GPUs it only bootstraps the peer-memory collectives of fast/collectives.py; multicast
 stays off) and runs the same schedule: prefill, then `repeats` timed decode chunks, each from the restored
 post-prefill state, with the captured decode-loop graph (GPUs) and eagerly, alternating. Ranks stay in lockstep
@@ -34,7 +34,7 @@ from ..fast.parallel import Parallel, free_port, init_process
 from ..fast.rank import EngineOptions, RankEngine, Request
 from ..fast.synthetic import synthetic_weights
 from ..reference.config import Config, GenerationConfig
-from .full_step import Snapshot
+from .full_step import Snapshot, load_config
 from .acceptance import tpot
 from .history import fill_history, synthetic_history
 from .timing import time_chunk
@@ -103,7 +103,7 @@ def _rank_main(rank: int, tp: int, port: int, kind: str, spec: dict, results: "m
         joined = init_process(rank, spec["processes"], port, kind, spec["shared_gpu"])
         par = joined if spec["processes"] == tp else PartialParallel(rank, tp, joined.device, joined.group,
                                                                       processes=spec["processes"])
-        config = Config.from_file(spec["config"])
+        config = load_config(spec["config"])
         config = config.first_layers(spec["layers"]) if spec["layers"] else config
         options = EngineOptions(max_context=spec["context"] + 2 * spec["chunk_tokens"] + 64, graphs=kind == "cuda",
                                 kernels=spec["kernels"], shared_gpu=spec["shared_gpu"])
@@ -146,7 +146,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
         device: str, out: str | None, kernels: str = "torch", processes: int | None = None,
         history: str = "auto", shared_gpu: bool = False, layers: int | None = None) -> dict:
     """Layout TP-`tp`; `processes` of its ranks run (default all); `layers`: only the model's first main layers."""
-    config = Config.from_file(config_file)
+    config = load_config(config_file)
     config = config.first_layers(layers) if layers else config
     config.check_tp(tp)
     processes = processes or tp

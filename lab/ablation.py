@@ -4,7 +4,9 @@ on its critical path. Lab code: benchmarks import it (bench/variants.py), the pr
 A kernel's eager duration is not its share of a captured round: under programmatic dependent launch part of it
 overlaps its neighbours, and moving a kernel's work into another one can move its latency with it (docs/PERF.md,
 `qkv_rope`: one launch fewer saved 0.3 us, not the 1.9 us the removed kernel took eagerly). Removing an op from the
-round and timing the rest measures what the op adds to the round.
+round and timing the rest measures what the op adds to the round. The ops are the methods of fast/torch_ops.TorchOps
+(fast/triton_ops.TritonOps overrides some of them with kernels): whichever implementation the variant runs is
+stubbed.
 
 An ablated op runs once per argument shape (the capture's eager warm-up) and its outputs are kept; every later call
 returns those same tensors and launches nothing. The model's values are then wrong, by design, but stay finite (they
@@ -20,21 +22,20 @@ import torch
 
 # ablation name -> the fast.torch_ops.TorchOps methods it stubs
 ABLATABLE: dict[str, tuple[str, ...]] = {
-    "norm": ("norm", "residual_norm", "add_norm"),
-    "qkv": ("qkv",),             # these two where the projection and the rotary kernel are separate ops (the torch
-    "rope": ("rope_write",),     # forms); with the kernels they are one, qkv_rope
-    "qkv_rope": ("qkv_rope",),   # q/k/v projection, rotary and the KV write, as one
+    "norm": ("norm",),           # every RMSNorm: the sandwich norms, the q/k norms, the draft's enorm/hnorm/final
+    "qkv": ("qkv",),             # the q/k/v projections
+    "rope": ("rope_write",),     # partial RoPE of q and k and the KV write
     "attention": ("attention",),
-    "linear": ("linear",),       # o_proj and the draft layer's eh_proj
-    "route": ("route",),         # router logits and selection
-    "moe": ("moe",),             # Gate/Up, finalize, Down, combine
+    "linear": ("linear",),       # o_proj, eh_proj, the dense MLP (and q/k/v where qkv runs them as linears)
+    "route": ("route",),         # the fp32 router logits and the selection
+    "moe": ("moe",),             # the routed experts
     "lm_head": ("lm_head",),
 }
 
 
 def _key(args: tuple, kwargs: dict) -> tuple:
     """The call's argument shapes and dtypes (what its outputs' shapes depend on)."""
-    def one(a):  # a tuple by its parts (ops.moe's residual, a PendingNorm), None apart from other values
+    def one(a):  # a tuple by its parts, None apart from other values
         if isinstance(a, torch.Tensor):
             return tuple(a.shape), a.dtype
         return tuple(one(v) for v in a) if isinstance(a, tuple) else a is None
@@ -44,7 +45,7 @@ def _key(args: tuple, kwargs: dict) -> tuple:
 def _kept(value):
     if isinstance(value, torch.Tensor):
         return value.clone()
-    if isinstance(value, tuple):  # a NamedTuple (fast.residual.Residual) keeps its type
+    if isinstance(value, tuple):  # a NamedTuple keeps its type
         items = [_kept(v) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     return value
@@ -58,24 +59,14 @@ def _stub(method: Callable, calls: dict, keep: Callable = _kept) -> Callable:
         key = _key(args, kwargs)
         if key not in kept:
             kept[key] = keep(method(*args, **kwargs))
-            return _for_this_norm(kept[key], kwargs)  # the kept copy's weight is a clone
+            return kept[key]
         calls[method.__name__] = calls.get(method.__name__, 0) + 1
         out = kwargs.get("out")
         if isinstance(out, torch.Tensor):
             out.copy_(kept[key])
             return out
-        return _for_this_norm(kept[key], kwargs)
+        return kept[key]
     return run
-
-
-def _for_this_norm(value, kwargs: dict):
-    """A kept MoE output that added the residual (fast.residual.Residual, the fused input norm) carries the norm weight it was prepared
-    for; the layer it is handed to checks that it is its own, so it is relabelled with this call's (its values are
-    garbage either way)."""
-    residual = kwargs.get("residual")
-    if residual is not None and hasattr(value, "_fields") and "weight" in value._fields:
-        return value._replace(weight=residual[1])
-    return value
 
 
 def pinned_experts(rows: int, k: int, distinct: int, like: torch.Tensor) -> torch.Tensor:
@@ -97,7 +88,7 @@ def _pinned(distinct: int) -> Callable:
 
 def unreached(ops) -> list[str]:
     """The ablations of `ops` none of whose stubs has returned a kept value yet: after a decode, an op that is not on
-    the variant's path (e.g. ~qkv where the kernels run the projection inside qkv_rope), so removing it measured nothing."""
+    the variant's path (e.g. ~route or ~moe on a model without MoE layers), so removing it measured nothing."""
     calls = getattr(ops, "ablated_calls", {})
     return sorted(n for n in getattr(ops, "ablated", ()) if not any(calls.get(m) for m in ABLATABLE[n]))
 
@@ -107,7 +98,7 @@ def check_reached(ops, variant: str) -> None:
     missing = unreached(ops)
     if missing:
         raise ValueError(f"variant {variant!r}: ablated {', '.join(missing)} never ran on its path, so removing it "
-                         "measures nothing (with the Triton kernels, ablate qkv_rope instead of qkv or rope)")
+                         "measures nothing")
 
 
 def ablate(ops, names: set[str]) -> None:

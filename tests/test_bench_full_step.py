@@ -38,10 +38,9 @@ def _pairs(a, b, path=""):
         yield path, a, b
 
 
-def test_synthetic_weights_match_a_loaded_rank_slice():
-    config = Config.from_dir(TINY_TP8)
-    loaded = load_weights(TINY_TP8, config, Parallel(3, 8, torch.device("cpu")), torch.float32, progress=False)
-    made = synthetic_weights(config, 8, 3, "cpu", torch.float32)
+def _compare(loaded, made) -> int:
+    """Assert two weight trees have the same structure, tensor shapes, dtypes and devices, and the same plain fields
+    (a Weight's block, offset and compute dtype); returns the number of tensors compared."""
     count = 0
     for path, a, b in _pairs(loaded, made):
         if isinstance(a, torch.Tensor):
@@ -51,64 +50,112 @@ def test_synthetic_weights_match_a_loaded_rank_slice():
             count += 1
         elif not path.endswith("_dense"):
             assert a == b, path
-    assert count > 90
-    assert loaded.layers[0].router.dtype == torch.bfloat16  # as stored, also in an fp32 engine (routed in fp32)
+    return count
+
+
+@pytest.mark.parametrize("folder, tp, rank", [(TINY, 1, 0), (TINY, 2, 1), (TINY_TP8, 8, 0), (TINY_TP8, 8, 3)])
+def test_synthetic_weights_match_a_loaded_rank_slice(folder, tp, rank):
+    """fast/synthetic.py's rank slice has exactly the structure load_weights gives: the dense layer 0, the MoE layers'
+    fp32 routers and expert stacks, the draft's own embedding and fp32 head, every scale grid and, at TP 8, the expert
+    shards that start inside a scale block (tiny-tp8: 6 rows a rank of 16-row blocks)."""
+    config = Config.from_dir(folder)
+    loaded = load_weights(folder, config, Parallel(rank, tp, torch.device("cpu")), torch.float32, progress=False)
+    made = synthetic_weights(config, tp, rank, "cpu", torch.float32)
+    assert _compare(loaded, made) > 100
+    assert made.format == loaded.format == "fp8"
+    assert isinstance(made.layers[0].mlp, fast_weights.DenseMLP) and isinstance(made.layers[1].mlp, fast_weights.MoE)
+    assert made.layers[1].mlp.router.dtype == made.lm_head.dtype == made.draft.lm_head.dtype == torch.float32
+    if tp == 8:
+        assert made.layers[1].mlp.gate.offset == loaded.layers[1].mlp.gate.offset == ((6 * rank) % 16, 0)
+        assert made.layers[1].mlp.down.offset == ((0, (6 * rank) % 16))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_synthetic_weights_match_a_bf16_checkpoint_run_as_either_format(tmp_path, fmt):
+    """A BF16 checkpoint runs as BF16, or as FP8 quantized at load over whole 128x128 blocks: the synthetic slice
+    follows `--weights` the same way."""
+    from iquest.fixtures.make import preset_config, random_weights
+    from iquest.reference.checkpoint import save_checkpoint
+
+    config = preset_config("tiny", "bf16")
+    save_checkpoint(tmp_path, config, random_weights(config, 0))
+    config = Config.from_dir(tmp_path)
+    par = Parallel(1, 2, torch.device("cpu"))
+    loaded = load_weights(tmp_path, config, par, torch.float32, progress=False, fmt=fmt)
+    made = synthetic_weights(config, 2, 1, "cpu", torch.float32, fmt=fmt)
+    assert _compare(loaded, made) > 80 and made.format == fmt
+    q = made.layers[0].attn.wo.q
+    assert q.dtype == (torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn)
 
 
 def test_byte_count_by_hand_tiny_tp2():
-    # tiny: H 64, V 512, 4 layers (3 sliding W=32, 1 full), 4 q / 2 kv heads of 16, I 32, 8 experts top-2,
-    # blocks 16x16. Rank 0 of tp=2, context 100, depth 5, bf16 activations, bf16 router.
+    # tiny: H 64, V 512, 4 layers (full, sliding, sliding, full; window 32, the draft's 16), layer 0 dense (F 96),
+    # 4 q / 2 kv heads of 16, I 32, 8 experts top-2, FP8 blocks 16x16. Rank 0 of tp=2, context 100, depth 5,
+    # bf16 activations; heads and routers held fp32, norms and sink_k bf16 (fast/memory.rank_tensor_bytes).
     c = Config.from_dir(TINY)
     bc = ByteCounter(c, 2, 0)
-    attention = (32 * 64 + 2 * 4 * 4) + 2 * (16 * 64 + 1 * 4 * 4) + (64 * 32 + 4 * 2 * 4) + 2 * 4  # q, k+v, o, sinks
-    assert bc.attention_weights(0) == attention == 6248
+    p = "model.layers.1."
+    q, kv, o, sink = 32 * 64 + 2 * 4 * 4, 16 * 64 + 1 * 4 * 4, 64 * 32 + 4 * 2 * 4, 16 * 2
+    attention = q + 2 * kv + o + sink
+    assert bc.attention_weights(p) == attention == 6272
     expert = 3 * (16 * 64 + 4 * 4)  # gate [16, 64], up [16, 64], down [64, 16]: 1024 bytes + 4 scales each
-    assert bc.expert(0) == expert == 3120
-    assert bc.kv(0, 100) == 2 * 32 * 1 * 16 * 2 and bc.kv(3, 100) == 2 * 100 * 1 * 16 * 2
+    assert bc.expert(p) == expert == 3120
+    dense = 3 * (48 * 64 + 3 * 4 * 4)  # gate, up [48, 64] with 3 x 4 scales; down [64, 48] with 4 x 3
+    assert bc.dense_mlp("model.layers.0.") == dense == 9360
+    assert bc.kv(None, 100) == 2 * 100 * 1 * 16 * 2 and bc.kv(32, 100) == 2 * 32 * 1 * 16 * 2
+    norm, qk = 64 * 2, 2 * 16 * 2
+    router, lm_head = 8 * 64 * 4, 256 * 64 * 4
     eh_proj = 64 * 64 + 4 * 4 * 4  # [64, 128] split by columns: [64, 64] and 4 x 4 scales
-    lm_head, router, norm = 256 * 64 * 2, 8 * 64 * 2, 64 * 2
     upper = round_bytes(c, 2, 100, 5)
-    assert upper["verify"] == {"attention_weights": 4 * 6248, "router": 4 * router, "experts": 4 * 8 * expert,
-                               "norms": 9 * norm, "kv": 3 * 2048 + 6400, "lm_head": lm_head,
-                               "embedding_rows": 6 * norm}
-    assert upper["draft"] == {"eh_proj": 5 * eh_proj, "attention_weights": 5 * 6248, "router": 5 * router,
-                              "experts": (8 + 4 * 2) * expert, "norms": 25 * norm, "kv": 5 * 2048,
-                              "lm_head": 5 * lm_head, "embedding_rows": (6 + 4) * norm}
-    assert upper["total"] == 176160 + 285640
-    measured = round_bytes(c, 2, 100, 5, RoundRouting(verify=(3, 4, 5, 6), draft=(3, 2, 2, 2, 2), accepted=1))
-    assert measured["verify"]["experts"] == 18 * expert
+    assert upper["verify"] == {"attention_weights": 4 * attention, "dense_mlp": dense, "router": 3 * router,
+                               "experts": 3 * 8 * expert, "norms": (3 * 4 + 1) * norm + 4 * qk + norm,
+                               "kv": 2 * 6400 + 2 * 2048, "lm_head": lm_head, "embedding_rows": 6 * norm}
+    assert upper["draft"] == {"eh_proj": 5 * eh_proj, "attention_weights": 5 * attention, "dense_mlp": 0,
+                              "router": 5 * router, "experts": (8 + 4 * 2) * expert,
+                              "norms": 5 * (4 * norm + qk + 3 * norm), "kv": 5 * 1024, "lm_head": 5 * lm_head,
+                              "embedding_rows": (6 + 4) * norm}
+    assert upper["total"] == sum(upper["verify"].values()) + sum(upper["draft"].values())
+    measured = round_bytes(c, 2, 100, 5, RoundRouting(verify=(4, 5, 6), draft=(3, 2, 2, 2, 2), accepted=1))
+    assert measured["verify"]["experts"] == 15 * expert
     assert measured["draft"]["experts"] == 11 * expert
     assert measured["draft"]["embedding_rows"] == (2 + 4) * norm
-    assert measured["total"] == upper["total"] - (32 - 18) * expert - (16 - 11) * expert - 4 * norm
+    assert measured["total"] == upper["total"] - (24 - 15) * expert - (16 - 11) * expert - 4 * norm
+    with pytest.raises(ValueError, match="expected 3 and 5"):  # one entry per MoE layer: layer 0 is dense
+        round_bytes(c, 2, 100, 5, RoundRouting(verify=(4, 5, 6, 7), draft=(3, 2, 2, 2, 2), accepted=1))
     # per profiled stage: every item but the embedding rows, once
     per_stage = stage_bytes(measured)
-    assert per_stage == {"attention": 9 * 6248 + 3 * 2048 + 6400 + 5 * 2048, "moe": 9 * router + 29 * expert,
-                         "norm": 34 * norm, "lm_head": 6 * lm_head, "draft": 5 * eh_proj}
+    assert per_stage == {"attention": 9 * attention + 2 * 6400 + 2 * 2048 + 5 * 1024,
+                         "mlp": dense + 8 * router + 26 * expert,
+                         "norm": measured["verify"]["norms"] + measured["draft"]["norms"],
+                         "lm_head": 6 * lm_head, "draft": 5 * eh_proj}
     assert sum(per_stage.values()) == measured["total"] - (6 + 6) * norm
 
 
-def test_byte_count_replicated_kv_heads():
-    c = Config.from_dir(TINY_TP8)  # 4 KV heads at tp=8: each rank holds one whole head, blocks 8x8
+def test_byte_count_replicated_kv_heads_and_straddling_blocks():
+    c = Config.from_dir(TINY_TP8)  # 4 KV heads at tp=8: each rank holds one whole head; blocks 16x16
     bc = ByteCounter(c, 8, 3)
-    assert bc.slice_bytes("model.layers.0.self_attn.k_proj.weight") == 16 * 128 + 2 * 16 * 4
-    assert bc.kv(3, 10) == 2 * 10 * 1 * 16 * 2
+    assert bc.tensor("model.layers.0.self_attn.k_proj.weight") == 16 * 128 + 1 * 8 * 4
+    assert bc.kv(None, 10) == 2 * 10 * 1 * 16 * 2
+    # rank 3's 6 expert rows (18..23) sit inside one 16-row block; rank 2's (12..17) straddle two
+    assert bc.tensor("model.layers.1.mlp.experts.0.gate_proj.weight") == 6 * 128 + 1 * 8 * 4
+    assert ByteCounter(c, 8, 2).tensor("model.layers.1.mlp.experts.0.gate_proj.weight") == 6 * 128 + 2 * 8 * 4
 
 
 def test_moe_gathers_only_selected_fp8_experts(monkeypatch):
     """The gathered-tile path (taken for large expert stacks) equals dense()[experts] bit for bit."""
     config = Config.from_dir(TINY)
     engine = RankEngine(TINY, Parallel.single(), EngineOptions(max_context=64, dtype="fp32"))
-    lw = engine.model.w.layers[1]
-    b32 = torch.randn(8, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    ops, moe = engine.model.ops, engine.model.w.layers[1].mlp
+    b = torch.randn(8, config.hidden_size, generator=torch.Generator().manual_seed(1))
     live = torch.ones(8, dtype=torch.bool)
-    dense = engine.model.moe(lw, b32, live)
-    for w in (lw.gate, lw.up, lw.down):
+    weights, experts, _ = ops.route(b, moe.router, config.num_experts_per_tok)
+    dense = ops.moe(b, experts, weights, live, moe)
+    for w in (moe.gate, moe.up, moe.down):
         w._dense = None
     monkeypatch.setattr(fast_weights, "KEEP_DENSE_BYTES", 0)
-    gathered = engine.model.moe(lw, b32, live)
-    assert all(w._dense is None for w in (lw.gate, lw.up, lw.down))
-    for x, y in zip(dense, gathered):
-        assert torch.equal(x, y)
+    gathered = ops.moe(b, experts, weights, live, moe)
+    assert all(w._dense is None for w in (moe.gate, moe.up, moe.down))
+    assert torch.equal(dense, gathered)
 
 
 def test_engine_from_weights_decodes_like_the_checkpoint_engine():
@@ -134,14 +181,16 @@ def test_cpu_smoke_run(tmp_path, capsys):
     b = r["bytes"]
     assert b["rounds_recorded"] >= 1 and 0 < b["measured_median"] <= b["upper_bound"]
     stages = r["stages_us_per_round"]["torch/eager"]
-    assert stages["attention"] > 0 and stages["moe"] > 0 and stages["sampling"] > 0
-    assert set(b["stages"]) == {"attention", "moe", "norm", "lm_head", "draft"} <= set(stages)
-    assert all(v > 0 for v in b["stages"].values()) and b["stages"]["moe"] < b["measured_median"]
+    assert stages["attention"] > 0 and stages["mlp"] > 0 and stages["sampling"] > 0
+    assert set(b["stages"]) == {"attention", "mlp", "norm", "lm_head", "draft"} <= set(stages)
+    assert all(v > 0 for v in b["stages"].values()) and b["stages"]["mlp"] < b["measured_median"]
+    assert r["weights"] == "fp8"  # tiny is an FP8 checkpoint
 
 
 def test_routing_recorder_counts_every_moe_call_of_eager_rounds():
-    """The byte count's routing comes from wrapping the model's decoder layers and MoE calls: every round must
-    show one call per main layer and one per draft depth, with distinct experts within what the rows can choose."""
+    """The byte count's routing comes from wrapping the model's MLP calls and its ops' routing: every round must show
+    one call per main MoE layer (not the dense layer 0) and one per draft depth, with distinct experts within what the
+    rows can choose."""
     from iquest.bench.full_step import RoutingRecorder
 
     engine = RankEngine(str(TINY), Parallel.single("cpu"), EngineOptions(max_context=256, dtype="fp32", graphs=False))
@@ -150,13 +199,14 @@ def test_routing_recorder_counts_every_moe_call_of_eager_rounds():
     engine.start(Request(tuple(range(5, 25)), 3, 1.0, 20, 0.95, 24, drafts, ()), runner)
     with RoutingRecorder(engine, runner) as rec:
         engine.decode_chunk(runner, None)
-    routings = rec.routings(c.num_hidden_layers, drafts)
+    moe_layers = c.num_hidden_layers - len(c.mlp_only_layers)
+    routings = rec.routings(moe_layers, drafts)
     assert routings, "no complete round was recorded"
     for r in routings:
-        assert len(r.verify) == c.num_hidden_layers and len(r.draft) == drafts
-        assert all(1 <= n <= min(c.n_routed_experts, (drafts + 1) * c.num_experts_per_tok) for n in r.verify)
+        assert len(r.verify) == moe_layers and len(r.draft) == drafts
+        assert all(1 <= n <= min(c.num_experts, (drafts + 1) * c.num_experts_per_tok) for n in r.verify)
         assert all(1 <= n <= c.num_experts_per_tok * (drafts + 1) for n in r.draft)
-    assert "decoder_layer" not in vars(engine.model) and "moe" not in vars(engine.model)  # unwrapped on exit
+    assert "mlp" not in vars(engine.model) and "route" not in vars(engine.model.ops)  # unwrapped on exit
 
 
 def _launched(ops, t: float, us: float, name: str = "_triton_kernel"):
@@ -236,26 +286,17 @@ def test_step_bound_covers_steps_and_bytes(step, counts, floors, other):
     assert step_bound(step + 0.5, launches, by_stage, stage_floor) >= bound - 1e-9
 
 
-def test_triton_norms_run_inside_the_norm_label(monkeypatch):
-    """TritonOps' norm, residual_norm and add_norm override TorchOps' labelled methods: what they launch must be
-    inside the "norm" label too (the kernels stand in as a torch op, to see which label encloses the launch)."""
-    from torch.profiler import ProfilerActivity, profile
+def test_triton_overrides_keep_their_stage_labels():
+    """A kernel launched from a TritonOps method that overrides a labelled TorchOps method (fast/profiling.stage) would
+    lose its stage in the breakdown unless the override is labelled too: none may drop the label."""
+    from iquest.fast.torch_ops import TorchOps
+    from iquest.fast.triton_ops import TritonOps
 
-    from iquest.bench.full_step import _stage_of
-    from iquest.fast import triton_ops
-    from iquest.fast.plan import KernelPlan
-
-    ops = triton_ops.TritonOps(KernelPlan(norm=True))
-    monkeypatch.setattr(triton_ops.rmsnorm_residual, "rmsnorm", lambda x, weight, eps, **kw: torch.zeros_like(x))
-    monkeypatch.setattr(triton_ops.rmsnorm_residual, "rmsnorm_residual",
-                        lambda residual, x, weight, eps, **kw: (torch.zeros_like(x), torch.zeros_like(x)))
-    x, w = torch.randn(4, 16), torch.ones(16)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        ops.norm(x, w, 1e-6)
-        ops.residual_norm(x, x, w, 1e-6)
-        ops.add_norm(x, x, w, 1e-6)
-    launches = [e for e in prof.events() if e.name == "aten::zeros_like"]
-    assert len(launches) == 5 and all(_stage_of(e) == "norm" for e in launches)
+    labelled = [n for n, f in vars(TorchOps).items()
+                if hasattr(f, "__wrapped__") and not isinstance(f, (staticmethod, classmethod))]
+    assert "norm" in labelled
+    dropped = [n for n in labelled if n in vars(TritonOps) and not hasattr(vars(TritonOps)[n], "__wrapped__")]
+    assert not dropped, f"TritonOps overrides labelled ops without their label: {dropped}"
 
 
 def test_a_pinned_routing_variant_is_counted_with_its_own_routing(tmp_path):
@@ -281,7 +322,7 @@ def test_layers_cut_the_model_to_its_first_main_layers(tmp_path):
     c = Config.from_file(TINY / "config.json")
     cut = c.first_layers(1)
     assert cut.num_hidden_layers == 1 and cut.layer_types == c.layer_types[:1]
-    assert cut.mtp_layer_type == c.mtp_layer_type and cut.hidden_size == c.hidden_size
+    assert cut.mtp == c.mtp and cut.hidden_size == c.hidden_size and cut.mlp_only_layers == (0,)
     with pytest.raises(Exception, match="layers must be in"):
         c.first_layers(c.num_hidden_layers + 1)
     out = tmp_path / "step.json"

@@ -44,14 +44,12 @@ def test_start_after_history_equals_a_full_prefill(drafts):
     full.start(_request(prompt, drafts), runner)
     saved = [(kv.k.clone(), kv.v.clone(), kv.slot_pos.clone()) for kv in full.cache.layers]
     want = _decode(full, _request(prompt, drafts))
-    mtp = full.config.mtp_layer_index
 
     def copy_history(engine):
-        for i, (kv, (k, v, sp)) in enumerate(zip(engine.cache.layers, saved)):
+        for kv, (k, v, sp) in zip(engine.cache.layers, saved):  # the draft's cache too: its rows sit at 0..H-1
             kv.k.copy_(k)
             kv.v.copy_(v)
-            limit = H + 1 if i == mtp else H  # the MTP layer holds positions 1..H
-            kv.slot_pos.copy_(torch.where(sp < limit, sp, torch.full_like(sp, -1)))
+            kv.slot_pos.copy_(torch.where(sp < H, sp, torch.full_like(sp, -1)))
 
     engine, rows = _engine(), []
     forward = engine.model.forward
@@ -68,11 +66,10 @@ def test_fill_history_labels_positions_as_a_prefill_leaves_them():
     H = history_for(200)
     assert H == 192 and H % PREFILL_BLOCK == 0
     fill_history(engine, H, seed=1)
-    mtp = engine.config.mtp_layer_index
+    assert len(engine.cache.layers) == engine.config.num_hidden_layers + 1  # the draft's cache last
     for i, kv in enumerate(engine.cache.layers):
-        lo, hi = (1, H + 1) if i == mtp else (0, H)
         labels = sorted(p for p in kv.slot_pos.tolist() if p >= 0)
-        assert labels == list(range(max(lo, hi - kv.slots), hi)), i  # rings keep their last `slots` positions
+        assert labels == list(range(max(0, H - kv.slots), H)), i  # rings keep their last `slots` positions
         assert all(kv.slot_pos[p % kv.slots] == p for p in labels)
     # A decode from there runs, reads the whole history and emits tokens.
     got = _decode(engine, _request(RING_SEQ[:200]), history=H, before=lambda e: fill_history(e, H, seed=1))

@@ -25,14 +25,17 @@ def test_tp2_round_runs_in_lockstep_and_counts_its_collectives(tmp_path, capsys)
     s = r["summary"]
     assert r["tp"] == 2 and r["backend"] == "gloo" and len(r["runs"]) == 2
     assert s["ranks_emitted_same_tokens"] and s["median_round_us"] > 0
-    # Random weights: drafts are rejected, so every round is one verify pass plus a full depth-5 redraft; the
-    # counted all-reduces must match the formula the all-reduce benchmark uses for its per-round estimate.
-    assert s["tokens_per_round"] == 1.0
+    # At a fixed depth every round is one verify pass plus a full depth-5 redraft, whatever was accepted (random
+    # weights accept a draft now and then); the counted all-reduces must match the formula the all-reduce benchmark
+    # uses for its per-round estimate.
+    assert 1.0 <= s["tokens_per_round"] <= 6.0
     assert s["collectives_per_round"]["all_reduce"] == round_allreduces(Config.from_dir(TINY), drafts=5)
     assert s["collectives_per_round"]["all_gather_last"] == 1 + 5  # sampling candidates: verify + each depth
-    # TPOT on the mini model's profile: the round divided by the card's tokens per round at depth 5.
+    # TPOT on the mini model's profile: the round divided by the card's tokens per round at depth 5 (where the default
+    # model has a card: bench/acceptance.py).
     p = s["tpot_mini_profile"]
-    assert p["tokens_per_round"] > 2.0 and abs(p["tpot_us"] * p["tokens_per_round"] - s["median_round_us"]) < 1e-6
+    if p is not None:
+        assert p["tokens_per_round"] > 1.0 and abs(p["tpot_us"] * p["tokens_per_round"] - s["median_round_us"]) < 1e-6
 
 
 def test_tp_rejects_one_rank_and_several_variants(capsys):
@@ -71,7 +74,7 @@ def test_two_gpu_ranks_with_nccl(tmp_path):
                  "--device", "cuda", "--repeats", "2", "--context", "40", "--chunk-tokens", "6", "--kernels", "triton",
                  "--out", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert r["backend"] == "nccl" and r["summary"]["ranks_emitted_same_tokens"]
+    assert r["backend"].startswith("peer-memory") and r["summary"]["ranks_emitted_same_tokens"]
 
 
 def test_real_collective_flags_need_a_config_and_repeats(capsys):
