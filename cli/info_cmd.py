@@ -95,10 +95,14 @@ def _numel(shape) -> int:
 
 def weight_description(config, fmt: str) -> str:
     """The checkpoint's weight format and what it runs as, in words."""
+    from ..fast.weights import LOAD_BLOCK
+
     if config.quantized:
         b0, b1 = config.weight_block_size
         return f"fp8 (E4M3, {b0}x{b1} blocks, as stored)"
-    return "fp8 (quantized at load from bf16, 128x128 blocks)" if fmt == "fp8" else "bf16 (as stored)"
+    if fmt == "fp8":
+        return f"fp8 (quantized at load from bf16, {LOAD_BLOCK[0]}x{LOAD_BLOCK[1]} blocks)"
+    return "bf16 (as stored)"
 
 
 def summarize(config, tp: int, context: int, bandwidth_tbs: float = 4.8, weights: str = "auto") -> dict:
