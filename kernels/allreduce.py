@@ -28,9 +28,11 @@ naming the rank and the collective (fast/collectives.py). A rank that never writ
 `HOLD` (ranks sharing one GPU) lets the next kernel launch only once this call's data has arrived, not at the start:
 its programs, resident early and waiting, would otherwise take the SMs a peer on the same GPU needs to push.
 
-`NORM` fuses the residual add and RMSNorm after the reduction (the two reduction points of a decoder layer): the sum
-rounded to the stream's dtype, h = stream + sum rounded again, y = rmsnorm(h) * w, the same arithmetic and program
-shape as kernels/rmsnorm_residual.py, so the fused call gives the bits of the all-reduce followed by that kernel.
+`NORM` fuses the residual add and RMSNorm after the reduction (the two reduction points of a decoder layer of the
+retired, guessed architecture's pre-norm residual): the sum rounded to the stream's dtype, h = stream + sum rounded
+again, y = rmsnorm(h) * w, the same arithmetic and program shape as kernels/rmsnorm_residual.py, so the fused call
+gives the bits of the all-reduce followed by that kernel. Not on the product path until re-based to docs/model.md
+(whose layers normalize the branch output before the add): the engine calls the plain all-reduce only.
 """
 
 from __future__ import annotations

@@ -1,11 +1,17 @@
 """Split-KV decode attention over the static KV cache (seed: "Read only the KV tiles needed").
 
+Not on the product path until re-based to docs/model.md: its sink is the retired, guessed architecture's one constant
+logit per query head, not the published sink key (a logit q_h . sink_k[g] that depends on the query, applied as
+sigmoid(LSE - s_sink)), so fast/triton_ops.py no longer dispatches it and the published attention runs its torch form.
+Its tests hold it to its own reference (`decode_attention_ref`, below). Without sinks it is plain split-KV attention
+over the cache.
+
 One rank's query heads for one KV head and all live rows form one matrix: row m = r * G + h for
 row r and local head h (G = Hq / Hkv; 6 heads x 8 rows = 48 rows at full size), so every K/V tile
 is read once per block. The slot axis is split over a grid (kv_head, split); each split streams its
 tiles with an online softmax and stores a partial (max, sum of exponentials, weighted V) in fp32.
 A combine kernel merges the splits by log-sum-exp and adds the learned sink exactly once: a logit
-with a zero value, so it only enlarges the denominator (reference/layers.attention).
+with a zero value, so it only enlarges the denominator (`attention_ref`).
 
 Visibility is evaluated in the kernel from `slot_pos` (the position each slot holds, -1 = empty)
 and each row's query position, exactly as `fast.cache.LayerKV.visible`:
@@ -331,7 +337,8 @@ def decode_attention_workspace(rows: int, q_heads: int, kv_heads: int, head_dim:
 # ---- reference -------------------------------------------------------------------------------------
 def visible_ref(slot_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None, first_position: int,
                 kv_len: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
-    """bool [R, S], the rule of fast.cache.LayerKV.visible, plus the kv_len bound on slot indices."""
+    """bool [R, S], the rule of fast.cache.LayerKV.visible (with first_position 0), plus a first visible position
+    (the retired draft layer's cache began at position 1) and the kv_len bound on slot indices."""
     sp, q = slot_pos[None, :], q_pos[:, None]
     mask = (sp >= first_position) & (q >= 0)
     if causal:
@@ -347,8 +354,24 @@ def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot
                          q_pos: torch.Tensor, sinks: torch.Tensor | None, window: int | None,
                          first_position: int = 0, kv_len: torch.Tensor | None = None, *,
                          causal: bool = True) -> torch.Tensor:
-    """reference/layers.attention in fp32 with the same mask, cast to q's dtype."""
-    from ..reference.layers import attention
-
+    """`attention_ref` in fp32 with the same mask, cast to q's dtype."""
     mask = visible_ref(slot_pos, q_pos, window, first_position, kv_len, causal)
-    return attention(q.float(), k.float(), v.float(), mask, sinks).to(q.dtype)
+    return attention_ref(q.float(), k.float(), v.float(), mask, sinks).to(q.dtype)
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                  sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax attention with GQA and one sink logit per query head (the kernel's form): q [R, Hq, D], k/v [S, Hkv, D],
+    mask [R, S] -> [R, Hq, D]. out_h = sum_j exp(s_j) v_j / (exp(sink_h) + sum_j exp(s_j)), s_j = q_h . k_{g,j} /
+    sqrt(D), g = h // (Hq / Hkv); the sink's value is zero and the max subtracted includes it."""
+    R, Hq, D = q.shape
+    group = Hq // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("rhd,thd->hrt", q, k) / math.sqrt(D)
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(scores.dtype)[:, None, None].expand(Hq, R, 1)], dim=-1)
+    probs = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.einsum("hrt,thd->rhd", probs[..., : k.shape[0]], v)

@@ -22,7 +22,7 @@ import triton.language as tl
 from .device import FLOATS as _FLOATS
 from .launch import launch_options, wait_for_inputs
 
-BLOCK = 1024  # columns per program: 6 programs a row at H = 6144
+BLOCK = 1024  # columns per program: 3 programs a row at H = 3072
 
 
 @triton.jit

@@ -1,5 +1,10 @@
 """LM head: logits [R, V] fp32 = x [R, H] @ W^T for a few rows (R = 1..8), reading W in bf16.
 
+Not on the product path until re-based to docs/model.md: written for the retired, guessed architecture's bf16-held
+head (and its optional fused final norm), it is no longer dispatched by fast/triton_ops.py; the published heads
+(the target's and the draft's own, fp32 products with the weights held in fp32 by fast/weights.py) run their torch
+form. Its tests hold it to its own reference (`lm_head_ref`).
+
 The rank's LM head rows are bf16 in the checkpoint. Every bf16 value converts to fp32 exactly, so
 `x.float() @ W.float().T` (the engine's fp32 product) is a sum of products of the same values; this
 kernel streams the bf16 rows (half the bytes of an fp32 copy) and multiplies them exactly:

@@ -1,6 +1,13 @@
 """Routed experts for the live rows of a verification block (seed: "Prepare expert weights before
 routing finishes"; MODEL.md forward and TP layout; ROUND.md act_quant).
 
+Not on the product path until re-based to docs/model.md: it was built for the retired, guessed architecture (its
+fused input stage reads the pre-norm residual tail's fp16 operand tiles of kernels/rmsnorm_residual.py, its finalize
+and combine add into that residual stream, and its defaults were tuned at the retired widths), so fast/triton_ops.py
+no longer dispatches it and the published MoE (no output norm between layers' residual adds, the sandwich norms
+around it; 1536-wide experts, 192 rows a rank at TP 8 starting inside a 128-row scale block) runs its torch form.
+Its tests hold it to its own references (`moe_ref` and friends, below); the figures below are the retired sizes'.
+
     out[r] = sum_j w[r, j] * Down_e( act_quant( silu(Gate_e x_r) * Up_e x_r ) ),   e = experts[r, j]
 
 on this rank's slice I_r of every expert's intermediate dimension (Down is row-parallel: the caller

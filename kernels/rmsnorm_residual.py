@@ -1,6 +1,12 @@
 """Fused residual add + RMSNorm: h = x + r (the new residual, in the residual's dtype), y = rmsnorm(h) * w;
 and the same kernel without the residual (`rmsnorm`: the layer's input norm, one launch instead of six).
 
+Not on the product path until re-based to docs/model.md: the fused tail is the retired, guessed architecture's
+pre-norm residual (x + attn_out, then the post-attention norm); the published layer has sandwich norms (the branch
+output normalized, scaled and added, the residual continued from the normalized input after layer 0), so
+fast/triton_ops.py dispatches neither kernel and every published norm runs its torch form. Its tests hold it to its
+own references (`rmsnorm_residual_ref`, `rmsnorm_ref`).
+
 The decoder layer's `x = x + attn_out; b = rms_norm(x, post_norm)` in one pass over each row. The sum
 is rounded to the residual's dtype first and the norm reads that rounded value, as the torch
 sequence does; the norm itself runs in fp32 and `y` may be kept in fp32 (routing reads the fp32

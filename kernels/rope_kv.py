@@ -1,6 +1,12 @@
 """Rotary embedding of a block's q and k, and the KV-cache write, in one launch.
 
-The attention block's `apply_rope(q)`, `apply_rope(k)` and `LayerKV.write` (slot arithmetic, three
+Not on the product path until re-based to docs/model.md: it rotates every dim of a head (the retired, guessed
+architecture's full-width RoPE), while the published model normalizes q and k per head first and rotates only the
+first rotary_dim (32) dims, with a base per layer type; fast/triton_ops.py no longer dispatches it, and the published
+rotary runs its torch form. Its tests hold it to its own reference (`rope_kv_ref`, `rope_tables_ref`,
+`apply_rope_ref`, below).
+
+The attention block's `apply_rope_ref(q)`, `apply_rope_ref(k)` and `LayerKV.write` (slot arithmetic, three
 `index_copy_`) are about fifteen small kernels per layer; a decode round runs ~90 layers of them. This
 kernel does the same work in one launch with the same roundings as the torch sequence: each product
 `x * cos` and `rotate_half(x) * sin` is rounded to the activation dtype, then their sum is, exactly
@@ -167,16 +173,30 @@ def _launch(q, k, v, strides, stride_s, parts, R, HQ, HKV, D, dtype, cos, sin, p
 def rope_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 positions: torch.Tensor, live: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                 slot_pos: torch.Tensor, rope_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch sequence the engine's fallback runs (the tables' rows, reference apply_rope, then LayerKV.write's
-    copies)."""
-    from ..reference.layers import apply_rope
-
+    """The torch sequence this kernel replaces (the tables' rows, `apply_rope_ref`, then LayerKV.write's copies)."""
     rows = (positions if rope_rows is None else rope_rows).clamp(max=cos.shape[0] - 1)
     cos, sin = cos.index_select(0, rows), sin.index_select(0, rows)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k = apply_rope_ref(q, cos, sin), apply_rope_ref(k, cos, sin)
     slots = cache_k.shape[0] - 1
     slot = torch.where(live, positions % slots, torch.full_like(positions, slots))
     cache_k.index_copy_(0, slot, k.to(cache_k.dtype))
     cache_v.index_copy_(0, slot, v.to(cache_v.dtype))
     slot_pos.index_copy_(0, slot, torch.where(live, positions, torch.full_like(positions, -1)))
     return q
+
+
+def rope_tables_ref(positions: torch.Tensor, head_dim: int, theta: float,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [R, head_dim] at `positions` for full-width rotate-half RoPE (the head_dim / 2 angles twice), angles
+    in float64: the tables this kernel reads."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [R, heads, D] rotated by its row's cos/sin [R, D] over every dim: x cos + rotate_half(x) sin, each product
+    and the sum rounded to x's dtype (the torch elementwise sequence)."""
+    half = x.shape[-1] // 2
+    return x * cos[:, None, :] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin[:, None, :]

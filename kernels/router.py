@@ -1,7 +1,14 @@
-"""MoE routing for a few rows: `reference.layers.route(x @ router_w.T, top_k, norm_topk_prob, scaling)`.
+"""MoE routing for a few rows: `route_logits_ref(x @ router_w.T, top_k, norm_topk_prob, scaling)` (softmax over all
+experts, top-k with ties to the lower index, optionally renormalized, scaled).
 
-x [R, H] fp32 (R = 1..8 at decode), router_w [E, H] bf16 as the checkpoint holds it (E = 256, H = 6144 in
-the model: 3.1 MB, a weight stream; fp32 is taken too). Two launches, fixed grids, no host sync, no
+Not on the product path until re-based to docs/model.md: written for the retired, guessed architecture (a bf16 router
+of E = 256 x H = 6144), it is no longer dispatched by fast/triton_ops.py, and the published model's routing (an fp32
+router, renormalized top-k, no scaling: this kernel with an fp32 router_w, norm_topk_prob and scaling 1.0) runs its
+torch form. Its tests hold it to its own reference (`route_ref`, below); the figures in this docstring are the
+retired sizes'.
+
+x [R, H] fp32 (R = 1..8 at decode), router_w [E, H] bf16 as the retired checkpoint held it (E = 256, H = 6144 there:
+3.1 MB, a weight stream; fp32 is taken too). Two launches, fixed grids, no host sync, no
 atomics (graph-capturable, replays bit-identical to eager):
 
 Launch 1, grid (cdiv(E, BLOCK_E), SPLIT, cdiv(R, 8)): router logits with the H axis split over the
@@ -289,10 +296,22 @@ def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: b
 
 
 # ---- reference -------------------------------------------------------------------------------------
+def route_logits_ref(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                     scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The routing this kernel computes, in torch: (weights [R, k], experts [R, k] long, scores [R, E]). Softmax over
+    all experts, the k largest scores (a stable sort: equal scores go to the lower expert index), their scores
+    renormalized when `norm_topk_prob`, times `scaling`. With norm_topk_prob and scaling 1 it is docs/model.md's
+    routing (reference.layers.route)."""
+    scores = torch.softmax(router_logits, dim=-1)
+    experts = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(-1, experts)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * scaling, experts, scores
+
+
 def route_ref(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool,
               scaling: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch sequence this replaces: reference `route(x @ router_w.float().T, ...)` (the torch form of the op,
-    fast/torch_ops.py; a bf16 router widened exactly)."""
-    from ..reference.layers import route as reference_route
-
-    return reference_route(x @ router_w.float().T, top_k, norm_topk_prob, scaling)
+    """The torch sequence this replaces: `route_logits_ref(x @ router_w.float().T, ...)` (a bf16 router widened
+    exactly)."""
+    return route_logits_ref(x @ router_w.float().T, top_k, norm_topk_prob, scaling)

@@ -1,4 +1,6 @@
-"""kernels/decode_attention.py against reference/layers.attention with the cache's visibility rule.
+"""kernels/decode_attention.py against its own reference (`attention_ref`: one sink logit per head, the retired
+architecture's form; the kernel is not on the product path until re-based to docs/model.md) with the cache's
+visibility rule.
 
 Small shapes run under Triton's CPU interpreter in one worker subprocess (TRITON_INTERPRET is read when
 triton is imported); `@pytest.mark.gpu` cases run the compiled kernel at TP8 rank shapes (6 query
@@ -199,7 +201,8 @@ interpreted, test_interpreted = interpreted_tests(__file__, CASES, lambda c, r: 
 
 def test_visible_ref_is_the_cache_rule():
     """visible_ref is LayerKV.visible, for the cache and for the open mask (the class attribute `causal` False, as
-    qualify's open_causal_mask control sets it)."""
+    qualify's open_causal_mask control sets it); its first visible position is the cache's rule with the slots below
+    it emptied."""
     from iquest.fast.cache import LayerKV
 
     class OpenKV(LayerKV):
@@ -211,8 +214,8 @@ def test_visible_ref_is_the_cache_rule():
     for window in (None, 7):
         for first in (0, 1):
             for kind in (LayerKV, OpenKV):
-                kv = kind(k=torch.empty(0), v=torch.empty(0), slot_pos=slot_pos, slots=40, window=window,
-                          first_position=first)
+                held = torch.where(slot_pos >= first, slot_pos, torch.full_like(slot_pos, -1))
+                kv = kind(k=torch.empty(0), v=torch.empty(0), slot_pos=held, slots=40, window=window)
                 assert torch.equal(kv.visible(q_pos), da.visible_ref(slot_pos, q_pos, window, first,
                                                                      causal=kind.causal))
 

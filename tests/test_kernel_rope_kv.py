@@ -1,4 +1,5 @@
-"""kernels/rope_kv.py against the torch sequence it replaces (apply_rope twice, LayerKV.write).
+"""kernels/rope_kv.py against the torch sequence it replaces (apply_rope_ref twice, LayerKV.write): its own references,
+the kernel being off the product path until re-based to docs/model.md (kernels/rope_kv.py).
 
 Interpreted on CPU in one worker subprocess: fp32 must be bit-identical (the interpreter evaluates each
 operation in NumPy, like torch's separate kernels); bf16 may differ by one unit in the last place because
@@ -18,7 +19,14 @@ import torch
 
 from iquest.kernels import rope_kv as rk
 from iquest.kernels.testing import interpreted_tests
-from iquest.reference.layers import apply_rope, rope_cos_sin
+
+apply_rope = rk.apply_rope_ref  # the kernel's own references (not on the product path: kernels/rope_kv.py)
+
+
+def rope_cos_sin(positions, head_dim, theta, scaling, dtype):
+    assert scaling is None
+    return rk.rope_tables_ref(positions, head_dim, theta, dtype)
+
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Interpreted bf16: each of the three roundings (two products, one sum) may truncate where torch rounds, one

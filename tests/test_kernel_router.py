@@ -1,4 +1,6 @@
-"""kernels/router.py against reference.layers.route on the kernel's own logits, and the logits against float64.
+"""kernels/router.py against its own reference (`route_logits_ref`, the retired routing with norm_topk_prob and
+scaling; docs/model.md's is its norm_topk_prob, scaling 1 case) on the kernel's own logits, and the logits against
+float64. The kernel is not on the product path until re-based to docs/model.md (kernels/router.py).
 
 Small shapes run under Triton's CPU interpreter in one worker subprocess: 1, 3, 8 and 11 rows (two row
 blocks), E = 16, 48 (not a power of two), 64, 256, k = 1, 2, 5, 8 and k = E, H not a multiple of the
@@ -10,7 +12,7 @@ random values, never zeros.
 
 Checks, per case:
   logits   |kernel - x @ w.T (float64)| <= LOGIT_TOL * (|x| @ |w|.T), elementwise (fp32 sums of H terms)
-  experts  EXACTLY reference.layers.route(kernel logits)'s (a stable sort: ties to the lower index)
+  experts  EXACTLY route_logits_ref(kernel logits)'s (a stable sort: ties to the lower index)
   scores   within SCORE_TOL (relative, elementwise) of the reference's fp32 scores and of a float64 softmax
            of the same logits (exp and sum orders differ from torch's by a few ulps)
   weights  within WEIGHT_TOL (relative) of the reference's
@@ -25,7 +27,7 @@ Two hypothesis property tests run in the worker too: random small shapes, splits
 reference (6 examples there, ~0.5 s each interpreted; 60 on the GPU); and the select launch alone, packed vs
 two-reduction top-k bit for bit on partials made to tie. The interpreter leaves out two cases whose properties other
 cases there have (INTERPRETED_CASES); the GPU runs them all.
-`@pytest.mark.gpu`: the same cases plus the model's shape (R = 6, 8; H = 6144; E = 256; k = 8), graph
+`@pytest.mark.gpu`: the same cases plus the retired model's shape (R = 6, 8; H = 6144; E = 256; k = 8), graph
 replay bit-identical to eager, agreement with the torch path (`route_ref`), bf16 vs fp32 router and packed vs
 two-reduction top-k bit for bit at the model's shape.
 """
@@ -40,7 +42,8 @@ import torch
 from iquest.kernels import router as rt
 from iquest.kernels.testing import interpreted_tests, substituted
 from iquest.tests.kernel_controls import ROUTER as ROUTER_CONTROLS
-from iquest.reference.layers import route as reference_route
+
+reference_route = rt.route_logits_ref  # the kernel's own reference (not on the product path: kernels/router.py)
 
 # fp32 sums of H products: error ~ sqrt(H) * 2^-24 of sum |x_h w_h| typically (n * 2^-24 worst), measured
 # <= ~1e-7 at H <= 600; a dropped split (1/4 of the terms) is ~1e-1.
@@ -99,7 +102,7 @@ CASES = [
 INTERPRETED_CASES = [c for c in CASES
                      if c["name"] not in ("8rows_E256_k2_no_norm", "bf16_router_E17_k5_two_row_blocks")]
 
-GPU_CASES = [  # the model: H = 6144, E = 256, k = 8, norm_topk_prob, routed_scaling_factor 1.0
+GPU_CASES = [  # the retired model's: H = 6144, E = 256, k = 8, norm_topk_prob, routed_scaling_factor 1.0
     case("gpu_8rows_model", R=8, E=256, H=6144, block_e=None, block_h=None, scaling=1.0, seed=100),
     case("gpu_6rows_model", R=6, E=256, H=6144, block_e=None, block_h=None, scaling=1.0, seed=101),
     case("gpu_8rows_model_no_ties", R=8, E=256, H=6144, block_e=None, block_h=None, ties=False, seed=102),
