@@ -4,6 +4,7 @@ negative-control table with every name whole, and progress lines on a stderr tha
 from __future__ import annotations
 
 import io
+import json
 import re
 
 from iquest.qualify.run import print_table, progress_bar
@@ -61,3 +62,54 @@ def test_progress_lines_where_stderr_is_no_terminal(capsys):
     with progress_bar(3, progress=False) as bar:
         bar.update(3)
     assert capsys.readouterr().err == ""
+
+
+# ---- the options: --seed, --false-alarm, --weights fp8 on a BF16 checkpoint ----------------------------------------
+def test_seed_and_out_are_checked(capsys):
+    from iquest.cli.main import main
+    from iquest.tests.helpers import TINY
+
+    assert main(["qualify", "--model", str(TINY), "--quick", "--seed", "-1"]) != 0
+    assert "--seed" in capsys.readouterr().err
+    assert main(["qualify", "--model", str(TINY), "--quick", "--out", "x.json"]) != 0
+    assert "--false-alarm" in capsys.readouterr().err
+    assert main(["qualify", "--model", str(TINY), "--false-alarm", "0"]) != 0
+    assert "--false-alarm" in capsys.readouterr().err
+
+
+def test_false_alarm_runs_write_their_raw_results(tmp_path, capsys):
+    from iquest.cli.main import main
+    from iquest.tests.helpers import TINY
+
+    out = tmp_path / "fa.json"
+    assert main(["qualify", "--model", str(TINY), "--false-alarm", "1", "--seed", "3", "--jobs", "1",
+                 "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["false_alarms"] == 0 and data["false_alarm_rate"] == 0 and data["seeds"] == [3, 3]
+    run = data["runs"][0]
+    assert run["seed"] == 3 and run["passed"] and run["failing"] == [] and 0 < run["lossless_p"] <= 1
+    assert data["suite_alpha"] <= 0.01 and "chi-square" in data["suite_alpha_why"]
+    assert "false alarms: 0/1" in capsys.readouterr().out
+
+
+def test_fp8_at_load_is_judged_on_its_own_quantization_and_measured_against_bf16(capsys):
+    """A BF16 checkpoint run with --weights fp8: every check against the reference on the same quantized weights (the
+    controls caught there), and the fp8w.* rows against the BF16 weights, within their E4M3 tolerance."""
+    from iquest.cli.main import main
+    from iquest.tests.helpers import fixture_dir
+
+    bf16 = fixture_dir("tiny", "bf16")
+    rc = main(["qualify", "--model", str(bf16), "--weights", "fp8", "--quick", "--json", "--jobs", "1",
+               "--control", "router_bf16", "--control", "draft_target_embedding", "--control",
+               "fp8_scales_transposed"])
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert rc == 0 and report["passed"], [c for c in report["checks"] if c["verdict"] != "pass"]
+    assert (report["weights"], report["reference"], report["source"]) == ("fp8", "fp8 at load", "bf16")
+    fp8w = [c for c in report["checks"] if c["check"].startswith("fp8w.")]
+    assert {c["check"] for c in fp8w} == {"fp8w.logits", "fp8w.hidden", "fp8w.kl"}
+    assert all(c["rows"] > 0 and c["verdict"] == "pass" for c in fp8w)
+    assert max(c["worst"] for c in fp8w if c["check"] == "fp8w.logits") > 1e-3  # E4M3 moved them: measured, not 0
+    assert [c["name"] for c in report["controls"] if c["caught"]] == ["draft_target_embedding", "router_bf16"]
+    assert [c["name"] for c in report["controls_not_applicable"]] == ["fp8_scales_transposed"]
+    assert "fp8w.* rows measure them against the bf16 weights" in err

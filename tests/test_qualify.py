@@ -1,31 +1,36 @@
-"""`iquest qualify --quick` on fixtures/tiny: the healthy engine passes, every negative control is caught by
-its intended check and position class (with its broken branch counted), the JSON report has the documented
-structure; `iquest debug diff` writes a PNG and names the first stage over tolerance."""
+"""`iquest qualify --quick` on the tiny preset: the healthy engine passes, every negative control is caught by its
+intended check and position class (with its broken branch counted), the published architecture's own features each
+have a control caught by the check class meant for it, the JSON report has the documented structure; recording
+substitutes engine parts and overwrites nothing; `iquest debug diff` writes a PNG and names the first stage over
+tolerance."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
-from pathlib import Path
 
 import pytest
+import torch
 
+from iquest.tests.helpers import fixture_dir
 from iquest.cli.main import main
 from iquest.qualify import tolerances
 from iquest.qualify.checks import chi2_sf
 from iquest.qualify.controls import REGISTRY
 from iquest.qualify.replay import classes_all
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "fixtures" / "tiny"
+
+@pytest.fixture(scope="module")
+def tiny():
+    return fixture_dir("tiny")
 
 
 @pytest.fixture(scope="module")
-def report():
+def report(tiny):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):  # --json: the report on stdout (the table goes to stderr)
-        rc = main(["qualify", "--model", str(TINY), "--quick", "--json"])
+        rc = main(["qualify", "--model", str(tiny), "--quick", "--json", "--jobs", "1"])
     data = json.loads(out.getvalue())
     data["_rc"] = rc
     return data
@@ -35,23 +40,27 @@ def test_quick_qualify_passes_on_the_healthy_engine(report):
     failed = [c for c in report["checks"] if c["verdict"] != "pass"]
     assert report["_rc"] == 0 and report["passed"], failed
     assert report["controls_caught"] == f"{len(REGISTRY)}/{len(REGISTRY)}"
+    assert report["controls_not_applicable"] == []
 
 
 def test_report_structure(report):
-    for key in ("schema", "model", "tp", "dtype", "quick", "seconds", "passed", "checks", "controls", "lossless",
-                "controls_caught", "tolerances"):
+    for key in ("schema", "model", "tp", "dtype", "weights", "reference", "source", "quick", "seed", "seconds",
+                "passed", "suite_alpha", "checks", "controls", "controls_not_applicable", "lossless", "controls_caught",
+                "tolerances"):
         assert key in report, key
+    assert report["weights"] == "fp8" and report["reference"] == "as stored" and report["source"] is None
+    assert report["suite_alpha"] == tolerances.suite_alpha() <= 0.01
     for c in report["checks"]:
         assert set(c) == {"check", "class", "worst", "tolerance", "verdict", "rows", "where"}
         assert c["verdict"] in ("pass", "FAIL")
-    rows = {(c["check"], c["class"]) for c in report["checks"]}
+    by = {(c["check"], c["class"]): c for c in report["checks"]}
     for cls in classes_all():  # every position class is reported on its own, and was exercised
-        assert ("numerics.logits", cls) in rows
-        assert next(c for c in report["checks"] if (c["check"], c["class"]) == ("numerics.logits", cls))["rows"] > 0
-        window = next(c for c in report["checks"] if (c["check"], c["class"]) == ("cache.window", cls))
-        assert window["rows"] > 0 and window["worst"] == 0  # the ring held every row's window (qualify/window.py)
+        for check in ("numerics.logits", "numerics.router_scores", "cache.window"):
+            assert by[(check, cls)]["rows"] > 0, (check, cls)
+        assert by[("cache.window", cls)]["worst"] == 0  # the rings held every row's window (qualify/window.py)
     for check in ("decode.tokens", "decode.acceptance", "stability.reference", "stability.candidate", "lossless"):
         assert any(c["check"] == check for c in report["checks"]), check
+    assert not any(c["check"].startswith("fp8w.") for c in report["checks"])  # an FP8 checkpoint has no BF16 source
 
 
 @pytest.mark.parametrize("control", [c.name for c in REGISTRY])
@@ -69,20 +78,65 @@ def test_each_negative_control_is_caught_where_intended(report, control):
             assert float(w[2]) > float(w[3]), w
 
 
+# The published architecture's features: the check and class that must catch each one's control.
+FEATURES = {
+    "rope_double_dims": ("numerics.logits", "prefill"),
+    "rope_last_dims": ("numerics.logits", "prefill"),
+    "scalar_sink": ("numerics.logits", "prefill"),
+    "raw_residual": ("numerics.logits", "prefill"),
+    "draft_target_embedding": ("numerics.logits", "draft_depth1"),
+    "draft_window_4096": ("numerics.logits", "draft_past_window"),
+    "router_bf16": ("numerics.router_scores", "prefill"),
+}
+
+
+@pytest.mark.parametrize("control", sorted(FEATURES))
+def test_the_published_features_controls_are_caught_by_their_class(report, control):
+    r = next(c for c in report["controls"] if c["name"] == control)
+    assert list(FEATURES[control]) in r["caught_by"], r
+
+
 def test_controls_stay_in_their_classes(report):
     """A defect confined to one place is caught there and not everywhere: the classes keep it visible."""
     failing = {c["name"]: {tuple(x) for x in c["failing"]} for c in report["controls"]}
+    target = {"prefill", "past_window", "ring_reused"} | {f"verify_row{i}" for i in range(8)}
     assert ("numerics.logits", "prefill") not in failing["keep_rejected_kv"]
     assert not any(cls.startswith("verify") for _, cls in failing["skip_redraft"])
+    for name in ("draft_window_4096", "draft_target_embedding", "mtp_router_shift"):  # the draft's own pieces
+        assert not any(cls in target for _, cls in failing[name]), (name, failing[name])
     assert {check for check, _ in failing["top_p_drops_crossing"]} <= {"numerics.sampler", "decode.tokens",
                                                                        "decode.acceptance"}
     assert failing["replacement_from_p"] == {("lossless", "speculative_token")}
 
 
-def test_every_tolerance_states_its_reason():
+def test_every_tolerance_and_class_states_its_reason():
     for check, per in tolerances.table()["checks"].items():
         for cls, entry in per.items():
-            assert len(entry.get("reason", "")) > 40, (check, cls)
+            assert len(entry.get("why", "")) > 40, (check, cls)
+    for c in tolerances.table()["classes"]:
+        assert len(c["what"]) > 20, c
+    assert len(tolerances.table()["statistics"]["why"]) > 40
+
+
+def test_position_classes_are_the_data():
+    names = classes_all()
+    assert names[:2] == ["prefill", "verify_row0"] and "verify_row7" in names and "draft_depth7" in names
+    assert {"past_window", "ring_reused", "draft_past_window", "draft_ring_reused"} <= set(names)
+    assert len(names) == len(set(names)) == 1 + 8 + 2 + 7 + 2
+
+
+def test_tolerance_columns():
+    """The compute dtype picks the column; the fp8w.* checks state the +fp8w columns and nothing else does."""
+    assert tolerances.scheme("fp32") == "fp32" and tolerances.scheme("bf16") == "bf16"
+    with pytest.raises(ValueError, match="fp16"):
+        tolerances.scheme("fp16")
+    for check, per in tolerances.table()["checks"].items():
+        for cls, entry in per.items():
+            columns = {k for k in entry if k != "why"}
+            if check.startswith("fp8w."):
+                assert columns == {"fp32+fp8w", "bf16+fp8w"}, (check, cls)
+            elif check.startswith(("numerics.", "cache.", "decode.", "diff")):
+                assert columns == {"fp32", "bf16"}, (check, cls)
 
 
 def test_chi2_survival_function():
@@ -92,61 +146,106 @@ def test_chi2_survival_function():
     assert abs(chi2_sf(4.0, 2) - 0.1353352832) < 1e-9
 
 
-def test_debug_diff_writes_png_and_names_a_stage(tmp_path, capsys):
+def test_seed_picks_other_cases():
+    from iquest.qualify.run import qualify_cases
+
+    a, pa, _ = qualify_cases(512, True, 96, seed=0)
+    b, pb, _ = qualify_cases(512, True, 96, seed=1)
+    assert [c.prompt for c in a] != [c.prompt for c in b] and pa != pb
+    assert {c.seed for c in a}.isdisjoint({c.seed for c in b})
+    assert qualify_cases(512, True, 96, seed=1) == (b, pb, list(range(2, 10)))  # deterministic
+    assert a[0].params is None and a[1].params == (3.0, 512, 1.0)  # the defaults, and the wide case
+    assert len(a[0].prompt) + a[0].max_new_tokens >= 96 + 8  # the long case wraps the ring
+
+
+def test_recording_substitutes_parts_and_overwrites_nothing(tiny):
+    """The recorder is a subclass laid over the candidate's parts: the product classes and the engine's objects keep
+    their own methods, and an engine built with the recording parts decodes the same tokens, recorded or not."""
+    from iquest.fast.model import FastModel
+    from iquest.fast.parallel import Parallel
+    from iquest.fast.rank import EngineOptions, RankEngine, Request
+    from iquest.fast.round import RoundRunner
+    from iquest.qualify.checks import Case, record
+    from iquest.qualify.controls import NoSinkModel
+    from iquest.qualify.replay import RecordingModel, recording_parts
+    from iquest.fast.rank import EngineParts
+
+    methods = {cls: dict(vars(cls)) for cls in (FastModel, RoundRunner, RankEngine)}
+    options = EngineOptions(max_context=128, dtype="fp32", graphs=False)
+    plain = RankEngine(tiny, Parallel.single("cpu"), options)
+    rec = RankEngine(tiny, Parallel.single("cpu"), options, recording_parts())
+    case = Case(tuple(range(3, 23)), 5, 3, 12)
+    want = [t for s in plain.decode(Request(case.prompt, 5, 1.0, 20, 0.95, 12, 3, ())) for t in s.tokens]
+    _, steps, blocks = record(rec, case)
+    assert [t for s in steps for t in s.tokens] == want
+    assert [t for s in rec.decode(Request(case.prompt, 5, 1.0, 20, 0.95, 12, 3, ())) for t in s.tokens] == want
+    assert {b.kind for b in blocks} == {"prefill", "verify", "draft"}
+    assert {cls: dict(vars(cls)) for cls in methods} == methods
+    for obj in (rec.model, rec.runner(3, 20)[0], rec):
+        assert not {"forward", "draft", "dist", "sample", "start", "draft_row", "_sampling_args"} & set(vars(obj))
+    assert rec.model.recorder is None  # handed back after the decode
+    with pytest.raises(TypeError, match="recording_parts"):
+        record(plain, case)
+    # a control's broken piece stays in place under the recording one
+    parts = recording_parts(EngineParts(model=NoSinkModel))
+    engine = RankEngine(tiny, Parallel.single("cpu"), options, parts)
+    assert isinstance(engine.model, NoSinkModel) and isinstance(engine.model, RecordingModel)
+    assert recording_parts(parts) is parts
+
+
+def test_a_control_that_cannot_apply_is_reported_not_run(tiny, tmp_path):
+    from iquest.fixtures.make import make_fixture
+    from iquest.qualify.run import select_controls
+
+    bf16 = str(make_fixture("micro", tmp_path / "micro-bf16", weights="bf16"))
+    chosen, skipped = select_controls(None, bf16, "bf16")
+    assert [s["name"] for s in skipped] == ["fp8_scales_transposed"] and "no FP8 weights" in skipped[0]["why"]
+    assert len(chosen) == len(REGISTRY) - 1
+    # quantized at load, the micro preset's 8- and 16-wide weights are one 128 x 128 block each: nothing to transpose
+    assert "square, asymmetric" in select_controls(["fp8_scales_transposed"], bf16, "fp8")[1][0]["why"]
+    chosen, skipped = select_controls(["fp8_scales_transposed", "drop_sink"], str(tiny), "fp8")
+    assert [c.name for c in chosen] == ["drop_sink", "fp8_scales_transposed"] and skipped == []
+
+
+def test_debug_diff_writes_png_and_names_a_stage(tiny, tmp_path, capsys):
     png = tmp_path / "diff.png"
     ids = ",".join(str(i) for i in range(3, 23))
-    assert main(["debug", "diff", "--model", str(TINY), "--prompt-ids", ids, "--position", "12", "--plot", str(png),
+    assert main(["debug", "diff", "--model", str(tiny), "--prompt-ids", ids, "--position", "12", "--plot", str(png),
                  "--json", "--control", "rope_shift_rows"]) == 0
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     out, err = capsys.readouterr()
     data = json.loads(out)  # --json: the JSON on stdout, the table on stderr
     assert data["first_over"] == {"layer": "0", "stage": "attn_out"}
     assert "first over tolerance at layer 0, stage attn_out" in err
-    assert main(["debug", "diff", "--model", str(TINY), "--prompt-ids", ids, "--position", "12", "--plot",
+    assert main(["debug", "diff", "--model", str(tiny), "--prompt-ids", ids, "--position", "12", "--plot",
                  str(png)]) == 0
     assert "every layer and stage within tolerance" in capsys.readouterr().out
 
 
-def test_debug_diff_refuses_an_unknown_control(tmp_path, capsys):
-    rc = main(["debug", "diff", "--model", str(TINY), "--prompt-ids", "3,4,5", "--plot", str(tmp_path / "d.png"),
+def test_debug_diff_sees_the_draft_embedding_only_in_the_draft(tiny, tmp_path, capsys):
+    ids = ",".join(str(i) for i in range(3, 23))
+    assert main(["debug", "diff", "--model", str(tiny), "--prompt-ids", ids, "--position", "-1", "--plot",
+                 str(tmp_path / "d.png"), "--json", "--control", "draft_target_embedding"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["first_over"] == {"layer": "mtp", "stage": "input"}
+
+
+def test_debug_diff_refuses_an_unknown_control(tiny, tmp_path, capsys):
+    rc = main(["debug", "diff", "--model", str(tiny), "--prompt-ids", "3,4,5", "--plot", str(tmp_path / "d.png"),
                "--control", "bogus"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and len(err) == 1 and "bogus" in err[0] and "rope_shift_rows" in err[0]
     assert not (tmp_path / "d.png").exists()
 
 
-def test_tolerance_column_follows_the_moe_kernel():
-    """The E4M3 Down activations exist only with the MoE kernel: only then does the e4m3act column apply."""
-    from iquest.fast.plan import KernelPlan
-    from iquest.reference.config import Config
-
-    triton, torch_forms = KernelPlan.triton(), KernelPlan.torch()
-    assert tolerances.scheme("bf16", triton) == "bf16+e4m3act"
-    assert tolerances.scheme("fp32", KernelPlan(moe=True)) == "fp32+e4m3act"
-    assert tolerances.scheme("fp32", KernelPlan(linear=True, attention=True, norm=True, sampling=True)) == "fp32"
-    assert tolerances.scheme("bf16", torch_forms) == "bf16"
-    # With the model: only when the MoE kernel takes its shapes (tiny-tp8's 8-wide blocks fall back, exactly).
-    assert tolerances.scheme("fp32", triton, Config.from_dir(TINY.parent / "tiny-tp8")) == "fp32"
-    mini = Config.from_dir(TINY.parent / "iquest-q1-mini")
-    assert tolerances.scheme("bf16", triton, mini) == "bf16+e4m3act"
-    assert tolerances.scheme("bf16", triton, mini, tp=8) == "bf16+e4m3act"  # I_r = 128 / 8 = 16
-    for check, per in tolerances.table()["checks"].items():
-        for cls, entry in per.items():
-            for dtype in ("fp32", "bf16"):
-                if dtype in entry:  # every dtype column has its e4m3act twin, never looser than needed by chance
-                    assert f"{dtype}+e4m3act" in entry, (check, cls, dtype)
-                    a, b = entry[dtype], entry[f"{dtype}+e4m3act"]
-                    assert a == b or (isinstance(a, float) and b >= a), (check, cls, dtype)
-
-
 @pytest.mark.parametrize("jobs", ["0", "-2", "many"])
-def test_qualify_rejects_bad_jobs(jobs, capsys):
-    rc = main(["qualify", "--model", str(TINY), "--quick", "--jobs", jobs])
+def test_qualify_rejects_bad_jobs(tiny, jobs, capsys):
+    rc = main(["qualify", "--model", str(tiny), "--quick", "--jobs", jobs])
     assert rc != 0 and "--jobs" in capsys.readouterr().err
 
 
-def test_qualify_rejects_kernels_other_than_the_user_choices(capsys):
-    rc = main(["qualify", "--model", str(TINY), "--quick", "--kernels", "triton-settle"])
+def test_qualify_rejects_kernels_other_than_the_user_choices(tiny, capsys):
+    rc = main(["qualify", "--model", str(tiny), "--quick", "--kernels", "triton-settle"])
     err = capsys.readouterr().err
     assert rc != 0 and "--kernels" in err and "auto" in err and "triton" in err
 
@@ -165,3 +264,45 @@ def test_control_margin_reports_how_far_past_the_tolerance():
     both = {"intended_worst": intended_worst(rows, [("numerics.logits", "prefill"), ("lossless", "speculative_token")])}
     assert control_margin(both) == "1e+03x (lossless/speculative_token)"
     assert control_margin({"intended_worst": []}) == "-" and control_margin({}) == "-"
+
+
+def test_router_scores_rows_need_the_engines_taps():
+    """numerics.router_scores needs no reference: it is scored from the engine's own taps, per MoE layer."""
+    from iquest.qualify.replay import Block, Geometry, Scores, score_router_scores
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 16, generator=g).double()
+    b = torch.randn(16, generator=g).float()
+    s = torch.softmax((w.float() @ b), -1)
+    e = torch.sort(s, descending=True, stable=True).indices[:2]
+    blk = Block("prefill", -1, 0, [1], [0], [True], torch.zeros(1, 4), torch.zeros(1, 16),
+                taps={"layer1.mlp_in": b[None].double(), "layer1.router_scores": s[None].double(),
+                      "layer1.experts": e[None]})
+    scores = Scores()
+    score_router_scores(scores, blk, 0, ["prefill"], "here", {"layer1.": w, "mtp.": w}, 1.0)
+    worst = scores.table[("numerics.router_scores", "prefill")]
+    assert worst.rows == 1 and worst.failures == 0 and worst.value <= 1
+    assert Geometry(32, 96, 16, 80).draft_ring == 80
+
+
+def test_the_fp8w_rows_fail_against_weights_the_candidate_did_not_come_from(tmp_path):
+    """The fp8w.* check can fail: the same FP8 candidate measured against another BF16 model's weights (the preset at
+    another seed: same shapes, other values) is far past the E4M3 tolerance, while it still passes against the
+    reference on its own quantization."""
+    from iquest.fast.parallel import Parallel
+    from iquest.fast.rank import EngineOptions, RankEngine
+    from iquest.fixtures.make import make_fixture
+    from iquest.qualify.checks import Case, RefSpec, decode_session, session_rows
+    from iquest.qualify.replay import recording_parts
+
+    bf16 = str(fixture_dir("tiny", "bf16"))
+    other = str(make_fixture("tiny", tmp_path / "other", seed=1, weights="bf16"))
+    engine = RankEngine(bf16, Parallel.single("cpu"), EngineOptions(max_context=128, dtype="fp32", graphs=False,
+                                                                    weights="fp8"), recording_parts())
+    case = Case(tuple(range(3, 23)), 5, 3, 12)
+    rows = session_rows([decode_session(engine, RefSpec(bf16, "fp8"), case, "fp32", source=RefSpec(other))],
+                        ["prefill", "verify_row0"])
+    by = {(r.check, r.cls): r for r in rows}
+    assert by[("numerics.logits", "prefill")].passed and by[("numerics.logits", "verify_row0")].passed
+    assert not by[("fp8w.logits", "prefill")].passed and by[("fp8w.logits", "prefill")].value > 1.0
+    assert not by[("fp8w.hidden", "verify_row0")].passed

@@ -1,12 +1,13 @@
 """qualify/router.py: a swap of draft-layer experts is explained exactly when the engine's own MoE input
-(within fp32 rounding) could have produced it; the reference recomputes a row under forced experts."""
+(within fp32 rounding) could have produced it; the reference recomputes a row under forced experts; the router's
+scores on the engine's own input are within the fp32 bound for an fp32 router and past it for a bf16-rounded one."""
 
 from __future__ import annotations
 
 import torch
 from hypothesis import assume, given, settings, strategies as st
 
-from iquest.qualify.router import swap_ratio
+from iquest.qualify.router import scores_error, swap_ratio
 from iquest.reference.layers import route
 
 
@@ -57,32 +58,74 @@ def test_agreeing_sets_in_any_order_are_not_a_swap():
 
 def test_forced_experts_keep_the_scores_and_replace_the_choice():
     logits = torch.randn(3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    w0, e0, s0 = route(logits, 2, True, 1.0)
-    w1, e1, s1 = route(logits, 2, True, 1.0, experts=e0)
+    w0, e0, s0 = route(logits, 2)
+    w1, e1, s1 = route(logits, 2, experts=e0)
     assert torch.equal(w0, w1) and torch.equal(e0, e1) and torch.equal(s0, s1)
     other = e0.flip(-1).clone()
     other[:, 0] = (e0[:, 0] + 1) % 8
-    w2, e2, _ = route(logits, 2, True, 1.0, experts=other)
+    w2, e2, _ = route(logits, 2, experts=other)
     assert torch.equal(e2, other)
     assert torch.allclose(w2, s0.gather(-1, other) / s0.gather(-1, other).sum(-1, keepdim=True))
 
 
 def test_the_draft_layer_under_its_own_experts_is_unchanged_and_under_others_moves():
-    from pathlib import Path
-
     from iquest.reference.model import ReferenceModel
+    from iquest.tests.helpers import TINY
 
-    ref = ReferenceModel.load(Path(__file__).resolve().parent.parent / "fixtures" / "tiny")
+    ref = ReferenceModel.load(TINY)
     toks, pos = torch.tensor([5, 9, 13, 2]), torch.arange(4)
     cache = ref.new_cache()
     _, hidden = ref.forward(toks, pos, cache)
     taps: dict = {}
-    logits, h = ref.draft(toks[1:], hidden[:3], pos[1:], cache, taps)
+    logits, h = ref.draft(toks[1:], hidden[:3], pos[:3], cache, taps)  # row p: h_p and x_{p+1}
     own = taps["mtp.experts"]
-    logits2, h2 = ref.draft(toks[1:], hidden[:3], pos[1:], cache, None, own)
+    logits2, h2 = ref.draft(toks[1:], hidden[:3], pos[:3], cache, None, own)
     assert torch.equal(logits, logits2) and torch.equal(h, h2)
     E = taps["mtp.router_scores"].shape[1]
     other = own.clone()
     other[:, -1] = torch.tensor([next(e for e in range(E) if e not in r.tolist()) for r in own])
-    _, h3 = ref.draft(toks[1:], hidden[:3], pos[1:], cache, None, other)
+    _, h3 = ref.draft(toks[1:], hidden[:3], pos[:3], cache, None, other)
     assert (h3 - h).abs().max() > 1e-6
+
+
+def _router_case(seed: int, E: int, H: int):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(E, H, generator=g) / H ** 0.5            # the stored fp32 router
+    b = torch.randn(H, generator=g)                            # the engine's fp32 MoE input
+    return w, b
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 10_000), E=st.integers(4, 64), H=st.integers(8, 512), k=st.integers(1, 4),
+       bf16_input=st.booleans())
+def test_an_fp32_router_on_the_engines_input_is_within_the_bound(seed, E, H, k, bf16_input):
+    """docs/model.md's router, as the engine computes it (fast/torch_ops.route): fp32 logits of the engine's input
+    (fp32, or bf16 activations widened) and the fp32 router, softmax, top k: always explained."""
+    w, b = _router_case(seed, E, H)
+    if bf16_input:  # bf16 compute: the input is a bf16 value, exact in fp32
+        b = b.to(torch.bfloat16).float()
+    assume(k < E)
+    _, experts, scores = route((b @ w.T)[None], k)  # fp32, as the engine
+    value, why = scores_error(w.double(), b.double(), scores[0], experts[0])
+    assert value <= 1.0, (value, why)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), E=st.integers(4, 64), H=st.sampled_from([64, 128, 256]))
+def test_a_bf16_router_is_past_the_bound(seed, E, H):
+    """Negative control (router_bf16): logits from the bf16-rounded input and router are past the fp32 bound for the
+    fixtures' hidden sizes (tolerances.json: the check separates them while H <~ 1100)."""
+    w, b = _router_case(seed, E, H)
+    _, experts, scores = route((b.to(torch.bfloat16).float() @ w.to(torch.bfloat16).float().T)[None], 2)
+    value, _ = scores_error(w.double(), b.double(), scores[0], experts[0])
+    assert value > 1.0
+
+
+def test_a_selection_that_is_not_the_top_k_of_its_own_scores_is_inf():
+    w, b = _router_case(3, 8, 32)
+    _, experts, scores = route((b @ w.T)[None], 2)
+    scores, experts = scores[0], experts[0]
+    shifted = torch.sort(scores, descending=True, stable=True).indices[1:3]
+    value, why = scores_error(w.double(), b.double(), scores, shifted)
+    assert value == float("inf") and "not the top 2" in why
+    assert scores_error(w.double(), b.double(), scores, experts)[0] <= 1.0

@@ -1,14 +1,13 @@
 """Qualification under tensor parallelism (CPU, gloo): the sampler is checked on the candidates the ranks gather,
 and the controls that depend on the layout break every rank's slice as they break the whole model (the two that an
 H200 run at TP 2 missed: its sampler rows were not scored, and a rank's own slice of a square scale grid is seldom
-square)."""
+square), and the draft's own window holds under the ranks' split KV heads."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,8 +21,8 @@ from iquest.qualify.replay import candidate_logits
 from iquest.reference import sampling
 from iquest.reference.checkpoint import CheckpointReader
 from iquest.reference.config import Config
+from iquest.tests.helpers import TINY
 
-TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +31,7 @@ def report():
     # the other tests in this pytest worker left behind
     run = subprocess.run([sys.executable, "-m", "iquest.cli.main", "qualify", "--model", str(TINY), "--tp", "2",
                           "--quick", "--jobs", "1", "--json", "--control", "fp8_scales_transposed",
-                          "--control", "top_p_drops_crossing"], capture_output=True, text=True, timeout=600)
+                          "--control", "top_p_drops_crossing", "--control", "draft_window_4096"], capture_output=True, text=True, timeout=600)
     assert run.stdout, run.stderr[-3000:]
     data = json.loads(run.stdout)
     data["_rc"] = run.returncode
@@ -45,7 +44,7 @@ def test_tp2_scores_the_sampler_and_passes(report):
     assert sampler_rows and sum(c["rows"] for c in sampler_rows) > 0
 
 
-@pytest.mark.parametrize("control", ["fp8_scales_transposed", "top_p_drops_crossing"])
+@pytest.mark.parametrize("control", ["fp8_scales_transposed", "top_p_drops_crossing", "draft_window_4096"])
 def test_tp2_controls_caught_where_intended(report, control):
     r = next(c for c in report["controls"] if c["name"] == control)
     assert r["branch_count"] > 0 and r["caught"], r
@@ -68,16 +67,16 @@ def test_transposed_scales_slice_the_whole_transposed_grid():
     config = Config.from_dir(TINY)
     reader = CheckpointReader(TINY, config)
     bar = SimpleNamespace(update=lambda n: None)
-    square = [n for n in reader.names() if not n.endswith("_scale_inv")
-              and (s := reader.read_weight(n)[1]) is not None and s.shape[-1] == s.shape[-2]
-              and not torch.equal(s, s.transpose(-1, -2))]
+    square = [n for n, spec in reader.specs.items() if reader.is_quantized(n)
+              and (s := reader.read(spec.scale_name)).shape[-1] == s.shape[-2] and not torch.equal(s, s.transpose(-1, -2))]
     assert square, "the fixture has no weight for the control to break"
+
+    def scales(loader, name):
+        return [loader(reader, Parallel(rank=r, world=2, device=torch.device("cpu")), torch.float32, bar,
+                       "fp8").linear(name).scale for r in range(2)]
     for name in square:
-        whole = reader.read_weight(name)[1].transpose(-1, -2)
-        parts = [TransposedScales(reader, Parallel(rank=r, world=2, device=torch.device("cpu")), torch.float32,
-                                  bar).fp8(name).scale for r in range(2)]
-        healthy = [WeightLoader(reader, Parallel(rank=r, world=2, device=torch.device("cpu")), torch.float32,
-                                bar).fp8(name).scale for r in range(2)]
+        whole = reader.read(reader.specs[name].scale_name).transpose(-1, -2)
+        parts, healthy = scales(TransposedScales, name), scales(WeightLoader, name)
         dim = next((d for d in (0, 1) if parts[0].shape[d] != whole.shape[d]), None)
         got = parts[0] if dim is None else torch.cat(parts, dim)
         assert torch.equal(got, whole), name
