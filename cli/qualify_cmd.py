@@ -104,8 +104,11 @@ def run(args: argparse.Namespace) -> int:
         out = args.out or str(Path(__file__).resolve().parent.parent / FALSE_ALARM_OUT.format(commit=commit()))
         report = false_alarms(str(model_dir), args.false_alarm, out, first_seed=args.seed, dtype=args.dtype,
                               device=device, kernels=kernels, weights=args.weights, tp=args.tp, jobs=jobs)
+        near = report["closest_bound"]
+        nearest = f"; nearest bound {near[0]}/{near[1]} at {near[4]:.3g} of its tolerance" if near else ""
         print(f"false alarms: {report['false_alarms']}/{len(report['runs'])} healthy quick runs failed "
-              f"(suite alpha {report['suite_alpha']:g}); raw results: {out}", file=sys.stderr if args.json else None)
+              f"(suite alpha {report['suite_alpha']:g}){nearest}; raw results: {out}",
+              file=sys.stderr if args.json else None)
         if args.json:
             print_json(report)
         return 0 if report["false_alarms"] == 0 else 1

@@ -322,6 +322,22 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
     return report
 
 
+def closest(checks: list[dict]) -> list | None:
+    """[check, class, worst, tolerance, worst / tolerance] of the bound a run came nearest to (the deterministic
+    checks with a positive numeric tolerance; lossless is a p-value, recorded apart)."""
+    best = None
+    for c in checks:
+        try:
+            worst, tol = float(c["worst"]), float(c["tolerance"])
+        except (TypeError, ValueError):
+            continue
+        if c["check"] == "lossless" or not tol > 0 or math.isnan(worst):
+            continue
+        if best is None or worst / tol > best[4]:
+            best = [c["check"], c["class"], worst, tol, worst / tol]
+    return best
+
+
 def false_alarms(model_dir: str, seeds: int, out_path: str | None = None, first_seed: int = 0, dtype: str = "fp32",
                  device: str = "cpu", kernels: str | KernelPlan = "auto", weights: str = "auto", tp: int = 1,
                  jobs: int = 1, progress: bool | None = False, out=None) -> dict:
@@ -334,15 +350,17 @@ def false_alarms(model_dir: str, seeds: int, out_path: str | None = None, first_
                     weights=weights, seed=s, progress=progress, quiet=True)
         failing = [[c["check"], c["class"], c["worst"], c["tolerance"]] for c in r["checks"] if c["verdict"] != "pass"]
         runs.append({"seed": s, "passed": r["passed"], "failing": failing, "lossless_p": r["lossless"]["p_value"],
-                     "seconds": r["seconds"]})
+                     "closest": closest(r["checks"]), "seconds": r["seconds"]})
         print(f"false-alarm run: seed {s}: {'pass' if r['passed'] else 'FAIL ' + str(failing)} "
               f"(lossless p = {r['lossless']['p_value']:.3g}, {r['seconds']:.0f} s)", file=out or sys.stderr,
               flush=True)
     alarms = sum(not r["passed"] for r in runs)
+    nearest = max((r["closest"] for r in runs if r["closest"]), key=lambda c: c[4], default=None)
     lossless_alarms = sum(any(f[0] == "lossless" for f in r["failing"]) for r in runs)
     report = {"schema": "iquest-qualify-false-alarm/1", "model": model_dir, "commit": commit(), "dtype": dtype,
               "device": device, "weights": weights, "tp": tp, "mode": "quick, healthy engine only (no controls)",
               "seeds": [first_seed, first_seed + seeds - 1], "runs": runs, "false_alarms": alarms,
+              "closest_bound": nearest,
               "false_alarm_rate": alarms / max(seeds, 1), "lossless_false_alarms": lossless_alarms,
               "suite_alpha": tolerances.suite_alpha(),
               "suite_alpha_why": tolerances.table()["statistics"]["why"]}

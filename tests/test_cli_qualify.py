@@ -89,6 +89,8 @@ def test_false_alarm_runs_write_their_raw_results(tmp_path, capsys):
     run = data["runs"][0]
     assert run["seed"] == 3 and run["passed"] and run["failing"] == [] and 0 < run["lossless_p"] <= 1
     assert data["suite_alpha"] <= 0.01 and "chi-square" in data["suite_alpha_why"]
+    check, cls, worst, tol, ratio = run["closest"]  # the bound the healthy run came nearest to, never past it
+    assert data["closest_bound"] == run["closest"] and 0 <= ratio == worst / tol <= 1 and check != "lossless"
     assert "false alarms: 0/1" in capsys.readouterr().out
 
 
