@@ -1,8 +1,10 @@
 """`iquest bench step --config FILE --tp-slice N`: one rank's shard of a model at full dimensions.
 
 Rank 0's slice of the TP-N layout of docs/model.md's model, with random weights made on the device
-(fast/synthetic.py: shaped as `load_weights` gives them, FP8 where the linears run as FP8), runs the real round code; its collectives are replaced by local no-ops, so the figure is one rank's compute
-without communication. In one process: the device copy bandwidth (before the weights take the memory),
+(fast/synthetic.py: shaped as `load_weights` gives them, FP8 where the linears run as FP8), runs the real round
+code; its collectives are replaced by local no-ops, so the figure is one rank's compute without communication. Op
+groups without a published-architecture kernel run their torch forms under every variant (fast/plan.py), so a
+`triton` round today times the FP8 linears, sampling and glue kernels beside torch attention, norms, MoE and heads. In one process: the device copy bandwidth (before the weights take the memory),
 then a prefill (untimed, once), then alternating timed decode chunks with the captured decode-loop
 graph and with the eager loop, each from the same restored post-prefill state; one more eager chunk
 records the routing (distinct experts per MoE call) for the byte count (bench/bytes.py); a few rounds of

@@ -33,7 +33,7 @@ import torch
 from ..fast.parallel import Parallel, free_port, init_process
 from ..fast.rank import EngineOptions, RankEngine, Request
 from ..fast.synthetic import synthetic_weights
-from ..reference.config import Config, GenerationConfig
+from ..reference.config import GenerationConfig
 from .full_step import Snapshot, load_config
 from .acceptance import tpot
 from .history import fill_history, synthetic_history

@@ -6,8 +6,8 @@
 #   bash ci/gpu.sh iquest ARGS...        any iquest command (e.g. qualify --device cuda)
 #   bash ci/gpu.sh mps COMMAND...       COMMAND (any of these) with an MPS daemon running, so that several ranks on one
 #                                        GPU run side by side (e.g. mps iquest qualify --tp 2 --device cuda --share-gpu)
-#   bash ci/gpu.sh ncu [OPS]             Nsight Compute over one call of each op (bench/ncu_ops.py): the full
-#                                        section set, then its details page and the MoE kernels' SASS with stalls
+# (The `ncu` mode, Nsight Compute over the retired architecture's kernel ops, left with bench/ncu_ops.py: docs/PERF.md,
+# "Retired with the guessed architecture".)
 # Results go to $OUT when it is set (the device tool brings that folder back).
 set -euo pipefail
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/iquest
@@ -26,12 +26,5 @@ case "${1:-tests}" in
     "$control" -d
     trap 'echo quit | "$control"; rm -rf "$mps"' EXIT
     bash "$0" "$@" ;;
-  ncu) shift
-    ncu --clock-control none --profile-from-start off --set full --import-source yes -f -o "$out/ops" \
-      python3 -m iquest.bench.ncu_ops "$@" > "$out/ncu-run.log" 2>&1
-    ncu --import "$out/ops.ncu-rep" --page details > "$out/ncu-details.txt"
-    for k in _moe_gate_up_kernel _moe_down_kernel; do
-      ncu --import "$out/ops.ncu-rep" --page source --csv --print-source sass -k "$k" > "$out/ncu-sass-$k.csv" || true
-    done ;;
-  *) echo "usage: bash ci/gpu.sh tests|bench|iquest|mps|ncu ..." >&2; exit 2 ;;
+  *) echo "usage: bash ci/gpu.sh tests|bench|iquest|mps ..." >&2; exit 2 ;;
 esac

@@ -8,7 +8,7 @@ from . import bench_micro_cmd
 from .generate_cmd import _drafts
 
 
-# Seven lengths from 1K to the longest whole round at max_position_embeddings 196608 (192K less one chunk's room)
+# Seven lengths from 1K to 192K less one chunk's room (the sweep of record's lengths; the published context is 512K)
 SWEEP_CONTEXTS = (1024, 4096, 16384, 32768, 65536, 131072, 196480)
 
 
@@ -22,10 +22,12 @@ def register(sub) -> None:
                         description="Prefill a prompt of --context tokens, then time decode chunks with the "
                                     "captured decode-loop graph and with an eager loop, alternating in one process. "
                                     "With --config and --tp-slice: one rank's shard of that model at full dimensions "
-                                    "(random FP8 weights, collectives replaced by local no-ops), with bytes per round, "
+                                    "(random weights shaped as loaded, collectives replaced by local no-ops), with bytes per round, "
                                     "the byte floor and a per-stage profile.")
     s.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
-    s.add_argument("--config", help="config.json of a model to run as one synthetic rank slice (no checkpoint)")
+    s.add_argument("--config", help="config.json of a model to run as one synthetic rank slice (no checkpoint), with its "
+                                    "draft's config beside it (mtp/config.json, or NAME-mtp.json as "
+                                    "configs/iquest-q1-mtp.json), or a model folder")
     s.add_argument("--tp-slice", type=int, default=8, help="with --config: TP degree whose rank 0 runs (default 8)")
     s.add_argument("--tp", type=int, default=None,
                    help="with --config: real tensor parallelism over TP processes (one GPU each; gloo on CPU), every "
@@ -34,8 +36,8 @@ def register(sub) -> None:
                    help="with --config --tp-slice N: run ranks 0..RANKS-1 of the TP-N layout as RANKS processes with "
                         "real collectives among them (e.g. --tp-slice 8 --ranks 2 on two H200s)")
     s.add_argument("--layers", type=int, default=None,
-                   help="with --config: only the model's first LAYERS main layers (default all); e.g. 40 so that two "
-                        "ranks of the TP8 layout fit one GPU together with --share-gpu (each holds ~109 GB at 88)")
+                   help="with --config: only the model's first LAYERS main layers (default all); e.g. so that more "
+                        "ranks of the TP8 layout fit one GPU together with --share-gpu (each holds ~41 GB at 88)")
     s.add_argument("--share-gpu", action="store_true",
                    help="with --tp or --ranks on GPUs: every rank on GPU 0 (under an MPS daemon: bash ci/gpu.sh mps "
                         "...), a correctness and lockstep run whose times are emulation")

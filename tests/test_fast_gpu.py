@@ -39,8 +39,8 @@ def test_graph_replay_is_bit_exact_against_eager(drafts):
 
 @pytest.mark.parametrize("dtype,kernels", [("bf16", "auto"), ("fp32", GPU_PLANS["fp32"]), ("fp32", "torch")])
 def test_cuda_engine_agrees_with_reference(dtype, kernels):
-    """The default engine (bf16, every kernel) and fp32 with every kernel but the MoE's, whose E4M3 activations
-    are a designed change this random fixture cannot explain (see GPU_PLANS); fp32 fallback for contrast."""
+    """The default engine (bf16, the published-architecture kernels: FP8 linears, sampling, glue; every other op its
+    torch form) and fp32 with the same kernels (GPU_PLANS); fp32 torch forms for contrast."""
     engine = RankEngine(TINY, Parallel.single("cuda"), EngineOptions(max_context=512, dtype=dtype, kernels=kernels))
     from iquest.reference.speculative import generate
 
