@@ -31,7 +31,7 @@ from tqdm import tqdm
 from ..provenance import commit
 from ..fast.parallel import Parallel
 from ..fast.plan import KernelPlan
-from ..fast.rank import EngineOptions, EngineParts, RankEngine
+from ..fast.rank import MAX_CANDIDATES, EngineOptions, EngineParts, RankEngine
 from ..fast.weights import weight_format
 from . import tolerances
 from ..reference.config import Config
@@ -45,14 +45,15 @@ SCHEMA = "iquest-qualify/2"
 
 def qualify_cases(vocab: int, quick: bool, ring: int, seed: int = 0) -> tuple[list[Case], list[int], list[int]]:
     """The decode requests: a long one at the model's sampling defaults whose decode passes the sliding window and
-    wraps the ring; a "wide" one (temperature 3, top_k the whole vocabulary, top_p 1) under which even an untrained
-    draft is often accepted, so the paths after an accepted draft run on a random fixture too; and, in the full mode,
-    more lengths and depths (the fitted controller included) and a greedy one. `seed` picks the prompts and the
+    wraps the ring; a "wide" one (temperature 3, top_k as wide as a rank's candidates go, fast/rank.MAX_CANDIDATES,
+    top_p 1) under which even an untrained draft is often accepted, so the paths after an accepted draft run on a
+    random fixture too; and, in the full mode, more lengths and depths (the fitted controller included) and a greedy
+    one. `seed` picks the prompts and the
     request seeds (seed 0: the historical first case). Returns (cases, stability prefix, appended tokens)."""
     gen = torch.Generator().manual_seed(7 + seed)
     need = ring + 8
     base = seed << 32
-    wide, greedy = (3.0, vocab, 1.0), (0.0, 20, 0.95)
+    wide, greedy = (3.0, min(vocab, MAX_CANDIDATES), 1.0), (0.0, 20, 0.95)
 
     def prompt(n):
         return tuple(int(x) for x in torch.randint(2, vocab, (n,), generator=gen))

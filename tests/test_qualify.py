@@ -154,7 +154,7 @@ def test_seed_picks_other_cases():
     assert [c.prompt for c in a] != [c.prompt for c in b] and pa != pb
     assert {c.seed for c in a}.isdisjoint({c.seed for c in b})
     assert qualify_cases(512, True, 96, seed=1) == (b, pb, list(range(2, 10)))  # deterministic
-    assert a[0].params is None and a[1].params == (3.0, 512, 1.0)  # the defaults, and the wide case
+    assert a[0].params is None and a[1].params == (3.0, 256, 1.0)  # the defaults, and the wide case
     assert len(a[0].prompt) + a[0].max_new_tokens >= 96 + 8  # the long case wraps the ring
 
 
