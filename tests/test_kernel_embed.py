@@ -34,7 +34,7 @@ CASES = [
     case("6rows_rank3_partial_block_bf16", R=6, H=1500, rank=3, dtype="bf16"),  # two column blocks, the last partial
     case("tp1_all_inside", rank=0, V=400, tp=1),
 ]
-GPU_CASES = [case("gpu_tp8_rank5_bf16", R=8, V=20000, H=6144, rank=5, dtype="bf16"),
+GPU_CASES = [case("gpu_tp8_rank5_bf16", R=8, V=20000, H=3072, rank=5, dtype="bf16"),
              case("gpu_tp1_mini_fp32", R=8, V=4096, H=256, rank=0, dtype="fp32", tp=1)]
 
 

@@ -65,23 +65,24 @@ CASES = [
 INTERPRETED_CASES = [c for c in CASES if c["name"] != "rms_fp32_17rows_serial"] + [
     case("rms_fp32_3rows_serial", M=3, N=33, K=88, split_k=6, serial=True, rms=16)]
 
-GPU_CASES = [  # one TP8 rank at full size: H = 6144, 6 query heads + 1 KV head of 128, I/tp = 256
-    case("gpu_q_proj_8rows", N=768, K=6144, block=(128, 128), x="bf16", block_n=64, preloads=True),
-    case("gpu_k_proj_1row", M=1, N=128, K=6144, block=(128, 128), x="bf16", block_n=64),
-    case("gpu_k_proj_8rows", N=128, K=6144, block=(128, 128), x="bf16", block_n=64),
-    case("gpu_o_proj_8rows", N=6144, K=768, block=(128, 128), x="bf16", block_n=64),
-    case("gpu_eh_proj_strided", N=6144, K=1536, block=(128, 128), x="bf16", block_n=64, x_stride=2),
-    case("gpu_expert_gate_8rows", N=256, K=6144, block=(128, 128), x="bf16", block_n=64),
-    case("gpu_fp32_in_fp32_out", M=4, N=768, K=6144, block=(128, 128), x="fp32", block_n=64),
+GPU_CASES = [  # one TP8 rank of docs/model.md's model: H = 3072, 6 query heads + 1 KV head of 128, F/tp = 1536
+    case("gpu_q_proj_8rows", N=768, K=3072, block=(128, 128), x="bf16", block_n=64, preloads=True),
+    case("gpu_k_proj_1row", M=1, N=128, K=3072, block=(128, 128), x="bf16", block_n=64),
+    case("gpu_k_proj_8rows", N=128, K=3072, block=(128, 128), x="bf16", block_n=64),
+    case("gpu_o_proj_8rows", N=3072, K=768, block=(128, 128), x="bf16", block_n=64),
+    case("gpu_eh_proj_strided", N=3072, K=768, block=(128, 128), x="bf16", block_n=64, x_stride=2),
+    case("gpu_dense_gate_8rows", N=1536, K=3072, block=(128, 128), x="bf16", block_n=64),
+    case("gpu_dense_down_6rows", M=6, N=3072, K=1536, block=(128, 128), x="bf16", block_n=64),
+    case("gpu_fp32_in_fp32_out", M=4, N=768, K=3072, block=(128, 128), x="fp32", block_n=64),
     case("gpu_bf16_fp32_out_partial", M=5, N=1000, K=2000, block=(128, 128), x="bf16", out="fp32", block_n=64,
          preloads=False),
-    case("gpu_qkv_proj_8rows_serial", N=1024, K=6144, block=(128, 128), x="bf16", block_n=64, serial=True,
+    case("gpu_qkv_proj_8rows_serial", N=1024, K=3072, block=(128, 128), x="bf16", block_n=64, serial=True,
          preloads=True),
-    case("gpu_o_proj_6rows_serial", M=6, N=6144, K=768, block=(128, 128), x="bf16", block_n=64, serial=True),
-    case("gpu_k_proj_1row_serial", M=1, N=128, K=6144, block=(128, 128), x="bf16", block_n=64, serial=True),
-    case("gpu_qkv_proj_8rows_rms", N=1024, K=6144, block=(128, 128), x="bf16", block_n=fl.BLOCK_N, rms=256,
+    case("gpu_o_proj_6rows_serial", M=6, N=3072, K=768, block=(128, 128), x="bf16", block_n=64, serial=True),
+    case("gpu_k_proj_1row_serial", M=1, N=128, K=3072, block=(128, 128), x="bf16", block_n=64, serial=True),
+    case("gpu_qkv_proj_8rows_rms", N=1024, K=3072, block=(128, 128), x="bf16", block_n=fl.BLOCK_N, rms=256,
          preloads=True),
-    case("gpu_qkv_proj_1row_rms_fp32", M=1, N=1024, K=6144, block=(128, 128), x="fp32", block_n=fl.BLOCK_N, rms=256),
+    case("gpu_qkv_proj_1row_rms_fp32", M=1, N=1024, K=3072, block=(128, 128), x="fp32", block_n=fl.BLOCK_N, rms=256),
 ]
 
 

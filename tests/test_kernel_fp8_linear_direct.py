@@ -76,13 +76,13 @@ def _operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int, rms_tiles: 
     return x.cuda(), w.cuda(), s.cuda(), extra
 
 
-# (rows, N, K, form): q/k/v as the engine calls it (8 splits, partials unsummed, rows scaled by 1 / rms; or summed
+# (rows, N, K, form): q/k/v as the engine calls it (its K splits, partials unsummed, rows scaled by 1 / rms; or summed
 # in the launch), o_proj (one split, stored), a partial output tile, and more rows than one block
-GPU_CASES = [(6, 1024, 6144, "unsummed_rms"), (6, 1024, 6144, "serial"), (1, 1024, 6144, "unsummed_rms"),
-             (8, 1024, 6144, "serial"), (6, 6144, 768, "out"), (1, 6144, 768, "out"), (6, 1000, 768, "out"),
-             (12, 1024, 6144, "serial"),
+GPU_CASES = [(6, 1024, 3072, "unsummed_rms"), (6, 1024, 3072, "serial"), (1, 1024, 3072, "unsummed_rms"),
+             (8, 1024, 3072, "serial"), (6, 3072, 768, "out"), (1, 3072, 768, "out"), (6, 1000, 768, "out"),
+             (12, 1024, 3072, "serial"),
              # one warp a program (odd tile counts): 2 splits of 1 tile; 1 split of 3 tiles
-             (6, 512, 256, "serial"), (6, 6144, 384, "out")]
+             (6, 512, 256, "serial"), (6, 3072, 384, "out")]
 
 
 def _call(form, x, w, s, extra, **kw):
