@@ -26,7 +26,7 @@ EXAMPLES = {
     "bench kernels": "iquest bench kernels --rows 1,8 --out kernels.json",
     "bench tune": "iquest bench tune --ops moe,linear_qkv --pdl",
     "bench allreduce": "iquest bench allreduce --ranks 2",
-    "bench sass": "iquest bench sass --kernels moe_down_tma --set moe_down.F16=False",
+    "bench sass": "iquest bench sass --kernels fp8_linear --set fp8_linear.PRELOAD=0",
     "bench graph-trace": "iquest bench graph-trace --kernels triton --context 1024",
     "bench stream-probe": "iquest bench stream-probe --out stream.json",
     "card": "iquest card --prompts 12 --tokens 48 --no-write",

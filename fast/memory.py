@@ -8,9 +8,10 @@ from ..reference.checkpoint import shard_range, tensor_specs
 from ..reference.config import Config, ConfigError
 from ..reference.fp8 import scale_shape
 from .cache import StaticKV
+from .weights import weight_format
 
 HEADROOM = 1.15  # activations, graph pools, allocator slack
-FP32_HELD = ("lm_head.weight", "router.weight")  # held in fp32 whatever the checkpoint stores (fast/weights.py)
+FP32_HELD = ("lm_head.weight", "router.weight", "sink_k")  # held in fp32 whatever is stored (fast/weights.py)
 
 
 def rank_tensor_bytes(config: Config, tp: int, rank: int = 0, fmt: str | None = None) -> dict[str, int]:
@@ -36,14 +37,14 @@ def rank_tensor_bytes(config: Config, tp: int, rank: int = 0, fmt: str | None = 
     return out
 
 
-def rank_weight_bytes(config: Config, tp: int, rank: int = 0) -> int:
-    """Bytes of one rank's checkpoint slices (weights and their scales), as loaded."""
-    return sum(rank_tensor_bytes(config, tp, rank).values())
+def rank_weight_bytes(config: Config, tp: int, rank: int = 0, fmt: str | None = None) -> int:
+    """Bytes of one rank's slices (weights and their scales) as the engine holds them (`fmt`: rank_tensor_bytes)."""
+    return sum(rank_tensor_bytes(config, tp, rank, fmt).values())
 
 
-def rank_bytes(config: Config, tp: int, max_context: int, dtype_bytes: int = 2) -> int:
+def rank_bytes(config: Config, tp: int, max_context: int, dtype_bytes: int = 2, fmt: str | None = None) -> int:
     kv_heads = max(config.num_key_value_heads // tp, 1)
-    return rank_weight_bytes(config, tp) + StaticKV.bytes_needed(config, kv_heads, max_context, dtype_bytes)
+    return rank_weight_bytes(config, tp, fmt=fmt) + StaticKV.bytes_needed(config, kv_heads, max_context, dtype_bytes)
 
 
 def check_memory(config: Config, tp: int, options, device_kind: str, ranks=None) -> None:
@@ -53,7 +54,8 @@ def check_memory(config: Config, tp: int, options, device_kind: str, ranks=None)
     if device_kind != "cuda":
         return
     dtype_bytes = options.torch_dtype(torch.device("cuda")).itemsize
-    need = rank_bytes(config, tp, options.max_context, dtype_bytes) * HEADROOM
+    fmt = weight_format(options.weights, config, torch.device("cuda"))
+    need = rank_bytes(config, tp, options.max_context, dtype_bytes, fmt) * HEADROOM
     for rank in range(tp) if ranks is None else ranks:
         if options.shared_gpu and rank > 0:
             continue
