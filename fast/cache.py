@@ -1,4 +1,4 @@
-"""Static KV caches: allocated once, addressed by position, rolled back by a length change (ROUND.md).
+"""Static KV caches: allocated once, addressed by position, rolled back by a length change (docs/round.md).
 
 Sliding-window layers (and the MTP layer) keep a ring of `W + 64` slots, slot = position mod ring.
 With exactly W slots, a verification block that writes up to 8 rows before reading would evict

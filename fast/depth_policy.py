@@ -1,6 +1,6 @@
 """What `--drafts auto` runs for a user's request on this device: the model's fitted depth controller where
 speculation pays, plain sampling where verifying drafts costs more than it saves. The engines' own `drafts="auto"`
-always means the controller (ROUND.md: both engines apply the same rule), so the qualification suite and the
+always means the controller (docs/round.md: both engines apply the same rule), so the qualification suite and the
 engine tests compare the controller wherever they run; the CLI and the server ask `depth_policy` first.
 
 Speculation pays where a verification block of up to 8 rows costs little more than one row (a weight stream: the

@@ -4,7 +4,7 @@ Passed explicitly to every layer (no module-level rank or backend). A single pro
 whose collectives are identities. On CPU the collectives are torch's over gloo; on GPUs they are our own kernels over
 peer memory (fast/collectives.py), with gloo only to bootstrap them and for the host's per-chunk flag, so no NCCL
 call is on the decode path and the TP round is captured in the decode-loop graph.
-MODEL.md's TP layout: two all-reduces per decoder layer (after the row-parallel o_proj and Down), one after the vocabulary-parallel embedding and eh_proj, and one
+docs/model.md's TP layout: two all-reduces per decoder layer (after the row-parallel o_proj and Down), one after the vocabulary-parallel embedding and eh_proj, and one
 all-gather of sampling candidates per sampled row block.
 """
 

@@ -1,4 +1,4 @@
-"""Sampling of one speculative round on the device (ROUND.md): `reference/sampling.py` as fixed-shape float32 math.
+"""Sampling of one speculative round on the device (docs/round.md): `reference/sampling.py` as fixed-shape float32 math.
 
 Every function works on R rows at once (8 verification rows or 1 draft row) and stays usable inside a
 CUDA graph: no host sync, no data-dependent shape, no Python branch on a tensor value. temperature and
@@ -68,7 +68,7 @@ def local_candidates(logits: torch.Tensor, k: int, vocab_offset: int) -> tuple[t
 # ---- the sampling distribution -----------------------------------------------------------------
 def _dist_from_keys(keys: torch.Tensor, top_k: int, temperature: torch.Tensor,
                     top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ROUND.md's dist() of the candidates whose rank keys are `keys` [R, C]."""
+    """docs/round.md's dist() of the candidates whose rank keys are `keys` [R, C]."""
     K = min(top_k, keys.shape[-1])
     values, ids = unkey(torch.topk(keys, K, dim=-1, sorted=True).values)  # global top-k, Dist order
     # Softmax of values / T, shifted by the max (column 0) so that no temperature overflows exp().

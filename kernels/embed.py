@@ -3,7 +3,7 @@
     x[r] = table[t_r - offset] * (offset <= t_r < offset + V)      (V = the rank's rows of the vocabulary)
 
 A rank holds rows [offset, offset + V) of the embedding; a token outside them contributes a zero row, and the
-all-reduce that follows sums the one rank's row into every rank (MODEL.md TP layout). The engine's torch form is
+all-reduce that follows sums the one rank's row into every rank (docs/model.md TP layout). The engine's torch form is
 eight small kernels (a subtraction, two comparisons and their `and`, a clamp, the row gather, the mask's
 conversion, the product); a round embeds six blocks (the verification block and five draft depths), so 48
 launches a round become 6. Same roundings: the product is taken in fp32 and rounded to the table's dtype, as

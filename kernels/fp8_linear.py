@@ -1,4 +1,4 @@
-"""y = x @ W^T for a few rows (M = 1..8) against an E4M3 weight with fp32 block scales (MODEL.md).
+"""y = x @ W^T for a few rows (M = 1..8) against an E4M3 weight with fp32 block scales (docs/model.md).
 
 W[n, k] = W_e4m3[n, k] * scale[n // B0, k // B1]. At decode sizes the product is a weight stream:
 each program reads a [BLOCK_N, BLOCK_K] E4M3 tile once for all rows. A K tile never crosses a

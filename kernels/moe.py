@@ -1,5 +1,5 @@
 """Routed experts for the live rows of a verification block (seed: "Prepare expert weights before
-routing finishes"; MODEL.md forward and TP layout; ROUND.md act_quant).
+routing finishes"; docs/model.md forward and TP layout; docs/round.md act_quant).
 
 Not on the product path until re-based to docs/model.md: it was built for the retired, guessed architecture (its
 fused input stage reads the pre-norm residual tail's fp16 operand tiles of kernels/rmsnorm_residual.py, its finalize

@@ -1,4 +1,4 @@
-"""Global top-k/top-p and the draw, and the accept step, as kernels (ROUND.md; seed: "Include sampling and
+"""Global top-k/top-p and the draw, and the accept step, as kernels (docs/round.md; seed: "Include sampling and
 acceptance in the execution path").
 
 `fast.sampler` is the contract; these kernels compute the same float32 math with the same orderings:

@@ -1,4 +1,4 @@
-"""Depth controller: after each of drafts d_3..d_6, decide whether one more draft depth pays (ROUND.md).
+"""Depth controller: after each of drafts d_3..d_6, decide whether one more draft depth pays (docs/round.md).
 
 The rule is a logistic score over features of the drafts so far; its parameters live in a JSON file
 shipped beside the model (`depth_controller.json`), fitted from replay data. Both engines evaluate

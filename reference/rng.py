@@ -1,4 +1,4 @@
-"""Counter-based uniforms, bit-identical to Triton 3.6's `tl.randint` / `tl.rand` (ROUND.md, "Random numbers").
+"""Counter-based uniforms, bit-identical to Triton 3.6's `tl.randint` / `tl.rand` (docs/round.md, "Random numbers").
 
 The fast engine draws its uniforms inside the kernels with `tl.rand(seed, offset)`; the reference
 draws them here. Both are pure functions of (request seed, int32 offset), so the two engines see the
@@ -22,7 +22,7 @@ Generator: Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1,
 Offset layout: offset = position * 16 + slot, where `position` is the absolute position of the token
 being decided and slot 0 = the commit draw (first token, replacement, bonus, plain autoregressive
 token), slot 1 = the acceptance test, slot 1 + depth = the draft sample at depth 1..7 (slots 2..8);
-slots 9..15 are unused spares. ROUND.md guarantees no (position, purpose, depth) is used twice per
+slots 9..15 are unused spares. docs/round.md guarantees no (position, purpose, depth) is used twice per
 request, so no uniform is ever reused.
 """
 

@@ -1,4 +1,4 @@
-"""Sampling math of one speculative round (ROUND.md, "Sampling a distribution" and "The round"), float64.
+"""Sampling math of one speculative round (docs/round.md, "Sampling a distribution" and "The round"), float64.
 
 A distribution is sparse: at most top_k (ids, probs) pairs, kept in *Dist order* (descending
 probability, ties: lower token id). Every draw walks that order with one uniform, so the reference and

@@ -125,7 +125,7 @@ class SpeculativeDecoder:
             tokens.append(d)
             dists.append(q)
             product *= q.prob(d)
-            # ROUND.md: d_1..d_3 always run, the controller decides after each of d_3..d_6, never past d_7
+            # docs/round.md: d_1..d_3 always run, the controller decides after each of d_3..d_6, never past d_7
             if depth >= MAX_DRAFTS or (depth >= MIN_DRAFTS
                                        and not self.controller.more(DraftFeatures(depth, q.prob(d), _entropy(q),
                                                                                   product))):

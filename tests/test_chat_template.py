@@ -1,4 +1,4 @@
-"""The fixture tokenizer's IQuest-Q1 special tokens and chat template (MODEL.md, "Tokenizer and chat template"), the
+"""The fixture tokenizer's IQuest-Q1 special tokens and chat template (docs/model.md, "Tokenizer and chat template"), the
 server's plain-text encoding of message content with those tokens, and `iquest generate --chat / --no-think`."""
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def test_multi_turn_conversation_with_reasoning(tok):
         "<|iquest_user|>And 1..4?<|iquest_end|>"
         "<|iquest_assistant|><think></think>10<|iquest_end|>"
         "<|iquest_user|>Thanks<|iquest_end|>")
-    # thinking off: earlier turns' reasoning is left out too (MODEL.md: empty <think></think> with thinking off)
+    # thinking off: earlier turns' reasoning is left out too (docs/model.md: empty <think></think> with thinking off)
     off = render(tok, messages, enable_thinking=False)
     assert "1+2+3" not in off and off == render(tok, [{k: v for k, v in m.items() if k != "reasoning_content"}
                                                       for m in messages])

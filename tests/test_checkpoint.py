@@ -1,4 +1,4 @@
-"""Checkpoint contract (MODEL.md, "Checkpoint" and "Tensor parallelism"): the published layout (target + mtp/, packed
+"""Checkpoint contract (docs/model.md, "Checkpoint" and "Tensor parallelism"): the published layout (target + mtp/, packed
 or per-expert experts, BF16 or block FP8), what is skipped, rank slices with scale blocks that straddle ranks, and
 every rejection one line naming the tensor."""
 
@@ -481,7 +481,7 @@ def test_a_bad_value_outside_a_rank_slice_does_not_stop_that_rank(tmp_path, logi
 # ---- tensor-parallel slices --------------------------------------------------------------------------------
 
 def expected_part(spec, c: Config, tp: int, rank: int) -> tuple[int, int, int] | None:
-    """MODEL.md's split written out: (dim, start, stop) of a rank's part, None when it holds the whole tensor."""
+    """docs/model.md's split written out: (dim, start, stop) of a rank's part, None when it holds the whole tensor."""
     if spec.split is None or tp == 1:
         return None
     kind, unit = spec.split

@@ -1,4 +1,4 @@
-"""Config contract (MODEL.md, "Config" and "Draft config"): the shipped published configs, the layer pattern, partial
+"""Config contract (docs/model.md, "Config" and "Draft config"): the shipped published configs, the layer pattern, partial
 RoPE, round trips, and every validation a one-line ConfigError naming its key."""
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def _in_dist_order(d: Dist) -> bool:
 
 
 def check_dist(x: list[float], params: SamplingParams, d: Dist) -> None:
-    """Every property ROUND.md asks of dist(), checked against a from-scratch recomputation."""
+    """Every property docs/round.md asks of dist(), checked against a from-scratch recomputation."""
     ids, probs = d.ids.tolist(), d.probs.tolist()
     assert len(set(ids)) == len(ids) and all(0 <= i < len(x) for i in ids)
     assert all(p > 0 for p in probs) and abs(sum(probs) - 1) < EPS
