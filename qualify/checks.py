@@ -284,8 +284,6 @@ def merged_rows(merged: Scores, classes: list[str]) -> list[Row]:
     rows = []
     for m in sorted({m for m, _ in merged.table}, key=ORDER.index):
         for c in classes:
-            if m == "numerics.router" and not c.startswith("draft"):
-                continue  # the draft layer's router only (qualify/router.py)
             w = merged.table.get((m, c))
             if w is None:
                 rows.append(Row(m, c, math.nan, math.nan, False, 0, "no rows of this class were exercised"))

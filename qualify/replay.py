@@ -266,19 +266,41 @@ class DraftRow:
 
 
 # ---- the reference side -------------------------------------------------------------------------------
-class StreamReference:
-    """The float64 reference with stream-true caches: KV at committed positions always from the stream."""
+class _ForcedRouting(ReferenceModel):
+    """The reference with its MoE layers' experts given per layer (weight prefix -> [R, k]) instead of chosen by its
+    routers: the block recomputed under the engine's routing (qualify/router.py). It shares the reference's weights."""
 
-    def __init__(self, ref: ReferenceModel, stream: list[int], recursion: str = "fast"):
+    def __init__(self, base: ReferenceModel, forced: dict[str, torch.Tensor]):
+        self.__dict__.update(base.__dict__)
+        self.forced = forced
+
+    def _moe(self, c, p, b, experts=None):
+        return super()._moe(c, p, b, self.forced.get(p) if experts is None else experts)
+
+
+class StreamReference:
+    """The float64 reference with stream-true caches: KV at committed positions always from the stream.
+
+    Target rows recorded with the engine's router taps get their routing checked (numerics.router): where the
+    engine's experts differ from the reference's in some MoE layer, and every such swap is one the engine's own
+    MoE input explains (qualify/router.py: on the reference's input, and again on the input of the block recomputed
+    under the engine's routing), the block is recomputed with the engine's experts in every MoE layer, and that
+    recompute is what the rows are scored against and what the cache and the hiddens keep (the engine's cache holds
+    its own routing's keys, and the draft reads its own hiddens). An unexplained swap is scored against the
+    reference's own routing, and fails numerics.router."""
+
+    def __init__(self, ref: ReferenceModel, stream: list[int], recursion: str = "fast", router_tol: float = 1.0):
         if recursion not in ("fast", "reference"):
             raise ValueError(f"recursion must be 'fast' or 'reference', got {recursion!r}")
-        self.m, self.stream, self.recursion = ref, stream, recursion
+        self.m, self.stream, self.recursion, self.router_tol = ref, stream, recursion, router_tol
         self.cache = ref.new_cache()
         self.main_valid = 0      # target KV and hiddens are stream-true for positions < main_valid
         self.mtp_valid = 0       # draft KV is the depth-0 KV (from the target's hiddens) for positions < mtp_valid
         self.H: dict[int, torch.Tensor] = {}
         self.chain_h: torch.Tensor | None = None
         self.chain_pos = -1
+        c = ref.config
+        self.moe = {f"layer{i}.": layer_prefix(i) for i in range(c.num_hidden_layers) if not c.is_dense(i)}
 
     def catch_up(self, end: int) -> bool:
         if end > len(self.stream):
@@ -291,8 +313,28 @@ class StreamReference:
             self.main_valid = end
         return True
 
+    def _swaps(self, b: Block, idx: list[int], taps: dict, own: bool) -> tuple[bool, dict[int, float]]:
+        """(any expert set differs, row -> max over MoE layers of the swap's m / band) of the engine's experts
+        against the reference run's (`own`: its routers' own top k of its scores, for a run with forced experts)."""
+        any_swap, ratios = False, {}
+        for r, i in enumerate(idx):
+            worst = 0.0
+            for t, p in self.moe.items():
+                if t + "experts" not in b.taps:
+                    continue
+                fast = b.taps[t + "experts"][i]
+                ref = (torch.sort(taps[t + "router_scores"][r], descending=True, stable=True).indices[:fast.numel()]
+                       if own else taps[t + "experts"][r])
+                swapped, ratio = swap_ratio(self.m.w[p + "mlp.router.weight"], b.taps[t + "mlp_in"][i],
+                                            taps[t + "mlp_in"][r], fast, ref)
+                any_swap |= swapped
+                worst = max(worst, ratio)
+            ratios[i] = worst
+        return any_swap, ratios
+
     def main_block(self, b: Block) -> list:
-        """Per row: None (padding), ("uncovered",), ("context", why) or ("ok", logits [V], hidden [H], taps, row)."""
+        """Per row: None (padding), ("uncovered",), ("context", why) or ("ok", logits [V], hidden [H], router value
+        or None when the block has no taps)."""
         out: list = [None] * len(b.tokens)
         idx = [i for i, x in enumerate(b.live) if x]
         pos0 = b.positions[idx[0]]
@@ -306,10 +348,25 @@ class StreamReference:
             return out
         toks = torch.tensor([b.tokens[i] for i in idx])
         pos = torch.tensor([b.positions[i] for i in idx])
-        logits, hidden = self.m.forward(toks, pos, self.cache)
+        taps = {} if b.taps is not None else None
+        logits, hidden = self.m.forward(toks, pos, self.cache, taps)
+        ratios: dict[int, float | None] = {i: None for i in idx}
+        if taps is not None:
+            swapped, ratios = self._swaps(b, idx, taps, own=False)
+            if swapped and max(ratios.values()) <= self.router_tol:  # recompute under the engine's routing
+                forced = {p: torch.stack([b.taps[t + "experts"][i] for i in idx]) for t, p in self.moe.items()
+                          if t + "experts" in b.taps}
+                ftaps: dict = {}
+                flogits, fhidden = _ForcedRouting(self.m, forced).forward(toks, pos, self.cache, ftaps)
+                _, again = self._swaps(b, idx, ftaps, own=True)
+                ratios = {i: max(ratios[i], again[i]) for i in idx}
+                if max(again.values()) <= self.router_tol:
+                    logits, hidden = flogits, fhidden
+                else:  # unexplained on the recomputed inputs: back to the reference's own routing (and its KV)
+                    logits, hidden = self.m.forward(toks, pos, self.cache)
         true = 0
         for r, i in enumerate(idx):
-            out[i] = ("ok", logits[r], hidden[r])
+            out[i] = ("ok", logits[r], hidden[r], ratios[i])
             p = b.positions[i]
             if true == r and p < len(self.stream) and b.tokens[i] == self.stream[p]:
                 self.H[p] = hidden[r]
@@ -534,13 +591,14 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
           geometry: Geometry, vocab_offset: int = 0, full_vocab: bool = True) -> ReplayResult:
     """Every recorded row against the stream-true reference. `tol`: check -> tolerance value (the column of the
     candidate's scheme). Rows recorded with taps also get numerics.router_scores (every MoE layer: the router on the
-    engine's own input) and, for draft rows, numerics.router (qualify/router.py): a swap of draft-layer experts
-    that the engine's own MoE input explains is scored against the reference recomputed with the engine's experts.
+    engine's own input) and numerics.router (qualify/router.py): a swap of experts that the engine's own MoE input
+    explains is scored against the reference recomputed with the engine's experts (target rows: StreamReference's
+    main_block; draft rows: router_checked).
     Every live row of a block recorded with its ring (Block.window_missing) gets cache.window, whether or not the
     reference covers it. Under tensor parallelism (not `full_vocab`) the logits are rank 0's vocabulary slice, so
     numerics.kl and numerics.topk are not scored; numerics.sampler is, on the candidates the ranks gathered
     (Block.dists)."""
-    sr = StreamReference(ref, stream)
+    sr = StreamReference(ref, stream, router_tol=tol["numerics.router"])
     router_w, rw = router_weight(ref), routers(ref)
     tol_rel = tol["numerics.logits"]
     scores, round_ratio = Scores(), {}
@@ -569,10 +627,11 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
                     scores.add(m, classes, math.inf, 1.0, f"{where}: {r[1]}")
                 continue
             rl, rh = r[1], r[2]
+            ratio = r[3] if b.kind != "draft" else None  # target rows: checked (and recomputed) by main_block
             if b.kind == "draft":
                 rl, rh, ratio = router_checked(sr, router_w, b, i, r, tol["numerics.router"])
-                if ratio is not None:
-                    scores.add("numerics.router", classes, ratio, tol["numerics.router"], where)
+            if ratio is not None:
+                scores.add("numerics.router", classes, ratio, tol["numerics.router"], where)
             ref_rows[i] = (rl, rh)
             fl, fh = b.logits[i], b.hidden[i]
             scale = float(rl.abs().max())

@@ -55,7 +55,7 @@ def test_report_structure(report):
         assert c["verdict"] in ("pass", "FAIL")
     by = {(c["check"], c["class"]): c for c in report["checks"]}
     for cls in classes_all():  # every position class is reported on its own, and was exercised
-        for check in ("numerics.logits", "numerics.router_scores", "cache.window"):
+        for check in ("numerics.logits", "numerics.router", "numerics.router_scores", "cache.window"):
             assert by[(check, cls)]["rows"] > 0, (check, cls)
         assert by[("cache.window", cls)]["worst"] == 0  # the rings held every row's window (qualify/window.py)
     for check in ("decode.tokens", "decode.acceptance", "stability.reference", "stability.candidate", "lossless"):

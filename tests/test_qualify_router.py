@@ -129,3 +129,55 @@ def test_a_selection_that_is_not_the_top_k_of_its_own_scores_is_inf():
     value, why = scores_error(w.double(), b.double(), scores, shifted)
     assert value == float("inf") and "not the top 2" in why
     assert scores_error(w.double(), b.double(), scores, experts)[0] <= 1.0
+
+
+def _target_block(ref, toks, taps):
+    """A recorded prefill Block carrying `taps` as the engine's router taps (the rows all live)."""
+    from iquest.qualify.replay import ROUTER_TAPS, Block
+
+    keep = {k: v.clone() for k, v in taps.items() if k.rsplit(".", 1)[-1] in ROUTER_TAPS and k.startswith("layer")}
+    n = toks.numel()
+    return Block("prefill", -1, 0, toks.tolist(), list(range(n)), [True] * n, torch.zeros(n, 1), torch.zeros(n, 1),
+                 taps=keep)
+
+
+def test_a_target_swap_the_engines_input_explains_is_scored_under_the_engines_routing():
+    """StreamReference.main_block: where the engine's experts in a target MoE layer differ from the reference's, the
+    block is recomputed under the engine's routing when the engine's own input explains the swap (value <= 1), and
+    left under the reference's routing, with a value above 1, when it does not."""
+    from iquest.qualify.replay import StreamReference, _ForcedRouting
+    from iquest.reference.checkpoint import layer_prefix
+    from iquest.reference.model import ReferenceModel
+    from iquest.tests.helpers import TINY
+
+    ref = ReferenceModel.load(TINY)
+    toks = torch.tensor([5, 9, 13, 2, 77, 301])
+    taps: dict = {}
+    own_logits, _ = ref.forward(toks, torch.arange(6), ref.new_cache(), taps)
+    layer = next(i for i in range(ref.config.num_hidden_layers) if not ref.config.is_dense(i))
+    t, w = f"layer{layer}.", ref.w[layer_prefix(layer) + "mlp.router.weight"]
+    row, k = 4, ref.config.num_experts_per_tok
+    order = torch.sort(taps[t + "router_scores"][row], descending=True, stable=True).indices
+    x, y = int(order[k]), int(order[k - 1])  # the engine takes the (k+1)-th expert instead of the k-th
+    engine_experts = taps[t + "experts"].clone()
+    engine_experts[row] = torch.cat([order[:k - 1], order[k:k + 1]])
+
+    def run(b_row):
+        block = _target_block(ref, toks, taps)
+        block.taps[t + "experts"] = engine_experts
+        block.taps[t + "mlp_in"][row] = b_row
+        got = StreamReference(ref, toks.tolist()).main_block(block)
+        return torch.stack([g[1] for g in got]), got[row][3]
+
+    # unexplained: the engine's input is the reference's, whose logits rank y above x
+    logits, value = run(taps[t + "mlp_in"][row])
+    assert value > 1.0 and torch.equal(logits, own_logits)
+    # explained: the engine's input moved along w_x - w_y far enough to rank x first
+    d = w[x] - w[y]
+    m = float(d @ taps[t + "mlp_in"][row])  # < 0: y leads
+    moved = taps[t + "mlp_in"][row] + d * (1.5 * -m / float(d @ d))
+    logits, value = run(moved)
+    forced = {layer_prefix(layer): engine_experts}
+    want, _ = _ForcedRouting(ref, forced).forward(toks, torch.arange(6), ref.new_cache())
+    assert value <= 1.0 and torch.allclose(logits, want, rtol=0, atol=1e-12)
+    assert not torch.allclose(want, own_logits)
