@@ -36,7 +36,7 @@ from ..reference.sampling import SamplingParams
 from ..reference.speculative import generate
 from . import tolerances
 from .agreement import compare
-from .replay import Geometry, Recorder, Scores, recording, recording_parts, score
+from .replay import Geometry, Recorder, Scores, recording, score
 
 
 @dataclass
