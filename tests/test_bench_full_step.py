@@ -91,13 +91,13 @@ def test_synthetic_weights_match_a_bf16_checkpoint_run_as_either_format(tmp_path
 def test_byte_count_by_hand_tiny_tp2():
     # tiny: H 64, V 512, 4 layers (full, sliding, sliding, full; window 32, the draft's 16), layer 0 dense (F 96),
     # 4 q / 2 kv heads of 16, I 32, 8 experts top-2, FP8 blocks 16x16. Rank 0 of tp=2, context 100, depth 5,
-    # bf16 activations; heads and routers held fp32, norms and sink_k bf16 (fast/memory.rank_tensor_bytes).
+    # bf16 activations; heads, routers and sink_k held fp32, norms bf16 (fast/memory.rank_tensor_bytes).
     c = Config.from_dir(TINY)
     bc = ByteCounter(c, 2, 0)
     p = "model.layers.1."
-    q, kv, o, sink = 32 * 64 + 2 * 4 * 4, 16 * 64 + 1 * 4 * 4, 64 * 32 + 4 * 2 * 4, 16 * 2
+    q, kv, o, sink = 32 * 64 + 2 * 4 * 4, 16 * 64 + 1 * 4 * 4, 64 * 32 + 4 * 2 * 4, 16 * 4
     attention = q + 2 * kv + o + sink
-    assert bc.attention_weights(p) == attention == 6272
+    assert bc.attention_weights(p) == attention == 6304
     expert = 3 * (16 * 64 + 4 * 4)  # gate [16, 64], up [16, 64], down [64, 16]: 1024 bytes + 4 scales each
     assert bc.expert(p) == expert == 3120
     dense = 3 * (48 * 64 + 3 * 4 * 4)  # gate, up [48, 64] with 3 x 4 scales; down [64, 48] with 4 x 3
