@@ -13,8 +13,9 @@ import torch
 
 from iquest.fast.parallel import Parallel
 from iquest.fast.plan import KernelPlan
-from iquest.fast.rank import PREFILL_BLOCK, EngineOptions, EngineParts, RankEngine, Request
+from iquest.fast.rank import EngineOptions, EngineParts, RankEngine, Request
 from iquest.fast.weights import WeightLoader
+from iquest.qualify.checks import fast_prefill_dist
 from iquest.reference import sampling
 from iquest.reference.model import ReferenceModel
 from iquest.reference.sampling import SamplingParams
@@ -117,20 +118,7 @@ def ref_dist(model_dir: Path, params: SamplingParams = PARAMS):
 
 def fast_dist(engine: RankEngine, params: SamplingParams = PARAMS):
     """The fast engine's target distribution after a prefix, from a fresh prefill (after the decode)."""
-    def dist(prefix):
-        runner, _ = engine.runner(0, params.top_k)
-        engine.state.temperature.fill_(params.temperature)  # the sampler reads these from the device state
-        engine.state.top_p.fill_(params.top_p)
-        engine.cache.reset()
-        dev = engine.par.device
-        for s in range(0, len(prefix), PREFILL_BLOCK):
-            p = torch.arange(s, min(s + PREFILL_BLOCK, len(prefix)), device=dev)
-            logits, _ = engine.model.forward(torch.tensor(prefix, device=dev)[p], p,
-                                             torch.ones_like(p, dtype=torch.bool))
-        ids, probs = runner.dist(logits[-1:])
-        keep = probs[0] > 0
-        return sampling.Dist(ids[0][keep].cpu(), probs[0][keep].double().cpu())
-    return dist
+    return fast_prefill_dist(engine, params)
 
 
 def decode_cases(engine: RankEngine, logprobs: bool = False) -> dict:
