@@ -94,13 +94,13 @@ class TritonOps(TorchOps):
         return gather(keys).contiguous()
 
     def dist(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p):
-        if not self._fits("sampling", True):
+        if not self._fits("sampling", k <= topk.MAX_K and top_k <= sample.MAX_K):
             return super().dist(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
         keys = self._keys(local_logits, k, vocab_offset, gather)
         return sample.global_dist(keys, top_k, temperature, top_p, pdl=keys.is_cuda)
 
     def sample(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p, u, out, chain=None):
-        if not self._fits("sampling", top_k <= sample.MAX_K):
+        if not self._fits("sampling", k <= topk.MAX_K and top_k <= sample.MAX_K):
             return super().sample(local_logits, k, vocab_offset, gather, top_k, temperature, top_p, u, out, chain)
         keys = self._keys(local_logits, k, vocab_offset, gather)
         served = torch.empty(u.shape, dtype=torch.float32, device=u.device)

@@ -227,3 +227,17 @@ def test_only_published_kernels_can_be_planned():
                 and node.module == "kernels" for a in node.names}
     retired = {"decode_attention", "rope_kv", "router", "rmsnorm_residual", "moe", "lm_head", "f16_operands"}
     assert imported and not imported & retired, imported
+
+
+def test_sampling_wider_than_the_kernels_runs_the_torch_form():
+    """A candidate count or top_k past the top-k and sample kernels' 64 (qualification asks for 256) runs the torch
+    form, counted as a fallback, with the torch form's result: not an error from inside the kernel's wrapper."""
+    from iquest.fast.torch_ops import TorchOps
+    from iquest.fast.triton_ops import TritonOps
+
+    ops = TritonOps(KernelPlan.triton())
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(0))
+    args = (logits, 256, 0, lambda t: t, 256, torch.tensor(1.0), torch.tensor(0.95))
+    got, want = ops.dist(*args), TorchOps().dist(*args)
+    assert ops.fallbacks["sampling"] == 1 and not ops.calls
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
