@@ -30,10 +30,8 @@ from .launch import launch_options, wait_for_inputs
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 BLOCK_M = 16  # tl.dot's smallest M; decode blocks have 1..8 rows
-# Output tile width and pipeline depth: the fastest of `iquest bench tune` at one TP8 rank's decode shapes of the
-# retired, guessed architecture on an H200 (bench/results/tune-h200-932ec08.*): q/k/v [1024 x 6144] 8.25 -> 7.57 us,
-# o_proj [6144 x 768] 7.01 -> 5.42 us against 64-wide tiles and 3 stages (narrower tiles: more programs, so fewer K
-# splits). Not re-measured at the published shapes (q/k/v [1024 x 3072], o_proj [3072 x 768]: the GPU issue).
+# Output tile width and pipeline depth: narrower tiles give more programs, so fewer K splits, at a TP8 rank's decode
+# shapes (measured, and to re-measure at the published shapes: docs/PERF.md, "Decisions kept").
 BLOCK_N, NUM_STAGES = 32, 4
 # Tiles a program may hold for `preload`: 8 x [32 x 128] E4M3 is 32 KB, 64 registers a thread at 4 warps.
 MAX_PRELOAD = 8
