@@ -7,6 +7,8 @@ past it), waits for the engine (503/504 when the server stops or the deadline pa
 that leaves gives its place back), then turns the worker's Steps into text: all at once, or as
 server-sent events in OpenAI's chunk format ending `data: [DONE]`. A stream whose client goes away is
 cancelled (Starlette cancels the generator; the worker closes the engine's generator at its next read).
+A chat reply is split on the control tokens' ids into reasoning_content, content and tool_calls
+(`chat.py`); tool_choice "required" or a named function opens the call in the prompt itself.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from .chat import ChatStream, Delta, Markup
 from .metrics import Metrics
 from .prepare import (Encoder, Limits, Prepared, detokenize, end_of_turn_ids, prepare_chat, prepare_completion,
                       tokenize, unauthorized)
@@ -65,6 +68,7 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
                     SamplingParams(gen.temperature, gen.top_k, gen.top_p), tuple(gen.eos_token_id),
                     top_logprobs=bool(getattr(engine, "supports_top_logprobs", False)))
     chat_stop_ids = end_of_turn_ids(tokenizer)
+    markup = Markup.of(tokenizer)
     encoder, token_text = Encoder(tokenizer), TokenText(tokenizer)
     body_limit = options.max_body_size or default_max_body_size(options.max_context)
     metrics = Metrics()
@@ -166,7 +170,8 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
     async def chat_completions(request: Request):
         arrival = time.monotonic()
         authorize(request)
-        p = await asyncio.to_thread(prepare_chat, await request.body(), encoder, limits, chat_stop_ids)
+        p = await asyncio.to_thread(prepare_chat, await request.body(), encoder, limits, chat_stop_ids,
+                                    markup)
         return await serve(request, p, True, arrival)
 
     async def answer_with(request: Request, handler) -> dict:
@@ -197,7 +202,7 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
             worker.withdraw(job)
             raise
         answer = Answer(job, p, chat, options.model_name, tokenizer, token_text, metrics, arrival,
-                        options.deadline)
+                        options.deadline, markup)
         if p.stream:
             return StreamingResponse(answer.events(lambda status: count(request, status)),
                                      media_type="text/event-stream",
@@ -248,10 +253,14 @@ class Answer:
     """Turns one running Job's events into an OpenAI response body or a stream of chunks."""
 
     def __init__(self, job: Job, p: Prepared, chat: bool, model: str, tokenizer, token_text: TokenText,
-                 metrics: Metrics, arrival: float, deadline_s: float | None):
+                 metrics: Metrics, arrival: float, deadline_s: float | None, markup: Markup | None = None):
         self.job, self.p, self.chat, self.model, self.metrics, self.arrival = job, p, chat, model, metrics, arrival
         self.deadline_s, self.token_text = deadline_s, token_text
-        self.text = TextStream(tokenizer, p.stops)
+        # chat: reasoning, content and tool calls, split on the control tokens' ids; completions: the text
+        self.text = ChatStream(tokenizer, p.stops, markup or Markup.of(tokenizer), thinking=p.thinking,
+                               tools=p.tools, stop_ids=p.stop_ids, forced=list(p.forced)) if chat else \
+            TextStream(tokenizer, p.stops)
+        self.calls = 0  # tool calls sent so far (a stream's tool_calls delta index)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.eos = False
@@ -276,7 +285,8 @@ class Answer:
         except asyncio.TimeoutError:
             return ("end", "deadline")
 
-    def take_step(self, step) -> str:
+    def take_step(self, step):
+        """A Step's tokens in; what may be sent now out: text (completions) or a Delta (chat)."""
         now = time.monotonic()
         if self.first_token_at is None and step.tokens:
             self.first_token_at = now
@@ -299,6 +309,8 @@ class Answer:
             self.metrics.tpot.observe((now - self.first_token_at) / (self.tokens - 1))
         self.metrics.e2e.observe(now - self.arrival)
         finish = "stop" if self.text.stopped or self.eos else "length"
+        if self.chat and self.text.calls and finish == "stop":
+            finish = "tool_calls"
         ended = reason if reason in ("cancelled", "deadline", "shutdown", "error") else finish
         self.metrics.finished.labels(ended).inc()
         return finish
@@ -334,7 +346,7 @@ class Answer:
 
     # ---- whole answer -------------------------------------------------------------------------------
     async def collect(self, request: Request) -> dict:
-        parts: list[str] = [self.p.echo]
+        parts: list = [self.p.echo] if not self.chat else [Delta()]
         while True:
             event = await self.next_event()
             if event[0] == "step":
@@ -351,22 +363,36 @@ class Answer:
             break
         parts.append(self.text.finish())
         finish = self.finish("done")
-        text = "".join(parts)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(),
-                      "finish_reason": finish}
+            out = Delta()
+            for d in parts:
+                out.add(d)
+            message = {"role": "assistant", "content": out.content if out.content or not out.calls else None,
+                       "reasoning_content": out.reasoning or None}
+            if out.calls:
+                message["tool_calls"] = out.calls
+            choice = {"index": 0, "message": message, "logprobs": self.logprobs(), "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": self.logprobs(), "finish_reason": finish}
+            choice = {"index": 0, "text": "".join(parts), "logprobs": self.logprobs(), "finish_reason": finish}
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage()}
 
     # ---- stream -------------------------------------------------------------------------------------
-    def chunk(self, text: str | None, finish: str | None = None, first: bool = False) -> str:
-        """One chunk; it carries the logprobs of the tokens decoded since the last one (their text may
-        come later: text that could start a stop string, or part of a character, is held back)."""
+    def chunk(self, text, finish: str | None = None, first: bool = False) -> str:
+        """One chunk (`text`: a string for completions, a Delta for chat); it carries the logprobs of the
+        tokens decoded since the last one (their text may come later: text that could start a stop string,
+        or part of a character, is held back)."""
         logprobs = None if first else self.logprobs()
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            delta: dict = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                if text.reasoning:
+                    delta["reasoning_content"] = text.reasoning
+                if text.content:
+                    delta["content"] = text.content
+                if text.calls:
+                    delta["tool_calls"] = [{"index": self.calls + i, **c} for i, c in enumerate(text.calls)]
+                    self.calls += len(text.calls)
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}

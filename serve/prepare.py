@@ -8,6 +8,7 @@ length in characters already proves it (`Encoder.check_fits`).
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from dataclasses import dataclass, replace
@@ -16,6 +17,7 @@ from pydantic import ValidationError
 from tokenizers import Tokenizer
 
 from ..reference.sampling import SamplingParams
+from .chat import Markup, check_tools
 from .protocol import (UNSUPPORTED, APIError, ChatRequest, CompletionRequest, DetokenizeRequest, Message,
                        TokenizeRequest, bad_request)
 
@@ -50,6 +52,11 @@ class Prepared:
     include_usage: bool
     logprobs: int | None = None     # None: no logprobs; N: each token's logprob and its N top alternatives
     echo: str = ""                  # completions: the prompt's text, sent before the output
+    # chat: the reply starts inside the reasoning; the tools whose calls are parsed (None: calls are text);
+    # the output ids the prompt already holds (a forced call's opening: tool_choice required or named)
+    thinking: bool = False
+    tools: list | None = None
+    forced: tuple[int, ...] = ()
 
 
 def parse(model, raw: bytes):
@@ -188,11 +195,89 @@ def prepare_completion(raw: bytes, enc: Encoder, limits: Limits) -> Prepared:
     return replace(p, echo=enc.tokenizer.decode(prompt, skip_special_tokens=True))
 
 
-def prepare_chat(raw: bytes, enc: Encoder, limits: Limits, end_of_turn: tuple[int, ...]) -> Prepared:
+def prepare_chat(raw: bytes, enc: Encoder, limits: Limits, end_of_turn: tuple[int, ...],
+                 markup: Markup | None = None) -> Prepared:
     req = parse(ChatRequest, raw)
     logprobs = check_options(req, limits)
-    return prepare(req, chat_prompt(req, enc, limits), limits, default_max_tokens=CHAT_DEFAULT_MAX_TOKENS,
-                   extra_stop_ids=end_of_turn, logprobs=logprobs)
+    if not req.messages:
+        raise bad_request("messages is empty: send at least one message", "messages")
+    tools, choice = check_tools(req.tools, req.tool_choice)
+    thinking = thinking_of(req)
+    template_vars = {**(req.chat_template_kwargs or {}), "enable_thinking": thinking}
+    template_vars.pop("thinking", None)
+    if tools:
+        template_vars["tools"] = tools
+    prompt = enc.chat_ids(chat_messages(req.messages, enc), limits, **template_vars)
+    forced: list[int] = []
+    if choice not in ("auto", "none") and markup is not None and markup.call is not None:
+        # tool_choice required or named: the reply must be a call, so the prompt ends the (empty) reasoning and
+        # opens the call, with the function's name when one is named. The model writes the rest.
+        forced = [markup.call] + (enc.plain.encode(choice, add_special_tokens=False).ids
+                                  if choice != "required" else [])
+        prompt = prompt + ([markup.end_think] if thinking and markup.end_think is not None else []) + forced
+    p = prepare(req, prompt, limits, default_max_tokens=CHAT_DEFAULT_MAX_TOKENS,
+                extra_stop_ids=end_of_turn, logprobs=logprobs)
+    return replace(p, thinking=thinking and not forced, tools=tools if choice != "none" else None,
+                   forced=tuple(forced))
+
+
+def thinking_of(req: ChatRequest) -> bool:
+    """Thinking on unless the request turns it off: chat_template_kwargs.enable_thinking (vLLM, SGLang),
+    chat_template_kwargs.thinking, or a top-level thinking of true/false or {"type": "enabled"|"disabled"}."""
+    kw = req.chat_template_kwargs or {}
+    for key in ("enable_thinking", "thinking"):
+        if key in kw:
+            if not isinstance(kw[key], bool):
+                raise bad_request(f"chat_template_kwargs.{key} must be true or false", "chat_template_kwargs")
+            return kw[key]
+    t = req.thinking
+    if t is None:
+        return True
+    if isinstance(t, bool):
+        return t
+    if isinstance(t, dict) and t.get("type") in ("enabled", "disabled"):
+        return t["type"] == "enabled"
+    raise bad_request("thinking must be true, false or {'type': 'enabled' | 'disabled'}", "thinking")
+
+
+def chat_messages(messages: list[Message], enc: Encoder) -> list[dict]:
+    """Messages as the chat template takes them: content as text, an assistant's reasoning and tool calls
+    (arguments as an object), a tool result's content. Only content may spell control tokens."""
+    out = []
+    for i, m in enumerate(messages):
+        d: dict = {"role": m.role, "content": m.text()}
+        extra = []
+        if m.reasoning_content:
+            d["reasoning_content"] = m.reasoning_content
+            extra.append(m.reasoning_content)
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise bad_request(f"messages[{i}]: only an assistant message has tool_calls", "messages")
+            calls = []
+            for call in m.tool_calls:
+                f = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+                    raise bad_request(f"messages[{i}].tool_calls: each call needs function.name", "messages")
+                args = f.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        raise bad_request(f"messages[{i}].tool_calls: the arguments of {f['name']} are not "
+                                          f"JSON", "messages") from None
+                if args is None:
+                    args = {}
+                if not isinstance(args, dict):
+                    raise bad_request(f"messages[{i}].tool_calls: the arguments of {f['name']} must be a JSON "
+                                      f"object", "messages")
+                calls.append({"id": call.get("id"), "type": "function",
+                              "function": {"name": f["name"], "arguments": args}})
+                extra += [f["name"], json.dumps(args)]
+            d["tool_calls"] = calls
+        if enc.special_re is not None and any(enc.special_re.search(x) for x in extra):
+            raise bad_request(f"messages[{i}]: its reasoning or tool calls spell a control token", "messages")
+        out.append(d)
+    return out
 
 
 def tokenize(raw: bytes, enc: Encoder, limits: Limits) -> dict:

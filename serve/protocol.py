@@ -67,6 +67,9 @@ class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    reasoning_content: str | None = None     # an assistant turn's reasoning (vLLM's and SGLang's name)
+    tool_calls: list[dict] | None = None     # an assistant turn's calls: OpenAI's {id, type, function}
+    tool_call_id: str | None = None          # a tool result's call
 
     def text(self) -> str:
         if self.content is None:
@@ -82,8 +85,10 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: Any = None
-    tools: Any = None
+    tools: Any = None            # checked by chat.check_tools
     tool_choice: Any = None
+    chat_template_kwargs: dict | None = None  # vLLM's and SGLang's: the template's variables (enable_thinking)
+    thinking: Any = None         # true/false, or {"type": "enabled"|"disabled"}
     functions: Any = None
     function_call: Any = None
 
@@ -91,7 +96,7 @@ class ChatRequest(_Sampling):
 # The options of `Any` type above, and the values of each that change nothing (accepted as if absent).
 UNSUPPORTED = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
                "logit_bias": ({},), "best_of": (1,), "suffix": ("",), "response_format": ({"type": "text"},),
-               "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",)}
+               "functions": ([],), "function_call": ("none",)}
 
 
 class TokenizeRequest(_Strict):

@@ -61,8 +61,11 @@ def test_chat_stream_and_not_agree(client):
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     assert a.choices[0].message.role == "assistant"
     assert chunks[0].choices[0].delta.role == "assistant"
+    # thinking is on by default: the reply starts inside the reasoning
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == a.choices[0].message.content
+    assert text == (a.choices[0].message.content or "")
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    assert reasoning == (a.choices[0].message.reasoning_content or "") and reasoning + text
     assert chunks[-1].usage.completion_tokens == a.usage.completion_tokens
     assert a.usage.prompt_tokens == chunks[-1].usage.prompt_tokens
 
@@ -233,7 +236,8 @@ def test_the_reply_ends_at_iquest_end(tmp_path, route):
         r = http.post(f"/v1/{'chat/' if route == 'chat' else ''}completions",
                       json={**body, "max_tokens": 40, "temperature": 0, "seed": 1}).json()
         choice = r["choices"][0]
-        text = choice["message"]["content"] if route == "chat" else choice["text"]
+        text = ((choice["message"]["reasoning_content"] or "") + (choice["message"]["content"] or "")
+                if route == "chat" else choice["text"])
         assert choice["finish_reason"] == "stop"
         assert text == tokenizer.decode(want[:-1], skip_special_tokens=True)
         assert r["usage"]["prompt_tokens"] == len(prompt)
