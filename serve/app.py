@@ -17,6 +17,7 @@ import asyncio
 import codecs
 import hmac
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -36,6 +37,7 @@ from .protocol import APIError
 from .text import TextStream, TokenText
 from .worker import Job, Worker
 
+log = logging.getLogger("iquest.serve")
 DISCONNECT_POLL_S = 0.25  # while a request waits for the engine, how often to ask whether its client left
 LOGPROB_FLOOR = -9999.0   # OpenAI's logprob for a token of probability 0 (JSON has no -inf)
 
@@ -58,6 +60,51 @@ class ServeOptions:
 
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
+
+
+def request_id(request: Request) -> str:
+    return getattr(request.state, "request_id", None) or "-"
+
+
+def log_5xx(rid: str, status: int, message: str) -> None:
+    log.error("request %s: %d %s", rid, status, message)
+
+
+class Front:
+    """The outermost ASGI layer: each request's id (the client's X-Request-Id, or a fresh one; echoed in the
+    response and in the log line of every 5xx), and a body whose Content-Length is past the cap refused with
+    the JSON 413 a chunked one gets (Starlette's own answer to it is plain text)."""
+
+    def __init__(self, app, body_limit: int, on_413):
+        self.app, self.body_limit, self.on_413 = app, body_limit, on_413
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:128].strip() or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.body_limit:
+            response = self.on_413(scope)
+            return await response(scope, receive, send_with_id)
+        await self.app(scope, receive, send_with_id)
+
+
+class App(FastAPI):
+    """FastAPI with `Front` outside everything (FastAPI's own body limit included)."""
+
+    front: tuple | None = None
+
+    def build_middleware_stack(self):
+        stack = super().build_middleware_stack()
+        return stack if self.front is None else Front(stack, *self.front)
 
 
 def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
@@ -84,7 +131,7 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
 
     # with a key, the API's description is behind it too (the routes below)
     hidden = {} if options.api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="IQuestRT", lifespan=lifespan, max_body_size=body_limit, **hidden)
+    app = App(title="IQuestRT", lifespan=lifespan, max_body_size=body_limit, **hidden)
     app.state.metrics, app.state.worker, app.state.limits = metrics, worker, limits
 
     def count(request: Request, status: int) -> None:
@@ -99,8 +146,30 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), options.api_key.encode()):
             raise unauthorized()
 
+    too_large = f"the request body is larger than {body_limit} bytes (--max-body-size)"
+    paths = None
+
+    def refuse_413(scope) -> JSONResponse:
+        nonlocal paths
+        paths = paths or {getattr(r, "path", None) for r in app.routes}
+        metrics.requests.labels(scope["path"] if scope["path"] in paths else "unmatched", "413").inc()
+        return JSONResponse(APIError(413, too_large).body(), status_code=413, headers={"Connection": "close"})
+
+    app.front = (body_limit, refuse_413)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        # a bug, not the client's doing: logged with its traceback, answered in OpenAI's shape
+        log.exception("request %s: 500 %s: %s", request_id(request), type(exc).__name__, exc)
+        count(request, 500)
+        err = APIError(500, f"internal error ({type(exc).__name__}); request id {request_id(request)}",
+                       "server_error")
+        return JSONResponse(err.body(), status_code=500, headers={"x-request-id": request_id(request)})
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
+        if exc.status >= 500:
+            log_5xx(request_id(request), exc.status, exc.message)
         count(request, exc.status)
         headers = {"Retry-After": "1"} if exc.status == 429 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
@@ -111,7 +180,7 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
         # body whose Content-Length is past the limit gets Starlette's plain-text 413 in place of this one.
         messages = {404: f"no route {request.method} {request.url.path}",
                     405: f"{request.method} is not allowed on {request.url.path}",
-                    413: f"the request body is larger than {body_limit} bytes (--max-body-size)"}
+                    413: too_large}
         count(request, exc.status_code)
         err = APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail)))
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
@@ -203,6 +272,7 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
             raise
         answer = Answer(job, p, chat, options.model_name, tokenizer, token_text, metrics, arrival,
                         options.deadline, markup)
+        answer.request_id = request_id(request)
         if p.stream:
             return StreamingResponse(answer.events(lambda status: count(request, status)),
                                      media_type="text/event-stream",
@@ -261,6 +331,7 @@ class Answer:
                                tools=p.tools, stop_ids=p.stop_ids, forced=list(p.forced)) if chat else \
             TextStream(tokenizer, p.stops)
         self.calls = 0  # tool calls sent so far (a stream's tool_calls delta index)
+        self.request_id = "-"
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.eos = False
@@ -424,6 +495,7 @@ class Answer:
                     ended = True
                     err = end_error(event, self.deadline_s, "decoding (the stream ends here)")
                     status = err.status
+                    log_5xx(self.request_id, err.status, err.message + " (in a stream)")
                     yield sse(err.body())
                     return
                 break

@@ -22,6 +22,7 @@ from .protocol import (UNSUPPORTED, APIError, ChatRequest, CompletionRequest, De
                        TokenizeRequest, bad_request)
 
 MAX_STOPS = 16
+MAX_TEMPERATURE = 1e6                   # far past where sampling is uniform; float32 ends at 3.4e38
 MAX_TOP_LOGPROBS = 20                   # OpenAI's cap too
 COMPLETION_DEFAULT_MAX_TOKENS = 16      # the OpenAI default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 1024          # capped by what the context has left
@@ -286,12 +287,14 @@ def tokenize(raw: bytes, enc: Encoder, limits: Limits) -> dict:
     check_model(req.model, limits)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("send either prompt or messages", "prompt")
+    # capped as the completion routes are: a text too long to fit the context is refused untokenized
     if req.prompt is not None:
+        enc.check_fits(req.prompt, limits, "prompt")
         ids = enc.encode(req.prompt, req.add_special_tokens)
     elif not req.messages:
         raise bad_request("messages is empty: send at least one message", "messages")
     else:
-        ids = enc.chat(req.messages, add_generation_prompt=req.add_generation_prompt)
+        ids = enc.chat(req.messages, limits, add_generation_prompt=req.add_generation_prompt)
     return {"count": len(ids), "max_model_len": limits.context, "tokens": ids,
             "token_strs": enc.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
@@ -366,8 +369,8 @@ def prepare(req, prompt: list[int], limits: Limits, *, default_max_tokens: int,
     top_k = d.top_k if req.top_k is None else req.top_k
     if top_k == -1:  # vLLM's "off"
         top_k = limits.vocab_size
-    if not temperature >= 0:
-        raise bad_request(f"temperature must be >= 0, got {temperature}", "temperature")
+    if not 0 <= temperature <= MAX_TEMPERATURE:  # NaN too; past float32's range the engine cannot take it
+        raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}", "temperature")
     if not 0 < top_p <= 1:
         raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
     if not 1 <= top_k <= limits.vocab_size:

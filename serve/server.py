@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
 import warnings
 import time
@@ -39,6 +41,16 @@ class Server(uvicorn.Server):
     """uvicorn's server, but its shutdown (SIGTERM, SIGINT, `should_exit`) first drains the app's decode
     worker: new requests get 503, queued ones 503 at once, the running one an error event at its next
     Step. uvicorn then waits for those answers to go out, not for decodes to run to their end."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn raises a captured SIGTERM again once it has shut down, so the process ends 143; a clean
+        # shutdown on SIGTERM exits 0, as a service manager expects
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals[:] = [s for s in self._captured_signals if s != signal.SIGTERM]
 
     async def shutdown(self, sockets=None) -> None:
         worker = getattr(getattr(self.config.app, "state", None), "worker", None)

@@ -120,6 +120,8 @@ BAD = [
     ("/v1/completions", {"prompt": [1] * CONTEXT, "max_tokens": 1}, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999]}, "prompt"),
     ("/v1/completions", {"prompt": "x", "temperature": -0.5}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": 1e39}, "temperature"),  # past float32: was a 500
+    ("/v1/chat/completions", {"messages": MESSAGES, "temperature": 1e39, "stream": True}, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
     ("/v1/completions", {"prompt": "x", "top_k": 0}, "top_k"),

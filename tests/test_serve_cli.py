@@ -97,6 +97,8 @@ def test_sigterm_drains_the_running_stream_and_the_queue():
             proc.wait(5)
     log = proc.stdout.read()
     assert exited < 3, f"exit took {exited:.1f} s"
+    assert proc.returncode == 0, (proc.returncode, log)  # a clean shutdown on SIGTERM, not 143
+    assert "503 the server is shutting down" in log, log  # a 5xx is logged, with its request id
     assert "[DONE]" not in events and json.loads(events[-1])["error"]["code"] == "shutting_down"
     assert queued["r"].status_code == 503 and queued["r"].json()["error"]["code"] == "shutting_down"
     assert "Traceback" not in log and "CancelledError" not in log, log

@@ -93,6 +93,7 @@ def test_large_bodies_are_refused_while_health_stays_fast(server, tokenizer):
             for _ in range(3):
                 r = http.post(route, content=raw, headers={"content-type": "application/json"})
                 statuses[i].append((r.status_code, r.json()["error"]["code"] if r.status_code == 400 else None))
+                assert r.json()["error"]["message"]  # JSON, the 413 too
 
     senders = [threading.Thread(target=send, args=(i, *c[:2])) for i, c in enumerate(cases)]
     latencies = []
@@ -113,6 +114,22 @@ def test_large_bodies_are_refused_while_health_stays_fast(server, tokenizer):
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "seed": 0},
                     timeout=TIMEOUT)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_tokenize_is_capped_and_a_413_is_json_with_or_without_content_length(server, tokenizer):
+    limit = default_max_body_size(CONTEXT)
+    longest = max(map(len, tokenizer.get_vocab())) * (CONTEXT - 1)
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+        for body in ({"prompt": "x" * (longest + 1)}, {"messages": [{"role": "user", "content": "x" * longest}]}):
+            r = http.post("/tokenize", json=body)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert http.post("/tokenize", json={"prompt": "x" * 100}).json()["count"] > 0
+        raw = b'{"prompt": "' + b"x" * limit + b'"}'
+        for content in (raw, iter([raw[:1000], raw[1000:]])):  # with Content-Length, and chunked
+            r = http.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+            assert r.status_code == 413 and str(limit) in r.json()["error"]["message"], r.text
+            assert r.headers["x-request-id"]
+        assert http.post("/tokenize", json={"prompt": "x"}).status_code == 200
 
 
 def test_control_token_text_in_a_message_is_plain_text(server, tokenizer):

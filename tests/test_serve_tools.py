@@ -104,7 +104,10 @@ class ScriptedEngine:
 
     def generate(self, prompt, *, max_new_tokens, stop_ids=(), **kw):
         self.prompts.append(list(prompt))
-        script = self.scripts.pop(0)[:max_new_tokens]
+        script = self.scripts.pop(0)
+        if isinstance(script, Exception):
+            raise script
+        script = script[:max_new_tokens]
         for i in range(0, len(script), 3):
             tokens = script[i:i + 3]
             stop = next((n for n, t in enumerate(tokens) if t in stop_ids), None)
@@ -245,3 +248,19 @@ def test_bad_tool_input_is_a_400_and_a_malformed_call_is_text(scripted, tok):
     assert r.choices[0].message.content == bad and r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.tool_calls is None
     assert stream_reply(client, model="tiny", messages=USER, tools=TOOLS, max_tokens=40) == ("hm", bad, [], "stop")
+
+
+def test_a_5xx_is_logged_with_its_request_id(scripted, caplog):
+    fake, _, url = scripted
+    fake.scripts += [RuntimeError("boom"), RuntimeError("bang")]
+    with caplog.at_level("ERROR", logger="iquest.serve"):
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": USER}, headers={"x-request-id": "rq-1"},
+                       timeout=30)
+        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+        assert r.headers["x-request-id"] == "rq-1"
+        with httpx.stream("POST", url + "/v1/chat/completions", json={"messages": USER, "stream": True},
+                          headers={"x-request-id": "rq-2"}, timeout=30) as s:
+            assert s.status_code == 200 and "bang" in s.read().decode()
+    logged = [rec.getMessage() for rec in caplog.records if rec.name == "iquest.serve"]
+    assert any("rq-1" in m and "500" in m and "boom" in m for m in logged), logged
+    assert any("rq-2" in m and "500" in m and "bang" in m for m in logged), logged
