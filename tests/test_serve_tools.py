@@ -264,3 +264,53 @@ def test_a_5xx_is_logged_with_its_request_id(scripted, caplog):
     logged = [rec.getMessage() for rec in caplog.records if rec.name == "iquest.serve"]
     assert any("rq-1" in m and "500" in m and "boom" in m for m in logged), logged
     assert any("rq-2" in m and "500" in m and "bang" in m for m in logged), logged
+
+
+def test_a_model_that_draws_end_think_splits_on_the_real_engine(tmp_path, tok):
+    """A copy of tiny whose LM head makes its greedy reply draw </think> after a few tokens (as
+    tests/test_serve.py makes one draw <|iquest_end|>): the fast engine's ids, split by the server, give the
+    reasoning before it and the content after it, streaming and not."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from iquest.reference.model import ReferenceModel
+    from iquest.reference.sampling import SamplingParams
+    from iquest.reference.speculative import generate
+    from iquest.serve.prepare import Encoder
+
+    end_think = Markup.of(tok).end_think
+    prompt = Encoder(tok).chat_ids(USER)
+    model = tmp_path / "thinks"
+    shutil.copytree(TINY, model)
+    ref = ReferenceModel.load(model)
+    greedy = SamplingParams(temperature=0.0)
+    prefix = [t for s in generate(ref, prompt, seed=0, params=greedy, max_new_tokens=3, drafts=0) for t in s.tokens]
+    seq = prompt + prefix
+    _, hidden = ref.forward(torch.tensor(seq), torch.arange(len(seq)), ref.new_cache())
+    shard = next(p for p in model.glob("*.safetensors"))
+    tensors = load_file(str(shard))
+    head = tensors["lm_head.weight"].float()
+    # a row orthogonal to the hidden states of the earlier reply positions (logit 0 there, below their greedy
+    # token's) and well above the greedy token's logit at the last one
+    h = hidden[len(prompt) - 1:].float()
+    q, _ = torch.linalg.qr(h[:-1].T)
+    row = h[-1] - q @ (q.T @ h[-1])
+    top = (h[-1] @ head.T).max()
+    head[end_think] = row * (top + 8) / (row @ h[-1])
+    tensors["lm_head.weight"] = head.bfloat16()
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    out = [t for s in generate(ReferenceModel.load(model), prompt, seed=0, params=greedy, max_new_tokens=12,
+                               drafts=0, stop_ids=(0,)) for t in s.tokens]
+    assert end_think in out, out
+    cut = out.index(end_think)
+    assert cut > 0, out
+    engine = load_engine("fast", model, 1, max_context=CONTEXT)
+    with ServerThread(create_app(engine, load_tokenizer(model), ServeOptions("tiny", max_context=CONTEXT))) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        kw = dict(model="tiny", messages=USER, max_tokens=12, temperature=0, seed=1)
+        m = client.chat.completions.create(**kw).choices[0].message
+        assert m.reasoning_content == tok.decode(out[:cut], skip_special_tokens=True)
+        assert m.content == tok.decode(out[cut + 1:], skip_special_tokens=True) and m.content
+        assert stream_reply(client, **kw)[:2] == (m.reasoning_content, m.content)
