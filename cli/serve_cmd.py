@@ -12,12 +12,14 @@ from .options import add_device, add_weights
 def register(sub) -> None:
     p = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server (streaming, cancellable, bounded queue)",
-        description="Serve /v1/completions, /v1/chat/completions (streaming as server-sent events or not), "
+        description="Serve /v1/completions, /v1/chat/completions (streaming as server-sent events or not; the "
+                    "reasoning apart as reasoning_content, thinking on unless chat_template_kwargs.enable_thinking "
+                    "is false; tools and tool_choice, the model's calls parsed into tool_calls), "
                     "/v1/models, /tokenize, /detokenize, /health and /metrics (Prometheus). One request decodes "
                     "at a time; others wait in a bounded queue and are refused with 429 past it. A client that "
                     "disconnects mid-stream stops its decode at the engine's next log read (about every 32 "
                     "tokens). SIGTERM or SIGINT drains: 503 for the queued, an error event ending the running "
-                    "stream at its next log read, then exit.")
+                    "stream at its next log read, then exit (status 0).")
     p.add_argument("--model", help="checkpoint folder with tokenizer.json and tokenizer_config.json "
                                    "(default: the shipped mini model)")
     p.add_argument("--served-model-name", help="the model id clients send and /v1/models lists "

@@ -8,6 +8,13 @@ SGLang's iquest_q1 detector parses it (the name is the text before the first `<a
 value JSON-decoded unless the tool's schema declares that argument a string, and kept as its text where
 it is not JSON). A call that does not parse (unknown tool, markup out of order, cut off by the budget)
 is returned as content text, markup included.
+
+tool_choice: "auto" parses calls, "none" offers the tools in the prompt but parses none (call markup is
+text). "required" and a named function make the reply a call the only way this server can without a
+grammar: the prompt itself closes the reasoning (empty, so these turns do not think) and opens the call,
+`</think><iquest_tool_call>`, followed by the function's name when one is named; the model writes the
+arguments. A reply that still does not parse (the model's arguments out of the format) comes back as
+text with finish_reason "stop", not as an error.
 """
 
 from __future__ import annotations
@@ -53,7 +60,9 @@ def string_params(tools: list[dict]) -> dict[str, set[str]]:
     out = {}
     for tool in tools:
         f = tool["function"]
-        props = (f.get("parameters") or {}).get("properties") or {}
+        params = f.get("parameters") or {}
+        props = params.get("properties") if isinstance(params, dict) else None
+        props = props if isinstance(props, dict) else {}
         out[f["name"]] = {k for k, s in props.items() if isinstance(s, dict) and
                           (s.get("type") == "string" or (isinstance(s.get("type"), list) and
                                                          "string" in s["type"] and len(s["type"]) == 1))}

@@ -80,6 +80,15 @@ def test_a_malformed_call_is_content_text(tok, bad, one_by_one):
     assert out.calls == [] and out.content == "see " + bad and out.reasoning == "r"
 
 
+def test_odd_schemas_parse_every_value_as_json_where_it_is_json(tok):
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"properties": ["path"]}}}]
+    out, _ = run(tok, "</think>" + CALL, one_by_one=False, tools=tools)
+    assert json.loads(out.calls[0]["function"]["arguments"]) == {"path": "007.py", "lines": 3, "opts": {"a": [1]}}
+    tools = [{"type": "function", "function": {"name": "read_file"}}]  # no schema at all
+    out, _ = run(tok, "</think>" + CALL.replace("007.py", "a.py"), one_by_one=False, tools=tools)
+    assert json.loads(out.calls[0]["function"]["arguments"])["path"] == "a.py"  # not JSON: kept as text
+
+
 def test_a_stop_string_in_content_ends_the_reply(tok):
     out, s = run(tok, "r</think>alpha STOP beta", one_by_one=False, stops=["STOP"])
     assert out.content == "alpha " and s.stopped
