@@ -61,6 +61,15 @@ def test_reasoning_content_and_a_call_split_on_token_ids(tok, one_by_one):
     assert len(s.ids) == len(ids(tok, "I should read it</think>Reading. " + CALL + "<|iquest_end|>"))
 
 
+def test_two_calls_in_one_turn_stream_with_their_indices(scripted, tok):
+    fake, client, _ = scripted
+    two = "</think>" + CALL + CALL.replace("007.py", "b.py") + "<|iquest_end|>"
+    fake.scripts += [ids(tok, two)]
+    _, content, calls, finish = stream_reply(client, model="tiny", messages=USER, tools=TOOLS, max_tokens=120)
+    assert finish == "tool_calls" and not content and len({c["id"] for c in calls}) == 2
+    assert [json.loads(c["arguments"])["path"] for c in calls] == ["007.py", "b.py"]
+
+
 def test_thinking_off_is_all_content_and_calls_need_tools(tok):
     out, _ = run(tok, "no think here", one_by_one=False, thinking=False)
     assert out.reasoning == "" and out.content == "no think here"
