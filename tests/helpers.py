@@ -156,3 +156,29 @@ class FailingLoader(WeightLoader):
         if par.rank > 0:
             raise OSError(f"rank {par.rank} could not read its shard")
         super().__init__(reader, par, *args, **kwargs)
+
+
+def chi_square(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], float],
+               min_expected: float = 5.0) -> tuple[float, int, float]:
+    """(statistic, df, p) of observed sequence counts against target probabilities, cells pooled in ascending expected
+    count until each pool expects >= min_expected; p = 0 when a sampled sequence has target probability 0."""
+    import numpy as np
+    from scipy import stats
+
+    n = sum(counts.values())
+    if any(seq not in probs for seq in counts):  # a token the target could never emit
+        return float("inf"), 0, 0.0
+    pools_e, pools_o, e, o = [], [], 0.0, 0
+    for seq in sorted(probs, key=lambda q: (probs[q], q)):
+        e += probs[seq] * n
+        o += counts.get(seq, 0)
+        if e >= min_expected:
+            pools_e.append(e)
+            pools_o.append(o)
+            e, o = 0.0, 0
+    if e > 0 or o > 0:
+        pools_e[-1] += e
+        pools_o[-1] += o
+    E, O = np.array(pools_e), np.array(pools_o, dtype=float)
+    stat = float(((O - E) ** 2 / E).sum())
+    return stat, len(E) - 1, float(stats.chi2.sf(stat, len(E) - 1))

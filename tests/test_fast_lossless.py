@@ -22,10 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from iquest.fast import sampler
 from iquest.fast.model import FastModel
@@ -39,11 +37,12 @@ from iquest.reference.config import GenerationConfig
 from iquest.reference.model import ReferenceModel
 from iquest.reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT
 from iquest.reference.sampling import SamplingParams
+from iquest.tests.helpers import chi_square
 
 L, K = 5, 3
 PROMPT = [1, 2, 3, 4, 5, 6]  # longer than the micro windows (4 and the draft's 4): both rings already full
 PARAMS = SamplingParams(temperature=1.0, top_k=8, top_p=0.8)
-ALPHA, BROKEN_P, MIN_BRANCH_SHARE, MIN_EXPECTED = 1e-3, 1e-6, 0.05, 5.0
+ALPHA, BROKEN_P, MIN_BRANCH_SHARE = 1e-3, 1e-6, 0.05
 N_CI, N = 300, 600
 
 
@@ -139,28 +138,6 @@ def sample(model_dir, drafts: int, seeds, parts: EngineParts = EngineParts()) ->
         out.bonuses += bon
         out.counts[tuple(toks)] = out.counts.get(tuple(toks), 0) + 1
     return out
-
-
-def chi_square(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], float]) -> tuple[float, int, float]:
-    """(statistic, df, p), cells pooled in ascending expected count until each pool expects >= 5; p = 0 when a sampled
-    sequence has target probability 0."""
-    n = sum(counts.values())
-    if any(seq not in probs for seq in counts):
-        return float("inf"), 0, 0.0
-    pools_e, pools_o, e, o = [], [], 0.0, 0
-    for s in sorted(probs, key=lambda s: (probs[s], s)):
-        e += probs[s] * n
-        o += counts.get(s, 0)
-        if e >= MIN_EXPECTED:
-            pools_e.append(e)
-            pools_o.append(o)
-            e, o = 0.0, 0
-    if e > 0 or o > 0:
-        pools_e[-1] += e
-        pools_o[-1] += o
-    E, O = np.array(pools_e), np.array(pools_o, dtype=float)
-    stat = float(((O - E) ** 2 / E).sum())
-    return stat, len(E) - 1, float(stats.chi2.sf(stat, len(E) - 1))
 
 
 SIZES = [pytest.param(N_CI, id="ci"), pytest.param(N, id="full", marks=pytest.mark.slow)]

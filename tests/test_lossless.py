@@ -67,10 +67,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from iquest.fixtures.make import preset_config, random_weights
 from iquest.reference import rng as rngmod
@@ -80,6 +78,7 @@ from iquest.reference.depth import FixedDepth
 from iquest.reference.model import ReferenceModel
 from iquest.reference.sampling import Dist, SamplingParams
 from iquest.reference.speculative import Rules, generate
+from iquest.tests.helpers import chi_square
 
 L = 5                      # first token + 3 accepted drafts + bonus
 N = 600                    # request seeds per run of the full-power form (`pytest -m slow`)
@@ -88,7 +87,6 @@ K = 3                      # FixedDepth(3)
 ALPHA = 1e-3               # significance for the correct rules
 BROKEN_P = 1e-6            # a negative control must fall below this
 MIN_BRANCH_SHARE = 0.05    # a control's broken branch must run (inside the window) in >= 5% of runs
-MIN_EXPECTED = 5.0         # pooling threshold
 PROMPT = [1, 2, 3, 4, 5, 6]  # 6 > the windows (4): the sliding layer's and the draft's are already full
 PARAMS = SamplingParams(temperature=1.0, top_k=8, top_p=0.8)
 
@@ -213,30 +211,6 @@ def sample(model, drafts: int, rules: Rules = Rules(), seeds=range(N)) -> Sample
     finally:
         speculative.RequestRNG = orig
     return out
-
-
-def chi_square(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], float]) -> tuple[float, int, float]:
-    """(statistic, df, p) with cells pooled in ascending expected count until each pool expects >= 5.
-    p = 0 when a sampled sequence has target probability 0."""
-    n = sum(counts.values())
-    if any(seq not in probs for seq in counts):  # a token the target could never emit
-        return float("inf"), 0, 0.0
-    cells = sorted(probs, key=lambda s: (probs[s], s))
-    pools_e, pools_o, e, o = [], [], 0.0, 0
-    for s in cells:
-        e += probs[s] * n
-        o += counts.get(s, 0)
-        if e >= MIN_EXPECTED:
-            pools_e.append(e)
-            pools_o.append(o)
-            e, o = 0.0, 0
-    if e > 0 or o > 0:
-        pools_e[-1] += e
-        pools_o[-1] += o
-    E, O = np.array(pools_e), np.array(pools_o, dtype=float)
-    stat = float(((O - E) ** 2 / E).sum())
-    df = len(E) - 1
-    return stat, df, float(stats.chi2.sf(stat, df))
 
 
 # ---- broken rules (negative controls) ---------------------------------------------------------------
