@@ -1,5 +1,5 @@
-"""The HTTP routes: /v1/completions, /v1/chat/completions (streaming or not), /v1/models[/{id}], /tokenize,
-/detokenize, /health, /metrics.
+"""The HTTP routes: /v1/completions, /v1/chat/completions (streaming or not), Anthropic's /v1/messages (over
+the chat path: `messages.py`), /v1/models[/{id}], /tokenize, /detokenize, /health, /metrics.
 
 A request's body is capped (413 past `max_body_size`), then checked and tokenized on a worker thread
 (`prepare.py`; the event loop keeps serving meanwhile), admitted to the worker's bounded queue (429
@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from . import messages as anthropic
 from .chat import ChatStream, Delta, Markup
 from .metrics import Metrics
 from .prepare import (Encoder, Limits, Prepared, detokenize, end_of_turn_ids, prepare_chat, prepare_completion,
@@ -146,6 +147,21 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), options.api_key.encode()):
             raise unauthorized()
 
+    def authorize_anthropic(request: Request) -> None:
+        """Anthropic's x-api-key header, or a bearer token (Claude Code's ANTHROPIC_AUTH_TOKEN)."""
+        if options.api_key is None:
+            return
+        key = request.headers.get("x-api-key")
+        if key is None:
+            try:
+                return authorize(request)
+            except APIError:
+                pass
+        elif hmac.compare_digest(key.strip().encode(), options.api_key.encode()):
+            return
+        raise anthropic.AnthropicError(401, "missing or wrong API key: send 'x-api-key: <key>'",
+                                       "authentication_error")
+
     too_large = f"the request body is larger than {body_limit} bytes (--max-body-size)"
     paths = None
 
@@ -164,6 +180,8 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
         count(request, 500)
         err = APIError(500, f"internal error ({type(exc).__name__}); request id {request_id(request)}",
                        "server_error")
+        if request.url.path == "/v1/messages":
+            err = anthropic.AnthropicError.of(err)
         return JSONResponse(err.body(), status_code=500, headers={"x-request-id": request_id(request)})
 
     @app.exception_handler(APIError)
@@ -243,6 +261,17 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
                                     markup)
         return await serve(request, p, True, arrival)
 
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        arrival = time.monotonic()
+        authorize_anthropic(request)
+        p = await asyncio.to_thread(anthropic.prepare_messages, await request.body(), encoder, limits,
+                                    chat_stop_ids, markup)
+        try:
+            return await serve(request, p, True, arrival, style="anthropic")
+        except APIError as exc:  # busy, deadline, shutdown, the engine's failure: in Anthropic's shape
+            raise anthropic.AnthropicError.of(exc) from None
+
     async def answer_with(request: Request, handler) -> dict:
         authorize(request)
         body = await asyncio.to_thread(handler, await request.body(), encoder, limits)
@@ -258,7 +287,7 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
         return await answer_with(request, detokenize)
 
     # ---- one request ------------------------------------------------------------------------------
-    async def serve(request: Request, p: Prepared, chat: bool, arrival: float):
+    async def serve(request: Request, p: Prepared, chat: bool, arrival: float, style: str = "openai"):
         deadline = arrival + options.deadline if options.deadline else float("inf")
         job = Job(p.prompt, p.seed, p.params, p.max_tokens, p.stop_ids, deadline, asyncio.get_running_loop(),
                   p.logprobs or 0)
@@ -274,7 +303,9 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
                         options.deadline, markup)
         answer.request_id = request_id(request)
         if p.stream:
-            return StreamingResponse(answer.events(lambda status: count(request, status)),
+            events = answer.events if style == "openai" else \
+                (lambda c: anthropic.events(answer, options.model_name, c))
+            return StreamingResponse(events(lambda status: count(request, status)),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
@@ -282,7 +313,7 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
         finally:
             job.cancelled.set()  # a no-op once the decode has ended
         count(request, 200)
-        return JSONResponse(body)
+        return JSONResponse(body if style == "openai" else anthropic.message(body, answer, options.model_name))
 
     async def wait_for_start(request: Request, job: Job) -> None:
         while True:

@@ -1,4 +1,5 @@
-"""Test helpers: an engine wrapper that lets a test hold a decode at a known point, and SSE parsing."""
+"""Test helpers: an engine wrapper that lets a test hold a decode at a known point, an engine of scripted
+replies, and SSE parsing."""
 
 from __future__ import annotations
 
@@ -64,3 +65,30 @@ def sse_events(lines) -> list:
             data = line[len("data: "):]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+class ScriptedEngine:
+    """An engine whose replies are scripted (token ids, one Step per 3 tokens; an Exception in the script is
+    raised), honoring stop ids and the budget as the engines do; it records the prompts it was given."""
+
+    def __init__(self, engine):
+        self.config, self.generation = engine.config, engine.generation
+        self.scripts: list = []
+        self.prompts: list[list[int]] = []
+
+    def generate(self, prompt, *, max_new_tokens, stop_ids=(), **kw):
+        from ..reference.speculative import Step
+
+        self.prompts.append(list(prompt))
+        script = self.scripts.pop(0)
+        if isinstance(script, Exception):
+            raise script
+        script = script[:max_new_tokens]
+        for i in range(0, len(script), 3):
+            tokens = script[i:i + 3]
+            stop = next((n for n, t in enumerate(tokens) if t in stop_ids), None)
+            if stop is not None:
+                tokens = tokens[:stop + 1]
+            yield Step(tokens, [0.0] * len(tokens), stopped=stop is not None)
+            if stop is not None:
+                return
