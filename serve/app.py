@@ -1,5 +1,6 @@
-"""The HTTP routes: /v1/completions, /v1/chat/completions (streaming or not), Anthropic's /v1/messages (over
-the chat path: `messages.py`), /v1/models[/{id}], /tokenize, /detokenize, /health, /metrics.
+"""The HTTP routes: /v1/completions, /v1/chat/completions (streaming or not), Anthropic's /v1/messages and
+/v1/messages/count_tokens (over the chat path: `messages.py`), /v1/models[/{id}], /tokenize, /detokenize,
+/health, /metrics.
 
 A request's body is capped (413 past `max_body_size`), then checked and tokenized on a worker thread
 (`prepare.py`; the event loop keeps serving meanwhile), admitted to the worker's bounded queue (429
@@ -180,7 +181,7 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
         count(request, 500)
         err = APIError(500, f"internal error ({type(exc).__name__}); request id {request_id(request)}",
                        "server_error")
-        if request.url.path == "/v1/messages":
+        if request.url.path.startswith("/v1/messages"):
             err = anthropic.AnthropicError.of(err)
         return JSONResponse(err.body(), status_code=500, headers={"x-request-id": request_id(request)})
 
@@ -201,6 +202,8 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
                     413: too_large}
         count(request, exc.status_code)
         err = APIError(exc.status_code, messages.get(exc.status_code, str(exc.detail)))
+        if request.url.path.startswith("/v1/messages"):
+            err = anthropic.AnthropicError.of(err)
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(ClientGone)
@@ -271,6 +274,14 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
             return await serve(request, p, True, arrival, style="anthropic")
         except APIError as exc:  # busy, deadline, shutdown, the engine's failure: in Anthropic's shape
             raise anthropic.AnthropicError.of(exc) from None
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        authorize_anthropic(request)
+        body = await asyncio.to_thread(anthropic.count_tokens, await request.body(), encoder, limits, chat_stop_ids,
+                                       markup)
+        count(request, 200)
+        return body
 
     async def answer_with(request: Request, handler) -> dict:
         authorize(request)

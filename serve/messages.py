@@ -241,6 +241,21 @@ def prepare_messages(raw: bytes, enc: Encoder, limits: Limits, end_of_turn: tupl
         raise AnthropicError.of(exc) from None
 
 
+def count_tokens(raw: bytes, enc: Encoder, limits: Limits, end_of_turn: tuple[int, ...], markup) -> dict:
+    """`/v1/messages/count_tokens`: the prompt tokens a Messages body (max_tokens optional) would take."""
+    try:
+        try:
+            body = json.loads(raw or b"")
+        except ValueError as exc:
+            raise invalid(f"the body is not valid JSON: {exc}") from None
+        if isinstance(body, dict):
+            body = {**body, "stream": False, "max_tokens": 1}
+        p = prepare_chat(json.dumps(chat_request(body)).encode(), enc, limits, end_of_turn, markup)
+    except APIError as exc:
+        raise AnthropicError.of(exc) from None
+    return {"input_tokens": len(p.prompt)}
+
+
 # ---- response -----------------------------------------------------------------------------------------------
 def message_id() -> str:
     return "msg_" + uuid.uuid4().hex[:24]

@@ -68,6 +68,8 @@ def test_text_with_a_thinking_block_streaming_and_not(server, tok):
     assert m.stop_reason == "end_turn" and m.role == "assistant" and m.id.startswith("msg_")
     assert m.usage.input_tokens == len(fake.prompts[-1]) and m.usage.output_tokens == len(reply)
     assert "You are terse." in prompt_text(tok, fake) and prompt_text(tok, fake).endswith("<think>")
+    counted = client.messages.count_tokens(model="x", messages=USER, system=kw["system"])
+    assert counted.input_tokens == m.usage.input_tokens
     kinds, final = stream(client, **kw)
     assert kinds[0] == ("message_start", None) and kinds[-2:] == [("message_delta", None), ("message_stop", None)]
     deltas = [k for k in kinds if k[0] == "content_block_delta"]
@@ -148,6 +150,8 @@ def test_x_api_key_auth(server):
             model="x", max_tokens=5, messages=USER)
     assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "authentication_error"
     assert httpx.post(url + "/v1/messages", json={"max_tokens": 5, "messages": USER}).status_code == 401
+    r = httpx.get(url + "/v1/messages", headers={"x-api-key": KEY})
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
     fake.scripts += [[5, 6, 7]]  # Claude Code's ANTHROPIC_AUTH_TOKEN: a bearer token
     r = httpx.post(url + "/v1/messages", json={"max_tokens": 3, "messages": USER},
                    headers={"authorization": f"Bearer {KEY}"}, timeout=30)
