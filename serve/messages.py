@@ -138,7 +138,7 @@ def chat_messages(system, messages) -> list[dict]:
                 if pending:
                     out.append({"role": "user", "content": "".join(pending)})
                     pending = []
-                result = text_of(block.get("content", ""), f"{at}.content")
+                result = text_of(block.get("content") or "", f"{at}.content")
                 if block.get("is_error") is True:
                     result = "Error: " + result
                 out.append({"role": "tool", "tool_call_id": cid, "content": result})
