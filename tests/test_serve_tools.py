@@ -13,10 +13,10 @@ import openai
 import pytest
 
 from iquest.cli.engines import load_engine
-from iquest.reference.speculative import Step
 from iquest.serve.app import ServeOptions, create_app
 from iquest.serve.chat import ChatStream, Delta, Markup
 from iquest.serve.server import ServerThread, load_tokenizer
+from iquest.serve.testing import ScriptedEngine
 from iquest.tests.helpers import TINY
 
 CONTEXT = 256
@@ -111,31 +111,6 @@ def test_a_forced_call_parses_from_its_prefix(tok):
 
 
 # ---- end to end ----------------------------------------------------------------------------------------------
-class ScriptedEngine:
-    """An engine whose replies are scripted (token ids, one Step per 3 tokens), honoring stop ids and the
-    budget as the engines do; it records the prompts it was given."""
-
-    def __init__(self, engine):
-        self.config, self.generation = engine.config, engine.generation
-        self.scripts: list[list[int]] = []
-        self.prompts: list[list[int]] = []
-
-    def generate(self, prompt, *, max_new_tokens, stop_ids=(), **kw):
-        self.prompts.append(list(prompt))
-        script = self.scripts.pop(0)
-        if isinstance(script, Exception):
-            raise script
-        script = script[:max_new_tokens]
-        for i in range(0, len(script), 3):
-            tokens = script[i:i + 3]
-            stop = next((n for n, t in enumerate(tokens) if t in stop_ids), None)
-            if stop is not None:
-                tokens = tokens[:stop + 1]
-            yield Step(tokens, [0.0] * len(tokens), stopped=stop is not None)
-            if stop is not None:
-                return
-
-
 @pytest.fixture(scope="module")
 def engine():
     return load_engine("fast", TINY, 1, max_context=CONTEXT)
