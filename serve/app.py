@@ -1,5 +1,6 @@
 """The HTTP routes: /v1/completions, /v1/chat/completions (streaming or not), Anthropic's /v1/messages and
-/v1/messages/count_tokens (over the chat path: `messages.py`), /v1/models[/{id}], /tokenize, /detokenize,
+/v1/messages/count_tokens (over the chat path: `messages.py`), OpenAI's /v1/responses (`responses.py`),
+/v1/models[/{id}], /tokenize, /detokenize,
 /health, /metrics.
 
 A request's body is capped (413 past `max_body_size`), then checked and tokenized on a worker thread
@@ -31,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from . import messages as anthropic
+from . import responses as openai_responses
 from .chat import ChatStream, Delta, Markup
 from .metrics import Metrics
 from .prepare import (Encoder, Limits, Prepared, detokenize, end_of_turn_ids, prepare_chat, prepare_completion,
@@ -275,6 +277,14 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
         except APIError as exc:  # busy, deadline, shutdown, the engine's failure: in Anthropic's shape
             raise anthropic.AnthropicError.of(exc) from None
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        arrival = time.monotonic()
+        authorize(request)
+        p = await asyncio.to_thread(openai_responses.prepare_responses, await request.body(), encoder, limits,
+                                    chat_stop_ids, markup)
+        return await serve(request, p, True, arrival, style="responses")
+
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         authorize_anthropic(request)
@@ -315,6 +325,7 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
         answer.request_id = request_id(request)
         if p.stream:
             events = answer.events if style == "openai" else \
+                (lambda c: openai_responses.events(answer, options.model_name, c)) if style == "responses" else \
                 (lambda c: anthropic.events(answer, options.model_name, c))
             return StreamingResponse(events(lambda status: count(request, status)),
                                      media_type="text/event-stream",
@@ -324,6 +335,8 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
         finally:
             job.cancelled.set()  # a no-op once the decode has ended
         count(request, 200)
+        if style == "responses":
+            return JSONResponse(openai_responses.of_chat(body, options.model_name))
         return JSONResponse(body if style == "openai" else anthropic.message(body, answer, options.model_name))
 
     async def wait_for_start(request: Request, job: Job) -> None:

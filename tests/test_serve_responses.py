@@ -1,0 +1,167 @@
+"""The OpenAI Responses API (issue 51: `POST /v1/responses`, serve/responses.py) end to end with the official
+openai client against a live server on loopback: text with a reasoning item streaming and not, a two-turn
+function-call round trip (function_call, then function_call_output), max_output_tokens as an incomplete
+response, and bad input as a 400 in OpenAI's shape with the server healthy after. The engine replies from a
+script (token ids): the fixtures do not write reasoning or tool calls by themselves."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from iquest.cli.engines import load_engine
+from iquest.serve.app import ServeOptions, create_app
+from iquest.serve.server import ServerThread, load_tokenizer
+from iquest.serve.testing import ScriptedEngine
+from iquest.tests.helpers import TINY
+
+TOOLS = [{"type": "function", "name": "read_file", "description": "read a file",
+          "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "lines": {"type": "integer"}}}}]
+USER = [{"role": "user", "content": [{"type": "input_text", "text": "How long is a.py?"}]}]
+CALL = ("<iquest_tool_call>read_file<arg_key>path</arg_key><arg_value>007.py</arg_value><arg_key>lines"
+        "</arg_key><arg_value>3</arg_value></iquest_tool_call>")
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(TINY)
+
+
+def ids(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)  # spelled control tokens become those tokens
+
+
+@pytest.fixture(scope="module")
+def server():
+    fake = ScriptedEngine(load_engine("fast", TINY, 1, max_context=256))
+    app = create_app(fake, load_tokenizer(TINY), ServeOptions("tiny", api_key=KEY, max_context=1024))
+    with ServerThread(app) as s:
+        yield fake, openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=60), s.url
+
+
+def prompt_text(tok, fake) -> str:
+    return tok.decode(fake.prompts[-1], skip_special_tokens=False)
+
+
+def stream(client, **kw):
+    """The stream's event types (sequence numbers checked), and the final response."""
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    return [e.type for e in events], events[-1].response
+
+
+def summary(r) -> list:
+    out = []
+    for item in r.output:
+        if item.type == "reasoning":
+            out.append(("reasoning", "".join(s.text for s in item.summary)))
+        elif item.type == "message":
+            out.append(("message", "".join(c.text for c in item.content)))
+        else:
+            out.append((item.type, item.name, item.arguments))
+    return out
+
+
+def test_text_with_reasoning_streaming_and_not(server, tok):
+    fake, client, _ = server
+    reply = ids(tok, "Plan: answer briefly.</think>Three lines.<|iquest_end|>")
+    fake.scripts += [reply, reply]
+    kw = dict(model="gpt-anything", input=USER, instructions="You are terse.", max_output_tokens=50,
+              reasoning={"effort": "low"})
+    r = client.responses.create(**kw)
+    assert r.object == "response" and r.status == "completed" and r.id.startswith("resp_")
+    assert summary(r) == [("reasoning", "Plan: answer briefly."), ("message", "Three lines.")]
+    assert r.output_text == "Three lines."
+    assert r.usage.input_tokens == len(fake.prompts[-1]) and r.usage.output_tokens == len(reply)
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert "You are terse." in prompt_text(tok, fake) and prompt_text(tok, fake).endswith("<think>")
+    kinds, final = stream(client, **kw)
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    for k in ("response.reasoning_summary_text.delta", "response.output_text.delta", "response.output_text.done",
+              "response.content_part.added", "response.content_part.done"):
+        assert k in kinds
+    assert kinds.index("response.reasoning_summary_text.delta") < kinds.index("response.output_text.delta")
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 2
+    assert summary(final) == summary(r) and final.usage.output_tokens == len(reply)
+    fake.scripts += [reply]  # the SDK's accumulating stream helper takes the events too
+    with client.responses.stream(**kw) as s:
+        assert summary(s.get_final_response()) == summary(r)
+    # a plain string input, thinking at the server's default
+    fake.scripts += [ids(tok, "hm</think>Hi.<|iquest_end|>")]
+    r = client.responses.create(model="x", input="hello")
+    assert summary(r) == [("reasoning", "hm"), ("message", "Hi.")]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_function_call_round_trip_of_two_turns(server, tok, streamed):
+    fake, client, _ = server
+    fake.scripts += [ids(tok, "Need the file.</think>" + CALL + "<|iquest_end|>"),
+                     ids(tok, "It has 3.</think>a.py has 3 lines.<|iquest_end|>")]
+    kw = dict(model="x", max_output_tokens=80, tools=TOOLS)
+    if streamed:
+        kinds, first = stream(client, input=USER, **kw)
+        assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    else:
+        first = client.responses.create(input=USER, **kw)
+    assert [i.type for i in first.output] == ["reasoning", "function_call"]
+    call = first.output[1]
+    assert call.name == "read_file" and call.call_id and call.id
+    assert __import__("json").loads(call.arguments) == {"path": "007.py", "lines": 3}
+    history = USER + [i.model_dump(exclude_none=True) for i in first.output] + \
+        [{"type": "function_call_output", "call_id": call.call_id, "output": "1\n2\n3\n"}]
+    second = client.responses.create(input=history, **kw)
+    assert summary(second) == [("reasoning", "It has 3."), ("message", "a.py has 3 lines.")]
+    prompt = prompt_text(tok, fake)
+    # the call, its reasoning and its result rendered back through the template
+    assert ("<iquest_tool_call>read_file<arg_key>path</arg_key><arg_value>007.py</arg_value><arg_key>lines"
+            "</arg_key><arg_value>3</arg_value></iquest_tool_call><|iquest_end|><|iquest_tool|><tool_response>"
+            "1\n2\n3\n</tool_response><|iquest_end|><|iquest_assistant|><think>") in prompt
+    assert "Need the file." in prompt and '"name": "read_file"' in prompt
+
+
+def test_tool_choice_and_max_output_tokens(server, tok):
+    fake, client, _ = server
+    rest = ids(tok, "<arg_key>path</arg_key><arg_value>b.py</arg_value></iquest_tool_call><|iquest_end|>")
+    fake.scripts += [rest]
+    r = client.responses.create(model="x", input=USER, tools=TOOLS, tool_choice={"type": "function", "name": "read_file"})
+    assert summary(r) == [("function_call", "read_file", '{"path": "b.py"}')]
+    assert prompt_text(tok, fake).endswith("</think><iquest_tool_call>read_file")
+    fake.scripts += [ids(tok, "r</think>a b c d e f g h"), ids(tok, "r</think>a b c d e f g h")]
+    r = client.responses.create(model="x", input=USER, max_output_tokens=4)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 4
+    kinds, final = stream(client, model="x", input=USER, max_output_tokens=4)
+    assert kinds[-1] == "response.incomplete" and final.status == "incomplete"
+
+
+BAD = {  # each case's body changes, and a word its message must hold
+    "output for no call": ({"input": USER + [{"type": "function_call_output", "call_id": "call_nope",
+                                               "output": "x"}]}, "call_nope"),
+    "unknown tool in tool_choice": ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "rm_rf"}},
+                                    "rm_rf"),
+    "input_image": ({"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "see"}, {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]},
+        "input_image"),
+    "unsupported item": ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "web_search_call"),
+    "previous_response_id": ({"previous_response_id": "resp_123"}, "previous_response_id"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_a_400_in_openai_shape(server, tok, case):
+    fake, client, url = server
+    change, word = BAD[case]
+    body = {"model": "x", "input": USER, **change}
+    r = httpx.post(url + "/v1/responses", json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and word in err["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**body)
+    assert word in info.value.message
+    assert httpx.post(url + "/v1/responses", json=body).status_code == 401  # auth as the other OpenAI routes
+    # healthy after
+    fake.scripts += [ids(tok, "ok</think>fine<|iquest_end|>")]
+    assert client.responses.create(model="x", input=USER).output_text == "fine"
