@@ -165,3 +165,17 @@ def test_bad_input_is_a_400_in_openai_shape(server, tok, case):
     # healthy after
     fake.scripts += [ids(tok, "ok</think>fine<|iquest_end|>")]
     assert client.responses.create(model="x", input=USER).output_text == "fine"
+
+
+def test_an_engine_failure_is_an_openai_error_streaming_and_not(server, tok):
+    fake, client, url = server
+    fake.scripts += [RuntimeError("boom"), RuntimeError("bang")]
+    body, headers = {"model": "x", "input": "hi"}, {"authorization": f"Bearer {KEY}"}
+    r = httpx.post(url + "/v1/responses", json=body, headers=headers, timeout=30)
+    assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+    with httpx.stream("POST", url + "/v1/responses", json={**body, "stream": True}, headers=headers, timeout=30) as s:
+        text = s.read().decode()
+    assert text.startswith("event: response.created") and "event: error" in text and "bang" in text
+    assert "response.completed" not in text
+    fake.scripts += [ids(tok, "ok</think>fine<|iquest_end|>")]
+    assert client.responses.create(model="x", input=USER).output_text == "fine"
