@@ -343,10 +343,32 @@ class Blocks:
         return out
 
 
-async def events(answer, model: str, count):
-    """The Anthropic event stream of a running chat Answer (app.Answer.events' loop, in Anthropic's events)."""
+async def deltas(answer):
+    """A running chat Answer's Deltas as they come (app.Answer.events' loop), then ("done", finish_reason)
+    or, when the decode failed, ("error", APIError) (logged; the answer finished). Shared by the Anthropic
+    and Responses streams."""
     from .app import end_error, log_5xx
 
+    while True:
+        ev = await answer.next_event()
+        if ev[0] == "step":
+            yield "delta", answer.take_step(ev[1])
+            if answer.text.stopped:
+                break
+            continue
+        if ev[0] == "error" or ev[1] != "done":
+            answer.finish("error" if ev[0] == "error" else ev[1])
+            err = end_error(ev, answer.deadline_s, "decoding (the stream ends here)")
+            log_5xx(answer.request_id, err.status, err.message + " (in a stream)")
+            yield "error", err
+            return
+        break
+    yield "delta", answer.text.finish()
+    yield "done", answer.finish("done")
+
+
+async def events(answer, model: str, count):
+    """The Anthropic event stream of a running chat Answer."""
     status, ended = 499, False
     blocks = Blocks()
     try:
@@ -354,33 +376,26 @@ async def events(answer, model: str, count):
             "id": message_id(), "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": len(answer.p.prompt), "output_tokens": 0}}})
-        while True:
-            ev = await answer.next_event()
-            if ev[0] == "step":
-                for out in blocks.delta(answer.take_step(ev[1])):
+        async for kind, value in deltas(answer):
+            if kind == "delta":
+                for out in blocks.delta(value):
                     yield out
-                if answer.text.stopped:
-                    break
-                continue
-            if ev[0] == "error" or ev[1] != "done":
-                answer.finish("error" if ev[0] == "error" else ev[1])
+            elif kind == "error":
                 ended = True
-                err = AnthropicError.of(end_error(ev, answer.deadline_s, "decoding (the stream ends here)"))
+                err = AnthropicError.of(value)
                 status = err.status
-                log_5xx(answer.request_id, err.status, err.message + " (in a stream)")
                 yield event("error", {"error": err.body()["error"]})
                 return
-            break
-        for out in blocks.delta(answer.text.finish()) + blocks.close():
-            yield out
-        finish = answer.finish("done")
-        ended = True
-        reason, seq = stop_of(answer, finish)
-        yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                      "usage": {"input_tokens": len(answer.p.prompt),
-                                                "output_tokens": answer.tokens}})
-        yield event("message_stop", {})
-        status = 200
+            else:
+                ended = True
+                for out in blocks.close():
+                    yield out
+                reason, seq = stop_of(answer, value)
+                yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
+                                              "usage": {"input_tokens": len(answer.p.prompt),
+                                                        "output_tokens": answer.tokens}})
+                yield event("message_stop", {})
+                status = 200
     finally:
         if not ended:
             answer.finish("cancelled")

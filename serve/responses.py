@@ -249,7 +249,8 @@ class Items:
         self.open: dict | None = None   # the open reasoning or message item, its text so far in "text"
 
     def event(self, kind: str, **data) -> str:
-        out = f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq, **data}, separators=(',', ':'))}\n\n"
+        data = {"type": kind, "sequence_number": self.seq, **data}
+        out = f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
         self.seq += 1
         return out
 
@@ -324,8 +325,8 @@ class Items:
 
 
 async def events(answer, model: str, count):
-    """The Responses API's event stream of a running chat Answer (as messages.events, in these events)."""
-    from .app import end_error, log_5xx
+    """The Responses API's event stream of a running chat Answer (its Deltas from messages.deltas)."""
+    from .messages import deltas
 
     status, ended = 499, False
     items = Items()
@@ -334,33 +335,25 @@ async def events(answer, model: str, count):
         head = response(rid, model, created, [], None, (len(answer.p.prompt), 0))
         yield items.event("response.created", response=head)
         yield items.event("response.in_progress", response=head)
-        while True:
-            ev = await answer.next_event()
-            if ev[0] == "step":
-                for out in items.delta(answer.take_step(ev[1])):
+        async for kind, value in deltas(answer):
+            if kind == "delta":
+                for out in items.delta(value):
                     yield out
-                if answer.text.stopped:
-                    break
-                continue
-            if ev[0] == "error" or ev[1] != "done":
-                answer.finish("error" if ev[0] == "error" else ev[1])
+            elif kind == "error":
                 ended = True
-                err = end_error(ev, answer.deadline_s, "decoding (the stream ends here)")
-                status = err.status
-                log_5xx(answer.request_id, err.status, err.message + " (in a stream)")
-                body = err.body()["error"]
+                status = value.status
+                body = value.body()["error"]
                 yield items.event("error", code=body.get("code") or body.get("type"), message=body["message"],
                                   param=body.get("param"))
                 return
-            break
-        for out in items.delta(answer.text.finish()) + items.close():
-            yield out
-        finish = answer.finish("done")
-        ended = True
-        final = response(rid, model, created, items.output, finish, (len(answer.p.prompt), answer.tokens))
-        yield items.event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
-                          response=final)
-        status = 200
+            else:
+                ended = True
+                for out in items.close():
+                    yield out
+                final = response(rid, model, created, items.output, value, (len(answer.p.prompt), answer.tokens))
+                yield items.event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
+                                  response=final)
+                status = 200
     finally:
         if not ended:
             answer.finish("cancelled")

@@ -125,7 +125,8 @@ def test_tool_choice_and_max_output_tokens(server, tok):
     fake, client, _ = server
     rest = ids(tok, "<arg_key>path</arg_key><arg_value>b.py</arg_value></iquest_tool_call><|iquest_end|>")
     fake.scripts += [rest]
-    r = client.responses.create(model="x", input=USER, tools=TOOLS, tool_choice={"type": "function", "name": "read_file"})
+    r = client.responses.create(model="x", input=USER, tools=TOOLS,
+                                tool_choice={"type": "function", "name": "read_file"})
     assert summary(r) == [("function_call", "read_file", '{"path": "b.py"}')]
     assert prompt_text(tok, fake).endswith("</think><iquest_tool_call>read_file")
     fake.scripts += [ids(tok, "r</think>a b c d e f g h"), ids(tok, "r</think>a b c d e f g h")]
