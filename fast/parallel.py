@@ -46,11 +46,6 @@ class Parallel:
         """Whether a round's collectives may be captured in a CUDA graph: none, or our peer-memory kernels."""
         return not self.active or self.peers is not None
 
-    @property
-    def fuses_add_norm(self) -> bool:
-        """Whether a row-parallel output's reduction is fused with the residual add and norm that follow it."""
-        return self.peers is not None
-
     def with_peers(self, hidden: int, candidates: int, dtype: torch.dtype) -> "Parallel":
         """This context with its peer-memory collectives (GPUs, TP > 1), built collectively by every rank."""
         if not self.active or self.device.type != "cuda" or self.peers is not None:
@@ -67,14 +62,6 @@ class Parallel:
         if self.active:
             dist.all_reduce(x, group=self.group)
         return x
-
-    def all_reduce_add_norm(self, partial: torch.Tensor, stream: torch.Tensor, weight: torch.Tensor, eps: float,
-                            y_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(sum, stream + sum, rmsnorm(stream + sum) * weight) in one launch where the collectives fuse them (the peer
-        kernels); None elsewhere: the caller reduces, then runs its norm."""
-        if self.peers is None:
-            return None
-        return self.peers.all_reduce_add_norm(partial, stream, weight, eps, y_dtype)
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `x` along the last dimension, in rank order."""

@@ -229,13 +229,17 @@ def chat_request(body) -> dict:
     return out
 
 
-def prepare_messages(raw: bytes, enc: Encoder, limits: Limits, end_of_turn: tuple[int, ...], markup) -> Prepared:
-    """The chat route's Prepared for an Anthropic Messages body; every 400 in Anthropic's shape."""
+def prepare_messages(raw: bytes, enc: Encoder, limits: Limits, end_of_turn: tuple[int, ...], markup,
+                     override: dict | None = None) -> Prepared:
+    """The chat route's Prepared for an Anthropic Messages body (its keys replaced by `override`); every 400 in
+    Anthropic's shape."""
     try:
         try:
             body = json.loads(raw or b"")
         except ValueError as exc:
             raise invalid(f"the body is not valid JSON: {exc}") from None
+        if override and isinstance(body, dict):
+            body = {**body, **override}
         return prepare_chat(json.dumps(chat_request(body)).encode(), enc, limits, end_of_turn, markup)
     except APIError as exc:
         raise AnthropicError.of(exc) from None
@@ -243,16 +247,7 @@ def prepare_messages(raw: bytes, enc: Encoder, limits: Limits, end_of_turn: tupl
 
 def count_tokens(raw: bytes, enc: Encoder, limits: Limits, end_of_turn: tuple[int, ...], markup) -> dict:
     """`/v1/messages/count_tokens`: the prompt tokens a Messages body (max_tokens optional) would take."""
-    try:
-        try:
-            body = json.loads(raw or b"")
-        except ValueError as exc:
-            raise invalid(f"the body is not valid JSON: {exc}") from None
-        if isinstance(body, dict):
-            body = {**body, "stream": False, "max_tokens": 1}
-        p = prepare_chat(json.dumps(chat_request(body)).encode(), enc, limits, end_of_turn, markup)
-    except APIError as exc:
-        raise AnthropicError.of(exc) from None
+    p = prepare_messages(raw, enc, limits, end_of_turn, markup, override={"stream": False, "max_tokens": 1})
     return {"input_tokens": len(p.prompt)}
 
 
