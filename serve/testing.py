@@ -92,3 +92,13 @@ class ScriptedEngine:
             yield Step(tokens, [0.0] * len(tokens), stopped=stop is not None)
             if stop is not None:
                 return
+
+
+# A read_file call in IQuest-Q1's tool-call format, with a string and an integer argument.
+READ_FILE_CALL = ("<iquest_tool_call>read_file<arg_key>path</arg_key><arg_value>007.py</arg_value><arg_key>lines"
+                  "</arg_key><arg_value>3</arg_value></iquest_tool_call>")
+
+
+def spelled_ids(tokenizer, text: str) -> list[int]:
+    """The ids of `text` where spelled control tokens become those tokens (a scripted reply)."""
+    return tokenizer.encode(text, add_special_tokens=False)

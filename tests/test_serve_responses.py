@@ -13,14 +13,13 @@ import pytest
 from iquest.cli.engines import load_engine
 from iquest.serve.app import ServeOptions, create_app
 from iquest.serve.server import ServerThread, load_tokenizer
-from iquest.serve.testing import ScriptedEngine
+from iquest.serve.testing import READ_FILE_CALL, ScriptedEngine, spelled_ids
 from iquest.tests.helpers import TINY
 
 TOOLS = [{"type": "function", "name": "read_file", "description": "read a file",
           "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "lines": {"type": "integer"}}}}]
 USER = [{"role": "user", "content": [{"type": "input_text", "text": "How long is a.py?"}]}]
-CALL = ("<iquest_tool_call>read_file<arg_key>path</arg_key><arg_value>007.py</arg_value><arg_key>lines"
-        "</arg_key><arg_value>3</arg_value></iquest_tool_call>")
+CALL = READ_FILE_CALL
 KEY = "sk-test-key"
 
 
@@ -29,8 +28,7 @@ def tok():
     return load_tokenizer(TINY)
 
 
-def ids(tok, text: str) -> list[int]:
-    return tok.encode(text, add_special_tokens=False)  # spelled control tokens become those tokens
+ids = spelled_ids
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from iquest.cli.engines import load_engine
 from iquest.serve.app import ServeOptions, create_app
 from iquest.serve.chat import ChatStream, Delta, Markup
 from iquest.serve.server import ServerThread, load_tokenizer
-from iquest.serve.testing import ScriptedEngine
+from iquest.serve.testing import ScriptedEngine, spelled_ids
 from iquest.tests.helpers import TINY
 
 CONTEXT = 256
@@ -32,8 +32,7 @@ def tok():
     return load_tokenizer(TINY)
 
 
-def ids(tok, text: str) -> list[int]:
-    return tok.encode(text, add_special_tokens=False)  # spelled control tokens become those tokens
+ids = spelled_ids
 
 
 CALL = ("<iquest_tool_call>read_file<arg_key>path</arg_key><arg_value>007.py</arg_value><arg_key>lines"
