@@ -60,11 +60,14 @@ class FastModel:
                 taps: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The target: (local logits [R, V/tp] fp32, post-norm final hidden [R, H])."""
         c = self.config
+        layers, eps = self.w.layers, c.rms_norm_eps
         x = self.embed(tokens, self.w.embed)
+        a = self.ops.norm(x, layers[0].attention_norm, eps, self.dtype)
         blk = self._block(positions, live, self.target_thetas)
-        for i, lw in enumerate(self.w.layers):
-            x = self.decoder_layer(c, i, lw, self.cache[i], x, blk, taps, f"layer{i}.")
-        hidden = self.ops.norm(x, self.w.norm, c.rms_norm_eps, self.dtype)
+        for i, lw in enumerate(layers):
+            next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else self.w.norm
+            x, a = self.decoder_layer(c, i, lw, self.cache[i], x, a, next_norm, blk, taps, f"layer{i}.")
+        hidden = a  # the final norm of the last layer's output
         _tap(taps, "final_hidden", hidden)
         return self.logits(hidden, self.w.lm_head, c.logit_scale), hidden
 
@@ -83,9 +86,10 @@ class FastModel:
         z = self.par.all_reduce(self.ops.linear(dw.eh_proj, cat[:, self.par.rank * width:(self.par.rank + 1) * width]))
         _tap(taps, "mtp.input", z)
         x = z.float() if d.fp32_residual_connection else z
+        a = self.ops.norm(x, dw.block.attention_norm, eps, self.dtype)
         blk = self._block(positions, live, self.draft_thetas)
-        r = self.decoder_layer(d, 0, dw.block, self.cache[self.config.num_hidden_layers], x, blk, taps, "mtp.")
-        out = self.ops.norm(r, dw.final_layernorm, eps, self.dtype)
+        _, out = self.decoder_layer(d, 0, dw.block, self.cache[self.config.num_hidden_layers], x, a,
+                                    dw.final_layernorm, blk, taps, "mtp.")
         _tap(taps, "mtp.final_hidden", out)
         return self.logits(out, dw.lm_head), out
 
@@ -93,36 +97,37 @@ class FastModel:
         return Block(positions, live, {t: self.ops.rotary(*self.rope_tables[t], positions) for t in thetas})
 
     # ---- one decoder layer ----------------------------------------------------------------------------
-    def decoder_layer(self, c: Config, index: int, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, blk: Block,
-                      taps: dict | None, tag: str) -> torch.Tensor:
-        """docs/model.md's layer: layer 0 (and the draft block) continues the residual from its raw input x and
-        normalizes its MLP output; later layers continue it from the normalized input a. The residual keeps x's
-        dtype (the draft's is fp32); every norm rounds to the compute dtype."""
+    def decoder_layer(self, c: Config, index: int, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, a: torch.Tensor,
+                      next_norm: torch.Tensor, blk: Block, taps: dict | None, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """docs/model.md's layer on its input x and a = attention_norm(x) (made by the op that made x): layer 0 (and
+        the draft block) continues the residual from the raw input x and normalizes its MLP output; later layers
+        continue it from a. Returns (the output, `next_norm` of it: the next layer's a, or the final hidden). The
+        residual keeps x's dtype (the draft's is fp32); every norm rounds to the compute dtype. `add_norm` is a
+        sandwich tail: the branch output (normalized when a weight is given) scaled onto the residual, and the sum
+        normalized for what reads it next."""
         eps, dt = c.rms_norm_eps, self.dtype
         attn_scale, mlp_scale = c.out_scales(index)
-        a = self.ops.norm(x, lw.attention_norm, eps, dt)
         attn_out = self.par.all_reduce(self.attention(c, index, lw.attn, kv, a, blk))
-        h = _scaled_add(x if index == 0 else a, self.ops.norm(attn_out, lw.attn_out_norm, eps, dt), attn_scale)
-        b = self.ops.norm(h, lw.feed_forward_norm, eps, dt)
+        h, b = self.ops.add_norm(x if index == 0 else a, attn_out, attn_scale, lw.attn_out_norm,
+                                 lw.feed_forward_norm, eps, dt)
         mlp_out = self.par.all_reduce(self.mlp(c, lw.mlp, b, blk.live, taps, tag))
-        y = self.ops.norm(mlp_out, lw.ffn_out_norm, eps, dt) if index == 0 else mlp_out
-        out = _scaled_add(h, y, mlp_scale)
+        out, a_next = self.ops.add_norm(h, mlp_out, mlp_scale, lw.ffn_out_norm if index == 0 else None, next_norm,
+                                        eps, dt)
         if taps is not None:
             for name, value in (("attn_out", attn_out), ("mlp_in", b), ("mlp_out", mlp_out), ("hidden", out)):
                 _tap(taps, tag + name, value)
-        return out
+        return out, a_next
 
     @stage("attention")
     def attention(self, c: Config, index: int, attn: Attention, kv: LayerKV, a: torch.Tensor,
                   blk: Block) -> torch.Tensor:
-        """This rank's heads: q/k/v, q/k norm per head, then partial RoPE (the layer type's base), K/V stored, split
+        """This rank's heads: q/k/v; q/k norm per head, then partial RoPE (the layer type's base), K/V stored; split
         attention with the sink key; o_proj's partial sum (row-parallel)."""
         R, D, eps = a.shape[0], c.head_dim, c.rms_norm_eps
         q, k, v = (t.view(R, -1, D) for t in self.ops.qkv(attn, a))
-        q, k = self.ops.norm(q, attn.q_norm, eps, self.dtype), self.ops.norm(k, attn.k_norm, eps, self.dtype)
         theta = c.rope_theta_for(index)
         cos, sin = blk.rope[theta] if theta is not None else (None, None)
-        q = self.ops.rope_write(kv, q, k, v, cos, sin, blk.positions, blk.live)
+        q = self.ops.qk_rope_write(kv, q, k, v, attn.q_norm, attn.k_norm, eps, cos, sin, blk.positions, blk.live)
         out = self.ops.attention(q, kv, blk.positions, c.scale, attn.sink_k)
         return self.ops.linear(attn.wo, out.to(self.dtype).reshape(R, -1))
 
@@ -139,12 +144,6 @@ class FastModel:
             _tap(taps, tag + "router_scores", scores)
             _tap(taps, tag + "experts", experts)
         return self.ops.moe(b, experts, weights, live, mlp).to(self.dtype)
-
-
-def _scaled_add(residual: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
-    """residual + y * scale in the residual's dtype (each op rounded to it); a scale of 1 is skipped (exact)."""
-    y = y.to(residual.dtype)
-    return residual + (y if scale == 1.0 else y * scale)
 
 
 def rope_tables(rotary_dim: int, theta: float, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,15 +56,28 @@ class TorchOps:
         rows = positions.clamp(max=cos.shape[0] - 1)  # padding rows may run past the tables; live rows never do
         return cos.index_select(0, rows), sin.index_select(0, rows)
 
-    def rope_write(self, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
-                   sin: torch.Tensor | None, positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """Rotate the first rotary_dim dims of q and k by the rows' factors (fp32; None: a layer without RoPE), store
-        k and v at the rows' slots (padding rows: the trash slot). Returns the rotated q."""
+    def qk_rope_write(self, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
+                      k_norm: torch.Tensor, eps: float, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                      positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """q and k normalized per head (rounded to their dtype), their first rotary_dim dims rotated by the rows'
+        factors (fp32, rounded; None: a layer without RoPE), k and v stored at the rows' slots (padding rows: the
+        trash slot). Returns the rotated q (kernels/qk_rope_kv.py is this in one launch)."""
+        q, k = self.norm(q, q_norm, eps), self.norm(k, k_norm, eps)
         if cos is not None:
             q = apply_rope(q.float(), cos, sin).to(q.dtype)
             k = apply_rope(k.float(), cos, sin).to(k.dtype)
         kv.write(positions, live, k, v)  # the block's own K/V first: rows see each other causally
         return q
+
+    def add_norm(self, residual: torch.Tensor, y: torch.Tensor, scale: float, y_norm: torch.Tensor | None,
+                 next_norm: torch.Tensor, eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sandwich tail: h = residual + t * scale with t = y_norm(y) (rounded to `dtype`), or y itself when y_norm
+        is None, each op rounded to the residual's dtype (a scale of 1 is skipped: exact); returns (h, next_norm(h)
+        rounded to `dtype`). kernels/rmsnorm.py's add_norm is this in one launch."""
+        t = y if y_norm is None else self.norm(y, y_norm, eps, dtype)
+        t = t.to(residual.dtype)
+        h = residual + (t if scale == 1.0 else t * scale)
+        return h, self.norm(h, next_norm, eps, dtype)
 
     @staticmethod
     def embed(tokens: torch.Tensor, table: torch.Tensor, offset: int) -> torch.Tensor:

@@ -22,9 +22,9 @@ import torch
 
 # ablation name -> the fast.torch_ops.TorchOps methods it stubs
 ABLATABLE: dict[str, tuple[str, ...]] = {
-    "norm": ("norm",),           # every RMSNorm: the sandwich norms, the q/k norms, the draft's enorm/hnorm/final
+    "norm": ("norm", "add_norm"),  # every RMSNorm: the sandwich tails, the draft's enorm/hnorm, the first layer's input
     "qkv": ("qkv",),             # the q/k/v projections
-    "rope": ("rope_write",),     # partial RoPE of q and k and the KV write
+    "rope": ("qk_rope_write",),  # q/k norms, partial RoPE of q and k, and the KV write
     "attention": ("attention",),
     "linear": ("linear",),       # o_proj, eh_proj, the dense MLP (and q/k/v where qkv runs them as linears)
     "route": ("route",),         # the fp32 router logits and the selection

@@ -23,7 +23,7 @@ import torch
 
 from ..fast import sampler
 from ..fast.cache import LayerKV, StaticKV, layer_slots
-from ..fast.model import Block, FastModel, _scaled_add, _tap, rope_tables
+from ..fast.model import Block, FastModel, _tap, rope_tables
 from ..fast.rank import EngineParts
 from ..fast.round import RoundRunner
 from ..fast.state import VERIFY_ROWS
@@ -244,10 +244,9 @@ class ScalarSinkModel(FastModel):
     def attention(self, c, index, attn, kv, a, blk):
         R, D, eps = a.shape[0], c.head_dim, c.rms_norm_eps
         q, k, v = (t.view(R, -1, D) for t in self.ops.qkv(attn, a))
-        q, k = self.ops.norm(q, attn.q_norm, eps, self.dtype), self.ops.norm(k, attn.k_norm, eps, self.dtype)
         theta = c.rope_theta_for(index)
         cos, sin = blk.rope[theta] if theta is not None else (None, None)
-        q = self.ops.rope_write(kv, q, k, v, cos, sin, blk.positions, blk.live)
+        q = self.ops.qk_rope_write(kv, q, k, v, attn.q_norm, attn.k_norm, eps, cos, sin, blk.positions, blk.live)
         out = scalar_sink_attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(blk.positions), c.scale,
                                     attn.sink_k).to(q.dtype)
         return self.ops.linear(attn.wo, out.to(self.dtype).reshape(R, -1))
@@ -279,11 +278,11 @@ class LastDimsRopeModel(FastModel):
     def attention(self, c, index, attn, kv, a, blk):
         R, D, eps, n = a.shape[0], c.head_dim, c.rms_norm_eps, c.rotary_dim
         q, k, v = (t.view(R, -1, D) for t in self.ops.qkv(attn, a))
-        q, k = self.ops.norm(q, attn.q_norm, eps, self.dtype), self.ops.norm(k, attn.k_norm, eps, self.dtype)
         theta = c.rope_theta_for(index)
         cos, sin = blk.rope[theta] if theta is not None else (None, None)
-        q, k = q.roll(n, -1), k.roll(n, -1)  # the last n dims first, where the rotation acts
-        q = self.ops.rope_write(kv, q, k, v, cos, sin, blk.positions, blk.live)
+        q, k = q.roll(n, -1), k.roll(n, -1)  # the last n dims first, where the rotation acts (the norms commute)
+        q = self.ops.qk_rope_write(kv, q, k, v, attn.q_norm.roll(n, -1), attn.k_norm.roll(n, -1), eps, cos, sin,
+                                   blk.positions, blk.live)
         sink = attn.sink_k.roll(n, -1) if attn.sink_k is not None else None
         out = self.ops.attention(q, kv, blk.positions, c.scale, sink)
         return self.ops.linear(attn.wo, out.to(self.dtype).reshape(R, -1))
@@ -293,20 +292,18 @@ class RawResidualModel(FastModel):
     """raw_residual: every layer continues the residual from its raw input x (layer 0's form), where layers >= 1
     continue it from the normalized input a."""
 
-    def decoder_layer(self, c, index, lw, kv, x, blk, taps, tag):
+    def decoder_layer(self, c, index, lw, kv, x, a, next_norm, blk, taps, tag):
         eps, dt = c.rms_norm_eps, self.dtype
         attn_scale, mlp_scale = c.out_scales(index)
-        a = self.ops.norm(x, lw.attention_norm, eps, dt)
         attn_out = self.par.all_reduce(self.attention(c, index, lw.attn, kv, a, blk))
-        h = _scaled_add(x, self.ops.norm(attn_out, lw.attn_out_norm, eps, dt), attn_scale)  # x, not a
-        b = self.ops.norm(h, lw.feed_forward_norm, eps, dt)
+        h, b = self.ops.add_norm(x, attn_out, attn_scale, lw.attn_out_norm, lw.feed_forward_norm, eps, dt)  # x, not a
         mlp_out = self.par.all_reduce(self.mlp(c, lw.mlp, b, blk.live, taps, tag))
-        y = self.ops.norm(mlp_out, lw.ffn_out_norm, eps, dt) if index == 0 else mlp_out
-        out = _scaled_add(h, y, mlp_scale)
+        out, a_next = self.ops.add_norm(h, mlp_out, mlp_scale, lw.ffn_out_norm if index == 0 else None, next_norm,
+                                        eps, dt)
         if taps is not None:
             for name, value in (("attn_out", attn_out), ("mlp_in", b), ("mlp_out", mlp_out), ("hidden", out)):
                 _tap(taps, tag + name, value)
-        return out
+        return out, a_next
 
 
 class _RoutedModel(FastModel):
