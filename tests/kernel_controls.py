@@ -4,8 +4,9 @@ module.
 
 - The peer collectives (tests/test_tp_collectives.py), pieces `_all_reduce` takes: a poll that does not wait for the
   data, a re-arm that never re-arms, a reduction in each rank's own order (`BROKEN`).
-- moe (tests/test_kernel_moe.py), put into copies of its kernels by `kernels.testing.substituted` (`MOE`): an owner
-  rule without the dedup (every live pair's program works), a split sum that drops the last split.
+- moe (tests/test_kernel_moe.py), put into copies of its kernels by `kernels.testing.substituted` (`MOE`): scales
+  indexed without the shard's offset in its first block, liveness ignored (padding rows' experts computed and
+  combined), the slots summed without their routing weights.
 - The router's select (tests/test_kernel_router.py, `ROUTER`): ties to the higher index.
 - The FP8 linears (tests/test_bench_sass.py, tests/test_kernel_fp8_linear_direct.py): the preloaded weight tiles
   used without the opaque move after the wait (`LINEAR_TRANSPARENT`), the direct kernel's K tiles summed last to
@@ -18,7 +19,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from iquest.kernels.allreduce import _advance
-from iquest.kernels.moe_route import load_live
 
 
 @triton.jit
@@ -43,27 +43,51 @@ BROKEN = {"poll": poll_without_waiting, "rearm": never_rearm, "order": own_order
 
 
 @triton.jit
-def owner_without_dedup(experts_ptr, live_ptr, p, R, K_TOP: tl.constexpr, P_PAD: tl.constexpr,
-                        LIVE_COUNT: tl.constexpr):
-    return tl.load(experts_ptr + p), load_live(live_ptr, p // K_TOP, R, LIVE_COUNT)
+def scale_without_offset(s_ptr, rows, cols, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr,
+                         B1: tl.constexpr, stride_r):
+    return s_ptr + (rows // B0)[:, None] * stride_r + (cols // B1)[None, :]
 
 
 @triton.jit
-def split_sum_dropping_last(part_ptr, pair, n, ok, P, I, SPLIT: tl.constexpr):
-    src = part_ptr + (pair * 2)[:, None] * I + n[None, :]
-    g = tl.zeros([pair.shape[0], n.shape[0]], tl.float32)
-    u = tl.zeros([pair.shape[0], n.shape[0]], tl.float32)
-    summed = 0
-    for s in tl.static_range(SPLIT - 1):
-        g += tl.load(src + s * P * 2 * I, mask=ok[:, None], other=0.0)
-        u += tl.load(src + s * P * 2 * I + I, mask=ok[:, None], other=0.0)
-        summed += 1
-    return g, u, summed
+def owner_ignoring_live(experts_ptr, live_ptr, p, R, K_TOP: tl.constexpr, P_PAD: tl.constexpr,
+                        LIVE_COUNT: tl.constexpr):
+    e = tl.load(experts_ptr + p)
+    q = tl.arange(0, P_PAD)
+    before = q < p
+    same = before & (tl.load(experts_ptr + q, mask=before, other=-1) == e)
+    return e, tl.sum(same.to(tl.int32), axis=0) == 0
 
 
-MOE = {"no_dedup": {"_moe_gate_up_kernel": {"_expert_owner": owner_without_dedup},
-                    "_moe_down_kernel": {"_expert_owner": owner_without_dedup}},
-       "drop_last_split": {"_moe_finalize_kernel": {"_split_sum": split_sum_dropping_last}}}
+@triton.jit
+def rows_ignoring_live(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl.constexpr,
+                       BLOCK_M: tl.constexpr, LIVE_COUNT: tl.constexpr):
+    rows = m0 + tl.arange(0, BLOCK_M)
+    j = tl.arange(0, K_PAD)
+    ex = tl.load(experts_ptr + rows[:, None] * K_TOP + j[None, :],
+                 mask=(rows < R)[:, None] & (j < K_TOP)[None, :], other=-1)
+    hit = ex == e
+    return rows * K_TOP + tl.sum(tl.where(hit, j[None, :], 0), axis=1), tl.sum(hit.to(tl.int32), axis=1) > 0
+
+
+@triton.jit
+def all_live(live_ptr, rows, R, LIVE_COUNT: tl.constexpr):
+    return rows < R
+
+
+@triton.jit
+def sum_without_weights(y_ptr, weights_ptr, r, n, n_ok, live, H, K_TOP: tl.constexpr):
+    acc = tl.zeros([n.shape[0]], tl.float32)
+    for j in tl.static_range(K_TOP):
+        acc += tl.load(y_ptr + (r * K_TOP + j) * H + n, mask=n_ok & live, other=0.0)
+    return acc
+
+
+_IGNORING_LIVE = {"_expert_owner": owner_ignoring_live, "_expert_rows": rows_ignoring_live}
+MOE = {"offset_ignored": {"_gate_up_kernel": {"_scale_ptrs": scale_without_offset},
+                          "_down_kernel": {"_scale_ptrs": scale_without_offset}},
+       "padding_computed": {"_gate_up_kernel": _IGNORING_LIVE, "_down_kernel": _IGNORING_LIVE,
+                            "_combine_kernel": {"load_live": all_live}},
+       "weights_not_applied": {"_combine_kernel": {"_weighted_sum": sum_without_weights}}}
 
 
 @triton.jit

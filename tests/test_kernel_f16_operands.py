@@ -1,5 +1,5 @@
-"""kernels/f16_operands.py: bf16 rows scaled by powers of two into exact fp16 tensor-core operands, and the MoE
-with `f16=True` against its bf16-operand form.
+"""kernels/f16_operands.py: bf16 rows scaled by powers of two into exact fp16 tensor-core operands, as the
+post-attention norm writes them (kernels/rmsnorm_residual.py `f16_out`).
 
 CPU (the interpreter worker, and plain torch):
 - the kernel's conversion is bit-identical to `f16_rows_tiles_ref` on rows of every magnitude class: ordinary
@@ -8,10 +8,7 @@ CPU (the interpreter worker, and plain torch):
   and the scaled fp32 product (x16 @ W^T) * 2^-s equals x @ W^T bit for bit: the identity the kernels rely on;
 - the boundary: an element 2^-40 below its row's largest does not survive (the documented exception), and the
   check sees it.
-GPU (a TP8 rank's shapes): `moe(f16=True)` bit-identical to f16=False on fresh random inputs (1, 6 and 8 rows; the
-fp32 input rounded to bf16 in the kernel, and bf16 input); on the boundary rows, where the small elements are all
-Gate/Up has, the two differ (the comparison is not blind). The interpreter runs every case (~2 s): the operand
-roundings are exact bits, which is what it checks.
+The interpreter runs every case (~2 s): the operand roundings are exact bits, which is what it checks.
 """
 
 from __future__ import annotations
@@ -55,8 +52,6 @@ CASES = [{"name": k, "kind": k, "dtype": d} for k in ("ordinary", "zero", "tiny"
 # The post-attention norm writing the MoE's operand tiles (f16_out), and the MoE reading them (f16_input).
 NORM_CASES = [{"name": f"norm_{k}_t{t}", "op": "norm", "kind": k, "tile": t}
               for k in ("ordinary", "zero", "huge", "special") for t in (32, 128)]
-MOE_CASES = [{"name": f"moe_prescaled_R{R}", "op": "moe", "rows": R} for R in (1, 3)]
-MOE_CASES.append({"name": "moe_prescaled_wrong_scale", "op": "moe", "rows": 3, "defect": True})
 
 
 def run_norm_case(c: dict, device: str) -> dict:
@@ -77,51 +72,9 @@ def run_norm_case(c: dict, device: str) -> dict:
             "down_bits": _equal_bits(tiles[1].cpu(), rd), "nan_free_tiles": int((~rd.isnan()).all(-1).sum())}
 
 
-def moe_case_inputs(R: int, gen: torch.Generator, E: int = 6, I: int = 64, H: int = 128, k: int = 2,
-                    block: int = 32) -> dict:
-    """Small MoE inputs for the interpreter (block-scaled E4M3 weights, a norm's bf16-valued fp32 output)."""
-    fp8 = lambda *shape: torch.randn(*shape, generator=gen).to(torch.float8_e4m3fn)
-    sc = lambda *shape: (torch.rand(*shape, generator=gen) + 0.5) / 16
-    nb = lambda n: n // block
-    return dict(gate=fp8(E, I, H), gate_scale=sc(E, nb(I), nb(H)), up=fp8(E, I, H), up_scale=sc(E, nb(I), nb(H)),
-                down=fp8(E, H, I), down_scale=sc(E, nb(H), nb(I)),
-                experts=torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(R)]),
-                weights=torch.softmax(torch.randn(R, k, generator=gen), -1), live=torch.ones(R, dtype=torch.bool),
-                x=torch.randn(R, H, generator=gen).to(torch.bfloat16), residual=torch.randn(R, H, generator=gen) / 4,
-                norm=torch.rand(H, generator=gen) + 0.5, block=(block, block))
-
-
-def prescaled_moe(t: dict, defect: bool = False) -> dict:
-    """The MoE on a norm's fp32 output, rounded to bf16 in Gate/Up (as the engine passes it), and on the tiles the
-    norm wrote. `defect`: the tiles' 2^-s doubled (the negative control: it must change the output, which shows
-    Gate/Up read the tiles). Works on any device; the GPU cases below run it at a TP8 rank's shape."""
-    from iquest.kernels import moe as mk
-    from iquest.kernels import rmsnorm_residual as rn
-
-    R, H = t["x"].shape
-    tile = mk.gate_up_k_tile(t["block"])
-    tiles = fo.empty_tiles(R, H, tile, t["x"].device)
-    b32, _ = rn.rmsnorm_residual(t["x"], t["residual"].to(torch.bfloat16), t["norm"], 1e-6, out_dtype=torch.float32,
-                                 f16_out=tiles)
-    if defect:
-        tiles = (tiles[0], tiles[1] * 2)
-    args = [t[a] for a in ("experts", "weights", "live", "gate", "gate_scale", "up", "up_scale", "down", "down_scale")]
-    kw = dict(block=t["block"], group=t["block"][1], out_dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
-    a, da = mk._moe_probed(b32, *args, **kw)  # the probe: Gate/Up's fp32 hidden
-    b, db = mk._moe_probed(b32, *args, **kw, f16_input=tiles)
-    return {"hidden_bits": _equal_bits(da["hidden"], db["hidden"]), "out_bits": _equal_bits(a, b),
-            "max_diff": float((a.float() - b.float()).abs().max())}
-
-
-def run_moe_case(c: dict) -> dict:
-    return prescaled_moe(moe_case_inputs(c["rows"], torch.Generator().manual_seed(c["rows"])), c.get("defect", False))
-
-
 def run_case(c: dict, device: str) -> dict:
     if c.get("op") == "norm":
         return run_norm_case(c, device)
-    if c.get("op") == "moe":
-        return run_moe_case(c)
     x = rows(c["kind"], torch.Generator().manual_seed(len(c["name"])))
     x = (x if c["dtype"] == "bf16" else x.float()).to(device)
     y, d = fo.f16_rows_tiles(x)
@@ -137,18 +90,12 @@ def _check(c: dict, r: dict) -> None:
         if c["kind"] != "special":  # a row with inf/NaN has NaN everywhere after the norm
             assert r["nan_free_tiles"] == 5
         return
-    if c.get("op") == "moe":
-        if c.get("defect"):  # wrong tile scales must show: the prescaled operand is what Gate/Up used
-            assert not r["hidden_bits"] and r["max_diff"] > 0, r
-        else:
-            assert r["hidden_bits"] and r["out_bits"], r
-        return
     assert r["y_bits"] and r["down_bits"], f"{c['name']}: kernel conversion differs from f16_rows_tiles_ref"
     if c["kind"] in ("ordinary", "zero", "huge"):
         assert r["exact_tiles"] == r["tiles"]
 
 
-interpreted, test_interpreted = interpreted_tests(__file__, CASES + NORM_CASES + MOE_CASES, _check)
+interpreted, test_interpreted = interpreted_tests(__file__, CASES + NORM_CASES, _check)
 
 
 def bf16_row(draw_exps, signs, mants) -> torch.Tensor:
@@ -186,10 +133,9 @@ def test_the_boundary_element_is_lost():
     assert float(y[1, 5]) * float(d[1, 0]) != 2.0 ** -40
 
 
-def test_operand_tiles_are_checked_where_they_are_written_and_read():
-    """The norm's f16_out and the MoE's f16_input go through one check (f16_operands.tile_width): wrong dtypes, a tile
-    count that does not divide H, and (the MoE) tiles of another width than its K tile are refused before a launch."""
-    from iquest.kernels import moe as mk
+def test_operand_tiles_are_checked_where_they_are_written():
+    """The norm's f16_out goes through f16_operands.tile_width: wrong dtypes and a tile count that does not divide H
+    are refused before a launch."""
     from iquest.kernels import rmsnorm_residual as rn
 
     x, w = torch.ones(3, 128, dtype=torch.bfloat16), torch.ones(128)
@@ -199,11 +145,6 @@ def test_operand_tiles_are_checked_where_they_are_written_and_read():
                          ((torch.empty(3, 128, dtype=torch.float16),), " must be a pair")):
         with pytest.raises(ValueError, match="rmsnorm_residual: f16_out" + message):
             rn.rmsnorm_residual(x, x, w, 1e-6, torch.float32, f16_out=bad)
-    t = moe_case_inputs(3, torch.Generator().manual_seed(0))
-    args = [t[a] for a in ("experts", "weights", "live", "gate", "gate_scale", "up", "up_scale", "down", "down_scale")]
-    with pytest.raises(ValueError, match="f16_input's tiles are 64 wide; Gate/Up's K tile here is 32"):
-        mk.moe(t["x"].float(), *args, block=t["block"], group=32, compute_dtype=torch.bfloat16,
-               f16_input=fo.empty_tiles(3, 128, 64, "cpu"))
 
 
 def test_rejects_bad_inputs():
@@ -213,75 +154,7 @@ def test_rejects_bad_inputs():
         fo.f16_rows_tiles(torch.ones(4, 100))
 
 
-# ---- GPU: the MoE with f16 operands against its bf16 form ------------------------------------------------------
-def moe_inputs(R: int, gen: torch.Generator, E: int = 256, I: int = 256, H: int = 6144, k: int = 8) -> dict:
-    fp8 = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).to(torch.float8_e4m3fn)
-    sc = lambda *shape: (torch.rand(*shape, device="cuda", generator=gen) + 0.5) / 64
-    return dict(gate=fp8(E, I, H), gate_scale=sc(E, I // 128, H // 128), up=fp8(E, I, H),
-                up_scale=sc(E, I // 128, H // 128), down=fp8(E, H, I), down_scale=sc(E, H // 128, I // 128),
-                experts=torch.stack([torch.randperm(24, device="cuda", generator=gen)[:k] for _ in range(R)]),
-                weights=torch.softmax(torch.randn(R, k, device="cuda", generator=gen), -1),
-                live=torch.ones(R, dtype=torch.bool, device="cuda"))
-
-
-def run_moe(x: torch.Tensor, t: dict, f16: bool, **kw) -> tuple[torch.Tensor, dict]:
-    from iquest.kernels import moe as mk
-
-    return mk._moe_probed(x, t["experts"], t["weights"], t["live"], t["gate"], t["gate_scale"], t["up"], t["up_scale"],
-                          t["down"], t["down_scale"], out_dtype=torch.bfloat16, f16=f16, **kw)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("R, x_dtype", [(1, "fp32"), (6, "fp32"), (8, "bf16")])
-def test_gpu_moe_f16_is_bit_identical(R, x_dtype):
-    """Fresh random inputs at one TP8 rank's shape: Gate/Up's fp32 hidden and the output are the bf16 form's bits."""
-    gen = torch.Generator(device="cuda").manual_seed(R)
-    t = moe_inputs(R, gen)
-    x = torch.randn(R, 6144, device="cuda", generator=gen)
-    kw = dict(compute_dtype=torch.bfloat16) if x_dtype == "fp32" else {}
-    x = x if x_dtype == "fp32" else x.to(torch.bfloat16)
-    a, da = run_moe(x, t, False, **kw)
-    b, db = run_moe(x, t, True, **kw)
-    assert _equal_bits(da["hidden"], db["hidden"]), "Gate/Up differ"
-    assert _equal_bits(a, b), f"max diff {(a.float() - b.float()).abs().max().item():.3e}"
-
-
-@pytest.mark.gpu
-def test_gpu_moe_f16_boundary_row_differs():
-    """The comparison above is not blind: rows whose only Gate/Up terms are elements 2^-40 below the row tile's
-    largest (against whose weight column is zero) lose them through fp16 operands, and the hidden differs."""
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    t = moe_inputs(2, gen)
-    for name in ("gate", "up"):
-        w = torch.ones_like(t[name], dtype=torch.float32)
-        w[..., ::128] = 0  # each K tile's first column
-        t[name] = w.to(torch.float8_e4m3fn)
-    x = torch.full((2, 6144), 2.0 ** -40, device="cuda")
-    x[:, ::128] = 1.0
-    x = x.to(torch.bfloat16)
-    _, da = run_moe(x, t, False)
-    _, db = run_moe(x, t, True)
-    live = da["hidden"][:16]  # both rows' pairs
-    assert float(live.abs().min()) > 0 and not _equal_bits(da["hidden"], db["hidden"])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("R", [1, 6, 8])
-def test_gpu_moe_prescaled_is_bit_identical(R):
-    """At one TP8 rank's shape: Gate/Up reading the norm's fp16 tiles gives the bits of Gate/Up rescaling the norm's
-    fp32 output itself (hidden and output), and doubled tile scales (the negative control) do not."""
-    gen = torch.Generator(device="cuda").manual_seed(R + 10)
-    t = moe_inputs(R, gen)
-    t.update(x=torch.randn(R, 6144, device="cuda", generator=gen).to(torch.bfloat16),
-             residual=torch.randn(R, 6144, device="cuda", generator=gen) / 4,
-             norm=torch.rand(6144, device="cuda", generator=gen) + 0.5, block=(128, 128))
-    good = prescaled_moe(t)
-    assert good["hidden_bits"] and good["out_bits"], good
-    bad = prescaled_moe(t, defect=True)
-    assert not bad["hidden_bits"] and bad["max_diff"] > 0, bad
-
-
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
-    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + NORM_CASES + MOE_CASES])
+    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + NORM_CASES])
