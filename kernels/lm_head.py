@@ -1,37 +1,25 @@
-"""LM head: logits [R, V] fp32 = x [R, H] @ W^T for a few rows (R = 1..8), reading W in bf16.
+"""The LM heads for a decode block, docs/model.md ("Numerics", "Tensor parallelism"): `lm_head(hidden, head32)` is
+TorchOps.lm_head, hidden.float() @ head32.T, the fp32 logits [R, V_local] of the post-norm rows (bf16, widened
+exactly; fp32 taken too) against this rank's vocabulary slice of the head, held in fp32 [V_local, H] (20000 x 3072 a
+rank at TP8). The target's head and the draft's own take the same call.
 
-Not on the product path until re-based to docs/model.md: written for the retired, guessed architecture's bf16-held
-head (and its optional fused final norm), it is no longer dispatched by fast/triton_ops.py; the published heads
-(the target's and the draft's own, fp32 products with the weights held in fp32 by fast/weights.py) run their torch
-form. Its tests hold it to its own reference (`lm_head_ref`).
+IEEE fp32 throughout: each program's tl.dot runs with input_precision="ieee" (fp32 FMAs, never TF32, whose 10-bit
+operands would move a logit by ~2^-11 of a product), so the kernel sums the products torch's fp32 matmul sums, in
+another order. Agreement is therefore to rounding, not bit for bit (`logit_tolerance`); where every partial sum is
+exact in fp32 (small-integer data in the tests), the logits equal torch's bit for bit.
 
-The rank's LM head rows are bf16 in the checkpoint. Every bf16 value converts to fp32 exactly, so
-`x.float() @ W.float().T` (the engine's fp32 product) is a sum of products of the same values; this
-kernel streams the bf16 rows (half the bytes of an fp32 copy) and multiplies them exactly:
+Grid (cdiv(V, BLOCK_V),): each program reads its [BLOCK_V, H] head rows once, K tile by K tile, for all the block's
+rows (tl.dot needs 16 rows; rows >= R load nothing and are not stored). The last V tile is partial: its loads re-read
+row V-1 (no masks in the weight stream) and its stores are masked. The K tail (H not a multiple of BLOCK_K) is one
+masked step after the unmasked loop. No atomics (deterministic), no host reads (graph-capturable).
 
-- bf16 x: one tensor-core dot per K tile; a product of two bf16 values (8-bit significands) is exact
-  in fp32 and the accumulator is fp32.
-- fp32 (or fp16) x: x is split in registers into bf16 parts, x = hi + mid + lo (fp16: hi + mid), each
-  part the rounding of what the previous ones leave. The split is exact (24 significant bits in three
-  8-bit parts; it holds with truncation too, which is how Triton's interpreter converts), so the
-  three dots add exactly the products x[k] * W[k] split in three, in fp32. When x holds bf16 values
-  (the engine's `rms_norm(...).float()`), mid and lo are zero and the result is the bf16 path's.
-- fp16 / fp32 W: both operands in fp32, `input_precision="ieee"` (no tf32), W read at its own width.
-
-So only the order of the fp32 additions differs from cuBLAS. Grid: (V tiles of BLOCK_V, R tiles of
-16); each program reads its [BLOCK_V, H] weight rows once, K tile by K tile, for all of its rows
-(tl.dot needs 16 rows; rows >= R are masked, so they load nothing). The last V tile is partial: its
-loads re-read row V-1 (no masks in the weight stream) and its stores are masked. The K tail (H not a
-multiple of BLOCK_K) is one masked step after the unmasked loop. No atomics (deterministic), no host
-reads (graph-capturable).
-
-The final RMSNorm is not fused: the engine's `rms_norm` rounds mean(x^2) to bf16 after an fp32 sum
-whose order torch does not fix, so an in-kernel sum would sometimes land on the other side of a
-bf16 rounding boundary and scale that row's logits by one bf16 step (~0.4%). `norm_weight`/`eps`
-apply reference/layers.rms_norm (the engine's torch ops, bit for bit) before the kernel.
+Decode blocks have 1..8 rows (BLOCK_R = 16 at most); a larger block (prefill) is refused (`fits`), and the engine runs
+the torch form.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,157 +28,131 @@ import triton.language as tl
 from .device import FLOATS as _FLOATS, sm_count as _sm_count
 from .launch import launch_options, wait_for_inputs
 
-# Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): the bf16
-# parts are upcast to fp32 (exactly) before the dot there.
-INTERPRETED = bool(triton.knobs.runtime.interpret)
-BLOCK_R = 16  # tl.dot's smallest M; decode blocks have 1..8 rows
-PROGRAMS_PER_SM = 4  # choose_block_v: the largest V tile that still gives this many programs per SM
+BLOCK_R = 16  # tl.dot's smallest M
+MAX_ROWS = BLOCK_R  # one row tile: the head is read once per call
+U32 = 2.0 ** -24  # fp32 unit roundoff
+
+
+@dataclass(frozen=True)
+class LMHeadSettings:
+    """Launch choices. block_k sets the summation order, so it may change the last bits (always within
+    `logit_tolerance`); the others do not."""
+
+    # None: `choose_block_v`, the largest V tile that still gives programs_per_sm programs an SM, so the last partial
+    # wave of the 245 MB stream is short (docs/PERF.md, "The LM head, Philox and the router as kernels").
+    block_v: int | None = None
+    programs_per_sm: int = 4
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
 
 
 @triton.jit
-def _dot_part(acc, part, wt, UPCAST: tl.constexpr):
-    if UPCAST:  # interpreter: fp32 operands holding the bf16 values (wt upcast by the caller)
-        acc = tl.dot(part.to(tl.float32), wt, acc, input_precision="ieee")
-    else:  # bf16 x bf16 on tensor cores (input_precision only concerns fp32 operands)
-        acc = tl.dot(part, wt, acc)
-    return acc
-
-
-@triton.jit
-def _accumulate(acc, x, w, X_PARTS: tl.constexpr, UPCAST: tl.constexpr):
-    """acc [BLOCK_R, BLOCK_V] += x [BLOCK_R, BLOCK_K] @ w [BLOCK_V, BLOCK_K]^T, exact products, fp32 sums."""
-    wt = tl.trans(w)
-    if X_PARTS == 0:  # W not bf16: fp32 operands, fp32 FMA (ieee, never tf32)
-        acc = tl.dot(x.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
-    else:
-        if UPCAST:
-            wt = wt.to(tl.float32)
-        if X_PARTS == 1:  # x is bf16
-            acc = _dot_part(acc, x, wt, UPCAST)
-        else:
-            xf = x.to(tl.float32)
-            hi = xf.to(tl.bfloat16)
-            rest = xf - hi.to(tl.float32)  # exact
-            acc = _dot_part(acc, hi, wt, UPCAST)
-            mid = rest.to(tl.bfloat16)
-            acc = _dot_part(acc, mid, wt, UPCAST)
-            if X_PARTS == 3:
-                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)  # exact: what is left fits 8 bits
-                acc = _dot_part(acc, lo, wt, UPCAST)
-    return acc
+def _dot(acc, x, w):
+    """acc [BLOCK_R, BLOCK_V] += x [BLOCK_R, BLOCK_K] @ w [BLOCK_V, BLOCK_K]^T: fp32 operands, IEEE fp32 FMAs."""
+    return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
 
 
 @triton.jit
 def _lm_head_kernel(x_ptr, w_ptr, y_ptr, R, V, H, stride_x, stride_w, stride_y,
-                    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                    X_PARTS: tl.constexpr, UPCAST: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     pid_v = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.arange(0, BLOCK_R)
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     r_ok = rows < R
     k = tl.arange(0, BLOCK_K)
-    # The partial last V tile re-reads row V-1 (never stored): the weight loads carry no mask.
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :]
     w_ptrs = w_ptr + tl.minimum(cols, V - 1)[:, None].to(tl.int64) * stride_w + k[None, :]
 
     acc = tl.zeros([BLOCK_R, BLOCK_V], tl.float32)
     k_full = (H // BLOCK_K) * BLOCK_K
     for k0 in range(0, k_full, BLOCK_K):
-        x = tl.load(x_ptrs + k0, mask=r_ok[:, None], other=0.0)
+        x = tl.load(x_ptrs + k0, mask=r_ok[:, None], other=0.0).to(tl.float32)  # bf16 -> fp32 is exact
         w = tl.load(w_ptrs + k0)
-        acc = _accumulate(acc, x, w, X_PARTS, UPCAST)
-    if k_full < H:  # the K tail
+        acc = _dot(acc, x, w)
+    if k_full < H:
         k_ok = (k_full + k) < H
-        x = tl.load(x_ptrs + k_full, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs + k_full, mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptrs + k_full, mask=k_ok[None, :], other=0.0)
-        acc = _accumulate(acc, x, w, X_PARTS, UPCAST)
+        acc = _dot(acc, x, w)
 
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :]
     tl.store(y_ptrs, acc, mask=r_ok[:, None] & (cols < V)[None, :])
 
 
 # ---- host wrapper ----------------------------------------------------------------------------------
-_X_PARTS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}  # bf16 parts that hold x exactly
-
-
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(f"lm_head: {message}")
 
 
-def choose_block_v(v: int, device: torch.device) -> int:
-    """The largest V tile in (128, 64, 32) giving >= PROGRAMS_PER_SM programs per SM, else 16: fine enough that
-    the last partial wave is small (V = 20000 on 132 SMs: 32, 625 programs)."""
-    programs = PROGRAMS_PER_SM * _sm_count(device)
+def _pow2_16(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 16 and n & (n - 1) == 0
+
+
+def fits(R: int, V: int, H: int) -> bool:
+    """Whether `lm_head` takes a block of R rows with a head slice [V, H]; otherwise the engine runs the torch form."""
+    return 1 <= R <= MAX_ROWS and V >= 1 and H >= 1
+
+
+def logit_tolerance(hidden: torch.Tensor, head32: torch.Tensor) -> torch.Tensor:
+    """[R, V]: how far lm_head()'s logits and TorchOps.lm_head's may be apart. Both are fp32 sums of the H fp32
+    products x_h w_vh in some order, each within gamma_H sum_h |x_h w_vh| of the exact logit (Higham, Thm 3.1:
+    gamma_H = H u / (1 - H u), u = 2^-24, any order, with or without FMAs), so twice that bounds their difference."""
+    h = hidden.shape[-1]
+    gamma = h * U32 / (1 - h * U32)
+    return 2 * gamma * (hidden.double().abs() @ head32.double().abs().T)
+
+
+def choose_block_v(v: int, settings: LMHeadSettings, device: torch.device) -> int:
+    """The largest V tile in (128, 64, 32) giving >= programs_per_sm programs an SM, else 16."""
+    programs = settings.programs_per_sm * _sm_count(device)
     for bv in (128, 64, 32):
         if triton.cdiv(v, bv) >= programs:
             return bv
     return 16
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, H: int, x_parts: int, block_v: int,
-            block_k: int, num_warps: int, num_stages: int, pdl: bool = False) -> None:
-    R, V = out.shape
-    grid = (triton.cdiv(V, block_v), triton.cdiv(R, BLOCK_R))
-    _lm_head_kernel[grid](x, weight, out, R, V, H, x.stride(0), weight.stride(0), out.stride(0),
-                          BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_K=block_k, X_PARTS=x_parts, UPCAST=INTERPRETED,
-                          num_warps=num_warps, num_stages=num_stages, **launch_options(pdl, x.device))
+def _check_settings(s: LMHeadSettings) -> None:
+    _check(isinstance(s, LMHeadSettings), f"settings must be an LMHeadSettings, got {type(s).__name__}")
+    _check(s.block_v is None or _pow2_16(s.block_v), f"block_v {s.block_v!r} must be None or a power of two >= 16")
+    _check(_pow2_16(s.block_k), f"block_k {s.block_k!r} must be a power of two >= 16")
+    _check(isinstance(s.num_warps, int) and s.num_warps in (1, 2, 4, 8, 16), f"num_warps {s.num_warps!r}")
+    _check(isinstance(s.num_stages, int) and s.num_stages >= 1, f"num_stages {s.num_stages!r} must be >= 1")
+    _check(isinstance(s.programs_per_sm, int) and s.programs_per_sm >= 1,
+           f"programs_per_sm must be an int >= 1, got {s.programs_per_sm!r}")
 
 
-def lm_head(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float | None = None,
-            *, out: torch.Tensor | None = None, block_v: int | None = None, block_k: int = 128, num_warps: int = 4,
-            num_stages: int = 4, pdl: bool = False) -> torch.Tensor:
-    """Logits [R, V] fp32 = x.float() @ weight.float().T, fp32 accumulation, exact products.
-
-    x [R, H] bf16 / fp16 / fp32 (unit stride along H); weight [V, H] bf16 (the fast path; fp16 / fp32
-    accepted), unit stride along H. With `norm_weight` [H] and `eps`, x is first replaced by
-    reference/layers.rms_norm(x, norm_weight, eps) (torch ops in x's dtype, as the engine does; not fused).
-    `out`: [R, V] fp32 with unit stride along V (rows may be strided). `block_v` defaults to choose_block_v."""
-    _check(x.dim() == 2 and weight.dim() == 2, f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be 2-D")
-    R, H = x.shape
-    V, Hw = weight.shape
-    _check(Hw == H, f"x has hidden size {H}, weight has {Hw}")
-    _check(R >= 1 and V >= 1 and H >= 1, f"empty operand: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-    _check(x.dtype in _FLOATS, f"x dtype {x.dtype} must be bf16, fp16 or fp32")
-    _check(weight.dtype in _FLOATS, f"weight dtype {weight.dtype} must be bf16, fp16 or fp32")
-    _check(x.device == weight.device, f"x is on {x.device}, weight on {weight.device}")
-    _check(x.stride(1) == 1 or H == 1, "x must have unit stride along the hidden dimension")
-    _check(weight.stride(1) == 1 or H == 1, "weight must have unit stride along the hidden dimension")
-    if norm_weight is not None or eps is not None:
-        _check(norm_weight is not None and eps is not None, "norm_weight and eps go together")
-        _check(tuple(norm_weight.shape) == (H,) and norm_weight.dtype in _FLOATS,
-               f"norm_weight must be [{H}] bf16, fp16 or fp32, got {tuple(norm_weight.shape)} {norm_weight.dtype}")
-        _check(norm_weight.device == x.device, f"norm_weight is on {norm_weight.device}, x on {x.device}")
-        _check(isinstance(eps, float) and eps > 0, f"eps must be a positive float, got {eps!r}")
+def lm_head(hidden: torch.Tensor, head32: torch.Tensor, *, settings: LMHeadSettings = LMHeadSettings(),
+            out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """Logits [R, V] fp32 = TorchOps.lm_head(hidden, head32) = hidden.float() @ head32.T to rounding
+    (`logit_tolerance`), for hidden [R, H] bf16 (fp16 / fp32 taken too), R in 1..MAX_ROWS, and head32 [V, H] fp32,
+    both with unit stride along H. `out`: [R, V] fp32 with unit stride along V (rows may be strided). `pdl`: as
+    kernels/launch.py's. ValueError for what it does not take."""
+    _check(isinstance(hidden, torch.Tensor) and isinstance(head32, torch.Tensor), "hidden and head32 must be tensors")
+    _check(hidden.dim() == 2 and head32.dim() == 2,
+           f"hidden {tuple(hidden.shape)} and head32 {tuple(head32.shape)} must be 2-D")
+    R, H = hidden.shape
+    V, Hw = head32.shape
+    _check(Hw == H, f"hidden has H={H}, head32 has H={Hw}")
+    _check(fits(R, V, H), f"a block of {R} rows with a head [{V}, {H}] is not taken (rows 1..{MAX_ROWS}): run the "
+           f"torch form")
+    _check(hidden.dtype in _FLOATS, f"hidden {hidden.dtype} must be bfloat16, float16 or float32")
+    _check(head32.dtype == torch.float32, f"head32 {head32.dtype} must be float32 (docs/model.md: fp32 heads)")
+    _check(hidden.device == head32.device, f"hidden is on {hidden.device}, head32 on {head32.device}")
+    _check(hidden.stride(1) == 1 or H == 1, "hidden must have unit stride along H")
+    _check(head32.stride(1) == 1 or H == 1, "head32 must have unit stride along H")
+    _check_settings(settings)
     if out is None:
-        out = torch.empty((R, V), dtype=torch.float32, device=x.device)
-    _check(tuple(out.shape) == (R, V) and out.dtype == torch.float32, f"out must be [{R}, {V}] fp32, got "
-           f"{tuple(out.shape)} {out.dtype}")
-    _check(out.device == x.device, f"out is on {out.device}, x on {x.device}")
-    _check(out.stride(1) == 1 or V == 1, "out must have unit stride along the vocabulary dimension")
-    if block_v is None:
-        block_v = choose_block_v(V, x.device)
-    for name, b in (("block_v", block_v), ("block_k", block_k)):
-        _check(isinstance(b, int) and b >= 16 and b & (b - 1) == 0, f"{name} {b!r} must be a power of two >= 16")
-
-    if norm_weight is not None:
-        from ..reference.layers import rms_norm
-
-        x = rms_norm(x, norm_weight, eps)
-    x_parts = _X_PARTS[x.dtype] if weight.dtype == torch.bfloat16 else 0
-    _launch(x, weight, out, H, x_parts, block_v, block_k, num_warps, num_stages, pdl)
+        out = torch.empty((R, V), dtype=torch.float32, device=hidden.device)
+    _check(tuple(out.shape) == (R, V) and out.dtype == torch.float32,
+           f"out must be [{R}, {V}] fp32, got {tuple(out.shape)} {out.dtype}")
+    _check(out.device == hidden.device, f"out is on {out.device}, hidden on {hidden.device}")
+    _check(out.stride(1) == 1 or V == 1, "out must have unit stride along V")
+    block_v = settings.block_v if settings.block_v is not None else choose_block_v(V, settings, hidden.device)
+    _lm_head_kernel[(triton.cdiv(V, block_v),)](
+        hidden, head32, out, R, V, H, hidden.stride(0), head32.stride(0), out.stride(0), BLOCK_R=BLOCK_R,
+        BLOCK_V=block_v, BLOCK_K=settings.block_k, num_warps=settings.num_warps, num_stages=settings.num_stages,
+        **launch_options(pdl, hidden.device))
     return out
-
-
-# ---- reference -------------------------------------------------------------------------------------
-def lm_head_ref(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                eps: float | None = None) -> torch.Tensor:
-    """The engine's product (fast/model.FastModel.logits): [rms_norm in x's dtype, then] x.float() @ W.float().T."""
-    if norm_weight is not None:
-        from ..reference.layers import rms_norm
-
-        x = rms_norm(x, norm_weight, eps)
-    return x.float() @ weight.float().T
