@@ -53,10 +53,10 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 class ExpertWeights(NamedTuple):
     """One projection of every expert, as this rank holds it."""
 
-    q: torch.Tensor                      # [E, rows, cols] float8_e4m3fn
-    scale: torch.Tensor                  # [E, ceil((rows + offset[0]) / block[0]), ceil((cols + offset[1]) / block[1])] fp32
-    block: tuple[int, int]               # the scale block (rows, cols)
-    offset: tuple[int, int] = (0, 0)     # where q[:, 0, 0] sits inside its first scale block
+    q: torch.Tensor                   # [E, rows, cols] float8_e4m3fn
+    scale: torch.Tensor               # fp32 [E, ceil((rows + o0) / b0), ceil((cols + o1) / b1)], (o0, o1) = offset
+    block: tuple[int, int]            # the scale block (rows, cols)
+    offset: tuple[int, int] = (0, 0)  # where q[:, 0, 0] sits inside its first scale block
 
 
 @dataclass(frozen=True)
@@ -265,7 +265,9 @@ def _check_weight(name: str, w: ExpertWeights, shape: tuple[int, int, int]) -> N
            f"{name}.scale must be fp32 {expect} with unit column stride, got {s.dtype} {tuple(s.shape)}")
 
 
-def _shapes(b: torch.Tensor, experts: torch.Tensor, gate: ExpertWeights) -> tuple[int, int, int, int, int]:
+def _validate(b: torch.Tensor, experts: torch.Tensor, gate: ExpertWeights, up: ExpertWeights,
+              down: ExpertWeights) -> tuple[int, int, int, int]:
+    """(R, H, k, I) of a call, or ValueError."""
     _check(b.dim() == 2 and b.dtype in (torch.bfloat16, torch.float32) and b.stride(1) == 1,
            f"b must be a bf16 or fp32 [R, H] with unit stride, got {b.dtype} {tuple(b.shape)}")
     R, H = b.shape
@@ -274,7 +276,12 @@ def _shapes(b: torch.Tensor, experts: torch.Tensor, gate: ExpertWeights) -> tupl
     k = experts.shape[1]
     _check(1 <= R * k <= MAX_PAIRS, f"R * k = {R * k} pairs, at most {MAX_PAIRS}")
     _check(gate.q.dim() == 3, f"gate.q must be [E, I_r, H], got {tuple(gate.q.shape)}")
-    return R, H, k, gate.q.shape[0], gate.q.shape[1]
+    E, I = gate.q.shape[:2]
+    _check_weight("gate", gate, (E, I, H))
+    _check_weight("up", up, (E, I, H))
+    _check_weight("down", down, (E, H, I))
+    _check(up.block == gate.block, f"up's block {up.block} differs from gate's {gate.block}")
+    return R, H, k, I
 
 
 def fits(b: torch.Tensor, experts: torch.Tensor, gate: ExpertWeights, up: ExpertWeights,
@@ -283,10 +290,7 @@ def fits(b: torch.Tensor, experts: torch.Tensor, gate: ExpertWeights, up: Expert
     their shapes, blocks and offsets, bf16 or fp32 b, R * k <= MAX_PAIRS. Any I_r, H, block and offset is taken
     (tiles are masked, scales are read per element), the mini model's 12-row shards of 32-row blocks included."""
     try:
-        R, H, k, E, I = _shapes(b, experts, gate)
-        _check_weight("gate", gate, (E, I, H))
-        _check_weight("up", up, (E, I, H))
-        _check_weight("down", down, (E, H, I))
+        _validate(b, experts, gate, up, down)
     except ValueError:
         return False
     return True
@@ -300,10 +304,7 @@ def moe(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     sync), routing weights fp32 [R, k], live bool [R] (or one int count of leading live rows). Padding rows come out
     zero; their experts' weights and their routing weights are never read. `pdl`: programmatic dependent launch
     (kernels/launch.py)."""
-    R, H, k, E, I = _shapes(b, experts, gate)
-    _check_weight("gate", gate, (E, I, H))
-    _check_weight("up", up, (E, I, H))
-    _check_weight("down", down, (E, H, I))
+    R, H, k, I = _validate(b, experts, gate, up, down)
     _check(weights.dtype == torch.float32 and tuple(weights.shape) == (R, k) and weights.is_contiguous(),
            f"weights must be contiguous fp32 [{R}, {k}]")
     dev = b.device
@@ -315,7 +316,7 @@ def moe(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     _check(tuple(out.shape) == (R, H) and out.dtype == torch.float32 and out.stride(1) == 1 and out.device == dev,
            f"out must be fp32 [{R}, {H}] with unit stride on {dev}")
     s = settings
-    for name in ("block_m", "gate_up_block_n", "gate_up_block_k", "down_block_n", "down_block_k"):
+    for name in ("block_m", "gate_up_block_n", "gate_up_block_k", "down_block_n", "down_block_k", "combine_block"):
         v = getattr(s, name)
         _check(v >= 16 and v & (v - 1) == 0, f"settings.{name} must be a power of two >= 16 (a dot operand), got {v}")
 
@@ -329,14 +330,13 @@ def moe(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     math = dict(BF16=b.dtype == torch.bfloat16, DOT_F32=INTERPRETED or b.dtype == torch.float32)
     launch = launch_options(pdl, dev)
     streams = dict(num_warps=s.warps, num_stages=s.stages)
-    (B0, B1) = gate.block
-    _check(up.block == gate.block, f"up's block {up.block} differs from gate's {gate.block}")
+    B0, B1 = gate.block
     _gate_up_kernel[(P, triton.cdiv(I, s.gate_up_block_n))](
         b, gate.q, gate.scale, up.q, up.scale, experts, live_arg, hidden, R, H, I, b.stride(0),
         gate.scale.stride(0), gate.scale.stride(1), up.scale.stride(0), up.scale.stride(1),
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
-        **routing, BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=s.gate_up_block_k, **math, INTERP=INTERPRETED, **streams,
-        **launch)
+        **routing, BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=s.gate_up_block_k, **math,
+        INTERP=INTERPRETED, **streams, **launch)
     _down_kernel[(P, triton.cdiv(H, s.down_block_n))](
         hidden, down.q, down.scale, experts, live_arg, y, R, H, I, down.scale.stride(0), down.scale.stride(1),
         D_OFF0=down.offset[0], D_OFF1=down.offset[1], B0=down.block[0], B1=down.block[1], **routing,
