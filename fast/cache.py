@@ -9,12 +9,17 @@ Every slot records the position it holds (`slot_pos`, -1 when empty), so a query
 reads exactly the slots whose position lies in its window and is <= t; KV left behind by rejected
 drafts sits at positions past the settled length and is rewritten before any query can reach it.
 Padding rows of a fixed-width block write to one extra trash slot that is never visible.
+
+`RingSnapshot` copies the rings as one request's prefill left them, so that the next request can take up the
+prefix they share (prefix reuse, fast/rank.py): decode keeps writing the rings after prefill and evicts what the
+next prompt's first new rows must read; full layers need no copy, decode writes only past the prompt there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..reference.config import Config
@@ -67,6 +72,7 @@ class StaticKV:
 
     def __init__(self, config: Config, kv_heads: int, max_context: int, dtype: torch.dtype, device: torch.device):
         self.max_context = max_context
+        self.epoch = 0  # counts resets: KV kept for a later request is stale once anyone resets and refills
         self.layers: list[LayerKV] = []
         for window in windows(config):
             slots = layer_slots(window, max_context, self.ring_slack)
@@ -76,11 +82,16 @@ class StaticKV:
                 slot_pos=torch.full((slots + 1,), -1, dtype=torch.int64, device=device), slots=slots, window=window))
 
     def reset(self) -> None:
+        self.epoch += 1
         for kv in self.layers:
             kv.slot_pos.fill_(-1)
 
     def __getitem__(self, layer: int) -> LayerKV:
         return self.layers[layer]
+
+    def rings(self) -> list[int]:
+        """Indices of the layers whose cache is a ring (a window with fewer slots than positions)."""
+        return [i for i, kv in enumerate(self.layers) if kv.window is not None and kv.slots < self.max_context]
 
     @staticmethod
     def bytes_needed(config: Config, kv_heads: int, max_context: int, dtype_bytes: int) -> int:
@@ -89,3 +100,41 @@ class StaticKV:
             slots = layer_slots(window, max_context) + 1
             total += 2 * slots * kv_heads * config.head_dim * dtype_bytes + 8 * slots
         return total
+
+
+class RingSnapshot:
+    """A copy of some ring layers' K, V and slot_pos, taken and restored by plain copies into buffers made once (the
+    caches keep their addresses: captured graphs stay valid). A host copy of slot_pos says which positions it holds."""
+
+    def __init__(self, cache: StaticKV, layers: list[int]):
+        self.layers = layers
+        self.k = {i: torch.empty_like(cache[i].k) for i in layers}
+        self.v = {i: torch.empty_like(cache[i].v) for i in layers}
+        self.slot_pos = {i: torch.empty_like(cache[i].slot_pos) for i in layers}
+        self.held = {i: np.full(cache[i].slot_pos.shape[0], -1, dtype=np.int64) for i in layers}
+
+    @staticmethod
+    def bytes_for(cache: StaticKV, layers: list[int]) -> int:
+        return sum(2 * kv.k.numel() * kv.k.element_size() + kv.slot_pos.numel() * 8
+                   for kv in (cache[i] for i in layers))
+
+    def take(self, cache: StaticKV, layers: list[int]) -> None:
+        for i in layers:
+            kv = cache[i]
+            self.k[i].copy_(kv.k)
+            self.v[i].copy_(kv.v)
+            self.slot_pos[i].copy_(kv.slot_pos)
+            self.held[i] = kv.slot_pos.cpu().numpy().copy()
+
+    def restore(self, cache: StaticKV, layers: list[int]) -> None:
+        for i in layers:
+            kv = cache[i]
+            kv.k.copy_(self.k[i])
+            kv.v.copy_(self.v[i])
+            kv.slot_pos.copy_(self.slot_pos[i])
+
+    def holds(self, layer: int, lo: int, hi: int) -> bool:
+        """Does the copy of `layer` hold every position in [lo, hi)?"""
+        held = self.held[layer]
+        want = np.arange(max(lo, 0), hi, dtype=np.int64)
+        return bool((held[want % (held.shape[0] - 1)] == want).all())

@@ -191,15 +191,30 @@ class FastEngine:
             pass
 
     supports_top_logprobs = True  # generate(top_logprobs=N): each token's N most likely alternatives (N <= 20)
+    supports_prefix_reuse = True  # generate(prefix_reuse=True), cached_prefix(): the server's --prefix-reuse
+
+    def cached_prefix(self, prompt: Sequence[int], drafts: int | str) -> int:
+        """Prompt tokens whose KV the next `generate(prompt, drafts=drafts, prefix_reuse=True)` takes from the last
+        request that kept its prefix (0: it prefills the whole prompt). Every rank decides alike from the same record;
+        rank 0's answer travels with the request all the same, and the others check it."""
+        return self.rank0.reusable(prompt, bool(drafts))
+
+    @property
+    def prefix_snapshot_bytes(self) -> int:
+        """Device bytes one rank holds for prefix reuse: its ring caches' copy (made at the first kept prefix)."""
+        return self.rank0.snapshot_bytes
 
     def generate(self, prompt: Sequence[int], *, seed: int, params: SamplingParams = SamplingParams(),
                  max_new_tokens: int = 64, drafts: int | str = "auto", stop_ids: Sequence[int] = (),
-                 top_logprobs: int = 0) -> Iterator[Step]:
-        req = Request(tuple(prompt), seed, params.temperature, params.top_k, params.top_p, max_new_tokens,
-                      drafts, tuple(stop_ids), top_logprobs)
+                 top_logprobs: int = 0, prefix_reuse: bool = False) -> Iterator[Step]:
+        """`prefix_reuse`: prefill only past the prefix this prompt shares with the last prompt (`cached_prefix`), and
+        keep this prompt's for the next request; the tokens and logprobs are those of a full prefill, bit for bit."""
         if len(prompt) + max_new_tokens > self.rank0.options.max_context:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceed the engine's "
                              f"context of {self.rank0.options.max_context} (--max-context)")
+        reuse = self.cached_prefix(prompt, drafts) if prefix_reuse else 0
+        req = Request(tuple(prompt), seed, params.temperature, params.top_k, params.top_p, max_new_tokens,
+                      drafts, tuple(stop_ids), top_logprobs, reuse=reuse, keep_prefix=prefix_reuse)
         for q in self.queues:
             q.put(req)
         return self.rank0.decode(req)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..reference.config import Config, GenerationConfig
@@ -19,7 +20,7 @@ from ..reference.depth import FixedDepth, load_controller
 from ..reference.rng import PURPOSE_COMMIT, int64_bits
 from ..reference.speculative import Step
 from . import sampler
-from .cache import StaticKV
+from .cache import RingSnapshot, StaticKV
 from .collectives import CollectiveError
 from .flow import EagerFlow
 from .graphs import capture_decode_loop
@@ -63,6 +64,7 @@ class EngineParts:
     cache: type[StaticKV] = StaticKV
     model: type[FastModel] = FastModel
     runner: type[RoundRunner] = RoundRunner
+    snapshot: type[RingSnapshot] = RingSnapshot
 
 
 def make_ops(plan: KernelPlan) -> TorchOps:
@@ -90,6 +92,19 @@ class Request:
     drafts: int | str
     stop_ids: tuple[int, ...]
     top_logprobs: int = 0  # each emitted token's most likely alternatives, logged (at most MAX_TOP_LOGPROBS)
+    reuse: int = 0          # positions [0, reuse) taken from the last request's prefill (RankEngine.reusable)
+    keep_prefix: bool = False  # keep what this prefill leaves for the next request to reuse
+
+
+@dataclass
+class Prefix:
+    """What a request's prefill left for the next request: its prompt, the cache epoch its KV belongs to, and whether
+    the draft's KV over the prompt was made and its ring copied (not for plain decoding, nor when the first token
+    ended the request)."""
+
+    prompt: np.ndarray
+    epoch: int
+    drafted: bool = False
 
 
 class RankEngine:
@@ -128,6 +143,11 @@ class RankEngine:
         self.cache = parts.cache(c, kv_heads, self.capacity, self.dtype, par.device)
         self.model = parts.model(c, weights, self.cache, par, self.dtype, make_ops(self.plan))
         self.state = self._allocate_state(min(self.generation.top_k, c.vocab_size))
+        rings = self.cache.rings()
+        self._target_rings = [i for i in rings if i < c.num_hidden_layers]
+        self._draft_rings = [i for i in rings if i == c.num_hidden_layers]
+        self.prefix: Prefix | None = None
+        self._snapshot: RingSnapshot | None = None  # made at the first request that keeps its prefix
         self._runners: dict[tuple, tuple[RoundRunner, object]] = {}
         if self._use_graphs() and model_dir is not None:  # capture (and upload) the default decode loop now
             self.runner("auto", self.generation.top_k)
@@ -171,12 +191,24 @@ class RankEngine:
         """Prefill the prompt, draw the first token, draft the first round (eager: not on the decode clock).
 
         `history` > 0 (benchmarks at long context): the caches already hold positions [0, history) of every layer, the
-        draft's included (bench/history.py fills them), so prefill starts at `history`."""
+        draft's included (bench/history.py fills them), so prefill starts at `history`. `req.reuse` > 0: positions
+        [0, req.reuse) come from the last request's prefill (`reusable`), its ring copies restored first."""
         st, m, dev = self.state, len(req.prompt), self.par.device
-        if not 0 <= history < m:
-            raise ValueError(f"history {history} must lie in [0, prompt length {m})")
+        speculative = runner.controller is not None
+        begin = history or req.reuse
+        if not 0 <= begin < m:
+            raise ValueError(f"history {begin} must lie in [0, prompt length {m})")
+        if req.reuse:
+            if history:
+                raise ValueError("a request that reuses a prefix takes no history")
+            # every rank holds the same prefix: a rank that would reuse otherwise has diverged from rank 0
+            if self.reusable(req.prompt, speculative) != req.reuse:
+                raise RuntimeError(f"rank {self.par.rank} cannot reuse {req.reuse} prompt positions")
+            self._snapshot.restore(self.cache, self._target_rings + (self._draft_rings if speculative else []))
+        self.prefix = None  # the caches change from here on: only this prefill's own record may stand after it
+        keep = req.keep_prefix and not history
         st.clear()
-        if not history:
+        if not begin:
             self.cache.reset()
         st.seed.fill_(int64_bits(req.seed))
         st.temperature.fill_(req.temperature)
@@ -186,11 +218,13 @@ class RankEngine:
         st.stop_ids[: len(stops)] = torch.tensor(stops, dtype=torch.int64, device=dev)
         st.tokens[:m] = torch.tensor(req.prompt, dtype=torch.int64, device=dev)
         hiddens = []
-        for s in range(history, m, PREFILL_BLOCK):
+        for s in range(begin, m, PREFILL_BLOCK):
             pos = torch.arange(s, min(s + PREFILL_BLOCK, m), device=dev)
             logits, h = self.model.forward(st.tokens[pos], pos, torch.ones_like(pos, dtype=torch.bool))
             hiddens.append(h)
-        hidden = torch.cat(hiddens)  # main hiddens of positions history..m-1
+        hidden = torch.cat(hiddens)  # main hiddens of positions begin..m-1
+        if keep:
+            self._keep_target(req.prompt)
         ids, probs = runner.dist(logits[-1:])
         first = sampler.draw(ids, probs, runner.uniform(torch.tensor([m], device=dev), PURPOSE_COMMIT))
         st.n.fill_(m - 1)
@@ -204,15 +238,59 @@ class RankEngine:
             return
         # Depth 0 over the whole prompt: the row at p reads the target's hidden at p and the token at p + 1 (the last
         # row, at m - 1, the first output token).
-        for s in range(history, m, PREFILL_BLOCK):
+        for s in range(begin, m, PREFILL_BLOCK):
             e = min(s + PREFILL_BLOCK, m)
             pos = torch.arange(s, e, device=dev)
             live = torch.ones_like(pos, dtype=torch.bool)
-            rows = hidden[s - history:e - history]
+            rows = hidden[s - begin:e - begin]
             if e < m:
                 self.model.draft(st.tokens[pos + 1], rows, pos, live)
             else:
+                if keep:  # the deeper draft rows that follow write the ring at m.., evicting what a reuse reads
+                    self._keep_draft()
                 runner.draft(st.tokens[pos + 1], rows, pos, live, last=torch.tensor(e - s - 1, device=dev))
+
+    # ---- prefix reuse (issue 51) ------------------------------------------------------------------
+    # A cold prefill runs blocks of PREFILL_BLOCK rows from position 0, and a row's KV depends on its block's shape:
+    # only KV that an earlier prefill made in a whole block of the same grid, over the same tokens, equals a cold
+    # prefill's bit for bit (decode's blocks of 1-8 rows round differently). So a reuse takes positions [0, P) with P
+    # a multiple of the block that is below the shared prefix: P <= common - 1, since the draft row at P - 1 read the
+    # token at P. Full layers still hold those positions (decode writes only past the prompt, and KV left past P is
+    # rewritten before any query sees it, as rejected drafts' is). Rings were overwritten by decode: their copies,
+    # taken after the prefill, are restored, and must hold every position a row at P reads (its window below P).
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of this rank's ring copies for prefix reuse (held once a request has kept its prefix)."""
+        return RingSnapshot.bytes_for(self.cache, self._target_rings + self._draft_rings)
+
+    def reusable(self, prompt, speculative: bool) -> int:
+        """How many of `prompt`'s first positions the next start may take from the kept prefix (0: none, prefill from
+        0): the rule above, for a speculative request only when the draft's KV was kept too."""
+        pre = self.prefix
+        if pre is None or pre.epoch != self.cache.epoch or (speculative and not pre.drafted):
+            return 0
+        new = np.asarray(prompt, dtype=np.int64)
+        n = min(len(new), len(pre.prompt))
+        diff = np.flatnonzero(new[:n] != pre.prompt[:n])
+        common = int(diff[0]) if diff.size else n
+        reuse = (common - 1) // PREFILL_BLOCK * PREFILL_BLOCK
+        if reuse <= 0:
+            return 0
+        layers = self._target_rings + (self._draft_rings if speculative else [])
+        if not all(self._snapshot.holds(i, reuse - self.cache[i].window + 1, reuse) for i in layers):
+            return 0  # a shared prefix that ends long before the last prompt did: its ring no longer holds it
+        return reuse
+
+    def _keep_target(self, prompt) -> None:
+        if self._snapshot is None:
+            self._snapshot = self.parts.snapshot(self.cache, self._target_rings + self._draft_rings)
+        self._snapshot.take(self.cache, self._target_rings)
+        self.prefix = Prefix(np.asarray(prompt, dtype=np.int64), self.cache.epoch)
+
+    def _keep_draft(self) -> None:
+        if self.prefix is not None:
+            self._snapshot.take(self.cache, self._draft_rings)
+            self.prefix.drafted = True
 
     def decode_chunk(self, runner: RoundRunner, graph) -> None:
         """Run rounds on the device until TOKENS_PER_READ more tokens are logged or the request ends."""
