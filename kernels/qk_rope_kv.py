@@ -29,8 +29,8 @@ import triton.language as tl
 
 from ..reference.layers import apply_rope, rms_norm
 from .device import FLOATS as _FLOATS
-from .f16_operands import bf16_grid
 from .launch import launch_options, wait_for_inputs
+from .rmsnorm import _on_grid
 
 MAX_HEAD_DIM = 1024
 MAX_HEADS = 65535  # the grid's second dimension
@@ -53,16 +53,6 @@ def qk_rope_kv_fits(heads_q: int, heads_kv: int, head_dim: int, rotary_dim: int 
     return (head_dim >= 2 and head_dim & (head_dim - 1) == 0 and head_dim <= MAX_HEAD_DIM
             and heads_q >= 1 and heads_kv >= 1 and heads_q + heads_kv <= MAX_HEADS
             and (rotary_dim is None or (rotary_dim >= 2 and rotary_dim % 2 == 0 and rotary_dim <= head_dim)))
-
-
-@triton.jit
-def _on_grid(v, DT: tl.constexpr):
-    """fp32 v rounded to nearest-even in DT, kept fp32 so the next op computes in fp32 as the torch form does."""
-    if DT == tl.bfloat16:
-        v = bf16_grid(v)
-    elif DT == tl.float16:
-        v = v.to(tl.float16).to(tl.float32)
-    return v
 
 
 @triton.jit

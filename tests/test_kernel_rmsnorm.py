@@ -29,13 +29,13 @@ C_F = 0.53881590608  # ffn_out_scale of layers >= 1 (docs/model.md, "Config")
 TOL = {
     "fp32": dict(max_rel=2.0 ** -20, mismatch=1.0,
                  why="a row's sum of squares is added in Triton's tree order, not torch's, so 1/rms and every value "
-                     "scaled by it may differ by a few fp32 ulps; measured on the interpreter at H 3072: up to "
-                     "2^-22.8 of the tensor's largest value, in ~30% of the elements"),
+                     "scaled by it may differ by a few fp32 ulps; measured on the interpreter at H 3072, 512 rows: "
+                     "up to 2^-22.5 of the tensor's largest value, in ~25% of the values"),
     "bf16": dict(max_rel=2.0 ** -6, mismatch=1e-3,
                  why="those few fp32 ulps change a bf16 rounding only for a value within them of a rounding midpoint; "
                      "a changed rounding is one bf16 ulp, and one in the branch moves the sum h by at most that; "
-                     "measured on the interpreter at H 3072, 64 rows: at most 2 of 196,608 values of b differ, "
-                     "none of h"),
+                     "measured on the interpreter at H 3072, 512 rows, bf16 and fp32 residuals, scale 1 and c_f: at "
+                     "most 16 of 1,572,864 values of b and 8 of h differ, by at most 2^-8.8 of the largest value"),
 }
 
 BASE = dict(op="add_norm", R=8, H=100, residual="bf16", y="bf16", dtype="bf16", scale=1.0, y_norm=True,
@@ -87,7 +87,7 @@ def _rows(gen, R: int, H: int, dtype: torch.dtype, scale: float, strided: bool, 
     return x[:, H:2 * H] if strided else x
 
 
-def run_case(c: dict, device: str, pdl: bool = False) -> dict:
+def run_case(c: dict, device: str, pdl: bool = False, bits: bool = False) -> dict:
     gen = torch.Generator().manual_seed(c["seed"])
     R, H, dt = c["R"], c["H"], DTYPES[c["dtype"]]
     y = _rows(gen, R, H, DTYPES[c["y"]], 5.0, c["strided"], device)
@@ -101,6 +101,8 @@ def run_case(c: dict, device: str, pdl: bool = False) -> dict:
             out = torch.full((R, H), float("nan"), dtype=dt, device=device)
         got = rn.rmsnorm(y, w1, 1e-6, dt, out=out, pdl=pdl)
         assert got is out
+        if bits:
+            return [got]
         return {"b": _agreement(got, want), "finite": bool(torch.isfinite(got).all()),
                 "left_half_untouched": not c["out_view"] or bool(z[:, :H].isnan().all())}
     res = _rows(gen, R, H, DTYPES[c["residual"]], 3.0, c["strided"], device)
@@ -111,6 +113,8 @@ def run_case(c: dict, device: str, pdl: bool = False) -> dict:
     h, b = rn.add_norm(res, y, c["scale"], y_norm_w, w2, 1e-6, dt, h_out=h_out,
                        b_out=torch.full_like(want_b, float("nan")), pdl=pdl)
     assert h is h_out and h.dtype == res.dtype and b.dtype == dt
+    if bits:
+        return [h, b]
     return {"h": _agreement(h, want_h), "b": _agreement(b, want_b),
             "finite": bool(torch.isfinite(h).all() and torch.isfinite(b).all()),
             "residual_kept": c["inplace"] or bool(torch.equal(res, kept))}
@@ -245,7 +249,8 @@ def test_gpu(c):
 @pytest.mark.parametrize("c", GPU_CASES, ids=[c["name"] for c in GPU_CASES])
 def test_gpu_pdl_same_bits(c):
     """PDL changes when the programs start, never what they compute."""
-    assert run_case(c, "cuda") == run_case(c, "cuda", pdl=True)
+    plain, with_pdl = run_case(c, "cuda", bits=True), run_case(c, "cuda", pdl=True, bits=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, with_pdl))
 
 
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
