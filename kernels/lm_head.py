@@ -35,8 +35,8 @@ U32 = 2.0 ** -24  # fp32 unit roundoff
 
 @dataclass(frozen=True)
 class LMHeadSettings:
-    """Launch choices. block_k sets the summation order, so it may change the last bits (always within
-    `logit_tolerance`); the others do not."""
+    """Launch choices. block_k may change the summation order, so the last bits (always within `logit_tolerance`);
+    the others share the same sums out over programs and threads."""
 
     # None: `choose_block_v`, the largest V tile that still gives programs_per_sm programs an SM, so the last partial
     # wave of the 245 MB stream is short (docs/PERF.md, "The LM head, Philox and the router as kernels").
@@ -106,9 +106,10 @@ def logit_tolerance(hidden: torch.Tensor, head32: torch.Tensor) -> torch.Tensor:
 
 
 def choose_block_v(v: int, settings: LMHeadSettings, device: torch.device) -> int:
-    """The largest V tile in (128, 64, 32) giving >= programs_per_sm programs an SM, else 16."""
+    """The largest V tile in (64, 32) giving >= programs_per_sm programs an SM, else 16. Not 128: pipelined at the
+    default block_k and num_stages, its fp32 tiles all but fill an SM's shared memory and spill registers (sm_90a)."""
     programs = settings.programs_per_sm * _sm_count(device)
-    for bv in (128, 64, 32):
+    for bv in (64, 32):
         if triton.cdiv(v, bv) >= programs:
             return bv
     return 16

@@ -47,8 +47,8 @@ U32 = 2.0 ** -24  # fp32 unit roundoff
 
 @dataclass(frozen=True)
 class RouterSettings:
-    """Launch choices. block_e, block_h, split and select_warps set summation orders, so they may change the last
-    bits (always within `logit_tolerance`); num_warps, programs_per_sm (through split only) and preload do not."""
+    """Launch choices. Every one but preload may change the last bits (summation orders follow the tiles, the splits
+    and the warps), always within `logit_tolerance`; preload gives the same bits (tests: the "twin" cases)."""
 
     # One warp on a [4, 512] fp32 tile keeps the H reduction inside the warp: no shared memory, no barrier
     # (docs/PERF.md, "The LM head, Philox and the router as kernels").

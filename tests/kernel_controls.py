@@ -7,7 +7,6 @@ module.
 - moe (tests/test_kernel_moe.py), put into copies of its kernels by `kernels.testing.substituted` (`MOE`): scales
   indexed without the shard's offset in its first block, liveness ignored (padding rows' experts computed and
   combined), the slots summed without their routing weights.
-- The router's select (tests/test_kernel_router.py, `ROUTER`): ties to the higher index.
 - The FP8 linears (tests/test_bench_sass.py, tests/test_kernel_fp8_linear_direct.py): the preloaded weight tiles
   used without the opaque move after the wait (`LINEAR_TRANSPARENT`), the direct kernel's K tiles summed last to
   first (`DIRECT_REVERSED`).
@@ -88,14 +87,6 @@ MOE = {"offset_ignored": {"_gate_up_kernel": {"_scale_ptrs": scale_without_offse
        "padding_computed": {"_gate_up_kernel": _IGNORING_LIVE, "_down_kernel": _IGNORING_LIVE,
                             "_combine_kernel": {"load_live": all_live}},
        "weights_not_applied": {"_combine_kernel": {"_weighted_sum": sum_without_weights}}}
-
-
-@triton.jit
-def ranked_high(idx, E_PAD: tl.constexpr):
-    return E_PAD - 1 - idx
-
-
-ROUTER = {"_router_select_kernel": {"_tie_rank": ranked_high}}
 
 
 @triton.jit

@@ -196,9 +196,9 @@ def test_cases_cover_the_boundaries():
 
 def test_choose_block_v(monkeypatch):
     cpu, s = torch.device("cpu"), lm.LMHeadSettings()  # 8 "SMs" off the GPU: 32 programs wanted
-    assert lm.choose_block_v(20000, s, cpu) == 128 and lm.choose_block_v(100, s, cpu) == 16
+    assert lm.choose_block_v(20000, s, cpu) == 64 and lm.choose_block_v(100, s, cpu) == 16
     monkeypatch.setattr(lm, "_sm_count", lambda device: 132)  # an H200: 528 programs wanted
-    assert [lm.choose_block_v(v, s, cpu) for v in (20000, 40000, 80000, 5000)] == [32, 64, 128, 16]
+    assert [lm.choose_block_v(v, s, cpu) for v in (20000, 40000, 80000, 5000)] == [32, 64, 64, 16]
 
 
 def test_fits():

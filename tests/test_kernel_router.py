@@ -201,8 +201,8 @@ def measure(b: torch.Tensor, w: torch.Tensor, k: int, got: tuple, want: tuple) -
         "unexplained_rows": int((differs & ~near_tie).sum()),
         "tie_slots": int((rivals > 0).sum()),
         "boundary_tie_rows": int(((sk == sel[:, -1:]) & unselected).any(-1).sum()),
-        "experts": ek.tolist() if R <= 2 else None,
-        "weights": wk.tolist() if R <= 2 else None,
+        "experts": ek.tolist(),
+        "weights": wk.tolist(),
     }
 
 
@@ -239,8 +239,9 @@ def check_values(c: dict, r: dict) -> None:
     if c["data"] in ("int", "ties", "equal"):
         assert r["tie_slots"] > 0, f"{c['name']}: no selected expert had a bit-equal rival (ties not exercised)"
     if c["data"] == "equal":
-        assert r["experts"] is None or all(row == list(range(k)) for row in r["experts"]), r["experts"]
-        assert r["weights"] is None or all(abs(x - 1 / k) <= 2 * U for row in r["weights"] for x in row)
+        assert all(row == list(range(k)) for row in r["experts"]), f"{c['name']}: experts {r['experts']}, " \
+                                                                   "not the lower indices"
+        assert all(abs(x - 1 / k) <= 2 * U for row in r["weights"] for x in row), r["weights"]
     if c["settings"].get("split", 1) > 1:
         assert r["splits"] > 1, f"{c['name']}: asked for {c['settings']['split']} splits, ran {r['splits']}"
     if c["twin"] is not None:
