@@ -1,6 +1,6 @@
 """The published layer's norms (docs/model.md, "Forward"): a plain RMSNorm (`rmsnorm`), and the sandwich tail
 (`add_norm`): the branch output normalized, scaled and added to the residual, and the sum normalized for the next
-consumer, in one launch instead of the torch sequence's dozen elementwise kernels.
+consumer, in one launch instead of the torch sequence's fifteen or so elementwise kernels.
 
 Both are the torch forms `rmsnorm_torch` / `add_norm_torch` (below) with the same roundings: every norm runs in
 fp32 and is rounded once to its output dtype; the branch is rounded to the residual's dtype, scaled and rounded
