@@ -54,29 +54,32 @@ EARLY_SLOTS = 128  # slots a split prefetches before its wait (`early`): its fir
 
 @dataclass(frozen=True)
 class AttentionSettings:
-    """How the two kernels launch. Stages, warps, preload and early change no value; the tile, the splits and the
-    combine's shape set the order of the fp32 sums (a numerical change, re-qualified when changed)."""
+    """How the two kernels launch. num_stages, preload and early change no value (each measured bit-identical); the
+    tile, the splits, the warps and the combine's shape set the order of the fp32 sums (re-qualify when changing)."""
 
-    # slots a K/V tile: the tune at 932ec08 (docs/PERF.md, "Launch configurations"); 32 rejected ("32-slot tiles")
+    # slots a K/V tile: the default `bench tune` kept at 932ec08 (docs/PERF.md, "Launch configurations"); 32-slot
+    # tiles rejected (docs/PERF.md, "32-slot tiles and splits in a sliding layer's attention")
     block_n: int = 64
-    # slots a split at least (None: one tile): 17 live splits at 1K instead of 5, 14.5 -> 9.7 us (tune at 932ec08)
+    # slots a split at least (None: one tile): 17 live splits at 1K instead of 5, 14.5 -> 9.7 us a call (the tune at
+    # 932ec08, docs/PERF.md "Launch configurations"); longer splits starve the grid ("256-slot splits", rejected)
     min_split: int | None = None
-    # splits of the grid (None: about two programs an SM at full capacity, `default_num_splits`; PERF.md, the tune)
+    # the grid's splits (None: about two programs an SM at full capacity, `default_num_splits`: the 264 of a full
+    # layer on an H200 in docs/PERF.md's "context sweep")
     num_splits: int | None = None
-    # warps of a split program: the tune at 932ec08 (docs/PERF.md, "Launch configurations")
+    # warps of a split program: the default the tune at 932ec08 kept (docs/PERF.md, "Launch configurations")
     num_warps: int = 4
-    # K/V tiles in flight a split: 3 on full layers, 2 on sliding ones ("Three K/V tiles in flight", bc0f7c4)
+    # K/V tiles in flight a split: 3 on full layers, 2 on sliding ones (docs/PERF.md, "Three K/V tiles in flight")
     num_stages: int = 3
-    # splits the combine merges a step, columns a combine program, its warps: "The attention combine as one program
-    # a (KV head, row, 32 columns), 4 warps over 128 splits a step" (f8272df)
+    # splits the combine merges a step, columns a combine program, its warps: docs/PERF.md, "The attention combine as
+    # one program a (KV head, row, 32 columns), 4 warps over 128 splits a step" (f8272df)
     combine_splits: int = 128
     combine_cols: int = 32
     combine_warps: int = 4
     # with PDL, the combine reads sink_k (a constant) and q (written before the split kernel) and forms the sink
-    # logit before its wait ("Constant weights loaded into registers before the PDL wait", 838962d)
+    # logit before its wait (docs/PERF.md, "Constant weights loaded into registers before the PDL wait", 838962d)
     preload: bool = True
     # with PDL, each split asks L2 for its first K/V lines and the combine counts its live splits before their waits,
-    # from positions the caller wrote two launches back or earlier ("Reads of data written two launches back", 4d25f80)
+    # from positions written two launches back or earlier (docs/PERF.md, "Reads of data written two launches back")
     early: bool = True
 
     def splits(self, slots: int, kv_heads: int, device: torch.device) -> int:
@@ -285,7 +288,8 @@ def _check_settings(st: AttentionSettings) -> None:
            f"min_split {st.min_split} must be a multiple of block_n")
     _check(st.num_splits is None or (isinstance(st.num_splits, int) and st.num_splits >= 1),
            f"num_splits must be None or an int >= 1, got {st.num_splits!r}")
-    _check(isinstance(st.num_stages, int) and st.num_stages >= 1, f"num_stages must be an int >= 1")
+    _check(isinstance(st.num_stages, int) and st.num_stages >= 1,
+           f"num_stages must be an int >= 1, got {st.num_stages!r}")
     _check(st.num_warps in (1, 2, 4, 8, 16), f"num_warps {st.num_warps} must be a power of two <= 16")
     _check(_pow2(st.combine_splits, 16), f"combine_splits {st.combine_splits} must be a power of two >= 16")
     _check(_pow2(st.combine_cols, 16), f"combine_cols {st.combine_cols} must be a power of two >= 16")

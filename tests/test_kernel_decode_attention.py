@@ -133,11 +133,10 @@ def build(c: dict, device: str) -> dict:
     pad = torch.zeros(R, dtype=torch.bool)
     pad[list(c["pad_rows"])] = True
     positions[pad] = -1
-    if pad.any():  # padding rows' K/V go to the trash slot, large so that a slot wrongly seen would dominate
-        kv.write(positions[pad], torch.zeros(int(pad.sum()), dtype=torch.bool), torch.full((int(pad.sum()), Hkv, D), 30.0),
-                 torch.full((int(pad.sum()), Hkv, D), 30.0))
-    else:
-        kv.k[slots], kv.v[slots] = 30.0, 30.0
+    # padding rows' K/V go to the trash slot: large, so that the slot wrongly seen would dominate
+    n_pad = int(pad.sum())
+    big = torch.full((max(n_pad, 1), Hkv, D), 30.0)
+    kv.write(positions[pad] if n_pad else torch.tensor([-1]), torch.zeros(max(n_pad, 1), dtype=torch.bool), big, big)
     if window is not None and positions.max() >= 0:
         first = int(positions[positions >= 0][0])
         assert first - window < 0 or first - window in kv.slot_pos.tolist(), "the ring should hold the window's edge"
@@ -271,7 +270,8 @@ def test_negative_control_sink_per_split(interpreted, name):
 
 def test_settings_defaults():
     """Full layers stream 3 K/V tiles in flight, sliding ones (the draft's too) 2; the rest is shared."""
-    assert da.settings_for(None) is da.FULL and da.settings_for(4096) is da.SLIDING and da.settings_for(512) is da.SLIDING
+    assert da.settings_for(None) is da.FULL
+    assert da.settings_for(4096) is da.SLIDING and da.settings_for(512) is da.SLIDING
     assert (da.FULL.num_stages, da.SLIDING.num_stages) == (3, 2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         da.FULL.block_n = 32  # frozen: a default cannot be edited in place
@@ -306,7 +306,7 @@ def test_rejects_bad_inputs(over, message):
         da.decode_attention(**_args(**over))
 
 
-# ---- GPU tests (TP8 rank shapes) --------------------------------------------------------------------------------------
+# ---- GPU tests (TP8 rank shapes) ------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", GPU_CASES, ids=[c["name"] for c in GPU_CASES])
 def test_gpu(c):
