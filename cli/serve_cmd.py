@@ -37,6 +37,11 @@ def register(sub) -> None:
     p.add_argument("--drafts", type=_drafts, default="auto",
                    help="auto (default) = the fitted depth controller where drafting pays on this device, else plain "
                         "sampling (round_costs.json beside the model); 3..7 = fixed drafts per round; 0 = plain")
+    p.add_argument("--prefix-reuse", choices=["on", "off"], default="on",
+                   help="on (default): keep the last request's prompt KV and prefill only past the prefix the next "
+                        "prompt shares with it (an agent's next turn), with the tokens and logprobs of a full prefill; "
+                        "reported as usage.prompt_tokens_details.cached_tokens (Anthropic: cache_read_input_tokens). "
+                        "Costs one copy of the sliding-window caches per rank (fast engine; ignored by the reference)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
@@ -83,9 +88,13 @@ def run(args: argparse.Namespace) -> int:
                          device=device, weights=args.weights)
     policy = engine.policy(args.drafts)  # auto: plain sampling where drafting loses on this device
     ran = engine.describe()["text"] if hasattr(engine, "describe") else "reference (float64, CPU)"
-    print(f"iquest serve: {ran}; depth policy {policy.label}", file=sys.stderr, flush=True)
+    reuse = "off"
+    if args.prefix_reuse == "on" and getattr(engine, "supports_prefix_reuse", False):
+        reuse = f"on ({engine.prefix_snapshot_bytes / 2**20:.1f} MiB of ring copies per rank)"
+    print(f"iquest serve: {ran}; depth policy {policy.label}; prefix reuse {reuse}", file=sys.stderr, flush=True)
     options = ServeOptions(model_name=args.served_model_name or model_dir.resolve().name, api_key=args.api_key,
                            queue_size=args.queue_size, deadline=args.deadline or None,
-                           max_context=args.max_context, drafts=policy.drafts, max_body_size=args.max_body_size)
+                           max_context=args.max_context, drafts=policy.drafts, max_body_size=args.max_body_size,
+                           prefix_reuse=args.prefix_reuse == "on")
     serve(engine, tokenizer, options, args.host, args.port, args.log_level)
     return 0

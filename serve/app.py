@@ -60,6 +60,7 @@ class ServeOptions:
     max_context: int = 4096
     drafts: int | str = "auto"
     max_body_size: int | None = None  # bytes; None = default_max_body_size(max_context)
+    prefix_reuse: bool = True         # prefill only past the prefix a prompt shares with the last (engines that can)
 
 
 class ClientGone(Exception):
@@ -123,7 +124,8 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
     encoder, token_text = Encoder(tokenizer), TokenText(tokenizer)
     body_limit = options.max_body_size or default_max_body_size(options.max_context)
     metrics = Metrics()
-    worker = Worker(engine, drafts=options.drafts, queue_size=options.queue_size, metrics=metrics)
+    worker = Worker(engine, drafts=options.drafts, queue_size=options.queue_size, metrics=metrics,
+                    prefix_reuse=options.prefix_reuse)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -443,7 +445,8 @@ class Answer:
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.p.prompt), "completion_tokens": self.tokens,
-                "total_tokens": len(self.p.prompt) + self.tokens}
+                "total_tokens": len(self.p.prompt) + self.tokens,
+                "prompt_tokens_details": {"cached_tokens": self.job.cached}}
 
     def logprobs(self) -> dict | None:
         """The logprobs of the tokens not yet sent, in OpenAI's shape for this route (None: not asked for)."""

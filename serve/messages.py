@@ -291,8 +291,15 @@ def message(body: dict, answer, model: str) -> dict:
     reason, seq = stop_of(answer, choice["finish_reason"])
     return {"id": message_id(), "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": seq,
-            "usage": {"input_tokens": body["usage"]["prompt_tokens"],
-                      "output_tokens": body["usage"]["completion_tokens"]}}
+            "usage": usage(answer, body["usage"]["completion_tokens"])}
+
+
+def usage(answer, output_tokens: int) -> dict:
+    """Anthropic's usage: input_tokens are the prompt tokens not read from the cache, so that the three input counts
+    add up to the prompt (count_tokens' input_tokens)."""
+    cached = answer.job.cached
+    return {"input_tokens": len(answer.p.prompt) - cached, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def event(kind: str, data: dict) -> str:
@@ -370,7 +377,7 @@ async def events(answer, model: str, count):
         yield event("message_start", {"message": {
             "id": message_id(), "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": len(answer.p.prompt), "output_tokens": 0}}})
+            "usage": usage(answer, 0)}})
         async for kind, value in deltas(answer):
             if kind == "delta":
                 for out in blocks.delta(value):
@@ -387,8 +394,7 @@ async def events(answer, model: str, count):
                     yield out
                 reason, seq = stop_of(answer, value)
                 yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                              "usage": {"input_tokens": len(answer.p.prompt),
-                                                        "output_tokens": answer.tokens}})
+                                              "usage": usage(answer, answer.tokens)})
                 yield event("message_stop", {})
                 status = 200
     finally:

@@ -17,8 +17,15 @@ class Metrics:
         self.finished = Counter("iquest_decodes", "Decodes ended, by reason (stop, length, cancelled, "
                                 "deadline, shutdown, error)", ["reason"], registry=r)
         self.tokens = Counter("iquest_emitted_tokens", "Tokens emitted by the engine", registry=r)
-        self.prompt_tokens = Counter("iquest_prompt_tokens", "Prompt tokens of the decodes started (prefilled)",
-                                     registry=r)
+        self.prompt_tokens = Counter("iquest_prompt_tokens", "Prompt tokens of the decodes started", registry=r)
+        self.prefill_tokens = Counter("iquest_prefill_tokens", "Prompt tokens prefilled: the prompt tokens less "
+                                      "those whose KV was reused", registry=r)
+        self.cached_tokens = Counter("iquest_prefix_cached_tokens", "Prompt tokens whose KV came from the last "
+                                     "request's prefill (--prefix-reuse)", registry=r)
+        self.prefix_lookups = Counter("iquest_prefix_lookups", "Decodes started with --prefix-reuse on, by result: "
+                                      "hit (a prefix reused) or miss (a full prefill)", ["result"], registry=r)
+        self.snapshot_bytes = Gauge("iquest_prefix_snapshot_bytes", "Device bytes each rank holds for prefix reuse "
+                                    "(a copy of its ring caches; 0 when off)", registry=r)
         self.rounds = Counter("iquest_rounds", "Speculative rounds run (steps that verified drafts)", registry=r)
         self.drafts = Counter("iquest_drafts", "Drafts verified in speculative rounds", registry=r)
         self.accepted = Counter("iquest_accepted_drafts", "Drafts accepted in speculative rounds", registry=r)

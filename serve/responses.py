@@ -213,14 +213,16 @@ def call_item(call: dict, status: str = "completed") -> dict:
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
 
-def response(rid: str, model: str, created: int, output: list, finish: str | None, usage: tuple[int, int]) -> dict:
+def response(rid: str, model: str, created: int, output: list, finish: str | None,
+             usage: tuple[int, int, int]) -> dict:
+    """`usage`: (input tokens, output tokens, input tokens whose KV was reused)."""
     status = "in_progress" if finish is None else "incomplete" if finish == "length" else "completed"
     return {"id": rid, "object": "response", "created_at": created, "model": model, "status": status,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "error": None, "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
             "usage": None if finish is None else {
                 "input_tokens": usage[0], "output_tokens": usage[1], "total_tokens": usage[0] + usage[1],
-                "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
+                "input_tokens_details": {"cached_tokens": usage[2]}, "output_tokens_details": {"reasoning_tokens": 0}}}
 
 
 def of_chat(body: dict, model: str) -> dict:
@@ -236,7 +238,7 @@ def of_chat(body: dict, model: str) -> dict:
     output += [call_item(c) for c in m.get("tool_calls") or []]
     u = body["usage"]
     return response(new_id("resp"), model, body["created"], output, choice["finish_reason"],
-                    (u["prompt_tokens"], u["completion_tokens"]))
+                    (u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"]))
 
 
 class Items:
@@ -332,7 +334,7 @@ async def events(answer, model: str, count):
     items = Items()
     rid, created = new_id("resp"), int(time.time())
     try:
-        head = response(rid, model, created, [], None, (len(answer.p.prompt), 0))
+        head = response(rid, model, created, [], None, (len(answer.p.prompt), 0, answer.job.cached))
         yield items.event("response.created", response=head)
         yield items.event("response.in_progress", response=head)
         async for kind, value in deltas(answer):
@@ -350,7 +352,8 @@ async def events(answer, model: str, count):
                 ended = True
                 for out in items.close():
                     yield out
-                final = response(rid, model, created, items.output, value, (len(answer.p.prompt), answer.tokens))
+                final = response(rid, model, created, items.output, value,
+                                 (len(answer.p.prompt), answer.tokens, answer.job.cached))
                 yield items.event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
                                   response=final)
                 status = 200

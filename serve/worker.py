@@ -31,6 +31,7 @@ class Job:
     deadline: float                       # time.monotonic() past which the request ends
     loop: asyncio.AbstractEventLoop
     top_logprobs: int = 0
+    cached: int = 0                       # prompt tokens whose KV the engine reused, set before ("start",)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -47,10 +48,13 @@ class Worker:
     with reason in {"done", "cancelled", "deadline", "shutdown"} or ("error", message). A job that never
     starts gets only the end."""
 
-    def __init__(self, engine, *, drafts: int | str, queue_size: int, metrics: Metrics):
+    def __init__(self, engine, *, drafts: int | str, queue_size: int, metrics: Metrics, prefix_reuse: bool = False):
         if queue_size < 0:
             raise ValueError(f"queue_size must be >= 0, got {queue_size}")
         self.engine, self.drafts, self.queue_size, self.metrics = engine, drafts, queue_size, metrics
+        # only an engine that supports it reuses the last prompt's prefix (the reference engine does not)
+        self.prefix_reuse = prefix_reuse and getattr(engine, "supports_prefix_reuse", False)
+        metrics.snapshot_bytes.set(engine.prefix_snapshot_bytes if self.prefix_reuse else 0)
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._current: Job | None = None
@@ -128,10 +132,18 @@ class Worker:
         if time.monotonic() >= job.deadline:
             job.emit("end", "deadline")
             return
-        job.emit("start")
-        self.metrics.prompt_tokens.inc(len(job.prompt))
         # only an engine that supports it gets the keyword (the fast engine does not yet)
         extra = {"top_logprobs": job.top_logprobs} if job.top_logprobs else {}
+        if self.prefix_reuse:
+            # asked before the start event, so that a response's first event can report it; this thread alone
+            # runs the engine, so the decode that follows reuses exactly this much
+            job.cached = self.engine.cached_prefix(job.prompt, self.drafts)
+            self.metrics.prefix_lookups.labels("hit" if job.cached else "miss").inc()
+            extra["prefix_reuse"] = True
+        job.emit("start")
+        self.metrics.prompt_tokens.inc(len(job.prompt))
+        self.metrics.cached_tokens.inc(job.cached)
+        self.metrics.prefill_tokens.inc(len(job.prompt) - job.cached)
         gen = None
         reason = "done"
         try:
