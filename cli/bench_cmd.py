@@ -6,6 +6,7 @@ import argparse
 
 from . import bench_micro_cmd
 from .generate_cmd import _drafts
+from .options import add_device
 
 
 # Seven lengths from 1K to 192K less one chunk's room (the sweep of record's lengths; the published context is 512K)
@@ -81,7 +82,39 @@ def register(sub) -> None:
     c.add_argument("--out", help="write the raw JSON here")
     c.add_argument("--plot", help="write the PNG here (default: beside --out)")
     c.set_defaults(run=run_context)
+    g = bsub.add_parser("agent", help="a coding agent's multi-turn session against iquest serve: TTFT and decode a turn",
+                        description="Replay a coding agent's session against iquest serve through the openai client "
+                                    "(streamed chat completions): each turn sends the conversation so far, the "
+                                    "model's last reply and a read_file result holding a source file of this "
+                                    "repository, so the prompt grows a file a turn on a fixed head. Per turn: prompt "
+                                    "and cached tokens, time to first token, decode tokens/s, total time; JSON and a "
+                                    "PNG of TTFT against prompt tokens. Against --url, or a server it starts and "
+                                    "stops (--model, --device); --compare runs it twice, prefix reuse on then off.")
+    g.add_argument("--url", help="base URL of a running iquest serve (e.g. http://127.0.0.1:8000); default: start one")
+    g.add_argument("--model", help="checkpoint folder of the server it starts (default: the shipped mini model)")
+    add_device(g, what="where the server it starts runs")
+    g.add_argument("--prefix-reuse", choices=["on", "off"],
+                   help="pass iquest serve --prefix-reuse on|off to the server it starts (default: not passed, the "
+                        "server's own default)")
+    g.add_argument("--compare", action="store_true",
+                   help="run the session twice, each against its own server: --prefix-reuse on, then off")
+    g.add_argument("--turns", type=int, default=6, help="turns of the session (default 6)")
+    g.add_argument("--max-tokens", type=int, default=32, help="max_tokens of each turn (default 32)")
+    g.add_argument("--file-bytes", type=int, default=2000,
+                   help="each tool result: the first this many bytes of its file (default 2000)")
+    g.add_argument("--thinking", choices=["on", "off"], default="on",
+                   help="chat_template_kwargs.enable_thinking of every turn (default on, the model's default)")
+    g.add_argument("--max-context", type=int, default=8192,
+                   help="--max-context of the server it starts (default 8192, capped by the model)")
+    g.add_argument("--seed", type=int, default=0, help="request seed (default 0; replies are greedy)")
+    g.add_argument("--api-key", help="the key of a --url server started with --api-key")
+    g.add_argument("--out", help="the JSON (default bench/results/agent-MODEL-DEVICE.json); the PNG goes beside it")
+    g.set_defaults(run=run_agent)
     bench_micro_cmd.register(bsub)  # kernels, allreduce
+    # the command's example of record, shown in its --help as every command's is
+    from .main import EXAMPLES
+
+    EXAMPLES.setdefault("bench agent", "iquest bench agent --device cpu --turns 6 --compare")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,4 +181,39 @@ def run_context(args: argparse.Namespace) -> int:
         raise UserError("--drafts must be in 3..7")
     sweep(args.config, args.tp_slice, contexts, args.drafts, args.repeats, args.chunk_tokens, args.seed, args.device,
           args.kernels, args.out, args.plot)
+    return 0
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    from ..bench.agent import run as agent, serve_has_flag
+    from .main import UserError
+    from .options import model_folder, resolve_device
+
+    for flag, value, low in (("--turns", args.turns, 1), ("--max-tokens", args.max_tokens, 1),
+                             ("--file-bytes", args.file_bytes, 1), ("--max-context", args.max_context, 2)):
+        if value < low:
+            raise UserError(f"{flag} must be at least {low}, got {value}")
+    if args.url:
+        given = [f for f, v in (("--model", args.model), ("--prefix-reuse", args.prefix_reuse),
+                                ("--compare", args.compare)) if v]
+        if given:
+            raise UserError(f"{', '.join(given)}: these set up the server bench agent starts; with --url the "
+                            f"running server's own settings hold")
+        if not args.url.startswith(("http://", "https://")):
+            raise UserError(f"--url takes an http(s) base URL, got {args.url!r}")
+        device = "remote" if args.device == "auto" else args.device
+    else:
+        if args.compare and args.prefix_reuse:
+            raise UserError("--compare runs prefix reuse on and off itself; leave out --prefix-reuse")
+        if args.api_key:
+            raise UserError("--api-key is for a --url server (a server bench agent starts has none)")
+        if args.model:
+            model_folder(args.model)  # a missing folder: one line here, not a server that fails to start
+        device = resolve_device(args.device)
+        if (args.compare or args.prefix_reuse) and not serve_has_flag("--prefix-reuse"):
+            raise UserError("this iquest serve has no --prefix-reuse flag yet (iquest serve --help); run without "
+                            "--compare / --prefix-reuse")
+    agent(url=args.url, model=args.model, device=device, prefix_reuse=args.prefix_reuse, compare=args.compare,
+          turns=args.turns, max_tokens=args.max_tokens, file_bytes=args.file_bytes, thinking=args.thinking == "on",
+          max_context=args.max_context, seed=args.seed, api_key=args.api_key, out=args.out)
     return 0
