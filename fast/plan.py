@@ -1,12 +1,12 @@
 """The kernel plan: which of the engine's op groups run as the Triton kernels of `kernels/`. One frozen value per
 engine, built from the device by default.
 
-Only groups whose kernels compute the published architecture's ops may run as kernels (`PUBLISHED`): the FP8 linears
-(plain projections), the vocabulary-parallel sampling (top-k, distributions, draws, the accept step, Philox) and the
-glue (embedding lookup, settle step). The others (attention with q/k norm, partial RoPE and the sink key; the norms
-and sandwich tails; the fp32 router and the MoE; the fp32 LM head) run their torch forms on every device until their
-kernels are re-based (docs/PERF.md), and the run's summary names them. Where a shape does not fit a kernel that call
-runs the torch form and is counted.
+Only groups whose kernels compute the published architecture's ops may run as kernels (`PUBLISHED`): the FP8
+linears (plain projections), attention (q/k norm + partial RoPE + KV write in one launch; split-KV attention with the
+sink key), the norms (RMSNorm and the sandwich tails), the router and the routed experts, the fp32 LM heads, the vocabulary-parallel sampling (top-k, distributions, draws,
+the accept step, Philox) and the glue (embedding lookup, settle step). A group not yet re-based runs its torch form on
+every device, and the run's summary names it. Where a shape does not fit a kernel that call runs the torch form and is
+counted.
 """
 
 from __future__ import annotations
@@ -16,13 +16,17 @@ from dataclasses import dataclass, fields
 import torch
 
 GROUPS = ("linear", "attention", "norm", "moe", "lm_head", "sampling", "glue")
-PUBLISHED = ("linear", "sampling", "glue")  # groups whose kernels implement the published architecture
+PUBLISHED = ("linear", "attention", "norm", "moe", "lm_head", "sampling", "glue")  # groups with kernels of the published model
 CHOICES = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
 class KernelPlan:
     linear: bool = False      # the FP8 linears: q/k/v as one weight, o_proj, eh_proj, the dense MLP
+    attention: bool = False   # q/k norm + partial RoPE + KV write; split-KV attention with the sink key
+    norm: bool = False        # RMSNorm (the first layer's input, the draft's enorm/hnorm) and the sandwich tails
+    moe: bool = False         # the fp32 router and the routed experts (Gate/Up, Down, the weighted combine)
+    lm_head: bool = False     # the fp32 vocabulary-parallel heads (the target's, the draft's own)
     sampling: bool = False    # local top-k, the global distribution and its draws, the accept step, Philox
     glue: bool = False        # the embedding lookups, the settle step
 

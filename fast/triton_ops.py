@@ -15,7 +15,8 @@ from collections import Counter
 
 import torch
 
-from ..kernels import embed, fp8_linear, philox, sample, settle, topk
+from ..kernels import (decode_attention, embed, fp8_linear, lm_head, moe, philox, qk_rope_kv, rmsnorm, router, sample,
+                       settle, topk)
 from .plan import KernelPlan
 from .torch_ops import TorchOps
 from .weights import Weight
@@ -82,6 +83,62 @@ class TritonOps(TorchOps):
         y = self._fp8(w, x)  # one launch: column views, no copies
         nq, nk = attn.wq.q.shape[0], attn.wk.q.shape[0]
         return y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
+
+    # ---- attention -----------------------------------------------------------------------------------
+    def qk_rope_write(self, kv, q, k, v, q_norm, k_norm, eps, cos, sin, positions, live):
+        rot = None if cos is None else cos.shape[-1]
+        if not self._fits("attention", qk_rope_kv.qk_rope_kv_fits(q.shape[1], k.shape[1], q.shape[2], rot)):
+            return super().qk_rope_write(kv, q, k, v, q_norm, k_norm, eps, cos, sin, positions, live)
+        self.calls["qk_rope_kv"] += 1
+        return qk_rope_kv.qk_rope_kv(q, k, v, q_norm, k_norm, eps, cos, sin, positions, live, kv.k, kv.v, kv.slot_pos,
+                                     pdl=q.is_cuda)
+
+    def attention(self, q, kv, positions, scale, sink_k):
+        R, Hq, D = q.shape
+        # The kernel applies the causal rule always (qualification's open-mask control runs the torch form).
+        ok = kv.causal and D >= 16 and D & (D - 1) == 0 and q.stride(2) == 1
+        if not self._fits("attention", ok and R * (Hq // kv.k.shape[1]) <= decode_attention.MAX_MATRIX_ROWS):
+            return super().attention(q, kv, positions, scale, sink_k)
+        self.calls["attention"] += 1
+        return decode_attention.decode_attention(q, kv.k, kv.v, kv.slot_pos, positions, scale, sink_k, kv.window,
+                                                 pdl=q.is_cuda)
+
+    # ---- the heads -------------------------------------------------------------------------------------
+    def lm_head(self, hidden, head32):
+        if not self._fits("lm_head", lm_head.fits(hidden.shape[0], *head32.shape)):
+            return super().lm_head(hidden, head32)
+        self.calls["lm_head"] += 1
+        return lm_head.lm_head(hidden, head32, pdl=hidden.is_cuda)
+
+    # ---- the routed experts ----------------------------------------------------------------------------
+    def route(self, b, router_w, top_k):
+        if not self._fits("moe", router.fits(b.shape[0], *router_w.shape)):
+            return super().route(b, router_w, top_k)
+        self.calls["route"] += 1
+        return router.route(b, router_w, top_k, pdl=b.is_cuda)
+
+    def moe(self, b, experts, weights, live, mw):
+        parts = [w for w in (mw.gate, mw.up, mw.down)]
+        ew = [moe.ExpertWeights(w.q, w.scale, w.block, w.offset) if w.quantized else None for w in parts]
+        if not self._fits("moe", None not in ew and moe.fits(b, experts, *ew)):
+            return super().moe(b, experts, weights, live, mw)
+        self.calls["moe"] += 1
+        return moe.moe(b, experts, weights, live, *ew, pdl=b.is_cuda)
+
+    # ---- norms ---------------------------------------------------------------------------------------
+    def norm(self, x, weight, eps, dtype=None, out=None):
+        if not self._fits("norm", rmsnorm.rmsnorm_fits(x.shape[-1])):
+            return super().norm(x, weight, eps, dtype, out)
+        self.calls["rmsnorm"] += 1
+        rows = x.reshape(-1, x.shape[-1])  # q/k heads: one row a head
+        y = rmsnorm.rmsnorm(rows, weight, eps, dtype or x.dtype, out=out, pdl=x.is_cuda)
+        return y if out is not None else y.view(x.shape)
+
+    def add_norm(self, residual, y, scale, y_norm, next_norm, eps, dtype):
+        if not self._fits("norm", rmsnorm.rmsnorm_fits(y.shape[-1])):
+            return super().add_norm(residual, y, scale, y_norm, next_norm, eps, dtype)
+        self.calls["add_norm"] += 1
+        return rmsnorm.add_norm(residual, y, scale, y_norm, next_norm, eps, dtype, pdl=y.is_cuda)
 
     # ---- sampling --------------------------------------------------------------------------------------
     def uniforms(self, seed, positions, purpose, depth=0, out=None):

@@ -76,25 +76,3 @@ def test_cli(tmp_path, capsys):
     assert "fp8_linear (FP8 linear" in capsys.readouterr().out
     assert main(["bench", "sass", "--kernels", "moe_down"]) != 0  # retired with the guessed architecture
     assert main(["bench", "sass", "--set", "fp8_linear"]) != 0
-
-
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_rope_kv_builds_for_the_gpu_with_and_without_partials(dtype):
-    """The rotary kernel (kept, off the product path until re-based) compiles for sm_90a in both forms (its partial-sum
-    form once failed only on the GPU build: Triton types every return of a helper, the pruned branch's too), and the
-    parts form really sums: it issues more global loads than the plain one."""
-    from iquest.kernels import rope_kv as rk
-
-    loads = {}
-    for parts in (0, 1, 8):
-        src = "fp32" if parts else dtype
-        types = {**{n: f"*{src}" for n in ("q_ptr", "k_ptr", "v_ptr")},
-                 **{n: f"*{dtype}" for n in ("cos_ptr", "sin_ptr", "qo_ptr", "ck_ptr", "cv_ptr")},
-                 "rr_ptr": "*i64", "pos_ptr": "*i64", "live_ptr": "*u8", "sp_ptr": "*i64"}
-        spec = sass.KernelSpec(rk._rope_kv_kernel, types, dict(D=128, HALF=64, PARTS=parts, PDL=True, EARLY=True), (),
-                               4, 1, f"rope_kv parts={parts}")
-        kernel = sass.compile_spec(spec)
-        r = sass.report(kernel)
-        assert r["stack_bytes"] == 0 and r["registers"] <= 64, r
-        loads[parts] = sum(1 for op in sass.sequence(kernel) if op == "LDG")
-    assert loads[8] > loads[1] >= loads[0] > 0, loads

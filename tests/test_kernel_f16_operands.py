@@ -1,5 +1,5 @@
-"""kernels/f16_operands.py: bf16 rows scaled by powers of two into exact fp16 tensor-core operands, as the
-post-attention norm writes them (kernels/rmsnorm_residual.py `f16_out`).
+"""kernels/f16_operands.py: bf16 rows scaled by powers of two into exact fp16 tensor-core operands (no kernel of the
+published model's path reads them today: docs/PERF.md, "fp16 operands").
 
 CPU (the interpreter worker, and plain torch):
 - the kernel's conversion is bit-identical to `f16_rows_tiles_ref` on rows of every magnitude class: ordinary
@@ -49,32 +49,7 @@ def rows(kind: str, gen: torch.Generator, M: int = 5, K: int = 256) -> torch.Ten
 
 CASES = [{"name": k, "kind": k, "dtype": d} for k in ("ordinary", "zero", "tiny", "huge", "special", "subnormal_bf16")
          for d in ("bf16", "fp32")]
-# The post-attention norm writing the MoE's operand tiles (f16_out), and the MoE reading them (f16_input).
-NORM_CASES = [{"name": f"norm_{k}_t{t}", "op": "norm", "kind": k, "tile": t}
-              for k in ("ordinary", "zero", "huge", "special") for t in (32, 128)]
-
-
-def run_norm_case(c: dict, device: str) -> dict:
-    """y, h with and without f16_out, and the tiles against f16_rows_tiles_ref of y rounded to bf16."""
-    from iquest.kernels import rmsnorm_residual as rn
-
-    gen = torch.Generator().manual_seed(len(c["name"]))
-    x = rows(c["kind"], gen).to(device)
-    residual = (torch.randn(x.shape, generator=gen) / 8).to(torch.bfloat16).to(device)
-    weight = (torch.rand(x.shape[1], generator=gen) + 0.5).to(device)
-    R, H = x.shape
-    tiles = (torch.full((R, H), float("nan"), dtype=torch.float16, device=device),
-             torch.full((R, H // c["tile"]), float("nan"), device=device))
-    y, h = rn.rmsnorm_residual(x, residual, weight, 1e-6, out_dtype=torch.float32, f16_out=tiles)
-    y0, h0 = rn.rmsnorm_residual(x, residual, weight, 1e-6, out_dtype=torch.float32)
-    ry, rd = fo.f16_rows_tiles_ref(y.cpu().to(torch.bfloat16), c["tile"])
-    return {"y_same": _equal_bits(y, y0) and _equal_bits(h, h0), "tiles_bits": _equal_bits(tiles[0].cpu(), ry),
-            "down_bits": _equal_bits(tiles[1].cpu(), rd), "nan_free_tiles": int((~rd.isnan()).all(-1).sum())}
-
-
 def run_case(c: dict, device: str) -> dict:
-    if c.get("op") == "norm":
-        return run_norm_case(c, device)
     x = rows(c["kind"], torch.Generator().manual_seed(len(c["name"])))
     x = (x if c["dtype"] == "bf16" else x.float()).to(device)
     y, d = fo.f16_rows_tiles(x)
@@ -84,18 +59,12 @@ def run_case(c: dict, device: str) -> dict:
 
 
 def _check(c: dict, r: dict) -> None:
-    if c.get("op") == "norm":
-        assert r["y_same"], "f16_out changed the norm's own outputs"
-        assert r["tiles_bits"] and r["down_bits"], f"{c['name']}: the norm's tiles differ from f16_rows_tiles_ref"
-        if c["kind"] != "special":  # a row with inf/NaN has NaN everywhere after the norm
-            assert r["nan_free_tiles"] == 5
-        return
     assert r["y_bits"] and r["down_bits"], f"{c['name']}: kernel conversion differs from f16_rows_tiles_ref"
     if c["kind"] in ("ordinary", "zero", "huge"):
         assert r["exact_tiles"] == r["tiles"]
 
 
-interpreted, test_interpreted = interpreted_tests(__file__, CASES + NORM_CASES, _check)
+interpreted, test_interpreted = interpreted_tests(__file__, CASES, _check)
 
 
 def bf16_row(draw_exps, signs, mants) -> torch.Tensor:
@@ -133,20 +102,6 @@ def test_the_boundary_element_is_lost():
     assert float(y[1, 5]) * float(d[1, 0]) != 2.0 ** -40
 
 
-def test_operand_tiles_are_checked_where_they_are_written():
-    """The norm's f16_out goes through f16_operands.tile_width: wrong dtypes and a tile count that does not divide H
-    are refused before a launch."""
-    from iquest.kernels import rmsnorm_residual as rn
-
-    x, w = torch.ones(3, 128, dtype=torch.bfloat16), torch.ones(128)
-    assert fo.tile_width(fo.empty_tiles(3, 128, 32, "cpu"), 3, 128, torch.device("cpu"), "t") == 32
-    for bad, message in ((fo.empty_tiles(3, 128, 32, "cpu")[::-1], r"\[0\] must be fp16"),
-                         ((torch.empty(3, 128, dtype=torch.float16), torch.empty(3, 3)), r"\[1\] must be fp32"),
-                         ((torch.empty(3, 128, dtype=torch.float16),), " must be a pair")):
-        with pytest.raises(ValueError, match="rmsnorm_residual: f16_out" + message):
-            rn.rmsnorm_residual(x, x, w, 1e-6, torch.float32, f16_out=bad)
-
-
 def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="contiguous float"):
         fo.f16_rows_tiles(torch.ones(4, 128, dtype=torch.int32))
@@ -157,4 +112,4 @@ def test_rejects_bad_inputs():
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
-    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + NORM_CASES])
+    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES])
