@@ -255,9 +255,11 @@ class RankEngine:
     # only KV that an earlier prefill made in a whole block of the same grid, over the same tokens, equals a cold
     # prefill's bit for bit (decode's blocks of 1-8 rows round differently). So a reuse takes positions [0, P) with P
     # a multiple of the block that is below the shared prefix: P <= common - 1, since the draft row at P - 1 read the
-    # token at P. Full layers still hold those positions (decode writes only past the prompt, and KV left past P is
-    # rewritten before any query sees it, as rejected drafts' is). Rings were overwritten by decode: their copies,
-    # taken after the prefill, are restored, and must hold every position a row at P reads (its window below P).
+    # token at P; rows from P on read only hiddens this prefill computes. Full layers still hold those positions
+    # (decode writes only past the prompt, and KV left past P is rewritten before any query sees it, as rejected
+    # drafts' is); a query reads only its visible slots, so what sits in the others changes no bit. Rings were
+    # overwritten by decode: their copies, taken after the prefill (the draft's before its deeper rows), are restored,
+    # and must hold every position a row at P reads (its window below P), or the prompt is prefilled whole.
     @property
     def snapshot_bytes(self) -> int:
         """Bytes of this rank's ring copies for prefix reuse (held once a request has kept its prefix)."""

@@ -85,6 +85,13 @@ def test_what_a_prompt_shares_decides_the_reuse_and_it_stays_exact():
         got = run(engine, now, 20 + i, 3, 4, reuse=True)
         assert got[2] == want, i
         assert got[:2] == cold(engine, now, 20 + i, 3, 4), i
+    # a chain through a shorter prompt: the second leaves the first's KV past its end in the rings, which the third
+    # must neither read nor miss
+    chain = [FIRST, FIRST[:100], FIRST[:100] + EXTRA * 2]
+    for i, prompt in enumerate(chain):
+        got = run(engine, prompt, 30 + i, 3, 4, reuse=True)
+        assert got[2] == (64 if i else 0), i
+    assert got[:2] == cold(engine, chain[-1], 32, 3, 4)
     run(engine, FIRST, 1, 0, 4, reuse=True)
     assert engine.reusable(FIRST + EXTRA, True) == 0 and engine.reusable(FIRST + EXTRA, False) == 64
 
