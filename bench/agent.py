@@ -252,6 +252,9 @@ def run(*, url: str | None, model: str | None, device: str, prefix_reuse: str | 
         out: str | None) -> dict:
     from ..provenance import commit
 
+    # the servers run the tree as it is when they start: that is the commit of record, and a commit landing while
+    # the session runs is noted beside it
+    started_at = commit()
     arms = []
     if url:
         arms.append({"arm": "running server", "url": url, "prefix_reuse": None})
@@ -267,10 +270,12 @@ def run(*, url: str | None, model: str | None, device: str, prefix_reuse: str | 
         rows = run_session(url, turns, max_tokens, file_bytes, thinking, seed, api_key, "server")
         arms[0].update(rows=rows, summary=summarize(rows))
     name = model_label(served_name(url, api_key) if url else Path(model).name if model else "iquest-q1-mini")
-    report = {"bench": "agent", "commit": commit(), "changed_files": changed_files(), "command": shlex.join(["iquest", *sys.argv[1:]]),
+    report = {"bench": "agent", "commit": started_at, "changed_files": changed_files(), "command": shlex.join(["iquest", *sys.argv[1:]]),
               "machine": machine(device), "device": device, "model": name,
               "turns": turns, "max_tokens": max_tokens, "file_bytes": file_bytes, "thinking": thinking,
               "seed": seed, "files": [FILES[i % len(FILES)] for i in range(max(turns - 1, 0))], "arms": arms}
+    if commit() != started_at:
+        report["commit_at_end"] = commit()
     if len(arms) == 2:
         a, b = (arm["rows"] for arm in arms)
         report["same_replies"] = [x["reply"] for x in a] == [y["reply"] for y in b]
