@@ -257,20 +257,20 @@ def run(*, url: str | None, model: str | None, device: str, prefix_reuse: str | 
     started_at = commit()
     arms = []
     if url:
-        arms.append({"arm": "running server", "url": url, "prefix_reuse": None})
-    else:
-        for reuse in (("on", "off") if compare else (prefix_reuse,)):
-            with Server(model, device, max_context, reuse) as server:
-                label = "server" if reuse is None else f"reuse {reuse}"
-                print(f"[{label}] {shlex.join(server.cmd[1:])}", file=sys.stderr, flush=True)
-                rows = run_session(server.url, turns, max_tokens, file_bytes, thinking, seed, api_key, label)
-            arms.append({"arm": label, "prefix_reuse": reuse, "serve_command": shlex.join(server.cmd[2:]),
-                         "serve_started": server.started_line, "rows": rows, "summary": summarize(rows)})
-    if url:
         rows = run_session(url, turns, max_tokens, file_bytes, thinking, seed, api_key, "server")
-        arms[0].update(rows=rows, summary=summarize(rows))
+        arms.append({"arm": "running server", "url": url, "prefix_reuse": None, "rows": rows,
+                     "summary": summarize(rows)})
+    for reuse in () if url else ("on", "off") if compare else (prefix_reuse,):
+        with Server(model, device, max_context, reuse) as server:
+            label = "server" if reuse is None else f"reuse {reuse}"
+            command = "iquest " + shlex.join(server.cmd[3:])
+            print(f"[{label}] {command}", file=sys.stderr, flush=True)
+            rows = run_session(server.url, turns, max_tokens, file_bytes, thinking, seed, api_key, label)
+        arms.append({"arm": label, "prefix_reuse": reuse, "serve_command": command,
+                     "serve_started": server.started_line, "rows": rows, "summary": summarize(rows)})
     name = model_label(served_name(url, api_key) if url else Path(model).name if model else "iquest-q1-mini")
-    report = {"bench": "agent", "commit": started_at, "changed_files": changed_files(), "command": shlex.join(["iquest", *sys.argv[1:]]),
+    report = {"bench": "agent", "commit": started_at, "changed_files": changed_files(),
+              "command": shlex.join(["iquest", *sys.argv[1:]]),
               "machine": machine(device), "device": device, "model": name,
               "turns": turns, "max_tokens": max_tokens, "file_bytes": file_bytes, "thinking": thinking,
               "seed": seed, "files": [FILES[i % len(FILES)] for i in range(max(turns - 1, 0))], "arms": arms}

@@ -82,7 +82,7 @@ def register(sub) -> None:
     c.add_argument("--out", help="write the raw JSON here")
     c.add_argument("--plot", help="write the PNG here (default: beside --out)")
     c.set_defaults(run=run_context)
-    g = bsub.add_parser("agent", help="a coding agent's multi-turn session against iquest serve: TTFT and decode a turn",
+    g = bsub.add_parser("agent", help="a coding agent's session against iquest serve: TTFT and decode a turn",
                         description="Replay a coding agent's session against iquest serve through the openai client "
                                     "(streamed chat completions): each turn sends the conversation so far, the "
                                     "model's last reply and a read_file result holding a source file of this "

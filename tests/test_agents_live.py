@@ -166,7 +166,8 @@ def test_chat_completions_tool_session_of_three_turns(oai, server):
         prompts.append(usage.prompt_tokens)
         call = calls[0] if calls else {"id": f"call_{turn}", "name": "read_file",
                                        "arguments": json.dumps({"path": path, "max_bytes": FILE_BYTES})}
-        messages += [{"role": "assistant", "content": None, "tool_calls": [
+        # the reply goes back as the client got it: an unparsed call's text (markup spelled in content) too
+        messages += [{"role": "assistant", "content": content or None, "tool_calls": [
                          {"id": call["id"], "type": "function",
                           "function": {"name": call["name"], "arguments": call["arguments"]}}]},
                      {"role": "tool", "tool_call_id": call["id"], "content": read(path)}]
@@ -247,9 +248,10 @@ def test_messages_tool_session_of_three_turns(claude, server):
             assert kinds == ["text"] and m.content[0].text.startswith(OPENING + ("read_file" if turn != 1 else "")), \
                 m.content
             use = {"id": f"toolu_{turn}", "input": {"path": path, "max_bytes": FILE_BYTES}}
+        said = [{"type": "text", "text": b.text} for b in m.content if b.type == "text"]
         inputs.append(prompt_of(m))
-        messages += [{"role": "assistant", "content": [{"type": "tool_use", "id": use["id"], "name": "read_file",
-                                                        "input": use["input"]}]},
+        messages += [{"role": "assistant", "content": said + [{"type": "tool_use", "id": use["id"],
+                                                               "name": "read_file", "input": use["input"]}]},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"],
                                                    "content": [{"type": "text", "text": read(path)}]}]}]
     assert all(b > a + 100 for a, b in zip(inputs, inputs[1:])), inputs
@@ -316,7 +318,9 @@ def test_responses_tool_session_of_three_turns(oai, server):
             assert r.output[0].content[0].text.startswith(OPENING + ("read_file" if turn != 1 else "")), r.output
             call = {"call_id": f"call_{turn}", "arguments": json.dumps({"path": path, "max_bytes": FILE_BYTES})}
         inputs.append(r.usage.input_tokens)
-        items += [{"type": "function_call", "name": "read_file", **call},
+        said = [{"role": "assistant", "content": [{"type": "output_text", "text": o.content[0].text}]}
+                for o in r.output if o.type == "message"]
+        items += [*said, {"type": "function_call", "name": "read_file", **call},
                   {"type": "function_call_output", "call_id": call["call_id"], "output": read(path)}]
     assert all(b > a + 100 for a, b in zip(inputs, inputs[1:])), inputs
     # thinking: on by default and with reasoning; a forced turn (above) is the only reply without it, as the
