@@ -46,17 +46,20 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     port = free_port()
     cmd = [sys.executable, "-m", "iquest.cli.main", "serve", "--model", str(MINI), "--device", "cpu",
            "--port", str(port), "--max-context", "4096", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    # the log goes to a file: a pipe nobody reads while the tests run could fill and stall the server
+    log_file = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = open(log_file, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 90
     try:
         while True:
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, log_file.read_text()
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
                     break
@@ -73,8 +76,9 @@ def server():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
-    log = proc.stdout.read()
-    assert "Traceback" not in log, log  # every refusal below was an answer, not a crash
+        log.close()
+    text = log_file.read_text()
+    assert "Traceback" not in text, text  # every refusal was an answer, not a crash
 
 
 @pytest.fixture(scope="module")
