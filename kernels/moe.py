@@ -65,7 +65,7 @@ class MoESettings:
     were measured on the retired kernel's tiles and are carried over, not re-measured for this arithmetic."""
 
     block_m: int = 16           # rows a dot takes: tl.dot's smallest M, and R <= 8 at decode fits one block
-    gate_up_block_n: int = 64   # I_r channels a Gate/Up program: divides a TP8 rank's 192, so no tile is half empty
+    gate_up_block_n: int = 32   # I_r channels a Gate/Up program: divides a TP8 rank's 192; 6 programs an expert, not 3
     gate_up_block_k: int = 128  # H columns a Gate/Up step: 128 x 128 weight tiles were the fastest (PERF.md tune)
     down_block_n: int = 128     # H columns a Down program (PERF.md: Down at 128 x 64)
     down_block_k: int = 64      # I_r columns a Down step (PERF.md: Down at 128 x 64)
@@ -78,10 +78,14 @@ class MoESettings:
 
 
 @triton.jit
-def _round(v, BF16: tl.constexpr):
-    """fp32 v rounded to the compute dtype, kept in fp32 (an identity for fp32 compute)."""
+def _round(v, BF16: tl.constexpr, INTERP: tl.constexpr = True):
+    """fp32 v rounded to the compute dtype, kept in fp32 (an identity for fp32 compute). The GPU's conversion rounds
+    to nearest even, as torch's does; the interpreter's truncates, so there the rounding is done in integer ops."""
     if BF16:
-        v = bf16_grid(v)
+        if INTERP:
+            v = bf16_grid(v)
+        else:
+            v = v.to(tl.bfloat16).to(tl.float32)
     return v
 
 
@@ -103,10 +107,21 @@ def _scale_ptrs(s_ptr, rows, cols, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: t
 
 
 @triton.jit
-def _dequant(q_ptrs, s_ptrs, ok, BF16: tl.constexpr):
+def _tile_scales(s_ptr, n, k0, n_ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
+                 stride_r, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The scales of a weight tile of rows n and columns k0 .. k0 + BLOCK_K - 1, as [BLOCK_N, BLOCK_K] (or [BLOCK_N,
+    1] when every column of the tile lies in one scale block: a row's scale is then one load, not BLOCK_K)."""
+    if (OFF1 % BLOCK_K == 0) and (B1 % BLOCK_K == 0):
+        return tl.load(s_ptr + ((n + OFF0) // B0) * stride_r + (k0 + OFF1) // B1, mask=n_ok, other=0.0)[:, None]
+    kk = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(_scale_ptrs(s_ptr, n, kk, OFF0, OFF1, B0, B1, stride_r), mask=n_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _dequant(q_ptrs, scales, ok, BF16: tl.constexpr, INTERP: tl.constexpr):
     """A weight tile as the torch form holds it: T(fp32(q) * scale), elementwise (fp32 holding T values)."""
     q = tl.load(q_ptrs, mask=ok, other=0.0).to(tl.float32)
-    return _round(q * tl.load(s_ptrs, mask=ok, other=0.0), BF16)
+    return _round(q * scales, BF16, INTERP)
 
 
 @triton.jit
@@ -178,14 +193,14 @@ def _gate_up_kernel(
                 w_ok = n_ok[:, None] & k_ok[None, :]
                 x = tl.load(b_ptr + rows[:, None] * stride_b + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
                             other=0.0).to(tl.float32)
-                sg = _scale_ptrs(gs_ptr + ex * gs_e, n, kk, G_OFF0, G_OFF1, B0, B1, gs_r)
-                su = _scale_ptrs(us_ptr + ex * us_e, n, kk, U_OFF0, U_OFF1, B0, B1, us_r)
-                wg = _dequant(g_rows + kk[None, :], sg, w_ok, BF16)
-                wu = _dequant(u_rows + kk[None, :], su, w_ok, BF16)
+                sg = _tile_scales(gs_ptr + ex * gs_e, n, k0, n_ok, G_OFF0, G_OFF1, B0, B1, gs_r, BLOCK_N, BLOCK_K)
+                su = _tile_scales(us_ptr + ex * us_e, n, k0, n_ok, U_OFF0, U_OFF1, B0, B1, us_r, BLOCK_N, BLOCK_K)
+                wg = _dequant(g_rows + kk[None, :], sg, w_ok, BF16, INTERP)
+                wu = _dequant(u_rows + kk[None, :], su, w_ok, BF16, INTERP)
                 acc_g += _dot(x, wg, BF16, DOT_F32)
                 acc_u += _dot(x, wu, BF16, DOT_F32)
-            g = _round(acc_g, BF16)
-            h = _round(_round(_silu(g, INTERP), BF16) * _round(acc_u, BF16), BF16)
+            g = _round(acc_g, BF16, INTERP)
+            h = _round(_round(_silu(g, INTERP), BF16, INTERP) * _round(acc_u, BF16, INTERP), BF16, INTERP)
             tl.store(h_ptr + pair[:, None] * I + n[None, :], h, mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -196,7 +211,7 @@ def _down_kernel(
     D_OFF0: tl.constexpr, D_OFF1: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BF16: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
+    BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -214,10 +229,11 @@ def _down_kernel(
                 kk = k0 + tl.arange(0, BLOCK_K)
                 k_ok = kk < I
                 a = tl.load(h_ptr + pair[:, None] * I + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                sw = _scale_ptrs(ds_ptr + ex * ds_e, n, kk, D_OFF0, D_OFF1, B0, B1, ds_r)
-                w = _dequant(w_rows + kk[None, :], sw, n_ok[:, None] & k_ok[None, :], BF16)
+                sw = _tile_scales(ds_ptr + ex * ds_e, n, k0, n_ok, D_OFF0, D_OFF1, B0, B1, ds_r, BLOCK_N, BLOCK_K)
+                w = _dequant(w_rows + kk[None, :], sw, n_ok[:, None] & k_ok[None, :], BF16, INTERP)
                 acc += _dot(a, w, BF16, DOT_F32)
-            tl.store(y_ptr + pair[:, None] * H + n[None, :], _round(acc, BF16), mask=m_ok[:, None] & n_ok[None, :])
+            tl.store(y_ptr + pair[:, None] * H + n[None, :], _round(acc, BF16, INTERP),
+                     mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -250,6 +266,11 @@ def _weighted_sum(y_ptr, weights_ptr, r, n, n_ok, live, H, K_TOP: tl.constexpr):
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(f"moe: {message}")
+
+
+def _pow2_divisor(n: int) -> int:
+    """The largest power of two dividing n."""
+    return n & -n
 
 
 def _check_weight(name: str, w: ExpertWeights, shape: tuple[int, int, int]) -> None:
@@ -329,18 +350,22 @@ def moe(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
                    LIVE_COUNT=count)
     math = dict(BF16=b.dtype == torch.bfloat16, DOT_F32=INTERPRETED or b.dtype == torch.float32)
     launch = launch_options(pdl, dev)
-    streams = dict(num_warps=s.warps, num_stages=s.stages)
+    # fp32 tiles are twice bf16's: three stages of them overrun a Hopper SM's 227 KB of shared memory
+    streams = dict(num_warps=s.warps, num_stages=s.stages if math["BF16"] else 1)
     B0, B1 = gate.block
+    # A K step inside one scale block reads one scale a row (`_tile_scales`): the step is cut to the block's width
+    gate_up_k = min(s.gate_up_block_k, max(16, _pow2_divisor(B1)))
+    down_k = min(s.down_block_k, max(16, _pow2_divisor(down.block[1])))
     _gate_up_kernel[(P, triton.cdiv(I, s.gate_up_block_n))](
         b, gate.q, gate.scale, up.q, up.scale, experts, live_arg, hidden, R, H, I, b.stride(0),
         gate.scale.stride(0), gate.scale.stride(1), up.scale.stride(0), up.scale.stride(1),
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
-        **routing, BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=s.gate_up_block_k, **math,
+        **routing, BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=gate_up_k, **math,
         INTERP=INTERPRETED, **streams, **launch)
     _down_kernel[(P, triton.cdiv(H, s.down_block_n))](
         hidden, down.q, down.scale, experts, live_arg, y, R, H, I, down.scale.stride(0), down.scale.stride(1),
         D_OFF0=down.offset[0], D_OFF1=down.offset[1], B0=down.block[0], B1=down.block[1], **routing,
-        BLOCK_M=s.block_m, BLOCK_N=s.down_block_n, BLOCK_K=s.down_block_k, **math, **streams, **launch)
+        BLOCK_M=s.block_m, BLOCK_N=s.down_block_n, BLOCK_K=down_k, **math, INTERP=INTERPRETED, **streams, **launch)
     _combine_kernel[(R, triton.cdiv(H, s.combine_block))](
         y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=s.combine_block, LIVE_COUNT=count,
         num_warps=4, enable_fp_fusion=False, **launch)

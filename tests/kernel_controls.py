@@ -42,9 +42,12 @@ BROKEN = {"poll": poll_without_waiting, "rearm": never_rearm, "order": own_order
 
 
 @triton.jit
-def scale_without_offset(s_ptr, rows, cols, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr,
-                         B1: tl.constexpr, stride_r):
-    return s_ptr + (rows // B0)[:, None] * stride_r + (cols // B1)[None, :]
+def scales_without_offset(s_ptr, n, k0, n_ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr,
+                          B1: tl.constexpr, stride_r, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """kernels/moe.py `_tile_scales` as if the shard started on a block boundary: each element's scale by its local
+    row and column."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(s_ptr + (n // B0)[:, None] * stride_r + (kk // B1)[None, :], mask=n_ok[:, None], other=0.0)
 
 
 @triton.jit
@@ -82,8 +85,8 @@ def sum_without_weights(y_ptr, weights_ptr, r, n, n_ok, live, H, K_TOP: tl.const
 
 
 _IGNORING_LIVE = {"_expert_owner": owner_ignoring_live, "_expert_rows": rows_ignoring_live}
-MOE = {"offset_ignored": {"_gate_up_kernel": {"_scale_ptrs": scale_without_offset},
-                          "_down_kernel": {"_scale_ptrs": scale_without_offset}},
+MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_offset},
+                          "_down_kernel": {"_tile_scales": scales_without_offset}},
        "padding_computed": {"_gate_up_kernel": _IGNORING_LIVE, "_down_kernel": _IGNORING_LIVE,
                             "_combine_kernel": {"load_live": all_live}},
        "weights_not_applied": {"_combine_kernel": {"_weighted_sum": sum_without_weights}}}

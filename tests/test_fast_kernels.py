@@ -47,6 +47,12 @@ def two_blocks(e: RankEngine, device: str, first: int = 40) -> tuple:
     return a, b, d
 
 
+def _forget_capture(e: RankEngine) -> None:
+    """Count only the calls that follow: on CUDA the engine's decode-loop capture has already called the kernels."""
+    for counter in ("calls", "fallbacks"):
+        getattr(e.model.ops, counter, {}).clear()
+
+
 def _real_slots(kv) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V without the trash slot: several padding rows write it in no defined order on a GPU (it is never
     read)."""
@@ -85,6 +91,7 @@ def group_block(group: str, device: str = "cpu") -> dict:
     out = {}
     for plan in (KernelPlan.torch(), KernelPlan(**{group: True})):
         e = engine(plan, device)
+        _forget_capture(e)
         outputs = two_blocks(e, device)
         out[plan.name] = ([t for block in outputs for t in block], [_real_slots(kv) for kv in e.cache.layers],
                           dict(getattr(e.model.ops, "calls", {})), dict(getattr(e.model.ops, "fallbacks", {})))
@@ -116,6 +123,7 @@ def glue_block(device: str = "cpu") -> dict:
     out = {}
     for plan in (KernelPlan.torch(), KernelPlan(glue=True)):
         e = engine(plan, device)
+        _forget_capture(e)
         outputs = two_blocks(e, device)
         out[plan.name] = ([t for block in outputs for t in block], [_real_slots(kv) for kv in e.cache.layers],
                           dict(getattr(e.model.ops, "calls", {})), dict(getattr(e.model.ops, "fallbacks", {})))
@@ -202,13 +210,15 @@ def test_cuda_kernels_decode_like_the_torch_forms(dtype):
 @pytest.mark.gpu
 def test_cuda_kernel_paths_all_ran():
     """The default plan's kernel paths, counted over a bf16 decode through the captured loop: every path the tiny
-    fixture's shapes allow ran, and no op group fell back."""
+    fixture's shapes allow ran, and only the prefill blocks' routing and heads fell back."""
     e = engine(KernelPlan.triton(), "cuda", "bf16")
     decode_cases(e)
     ops = e.model.ops
     ran = {name for name, n in ops.calls.items() if n > 0}
-    assert {"preload", "embed", "sample_draw", "accept", "settle"} <= ran, dict(ops.calls)
-    assert not ops.fallbacks, dict(ops.fallbacks)
+    assert {"preload", "embed", "sample_draw", "accept", "settle", "qk_rope_kv", "attention", "rmsnorm", "add_norm",
+            "route", "moe", "lm_head"} <= ran, dict(ops.calls)
+    # Only prefill blocks (tens of rows) exceed the router's 8 rows and the head's 16: no decode call falls back
+    assert set(ops.fallbacks) <= {"moe", "lm_head"}, dict(ops.fallbacks)
 
 
 # ---- the plan and the dispatcher, no kernel launched ------------------------------------------------------------
