@@ -109,12 +109,16 @@ def _scale_ptrs(s_ptr, rows, cols, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: t
 @triton.jit
 def _tile_scales(s_ptr, n, k0, n_ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
                  stride_r, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The scales of a weight tile of rows n and columns k0 .. k0 + BLOCK_K - 1, as [BLOCK_N, BLOCK_K] (or [BLOCK_N,
-    1] when every column of the tile lies in one scale block: a row's scale is then one load, not BLOCK_K)."""
+    """The scales [BLOCK_N, BLOCK_K] of a weight tile of rows n and columns k0 .. k0 + BLOCK_K - 1. When every column
+    of the tile lies in one scale block a row's scale is one load, broadcast (not BLOCK_K loads). (One return: the
+    GPU compiler types every return of a helper, a pruned branch's too.)"""
     if (OFF1 % BLOCK_K == 0) and (B1 % BLOCK_K == 0):
-        return tl.load(s_ptr + ((n + OFF0) // B0) * stride_r + (k0 + OFF1) // B1, mask=n_ok, other=0.0)[:, None]
-    kk = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(_scale_ptrs(s_ptr, n, kk, OFF0, OFF1, B0, B1, stride_r), mask=n_ok[:, None], other=0.0)
+        row = tl.load(s_ptr + ((n + OFF0) // B0) * stride_r + (k0 + OFF1) // B1, mask=n_ok, other=0.0)
+        scales = tl.broadcast_to(row[:, None], (BLOCK_N, BLOCK_K))
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        scales = tl.load(_scale_ptrs(s_ptr, n, kk, OFF0, OFF1, B0, B1, stride_r), mask=n_ok[:, None], other=0.0)
+    return scales
 
 
 @triton.jit
