@@ -244,9 +244,15 @@ def thinking_of(req: ChatRequest) -> bool:
 def chat_messages(messages: list[Message], enc: Encoder) -> list[dict]:
     """Messages as the chat template takes them: content as text, an assistant's reasoning and tool calls
     (arguments as an object), a tool result's content. Only content may spell control tokens."""
-    out = []
+    out, call_ids = [], set()  # the ids of the assistant's calls so far: a tool result answers one of them
     for i, m in enumerate(messages):
         d: dict = {"role": m.role, "content": m.text()}
+        if m.role == "tool":
+            if not call_ids:
+                raise bad_request(f"messages[{i}]: a tool result with no assistant tool call before it", "messages")
+            if m.tool_call_id is not None and m.tool_call_id not in call_ids:
+                raise bad_request(f"messages[{i}]: tool_call_id {m.tool_call_id!r} answers no earlier tool call",
+                                  "messages")
         extra = []
         if m.reasoning_content:
             d["reasoning_content"] = m.reasoning_content
@@ -271,6 +277,7 @@ def chat_messages(messages: list[Message], enc: Encoder) -> list[dict]:
                 if not isinstance(args, dict):
                     raise bad_request(f"messages[{i}].tool_calls: the arguments of {f['name']} must be a JSON "
                                       f"object", "messages")
+                call_ids.add(call.get("id"))
                 calls.append({"id": call.get("id"), "type": "function",
                               "function": {"name": f["name"], "arguments": args}})
                 extra += [f["name"], json.dumps(args)]

@@ -405,8 +405,6 @@ def test_bad_input_is_a_clear_4xx_on_every_api_and_the_server_stays_healthy(oai,
         assert f'iquest_requests_total{{route="{route}",status="400"}}' in metrics, metrics
 
 
-@pytest.mark.xfail(reason="serve/prepare.py chat_messages does not check a tool message's tool_call_id against the "
-                          "calls before it (the Messages and Responses routes do): the chat route answers 200")
 def test_chat_tool_result_for_an_unknown_id_is_a_400(oai, server):
     messages = [{"role": "user", "content": TASK},
                 {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
@@ -415,3 +413,7 @@ def test_chat_tool_result_for_an_unknown_id_is_a_400(oai, server):
     with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(model=server[1], messages=messages, tools=CHAT_TOOLS, max_tokens=1)
     assert "call_9" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:  # a tool result before any call
+        oai.chat.completions.create(model=server[1], messages=[messages[0], {"role": "tool", "tool_call_id": "call_1",
+                                                                             "content": "x"}], max_tokens=1)
+    assert "no assistant tool call" in info.value.body["message"]
