@@ -24,3 +24,15 @@ def row_groups(x: torch.Tensor, group: int, op: str) -> tuple[int, int]:
     if not (group >= 16 and group & (group - 1) == 0 and N % group == 0):
         raise ValueError(f"{op}: group {group} must be a power of two >= 16 dividing N = {N}")
     return M, N
+
+
+U32 = 2.0 ** -24  # fp32 unit roundoff
+
+
+def logit_tolerance(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[R, N]: how far two fp32 products x @ w.T (x [R, K], w [N, K]) summed in different orders may be apart, e.g. a
+    kernel's and torch's. Each is within gamma_K sum_k |x_k w_nk| of the exact value (Higham, Thm 3.1: gamma_K =
+    K u / (1 - K u), u = 2^-24, any order, with or without FMAs), so twice that bounds their difference."""
+    k = x.shape[-1]
+    gamma = k * U32 / (1 - k * U32)
+    return 2 * gamma * (x.double().abs() @ w.double().abs().T)
