@@ -58,6 +58,8 @@ class Prepared:
     thinking: bool = False
     tools: list | None = None
     forced: tuple[int, ...] = ()
+    # Responses: the request's fields its reply repeats (responses.echoed); the chat route's reply has none
+    reply: dict | None = None
 
 
 def parse(model, raw: bytes):

@@ -5,10 +5,22 @@ a string or a list of items: `message` items with role user/assistant/system/dev
 and content as a string or `input_text`/`output_text` parts; `function_call` items as an assistant's
 `tool_calls`; `function_call_output` items as role `tool` messages; `reasoning` items as the next assistant
 turn's `reasoning_content`; `tools` of type function; `tool_choice`; `max_output_tokens`; `temperature`,
-`top_p`; `reasoning` present = thinking on, absent = the server's default, on) and prepared by
-`prepare.prepare_chat`, as `messages.py` does for Anthropic's API. The reply comes back as output items (a
-`reasoning` item whose summary is the model's <think> part, a `message` item with `output_text`,
-`function_call` items), `status` (`incomplete` with reason `max_output_tokens` when the budget ran out) and
+`top_p`; `model`, checked as the chat route checks it) and prepared by `prepare.prepare_chat`, as `messages.py`
+does for Anthropic's API.
+
+`model` must be the served model's name (`GET /v1/models`; `iquest serve --served-model-name` sets it), else a 400
+`model_not_found`, as on the chat and Messages routes: a client that sends its own names (Codex's `model`
+setting) is configured to send this one, or the server is started under the name it sends.
+
+`reasoning.effort` is the chat route's thinking switch: "none" and "minimal" turn thinking off (the chat
+template's enable_thinking false; no reasoning item); "low", "medium", "high", or no effort (no `reasoning`, or one
+without `effort`) leave it on, the model's default: it decides how much it thinks, so the three levels are
+alike. Any other effort is a 400 naming `reasoning.effort`. `reasoning.summary` is not honored (the summary
+is the whole reasoning).
+
+The reply comes back as output items (a `reasoning` item whose summary is the model's <think> part, a `message`
+item with `output_text`, `function_call` items), the request's `tools` as sent and its `tool_choice` ("auto"
+when absent), `status` (`incomplete` with reason `max_output_tokens` when the budget ran out) and
 `usage`, or streamed as the Responses API's events (`response.created`, `response.output_item.added`,
 `response.output_text.delta`, ..., `response.completed`), each with its `sequence_number`.
 
@@ -22,11 +34,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import replace
 
 from .prepare import Encoder, Limits, Prepared, prepare_chat
 from .protocol import APIError, bad_request
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+# reasoning.effort as the chat route's thinking switch (True: on). The model has no effort levels of its own, so
+# "none" and "minimal" (as little as can be) are off and every level above is on.
+EFFORT = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
 
 
 def new_id(prefix: str) -> str:
@@ -166,6 +182,8 @@ def chat_request(body) -> dict:
         raise bad_request("stream must be true or false", "stream")
     out: dict = {"messages": chat_messages(body.get("instructions"), body.get("input")),
                  "stream": body.get("stream", False)}
+    if body.get("model") is not None:
+        out["model"] = body["model"]   # checked by prepare_chat, as on the chat route
     tools = function_tools(body.get("tools"))
     if tools:
         out["tools"] = tools
@@ -178,11 +196,22 @@ def chat_request(body) -> dict:
     if reasoning is not None:
         if not isinstance(reasoning, dict):
             raise bad_request("reasoning must be an object: {'effort': ...}", "reasoning")
-        out["thinking"] = {"type": "enabled"}   # any effort: the model decides how much it thinks
+        effort = reasoning.get("effort")
+        if effort is not None:
+            if not isinstance(effort, str) or effort not in EFFORT:
+                raise bad_request(f"reasoning.effort must be one of {', '.join(map(repr, EFFORT))}, got {effort!r}",
+                                  "reasoning.effort")
+            out["thinking"] = {"type": "enabled" if EFFORT[effort] else "disabled"}
     for key in ("temperature", "top_p"):
         if body.get(key) is not None:
             out[key] = body[key]
     return out
+
+
+def echoed(body: dict) -> dict:
+    """What a Response repeats of its request: the tools as sent, and tool_choice."""
+    choice = body.get("tool_choice")
+    return {"tool_choice": "auto" if choice is None else choice, "tools": body.get("tools") or []}
 
 
 def prepare_responses(raw: bytes, enc: Encoder, limits: Limits, end_of_turn: tuple[int, ...], markup) -> Prepared:
@@ -191,11 +220,12 @@ def prepare_responses(raw: bytes, enc: Encoder, limits: Limits, end_of_turn: tup
     except ValueError as exc:
         raise bad_request(f"the body is not valid JSON: {exc}") from None
     try:
-        return prepare_chat(json.dumps(chat_request(body)).encode(), enc, limits, end_of_turn, markup)
+        p = prepare_chat(json.dumps(chat_request(body)).encode(), enc, limits, end_of_turn, markup)
     except APIError as exc:
         if exc.param == "max_tokens":
             exc.param = "max_output_tokens"
         raise
+    return replace(p, reply=echoed(body))
 
 
 # ---- response -----------------------------------------------------------------------------------------------
@@ -214,19 +244,22 @@ def call_item(call: dict, status: str = "completed") -> dict:
 
 
 def response(rid: str, model: str, created: int, output: list, finish: str | None,
-             usage: tuple[int, int, int]) -> dict:
-    """`usage`: (input tokens, output tokens, input tokens whose KV was reused)."""
+             usage: tuple[int, int, int], echo: dict | None = None) -> dict:
+    """`usage`: (input tokens, output tokens, input tokens whose KV was reused); `echo`: the request's fields the
+    Response repeats (`echoed`; None: a request without tools)."""
     status = "in_progress" if finish is None else "incomplete" if finish == "length" else "completed"
     return {"id": rid, "object": "response", "created_at": created, "model": model, "status": status,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "error": None, "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            "error": None, "output": output, "parallel_tool_calls": True,
+            **(echo or {"tool_choice": "auto", "tools": []}),
             "usage": None if finish is None else {
                 "input_tokens": usage[0], "output_tokens": usage[1], "total_tokens": usage[0] + usage[1],
                 "input_tokens_details": {"cached_tokens": usage[2]}, "output_tokens_details": {"reasoning_tokens": 0}}}
 
 
-def of_chat(body: dict, model: str) -> dict:
-    """The chat route's answer body as a Response."""
+def of_chat(body: dict, model: str, p: Prepared | None = None) -> dict:
+    """The chat route's answer body as a Response; `p`: its request's Prepared (`prepare_responses`), whose tools and
+    tool_choice the Response echoes."""
     choice = body["choices"][0]
     m = choice["message"]
     output = []
@@ -238,7 +271,8 @@ def of_chat(body: dict, model: str) -> dict:
     output += [call_item(c) for c in m.get("tool_calls") or []]
     u = body["usage"]
     return response(new_id("resp"), model, body["created"], output, choice["finish_reason"],
-                    (u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"]))
+                    (u["prompt_tokens"], u["completion_tokens"], u["prompt_tokens_details"]["cached_tokens"]),
+                    p.reply if p is not None else None)
 
 
 class Items:
@@ -334,7 +368,8 @@ async def events(answer, model: str, count):
     items = Items()
     rid, created = new_id("resp"), int(time.time())
     try:
-        head = response(rid, model, created, [], None, (len(answer.p.prompt), 0, answer.job.cached))
+        echo = answer.p.reply
+        head = response(rid, model, created, [], None, (len(answer.p.prompt), 0, answer.job.cached), echo)
         yield items.event("response.created", response=head)
         yield items.event("response.in_progress", response=head)
         async for kind, value in deltas(answer):
@@ -353,7 +388,7 @@ async def events(answer, model: str, count):
                 for out in items.close():
                     yield out
                 final = response(rid, model, created, items.output, value,
-                                 (len(answer.p.prompt), answer.tokens, answer.job.cached))
+                                 (len(answer.p.prompt), answer.tokens, answer.job.cached), echo)
                 yield items.event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
                                   response=final)
                 status = 200
