@@ -10,8 +10,13 @@ translated back into content blocks (`thinking`, `text`, `tool_use`), `stop_reas
 as Anthropic's events (`message_start`, `content_block_start` / `_delta` / `_stop`, `message_delta`,
 `message_stop`).
 
-Differences from Anthropic's API: `model` is not checked (any name is served by the one model, and the
-answer names the served model); thinking is on unless the request turns it off (the model's default, as on
+`model` must be the served model's name (`GET /v1/models`; `iquest serve --served-model-name` sets it), else a
+400 `model_not_found` (`invalid_request_error`), as on the chat and Responses routes. Claude Code sends names of
+its own (its main model, a small fast one for background work, subagents' aliases): point each at the served name
+(ANTHROPIC_MODEL, ANTHROPIC_SMALL_FAST_MODEL, ANTHROPIC_DEFAULT_{OPUS,SONNET,HAIKU}_MODEL), or serve under the name
+it sends. A request for another model served by this one would hide a misrouted client, so none is.
+
+Differences from Anthropic's API: thinking is on unless the request turns it off (the model's default, as on
 the chat route; `adaptive` and `between_tools` count as `enabled`), and `budget_tokens` and `display` are
 not honored (max_tokens bounds reasoning and answer together); `thinking` blocks carry an empty signature,
 and `redacted_thinking` blocks sent back are dropped; a `tool_result` with `is_error` reaches the model as
@@ -212,6 +217,8 @@ def chat_request(body) -> dict:
         raise invalid("stream must be true or false")
     out = {"messages": chat_messages(body.get("system"), body.get("messages")), "max_tokens": max_tokens,
            "stream": body.get("stream", False)}
+    if body.get("model") is not None:
+        out["model"] = body["model"]   # checked by prepare_chat, as on the chat route
     if tools:
         out["tools"] = tools
         choice = openai_tool_choice(body.get("tool_choice"), tools)

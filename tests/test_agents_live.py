@@ -1,7 +1,8 @@
 """Coding-agent sessions (issue 51) from the official openai and anthropic clients against a real `iquest serve`
 process on the shipped mini model (CPU, loopback, started once for the module): three-turn tool sessions on the
 chat completions, Messages and Responses APIs, streaming and not, whose tool results are files of this
-repository; thinking on and off; bad input as a clear 4xx each, the server healthy after.
+repository; thinking on and off (Responses: reasoning.effort); bad input, a model other than the served one
+included, as a clear 4xx each, the server healthy after.
 
 The mini model was trained on Python source only and never writes the tool-call markup, so a forced call
 (tool_choice required / named) opens in the prompt but its arguments do not parse: the reply is the call's text,
@@ -202,9 +203,10 @@ def test_chat_streamed_and_whole_replies_agree(oai, server):
 CLAUDE_TOOLS = [{"name": "read_file", "description": "read a file of the repository", "input_schema": SCHEMA}]
 
 
-def claude_turn(client, stream: bool, **kw):
-    # greedy, so that a run is repeatable (this anthropic client takes temperature only as an extra)
-    kw = dict(model="claude-sonnet-4-5", max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, **kw)
+def claude_turn(client, model: str, stream: bool, **kw):
+    # greedy, so that a run is repeatable (this anthropic client takes temperature only as an extra); the served
+    # model's name, as Claude Code sends it when ANTHROPIC_MODEL names it (another name is a 400, as on every route)
+    kw = dict(model=model, max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, **kw)
     if not stream:
         return client.messages.create(**kw)
     with client.messages.stream(**kw) as s:
@@ -237,7 +239,7 @@ def test_messages_tool_session_of_three_turns(claude, server):
     inputs = []
     for turn, path in enumerate(FILES):
         choice = {"type": "any"} if turn == 1 else {"type": "tool", "name": "read_file"}
-        m = claude_turn(claude, turn == 1, system="You are a coding agent.", messages=messages, tools=CLAUDE_TOOLS,
+        m = claude_turn(claude, model, turn == 1, system="You are a coding agent.", messages=messages, tools=CLAUDE_TOOLS,
                         tool_choice=choice)
         check_message(m, model)
         kinds = [b.type for b in m.content]
@@ -259,11 +261,11 @@ def test_messages_tool_session_of_three_turns(claude, server):
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"],
                                                    "content": [{"type": "text", "text": read(path)}]}]}]
     assert all(b > a + 100 for a, b in zip(inputs, inputs[1:])), inputs
-    counted = claude.messages.count_tokens(model="claude-sonnet-4-5", messages=messages, tools=CLAUDE_TOOLS,
+    counted = claude.messages.count_tokens(model=model, messages=messages, tools=CLAUDE_TOOLS,
                                            system="You are a coding agent.")
-    on = claude_turn(claude, True, system="You are a coding agent.", messages=messages, tools=CLAUDE_TOOLS,
+    on = claude_turn(claude, model, True, system="You are a coding agent.", messages=messages, tools=CLAUDE_TOOLS,
                      thinking={"type": "enabled", "budget_tokens": 1024})
-    off = claude_turn(claude, False, system="You are a coding agent.", messages=messages, tools=CLAUDE_TOOLS,
+    off = claude_turn(claude, model, False, system="You are a coding agent.", messages=messages, tools=CLAUDE_TOOLS,
                       thinking={"type": "disabled"})
     for m in (on, off):
         check_message(m, model)
@@ -309,6 +311,8 @@ def test_responses_tool_session_of_three_turns(oai, server):
         r = responses_turn(oai, model, turn == 1, instructions="You are a coding agent.", input=items,
                            tools=RESP_TOOLS, tool_choice=choice)
         check_response(r, model)
+        if turn == 1:  # the streamed reply echoes the request's tools and tool_choice
+            assert r.tool_choice == "required" and [(t.name, t.strict) for t in r.tools] == [("read_file", False)]
         kinds = [o.type for o in r.output]
         assert "reasoning" not in kinds  # a forced call does not think
         calls = [o for o in r.output if o.type == "function_call"]
@@ -327,12 +331,15 @@ def test_responses_tool_session_of_three_turns(oai, server):
         items += [*said, {"type": "function_call", "name": "read_file", **call},
                   {"type": "function_call_output", "call_id": call["call_id"], "output": read(path)}]
     assert all(b > a + 100 for a, b in zip(inputs, inputs[1:])), inputs
-    # thinking: on by default and with reasoning; a forced turn (above) is the only reply without it, as the
-    # Responses route has no switch to turn thinking off
+    # thinking: on with reasoning.effort low (as by default), off with effort none
     r = responses_turn(oai, model, True, instructions="You are a coding agent.", input=items, tools=RESP_TOOLS,
                        reasoning={"effort": "low"})
     check_response(r, model)
     assert r.output[0].type == "reasoning" and r.output[0].summary[0].text
+    r = responses_turn(oai, model, False, instructions="You are a coding agent.", input=items, tools=RESP_TOOLS,
+                       reasoning={"effort": "none"})
+    check_response(r, model)
+    assert r.output and "reasoning" not in [o.type for o in r.output], r.output
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
@@ -376,7 +383,7 @@ def test_bad_input_is_a_clear_4xx_on_every_api_and_the_server_stays_healthy(oai,
             tools=CLAUDE_TOOLS), "input must be an object"),
     ]:
         with pytest.raises(anthropic.BadRequestError) as info:
-            claude.messages.create(model="claude-sonnet-4-5", max_tokens=MAX_TOKENS, **kw)
+            claude.messages.create(model=model, max_tokens=MAX_TOKENS, **kw)
         body = info.value.body
         assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", (name, body)
         assert needle in body["error"]["message"], (name, body)
@@ -397,6 +404,16 @@ def test_bad_input_is_a_clear_4xx_on_every_api_and_the_server_stays_healthy(oai,
         with pytest.raises(openai.BadRequestError) as info:
             oai.responses.create(model=model, max_output_tokens=MAX_TOKENS, **kw)
         assert needle in info.value.body["message"], (name, info.value.body)
+    # a model other than the served one: refused alike by the three routes
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model="gpt-5-codex", messages=user, max_tokens=MAX_TOKENS)
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.responses.create(model="gpt-5-codex", input=TASK, max_output_tokens=MAX_TOKENS)
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    with pytest.raises(anthropic.BadRequestError) as info:
+        claude.messages.create(model="claude-sonnet-4-5", messages=user, max_tokens=MAX_TOKENS)
+    assert "claude-sonnet-4-5" in info.value.body["error"]["message"] and model in info.value.body["error"]["message"]
     assert httpx.get(url + "/health", timeout=5).json()["status"] == "ok"
     r = oai.chat.completions.create(model=model, messages=user, max_tokens=4, **GREEDY)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4

@@ -22,6 +22,7 @@ TOOLS = [{"name": "read_file", "description": "read a file",
 USER = [{"role": "user", "content": "How long is a.py?"}]
 CALL = READ_FILE_CALL
 KEY = "sk-test-key"
+MODEL = "tiny"   # the served name (ServeOptions below): the only one the routes take
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ ids = spelled_ids
 @pytest.fixture(scope="module")
 def server():
     fake = ScriptedEngine(load_engine("fast", TINY, 1, max_context=256))
-    app = create_app(fake, load_tokenizer(TINY), ServeOptions("tiny", api_key=KEY, max_context=1024))
+    app = create_app(fake, load_tokenizer(TINY), ServeOptions(MODEL, api_key=KEY, max_context=1024))
     with ServerThread(app) as s:
         yield fake, anthropic.Anthropic(base_url=s.url, api_key=KEY, max_retries=0, timeout=60), s.url
 
@@ -57,7 +58,7 @@ def test_text_with_a_thinking_block_streaming_and_not(server, tok):
     fake, client, _ = server
     reply = ids(tok, "Plan: answer briefly.</think>Three lines.<|iquest_end|>")
     fake.scripts += [reply, reply]
-    kw = dict(model="claude-anything", max_tokens=50, messages=USER,
+    kw = dict(model=MODEL, max_tokens=50, messages=USER,
               system=[{"type": "text", "text": "You are terse."}])
     m = client.messages.create(**kw)
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == \
@@ -65,7 +66,7 @@ def test_text_with_a_thinking_block_streaming_and_not(server, tok):
     assert m.stop_reason == "end_turn" and m.role == "assistant" and m.id.startswith("msg_")
     assert m.usage.input_tokens == len(fake.prompts[-1]) and m.usage.output_tokens == len(reply)
     assert "You are terse." in prompt_text(tok, fake) and prompt_text(tok, fake).endswith("<think>")
-    counted = client.messages.count_tokens(model="x", messages=USER, system=kw["system"])
+    counted = client.messages.count_tokens(model=MODEL, messages=USER, system=kw["system"])
     assert counted.input_tokens == m.usage.input_tokens
     kinds, final = stream(client, **kw)
     assert kinds[0] == ("message_start", None) and kinds[-2:] == [("message_delta", None), ("message_stop", None)]
@@ -80,16 +81,16 @@ def test_text_with_a_thinking_block_streaming_and_not(server, tok):
 def test_thinking_disabled_is_all_text(server, tok):
     fake, client, _ = server
     fake.scripts += [ids(tok, "Hello there.<|iquest_end|>")]
-    m = client.messages.create(model="x", max_tokens=30, messages=USER, thinking={"type": "disabled"})
+    m = client.messages.create(model=MODEL, max_tokens=30, messages=USER, thinking={"type": "disabled"})
     assert [(b.type, b.text) for b in m.content] == [("text", "Hello there.")]
     assert prompt_text(tok, fake).endswith("</think>")
     # enabled (with Anthropic's budget) keeps the prompt inside the reasoning
     fake.scripts += [ids(tok, "hm</think>Hi.<|iquest_end|>")]
-    m = client.messages.create(model="x", max_tokens=30, messages=USER,
+    m = client.messages.create(model=MODEL, max_tokens=30, messages=USER,
                                thinking={"type": "enabled", "budget_tokens": 1024})
     assert [b.type for b in m.content] == ["thinking", "text"] and prompt_text(tok, fake).endswith("<think>")
     fake.scripts += [ids(tok, "hm</think>Hi.<|iquest_end|>")]
-    m = client.messages.create(model="x", max_tokens=30, messages=USER, thinking={"type": "adaptive"})
+    m = client.messages.create(model=MODEL, max_tokens=30, messages=USER, thinking={"type": "adaptive"})
     assert [b.type for b in m.content] == ["thinking", "text"]
 
 
@@ -98,7 +99,7 @@ def test_tool_round_trip_of_two_turns(server, tok, streamed):
     fake, client, _ = server
     fake.scripts += [ids(tok, "Need the file.</think>" + CALL + "<|iquest_end|>"),
                      ids(tok, "It has 3.</think>a.py has 3 lines.<|iquest_end|>")]
-    kw = dict(model="x", max_tokens=80, tools=TOOLS)
+    kw = dict(model=MODEL, max_tokens=80, tools=TOOLS)
     if streamed:
         kinds, first = stream(client, messages=USER, **kw)
         assert ("content_block_delta", "input_json_delta") in kinds
@@ -127,16 +128,16 @@ def test_tool_choice_forces_the_call_and_stop_reasons(server, tok):
     fake, client, _ = server
     rest = ids(tok, "<arg_key>path</arg_key><arg_value>b.py</arg_value></iquest_tool_call><|iquest_end|>")
     fake.scripts += [rest, ids(tok, "read_file") + rest]
-    m = client.messages.create(model="x", max_tokens=40, messages=USER, tools=TOOLS,
+    m = client.messages.create(model=MODEL, max_tokens=40, messages=USER, tools=TOOLS,
                                tool_choice={"type": "tool", "name": "read_file"})
     assert m.stop_reason == "tool_use" and m.content[0].input == {"path": "b.py"}
     assert prompt_text(tok, fake).endswith("</think><iquest_tool_call>read_file")
-    m = client.messages.create(model="x", max_tokens=40, messages=USER, tools=TOOLS, tool_choice={"type": "any"})
+    m = client.messages.create(model=MODEL, max_tokens=40, messages=USER, tools=TOOLS, tool_choice={"type": "any"})
     assert m.stop_reason == "tool_use" and prompt_text(tok, fake).endswith("</think><iquest_tool_call>")
     fake.scripts += [ids(tok, "r</think>alpha STOP beta<|iquest_end|>"), ids(tok, "r</think>a b c d e f g h")]
-    m = client.messages.create(model="x", max_tokens=40, messages=USER, stop_sequences=["STOP"])
+    m = client.messages.create(model=MODEL, max_tokens=40, messages=USER, stop_sequences=["STOP"])
     assert (m.stop_reason, m.stop_sequence, m.content[-1].text) == ("stop_sequence", "STOP", "alpha ")
-    m = client.messages.create(model="x", max_tokens=4, messages=USER)
+    m = client.messages.create(model=MODEL, max_tokens=4, messages=USER)
     assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 4
 
 
@@ -144,7 +145,7 @@ def test_x_api_key_auth(server):
     fake, _, url = server
     with pytest.raises(anthropic.AuthenticationError) as info:
         anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(
-            model="x", max_tokens=5, messages=USER)
+            model=MODEL, max_tokens=5, messages=USER)
     assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "authentication_error"
     assert httpx.post(url + "/v1/messages", json={"max_tokens": 5, "messages": USER}).status_code == 401
     r = httpx.get(url + "/v1/messages", headers={"x-api-key": KEY})
@@ -170,6 +171,7 @@ BAD = {  # each case's body changes, and a word its message must hold
     "bad role": ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
     "assistant prefill": ({"messages": USER + [{"role": "assistant", "content": "Sure,"}]}, "prefill"),
     "temperature past float32": ({"temperature": 1e39}, "temperature"),
+    "another model": ({"model": "claude-sonnet-4-5"}, "claude-sonnet-4-5"),
 }
 
 
@@ -177,7 +179,7 @@ BAD = {  # each case's body changes, and a word its message must hold
 def test_bad_input_is_a_4xx_in_anthropic_shape(server, tok, case):
     fake, client, url = server
     change, word = BAD[case]
-    body = {"model": "x", "max_tokens": 20, "messages": USER, **change}
+    body = {"model": MODEL, "max_tokens": 20, "messages": USER, **change}
     body = {k: v for k, v in body.items() if v is not None}
     r = httpx.post(url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
     assert r.status_code == 400, r.text
@@ -189,7 +191,7 @@ def test_bad_input_is_a_4xx_in_anthropic_shape(server, tok, case):
     assert word in info.value.message
     # healthy after
     fake.scripts += [ids(tok, "ok</think>fine<|iquest_end|>")]
-    assert client.messages.create(model="x", max_tokens=20, messages=USER).content[-1].text == "fine"
+    assert client.messages.create(model=MODEL, max_tokens=20, messages=USER).content[-1].text == "fine"
 
 
 def test_an_engine_failure_is_an_anthropic_error_streaming_and_not(server, tok):
@@ -203,4 +205,19 @@ def test_an_engine_failure_is_an_anthropic_error_streaming_and_not(server, tok):
     assert text.startswith("event: message_start") and "event: error" in text and "bang" in text
     assert "message_stop" not in text
     fake.scripts += [ids(tok, "ok</think>fine<|iquest_end|>")]
-    assert client.messages.create(model="x", max_tokens=20, messages=USER).content[-1].text == "fine"
+    assert client.messages.create(model=MODEL, max_tokens=20, messages=USER).content[-1].text == "fine"
+
+
+def test_another_model_is_refused_as_the_other_routes_refuse_it(server):
+    """A name other than the served one: 400 on Messages and count_tokens, as on chat completions and Responses."""
+    _, client, url = server
+    body = {"model": "claude-3-5-haiku-latest", "max_tokens": 20, "messages": USER}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.post(url + path, json=body, headers={"x-api-key": KEY}, timeout=30)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        assert "claude-3-5-haiku-latest" in r.json()["error"]["message"] and MODEL in r.json()["error"]["message"]
+    for path, req in (("/v1/chat/completions", {"messages": USER}), ("/v1/responses", {"input": "hi"})):
+        r = httpx.post(url + path, json={"model": body["model"], **req}, headers={"authorization": f"Bearer {KEY}"},
+                       timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found", r.text
