@@ -1,4 +1,11 @@
-"""Will a rank's weights and caches fit? Answered from the config before any device work."""
+"""Will a rank's weights and caches fit? Answered from the config before any device work.
+
+Prefix reuse (`iquest serve --prefix-reuse on`, the default) holds one more copy of every ring layer's K, V and
+slot_pos a rank (cache.RingSnapshot, made at the first request that keeps its prefix): at the published size, once
+the context outgrows the 4,096-token window, 137 MB a rank at TP 8 and 1.08 GB at TP 1. The engine is built before any request says
+whether it keeps its prefix (the server passes that per request), so `check_memory` counts the copy unless the
+engine's options say prefix reuse is off.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,8 @@ import torch
 from ..reference.checkpoint import shard_range, tensor_specs
 from ..reference.config import Config, ConfigError
 from ..reference.fp8 import scale_shape
-from .cache import StaticKV
+from .cache import StaticKV, layer_slots, windows
+from .state import VERIFY_ROWS
 from .weights import weight_format
 
 HEADROOM = 1.15  # activations, graph pools, allocator slack
@@ -42,20 +50,44 @@ def rank_weight_bytes(config: Config, tp: int, rank: int = 0, fmt: str | None = 
     return sum(rank_tensor_bytes(config, tp, rank, fmt).values())
 
 
-def rank_bytes(config: Config, tp: int, max_context: int, dtype_bytes: int = 2, fmt: str | None = None) -> int:
+def prefix_snapshot_bytes(config: Config, tp: int, max_context: int, dtype_bytes: int = 2) -> int:
+    """Bytes of one rank's copy of its ring caches for prefix reuse: K, V and slot_pos of every layer, the draft's
+    included, whose ring has fewer slots than the caches hold positions (0 when no layer's does)."""
     kv_heads = max(config.num_key_value_heads // tp, 1)
-    return rank_weight_bytes(config, tp, fmt=fmt) + StaticKV.bytes_needed(config, kv_heads, max_context, dtype_bytes)
+    # the caches hold the context and a verification block's overrun past it (rank.cache_capacity): a window that
+    # with its slack covers that many positions gets one slot a position, which decode writes only past the prompt
+    capacity = max_context + 2 * VERIFY_ROWS
+    total = 0
+    for window in windows(config):
+        slots = layer_slots(window, capacity)
+        if window is not None and slots < capacity:
+            total += 2 * (slots + 1) * kv_heads * config.head_dim * dtype_bytes + 8 * (slots + 1)
+    return total
 
 
-def check_memory(config: Config, tp: int, options, device_kind: str, ranks=None) -> None:
+def rank_bytes(config: Config, tp: int, max_context: int, dtype_bytes: int = 2, fmt: str | None = None,
+               prefix_reuse: bool = False) -> int:
+    """A rank's weights and KV caches; with `prefix_reuse`, and the copy of its rings that prefix reuse keeps."""
+    kv_heads = max(config.num_key_value_heads // tp, 1)
+    return rank_weight_bytes(config, tp, fmt=fmt) + StaticKV.bytes_needed(config, kv_heads, max_context, dtype_bytes) \
+        + (prefix_snapshot_bytes(config, tp, max_context, dtype_bytes) if prefix_reuse else 0)
+
+
+def check_memory(config: Config, tp: int, options, device_kind: str, ranks=None, prefix_reuse: bool | None = None) \
+        -> None:
     """Raise a clear error when weights plus caches at the requested context exceed device memory on the GPUs of
     `ranks` (default all): each process checks only its own GPU, since querying one creates a context on it. With
-    `options.shared_gpu` every rank lives on GPU 0, so rank 0 checks that GPU for all of them and the others skip."""
+    `options.shared_gpu` every rank lives on GPU 0, so rank 0 checks that GPU for all of them and the others skip.
+    `prefix_reuse` (None: `options.prefix_reuse`, on where the options do not say) counts the rings' copy too."""
     if device_kind != "cuda":
         return
+    if prefix_reuse is None:
+        # on unless said off: the server reuses prefixes by default, and the copy is made mid-serving, where
+        # running out of memory fails a request instead of the start
+        prefix_reuse = bool(getattr(options, "prefix_reuse", True))
     dtype_bytes = options.torch_dtype(torch.device("cuda")).itemsize
     fmt = weight_format(options.weights, config, torch.device("cuda"))
-    need = rank_bytes(config, tp, options.max_context, dtype_bytes, fmt) * HEADROOM
+    need = rank_bytes(config, tp, options.max_context, dtype_bytes, fmt, prefix_reuse) * HEADROOM
     for rank in range(tp) if ranks is None else ranks:
         if options.shared_gpu and rank > 0:
             continue
@@ -63,6 +95,8 @@ def check_memory(config: Config, tp: int, options, device_kind: str, ranks=None)
         free, _ = torch.cuda.mem_get_info(gpu)
         if need * ranks_there > free:
             who = f"{tp} ranks sharing GPU 0 need" if options.shared_gpu else f"rank {rank} needs"
-            raise ConfigError(f"{who} about {need * ranks_there / 2**30:.1f} GiB for weights and KV caches at "
+            what = "weights, KV caches and the prefix-reuse copy of the rings" if prefix_reuse else \
+                "weights and KV caches"
+            raise ConfigError(f"{who} about {need * ranks_there / 2**30:.1f} GiB for {what} at "
                               f"--max-context {options.max_context} (tp={tp}), but GPU {gpu} has "
                               f"{free / 2**30:.1f} GiB free: raise --tp or lower --max-context")

@@ -15,7 +15,8 @@ from iquest.fast import memory
 from iquest.fast.engine import FastEngine, _await_workers
 from iquest.fast.rank import EngineOptions, EngineParts
 from iquest.reference.config import Config, ConfigError
-from iquest.tests.helpers import TINY, FailingLoader
+from iquest.fast.cache import RingSnapshot, StaticKV
+from iquest.tests.helpers import ROOT, TINY, FailingLoader, rank_engine
 
 
 @dataclass
@@ -60,7 +61,7 @@ def test_a_worker_failing_at_start_fails_load_with_its_reason():
 def test_shared_gpu_memory_check_asks_gpu0_for_every_rank(monkeypatch):
     config = Config.from_dir(TINY)
     options = EngineOptions(max_context=512, dtype="bf16", shared_gpu=True)
-    need = memory.rank_bytes(config, 2, 512, 2) * memory.HEADROOM
+    need = memory.rank_bytes(config, 2, 512, 2, prefix_reuse=True) * memory.HEADROOM
     asked = []
 
     def free_of(gpu):
@@ -78,6 +79,39 @@ def test_shared_gpu_memory_check_asks_gpu0_for_every_rank(monkeypatch):
     asked.clear()
     memory.check_memory(config, 2, EngineOptions(max_context=512, dtype="bf16"), "cuda", ranks=(1,))
     assert asked == [1]
+
+
+def test_the_prefix_reuse_copy_is_counted_as_the_engine_makes_it():
+    """fast/memory counts the rings' copy that prefix reuse keeps (issue 51): as many bytes as an engine's own, and as
+    a copy of the rings of caches sized as the engine sizes them, at the published size too."""
+    config = Config.from_dir(TINY)
+    engine = rank_engine(TINY)  # fp32, --max-context 512: the tiny rings (96 and 80 slots) are smaller
+    assert memory.prefix_snapshot_bytes(config, 1, 512, 4) == engine.snapshot_bytes > 0
+    full = Config.from_file(ROOT / "configs" / "iquest-q1.json", ROOT / "configs" / "iquest-q1-mtp.json")
+    for tp, context, want_mb in ((8, 8192, 137), (1, 131072, 1078), (8, 4096, 0)):
+        kv = StaticKV(full, full.num_key_value_heads // tp, context + 16, torch.bfloat16, torch.device("meta"))
+        got = memory.prefix_snapshot_bytes(full, tp, context)
+        assert got == RingSnapshot.bytes_for(kv, kv.rings())
+        # 63 sliding layers' rings of 4,160 slots; at a 4,096-token context only the draft's window (512) is one
+        assert round(got / 1e6) == want_mb, (tp, context, got)
+        assert memory.rank_bytes(full, tp, context, prefix_reuse=True) - memory.rank_bytes(full, tp, context) == got
+
+
+def test_the_memory_check_counts_the_copy_unless_prefix_reuse_is_off(monkeypatch):
+    config = Config.from_dir(TINY)
+    options = EngineOptions(max_context=512, dtype="bf16")
+    plain = memory.rank_bytes(config, 1, 512, 2) * memory.HEADROOM
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda gpu: (int(plain) + 1, 0))
+    # the engine is built before the server says: on, as iquest serve's default
+    with pytest.raises(ConfigError, match="prefix-reuse copy of the rings"):
+        memory.check_memory(config, 1, options, "cuda")
+    memory.check_memory(config, 1, options, "cuda", prefix_reuse=False)
+
+    @dataclass(frozen=True)
+    class Off(EngineOptions):
+        prefix_reuse: bool = False
+
+    memory.check_memory(config, 1, Off(max_context=512, dtype="bf16"), "cuda")
 
 
 def test_a_closed_engine_collected_later_leaves_the_next_engines_group():
