@@ -1,15 +1,14 @@
-"""`iquest bench kernels`, `allreduce` and `graph-trace`: microbenchmarks and GPU probes; `iquest bench sass`: the
-offline compile report (registered by cli/bench_cmd.py). `tune` and `stream-probe` measured the kernels of the
-retired, guessed architecture at its shapes: they answer with a one-line error until the GPU issue re-bases them
-(docs/PERF.md, "Retired with the guessed architecture")."""
+"""`iquest bench kernels`, `tune`, `allreduce` and `graph-trace`: microbenchmarks and GPU probes; `iquest bench sass`:
+the offline compile report (registered by cli/bench_cmd.py). `tune` times each published-model kernel at its default
+launch settings and a small grid of others (bench/tune.py). `stream-probe` measured the kernels of the retired,
+guessed architecture at its shapes: it answers with a one-line error until the GPU issue re-bases it (docs/PERF.md,
+"Retired with the guessed architecture")."""
 
 from __future__ import annotations
 
 import argparse
 
 RETIRED = {  # subcommand -> what it measured
-    "tune": "swept the launch configurations of the retired architecture's kernels (MoE, attention, router, norm, "
-            "q/k/v and o_proj) at its shapes",
     "stream-probe": "streamed the retired MoE kernel's Gate/Up tiles and the retired round's weight streams",
 }
 
@@ -60,6 +59,7 @@ def register(bsub) -> None:
     k.add_argument("--repeats", type=int, default=20, help="timed graph replays per variant (default 20)")
     k.add_argument("--out", help="write the raw JSON here (e.g. bench/results/kernels-h200.json)")
     k.set_defaults(run=run_kernels)
+    _register_tune(bsub)
     for name, what in RETIRED.items():
         r = bsub.add_parser(name, help=f"retired with the guessed architecture (it {what.split(' (')[0]})",
                             description=f"Retired: it {what}. It is re-based in the GPU issue.")
@@ -116,6 +116,70 @@ def register(bsub) -> None:
                          "route to more experts")
     gt.add_argument("--out", help="write the raw JSON here")
     gt.set_defaults(run=run_graph_trace)
+
+
+def _register_tune(bsub) -> None:
+    t = bsub.add_parser("tune", help="each published-model kernel at its default launch settings and a small grid of "
+                                     "others, at one TP8 rank's decode shapes (GPU)",
+                        description="For each op (attention on full, sliding and draft layers, qk_rope_kv, rmsnorm, "
+                                    "add_norm, the router, the MoE, the LM head) builds its inputs at one TP8 rank's "
+                                    "shapes of configs/iquest-q1.json, then times the default settings and each "
+                                    "candidate of bench/tune.py's grid (dataclasses.replace on the default) in CUDA "
+                                    "graphs launched with PDL as the engine launches them, the graphs replayed in "
+                                    "turns in one process. Prints one line a candidate: median us a call, ratio to the "
+                                    "default, and whether its output has the default's bits (a candidate changing a "
+                                    "field that sets an fp32 sum's order is flagged as a numerical change).")
+    t.add_argument("--ops", default="all", help="comma-separated ops, or all (default all: attention_full, "
+                                                "attention_sliding, attention_draft, qk_rope_kv, rmsnorm, add_norm, "
+                                                "router, moe, lm_head)")
+    t.add_argument("--only", metavar="NAME[,NAME]",
+                   help="time only these candidates (besides each op's default), named as printed, e.g. "
+                        "num_warps=8,block_n=32")
+    t.add_argument("--rank", type=int, default=0,
+                   help="the TP8 rank whose shapes are used (default 0; an odd rank's expert shard starts 64 rows into "
+                        "its 128-row scale block)")
+    t.add_argument("--rows", type=int, default=6, help="rows of the decode block, 1..8 (default 6: depth 5)")
+    t.add_argument("--context", type=int, default=1024, help="positions of history for attention (default 1024)")
+    t.add_argument("--distinct", type=int, default=13,
+                   help="distinct experts the MoE's block routes to, top_k..min(rows x top_k, experts) (default 13)")
+    t.add_argument("--repeats", type=int, default=20, help="timed replays per candidate (default 20)")
+    t.add_argument("--budget", type=float, metavar="SECONDS",
+                   help="stop starting ops, candidates and rounds after this many seconds (default: no cap)")
+    t.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch with programmatic dependent launch, as the engine does (default True; --no-pdl: plain "
+                        "launches)")
+    t.add_argument("--seed", type=int, default=0, help="inputs seed (default 0)")
+    t.add_argument("--out", help="write the raw JSON here (e.g. bench/results/tune-h200.json)")
+    t.set_defaults(run=run_tune)
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from .main import UserError
+
+    from ..bench import tune
+
+    try:
+        ops = tune.parse_ops(args.ops)
+        only = tune.parse_only(args.only, ops)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if not 0 <= args.rank < tune.TP:
+        raise UserError(f"--rank must be in 0..{tune.TP - 1}, got {args.rank}")
+    if not 1 <= args.rows <= 8:
+        raise UserError(f"--rows must be in 1..8 (a decode block), got {args.rows}")
+    if args.context < 1 or args.repeats < 1:
+        raise UserError("--context and --repeats must be >= 1")
+    if args.budget is not None and not args.budget > 0:
+        raise UserError(f"--budget must be > 0 seconds, got {args.budget}")
+    shapes = tune.rank_shapes(args.rank)
+    top_k, experts = shapes.top_k, shapes.experts
+    if not top_k <= args.distinct <= min(args.rows * top_k, experts):
+        raise UserError(f"--distinct must be in {top_k}..{min(args.rows * top_k, experts)} at {args.rows} rows, "
+                        f"got {args.distinct}")
+    _need_gpus("iquest bench tune", 1)
+    tune.run(ops, only, args.rank, args.rows, args.context, args.distinct, args.repeats, args.budget, args.out,
+             pdl=args.pdl, seed=args.seed)
+    return 0
 
 
 def run_graph_trace(args: argparse.Namespace) -> int:

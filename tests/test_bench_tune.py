@@ -1,0 +1,148 @@
+"""`iquest bench tune` on the CPU: every candidate of the grids is a valid setting of its kernel (each field exists,
+each value passes the kernel's own checks), the rank shapes are the published TP8 ones, the options' errors are one
+line, and without CUDA the command says so in one line. The timing itself needs the GPU (`@pytest.mark.gpu`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from iquest.bench import tune
+from iquest.cli.main import main
+from iquest.kernels import decode_attention, lm_head, router
+
+
+def _fails(capsys, argv: list[str], *needles: str) -> None:
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in lines[0] and "error" in lines[0], lines
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+# the kernels' own settings checks (the wrappers run them at every call); the norms' classes check in __post_init__
+CHECKS = {"attention_full": decode_attention._check_settings, "attention_sliding": decode_attention._check_settings,
+          "attention_draft": decode_attention._check_settings, "router": router._check_settings,
+          "lm_head": lm_head._check_settings}
+
+
+def test_grids_cover_every_op_and_only_name_fields():
+    assert set(tune.GRIDS) == set(tune.OPS) == set(tune.ORDER_FIELDS)
+    for op in tune.OPS:
+        fields = {f.name for f in dataclasses.fields(tune.default_settings(op))}
+        assert tune.ORDER_FIELDS[op] <= fields, op
+        names = [tune.candidate_name(ov) for ov in tune.GRIDS[op]]
+        assert len(set(names)) == len(names), op  # a name picks one candidate
+        for ov in tune.GRIDS[op]:
+            assert ov and set(ov) <= fields, (op, ov)
+            assert all(getattr(tune.default_settings(op), k) != v for k, v in ov.items()), (op, ov)  # not the default
+
+
+@pytest.mark.parametrize("op", tune.OPS)
+def test_every_candidate_is_a_valid_setting(op):
+    """Built with dataclasses.replace on the default (an unknown field raises) and accepted by the kernel's checks;
+    the MoE's tiles are dot operands (powers of two >= 16, as moe() checks)."""
+    built = tune.candidates(op)
+    assert len(built) == len(tune.GRIDS[op]) >= 2
+    for name, ov, st in built:
+        assert type(st) is type(tune.default_settings(op)) and all(getattr(st, k) == v for k, v in ov.items())
+        if op in CHECKS:
+            CHECKS[op](st)
+        if op == "moe":
+            for f in ("block_m", "gate_up_block_n", "gate_up_block_k", "down_block_n", "down_block_k",
+                      "combine_block"):
+                v = getattr(st, f)
+                assert v >= 16 and v & (v - 1) == 0, (name, f, v)
+            assert st.warps in (1, 2, 4, 8, 16) and st.stages >= 1
+
+
+def test_order_fields_flag_numerical_changes():
+    assert tune.order_changes("attention_full", {"block_n": 32}) == ["block_n"]
+    assert tune.order_changes("attention_full", {"num_stages": 2}) == []  # scheduling only
+    assert tune.order_changes("router", {"preload": False}) == []
+    assert tune.order_changes("lm_head", {"block_v": 64}) == [] and tune.order_changes("lm_head", {"block_k": 64})
+    row = {"name": "block_n=32", "bit_identical": False, "order_fields": ["block_n"]}
+    assert tune.bits_text(row).startswith("numerical change")
+    assert tune.bits_text(dict(row, order_fields=[])).startswith("DIFFERENT BITS")
+    assert tune.bits_text(dict(row, bit_identical=True)) == "same bits"
+
+
+def test_same_bits_compares_bit_patterns():
+    a = torch.tensor([0.0, float("nan"), 1.0])
+    assert tune.same_bits((a,), (a.clone(),))
+    assert not tune.same_bits((a,), (torch.tensor([-0.0, float("nan"), 1.0]),))  # -0 == 0, but not its bits
+    assert not tune.same_bits((a,), (a.double(),))
+
+
+@pytest.mark.parametrize("rank, offset", [(0, 0), (1, 64), (2, 0), (3, 64)])
+def test_rank_shapes_are_the_published_tp8_ones(rank, offset):
+    s = tune.rank_shapes(rank)
+    assert (s.hidden, s.q_heads, s.kv_heads, s.head_dim, s.rotary) == (3072, 6, 1, 128, 32)
+    assert (s.experts, s.top_k, s.inter, s.inter_offset, s.vocab) == (256, 8, 192, offset, 20000)
+    assert (s.window, s.draft_window) == (4096, 512)
+
+
+def test_small_cases_build_on_cpu():
+    """The cheap ops' inputs at the rank's shapes: the rings are the window + 64 slots, a full layer's cache the
+    context + 96, and a short cache is copied up to MAX_COPIES for the rotation."""
+    s = tune.rank_shapes(0)
+    full = tune.build("attention_full", s, 6, 256, 13, "cpu", pdl=False)
+    assert full.shapes["slots"] == 256 + 96 and full.copies == tune.MAX_COPIES
+    assert tune.build("attention_sliding", s, 6, 256, 13, "cpu", pdl=False).shapes["slots"] == 4160
+    assert tune.build("attention_draft", s, 6, 256, 13, "cpu", pdl=False).shapes["slots"] == 576
+    assert tune.build("rmsnorm", s, 6, 256, 13, "cpu", pdl=False).copies == 1
+
+
+def test_parse_ops_and_only():
+    assert tune.parse_ops("all") == tune.OPS and tune.parse_ops("moe, router,moe") == ("moe", "router")
+    assert tune.parse_only(None, ("moe",)) is None
+    assert tune.parse_only("warps=8", ("moe",)) == ("warps=8",)
+    with pytest.raises(ValueError, match="num_warps=8 is not a candidate of moe"):
+        tune.parse_only("num_warps=8", ("moe",))
+    with pytest.raises(ValueError, match="unknown linear_qkv"):
+        tune.parse_ops("moe,linear_qkv")
+
+
+def test_cli_errors_are_one_line(capsys, no_cuda):
+    _fails(capsys, ["bench", "tune"], "iquest bench tune needs 1 CUDA device, found 0")
+    _fails(capsys, ["bench", "tune", "--ops", "moe,attention_full", "--only", "block_n=32,warps=8", "--rank", "1", "--rows", "4",
+                    "--distinct", "20", "--repeats", "3", "--budget", "60"], "needs 1 CUDA device")
+    _fails(capsys, ["bench", "tune", "--ops", "attention,moe"], "--ops: unknown attention")
+    _fails(capsys, ["bench", "tune", "--ops", ","], "--ops: unknown (none given)")
+    _fails(capsys, ["bench", "tune", "--ops", "moe", "--only", "block_n=32"], "--only: block_n=32 is not a candidate")
+    _fails(capsys, ["bench", "tune", "--rank", "8"], "--rank must be in 0..7")
+    _fails(capsys, ["bench", "tune", "--rows", "9"], "--rows must be in 1..8")
+    _fails(capsys, ["bench", "tune", "--rows", "1"], "--distinct must be in 8..8")
+    _fails(capsys, ["bench", "tune", "--budget", "0"], "--budget must be > 0")
+    _fails(capsys, ["bench", "tune", "--repeats", "0"], "--repeats must be >= 1")
+
+
+def test_help_names_the_ops(capsys):
+    assert main(["bench", "tune", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert all(op in text for op in tune.OPS) and "Retired" not in text
+
+
+@pytest.mark.gpu
+def test_gpu_tune(tmp_path, capsys):
+    out = tmp_path / "tune.json"
+    assert main(["bench", "tune", "--ops", "rmsnorm,attention_draft", "--only", "num_warps=4,num_stages=3",
+                 "--repeats", "3", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["bench"] == "tune" and r["commit"] and [o["op"] for o in r["ops"]] == ["rmsnorm", "attention_draft"]
+    for o in r["ops"]:
+        names = [c["name"] for c in o["candidates"]]
+        assert names[0] == "default" and len(names) == 2, names
+        for c in o["candidates"]:
+            assert "error" not in c and len(c["times_us"]) == 3 and c["median_us"] > 0, c
+        assert o["candidates"][1]["bit_identical"] or o["candidates"][1]["order_fields"]
+    assert "rmsnorm" in capsys.readouterr().out
