@@ -338,7 +338,7 @@ def create_app(engine, tokenizer, options: ServeOptions) -> FastAPI:
             job.cancelled.set()  # a no-op once the decode has ended
         count(request, 200)
         if style == "responses":
-            return JSONResponse(openai_responses.of_chat(body, options.model_name))
+            return JSONResponse(openai_responses.of_chat(body, options.model_name, p))
         return JSONResponse(body if style == "openai" else anthropic.message(body, answer, options.model_name))
 
     async def wait_for_start(request: Request, job: Job) -> None:

@@ -103,7 +103,7 @@ def test_each_api_reports_the_cached_prompt_tokens(servers):
         timeout=TIMEOUT).text.splitlines())
     assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] >= cached  # the same prompt: its whole blocks
 
-    claude = {"model": "claude", "max_tokens": 6, "system": SYSTEM,
+    claude = {"model": "tiny", "max_tokens": 6, "system": SYSTEM,
               "messages": [{"role": "user", "content": "Write fizzbuzz."}]}
     post(on, "/v1/messages", claude)
     claude["messages"] += [{"role": "assistant", "content": "def f(): pass"},

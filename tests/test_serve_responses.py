@@ -252,3 +252,6 @@ def test_the_reply_echoes_the_requests_tools_and_tool_choice(server, tok):
                                {"cached_tokens": 0}}}
         r = of_chat(chat_body, MODEL, p)
         assert (r["tool_choice"], r["tools"]) == want
+        fake.scripts += [script]  # and through the route
+        r = httpx.post(url + "/v1/responses", json={**req, "stream": False}, headers=headers, timeout=30).json()
+        assert (r["tool_choice"], r["tools"]) == want
