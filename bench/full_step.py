@@ -229,7 +229,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
     cuda = dev.type == "cuda"
     notes = ["collectives replaced by local no-ops: one rank's compute, no communication",
              f"variants: {', '.join(kernels)} (torch = the torch form of every op; triton = the kernels of kernels/ "
-             "for the op groups of fast/plan.PUBLISHED, the torch forms for the others); "
+             "for every op group of fast/plan.GROUPS); "
              "eager = the same round code run by the eager loop (host reads each condition)",
              "each timed chunk starts from its engine's restored post-prefill state (one prefill per engine)"]
     if not cuda:

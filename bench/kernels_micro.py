@@ -1,7 +1,7 @@
 """`iquest bench kernels`: our Triton kernels on the product path beside what torch offers, at one TP8 rank's shapes
 of docs/model.md's model.
 
-The kernel ops of a decode step (fast/plan.PUBLISHED), every variant given the same numbers:
+The kernel ops of a decode step (fast/plan.GROUPS), every variant given the same numbers:
 - FP8 block-scaled linear, y = x W^T with W E4M3 and fp32 128x128 block scales: kernels.fp8_linear, at the linears
   the engine runs as it (q/k/v as one weight, o_proj, the dense MLP of layer 0, the draft's eh_proj);
   torch's block-wise scaled GEMM (F.scaled_mm, else torch._scaled_mm: x as E4M3 with 1x128 scales, W

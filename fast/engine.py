@@ -21,7 +21,7 @@ from ..reference.speculative import Step
 from .depth_policy import DepthPolicy, depth_policy
 from .memory import check_memory
 from .parallel import free_port, init_process
-from .plan import PUBLISHED, KernelPlan
+from .plan import GROUPS, KernelPlan
 from .rank import EngineOptions, EngineParts, RankEngine, Request
 
 
@@ -79,17 +79,13 @@ def _await_workers(ready: "mp.Queue", procs: list, status: str, timeout_s: float
 
 def kernel_summary(plan: KernelPlan) -> str:
     """What ran as which form, in words: "torch" (every op its torch form), or the groups running Triton kernels, then
-    those on their torch forms: the plan's groups it left off, and the groups with no published-architecture kernel yet
-    (fast/plan.py), e.g. "triton for linear, sampling, glue; torch forms for attention, norm, moe, lm_head (no
-    published-architecture kernel yet)"."""
+    those the plan left on their torch forms, e.g. "triton for linear, sampling; torch forms for attention, norm, moe,
+    lm_head, glue (off in this plan)"."""
     if not plan.uses_triton:
         return "torch"
-    on = [g for g in PUBLISHED if getattr(plan, g)]
-    off = [g for g in plan.torch_groups if g in PUBLISHED]
-    missing = [g for g in plan.torch_groups if g not in PUBLISHED]
-    parts = ([f"{', '.join(off)} (off in this plan)"] if off else []) + \
-        ([f"{', '.join(missing)} (no published-architecture kernel yet)"] if missing else [])
-    return f"triton for {', '.join(on)}" + (f"; torch forms for {' and '.join(parts)}" if parts else "")
+    on = [g for g in GROUPS if getattr(plan, g)]
+    off = list(plan.torch_groups)
+    return f"triton for {', '.join(on)}" + (f"; torch forms for {', '.join(off)} (off in this plan)" if off else "")
 
 
 class FastEngine:
@@ -165,7 +161,7 @@ class FastEngine:
         kernels = kernel_summary(self.plan)
         return {"device": self.device.type, "tp": self.tp, "dtype": dtype, "weights": weights,
                 "weights_quantized_at_load": self.quantized_at_load, "kernels": kernels,
-                "kernel_groups": {"triton": [g for g in PUBLISHED if getattr(self.plan, g)],
+                "kernel_groups": {"triton": [g for g in GROUPS if getattr(self.plan, g)],
                                   "torch": list(self.plan.torch_groups)},
                 "text": f"fast on {self.device.type}, tp {self.tp}, {dtype} activations, weights {weights}; "
                         f"kernels: {kernels}"}

@@ -1,12 +1,11 @@
 """The kernel plan: which of the engine's op groups run as the Triton kernels of `kernels/`. One frozen value per
 engine, built from the device by default.
 
-Only groups whose kernels compute the published architecture's ops may run as kernels (`PUBLISHED`): the FP8
-linears (plain projections), attention (q/k norm + partial RoPE + KV write in one launch; split-KV attention with the
-sink key), the norms (RMSNorm and the sandwich tails), the router and the routed experts, the fp32 LM heads, the vocabulary-parallel sampling (top-k, distributions, draws,
-the accept step, Philox) and the glue (embedding lookup, settle step). A group not yet re-based runs its torch form on
-every device, and the run's summary names it. Where a shape does not fit a kernel that call runs the torch form and is
-counted.
+The groups (`GROUPS`): the FP8 linears (plain projections), attention (q/k norm + partial RoPE + KV write in one
+launch; split-KV attention with the sink key), the norms (RMSNorm and the sandwich tails), the router and the routed
+experts, the fp32 LM heads, the vocabulary-parallel sampling (top-k, distributions, draws, the accept step, Philox) and
+the glue (embedding lookup, settle step). A group left off a plan runs its torch form, and the run's summary names
+it. Where a shape does not fit a kernel that call runs the torch form and is counted.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from dataclasses import dataclass, fields
 import torch
 
 GROUPS = ("linear", "attention", "norm", "moe", "lm_head", "sampling", "glue")
-PUBLISHED = ("linear", "attention", "norm", "moe", "lm_head", "sampling", "glue")  # groups with kernels of the published model
 CHOICES = ("auto", "torch", "triton")
 
 
@@ -31,7 +29,7 @@ class KernelPlan:
     glue: bool = False        # the embedding lookups, the settle step
 
     def __post_init__(self) -> None:
-        assert tuple(f.name for f in fields(self)) == PUBLISHED, "a plan holds exactly the published groups"
+        assert tuple(f.name for f in fields(self)) == GROUPS, "a plan holds exactly the op groups"
 
     @classmethod
     def torch(cls) -> "KernelPlan":
@@ -53,7 +51,7 @@ class KernelPlan:
 
     @property
     def uses_triton(self) -> bool:
-        return any(getattr(self, g) for g in PUBLISHED)
+        return any(getattr(self, g) for g in GROUPS)
 
     @property
     def torch_groups(self) -> tuple[str, ...]:
@@ -65,7 +63,7 @@ class KernelPlan:
         """"torch", or "triton" with the groups still on their torch forms named (a debugging plan: its groups)."""
         if self == KernelPlan.torch():
             return "torch"
-        on = "+".join(g for g in PUBLISHED if getattr(self, g))
+        on = "+".join(g for g in GROUPS if getattr(self, g))
         if self == KernelPlan.triton():
             on = "triton"
         return f"{on} (torch forms: {', '.join(self.torch_groups)})"

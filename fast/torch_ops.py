@@ -69,6 +69,7 @@ class TorchOps:
         kv.write(positions, live, k, v)  # the block's own K/V first: rows see each other causally
         return q
 
+    @stage("norm")
     def add_norm(self, residual: torch.Tensor, y: torch.Tensor, scale: float, y_norm: torch.Tensor | None,
                  next_norm: torch.Tensor, eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """A sandwich tail: h = residual + t * scale with t = y_norm(y) (rounded to `dtype`), or y itself when y_norm

@@ -1,5 +1,5 @@
 """The Triton dispatcher: each op of the torch forms (fast/torch_ops.py) that has a kernel implementing the published
-architecture (fast/plan.PUBLISHED) as one call to its kernel in `kernels/`; every other op runs its torch form (the
+architecture as one call to its kernel in `kernels/`, for the op groups of the plan (fast/plan.py); every other op runs its torch form (the
 class inherits it). A shape a kernel cannot take runs the torch form and is counted in `fallbacks`.
 
 Same math as the torch forms; the kernels round differently (fp32 accumulation in other orders, the draws' sums in
@@ -18,6 +18,7 @@ import torch
 from ..kernels import (decode_attention, embed, fp8_linear, lm_head, moe, philox, qk_rope_kv, rmsnorm, router, sample,
                        settle, topk)
 from .plan import KernelPlan
+from .profiling import stage
 from .torch_ops import TorchOps
 from .weights import Weight
 
@@ -126,6 +127,7 @@ class TritonOps(TorchOps):
         return moe.moe(b, experts, weights, live, *ew, pdl=b.is_cuda)
 
     # ---- norms ---------------------------------------------------------------------------------------
+    @stage("norm")
     def norm(self, x, weight, eps, dtype=None, out=None):
         if not self._fits("norm", rmsnorm.rmsnorm_fits(x.shape[-1])):
             return super().norm(x, weight, eps, dtype, out)
@@ -134,6 +136,7 @@ class TritonOps(TorchOps):
         y = rmsnorm.rmsnorm(rows, weight, eps, dtype or x.dtype, out=out, pdl=x.is_cuda)
         return y if out is not None else y.view(x.shape)
 
+    @stage("norm")
     def add_norm(self, residual, y, scale, y_norm, next_norm, eps, dtype):
         if not self._fits("norm", rmsnorm.rmsnorm_fits(y.shape[-1])):
             return super().add_norm(residual, y, scale, y_norm, next_norm, eps, dtype)

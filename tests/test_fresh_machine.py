@@ -134,14 +134,11 @@ def test_checkout_folders_do_not_shadow_installed_packages():
 
 
 def test_the_kernel_plan_in_words_names_the_torch_forms():
-    """What a GPU run's summary says: the groups on Triton kernels, then those on their torch forms, the ones with no
-    published-architecture kernel yet named as such."""
+    """What a GPU run's summary says: the groups on Triton kernels, then those the plan left on their torch forms."""
     from iquest.fast.engine import kernel_summary
     from iquest.fast.plan import KernelPlan
 
     assert kernel_summary(KernelPlan.torch()) == "torch"
-    assert kernel_summary(KernelPlan.triton()) == ("triton for linear, sampling, glue; torch forms for attention, "
-                                                   "norm, moe, lm_head (no published-architecture kernel yet)")
+    assert kernel_summary(KernelPlan.triton()) == "triton for linear, attention, norm, moe, lm_head, sampling, glue"
     assert kernel_summary(KernelPlan(linear=True)) == (
-        "triton for linear; torch forms for sampling, glue (off in this plan) and attention, norm, moe, lm_head (no "
-        "published-architecture kernel yet)")
+        "triton for linear; torch forms for attention, norm, moe, lm_head, sampling, glue (off in this plan)")
