@@ -6,8 +6,9 @@ kernels are compiled as their wrappers launch them at one TP8 rank's decode shap
 wrappers' defaults for tiles, warps and stages, and the divisibility by 16 that the runtime finds in every pointer and
 stride there (without it, loads are not vectorized and the numbers mean nothing). Use it to check a kernel change for
 spills and conversion instructions before spending GPU time (docs/PERF.md: the compact MoE grid's spills were visible
-here). Only the kernels on the product path have specs: the FP8 linears; those written for the retired architecture
-get theirs back when the GPU issue re-bases them.
+here). Every kernel the engine launches for a decode round's layer has a spec (`specs`): the FP8 linears, q/k norm +
+RoPE + KV write, split-KV attention and its combine, the norms, the router's two launches, the MoE's three (both
+expert offsets a TP8 rank can have) and the LM head, at the bf16 activations the engine runs on the GPU.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import triton
@@ -48,6 +49,7 @@ class KernelSpec:
     num_warps: int
     num_stages: int
     note: str = ""
+    options: dict = field(default_factory=dict)  # compile options beyond warps and stages (enable_fp_fusion)
 
 
 def specs() -> dict[str, KernelSpec]:
@@ -91,7 +93,153 @@ def specs() -> dict[str, KernelSpec]:
         fd._fp8_linear_direct_kernel, dict(linear.types, x_ptr="*bf16"),
         dict(B0=128, B1=128, G=2, W_LOAD=fd.load_layout(2), SPLIT=False, SERIAL=False, PRELOAD=o_k // 128, PDL=True),
         linear.div16, 2, 1, f"FP8 linear, operands straight into the MMA's registers (Gluon; o_proj, K {o_k}, 2 warps)")
-    return {"fp8_linear": linear, "fp8_linear_loop": loop, "fp8_linear_direct": direct}
+    return {"fp8_linear": linear, "fp8_linear_loop": loop, "fp8_linear_direct": direct, **published_specs()}
+
+
+def _launch(fn, ptrs: dict[str, str], ints: dict[str, int], floats: tuple[str, ...], constexprs: dict,
+            num_warps: int, num_stages: int, note: str, options: dict | None = None) -> KernelSpec:
+    """A spec as the runtime specializes the launch: pointers 16-byte aligned (torch's allocations, and the column
+    views the engine passes start at multiples of 16 bytes), an int argument equal to 1 compiled in as a constant and
+    one divisible by 16 marked so (Triton does both on every launch), fp32 scalars."""
+    return KernelSpec(fn, {**ptrs, **{n: "fp32" for n in floats}},
+                      {**{n: 1 for n, v in ints.items() if v == 1}, **constexprs},
+                      tuple(ptrs) + tuple(n for n, v in ints.items() if v != 1 and v % 16 == 0),
+                      num_warps, num_stages, note, dict(options or {}))
+
+
+NO_FMA = {"enable_fp_fusion": False}  # the wrappers that round as torch does launch with contraction off
+
+
+def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
+    """The published model's kernels at one TP8 rank's decode shapes (bench/tune.rank_shapes: 6 query heads and one
+    KV head of 128, hidden 3072, 192-row expert shards, 20000 vocabulary rows; ROWS rows, bf16 activations), with
+    their settings classes' defaults, as their wrappers launch them on an H200 (132 SMs) with PDL. Attention reads a
+    full layer's cache as bench step holds it at `context`, a sliding layer's ring of window + 64 slots."""
+    from ..fast.cache import RING_SLACK
+    from ..kernels import decode_attention as da, lm_head as lh, moe as mo, qk_rope_kv as qr, rmsnorm as rn, \
+        router as ro
+    from ..kernels.launch import prefetch_lines
+    from .tune import FULL_SLACK, rank_shapes
+
+    s, odd = rank_shapes(0), rank_shapes(1)
+    R, H, D, G, hkv = ROWS, s.hidden, s.head_dim, s.q_heads // s.kv_heads, s.kv_heads
+    out: dict[str, KernelSpec] = {}
+
+    # ---- attention: the split kernel on a full layer and a sliding one, the combine at a short and a long cache
+    def splits(slots: int, st) -> int:  # default_num_splits with the SM count given
+        return max(1, min(triton.cdiv(slots + 1, st.split_min), max(1, 2 * H200_SMS // hkv)))
+
+    line_elems, lines = prefetch_lines(D, 2)
+    q_ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", slot_pos_ptr="*i64", q_pos_ptr="*i64",
+                  part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32")
+    for name, st, slots, window in (("attention_split", da.FULL, context + FULL_SLACK, None),
+                                    ("attention_split_sliding", da.SLIDING, s.window + RING_SLACK, s.window)):
+        n = splits(slots, st)
+        out[name] = _launch(
+            da._attention_split_kernel, q_ptrs,
+            dict(S=slots + 1, R=R, window=window or 0, stride_qr=s.q_heads * D, stride_qh=D, stride_ks=hkv * D,
+                 stride_kh=D, stride_vs=hkv * D, stride_vh=D), ("qk_scale",),
+            dict(G=G, D=D, NUM_SPLITS=n, BLOCK_M=max(16, triton.next_power_of_2(R * G)), BLOCK_N=st.block_n,
+                 MIN_SPLIT=st.split_min, SLIDING=window is not None, F32=False, PREC="tf32", PDL=True, R_PAD=16,
+                 EARLY_SLOTS=da.EARLY_SLOTS if st.early else 0, LINE_ELEMS=line_elems, LINES=lines),
+            st.num_warps, st.num_stages, f"attention splits ({'full layer' if window is None else 'sliding layer'}, "
+                                         f"{slots} + 1 slots: {n} splits of >= {st.split_min}; {R} rows x {G} heads)")
+    long_slots = 2 * H200_SMS * da.FULL.split_min  # from here on a full layer gets its most splits
+    for name, slots in (("attention_combine", context + FULL_SLACK), ("attention_combine_long", long_slots)):
+        st = da.FULL
+        n = splits(slots, st)
+        max_splits = max(16, triton.next_power_of_2(n))
+        out[name] = _launch(
+            da._attention_combine_kernel,
+            dict(part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32", q_ptr="*bf16", sink_k_ptr="*fp32",
+                 q_pos_ptr="*i64", out_ptr="*bf16"),
+            dict(S=slots + 1, R=R, stride_qr=s.q_heads * D, stride_qh=D, stride_or=s.q_heads * D, stride_oh=D),
+            ("qk_scale",),
+            dict(G=G, D=D, NUM_SPLITS=n, MAX_SPLITS=max_splits, BLOCK_S=min(st.combine_splits, max_splits),
+                 COLS=min(st.combine_cols, D), BLOCK_N=st.block_n, MIN_SPLIT=st.split_min, HAS_SINK=True, PDL=True,
+                 R_PAD=16, PRELOAD=st.preload, EARLY=st.early),
+            st.combine_warps, 1, f"attention combine ({n} splits, full layer of {slots} + 1 slots, with the sink)")
+
+    # ---- q/k norm + RoPE + KV write, on a full layer's cache; q, k, v are column views of the q/k/v projection
+    qkv = (s.q_heads + 2 * hkv) * D
+    out["qk_rope_kv"] = _launch(
+        qr._qk_rope_kv_kernel,
+        dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*fp32",
+             sin_ptr="*fp32", pos_ptr="*i64", live_ptr="*u8", out_ptr="*bf16", ck_ptr="*bf16", cv_ptr="*bf16",
+             sp_ptr="*i64"),
+        dict(HQ=s.q_heads, HKV=hkv, SLOTS=context + FULL_SLACK, stride_q=qkv, stride_k=qkv, stride_v=qkv,
+             stride_cos=s.rotary, stride_sin=s.rotary, stride_o=s.q_heads * D), ("eps",),
+        dict(D=D, ROT=s.rotary, ROPE=True, PDL=True), qr.QkRopeSettings().num_warps, 1,
+        f"q/k norm + RoPE ({s.rotary} of {D} dims) + KV write, {R} rows x ({s.q_heads} + {hkv}) heads", NO_FMA)
+
+    # ---- the norms: a plain RMSNorm, and the attention branch's sandwich tail (branch normalized, scale 1)
+    norm_warps, block = rn.RmsNormSettings().num_warps, triton.next_power_of_2(H)
+    out["rmsnorm"] = _launch(rn._rmsnorm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", o_ptr="*bf16"),
+                             dict(H=H, stride_x=H, stride_o=H), ("eps",), dict(BLOCK=block, PDL=True), norm_warps, 1,
+                             f"RMSNorm, {R} rows of {H}", NO_FMA)
+    out["add_norm"] = _launch(
+        rn._add_norm_kernel, {f"{n}_ptr": "*bf16" for n in ("r", "y", "yw", "nw", "h", "b")},
+        dict(H=H, stride_r=H, stride_y=H, stride_h=H, stride_b=H), ("eps", "scale"),
+        dict(BLOCK=block, Y_NORM=True, SCALED=False, PDL=True), norm_warps, 1,
+        f"sandwich tail (branch norm, residual add, next norm), {R} rows of {H}", NO_FMA)
+
+    # ---- the router: logits over H splits, then softmax and top-k a row
+    rs = ro.RouterSettings()
+    split = max(1, min(triton.cdiv(H, rs.block_h), triton.cdiv(rs.programs_per_sm * H200_SMS,
+                                                                triton.cdiv(s.experts, rs.block_e))))
+    n_split, h_per_split = ro.split_plan(H, split, rs.block_h)
+    out["router_logits"] = _launch(
+        ro._router_logits_kernel, dict(b_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32"),
+        dict(E=s.experts, H=H, stride_b=H, h_per_split=h_per_split), (),
+        dict(ROWS=R, ROWS_PAD=triton.next_power_of_2(R), BLOCK_E=rs.block_e, BLOCK_H=rs.block_h, PDL=True,
+             PRELOAD=rs.preload and h_per_split == rs.block_h), rs.num_warps, 1,
+        f"router logits, fp32 [{s.experts} x {H}] in {n_split} H splits")
+    e_pad = triton.next_power_of_2(s.experts)
+    out["router_select"] = _launch(
+        ro._router_select_kernel, dict(part_ptr="*fp32", weights_ptr="*fp32", experts_ptr="*i64", scores_ptr="*fp32"),
+        dict(R=R, E=s.experts, splits=n_split), (),
+        dict(E_PAD=e_pad, SPLIT_BLOCK=max(1, min(triton.next_power_of_2(n_split), ro.PART_CHUNK // e_pad)),
+             TOP_K=s.top_k, K_PAD=triton.next_power_of_2(s.top_k), ACCURATE_EXP=True, PDL=True), rs.select_warps, 1,
+        f"router softmax + top-{s.top_k} of {s.experts}")
+
+    # ---- the routed experts at both offsets (rank 0: 0, odd ranks: 64 rows into a 128-row scale block)
+    ms = mo.MoESettings()
+    (B0, B1), I, k = s.block, s.inter, s.top_k
+    routing = dict(K_TOP=k, K_PAD=max(2, triton.next_power_of_2(k)), P_PAD=max(16, triton.next_power_of_2(R * k)),
+                   LIVE_COUNT=False, BLOCK_M=ms.block_m, BF16=True, DOT_F32=False, INTERP=False, PDL=True)
+    for suffix, shp in (("", s), ("_odd", odd)):
+        o = shp.inter_offset
+        gs_rows, ds_cols = -(-(I + o) // B0), -(-(I + o) // B1)
+        out["moe_gate_up" + suffix] = _launch(
+            mo._gate_up_kernel,
+            dict(b_ptr="*bf16", g_ptr="*fp8e4nv", gs_ptr="*fp32", u_ptr="*fp8e4nv", us_ptr="*fp32",
+                 experts_ptr="*i64", live_ptr="*u8", h_ptr="*fp32"),
+            dict(R=R, H=H, I=I, stride_b=H, gs_e=gs_rows * (H // B1), gs_r=H // B1, us_e=gs_rows * (H // B1),
+                 us_r=H // B1), (),
+            dict(G_OFF0=o, G_OFF1=0, U_OFF0=o, U_OFF1=0, B0=B0, B1=B1, **routing, BLOCK_N=ms.gate_up_block_n,
+                 BLOCK_K=min(ms.gate_up_block_k, max(16, B1 & -B1))), ms.warps, ms.stages,
+            f"MoE Gate/Up, [{I} x {H}] E4M3 an expert starting {o} rows into its scale block")
+        out["moe_down" + suffix] = _launch(
+            mo._down_kernel,
+            dict(h_ptr="*fp32", d_ptr="*fp8e4nv", ds_ptr="*fp32", experts_ptr="*i64", live_ptr="*u8", y_ptr="*fp32"),
+            dict(R=R, H=H, I=I, ds_e=(H // B0) * ds_cols, ds_r=ds_cols), (),
+            dict(D_OFF0=0, D_OFF1=o, B0=B0, B1=B1, **routing, BLOCK_N=ms.down_block_n,
+                 BLOCK_K=min(ms.down_block_k, max(16, B1 & -B1))), ms.warps, ms.stages,
+            f"MoE Down, [{H} x {I}] E4M3 an expert starting {o} columns into its scale block")
+    out["moe_combine"] = _launch(
+        mo._combine_kernel, dict(y_ptr="*fp32", weights_ptr="*fp32", live_ptr="*u8", out_ptr="*fp32"),
+        dict(R=R, H=H, stride_o=H), (), dict(K_TOP=k, BLOCK=ms.combine_block, LIVE_COUNT=False, PDL=True), 4, 1,
+        f"MoE weighted sum of {k} slots", NO_FMA)
+
+    # ---- the LM head: fp32 [20000 x 3072] a rank, the V tile choose_block_v takes on 132 SMs
+    ls = lh.LMHeadSettings()
+    block_v = next((bv for bv in (64, 32) if triton.cdiv(s.vocab, bv) >= ls.programs_per_sm * H200_SMS), 16)
+    out["lm_head"] = _launch(
+        lh._lm_head_kernel, dict(x_ptr="*bf16", w_ptr="*fp32", y_ptr="*fp32"),
+        dict(R=R, V=s.vocab, H=H, stride_x=H, stride_w=H, stride_y=s.vocab), (),
+        dict(BLOCK_R=lh.BLOCK_R, BLOCK_V=block_v, BLOCK_K=ls.block_k, PDL=True), ls.num_warps, ls.num_stages,
+        f"LM head, fp32 [{s.vocab} x {H}], {block_v}-row V tiles")
+    return out
 
 
 def _linear_auto_split(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
@@ -114,7 +262,8 @@ def compile_spec(spec: KernelSpec, **constexprs) -> object:
     make = GluonASTSource if getattr(spec.fn, "is_gluon", lambda: False)() else ASTSource
     source = make(spec.fn, signature, {(names.index(k),): v for k, v in values.items()},
                   {(names.index(n),): [["tt.divisibility", 16]] for n in spec.div16})
-    return triton.compile(source, target=TARGET, options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    return triton.compile(source, target=TARGET,
+                          options={"num_warps": spec.num_warps, "num_stages": spec.num_stages, **spec.options})
 
 
 def sequence(kernel) -> list[str]:

@@ -79,17 +79,21 @@ def register(bsub) -> None:
                         "an emulation, not a latency figure")
     a.add_argument("--out", help="write the raw JSON here (rank 0)")
     a.set_defaults(run=run_allreduce)
-    c = bsub.add_parser("sass", help="the decode kernels on the product path compiled for the H200 here, no GPU: "
-                                     "registers, spills, instruction mix",
-                        description="Compiles the FP8 linear for sm_90a with its wrapper's defaults at one TP8 rank's "
-                                    "decode shapes of configs/iquest-q1.json (Triton's own ptxas, nvdisasm and "
-                                    "cuobjdump; no GPU needed) and prints registers per thread, stack bytes (spills), "
-                                    "shared memory and the most frequent instructions. The kernels written for the "
-                                    "retired architecture (the MoE's among them) get specs back when the GPU issue "
-                                    "re-bases them.")
-    c.add_argument("--kernels", default="fp8_linear",
-                   help="comma-separated: fp8_linear (q/k/v as the engine runs it, tiles preloaded), fp8_linear_loop "
-                        "(the pipelined K loop), fp8_linear_direct (Gluon, o_proj) (default: fp8_linear)")
+    c = bsub.add_parser("sass", help="the decode round's kernels compiled for the H200 here, no GPU: registers, "
+                                     "spills, instruction mix",
+                        description="Compiles the decode round's kernels for sm_90a with their wrappers' default "
+                                    "settings at one TP8 rank's decode shapes of configs/iquest-q1.json (Triton's own "
+                                    "ptxas, nvdisasm and cuobjdump; no GPU needed) and prints registers per thread, "
+                                    "stack bytes (spills), shared memory and the most frequent instructions: the FP8 "
+                                    "linears, qk_rope_kv, attention's split and combine kernels, the norms, the "
+                                    "router's two kernels, the MoE's Gate/Up and Down at both expert offsets a rank "
+                                    "can have (0 and 64 rows into a scale block) and its combine, the LM head.")
+    c.add_argument("--kernels", default="all",
+                   help="comma-separated spec names, or all (default all): fp8_linear (q/k/v as the engine runs it, "
+                        "tiles preloaded), fp8_linear_loop (the pipelined K loop), fp8_linear_direct (Gluon, o_proj), "
+                        "attention_split, attention_split_sliding, attention_combine, attention_combine_long, "
+                        "qk_rope_kv, rmsnorm, add_norm, router_logits, router_select, moe_gate_up, moe_down, "
+                        "moe_gate_up_odd, moe_down_odd, moe_combine, lm_head")
     c.add_argument("--set", action="append", default=[], metavar="KERNEL.NAME=VALUE",
                    help="override one constexpr, e.g. fp8_linear.PRELOAD=0 (repeatable)")
     c.add_argument("--top", type=int, default=10, help="instructions listed per kernel (default 10)")
@@ -253,9 +257,12 @@ def run_sass(args: argparse.Namespace) -> int:
 
     known = tuple(specs())
     names = tuple(dict.fromkeys(n.strip() for n in args.kernels.split(",") if n.strip()))
+    if names == ("all",):
+        names = known
     unknown = [n for n in names if n not in known]
     if not names or unknown:
-        raise UserError(f"--kernels: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(known)}")
+        raise UserError(f"--kernels: unknown {', '.join(unknown) or '(none given)'}; choose from all, "
+                        f"{', '.join(known)}")
     overrides: dict[str, dict] = {}
     for item in args.set:
         target, eq, value = item.partition("=")

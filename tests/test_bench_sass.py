@@ -1,12 +1,14 @@
-"""bench/sass.py: the decode kernels on the product path (the FP8 linears) compiled for sm_90a on the CPU at one TP8
-rank's shapes of docs/model.md's model. The FP8 linear's preloaded weight tiles are all requested before the PDL
-wait, with nothing that waits for them before it; the report reads real registers and instruction counts; the CLI
-rejects unknown kernels and malformed overrides. The kept kernels written for the retired architecture (off the
-product path) are only checked to build."""
+"""bench/sass.py: the decode round's kernels compiled for sm_90a on the CPU at one TP8 rank's shapes of docs/model.md's
+model. The FP8 linear's preloaded weight tiles are all requested before the PDL wait, with nothing that waits for them
+before it; every published-model kernel (bf16 forms) compiles without spilling and keeps the PDL contract; reads meant
+to overlap the previous kernel come before the wait; an odd rank's expert shard reads one scale a row as rank 0's
+does; the report reads real registers and instruction counts; the CLI rejects unknown kernels and malformed
+overrides."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -26,7 +28,7 @@ def test_specs_are_the_published_rank_shapes():
     """q/k/v of one TP8 rank: 6 query heads and one KV head's k and v, 1024 rows of 3072; 24 K tiles in 8 splits on
     132 SMs, so 3 preloaded a program; o_proj's K is its 6 heads' 768 columns."""
     specs = sass.specs()
-    assert set(specs) == {"fp8_linear", "fp8_linear_loop", "fp8_linear_direct"}
+    assert set(specs) == {"fp8_linear", "fp8_linear_loop", "fp8_linear_direct"} | set(PUBLISHED)
     assert specs["fp8_linear"].constexprs["PRELOAD"] == 3 and "[1024 x 3072]" in specs["fp8_linear"].note
     assert specs["fp8_linear_direct"].constexprs["PRELOAD"] == 6
 
@@ -74,5 +76,71 @@ def test_cli(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["overrides"] == {"fp8_linear": {"PRELOAD": 0}} and report["kernels"]["fp8_linear"]["mix"]["HMMA"] > 0
     assert "fp8_linear (FP8 linear" in capsys.readouterr().out
-    assert main(["bench", "sass", "--kernels", "moe_down"]) != 0  # retired with the guessed architecture
+    assert main(["bench", "sass", "--kernels", "moe_down_retired"]) != 0
     assert main(["bench", "sass", "--set", "fp8_linear"]) != 0
+    assert main(["bench", "sass", "--kernels", "rmsnorm,moe_down_odd", "--out", str(out)]) == 0
+    assert set(json.loads(out.read_text())["kernels"]) == {"rmsnorm", "moe_down_odd"}
+
+
+# ---- the published model's kernels ------------------------------------------------------------------------------
+PUBLISHED = ("attention_split", "attention_split_sliding", "attention_combine", "attention_combine_long", "qk_rope_kv",
+             "rmsnorm", "add_norm", "router_logits", "router_select", "moe_gate_up", "moe_down", "moe_gate_up_odd",
+             "moe_down_odd", "moe_combine", "lm_head")
+# Stack bytes a kernel may use: none spills at the defaults (measured: the largest register count is the attention
+# split kernel's 254 of 255, so a larger tile there would spill first and this catches it).
+STACK_BOUND = {name: 0 for name in PUBLISHED}
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(name: str):
+    return sass.compile_spec(sass.published_specs()[name])
+
+
+def test_published_specs_are_the_rank_shapes():
+    specs = sass.published_specs()
+    assert tuple(specs) == PUBLISHED
+    split, combine = specs["attention_split"].constexprs, specs["attention_combine_long"].constexprs
+    assert (split["G"], split["D"], split["BLOCK_M"], split["NUM_SPLITS"]) == (6, 128, 64, 18)
+    assert specs["attention_split_sliding"].constexprs["NUM_SPLITS"] == 66  # the 4160-slot ring
+    assert combine["NUM_SPLITS"] == 264 and combine["BLOCK_S"] == 128
+    assert specs["moe_gate_up"].constexprs["G_OFF0"] == 0 and specs["moe_gate_up_odd"].constexprs["G_OFF0"] == 64
+    assert specs["moe_down_odd"].constexprs["D_OFF1"] == 64 and specs["moe_down"].constexprs["BLOCK_K"] == 64
+    assert specs["lm_head"].constexprs["BLOCK_V"] == 32 and "20000 x 3072" in specs["lm_head"].note
+    assert specs["router_logits"].constexprs["PRELOAD"] and "6 H splits" in specs["router_logits"].note
+    assert specs["qk_rope_kv"].constexprs["HKV"] == 1  # one KV head a rank: the launch compiles it in
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_published_kernel_compiles_without_spills_and_keeps_the_pdl_contract(name):
+    """bf16 forms for sm_90a: registers within the 255 a thread, stack within the bound; one wait and one signal to
+    the next launch, the signal after the wait (kernels/launch.py)."""
+    kernel = _compiled(name)
+    r = sass.report(kernel)
+    assert 16 <= r["registers"] <= 255 and r["stack_bytes"] <= STACK_BOUND[name], (name, r["registers"], r["stack_bytes"])
+    ptx = kernel.asm["ptx"]
+    wait, signal = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+    assert ptx.count("griddepcontrol.wait") == ptx.count("griddepcontrol.launch_dependents") == 1 and wait < signal
+
+
+def test_reads_meant_to_overlap_the_previous_kernel_come_before_the_wait():
+    """The router's weight tile (preload: one tile a split), the attention split's first K/V lines asked of L2 and
+    the combine's sink logit (q and sink_k) are issued before the wait; the norms read nothing before it."""
+    def before(name: str) -> str:
+        ptx = _compiled(name).asm["ptx"]
+        return ptx[:ptx.index("griddepcontrol.wait")]
+
+    assert before("router_logits").count("ld.global") >= 4
+    assert before("attention_split").count("prefetch.global.L2") >= 2
+    assert before("attention_combine").count("ld.global") >= 2
+    assert "ld.global" not in before("rmsnorm") and "ld.global" not in before("add_norm")
+
+
+def test_an_odd_ranks_expert_shard_reads_one_scale_a_row():
+    """At TP8 an odd rank's 192 rows start 64 into a 128-row scale block: Gate/Up's K steps and Down's 64-column
+    steps still lie inside one scale block each, so the kernels issue the global loads rank 0's do. Negative control:
+    Down's K step at 128 straddles two blocks at offset 64 and falls back to a scale a weight element."""
+    loads = {n: sum(sass.sequence(_compiled(n)).count(op) for op in ("LDG", "LDGSTS"))
+             for n in ("moe_gate_up", "moe_gate_up_odd", "moe_down", "moe_down_odd")}
+    assert loads["moe_gate_up_odd"] == loads["moe_gate_up"] and loads["moe_down_odd"] == loads["moe_down"], loads
+    straddling = sass.sequence(sass.compile_spec(sass.published_specs()["moe_down_odd"], BLOCK_K=128))
+    assert sum(straddling.count(op) for op in ("LDG", "LDGSTS")) > 4 * loads["moe_down_odd"]
