@@ -116,7 +116,8 @@ def test_published_kernel_compiles_without_spills_and_keeps_the_pdl_contract(nam
     the next launch, the signal after the wait (kernels/launch.py)."""
     kernel = _compiled(name)
     r = sass.report(kernel)
-    assert 16 <= r["registers"] <= 255 and r["stack_bytes"] <= STACK_BOUND[name], (name, r["registers"], r["stack_bytes"])
+    assert 16 <= r["registers"] <= 255 and r["stack_bytes"] <= STACK_BOUND[name], (name, r["registers"],
+                                                                                   r["stack_bytes"])
     ptx = kernel.asm["ptx"]
     wait, signal = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
     assert ptx.count("griddepcontrol.wait") == ptx.count("griddepcontrol.launch_dependents") == 1 and wait < signal

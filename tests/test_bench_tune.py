@@ -114,8 +114,8 @@ def test_parse_ops_and_only():
 
 def test_cli_errors_are_one_line(capsys, no_cuda):
     _fails(capsys, ["bench", "tune"], "iquest bench tune needs 1 CUDA device, found 0")
-    _fails(capsys, ["bench", "tune", "--ops", "moe,attention_full", "--only", "block_n=32,warps=8", "--rank", "1", "--rows", "4",
-                    "--distinct", "20", "--repeats", "3", "--budget", "60"], "needs 1 CUDA device")
+    _fails(capsys, ["bench", "tune", "--ops", "moe,attention_full", "--only", "block_n=32,warps=8", "--rank", "1",
+                    "--rows", "4", "--distinct", "20", "--repeats", "3", "--budget", "60"], "needs 1 CUDA device")
     _fails(capsys, ["bench", "tune", "--ops", "attention,moe"], "--ops: unknown attention")
     _fails(capsys, ["bench", "tune", "--ops", ","], "--ops: unknown (none given)")
     _fails(capsys, ["bench", "tune", "--ops", "moe", "--only", "block_n=32"], "--only: block_n=32 is not a candidate")
