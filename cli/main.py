@@ -24,7 +24,7 @@ EXAMPLES = {
     "bench step": "iquest bench step --context 1024 --drafts 5 --kernels torch,triton --out step.json",
     "bench context": "iquest bench context --kernels triton --out bench/results/context.json",
     "bench kernels": "iquest bench kernels --rows 1,8 --out kernels.json",
-    "bench tune": "iquest bench tune --ops moe,linear_qkv --pdl",
+    "bench tune": "iquest bench tune --ops moe,attention_full --out tune.json",
     "bench allreduce": "iquest bench allreduce --ranks 2",
     "bench sass": "iquest bench sass --kernels fp8_linear --set fp8_linear.PRELOAD=0",
     "bench graph-trace": "iquest bench graph-trace --kernels triton --context 1024",
