@@ -19,8 +19,9 @@ torch.set_num_threads(1)
 
 # The GPU machines run their own torch and triton without the server's packages: there the server's tests (CPU tests,
 # run by CI) are not collected, rather than failing the GPU run at import.
-collect_ignore_glob = ([] if all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "httpx", "openai"))
-                       else ["test_serve*.py"])
+collect_ignore_glob = ([] if all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "httpx", "openai",
+                                                                     "anthropic", "pydantic"))
+                       else ["test_serve*.py", "test_agents_live.py", "test_chat_template.py", "test_bench_agent.py"])
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,3 +31,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """A machine without a GPU, whatever this one has."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+@pytest.fixture
+def one_line_error(capsys):
+    """check(argv, *needles): `iquest argv` exits 2 with one line of error on stderr (no traceback) holding each
+    needle."""
+    from iquest.cli.main import main
+
+    def check(argv: list[str], *needles: str) -> None:
+        assert main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in lines[0] and "error" in lines[0], lines
+        for n in needles:
+            assert n in lines[0], lines[0]
+    return check

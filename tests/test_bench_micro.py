@@ -53,33 +53,19 @@ def test_round_allreduces_and_exact_fill():
 
 
 # ---- CLI without CUDA --------------------------------------------------------------------------------------
-def _fails(capsys, argv: list[str], *needles: str) -> None:
-    assert main(argv) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in lines[0] and "error" in lines[0], lines
-    for n in needles:
-        assert n in lines[0], lines[0]
-
-
-@pytest.fixture
-def no_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-
-
-def test_cli_errors_without_cuda(capsys, no_cuda):
-    _fails(capsys, ["bench", "kernels"], "needs 1 CUDA device, found 0")
-    _fails(capsys, ["bench", "allreduce", "--ranks", "2"], "needs 2 CUDA devices, found 0")
-    _fails(capsys, ["bench", "allreduce", "--ranks", "1"], "--ranks must be >= 2")
-    _fails(capsys, ["bench", "kernels", "--rows", "1,x"], "--rows")
-    _fails(capsys, ["bench", "graph-trace"], "iquest bench graph-trace needs 1 CUDA device, found 0")
+def test_cli_errors_without_cuda(one_line_error, no_cuda):
+    one_line_error(["bench", "kernels"], "needs 1 CUDA device, found 0")
+    one_line_error(["bench", "allreduce", "--ranks", "2"], "needs 2 CUDA devices, found 0")
+    one_line_error(["bench", "allreduce", "--ranks", "1"], "--ranks must be >= 2")
+    one_line_error(["bench", "kernels", "--rows", "1,x"], "--rows")
+    one_line_error(["bench", "graph-trace"], "iquest bench graph-trace needs 1 CUDA device, found 0")
 
 
 
-def test_retired_benchmarks_answer_in_one_line(capsys):
+def test_retired_benchmarks_answer_in_one_line(capsys, one_line_error):
     """`bench stream-probe` measured the retired architecture's kernels: with its old arguments too, one line that
     says so, no traceback; its --help still works. (`bench tune` is re-based: tests/test_bench_tune.py.)"""
-    _fails(capsys, ["bench", "stream-probe", "--out", "x.json"], "bench stream-probe", "re-based in the GPU issue")
+    one_line_error(["bench", "stream-probe", "--out", "x.json"], "bench stream-probe", "re-based in the GPU issue")
     assert main(["bench", "stream-probe", "--help"]) == 0 and "Retired" in capsys.readouterr().out
 
 

@@ -15,20 +15,6 @@ from iquest.cli.main import main
 from iquest.kernels import decode_attention, lm_head, router
 
 
-def _fails(capsys, argv: list[str], *needles: str) -> None:
-    assert main(argv) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in lines[0] and "error" in lines[0], lines
-    for n in needles:
-        assert n in lines[0], lines[0]
-
-
-@pytest.fixture
-def no_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-
-
 # the kernels' own settings checks (the wrappers run them at every call); the norms' classes check in __post_init__
 CHECKS = {"attention_full": decode_attention._check_settings, "attention_sliding": decode_attention._check_settings,
           "attention_draft": decode_attention._check_settings, "router": router._check_settings,
@@ -112,18 +98,18 @@ def test_parse_ops_and_only():
         tune.parse_ops("moe,linear_qkv")
 
 
-def test_cli_errors_are_one_line(capsys, no_cuda):
-    _fails(capsys, ["bench", "tune"], "iquest bench tune needs 1 CUDA device, found 0")
-    _fails(capsys, ["bench", "tune", "--ops", "moe,attention_full", "--only", "block_n=32,warps=8", "--rank", "1",
+def test_cli_errors_are_one_line(one_line_error, no_cuda):
+    one_line_error(["bench", "tune"], "iquest bench tune needs 1 CUDA device, found 0")
+    one_line_error(["bench", "tune", "--ops", "moe,attention_full", "--only", "block_n=32,warps=8", "--rank", "1",
                     "--rows", "4", "--distinct", "20", "--repeats", "3", "--budget", "60"], "needs 1 CUDA device")
-    _fails(capsys, ["bench", "tune", "--ops", "attention,moe"], "--ops: unknown attention")
-    _fails(capsys, ["bench", "tune", "--ops", ","], "--ops: unknown (none given)")
-    _fails(capsys, ["bench", "tune", "--ops", "moe", "--only", "block_n=32"], "--only: block_n=32 is not a candidate")
-    _fails(capsys, ["bench", "tune", "--rank", "8"], "--rank must be in 0..7")
-    _fails(capsys, ["bench", "tune", "--rows", "9"], "--rows must be in 1..8")
-    _fails(capsys, ["bench", "tune", "--rows", "1"], "--distinct must be in 8..8")
-    _fails(capsys, ["bench", "tune", "--budget", "0"], "--budget must be > 0")
-    _fails(capsys, ["bench", "tune", "--repeats", "0"], "--repeats must be >= 1")
+    one_line_error(["bench", "tune", "--ops", "attention,moe"], "--ops: unknown attention")
+    one_line_error(["bench", "tune", "--ops", ","], "--ops: unknown (none given)")
+    one_line_error(["bench", "tune", "--ops", "moe", "--only", "block_n=32"], "--only: block_n=32 is not a candidate")
+    one_line_error(["bench", "tune", "--rank", "8"], "--rank must be in 0..7")
+    one_line_error(["bench", "tune", "--rows", "9"], "--rows must be in 1..8")
+    one_line_error(["bench", "tune", "--rows", "1"], "--distinct must be in 8..8")
+    one_line_error(["bench", "tune", "--budget", "0"], "--budget must be > 0")
+    one_line_error(["bench", "tune", "--repeats", "0"], "--repeats must be >= 1")
 
 
 def test_help_names_the_ops(capsys):
