@@ -230,9 +230,8 @@ class RankEngine:
         st.n.fill_(m - 1)
         row = torch.zeros(VERIFY_ROWS, dtype=torch.int64, device=dev)
         row[0] = first[0]
-        logprob = torch.log(sampler.prob_of(ids, probs, first)).expand(VERIFY_ROWS)
+        logprob = runner.logprobs(logits[-1:], first).expand(VERIFY_ROWS)
         zero = torch.zeros((), dtype=torch.int64, device=dev)
-        runner.log_alternatives(ids, probs)
         runner.settle(row, zero + 1, row, zero + 1, logprob, zero, zero)
         if runner.controller is None or bool(st.done):
             return

@@ -65,8 +65,8 @@ class RoundRunner:
         p_ids, p_probs = self.dist(logits)
         # 2. Accept: d_i when u < min(1, p_{i-1}(d_i) / q_i(d_i)), up to the first rejection, whose replacement
         #    comes from normalize(max(0, p - q)); all k accepted: a bonus token from p_k. Emitted: d_1..d_a, then x.
-        a, x, emitted, logprobs = self.accept(p_ids, p_probs, n, k)
-        self.log_alternatives(p_ids, p_probs)  # emitted token j (d_1..d_a, then x) is drawn at row j's p
+        a, x, emitted, _ = self.accept(p_ids, p_probs, n, k)
+        logprobs = self.logprobs(logits, emitted)  # emitted token j (d_1..d_a, then x) is drawn at row j
         # 3. Settle: a+1 tokens committed; main KV is valid through n+a, later rows are stale and
         #    rewritten before any query reaches them. Rollback is this length change.
         st.hid.copy_(hidden)
@@ -88,24 +88,27 @@ class RoundRunner:
         n = st.n.clone().view(1)
         logits, _ = self.m.forward(st.tokens.index_select(0, n), n, torch.ones_like(n, dtype=torch.bool))
         ids, probs = self.dist(logits)
-        self.log_alternatives(ids, probs)
         t = sampler.draw(ids, probs, self.uniform(n + 1, PURPOSE_COMMIT))
         emitted = torch.where(j == 0, t, torch.zeros_like(j))
-        logprobs = torch.log(sampler.prob_of(ids, probs, t)).expand(VERIFY_ROWS)
+        logprobs = self.logprobs(logits, t).expand(VERIFY_ROWS)
         one, zero = torch.ones_like(st.k), torch.zeros_like(st.k)
         self.settle(emitted, one, emitted, one, logprobs, zero, zero)
 
-    def log_alternatives(self, ids: torch.Tensor, probs: torch.Tensor) -> None:
-        """With `top_logprobs`: the most likely entries of each row's target distribution (Dist order: descending),
-        logged where the settle step that follows logs row j's token (slot emitted + j; rows past what it keeps are
-        overwritten by the next round and never read)."""
-        if not self.top_logprobs:
-            return
-        st, n = self.st, min(self.top_logprobs, ids.shape[1])
-        rows = torch.arange(ids.shape[0], device=ids.device)
-        slots = (st.emitted + rows).clamp(max=st.log_trash)
-        st.log_top_ids[:, :n].index_copy_(0, slots, ids[:, :n])
-        st.log_top_lp[:, :n].index_copy_(0, slots, torch.log(probs[:, :n]))
+    @stage("sampling")
+    def logprobs(self, local_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The model's own log-probability [R] of row r's token tokens[r] (log-softmax of the raw logits: what a
+        token's logprob reports, not the sampling distribution's); with `top_logprobs`, each row's most likely
+        tokens under the model are logged too, where the settle step that follows logs row r's token (slot emitted +
+        r; rows past what it keeps are overwritten by the next round and never read)."""
+        m, st = self.m, self.st
+        lp, top_ids, top_lp = m.ops.model_logprobs(local_logits, tokens.view(-1, 1), self.top_logprobs,
+                                                   m.w.vocab_offset, m.par.all_gather_last)
+        if self.top_logprobs:
+            n = self.top_logprobs
+            slots = (st.emitted + torch.arange(tokens.numel(), device=tokens.device)).clamp(max=st.log_trash)
+            st.log_top_ids[:, :n].index_copy_(0, slots, top_ids)
+            st.log_top_lp[:, :n].index_copy_(0, slots, top_lp)
+        return lp.view(-1)
 
     def settle(self, committed: torch.Tensor, count: torch.Tensor, emitted: torch.Tensor, n_emit: torch.Tensor,
                logprobs: torch.Tensor, k: torch.Tensor, a: torch.Tensor) -> DraftInputs:

@@ -121,6 +121,37 @@ def sample_rows(local_logits: torch.Tensor, k: int, vocab_offset: int, gather: C
     return _dist_from_keys(gather(_local_keys(local_logits, k, vocab_offset)), top_k, temperature, top_p)
 
 
+# ---- the model's own log-probabilities ---------------------------------------------------------------
+def model_logprobs(local_logits: torch.Tensor, tokens: torch.Tensor, n_top: int, vocab_offset: int,
+                   gather: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                           torch.Tensor | None]:
+    """The model's log-probabilities (log-softmax of the raw logits over the whole vocabulary: no temperature, top-k
+    or top-p; reference.speculative.model_logprobs) of tokens [R, m], and with n_top > 0 each row's n_top most
+    likely tokens (ids [R, n_top], logprobs [R, n_top]; ties: lower id). Vocabulary-parallel: each rank's
+    log-normalizer, its logits of the tokens it holds (-inf elsewhere) and its top-n_top keys travel in one all-gather
+    (the floats as their bits), and every rank combines the same gathered values in rank order: equal bits."""
+    x = local_logits.float()
+    R, vr = x.shape
+    peak = x.amax(-1, keepdim=True)
+    lse = peak + torch.log(torch.exp(x - peak).sum(-1, keepdim=True))  # this rank's log-normalizer [R, 1]
+    local = tokens - vocab_offset
+    held = (local >= 0) & (local < vr)
+    values = torch.where(held, x.gather(-1, local.clamp(0, vr - 1)), torch.full_like(local, float("-inf"),
+                                                                                     dtype=torch.float32))
+    floats = torch.cat([lse, values], -1).contiguous().view(torch.int32).to(torch.int64)
+    parts = [floats] + ([_local_keys(x, n_top, vocab_offset)] if n_top else [])
+    width = sum(p.shape[-1] for p in parts)
+    g = gather(torch.cat(parts, -1))
+    g = g.view(R, g.shape[-1] // width, width)  # [R, ranks, width]
+    f = g[..., :floats.shape[-1]].to(torch.int32).view(torch.float32)
+    total = torch.logsumexp(f[..., 0], dim=-1, keepdim=True)  # [R, 1]
+    token_lp = f[..., 1:].amax(dim=1) - total  # exactly one rank holds each token
+    if not n_top:
+        return token_lp, None, None
+    top_values, top_ids = unkey(torch.topk(g[..., floats.shape[-1]:].reshape(R, -1), n_top, dim=-1).values)
+    return token_lp, top_ids, top_values - total
+
+
 # ---- draws and probabilities -------------------------------------------------------------------
 def draw(ids: torch.Tensor, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF in Dist order: per row, the first token whose cumulative probability exceeds u [R].

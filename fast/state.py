@@ -69,7 +69,7 @@ class DecodeState:
     # Held only where they are used, so a round without them launches nothing for them:
     halt: torch.Tensor | None = None         # int32: nonzero ends the loop (a peer collective gave up: TP on GPUs)
     log_top_ids: torch.Tensor | None = None  # int64 [log capacity, MAX_TOP_LOGPROBS]: each token's alternatives
-    log_top_lp: torch.Tensor | None = None   # float32, the same shape: their log p (-inf past the support)
+    log_top_lp: torch.Tensor | None = None   # float32, the same shape: their log p under the model
 
     @classmethod
     def allocate(cls, capacity: int, log_capacity: int, hidden: int, top_k: int, dtype: torch.dtype,
@@ -97,7 +97,7 @@ class DecodeState:
         return [t for f in fields(self) if (t := getattr(self, f.name)) is not None]
 
     def hold_alternatives(self) -> None:
-        """The log of each token's top alternatives (RoundRunner.log_alternatives), made once, before a capture."""
+        """The log of each token's top alternatives under the model (RoundRunner.logprobs), made once, before a capture."""
         if self.log_top_ids is None:
             rows, dev = self.log_tokens.shape[0], self.log_tokens.device
             self.log_top_ids = torch.zeros(rows, MAX_TOP_LOGPROBS, dtype=torch.int64, device=dev)

@@ -112,6 +112,11 @@ class TorchOps:
     def dist(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p):
         return sampler.sample_rows(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
 
+    def model_logprobs(self, local_logits, tokens, n_top, vocab_offset, gather):
+        """The model's own log-probabilities of tokens [R, m] and of each row's n_top most likely tokens
+        (fast.sampler.model_logprobs)."""
+        return sampler.model_logprobs(local_logits, tokens, n_top, vocab_offset, gather)
+
     def sample(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p, u: torch.Tensor,
                out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], chain=None) -> torch.Tensor:
         """`dist` and the draw with uniforms u [R]: writes out = (tokens [R], ids [R, K], probs [R, K]) and returns the

@@ -8,7 +8,6 @@ position's decision does not depend on how the work was batched.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
 
@@ -44,13 +43,13 @@ class Step:
     """What one round (or the prefill) emitted, with the statistics users and tests read."""
 
     tokens: list[int]
-    logprobs: list[float]          # log p(token) under the target distribution at its position
+    logprobs: list[float]          # log p(token) under the model at its position (log-softmax of the raw logits)
     drafts: int = 0                # drafts verified this round (0 for prefill / plain sampling)
     accepted: int = 0
     served_probs: list[float] = field(default_factory=list)  # q_i(d_i) of the verified drafts
     bonus: bool = False            # every draft accepted and the target's extra row supplied a token
     stopped: bool = False
-    # per token, when generate(top_logprobs=N) asks: the N most likely (id, log p) under the target
+    # per token, when generate(top_logprobs=N) asks: the model's N most likely (id, log p) at its position
     # distribution at its position, in Dist order; fewer where top-k/top-p left fewer tokens
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
@@ -72,8 +71,10 @@ def _entropy(d: Dist) -> float:
     return float(-(p * p.log()).sum())
 
 
-def _log(p: float) -> float:
-    return math.log(p) if p > 0 else float("-inf")
+def model_logprobs(logits_row: torch.Tensor) -> torch.Tensor:
+    """The model's own log-probabilities [V] at a position: log-softmax of its raw logits in float64, before
+    temperature, top-k and top-p (what a token's logprob reports, as vLLM's default; docs/round.md)."""
+    return torch.log_softmax(logits_row.double(), dim=-1)
 
 
 class SpeculativeDecoder:
@@ -91,23 +92,23 @@ class SpeculativeDecoder:
     def _dist(self, logits_row: torch.Tensor) -> Dist:
         return sampling.dist(logits_row, self.params)
 
-    def _tops(self, dists: list[Dist]) -> list[list[tuple[int, float]]] | None:
-        """Step.top_logprobs of tokens drawn at positions with these target distributions."""
+    def _tops(self, lps: list[torch.Tensor]) -> list[list[tuple[int, float]]] | None:
+        """Step.top_logprobs of tokens drawn at positions with these model log-probabilities [V]: the N most likely,
+        ties to the lower id."""
         if not self.top_logprobs:
             return None
-        # Dist order is descending probability: the first N entries are the N most likely
         n = self.top_logprobs
-        return [[(int(t), math.log(float(q))) for t, q in zip(p.ids[:n], p.probs[:n])] for p in dists]
+        return [[(int(t), float(lp[t])) for t in torch.sort(-lp, stable=True).indices[:n]] for lp in lps]
 
     # ---- prefill ------------------------------------------------------------------------------
     def prefill(self, prompt: Sequence[int]) -> tuple[Step, torch.Tensor]:
         """Run the prompt, draw the first token, return it and the prompt's final hiddens."""
         m = len(prompt)
         logits, hidden = self.model.forward(torch.tensor(prompt), torch.arange(m), self.cache)
-        p = self._dist(logits[-1])
+        p, lp = self._dist(logits[-1]), model_logprobs(logits[-1])
         first = sampling.draw(p, self.rng.uniform(m, PURPOSE_COMMIT))
         self.seq = list(prompt) + [first]
-        return Step([first], [_log(p.prob(first))], top_logprobs=self._tops([p])), hidden
+        return Step([first], [float(lp[first])], top_logprobs=self._tops([lp])), hidden
 
     # ---- drafting -------------------------------------------------------------------------------
     def draft(self, start: int, main_hidden: torch.Tensor) -> _Drafts:
@@ -139,6 +140,7 @@ class SpeculativeDecoder:
         rows = torch.tensor([self.seq[n]] + drafts.tokens)
         logits, hidden = self.model.forward(rows, torch.arange(n, n + k + 1), self.cache)
         p = [self._dist(logits[i]) for i in range(k + 1)]
+        lp = [model_logprobs(logits[i]) for i in range(k + 1)]  # row i: the model at position n+i+1
         # 2. Accept d_i with probability min(1, p(d)/q(d)); at the first rejection draw the
         #    replacement from normalize(max(0, p - q)); if all pass, the extra row gives a bonus.
         out: list[int] = []
@@ -147,23 +149,23 @@ class SpeculativeDecoder:
         for i, (d, q) in enumerate(zip(drafts.tokens, drafts.dists), start=1):
             if self.rules.accept(p[i - 1], q, d, self.rng.uniform(n + i, PURPOSE_ACCEPT)):
                 out.append(d)
-                logprobs.append(_log(p[i - 1].prob(d)))
+                logprobs.append(float(lp[i - 1][d]))
                 continue
             r = sampling.draw(self.rules.replacement(p[i - 1], q), self.rng.uniform(n + i, PURPOSE_COMMIT))
             out.append(r)
-            logprobs.append(_log(p[i - 1].prob(r)))
+            logprobs.append(float(lp[i - 1][r]))
             break
         else:
             b = sampling.draw(self.rules.bonus(p[k], drafts.dists[-1]), self.rng.uniform(n + k + 1, PURPOSE_COMMIT))
             out.append(b)
-            logprobs.append(_log(p[k].prob(b)))
+            logprobs.append(float(lp[k][b]))
             bonus = True
         a = len(out) - 1
         # 3. Settle: main KV is valid through n+a; later rows are stale and get overwritten before
         #    any query can read them (a query at t reads only positions <= t).
         self.seq += out
         served = [q.prob(d) for d, q in zip(drafts.tokens, drafts.dists)]
-        return Step(out, logprobs, k, a, served, bonus, top_logprobs=self._tops(p[: a + 1])), hidden[: a + 1]
+        return Step(out, logprobs, k, a, served, bonus, top_logprobs=self._tops(lp[: a + 1])), hidden[: a + 1]
 
 
 def controller_for(drafts: int | str, model_dir=None) -> Controller:
@@ -219,7 +221,7 @@ def generate(model, prompt: Sequence[int], *, seed: int, params: SamplingParams 
 def _plain_step(dec: SpeculativeDecoder) -> tuple[Step, torch.Tensor]:
     n = len(dec.seq) - 1
     logits, hidden = dec.model.forward(torch.tensor([dec.seq[n]]), torch.tensor([n]), dec.cache)
-    p = dec._dist(logits[-1])
+    p, lp = dec._dist(logits[-1]), model_logprobs(logits[-1])
     t = sampling.draw(p, dec.rng.uniform(n + 1, PURPOSE_COMMIT))
     dec.seq.append(t)
-    return Step([t], [_log(p.prob(t))], top_logprobs=dec._tops([p])), hidden
+    return Step([t], [float(lp[t])], top_logprobs=dec._tops([lp])), hidden

@@ -50,7 +50,10 @@ def metrics(url: str) -> dict:
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
 
 
-def test_chat_top_logprobs_are_the_sampling_distribution(reference):
+def test_chat_top_logprobs_are_the_models(reference):
+    """logprobs report the model's own distribution (docs/round.md), not the sampling one: with top_k=3 a token is
+    drawn from three candidates, yet its top_logprobs are the model's five most likely, with probabilities of the
+    whole vocabulary."""
     kw = dict(model="tiny", messages=MESSAGES, max_tokens=12, seed=3, top_p=1.0, extra_body={"top_k": 3},
               logprobs=True, top_logprobs=5)
     r = client(reference).chat.completions.create(**kw)
@@ -61,10 +64,10 @@ def test_chat_top_logprobs_are_the_sampling_distribution(reference):
         (message.reasoning_content or "") + (message.content or "")
     for e in content:
         top = e.top_logprobs
-        assert len(top) == 3  # top_k=3: the distribution a token is drawn from has three tokens
+        assert len(top) == 5
         assert [a.logprob for a in top] == sorted((a.logprob for a in top), reverse=True)
-        assert math.isclose(sum(math.exp(a.logprob) for a in top), 1.0, rel_tol=1e-9)
-        assert (e.token, e.logprob) in [(a.token, a.logprob) for a in top]
+        assert sum(math.exp(a.logprob) for a in top) < 1.0
+        assert (e.token, e.logprob) in [(a.token, a.logprob) for a in top[:3]]  # drawn from the top 3
     chunks = list(client(reference).chat.completions.create(stream=True, **kw))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [(e.token, e.logprob, e.top_logprobs) for e in streamed] == \
