@@ -400,3 +400,34 @@ def test_cuda_graph_capture_matches_eager():
         for row in range(8):
             if _clear_of_top_p(x[row].cpu(), params):
                 check_row(captured[0][row].cpu(), captured[1][row].cpu(), dist(x[row].cpu(), params))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_model_logprobs_are_the_same_bits_on_every_rank(ranks):
+    """The model's own logprobs under vocabulary parallelism: each rank contributes its slice, the gather
+    concatenates in rank order, and every rank computes identical bits, equal to the float64 log-softmax of the whole
+    row to fp32 rounding, with the model's top tokens (ties: lower id) as the alternatives."""
+    g = torch.Generator().manual_seed(ranks)
+    R, V, n_top = 3, 96, 5
+    logits = torch.randn(R, V, generator=g) * 4
+    logits[1, 10] = logits[1, 70] = logits[1].max() + 1  # a tie across two ranks' slices: the lower id first
+    tokens = torch.tensor([[5], [70], [95]])
+    vr = V // ranks
+    contributions = {}
+
+    def record(rank):  # what rank `rank` sends (its result this time is discarded)
+        return lambda x: contributions.setdefault(rank, x).repeat(1, ranks)
+
+    for r in range(ranks):  # every rank's contribution first (as the all-gather waits for all), then its result
+        sampler.model_logprobs(logits[:, r * vr:(r + 1) * vr], tokens, n_top, r * vr, record(r))
+    results = [sampler.model_logprobs(logits[:, r * vr:(r + 1) * vr], tokens, n_top, r * vr,
+                                      lambda x: torch.cat([contributions[q] for q in range(ranks)], -1))
+               for r in range(ranks)]
+    for got in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
+    lp, top_ids, top_lp = results[0]
+    exact = torch.log_softmax(logits.double(), -1)
+    assert torch.allclose(lp.double(), exact.gather(-1, tokens), atol=1e-5)
+    want = torch.sort(-exact, dim=-1, stable=True).indices[:, :n_top]
+    assert torch.equal(top_ids, want) and top_ids[1, 0] == 10 and top_ids[1, 1] == 70
+    assert torch.allclose(top_lp.double(), exact.gather(-1, want), atol=1e-5)
