@@ -30,7 +30,8 @@ def test_tp2_round_runs_in_lockstep_and_counts_its_collectives(tmp_path, capsys)
     # uses for its per-round estimate.
     assert 1.0 <= s["tokens_per_round"] <= 6.0
     assert s["collectives_per_round"]["all_reduce"] == round_allreduces(Config.from_dir(TINY), drafts=5)
-    assert s["collectives_per_round"]["all_gather_last"] == 1 + 5  # sampling candidates: verify + each depth
+    # sampling candidates (verify + each depth), and the model's logprobs of the verification rows
+    assert s["collectives_per_round"]["all_gather_last"] == 1 + 5 + 1
     # TPOT on the mini model's profile: the round divided by the card's tokens per round at depth 5 (where the default
     # model has a card: bench/acceptance.py).
     p = s["tpot_mini_profile"]
