@@ -62,9 +62,10 @@ class ReferenceEngine:
 
 
 def load_engine(name: str, model_dir: str | Path, tp: int = 1, max_context: int = 4096, dtype: str = "auto",
-                device: str = "auto", kernels: str = "auto", weights: str = "auto") -> Engine:
+                device: str = "auto", kernels: str = "auto", weights: str = "auto", prefix_reuse: bool = False) -> Engine:
     """The named engine over a model folder. `weights` (fast engine): what its linears run as, auto, bf16 or fp8
-    (fast/weights.weight_format); the reference always computes the checkpoint's exact values."""
+    (fast/weights.weight_format); the reference always computes the checkpoint's exact values. `prefix_reuse`: the
+    fast engine will keep its rings' copy between requests (the server's), so its memory check counts it."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"model folder {model_dir} has no config.json")
@@ -78,5 +79,5 @@ def load_engine(name: str, model_dir: str | Path, tp: int = 1, max_context: int 
 
         return FastEngine.load(model_dir, tp=tp, device=device,
                                options=EngineOptions(max_context=max_context, dtype=dtype, kernels=kernels,
-                                                     weights=weights))
+                                                     weights=weights, prefix_reuse=prefix_reuse))
     raise ValueError(f"unknown engine {name!r}")

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "fast":
         check_weights(args.weights, model_dir, device)
     engine = load_engine(args.engine, model_dir, args.tp, max_context=args.max_context, dtype=args.dtype,
-                         device=device, weights=args.weights)
+                         device=device, weights=args.weights, prefix_reuse=args.prefix_reuse == "on")
     policy = engine.policy(args.drafts)  # auto: plain sampling where drafting loses on this device
     ran = engine.describe()["text"] if hasattr(engine, "describe") else "reference (float64, CPU)"
     reuse = "off"

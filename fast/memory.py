@@ -2,9 +2,8 @@
 
 Prefix reuse (`iquest serve --prefix-reuse on`, the default) holds one more copy of every ring layer's K, V and
 slot_pos a rank (cache.RingSnapshot, made at the first request that keeps its prefix): at the published size, once
-the context outgrows the 4,096-token window, 137 MB a rank at TP 8 and 1.08 GB at TP 1. The engine is built before any request says
-whether it keeps its prefix (the server passes that per request), so `check_memory` counts the copy unless the
-engine's options say prefix reuse is off.
+the context outgrows the 4,096-token window, 137 MB a rank at TP 8 and 1.08 GB at TP 1. `check_memory` counts it
+where the engine's options say the server will keep it (`EngineOptions.prefix_reuse`, from `--prefix-reuse`).
 """
 
 from __future__ import annotations
@@ -78,13 +77,13 @@ def check_memory(config: Config, tp: int, options, device_kind: str, ranks=None,
     """Raise a clear error when weights plus caches at the requested context exceed device memory on the GPUs of
     `ranks` (default all): each process checks only its own GPU, since querying one creates a context on it. With
     `options.shared_gpu` every rank lives on GPU 0, so rank 0 checks that GPU for all of them and the others skip.
-    `prefix_reuse` (None: `options.prefix_reuse`, on where the options do not say) counts the rings' copy too."""
+    `prefix_reuse` (None: `options.prefix_reuse`, which iquest serve sets from --prefix-reuse) counts the rings' copy
+    too."""
     if device_kind != "cuda":
         return
     if prefix_reuse is None:
-        # on unless said off: the server reuses prefixes by default, and the copy is made mid-serving, where
-        # running out of memory fails a request instead of the start
-        prefix_reuse = bool(getattr(options, "prefix_reuse", True))
+        # counted at the start: the copy is made mid-serving, where running out of memory would fail a request
+        prefix_reuse = options.prefix_reuse
     dtype_bytes = options.torch_dtype(torch.device("cuda")).itemsize
     fmt = weight_format(options.weights, config, torch.device("cuda"))
     need = rank_bytes(config, tp, options.max_context, dtype_bytes, fmt, prefix_reuse) * HEADROOM

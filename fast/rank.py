@@ -44,6 +44,7 @@ class EngineOptions:
     shared_gpu: bool = False        # TP > 1 with every rank on GPU 0 (testing on one GPU, under an MPS daemon)
     kernels: str | KernelPlan = "auto"  # auto = Triton on CUDA, the torch forms on CPU; or torch, triton, a plan
     weights: str = "auto"           # what the linears run as (fast/weights.weight_format): auto, bf16 or fp8
+    prefix_reuse: bool = False      # the server keeps its rings' copy for the next turn (counted by fast/memory.py)
 
     def plan(self, device: torch.device) -> KernelPlan:
         """The kernel plan for this device (on CPU, Triton kernels run only under Triton's interpreter)."""

@@ -97,21 +97,35 @@ def test_the_prefix_reuse_copy_is_counted_as_the_engine_makes_it():
         assert memory.rank_bytes(full, tp, context, prefix_reuse=True) - memory.rank_bytes(full, tp, context) == got
 
 
-def test_the_memory_check_counts_the_copy_unless_prefix_reuse_is_off(monkeypatch):
+def test_the_memory_check_counts_the_copy_where_prefix_reuse_is_on(monkeypatch):
+    """The copy counts where the engine's options keep it (iquest serve --prefix-reuse on, its default), not for
+    iquest generate or a server with reuse off."""
     config = Config.from_dir(TINY)
-    options = EngineOptions(max_context=512, dtype="bf16")
     plain = memory.rank_bytes(config, 1, 512, 2) * memory.HEADROOM
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda gpu: (int(plain) + 1, 0))
-    # the engine is built before the server says: on, as iquest serve's default
     with pytest.raises(ConfigError, match="prefix-reuse copy of the rings"):
-        memory.check_memory(config, 1, options, "cuda")
-    memory.check_memory(config, 1, options, "cuda", prefix_reuse=False)
+        memory.check_memory(config, 1, EngineOptions(max_context=512, dtype="bf16", prefix_reuse=True), "cuda")
+    memory.check_memory(config, 1, EngineOptions(max_context=512, dtype="bf16"), "cuda")
+    memory.check_memory(config, 1, EngineOptions(max_context=512, dtype="bf16", prefix_reuse=True), "cuda",
+                        prefix_reuse=False)
 
-    @dataclass(frozen=True)
-    class Off(EngineOptions):
-        prefix_reuse: bool = False
 
-    memory.check_memory(config, 1, Off(max_context=512, dtype="bf16"), "cuda")
+def test_the_server_builds_its_engine_with_its_prefix_reuse(monkeypatch, tmp_path):
+    """iquest serve passes --prefix-reuse to the engine it loads, so the memory check counts the copy it will make."""
+    from iquest.cli import engines, serve_cmd
+
+    seen = []
+
+    def load(*args, **kwargs):
+        seen.append(kwargs.get("prefix_reuse"))
+        raise SystemExit(0)  # stop before serving
+
+    monkeypatch.setattr(engines, "load_engine", load)
+    for flag, want in (("on", True), ("off", False)):
+        with pytest.raises(SystemExit):
+            from iquest.cli.main import main
+            main(["serve", "--model", str(TINY), "--device", "cpu", "--prefix-reuse", flag])
+        assert seen[-1] is want
 
 
 def test_a_closed_engine_collected_later_leaves_the_next_engines_group():
