@@ -6,8 +6,9 @@ form (fast/torch_ops.py `TorchOps.moe`, mirrored here as `moe_torch`):
 Each expert's weights are block-FP8 (E4M3 `q`, fp32 block scales), this rank's slice of its intermediate dimension:
 Gate/Up [E, I_r, H] and Down [E, H, I_r]. A slice need not start on a scale block's edge (at TP 8, 192 of 1536 rows:
 every odd rank starts 64 rows into a 128-row block), so every weight element takes its scale from its global row and
-column, `ExpertWeights.offset` being where the slice starts inside its first block. Down is row-parallel: the caller
-all-reduces `out`.
+column, `ExpertWeights.offset` being where the slice starts inside its first block. A K step that lies inside one
+scale block (the TP 8 shards' offsets of 0 and 64, every Gate/Up step) loads one scale a row and broadcasts it; other
+steps load one an element. Down is row-parallel: the caller all-reduces `out`.
 
 Rounding points, as the torch form has them, for b in dtype T (bf16 in the engine; fp32 on CPU tests):
 - a weight element is T(fp32(q) * scale) (Weight.dense's dequantization);
@@ -27,8 +28,8 @@ Three launches, grids from shapes alone, no host sync, no atomics (graph-captura
 3. Combine, grid (row, H tile): the weighted sum over slots; padding rows write zeros and read nothing.
 A row's experts must be distinct (top-k routing makes them so): a program finds a row's slot of e by matching.
 
-Roundings to bf16 go through integer ops (f16_operands.bf16_grid): Triton's interpreter truncates in its own cast
-(kernels/f16_operands.py), and the grid form is what the GPU's round-to-nearest-even gives.
+Under the interpreter, roundings to bf16 go through integer ops (f16_operands.bf16_grid), since its own cast
+truncates; the GPU's cast rounds to nearest even, as torch's does, and is used there.
 """
 
 from __future__ import annotations
@@ -313,7 +314,8 @@ def fits(b: torch.Tensor, experts: torch.Tensor, gate: ExpertWeights, up: Expert
          down: ExpertWeights) -> bool:
     """Whether `moe` takes this call (else the engine runs the torch form): E4M3 weights with fp32 scales matching
     their shapes, blocks and offsets, bf16 or fp32 b, R * k <= MAX_PAIRS. Any I_r, H, block and offset is taken
-    (tiles are masked, scales are read per element), the mini model's 12-row shards of 32-row blocks included."""
+    (tiles are masked, scales are looked up by global row and column), the mini model's 12-row shards of 32-row
+    blocks included."""
     try:
         _validate(b, experts, gate, up, down)
     except ValueError:
