@@ -30,9 +30,9 @@ its programs, resident early and waiting, would otherwise take the SMs a peer on
 
 `NORM` fuses the residual add and RMSNorm after the reduction (the two reduction points of a decoder layer of the
 retired, guessed architecture's pre-norm residual): the sum rounded to the stream's dtype, h = stream + sum rounded
-again, y = rmsnorm(h) * w, the same arithmetic and program shape as kernels/rmsnorm_residual.py, so the fused call
-gives the bits of the all-reduce followed by that kernel. Not on the product path until re-based to docs/model.md
-(whose layers normalize the branch output before the add): the engine calls the plain all-reduce only.
+again, y = rmsnorm(h) * w (kernels/rmsnorm.py's `add_norm` without a branch norm, to fp32 rounding of the norm).
+Not on the product path until re-based to docs/model.md (whose layers normalize the branch output before the add):
+the engine calls the plain all-reduce, then `add_norm`.
 """
 
 from __future__ import annotations
@@ -182,7 +182,7 @@ def _all_reduce_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, sum_ptr,
                         CAP, BLOCK, BITS).to(tl.float32)
         s = acc.to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_sum + i, s, mask=ok)
-        if NORM:  # rmsnorm_residual's arithmetic: h rounded to the stream's dtype, the norm on the rounded h
+        if NORM:  # h rounded to the stream's dtype, the norm on the rounded h
             x = tl.load(res_ptr + row * stride_res + i, mask=ok, other=0.0).to(tl.float32)
             h = (x + s.to(tl.float32)).to(h_ptr.dtype.element_ty)
             tl.store(h_ptr + row * stride_h + i, h, mask=ok)

@@ -63,8 +63,8 @@ def _tile_dot(acc, x, w, s, F32: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit
 def _inv_rms(sumsq_ptr, m, m_ok, stride, tiles, K, eps, NORM: tl.constexpr):
-    """The rows' 1 / rms as rmsnorm_residual computes it, from their `tiles` partial sums of squares (the MoE
-    combine's): summed in one fixed order, the same in every program, so every K range is scaled alike."""
+    """The rows' 1 / rms from their `tiles` partial sums of squares: summed in one fixed order, the same in every
+    program, so every K range is scaled alike."""
     t = tl.arange(0, NORM)
     part = tl.load(sumsq_ptr + m[:, None] * stride + t[None, :], mask=m_ok[:, None] & (t < tiles)[None, :], other=0.0)
     return 1.0 / tl.sqrt(tl.sum(part, axis=1) / K + eps)
@@ -232,12 +232,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     as without it). Neither changes a value.
     `unsummed`: return the K splits' fp32 partial products [splits, M, N] instead (no `out`; `locks` unused; one
     split when K is not split): a consumer that sums them in split order from zero, 0 + p_0 + p_1 + ..., and rounds
-    the sum to out_dtype has this function's bits (`rope_kv_parts`: the sum moved into the next launch).
+    the sum to out_dtype has this function's bits.
     `rms` = (sumsq [M, T] fp32, eps): row m of the product (of each split's partial, unsummed) is scaled by
-    1 / sqrt(sum_t sumsq[m, t] / K + eps), the sums taken in one fixed order by every program. With x = h * w rounded
-    and sumsq the partial sums of h^2 (kernels/moe.py's `residual`), that is the product of rmsnorm(h) * w without the
-    norm's launch: a numerical change (the normalized rows rounded before their scaling, the squares summed in another
-    order than rmsnorm_residual's), qualified in docs/PERF.md.
+    1 / sqrt(sum_t sumsq[m, t] / K + eps), the sums taken in one fixed order by every program: a norm folded into
+    the product (a numerical change). The engine uses neither form today (the retired architecture's fused input
+    norm and rotary stage used them; docs/PERF.md); the direct kernel's tests hold both to this kernel's bits.
     `direct`: W's copy in the MMA fragments' order (kernels/fp8_linear_direct.direct_weight); with it, a preloading
     call runs that module's Gluon kernel (16 output columns and 8 rows a program, its K tiles over 2 warps) instead:
     GPU only, bf16 or fp16 x, 128-wide K tiles (`direct_applies`). The same tiles, scales, order and splits as the

@@ -12,9 +12,8 @@ serialized launch would:
   * `wait_for_inputs(PDL)` is the first thing every program does that touches memory another kernel writes or
     reads: no activation load, no store, no atomic comes before it. Only constant weights may be read before
     it (into registers: the FP8 linear's, the router's and the norms' `preload`), and data written two launches
-    back or earlier, which the next two points make complete: read, or asked of L2 with `prefetch_l2` (the callers
-    of `moe(early_down=True)`, `decode_attention(early=True)` and `rope_kv(early=True)` guarantee that of the
-    routing and of the positions).
+    back or earlier, which the next two points make complete: read, or asked of L2 with `prefetch_l2` (the engine
+    guarantees that of the positions where `decode_attention` runs with `AttentionSettings.early`).
   * Every program calls it, unconditionally, so the kernel cannot complete before its predecessor has: the
     chain stays transitive for the kernel after it (which may be a plain launch: that one waits for this
     kernel's completion as usual).
