@@ -340,12 +340,12 @@ def sample_bench(config: Config, rows: int, device, ours=None, k: int = 20, seed
 
 def accept_bench(config: Config, drafts: int, device, ours=None, k: int = 20, seed: int = 7) -> OpBench:
     """The round's accept step at depth `drafts` (every draft live): acceptance, the residual or bonus, the commit
-    draw and the emitted tokens' logprobs, against its torch form (fast/torch_ops.TorchOps.accept)."""
+    draw and the emitted tokens, against its torch form (fast/torch_ops.TorchOps.accept)."""
     from ..fast import sampler
     from ..fast.torch_ops import TorchOps
     from ..kernels.sample import accept_settle
 
-    ours = ours or (lambda *a: (lambda r: (r["a"], r["token"], r["emitted"], r["logprobs"]))(accept_settle(*a)))
+    ours = ours or (lambda *a: (lambda r: (r["a"], r["token"], r["emitted"]))(accept_settle(*a)))
     keys, temperature, top_p, seed_t = _sampling_inputs(2 * drafts + 1, config.vocab_size // TP, k, device, seed)
     p_ids, p_probs = sampler._dist_from_keys(keys[:drafts + 1], k, temperature, top_p)
     q_ids, q_probs = sampler._dist_from_keys(keys[drafts + 1:], k, temperature, top_p)

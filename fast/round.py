@@ -65,7 +65,7 @@ class RoundRunner:
         p_ids, p_probs = self.dist(logits)
         # 2. Accept: d_i when u < min(1, p_{i-1}(d_i) / q_i(d_i)), up to the first rejection, whose replacement
         #    comes from normalize(max(0, p - q)); all k accepted: a bonus token from p_k. Emitted: d_1..d_a, then x.
-        a, x, emitted, _ = self.accept(p_ids, p_probs, n, k)
+        a, x, emitted = self.accept(p_ids, p_probs, n, k)
         logprobs = self.logprobs(logits, emitted)  # emitted token j (d_1..d_a, then x) is drawn at row j
         # 3. Settle: a+1 tokens committed; main KV is valid through n+a, later rows are stale and
         #    rewritten before any query reaches them. Rollback is this length change.
@@ -77,8 +77,8 @@ class RoundRunner:
         self.draft(nxt.tokens, st.hid, nxt.positions, nxt.live, last=nxt.last)
 
     def accept(self, p_ids: torch.Tensor, p_probs: torch.Tensor, n: torch.Tensor,
-               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(a, x, emitted [VERIFY_ROWS], logprobs [VERIFY_ROWS]) of step 2 (fast/torch_ops.py writes the rule)."""
+               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(a, x, emitted [VERIFY_ROWS]) of step 2 (fast/torch_ops.py writes the rule)."""
         st = self.st
         return self.m.ops.accept(p_ids, p_probs, st.q_ids, st.q_probs, st.drafts, k, n, st.seed)
 

@@ -135,11 +135,11 @@ class TorchOps:
 
     def accept(self, p_ids: torch.Tensor, p_probs: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
                drafts: torch.Tensor, k: torch.Tensor, n: torch.Tensor,
-               seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The round's accept step (docs/round.md step 2) on the verification rows' distributions p_0..p_K (row i = p_i) and
         the proposals q_1..q_K (row i = q_{i+1}) of drafts d_1..d_K, k of them live, x_n at position n. Returns
-        (a, x, emitted [K+1], logprobs [K+1]): accepted drafts, the round's new token at n+a+1, the emitted tokens
-        d_1..d_a then x, and their logprobs under p. kernels/sample.accept_settle is this in one launch."""
+        (a, x, emitted [K+1]): accepted drafts, the round's new token at n+a+1, the emitted tokens d_1..d_a then x
+        (their logprobs are the model's: RoundRunner.logprobs). kernels/sample.accept_settle is this in one launch."""
         kmax = q_ids.shape[0]
         depths = torch.arange(1, kmax + 1, device=drafts.device)
         j = torch.arange(kmax + 1, device=drafts.device)
@@ -152,7 +152,7 @@ class TorchOps:
         f_ids, f_probs = sampler.commit_dist(p_ids, p_probs, q_ids, q_probs, a, k)
         x = sampler.draw(f_ids, f_probs, self.uniforms(seed, (n + a + 1).view(1), PURPOSE_COMMIT))
         emitted = torch.where(j < a, torch.cat([drafts, drafts[:1]]), x)
-        return a, x[0], emitted, torch.log(sampler.prob_of(p_ids, p_probs, emitted))
+        return a, x[0], emitted
 
     @staticmethod
     def settle(st, committed, count, emitted, n_emit, logprobs, k, a, out):

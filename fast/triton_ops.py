@@ -175,7 +175,7 @@ class TritonOps(TorchOps):
         self.calls["accept"] += 1
         r = sample.accept_settle(p_ids.contiguous(), p_probs.contiguous(), q_ids, q_probs, drafts, k, n, seed,
                                  pdl=p_ids.is_cuda)
-        return r["a"], r["token"], r["emitted"], r["logprobs"]
+        return r["a"], r["token"], r["emitted"]
 
     # ---- glue ----------------------------------------------------------------------------------------
     def embed(self, tokens, table, offset):

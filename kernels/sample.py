@@ -11,7 +11,7 @@ acceptance in the execution path").
   distribution (the verification rows: their draws happen in the accept step).
 - `accept_settle`: one program for the whole round's decision: acceptance of up to 7 drafts
   (u < min(1, p/q), leading run), the replacement from normalize(max(0, p - q)) or the bonus from p_k,
-  the commit draw at position n+a+1, and what settle needs (emitted tokens, their logprobs under p).
+  the commit draw at position n+a+1, and the emitted tokens settle takes.
   Uniforms: `reference.rng.offset` layout, position * 16 + slot (slot 0 commit, 1 accept).
 
 Both read temperature, top_p, seed, n and k from device tensors (no host sync, graph-capturable).
@@ -43,14 +43,6 @@ def _exp(x, LIBDEVICE: tl.constexpr):
         return libdevice.exp(x)  # CUDA's expf, as torch's exp (tl.exp is the faster ex2.approx path)
     else:
         return tl.exp(x)
-
-
-@triton.jit
-def _log(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        return libdevice.log(x)  # CUDA's logf, as torch's log (tl.log is an approximation)
-    else:
-        return tl.log(x)
 
 
 @triton.jit
@@ -208,10 +200,10 @@ def global_dist(keys: torch.Tensor, top_k: int, temperature: torch.Tensor, top_p
 # ---- accept and settle ---------------------------------------------------------------------------
 @triton.jit
 def _accept_settle_kernel(p_ids_ptr, p_probs_ptr, q_ids_ptr, q_probs_ptr, drafts_ptr, k_ptr, n_ptr, seed_ptr,
-                          a_ptr, token_ptr, emitted_ptr, logprobs_ptr, f_ids_ptr, f_probs_ptr,
+                          a_ptr, token_ptr, emitted_ptr, f_ids_ptr, f_probs_ptr,
                           Kp, Kq, KMAX,
                           ROWS: tl.constexpr, KPP: tl.constexpr, KPQ: tl.constexpr,
-                          PDL: tl.constexpr = False, LIBDEVICE: tl.constexpr = False):
+                          PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     i = tl.arange(0, ROWS)  # row i: p_i, and draft d_{i+1} with its proposal q_{i+1}
     cp = tl.arange(0, KPP)
@@ -261,14 +253,12 @@ def _accept_settle_kernel(p_ids_ptr, p_probs_ptr, q_ids_ptr, q_probs_ptr, drafts
     u_commit = tl.rand(seed, ((n + a + 1) * 16).to(tl.int32))  # position n+a+1, slot 0
     token = _draw(f_ids, f_probs, p_col, u_commit)
 
-    # Settle: a accepted drafts then the new token; log p_j(emitted_j) for each row.
+    # Settle: a accepted drafts then the new token.
     emitted = tl.where(i < a, d, token)
-    logp = _log(tl.sum(tl.where(P_ids == emitted[:, None], P, 0.0), 1), LIBDEVICE)
     rows_ok = i <= KMAX
     tl.store(a_ptr, a.to(tl.int64))
     tl.store(token_ptr, token)
     tl.store(emitted_ptr + i, emitted, mask=rows_ok)
-    tl.store(logprobs_ptr + i, logp, mask=rows_ok)
     tl.store(f_ids_ptr + cp, f_ids, mask=p_col)
     tl.store(f_probs_ptr + cp, f_probs, mask=p_col)
 
@@ -283,8 +273,7 @@ def accept_settle(p_ids: torch.Tensor, p_probs: torch.Tensor, q_ids: torch.Tenso
     [KMAX, Kq]: the proposals (row i = q_{i+1}); drafts [KMAX] int64; k: live drafts, n: position of x_n,
     seed: 0-dim int64 tensors. KMAX <= 7. Returns a dict of device tensors:
     a (0-dim int64, accepted drafts), token (0-dim int64, the replacement or bonus: x at n+a+1),
-    emitted [KMAX+1] int64 (d_1..d_a, then token), logprobs [KMAX+1] fp32 (log p_j(emitted_j)),
-    ids/probs [Kp]: the distribution the token was drawn from, in Dist order.
+    emitted [KMAX+1] int64 (d_1..d_a, then token), ids/probs [Kp]: the distribution the token was drawn from, in Dist order.
     """
     where = "accept_settle"
     dev = p_ids.device
@@ -306,10 +295,10 @@ def accept_settle(p_ids: torch.Tensor, p_probs: torch.Tensor, q_ids: torch.Tenso
     if out is None:
         i64, f32 = dict(dtype=torch.int64, device=dev), dict(dtype=torch.float32, device=dev)
         out = dict(a=torch.empty((), **i64), token=torch.empty((), **i64), emitted=torch.empty(kmax + 1, **i64),
-                   logprobs=torch.empty(kmax + 1, **f32), ids=torch.empty(kp, **i64), probs=torch.empty(kp, **f32))
+                   ids=torch.empty(kp, **i64), probs=torch.empty(kp, **f32))
     _accept_settle_kernel[(1,)](
         p_ids, p_probs, q_ids, q_probs, drafts, k, n, seed,
-        out["a"], out["token"], out["emitted"], out["logprobs"], out["ids"], out["probs"], kp, kq, kmax,
+        out["a"], out["token"], out["emitted"], out["ids"], out["probs"], kp, kq, kmax,
         ROWS=triton.next_power_of_2(kmax + 1), KPP=triton.next_power_of_2(kp), KPQ=triton.next_power_of_2(kq),
-        LIBDEVICE=not INTERPRETED, num_warps=num_warps, **launch_options(pdl, dev))
+        num_warps=num_warps, **launch_options(pdl, dev))
     return out

@@ -369,7 +369,7 @@ class ReplacementFromP(RoundRunner):
         f_ids, f_probs = p_ids.index_select(0, a.view(1)), p_probs.index_select(0, a.view(1))
         x = sampler.draw(f_ids, f_probs, ops.uniforms(st.seed, (n + a + 1).view(1), PURPOSE_COMMIT))
         emitted = torch.where(j < a, torch.cat([st.drafts, st.drafts[:1]]), x)
-        return a, x[0], emitted, torch.log(sampler.prob_of(p_ids, p_probs, emitted))
+        return a, x[0], emitted
 
 
 class TopPDropsCrossing(RoundRunner):

@@ -141,7 +141,7 @@ def test_op_benches_catch_a_wrong_kernel():
     forms = _torch_forms()
     wrong = {"topk": lambda logits, k, offset: forms["topk"](logits, k, offset + 1),
              "sample": lambda *a: (lambda t, i, p: (t, i.flip(-1), p))(*forms["sample"](*a)),
-             "accept": lambda *a: (lambda a_, x, e, lp: (a_, x + 1, e, lp))(*forms["accept"](*a))}
+             "accept": lambda *a: (lambda a_, x, e: (a_, x + 1, e))(*forms["accept"](*a))}
     for b in _benches(6, wrong):
         ours = next(r for r in km.op_agreement(b) if r["variant"] == "triton")
         assert ours["mismatch"] is not None, (b.op, ours)

@@ -105,7 +105,7 @@ class FromPOps(TorchOps):
         f_ids, f_probs = sampler.commit_dist(p_ids, p_probs, q_ids, torch.zeros_like(q_probs), a, k)
         x = sampler.draw(f_ids, f_probs, self.uniforms(seed, (n + a + 1).view(1), PURPOSE_COMMIT))
         emitted = torch.where(j < a, torch.cat([drafts, drafts[:1]]), x)
-        return a, x[0], emitted, torch.log(sampler.prob_of(p_ids, p_probs, emitted))
+        return a, x[0], emitted
 
 
 class FromPModel(FastModel):
