@@ -20,7 +20,7 @@ from ..kernels import (decode_attention, embed, fp8_linear, lm_head, moe, philox
 from .plan import KernelPlan
 from .profiling import stage
 from .torch_ops import TorchOps
-from .weights import Weight
+from .weights import MoE, Weight
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode or prefill-block linear
 
@@ -43,6 +43,7 @@ class TritonOps(TorchOps):
         self.calls: Counter = Counter()     # kernel paths taken, by name (tests check that a path ran)
         self.fallbacks: Counter = Counter()  # op group -> calls a kernel could not take (ran the torch form)
         self._locks: torch.Tensor | None = None
+        self._experts: dict[int, list] = {}  # id(MoE) -> its gate, up, down as the MoE kernel takes them
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
             from ..kernels.testing import patch_interpreter
 
@@ -61,6 +62,10 @@ class TritonOps(TorchOps):
         # The arrival counters of the FP8 linear's split-K sum: zeroed once, before any capture; every call leaves them
         # zeroed, and the engine's calls run one after another on one stream.
         self._locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
+        for lw in [*w.layers, w.draft.block]:
+            if isinstance(lw.mlp, MoE):
+                self._experts[id(lw.mlp)] = [moe.ExpertWeights(p.q, p.scale, p.block, p.offset) if p.quantized else None
+                                             for p in (lw.mlp.gate, lw.mlp.up, lw.mlp.down)]
 
     # ---- linears -------------------------------------------------------------------------------------
     def linear(self, w: Weight, x: torch.Tensor) -> torch.Tensor:
@@ -119,8 +124,7 @@ class TritonOps(TorchOps):
         return router.route(b, router_w, top_k, pdl=b.is_cuda)
 
     def moe(self, b, experts, weights, live, mw):
-        parts = [w for w in (mw.gate, mw.up, mw.down)]
-        ew = [moe.ExpertWeights(w.q, w.scale, w.block, w.offset) if w.quantized else None for w in parts]
+        ew = self._experts.get(id(mw), [None])  # made in prepare(); absent: a BF16 MoE, on its torch form
         if not self._fits("moe", None not in ew and moe.fits(b, experts, *ew)):
             return super().moe(b, experts, weights, live, mw)
         self.calls["moe"] += 1
