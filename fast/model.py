@@ -108,7 +108,7 @@ class FastModel:
         eps, dt = c.rms_norm_eps, self.dtype
         attn_scale, mlp_scale = c.out_scales(index)
         attn_out = self.par.all_reduce(self.attention(c, index, lw.attn, kv, a, blk))
-        h, b = self.ops.add_norm(x if index == 0 else a, attn_out, attn_scale, lw.attn_out_norm,
+        h, b = self.ops.add_norm(self.residual_of(index, x, a), attn_out, attn_scale, lw.attn_out_norm,
                                  lw.feed_forward_norm, eps, dt)
         mlp_out = self.par.all_reduce(self.mlp(c, lw.mlp, b, blk.live, taps, tag))
         out, a_next = self.ops.add_norm(h, mlp_out, mlp_scale, lw.ffn_out_norm if index == 0 else None, next_norm,
@@ -117,6 +117,12 @@ class FastModel:
             for name, value in (("attn_out", attn_out), ("mlp_in", b), ("mlp_out", mlp_out), ("hidden", out)):
                 _tap(taps, tag + name, value)
         return out, a_next
+
+    @staticmethod
+    def residual_of(index: int, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """What a layer's residual continues from (docs/model.md): layer 0 (and the draft block) its raw input x,
+        later layers its normalized input a."""
+        return x if index == 0 else a
 
     @stage("attention")
     def attention(self, c: Config, index: int, attn: Attention, kv: LayerKV, a: torch.Tensor,
