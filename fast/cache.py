@@ -124,7 +124,10 @@ class RingSnapshot:
             self.k[i].copy_(kv.k)
             self.v[i].copy_(kv.v)
             self.slot_pos[i].copy_(kv.slot_pos)
-            self.held[i] = kv.slot_pos.cpu().numpy().copy()
+        # the host record in one transfer (one sync), not one a layer
+        host = torch.cat([self.slot_pos[i] for i in layers]).cpu().numpy()
+        sizes = np.cumsum([self.slot_pos[i].numel() for i in layers])[:-1]
+        self.held.update(zip(layers, np.split(host, sizes)))
 
     def restore(self, cache: StaticKV, layers: list[int]) -> None:
         for i in layers:

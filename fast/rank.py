@@ -202,8 +202,9 @@ class RankEngine:
         if req.reuse:
             if history:
                 raise ValueError("a request that reuses a prefix takes no history")
-            # every rank holds the same prefix: a rank that would reuse otherwise has diverged from rank 0
-            if self.reusable(req.prompt, speculative) != req.reuse:
+            # every rank holds the same prefix: a rank that would reuse otherwise has diverged from rank 0 (whose own
+            # answer is req.reuse)
+            if self.par.rank and self.reusable(req.prompt, speculative) != req.reuse:
                 raise RuntimeError(f"rank {self.par.rank} cannot reuse {req.reuse} prompt positions")
             self._snapshot.restore(self.cache, self._target_rings + (self._draft_rings if speculative else []))
         self.prefix = None  # the caches change from here on: only this prefill's own record may stand after it
