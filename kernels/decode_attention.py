@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import FLOATS as _FLOATS, sm_count as _sm_count
+from .device import FLOATS as _FLOATS, is_pow2 as _pow2, sm_count as _sm_count
 from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
@@ -276,10 +276,6 @@ def _attention_combine_kernel(
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(f"decode_attention: {message}")
-
-
-def _pow2(x, least: int) -> bool:
-    return isinstance(x, int) and x >= least and x & (x - 1) == 0
 
 
 def _check_settings(st: AttentionSettings) -> None:

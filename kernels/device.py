@@ -26,6 +26,11 @@ def row_groups(x: torch.Tensor, group: int, op: str) -> tuple[int, int]:
     return M, N
 
 
+def is_pow2(n, least: int = 1) -> bool:
+    """Is n an int (not a bool), a power of two, at least `least`? (tile sizes, warps, splits)"""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= least and n & (n - 1) == 0
+
+
 U32 = 2.0 ** -24  # fp32 unit roundoff
 
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import FLOATS as _FLOATS, sm_count as _sm_count
+from .device import FLOATS as _FLOATS, is_pow2, sm_count as _sm_count
 from .launch import launch_options, wait_for_inputs
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
@@ -255,7 +255,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     _check(x.device == w.device == scale.device, f"devices differ: x {x.device}, w {w.device}, scale {scale.device}")
     _check(x.stride(1) == 1, "x must have unit stride along K")
     _check(w.is_contiguous() and scale.is_contiguous(), "w and scale must be contiguous")
-    _check(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n {block_n} must be a power of two >= 16")
+    _check(is_pow2(block_n, 16), f"block_n {block_n} must be a power of two >= 16")
     out_dtype = out_dtype or x.dtype
     _check(out_dtype in _FLOATS, f"out_dtype {out_dtype} must be bf16, fp16 or fp32")
     _check(not (unsummed and out is not None), "unsummed returns the partials: give no out")

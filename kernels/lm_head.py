@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import FLOATS as _FLOATS, sm_count as _sm_count, logit_tolerance  # noqa: F401 (the tests' bound)
+from .device import FLOATS as _FLOATS, is_pow2, sm_count as _sm_count, logit_tolerance  # noqa: F401 (the tests' bound)
 from .launch import launch_options, wait_for_inputs
 
 BLOCK_R = 16  # tl.dot's smallest M
@@ -86,10 +86,6 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(f"lm_head: {message}")
 
 
-def _pow2_16(n) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 16 and n & (n - 1) == 0
-
-
 def fits(R: int, V: int, H: int) -> bool:
     """Whether `lm_head` takes a block of R rows with a head slice [V, H]; otherwise the engine runs the torch form."""
     return 1 <= R <= MAX_ROWS and V >= 1 and H >= 1
@@ -107,8 +103,8 @@ def choose_block_v(v: int, settings: LMHeadSettings, device: torch.device) -> in
 
 def _check_settings(s: LMHeadSettings) -> None:
     _check(isinstance(s, LMHeadSettings), f"settings must be an LMHeadSettings, got {type(s).__name__}")
-    _check(s.block_v is None or _pow2_16(s.block_v), f"block_v {s.block_v!r} must be None or a power of two >= 16")
-    _check(_pow2_16(s.block_k), f"block_k {s.block_k!r} must be a power of two >= 16")
+    _check(s.block_v is None or is_pow2(s.block_v, 16), f"block_v {s.block_v!r} must be None or a power of two >= 16")
+    _check(is_pow2(s.block_k, 16), f"block_k {s.block_k!r} must be a power of two >= 16")
     _check(isinstance(s.num_warps, int) and s.num_warps in (1, 2, 4, 8, 16), f"num_warps {s.num_warps!r}")
     _check(isinstance(s.num_stages, int) and s.num_stages >= 1, f"num_stages {s.num_stages!r} must be >= 1")
     _check(isinstance(s.programs_per_sm, int) and s.programs_per_sm >= 1,

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .device import is_pow2
 from .f16_operands import bf16_grid
 from .launch import launch_options, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
@@ -345,7 +346,7 @@ def moe(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     s = settings
     for name in ("block_m", "gate_up_block_n", "gate_up_block_k", "down_block_n", "down_block_k", "combine_block"):
         v = getattr(s, name)
-        _check(v >= 16 and v & (v - 1) == 0, f"settings.{name} must be a power of two >= 16 (a dot operand), got {v}")
+        _check(is_pow2(v, 16), f"settings.{name} must be a power of two >= 16 (a dot operand), got {v}")
 
     P = R * k
     experts = experts.contiguous()

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from triton.language.extra import libdevice
 
-from .device import FLOATS as _FLOATS, sm_count as _sm_count, logit_tolerance  # noqa: F401 (the tests' bound)
+from .device import FLOATS as _FLOATS, is_pow2 as _pow2, sm_count as _sm_count, logit_tolerance  # noqa: F401 (the tests' bound)
 from .launch import launch_options, wait_for_inputs
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -168,10 +168,6 @@ def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, R, E, 
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(f"router: {message}")
-
-
-def _pow2(n) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 1 and n & (n - 1) == 0
 
 
 def fits(R: int, E: int, H: int) -> bool:
