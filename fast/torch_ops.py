@@ -133,6 +133,8 @@ class TorchOps:
             product.mul_(served[0])
         return served
 
+    commit_dist = staticmethod(sampler.commit_dist)  # the distribution of a round's new token (the accept step's)
+
     def accept(self, p_ids: torch.Tensor, p_probs: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
                drafts: torch.Tensor, k: torch.Tensor, n: torch.Tensor,
                seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -149,7 +151,7 @@ class TorchOps:
         _, a = sampler.acceptance(p_d, q_d, self.uniforms(seed, n + depths, PURPOSE_ACCEPT), depths <= k)
         # At the first rejection draw from normalize(max(0, p_a - q_{a+1})); if all k passed, p_k gives a bonus
         # token. Both are the commit draw of position n+a+1.
-        f_ids, f_probs = sampler.commit_dist(p_ids, p_probs, q_ids, q_probs, a, k)
+        f_ids, f_probs = self.commit_dist(p_ids, p_probs, q_ids, q_probs, a, k)
         x = sampler.draw(f_ids, f_probs, self.uniforms(seed, (n + a + 1).view(1), PURPOSE_COMMIT))
         emitted = torch.where(j < a, torch.cat([drafts, drafts[:1]]), x)
         return a, x[0], emitted

@@ -5,8 +5,8 @@ rank at TP8). The target's head and the draft's own take the same call.
 
 IEEE fp32 throughout: each program's tl.dot runs with input_precision="ieee" (fp32 FMAs, never TF32, whose 10-bit
 operands would move a logit by ~2^-11 of a product), so the kernel sums the products torch's fp32 matmul sums, in
-another order. Agreement is therefore to rounding, not bit for bit (`logit_tolerance`); where every partial sum is
-exact in fp32 (small-integer data in the tests), the logits equal torch's bit for bit.
+another order. Agreement is therefore to rounding, not bit for bit (`device.logit_tolerance`); where every partial sum
+is exact in fp32 (small-integer data in the tests), the logits equal torch's bit for bit.
 
 Grid (cdiv(V, BLOCK_V),): each program reads its [BLOCK_V, H] head rows once, K tile by K tile, for all the block's
 rows (tl.dot needs 16 rows; rows >= R load nothing and are not stored). The last V tile is partial: its loads re-read
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import FLOATS as _FLOATS, is_pow2, sm_count as _sm_count, logit_tolerance  # noqa: F401 (the tests' bound)
+from .device import FLOATS as _FLOATS, is_pow2, sm_count as _sm_count
 from .launch import launch_options, wait_for_inputs
 
 BLOCK_R = 16  # tl.dot's smallest M
@@ -34,8 +34,8 @@ MAX_ROWS = BLOCK_R  # one row tile: the head is read once per call
 
 @dataclass(frozen=True)
 class LMHeadSettings:
-    """Launch choices. block_k may change the summation order, so the last bits (always within `logit_tolerance`);
-    the others share the same sums out over programs and threads."""
+    """Launch choices. block_k may change the summation order, so the last bits (always within
+    `device.logit_tolerance`); the others share the same sums out over programs and threads."""
 
     # None: `choose_block_v`, the largest V tile that still gives programs_per_sm programs an SM, so the last partial
     # wave of the 245 MB stream is short (docs/PERF.md, "The LM head, Philox and the router as kernels").
@@ -114,8 +114,8 @@ def _check_settings(s: LMHeadSettings) -> None:
 def lm_head(hidden: torch.Tensor, head32: torch.Tensor, *, settings: LMHeadSettings = LMHeadSettings(),
             out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Logits [R, V] fp32 = TorchOps.lm_head(hidden, head32) = hidden.float() @ head32.T to rounding
-    (`logit_tolerance`), for hidden [R, H] bf16 (fp16 / fp32 taken too), R in 1..MAX_ROWS, and head32 [V, H] fp32,
-    both with unit stride along H. `out`: [R, V] fp32 with unit stride along V (rows may be strided). `pdl`: as
+    (`device.logit_tolerance`), for hidden [R, H] bf16 (fp16 / fp32 taken too), R in 1..MAX_ROWS, and head32 [V, H]
+    fp32, both with unit stride along H. `out`: [R, V] fp32 with unit stride along V (rows may be strided). `pdl`: as
     kernels/launch.py's. ValueError for what it does not take."""
     _check(isinstance(hidden, torch.Tensor) and isinstance(head32, torch.Tensor), "hidden and head32 must be tensors")
     _check(hidden.dim() == 2 and head32.dim() == 2,

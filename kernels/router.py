@@ -18,9 +18,9 @@ Two launches, fixed grids, no host sync, no atomics (graph-capturable; a replay 
    their sum.
 
 Agreement with TorchOps.route: both sum the same fp32 products in different orders (torch's matmul: cuBLAS or the
-CPU's BLAS), so logits, scores and weights agree to rounding, not bit for bit. `logit_tolerance` states how far the
-logits may be apart; an expert choice may differ only where two scores are that close (a near-tie). Exact ties (equal
-logits, e.g. equal router rows) go to the lower index in both.
+CPU's BLAS), so logits, scores and weights agree to rounding, not bit for bit. `device.logit_tolerance` states how
+far the logits may be apart; an expert choice may differ only where two scores are that close (a near-tie). Exact ties
+(equal logits, e.g. equal router rows) go to the lower index in both.
 
 Decode blocks have 1..8 rows; a larger block (prefill) is refused (`fits`), and the engine runs the torch form.
 """
@@ -35,7 +35,7 @@ import triton.language as tl
 
 from triton.language.extra import libdevice
 
-from .device import FLOATS as _FLOATS, is_pow2 as _pow2, sm_count as _sm_count, logit_tolerance  # noqa: F401 (the tests' bound)
+from .device import FLOATS as _FLOATS, is_pow2 as _pow2, sm_count as _sm_count
 from .launch import launch_options, wait_for_inputs
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -47,7 +47,7 @@ PART_CHUNK = 8192  # launch 2 loads at most this many partial values (splits x p
 @dataclass(frozen=True)
 class RouterSettings:
     """Launch choices. Every one but preload may change the last bits (summation orders follow the tiles, the splits
-    and the warps), always within `logit_tolerance`; preload gives the same bits (tests: the "twin" cases)."""
+    and the warps), always within `device.logit_tolerance`; preload gives the same bits (tests: the "twin" cases)."""
 
     # One warp on a [4, 512] fp32 tile keeps the H reduction inside the warp: no shared memory, no barrier
     # (docs/PERF.md, "The LM head, Philox and the router as kernels").
@@ -204,8 +204,9 @@ def _check_settings(s: RouterSettings) -> None:
 def route(b: torch.Tensor, router_w: torch.Tensor, top_k: int, *, settings: RouterSettings = RouterSettings(),
           pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights [R, k] fp32, experts [R, k] int64, scores [R, E] fp32) = TorchOps.route(b, router_w, top_k) to
-    rounding (`logit_tolerance`), for b [R, H] bf16 (fp16 / fp32 taken too; unit stride along H), R in 1..MAX_ROWS,
-    and router_w [E, H] fp32, contiguous. `pdl`: as kernels/launch.py's. ValueError for what it does not take."""
+    rounding (`device.logit_tolerance`), for b [R, H] bf16 (fp16 / fp32 taken too; unit stride along H), R in
+    1..MAX_ROWS, and router_w [E, H] fp32, contiguous. `pdl`: as kernels/launch.py's. ValueError for what it does not
+    take."""
     _check(isinstance(b, torch.Tensor) and isinstance(router_w, torch.Tensor), "b and router_w must be tensors")
     _check(b.dim() == 2 and router_w.dim() == 2, f"b {tuple(b.shape)} and router_w {tuple(router_w.shape)} must be 2-D")
     R, H = b.shape

@@ -35,7 +35,6 @@ from iquest.reference import sampling
 from iquest.reference.checkpoint import DRAFT, save_checkpoint
 from iquest.reference.config import GenerationConfig
 from iquest.reference.model import ReferenceModel
-from iquest.reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT
 from iquest.reference.sampling import SamplingParams
 from iquest.tests.helpers import chi_square
 
@@ -93,19 +92,11 @@ def exact(model_dir) -> dict[tuple[int, ...], float]:
 # ---- the negative control: the replacement drawn from p ---------------------------------------------------------
 class FromPOps(TorchOps):
     """The accept step of fast/torch_ops.py, but a rejected draft's replacement is drawn from p_{a} itself instead of
-    normalize(max(0, p - q)) (q zeroed where the residual is formed)."""
+    normalize(max(0, p - q)) (q zeroed where the residual is formed: TorchOps.commit_dist substituted)."""
 
-    def accept(self, p_ids, p_probs, q_ids, q_probs, drafts, k, n, seed):
-        kmax = q_ids.shape[0]
-        depths = torch.arange(1, kmax + 1, device=drafts.device)
-        j = torch.arange(kmax + 1, device=drafts.device)
-        p_d = sampler.prob_of(p_ids[:kmax], p_probs[:kmax], drafts)
-        q_d = sampler.prob_of(q_ids, q_probs, drafts)
-        _, a = sampler.acceptance(p_d, q_d, self.uniforms(seed, n + depths, PURPOSE_ACCEPT), depths <= k)
-        f_ids, f_probs = sampler.commit_dist(p_ids, p_probs, q_ids, torch.zeros_like(q_probs), a, k)
-        x = sampler.draw(f_ids, f_probs, self.uniforms(seed, (n + a + 1).view(1), PURPOSE_COMMIT))
-        emitted = torch.where(j < a, torch.cat([drafts, drafts[:1]]), x)
-        return a, x[0], emitted
+    @staticmethod
+    def commit_dist(p_ids, p_probs, q_ids, q_probs, a, k):
+        return sampler.commit_dist(p_ids, p_probs, q_ids, torch.zeros_like(q_probs), a, k)
 
 
 class FromPModel(FastModel):

@@ -6,7 +6,7 @@ the H products in any order, with or without FMAs, is within g of the exact one:
 2^-24, always (Higham, Thm 3.1), and g = 8 sqrt(H) u (when smaller) except with probability < 2 H e^-32 a logit,
 rounding errors taken as independent (Higham and Mary's probabilistic bound, lambda = 8). So:
   exact  |kernel - float64| <= gamma_H
-  torch  |kernel - torch| <= 2 g                (each within g of float64; kernels/lm_head.logit_tolerance states the
+  torch  |kernel - torch| <= 2 g                (each within g of float64; kernels/device.logit_tolerance states the
                                                  guaranteed 2 gamma_H)
 Neither bound stops TF32 products at a large H (their error, ~2^-11 a product with random signs, averages down), so
 "exact" cases use data whose every product and partial sum is exact in fp32 (x = n 2^-4, n < 16; at most 12 weights of
@@ -33,6 +33,7 @@ import triton.language as tl
 
 from iquest.fast.torch_ops import TorchOps
 from iquest.kernels import lm_head as lm
+from iquest.kernels.device import logit_tolerance
 from iquest.kernels.testing import interpreted_tests, substituted
 
 U = 2.0 ** -24
@@ -150,7 +151,7 @@ def run_case(c: dict, device: str) -> dict:
             "exact_ratio": ratio(got, exact, bound("exact")),
             "torch_ratio": ratio(got, torch_form, bound("torch")),
             "torch_exact_ratio": ratio(torch_form, exact, bound("exact")),
-            "tolerance_is_the_kernels": bool(torch.allclose(lm.logit_tolerance(x64, w64),
+            "tolerance_is_the_kernels": bool(torch.allclose(logit_tolerance(x64, w64),
                                                             2 * g["always"] * scale)),
             "exact_bits": bool((got.double().cpu() == exact).all()),
             "torch_bits": bool(torch.equal(got, torch_form))}

@@ -3,7 +3,7 @@
 
 Tolerances, as data (TOLERANCES below, with their reasons). Each fp32 logit is within g sum_h |b_h w_eh| of the exact
 one, whatever the summation order: g = gamma_H = H u / (1 - H u), u = 2^-24, always (Higham, Thm 3.1;
-kernels/router.logit_tolerance is twice that: kernel against torch), and g = 8 sqrt(H) u (when smaller) except with
+kernels/device.logit_tolerance is twice that: kernel against torch), and g = 8 sqrt(H) u (when smaller) except with
 probability < 2 H e^-32 a logit, rounding errors taken as independent (Higham and Mary's probabilistic bound, lambda =
 8). A row's log-scores then move by at most B(g) = 2 g max_e sum_h |b_h w_eh| + u (2 max_e |l_e - max l| + E + 9)
 (qualify/router.scores_error: the shift, a sum of E terms, exp within 2 ulps, the division), so:
@@ -36,6 +36,7 @@ import triton.language as tl
 
 from iquest.fast.torch_ops import TorchOps
 from iquest.kernels import router as rt
+from iquest.kernels.device import logit_tolerance
 from iquest.kernels.testing import interpreted_tests, substituted
 
 U = 2.0 ** -24
@@ -298,7 +299,7 @@ def test_fits():
 def test_logit_tolerance_is_twice_the_fp32_bound():
     b, w = torch.randn(3, 40), torch.randn(16, 40)
     gamma = 40 * U / (1 - 40 * U)
-    assert torch.allclose(rt.logit_tolerance(b, w), 2 * gamma * (b.double().abs() @ w.double().abs().T))
+    assert torch.allclose(logit_tolerance(b, w), 2 * gamma * (b.double().abs() @ w.double().abs().T))
 
 
 def _args(**over):
