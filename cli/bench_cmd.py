@@ -110,11 +110,13 @@ def register(sub) -> None:
     g.add_argument("--api-key", help="the key of a --url server started with --api-key")
     g.add_argument("--out", help="the JSON (default bench/results/agent-MODEL-DEVICE.json); the PNG goes beside it")
     g.set_defaults(run=run_agent)
+    register_depth(bsub)
     bench_micro_cmd.register(bsub)  # kernels, allreduce
     # the command's example of record, shown in its --help as every command's is
     from .main import EXAMPLES
 
     EXAMPLES.setdefault("bench agent", "iquest bench agent --device cpu --turns 6 --compare")
+    EXAMPLES.setdefault("bench depth", "iquest bench depth --device cuda --prompts 16 --tokens 64 --repeats 3")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -216,4 +218,49 @@ def run_agent(args: argparse.Namespace) -> int:
     agent(url=args.url, model=args.model, device=device, prefix_reuse=args.prefix_reuse, compare=args.compare,
           turns=args.turns, max_tokens=args.max_tokens, file_bytes=args.file_bytes, thinking=args.thinking == "on",
           max_context=args.max_context, seed=args.seed, api_key=args.api_key, out=args.out)
+    return 0
+
+
+def register_depth(bsub) -> None:
+    d = bsub.add_parser("depth", help="the depth controller's gain over a fixed depth: paired TPOT, with an A/A' arm",
+                        description="Decode held-out real-code prompts (the model's held-out corpus files) with a "
+                                    "fixed depth (A), the fitted depth controller (auto) and the fixed depth again "
+                                    "(A'), in one process, each prompt with the same seed in every arm and the arms "
+                                    "alternating in an order rotated per prompt. Per arm: decode time per output "
+                                    "token (TPOT, prefill excluded), tokens and drafts per round; the paired ratio "
+                                    "auto/A with a bootstrap interval and a sign test, and A'/A, the noise floor it "
+                                    "must exceed. A table, and the raw JSON (--out).")
+    d.add_argument("--model", help="checkpoint folder with its held-out corpus (default: the shipped mini model)")
+    add_device(d)
+    d.add_argument("--prompts", type=int, default=16, help="held-out prompts (default 16)")
+    d.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt and arm (default 64)")
+    d.add_argument("--repeats", type=int, default=3,
+                   help="passes over the prompts, each with new seeds (default 3)")
+    d.add_argument("--fixed", type=int, default=None,
+                   help="the fixed depth 3..7 of arms A and A' (default: the best fixed depth iquest fit-depth "
+                        "recorded in the model's depth_controller.json, 3 for the mini model; 3 without one)")
+    d.add_argument("--seed", type=int, default=0,
+                   help="request seed of the first prompt; unit u (repeat r, prompt i) uses seed + u (default 0)")
+    d.add_argument("--out", help="the raw JSON (default bench/results/depth-MODEL-DEVICE-COMMIT.json)")
+    d.set_defaults(run=run_depth)
+
+
+def run_depth(args: argparse.Namespace) -> int:
+    from .main import UserError
+    from .options import model_folder, resolve_device
+
+    for flag, value, low in (("--prompts", args.prompts, 1), ("--tokens", args.tokens, 1),
+                             ("--repeats", args.repeats, 1), ("--seed", args.seed, 0)):
+        if value < low:
+            raise UserError(f"{flag} must be at least {low}, got {value}")
+    if args.fixed is not None and not 3 <= args.fixed <= 7:
+        raise UserError(f"--fixed must be in 3..7, got {args.fixed}")
+    model_dir = model_folder(args.model)
+    if not (model_dir / "corpus.json").exists():
+        raise UserError(f"model folder {model_dir} has no corpus.json: bench depth needs its held-out files")
+    device = resolve_device(args.device)
+    from ..bench.depth import run as depth
+
+    depth(model_dir=model_dir, device=device, prompts=args.prompts, tokens=args.tokens, repeats=args.repeats,
+          fixed=args.fixed, seed=args.seed, out=args.out)
     return 0
