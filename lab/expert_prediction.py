@@ -226,6 +226,9 @@ def run(model_dir: Path, n_prompts: int, decode: int, seed: int = 0, progress=No
     E, K = c.num_experts, c.num_experts_per_tok
     layer_types = {i: c.layer_type(i) for i in range(c.num_hidden_layers) if not c.is_dense(i)}
     figures = measure(traces, K, E, layer_types)
+    for fig in figures.values():  # the share of the gap from chance to full coverage closed: comparable across E
+        fig["coverage_above_chance"] = {name: {k: (v - int(k) / E) / (1 - int(k) / E) for k, v in cov["mean"].items()
+                                               if int(k) < E} for name, cov in fig["coverage"].items()}
     report = {
         "commit": commit(), "model": str(model_dir), "caveat": CAVEAT, "engine": "reference (float64)",
         "prompts": len(prompts), "decode": {"tokens": decode, "seed": seed, "sampling": vars(params), "drafts": 0},
@@ -239,19 +242,29 @@ def run(model_dir: Path, n_prompts: int, decode: int, seed: int = 0, progress=No
 
 
 def table(report: dict) -> str:
-    K, ks = report["top_k"], report["k_prime"]
+    K, E, ks = report["top_k"], report["experts"], report["k_prime"]
+    fig = report["figures"]
     lines = [f"coverage@k' (mean over MoE layers {list(report['layers'])}; chance k'/E), all positions:",
              "pred  " + "".join(f"  @{k:<3d}({k / K:g}K)" for k in ks)]
     lines.append("chance" + "".join(f"  {report['chance'][str(k)]:10.3f}" for k in ks))
-    fig = report["figures"]["all"]
-    for name, cov in fig["coverage"].items():
+    for name, cov in fig["all"]["coverage"].items():
         lines.append(f"{name:6s}" + "".join(f"  {cov['mean'][str(k)]:10.3f}" for k in ks))
-    lines.append("live rows: warmed fraction / experts warmed / experts needed (mean over layers), per-row k'")
+    k2 = min(E, 2 * K)
+    lines.append(f"coverage@{K} / @{k2} per layer, and by position kind (mean over layers):")
+    lines.append("pred  " + "".join(f"  {'L' + i + ' ' + t[:4]:>11s}" for i, t in report["layers"].items())
+                 + "".join(f"  {kind:>11s}" for kind in ("prompt", "decoded")))
+    for name, cov in fig["all"]["coverage"].items():
+        per = [cov.get(i) for i in report["layers"]]
+        per += [fig[kind]["coverage"].get(name, {}).get("mean") for kind in ("prompt", "decoded")]
+        lines.append(f"{name:6s}" + "".join(f"  {c[str(K)]:.3f}/{c[str(k2)]:.3f}" if c else f"  {'-':>11s}"
+                                            for c in per))
+    lines.append("live rows: warmed fraction / experts warmed (mean over layers), each row's top-k' predicted")
     for R in (4, 5):
         for k in ks[:3]:
+            live = fig["all"]["live_rows"]
             cells = [f"{n} {e[str(R)]['mean'][str(k)]['warmed_fraction']:.2f}/{e[str(R)]['mean'][str(k)]['warmed']:.1f}"
-                     for n, e in fig["live_rows"].items() if str(R) in e]
-            need = next(iter(fig["live_rows"].values()))[str(R)]["mean"][str(k)]["needed"]
+                     for n, e in live.items() if str(R) in e]
+            need = next(iter(live.values()))[str(R)]["mean"][str(k)]["needed"]
             lines.append(f"R={R} k'={k:<3d} needed {need:4.1f}: " + "  ".join(cells))
     return "\n".join(lines)
 

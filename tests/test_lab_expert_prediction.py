@@ -29,7 +29,7 @@ def test_every_predictor_and_k_prime_is_reported_as_a_fraction(probe):
     assert report["positions"]["decoded"] == 2 * 6 and report["caveat"]
     layers = list(report["layers"])
     fig = report["figures"]["all"]
-    assert set(fig["coverage"]) == set(PREDICTORS)
+    assert set(fig["coverage"]) == set(PREDICTORS) == set(fig["coverage_above_chance"])
     for name, cov in fig["coverage"].items():
         expected = [l for l in layers if name != "P2" or l != "0"] + ["mean"]
         assert set(cov) == set(expected), name
