@@ -48,8 +48,8 @@ class PeerBuffer:
 
 
 class PeerCollectives:
-    """This rank's peer-memory collectives: the plain all-reduce (embedding, eh_proj), the all-reduce fused with the
-    residual add and RMSNorm (a layer's two reduction points) and the all-gather of sampling candidates."""
+    """This rank's peer-memory collectives: the plain all-reduce (embedding, eh_proj), the all-reduce ending in the
+    sandwich tail (a layer's two reduction points) and the all-gather of sampling candidates."""
 
     def __init__(self, group, rank: int, world: int, hidden: int, candidates: int, dtype: torch.dtype,
                  device: torch.device):
@@ -68,15 +68,16 @@ class PeerCollectives:
         return all_reduce(x.contiguous(), b.peers, b.own, b.state, self.error, self.rank, tag=0,
                           timeout_ns=TIMEOUT_NS, pdl=True, hold=self.hold)
 
-    def all_reduce_add_norm(self, partial: torch.Tensor, stream: torch.Tensor, weight: torch.Tensor, eps: float,
-                            y_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(sum over ranks, h = stream + sum, rmsnorm(h) * weight in y_dtype): the reduction, the residual add and
-        the norm in one launch."""
-        from ..kernels.allreduce import all_reduce
+    def all_reduce_add_norm(self, partial: torch.Tensor, residual: torch.Tensor, scale: float,
+                            y_norm: torch.Tensor | None, next_norm: torch.Tensor, eps: float,
+                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the sum over ranks, h, b): the reduction ending in the sandwich tail (kernels/rmsnorm.py's `add_norm` on
+        the sum), in one launch."""
+        from ..kernels.allreduce import Tail, all_reduce
 
         b = self.reduce
         return all_reduce(partial.contiguous(), b.peers, b.own, b.state, self.error, self.rank, tag=1,
-                          timeout_ns=TIMEOUT_NS, norm=(stream.contiguous(), weight, eps, y_dtype), pdl=True,
+                          timeout_ns=TIMEOUT_NS, tail=Tail(residual, scale, y_norm, next_norm, eps, dtype), pdl=True,
                           hold=self.hold)
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:

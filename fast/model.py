@@ -104,15 +104,15 @@ class FastModel:
         continue it from a. Returns (the output, `next_norm` of it: the next layer's a, or the final hidden). The
         residual keeps x's dtype (the draft's is fp32); every norm rounds to the compute dtype. `add_norm` is a
         sandwich tail: the branch output (normalized when a weight is given) scaled onto the residual, and the sum
-        normalized for what reads it next."""
+        normalized for what reads it next; `reduce_add_norm` first sums a branch's partial output over the ranks."""
         eps, dt = c.rms_norm_eps, self.dtype
         attn_scale, mlp_scale = c.out_scales(index)
-        attn_out = self.par.all_reduce(self.attention(c, index, lw.attn, kv, a, blk))
-        h, b = self.ops.add_norm(self.residual_of(index, x, a), attn_out, attn_scale, lw.attn_out_norm,
-                                 lw.feed_forward_norm, eps, dt)
-        mlp_out = self.par.all_reduce(self.mlp(c, lw.mlp, b, blk.live, taps, tag))
-        out, a_next = self.ops.add_norm(h, mlp_out, mlp_scale, lw.ffn_out_norm if index == 0 else None, next_norm,
-                                        eps, dt)
+        attn_partial = self.attention(c, index, lw.attn, kv, a, blk)
+        attn_out, h, b = self.ops.reduce_add_norm(self.par, attn_partial, self.residual_of(index, x, a), attn_scale,
+                                                  lw.attn_out_norm, lw.feed_forward_norm, eps, dt)
+        mlp_partial = self.mlp(c, lw.mlp, b, blk.live, taps, tag)
+        mlp_out, out, a_next = self.ops.reduce_add_norm(self.par, mlp_partial, h, mlp_scale,
+                                                        lw.ffn_out_norm if index == 0 else None, next_norm, eps, dt)
         if taps is not None:
             for name, value in (("attn_out", attn_out), ("mlp_in", b), ("mlp_out", mlp_out), ("hidden", out)):
                 _tap(taps, tag + name, value)

@@ -80,6 +80,14 @@ class TorchOps:
         h = residual + (t if scale == 1.0 else t * scale)
         return h, self.norm(h, next_norm, eps, dtype)
 
+    def reduce_add_norm(self, par, partial: torch.Tensor, residual: torch.Tensor, scale: float,
+                        y_norm: torch.Tensor | None, next_norm: torch.Tensor, eps: float,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A row-parallel branch's partial output summed over the ranks of `par` (fast/parallel.py), then the sandwich
+        tail on the sum: (sum, h, next_norm(h)). The peer all-reduce does both in one launch (fast/triton_ops.py)."""
+        total = par.all_reduce(partial)
+        return (total, *self.add_norm(residual, total, scale, y_norm, next_norm, eps, dtype))
+
     @staticmethod
     def embed(tokens: torch.Tensor, table: torch.Tensor, offset: int) -> torch.Tensor:
         """This rank's rows of an embedding `table` for `tokens` [R] (zero rows for tokens outside its vocabulary

@@ -147,6 +147,13 @@ class TritonOps(TorchOps):
         self.calls["add_norm"] += 1
         return rmsnorm.add_norm(residual, y, scale, y_norm, next_norm, eps, dtype, pdl=y.is_cuda)
 
+    def reduce_add_norm(self, par, partial, residual, scale, y_norm, next_norm, eps, dtype):
+        # Ranks with peer collectives (GPUs, TP > 1): the all-reduce ends in the tail's kernel code, the same bits
+        if par.peers is None or not self._fits("norm", rmsnorm.rmsnorm_fits(partial.shape[-1])):
+            return super().reduce_add_norm(par, partial, residual, scale, y_norm, next_norm, eps, dtype)
+        self.calls["reduce_add_norm"] += 1
+        return par.peers.all_reduce_add_norm(partial, residual, scale, y_norm, next_norm, eps, dtype)
+
     # ---- sampling --------------------------------------------------------------------------------------
     def uniforms(self, seed, positions, purpose, depth=0, out=None):
         if not self._fits("sampling", True):

@@ -28,19 +28,22 @@ naming the rank and the collective (fast/collectives.py). A rank that never writ
 `HOLD` (ranks sharing one GPU) lets the next kernel launch only once this call's data has arrived, not at the start:
 its programs, resident early and waiting, would otherwise take the SMs a peer on the same GPU needs to push.
 
-`NORM` fuses the residual add and RMSNorm after the reduction (the two reduction points of a decoder layer of the
-retired, guessed architecture's pre-norm residual): the sum rounded to the stream's dtype, h = stream + sum rounded
-again, y = rmsnorm(h) * w (kernels/rmsnorm.py's `add_norm` without a branch norm, to fp32 rounding of the norm).
-Not on the product path until re-based to docs/model.md (whose layers normalize the branch output before the add):
-the engine calls the plain all-reduce, then `add_norm`.
+A `Tail` ends the all-reduce in the published layer's sandwich tail (docs/model.md, "Forward"), so a layer's two
+reduction points cost one launch each, not two: the sum rounded to its dtype, then kernels/rmsnorm.py's
+`sandwich_tail` on it (the branch norm when given, the scale, the residual add, the next norm): the same definition
+`add_norm` runs, built alike (`rmsnorm.compile_options`), so the fused call has the bits of the all-reduce followed
+by `add_norm`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from . import rmsnorm
 from .launch import launch_options, release_dependents, wait_for_inputs, wait_holding_dependents
 
 SLOTS = 3
@@ -157,10 +160,11 @@ def _rank_order(step, rank, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _all_reduce_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, sum_ptr, res_ptr, w_ptr, h_ptr, y_ptr,
-                       R, H, S, rank, eps, timeout_ns, tag, stride_x, stride_sum, stride_res, stride_h, stride_y,
+def _all_reduce_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, sum_ptr, res_ptr, yw_ptr, nw_ptr, h_ptr, b_ptr,
+                       R, H, S, rank, eps, scale, timeout_ns, tag, stride_x, stride_sum, stride_res, stride_h, stride_b,
                        WORLD: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                       NORM: tl.constexpr, POLL: tl.constexpr, REARM: tl.constexpr, ORDER: tl.constexpr,
+                       TAIL: tl.constexpr, Y_NORM: tl.constexpr, SCALED: tl.constexpr,
+                       POLL: tl.constexpr, REARM: tl.constexpr, ORDER: tl.constexpr,
                        HOLD: tl.constexpr, PDL: tl.constexpr = False):
     # POLL, REARM, ORDER: the pieces of the protocol (_poll, _rearm_and_advance, _rank_order); the tests' negative
     # controls pass broken ones to show that their checks fail
@@ -168,8 +172,10 @@ def _all_reduce_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, sum_ptr,
     P = tl.num_programs(0)
     i = tl.arange(0, BLOCK)
     ok = i < H
-    if NORM:  # the norm's weight is constant: read before the wait
-        w = tl.load(w_ptr + i, mask=ok, other=0.0)
+    RDT: tl.constexpr = h_ptr.dtype.element_ty
+    DT: tl.constexpr = b_ptr.dtype.element_ty
+    if TAIL:  # the norms' weights are constant: read before the wait
+        yw, nw = rmsnorm.tail_weights(yw_ptr, nw_ptr, i, ok, Y_NORM)
     call, slot = _start_call(state_ptr, HOLD, PDL)
     for row in range(first, R, P):  # every row of this program pushed before any poll
         v = tl.load(x_ptr + row * stride_x + i, mask=ok, other=0.0)
@@ -182,13 +188,11 @@ def _all_reduce_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, sum_ptr,
                         CAP, BLOCK, BITS).to(tl.float32)
         s = acc.to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_sum + i, s, mask=ok)
-        if NORM:  # h rounded to the stream's dtype, the norm on the rounded h
-            x = tl.load(res_ptr + row * stride_res + i, mask=ok, other=0.0).to(tl.float32)
-            h = (x + s.to(tl.float32)).to(h_ptr.dtype.element_ty)
-            tl.store(h_ptr + row * stride_h + i, h, mask=ok)
-            h = h.to(tl.float32)
-            inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
-            tl.store(y_ptr + row * stride_y + i, (h * inv * w.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=ok)
+        if TAIL:  # on the rounded sum, as add_norm reads it
+            res = tl.load(res_ptr + row * stride_res + i, mask=ok, other=0.0).to(tl.float32)
+            h, b = rmsnorm.sandwich_tail(res, s.to(tl.float32), yw, nw, eps, scale, H, Y_NORM, SCALED, RDT, DT)
+            tl.store(h_ptr + row * stride_h + i, h.to(RDT), mask=ok)
+            tl.store(b_ptr + row * stride_b + i, b.to(DT), mask=ok)
     if HOLD:
         release_dependents(PDL)
     REARM(own_ptr, state_ptr, call, slot, first, P, R, H, S, WORLD, CAP, BLOCK, BITS)
@@ -248,43 +252,59 @@ def _check_buffer(x: torch.Tensor, peers: torch.Tensor, own: torch.Tensor, state
     return world, x.shape[0]
 
 
+class Tail(NamedTuple):
+    """The sandwich tail an all-reduce may end in: kernels/rmsnorm.py's `add_norm` arguments after its branch output
+    (the sum): h = residual + branch * scale, b = next_norm(h) rounded to `dtype`."""
+
+    residual: torch.Tensor          # [R, H], the stream's dtype (the draft's is fp32)
+    scale: float
+    y_norm: torch.Tensor | None     # the branch norm's weight [H], or None (the branch added as it is)
+    next_norm: torch.Tensor         # [H]
+    eps: float
+    dtype: torch.dtype              # b's
+
+
 def all_reduce(x: torch.Tensor, peers: torch.Tensor, own: torch.Tensor, state: torch.Tensor, error: torch.Tensor,
                rank: int, *, tag: int = 0, timeout_ns: int = 2_000_000_000, out: torch.Tensor | None = None,
-               norm: tuple | None = None, pdl: bool = False, hold: bool = False):
+               tail: Tail | None = None, pdl: bool = False, hold: bool = False):
     """sum over ranks of x [R, H] (rank order, fp32, rounded to x's dtype), into `out`. `peers` int64 [world]: every
     rank's buffer address (this rank's own at index rank); `own` this rank's buffer [3, world, CAP, H] in x's dtype
     (armed); `state` int32 [8] this rank's call counter, arrival count and rows per slot (zeroed at the start);
     `error` int32 [>= 1]: 0, or (tag + 1) * 1024 + the lane a poll gave up on.
-    `norm` = (stream [R, H], weight [H], eps, y dtype): also h = stream + sum and y = rmsnorm(h) * weight; returns
-    (sum, h, y) then, else the sum. `hold`: the next kernel launches once the data arrived (ranks sharing a GPU)."""
-    return _all_reduce(x, peers, own, state, error, rank, tag, timeout_ns, out, norm, pdl, hold=hold)
+    `tail`: also the sandwich tail on the sum; returns (sum, h, b) then, else the sum. `hold`: the next kernel
+    launches once the data arrived (ranks sharing a GPU)."""
+    return _all_reduce(x, peers, own, state, error, rank, tag, timeout_ns, out, tail, pdl, hold=hold)
 
 
-def _all_reduce(x, peers, own, state, error, rank, tag, timeout_ns, out, norm, pdl,
+def _all_reduce(x, peers, own, state, error, rank, tag, timeout_ns, out, tail, pdl,
                 poll=_poll, rearm=_rearm_and_advance, order=_rank_order, hold=False):
     """all_reduce with the protocol's pieces given: the negative controls of tests/test_tp_collectives.py."""
     world, R = _check_buffer(x, peers, own, state, error, rank)
     H = x.shape[1]
     out = torch.empty_like(x) if out is None else out
     _check(out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1, "out must be like x")
-    if norm is not None:
-        stream, weight, eps, y_dtype = norm
-        _check(stream.shape == x.shape and stream.stride(-1) == 1 and tuple(weight.shape) == (H,),
-               "norm: stream [R, H] with unit stride and weight [H]")
-        h = torch.empty_like(stream)
-        y = torch.empty((R, H), dtype=y_dtype, device=x.device)
-        extra = (stream, weight, h, y, float(eps), stream.stride(0), h.stride(0), y.stride(0))
+    options = rmsnorm.compile_options(rmsnorm.RmsNormSettings())  # the tail's build; the sum's adds are unaffected
+    if tail is not None:
+        scale = rmsnorm.check_tail("all_reduce", tail.residual, x, tail.scale, tail.y_norm, tail.next_norm,
+                                   tail.eps, tail.dtype)
+        res = tail.residual
+        h = torch.empty((R, H), dtype=res.dtype, device=x.device)
+        b = torch.empty((R, H), dtype=tail.dtype, device=x.device)
+        yw = tail.next_norm if tail.y_norm is None else tail.y_norm
+        args = (res, yw, tail.next_norm, h, b, float(tail.eps), scale)
+        strides = (res.stride(0), h.stride(0), b.stride(0))
     else:
-        extra = (out, out, out, out, 1.0, 0, 0, 0)
-    stream_, weight_, h_, y_, eps_, s_res, s_h, s_y = extra
+        scale = 1.0
+        args, strides = (out, out, out, out, out, 1.0, 1.0), (0, 0, 0)
+    res_, yw_, nw_, h_, b_, eps_, scale_ = args
     if R:
-        _all_reduce_kernel[(min(R, PROGRAMS),)](x, peers, own, state, error, out, stream_, weight_, h_, y_, R, H, own.shape[3],
-                                 rank, eps_,
-                                 timeout_ns, tag, x.stride(0), out.stride(0), s_res, s_h, s_y, WORLD=world,
-                                 CAP=own.shape[2], BLOCK=triton.next_power_of_2(H), BITS=sentinel_bits(x.dtype),
-                                 NORM=norm is not None, POLL=poll, REARM=rearm, ORDER=order, HOLD=hold, num_warps=8,
-                                 **launch_options(pdl, x.device))
-    return out if norm is None else (out, h_, y_)
+        _all_reduce_kernel[(min(R, PROGRAMS),)](
+            x, peers, own, state, error, out, res_, yw_, nw_, h_, b_, R, H, own.shape[3], rank, eps_, scale_,
+            timeout_ns, tag, x.stride(0), out.stride(0), *strides, WORLD=world, CAP=own.shape[2],
+            BLOCK=triton.next_power_of_2(H), BITS=sentinel_bits(x.dtype), TAIL=tail is not None,
+            Y_NORM=tail is not None and tail.y_norm is not None, SCALED=scale != 1.0, POLL=poll, REARM=rearm,
+            ORDER=order, HOLD=hold, **options, **launch_options(pdl, x.device))
+    return out if tail is None else (out, h_, b_)
 
 
 def all_gather(x: torch.Tensor, peers: torch.Tensor, own: torch.Tensor, state: torch.Tensor, error: torch.Tensor,

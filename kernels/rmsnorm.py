@@ -87,6 +87,28 @@ def _residual_add(res, t, scale, SCALED: tl.constexpr, RDT: tl.constexpr):
 
 
 @triton.jit
+def tail_weights(yw_ptr, nw_ptr, i, m, Y_NORM: tl.constexpr):
+    """The sandwich tail's two norm weights as fp32 rows (the branch norm's only with Y_NORM; constants, so a kernel
+    may read them before its wait)."""
+    nw = tl.load(nw_ptr + i, mask=m, other=0.0).to(tl.float32)
+    if Y_NORM:
+        yw = tl.load(yw_ptr + i, mask=m, other=0.0).to(tl.float32)
+    else:
+        yw = nw  # unread: _branch passes y through
+    return yw, nw
+
+
+@triton.jit
+def sandwich_tail(res, y, yw, nw, eps, scale, H, Y_NORM: tl.constexpr, SCALED: tl.constexpr, RDT: tl.constexpr,
+                  DT: tl.constexpr):
+    """One row's sandwich tail in fp32 on the dtypes' grids: (h = res + branch(y) * scale in RDT, b = the next norm of
+    h in DT). The one definition `add_norm` and the peer all-reduce's fused tail (kernels/allreduce.py) share, so the
+    two give the same bits at the same BLOCK and warps."""
+    h = _residual_add(res, _branch(y, yw, eps, H, Y_NORM, DT), scale, SCALED, RDT)
+    return h, _on_grid(_norm_row(h, nw, eps, H), DT)
+
+
+@triton.jit
 def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, H, eps, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -108,16 +130,12 @@ def _add_norm_kernel(r_ptr, y_ptr, yw_ptr, nw_ptr, h_ptr, b_ptr, H, eps, scale, 
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     m = i < H
+    yw, nw = tail_weights(yw_ptr, nw_ptr, i, m, Y_NORM)
     y = tl.load(y_ptr + row * stride_y + i, mask=m, other=0.0).to(tl.float32)
     res = tl.load(r_ptr + row * stride_r + i, mask=m, other=0.0).to(tl.float32)
-    if Y_NORM:
-        yw = tl.load(yw_ptr + i, mask=m, other=0.0).to(tl.float32)
-    else:
-        yw = y  # unread: _branch passes y through
-    h = _residual_add(res, _branch(y, yw, eps, H, Y_NORM, DT), scale, SCALED, RDT)
+    h, b = sandwich_tail(res, y, yw, nw, eps, scale, H, Y_NORM, SCALED, RDT, DT)
     tl.store(h_ptr + row * stride_h + i, h.to(RDT), mask=m)
-    nw = tl.load(nw_ptr + i, mask=m, other=0.0).to(tl.float32)
-    tl.store(b_ptr + row * stride_b + i, _on_grid(_norm_row(h, nw, eps, H), DT).to(DT), mask=m)
+    tl.store(b_ptr + row * stride_b + i, b.to(DT), mask=m)
 
 
 def _check(cond: bool, op: str, message: str) -> None:
@@ -145,9 +163,15 @@ def _common(x: torch.Tensor, eps: float, op: str, settings: RmsNormSettings) -> 
     _check(rmsnorm_fits(H), op, f"hidden {H} must be 1..{MAX_HIDDEN} (rmsnorm_fits)")
     _check(float(eps) >= 0.0 and float(eps) == float(eps), op, f"eps {eps} must be >= 0")
     _check(isinstance(settings, RmsNormSettings), op, "settings must be an RmsNormSettings")
-    # torch rounds each product and sum: the GPU build must not contract them into FMAs (the interpreter never does)
+    return R, triton.next_power_of_2(H), compile_options(settings)
+
+
+def compile_options(settings: RmsNormSettings) -> dict:
+    """The build of a kernel with a norm of a row of BLOCK = next_power_of_2(H): torch rounds each product and sum, so
+    the GPU build must not contract them into FMAs (the interpreter never does); and a row's sum of squares is added
+    in the order its layout gives, set by BLOCK and the warps, so kernels sharing `sandwich_tail` share these."""
     options = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
-    return R, triton.next_power_of_2(H), dict(options, num_warps=settings.num_warps)
+    return dict(options, num_warps=settings.num_warps)
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None, *,
@@ -172,6 +196,25 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype
     return out
 
 
+def check_tail(op: str, residual: torch.Tensor, y: torch.Tensor, scale: float, y_norm_w: torch.Tensor | None,
+               next_norm_w: torch.Tensor, eps: float, dtype: torch.dtype) -> float:
+    """Refuse a sandwich tail's arguments that `add_norm` (or a kernel ending in its tail) cannot take; the scale as
+    a float."""
+    _rows(residual, "residual", op)
+    R, H = residual.shape
+    _check(rmsnorm_fits(H), op, f"hidden {H} must be 1..{MAX_HIDDEN} (rmsnorm_fits)")
+    _rows(y, "y", op, R, H)
+    _check(y.device == residual.device, op, f"y is on {y.device}, residual on {residual.device}")
+    if y_norm_w is not None:
+        _weight(y_norm_w, "y_norm_w", op, H, residual.device)
+    _weight(next_norm_w, "next_norm_w", op, H, residual.device)
+    _check(dtype in _FLOATS, op, f"dtype {dtype} must be bf16, fp16 or fp32")
+    _check(float(eps) >= 0.0 and float(eps) == float(eps), op, f"eps {eps} must be >= 0")
+    scale = float(scale)
+    _check(scale == scale and abs(scale) != float("inf"), op, f"scale {scale} must be finite")
+    return scale
+
+
 def add_norm(residual: torch.Tensor, y: torch.Tensor, scale: float, y_norm_w: torch.Tensor | None,
              next_norm_w: torch.Tensor, eps: float, dtype: torch.dtype, *, h_out: torch.Tensor | None = None,
              b_out: torch.Tensor | None = None, settings: RmsNormSettings = RmsNormSettings(),
@@ -181,16 +224,8 @@ def add_norm(residual: torch.Tensor, y: torch.Tensor, scale: float, y_norm_w: to
     rounded to `dtype`. residual [R, H] fp32 (the draft's stream) or `dtype`; y [R, H] any float dtype. `h_out`
     (residual's dtype) may be `residual` itself: the update in place. Rows may be strided, columns dense."""
     op = "add_norm"
-    _rows(residual, "residual", op)
+    scale = check_tail(op, residual, y, scale, y_norm_w, next_norm_w, eps, dtype)
     R, H = residual.shape
-    _rows(y, "y", op, R, H)
-    _check(y.device == residual.device, op, f"y is on {y.device}, residual on {residual.device}")
-    if y_norm_w is not None:
-        _weight(y_norm_w, "y_norm_w", op, H, residual.device)
-    _weight(next_norm_w, "next_norm_w", op, H, residual.device)
-    _check(dtype in _FLOATS, op, f"dtype {dtype} must be bf16, fp16 or fp32")
-    scale = float(scale)
-    _check(scale == scale and abs(scale) != float("inf"), op, f"scale {scale} must be finite")
     h = torch.empty((R, H), dtype=residual.dtype, device=residual.device) if h_out is None else h_out
     b = torch.empty((R, H), dtype=dtype, device=residual.device) if b_out is None else b_out
     _rows(h, "h_out", op, R, H)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from iquest.kernels import rmsnorm as rn
 from iquest.kernels.rmsnorm import _on_grid
-from iquest.kernels.testing import interpreted_tests, substituted
+from iquest.kernels.testing import interpreted_tests, substitute, substituted
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 C_F = 0.53881590608  # ffn_out_scale of layers >= 1 (docs/model.md, "Config")
@@ -168,16 +168,18 @@ def _mean_over_block(x, w, eps, H):
     return x * rstd * w
 
 
-CONTROLS = {  # name: (case, kernel substitutions)
-    "control_branch_before_norm": ("attn_tail_8rows_bf16", {"_add_norm_kernel": {"_branch": _branch_before_norm}}),
-    "control_sum_unrounded": ("mlp_tail_full_width_bf16", {"_add_norm_kernel": {"_residual_add": _sum_unrounded}}),
-    "control_mean_over_block": ("norm_1row_bf16", {"_rmsnorm_kernel": {"_norm_row": _mean_over_block}}),
+CONTROLS = {  # name: (case, kernel, its broken pieces)
+    "control_branch_before_norm": ("attn_tail_8rows_bf16", "_add_norm_kernel", {"_branch": _branch_before_norm}),
+    "control_sum_unrounded": ("mlp_tail_full_width_bf16", "_add_norm_kernel", {"_residual_add": _sum_unrounded}),
+    "control_mean_over_block": ("norm_1row_bf16", "_rmsnorm_kernel", {"_norm_row": _mean_over_block}),
 }
 
 
 def _control(name: str) -> dict:
-    case_name, substitutions = CONTROLS[name]
-    with substituted(rn, substitutions):
+    case_name, kernel, pieces = CONTROLS[name]
+    if kernel == "_add_norm_kernel":  # the tail's pieces are called by sandwich_tail, which the kernel calls
+        pieces = {"sandwich_tail": substitute(rn.sandwich_tail, **pieces)}
+    with substituted(rn, {kernel: pieces}):
         return run_case(next(c for c in CASES if c["name"] == case_name), "cpu")
 
 

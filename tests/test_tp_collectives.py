@@ -3,8 +3,8 @@ one GPU: 2 and 8 ranks share cuda:0 under an MPS daemon this module starts for i
 folders under /tmp; quit afterwards). The ranks' kernels then run side by side, so the figures are emulation, not
 NVLink latency; the correctness is the protocol's.
 
-Checked: exact sums eager and through graph replays; the fused add + norm bit for bit against the all-reduce then the
-norm kernel; the gather in rank order; every rank's bits equal; the negative controls (a reader that does not wait, a
+Checked: exact sums eager and through graph replays; the all-reduce ending in each sandwich tail bit for bit against
+the all-reduce then the `add_norm` kernel; the gather in rank order; every rank's bits equal; the negative controls (a reader that does not wait, a
 slot never re-armed, a rank that reduces in its own order) each caught; a rank that never writes ends in one clear
 error, not a hang; the TP engine (mini model and tiny-tp8 at TP 2 and 8) with every rank's tokens and hidden rows
 identical, the captured TP loop bit-exact against the eager TP round, and its tokens against TP=1 until the first
@@ -59,7 +59,7 @@ def _run(*args, **kw):
 def test_peer_collectives_are_exact_and_equal_on_every_rank(mps, world):
     ranks = _run("kernels", world, mps)
     for r in ranks:
-        assert r["error"] == 0 and r["bad"] == 0 and r["graph_bad"] == 0 and r["fused_equal"], r
+        assert r["error"] == 0 and r["bad"] == 0 and r["graph_bad"] == 0 and all(r["fused_equal"].values()), r
         assert r["gathered"] == [sum((ranks[p]["keys"][row] for p in range(world)), []) for row in range(8)]
     assert len({r["digest"] for r in ranks}) == 1, "ranks computed different bits"
     print(f"[{world} ranks on one GPU, emulation] {ranks[0]['times_us']}")
@@ -99,6 +99,7 @@ def test_tp_engine_on_one_gpu(mps, name, world):
     ranks = _run("engine", world, mps, model=str(model), prompt=prompt, seed=seed, drafts=drafts, tokens=n,
                  dtype="fp32")
     assert all(r["graphs"] for r in ranks), "the TP round was not captured"
+    assert all(r["fused_tails"] > 0 for r in ranks), "no all-reduce ended in its sandwich tail (the fused path)"
     for mode in ("graph", "eager"):
         assert len({str(r[mode]) for r in ranks}) == 1, f"ranks disagree ({mode})"
     assert ranks[0]["graph"] == ranks[0]["eager"], "the captured TP loop is not bit-exact against the eager TP round"

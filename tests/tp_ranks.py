@@ -64,9 +64,9 @@ def _exact(par, rows: int, hidden: int, call: int) -> tuple[torch.Tensor, torch.
 @scenario
 def kernels(par, hidden: int = 6144) -> dict:
     """Exact sums eager (rows 1..64, the slot sequence through every slot) and inside a CUDA graph replayed several
-    times (7 calls a replay: the counter keeps the slots); the fused add + norm against the all-reduce then the
-    sandwich-tail kernel without a branch norm (the same sum, bit for bit; the norm's squares summed in another program
-    shape, so to fp32 rounding); the gather; every rank's bits of a random reduction; per-call times (emulation)."""
+    times (7 calls a replay: the counter keeps the slots); the all-reduce ending in each of the layer's sandwich tails
+    against the all-reduce then the `add_norm` kernel, bit for bit (one definition of the tail, built alike); the
+    gather; every rank's bits of a random reduction; per-call times (emulation)."""
     from iquest.kernels.rmsnorm import add_norm
 
     c, dev = _collectives(par, hidden), par.device
@@ -102,9 +102,16 @@ def kernels(par, hidden: int = 6144) -> dict:
     partial = (torch.randn(8, hidden, generator=g, device=dev) * 4).to(torch.bfloat16)
     stream = torch.randn(8, hidden, generator=shared, device=dev).to(torch.bfloat16)
     weight = torch.rand(hidden, generator=shared, device=dev).to(torch.bfloat16) + 0.5
-    total, h, y = c.all_reduce_add_norm(partial, stream, weight, 1e-6, torch.float32)
-    want_h, want_y = add_norm(stream, c.all_reduce(partial), 1.0, None, weight, 1e-6, torch.float32)
-    fused_equal = bool(torch.equal(h, want_h) and ((y - want_y).abs().max() <= 2 ** -20 * want_y.abs().max()))
+    branch_w = torch.rand(hidden, generator=shared, device=dev).to(torch.bfloat16) + 0.5
+    # the layer's tails: attention's (branch norm, a scale), the MLP's of layer >= 1 (neither), the draft's (fp32 stream)
+    tails = {"attention": (stream, 0.75, branch_w), "mlp": (stream, 1.0, None), "draft": (stream.float(), 1.0, branch_w)}
+    fused_equal, outs = {}, []
+    for name, (residual, scale, y_norm) in tails.items():
+        got = c.all_reduce_add_norm(partial, residual, scale, y_norm, weight, 1e-6, torch.bfloat16)
+        total = c.all_reduce(partial)
+        want = (total, *add_norm(residual, total, scale, y_norm, weight, 1e-6, torch.bfloat16))
+        fused_equal[name] = all(torch.equal(a, b) for a, b in zip(got, want))
+        outs.extend(got)
     keys = torch.randint(-2 ** 62, 2 ** 62, (8, 20), generator=g, device=dev)
     gathered = c.all_gather_last(keys)
     times = {}
@@ -112,12 +119,13 @@ def kernels(par, hidden: int = 6144) -> dict:
         x = partial[:rows].clone()
         st = stream[:rows].clone()
         for name, fn in (("all_reduce", lambda: c.all_reduce(x)),
-                         ("all_reduce_add_norm", lambda: c.all_reduce_add_norm(x, st, weight, 1e-6, torch.float32))):
+                         ("all_reduce_add_norm",
+                          lambda: c.all_reduce_add_norm(x, st, 1.0, weight, weight, 1e-6, torch.bfloat16))):
             times[f"{name} {rows}x{hidden} eager"] = _eager_us(fn, dev)
             times[f"{name} {rows}x{hidden} graph"] = _graph_us(fn, dev)
     c.check()
     return {"bad": bad, "graph_bad": graph_bad, "fused_equal": fused_equal, "keys": keys.cpu().tolist(),
-            "gathered": gathered.cpu().tolist(), "digest": digest(total, h, y), "times_us": times,
+            "gathered": gathered.cpu().tolist(), "digest": digest(*outs), "times_us": times,
             "error": int(c.error)}
 
 
@@ -231,6 +239,7 @@ def engine(par, model: str, prompt: list, seed: int, drafts, tokens: int, dtype:
         n = int(st.emitted)
         out[mode] = {"tokens": st.log_tokens[:n].tolist(), "logprobs": digest(st.log_logprobs[:n]),
                      "rounds": st.log_rounds[:int(st.rounds)].tolist(), "hidden": digest(st.hid)}
+    out["fused_tails"] = e.model.ops.calls["reduce_add_norm"] if hasattr(e.model.ops, "calls") else 0
     e.close()
     return out
 
