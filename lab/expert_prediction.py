@@ -242,6 +242,7 @@ def run(model_dir: Path, n_prompts: int, decode: int, seed: int = 0, progress=No
 
 
 def table(report: dict) -> str:
+    """The printed summary of a report as its JSON file holds it."""
     K, E, ks = report["top_k"], report["experts"], report["k_prime"]
     fig = report["figures"]
     lines = [f"coverage@k' (mean over MoE layers {list(report['layers'])}; chance k'/E), all positions:",
@@ -281,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     model = args.model or default_model_dir()
     report, _ = run(model, args.prompts, args.decode, args.seed, progress=lambda m: print(m, file=sys.stderr))
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(table(report))
+    text = json.dumps(report, indent=1)
+    args.out.write_text(text + "\n")
+    print(table(json.loads(text)))  # the file's form: string keys
     print(f"caveat: {CAVEAT}\n{args.out}")
     return 0
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from iquest.fast.torch_ops import TorchOps
-from iquest.lab.expert_prediction import PREDICTORS, ROWS, block_stats, k_primes, merged, run
+from iquest.lab.expert_prediction import PREDICTORS, ROWS, block_stats, k_primes, merged, run, table
 from iquest.reference.checkpoint import layer_prefix
 from iquest.reference.model import ReferenceModel
 from iquest.tests.helpers import MINI
@@ -27,6 +27,7 @@ def test_every_predictor_and_k_prime_is_reported_as_a_fraction(probe):
     ks = [str(k) for k in k_primes(K, E)]
     assert report["k_prime"][0] == K and report["k_prime"][-1] == E
     assert report["positions"]["decoded"] == 2 * 6 and report["caveat"]
+    assert "P4" in table(report)
     layers = list(report["layers"])
     fig = report["figures"]["all"]
     assert set(fig["coverage"]) == set(PREDICTORS) == set(fig["coverage_above_chance"])
