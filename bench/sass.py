@@ -1,19 +1,20 @@
 """`iquest bench sass`: the decode kernels compiled for the H200 (sm_90a) on any machine, no GPU needed.
 
-Triton compiles for a named target without a device; the ptxas, nvdisasm and cuobjdump of its wheel then give what
-ncu would start from: registers per thread, stack (spills), shared memory, and the static instruction mix. The
-kernels are compiled as their wrappers launch them at one TP8 rank's decode shapes of docs/model.md's model: the
-wrappers' defaults for tiles, warps and stages, and the divisibility by 16 that the runtime finds in every pointer and
-stride there (without it, loads are not vectorized and the numbers mean nothing). Use it to check a kernel change for
-spills and conversion instructions before spending GPU time (docs/PERF.md: the compact MoE grid's spills were visible
-here). Every kernel the engine launches for a decode round's layer has a spec (`specs`): the FP8 linears, q/k norm +
-RoPE + KV write, split-KV attention and its combine, the norms, the router's two launches, the MoE's three (both
-expert offsets a TP8 rank can have) and the LM head, at the bf16 activations the engine runs on the GPU.
+Triton compiles for a named target without a device; the ptxas, nvdisasm and cuobjdump of its wheel then give what ncu
+would start from: registers per thread, stack (spills), shared memory, and the static instruction mix. The kernels are
+compiled as their wrappers launch them at one TP8 rank's decode shapes of docs/model.md's model: their settings classes'
+defaults for tiles, warps and stages, and the divisibility by 16 that the runtime finds in every pointer and stride
+there (without it, loads are not vectorized and the numbers mean nothing). Use it to check a kernel change for spills
+and conversion instructions before spending GPU time (docs/PERF.md: the compact MoE grid's spills were visible here).
+Every kernel the engine launches for a decode round's layer has a spec (`specs`): the FP8 linears, q/k norm + RoPE + KV
+write, split-KV attention and its combine, the norms, the router's two launches, the MoE's three (both expert offsets a
+TP8 rank can have) and the LM head, at the bf16 activations the engine runs on the GPU.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import inspect
 import os
 import re
@@ -54,9 +55,8 @@ class KernelSpec:
 
 def specs() -> dict[str, KernelSpec]:
     """The FP8 linear at one TP8 rank of docs/model.md's model (bf16 input, 6 rows): q/k/v as one weight
-    [1024 x 3072] and o_proj [3072 x 768], with the wrappers' current defaults. The kernels written for the retired
-    architecture (the MoE, attention, the router: not on the product path) have no spec until the GPU issue re-bases
-    them."""
+    [1024 x 3072] with `LinearSettings`' defaults (the engine's launch), its K loop, and the direct kernel at o_proj
+    [3072 x 768]; then the other kernels (`published_specs`)."""
     from ..reference.checkpoint import layer_prefix, shard_range, tensor_specs
     from ..reference.config import Config
 
@@ -73,22 +73,22 @@ def specs() -> dict[str, KernelSpec]:
     qkv_n = sum(rank_shape(f"{w}_proj.weight")[0] for w in "qkv")
     qkv_k = rank_shape("q_proj.weight")[1]
     o_k = rank_shape("o_proj.weight")[1]
-    lin_kw = {n: p.default for n, p in inspect.signature(fl.fp8_linear).parameters.items()}
+    ls = fl.LinearSettings()  # the engine's launch
     # q/k/v as the engine calls it: its K splits, each program's tiles loaded before the wait
-    qkv_splits = _linear_auto_split(qkv_n, qkv_k, lin_kw["block_n"], 128, H200_SMS)
-    qkv_tiles = fl.preload_plan(ROWS, qkv_n, qkv_k, (128, 128), qkv_splits, lin_kw["block_n"])
+    qkv_splits = _linear_auto_split(qkv_n, qkv_k, ls.block_n, 128, H200_SMS)
+    qkv_tiles = fl.preload_plan(ROWS, qkv_n, qkv_k, (128, 128), dataclasses.replace(ls, split_k=qkv_splits))
     linear = KernelSpec(
         fl._fp8_linear_kernel,
         dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32"),
-        dict(B0=128, B1=128, BLOCK_M=fl.BLOCK_M, BLOCK_N=lin_kw["block_n"], BLOCK_K=128, SPLIT=True, SERIAL=True,
+        dict(B0=128, B1=128, BLOCK_M=fl.BLOCK_M, BLOCK_N=ls.block_n, BLOCK_K=128, SPLIT=True, SERIAL=True,
              F32=False, PREC="tf32", PDL=True, PRELOAD=qkv_tiles),
         ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "part_ptr", "lock_ptr", "N", "K", "stride_xm", "stride_ym",
          "k_per_split"),
-        lin_kw["num_warps"], lin_kw["num_stages"], f"FP8 linear (q/k/v [{qkv_n} x {qkv_k}]: {qkv_tiles} K tiles "
-                                                   "preloaded), split K summed in the launch")
+        ls.num_warps, ls.num_stages, f"FP8 linear (q/k/v [{qkv_n} x {qkv_k}]: {qkv_tiles} K tiles preloaded), split "
+                                     "K summed in the launch")
     loop = KernelSpec(linear.fn, linear.types, dict(linear.constexprs, PRELOAD=0), linear.div16, linear.num_warps,
                       linear.num_stages, "FP8 linear, the pipelined K loop (without preload)")
-    # fp8_linear(direct=...) at o_proj's shape (one split of its K tiles over 2 warps, stored)
+    # fp8_linear_direct (off the product path) at o_proj's shape: one split of its K tiles over 2 warps, stored
     direct = KernelSpec(
         fd._fp8_linear_direct_kernel, dict(linear.types, x_ptr="*bf16"),
         dict(B0=128, B1=128, G=2, W_LOAD=fd.load_layout(2), SPLIT=False, SERIAL=False, PRELOAD=o_k // 128, PDL=True),

@@ -78,9 +78,9 @@ class TritonOps(TorchOps):
         if cuda and fp8_linear.preload_plan(x.shape[0], *w.q.shape, w.block, device=x.device):
             self.calls["preload"] += 1
         locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
-        fits = locks is not None and fp8_linear.lock_count(x.shape[0], w.q.shape[0], direct=False) <= locks.numel()
+        fits = locks is not None and fp8_linear.lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
         return fp8_linear.fp8_linear(x.contiguous(), w.q, w.scale, w.block, out_dtype=x.dtype,
-                                     locks=locks if fits else None, pdl=cuda, preload=cuda)
+                                     locks=locks if fits else None, pdl=cuda)
 
     def qkv(self, attn, x):
         w = attn.wqkv

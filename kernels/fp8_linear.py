@@ -12,13 +12,19 @@ and cast (deterministic, unlike atomic accumulation). The split count comes from
 programs per SM in all. The sum is a second pass, or, given a buffer of zeroed counters, is done by
 each output tile's last split to arrive (an atomic arrival count per tile): one launch, same bits.
 
-With `preload` (launched with PDL, kernels/launch.py) a program whose split is whole K tiles loads them and their
-scales into registers before waiting for the previous kernel, then runs the same dots in the same order: the weight's
-HBM latency overlaps the previous kernel (q/k/v 6.90 -> 6.34 us, o_proj 4.77 -> 4.18 us a call on an H200,
-bench/results/tune-h200-pdl-a42bba2.*).
+With `LinearSettings.preload` a program whose split is whole K tiles loads them and their scales into registers
+before waiting for the previous kernel (PDL, kernels/launch.py), then runs the same dots in the same order: the
+weight's HBM latency overlaps the previous kernel (docs/PERF.md, "Constant weights loaded into registers before the
+PDL wait").
+
+kernels/fp8_linear_direct.py holds another kernel for the preloading form (Gluon), off the product path, which
+shares this module's checks, split plan and split sum.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -30,11 +36,43 @@ from .launch import launch_options, wait_for_inputs
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 is wrong (GPU_FACTS.md): upcast.
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 BLOCK_M = 16  # tl.dot's smallest M; decode blocks have 1..8 rows
-# Output tile width and pipeline depth: narrower tiles give more programs, so fewer K splits, at a TP8 rank's decode
-# shapes (measured, and to re-measure at the published shapes: docs/PERF.md, "Decisions kept").
-BLOCK_N, NUM_STAGES = 32, 4
 # Tiles a program may hold for `preload`: 8 x [32 x 128] E4M3 is 32 KB, 64 registers a thread at 4 warps.
 MAX_PRELOAD = 8
+
+
+@dataclass(frozen=True)
+class LinearSettings:
+    """Launch choices of `fp8_linear`. split_k, and block_n through `choose_split_k`, set how K is split, so the order
+    of the fp32 sum (the last bits may move); num_warps, num_stages and preload schedule the same sums (the tests hold
+    preload to the loop's bits). The figures behind the defaults are in docs/PERF.md ("How the kernels launch and
+    load", "The FP8 linear's other forms")."""
+
+    # Output columns a program: narrower tiles give more programs, so fewer K splits, at a TP8 rank's decode shapes
+    # (the tune at 932ec08; to re-measure at the published shapes: docs/PERF.md, "Retired with the guessed
+    # architecture").
+    block_n: int = 32
+    num_warps: int = 4  # other warps, tiles or splits were all slower (docs/PERF.md, "The FP8 linear's other forms")
+    # Pipeline depth of the K loop (the form that does not preload): the tune at 932ec08, as block_n.
+    num_stages: int = 4
+    # Each program's weight tiles and scales loaded before the PDL wait where `preload_tiles` allows, so their HBM
+    # reads overlap the previous kernel (docs/PERF.md, "Constant weights loaded into registers before the PDL wait").
+    preload: bool = True
+    # K splits; None: `choose_split_k`, from N, about two programs an SM in all.
+    split_k: int | None = None
+
+    def __post_init__(self):
+        problems = [m for ok, m in (
+            (is_pow2(self.block_n, 16), f"block_n {self.block_n!r} must be a power of two >= 16"),
+            (self.num_warps in (1, 2, 4, 8, 16) and not isinstance(self.num_warps, bool),
+             f"num_warps {self.num_warps!r} must be a power of two <= 16"),
+            (isinstance(self.num_stages, int) and not isinstance(self.num_stages, bool) and self.num_stages >= 1,
+             f"num_stages {self.num_stages!r} must be an int >= 1"),
+            (isinstance(self.preload, bool), f"preload {self.preload!r} must be a bool"),
+            (self.split_k is None or (isinstance(self.split_k, int) and not isinstance(self.split_k, bool)
+                                      and self.split_k >= 1), f"split_k {self.split_k!r} must be None or an int >= 1"),
+        ) if not ok]
+        if problems:
+            raise ValueError(f"LinearSettings: {'; '.join(problems)}")
 
 
 @triton.jit
@@ -62,23 +100,12 @@ def _tile_dot(acc, x, w, s, F32: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _inv_rms(sumsq_ptr, m, m_ok, stride, tiles, K, eps, NORM: tl.constexpr):
-    """The rows' 1 / rms from their `tiles` partial sums of squares: summed in one fixed order, the same in every
-    program, so every K range is scaled alike."""
-    t = tl.arange(0, NORM)
-    part = tl.load(sumsq_ptr + m[:, None] * stride + t[None, :], mask=m_ok[:, None] & (t < tiles)[None, :], other=0.0)
-    return 1.0 / tl.sqrt(tl.sum(part, axis=1) / K + eps)
-
-
-@triton.jit
 def _fp8_linear_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr,
     M, N, K, stride_xm, stride_ym, scale_cols, k_per_split, splits,
     B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, SERIAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
-    sumsq_ptr=None, stride_sumsq=0, norm_tiles=0, eps=0.0,
-    NORM: tl.constexpr = 0,  # > 0: the rows scaled by their 1 / rms (`rms`); the sums' count padded to a power of two
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -119,8 +146,6 @@ def _fp8_linear_kernel(
             s = tl.load(s_row + k0 // B1, mask=n_ok, other=0.0)  # the tile lies in one K block
             acc = _tile_dot(acc, x, w, s, F32, PREC)
 
-    if NORM > 0:  # each split's partial scaled alike: the sum is the row's product scaled
-        acc = acc * _inv_rms(sumsq_ptr, m, m_ok, stride_sumsq, norm_tiles, K, eps, NORM)[:, None]
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
         tl.store(part_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=mask)
@@ -168,24 +193,18 @@ def _block_k(b1: int) -> int:
     return bk
 
 
-def lock_count(m: int, n: int, block_n: int = BLOCK_N, direct: bool = False) -> int:
-    """Counters `fp8_linear(locks=...)` needs for an [m, n] output: one per output tile (the direct kernel's tiles
-    with `direct`)."""
-    if direct:
-        from .fp8_linear_direct import grid
-
-        g = grid(m, n, 1)
-        return g[0] * g[2]
-    return triton.cdiv(n, block_n) * triton.cdiv(m, BLOCK_M)
+def lock_count(m: int, n: int, settings: LinearSettings = LinearSettings()) -> int:
+    """Counters `fp8_linear(locks=...)` needs for an [m, n] output: one per output tile."""
+    return triton.cdiv(n, settings.block_n) * triton.cdiv(m, BLOCK_M)
 
 
-def _split_plan(n: int, k: int, block: tuple[int, int], split_k: int | None, block_n: int,
+def _split_plan(n: int, k: int, block: tuple[int, int], settings: LinearSettings,
                 device: torch.device) -> tuple[int, int, int]:
-    """(block_k, splits launched, K columns per split) for a call's `split_k` (None: `choose_split_k`)."""
+    """(block_k, splits launched, K columns per split) for `settings.split_k` (None: `choose_split_k`)."""
     block_k = _block_k(block[1])
+    split_k = settings.split_k
     if split_k is None:
-        split_k = choose_split_k(n, k, block_n, block_k, device)
-    _check(split_k >= 1, f"split_k must be >= 1, got {split_k}")
+        split_k = choose_split_k(n, k, settings.block_n, block_k, device)
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k
     return block_k, triton.cdiv(k, k_per_split), k_per_split  # no empty split
 
@@ -195,16 +214,16 @@ def _grid(m: int, n: int, splits: int, block_n: int) -> tuple[int, int, int]:
     return triton.cdiv(n, block_n), splits, triton.cdiv(m, BLOCK_M)
 
 
-def preload_plan(m: int, n: int, k: int, block: tuple[int, int], split_k: int | None = None, block_n: int = BLOCK_N,
+def preload_plan(m: int, n: int, k: int, block: tuple[int, int], settings: LinearSettings = LinearSettings(),
                  device: torch.device = torch.device("cpu")) -> int:
-    """K tiles each program of an [m, n, k] call preloads with `preload=True` (0: the loop runs instead)."""
-    block_k, _, k_per_split = _split_plan(n, k, block, split_k, block_n, device)
-    return preload_tiles(k, k_per_split, block_k)
+    """K tiles each program of an [m, n, k] call with `settings` loads before its wait (0: the loop runs instead)."""
+    block_k, _, k_per_split = _split_plan(n, k, block, settings, device)
+    return preload_tiles(k, k_per_split, block_k) if settings.preload else 0
 
 
 def preload_tiles(k: int, k_per_split: int, block_k: int) -> int:
-    """K tiles a program preloads (`fp8_linear(preload=True)`), 0 where it cannot: every split must be whole
-    (K a multiple of the split), and at most MAX_PRELOAD tiles are held (their registers)."""
+    """K tiles a preloading program holds, 0 where it cannot: every split must be whole (K a multiple of the
+    split), and at most MAX_PRELOAD tiles are held (their registers)."""
     tiles = k_per_split // block_k
     return tiles if k % k_per_split == 0 and tiles <= MAX_PRELOAD else 0
 
@@ -216,125 +235,87 @@ def choose_split_k(n: int, k: int, block_n: int, block_k: int, device: torch.dev
     return max(1, min(k_tiles, (2 * sms) // n_tiles))
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
-               out_dtype: torch.dtype | None = None, *, split_k: int | None = None, block_n: int = BLOCK_N,
-               out: torch.Tensor | None = None, locks: torch.Tensor | None = None, num_warps: int = 4,
-               num_stages: int = NUM_STAGES, pdl: bool = False, preload: bool = False, unsummed: bool = False,
-               rms: tuple[torch.Tensor, float] | None = None, direct: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
-    [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype). fp32 accumulation.
+class Call(NamedTuple):
+    """One call's checked operands and plan (`plan_call`), shared with kernels/fp8_linear_direct.py."""
 
-    `locks`: zeroed int32 counters (>= one per output tile, see `lock_count`); with them a split K is summed by
-    the tile's last split inside the one launch (same order, same bits), and they are left zeroed for the next
-    call. Calls sharing counters must not overlap in time (one stream). Without them a second kernel sums.
-    `pdl`: programmatic dependent launch (kernels/launch.py); `preload`: with it, each program loads its weight tiles
-    and scales into registers before waiting for the previous kernel, where `preload_tiles` allows it (else the loop
-    as without it). Neither changes a value.
-    `unsummed`: return the K splits' fp32 partial products [splits, M, N] instead (no `out`; `locks` unused; one
-    split when K is not split): a consumer that sums them in split order from zero, 0 + p_0 + p_1 + ..., and rounds
-    the sum to out_dtype has this function's bits.
-    `rms` = (sumsq [M, T] fp32, eps): row m of the product (of each split's partial, unsummed) is scaled by
-    1 / sqrt(sum_t sumsq[m, t] / K + eps), the sums taken in one fixed order by every program: a norm folded into
-    the product (a numerical change). The engine uses neither form today (the retired architecture's fused input
-    norm and rotary stage used them; docs/PERF.md); the direct kernel's tests hold both to this kernel's bits.
-    `direct`: W's copy in the MMA fragments' order (kernels/fp8_linear_direct.direct_weight); with it, a preloading
-    call runs that module's Gluon kernel (16 output columns and 8 rows a program, its K tiles over 2 warps) instead:
-    GPU only, bf16 or fp16 x, 128-wide K tiles (`direct_applies`). The same tiles, scales, order and splits as the
-    Triton kernel's preloading path."""
+    M: int
+    N: int
+    K: int
+    block_k: int
+    splits: int
+    k_per_split: int
+    scale_cols: int
+    out: torch.Tensor   # [M, N] out_dtype
+    part: torch.Tensor  # [splits, M, N] fp32 split partials; `out` itself when K is not split
+
+
+def plan_call(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+              out_dtype: torch.dtype | None, out: torch.Tensor | None, settings: LinearSettings) -> Call:
+    """The operands checked (ValueError naming what is wrong), the split chosen, out and the partials allocated."""
+    _check(isinstance(settings, LinearSettings), f"settings must be a LinearSettings, got {type(settings).__name__}")
     _check(x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D")
     M, K = x.shape
     N, Kw = w.shape
-    B0, B1 = block
     _check(Kw == K, f"x has K={K}, w has K={Kw}")
     _check(M >= 1 and N >= 1 and K >= 1, "empty operand")
     _check(x.dtype in _FLOATS, f"x dtype {x.dtype} must be bf16, fp16 or fp32")
     _check(w.dtype == torch.float8_e4m3fn, f"w dtype {w.dtype} must be float8_e4m3fn")
-    expect = (triton.cdiv(N, B0), triton.cdiv(K, B1))
+    expect = (triton.cdiv(N, block[0]), triton.cdiv(K, block[1]))
     _check(scale.dtype == torch.float32 and tuple(scale.shape) == expect,
            f"scale must be fp32 {expect} for w {(N, K)} with blocks {block}, got {scale.dtype} {tuple(scale.shape)}")
     _check(x.device == w.device == scale.device, f"devices differ: x {x.device}, w {w.device}, scale {scale.device}")
     _check(x.stride(1) == 1, "x must have unit stride along K")
     _check(w.is_contiguous() and scale.is_contiguous(), "w and scale must be contiguous")
-    _check(is_pow2(block_n, 16), f"block_n {block_n} must be a power of two >= 16")
     out_dtype = out_dtype or x.dtype
     _check(out_dtype in _FLOATS, f"out_dtype {out_dtype} must be bf16, fp16 or fp32")
-    _check(not (unsummed and out is not None), "unsummed returns the partials: give no out")
-    block_k, split_k, k_per_split = _split_plan(N, K, block, split_k, block_n, x.device)
-    split = split_k > 1 or unsummed
-    part = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device) if split else None
-    if unsummed:
-        out = part[0]  # the kernel's y argument, never stored to under SPLIT
-    else:
-        if out is None:
-            out = torch.empty((M, N), dtype=out_dtype, device=x.device)
-        _check(tuple(out.shape) == (M, N) and out.dtype == out_dtype and out.device == x.device
-               and out.stride(1) == 1, f"out must be [{M}, {N}] {out_dtype} with unit stride along N")
-        part = part if split else out
-    norm_args = _rms_args(rms, M, x.device)
-    f32 = INTERPRETED or x.dtype == torch.float32
-    tiles = preload_tiles(K, k_per_split, block_k) if preload else 0
-    if direct is not None:
-        _check(direct_applies(x, block_k, tiles),
-               "direct needs a preloading call (whole splits of <= 8 tiles) on the GPU with bf16 or fp16 x and "
-               "128-wide K tiles")
-        _check(direct.shape == w.shape and direct.dtype == w.dtype and direct.is_contiguous()
-               and direct.device == w.device, f"direct must be W's [{N}, {K}] E4M3 copy (direct_weight), contiguous")
-        from . import fp8_linear_direct as fd
+    block_k, splits, k_per_split = _split_plan(N, K, block, settings, x.device)
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    _check(tuple(out.shape) == (M, N) and out.dtype == out_dtype and out.device == x.device and out.stride(1) == 1,
+           f"out must be [{M}, {N}] {out_dtype} with unit stride along N")
+    part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
+    return Call(M, N, K, block_k, splits, k_per_split, expect[1], out, part)
 
-        grid = fd.grid(M, N, split_k)
-    else:
-        grid = _grid(M, N, split_k, block_n)
+
+def check_locks(locks: torch.Tensor | None, tiles: int, device: torch.device) -> None:
+    """`locks` (when given) holds at least `tiles` int32 counters on `device`, contiguous."""
     if locks is not None:
-        _check(locks.dtype == torch.int32 and locks.is_contiguous() and locks.device == x.device
-               and locks.numel() >= grid[0] * grid[2], f"locks must be contiguous int32 on {x.device} with at least "
-               f"{grid[0] * grid[2]} counters")
-    serial = split_k > 1 and locks is not None and not unsummed
-    if direct is not None:
-        fd.launch(grid, x, direct, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0),
-                  expect[1], k_per_split, split_k, block, split, serial, tiles, norm_args,
-                  launch_options(pdl, x.device))
-    else:
-        _fp8_linear_kernel[grid](
-            x, w, scale, out, part, locks if serial else part, M, N, K, x.stride(0), out.stride(0), expect[1],
-            k_per_split, split_k, B0=B0, B1=B1, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split,
-            SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32", num_warps=num_warps, num_stages=num_stages,
-            PRELOAD=tiles, **norm_args, **launch_options(pdl, x.device))
-    if unsummed:
-        return part
-    if split_k > 1 and not serial:
+        _check(locks.dtype == torch.int32 and locks.is_contiguous() and locks.device == device
+               and locks.numel() >= tiles, f"locks must be contiguous int32 on {device} with at least {tiles} counters")
+
+
+def sum_splits(c: Call, serial: bool, pdl: bool) -> torch.Tensor:
+    """c.out, after the second pass that sums the split partials in split order where the launch did not."""
+    if c.splits > 1 and not serial:
         BLOCK = 1024
-        _split_k_sum_kernel[(triton.cdiv(M * N, BLOCK),)](part, out, M, N, out.stride(0), split_k, BLOCK=BLOCK,
-                                                          **launch_options(pdl, x.device))
-    return out
+        _split_k_sum_kernel[(triton.cdiv(c.M * c.N, BLOCK),)](c.part, c.out, c.M, c.N, c.out.stride(0), c.splits,
+                                                              BLOCK=BLOCK, **launch_options(pdl, c.out.device))
+    return c.out
 
 
-def direct_applies(x: torch.Tensor, block_k: int, tiles: int) -> bool:
-    """Whether `fp8_linear(direct=...)` takes a call: a preloading one (`tiles` > 0) on the GPU (compiled, not
-    interpreted) with bf16 or fp16 x and 128-wide K tiles."""
-    return (not INTERPRETED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and block_k == 128
-            and tiles > 0)
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128), *,
+               out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+               locks: torch.Tensor | None = None, pdl: bool = False,
+               settings: LinearSettings = LinearSettings()) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32, unit stride along K) @ W^T, W E4M3 [N, K] with fp32 scale
+    [ceil(N/B0), ceil(K/B1)] -> [M, N] in out_dtype (default x's dtype), into `out` when given. fp32 accumulation.
 
-
-def _rms_args(rms, M: int, device: torch.device) -> dict:
-    """The kernel's arguments for `fp8_linear(rms=...)` (none without it), checked."""
-    if rms is None:
-        return {}
-    sumsq, eps = rms
-    _check(sumsq.dim() == 2 and sumsq.shape[0] == M and sumsq.shape[1] >= 1 and sumsq.dtype == torch.float32
-           and sumsq.stride(1) == 1 and sumsq.device == device,
-           f"rms's sumsq must be fp32 [{M}, T] with unit stride on {device}, got {sumsq.dtype} {tuple(sumsq.shape)}")
-    _check(isinstance(eps, float) and eps > 0, f"rms's eps must be a positive float, got {eps!r}")
-    tiles = sumsq.shape[1]
-    return dict(sumsq_ptr=sumsq, stride_sumsq=sumsq.stride(0), norm_tiles=tiles, eps=eps,
-                NORM=max(2, triton.next_power_of_2(tiles)))
-
-
-def fp8_linear_rms_ref(x: torch.Tensor, sumsq: torch.Tensor, eps: float, w: torch.Tensor, scale: torch.Tensor,
-                       block: tuple[int, int] = (128, 128), out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`fp8_linear(x, rms=(sumsq, eps))` in torch: the fp32 product's rows scaled by 1 / rms from their partial sums
-    of squares (summed in torch's order), cast to out_dtype (default x's)."""
-    inv = torch.rsqrt(sumsq.sum(dim=1, keepdim=True) / x.shape[1] + eps)
-    return (fp8_linear_ref(x, w, scale, block, torch.float32) * inv).to(out_dtype or x.dtype)
+    `locks`: zeroed int32 counters (>= one per output tile, see `lock_count`); with them a split K is summed by
+    the tile's last split inside the one launch (same order, same bits), and they are left zeroed for the next
+    call. Calls sharing counters must not overlap in time (one stream). Without them a second kernel sums.
+    `pdl`: programmatic dependent launch (kernels/launch.py). `settings`: the launch (`LinearSettings`)."""
+    c = plan_call(x, w, scale, block, out_dtype, out, settings)
+    grid = _grid(c.M, c.N, c.splits, settings.block_n)
+    check_locks(locks, grid[0] * grid[2], x.device)
+    serial = c.splits > 1 and locks is not None
+    f32 = INTERPRETED or x.dtype == torch.float32
+    tiles = preload_tiles(c.K, c.k_per_split, c.block_k) if settings.preload else 0
+    _fp8_linear_kernel[grid](
+        x, w, scale, c.out, c.part, locks if serial else c.part, c.M, c.N, c.K, x.stride(0), c.out.stride(0),
+        c.scale_cols, c.k_per_split, c.splits, B0=block[0], B1=block[1], BLOCK_M=BLOCK_M, BLOCK_N=settings.block_n,
+        BLOCK_K=c.block_k, SPLIT=c.splits > 1, SERIAL=serial, F32=f32, PREC="ieee" if f32 else "tf32",
+        num_warps=settings.num_warps, num_stages=settings.num_stages, PRELOAD=tiles, **launch_options(pdl, x.device))
+    return sum_splits(c, serial, pdl)
 
 
 # ---- reference -------------------------------------------------------------------------------------

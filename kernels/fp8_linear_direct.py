@@ -1,5 +1,7 @@
-"""`fp8_linear(direct=...)`: the FP8 linear's preloading form for decode rows (M <= 8 a row block) with the weights
-loaded straight into the tensor cores' registers (Triton's Gluon dialect), never staged through shared memory.
+"""`fp8_linear_direct`: the FP8 linear's preloading form for decode rows (M <= 8 a row block) with the weights loaded
+straight into the tensor cores' registers (Triton's Gluon dialect), never staged through shared memory. Off the product
+path (the engine calls kernels/fp8_linear.fp8_linear); kept with its tests as the measured alternative (docs/PERF.md,
+"The FP8 linears' operands loaded straight into the MMA's registers").
 
 Why. In the Triton kernel (kernels/fp8_linear.py) every K tile's weights go from their load layout through shared
 memory into the MMA's operand layout behind barriers, one tile after another: in the captured round each of a
@@ -17,10 +19,10 @@ each holds half the weights (no spills); their products meet in 1 KB of shared m
 16-byte loads, all in one L2 round trip, and moved into the B fragments through shared memory.
 
 The same arithmetic as the Triton kernel's preloading path: each tile's product from zero over its eight K steps in
-order, then `acc + product * scale` (an FMA) in tile order; the rows' 1 / rms reduced in the layout Triton gives it
-there; the split-K partials, their in-launch sum and the stores as there. So the same bits, which the GPU tests show
-(tests/test_kernel_fp8_linear_direct.py: kernel cases against the Triton kernel, and a decode through the engine).
-GPU only (Gluon has no interpreter); bf16 or fp16 x; 128-wide K tiles, whole preloaded splits: `fp8_linear` checks.
+order, then `acc + product * scale` (an FMA) in tile order; the split-K plan, the partials, their sum (in the launch
+or a second pass) and the stores as there (`fp8_linear.plan_call`, `sum_splits`). So the same bits, which the GPU
+tests show (tests/test_kernel_fp8_linear_direct.py, against the Triton kernel). GPU only (Gluon has no interpreter);
+bf16 or fp16 x; 128-wide K tiles, whole preloaded splits: `fp8_linear_direct` checks (`direct_applies`).
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .launch import launch_with_carveout
+from . import fp8_linear as fl
+from .launch import launch_options, launch_with_carveout
 
 BLOCK_K = gl.constexpr(128)  # the K tile the fragment order is laid out for (a weight scale block at 128 x 128)
 ROWS = gl.constexpr(8)  # x rows a program takes: the MMA's N
@@ -98,7 +102,6 @@ def _fp8_linear_direct_kernel(
     M, N, K, stride_xm, stride_ym, scale_cols, k_per_split, splits,
     B0: gl.constexpr, B1: gl.constexpr, G: gl.constexpr, W_LOAD: gl.constexpr,
     SPLIT: gl.constexpr, SERIAL: gl.constexpr, PRELOAD: gl.constexpr, PDL: gl.constexpr = False,
-    sumsq_ptr=None, stride_sumsq=0, norm_tiles=0, eps=0.0, NORM: gl.constexpr = 0,
 ):
     # G warps a program, each with every G-th of the split's PRELOAD K tiles (tile t = j * G + g at step j) for the
     # program's 16 output columns: the MMAs are batched over the warps (a 3-D MMA layout, batch = warp).
@@ -145,13 +148,6 @@ def _fp8_linear_direct_kernel(
     xs = ()
     for u in gl.static_range(STEPS):
         xs = xs + (gl.load(x_ptr + k_start + u * G * TILE_K + x_off, mask=(mx < M)[None, None, :], other=0.0),)
-    if NORM > 0:  # the rows' sums of squares, read alongside x
-        red: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8],
-                                             warps_per_cta=[G, 1], order=[1, 0])
-        mr = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, red))
-        tr = gl.arange(0, NORM, layout=gl.SliceLayout(0, red))
-        sumsq = gl.load(sumsq_ptr + mr[:, None] * stride_sumsq + tr[None, :],
-                        mask=(mr < M)[:, None] & (tr < norm_tiles)[None, :], other=0.0)
     ps = ()
     for j in gl.static_range(STEPS):
         ps = ps + (_tile_products(ws[j], gl.convert_layout(xs[j], x_op), ss[j], w_op, mma, sums),)
@@ -161,11 +157,6 @@ def _fp8_linear_direct_kernel(
     m = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(0, acc_l))
     n_ok = n < N
     m_ok = m < M
-    if NORM > 0:
-        # The rows' 1 / rms as kernels/fp8_linear._inv_rms computes it, reduced in the layout Triton gives it there
-        # (`red`: sizePerThread [1, 4], threadsPerWarp [4, 8] over the sums): the same tree, so the same sums.
-        inv = 1.0 / gl.sqrt(gl.sum(sumsq, axis=1) / K + eps)
-        acc = acc * gl.convert_layout(inv, gl.SliceLayout(0, acc_l))[None, :]
     mask = n_ok[:, None] & m_ok[None, :]
     if SPLIT:
         gl.store(part_ptr + (pid_k * M + m[None, :]) * N + n[:, None], acc, mask=mask)
@@ -208,24 +199,50 @@ def _add_groups(acc, p, s, G: gl.constexpr, acc_l: gl.constexpr):
 
 
 # The kernel's preferred shared-memory carveout (percent of an SM's most): 0, the least shared memory (it needs 1 KB a
-# program) and the most L1. Left to the driver, a full-size round was 2.8% slower with the direct o_proj than without
-# it, the router select two launches later taking 4.2 us longer; with 0 it is 3.1% faster, the select unchanged
-# (docs/PERF.md, bench/results/*-d72a32c.*). What the driver chose instead is not known.
+# program) and the most L1; left to the driver, the router select two launches later ran slower (docs/PERF.md, "The
+# direct linear's diagnostics").
 CARVEOUT = 0
 
 
-def launch(grid, x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits,
-           block, split, serial, tiles, norm_args, launch_kw) -> None:
-    """The kernel's launch for `fp8_linear(direct=...)`, which checks the arguments; `grid` is `grid(M, N, splits)`.
-    The compiled kernel's preferred shared-memory carveout is set to CARVEOUT, as `launch.launch_with_carveout`
-    does."""
-    g = groups_for(tiles)
-    args = (x, direct, scale, out, part, locks, M, N, K, stride_x, stride_y, scale_cols, k_per_split, splits)
-    kw = dict(B0=block[0], B1=block[1], G=g, W_LOAD=load_layout(g), SPLIT=split, SERIAL=serial, PRELOAD=tiles,
-              **norm_args, num_warps=g, **launch_kw)
-    launch_with_carveout(_fp8_linear_direct_kernel, grid, args, kw, CARVEOUT)
+def direct_applies(x: torch.Tensor, block_k: int, tiles: int) -> bool:
+    """Whether the kernel takes a call: a preloading one (`tiles` > 0) on the GPU (compiled, not interpreted) with
+    bf16 or fp16 x and 128-wide K tiles."""
+    return (not fl.INTERPRETED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and block_k == BLOCK_K.value
+            and tiles > 0)
+
+
+def lock_count(m: int, n: int) -> int:
+    """Counters `fp8_linear_direct(locks=...)` needs for an [m, n] output: one per output tile (16 x 8)."""
+    g = grid(m, n, 1)
+    return g[0] * g[2]
+
+
+def fp8_linear_direct(x: torch.Tensor, direct: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128),
+                      *, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+                      locks: torch.Tensor | None = None, pdl: bool = False,
+                      settings: fl.LinearSettings = fl.LinearSettings()) -> torch.Tensor:
+    """`fp8_linear(x, W, scale, block, ...)`'s bits, from `direct` = direct_weight(W): the same checks, split plan
+    (settings.split_k, or `choose_split_k` at settings.block_n), partials and split sum (in the launch with `locks`,
+    see `lock_count`; else a second pass). Always the preloading form, each program's K tiles over 2 warps where they
+    pair up (1 else): settings' warps, stages and preload are the Triton kernel's and unused here. ValueError where
+    `direct_applies` does not hold."""
+    c = fl.plan_call(x, direct, scale, block, out_dtype, out, settings)
+    tiles = fl.preload_tiles(c.K, c.k_per_split, c.block_k)
+    if not direct_applies(x, c.block_k, tiles):
+        raise ValueError("fp8_linear_direct: needs a preloading call (whole splits of <= 8 tiles) on the GPU with "
+                         "bf16 or fp16 x and 128-wide K tiles")
+    g = grid(c.M, c.N, c.splits)
+    fl.check_locks(locks, g[0] * g[2], x.device)
+    serial = c.splits > 1 and locks is not None
+    groups = groups_for(tiles)
+    args = (x, direct, scale, c.out, c.part, locks if serial else c.part, c.M, c.N, c.K, x.stride(0), c.out.stride(0),
+            c.scale_cols, c.k_per_split, c.splits)
+    kw = dict(B0=block[0], B1=block[1], G=groups, W_LOAD=load_layout(groups), SPLIT=c.splits > 1, SERIAL=serial,
+              PRELOAD=tiles, num_warps=groups, **launch_options(pdl, x.device))
+    launch_with_carveout(_fp8_linear_direct_kernel, g, args, kw, CARVEOUT)
+    return fl.sum_splits(c, serial, pdl)
 
 
 def grid(m: int, n: int, splits: int) -> tuple[int, int, int]:
     """The kernel's grid: 16 output columns, one K split and 8 rows a program."""
-    return -(-n // WARP_N.value), splits, -(-m // ROWS.value)
+    return triton.cdiv(n, WARP_N.value), splits, triton.cdiv(m, ROWS.value)

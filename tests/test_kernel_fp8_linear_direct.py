@@ -1,6 +1,6 @@
-"""`fp8_linear(direct=...)` (kernels/fp8_linear_direct.py, Gluon): the weight's fragment order on the CPU, its
-SASS for the H200 compiled on any machine, and on the GPU the same bits as the Triton kernel's preloading path at one
-TP8 rank's projection shapes, with a negative control (the tiles summed in reverse) that those checks catch."""
+"""`fp8_linear_direct` (kernels/fp8_linear_direct.py, Gluon): the weight's fragment order on the CPU, its SASS for the
+H200 compiled on any machine, and on the GPU the same bits as the Triton kernel's preloading path at one TP8 rank's
+projection shapes, with a negative control (the tiles summed in reverse) that those checks catch."""
 
 from __future__ import annotations
 
@@ -40,11 +40,18 @@ def test_direct_weight_rejects_a_partial_tile():
 
 
 def test_direct_refused_off_the_gpu():
-    """On the CPU (the interpreter) the wrapper refuses `direct` with the reason, rather than running another form."""
+    """On the CPU (the interpreter) the wrapper refuses with the reason, rather than running another form; the
+    operands are checked as fp8_linear checks them."""
     w, s = quantize(torch.randn(64, 256), (128, 128))
     x = torch.randn(4, 256).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="direct needs a preloading call"):
-        fl.fp8_linear(x, w, s, preload=True, direct=direct_weight(w))
+    with pytest.raises(ValueError, match="needs a preloading call"):
+        fd.fp8_linear_direct(x, direct_weight(w), s)
+    with pytest.raises(ValueError, match="scale must be"):
+        fd.fp8_linear_direct(x, direct_weight(w), s[:, :1])
+
+
+def test_lock_count_is_one_a_16_by_8_tile():
+    assert fd.lock_count(6, 1024) == 64 and fd.lock_count(12, 1000) == 63 * 2
 
 
 def test_sass_keeps_the_weights_out_of_shared_memory():
@@ -63,34 +70,29 @@ def test_sass_keeps_the_weights_out_of_shared_memory():
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------
-def _operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int, rms_tiles: int = 0):
+def _operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int):
     g = torch.Generator().manual_seed(seed)
     mag = 10 ** (torch.rand(-(-n // 128), k // 128, generator=g) * 4 - 2)  # each block's scale matters
     real = torch.randn(n, k, generator=g) * mag.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)
     w, s = quantize(real, (128, 128))
     x = torch.randn(m, k, generator=g).to(dtype)
-    extra = {}
-    if rms_tiles:  # rows at scales far from 1 and from each other, so a scaling not applied shows
-        h = torch.randn(m, k, generator=g) * 10 ** (torch.rand(m, 1, generator=g) * 4 - 1)
-        extra["sumsq"] = torch.stack([p.sum(dim=1) for p in h.square().split(k // rms_tiles, dim=1)], dim=1).cuda()
-    return x.cuda(), w.cuda(), s.cuda(), extra
+    return x.cuda(), w.cuda(), s.cuda()
 
 
-# (rows, N, K, form): q/k/v as the engine calls it (its K splits, partials unsummed, rows scaled by 1 / rms; or summed
-# in the launch), o_proj (one split, stored), a partial output tile, and more rows than one block
-GPU_CASES = [(6, 1024, 3072, "unsummed_rms"), (6, 1024, 3072, "serial"), (1, 1024, 3072, "unsummed_rms"),
+# (rows, N, K, form): q/k/v as the engine calls it (its K splits summed in the launch, or by a second pass), o_proj
+# (one split, stored), a partial output tile, and more rows than one block. `fp32`: the output in fp32, so the sum's
+# last bits are not rounded away (the negative control must show there).
+GPU_CASES = [(6, 1024, 3072, "serial_fp32"), (6, 1024, 3072, "serial"), (1, 1024, 3072, "two_pass_fp32"),
              (8, 1024, 3072, "serial"), (6, 3072, 768, "out"), (1, 3072, 768, "out"), (6, 1000, 768, "out"),
-             (12, 1024, 3072, "serial"),
+             (6, 3072, 768, "out_fp32"), (12, 1024, 3072, "serial"),
              # one warp a program (odd tile counts): 2 splits of 1 tile
              (6, 512, 256, "serial")]
 
 
-def _call(form, x, w, s, extra, **kw):
-    linear, kw = fl.fp8_linear, dict(block=(128, 128), preload=True, pdl=True, **kw)
-    if form == "unsummed_rms":
-        return linear(x, w, s, unsummed=True, rms=(extra["sumsq"], 1e-6), **kw)
-    if form == "serial":
-        locks = torch.zeros(4096, dtype=torch.int32, device=x.device)
+def _call(linear, form, x, w, s, locks_for):
+    kw = dict(block=(128, 128), pdl=True, out_dtype=torch.float32 if form.endswith("_fp32") else None)
+    if form.startswith("serial"):
+        locks = torch.zeros(locks_for, dtype=torch.int32, device=x.device)
         got = linear(x, w, s, locks=locks, **kw)
         assert int(locks.abs().sum()) == 0  # left zeroed for the next call
         return got
@@ -101,20 +103,19 @@ def _call(form, x, w, s, extra, **kw):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m,n,k,form", GPU_CASES)
 def test_gpu_same_bits_as_the_triton_kernel(m, n, k, form, dtype):
-    x, w, s, extra = _operands(m, n, k, dtype, seed=m * 7 + n, rms_tiles=24 if form == "unsummed_rms" else 0)
-    assert fl.preload_plan(m, n, k, (128, 128), device=x.device) > 0
-    want = _call(form, x, w, s, extra)
+    x, w, s = _operands(m, n, k, dtype, seed=m * 7 + n)
+    assert fl.preload_plan(m, n, k, (128, 128), device=x.device) > 0  # the Triton kernel's preloading path
+    want = _call(fl.fp8_linear, form, x, w, s, fl.lock_count(m, n))
     d = direct_weight(w)
-    got = _call(form, x, w, s, extra, direct=d)
+    got = _call(fd.fp8_linear_direct, form, x, d, s, fd.lock_count(m, n))
     assert got.shape == want.shape and got.dtype == want.dtype
     same = got.view(-1).view(torch.uint8) == want.view(-1).view(torch.uint8)
     assert bool(same.all()), f"{int((~same).sum())} bytes differ; max |diff| {(got.float() - want.float()).abs().max()}"
     # The negative control runs: the same kernel with its tiles summed last to first, the same product in another
-    # fp32 rounding. The fp32 partials (unsummed) show it, so this comparison catches it there; a stored bf16 or fp16
-    # output mostly rounds it away (at o_proj's shape every element matched on the H200), so there it is only
-    # checked to stay close.
+    # fp32 rounding. An fp32 output shows it, so this comparison catches it there; a stored bf16 or fp16 output mostly
+    # rounds it away (at o_proj's shape every element matched on the H200), so there it is only checked to stay close.
     with substituted(fd, DIRECT_REVERSED):
-        bad = _call(form, x, w, s, extra, direct=d)
-    if form == "unsummed_rms":
+        bad = _call(fd.fp8_linear_direct, form, x, d, s, fd.lock_count(m, n))
+    if form.endswith("_fp32"):
         assert not torch.equal(bad, want)
     torch.testing.assert_close(bad.float(), want.float(), rtol=1e-2, atol=1e-2 * float(want.float().abs().max()))
