@@ -1,7 +1,8 @@
 """`iquest bench depth`: the depth controller's gain over a fixed depth, paired, with an A/A' arm for the noise floor.
 
 Three arms decode every held-out prompt (fixtures/fit_depth.py's `replay_prompts`: 12 lines of real code up to a
-function header of the mini model's held-out files) with the same request seed, in one engine in one process:
+function header of the mini model's held-out files, less those `iquest fit-depth` fitted the controller on, which its
+file lists) with the same request seed, in one engine in one process:
 
 - A = fixed depth D (the control; D defaults to the best fixed depth that `iquest fit-depth` recorded beside the
   model, `depth_controller.json` "fit.cross_validation.best_fixed"),
@@ -50,6 +51,20 @@ def best_fixed(model_dir: Path) -> tuple[int, str]:
         return int(name.split()[-1]), f"{path.name} fit.cross_validation.best_fixed ({name!r})"
     except (OSError, KeyError, TypeError, ValueError, IndexError):
         return FALLBACK_FIXED, f"no fitted best fixed depth beside the model: {FALLBACK_FIXED}"
+
+
+def held_out(model_dir: Path, tok, n: int) -> tuple[list[tuple[str, int, list[int]]], int]:
+    """Up to `n` of the model's held-out prompts (fit_depth.replay_prompts, in its order) that the depth controller
+    was not fitted on (its file's "fit.replay.prompts"), and how many were passed over as fitted on."""
+    from ..fixtures.fit_depth import replay_prompts
+
+    try:
+        fitted = set(json.loads((Path(model_dir) / "depth_controller.json").read_text())["fit"]["replay"]["prompts"])
+    except (OSError, KeyError, TypeError, ValueError):
+        fitted = set()
+    every = replay_prompts(model_dir, tok, 10 ** 6)
+    fresh = [p for p in every if f"{p[0]}:{p[1]}" not in fitted]
+    return fresh[:n], len(every) - len(fresh)
 
 
 def arms(fixed: int) -> list[dict]:
@@ -130,7 +145,6 @@ def run(*, model_dir: Path, device: str, prompts: int, tokens: int, repeats: int
     from tokenizers import Tokenizer
 
     from ..fast.engine import FastEngine
-    from ..fixtures.fit_depth import replay_prompts
     from ..provenance import commit
     from ..reference.sampling import SamplingParams
 
@@ -139,11 +153,12 @@ def run(*, model_dir: Path, device: str, prompts: int, tokens: int, repeats: int
     if fixed is None:
         fixed, source = best_fixed(model_dir)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    chosen = replay_prompts(model_dir, tok, prompts)
+    chosen, fitted_on = held_out(model_dir, tok, prompts)
     if not chosen:
-        raise ValueError(f"no held-out function headers found for {model_dir}")
+        raise ValueError(f"no held-out function headers found for {model_dir} outside the controller's fit")
     if len(chosen) < prompts:
-        print(f"only {len(chosen)} held-out prompts found (asked for {prompts})", file=sys.stderr, flush=True)
+        print(f"only {len(chosen)} held-out prompts outside the controller's fit (asked for {prompts})",
+              file=sys.stderr, flush=True)
     the_arms = arms(fixed)
     engine = FastEngine.load(model_dir, device=device)
     units = []
@@ -181,7 +196,9 @@ def run(*, model_dir: Path, device: str, prompts: int, tokens: int, repeats: int
               f"--repeats {repeats} --fixed {fixed} --seed {seed}",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": machine(device) | {"torch_threads": torch.get_num_threads()}, "device": device,
-              "engine": described, "model": name, "prompts": len(chosen), "tokens": tokens, "repeats": repeats,
+              "engine": described, "model": name, "prompts": len(chosen),
+              "prompts_passed_over": f"{fitted_on} held-out prompts the controller was fitted on "
+                                     "(depth_controller.json fit.replay.prompts)", "tokens": tokens, "repeats": repeats,
               "seed": seed, "fixed": fixed, "fixed_from": source,
               "sampling": {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p},
               "arms": the_arms, **report, "notes": notes(device), "units": units}

@@ -223,7 +223,8 @@ def run_agent(args: argparse.Namespace) -> int:
 
 def register_depth(bsub) -> None:
     d = bsub.add_parser("depth", help="the depth controller's gain over a fixed depth: paired TPOT, with an A/A' arm",
-                        description="Decode held-out real-code prompts (the model's held-out corpus files) with a "
+                        description="Decode held-out real-code prompts (the model's held-out corpus files, less the "
+                                    "prompts iquest fit-depth fitted the controller on) with a "
                                     "fixed depth (A), the fitted depth controller (auto) and the fixed depth again "
                                     "(A'), in one process, each prompt with the same seed in every arm and the arms "
                                     "alternating in an order rotated per prompt. Per arm: decode time per output "

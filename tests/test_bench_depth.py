@@ -54,6 +54,8 @@ def test_a_short_paired_run_on_the_mini_model(tmp_path, capsys, monkeypatch):
     assert r["command"].startswith("iquest bench depth")
     assert r["device"] == "cpu" and r["fixed"] == best_fixed(MINI)[0] and any("not the target" in n for n in r["notes"])
     assert [a["arm"] for a in r["arms"]] == ["A", "auto", "A'"] and set(r["per_arm"]) == {"A", "auto", "A'"}
+    fitted = set(json.loads((MINI / "depth_controller.json").read_text())["fit"]["replay"]["prompts"])
+    assert not fitted & {u["source"] for u in r["units"]} and len({u["source"] for u in r["units"]}) == 2
     assert [(u["repeat"], u["prompt"], u["seed"]) for u in r["units"]] == [(0, 0, 5), (0, 1, 6), (1, 0, 7), (1, 1, 8)]
     assert [u["order"][0] for u in r["units"]] == ["A", "auto", "A'", "A"]  # rotated per unit
     for u in r["units"]:
@@ -76,10 +78,12 @@ def test_a_short_paired_run_on_the_mini_model(tmp_path, capsys, monkeypatch):
     from tokenizers import Tokenizer
 
     from iquest.fast.engine import FastEngine
-    from iquest.fixtures.fit_depth import replay_prompts
+    from iquest.bench.depth import held_out
     from iquest.reference.sampling import SamplingParams
 
-    prompt = replay_prompts(MINI, Tokenizer.from_file(str(MINI / "tokenizer.json")), 2)[1][2]
+    prompts, passed_over = held_out(MINI, Tokenizer.from_file(str(MINI / "tokenizer.json")), 2)
+    assert passed_over == len(fitted) and r["prompts_passed_over"].startswith(f"{passed_over} ")
+    prompt = prompts[1][2]
     engine = FastEngine.load(MINI, device="cpu")
     try:
         gen = engine.generation
