@@ -68,15 +68,16 @@ class PeerCollectives:
         return all_reduce(x.contiguous(), b.peers, b.own, b.state, self.error, self.rank, tag=0,
                           timeout_ns=TIMEOUT_NS, pdl=True, hold=self.hold)
 
-    def all_reduce_add_norm(self, partial: torch.Tensor, residual: torch.Tensor, scale: float,
-                            y_norm: torch.Tensor | None, next_norm: torch.Tensor, eps: float,
+    def all_reduce_add_norm(self, partial, residual: torch.Tensor, scale: float, y_norm: torch.Tensor | None,
+                            next_norm: torch.Tensor, eps: float,
                             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the sum over ranks, h, b): the reduction ending in the sandwich tail (kernels/rmsnorm.py's `add_norm` on
-        the sum), in one launch."""
+        the sum), in one launch. `partial`: a tensor, or the MoE's uncombined kernels.moe.ExpertOutputs."""
         from ..kernels.allreduce import Tail, all_reduce
 
         b = self.reduce
-        return all_reduce(partial.contiguous(), b.peers, b.own, b.state, self.error, self.rank, tag=1,
+        partial = partial.contiguous() if isinstance(partial, torch.Tensor) else partial
+        return all_reduce(partial, b.peers, b.own, b.state, self.error, self.rank, tag=1,
                           timeout_ns=TIMEOUT_NS, tail=Tail(residual, scale, y_norm, next_norm, eps, dtype), pdl=True,
                           hold=self.hold)
 

@@ -149,7 +149,7 @@ class FastModel:
         if taps is not None:
             _tap(taps, tag + "router_scores", scores)
             _tap(taps, tag + "experts", experts)
-        return self.ops.moe(b, experts, weights, live, mlp).to(self.dtype)
+        return self.ops.moe(b, experts, weights, live, mlp)
 
 
 def rope_tables(rotary_dim: int, theta: float, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -80,6 +80,12 @@ class TorchOps:
         h = residual + (t if scale == 1.0 else t * scale)
         return h, self.norm(h, next_norm, eps, dtype)
 
+    @staticmethod
+    def combined(partial: torch.Tensor) -> torch.Tensor:
+        """A branch output as a tensor (the torch forms' always are; fast/triton_ops.py may leave the MoE's
+        uncombined)."""
+        return partial
+
     def reduce_add_norm(self, par, partial: torch.Tensor, residual: torch.Tensor, scale: float,
                         y_norm: torch.Tensor | None, next_norm: torch.Tensor, eps: float,
                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,11 +109,11 @@ class TorchOps:
     def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
             moe: MoE) -> torch.Tensor:
         """sum_j w_j Down_e(silu(Gate_e b) * Up_e b) over each row's chosen experts [R, H], each expert's output in
-        b's dtype, the weighted sum in fp32 (the caller rounds it)."""
+        b's dtype, the weighted sum in fp32 rounded to b's dtype."""
         g, u, d = (w.select(experts) for w in (moe.gate, moe.up, moe.down))
         hidden = torch.nn.functional.silu(torch.einsum("rh,rkih->rki", b, g)) * torch.einsum("rh,rkih->rki", b, u)
         y = torch.einsum("rki,rkhi->rkh", hidden, d)
-        return (y.float() * weights[..., None]).sum(dim=1)
+        return (y.float() * weights[..., None]).sum(dim=1).to(b.dtype)
 
     @staticmethod
     def uniforms(seed: torch.Tensor, positions: torch.Tensor, purpose: int,

@@ -128,7 +128,8 @@ class TritonOps(TorchOps):
         if not self._fits("moe", None not in ew and moe.fits(b, experts, *ew)):
             return super().moe(b, experts, weights, live, mw)
         self.calls["moe"] += 1
-        return moe.moe(b, experts, weights, live, *ew, pdl=b.is_cuda)
+        # uncombined: the op that reads the output (reduce_add_norm) combines it in its own launch
+        return moe.expert_outputs(b, experts, weights, live, *ew, pdl=b.is_cuda)
 
     # ---- norms ---------------------------------------------------------------------------------------
     @stage("norm")
@@ -147,12 +148,28 @@ class TritonOps(TorchOps):
         self.calls["add_norm"] += 1
         return rmsnorm.add_norm(residual, y, scale, y_norm, next_norm, eps, dtype, pdl=y.is_cuda)
 
+    @stage("norm")
     def reduce_add_norm(self, par, partial, residual, scale, y_norm, next_norm, eps, dtype):
-        # Ranks with peer collectives (GPUs, TP > 1): the all-reduce ends in the tail's kernel code, the same bits
-        if par.peers is None or not self._fits("norm", rmsnorm.rmsnorm_fits(partial.shape[-1])):
-            return super().reduce_add_norm(par, partial, residual, scale, y_norm, next_norm, eps, dtype)
-        self.calls["reduce_add_norm"] += 1
-        return par.peers.all_reduce_add_norm(partial, residual, scale, y_norm, next_norm, eps, dtype)
+        # One launch, the same bits as the sequence: with peer collectives (GPUs, TP > 1) the all-reduce ends in the
+        # tail; the MoE's uncombined output (kernels/moe.ExpertOutputs) is combined by the reduction or, without one
+        # (TP 1, rank slices), by the tail
+        fused = self._fits("norm", rmsnorm.rmsnorm_fits(residual.shape[-1]))
+        if fused and par.peers is not None:
+            self.calls["reduce_add_norm"] += 1
+            return par.peers.all_reduce_add_norm(partial, residual, scale, y_norm, next_norm, eps, dtype)
+        if isinstance(partial, moe.ExpertOutputs):
+            if fused and not par.active:
+                self.calls["combine_add_norm"] += 1
+                return moe.combine_add_norm(partial, residual, scale, y_norm, next_norm, eps, dtype,
+                                            pdl=residual.is_cuda)
+            partial = self.combined(partial)
+        return super().reduce_add_norm(par, partial, residual, scale, y_norm, next_norm, eps, dtype)
+
+    def combined(self, partial):
+        """A branch output as a tensor in the compute dtype: the MoE's uncombined output combined (its own launch)."""
+        if not isinstance(partial, moe.ExpertOutputs):
+            return partial
+        return moe.combine(partial, pdl=partial.y.is_cuda).to(partial.dtype)
 
     # ---- sampling --------------------------------------------------------------------------------------
     def uniforms(self, seed, positions, purpose, depth=0, out=None):

@@ -32,7 +32,9 @@ A `Tail` ends the all-reduce in the published layer's sandwich tail (docs/model.
 reduction points cost one launch each, not two: the sum rounded to its dtype, then kernels/rmsnorm.py's
 `sandwich_tail` on it (the branch norm when given, the scale, the residual add, the next norm): the same definition
 `add_norm` runs, built alike (`rmsnorm.compile_options`), so the fused call has the bits of the all-reduce followed
-by `add_norm`.
+by `add_norm`. Its input may be the MoE's uncombined `ExpertOutputs` (kernels/moe.py): each row is then combined
+(`moe.weighted_sum`) and rounded to the buffer's dtype as it is pushed, the bits of `moe.combine`, the cast and the
+plain all-reduce.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import rmsnorm
+from . import moe, rmsnorm
 from .launch import launch_options, release_dependents, wait_for_inputs, wait_holding_dependents
+from .moe_route import load_live
 
 SLOTS = 3
 PROGRAMS = 8
@@ -160,12 +163,15 @@ def _rank_order(step, rank, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _all_reduce_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, sum_ptr, res_ptr, yw_ptr, nw_ptr, h_ptr, b_ptr,
-                       R, H, S, rank, eps, scale, timeout_ns, tag, stride_x, stride_sum, stride_res, stride_h, stride_b,
+def _all_reduce_kernel(x_ptr, rw_ptr, live_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, sum_ptr, res_ptr, yw_ptr,
+                       nw_ptr, h_ptr, b_ptr, R, H, S, rank, eps, scale, timeout_ns, tag, stride_x, stride_sum,
+                       stride_res, stride_h, stride_b,
                        WORLD: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                       COMBINE: tl.constexpr, K_TOP: tl.constexpr, LIVE_COUNT: tl.constexpr,
                        TAIL: tl.constexpr, Y_NORM: tl.constexpr, SCALED: tl.constexpr,
                        POLL: tl.constexpr, REARM: tl.constexpr, ORDER: tl.constexpr,
                        HOLD: tl.constexpr, PDL: tl.constexpr = False):
+    # COMBINE: x is the experts' outputs [R * K_TOP, H] (rw their routing weights, live the rows), combined here
     # POLL, REARM, ORDER: the pieces of the protocol (_poll, _rearm_and_advance, _rank_order); the tests' negative
     # controls pass broken ones to show that their checks fail
     first = tl.program_id(0)
@@ -178,7 +184,12 @@ def _all_reduce_kernel(x_ptr, peers_ptr, own_ptr, state_ptr, error_ptr, sum_ptr,
         yw, nw = rmsnorm.tail_weights(yw_ptr, nw_ptr, i, ok, Y_NORM)
     call, slot = _start_call(state_ptr, HOLD, PDL)
     for row in range(first, R, P):  # every row of this program pushed before any poll
-        v = tl.load(x_ptr + row * stride_x + i, mask=ok, other=0.0)
+        if COMBINE:
+            live = load_live(live_ptr, row, R, LIVE_COUNT)
+            v = tl.where(live, moe.weighted_sum(x_ptr, rw_ptr, row, i, ok, live, H, K_TOP), 0.0)
+            v = v.to(own_ptr.dtype.element_ty)
+        else:
+            v = tl.load(x_ptr + row * stride_x + i, mask=ok, other=0.0)
         _push(v, row, H, S, peers_ptr, own_ptr, slot, rank, WORLD, CAP, BLOCK, BITS)
     start = _now(first)
     for row in range(first, R, P):
@@ -264,10 +275,11 @@ class Tail(NamedTuple):
     dtype: torch.dtype              # b's
 
 
-def all_reduce(x: torch.Tensor, peers: torch.Tensor, own: torch.Tensor, state: torch.Tensor, error: torch.Tensor,
-               rank: int, *, tag: int = 0, timeout_ns: int = 2_000_000_000, out: torch.Tensor | None = None,
-               tail: Tail | None = None, pdl: bool = False, hold: bool = False):
-    """sum over ranks of x [R, H] (rank order, fp32, rounded to x's dtype), into `out`. `peers` int64 [world]: every
+def all_reduce(x: torch.Tensor | moe.ExpertOutputs, peers: torch.Tensor, own: torch.Tensor, state: torch.Tensor,
+               error: torch.Tensor, rank: int, *, tag: int = 0, timeout_ns: int = 2_000_000_000,
+               out: torch.Tensor | None = None, tail: Tail | None = None, pdl: bool = False, hold: bool = False):
+    """sum over ranks of x [R, H] (rank order, fp32, rounded to x's dtype), into `out`; x may be the MoE's
+    `ExpertOutputs`, combined and rounded to their compute dtype first. `peers` int64 [world]: every
     rank's buffer address (this rank's own at index rank); `own` this rank's buffer [3, world, CAP, H] in x's dtype
     (armed); `state` int32 [8] this rank's call counter, arrival count and rows per slot (zeroed at the start);
     `error` int32 [>= 1]: 0, or (tag + 1) * 1024 + the lane a poll gave up on.
@@ -279,6 +291,9 @@ def all_reduce(x: torch.Tensor, peers: torch.Tensor, own: torch.Tensor, state: t
 def _all_reduce(x, peers, own, state, error, rank, tag, timeout_ns, out, tail, pdl,
                 poll=_poll, rearm=_rearm_and_advance, order=_rank_order, hold=False):
     """all_reduce with the protocol's pieces given: the negative controls of tests/test_tp_collectives.py."""
+    experts = x if isinstance(x, moe.ExpertOutputs) else None
+    if experts is not None:  # the rows it stands for, for the checks; the kernel reads y, weights and live
+        x = torch.empty((experts.rows, experts.y.shape[1]), dtype=experts.dtype, device=experts.y.device)
     world, R = _check_buffer(x, peers, own, state, error, rank)
     H = x.shape[1]
     out = torch.empty_like(x) if out is None else out
@@ -298,10 +313,13 @@ def _all_reduce(x, peers, own, state, error, rank, tag, timeout_ns, out, tail, p
         args, strides = (out, out, out, out, out, 1.0, 1.0), (0, 0, 0)
     res_, yw_, nw_, h_, b_, eps_, scale_ = args
     if R:
+        src = (x, x, x) if experts is None else (experts.y, experts.weights, experts.live)
         _all_reduce_kernel[(min(R, PROGRAMS),)](
-            x, peers, own, state, error, out, res_, yw_, nw_, h_, b_, R, H, own.shape[3], rank, eps_, scale_,
+            *src, peers, own, state, error, out, res_, yw_, nw_, h_, b_, R, H, own.shape[3], rank, eps_, scale_,
             timeout_ns, tag, x.stride(0), out.stride(0), *strides, WORLD=world, CAP=own.shape[2],
-            BLOCK=triton.next_power_of_2(H), BITS=sentinel_bits(x.dtype), TAIL=tail is not None,
+            BLOCK=triton.next_power_of_2(H), BITS=sentinel_bits(x.dtype), COMBINE=experts is not None,
+            K_TOP=1 if experts is None else experts.weights.shape[1],
+            LIVE_COUNT=experts is not None and experts.count, TAIL=tail is not None,
             Y_NORM=tail is not None and tail.y_norm is not None, SCALED=scale != 1.0, POLL=poll, REARM=rearm,
             ORDER=order, HOLD=hold, **options, **launch_options(pdl, x.device))
     return out if tail is None else (out, h_, b_)

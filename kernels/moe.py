@@ -28,6 +28,12 @@ Three launches, grids from shapes alone, no host sync, no atomics (graph-captura
 3. Combine, grid (row, H tile): the weighted sum over slots; padding rows write zeros and read nothing.
 A row's experts must be distinct (top-k routing makes them so): a program finds a row's slot of e by matching.
 
+The engine leaves the combine to the op that reads the MoE's output: `expert_outputs` runs launches 1 and 2 and
+returns the uncombined `ExpertOutputs`, and `combine_add_norm` (or the peer all-reduce, kernels/allreduce.py) sums the
+slots as launch 3 does, rounds the sum to the compute dtype as the engine's cast after `moe` does, and goes on into
+the layer's sandwich tail (kernels/rmsnorm.py's `sandwich_tail`): one launch where the combine, the cast and
+`add_norm` were three, with the same bits.
+
 Under the interpreter, roundings to bf16 go through integer ops (f16_operands.bf16_grid), since its own cast
 truncates; the GPU's cast rounds to nearest even, as torch's does, and is used there.
 """
@@ -44,6 +50,7 @@ from triton.language.extra import libdevice
 
 from .device import is_pow2
 from .f16_operands import bf16_grid
+from . import rmsnorm
 from .launch import launch_options, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
 
@@ -59,6 +66,21 @@ class ExpertWeights(NamedTuple):
     scale: torch.Tensor               # fp32 [E, ceil((rows + o0) / b0), ceil((cols + o1) / b1)], (o0, o1) = offset
     block: tuple[int, int]            # the scale block (rows, cols)
     offset: tuple[int, int] = (0, 0)  # where q[:, 0, 0] sits inside its first scale block
+
+
+class ExpertOutputs(NamedTuple):
+    """A block's chosen experts' outputs before their weighted combine (`expert_outputs`): the op that reads them sums
+    them (`combine`, `combine_add_norm`, or the peer all-reduce)."""
+
+    y: torch.Tensor          # [R * k, H] fp32 holding compute-dtype values: pair r * k + j is row r's slot j
+    weights: torch.Tensor    # [R, k] fp32 routing weights
+    live: torch.Tensor       # the live rows as the kernels take them: a uint8 mask [R], or an int count
+    count: bool              # whether `live` is a count
+    dtype: torch.dtype       # the compute dtype (b's): what the combined sum is rounded to
+
+    @property
+    def rows(self) -> int:
+        return self.weights.shape[0]
 
 
 @dataclass(frozen=True)
@@ -252,18 +274,42 @@ def _combine_kernel(y_ptr, weights_ptr, live_ptr, out_ptr, R, H, stride_o,
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n_ok = n < H
     live = load_live(live_ptr, r, R, LIVE_COUNT)
-    acc = _weighted_sum(y_ptr, weights_ptr, r, n, n_ok, live, H, K_TOP)
+    acc = weighted_sum(y_ptr, weights_ptr, r, n, n_ok, live, H, K_TOP)
     tl.store(out_ptr + r * stride_o + n, tl.where(live, acc, 0.0), mask=n_ok)
 
 
 @triton.jit
-def _weighted_sum(y_ptr, weights_ptr, r, n, n_ok, live, H, K_TOP: tl.constexpr):
-    """sum_j w[r, j] * y[r * k + j, n] over slots j = 0, 1, ...; a padding row reads nothing."""
+def weighted_sum(y_ptr, weights_ptr, r, n, n_ok, live, H, K_TOP: tl.constexpr):
+    """sum_j w[r, j] * y[r * k + j, n] over slots j = 0, 1, ...; a padding row reads nothing and sums to +0. Each
+    product rounds before its add: every kernel calling it is built without FMA contraction."""
     acc = tl.zeros([n.shape[0]], tl.float32)
     for j in tl.static_range(K_TOP):
         w = tl.load(weights_ptr + r * K_TOP + j, mask=live, other=0.0)
         acc += w * tl.load(y_ptr + (r * K_TOP + j) * H + n, mask=n_ok & live, other=0.0)
     return acc
+
+
+@triton.jit
+def _combine_add_norm_kernel(y_ptr, weights_ptr, live_ptr, r_ptr, yw_ptr, nw_ptr, sum_ptr, h_ptr, b_ptr, R, H, eps,
+                             scale, stride_r, stride_sum, stride_h, stride_b, K_TOP: tl.constexpr,
+                             LIVE_COUNT: tl.constexpr, BLOCK: tl.constexpr, Y_NORM: tl.constexpr,
+                             SCALED: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr,
+                             PDL: tl.constexpr = False):
+    """One row: the combine (launch 3's sum, rounded to the compute dtype) into `sum`, then the sandwich tail on it."""
+    RDT: tl.constexpr = h_ptr.dtype.element_ty
+    DT: tl.constexpr = b_ptr.dtype.element_ty
+    i = tl.arange(0, BLOCK)
+    m = i < H
+    yw, nw = rmsnorm.tail_weights(yw_ptr, nw_ptr, i, m, Y_NORM)  # constants: read before the wait
+    wait_for_inputs(PDL)
+    r = tl.program_id(0)
+    live = load_live(live_ptr, r, R, LIVE_COUNT)
+    s = _round(tl.where(live, weighted_sum(y_ptr, weights_ptr, r, i, m, live, H, K_TOP), 0.0), BF16, INTERP)
+    tl.store(sum_ptr + r * stride_sum + i, s.to(sum_ptr.dtype.element_ty), mask=m)
+    res = tl.load(r_ptr + r * stride_r + i, mask=m, other=0.0).to(tl.float32)
+    h, b = rmsnorm.sandwich_tail(res, s, yw, nw, eps, scale, H, Y_NORM, SCALED, RDT, DT)
+    tl.store(h_ptr + r * stride_h + i, h.to(RDT), mask=m)
+    tl.store(b_ptr + r * stride_b + i, b.to(DT), mask=m)
 
 
 # ---- host side -------------------------------------------------------------------------------------
@@ -331,7 +377,18 @@ def moe(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     whole form is fp32), experts int [R, k] (distinct within a row; ids of live rows < E, unchecked: that would
     sync), routing weights fp32 [R, k], live bool [R] (or one int count of leading live rows). Padding rows come out
     zero; their experts' weights and their routing weights are never read. `pdl`: programmatic dependent launch
-    (kernels/launch.py)."""
+    (kernels/launch.py). `expert_outputs` then `combine`."""
+    R, H = b.shape if b.dim() == 2 else (0, 0)
+    _check(out is None or (tuple(out.shape) == (R, H) and out.dtype == torch.float32 and out.stride(1) == 1
+                           and out.device == b.device), f"out must be fp32 [{R}, {H}] with unit stride on {b.device}")
+    return combine(expert_outputs(b, experts, weights, live, gate, up, down, settings=settings, pdl=pdl), out=out,
+                   settings=settings, pdl=pdl)
+
+
+def expert_outputs(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
+                   gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, *,
+                   settings: MoESettings = MoESettings(), pdl: bool = False) -> ExpertOutputs:
+    """`moe`'s launches 1 and 2 (arguments as `moe`'s): each live row's chosen experts' outputs, not yet combined."""
     R, H, k, I = _validate(b, experts, gate, up, down)
     _check(weights.dtype == torch.float32 and tuple(weights.shape) == (R, k) and weights.is_contiguous(),
            f"weights must be contiguous fp32 [{R}, {k}]")
@@ -339,15 +396,8 @@ def moe(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     devices = {t.device for t in (b, experts, weights, *gate[:2], *up[:2], *down[:2])}
     _check(len(devices) == 1, f"tensors on several devices: {devices}")
     count = check_live(live, R, dev)
-    if out is None:
-        out = torch.empty((R, H), dtype=torch.float32, device=dev)
-    _check(tuple(out.shape) == (R, H) and out.dtype == torch.float32 and out.stride(1) == 1 and out.device == dev,
-           f"out must be fp32 [{R}, {H}] with unit stride on {dev}")
     s = settings
-    for name in ("block_m", "gate_up_block_n", "gate_up_block_k", "down_block_n", "down_block_k", "combine_block"):
-        v = getattr(s, name)
-        _check(is_pow2(v, 16), f"settings.{name} must be a power of two >= 16 (a dot operand), got {v}")
-
+    _check_settings(s)
     P = R * k
     experts = experts.contiguous()
     live_arg = live.view(torch.uint8) if live.dtype == torch.bool else live
@@ -373,10 +423,51 @@ def moe(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
         hidden, down.q, down.scale, experts, live_arg, y, R, H, I, down.scale.stride(0), down.scale.stride(1),
         D_OFF0=down.offset[0], D_OFF1=down.offset[1], B0=down.block[0], B1=down.block[1], **routing,
         BLOCK_M=s.block_m, BLOCK_N=s.down_block_n, BLOCK_K=down_k, **math, INTERP=INTERPRETED, **streams, **launch)
-    _combine_kernel[(R, triton.cdiv(H, s.combine_block))](
-        y, weights, live_arg, out, R, H, out.stride(0), K_TOP=k, BLOCK=s.combine_block, LIVE_COUNT=count,
-        num_warps=4, enable_fp_fusion=False, **launch)
+    return ExpertOutputs(y, weights, live_arg, count, b.dtype)
+
+
+def combine(o: ExpertOutputs, *, out: torch.Tensor | None = None, settings: MoESettings = MoESettings(),
+            pdl: bool = False) -> torch.Tensor:
+    """`moe`'s launch 3: the rows' weighted sums over their slots, fp32 [R, H] (into `out` when given)."""
+    R, H = o.rows, o.y.shape[1]
+    dev = o.y.device
+    if out is None:
+        out = torch.empty((R, H), dtype=torch.float32, device=dev)
+    _check(tuple(out.shape) == (R, H) and out.dtype == torch.float32 and out.stride(1) == 1 and out.device == dev,
+           f"out must be fp32 [{R}, {H}] with unit stride on {dev}")
+    _check_settings(settings)
+    k = o.weights.shape[1]
+    _combine_kernel[(R, triton.cdiv(H, settings.combine_block))](
+        o.y, o.weights, o.live, out, R, H, out.stride(0), K_TOP=k, BLOCK=settings.combine_block, LIVE_COUNT=o.count,
+        num_warps=4, enable_fp_fusion=False, **launch_options(pdl, dev))
     return out
+
+
+def combine_add_norm(o: ExpertOutputs, residual: torch.Tensor, scale: float, y_norm: torch.Tensor | None,
+                     next_norm: torch.Tensor, eps: float, dtype: torch.dtype, *,
+                     pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the combined sum rounded to the compute dtype, h, b) in one launch: `combine`, the cast to `o.dtype`, then
+    kernels/rmsnorm.py's `add_norm(residual, sum, scale, y_norm, next_norm, eps, dtype)`, with their bits. TP 1 (or
+    a rank slice): at TP > 1 the sum is reduced over ranks first (kernels/allreduce.py takes `ExpertOutputs`)."""
+    R, H = o.rows, o.y.shape[1]
+    sum_ = torch.empty((R, H), dtype=o.dtype, device=o.y.device)
+    scale = rmsnorm.check_tail("combine_add_norm", residual, sum_, scale, y_norm, next_norm, eps, dtype)
+    h = torch.empty((R, H), dtype=residual.dtype, device=residual.device)
+    b = torch.empty((R, H), dtype=dtype, device=residual.device)
+    if R:
+        _combine_add_norm_kernel[(R,)](
+            o.y, o.weights, o.live, residual, next_norm if y_norm is None else y_norm, next_norm, sum_, h, b, R, H,
+            float(eps), scale, residual.stride(0), sum_.stride(0), h.stride(0), b.stride(0),
+            K_TOP=o.weights.shape[1], LIVE_COUNT=o.count, BLOCK=triton.next_power_of_2(H), Y_NORM=y_norm is not None,
+            SCALED=scale != 1.0, BF16=o.dtype == torch.bfloat16, INTERP=INTERPRETED,
+            **rmsnorm.compile_options(rmsnorm.RmsNormSettings()), **launch_options(pdl, residual.device))
+    return sum_, h, b
+
+
+def _check_settings(s: MoESettings) -> None:
+    for name in ("block_m", "gate_up_block_n", "gate_up_block_k", "down_block_n", "down_block_k", "combine_block"):
+        v = getattr(s, name)
+        _check(is_pow2(v, 16), f"settings.{name} must be a power of two >= 16 (a dot operand), got {v}")
 
 
 # ---- the torch form --------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ module.
   data, a re-arm that never re-arms, a reduction in each rank's own order (`BROKEN`).
 - moe (tests/test_kernel_moe.py), put into copies of its kernels by `kernels.testing.substituted` (`MOE`): scales
   indexed without the shard's offset in its first block, liveness ignored (padding rows' experts computed and
-  combined), the slots summed without their routing weights.
+  combined), the slots summed without their routing weights (by the combine, or by the combine fused with the tail).
 - The FP8 linears (tests/test_bench_sass.py, tests/test_kernel_fp8_linear_direct.py): the preloaded weight tiles
   used without the opaque move after the wait (`LINEAR_TRANSPARENT`), the direct kernel's K tiles summed last to
   first (`DIRECT_REVERSED`).
@@ -89,7 +89,8 @@ MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_off
                           "_down_kernel": {"_tile_scales": scales_without_offset}},
        "padding_computed": {"_gate_up_kernel": _IGNORING_LIVE, "_down_kernel": _IGNORING_LIVE,
                             "_combine_kernel": {"load_live": all_live}},
-       "weights_not_applied": {"_combine_kernel": {"_weighted_sum": sum_without_weights}}}
+       "weights_not_applied": {"_combine_kernel": {"weighted_sum": sum_without_weights}},
+       "tail_weights_not_applied": {"_combine_add_norm_kernel": {"weighted_sum": sum_without_weights}}}
 
 
 @triton.jit

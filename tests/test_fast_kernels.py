@@ -81,21 +81,22 @@ def linear_block(device: str = "cpu") -> dict:
 
 # A group's kernels against its torch forms over the three blocks: fp32 sums in other orders (the norms' and the
 # attention's reductions, the splits' merge), a few ulps a value, where a wrong row, head, slot or weight is order 1.
-GROUP_BLOCK_TOL = {"attention": 1e-5, "norm": 1e-5, "moe": 1e-5, "lm_head": 1e-5}
+GROUP_BLOCK_TOL = {"attention": 1e-5, "norm": 1e-5, "moe": 1e-5, "lm_head": 1e-5, "moe_norm": 1e-5}
 
 
-def group_block(group: str, device: str = "cpu") -> dict:
-    """One op group's kernels (the rest on torch forms) against the torch forms over a prefill block, a verification
+def group_block(*groups: str, device: str = "cpu") -> dict:
+    """Op groups' kernels (the rest on torch forms) against the torch forms over a prefill block, a verification
     block with padding rows and a draft block: the largest relative error of the live rows' logits and hiddens, the
     caches' (their real slots'), and the kernel calls and fallbacks."""
     out = {}
-    for plan in (KernelPlan.torch(), KernelPlan(**{group: True})):
+    with_kernels = KernelPlan(**{group: True for group in groups})
+    for plan in (KernelPlan.torch(), with_kernels):
         e = engine(plan, device)
         _forget_capture(e)
         outputs = two_blocks(e, device)
         out[plan.name] = ([t for block in outputs for t in block], [_real_slots(kv) for kv in e.cache.layers],
                           dict(getattr(e.model.ops, "calls", {})), dict(getattr(e.model.ops, "fallbacks", {})))
-    (o0, c0, _, _), (o1, c1, calls, fallbacks) = out["torch"], out[KernelPlan(**{group: True}).name]
+    (o0, c0, _, _), (o1, c1, calls, fallbacks) = out["torch"], out[with_kernels.name]
     rel = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
     live = [None, None, 6, 6, 6, 6]  # the verification and draft blocks' padding rows are no one's output
     return {"rel_err": max(rel(x[:n], y[:n]) for x, y, n in zip(o1, o0, live)),
@@ -151,7 +152,9 @@ def test_interpreted_linear_kernel_within_its_tolerance(interpreted):
 
 @pytest.mark.parametrize("group, kernels", [("attention", {"qk_rope_kv", "attention"}),
                                             ("norm", {"rmsnorm", "add_norm"}), ("moe", {"route", "moe"}),
-                                            ("lm_head", {"lm_head"})])
+                                            ("lm_head", {"lm_head"}),
+                                            # the MoE's combine inside the sandwich tail's launch
+                                            ("moe_norm", {"route", "moe", "add_norm", "combine_add_norm"})])
 def test_interpreted_group_kernels_within_their_tolerance(interpreted, group, kernels):
     r = interpreted[f"{group}_block"]
     assert "error" not in r, r
@@ -181,7 +184,8 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     torch.set_num_threads(1)
     worker_main([("linear_block", linear_block), ("sampling_block", sampling_block), ("glue_block", glue_block),
                  ("attention_block", lambda: group_block("attention")), ("norm_block", lambda: group_block("norm")),
-                 ("moe_block", lambda: group_block("moe")), ("lm_head_block", lambda: group_block("lm_head"))])
+                 ("moe_block", lambda: group_block("moe")), ("lm_head_block", lambda: group_block("lm_head")),
+                 ("moe_norm_block", lambda: group_block("moe", "norm"))])
 
 
 # ---- on the GPU --------------------------------------------------------------------------------------------
@@ -216,7 +220,7 @@ def test_cuda_kernel_paths_all_ran():
     ops = e.model.ops
     ran = {name for name, n in ops.calls.items() if n > 0}
     assert {"preload", "embed", "sample_draw", "accept", "settle", "qk_rope_kv", "attention", "rmsnorm", "add_norm",
-            "route", "moe", "lm_head"} <= ran, dict(ops.calls)
+            "route", "moe", "combine_add_norm", "lm_head"} <= ran, dict(ops.calls)
     # Only prefill blocks (tens of rows) exceed the router's 8 rows and the head's 16: no decode call falls back
     assert set(ops.fallbacks) <= {"moe", "lm_head"}, dict(ops.fallbacks)
 

@@ -12,7 +12,9 @@ interpreter (CPU) runs small shapes: 128-row blocks with a 48-row shard at offse
   padding rows' routing weights are NaN: the output must be finite and bit-equal to the clean run (never read);
 - duplicate experts across rows, all rows on the same experts, no live rows.
 Negative controls (kernel pieces substituted from tests/kernel_controls.py `MOE`): scale offsets ignored, liveness
-ignored (padding rows' experts computed and combined), routing weights not applied; each must fail the checks.
+ignored (padding rows' experts computed and combined), routing weights not applied (in the combine, and in the
+combine fused with the sandwich tail, `combine_add_norm`, which must equal the combine, the cast and `add_norm` bit
+for bit); each must fail the checks.
 GPU (`pytest.mark.gpu`, run on a device later): one TP8 rank at full size (256 experts, H 3072, 192-row shards at
 offsets 0 and 64, 128 x 128 blocks), 8 rows with 38 and 13 distinct experts, bf16, and graph replay bit-identical.
 """
@@ -72,6 +74,7 @@ CONTROLS = [
     case("neg_offset_ignored", offset=96, dtype="bf16", control="offset_ignored", caught="rel err"),
     case("neg_padding_computed", live="mask", pattern="poison", control="padding_computed", caught="padding row"),
     case("neg_weights_not_applied", control="weights_not_applied", caught="rel err"),
+    case("neg_tail_weights_not_applied", control="tail_weights_not_applied", caught="fused tail"),
 ]
 
 
@@ -127,6 +130,27 @@ def call(t: dict, **kw) -> torch.Tensor:
     return got
 
 
+def tail_equal(c: dict, t: dict) -> bool:
+    """`combine_add_norm` of the uncombined outputs against `moe`, the cast to the compute dtype and `add_norm`: the
+    sum, h and b bit for bit (the same definitions in one launch). The MoE tail of layers >= 1 (no branch norm, the
+    published ffn_out_scale) on a stream of the compute dtype; on the mini shapes, the draft's (branch norm, scale 1,
+    an fp32 stream)."""
+    from iquest.kernels import rmsnorm
+
+    gen = torch.Generator().manual_seed(c["seed"] + 11)
+    R, H, dt = c["R"], c["H"], DTYPES[c["dtype"]]
+    draft = c["name"].startswith("mini")
+    residual = torch.randn(R, H, generator=gen).to(torch.float32 if draft else dt).to(t["b"].device)
+    y_norm = (torch.rand(H, generator=gen) + 0.5).to(dt).to(t["b"].device) if draft else None
+    next_norm = (torch.rand(H, generator=gen) + 0.5).to(dt).to(t["b"].device)
+    scale = 1.0 if draft else 0.53881590608
+    outputs = mk.expert_outputs(t["b"], t["experts"], t["weights"], t["live"], t["gate"], t["up"], t["down"])
+    fused = mk.combine_add_norm(outputs, residual, scale, y_norm, next_norm, 1e-6, dt)
+    total = call(t).to(dt)
+    want = (total, *rmsnorm.add_norm(residual, total, scale, y_norm, next_norm, 1e-6, dt))
+    return all(torch.equal(a, b) for a, b in zip(fused, want))
+
+
 def poisoned(t: dict) -> dict:
     """Experts chosen only by padding rows, and padding rows' routing weights, set to NaN."""
     chosen, live = t["experts"].cpu(), t["mask"].cpu()
@@ -160,6 +184,7 @@ def run_case(c: dict, device: str) -> dict:
             again = call(bad)
             res["poisoned_experts"] = n
             res["poison_finite_equal"] = bool(torch.isfinite(again).all() and torch.equal(again, got))
+        res["tail_equal"] = tail_equal(c, t)
     live = t["mask"]
     ref = mk.moe_torch(t["b"], t["experts"], t["weights"], t["gate"], t["up"], t["down"])
     g, r = got[live], ref[live]
@@ -176,6 +201,7 @@ def check(c: dict, r: dict, tol: dict = TOL) -> None:
     assert r["finite"], "non-finite output"
     assert r["pad_zero"], "a padding row is not zero"
     assert r["rel_err"] <= tol[c["dtype"]], f"rel err {r['rel_err']:.3e} > {tol[c['dtype']]:.3e}"
+    assert r["tail_equal"], "the fused tail (combine_add_norm) differs from combine, cast and add_norm"
     if c["pattern"] == "poison":
         assert r["poisoned_experts"] > 0
         assert r["poison_finite_equal"], "a padding row's expert weights or routing weights were read"
