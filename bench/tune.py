@@ -33,12 +33,13 @@ from typing import Callable
 
 import torch
 
-from ..kernels import decode_attention as da, lm_head as lh, moe as mo, qk_rope_kv as qr, rmsnorm as rn, router as ro
+from ..kernels import decode_attention as da, fp8_linear as fl, lm_head as lh, moe as mo, qk_rope_kv as qr, \
+    rmsnorm as rn, router as ro
 
 FULL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "iquest-q1.json"
 TP = 8
-OPS = ("attention_full", "attention_sliding", "attention_draft", "qk_rope_kv", "rmsnorm", "add_norm", "router", "moe",
-       "lm_head")
+OPS = ("linear_qkv", "linear_o", "attention_full", "attention_sliding", "attention_draft", "qk_rope_kv", "rmsnorm",
+       "add_norm", "router", "moe", "lm_head")
 ROTATE_BYTES = 192 << 20  # > 3x the H200's L2: a call finds little of its inputs left there by the previous copies
 MAX_COPIES = 384  # a short cache's copies: 2 kernels each, a graph stays a few hundred nodes
 MIN_CALLS = 24  # calls a graph at least, so a replay's launch overhead spreads thin
@@ -52,7 +53,12 @@ _ATTENTION = ({"block_n": 32}, {"block_n": 128}, {"min_split": 128}, {"min_split
               {"num_warps": 8}, {"combine_splits": 64}, {"combine_cols": 16}, {"combine_cols": 64},
               {"combine_warps": 2}, {"combine_warps": 8}, {"preload": False}, {"early": False})
 _NORM = ({"num_warps": 2}, {"num_warps": 4}, {"num_warps": 16})
+# q/k/v splits its 24 K tiles 8 ways by default (3 a program), o_proj its 6 tiles 2 ways: split_k tries fewer and more
+_LINEAR = ({"block_n": 16}, {"block_n": 64}, {"num_warps": 2}, {"num_warps": 8}, {"num_stages": 2}, {"num_stages": 3},
+           {"preload": False}, {"split_k": 1}, {"split_k": 3}, {"split_k": 12})
 GRIDS: dict[str, tuple[dict, ...]] = {
+    "linear_qkv": _LINEAR,
+    "linear_o": _LINEAR,
     # full layers pipeline three K/V tiles by default, sliding ones two: each grid tries the other depth
     "attention_full": _ATTENTION + ({"num_stages": 2}, {"num_stages": 4}),
     "attention_sliding": _ATTENTION + ({"num_stages": 1}, {"num_stages": 3}),
@@ -78,6 +84,7 @@ GRIDS: dict[str, tuple[dict, ...]] = {
 _ATTENTION_ORDER = frozenset({"block_n", "min_split", "num_splits", "num_warps", "combine_splits", "combine_cols",
                               "combine_warps"})
 ORDER_FIELDS: dict[str, frozenset[str]] = {
+    "linear_qkv": frozenset({"block_n", "split_k"}), "linear_o": frozenset({"block_n", "split_k"}),
     "attention_full": _ATTENTION_ORDER, "attention_sliding": _ATTENTION_ORDER, "attention_draft": _ATTENTION_ORDER,
     "qk_rope_kv": frozenset({"num_warps"}), "rmsnorm": frozenset({"num_warps"}), "add_norm": frozenset({"num_warps"}),
     "router": frozenset({"block_e", "block_h", "num_warps", "split", "programs_per_sm", "select_warps"}),
@@ -88,9 +95,10 @@ ORDER_FIELDS: dict[str, frozenset[str]] = {
 
 def default_settings(op: str):
     """The settings the engine launches `op` with (fast/triton_ops.py passes none: each wrapper's default)."""
-    return {"attention_full": da.FULL, "attention_sliding": da.SLIDING, "attention_draft": da.SLIDING,
-            "qk_rope_kv": qr.QkRopeSettings(), "rmsnorm": rn.RmsNormSettings(), "add_norm": rn.RmsNormSettings(),
-            "router": ro.RouterSettings(), "moe": mo.MoESettings(), "lm_head": lh.LMHeadSettings()}[op]
+    return {"linear_qkv": fl.LinearSettings(), "linear_o": fl.LinearSettings(), "attention_full": da.FULL,
+            "attention_sliding": da.SLIDING, "attention_draft": da.SLIDING, "qk_rope_kv": qr.QkRopeSettings(),
+            "rmsnorm": rn.RmsNormSettings(), "add_norm": rn.RmsNormSettings(), "router": ro.RouterSettings(),
+            "moe": mo.MoESettings(), "lm_head": lh.LMHeadSettings()}[op]
 
 
 def candidate_name(overrides: dict) -> str:
@@ -195,6 +203,29 @@ def _copies(call_bytes: int, most: int = MAX_COPIES) -> int:
 
 def _randn(shape, g: torch.Generator, device, dtype=torch.bfloat16, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(shape, generator=g, device=device) * scale).to(dtype)
+
+
+def _linear(op: str, s: RankShapes, rows: int, device, g, pdl: bool) -> Case:
+    """One attention projection as the engine calls it: q/k/v as one weight (the rank's query heads and its KV head's k
+    and v) or o_proj; bf16 rows in and out, the split sum done in the launch (arrival counters)."""
+    q_cols, kv_cols = s.q_heads * s.head_dim, s.kv_heads * s.head_dim
+    N, K = (q_cols + 2 * kv_cols, s.hidden) if op == "linear_qkv" else (s.hidden, q_cols)
+    (B0, B1) = s.block
+    w = torch.randn((N, K), generator=g, device=device).to(torch.float8_e4m3fn)
+    sc = (torch.rand((-(-N // B0), -(-K // B1)), generator=g, device=device) + 0.5) / 64
+    x = _randn((rows, K), g, device)
+    n = _copies(w.numel() + sc.numel() * 4)
+    ws = [w] + [w.clone() for _ in range(n - 1)]
+
+    def calls(st):
+        out = torch.empty((rows, N), dtype=torch.bfloat16, device=device)
+        locks = torch.zeros(fl.lock_count(rows, N, st), dtype=torch.int32, device=device)
+        return [lambda w=w: (fl.fp8_linear(x, w, sc, s.block, out_dtype=torch.bfloat16, out=out, locks=locks, pdl=pdl,
+                                           settings=st),) for w in ws]
+
+    name = "q/k/v" if op == "linear_qkv" else "o_proj"
+    return Case(op, f"x [{rows}, {K}] bf16 @ {name} [{N} x {K}] E4M3 with fp32 {B0}x{B1} block scales, bf16 out",
+                {"rows": rows, "n": N, "k": K, "block": list(s.block), "weight_bytes": w.numel()}, n, calls)
 
 
 def _attention(op: str, s: RankShapes, rows: int, context: int, device, g, pdl: bool) -> Case:
@@ -335,6 +366,8 @@ def _lm_head(s: RankShapes, rows: int, device, g, pdl: bool) -> Case:
 def build(op: str, s: RankShapes, rows: int, context: int, distinct: int, device, seed: int = 0,
           pdl: bool = True) -> Case:
     g = torch.Generator(device=device).manual_seed(seed)
+    if op.startswith("linear_"):
+        return _linear(op, s, rows, device, g, pdl)
     if op.startswith("attention_"):
         return _attention(op, s, rows, context, device, g, pdl)
     if op == "qk_rope_kv":

@@ -125,17 +125,18 @@ def register(bsub) -> None:
 def _register_tune(bsub) -> None:
     t = bsub.add_parser("tune", help="each published-model kernel at its default launch settings and a small grid of "
                                      "others, at one TP8 rank's decode shapes (GPU)",
-                        description="For each op (attention on full, sliding and draft layers, qk_rope_kv, rmsnorm, "
-                                    "add_norm, the router, the MoE, the LM head) builds its inputs at one TP8 rank's "
-                                    "shapes of configs/iquest-q1.json, then times the default settings and each "
-                                    "candidate of bench/tune.py's grid (dataclasses.replace on the default) in CUDA "
-                                    "graphs launched with PDL as the engine launches them, the graphs replayed in "
-                                    "turns in one process. Prints one line a candidate: median us a call, ratio to the "
-                                    "default, and whether its output has the default's bits (a candidate changing a "
-                                    "field that sets an fp32 sum's order is flagged as a numerical change).")
-    t.add_argument("--ops", default="all", help="comma-separated ops, or all (default all: attention_full, "
-                                                "attention_sliding, attention_draft, qk_rope_kv, rmsnorm, add_norm, "
-                                                "router, moe, lm_head)")
+                        description="For each op (the FP8 linears at q/k/v and o_proj, attention on full, sliding "
+                                    "and draft layers, qk_rope_kv, rmsnorm, add_norm, the router, the MoE, the LM "
+                                    "head) builds its inputs at one TP8 rank's shapes of configs/iquest-q1.json, "
+                                    "then times the default settings and each candidate of bench/tune.py's grid "
+                                    "(dataclasses.replace on the default) in CUDA graphs launched with PDL as the "
+                                    "engine launches them, the graphs replayed in turns in one process. Prints one "
+                                    "line a candidate: median us a call, ratio to the default, and whether its "
+                                    "output has the default's bits (a candidate changing a field that sets an fp32 "
+                                    "sum's order is flagged as a numerical change).")
+    t.add_argument("--ops", default="all", help="comma-separated ops, or all (default all: linear_qkv, linear_o, "
+                                                "attention_full, attention_sliding, attention_draft, qk_rope_kv, "
+                                                "rmsnorm, add_norm, router, moe, lm_head)")
     t.add_argument("--only", metavar="NAME[,NAME]",
                    help="time only these candidates (besides each op's default), named as printed, e.g. "
                         "num_warps=8,block_n=32")

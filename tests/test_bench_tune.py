@@ -53,6 +53,8 @@ def test_every_candidate_is_a_valid_setting(op):
 
 def test_order_fields_flag_numerical_changes():
     assert tune.order_changes("attention_full", {"block_n": 32}) == ["block_n"]
+    assert tune.order_changes("linear_qkv", {"split_k": 3}) == ["split_k"]
+    assert tune.order_changes("linear_o", {"preload": False}) == tune.order_changes("linear_o", {"num_warps": 2}) == []
     assert tune.order_changes("attention_full", {"num_stages": 2}) == []  # scheduling only
     assert tune.order_changes("router", {"preload": False}) == []
     assert tune.order_changes("lm_head", {"block_v": 64}) == [] and tune.order_changes("lm_head", {"block_k": 64})
@@ -86,6 +88,10 @@ def test_small_cases_build_on_cpu():
     assert tune.build("attention_sliding", s, 6, 256, 13, "cpu", pdl=False).shapes["slots"] == 4160
     assert tune.build("attention_draft", s, 6, 256, 13, "cpu", pdl=False).shapes["slots"] == 576
     assert tune.build("rmsnorm", s, 6, 256, 13, "cpu", pdl=False).copies == 1
+    qkv = tune.build("linear_qkv", s, 6, 256, 13, "cpu", pdl=False)  # 3 MB a weight copy: 64 copies
+    assert (qkv.shapes["n"], qkv.shapes["k"], qkv.copies) == (1024, 3072, 64)
+    o = tune.build("linear_o", s, 6, 256, 13, "cpu", pdl=False)
+    assert (o.shapes["n"], o.shapes["k"]) == (3072, 768)
 
 
 def test_parse_ops_and_only():
@@ -94,8 +100,8 @@ def test_parse_ops_and_only():
     assert tune.parse_only("warps=8", ("moe",)) == ("warps=8",)
     with pytest.raises(ValueError, match="num_warps=8 is not a candidate of moe"):
         tune.parse_only("num_warps=8", ("moe",))
-    with pytest.raises(ValueError, match="unknown linear_qkv"):
-        tune.parse_ops("moe,linear_qkv")
+    with pytest.raises(ValueError, match="unknown linear"):
+        tune.parse_ops("moe,linear")
 
 
 def test_cli_errors_are_one_line(one_line_error, no_cuda):
