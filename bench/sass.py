@@ -8,7 +8,8 @@ there (without it, loads are not vectorized and the numbers mean nothing). Use i
 and conversion instructions before spending GPU time (docs/PERF.md: the compact MoE grid's spills were visible here).
 Every kernel the engine launches for a decode round's layer has a spec (`specs`): the FP8 linears, q/k norm + RoPE + KV
 write, split-KV attention and its combine, the norms, the router's two launches, the MoE's three (both expert offsets a
-TP8 rank can have) and the LM head, at the bf16 activations the engine runs on the GPU.
+TP8 rank can have), the MoE's combine ending in the sandwich tail, the peer all-reduce ending in it (TP 8) and the LM
+head, at the bf16 activations the engine runs on the GPU.
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
     their settings classes' defaults, as their wrappers launch them on an H200 (132 SMs) with PDL. Attention reads a
     full layer's cache as bench step holds it at `context`, a sliding layer's ring of window + 64 slots."""
     from ..fast.cache import RING_SLACK
-    from ..kernels import decode_attention as da, lm_head as lh, moe as mo, qk_rope_kv as qr, rmsnorm as rn, \
-        router as ro
+    from ..kernels import allreduce as ar, decode_attention as da, lm_head as lh, moe as mo, qk_rope_kv as qr, \
+        rmsnorm as rn, router as ro
     from ..kernels.launch import prefetch_lines
     from .tune import FULL_SLACK, rank_shapes
 
@@ -230,6 +231,25 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
         mo._combine_kernel, dict(y_ptr="*fp32", weights_ptr="*fp32", live_ptr="*u8", out_ptr="*fp32"),
         dict(R=R, H=H, stride_o=H), (), dict(K_TOP=k, BLOCK=ms.combine_block, LIVE_COUNT=False, PDL=True), 4, 1,
         f"MoE weighted sum of {k} slots", NO_FMA)
+    tail_ptrs = {f"{n}_ptr": "*bf16" for n in ("yw", "nw", "sum", "h", "b")}
+    tail_ints = dict(H=H, stride_sum=H, stride_h=H, stride_b=H)
+    out["moe_combine_add_norm"] = _launch(
+        mo._combine_add_norm_kernel, dict(y_ptr="*fp32", weights_ptr="*fp32", live_ptr="*u8", r_ptr="*bf16",
+                                          **tail_ptrs), dict(R=R, stride_r=H, **tail_ints), ("eps", "scale"),
+        dict(K_TOP=k, LIVE_COUNT=False, BLOCK=block, Y_NORM=False, SCALED=True, BF16=True, INTERP=False, PDL=True),
+        norm_warps, 1, f"MoE weighted sum of {k} slots ending in the sandwich tail (TP 1, rank slices)", NO_FMA)
+
+    # ---- the peer all-reduce at TP 8 ending in the tail: after o_proj (a tensor), after the MoE (its outputs)
+    ring = dict(peers_ptr="*i64", own_ptr="*bf16", state_ptr="*i32", error_ptr="*i32", res_ptr="*bf16", **tail_ptrs)
+    protocol = dict(WORLD=TP, CAP=64, BLOCK=block, BITS=16, TAIL=True, Y_NORM=False, POLL=ar._poll,
+                    REARM=ar._rearm_and_advance, ORDER=ar._rank_order, HOLD=False, PDL=True)
+    for name, src, combine in (("all_reduce_add_norm", "*bf16", False), ("all_reduce_combine_add_norm", "*fp32", True)):
+        out[name] = _launch(
+            ar._all_reduce_kernel, dict(x_ptr=src, rw_ptr=src, live_ptr="*u8" if combine else src, **ring),
+            dict(R=R, S=H, stride_x=H, stride_res=H, **tail_ints), ("eps", "scale"),
+            dict(protocol, COMBINE=combine, K_TOP=k if combine else 1, LIVE_COUNT=False, SCALED=combine),
+            norm_warps, 1, f"peer all-reduce over {TP} ranks ending in the sandwich tail"
+            + (f", combining {k} slots as it pushes" if combine else ""), NO_FMA)
 
     # ---- the LM head: fp32 [20000 x 3072] a rank, the V tile choose_block_v takes on 132 SMs
     ls = lh.LMHeadSettings()
