@@ -1,34 +1,51 @@
 """The engine variants a benchmark compares side by side: `torch` or `triton` (the kernel plans of fast/plan.py), each
-optionally with ops removed from the round for timing (`triton~moe`, `triton~route:38`: lab/ablation.py)."""
+optionally with ops removed from the round for timing (`triton~moe`, `triton~route:38`: lab/ablation.py) and with
+folds undone, as the control of a fold (`triton^moe_combine`: lab/unfold.py)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from typing import NamedTuple
 
 from ..fast.rank import EngineOptions, RankEngine
 from ..lab.ablation import ablate, check_reached
+from ..lab.unfold import check_unfolded, unfold
 
 
-def split(name: str) -> tuple[str, frozenset[str]]:
-    """(kernels, ablations) of a variant name such as "triton~route:38~lm_head"."""
-    kernels, *ablated = name.split("~")
-    if kernels not in ("torch", "triton"):
-        raise ValueError(f"variant {name!r}: kernels must be torch or triton (then ~op ablations), got {kernels!r}")
-    return kernels, frozenset(ablated)
+class Variant(NamedTuple):
+    kernels: str
+    ablated: frozenset[str]
+    unfolded: frozenset[str]
+
+
+def split(name: str) -> Variant:
+    """The parts of a variant name such as "triton^moe_combine~route:38": kernels, then ~ablations and ^unfolds in
+    any order."""
+    kernels, *parts = re.split(r"(?=[~^])", name)
+    if kernels not in ("torch", "triton") or any(len(p) < 2 for p in parts):
+        raise ValueError(f"variant {name!r}: kernels must be torch or triton (then ~op ablations and ^fold unfolds), "
+                         f"got {kernels!r}")
+    return Variant(kernels, frozenset(p[1:] for p in parts if p[0] == "~"),
+                   frozenset(p[1:] for p in parts if p[0] == "^"))
 
 
 def options(name: str, base: EngineOptions) -> EngineOptions:
-    return replace(base, kernels=split(name)[0])
+    return replace(base, kernels=split(name).kernels)
 
 
 def prepare(engine: RankEngine, name: str) -> RankEngine:
-    """Apply the variant's ablations to a freshly built engine (before its first runner is captured)."""
-    ablated = split(name)[1]
-    if ablated:
-        ablate(engine.model.ops, set(ablated))
+    """Apply the variant's unfolds and ablations to a freshly built engine (before its first runner is captured)."""
+    v = split(name)
+    if v.unfolded:
+        unfold(engine.model.ops, set(v.unfolded))
+    if v.ablated:
+        ablate(engine.model.ops, set(v.ablated))
     return engine
 
 
 def check(engine: RankEngine, name: str) -> None:
-    """After a decode: refuse a variant whose ablated op never ran (it timed the unablated round)."""
+    """After a decode: refuse a variant whose ablated op never ran, or whose unfolded fold was never on its path (it
+    timed the unablated or the folded round)."""
     check_reached(engine.model.ops, name)
+    check_unfolded(engine.model.ops, name)

@@ -60,8 +60,9 @@ def register(sub) -> None:
                    help="comma-separated variants compared side by side: torch (fallback) or triton (kernels/), "
                         "each optionally with ops removed for timing (lab/ablation.py: triton~moe) or the routing "
                         "pinned to D distinct experts a block (triton~route:38, the real-request routing; with "
-                        "--config each variant is held to the byte floor of its own routing); e.g. torch,triton or "
-                        "triton,triton~route:38 (default torch). The speedup line compares the first variant's graph "
+                        "--config each variant is held to the byte floor of its own routing), or a fold undone as "
+                        "its control (lab/unfold.py: triton^moe_combine, triton^peer_tail); e.g. torch,triton, "
+                        "triton,triton~route:38 or triton,triton^moe_combine (default torch). The speedup line compares the first variant's graph "
                         "round with torch's eager round, so include torch to get it")
     s.set_defaults(run=run)
     c = bsub.add_parser("context", help="the round across context lengths 1K-192K against the added-KV floor",

@@ -104,6 +104,24 @@ def group_block(*groups: str, device: str = "cpu") -> dict:
             "calls": calls, "fallbacks": fallbacks}
 
 
+def unfolded_block(device: str = "cpu") -> dict:
+    """The MoE's combine folded into the sandwich tail against its control (lab/unfold.py `^moe_combine`: the combine
+    and the cast launched apart, as before the fold): the three blocks' outputs and caches bit for bit, and which
+    paths each ran."""
+    from iquest.lab.unfold import unfold
+
+    plan = KernelPlan(moe=True, norm=True)
+    folded, control = engine(plan, device), engine(plan, device)
+    unfold(control.model.ops, {"moe_combine"})
+    got = [two_blocks(e, device) for e in (folded, control)]
+    same = all(torch.equal(x, y) for a, b in zip(*got) for x, y in zip(a, b))
+    caches = all(torch.equal(x, y) for l0, l1 in zip(folded.cache.layers, control.cache.layers)
+                 for x, y in zip(_real_slots(l0), _real_slots(l1)))
+    return {"identical": same and caches, "folded": folded.model.ops.calls["combine_add_norm"],
+            "control": control.model.ops.calls["combine_add_norm"],
+            "unfolded": control.model.ops.unfolded_calls.get("moe_combine", 0)}
+
+
 def sampling_block(device: str = "cpu") -> dict:
     """The sampling kernels' distributions of one 8-row logits block against the torch forms'."""
     out = {}
@@ -164,6 +182,15 @@ def test_interpreted_group_kernels_within_their_tolerance(interpreted, group, ke
     assert r["rel_err"] <= GROUP_BLOCK_TOL[group] and r["cache_err"] <= GROUP_BLOCK_TOL[group], r
 
 
+def test_interpreted_fold_and_its_control_are_bit_identical(interpreted):
+    """Issue 52's paired evidence rests on this: the fold's control variant computes the same bits through the
+    launches the fold removed (and the control really ran them)."""
+    r = interpreted["unfolded_block"]
+    assert "error" not in r, r
+    assert r["identical"], r
+    assert r["folded"] > 0 and r["control"] == 0 and r["unfolded"] > 0, r
+
+
 def test_interpreted_sampling_kernels_match_the_torch_forms(interpreted):
     samp = interpreted["sampling_block"]
     assert "error" not in samp, samp
@@ -185,7 +212,7 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     worker_main([("linear_block", linear_block), ("sampling_block", sampling_block), ("glue_block", glue_block),
                  ("attention_block", lambda: group_block("attention")), ("norm_block", lambda: group_block("norm")),
                  ("moe_block", lambda: group_block("moe")), ("lm_head_block", lambda: group_block("lm_head")),
-                 ("moe_norm_block", lambda: group_block("moe", "norm"))])
+                 ("moe_norm_block", lambda: group_block("moe", "norm")), ("unfolded_block", unfolded_block)])
 
 
 # ---- on the GPU --------------------------------------------------------------------------------------------

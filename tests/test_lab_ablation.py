@@ -1,5 +1,7 @@
 """lab/ablation.py: a benchmark variant `X~op` removes an op from the round for timing; the decode still runs, the op's first
-result per shape is returned from then on (no launches), and the ablation really changes what the model computes."""
+result per shape is returned from then on (no launches), and the ablation really changes what the model computes.
+lab/unfold.py's `X^fold` controls are parsed and refused off their path here; their bits are checked against the fold
+under the interpreter (tests/test_fast_kernels.py)."""
 
 from __future__ import annotations
 
@@ -56,9 +58,20 @@ def test_variant_names_are_checked():
     for bad in ("torch~bogus", "torch~route:0", "torch~route:x", "torch~moe:3"):
         with pytest.raises(ValueError, match="unknown ablation"):
             _engine(bad)
-    for bad in ("triton-settle", "bogus~moe"):  # the stage language is gone: torch or triton, then ablations
+    for bad in ("triton-settle", "bogus~moe", "triton^", "triton~"):  # torch or triton, then ablations and unfolds
         with pytest.raises(ValueError, match="kernels must be torch or triton"):
             variants.split(bad)
+    assert variants.split("triton^moe_combine~route:38") == ("triton", {"route:38"}, {"moe_combine"})
+    with pytest.raises(ValueError, match="unknown unfold"):
+        _engine("torch^bogus")
+
+
+def test_an_unfold_off_the_variants_path_is_refused():
+    """The torch forms have no fold: `torch^moe_combine` substitutes nothing, and the check after a decode says so."""
+    got, ops = _decode("torch^moe_combine")
+    assert got == _decode("torch")[0]
+    with pytest.raises(ValueError, match="never folded on its path"):
+        variants.check(SimpleNamespace(model=SimpleNamespace(ops=ops)), "torch^moe_combine")
 
 
 @given(rows=st.integers(1, 8), k=st.integers(1, 8), distinct=st.integers(8, 64))
