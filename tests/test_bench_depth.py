@@ -35,7 +35,10 @@ def test_the_statistics_on_made_up_units():
     assert s["ratio"] == pytest.approx(1) and s["ci95"] == pytest.approx([1, 1]) and s["faster"] == s["slower"] == 0
     fast = [_unit((0.8, 10), (1.0, 10)) for _ in range(8)] + [_unit((0.0, 0), (1.0, 10))]  # last: nothing decoded
     g = ratio_stats(fast, "x", "y")
-    assert g["ratio"] == pytest.approx(0.8) and g["faster"] == 8 and g["units"] == 8 and g["units_left_out"] == 1
+    assert g["ratio"] == g["pooled_ratio"] == pytest.approx(0.8) and g["ci95"] == pytest.approx([0.8, 0.8])
+    assert g["faster"] == 8 and g["units"] == 8 and g["units_left_out"] == 1
+    burst = ratio_stats([*fast[:8], _unit((30.0, 10), (1.0, 10))], "x", "y")  # another process's burst hits one unit
+    assert burst["ratio"] == pytest.approx(0.8) and burst["pooled_ratio"] > 4  # the median stands, the pooled does not
     assert verdict(g, s)["beyond_noise"] and not verdict(s, s)["beyond_noise"]
     noisy = {**s, "ci95": [0.7, 1.3]}
     assert not verdict(g, noisy)["beyond_noise"]  # a 20% gain inside a 30% noise floor counts for nothing
@@ -70,6 +73,7 @@ def test_a_short_paired_run_on_the_mini_model(tmp_path, capsys, monkeypatch):
     for key in ("auto_over_A", "A_prime_over_A"):
         g = r[key]
         assert g["ci95"][0] <= g["ratio"] <= g["ci95"][1] and g["units"] + g["units_left_out"] == 4
+        assert g["pooled_ci95"][0] <= g["pooled_ratio"] <= g["pooled_ci95"][1]
     out_text = capsys.readouterr()
     assert "auto/A:" in out_text.out and "A'/A:" in out_text.out and "noise floor" in out_text.out
     assert out_text.err.count("repeat ") == 4
