@@ -73,9 +73,12 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     "moe": ({"gate_up_block_n": 16}, {"gate_up_block_n": 64}, {"gate_up_block_k": 64}, {"down_block_n": 64},
             {"down_block_n": 256}, {"down_block_k": 32}, {"down_block_k": 128}, {"warps": 2}, {"warps": 8},
             {"stages": 2}, {"stages": 4}, {"combine_block": 128}, {"combine_block": 512}),
-    # block_v 128 is left out: kernels/lm_head.choose_block_v says it spills on sm_90a
-    "lm_head": ({"block_v": 16}, {"block_v": 64}, {"block_k": 32}, {"block_k": 64}, {"num_warps": 2},
-                {"num_warps": 8}, {"num_stages": 2}, {"num_stages": 3}),
+    # "rows" (the default) around its tile, then "dot" (the form before it) at its own defaults and grid; block_v 128
+    # is left out for "dot": kernels/lm_head.choose_block_v says it spills on sm_90a
+    "lm_head": ({"block_v": 8}, {"block_v": 32}, {"rows_block_k": 32}, {"rows_block_k": 128}, {"rows_warps": 4},
+                {"rows_warps": 16}, {"block_v": 8, "rows_block_k": 128, "rows_warps": 4},
+                {"form": "dot"}, {"form": "dot", "block_v": 16}, {"form": "dot", "block_v": 64},
+                {"form": "dot", "block_k": 64}, {"form": "dot", "num_warps": 8}, {"form": "dot", "num_stages": 3}),
 }
 
 # Fields that set the order of some fp32 sum (so a candidate changing one may change the last bits): from each settings
@@ -89,7 +92,7 @@ ORDER_FIELDS: dict[str, frozenset[str]] = {
     "qk_rope_kv": frozenset({"num_warps"}), "rmsnorm": frozenset({"num_warps"}), "add_norm": frozenset({"num_warps"}),
     "router": frozenset({"block_e", "block_h", "num_warps", "split", "programs_per_sm", "select_warps"}),
     "moe": frozenset({"gate_up_block_k", "down_block_k"}),
-    "lm_head": frozenset({"block_k"}),
+    "lm_head": frozenset({"form", "block_k", "rows_block_k", "rows_warps"}),
 }
 
 

@@ -8,12 +8,19 @@ operands would move a logit by ~2^-11 of a product), so the kernel sums the prod
 another order. Agreement is therefore to rounding, not bit for bit (`device.logit_tolerance`); where every partial sum
 is exact in fp32 (small-integer data in the tests), the logits equal torch's bit for bit.
 
-Grid (cdiv(V, BLOCK_V),): each program reads its [BLOCK_V, H] head rows once, K tile by K tile, for all the block's
-rows (tl.dot needs 16 rows; rows >= R load nothing and are not stored). The last V tile is partial: its loads re-read
-row V-1 (no masks in the weight stream) and its stores are masked. The K tail (H not a multiple of BLOCK_K) is one
-masked step after the unmasked loop. No atomics (deterministic), no host reads (graph-capturable).
+Two forms (`LMHeadSettings.form`), the same products summed in different orders:
+- "rows" (the default): grid (cdiv(V, BLOCK_V),); each program streams its [BLOCK_V, H] head rows K tile by K tile
+  into registers, and each of the block's rows (padded to a power of two, R a compile-time constant: a draft's single
+  row is one product an element) adds its products into its own lanes of an fp32 accumulator [rows, BLOCK_V,
+  BLOCK_K] with FMAs; the lanes are summed once at the end. No shared-memory staging and no padding of the rows to 16:
+  the loop is the head's 245 MB stream and about 2.4 instructions a product (`iquest bench sass`).
+- "dot": the same grid; the tile's products by tl.dot with input_precision="ieee", the rows padded to BLOCK_R = 16
+  (tl.dot's smallest M). On sm_90a an fp32 IEEE dot is FMAs on operands staged through shared memory: the form the
+  benchmark of record measured at 552 us a call, 9.6x the head's bytes (docs/PERF.md).
+The last V tile is partial: its loads re-read row V-1 (no masks in the weight stream) and its stores are masked. The
+K tail (H not a multiple of BLOCK_K) is masked. No atomics (deterministic), no host reads (graph-capturable).
 
-Decode blocks have 1..8 rows (BLOCK_R = 16 at most); a larger block (prefill) is refused (`fits`), and the engine runs
+Decode blocks have 1..8 rows (at most 16 taken); a larger block (prefill) is refused (`fits`), and the engine runs
 the torch form.
 """
 
@@ -32,24 +39,72 @@ BLOCK_R = 16  # tl.dot's smallest M
 MAX_ROWS = BLOCK_R  # one row tile: the head is read once per call
 
 
+FORMS = ("rows", "dot")
+ROWS_BLOCK_V = 16  # "rows" with block_v None: 1,250 programs over a rank's 20,000 rows
+
+
 @dataclass(frozen=True)
 class LMHeadSettings:
-    """Launch choices. block_k may change the summation order, so the last bits (always within
+    """Launch choices. form, block_k and rows_block_k change the summation order, so the last bits (always within
     `device.logit_tolerance`); the others share the same sums out over programs and threads."""
 
-    # None: `choose_block_v`, the largest V tile that still gives programs_per_sm programs an SM, so the last partial
-    # wave of the 245 MB stream is short (docs/PERF.md, "The LM head, Philox and the router as kernels").
+    # "rows": fp32 products in registers, no shared-memory staging, R products an element; chosen over "dot", whose
+    # FMA lowering ran at 9.6x the head's bytes (docs/PERF.md, benchmark of record at f833c86); rows: to be measured
+    form: str = "rows"
+    # None: "rows" takes ROWS_BLOCK_V; "dot" `choose_block_v`, the largest V tile that still gives programs_per_sm
+    # programs an SM, so the last partial wave of the 245 MB stream is short (docs/PERF.md, "The LM head, Philox and
+    # the router as kernels").
     block_v: int | None = None
     programs_per_sm: int = 4
-    block_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 4
+    block_k: int = 128     # "dot"
+    num_warps: int = 4     # "dot"
+    num_stages: int = 4    # "dot"
+    # "rows": [16 x 64] fp32 tiles over 8 warps hold the accumulator of 8 rows in 64 registers a thread, four programs
+    # an SM with two tiles each in flight (`iquest bench sass`: no spill, 76 instructions a step at 6 rows); to be
+    # measured (`iquest bench tune --ops lm_head`)
+    rows_block_k: int = 64
+    rows_warps: int = 8
 
 
 @triton.jit
 def _dot(acc, x, w):
     """acc [BLOCK_R, BLOCK_V] += x [BLOCK_R, BLOCK_K] @ w [BLOCK_V, BLOCK_K]^T: fp32 operands, IEEE fp32 FMAs."""
     return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+
+
+@triton.jit
+def _row_products(acc, w, x):
+    """acc [ROWS_PAD, BLOCK_V, BLOCK_K] + each row's products with the tile: w [BLOCK_V, BLOCK_K] and x
+    [ROWS_PAD, BLOCK_K] fp32, one FMA an element a row."""
+    return acc + w[None, :, :] * x[:, None, :]
+
+
+@triton.jit
+def _lm_head_rows_kernel(x_ptr, w_ptr, y_ptr, V, H, stride_x, stride_w, stride_y, ROWS: tl.constexpr,
+                         ROWS_PAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pid_v = tl.program_id(0)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    rows = tl.arange(0, ROWS_PAD)
+    k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + tl.minimum(cols, V - 1)[:, None].to(tl.int64) * stride_w + k[None, :]
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :]
+    r_ok = (rows < ROWS)[:, None]
+    # the first weight tile is a constant: read before the wait, overlapping the previous kernel (kernels/launch.py)
+    w = tl.load(w_ptrs, mask=(k < H)[None, :], other=0.0)
+    wait_for_inputs(PDL)
+    # Every product goes into its own lane of acc; the lanes are summed once, after the last tile: the loop is loads
+    # and FMAs only, no reduction across threads (which, a row and a tile at a time, would cost more than the stream)
+    acc = tl.zeros([ROWS_PAD, BLOCK_V, BLOCK_K], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + k
+        # the next tile's load goes out before this one's products: two tiles in flight a program
+        nxt = tl.load(w_ptrs + (k0 + BLOCK_K), mask=((kk + BLOCK_K) < H)[None, :], other=0.0)
+        x = tl.load(x_ptrs + k0, mask=r_ok & (kk < H)[None, :], other=0.0).to(tl.float32)  # bf16 -> fp32: exact
+        acc = _row_products(acc, w, x)
+        w = nxt
+    y = tl.sum(acc, axis=2)  # [ROWS_PAD, BLOCK_V]
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], y, mask=r_ok & (cols < V)[None, :])
 
 
 @triton.jit
@@ -92,8 +147,13 @@ def fits(R: int, V: int, H: int) -> bool:
 
 
 def choose_block_v(v: int, settings: LMHeadSettings, device: torch.device) -> int:
-    """The largest V tile in (64, 32) giving >= programs_per_sm programs an SM, else 16. Not 128: pipelined at the
-    default block_k and num_stages, its fp32 tiles all but fill an SM's shared memory and spill registers (sm_90a)."""
+    """The V tile of a call: settings.block_v, else ROWS_BLOCK_V for "rows"; for "dot", the largest V tile in (64, 32)
+    giving >= programs_per_sm programs an SM, else 16. Not 128: pipelined at the default block_k and num_stages, its
+    fp32 tiles all but fill an SM's shared memory and spill registers (sm_90a)."""
+    if settings.block_v is not None:
+        return settings.block_v
+    if settings.form == "rows":
+        return ROWS_BLOCK_V
     programs = settings.programs_per_sm * _sm_count(device)
     for bv in (64, 32):
         if triton.cdiv(v, bv) >= programs:
@@ -103,8 +163,13 @@ def choose_block_v(v: int, settings: LMHeadSettings, device: torch.device) -> in
 
 def _check_settings(s: LMHeadSettings) -> None:
     _check(isinstance(s, LMHeadSettings), f"settings must be an LMHeadSettings, got {type(s).__name__}")
-    _check(s.block_v is None or is_pow2(s.block_v, 16), f"block_v {s.block_v!r} must be None or a power of two >= 16")
+    _check(s.form in FORMS, f"form {s.form!r} must be one of {', '.join(FORMS)}")
+    least = 16 if s.form == "dot" else 1  # tl.dot's smallest N
+    _check(s.block_v is None or is_pow2(s.block_v, least),
+           f"block_v {s.block_v!r} must be None or a power of two >= {least}")
     _check(is_pow2(s.block_k, 16), f"block_k {s.block_k!r} must be a power of two >= 16")
+    _check(is_pow2(s.rows_block_k, 16), f"rows_block_k {s.rows_block_k!r} must be a power of two >= 16")
+    _check(isinstance(s.rows_warps, int) and s.rows_warps in (1, 2, 4, 8, 16), f"rows_warps {s.rows_warps!r}")
     _check(isinstance(s.num_warps, int) and s.num_warps in (1, 2, 4, 8, 16), f"num_warps {s.num_warps!r}")
     _check(isinstance(s.num_stages, int) and s.num_stages >= 1, f"num_stages {s.num_stages!r} must be >= 1")
     _check(isinstance(s.programs_per_sm, int) and s.programs_per_sm >= 1,
@@ -137,9 +202,16 @@ def lm_head(hidden: torch.Tensor, head32: torch.Tensor, *, settings: LMHeadSetti
            f"out must be [{R}, {V}] fp32, got {tuple(out.shape)} {out.dtype}")
     _check(out.device == hidden.device, f"out is on {out.device}, hidden on {hidden.device}")
     _check(out.stride(1) == 1 or V == 1, "out must have unit stride along V")
-    block_v = settings.block_v if settings.block_v is not None else choose_block_v(V, settings, hidden.device)
-    _lm_head_kernel[(triton.cdiv(V, block_v),)](
-        hidden, head32, out, R, V, H, hidden.stride(0), head32.stride(0), out.stride(0), BLOCK_R=BLOCK_R,
-        BLOCK_V=block_v, BLOCK_K=settings.block_k, num_warps=settings.num_warps, num_stages=settings.num_stages,
-        **launch_options(pdl, hidden.device))
+    block_v = choose_block_v(V, settings, hidden.device)
+    launch = launch_options(pdl, hidden.device)
+    if settings.form == "rows":
+        _lm_head_rows_kernel[(triton.cdiv(V, block_v),)](
+            hidden, head32, out, V, H, hidden.stride(0), head32.stride(0), out.stride(0), ROWS=R,
+            ROWS_PAD=triton.next_power_of_2(R), BLOCK_V=block_v, BLOCK_K=settings.rows_block_k,
+            num_warps=settings.rows_warps, num_stages=1, **launch)
+    else:
+        _lm_head_kernel[(triton.cdiv(V, block_v),)](
+            hidden, head32, out, R, V, H, hidden.stride(0), head32.stride(0), out.stride(0), BLOCK_R=BLOCK_R,
+            BLOCK_V=block_v, BLOCK_K=settings.block_k, num_warps=settings.num_warps, num_stages=settings.num_stages,
+            **launch)
     return out

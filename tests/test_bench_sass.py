@@ -86,7 +86,7 @@ def test_cli(tmp_path, capsys):
 PUBLISHED = ("attention_split", "attention_split_sliding", "attention_combine", "attention_combine_long", "qk_rope_kv",
              "rmsnorm", "add_norm", "router_logits", "router_select", "moe_gate_up", "moe_down", "moe_gate_up_odd",
              "moe_down_odd", "moe_combine", "moe_combine_add_norm", "all_reduce_add_norm",
-             "all_reduce_combine_add_norm", "lm_head")
+             "all_reduce_combine_add_norm", "lm_head", "lm_head_draft", "lm_head_dot")
 # Stack bytes a kernel may use: none spills at the defaults (measured: the largest register count is the attention
 # split kernel's 254 of 255, so a larger tile there would spill first and this catches it).
 STACK_BOUND = {name: 0 for name in PUBLISHED}
@@ -106,7 +106,8 @@ def test_published_specs_are_the_rank_shapes():
     assert combine["NUM_SPLITS"] == 264 and combine["BLOCK_S"] == 128
     assert specs["moe_gate_up"].constexprs["G_OFF0"] == 0 and specs["moe_gate_up_odd"].constexprs["G_OFF0"] == 64
     assert specs["moe_down_odd"].constexprs["D_OFF1"] == 64 and specs["moe_down"].constexprs["BLOCK_K"] == 64
-    assert specs["lm_head"].constexprs["BLOCK_V"] == 32 and "20000 x 3072" in specs["lm_head"].note
+    assert specs["lm_head_dot"].constexprs["BLOCK_V"] == 32 and "20000 x 3072" in specs["lm_head"].note
+    assert specs["lm_head"].constexprs["ROWS"] == 6 and specs["lm_head_draft"].constexprs["ROWS"] == 1
     assert specs["router_logits"].constexprs["PRELOAD"] and "6 H splits" in specs["router_logits"].note
     assert specs["qk_rope_kv"].constexprs["HKV"] == 1  # one KV head a rank: the launch compiles it in
 

@@ -15,9 +15,9 @@ operands do not. The measured ratios are printed with -s.
 
 Under Triton's CPU interpreter, in one worker subprocess: 1, 3, 8 and 16 rows; V not a multiple of the tile (partial
 last V tile); H = 3072 and small H with a K tail; bf16 and fp32 hidden; strided hidden, head and out rows; the out
-buffer pre-filled with NaN; default settings (choose_block_v). Negative control, a jit piece substituted from here
-(`kernels.testing.substituted`): the dot with TF32 products (operands rounded to TF32 first, which the interpreter,
-ignoring input_precision, needs to show them), which must fail. `@pytest.mark.gpu`: every case, one TP8 rank's head
+buffer pre-filled with NaN; default settings (choose_block_v); both forms ("rows", the default, and "dot"). Negative
+controls, a jit piece substituted from here (`kernels.testing.substituted`), one a form: TF32 products (operands
+rounded to TF32 first, which the interpreter, ignoring input_precision, needs to show them), which must fail. `@pytest.mark.gpu`: every case, one TP8 rank's head
 (V = 20000, H = 3072 fp32, R = 1, 6, 8), the control at that size, PDL and CUDA-graph replay bit-identical to a plain
 launch.
 """
@@ -56,7 +56,13 @@ def dot_tf32(acc, x, w):
     return tl.dot(_to_tf32(x), tl.trans(_to_tf32(w)), acc, input_precision="tf32")
 
 
-CONTROLS = {"tf32": {"_lm_head_kernel": {"_dot": dot_tf32}}}
+@triton.jit
+def row_products_tf32(acc, w, x):
+    return acc + _to_tf32(w)[None, :, :] * _to_tf32(x)[:, None, :]
+
+
+CONTROLS = {"tf32": {"_lm_head_kernel": {"_dot": dot_tf32}},
+            "tf32_rows": {"_lm_head_rows_kernel": {"_row_products": row_products_tf32}}}
 
 BASE = dict(R=8, V=100, H=100, x="bf16", data="randn", x_stride=1, w_stride=1, out_stride=0, alloc=False,
             broken=None, seed=0, settings=dict(block_v=32, block_k=32))
@@ -83,8 +89,15 @@ CASES = [
     case("exact_bf16", R=8, data="exact", seed=11),
     case("exact_fp32_H3072", R=8, V=300, H=3072, x="fp32", data="exact", settings=dict(block_v=64, block_k=128),
          seed=12),
-    # negative control: must fail the checks the cases above pass
-    case("broken_tf32_products", R=8, data="exact", broken="tf32", seed=20),
+    case("rows_tiles_K_tail", R=5, V=77, H=200, settings=dict(block_v=8, rows_block_k=16, rows_warps=2), seed=16),
+    # the "dot" form
+    case("dot_1row_bf16", R=1, settings=dict(form="dot", block_v=32, block_k=32), seed=13),
+    case("dot_8rows_H3072_V1000_default_settings", V=1000, H=3072, settings=dict(form="dot"), seed=14),
+    case("dot_exact_bf16", R=8, data="exact", settings=dict(form="dot", block_v=32, block_k=32), seed=15),
+    # negative controls, one a form: must fail the checks the cases above pass
+    case("broken_tf32_products", R=8, data="exact", broken="tf32", settings=dict(form="dot", block_v=32, block_k=32),
+         seed=20),
+    case("broken_tf32_rows", R=8, data="exact", broken="tf32_rows", seed=21),
 ]
 
 GPU_CASES = [
@@ -95,7 +108,11 @@ GPU_CASES = [
     case("gpu_8rows_rank_exact", R=8, data="exact", **RANK, seed=35),
     case("gpu_8rows_rank_block_k_64", R=8, **dict(RANK, settings=dict(block_k=64)), seed=36),
     case("gpu_8rows_rank_block_v_64", R=8, **dict(RANK, settings=dict(block_v=64)), seed=37),
-    case("gpu_broken_tf32_products", R=8, data="exact", broken="tf32", **RANK, seed=40),
+    case("gpu_6rows_rank_dot", R=6, **dict(RANK, settings=dict(form="dot")), seed=38),
+    case("gpu_1row_rank_dot", R=1, **dict(RANK, settings=dict(form="dot")), seed=39),
+    case("gpu_broken_tf32_products", R=8, data="exact", broken="tf32", **dict(RANK, settings=dict(form="dot")),
+         seed=40),
+    case("gpu_broken_tf32_rows", R=8, data="exact", broken="tf32_rows", **RANK, seed=41),
 ]
 
 
@@ -196,10 +213,12 @@ def test_cases_cover_the_boundaries():
 
 
 def test_choose_block_v(monkeypatch):
-    cpu, s = torch.device("cpu"), lm.LMHeadSettings()  # 8 "SMs" off the GPU: 32 programs wanted
+    cpu, s = torch.device("cpu"), lm.LMHeadSettings(form="dot")  # 8 "SMs" off the GPU: 32 programs wanted
     assert lm.choose_block_v(20000, s, cpu) == 64 and lm.choose_block_v(100, s, cpu) == 16
     monkeypatch.setattr(lm, "_sm_count", lambda device: 132)  # an H200: 528 programs wanted
     assert [lm.choose_block_v(v, s, cpu) for v in (20000, 40000, 80000, 5000)] == [32, 64, 64, 16]
+    assert lm.choose_block_v(20000, lm.LMHeadSettings(), cpu) == lm.ROWS_BLOCK_V  # "rows": a fixed tile
+    assert lm.choose_block_v(20000, lm.LMHeadSettings(block_v=64), cpu) == 64
 
 
 def test_fits():
@@ -226,8 +245,12 @@ def _args(**over):
     (dict(out=torch.empty(3, 50, dtype=torch.bfloat16)), "out must be"),
     (dict(out=torch.empty(50, 3).T), "out must have unit stride"),
     (dict(settings=lm.LMHeadSettings(block_v=24)), "block_v"),
+    (dict(settings=lm.LMHeadSettings(form="dot", block_v=8)), "block_v"),
     (dict(settings=lm.LMHeadSettings(block_k=8)), "block_k"),
     (dict(settings=lm.LMHeadSettings(num_warps=3)), "num_warps"),
+    (dict(settings=lm.LMHeadSettings(form="gemv")), "form"),
+    (dict(settings=lm.LMHeadSettings(rows_block_k=24)), "rows_block_k"),
+    (dict(settings=lm.LMHeadSettings(rows_warps=3)), "rows_warps"),
 ])
 def test_rejects_bad_inputs(over, message):
     with pytest.raises(ValueError, match=f"lm_head: .*{message}"):
