@@ -34,12 +34,12 @@ from typing import Callable
 import torch
 
 from ..kernels import decode_attention as da, fp8_linear as fl, lm_head as lh, moe as mo, qk_rope_kv as qr, \
-    rmsnorm as rn, router as ro
+    rmsnorm as rn, router as ro, topk as tk
 
 FULL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "iquest-q1.json"
 TP = 8
 OPS = ("linear_qkv", "linear_o", "attention_full", "attention_sliding", "attention_draft", "qk_rope_kv", "rmsnorm",
-       "add_norm", "router", "moe", "lm_head")
+       "add_norm", "router", "moe", "lm_head", "topk")
 ROTATE_BYTES = 192 << 20  # > 3x the H200's L2: a call finds little of its inputs left there by the previous copies
 MAX_COPIES = 384  # a short cache's copies: 2 kernels each, a graph stays a few hundred nodes
 MIN_CALLS = 24  # calls a graph at least, so a replay's launch overhead spreads thin
@@ -79,6 +79,10 @@ GRIDS: dict[str, tuple[dict, ...]] = {
                 {"rows_warps": 16}, {"block_v": 8, "rows_block_k": 128, "rows_warps": 4},
                 {"form": "dot"}, {"form": "dot", "block_v": 16}, {"form": "dot", "block_v": 64},
                 {"form": "dot", "block_k": 64}, {"form": "dot", "num_warps": 8}, {"form": "dot", "num_stages": 3}),
+    # smaller tiles: more, shorter pass-1 programs (10 tiles a row at 2048). The skip only acts with more tiles than
+    # KP = 32 (k = 20), so it is turned off where it would act: tiles of 256 (79 a row) and 512 (40)
+    "topk": ({"tile": 256}, {"tile": 512}, {"tile": 1024}, {"tile": 4096}, {"num_warps": 1}, {"num_warps": 2},
+             {"num_warps": 8}, {"tile": 256, "skip": False}, {"tile": 512, "skip": False}),
 }
 
 # Fields that set the order of some fp32 sum (so a candidate changing one may change the last bits): from each settings
@@ -93,6 +97,7 @@ ORDER_FIELDS: dict[str, frozenset[str]] = {
     "router": frozenset({"block_e", "block_h", "num_warps", "split", "programs_per_sm", "select_warps"}),
     "moe": frozenset({"gate_up_block_k", "down_block_k"}),
     "lm_head": frozenset({"form", "block_k", "rows_block_k", "rows_warps"}),
+    "topk": frozenset(),  # no sum: the keys are exact and unique, so every setting gives the same top-k
 }
 
 
@@ -101,7 +106,7 @@ def default_settings(op: str):
     return {"linear_qkv": fl.LinearSettings(), "linear_o": fl.LinearSettings(), "attention_full": da.FULL,
             "attention_sliding": da.SLIDING, "attention_draft": da.SLIDING, "qk_rope_kv": qr.QkRopeSettings(),
             "rmsnorm": rn.RmsNormSettings(), "add_norm": rn.RmsNormSettings(), "router": ro.RouterSettings(),
-            "moe": mo.MoESettings(), "lm_head": lh.LMHeadSettings()}[op]
+            "moe": mo.MoESettings(), "lm_head": lh.LMHeadSettings(), "topk": tk.TopKSettings()}[op]
 
 
 def candidate_name(overrides: dict) -> str:
@@ -366,6 +371,25 @@ def _lm_head(s: RankShapes, rows: int, device, g, pdl: bool) -> Case:
                 {"rows": rows, "vocab": s.vocab, "hidden": s.hidden}, n, calls)
 
 
+def _topk(s: RankShapes, rows: int, device, g, pdl: bool) -> Case:
+    """This rank's top-k candidates as the engine samples: k = min(top_k, the rank's vocabulary) (fast/round.py
+    _sampling_args), top_k the generation config's default, 20."""
+    from ..reference.config import GenerationConfig
+
+    k = min(GenerationConfig().top_k, s.vocab)
+    offset = s.rank * s.vocab
+    logits = torch.randn((rows, s.vocab), generator=g, device=device) * 3  # the LM head's output: in L2, one copy
+
+    def calls(st):
+        out = (torch.empty((rows, k), dtype=torch.int64, device=device),
+               torch.empty((rows, k), dtype=torch.float32, device=device),
+               torch.empty((rows, k), dtype=torch.int64, device=device))
+        return [lambda: tk.local_topk_keys(logits, k, offset, out=out, settings=st, pdl=pdl)]
+
+    return Case("topk", f"logits [{rows}, {s.vocab}] fp32 (ids from {offset}), top-{k} rank keys, values and ids",
+                {"rows": rows, "vocab": s.vocab, "k": k, "vocab_offset": offset}, 1, calls)
+
+
 def build(op: str, s: RankShapes, rows: int, context: int, distinct: int, device, seed: int = 0,
           pdl: bool = True) -> Case:
     g = torch.Generator(device=device).manual_seed(seed)
@@ -383,6 +407,8 @@ def build(op: str, s: RankShapes, rows: int, context: int, distinct: int, device
         return _moe(s, rows, distinct, device, g, pdl)
     if op == "lm_head":
         return _lm_head(s, rows, device, g, pdl)
+    if op == "topk":
+        return _topk(s, rows, device, g, pdl)
     raise ValueError(f"unknown op {op!r}")
 
 

@@ -25,14 +25,36 @@ not bandwidth; it needs a split over Vr as wide as the GPU anyway, i.e. this pas
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+from .device import is_pow2
 from .launch import launch_options, wait_for_inputs
 
 LOW = 0xFFFFFFFF  # low word of a key: LOW - id
 SENTINEL = tl.constexpr(-(2**63))  # below every key of a float (see _key): padding in lists and tiles
 MAX_K = 64
+
+
+@dataclass(frozen=True)
+class TopKSettings:
+    """Launch choices. None changes a bit of the result: the keys are exact and unique, so any tile and either merge
+    give the same top-k (tests: the skip against the full merge, tiles 16 to 8192)."""
+
+    # Columns a pass-1 program keys (at least k rounded up, checked at the call). 2048 is what the benchmark of record
+    # measured (_tile_topk_kernel ~195 us a call at [6, 20000], 10 tiles a row: docs/PERF.md, current state, at
+    # f833c86); smaller tiles give more, shorter programs: to be re-measured (`iquest bench tune --ops topk`).
+    tile: int = 2048
+    # Both passes' warps: 4 is what was measured (16 keys a thread of a 2048 tile); re-measured with the tile.
+    num_warps: int = 4
+    # The merge reads only the KP tiles the maxima allow (exact: module docstring); on, as measured. It acts only where
+    # the tiles, rounded up to a power of two, outnumber KP (not at 2048 on 20000 columns: 10 tiles, KP 32 at k = 20).
+    skip: bool = True
+
+    def __post_init__(self):
+        _check_settings(self)
 
 
 # ---- rank keys (fast.sampler._keys / unkey) ---------------------------------------------------
@@ -104,14 +126,22 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(f"local_topk: {message}")
 
 
-def local_topk_keys(logits: torch.Tensor, k: int, vocab_offset: int, *, tile: int = 2048, skip: bool = True,
+def _check_settings(s: TopKSettings) -> None:
+    _check(isinstance(s, TopKSettings), f"settings must be a TopKSettings, got {type(s).__name__}")
+    _check(is_pow2(s.tile, 16), f"tile {s.tile!r} must be a power of two >= 16")
+    _check(is_pow2(s.num_warps) and s.num_warps <= 16, f"num_warps {s.num_warps!r} must be a power of two <= 16")
+    _check(isinstance(s.skip, bool), f"skip must be a bool, got {s.skip!r}")
+
+
+def local_topk_keys(logits: torch.Tensor, k: int, vocab_offset: int, *,
                     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                    num_warps: int = 4, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    settings: TopKSettings = TopKSettings(),
+                    pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(keys int64, values fp32, global ids int64), each [R, min(k, Vr)], of logits [R, Vr] fp32.
 
-    Equal to `fast.sampler._local_keys` and `local_candidates`. tile: columns per pass-1 program (a power
-    of two >= k rounded up); skip: merge only the tiles the maxima allow (False merges all; same result).
-    out: preallocated (keys, values, ids), contiguous.
+    Equal to `fast.sampler._local_keys` and `local_candidates`, whatever the settings (`TopKSettings`; its tile must
+    be at least k rounded up to a power of two). out: preallocated (keys, values, ids), contiguous. `pdl`: as
+    kernels/launch.py's.
     """
     _check(logits.dim() == 2 and logits.dtype == torch.float32,
            f"logits must be float32 [R, Vr], got {logits.dtype} {tuple(logits.shape)}")
@@ -120,8 +150,10 @@ def local_topk_keys(logits: torch.Tensor, k: int, vocab_offset: int, *, tile: in
     _check(R >= 1 and V >= 1, "empty logits")
     _check(1 <= k <= MAX_K, f"k must be in [1, {MAX_K}], got {k}")
     _check(0 <= vocab_offset and vocab_offset + V <= 2**31, f"ids must stay below 2**31, got offset {vocab_offset}")
+    _check_settings(settings)
+    tile = settings.tile
     kp = max(2, triton.next_power_of_2(k))  # tl.topk needs at least two
-    _check(tile >= kp and tile & (tile - 1) == 0, f"tile {tile} must be a power of two >= {kp}")
+    _check(tile >= kp, f"tile {tile} must be a power of two >= {kp}")
     K = min(k, V)
     n_tiles = triton.cdiv(V, tile)
     tp = triton.next_power_of_2(n_tiles)
@@ -135,15 +167,16 @@ def local_topk_keys(logits: torch.Tensor, k: int, vocab_offset: int, *, tile: in
                f"out tensors must be contiguous [{R}, {K}] (int64, float32, int64)")
     cand = torch.empty((R, n_tiles, kp), dtype=torch.int64, device=logits.device)
     _tile_topk_kernel[(n_tiles, R)](logits, cand, V, logits.stride(0), vocab_offset, n_tiles,
-                                     TILE=tile, KP=kp, num_warps=num_warps,
+                                     TILE=tile, KP=kp, num_warps=settings.num_warps,
                                      **launch_options(pdl, logits.device))
     _merge_kernel[(R,)](cand, keys, values, ids, n_tiles, vocab_offset, K,
-                        TILE=tile, KP=kp, TP=tp, SKIP=skip and tp > kp, num_warps=num_warps,
+                        TILE=tile, KP=kp, TP=tp, SKIP=settings.skip and tp > kp, num_warps=settings.num_warps,
                         **launch_options(pdl, logits.device))
     return keys, values, ids
 
 
-def local_topk(logits: torch.Tensor, k: int, vocab_offset: int, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+def local_topk(logits: torch.Tensor, k: int, vocab_offset: int, *, settings: TopKSettings = TopKSettings(),
+               pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's top-k (values [R, k'] fp32, global ids [R, k'] int64): `fast.sampler.local_candidates`."""
-    _, values, ids = local_topk_keys(logits, k, vocab_offset, **kw)
+    _, values, ids = local_topk_keys(logits, k, vocab_offset, settings=settings, pdl=pdl)
     return values, ids

@@ -12,13 +12,13 @@ import torch
 
 from iquest.bench import tune
 from iquest.cli.main import main
-from iquest.kernels import decode_attention, lm_head, router
+from iquest.kernels import decode_attention, lm_head, router, topk
 
 
 # the kernels' own settings checks (the wrappers run them at every call); the norms' classes check in __post_init__
 CHECKS = {"attention_full": decode_attention._check_settings, "attention_sliding": decode_attention._check_settings,
           "attention_draft": decode_attention._check_settings, "router": router._check_settings,
-          "lm_head": lm_head._check_settings}
+          "lm_head": lm_head._check_settings, "topk": topk._check_settings}
 
 
 def test_grids_cover_every_op_and_only_name_fields():
@@ -58,6 +58,7 @@ def test_order_fields_flag_numerical_changes():
     assert tune.order_changes("attention_full", {"num_stages": 2}) == []  # scheduling only
     assert tune.order_changes("router", {"preload": False}) == []
     assert tune.order_changes("lm_head", {"block_v": 64}) == [] and tune.order_changes("lm_head", {"block_k": 64})
+    assert tune.order_changes("topk", {"tile": 256, "skip": False}) == []  # exact keys: no setting moves a bit
     row = {"name": "block_n=32", "bit_identical": False, "order_fields": ["block_n"]}
     assert tune.bits_text(row).startswith("numerical change")
     assert tune.bits_text(dict(row, order_fields=[])).startswith("DIFFERENT BITS")
@@ -92,6 +93,8 @@ def test_small_cases_build_on_cpu():
     assert (qkv.shapes["n"], qkv.shapes["k"], qkv.copies) == (1024, 3072, 64)
     o = tune.build("linear_o", s, 6, 256, 13, "cpu", pdl=False)
     assert (o.shapes["n"], o.shapes["k"]) == (3072, 768)
+    t = tune.build("topk", tune.rank_shapes(3), 6, 256, 13, "cpu", pdl=False)  # the engine's k: top_k 20
+    assert t.shapes == {"rows": 6, "vocab": 20000, "k": 20, "vocab_offset": 60000} and t.copies == 1
 
 
 def test_parse_ops_and_only():

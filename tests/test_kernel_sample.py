@@ -156,7 +156,8 @@ def run_sample(c: dict, device: str) -> dict:
     R, tp, Vr = c["R"], c["tp"], c["Vr"]
     shards = logits.split(Vr, dim=-1)
     if c["e2e"]:
-        keys = torch.cat([tk.local_topk_keys(s, c["k"], r * Vr, tile=256)[0] for r, s in enumerate(shards)], -1)
+        st = tk.TopKSettings(tile=256)
+        keys = torch.cat([tk.local_topk_keys(s, c["k"], r * Vr, settings=st)[0] for r, s in enumerate(shards)], -1)
     else:
         keys = torch.cat([sampler._local_keys(s, c["k"], r * Vr) for r, s in enumerate(shards)], -1)
     T = torch.tensor(c["T"], device=device)

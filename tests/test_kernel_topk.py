@@ -109,19 +109,23 @@ def make_logits(c: dict, device: str) -> torch.Tensor:
     return x.to(device)[:, :V]
 
 
+def settings(c: dict) -> tk.TopKSettings:
+    return tk.TopKSettings(tile=c["tile"], skip=c["skip"])
+
+
 def run_case(c: dict, device: str) -> dict:
     logits = make_logits(c, device)
     R, K = c["R"], min(c["k"], c["V"])
     out = (torch.full((R, K), -1, dtype=torch.int64, device=device),
            torch.full((R, K), float("nan"), device=device), torch.full((R, K), -1, dtype=torch.int64, device=device))
-    keys, values, ids = tk.local_topk_keys(logits, c["k"], c["offset"], tile=c["tile"], skip=c["skip"], out=out)
+    keys, values, ids = tk.local_topk_keys(logits, c["k"], c["offset"], out=out, settings=settings(c))
     assert keys is out[0] and values is out[1] and ids is out[2]
     r_keys = sampler._local_keys(logits, c["k"], c["offset"])  # the contract
     r_values, r_ids = sampler.unkey(r_keys)
     r = {"keys": torch.equal(keys, r_keys), "ids": torch.equal(ids, r_ids),
          "value_bits": torch.equal(values.view(torch.int32), r_values.view(torch.int32)), "shape": list(values.shape)}
     if c.get("plain") or device != "cpu":  # local_topk, the wrapper without keys: once under the interpreter
-        v2, i2 = tk.local_topk(logits, c["k"], c["offset"], tile=c["tile"], skip=c["skip"])
+        v2, i2 = tk.local_topk(logits, c["k"], c["offset"], settings=settings(c))
         r["plain_api"] = torch.equal(v2.view(torch.int32), r_values.view(torch.int32)) and torch.equal(i2, r_ids)
     return r
 
@@ -141,16 +145,30 @@ interpreted, test_interpreted = interpreted_tests(__file__, INTERPRETED_CASES, _
     (dict(logits=torch.randn(50, 2).T), "unit stride"),
     (dict(k=0), "k must be"),
     (dict(k=65), "k must be"),
-    (dict(tile=16), "power of two >= 32"),
-    (dict(tile=96), "power of two"),
+    (dict(settings=dict(tile=16)), "tile 16 must be a power of two >= 32"),  # k = 20: the call's check
+    (dict(settings=dict(tile=96)), "tile 96 must be a power of two >= 16"),
+    (dict(settings=dict(tile=8)), "tile 8 must be a power of two >= 16"),
+    (dict(settings=dict(num_warps=3)), "num_warps 3"),
+    (dict(settings=dict(num_warps=32)), "num_warps 32"),
+    (dict(settings=dict(skip=1)), "skip must be a bool"),
+    (dict(settings=object()), "must be a TopKSettings"),
     (dict(vocab_offset=2**31), "below 2\\*\\*31"),
     (dict(out=(torch.empty(2, 20, dtype=torch.int64),) * 3), "out tensors"),
 ])
 def test_rejects_bad_inputs(kw, message):
+    """The call's checks, and the settings' (on construction, and at the call for what is not a TopKSettings)."""
     args = dict(logits=torch.randn(2, 50), k=20, vocab_offset=0)
     args.update(kw)
     with pytest.raises(ValueError, match=message):
+        if isinstance(args.get("settings"), dict):
+            args["settings"] = tk.TopKSettings(**args["settings"])
         tk.local_topk_keys(**args)
+
+
+def test_settings_defaults_are_the_measured_launch():
+    assert tk.TopKSettings() == tk.TopKSettings(tile=2048, num_warps=4, skip=True)
+    with pytest.raises(Exception):  # frozen
+        tk.TopKSettings().tile = 512
 
 
 # ---- GPU tests (one TP8 rank) ----------------------------------------------------------------------------
