@@ -34,6 +34,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import shlex
 import sys
 import time
@@ -152,7 +153,7 @@ def run(*, model_dir: Path, device: str, prompts: int, tokens: int, repeats: int
     from ..provenance import commit
     from ..reference.sampling import SamplingParams
 
-    started_at = commit()
+    started_at, load_at_start = commit(), os.getloadavg()
     source = "--fixed"
     if fixed is None:
         fixed, source = best_fixed(model_dir)
@@ -199,7 +200,9 @@ def run(*, model_dir: Path, device: str, prompts: int, tokens: int, repeats: int
               f"iquest bench depth --model {model_dir} --device {device} --prompts {prompts} --tokens {tokens} "
               f"--repeats {repeats} --fixed {fixed} --seed {seed}",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine(device) | {"torch_threads": torch.get_num_threads()}, "device": device,
+              "machine": machine(device) | {"torch_threads": torch.get_num_threads(), "load_average_1_5_15_min": {
+                  "start": [round(x, 2) for x in load_at_start], "end": [round(x, 2) for x in os.getloadavg()]}},
+              "device": device,
               "engine": described, "model": name, "prompts": len(chosen),
               "prompts_passed_over": f"{fitted_on} held-out prompts the controller was fitted on "
                                      "(depth_controller.json fit.replay.prompts)", "tokens": tokens, "repeats": repeats,

@@ -54,6 +54,7 @@ def test_a_short_paired_run_on_the_mini_model(tmp_path, capsys, monkeypatch):
     assert main(argv) == 0
     r = json.loads(out.read_text())
     assert r["bench"] == "depth" and r["commit"] and r["machine"]["cpus"]
+    assert len(r["machine"]["load_average_1_5_15_min"]["end"]) == 3  # what else loaded the machine: noise to read
     assert r["command"].startswith("iquest bench depth")
     assert r["device"] == "cpu" and r["fixed"] == best_fixed(MINI)[0] and any("not the target" in n for n in r["notes"])
     assert [a["arm"] for a in r["arms"]] == ["A", "auto", "A'"] and set(r["per_arm"]) == {"A", "auto", "A'"}
