@@ -118,7 +118,7 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
     full layer's cache as bench step holds it at `context`, a sliding layer's ring of window + 64 slots."""
     from ..fast.cache import RING_SLACK
     from ..kernels import allreduce as ar, decode_attention as da, lm_head as lh, moe as mo, qk_rope_kv as qr, \
-        rmsnorm as rn, router as ro
+        qkv_rope_kv as qrk, rmsnorm as rn, router as ro
     from ..kernels.launch import prefetch_lines
     from .tune import FULL_SLACK, rank_shapes
 
@@ -172,6 +172,24 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
              stride_cos=s.rotary, stride_sin=s.rotary, stride_o=s.q_heads * D), ("eps",),
         dict(D=D, ROT=s.rotary, ROPE=True, PDL=True), qr.QkRopeSettings().num_warps, 1,
         f"q/k norm + RoPE ({s.rotary} of {D} dims) + KV write, {R} rows x ({s.q_heads} + {hkv}) heads", NO_FMA)
+    # the same prologue at the end of the q/k/v projection (kernels/qkv_rope_kv.py): one head a tile, K split as the
+    # plain linear splits it (LinearSettings' column tiles on 132 SMs)
+    ls = fl.LinearSettings()
+    hidden = s.hidden
+    splits = _linear_auto_split(qkv, hidden, ls.block_n, 128, H200_SMS)
+    k_per_split = -(-(hidden // 128) // splits) * 128
+    out["qkv_rope_kv"] = _launch(
+        qrk._qkv_rope_kv_kernel,
+        dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32",
+             qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", live_ptr="*u8",
+             ck_ptr="*bf16", cv_ptr="*bf16", sp_ptr="*i64"),
+        dict(M=R, N=qkv, K=hidden, stride_xm=hidden, stride_ym=qkv, scale_cols=hidden // 128, k_per_split=k_per_split,
+             splits=splits, HQ=s.q_heads, HKV=hkv, SLOTS=context + FULL_SLACK, stride_cos=s.rotary,
+             stride_sin=s.rotary), ("eps",),
+        dict(B0=128, B1=128, BLOCK_M=fl.BLOCK_M, D=D, BLOCK_K=128, SPLIT=splits > 1, F32=False, PREC="tf32",
+             ROT=s.rotary, ROPE=True, INTERP=False, PDL=True,
+             PRELOAD=fl.preload_tiles(hidden, k_per_split, 128) if ls.preload else 0), ls.num_warps, ls.num_stages,
+        f"q/k/v projection [{qkv} x {hidden}] E4M3 in {splits} K splits, ending in the q/k norm + RoPE + KV write")
 
     # ---- the norms: a plain RMSNorm, and the attention branch's sandwich tail (branch normalized, scale 1)
     norm_warps, block = rn.RmsNormSettings().num_warps, triton.next_power_of_2(H)

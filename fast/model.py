@@ -129,11 +129,10 @@ class FastModel:
                   blk: Block) -> torch.Tensor:
         """This rank's heads: q/k/v; q/k norm per head, then partial RoPE (the layer type's base), K/V stored; split
         attention with the sink key; o_proj's partial sum (row-parallel)."""
-        R, D, eps = a.shape[0], c.head_dim, c.rms_norm_eps
-        q, k, v = (t.view(R, -1, D) for t in self.ops.qkv(attn, a))
+        R = a.shape[0]
         theta = c.rope_theta_for(index)
         cos, sin = blk.rope[theta] if theta is not None else (None, None)
-        q = self.ops.qk_rope_write(kv, q, k, v, attn.q_norm, attn.k_norm, eps, cos, sin, blk.positions, blk.live)
+        q = self.ops.qkv_rope_write(attn, a, kv, c.rms_norm_eps, cos, sin, blk.positions, blk.live)
         out = self.ops.attention(q, kv, blk.positions, c.scale, attn.sink_k)
         return self.ops.linear(attn.wo, out.to(self.dtype).reshape(R, -1))
 

@@ -56,6 +56,14 @@ class TorchOps:
         rows = positions.clamp(max=cos.shape[0] - 1)  # padding rows may run past the tables; live rows never do
         return cos.index_select(0, rows), sin.index_select(0, rows)
 
+    def qkv_rope_write(self, attn, a: torch.Tensor, kv: LayerKV, eps: float, cos: torch.Tensor | None,
+                       sin: torch.Tensor | None, positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """The attention's projections of a, then `qk_rope_write`: the rotated q [R, Hq, D] (fast/triton_ops.py: one
+        launch, kernels/qkv_rope_kv.py)."""
+        R, D = a.shape[0], kv.k.shape[-1]
+        q, k, v = (t.view(R, -1, D) for t in self.qkv(attn, a))
+        return self.qk_rope_write(kv, q, k, v, attn.q_norm, attn.k_norm, eps, cos, sin, positions, live)
+
     def qk_rope_write(self, kv: LayerKV, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor,
                       k_norm: torch.Tensor, eps: float, cos: torch.Tensor | None, sin: torch.Tensor | None,
                       positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,8 @@ from collections import Counter
 
 import torch
 
-from ..kernels import (decode_attention, embed, fp8_linear, lm_head, moe, philox, qk_rope_kv, rmsnorm, router, sample,
-                       settle, topk)
+from ..kernels import (decode_attention, embed, fp8_linear, lm_head, moe, philox, qk_rope_kv, qkv_rope_kv, rmsnorm,
+                       router, sample, settle, topk)
 from .plan import KernelPlan
 from .profiling import stage
 from .torch_ops import TorchOps
@@ -89,6 +89,26 @@ class TritonOps(TorchOps):
         y = self._fp8(w, x)  # one launch: column views, no copies
         nq, nk = attn.wq.q.shape[0], attn.wk.q.shape[0]
         return y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
+
+    def qkv_rope_write(self, attn, a, kv, eps, cos, sin, positions, live):
+        heads = self.folds_qkv_rope(attn, kv, cos)
+        if heads is None:  # the projection and the prologue apart: each runs its kernel or is counted where it cannot
+            return super().qkv_rope_write(attn, a, kv, eps, cos, sin, positions, live)
+        self.calls["qkv_rope_kv"] += 1
+        w, locks = attn.wqkv, self._locks
+        fits = locks is not None and qkv_rope_kv.lock_count(a.shape[0], kv.k.shape[-1], w.q.shape[0]) <= locks.numel()
+        return qkv_rope_kv.qkv_rope_kv(a.contiguous(), w.q, w.scale, w.block, *heads, attn.q_norm, attn.k_norm, eps,
+                                       cos, sin, positions, live, kv.k, kv.v, kv.slot_pos,
+                                       locks=locks if fits else None, pdl=a.is_cuda)
+
+    def folds_qkv_rope(self, attn, kv, cos) -> tuple[int, int] | None:
+        """(q heads, kv heads) where the projection and the prologue run as one launch (kernels/qkv_rope_kv.py): both
+        groups on the plan, a weight the FP8 kernel takes, a layout the fused kernel takes; else None."""
+        w, D = attn.wqkv, kv.k.shape[-1]
+        if w is None or not (self.plan.linear and self.plan.attention and _fp8_takes(w)):
+            return None
+        heads = attn.wq.q.shape[0] // D, attn.wk.q.shape[0] // D
+        return heads if qkv_rope_kv.fits(*heads, D, None if cos is None else cos.shape[-1], w.q.shape[0]) else None
 
     # ---- attention -----------------------------------------------------------------------------------
     def qk_rope_write(self, kv, q, k, v, q_norm, k_norm, eps, cos, sin, positions, live):

@@ -100,24 +100,15 @@ def _tile_dot(acc, x, w, s, F32: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _fp8_linear_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr,
-    M, N, K, stride_xm, stride_ym, scale_cols, k_per_split, splits,
-    B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, SERIAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
-    PDL: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
-):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = m < M
-    n_ok = n < N
+def split_product(x_ptr, w_ptr, s_ptr, m, n, m_ok, n_ok, pid_k, K, stride_xm, scale_cols, k_per_split,
+                  B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+                  PRELOAD: tl.constexpr):
+    """The fp32 product [BLOCK_M, BLOCK_N] of rows m and columns n over split pid_k's K range; the program's wait for
+    the previous kernel (PDL) is inside, after the preloaded weight's loads."""
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     s_row = s_ptr + (n // B0) * scale_cols
-
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if PRELOAD > 0:
         # The split's PRELOAD whole K tiles (every split is full) of the constant weight and its scales are loaded
@@ -145,22 +136,53 @@ def _fp8_linear_kernel(
             w = tl.load(w_ptr + n[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             s = tl.load(s_row + k0 // B1, mask=n_ok, other=0.0)  # the tile lies in one K block
             acc = _tile_dot(acc, x, w, s, F32, PREC)
+    return acc
 
+
+@triton.jit
+def serial_sum(acc, part_ptr, lock_ptr, m, n, mask, pid_k, lock_index, M, N, splits,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store this split's partial; the tile's last split to arrive gets (True, the partials summed in split order,
+    so the result does not depend on which one arrives last) and re-arms the counter; the others (False, zeros)."""
+    tl.store(part_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial stored before the release below
+    lock = lock_ptr + lock_index
+    last = tl.atomic_add(lock, 1, sem="acq_rel") == splits - 1
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if last:
+        for sk in range(0, splits):
+            total += tl.load(part_ptr + (sk * M + m[:, None]) * N + n[None, :], mask=mask, other=0.0,
+                             cache_modifier=".cg")
+        tl.atomic_xchg(lock, 0)
+    return last, total
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_ym, scale_cols, k_per_split, splits,
+    B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, SERIAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
+    PDL: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    n_ok = n < N
+    acc = split_product(x_ptr, w_ptr, s_ptr, m, n, m_ok, n_ok, pid_k, K, stride_xm, scale_cols, k_per_split, B0, B1,
+                        BLOCK_M, BLOCK_N, BLOCK_K, F32, PREC, PDL, PRELOAD)
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
-        tl.store(part_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=mask)
-        if SERIAL:
-            # The tile's last split to finish sums all partials (in split order, so the result does not depend
-            # on which one arrives last) and re-arms the counter: no second launch for the sum.
-            tl.debug_barrier()  # every thread's partial stored before the release below
-            lock = lock_ptr + pid_m * tl.num_programs(0) + pid_n
-            if tl.atomic_add(lock, 1, sem="acq_rel") == splits - 1:
-                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for sk in range(0, splits):
-                    total += tl.load(part_ptr + (sk * M + m[:, None]) * N + n[None, :], mask=mask, other=0.0,
-                                     cache_modifier=".cg")
+        if SERIAL:  # no second launch for the sum
+            last, total = serial_sum(acc, part_ptr, lock_ptr, m, n, mask, pid_k, pid_m * tl.num_programs(0) + pid_n,
+                                     M, N, splits, BLOCK_M, BLOCK_N)
+            if last:
                 tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(lock, 0)
+        else:
+            tl.store(part_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=mask)
     else:
         tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -198,7 +220,7 @@ def lock_count(m: int, n: int, settings: LinearSettings = LinearSettings()) -> i
     return triton.cdiv(n, settings.block_n) * triton.cdiv(m, BLOCK_M)
 
 
-def _split_plan(n: int, k: int, block: tuple[int, int], settings: LinearSettings,
+def split_plan(n: int, k: int, block: tuple[int, int], settings: LinearSettings,
                 device: torch.device) -> tuple[int, int, int]:
     """(block_k, splits launched, K columns per split) for `settings.split_k` (None: `choose_split_k`)."""
     block_k = _block_k(block[1])
@@ -209,7 +231,7 @@ def _split_plan(n: int, k: int, block: tuple[int, int], settings: LinearSettings
     return block_k, triton.cdiv(k, k_per_split), k_per_split  # no empty split
 
 
-def _grid(m: int, n: int, splits: int, block_n: int) -> tuple[int, int, int]:
+def tile_grid(m: int, n: int, splits: int, block_n: int) -> tuple[int, int, int]:
     """The launch grid (N tiles, K splits, M tiles)."""
     return triton.cdiv(n, block_n), splits, triton.cdiv(m, BLOCK_M)
 
@@ -217,7 +239,7 @@ def _grid(m: int, n: int, splits: int, block_n: int) -> tuple[int, int, int]:
 def preload_plan(m: int, n: int, k: int, block: tuple[int, int], settings: LinearSettings = LinearSettings(),
                  device: torch.device = torch.device("cpu")) -> int:
     """K tiles each program of an [m, n, k] call with `settings` loads before its wait (0: the loop runs instead)."""
-    block_k, _, k_per_split = _split_plan(n, k, block, settings, device)
+    block_k, _, k_per_split = split_plan(n, k, block, settings, device)
     return preload_tiles(k, k_per_split, block_k) if settings.preload else 0
 
 
@@ -268,7 +290,7 @@ def plan_call(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tupl
     _check(w.is_contiguous() and scale.is_contiguous(), "w and scale must be contiguous")
     out_dtype = out_dtype or x.dtype
     _check(out_dtype in _FLOATS, f"out_dtype {out_dtype} must be bf16, fp16 or fp32")
-    block_k, splits, k_per_split = _split_plan(N, K, block, settings, x.device)
+    block_k, splits, k_per_split = split_plan(N, K, block, settings, x.device)
     if out is None:
         out = torch.empty((M, N), dtype=out_dtype, device=x.device)
     _check(tuple(out.shape) == (M, N) and out.dtype == out_dtype and out.device == x.device and out.stride(1) == 1,
@@ -305,7 +327,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     call. Calls sharing counters must not overlap in time (one stream). Without them a second kernel sums.
     `pdl`: programmatic dependent launch (kernels/launch.py). `settings`: the launch (`LinearSettings`)."""
     c = plan_call(x, w, scale, block, out_dtype, out, settings)
-    grid = _grid(c.M, c.N, c.splits, settings.block_n)
+    grid = tile_grid(c.M, c.N, c.splits, settings.block_n)
     check_locks(locks, grid[0] * grid[2], x.device)
     serial = c.splits > 1 and locks is not None
     f32 = INTERPRETED or x.dtype == torch.float32

@@ -116,17 +116,11 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(f"qk_rope_kv: {message}")
 
 
-def qk_rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor,
-               eps: float, cos: torch.Tensor | None, sin: torch.Tensor | None, positions: torch.Tensor,
-               live: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slot_pos: torch.Tensor, *,
-               out: torch.Tensor | None = None, settings: QkRopeSettings = QkRopeSettings(),
-               pdl: bool = False) -> torch.Tensor:
-    """q [R, Hq, D] normalized per head by q_norm_w [D] and rotated (returned, in q's dtype); k likewise with
-    k_norm_w, stored with v at each row's slot of cache_k/cache_v [slots + 1, Hkv, D] (position % slots; padding
-    rows, live False: the trash slot `slots`), slot_pos [slots + 1] int64 set to the position (-1 for padding rows).
-    cos, sin: the rows' fp32 factors [R, rotary_dim] (rotary_dim = cos.shape[-1] first dims rotate), or both None
-    for a layer without RoPE. q, k, v may be column views of one projection's rows (any row stride, dense within a
-    row); `out` too, and may be q itself. `qk_rope_kv_torch` is the same sequence in torch."""
+def check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor,
+          eps: float, cos: torch.Tensor | None, sin: torch.Tensor | None, positions: torch.Tensor, live: torch.Tensor,
+          cache_k: torch.Tensor, cache_v: torch.Tensor, slot_pos: torch.Tensor, out: torch.Tensor) -> int:
+    """Refuse what `qk_rope_kv` (or a kernel ending in its prologue, kernels/qkv_rope_kv.py) cannot take; the cache's
+    slots (the trash slot's index)."""
     _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q, k, v must be [R, heads, D]")
     R, HQ, D = q.shape
     HKV = k.shape[1]
@@ -160,11 +154,30 @@ def qk_rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torc
     for name, t in (("positions", positions), ("live", live), ("cache_k", cache_k), ("cache_v", cache_v),
                     ("slot_pos", slot_pos)):
         _check(t.device == dev and t.is_contiguous(), f"{name} must be contiguous on {dev}")
-    if out is None:
-        out = torch.empty((R, HQ, D), dtype=q.dtype, device=dev)
     _check(tuple(out.shape) == (R, HQ, D) and out.dtype == q.dtype and out.device == dev and out.stride(2) == 1
            and (out.stride(1) == D or HQ == 1), f"out must be {q.dtype} [{R}, {HQ}, {D}], dense within a row")
+    return slots
+
+
+def qk_rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor,
+               eps: float, cos: torch.Tensor | None, sin: torch.Tensor | None, positions: torch.Tensor,
+               live: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slot_pos: torch.Tensor, *,
+               out: torch.Tensor | None = None, settings: QkRopeSettings = QkRopeSettings(),
+               pdl: bool = False) -> torch.Tensor:
+    """q [R, Hq, D] normalized per head by q_norm_w [D] and rotated (returned, in q's dtype); k likewise with
+    k_norm_w, stored with v at each row's slot of cache_k/cache_v [slots + 1, Hkv, D] (position % slots; padding
+    rows, live False: the trash slot `slots`), slot_pos [slots + 1] int64 set to the position (-1 for padding rows).
+    cos, sin: the rows' fp32 factors [R, rotary_dim] (rotary_dim = cos.shape[-1] first dims rotate), or both None
+    for a layer without RoPE. q, k, v may be column views of one projection's rows (any row stride, dense within a
+    row); `out` too, and may be q itself. `qk_rope_kv_torch` is the same sequence in torch."""
+    if out is None and q.dim() == 3:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    slots = check(q, k, v, q_norm_w, k_norm_w, eps, cos, sin, positions, live, cache_k, cache_v, slot_pos,
+                  out if out is not None else q)
     _check(isinstance(settings, QkRopeSettings), "settings must be a QkRopeSettings")
+    R, HQ, D = q.shape
+    HKV = k.shape[1]
+    rot = None if cos is None else cos.shape[-1]
     if R == 0:
         return out
     options = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}  # torch's roundings
@@ -173,7 +186,7 @@ def qk_rope_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torc
         q, k, v, q_norm_w, k_norm_w, cos_t, sin_t, positions, live.view(torch.uint8), out, cache_k, cache_v,
         slot_pos, HQ, HKV, slots, float(eps), q.stride(0), k.stride(0), v.stride(0), cos_t.stride(0),
         sin_t.stride(0), out.stride(0), D=D, ROT=rot or 0, ROPE=cos is not None, num_warps=settings.num_warps,
-        **options, **launch_options(pdl, dev))
+        **options, **launch_options(pdl, q.device))
     return out
 
 

@@ -23,7 +23,7 @@ import torch
 # ablation name -> the fast.torch_ops.TorchOps methods it stubs
 ABLATABLE: dict[str, tuple[str, ...]] = {
     "norm": ("norm", "add_norm"),  # every RMSNorm: the sandwich tails, the draft's enorm/hnorm, the first layer's input
-    "qkv": ("qkv",),             # the q/k/v projections
+    "qkv": ("qkv", "qkv_rope_write"),  # the q/k/v projections (with the q/k norm, RoPE and KV write where fused)
     "rope": ("qk_rope_write",),  # q/k norms, partial RoPE of q and k, and the KV write
     "attention": ("attention",),
     "linear": ("linear",),       # o_proj, eh_proj, the dense MLP (and q/k/v where qkv runs them as linears)

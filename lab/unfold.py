@@ -17,6 +17,8 @@ UNFOLDS: dict[str, str] = {
     "moe_combine": "the MoE's own combine launch and the cast before the sandwich tail (kernels/moe.py `combine`)",
     "peer_tail": "at TP > 1, the plain peer all-reduce then `add_norm` (two launches a reduction point), and with it "
                  "the MoE's combine",
+    "qkv_rope": "the q/k/v projection and the q/k norm + RoPE + KV write as two launches (kernels/fp8_linear.py, "
+                "kernels/qk_rope_kv.py)",
 }
 
 
@@ -37,6 +39,13 @@ def unfold(ops, names: set[str]) -> None:
                 ops.unfolded_calls["moe_combine"] = ops.unfolded_calls.get("moe_combine", 0) + 1
             return tensor
         ops.moe = combined
+    if "qkv_rope" in names:
+        def apart(attn, a, kv, eps, cos, sin, positions, live):
+            folds = getattr(ops, "folds_qkv_rope", None)
+            if folds is not None and folds(attn, kv, cos) is not None:
+                ops.unfolded_calls["qkv_rope"] = ops.unfolded_calls.get("qkv_rope", 0) + 1
+            return TorchOps.qkv_rope_write(ops, attn, a, kv, eps, cos, sin, positions, live)
+        ops.qkv_rope_write = apart
     if "peer_tail" in names:
         def unfused(par, partial, *rest):
             if par.peers is not None:

@@ -8,7 +8,7 @@ module.
   indexed without the shard's offset in its first block, liveness ignored (padding rows' experts computed and
   combined), the slots summed without their routing weights (by the combine, or by the combine fused with the tail).
 - The FP8 linears (tests/test_bench_sass.py, tests/test_kernel_fp8_linear_direct.py): the preloaded weight tiles
-  used without the opaque move after the wait (`LINEAR_TRANSPARENT`), the direct kernel's K tiles summed last to
+  used without the opaque move after the wait (`linear_transparent`), the direct kernel's K tiles summed last to
   first (`DIRECT_REVERSED`).
 """
 
@@ -98,7 +98,12 @@ def after_wait_transparent(w, PDL: tl.constexpr):
     return w
 
 
-LINEAR_TRANSPARENT = {"_after_wait": after_wait_transparent}
+def linear_transparent() -> dict:
+    """The FP8 linear kernel's pieces with `after_wait_transparent` in its split product (which holds the wait)."""
+    from iquest.kernels import fp8_linear
+    from iquest.kernels.testing import substitute
+
+    return {"split_product": substitute(fp8_linear.split_product, _after_wait=after_wait_transparent)}
 
 
 @gluon.jit

@@ -15,7 +15,7 @@ import pytest
 
 from iquest.bench import sass
 from iquest.kernels.testing import substitute
-from iquest.tests.kernel_controls import LINEAR_TRANSPARENT
+from iquest.tests.kernel_controls import linear_transparent
 
 
 def _before_wait(spec, **constexprs) -> list[str]:
@@ -43,7 +43,7 @@ def test_preloaded_tiles_are_all_requested_before_the_wait():
     tiles = spec.constexprs["PRELOAD"]
     early = _before_wait(spec)
     assert early.count("LDG") >= 2 * tiles + 2 * tiles and early.count("BAR") == 0, early
-    control = _before_wait(dataclasses.replace(spec, fn=substitute(spec.fn, **LINEAR_TRANSPARENT)))
+    control = _before_wait(dataclasses.replace(spec, fn=substitute(spec.fn, **linear_transparent())))
     assert control.count("BAR") >= tiles - 1 and control.count("LDG") >= 2 * tiles, control
     assert _before_wait(sass.specs()["fp8_linear_loop"]).count("LDG") == 0
 
@@ -84,6 +84,7 @@ def test_cli(tmp_path, capsys):
 
 # ---- the published model's kernels ------------------------------------------------------------------------------
 PUBLISHED = ("attention_split", "attention_split_sliding", "attention_combine", "attention_combine_long", "qk_rope_kv",
+             "qkv_rope_kv",
              "rmsnorm", "add_norm", "router_logits", "router_select", "moe_gate_up", "moe_down", "moe_gate_up_odd",
              "moe_down_odd", "moe_combine", "moe_combine_add_norm", "all_reduce_add_norm",
              "all_reduce_combine_add_norm", "lm_head", "lm_head_draft", "lm_head_dot")

@@ -81,7 +81,8 @@ def linear_block(device: str = "cpu") -> dict:
 
 # A group's kernels against its torch forms over the three blocks: fp32 sums in other orders (the norms' and the
 # attention's reductions, the splits' merge), a few ulps a value, where a wrong row, head, slot or weight is order 1.
-GROUP_BLOCK_TOL = {"attention": 1e-5, "norm": 1e-5, "moe": 1e-5, "lm_head": 1e-5, "moe_norm": 1e-5}
+GROUP_BLOCK_TOL = {"attention": 1e-5, "norm": 1e-5, "moe": 1e-5, "lm_head": 1e-5, "moe_norm": 1e-5,
+                   "linear_attention": 1e-5}
 
 
 def group_block(*groups: str, device: str = "cpu") -> dict:
@@ -104,22 +105,25 @@ def group_block(*groups: str, device: str = "cpu") -> dict:
             "calls": calls, "fallbacks": fallbacks}
 
 
-def unfolded_block(device: str = "cpu") -> dict:
-    """The MoE's combine folded into the sandwich tail against its control (lab/unfold.py `^moe_combine`: the combine
-    and the cast launched apart, as before the fold): the three blocks' outputs and caches bit for bit, and which
-    paths each ran."""
+# fold -> (the op groups it needs, the kernel path it adds)
+FOLDS = {"moe_combine": (("moe", "norm"), "combine_add_norm"), "qkv_rope": (("linear", "attention"), "qkv_rope_kv")}
+
+
+def unfolded_block(fold: str, device: str = "cpu") -> dict:
+    """A fold against its control (lab/unfold.py `^fold`: the launches the fold removed put back): the three blocks'
+    outputs and caches bit for bit, and which paths each ran."""
     from iquest.lab.unfold import unfold
 
-    plan = KernelPlan(moe=True, norm=True)
+    groups, path = FOLDS[fold]
+    plan = KernelPlan(**{g: True for g in groups})
     folded, control = engine(plan, device), engine(plan, device)
-    unfold(control.model.ops, {"moe_combine"})
+    unfold(control.model.ops, {fold})
     got = [two_blocks(e, device) for e in (folded, control)]
     same = all(torch.equal(x, y) for a, b in zip(*got) for x, y in zip(a, b))
     caches = all(torch.equal(x, y) for l0, l1 in zip(folded.cache.layers, control.cache.layers)
                  for x, y in zip(_real_slots(l0), _real_slots(l1)))
-    return {"identical": same and caches, "folded": folded.model.ops.calls["combine_add_norm"],
-            "control": control.model.ops.calls["combine_add_norm"],
-            "unfolded": control.model.ops.unfolded_calls.get("moe_combine", 0)}
+    return {"identical": same and caches, "folded": folded.model.ops.calls[path],
+            "control": control.model.ops.calls[path], "unfolded": control.model.ops.unfolded_calls.get(fold, 0)}
 
 
 def sampling_block(device: str = "cpu") -> dict:
@@ -172,7 +176,9 @@ def test_interpreted_linear_kernel_within_its_tolerance(interpreted):
                                             ("norm", {"rmsnorm", "add_norm"}), ("moe", {"route", "moe"}),
                                             ("lm_head", {"lm_head"}),
                                             # the MoE's combine inside the sandwich tail's launch
-                                            ("moe_norm", {"route", "moe", "add_norm", "combine_add_norm"})])
+                                            ("moe_norm", {"route", "moe", "add_norm", "combine_add_norm"}),
+                                            # the q/k norm, RoPE and KV write inside the projection's launch
+                                            ("linear_attention", {"qkv_rope_kv", "attention"})])
 def test_interpreted_group_kernels_within_their_tolerance(interpreted, group, kernels):
     r = interpreted[f"{group}_block"]
     assert "error" not in r, r
@@ -182,10 +188,12 @@ def test_interpreted_group_kernels_within_their_tolerance(interpreted, group, ke
     assert r["rel_err"] <= GROUP_BLOCK_TOL[group] and r["cache_err"] <= GROUP_BLOCK_TOL[group], r
 
 
-def test_interpreted_fold_and_its_control_are_bit_identical(interpreted):
+@pytest.mark.parametrize("fold", list(FOLDS))
+def test_interpreted_fold_and_its_control_are_bit_identical(interpreted, fold):
     """Issue 52's paired evidence rests on this: the fold's control variant computes the same bits through the
-    launches the fold removed (and the control really ran them)."""
-    r = interpreted["unfolded_block"]
+    launches the fold removed (and the control really ran them). On the interpreter, bit for bit; on the GPU the
+    q/k/v fold's norm sums its squares in another layout (tests/test_kernel_qkv_rope_kv.py)."""
+    r = interpreted[f"unfolded_{fold}"]
     assert "error" not in r, r
     assert r["identical"], r
     assert r["folded"] > 0 and r["control"] == 0 and r["unfolded"] > 0, r
@@ -212,7 +220,9 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     worker_main([("linear_block", linear_block), ("sampling_block", sampling_block), ("glue_block", glue_block),
                  ("attention_block", lambda: group_block("attention")), ("norm_block", lambda: group_block("norm")),
                  ("moe_block", lambda: group_block("moe")), ("lm_head_block", lambda: group_block("lm_head")),
-                 ("moe_norm_block", lambda: group_block("moe", "norm")), ("unfolded_block", unfolded_block)])
+                 ("moe_norm_block", lambda: group_block("moe", "norm")),
+                 ("linear_attention_block", lambda: group_block("linear", "attention")),
+                 *((f"unfolded_{fold}", lambda fold=fold: unfolded_block(fold)) for fold in FOLDS)])
 
 
 # ---- on the GPU --------------------------------------------------------------------------------------------
@@ -246,7 +256,7 @@ def test_cuda_kernel_paths_all_ran():
     decode_cases(e)
     ops = e.model.ops
     ran = {name for name, n in ops.calls.items() if n > 0}
-    assert {"preload", "embed", "sample_draw", "accept", "settle", "qk_rope_kv", "attention", "rmsnorm", "add_norm",
+    assert {"preload", "embed", "sample_draw", "accept", "settle", "qkv_rope_kv", "attention", "rmsnorm", "add_norm",
             "route", "moe", "combine_add_norm", "lm_head"} <= ran, dict(ops.calls)
     # Only prefill blocks (tens of rows) exceed the router's 8 rows and the head's 16: no decode call falls back
     assert set(ops.fallbacks) <= {"moe", "lm_head"}, dict(ops.fallbacks)

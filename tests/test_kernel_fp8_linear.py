@@ -126,7 +126,7 @@ def run_case(c: dict, device: str) -> dict:
         r.update(preload_bits=bool(torch.equal(pre, got)), preloaded=fl.preload_plan(
             c["M"], c["N"], c["K"], c["block"], settings(c, preload=True), t["x"].device) > 0)
     if c["order_control"]:
-        splits = fl._split_plan(c["N"], c["K"], c["block"], settings(c), t["x"].device)[1]
+        splits = fl.split_plan(c["N"], c["K"], c["block"], settings(c), t["x"].device)[1]
         other = fl.fp8_linear(t["x"], t["w"], t["scale"], c["block"], out_dtype=out_dtype,
                               settings=settings(c, split_k=1 if splits > 1 else 3))
         r["reordered_bits"] = bool(torch.equal(other, got))
