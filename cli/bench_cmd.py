@@ -61,7 +61,7 @@ def register(sub) -> None:
                         "each optionally with ops removed for timing (lab/ablation.py: triton~moe) or the routing "
                         "pinned to D distinct experts a block (triton~route:38, the real-request routing; with "
                         "--config each variant is held to the byte floor of its own routing), or a fold undone as "
-                        "its control (lab/unfold.py: triton^moe_combine, triton^peer_tail); e.g. torch,triton, "
+                        "its control (lab/unfold.py: triton^moe_combine, triton^qkv_rope, triton^peer_tail); e.g. torch,triton, "
                         "triton,triton~route:38 or triton,triton^moe_combine (default torch). The speedup line compares the first variant's graph "
                         "round with torch's eager round, so include torch to get it")
     s.set_defaults(run=run)
