@@ -100,6 +100,18 @@ def _tile_dot(acc, x, w, s, F32: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def program_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's place in the grid (`tile_grid`: N tiles, K splits, M tiles): (pid_n, pid_k, pid_m, its rows m,
+    its columns n, their masks)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid_n, pid_k, pid_m, m, n, m < M, n < N
+
+
+@triton.jit
 def split_product(x_ptr, w_ptr, s_ptr, m, n, m_ok, n_ok, pid_k, K, stride_xm, scale_cols, k_per_split,
                   B0: tl.constexpr, B1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
@@ -165,13 +177,7 @@ def _fp8_linear_kernel(
     SPLIT: tl.constexpr, SERIAL: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = m < M
-    n_ok = n < N
+    pid_n, pid_k, pid_m, m, n, m_ok, n_ok = program_tile(M, N, BLOCK_M, BLOCK_N)
     acc = split_product(x_ptr, w_ptr, s_ptr, m, n, m_ok, n_ok, pid_k, K, stride_xm, scale_cols, k_per_split, B0, B1,
                         BLOCK_M, BLOCK_N, BLOCK_K, F32, PREC, PDL, PRELOAD)
     mask = m_ok[:, None] & n_ok[None, :]

@@ -111,13 +111,7 @@ def _qkv_rope_kv_kernel(
     SPLIT: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr, ROT: tl.constexpr, ROPE: tl.constexpr,
     INTERP: tl.constexpr, PDL: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
 ):
-    head = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = head * D + tl.arange(0, D)
-    m_ok = m < M
-    n_ok = n < N
+    head, pid_k, pid_m, m, n, m_ok, n_ok = fl.program_tile(M, N, BLOCK_M, D)  # one head an N tile
     acc = fl.split_product(x_ptr, w_ptr, s_ptr, m, n, m_ok, n_ok, pid_k, K, stride_xm, scale_cols, k_per_split, B0,
                            B1, BLOCK_M, D, BLOCK_K, F32, PREC, PDL, PRELOAD)
     if SPLIT:
