@@ -117,7 +117,7 @@ def register(sub) -> None:
     from .main import EXAMPLES
 
     EXAMPLES.setdefault("bench agent", "iquest bench agent --device cpu --turns 6 --compare")
-    EXAMPLES.setdefault("bench depth", "iquest bench depth --device cuda --prompts 16 --tokens 64 --repeats 3")
+    EXAMPLES.setdefault("bench depth", "iquest bench depth --device cuda --prompts 16 --tokens 64 --repeats 5")
 
 
 def run(args: argparse.Namespace) -> int:
