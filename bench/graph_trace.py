@@ -69,6 +69,17 @@ def attribute(kernels: list[tuple[str, float, float]]) -> dict:
             "by_kernel": by_kernel}
 
 
+LAYER_MARK = "_attention_split_kernel"  # one launch in every decoder layer, fused or not
+
+
+def layer_kernels(kernels: list[tuple[str, float, float]], mark: str = LAYER_MARK) -> list[int]:
+    """The kernels from each launch of `mark` to the next (ends sorted): a layer's dependent steps, as the captured
+    graph runs them (the first layer's lead-in and the last layer's tail are not counted)."""
+    names = [short_name(n) for n, _, _ in sorted(kernels, key=lambda k: (k[2], k[1]))]
+    at = [i for i, n in enumerate(names) if n == mark]
+    return [b - a for a, b in zip(at, at[1:])]
+
+
 def merge(replays: list[dict]) -> dict:
     """Medians over replays of each transition's and kernel's us (and its count, which must not vary)."""
     out = {"span_us": statistics.median(r["span_us"] for r in replays),
@@ -172,8 +183,12 @@ def trace_variant(config, weights, name: str, context: int, rows: int, replays: 
     counts = [len(p) for p in parts]
     if len(parts) != replays or len(set(counts)) != 1:  # a dropped record would shift every increment after it
         raise RuntimeError(f"traced {len(parts)} replays of {counts} kernels, expected {replays} equal ones")
+    per_layer = layer_kernels(parts[0])  # the graph's structure: the same in every replay
     return {"variant": name, "replay_us": replay_us, "kernels_per_replay": counts[0], "tokens": tokens_mode,
             "rows": rows, "live_rows": int(live.sum()),
+            "kernels_a_layer": {"median": statistics.median(per_layer) if per_layer else None,
+                                "min": min(per_layer, default=None), "max": max(per_layer, default=None),
+                                "layers": len(per_layer)},
             "distinct_experts_median": statistics.median(distinct) if distinct else None,
             **merge([attribute(p) for p in parts])}
 
@@ -212,6 +227,9 @@ def _print(v: dict, top: int = 30) -> None:
           f"{v['kernels_per_replay']} kernels a replay; tokens {v['tokens']} ({v['live_rows']} of {v['rows']} rows live), "
           f"median "
           f"{v['distinct_experts_median']} distinct experts a main layer")
+    k = v["kernels_a_layer"]
+    print(f"  dependent steps a decoder layer (kernels from one {LAYER_MARK} to the next, {k['layers']} layers): "
+          f"median {k['median']}, {k['min']}..{k['max']}")
     print(f"  {'us a replay':>11} {'count':>6} {'us a call':>9} {'own a call':>10}  previous kernel -> kernel")
     rows = sorted(v["by_transition"].items(), key=lambda kv: -kv[1]["us"])
     for k, s in rows[:top]:

@@ -3,7 +3,7 @@ end, grouped by transition; replays are cut at host-sync gaps. The GPU run itsel
 
 import pytest
 
-from iquest.bench.graph_trace import attribute, merge, short_name, split_replays
+from iquest.bench.graph_trace import LAYER_MARK, attribute, layer_kernels, merge, short_name, split_replays
 from iquest.cli.main import main
 
 
@@ -37,6 +37,17 @@ def test_replays_are_cut_at_sync_gaps_and_merged_by_median():
     assert m["span_us"] == pytest.approx(14.0)
     with pytest.raises(ValueError, match="no kernels"):
         attribute([])
+
+
+def test_kernels_a_layer_are_counted_between_attention_splits():
+    """A lead-in, three attention splits and a tail: the kernels from each split to the next (the next layer's q/k/v
+    projection included), 6 and 5, whatever order the trace lists them in."""
+    names = ["embed", "qkv", LAYER_MARK, "combine", "o", "norm", "moe",
+             "qkv", LAYER_MARK, "combine", "o", "norm",
+             "qkv", LAYER_MARK, "combine", "o", "norm", "router", "moe", "lm_head"]
+    kernels = [(n, float(i), float(i) + 0.5) for i, n in enumerate(names)]
+    assert layer_kernels(list(reversed(kernels))) == [6, 5]
+    assert layer_kernels([("a", 0.0, 1.0)]) == []
 
 
 def test_short_names():
