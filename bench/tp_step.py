@@ -81,11 +81,22 @@ class CollectiveCounter:
                 return _original(*args, **kwargs)
 
             object.__setattr__(self.par, name, counted.__get__(self.par))
+        peers = self.par.peers
+        if peers is not None:  # an all-reduce ending in a sandwich tail is issued to the peers directly
+            fused = peers.all_reduce_add_norm
+
+            def counted_fused(*args, **kwargs):
+                self.calls["all_reduce"] += 1
+                return fused(*args, **kwargs)
+
+            peers.all_reduce_add_norm = counted_fused
         return self
 
     def __exit__(self, *exc) -> None:
         for name in self.calls:
             object.__delattr__(self.par, name)
+        if self.par.peers is not None:
+            del self.par.peers.all_reduce_add_norm
 
 
 def _decode(engine: RankEngine, runner, graph, counter: CollectiveCounter | None) -> None:

@@ -83,3 +83,24 @@ def test_real_collective_flags_need_a_config_and_repeats(capsys):
     assert main(["bench", "step", "--config", str(TINY / "config.json"), "--tp", "2", "--repeats", "0"]) != 0
     err = capsys.readouterr().err
     assert "need --config" in err and "--repeats must be at least 1" in err
+
+
+def test_the_counter_counts_all_reduces_ending_in_a_tail():
+    """With peer collectives the layer's reductions go to the peers directly (fast/triton_ops.py reduce_add_norm): the
+    counter counts them as all-reduces, and leaves the peers as they were."""
+    import torch
+
+    from iquest.bench.tp_step import CollectiveCounter
+    from iquest.fast.parallel import Parallel
+
+    class Peers:
+        def all_reduce_add_norm(self, *args):
+            return args
+
+    peers = Peers()
+    par = Parallel(0, 2, torch.device("cpu"), peers=peers)
+    with CollectiveCounter(par) as counter:
+        par.peers.all_reduce_add_norm(1, 2)
+        par.peers.all_reduce_add_norm(3)
+    assert counter.calls["all_reduce"] == 2
+    assert "all_reduce_add_norm" not in vars(peers) and peers.all_reduce_add_norm(5) == (5,)
