@@ -292,8 +292,10 @@ def _all_reduce(x, peers, own, state, error, rank, tag, timeout_ns, out, tail, p
                 poll=_poll, rearm=_rearm_and_advance, order=_rank_order, hold=False):
     """all_reduce with the protocol's pieces given: the negative controls of tests/test_tp_collectives.py."""
     experts = x if isinstance(x, moe.ExpertOutputs) else None
-    if experts is not None:  # the rows it stands for, for the checks; the kernel reads y, weights and live
-        x = torch.empty((experts.rows, experts.y.shape[1]), dtype=experts.dtype, device=experts.y.device)
+    if experts is not None:  # the sum's buffer stands for the rows in the checks; the kernel reads y, weights, live
+        if out is None:
+            out = torch.empty((experts.rows, experts.y.shape[1]), dtype=experts.dtype, device=experts.y.device)
+        x = out
     world, R = _check_buffer(x, peers, own, state, error, rank)
     H = x.shape[1]
     out = torch.empty_like(x) if out is None else out

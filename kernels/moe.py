@@ -378,9 +378,8 @@ def moe(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
     sync), routing weights fp32 [R, k], live bool [R] (or one int count of leading live rows). Padding rows come out
     zero; their experts' weights and their routing weights are never read. `pdl`: programmatic dependent launch
     (kernels/launch.py). `expert_outputs` then `combine`."""
-    R, H = b.shape if b.dim() == 2 else (0, 0)
-    _check(out is None or (tuple(out.shape) == (R, H) and out.dtype == torch.float32 and out.stride(1) == 1
-                           and out.device == b.device), f"out must be fp32 [{R}, {H}] with unit stride on {b.device}")
+    if out is not None and b.dim() == 2:  # refused before any launch
+        _check_out(out, *b.shape, b.device)
     return combine(expert_outputs(b, experts, weights, live, gate, up, down, settings=settings, pdl=pdl), out=out,
                    settings=settings, pdl=pdl)
 
@@ -433,8 +432,7 @@ def combine(o: ExpertOutputs, *, out: torch.Tensor | None = None, settings: MoES
     dev = o.y.device
     if out is None:
         out = torch.empty((R, H), dtype=torch.float32, device=dev)
-    _check(tuple(out.shape) == (R, H) and out.dtype == torch.float32 and out.stride(1) == 1 and out.device == dev,
-           f"out must be fp32 [{R}, {H}] with unit stride on {dev}")
+    _check_out(out, R, H, dev)
     _check_settings(settings)
     k = o.weights.shape[1]
     _combine_kernel[(R, triton.cdiv(H, settings.combine_block))](
@@ -462,6 +460,11 @@ def combine_add_norm(o: ExpertOutputs, residual: torch.Tensor, scale: float, y_n
             SCALED=scale != 1.0, BF16=o.dtype == torch.bfloat16, INTERP=INTERPRETED,
             **rmsnorm.compile_options(rmsnorm.RmsNormSettings()), **launch_options(pdl, residual.device))
     return sum_, h, b
+
+
+def _check_out(out: torch.Tensor, R: int, H: int, device: torch.device) -> None:
+    _check(tuple(out.shape) == (R, H) and out.dtype == torch.float32 and out.stride(1) == 1 and out.device == device,
+           f"out must be fp32 [{R}, {H}] with unit stride on {device}")
 
 
 def _check_settings(s: MoESettings) -> None:
