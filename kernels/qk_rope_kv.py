@@ -67,7 +67,8 @@ def _pairs(i, ROT: tl.constexpr):
 @triton.jit
 def _head(x_ptr, w_ptr, cos_ptr, sin_ptr, eps, D: tl.constexpr, ROT: tl.constexpr, ROPE: tl.constexpr,
           DT: tl.constexpr):
-    """One head normalized and rotated: fp32 values on DT's grid."""
+    """One head normalized and rotated: fp32 values on DT's grid. One row a program, as this module's kernel holds
+    it (`head_rows` is the same over a tile of rows: here it would add layout conversions through shared memory)."""
     i = tl.arange(0, D)
     x = tl.load(x_ptr + i).to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
@@ -79,6 +80,40 @@ def _head(x_ptr, w_ptr, cos_ptr, sin_ptr, eps, D: tl.constexpr, ROT: tl.constexp
         c = tl.load(cos_ptr + i, mask=rotates, other=0.0)
         s = tl.load(sin_ptr + i, mask=rotates, other=0.0)
         n = tl.where(rotates, _on_grid(n * c + (other * sign) * s, DT), n)
+    return n
+
+
+@triton.jit
+def separately(v, INTERP: tl.constexpr):
+    """v, as a value the GPU compiler cannot fold into the add that reads it: the product rounds before the sum, as
+    torch's does, in a kernel built with contraction on (kernels/qkv_rope_kv.py's, for its projection's sake). The
+    interpreter never contracts."""
+    if not INTERP:
+        v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=tl.float32, is_pure=True, pack=1)
+    return v
+
+
+@triton.jit
+def head_rows(x_ptrs, w_ptr, cos_ptr, sin_ptr, rows, ok, stride_cos, stride_sin, eps, D: tl.constexpr,
+              ROT: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr):
+    """`_head` over a tile of rows, for a kernel holding several rows of a head at once (kernels/qkv_rope_kv.py's
+    projection tile): rows of one head normalized and rotated (fp32 values on DT's grid): x_ptrs [N, D] points at each row's head,
+    `rows` [N] are the rows of the factors cos/sin, `ok` [N] the rows to read. A rotated dim's partner is loaded again
+    (the same cache lines) and scaled by the same 1/rms, so both halves are the very values the norm stores."""
+    i = tl.arange(0, D)
+    x = tl.load(x_ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(separately(x * x, INTERP), axis=1) / D + eps)
+    w = tl.load(w_ptr + i).to(tl.float32)
+    n = _on_grid(x * rstd[:, None] * w[None, :], DT)
+    if ROPE:
+        partner, sign, rotates = _pairs(i, ROT)
+        p = tl.load(x_ptrs + (partner - i)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        other = _on_grid(p * rstd[:, None] * tl.load(w_ptr + partner).to(tl.float32)[None, :], DT)
+        rot_ok = ok[:, None] & rotates[None, :]
+        c = tl.load(cos_ptr + rows[:, None] * stride_cos + i[None, :], mask=rot_ok, other=0.0)
+        s = tl.load(sin_ptr + rows[:, None] * stride_sin + i[None, :], mask=rot_ok, other=0.0)
+        turned = separately(n * c, INTERP) + separately((other * sign[None, :]) * s, INTERP)
+        n = tl.where(rotates[None, :], _on_grid(turned, DT), n)
     return n
 
 

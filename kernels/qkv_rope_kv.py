@@ -11,10 +11,11 @@ a launch and its dependent step (issue 52) without a load the linear does not al
 split partials anyway.
 
 Roundings are the unfused pair's: the tile's sum is rounded to the output dtype (the projection's output), and the
-head's norm, rotation and cache stores round as kernels/qk_rope_kv.py's. One difference: a row's sum of squares is
-added in this kernel's layout (the tile's, over the linear's warps), not qk_rope_kv's one warp, so a norm's fp32
-result may differ from the unfused pair's in its last bits, which after the rounding to bf16 almost never shows (the
-unfused kernel already differs from torch's order the same way: tests/test_kernel_qk_rope_kv.py's TOL).
+head's norm, rotation and cache stores are kernels/qk_rope_kv.py's `head_rows`. One difference: a row's sum of squares
+is added in this kernel's layout (the tile's rows over the linear's warps), not qk_rope_kv's one row over one warp, so
+a norm's fp32 result may differ from the unfused pair's in its last bits, which after the rounding to bf16 almost
+never shows (the unfused kernel already differs from torch's order the same way: tests/test_kernel_qk_rope_kv.py's
+TOL).
 
 K is split as the plain linear splits it (its settings' column tiles: 8 splits of 3 K tiles at a TP8 rank's q/k/v), so
 every tile's sum is the plain linear's bit for bit; with one head a tile that is 64 programs where the plain linear
@@ -34,40 +35,8 @@ import triton.language as tl
 
 from . import fp8_linear as fl
 from .launch import launch_options
-from .qk_rope_kv import _pairs, check as check_prologue, qk_rope_kv_fits
+from .qk_rope_kv import check as check_prologue, head_rows, qk_rope_kv_fits
 from .rmsnorm import _on_grid
-
-
-@triton.jit
-def _separately(v, INTERP: tl.constexpr):
-    """v, as a value the GPU compiler cannot fold into the add that reads it: the product rounds before the sum, as
-    torch's does (this kernel is built with contraction on, for the projection's own arithmetic to stay the plain
-    linear's). The interpreter never contracts."""
-    if not INTERP:
-        v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=tl.float32, is_pure=True, pack=1)
-    return v
-
-
-@triton.jit
-def _heads(y_tile, w_ptr, cos_ptr, sin_ptr, m, m_ok, stride_cos, stride_sin, eps, D: tl.constexpr,
-           ROT: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr):
-    """The tile's rows of one head normalized and rotated (fp32 values on DT's grid): y_tile [BLOCK_M, D] pointers to
-    the rounded projection (stored by this program, so the rotation can read each dim's partner)."""
-    i = tl.arange(0, D)
-    x = tl.load(y_tile, mask=m_ok[:, None], other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(_separately(x * x, INTERP), axis=1) / D + eps)
-    w = tl.load(w_ptr + i).to(tl.float32)
-    n = _on_grid(x * rstd[:, None] * w[None, :], DT)
-    if ROPE:
-        partner, sign, rotates = _pairs(i, ROT)
-        p = tl.load(y_tile + (partner - i)[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-        other = _on_grid(p * rstd[:, None] * tl.load(w_ptr + partner).to(tl.float32)[None, :], DT)
-        rot_ok = m_ok[:, None] & rotates[None, :]
-        c = tl.load(cos_ptr + m[:, None] * stride_cos + i[None, :], mask=rot_ok, other=0.0)
-        s = tl.load(sin_ptr + m[:, None] * stride_sin + i[None, :], mask=rot_ok, other=0.0)
-        turned = _separately(n * c, INTERP) + _separately((other * sign[None, :]) * s, INTERP)
-        n = tl.where(rotates[None, :], _on_grid(turned, DT), n)
-    return n
 
 
 @triton.jit
@@ -79,9 +48,10 @@ def _prologue(total, y_ptr, stride_ym, head, m, m_ok, qw_ptr, kw_ptr, cos_ptr, s
     i = tl.arange(0, D)
     y_tile = y_ptr + m[:, None] * stride_ym + (head * D + i)[None, :]
     tl.store(y_tile, total.to(DT), mask=m_ok[:, None])  # the projection's output, as the unfused linear's
-    tl.debug_barrier()  # the tile's stores seen by every thread before the rotation reads the partners
+    tl.debug_barrier()  # the tile's stores seen by every thread before head_rows reads them (and the partners)
     if head < HQ:
-        n = _heads(y_tile, qw_ptr, cos_ptr, sin_ptr, m, m_ok, stride_cos, stride_sin, eps, D, ROT, ROPE, DT, INTERP)
+        n = head_rows(y_tile, qw_ptr, cos_ptr, sin_ptr, m, m_ok, stride_cos, stride_sin, eps, D, ROT, ROPE, DT,
+                      INTERP)
         tl.debug_barrier()  # every partner read before the rotated q is stored over it
         tl.store(y_tile, n.to(DT), mask=m_ok[:, None])
     else:
@@ -92,7 +62,8 @@ def _prologue(total, y_ptr, stride_ym, head, m, m_ok, qw_ptr, kw_ptr, cos_ptr, s
         CV: tl.constexpr = cv_ptr.dtype.element_ty
         if head < HQ + HKV:
             h = head - HQ
-            n = _heads(y_tile, kw_ptr, cos_ptr, sin_ptr, m, m_ok, stride_cos, stride_sin, eps, D, ROT, ROPE, DT, INTERP)
+            n = head_rows(y_tile, kw_ptr, cos_ptr, sin_ptr, m, m_ok, stride_cos, stride_sin, eps, D, ROT, ROPE, DT,
+                          INTERP)
             tl.store(ck_ptr + (slot[:, None] * HKV + h) * D + i[None, :], _on_grid(n, CK).to(CK), mask=m_ok[:, None])
             if h == 0:
                 tl.store(sp_ptr + slot, tl.where(live, pos, -1), mask=m_ok)

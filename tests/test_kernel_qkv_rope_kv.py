@@ -6,8 +6,8 @@ Per case, from the same caches (random values, so an unwritten slot shows): the 
 columns, the cache's written slots and slot_pos. On the interpreter every one is bit for bit the pair's (the same
 products in the same order, and numpy's sums); on the GPU the projection and V are, and q and K agree within the bf16
 rounding of a norm whose squares are summed in another layout (GPU_TOL). The trash slot is left out (several padding
-rows write it in no defined order). Negative control (a jit piece substituted from here): the rotation reading its
-partner from the unnormalized projection, which must fail.
+rows write it in no defined order). Negative control (a jit piece substituted from here): the rotation pairing each dim
+with itself instead of its NeoX partner, which must fail.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from iquest.kernels import fp8_linear as fl, qk_rope_kv as qk, qkv_rope_kv as qrk
-from iquest.kernels.rmsnorm import _on_grid
 from iquest.kernels.testing import interpreted_tests, substitute, substituted
 from iquest.reference.layers import rope_cos_sin
 
@@ -49,7 +48,7 @@ CASES = [
     case("mini_gqa_fp32_one_split", **MINI, dtype="fp32", locks=False),
     case("prefill_40rows_two_tiles_bf16", R=40, **dict(MINI, slots=4096, start=0), dead=(38, 39)),
 ]
-CONTROLS = [case("control_partner_unnormalized", control="partner_unnormalized")]
+CONTROLS = [case("control_partner_self", control="partner_self")]
 GPU_RANK = dict(H=3072, slots=4160, start=4157)
 GPU_CASES = [
     case("gpu_6rows_rank", **GPU_RANK, dead=(5,)),
@@ -60,26 +59,15 @@ GPU_CASES = [
 
 
 @triton.jit
-def _heads_partner_unnormalized(y_tile, w_ptr, cos_ptr, sin_ptr, m, m_ok, stride_cos, stride_sin, eps,
-                                D: tl.constexpr, ROT: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr,
-                                INTERP: tl.constexpr):
-    i = tl.arange(0, D)
-    x = tl.load(y_tile, mask=m_ok[:, None], other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-    n = _on_grid(x * rstd[:, None] * tl.load(w_ptr + i).to(tl.float32)[None, :], DT)
-    if ROPE:
-        partner, sign, rotates = qk._pairs(i, ROT)
-        p = tl.load(y_tile + (partner - i)[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)  # not normalized
-        rot_ok = m_ok[:, None] & rotates[None, :]
-        c = tl.load(cos_ptr + m[:, None] * stride_cos + i[None, :], mask=rot_ok, other=0.0)
-        s = tl.load(sin_ptr + m[:, None] * stride_sin + i[None, :], mask=rot_ok, other=0.0)
-        n = tl.where(rotates[None, :], _on_grid(n * c + (p * sign[None, :]) * s, DT), n)
-    return n
+def _partner_raw(x, ROT: tl.constexpr):
+    """Each dim its own partner (rotate_half forgotten): the rotation reads the dim itself."""
+    return x, tl.where(x < ROT // 2, -1.0, 1.0), x < ROT
 
 
 def _controls() -> dict:
-    broken = {"_prologue": substitute(qrk._prologue, _heads=_heads_partner_unnormalized)}
-    return {"partner_unnormalized": {"_qkv_rope_kv_kernel": broken}}
+    heads = substitute(qk.head_rows, _pairs=_partner_raw)
+    broken = {"_prologue": substitute(qrk._prologue, head_rows=heads)}
+    return {"partner_self": {"_qkv_rope_kv_kernel": broken}}
 
 
 def _weights(c: dict, gen: torch.Generator, device: str):
