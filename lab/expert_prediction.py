@@ -78,21 +78,11 @@ def trace(model, tokens: list[int]) -> dict[int, dict[str, torch.Tensor]]:
     """One forward over `tokens` (positions 0..T-1): per MoE layer i, the actual experts [T, K] (the model's own
     routing, its `experts` tap), the router's ranking [T, E] at each position ("now") and the rankings of P1, P1f,
     P2 (P2 absent at layer 0)."""
-    from ..reference.checkpoint import layer_prefix
-    from ..reference.layers import rms_norm
+    from .moe_taps import moe_layers
 
-    c, w = model.config, model.w
-    ids = torch.tensor(tokens)
-    taps: dict = {}
-    model.forward(ids, torch.arange(len(tokens)), model.new_cache(), taps)
-    out = {}
-    for i in range(c.num_hidden_layers):
-        if c.is_dense(i):
-            continue
-        p = layer_prefix(i)
+    w, taps, out = model.w, {}, {}
+    for i, p, x, a in moe_layers(model, tokens, taps):
         router = w[p + "mlp.router.weight"]
-        x = w["model.embed_tokens.weight"][ids] if i == 0 else taps[f"layer{i - 1}.hidden"]
-        a = rms_norm(x, w[p + "attention_norm.weight"], c.rms_norm_eps)
         layer = {"actual": taps[f"layer{i}.experts"], "now": ranked(taps[f"layer{i}.router_scores"]),
                  "P1": ranked(a @ router.T), "P1f": ranked((a * w[p + "feed_forward_norm.weight"]) @ router.T)}
         if i > 0:

@@ -79,20 +79,11 @@ def fold_logits(r: torch.Tensor, o: torch.Tensor, w_out: torch.Tensor, w_ffn: to
 def layer_inputs(model, tokens: list[int], taps: dict | None = None) -> dict[int, dict[str, torch.Tensor]]:
     """One float64 forward over `tokens`; per MoE layer: the residual r, o (attn_out tap), b (mlp_in tap), the
     reference's logits b @ W_r^T (what its _moe routes on), its experts and scores."""
-    from ..reference.checkpoint import layer_prefix
-    from ..reference.layers import rms_norm
+    from .moe_taps import moe_layers
 
-    c, w = model.config, model.w
-    ids = torch.tensor(tokens)
-    taps = {} if taps is None else taps
-    model.forward(ids, torch.arange(len(tokens)), model.new_cache(), taps)
-    out = {}
-    for i in range(c.num_hidden_layers):
-        if c.is_dense(i):
-            continue
-        p = layer_prefix(i)
-        x = w["model.embed_tokens.weight"][ids] if i == 0 else taps[f"layer{i - 1}.hidden"]
-        r = x if i == 0 else rms_norm(x, w[p + "attention_norm.weight"], c.rms_norm_eps)
+    w, taps, out = model.w, {} if taps is None else taps, {}
+    for i, p, x, a in moe_layers(model, tokens, taps):
+        r = x if i == 0 else a  # what the layer's residual continues from (docs/model.md)
         b = taps[f"layer{i}.mlp_in"]
         out[i] = {"r": r, "o": taps[f"layer{i}.attn_out"], "b": b, "ref": b @ w[p + "mlp.router.weight"].T,
                   "experts": taps[f"layer{i}.experts"], "scores": taps[f"layer{i}.router_scores"]}
