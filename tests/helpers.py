@@ -182,3 +182,27 @@ def chi_square(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], 
     E, O = np.array(pools_e), np.array(pools_o, dtype=float)
     stat = float(((O - E) ** 2 / E).sum())
     return stat, len(E) - 1, float(stats.chi2.sf(stat, len(E) - 1))
+
+
+def stop_server(proc) -> None:
+    """Ctrl-C to an `iquest serve` subprocess, as a user stops it; killed if it has not exited 20 s later."""
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def streamed_tool_calls(chunks) -> list[dict]:
+    """The tool calls of an OpenAI chat stream's chunks, their argument deltas joined: [{"id", "name", "arguments"}]
+    in index order."""
+    calls: dict = {}
+    for c in chunks:
+        for d in c.choices[0].delta.tool_calls or []:
+            calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
+            calls[d.index]["arguments"] += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)]

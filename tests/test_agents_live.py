@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +27,7 @@ import httpx
 import openai
 import pytest
 
-from iquest.tests.helpers import MINI, ROOT
+from iquest.tests.helpers import MINI, ROOT, stop_server, streamed_tool_calls
 
 MAX_TOKENS = 16
 FILE_BYTES = 400    # each tool result: the head of a file, so that three turns stay a short prefill on CPU
@@ -71,12 +70,7 @@ def server(tmp_path_factory):
         model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
         yield url, model
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_server(proc)
         log.close()
     text = log_file.read_text()
     assert "Traceback" not in text, text  # every refusal was an answer, not a crash
@@ -121,12 +115,7 @@ def chat_stream(client, **kw):
     assert all(f is None for f in finishes[:-1]) and finishes[-1] is not None
     reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in body)
     content = "".join(c.choices[0].delta.content or "" for c in body)
-    calls: dict = {}
-    for c in body:
-        for d in c.choices[0].delta.tool_calls or []:
-            calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
-            calls[d.index]["arguments"] += d.function.arguments or ""
-    return reasoning or None, content, [calls[i] for i in sorted(calls)], finishes[-1], last.usage
+    return reasoning or None, content, streamed_tool_calls(body), finishes[-1], last.usage
 
 
 def chat_turn(client, model: str, stream: bool, **kw):

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from iquest.cli.main import main
-from iquest.tests.helpers import TINY
+from iquest.tests.helpers import TINY, stop_server
 
 
 def free_port() -> int:
@@ -58,12 +58,7 @@ def test_serve_subprocess_with_api_key():
         b = client.completions.create(model="tiny", prompt="def f():", max_tokens=6, seed=9)
         assert a.choices[0].text == b.choices[0].text
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_server(proc)
     assert proc.returncode is not None
     log = proc.stdout.read()  # the start-up line names what runs
     assert "iquest serve: fast on cpu, tp 1, fp32 activations, weights fp8; kernels: torch; depth policy" in log, log

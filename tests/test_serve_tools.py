@@ -17,7 +17,7 @@ from iquest.serve.app import ServeOptions, create_app
 from iquest.serve.chat import ChatStream, Delta, Markup
 from iquest.serve.server import ServerThread, load_tokenizer
 from iquest.serve.testing import ScriptedEngine, spelled_ids
-from iquest.tests.helpers import TINY
+from iquest.tests.helpers import TINY, streamed_tool_calls
 
 CONTEXT = 256
 TOOLS = [{"type": "function", "function": {
@@ -134,12 +134,7 @@ def stream_reply(client, **kw):
     chunks = list(client.chat.completions.create(stream=True, **kw))
     reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
-    calls: dict = {}
-    for c in chunks:
-        for d in c.choices[0].delta.tool_calls or []:
-            calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
-            calls[d.index]["arguments"] += d.function.arguments or ""
-    return reasoning, content, [calls[i] for i in sorted(calls)], chunks[-1].choices[0].finish_reason
+    return reasoning, content, streamed_tool_calls(chunks), chunks[-1].choices[0].finish_reason
 
 
 def test_live_reasoning_is_separate_and_thinking_switches_off(live, tok):
