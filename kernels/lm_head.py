@@ -60,7 +60,7 @@ class LMHeadSettings:
     num_warps: int = 4     # "dot"
     num_stages: int = 4    # "dot"
     # "rows": [16 x 64] fp32 tiles over 8 warps hold the accumulator of 8 rows in 64 registers a thread, four programs
-    # an SM with two tiles each in flight (`iquest bench sass`: no spill, 76 instructions a step at 6 rows); to be
+    # an SM with two tiles each in flight (`iquest bench sass`: no spill, 78 instructions a step at 6 rows); to be
     # measured (`iquest bench tune --ops lm_head`)
     rows_block_k: int = 64
     rows_warps: int = 8
