@@ -15,7 +15,7 @@ Two launches, fixed grids, no host sync, no atomics (graph-capturable; a replay 
    Triton's approximate tl.exp, and round-to-nearest division), then k rounds of one int64 max over the keys
    score_bits << 32 | (E_PAD - 1 - rank). Scores are >= +0, so their bits order as the values do, and among equal
    scores the lower rank wins; an expert's rank is its index (`_tie_rank`). The weights are the chosen scores over
-   their sum.
+   their sum. The selection is `select_experts`, which kernels/route_tail.py's folded tail calls too.
 
 Agreement with TorchOps.route: both sum the same fp32 products in different orders (torch's matmul: cuBLAS or the
 CPU's BLAS), so logits, scores and weights agree to rounding, not bit for bit. `device.logit_tolerance` states how
@@ -126,15 +126,13 @@ def _tie_rank(idx, E_PAD: tl.constexpr):
 
 
 @triton.jit
-def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, R, E, splits,
-                          E_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                          ACCURATE_EXP: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_inputs(PDL)
-    row = tl.program_id(0)
+def select_experts(logits, row, E, weights_ptr, experts_ptr, scores_ptr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
+                   K_PAD: tl.constexpr, ACCURATE_EXP: tl.constexpr, RANK: tl.constexpr):
+    """A row's routing from its fp32 logits [E_PAD] (past E ignored): the softmax, the top TOP_K and their
+    renormalized weights, stored at `row`. The one definition of the selection, shared by `_router_select_kernel` and
+    kernels/route_tail.py. RANK is `_tie_rank`, passed in by each kernel so a test's copy of a kernel can swap it."""
     idx = tl.arange(0, E_PAD)
     ok = idx < E
-    logits = _sum_splits(part_ptr, row, R, E, splits, E_PAD, SPLIT_BLOCK)
-
     logits = tl.where(ok, logits, float("-inf"))
     z = logits - tl.max(logits, axis=0)
     if ACCURATE_EXP:
@@ -150,11 +148,11 @@ def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, R, E, 
     slot = tl.arange(0, K_PAD)
     sel_e = tl.zeros([K_PAD], tl.int32)
     sel_v = tl.zeros([K_PAD], tl.float32)
-    low = E_PAD - 1 - _tie_rank(idx, E_PAD)
+    low = E_PAD - 1 - RANK(idx, E_PAD)
     key = tl.where(ok, (scores.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low.to(tl.int64), -1)
     for j in range(TOP_K):
         best = tl.max(key, axis=0)
-        sel_e = tl.where(slot == j, _tie_rank(E_PAD - 1 - (best & 0xFFFFFFFF).to(tl.int32), E_PAD), sel_e)
+        sel_e = tl.where(slot == j, RANK(E_PAD - 1 - (best & 0xFFFFFFFF).to(tl.int32), E_PAD), sel_e)
         sel_v = tl.where(slot == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), sel_v)
         key = tl.where(key == best, -1, key)
 
@@ -162,6 +160,17 @@ def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, R, E, 
     k_ok = slot < TOP_K
     tl.store(weights_ptr + row * TOP_K + slot, weights, mask=k_ok)
     tl.store(experts_ptr + row * TOP_K + slot, sel_e.to(tl.int64), mask=k_ok)
+
+
+@triton.jit
+def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, R, E, splits,
+                          E_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                          ACCURATE_EXP: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
+    row = tl.program_id(0)
+    logits = _sum_splits(part_ptr, row, R, E, splits, E_PAD, SPLIT_BLOCK)
+    select_experts(logits, row, E, weights_ptr, experts_ptr, scores_ptr, E_PAD, TOP_K, K_PAD, ACCURATE_EXP,
+                   _tie_rank)
 
 
 # ---- host wrapper ----------------------------------------------------------------------------------
