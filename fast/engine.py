@@ -159,12 +159,16 @@ class FastEngine:
         dtype = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.rank0.dtype, str(self.rank0.dtype))
         weights = self.weights + (" (quantized at load from bf16)" if self.quantized_at_load else "")
         kernels = kernel_summary(self.plan)
+        fold = self.rank0.options.router_fold
+        routing = ("; routing folded into o_proj and the attention tail" + (" (not across ranks: off at this tp)"
+                                                                              if self.tp > 1 else "")) if fold else ""
         return {"device": self.device.type, "tp": self.tp, "dtype": dtype, "weights": weights,
                 "weights_quantized_at_load": self.quantized_at_load, "kernels": kernels,
                 "kernel_groups": {"triton": [g for g in GROUPS if getattr(self.plan, g)],
                                   "torch": list(self.plan.torch_groups)},
+                "router_fold": fold and self.tp == 1,
                 "text": f"fast on {self.device.type}, tp {self.tp}, {dtype} activations, weights {weights}; "
-                        f"kernels: {kernels}"}
+                        f"kernels: {kernels}{routing}"}
 
     @property
     def device(self) -> torch.device:

@@ -7,11 +7,13 @@ Philox in integer ops. Importing this module needs no triton: the CPU path of th
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from ..reference.layers import apply_rope, attention, rms_norm, route
 from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT
-from . import philox, sampler
+from . import philox, router_fold, sampler
 from .cache import LayerKV
 from .profiling import stage
 from .weights import Attention, ModelWeights, MoE, Weight
@@ -20,9 +22,31 @@ from .weights import Attention, ModelWeights, MoE, Weight
 class TorchOps:
     name = "torch"
 
-    def prepare(self, w: ModelWeights) -> None:
-        """Derived weights this implementation reads, made before any graph capture (none: the heads and routers are
-        held in fp32 as loaded)."""
+    def __init__(self, fold_router: bool = False) -> None:
+        self.calls: Counter = Counter()  # paths taken, by name (tests check that a path ran)
+        self.fold_router = fold_router  # EngineOptions.router_fold: a numerical change (fast/router_fold.py)
+        self._folds: dict[int, router_fold.RouterFold] = {}  # id(LayerWeights) -> its fold, made in prepare()
+        self._routed: tuple | None = None  # (b, routing) a folded tail selected, until route(b) takes it
+
+    def prepare(self, w: ModelWeights, top_k: int) -> None:
+        """Derived weights this implementation reads, made before any graph capture: with the router fold, each MoE
+        layer's scaled router (the heads and routers are otherwise held in fp32 as loaded)."""
+        if self.fold_router:
+            for lw in [*w.layers, w.draft.block]:
+                if isinstance(lw.mlp, MoE):
+                    self._folds[id(lw)] = router_fold.make(lw.mlp.router, lw.feed_forward_norm, lw.attn_out_norm,
+                                                           top_k)
+
+    def router_fold_for(self, lw, par) -> router_fold.RouterFold | None:
+        """The layer's fold where routing is folded into its o-projection and attention tail: the option on, a MoE
+        layer, and the o-projection's output whole on this rank (TP 1, a rank slice)."""
+        return None if par.active else self._folds.get(id(lw))
+
+    def o_proj(self, w: Weight, x: torch.Tensor, residual: torch.Tensor,
+               fold: router_fold.RouterFold | None) -> torch.Tensor | router_fold.FoldedProjection:
+        """The o-projection; with a fold, also the router's partial logits (fast/router_fold.py)."""
+        y = self.linear(w, x)
+        return y if fold is None else router_fold.FoldedProjection(y, router_fold.parts(residual, y, fold), fold)
 
     def lm_head(self, hidden: torch.Tensor, head32: torch.Tensor) -> torch.Tensor:
         """fp32 logits [R, V/tp] of the post-norm rows: fp32 products with the fp32 head."""
@@ -99,6 +123,11 @@ class TorchOps:
                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A row-parallel branch's partial output summed over the ranks of `par` (fast/parallel.py), then the sandwich
         tail on the sum: (sum, h, next_norm(h)). The peer all-reduce does both in one launch (fast/triton_ops.py)."""
+        if isinstance(partial, router_fold.FoldedProjection):  # router_fold_for: never across ranks
+            y, p, fold = partial
+            h, b = self.add_norm(residual, y, scale, y_norm, next_norm, eps, dtype)
+            self._routed = (b, router_fold.select(p, residual, y, fold.w_out, scale, eps, fold.top_k))
+            return y, h, b
         total = par.all_reduce(partial)
         return (total, *self.add_norm(residual, total, scale, y_norm, next_norm, eps, dtype))
 
@@ -108,10 +137,19 @@ class TorchOps:
         slice), before the all-reduce that sums them over ranks: the torch sequence kernels/embed.py replaces."""
         return embed(tokens, table, offset)
 
-    @staticmethod
-    def route(b: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def route(self, b: torch.Tensor, router: torch.Tensor,
+              top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Softmax routing: (weights [R, k], experts [R, k] long, scores [R, E]) from fp32 logits, the product of the
-        input's values widened to fp32 and the fp32 router."""
+        input's values widened to fp32 and the fp32 router; or, after a folded tail made b, the routing it selected."""
+        routed, self._routed = self._routed, None
+        if routed is not None and routed[0] is b:
+            self.calls["route_folded"] += 1
+            return routed[1]
+        return self.route_on(b, router, top_k)
+
+    @staticmethod
+    def route_on(b: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The router's own pass on b (what `route` runs unless a folded tail already selected)."""
         return route(b.float() @ router.T, top_k)
 
     def moe(self, b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,

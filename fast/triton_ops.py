@@ -15,10 +15,11 @@ from collections import Counter
 
 import torch
 
-from ..kernels import (decode_attention, embed, fp8_linear, lm_head, moe, philox, qk_rope_kv, qkv_rope_kv, rmsnorm,
-                       router, sample, settle, topk)
+from ..kernels import (decode_attention, embed, fp8_linear, lm_head, moe, o_proj_router, philox, qk_rope_kv,
+                       qkv_rope_kv, rmsnorm, route_tail, router, sample, settle, topk)
 from .plan import KernelPlan
 from .profiling import stage
+from .router_fold import FoldedProjection
 from .torch_ops import TorchOps
 from .weights import MoE, Weight
 
@@ -38,9 +39,9 @@ def _fp8_takes(w: Weight) -> bool:
 class TritonOps(TorchOps):
     name = "triton"
 
-    def __init__(self, plan: KernelPlan = KernelPlan.triton()) -> None:
+    def __init__(self, plan: KernelPlan = KernelPlan.triton(), fold_router: bool = False) -> None:
+        super().__init__(fold_router)
         self.plan = plan
-        self.calls: Counter = Counter()     # kernel paths taken, by name (tests check that a path ran)
         self.fallbacks: Counter = Counter()  # op group -> calls a kernel could not take (ran the torch form)
         self._locks: torch.Tensor | None = None
         self._experts: dict[int, list] = {}  # id(MoE) -> its gate, up, down as the MoE kernel takes them
@@ -58,7 +59,8 @@ class TritonOps(TorchOps):
             self.fallbacks[group] += 1
         return ok
 
-    def prepare(self, w):
+    def prepare(self, w, top_k):
+        super().prepare(w, top_k)
         # The arrival counters of the FP8 linear's split-K sum: zeroed once, before any capture; every call leaves them
         # zeroed, and the engine's calls run one after another on one stream.
         self._locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
@@ -81,6 +83,18 @@ class TritonOps(TorchOps):
         fits = locks is not None and fp8_linear.lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
         return fp8_linear.fp8_linear(x.contiguous(), w.q, w.scale, w.block, out_dtype=x.dtype,
                                      locks=locks if fits else None, pdl=cuda)
+
+    def o_proj(self, w, x, residual, fold):
+        # the router fold (fast/router_fold.py): the projection's tiles also write the router's partial logits
+        if fold is None or not self._fits("linear", _fp8_takes(w) and o_proj_router.fits(
+                x.shape[0], *fold.router_w.shape)):
+            return super().o_proj(w, x, residual, fold)
+        self.calls["o_proj_router"] += 1
+        locks = self._locks
+        fits = locks is not None and fp8_linear.lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
+        y, parts = o_proj_router.o_proj_router(x.contiguous(), w.q, w.scale, w.block, residual, fold.router_w,
+                                               fold.w_out, locks=locks if fits else None, pdl=x.is_cuda)
+        return FoldedProjection(y, parts, fold)
 
     def qkv(self, attn, x):
         w = attn.wqkv
@@ -137,9 +151,9 @@ class TritonOps(TorchOps):
         return lm_head.lm_head(hidden, head32, pdl=hidden.is_cuda)
 
     # ---- the routed experts ----------------------------------------------------------------------------
-    def route(self, b, router_w, top_k):
+    def route_on(self, b, router_w, top_k):
         if not self._fits("moe", router.fits(b.shape[0], *router_w.shape)):
-            return super().route(b, router_w, top_k)
+            return super().route_on(b, router_w, top_k)
         self.calls["route"] += 1
         return router.route(b, router_w, top_k, pdl=b.is_cuda)
 
@@ -173,6 +187,16 @@ class TritonOps(TorchOps):
         # One launch, the same bits as the sequence: with peer collectives (GPUs, TP > 1) the all-reduce ends in the
         # tail; the MoE's uncombined output (kernels/moe.ExpertOutputs) is combined by the reduction or, without one
         # (TP 1, rank slices), by the tail
+        if isinstance(partial, FoldedProjection):  # the router fold's tail selects the experts (fast/router_fold.py)
+            y, parts, fold = partial
+            if self.plan.moe and self._fits("norm", route_tail.fits(*y.shape, parts.shape[0], parts.shape[-1],
+                                                                     fold.top_k)):
+                self.calls["add_norm_route"] += 1
+                h, b, *routing = route_tail.add_norm_route(residual, y, scale, y_norm, next_norm, eps, dtype, parts,
+                                                           fold.top_k, pdl=y.is_cuda)
+                self._routed = (b, tuple(routing))
+                return y, h, b
+            return super().reduce_add_norm(par, partial, residual, scale, y_norm, next_norm, eps, dtype)
         fused = self._fits("norm", rmsnorm.rmsnorm_fits(residual.shape[-1]))
         if fused and par.peers is not None:
             self.calls["reduce_add_norm"] += 1

@@ -1,5 +1,5 @@
 """The MoE router for a decode block, docs/model.md ("Mixture of experts", "Numerics"): `route(b, router_w, top_k)` is
-TorchOps.route, that is reference.layers.route(b.float() @ router_w.T, top_k): fp32 logits of the MoE input b [R, H]
+TorchOps.route_on, that is reference.layers.route(b.float() @ router_w.T, top_k): fp32 logits of the MoE input b [R, H]
 (bf16, widened exactly; fp32 taken too) and the fp32 router [E, H] (replicated on every rank), softmax over all E
 experts, the k largest scores (equal scores: the lower expert index), their scores renormalized over the k. Returns
 (weights [R, k] fp32, experts [R, k] int64, scores [R, E] fp32).
@@ -17,7 +17,7 @@ Two launches, fixed grids, no host sync, no atomics (graph-capturable; a replay 
    scores the lower rank wins; an expert's rank is its index (`_tie_rank`). The weights are the chosen scores over
    their sum. The selection is `select_experts`, which kernels/route_tail.py's folded tail calls too.
 
-Agreement with TorchOps.route: both sum the same fp32 products in different orders (torch's matmul: cuBLAS or the
+Agreement with TorchOps.route_on: both sum the same fp32 products in different orders (torch's matmul: cuBLAS or the
 CPU's BLAS), so logits, scores and weights agree to rounding, not bit for bit. `device.logit_tolerance` states how
 far the logits may be apart; an expert choice may differ only where two scores are that close (a near-tie). Exact ties
 (equal logits, e.g. equal router rows) go to the lower index in both.
@@ -212,7 +212,7 @@ def _check_settings(s: RouterSettings) -> None:
 
 def route(b: torch.Tensor, router_w: torch.Tensor, top_k: int, *, settings: RouterSettings = RouterSettings(),
           pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weights [R, k] fp32, experts [R, k] int64, scores [R, E] fp32) = TorchOps.route(b, router_w, top_k) to
+    """(weights [R, k] fp32, experts [R, k] int64, scores [R, E] fp32) = TorchOps.route_on(b, router_w, top_k) to
     rounding (`device.logit_tolerance`), for b [R, H] bf16 (fp16 / fp32 taken too; unit stride along H), R in
     1..MAX_ROWS, and router_w [E, H] fp32, contiguous. `pdl`: as kernels/launch.py's. ValueError for what it does not
     take."""

@@ -221,8 +221,8 @@ def _without_sink(attn):
 class NoSinkModel(FastModel):
     """drop_sink: attention without the sink logit in the softmax denominator."""
 
-    def attention(self, c, index, attn, kv, a, blk):
-        return super().attention(c, index, _without_sink(attn), kv, a, blk)
+    def attention(self, c, index, attn, kv, a, blk, r, fold):
+        return super().attention(c, index, _without_sink(attn), kv, a, blk, r, fold)
 
 
 def scalar_sink_attention(q, k, v, mask, scale, sink_k):
@@ -241,7 +241,7 @@ def scalar_sink_attention(q, k, v, mask, scale, sink_k):
 class ScalarSinkModel(FastModel):
     """scalar_sink: a query-independent sink, one constant logit per head (scalar_sink_attention)."""
 
-    def attention(self, c, index, attn, kv, a, blk):
+    def attention(self, c, index, attn, kv, a, blk, r, fold):
         R, D, eps = a.shape[0], c.head_dim, c.rms_norm_eps
         q, k, v = (t.view(R, -1, D) for t in self.ops.qkv(attn, a))
         theta = c.rope_theta_for(index)
@@ -249,7 +249,7 @@ class ScalarSinkModel(FastModel):
         q = self.ops.qk_rope_write(kv, q, k, v, attn.q_norm, attn.k_norm, eps, cos, sin, blk.positions, blk.live)
         out = scalar_sink_attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(blk.positions), c.scale,
                                     attn.sink_k).to(q.dtype)
-        return self.ops.linear(attn.wo, out.to(self.dtype).reshape(R, -1))
+        return self.ops.o_proj(attn.wo, out.to(self.dtype).reshape(R, -1), r, fold)
 
 
 class ShiftedRopeModel(FastModel):
@@ -275,7 +275,7 @@ class LastDimsRopeModel(FastModel):
     rotary_dim and attending with them rolled (the sink key too) is exactly that: a dot product is unchanged when
     both of its factors are permuted alike, so the cache may hold the rolled keys."""
 
-    def attention(self, c, index, attn, kv, a, blk):
+    def attention(self, c, index, attn, kv, a, blk, r, fold):
         R, D, eps, n = a.shape[0], c.head_dim, c.rms_norm_eps, c.rotary_dim
         q, k, v = (t.view(R, -1, D) for t in self.ops.qkv(attn, a))
         theta = c.rope_theta_for(index)
@@ -285,7 +285,7 @@ class LastDimsRopeModel(FastModel):
                                    blk.positions, blk.live)
         sink = attn.sink_k.roll(n, -1) if attn.sink_k is not None else None
         out = self.ops.attention(q, kv, blk.positions, c.scale, sink)
-        return self.ops.linear(attn.wo, out.to(self.dtype).reshape(R, -1))
+        return self.ops.o_proj(attn.wo, out.to(self.dtype).reshape(R, -1), r, fold)
 
 
 class RawResidualModel(FastModel):

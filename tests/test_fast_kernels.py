@@ -29,9 +29,9 @@ LINEAR_BLOCK_TOL = 1e-5
 
 
 def engine(plan: KernelPlan | str, device: str = "cpu", dtype: str = "fp32", parts: EngineParts = EngineParts(),
-           max_context: int = 256) -> RankEngine:
-    return RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=max_context, dtype=dtype, kernels=plan),
-                      parts)
+           max_context: int = 256, router_fold: bool = False) -> RankEngine:
+    return RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=max_context, dtype=dtype, kernels=plan,
+                                                                   router_fold=router_fold), parts)
 
 
 def two_blocks(e: RankEngine, device: str, first: int = 40) -> tuple:
@@ -126,6 +126,29 @@ def unfolded_block(fold: str, device: str = "cpu") -> dict:
             "control": control.model.ops.calls[path], "unfolded": control.model.ops.unfolded_calls.get(fold, 0)}
 
 
+def router_fold_block(device: str = "cpu") -> dict:
+    """The router fold's kernels (kernels/o_proj_router.py, kernels/route_tail.py: the linear, norm and MoE groups)
+    against the fold's torch form (fast/router_fold.py) over the three blocks: the largest relative error of the live
+    rows' logits and hiddens, the chosen experts' agreement, and the paths each ran."""
+    out = {}
+    plan = KernelPlan(linear=True, norm=True, moe=True)
+    for p in (KernelPlan.torch(), plan):
+        e = engine(p, device, router_fold=True)
+        _forget_capture(e)
+        experts = []
+        route = e.model.ops.route
+        e.model.ops.route = lambda *a: (lambda r: experts.append(r[1].clone()) or r)(route(*a))
+        outputs = two_blocks(e, device)
+        out[p.name] = ([t for block in outputs for t in block], experts, dict(e.model.ops.calls),
+                       dict(getattr(e.model.ops, "fallbacks", {})))
+    (o0, x0, c0, _), (o1, x1, calls, fallbacks) = out["torch"], out[plan.name]
+    rel = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
+    live = [None, None, 6, 6, 6, 6]
+    return {"rel_err": max(rel(x[:n], y[:n]) for x, y, n in zip(o1, o0, live)),
+            "experts_equal": len(x0) == len(x1) and all(torch.equal(a, b) for a, b in zip(x0, x1)),
+            "torch_calls": c0, "calls": calls, "fallbacks": fallbacks}
+
+
 def sampling_block(device: str = "cpu") -> dict:
     """The sampling kernels' distributions of one 8-row logits block against the torch forms'."""
     out = {}
@@ -188,6 +211,20 @@ def test_interpreted_group_kernels_within_their_tolerance(interpreted, group, ke
     assert r["rel_err"] <= GROUP_BLOCK_TOL[group] and r["cache_err"] <= GROUP_BLOCK_TOL[group], r
 
 
+def test_interpreted_router_fold_kernels_within_their_tolerance(interpreted):
+    """The router fold on its kernels: every MoE layer call of the three blocks (3 target MoE layers x 2 forwards +
+    the draft) ran the o-projection with the partials and the tail that selects, and routed from it (no router pass);
+    the outputs are the fold's torch form's to fp32 sums in other orders, the same experts chosen."""
+    r = interpreted["router_fold_block"]
+    assert "error" not in r, r
+    print(f"[interpreted router fold] relative error {r['rel_err']:.2e}, calls {r['calls']}")
+    moe_calls = 3 * 2 + 1
+    assert r["calls"]["o_proj_router"] == r["calls"]["add_norm_route"] == r["calls"]["route_folded"] == moe_calls, r
+    assert not r["calls"].get("route") and not r["fallbacks"], r
+    assert r["torch_calls"]["route_folded"] == moe_calls, r
+    assert r["experts_equal"] and r["rel_err"] <= GROUP_BLOCK_TOL["moe_norm"], r
+
+
 @pytest.mark.parametrize("fold", list(FOLDS))
 def test_interpreted_fold_and_its_control_are_bit_identical(interpreted, fold):
     """Issue 52's paired evidence rests on this: the fold's control variant computes the same bits through the
@@ -222,6 +259,7 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
                  ("moe_block", lambda: group_block("moe")), ("lm_head_block", lambda: group_block("lm_head")),
                  ("moe_norm_block", lambda: group_block("moe", "norm")),
                  ("linear_attention_block", lambda: group_block("linear", "attention")),
+                 ("router_fold_block", router_fold_block),
                  *((f"unfolded_{fold}", lambda fold=fold: unfolded_block(fold)) for fold in FOLDS)])
 
 

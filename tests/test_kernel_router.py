@@ -1,5 +1,6 @@
-"""kernels/router.py against the torch form it replaces, TorchOps.route(b, router, k) = reference.layers.route(b.float()
-@ router.T, k) (docs/model.md, "Mixture of experts"), and against the exact (float64) routing of the same inputs.
+"""kernels/router.py against the torch form it replaces, TorchOps.route_on(b, router, k) =
+reference.layers.route(b.float() @ router.T, k) (docs/model.md, "Mixture of experts"), and against the exact (float64)
+routing of the same inputs.
 
 Tolerances, as data (TOLERANCES below, with their reasons). Each fp32 logit is within g sum_h |b_h w_eh| of the exact
 one, whatever the summation order: g = gamma_H = H u / (1 - H u), u = 2^-24, always (Higham, Thm 3.1;
@@ -211,7 +212,7 @@ def run_case(c: dict, device: str) -> dict:
     t = build(c, device)
     s = settings_of(c["settings"])
     got = run_route(t, c["k"], s, c["broken"])
-    want = TorchOps.route(t["b"], t["w"], c["k"])
+    want = TorchOps.route_on(t["b"], t["w"], c["k"])
     split = s.split if s.split is not None else rt.choose_split(c["E"], c["H"], s, t["b"].device)
     splits, h_per_split = rt.split_plan(c["H"], split, s.block_h)
     r = dict(measure(t["b"], t["w"], c["k"], got, want), splits=splits,

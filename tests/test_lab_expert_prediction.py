@@ -57,7 +57,7 @@ def test_actual_experts_are_the_models_own_routing(probe):
         assert sorted(tr["layers"]) == [int(i) for i in report["layers"]]
         for i, layer in tr["layers"].items():
             router = model.w[layer_prefix(i) + "mlp.router.weight"].float()
-            _, experts, _ = TorchOps.route(taps[f"layer{i}.mlp_in"].float(), router, K)
+            _, experts, _ = TorchOps.route_on(taps[f"layer{i}.mlp_in"].float(), router, K)
             assert torch.equal(layer["actual"], experts), i
             assert torch.equal(layer["now"][:, :K], experts)  # the router's ranking starts with its choice
 
