@@ -44,12 +44,13 @@ from ..reference.checkpoint import draft_prefix, layer_prefix
 from ..reference.model import ReferenceModel
 from ..reference.sampling import Dist, SamplingParams
 from . import tolerances
-from .router import scores_error, swap_ratio
+from .router import router_input, scores_error, swap_ratio
 from .window import record_window, sliding_layers
 
 VERIFY_ROWS = 8
 METRICS = ("numerics.logits", "numerics.hidden", "numerics.kl", "numerics.topk", "numerics.sampler")
-ROUTER_TAPS = ("mlp_in", "router_scores", "experts")  # what a recorded block keeps of the engine's taps
+# what a recorded block keeps of the engine's taps (router_in*: the router fold's input, qualify/router.py)
+ROUTER_TAPS = ("mlp_in", "router_scores", "experts", "router_in", "router_in_bound")
 
 
 def classes_all() -> list[str]:
@@ -325,7 +326,7 @@ class StreamReference:
                 fast = b.taps[t + "experts"][i]
                 ref = (torch.sort(taps[t + "router_scores"][r], descending=True, stable=True).indices[:fast.numel()]
                        if own else taps[t + "experts"][r])
-                swapped, ratio = swap_ratio(self.m.w[p + "mlp.router.weight"], b.taps[t + "mlp_in"][i],
+                swapped, ratio = swap_ratio(self.m.w[p + "mlp.router.weight"], router_input(b.taps, t, i),
                                             taps[t + "mlp_in"][r], fast, ref)
                 any_swap |= swapped
                 worst = max(worst, ratio)
@@ -551,7 +552,8 @@ def router_checked(sr: StreamReference, router_w: torch.Tensor, b: Block, i: int
     if b.taps is None:
         return r[1], r[2], None
     fast = b.taps["mtp.experts"][i]
-    swapped, ratio = swap_ratio(router_w, b.taps["mtp.mlp_in"][i], r[3].tap("mlp_in"), fast, r[3].tap("experts"))
+    swapped, ratio = swap_ratio(router_w, router_input(b.taps, "mtp.", i), r[3].tap("mlp_in"), fast,
+                                r[3].tap("experts"))
     if swapped and ratio <= tol:
         return (*sr.forced(r[3], fast), ratio)
     return r[1], r[2], ratio
@@ -579,7 +581,7 @@ def score_router_scores(scores: Scores, b: Block, i: int, classes: list[str], wh
     for prefix, w in rw.items():
         if prefix + "experts" not in b.taps:
             continue
-        v, what = scores_error(w, b.taps[prefix + "mlp_in"][i], b.taps[prefix + "router_scores"][i],
+        v, what = scores_error(w, router_input(b.taps, prefix, i), b.taps[prefix + "router_scores"][i],
                                b.taps[prefix + "experts"][i])
         if v > worst:
             worst, why = v, f"{prefix.rstrip('.')}: {what}"
