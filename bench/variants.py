@@ -1,6 +1,7 @@
 """The engine variants a benchmark compares side by side: `torch` or `triton` (the kernel plans of fast/plan.py), each
-optionally with ops removed from the round for timing (`triton~moe`, `triton~route:38`: lab/ablation.py) and with
-folds undone, as the control of a fold (`triton^moe_combine`: lab/unfold.py)."""
+optionally with a product option that changes numerics turned on (`triton+router_fold`: EngineOptions), with ops
+removed from the round for timing (`triton~moe`, `triton~route:38`: lab/ablation.py) and with folds undone, as the
+control of a fold (`triton^moe_combine`: lab/unfold.py)."""
 
 from __future__ import annotations
 
@@ -13,25 +14,35 @@ from ..lab.ablation import ablate, check_reached
 from ..lab.unfold import check_unfolded, unfold
 
 
+# +option -> the EngineOptions field it turns on (a numerical change of the product, qualified apart)
+OPTIONS = {"router_fold": "router_fold"}
+
+
 class Variant(NamedTuple):
     kernels: str
     ablated: frozenset[str]
     unfolded: frozenset[str]
+    options: frozenset[str] = frozenset()
 
 
 def split(name: str) -> Variant:
-    """The parts of a variant name such as "triton^moe_combine~route:38": kernels, then ~ablations and ^unfolds in
-    any order."""
-    kernels, *parts = re.split(r"(?=[~^])", name)
+    """The parts of a variant name such as "triton+router_fold^moe_combine~route:38": kernels, then +options,
+    ~ablations and ^unfolds in any order."""
+    kernels, *parts = re.split(r"(?=[~^+])", name)
     if kernels not in ("torch", "triton") or any(len(p) < 2 for p in parts):
-        raise ValueError(f"variant {name!r}: kernels must be torch or triton (then ~op ablations and ^fold unfolds), "
-                         f"got {kernels!r}")
+        raise ValueError(f"variant {name!r}: kernels must be torch or triton (then +options, ~op ablations and ^fold "
+                         f"unfolds), got {kernels!r}")
+    chosen = frozenset(p[1:] for p in parts if p[0] == "+")
+    if chosen - set(OPTIONS):
+        raise ValueError(f"variant {name!r}: unknown option {sorted(chosen - set(OPTIONS))}: choose from "
+                         f"{sorted(OPTIONS)}")
     return Variant(kernels, frozenset(p[1:] for p in parts if p[0] == "~"),
-                   frozenset(p[1:] for p in parts if p[0] == "^"))
+                   frozenset(p[1:] for p in parts if p[0] == "^"), chosen)
 
 
 def options(name: str, base: EngineOptions) -> EngineOptions:
-    return replace(base, kernels=split(name).kernels)
+    v = split(name)
+    return replace(base, kernels=v.kernels, **{OPTIONS[o]: True for o in v.options})
 
 
 def prepare(engine: RankEngine, name: str) -> RankEngine:

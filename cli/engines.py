@@ -62,10 +62,12 @@ class ReferenceEngine:
 
 
 def load_engine(name: str, model_dir: str | Path, tp: int = 1, max_context: int = 4096, dtype: str = "auto",
-                device: str = "auto", kernels: str = "auto", weights: str = "auto", prefix_reuse: bool = False) -> Engine:
+                device: str = "auto", kernels: str = "auto", weights: str = "auto", prefix_reuse: bool = False,
+                router_fold: bool = False) -> Engine:
     """The named engine over a model folder. `weights` (fast engine): what its linears run as, auto, bf16 or fp8
     (fast/weights.weight_format); the reference always computes the checkpoint's exact values. `prefix_reuse`: the
-    fast engine will keep its rings' copy between requests (the server's), so its memory check counts it."""
+    fast engine will keep its rings' copy between requests (the server's), so its memory check counts it.
+    `router_fold`: EngineOptions.router_fold (fast engine only)."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"model folder {model_dir} has no config.json")
@@ -79,5 +81,6 @@ def load_engine(name: str, model_dir: str | Path, tp: int = 1, max_context: int 
 
         return FastEngine.load(model_dir, tp=tp, device=device,
                                options=EngineOptions(max_context=max_context, dtype=dtype, kernels=kernels,
-                                                     weights=weights, prefix_reuse=prefix_reuse))
+                                                     weights=weights, prefix_reuse=prefix_reuse,
+                                                     router_fold=router_fold))
     raise ValueError(f"unknown engine {name!r}")

@@ -7,8 +7,8 @@ import sys
 import time
 
 from ..reference.config import check_sampling
-from .options import (add_chat, add_device, add_json, add_kernels, add_prompt, add_weights, check_chat,
-                      check_weights, engine_target, load_tokenizer, model_folder, print_json, prompt_ids)
+from .options import (add_chat, add_device, add_json, add_kernels, add_prompt, add_router_fold, add_weights,
+                      check_chat, check_weights, engine_target, load_tokenizer, model_folder, print_json, prompt_ids)
 
 DEFAULT_PROMPT = "def fibonacci(n):\n"
 
@@ -46,6 +46,7 @@ def register(sub) -> None:
     add_device(p, what="fast engine device")
     add_kernels(p)
     add_weights(p)
+    add_router_fold(p)
     add_prompt(p, DEFAULT_PROMPT)
     add_chat(p)
     p.add_argument("--max-new-tokens", type=int, default=64, help="output budget in tokens (default 64)")
@@ -76,9 +77,11 @@ def run(args: argparse.Namespace) -> int:
     device = engine_target(args.device, args.kernels) if args.engine == "fast" else "cpu"
     if args.engine == "fast":
         check_weights(args.weights, model_dir, device)
+    elif args.router_fold:
+        raise ValueError("--router-fold is a fast-engine option; the reference routes in float64 on its own input")
     started = time.perf_counter()
     engine = load_engine(args.engine, model_dir, args.tp, max_context=args.max_context, dtype=args.dtype,
-                         device=device, kernels=args.kernels, weights=args.weights)
+                         device=device, kernels=args.kernels, weights=args.weights, router_fold=args.router_fold)
     cfg, gen = engine.config, engine.generation
     params = SamplingParams(
         temperature=gen.temperature if args.temperature is None else args.temperature,

@@ -113,6 +113,16 @@ def check_weights(choice: str, model_dir: Path, device: str) -> str:
     return weight_format(choice, Config.from_dir(model_dir), device)
 
 
+# ---- --router-fold ----------------------------------------------------------------------------------------------
+
+def add_router_fold(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--router-fold", action="store_true",
+                   help="fast engine: compute each MoE layer's routing in its o-projection and attention tail instead "
+                        "of the router's own pass (fewer launches a layer on a GPU; at TP 1 and rank slices). A "
+                        "numerical change: the logits come from the unrounded normalized hidden state instead of the "
+                        "bf16 one (docs/round.md, \"The router fold\"); qualify it with iquest qualify --router-fold")
+
+
 # ---- --json ----------------------------------------------------------------------------------------------------
 
 def add_json(p: argparse.ArgumentParser, text_to_stderr: bool = False) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .options import add_device, add_json, add_kernels, add_weights
+from .options import add_device, add_json, add_kernels, add_router_fold, add_weights
 
 FALSE_ALARM_OUT = "bench/results/qualify-false-alarm-{commit}.json"
 
@@ -28,6 +28,7 @@ def register(sub) -> None:
                                       "recorded)")
     add_kernels(p, what="the candidate's kernels")
     add_weights(p)
+    add_router_fold(p)
     p.add_argument("--share-gpu", action="store_true",
                    help="with --tp N --device cuda: every rank on GPU 0 (testing tensor parallelism on one GPU; run "
                         "under an MPS daemon so the ranks' kernels run side by side: bash ci/gpu.sh mps ...)")
@@ -103,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
 
         out = args.out or str(Path(__file__).resolve().parent.parent / FALSE_ALARM_OUT.format(commit=commit()))
         report = false_alarms(str(model_dir), args.false_alarm, out, first_seed=args.seed, dtype=args.dtype,
-                              device=device, kernels=kernels, weights=args.weights, tp=args.tp, jobs=jobs)
+                              device=device, kernels=kernels, weights=args.weights, tp=args.tp, jobs=jobs,
+                              router_fold=args.router_fold)
         near = report["closest_bound"]
         nearest = f"; nearest bound {near[0]}/{near[1]} at {near[4]:.3g} of its tolerance" if near else ""
         print(f"false alarms: {report['false_alarms']}/{len(report['runs'])} healthy quick runs failed "
@@ -114,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         return 0 if report["false_alarms"] == 0 else 1
     report = qualify(str(model_dir), tp=args.tp, quick=args.quick, dtype=args.dtype, controls=args.control,
                      device=device, kernels=kernels, jobs=jobs, shared_gpu=args.share_gpu, weights=args.weights,
-                     seed=args.seed, out=sys.stderr if args.json else None)
+                     seed=args.seed, out=sys.stderr if args.json else None, router_fold=args.router_fold)
     if args.json:
         print_json(report)
     return 0 if report["passed"] else 1

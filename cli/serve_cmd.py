@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .generate_cmd import _drafts
-from .options import add_device, add_weights
+from .options import add_device, add_router_fold, add_weights
 
 
 def register(sub) -> None:
@@ -34,6 +34,7 @@ def register(sub) -> None:
                    help="fast engine compute dtype (default auto: bf16 on GPU, fp32 on CPU)")
     add_device(p, what="fast engine device")
     add_weights(p)
+    add_router_fold(p)
     p.add_argument("--drafts", type=_drafts, default="auto",
                    help="auto (default) = the fitted depth controller where drafting pays on this device, else plain "
                         "sampling (round_costs.json beside the model); 3..7 = fixed drafts per round; 0 = plain")
@@ -84,8 +85,11 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device) if args.engine == "fast" else "cpu"
     if args.engine == "fast":
         check_weights(args.weights, model_dir, device)
+    elif args.router_fold:
+        raise ValueError("--router-fold is a fast-engine option; the reference routes in float64 on its own input")
     engine = load_engine(args.engine, model_dir, args.tp, max_context=args.max_context, dtype=args.dtype,
-                         device=device, weights=args.weights, prefix_reuse=args.prefix_reuse == "on")
+                         device=device, weights=args.weights, prefix_reuse=args.prefix_reuse == "on",
+                         router_fold=args.router_fold)
     policy = engine.policy(args.drafts)  # auto: plain sampling where drafting loses on this device
     ran = engine.describe()["text"] if hasattr(engine, "describe") else "reference (float64, CPU)"
     reuse = "off"

@@ -61,9 +61,14 @@ def test_variant_names_are_checked():
     for bad in ("triton-settle", "bogus~moe", "triton^", "triton~"):  # torch or triton, then ablations and unfolds
         with pytest.raises(ValueError, match="kernels must be torch or triton"):
             variants.split(bad)
-    assert variants.split("triton^moe_combine~route:38") == ("triton", {"route:38"}, {"moe_combine"})
+    assert variants.split("triton^moe_combine~route:38") == ("triton", {"route:38"}, {"moe_combine"}, set())
+    assert variants.split("triton+router_fold~moe") == ("triton", {"moe"}, set(), {"router_fold"})
+    assert _engine("torch+router_fold").options.router_fold and not _engine("torch").options.router_fold
     with pytest.raises(ValueError, match="unknown unfold"):
         _engine("torch^bogus")
+    for bad in ("torch+bogus", "triton+"):
+        with pytest.raises(ValueError, match="unknown option|kernels must be"):
+            variants.split(bad)
 
 
 def test_an_unfold_off_the_variants_path_is_refused():
