@@ -117,8 +117,8 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
     their settings classes' defaults, as their wrappers launch them on an H200 (132 SMs) with PDL. Attention reads a
     full layer's cache as bench step holds it at `context`, a sliding layer's ring of window + 64 slots."""
     from ..fast.cache import RING_SLACK
-    from ..kernels import allreduce as ar, decode_attention as da, lm_head as lh, moe as mo, qk_rope_kv as qr, \
-        qkv_rope_kv as qrk, rmsnorm as rn, router as ro
+    from ..kernels import allreduce as ar, decode_attention as da, lm_head as lh, moe as mo, o_proj_router as opr, \
+        qk_rope_kv as qr, qkv_rope_kv as qrk, rmsnorm as rn, route_tail as rt, router as ro
     from ..kernels.launch import prefetch_lines
     from .tune import FULL_SLACK, rank_shapes
 
@@ -220,6 +220,33 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
         dict(E_PAD=e_pad, SPLIT_BLOCK=max(1, min(triton.next_power_of_2(n_split), ro.PART_CHUNK // e_pad)),
              TOP_K=s.top_k, K_PAD=triton.next_power_of_2(s.top_k), ACCURATE_EXP=True, PDL=True), rs.select_warps, 1,
         f"router softmax + top-{s.top_k} of {s.experts}")
+
+    # ---- the router fold (EngineOptions.router_fold): o_proj writing the router's partial logits, and the attention's
+    # sandwich tail summing them and selecting (in place of router_logits and router_select)
+    o_k = s.q_heads * D
+    o_splits = _linear_auto_split(H, o_k, ls.block_n, 128, H200_SMS)
+    o_kps = -(-(o_k // 128) // o_splits) * 128
+    ps = opr.PartsSettings()
+    out["o_proj_router"] = _launch(
+        opr._o_proj_router_kernel,
+        dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32",
+             r_ptr="*bf16", rw_ptr="*fp32", wo_ptr="*bf16", parts_ptr="*fp32"),
+        dict(M=R, N=H, K=o_k, stride_xm=o_k, stride_ym=H, scale_cols=o_k // 128, k_per_split=o_kps, splits=o_splits,
+             stride_rm=H, E=s.experts), (),
+        dict(B0=128, B1=128, BLOCK_M=fl.BLOCK_M, BLOCK_N=ls.block_n, BLOCK_K=128, SPLIT=o_splits > 1, F32=False,
+             PREC="tf32", BLOCK_E=ps.block_e, PDL=True, PRELOAD=fl.preload_tiles(o_k, o_kps, 128) if ls.preload else 0,
+             PREFETCH=ps.prefetch), ls.num_warps, ls.num_stages,
+        f"o_proj [{H} x {o_k}] E4M3 in {o_splits} K splits, each tile's last split writing the router's partial "
+        f"logits over its {ls.block_n} columns ({s.experts} experts)")
+    tiles = triton.cdiv(H, ls.block_n)
+    out["add_norm_route"] = _launch(
+        rt._add_norm_route_kernel,
+        dict(**{f"{n}_ptr": "*bf16" for n in ("r", "y", "yw", "nw", "h", "b")}, parts_ptr="*fp32",
+             weights_ptr="*fp32", experts_ptr="*i64", scores_ptr="*fp32"),
+        dict(R=R, H=H, E=s.experts, T=tiles, stride_r=H, stride_y=H, stride_h=H, stride_b=H), ("eps", "scale"),
+        dict(BLOCK=block, SCALED=False, E_PAD=e_pad, T_BLOCK=rt._t_block(tiles, s.experts, rt.RouteTailSettings()),
+             TOP_K=s.top_k, K_PAD=triton.next_power_of_2(s.top_k), ACCURATE_EXP=True, PDL=True), norm_warps, 1,
+        f"sandwich tail summing {tiles} tiles' partial logits, softmax + top-{s.top_k} of {s.experts}", NO_FMA)
 
     # ---- the routed experts at both offsets (rank 0: 0, odd ranks: 64 rows into a 128-row scale block)
     ms = mo.MoESettings()

@@ -84,10 +84,9 @@ def test_cli(tmp_path, capsys):
 
 # ---- the published model's kernels ------------------------------------------------------------------------------
 PUBLISHED = ("attention_split", "attention_split_sliding", "attention_combine", "attention_combine_long", "qk_rope_kv",
-             "qkv_rope_kv",
-             "rmsnorm", "add_norm", "router_logits", "router_select", "moe_gate_up", "moe_down", "moe_gate_up_odd",
-             "moe_down_odd", "moe_combine", "moe_combine_add_norm", "all_reduce_add_norm",
-             "all_reduce_combine_add_norm", "lm_head", "lm_head_draft", "lm_head_dot")
+             "qkv_rope_kv", "rmsnorm", "add_norm", "router_logits", "router_select", "o_proj_router", "add_norm_route",
+             "moe_gate_up", "moe_down", "moe_gate_up_odd", "moe_down_odd", "moe_combine", "moe_combine_add_norm",
+             "all_reduce_add_norm", "all_reduce_combine_add_norm", "lm_head", "lm_head_draft", "lm_head_dot")
 # Stack bytes a kernel may use: none spills at the defaults (measured: the largest register count is the attention
 # split kernel's 254 of 255, so a larger tile there would spill first and this catches it).
 STACK_BOUND = {name: 0 for name in PUBLISHED}
@@ -111,6 +110,9 @@ def test_published_specs_are_the_rank_shapes():
     assert specs["lm_head"].constexprs["ROWS"] == 6 and specs["lm_head_draft"].constexprs["ROWS"] == 1
     assert specs["router_logits"].constexprs["PRELOAD"] and "6 H splits" in specs["router_logits"].note
     assert specs["qk_rope_kv"].constexprs["HKV"] == 1  # one KV head a rank: the launch compiles it in
+    # the router fold at the rank's o_proj (6 heads' 768 columns) and 96 column tiles of 32
+    assert "[3072 x 768]" in specs["o_proj_router"].note and specs["add_norm_route"].constexprs["E_PAD"] == 256
+    assert "96 tiles" in specs["add_norm_route"].note
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
