@@ -25,6 +25,7 @@ from ..fast import sampler
 from ..fast.cache import LayerKV, StaticKV, layer_slots
 from ..fast.model import Block, FastModel, _tap, rope_tables
 from ..fast.rank import EngineParts
+from ..fast.router_fold import FoldedProjection
 from ..fast.round import RoundRunner
 from ..fast.state import VERIFY_ROWS
 from ..fast.torch_ops import TorchOps
@@ -49,7 +50,7 @@ class Control:
     family: str                     # "decode" (recorded sessions) or "lossless"
     branch: Callable                # (sessions or lossless info, model_dir) -> times the broken path mattered
     branch_what: str
-    applies: Callable | None = None  # (model_dir, weights format) -> None, or why the control cannot apply
+    applies: Callable | None = None  # (model_dir, weights format, options) -> None, or why the control cannot apply
 
 
 # ---- branch counters --------------------------------------------------------------------------------------------
@@ -103,7 +104,7 @@ def _square_scales(model_dir, fmt: str = "auto") -> int:
     return sum(1 for _, s in _scale_grids(model_dir, fmt) if _asymmetric_square(s))
 
 
-def _scales_apply(model_dir, fmt: str) -> str | None:
+def _scales_apply(model_dir, fmt: str, options) -> str | None:
     if fmt != "fp8":
         return "the candidate runs no FP8 weights (a BF16 checkpoint run as BF16)"
     if not _square_scales(model_dir, fmt):
@@ -330,6 +331,29 @@ class Bf16RouterModel(_RoutedModel):
         return route(b16 @ r16.T, k)
 
 
+class FoldWithoutRstdO(FastModel):
+    """router_fold_rstd_o: the router fold's output partials W' (w_out * o) lose the o-norm's 1/rms, so the folded
+    logits are rstd_h (W' r + s W' (w_out * o)): the router on an un-normalized attention branch."""
+
+    def attention(self, c, index, attn, kv, a, blk, r, fold):
+        out = super().attention(c, index, attn, kv, a, blk, r, fold)
+        if not isinstance(out, FoldedProjection):
+            return out
+        rms = torch.sqrt(out.y.float().pow(2).mean(-1) + c.rms_norm_eps)  # 1 / rstd_o, a row
+        parts = out.parts.clone()
+        parts[:, 1] *= rms[None, :, None]
+        return FoldedProjection(out.y, parts, out.fold)
+
+
+def _fold_applies(model_dir, fmt: str, options) -> str | None:
+    return None if options.router_fold else "the candidate routes with the router's own pass (no --router-fold)"
+
+
+def _folded_rows(sessions, model_dir) -> int:
+    """Rows through a MoE layer whose routing was folded (the blocks recorded the fold's router_in taps)."""
+    return _rows(sessions, lambda b, i: b.taps is not None and any(k.endswith("router_in") for k in b.taps))
+
+
 class KeepRejectedKV(RoundRunner):
     """keep_rejected_kv: the rejected drafts stay in the context (no rollback): d_1..d_k and x committed. (Where no
     draft was verified, k = 0: prefill's first token and plain rounds commit what they would anyway.)"""
@@ -435,6 +459,10 @@ REGISTRY: list[Control] = [
             EngineParts(model=Bf16RouterModel),
             _all("numerics.router_scores", ["prefill"] + VERIFY + DRAFT_DEPTHS), "decode",
             _router_rows, "rows through an MoE layer whose router (or input) is not bf16-exact"),
+    Control("router_fold_rstd_o", "router fold: the o-projection's partials without the attention output's 1/rms",
+            EngineParts(model=FoldWithoutRstdO),
+            _all("numerics.router_scores", ["prefill"] + VERIFY + DRAFT_DEPTHS), "decode",
+            _folded_rows, "rows through an MoE layer whose routing was folded", applies=_fold_applies),
     Control("fp8_scales_transposed", "FP8 scale blocks indexed transposed (scale[c//B1, r//B0])",
             EngineParts(loader=TransposedScales), (("numerics.logits", "prefill"),), "decode",
             lambda s, d: _square_scales(d, "fp8"), "FP8 weights whose square scale grid is not symmetric",

@@ -15,6 +15,7 @@ import torch
 
 from iquest.tests.helpers import fixture_dir
 from iquest.cli.main import main
+from iquest.fast.rank import EngineOptions
 from iquest.qualify import tolerances
 from iquest.qualify.checks import chi2_sf
 from iquest.qualify.controls import REGISTRY
@@ -39,8 +40,10 @@ def report(tiny):
 def test_quick_qualify_passes_on_the_healthy_engine(report):
     failed = [c for c in report["checks"] if c["verdict"] != "pass"]
     assert report["_rc"] == 0 and report["passed"], failed
-    assert report["controls_caught"] == f"{len(REGISTRY)}/{len(REGISTRY)}"
-    assert report["controls_not_applicable"] == []
+    # every control but the router fold's, which needs a candidate that folds routing (--router-fold)
+    n = len(REGISTRY) - 1
+    assert report["controls_caught"] == f"{n}/{n}"
+    assert [c["name"] for c in report["controls_not_applicable"]] == ["router_fold_rstd_o"]
 
 
 def test_report_structure(report):
@@ -63,7 +66,7 @@ def test_report_structure(report):
     assert not any(c["check"].startswith("fp8w.") for c in report["checks"])  # an FP8 checkpoint has no BF16 source
 
 
-@pytest.mark.parametrize("control", [c.name for c in REGISTRY])
+@pytest.mark.parametrize("control", [c.name for c in REGISTRY if c.name != "router_fold_rstd_o"])  # its own test
 def test_each_negative_control_is_caught_where_intended(report, control):
     r = next(c for c in report["controls"] if c["name"] == control)
     assert r["branch_count"] > 0, f"{control}: the broken code never ran on an input where it matters"
@@ -198,13 +201,30 @@ def test_a_control_that_cannot_apply_is_reported_not_run(tiny, tmp_path):
     from iquest.qualify.run import select_controls
 
     bf16 = str(make_fixture("micro", tmp_path / "micro-bf16", weights="bf16"))
-    chosen, skipped = select_controls(None, bf16, "bf16")
+    plain, folded = EngineOptions(), EngineOptions(router_fold=True)
+    chosen, skipped = select_controls(None, bf16, "bf16", folded)
     assert [s["name"] for s in skipped] == ["fp8_scales_transposed"] and "no FP8 weights" in skipped[0]["why"]
     assert len(chosen) == len(REGISTRY) - 1
     # quantized at load, the micro preset's 8- and 16-wide weights are one 128 x 128 block each: nothing to transpose
-    assert "square, asymmetric" in select_controls(["fp8_scales_transposed"], bf16, "fp8")[1][0]["why"]
-    chosen, skipped = select_controls(["fp8_scales_transposed", "drop_sink"], str(tiny), "fp8")
+    assert "square, asymmetric" in select_controls(["fp8_scales_transposed"], bf16, "fp8", plain)[1][0]["why"]
+    chosen, skipped = select_controls(["fp8_scales_transposed", "drop_sink"], str(tiny), "fp8", plain)
     assert [c.name for c in chosen] == ["drop_sink", "fp8_scales_transposed"] and skipped == []
+    # the router fold's control needs a candidate that folds
+    assert "no --router-fold" in select_controls(["router_fold_rstd_o"], str(tiny), "fp8", plain)[1][0]["why"]
+
+
+def test_the_router_fold_qualifies_and_its_control_is_caught(tiny):
+    """--router-fold: the folded candidate passes (its router checks score it against the fold's exact input) and
+    the fold's own control, the o-partials without 1/rms, is caught by numerics.router_scores, its branch counted."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["qualify", "--model", str(tiny), "--quick", "--json", "--jobs", "1", "--router-fold", "--dtype",
+                   "bf16", "--control", "router_fold_rstd_o"])
+    r = json.loads(out.getvalue())
+    assert rc == 0 and r["passed"] and r["router_fold"], [c for c in r["checks"] if c["verdict"] != "pass"]
+    (ctl,) = r["controls"]
+    assert ctl["name"] == "router_fold_rstd_o" and ctl["caught"] and ctl["branch_count"] > 0, ctl
+    assert {tuple(x)[0] for x in ctl["caught_by"]} == {"numerics.router_scores"}, ctl
 
 
 def test_debug_diff_writes_png_and_names_a_stage(tiny, tmp_path, capsys):

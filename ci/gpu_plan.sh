@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The next single-H200 session's runs (issues 50-52; docs/PERF.md, "Open directions", first item), one part per
+# device call, each within the tool's 10-minute limit. Raw files go to $OUT named by the commit (pass it: the tree
+# travels without .git):
+#   IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE
+# STAGE:
+#   tests     the @pytest.mark.gpu suite but the MPS module (~2.5 min), then the MPS module (fused tails, TP engines)
+#   qualify   qualification, bf16, TP 1: the default engine, then with --router-fold (~4 min each)
+#   qualify2  qualification, bf16, TP 2 on one GPU under MPS
+#   step      the benchmark of record with each fold's control and the router fold in one process (~4 min)
+#   tune      bench tune over the ops the folds touched (the head's two forms, the top-k tiles, the linears)
+#   trace     bench graph-trace: kernels a decoder layer, with and without each fold
+#   rest      bench context (1K-512K), bench depth (the controller's gain, paired), mini decode tok/s
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+sha=${IQUEST_COMMIT:?set IQUEST_COMMIT to the commit under test}
+out=${OUT:?set OUT to the folder the device tool brings back}
+gpu() { bash "$here/gpu.sh" "$@"; }
+case "${1:-}" in
+  tests)
+    timeout 330 bash "$here/gpu.sh" tests -n 6 --dist load -q --ignore tests/test_tp_collectives.py tests \
+      > "$out/gpu-tests-$sha.log" 2>&1 || echo "gpu tests: exit $?" >&2
+    timeout 240 bash "$here/gpu.sh" mps tests -q tests/test_tp_collectives.py > "$out/gpu-tests-mps-$sha.log" 2>&1 \
+      || echo "mps tests: exit $?" >&2
+    tail -3 "$out/gpu-tests-$sha.log" "$out/gpu-tests-mps-$sha.log" ;;
+  qualify)
+    for fold in "" --router-fold; do
+      name=qualify-mini-cuda-bf16${fold:+-router-fold}-$sha
+      gpu iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 --jobs 14 $fold --json \
+        > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
+      tail -2 "$out/$name.log"
+    done ;;
+  qualify2)
+    gpu mps iquest qualify --tp 2 --device cuda --share-gpu --dtype bf16 --jobs 12 --json \
+      > "$out/qualify-mini-cuda-bf16-tp2-$sha.json" 2> "$out/qualify-mini-cuda-bf16-tp2-$sha.log" || true
+    tail -2 "$out/qualify-mini-cuda-bf16-tp2-$sha.log" ;;
+  step)
+    gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
+      --kernels triton,triton+router_fold,triton^moe_combine,triton^qkv_rope,triton~route:38 \
+      --out "$out/step-full-tp8slice-ctx1k-d5-folds-$sha.json" 2>&1 | tee "$out/step-full-tp8slice-ctx1k-d5-folds-$sha.log" ;;
+  tune)
+    gpu bench tune --ops lm_head,topk,moe,linear_qkv,linear_o --out "$out/tune-h200-$sha.json" 2>&1 \
+      | tee "$out/tune-h200-$sha.log" ;;
+  trace)
+    gpu bench graph-trace --kernels triton,triton+router_fold,triton^moe_combine,triton^qkv_rope \
+      --out "$out/graph-trace-$sha.json" 2>&1 | tee "$out/graph-trace-$sha.log" ;;
+  rest)
+    gpu bench context --out "$out/context-tp8slice-$sha.json" 2>&1 | tail -20 | tee "$out/context-tp8slice-$sha.log"
+    gpu bench depth --device cuda --prompts 16 --tokens 64 --repeats 5 --out "$out/depth-mini-cuda-$sha.json" 2>&1 \
+      | tail -20 | tee "$out/depth-mini-cuda-$sha.log" ;;
+  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh tests|qualify|qualify2|step|tune|trace|rest" >&2; exit 2 ;;
+esac
