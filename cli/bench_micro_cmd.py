@@ -85,15 +85,16 @@ def register(bsub) -> None:
                                     "settings at one TP8 rank's decode shapes of configs/iquest-q1.json (Triton's own "
                                     "ptxas, nvdisasm and cuobjdump; no GPU needed) and prints registers per thread, "
                                     "stack bytes (spills), shared memory and the most frequent instructions: the FP8 "
-                                    "linears, qk_rope_kv, attention's split and combine kernels, the norms, the "
-                                    "router's two kernels, the MoE's Gate/Up and Down at both expert offsets a rank "
-                                    "can have (0 and 64 rows into a scale block) and its combine, the LM head.")
+                                    "linears (and q/k/v ending in the q/k norm + RoPE + KV write), qk_rope_kv, "
+                                    "attention's split and combine kernels, the norms and sandwich tails, the "
+                                    "router's two kernels, the router fold's two (o_proj with the partial logits, the "
+                                    "tail that selects), the MoE's Gate/Up and Down at both expert offsets a rank can "
+                                    "have (0 and 64 rows into a scale block) and its combine (alone, in the tail, in "
+                                    "the peer all-reduce), the LM head's forms.")
     c.add_argument("--kernels", default="all",
-                   help="comma-separated spec names, or all (default all): fp8_linear (q/k/v as the engine runs it, "
-                        "tiles preloaded), fp8_linear_loop (the pipelined K loop), fp8_linear_direct (Gluon, o_proj), "
-                        "attention_split, attention_split_sliding, attention_combine, attention_combine_long, "
-                        "qk_rope_kv, rmsnorm, add_norm, router_logits, router_select, moe_gate_up, moe_down, "
-                        "moe_gate_up_odd, moe_down_odd, moe_combine, lm_head")
+                   help="comma-separated spec names, or all (default all): e.g. fp8_linear (q/k/v as the engine runs "
+                        "it, tiles preloaded), fp8_linear_loop (the pipelined K loop), o_proj_router, add_norm_route; "
+                        "an unknown name is refused with the full list")
     c.add_argument("--set", action="append", default=[], metavar="KERNEL.NAME=VALUE",
                    help="override one constexpr, e.g. fp8_linear.PRELOAD=0 (repeatable)")
     c.add_argument("--top", type=int, default=10, help="instructions listed per kernel (default 10)")
