@@ -106,3 +106,12 @@ def test_the_fold_is_off_without_the_option_and_across_ranks():
     assert folded.model.ops.router_fold_for(lw, Across()) is None
     dense = folded.model.w.layers[0]
     assert folded.model.ops.router_fold_for(dense, folded.par) is None
+
+
+def test_the_engine_says_it_folds_routing():
+    from iquest.fast.engine import FastEngine
+
+    folded = FastEngine.load(TINY, tp=1, device="cpu", options=EngineOptions(max_context=64, router_fold=True))
+    plain = FastEngine.load(TINY, tp=1, device="cpu", options=EngineOptions(max_context=64))
+    assert folded.describe()["router_fold"] and "routing folded" in folded.describe()["text"]
+    assert not plain.describe()["router_fold"] and "routing folded" not in plain.describe()["text"]
