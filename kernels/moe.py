@@ -34,6 +34,11 @@ slots as launch 3 does, rounds the sum to the compute dtype as the engine's cast
 the layer's sandwich tail (kernels/rmsnorm.py's `sandwich_tail`): one launch where the combine, the cast and
 `add_norm` were three, with the same bits.
 
+At TP 1 the tail can end launch 2 itself (issue 52: one dependent step less a layer): `gate_up` (launch 1) then
+`down_add_norm`, whose Down programs count their arrivals per row (one int32 counter a row, `locks`, left zeroed: an
+atomic, but the result does not depend on which program arrives last) and whose last arrival on a row sums its slots
+and runs the tail, as `combine_add_norm` would on `down`'s outputs (`expert_outputs` is `down(gate_up(...))`).
+
 Under the interpreter, roundings to bf16 go through integer ops (f16_operands.bf16_grid), since its own cast
 truncates; the GPU's cast rounds to nearest even, as torch's does, and is used there.
 """
@@ -66,6 +71,20 @@ class ExpertWeights(NamedTuple):
     scale: torch.Tensor               # fp32 [E, ceil((rows + o0) / b0), ceil((cols + o1) / b1)], (o0, o1) = offset
     block: tuple[int, int]            # the scale block (rows, cols)
     offset: tuple[int, int] = (0, 0)  # where q[:, 0, 0] sits inside its first scale block
+
+
+class ExpertHidden(NamedTuple):
+    """A block's chosen experts' hidden silu(Gate b) * Up b (`gate_up`, launch 1), with what Down needs to read it
+    (`down`, `down_add_norm`)."""
+
+    hidden: torch.Tensor     # [R * k, I_r] fp32 holding compute-dtype values: pair r * k + j is row r's slot j
+    experts: torch.Tensor    # [R, k] int, contiguous
+    live: torch.Tensor       # the live rows as the kernels take them: a uint8 mask [R], or an int count
+    count: bool              # whether `live` is a count
+    dtype: torch.dtype       # the compute dtype (b's)
+    rows: int                # R
+    k: int                   # slots a row
+    H: int                   # the hidden size, Down's output columns
 
 
 class ExpertOutputs(NamedTuple):
@@ -279,13 +298,18 @@ def _combine_kernel(y_ptr, weights_ptr, live_ptr, out_ptr, R, H, stride_o,
 
 
 @triton.jit
-def weighted_sum(y_ptr, weights_ptr, r, n, n_ok, live, H, K_TOP: tl.constexpr):
+def weighted_sum(y_ptr, weights_ptr, r, n, n_ok, live, H, K_TOP: tl.constexpr, CG: tl.constexpr = False):
     """sum_j w[r, j] * y[r * k + j, n] over slots j = 0, 1, ...; a padding row reads nothing and sums to +0. Each
-    product rounds before its add: every kernel calling it is built without FMA contraction."""
+    product rounds before its add: every kernel calling it is built without FMA contraction. CG: y read past this
+    SM's L1 (".cg"), where other programs of the same launch stored it."""
     acc = tl.zeros([n.shape[0]], tl.float32)
     for j in tl.static_range(K_TOP):
         w = tl.load(weights_ptr + r * K_TOP + j, mask=live, other=0.0)
-        acc += w * tl.load(y_ptr + (r * K_TOP + j) * H + n, mask=n_ok & live, other=0.0)
+        if CG:
+            v = tl.load(y_ptr + (r * K_TOP + j) * H + n, mask=n_ok & live, other=0.0, cache_modifier=".cg")
+        else:
+            v = tl.load(y_ptr + (r * K_TOP + j) * H + n, mask=n_ok & live, other=0.0)
+        acc += w * v
     return acc
 
 
@@ -310,6 +334,85 @@ def _combine_add_norm_kernel(y_ptr, weights_ptr, live_ptr, r_ptr, yw_ptr, nw_ptr
     h, b = rmsnorm.sandwich_tail(res, s, yw, nw, eps, scale, H, Y_NORM, SCALED, RDT, DT)
     tl.store(h_ptr + r * stride_h + i, h.to(RDT), mask=m)
     tl.store(b_ptr + r * stride_b + i, b.to(DT), mask=m)
+
+
+@triton.jit
+def _arrive(lock_ptr, r, mine, target):
+    """Row r's arrival, when `mine` (this program has stored its outputs of the row): whether it is the row's last of
+    `target`, which then re-arms the row's counter (no other program touches it again in the launch)."""
+    old = tl.atomic_add(lock_ptr + r, 1, mask=mine, sem="acq_rel")
+    last = mine & (old == target - 1)
+    tl.atomic_xchg(lock_ptr + r, 0, mask=last)
+    return last
+
+
+@triton.jit
+def _row_tail(r, live, y_ptr, weights_ptr, r_ptr, yw_ptr, nw_ptr, sum_ptr, h_ptr, b_ptr, H, eps, scale, stride_r,
+              stride_sum, stride_h, stride_b, K_TOP: tl.constexpr, BLOCK: tl.constexpr, Y_NORM: tl.constexpr,
+              SCALED: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
+    """Row r's combine and sandwich tail, `_combine_add_norm_kernel`'s arithmetic, reading y past L1 (other
+    programs stored it). The norm weights are read here, after the wait, not up front: held through the Down loop
+    they would be two rows of registers a thread (64 at H = 3072 on 4 warps) on top of its tiles."""
+    RDT: tl.constexpr = h_ptr.dtype.element_ty
+    DT: tl.constexpr = b_ptr.dtype.element_ty
+    i = tl.arange(0, BLOCK)
+    m = i < H
+    yw, nw = rmsnorm.tail_weights(yw_ptr, nw_ptr, i, m, Y_NORM)
+    s = _round(tl.where(live, weighted_sum(y_ptr, weights_ptr, r, i, m, live, H, K_TOP, True), 0.0), BF16, INTERP)
+    tl.store(sum_ptr + r * stride_sum + i, s.to(sum_ptr.dtype.element_ty), mask=m)
+    res = tl.load(r_ptr + r * stride_r + i, mask=m, other=0.0).to(tl.float32)
+    h, b = rmsnorm.sandwich_tail(res, s, yw, nw, eps, scale, H, Y_NORM, SCALED, RDT, DT)
+    tl.store(h_ptr + r * stride_h + i, h.to(RDT), mask=m)
+    tl.store(b_ptr + r * stride_b + i, b.to(DT), mask=m)
+
+
+@triton.jit
+def _down_add_norm_kernel(
+    h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, weights_ptr, lock_ptr, r_ptr, yw_ptr, nw_ptr, sum_ptr,
+    ho_ptr, b_ptr,
+    R, H, I, ds_e, ds_r, eps, scale, stride_r, stride_sum, stride_h, stride_b,
+    D_OFF0: tl.constexpr, D_OFF1: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
+    K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+    Y_NORM: tl.constexpr, SCALED: tl.constexpr,
+    BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """`_down_kernel`, then each row's tail (`_row_tail`) by the program whose outputs of the row arrive last: a live
+    row is written once per H tile by each of its k experts' owners, K_TOP * tiles arrivals. Padding rows are written
+    by nobody; program (0, 0) does their tails (a sum of +0)."""
+    wait_for_inputs(PDL)
+    p = tl.program_id(0)
+    tile = tl.program_id(1)
+    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
+    # `_down_kernel`'s body, copied rather than shared: the negative controls substitute pieces of that kernel by name
+    for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):
+        pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
+        if tl.sum(m_ok.to(tl.int32), axis=0) > 0:
+            n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = n < H
+            ex = e.to(tl.int64)
+            w_rows = d_ptr + ex * H * I + n[:, None] * I
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < I
+                a = tl.load(h_ptr + pair[:, None] * I + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                sw = _tile_scales(ds_ptr + ex * ds_e, n, k0, n_ok, D_OFF0, D_OFF1, B0, B1, ds_r, BLOCK_N, BLOCK_K)
+                w = _dequant(w_rows + kk[None, :], sw, n_ok[:, None] & k_ok[None, :], BF16, INTERP)
+                acc += _dot(a, w, BF16, DOT_F32)
+            tl.store(y_ptr + pair[:, None] * H + n[None, :], _round(acc, BF16, INTERP),
+                     mask=m_ok[:, None] & n_ok[None, :])
+    tl.debug_barrier()  # every thread's outputs stored before the arrivals below release them
+    first = (p == 0) & (tile == 0)
+    j = tl.arange(0, K_PAD)
+    # A live row above the owner's did not choose e (it would own e), so the owner's rows start at its own
+    for r in range(p // K_TOP, tl.where(run | first, R, 0)):
+        live = load_live(live_ptr, r, R, LIVE_COUNT)
+        chose = tl.sum((tl.load(experts_ptr + r * K_TOP + j, mask=j < K_TOP, other=-1) == e).to(tl.int32), axis=0)
+        last = _arrive(lock_ptr, r, run & live & (chose > 0), K_TOP * tl.num_programs(1))
+        if last | (first & ~live):
+            _row_tail(r, live, y_ptr, weights_ptr, r_ptr, yw_ptr, nw_ptr, sum_ptr, ho_ptr, b_ptr, H, eps, scale,
+                      stride_r, stride_sum, stride_h, stride_b, K_TOP, BLOCK_H, Y_NORM, SCALED, BF16, INTERP)
 
 
 # ---- host side -------------------------------------------------------------------------------------
@@ -338,9 +441,9 @@ def _check_weight(name: str, w: ExpertWeights, shape: tuple[int, int, int]) -> N
            f"{name}.scale must be fp32 {expect} with unit column stride, got {s.dtype} {tuple(s.shape)}")
 
 
-def _validate(b: torch.Tensor, experts: torch.Tensor, gate: ExpertWeights, up: ExpertWeights,
-              down: ExpertWeights) -> tuple[int, int, int, int]:
-    """(R, H, k, I) of a call, or ValueError."""
+def _validate_gate_up(b: torch.Tensor, experts: torch.Tensor, gate: ExpertWeights,
+                      up: ExpertWeights) -> tuple[int, int, int, int, int]:
+    """(R, H, k, E, I) of launch 1's arguments, or ValueError."""
     _check(b.dim() == 2 and b.dtype in (torch.bfloat16, torch.float32) and b.stride(1) == 1,
            f"b must be a bf16 or fp32 [R, H] with unit stride, got {b.dtype} {tuple(b.shape)}")
     R, H = b.shape
@@ -352,8 +455,15 @@ def _validate(b: torch.Tensor, experts: torch.Tensor, gate: ExpertWeights, up: E
     E, I = gate.q.shape[:2]
     _check_weight("gate", gate, (E, I, H))
     _check_weight("up", up, (E, I, H))
-    _check_weight("down", down, (E, H, I))
     _check(up.block == gate.block, f"up's block {up.block} differs from gate's {gate.block}")
+    return R, H, k, E, I
+
+
+def _validate(b: torch.Tensor, experts: torch.Tensor, gate: ExpertWeights, up: ExpertWeights,
+              down: ExpertWeights) -> tuple[int, int, int, int]:
+    """(R, H, k, I) of a call, or ValueError."""
+    R, H, k, E, I = _validate_gate_up(b, experts, gate, up)
+    _check_weight("down", down, (E, H, I))
     return R, H, k, I
 
 
@@ -387,42 +497,149 @@ def moe(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: tor
 def expert_outputs(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
                    gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, *,
                    settings: MoESettings = MoESettings(), pdl: bool = False) -> ExpertOutputs:
-    """`moe`'s launches 1 and 2 (arguments as `moe`'s): each live row's chosen experts' outputs, not yet combined."""
+    """`moe`'s launches 1 and 2 (arguments as `moe`'s): each live row's chosen experts' outputs, not yet combined.
+    `down(gate_up(...), ...)`, every argument checked before launch 1."""
     R, H, k, I = _validate(b, experts, gate, up, down)
-    _check(weights.dtype == torch.float32 and tuple(weights.shape) == (R, k) and weights.is_contiguous(),
-           f"weights must be contiguous fp32 [{R}, {k}]")
-    dev = b.device
+    _check_weights(weights, R, k)
     devices = {t.device for t in (b, experts, weights, *gate[:2], *up[:2], *down[:2])}
     _check(len(devices) == 1, f"tensors on several devices: {devices}")
+    check_live(live, R, b.device)
+    _check_settings(settings)
+    return _down(gate_up(b, experts, live, gate, up, settings=settings, pdl=pdl), weights, down, settings, pdl)
+
+
+def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, *,
+            settings: MoESettings = MoESettings(), pdl: bool = False) -> ExpertHidden:
+    """`moe`'s launch 1 (arguments as `moe`'s): each live row's chosen experts' hidden silu(Gate b) * Up b, for
+    `down` or `down_add_norm`."""
+    R, H, k, E, I = _validate_gate_up(b, experts, gate, up)
+    devices = {t.device for t in (b, experts, *gate[:2], *up[:2])}
+    _check(len(devices) == 1, f"tensors on several devices: {devices}")
+    dev = b.device
     count = check_live(live, R, dev)
     s = settings
     _check_settings(s)
-    P = R * k
     experts = experts.contiguous()
     live_arg = live.view(torch.uint8) if live.dtype == torch.bool else live
-    hidden = torch.empty((P, I), dtype=torch.float32, device=dev)  # T values; fp32 spares the interpreter's cast
-    y = torch.empty((P, H), dtype=torch.float32, device=dev)
-    routing = dict(K_TOP=k, K_PAD=max(2, triton.next_power_of_2(k)), P_PAD=max(16, triton.next_power_of_2(P)),
-                   LIVE_COUNT=count)
-    math = dict(BF16=b.dtype == torch.bfloat16, DOT_F32=INTERPRETED or b.dtype == torch.float32)
-    launch = launch_options(pdl, dev)
-    # fp32 tiles are twice bf16's: three stages of them overrun a Hopper SM's 227 KB of shared memory
-    streams = dict(num_warps=s.warps, num_stages=s.stages if math["BF16"] else 1)
+    hidden = torch.empty((R * k, I), dtype=torch.float32, device=dev)  # T values; fp32 spares the interpreter's cast
+    h = ExpertHidden(hidden, experts, live_arg, count, b.dtype, R, k, H)
     B0, B1 = gate.block
     # A K step inside one scale block reads one scale a row (`_tile_scales`): the step is cut to the block's width
     gate_up_k = min(s.gate_up_block_k, max(16, _pow2_divisor(B1)))
-    down_k = min(s.down_block_k, max(16, _pow2_divisor(down.block[1])))
-    _gate_up_kernel[(P, triton.cdiv(I, s.gate_up_block_n))](
+    _gate_up_kernel[(R * k, triton.cdiv(I, s.gate_up_block_n))](
         b, gate.q, gate.scale, up.q, up.scale, experts, live_arg, hidden, R, H, I, b.stride(0),
         gate.scale.stride(0), gate.scale.stride(1), up.scale.stride(0), up.scale.stride(1),
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
-        **routing, BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=gate_up_k, **math,
-        INTERP=INTERPRETED, **streams, **launch)
-    _down_kernel[(P, triton.cdiv(H, s.down_block_n))](
-        hidden, down.q, down.scale, experts, live_arg, y, R, H, I, down.scale.stride(0), down.scale.stride(1),
-        D_OFF0=down.offset[0], D_OFF1=down.offset[1], B0=down.block[0], B1=down.block[1], **routing,
-        BLOCK_M=s.block_m, BLOCK_N=s.down_block_n, BLOCK_K=down_k, **math, INTERP=INTERPRETED, **streams, **launch)
-    return ExpertOutputs(y, weights, live_arg, count, b.dtype)
+        **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=gate_up_k, **_math(h),
+        INTERP=INTERPRETED, **_streams(h, s), **launch_options(pdl, dev))
+    return h
+
+
+def down(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, *, settings: MoESettings = MoESettings(),
+         pdl: bool = False) -> ExpertOutputs:
+    """`moe`'s launch 2: the Down projection of `gate_up`'s hidden (weights: the routing weights fp32 [R, k], carried
+    for the combine; down_w: Down [E, H, I_r] as `moe`'s `down`), the rows' chosen experts' outputs not yet
+    combined."""
+    return _down(h, weights, down_w, settings, pdl)
+
+
+def _down(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, settings: MoESettings,
+          pdl: bool) -> ExpertOutputs:
+    down_k = _check_down(h, weights, down_w, settings)
+    y = torch.empty((h.rows * h.k, h.H), dtype=torch.float32, device=h.hidden.device)
+    s = settings
+    _down_kernel[(h.rows * h.k, triton.cdiv(h.H, s.down_block_n))](
+        h.hidden, down_w.q, down_w.scale, h.experts, h.live, y, h.rows, h.H, h.hidden.shape[1],
+        down_w.scale.stride(0), down_w.scale.stride(1), D_OFF0=down_w.offset[0], D_OFF1=down_w.offset[1],
+        B0=down_w.block[0], B1=down_w.block[1], **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.down_block_n,
+        BLOCK_K=down_k, **_math(h), INTERP=INTERPRETED, **_streams(h, s), **launch_options(pdl, y.device))
+    return ExpertOutputs(y, weights, h.live, h.count, h.dtype)
+
+
+def lock_count(rows: int) -> int:
+    """Counters `down_add_norm(locks=...)` needs for a block of `rows` rows: one a row."""
+    return rows
+
+
+def down_add_norm(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, residual: torch.Tensor,
+                  scale: float, y_norm: torch.Tensor | None, next_norm: torch.Tensor, eps: float, dtype: torch.dtype,
+                  *, locks: torch.Tensor, y: torch.Tensor | None = None, settings: MoESettings = MoESettings(),
+                  pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`combine_add_norm(down(h, weights, down_w), residual, scale, y_norm, next_norm, eps, dtype)` in one launch:
+    (the combined sum rounded to the compute dtype, h, b). Down's programs store the experts' outputs into `y` (fp32
+    [R * k, H], allocated when None) as `down` does, and the last of them to store a row's outputs (a per-row arrival
+    count in `locks`: `lock_count(R)` zeroed contiguous int32 counters, left zeroed) sums the row's slots and runs
+    the sandwich tail on it; padding rows' tails (sum +0) are program (0, 0)'s. One dependent launch a MoE layer less
+    than the pair (issue 52). TP 1 (or a rank slice), as `combine_add_norm`.
+
+    Bits: Down's outputs are `down`'s, and the combine and the tail are `combine_add_norm`'s definitions
+    (`weighted_sum`, `_round`, rmsnorm's `sandwich_tail`, built without FMA contraction as it is), so under the
+    interpreter the three results equal the pair's bit for bit. On the GPU a row's norms sum their squares in this
+    kernel's layout (Down's warps) rather than combine_add_norm's 8 warps, so a norm's fp32 result, and with it h
+    (through the branch norm, when y_norm is given) and b, may differ from the pair's in the last bits (as
+    kernels/qkv_rope_kv.py's fold does); the sum is the pair's bit for bit."""
+    R, H = h.rows, h.H
+    dev = h.hidden.device
+    down_k = _check_down(h, weights, down_w, settings)
+    if y is None:
+        y = torch.empty((R * h.k, H), dtype=torch.float32, device=dev)
+    _check(y.dtype == torch.float32 and tuple(y.shape) == (R * h.k, H) and y.is_contiguous() and y.device == dev,
+           f"y must be contiguous fp32 [{R * h.k}, {H}] on {dev}")
+    sum_ = torch.empty((R, H), dtype=h.dtype, device=dev)
+    scale = rmsnorm.check_tail("moe", residual, sum_, scale, y_norm, next_norm, eps, dtype)
+    _check(locks is not None and locks.dtype == torch.int32 and locks.is_contiguous() and locks.device == dev
+           and locks.numel() >= lock_count(R), f"locks must be contiguous int32 on {dev} with at least "
+           f"{lock_count(R)} counters (zeroed)")
+    h_out = torch.empty((R, H), dtype=residual.dtype, device=dev)
+    b = torch.empty((R, H), dtype=dtype, device=dev)
+    s = settings
+    # The combine and the tail round every product and sum as torch does, so the build has contraction off, as
+    # combine_add_norm's (rmsnorm.compile_options; here at Down's warps). Down keeps its bits under it: its products
+    # are tl.dot's, whose lowering emits its multiply-adds explicitly (the bf16 MMA; fp32's FMA loop), and its other
+    # arithmetic, a dequantizing multiply and roundings, has no multiply feeding an add to contract. (On sm_90a
+    # `_down_kernel`'s SASS at a TP8 rank's shape is the same instruction for instruction with contraction off, bf16
+    # and fp32.)
+    build = rmsnorm.compile_options(rmsnorm.RmsNormSettings(num_warps=s.warps))
+    _down_add_norm_kernel[(R * h.k, triton.cdiv(H, s.down_block_n))](
+        h.hidden, down_w.q, down_w.scale, h.experts, h.live, y, weights, locks, residual,
+        next_norm if y_norm is None else y_norm, next_norm, sum_, h_out, b, R, H, h.hidden.shape[1],
+        down_w.scale.stride(0), down_w.scale.stride(1), float(eps), scale, residual.stride(0), sum_.stride(0),
+        h_out.stride(0), b.stride(0), D_OFF0=down_w.offset[0], D_OFF1=down_w.offset[1], B0=down_w.block[0],
+        B1=down_w.block[1], **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.down_block_n, BLOCK_K=down_k,
+        BLOCK_H=triton.next_power_of_2(H), Y_NORM=y_norm is not None, SCALED=scale != 1.0, **_math(h),
+        INTERP=INTERPRETED, **dict(_streams(h, s), **build), **launch_options(pdl, dev))
+    return sum_, h_out, b
+
+
+def _routing(h: ExpertHidden) -> dict:
+    P = h.rows * h.k
+    return dict(K_TOP=h.k, K_PAD=max(2, triton.next_power_of_2(h.k)), P_PAD=max(16, triton.next_power_of_2(P)),
+                LIVE_COUNT=h.count)
+
+
+def _math(h: ExpertHidden) -> dict:
+    return dict(BF16=h.dtype == torch.bfloat16, DOT_F32=INTERPRETED or h.dtype == torch.float32)
+
+
+def _streams(h: ExpertHidden, s: MoESettings) -> dict:
+    # fp32 tiles are twice bf16's: three stages of them overrun a Hopper SM's 227 KB of shared memory
+    return dict(num_warps=s.warps, num_stages=s.stages if h.dtype == torch.bfloat16 else 1)
+
+
+def _check_weights(weights: torch.Tensor, R: int, k: int) -> None:
+    _check(weights.dtype == torch.float32 and tuple(weights.shape) == (R, k) and weights.is_contiguous(),
+           f"weights must be contiguous fp32 [{R}, {k}]")
+
+
+def _check_down(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, settings: MoESettings) -> int:
+    """Refuse launch 2's arguments; its K step."""
+    _check(down_w.q.dim() == 3, f"down.q must be [E, H, I_r], got {tuple(down_w.q.shape)}")
+    _check_weight("down", down_w, (down_w.q.shape[0], h.H, h.hidden.shape[1]))
+    _check_weights(weights, h.rows, h.k)
+    devices = {t.device for t in (h.hidden, weights, *down_w[:2])}
+    _check(len(devices) == 1, f"tensors on several devices: {devices}")
+    _check_settings(settings)
+    return min(settings.down_block_k, max(16, _pow2_divisor(down_w.block[1])))
 
 
 def combine(o: ExpertOutputs, *, out: torch.Tensor | None = None, settings: MoESettings = MoESettings(),

@@ -15,8 +15,14 @@ Negative controls (kernel pieces substituted from tests/kernel_controls.py `MOE`
 ignored (padding rows' experts computed and combined), routing weights not applied (in the combine, and in the
 combine fused with the sandwich tail, `combine_add_norm`, which must equal the combine, the cast and `add_norm` bit
 for bit); each must fail the checks.
+Down ending in the combine and the tail (`down_add_norm`, one launch counting each row's arrivals in `locks`): against
+`down` then `combine_add_norm`, bit for bit under the interpreter (y, the sum, h and b), the counters left zeroed after
+each call; negative control (a jit piece substituted from here): a row's tail run by its next-to-last arrival, which
+must fail.
 GPU (`pytest.mark.gpu`, run on a device later): one TP8 rank at full size (256 experts, H 3072, 192-row shards at
-offsets 0 and 64, 128 x 128 blocks), 8 rows with 38 and 13 distinct experts, bf16, and graph replay bit-identical.
+offsets 0 and 64, 128 x 128 blocks), 8 rows with 38 and 13 distinct experts, bf16, and graph replay bit-identical;
+`down_add_norm` at that shape with 6 rows against the pair: y and the sum bit for bit, h and b within the bf16 rounding
+of a norm whose squares are summed in another layout (FOLD_GPU_TOL).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from iquest.kernels import moe as mk
 from iquest.kernels.testing import interpreted_tests, substituted
@@ -289,6 +297,128 @@ def test_settings_are_checked():
                settings=mk.MoESettings(down_block_k=12))
 
 
+# ---- Down ending in the combine and the sandwich tail (down_add_norm) --------------------------------
+# Forms of the tail: a MoE layer >= 1 (no branch norm, the published ffn_out_scale, a stream of the compute dtype),
+# layer 0 (its MLP's branch norm, scaled), the draft block (branch norm, scale 1, an fp32 stream).
+TAIL_FORMS = {"layer": dict(y_norm=False, scale=0.53881590608, fp32_stream=False),
+              "layer0": dict(y_norm=True, scale=0.53881590608, fp32_stream=False),
+              "draft": dict(y_norm=True, scale=1.0, fp32_stream=True)}
+FOLD_CASES = [
+    case("fold_r1_layer_bf16", R=1, dtype="bf16", form="layer"),
+    case("fold_r3_pad_layer0_fp32", R=3, H=256, live="mask", form="layer0"),  # 2 H tiles: 8 arrivals a row
+    case("fold_r8_pad_shared_layer_bf16", live="mask", pattern="shared", dtype="bf16", form="layer"),
+    case("fold_r8_count_draft_fp32", H=256, live="count", form="draft"),
+    case("fold_r8_same_layer0_bf16", pattern="same", dtype="bf16", form="layer0"),
+]
+FOLD_CONTROLS = [case("neg_fold_tail_one_arrival_early", H=256, dtype="bf16", form="layer", control="arrive_early")]
+
+
+@triton.jit
+def arrive_early(lock_ptr, r, mine, target):
+    """`_arrive` with the last-arrival test off by one: a row's tail runs before its last slot tile is stored."""
+    old = tl.atomic_add(lock_ptr + r, 1, mask=mine, sem="acq_rel")
+    last = mine & (old == target - 2)
+    tl.atomic_xchg(lock_ptr + r, 0, mask=last)
+    return last
+
+
+FOLD_SUBSTITUTES = {"arrive_early": {"_down_add_norm_kernel": {"_arrive": arrive_early}}}
+
+
+def tail_args(c: dict, device: str) -> tuple:
+    """(residual, scale, y_norm, next_norm) of the case's tail form."""
+    gen = torch.Generator().manual_seed(c["seed"] + 11)
+    form, dt = TAIL_FORMS[c["form"]], DTYPES[c["dtype"]]
+    residual = torch.randn(c["R"], c["H"], generator=gen).to(torch.float32 if form["fp32_stream"] else dt)
+    y_norm = (torch.rand(c["H"], generator=gen) + 0.5).to(dt).to(device) if form["y_norm"] else None
+    next_norm = (torch.rand(c["H"], generator=gen) + 0.5).to(dt).to(device)
+    return residual.to(device), form["scale"], y_norm, next_norm
+
+
+def run_fold(c: dict, device: str, t: dict | None = None) -> dict:
+    """`down_add_norm` against `down` then `combine_add_norm`, twice on the same counters (re-armed by the first)."""
+    t = build(c, device) if t is None else t
+    dt = DTYPES[c["dtype"]]
+    residual, scale, y_norm, next_norm = tail_args(c, device)
+    tail = (residual, scale, y_norm, next_norm, 1e-6, dt)
+    h = mk.gate_up(t["b"], t["experts"], t["live"], t["gate"], t["up"])
+    o = mk.down(h, t["weights"], t["down"])
+    want = mk.combine_add_norm(o, *tail)
+    pairs = t["mask"].repeat_interleave(c["k"])  # live rows' pairs: the only ones written
+    locks = torch.zeros(mk.lock_count(c["R"]) + 3, dtype=torch.int32, device=device)  # spares must stay zero too
+    names = ("y", "sum", "h", "b")
+    res = {"mismatch": dict.fromkeys(names, 0), "max_rel": dict.fromkeys(names, 0.0), "n": {}, "locks_zero": [],
+           "live_rows": int(t["mask"].sum())}
+    with substituted(mk, FOLD_SUBSTITUTES.get(c.get("control"), {})):
+        for _ in range(2):
+            y = torch.full_like(o.y, float("nan"))  # an output read before it is stored shows
+            got = mk.down_add_norm(h, t["weights"], t["down"], *tail, locks=locks, y=y)
+            res["locks_zero"].append(bool((locks == 0).all()))
+            for name, g, w in zip(names, (y[pairs], *got), (o.y[pairs], *want)):
+                g, w = g.float().cpu(), w.float().cpu()
+                rel = (g - w).abs().nan_to_num(float("inf")).max() / w.abs().max().clamp(min=1e-30) if g.numel() else 0
+                res["mismatch"][name] = max(res["mismatch"][name], int((g != w).sum()))
+                res["max_rel"][name] = max(res["max_rel"][name], float(rel))
+                res["n"][name] = g.numel()
+    return res
+
+
+def check_fold(c: dict, r: dict, tol: dict | None = None) -> None:
+    """y and the sum bit for bit; h and b too, or (tol, GPU) within the bf16 rounding of a norm whose squares are
+    summed in another layout: max relative difference and fraction of elements that differ."""
+    assert all(r["locks_zero"]), f"the row counters were not left zeroed: {r['locks_zero']}"
+    for name in ("y", "sum", "h", "b"):
+        m = r["mismatch"][name]
+        if tol is None or name in ("y", "sum"):
+            assert m == 0, f"down_add_norm's {name} differs from down + combine_add_norm's in {m} elements"
+        else:
+            assert r["max_rel"][name] <= tol["max_rel"] and m <= tol["mismatch"] * r["n"][name] + 1, \
+                f"down_add_norm's {name}: {m} mismatches, max rel {r['max_rel'][name]:.2e}, beyond {tol}"
+
+
+def test_fold_cases_cover():
+    """Rows 1, 3 and 8; padding as a mask and as a count; both dtypes; every tail form; one and two H tiles."""
+    assert {c["R"] for c in FOLD_CASES} == {1, 3, 8}
+    assert {c["live"] for c in FOLD_CASES} == {"all", "mask", "count"}
+    assert {c["dtype"] for c in FOLD_CASES} == set(DTYPES) and {c["form"] for c in FOLD_CASES} == set(TAIL_FORMS)
+    assert {c["H"] // mk.MoESettings().down_block_n for c in FOLD_CASES} == {1, 2}
+
+
+@pytest.mark.parametrize("c", FOLD_CASES, ids=[c["name"] for c in FOLD_CASES])
+def test_fold_interpreted(interpreted, c):
+    r = interpreted[c["name"]]
+    assert "error" not in r, r.get("error")
+    check_fold(c, r)
+
+
+@pytest.mark.parametrize("c", FOLD_CONTROLS, ids=[c["name"] for c in FOLD_CONTROLS])
+def test_fold_negative_control_fails_the_checks(interpreted, c):
+    r = interpreted[c["name"]]
+    assert "error" not in r, r.get("error")
+    assert r["live_rows"] > 0  # it ran on rows with tails
+    with pytest.raises(AssertionError, match="differs|not left zeroed"):
+        check_fold(c, r)
+
+
+def test_fold_refuses_bad_arguments():
+    t = _args()
+    # gate_up's result built by hand (no interpreter in this process): each refusal comes before the launch
+    h = mk.ExpertHidden(torch.zeros(8, 48), t["experts"], t["live"].view(torch.uint8), False, torch.float32, 2, 4, 128)
+    residual, nw = torch.randn(2, 128), torch.ones(128)
+    locks = torch.zeros(2, dtype=torch.int32)
+    ok = (h, t["weights"], t["down"], residual, 0.5, None, nw, 1e-6, torch.float32)
+    for args, kw, message in (
+            (ok, dict(locks=torch.zeros(1, dtype=torch.int32)), "moe: locks must be"),
+            (ok, dict(locks=torch.zeros(2, dtype=torch.int64)), "moe: locks must be"),
+            ((*ok[:3], torch.randn(3, 128), *ok[4:]), dict(locks=locks), "moe: y"),
+            ((*ok[:6], torch.ones(64), *ok[7:]), dict(locks=locks), "moe: next_norm_w"),
+            ((*ok[:4], float("inf"), *ok[5:]), dict(locks=locks), "moe: scale"),
+            ((h, torch.ones(2, 3), *ok[2:]), dict(locks=locks), "moe: weights must be"),
+            (ok, dict(locks=locks, y=torch.zeros(8, 64)), "moe: y must be")):
+        with pytest.raises(ValueError, match=message):
+            mk.down_add_norm(*args, **kw)
+
+
 # ---- GPU: one TP8 rank at full size ------------------------------------------------------------------
 FULL = dict(R=8, k=8, E=256, H=3072, I=192, block=(128, 128), dtype="bf16")
 
@@ -364,7 +494,25 @@ def test_gpu_graph_replay_bit_identical():
         assert torch.equal(out, want)
 
 
+# bf16 of a norm whose squares are summed in Down's layout (4 warps) rather than combine_add_norm's 8: a 1/rms may
+# differ by a few fp32 ulps, which moves a bf16 rounding only near a midpoint (tests/test_kernel_qkv_rope_kv.py's).
+FOLD_GPU_TOL = dict(max_rel=2.0 ** -6, mismatch=1e-3)
+FOLD_GPU_CASES = [dict(full_case(o, d, live), R=6, form=form, name=f"gpu_fold_off{o}_d{d}_{live}_{form}")
+                  for o, d, live, form in ((0, 38, "all", "layer"), (64, 13, "mask", "layer"),
+                                           (64, 38, "all", "layer0"), (0, 13, "mask", "draft"))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", FOLD_GPU_CASES, ids=[c["name"] for c in FOLD_GPU_CASES])
+def test_gpu_fold_full_rank(c):
+    """One TP8 rank's full shape (6 rows): y and the sum bit for bit, h and b within FOLD_GPU_TOL."""
+    r = run_fold(c, "cuda", distinct_routing(build(c, "cuda"), c))
+    print(c["name"], r["mismatch"], r["max_rel"])
+    check_fold(c, r, FOLD_GPU_TOL)
+
+
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
-    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + CONTROLS])
+    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES + CONTROLS]
+                + [(c["name"], lambda c=c: run_fold(c, "cpu")) for c in FOLD_CASES + FOLD_CONTROLS])
