@@ -113,6 +113,11 @@ class TorchOps:
         return h, self.norm(h, next_norm, eps, dtype)
 
     @staticmethod
+    def expert_outputs(partial):
+        """The routed experts' outputs as the op after them reads them (the torch forms': already a tensor)."""
+        return partial
+
+    @staticmethod
     def combined(partial: torch.Tensor) -> torch.Tensor:
         """A branch output as a tensor (the torch forms' always are; fast/triton_ops.py may leave the MoE's
         uncombined)."""

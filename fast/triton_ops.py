@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 
@@ -24,6 +25,15 @@ from .torch_ops import TorchOps
 from .weights import MoE, Weight
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode or prefill-block linear
+
+
+class PendingDown(NamedTuple):
+    """The routed experts after Gate/Up: their Down launches in the op that reads the MoE's output
+    (`reduce_add_norm`), where it can end in the combine and the sandwich tail (kernels/moe.py `down_add_norm`)."""
+
+    hidden: moe.ExpertHidden
+    weights: torch.Tensor
+    down: moe.ExpertWeights
 
 
 def _k_tiles(n: int) -> bool:
@@ -162,8 +172,15 @@ class TritonOps(TorchOps):
         if not self._fits("moe", None not in ew and moe.fits(b, experts, *ew)):
             return super().moe(b, experts, weights, live, mw)
         self.calls["moe"] += 1
-        # uncombined: the op that reads the output (reduce_add_norm) combines it in its own launch
-        return moe.expert_outputs(b, experts, weights, live, *ew, pdl=b.is_cuda)
+        # Down is left to the op that reads the output (reduce_add_norm), which ends it in the combine and the tail
+        return PendingDown(moe.gate_up(b, experts, live, *ew[:2], pdl=b.is_cuda), weights, ew[2])
+
+    @staticmethod
+    def expert_outputs(partial):
+        """The routed experts' outputs, uncombined: a pending Down launched on its own (kernels/moe.py `down`)."""
+        if not isinstance(partial, PendingDown):
+            return partial
+        return moe.down(*partial, pdl=partial.weights.is_cuda)
 
     # ---- norms ---------------------------------------------------------------------------------------
     @stage("norm")
@@ -185,8 +202,8 @@ class TritonOps(TorchOps):
     @stage("norm")
     def reduce_add_norm(self, par, partial, residual, scale, y_norm, next_norm, eps, dtype):
         # One launch, the same bits as the sequence: with peer collectives (GPUs, TP > 1) the all-reduce ends in the
-        # tail; the MoE's uncombined output (kernels/moe.ExpertOutputs) is combined by the reduction or, without one
-        # (TP 1, rank slices), by the tail
+        # tail; the MoE's pending Down (TP 1, rank slices) ends in the combine and the tail; its uncombined output
+        # (kernels/moe.ExpertOutputs) is combined by the reduction or by the tail
         if isinstance(partial, FoldedProjection):  # the router fold's tail selects the experts (fast/router_fold.py)
             y, parts, fold = partial
             if self.plan.moe and self._fits("norm", route_tail.fits(*y.shape, parts.shape[0], parts.shape[-1],
@@ -198,6 +215,14 @@ class TritonOps(TorchOps):
                 return y, h, b
             return super().reduce_add_norm(par, partial, residual, scale, y_norm, next_norm, eps, dtype)
         fused = self._fits("norm", rmsnorm.rmsnorm_fits(residual.shape[-1]))
+        if isinstance(partial, PendingDown):
+            locks = self._locks
+            if (fused and not par.active and locks is not None
+                    and moe.lock_count(partial.hidden.rows) <= locks.numel()):
+                self.calls["down_add_norm"] += 1
+                return moe.down_add_norm(*partial, residual, scale, y_norm, next_norm, eps, dtype, locks=locks,
+                                         pdl=residual.is_cuda)
+            partial = self.expert_outputs(partial)
         if fused and par.peers is not None:
             self.calls["reduce_add_norm"] += 1
             return par.peers.all_reduce_add_norm(partial, residual, scale, y_norm, next_norm, eps, dtype)
@@ -211,6 +236,7 @@ class TritonOps(TorchOps):
 
     def combined(self, partial):
         """A branch output as a tensor in the compute dtype: the MoE's uncombined output combined (its own launch)."""
+        partial = self.expert_outputs(partial)
         if not isinstance(partial, moe.ExpertOutputs):
             return partial
         return moe.combine(partial, pdl=partial.y.is_cuda).to(partial.dtype)

@@ -113,5 +113,8 @@ def ablate(ops, names: set[str]) -> None:
     ops.ablated = frozenset(parsed)
     ops.ablated_calls = {}
     for name, arg in parsed.items():
+        # the experts' outputs kept as computed (a Down left pending to the op after it runs now, once), so that the
+        # stub removes the whole MoE, not only its Gate/Up
+        keep = _pinned(int(arg)) if arg else (lambda v: _kept(ops.expert_outputs(v))) if name == "moe" else _kept
         for method in ABLATABLE[name]:
-            setattr(ops, method, _stub(getattr(ops, method), ops.ablated_calls, _pinned(int(arg)) if arg else _kept))
+            setattr(ops, method, _stub(getattr(ops, method), ops.ablated_calls, keep))

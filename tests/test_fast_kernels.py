@@ -106,7 +106,8 @@ def group_block(*groups: str, device: str = "cpu") -> dict:
 
 
 # fold -> (the op groups it needs, the kernel path it adds)
-FOLDS = {"moe_combine": (("moe", "norm"), "combine_add_norm"), "qkv_rope": (("linear", "attention"), "qkv_rope_kv")}
+FOLDS = {"moe_combine": (("moe", "norm"), "down_add_norm"), "down_tail": (("moe", "norm"), "down_add_norm"),
+         "qkv_rope": (("linear", "attention"), "qkv_rope_kv")}
 
 
 def unfolded_block(fold: str, device: str = "cpu") -> dict:
@@ -199,7 +200,7 @@ def test_interpreted_linear_kernel_within_its_tolerance(interpreted):
                                             ("norm", {"rmsnorm", "add_norm"}), ("moe", {"route", "moe"}),
                                             ("lm_head", {"lm_head"}),
                                             # the MoE's combine inside the sandwich tail's launch
-                                            ("moe_norm", {"route", "moe", "add_norm", "combine_add_norm"}),
+                                            ("moe_norm", {"route", "moe", "add_norm", "down_add_norm"}),
                                             # the q/k norm, RoPE and KV write inside the projection's launch
                                             ("linear_attention", {"qkv_rope_kv", "attention"})])
 def test_interpreted_group_kernels_within_their_tolerance(interpreted, group, kernels):
@@ -295,7 +296,7 @@ def test_cuda_kernel_paths_all_ran():
     ops = e.model.ops
     ran = {name for name, n in ops.calls.items() if n > 0}
     assert {"preload", "embed", "sample_draw", "accept", "settle", "qkv_rope_kv", "attention", "rmsnorm", "add_norm",
-            "route", "moe", "combine_add_norm", "lm_head"} <= ran, dict(ops.calls)
+            "route", "moe", "down_add_norm", "lm_head"} <= ran, dict(ops.calls)
     # Only prefill blocks (tens of rows) exceed the router's 8 rows and the head's 16: no decode call falls back
     assert set(ops.fallbacks) <= {"moe", "lm_head"}, dict(ops.fallbacks)
 
