@@ -36,13 +36,13 @@ case "${1:-}" in
     tail -2 "$out/qualify-mini-cuda-bf16-tp2-$sha.log" ;;
   step)
     gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
-      --kernels triton,triton+router_fold,triton^moe_combine,triton^qkv_rope,triton~route:38 \
+      --kernels triton,triton+router_fold,triton^down_tail,triton^moe_combine,triton^qkv_rope,triton~route:38 \
       --out "$out/step-full-tp8slice-ctx1k-d5-folds-$sha.json" 2>&1 | tee "$out/step-full-tp8slice-ctx1k-d5-folds-$sha.log" ;;
   tune)
     gpu bench tune --ops lm_head,topk,moe,linear_qkv,linear_o --out "$out/tune-h200-$sha.json" 2>&1 \
       | tee "$out/tune-h200-$sha.log" ;;
   trace)
-    gpu bench graph-trace --kernels triton,triton+router_fold,triton^moe_combine,triton^qkv_rope \
+    gpu bench graph-trace --kernels triton,triton+router_fold,triton^down_tail,triton^moe_combine,triton^qkv_rope \
       --out "$out/graph-trace-$sha.json" 2>&1 | tee "$out/graph-trace-$sha.log" ;;
   rest)
     gpu bench context --out "$out/context-tp8slice-$sha.json" 2>&1 | tail -20 | tee "$out/context-tp8slice-$sha.log"
