@@ -264,6 +264,18 @@ def _down_kernel(
     p = tl.program_id(0)
     tile = tl.program_id(1)
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
+    _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, tile, R, H, I, ds_e, ds_r, D_OFF0,
+                D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32, INTERP)
+
+
+@triton.jit
+def _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, tile, R, H, I, ds_e, ds_r,
+                D_OFF0: tl.constexpr, D_OFF1: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
+                K_TOP: tl.constexpr, K_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, DOT_F32: tl.constexpr,
+                INTERP: tl.constexpr):
+    """Pair program p's Down outputs for H tile `tile`: expert e's rows (when p owns e) stored into y, rounded to the
+    compute dtype."""
     for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):  # as in Gate/Up
         pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
         if tl.sum(m_ok.to(tl.int32), axis=0) > 0:
@@ -384,24 +396,8 @@ def _down_add_norm_kernel(
     p = tl.program_id(0)
     tile = tl.program_id(1)
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
-    # `_down_kernel`'s body, copied rather than shared: the negative controls substitute pieces of that kernel by name
-    for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):
-        pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
-        if tl.sum(m_ok.to(tl.int32), axis=0) > 0:
-            n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = n < H
-            ex = e.to(tl.int64)
-            w_rows = d_ptr + ex * H * I + n[:, None] * I
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                kk = k0 + tl.arange(0, BLOCK_K)
-                k_ok = kk < I
-                a = tl.load(h_ptr + pair[:, None] * I + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                sw = _tile_scales(ds_ptr + ex * ds_e, n, k0, n_ok, D_OFF0, D_OFF1, B0, B1, ds_r, BLOCK_N, BLOCK_K)
-                w = _dequant(w_rows + kk[None, :], sw, n_ok[:, None] & k_ok[None, :], BF16, INTERP)
-                acc += _dot(a, w, BF16, DOT_F32)
-            tl.store(y_ptr + pair[:, None] * H + n[None, :], _round(acc, BF16, INTERP),
-                     mask=m_ok[:, None] & n_ok[None, :])
+    _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, tile, R, H, I, ds_e, ds_r, D_OFF0,
+                D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32, INTERP)
     tl.debug_barrier()  # every thread's outputs stored before the arrivals below release them
     first = (p == 0) & (tile == 0)
     j = tl.arange(0, K_PAD)

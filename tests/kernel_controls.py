@@ -17,7 +17,9 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from iquest.kernels import moe
 from iquest.kernels.allreduce import _advance
+from iquest.kernels.testing import substitute
 
 
 @triton.jit
@@ -86,8 +88,12 @@ def sum_without_weights(y_ptr, weights_ptr, r, n, n_ok, live, H, K_TOP: tl.const
 
 _IGNORING_LIVE = {"_expert_owner": owner_ignoring_live, "_expert_rows": rows_ignoring_live}
 MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_offset},
-                          "_down_kernel": {"_tile_scales": scales_without_offset}},
-       "padding_computed": {"_gate_up_kernel": _IGNORING_LIVE, "_down_kernel": _IGNORING_LIVE,
+                          "_down_kernel": {"_down_tiles": substitute(moe._down_tiles,
+                                                                     _tile_scales=scales_without_offset)}},
+       "padding_computed": {"_gate_up_kernel": _IGNORING_LIVE,
+                            "_down_kernel": {"_expert_owner": owner_ignoring_live,
+                                             "_down_tiles": substitute(moe._down_tiles,
+                                                                       _expert_rows=rows_ignoring_live)},
                             "_combine_kernel": {"load_live": all_live}},
        "weights_not_applied": {"_combine_kernel": {"weighted_sum": sum_without_weights}},
        "tail_weights_not_applied": {"_combine_add_norm_kernel": {"weighted_sum": sum_without_weights}}}
