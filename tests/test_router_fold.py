@@ -115,3 +115,14 @@ def test_the_engine_says_it_folds_routing():
     plain = FastEngine.load(TINY, tp=1, device="cpu", options=EngineOptions(max_context=64))
     assert folded.describe()["router_fold"] and "routing folded" in folded.describe()["text"]
     assert not plain.describe()["router_fold"] and "routing folded" not in plain.describe()["text"]
+
+
+def test_generate_takes_the_fold_and_the_reference_refuses_it(capsys):
+    from iquest.cli.main import main
+
+    assert main(["generate", "--model", str(TINY), "--router-fold", "--max-new-tokens", "4", "--prompt-ids", "3,4,5",
+                 "--drafts", "0"]) == 0
+    assert "routing folded into o_proj" in capsys.readouterr().err
+    assert main(["generate", "--engine", "reference", "--model", str(TINY), "--router-fold", "--max-new-tokens", "4",
+                 "--prompt-ids", "3,4,5"]) != 0
+    assert "--router-fold is a fast-engine option" in capsys.readouterr().err
