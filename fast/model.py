@@ -18,7 +18,7 @@ from ..reference.layers import rope_cos_sin
 from .cache import LayerKV, StaticKV
 from .parallel import Parallel
 from .profiling import stage
-from .router_fold import FoldedProjection, RouterFold, exact_input
+from .router_fold import exact_input
 from .state import VERIFY_ROWS
 from .torch_ops import TorchOps
 from .weights import Attention, DenseMLP, LayerWeights, ModelWeights, MoE
@@ -37,7 +37,7 @@ class FastModel:
                  ops: TorchOps | None = None):
         self.config, self.w, self.cache, self.par, self.dtype = config, weights, cache, par, dtype
         self.ops = ops or TorchOps()  # the torch forms, or the Triton kernels of the kernel plan (fast/triton_ops.py)
-        self.ops.prepare(weights, config.num_experts_per_tok)
+        self.ops.prepare(weights, config.num_experts_per_tok, par)
         self.vocab_local = config.vocab_size // par.world
         rows = cache.max_context + VERIFY_ROWS
         self.target_thetas = {t for i in range(config.num_hidden_layers)
@@ -108,19 +108,18 @@ class FastModel:
         normalized for what reads it next; `reduce_add_norm` first sums a branch's partial output over the ranks."""
         eps, dt = c.rms_norm_eps, self.dtype
         attn_scale, mlp_scale = c.out_scales(index)
-        r = self.residual_of(index, x, a)
-        fold = self.ops.router_fold_for(lw, self.par)  # routing folded into o_proj and the tail (EngineOptions)
-        attn_partial = self.attention(c, index, lw.attn, kv, a, blk, r, fold)
-        attn_out, h, b = self.ops.reduce_add_norm(self.par, attn_partial, r, attn_scale, lw.attn_out_norm,
-                                                  lw.feed_forward_norm, eps, dt)
+        attn_partial = self.attention(c, index, lw.attn, kv, a, blk)
+        attn_out, h, b = self.ops.reduce_add_norm(self.par, attn_partial, self.residual_of(index, x, a), attn_scale,
+                                                  lw.attn_out_norm, lw.feed_forward_norm, eps, dt)
         mlp_partial = self.mlp(c, lw.mlp, b, blk.live, taps, tag)
         mlp_out, out, a_next = self.ops.reduce_add_norm(self.par, mlp_partial, h, mlp_scale,
                                                         lw.ffn_out_norm if index == 0 else None, next_norm, eps, dt)
         if taps is not None:
             for name, value in (("attn_out", attn_out), ("mlp_in", b), ("mlp_out", mlp_out), ("hidden", out)):
                 _tap(taps, tag + name, value)
-            if fold is not None:  # what the folded logits evaluate, for qualification's router checks
-                exact, bound = exact_input(r, attn_out, lw.attn_out_norm, lw.feed_forward_norm, attn_scale, eps)
+            if self.ops.router_fold_for(lw.attn) is not None:  # what the folded logits evaluate
+                exact, bound = exact_input(self.residual_of(index, x, a), attn_out, lw.attn_out_norm,
+                                           lw.feed_forward_norm, attn_scale, eps)
                 _tap(taps, tag + "router_in", exact)
                 _tap(taps, tag + "router_in_bound", bound)
         return out, a_next
@@ -132,17 +131,16 @@ class FastModel:
         return x if index == 0 else a
 
     @stage("attention")
-    def attention(self, c: Config, index: int, attn: Attention, kv: LayerKV, a: torch.Tensor, blk: Block,
-                  r: torch.Tensor, fold: RouterFold | None) -> torch.Tensor | FoldedProjection:
+    def attention(self, c: Config, index: int, attn: Attention, kv: LayerKV, a: torch.Tensor,
+                  blk: Block) -> torch.Tensor:
         """This rank's heads: q/k/v; q/k norm per head, then partial RoPE (the layer type's base), K/V stored; split
-        attention with the sink key; o_proj's partial sum (row-parallel), with the router's partial logits of the
-        layer's residual r and its own output when routing is folded."""
+        attention with the sink key; o_proj's partial sum (row-parallel; with the router fold, left to the tail)."""
         R = a.shape[0]
         theta = c.rope_theta_for(index)
         cos, sin = blk.rope[theta] if theta is not None else (None, None)
         q = self.ops.qkv_rope_write(attn, a, kv, c.rms_norm_eps, cos, sin, blk.positions, blk.live)
         out = self.ops.attention(q, kv, blk.positions, c.scale, attn.sink_k)
-        return self.ops.o_proj(attn.wo, out.to(self.dtype).reshape(R, -1), r, fold)
+        return self.ops.o_proj(attn, out.to(self.dtype).reshape(R, -1))
 
     @stage("mlp")
     def mlp(self, c: Config, mlp: DenseMLP | MoE, b: torch.Tensor, live: torch.Tensor, taps: dict | None,

@@ -13,8 +13,10 @@ routing on b, measured closer to the float64 reference (docs/PERF.md, "The route
 qualification against this module's `exact_input`.
 
 Here: the fold's torch form (the engine's on every device, and what the kernels' tests are held to) and the exact
-input qualification scores it against. The fold runs where a layer's o-projection output is whole on the rank: TP 1
-and rank slices (`folds`), not across ranks (each rank's o is then a partial sum).
+input qualification scores it against. The ops layer owns the fold (fast/torch_ops.py): a folded layer's o-projection
+is left pending (`PendingProjection`) to the tail that reads it, which has the layer's residual, so the decoder layer
+reads as the model's formula. The fold runs where a layer's o-projection output is whole on the rank: TP 1 and rank
+slices, not across ranks (each rank's o is then a partial sum, and the pending projection runs as a plain linear).
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ class RouterFold(NamedTuple):
     top_k: int
 
 
-class FoldedProjection(NamedTuple):
-    """The o-projection's output with the router's partial logits: parts [T, 2, R, E] fp32, T tiles of its columns,
-    [., 0] of W' r and [., 1] of W' (w_out * y)."""
+class PendingProjection(NamedTuple):
+    """A folded layer's o-projection, not yet run: its weight (a fast.weights.Weight) and input, launched by the
+    attention's tail with the router's partial logits (parts [T, 2, R, E] fp32, T tiles of its columns: [., 0] of
+    W' r, [., 1] of W' (w_out * y))."""
 
-    y: torch.Tensor
-    parts: torch.Tensor
+    w: object
+    x: torch.Tensor
     fold: RouterFold
 
 
@@ -57,7 +60,7 @@ def parts(r: torch.Tensor, y: torch.Tensor, fold: RouterFold) -> torch.Tensor:
 def logits(p: torch.Tensor, residual: torch.Tensor, y: torch.Tensor, w_out: torch.Tensor, scale: float,
            eps: float) -> torch.Tensor:
     """The router's fp32 logits [R, E] from the partials p [T, 2, R, E] summed over T in order, and the tail's two
-    inverse norms, of the unrounded t and h."""
+    inverse norms, of the unrounded t (w_out: the attn_out_norm weight the tail normalizes y with) and h."""
     y32 = y.float()
     rstd_o = torch.rsqrt(y32.pow(2).mean(-1, keepdim=True) + eps)
     h32 = residual.float() + scale * (y32 * rstd_o * w_out.float())

@@ -25,28 +25,39 @@ class TorchOps:
     def __init__(self, fold_router: bool = False) -> None:
         self.calls: Counter = Counter()  # paths taken, by name (tests check that a path ran)
         self.fold_router = fold_router  # EngineOptions.router_fold: a numerical change (fast/router_fold.py)
-        self._folds: dict[int, router_fold.RouterFold] = {}  # id(LayerWeights) -> its fold, made in prepare()
+        self._folds: dict[int, router_fold.RouterFold] = {}  # id(Attention) of a MoE layer -> its fold: prepare()
         self._routed: tuple | None = None  # (b, routing) a folded tail selected, until route(b) takes it
 
-    def prepare(self, w: ModelWeights, top_k: int) -> None:
+    def prepare(self, w: ModelWeights, top_k: int, par) -> None:
         """Derived weights this implementation reads, made before any graph capture: with the router fold, each MoE
-        layer's scaled router (the heads and routers are otherwise held in fp32 as loaded)."""
-        if self.fold_router:
+        layer's scaled router (the heads and routers are otherwise held in fp32 as loaded). The fold needs the
+        o-projection's output whole on the rank: TP 1 or a rank slice (`par`), not across ranks."""
+        if self.fold_router and not par.active:
             for lw in [*w.layers, w.draft.block]:
                 if isinstance(lw.mlp, MoE):
-                    self._folds[id(lw)] = router_fold.make(lw.mlp.router, lw.feed_forward_norm, lw.attn_out_norm,
-                                                           top_k)
+                    self._folds[id(lw.attn)] = router_fold.make(lw.mlp.router, lw.feed_forward_norm,
+                                                                lw.attn_out_norm, top_k)
 
-    def router_fold_for(self, lw, par) -> router_fold.RouterFold | None:
-        """The layer's fold where routing is folded into its o-projection and attention tail: the option on, a MoE
-        layer, and the o-projection's output whole on this rank (TP 1, a rank slice)."""
-        return None if par.active else self._folds.get(id(lw))
+    def router_fold_for(self, attn: Attention) -> router_fold.RouterFold | None:
+        """The layer's fold where its routing is folded into its o-projection and attention tail (`prepare`)."""
+        return self._folds.get(id(attn))
 
-    def o_proj(self, w: Weight, x: torch.Tensor, residual: torch.Tensor,
-               fold: router_fold.RouterFold | None) -> torch.Tensor | router_fold.FoldedProjection:
-        """The o-projection; with a fold, also the router's partial logits (fast/router_fold.py)."""
-        y = self.linear(w, x)
-        return y if fold is None else router_fold.FoldedProjection(y, router_fold.parts(residual, y, fold), fold)
+    def o_proj(self, attn: Attention, x: torch.Tensor) -> torch.Tensor | router_fold.PendingProjection:
+        """The attention's output projection (row-parallel); a folded layer's is left to the tail that reads it
+        (`reduce_add_norm`), which has the residual its router partials need (fast/router_fold.py)."""
+        fold = self._folds.get(id(attn))
+        return self.linear(attn.wo, x) if fold is None else router_fold.PendingProjection(attn.wo, x, fold)
+
+    def o_proj_parts(self, pending: router_fold.PendingProjection,
+                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pending o-projection run: (y, the router's partial logits of the residual and y)."""
+        y = self.linear(pending.w, pending.x)
+        return y, router_fold.parts(residual, y, pending.fold)
+
+    def add_norm_route(self, residual, y, scale, y_norm, next_norm, eps, dtype, parts, top_k):
+        """The attention's sandwich tail (`add_norm`) and the folded routing: (h, b, (weights, experts, scores))."""
+        h, b = self.add_norm(residual, y, scale, y_norm, next_norm, eps, dtype)
+        return h, b, router_fold.select(parts, residual, y, y_norm, scale, eps, top_k)
 
     def lm_head(self, hidden: torch.Tensor, head32: torch.Tensor) -> torch.Tensor:
         """fp32 logits [R, V/tp] of the post-norm rows: fp32 products with the fp32 head."""
@@ -128,10 +139,11 @@ class TorchOps:
                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A row-parallel branch's partial output summed over the ranks of `par` (fast/parallel.py), then the sandwich
         tail on the sum: (sum, h, next_norm(h)). The peer all-reduce does both in one launch (fast/triton_ops.py)."""
-        if isinstance(partial, router_fold.FoldedProjection):  # router_fold_for: never across ranks
-            y, p, fold = partial
-            h, b = self.add_norm(residual, y, scale, y_norm, next_norm, eps, dtype)
-            self._routed = (b, router_fold.select(p, residual, y, fold.w_out, scale, eps, fold.top_k))
+        if isinstance(partial, router_fold.PendingProjection):  # the projection with its partial logits, the tail
+            y, parts = self.o_proj_parts(partial, residual)         # selecting (prepare: never across ranks)
+            h, b, routing = self.add_norm_route(residual, y, scale, y_norm, next_norm, eps, dtype, parts,
+                                                partial.fold.top_k)
+            self._routed = (b, routing)
             return y, h, b
         total = par.all_reduce(partial)
         return (total, *self.add_norm(residual, total, scale, y_norm, next_norm, eps, dtype))

@@ -20,7 +20,7 @@ from ..kernels import (decode_attention, embed, fp8_linear, lm_head, moe, o_proj
                        qkv_rope_kv, rmsnorm, route_tail, router, sample, settle, topk)
 from .plan import KernelPlan
 from .profiling import stage
-from .router_fold import FoldedProjection
+from .router_fold import PendingProjection
 from .torch_ops import TorchOps
 from .weights import MoE, Weight
 
@@ -69,8 +69,8 @@ class TritonOps(TorchOps):
             self.fallbacks[group] += 1
         return ok
 
-    def prepare(self, w, top_k):
-        super().prepare(w, top_k)
+    def prepare(self, w, top_k, par):
+        super().prepare(w, top_k, par)
         # The arrival counters of the FP8 linear's split-K sum: zeroed once, before any capture; every call leaves them
         # zeroed, and the engine's calls run one after another on one stream.
         self._locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
@@ -94,17 +94,16 @@ class TritonOps(TorchOps):
         return fp8_linear.fp8_linear(x.contiguous(), w.q, w.scale, w.block, out_dtype=x.dtype,
                                      locks=locks if fits else None, pdl=cuda)
 
-    def o_proj(self, w, x, residual, fold):
+    def o_proj_parts(self, pending, residual):
         # the router fold (fast/router_fold.py): the projection's tiles also write the router's partial logits
-        if fold is None or not self._fits("linear", _fp8_takes(w) and o_proj_router.fits(
-                x.shape[0], *fold.router_w.shape)):
-            return super().o_proj(w, x, residual, fold)
+        w, x, fold = pending
+        if not self._fits("linear", _fp8_takes(w) and o_proj_router.fits(x.shape[0], *fold.router_w.shape)):
+            return super().o_proj_parts(pending, residual)
         self.calls["o_proj_router"] += 1
         locks = self._locks
         fits = locks is not None and fp8_linear.lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
-        y, parts = o_proj_router.o_proj_router(x.contiguous(), w.q, w.scale, w.block, residual, fold.router_w,
-                                               fold.w_out, locks=locks if fits else None, pdl=x.is_cuda)
-        return FoldedProjection(y, parts, fold)
+        return o_proj_router.o_proj_router(x.contiguous(), w.q, w.scale, w.block, residual, fold.router_w, fold.w_out,
+                                           locks=locks if fits else None, pdl=x.is_cuda)
 
     def qkv(self, attn, x):
         w = attn.wqkv
@@ -199,20 +198,21 @@ class TritonOps(TorchOps):
         self.calls["add_norm"] += 1
         return rmsnorm.add_norm(residual, y, scale, y_norm, next_norm, eps, dtype, pdl=y.is_cuda)
 
+    def add_norm_route(self, residual, y, scale, y_norm, next_norm, eps, dtype, parts, top_k):
+        if not (self.plan.moe and self._fits("norm", route_tail.fits(*y.shape, parts.shape[0], parts.shape[-1],
+                                                                       top_k))):
+            return super().add_norm_route(residual, y, scale, y_norm, next_norm, eps, dtype, parts, top_k)
+        self.calls["add_norm_route"] += 1
+        h, b, *routing = route_tail.add_norm_route(residual, y, scale, y_norm, next_norm, eps, dtype, parts, top_k,
+                                                   pdl=y.is_cuda)
+        return h, b, tuple(routing)
+
     @stage("norm")
     def reduce_add_norm(self, par, partial, residual, scale, y_norm, next_norm, eps, dtype):
         # One launch, the same bits as the sequence: with peer collectives (GPUs, TP > 1) the all-reduce ends in the
         # tail; the MoE's pending Down (TP 1, rank slices) ends in the combine and the tail; its uncombined output
         # (kernels/moe.ExpertOutputs) is combined by the reduction or by the tail
-        if isinstance(partial, FoldedProjection):  # the router fold's tail selects the experts (fast/router_fold.py)
-            y, parts, fold = partial
-            if self.plan.moe and self._fits("norm", route_tail.fits(*y.shape, parts.shape[0], parts.shape[-1],
-                                                                     fold.top_k)):
-                self.calls["add_norm_route"] += 1
-                h, b, *routing = route_tail.add_norm_route(residual, y, scale, y_norm, next_norm, eps, dtype, parts,
-                                                           fold.top_k, pdl=y.is_cuda)
-                self._routed = (b, tuple(routing))
-                return y, h, b
+        if isinstance(partial, PendingProjection):  # the router fold (TorchOps: the projection, then the tail)
             return super().reduce_add_norm(par, partial, residual, scale, y_norm, next_norm, eps, dtype)
         fused = self._fits("norm", rmsnorm.rmsnorm_fits(residual.shape[-1]))
         if isinstance(partial, PendingDown):

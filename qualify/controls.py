@@ -25,7 +25,7 @@ from ..fast import sampler
 from ..fast.cache import LayerKV, StaticKV, layer_slots
 from ..fast.model import Block, FastModel, _tap, rope_tables
 from ..fast.rank import EngineParts
-from ..fast.router_fold import FoldedProjection
+from ..fast.router_fold import PendingProjection
 from ..fast.round import RoundRunner
 from ..fast.state import VERIFY_ROWS
 from ..fast.torch_ops import TorchOps
@@ -222,8 +222,8 @@ def _without_sink(attn):
 class NoSinkModel(FastModel):
     """drop_sink: attention without the sink logit in the softmax denominator."""
 
-    def attention(self, c, index, attn, kv, a, blk, r, fold):
-        return super().attention(c, index, _without_sink(attn), kv, a, blk, r, fold)
+    def attention(self, c, index, attn, kv, a, blk):
+        return super().attention(c, index, _without_sink(attn), kv, a, blk)
 
 
 def scalar_sink_attention(q, k, v, mask, scale, sink_k):
@@ -242,7 +242,7 @@ def scalar_sink_attention(q, k, v, mask, scale, sink_k):
 class ScalarSinkModel(FastModel):
     """scalar_sink: a query-independent sink, one constant logit per head (scalar_sink_attention)."""
 
-    def attention(self, c, index, attn, kv, a, blk, r, fold):
+    def attention(self, c, index, attn, kv, a, blk):
         R, D, eps = a.shape[0], c.head_dim, c.rms_norm_eps
         q, k, v = (t.view(R, -1, D) for t in self.ops.qkv(attn, a))
         theta = c.rope_theta_for(index)
@@ -250,7 +250,7 @@ class ScalarSinkModel(FastModel):
         q = self.ops.qk_rope_write(kv, q, k, v, attn.q_norm, attn.k_norm, eps, cos, sin, blk.positions, blk.live)
         out = scalar_sink_attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(blk.positions), c.scale,
                                     attn.sink_k).to(q.dtype)
-        return self.ops.o_proj(attn.wo, out.to(self.dtype).reshape(R, -1), r, fold)
+        return self.ops.o_proj(attn, out.to(self.dtype).reshape(R, -1))
 
 
 class ShiftedRopeModel(FastModel):
@@ -276,7 +276,7 @@ class LastDimsRopeModel(FastModel):
     rotary_dim and attending with them rolled (the sink key too) is exactly that: a dot product is unchanged when
     both of its factors are permuted alike, so the cache may hold the rolled keys."""
 
-    def attention(self, c, index, attn, kv, a, blk, r, fold):
+    def attention(self, c, index, attn, kv, a, blk):
         R, D, eps, n = a.shape[0], c.head_dim, c.rms_norm_eps, c.rotary_dim
         q, k, v = (t.view(R, -1, D) for t in self.ops.qkv(attn, a))
         theta = c.rope_theta_for(index)
@@ -286,7 +286,7 @@ class LastDimsRopeModel(FastModel):
                                    blk.positions, blk.live)
         sink = attn.sink_k.roll(n, -1) if attn.sink_k is not None else None
         out = self.ops.attention(q, kv, blk.positions, c.scale, sink)
-        return self.ops.o_proj(attn.wo, out.to(self.dtype).reshape(R, -1), r, fold)
+        return self.ops.o_proj(attn, out.to(self.dtype).reshape(R, -1))
 
 
 class RawResidualModel(FastModel):
@@ -331,18 +331,15 @@ class Bf16RouterModel(_RoutedModel):
         return route(b16 @ r16.T, k)
 
 
-class FoldWithoutRstdO(FastModel):
-    """router_fold_rstd_o: the router fold's output partials W' (w_out * o) lose the o-norm's 1/rms, so the folded
-    logits are rstd_h (W' r + s W' (w_out * o)): the router on an un-normalized attention branch."""
+class FoldWithoutOutNorm(FastModel):
+    """router_fold_w_out: the router fold's output partials W' (w_out * o) without the attn_out_norm weight, W' o:
+    the router reading an attention branch its norm's weight never scaled."""
 
-    def attention(self, c, index, attn, kv, a, blk, r, fold):
-        out = super().attention(c, index, attn, kv, a, blk, r, fold)
-        if not isinstance(out, FoldedProjection):
+    def attention(self, c, index, attn, kv, a, blk):
+        out = super().attention(c, index, attn, kv, a, blk)
+        if not isinstance(out, PendingProjection):
             return out
-        rms = torch.sqrt(out.y.float().pow(2).mean(-1) + c.rms_norm_eps)  # 1 / rstd_o, a row
-        parts = out.parts.clone()
-        parts[:, 1] *= rms[None, :, None]
-        return FoldedProjection(out.y, parts, out.fold)
+        return out._replace(fold=out.fold._replace(w_out=torch.ones_like(out.fold.w_out)))
 
 
 def _fold_applies(model_dir, fmt: str, options) -> str | None:
@@ -459,8 +456,8 @@ REGISTRY: list[Control] = [
             EngineParts(model=Bf16RouterModel),
             _all("numerics.router_scores", ["prefill"] + VERIFY + DRAFT_DEPTHS), "decode",
             _router_rows, "rows through an MoE layer whose router (or input) is not bf16-exact"),
-    Control("router_fold_rstd_o", "router fold: the o-projection's partials without the attention output's 1/rms",
-            EngineParts(model=FoldWithoutRstdO),
+    Control("router_fold_w_out", "router fold: the o-projection's partials without the attn_out_norm weight",
+            EngineParts(model=FoldWithoutOutNorm),
             _all("numerics.router_scores", ["prefill"] + VERIFY + DRAFT_DEPTHS), "decode",
             _folded_rows, "rows through an MoE layer whose routing was folded", applies=_fold_applies),
     Control("fp8_scales_transposed", "FP8 scale blocks indexed transposed (scale[c//B1, r//B0])",

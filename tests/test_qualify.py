@@ -43,7 +43,7 @@ def test_quick_qualify_passes_on_the_healthy_engine(report):
     # every control but the router fold's, which needs a candidate that folds routing (--router-fold)
     n = len(REGISTRY) - 1
     assert report["controls_caught"] == f"{n}/{n}"
-    assert [c["name"] for c in report["controls_not_applicable"]] == ["router_fold_rstd_o"]
+    assert [c["name"] for c in report["controls_not_applicable"]] == ["router_fold_w_out"]
 
 
 def test_report_structure(report):
@@ -66,7 +66,7 @@ def test_report_structure(report):
     assert not any(c["check"].startswith("fp8w.") for c in report["checks"])  # an FP8 checkpoint has no BF16 source
 
 
-@pytest.mark.parametrize("control", [c.name for c in REGISTRY if c.name != "router_fold_rstd_o"])  # its own test
+@pytest.mark.parametrize("control", [c.name for c in REGISTRY if c.name != "router_fold_w_out"])  # its own test
 def test_each_negative_control_is_caught_where_intended(report, control):
     r = next(c for c in report["controls"] if c["name"] == control)
     assert r["branch_count"] > 0, f"{control}: the broken code never ran on an input where it matters"
@@ -210,20 +210,21 @@ def test_a_control_that_cannot_apply_is_reported_not_run(tiny, tmp_path):
     chosen, skipped = select_controls(["fp8_scales_transposed", "drop_sink"], str(tiny), "fp8", plain)
     assert [c.name for c in chosen] == ["drop_sink", "fp8_scales_transposed"] and skipped == []
     # the router fold's control needs a candidate that folds
-    assert "no --router-fold" in select_controls(["router_fold_rstd_o"], str(tiny), "fp8", plain)[1][0]["why"]
+    assert "no --router-fold" in select_controls(["router_fold_w_out"], str(tiny), "fp8", plain)[1][0]["why"]
 
 
 def test_the_router_fold_qualifies_and_its_control_is_caught(tiny):
     """--router-fold: the folded candidate passes (its router checks score it against the fold's exact input) and
-    the fold's own control, the o-partials without 1/rms, is caught by numerics.router_scores, its branch counted."""
+    the fold's own control, the o-partials without the attn_out_norm weight, is caught by numerics.router_scores, its
+    branch counted."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = main(["qualify", "--model", str(tiny), "--quick", "--json", "--jobs", "1", "--router-fold", "--dtype",
-                   "bf16", "--control", "router_fold_rstd_o"])
+                   "bf16", "--control", "router_fold_w_out"])
     r = json.loads(out.getvalue())
     assert rc == 0 and r["passed"] and r["router_fold"], [c for c in r["checks"] if c["verdict"] != "pass"]
     (ctl,) = r["controls"]
-    assert ctl["name"] == "router_fold_rstd_o" and ctl["caught"] and ctl["branch_count"] > 0, ctl
+    assert ctl["name"] == "router_fold_w_out" and ctl["caught"] and ctl["branch_count"] > 0, ctl
     assert {tuple(x)[0] for x in ctl["caught_by"]} == {"numerics.router_scores"}, ctl
 
 

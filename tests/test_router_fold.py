@@ -95,17 +95,24 @@ def test_the_engine_with_the_fold_reproduces_the_reference_at_fp32():
 
 
 def test_the_fold_is_off_without_the_option_and_across_ranks():
+    """Only MoE layers fold, only with the option, and only where o is whole on the rank: across ranks (a partial
+    o per rank) the o-projection runs as the plain linear, never left pending."""
+    from iquest.fast.router_fold import PendingProjection
+    from iquest.fast.torch_ops import TorchOps
+
     plain = RankEngine(TINY, Parallel.single(), EngineOptions(max_context=64))
     folded = RankEngine(TINY, Parallel.single(), EngineOptions(max_context=64, router_fold=True))
-    lw = folded.model.w.layers[-1]
-    assert plain.model.ops.router_fold_for(plain.model.w.layers[-1], plain.par) is None
-    assert folded.model.ops.router_fold_for(lw, folded.par) is not None
+    moe, dense = folded.model.w.layers[-1].attn, folded.model.w.layers[0].attn
+    assert plain.model.ops.router_fold_for(plain.model.w.layers[-1].attn) is None
+    assert folded.model.ops.router_fold_for(moe) is not None and folded.model.ops.router_fold_for(dense) is None
+    x = torch.zeros(2, moe.wo.q.shape[-1])
+    assert isinstance(folded.model.ops.o_proj(moe, x), PendingProjection)
 
     class Across:
         active = True
-    assert folded.model.ops.router_fold_for(lw, Across()) is None
-    dense = folded.model.w.layers[0]
-    assert folded.model.ops.router_fold_for(dense, folded.par) is None
+    across = TorchOps(fold_router=True)
+    across.prepare(folded.model.w, 4, Across())
+    assert across.router_fold_for(moe) is None and isinstance(across.o_proj(moe, x), torch.Tensor)
 
 
 def test_the_engine_says_it_folds_routing():
