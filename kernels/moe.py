@@ -332,20 +332,13 @@ def _combine_add_norm_kernel(y_ptr, weights_ptr, live_ptr, r_ptr, yw_ptr, nw_ptr
                              SCALED: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr,
                              PDL: tl.constexpr = False):
     """One row: the combine (launch 3's sum, rounded to the compute dtype) into `sum`, then the sandwich tail on it."""
-    RDT: tl.constexpr = h_ptr.dtype.element_ty
-    DT: tl.constexpr = b_ptr.dtype.element_ty
     i = tl.arange(0, BLOCK)
     m = i < H
     yw, nw = rmsnorm.tail_weights(yw_ptr, nw_ptr, i, m, Y_NORM)  # constants: read before the wait
     wait_for_inputs(PDL)
     r = tl.program_id(0)
-    live = load_live(live_ptr, r, R, LIVE_COUNT)
-    s = _round(tl.where(live, weighted_sum(y_ptr, weights_ptr, r, i, m, live, H, K_TOP), 0.0), BF16, INTERP)
-    tl.store(sum_ptr + r * stride_sum + i, s.to(sum_ptr.dtype.element_ty), mask=m)
-    res = tl.load(r_ptr + r * stride_r + i, mask=m, other=0.0).to(tl.float32)
-    h, b = rmsnorm.sandwich_tail(res, s, yw, nw, eps, scale, H, Y_NORM, SCALED, RDT, DT)
-    tl.store(h_ptr + r * stride_h + i, h.to(RDT), mask=m)
-    tl.store(b_ptr + r * stride_b + i, b.to(DT), mask=m)
+    _row_tail(r, load_live(live_ptr, r, R, LIVE_COUNT), y_ptr, weights_ptr, r_ptr, yw, nw, sum_ptr, h_ptr, b_ptr, H,
+              eps, scale, stride_r, stride_sum, stride_h, stride_b, K_TOP, BLOCK, Y_NORM, SCALED, BF16, INTERP, False)
 
 
 @triton.jit
@@ -359,18 +352,16 @@ def _arrive(lock_ptr, r, mine, target):
 
 
 @triton.jit
-def _row_tail(r, live, y_ptr, weights_ptr, r_ptr, yw_ptr, nw_ptr, sum_ptr, h_ptr, b_ptr, H, eps, scale, stride_r,
-              stride_sum, stride_h, stride_b, K_TOP: tl.constexpr, BLOCK: tl.constexpr, Y_NORM: tl.constexpr,
-              SCALED: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr):
-    """Row r's combine and sandwich tail, `_combine_add_norm_kernel`'s arithmetic, reading y past L1 (other
-    programs stored it). The norm weights are read here, after the wait, not up front: held through the Down loop
-    they would be two rows of registers a thread (64 at H = 3072 on 4 warps) on top of its tiles."""
+def _row_tail(r, live, y_ptr, weights_ptr, r_ptr, yw, nw, sum_ptr, h_ptr, b_ptr, H, eps, scale, stride_r, stride_sum,
+              stride_h, stride_b, K_TOP: tl.constexpr, BLOCK: tl.constexpr, Y_NORM: tl.constexpr,
+              SCALED: tl.constexpr, BF16: tl.constexpr, INTERP: tl.constexpr, CG: tl.constexpr):
+    """Row r's combine (rounded to the compute dtype) into `sum`, then the sandwich tail with the norm weights yw, nw
+    (`rmsnorm.tail_weights`); CG: y read past L1 (other programs of the launch stored it)."""
     RDT: tl.constexpr = h_ptr.dtype.element_ty
     DT: tl.constexpr = b_ptr.dtype.element_ty
     i = tl.arange(0, BLOCK)
     m = i < H
-    yw, nw = rmsnorm.tail_weights(yw_ptr, nw_ptr, i, m, Y_NORM)
-    s = _round(tl.where(live, weighted_sum(y_ptr, weights_ptr, r, i, m, live, H, K_TOP, True), 0.0), BF16, INTERP)
+    s = _round(tl.where(live, weighted_sum(y_ptr, weights_ptr, r, i, m, live, H, K_TOP, CG), 0.0), BF16, INTERP)
     tl.store(sum_ptr + r * stride_sum + i, s.to(sum_ptr.dtype.element_ty), mask=m)
     res = tl.load(r_ptr + r * stride_r + i, mask=m, other=0.0).to(tl.float32)
     h, b = rmsnorm.sandwich_tail(res, s, yw, nw, eps, scale, H, Y_NORM, SCALED, RDT, DT)
@@ -407,8 +398,12 @@ def _down_add_norm_kernel(
         chose = tl.sum((tl.load(experts_ptr + r * K_TOP + j, mask=j < K_TOP, other=-1) == e).to(tl.int32), axis=0)
         last = _arrive(lock_ptr, r, run & live & (chose > 0), K_TOP * tl.num_programs(1))
         if last | (first & ~live):
-            _row_tail(r, live, y_ptr, weights_ptr, r_ptr, yw_ptr, nw_ptr, sum_ptr, ho_ptr, b_ptr, H, eps, scale,
-                      stride_r, stride_sum, stride_h, stride_b, K_TOP, BLOCK_H, Y_NORM, SCALED, BF16, INTERP)
+            # the norm weights read here, after the wait, not up front: held through the Down loop they would be two
+            # rows of registers a thread (64 at H = 3072 on 4 warps) on top of its tiles
+            i = tl.arange(0, BLOCK_H)
+            yw, nw = rmsnorm.tail_weights(yw_ptr, nw_ptr, i, i < H, Y_NORM)
+            _row_tail(r, live, y_ptr, weights_ptr, r_ptr, yw, nw, sum_ptr, ho_ptr, b_ptr, H, eps, scale, stride_r,
+                      stride_sum, stride_h, stride_b, K_TOP, BLOCK_H, Y_NORM, SCALED, BF16, INTERP, True)
 
 
 # ---- host side -------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ def all_live(live_ptr, rows, R, LIVE_COUNT: tl.constexpr):
 
 
 @triton.jit
-def sum_without_weights(y_ptr, weights_ptr, r, n, n_ok, live, H, K_TOP: tl.constexpr):
+def sum_without_weights(y_ptr, weights_ptr, r, n, n_ok, live, H, K_TOP: tl.constexpr, CG: tl.constexpr = False):
     acc = tl.zeros([n.shape[0]], tl.float32)
     for j in tl.static_range(K_TOP):
         acc += tl.load(y_ptr + (r * K_TOP + j) * H + n, mask=n_ok & live, other=0.0)
@@ -96,7 +96,8 @@ MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_off
                                                                        _expert_rows=rows_ignoring_live)},
                             "_combine_kernel": {"load_live": all_live}},
        "weights_not_applied": {"_combine_kernel": {"weighted_sum": sum_without_weights}},
-       "tail_weights_not_applied": {"_combine_add_norm_kernel": {"weighted_sum": sum_without_weights}}}
+       "tail_weights_not_applied": {"_combine_add_norm_kernel": {
+           "_row_tail": substitute(moe._row_tail, weighted_sum=sum_without_weights)}}}
 
 
 @triton.jit
