@@ -309,6 +309,8 @@ FOLD_CASES = [
     case("fold_r8_pad_shared_layer_bf16", live="mask", pattern="shared", dtype="bf16", form="layer"),
     case("fold_r8_count_draft_fp32", H=256, live="count", form="draft"),
     case("fold_r8_same_layer0_bf16", pattern="same", dtype="bf16", form="layer0"),
+    # a prefill-sized block: an expert's owner covers rows in two 16-row blocks, its arrivals for both
+    case("fold_r24_pad_two_row_blocks_bf16", R=24, live="mask", dtype="bf16", form="layer"),
 ]
 FOLD_CONTROLS = [case("neg_fold_tail_one_arrival_early", H=256, dtype="bf16", form="layer", control="arrive_early")]
 
@@ -377,8 +379,9 @@ def check_fold(c: dict, r: dict, tol: dict | None = None) -> None:
 
 
 def test_fold_cases_cover():
-    """Rows 1, 3 and 8; padding as a mask and as a count; both dtypes; every tail form; one and two H tiles."""
-    assert {c["R"] for c in FOLD_CASES} == {1, 3, 8}
+    """Rows 1, 3, 8 and 24 (two row blocks); padding as a mask and as a count; both dtypes; every tail form; one and
+    two H tiles."""
+    assert {c["R"] for c in FOLD_CASES} == {1, 3, 8, 24} and max(c["R"] for c in FOLD_CASES) > mk.MoESettings().block_m
     assert {c["live"] for c in FOLD_CASES} == {"all", "mask", "count"}
     assert {c["dtype"] for c in FOLD_CASES} == set(DTYPES) and {c["form"] for c in FOLD_CASES} == set(TAIL_FORMS)
     assert {c["H"] // mk.MoESettings().down_block_n for c in FOLD_CASES} == {1, 2}
