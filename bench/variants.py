@@ -14,8 +14,8 @@ from ..lab.ablation import ablate, check_reached
 from ..lab.unfold import check_unfolded, unfold
 
 
-# +option -> the EngineOptions field it turns on (a numerical change of the product, qualified apart)
-OPTIONS = {"router_fold": "router_fold"}
+# +option: the EngineOptions bool field it turns on (a numerical change of the product, qualified apart)
+OPTIONS = frozenset({"router_fold"})
 
 
 class Variant(NamedTuple):
@@ -33,8 +33,8 @@ def split(name: str) -> Variant:
         raise ValueError(f"variant {name!r}: kernels must be torch or triton (then +options, ~op ablations and ^fold "
                          f"unfolds), got {kernels!r}")
     chosen = frozenset(p[1:] for p in parts if p[0] == "+")
-    if chosen - set(OPTIONS):
-        raise ValueError(f"variant {name!r}: unknown option {sorted(chosen - set(OPTIONS))}: choose from "
+    if chosen - OPTIONS:
+        raise ValueError(f"variant {name!r}: unknown option {sorted(chosen - OPTIONS)}: choose from "
                          f"{sorted(OPTIONS)}")
     return Variant(kernels, frozenset(p[1:] for p in parts if p[0] == "~"),
                    frozenset(p[1:] for p in parts if p[0] == "^"), chosen)
@@ -42,7 +42,7 @@ def split(name: str) -> Variant:
 
 def options(name: str, base: EngineOptions) -> EngineOptions:
     v = split(name)
-    return replace(base, kernels=v.kernels, **{OPTIONS[o]: True for o in v.options})
+    return replace(base, kernels=v.kernels, **dict.fromkeys(v.options, True))
 
 
 def prepare(engine: RankEngine, name: str) -> RankEngine:

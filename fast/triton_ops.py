@@ -101,7 +101,7 @@ class TritonOps(TorchOps):
             return super().o_proj_parts(pending, residual)
         self.calls["o_proj_router"] += 1
         locks = self._locks
-        fits = locks is not None and fp8_linear.lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
+        fits = locks is not None and o_proj_router.lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
         return o_proj_router.o_proj_router(x.contiguous(), w.q, w.scale, w.block, residual, fold.router_w, fold.w_out,
                                            locks=locks if fits else None, pdl=x.is_cuda)
 

@@ -538,13 +538,23 @@ def _down(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, setting
           pdl: bool) -> ExpertOutputs:
     down_k = _check_down(h, weights, down_w, settings)
     y = torch.empty((h.rows * h.k, h.H), dtype=torch.float32, device=h.hidden.device)
-    s = settings
-    _down_kernel[(h.rows * h.k, triton.cdiv(h.H, s.down_block_n))](
+    _down_kernel[_down_grid(h, settings)](
         h.hidden, down_w.q, down_w.scale, h.experts, h.live, y, h.rows, h.H, h.hidden.shape[1],
-        down_w.scale.stride(0), down_w.scale.stride(1), D_OFF0=down_w.offset[0], D_OFF1=down_w.offset[1],
-        B0=down_w.block[0], B1=down_w.block[1], **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.down_block_n,
-        BLOCK_K=down_k, **_math(h), INTERP=INTERPRETED, **_streams(h, s), **launch_options(pdl, y.device))
+        down_w.scale.stride(0), down_w.scale.stride(1), **_down_constexprs(h, down_w, settings, down_k),
+        **_streams(h, settings), **launch_options(pdl, y.device))
     return ExpertOutputs(y, weights, h.live, h.count, h.dtype)
+
+
+def _down_grid(h: ExpertHidden, s: MoESettings) -> tuple[int, int]:
+    """Launch 2's grid, plain or ending in the tail: a program a pair (the owners stream) and H tile."""
+    return h.rows * h.k, triton.cdiv(h.H, s.down_block_n)
+
+
+def _down_constexprs(h: ExpertHidden, down_w: ExpertWeights, s: MoESettings, down_k: int) -> dict:
+    """Launch 2's compile-time arguments (`_down_tiles`'), plain or ending in the tail."""
+    return dict(D_OFF0=down_w.offset[0], D_OFF1=down_w.offset[1], B0=down_w.block[0], B1=down_w.block[1],
+                **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.down_block_n, BLOCK_K=down_k, **_math(h),
+                INTERP=INTERPRETED)
 
 
 def lock_count(rows: int) -> int:
@@ -591,14 +601,12 @@ def down_add_norm(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights,
     # `_down_kernel`'s SASS at a TP8 rank's shape is the same instruction for instruction with contraction off, bf16
     # and fp32.)
     build = rmsnorm.compile_options(rmsnorm.RmsNormSettings(num_warps=s.warps))
-    _down_add_norm_kernel[(R * h.k, triton.cdiv(H, s.down_block_n))](
+    _down_add_norm_kernel[_down_grid(h, s)](
         h.hidden, down_w.q, down_w.scale, h.experts, h.live, y, weights, locks, residual,
         next_norm if y_norm is None else y_norm, next_norm, sum_, h_out, b, R, H, h.hidden.shape[1],
         down_w.scale.stride(0), down_w.scale.stride(1), float(eps), scale, residual.stride(0), sum_.stride(0),
-        h_out.stride(0), b.stride(0), D_OFF0=down_w.offset[0], D_OFF1=down_w.offset[1], B0=down_w.block[0],
-        B1=down_w.block[1], **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.down_block_n, BLOCK_K=down_k,
-        BLOCK_H=triton.next_power_of_2(H), Y_NORM=y_norm is not None, SCALED=scale != 1.0, **_math(h),
-        INTERP=INTERPRETED, **dict(_streams(h, s), **build), **launch_options(pdl, dev))
+        h_out.stride(0), b.stride(0), **_down_constexprs(h, down_w, s, down_k), BLOCK_H=triton.next_power_of_2(H),
+        Y_NORM=y_norm is not None, SCALED=scale != 1.0, **dict(_streams(h, s), **build), **launch_options(pdl, dev))
     return sum_, h_out, b
 
 
