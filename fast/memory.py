@@ -64,12 +64,23 @@ def prefix_snapshot_bytes(config: Config, tp: int, max_context: int, dtype_bytes
     return total
 
 
+def router_fold_bytes(config: Config, tp: int) -> int:
+    """What the router fold adds to a rank (EngineOptions.router_fold, fast/router_fold.py): its scaled router, fp32
+    [E, H], beside every MoE layer's router, the draft's included; nothing where it does not fold (across ranks)."""
+    if tp > 1:
+        return 0
+    layers = [(config, i) for i in range(config.num_hidden_layers)] + [(config.mtp, 0)]  # the draft's one block
+    return sum(c.num_experts * c.hidden_size * 4 for c, i in layers if not c.is_dense(i))
+
+
 def rank_bytes(config: Config, tp: int, max_context: int, dtype_bytes: int = 2, fmt: str | None = None,
-               prefix_reuse: bool = False) -> int:
-    """A rank's weights and KV caches; with `prefix_reuse`, and the copy of its rings that prefix reuse keeps."""
+               prefix_reuse: bool = False, router_fold: bool = False) -> int:
+    """A rank's weights and KV caches; with `prefix_reuse`, and the copy of its rings that prefix reuse keeps; with
+    `router_fold`, and the fold's scaled routers."""
     kv_heads = max(config.num_key_value_heads // tp, 1)
     return rank_weight_bytes(config, tp, fmt=fmt) + StaticKV.bytes_needed(config, kv_heads, max_context, dtype_bytes) \
-        + (prefix_snapshot_bytes(config, tp, max_context, dtype_bytes) if prefix_reuse else 0)
+        + (prefix_snapshot_bytes(config, tp, max_context, dtype_bytes) if prefix_reuse else 0) \
+        + (router_fold_bytes(config, tp) if router_fold else 0)
 
 
 def check_memory(config: Config, tp: int, options, device_kind: str, ranks=None, prefix_reuse: bool | None = None) \
@@ -86,7 +97,7 @@ def check_memory(config: Config, tp: int, options, device_kind: str, ranks=None,
         prefix_reuse = options.prefix_reuse
     dtype_bytes = options.torch_dtype(torch.device("cuda")).itemsize
     fmt = weight_format(options.weights, config, torch.device("cuda"))
-    need = rank_bytes(config, tp, options.max_context, dtype_bytes, fmt, prefix_reuse) * HEADROOM
+    need = rank_bytes(config, tp, options.max_context, dtype_bytes, fmt, prefix_reuse, options.router_fold) * HEADROOM
     for rank in range(tp) if ranks is None else ranks:
         if options.shared_gpu and rank > 0:
             continue
@@ -96,6 +107,7 @@ def check_memory(config: Config, tp: int, options, device_kind: str, ranks=None,
             who = f"{tp} ranks sharing GPU 0 need" if options.shared_gpu else f"rank {rank} needs"
             what = "weights, KV caches and the prefix-reuse copy of the rings" if prefix_reuse else \
                 "weights and KV caches"
+            what += " (and the router fold's scaled routers)" if options.router_fold and tp == 1 else ""
             raise ConfigError(f"{who} about {need * ranks_there / 2**30:.1f} GiB for {what} at "
                               f"--max-context {options.max_context} (tp={tp}), but GPU {gpu} has "
                               f"{free / 2**30:.1f} GiB free: raise --tp or lower --max-context")

@@ -133,3 +133,21 @@ def test_generate_takes_the_fold_and_the_reference_refuses_it(capsys):
     assert main(["generate", "--engine", "reference", "--model", str(TINY), "--router-fold", "--max-new-tokens", "4",
                  "--prompt-ids", "3,4,5"]) != 0
     assert "--router-fold is a fast-engine option" in capsys.readouterr().err
+
+
+def test_the_memory_check_counts_the_folds_scaled_routers(monkeypatch):
+    """The fold holds an fp32 [E, H] scaled router beside every MoE layer's (the draft's too): counted where it folds
+    (TP 1), not across ranks; a device with room for the plain engine only refuses the folded one."""
+    from iquest.fast import memory
+    from iquest.reference.config import Config, ConfigError
+
+    config = Config.from_dir(TINY)
+    moe_layers = sum(not config.is_dense(i) for i in range(config.num_hidden_layers)) + 1
+    scaled = moe_layers * config.num_experts * config.hidden_size * 4
+    assert memory.router_fold_bytes(config, 1) == scaled and memory.router_fold_bytes(config, 2) == 0
+    assert memory.rank_bytes(config, 1, 512, router_fold=True) - memory.rank_bytes(config, 1, 512) == scaled
+    plain = memory.rank_bytes(config, 1, 512) * memory.HEADROOM
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda gpu: (int(plain) + 1, 0))
+    memory.check_memory(config, 1, EngineOptions(max_context=512, dtype="bf16"), "cuda")
+    with pytest.raises(ConfigError, match="router fold's scaled routers"):
+        memory.check_memory(config, 1, EngineOptions(max_context=512, dtype="bf16", router_fold=True), "cuda")
