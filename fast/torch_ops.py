@@ -48,6 +48,7 @@ class TorchOps:
         fold = self._folds.get(id(attn))
         return self.linear(attn.wo, x) if fold is None else router_fold.PendingProjection(attn.wo, x, fold)
 
+    @stage("attention")  # launched from the tail, but the projection's work: bench step's stages keep it there
     def o_proj_parts(self, pending: router_fold.PendingProjection,
                      residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A pending o-projection run: (y, the router's partial logits of the residual and y)."""

@@ -94,6 +94,7 @@ class TritonOps(TorchOps):
         return fp8_linear.fp8_linear(x.contiguous(), w.q, w.scale, w.block, out_dtype=x.dtype,
                                      locks=locks if fits else None, pdl=cuda)
 
+    @stage("attention")  # as TorchOps.o_proj_parts
     def o_proj_parts(self, pending, residual):
         # the router fold (fast/router_fold.py): the projection's tiles also write the router's partial logits
         w, x, fold = pending
@@ -175,11 +176,18 @@ class TritonOps(TorchOps):
         return PendingDown(moe.gate_up(b, experts, live, *ew[:2], pdl=b.is_cuda), weights, ew[2])
 
     @staticmethod
+    @stage("mlp")  # launched by the op that reads the output, but the experts' work: bench step's stages keep it there
     def expert_outputs(partial):
         """The routed experts' outputs, uncombined: a pending Down launched on its own (kernels/moe.py `down`)."""
         if not isinstance(partial, PendingDown):
             return partial
         return moe.down(*partial, pdl=partial.weights.is_cuda)
+
+    @stage("mlp")  # Down's launch, ending in the combine and the tail: the experts' work, mostly
+    def down_add_norm(self, pending, residual, scale, y_norm, next_norm, eps, dtype):
+        self.calls["down_add_norm"] += 1
+        return moe.down_add_norm(*pending, residual, scale, y_norm, next_norm, eps, dtype, locks=self._locks,
+                                 pdl=residual.is_cuda)
 
     # ---- norms ---------------------------------------------------------------------------------------
     @stage("norm")
@@ -219,9 +227,7 @@ class TritonOps(TorchOps):
             locks = self._locks
             if (fused and not par.active and locks is not None
                     and moe.lock_count(partial.hidden.rows) <= locks.numel()):
-                self.calls["down_add_norm"] += 1
-                return moe.down_add_norm(*partial, residual, scale, y_norm, next_norm, eps, dtype, locks=locks,
-                                         pdl=residual.is_cuda)
+                return self.down_add_norm(partial, residual, scale, y_norm, next_norm, eps, dtype)
             partial = self.expert_outputs(partial)
         if fused and par.peers is not None:
             self.calls["reduce_add_norm"] += 1

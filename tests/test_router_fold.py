@@ -151,3 +151,43 @@ def test_the_memory_check_counts_the_folds_scaled_routers(monkeypatch):
     memory.check_memory(config, 1, EngineOptions(max_context=512, dtype="bf16"), "cuda")
     with pytest.raises(ConfigError, match="router fold's scaled routers"):
         memory.check_memory(config, 1, EngineOptions(max_context=512, dtype="bf16", router_fold=True), "cuda")
+
+
+def test_bench_steps_stages_keep_the_projection_and_the_experts_work_where_it_was():
+    """bench step's per-stage profile ties a kernel to the innermost stage label open at its launch. The fold launches
+    the o-projection from the attention's tail (labelled "norm"): it carries the "attention" label inside the tail's,
+    so its work stays in its stage (without the label this fails). TritonOps' pending Down is labelled "mlp" the same
+    way; launching it needs the MoE kernels, so it is not run here."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from iquest.fast.plan import KernelPlan
+    from iquest.fast.router_fold import PendingProjection
+    from iquest.fast.triton_ops import TritonOps
+
+    engine = RankEngine(TINY, Parallel.single(), EngineOptions(max_context=64, router_fold=True))
+    lw, c = engine.model.w.layers[1], engine.config
+    ops = TritonOps(KernelPlan(), fold_router=True)  # every group on its torch form: no kernel launches on a CPU
+    ops.prepare(engine.model.w, c.num_experts_per_tok, engine.par)
+    x = torch.randn(3, lw.attn.wo.q.shape[-1])
+    pending = ops.o_proj(lw.attn, x)
+    assert isinstance(pending, PendingProjection)
+    r = torch.randn(3, c.hidden_size)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        ops.reduce_add_norm(engine.par, pending, r, 1.0, lw.attn_out_norm, lw.feed_forward_norm, c.rms_norm_eps,
+                            torch.float32)
+    events = list(prof.events())
+    projection = [e for e in events if e.name == "attention"]
+    assert projection and all("norm" in {a.name for a in _ancestors(e)} for e in projection)  # inside the tail
+    assert any(e.name in ("aten::mm", "aten::matmul", "aten::linear") for a in projection for e in _descendants(a))
+
+
+def _ancestors(e):
+    while e.cpu_parent is not None:
+        e = e.cpu_parent
+        yield e
+
+
+def _descendants(e):
+    for child in e.cpu_children:
+        yield child
+        yield from _descendants(child)
