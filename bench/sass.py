@@ -117,8 +117,8 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
     their settings classes' defaults, as their wrappers launch them on an H200 (132 SMs) with PDL. Attention reads a
     full layer's cache as bench step holds it at `context`, a sliding layer's ring of window + 64 slots."""
     from ..fast.cache import RING_SLACK
-    from ..kernels import allreduce as ar, decode_attention as da, lm_head as lh, moe as mo, o_proj_router as opr, \
-        qk_rope_kv as qr, qkv_rope_kv as qrk, rmsnorm as rn, route_tail as rt, router as ro
+    from ..kernels import allreduce as ar, decode_attention as da, expert_prefetch as xp, lm_head as lh, moe as mo, \
+        o_proj_router as opr, qk_rope_kv as qr, qkv_rope_kv as qrk, rmsnorm as rn, route_tail as rt, router as ro
     from ..kernels.launch import prefetch_lines
     from .tune import FULL_SLACK, rank_shapes
 
@@ -247,6 +247,31 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
         dict(BLOCK=block, SCALED=False, E_PAD=e_pad, T_BLOCK=rt._t_block(tiles, s.experts, rt.RouteTailSettings()),
              TOP_K=s.top_k, K_PAD=triton.next_power_of_2(s.top_k), ACCURATE_EXP=True, PDL=True), norm_warps, 1,
         f"sandwich tail summing {tiles} tiles' partial logits, softmax + top-{s.top_k} of {s.experts}", NO_FMA)
+
+    # ---- the expert prefetch's side branch (EngineOptions.expert_prefetch): the prediction's partial logits, then a
+    # row's selection issuing its experts' bulk L2 prefetches
+    xs = xp.PrefetchSettings()
+    x_split = max(1, min(triton.cdiv(H, xs.block_h), triton.cdiv(xs.programs_per_sm * H200_SMS,
+                                                                   triton.cdiv(s.experts, xs.block_e))))
+    x_splits, x_hps = ro.split_plan(H, x_split, xs.block_h)
+    widths = dict(zip(("W0", "W1", "W2", "W3"), (*xs.rows, *(0,) * (4 - len(xs.rows)))))
+    out["prefetch_logits"] = _launch(
+        xp._predict_logits_kernel, dict(a_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32", live_ptr="*i1"),
+        dict(E=s.experts, H=H, stride_a=H, h_per_split=x_hps), (),
+        dict(ROWS=R, ROWS_PAD=triton.next_power_of_2(R), BLOCK_E=xs.block_e, BLOCK_H=xs.block_h, **widths),
+        xs.num_warps, 1, f"the prefetch's predicted logits, fp32 [{s.experts} x {H}] in {x_splits} H splits")
+    slab = s.inter * H
+    out["prefetch_warm"] = _launch(
+        xp._predict_warm_kernel,
+        dict(part_ptr="*fp32", live_ptr="*i1", predicted_ptr="*i64", weights_ptr="*fp32", scores_ptr="*fp32",
+             gate_ptr="*fp8e4nv", up_ptr="*fp8e4nv"),
+        dict(R=R, E=s.experts, splits=x_splits, stride_gate=slab, stride_up=slab, nbytes=slab), (),
+        dict(ROWS_PAD=triton.next_power_of_2(R), E_PAD=e_pad,
+             SPLIT_BLOCK=max(1, min(triton.next_power_of_2(x_splits), 8192 // e_pad)), TOP_K=s.top_k,
+             K_PAD=triton.next_power_of_2(s.top_k), ACCURATE_EXP=True, CHUNK=xs.chunk_bytes,
+             CHUNKS_PAD=triton.next_power_of_2(triton.cdiv(slab, xs.chunk_bytes)), ISSUE=True, **widths),
+        xs.select_warps, 1, f"the prefetch's top-{s.top_k}, then bulk L2 prefetches of each expert's Gate and Up "
+        f"({slab} bytes each)")
 
     # ---- the routed experts at both offsets (rank 0: 0, odd ranks: 64 rows into a 128-row scale block)
     ms = mo.MoESettings()

@@ -14,8 +14,9 @@ from ..lab.ablation import ablate, check_reached
 from ..lab.unfold import check_unfolded, unfold
 
 
-# +option: the EngineOptions bool field it turns on (a numerical change of the product, qualified apart)
-OPTIONS = frozenset({"router_fold"})
+# +option: the EngineOptions bool field it turns on (a product option: the router fold, a numerical change qualified
+# apart; the expert prefetch, a cache hint)
+OPTIONS = frozenset({"router_fold", "expert_prefetch"})
 
 
 class Variant(NamedTuple):

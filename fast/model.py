@@ -68,6 +68,7 @@ class FastModel:
         for i, lw in enumerate(layers):
             next_norm = layers[i + 1].attention_norm if i + 1 < len(layers) else self.w.norm
             x, a = self.decoder_layer(c, i, lw, self.cache[i], x, a, next_norm, blk, taps, f"layer{i}.")
+        self.ops.join_branches()
         hidden = a  # the final norm of the last layer's output
         _tap(taps, "final_hidden", hidden)
         return self.logits(hidden, self.w.lm_head, c.logit_scale), hidden
@@ -108,6 +109,7 @@ class FastModel:
         normalized for what reads it next; `reduce_add_norm` first sums a branch's partial output over the ranks."""
         eps, dt = c.rms_norm_eps, self.dtype
         attn_scale, mlp_scale = c.out_scales(index)
+        predicted = self.ops.warm_experts(lw.mlp, kv, a, blk.live)  # a cache hint beside the attention (None: none)
         attn_partial = self.attention(c, index, lw.attn, kv, a, blk)
         attn_out, h, b = self.ops.reduce_add_norm(self.par, attn_partial, self.residual_of(index, x, a), attn_scale,
                                                   lw.attn_out_norm, lw.feed_forward_norm, eps, dt)
@@ -115,8 +117,10 @@ class FastModel:
         mlp_out, out, a_next = self.ops.reduce_add_norm(self.par, mlp_partial, h, mlp_scale,
                                                         lw.ffn_out_norm if index == 0 else None, next_norm, eps, dt)
         if taps is not None:
-            for name, value in (("attn_out", attn_out), ("mlp_in", b), ("mlp_out", mlp_out), ("hidden", out)):
-                _tap(taps, tag + name, value)
+            for name, value in (("attn_out", attn_out), ("mlp_in", b), ("mlp_out", mlp_out), ("hidden", out),
+                                ("predicted_experts", predicted)):
+                if value is not None:
+                    _tap(taps, tag + name, value)
             if self.ops.router_fold_for(lw.attn) is not None:  # what the folded logits evaluate
                 exact, bound = exact_input(self.residual_of(index, x, a), attn_out, lw.attn_out_norm,
                                            lw.feed_forward_norm, attn_scale, eps)

@@ -46,6 +46,7 @@ class EngineOptions:
     weights: str = "auto"           # what the linears run as (fast/weights.weight_format): auto, bf16 or fp8
     prefix_reuse: bool = False      # the server keeps its rings' copy for the next turn (counted by fast/memory.py)
     router_fold: bool = False       # routing in o_proj and the attention tail: a numerical change (docs/round.md)
+    expert_prefetch: bool = False   # warm predicted experts in L2 beside sliding layers' attention: a hint (docs/round.md)
 
     def plan(self, device: torch.device) -> KernelPlan:
         """The kernel plan for this device (on CPU, Triton kernels run only under Triton's interpreter)."""
@@ -69,13 +70,13 @@ class EngineParts:
     snapshot: type[RingSnapshot] = RingSnapshot
 
 
-def make_ops(plan: KernelPlan, fold_router: bool = False) -> TorchOps:
+def make_ops(plan: KernelPlan, fold_router: bool = False, warm_experts: bool = False) -> TorchOps:
     """The torch forms, or the Triton dispatcher for a plan with kernels (imported only then: it imports triton)."""
     if not plan.uses_triton:
-        return TorchOps(fold_router)
+        return TorchOps(fold_router, warm_experts)
     from .triton_ops import TritonOps
 
-    return TritonOps(plan, fold_router)
+    return TritonOps(plan, fold_router, warm_experts)
 
 
 def cache_capacity(options: EngineOptions) -> int:
@@ -143,7 +144,8 @@ class RankEngine:
         self.capacity = cache_capacity(options)
         self.plan = options.plan(par.device)
         self.cache = parts.cache(c, kv_heads, self.capacity, self.dtype, par.device)
-        self.model = parts.model(c, weights, self.cache, par, self.dtype, make_ops(self.plan, options.router_fold))
+        ops = make_ops(self.plan, options.router_fold, options.expert_prefetch)
+        self.model = parts.model(c, weights, self.cache, par, self.dtype, ops)
         self.state = self._allocate_state(min(self.generation.top_k, c.vocab_size))
         rings = self.cache.rings()
         self._target_rings = [i for i in rings if i < c.num_hidden_layers]

@@ -13,7 +13,7 @@ import torch
 
 from ..reference.layers import apply_rope, attention, rms_norm, route
 from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT
-from . import philox, router_fold, sampler
+from . import expert_prefetch, philox, router_fold, sampler
 from .cache import LayerKV
 from .profiling import stage
 from .weights import Attention, ModelWeights, MoE, Weight
@@ -22,10 +22,12 @@ from .weights import Attention, ModelWeights, MoE, Weight
 class TorchOps:
     name = "torch"
 
-    def __init__(self, fold_router: bool = False) -> None:
+    def __init__(self, fold_router: bool = False, warm_experts: bool = False) -> None:
         self.calls: Counter = Counter()  # paths taken, by name (tests check that a path ran)
         self.fold_router = fold_router  # EngineOptions.router_fold: a numerical change (fast/router_fold.py)
+        self.warm_experts_on = warm_experts  # EngineOptions.expert_prefetch: a cache hint (fast/expert_prefetch.py)
         self._folds: dict[int, router_fold.RouterFold] = {}  # id(Attention) of a MoE layer -> its fold: prepare()
+        self._warm: dict[int, expert_prefetch.ExpertWarm] = {}  # id(MoE) of a target MoE layer -> its branch
         self._routed: tuple | None = None  # (b, routing) a folded tail selected, until route(b) takes it
 
     def prepare(self, w: ModelWeights, top_k: int, par) -> None:
@@ -37,10 +39,29 @@ class TorchOps:
                 if isinstance(lw.mlp, MoE):
                     self._folds[id(lw.attn)] = router_fold.make(lw.mlp.router, lw.feed_forward_norm,
                                                                 lw.attn_out_norm, top_k)
+        if self.warm_experts_on:  # the target's MoE layers (the draft's block is not warmed); sliding ones at the call
+            for lw in w.layers:
+                if isinstance(lw.mlp, MoE):
+                    fold = self._folds.get(id(lw.attn))
+                    self._warm[id(lw.mlp)] = expert_prefetch.make(lw.mlp.router, lw.feed_forward_norm, top_k,
+                                                                  None if fold is None else fold.router_w)
 
     def router_fold_for(self, attn: Attention) -> router_fold.RouterFold | None:
         """The layer's fold where its routing is folded into its o-projection and attention tail (`prepare`)."""
         return self._folds.get(id(attn))
+
+    def warm_experts(self, mlp, kv: LayerKV, a: torch.Tensor, live: torch.Tensor) -> torch.Tensor | None:
+        """Expert prefetch (fast/expert_prefetch.py), a cache hint on a sliding MoE layer: the experts [R, k] its
+        branch predicts from the layer's input a (None where the layer has no branch). The torch form only predicts
+        (for the coverage report); the kernels also warm L2 on a side branch."""
+        warm = self._warm.get(id(mlp)) if kv.window is not None else None
+        if warm is None:
+            return None
+        self.calls["warm_experts"] += 1
+        return expert_prefetch.predict(a, live, warm)
+
+    def join_branches(self) -> None:
+        """The end of a forward: side branches launched during it (`warm_experts`) are joined to the stream."""
 
     def o_proj(self, attn: Attention, x: torch.Tensor) -> torch.Tensor | router_fold.PendingProjection:
         """The attention's output projection (row-parallel); a folded layer's is left to the tail that reads it

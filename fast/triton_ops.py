@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels import (decode_attention, embed, fp8_linear, lm_head, moe, o_proj_router, philox, qk_rope_kv,
-                       qkv_rope_kv, rmsnorm, route_tail, router, sample, settle, topk)
+from ..kernels import (decode_attention, embed, expert_prefetch, fp8_linear, lm_head, moe, o_proj_router, philox,
+                       qk_rope_kv, qkv_rope_kv, rmsnorm, route_tail, router, sample, settle, topk)
 from .plan import KernelPlan
 from .profiling import stage
 from .router_fold import PendingProjection
@@ -49,12 +49,15 @@ def _fp8_takes(w: Weight) -> bool:
 class TritonOps(TorchOps):
     name = "triton"
 
-    def __init__(self, plan: KernelPlan = KernelPlan.triton(), fold_router: bool = False) -> None:
-        super().__init__(fold_router)
+    def __init__(self, plan: KernelPlan = KernelPlan.triton(), fold_router: bool = False,
+                 warm_experts: bool = False) -> None:
+        super().__init__(fold_router, warm_experts)
         self.plan = plan
         self.fallbacks: Counter = Counter()  # op group -> calls a kernel could not take (ran the torch form)
         self._locks: torch.Tensor | None = None
         self._experts: dict[int, list] = {}  # id(MoE) -> its gate, up, down as the MoE kernel takes them
+        self._side: torch.cuda.Stream | None = None  # the expert prefetch's branch stream (CUDA)
+        self._branch: list = []  # what the branches launched since the last join read and write: kept alive until it
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
             from ..kernels.testing import patch_interpreter
 
@@ -78,6 +81,30 @@ class TritonOps(TorchOps):
             if isinstance(lw.mlp, MoE):
                 self._experts[id(lw.mlp)] = [moe.ExpertWeights(p.q, p.scale, p.block, p.offset) if p.quantized else None
                                              for p in (lw.mlp.gate, lw.mlp.up, lw.mlp.down)]
+        if self._warm and w.embed.is_cuda:
+            self._side = torch.cuda.Stream(w.embed.device)
+
+    # ---- the expert prefetch's side branch -------------------------------------------------------------
+    def warm_experts(self, mlp, kv, a, live):
+        warm = self._warm.get(id(mlp)) if kv.window is not None else None
+        gate, up = (self._experts.get(id(mlp)) or [None, None])[:2]
+        if warm is None or gate is None or up is None or not (self.plan.moe and expert_prefetch.fits(
+                a.shape[0], warm.predictor, gate.q, up.q)):
+            return super().warm_experts(mlp, kv, a, live)
+        self.calls["expert_prefetch"] += 1
+        if self._side is None:  # the interpreter: the branch in line (it predicts; there is no L2 to warm)
+            return expert_prefetch.warm(a, live, warm.predictor, gate.q, up.q, warm.top_k)
+        main = torch.cuda.current_stream(a.device)
+        self._side.wait_stream(main)  # the branch starts once a is written; nothing on main waits for it until the join
+        with torch.cuda.stream(self._side):
+            predicted = expert_prefetch.warm(a, live, warm.predictor, gate.q, up.q, warm.top_k)
+        self._branch.append((a, live, predicted))
+        return predicted
+
+    def join_branches(self):
+        if self._branch:
+            torch.cuda.current_stream(self._branch[0][0].device).wait_stream(self._side)
+            self._branch = []
 
     # ---- linears -------------------------------------------------------------------------------------
     def linear(self, w: Weight, x: torch.Tensor) -> torch.Tensor:
