@@ -73,14 +73,24 @@ def router_fold_bytes(config: Config, tp: int) -> int:
     return sum(c.num_experts * c.hidden_size * 4 for c, i in layers if not c.is_dense(i))
 
 
+def expert_prefetch_bytes(config: Config, tp: int, router_fold: bool) -> int:
+    """What the expert prefetch adds to a rank (EngineOptions.expert_prefetch, fast/expert_prefetch.py): its
+    predictor W', fp32 [E, H], beside every target MoE layer's router, except where the router fold holds it."""
+    if router_fold and tp == 1:
+        return 0
+    return sum(config.num_experts * config.hidden_size * 4 for i in range(config.num_hidden_layers)
+               if not config.is_dense(i))
+
+
 def rank_bytes(config: Config, tp: int, max_context: int, dtype_bytes: int = 2, fmt: str | None = None,
-               prefix_reuse: bool = False, router_fold: bool = False) -> int:
+               prefix_reuse: bool = False, router_fold: bool = False, expert_prefetch: bool = False) -> int:
     """A rank's weights and KV caches; with `prefix_reuse`, and the copy of its rings that prefix reuse keeps; with
-    `router_fold`, and the fold's scaled routers."""
+    `router_fold`, and the fold's scaled routers; with `expert_prefetch`, and the prefetch's predictors."""
     kv_heads = max(config.num_key_value_heads // tp, 1)
     return rank_weight_bytes(config, tp, fmt=fmt) + StaticKV.bytes_needed(config, kv_heads, max_context, dtype_bytes) \
         + (prefix_snapshot_bytes(config, tp, max_context, dtype_bytes) if prefix_reuse else 0) \
-        + (router_fold_bytes(config, tp) if router_fold else 0)
+        + (router_fold_bytes(config, tp) if router_fold else 0) \
+        + (expert_prefetch_bytes(config, tp, router_fold) if expert_prefetch else 0)
 
 
 def check_memory(config: Config, tp: int, options, device_kind: str, ranks=None, prefix_reuse: bool | None = None) \
@@ -97,7 +107,8 @@ def check_memory(config: Config, tp: int, options, device_kind: str, ranks=None,
         prefix_reuse = options.prefix_reuse
     dtype_bytes = options.torch_dtype(torch.device("cuda")).itemsize
     fmt = weight_format(options.weights, config, torch.device("cuda"))
-    need = rank_bytes(config, tp, options.max_context, dtype_bytes, fmt, prefix_reuse, options.router_fold) * HEADROOM
+    need = rank_bytes(config, tp, options.max_context, dtype_bytes, fmt, prefix_reuse, options.router_fold,
+                      options.expert_prefetch) * HEADROOM
     for rank in range(tp) if ranks is None else ranks:
         if options.shared_gpu and rank > 0:
             continue
@@ -108,6 +119,7 @@ def check_memory(config: Config, tp: int, options, device_kind: str, ranks=None,
             what = "weights, KV caches and the prefix-reuse copy of the rings" if prefix_reuse else \
                 "weights and KV caches"
             what += " (and the router fold's scaled routers)" if options.router_fold and tp == 1 else ""
+            what += " (and the expert prefetch's predictors)" if options.expert_prefetch else ""
             raise ConfigError(f"{who} about {need * ranks_there / 2**30:.1f} GiB for {what} at "
                               f"--max-context {options.max_context} (tp={tp}), but GPU {gpu} has "
                               f"{free / 2**30:.1f} GiB free: raise --tp or lower --max-context")
