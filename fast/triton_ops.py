@@ -94,12 +94,12 @@ class TritonOps(TorchOps):
         self.calls["expert_prefetch"] += 1
         if self._side is None:  # the interpreter: the branch in line (it predicts; there is no L2 to warm)
             return expert_prefetch.warm(a, live, warm.predictor, gate.q, up.q, warm.top_k)
-        main = torch.cuda.current_stream(a.device)
-        self._side.wait_stream(main)  # the branch starts once a is written; nothing on main waits for it until the join
-        with torch.cuda.stream(self._side):
-            predicted = expert_prefetch.warm(a, live, warm.predictor, gate.q, up.q, warm.top_k)
-        self._branch.append((a, live, predicted))
-        return predicted
+        out = expert_prefetch.scratch(a, warm.predictor, warm.top_k)  # the main stream's memory (a capture's pool)
+        self._side.wait_stream(torch.cuda.current_stream(a.device))  # after a is written; nothing waits for the branch
+        with torch.cuda.stream(self._side):                            # until the join
+            expert_prefetch.warm(a, live, warm.predictor, gate.q, up.q, warm.top_k, out=out)
+        self._branch.append((a, live, out))
+        return out[1]
 
     def join_branches(self):
         if self._branch:

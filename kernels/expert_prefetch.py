@@ -147,11 +147,30 @@ def fits(R: int, predictor: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) 
             and _slab_ok(gate) and _slab_ok(up) and gate.shape[1] * gate.shape[2] < 2**31)
 
 
+def _splits(E: int, H: int, s: PrefetchSettings, device: torch.device) -> tuple[int, int]:
+    split = max(1, min(triton.cdiv(H, s.block_h), triton.cdiv(s.programs_per_sm * _sm_count(device),
+                                                                triton.cdiv(E, s.block_e))))
+    return split_plan(H, split, s.block_h)
+
+
+def scratch(a: torch.Tensor, predictor: torch.Tensor, top_k: int,
+            settings: PrefetchSettings = PrefetchSettings()) -> tuple[torch.Tensor, ...]:
+    """What `warm` writes: (partials, predicted, and the selection's unread weights and scores). Allocate it on the
+    stream that owns the memory (a graph's capture stream) before launching the branch on a side stream."""
+    (R, _), (E, H) = a.shape, predictor.shape
+    splits, _ = _splits(E, H, settings, a.device)
+    f32 = dict(dtype=torch.float32, device=a.device)
+    return (torch.empty((splits, R, E), **f32), torch.empty((R, top_k), dtype=torch.int64, device=a.device),
+            torch.empty((R, top_k), **f32), torch.empty((R, E), **f32))
+
+
 def warm(a: torch.Tensor, live: torch.Tensor, predictor: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-         top_k: int, *, settings: PrefetchSettings = PrefetchSettings()) -> torch.Tensor:
+         top_k: int, *, settings: PrefetchSettings = PrefetchSettings(),
+         out: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """Launch the branch on the current stream; returns `predicted` [R, k] int64 (-1 for rows not warmed), written
     when the branch completes. a [R, H] (bf16 / fp32, unit stride along H), live [R] bool, predictor [E, H] fp32
-    contiguous, gate and up [E, I, H] E4M3 as the MoE kernel reads them. ValueError for what it does not take."""
+    contiguous, gate and up [E, I, H] E4M3 as the MoE kernel reads them; `out`: `scratch`'s buffers (made here if
+    None). ValueError for what it does not take."""
     R, H = a.shape
     E, Hp = predictor.shape
     _check(Hp == H and predictor.dtype == torch.float32 and predictor.is_contiguous(),
@@ -164,14 +183,9 @@ def warm(a: torch.Tensor, live: torch.Tensor, predictor: torch.Tensor, gate: tor
     _check(_pow2(s.block_e) and _pow2(s.block_h, 16) and _pow2(s.chunk_bytes, 16) and 1 <= len(s.rows) <= 4
            and all(1 <= w <= MAX_ROWS for w in s.rows), f"settings {s!r} not taken")
     widths = (*s.rows, *(0,) * (4 - len(s.rows)))
-    split = max(1, min(triton.cdiv(H, s.block_h),
-                       triton.cdiv(s.programs_per_sm * _sm_count(a.device), triton.cdiv(E, s.block_e))))
-    splits, h_per_split = split_plan(H, split, s.block_h)
-    dev = a.device
-    part = torch.empty((splits, R, E), dtype=torch.float32, device=dev)
-    predicted = torch.empty((R, top_k), dtype=torch.int64, device=dev)
-    weights = torch.empty((R, top_k), dtype=torch.float32, device=dev)  # the selection's by-products, unread
-    scores = torch.empty((R, E), dtype=torch.float32, device=dev)
+    splits, h_per_split = _splits(E, H, s, a.device)
+    part, predicted, weights, scores = out if out is not None else scratch(a, predictor, top_k, s)
+    _check(part.shape == (splits, R, E) and predicted.shape == (R, top_k), "out must be scratch()'s buffers")
     rows_pad = triton.next_power_of_2(R)
     _predict_logits_kernel[(triton.cdiv(E, s.block_e), splits)](
         a, predictor, part, live, E, H, a.stride(0), h_per_split, ROWS=R, ROWS_PAD=rows_pad, BLOCK_E=s.block_e,
