@@ -114,11 +114,13 @@ def register(sub) -> None:
     g.add_argument("--out", help="the JSON (default bench/results/agent-MODEL-DEVICE.json); the PNG goes beside it")
     g.set_defaults(run=run_agent)
     register_depth(bsub)
+    register_prefetch(bsub)
     bench_micro_cmd.register(bsub)  # kernels, allreduce
     # the command's example of record, shown in its --help as every command's is
     from .main import EXAMPLES
 
     EXAMPLES.setdefault("bench agent", "iquest bench agent --device cpu --turns 6 --compare")
+    EXAMPLES.setdefault("bench prefetch", "iquest bench prefetch --device cpu --prompts 16 --widths 4,5")
     EXAMPLES.setdefault("bench depth", "iquest bench depth --device cuda --prompts 16 --tokens 64 --repeats 5")
 
 
@@ -221,6 +223,41 @@ def run_agent(args: argparse.Namespace) -> int:
     agent(url=args.url, model=args.model, device=device, prefix_reuse=args.prefix_reuse, compare=args.compare,
           turns=args.turns, max_tokens=args.max_tokens, file_bytes=args.file_bytes, thinking=args.thinking == "on",
           max_context=args.max_context, seed=args.seed, api_key=args.api_key, out=args.out)
+    return 0
+
+
+def register_prefetch(bsub) -> None:
+    f = bsub.add_parser("prefetch", help="the expert prefetch's coverage: predicted against chosen experts a block",
+                        description="Run held-out real-code prompts through the fast engine's target in blocks of R "
+                                    "rows with the expert prefetch on (EngineOptions.expert_prefetch) and report, a "
+                                    "sliding MoE layer and a width, the share of the experts the block's rows chose "
+                                    "that the prefetch's prediction warms (per row, and of the block's distinct "
+                                    "experts), and the experts warmed and needed a block. Runs on any device; the "
+                                    "timing is iquest bench step with the variant triton+expert_prefetch.")
+    f.add_argument("--model", help="checkpoint folder with its held-out corpus (default: the shipped mini model)")
+    add_device(f)
+    f.add_argument("--prompts", type=int, default=16, help="held-out prompts (default 16)")
+    f.add_argument("--widths", default="4,5", help="comma-separated block widths in live rows, 1..8 (default 4,5: "
+                                                   "where the prefetch runs)")
+    f.add_argument("--out", help="the raw JSON (default: none)")
+    f.set_defaults(run=run_prefetch)
+
+
+def run_prefetch(args: argparse.Namespace) -> int:
+    from .main import UserError
+    from .options import model_folder, resolve_device
+
+    try:
+        widths = tuple(int(w) for w in args.widths.split(","))
+    except ValueError:
+        raise UserError(f"--widths must be comma-separated integers, got {args.widths!r}") from None
+    if not widths or not all(1 <= w <= 8 for w in widths):
+        raise UserError(f"--widths must be in 1..8, got {args.widths!r}")
+    if args.prompts < 1:
+        raise UserError(f"--prompts must be at least 1, got {args.prompts}")
+    from ..bench import prefetch
+
+    prefetch.run(model_folder(args.model), resolve_device(args.device), args.prompts, widths, args.out)
     return 0
 
 

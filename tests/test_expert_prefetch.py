@@ -10,6 +10,7 @@ and the kernel's predictions at the published shapes match the torch form's.
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -101,6 +102,22 @@ def test_taps_hold_the_prediction_for_the_coverage_report():
     e.model.forward(torch.arange(3, 9), pos, torch.ones(6, dtype=torch.bool), taps)
     names = sorted(n for n in taps if n.endswith("predicted_experts"))
     assert names and all(taps[n].shape == taps[n.replace("predicted_experts", "experts")].shape for n in names)
+
+
+def test_bench_prefetch_reports_coverage_per_sliding_layer_and_width(tmp_path, capsys):
+    from iquest.cli.main import main
+    from iquest.tests.helpers import MINI
+
+    out = tmp_path / "prefetch.json"
+    assert main(["bench", "prefetch", "--model", str(MINI), "--device", "cpu", "--prompts", "1", "--widths", "4",
+                 "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["widths"] == [4] and r["layers"] and all(r_["width"] == 4 for r_ in r["layers"])
+    for row in r["layers"]:
+        # a prediction of k experts a row: chance is k / E; the trained router's own direction does far better
+        assert r["top_k"] / r["experts"] < row["block_coverage"] <= 1 and row["blocks"] >= 10, row
+    assert main(["bench", "prefetch", "--model", str(MINI), "--widths", "0,9"]) != 0
+    assert "--widths must be in 1..8" in capsys.readouterr().err
 
 
 # ---- on the GPU --------------------------------------------------------------------------------------------
