@@ -10,6 +10,7 @@
 #   step      the benchmark of record with each fold's control and the router fold in one process (~4 min)
 #   tune      bench tune over the ops the folds touched (the head's two forms, the top-k tiles, the linears)
 #   trace     bench graph-trace: kernels a decoder layer, with and without each fold
+#   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
 #   rest      bench context (1K-512K), bench depth (the controller's gain, paired), mini decode tok/s
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -38,6 +39,13 @@ case "${1:-}" in
     gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
       --kernels triton,triton+router_fold,triton^down_tail,triton^moe_combine,triton^qkv_rope,triton~route:38 \
       --out "$out/step-full-tp8slice-ctx1k-d5-folds-$sha.json" 2>&1 | tee "$out/step-full-tp8slice-ctx1k-d5-folds-$sha.log" ;;
+  prefetch)
+    for d in 3 4; do
+      gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --drafts $d \
+        --kernels triton,triton+expert_prefetch,triton+router_fold,triton+router_fold+expert_prefetch \
+        --out "$out/step-full-tp8slice-ctx1k-d$d-prefetch-$sha.json" 2>&1 | tail -25 \
+        | tee "$out/step-full-tp8slice-ctx1k-d$d-prefetch-$sha.log"
+    done ;;
   tune)
     gpu bench tune --ops lm_head,topk,moe,linear_qkv,linear_o --out "$out/tune-h200-$sha.json" 2>&1 \
       | tee "$out/tune-h200-$sha.log" ;;
@@ -48,5 +56,5 @@ case "${1:-}" in
     gpu bench context --out "$out/context-tp8slice-$sha.json" 2>&1 | tail -20 | tee "$out/context-tp8slice-$sha.log"
     gpu bench depth --device cuda --prompts 16 --tokens 64 --repeats 5 --out "$out/depth-mini-cuda-$sha.json" 2>&1 \
       | tail -20 | tee "$out/depth-mini-cuda-$sha.log" ;;
-  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh tests|qualify|qualify2|step|tune|trace|rest" >&2; exit 2 ;;
+  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh tests|qualify|qualify2|step|prefetch|tune|trace|rest" >&2; exit 2 ;;
 esac
