@@ -88,9 +88,10 @@ class TritonOps(TorchOps):
     def warm_experts(self, mlp, kv, a, live):
         warm = self._warm.get(id(mlp)) if kv.window is not None else None
         gate, up = (self._experts.get(id(mlp)) or [None, None])[:2]
-        if warm is None or gate is None or up is None or not (self.plan.moe and expert_prefetch.fits(
-                a.shape[0], warm.predictor, gate.q, up.q)):
+        if warm is None or gate is None or up is None or not self.plan.moe:
             return super().warm_experts(mlp, kv, a, live)
+        if not expert_prefetch.fits(a.shape[0], warm.predictor, gate.q, up.q):
+            return None  # a prefill block: no branch (a hint, not an op to fall back on)
         self.calls["expert_prefetch"] += 1
         if self._side is None:  # the interpreter: the branch in line (it predicts; there is no L2 to warm)
             return expert_prefetch.warm(a, live, warm.predictor, gate.q, up.q, warm.top_k)
