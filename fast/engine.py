@@ -162,13 +162,15 @@ class FastEngine:
         fold = self.rank0.options.router_fold
         routing = ("; routing folded into o_proj and the attention tail" + (" (not across ranks: off at this tp)"
                                                                               if self.tp > 1 else "")) if fold else ""
+        prefetch = self.rank0.options.expert_prefetch
+        warming = "; sliding layers' predicted experts warmed in L2 (expert prefetch)" if prefetch else ""
         return {"device": self.device.type, "tp": self.tp, "dtype": dtype, "weights": weights,
                 "weights_quantized_at_load": self.quantized_at_load, "kernels": kernels,
                 "kernel_groups": {"triton": [g for g in GROUPS if getattr(self.plan, g)],
                                   "torch": list(self.plan.torch_groups)},
-                "router_fold": fold and self.tp == 1,
+                "router_fold": fold and self.tp == 1, "expert_prefetch": prefetch,
                 "text": f"fast on {self.device.type}, tp {self.tp}, {dtype} activations, weights {weights}; "
-                        f"kernels: {kernels}{routing}"}
+                        f"kernels: {kernels}{routing}{warming}"}
 
     @property
     def device(self) -> torch.device:
