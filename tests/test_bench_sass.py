@@ -85,7 +85,7 @@ def test_cli(tmp_path, capsys):
 # ---- the published model's kernels ------------------------------------------------------------------------------
 PUBLISHED = ("attention_split", "attention_split_sliding", "attention_combine", "attention_combine_long", "qk_rope_kv",
              "qkv_rope_kv", "rmsnorm", "add_norm", "router_logits", "router_select", "o_proj_router", "add_norm_route",
-             "moe_gate_up", "moe_down", "moe_gate_up_odd", "moe_down_odd", "moe_down_add_norm", "moe_combine",
+             "prefetch_logits", "prefetch_warm", "moe_gate_up", "moe_down", "moe_gate_up_odd", "moe_down_odd", "moe_down_add_norm", "moe_combine",
              "moe_combine_add_norm", "all_reduce_add_norm", "all_reduce_combine_add_norm", "lm_head", "lm_head_draft",
              "lm_head_dot")
 # Stack bytes a kernel may use: none spills at the defaults (measured: the largest register count is the attention
@@ -114,9 +114,16 @@ def test_published_specs_are_the_rank_shapes():
     # the router fold at the rank's o_proj (6 heads' 768 columns) and 96 column tiles of 32
     assert "[3072 x 768]" in specs["o_proj_router"].note and specs["add_norm_route"].constexprs["E_PAD"] == 256
     assert "96 tiles" in specs["add_norm_route"].note
+    # the expert prefetch at the rank's 192-row expert slabs: 4 and 5 live rows, 18 bulk requests of 32 KB a slab
+    warm = specs["prefetch_warm"].constexprs
+    assert (warm["W0"], warm["W1"], warm["W2"], warm["ISSUE"], warm["CHUNKS_PAD"]) == (4, 5, 0, True, 32)
+    assert "589824 bytes" in specs["prefetch_warm"].note
 
 
-@pytest.mark.parametrize("name", PUBLISHED)
+SIDE_BRANCH = ("prefetch_logits", "prefetch_warm")  # the expert prefetch: a side stream's plain launches, no PDL
+
+
+@pytest.mark.parametrize("name", [n for n in PUBLISHED if n not in SIDE_BRANCH])
 def test_published_kernel_compiles_without_spills_and_keeps_the_pdl_contract(name):
     """bf16 forms for sm_90a: registers within the 255 a thread, stack within the bound; one wait and one signal to
     the next launch, the signal after the wait (kernels/launch.py)."""
@@ -127,6 +134,20 @@ def test_published_kernel_compiles_without_spills_and_keeps_the_pdl_contract(nam
     ptx = kernel.asm["ptx"]
     wait, signal = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
     assert ptx.count("griddepcontrol.wait") == ptx.count("griddepcontrol.launch_dependents") == 1 and wait < signal
+
+
+@pytest.mark.parametrize("name", SIDE_BRANCH)
+def test_the_prefetch_branch_compiles_without_spills_and_issues_its_bulk_prefetches(name):
+    """The side branch's kernels follow a cross-stream event, not the previous kernel of a PDL chain: no wait, no
+    signal. The selection's program issues its experts' slabs as bulk L2 prefetches (one instruction a 32 KB piece)."""
+    kernel = _compiled(name)
+    r = sass.report(kernel)
+    assert 16 <= r["registers"] <= 255 and r["stack_bytes"] <= STACK_BOUND[name], (name, r)
+    ptx = kernel.asm["ptx"]
+    assert "griddepcontrol" not in ptx
+    assert ("cp.async.bulk.prefetch.L2.global" in ptx) == (name == "prefetch_warm")
+    if name == "prefetch_warm":
+        assert "UBLKPF" in sass.sequence(kernel)
 
 
 def test_reads_meant_to_overlap_the_previous_kernel_come_before_the_wait():
