@@ -46,7 +46,7 @@ class EngineOptions:
     weights: str = "auto"           # what the linears run as (fast/weights.weight_format): auto, bf16 or fp8
     prefix_reuse: bool = False      # the server keeps its rings' copy for the next turn (counted by fast/memory.py)
     router_fold: bool = False       # routing in o_proj and the attention tail: a numerical change (docs/round.md)
-    expert_prefetch: bool = False   # warm predicted experts in L2 beside sliding layers' attention: a hint (docs/round.md)
+    expert_prefetch: bool = False   # predicted experts warmed in L2 beside sliding layers' attention (docs/round.md)
 
     def plan(self, device: torch.device) -> KernelPlan:
         """The kernel plan for this device (on CPU, Triton kernels run only under Triton's interpreter)."""

@@ -85,7 +85,8 @@ def test_cli(tmp_path, capsys):
 # ---- the published model's kernels ------------------------------------------------------------------------------
 PUBLISHED = ("attention_split", "attention_split_sliding", "attention_combine", "attention_combine_long", "qk_rope_kv",
              "qkv_rope_kv", "rmsnorm", "add_norm", "router_logits", "router_select", "o_proj_router", "add_norm_route",
-             "prefetch_logits", "prefetch_warm", "moe_gate_up", "moe_down", "moe_gate_up_odd", "moe_down_odd", "moe_down_add_norm", "moe_combine",
+             "prefetch_logits", "prefetch_warm",
+             "moe_gate_up", "moe_down", "moe_gate_up_odd", "moe_down_odd", "moe_down_add_norm", "moe_combine",
              "moe_combine_add_norm", "all_reduce_add_norm", "all_reduce_combine_add_norm", "lm_head", "lm_head_draft",
              "lm_head_dot")
 # Stack bytes a kernel may use: none spills at the defaults (measured: the largest register count is the attention

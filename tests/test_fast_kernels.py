@@ -150,6 +150,34 @@ def router_fold_block(device: str = "cpu") -> dict:
             "torch_calls": c0, "calls": calls, "fallbacks": fallbacks}
 
 
+def prefetch_block(device: str = "cpu") -> dict:
+    """The expert prefetch on its kernels (the MoE group): a 40-row prefill block (no branch: more rows than it takes),
+    then verification blocks of 8 rows with 5 live (it predicts) and 6 live (it returns at once). A hint: the outputs
+    and caches are those without it, bit for bit."""
+    out = {}
+    plan = KernelPlan(linear=True, norm=True, moe=True)
+    for prefetch in (False, True):
+        e = RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=256, dtype="fp32", kernels=plan,
+                                                                    expert_prefetch=prefetch))
+        _forget_capture(e)
+        e.cache.reset()
+        pos = torch.arange(40, device=device)
+        outputs = list(e.model.forward(torch.tensor(RING_SEQ[:40], device=device), pos,
+                                       torch.ones_like(pos, dtype=torch.bool)))
+        predicted = {}
+        for n, start in ((5, 40), (6, 48)):
+            taps: dict = {}
+            pos = torch.arange(start, start + 8, device=device)
+            outputs += e.model.forward(torch.tensor(RING_SEQ[start:start + 8], device=device), pos,
+                                       torch.arange(8, device=device) < n, taps)
+            predicted[n] = {k: v.tolist() for k, v in taps.items() if k.endswith("predicted_experts")}
+        out[prefetch] = (outputs, [_real_slots(kv) for kv in e.cache.layers], predicted, dict(e.model.ops.calls))
+    (o0, c0, _, _), (o1, c1, predicted, calls) = out[False], out[True]
+    same = all(torch.equal(a, b) for a, b in zip(o0, o1))
+    caches = all(torch.equal(x, y) for l0, l1 in zip(c0, c1) for x, y in zip(l0, l1))
+    return {"identical": same and caches, "calls": calls, "predicted": predicted}
+
+
 def sampling_block(device: str = "cpu") -> dict:
     """The sampling kernels' distributions of one 8-row logits block against the torch forms'."""
     out = {}
@@ -237,6 +265,20 @@ def test_interpreted_fold_and_its_control_are_bit_identical(interpreted, fold):
     assert r["folded"] > 0 and r["control"] == 0 and r["unfolded"] > 0, r
 
 
+def test_interpreted_expert_prefetch_changes_nothing_and_predicts_only_at_its_widths(interpreted):
+    r = interpreted["prefetch_block"]
+    assert "error" not in r, r
+    assert r["identical"], r
+    # TINY's sliding MoE layers are 1 and 2: a branch each in the two verification blocks, none in the prefill block
+    assert r["calls"]["expert_prefetch"] == 4, r["calls"]
+    at5, at6 = r["predicted"]["5"], r["predicted"]["6"]
+    assert sorted(at5) == ["layer1.predicted_experts", "layer2.predicted_experts"] == sorted(at6)
+    for rows in at5.values():  # 5 live rows: predicted; padding rows -1
+        assert all(min(row) >= 0 for row in rows[:5]) and all(set(row) == {-1} for row in rows[5:]), rows
+    for rows in at6.values():  # 6 live rows: not a paying width, nothing predicted
+        assert all(set(row) == {-1} for row in rows), rows
+
+
 def test_interpreted_sampling_kernels_match_the_torch_forms(interpreted):
     samp = interpreted["sampling_block"]
     assert "error" not in samp, samp
@@ -260,7 +302,7 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
                  ("moe_block", lambda: group_block("moe")), ("lm_head_block", lambda: group_block("lm_head")),
                  ("moe_norm_block", lambda: group_block("moe", "norm")),
                  ("linear_attention_block", lambda: group_block("linear", "attention")),
-                 ("router_fold_block", router_fold_block),
+                 ("router_fold_block", router_fold_block), ("prefetch_block", prefetch_block),
                  *((f"unfolded_{fold}", lambda fold=fold: unfolded_block(fold)) for fold in FOLDS)])
 
 
