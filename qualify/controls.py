@@ -308,7 +308,7 @@ class _RoutedModel(FastModel):
         if taps is not None:
             _tap(taps, tag + "router_scores", scores)
             _tap(taps, tag + "experts", experts)
-        return self.ops.moe(b, experts, weights, live, mlp).to(self.dtype)
+        return self.ops.moe(b, experts, weights, live, mlp)  # as the product's: the ops' pending or combined output
 
 
 class ShiftedDraftRouterModel(_RoutedModel):

@@ -460,7 +460,8 @@ def test_gpu_full_rank(c):
     live = t["mask"]
     r = dict(finite=bool(torch.isfinite(got).all()), pad_zero=bool((got[~live] == 0).all()),
              rel_err=(got[live] - ref[live]).abs().max().item() / ref[live].abs().max().item(),
-             bit_equal=(got[live] == ref[live]).double().mean().item(), bf16_ulps=bf16_ulps(got[live], ref[live]))
+             bit_equal=(got[live] == ref[live]).double().mean().item(), bf16_ulps=bf16_ulps(got[live], ref[live]),
+             tail_equal=tail_equal(c, t))
     print(summary(c, r))
     check(c, r, GPU_TOL)
 

@@ -4,8 +4,9 @@ views, under Triton's CPU interpreter in one worker subprocess; `@pytest.mark.gp
 
 Per case, from the same caches (random values, so an unwritten slot shows): the rotated q, the projection's k and v
 columns, the cache's written slots and slot_pos. On the interpreter every one is bit for bit the pair's (the same
-products in the same order, and numpy's sums); on the GPU the projection and V are, and q and K agree within the bf16
-rounding of a norm whose squares are summed in another layout (GPU_TOL). The trash slot is left out (several padding
+products in the same order, and numpy's sums); on the GPU at bf16 the projection and V are, and q and K agree within
+the bf16 rounding of a norm whose squares are summed in another layout (GPU_TOL); at fp32 all agree to a few fp32 ulps
+(GPU_F32_TOL). The trash slot is left out (several padding
 rows write it in no defined order). Negative control (a jit piece substituted from here): the rotation pairing each dim
 with itself instead of its NeoX partner, which must fail.
 """
@@ -27,6 +28,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # GPU: the unfused pair's norm sums a head's squares over one warp, this kernel over the tile's layout: a 1/rms may
 # differ by a few fp32 ulps, which moves a bf16 rounding only near a midpoint (tests/test_kernel_qk_rope_kv.py's TOL).
 GPU_TOL = dict(max_rel=2.0 ** -6, mismatch=1e-3)
+# GPU, fp32 activations (IEEE fp32 dots): the fused projection's products are summed in another order than the plain
+# linear's (one head a tile against 32-column tiles), so its columns differ from the pair's in the last fp32 bits
+# (measured at 72c654b: v 109 of 384 values, max_rel 9.8e-8; q 353 of 4,608, 9.4e-8): a few ulps, far below a wrong
+# column, scale or rotation (order 1). The engine runs bf16 on the GPU, where the projection and V are bit for bit.
+GPU_F32_TOL = dict(max_rel=2.0 ** -20)
 
 BASE = dict(R=6, HQ=6, HKV=1, D=128, H=256, rot=32, theta=1e6, slots=96, start=40, dead=(), dtype="bf16",
             block=(128, 128), locks=True, seed=0, control=None)
@@ -132,7 +138,13 @@ def _splits(c: dict, N: int) -> int:
 
 def check(c: dict, r: dict, tol: dict | None = None) -> None:
     assert r["locks_rearmed"], "the split sum's counters were not left zeroed"
-    for name in ("v_cols", "k_cols", "cache_v", "slot_pos", "untouched_k"):
+    for name in ("slot_pos", "untouched_k"):
+        assert r[name]["mismatch"] == 0, f"{name} differs from the unfused pair's: {r[name]}"
+    if tol is not None and c["dtype"] == "fp32":
+        for name in ("v_cols", "k_cols", "cache_v", "q", "cache_k"):
+            assert r[name]["max_rel"] <= GPU_F32_TOL["max_rel"], f"{name}: {r[name]} beyond {GPU_F32_TOL}"
+        return
+    for name in ("v_cols", "k_cols", "cache_v"):
         assert r[name]["mismatch"] == 0, f"{name} differs from the unfused pair's: {r[name]}"
     for name in ("q", "cache_k"):
         if tol is None:

@@ -327,3 +327,23 @@ def test_the_fp8w_rows_fail_against_weights_the_candidate_did_not_come_from(tmp_
     assert by[("numerics.logits", "prefill")].passed and by[("numerics.logits", "verify_row0")].passed
     assert not by[("fp8w.logits", "prefill")].passed and by[("fp8w.logits", "prefill")].value > 1.0
     assert not by[("fp8w.hidden", "verify_row0")].passed
+
+
+def test_routed_controls_hand_the_moe_output_on_as_the_product_does():
+    """The routing controls (router_bf16, mtp_router_shift) return what the ops' moe returns, untouched: on the GPU that
+    is a pending Down the sandwich tail launches (fast/triton_ops.PendingDown), which has no tensor methods (a `.to()`
+    there failed qualification on the H200 at 72c654b; the CPU's torch forms return a tensor, so only this shows it)."""
+    from iquest.fast.weights import MoE
+    from iquest.qualify.controls import Bf16RouterModel
+
+    pending = object()
+
+    class Ops:
+        def moe(self, b, experts, weights, live, mlp):
+            return pending
+
+    model = object.__new__(Bf16RouterModel)
+    model.ops, model.dtype = Ops(), torch.bfloat16
+    mlp = MoE(router=torch.randn(4, 8), gate=None, up=None, down=None)
+    c = type("C", (), {"num_experts_per_tok": 2})()
+    assert model.mlp(c, mlp, torch.randn(3, 8), torch.ones(3, dtype=torch.bool), None, "layer1.") is pending
