@@ -4,10 +4,12 @@
 # travels without .git):
 #   IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE
 # STAGE:
-#   tests     the @pytest.mark.gpu suite but the MPS module (~2.5 min), then the MPS module (fused tails, TP engines)
+#   tests     the @pytest.mark.gpu suite but the MPS module (over 4 min with 6 workers)
+#   mps       the MPS module (fused tails at 2 and 8 ranks, the TP engines at 2, 4 and 8, the captured loop)
 #   qualify   qualification, bf16, TP 1: the default engine, then with --router-fold (~4 min each)
 #   qualify2  qualification, bf16, TP 2 on one GPU under MPS
-#   step      the benchmark of record with each fold's control and the router fold in one process (~4 min)
+#   step      the benchmark of record (triton, ~route:38 and +router_fold in one process, ~5 min); step2 the folds'
+#             controls (^down_tail, ^qkv_rope) against triton
 #   tune      bench tune over the ops the folds touched (the head's two forms, the top-k tiles, the linears)
 #   trace     bench graph-trace: kernels a decoder layer, with and without each fold
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
@@ -18,12 +20,14 @@ sha=${IQUEST_COMMIT:?set IQUEST_COMMIT to the commit under test}
 out=${OUT:?set OUT to the folder the device tool brings back}
 gpu() { bash "$here/gpu.sh" "$@"; }
 case "${1:-}" in
-  tests)
-    timeout 330 bash "$here/gpu.sh" tests -n 6 --dist load -q --ignore tests/test_tp_collectives.py tests \
+  tests)  # 250 s ran ~150 of the suite's tests at 72c654b: the suite gets a call of its own
+    timeout 540 bash "$here/gpu.sh" tests -n 8 --dist load -q --ignore tests/test_tp_collectives.py tests \
       > "$out/gpu-tests-$sha.log" 2>&1 || echo "gpu tests: exit $?" >&2
-    timeout 240 bash "$here/gpu.sh" mps tests -q tests/test_tp_collectives.py > "$out/gpu-tests-mps-$sha.log" 2>&1 \
+    tail -3 "$out/gpu-tests-$sha.log" ;;
+  mps)  # 220 s reached the TP 4 engine test at 72c654b (TP 8 and the captured loop after it)
+    timeout 540 bash "$here/gpu.sh" mps tests -q tests/test_tp_collectives.py > "$out/gpu-tests-mps-$sha.log" 2>&1 \
       || echo "mps tests: exit $?" >&2
-    tail -3 "$out/gpu-tests-$sha.log" "$out/gpu-tests-mps-$sha.log" ;;
+    tail -3 "$out/gpu-tests-mps-$sha.log" ;;
   qualify)
     for fold in "" --router-fold; do
       name=qualify-mini-cuda-bf16${fold:+-router-fold}-$sha
@@ -35,14 +39,14 @@ case "${1:-}" in
     gpu mps iquest qualify --tp 2 --device cuda --share-gpu --dtype bf16 --jobs 12 --json \
       > "$out/qualify-mini-cuda-bf16-tp2-$sha.json" 2> "$out/qualify-mini-cuda-bf16-tp2-$sha.log" || true
     tail -2 "$out/qualify-mini-cuda-bf16-tp2-$sha.log" ;;
-  step)
-    gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
-      --kernels triton,triton+router_fold,triton^down_tail,triton^moe_combine,triton^qkv_rope,triton~route:38 \
-      --out "$out/step-full-tp8slice-ctx1k-d5-folds-$sha.json" 2>&1 | tee "$out/step-full-tp8slice-ctx1k-d5-folds-$sha.log" ;;
+  step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
+    kernels=triton,triton~route:38,triton+router_fold; [ "$1" = step2 ] && kernels=triton,triton^down_tail,triton^qkv_rope
+    gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --kernels "$kernels" \
+      --out "$out/$1-full-tp8slice-ctx1k-d5-$sha.json" 2>&1 | tee "$out/$1-full-tp8slice-ctx1k-d5-$sha.log" ;;
   prefetch)
     for d in 3 4; do
       gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --drafts $d \
-        --kernels triton,triton+expert_prefetch,triton+router_fold,triton+router_fold+expert_prefetch \
+        --kernels triton,triton+expert_prefetch \
         --out "$out/step-full-tp8slice-ctx1k-d$d-prefetch-$sha.json" 2>&1 | tail -25 \
         | tee "$out/step-full-tp8slice-ctx1k-d$d-prefetch-$sha.log"
     done ;;
@@ -56,5 +60,5 @@ case "${1:-}" in
     gpu bench context --out "$out/context-tp8slice-$sha.json" 2>&1 | tail -20 | tee "$out/context-tp8slice-$sha.log"
     gpu bench depth --device cuda --prompts 16 --tokens 64 --repeats 5 --out "$out/depth-mini-cuda-$sha.json" 2>&1 \
       | tail -20 | tee "$out/depth-mini-cuda-$sha.log" ;;
-  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh tests|qualify|qualify2|step|prefetch|tune|trace|rest" >&2; exit 2 ;;
+  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh tests|mps|qualify|qualify2|step|step2|prefetch|tune|trace|rest" >&2; exit 2 ;;
 esac
