@@ -46,8 +46,9 @@ class PrefetchSettings:
     block_e: int = 4
     block_h: int = 512
     num_warps: int = 1
-    # Few programs: the branch shares the SMs with the attention it overlaps.
-    programs_per_sm: int = 2
+    # The router's measured choice for the same [256 x 3072] fp32 product (kernels/router.py, ~4 us a call). At 2 an SM
+    # the branch took ~50 us a layer, longer than the attention it overlaps (docs/PERF.md, "The expert prefetch").
+    programs_per_sm: int = 8
     chunk_bytes: int = 32768  # one bulk prefetch request
     select_warps: int = 4
 
