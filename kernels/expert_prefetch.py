@@ -8,8 +8,8 @@ its top k: kernels/router.py `select_experts`) over `a @ predictor.T`, with `pre
 by its feed_forward_norm weight (the router fold's matrix, fast/router_fold.py), which sees the MoE input's direction
 but for the attention's contribution. Two launches, fixed grids, graph-capturable:
 
-1. grid (cdiv(E, block_e), splits): partial logits of the block's rows, as the router's first launch (its
-   `_rows_dot`), except that every program first counts the live rows and returns at once where the prefetch does
+1. grid (cdiv(E, block_e), splits): partial logits of the block's rows, the router's first launch (its
+   `split_logits`), except that every program first counts the live rows and returns at once where the prefetch does
    not pay (`PrefetchSettings.rows`).
 2. grid (R,): a live row's program sums its partials (router `_sum_splits`), selects its k experts into `predicted`
    [R, k] (-1 where the row is not live or the width not paying), then issues bulk L2 prefetches
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .device import is_pow2 as _pow2, sm_count as _sm_count
-from .router import _rows_dot, _sum_splits, _tie_rank, select_experts, split_plan
+from .router import _sum_splits, _tie_rank, select_experts, split_logits, split_plan
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 MAX_ROWS = 8
@@ -67,22 +67,7 @@ def _predict_logits_kernel(a_ptr, w_ptr, part_ptr, live_ptr, E, H, stride_a, h_p
                            ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
                            W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr):
     if _live_width_pays(live_ptr, ROWS, ROWS_PAD, W0, W1, W2, W3):
-        pid_e = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-        e_ok = e < E
-        rows = tl.arange(0, ROWS_PAD)
-        h_start = pid_s * h_per_split
-        h_end = tl.minimum(h_start + h_per_split, H)
-        acc = tl.zeros([BLOCK_E, ROWS_PAD], tl.float32)
-        cols = tl.arange(0, BLOCK_H)
-        for h0 in range(h_start, h_end, BLOCK_H):
-            h = h0 + cols
-            h_ok = h < h_end
-            w = tl.load(w_ptr + e[:, None] * H + h[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
-            acc = _rows_dot(acc, w, a_ptr, stride_a, h, h_ok, rows, ROWS)
-        tl.store(part_ptr + (pid_s * ROWS + rows[None, :]) * E + e[:, None], acc,
-                 mask=e_ok[:, None] & (rows[None, :] < ROWS))
+        split_logits(a_ptr, w_ptr, part_ptr, E, H, stride_a, h_per_split, ROWS, ROWS_PAD, BLOCK_E, BLOCK_H, False, False)
 
 
 @triton.jit

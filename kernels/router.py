@@ -77,6 +77,14 @@ def _rows_dot(acc, w, b_ptr, stride_b, h, h_ok, rows, ROWS: tl.constexpr):
 def _router_logits_kernel(b_ptr, w_ptr, part_ptr, E, H, stride_b, h_per_split,
                           ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
                           PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+    split_logits(b_ptr, w_ptr, part_ptr, E, H, stride_b, h_per_split, ROWS, ROWS_PAD, BLOCK_E, BLOCK_H, PDL, PRELOAD)
+
+
+@triton.jit
+def split_logits(b_ptr, w_ptr, part_ptr, E, H, stride_b, h_per_split, ROWS: tl.constexpr, ROWS_PAD: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr):
+    """Launch 1's program (E tile, H split): its partial logits of every row, stored at part [split, row, expert].
+    Also the expert prefetch's prediction (kernels/expert_prefetch.py)."""
     pid_e = tl.program_id(0)
     pid_s = tl.program_id(1)
     e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
