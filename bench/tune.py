@@ -33,13 +33,13 @@ from typing import Callable
 
 import torch
 
-from ..kernels import decode_attention as da, fp8_linear as fl, lm_head as lh, moe as mo, qk_rope_kv as qr, \
-    rmsnorm as rn, router as ro, topk as tk
+from ..kernels import decode_attention as da, expert_prefetch as xp, fp8_linear as fl, lm_head as lh, moe as mo, \
+    qk_rope_kv as qr, rmsnorm as rn, router as ro, topk as tk
 
 FULL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "iquest-q1.json"
 TP = 8
 OPS = ("linear_qkv", "linear_o", "attention_full", "attention_sliding", "attention_draft", "qk_rope_kv", "rmsnorm",
-       "add_norm", "router", "moe", "lm_head", "topk")
+       "add_norm", "router", "moe", "lm_head", "topk", "expert_prefetch")
 ROTATE_BYTES = 192 << 20  # > 3x the H200's L2: a call finds little of its inputs left there by the previous copies
 MAX_COPIES = 384  # a short cache's copies: 2 kernels each, a graph stays a few hundred nodes
 MIN_CALLS = 24  # calls a graph at least, so a replay's launch overhead spreads thin
@@ -83,6 +83,11 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     # KP = 32 (k = 20), so it is turned off where it would act: tiles of 256 (79 a row) and 512 (40)
     "topk": ({"tile": 256}, {"tile": 512}, {"tile": 1024}, {"tile": 4096}, {"num_warps": 1}, {"num_warps": 2},
              {"num_warps": 8}, {"tile": 256, "skip": False}, {"tile": 512, "skip": False}),
+    # the side branch alone (its overlap with the attention is bench step's +expert_prefetch): the prediction's grid,
+    # which measured ~50 us a layer at 2 programs an SM, and the prefetch requests' size
+    "expert_prefetch": ({"programs_per_sm": 2}, {"programs_per_sm": 4}, {"programs_per_sm": 16}, {"block_e": 8},
+                        {"block_h": 256}, {"num_warps": 2}, {"chunk_bytes": 8192}, {"chunk_bytes": 131072},
+                        {"select_warps": 2}, {"select_warps": 8}),
 }
 
 # Fields that set the order of some fp32 sum (so a candidate changing one may change the last bits): from each settings
@@ -98,6 +103,7 @@ ORDER_FIELDS: dict[str, frozenset[str]] = {
     "moe": frozenset({"gate_up_block_k", "down_block_k"}),
     "lm_head": frozenset({"form", "block_k", "rows_block_k", "rows_warps"}),
     "topk": frozenset(),  # no sum: the keys are exact and unique, so every setting gives the same top-k
+    "expert_prefetch": frozenset({"block_e", "block_h", "num_warps", "programs_per_sm"}),  # the prediction's logits
 }
 
 
@@ -106,7 +112,8 @@ def default_settings(op: str):
     return {"linear_qkv": fl.LinearSettings(), "linear_o": fl.LinearSettings(), "attention_full": da.FULL,
             "attention_sliding": da.SLIDING, "attention_draft": da.SLIDING, "qk_rope_kv": qr.QkRopeSettings(),
             "rmsnorm": rn.RmsNormSettings(), "add_norm": rn.RmsNormSettings(), "router": ro.RouterSettings(),
-            "moe": mo.MoESettings(), "lm_head": lh.LMHeadSettings(), "topk": tk.TopKSettings()}[op]
+            "moe": mo.MoESettings(), "lm_head": lh.LMHeadSettings(), "topk": tk.TopKSettings(),
+            "expert_prefetch": xp.PrefetchSettings()}[op]
 
 
 def candidate_name(overrides: dict) -> str:
@@ -357,6 +364,26 @@ def _moe(s: RankShapes, rows: int, distinct: int, device, g, pdl: bool) -> Case:
                  "top_k": k, "expert_bytes_read": read}, n, calls)
 
 
+def _expert_prefetch(s: RankShapes, rows: int, device, g) -> Case:
+    """The expert prefetch's branch on a block of `rows` rows with its first min(rows, 5) live (5: a width where it
+    prefetches, `PrefetchSettings.rows`), a sliding layer's predictor W' and this rank's Gate and Up slabs. Launched
+    plainly: the branch runs on a side stream, outside the PDL chain."""
+    E, H, I, k = s.experts, s.hidden, s.inter, s.top_k
+    a = _randn((rows, H), g, device)
+    live = torch.arange(rows, device=device) < min(rows, 5)
+    gate, up = (torch.randn((E, I, H), generator=g, device=device).to(torch.float8_e4m3fn) for _ in "gu")
+    w = torch.randn((E, H), generator=g, device=device) * 0.02
+    n = _copies(w.numel() * 4)
+    ws = [w] + [w.clone() for _ in range(n - 1)]
+
+    def calls(st):
+        return [lambda w=w: (xp.warm(a, live, w, gate, up, k, settings=st),) for w in ws]
+
+    return Case("expert_prefetch", f"a [{rows}, {H}] bf16 ({int(live.sum())} live), W' [{E}, {H}] fp32, top-{k}, "
+                                   f"Gate and Up [{I} x {H}] E4M3 a rank",
+                {"rows": rows, "live": int(live.sum()), "experts": E, "hidden": H, "inter": I, "top_k": k}, n, calls)
+
+
 def _lm_head(s: RankShapes, rows: int, device, g, pdl: bool) -> Case:
     x = _randn((rows, s.hidden), g, device)
     w = torch.randn((s.vocab, s.hidden), generator=g, device=device) * 0.02
@@ -409,6 +436,8 @@ def build(op: str, s: RankShapes, rows: int, context: int, distinct: int, device
         return _lm_head(s, rows, device, g, pdl)
     if op == "topk":
         return _topk(s, rows, device, g, pdl)
+    if op == "expert_prefetch":
+        return _expert_prefetch(s, rows, device, g)
     raise ValueError(f"unknown op {op!r}")
 
 
