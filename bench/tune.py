@@ -34,12 +34,12 @@ from typing import Callable
 import torch
 
 from ..kernels import decode_attention as da, expert_prefetch as xp, fp8_linear as fl, lm_head as lh, moe as mo, \
-    qk_rope_kv as qr, rmsnorm as rn, router as ro, topk as tk
+    o_proj_router as opr, qk_rope_kv as qr, rmsnorm as rn, router as ro, topk as tk
 
 FULL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "iquest-q1.json"
 TP = 8
 OPS = ("linear_qkv", "linear_o", "attention_full", "attention_sliding", "attention_draft", "qk_rope_kv", "rmsnorm",
-       "add_norm", "router", "moe", "lm_head", "topk", "expert_prefetch")
+       "add_norm", "router", "moe", "lm_head", "topk", "expert_prefetch", "o_proj_router")
 ROTATE_BYTES = 192 << 20  # > 3x the H200's L2: a call finds little of its inputs left there by the previous copies
 MAX_COPIES = 384  # a short cache's copies: 2 kernels each, a graph stays a few hundred nodes
 MIN_CALLS = 24  # calls a graph at least, so a replay's launch overhead spreads thin
@@ -88,6 +88,11 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     "expert_prefetch": ({"programs_per_sm": 2}, {"programs_per_sm": 4}, {"programs_per_sm": 16}, {"block_e": 8},
                         {"block_h": 256}, {"num_warps": 2}, {"chunk_bytes": 8192}, {"chunk_bytes": 131072},
                         {"select_warps": 2}, {"select_warps": 8}),
+    # the router fold's o-projection (EngineOptions.router_fold): 27.1 us a call against the plain o_proj's ~5.8 at
+    # 72c654b. Its last split reads its [E x 32] router slab block_e experts at a time, each chunk's loads after the
+    # last one's products: fewer, larger chunks put more of the slab in flight at once
+    "o_proj_router": ({"block_e": 16}, {"block_e": 64}, {"block_e": 128}, {"block_e": 256}, {"prefetch": False},
+                      {"block_e": 256, "prefetch": False}),
 }
 
 # Fields that set the order of some fp32 sum (so a candidate changing one may change the last bits): from each settings
@@ -104,6 +109,7 @@ ORDER_FIELDS: dict[str, frozenset[str]] = {
     "lm_head": frozenset({"form", "block_k", "rows_block_k", "rows_warps"}),
     "topk": frozenset(),  # no sum: the keys are exact and unique, so every setting gives the same top-k
     "expert_prefetch": frozenset({"block_e", "block_h", "num_warps", "programs_per_sm"}),  # the prediction's logits
+    "o_proj_router": frozenset(),  # block_e moves no bit (every partial is one sum over the tile's columns)
 }
 
 
@@ -113,7 +119,7 @@ def default_settings(op: str):
             "attention_sliding": da.SLIDING, "attention_draft": da.SLIDING, "qk_rope_kv": qr.QkRopeSettings(),
             "rmsnorm": rn.RmsNormSettings(), "add_norm": rn.RmsNormSettings(), "router": ro.RouterSettings(),
             "moe": mo.MoESettings(), "lm_head": lh.LMHeadSettings(), "topk": tk.TopKSettings(),
-            "expert_prefetch": xp.PrefetchSettings()}[op]
+            "expert_prefetch": xp.PrefetchSettings(), "o_proj_router": opr.PartsSettings()}[op]
 
 
 def candidate_name(overrides: dict) -> str:
@@ -364,6 +370,30 @@ def _moe(s: RankShapes, rows: int, distinct: int, device, g, pdl: bool) -> Case:
                  "top_k": k, "expert_bytes_read": read}, n, calls)
 
 
+def _o_proj_router(s: RankShapes, rows: int, device, g, pdl: bool) -> Case:
+    """The router fold's o-projection as the engine calls it: o_proj's shape with the layer's residual, W' and the
+    attn_out_norm weight; the partial logits [T, 2, rows, E] written beside y."""
+    N, K, E = s.hidden, s.q_heads * s.head_dim, s.experts
+    (B0, B1) = s.block
+    w = torch.randn((N, K), generator=g, device=device).to(torch.float8_e4m3fn)
+    sc = (torch.rand((-(-N // B0), -(-K // B1)), generator=g, device=device) + 0.5) / 64
+    x, r = _randn((rows, K), g, device), _randn((rows, N), g, device)
+    wo = (torch.rand(N, generator=g, device=device) + 0.5).to(torch.bfloat16)
+    rw = torch.randn((E, N), generator=g, device=device) * 0.02
+    n = _copies(w.numel() + rw.numel() * 4)
+    rws = [rw] + [rw.clone() for _ in range(n - 1)]
+    linear = fl.LinearSettings()
+
+    def calls(st):
+        locks = torch.zeros(fl.lock_count(rows, N, linear), dtype=torch.int32, device=device)
+        return [lambda rw=rw: opr.o_proj_router(x, w, sc, s.block, r, rw, wo, locks=locks, pdl=pdl, parts_settings=st)
+                for rw in rws]
+
+    return Case("o_proj_router", f"x [{rows}, {K}] bf16 @ o_proj [{N} x {K}] E4M3, partial logits of W' [{E}, {N}] "
+                                 f"fp32 over r and w_out * y",
+                {"rows": rows, "n": N, "k": K, "experts": E}, n, calls)
+
+
 def _expert_prefetch(s: RankShapes, rows: int, device, g) -> Case:
     """The expert prefetch's branch on a block of `rows` rows with its first min(rows, 5) live (5: a width where it
     prefetches, `PrefetchSettings.rows`), a sliding layer's predictor W' and this rank's Gate and Up slabs. Launched
@@ -438,6 +468,8 @@ def build(op: str, s: RankShapes, rows: int, context: int, distinct: int, device
         return _topk(s, rows, device, g, pdl)
     if op == "expert_prefetch":
         return _expert_prefetch(s, rows, device, g)
+    if op == "o_proj_router":
+        return _o_proj_router(s, rows, device, g, pdl)
     raise ValueError(f"unknown op {op!r}")
 
 

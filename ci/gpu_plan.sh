@@ -51,7 +51,7 @@ case "${1:-}" in
         | tee "$out/step-full-tp8slice-ctx1k-d$d-prefetch-$sha.log"
     done ;;
   tune)
-    gpu bench tune --ops lm_head,topk,moe,linear_qkv,linear_o,expert_prefetch --out "$out/tune-h200-$sha.json" 2>&1 \
+    gpu bench tune --ops lm_head,topk,moe,linear_qkv,linear_o,expert_prefetch,o_proj_router --out "$out/tune-h200-$sha.json" 2>&1 \
       | tee "$out/tune-h200-$sha.log" ;;
   trace)
     gpu bench graph-trace --kernels triton,triton+router_fold,triton^down_tail,triton^moe_combine,triton^qkv_rope \
