@@ -178,6 +178,32 @@ def prefetch_block(device: str = "cpu") -> dict:
     return {"identical": same and caches, "calls": calls, "predicted": predicted}
 
 
+def control_models_block(device: str = "cpu") -> dict:
+    """Each negative control of qualify/ that substitutes the model (EngineParts.model) on the kernels' path (the
+    norm and MoE groups; the linear group and the router fold where the control needs them), over a verification and a
+    draft block: a control must run where qualification runs it, and on the kernels an op may hand on a pending value
+    (the MoE's Down, the fold's o-projection) that a control's override must pass through untouched. Per control:
+    "ok", or the error."""
+    from iquest.fast.model import FastModel
+    from iquest.qualify.controls import REGISTRY
+
+    out = {}
+    for control in REGISTRY:
+        if control.parts.model is FastModel:
+            continue
+        fold = control.name == "router_fold_w_out"  # the fold's o-projection is the linear group's
+        try:
+            e = engine(KernelPlan(linear=fold, norm=True, moe=True), device, parts=control.parts, router_fold=fold)
+            e.cache.reset()
+            pos, live = torch.arange(8, device=device), torch.arange(8, device=device) < 6
+            _, hidden = e.model.forward(torch.tensor(RING_SEQ[:8], device=device), pos, live)
+            e.model.draft(torch.tensor(RING_SEQ[1:9], device=device), hidden, pos, live)
+            out[control.name] = "ok"
+        except Exception as err:  # reported per control, so one broken control does not hide the others
+            out[control.name] = f"{type(err).__name__}: {err}"
+    return out
+
+
 def sampling_block(device: str = "cpu") -> dict:
     """The sampling kernels' distributions of one 8-row logits block against the torch forms'."""
     out = {}
@@ -279,6 +305,12 @@ def test_interpreted_expert_prefetch_changes_nothing_and_predicts_only_at_its_wi
         assert all(set(row) == {-1} for row in rows), rows
 
 
+def test_interpreted_control_models_run_on_the_kernels_path(interpreted):
+    r = interpreted["control_models_block"]
+    assert "error" not in r, r
+    assert len(r) >= 8 and all(v == "ok" for v in r.values()), r
+
+
 def test_interpreted_sampling_kernels_match_the_torch_forms(interpreted):
     samp = interpreted["sampling_block"]
     assert "error" not in samp, samp
@@ -303,6 +335,7 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
                  ("moe_norm_block", lambda: group_block("moe", "norm")),
                  ("linear_attention_block", lambda: group_block("linear", "attention")),
                  ("router_fold_block", router_fold_block), ("prefetch_block", prefetch_block),
+                 ("control_models_block", control_models_block),
                  *((f"unfolded_{fold}", lambda fold=fold: unfolded_block(fold)) for fold in FOLDS)])
 
 
