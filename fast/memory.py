@@ -75,11 +75,12 @@ def router_fold_bytes(config: Config, tp: int) -> int:
 
 def expert_prefetch_bytes(config: Config, tp: int, router_fold: bool) -> int:
     """What the expert prefetch adds to a rank (EngineOptions.expert_prefetch, fast/expert_prefetch.py): its
-    predictor W', fp32 [E, H], beside every target MoE layer's router, except where the router fold holds it."""
+    predictor W', fp32 [E, H], beside every sliding target MoE layer's router, except where the router fold holds
+    it."""
     if router_fold and tp == 1:
         return 0
     return sum(config.num_experts * config.hidden_size * 4 for i in range(config.num_hidden_layers)
-               if not config.is_dense(i))
+               if not config.is_dense(i) and config.window(i) is not None)
 
 
 def rank_bytes(config: Config, tp: int, max_context: int, dtype_bytes: int = 2, fmt: str | None = None,

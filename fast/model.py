@@ -37,7 +37,8 @@ class FastModel:
                  ops: TorchOps | None = None):
         self.config, self.w, self.cache, self.par, self.dtype = config, weights, cache, par, dtype
         self.ops = ops or TorchOps()  # the torch forms, or the Triton kernels of the kernel plan (fast/triton_ops.py)
-        self.ops.prepare(weights, config.num_experts_per_tok, par)
+        self.ops.prepare(weights, config.num_experts_per_tok, par,
+                         frozenset(i for i in range(config.num_hidden_layers) if config.window(i) is not None))
         self.vocab_local = config.vocab_size // par.world
         rows = cache.max_context + VERIFY_ROWS
         self.target_thetas = {t for i in range(config.num_hidden_layers)
@@ -109,7 +110,7 @@ class FastModel:
         normalized for what reads it next; `reduce_add_norm` first sums a branch's partial output over the ranks."""
         eps, dt = c.rms_norm_eps, self.dtype
         attn_scale, mlp_scale = c.out_scales(index)
-        predicted = self.ops.warm_experts(lw.mlp, kv, a, blk.live)  # a cache hint beside the attention (None: none)
+        predicted = self.ops.warm_experts(lw.mlp, a, blk.live)  # a cache hint beside the attention (None: none)
         attn_partial = self.attention(c, index, lw.attn, kv, a, blk)
         attn_out, h, b = self.ops.reduce_add_norm(self.par, attn_partial, self.residual_of(index, x, a), attn_scale,
                                                   lw.attn_out_norm, lw.feed_forward_norm, eps, dt)

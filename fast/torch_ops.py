@@ -30,7 +30,7 @@ class TorchOps:
         self._warm: dict[int, expert_prefetch.ExpertWarm] = {}  # id(MoE) of a target MoE layer -> its branch
         self._routed: tuple | None = None  # (b, routing) a folded tail selected, until route(b) takes it
 
-    def prepare(self, w: ModelWeights, top_k: int, par) -> None:
+    def prepare(self, w: ModelWeights, top_k: int, par, sliding: frozenset[int] = frozenset()) -> None:
         """Derived weights this implementation reads, made before any graph capture: with the router fold, each MoE
         layer's scaled router (the heads and routers are otherwise held in fp32 as loaded). The fold needs the
         o-projection's output whole on the rank: TP 1 or a rank slice (`par`), not across ranks."""
@@ -39,9 +39,9 @@ class TorchOps:
                 if isinstance(lw.mlp, MoE):
                     self._folds[id(lw.attn)] = router_fold.make(lw.mlp.router, lw.feed_forward_norm,
                                                                 lw.attn_out_norm, top_k)
-        if self.warm_experts_on:  # the target's MoE layers (the draft's block is not warmed); sliding ones at the call
-            for lw in w.layers:
-                if isinstance(lw.mlp, MoE):
+        if self.warm_experts_on:  # the target's sliding MoE layers (`sliding`: their indices); not the draft's block
+            for i, lw in enumerate(w.layers):
+                if i in sliding and isinstance(lw.mlp, MoE):
                     fold = self._folds.get(id(lw.attn))
                     self._warm[id(lw.mlp)] = expert_prefetch.make(lw.mlp.router, lw.feed_forward_norm, top_k,
                                                                   None if fold is None else fold.router_w)
@@ -50,11 +50,11 @@ class TorchOps:
         """The layer's fold where its routing is folded into its o-projection and attention tail (`prepare`)."""
         return self._folds.get(id(attn))
 
-    def warm_experts(self, mlp, kv: LayerKV, a: torch.Tensor, live: torch.Tensor) -> torch.Tensor | None:
+    def warm_experts(self, mlp, a: torch.Tensor, live: torch.Tensor) -> torch.Tensor | None:
         """Expert prefetch (fast/expert_prefetch.py), a cache hint on a sliding MoE layer: the experts [R, k] its
         branch predicts from the layer's input a (None where the layer has no branch). The torch form only predicts
         (for the coverage report); the kernels also warm L2 on a side branch."""
-        warm = self._warm.get(id(mlp)) if kv.window is not None else None
+        warm = self._warm.get(id(mlp))
         if warm is None:
             return None
         self.calls["warm_experts"] += 1

@@ -72,8 +72,8 @@ class TritonOps(TorchOps):
             self.fallbacks[group] += 1
         return ok
 
-    def prepare(self, w, top_k, par):
-        super().prepare(w, top_k, par)
+    def prepare(self, w, top_k, par, sliding=frozenset()):
+        super().prepare(w, top_k, par, sliding)
         # The arrival counters of the FP8 linear's split-K sum: zeroed once, before any capture; every call leaves them
         # zeroed, and the engine's calls run one after another on one stream.
         self._locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
@@ -85,11 +85,11 @@ class TritonOps(TorchOps):
             self._side = torch.cuda.Stream(w.embed.device)
 
     # ---- the expert prefetch's side branch -------------------------------------------------------------
-    def warm_experts(self, mlp, kv, a, live):
-        warm = self._warm.get(id(mlp)) if kv.window is not None else None
+    def warm_experts(self, mlp, a, live):
+        warm = self._warm.get(id(mlp))
         gate, up = (self._experts.get(id(mlp)) or [None, None])[:2]
         if warm is None or gate is None or up is None or not self.plan.moe:
-            return super().warm_experts(mlp, kv, a, live)
+            return super().warm_experts(mlp, a, live)
         if not expert_prefetch.fits(a.shape[0], warm.predictor, gate.q, up.q):
             return None  # a prefill block: no branch (a hint, not an op to fall back on)
         self.calls["expert_prefetch"] += 1

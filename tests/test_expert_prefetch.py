@@ -89,10 +89,24 @@ def test_the_engine_with_the_prefetch_decodes_the_same_bits_and_branches_on_slid
     assert _decode(on, 3) == _decode(off, 3)
     ops, c = on.rank0.model.ops, on.config
     sliding_moe = [i for i in range(c.num_hidden_layers) if not c.is_dense(i) and c.window(i) is not None]
-    assert sliding_moe and len(ops._warm) == sum(not c.is_dense(i) for i in range(c.num_hidden_layers))
+    moe_layers = sum(not c.is_dense(i) for i in range(c.num_hidden_layers))
+    assert sliding_moe and len(ops._warm) == len(sliding_moe) < moe_layers  # no predictor on a full layer
     forwards = ops.calls["warm_experts"] / len(sliding_moe)
     assert forwards == int(forwards) and forwards >= 2, ops.calls  # every target forward, those layers only
     assert off.rank0.model.ops.calls["warm_experts"] == 0
+
+
+def test_the_memory_check_counts_a_predictor_a_sliding_moe_layer_unless_the_fold_holds_it():
+    from iquest.fast.memory import expert_prefetch_bytes
+    from iquest.reference.config import Config
+    from iquest.tests.helpers import ROOT
+
+    c = Config.from_file(ROOT / "configs" / "iquest-q1.json")
+    sliding = [i for i in range(c.num_hidden_layers) if c.window(i) is not None]
+    assert len(sliding) == 63 and not any(c.is_dense(i) for i in sliding)  # 21 blocks of three sliding layers
+    assert expert_prefetch_bytes(c, 8, router_fold=False) == 63 * 256 * 3072 * 4
+    assert expert_prefetch_bytes(c, 8, router_fold=True) == expert_prefetch_bytes(c, 1, router_fold=False)
+    assert expert_prefetch_bytes(c, 1, router_fold=True) == 0  # the fold's W' of every MoE layer is shared
 
 
 def test_taps_hold_the_prediction_for_the_coverage_report():
