@@ -68,20 +68,13 @@ def fold_without_rstd_o(a, b, rstd_h, rstd_o, scale):
     return rstd_h * (a + scale * b)
 
 
+_SUM_PARTS = rt._sum_parts  # the product's, called by the control below with one tile fewer
+
+
 @triton.jit
 def sum_parts_dropping_last(parts_ptr, row, R, E, T, E_PAD: tl.constexpr, T_BLOCK: tl.constexpr):
     """The last column tile's partials left out of both sums."""
-    e = tl.arange(0, E_PAD)
-    t_in = tl.arange(0, T_BLOCK)
-    a = tl.zeros([E_PAD], tl.float32)
-    b = tl.zeros([E_PAD], tl.float32)
-    for t0 in range(0, T, T_BLOCK):
-        t = t0 + t_in
-        ok = (t[:, None] < T - 1) & (e < E)[None, :]
-        off = ((t[:, None] * 2) * R + row) * E + e[None, :]
-        a += tl.sum(tl.load(parts_ptr + off, mask=ok, other=0.0), axis=0)
-        b += tl.sum(tl.load(parts_ptr + off + R * E, mask=ok, other=0.0), axis=0)
-    return a, b
+    return _SUM_PARTS(parts_ptr, row, R, E, T - 1, E_PAD, T_BLOCK)
 
 
 CONTROLS = {  # name: (case, broken pieces of _add_norm_route_kernel)
