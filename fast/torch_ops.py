@@ -32,8 +32,10 @@ class TorchOps:
 
     def prepare(self, w: ModelWeights, top_k: int, par, sliding: frozenset[int] = frozenset()) -> None:
         """Derived weights this implementation reads, made before any graph capture: with the router fold, each MoE
-        layer's scaled router (the heads and routers are otherwise held in fp32 as loaded). The fold needs the
-        o-projection's output whole on the rank: TP 1 or a rank slice (`par`), not across ranks."""
+        layer's scaled router (the heads and routers are otherwise held in fp32 as loaded); with the expert prefetch,
+        the predictor of each MoE layer in `sliding` (the target's sliding layers' indices), the fold's when it has
+        one. The fold needs the o-projection's output whole on the rank: TP 1 or a rank slice (`par`), not across
+        ranks."""
         if self.fold_router and not par.active:
             for lw in [*w.layers, w.draft.block]:
                 if isinstance(lw.mlp, MoE):
