@@ -35,9 +35,10 @@ the layer's sandwich tail (kernels/rmsnorm.py's `sandwich_tail`): one launch whe
 `add_norm` were three, with the same bits.
 
 At TP 1 the tail can end launch 2 itself (issue 52: one dependent step less a layer): `gate_up` (launch 1) then
-`down_add_norm`, whose Down programs count their arrivals per row (one int32 counter a row, `locks`, left zeroed: an
-atomic, but the result does not depend on which program arrives last) and whose last arrival on a row sums its slots
-and runs the tail, as `combine_add_norm` would on `down`'s outputs (`expert_outputs` is `down(gate_up(...))`).
+`down_add_norm`, whose Down owners each count their arrival on one int32 counter (`locks`, left zeroed: an atomic,
+but the result does not depend on the order of arrival) and whose grid ends in one tail program a row, which waits
+for every arrival, sums its row's slots and runs the tail, as `combine_add_norm` would on `down`'s outputs
+(`expert_outputs` is `down(gate_up(...))`).
 
 Under the interpreter, roundings to bf16 go through integer ops (f16_operands.bf16_grid), since its own cast
 truncates; the GPU's cast rounds to nearest even, as torch's does, and is used there.
@@ -342,13 +343,53 @@ def _combine_add_norm_kernel(y_ptr, weights_ptr, live_ptr, r_ptr, yw_ptr, nw_ptr
 
 
 @triton.jit
-def _arrive(lock_ptr, r, mine, target):
-    """Row r's arrival, when `mine` (this program has stored its outputs of the row): whether it is the row's last of
-    `target`, which then re-arms the row's counter (no other program touches it again in the launch)."""
-    old = tl.atomic_add(lock_ptr + r, 1, mask=mine, sem="acq_rel")
-    last = mine & (old == target - 1)
-    tl.atomic_xchg(lock_ptr + r, 0, mask=last)
-    return last
+def _arrive(done_ptr, run):
+    """An owner's arrival on the launch's counter, once every thread's outputs are stored (release); the other Down
+    programs stored nothing and leave without one."""
+    tl.debug_barrier()
+    tl.atomic_add(done_ptr, 1, mask=run, sem="release")
+
+
+@triton.jit
+def _owners(experts_ptr, live_ptr, R, K_TOP: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
+            CHUNK: tl.constexpr):
+    """How many pairs own their expert (`_expert_owner`'s test for every pair, CHUNK pairs at a time)."""
+    P = R * K_TOP
+    q = tl.arange(0, P_PAD)
+    e_q = tl.load(experts_ptr + q, mask=q < P, other=-1)
+    live_q = load_live(live_ptr, q // K_TOP, R, LIVE_COUNT) & (q < P)
+    n = 0
+    for p0 in range(0, P, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        e_p = tl.load(experts_ptr + p, mask=p < P, other=-1)
+        live_p = load_live(live_ptr, p // K_TOP, R, LIVE_COUNT) & (p < P)
+        before = (q[None, :] < p[:, None]) & live_q[None, :] & (e_q[None, :] == e_p[:, None])
+        n += tl.sum((live_p & (tl.sum(before.to(tl.int32), axis=1) == 0)).to(tl.int32), axis=0)
+    return n
+
+
+@triton.jit
+def _await_downs(done_ptr, target, INTERP: tl.constexpr, SPINS: tl.constexpr = 1 << 22):
+    """Wait until all `target` owners have arrived (acquire: their outputs are then visible past L1); whether they
+    did. The interpreter runs the programs in grid order, the tails last, so there every arrival is already in. On a
+    GPU the wait gives up after SPINS polls (seconds, where a launch takes microseconds): a miscount fails loudly, in
+    the tail's outputs, rather than hanging the device."""
+    count = tl.atomic_add(done_ptr, 0, sem="acquire")
+    if not INTERP:
+        spins = 0
+        while (count < target) & (spins < SPINS):
+            count = tl.atomic_add(done_ptr, 0, sem="acquire")
+            spins += 1
+    return count >= target
+
+
+@triton.jit
+def _rearm(done_ptr, tails_ptr, target, tails):
+    """The last of the launch's `tails` tail programs past its wait takes the `target` arrivals off the Down counter
+    and zeroes the tails' own: the counters are left as found, and one arrival too many or too few is left showing."""
+    last = tl.atomic_add(tails_ptr, 1, sem="acq_rel") == tails - 1
+    tl.atomic_add(done_ptr, -target, mask=last, sem="relaxed")
+    tl.atomic_xchg(tails_ptr, 0, mask=last, sem="relaxed")
 
 
 @triton.jit
@@ -380,30 +421,37 @@ def _down_add_norm_kernel(
     Y_NORM: tl.constexpr, SCALED: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """`_down_kernel`, then each row's tail (`_row_tail`) by the program whose outputs of the row arrive last: a live
-    row is written once per H tile by each of its k experts' owners, K_TOP * tiles arrivals. Padding rows are written
-    by nobody; program (0, 0) does their tails (a sum of +0)."""
+    """A 1-D grid: `_down_kernel`'s programs (pair p, H tile) first, p fastest as in its 2-D grid, each owner
+    arriving on the launch's counter lock_ptr[0] when done; then one tail program a row, which counts the owners,
+    waits for all their arrivals and runs the row's tail (`_row_tail`). The tails run side by side, one a row, whatever the routing:
+    where the last Down program to finish ran them, rows sharing their experts (decode's usual case) had one program
+    run every row's tail in turn. A tail waits only for programs dispatched before it (a lower index), as split-K
+    fix-ups do, so the few spinning tails never hold an SM a Down program needs."""
     wait_for_inputs(PDL)
-    p = tl.program_id(0)
-    tile = tl.program_id(1)
-    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
-    _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, tile, R, H, I, ds_e, ds_r, D_OFF0,
-                D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32, INTERP)
-    tl.debug_barrier()  # every thread's outputs stored before the arrivals below release them
-    first = (p == 0) & (tile == 0)
-    j = tl.arange(0, K_PAD)
-    # A live row above the owner's did not choose e (it would own e), so the owner's rows start at its own
-    for r in range(p // K_TOP, tl.where(run | first, R, 0)):
-        live = load_live(live_ptr, r, R, LIVE_COUNT)
-        chose = tl.sum((tl.load(experts_ptr + r * K_TOP + j, mask=j < K_TOP, other=-1) == e).to(tl.int32), axis=0)
-        last = _arrive(lock_ptr, r, run & live & (chose > 0), K_TOP * tl.num_programs(1))
-        if last | (first & ~live):
-            # the norm weights read here, after the wait, not up front: held through the Down loop they would be two
-            # rows of registers a thread (64 at H = 3072 on 4 warps) on top of its tiles
-            i = tl.arange(0, BLOCK_H)
-            yw, nw = rmsnorm.tail_weights(yw_ptr, nw_ptr, i, i < H, Y_NORM)
-            _row_tail(r, live, y_ptr, weights_ptr, r_ptr, yw, nw, sum_ptr, ho_ptr, b_ptr, H, eps, scale, stride_r,
-                      stride_sum, stride_h, stride_b, K_TOP, BLOCK_H, Y_NORM, SCALED, BF16, INTERP, True)
+    pid = tl.program_id(0)
+    P = R * K_TOP
+    downs = P * tl.cdiv(H, BLOCK_N)
+    if pid < downs:
+        p = pid % P
+        e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
+        _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, pid // P, R, H, I, ds_e, ds_r,
+                    D_OFF0, D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32,
+                    INTERP)
+        _arrive(lock_ptr, run)
+    else:
+        r = pid - downs
+        i = tl.arange(0, BLOCK_H)
+        yw, nw = rmsnorm.tail_weights(yw_ptr, nw_ptr, i, i < H, Y_NORM)  # constants: read while the Downs run
+        arrivals = _owners(experts_ptr, live_ptr, R, K_TOP, P_PAD, LIVE_COUNT, BLOCK_M) * tl.cdiv(H, BLOCK_N)
+        arrived = _await_downs(lock_ptr, arrivals, INTERP)
+        _rearm(lock_ptr, lock_ptr + 1, arrivals, R)
+        _row_tail(r, load_live(live_ptr, r, R, LIVE_COUNT), y_ptr, weights_ptr, r_ptr, yw, nw, sum_ptr, ho_ptr,
+                  b_ptr, H, eps, scale, stride_r, stride_sum, stride_h, stride_b, K_TOP, BLOCK_H, Y_NORM, SCALED,
+                  BF16, INTERP, True)
+        if not arrived:
+            nan = tl.full([BLOCK_H], float("nan"), tl.float32)
+            tl.store(ho_ptr + r * stride_h + i, nan.to(ho_ptr.dtype.element_ty), mask=i < H)
+            tl.store(b_ptr + r * stride_b + i, nan.to(b_ptr.dtype.element_ty), mask=i < H)
 
 
 # ---- host side -------------------------------------------------------------------------------------
@@ -558,8 +606,8 @@ def _down_constexprs(h: ExpertHidden, down_w: ExpertWeights, s: MoESettings, dow
 
 
 def lock_count(rows: int) -> int:
-    """Counters `down_add_norm(locks=...)` needs for a block of `rows` rows: one a row."""
-    return rows
+    """Counters `down_add_norm(locks=...)` needs for a block of `rows` rows: the Down programs' and the tails'."""
+    return 2
 
 
 def down_add_norm(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, residual: torch.Tensor,
@@ -568,9 +616,9 @@ def down_add_norm(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights,
                   pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`combine_add_norm(down(h, weights, down_w), residual, scale, y_norm, next_norm, eps, dtype)` in one launch:
     (the combined sum rounded to the compute dtype, h, b). Down's programs store the experts' outputs into `y` (fp32
-    [R * k, H], allocated when None) as `down` does, and the last of them to store a row's outputs (a per-row arrival
-    count in `locks`: `lock_count(R)` zeroed contiguous int32 counters, left zeroed) sums the row's slots and runs
-    the sandwich tail on it; padding rows' tails (sum +0) are program (0, 0)'s. One dependent launch a MoE layer less
+    [R * k, H], allocated when None) as `down` does, each owner arriving on a counter when done (`locks`: `lock_count(R)`
+    zeroed contiguous int32 counters, left zeroed), and one tail program a row waits for every arrival, then sums the
+    row's slots and runs the sandwich tail on it (a padding row's sum is +0). One dependent launch a MoE layer less
     than the pair (issue 52). TP 1 (or a rank slice), as `combine_add_norm`.
 
     Bits: Down's outputs are `down`'s, and the combine and the tail are `combine_add_norm`'s definitions
@@ -601,7 +649,8 @@ def down_add_norm(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights,
     # `_down_kernel`'s SASS at a TP8 rank's shape is the same instruction for instruction with contraction off, bf16
     # and fp32.)
     build = rmsnorm.compile_options(rmsnorm.RmsNormSettings(num_warps=s.warps))
-    _down_add_norm_kernel[_down_grid(h, s)](
+    pairs, tiles = _down_grid(h, s)
+    _down_add_norm_kernel[(pairs * tiles + R,)](
         h.hidden, down_w.q, down_w.scale, h.experts, h.live, y, weights, locks, residual,
         next_norm if y_norm is None else y_norm, next_norm, sum_, h_out, b, R, H, h.hidden.shape[1],
         down_w.scale.stride(0), down_w.scale.stride(1), float(eps), scale, residual.stride(0), sum_.stride(0),

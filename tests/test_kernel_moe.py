@@ -17,8 +17,9 @@ combine fused with the sandwich tail, `combine_add_norm`, which must equal the c
 for bit); each must fail the checks.
 Down ending in the combine and the tail (`down_add_norm`, one launch counting each row's arrivals in `locks`): against
 `down` then `combine_add_norm`, bit for bit under the interpreter (y, the sum, h and b), the counters left zeroed after
-each call; negative control (a jit piece substituted from here): a row's tail run by its next-to-last arrival, which
-must fail.
+each call; negative controls (jit pieces substituted from here): an owner's arrival counted twice, and one not counted,
+each of which must leave the counter off zero (on a GPU they would start the tails early, or never). The
+interpreter runs the grid in order, tails last, so it cannot show a tail reading too early: the GPU case does.
 GPU (`pytest.mark.gpu`, run on a device later): one TP8 rank at full size (256 experts, H 3072, 192-row shards at
 offsets 0 and 64, 128 x 128 blocks), 8 rows with 38 and 13 distinct experts, bf16, and graph replay bit-identical;
 `down_add_norm` at that shape with 6 rows against the pair: y and the sum bit for bit, h and b within the bf16 rounding
@@ -312,19 +313,29 @@ FOLD_CASES = [
     # a prefill-sized block: an expert's owner covers rows in two 16-row blocks, its arrivals for both
     case("fold_r24_pad_two_row_blocks_bf16", R=24, live="mask", dtype="bf16", form="layer"),
 ]
-FOLD_CONTROLS = [case("neg_fold_tail_one_arrival_early", H=256, dtype="bf16", form="layer", control="arrive_early")]
+# `outputs`: whether the control must also show in h and b (a tail that stopped waiting short writes NaN rows)
+FOLD_CONTROLS = [case("neg_fold_one_arrival_twice", H=256, dtype="bf16", form="layer", control="arrive_twice",
+                      outputs=False),
+                 case("neg_fold_one_arrival_missing", H=256, dtype="bf16", form="layer", control="arrive_missing",
+                      outputs=True)]
 
 
 @triton.jit
-def arrive_early(lock_ptr, r, mine, target):
-    """`_arrive` with the last-arrival test off by one: a row's tail runs before its last slot tile is stored."""
-    old = tl.atomic_add(lock_ptr + r, 1, mask=mine, sem="acq_rel")
-    last = mine & (old == target - 2)
-    tl.atomic_xchg(lock_ptr + r, 0, mask=last)
-    return last
+def arrive_twice(done_ptr, run):
+    """`_arrive` counting program 0 twice: on a GPU the tails would start before the last owner stored."""
+    tl.debug_barrier()
+    tl.atomic_add(done_ptr, 1 + (tl.program_id(0) == 0).to(tl.int32), mask=run, sem="release")
 
 
-FOLD_SUBSTITUTES = {"arrive_early": {"_down_add_norm_kernel": {"_arrive": arrive_early}}}
+@triton.jit
+def arrive_missing(done_ptr, run):
+    """`_arrive` skipping program 0's arrival: on a GPU the tails would wait forever."""
+    tl.debug_barrier()
+    tl.atomic_add(done_ptr, 1, mask=run & (tl.program_id(0) != 0), sem="release")
+
+
+FOLD_SUBSTITUTES = {name: {"_down_add_norm_kernel": {"_arrive": fn}}
+                    for name, fn in (("arrive_twice", arrive_twice), ("arrive_missing", arrive_missing))}
 
 
 def tail_args(c: dict, device: str) -> tuple:
@@ -399,8 +410,11 @@ def test_fold_negative_control_fails_the_checks(interpreted, c):
     r = interpreted[c["name"]]
     assert "error" not in r, r.get("error")
     assert r["live_rows"] > 0  # it ran on rows with tails
-    with pytest.raises(AssertionError, match="differs|not left zeroed"):
+    with pytest.raises(AssertionError, match="not left zeroed"):
         check_fold(c, r)
+    # every live row's h and b (NaN) where the count fell short; none where it ran over (the interpreter's tails
+    # run after every Down program, so a count that runs over cannot show in the outputs there)
+    assert (min(r["mismatch"][n] for n in ("h", "b")) >= r["live_rows"] * c["H"]) == c["outputs"], r["mismatch"]
 
 
 def test_fold_refuses_bad_arguments():
