@@ -288,7 +288,7 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
             dict(R=R, H=H, I=I, stride_b=H, gs_e=gs_rows * (H // B1), gs_r=H // B1, us_e=gs_rows * (H // B1),
                  us_r=H // B1), (),
             dict(G_OFF0=o, G_OFF1=0, U_OFF0=o, U_OFF1=0, B0=B0, B1=B1, **routing, BLOCK_N=ms.gate_up_block_n,
-                 BLOCK_K=min(ms.gate_up_block_k, max(16, B1 & -B1))), ms.warps, ms.stages,
+                 BLOCK_K=min(ms.gate_up_block_k, max(16, B1 & -B1))), ms.warps, ms.gate_up_stages,
             f"MoE Gate/Up, [{I} x {H}] E4M3 an expert starting {o} rows into its scale block")
         out["moe_down" + suffix] = _launch(
             mo._down_kernel,

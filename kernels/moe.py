@@ -114,7 +114,12 @@ class MoESettings:
     down_block_n: int = 128     # H columns a Down program (PERF.md: Down at 128 x 64)
     down_block_k: int = 64      # I_r columns a Down step (PERF.md: Down at 128 x 64)
     warps: int = 4              # Gate/Up and Down: 4 warps beat 8 (PERF.md tune of warps and stages)
-    stages: int = 3             # software pipelining depth of the weight streams (PERF.md: 3-deep Down)
+    stages: int = 3             # software pipelining depth of Down's weight stream (PERF.md: 3-deep Down)
+    # Gate/Up's: at the published shape a program walks H in 24 steps with (stages - 1) x 12 KB in flight, and its
+    # ~1.1 us a step (26.7 us a call at 72c654b, at 8.9 and at 38 experts alike) is that depth's latency, not bytes.
+    # Deeper is bit for bit the same (sm_90a: 8 stages, 168 registers, 88 KB of shared memory); `bench tune --ops
+    # moe` times 4, 6 and 8 against 3
+    gate_up_stages: int = 3
     combine_block: int = 256    # columns a combine program: ~100 programs for 8 rows at H = 3072
 
 
@@ -570,7 +575,7 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
         gate.scale.stride(0), gate.scale.stride(1), up.scale.stride(0), up.scale.stride(1),
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
         **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=gate_up_k, **_math(h),
-        INTERP=INTERPRETED, **_streams(h, s), **launch_options(pdl, dev))
+        INTERP=INTERPRETED, **_streams(h, s, s.gate_up_stages), **launch_options(pdl, dev))
     return h
 
 
@@ -669,9 +674,9 @@ def _math(h: ExpertHidden) -> dict:
     return dict(BF16=h.dtype == torch.bfloat16, DOT_F32=INTERPRETED or h.dtype == torch.float32)
 
 
-def _streams(h: ExpertHidden, s: MoESettings) -> dict:
+def _streams(h: ExpertHidden, s: MoESettings, stages: int | None = None) -> dict:
     # fp32 tiles are twice bf16's: three stages of them overrun a Hopper SM's 227 KB of shared memory
-    return dict(num_warps=s.warps, num_stages=s.stages if h.dtype == torch.bfloat16 else 1)
+    return dict(num_warps=s.warps, num_stages=(stages or s.stages) if h.dtype == torch.bfloat16 else 1)
 
 
 def _check_weights(weights: torch.Tensor, R: int, k: int) -> None:
@@ -736,6 +741,8 @@ def _check_settings(s: MoESettings) -> None:
     for name in ("block_m", "gate_up_block_n", "gate_up_block_k", "down_block_n", "down_block_k", "combine_block"):
         v = getattr(s, name)
         _check(is_pow2(v, 16), f"settings.{name} must be a power of two >= 16 (a dot operand), got {v}")
+    for name in ("stages", "gate_up_stages"):
+        _check(1 <= getattr(s, name) <= 8, f"settings.{name} must be 1 to 8, got {getattr(s, name)}")
 
 
 # ---- the torch form --------------------------------------------------------------------------------
