@@ -34,12 +34,12 @@ from typing import Callable
 import torch
 
 from ..kernels import decode_attention as da, expert_prefetch as xp, fp8_linear as fl, lm_head as lh, moe as mo, \
-    o_proj_router as opr, qk_rope_kv as qr, rmsnorm as rn, router as ro, topk as tk
+    o_proj_router as opr, qk_rope_kv as qr, qkv_rope_kv as qrk, rmsnorm as rn, router as ro, topk as tk
 
 FULL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "iquest-q1.json"
 TP = 8
-OPS = ("linear_qkv", "linear_o", "attention_full", "attention_sliding", "attention_draft", "qk_rope_kv", "rmsnorm",
-       "add_norm", "router", "moe", "lm_head", "topk", "expert_prefetch", "o_proj_router")
+OPS = ("linear_qkv", "linear_o", "attention_full", "attention_sliding", "attention_draft", "qk_rope_kv", "qkv_rope_kv",
+       "rmsnorm", "add_norm", "router", "moe", "lm_head", "topk", "expert_prefetch", "o_proj_router")
 ROTATE_BYTES = 192 << 20  # > 3x the H200's L2: a call finds little of its inputs left there by the previous copies
 MAX_COPIES = 384  # a short cache's copies: 2 kernels each, a graph stays a few hundred nodes
 MIN_CALLS = 24  # calls a graph at least, so a replay's launch overhead spreads thin
@@ -64,6 +64,12 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     "attention_sliding": _ATTENTION + ({"num_stages": 1}, {"num_stages": 3}),
     "attention_draft": _ATTENTION + ({"num_stages": 1}, {"num_stages": 3}),
     "qk_rope_kv": ({"num_warps": 2}, {"num_warps": 4}),
+    # the q/k/v projection ending in the prologue (kernels/qkv_rope_kv.py): 11.3 us a call against ~8.7 for the plain
+    # linear and the prologue apart. With one head a tile (8 tiles) the plain linear's split, 8 of 3 K tiles, is 64
+    # programs where the linear launched 256, on half the SMs: 12 and 24 splits (2 K tiles a program, 1) give 96 and
+    # 192, 4 splits 32 programs of twice the loads in flight
+    "qkv_rope_kv": ({"split_k": 4}, {"split_k": 12}, {"split_k": 24}, {"preload": False}, {"num_warps": 8},
+                    {"split_k": 12, "preload": False}),
     "rmsnorm": _NORM,
     "add_norm": _NORM,
     "router": ({"block_e": 2}, {"block_e": 8}, {"block_h": 256}, {"block_h": 1024}, {"num_warps": 2},
@@ -107,6 +113,8 @@ ORDER_FIELDS: dict[str, frozenset[str]] = {
     "linear_qkv": frozenset({"block_n", "split_k"}), "linear_o": frozenset({"block_n", "split_k"}),
     "attention_full": _ATTENTION_ORDER, "attention_sliding": _ATTENTION_ORDER, "attention_draft": _ATTENTION_ORDER,
     "qk_rope_kv": frozenset({"num_warps"}), "rmsnorm": frozenset({"num_warps"}), "add_norm": frozenset({"num_warps"}),
+    # the split's, as the plain linear's (block_n only through choose_split_k: a tile is one head whatever it says)
+    "qkv_rope_kv": frozenset({"block_n", "split_k"}),
     "router": frozenset({"block_e", "block_h", "num_warps", "split", "programs_per_sm", "select_warps"}),
     "moe": frozenset({"gate_up_block_k", "down_block_k"}),
     "lm_head": frozenset({"form", "block_k", "rows_block_k", "rows_warps"}),
@@ -120,9 +128,10 @@ def default_settings(op: str):
     """The settings the engine launches `op` with (fast/triton_ops.py passes none: each wrapper's default)."""
     return {"linear_qkv": fl.LinearSettings(), "linear_o": fl.LinearSettings(), "attention_full": da.FULL,
             "attention_sliding": da.SLIDING, "attention_draft": da.SLIDING, "qk_rope_kv": qr.QkRopeSettings(),
-            "rmsnorm": rn.RmsNormSettings(), "add_norm": rn.RmsNormSettings(), "router": ro.RouterSettings(),
-            "moe": mo.MoESettings(), "lm_head": lh.LMHeadSettings(), "topk": tk.TopKSettings(),
-            "expert_prefetch": xp.PrefetchSettings(), "o_proj_router": opr.PartsSettings()}[op]
+            "qkv_rope_kv": fl.LinearSettings(), "rmsnorm": rn.RmsNormSettings(), "add_norm": rn.RmsNormSettings(),
+            "router": ro.RouterSettings(), "moe": mo.MoESettings(), "lm_head": lh.LMHeadSettings(),
+            "topk": tk.TopKSettings(), "expert_prefetch": xp.PrefetchSettings(),
+            "o_proj_router": opr.PartsSettings()}[op]
 
 
 def candidate_name(overrides: dict) -> str:
@@ -311,6 +320,43 @@ def _qk_rope_kv(s: RankShapes, rows: int, context: int, device, g, pdl: bool) ->
                 "kv_heads": hkv, "head_dim": D, "rotary": s.rotary, "slots": slots}, 1, calls)
 
 
+def _qkv_rope_kv(s: RankShapes, rows: int, context: int, device, g, pdl: bool) -> Case:
+    """The q/k/v projection and its prologue in one launch as the engine calls it (fast/triton_ops.py
+    qkv_rope_write): linear_qkv's weight and rows, qk_rope_kv's norms, RoPE, positions and full-layer cache; the
+    weight rotated over copies as linear_qkv's. A call returns the whole projection (the rotated q over its q columns,
+    k and v as summed), so the bit comparison sees every tile's sum, not only what the prologue rounds from it."""
+    from ..reference.layers import rope_cos_sin
+
+    D, hq, hkv, K = s.head_dim, s.q_heads, s.kv_heads, s.hidden
+    N, (B0, B1), slots = (hq + 2 * hkv) * D, s.block, context + FULL_SLACK
+    w = torch.randn((N, K), generator=g, device=device).to(torch.float8_e4m3fn)
+    sc = (torch.rand((-(-N // B0), -(-K // B1)), generator=g, device=device) + 0.5) / 64
+    x = _randn((rows, K), g, device)
+    n = _copies(w.numel() + sc.numel() * 4)
+    ws = [w] + [w.clone() for _ in range(n - 1)]
+    qw, kw = _randn((D,), g, device), _randn((D,), g, device)
+    positions = torch.arange(context, context + rows, device=device)
+    cos, sin = rope_cos_sin(positions, s.rotary, s.theta, torch.float32)
+    live = torch.ones(rows, dtype=torch.bool, device=device)
+    ck = torch.zeros((slots + 1, hkv, D), dtype=torch.bfloat16, device=device)
+    cv, sp = torch.zeros_like(ck), torch.full((slots + 1,), -1, dtype=torch.int64, device=device)
+    # as the engine's: one counter a (row tile, head) whatever the split, left zeroed by each call for the next
+    locks = torch.zeros(qrk.lock_count(rows, D, N), dtype=torch.int32, device=device)
+
+    def calls(st):
+        def call(w):
+            q = qrk.qkv_rope_kv(x, w, sc, s.block, hq, hkv, qw, kw, s.eps, cos, sin, positions, live, ck, cv, sp,
+                                locks=locks, pdl=pdl, settings=st)
+            return q.as_strided((rows, N), (q.stride(0), 1)), ck, cv, sp  # q is a view of the projection's start
+        return [lambda w=w: call(w) for w in ws]
+
+    return Case("qkv_rope_kv", f"x [{rows}, {K}] bf16 @ q/k/v [{N} x {K}] E4M3 with fp32 {B0}x{B1} block scales, "
+                               f"one head of {D} a tile, then the q/k norms, rotary {s.rotary} and the KV write to a "
+                               f"full-layer cache of {slots} + 1 slots",
+                {"rows": rows, "n": N, "k": K, "block": list(s.block), "q_heads": hq, "kv_heads": hkv,
+                 "head_dim": D, "rotary": s.rotary, "slots": slots, "weight_bytes": w.numel()}, n, calls)
+
+
 def _norm(op: str, s: RankShapes, rows: int, device, g, pdl: bool) -> Case:
     H = s.hidden
     x, y = _randn((rows, H), g, device), _randn((rows, H), g, device)
@@ -459,6 +505,8 @@ def build(op: str, s: RankShapes, rows: int, context: int, distinct: int, device
         return _attention(op, s, rows, context, device, g, pdl)
     if op == "qk_rope_kv":
         return _qk_rope_kv(s, rows, context, device, g, pdl)
+    if op == "qkv_rope_kv":
+        return _qkv_rope_kv(s, rows, context, device, g, pdl)
     if op in ("rmsnorm", "add_norm"):
         return _norm(op, s, rows, device, g, pdl)
     if op == "router":

@@ -10,7 +10,8 @@
 #   qualify2  qualification, bf16, TP 2 on one GPU under MPS
 #   step      the benchmark of record (triton, ~route:38 and +router_fold in one process, ~5 min); step2 the folds'
 #             controls (^down_tail, ^qkv_rope) against triton
-#   tune      bench tune over the ops the folds touched (the head's two forms, the top-k tiles, the linears)
+#   tune      bench tune over the ops the folds touched (the head's two forms, the top-k tiles, the linears, the
+#             q/k/v fold's splits)
 #   trace     bench graph-trace: kernels a decoder layer, with and without each fold
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
 #   rest      bench context (1K-512K), bench depth (the controller's gain, paired), mini decode tok/s
@@ -51,8 +52,8 @@ case "${1:-}" in
         | tee "$out/step-full-tp8slice-ctx1k-d$d-prefetch-$sha.log"
     done ;;
   tune)
-    gpu bench tune --ops lm_head,topk,moe,linear_qkv,linear_o,expert_prefetch,o_proj_router --out "$out/tune-h200-$sha.json" 2>&1 \
-      | tee "$out/tune-h200-$sha.log" ;;
+    gpu bench tune --ops lm_head,topk,moe,linear_qkv,linear_o,qkv_rope_kv,expert_prefetch,o_proj_router \
+      --out "$out/tune-h200-$sha.json" 2>&1 | tee "$out/tune-h200-$sha.log" ;;
   trace)
     gpu bench graph-trace --kernels triton,triton+router_fold,triton^down_tail,triton^moe_combine,triton^qkv_rope \
       --out "$out/graph-trace-$sha.json" 2>&1 | tee "$out/graph-trace-$sha.log" ;;

@@ -127,8 +127,10 @@ def _register_tune(bsub) -> None:
     t = bsub.add_parser("tune", help="each published-model kernel at its default launch settings and a small grid of "
                                      "others, at one TP8 rank's decode shapes (GPU)",
                         description="For each op (the FP8 linears at q/k/v and o_proj, attention on full, sliding "
-                                    "and draft layers, qk_rope_kv, rmsnorm, add_norm, the router, the MoE, the LM "
-                                    "head, the sampling's top-k, the expert prefetch's side branch, the router fold's o-projection) builds its inputs at one TP8 rank's shapes of "
+                                    "and draft layers, qk_rope_kv, qkv_rope_kv (the q/k/v projection ending in "
+                                    "qk_rope_kv, one launch), rmsnorm, add_norm, the router, the MoE, the LM "
+                                    "head, the sampling's top-k, the expert prefetch's side branch, the router fold's "
+                                    "o-projection) builds its inputs at one TP8 rank's shapes of "
                                     "configs/iquest-q1.json, "
                                     "then times the default settings and each candidate of bench/tune.py's grid "
                                     "(dataclasses.replace on the default) in CUDA graphs launched with PDL as the "
@@ -138,7 +140,7 @@ def _register_tune(bsub) -> None:
                                     "sum's order is flagged as a numerical change).")
     t.add_argument("--ops", default="all", help="comma-separated ops, or all (default all: linear_qkv, linear_o, "
                                                 "attention_full, attention_sliding, attention_draft, qk_rope_kv, "
-                                                "rmsnorm, add_norm, router, moe, lm_head, topk, "
+                                                "qkv_rope_kv, rmsnorm, add_norm, router, moe, lm_head, topk, "
                                                 "expert_prefetch, o_proj_router)")
     t.add_argument("--only", metavar="NAME[,NAME]",
                    help="time only these candidates (besides each op's default), named as printed, e.g. "

@@ -1,18 +1,22 @@
 """`iquest bench tune` on the CPU: every candidate of the grids is a valid setting of its kernel (each field exists,
 each value passes the kernel's own checks), the rank shapes are the published TP8 ones, the options' errors are one
-line, and without CUDA the command says so in one line. The timing itself needs the GPU (`@pytest.mark.gpu`)."""
+line, and without CUDA the command says so in one line; the fused q/k/v op's case runs under Triton's CPU interpreter
+(one worker subprocess) with each candidate's settings reaching its launch. The timing itself needs the GPU
+(`@pytest.mark.gpu`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import pytest
 import torch
 
 from iquest.bench import tune
 from iquest.cli.main import main
-from iquest.kernels import decode_attention, lm_head, router, topk
+from iquest.kernels import decode_attention, lm_head, qkv_rope_kv, router, topk
+from iquest.kernels.testing import worker_fixture
 
 
 # the kernels' own settings checks (the wrappers run them at every call); the norms' classes check in __post_init__
@@ -59,6 +63,8 @@ def test_order_fields_flag_numerical_changes():
     assert tune.order_changes("router", {"preload": False}) == []
     assert tune.order_changes("lm_head", {"block_v": 64}) == [] and tune.order_changes("lm_head", {"block_k": 64})
     assert tune.order_changes("topk", {"tile": 256, "skip": False}) == []  # exact keys: no setting moves a bit
+    assert tune.order_changes("qkv_rope_kv", {"split_k": 12, "preload": False}) == ["split_k"]
+    assert tune.order_changes("qkv_rope_kv", {"num_warps": 8}) == []
     row = {"name": "block_n=32", "bit_identical": False, "order_fields": ["block_n"]}
     assert tune.bits_text(row).startswith("numerical change")
     assert tune.bits_text(dict(row, order_fields=[])).startswith("DIFFERENT BITS")
@@ -95,6 +101,63 @@ def test_small_cases_build_on_cpu():
     assert (o.shapes["n"], o.shapes["k"]) == (3072, 768)
     t = tune.build("topk", tune.rank_shapes(3), 6, 256, 13, "cpu", pdl=False)  # the engine's k: top_k 20
     assert t.shapes == {"rows": 6, "vocab": 20000, "k": 20, "vocab_offset": 60000} and t.copies == 1
+    f = tune.build("qkv_rope_kv", s, 6, 256, 13, "cpu", pdl=False)  # linear_qkv's weight and copies, a full layer
+    assert (f.shapes["n"], f.shapes["k"], f.shapes["head_dim"], f.shapes["slots"], f.copies) == (1024, 3072, 128,
+                                                                                                 352, 64)
+
+
+def _qkv_rope_kv_launches() -> dict:
+    """Worker job: the qkv_rope_kv case at rank 0's shapes, the first call of the default and of each candidate (and
+    the default's last call), with what each launch of the kernel was given and whether a split launch left its lock
+    counters zeroed (the next call of the rotation reuses them)."""
+    launches = []
+    kernel = qkv_rope_kv._qkv_rope_kv_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                kernel[grid](*args, **kw)
+                a = dict(zip(kernel.arg_names, args))
+                zeroed = not kw["SPLIT"] or bool((a["lock_ptr"] == 0).all())  # unsplit, lock_ptr is a dummy
+                launches.append({"grid": list(grid), "num_warps": kw["num_warps"], "preload": kw["PRELOAD"],
+                                 "w": a["w_ptr"].data_ptr(), "locks_zeroed": zeroed})
+            return launch
+
+    case = tune.build("qkv_rope_kv", tune.rank_shapes(0), 6, 256, 13, "cpu", pdl=False)
+    entries = [("default", {}, tune.default_settings("qkv_rope_kv"))] + tune.candidates("qkv_rope_kv")
+    out, ref = {"calls": 0}, None
+    qkv_rope_kv._qkv_rope_kv_kernel = Recorder()
+    try:
+        for name, _, st in entries:
+            calls = case.calls(st)
+            got = tuple(t.clone() for t in calls[0]())
+            ref = got if ref is None else ref
+            out[name] = dict(launches.pop(), same_bits=tune.same_bits(got, ref), shapes=[list(t.shape) for t in got])
+            if name == "default":
+                out["calls"] = len(calls)
+                calls[-1]()
+                out["last_w"] = launches.pop()["w"]
+    finally:
+        qkv_rope_kv._qkv_rope_kv_kernel = kernel
+    return out
+
+
+interpreted = worker_fixture(__file__)
+
+
+def test_qkv_rope_kv_case_runs_each_candidate(interpreted):
+    """Every candidate's call is one launch of the fused kernel with the candidate's split, warps and preload, the
+    counters left zeroed; the calls rotate over the case's weight copies; a candidate that changes no order field
+    gives the default's bits. (The interpreter's SM count is 8: the default's own split is 1 here, 8 on the H200.)"""
+    r = interpreted["qkv_rope_kv"]
+    assert "error" not in r, r.get("error")
+    assert r["calls"] == 64 and r["last_w"] != r["default"]["w"]
+    for name, ov, st in [("default", {}, tune.default_settings("qkv_rope_kv"))] + tune.candidates("qkv_rope_kv"):
+        got = r[name]
+        assert got["grid"] == [8, st.split_k or 1, 1] and got["num_warps"] == st.num_warps, (name, got)
+        assert got["locks_zeroed"] and got["shapes"] == [[6, 1024], [353, 1, 128], [353, 1, 128], [353]], (name, got)
+        assert got["same_bits"] or tune.order_changes("qkv_rope_kv", ov), (name, got)
+    assert r["split_k=12"]["preload"] == 2 and r["split_k=12+preload=False"]["preload"] == 0
 
 
 def test_parse_ops_and_only():
@@ -141,3 +204,10 @@ def test_gpu_tune(tmp_path, capsys):
             assert "error" not in c and len(c["times_us"]) == 3 and c["median_us"] > 0, c
         assert o["candidates"][1]["bit_identical"] or o["candidates"][1]["order_fields"]
     assert "rmsnorm" in capsys.readouterr().out
+
+
+if __name__ == "__main__" and "--interpret-worker" in sys.argv:
+    from iquest.kernels.testing import worker_main
+
+    torch.set_num_threads(1)
+    worker_main([("qkv_rope_kv", _qkv_rope_kv_launches)])
