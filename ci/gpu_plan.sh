@@ -3,18 +3,20 @@
 # device call, each within the tool's 10-minute limit. Raw files go to $OUT named by the commit (pass it: the tree
 # travels without .git):
 #   IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE
-# STAGE:
+# STAGE (in the order to run them: docs/PERF.md, "Open directions", first item):
+#   first     qualification at TP 1 (the default engine), then the rebuilt Down tail paired with the pair it replaced
+#             (triton against triton^down_tail): one call, each part under its own timeout
+#   tune      bench tune: the MoE (Gate/Up's depth, gate_up_stages) at 9 and 38 experts and the q/k/v fold's splits
+#             first, then the router fold's o-projection, the prefetch branch, the head, the top-k, the linears
 #   tests     the @pytest.mark.gpu suite but the MPS module (over 4 min with 6 workers)
 #   mps       the MPS module (fused tails at 2 and 8 ranks, the TP engines at 2, 4 and 8, the captured loop)
-#   qualify   qualification, bf16, TP 1: the default engine, then with --router-fold (~4 min each)
 #   qualify2  qualification, bf16, TP 2 on one GPU under MPS
 #   step      the benchmark of record (triton, ~route:38 and +router_fold in one process, ~5 min); step2 the folds'
 #             controls (^down_tail, ^qkv_rope) against triton
-#   tune      bench tune over the ops the folds touched (the head's two forms, the top-k tiles, the linears, the
-#             q/k/v fold's splits)
 #   trace     bench graph-trace: kernels a decoder layer, with and without each fold
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
 #   rest      bench context (1K-512K), bench depth (the controller's gain, paired), mini decode tok/s
+#   qualify   qualification, bf16, TP 1: the default engine, then with --router-fold (~4 min each)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 sha=${IQUEST_COMMIT:?set IQUEST_COMMIT to the commit under test}
@@ -51,9 +53,22 @@ case "${1:-}" in
         --out "$out/step-full-tp8slice-ctx1k-d$d-prefetch-$sha.json" 2>&1 | tail -25 \
         | tee "$out/step-full-tp8slice-ctx1k-d$d-prefetch-$sha.log"
     done ;;
-  tune)
-    gpu bench tune --ops lm_head,topk,moe,linear_qkv,linear_o,qkv_rope_kv,expert_prefetch,o_proj_router \
-      --out "$out/tune-h200-$sha.json" 2>&1 | tee "$out/tune-h200-$sha.log" ;;
+  first)
+    name=qualify-mini-cuda-bf16-$sha
+    timeout 300 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 \
+      --jobs 14 --json > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
+    tail -2 "$out/$name.log"
+    timeout 270 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
+      --kernels triton,triton^down_tail --out "$out/step-down-tail-ctx1k-d5-$sha.json" 2>&1 \
+      | tee "$out/step-down-tail-ctx1k-d5-$sha.log" | tail -30 ;;
+  tune)  # the MoE's Gate/Up depth at the prefilled routing (8.9 experts) and at 38, the q/k/v fold's splits, then
+    # the rest; each part capped, so that one call returns what it reached
+    gpu bench tune --ops moe,qkv_rope_kv --distinct 9 --budget 200 --out "$out/tune-h200-moe9-qkv-$sha.json" 2>&1 \
+      | tee "$out/tune-h200-moe9-qkv-$sha.log" | tail -30
+    gpu bench tune --ops moe --distinct 38 --budget 90 --out "$out/tune-h200-moe38-$sha.json" 2>&1 \
+      | tee "$out/tune-h200-moe38-$sha.log" | tail -20
+    gpu bench tune --ops o_proj_router,expert_prefetch,lm_head,topk,linear_qkv,linear_o --budget 180 \
+      --out "$out/tune-h200-$sha.json" 2>&1 | tee "$out/tune-h200-$sha.log" | tail -40 ;;
   trace)
     gpu bench graph-trace --kernels triton,triton+router_fold,triton^down_tail,triton^moe_combine,triton^qkv_rope \
       --out "$out/graph-trace-$sha.json" 2>&1 | tee "$out/graph-trace-$sha.log" ;;
@@ -61,5 +76,6 @@ case "${1:-}" in
     gpu bench context --out "$out/context-tp8slice-$sha.json" 2>&1 | tail -20 | tee "$out/context-tp8slice-$sha.log"
     gpu bench depth --device cuda --prompts 16 --tokens 64 --repeats 5 --out "$out/depth-mini-cuda-$sha.json" 2>&1 \
       | tail -20 | tee "$out/depth-mini-cuda-$sha.log" ;;
-  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh tests|mps|qualify|qualify2|step|step2|prefetch|tune|trace|rest" >&2; exit 2 ;;
+  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh first|tune|tests|mps|qualify|qualify2|step|step2|trace|prefetch|rest" >&2
+     exit 2 ;;
 esac
