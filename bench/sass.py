@@ -278,6 +278,8 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
     (B0, B1), I, k = s.block, s.inter, s.top_k
     routing = dict(K_TOP=k, K_PAD=max(2, triton.next_power_of_2(k)), P_PAD=max(16, triton.next_power_of_2(R * k)),
                    LIVE_COUNT=False, BLOCK_M=ms.block_m, BF16=True, DOT_F32=False, INTERP=False, PDL=True)
+    line_elems, lines = prefetch_lines(I, 1)
+    early = dict(PREFETCH=ms.down_prefetch, LINE_ELEMS=line_elems, LINES=lines)  # Down's weight tile before its wait
     for suffix, shp in (("", s), ("_odd", odd)):
         o = shp.inter_offset
         gs_rows, ds_cols = -(-(I + o) // B0), -(-(I + o) // B1)
@@ -295,7 +297,7 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
             dict(h_ptr="*fp32", d_ptr="*fp8e4nv", ds_ptr="*fp32", experts_ptr="*i64", live_ptr="*u8", y_ptr="*fp32"),
             dict(R=R, H=H, I=I, ds_e=(H // B0) * ds_cols, ds_r=ds_cols), (),
             dict(D_OFF0=0, D_OFF1=o, B0=B0, B1=B1, **routing, BLOCK_N=ms.down_block_n,
-                 BLOCK_K=min(ms.down_block_k, max(16, B1 & -B1))), ms.warps, ms.stages,
+                 BLOCK_K=min(ms.down_block_k, max(16, B1 & -B1)), **early), ms.warps, ms.stages,
             f"MoE Down, [{H} x {I}] E4M3 an expert starting {o} columns into its scale block")
     o = s.inter_offset
     out["moe_down_add_norm"] = _launch(
@@ -306,7 +308,7 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
         dict(R=R, H=H, I=I, ds_e=(H // B0) * -(-(I + o) // B1), ds_r=-(-(I + o) // B1), stride_r=H, stride_sum=H,
              stride_h=H, stride_b=H), ("eps", "scale"),
         dict(D_OFF0=0, D_OFF1=o, B0=B0, B1=B1, **routing, BLOCK_N=ms.down_block_n,
-             BLOCK_K=min(ms.down_block_k, max(16, B1 & -B1)), BLOCK_H=block, Y_NORM=False, SCALED=True),
+             BLOCK_K=min(ms.down_block_k, max(16, B1 & -B1)), BLOCK_H=block, Y_NORM=False, SCALED=True, **early),
         ms.warps, ms.stages, f"MoE Down, [{H} x {I}] E4M3 an expert, then a program a row waiting for the owners' "
                              f"arrivals: the weighted sum of {k} slots and the sandwich tail (TP 1, rank slices)", NO_FMA)
     out["moe_combine"] = _launch(

@@ -24,7 +24,9 @@ Three launches, grids from shapes alone, no host sync, no atomics (graph-captura
    earlier live pair (row-major) chose e, so each distinct live expert is streamed once and an expert chosen only by
    padding rows never is. The owner computes its tile for every live row that chose e (row r at its slot j_r) and
    writes the hidden silu(g) * u (T values, held in fp32) to `hidden` [P, I_r] at pair r * k + j_r.
-2. Down, grid (pair, H tile): the same owners, y = T(Down_e hidden) into `y` [P, H].
+2. Down, grid (pair, H tile): the same owners, y = T(Down_e hidden) into `y` [P, H]. Its programs read the routing
+   before their PDL wait (written two launches back), and the owners ask L2 for their weight tiles there
+   (`MoESettings.down_prefetch`), so Down's stream overlaps Gate/Up.
 3. Combine, grid (row, H tile): the weighted sum over slots; padding rows write zeros and read nothing.
 A row's experts must be distinct (top-k routing makes them so): a program finds a row's slot of e by matching.
 
@@ -57,7 +59,7 @@ from triton.language.extra import libdevice
 from .device import is_pow2
 from .f16_operands import bf16_grid
 from . import rmsnorm
-from .launch import launch_options, wait_for_inputs
+from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
 
 # Under TRITON_INTERPRET=1 (read when triton is imported) tl.dot on bf16 operands is wrong: the interpreter's dots take
@@ -121,6 +123,10 @@ class MoESettings:
     # moe` times 4, 6 and 8 against 3
     gate_up_stages: int = 3
     combine_block: int = 256    # columns a combine program: ~100 programs for 8 rows at H = 3072
+    # Down's owners ask L2 for their expert's weight tile before the PDL wait, while Gate/Up still runs (a hint: the
+    # same bits); on the retired kernels this measured -0.7% a round (docs/perf-history.md, "Reading ahead of the PDL
+    # wait"). `bench tune --ops moe` times it off
+    down_prefetch: bool = True
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -265,13 +271,27 @@ def _down_kernel(
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, LINE_ELEMS: tl.constexpr = 128, LINES: tl.constexpr = 2,
 ):
-    wait_for_inputs(PDL)
     p = tl.program_id(0)
     tile = tl.program_id(1)
-    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
+    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)  # before the wait: `_early_tile`
+    _early_tile(d_ptr, e, run, tile, H, I, BLOCK_N, PREFETCH, LINE_ELEMS, LINES)
+    wait_for_inputs(PDL)
     _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, tile, R, H, I, ds_e, ds_r, D_OFF0,
                 D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32, INTERP)
+
+
+@triton.jit
+def _early_tile(d_ptr, e, run, tile, H, I, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+                LINE_ELEMS: tl.constexpr, LINES: tl.constexpr):
+    """Before Down's PDL wait. The routing read for (e, run) was written two launches back (the router's select, then
+    Gate/Up), so it is complete here (kernels/launch.py); with PREFETCH the owner asks L2 for its expert's
+    [BLOCK_N x I] weight tile, whose stream then overlaps Gate/Up's."""
+    if PREFETCH:
+        if run:
+            n = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), H - 1)  # clamp, do not mask (prefetch_l2)
+            prefetch_rows(d_ptr + e.to(tl.int64) * H * I + n.to(tl.int64) * I, 0, I, LINE_ELEMS, LINES)
 
 
 @triton.jit
@@ -425,6 +445,7 @@ def _down_add_norm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
     Y_NORM: tl.constexpr, SCALED: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, LINE_ELEMS: tl.constexpr = 128, LINES: tl.constexpr = 2,
 ):
     """A 1-D grid: `_down_kernel`'s programs (pair p, H tile) first, p fastest as in its 2-D grid, each owner
     arriving on the launch's counter lock_ptr[0] when done; then one tail program a row, which counts the owners,
@@ -432,13 +453,15 @@ def _down_add_norm_kernel(
     where the last Down program to finish ran them, rows sharing their experts (decode's usual case) had one program
     run every row's tail in turn. A tail waits only for programs dispatched before it (a lower index), as split-K
     fix-ups do, so the few spinning tails never hold an SM a Down program needs."""
-    wait_for_inputs(PDL)
     pid = tl.program_id(0)
     P = R * K_TOP
     downs = P * tl.cdiv(H, BLOCK_N)
+    p = pid % P
+    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)  # before the wait: `_early_tile`
+    run = run & (pid < downs)
+    _early_tile(d_ptr, e, run, pid // P, H, I, BLOCK_N, PREFETCH, LINE_ELEMS, LINES)
+    wait_for_inputs(PDL)
     if pid < downs:
-        p = pid % P
-        e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
         _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, pid // P, R, H, I, ds_e, ds_r,
                     D_OFF0, D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32,
                     INTERP)
@@ -593,7 +616,7 @@ def _down(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, setting
     y = torch.empty((h.rows * h.k, h.H), dtype=torch.float32, device=h.hidden.device)
     _down_kernel[_down_grid(h, settings)](
         h.hidden, down_w.q, down_w.scale, h.experts, h.live, y, h.rows, h.H, h.hidden.shape[1],
-        down_w.scale.stride(0), down_w.scale.stride(1), **_down_constexprs(h, down_w, settings, down_k),
+        down_w.scale.stride(0), down_w.scale.stride(1), **_down_constexprs(h, down_w, settings, down_k, pdl),
         **_streams(h, settings), **launch_options(pdl, y.device))
     return ExpertOutputs(y, weights, h.live, h.count, h.dtype)
 
@@ -603,11 +626,13 @@ def _down_grid(h: ExpertHidden, s: MoESettings) -> tuple[int, int]:
     return h.rows * h.k, triton.cdiv(h.H, s.down_block_n)
 
 
-def _down_constexprs(h: ExpertHidden, down_w: ExpertWeights, s: MoESettings, down_k: int) -> dict:
-    """Launch 2's compile-time arguments (`_down_tiles`'), plain or ending in the tail."""
+def _down_constexprs(h: ExpertHidden, down_w: ExpertWeights, s: MoESettings, down_k: int, pdl: bool) -> dict:
+    """Launch 2's compile-time arguments (`_down_tiles`' and `_early_tile`'s), plain or ending in the tail. The
+    prefetch only with PDL: without the wait there is nothing to run ahead of."""
+    line_elems, lines = prefetch_lines(h.hidden.shape[1], down_w.q.element_size())
     return dict(D_OFF0=down_w.offset[0], D_OFF1=down_w.offset[1], B0=down_w.block[0], B1=down_w.block[1],
                 **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.down_block_n, BLOCK_K=down_k, **_math(h),
-                INTERP=INTERPRETED)
+                INTERP=INTERPRETED, PREFETCH=s.down_prefetch and pdl, LINE_ELEMS=line_elems, LINES=lines)
 
 
 def lock_count(rows: int) -> int:
@@ -659,7 +684,7 @@ def down_add_norm(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights,
         h.hidden, down_w.q, down_w.scale, h.experts, h.live, y, weights, locks, residual,
         next_norm if y_norm is None else y_norm, next_norm, sum_, h_out, b, R, H, h.hidden.shape[1],
         down_w.scale.stride(0), down_w.scale.stride(1), float(eps), scale, residual.stride(0), sum_.stride(0),
-        h_out.stride(0), b.stride(0), **_down_constexprs(h, down_w, s, down_k), BLOCK_H=triton.next_power_of_2(H),
+        h_out.stride(0), b.stride(0), **_down_constexprs(h, down_w, s, down_k, pdl), BLOCK_H=triton.next_power_of_2(H),
         Y_NORM=y_norm is not None, SCALED=scale != 1.0, **dict(_streams(h, s), **build), **launch_options(pdl, dev))
     return sum_, h_out, b
 

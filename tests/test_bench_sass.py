@@ -152,8 +152,10 @@ def test_the_prefetch_branch_compiles_without_spills_and_issues_its_bulk_prefetc
 
 
 def test_reads_meant_to_overlap_the_previous_kernel_come_before_the_wait():
-    """The router's weight tile (preload: one tile a split), the attention split's first K/V lines asked of L2 and
-    the combine's sink logit (q and sink_k) are issued before the wait; the norms read nothing before it."""
+    """The router's weight tile (preload: one tile a split), the attention split's first K/V lines asked of L2, the
+    combine's sink logit (q and sink_k) and Down's routing and weight tile asked of L2 (both forms, the plain one and
+    the one ending in the tail) are issued before the wait; the norms read nothing before it, nor Gate/Up (its
+    experts come from the launch just before it)."""
     def before(name: str) -> str:
         ptx = _compiled(name).asm["ptx"]
         return ptx[:ptx.index("griddepcontrol.wait")]
@@ -162,6 +164,12 @@ def test_reads_meant_to_overlap_the_previous_kernel_come_before_the_wait():
     assert before("attention_split").count("prefetch.global.L2") >= 2
     assert before("attention_combine").count("ld.global") >= 2
     assert "ld.global" not in before("rmsnorm") and "ld.global" not in before("add_norm")
+    for down in ("moe_down", "moe_down_odd", "moe_down_add_norm"):
+        assert before(down).count("prefetch.global.L2") >= 1 and before(down).count("ld.global") >= 2, down
+    assert "ld.global" not in before("moe_gate_up") and "prefetch" not in before("moe_gate_up")
+    # the control: without the setting, nothing is asked of L2 anywhere in Down
+    plain = sass.compile_spec(sass.published_specs()["moe_down"], PREFETCH=False).asm["ptx"]
+    assert "prefetch.global.L2" not in plain
 
 
 def test_an_odd_ranks_expert_shard_reads_one_scale_a_row():

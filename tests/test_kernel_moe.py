@@ -23,7 +23,8 @@ interpreter runs the grid in order, tails last, so it cannot show a tail reading
 GPU (`pytest.mark.gpu`, run on a device later): one TP8 rank at full size (256 experts, H 3072, 192-row shards at
 offsets 0 and 64, 128 x 128 blocks), 8 rows with 38 and 13 distinct experts, bf16, and graph replay bit-identical;
 `down_add_norm` at that shape with 6 rows against the pair: y and the sum bit for bit, h and b within the bf16 rounding
-of a norm whose squares are summed in another layout (FOLD_GPU_TOL).
+of a norm whose squares are summed in another layout (FOLD_GPU_TOL); the three launches with PDL (Down's L2 prefetch
+before its wait) captured and replayed with new routing, bit for bit against plain launches.
 """
 
 from __future__ import annotations
@@ -528,6 +529,41 @@ def test_gpu_fold_full_rank(c):
     print(c["name"], r["mismatch"], r["max_rel"])
     check_fold(c, r, FOLD_GPU_TOL)
 
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_prefetch_and_tails_keep_their_bits_over_replays():
+    """Gate/Up, Down and Down ending in the tail launched with PDL (Down's owners ask L2 for their weight tiles
+    before the wait) and captured once, then replayed with new routing: every replay's outputs equal plain eager
+    launches' (no PDL, no prefetch) bit for bit, and the tails' counters are left zeroed after each."""
+    c = dict(full_case(64, 38), R=6, form="layer")
+    t = distinct_routing(build(c, "cuda"), c)
+    c2 = dict(c, seed=1)
+    t2 = distinct_routing(build(c2, "cuda"), c2)
+    t2 = dict(t, b=t2["b"], experts=t2["experts"], weights=t2["weights"])
+    tail = (*tail_args(c, "cuda"), 1e-6, torch.bfloat16)
+    locks = torch.zeros(mk.lock_count(c["R"]), dtype=torch.int32, device="cuda")
+
+    def run(src: dict, pdl: bool) -> tuple:
+        h = mk.gate_up(src["b"], src["experts"], src["live"], src["gate"], src["up"], pdl=pdl)
+        return (mk.down(h, src["weights"], src["down"], pdl=pdl).y,
+                *mk.down_add_norm(h, src["weights"], src["down"], *tail, locks=locks, pdl=pdl))
+
+    want = [tuple(x.clone() for x in run(src, False)) for src in (t, t2)]
+    static = {a: t[a].clone() for a in ("b", "experts", "weights", "live")}
+    run(dict(t, **static), True)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run(dict(t, **static), True)
+    for src, w in ((t, want[0]), (t2, want[1]), (t, want[0])):
+        for a in static:
+            static[a].copy_(src[a])
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, got, ref in zip(("y", "sum", "h", "b"), outs, w):
+            assert torch.equal(got, ref), name
+        assert bool((locks == 0).all())
 
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
