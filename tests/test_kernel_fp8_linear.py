@@ -55,6 +55,8 @@ CASES = [
     # The split sum done by each tile's last split (counters): bit-equal to the two-pass sum, counters re-armed.
     case("serial_split_3", split_k=3, serial=True, preloads=True),
     case("serial_17rows_partial_k", M=17, N=33, K=88, split_k=6, serial=True),
+    # more splits than serial_sum reads at once (UNROLL = 8): a full group, then a partial one
+    case("serial_split_11_two_groups", K=176, split_k=11, serial=True),
     case("serial_bf16_out", x="bf16", split_k=2, serial=True),
     case("serial_no_split", split_k=1, N=200, block_n=32, serial=True),
     # Launch choices that schedule the same sums: other warps and pipeline depth, the same bits as the default's
