@@ -6,8 +6,8 @@
 # STAGE (in the order to run them: docs/PERF.md, "Open directions", first item):
 #   first     qualification at TP 1 (the default engine), then the rebuilt Down tail paired with the pair it replaced
 #             (triton against triton^down_tail): one call, each part under its own timeout
-#   tune      bench tune: the MoE (Gate/Up's depth, gate_up_stages) at 9 and 38 experts and the q/k/v fold's splits
-#             first, then the router fold's o-projection, the prefetch branch, the head, the top-k, the linears
+#   tune      bench tune: the MoE (Gate/Up's depth, Down's prefetch) at 9 and 38 experts, the q/k/v fold's splits and
+#             the router fold's o-projection first, then the prefetch branch, the head, the top-k, the linears
 #   tests     the @pytest.mark.gpu suite but the MPS module (over 4 min with 6 workers)
 #   mps       the MPS module (fused tails at 2 and 8 ranks, the TP engines at 2, 4 and 8, the captured loop)
 #   qualify2  qualification, bf16, TP 2 on one GPU under MPS
@@ -61,13 +61,14 @@ case "${1:-}" in
     timeout 270 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
       --kernels triton,triton^down_tail --out "$out/step-down-tail-ctx1k-d5-$sha.json" 2>&1 \
       | tee "$out/step-down-tail-ctx1k-d5-$sha.log" | tail -30 ;;
-  tune)  # the MoE's Gate/Up depth at the prefilled routing (8.9 experts) and at 38, the q/k/v fold's splits, then
-    # the rest; each part capped, so that one call returns what it reached
-    gpu bench tune --ops moe,qkv_rope_kv --distinct 9 --budget 200 --out "$out/tune-h200-moe9-qkv-$sha.json" 2>&1 \
-      | tee "$out/tune-h200-moe9-qkv-$sha.log" | tail -30
-    gpu bench tune --ops moe --distinct 38 --budget 90 --out "$out/tune-h200-moe38-$sha.json" 2>&1 \
-      | tee "$out/tune-h200-moe38-$sha.log" | tail -20
-    gpu bench tune --ops o_proj_router,expert_prefetch,lm_head,topk,linear_qkv,linear_o --budget 180 \
+  tune)  # Gate/Up's depth and Down's prefetch at the prefilled routing (8.9 experts), the q/k/v fold's splits and the
+    # router fold's o-projection chunk first; then the MoE at 38 experts and the rest; each part capped, so that one
+    # call returns what it reached
+    gpu bench tune --ops moe,qkv_rope_kv,o_proj_router --distinct 9 --budget 260 \
+      --out "$out/tune-h200-moe9-qkv-opr-$sha.json" 2>&1 | tee "$out/tune-h200-moe9-qkv-opr-$sha.log" | tail -40
+    gpu bench tune --ops moe --distinct 38 --only gate_up_stages=4,gate_up_stages=6,gate_up_stages=8,down_prefetch=False \
+      --budget 80 --out "$out/tune-h200-moe38-$sha.json" 2>&1 | tee "$out/tune-h200-moe38-$sha.log" | tail -12
+    gpu bench tune --ops expert_prefetch,lm_head,topk,linear_qkv,linear_o --budget 150 \
       --out "$out/tune-h200-$sha.json" 2>&1 | tee "$out/tune-h200-$sha.log" | tail -40 ;;
   trace)
     gpu bench graph-trace --kernels triton,triton+router_fold,triton^down_tail,triton^moe_combine,triton^qkv_rope \
