@@ -81,7 +81,8 @@ GRIDS: dict[str, tuple[dict, ...]] = {
             {"stages": 2}, {"stages": 4}, {"combine_block": 128}, {"combine_block": 512},
             # Gate/Up's depth (kernels/moe.py MoESettings.gate_up_stages), alone and with twice the programs
             {"gate_up_stages": 4}, {"gate_up_stages": 6}, {"gate_up_stages": 8},
-            {"gate_up_stages": 6, "gate_up_block_n": 16}, {"down_prefetch": False}),
+            {"gate_up_stages": 6, "gate_up_block_n": 16}, {"gate_up_stages": 8, "gate_up_block_n": 16},
+            {"down_prefetch": False}),
     # "rows" (the default) around its tile, then "dot" (the form before it) at its own defaults and grid; block_v 128
     # is left out for "dot": kernels/lm_head.choose_block_v says it spills on sm_90a
     "lm_head": ({"block_v": 8}, {"block_v": 32}, {"rows_block_k": 32}, {"rows_block_k": 128}, {"rows_warps": 4},
