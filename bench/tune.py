@@ -292,21 +292,29 @@ def _attention(op: str, s: RankShapes, rows: int, context: int, device, g, pdl: 
                  "window": window, "context": context, "kv_bytes_read": read}, n, calls)
 
 
-def _qk_rope_kv(s: RankShapes, rows: int, context: int, device, g, pdl: bool) -> Case:
+def _prologue_inputs(s: RankShapes, rows: int, slots: int, context: int, device, g) -> tuple:
+    """What the q/k prologue reads besides the projection, as the engine holds it at `context`: (q norm, k norm,
+    positions, cos, sin, live mask, K cache, V cache, slot positions), a full layer's cache of `slots` + 1 slots."""
     from ..reference.layers import rope_cos_sin
 
-    D, hq, hkv = s.head_dim, s.q_heads, s.kv_heads
-    slots = context + FULL_SLACK
-    qkv = _randn((rows, (hq + 2 * hkv) * D), g, device)  # the q/k/v projection's rows: q, k, v are column views
-    q = qkv[:, :hq * D].view(rows, hq, D)
-    k = qkv[:, hq * D:(hq + hkv) * D].view(rows, hkv, D)
-    v = qkv[:, (hq + hkv) * D:].view(rows, hkv, D)
+    D, hkv = s.head_dim, s.kv_heads
     qw, kw = _randn((D,), g, device), _randn((D,), g, device)
     positions = torch.arange(context, context + rows, device=device)
     cos, sin = rope_cos_sin(positions, s.rotary, s.theta, torch.float32)
     live = torch.ones(rows, dtype=torch.bool, device=device)
     ck = torch.zeros((slots + 1, hkv, D), dtype=torch.bfloat16, device=device)
     cv, sp = torch.zeros_like(ck), torch.full((slots + 1,), -1, dtype=torch.int64, device=device)
+    return qw, kw, positions, cos, sin, live, ck, cv, sp
+
+
+def _qk_rope_kv(s: RankShapes, rows: int, context: int, device, g, pdl: bool) -> Case:
+    D, hq, hkv = s.head_dim, s.q_heads, s.kv_heads
+    slots = context + FULL_SLACK
+    qkv = _randn((rows, (hq + 2 * hkv) * D), g, device)  # the q/k/v projection's rows: q, k, v are column views
+    q = qkv[:, :hq * D].view(rows, hq, D)
+    k = qkv[:, hq * D:(hq + hkv) * D].view(rows, hkv, D)
+    v = qkv[:, (hq + hkv) * D:].view(rows, hkv, D)
+    qw, kw, positions, cos, sin, live, ck, cv, sp = _prologue_inputs(s, rows, slots, context, device, g)
 
     def calls(st):
         out = torch.empty((rows, hq, D), dtype=q.dtype, device=device)  # not q itself: every replay reads the same q
@@ -326,8 +334,6 @@ def _qkv_rope_kv(s: RankShapes, rows: int, context: int, device, g, pdl: bool) -
     qkv_rope_write): linear_qkv's weight and rows, qk_rope_kv's norms, RoPE, positions and full-layer cache; the
     weight rotated over copies as linear_qkv's. A call returns the whole projection (the rotated q over its q columns,
     k and v as summed), so the bit comparison sees every tile's sum, not only what the prologue rounds from it."""
-    from ..reference.layers import rope_cos_sin
-
     D, hq, hkv, K = s.head_dim, s.q_heads, s.kv_heads, s.hidden
     N, (B0, B1), slots = (hq + 2 * hkv) * D, s.block, context + FULL_SLACK
     w = torch.randn((N, K), generator=g, device=device).to(torch.float8_e4m3fn)
@@ -335,12 +341,7 @@ def _qkv_rope_kv(s: RankShapes, rows: int, context: int, device, g, pdl: bool) -
     x = _randn((rows, K), g, device)
     n = _copies(w.numel() + sc.numel() * 4)
     ws = [w] + [w.clone() for _ in range(n - 1)]
-    qw, kw = _randn((D,), g, device), _randn((D,), g, device)
-    positions = torch.arange(context, context + rows, device=device)
-    cos, sin = rope_cos_sin(positions, s.rotary, s.theta, torch.float32)
-    live = torch.ones(rows, dtype=torch.bool, device=device)
-    ck = torch.zeros((slots + 1, hkv, D), dtype=torch.bfloat16, device=device)
-    cv, sp = torch.zeros_like(ck), torch.full((slots + 1,), -1, dtype=torch.int64, device=device)
+    qw, kw, positions, cos, sin, live, ck, cv, sp = _prologue_inputs(s, rows, slots, context, device, g)
     # as the engine's: one counter a (row tile, head) whatever the split, left zeroed by each call for the next
     locks = torch.zeros(qrk.lock_count(rows, D, N), dtype=torch.int32, device=device)
 
