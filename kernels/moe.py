@@ -449,9 +449,9 @@ def _down_add_norm_kernel(
 ):
     """A 1-D grid: `_down_kernel`'s programs (pair p, H tile) first, p fastest as in its 2-D grid, each owner
     arriving on the launch's counter lock_ptr[0] when done; then one tail program a row, which counts the owners,
-    waits for all their arrivals and runs the row's tail (`_row_tail`). The tails run side by side, one a row, whatever the routing:
-    where the last Down program to finish ran them, rows sharing their experts (decode's usual case) had one program
-    run every row's tail in turn. A tail waits only for programs dispatched before it (a lower index), as split-K
+    waits for all their arrivals and runs the row's tail (`_row_tail`). The tails run side by side, one a row,
+    whatever the routing: where the last Down program to finish ran them, rows sharing their experts (decode's usual
+    case) had one program run every row's tail in turn. A tail waits only for programs dispatched before it (a lower index), as split-K
     fix-ups do, so the few spinning tails never hold an SM a Down program needs."""
     pid = tl.program_id(0)
     P = R * K_TOP
@@ -646,9 +646,9 @@ def down_add_norm(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights,
                   pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`combine_add_norm(down(h, weights, down_w), residual, scale, y_norm, next_norm, eps, dtype)` in one launch:
     (the combined sum rounded to the compute dtype, h, b). Down's programs store the experts' outputs into `y` (fp32
-    [R * k, H], allocated when None) as `down` does, each owner arriving on a counter when done (`locks`: `lock_count(R)`
-    zeroed contiguous int32 counters, left zeroed), and one tail program a row waits for every arrival, then sums the
-    row's slots and runs the sandwich tail on it (a padding row's sum is +0). One dependent launch a MoE layer less
+    [R * k, H], allocated when None) as `down` does, each owner arriving on a counter when done (`locks`:
+    `lock_count(R)` zeroed contiguous int32 counters, left zeroed), and one tail program a row waits for every
+    arrival, then sums the row's slots and runs the sandwich tail on it (a padding row's sum is +0). One dependent launch a MoE layer less
     than the pair (issue 52). TP 1 (or a rank slice), as `combine_add_norm`.
 
     Bits: Down's outputs are `down`'s, and the combine and the tail are `combine_add_norm`'s definitions
