@@ -290,6 +290,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
         summary[key] = {"median_round_us": statistics.median(r["round_us"] for r in rows),
                         "tokens_per_round": sum(r["tokens"] for r in rows) / max(1, sum(r["rounds"] for r in rows))}
     main = modes[0][0] + "/" + modes[0][1]
+    paired = paired_ratios(runs, main)
     baseline = "torch/eager" if "torch/eager" in summary else None
     if baseline and baseline != main:
         summary["speedup"] = summary[baseline]["median_round_us"] / summary[main]["median_round_us"]
@@ -331,7 +332,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
               "torch": torch.__version__, "host": platform.node(), "dtype": str(dtype), "weights": fmt,
               "weight_bytes": weight_bytes, "build_s": build_s, "engines": timing,
               "restore_all_kv": all(e[3].all_kv for e in engines.values()), "summary": summary, "bytes": bytes_info,
-              "floor": floor, "floors_by_variant": floors,
+              "floor": floor, "floors_by_variant": floors, "paired": paired,
               "bytes_by_variant": {k: {n: b[n] for n in ("measured_median", "distinct_experts_verify_mean")}
                                    for k, b in by_variant.items()}, "stages_us_per_round": stages, "tpot_mini_profile": profile,
               "targets": {"floor_ratio_max": TARGET_FLOOR_RATIO, "speedup_min": TARGET_SPEEDUP,
@@ -344,6 +345,20 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def paired_ratios(runs: dict[str, list[dict]], main: str) -> dict:
+    """Each other arm's round against the main arm's of the same repeat (the arms alternate within a repeat, so a
+    drift in clocks or temperature divides out): {arm: {"median", "min", "max", "n"}} of round_us / main's. An A'
+    arm (the main variant again, primed) gives the spread a real difference must clear."""
+    ref = [r["round_us"] for r in runs[main]]
+    out = {}
+    for key, rows in runs.items():
+        if key == main or key.split("/")[1] != main.split("/")[1]:  # graph against graph, eager against eager
+            continue
+        ratios = [r["round_us"] / m for r, m in zip(rows, ref)]
+        out[key] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios)}
+    return out
 
 
 def variant_floors(by_variant: dict, summary: dict, mode: str, upper_total: float, bandwidth: float) -> dict:
@@ -405,6 +420,9 @@ def _print(r: dict) -> None:
     for key, v in s.items():
         if isinstance(v, dict):
             print(f"{key:14} {v['median_round_us']:18.1f} {v['tokens_per_round']:13.2f}")
+    for key, p in r.get("paired", {}).items():
+        print(f"{key} against {r['main_variant']}, paired by repeat: {p['median']:.4f}x median "
+              f"({p['min']:.4f}-{p['max']:.4f}, {p['n']} repeats)")
     if "speedup" in s:
         print(f"{r['main_variant']} speedup over {r['baseline_variant']}: {s['speedup']:.2f}x (target >= {TARGET_SPEEDUP:.0f}x)")
     if r.get("tpot_mini_profile"):

@@ -28,8 +28,9 @@ class Variant(NamedTuple):
 
 def split(name: str) -> Variant:
     """The parts of a variant name such as "triton+router_fold^moe_combine~route:38": kernels, then +options,
-    ~ablations and ^unfolds in any order."""
-    kernels, *parts = re.split(r"(?=[~^+])", name)
+    ~ablations and ^unfolds in any order. Trailing primes name an A' arm: "triton'" is "triton" again, an engine of its
+    own built alike, whose spread against the first is the benchmark's noise floor."""
+    kernels, *parts = re.split(r"(?=[~^+])", name.rstrip("'"))
     if kernels not in ("torch", "triton") or any(len(p) < 2 for p in parts):
         raise ValueError(f"variant {name!r}: kernels must be torch or triton (then +options, ~op ablations and ^fold "
                          f"unfolds), got {kernels!r}")

@@ -63,9 +63,11 @@ def register(sub) -> None:
                         "--config each variant is held to the byte floor of its own routing), or a fold undone as "
                         "its control (lab/unfold.py: triton^moe_combine, triton^down_tail, triton^qkv_rope, "
                         "triton^peer_tail), or a product option that changes numerics turned on (triton+router_fold); "
-                        "e.g. torch,triton, triton,triton~route:38 or triton,triton^moe_combine (default torch). The "
-                        "speedup line compares the first variant's graph round with torch's eager round, so include "
-                        "torch to get it")
+                        "e.g. torch,triton, triton,triton~route:38 or triton,triton^moe_combine (default torch). A "
+                        "trailing prime repeats a variant as an A' arm of its own engine (triton,triton^down_tail,"
+                        "triton'): every arm is printed against the first, paired by repeat, and the A' arm's spread "
+                        "is the noise a difference must clear. The speedup line compares the first variant's graph "
+                        "round with torch's eager round, so include torch to get it")
     s.set_defaults(run=run)
     c = bsub.add_parser("context", help="the round across context lengths 1K-192K against the added-KV floor",
                         description="One TP rank's slice of --config at full dimensions (as bench step --config), "

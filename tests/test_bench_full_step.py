@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, strategies as st
 import torch
 
+from iquest.bench import full_step
 from iquest.bench.bytes import ByteCounter, RoundRouting, round_bytes, stage_bytes
 from iquest.cli.main import main
 from iquest.fast import weights as fast_weights
@@ -185,6 +186,28 @@ def test_cpu_smoke_run(tmp_path, capsys):
     assert set(b["stages"]) == {"attention", "mlp", "norm", "lm_head", "draft"} <= set(stages)
     assert all(v > 0 for v in b["stages"].values()) and b["stages"]["mlp"] < b["measured_median"]
     assert r["weights"] == "fp8"  # tiny is an FP8 checkpoint
+
+
+def test_an_a_prime_arm_is_an_engine_of_its_own_and_every_arm_is_paired_with_the_first(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    rc = main(["bench", "step", "--config", str(TINY / "config.json"), "--tp-slice", "2", "--device", "cpu",
+               "--repeats", "2", "--context", "48", "--chunk-tokens", "6", "--kernels", "torch,torch'",
+               "--out", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert list(r["engines"]) == ["torch", "torch'"] and set(r["summary"]) >= {"torch/eager", "torch'/eager"}
+    p = r["paired"]["torch'/eager"]
+    rounds = [(a["round_us"], b["round_us"]) for a, b in zip(r["runs"]["torch/eager"], r["runs"]["torch'/eager"])]
+    assert p["n"] == 2 and p["median"] == pytest.approx(sum(b / a for a, b in rounds) / 2)
+    assert p["min"] <= p["median"] <= p["max"] and "torch/eager" not in r["paired"]
+    assert "torch'/eager against torch/eager, paired by repeat" in capsys.readouterr().out
+
+
+def test_paired_ratios_by_hand():
+    runs = {"a/graph": [{"round_us": 100.0}, {"round_us": 200.0}, {"round_us": 100.0}],
+            "b/graph": [{"round_us": 90.0}, {"round_us": 200.0}, {"round_us": 120.0}],
+            "a/eager": [{"round_us": 1.0}] * 3}
+    assert full_step.paired_ratios(runs, "a/graph") == {"b/graph": {"median": 1.0, "min": 0.9, "max": 1.2, "n": 3}}
 
 
 def test_routing_recorder_counts_every_moe_call_of_eager_rounds():
