@@ -313,6 +313,8 @@ FOLD_CASES = [
     case("fold_r8_same_layer0_bf16", pattern="same", dtype="bf16", form="layer0"),
     # a prefill-sized block: an expert's owner covers rows in two 16-row blocks, its arrivals for both
     case("fold_r24_pad_two_row_blocks_bf16", R=24, live="mask", dtype="bf16", form="layer"),
+    # no owner at all: the tails wait for no arrival, every row a padding row's tail
+    case("fold_r4_no_live_rows_fp32", R=4, H=256, live="none", form="draft"),
 ]
 # `outputs`: whether the control must also show in h and b (a tail that stopped waiting short writes NaN rows)
 FOLD_CONTROLS = [case("neg_fold_one_arrival_twice", H=256, dtype="bf16", form="layer", control="arrive_twice",
@@ -391,10 +393,10 @@ def check_fold(c: dict, r: dict, tol: dict | None = None) -> None:
 
 
 def test_fold_cases_cover():
-    """Rows 1, 3, 8 and 24 (two row blocks); padding as a mask and as a count; both dtypes; every tail form; one and
-    two H tiles."""
-    assert {c["R"] for c in FOLD_CASES} == {1, 3, 8, 24} and max(c["R"] for c in FOLD_CASES) > mk.MoESettings().block_m
-    assert {c["live"] for c in FOLD_CASES} == {"all", "mask", "count"}
+    """Rows 1, 3, 4, 8 and 24 (two row blocks); padding as a mask and as a count, and no live row; both dtypes; every
+    tail form; one and two H tiles."""
+    assert {c["R"] for c in FOLD_CASES} == {1, 3, 4, 8, 24} and max(c["R"] for c in FOLD_CASES) > mk.MoESettings().block_m
+    assert {c["live"] for c in FOLD_CASES} == {"all", "mask", "count", "none"}
     assert {c["dtype"] for c in FOLD_CASES} == set(DTYPES) and {c["form"] for c in FOLD_CASES} == set(TAIL_FORMS)
     assert {c["H"] // mk.MoESettings().down_block_n for c in FOLD_CASES} == {1, 2}
 
