@@ -302,7 +302,7 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
     o = s.inter_offset
     out["moe_down_add_norm"] = _launch(
         mo._down_add_norm_kernel,
-        dict(h_ptr="*fp32", d_ptr="*fp8e4nv", ds_ptr="*fp32", experts_ptr="*i64", live_ptr="*u8", y_ptr="*fp32",
+        dict(h_ptr="*fp32", d_ptr="*fp8e4nv", ds_ptr="*fp32", experts_ptr="*i64", live_ptr="*u8", y_ptr="*bf16",
              weights_ptr="*fp32", lock_ptr="*i32", r_ptr="*bf16", yw_ptr="*bf16", nw_ptr="*bf16", sum_ptr="*bf16",
              ho_ptr="*bf16", b_ptr="*bf16"),
         dict(R=R, H=H, I=I, ds_e=(H // B0) * -(-(I + o) // B1), ds_r=-(-(I + o) // B1), stride_r=H, stride_sum=H,

@@ -451,8 +451,9 @@ def _down_add_norm_kernel(
     arriving on the launch's counter lock_ptr[0] when done; then one tail program a row, which counts the owners,
     waits for all their arrivals and runs the row's tail (`_row_tail`). The tails run side by side, one a row,
     whatever the routing: where the last Down program to finish ran them, rows sharing their experts (decode's usual
-    case) had one program run every row's tail in turn. A tail waits only for programs dispatched before it (a lower index), as split-K
-    fix-ups do, so the few spinning tails never hold an SM a Down program needs."""
+    case) had one program run every row's tail in turn. A tail waits only for programs dispatched before it (a lower
+    index), as split-K fix-ups do, so the few spinning tails never hold an SM a Down program needs. `y` holds the
+    compute dtype (`down_add_norm`)."""
     pid = tl.program_id(0)
     P = R * K_TOP
     downs = P * tl.cdiv(H, BLOCK_N)
@@ -645,11 +646,12 @@ def down_add_norm(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights,
                   *, locks: torch.Tensor, y: torch.Tensor | None = None, settings: MoESettings = MoESettings(),
                   pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`combine_add_norm(down(h, weights, down_w), residual, scale, y_norm, next_norm, eps, dtype)` in one launch:
-    (the combined sum rounded to the compute dtype, h, b). Down's programs store the experts' outputs into `y` (fp32
-    [R * k, H], allocated when None) as `down` does, each owner arriving on a counter when done (`locks`:
+    (the combined sum rounded to the compute dtype, h, b). Down's programs store the experts' outputs into `y` ([R * k,
+    H] of the compute dtype, allocated when None: the values `down` stores in fp32 are on that grid, so the tail reads
+    them exactly in half the bytes and registers), each owner arriving on a counter when done (`locks`:
     `lock_count(R)` zeroed contiguous int32 counters, left zeroed), and one tail program a row waits for every
-    arrival, then sums the row's slots and runs the sandwich tail on it (a padding row's sum is +0). One dependent launch a MoE layer less
-    than the pair (issue 52). TP 1 (or a rank slice), as `combine_add_norm`.
+    arrival, then sums the row's slots and runs the sandwich tail on it (a padding row's sum is +0). One dependent
+    launch a MoE layer less than the pair (issue 52). TP 1 (or a rank slice), as `combine_add_norm`.
 
     Bits: Down's outputs are `down`'s, and the combine and the tail are `combine_add_norm`'s definitions
     (`weighted_sum`, `_round`, rmsnorm's `sandwich_tail`, built without FMA contraction as it is), so under the
@@ -661,9 +663,9 @@ def down_add_norm(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights,
     dev = h.hidden.device
     down_k = _check_down(h, weights, down_w, settings)
     if y is None:
-        y = torch.empty((R * h.k, H), dtype=torch.float32, device=dev)
-    _check(y.dtype == torch.float32 and tuple(y.shape) == (R * h.k, H) and y.is_contiguous() and y.device == dev,
-           f"y must be contiguous fp32 [{R * h.k}, {H}] on {dev}")
+        y = torch.empty((R * h.k, H), dtype=h.dtype, device=dev)
+    _check(y.dtype == h.dtype and tuple(y.shape) == (R * h.k, H) and y.is_contiguous() and y.device == dev,
+           f"y must be contiguous {h.dtype} [{R * h.k}, {H}] on {dev}")
     sum_ = torch.empty((R, H), dtype=h.dtype, device=dev)
     scale = rmsnorm.check_tail("moe", residual, sum_, scale, y_norm, next_norm, eps, dtype)
     _check(locks is not None and locks.dtype == torch.int32 and locks.is_contiguous() and locks.device == dev

@@ -367,7 +367,7 @@ def run_fold(c: dict, device: str, t: dict | None = None) -> dict:
            "live_rows": int(t["mask"].sum())}
     with substituted(mk, FOLD_SUBSTITUTES.get(c.get("control"), {})):
         for _ in range(2):
-            y = torch.full_like(o.y, float("nan"))  # an output read before it is stored shows
+            y = torch.full(o.y.shape, float("nan"), dtype=dt, device=device)  # read before stored: it shows
             got = mk.down_add_norm(h, t["weights"], t["down"], *tail, locks=locks, y=y)
             res["locks_zero"].append(bool((locks == 0).all()))
             for name, g, w in zip(names, (y[pairs], *got), (o.y[pairs], *want)):
@@ -395,7 +395,8 @@ def check_fold(c: dict, r: dict, tol: dict | None = None) -> None:
 def test_fold_cases_cover():
     """Rows 1, 3, 4, 8 and 24 (two row blocks); padding as a mask and as a count, and no live row; both dtypes; every
     tail form; one and two H tiles."""
-    assert {c["R"] for c in FOLD_CASES} == {1, 3, 4, 8, 24} and max(c["R"] for c in FOLD_CASES) > mk.MoESettings().block_m
+    assert {c["R"] for c in FOLD_CASES} == {1, 3, 4, 8, 24}
+    assert max(c["R"] for c in FOLD_CASES) > mk.MoESettings().block_m
     assert {c["live"] for c in FOLD_CASES} == {"all", "mask", "count", "none"}
     assert {c["dtype"] for c in FOLD_CASES} == set(DTYPES) and {c["form"] for c in FOLD_CASES} == set(TAIL_FORMS)
     assert {c["H"] // mk.MoESettings().down_block_n for c in FOLD_CASES} == {1, 2}
@@ -434,7 +435,8 @@ def test_fold_refuses_bad_arguments():
             ((*ok[:6], torch.ones(64), *ok[7:]), dict(locks=locks), "moe: next_norm_w"),
             ((*ok[:4], float("inf"), *ok[5:]), dict(locks=locks), "moe: scale"),
             ((h, torch.ones(2, 3), *ok[2:]), dict(locks=locks), "moe: weights must be"),
-            (ok, dict(locks=locks, y=torch.zeros(8, 64)), "moe: y must be")):
+            (ok, dict(locks=locks, y=torch.zeros(8, 64)), "moe: y must be"),
+            (ok, dict(locks=locks, y=torch.zeros(8, 128, dtype=torch.bfloat16)), "moe: y must be")):  # not b's dtype
         with pytest.raises(ValueError, match=message):
             mk.down_add_norm(*args, **kw)
 
