@@ -214,12 +214,16 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
              PRELOAD=rs.preload and h_per_split == rs.block_h), rs.num_warps, 1,
         f"router logits, fp32 [{s.experts} x {H}] in {n_split} H splits")
     e_pad = triton.next_power_of_2(s.experts)
+    slab = s.inter * H  # one expert's Gate (or Up) codes at the rank: what the select warms once it has chosen
     out["router_select"] = _launch(
-        ro._router_select_kernel, dict(part_ptr="*fp32", weights_ptr="*fp32", experts_ptr="*i64", scores_ptr="*fp32"),
-        dict(R=R, E=s.experts, splits=n_split), (),
+        ro._router_select_kernel, dict(part_ptr="*fp32", weights_ptr="*fp32", experts_ptr="*i64", scores_ptr="*fp32",
+                                       gate_ptr="*fp8e4nv", up_ptr="*fp8e4nv"),
+        dict(R=R, E=s.experts, splits=n_split, stride_gate=slab, stride_up=slab, slab_bytes=slab), (),
         dict(E_PAD=e_pad, SPLIT_BLOCK=max(1, min(triton.next_power_of_2(n_split), ro.PART_CHUNK // e_pad)),
-             TOP_K=s.top_k, K_PAD=triton.next_power_of_2(s.top_k), ACCURATE_EXP=True, PDL=True), rs.select_warps, 1,
-        f"router softmax + top-{s.top_k} of {s.experts}")
+             TOP_K=s.top_k, K_PAD=triton.next_power_of_2(s.top_k), ACCURATE_EXP=True, PDL=True, WARM=True,
+             CHUNK=rs.warm_chunk_bytes, CHUNKS_PAD=triton.next_power_of_2(triton.cdiv(slab, rs.warm_chunk_bytes))),
+        rs.select_warps, 1, f"router softmax + top-{s.top_k} of {s.experts}, then bulk L2 requests for the chosen "
+                            f"experts' Gate and Up ({slab} bytes each)")
 
     # ---- the router fold (EngineOptions.router_fold): o_proj writing the router's partial logits, and the attention's
     # sandwich tail summing them and selecting (in place of router_logits and router_select)

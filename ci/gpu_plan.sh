@@ -11,8 +11,8 @@
 #   tests     the @pytest.mark.gpu suite but the MPS module (over 4 min with 6 workers)
 #   mps       the MPS module (fused tails at 2 and 8 ranks, the TP engines at 2, 4 and 8, the captured loop)
 #   qualify2  qualification, bf16, TP 2 on one GPU under MPS
-#   step      the benchmark of record (triton, ~route:38 and +router_fold in one process, ~5 min); step2 the folds'
-#             controls (^down_tail, ^qkv_rope) against triton
+#   step      the benchmark of record (triton, ^routed_prefetch, its control, and ~route:38 in one process, ~5 min);
+#             step2 the folds' controls (^down_tail, ^qkv_rope) against triton
 #   trace     bench graph-trace: kernels a decoder layer, with and without each fold
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
 #   rest      bench context (1K-512K), bench depth (the controller's gain, paired), mini decode tok/s
@@ -43,7 +43,8 @@ case "${1:-}" in
       > "$out/qualify-mini-cuda-bf16-tp2-$sha.json" 2> "$out/qualify-mini-cuda-bf16-tp2-$sha.log" || true
     tail -2 "$out/qualify-mini-cuda-bf16-tp2-$sha.log" ;;
   step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
-    kernels=triton,triton~route:38,triton+router_fold; [ "$1" = step2 ] && kernels=triton,triton^down_tail,triton^qkv_rope
+    kernels=triton,triton^routed_prefetch,triton~route:38
+    [ "$1" = step2 ] && kernels=triton,triton^down_tail,triton^qkv_rope
     gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --kernels "$kernels" \
       --out "$out/$1-full-tp8slice-ctx1k-d5-$sha.json" 2>&1 | tee "$out/$1-full-tp8slice-ctx1k-d5-$sha.log" ;;
   prefetch)

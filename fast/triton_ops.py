@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels import (decode_attention, embed, expert_prefetch, fp8_linear, lm_head, moe, o_proj_router, philox,
-                       qk_rope_kv, qkv_rope_kv, rmsnorm, route_tail, router, sample, settle, topk)
+from ..kernels import (decode_attention, embed, expert_prefetch, fp8_linear, launch, lm_head, moe, o_proj_router,
+                       philox, qk_rope_kv, qkv_rope_kv, rmsnorm, route_tail, router, sample, settle, topk)
 from .plan import KernelPlan
 from .profiling import stage
 from .router_fold import PendingProjection
@@ -56,6 +56,7 @@ class TritonOps(TorchOps):
         self.fallbacks: Counter = Counter()  # op group -> calls a kernel could not take (ran the torch form)
         self._locks: torch.Tensor | None = None
         self._experts: dict[int, list] = {}  # id(MoE) -> its gate, up, down as the MoE kernel takes them
+        self._slabs: dict[int, tuple] = {}  # id(router) -> its layer's Gate and Up codes, for the select to warm
         self._side: torch.cuda.Stream | None = None  # the expert prefetch's branch stream (CUDA)
         self._branch: list = []  # what the branches launched since the last join read and write: kept alive until it
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -81,6 +82,9 @@ class TritonOps(TorchOps):
             if isinstance(lw.mlp, MoE):
                 self._experts[id(lw.mlp)] = [moe.ExpertWeights(p.q, p.scale, p.block, p.offset) if p.quantized else None
                                              for p in (lw.mlp.gate, lw.mlp.up, lw.mlp.down)]
+                gate, up = lw.mlp.gate, lw.mlp.up
+                if gate.quantized and up.quantized and launch.slab_ok(gate.q) and launch.slab_ok(up.q):
+                    self._slabs[id(lw.mlp.router)] = (gate.q, up.q)
         if self._warm and w.embed.is_cuda:
             self._side = torch.cuda.Stream(w.embed.device)
 
@@ -193,7 +197,12 @@ class TritonOps(TorchOps):
         if not self._fits("moe", router.fits(b.shape[0], *router_w.shape)):
             return super().route_on(b, router_w, top_k)
         self.calls["route"] += 1
-        return router.route(b, router_w, top_k, pdl=b.is_cuda)
+        return router.route(b, router_w, top_k, pdl=b.is_cuda, warm=self.route_warm(router_w))
+
+    def route_warm(self, router_w):
+        """The Gate and Up codes the router's select asks L2 for once it has chosen (kernels/router.py `route`'s
+        `warm`): the layer's, where the MoE's kernels take them (lab/unfold.py's `^routed_prefetch` returns None)."""
+        return self._slabs.get(id(router_w)) if self.plan.moe else None
 
     def moe(self, b, experts, weights, live, mw):
         ew = self._experts.get(id(mw), [None])  # made in prepare(); absent: a BF16 MoE, on its torch form

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .device import is_pow2 as _pow2, sm_count as _sm_count
+from .launch import slab_ok, warm_slabs
 from .router import _sum_splits, _tie_rank, select_experts, split_logits, split_plan
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
@@ -71,27 +72,6 @@ def _predict_logits_kernel(a_ptr, w_ptr, part_ptr, live_ptr, E, H, stride_a, h_p
 
 
 @triton.jit
-def _bulk_prefetch_l2(ptrs, nbytes):
-    """Ask L2 for `nbytes` (a multiple of 16) from each 16-byte-aligned address in `ptrs`, without waiting (sm_90)."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r", [ptrs, nbytes],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _warm_rows(w_ptr, experts, stride_e, nbytes, CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    """Bulk-prefetch the first `nbytes` of each chosen expert's slab (experts [K_PAD], -1: none) in CHUNK pieces."""
-    c = tl.arange(0, CHUNKS_PAD)
-    start = c * CHUNK
-    ok = (experts[:, None] >= 0) & (start < nbytes)[None, :]
-    e = tl.where(experts >= 0, experts, 0).to(tl.int64)
-    size = tl.minimum(nbytes - start, CHUNK)
-    # Every lane holds a valid request (no mask on inline PTX): a lane with nothing to ask repeats the slab's first
-    # chunk, which is then in flight already.
-    ptrs = w_ptr + e[:, None] * stride_e + tl.where(ok, start[None, :], 0)
-    _bulk_prefetch_l2(ptrs, tl.where(ok, size[None, :], tl.minimum(nbytes, CHUNK)).to(tl.int32))
-
-
-@triton.jit
 def _predict_warm_kernel(part_ptr, live_ptr, predicted_ptr, weights_ptr, scores_ptr, gate_ptr, up_ptr, R, E, splits,
                          stride_gate, stride_up, nbytes,
                          ROWS_PAD: tl.constexpr, E_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TOP_K: tl.constexpr,
@@ -108,8 +88,8 @@ def _predict_warm_kernel(part_ptr, live_ptr, predicted_ptr, weights_ptr, scores_
         tl.debug_barrier()  # the row's experts, stored by other threads of this program, read back
         if ISSUE:
             experts = tl.load(predicted_ptr + row * TOP_K + slot, mask=slot < TOP_K, other=-1)
-            _warm_rows(gate_ptr, experts, stride_gate, nbytes, CHUNK, CHUNKS_PAD)
-            _warm_rows(up_ptr, experts, stride_up, nbytes, CHUNK, CHUNKS_PAD)
+            warm_slabs(gate_ptr, experts, stride_gate, nbytes, CHUNK, CHUNKS_PAD)
+            warm_slabs(up_ptr, experts, stride_up, nbytes, CHUNK, CHUNKS_PAD)
     else:
         tl.store(predicted_ptr + row * TOP_K + slot, tl.full([K_PAD], -1, tl.int64), mask=slot < TOP_K)
 
@@ -120,17 +100,11 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(f"expert_prefetch: {message}")
 
 
-def _slab_ok(q: torch.Tensor) -> bool:
-    """An expert's slab of `q` [E, rows, cols] (one byte an element) is contiguous and starts 16-byte aligned."""
-    return (q.dim() == 3 and q.element_size() == 1 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
-            and q.stride(0) % 16 == 0 and q.data_ptr() % 16 == 0 and (q.shape[1] * q.shape[2]) % 16 == 0)
-
-
 def fits(R: int, predictor: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether `warm` takes a block of R rows with these weights; otherwise the engine launches no branch."""
     E, H = predictor.shape
     return (1 <= R <= MAX_ROWS and E * H < 2**31 and gate.shape == up.shape and gate.shape[0] == E
-            and _slab_ok(gate) and _slab_ok(up) and gate.shape[1] * gate.shape[2] < 2**31)
+            and slab_ok(gate) and slab_ok(up) and gate.shape[1] * gate.shape[2] < 2**31)
 
 
 def _splits(E: int, H: int, s: PrefetchSettings, device: torch.device) -> tuple[int, int]:

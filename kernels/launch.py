@@ -74,6 +74,35 @@ def prefetch_rows(row_ptrs, start, end, ELEMS_PER_LINE: tl.constexpr, LINES: tl.
     prefetch_l2(row_ptrs[:, None] + tl.where(c < end, c, start)[None, :])
 
 
+@triton.jit
+def _bulk_prefetch_l2(ptrs, nbytes):
+    """Ask L2 for `nbytes` (a multiple of 16) from each 16-byte-aligned address in `ptrs`, without waiting (sm_90)."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r", [ptrs, nbytes],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def warm_slabs(w_ptr, experts, stride_e, nbytes, CHUNK: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Bulk-prefetch the first `nbytes` of each chosen expert's slab (experts [K_PAD], -1: none) in CHUNK pieces (the
+    expert prefetch's branch and the router's select: kernels/expert_prefetch.py, kernels/router.py)."""
+    c = tl.arange(0, CHUNKS_PAD)
+    start = c * CHUNK
+    ok = (experts[:, None] >= 0) & (start < nbytes)[None, :]
+    e = tl.where(experts >= 0, experts, 0).to(tl.int64)
+    size = tl.minimum(nbytes - start, CHUNK)
+    # Every lane holds a valid request (no mask on inline PTX): a lane with nothing to ask repeats the slab's first
+    # chunk, which is then in flight already.
+    ptrs = w_ptr + e[:, None] * stride_e + tl.where(ok, start[None, :], 0)
+    _bulk_prefetch_l2(ptrs, tl.where(ok, size[None, :], tl.minimum(nbytes, CHUNK)).to(tl.int32))
+
+
+def slab_ok(q: torch.Tensor) -> bool:
+    """An expert's slab of `q` [E, rows, cols] (one byte an element) is contiguous and starts 16-byte aligned: what
+    `warm_slabs` asks of L2 in bulk."""
+    return (q.dim() == 3 and q.element_size() == 1 and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+            and q.stride(0) % 16 == 0 and q.data_ptr() % 16 == 0 and (q.shape[1] * q.shape[2]) % 16 == 0)
+
+
 def prefetch_lines(columns: int, element_bytes: int) -> tuple[int, int]:
     """(ELEMS_PER_LINE, LINES) for `prefetch_rows` over `columns` columns of `element_bytes`-byte elements."""
     per_line = max(1, 128 // element_bytes)

@@ -15,7 +15,9 @@ Two launches, fixed grids, no host sync, no atomics (graph-capturable; a replay 
    Triton's approximate tl.exp, and round-to-nearest division), then k rounds of one int64 max over the keys
    score_bits << 32 | (E_PAD - 1 - rank). Scores are >= +0, so their bits order as the values do, and among equal
    scores the lower rank wins; an expert's rank is its index (`_tie_rank`). The weights are the chosen scores over
-   their sum. The selection is `select_experts`, which kernels/route_tail.py's folded tail calls too.
+   their sum. The selection is `select_experts`, which kernels/route_tail.py's folded tail calls too. Given the
+   layer's Gate and Up codes (`warm`), the row's program then asks L2 for its chosen experts' slabs, which Gate/Up,
+   the next launch, streams (a hint: no value changes).
 
 Agreement with TorchOps.route_on: both sum the same fp32 products in different orders (torch's matmul: cuBLAS or the
 CPU's BLAS), so logits, scores and weights agree to rounding, not bit for bit. `device.logit_tolerance` states how
@@ -36,7 +38,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .device import FLOATS as _FLOATS, is_pow2 as _pow2, sm_count as _sm_count
-from .launch import launch_options, wait_for_inputs
+from .launch import launch_options, slab_ok, wait_for_inputs, warm_slabs
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 MAX_ROWS = 8  # launch 1 holds every row of the block against its weight tile
@@ -62,6 +64,9 @@ class RouterSettings:
     # Where a split is one tile, launch 1 reads it before the PDL wait, overlapping the previous kernel
     # (docs/PERF.md, "Constant weights loaded into registers before the PDL wait").
     preload: bool = True
+    # With `route(warm=...)`: one bulk L2 request a piece of this many bytes of each chosen expert's Gate and Up slabs
+    # (the expert prefetch's size, kernels/expert_prefetch.py)
+    warm_chunk_bytes: int = 32768
 
 
 @triton.jit
@@ -171,14 +176,22 @@ def select_experts(logits, row, E, weights_ptr, experts_ptr, scores_ptr, E_PAD: 
 
 
 @triton.jit
-def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, R, E, splits,
+def _router_select_kernel(part_ptr, weights_ptr, experts_ptr, scores_ptr, R, E, splits, gate_ptr, up_ptr,
+                          stride_gate, stride_up, slab_bytes,
                           E_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                          ACCURATE_EXP: tl.constexpr, PDL: tl.constexpr = False):
+                          ACCURATE_EXP: tl.constexpr, PDL: tl.constexpr = False, WARM: tl.constexpr = False,
+                          CHUNK: tl.constexpr = 32768, CHUNKS_PAD: tl.constexpr = 1):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     logits = _sum_splits(part_ptr, row, R, E, splits, E_PAD, SPLIT_BLOCK)
     select_experts(logits, row, E, weights_ptr, experts_ptr, scores_ptr, E_PAD, TOP_K, K_PAD, ACCURATE_EXP,
                    _tie_rank)
+    if WARM:  # the experts just chosen: their Gate and Up slabs asked of L2 before Gate/Up, the next launch, reads them
+        tl.debug_barrier()  # the row's experts, stored by other threads of this program, read back
+        slot = tl.arange(0, K_PAD)
+        experts = tl.load(experts_ptr + row * TOP_K + slot, mask=slot < TOP_K, other=-1)
+        warm_slabs(gate_ptr, experts, stride_gate, slab_bytes, CHUNK, CHUNKS_PAD)
+        warm_slabs(up_ptr, experts, stride_up, slab_bytes, CHUNK, CHUNKS_PAD)
 
 
 # ---- host wrapper ----------------------------------------------------------------------------------
@@ -216,14 +229,19 @@ def _check_settings(s: RouterSettings) -> None:
     _check(isinstance(s.programs_per_sm, int) and s.programs_per_sm >= 1,
            f"programs_per_sm must be an int >= 1, got {s.programs_per_sm!r}")
     _check(isinstance(s.preload, bool), f"preload must be a bool, got {s.preload!r}")
+    _check(_pow2(s.warm_chunk_bytes) and s.warm_chunk_bytes >= 16,
+           f"warm_chunk_bytes {s.warm_chunk_bytes!r} must be a power of two >= 16")
 
 
 def route(b: torch.Tensor, router_w: torch.Tensor, top_k: int, *, settings: RouterSettings = RouterSettings(),
-          pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          pdl: bool = False, warm: tuple[torch.Tensor, torch.Tensor] | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights [R, k] fp32, experts [R, k] int64, scores [R, E] fp32) = TorchOps.route_on(b, router_w, top_k) to
     rounding (`device.logit_tolerance`), for b [R, H] bf16 (fp16 / fp32 taken too; unit stride along H), R in
-    1..MAX_ROWS, and router_w [E, H] fp32, contiguous. `pdl`: as kernels/launch.py's. ValueError for what it does not
-    take."""
+    1..MAX_ROWS, and router_w [E, H] fp32, contiguous. `pdl`: as kernels/launch.py's. `warm`: the layer's Gate and Up
+    codes (E4M3 [E, I_r, H] each, `launch.slab_ok`): the select then asks L2 for each chosen expert's two slabs, so
+    Gate/Up, the launch after it, reads them from L2 (a cache hint: the same results; on the GPU only, the interpreter
+    having no such requests). ValueError for what it does not take."""
     _check(isinstance(b, torch.Tensor) and isinstance(router_w, torch.Tensor), "b and router_w must be tensors")
     _check(b.dim() == 2 and router_w.dim() == 2, f"b {tuple(b.shape)} and router_w {tuple(router_w.shape)} must be 2-D")
     R, H = b.shape
@@ -241,6 +259,11 @@ def route(b: torch.Tensor, router_w: torch.Tensor, top_k: int, *, settings: Rout
     _check(isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k <= E,
            f"top_k {top_k!r} must be an int in 1..{E} (the expert count)")
     _check_settings(settings)
+    if warm is not None:
+        _check(len(warm) == 2 and all(isinstance(w, torch.Tensor) and slab_ok(w) and w.shape[0] == E
+                                      and w.device == b.device for w in warm) and warm[0].shape == warm[1].shape,
+               f"warm must be the Gate and Up codes [{E}, I_r, H], one byte an element, each expert's slab contiguous "
+               f"and 16-byte aligned, on {b.device}")
     split = settings.split if settings.split is not None else choose_split(E, H, settings, b.device)
     splits, h_per_split = split_plan(H, split, settings.block_h)
 
@@ -257,9 +280,13 @@ def route(b: torch.Tensor, router_w: torch.Tensor, top_k: int, *, settings: Rout
                                 PRELOAD=settings.preload and h_per_split == settings.block_h,
                                 **launch_options(pdl, dev))
     e_pad = triton.next_power_of_2(E)
+    gate, up = warm if warm is not None else (part, part)  # unread without WARM
+    slab = gate[0].numel() if warm is not None else 0
     _router_select_kernel[(R,)](
-        part, weights, experts, scores, R, E, splits, E_PAD=e_pad,
+        part, weights, experts, scores, R, E, splits, gate, up, gate.stride(0), up.stride(0), slab, E_PAD=e_pad,
         SPLIT_BLOCK=max(1, min(triton.next_power_of_2(splits), PART_CHUNK // e_pad)), TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k), ACCURATE_EXP=not INTERPRETED, num_warps=settings.select_warps,
+        WARM=warm is not None and not INTERPRETED, CHUNK=settings.warm_chunk_bytes,
+        CHUNKS_PAD=triton.next_power_of_2(max(1, triton.cdiv(slab, settings.warm_chunk_bytes))),
         **launch_options(pdl, dev))
     return weights, experts, scores

@@ -151,6 +151,16 @@ def test_the_prefetch_branch_compiles_without_spills_and_issues_its_bulk_prefetc
         assert "UBLKPF" in sass.sequence(kernel)
 
 
+def test_the_routers_select_warms_its_chosen_experts_after_choosing():
+    """The select (as the engine launches it at a MoE layer: `route(warm=...)`) ends in bulk L2 requests for the
+    chosen experts' Gate and Up slabs, after its wait; without WARM it issues none (the control)."""
+    spec = sass.published_specs()["router_select"]
+    ptx = _compiled("router_select").asm["ptx"]
+    assert ptx.index("griddepcontrol.wait") < ptx.index("cp.async.bulk.prefetch.L2.global")
+    assert "UBLKPF" in sass.sequence(_compiled("router_select"))
+    assert "cp.async.bulk.prefetch" not in sass.compile_spec(spec, WARM=False).asm["ptx"]
+
+
 def test_reads_meant_to_overlap_the_previous_kernel_come_before_the_wait():
     """The router's weight tile (preload: one tile a split), the attention split's first K/V lines asked of L2, the
     combine's sink logit (q and sink_k) and Down's routing and weight tile asked of L2 (both forms, the plain one and

@@ -73,7 +73,9 @@ CONTROLS = {"ties_high": {"_router_select_kernel": {"_tie_rank": ranked_high}},
             "drop_split": {"_router_select_kernel": {"_sum_splits": sum_splits_dropping_last}}}
 
 BASE = dict(R=8, E=64, H=200, k=8, dtype="bf16", data="randn", b_stride=None, broken=None, twin=None, seed=0,
-            settings=dict(block_e=16, block_h=32))
+            settings=dict(block_e=16, block_h=32), warm=None)
+# warm: the I_r rows of Gate and Up codes passed as `route(warm=...)`; the results must be the plain call's bit for bit
+# (the L2 requests exist only on the GPU: under the interpreter this checks the plumbing and the refusals)
 
 
 def case(name: str, **kw) -> dict:
@@ -97,6 +99,7 @@ CASES = [
     case("5rows_E48_k5_strided_fp32", R=5, E=48, k=5, H=120, dtype="fp32", b_stride=2, seed=9,
          settings=dict(block_e=16, block_h=32, split=2)),
     case("8rows_all_equal_router", R=8, E=16, k=5, H=64, data="equal", seed=10),
+    case("6rows_E16_warm", R=6, E=16, k=4, H=64, seed=11, warm=16),
     # negative controls: must fail the checks the cases above pass
     case("broken_ties_to_higher_index", R=8, H=96, data="int", broken="ties_high", seed=20,
          settings=dict(block_e=16, block_h=32, split=2)),
@@ -115,6 +118,7 @@ GPU_CASES = [  # the published decode shapes
     case("gpu_8rows_model_split1", R=8, **dict(MODEL, settings=dict(split=1)), seed=106),
     case("gpu_8rows_model_split5_uneven", R=8, **dict(MODEL, settings=dict(split=5)), seed=107),
     case("gpu_8rows_model_tile_8x256", R=8, **dict(MODEL, settings=dict(block_e=8, block_h=256)), seed=108),
+    case("gpu_6rows_model_warm", R=6, **MODEL, seed=109, warm=192),  # a TP8 rank's 192-row expert slabs
     *[case(f"gpu_6rows_model_select_{w}_warps", R=6, **dict(MODEL, settings=dict(select_warps=w)), seed=110 + w)
       for w in (1, 2, 8)],
     case("gpu_broken_ties_high", R=8, **dict(MODEL, data="int"), broken="ties_high", seed=120),
@@ -217,6 +221,13 @@ def run_case(c: dict, device: str) -> dict:
     splits, h_per_split = rt.split_plan(c["H"], split, s.block_h)
     r = dict(measure(t["b"], t["w"], c["k"], got, want), splits=splits,
              preloaded=s.preload and h_per_split == s.block_h)
+    if c["warm"]:
+        codes = torch.randint(0, 256, (2, c["E"], c["warm"], c["H"]), dtype=torch.uint8,
+                              generator=torch.Generator().manual_seed(c["seed"])).view(torch.float8_e4m3fn)
+        warmed = run_route(t, c["k"], s, warm=tuple(codes.to(device)))
+        r["warm_bit_equal"] = all(torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                                              b.view(torch.int32) if b.dtype == torch.float32 else b)
+                                  for a, b in zip(got, warmed))
     if c["twin"] is not None:  # the same case under other settings that keep the summation order: the same bits
         twin = run_route(t, c["k"], settings_of(c["twin"]))
         r["twin_bit_equal"] = all(torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
@@ -248,6 +259,8 @@ def check_values(c: dict, r: dict) -> None:
         assert r["splits"] > 1, f"{c['name']}: asked for {c['settings']['split']} splits, ran {r['splits']}"
     if c["twin"] is not None:
         assert r["twin_bit_equal"], f"{c['name']}: settings {c['twin']} changed the bits"
+    if c["warm"]:
+        assert r["warm_bit_equal"], f"{c['name']}: warming the chosen experts' slabs changed the bits"
 
 
 def _check(c: dict, r: dict) -> None:
@@ -326,6 +339,12 @@ def _args(**over):
     (dict(settings=rt.RouterSettings(select_warps=3)), "select_warps"),
     (dict(settings=rt.RouterSettings(preload=1)), "preload"),
     (dict(router_w=torch.randn(rt.MAX_EXPERTS + 1, 40)), "not taken"),
+    (dict(settings=rt.RouterSettings(warm_chunk_bytes=1000)), "warm_chunk_bytes"),
+    (dict(warm=(torch.zeros(16, 4, 40, dtype=torch.uint8),)), "warm must be"),
+    (dict(warm=(torch.zeros(8, 4, 40, dtype=torch.uint8),) * 2), "warm must be"),  # not one slab an expert
+    (dict(warm=(torch.zeros(16, 4, 40), torch.zeros(16, 4, 40))), "warm must be"),  # four bytes an element
+    (dict(warm=(torch.zeros(16, 4, 40, dtype=torch.uint8), torch.zeros(16, 2, 40, dtype=torch.uint8))),
+     "warm must be"),
 ])
 def test_rejects_bad_inputs(over, message):
     with pytest.raises(ValueError, match=f"router: .*{message}"):

@@ -63,6 +63,7 @@ def test_variant_names_are_checked():
             variants.split(bad)
     assert variants.split("triton^moe_combine~route:38") == ("triton", {"route:38"}, {"moe_combine"}, set())
     assert variants.split("triton+router_fold~moe") == ("triton", {"moe"}, set(), {"router_fold"})
+    assert variants.split("triton^down_tail''") == variants.split("triton^down_tail")  # an A' arm
     assert _engine("torch+router_fold").options.router_fold and not _engine("torch").options.router_fold
     with pytest.raises(ValueError, match="unknown unfold"):
         _engine("torch^bogus")
@@ -77,6 +78,24 @@ def test_an_unfold_off_the_variants_path_is_refused():
     assert got == _decode("torch")[0]
     with pytest.raises(ValueError, match="never folded on its path"):
         variants.check(SimpleNamespace(model=SimpleNamespace(ops=ops)), "torch^moe_combine")
+
+
+def test_the_routed_prefetchs_control_hands_the_select_no_slabs():
+    """With the MoE's kernels, the router's select is handed each MoE layer's Gate and Up codes to warm; under
+    `^routed_prefetch` it is handed none, each withheld pair counted (so the control is refused where nothing was)."""
+    from iquest.fast.plan import KernelPlan
+    from iquest.fast.weights import MoE
+    from iquest.lab.unfold import unfold
+
+    e = RankEngine(TINY, Parallel.single("cpu"), EngineOptions(max_context=64, kernels=KernelPlan(moe=True)))
+    ops, w = e.model.ops, e.model.w
+    moes = [lw.mlp for lw in [*w.layers, w.draft.block] if isinstance(lw.mlp, MoE)]
+    assert moes and all(ops.route_warm(m.router) == (m.gate.q, m.up.q) for m in moes)
+    unfold(ops, {"routed_prefetch"})
+    assert all(ops.route_warm(m.router) is None for m in moes)
+    assert ops.unfolded_calls == {"routed_prefetch": len(moes)}
+    plain = RankEngine(TINY, Parallel.single("cpu"), EngineOptions(max_context=64, kernels=KernelPlan(sampling=True)))
+    assert all(plain.model.ops.route_warm(m.router) is None for m in moes)  # no MoE kernels: no select to warm
 
 
 @given(rows=st.integers(1, 8), k=st.integers(1, 8), distinct=st.integers(8, 64))
