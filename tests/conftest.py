@@ -24,7 +24,17 @@ collect_ignore_glob = ([] if all(importlib.util.find_spec(m) for m in ("fastapi"
                        else ["test_serve*.py", "test_agents_live.py", "test_chat_template.py", "test_bench_agent.py"])
 
 
+# Modules that take a minute or more on CI's two cores (an interpreted kernel worker, a qualification run), longest
+# first. With --dist loadfile a module is one unit of work, and xdist's default order (most tests first) put these
+# few-test modules last, one running alone while the other core idled; pyproject's --no-loadscope-reorder keeps this
+# order, and the other modules keep theirs after them.
+LONG_FIRST = ("test_fast_kernels.py", "test_qualify.py", "test_round_kernels.py", "test_qualify_tp.py",
+              "test_kernel_moe.py", "test_cli_qualify.py", "test_fast_engine.py", "test_debug_chain.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(LONG_FIRST)))  # stable: a module's own order kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run on the lent H200)")
