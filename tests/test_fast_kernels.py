@@ -85,14 +85,23 @@ GROUP_BLOCK_TOL = {"attention": 1e-5, "norm": 1e-5, "moe": 1e-5, "lm_head": 1e-5
                    "linear_attention": 1e-5}
 
 
+# fold -> (the op groups it needs, the kernel path it adds)
+FOLDS = {"moe_combine": (("moe", "norm"), "down_add_norm"), "down_tail": (("moe", "norm"), "down_add_norm"),
+         "qkv_rope": (("linear", "attention"), "qkv_rope_kv")}
+
+
 def group_block(*groups: str, device: str = "cpu") -> dict:
     """Op groups' kernels (the rest on torch forms) against the torch forms over a prefill block, a verification
     block with padding rows and a draft block: the largest relative error of the live rows' logits and hiddens, the
-    caches' (their real slots'), and the kernel calls and fallbacks."""
-    out = {}
+    caches' (their real slots'), and the kernel calls and fallbacks. With them, under "unfolds", each fold of exactly
+    these groups against its control (lab/unfold.py `^fold`: the launches the fold removed put back): the control's
+    outputs and caches bit for bit against the kernels' run, and which paths each ran."""
+    from iquest.lab.unfold import unfold
+
+    out, engines = {}, {}
     with_kernels = KernelPlan(**{group: True for group in groups})
     for plan in (KernelPlan.torch(), with_kernels):
-        e = engine(plan, device)
+        e = engines[plan.name] = engine(plan, device)
         _forget_capture(e)
         outputs = two_blocks(e, device)
         out[plan.name] = ([t for block in outputs for t in block], [_real_slots(kv) for kv in e.cache.layers],
@@ -100,38 +109,21 @@ def group_block(*groups: str, device: str = "cpu") -> dict:
     (o0, c0, _, _), (o1, c1, calls, fallbacks) = out["torch"], out[with_kernels.name]
     rel = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
     live = [None, None, 6, 6, 6, 6]  # the verification and draft blocks' padding rows are no one's output
+    unfolds = {}
+    for fold in (f for f, (g, _) in FOLDS.items() if g == groups):
+        control = engine(with_kernels, device)
+        _forget_capture(control)
+        unfold(control.model.ops, {fold})
+        got = [t for block in two_blocks(control, device) for t in block]
+        caches = [_real_slots(kv) for kv in control.cache.layers]
+        path = FOLDS[fold][1]
+        unfolds[fold] = {"identical": all(torch.equal(x, y) for x, y in zip(o1, got))
+                         and all(torch.equal(x, y) for l0, l1 in zip(c1, caches) for x, y in zip(l0, l1)),
+                         "folded": calls.get(path, 0), "control": control.model.ops.calls[path],
+                         "unfolded": control.model.ops.unfolded_calls.get(fold, 0)}
     return {"rel_err": max(rel(x[:n], y[:n]) for x, y, n in zip(o1, o0, live)),
             "cache_err": max(rel(x, y) for l0, l1 in zip(c0, c1) for x, y in zip(l1, l0)),
-            "calls": calls, "fallbacks": fallbacks}
-
-
-# fold -> (the op groups it needs, the kernel path it adds)
-FOLDS = {"moe_combine": (("moe", "norm"), "down_add_norm"), "down_tail": (("moe", "norm"), "down_add_norm"),
-         "qkv_rope": (("linear", "attention"), "qkv_rope_kv")}
-
-
-def unfolded_blocks(groups: tuple[str, ...], device: str = "cpu") -> dict:
-    """The folds of one plan against their controls (lab/unfold.py `^fold`: the launches a fold removed put back):
-    {fold: each control's three blocks' outputs and caches bit for bit against the folded engine's (run once), and
-    which paths each ran}."""
-    from iquest.lab.unfold import unfold
-
-    plan = KernelPlan(**{g: True for g in groups})
-    folded = engine(plan, device)
-    want = two_blocks(folded, device)
-    out = {}
-    for fold in (f for f, (g, _) in FOLDS.items() if g == groups):
-        path = FOLDS[fold][1]
-        control = engine(plan, device)
-        unfold(control.model.ops, {fold})
-        got = two_blocks(control, device)
-        same = all(torch.equal(x, y) for a, b in zip(want, got) for x, y in zip(a, b))
-        caches = all(torch.equal(x, y) for l0, l1 in zip(folded.cache.layers, control.cache.layers)
-                     for x, y in zip(_real_slots(l0), _real_slots(l1)))
-        out[fold] = {"identical": same and caches, "folded": folded.model.ops.calls[path],
-                     "control": control.model.ops.calls[path],
-                     "unfolded": control.model.ops.unfolded_calls.get(fold, 0)}
-    return out
+            "calls": calls, "fallbacks": fallbacks, "unfolds": unfolds}
 
 
 def router_fold_block(device: str = "cpu") -> dict:
@@ -292,9 +284,9 @@ def test_interpreted_fold_and_its_control_are_bit_identical(interpreted, fold):
     """Issue 52's paired evidence rests on this: the fold's control variant computes the same bits through the
     launches the fold removed (and the control really ran them). On the interpreter, bit for bit; on the GPU the
     q/k/v fold's norm sums its squares in another layout (tests/test_kernel_qkv_rope_kv.py)."""
-    r = interpreted["unfolded_" + "_".join(FOLDS[fold][0])]
+    r = interpreted["_".join(FOLDS[fold][0]) + "_block"]
     assert "error" not in r, r
-    r = r[fold]
+    r = r["unfolds"][fold]
     assert r["identical"], r
     assert r["folded"] > 0 and r["control"] == 0 and r["unfolded"] > 0, r
 
@@ -343,9 +335,7 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
                  ("moe_norm_block", lambda: group_block("moe", "norm")),
                  ("linear_attention_block", lambda: group_block("linear", "attention")),
                  ("router_fold_block", router_fold_block), ("prefetch_block", prefetch_block),
-                 ("control_models_block", control_models_block),
-                 *(("unfolded_" + "_".join(g), lambda g=g: unfolded_blocks(g))
-                   for g in dict.fromkeys(g for g, _ in FOLDS.values()))])
+                 ("control_models_block", control_models_block)])
 
 
 # ---- on the GPU --------------------------------------------------------------------------------------------
