@@ -239,14 +239,18 @@ def _randn(shape, g: torch.Generator, device, dtype=torch.bfloat16, scale: float
     return (torch.randn(shape, generator=g, device=device) * scale).to(dtype)
 
 
+def _fp8_weight(n: int, k: int, block: tuple[int, int], g, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random E4M3 [n, k] weight and its fp32 block scales (of order 1/64: outputs stay O(1))."""
+    w = torch.randn((n, k), generator=g, device=device).to(torch.float8_e4m3fn)
+    return w, (torch.rand((-(-n // block[0]), -(-k // block[1])), generator=g, device=device) + 0.5) / 64
+
+
 def _linear(op: str, s: RankShapes, rows: int, device, g, pdl: bool) -> Case:
     """One attention projection as the engine calls it: q/k/v as one weight (the rank's query heads and its KV head's k
     and v) or o_proj; bf16 rows in and out, the split sum done in the launch (arrival counters)."""
     q_cols, kv_cols = s.q_heads * s.head_dim, s.kv_heads * s.head_dim
     N, K = (q_cols + 2 * kv_cols, s.hidden) if op == "linear_qkv" else (s.hidden, q_cols)
-    (B0, B1) = s.block
-    w = torch.randn((N, K), generator=g, device=device).to(torch.float8_e4m3fn)
-    sc = (torch.rand((-(-N // B0), -(-K // B1)), generator=g, device=device) + 0.5) / 64
+    w, sc = _fp8_weight(N, K, s.block, g, device)
     x = _randn((rows, K), g, device)
     n = _copies(w.numel() + sc.numel() * 4)
     ws = [w] + [w.clone() for _ in range(n - 1)]
@@ -258,7 +262,8 @@ def _linear(op: str, s: RankShapes, rows: int, device, g, pdl: bool) -> Case:
                                            settings=st),) for w in ws]
 
     name = "q/k/v" if op == "linear_qkv" else "o_proj"
-    return Case(op, f"x [{rows}, {K}] bf16 @ {name} [{N} x {K}] E4M3 with fp32 {B0}x{B1} block scales, bf16 out",
+    return Case(op, f"x [{rows}, {K}] bf16 @ {name} [{N} x {K}] E4M3 with fp32 {s.block[0]}x{s.block[1]} block "
+                    f"scales, bf16 out",
                 {"rows": rows, "n": N, "k": K, "block": list(s.block), "weight_bytes": w.numel()}, n, calls)
 
 
@@ -336,8 +341,7 @@ def _qkv_rope_kv(s: RankShapes, rows: int, context: int, device, g, pdl: bool) -
     k and v as summed), so the bit comparison sees every tile's sum, not only what the prologue rounds from it."""
     D, hq, hkv, K = s.head_dim, s.q_heads, s.kv_heads, s.hidden
     N, (B0, B1), slots = (hq + 2 * hkv) * D, s.block, context + FULL_SLACK
-    w = torch.randn((N, K), generator=g, device=device).to(torch.float8_e4m3fn)
-    sc = (torch.rand((-(-N // B0), -(-K // B1)), generator=g, device=device) + 0.5) / 64
+    w, sc = _fp8_weight(N, K, s.block, g, device)
     x = _randn((rows, K), g, device)
     n = _copies(w.numel() + sc.numel() * 4)
     ws = [w] + [w.clone() for _ in range(n - 1)]
@@ -425,9 +429,7 @@ def _o_proj_router(s: RankShapes, rows: int, device, g, pdl: bool) -> Case:
     """The router fold's o-projection as the engine calls it: o_proj's shape with the layer's residual, W' and the
     attn_out_norm weight; the partial logits [T, 2, rows, E] written beside y."""
     N, K, E = s.hidden, s.q_heads * s.head_dim, s.experts
-    (B0, B1) = s.block
-    w = torch.randn((N, K), generator=g, device=device).to(torch.float8_e4m3fn)
-    sc = (torch.rand((-(-N // B0), -(-K // B1)), generator=g, device=device) + 0.5) / 64
+    w, sc = _fp8_weight(N, K, s.block, g, device)
     x, r = _randn((rows, K), g, device), _randn((rows, N), g, device)
     wo = (torch.rand(N, generator=g, device=device) + 0.5).to(torch.bfloat16)
     rw = torch.randn((E, N), generator=g, device=device) * 0.02
