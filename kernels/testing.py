@@ -36,6 +36,7 @@ def patch_interpreter() -> None:
 
     interpreter._patch_lang_tensor = patched
     _skip_relaunch_patching(interpreter)
+    _xor_reduce_in_numpy(interpreter)
     interpreter._iquest_patched = True
 
 
@@ -79,6 +80,33 @@ def _skip_relaunch_patching(interpreter) -> None:
 
     interpreter.GridExecutor.__call__ = grid_call
     interpreter.InterpretedFunction.__call__ = device_call
+
+
+def _xor_reduce_in_numpy(interpreter) -> None:
+    """`tl.topk` and `tl.sort` (a bitonic network) reduce with `xor_sum` at every compare-and-swap, and Triton 3.6's
+    interpreter has no NumPy form for that combine: it calls the jit combine once an element, in Python, which was 98%
+    of an interpreted round's time (tests/test_round_kernels.py: 220 of 227 s). Here that one combine reduces with
+    `np.bitwise_xor`, the same bits (xor is exact and order-free); every other combine keeps the interpreter's path."""
+    import numpy as np
+    import triton.language as tl
+
+    ops = interpreter.ReduceOps
+    generic = ops.generic_apply_impl = ops.apply_impl  # kept for the patch's own test (tests/test_kernel_testing.py)
+
+    def apply_impl(self, input):
+        if self.combine_fn != tl.standard._xor_combine:
+            return generic(self, input)
+        ops.numpy_xor_calls = getattr(ops, "numpy_xor_calls", 0) + 1
+        (x,) = input
+        data = x.handle.data
+        if self.axis is None:
+            out = np.bitwise_xor.reduce(data.reshape(-1))
+            out = out.reshape((1,) * data.ndim) if self.keep_dims else out
+        else:
+            out = np.bitwise_xor.reduce(data, axis=self.axis, keepdims=self.keep_dims)
+        return self.to_tensor(out, x.dtype)
+
+    ops.apply_impl = apply_impl
 
 
 def substitute(kernel, **pieces):

@@ -8,7 +8,8 @@ draw could differ only where its uniform lies within rounding of a boundary; on 
 the decodes must agree token for token and round for round, with logprobs equal on the GPU (libdevice's logf is
 torch's log there) and within 1e-5 under the interpreter (NumPy's log). The fused paths are counted, so a decode
 that silently fell back would fail. On CPU one short decode (4 tokens, a few rounds) runs interpreted for each side
-(slow: about a minute each); the GPU runs longer ones in both dtypes.
+(a few seconds each: kernels/testing.py reduces the top-k network's xor sums in NumPy); the GPU runs longer ones in
+both dtypes.
 """
 
 from __future__ import annotations
