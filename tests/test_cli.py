@@ -458,12 +458,15 @@ def test_console_script_error_has_no_traceback(tmp_path):
 
 def test_ctrl_c_while_torch_imports(tmp_path):
     """SIGINT as soon as the process maps libtorch (inside `import torch`, which main() does after its Ctrl-C handling
-    is in place): one line and 130, as a Ctrl-C mid-decode gives."""
+    is in place): one line and 130, as a Ctrl-C mid-decode gives. The child starts with SIGINT's default action: a
+    pytest started as a non-interactive shell's background job (`pytest &`) has SIGINT ignored, which a child inherits,
+    and Python then installs no handler for it (the process ran to the end and exited 0)."""
     maps = Path("/proc/self/maps")
     if not maps.exists():
         pytest.skip("needs /proc to see when torch starts loading")
     cmd = _script() + ["generate", "--engine", "reference", "--model", str(TINY), "--prompt-ids", "1,2"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while p.poll() is None and time.monotonic() < deadline:
         try:
