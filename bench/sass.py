@@ -365,7 +365,10 @@ def _linear_auto_split(n: int, k: int, block_n: int, block_k: int, sms: int) -> 
 
 
 def compile_spec(spec: KernelSpec, **constexprs) -> object:
-    """The compiled kernel for sm_90a (`constexprs` override the spec's, e.g. PRELOAD=0)."""
+    """The compiled kernel for sm_90a (`constexprs` override the spec's, e.g. PRELOAD=0; num_warps and num_stages
+    override the launch's)."""
+    launch = {"num_warps": constexprs.pop("num_warps", spec.num_warps),
+              "num_stages": constexprs.pop("num_stages", spec.num_stages)}
     params = inspect.signature(spec.fn.fn).parameters
     names = list(params)
     defaults = {n: p.default for n, p in params.items()  # constexpr keywords the spec leaves at their defaults
@@ -378,8 +381,7 @@ def compile_spec(spec: KernelSpec, **constexprs) -> object:
     make = GluonASTSource if getattr(spec.fn, "is_gluon", lambda: False)() else ASTSource
     source = make(spec.fn, signature, {(names.index(k),): v for k, v in values.items()},
                   {(names.index(n),): [["tt.divisibility", 16]] for n in spec.div16})
-    return triton.compile(source, target=TARGET,
-                          options={"num_warps": spec.num_warps, "num_stages": spec.num_stages, **spec.options})
+    return triton.compile(source, target=TARGET, options={**launch, **spec.options})
 
 
 def sequence(kernel) -> list[str]:
@@ -397,8 +399,29 @@ def _tool(name: str, cubin: str, *args: str) -> str:
     return subprocess.run([os.path.join(_BIN, name), *args, cubin], capture_output=True, text=True, check=True).stdout
 
 
+_INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s*(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9]*)")
+
+
+def dot_loop(sass_text: str) -> dict | None:
+    """The innermost loop holding a tensor-core instruction (the shortest span from a label to a branch back to it
+    with an HMMA or HGMMA inside): what one warp issues a K step. {"instructions", "mix"}, or None without one."""
+    lines = sass_text.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    best = None
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m is None or labels.get(m.group(1), i) >= i:
+            continue
+        ops = [x.group(1) for x in map(_INSTRUCTION.match, lines[labels[m.group(1)]:i + 1]) if x]
+        if any(op in ("HMMA", "HGMMA") for op in ops) and (best is None or len(ops) < len(best)):
+            best = ops
+    return None if best is None else {"instructions": len(best),
+                                      "mix": dict(collections.Counter(best).most_common())}
+
+
 def report(kernel) -> dict:
-    """{"registers", "stack_bytes", "shared_bytes", "instructions", "mix": {opcode: static count}}."""
+    """{"registers", "stack_bytes", "shared_bytes", "instructions", "mix": {opcode: static count}, "dot_loop"
+    (`dot_loop`)}."""
     with tempfile.TemporaryDirectory() as d:
         cubin = os.path.join(d, "kernel.cubin")
         with open(cubin, "wb") as f:
@@ -408,13 +431,9 @@ def report(kernel) -> dict:
     m = re.search(r"REG:(\d+).*?STACK:(\d+)", usage)
     if m is None:
         raise RuntimeError(f"cuobjdump -res-usage gave no register count:\n{usage}")
-    mix = collections.Counter()
-    for line in sass.splitlines():
-        ins = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9]*)", line)
-        if ins:
-            mix[ins.group(1)] += 1
+    mix = collections.Counter(ins.group(1) for ins in map(_INSTRUCTION.match, sass.splitlines()) if ins)
     return {"registers": int(m.group(1)), "stack_bytes": int(m.group(2)), "shared_bytes": kernel.metadata.shared,
-            "instructions": sum(mix.values()), "mix": dict(mix.most_common())}
+            "instructions": sum(mix.values()), "mix": dict(mix.most_common()), "dot_loop": dot_loop(sass)}
 
 
 def run(names: tuple[str, ...], overrides: dict, top: int = 10) -> dict:
@@ -426,4 +445,8 @@ def run(names: tuple[str, ...], overrides: dict, top: int = 10) -> dict:
         print(f"{name} ({table[name].note}): {r['registers']} registers, {r['stack_bytes']} B stack, "
               f"{r['shared_bytes']} B shared, {r['instructions']} instructions")
         print("   " + ", ".join(f"{op} {n}" for op, n in list(r["mix"].items())[:top]))
+        if r["dot_loop"]:
+            loop = r["dot_loop"]
+            print(f"   a K step (the innermost loop with a tensor-core instruction): {loop['instructions']} instructions "
+                  f"a warp: " + ", ".join(f"{op} {n}" for op, n in list(loop["mix"].items())[:top]))
     return out

@@ -82,6 +82,12 @@ GRIDS: dict[str, tuple[dict, ...]] = {
             # Gate/Up's depth (kernels/moe.py MoESettings.gate_up_stages), alone and with twice the programs
             {"gate_up_stages": 4}, {"gate_up_stages": 6}, {"gate_up_stages": 8},
             {"gate_up_stages": 6, "gate_up_block_n": 16}, {"gate_up_stages": 8, "gate_up_block_n": 16},
+            # a step's 382 instructions a warp (260 of them the dequantization) split four ways: twice the programs,
+            # each of twice the warps (docs/PERF.md, "What Gate/Up's compiled step says")
+            {"gate_up_block_n": 16, "warps": 8},
+            # the scales on each step's product, not on every weight element (a numerical change: 318 instructions a
+            # warp a step against 382)
+            {"gate_up_scale": "product"}, {"gate_up_scale": "product", "gate_up_stages": 6},
             {"down_prefetch": False}),
     # "rows" (the default) around its tile, then "dot" (the form before it) at its own defaults and grid; block_v 128
     # is left out for "dot": kernels/lm_head.choose_block_v says it spills on sm_90a
@@ -107,7 +113,8 @@ GRIDS: dict[str, tuple[dict, ...]] = {
 
 # Fields that set the order of some fp32 sum (so a candidate changing one may change the last bits): from each settings
 # class's docstring, plus the MoE's K steps (each step's dot is added to the accumulator: the step's width groups the
-# products) and the norms' warps (a row's sum of squares is a tree over its threads).
+# products), Gate/Up's scale form (a rounding fewer) and the norms' warps (a row's sum of squares is a tree over its
+# threads).
 _ATTENTION_ORDER = frozenset({"block_n", "min_split", "num_splits", "num_warps", "combine_splits", "combine_cols",
                               "combine_warps"})
 ORDER_FIELDS: dict[str, frozenset[str]] = {
@@ -117,7 +124,7 @@ ORDER_FIELDS: dict[str, frozenset[str]] = {
     # the split's, as the plain linear's (block_n only through choose_split_k: a tile is one head whatever it says)
     "qkv_rope_kv": frozenset({"block_n", "split_k"}),
     "router": frozenset({"block_e", "block_h", "num_warps", "split", "programs_per_sm", "select_warps"}),
-    "moe": frozenset({"gate_up_block_k", "down_block_k"}),
+    "moe": frozenset({"gate_up_block_k", "down_block_k", "gate_up_scale"}),
     "lm_head": frozenset({"form", "block_k", "rows_block_k", "rows_warps"}),
     "topk": frozenset(),  # no sum: the keys are exact and unique, so every setting gives the same top-k
     "expert_prefetch": frozenset({"block_e", "block_h", "num_warps", "programs_per_sm"}),  # the prediction's logits

@@ -84,7 +84,8 @@ def register(bsub) -> None:
                         description="Compiles the decode round's kernels for sm_90a with their wrappers' default "
                                     "settings at one TP8 rank's decode shapes of configs/iquest-q1.json (Triton's own "
                                     "ptxas, nvdisasm and cuobjdump; no GPU needed) and prints registers per thread, "
-                                    "stack bytes (spills), shared memory and the most frequent instructions: the FP8 "
+                                    "stack bytes (spills), shared memory and the most frequent instructions, and for a "
+                                    "kernel with a tensor-core K loop what one warp issues a K step: the FP8 "
                                     "linears (and q/k/v ending in the q/k norm + RoPE + KV write), qk_rope_kv, "
                                     "attention's split and combine kernels, the norms and sandwich tails, the "
                                     "router's two kernels, the router fold's two (o_proj with the partial logits, the "
@@ -96,7 +97,8 @@ def register(bsub) -> None:
                         "it, tiles preloaded), fp8_linear_loop (the pipelined K loop), o_proj_router, add_norm_route; "
                         "an unknown name is refused with the full list")
     c.add_argument("--set", action="append", default=[], metavar="KERNEL.NAME=VALUE",
-                   help="override one constexpr, e.g. fp8_linear.PRELOAD=0 (repeatable)")
+                   help="override one constexpr, or the launch's num_warps or num_stages, e.g. fp8_linear.PRELOAD=0 "
+                        "or moe_gate_up.num_warps=8 (repeatable)")
     c.add_argument("--top", type=int, default=10, help="instructions listed per kernel (default 10)")
     c.add_argument("--out", help="write the raw JSON report here")
     c.set_defaults(run=run_sass)

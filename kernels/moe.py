@@ -11,7 +11,9 @@ scale block (the TP 8 shards' offsets of 0 and 64, every Gate/Up step) loads one
 steps load one an element. Down is row-parallel: the caller all-reduces `out`.
 
 Rounding points, as the torch form has them, for b in dtype T (bf16 in the engine; fp32 on CPU tests):
-- a weight element is T(fp32(q) * scale) (Weight.dense's dequantization);
+- a weight element is T(fp32(q) * scale) (Weight.dense's dequantization); with `MoESettings.gate_up_scale="product"`
+  Gate/Up's weights are the exact E4M3 values and each K step's fp32 product is multiplied by the row's scale
+  (`moe_torch(gate_up_scale="product")` is that form's torch form);
 - Gate b and Up b accumulate products in fp32 and round once to T; silu is computed in fp32 from that T value,
   x / (1 + exp(-x)), and rounded to T; silu * up is rounded to T;
 - Down's product accumulates in fp32 and rounds once to T;
@@ -107,8 +109,9 @@ class ExpertOutputs(NamedTuple):
 
 @dataclass(frozen=True)
 class MoESettings:
-    """Launch choices; none changes a result. The figures behind them are in docs/PERF.md ("The MoE's kernels"); those
-    were measured on the retired kernel's tiles and are carried over, not re-measured for this arithmetic."""
+    """Launch choices; none changes a result but `gate_up_scale`, a numerical form. The figures behind them are in
+    docs/PERF.md ("The MoE's kernels"); those were measured on the retired kernel's tiles and are carried over, not
+    re-measured for this arithmetic."""
 
     block_m: int = 16           # rows a dot takes: tl.dot's smallest M, and R <= 8 at decode fits one block
     gate_up_block_n: int = 32   # I_r channels a Gate/Up program: divides a TP8 rank's 192; 6 programs an expert, not 3
@@ -122,6 +125,13 @@ class MoESettings:
     # Deeper is bit for bit the same (sm_90a: 8 stages, 168 registers, 88 KB of shared memory); `bench tune --ops
     # moe` times 4, 6 and 8 against 3
     gate_up_stages: int = 3
+    # Where Gate/Up applies the block scales. "weight": each weight element T(fp32(q) * scale), the torch form's
+    # arithmetic. "product": each E4M3 tile taken exactly (every E4M3 value is a bf16) into the step's dot, and the
+    # row's scale multiplying the step's fp32 product, as kernels/fp8_linear.py does: a numerical change (one rounding
+    # a weight fewer, nearer the exact dequantization) that drops the per-element FMUL: 318 instructions a warp a step
+    # against 382 at the published shape (docs/PERF.md, "What Gate/Up's compiled step says"). Not the default until
+    # the GPU times it (`bench tune --ops moe`) and qualifies it
+    gate_up_scale: str = "weight"
     combine_block: int = 256    # columns a combine program: ~100 programs for 8 rows at H = 3072
     # Down's owners ask L2 for their expert's weight tile before the PDL wait, while Gate/Up still runs (a hint: the
     # same bits); on the retired kernels this measured -0.7% a round (docs/perf-history.md, "Reading ahead of the PDL
@@ -162,17 +172,27 @@ def _scale_ptrs(s_ptr, rows, cols, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: t
 
 
 @triton.jit
-def _tile_scales(s_ptr, n, k0, n_ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
+def _row_scales(s_ptr, n, k0, n_ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
+                stride_r):
+    """The scale [BLOCK_N] of each row n of a weight tile whose columns from k0 lie in one scale block."""
+    return tl.load(s_ptr + ((n + OFF0) // B0) * stride_r + (k0 + OFF1) // B1, mask=n_ok, other=0.0)
+
+
+@triton.jit
+def _tile_scales(s_ptr, n, k0, K, n_ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
                  stride_r, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The scales [BLOCK_N, BLOCK_K] of a weight tile of rows n and columns k0 .. k0 + BLOCK_K - 1. When every column
-    of the tile lies in one scale block a row's scale is one load, broadcast (not BLOCK_K loads). (One return: the
-    GPU compiler types every return of a helper, a pruned branch's too.)"""
+    """The scales [BLOCK_N, BLOCK_K] of a weight tile of rows n and columns k0 .. k0 + BLOCK_K - 1 (of K). When every
+    column of the tile lies in one scale block a row's scale is one load, broadcast (not BLOCK_K loads). Otherwise
+    columns past K read nothing: their block may lie past the expert's scale grid, in the next expert's (a NaN there
+    times the masked weight's 0 is NaN) or past the tensor. (One return: the GPU compiler types every return of a
+    helper, a pruned branch's too.)"""
     if (OFF1 % BLOCK_K == 0) and (B1 % BLOCK_K == 0):
-        row = tl.load(s_ptr + ((n + OFF0) // B0) * stride_r + (k0 + OFF1) // B1, mask=n_ok, other=0.0)
+        row = _row_scales(s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1, stride_r)
         scales = tl.broadcast_to(row[:, None], (BLOCK_N, BLOCK_K))
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
-        scales = tl.load(_scale_ptrs(s_ptr, n, kk, OFF0, OFF1, B0, B1, stride_r), mask=n_ok[:, None], other=0.0)
+        ok = n_ok[:, None] & (kk < K)[None, :]
+        scales = tl.load(_scale_ptrs(s_ptr, n, kk, OFF0, OFF1, B0, B1, stride_r), mask=ok, other=0.0)
     return scales
 
 
@@ -181,6 +201,15 @@ def _dequant(q_ptrs, scales, ok, BF16: tl.constexpr, INTERP: tl.constexpr):
     """A weight tile as the torch form holds it: T(fp32(q) * scale), elementwise (fp32 holding T values)."""
     q = tl.load(q_ptrs, mask=ok, other=0.0).to(tl.float32)
     return _round(q * scales, BF16, INTERP)
+
+
+@triton.jit
+def _scaled_dot(a, q_ptrs, s_ptr, n, k0, n_ok, ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr,
+                B1: tl.constexpr, stride_r, BF16: tl.constexpr, DOT_F32: tl.constexpr):
+    """`gate_up_scale="product"`: a [M, K] @ (E4M3 tile [N, K])^T, the tile taken exactly (every E4M3 value is a bf16
+    and an fp32), in fp32, each column n then multiplied by its row's scale (the tile's columns lie in one block)."""
+    w = tl.load(q_ptrs, mask=ok, other=0.0).to(tl.float32)
+    return _dot(a, w, BF16, DOT_F32) * _row_scales(s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1, stride_r)[None, :]
 
 
 @triton.jit
@@ -229,6 +258,7 @@ def _gate_up_kernel(
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
+    SCALE_PRODUCT: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -252,12 +282,20 @@ def _gate_up_kernel(
                 w_ok = n_ok[:, None] & k_ok[None, :]
                 x = tl.load(b_ptr + rows[:, None] * stride_b + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
                             other=0.0).to(tl.float32)
-                sg = _tile_scales(gs_ptr + ex * gs_e, n, k0, n_ok, G_OFF0, G_OFF1, B0, B1, gs_r, BLOCK_N, BLOCK_K)
-                su = _tile_scales(us_ptr + ex * us_e, n, k0, n_ok, U_OFF0, U_OFF1, B0, B1, us_r, BLOCK_N, BLOCK_K)
-                wg = _dequant(g_rows + kk[None, :], sg, w_ok, BF16, INTERP)
-                wu = _dequant(u_rows + kk[None, :], su, w_ok, BF16, INTERP)
-                acc_g += _dot(x, wg, BF16, DOT_F32)
-                acc_u += _dot(x, wu, BF16, DOT_F32)
+                if SCALE_PRODUCT:
+                    acc_g += _scaled_dot(x, g_rows + kk[None, :], gs_ptr + ex * gs_e, n, k0, n_ok, w_ok, G_OFF0,
+                                         G_OFF1, B0, B1, gs_r, BF16, DOT_F32)
+                    acc_u += _scaled_dot(x, u_rows + kk[None, :], us_ptr + ex * us_e, n, k0, n_ok, w_ok, U_OFF0,
+                                         U_OFF1, B0, B1, us_r, BF16, DOT_F32)
+                else:
+                    sg = _tile_scales(gs_ptr + ex * gs_e, n, k0, H, n_ok, G_OFF0, G_OFF1, B0, B1, gs_r, BLOCK_N,
+                                      BLOCK_K)
+                    su = _tile_scales(us_ptr + ex * us_e, n, k0, H, n_ok, U_OFF0, U_OFF1, B0, B1, us_r, BLOCK_N,
+                                      BLOCK_K)
+                    wg = _dequant(g_rows + kk[None, :], sg, w_ok, BF16, INTERP)
+                    wu = _dequant(u_rows + kk[None, :], su, w_ok, BF16, INTERP)
+                    acc_g += _dot(x, wg, BF16, DOT_F32)
+                    acc_u += _dot(x, wu, BF16, DOT_F32)
             g = _round(acc_g, BF16, INTERP)
             h = _round(_round(_silu(g, INTERP), BF16, INTERP) * _round(acc_u, BF16, INTERP), BF16, INTERP)
             tl.store(h_ptr + pair[:, None] * I + n[None, :], h, mask=m_ok[:, None] & n_ok[None, :])
@@ -314,7 +352,8 @@ def _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, t
                 kk = k0 + tl.arange(0, BLOCK_K)
                 k_ok = kk < I
                 a = tl.load(h_ptr + pair[:, None] * I + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                sw = _tile_scales(ds_ptr + ex * ds_e, n, k0, n_ok, D_OFF0, D_OFF1, B0, B1, ds_r, BLOCK_N, BLOCK_K)
+                sw = _tile_scales(ds_ptr + ex * ds_e, n, k0, I, n_ok, D_OFF0, D_OFF1, B0, B1, ds_r, BLOCK_N,
+                                  BLOCK_K)
                 w = _dequant(w_rows + kk[None, :], sw, n_ok[:, None] & k_ok[None, :], BF16, INTERP)
                 acc += _dot(a, w, BF16, DOT_F32)
             tl.store(y_ptr + pair[:, None] * H + n[None, :], _round(acc, BF16, INTERP),
@@ -594,12 +633,16 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
     B0, B1 = gate.block
     # A K step inside one scale block reads one scale a row (`_tile_scales`): the step is cut to the block's width
     gate_up_k = min(s.gate_up_block_k, max(16, _pow2_divisor(B1)))
+    product = s.gate_up_scale == "product"
+    _check(not product or (gate.offset[1] % gate_up_k == 0 and up.offset[1] % gate_up_k == 0 and B1 % gate_up_k == 0),
+           f"gate_up_scale 'product' needs every K step inside one scale block: column offsets {gate.offset[1]}, "
+           f"{up.offset[1]} are not multiples of the {gate_up_k}-column step")
     _gate_up_kernel[(R * k, triton.cdiv(I, s.gate_up_block_n))](
         b, gate.q, gate.scale, up.q, up.scale, experts, live_arg, hidden, R, H, I, b.stride(0),
         gate.scale.stride(0), gate.scale.stride(1), up.scale.stride(0), up.scale.stride(1),
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
         **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=gate_up_k, **_math(h),
-        INTERP=INTERPRETED, **_streams(h, s, s.gate_up_stages), **launch_options(pdl, dev))
+        INTERP=INTERPRETED, SCALE_PRODUCT=product, **_streams(h, s, s.gate_up_stages), **launch_options(pdl, dev))
     return h
 
 
@@ -770,22 +813,43 @@ def _check_settings(s: MoESettings) -> None:
         _check(is_pow2(v, 16), f"settings.{name} must be a power of two >= 16 (a dot operand), got {v}")
     for name in ("stages", "gate_up_stages"):
         _check(1 <= getattr(s, name) <= 8, f"settings.{name} must be 1 to 8, got {getattr(s, name)}")
+    _check(s.gate_up_scale in ("weight", "product"),
+           f"settings.gate_up_scale must be 'weight' or 'product', got {s.gate_up_scale!r}")
 
 
 # ---- the torch form --------------------------------------------------------------------------------
 
 
 def moe_torch(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate: ExpertWeights,
-              up: ExpertWeights, down: ExpertWeights) -> torch.Tensor:
+              up: ExpertWeights, down: ExpertWeights, gate_up_scale: str = "weight") -> torch.Tensor:
     """TorchOps.moe's arithmetic in plain torch (every row, padding rows included, as it computes them): the chosen
-    experts' weights dequantized to b's dtype as Weight.select does, bf16 einsums, the weighted sum in fp32."""
+    experts' weights dequantized to b's dtype as Weight.select does, bf16 einsums, the weighted sum in fp32.
+    `gate_up_scale="product"` (MoESettings): Gate b and Up b as fp32 sums over the column scale blocks of (b's block
+    times the exact E4M3 block) times each row's scale, rounded once to b's dtype."""
     from ..reference.fp8 import expand_scales
 
+    def codes(w: ExpertWeights) -> torch.Tensor:
+        return w.q.view(torch.uint8)[experts].view(w.q.dtype).to(torch.float32)
+
     def select(w: ExpertWeights) -> torch.Tensor:
-        q = w.q.view(torch.uint8)[experts].view(w.q.dtype).to(torch.float32)
+        q = codes(w)
         return (q * expand_scales(w.scale[experts], tuple(q.shape[-2:]), w.block, w.offset)).to(b.dtype)
 
-    g, u, d = select(gate), select(up), select(down)
-    hidden = torch.nn.functional.silu(torch.einsum("rh,rkih->rki", b, g)) * torch.einsum("rh,rkih->rki", b, u)
+    def product(w: ExpertWeights) -> torch.Tensor:  # [R, k, I]
+        q, (b0, b1), (o0, o1) = codes(w), w.block, w.offset
+        H, rows = q.shape[-1], (torch.arange(q.shape[-2], device=q.device) + o0) // b0
+        scale = w.scale[experts][:, :, rows]  # [R, k, I, column blocks]
+        total = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
+        for j in range(o1 // b1, (H - 1 + o1) // b1 + 1):
+            c0, c1 = max(0, j * b1 - o1), min(H, (j + 1) * b1 - o1)
+            total += torch.einsum("rh,rkih->rki", b[:, c0:c1].float(), q[..., c0:c1]) * scale[..., j]
+        return total.to(b.dtype)
+
+    if gate_up_scale == "product":
+        hidden = torch.nn.functional.silu(product(gate)) * product(up)
+    else:
+        g, u = select(gate), select(up)
+        hidden = torch.nn.functional.silu(torch.einsum("rh,rkih->rki", b, g)) * torch.einsum("rh,rkih->rki", b, u)
+    d = select(down)
     y = torch.einsum("rki,rkhi->rkh", hidden, d)
     return (y.float() * weights[..., None]).sum(dim=1)

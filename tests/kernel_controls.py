@@ -44,12 +44,20 @@ BROKEN = {"poll": poll_without_waiting, "rearm": never_rearm, "order": own_order
 
 
 @triton.jit
-def scales_without_offset(s_ptr, n, k0, n_ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr,
+def scales_without_offset(s_ptr, n, k0, K, n_ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr,
                           B1: tl.constexpr, stride_r, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """kernels/moe.py `_tile_scales` as if the shard started on a block boundary: each element's scale by its local
     row and column."""
     kk = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(s_ptr + (n // B0)[:, None] * stride_r + (kk // B1)[None, :], mask=n_ok[:, None], other=0.0)
+    return tl.load(s_ptr + (n // B0)[:, None] * stride_r + (kk // B1)[None, :], mask=n_ok[:, None] & (kk < K)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def row_scales_without_offset(s_ptr, n, k0, n_ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr,
+                              B1: tl.constexpr, stride_r):
+    """kernels/moe.py `_row_scales` as if the shard started on a block boundary (Gate/Up's product form)."""
+    return tl.load(s_ptr + (n // B0) * stride_r + k0 // B1, mask=n_ok, other=0.0)
 
 
 @triton.jit
@@ -95,6 +103,8 @@ MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_off
                                              "_down_tiles": substitute(moe._down_tiles,
                                                                        _expert_rows=rows_ignoring_live)},
                             "_combine_kernel": {"load_live": all_live}},
+       "product_offset_ignored": {"_gate_up_kernel": {"_scaled_dot": substitute(
+           moe._scaled_dot, _row_scales=row_scales_without_offset)}},
        "weights_not_applied": {"_combine_kernel": {"weighted_sum": sum_without_weights}},
        "tail_weights_not_applied": {"_combine_add_norm_kernel": {
            "_row_tail": substitute(moe._row_tail, weighted_sum=sum_without_weights)}}}

@@ -182,6 +182,19 @@ def test_reads_meant_to_overlap_the_previous_kernel_come_before_the_wait():
     assert "prefetch.global.L2" not in plain
 
 
+def test_gate_ups_product_form_drops_the_per_element_multiply():
+    """MoESettings.gate_up_scale="product" at both offsets: spill-free, and the weight form's multiply of every weight
+    element by its scale (64 FMUL a thread a K step at 32 rows x 128 columns over 4 warps, both projections) leaves
+    the K loop, which gets shorter (`sass.dot_loop`)."""
+    for name in ("moe_gate_up", "moe_gate_up_odd"):
+        weight = sass.report(_compiled(name))
+        product = sass.report(sass.compile_spec(sass.published_specs()[name], SCALE_PRODUCT=True))
+        assert product["stack_bytes"] == 0, product
+        w, p = weight["dot_loop"], product["dot_loop"]
+        assert w["mix"].get("FMUL", 0) >= 64 and p["mix"].get("FMUL", 0) == 0, (w, p)
+        assert p["instructions"] < w["instructions"], (w, p)
+
+
 def test_an_odd_ranks_expert_shard_reads_one_scale_a_row():
     """At TP8 an odd rank's 192 rows start 64 into a 128-row scale block: Gate/Up's K steps and Down's 64-column
     steps still lie inside one scale block each, so the kernels issue the global loads rank 0's do. Negative control:

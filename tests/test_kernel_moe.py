@@ -11,7 +11,8 @@ interpreter (CPU) runs small shapes: 128-row blocks with a 48-row shard at offse
 - padding rows are exactly 0; with `poison`, experts chosen only by padding rows have NaN weights and scales, and
   padding rows' routing weights are NaN: the output must be finite and bit-equal to the clean run (never read);
 - duplicate experts across rows, all rows on the same experts, no live rows.
-Negative controls (kernel pieces substituted from tests/kernel_controls.py `MOE`): scale offsets ignored, liveness
+Negative controls (kernel pieces substituted from tests/kernel_controls.py `MOE`): scale offsets ignored (in both
+forms of Gate/Up's scales, `MoESettings.gate_up_scale`), liveness
 ignored (padding rows' experts computed and combined), routing weights not applied (in the combine, and in the
 combine fused with the sandwich tail, `combine_add_norm`, which must equal the combine, the cast and `add_norm` bit
 for bit); each must fail the checks.
@@ -50,7 +51,7 @@ TOL = {"fp32": 1e-5, "bf16": 2.0 ** -7}
 GPU_TOL = {"fp32": 1e-5, "bf16": 2.0 ** -6}
 
 BASE = dict(R=8, k=4, E=8, H=128, I=48, block=(128, 128), offset=0, dtype="fp32", live="all", pattern="random",
-            seed=0)
+            seed=0, scale="weight")
 
 
 def case(name: str, **kw) -> dict:
@@ -69,6 +70,9 @@ CASES = [
     case("r8_same_experts_bf16", pattern="same", dtype="bf16"),  # every row on the same k experts, permuted slots
     case("r8_shared_expert_off80_fp32", pattern="shared", offset=80),  # expert 0 in every row, in varying slots
     case("r8_poison_off96_bf16", pattern="poison", live="mask", offset=96, dtype="bf16"),
+    # Down's last K step past I = 48 (offset 80: columns 128..143 in a block the grid has not): those columns' scales
+    # must not be read (they were the next expert's, NaN here)
+    case("r8_poison_off80_bf16", pattern="poison", live="mask", offset=80, dtype="bf16"),
     case("r7_poison_count_fp32", R=7, pattern="poison", live="count"),
     case("no_live_rows", live="none"),
     case("mini_tp2_rank1_off16_bf16", I=48, offset=16, live="mask", **MINI, dtype="bf16"),
@@ -78,10 +82,18 @@ CASES = [
     case("mini_tp8_rank0_off0_bf16", I=12, offset=0, live="mask", **MINI, dtype="bf16"),
     case("mini_tp8_rank5_off28_fp32", I=12, offset=28, pattern="poison", live="mask", **MINI),  # 12 rows over 2 blocks
     case("mini_tp8_rank5_off28_k8_bf16", R=1, I=12, offset=28, **dict(MINI, k=8), dtype="bf16"),
+    # Gate/Up's block scales on the step's product (MoESettings.gate_up_scale), against the torch form of that
+    # arithmetic: several K tiles and scale blocks, shards straddling row blocks, padding rows poisoned
+    case("product_multi_k_tiles_off96_bf16", H=320, I=96, offset=96, live="mask", dtype="bf16", scale="product"),
+    case("product_multi_k_tiles_off96_fp32", R=4, H=320, I=96, offset=96, scale="product"),
+    case("product_poison_off80_bf16", pattern="poison", live="mask", offset=80, dtype="bf16", scale="product"),
+    case("product_mini_tp8_rank5_off28_bf16", I=12, offset=28, live="mask", **MINI, dtype="bf16", scale="product"),
 ]
 # Each must fail the checks of run_case (a control that passed would show the checks blind).
 CONTROLS = [
     case("neg_offset_ignored", offset=96, dtype="bf16", control="offset_ignored", caught="rel err"),
+    case("neg_product_offset_ignored", offset=96, dtype="bf16", scale="product", control="product_offset_ignored",
+         caught="rel err"),
     case("neg_padding_computed", live="mask", pattern="poison", control="padding_computed", caught="padding row"),
     case("neg_weights_not_applied", control="weights_not_applied", caught="rel err"),
     case("neg_tail_weights_not_applied", control="tail_weights_not_applied", caught="fused tail"),
@@ -131,6 +143,10 @@ def build(c: dict, device: str) -> dict:
     live_arg = live if c["live"] in ("all", "mask") else torch.tensor(int(live.sum()), dtype=torch.int32)
     return dict(b=b.to(device), experts=experts.to(device), weights=weights.to(device), live=live_arg.to(device),
                 gate=to(gate), up=to(up), down=to(down), mask=live.to(device))
+
+
+def settings(c: dict) -> mk.MoESettings:
+    return mk.MoESettings(gate_up_scale=c["scale"])
 
 
 def call(t: dict, **kw) -> torch.Tensor:
@@ -187,16 +203,18 @@ def bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
 def run_case(c: dict, device: str) -> dict:
     t = build(c, device)
     with substituted(mk, MOE_CONTROLS.get(c.get("control"), {})):
-        got = call(t)
+        got = call(t, settings=settings(c))
         res = {}
+        if c["scale"] != "weight":  # the form ran: its outputs are not the weight form's
+            res["differs_from_weight_form"] = not torch.equal(got, call(t))
         if c["pattern"] == "poison":
             bad, n = poisoned(t)
-            again = call(bad)
+            again = call(bad, settings=settings(c))
             res["poisoned_experts"] = n
             res["poison_finite_equal"] = bool(torch.isfinite(again).all() and torch.equal(again, got))
         res["tail_equal"] = tail_equal(c, t)
     live = t["mask"]
-    ref = mk.moe_torch(t["b"], t["experts"], t["weights"], t["gate"], t["up"], t["down"])
+    ref = mk.moe_torch(t["b"], t["experts"], t["weights"], t["gate"], t["up"], t["down"], gate_up_scale=c["scale"])
     g, r = got[live], ref[live]
     res["finite"] = bool(torch.isfinite(got).all())
     res["pad_zero"] = bool((got[~live] == 0).all())
@@ -215,6 +233,8 @@ def check(c: dict, r: dict, tol: dict = TOL) -> None:
     if c["pattern"] == "poison":
         assert r["poisoned_experts"] > 0
         assert r["poison_finite_equal"], "a padding row's expert weights or routing weights were read"
+    if c["scale"] != "weight":
+        assert r["differs_from_weight_form"], f"gate_up_scale {c['scale']!r} gave the weight form's bits"
 
 
 def summary(c: dict, r: dict) -> str:
@@ -247,7 +267,7 @@ def test_interpreted_agreement(interpreted):
     for name in ("fp32", "bf16"):
         for same_order in (True, False):
             rs = [interpreted[c["name"]] for c in CASES if c["dtype"] == name and one_k_tile(c) == same_order
-                  and interpreted[c["name"]]["live_rows"]]
+                  and interpreted[c["name"]]["live_rows"] and c["scale"] == "weight"]
             print(f"{name}, {'one K tile' if same_order else 'several K tiles'}: worst rel err "
                   f"{max(r['rel_err'] for r in rs):.2e}, min bit-equal {min(r['bit_equal'] for r in rs):.4f}, "
                   f"max {max(r['bf16_ulps'] for r in rs):.3f} bf16 ulps")
@@ -297,6 +317,10 @@ def test_settings_are_checked():
     with pytest.raises(ValueError, match="down_block_k"):
         mk.moe(t["b"], t["experts"], t["weights"], t["live"], t["gate"], t["up"], t["down"],
                settings=mk.MoESettings(down_block_k=12))
+    with pytest.raises(ValueError, match="gate_up_scale"):
+        mk.moe(t["b"], t["experts"], t["weights"], t["live"], t["gate"], t["up"], t["down"],
+               settings=mk.MoESettings(gate_up_scale="tile"))
+
 
 
 # ---- Down ending in the combine and the sandwich tail (down_add_norm) --------------------------------
