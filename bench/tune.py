@@ -76,18 +76,20 @@ GRIDS: dict[str, tuple[dict, ...]] = {
                {"split": 1}, {"split": 3}, {"programs_per_sm": 4}, {"programs_per_sm": 16}, {"select_warps": 2},
                {"select_warps": 8}, {"preload": False}),
     # down_block_k 128 at rank 1 takes the per-element scale path (its 64-column offset is not a multiple of 128)
-    "moe": ({"gate_up_block_n": 16}, {"gate_up_block_n": 64}, {"gate_up_block_k": 64}, {"down_block_n": 64},
-            {"down_block_n": 256}, {"down_block_k": 32}, {"down_block_k": 128}, {"warps": 2}, {"warps": 8},
-            {"stages": 2}, {"stages": 4}, {"combine_block": 128}, {"combine_block": 512},
-            # Gate/Up's depth (kernels/moe.py MoESettings.gate_up_stages), alone and with twice the programs
+    "moe": (  # a program's K steps first (docs/PERF.md, "What Gate/Up's compiled step says"): H over 2, 4 or 8
+            # programs an (expert, tile), summed by the last (a numerical change: the sum's order), 12, 6 or 3 steps a
+            # program instead of 24; the scales on each step's product, not on every weight element (a numerical
+            # change: 318 instructions a warp a step against 382); the pipeline's depth (the same bits)
+            {"gate_up_split": 2}, {"gate_up_split": 4}, {"gate_up_split": 8},
+            {"gate_up_split": 4, "gate_up_scale": "product"}, {"gate_up_scale": "product"},
             {"gate_up_stages": 4}, {"gate_up_stages": 6}, {"gate_up_stages": 8},
             {"gate_up_stages": 6, "gate_up_block_n": 16}, {"gate_up_stages": 8, "gate_up_block_n": 16},
-            # a step's 382 instructions a warp (260 of them the dequantization) split four ways: twice the programs,
-            # each of twice the warps (docs/PERF.md, "What Gate/Up's compiled step says")
+            # a step's work over more warps or programs: Triton repeats the dequantization in the dot operand's
+            # layout (2x a thread at 8 warps, 4x at 16 columns: 346 and 627 instructions a warp a step)
             {"gate_up_block_n": 16, "warps": 8},
-            # the scales on each step's product, not on every weight element (a numerical change: 318 instructions a
-            # warp a step against 382)
-            {"gate_up_scale": "product"}, {"gate_up_scale": "product", "gate_up_stages": 6},
+            {"gate_up_block_n": 16}, {"gate_up_block_n": 64}, {"gate_up_block_k": 64}, {"down_block_n": 64},
+            {"down_block_n": 256}, {"down_block_k": 32}, {"down_block_k": 128}, {"warps": 2}, {"warps": 8},
+            {"stages": 2}, {"stages": 4}, {"combine_block": 128}, {"combine_block": 512},
             {"down_prefetch": False}),
     # "rows" (the default) around its tile, then "dot" (the form before it) at its own defaults and grid; block_v 128
     # is left out for "dot": kernels/lm_head.choose_block_v says it spills on sm_90a
@@ -124,7 +126,7 @@ ORDER_FIELDS: dict[str, frozenset[str]] = {
     # the split's, as the plain linear's (block_n only through choose_split_k: a tile is one head whatever it says)
     "qkv_rope_kv": frozenset({"block_n", "split_k"}),
     "router": frozenset({"block_e", "block_h", "num_warps", "split", "programs_per_sm", "select_warps"}),
-    "moe": frozenset({"gate_up_block_k", "down_block_k", "gate_up_scale"}),
+    "moe": frozenset({"gate_up_block_k", "down_block_k", "gate_up_scale", "gate_up_split"}),
     "lm_head": frozenset({"form", "block_k", "rows_block_k", "rows_warps"}),
     "topk": frozenset(),  # no sum: the keys are exact and unique, so every setting gives the same top-k
     "expert_prefetch": frozenset({"block_e", "block_h", "num_warps", "programs_per_sm"}),  # the prediction's logits
@@ -423,7 +425,9 @@ def _moe(s: RankShapes, rows: int, distinct: int, device, g, pdl: bool) -> Case:
 
     def calls(st):
         out = torch.empty((rows, H), dtype=torch.float32, device=device)
-        return [lambda ex=ex: (mo.moe(b, ex, rw, live, gate, up, down, settings=st, out=out, pdl=pdl),)
+        locks = torch.zeros(mo.gate_up_lock_count(rows, k, I, st), dtype=torch.int32, device=device)  # left zeroed
+        return [lambda ex=ex: (mo.moe(b, ex, rw, live, gate, up, down, settings=st, out=out,
+                                      gate_up_locks=locks if st.gate_up_split > 1 else None, pdl=pdl),)
                 for ex in routings]
 
     return Case("moe", f"b [{rows}, {H}] bf16, top-{k} over {distinct} distinct experts of {E}, Gate/Up [{I} x {H}] "

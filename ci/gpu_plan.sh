@@ -67,9 +67,8 @@ case "${1:-}" in
     # call returns what it reached
     gpu bench tune --ops moe,qkv_rope_kv,o_proj_router --distinct 9 --budget 260 \
       --out "$out/tune-h200-moe9-qkv-opr-$sha.json" 2>&1 | tee "$out/tune-h200-moe9-qkv-opr-$sha.log" | tail -40
-    only=gate_up_block_n=16,warps=8,gate_up_block_n=16+warps=8,gate_up_stages=6,gate_up_stages=8
-    only=$only,gate_up_stages=8+gate_up_block_n=16,gate_up_scale=product,gate_up_scale=product+gate_up_stages=6
-    only=$only,down_prefetch=False
+    only=gate_up_split=4,gate_up_split=8,gate_up_scale=product,gate_up_split=4+gate_up_scale=product
+    only=$only,gate_up_stages=6,gate_up_block_n=16,warps=8,down_prefetch=False
     gpu bench tune --ops moe --distinct 38 --only "$only" \
       --budget 110 --out "$out/tune-h200-moe38-$sha.json" 2>&1 | tee "$out/tune-h200-moe38-$sha.log" | tail -12
     gpu bench tune --ops expert_prefetch,lm_head,topk,linear_qkv,linear_o --budget 150 \

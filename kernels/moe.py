@@ -25,7 +25,11 @@ Three launches, grids from shapes alone, no host sync, no atomics (graph-captura
 1. Gate/Up, grid (pair p = r * k + j, I_r tile): program p owns expert e = experts[p] when p's row is live and no
    earlier live pair (row-major) chose e, so each distinct live expert is streamed once and an expert chosen only by
    padding rows never is. The owner computes its tile for every live row that chose e (row r at its slot j_r) and
-   writes the hidden silu(g) * u (T values, held in fp32) to `hidden` [P, I_r] at pair r * k + j_r.
+   writes the hidden silu(g) * u (T values, held in fp32) to `hidden` [P, I_r] at pair r * k + j_r. With
+   `MoESettings.gate_up_split` S > 1 the grid has a third axis: S programs an owner tile walk H in whole K steps,
+   store fp32 partials and count their arrival on a counter (`gate_up_locks`, left zeroed); the last sums the S
+   partials in split order (whichever arrives last) and forms the hidden. An atomic, but no result depends on the
+   order of arrival.
 2. Down, grid (pair, H tile): the same owners, y = T(Down_e hidden) into `y` [P, H]. Its programs read the routing
    before their PDL wait (written two launches back), and the owners ask L2 for their weight tiles there
    (`MoESettings.down_prefetch`), so Down's stream overlaps Gate/Up.
@@ -132,6 +136,12 @@ class MoESettings:
     # against 382 at the published shape (docs/PERF.md, "What Gate/Up's compiled step says"). Not the default until
     # the GPU times it (`bench tune --ops moe`) and qualifies it
     gate_up_scale: str = "weight"
+    # Gate/Up's H walked by this many programs an (expert, I_r tile), each over whole K steps, their fp32 partials
+    # summed in split order by the last to arrive, which then rounds and forms silu(g) * u (`gate_up_locks`): a
+    # numerical change (the sum's order). A program's K steps, not bytes, set Gate/Up's time at the published shape
+    # (24 steps of ~1.1 us, the same at 8.9 and 38 experts; Down's 3 steps take ~8 us): 4 splits make them 6, on 4x
+    # the programs (213 at 8.9 experts on 132 SMs). `bench tune --ops moe` times 2, 4 and 8
+    gate_up_split: int = 1
     combine_block: int = 256    # columns a combine program: ~100 programs for 8 rows at H = 3072
     # Down's owners ask L2 for their expert's weight tile before the PDL wait, while Gate/Up still runs (a hint: the
     # same bits); on the retired kernels this measured -0.7% a round (docs/perf-history.md, "Reading ahead of the PDL
@@ -251,18 +261,24 @@ def _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl
 
 @triton.jit
 def _gate_up_kernel(
-    b_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, h_ptr,
-    R, H, I, stride_b, gs_e, gs_r, us_e, us_r,
+    b_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, h_ptr, part_ptr, lock_ptr,
+    R, H, I, stride_b, gs_e, gs_r, us_e, us_r, k_per,
     G_OFF0: tl.constexpr, G_OFF1: tl.constexpr, U_OFF0: tl.constexpr, U_OFF1: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr,
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
-    SCALE_PRODUCT: tl.constexpr = False,
+    SCALE_PRODUCT: tl.constexpr = False, SPLIT: tl.constexpr = 1,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
     tile = tl.program_id(1)
+    split = tl.program_id(2)
+    k_lo = 0
+    k_hi = H
+    if SPLIT > 1:
+        k_lo = split * k_per
+        k_hi = tl.minimum(H, k_lo + k_per)
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
     # A live row above the owner's that chose e would own it instead, so the row blocks start at the owner's.
     for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):
@@ -276,7 +292,7 @@ def _gate_up_kernel(
             u_rows = u_ptr + ex * I * H + n[:, None] * H
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for k0 in range(0, H, BLOCK_K):
+            for k0 in range(k_lo, k_hi, BLOCK_K):
                 kk = k0 + tl.arange(0, BLOCK_K)
                 k_ok = kk < H
                 w_ok = n_ok[:, None] & k_ok[None, :]
@@ -296,9 +312,36 @@ def _gate_up_kernel(
                     wu = _dequant(u_rows + kk[None, :], su, w_ok, BF16, INTERP)
                     acc_g += _dot(x, wg, BF16, DOT_F32)
                     acc_u += _dot(x, wu, BF16, DOT_F32)
-            g = _round(acc_g, BF16, INTERP)
-            h = _round(_round(_silu(g, INTERP), BF16, INTERP) * _round(acc_u, BF16, INTERP), BF16, INTERP)
-            tl.store(h_ptr + pair[:, None] * I + n[None, :], h, mask=m_ok[:, None] & n_ok[None, :])
+            mask = m_ok[:, None] & n_ok[None, :]
+            last = True
+            if SPLIT > 1:
+                lock = (p * tl.num_programs(1) + tile) * tl.cdiv(R, BLOCK_M) + m0 // BLOCK_M
+                last, acc_g, acc_u = _split_sums(acc_g, acc_u, part_ptr, lock_ptr + lock, pair, n, mask, split,
+                                                 R * K_TOP, I, SPLIT)
+            if last:
+                g = _round(acc_g, BF16, INTERP)
+                h = _round(_round(_silu(g, INTERP), BF16, INTERP) * _round(acc_u, BF16, INTERP), BF16, INTERP)
+                tl.store(h_ptr + pair[:, None] * I + n[None, :], h, mask=mask)
+
+
+@triton.jit
+def _split_sums(acc_g, acc_u, part_ptr, lock, pair, n, mask, split, P, I, SPLIT: tl.constexpr):
+    """`gate_up_split`: this split's Gate and Up partials stored (parts [SPLIT, 2, P, I] fp32); the last of the
+    tile's splits to arrive gets (True, the partials summed in split order, whichever arrives last) and re-arms the
+    counter; the others (False, their own partials, unused)."""
+    at = part_ptr + pair[:, None] * I + n[None, :]
+    tl.store(at + split * 2 * P * I, acc_g, mask=mask)
+    tl.store(at + (split * 2 + 1) * P * I, acc_u, mask=mask)
+    tl.debug_barrier()  # every thread's partials stored before the release below
+    last = tl.atomic_add(lock, 1, sem="acq_rel") == SPLIT - 1
+    if last:
+        acc_g = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
+        acc_u = tl.load(at + P * I, mask=mask, other=0.0, cache_modifier=".cg")
+        for j in tl.static_range(1, SPLIT):
+            acc_g += tl.load(at + j * 2 * P * I, mask=mask, other=0.0, cache_modifier=".cg")
+            acc_u += tl.load(at + (j * 2 + 1) * P * I, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(lock, 0)
+    return last, acc_g, acc_u
 
 
 @triton.jit
@@ -589,21 +632,23 @@ def fits(b: torch.Tensor, experts: torch.Tensor, gate: ExpertWeights, up: Expert
 
 def moe(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
         gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, *, settings: MoESettings = MoESettings(),
-        out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+        out: torch.Tensor | None = None, gate_up_locks: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """This rank's routed-expert output, fp32 [R, H] (into `out` when given), for b [R, H] (bf16, or fp32: then the
     whole form is fp32), experts int [R, k] (distinct within a row; ids of live rows < E, unchecked: that would
     sync), routing weights fp32 [R, k], live bool [R] (or one int count of leading live rows). Padding rows come out
-    zero; their experts' weights and their routing weights are never read. `pdl`: programmatic dependent launch
-    (kernels/launch.py). `expert_outputs` then `combine`."""
+    zero; their experts' weights and their routing weights are never read. `gate_up_locks`: `gate_up`'s `locks`.
+    `pdl`: programmatic dependent launch (kernels/launch.py). `expert_outputs` then `combine`."""
     if out is not None and b.dim() == 2:  # refused before any launch
         _check_out(out, *b.shape, b.device)
-    return combine(expert_outputs(b, experts, weights, live, gate, up, down, settings=settings, pdl=pdl), out=out,
-                   settings=settings, pdl=pdl)
+    outputs = expert_outputs(b, experts, weights, live, gate, up, down, settings=settings, gate_up_locks=gate_up_locks,
+                             pdl=pdl)
+    return combine(outputs, out=out, settings=settings, pdl=pdl)
 
 
 def expert_outputs(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, live: torch.Tensor,
                    gate: ExpertWeights, up: ExpertWeights, down: ExpertWeights, *,
-                   settings: MoESettings = MoESettings(), pdl: bool = False) -> ExpertOutputs:
+                   settings: MoESettings = MoESettings(), gate_up_locks: torch.Tensor | None = None,
+                   pdl: bool = False) -> ExpertOutputs:
     """`moe`'s launches 1 and 2 (arguments as `moe`'s): each live row's chosen experts' outputs, not yet combined.
     `down(gate_up(...), ...)`, every argument checked before launch 1."""
     R, H, k, I = _validate(b, experts, gate, up, down)
@@ -612,13 +657,37 @@ def expert_outputs(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     _check(len(devices) == 1, f"tensors on several devices: {devices}")
     check_live(live, R, b.device)
     _check_settings(settings)
-    return _down(gate_up(b, experts, live, gate, up, settings=settings, pdl=pdl), weights, down, settings, pdl)
+    hidden = gate_up(b, experts, live, gate, up, settings=settings, locks=gate_up_locks, pdl=pdl)
+    return _down(hidden, weights, down, settings, pdl)
+
+
+def gate_up_lock_count(rows: int, k: int, inter: int, settings: MoESettings = MoESettings()) -> int:
+    """Counters `gate_up(locks=...)` needs under `settings.gate_up_split` > 1: one an (owner pair, I_r tile, row
+    block); none without a split."""
+    if settings.gate_up_split == 1:
+        return 0
+    return rows * k * triton.cdiv(inter, settings.gate_up_block_n) * triton.cdiv(rows, settings.block_m)
+
+
+def gate_up_k(block: tuple[int, int], settings: MoESettings = MoESettings()) -> int:
+    """Gate/Up's K step: `gate_up_block_k` cut to the scale block's width, so that a step lies inside one block and
+    reads one scale a row (`_tile_scales`)."""
+    return min(settings.gate_up_block_k, max(16, _pow2_divisor(block[1])))
+
+
+def gate_up_columns(H: int, block: tuple[int, int], settings: MoESettings = MoESettings()) -> list[tuple[int, int]]:
+    """The H columns [lo, hi) each of `settings.gate_up_split` splits walks: whole K steps, the last split's short."""
+    step = gate_up_k(block, settings)
+    per = triton.cdiv(triton.cdiv(H, settings.gate_up_split), step) * step
+    return [(lo, min(H, lo + per)) for lo in range(0, per * settings.gate_up_split, per)]
 
 
 def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, *,
-            settings: MoESettings = MoESettings(), pdl: bool = False) -> ExpertHidden:
+            settings: MoESettings = MoESettings(), locks: torch.Tensor | None = None,
+            pdl: bool = False) -> ExpertHidden:
     """`moe`'s launch 1 (arguments as `moe`'s): each live row's chosen experts' hidden silu(Gate b) * Up b, for
-    `down` or `down_add_norm`."""
+    `down` or `down_add_norm`. `locks`: with `settings.gate_up_split` > 1, zeroed int32 counters
+    (`gate_up_lock_count`), left zeroed (None: made here, zeroed, for this call)."""
     R, H, k, E, I = _validate_gate_up(b, experts, gate, up)
     devices = {t.device for t in (b, experts, *gate[:2], *up[:2])}
     _check(len(devices) == 1, f"tensors on several devices: {devices}")
@@ -631,18 +700,29 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
     hidden = torch.empty((R * k, I), dtype=torch.float32, device=dev)  # T values; fp32 spares the interpreter's cast
     h = ExpertHidden(hidden, experts, live_arg, count, b.dtype, R, k, H)
     B0, B1 = gate.block
-    # A K step inside one scale block reads one scale a row (`_tile_scales`): the step is cut to the block's width
-    gate_up_k = min(s.gate_up_block_k, max(16, _pow2_divisor(B1)))
+    step = gate_up_k(gate.block, s)
     product = s.gate_up_scale == "product"
-    _check(not product or (gate.offset[1] % gate_up_k == 0 and up.offset[1] % gate_up_k == 0 and B1 % gate_up_k == 0),
+    _check(not product or (gate.offset[1] % step == 0 and up.offset[1] % step == 0 and B1 % step == 0),
            f"gate_up_scale 'product' needs every K step inside one scale block: column offsets {gate.offset[1]}, "
-           f"{up.offset[1]} are not multiples of the {gate_up_k}-column step")
-    _gate_up_kernel[(R * k, triton.cdiv(I, s.gate_up_block_n))](
-        b, gate.q, gate.scale, up.q, up.scale, experts, live_arg, hidden, R, H, I, b.stride(0),
-        gate.scale.stride(0), gate.scale.stride(1), up.scale.stride(0), up.scale.stride(1),
+           f"{up.offset[1]} are not multiples of the {step}-column step")
+    columns = gate_up_columns(H, gate.block, s)
+    parts = hidden
+    if s.gate_up_split > 1:
+        n_locks = gate_up_lock_count(R, k, I, s)
+        if locks is None:
+            locks = torch.zeros(n_locks, dtype=torch.int32, device=dev)
+        _check(isinstance(locks, torch.Tensor) and locks.dtype == torch.int32 and locks.numel() >= n_locks
+               and locks.is_contiguous() and locks.device == dev,
+               f"locks must be {n_locks} contiguous zeroed int32 counters on {dev}")
+        parts = torch.empty((s.gate_up_split, 2, R * k, I), dtype=torch.float32, device=dev)  # each read one written
+    _gate_up_kernel[(R * k, triton.cdiv(I, s.gate_up_block_n), s.gate_up_split)](
+        b, gate.q, gate.scale, up.q, up.scale, experts, live_arg, hidden, parts, locks if locks is not None else parts,
+        R, H, I, b.stride(0), gate.scale.stride(0), gate.scale.stride(1), up.scale.stride(0), up.scale.stride(1),
+        columns[0][1] - columns[0][0],
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
-        **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=gate_up_k, **_math(h),
-        INTERP=INTERPRETED, SCALE_PRODUCT=product, **_streams(h, s, s.gate_up_stages), **launch_options(pdl, dev))
+        **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=step, **_math(h),
+        INTERP=INTERPRETED, SCALE_PRODUCT=product, SPLIT=s.gate_up_split, **_streams(h, s, s.gate_up_stages),
+        **launch_options(pdl, dev))
     return h
 
 
@@ -815,17 +895,21 @@ def _check_settings(s: MoESettings) -> None:
         _check(1 <= getattr(s, name) <= 8, f"settings.{name} must be 1 to 8, got {getattr(s, name)}")
     _check(s.gate_up_scale in ("weight", "product"),
            f"settings.gate_up_scale must be 'weight' or 'product', got {s.gate_up_scale!r}")
+    _check(isinstance(s.gate_up_split, int) and 1 <= s.gate_up_split <= 16,
+           f"settings.gate_up_split must be an int from 1 to 16, got {s.gate_up_split!r}")
 
 
 # ---- the torch form --------------------------------------------------------------------------------
 
 
 def moe_torch(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate: ExpertWeights,
-              up: ExpertWeights, down: ExpertWeights, gate_up_scale: str = "weight") -> torch.Tensor:
+              up: ExpertWeights, down: ExpertWeights, settings: MoESettings = MoESettings()) -> torch.Tensor:
     """TorchOps.moe's arithmetic in plain torch (every row, padding rows included, as it computes them): the chosen
     experts' weights dequantized to b's dtype as Weight.select does, bf16 einsums, the weighted sum in fp32.
-    `gate_up_scale="product"` (MoESettings): Gate b and Up b as fp32 sums over the column scale blocks of (b's block
-    times the exact E4M3 block) times each row's scale, rounded once to b's dtype."""
+    The numerical forms of `settings` (MoESettings): `gate_up_scale="product"`, Gate b and Up b as fp32 sums over
+    the column scale blocks of (b's block times the exact E4M3 block) times each row's scale; `gate_up_split`, each
+    split's columns (`gate_up_columns`) summed in fp32 apart, the splits then added in order; either rounded once
+    to b's dtype."""
     from ..reference.fp8 import expand_scales
 
     def codes(w: ExpertWeights) -> torch.Tensor:
@@ -835,21 +919,30 @@ def moe_torch(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
         q = codes(w)
         return (q * expand_scales(w.scale[experts], tuple(q.shape[-2:]), w.block, w.offset)).to(b.dtype)
 
-    def product(w: ExpertWeights) -> torch.Tensor:  # [R, k, I]
+    def product(w: ExpertWeights, lo: int, hi: int) -> torch.Tensor:  # fp32 [R, k, I] over columns [lo, hi)
         q, (b0, b1), (o0, o1) = codes(w), w.block, w.offset
-        H, rows = q.shape[-1], (torch.arange(q.shape[-2], device=q.device) + o0) // b0
+        rows = (torch.arange(q.shape[-2], device=q.device) + o0) // b0
         scale = w.scale[experts][:, :, rows]  # [R, k, I, column blocks]
         total = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
-        for j in range(o1 // b1, (H - 1 + o1) // b1 + 1):
-            c0, c1 = max(0, j * b1 - o1), min(H, (j + 1) * b1 - o1)
+        for j in range((lo + o1) // b1, (hi - 1 + o1) // b1 + 1):
+            c0, c1 = max(lo, j * b1 - o1), min(hi, (j + 1) * b1 - o1)
             total += torch.einsum("rh,rkih->rki", b[:, c0:c1].float(), q[..., c0:c1]) * scale[..., j]
+        return total
+
+    def projection(w: ExpertWeights) -> torch.Tensor:  # Gate b or Up b in b's dtype
+        if settings.gate_up_split == 1 and settings.gate_up_scale == "weight":
+            return torch.einsum("rh,rkih->rki", b, select(w))
+        dense = select(w).float() if settings.gate_up_scale == "weight" else None
+        total = None
+        for lo, hi in gate_up_columns(b.shape[1], w.block, settings):
+            if settings.gate_up_scale == "weight":
+                part = torch.einsum("rh,rkih->rki", b[:, lo:hi].float(), dense[..., lo:hi])
+            else:
+                part = product(w, lo, hi)
+            total = part if total is None else total + part
         return total.to(b.dtype)
 
-    if gate_up_scale == "product":
-        hidden = torch.nn.functional.silu(product(gate)) * product(up)
-    else:
-        g, u = select(gate), select(up)
-        hidden = torch.nn.functional.silu(torch.einsum("rh,rkih->rki", b, g)) * torch.einsum("rh,rkih->rki", b, u)
+    hidden = torch.nn.functional.silu(projection(gate)) * projection(up)
     d = select(down)
     y = torch.einsum("rki,rkhi->rkh", hidden, d)
     return (y.float() * weights[..., None]).sum(dim=1)

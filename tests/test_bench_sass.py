@@ -182,7 +182,7 @@ def test_reads_meant_to_overlap_the_previous_kernel_come_before_the_wait():
     assert "prefetch.global.L2" not in plain
 
 
-def test_gate_ups_product_form_drops_the_per_element_multiply():
+def test_gate_ups_product_form_drops_the_per_element_multiply_and_its_split_compiles():
     """MoESettings.gate_up_scale="product" at both offsets: spill-free, and the weight form's multiply of every weight
     element by its scale (64 FMUL a thread a K step at 32 rows x 128 columns over 4 warps, both projections) leaves
     the K loop, which gets shorter (`sass.dot_loop`)."""
@@ -193,6 +193,9 @@ def test_gate_ups_product_form_drops_the_per_element_multiply():
         w, p = weight["dot_loop"], product["dot_loop"]
         assert w["mix"].get("FMUL", 0) >= 64 and p["mix"].get("FMUL", 0) == 0, (w, p)
         assert p["instructions"] < w["instructions"], (w, p)
+        # and with H over 4 programs (MoESettings.gate_up_split), whose last sums the partials: no spill either
+        split = sass.report(sass.compile_spec(sass.published_specs()[name], SCALE_PRODUCT=True, SPLIT=4))
+        assert split["stack_bytes"] == 0 and split["registers"] <= 255, split
 
 
 def test_an_odd_ranks_expert_shard_reads_one_scale_a_row():

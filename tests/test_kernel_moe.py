@@ -21,8 +21,12 @@ Down ending in the combine and the tail (`down_add_norm`, one launch counting ea
 each call; negative controls (jit pieces substituted from here): an owner's arrival counted twice, and one not counted,
 each of which must leave the counter off zero (on a GPU they would start the tails early, or never). The
 interpreter runs the grid in order, tails last, so it cannot show a tail reading too early: the GPU case does.
+Gate/Up's numerical forms (MoESettings.gate_up_scale "product", gate_up_split > 1: the H walk over several programs
+summed by the last to arrive) against moe_torch's forms of the same arithmetic; a form must give other bits than the
+weight form (the branch ran), and a split's counters must be left zeroed, and left off zero when they start so.
 GPU (`pytest.mark.gpu`, run on a device later): one TP8 rank at full size (256 experts, H 3072, 192-row shards at
-offsets 0 and 64, 128 x 128 blocks), 8 rows with 38 and 13 distinct experts, bf16, and graph replay bit-identical;
+offsets 0 and 64, 128 x 128 blocks), 8 rows with 38 and 13 distinct experts, bf16 (and the two forms at 4 splits),
+and graph replay bit-identical;
 `down_add_norm` at that shape with 6 rows against the pair: y and the sum bit for bit, h and b within the bf16 rounding
 of a norm whose squares are summed in another layout (FOLD_GPU_TOL); the three launches with PDL (Down's L2 prefetch
 before its wait) captured and replayed with new routing, bit for bit against plain launches.
@@ -51,7 +55,7 @@ TOL = {"fp32": 1e-5, "bf16": 2.0 ** -7}
 GPU_TOL = {"fp32": 1e-5, "bf16": 2.0 ** -6}
 
 BASE = dict(R=8, k=4, E=8, H=128, I=48, block=(128, 128), offset=0, dtype="fp32", live="all", pattern="random",
-            seed=0, scale="weight")
+            seed=0, scale="weight", split=1)
 
 
 def case(name: str, **kw) -> dict:
@@ -85,9 +89,14 @@ CASES = [
     # Gate/Up's block scales on the step's product (MoESettings.gate_up_scale), against the torch form of that
     # arithmetic: several K tiles and scale blocks, shards straddling row blocks, padding rows poisoned
     case("product_multi_k_tiles_off96_bf16", H=320, I=96, offset=96, live="mask", dtype="bf16", scale="product"),
-    case("product_multi_k_tiles_off96_fp32", R=4, H=320, I=96, offset=96, scale="product"),
     case("product_poison_off80_bf16", pattern="poison", live="mask", offset=80, dtype="bf16", scale="product"),
     case("product_mini_tp8_rank5_off28_bf16", I=12, offset=28, live="mask", **MINI, dtype="bf16", scale="product"),
+    # Gate/Up's H over several programs (MoESettings.gate_up_split), the partials summed by the last to arrive:
+    # 3 K tiles in 2 splits (2 + 1) and in 4 (the last empty), with padding rows, poison, and the product form
+    case("split2_multi_k_tiles_off96_bf16", H=320, offset=96, live="mask", dtype="bf16", split=2),
+    case("split4_multi_k_tiles_off96_fp32", R=2, H=320, offset=96, split=4),
+    case("split3_poison_off80_bf16", pattern="poison", live="mask", offset=80, H=320, dtype="bf16", split=3),
+    case("split2_product_mini_tp8_rank5_off28_bf16", I=12, offset=28, **MINI, dtype="bf16", scale="product", split=2),
 ]
 # Each must fail the checks of run_case (a control that passed would show the checks blind).
 CONTROLS = [
@@ -146,7 +155,7 @@ def build(c: dict, device: str) -> dict:
 
 
 def settings(c: dict) -> mk.MoESettings:
-    return mk.MoESettings(gate_up_scale=c["scale"])
+    return mk.MoESettings(gate_up_scale=c["scale"], gate_up_split=c["split"])
 
 
 def call(t: dict, **kw) -> torch.Tensor:
@@ -206,7 +215,15 @@ def run_case(c: dict, device: str) -> dict:
         got = call(t, settings=settings(c))
         res = {}
         if c["scale"] != "weight":  # the form ran: its outputs are not the weight form's
-            res["differs_from_weight_form"] = not torch.equal(got, call(t))
+            res["differs_from_weight_form"] = not torch.equal(got, call(t, settings=settings(dict(c, scale="weight"))))
+        if c["split"] > 1:
+            # the counters left zeroed, call after call; and counters that start off zero (one arrival counted
+            # before the call) are left off zero: the split's arrivals ran and decide who sums
+            locks = torch.zeros(mk.gate_up_lock_count(c["R"], c["k"], c["I"], settings(c)), dtype=torch.int32)
+            res["split_repeats"] = torch.equal(call(t, settings=settings(c), gate_up_locks=locks), got) \
+                and not bool(locks.any())
+            call(t, settings=settings(c), gate_up_locks=locks.fill_(1))
+            res["miscount_shows"] = bool(locks.any())
         if c["pattern"] == "poison":
             bad, n = poisoned(t)
             again = call(bad, settings=settings(c))
@@ -214,7 +231,7 @@ def run_case(c: dict, device: str) -> dict:
             res["poison_finite_equal"] = bool(torch.isfinite(again).all() and torch.equal(again, got))
         res["tail_equal"] = tail_equal(c, t)
     live = t["mask"]
-    ref = mk.moe_torch(t["b"], t["experts"], t["weights"], t["gate"], t["up"], t["down"], gate_up_scale=c["scale"])
+    ref = mk.moe_torch(t["b"], t["experts"], t["weights"], t["gate"], t["up"], t["down"], settings(c))
     g, r = got[live], ref[live]
     res["finite"] = bool(torch.isfinite(got).all())
     res["pad_zero"] = bool((got[~live] == 0).all())
@@ -235,6 +252,9 @@ def check(c: dict, r: dict, tol: dict = TOL) -> None:
         assert r["poison_finite_equal"], "a padding row's expert weights or routing weights were read"
     if c["scale"] != "weight":
         assert r["differs_from_weight_form"], f"gate_up_scale {c['scale']!r} gave the weight form's bits"
+    if c["split"] > 1:
+        assert r["split_repeats"], "the split's counters were not left zeroed, or a repeat call differed"
+        assert r["miscount_shows"], "counters started off zero were left zeroed: the split's arrivals did not run"
 
 
 def summary(c: dict, r: dict) -> str:
@@ -267,7 +287,7 @@ def test_interpreted_agreement(interpreted):
     for name in ("fp32", "bf16"):
         for same_order in (True, False):
             rs = [interpreted[c["name"]] for c in CASES if c["dtype"] == name and one_k_tile(c) == same_order
-                  and interpreted[c["name"]]["live_rows"] and c["scale"] == "weight"]
+                  and interpreted[c["name"]]["live_rows"] and c["scale"] == "weight" and c["split"] == 1]
             print(f"{name}, {'one K tile' if same_order else 'several K tiles'}: worst rel err "
                   f"{max(r['rel_err'] for r in rs):.2e}, min bit-equal {min(r['bit_equal'] for r in rs):.4f}, "
                   f"max {max(r['bf16_ulps'] for r in rs):.3f} bf16 ulps")
@@ -320,6 +340,24 @@ def test_settings_are_checked():
     with pytest.raises(ValueError, match="gate_up_scale"):
         mk.moe(t["b"], t["experts"], t["weights"], t["live"], t["gate"], t["up"], t["down"],
                settings=mk.MoESettings(gate_up_scale="tile"))
+    for split in (0, 17, 2.0):
+        with pytest.raises(ValueError, match="gate_up_split"):
+            mk.moe(t["b"], t["experts"], t["weights"], t["live"], t["gate"], t["up"], t["down"],
+                   settings=mk.MoESettings(gate_up_split=split))
+    with pytest.raises(ValueError, match="locks"):
+        mk.moe(t["b"], t["experts"], t["weights"], t["live"], t["gate"], t["up"], t["down"],
+               settings=mk.MoESettings(gate_up_split=2), gate_up_locks=torch.zeros(3, dtype=torch.int32))
+
+
+def test_gate_up_columns_cover_h_in_whole_steps():
+    """Each split walks whole K steps, in order, covering H once; splits past H are empty."""
+    for H, split, block in ((3072, 4, (128, 128)), (320, 2, (128, 128)), (320, 4, (128, 128)), (64, 3, (32, 32))):
+        cols = mk.gate_up_columns(H, block, mk.MoESettings(gate_up_split=split))
+        step = mk.gate_up_k(block)
+        assert len(cols) == split and cols[0][0] == 0
+        assert all(lo % step == 0 for lo, _ in cols)
+        covered = [c for lo, hi in cols for c in range(lo, hi)]
+        assert covered == list(range(H)), (H, split, cols)
 
 
 
@@ -492,14 +530,17 @@ def distinct_routing(t: dict, c: dict) -> dict:
 
 
 GPU_CASES = [full_case(o, d) for o in (0, 64) for d in (38, 13)] + [full_case(64, 13, "mask")]
+# the tune's numerical forms at full size (MoESettings.gate_up_split and gate_up_scale), against their torch form
+GPU_CASES += [dict(full_case(64, 38), name="gpu_full_off64_d38_split4", split=4),
+              dict(full_case(0, 13), name="gpu_full_off0_d13_split4_product", split=4, scale="product")]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("c", GPU_CASES, ids=[c["name"] for c in GPU_CASES])
 def test_gpu_full_rank(c):
     t = distinct_routing(build(c, "cuda"), c)
-    got = call(t)
-    ref = mk.moe_torch(t["b"], t["experts"], t["weights"], t["gate"], t["up"], t["down"])
+    got = call(t, settings=settings(c))
+    ref = mk.moe_torch(t["b"], t["experts"], t["weights"], t["gate"], t["up"], t["down"], settings(c))
     live = t["mask"]
     r = dict(finite=bool(torch.isfinite(got).all()), pad_zero=bool((got[~live] == 0).all()),
              rel_err=(got[live] - ref[live]).abs().max().item() / ref[live].abs().max().item(),
