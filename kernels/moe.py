@@ -13,7 +13,7 @@ steps load one an element. Down is row-parallel: the caller all-reduces `out`.
 Rounding points, as the torch form has them, for b in dtype T (bf16 in the engine; fp32 on CPU tests):
 - a weight element is T(fp32(q) * scale) (Weight.dense's dequantization); with `MoESettings.gate_up_scale="product"`
   Gate/Up's weights are the exact E4M3 values and each K step's fp32 product is multiplied by the row's scale
-  (`moe_torch(gate_up_scale="product")` is that form's torch form);
+  (`moe_torch(settings=...)` holds that form and `gate_up_split`'s);
 - Gate b and Up b accumulate products in fp32 and round once to T; silu is computed in fp32 from that T value,
   x / (1 + exp(-x)), and rounded to T; silu * up is rounded to T;
 - Down's product accumulates in fp32 and rounds once to T;
@@ -113,9 +113,9 @@ class ExpertOutputs(NamedTuple):
 
 @dataclass(frozen=True)
 class MoESettings:
-    """Launch choices; none changes a result but `gate_up_scale`, a numerical form. The figures behind them are in
-    docs/PERF.md ("The MoE's kernels"); those were measured on the retired kernel's tiles and are carried over, not
-    re-measured for this arithmetic."""
+    """Launch choices; none changes a result but `gate_up_scale` and `gate_up_split`, numerical forms (each off until
+    the GPU times and qualifies it). The figures behind them are in docs/PERF.md ("The MoE's kernels"); those were
+    measured on the retired kernel's tiles and are carried over, not re-measured for this arithmetic."""
 
     block_m: int = 16           # rows a dot takes: tl.dot's smallest M, and R <= 8 at decode fits one block
     gate_up_block_n: int = 32   # I_r channels a Gate/Up program: divides a TP8 rank's 192; 6 programs an expert, not 3
