@@ -5,8 +5,9 @@ interpreter in one worker subprocess: 1 and 8 rows, partial last tiles, fewer co
 power of two, exact ties (integer-valued logits, +-0.0, +-inf), a rank's vocabulary offset, strided
 rows, and more tiles than the merge reads (the tile-maxima skip, checked against the full merge).
 Outputs are pre-filled with NaN / -1. `@pytest.mark.gpu` cases use one TP8 rank: Vr = 20000, k = 20.
-The interpreter runs INTERPRETED_CASES: every property above at one or two rows and a few tiles, the skip at k = 5
-(a bitonic top-k costs it ~0.1-0.3 s a program); the GPU runs those, CASES and GPU_CASES.
+The interpreter runs INTERPRETED_CASES (every property above at one or two rows and a few tiles, the skip at k = 5)
+and CASES (about 7 s: kernels/testing.py reduces the bitonic network's xor sums in NumPy); the GPU runs those and
+GPU_CASES.
 """
 
 from __future__ import annotations
@@ -45,10 +46,9 @@ CASES = [
     case("one_tile_5000", R=1, V=5000, tile=8192),
 ]
 
-# The interpreter's set: the same properties at few rows and tiles (a bitonic top-k costs the interpreter ~0.1-0.3 s
-# a program): 1 and 8 rows, partial tiles, a rank's offset, ties, -0.0/inf, k = 1, 5 (not a power of two), 32 and
-# more than the columns, strided rows, one tile wider than the row, and the tile-maxima skip against the full merge
-# with k = 5 (its KP = 8: more tiles than that take the skip). The GPU runs these and the cases above.
+# The same properties at few rows and tiles: 1 and 8 rows, partial tiles, a rank's offset, ties, -0.0/inf, k = 1, 5
+# (not a power of two), 32 and more than the columns, strided rows, one tile wider than the row, and the tile-maxima
+# skip against the full merge with k = 5 (its KP = 8: more tiles than that take the skip). Both lists run on both.
 def smaller(name: str, new_name: str, **over) -> dict:
     """Case `name` of CASES at the interpreter's sizes, as `new_name` (the full case stays in the GPU list)."""
     return dict(next(c for c in CASES if c["name"] == name), name=new_name, **over)
@@ -71,6 +71,9 @@ INTERPRETED_CASES = [
     smaller("skip_peaked", "skip_peaked_k5", V=700, k=5),
     smaller("one_tile_5000", "one_tile_wider_than_the_row", V=300, tile=512),
 ]
+
+_SMALL = {c["name"] for c in INTERPRETED_CASES}
+INTERPRETED_AND_FULL = INTERPRETED_CASES + [c for c in CASES if c["name"] not in _SMALL]
 
 GPU_CASES = [
     *[c for c in INTERPRETED_CASES if c["name"] not in {x["name"] for x in CASES}],
@@ -137,7 +140,7 @@ def _check(c: dict, r: dict) -> None:
 
 
 # ---- interpreter tests ---------------------------------------------------------------------------------
-interpreted, test_interpreted = interpreted_tests(__file__, INTERPRETED_CASES, _check)
+interpreted, test_interpreted = interpreted_tests(__file__, INTERPRETED_AND_FULL, _check)
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -181,4 +184,4 @@ def test_gpu(c):
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
-    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in INTERPRETED_CASES])
+    worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in INTERPRETED_AND_FULL])
