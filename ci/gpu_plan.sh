@@ -62,10 +62,10 @@ case "${1:-}" in
     timeout 270 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
       --kernels triton,triton^down_tail --out "$out/step-down-tail-ctx1k-d5-$sha.json" 2>&1 \
       | tee "$out/step-down-tail-ctx1k-d5-$sha.log" | tail -30 ;;
-  tune)  # Gate/Up's depth and Down's prefetch at the prefilled routing (8.9 experts), the q/k/v fold's splits and the
-    # router fold's o-projection chunk first; then the MoE at 38 experts and the rest; each part capped, so that one
-    # call returns what it reached
-    gpu bench tune --ops moe,qkv_rope_kv,o_proj_router --distinct 9 --budget 260 \
+  tune)  # the q/k/v fold's splits and the router fold's o-projection chunk (12 candidates), then the MoE at the
+    # prefilled routing (8.9 experts; its list opens with Gate/Up's splits, scale form and depth); then the MoE at 38
+    # experts and the rest; one budget a part, spent in that order, so that one call returns what it reached
+    gpu bench tune --ops qkv_rope_kv,o_proj_router,moe --distinct 9 --budget 260 \
       --out "$out/tune-h200-moe9-qkv-opr-$sha.json" 2>&1 | tee "$out/tune-h200-moe9-qkv-opr-$sha.log" | tail -40
     only=gate_up_split=4,gate_up_split=8,gate_up_scale=product,gate_up_split=4+gate_up_scale=product
     only=$only,gate_up_stages=6,gate_up_block_n=16,warps=8,down_prefetch=False
