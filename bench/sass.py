@@ -384,6 +384,9 @@ def compile_spec(spec: KernelSpec, **constexprs) -> object:
     return triton.compile(source, target=TARGET, options={**launch, **spec.options})
 
 
+_INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s*(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9]*)")  # a SASS line's opcode
+
+
 def sequence(kernel) -> list[str]:
     """The SASS opcodes in program order (predicates and modifiers dropped: "LDG", "BAR", "ACQBULK", ...)."""
     with tempfile.TemporaryDirectory() as d:
@@ -391,15 +394,11 @@ def sequence(kernel) -> list[str]:
         with open(cubin, "wb") as f:
             f.write(kernel.asm["cubin"])
         text = _tool("nvdisasm", cubin, "-c")
-    ops = (re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9]*)", line) for line in text.splitlines())
-    return [m.group(1) for m in ops if m]
+    return [m.group(1) for m in map(_INSTRUCTION.match, text.splitlines()) if m]
 
 
 def _tool(name: str, cubin: str, *args: str) -> str:
     return subprocess.run([os.path.join(_BIN, name), *args, cubin], capture_output=True, text=True, check=True).stdout
-
-
-_INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s*(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9]*)")
 
 
 def dot_loop(sass_text: str) -> dict | None:
@@ -447,6 +446,6 @@ def run(names: tuple[str, ...], overrides: dict, top: int = 10) -> dict:
         print("   " + ", ".join(f"{op} {n}" for op, n in list(r["mix"].items())[:top]))
         if r["dot_loop"]:
             loop = r["dot_loop"]
-            print(f"   a K step (the innermost loop with a tensor-core instruction): {loop['instructions']} instructions "
-                  f"a warp: " + ", ".join(f"{op} {n}" for op, n in list(loop["mix"].items())[:top]))
+            print(f"   a K step (the innermost loop with a tensor-core instruction): {loop['instructions']} "
+                  "instructions a warp: " + ", ".join(f"{op} {n}" for op, n in list(loop["mix"].items())[:top]))
     return out

@@ -152,24 +152,40 @@ def split_product(x_ptr, w_ptr, s_ptr, m, n, m_ok, n_ok, pid_k, K, stride_xm, sc
 
 
 @triton.jit
-def serial_sum(acc, part_ptr, lock_ptr, m, n, mask, pid_k, lock_index, M, N, splits,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr = 8):
-    """Store this split's partial; the tile's last split to arrive gets (True, the partials summed in split order,
-    so the result does not depend on which one arrives last) and re-arms the counter; the others (False, zeros).
-    The partials are read UNROLL splits at a time, their loads issued together: one L2 round trip a group, where a
-    loop of one split an iteration paid one a split on the tile's serial tail (8 at a TP8 rank's q/k/v)."""
-    tl.store(part_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=mask)
+def arrive_last(lock, splits):
+    """This split's arrival on its tile's counter, after every thread's stores of its partial: whether it is the
+    last of the `splits` to arrive (which then sums, and re-arms the counter with `tl.atomic_xchg(lock, 0)`)."""
     tl.debug_barrier()  # every thread's partial stored before the release below
+    return tl.atomic_add(lock, 1, sem="acq_rel") == splits - 1
+
+
+@triton.jit
+def summed_partials(part_ptr, m, n, mask, M, N, splits, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               UNROLL: tl.constexpr = 8):
+    """The partials part[s, m, n] ([splits, M, N] fp32) summed in split order, read UNROLL splits at a time, their
+    loads issued together: one L2 round trip a group, where a loop of one split an iteration paid one a split on the
+    tile's serial tail (8 at a TP8 rank's q/k/v)."""
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for s0 in range(0, splits, UNROLL):
+        for j in tl.static_range(UNROLL):
+            # a split past the last reads -0.0, the exact identity of an fp32 add (+0.0 would turn a -0.0 sum
+            # into +0.0): the sum's bits are the one-at-a-time loop's
+            total += tl.load(part_ptr + ((s0 + j) * M + m[:, None]) * N + n[None, :],
+                             mask=mask & (s0 + j < splits), other=-0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
+def serial_sum(acc, part_ptr, lock_ptr, m, n, mask, pid_k, lock_index, M, N, splits,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store this split's partial; the tile's last split to arrive gets (True, the partials summed in split order,
+    so the result does not depend on which one arrives last) and re-arms the counter; the others (False, zeros)."""
+    tl.store(part_ptr + (pid_k * M + m[:, None]) * N + n[None, :], acc, mask=mask)
     lock = lock_ptr + lock_index
-    last = tl.atomic_add(lock, 1, sem="acq_rel") == splits - 1
+    last = arrive_last(lock, splits)
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if last:
-        for s0 in range(0, splits, UNROLL):
-            for j in tl.static_range(UNROLL):
-                # a split past the last reads -0.0, the exact identity of an fp32 add (+0.0 would turn a -0.0 sum
-                # into +0.0): the sum's bits are the one-at-a-time loop's
-                total += tl.load(part_ptr + ((s0 + j) * M + m[:, None]) * N + n[None, :],
-                                 mask=mask & (s0 + j < splits), other=-0.0, cache_modifier=".cg")
+        total = summed_partials(part_ptr, m, n, mask, M, N, splits, BLOCK_M, BLOCK_N)
         tl.atomic_xchg(lock, 0)
     return last, total
 

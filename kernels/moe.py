@@ -64,7 +64,7 @@ from triton.language.extra import libdevice
 
 from .device import is_pow2
 from .f16_operands import bf16_grid
-from . import rmsnorm
+from . import fp8_linear as fl, rmsnorm
 from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
 
@@ -317,7 +317,7 @@ def _gate_up_kernel(
             if SPLIT > 1:
                 lock = (p * tl.num_programs(1) + tile) * tl.cdiv(R, BLOCK_M) + m0 // BLOCK_M
                 last, acc_g, acc_u = _split_sums(acc_g, acc_u, part_ptr, lock_ptr + lock, pair, n, mask, split,
-                                                 R * K_TOP, I, SPLIT)
+                                                 R * K_TOP, I, SPLIT, BLOCK_M, BLOCK_N)
             if last:
                 g = _round(acc_g, BF16, INTERP)
                 h = _round(_round(_silu(g, INTERP), BF16, INTERP) * _round(acc_u, BF16, INTERP), BF16, INTERP)
@@ -325,21 +325,18 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _split_sums(acc_g, acc_u, part_ptr, lock, pair, n, mask, split, P, I, SPLIT: tl.constexpr):
-    """`gate_up_split`: this split's Gate and Up partials stored (parts [SPLIT, 2, P, I] fp32); the last of the
-    tile's splits to arrive gets (True, the partials summed in split order, whichever arrives last) and re-arms the
-    counter; the others (False, their own partials, unused)."""
-    at = part_ptr + pair[:, None] * I + n[None, :]
-    tl.store(at + split * 2 * P * I, acc_g, mask=mask)
-    tl.store(at + (split * 2 + 1) * P * I, acc_u, mask=mask)
-    tl.debug_barrier()  # every thread's partials stored before the release below
-    last = tl.atomic_add(lock, 1, sem="acq_rel") == SPLIT - 1
+def _split_sums(acc_g, acc_u, part_ptr, lock, pair, n, mask, split, P, I, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """`gate_up_split`, on the FP8 linear's split-K sum (kernels/fp8_linear.py `arrive_last`, `summed_partials`):
+    this split's Gate and Up partials stored (parts [SPLIT, 2, P, I] fp32: rows pair and P + pair of a split's 2P);
+    the last of the tile's splits to arrive gets (True, each summed in split order from +0.0, whichever arrives last)
+    and re-arms the counter; the others (False, their own partials, unused)."""
+    tl.store(part_ptr + (split * 2 * P + pair[:, None]) * I + n[None, :], acc_g, mask=mask)
+    tl.store(part_ptr + (split * 2 * P + P + pair[:, None]) * I + n[None, :], acc_u, mask=mask)
+    last = fl.arrive_last(lock, SPLIT)
     if last:
-        acc_g = tl.load(at, mask=mask, other=0.0, cache_modifier=".cg")
-        acc_u = tl.load(at + P * I, mask=mask, other=0.0, cache_modifier=".cg")
-        for j in tl.static_range(1, SPLIT):
-            acc_g += tl.load(at + j * 2 * P * I, mask=mask, other=0.0, cache_modifier=".cg")
-            acc_u += tl.load(at + (j * 2 + 1) * P * I, mask=mask, other=0.0, cache_modifier=".cg")
+        acc_g = fl.summed_partials(part_ptr, pair, n, mask, 2 * P, I, SPLIT, BLOCK_M, BLOCK_N)
+        acc_u = fl.summed_partials(part_ptr, P + pair, n, mask, 2 * P, I, SPLIT, BLOCK_M, BLOCK_N)
         tl.atomic_xchg(lock, 0)
     return last, acc_g, acc_u
 
@@ -675,10 +672,15 @@ def gate_up_k(block: tuple[int, int], settings: MoESettings = MoESettings()) -> 
     return min(settings.gate_up_block_k, max(16, _pow2_divisor(block[1])))
 
 
-def gate_up_columns(H: int, block: tuple[int, int], settings: MoESettings = MoESettings()) -> list[tuple[int, int]]:
-    """The H columns [lo, hi) each of `settings.gate_up_split` splits walks: whole K steps, the last split's short."""
+def _split_width(H: int, block: tuple[int, int], settings: MoESettings) -> int:
+    """The H columns a split walks: whole K steps (the last split's are fewer, or none)."""
     step = gate_up_k(block, settings)
-    per = triton.cdiv(triton.cdiv(H, settings.gate_up_split), step) * step
+    return triton.cdiv(triton.cdiv(H, settings.gate_up_split), step) * step
+
+
+def gate_up_columns(H: int, block: tuple[int, int], settings: MoESettings = MoESettings()) -> list[tuple[int, int]]:
+    """The H columns [lo, hi) each of `settings.gate_up_split` splits walks, in order."""
+    per = _split_width(H, block, settings)
     return [(lo, min(H, lo + per)) for lo in range(0, per * settings.gate_up_split, per)]
 
 
@@ -705,7 +707,6 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
     _check(not product or (gate.offset[1] % step == 0 and up.offset[1] % step == 0 and B1 % step == 0),
            f"gate_up_scale 'product' needs every K step inside one scale block: column offsets {gate.offset[1]}, "
            f"{up.offset[1]} are not multiples of the {step}-column step")
-    columns = gate_up_columns(H, gate.block, s)
     parts = hidden
     if s.gate_up_split > 1:
         n_locks = gate_up_lock_count(R, k, I, s)
@@ -718,7 +719,7 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
     _gate_up_kernel[(R * k, triton.cdiv(I, s.gate_up_block_n), s.gate_up_split)](
         b, gate.q, gate.scale, up.q, up.scale, experts, live_arg, hidden, parts, locks if locks is not None else parts,
         R, H, I, b.stride(0), gate.scale.stride(0), gate.scale.stride(1), up.scale.stride(0), up.scale.stride(1),
-        columns[0][1] - columns[0][0],
+        _split_width(H, gate.block, s),
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
         **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=step, **_math(h),
         INTERP=INTERPRETED, SCALE_PRODUCT=product, SPLIT=s.gate_up_split, **_streams(h, s, s.gate_up_stages),
@@ -933,13 +934,12 @@ def moe_torch(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
         if settings.gate_up_split == 1 and settings.gate_up_scale == "weight":
             return torch.einsum("rh,rkih->rki", b, select(w))
         dense = select(w).float() if settings.gate_up_scale == "weight" else None
-        total = None
+        total = torch.zeros((*experts.shape, w.q.shape[1]), dtype=torch.float32, device=b.device)  # as the kernel's
         for lo, hi in gate_up_columns(b.shape[1], w.block, settings):
             if settings.gate_up_scale == "weight":
-                part = torch.einsum("rh,rkih->rki", b[:, lo:hi].float(), dense[..., lo:hi])
+                total += torch.einsum("rh,rkih->rki", b[:, lo:hi].float(), dense[..., lo:hi])
             else:
-                part = product(w, lo, hi)
-            total = part if total is None else total + part
+                total += product(w, lo, hi)
         return total.to(b.dtype)
 
     hidden = torch.nn.functional.silu(projection(gate)) * projection(up)
