@@ -1,7 +1,8 @@
 """The engine variants a benchmark compares side by side: `torch` or `triton` (the kernel plans of fast/plan.py), each
 optionally with a product option that changes numerics turned on (`triton+router_fold`: EngineOptions), with ops
-removed from the round for timing (`triton~moe`, `triton~route:38`: lab/ablation.py) and with folds undone, as the
-control of a fold (`triton^moe_combine`: lab/unfold.py)."""
+removed from the round for timing (`triton~moe`, `triton~route:38`: lab/ablation.py), with folds undone, as the
+control of a fold (`triton^moe_combine`: lab/unfold.py), and with other MoE kernel settings (`triton@gate_up_split=4`:
+kernels/moe.py MoESettings, EngineOptions.moe_settings), so a tuned setting is timed in the whole round."""
 
 from __future__ import annotations
 
@@ -24,27 +25,38 @@ class Variant(NamedTuple):
     ablated: frozenset[str]
     unfolded: frozenset[str]
     options: frozenset[str] = frozenset()
+    moe_settings: tuple[tuple[str, int | str | bool], ...] = ()
+
+
+def _setting(name: str, part: str) -> tuple[str, int | str | bool]:
+    """"gate_up_split=4" -> ("gate_up_split", 4): an int, True/False, or else the text."""
+    field, eq, text = part.partition("=")
+    if not (field and eq and text):
+        raise ValueError(f"variant {name!r}: a MoE setting is @FIELD=VALUE, got @{part}")
+    value: int | str | bool = {"True": True, "False": False}.get(text, text)
+    return field, int(text) if text.isdigit() else value
 
 
 def split(name: str) -> Variant:
-    """The parts of a variant name such as "triton+router_fold^moe_combine~route:38": kernels, then +options,
-    ~ablations and ^unfolds in any order. Trailing primes name an A' arm: "triton'" is "triton" again, an engine of its
-    own built alike, whose spread against the first is the benchmark's noise floor."""
-    kernels, *parts = re.split(r"(?=[~^+])", name.rstrip("'"))
+    """The parts of a variant name such as "triton+router_fold^moe_combine~route:38@gate_up_split=4": kernels, then
+    +options, ~ablations, ^unfolds and @MoE settings in any order. Trailing primes name an A' arm: "triton'" is
+    "triton" again, an engine of its own built alike, whose spread against the first is the benchmark's noise floor."""
+    kernels, *parts = re.split(r"(?=[~^+@])", name.rstrip("'"))
     if kernels not in ("torch", "triton") or any(len(p) < 2 for p in parts):
-        raise ValueError(f"variant {name!r}: kernels must be torch or triton (then +options, ~op ablations and ^fold "
-                         f"unfolds), got {kernels!r}")
+        raise ValueError(f"variant {name!r}: kernels must be torch or triton (then +options, ~op ablations, ^fold "
+                         f"unfolds and @MoE settings), got {kernels!r}")
     chosen = frozenset(p[1:] for p in parts if p[0] == "+")
     if chosen - OPTIONS:
         raise ValueError(f"variant {name!r}: unknown option {sorted(chosen - OPTIONS)}: choose from "
                          f"{sorted(OPTIONS)}")
     return Variant(kernels, frozenset(p[1:] for p in parts if p[0] == "~"),
-                   frozenset(p[1:] for p in parts if p[0] == "^"), chosen)
+                   frozenset(p[1:] for p in parts if p[0] == "^"), chosen,
+                   tuple(_setting(name, p[1:]) for p in parts if p[0] == "@"))
 
 
 def options(name: str, base: EngineOptions) -> EngineOptions:
     v = split(name)
-    return replace(base, kernels=v.kernels, **dict.fromkeys(v.options, True))
+    return replace(base, kernels=v.kernels, moe_settings=v.moe_settings, **dict.fromkeys(v.options, True))
 
 
 def prepare(engine: RankEngine, name: str) -> RankEngine:

@@ -47,6 +47,9 @@ class EngineOptions:
     prefix_reuse: bool = False      # the server keeps its rings' copy for the next turn (counted by fast/memory.py)
     router_fold: bool = False       # routing in o_proj and the attention tail: a numerical change (docs/round.md)
     expert_prefetch: bool = False   # predicted experts warmed in L2 beside sliding layers' attention (docs/round.md)
+    # (field, value) pairs replacing kernels/moe.py MoESettings defaults, the product's: a bench variant's
+    # (`triton@gate_up_split=4`); two are numerical forms, qualified before any becomes a default
+    moe_settings: tuple[tuple[str, int | str | bool], ...] = ()
 
     def plan(self, device: torch.device) -> KernelPlan:
         """The kernel plan for this device (on CPU, Triton kernels run only under Triton's interpreter)."""
@@ -70,13 +73,21 @@ class EngineParts:
     snapshot: type[RingSnapshot] = RingSnapshot
 
 
-def make_ops(plan: KernelPlan, fold_router: bool = False, warm_experts: bool = False) -> TorchOps:
+def make_ops(plan: KernelPlan, fold_router: bool = False, warm_experts: bool = False,
+             moe_settings: tuple[tuple[str, int | str | bool], ...] = ()) -> TorchOps:
     """The torch forms, or the Triton dispatcher for a plan with kernels (imported only then: it imports triton)."""
+    if moe_settings and not plan.moe:
+        raise ValueError(f"MoE settings {dict(moe_settings)} need the MoE kernels: the plan runs its torch form")
     if not plan.uses_triton:
         return TorchOps(fold_router, warm_experts)
+    from ..kernels.moe import MoESettings
     from .triton_ops import TritonOps
 
-    return TritonOps(plan, fold_router, warm_experts)
+    try:
+        settings = MoESettings(**dict(moe_settings))
+    except TypeError as e:  # an unknown field
+        raise ValueError(f"MoE settings {dict(moe_settings)}: {e}") from None
+    return TritonOps(plan, fold_router, warm_experts, settings)
 
 
 def cache_capacity(options: EngineOptions) -> int:
@@ -144,7 +155,7 @@ class RankEngine:
         self.capacity = cache_capacity(options)
         self.plan = options.plan(par.device)
         self.cache = parts.cache(c, kv_heads, self.capacity, self.dtype, par.device)
-        ops = make_ops(self.plan, options.router_fold, options.expert_prefetch)
+        ops = make_ops(self.plan, options.router_fold, options.expert_prefetch, options.moe_settings)
         self.model = parts.model(c, weights, self.cache, par, self.dtype, ops)
         self.state = self._allocate_state(min(self.generation.top_k, c.vocab_size))
         rings = self.cache.rings()

@@ -50,11 +50,13 @@ class TritonOps(TorchOps):
     name = "triton"
 
     def __init__(self, plan: KernelPlan = KernelPlan.triton(), fold_router: bool = False,
-                 warm_experts: bool = False) -> None:
+                 warm_experts: bool = False, moe_settings: moe.MoESettings = moe.MoESettings()) -> None:
         super().__init__(fold_router, warm_experts)
         self.plan = plan
+        self.moe_settings = moe_settings  # the product's are kernels/moe.py's defaults; a bench variant passes others
         self.fallbacks: Counter = Counter()  # op group -> calls a kernel could not take (ran the torch form)
         self._locks: torch.Tensor | None = None
+        self._gate_up_locks: torch.Tensor | None = None  # Gate/Up's split sum's own: no PDL overlap with Down's tail
         self._experts: dict[int, list] = {}  # id(MoE) -> its gate, up, down as the MoE kernel takes them
         self._slabs: dict[int, tuple] = {}  # id(router) -> its layer's Gate and Up codes, for the select to warm
         self._side: torch.cuda.Stream | None = None  # the expert prefetch's branch stream (CUDA)
@@ -78,6 +80,8 @@ class TritonOps(TorchOps):
         # The arrival counters of the FP8 linear's split-K sum: zeroed once, before any capture; every call leaves them
         # zeroed, and the engine's calls run one after another on one stream.
         self._locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
+        if self.moe_settings.gate_up_split > 1:
+            self._gate_up_locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
         for lw in [*w.layers, w.draft.block]:
             if isinstance(lw.mlp, MoE):
                 self._experts[id(lw.mlp)] = [moe.ExpertWeights(p.q, p.scale, p.block, p.offset) if p.quantized else None
@@ -210,21 +214,24 @@ class TritonOps(TorchOps):
             return super().moe(b, experts, weights, live, mw)
         self.calls["moe"] += 1
         # Down is left to the op that reads the output (reduce_add_norm), which ends it in the combine and the tail
-        return PendingDown(moe.gate_up(b, experts, live, *ew[:2], pdl=b.is_cuda), weights, ew[2])
+        s, locks = self.moe_settings, self._gate_up_locks
+        if locks is not None and moe.gate_up_lock_count(b.shape[0], experts.shape[1], ew[0].q.shape[1], s) > locks.numel():
+            locks = None  # a long prefill block: counters of its own, zeroed by gate_up
+        hidden = moe.gate_up(b, experts, live, *ew[:2], settings=s, locks=locks, pdl=b.is_cuda)
+        return PendingDown(hidden, weights, ew[2])
 
-    @staticmethod
     @stage("mlp")  # launched by the op that reads the output, but the experts' work: bench step's stages keep it there
-    def expert_outputs(partial):
+    def expert_outputs(self, partial):
         """The routed experts' outputs, uncombined: a pending Down launched on its own (kernels/moe.py `down`)."""
         if not isinstance(partial, PendingDown):
             return partial
-        return moe.down(*partial, pdl=partial.weights.is_cuda)
+        return moe.down(*partial, settings=self.moe_settings, pdl=partial.weights.is_cuda)
 
     @stage("mlp")  # Down's launch, ending in the combine and the tail: the experts' work, mostly
     def down_add_norm(self, pending, residual, scale, y_norm, next_norm, eps, dtype):
         self.calls["down_add_norm"] += 1
         return moe.down_add_norm(*pending, residual, scale, y_norm, next_norm, eps, dtype, locks=self._locks,
-                                 pdl=residual.is_cuda)
+                                 settings=self.moe_settings, pdl=residual.is_cuda)
 
     # ---- norms ---------------------------------------------------------------------------------------
     @stage("norm")

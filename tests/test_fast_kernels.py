@@ -29,9 +29,10 @@ LINEAR_BLOCK_TOL = 1e-5
 
 
 def engine(plan: KernelPlan | str, device: str = "cpu", dtype: str = "fp32", parts: EngineParts = EngineParts(),
-           max_context: int = 256, router_fold: bool = False) -> RankEngine:
+           max_context: int = 256, router_fold: bool = False, moe_settings: tuple = ()) -> RankEngine:
     return RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=max_context, dtype=dtype, kernels=plan,
-                                                                   router_fold=router_fold), parts)
+                                                                   router_fold=router_fold, moe_settings=moe_settings),
+                      parts)
 
 
 def two_blocks(e: RankEngine, device: str, first: int = 40) -> tuple:
@@ -90,7 +91,7 @@ FOLDS = {"moe_combine": (("moe", "norm"), "down_add_norm"), "down_tail": (("moe"
          "qkv_rope": (("linear", "attention"), "qkv_rope_kv")}
 
 
-def group_block(*groups: str, device: str = "cpu") -> dict:
+def group_block(*groups: str, device: str = "cpu", moe_settings: tuple = ()) -> dict:
     """Op groups' kernels (the rest on torch forms) against the torch forms over a prefill block, a verification
     block with padding rows and a draft block: the largest relative error of the live rows' logits and hiddens, the
     caches' (their real slots'), and the kernel calls and fallbacks. With them, under "unfolds", each fold of exactly
@@ -101,7 +102,7 @@ def group_block(*groups: str, device: str = "cpu") -> dict:
     out, engines = {}, {}
     with_kernels = KernelPlan(**{group: True for group in groups})
     for plan in (KernelPlan.torch(), with_kernels):
-        e = engines[plan.name] = engine(plan, device)
+        e = engines[plan.name] = engine(plan, device, moe_settings=moe_settings if plan.moe else ())
         _forget_capture(e)
         outputs = two_blocks(e, device)
         out[plan.name] = ([t for block in outputs for t in block], [_real_slots(kv) for kv in e.cache.layers],
@@ -121,9 +122,31 @@ def group_block(*groups: str, device: str = "cpu") -> dict:
                          and all(torch.equal(x, y) for l0, l1 in zip(c1, caches) for x, y in zip(l0, l1)),
                          "folded": calls.get(path, 0), "control": control.model.ops.calls[path],
                          "unfolded": control.model.ops.unfolded_calls.get(fold, 0)}
+    locks = getattr(engines[with_kernels.name].model.ops, "_gate_up_locks", None)
     return {"rel_err": max(rel(x[:n], y[:n]) for x, y, n in zip(o1, o0, live)),
             "cache_err": max(rel(x, y) for l0, l1 in zip(c0, c1) for x, y in zip(l1, l0)),
-            "calls": calls, "fallbacks": fallbacks, "unfolds": unfolds}
+            "calls": calls, "fallbacks": fallbacks, "unfolds": unfolds,
+            "gate_up_locks": None if locks is None else int(locks.count_nonzero())}
+
+
+def moe_split_block(device: str = "cpu") -> dict:
+    """`group_block("moe")` with Gate/Up split 4 ways and scaling its products (a bench variant's MoE settings,
+    `triton@gate_up_split=4@gate_up_scale=product`), with what each Gate/Up launch was given: its settings, and
+    whether the engine's own counters."""
+    import iquest.kernels.moe as mk
+
+    seen, real = [], mk.gate_up
+
+    def spy(*args, **kwargs):
+        s = kwargs["settings"]
+        seen.append((s.gate_up_split, s.gate_up_scale, kwargs["locks"] is not None))
+        return real(*args, **kwargs)
+    mk.gate_up = spy
+    try:
+        r = group_block("moe", device=device, moe_settings=(("gate_up_split", 4), ("gate_up_scale", "product")))
+    finally:
+        mk.gate_up = real
+    return {**r, "gate_up_launches": sorted(set(seen)), "gate_up_count": len(seen)}
 
 
 def router_fold_block(device: str = "cpu") -> dict:
@@ -265,6 +288,28 @@ def test_interpreted_group_kernels_within_their_tolerance(interpreted, group, ke
     assert r["rel_err"] <= GROUP_BLOCK_TOL[group] and r["cache_err"] <= GROUP_BLOCK_TOL[group], r
 
 
+def test_interpreted_moe_settings_reach_the_kernels(interpreted):
+    """A variant's MoE settings (EngineOptions.moe_settings: Gate/Up split 4 ways, scaling its products) reach every
+    Gate/Up launch of the three blocks, with the engine's own split counters, left zeroed; the outputs stay within
+    the MoE group's tolerance of the torch forms (a numerical change, as each form's kernel tests measure)."""
+    r = interpreted["moe_split_block"]
+    assert "error" not in r, r
+    print(f"[interpreted MoE, split 4, product scales] relative error {r['rel_err']:.2e}, launches "
+          f"{r['gate_up_launches']}")
+    assert r["gate_up_launches"] == [[4, "product", True]] and r["gate_up_count"] == r["calls"]["moe"] > 0, r
+    assert r["gate_up_locks"] == 0, r
+    assert r["rel_err"] <= GROUP_BLOCK_TOL["moe"] and r["cache_err"] <= GROUP_BLOCK_TOL["moe"], r
+
+
+def test_moe_settings_are_checked():
+    """An unknown MoE setting, or MoE settings on a plan whose MoE runs its torch form, is refused when the engine is
+    built, not ignored."""
+    with pytest.raises(ValueError, match="unexpected keyword"):
+        engine(KernelPlan.triton(), moe_settings=(("gate_up_splits", 4),))
+    with pytest.raises(ValueError, match="need the MoE kernels"):
+        engine(KernelPlan.torch(), moe_settings=(("gate_up_split", 4),))
+
+
 def test_interpreted_router_fold_kernels_within_their_tolerance(interpreted):
     """The router fold on its kernels: every MoE layer call of the three blocks (3 target MoE layers x 2 forwards +
     the draft) ran the o-projection with the partials and the tail that selects, and routed from it (no router pass);
@@ -332,6 +377,7 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     worker_main([("linear_block", linear_block), ("sampling_block", sampling_block), ("glue_block", glue_block),
                  ("attention_block", lambda: group_block("attention")), ("norm_block", lambda: group_block("norm")),
                  ("moe_block", lambda: group_block("moe")), ("lm_head_block", lambda: group_block("lm_head")),
+                 ("moe_split_block", moe_split_block),
                  ("moe_norm_block", lambda: group_block("moe", "norm")),
                  ("linear_attention_block", lambda: group_block("linear", "attention")),
                  ("router_fold_block", router_fold_block), ("prefetch_block", prefetch_block),
