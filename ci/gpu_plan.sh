@@ -6,6 +6,8 @@
 # STAGE (in the order to run them: docs/PERF.md, "Open directions", first item):
 #   first     qualification at TP 1 (the default engine), then the rebuilt Down tail paired with the pair it replaced
 #             (triton against triton^down_tail): one call, each part under its own timeout
+#   split     Gate/Up's K steps: bench tune of its splits and scale form at 9 experts, then the round paired three ways
+#             (triton, triton^down_tail, triton@gate_up_split=4: EngineOptions.moe_settings), one call
 #   tune      bench tune: the MoE (Gate/Up's depth, Down's prefetch) at 9 and 38 experts, the q/k/v fold's splits and
 #             the router fold's o-projection first, then the prefetch branch, the head, the top-k, the linears
 #   tests     the @pytest.mark.gpu suite but the MPS module (over 4 min with 6 workers)
@@ -62,6 +64,14 @@ case "${1:-}" in
     timeout 270 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
       --kernels triton,triton^down_tail --out "$out/step-down-tail-ctx1k-d5-$sha.json" 2>&1 \
       | tee "$out/step-down-tail-ctx1k-d5-$sha.log" | tail -30 ;;
+  split)
+    only=gate_up_split=2,gate_up_split=4,gate_up_split=8,gate_up_split=4+gate_up_scale=product
+    timeout 200 bash "$here/gpu.sh" bench tune --ops moe --distinct 9 --only "$only,gate_up_scale=product,gate_up_stages=6" \
+      --budget 150 --out "$out/tune-h200-moe9-split-$sha.json" 2>&1 | tee "$out/tune-h200-moe9-split-$sha.log" | tail -14 \
+      || echo "tune: exit $?" >&2
+    timeout 350 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
+      --kernels triton,triton^down_tail,triton@gate_up_split=4 --out "$out/step-split-ctx1k-d5-$sha.json" 2>&1 \
+      | tee "$out/step-split-ctx1k-d5-$sha.log" | tail -40 || echo "step: exit $?" >&2 ;;
   tune)  # the q/k/v fold's splits and the router fold's o-projection chunk (12 candidates), then the MoE at the
     # prefilled routing (8.9 experts; its list opens with Gate/Up's splits, scale form and depth); then the MoE at 38
     # experts and the rest; one budget a part, spent in that order, so that one call returns what it reached
@@ -80,6 +90,6 @@ case "${1:-}" in
     gpu bench context --out "$out/context-tp8slice-$sha.json" 2>&1 | tail -20 | tee "$out/context-tp8slice-$sha.log"
     gpu bench depth --device cuda --prompts 16 --tokens 64 --repeats 5 --out "$out/depth-mini-cuda-$sha.json" 2>&1 \
       | tail -20 | tee "$out/depth-mini-cuda-$sha.log" ;;
-  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh first|tune|tests|mps|qualify|qualify2|step|step2|trace|prefetch|rest" >&2
+  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh first|split|tune|tests|mps|qualify|qualify2|step|step2|trace|prefetch|rest" >&2
      exit 2 ;;
 esac
