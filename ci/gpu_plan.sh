@@ -6,6 +6,7 @@
 # STAGE (in the order to run them: docs/PERF.md, "Open directions", first item):
 #   first     qualification at TP 1 (the default engine), then the rebuilt Down tail paired with the pair it replaced
 #             (triton against triton^down_tail): one call, each part under its own timeout
+#   one       where a session may get one call only: qualification at TP 1, then the round three ways (split's step)
 #   split     Gate/Up's K steps: bench tune of its splits and scale form at 9 experts, then the round paired three ways
 #             (triton, triton^down_tail, triton@gate_up_split=4: EngineOptions.moe_settings), one call
 #   tune      bench tune: the MoE (Gate/Up's depth, Down's prefetch) at 9 and 38 experts, the q/k/v fold's splits and
@@ -64,6 +65,15 @@ case "${1:-}" in
     timeout 270 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
       --kernels triton,triton^down_tail --out "$out/step-down-tail-ctx1k-d5-$sha.json" 2>&1 \
       | tee "$out/step-down-tail-ctx1k-d5-$sha.log" | tail -30 ;;
+  one)
+    name=qualify-mini-cuda-bf16-$sha
+    timeout 275 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 \
+      --jobs 14 --json > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
+    tail -2 "$out/$name.log"
+    timeout 300 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 4 \
+      --kernels triton,triton^down_tail,triton@gate_up_split=4 --out "$out/step-split-ctx1k-d4-$sha.json" \
+      > "$out/step-split-ctx1k-d4-$sha.log" 2>&1 || echo "step: exit $?" >&2
+    tail -45 "$out/step-split-ctx1k-d4-$sha.log" ;;
   split)
     only=gate_up_split=2,gate_up_split=4,gate_up_split=8,gate_up_split=4+gate_up_scale=product
     timeout 200 bash "$here/gpu.sh" bench tune --ops moe --distinct 9 --only "$only,gate_up_scale=product,gate_up_stages=6" \
@@ -90,6 +100,6 @@ case "${1:-}" in
     gpu bench context --out "$out/context-tp8slice-$sha.json" 2>&1 | tail -20 | tee "$out/context-tp8slice-$sha.log"
     gpu bench depth --device cuda --prompts 16 --tokens 64 --repeats 5 --out "$out/depth-mini-cuda-$sha.json" 2>&1 \
       | tail -20 | tee "$out/depth-mini-cuda-$sha.log" ;;
-  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh first|split|tune|tests|mps|qualify|qualify2|step|step2|trace|prefetch|rest" >&2
+  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh first|one|split|tune|tests|mps|qualify|qualify2|step|step2|trace|prefetch|rest" >&2
      exit 2 ;;
 esac
