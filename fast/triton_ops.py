@@ -215,7 +215,8 @@ class TritonOps(TorchOps):
         self.calls["moe"] += 1
         # Down is left to the op that reads the output (reduce_add_norm), which ends it in the combine and the tail
         s, locks = self.moe_settings, self._gate_up_locks
-        if locks is not None and moe.gate_up_lock_count(b.shape[0], experts.shape[1], ew[0].q.shape[1], s) > locks.numel():
+        R, k, inter = b.shape[0], experts.shape[1], ew[0].q.shape[1]
+        if locks is not None and moe.gate_up_lock_count(R, k, inter, s) > locks.numel():
             locks = None  # a long prefill block: counters of its own, zeroed by gate_up
         hidden = moe.gate_up(b, experts, live, *ew[:2], settings=s, locks=locks, pdl=b.is_cuda)
         return PendingDown(hidden, weights, ew[2])
