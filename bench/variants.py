@@ -16,8 +16,8 @@ from ..lab.unfold import check_unfolded, unfold
 
 
 # +option: the EngineOptions bool field it turns on (a product option: the router fold, a numerical change qualified
-# apart; the expert prefetch, a cache hint)
-OPTIONS = frozenset({"router_fold", "expert_prefetch"})
+# apart; the expert prefetch and the routed prefetch, cache hints)
+OPTIONS = frozenset({"router_fold", "expert_prefetch", "routed_prefetch"})
 
 
 class Variant(NamedTuple):

@@ -4,17 +4,16 @@
 # travels without .git):
 #   IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE
 # STAGE (in the order to run them: docs/PERF.md, "Open directions", first item):
-#   first     qualification at TP 1 (the default engine), then the rebuilt Down tail paired with the pair it replaced
-#             (triton against triton^down_tail): one call, each part under its own timeout
-#   one       where a session may get one call only: qualification at TP 1, then the round three ways (split's step)
+#   first     qualification at TP 1 (the default engine), a call of its own: on a fresh H100 at 01a23a9 it reached 44 of
+#             its 110 steps in 260 s (the first 7 at 172 s: 14 workers compiling the kernels cold)
 #   split     Gate/Up's K steps: bench tune of its splits and scale form at 9 experts, then the round paired three ways
-#             (triton, triton^down_tail, triton@gate_up_split=4: EngineOptions.moe_settings), one call
+#             (triton, triton+routed_prefetch, triton@gate_up_split=4: EngineOptions.moe_settings), one call
 #   tune      bench tune: the MoE (Gate/Up's depth, Down's prefetch) at 9 and 38 experts, the q/k/v fold's splits and
 #             the router fold's o-projection first, then the prefetch branch, the head, the top-k, the linears
 #   tests     the @pytest.mark.gpu suite but the MPS module (over 4 min with 6 workers)
 #   mps       the MPS module (fused tails at 2 and 8 ranks, the TP engines at 2, 4 and 8, the captured loop)
 #   qualify2  qualification, bf16, TP 2 on one GPU under MPS
-#   step      the benchmark of record (triton, ^routed_prefetch, its control, and ~route:38 in one process, ~5 min);
+#   step      the benchmark of record (triton, +routed_prefetch and ~route:38 in one process, ~5 min);
 #             step2 the folds' controls (^down_tail, ^qkv_rope) against triton
 #   trace     bench graph-trace: kernels a decoder layer, with and without each fold
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
@@ -46,7 +45,7 @@ case "${1:-}" in
       > "$out/qualify-mini-cuda-bf16-tp2-$sha.json" 2> "$out/qualify-mini-cuda-bf16-tp2-$sha.log" || true
     tail -2 "$out/qualify-mini-cuda-bf16-tp2-$sha.log" ;;
   step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
-    kernels=triton,triton^routed_prefetch,triton~route:38
+    kernels=triton,triton+routed_prefetch,triton~route:38
     [ "$1" = step2 ] && kernels=triton,triton^down_tail,triton^qkv_rope
     gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --kernels "$kernels" \
       --out "$out/$1-full-tp8slice-ctx1k-d5-$sha.json" 2>&1 | tee "$out/$1-full-tp8slice-ctx1k-d5-$sha.log" ;;
@@ -59,28 +58,16 @@ case "${1:-}" in
     done ;;
   first)
     name=qualify-mini-cuda-bf16-$sha
-    timeout 300 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 \
+    timeout 570 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 \
       --jobs 14 --json > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
-    tail -2 "$out/$name.log"
-    timeout 270 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
-      --kernels triton,triton^down_tail --out "$out/step-down-tail-ctx1k-d5-$sha.json" 2>&1 \
-      | tee "$out/step-down-tail-ctx1k-d5-$sha.log" | tail -30 ;;
-  one)
-    name=qualify-mini-cuda-bf16-$sha
-    timeout 275 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 \
-      --jobs 14 --json > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
-    tail -2 "$out/$name.log"
-    timeout 300 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 4 \
-      --kernels triton,triton^down_tail,triton@gate_up_split=4 --out "$out/step-split-ctx1k-d4-$sha.json" \
-      > "$out/step-split-ctx1k-d4-$sha.log" 2>&1 || echo "step: exit $?" >&2
-    tail -45 "$out/step-split-ctx1k-d4-$sha.log" ;;
+    tail -2 "$out/$name.log" ;;
   split)
     only=gate_up_split=2,gate_up_split=4,gate_up_split=8,gate_up_split=4+gate_up_scale=product
     timeout 200 bash "$here/gpu.sh" bench tune --ops moe --distinct 9 --only "$only,gate_up_scale=product,gate_up_stages=6" \
       --budget 150 --out "$out/tune-h200-moe9-split-$sha.json" 2>&1 | tee "$out/tune-h200-moe9-split-$sha.log" | tail -14 \
       || echo "tune: exit $?" >&2
     timeout 350 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
-      --kernels triton,triton^down_tail,triton@gate_up_split=4 --out "$out/step-split-ctx1k-d5-$sha.json" 2>&1 \
+      --kernels triton,triton+routed_prefetch,triton@gate_up_split=4 --out "$out/step-split-ctx1k-d5-$sha.json" 2>&1 \
       | tee "$out/step-split-ctx1k-d5-$sha.log" | tail -40 || echo "step: exit $?" >&2 ;;
   tune)  # the q/k/v fold's splits and the router fold's o-projection chunk (12 candidates), then the MoE at the
     # prefilled routing (8.9 experts; its list opens with Gate/Up's splits, scale form and depth); then the MoE at 38
@@ -100,6 +87,6 @@ case "${1:-}" in
     gpu bench context --out "$out/context-tp8slice-$sha.json" 2>&1 | tail -20 | tee "$out/context-tp8slice-$sha.log"
     gpu bench depth --device cuda --prompts 16 --tokens 64 --repeats 5 --out "$out/depth-mini-cuda-$sha.json" 2>&1 \
       | tail -20 | tee "$out/depth-mini-cuda-$sha.log" ;;
-  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh first|one|split|tune|tests|mps|qualify|qualify2|step|step2|trace|prefetch|rest" >&2
+  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh first|split|tune|tests|mps|qualify|qualify2|step|step2|trace|prefetch|rest" >&2
      exit 2 ;;
 esac

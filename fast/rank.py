@@ -47,6 +47,9 @@ class EngineOptions:
     prefix_reuse: bool = False      # the server keeps its rings' copy for the next turn (counted by fast/memory.py)
     router_fold: bool = False       # routing in o_proj and the attention tail: a numerical change (docs/round.md)
     expert_prefetch: bool = False   # predicted experts warmed in L2 beside sliding layers' attention (docs/round.md)
+    # the router's select asks L2 for its chosen experts' Gate and Up slabs (a hint: the same bits); off: on an H100 it
+    # made the select 44.5 us a call against Gate/Up's 26 unchanged (docs/PERF.md, "The routed prefetch, measured")
+    routed_prefetch: bool = False
     # (field, value) pairs replacing kernels/moe.py MoESettings defaults, the product's: a bench variant's
     # (`triton@gate_up_split=4`); two are numerical forms, qualified before any becomes a default
     moe_settings: tuple[tuple[str, int | str | bool], ...] = ()
@@ -74,7 +77,7 @@ class EngineParts:
 
 
 def make_ops(plan: KernelPlan, fold_router: bool = False, warm_experts: bool = False,
-             moe_settings: tuple[tuple[str, int | str | bool], ...] = ()) -> TorchOps:
+             moe_settings: tuple[tuple[str, int | str | bool], ...] = (), routed_prefetch: bool = False) -> TorchOps:
     """The torch forms, or the Triton dispatcher for a plan with kernels (imported only then: it imports triton)."""
     if moe_settings and not plan.moe:
         raise ValueError(f"MoE settings {dict(moe_settings)} need the MoE kernels: the plan runs its torch form")
@@ -87,7 +90,7 @@ def make_ops(plan: KernelPlan, fold_router: bool = False, warm_experts: bool = F
         settings = MoESettings(**dict(moe_settings))
     except TypeError as e:  # an unknown field
         raise ValueError(f"MoE settings {dict(moe_settings)}: {e}") from None
-    return TritonOps(plan, fold_router, warm_experts, settings)
+    return TritonOps(plan, fold_router, warm_experts, settings, routed_prefetch)
 
 
 def cache_capacity(options: EngineOptions) -> int:
@@ -155,7 +158,8 @@ class RankEngine:
         self.capacity = cache_capacity(options)
         self.plan = options.plan(par.device)
         self.cache = parts.cache(c, kv_heads, self.capacity, self.dtype, par.device)
-        ops = make_ops(self.plan, options.router_fold, options.expert_prefetch, options.moe_settings)
+        ops = make_ops(self.plan, options.router_fold, options.expert_prefetch, options.moe_settings,
+                       options.routed_prefetch)
         self.model = parts.model(c, weights, self.cache, par, self.dtype, ops)
         self.state = self._allocate_state(min(self.generation.top_k, c.vocab_size))
         rings = self.cache.rings()

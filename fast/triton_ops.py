@@ -50,10 +50,12 @@ class TritonOps(TorchOps):
     name = "triton"
 
     def __init__(self, plan: KernelPlan = KernelPlan.triton(), fold_router: bool = False,
-                 warm_experts: bool = False, moe_settings: moe.MoESettings = moe.MoESettings()) -> None:
+                 warm_experts: bool = False, moe_settings: moe.MoESettings = moe.MoESettings(),
+                 routed_prefetch: bool = False) -> None:
         super().__init__(fold_router, warm_experts)
         self.plan = plan
         self.moe_settings = moe_settings  # the product's are kernels/moe.py's defaults; a bench variant passes others
+        self.routed_prefetch = routed_prefetch  # EngineOptions.routed_prefetch
         self.fallbacks: Counter = Counter()  # op group -> calls a kernel could not take (ran the torch form)
         self._locks: torch.Tensor | None = None
         self._gate_up_locks: torch.Tensor | None = None  # Gate/Up's split sum's own: no PDL overlap with Down's tail
@@ -205,8 +207,8 @@ class TritonOps(TorchOps):
 
     def route_warm(self, router_w):
         """The Gate and Up codes the router's select asks L2 for once it has chosen (kernels/router.py `route`'s
-        `warm`): the layer's, where the MoE's kernels take them (lab/unfold.py's `^routed_prefetch` returns None)."""
-        return self._slabs.get(id(router_w)) if self.plan.moe else None
+        `warm`): the layer's, with the routed prefetch on, where the MoE's kernels take them."""
+        return self._slabs.get(id(router_w)) if self.plan.moe and self.routed_prefetch else None
 
     def moe(self, b, experts, weights, live, mw):
         ew = self._experts.get(id(mw), [None])  # made in prepare(); absent: a BF16 MoE, on its torch form

@@ -22,9 +22,6 @@ UNFOLDS: dict[str, str] = {
                  "the MoE's combine",
     "qkv_rope": "the q/k/v projection and the q/k norm + RoPE + KV write as two launches (kernels/fp8_linear.py, "
                 "kernels/qk_rope_kv.py)",
-    # not a fold but a hint, with the same use: its control, the round without it
-    "routed_prefetch": "the router's select without its L2 requests for the chosen experts' Gate and Up slabs "
-                       "(kernels/router.py `route`'s warm)",
 }
 
 
@@ -62,14 +59,6 @@ def unfold(ops, names: set[str]) -> None:
                 ops.unfolded_calls["qkv_rope"] = ops.unfolded_calls.get("qkv_rope", 0) + 1
             return TorchOps.qkv_rope_write(ops, attn, a, kv, eps, cos, sin, positions, live)
         ops.qkv_rope_write = apart
-    if "routed_prefetch" in names:
-        warm = getattr(ops, "route_warm", lambda router_w: None)  # a plan without the router kernel: nothing to undo
-
-        def cold(router_w):
-            if warm(router_w) is not None:
-                ops.unfolded_calls["routed_prefetch"] = ops.unfolded_calls.get("routed_prefetch", 0) + 1
-            return None
-        ops.route_warm = cold
     if "peer_tail" in names:
         def unfused(par, partial, *rest):
             if par.peers is not None:

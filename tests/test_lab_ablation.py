@@ -87,22 +87,26 @@ def test_an_unfold_off_the_variants_path_is_refused():
         variants.check(SimpleNamespace(model=SimpleNamespace(ops=ops)), "torch^moe_combine")
 
 
-def test_the_routed_prefetchs_control_hands_the_select_no_slabs():
-    """With the MoE's kernels, the router's select is handed each MoE layer's Gate and Up codes to warm; under
-    `^routed_prefetch` it is handed none, each withheld pair counted (so the control is refused where nothing was)."""
+def test_the_routed_prefetch_hands_the_select_slabs_only_when_on():
+    """The router's select is handed each MoE layer's Gate and Up codes to warm only under
+    `triton+routed_prefetch` (EngineOptions.routed_prefetch, off by default: it measured slower), and never without
+    the MoE's kernels."""
+    from dataclasses import replace
+
     from iquest.fast.plan import KernelPlan
     from iquest.fast.weights import MoE
-    from iquest.lab.unfold import unfold
 
-    e = RankEngine(TINY, Parallel.single("cpu"), EngineOptions(max_context=64, kernels=KernelPlan(moe=True)))
-    ops, w = e.model.ops, e.model.w
-    moes = [lw.mlp for lw in [*w.layers, w.draft.block] if isinstance(lw.mlp, MoE)]
-    assert moes and all(ops.route_warm(m.router) == (m.gate.q, m.up.q) for m in moes)
-    unfold(ops, {"routed_prefetch"})
-    assert all(ops.route_warm(m.router) is None for m in moes)
-    assert ops.unfolded_calls == {"routed_prefetch": len(moes)}
-    plain = RankEngine(TINY, Parallel.single("cpu"), EngineOptions(max_context=64, kernels=KernelPlan(sampling=True)))
-    assert all(plain.model.ops.route_warm(m.router) is None for m in moes)  # no MoE kernels: no select to warm
+    def ops_of(kernels, name):  # the variant's options with a plan of the MoE's kernels alone (no launch on a CPU)
+        options = replace(variants.options(name, EngineOptions(max_context=64)), kernels=kernels)
+        return RankEngine(TINY, Parallel.single("cpu"), options).model
+
+    on = ops_of(KernelPlan(moe=True), "triton+routed_prefetch")
+    moes = [lw.mlp for lw in [*on.w.layers, on.w.draft.block] if isinstance(lw.mlp, MoE)]
+    assert moes and all(on.ops.route_warm(m.router) == (m.gate.q, m.up.q) for m in moes)
+    off = ops_of(KernelPlan(moe=True), "triton")
+    assert all(off.ops.route_warm(m.router) is None for m in moes)
+    plain = ops_of(KernelPlan(sampling=True), "triton+routed_prefetch")
+    assert all(plain.ops.route_warm(m.router) is None for m in moes)  # no MoE kernels: no select to warm
 
 
 @given(rows=st.integers(1, 8), k=st.integers(1, 8), distinct=st.integers(8, 64))
