@@ -214,6 +214,8 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
              PRELOAD=rs.preload and h_per_split == rs.block_h), rs.num_warps, 1,
         f"router logits, fp32 [{s.experts} x {H}] in {n_split} H splits")
     e_pad = triton.next_power_of_2(s.experts)
+    # the select with its L2 requests (EngineOptions.routed_prefetch, off by default: the engine's plain select is this
+    # kernel with WARM off, which `compile_spec(spec, WARM=False)` compiles)
     slab = s.inter * H  # one expert's Gate (or Up) codes at the rank: what the select warms once it has chosen
     out["router_select"] = _launch(
         ro._router_select_kernel, dict(part_ptr="*fp32", weights_ptr="*fp32", experts_ptr="*i64", scores_ptr="*fp32",

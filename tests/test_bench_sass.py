@@ -152,8 +152,8 @@ def test_the_prefetch_branch_compiles_without_spills_and_issues_its_bulk_prefetc
 
 
 def test_the_routers_select_warms_its_chosen_experts_after_choosing():
-    """The select (as the engine launches it at a MoE layer: `route(warm=...)`) ends in bulk L2 requests for the
-    chosen experts' Gate and Up slabs, after its wait; without WARM it issues none (the control)."""
+    """The select with the routed prefetch (`route(warm=...)`, EngineOptions.routed_prefetch) ends in bulk L2 requests
+    for the chosen experts' Gate and Up slabs, after its wait; without WARM (the engine's default) it issues none."""
     spec = sass.published_specs()["router_select"]
     ptx = _compiled("router_select").asm["ptx"]
     assert ptx.index("griddepcontrol.wait") < ptx.index("cp.async.bulk.prefetch.L2.global")
