@@ -33,8 +33,9 @@ def _setting(name: str, part: str) -> tuple[str, int | str | bool]:
     field, eq, text = part.partition("=")
     if not (field and eq and text):
         raise ValueError(f"variant {name!r}: a MoE setting is @FIELD=VALUE, got @{part}")
-    value: int | str | bool = {"True": True, "False": False}.get(text, text)
-    return field, int(text) if text.isdigit() else value
+    if text.isdigit():
+        return field, int(text)
+    return field, {"True": True, "False": False}.get(text, text)
 
 
 def split(name: str) -> Variant:

@@ -47,8 +47,8 @@ class EngineOptions:
     prefix_reuse: bool = False      # the server keeps its rings' copy for the next turn (counted by fast/memory.py)
     router_fold: bool = False       # routing in o_proj and the attention tail: a numerical change (docs/round.md)
     expert_prefetch: bool = False   # predicted experts warmed in L2 beside sliding layers' attention (docs/round.md)
-    # the router's select asks L2 for its chosen experts' Gate and Up slabs (a hint: the same bits); off: on an H100 it
-    # made the select 44.5 us a call against Gate/Up's 26 unchanged (docs/PERF.md, "The routed prefetch, measured")
+    # the router's select asks L2 for its chosen experts' Gate and Up slabs (a hint: the same bits); off, as it made
+    # the select slower than the Gate/Up it feeds gained (docs/PERF.md, "The routed prefetch, measured")
     routed_prefetch: bool = False
     # (field, value) pairs replacing kernels/moe.py MoESettings defaults, the product's: a bench variant's
     # (`triton@gate_up_split=4`); two are numerical forms, qualified before any becomes a default

@@ -61,6 +61,7 @@ class TritonOps(TorchOps):
         self._gate_up_locks: torch.Tensor | None = None  # Gate/Up's split sum's own: no PDL overlap with Down's tail
         self._experts: dict[int, list] = {}  # id(MoE) -> its gate, up, down as the MoE kernel takes them
         self._slabs: dict[int, tuple] = {}  # id(router) -> its layer's Gate and Up codes, for the select to warm
+                                             # (filled with the routed prefetch on)
         self._side: torch.cuda.Stream | None = None  # the expert prefetch's branch stream (CUDA)
         self._branch: list = []  # what the branches launched since the last join read and write: kept alive until it
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -89,7 +90,8 @@ class TritonOps(TorchOps):
                 self._experts[id(lw.mlp)] = [moe.ExpertWeights(p.q, p.scale, p.block, p.offset) if p.quantized else None
                                              for p in (lw.mlp.gate, lw.mlp.up, lw.mlp.down)]
                 gate, up = lw.mlp.gate, lw.mlp.up
-                if gate.quantized and up.quantized and launch.slab_ok(gate.q) and launch.slab_ok(up.q):
+                if (self.routed_prefetch and gate.quantized and up.quantized and launch.slab_ok(gate.q)
+                        and launch.slab_ok(up.q)):
                     self._slabs[id(lw.mlp.router)] = (gate.q, up.q)
         if self._warm and w.embed.is_cuda:
             self._side = torch.cuda.Stream(w.embed.device)
@@ -208,7 +210,7 @@ class TritonOps(TorchOps):
     def route_warm(self, router_w):
         """The Gate and Up codes the router's select asks L2 for once it has chosen (kernels/router.py `route`'s
         `warm`): the layer's, with the routed prefetch on, where the MoE's kernels take them."""
-        return self._slabs.get(id(router_w)) if self.plan.moe and self.routed_prefetch else None
+        return self._slabs.get(id(router_w)) if self.plan.moe else None
 
     def moe(self, b, experts, weights, live, mw):
         ew = self._experts.get(id(mw), [None])  # made in prepare(); absent: a BF16 MoE, on its torch form

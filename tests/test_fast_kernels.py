@@ -132,7 +132,7 @@ def group_block(*groups: str, device: str = "cpu", moe_settings: tuple = ()) -> 
 def moe_split_block(device: str = "cpu") -> dict:
     """`group_block("moe")` with Gate/Up split 4 ways and scaling its products (a bench variant's MoE settings,
     `triton@gate_up_split=4@gate_up_scale=product`), with what each Gate/Up launch was given: its settings, and
-    whether the engine's own counters."""
+    whether it was handed the engine's own counters."""
     import iquest.kernels.moe as mk
 
     seen, real = [], mk.gate_up
