@@ -5,7 +5,8 @@
 #   IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE
 # STAGE (in the order to run them: docs/PERF.md, "Open directions", first item):
 #   first     qualification at TP 1 (the default engine), a call of its own: on a fresh H100 at 01a23a9 it reached 44 of
-#             its 110 steps in 260 s (the first 7 at 172 s: 14 workers compiling the kernels cold)
+#             its 110 steps in 260 s (the first 7 at 172 s: 14 workers compiling the kernels cold); 500 s, leaving the
+#             rest of the call's 600 s to pack the compiled kernels
 #   split     Gate/Up's K steps: bench tune of its splits and scale form at 9 experts, then the round paired three ways
 #             (triton, triton+routed_prefetch, triton@gate_up_split=4: EngineOptions.moe_settings), one call
 #   tune      bench tune: the MoE (Gate/Up's depth, Down's prefetch) at 9 and 38 experts, the q/k/v fold's splits and
@@ -24,6 +25,11 @@ here=$(cd "$(dirname "$0")" && pwd)
 sha=${IQUEST_COMMIT:?set IQUEST_COMMIT to the commit under test}
 out=${OUT:?set OUT to the folder the device tool brings back}
 gpu() { bash "$here/gpu.sh" "$@"; }
+# Compiled kernels travel between calls (ci/triton_cache.py): carried in from .triton-cache/ beside ci/, brought back
+# from every stage (copy the returned triton-cache-part-* files into that folder before the next snapshot).
+export TRITON_CACHE_DIR=/tmp/iquest-triton-cache
+python3 "$here/triton_cache.py" unpack "$here/../.triton-cache" "$TRITON_CACHE_DIR" || echo "triton cache: not unpacked" >&2
+trap 'python3 "$here/triton_cache.py" pack "$TRITON_CACHE_DIR" "$out" || echo "triton cache: not packed" >&2' EXIT
 case "${1:-}" in
   tests)  # 250 s ran ~150 of the suite's tests at 72c654b: the suite gets a call of its own
     timeout 540 bash "$here/gpu.sh" tests -n 8 --dist load -q --ignore tests/test_tp_collectives.py tests \
@@ -58,7 +64,7 @@ case "${1:-}" in
     done ;;
   first)
     name=qualify-mini-cuda-bf16-$sha
-    timeout 570 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 \
+    timeout 500 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 \
       --jobs 14 --json > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
     tail -2 "$out/$name.log" ;;
   split)

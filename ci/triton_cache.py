@@ -1,0 +1,54 @@
+"""Carry Triton's compiled kernels from one lent GPU machine to the next (docs/PERF.md, "The device's cold compile").
+
+A fresh machine compiles every kernel again: at 01a23a9 qualification's first 7 steps took 172 s of a 260 s limit doing
+so. The compiled kernels of an sm_90 machine serve every sm_90 machine with the same Triton, so a stage packs its cache
+into the files the device tool brings back, and the next call carries them in and unpacks them before it starts.
+    python3 ci/triton_cache.py unpack CARRIED_DIR CACHE_DIR
+    python3 ci/triton_cache.py pack CACHE_DIR OUT_DIR
+Only what a cache hit reads travels (each kernel's binary, its metadata and group files, the compiled launchers); the
+intermediate IR stays behind. The cache must sit at the same absolute path on both machines: its group files name their
+members by path.
+"""
+
+import io
+import sys
+import tarfile
+from pathlib import Path
+
+PART_BYTES = 15 << 20  # the device tool brings back files of at most 16 MiB
+FILES_BACK = 8  # and at most eight of them
+LEFT_BEHIND = {".ttir", ".ttgir", ".llir", ".ptx", ".source", ".amdgcn"}
+PREFIX = "triton-cache-part-"
+
+
+def pack(cache: Path, out: Path) -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:xz", preset=1) as tar:
+        for path in sorted(cache.rglob("*")):
+            if path.is_file() and path.suffix not in LEFT_BEHIND:
+                tar.add(path, arcname=str(path.relative_to(cache)))
+    data = buffer.getvalue()
+    parts = [data[i:i + PART_BYTES] for i in range(0, len(data), PART_BYTES)]
+    room = FILES_BACK - sum(1 for p in out.iterdir() if p.is_file())
+    if len(parts) > room:
+        print(f"triton cache: {len(data) >> 20} MiB needs {len(parts)} files, {room} left to bring back: not packed")
+        return
+    for i, part in enumerate(parts):
+        (out / f"{PREFIX}{i:02d}").write_bytes(part)
+    print(f"triton cache: {len(data) >> 20} MiB in {len(parts)} files")
+
+
+def unpack(carried: Path, cache: Path) -> None:
+    parts = sorted(carried.glob(PREFIX + "*"))
+    if not parts:
+        print("triton cache: none carried, compiling cold")
+        return
+    cache.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts)), mode="r:xz") as tar:
+        tar.extractall(cache, filter="data")
+        print(f"triton cache: {len(tar.getmembers())} files carried in")
+
+
+if __name__ == "__main__":
+    verb, source, target = sys.argv[1:]
+    {"pack": pack, "unpack": unpack}[verb](Path(source), Path(target))
