@@ -5,16 +5,16 @@ A round at context `c` with fixed depth `k` is
     its MLP (the dense MLP's gate/up/down slices in `mlp_only_layers`; elsewhere the fp32 router and the DISTINCT
     experts the k+1 rows route to, this rank's slice of each), its norms (attention, attention-output and
     feed-forward norms, layer 0's MLP-output norm, the q/k norms), the KV history the rows can see (sliding layers
-    min(c, W) positions, full layers c; K and V of this rank's KV heads); then the final norm, this rank's fp32 LM
+    min(c, W) positions, full layers c; K and V of this rank's KV heads); then the final norm, this rank's bf16 LM
     head rows and the rows' embeddings;
   * k draft passes through the draft block: depth 0 over the a+1 newly committed rows, then k-1 single rows; each
     pass reads eh_proj (this rank's input columns), the block (attention, router, its distinct experts, its four
     norms and q/k norms), enorm, hnorm and final_layernorm, the draft's KV (min(c, Wd) positions), the draft's own
-    fp32 LM head rows and the rows of its own embedding.
+    bf16 LM head rows and the rows of its own embedding.
 Activations, sampling state and writes are not counted (each is under 1 MB per round at full size).
 Distinct experts come from the run's routing (`RoundRouting`); without it, the upper bounds min(E, rows * top-k)
 are used. Weights are counted as the engine holds them (fast/memory.rank_tensor_bytes: E4M3 + fp32 scales where the
-linears run as FP8, bf16 otherwise, the heads and routers fp32), not as the torch forms read them (they dequantize to
+linears run as FP8, bf16 otherwise, the heads too; the routers fp32), not as the torch forms read them (they dequantize to
 compute-dtype copies), so the floor is what kernels reading the held weights once would need.
 """
 

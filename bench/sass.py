@@ -342,21 +342,21 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
             norm_warps, 1, f"peer all-reduce over {TP} ranks ending in the sandwich tail"
             + (f", combining {k} slots as it pushes" if combine else ""), NO_FMA)
 
-    # ---- the LM head: fp32 [20000 x 3072] a rank, "rows" (the default) at the verification block's rows and a
+    # ---- the LM head: bf16 [20000 x 3072] a rank (held as stored, widened in registers), "rows" (the default) at the verification block's rows and a
     # draft's one, and "dot" at the V tile choose_block_v takes on 132 SMs
     ls = lh.LMHeadSettings()
-    head = dict(x_ptr="*bf16", w_ptr="*fp32", y_ptr="*fp32")
+    head = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*fp32")
     for name, rows in (("lm_head", R), ("lm_head_draft", 1)):
         out[name] = _launch(
             lh._lm_head_rows_kernel, head, dict(V=s.vocab, H=H, stride_x=H, stride_w=H, stride_y=s.vocab), (),
             dict(ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_V=lh.ROWS_BLOCK_V, BLOCK_K=ls.rows_block_k,
                  PDL=True), ls.rows_warps, 1,
-            f"LM head, fp32 [{s.vocab} x {H}], {rows} row(s), {lh.ROWS_BLOCK_V} x {ls.rows_block_k} tiles")
+            f"LM head, bf16 [{s.vocab} x {H}], {rows} row(s), {lh.ROWS_BLOCK_V} x {ls.rows_block_k} tiles")
     block_v = next((bv for bv in (64, 32) if triton.cdiv(s.vocab, bv) >= ls.programs_per_sm * H200_SMS), 16)
     out["lm_head_dot"] = _launch(
         lh._lm_head_kernel, head, dict(R=R, V=s.vocab, H=H, stride_x=H, stride_w=H, stride_y=s.vocab), (),
         dict(BLOCK_R=lh.BLOCK_R, BLOCK_V=block_v, BLOCK_K=ls.block_k, PDL=True), ls.num_warps, ls.num_stages,
-        f"LM head, \"dot\" form, fp32 [{s.vocab} x {H}], {block_v}-row V tiles")
+        f"LM head, \"dot\" form, bf16 [{s.vocab} x {H}], {block_v}-row V tiles")
     return out
 
 

@@ -480,15 +480,15 @@ def _expert_prefetch(s: RankShapes, rows: int, device, g) -> Case:
 
 def _lm_head(s: RankShapes, rows: int, device, g, pdl: bool) -> Case:
     x = _randn((rows, s.hidden), g, device)
-    w = torch.randn((s.vocab, s.hidden), generator=g, device=device) * 0.02
-    n = _copies(w.numel() * 4, most=2)  # 245 MB a copy: past L2 already
+    w = (torch.randn((s.vocab, s.hidden), generator=g, device=device) * 0.02).bfloat16()  # held as stored
+    n = _copies(w.numel() * 2, most=2)  # 123 MB a copy: past L2 already
     ws = [w] + [w.clone() for _ in range(n - 1)]
 
     def calls(st):
         out = torch.empty((rows, s.vocab), dtype=torch.float32, device=device)
         return [lambda w=w: (lh.lm_head(x, w, settings=st, out=out, pdl=pdl),) for w in ws]
 
-    return Case("lm_head", f"hidden [{rows}, {s.hidden}] bf16, head [{s.vocab}, {s.hidden}] fp32",
+    return Case("lm_head", f"hidden [{rows}, {s.hidden}] bf16, head [{s.vocab}, {s.hidden}] bf16",
                 {"rows": rows, "vocab": s.vocab, "hidden": s.hidden}, n, calls)
 
 

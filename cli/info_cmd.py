@@ -10,8 +10,8 @@ The largest round (docs/round.md) verifies 8 rows (x_n and 7 drafts) through eve
 the draft layer runs once over up to 8 rows (depth 0) and once more per further depth (6 single rows), each pass
 reading the draft's own weights, LM head included. What it reads:
   dense:   every target tensor but the experts and the embedding (attention with its norms and sink keys, the dense
-           MLP layers, the routers, the final norm, the fp32 LM head), 8 embedding rows; per draft pass every draft
-           tensor but its experts and embedding (eh_proj, norms, attention, router, its fp32 LM head) and its rows;
+           MLP layers, the routers, the final norm, the bf16 LM head), 8 embedding rows; per draft pass every draft
+           tensor but its experts and embedding (eh_proj, norms, attention, router, its bf16 LM head) and its rows;
   experts: at most every expert of every MoE layer and of each draft pass ("all experts"), or at most the distinct
            experts the rows can choose: min(E, 8 x top-k) per target MoE layer and for the depth-0 pass, top-k for
            each single-row pass ("distinct");
@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
           f"in target experts, {_count(p['active_per_token'])} active per token")
     print(f"the largest round at a context of {context} tokens, per rank at tp={args.tp} ({r['verify_rows']} verify "
           f"rows, {r['drafts']} draft passes):")
-    print(f"  dense weights {_size(r['dense'])}   (attention, dense MLP, routers, fp32 LM heads; the draft's each "
+    print(f"  dense weights {_size(r['dense'])}   (attention, dense MLP, routers, bf16 LM heads; the draft's each "
           f"pass)")
     print(f"  experts       {_size(r['experts_all'])} all experts | {_size(r['experts_distinct'])} "
           f"for {r['distinct_experts_per_layer']} distinct per layer (8 rows x top-k)")

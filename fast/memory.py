@@ -18,12 +18,12 @@ from .state import VERIFY_ROWS
 from .weights import weight_format
 
 HEADROOM = 1.15  # activations, graph pools, allocator slack
-FP32_HELD = ("lm_head.weight", "router.weight", "sink_k")  # held in fp32 whatever is stored (fast/weights.py)
+FP32_HELD = ("router.weight", "sink_k")  # held in fp32 whatever is stored; the heads as stored, bf16 (fast/weights.py)
 
 
 def rank_tensor_bytes(config: Config, tp: int, rank: int = 0, fmt: str | None = None) -> dict[str, int]:
     """Bytes of one rank's slice of each logical tensor as the engine holds it (E4M3 + fp32 scales where the linears
-    run as `fmt` = fp8, default the checkpoint's own format; bf16 elsewhere; heads and routers fp32), by name."""
+    run as `fmt` = fp8, default the checkpoint's own format; bf16 elsewhere, the heads too; routers fp32), by name."""
     fp8 = config.quantized if fmt is None else fmt == "fp8"
     block = config.weight_block_size or (128, 128)
     out: dict[str, int] = {}

@@ -52,9 +52,9 @@ class FastModel:
         return self.par.all_reduce(self.ops.embed(tokens, table, self.w.vocab_offset))
 
     @stage("lm_head")
-    def logits(self, hidden: torch.Tensor, head32: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, head: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         """This rank's fp32 logits [R, V/tp] for its vocabulary rows: fp32 products of the post-norm rows."""
-        logits = self.ops.lm_head(hidden, head32)
+        logits = self.ops.lm_head(hidden, head)
         return logits if scale == 1.0 else logits * scale
 
     # ---- the target ---------------------------------------------------------------------------------

@@ -83,9 +83,9 @@ class TorchOps:
         h, b = self.add_norm(residual, y, scale, y_norm, next_norm, eps, dtype)
         return h, b, router_fold.select(parts, residual, y, y_norm, scale, eps, top_k)
 
-    def lm_head(self, hidden: torch.Tensor, head32: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [R, V/tp] of the post-norm rows: fp32 products with the fp32 head."""
-        return hidden.float() @ head32.T
+    def lm_head(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [R, V/tp] of the post-norm rows: fp32 products with the head (held bf16 or fp32) widened."""
+        return hidden.float() @ head.float().T
 
     def linear(self, w: Weight, x: torch.Tensor) -> torch.Tensor:
         return w.linear(x)

@@ -194,11 +194,11 @@ class TritonOps(TorchOps):
                                                  pdl=q.is_cuda)
 
     # ---- the heads -------------------------------------------------------------------------------------
-    def lm_head(self, hidden, head32):
-        if not self._fits("lm_head", lm_head.fits(hidden.shape[0], *head32.shape)):
-            return super().lm_head(hidden, head32)
+    def lm_head(self, hidden, head):
+        if not self._fits("lm_head", lm_head.fits(hidden.shape[0], *head.shape)):
+            return super().lm_head(hidden, head)
         self.calls["lm_head"] += 1
-        return lm_head.lm_head(hidden, head32, pdl=hidden.is_cuda)
+        return lm_head.lm_head(hidden, head, pdl=hidden.is_cuda)
 
     # ---- the routed experts ----------------------------------------------------------------------------
     def route_on(self, b, router_w, top_k):

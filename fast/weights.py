@@ -21,6 +21,8 @@ from ..reference.config import Config, ConfigError
 from ..reference.fp8 import expand_scales, quantize
 from .parallel import Parallel
 
+HEAD_DTYPES = (torch.bfloat16, torch.float32)  # the LM heads' holdings: exact in fp32 products either way
+
 KEEP_DENSE_BYTES = 64 << 20  # the torch forms keep a dequantized copy of a weight up to this size
 WEIGHT_FORMATS = ("auto", "bf16", "fp8")
 LOAD_BLOCK = (128, 128)  # a BF16 checkpoint quantized at load takes the published FP8 checkpoints' blocks
@@ -153,7 +155,7 @@ class LayerWeights:
 @dataclass
 class DraftWeights:
     embed: torch.Tensor             # [V/tp, H] the draft's own vocabulary rows
-    lm_head: torch.Tensor           # [V/tp, H] its own head, held in fp32
+    lm_head: torch.Tensor           # [V/tp, H] its own head, held as stored (WeightLoader.head)
     enorm: torch.Tensor
     hnorm: torch.Tensor
     eh_proj: Weight                 # [H, 2H/tp] columns of the row-parallel input
@@ -164,7 +166,7 @@ class DraftWeights:
 @dataclass
 class ModelWeights:
     embed: torch.Tensor             # [V/tp, H] this rank's vocabulary rows
-    lm_head: torch.Tensor           # [V/tp, H] held in fp32: the logits are fp32 products
+    lm_head: torch.Tensor           # [V/tp, H] held as stored (WeightLoader.head): the logits are fp32 products
     norm: torch.Tensor
     layers: list[LayerWeights]
     draft: DraftWeights
@@ -184,6 +186,12 @@ class WeightLoader:
 
     def plain(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self._read(name).weight.to(device=self.par.device, dtype=dtype or self.dtype)
+
+    def head(self, name: str) -> torch.Tensor:
+        """An LM head as stored: bf16 (the published checkpoint's) or fp32, every value exact in the fp32 products
+        (docs/model.md, "Numerics"), at half the bytes a call for bf16; any other float widened to fp32."""
+        w = self._read(name).weight
+        return w.to(device=self.par.device, dtype=w.dtype if w.dtype in HEAD_DTYPES else torch.float32)
 
     def linear(self, name: str) -> Weight:
         return self._weight(*self._read_linear(name))
@@ -250,11 +258,11 @@ def load_weights(model_dir, config: Config, par: Parallel, dtype: torch.dtype, p
         layers = [ld.layer(config, i, layer_prefix(i)) for i in range(config.num_hidden_layers)]
         d = "mtp/"
         draft = DraftWeights(
-            embed=ld.plain(d + "embed_tokens.weight"), lm_head=ld.plain(d + "lm_head.weight", torch.float32),
+            embed=ld.plain(d + "embed_tokens.weight"), lm_head=ld.head(d + "lm_head.weight"),
             enorm=ld.plain(d + "mtp.enorm.weight"), hnorm=ld.plain(d + "mtp.hnorm.weight"),
             eh_proj=ld.linear(d + "mtp.eh_proj.weight"), block=ld.layer(config.mtp, 0, draft_prefix()),
             final_layernorm=ld.plain(d + "mtp.final_layernorm.weight"))
         return ModelWeights(embed=ld.plain("model.embed_tokens.weight"),
-                            lm_head=ld.plain("lm_head.weight", torch.float32), norm=ld.plain("model.norm.weight"),
+                            lm_head=ld.head("lm_head.weight"), norm=ld.plain("model.norm.weight"),
                             layers=layers, draft=draft, vocab_offset=par.rank * (config.vocab_size // par.world),
                             format=fmt)

@@ -1,7 +1,9 @@
-"""The LM heads for a decode block, docs/model.md ("Numerics", "Tensor parallelism"): `lm_head(hidden, head32)` is
-TorchOps.lm_head, hidden.float() @ head32.T, the fp32 logits [R, V_local] of the post-norm rows (bf16, widened
-exactly; fp32 taken too) against this rank's vocabulary slice of the head, held in fp32 [V_local, H] (20000 x 3072 a
-rank at TP8). The target's head and the draft's own take the same call.
+"""The LM heads for a decode block, docs/model.md ("Numerics", "Tensor parallelism"): `lm_head(hidden, head)` is
+TorchOps.lm_head, hidden.float() @ head.float().T, the fp32 logits [R, V_local] of the post-norm rows (bf16, widened
+exactly; fp32 taken too) against this rank's vocabulary slice of the head [V_local, H] (20000 x 3072 a rank at TP8),
+held as the checkpoint stores it: bf16 (the published model's) or fp32. A bf16 head is widened to fp32 in registers,
+exactly, so its logits are those of the same head held in fp32, bit for bit, at half the bytes of the stream (245 MB
+a call in fp32 at TP8). The target's head and the draft's own take the same call.
 
 IEEE fp32 throughout: each program's tl.dot runs with input_precision="ieee" (fp32 FMAs, never TF32, whose 10-bit
 operands would move a logit by ~2^-11 of a product), so the kernel sums the products torch's fp32 matmul sums, in
@@ -91,7 +93,7 @@ def _lm_head_rows_kernel(x_ptr, w_ptr, y_ptr, V, H, stride_x, stride_w, stride_y
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :]
     r_ok = (rows < ROWS)[:, None]
     # the first weight tile is a constant: read before the wait, overlapping the previous kernel (kernels/launch.py)
-    w = tl.load(w_ptrs, mask=(k < H)[None, :], other=0.0)
+    w = tl.load(w_ptrs, mask=(k < H)[None, :], other=0.0)  # the head's own dtype: two tiles in flight at its size
     wait_for_inputs(PDL)
     # Every product goes into its own lane of acc; the lanes are summed once, after the last tile: the loop is loads
     # and FMAs only, no reduction across threads (which, a row and a tile at a time, would cost more than the stream)
@@ -101,7 +103,7 @@ def _lm_head_rows_kernel(x_ptr, w_ptr, y_ptr, V, H, stride_x, stride_w, stride_y
         # the next tile's load goes out before this one's products: two tiles in flight a program
         nxt = tl.load(w_ptrs + (k0 + BLOCK_K), mask=((kk + BLOCK_K) < H)[None, :], other=0.0)
         x = tl.load(x_ptrs + k0, mask=r_ok & (kk < H)[None, :], other=0.0).to(tl.float32)  # bf16 -> fp32: exact
-        acc = _row_products(acc, w, x)
+        acc = _row_products(acc, w.to(tl.float32), x)  # bf16 -> fp32: exact
         w = nxt
     y = tl.sum(acc, axis=2)  # [ROWS_PAD, BLOCK_V]
     tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], y, mask=r_ok & (cols < V)[None, :])
@@ -123,12 +125,12 @@ def _lm_head_kernel(x_ptr, w_ptr, y_ptr, R, V, H, stride_x, stride_w, stride_y,
     k_full = (H // BLOCK_K) * BLOCK_K
     for k0 in range(0, k_full, BLOCK_K):
         x = tl.load(x_ptrs + k0, mask=r_ok[:, None], other=0.0).to(tl.float32)  # bf16 -> fp32 is exact
-        w = tl.load(w_ptrs + k0)
+        w = tl.load(w_ptrs + k0).to(tl.float32)
         acc = _dot(acc, x, w)
     if k_full < H:
         k_ok = (k_full + k) < H
         x = tl.load(x_ptrs + k_full, mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs + k_full, mask=k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + k_full, mask=k_ok[None, :], other=0.0).to(tl.float32)
         acc = _dot(acc, x, w)
 
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :]
@@ -176,25 +178,26 @@ def _check_settings(s: LMHeadSettings) -> None:
            f"programs_per_sm must be an int >= 1, got {s.programs_per_sm!r}")
 
 
-def lm_head(hidden: torch.Tensor, head32: torch.Tensor, *, settings: LMHeadSettings = LMHeadSettings(),
+def lm_head(hidden: torch.Tensor, head: torch.Tensor, *, settings: LMHeadSettings = LMHeadSettings(),
             out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
-    """Logits [R, V] fp32 = TorchOps.lm_head(hidden, head32) = hidden.float() @ head32.T to rounding
-    (`device.logit_tolerance`), for hidden [R, H] bf16 (fp16 / fp32 taken too), R in 1..MAX_ROWS, and head32 [V, H]
-    fp32, both with unit stride along H. `out`: [R, V] fp32 with unit stride along V (rows may be strided). `pdl`: as
+    """Logits [R, V] fp32 = TorchOps.lm_head(hidden, head) = hidden.float() @ head.float().T to rounding
+    (`device.logit_tolerance`), for hidden [R, H] bf16 (fp16 / fp32 taken too), R in 1..MAX_ROWS, and head [V, H]
+    bf16 or fp32, both with unit stride along H. `out`: [R, V] fp32 with unit stride along V (rows may be strided). `pdl`: as
     kernels/launch.py's. ValueError for what it does not take."""
-    _check(isinstance(hidden, torch.Tensor) and isinstance(head32, torch.Tensor), "hidden and head32 must be tensors")
-    _check(hidden.dim() == 2 and head32.dim() == 2,
-           f"hidden {tuple(hidden.shape)} and head32 {tuple(head32.shape)} must be 2-D")
+    _check(isinstance(hidden, torch.Tensor) and isinstance(head, torch.Tensor), "hidden and head must be tensors")
+    _check(hidden.dim() == 2 and head.dim() == 2,
+           f"hidden {tuple(hidden.shape)} and head {tuple(head.shape)} must be 2-D")
     R, H = hidden.shape
-    V, Hw = head32.shape
-    _check(Hw == H, f"hidden has H={H}, head32 has H={Hw}")
+    V, Hw = head.shape
+    _check(Hw == H, f"hidden has H={H}, head has H={Hw}")
     _check(fits(R, V, H), f"a block of {R} rows with a head [{V}, {H}] is not taken (rows 1..{MAX_ROWS}): run the "
            f"torch form")
     _check(hidden.dtype in _FLOATS, f"hidden {hidden.dtype} must be bfloat16, float16 or float32")
-    _check(head32.dtype == torch.float32, f"head32 {head32.dtype} must be float32 (docs/model.md: fp32 heads)")
-    _check(hidden.device == head32.device, f"hidden is on {hidden.device}, head32 on {head32.device}")
+    _check(head.dtype in (torch.bfloat16, torch.float32),
+           f"head {head.dtype} must be bfloat16 or float32 (docs/model.md: the head as stored, fp32 products)")
+    _check(hidden.device == head.device, f"hidden is on {hidden.device}, head on {head.device}")
     _check(hidden.stride(1) == 1 or H == 1, "hidden must have unit stride along H")
-    _check(head32.stride(1) == 1 or H == 1, "head32 must have unit stride along H")
+    _check(head.stride(1) == 1 or H == 1, "head must have unit stride along H")
     _check_settings(settings)
     if out is None:
         out = torch.empty((R, V), dtype=torch.float32, device=hidden.device)
@@ -206,12 +209,12 @@ def lm_head(hidden: torch.Tensor, head32: torch.Tensor, *, settings: LMHeadSetti
     launch = launch_options(pdl, hidden.device)
     if settings.form == "rows":
         _lm_head_rows_kernel[(triton.cdiv(V, block_v),)](
-            hidden, head32, out, V, H, hidden.stride(0), head32.stride(0), out.stride(0), ROWS=R,
+            hidden, head, out, V, H, hidden.stride(0), head.stride(0), out.stride(0), ROWS=R,
             ROWS_PAD=triton.next_power_of_2(R), BLOCK_V=block_v, BLOCK_K=settings.rows_block_k,
             num_warps=settings.rows_warps, num_stages=1, **launch)
     else:
         _lm_head_kernel[(triton.cdiv(V, block_v),)](
-            hidden, head32, out, R, V, H, hidden.stride(0), head32.stride(0), out.stride(0), BLOCK_R=BLOCK_R,
+            hidden, head, out, R, V, H, hidden.stride(0), head.stride(0), out.stride(0), BLOCK_R=BLOCK_R,
             BLOCK_V=block_v, BLOCK_K=settings.block_k, num_warps=settings.num_warps, num_stages=settings.num_stages,
             **launch)
     return out

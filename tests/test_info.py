@@ -56,8 +56,8 @@ def test_tiny_counts_match_the_checkpoint(capsys):
     assert r["draft"]["experts_distinct"] == (8 + 6 * 2) * one_draft_expert
     assert r["experts_all"] == r["target"]["experts_all"] + 7 * r["draft"]["experts_all_per_pass"]
     assert r["total_all_experts"] == r["dense"] + r["experts_all"] + r["kv"]
-    # the fp32 LM heads: the target's once, the draft's on every one of the 7 passes
-    head = cfg.vocab_size * cfg.hidden_size * 4
+    # the LM heads, held bf16: the target's once, the draft's on every one of the 7 passes
+    head = cfg.vocab_size * cfg.hidden_size * 2
     assert r["target"]["dense"] > head and r["draft"]["dense_per_pass"] > head
     assert r["dense"] == r["target"]["dense"] + 7 * r["draft"]["dense_per_pass"] + 14 * cfg.hidden_size * 2
     # window 32: 2 sliding target layers read 32 positions, 2 full ones 100; the draft (window 16) 16, 7 times

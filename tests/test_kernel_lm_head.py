@@ -1,5 +1,6 @@
-"""kernels/lm_head.py against the torch form it replaces, TorchOps.lm_head(hidden, head32) = hidden.float() @ head32.T
-(docs/model.md, "Numerics"), and against the float64 product of the same values.
+"""kernels/lm_head.py against the torch form it replaces, TorchOps.lm_head(hidden, head) = hidden.float() @
+head.float().T (docs/model.md, "Numerics"), and against the float64 product of the same values. A head held bf16 (as the
+published checkpoint stores it) gives the logits of the same head held fp32, bit for bit.
 
 Tolerances, as data (TOLERANCES below, with their reasons), per logit, in units of sum_h |x_h w_vh|. An fp32 sum of
 the H products in any order, with or without FMAs, is within g of the exact one: g = gamma_H = H u / (1 - H u), u =
@@ -64,7 +65,7 @@ def row_products_tf32(acc, w, x):
 CONTROLS = {"tf32": {"_lm_head_kernel": {"_dot": dot_tf32}},
             "tf32_rows": {"_lm_head_rows_kernel": {"_row_products": row_products_tf32}}}
 
-BASE = dict(R=8, V=100, H=100, x="bf16", data="randn", x_stride=1, w_stride=1, out_stride=0, alloc=False,
+BASE = dict(R=8, V=100, H=100, x="bf16", w="fp32", data="randn", x_stride=1, w_stride=1, out_stride=0, alloc=False,
             broken=None, seed=0, settings=dict(block_v=32, block_k=32))
 
 
@@ -72,7 +73,7 @@ def case(name: str, **kw) -> dict:
     return dict(BASE, name=name, **kw)
 
 
-RANK = dict(V=20000, H=3072, settings={})  # one TP8 rank's head, default settings
+RANK = dict(V=20000, H=3072, w="bf16", settings={})  # one TP8 rank's head as the engine holds it, default settings
 
 CASES = [
     case("1row_bf16", R=1, seed=1),
@@ -90,6 +91,11 @@ CASES = [
     case("exact_fp32_H3072", R=8, V=300, H=3072, x="fp32", data="exact", settings=dict(block_v=64, block_k=128),
          seed=12),
     case("rows_tiles_K_tail", R=5, V=77, H=200, settings=dict(block_v=8, rows_block_k=16, rows_warps=2), seed=16),
+    # the head held bf16, as stored
+    case("head_bf16_8rows", w="bf16", seed=17),
+    case("head_bf16_1row_H3072", R=1, V=50, H=3072, w="bf16", seed=18),
+    case("head_bf16_exact", R=8, w="bf16", data="exact", seed=19),
+    case("dot_head_bf16", R=6, w="bf16", settings=dict(form="dot", block_v=32, block_k=32), seed=22),
     # the "dot" form
     case("dot_1row_bf16", R=1, settings=dict(form="dot", block_v=32, block_k=32), seed=13),
     case("dot_8rows_H3072_V1000_default_settings", V=1000, H=3072, settings=dict(form="dot"), seed=14),
@@ -105,6 +111,7 @@ GPU_CASES = [
     case("gpu_6rows_rank", R=6, **RANK, seed=32),
     case("gpu_8rows_rank", R=8, **RANK, seed=33),
     case("gpu_8rows_rank_fp32", R=8, x="fp32", **RANK, seed=34),
+    case("gpu_8rows_rank_head_fp32", R=8, **dict(RANK, w="fp32"), seed=42),
     case("gpu_8rows_rank_exact", R=8, data="exact", **RANK, seed=35),
     case("gpu_8rows_rank_block_k_64", R=8, **dict(RANK, settings=dict(block_k=64)), seed=36),
     case("gpu_8rows_rank_block_v_64", R=8, **dict(RANK, settings=dict(block_v=64)), seed=37),
@@ -132,8 +139,8 @@ def build(c: dict, device: str) -> dict:
     xd = torch.bfloat16 if c["x"] == "bf16" else torch.float32
     x_wide = torch.zeros(R, H * c["x_stride"], dtype=xd)
     x_wide[:, :H] = x.to(xd)
-    w_wide = torch.zeros(V, H * c["w_stride"])
-    w_wide[:, :H] = w
+    w_wide = torch.zeros(V, H * c["w_stride"], dtype=torch.bfloat16 if c["w"] == "bf16" else torch.float32)
+    w_wide[:, :H] = w  # a bf16 head rounds the exact data's 16-bit weights to 8: their partial sums stay exact
     return dict(x=x_wide.to(device)[:, :H], w=w_wide.to(device)[:, :H])
 
 
@@ -149,8 +156,9 @@ def run_case(c: dict, device: str) -> dict:
     if not c["alloc"]:
         out = torch.full((R, V + c["out_stride"]), float("nan"), device=device)[:, :V]
     got = run_head(t, lm.LMHeadSettings(**c["settings"]), out, c["broken"])
+    widened = run_head(dict(t, w=t["w"].float()), lm.LMHeadSettings(**c["settings"]), None, c["broken"])
     torch_form = TorchOps().lm_head(t["x"], t["w"])
-    x64, w64 = t["x"].double().cpu(), t["w"].double().cpu()
+    x64, w64 = t["x"].double().cpu(), t["w"].double().cpu()  # a bf16 head's values are exact in fp32 and float64
     exact = x64 @ w64.T
     scale = x64.abs() @ w64.abs().T  # sum_h |x_h w_vh|
     g = {"always": H * U / (1 - H * U)}
@@ -171,11 +179,14 @@ def run_case(c: dict, device: str) -> dict:
             "tolerance_is_the_kernels": bool(torch.allclose(logit_tolerance(x64, w64),
                                                             2 * g["always"] * scale)),
             "exact_bits": bool((got.double().cpu() == exact).all()),
+            "head_dtype": str(t["w"].dtype), "widened_bits": bool(torch.equal(got, widened)),
             "torch_bits": bool(torch.equal(got, torch_form))}
 
 
 def check_values(c: dict, r: dict) -> None:
     assert r["is_out"] and r["shape"] == [c["R"], c["V"]] and r["dtype"] == "torch.float32"
+    assert r["head_dtype"] == f"torch.{'bfloat16' if c['w'] == 'bf16' else 'float32'}"
+    assert r["widened_bits"], f"{c['name']}: the head held {c['w']} and the same head held fp32 give other logits"
     assert r["finite"], "NaN or inf left in the output (a tile not stored?)"
     assert r["torch_exact_ratio"] <= 1, f"the torch form breaks the bound: {r['torch_exact_ratio']:.2e}"
     assert r["tolerance_is_the_kernels"]
@@ -207,7 +218,8 @@ interpreted, test_interpreted = interpreted_tests(__file__, CASES, _check, _summ
 def test_cases_cover_the_boundaries():
     plain = [c for c in CASES if not c["broken"]]
     assert {1, 8} <= {c["R"] for c in plain} and {3072} < {c["H"] for c in plain}
-    assert {"bf16", "fp32"} == {c["x"] for c in plain}
+    assert {"bf16", "fp32"} == {c["x"] for c in plain} == {c["w"] for c in plain}
+    assert {"rows", "dot"} == {c["settings"].get("form", "rows") for c in plain if c["w"] == "bf16"}
     assert any(c["V"] % c["settings"].get("block_v", 32) for c in plain)  # a partial last V tile
     assert {c["broken"] for c in CASES} == {None, *CONTROLS}
 
@@ -227,7 +239,7 @@ def test_fits():
 
 
 def _args(**over):
-    a = dict(hidden=torch.randn(3, 40).bfloat16(), head32=torch.randn(50, 40))
+    a = dict(hidden=torch.randn(3, 40).bfloat16(), head=torch.randn(50, 40))
     a.update(over)
     return a
 
@@ -238,9 +250,9 @@ def _args(**over):
     (dict(hidden=torch.randn(0, 40)), "block of 0 rows"),
     (dict(hidden=torch.randn(17, 40)), "block of 17 rows .* run the torch form"),
     (dict(hidden=torch.randn(3, 40).int()), "hidden torch.int32 must be"),
-    (dict(head32=torch.randn(50, 40).bfloat16()), "head32 torch.bfloat16 must be float32"),
+    (dict(head=torch.randn(50, 40).half()), "head torch.float16 must be bfloat16 or float32"),
     (dict(hidden=torch.randn(40, 3).T), "hidden must have unit stride"),
-    (dict(head32=torch.randn(40, 50).T), "head32 must have unit stride"),
+    (dict(head=torch.randn(40, 50).T), "head must have unit stride"),
     (dict(out=torch.empty(3, 51)), "out must be"),
     (dict(out=torch.empty(3, 50, dtype=torch.bfloat16)), "out must be"),
     (dict(out=torch.empty(50, 3).T), "out must have unit stride"),
