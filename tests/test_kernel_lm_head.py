@@ -117,9 +117,11 @@ GPU_CASES = [
     case("gpu_8rows_rank_block_v_64", R=8, **dict(RANK, settings=dict(block_v=64)), seed=37),
     case("gpu_6rows_rank_dot", R=6, **dict(RANK, settings=dict(form="dot")), seed=38),
     case("gpu_1row_rank_dot", R=1, **dict(RANK, settings=dict(form="dot")), seed=39),
-    case("gpu_broken_tf32_products", R=8, data="exact", broken="tf32", **dict(RANK, settings=dict(form="dot")),
-         seed=40),
-    case("gpu_broken_tf32_rows", R=8, data="exact", broken="tf32_rows", **RANK, seed=41),
+    # the controls on an fp32 head: a bf16 head's 8-bit weights are exact in TF32's 10 bits, so TF32 products would
+    # leave its exact data exact and the control would show nothing (seen on an H100 at fd92958)
+    case("gpu_broken_tf32_products", R=8, data="exact", broken="tf32",
+         **dict(RANK, w="fp32", settings=dict(form="dot")), seed=40),
+    case("gpu_broken_tf32_rows", R=8, data="exact", broken="tf32_rows", **dict(RANK, w="fp32"), seed=41),
 ]
 
 
@@ -222,6 +224,7 @@ def test_cases_cover_the_boundaries():
     assert {"rows", "dot"} == {c["settings"].get("form", "rows") for c in plain if c["w"] == "bf16"}
     assert any(c["V"] % c["settings"].get("block_v", 32) for c in plain)  # a partial last V tile
     assert {c["broken"] for c in CASES} == {None, *CONTROLS}
+    assert all(c["w"] == "fp32" for c in CASES + GPU_CASES if c["broken"])  # TF32 rounds only wider weights
 
 
 def test_choose_block_v(monkeypatch):

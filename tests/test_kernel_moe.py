@@ -209,21 +209,28 @@ def bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.double() - ref.double()).abs() / ulp).max().item()
 
 
+def form_checks(c: dict, t: dict, got: torch.Tensor) -> dict:
+    """What shows that a numerical form (MoESettings.gate_up_scale, gate_up_split) ran as asked."""
+    res = {}
+    if c["scale"] != "weight":  # the form ran: its outputs are not the weight form's
+        res["differs_from_weight_form"] = not torch.equal(got, call(t, settings=settings(dict(c, scale="weight"))))
+    if c["split"] > 1:
+        # the counters left zeroed, call after call; and counters that start off zero (one arrival counted before
+        # the call) are left off zero: the split's arrivals ran and decide who sums
+        locks = torch.zeros(mk.gate_up_lock_count(c["R"], c["k"], c["I"], settings(c)), dtype=torch.int32,
+                            device=got.device)
+        res["split_repeats"] = torch.equal(call(t, settings=settings(c), gate_up_locks=locks), got) \
+            and not bool(locks.any())
+        call(t, settings=settings(c), gate_up_locks=locks.fill_(1))
+        res["miscount_shows"] = bool(locks.any())
+    return res
+
+
 def run_case(c: dict, device: str) -> dict:
     t = build(c, device)
     with substituted(mk, MOE_CONTROLS.get(c.get("control"), {})):
         got = call(t, settings=settings(c))
-        res = {}
-        if c["scale"] != "weight":  # the form ran: its outputs are not the weight form's
-            res["differs_from_weight_form"] = not torch.equal(got, call(t, settings=settings(dict(c, scale="weight"))))
-        if c["split"] > 1:
-            # the counters left zeroed, call after call; and counters that start off zero (one arrival counted
-            # before the call) are left off zero: the split's arrivals ran and decide who sums
-            locks = torch.zeros(mk.gate_up_lock_count(c["R"], c["k"], c["I"], settings(c)), dtype=torch.int32)
-            res["split_repeats"] = torch.equal(call(t, settings=settings(c), gate_up_locks=locks), got) \
-                and not bool(locks.any())
-            call(t, settings=settings(c), gate_up_locks=locks.fill_(1))
-            res["miscount_shows"] = bool(locks.any())
+        res = form_checks(c, t, got)
         if c["pattern"] == "poison":
             bad, n = poisoned(t)
             again = call(bad, settings=settings(c))
@@ -545,7 +552,7 @@ def test_gpu_full_rank(c):
     r = dict(finite=bool(torch.isfinite(got).all()), pad_zero=bool((got[~live] == 0).all()),
              rel_err=(got[live] - ref[live]).abs().max().item() / ref[live].abs().max().item(),
              bit_equal=(got[live] == ref[live]).double().mean().item(), bf16_ulps=bf16_ulps(got[live], ref[live]),
-             tail_equal=tail_equal(c, t))
+             tail_equal=tail_equal(c, t), **form_checks(c, t, got))
     print(summary(c, r))
     check(c, r, GPU_TOL)
 
