@@ -10,14 +10,14 @@ import re
 from dataclasses import replace
 from typing import NamedTuple
 
-from ..fast.rank import EngineOptions, RankEngine
+from ..fast.rank import EngineOptions, RankEngine, moe_setting
 from ..lab.ablation import ablate, check_reached
 from ..lab.unfold import check_unfolded, unfold
 
 
 # +option: the EngineOptions bool field it turns on (a product option: the router fold, a numerical change qualified
-# apart; the expert prefetch and the routed prefetch, cache hints)
-OPTIONS = frozenset({"router_fold", "expert_prefetch", "routed_prefetch"})
+# apart; the expert prefetch and the routed prefetch, cache hints; the Down tail, a fold measured slower)
+OPTIONS = frozenset({"router_fold", "expert_prefetch", "routed_prefetch", "down_tail"})
 
 
 class Variant(NamedTuple):
@@ -29,13 +29,10 @@ class Variant(NamedTuple):
 
 
 def _setting(name: str, part: str) -> tuple[str, int | str | bool]:
-    """"gate_up_split=4" -> ("gate_up_split", 4): an int, True/False, or else the text."""
-    field, eq, text = part.partition("=")
-    if not (field and eq and text):
-        raise ValueError(f"variant {name!r}: a MoE setting is @FIELD=VALUE, got @{part}")
-    if text.isdigit():
-        return field, int(text)
-    return field, {"True": True, "False": False}.get(text, text)
+    try:
+        return moe_setting(part)
+    except ValueError:
+        raise ValueError(f"variant {name!r}: a MoE setting is @FIELD=VALUE, got @{part}") from None
 
 
 def split(name: str) -> Variant:

@@ -50,6 +50,9 @@ class EngineOptions:
     # the router's select asks L2 for its chosen experts' Gate and Up slabs (a hint: the same bits); off, as it made
     # the select slower than the Gate/Up it feeds gained (docs/PERF.md, "The routed prefetch, measured")
     routed_prefetch: bool = False
+    # the MoE's Down ending in the combine and the sandwich tail, one launch (kernels/moe.py `down_add_norm`; the same
+    # bits); off, as Down then the combine inside the tail measured faster (docs/PERF.md, "The Down tail, re-paired")
+    down_tail: bool = False
     # (field, value) pairs replacing kernels/moe.py MoESettings defaults, the product's: a bench variant's
     # (`triton@gate_up_split=4`); two are numerical forms, qualified before any becomes a default
     moe_settings: tuple[tuple[str, int | str | bool], ...] = ()
@@ -76,21 +79,33 @@ class EngineParts:
     snapshot: type[RingSnapshot] = RingSnapshot
 
 
-def make_ops(plan: KernelPlan, fold_router: bool = False, warm_experts: bool = False,
-             moe_settings: tuple[tuple[str, int | str | bool], ...] = (), routed_prefetch: bool = False) -> TorchOps:
+def moe_setting(text: str) -> tuple[str, int | str | bool]:
+    """"gate_up_split=4" -> ("gate_up_split", 4), an EngineOptions.moe_settings pair: an int, True/False, or else the
+    text (make_ops refuses an unknown field)."""
+    field, eq, value = text.partition("=")
+    if not (field and eq and value):
+        raise ValueError(f"a MoE setting is FIELD=VALUE, got {text!r}")
+    if value.isdigit():
+        return field, int(value)
+    return field, {"True": True, "False": False}.get(value, value)
+
+
+def make_ops(plan: KernelPlan, options: EngineOptions) -> TorchOps:
     """The torch forms, or the Triton dispatcher for a plan with kernels (imported only then: it imports triton)."""
-    if moe_settings and not plan.moe:
-        raise ValueError(f"MoE settings {dict(moe_settings)} need the MoE kernels: the plan runs its torch form")
+    if options.moe_settings and not plan.moe:
+        raise ValueError(f"MoE settings {dict(options.moe_settings)} need the MoE kernels: the plan runs its torch "
+                         "form")
     if not plan.uses_triton:
-        return TorchOps(fold_router, warm_experts)
+        return TorchOps(options.router_fold, options.expert_prefetch)
     from ..kernels.moe import MoESettings
     from .triton_ops import TritonOps
 
     try:
-        settings = MoESettings(**dict(moe_settings))
+        settings = MoESettings(**dict(options.moe_settings))
     except TypeError as e:  # an unknown field
-        raise ValueError(f"MoE settings {dict(moe_settings)}: {e}") from None
-    return TritonOps(plan, fold_router, warm_experts, settings, routed_prefetch)
+        raise ValueError(f"MoE settings {dict(options.moe_settings)}: {e}") from None
+    return TritonOps(plan, options.router_fold, options.expert_prefetch, settings, options.routed_prefetch,
+                     options.down_tail)
 
 
 def cache_capacity(options: EngineOptions) -> int:
@@ -158,8 +173,7 @@ class RankEngine:
         self.capacity = cache_capacity(options)
         self.plan = options.plan(par.device)
         self.cache = parts.cache(c, kv_heads, self.capacity, self.dtype, par.device)
-        ops = make_ops(self.plan, options.router_fold, options.expert_prefetch, options.moe_settings,
-                       options.routed_prefetch)
+        ops = make_ops(self.plan, options)
         self.model = parts.model(c, weights, self.cache, par, self.dtype, ops)
         self.state = self._allocate_state(min(self.generation.top_k, c.vocab_size))
         rings = self.cache.rings()

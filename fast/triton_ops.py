@@ -29,7 +29,8 @@ LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest deco
 
 class PendingDown(NamedTuple):
     """The routed experts after Gate/Up: their Down launches in the op that reads the MoE's output
-    (`reduce_add_norm`), where it can end in the combine and the sandwich tail (kernels/moe.py `down_add_norm`)."""
+    (`reduce_add_norm`), where it can end in the combine and the sandwich tail (kernels/moe.py `down_add_norm`,
+    EngineOptions.down_tail)."""
 
     hidden: moe.ExpertHidden
     weights: torch.Tensor
@@ -51,11 +52,12 @@ class TritonOps(TorchOps):
 
     def __init__(self, plan: KernelPlan = KernelPlan.triton(), fold_router: bool = False,
                  warm_experts: bool = False, moe_settings: moe.MoESettings = moe.MoESettings(),
-                 routed_prefetch: bool = False) -> None:
+                 routed_prefetch: bool = False, down_tail: bool = False) -> None:
         super().__init__(fold_router, warm_experts)
         self.plan = plan
         self.moe_settings = moe_settings  # the product's are kernels/moe.py's defaults; a bench variant passes others
         self.routed_prefetch = routed_prefetch  # EngineOptions.routed_prefetch
+        self.down_tail = down_tail  # EngineOptions.down_tail
         self.fallbacks: Counter = Counter()  # op group -> calls a kernel could not take (ran the torch form)
         self._locks: torch.Tensor | None = None
         self._gate_up_locks: torch.Tensor | None = None  # Gate/Up's split sum's own: no PDL overlap with Down's tail
@@ -266,15 +268,15 @@ class TritonOps(TorchOps):
 
     @stage("norm")
     def reduce_add_norm(self, par, partial, residual, scale, y_norm, next_norm, eps, dtype):
-        # One launch, the same bits as the sequence: with peer collectives (GPUs, TP > 1) the all-reduce ends in the
-        # tail; the MoE's pending Down (TP 1, rank slices) ends in the combine and the tail; its uncombined output
-        # (kernels/moe.ExpertOutputs) is combined by the reduction or by the tail
+        # The same bits as the sequence: with peer collectives (GPUs, TP > 1) the all-reduce ends in the tail; the
+        # MoE's pending Down (TP 1, rank slices) launches, ending in the combine and the tail with down_tail on; its
+        # uncombined output (kernels/moe.ExpertOutputs) is combined by the reduction or by the tail
         if isinstance(partial, PendingProjection):  # the router fold (TorchOps: the projection, then the tail)
             return super().reduce_add_norm(par, partial, residual, scale, y_norm, next_norm, eps, dtype)
         fused = self._fits("norm", rmsnorm.rmsnorm_fits(residual.shape[-1]))
         if isinstance(partial, PendingDown):
             locks = self._locks
-            if (fused and not par.active and locks is not None
+            if (self.down_tail and fused and not par.active and locks is not None
                     and moe.lock_count(partial.hidden.rows) <= locks.numel()):
                 return self.down_add_norm(partial, residual, scale, y_norm, next_norm, eps, dtype)
             partial = self.expert_outputs(partial)

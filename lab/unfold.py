@@ -16,8 +16,6 @@ from ..fast.torch_ops import TorchOps
 UNFOLDS: dict[str, str] = {
     "moe_combine": "the MoE's own Down, combine and cast launches before the sandwich tail (kernels/moe.py `down`, "
                    "`combine`)",
-    "down_tail": "the MoE's Down as its own launch, then the combine in the sandwich tail's (kernels/moe.py `down`, "
-                 "`combine_add_norm`)",
     "peer_tail": "at TP > 1, the plain peer all-reduce then `add_norm` (two launches a reduction point), and with it "
                  "the MoE's combine",
     "qkv_rope": "the q/k/v projection and the q/k norm + RoPE + KV write as two launches (kernels/fp8_linear.py, "
@@ -42,16 +40,6 @@ def unfold(ops, names: set[str]) -> None:
                 ops.unfolded_calls["moe_combine"] = ops.unfolded_calls.get("moe_combine", 0) + 1
             return tensor
         ops.moe = combined
-    if "down_tail" in names:
-        pending = ops.moe
-
-        def apart(*args, **kwargs):
-            out = pending(*args, **kwargs)
-            outputs = ops.expert_outputs(out)
-            if outputs is not out:  # a Down left to the tail (a plan with the MoE's kernels), launched here
-                ops.unfolded_calls["down_tail"] = ops.unfolded_calls.get("down_tail", 0) + 1
-            return outputs
-        ops.moe = apart
     if "qkv_rope" in names:
         def apart(attn, a, kv, eps, cos, sin, positions, live):
             folds = getattr(ops, "folds_qkv_rope", None)

@@ -29,10 +29,9 @@ LINEAR_BLOCK_TOL = 1e-5
 
 
 def engine(plan: KernelPlan | str, device: str = "cpu", dtype: str = "fp32", parts: EngineParts = EngineParts(),
-           max_context: int = 256, router_fold: bool = False, moe_settings: tuple = ()) -> RankEngine:
+           max_context: int = 256, **options) -> RankEngine:
     return RankEngine(TINY, Parallel.single(device), EngineOptions(max_context=max_context, dtype=dtype, kernels=plan,
-                                                                   router_fold=router_fold, moe_settings=moe_settings),
-                      parts)
+                                                                   **options), parts)
 
 
 def two_blocks(e: RankEngine, device: str, first: int = 40) -> tuple:
@@ -87,16 +86,18 @@ GROUP_BLOCK_TOL = {"attention": 1e-5, "norm": 1e-5, "moe": 1e-5, "lm_head": 1e-5
 
 
 # fold -> (the op groups it needs, the kernel path it adds)
-FOLDS = {"moe_combine": (("moe", "norm"), "down_add_norm"), "down_tail": (("moe", "norm"), "down_add_norm"),
-         "qkv_rope": (("linear", "attention"), "qkv_rope_kv")}
+FOLDS = {"moe_combine": (("moe", "norm"), "combine_add_norm"), "qkv_rope": (("linear", "attention"), "qkv_rope_kv")}
+# a fold left off by default, an EngineOptions field -> (the op groups it needs, the default's path, the option's)
+OPTION_FOLDS = {"down_tail": (("moe", "norm"), "combine_add_norm", "down_add_norm")}
 
 
 def group_block(*groups: str, device: str = "cpu", moe_settings: tuple = ()) -> dict:
     """Op groups' kernels (the rest on torch forms) against the torch forms over a prefill block, a verification
     block with padding rows and a draft block: the largest relative error of the live rows' logits and hiddens, the
     caches' (their real slots'), and the kernel calls and fallbacks. With them, under "unfolds", each fold of exactly
-    these groups against its control (lab/unfold.py `^fold`: the launches the fold removed put back): the control's
-    outputs and caches bit for bit against the kernels' run, and which paths each ran."""
+    these groups against its control (lab/unfold.py `^fold`: the launches the fold removed put back), and under
+    "options" each fold left to an EngineOptions field against the default: outputs and caches bit for bit against
+    the kernels' run, and which paths each ran."""
     from iquest.lab.unfold import unfold
 
     out, engines = {}, {}
@@ -122,10 +123,21 @@ def group_block(*groups: str, device: str = "cpu", moe_settings: tuple = ()) -> 
                          and all(torch.equal(x, y) for l0, l1 in zip(c1, caches) for x, y in zip(l0, l1)),
                          "folded": calls.get(path, 0), "control": control.model.ops.calls[path],
                          "unfolded": control.model.ops.unfolded_calls.get(fold, 0)}
+    options = {}
+    for fold in (f for f, (g, *_) in OPTION_FOLDS.items() if g == groups):
+        folded = engine(with_kernels, device, **{fold: True})
+        _forget_capture(folded)
+        got = [t for block in two_blocks(folded, device) for t in block]
+        caches = [_real_slots(kv) for kv in folded.cache.layers]
+        default_path, option_path = OPTION_FOLDS[fold][1:]
+        options[fold] = {"identical": all(torch.equal(x, y) for x, y in zip(o1, got))
+                         and all(torch.equal(x, y) for l0, l1 in zip(c1, caches) for x, y in zip(l0, l1)),
+                         "default": [calls.get(default_path, 0), calls.get(option_path, 0)],
+                         "option": [folded.model.ops.calls[default_path], folded.model.ops.calls[option_path]]}
     locks = getattr(engines[with_kernels.name].model.ops, "_gate_up_locks", None)
     return {"rel_err": max(rel(x[:n], y[:n]) for x, y, n in zip(o1, o0, live)),
             "cache_err": max(rel(x, y) for l0, l1 in zip(c0, c1) for x, y in zip(l1, l0)),
-            "calls": calls, "fallbacks": fallbacks, "unfolds": unfolds,
+            "calls": calls, "fallbacks": fallbacks, "unfolds": unfolds, "options": options,
             "gate_up_locks": None if locks is None else int(locks.count_nonzero())}
 
 
@@ -276,7 +288,7 @@ def test_interpreted_linear_kernel_within_its_tolerance(interpreted):
                                             ("norm", {"rmsnorm", "add_norm"}), ("moe", {"route", "moe"}),
                                             ("lm_head", {"lm_head"}),
                                             # the MoE's combine inside the sandwich tail's launch
-                                            ("moe_norm", {"route", "moe", "add_norm", "down_add_norm"}),
+                                            ("moe_norm", {"route", "moe", "add_norm", "combine_add_norm"}),
                                             # the q/k norm, RoPE and KV write inside the projection's launch
                                             ("linear_attention", {"qkv_rope_kv", "attention"})])
 def test_interpreted_group_kernels_within_their_tolerance(interpreted, group, kernels):
@@ -334,6 +346,17 @@ def test_interpreted_fold_and_its_control_are_bit_identical(interpreted, fold):
     r = r["unfolds"][fold]
     assert r["identical"], r
     assert r["folded"] > 0 and r["control"] == 0 and r["unfolded"] > 0, r
+
+
+@pytest.mark.parametrize("fold", list(OPTION_FOLDS))
+def test_interpreted_option_fold_and_the_default_are_bit_identical(interpreted, fold):
+    """A fold left off by default (it measured slower) stays a product option: turned on, it computes the default's
+    bits through its own launch, and each engine ran its own path alone."""
+    r = interpreted["_".join(OPTION_FOLDS[fold][0]) + "_block"]
+    assert "error" not in r, r
+    r = r["options"][fold]
+    assert r["identical"], r
+    assert r["default"][0] > 0 and r["default"][1] == 0 and r["option"][0] == 0 and r["option"][1] > 0, r
 
 
 def test_interpreted_expert_prefetch_changes_nothing_and_predicts_only_at_its_widths(interpreted):
@@ -416,7 +439,7 @@ def test_cuda_kernel_paths_all_ran():
     ops = e.model.ops
     ran = {name for name, n in ops.calls.items() if n > 0}
     assert {"preload", "embed", "sample_draw", "accept", "settle", "qkv_rope_kv", "attention", "rmsnorm", "add_norm",
-            "route", "moe", "down_add_norm", "lm_head"} <= ran, dict(ops.calls)
+            "route", "moe", "combine_add_norm", "lm_head"} <= ran, dict(ops.calls)
     # Only prefill blocks (tens of rows) exceed the router's 8 rows and the head's 16: no decode call falls back
     assert set(ops.fallbacks) <= {"moe", "lm_head"}, dict(ops.fallbacks)
 

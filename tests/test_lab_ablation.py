@@ -63,9 +63,9 @@ def test_variant_names_are_checked():
             variants.split(bad)
     assert variants.split("triton^moe_combine~route:38") == ("triton", {"route:38"}, {"moe_combine"}, set(), ())
     assert variants.split("triton+router_fold~moe") == ("triton", {"moe"}, set(), {"router_fold"}, ())
-    assert variants.split("triton^down_tail''") == variants.split("triton^down_tail")  # an A' arm
-    v = variants.split("triton@gate_up_split=4^down_tail@gate_up_scale=product@down_prefetch=False")
-    assert v.unfolded == {"down_tail"} and v.moe_settings == (("gate_up_split", 4), ("gate_up_scale", "product"),
+    assert variants.split("triton^qkv_rope''") == variants.split("triton^qkv_rope")  # an A' arm
+    v = variants.split("triton@gate_up_split=4^qkv_rope@gate_up_scale=product@down_prefetch=False")
+    assert v.unfolded == {"qkv_rope"} and v.moe_settings == (("gate_up_split", 4), ("gate_up_scale", "product"),
                                                                ("down_prefetch", False))
     assert variants.options("triton@gate_up_split=8", EngineOptions()).moe_settings == (("gate_up_split", 8),)
     for bad in ("triton@gate_up_split", "triton@=4", "triton@gate_up_split="):
