@@ -4,9 +4,10 @@
 # travels without .git):
 #   IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE
 # STAGE (in the order to run them: docs/PERF.md, "Open directions", first item):
-#   first     qualification at TP 1 (the default engine), a call of its own: on a fresh H100 at 01a23a9 it reached 44 of
-#             its 110 steps in 260 s (the first 7 at 172 s: 14 workers compiling the kernels cold); 500 s, leaving the
-#             rest of the call's 600 s to pack the compiled kernels
+#   first     qualification at TP 1 of the Gate/Up split in 4 (--moe-setting gate_up_split=4: 0.8315x the round, paired,
+#             on an H100 at fd92958; a numerical change, the default once this passes), a call of its own: the default
+#             engine's passed in 282 s on a fresh H100 at fd92958 (17/17 controls); 500 s, leaving the rest of the
+#             call's 600 s to pack the compiled kernels
 #   split     Gate/Up's K steps: bench tune of its splits and scale form at 9 experts, then the round paired three ways
 #             (triton, triton+routed_prefetch, triton@gate_up_split=4: EngineOptions.moe_settings), one call
 #   tune      bench tune: the MoE (Gate/Up's depth, Down's prefetch) at 9 and 38 experts, the q/k/v fold's splits and
@@ -15,7 +16,7 @@
 #   mps       the MPS module (fused tails at 2 and 8 ranks, the TP engines at 2, 4 and 8, the captured loop)
 #   qualify2  qualification, bf16, TP 2 on one GPU under MPS
 #   step      the benchmark of record (triton, +routed_prefetch and ~route:38 in one process, ~5 min);
-#             step2 the folds' controls (^down_tail, ^qkv_rope) against triton
+#             step2 the folds' controls (+down_tail, ^qkv_rope) against triton
 #   trace     bench graph-trace: kernels a decoder layer, with and without each fold
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
 #   rest      bench context (1K-512K), bench depth (the controller's gain, paired), mini decode tok/s
@@ -52,7 +53,7 @@ case "${1:-}" in
     tail -2 "$out/qualify-mini-cuda-bf16-tp2-$sha.log" ;;
   step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
     kernels=triton,triton+routed_prefetch,triton~route:38
-    [ "$1" = step2 ] && kernels=triton,triton^down_tail,triton^qkv_rope
+    [ "$1" = step2 ] && kernels=triton,triton+down_tail,triton^qkv_rope
     gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --kernels "$kernels" \
       --out "$out/$1-full-tp8slice-ctx1k-d5-$sha.json" 2>&1 | tee "$out/$1-full-tp8slice-ctx1k-d5-$sha.log" ;;
   prefetch)
@@ -63,9 +64,9 @@ case "${1:-}" in
         | tee "$out/step-full-tp8slice-ctx1k-d$d-prefetch-$sha.log"
     done ;;
   first)
-    name=qualify-mini-cuda-bf16-$sha
+    name=qualify-mini-cuda-bf16-split4-$sha
     timeout 500 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 \
-      --jobs 14 --json > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
+      --moe-setting gate_up_split=4 --jobs 14 --json > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
     tail -2 "$out/$name.log" ;;
   split)
     only=gate_up_split=2,gate_up_split=4,gate_up_split=8,gate_up_split=4+gate_up_scale=product
@@ -87,7 +88,7 @@ case "${1:-}" in
     gpu bench tune --ops expert_prefetch,lm_head,topk,linear_qkv,linear_o --budget 150 \
       --out "$out/tune-h200-$sha.json" 2>&1 | tee "$out/tune-h200-$sha.log" | tail -40 ;;
   trace)
-    gpu bench graph-trace --kernels triton,triton+router_fold,triton^down_tail,triton^moe_combine,triton^qkv_rope \
+    gpu bench graph-trace --kernels triton,triton+router_fold,triton+down_tail,triton^moe_combine,triton^qkv_rope \
       --out "$out/graph-trace-$sha.json" 2>&1 | tee "$out/graph-trace-$sha.log" ;;
   rest)
     gpu bench context --out "$out/context-tp8slice-$sha.json" 2>&1 | tail -20 | tee "$out/context-tp8slice-$sha.log"

@@ -115,3 +115,23 @@ def test_fp8_at_load_is_judged_on_its_own_quantization_and_measured_against_bf16
     assert [c["name"] for c in report["controls"] if c["caught"]] == ["draft_target_embedding", "router_bf16"]
     assert [c["name"] for c in report["controls_not_applicable"]] == ["fp8_scales_transposed"]
     assert "fp8w.* rows measure them against the bf16 weights" in err
+
+
+def test_moe_settings_are_checked_before_any_worker_and_reach_the_candidate(capsys, monkeypatch):
+    """--moe-setting qualifies a numerical form before it becomes a default: refused without the MoE's kernels, for
+    an unknown field and for a malformed pair; otherwise the candidate's options (and every control's, built on them)
+    carry it."""
+    from iquest.cli.main import main
+    from iquest.fast.plan import KernelPlan
+    from iquest.qualify.run import make_plan
+    from iquest.tests.helpers import TINY
+
+    assert main(["qualify", "--model", str(TINY), "--quick", "--moe-setting", "gate_up_split=4"]) != 0
+    assert "needs the MoE's Triton kernels; --kernels gives torch" in capsys.readouterr().err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for bad, why in (("gate_up_splitz=4", "unknown field gate_up_splitz"), ("gate_up_split", "FIELD=VALUE")):
+        assert main(["qualify", "--model", str(TINY), "--quick", "--kernels", "triton", "--moe-setting", bad]) != 0
+        assert why in capsys.readouterr().err
+    settings = (("gate_up_split", 4), ("gate_up_scale", "product"))
+    plan, _ = make_plan(str(TINY), quick=True, kernels=KernelPlan(moe=True), moe_settings=settings)
+    assert plan.base.moe_settings == settings and plan.base.kernels.moe
