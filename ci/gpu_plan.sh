@@ -9,7 +9,8 @@
 #             engine's passed in 282 s on a fresh H100 at fd92958 (17/17 controls); 500 s, leaving the rest of the
 #             call's 600 s to pack the compiled kernels
 #   split     Gate/Up's K steps: bench tune of its splits and scale form at 9 experts, then the round paired three ways
-#             (triton, triton+routed_prefetch, triton@gate_up_split=4: EngineOptions.moe_settings), one call
+#             (triton, triton+routed_prefetch, triton@gate_up_split=4: EngineOptions.moe_settings), one call; ran in
+#             parts at fd92958 on an H100 (docs/PERF.md, current state): run again only after a change to Gate/Up
 #   tune      bench tune: the MoE (Gate/Up's depth, Down's prefetch) at 9 and 38 experts, the q/k/v fold's splits and
 #             the router fold's o-projection first, then the prefetch branch, the head, the top-k, the linears
 #   tests     the @pytest.mark.gpu suite but the MPS module (over 4 min with 6 workers)

@@ -51,7 +51,7 @@ class EngineOptions:
     # the select slower than the Gate/Up it feeds gained (docs/PERF.md, "The routed prefetch, measured")
     routed_prefetch: bool = False
     # the MoE's Down ending in the combine and the sandwich tail, one launch (kernels/moe.py `down_add_norm`; the same
-    # bits); off, as Down then the combine inside the tail measured faster (docs/PERF.md, "The Down tail, re-paired")
+    # bits); off, as Down then the combine inside the tail measured faster (docs/PERF.md, current state)
     down_tail: bool = False
     # (field, value) pairs replacing kernels/moe.py MoESettings defaults, the product's: a bench variant's
     # (`triton@gate_up_split=4`); two are numerical forms, qualified before any becomes a default
