@@ -6,8 +6,8 @@
 # STAGE (in the order to run them: docs/PERF.md, "Open directions", first item):
 #   first     qualification at TP 1 of the Gate/Up split in 4 (--moe-setting gate_up_split=4: 0.8315x the round, paired,
 #             on an H100 at fd92958; a numerical change, the default once this passes), a call of its own: the default
-#             engine's passed in 282 s on a fresh H100 at fd92958 (17/17 controls); 500 s, leaving the rest of the
-#             call's 600 s to pack the compiled kernels
+#             engine's passed in 282 s on a fresh H100 at fd92958 (17/17 controls); 440 s, then the LM head's
+#             same-bits tiles timed (70 s), leaving the rest of the call's 600 s to pack the compiled kernels
 #   split     Gate/Up's K steps: bench tune of its splits and scale form at 9 experts, then the round paired three ways
 #             (triton, triton+routed_prefetch, triton@gate_up_split=4: EngineOptions.moe_settings), one call; ran in
 #             parts at fd92958 on an H100 (docs/PERF.md, current state): run again only after a change to Gate/Up
@@ -66,9 +66,14 @@ case "${1:-}" in
     done ;;
   first)
     name=qualify-mini-cuda-bf16-split4-$sha
-    timeout 500 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 \
+    timeout 440 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 \
       --moe-setting gate_up_split=4 --jobs 14 --json > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
-    tail -2 "$out/$name.log" ;;
+    tail -2 "$out/$name.log"
+    # the LM head's same-bits tiles together (each alone ~0.83x at fd92958), in what the call has left
+    timeout 70 bash "$here/gpu.sh" bench tune --ops lm_head --budget 45 \
+      --only "block_v=8,rows_warps=4,block_v=8+rows_warps=4,block_v=4,block_v=4+rows_warps=4" \
+      --out "$out/tune-lm-head-same-bits-$sha.json" > "$out/tune-lm-head-same-bits-$sha.log" 2>&1 || echo "tune: exit $?" >&2
+    tail -7 "$out/tune-lm-head-same-bits-$sha.log" ;;
   split)
     only=gate_up_split=2,gate_up_split=4,gate_up_split=8,gate_up_split=4+gate_up_scale=product
     timeout 200 bash "$here/gpu.sh" bench tune --ops moe --distinct 9 --only "$only,gate_up_scale=product,gate_up_stages=6" \
