@@ -1,17 +1,22 @@
 """ci/triton_cache.py: compiled kernels packed into the files the device tool brings back, and unpacked on the next
 machine; the intermediate IR left behind, and nothing written when the parts would not all come back."""
 
+import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args) -> str:
-    return subprocess.run([sys.executable, str(ROOT / "ci" / "triton_cache.py"), *map(str, args)], check=True,
-                          capture_output=True, text=True).stdout
+@pytest.fixture
+def carry(monkeypatch):
+    spec = importlib.util.spec_from_file_location("triton_cache", ROOT / "ci" / "triton_cache.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "PART_BYTES", 64 << 10)  # parts of 64 KB: the tool's 16 MiB, scaled down
+    return module
 
 
 def _cache(tmp_path: Path, cubin_bytes: int) -> Path:
@@ -27,30 +32,43 @@ def _cache(tmp_path: Path, cubin_bytes: int) -> Path:
     return cache
 
 
-def test_a_cache_travels_in_parts_without_its_ir(tmp_path):
-    cache, out = _cache(tmp_path, 20 << 20), tmp_path / "out"
+def test_a_cache_travels_in_parts_without_its_ir(tmp_path, carry, capsys):
+    cache, out = _cache(tmp_path, 100 << 10), tmp_path / "out"
     out.mkdir()
     (out / "qualify.log").write_text("a stage's own file")
-    assert "in 2 files" in _run("pack", cache, out)
-    parts = sorted(p.name for p in out.iterdir() if p.name.startswith("triton-cache-part-"))
-    assert parts == ["triton-cache-part-00", "triton-cache-part-01"]
-    assert all((out / p).stat().st_size <= 16 << 20 for p in parts)
+    carry.pack(cache, out)
+    assert "in 2 files" in capsys.readouterr().out
+    parts = sorted(p.name for p in out.iterdir() if p.name.startswith(carry.PREFIX))
+    assert parts == [carry.PREFIX + "00", carry.PREFIX + "01"]
+    assert all((out / p).stat().st_size <= carry.PART_BYTES for p in parts)
     again = tmp_path / "again"
-    assert "4 files carried in" in _run("unpack", out, again)
+    carry.unpack(out, again)
+    assert "4 files carried in" in capsys.readouterr().out
     got = sorted(str(p.relative_to(again)) for p in again.rglob("*") if p.is_file())
     assert got == ["ab12/__grp__k.json", "ab12/k.cubin", "ab12/k.json", "cd34/launcher.so"]
     assert (again / "ab12" / "k.cubin").read_bytes() == (cache / "ab12" / "k.cubin").read_bytes()
 
 
-def test_no_parts_when_they_would_not_all_come_back(tmp_path):
-    cache, out = _cache(tmp_path, 20 << 20), tmp_path / "out"
+def test_no_parts_when_they_would_not_all_come_back(tmp_path, carry, capsys):
+    cache, out = _cache(tmp_path, 100 << 10), tmp_path / "out"
     out.mkdir()
     for i in range(7):  # the tool brings back eight files: one left, two needed
         (out / f"log{i}").write_text("x")
-    assert "not packed" in _run("pack", cache, out)
-    assert not any(p.name.startswith("triton-cache-part-") for p in out.iterdir())
+    carry.pack(cache, out)
+    assert "not packed" in capsys.readouterr().out
+    assert not any(p.name.startswith(carry.PREFIX) for p in out.iterdir())
 
 
-def test_nothing_carried_is_a_cold_start(tmp_path):
-    assert "compiling cold" in _run("unpack", tmp_path / "none", tmp_path / "cache")
+def test_nothing_carried_is_a_cold_start(tmp_path, carry, capsys):
+    carry.unpack(tmp_path / "none", tmp_path / "cache")
+    assert "compiling cold" in capsys.readouterr().out
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_script_runs_as_ci_calls_it(tmp_path):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, str(ROOT / "ci" / "triton_cache.py"), "unpack", str(tmp_path / "none"),
+                          str(tmp_path / "cache")], capture_output=True, text=True, check=True)
+    assert "compiling cold" in run.stdout
