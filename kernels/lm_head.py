@@ -15,7 +15,7 @@ Two forms (`LMHeadSettings.form`), the same products summed in different orders:
   into registers, and each of the block's rows (padded to a power of two, R a compile-time constant: a draft's single
   row is one product an element) adds its products into its own lanes of an fp32 accumulator [rows, BLOCK_V,
   BLOCK_K] with FMAs; the lanes are summed once at the end. No shared-memory staging and no padding of the rows to 16:
-  the loop is the head's 245 MB stream and about 2.4 instructions a product (`iquest bench sass`).
+  the loop is the head's stream (123 MB bf16 at TP8): 70 registers, no spill at 6 rows (`iquest bench sass`).
 - "dot": the same grid; the tile's products by tl.dot with input_precision="ieee", the rows padded to BLOCK_R = 16
   (tl.dot's smallest M). On sm_90a an fp32 IEEE dot is FMAs on operands staged through shared memory: the form the
   benchmark of record measured at 552 us a call, 9.6x the head's bytes (docs/PERF.md).
@@ -54,14 +54,14 @@ class LMHeadSettings:
     # FMA lowering ran at 9.6x the head's bytes (docs/PERF.md, benchmark of record at f833c86); rows: to be measured
     form: str = "rows"
     # None: "rows" takes ROWS_BLOCK_V; "dot" `choose_block_v`, the largest V tile that still gives programs_per_sm
-    # programs an SM, so the last partial wave of the 245 MB stream is short (docs/PERF.md, "The LM head, Philox and
+    # programs an SM, so the last partial wave of the head's stream is short (docs/PERF.md, "The LM head, Philox and
     # the router as kernels").
     block_v: int | None = None
     programs_per_sm: int = 4
     block_k: int = 128     # "dot"
     num_warps: int = 4     # "dot"
     num_stages: int = 4    # "dot"
-    # "rows": [16 x 64] fp32 tiles over 8 warps hold the accumulator of 8 rows in 64 registers a thread, four programs
+    # "rows": [16 x 64] tiles over 8 warps hold the fp32 accumulator of 8 rows in 64 registers a thread, four programs
     # an SM with two tiles each in flight (`iquest bench sass`: no spill, 78 instructions a step at 6 rows); to be
     # measured (`iquest bench tune --ops lm_head`)
     rows_block_k: int = 64
