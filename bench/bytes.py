@@ -14,8 +14,8 @@ A round at context `c` with fixed depth `k` is
 Activations, sampling state and writes are not counted (each is under 1 MB per round at full size).
 Distinct experts come from the run's routing (`RoundRouting`); without it, the upper bounds min(E, rows * top-k)
 are used. Weights are counted as the engine holds them (fast/memory.rank_tensor_bytes: E4M3 + fp32 scales where the
-linears run as FP8, bf16 otherwise, the heads too; the routers fp32), not as the torch forms read them (they dequantize to
-compute-dtype copies), so the floor is what kernels reading the held weights once would need.
+linears run as FP8, bf16 otherwise, the heads too; the routers fp32), not as the torch forms read them (they
+dequantize to compute-dtype copies), so the floor is what kernels reading the held weights once would need.
 """
 
 from __future__ import annotations

@@ -342,8 +342,8 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
             norm_warps, 1, f"peer all-reduce over {TP} ranks ending in the sandwich tail"
             + (f", combining {k} slots as it pushes" if combine else ""), NO_FMA)
 
-    # ---- the LM head: bf16 [20000 x 3072] a rank (held as stored, widened in registers), "rows" (the default) at the verification block's rows and a
-    # draft's one, and "dot" at the V tile choose_block_v takes on 132 SMs
+    # ---- the LM head: bf16 [20000 x 3072] a rank (held as stored, widened in registers), "rows" (the default) at the
+    # verification block's rows and a draft's one, and "dot" at the V tile choose_block_v takes on 132 SMs
     ls = lh.LMHeadSettings()
     head = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*fp32")
     for name, rows in (("lm_head", R), ("lm_head_draft", 1)):

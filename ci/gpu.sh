@@ -18,8 +18,10 @@ case "${1:-tests}" in
   tests) shift || true; python3 -m pytest -q -m gpu -p no:cacheprovider -s "${@:-tests}" 2>&1 | tee "$out/gpu-tests.log" ;;
   # results name their commit (provenance.py): the copy's own git, where one travels, is the session's first commit,
   # not the snapshot's (seen at fd92958), so the commit is asked for
-  bench) shift; : "${IQUEST_COMMIT:?set IQUEST_COMMIT to the commit under test}"; python3 -m iquest.cli.main bench "$@" ;;
-  iquest) shift; : "${IQUEST_COMMIT:?set IQUEST_COMMIT to the commit under test}"; python3 -m iquest.cli.main "$@" ;;
+  bench) shift; : "${IQUEST_COMMIT:?set IQUEST_COMMIT to the commit under test}"
+    python3 -m iquest.cli.main bench "$@" ;;
+  iquest) shift; : "${IQUEST_COMMIT:?set IQUEST_COMMIT to the commit under test}"
+    python3 -m iquest.cli.main "$@" ;;
   mps) shift
     control=$(command -v nvidia-cuda-mps-control || echo /usr/local/nvidia/bin/nvidia-cuda-mps-control)
     mps=$(mktemp -d /tmp/iquest-mps-XXXX)

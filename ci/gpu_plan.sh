@@ -67,12 +67,14 @@ case "${1:-}" in
   first)
     name=qualify-mini-cuda-bf16-split4-$sha
     timeout 440 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 \
-      --moe-setting gate_up_split=4 --jobs 14 --json > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
+      --moe-setting gate_up_split=4 --jobs 14 --json > "$out/$name.json" 2> "$out/$name.log" \
+      || echo "$name: exit $?" >&2
     tail -2 "$out/$name.log"
     # the LM head's same-bits tiles together (each alone ~0.83x at fd92958), in what the call has left
     timeout 70 bash "$here/gpu.sh" bench tune --ops lm_head --budget 45 \
       --only "block_v=8,rows_warps=4,block_v=8+rows_warps=4,block_v=4,block_v=4+rows_warps=4" \
-      --out "$out/tune-lm-head-same-bits-$sha.json" > "$out/tune-lm-head-same-bits-$sha.log" 2>&1 || echo "tune: exit $?" >&2
+      --out "$out/tune-lm-head-same-bits-$sha.json" > "$out/tune-lm-head-same-bits-$sha.log" 2>&1 \
+      || echo "tune: exit $?" >&2
     tail -7 "$out/tune-lm-head-same-bits-$sha.log" ;;
   split)
     only=gate_up_split=2,gate_up_split=4,gate_up_split=8,gate_up_split=4+gate_up_scale=product

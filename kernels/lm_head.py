@@ -182,8 +182,8 @@ def lm_head(hidden: torch.Tensor, head: torch.Tensor, *, settings: LMHeadSetting
             out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Logits [R, V] fp32 = TorchOps.lm_head(hidden, head) = hidden.float() @ head.float().T to rounding
     (`device.logit_tolerance`), for hidden [R, H] bf16 (fp16 / fp32 taken too), R in 1..MAX_ROWS, and head [V, H]
-    bf16 or fp32, both with unit stride along H. `out`: [R, V] fp32 with unit stride along V (rows may be strided). `pdl`: as
-    kernels/launch.py's. ValueError for what it does not take."""
+    bf16 or fp32, both with unit stride along H. `out`: [R, V] fp32 with unit stride along V (rows may be strided).
+    `pdl`: as kernels/launch.py's. ValueError for what it does not take."""
     _check(isinstance(hidden, torch.Tensor) and isinstance(head, torch.Tensor), "hidden and head must be tensors")
     _check(hidden.dim() == 2 and head.dim() == 2,
            f"hidden {tuple(hidden.shape)} and head {tuple(head.shape)} must be 2-D")
