@@ -11,8 +11,8 @@
 #   split     Gate/Up's K steps: bench tune of its splits and scale form at 9 experts, then the round paired three ways
 #             (triton, triton+routed_prefetch, triton@gate_up_split=4: EngineOptions.moe_settings), one call; ran in
 #             parts at fd92958 on an H100 (docs/PERF.md, current state): run again only after a change to Gate/Up
-#   tune      bench tune: the MoE (Gate/Up's depth, Down's prefetch) at 9 and 38 experts, the q/k/v fold's splits and
-#             the router fold's o-projection first, then the prefetch branch, the head, the top-k, the linears
+#   tune      bench tune: the q/k/v fold's splits, the linears, the attention, the router fold's o-projection first,
+#             then the MoE at 38 experts with the split, then the prefetch branch, the router, the tails, the top-k
 #   tests     the @pytest.mark.gpu suite but the MPS module (over 4 min with 6 workers)
 #   mps       the MPS module (fused tails at 2 and 8 ranks, the TP engines at 2, 4 and 8, the captured loop)
 #   qualify2  qualification, bf16, TP 2 on one GPU under MPS
@@ -84,17 +84,17 @@ case "${1:-}" in
     timeout 350 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
       --kernels triton,triton+routed_prefetch,triton@gate_up_split=4 --out "$out/step-split-ctx1k-d5-$sha.json" 2>&1 \
       | tee "$out/step-split-ctx1k-d5-$sha.log" | tail -40 || echo "step: exit $?" >&2 ;;
-  tune)  # the q/k/v fold's splits and the router fold's o-projection chunk (12 candidates), then the MoE at the
-    # prefilled routing (8.9 experts; its list opens with Gate/Up's splits, scale form and depth); then the MoE at 38
-    # experts and the rest; one budget a part, spent in that order, so that one call returns what it reached
-    gpu bench tune --ops qkv_rope_kv,o_proj_router,moe --distinct 9 --budget 260 \
-      --out "$out/tune-h200-moe9-qkv-opr-$sha.json" 2>&1 | tee "$out/tune-h200-moe9-qkv-opr-$sha.log" | tail -40
-    only=gate_up_split=4,gate_up_split=8,gate_up_scale=product,gate_up_split=4+gate_up_scale=product
-    only=$only,gate_up_stages=6,gate_up_block_n=16,warps=8,down_prefetch=False
+  tune)  # the q/k/v fold's splits (10.5 us a call at fd92958 for ~1 us of bytes), the linears (6.2 us), the attention's
+    # split and combine, the router fold's o-projection chunk; then the MoE at 38 experts with the split; then the
+    # rest; one budget a part, spent in that order, so that one call returns what it reached. The MoE at 9 experts and
+    # the head's tiles ran at fd92958 (split, first)
+    gpu bench tune --ops qkv_rope_kv,linear_o,linear_qkv,attention_sliding,attention_full,o_proj_router --budget 260 \
+      --out "$out/tune-qkv-linears-attention-$sha.json" 2>&1 | tee "$out/tune-qkv-linears-attention-$sha.log" | tail -50
+    only=gate_up_split=4,gate_up_split=8,gate_up_split=4+gate_up_scale=product,gate_up_stages=6,down_prefetch=False
     gpu bench tune --ops moe --distinct 38 --only "$only" \
-      --budget 110 --out "$out/tune-h200-moe38-$sha.json" 2>&1 | tee "$out/tune-h200-moe38-$sha.log" | tail -12
-    gpu bench tune --ops expert_prefetch,lm_head,topk,linear_qkv,linear_o --budget 150 \
-      --out "$out/tune-h200-$sha.json" 2>&1 | tee "$out/tune-h200-$sha.log" | tail -40 ;;
+      --budget 110 --out "$out/tune-moe38-$sha.json" 2>&1 | tee "$out/tune-moe38-$sha.log" | tail -8
+    gpu bench tune --ops expert_prefetch,router,add_norm,topk --budget 150 \
+      --out "$out/tune-rest-$sha.json" 2>&1 | tee "$out/tune-rest-$sha.log" | tail -40 ;;
   trace)
     gpu bench graph-trace --kernels triton,triton+router_fold,triton+down_tail,triton^moe_combine,triton^qkv_rope \
       --out "$out/graph-trace-$sha.json" 2>&1 | tee "$out/graph-trace-$sha.log" ;;
