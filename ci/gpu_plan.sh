@@ -30,7 +30,8 @@ gpu() { bash "$here/gpu.sh" "$@"; }
 # Compiled kernels travel between calls (ci/triton_cache.py): carried in from .triton-cache/ beside ci/, brought back
 # from every stage (copy the returned triton-cache-part-* files into that folder before the next snapshot).
 export TRITON_CACHE_DIR=/tmp/iquest-triton-cache
-python3 "$here/triton_cache.py" unpack "$here/../.triton-cache" "$TRITON_CACHE_DIR" || echo "triton cache: not unpacked" >&2
+python3 "$here/triton_cache.py" unpack "$here/../.triton-cache" "$TRITON_CACHE_DIR" \
+  || echo "triton cache: not unpacked" >&2
 trap 'python3 "$here/triton_cache.py" pack "$TRITON_CACHE_DIR" "$out" || echo "triton cache: not packed" >&2' EXIT
 case "${1:-}" in
   tests)  # 250 s ran ~150 of the suite's tests at 72c654b: the suite gets a call of its own

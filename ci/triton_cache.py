@@ -1,4 +1,5 @@
-"""Carry Triton's compiled kernels from one lent GPU machine to the next (docs/PERF.md, "Open directions", the cold compile).
+"""Carry Triton's compiled kernels from one lent GPU machine to the next (docs/PERF.md, "Open directions", the cold
+compile).
 
 A fresh machine compiles every kernel again: at 01a23a9 qualification's first 7 steps took 172 s of a 260 s limit doing
 so. The compiled kernels of an sm_90 machine serve every sm_90 machine with the same Triton, so a stage packs its cache

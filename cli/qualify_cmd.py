@@ -128,22 +128,11 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report["passed"] else 1
 
 
+
 def _moe_settings(texts: list[str], kernels) -> tuple[tuple[str, int | str | bool], ...]:
-    """--moe-setting's pairs, checked before any worker starts: known MoESettings fields, on a plan with the MoE's
-    kernels."""
-    if not texts:
-        return ()
-    from ..fast.rank import moe_setting
+    """--moe-setting's pairs, checked as the engine checks them (fast/rank.moe_settings_of) before any worker starts."""
+    from ..fast.rank import moe_setting, moe_settings_of
 
     pairs = tuple(moe_setting(t) for t in texts)
-    if not kernels.moe:
-        raise ValueError(f"--moe-setting needs the MoE's Triton kernels; --kernels gives {kernels.name}")
-    from dataclasses import fields
-
-    from ..kernels.moe import MoESettings
-
-    known = {f.name for f in fields(MoESettings)}
-    unknown = sorted({field for field, _ in pairs} - known)
-    if unknown:
-        raise ValueError(f"--moe-setting: unknown field {', '.join(unknown)}; MoESettings has {', '.join(sorted(known))}")
+    moe_settings_of(kernels, pairs)
     return pairs

@@ -3,9 +3,9 @@ engine, built from the device by default.
 
 The groups (`GROUPS`): the FP8 linears (plain projections), attention (q/k norm + partial RoPE + KV write in one
 launch; split-KV attention with the sink key), the norms (RMSNorm and the sandwich tails), the router and the routed
-experts, the LM heads (fp32 products), the vocabulary-parallel sampling (top-k, distributions, draws, the accept step, Philox) and
-the glue (embedding lookup, settle step). A group left off a plan runs its torch form, and the run's summary names
-it. Where a shape does not fit a kernel that call runs the torch form and is counted.
+experts, the LM heads (fp32 products), the vocabulary-parallel sampling (top-k, distributions, draws, the accept step,
+Philox) and the glue (embedding lookup, settle step). A group left off a plan runs its torch form, and the run's
+summary names it. Where a shape does not fit a kernel that call runs the torch form and is counted.
 """
 
 from __future__ import annotations

@@ -90,20 +90,28 @@ def moe_setting(text: str) -> tuple[str, int | str | bool]:
     return field, {"True": True, "False": False}.get(value, value)
 
 
-def make_ops(plan: KernelPlan, options: EngineOptions) -> TorchOps:
-    """The torch forms, or the Triton dispatcher for a plan with kernels (imported only then: it imports triton)."""
-    if options.moe_settings and not plan.moe:
-        raise ValueError(f"MoE settings {dict(options.moe_settings)} need the MoE kernels: the plan runs its torch "
-                         "form")
+def moe_settings_of(plan: KernelPlan, pairs: tuple[tuple[str, int | str | bool], ...]):
+    """kernels/moe.py MoESettings with `pairs` (EngineOptions.moe_settings) replacing its defaults, or None for a plan
+    without kernels; ValueError for settings on a plan without the MoE's kernels, or an unknown field."""
+    if pairs and not plan.moe:
+        raise ValueError(f"MoE settings {dict(pairs)} need the MoE kernels: the plan runs its torch form")
     if not plan.uses_triton:
-        return TorchOps(options.router_fold, options.expert_prefetch)
-    from ..kernels.moe import MoESettings
-    from .triton_ops import TritonOps
+        return None
+    from ..kernels.moe import MoESettings  # imports triton
 
     try:
-        settings = MoESettings(**dict(options.moe_settings))
+        return MoESettings(**dict(pairs))
     except TypeError as e:  # an unknown field
-        raise ValueError(f"MoE settings {dict(options.moe_settings)}: {e}") from None
+        raise ValueError(f"MoE settings {dict(pairs)}: {e}") from None
+
+
+def make_ops(plan: KernelPlan, options: EngineOptions) -> TorchOps:
+    """The torch forms, or the Triton dispatcher for a plan with kernels (imported only then: it imports triton)."""
+    settings = moe_settings_of(plan, options.moe_settings)
+    if settings is None:
+        return TorchOps(options.router_fold, options.expert_prefetch)
+    from .triton_ops import TritonOps
+
     return TritonOps(plan, options.router_fold, options.expert_prefetch, settings, options.routed_prefetch,
                      options.down_tail)
 

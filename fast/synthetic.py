@@ -3,8 +3,8 @@
 Shapes come from the checkpoint layout (`tensor_specs` + `shard_range`) and follow fast/weights.WeightLoader
 exactly, so a synthetic rank slice has the tensors, shapes, dtypes, scale grids and scale-block offsets that
 `load_weights` gives for that rank and weight format: the dense MLP of `mlp_only_layers`, the MoE layers' fp32
-router and expert stacks, the draft with its own embedding and bf16 LM head (as stored), and FP8 slices that start inside a
-scale block (the published experts' 192-row shards of 128-row blocks at TP 8). Tensors are made layer by layer,
+router and expert stacks, the draft with its own embedding and bf16 LM head (as stored), and FP8 slices that start
+inside a scale block (the published experts' 192-row shards of 128-row blocks at TP 8). Tensors are made layer by layer,
 and expert stacks in chunks, so the peak is the weights' own size plus one small fp32 chunk.
 
 Values keep activations O(1): an FP8 weight is E4M3 (about N(0, 64^2), clipped at 448) times a block scale of
@@ -141,7 +141,8 @@ def synthetic_weights(config: Config, tp: int, rank: int, device: torch.device |
         if progress:
             progress(i + 1, total)
     d = "mtp/"
-    draft = DraftWeights(embed=mk.rows(d + "embed_tokens.weight"), lm_head=mk.rows(d + "lm_head.weight", torch.bfloat16),
+    draft = DraftWeights(embed=mk.rows(d + "embed_tokens.weight"),
+                         lm_head=mk.rows(d + "lm_head.weight", torch.bfloat16),
                          enorm=mk.norm(d + "mtp.enorm.weight"), hnorm=mk.norm(d + "mtp.hnorm.weight"),
                          eh_proj=mk.linear(d + "mtp.eh_proj.weight"), block=mk.layer(config.mtp, 0, draft_prefix()),
                          final_layernorm=mk.norm(d + "mtp.final_layernorm.weight"))

@@ -371,7 +371,8 @@ def false_alarms(model_dir: str, seeds: int, out_path: str | None = None, first_
     nearest = max((r["closest"] for r in runs if r["closest"]), key=lambda c: c[4], default=None)
     lossless_alarms = sum(any(f[0] == "lossless" for f in r["failing"]) for r in runs)
     report = {"schema": "iquest-qualify-false-alarm/1", "model": model_dir, "commit": commit(), "dtype": dtype,
-              "device": device, "weights": weights, "tp": tp, "router_fold": router_fold, "moe_settings": dict(moe_settings),
+              "device": device, "weights": weights, "tp": tp, "router_fold": router_fold,
+              "moe_settings": dict(moe_settings),
               "mode": "quick, healthy engine only (no controls)",
               "seeds": [first_seed, first_seed + seeds - 1], "runs": runs, "false_alarms": alarms,
               "closest_bound": nearest,

@@ -111,27 +111,28 @@ def group_block(*groups: str, device: str = "cpu", moe_settings: tuple = ()) -> 
     (o0, c0, _, _), (o1, c1, calls, fallbacks) = out["torch"], out[with_kernels.name]
     rel = lambda a, b: float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
     live = [None, None, 6, 6, 6, 6]  # the verification and draft blocks' padding rows are no one's output
+
+    def identical(other: RankEngine) -> bool:
+        """Whether another engine's three blocks give the kernels' run's outputs and caches bit for bit."""
+        _forget_capture(other)
+        got = [t for block in two_blocks(other, device) for t in block]
+        caches = [_real_slots(kv) for kv in other.cache.layers]
+        return (all(torch.equal(x, y) for x, y in zip(o1, got))
+                and all(torch.equal(x, y) for l0, l1 in zip(c1, caches) for x, y in zip(l0, l1)))
+
     unfolds = {}
     for fold in (f for f, (g, _) in FOLDS.items() if g == groups):
         control = engine(with_kernels, device)
-        _forget_capture(control)
         unfold(control.model.ops, {fold})
-        got = [t for block in two_blocks(control, device) for t in block]
-        caches = [_real_slots(kv) for kv in control.cache.layers]
         path = FOLDS[fold][1]
-        unfolds[fold] = {"identical": all(torch.equal(x, y) for x, y in zip(o1, got))
-                         and all(torch.equal(x, y) for l0, l1 in zip(c1, caches) for x, y in zip(l0, l1)),
-                         "folded": calls.get(path, 0), "control": control.model.ops.calls[path],
+        unfolds[fold] = {"identical": identical(control), "folded": calls.get(path, 0),
+                         "control": control.model.ops.calls[path],
                          "unfolded": control.model.ops.unfolded_calls.get(fold, 0)}
     options = {}
     for fold in (f for f, (g, *_) in OPTION_FOLDS.items() if g == groups):
         folded = engine(with_kernels, device, **{fold: True})
-        _forget_capture(folded)
-        got = [t for block in two_blocks(folded, device) for t in block]
-        caches = [_real_slots(kv) for kv in folded.cache.layers]
         default_path, option_path = OPTION_FOLDS[fold][1:]
-        options[fold] = {"identical": all(torch.equal(x, y) for x, y in zip(o1, got))
-                         and all(torch.equal(x, y) for l0, l1 in zip(c1, caches) for x, y in zip(l0, l1)),
+        options[fold] = {"identical": identical(folded),
                          "default": [calls.get(default_path, 0), calls.get(option_path, 0)],
                          "option": [folded.model.ops.calls[default_path], folded.model.ops.calls[option_path]]}
     locks = getattr(engines[with_kernels.name].model.ops, "_gate_up_locks", None)
