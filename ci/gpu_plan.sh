@@ -15,7 +15,7 @@
 #             then the MoE at 38 experts with the split, then the prefetch branch, the router, the tails, the top-k
 #   tests     the @pytest.mark.gpu suite but the MPS module (over 4 min with 6 workers)
 #   mps       the MPS module (fused tails at 2 and 8 ranks, the TP engines at 2, 4 and 8, the captured loop)
-#   qualify2  qualification, bf16, TP 2 on one GPU under MPS
+#   qualify2  qualification, bf16, TP 2 on one GPU under MPS (further arguments: qualify's, e.g. --moe-setting ...)
 #   step      the benchmark of record (triton, +routed_prefetch and ~route:38 in one process, ~5 min);
 #             step2 the folds' controls (+down_tail, ^qkv_rope) against triton
 #   trace     bench graph-trace: kernels a decoder layer, with and without each fold
@@ -49,10 +49,11 @@ case "${1:-}" in
         > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
       tail -2 "$out/$name.log"
     done ;;
-  qualify2)
-    gpu mps iquest qualify --tp 2 --device cuda --share-gpu --dtype bf16 --jobs 12 --json \
-      > "$out/qualify-mini-cuda-bf16-tp2-$sha.json" 2> "$out/qualify-mini-cuda-bf16-tp2-$sha.log" || true
-    tail -2 "$out/qualify-mini-cuda-bf16-tp2-$sha.log" ;;
+  qualify2)  # any further arguments go to qualify (--moe-setting gate_up_split=4), and name the files
+    shift; extra="$*"; name=qualify-mini-cuda-bf16-tp2${extra:+-${extra//[^a-z0-9]/}}-$sha
+    timeout 560 bash "$here/gpu.sh" mps iquest qualify --tp 2 --device cuda --share-gpu --dtype bf16 --jobs 12 --json \
+      "$@" > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
+    tail -2 "$out/$name.log" ;;
   step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
     kernels=triton,triton+routed_prefetch,triton~route:38
     [ "$1" = step2 ] && kernels=triton,triton+down_tail,triton^qkv_rope
