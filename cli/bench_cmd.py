@@ -72,7 +72,7 @@ def register(sub) -> None:
                         "is the noise a difference must clear. The speedup line compares the first variant's graph "
                         "round with torch's eager round, so include torch to get it")
     s.set_defaults(run=run)
-    c = bsub.add_parser("context", help="the round across context lengths 1K-192K against the added-KV floor",
+    c = bsub.add_parser("context", help="the round across context lengths 1K-512K against the added-KV floor",
                         description="One TP rank's slice of --config at full dimensions (as bench step --config), "
                                     "the same five-draft round at each --contexts length with synthetic history: the "
                                     "median captured round at each, its growth from the first length against the "
