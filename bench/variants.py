@@ -1,8 +1,9 @@
 """The engine variants a benchmark compares side by side: `torch` or `triton` (the kernel plans of fast/plan.py), each
 optionally with a product option that changes numerics turned on (`triton+router_fold`: EngineOptions), with ops
 removed from the round for timing (`triton~moe`, `triton~route:38`: lab/ablation.py), with folds undone, as the
-control of a fold (`triton^moe_combine`: lab/unfold.py), and with other MoE kernel settings (`triton@gate_up_split=4`:
-kernels/moe.py MoESettings, EngineOptions.moe_settings), so a tuned setting is timed in the whole round."""
+control of a fold (`triton^moe_combine`: lab/unfold.py), and with other kernel launch settings
+(`triton@moe.gate_up_split=1@linear.num_stages=2`: fast/kernel_settings.py, EngineOptions.kernel_settings), so a tuned
+setting is timed in the whole round."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 from dataclasses import replace
 from typing import NamedTuple
 
-from ..fast.rank import EngineOptions, RankEngine, moe_setting
+from ..fast.rank import EngineOptions, RankEngine, kernel_setting
 from ..lab.ablation import ablate, check_reached
 from ..lab.unfold import check_unfolded, unfold
 
@@ -25,24 +26,24 @@ class Variant(NamedTuple):
     ablated: frozenset[str]
     unfolded: frozenset[str]
     options: frozenset[str] = frozenset()
-    moe_settings: tuple[tuple[str, int | str | bool], ...] = ()
+    kernel_settings: tuple[tuple[str, str, int | str | bool], ...] = ()
 
 
-def _setting(name: str, part: str) -> tuple[str, int | str | bool]:
+def _setting(name: str, part: str) -> tuple[str, str, int | str | bool]:
     try:
-        return moe_setting(part)
+        return kernel_setting(part)
     except ValueError:
-        raise ValueError(f"variant {name!r}: a MoE setting is @FIELD=VALUE, got @{part}") from None
+        raise ValueError(f"variant {name!r}: a kernel setting is @OP.FIELD=VALUE, got @{part}") from None
 
 
 def split(name: str) -> Variant:
-    """The parts of a variant name such as "triton+router_fold^moe_combine~route:38@gate_up_split=4": kernels, then
-    +options, ~ablations, ^unfolds and @MoE settings in any order. Trailing primes name an A' arm: "triton'" is
+    """The parts of a variant name such as "triton+router_fold^moe_combine~route:38@moe.gate_up_split=1": kernels, then
+    +options, ~ablations, ^unfolds and @kernel settings in any order. Trailing primes name an A' arm: "triton'" is
     "triton" again, an engine of its own built alike, whose spread against the first is the benchmark's noise floor."""
     kernels, *parts = re.split(r"(?=[~^+@])", name.rstrip("'"))
     if kernels not in ("torch", "triton") or any(len(p) < 2 for p in parts):
         raise ValueError(f"variant {name!r}: kernels must be torch or triton (then +options, ~op ablations, ^fold "
-                         f"unfolds and @MoE settings), got {kernels!r}")
+                         f"unfolds and @kernel settings), got {kernels!r}")
     chosen = frozenset(p[1:] for p in parts if p[0] == "+")
     if chosen - OPTIONS:
         raise ValueError(f"variant {name!r}: unknown option {sorted(chosen - OPTIONS)}: choose from "
@@ -54,7 +55,7 @@ def split(name: str) -> Variant:
 
 def options(name: str, base: EngineOptions) -> EngineOptions:
     v = split(name)
-    return replace(base, kernels=v.kernels, moe_settings=v.moe_settings, **dict.fromkeys(v.options, True))
+    return replace(base, kernels=v.kernels, kernel_settings=v.kernel_settings, **dict.fromkeys(v.options, True))
 
 
 def prepare(engine: RankEngine, name: str) -> RankEngine:

@@ -29,10 +29,10 @@ def register(sub) -> None:
     add_kernels(p, what="the candidate's kernels")
     add_weights(p)
     add_router_fold(p)
-    p.add_argument("--moe-setting", action="append", default=[], metavar="FIELD=VALUE",
-                   help="the candidate's MoE kernels with this kernels/moe.py MoESettings field set (repeatable; e.g. "
-                        "gate_up_split=4, gate_up_scale=product: numerical forms, qualified so before either becomes "
-                        "a default; needs the Triton kernels)")
+    p.add_argument("--kernel-setting", action="append", default=[], metavar="OP.FIELD=VALUE",
+                   help="the candidate's kernels with this launch setting (fast/kernel_settings.py; ops: moe, linear, "
+                        "qkv_rope_kv, lm_head; repeatable; e.g. moe.gate_up_scale=product, a numerical form, "
+                        "qualified so before it becomes a default; needs the Triton kernels)")
     p.add_argument("--share-gpu", action="store_true",
                    help="with --tp N --device cuda: every rank on GPU 0 (testing tensor parallelism on one GPU; run "
                         "under an MPS daemon so the ranks' kernels run side by side: bash ci/gpu.sh mps ...)")
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
     device = engine_target(args.device, args.kernels)
     kernels = KernelPlan.choose(args.kernels, device)
-    moe_settings = _moe_settings(args.moe_setting, kernels)
+    kernel_settings = _kernel_settings(args.kernel_setting, kernels)
     jobs = _jobs(args.jobs)
     model_dir = model_folder(args.model)
     check_weights(args.weights, model_dir, device)
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         out = args.out or str(Path(__file__).resolve().parent.parent / FALSE_ALARM_OUT.format(commit=commit()))
         report = false_alarms(str(model_dir), args.false_alarm, out, first_seed=args.seed, dtype=args.dtype,
                               device=device, kernels=kernels, weights=args.weights, tp=args.tp, jobs=jobs,
-                              router_fold=args.router_fold, moe_settings=moe_settings)
+                              router_fold=args.router_fold, kernel_settings=kernel_settings)
         near = report["closest_bound"]
         nearest = f"; nearest bound {near[0]}/{near[1]} at {near[4]:.3g} of its tolerance" if near else ""
         print(f"false alarms: {report['false_alarms']}/{len(report['runs'])} healthy quick runs failed "
@@ -122,17 +122,18 @@ def run(args: argparse.Namespace) -> int:
     report = qualify(str(model_dir), tp=args.tp, quick=args.quick, dtype=args.dtype, controls=args.control,
                      device=device, kernels=kernels, jobs=jobs, shared_gpu=args.share_gpu, weights=args.weights,
                      seed=args.seed, out=sys.stderr if args.json else None, router_fold=args.router_fold,
-                     moe_settings=moe_settings)
+                     kernel_settings=kernel_settings)
     if args.json:
         print_json(report)
     return 0 if report["passed"] else 1
 
 
 
-def _moe_settings(texts: list[str], kernels) -> tuple[tuple[str, int | str | bool], ...]:
-    """--moe-setting's pairs, checked as the engine checks them (fast/rank.moe_settings_of) before any worker starts."""
-    from ..fast.rank import moe_setting, moe_settings_of
+def _kernel_settings(texts: list[str], kernels) -> tuple[tuple[str, str, int | str | bool], ...]:
+    """--kernel-setting's triples, checked as the engine checks them (fast/rank.kernel_settings_of) before any worker
+    starts."""
+    from ..fast.rank import kernel_setting, kernel_settings_of
 
-    pairs = tuple(moe_setting(t) for t in texts)
-    moe_settings_of(kernels, pairs)
-    return pairs
+    triples = tuple(kernel_setting(t) for t in texts)
+    kernel_settings_of(kernels, triples)
+    return triples

@@ -53,9 +53,10 @@ class EngineOptions:
     # the MoE's Down ending in the combine and the sandwich tail, one launch (kernels/moe.py `down_add_norm`; the same
     # bits); off, as Down then the combine inside the tail measured faster (docs/PERF.md, current state)
     down_tail: bool = False
-    # (field, value) pairs replacing kernels/moe.py MoESettings defaults, the product's: a bench variant's
-    # (`triton@gate_up_split=4`); two are numerical forms, qualified before any becomes a default
-    moe_settings: tuple[tuple[str, int | str | bool], ...] = ()
+    # (op, field, value) triples replacing the kernels' launch settings (fast/kernel_settings.py), the product's: a
+    # bench variant's (`triton@moe.gate_up_split=1`) or qualify's (--kernel-setting), so that a numerical form is
+    # qualified, and any setting timed in the round, before it becomes a default
+    kernel_settings: tuple[tuple[str, str, int | str | bool], ...] = ()
 
     def plan(self, device: torch.device) -> KernelPlan:
         """The kernel plan for this device (on CPU, Triton kernels run only under Triton's interpreter)."""
@@ -79,35 +80,33 @@ class EngineParts:
     snapshot: type[RingSnapshot] = RingSnapshot
 
 
-def moe_setting(text: str) -> tuple[str, int | str | bool]:
-    """"gate_up_split=4" -> ("gate_up_split", 4), an EngineOptions.moe_settings pair: an int, True/False, or else the
-    text (make_ops refuses an unknown field)."""
-    field, eq, value = text.partition("=")
-    if not (field and eq and value):
-        raise ValueError(f"a MoE setting is FIELD=VALUE, got {text!r}")
+def kernel_setting(text: str) -> tuple[str, str, int | str | bool]:
+    """"moe.gate_up_split=4" -> ("moe", "gate_up_split", 4), an EngineOptions.kernel_settings triple: an int,
+    True/False, or else the text (make_ops refuses an unknown op or field)."""
+    target, eq, value = text.partition("=")
+    op, dot, field = target.partition(".")
+    if not (op and dot and field and eq and value):
+        raise ValueError(f"a kernel setting is OP.FIELD=VALUE (moe.gate_up_split=4), got {text!r}")
     if value.isdigit():
-        return field, int(value)
-    return field, {"True": True, "False": False}.get(value, value)
+        return op, field, int(value)
+    return op, field, {"True": True, "False": False}.get(value, value)
 
 
-def moe_settings_of(plan: KernelPlan, pairs: tuple[tuple[str, int | str | bool], ...]):
-    """kernels/moe.py MoESettings with `pairs` (EngineOptions.moe_settings) replacing its defaults, or None for a plan
-    without kernels; ValueError for settings on a plan without the MoE's kernels, or an unknown field."""
-    if pairs and not plan.moe:
-        raise ValueError(f"MoE settings {dict(pairs)} need the MoE kernels: the plan runs its torch form")
+def kernel_settings_of(plan: KernelPlan, triples: tuple[tuple[str, str, int | str | bool], ...]):
+    """fast/kernel_settings.KernelSettings with `triples` (EngineOptions.kernel_settings) replacing their defaults, or
+    None for a plan without kernels; ValueError for an unknown op or field, or an op whose kernels the plan lacks."""
     if not plan.uses_triton:
+        if triples:
+            raise ValueError(f"kernel settings {list(triples)} need kernels: the plan runs the torch forms")
         return None
-    from ..kernels.moe import MoESettings  # imports triton
+    from .kernel_settings import build  # imports triton
 
-    try:
-        return MoESettings(**dict(pairs))
-    except TypeError as e:  # an unknown field
-        raise ValueError(f"MoE settings {dict(pairs)}: {e}") from None
+    return build(plan, triples)
 
 
 def make_ops(plan: KernelPlan, options: EngineOptions) -> TorchOps:
     """The torch forms, or the Triton dispatcher for a plan with kernels (imported only then: it imports triton)."""
-    settings = moe_settings_of(plan, options.moe_settings)
+    settings = kernel_settings_of(plan, options.kernel_settings)
     if settings is None:
         return TorchOps(options.router_fold, options.expert_prefetch)
     from .triton_ops import TritonOps

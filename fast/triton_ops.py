@@ -18,6 +18,7 @@ import torch
 
 from ..kernels import (decode_attention, embed, expert_prefetch, fp8_linear, launch, lm_head, moe, o_proj_router,
                        philox, qk_rope_kv, qkv_rope_kv, rmsnorm, route_tail, router, sample, settle, topk)
+from .kernel_settings import KernelSettings
 from .plan import KernelPlan
 from .profiling import stage
 from .router_fold import PendingProjection
@@ -51,11 +52,11 @@ class TritonOps(TorchOps):
     name = "triton"
 
     def __init__(self, plan: KernelPlan = KernelPlan.triton(), fold_router: bool = False,
-                 warm_experts: bool = False, moe_settings: moe.MoESettings = moe.MoESettings(),
+                 warm_experts: bool = False, settings: KernelSettings = KernelSettings(),
                  routed_prefetch: bool = False, down_tail: bool = False) -> None:
         super().__init__(fold_router, warm_experts)
         self.plan = plan
-        self.moe_settings = moe_settings  # the product's are kernels/moe.py's defaults; a bench variant passes others
+        self.settings = settings  # the product's are the kernels' defaults; a bench variant or qualify passes others
         self.routed_prefetch = routed_prefetch  # EngineOptions.routed_prefetch
         self.down_tail = down_tail  # EngineOptions.down_tail
         self.fallbacks: Counter = Counter()  # op group -> calls a kernel could not take (ran the torch form)
@@ -85,7 +86,7 @@ class TritonOps(TorchOps):
         # The arrival counters of the FP8 linear's split-K sum: zeroed once, before any capture; every call leaves them
         # zeroed, and the engine's calls run one after another on one stream.
         self._locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
-        if self.moe_settings.gate_up_split > 1:
+        if self.settings.moe.gate_up_split > 1:
             self._gate_up_locks = torch.zeros(LINEAR_LOCKS, dtype=torch.int32, device=w.embed.device)
         for lw in [*w.layers, w.draft.block]:
             if isinstance(lw.mlp, MoE):
@@ -129,12 +130,13 @@ class TritonOps(TorchOps):
 
     def _fp8(self, w: Weight, x: torch.Tensor) -> torch.Tensor:
         cuda = x.is_cuda
-        if cuda and fp8_linear.preload_plan(x.shape[0], *w.q.shape, w.block, device=x.device):
+        s = self.settings.linear
+        if cuda and fp8_linear.preload_plan(x.shape[0], *w.q.shape, w.block, s, device=x.device):
             self.calls["preload"] += 1
         locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
-        fits = locks is not None and fp8_linear.lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
+        fits = locks is not None and fp8_linear.lock_count(x.shape[0], w.q.shape[0], s) <= locks.numel()
         return fp8_linear.fp8_linear(x.contiguous(), w.q, w.scale, w.block, out_dtype=x.dtype,
-                                     locks=locks if fits else None, pdl=cuda)
+                                     locks=locks if fits else None, pdl=cuda, settings=s)
 
     @stage("attention")  # as TorchOps.o_proj_parts
     def o_proj_parts(self, pending, residual):
@@ -165,7 +167,7 @@ class TritonOps(TorchOps):
         fits = locks is not None and qkv_rope_kv.lock_count(a.shape[0], kv.k.shape[-1], w.q.shape[0]) <= locks.numel()
         return qkv_rope_kv.qkv_rope_kv(a.contiguous(), w.q, w.scale, w.block, *heads, attn.q_norm, attn.k_norm, eps,
                                        cos, sin, positions, live, kv.k, kv.v, kv.slot_pos,
-                                       locks=locks if fits else None, pdl=a.is_cuda)
+                                       locks=locks if fits else None, pdl=a.is_cuda, settings=self.settings.qkv_rope_kv)
 
     def folds_qkv_rope(self, attn, kv, cos) -> tuple[int, int] | None:
         """(q heads, kv heads) where the projection and the prologue run as one launch (kernels/qkv_rope_kv.py): both
@@ -200,7 +202,7 @@ class TritonOps(TorchOps):
         if not self._fits("lm_head", lm_head.fits(hidden.shape[0], *head.shape)):
             return super().lm_head(hidden, head)
         self.calls["lm_head"] += 1
-        return lm_head.lm_head(hidden, head, pdl=hidden.is_cuda)
+        return lm_head.lm_head(hidden, head, settings=self.settings.lm_head, pdl=hidden.is_cuda)
 
     # ---- the routed experts ----------------------------------------------------------------------------
     def route_on(self, b, router_w, top_k):
@@ -220,7 +222,7 @@ class TritonOps(TorchOps):
             return super().moe(b, experts, weights, live, mw)
         self.calls["moe"] += 1
         # Down is left to the op that reads the output (reduce_add_norm), which ends it in the combine and the tail
-        s, locks = self.moe_settings, self._gate_up_locks
+        s, locks = self.settings.moe, self._gate_up_locks
         R, k, inter = b.shape[0], experts.shape[1], ew[0].q.shape[1]
         if locks is not None and moe.gate_up_lock_count(R, k, inter, s) > locks.numel():
             locks = None  # a long prefill block: counters of its own, zeroed by gate_up
@@ -232,13 +234,13 @@ class TritonOps(TorchOps):
         """The routed experts' outputs, uncombined: a pending Down launched on its own (kernels/moe.py `down`)."""
         if not isinstance(partial, PendingDown):
             return partial
-        return moe.down(*partial, settings=self.moe_settings, pdl=partial.weights.is_cuda)
+        return moe.down(*partial, settings=self.settings.moe, pdl=partial.weights.is_cuda)
 
     @stage("mlp")  # Down's launch, ending in the combine and the tail: the experts' work, mostly
     def down_add_norm(self, pending, residual, scale, y_norm, next_norm, eps, dtype):
         self.calls["down_add_norm"] += 1
         return moe.down_add_norm(*pending, residual, scale, y_norm, next_norm, eps, dtype, locks=self._locks,
-                                 settings=self.moe_settings, pdl=residual.is_cuda)
+                                 settings=self.settings.moe, pdl=residual.is_cuda)
 
     # ---- norms ---------------------------------------------------------------------------------------
     @stage("norm")
@@ -296,7 +298,7 @@ class TritonOps(TorchOps):
         partial = self.expert_outputs(partial)
         if not isinstance(partial, moe.ExpertOutputs):
             return partial
-        return moe.combine(partial, pdl=partial.y.is_cuda).to(partial.dtype)
+        return moe.combine(partial, settings=self.settings.moe, pdl=partial.y.is_cuda).to(partial.dtype)
 
     # ---- sampling --------------------------------------------------------------------------------------
     def uniforms(self, seed, positions, purpose, depth=0, out=None):

@@ -113,9 +113,9 @@ class ExpertOutputs(NamedTuple):
 
 @dataclass(frozen=True)
 class MoESettings:
-    """Launch choices; none changes a result but `gate_up_scale` and `gate_up_split`, numerical forms (each off until
-    the GPU times and qualifies it). The figures behind them are in docs/PERF.md ("The MoE's kernels"); those were
-    measured on the retired kernel's tiles and are carried over, not re-measured for this arithmetic."""
+    """Launch choices; none changes a result but `gate_up_scale` and `gate_up_split`, numerical forms (each the
+    default only once the GPU has timed and qualified it). The figures behind them are in docs/PERF.md (current state;
+    "The MoE's kernels", measured on the retired kernel's tiles and carried over)."""
 
     block_m: int = 16           # rows a dot takes: tl.dot's smallest M, and R <= 8 at decode fits one block
     gate_up_block_n: int = 32   # I_r channels a Gate/Up program: divides a TP8 rank's 192; 6 programs an expert, not 3
@@ -139,9 +139,9 @@ class MoESettings:
     # Gate/Up's H walked by this many programs an (expert, I_r tile), each over whole K steps, their fp32 partials
     # summed in split order by the last to arrive, which then rounds and forms silu(g) * u (`gate_up_locks`): a
     # numerical change (the sum's order). A program's K steps, not bytes, set Gate/Up's time at the published shape
-    # (24 steps of ~1.1 us, the same at 8.9 and 38 experts; Down's 3 steps take ~8 us): 4 splits make them 6, on 4x
-    # the programs (213 at 8.9 experts on 132 SMs). `bench tune --ops moe` times 2, 4 and 8
-    gate_up_split: int = 1
+    # (24 steps of ~1.1 us, the same at 8.9 and 38 experts): 4 splits make them 6, on 4x the programs. Split 4 made
+    # the op 0.655x and the round 0.8315x, paired, and passed qualification at TP 1 (docs/PERF.md, current state)
+    gate_up_split: int = 4
     combine_block: int = 256    # columns a combine program: ~100 programs for 8 rows at H = 3072
     # Down's owners ask L2 for their expert's weight tile before the PDL wait, while Gate/Up still runs (a hint: the
     # same bits); on the retired kernels this measured -0.7% a round (docs/perf-history.md, "Reading ahead of the PDL

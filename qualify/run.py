@@ -248,13 +248,13 @@ def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar) -> tuple[list[
 
 def candidate_options(dtype: str, kernels: str | KernelPlan, device: str, shared_gpu: bool = False,
                       weights: str = "auto", router_fold: bool = False,
-                      moe_settings: tuple[tuple[str, int | str | bool], ...] = ()) -> EngineOptions:
+                      kernel_settings: tuple[tuple[str, str, int | str | bool], ...] = ()) -> EngineOptions:
     """The healthy candidate's engine options (`kernels` resolved to a plan for the device, e.g. auto -> triton).
     Eager on CUDA too: the recorder wraps the engine's Python calls, which a graph replay skips. The graph is held to
     the eager round separately (bit-exact: tests/test_fast_gpu.py)."""
     return EngineOptions(max_context=512, dtype=dtype, graphs=False, shared_gpu=shared_gpu,
                          kernels=EngineOptions(kernels=kernels).plan(torch.device(device)), weights=weights,
-                         router_fold=router_fold, moe_settings=moe_settings)
+                         router_fold=router_fold, kernel_settings=kernel_settings)
 
 
 def references(model_dir: str, config: Config, weights: str, device: str) -> tuple[str, RefSpec, RefSpec | None]:
@@ -270,9 +270,9 @@ def references(model_dir: str, config: Config, weights: str, device: str) -> tup
 def make_plan(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32", device: str = "cpu",
               kernels: str | KernelPlan = "auto", shared_gpu: bool = False, weights: str = "auto",
               seed: int = 0, router_fold: bool = False,
-              moe_settings: tuple[tuple[str, int | str | bool], ...] = ()) -> tuple[Plan, str]:
+              kernel_settings: tuple[tuple[str, str, int | str | bool], ...] = ()) -> tuple[Plan, str]:
     """The plan of a run and the weight format its candidate runs."""
-    base = candidate_options(dtype, kernels, device, shared_gpu, weights, router_fold, moe_settings)
+    base = candidate_options(dtype, kernels, device, shared_gpu, weights, router_fold, kernel_settings)
     config = Config.from_dir(model_dir)
     fmt, ref, source = references(model_dir, config, weights, device)
     cases, prefix, extra = qualify_cases(config.vocab_size, quick, sliding_ring(config, base), seed)
@@ -301,15 +301,15 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
             progress: bool | None = None, controls: list[str] | None = None, out=None,
             device: str = "cpu", kernels: str | KernelPlan = "auto", jobs: int = 1, shared_gpu: bool = False,
             weights: str = "auto", seed: int = 0, quiet: bool = False, router_fold: bool = False,
-            moe_settings: tuple[tuple[str, int | str | bool], ...] = ()) -> dict:
+            kernel_settings: tuple[tuple[str, str, int | str | bool], ...] = ()) -> dict:
     """One qualification run. `weights`: --weights (auto, bf16, fp8; fast/weights.weight_format); `seed`: picks the
     cases and the lossless test's request seeds; `controls`: names to run (None: all, [] none); `router_fold`: the
-    candidate (and every control built on it) with EngineOptions.router_fold; `moe_settings`: with those MoE kernel
-    settings (EngineOptions.moe_settings: a numerical form qualified before it becomes a default)."""
+    candidate (and every control built on it) with EngineOptions.router_fold; `kernel_settings`: with those kernel
+    launch settings (EngineOptions.kernel_settings: a numerical form qualified before it becomes a default)."""
     t0 = time.time()
     model_dir = str(model_dir)
     plan, fmt = make_plan(model_dir, tp, quick, dtype, device, kernels, shared_gpu, weights, seed, router_fold,
-                          moe_settings)
+                          kernel_settings)
     chosen, skipped = select_controls(controls, model_dir, fmt, plan.base)
     jobs = max(1, min(jobs, len(chosen) + 2))
     total = len(plan.cases) * (1 + len(chosen)) + 2
@@ -320,7 +320,7 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
     report = {"schema": SCHEMA, "model": model_dir, "tp": tp, "dtype": dtype, "weights": fmt,
               "reference": "fp8 at load" if plan.ref.quant else "as stored",
               "source": "bf16" if plan.source is not None else None, "kernels": plan.base.kernels.name,
-              "router_fold": router_fold, "moe_settings": dict(moe_settings),
+              "router_fold": router_fold, "kernel_settings": [f"{op}.{f}={v}" for op, f, v in kernel_settings],
               "kernel_fallbacks": fallbacks, "tolerance_column": plan.tol, "device": device, "quick": quick,
               "seed": seed, "jobs": jobs, "commit": commit(), "seconds": round(time.time() - t0, 2),
               "passed": passed, "suite_alpha": tolerances.suite_alpha(), "checks": [r.as_dict() for r in rows],
@@ -352,7 +352,7 @@ def closest(checks: list[dict]) -> list | None:
 def false_alarms(model_dir: str, seeds: int, out_path: str | None = None, first_seed: int = 0, dtype: str = "fp32",
                  device: str = "cpu", kernels: str | KernelPlan = "auto", weights: str = "auto", tp: int = 1,
                  jobs: int = 1, progress: bool | None = False, out=None, router_fold: bool = False,
-                 moe_settings: tuple[tuple[str, int | str | bool], ...] = ()) -> dict:
+                 kernel_settings: tuple[tuple[str, str, int | str | bool], ...] = ()) -> dict:
     """The healthy engine's false-alarm rate: quick qualification of the healthy candidate alone (no controls) at
     seeds first_seed .. first_seed + seeds - 1; a run that fails any check is a false alarm. Writes the raw results
     (per seed: passed, failing checks, lossless p-value) to `out_path` when given."""
@@ -360,7 +360,7 @@ def false_alarms(model_dir: str, seeds: int, out_path: str | None = None, first_
     for s in range(first_seed, first_seed + seeds):
         r = qualify(model_dir, tp=tp, quick=True, dtype=dtype, controls=[], device=device, kernels=kernels, jobs=jobs,
                     weights=weights, seed=s, progress=progress, quiet=True, router_fold=router_fold,
-                    moe_settings=moe_settings)
+                    kernel_settings=kernel_settings)
         failing = [[c["check"], c["class"], c["worst"], c["tolerance"]] for c in r["checks"] if c["verdict"] != "pass"]
         runs.append({"seed": s, "passed": r["passed"], "failing": failing, "lossless_p": r["lossless"]["p_value"],
                      "closest": closest(r["checks"]), "seconds": r["seconds"]})
@@ -372,7 +372,7 @@ def false_alarms(model_dir: str, seeds: int, out_path: str | None = None, first_
     lossless_alarms = sum(any(f[0] == "lossless" for f in r["failing"]) for r in runs)
     report = {"schema": "iquest-qualify-false-alarm/1", "model": model_dir, "commit": commit(), "dtype": dtype,
               "device": device, "weights": weights, "tp": tp, "router_fold": router_fold,
-              "moe_settings": dict(moe_settings),
+              "kernel_settings": [f"{op}.{f}={v}" for op, f, v in kernel_settings],
               "mode": "quick, healthy engine only (no controls)",
               "seeds": [first_seed, first_seed + seeds - 1], "runs": runs, "false_alarms": alarms,
               "closest_bound": nearest,

@@ -117,22 +117,22 @@ def test_fp8_at_load_is_judged_on_its_own_quantization_and_measured_against_bf16
     assert "fp8w.* rows measure them against the bf16 weights" in err
 
 
-def test_moe_settings_are_checked_before_any_worker_and_reach_the_candidate(capsys, monkeypatch):
-    """--moe-setting qualifies a numerical form before it becomes a default: refused without the MoE's kernels, for
-    an unknown field and for a malformed pair; otherwise the candidate's options (and every control's, built on them)
-    carry it."""
+def test_kernel_settings_are_checked_before_any_worker_and_reach_the_candidate(capsys, monkeypatch):
+    """--kernel-setting qualifies a numerical form before it becomes a default: refused without the op's kernels, for
+    an unknown field and for a malformed triple; otherwise the candidate's options (and every control's, built on
+    them) carry it."""
     from iquest.cli.main import main
     from iquest.fast.plan import KernelPlan
     from iquest.qualify.run import make_plan
     from iquest.tests.helpers import TINY
 
-    assert main(["qualify", "--model", str(TINY), "--quick", "--moe-setting", "gate_up_split=4"]) != 0
-    assert "need the MoE kernels: the plan runs its torch form" in capsys.readouterr().err
+    assert main(["qualify", "--model", str(TINY), "--quick", "--kernel-setting", "moe.gate_up_split=4"]) != 0
+    assert "need kernels: the plan runs the torch forms" in capsys.readouterr().err
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for bad, why in (("gate_up_splitz=4", "unexpected keyword argument 'gate_up_splitz'"),
-                     ("gate_up_split", "FIELD=VALUE")):
-        assert main(["qualify", "--model", str(TINY), "--quick", "--kernels", "triton", "--moe-setting", bad]) != 0
+    for bad, why in (("moe.gate_up_splitz=4", "unexpected keyword argument 'gate_up_splitz'"),
+                     ("gate_up_split=4", "OP.FIELD=VALUE"), ("moe.gate_up_split", "OP.FIELD=VALUE")):
+        assert main(["qualify", "--model", str(TINY), "--quick", "--kernels", "triton", "--kernel-setting", bad]) != 0
         assert why in capsys.readouterr().err
-    settings = (("gate_up_split", 4), ("gate_up_scale", "product"))
-    plan, _ = make_plan(str(TINY), quick=True, kernels=KernelPlan(moe=True), moe_settings=settings)
-    assert plan.base.moe_settings == settings and plan.base.kernels.moe
+    settings = (("moe", "gate_up_split", 1), ("moe", "gate_up_scale", "product"))
+    plan, _ = make_plan(str(TINY), quick=True, kernels=KernelPlan(moe=True), kernel_settings=settings)
+    assert plan.base.kernel_settings == settings and plan.base.kernels.moe

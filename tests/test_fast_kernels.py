@@ -91,7 +91,7 @@ FOLDS = {"moe_combine": (("moe", "norm"), "combine_add_norm"), "qkv_rope": (("li
 OPTION_FOLDS = {"down_tail": (("moe", "norm"), "combine_add_norm", "down_add_norm")}
 
 
-def group_block(*groups: str, device: str = "cpu", moe_settings: tuple = ()) -> dict:
+def group_block(*groups: str, device: str = "cpu", kernel_settings: tuple = ()) -> dict:
     """Op groups' kernels (the rest on torch forms) against the torch forms over a prefill block, a verification
     block with padding rows and a draft block: the largest relative error of the live rows' logits and hiddens, the
     caches' (their real slots'), and the kernel calls and fallbacks. With them, under "unfolds", each fold of exactly
@@ -103,7 +103,7 @@ def group_block(*groups: str, device: str = "cpu", moe_settings: tuple = ()) -> 
     out, engines = {}, {}
     with_kernels = KernelPlan(**{group: True for group in groups})
     for plan in (KernelPlan.torch(), with_kernels):
-        e = engines[plan.name] = engine(plan, device, moe_settings=moe_settings if plan.moe else ())
+        e = engines[plan.name] = engine(plan, device, kernel_settings=kernel_settings if plan.uses_triton else ())
         _forget_capture(e)
         outputs = two_blocks(e, device)
         out[plan.name] = ([t for block in outputs for t in block], [_real_slots(kv) for kv in e.cache.layers],
@@ -143,9 +143,9 @@ def group_block(*groups: str, device: str = "cpu", moe_settings: tuple = ()) -> 
 
 
 def moe_split_block(device: str = "cpu") -> dict:
-    """`group_block("moe")` with Gate/Up split 4 ways and scaling its products (a bench variant's MoE settings,
-    `triton@gate_up_split=4@gate_up_scale=product`), with what each Gate/Up launch was given: its settings, and
-    whether it was handed the engine's own counters."""
+    """`group_block("moe")` with Gate/Up split 2 ways (not the default 4) and scaling its products (a bench variant's
+    kernel settings, `triton@moe.gate_up_split=2@moe.gate_up_scale=product`), with what each Gate/Up launch was given:
+    its settings, and whether it was handed the engine's own counters."""
     import iquest.kernels.moe as mk
 
     seen, real = [], mk.gate_up
@@ -156,7 +156,8 @@ def moe_split_block(device: str = "cpu") -> dict:
         return real(*args, **kwargs)
     mk.gate_up = spy
     try:
-        r = group_block("moe", device=device, moe_settings=(("gate_up_split", 4), ("gate_up_scale", "product")))
+        r = group_block("moe", device=device, kernel_settings=(("moe", "gate_up_split", 2),
+                                                               ("moe", "gate_up_scale", "product")))
     finally:
         mk.gate_up = real
     return {**r, "gate_up_launches": sorted(set(seen)), "gate_up_count": len(seen)}
@@ -302,25 +303,29 @@ def test_interpreted_group_kernels_within_their_tolerance(interpreted, group, ke
 
 
 def test_interpreted_moe_settings_reach_the_kernels(interpreted):
-    """A variant's MoE settings (EngineOptions.moe_settings: Gate/Up split 4 ways, scaling its products) reach every
+    """A variant's MoE settings (EngineOptions.kernel_settings: Gate/Up split 2 ways, scaling its products) reach every
     Gate/Up launch of the three blocks, with the engine's own split counters, left zeroed; the outputs stay within
     the MoE group's tolerance of the torch forms (a numerical change, as each form's kernel tests measure)."""
     r = interpreted["moe_split_block"]
     assert "error" not in r, r
-    print(f"[interpreted MoE, split 4, product scales] relative error {r['rel_err']:.2e}, launches "
+    print(f"[interpreted MoE, split 2, product scales] relative error {r['rel_err']:.2e}, launches "
           f"{r['gate_up_launches']}")
-    assert r["gate_up_launches"] == [[4, "product", True]] and r["gate_up_count"] == r["calls"]["moe"] > 0, r
+    assert r["gate_up_launches"] == [[2, "product", True]] and r["gate_up_count"] == r["calls"]["moe"] > 0, r
     assert r["gate_up_locks"] == 0, r
     assert r["rel_err"] <= GROUP_BLOCK_TOL["moe"] and r["cache_err"] <= GROUP_BLOCK_TOL["moe"], r
 
 
-def test_moe_settings_are_checked():
-    """An unknown MoE setting, or MoE settings on a plan whose MoE runs its torch form, is refused when the engine is
+def test_kernel_settings_are_checked():
+    """An unknown op or field, or settings of an op whose group runs its torch form, is refused when the engine is
     built, not ignored."""
     with pytest.raises(ValueError, match="unexpected keyword"):
-        engine(KernelPlan.triton(), moe_settings=(("gate_up_splits", 4),))
-    with pytest.raises(ValueError, match="need the MoE kernels"):
-        engine(KernelPlan.torch(), moe_settings=(("gate_up_split", 4),))
+        engine(KernelPlan.triton(), kernel_settings=(("moe", "gate_up_splits", 4),))
+    with pytest.raises(ValueError, match="unknown op 'router'"):
+        engine(KernelPlan.triton(), kernel_settings=(("router", "split", 2),))
+    with pytest.raises(ValueError, match="need kernels: the plan runs the torch forms"):
+        engine(KernelPlan.torch(), kernel_settings=(("moe", "gate_up_split", 4),))
+    with pytest.raises(ValueError, match="needs the linear kernels"):
+        engine(KernelPlan(moe=True), kernel_settings=(("qkv_rope_kv", "num_warps", 8),))
 
 
 def test_interpreted_router_fold_kernels_within_their_tolerance(interpreted):

@@ -64,12 +64,14 @@ def test_variant_names_are_checked():
     assert variants.split("triton^moe_combine~route:38") == ("triton", {"route:38"}, {"moe_combine"}, set(), ())
     assert variants.split("triton+router_fold~moe") == ("triton", {"moe"}, set(), {"router_fold"}, ())
     assert variants.split("triton^qkv_rope''") == variants.split("triton^qkv_rope")  # an A' arm
-    v = variants.split("triton@gate_up_split=4^qkv_rope@gate_up_scale=product@down_prefetch=False")
-    assert v.unfolded == {"qkv_rope"} and v.moe_settings == (("gate_up_split", 4), ("gate_up_scale", "product"),
-                                                               ("down_prefetch", False))
-    assert variants.options("triton@gate_up_split=8", EngineOptions()).moe_settings == (("gate_up_split", 8),)
-    for bad in ("triton@gate_up_split", "triton@=4", "triton@gate_up_split="):
-        with pytest.raises(ValueError, match="a MoE setting is @FIELD=VALUE"):
+    v = variants.split("triton@moe.gate_up_split=1^qkv_rope@moe.gate_up_scale=product@linear.preload=False")
+    assert v.unfolded == {"qkv_rope"} and v.kernel_settings == (("moe", "gate_up_split", 1),
+                                                                  ("moe", "gate_up_scale", "product"),
+                                                                  ("linear", "preload", False))
+    assert variants.options("triton@lm_head.block_v=8", EngineOptions()).kernel_settings == (("lm_head", "block_v", 8),)
+    for bad in ("triton@gate_up_split=4", "triton@moe.gate_up_split", "triton@.x=4", "triton@moe.=4",
+                "triton@moe.gate_up_split="):
+        with pytest.raises(ValueError, match="a kernel setting is @OP.FIELD=VALUE"):
             variants.split(bad)
     assert _engine("torch+router_fold").options.router_fold and not _engine("torch").options.router_fold
     with pytest.raises(ValueError, match="unknown unfold"):

@@ -1,0 +1,53 @@
+"""The launch settings the Triton dispatcher passes each kernel: every kernel file's frozen settings dataclass at its
+defaults (the product's), or with fields replaced (EngineOptions.kernel_settings) so that a bench variant times a
+tuned setting in the whole round (`triton@linear.num_stages=2`) and qualification judges a numerical form before it
+becomes a default (`iquest qualify --kernel-setting moe.gate_up_scale=product`).
+
+Imports triton (through the kernel files): fast/rank.py reaches it only for a plan with kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..kernels import fp8_linear as fl, lm_head as lh, moe as mo
+from .plan import KernelPlan
+
+Value = int | str | bool
+Triple = tuple[str, str, Value]
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """One settings value an op of the engine."""
+
+    moe: mo.MoESettings = mo.MoESettings()                  # Gate/Up, Down, the combine
+    linear: fl.LinearSettings = fl.LinearSettings()         # the plain FP8 linears
+    qkv_rope_kv: fl.LinearSettings = fl.LinearSettings()    # q/k/v ending in the q/k norm + RoPE + KV write
+    lm_head: lh.LMHeadSettings = lh.LMHeadSettings()        # the target's and the draft's heads
+
+
+# the kernel plan's group that must run an op's kernel for its settings to mean anything
+GROUP = {"moe": "moe", "linear": "linear", "qkv_rope_kv": "linear", "lm_head": "lm_head"}
+assert set(GROUP) == {f.name for f in dataclasses.fields(KernelSettings)}
+
+
+def build(plan: KernelPlan, triples: tuple[Triple, ...]) -> KernelSettings:
+    """KernelSettings with each (op, field, value) replacing that op's default; ValueError for an unknown op or field,
+    or settings of an op whose group runs its torch form."""
+    chosen: dict[str, dict[str, Value]] = {}
+    for op, field, value in triples:
+        if op not in GROUP:
+            raise ValueError(f"kernel setting {op}.{field}: unknown op {op!r}; settable: {', '.join(GROUP)}")
+        if not getattr(plan, GROUP[op]):
+            raise ValueError(f"kernel setting {op}.{field} needs the {GROUP[op]} kernels: the plan runs its torch form")
+        chosen.setdefault(op, {})[field] = value
+    defaults = KernelSettings()
+    out = {}
+    for op, fields in chosen.items():
+        try:
+            out[op] = dataclasses.replace(getattr(defaults, op), **fields)
+        except TypeError as e:  # an unknown field
+            raise ValueError(f"kernel settings of {op} {fields}: {e}") from None
+    return dataclasses.replace(defaults, **out)
