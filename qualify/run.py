@@ -194,6 +194,9 @@ def control_margin(r: dict) -> str:
     return (f"{ratio:.3g}x" if math.isfinite(ratio) else "past a zero tolerance") + f" ({where})"
 
 
+HEARTBEAT_S = 60  # a progress line at least this often while worker units run
+
+
 class _NoBar:
     def update(self, n: int = 1) -> None:
         pass
@@ -229,21 +232,39 @@ def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar) -> tuple[list[
     from concurrent.futures import ProcessPoolExecutor
 
     weight = {"healthy": len(plan.cases) + 1, "lossless": 1}
-    bar.set_postfix_str(f"{jobs} worker processes")
+    units = {"healthy": (_unit, "healthy", plan), "lossless": (_unit, "lossless", plan)}
+    units.update({c.name: (_unit, "control", plan, c.name) for c in chosen})
     pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
     try:
-        futures = {"healthy": pool.submit(_unit, "healthy", plan), "lossless": pool.submit(_unit, "lossless", plan)}
-        futures.update({c.name: pool.submit(_unit, "control", plan, c.name) for c in chosen})
-        done = {}
-        for key, fut in futures.items():  # in submission order; the bar moves as each finishes
-            done[key] = fut.result()
-            bar.update(weight.get(key, len(plan.cases)))
+        done = gather(pool, units, bar, {k: weight.get(k, len(plan.cases)) for k in units}, jobs)
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)  # a failed unit ends the run now, not after the others
         raise
     pool.shutdown()
     (rows, fallbacks), (lrow, linfo) = done["healthy"], done["lossless"]
     return rows + [lrow], linfo, fallbacks, [done[c.name] for c in chosen]
+
+
+def gather(pool, units: dict[str, tuple], bar, steps: dict[str, int], workers: int,
+           heartbeat: float = HEARTBEAT_S) -> dict:
+    """Each unit's result by name, its (function, *args) submitted to `pool`: the bar moves by the unit's `steps` as
+    each finishes, naming it, and shows a line at least every `heartbeat` seconds while none does, so that a long run
+    cut off by a time limit still says how far it got. A unit's exception is raised as soon as that unit ends."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    futures = {pool.submit(*call): name for name, call in units.items()}
+    done, pending = {}, set(futures)
+    while pending:
+        finished, pending = wait(pending, timeout=heartbeat, return_when=FIRST_COMPLETED)
+        for fut in finished:
+            name = futures[fut]
+            done[name] = fut.result()
+            bar.set_postfix_str(f"{name} done; {len(units) - len(done)} units left on {workers} workers")
+            bar.update(steps[name])
+        if not finished:
+            bar.set_postfix_str(f"{len(pending)} units running or queued on {workers} workers")
+            bar.update(0)
+    return done
 
 
 def candidate_options(dtype: str, kernels: str | KernelPlan, device: str, shared_gpu: bool = False,

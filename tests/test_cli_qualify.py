@@ -7,6 +7,8 @@ import io
 import json
 import re
 
+import pytest
+
 from iquest.qualify.run import print_table, progress_bar
 
 NAMES = [("numerics.logits", f"verify_row{i}") for i in range(8)]
@@ -62,6 +64,47 @@ def test_progress_lines_where_stderr_is_no_terminal(capsys):
     with progress_bar(3, progress=False) as bar:
         bar.update(3)
     assert capsys.readouterr().err == ""
+
+
+def test_worker_units_report_as_each_finishes_and_while_none_does(capsys):
+    """qualify's worker pool (qualify/run.gather): a line as each unit finishes, in the order they finish and naming
+    each, and a line a heartbeat while none finishes, so that a run cut off by its time limit says how far it got (a
+    TP 2 run on one GPU showed nothing in 560 s when the first unit submitted was the last to finish)."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from iquest.qualify.run import gather
+
+    release = threading.Event()
+
+    def slow():
+        release.wait(5)
+        return "slow"
+
+    def fast(x):
+        return x
+
+    with progress_bar(4) as bar, ThreadPoolExecutor(2) as pool:
+        timer = threading.Timer(0.35, release.set)
+        timer.start()
+        t0 = time.time()
+        got = gather(pool, {"healthy": (slow,), "lossless": (fast, "l")}, bar, {"healthy": 3, "lossless": 1}, 2,
+                     heartbeat=0.1)
+    assert got == {"healthy": "slow", "lossless": "l"} and time.time() - t0 < 5
+    lines = capsys.readouterr().err.splitlines()[1:]
+    assert re.fullmatch(r"qualify: 1/4 steps done, \d+ s elapsed \(lossless done; 1 units left on 2 workers\)",
+                        lines[0]), lines
+    beats = [line for line in lines if line.endswith("(1 units running or queued on 2 workers)")]
+    assert len(beats) >= 2 and all(line.startswith("qualify: 1/4 steps done") for line in beats), lines
+    assert re.fullmatch(r"qualify: 4/4 steps done, \d+ s elapsed \(healthy done; 0 units left on 2 workers\)",
+                        lines[-1]), lines
+
+    def broken():
+        raise RuntimeError("a unit failed")
+
+    with ThreadPoolExecutor(1) as pool, pytest.raises(RuntimeError, match="a unit failed"):
+        gather(pool, {"x": (broken,)}, progress_bar(1, progress=False), {"x": 1}, 1)
 
 
 # ---- the options: --seed, --false-alarm, --weights fp8 on a BF16 checkpoint ----------------------------------------
