@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..kernels import fp8_linear as fl, lm_head as lh, moe as mo
+from ..kernels import fp8_linear as fl, lm_head as lh, moe as mo, o_proj_router as opr
 from .plan import KernelPlan
 
 Value = int | str | bool
@@ -23,13 +23,16 @@ class KernelSettings:
     """One settings value an op of the engine."""
 
     moe: mo.MoESettings = mo.MoESettings()                  # Gate/Up, Down, the combine
-    linear: fl.LinearSettings = fl.LinearSettings()         # the plain FP8 linears
+    linear: fl.LinearSettings = fl.LinearSettings()         # the other FP8 linears (dense MLP, eh_proj, q/k/v unfolded)
+    o_proj: fl.LinearSettings = fl.LinearSettings()         # the attention's o-projection (folded or not)
+    o_proj_router: opr.PartsSettings = opr.PartsSettings()  # the router fold's partial logits in its epilogue
     qkv_rope_kv: fl.LinearSettings = fl.LinearSettings()    # q/k/v ending in the q/k norm + RoPE + KV write
     lm_head: lh.LMHeadSettings = lh.LMHeadSettings()        # the target's and the draft's heads
 
 
 # the kernel plan's group that must run an op's kernel for its settings to mean anything
-GROUP = {"moe": "moe", "linear": "linear", "qkv_rope_kv": "linear", "lm_head": "lm_head"}
+GROUP = {"moe": "moe", "linear": "linear", "o_proj": "linear", "o_proj_router": "linear", "qkv_rope_kv": "linear",
+         "lm_head": "lm_head"}
 assert set(GROUP) == {f.name for f in dataclasses.fields(KernelSettings)}
 
 

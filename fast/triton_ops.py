@@ -126,11 +126,16 @@ class TritonOps(TorchOps):
     def linear(self, w: Weight, x: torch.Tensor) -> torch.Tensor:
         if not self._fits("linear", _fp8_takes(w)):
             return super().linear(w, x)
-        return self._fp8(w, x)
+        return self._fp8(w, x, self.settings.linear)
 
-    def _fp8(self, w: Weight, x: torch.Tensor) -> torch.Tensor:
+    def o_proj(self, attn, x):
+        # the plain projection under its own settings; a folded layer's is left pending, as TorchOps leaves it
+        if id(attn) in self._folds or not (self.plan.linear and _fp8_takes(attn.wo)):
+            return super().o_proj(attn, x)
+        return self._fp8(attn.wo, x, self.settings.o_proj)
+
+    def _fp8(self, w: Weight, x: torch.Tensor, s) -> torch.Tensor:
         cuda = x.is_cuda
-        s = self.settings.linear
         if cuda and fp8_linear.preload_plan(x.shape[0], *w.q.shape, w.block, s, device=x.device):
             self.calls["preload"] += 1
         locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
@@ -146,15 +151,17 @@ class TritonOps(TorchOps):
             return super().o_proj_parts(pending, residual)
         self.calls["o_proj_router"] += 1
         locks = self._locks
-        fits = locks is not None and o_proj_router.lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
+        s = self.settings.o_proj
+        fits = locks is not None and o_proj_router.lock_count(x.shape[0], w.q.shape[0], s) <= locks.numel()
         return o_proj_router.o_proj_router(x.contiguous(), w.q, w.scale, w.block, residual, fold.router_w, fold.w_out,
-                                           locks=locks if fits else None, pdl=x.is_cuda)
+                                           locks=locks if fits else None, pdl=x.is_cuda, settings=s,
+                                           parts_settings=self.settings.o_proj_router)
 
     def qkv(self, attn, x):
         w = attn.wqkv
         if w is None or not self._fits("linear", _fp8_takes(w)):
             return super().qkv(attn, x)
-        y = self._fp8(w, x)  # one launch: column views, no copies
+        y = self._fp8(w, x, self.settings.linear)  # one launch: column views, no copies
         nq, nk = attn.wq.q.shape[0], attn.wk.q.shape[0]
         return y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
 

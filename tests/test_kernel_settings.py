@@ -1,6 +1,7 @@
-"""EngineOptions.kernel_settings (fast/kernel_settings.py): each op's settings reach that op's kernel call, and only
-it; the parse of OP.FIELD=VALUE. The kernels are not run: each product call is replaced by a spy that records the
-settings it was handed and stops the forward there (the values are the kernels' own tests')."""
+"""EngineOptions.kernel_settings (fast/kernel_settings.py): each op's settings reach that op's kernel calls, and only
+them; the parse of OP.FIELD=VALUE. The kernels are not run: each product call is replaced by a spy that records the
+settings it was handed and either stands in with the kernel's torch form or stops the forward there (the values are
+the kernels' own tests')."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from iquest.fast.parallel import Parallel
 from iquest.fast.plan import KernelPlan
 from iquest.fast.rank import EngineOptions, RankEngine, kernel_setting
+from iquest.kernels import fp8_linear, lm_head, o_proj_router, qkv_rope_kv
 from iquest.tests.helpers import TINY
 
 
@@ -17,46 +19,87 @@ class Reached(Exception):
     pass
 
 
-def settings_at(monkeypatch, plan: KernelPlan, module: str, call: str, triples: tuple) -> object:
-    """The `settings` the engine hands kernels/<module>.py's `call` in a prefill forward under `plan` and `triples`."""
-    import importlib
+def forward(plan: KernelPlan, triples: tuple, router_fold: bool = False) -> RankEngine:
+    """A TINY engine under `plan` and `triples`, after one 8-row prefill forward (or as far as a spy let it go)."""
+    e = RankEngine(TINY, Parallel.single("cpu"), EngineOptions(max_context=64, dtype="fp32", kernels=plan,
+                                                                  kernel_settings=triples, router_fold=router_fold))
+    pos = torch.arange(8)
+    try:
+        e.model.forward(torch.arange(8), pos, torch.ones_like(pos, dtype=torch.bool))
+    except Reached:
+        pass
+    return e
 
-    mod = importlib.import_module(f"iquest.kernels.{module}")
+
+def stopping_spy(seen: list, key: str = "settings"):
+    def spy(*args, **kwargs):
+        seen.append(kwargs[key])
+        raise Reached
+    return spy
+
+
+def linear_calls(monkeypatch, triples: tuple) -> tuple[list, RankEngine]:
+    """(weight, settings) of every FP8 linear call of a forward with the linears' kernels (the torch form stands in)."""
     seen = []
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs["settings"])
-        raise Reached
+    def spy(x, w, scale, block, *, out_dtype=None, settings, **kwargs):
+        seen.append((w, settings))
+        return fp8_linear.fp8_linear_ref(x, w, scale, block).to(out_dtype or x.dtype)
 
-    monkeypatch.setattr(mod, call, spy)
-    e = RankEngine(TINY, Parallel.single("cpu"), EngineOptions(max_context=64, dtype="fp32", kernels=plan,
-                                                                  kernel_settings=triples))
-    pos = torch.arange(8)
-    with pytest.raises(Reached):
-        e.model.forward(torch.arange(8), pos, torch.ones_like(pos, dtype=torch.bool))
-    assert len(seen) == 1
-    return seen[0]
+    monkeypatch.setattr(fp8_linear, "fp8_linear", spy)
+    return seen, forward(KernelPlan(linear=True), triples)
 
 
-# op -> (a plan whose first kernel call in a forward is that op's, its module and call, a non-default setting)
-OPS = {
-    "linear": (KernelPlan(linear=True), "fp8_linear", "fp8_linear", ("num_stages", 2)),
-    "qkv_rope_kv": (KernelPlan(linear=True, attention=True), "qkv_rope_kv", "qkv_rope_kv", ("num_warps", 8)),
-    "lm_head": (KernelPlan(lm_head=True), "lm_head", "lm_head", ("block_v", 8)),
+def test_the_o_projection_and_the_other_linears_take_their_own_settings(monkeypatch):
+    calls, e = linear_calls(monkeypatch, (("o_proj", "num_stages", 2), ("linear", "num_warps", 2)))
+    wo = {id(lw.attn.wo.q) for lw in e.model.w.layers}
+    o = [s for w, s in calls if id(w) in wo]
+    rest = [s for w, s in calls if id(w) not in wo]
+    default = fp8_linear.LinearSettings()
+    assert len(o) == len(e.model.w.layers) and rest  # every layer's o-projection, and q/k/v and the dense MLP
+    assert all(s == fp8_linear.LinearSettings(num_stages=2) for s in o), o
+    assert all(s == fp8_linear.LinearSettings(num_warps=2) for s in rest), rest
+    calls, _ = linear_calls(monkeypatch, ())
+    assert {s for _, s in calls} == {default}
+
+
+# op -> (a plan whose first kernel call in a forward is that op's, the module and call spied on, a non-default field)
+STOPS = {
+    "qkv_rope_kv": (KernelPlan(linear=True, attention=True), qkv_rope_kv, "qkv_rope_kv", ("num_warps", 8)),
+    "lm_head": (KernelPlan(lm_head=True), lm_head, "lm_head", ("block_v", 8)),
 }
 
 
-@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("op", sorted(STOPS))
 def test_an_ops_settings_reach_its_kernel_and_no_other(monkeypatch, op):
-    plan, module, call, (field, value) = OPS[op]
-    default = settings_at(monkeypatch, plan, module, call, ())
-    assert getattr(default, field) != value  # the product's default: what the variant below changes
-    mine = settings_at(monkeypatch, plan, module, call, ((op, field, value),))
-    assert getattr(mine, field) == value and mine == type(default)(**{**vars(default), field: value})
-    others = [(o, f, v) for o, (p, _, _, (f, v)) in OPS.items() if o != op and all(
-        getattr(p, g) <= getattr(plan, g) for g in ("linear", "attention", "lm_head"))]
-    if others:  # another op's settings under the same plan leave this op's at the default
-        assert settings_at(monkeypatch, plan, module, call, tuple(others)) == default
+    plan, module, call, (field, value) = STOPS[op]
+    seen = []
+    monkeypatch.setattr(module, call, stopping_spy(seen))
+    forward(plan, ())
+    forward(plan, ((op, field, value),))
+    if plan.linear:  # other ops' settings, where the plan runs their kernels
+        forward(plan, (("linear", "num_stages", 2), ("o_proj", "num_stages", 2)))
+    default, mine, *others = seen
+    assert getattr(default, field) != value  # the product's default: what the variant changes
+    assert mine == type(default)(**{**vars(default), field: value})
+    assert others == [default] * plan.linear
+
+
+def test_the_router_folds_projection_takes_the_o_projections_and_its_own(monkeypatch):
+    seen = []
+
+    def spy(*args, settings, parts_settings, **kwargs):
+        seen.append((settings, parts_settings))
+        raise Reached
+
+    monkeypatch.setattr(o_proj_router, "o_proj_router", spy)
+    monkeypatch.setattr(fp8_linear, "fp8_linear", lambda x, w, scale, block, *, out_dtype=None, **kw:
+                        fp8_linear.fp8_linear_ref(x, w, scale, block).to(out_dtype or x.dtype))
+    forward(KernelPlan(linear=True), (), router_fold=True)
+    forward(KernelPlan(linear=True), (("o_proj", "split_k", 1), ("o_proj_router", "block_e", 128),
+                                      ("linear", "num_stages", 2)), router_fold=True)
+    assert seen == [(fp8_linear.LinearSettings(), o_proj_router.PartsSettings()),
+                    (fp8_linear.LinearSettings(split_k=1), o_proj_router.PartsSettings(block_e=128))]
 
 
 def test_kernel_setting_parses_op_field_value():
