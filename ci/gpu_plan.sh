@@ -8,8 +8,9 @@
 #             controls; qualify2b the same with the other nine. At 8d0c782 (H100) all seventeen in one call reported
 #             no unit in 560 s (19 units on 12 workers, two waves, two processes a unit)
 #   step      the benchmark of record: triton, the tune's same-bits winners together (the LM head's block_v=8 +
-#             rows_warps=4, the linears' num_stages=2, the q/k/v fold's num_warps=8; each 0.77-0.83x its op at
-#             8d0c782, H100), and ~route:38, in one process (~5 min); adopt the winners if the round is faster
+#             rows_warps=4, the linears' and the o-projection's num_stages=2, the q/k/v fold's num_warps=8; each
+#             0.77-0.83x its op at 8d0c782, H100), and ~route:38, in one process (~5 min); adopt the winners if the
+#             round is faster
 #   tune      bench tune: the MoE at 38 experts (split 1, 2, 8 against the default 4), the attention, the router, the
 #             tails, the top-k, the prefetch branch, the router fold's o-projection (25.0 us default against 3.8 at
 #             any other block_e, 8d0c782: re-measure)
@@ -57,7 +58,7 @@ case "${1:-}" in
       $(printf -- '--control %s ' $controls) > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
     tail -4 "$out/$name.log" ;;
   step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
-    same_bits=@lm_head.block_v=8@lm_head.rows_warps=4@linear.num_stages=2@qkv_rope_kv.num_warps=8
+    same_bits=@lm_head.block_v=8@lm_head.rows_warps=4@o_proj.num_stages=2@linear.num_stages=2@qkv_rope_kv.num_warps=8
     kernels="triton,triton$same_bits,triton~route:38"
     [ "$1" = step2 ] && kernels=triton,triton+down_tail,triton^qkv_rope
     gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --kernels "$kernels" \
@@ -81,7 +82,7 @@ case "${1:-}" in
     gpu bench context --out "$out/context-tp8slice-$sha.json" 2>&1 | tail -20 | tee "$out/context-tp8slice-$sha.log"
     gpu bench depth --device cuda --prompts 16 --tokens 64 --repeats 5 --out "$out/depth-mini-cuda-$sha.json" 2>&1 \
       | tail -20 | tee "$out/depth-mini-cuda-$sha.log" ;;
-  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|step|tune|trace|rest|step2|prefetch|"\
-"tests|mps|qualify)" >&2
+  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|step|tune|trace|rest|step2|"\
+"prefetch|tests|mps|qualify)" >&2
      exit 2 ;;
 esac
