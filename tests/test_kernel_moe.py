@@ -166,10 +166,10 @@ def call(t: dict, **kw) -> torch.Tensor:
 
 
 def tail_equal(c: dict, t: dict) -> bool:
-    """`combine_add_norm` of the uncombined outputs against `moe`, the cast to the compute dtype and `add_norm`: the
-    sum, h and b bit for bit (the same definitions in one launch). The MoE tail of layers >= 1 (no branch norm, the
-    published ffn_out_scale) on a stream of the compute dtype; on the mini shapes, the draft's (branch norm, scale 1,
-    an fp32 stream)."""
+    """`combine_add_norm` of the uncombined outputs against `moe` (both under the case's settings), the cast to the
+    compute dtype and `add_norm`: the sum, h and b bit for bit (the same definitions in one launch). The MoE tail of
+    layers >= 1 (no branch norm, the published ffn_out_scale) on a stream of the compute dtype; on the mini shapes,
+    the draft's (branch norm, scale 1, an fp32 stream)."""
     from iquest.kernels import rmsnorm
 
     gen = torch.Generator().manual_seed(c["seed"] + 11)
@@ -179,9 +179,10 @@ def tail_equal(c: dict, t: dict) -> bool:
     y_norm = (torch.rand(H, generator=gen) + 0.5).to(dt).to(t["b"].device) if draft else None
     next_norm = (torch.rand(H, generator=gen) + 0.5).to(dt).to(t["b"].device)
     scale = 1.0 if draft else 0.53881590608
-    outputs = mk.expert_outputs(t["b"], t["experts"], t["weights"], t["live"], t["gate"], t["up"], t["down"])
+    outputs = mk.expert_outputs(t["b"], t["experts"], t["weights"], t["live"], t["gate"], t["up"], t["down"],
+                                settings=settings(c))
     fused = mk.combine_add_norm(outputs, residual, scale, y_norm, next_norm, 1e-6, dt)
-    total = call(t).to(dt)
+    total = call(t, settings=settings(c)).to(dt)
     want = (total, *rmsnorm.add_norm(residual, total, scale, y_norm, next_norm, 1e-6, dt))
     return all(torch.equal(a, b) for a, b in zip(fused, want))
 
@@ -426,7 +427,8 @@ def run_fold(c: dict, device: str, t: dict | None = None) -> dict:
     dt = DTYPES[c["dtype"]]
     residual, scale, y_norm, next_norm = tail_args(c, device)
     tail = (residual, scale, y_norm, next_norm, 1e-6, dt)
-    h = mk.gate_up(t["b"], t["experts"], t["live"], t["gate"], t["up"])
+    # Gate/Up only makes Down's input here: its plain form (no split), the fewest programs under the interpreter
+    h = mk.gate_up(t["b"], t["experts"], t["live"], t["gate"], t["up"], settings=mk.MoESettings(gate_up_split=1))
     o = mk.down(h, t["weights"], t["down"])
     want = mk.combine_add_norm(o, *tail)
     pairs = t["mask"].repeat_interleave(c["k"])  # live rows' pairs: the only ones written
