@@ -20,7 +20,7 @@ Triple = tuple[str, str, Value]
 
 @dataclass(frozen=True)
 class KernelSettings:
-    """One settings value an op of the engine."""
+    """Each op's launch settings: a field an op, its kernel file's settings dataclass."""
 
     moe: mo.MoESettings = mo.MoESettings()                  # Gate/Up, Down, the combine
     linear: fl.LinearSettings = fl.LinearSettings()         # the other FP8 linears (dense MLP, eh_proj, q/k/v unfolded)
