@@ -308,7 +308,7 @@ def test_interpreted_group_kernels_within_their_tolerance(interpreted, group, ke
           f"fallbacks {r['fallbacks']}")
     assert kernels <= {name for name, n in r["calls"].items() if n}, r
     assert r["rel_err"] <= GROUP_BLOCK_TOL[group] and r["cache_err"] <= GROUP_BLOCK_TOL[group], r
-    if "moe" in group:  # moe_block runs the product's Gate/Up (split: its counters made, left zeroed), moe_norm the plain
+    if "moe" in group:  # moe_block runs the product's Gate/Up (split: counters made, left zeroed), moe_norm the plain
         assert r["gate_up_locks"] == {"moe": 0, "moe_norm": None}[group], r
 
 
