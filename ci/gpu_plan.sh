@@ -14,6 +14,9 @@
 #   tune      bench tune: the MoE at 38 experts (split 1, 2, 8 against the default 4), the attention, the router, the
 #             tails, the top-k, the prefetch branch, the router fold's o-projection (25.0 us default against 3.8 at
 #             any other block_e, 8d0c782: re-measure)
+#   fold      the router fold (7 dependent steps a MoE layer with +down_tail) paired with the round, at its default
+#             epilogue and at block_e=16: the tune put its o-projection at 25.0 us by default against 3.8 at block_e
+#             16 or 128 (8d0c782; no spill at 32, 16 or 128: bench sass), 27.1 us a call in the round at 72c654b
 #   trace     bench graph-trace: kernels a decoder layer, with and without each fold
 #   rest      bench context (1K-512K), bench depth (the controller's gain, paired)
 #   step2     the folds' controls (+down_tail, ^qkv_rope) against triton
@@ -75,6 +78,10 @@ case "${1:-}" in
       --budget 110 --out "$out/tune-moe38-$sha.json" 2>&1 | tee "$out/tune-moe38-$sha.log" | tail -8
     gpu bench tune --ops attention_sliding,attention_full,router,add_norm,topk,expert_prefetch,o_proj_router \
       --budget 300 --out "$out/tune-rest-$sha.json" 2>&1 | tee "$out/tune-rest-$sha.log" | tail -60 ;;
+  fold)
+    gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
+      --kernels triton,triton+router_fold,triton+router_fold@o_proj_router.block_e=16 \
+      --out "$out/step-fold-ctx1k-d5-$sha.json" 2>&1 | tee "$out/step-fold-ctx1k-d5-$sha.log" | tail -40 ;;
   trace)
     gpu bench graph-trace --kernels triton,triton+router_fold,triton+down_tail,triton^moe_combine,triton^qkv_rope \
       --out "$out/graph-trace-$sha.json" 2>&1 | tee "$out/graph-trace-$sha.log" ;;
@@ -82,7 +89,7 @@ case "${1:-}" in
     gpu bench context --out "$out/context-tp8slice-$sha.json" 2>&1 | tail -20 | tee "$out/context-tp8slice-$sha.log"
     gpu bench depth --device cuda --prompts 16 --tokens 64 --repeats 5 --out "$out/depth-mini-cuda-$sha.json" 2>&1 \
       | tail -20 | tee "$out/depth-mini-cuda-$sha.log" ;;
-  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|step|tune|trace|rest|step2|"\
+  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|step|tune|fold|trace|rest|step2|"\
 "prefetch|tests|mps|qualify)" >&2
      exit 2 ;;
 esac
