@@ -34,7 +34,7 @@ from .bytes import STAGE_ITEMS, ByteCounter, RoundRouting, stage_bytes
 from .parking import dependent_step_us
 from .acceptance import tpot
 from .history import fill_history, synthetic_history
-from . import variants
+from . import launches, variants
 from .timing import sync, time_chunk
 from ..provenance import commit
 
@@ -257,12 +257,13 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
     build_s = time.perf_counter() - t0
     generation = GenerationConfig(eos_token_id=config.eos_token_id)
     req = synthetic_request(config, tp, context, seed, generation, chunk_tokens + 1, drafts)
-    engines, timing = {}, {}
+    engines, timing, captured = {}, {}, {}
     for name in kernels:  # the weights are shared; each engine has its own caches, state and graph
         engine = variants.prepare(RankEngine.from_weights(config, weights, generation, synthetic_parallel(tp, 0, dev),
                                                           variants.options(name, options)), name)
         t0 = time.perf_counter()
-        runner, graph = engine.runner(drafts, generation.top_k)
+        with launches.recorded() as captured[name]:  # the capture's Triton kernels: do the variants' graphs differ
+            runner, graph = engine.runner(drafts, generation.top_k)
         t1 = time.perf_counter()
         if filled:
             fill_history(engine, filled, seed)
@@ -333,6 +334,7 @@ def run(config_file: str, tp: int, context: int, drafts: int, repeats: int, chun
               "weight_bytes": weight_bytes, "build_s": build_s, "engines": timing,
               "restore_all_kv": all(e[3].all_kv for e in engines.values()), "summary": summary, "bytes": bytes_info,
               "floor": floor, "floors_by_variant": floors, "paired": paired,
+              "graphs": {k: launches.compare(captured[kernels[0]].kernels, captured[k].kernels) for k in kernels[1:]},
               "bytes_by_variant": {k: {n: b[n] for n in ("measured_median", "distinct_experts_verify_mean")}
                                    for k, b in by_variant.items()}, "stages_us_per_round": stages, "tpot_mini_profile": profile,
               "targets": {"floor_ratio_max": TARGET_FLOOR_RATIO, "speedup_min": TARGET_SPEEDUP,
@@ -423,6 +425,8 @@ def _print(r: dict) -> None:
     for key, p in r.get("paired", {}).items():
         print(f"{key} against {r['main_variant']}, paired by repeat: {p['median']:.4f}x median "
               f"({p['min']:.4f}-{p['max']:.4f}, {p['n']} repeats)")
+    for key, c in r.get("graphs", {}).items():
+        print(launches.verdict(key, r["kernels"][0], c))
     if "speedup" in s:
         print(f"{r['main_variant']} speedup over {r['baseline_variant']}: {s['speedup']:.2f}x (target >= {TARGET_SPEEDUP:.0f}x)")
     if r.get("tpot_mini_profile"):

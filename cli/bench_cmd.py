@@ -24,7 +24,9 @@ def register(sub) -> None:
                                     "captured decode-loop graph and with an eager loop, alternating in one process. "
                                     "With --config and --tp-slice: one rank's shard of that model at full dimensions "
                                     "(random weights shaped as loaded, collectives replaced by local no-ops), with bytes per round, "
-                                    "the byte floor and a per-stage profile.")
+                                    "the byte floor and a per-stage profile, and each variant's captured graph "
+                                    "compared with the first's, launch by compiled Triton kernel (bench/launches.py: "
+                                    "an arm whose setting changed no kernel is flagged).")
     s.add_argument("--model", help="checkpoint folder (default: the shipped mini model)")
     s.add_argument("--config", help="config.json of a model to run as one synthetic rank slice (no checkpoint), with its "
                                     "draft's config beside it (mtp/config.json, or NAME-mtp.json as "

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, strategies as st
 import torch
+import triton
+import triton.language as tl
 
 from iquest.bench import full_step
 from iquest.bench.bytes import ByteCounter, RoundRouting, round_bytes, stage_bytes
@@ -195,6 +197,9 @@ def test_cpu_smoke_run(tmp_path, capsys):
     rounds = [(a["round_us"], b["round_us"]) for a, b in zip(r["runs"]["torch/eager"], r["runs"]["torch'/eager"])]
     assert p["n"] == 2 and p["median"] == pytest.approx(sum(b / a for a, b in rounds) / 2)
     assert p["min"] <= p["median"] <= p["max"] and "torch/eager" not in r["paired"]
+    # no CUDA graph on the CPU: nothing captured, said so
+    assert r["graphs"] == {"torch'": full_step.launches.compare([], [])}
+    assert "captured graph of torch' against torch: nothing captured" in text
 
 
 def test_paired_ratios_by_hand():
@@ -347,3 +352,57 @@ def test_layers_cut_the_model_to_its_first_main_layers(tmp_path):
                  "--repeats", "1", "--context", "48", "--chunk-tokens", "6", "--layers", "1", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["layers"] == 1 and r["bytes"]["rounds_recorded"] >= 1
+
+
+def test_captured_graphs_are_compared_by_compiled_kernel():
+    """bench/launches.py: Triton's launch hook records (name, compiled handle) while active, and only then; two captures
+    compare identical only launch for launch, and the printed verdict says which arm should have been identical."""
+    from triton import knobs
+
+    from iquest.bench import launches
+
+    class Lazy:  # what Triton hands the hook
+        def __init__(self, **data):
+            self.data = data
+
+        def get(self):
+            return self.data
+
+    with launches.recorded() as rec:
+        knobs.runtime.launch_enter_hook(Lazy(name="gate_up", function=11, stream=0))
+        knobs.runtime.launch_enter_hook(Lazy(name="down", function=12, stream=0))
+    knobs.runtime.launch_enter_hook(Lazy(name="after", function=13, stream=0))
+    assert rec.kernels == [("gate_up", 11), ("down", 12)] and rec not in knobs.runtime.launch_enter_hook.calls
+    main = rec.kernels
+    same = launches.compare(main, list(main))
+    assert same["identical"] and same["differing"] == 0 and same["first"] is None
+    retuned = launches.compare(main, [("gate_up", 21), ("down", 12)])  # another binary of one kernel
+    assert not retuned["identical"] and retuned["differing"] == 1 and retuned["kernels_changed"] == ["gate_up"]
+    longer = launches.compare(main, main + [("tail", 14)])  # a launch added
+    assert longer["differing"] == 1 and longer["first"] == 2 and longer["first_kernels"] == [None, "tail"]
+    assert "identical" in launches.verdict("triton'", "triton", same) and "WARNING" not in launches.verdict(
+        "triton'", "triton", same)
+    assert "WARNING: its substitution changed no kernel" in launches.verdict("triton@lm_head.block_v=8", "triton", same)
+    assert "WARNING: an A' arm" in launches.verdict("triton'", "triton", retuned)
+    assert "differs at 1 of 2" in launches.verdict("triton@x.y=1", "triton", retuned)
+    assert "nothing captured" in launches.verdict("torch'", "torch", launches.compare([], []))
+
+
+@pytest.mark.gpu
+def test_the_launch_hook_tells_compiled_kernels_apart_on_the_gpu():
+    """On the GPU, through Triton's own launcher: one specialization launched twice carries one handle, another
+    constexpr another (what `bench step`'s graph comparison rests on)."""
+    from iquest.bench import launches
+
+    x = torch.empty(16, device="cuda")
+    with launches.recorded() as rec:
+        for value in (1, 1, 2):
+            _fill[(1,)](x, V=value)
+    (n1, h1), (n2, h2), (n3, h3) = rec.kernels
+    assert n1 == n2 == n3 and h1 == h2 != h3, rec.kernels
+    assert x.eq(2).all()
+
+
+@triton.jit
+def _fill(x_ptr, V: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, 16), tl.full((16,), V, tl.float32))
