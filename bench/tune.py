@@ -34,12 +34,13 @@ from typing import Callable
 import torch
 
 from ..kernels import decode_attention as da, expert_prefetch as xp, fp8_linear as fl, lm_head as lh, moe as mo, \
-    o_proj_router as opr, qk_rope_kv as qr, qkv_rope_kv as qrk, rmsnorm as rn, router as ro, topk as tk
+    o_proj_router as opr, qk_rope_kv as qr, qkv_rope_kv as qrk, rmsnorm as rn, route_tail as rt, router as ro, \
+    topk as tk
 
 FULL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "iquest-q1.json"
 TP = 8
 OPS = ("linear_qkv", "linear_o", "attention_full", "attention_sliding", "attention_draft", "qk_rope_kv", "qkv_rope_kv",
-       "rmsnorm", "add_norm", "router", "moe", "lm_head", "topk", "expert_prefetch", "o_proj_router")
+       "rmsnorm", "add_norm", "router", "moe", "lm_head", "topk", "expert_prefetch", "o_proj_router", "add_norm_route")
 ROTATE_BYTES = 192 << 20  # > 3x the H200's L2: a call finds little of its inputs left there by the previous copies
 MAX_COPIES = 384  # a short cache's copies: 2 kernels each, a graph stays a few hundred nodes
 MIN_CALLS = 24  # calls a graph at least, so a replay's launch overhead spreads thin
@@ -113,6 +114,9 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     # the router fold's o-projection (EngineOptions.router_fold): 27.1 us a call against the plain o_proj's ~5.8 at
     # 72c654b. Its last split reads its [E x 32] router slab block_e experts at a time, each chunk's loads after the
     # last one's products: fewer, larger chunks put more of the slab in flight at once
+    # the router fold's tail (kernels/route_tail.py): one program a row sums the o-projection's T x 2 x E partials,
+    # 11.8 us a call at 72c654b against add_norm's 2.5: smaller and larger steps of that sum
+    "add_norm_route": ({"part_chunk": 2048}, {"part_chunk": 4096}, {"part_chunk": 16384}),
     "o_proj_router": ({"block_e": 16}, {"block_e": 64}, {"block_e": 128}, {"block_e": 256}, {"prefetch": False},
                       {"block_e": 256, "prefetch": False}),
 }
@@ -135,6 +139,7 @@ ORDER_FIELDS: dict[str, frozenset[str]] = {
     "topk": frozenset(),  # no sum: the keys are exact and unique, so every setting gives the same top-k
     "expert_prefetch": frozenset({"block_e", "block_h", "num_warps", "programs_per_sm"}),  # the prediction's logits
     "o_proj_router": frozenset(),  # block_e moves no bit (every partial is one sum over the tile's columns)
+    "add_norm_route": frozenset({"part_chunk"}),  # the partials' summation tree (never h or b)
 }
 
 
@@ -145,7 +150,7 @@ def default_settings(op: str):
             "qkv_rope_kv": fl.LinearSettings(), "rmsnorm": rn.RmsNormSettings(), "add_norm": rn.RmsNormSettings(),
             "router": ro.RouterSettings(), "moe": mo.MoESettings(), "lm_head": lh.LMHeadSettings(),
             "topk": tk.TopKSettings(), "expert_prefetch": xp.PrefetchSettings(),
-            "o_proj_router": opr.PartsSettings()}[op]
+            "o_proj_router": opr.PartsSettings(), "add_norm_route": rt.RouteTailSettings()}[op]
 
 
 def candidate_name(overrides: dict) -> str:
@@ -462,6 +467,24 @@ def _o_proj_router(s: RankShapes, rows: int, device, g, pdl: bool) -> Case:
                 {"rows": rows, "n": N, "k": K, "experts": E}, n, calls)
 
 
+def _add_norm_route(s: RankShapes, rows: int, device, g, pdl: bool) -> Case:
+    """The router fold's tail as the engine calls it: the attention's sandwich tail, then the sum of the o-projection's
+    partial logits over its column tiles and the selection; the partials just written, in L2 (one copy)."""
+    H, E = s.hidden, s.experts
+    T = -(-H // fl.LinearSettings().block_n)  # the o-projection's output tiles, each writing its partials
+    residual, y = _randn((rows, H), g, device), _randn((rows, H), g, device)
+    w1, w2 = _randn((H,), g, device, scale=0.1) + 1, _randn((H,), g, device, scale=0.1) + 1
+    parts = torch.randn((T, 2, rows, E), generator=g, device=device) * 0.01
+
+    def calls(st):
+        return [lambda: rt.add_norm_route(residual, y, 0.5, w1, w2, s.eps, torch.bfloat16, parts, s.top_k, pdl=pdl,
+                                          settings=st)]
+
+    return Case("add_norm_route", f"residual, o [{rows}, {H}] bf16 and the partial logits [{T}, 2, {rows}, {E}] fp32: "
+                                  f"the attention tail, the folded logits' sum and the top-{s.top_k}",
+                {"rows": rows, "hidden": H, "tiles": T, "experts": E, "top_k": s.top_k}, 1, calls)
+
+
 def _expert_prefetch(s: RankShapes, rows: int, device, g) -> Case:
     """The expert prefetch's branch on a block of `rows` rows with its first min(rows, 5) live (5: a width where it
     prefetches, `PrefetchSettings.rows`), a sliding layer's predictor W' and this rank's Gate and Up slabs. Launched
@@ -540,6 +563,8 @@ def build(op: str, s: RankShapes, rows: int, context: int, distinct: int, device
         return _expert_prefetch(s, rows, device, g)
     if op == "o_proj_router":
         return _o_proj_router(s, rows, device, g, pdl)
+    if op == "add_norm_route":
+        return _add_norm_route(s, rows, device, g, pdl)
     raise ValueError(f"unknown op {op!r}")
 
 

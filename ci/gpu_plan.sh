@@ -14,9 +14,10 @@
 #   tune      bench tune: the MoE at 38 experts (split 1, 2, 8 against the default 4), the attention, the router, the
 #             tails, the top-k, the prefetch branch, the router fold's o-projection (25.0 us default against 3.8 at
 #             any other block_e, 8d0c782: re-measure)
-#   fold      the router fold (7 dependent steps a MoE layer with +down_tail) paired with the round, at its default
-#             epilogue and at block_e=16: the tune put its o-projection at 25.0 us by default against 3.8 at block_e
-#             16 or 128 (8d0c782; no spill at 32, 16 or 128: bench sass), 27.1 us a call in the round at 72c654b
+#   fold      the router fold (7 dependent steps a MoE layer with +down_tail): its two kernels tuned (the o-projection
+#             and the tail that sums its partials), then paired with the round at its default epilogue and at
+#             block_e=16: the tune put its o-projection at 25.0 us by default against 3.8 at block_e 16 or 128
+#             (8d0c782; no spill at 32, 16 or 128: bench sass), 27.1 us a call in the round at 72c654b
 #   trace     bench graph-trace: kernels a decoder layer, with and without each fold
 #   rest      bench context (1K-512K), bench depth (the controller's gain, paired)
 #   step2     the folds' controls (+down_tail, ^qkv_rope) against triton
@@ -79,6 +80,9 @@ case "${1:-}" in
     gpu bench tune --ops attention_sliding,attention_full,router,add_norm,topk,expert_prefetch,o_proj_router \
       --budget 300 --out "$out/tune-rest-$sha.json" 2>&1 | tee "$out/tune-rest-$sha.log" | tail -60 ;;
   fold)
+    timeout 120 bash "$here/gpu.sh" bench tune --ops o_proj_router,add_norm_route --budget 60 \
+      --out "$out/tune-fold-$sha.json" > "$out/tune-fold-$sha.log" 2>&1 || echo "tune: exit $?" >&2
+    tail -14 "$out/tune-fold-$sha.log"
     gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
       --kernels triton,triton+router_fold,triton+router_fold@o_proj_router.block_e=16 \
       --out "$out/step-fold-ctx1k-d5-$sha.json" 2>&1 | tee "$out/step-fold-ctx1k-d5-$sha.log" | tail -40 ;;

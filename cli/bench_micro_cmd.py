@@ -143,7 +143,7 @@ def _register_tune(bsub) -> None:
     t.add_argument("--ops", default="all", help="comma-separated ops, or all (default all: linear_qkv, linear_o, "
                                                 "attention_full, attention_sliding, attention_draft, qk_rope_kv, "
                                                 "qkv_rope_kv, rmsnorm, add_norm, router, moe, lm_head, topk, "
-                                                "expert_prefetch, o_proj_router)")
+                                                "expert_prefetch, o_proj_router, add_norm_route)")
     t.add_argument("--only", metavar="NAME[,NAME]",
                    help="time only these candidates (besides each op's default), named as printed, e.g. "
                         "num_warps=8,block_n=32")

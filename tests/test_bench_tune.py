@@ -104,6 +104,8 @@ def test_small_cases_build_on_cpu():
     f = tune.build("qkv_rope_kv", s, 6, 256, 13, "cpu", pdl=False)  # linear_qkv's weight and copies, a full layer
     assert (f.shapes["n"], f.shapes["k"], f.shapes["head_dim"], f.shapes["slots"], f.copies) == (1024, 3072, 128,
                                                                                                  352, 64)
+    tail = tune.build("add_norm_route", s, 6, 256, 13, "cpu", pdl=False)  # the fold's tail: o_proj's 96 tiles
+    assert tail.shapes == {"rows": 6, "hidden": 3072, "tiles": 96, "experts": 256, "top_k": 8} and tail.copies == 1
 
 
 # Each interpreted launch is the full-size projection (~1 s on CI's cores): the candidates that reach a different
