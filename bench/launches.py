@@ -23,7 +23,7 @@ class Launches:
         self.kernels: list[tuple[str, int]] = []
 
     def __call__(self, metadata) -> None:
-        data = metadata.get() if hasattr(metadata, "get") else metadata  # Triton passes a LazyDict
+        data = metadata.get()  # Triton's LazyDict of the launch
         self.kernels.append((str(data["name"]), int(data["function"])))
 
 

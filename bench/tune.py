@@ -114,11 +114,11 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     # the router fold's o-projection (EngineOptions.router_fold): 27.1 us a call against the plain o_proj's ~5.8 at
     # 72c654b. Its last split reads its [E x 32] router slab block_e experts at a time, each chunk's loads after the
     # last one's products: fewer, larger chunks put more of the slab in flight at once
+    "o_proj_router": ({"block_e": 16}, {"block_e": 64}, {"block_e": 128}, {"block_e": 256}, {"prefetch": False},
+                      {"block_e": 256, "prefetch": False}),
     # the router fold's tail (kernels/route_tail.py): one program a row sums the o-projection's T x 2 x E partials,
     # 11.8 us a call at 72c654b against add_norm's 2.5: smaller and larger steps of that sum
     "add_norm_route": ({"part_chunk": 2048}, {"part_chunk": 4096}, {"part_chunk": 16384}),
-    "o_proj_router": ({"block_e": 16}, {"block_e": 64}, {"block_e": 128}, {"block_e": 256}, {"prefetch": False},
-                      {"block_e": 256, "prefetch": False}),
 }
 
 # Fields that set the order of some fp32 sum (so a candidate changing one may change the last bits): from each settings

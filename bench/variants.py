@@ -11,7 +11,7 @@ import re
 from dataclasses import replace
 from typing import NamedTuple
 
-from ..fast.rank import EngineOptions, RankEngine, kernel_setting
+from ..fast.rank import EngineOptions, KernelSetting, RankEngine, kernel_setting
 from ..lab.ablation import ablate, check_reached
 from ..lab.unfold import check_unfolded, unfold
 
@@ -26,10 +26,10 @@ class Variant(NamedTuple):
     ablated: frozenset[str]
     unfolded: frozenset[str]
     options: frozenset[str] = frozenset()
-    kernel_settings: tuple[tuple[str, str, int | str | bool], ...] = ()
+    kernel_settings: tuple[KernelSetting, ...] = ()
 
 
-def _setting(name: str, part: str) -> tuple[str, str, int | str | bool]:
+def _setting(name: str, part: str) -> KernelSetting:
     try:
         return kernel_setting(part)
     except ValueError:

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 
-def _kernel_settings(texts: list[str], kernels) -> tuple[tuple[str, str, int | str | bool], ...]:
+def _kernel_settings(texts: list[str], kernels) -> tuple:
     """--kernel-setting's triples, checked as the engine checks them (fast/rank.kernel_settings_of) before any worker
     starts."""
     from ..fast.rank import kernel_setting, kernel_settings_of

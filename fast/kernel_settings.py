@@ -13,9 +13,7 @@ from dataclasses import dataclass
 
 from ..kernels import fp8_linear as fl, lm_head as lh, moe as mo, o_proj_router as opr
 from .plan import KernelPlan
-
-Value = int | str | bool
-Triple = tuple[str, str, Value]
+from .rank import KernelSetting
 
 
 @dataclass(frozen=True)
@@ -36,10 +34,10 @@ GROUP = {"moe": "moe", "linear": "linear", "o_proj": "linear", "o_proj_router": 
 assert set(GROUP) == {f.name for f in dataclasses.fields(KernelSettings)}
 
 
-def build(plan: KernelPlan, triples: tuple[Triple, ...]) -> KernelSettings:
+def build(plan: KernelPlan, triples: tuple[KernelSetting, ...]) -> KernelSettings:
     """KernelSettings with each (op, field, value) replacing that op's default; ValueError for an unknown op or field,
     or settings of an op whose group runs its torch form."""
-    chosen: dict[str, dict[str, Value]] = {}
+    chosen: dict[str, dict] = {}
     for op, field, value in triples:
         if op not in GROUP:
             raise ValueError(f"kernel setting {op}.{field}: unknown op {op!r}; settable: {', '.join(GROUP)}")

@@ -32,6 +32,8 @@ from .state import MAX_STOP_IDS, MAX_TOP_LOGPROBS, TOKENS_PER_READ, VERIFY_ROWS,
 from .torch_ops import TorchOps
 from .weights import ModelWeights, WeightLoader, load_weights
 
+# (op, field, value): one kernel launch setting replaced (EngineOptions.kernel_settings, fast/kernel_settings.py)
+KernelSetting = tuple[str, str, int | str | bool]
 PREFILL_BLOCK = 64  # rows per prefill block: no more than the ring's spare slots (see cache.py)
 MAX_CANDIDATES = 256  # sampling candidates a rank contributes to the all-gather at most
 
@@ -56,7 +58,7 @@ class EngineOptions:
     # (op, field, value) triples replacing the kernels' launch settings (fast/kernel_settings.py), the product's: a
     # bench variant's (`triton@moe.gate_up_split=1`) or qualify's (--kernel-setting), so that a numerical form is
     # qualified, and any setting timed in the round, before it becomes a default
-    kernel_settings: tuple[tuple[str, str, int | str | bool], ...] = ()
+    kernel_settings: tuple[KernelSetting, ...] = ()
 
     def plan(self, device: torch.device) -> KernelPlan:
         """The kernel plan for this device (on CPU, Triton kernels run only under Triton's interpreter)."""
@@ -80,7 +82,7 @@ class EngineParts:
     snapshot: type[RingSnapshot] = RingSnapshot
 
 
-def kernel_setting(text: str) -> tuple[str, str, int | str | bool]:
+def kernel_setting(text: str) -> KernelSetting:
     """"moe.gate_up_split=4" -> ("moe", "gate_up_split", 4), an EngineOptions.kernel_settings triple: an int,
     True/False, or else the text (make_ops refuses an unknown op or field)."""
     target, eq, value = text.partition("=")
@@ -92,7 +94,7 @@ def kernel_setting(text: str) -> tuple[str, str, int | str | bool]:
     return op, field, {"True": True, "False": False}.get(value, value)
 
 
-def kernel_settings_of(plan: KernelPlan, triples: tuple[tuple[str, str, int | str | bool], ...]):
+def kernel_settings_of(plan: KernelPlan, triples: tuple[KernelSetting, ...]):
     """fast/kernel_settings.KernelSettings with `triples` (EngineOptions.kernel_settings) replacing their defaults, or
     None for a plan without kernels; ValueError for an unknown op or field, or an op whose kernels the plan lacks."""
     if not plan.uses_triton:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from ..provenance import commit
 from ..fast.parallel import Parallel
 from ..fast.plan import KernelPlan
-from ..fast.rank import MAX_CANDIDATES, EngineOptions, EngineParts, RankEngine
+from ..fast.rank import MAX_CANDIDATES, EngineOptions, EngineParts, KernelSetting, RankEngine
 from ..fast.weights import weight_format
 from . import tolerances
 from ..reference.config import Config
@@ -269,7 +269,7 @@ def gather(pool, units: dict[str, tuple], bar, steps: dict[str, int], workers: i
 
 def candidate_options(dtype: str, kernels: str | KernelPlan, device: str, shared_gpu: bool = False,
                       weights: str = "auto", router_fold: bool = False,
-                      kernel_settings: tuple[tuple[str, str, int | str | bool], ...] = ()) -> EngineOptions:
+                      kernel_settings: tuple[KernelSetting, ...] = ()) -> EngineOptions:
     """The healthy candidate's engine options (`kernels` resolved to a plan for the device, e.g. auto -> triton).
     Eager on CUDA too: the recorder wraps the engine's Python calls, which a graph replay skips. The graph is held to
     the eager round separately (bit-exact: tests/test_fast_gpu.py)."""
@@ -291,7 +291,7 @@ def references(model_dir: str, config: Config, weights: str, device: str) -> tup
 def make_plan(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32", device: str = "cpu",
               kernels: str | KernelPlan = "auto", shared_gpu: bool = False, weights: str = "auto",
               seed: int = 0, router_fold: bool = False,
-              kernel_settings: tuple[tuple[str, str, int | str | bool], ...] = ()) -> tuple[Plan, str]:
+              kernel_settings: tuple[KernelSetting, ...] = ()) -> tuple[Plan, str]:
     """The plan of a run and the weight format its candidate runs."""
     base = candidate_options(dtype, kernels, device, shared_gpu, weights, router_fold, kernel_settings)
     config = Config.from_dir(model_dir)
@@ -322,7 +322,7 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
             progress: bool | None = None, controls: list[str] | None = None, out=None,
             device: str = "cpu", kernels: str | KernelPlan = "auto", jobs: int = 1, shared_gpu: bool = False,
             weights: str = "auto", seed: int = 0, quiet: bool = False, router_fold: bool = False,
-            kernel_settings: tuple[tuple[str, str, int | str | bool], ...] = ()) -> dict:
+            kernel_settings: tuple[KernelSetting, ...] = ()) -> dict:
     """One qualification run. `weights`: --weights (auto, bf16, fp8; fast/weights.weight_format); `seed`: picks the
     cases and the lossless test's request seeds; `controls`: names to run (None: all, [] none); `router_fold`: the
     candidate (and every control built on it) with EngineOptions.router_fold; `kernel_settings`: with those kernel
@@ -373,7 +373,7 @@ def closest(checks: list[dict]) -> list | None:
 def false_alarms(model_dir: str, seeds: int, out_path: str | None = None, first_seed: int = 0, dtype: str = "fp32",
                  device: str = "cpu", kernels: str | KernelPlan = "auto", weights: str = "auto", tp: int = 1,
                  jobs: int = 1, progress: bool | None = False, out=None, router_fold: bool = False,
-                 kernel_settings: tuple[tuple[str, str, int | str | bool], ...] = ()) -> dict:
+                 kernel_settings: tuple[KernelSetting, ...] = ()) -> dict:
     """The healthy engine's false-alarm rate: quick qualification of the healthy candidate alone (no controls) at
     seeds first_seed .. first_seed + seeds - 1; a run that fails any check is a false alarm. Writes the raw results
     (per seed: passed, failing checks, lossless p-value) to `out_path` when given."""
