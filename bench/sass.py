@@ -29,6 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
+from ..fast.kernel_settings import KernelSettings
 from ..kernels import fp8_linear as fl, fp8_linear_direct as fd
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -74,7 +75,7 @@ def specs() -> dict[str, KernelSpec]:
     qkv_n = sum(rank_shape(f"{w}_proj.weight")[0] for w in "qkv")
     qkv_k = rank_shape("q_proj.weight")[1]
     o_k = rank_shape("o_proj.weight")[1]
-    ls = fl.LinearSettings()  # the engine's launch
+    ls = KernelSettings().linear  # the engine's launch (q/k/v unfolded)
     # q/k/v as the engine calls it: its K splits, each program's tiles loaded before the wait
     qkv_splits = _linear_auto_split(qkv_n, qkv_k, ls.block_n, 128, H200_SMS)
     qkv_tiles = fl.preload_plan(ROWS, qkv_n, qkv_k, (128, 128), dataclasses.replace(ls, split_k=qkv_splits))
@@ -174,7 +175,7 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
         f"q/k norm + RoPE ({s.rotary} of {D} dims) + KV write, {R} rows x ({s.q_heads} + {hkv}) heads", NO_FMA)
     # the same prologue at the end of the q/k/v projection (kernels/qkv_rope_kv.py): one head a tile, K split as the
     # plain linear splits it (LinearSettings' column tiles on 132 SMs)
-    ls = fl.LinearSettings()
+    ls = KernelSettings().qkv_rope_kv
     hidden = s.hidden
     splits = _linear_auto_split(qkv, hidden, ls.block_n, 128, H200_SMS)
     k_per_split = -(-(hidden // 128) // splits) * 128
@@ -230,9 +231,10 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
     # ---- the router fold (EngineOptions.router_fold): o_proj writing the router's partial logits, and the attention's
     # sandwich tail summing them and selecting (in place of router_logits and router_select)
     o_k = s.q_heads * D
+    ls = KernelSettings().o_proj
     o_splits = _linear_auto_split(H, o_k, ls.block_n, 128, H200_SMS)
     o_kps = -(-(o_k // 128) // o_splits) * 128
-    ps = opr.PartsSettings()
+    ps = KernelSettings().o_proj_router
     out["o_proj_router"] = _launch(
         opr._o_proj_router_kernel,
         dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", y_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32",
@@ -344,14 +346,15 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
 
     # ---- the LM head: bf16 [20000 x 3072] a rank (held as stored, widened in registers), "rows" (the default) at the
     # verification block's rows and a draft's one, and "dot" at the V tile choose_block_v takes on 132 SMs
-    ls = lh.LMHeadSettings()
+    ls = KernelSettings().lm_head
+    rows_block_v = ls.block_v or lh.ROWS_BLOCK_V
     head = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*fp32")
     for name, rows in (("lm_head", R), ("lm_head_draft", 1)):
         out[name] = _launch(
             lh._lm_head_rows_kernel, head, dict(V=s.vocab, H=H, stride_x=H, stride_w=H, stride_y=s.vocab), (),
-            dict(ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_V=lh.ROWS_BLOCK_V, BLOCK_K=ls.rows_block_k,
+            dict(ROWS=rows, ROWS_PAD=triton.next_power_of_2(rows), BLOCK_V=rows_block_v, BLOCK_K=ls.rows_block_k,
                  PDL=True), ls.rows_warps, 1,
-            f"LM head, bf16 [{s.vocab} x {H}], {rows} row(s), {lh.ROWS_BLOCK_V} x {ls.rows_block_k} tiles")
+            f"LM head, bf16 [{s.vocab} x {H}], {rows} row(s), {rows_block_v} x {ls.rows_block_k} tiles")
     block_v = next((bv for bv in (64, 32) if triton.cdiv(s.vocab, bv) >= ls.programs_per_sm * H200_SMS), 16)
     out["lm_head_dot"] = _launch(
         lh._lm_head_kernel, head, dict(R=R, V=s.vocab, H=H, stride_x=H, stride_w=H, stride_y=s.vocab), (),

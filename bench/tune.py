@@ -36,6 +36,7 @@ import torch
 from ..kernels import decode_attention as da, expert_prefetch as xp, fp8_linear as fl, lm_head as lh, moe as mo, \
     o_proj_router as opr, qk_rope_kv as qr, qkv_rope_kv as qrk, rmsnorm as rn, route_tail as rt, router as ro, \
     topk as tk
+from ..fast.kernel_settings import KernelSettings
 
 FULL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "iquest-q1.json"
 TP = 8
@@ -55,7 +56,7 @@ _ATTENTION = ({"block_n": 32}, {"block_n": 128}, {"min_split": 128}, {"min_split
               {"combine_warps": 2}, {"combine_warps": 8}, {"preload": False}, {"early": False})
 _NORM = ({"num_warps": 2}, {"num_warps": 4}, {"num_warps": 16})
 # q/k/v splits its 24 K tiles 8 ways by default (3 a program), o_proj its 6 tiles 2 ways: split_k tries fewer and more
-_LINEAR = ({"block_n": 16}, {"block_n": 64}, {"num_warps": 2}, {"num_warps": 8}, {"num_stages": 2}, {"num_stages": 3},
+_LINEAR = ({"block_n": 16}, {"block_n": 64}, {"num_warps": 2}, {"num_warps": 8}, {"num_stages": 3}, {"num_stages": 4},
            {"preload": False}, {"split_k": 1}, {"split_k": 3}, {"split_k": 12})
 GRIDS: dict[str, tuple[dict, ...]] = {
     "linear_qkv": _LINEAR,
@@ -69,8 +70,8 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     # linear and the prologue apart. With one head a tile (8 tiles) the plain linear's split, 8 of 3 K tiles, is 64
     # programs where the linear launched 256, on half the SMs: 12 and 24 splits (2 K tiles a program, 1) give 96 and
     # 192, 4 splits 32 programs of twice the loads in flight
-    "qkv_rope_kv": ({"split_k": 4}, {"split_k": 12}, {"split_k": 24}, {"preload": False}, {"num_warps": 8},
-                    {"split_k": 12, "preload": False}),
+    "qkv_rope_kv": ({"split_k": 4}, {"split_k": 12}, {"split_k": 24}, {"preload": False}, {"num_warps": 4},
+                    {"num_stages": 2}, {"split_k": 12, "preload": False}),
     "rmsnorm": _NORM,
     "add_norm": _NORM,
     "router": ({"block_e": 2}, {"block_e": 8}, {"block_h": 256}, {"block_h": 1024}, {"num_warps": 2},
@@ -93,13 +94,11 @@ GRIDS: dict[str, tuple[dict, ...]] = {
             {"down_block_n": 256}, {"down_block_k": 32}, {"down_block_k": 128}, {"warps": 2}, {"warps": 8},
             {"stages": 2}, {"stages": 4}, {"combine_block": 128}, {"combine_block": 512},
             {"down_prefetch": False}),
-    # "rows" (the default) around its tile, then "dot" (the form before it) at its own defaults and grid; block_v 128
-    # is left out for "dot": kernels/lm_head.choose_block_v says it spills on sm_90a
-    "lm_head": ({"block_v": 8}, {"block_v": 32}, {"rows_block_k": 32}, {"rows_block_k": 128}, {"rows_warps": 4},
-                {"rows_warps": 16}, {"block_v": 8, "rows_block_k": 128, "rows_warps": 4},
-                # the same bits as the default: block_v 8 and rows_warps 4 each measured ~0.83x on the bf16 head
-                # (H100, fd92958), together untimed
-                {"block_v": 8, "rows_warps": 4}, {"block_v": 4}, {"block_v": 4, "rows_warps": 4},
+    # "rows" (the default: 8-row V tiles over 4 warps) around its tile, the 16 x 8 warps it replaced among them, then
+    # "dot" (the form before it) at its own defaults and grid; block_v 128 is left out for "dot":
+    # kernels/lm_head.choose_block_v says it spills on sm_90a
+    "lm_head": ({"block_v": 16}, {"block_v": 4}, {"rows_block_k": 32}, {"rows_block_k": 128}, {"rows_warps": 2},
+                {"rows_warps": 8}, {"block_v": 16, "rows_warps": 8}, {"rows_block_k": 128, "rows_warps": 8},
                 {"form": "dot"}, {"form": "dot", "block_v": 16}, {"form": "dot", "block_v": 64},
                 {"form": "dot", "block_k": 64}, {"form": "dot", "num_warps": 8}, {"form": "dot", "num_stages": 3}),
     # smaller tiles: more, shorter pass-1 programs (10 tiles a row at 2048). The skip only acts with more tiles than
@@ -144,13 +143,15 @@ ORDER_FIELDS: dict[str, frozenset[str]] = {
 
 
 def default_settings(op: str):
-    """The settings the engine launches `op` with (fast/triton_ops.py passes none: each wrapper's default)."""
-    return {"linear_qkv": fl.LinearSettings(), "linear_o": fl.LinearSettings(), "attention_full": da.FULL,
+    """The settings the engine launches `op` with: fast/kernel_settings.py's for the ops it holds, else the kernel
+    wrapper's default."""
+    ks = KernelSettings()
+    return {"linear_qkv": ks.linear, "linear_o": ks.o_proj, "attention_full": da.FULL,
             "attention_sliding": da.SLIDING, "attention_draft": da.SLIDING, "qk_rope_kv": qr.QkRopeSettings(),
-            "qkv_rope_kv": fl.LinearSettings(), "rmsnorm": rn.RmsNormSettings(), "add_norm": rn.RmsNormSettings(),
-            "router": ro.RouterSettings(), "moe": mo.MoESettings(), "lm_head": lh.LMHeadSettings(),
+            "qkv_rope_kv": ks.qkv_rope_kv, "rmsnorm": rn.RmsNormSettings(), "add_norm": rn.RmsNormSettings(),
+            "router": ro.RouterSettings(), "moe": ks.moe, "lm_head": ks.lm_head,
             "topk": tk.TopKSettings(), "expert_prefetch": xp.PrefetchSettings(),
-            "o_proj_router": opr.PartsSettings(), "add_norm_route": rt.RouteTailSettings()}[op]
+            "o_proj_router": ks.o_proj_router, "add_norm_route": rt.RouteTailSettings()}[op]
 
 
 def candidate_name(overrides: dict) -> str:
@@ -455,11 +456,12 @@ def _o_proj_router(s: RankShapes, rows: int, device, g, pdl: bool) -> Case:
     rw = torch.randn((E, N), generator=g, device=device) * 0.02
     n = _copies(w.numel() + rw.numel() * 4)
     rws = [rw] + [rw.clone() for _ in range(n - 1)]
-    linear = fl.LinearSettings()
+    linear = KernelSettings().o_proj  # the projection as the engine launches it
 
     def calls(st):
         locks = torch.zeros(fl.lock_count(rows, N, linear), dtype=torch.int32, device=device)
-        return [lambda rw=rw: opr.o_proj_router(x, w, sc, s.block, r, rw, wo, locks=locks, pdl=pdl, parts_settings=st)
+        return [lambda rw=rw: opr.o_proj_router(x, w, sc, s.block, r, rw, wo, locks=locks, pdl=pdl, settings=linear,
+                                                parts_settings=st)
                 for rw in rws]
 
     return Case("o_proj_router", f"x [{rows}, {K}] bf16 @ o_proj [{N} x {K}] E4M3, partial logits of W' [{E}, {N}] "

@@ -20,12 +20,15 @@ from .rank import KernelSetting
 class KernelSettings:
     """Each op's launch settings: a field an op, its kernel file's settings dataclass."""
 
-    moe: mo.MoESettings = mo.MoESettings()                  # Gate/Up, Down, the combine
-    linear: fl.LinearSettings = fl.LinearSettings()         # the other FP8 linears (dense MLP, eh_proj, q/k/v unfolded)
-    o_proj: fl.LinearSettings = fl.LinearSettings()         # the attention's o-projection (folded or not)
-    o_proj_router: opr.PartsSettings = opr.PartsSettings()  # the router fold's partial logits in its epilogue
-    qkv_rope_kv: fl.LinearSettings = fl.LinearSettings()    # q/k/v ending in the q/k norm + RoPE + KV write
-    lm_head: lh.LMHeadSettings = lh.LMHeadSettings()        # the target's and the draft's heads
+    # The FP8 linear's settings differ by op: two pipeline stages for the plain linears and the o-projection, eight
+    # warps for the q/k/v fold; with the head's 8-row tiles (kernels/lm_head.py) they took the round to 0.9595x, the
+    # same bits (docs/PERF.md, "Current state", the same-bits tunes).
+    moe: mo.MoESettings = mo.MoESettings()                          # Gate/Up, Down, the combine
+    linear: fl.LinearSettings = fl.LinearSettings(num_stages=2)     # dense MLP, eh_proj, q/k/v unfolded
+    o_proj: fl.LinearSettings = fl.LinearSettings(num_stages=2)     # the attention's o-projection (folded or not)
+    o_proj_router: opr.PartsSettings = opr.PartsSettings()          # the router fold's partial logits
+    qkv_rope_kv: fl.LinearSettings = fl.LinearSettings(num_warps=8)  # q/k/v + q/k norm + RoPE + KV write
+    lm_head: lh.LMHeadSettings = lh.LMHeadSettings()                # the target's and the draft's heads
 
 
 # the kernel plan's group that must run an op's kernel for its settings to mean anything

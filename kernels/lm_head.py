@@ -42,7 +42,7 @@ MAX_ROWS = BLOCK_R  # one row tile: the head is read once per call
 
 
 FORMS = ("rows", "dot")
-ROWS_BLOCK_V = 16  # "rows" with block_v None: 1,250 programs over a rank's 20,000 rows
+ROWS_BLOCK_V = 8  # "rows" with block_v None: 2,500 programs over a rank's 20,000 rows (measured with rows_warps)
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,10 @@ class LMHeadSettings:
     block_k: int = 128     # "dot"
     num_warps: int = 4     # "dot"
     num_stages: int = 4    # "dot"
-    # "rows": [16 x 64] tiles over 8 warps hold the fp32 accumulator of 8 rows in 64 registers a thread, four programs
-    # an SM with two tiles each in flight (`iquest bench sass`: no spill, 78 instructions a step at 6 rows); to be
-    # measured (`iquest bench tune --ops lm_head`)
+    # "rows": [8 x 64] tiles over 4 warps, with ROWS_BLOCK_V: 0.769x the [16 x 64] tiles over 8 warps, the same bits
+    # (`iquest bench tune --ops lm_head`; docs/PERF.md, "Current state", the same-bits tunes)
     rows_block_k: int = 64
-    rows_warps: int = 8
+    rows_warps: int = 4
 
 
 @triton.jit

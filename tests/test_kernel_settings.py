@@ -5,9 +5,12 @@ the kernels' own tests')."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from iquest.fast.kernel_settings import KernelSettings
 from iquest.fast.parallel import Parallel
 from iquest.fast.plan import KernelPlan
 from iquest.fast.rank import EngineOptions, RankEngine, kernel_setting
@@ -51,22 +54,22 @@ def linear_calls(monkeypatch, triples: tuple) -> tuple[list, RankEngine]:
 
 
 def test_the_o_projection_and_the_other_linears_take_their_own_settings(monkeypatch):
-    calls, e = linear_calls(monkeypatch, (("o_proj", "num_stages", 2), ("linear", "num_warps", 2)))
+    calls, e = linear_calls(monkeypatch, (("o_proj", "num_stages", 3), ("linear", "num_warps", 2)))
     wo = {id(lw.attn.wo.q) for lw in e.model.w.layers}
     o = [s for w, s in calls if id(w) in wo]
     rest = [s for w, s in calls if id(w) not in wo]
-    default = fp8_linear.LinearSettings()
+    product = KernelSettings()
     assert len(o) == len(e.model.w.layers) and rest  # every layer's o-projection, and q/k/v and the dense MLP
-    assert all(s == fp8_linear.LinearSettings(num_stages=2) for s in o), o
-    assert all(s == fp8_linear.LinearSettings(num_warps=2) for s in rest), rest
+    assert all(s == replace(product.o_proj, num_stages=3) for s in o), o
+    assert all(s == replace(product.linear, num_warps=2) for s in rest), rest  # over the product's, not the file's
     calls, _ = linear_calls(monkeypatch, ())
-    assert {s for _, s in calls} == {default}
+    assert {s for _, s in calls} == {product.linear, product.o_proj}
 
 
 # op -> (a plan whose first kernel call in a forward is that op's, the module and call spied on, a non-default field)
 STOPS = {
-    "qkv_rope_kv": (KernelPlan(linear=True, attention=True), qkv_rope_kv, "qkv_rope_kv", ("num_warps", 8)),
-    "lm_head": (KernelPlan(lm_head=True), lm_head, "lm_head", ("block_v", 8)),
+    "qkv_rope_kv": (KernelPlan(linear=True, attention=True), qkv_rope_kv, "qkv_rope_kv", ("num_warps", 2)),
+    "lm_head": (KernelPlan(lm_head=True), lm_head, "lm_head", ("block_v", 16)),
 }
 
 
@@ -78,10 +81,10 @@ def test_an_ops_settings_reach_its_kernel_and_no_other(monkeypatch, op):
     forward(plan, ())
     forward(plan, ((op, field, value),))
     if plan.linear:  # other ops' settings, where the plan runs their kernels
-        forward(plan, (("linear", "num_stages", 2), ("o_proj", "num_stages", 2)))
+        forward(plan, (("linear", "num_stages", 3), ("o_proj", "num_stages", 3)))
     default, mine, *others = seen
-    assert getattr(default, field) != value  # the product's default: what the variant changes
-    assert mine == type(default)(**{**vars(default), field: value})
+    assert default == getattr(KernelSettings(), op) and getattr(default, field) != value  # what the variant changes
+    assert mine == replace(default, **{field: value})
     assert others == [default] * plan.linear
 
 
@@ -97,9 +100,10 @@ def test_the_router_folds_projection_takes_the_o_projections_and_its_own(monkeyp
                         fp8_linear.fp8_linear_ref(x, w, scale, block).to(out_dtype or x.dtype))
     forward(KernelPlan(linear=True), (), router_fold=True)
     forward(KernelPlan(linear=True), (("o_proj", "split_k", 1), ("o_proj_router", "block_e", 128),
-                                      ("linear", "num_stages", 2)), router_fold=True)
-    assert seen == [(fp8_linear.LinearSettings(), o_proj_router.PartsSettings()),
-                    (fp8_linear.LinearSettings(split_k=1), o_proj_router.PartsSettings(block_e=128))]
+                                      ("linear", "num_stages", 3)), router_fold=True)
+    product = KernelSettings()
+    assert seen == [(product.o_proj, product.o_proj_router),
+                    (replace(product.o_proj, split_k=1), replace(product.o_proj_router, block_e=128))]
 
 
 def test_kernel_setting_parses_op_field_value():
