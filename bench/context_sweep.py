@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -21,6 +22,11 @@ from ..provenance import commit
 
 def run(config_file: str, tp: int, contexts: tuple[int, ...], drafts: int, repeats: int, chunk_tokens: int,
         seed: int, device: str, kernels: str, out: str | None, plot: str | None) -> dict:
+    if not torch.cuda.is_initialized():
+        # Each length builds and frees 40+ GB of weights, then prefills over up to 512K keys: the freed blocks, cut to
+        # those sizes, left 28 GB reserved but unusable at 512K on an 80 GB H100 (bc0ea27, docs/PERF.md); growable
+        # segments are carved as needed instead.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     rows = []
     for i, context in enumerate(contexts):
         print(f"[{i + 1}/{len(contexts)}] context {context}: building, capturing, filling the history, timing "

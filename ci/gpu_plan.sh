@@ -5,21 +5,20 @@
 #   IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE
 # STAGE (in the order to run them):
 #   qualify2a qualification, bf16, TP 2 on one GPU under MPS: the healthy engine, lossless and the first eight
-#             controls; qualify2b the same with the other nine. At 8d0c782 (H100) all seventeen in one call reported
-#             no unit in 560 s (19 units on 12 workers, two waves, two processes a unit)
-#   step      the benchmark of record: triton, the tune's same-bits winners together (the LM head's block_v=8 +
-#             rows_warps=4, the linears' and the o-projection's num_stages=2, the q/k/v fold's num_warps=8; each
-#             0.77-0.83x its op at 8d0c782, H100), and ~route:38, in one process (~5 min); adopt the winners if the
-#             round is faster
-#   tune      bench tune: the MoE at 38 experts (split 1, 2, 8 against the default 4), the attention, the router, the
-#             tails, the top-k, the prefetch branch, the router fold's o-projection (25.0 us default against 3.8 at
-#             any other block_e, 8d0c782: re-measure)
-#   fold      the router fold (7 dependent steps a MoE layer with +down_tail): its two kernels tuned (the o-projection
-#             and the tail that sums its partials), then paired with the round at its default epilogue and at
-#             block_e=16: the tune put its o-projection at 25.0 us by default against 3.8 at block_e 16 or 128
-#             (8d0c782; no spill at 32, 16 or 128: bench sass), 27.1 us a call in the round at 72c654b
-#   trace     bench graph-trace: kernels a decoder layer, with and without each fold
-#   rest      bench context (1K-512K), bench depth (the controller's gain, paired)
+#             controls; qualify2b the same with the other nine. At bc0ea27 (H100) qualify2a finished 6 of its 10 units
+#             in 128 s, then none in the 420 s before its limit (healthy, drop_sink, rope_last_dims, open_causal_mask):
+#             progress now comes a case at a time and a stall of 150 s prints every process's Python stacks
+#   step      the benchmark of record at the adopted same-bits defaults (0.9595x paired at bc0ea27), the q/k/v fold
+#             against its unfolded control (0.9755x at the old defaults, bc0ea27), ~route:38
+#   agent     iquest bench agent on the GPU, prefix reuse on and off (the server's packages travel as wheels: run
+#             ci/device_wheels.sh here and copy .whl/ into the snapshot)
+#   rest      bench context (1K-512K; at bc0ea27 a prefill ran out of memory on the H100 with 28 GB reserved but
+#             unusable: the sweep now asks for expandable segments), bench depth (the controller's gain, paired: +16.8%
+#             TPOT against fixed depth 3 at bc0ea27)
+#   fold      the router fold: its two kernels tuned, then paired in the round (1.77x the round at bc0ea27: its
+#             o-projection 57.6 us a call in the graph against 3.8-25 us in the tune)
+#   trace     bench graph-trace: kernels and dependent steps a decoder layer, with and without each fold (10 at bc0ea27)
+#   tune      bench tune: the MoE at 38 experts, the attention, the router, the tails, the top-k, the prefetch branch
 #   step2     the folds' controls (+down_tail, ^qkv_rope) against triton
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
 #   tests     the @pytest.mark.gpu suite but the MPS module (135 s at 8d0c782 on an H100: 448 passed)
@@ -62,8 +61,7 @@ case "${1:-}" in
       $(printf -- '--control %s ' $controls) > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
     tail -4 "$out/$name.log" ;;
   step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
-    same_bits=@lm_head.block_v=8@lm_head.rows_warps=4@o_proj.num_stages=2@linear.num_stages=2@qkv_rope_kv.num_warps=8
-    kernels="triton,triton$same_bits,triton~route:38"
+    kernels="triton,triton^qkv_rope,triton~route:38"
     [ "$1" = step2 ] && kernels=triton,triton+down_tail,triton^qkv_rope
     gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --kernels "$kernels" \
       --out "$out/$1-full-tp8slice-ctx1k-d5-$sha.json" 2>&1 | tee "$out/$1-full-tp8slice-ctx1k-d5-$sha.log" ;;
@@ -89,11 +87,21 @@ case "${1:-}" in
   trace)
     gpu bench graph-trace --kernels triton,triton+router_fold,triton+down_tail,triton^moe_combine,triton^qkv_rope \
       --out "$out/graph-trace-$sha.json" 2>&1 | tee "$out/graph-trace-$sha.log" ;;
-  rest)
-    gpu bench context --out "$out/context-tp8slice-$sha.json" 2>&1 | tail -20 | tee "$out/context-tp8slice-$sha.log"
-    gpu bench depth --device cuda --prompts 16 --tokens 64 --repeats 5 --out "$out/depth-mini-cuda-$sha.json" 2>&1 \
-      | tail -20 | tee "$out/depth-mini-cuda-$sha.log" ;;
-  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|step|tune|fold|trace|rest|step2|"\
-"prefetch|tests|mps|qualify)" >&2
+  agent)  # the server's packages the image lacks, from the wheels beside ci/ (ci/device_wheels.sh)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$here"/../.whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    gpu bench agent --device cuda --compare --out "$out/agent-cuda-$sha.json" > "$out/agent-cuda-$sha.log" 2>&1 \
+      || echo "bench agent: exit $?" >&2
+    tail -30 "$out/agent-cuda-$sha.log" ;;
+  rest)  # whole logs under $OUT: a cut run still returns where it stopped
+    timeout 400 bash "$here/gpu.sh" bench context --out "$out/context-tp8slice-$sha.json" \
+      > "$out/context-tp8slice-$sha.log" 2>&1 || echo "bench context: exit $?" >&2
+    tail -20 "$out/context-tp8slice-$sha.log"
+    gpu bench depth --device cuda --prompts 16 --tokens 64 --repeats 5 --out "$out/depth-mini-cuda-$sha.json" \
+      > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
+    tail -8 "$out/depth-mini-cuda-$sha.log" ;;
+  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|step|agent|rest|fold|trace|tune|"\
+"step2|prefetch|tests|mps|qualify)" >&2
      exit 2 ;;
 esac
