@@ -40,6 +40,17 @@ def register(sub) -> None:
                    help="worker processes for the independent units (the healthy engine, the lossless test and each "
                         "negative control); auto (default) = one per CPU core, at most one per unit; 1 runs "
                         "everything in this process")
+    p.add_argument("--stall-dump", type=float, default=180, metavar="SECONDS",
+                   help="when no step has finished for this long (default 180; 0: never), print which units are "
+                        "running, with their steps done and time so far, then the Python stacks of every process the "
+                        "run started (its workers and their tensor-parallel ranks), once per stall: a run that seems "
+                        "hung shows where each process waits, and one that is only slow goes on (with --jobs 2 or "
+                        "more; kill -USR1 PID prints one of these processes' stacks at any time)")
+    p.add_argument("--stall-limit", type=float, default=0, metavar="SECONDS",
+                   help="when no step has finished for this long, end the run: print the stacks as --stall-dump does, "
+                        "stop every worker process and what it started, and exit 2 with one line naming the units "
+                        "that did not finish and their steps done (default 0: no limit, a run waits however long; "
+                        "with --jobs 2 or more)")
     p.add_argument("--quick", action="store_true",
                    help="two requests and 600 lossless samples instead of six and 3000: fits CI on a tiny fixture")
     p.add_argument("--seed", type=int, default=0,
@@ -72,14 +83,13 @@ def _jobs(choice: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
     import torch
 
+    from ..fast.stacks import dump_stacks_on_signal
     from ..qualify.controls import REGISTRY
+    from ..qualify.run import StallError
     from ..reference.config import TP_DEGREES
-    from ..qualify.run import false_alarms, qualify
-    from .options import check_weights, engine_target, model_folder, print_json
+    from .options import check_weights, engine_target, model_folder
 
     known = {c.name for c in REGISTRY}
     for name in args.control or []:
@@ -93,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--false-alarm must be >= 1, got {args.false_alarm}")
     if args.out and args.false_alarm is None:
         raise ValueError("--out goes with --false-alarm N")
+    for flag, value in (("--stall-dump", args.stall_dump), ("--stall-limit", args.stall_limit)):
+        if not value >= 0:
+            raise ValueError(f"{flag} must be >= 0 seconds (0: never), got {value:g}")
     from ..fast.plan import KernelPlan
 
     device = engine_target(args.device, args.kernels)
@@ -102,6 +115,21 @@ def run(args: argparse.Namespace) -> int:
     model_dir = model_folder(args.model)
     check_weights(args.weights, model_dir, device)
     torch.set_num_threads(1)
+    dump_stacks_on_signal()
+    try:
+        return _run(args, model_dir, device, kernels, kernel_settings, jobs)
+    except StallError as e:  # one line, as main prints a user's error: the units' stacks are above it
+        from .main import UserError
+
+        raise UserError(str(e)) from None
+
+
+def _run(args: argparse.Namespace, model_dir, device: str, kernels, kernel_settings: tuple, jobs: int) -> int:
+    import sys
+
+    from ..qualify.run import false_alarms, qualify
+    from .options import print_json
+
     if args.false_alarm is not None:
         from ..provenance import commit
 
@@ -110,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
         out = args.out or str(Path(__file__).resolve().parent.parent / FALSE_ALARM_OUT.format(commit=commit()))
         report = false_alarms(str(model_dir), args.false_alarm, out, first_seed=args.seed, dtype=args.dtype,
                               device=device, kernels=kernels, weights=args.weights, tp=args.tp, jobs=jobs,
-                              router_fold=args.router_fold, kernel_settings=kernel_settings)
+                              router_fold=args.router_fold, kernel_settings=kernel_settings,
+                              stall_dump=args.stall_dump, stall_limit=args.stall_limit)
         near = report["closest_bound"]
         nearest = f"; nearest bound {near[0]}/{near[1]} at {near[4]:.3g} of its tolerance" if near else ""
         print(f"false alarms: {report['false_alarms']}/{len(report['runs'])} healthy quick runs failed "
@@ -122,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     report = qualify(str(model_dir), tp=args.tp, quick=args.quick, dtype=args.dtype, controls=args.control,
                      device=device, kernels=kernels, jobs=jobs, shared_gpu=args.share_gpu, weights=args.weights,
                      seed=args.seed, out=sys.stderr if args.json else None, router_fold=args.router_fold,
-                     kernel_settings=kernel_settings)
+                     kernel_settings=kernel_settings, stall_dump=args.stall_dump, stall_limit=args.stall_limit)
     if args.json:
         print_json(report)
     return 0 if report["passed"] else 1

@@ -33,6 +33,9 @@ def _device_kind(device: str) -> str:
 
 def _worker(rank: int, world: int, port: int, kind: str, model_dir: str, options: EngineOptions, parts: EngineParts,
             requests: "mp.Queue", ready: "mp.Queue") -> None:
+    from .stacks import dump_stacks_on_signal
+
+    dump_stacks_on_signal()  # kill -USR1 PID (qualify's stall watch too): where this rank waits
     try:
         torch.set_num_threads(1)
         check_memory(Config.from_dir(model_dir), world, options, kind, ranks=(rank,))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from ..provenance import commit
 from ..fast.parallel import Parallel
 from ..fast.plan import KernelPlan
 from ..fast.rank import MAX_CANDIDATES, EngineOptions, EngineParts, KernelSetting, RankEngine
+from ..fast.stacks import dump_stacks, dump_stacks_on_signal, end_tree
 from ..fast.weights import weight_format
 from . import tolerances
 from ..reference.config import Config
@@ -195,6 +197,12 @@ def control_margin(r: dict) -> str:
 
 
 HEARTBEAT_S = 60  # a progress line at least this often while worker units run
+STALL_S = 180  # --stall-dump's default: longer than a unit's first case takes to load and compile on a busy GPU
+_POLL_S = 0.25  # how often gather reads the units' step reports
+
+
+class StallError(RuntimeError):
+    """No step finished within the stall limit: the run's worker processes were ended (the CLI prints one line)."""
 
 
 class _NoBar:
@@ -205,17 +213,56 @@ class _NoBar:
         pass
 
 
-def _unit(kind: str, plan: Plan, name: str | None = None):
+_PROGRESS = None  # in a pool worker: the queue its units report to gather on (_init_worker)
+
+
+def _init_worker(progress) -> None:
+    global _PROGRESS
+    _PROGRESS = progress
+    dump_stacks_on_signal()
+
+
+class _UnitBar(_NoBar):
+    """A unit's bar in a pool worker: each step reaches the parent's bar as it finishes, not only when the unit ends."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def update(self, n: int = 1) -> None:
+        if n and _PROGRESS is not None:
+            _PROGRESS.put((self.name, n, os.getpid()))
+
+
+def _in_worker(name: str, fn, *args):
+    """Run one unit, `fn(*args, bar=...)`, in a pool worker, telling gather when it starts and in which process: the
+    pool hands work to its call queue ahead of the workers, so the future's running() does not say that."""
+    if _PROGRESS is not None:
+        _PROGRESS.put((name, 0, os.getpid()))
+    return fn(*args, bar=_UnitBar(name))
+
+
+def _unit(kind: str, plan: Plan, name: str | None = None, *, bar):
     """One unit of work in a worker process (spawned: CUDA needs a fresh process; one CPU thread each)."""
     torch.set_num_threads(1)
     if kind == "healthy":
-        return run_healthy(plan, _NoBar())
+        return run_healthy(plan, bar)
     if kind == "lossless":
-        return run_lossless(plan, _NoBar())
-    return run_control(control(name), plan, _NoBar())
+        return run_lossless(plan, bar)
+    return run_control(control(name), plan, bar)
 
 
-def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar) -> tuple[list[Row], dict, dict, list[dict]]:
+def unit_pool(jobs: int):
+    """(`jobs` spawned worker processes, the queue their units report their steps on): gather takes both."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")
+    progress = ctx.Queue()
+    return ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker, initargs=(progress,)), progress
+
+
+def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar, stall_s: float = STALL_S,
+               stall_limit: float = 0) -> tuple[list[Row], dict, dict, list[dict]]:
     """The healthy engine, the lossless test and every control: in this process (jobs 1) or spread over `jobs`
     worker processes. Units are independent, so the report is the same either way."""
     if jobs <= 1:
@@ -228,15 +275,13 @@ def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar) -> tuple[list[
             bar.set_postfix_str(f"control {ctl.name}")
             results.append(run_control(ctl, plan, bar))
         return rows + [lrow], linfo, fallbacks, results
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     weight = {"healthy": len(plan.cases) + 1, "lossless": 1}
     units = {"healthy": (_unit, "healthy", plan), "lossless": (_unit, "lossless", plan)}
     units.update({c.name: (_unit, "control", plan, c.name) for c in chosen})
-    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    pool, progress = unit_pool(jobs)
     try:
-        done = gather(pool, units, bar, {k: weight.get(k, len(plan.cases)) for k in units}, jobs)
+        done = gather(pool, units, bar, {k: weight.get(k, len(plan.cases)) for k in units}, jobs, progress=progress,
+                      stall_s=stall_s, stall_limit=stall_limit)
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)  # a failed unit ends the run now, not after the others
         raise
@@ -245,26 +290,91 @@ def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar) -> tuple[list[
     return rows + [lrow], linfo, fallbacks, [done[c.name] for c in chosen]
 
 
-def gather(pool, units: dict[str, tuple], bar, steps: dict[str, int], workers: int,
-           heartbeat: float = HEARTBEAT_S) -> dict:
-    """Each unit's result by name, its (function, *args) submitted to `pool`: the bar moves by the unit's `steps` as
-    each finishes, naming it, and shows a line at least every `heartbeat` seconds while none does, so that a long run
-    cut off by a time limit still says how far it got. A unit's exception is raised as soon as that unit ends."""
+def gather(pool, units: dict[str, tuple], bar, steps: dict[str, int], workers: int, heartbeat: float = HEARTBEAT_S,
+           progress=None, stall_s: float = STALL_S, stall_limit: float = 0) -> dict:
+    """Each unit's result by name, its (function, *args) submitted to `pool` and called with a `bar=` keyword. The
+    bar moves as each unit reports a step on `progress` (unit_pool's queue; None: only as units end, by their
+    `steps`, of which a unit's end adds those it did not report) and shows a line at least every `heartbeat` seconds
+    naming the units running, their steps and time, and those queued, so a run cut off by a time limit says how far
+    it got. After `stall_s` seconds without a step (0: never) it says which units stalled and has every process
+    under this one print its Python stacks (fast/stacks.py), once a stall; after `stall_limit` (0: never) it ends the
+    pool's processes and raises StallError. A unit's exception is raised as soon as that unit ends."""
     from concurrent.futures import FIRST_COMPLETED, wait
 
-    futures = {pool.submit(*call): name for name, call in units.items()}
-    done, pending = {}, set(futures)
+    futures = {pool.submit(_in_worker, name, *call): name for name, call in units.items()}
+    done, pending, counted, started, worker = {}, set(futures), dict.fromkeys(units, 0), {}, {}
+    last = shown = time.monotonic()  # the last step; the last line
+    dumped = False
+
+    def left(now: float) -> str:
+        names = [n for n in units if n not in done]
+        running = [f"{n} {counted[n]}/{steps[n]} for {now - started[n]:.0f} s" for n in names if n in started]
+        queued = [n for n in names if n not in started]
+        return f"running: {', '.join(running) or 'none'}; queued: {', '.join(queued) or 'none'}"
+
     while pending:
-        finished, pending = wait(pending, timeout=heartbeat, return_when=FIRST_COMPLETED)
+        finished, pending = wait(pending, timeout=min(_POLL_S, heartbeat), return_when=FIRST_COMPLETED)
+        now = time.monotonic()
+        for name, n, pid in _reports(progress):
+            if name in done:  # came on another pipe than the unit's result, after it: counted at its end
+                continue
+            started.setdefault(name, now)
+            worker[name] = pid
+            n = min(n, steps[name] - counted[name])
+            if n > 0:
+                counted[name] += n
+                last = shown = now
+                dumped = False
+                bar.set_postfix_str(f"{name} {counted[name]}/{steps[name]}")
+                bar.update(n)
         for fut in finished:
             name = futures[fut]
             done[name] = fut.result()
             bar.set_postfix_str(f"{name} done; {len(units) - len(done)} units left on {workers} workers")
-            bar.update(steps[name])
-        if not finished:
-            bar.set_postfix_str(f"{len(pending)} units running or queued on {workers} workers")
+            bar.update(steps[name] - counted[name])
+            counted[name] = steps[name]
+            last = shown = now
+            dumped = False
+        if progress is None:  # no start reports: a unit counts from when the pool runs it
+            started.update((futures[f], now) for f in pending if f.running() and futures[f] not in started)
+        quiet = now - last if pending else 0.0
+        limit = bool(stall_limit) and quiet >= stall_limit
+        if not dumped and (limit or stall_s and quiet >= stall_s):
+            _say(f"qualify: no step finished for {quiet:.0f} s ({left(now)}); the Python stacks of the processes "
+                 "running them follow on stderr")
+            labels = {pid: f"the worker running {name}" for name, pid in worker.items() if name not in done}
+            if not dump_stacks(labels, _say):
+                _say("qualify: no worker process could be asked for its stacks (kill -USR1 PID asks one)")
+            dumped = True
+            if limit:
+                time.sleep(0.5)  # the stacks are written before their processes are ended
+        if limit:
+            unfinished = ", ".join(f"{n} {counted[n]}/{steps[n]} steps" for n in units if n not in done)
+            end_tree(getattr(pool, "_processes", None) or {})  # a process pool's workers (private, there since 3.2)
+            raise StallError(f"no step finished for {quiet:.0f} s (the stall limit): these units did not finish: "
+                             f"{unfinished}; their worker processes were ended (their stacks are above)")
+        if pending and now - shown >= heartbeat:
+            bar.set_postfix_str(left(now))
             bar.update(0)
+            shown = now
     return done
+
+
+def _reports(progress) -> list[tuple[str, int, int]]:
+    """The (unit, steps, worker pid) reports on `progress` so far, without waiting."""
+    import queue
+
+    out = []
+    while progress is not None:
+        try:
+            out.append(progress.get_nowait())
+        except queue.Empty:
+            break
+    return out
+
+
+def _say(line: str) -> None:
+    tqdm.write(line, file=sys.stderr)  # above a terminal's bar, which stays; a plain line in a log
 
 
 def candidate_options(dtype: str, kernels: str | KernelPlan, device: str, shared_gpu: bool = False,
@@ -322,11 +432,13 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
             progress: bool | None = None, controls: list[str] | None = None, out=None,
             device: str = "cpu", kernels: str | KernelPlan = "auto", jobs: int = 1, shared_gpu: bool = False,
             weights: str = "auto", seed: int = 0, quiet: bool = False, router_fold: bool = False,
-            kernel_settings: tuple[KernelSetting, ...] = ()) -> dict:
+            kernel_settings: tuple[KernelSetting, ...] = (), stall_dump: float = STALL_S,
+            stall_limit: float = 0) -> dict:
     """One qualification run. `weights`: --weights (auto, bf16, fp8; fast/weights.weight_format); `seed`: picks the
     cases and the lossless test's request seeds; `controls`: names to run (None: all, [] none); `router_fold`: the
     candidate (and every control built on it) with EngineOptions.router_fold; `kernel_settings`: with those kernel
-    launch settings (EngineOptions.kernel_settings: a numerical form qualified before it becomes a default)."""
+    launch settings (EngineOptions.kernel_settings: a numerical form qualified before it becomes a default);
+    `stall_dump`, `stall_limit`: gather's stall_s and stall_limit, for runs on worker processes (jobs > 1)."""
     t0 = time.time()
     model_dir = str(model_dir)
     plan, fmt = make_plan(model_dir, tp, quick, dtype, device, kernels, shared_gpu, weights, seed, router_fold,
@@ -335,7 +447,7 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
     jobs = max(1, min(jobs, len(chosen) + 2))
     total = len(plan.cases) * (1 + len(chosen)) + 2
     with progress_bar(total, progress) as bar:
-        rows, linfo, fallbacks, results = _run_units(plan, chosen, jobs, bar)
+        rows, linfo, fallbacks, results = _run_units(plan, chosen, jobs, bar, stall_dump, stall_limit)
     caught = sum(r["caught"] for r in results)
     passed = all(r.passed for r in rows) and caught == len(results)
     report = {"schema": SCHEMA, "model": model_dir, "tp": tp, "dtype": dtype, "weights": fmt,
@@ -373,7 +485,8 @@ def closest(checks: list[dict]) -> list | None:
 def false_alarms(model_dir: str, seeds: int, out_path: str | None = None, first_seed: int = 0, dtype: str = "fp32",
                  device: str = "cpu", kernels: str | KernelPlan = "auto", weights: str = "auto", tp: int = 1,
                  jobs: int = 1, progress: bool | None = False, out=None, router_fold: bool = False,
-                 kernel_settings: tuple[KernelSetting, ...] = ()) -> dict:
+                 kernel_settings: tuple[KernelSetting, ...] = (), stall_dump: float = STALL_S,
+                 stall_limit: float = 0) -> dict:
     """The healthy engine's false-alarm rate: quick qualification of the healthy candidate alone (no controls) at
     seeds first_seed .. first_seed + seeds - 1; a run that fails any check is a false alarm. Writes the raw results
     (per seed: passed, failing checks, lossless p-value) to `out_path` when given."""
@@ -381,7 +494,7 @@ def false_alarms(model_dir: str, seeds: int, out_path: str | None = None, first_
     for s in range(first_seed, first_seed + seeds):
         r = qualify(model_dir, tp=tp, quick=True, dtype=dtype, controls=[], device=device, kernels=kernels, jobs=jobs,
                     weights=weights, seed=s, progress=progress, quiet=True, router_fold=router_fold,
-                    kernel_settings=kernel_settings)
+                    kernel_settings=kernel_settings, stall_dump=stall_dump, stall_limit=stall_limit)
         failing = [[c["check"], c["class"], c["worst"], c["tolerance"]] for c in r["checks"] if c["verdict"] != "pass"]
         runs.append({"seed": s, "passed": r["passed"], "failing": failing, "lossless_p": r["lossless"]["p_value"],
                      "closest": closest(r["checks"]), "seconds": r["seconds"]})

@@ -6,6 +6,10 @@ from __future__ import annotations
 import io
 import json
 import re
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -78,11 +82,11 @@ def test_worker_units_report_as_each_finishes_and_while_none_does(capsys):
 
     release = threading.Event()
 
-    def slow():
+    def slow(bar):
         release.wait(5)
         return "slow"
 
-    def fast(x):
+    def fast(x, bar):
         return x
 
     with progress_bar(4) as bar, ThreadPoolExecutor(2) as pool:
@@ -95,16 +99,190 @@ def test_worker_units_report_as_each_finishes_and_while_none_does(capsys):
     lines = capsys.readouterr().err.splitlines()[1:]
     assert re.fullmatch(r"qualify: 1/4 steps done, \d+ s elapsed \(lossless done; 1 units left on 2 workers\)",
                         lines[0]), lines
-    beats = [line for line in lines if line.endswith("(1 units running or queued on 2 workers)")]
+    beats = [line for line in lines if re.search(r"\(running: healthy 0/3 for \d+ s; queued: none\)$", line)]
     assert len(beats) >= 2 and all(line.startswith("qualify: 1/4 steps done") for line in beats), lines
     assert re.fullmatch(r"qualify: 4/4 steps done, \d+ s elapsed \(healthy done; 0 units left on 2 workers\)",
                         lines[-1]), lines
 
-    def broken():
+    def broken(bar):
         raise RuntimeError("a unit failed")
 
     with ThreadPoolExecutor(1) as pool, pytest.raises(RuntimeError, match="a unit failed"):
         gather(pool, {"x": (broken,)}, progress_bar(1, progress=False), {"x": 1}, 1)
+
+
+# ---- units on worker processes: each step as it finishes, the stacks of a stall, a stall limit ---------------------
+# The units run in spawned pool workers, which find them through the installed package (`units()`): pytest imports
+# this file as tests.test_cli_qualify, a name a worker cannot import.
+RANK = """
+import time
+from iquest.fast.stacks import dump_stacks_on_signal
+
+def rank_waits():
+    dump_stacks_on_signal()
+    print("ready", flush=True)
+    time.sleep(60)
+
+rank_waits()
+"""
+
+
+def units():
+    import importlib
+
+    return importlib.import_module("iquest.tests.test_cli_qualify")
+
+
+def value(x, steps, *, bar):
+    bar.update(steps)
+    return x
+
+
+def steps_then_wait(steps: int, gate: str, *, bar):
+    """`steps` steps, then wait for the file `gate`, which the parent's bar makes once it saw them: the unit cannot
+    end before its steps reached the parent."""
+    for _ in range(steps):
+        bar.update(1)
+    deadline = time.monotonic() + 8
+    while not Path(gate).exists():
+        if time.monotonic() > deadline:
+            return "the parent never saw the steps"
+        time.sleep(0.02)
+    return "released"
+
+
+def one_step_then_sleep(seconds: float, pidfile: str, *, bar):
+    """One step, then asleep, with a process of its own that prints its stacks on SIGUSR1, as a TP rank does (its pid
+    in `pidfile`)."""
+    rank = subprocess.Popen([sys.executable, "-c", RANK], stdout=subprocess.PIPE, text=True)
+    rank.stdout.readline()  # registered
+    Path(pidfile).write_text(str(rank.pid))
+    bar.update(1)
+    time.sleep(seconds)
+    rank.kill()
+    rank.wait()
+    return "woke"
+
+
+def _warm_pool():
+    """unit_pool(1) with its worker started (spawned, importing torch: seconds), so that a test's stall clock runs
+    from the unit's start."""
+    from iquest.qualify.run import unit_pool
+
+    pool, progress = unit_pool(1)
+    pool.submit(time.sleep, 0).result()
+    return pool, progress
+
+
+def test_units_on_worker_processes_move_the_bar_step_by_step(tmp_path):
+    """The bar moves as a unit in a worker process finishes each step (the unit waits until the parent's bar saw its
+    second step), and a unit's end adds only the steps it did not report: the total is the plan's, exactly."""
+    from iquest.qualify.run import gather, unit_pool
+
+    gate, seen = tmp_path / "gate", []
+
+    class Bar:
+        done, what = 0, ""
+
+        def set_postfix_str(self, what):
+            self.what = what
+
+        def update(self, n=1):
+            self.done += n
+            seen.append((self.done, self.what))
+            if self.what == "stepper 2/3":
+                gate.touch()
+
+    pool, progress = unit_pool(2)
+    with pool:
+        got = gather(pool, {"stepper": (units().steps_then_wait, 2, str(gate)), "over": (units().value, "v", 5)}, Bar(),
+                     {"stepper": 3, "over": 2}, 2, progress=progress)
+    assert got == {"stepper": "released", "over": "v"}
+    mine = [what for _, what in seen if what.startswith("stepper")]
+    assert mine[:2] == ["stepper 1/3", "stepper 2/3"] and mine[2].startswith("stepper done;") and len(mine) == 3, seen
+    # "over" reported 5 steps of its 2, before or after its end came (another pipe): 2 counted either way
+    assert seen[-1][0] == max(done for done, _ in seen) == 5, seen
+
+
+def test_a_stall_prints_the_stacks_of_every_process_under_the_run(tmp_path, capfd):
+    """No step for stall_s: one line naming the stalled unit with its steps and time, then the Python stacks of the
+    worker (in the unit's function) and of the process it started (a TP rank's stand-in), once per stall."""
+    from iquest.qualify.run import gather
+
+    pool, progress = _warm_pool()
+    with pool:
+        t0 = time.monotonic()
+        got = gather(pool, {"sleepy": (units().one_step_then_sleep, 3, str(tmp_path / "pid"))}, progress_bar(2),
+                     {"sleepy": 2}, 1, progress=progress, stall_s=1)
+    assert got == {"sleepy": "woke"} and time.monotonic() - t0 < 10
+    err = capfd.readouterr().err
+    stalls = [line for line in err.splitlines() if "sleepy 1/2" in line and "no step finished" in line]
+    assert len(stalls) == 1 and re.fullmatch(r"qualify: no step finished for 1 s \(running: sleepy 1/2 for \d+ s; "
+                                             r"queued: none\); the Python stacks of the processes running them follow "
+                                             r"on stderr", stalls[0]), err
+    worker = re.search(r"--- Python stacks of process (\d+) \(the worker running sleepy\):\n(.*\n)*?.*"
+                       r"line \d+ in one_step_then_sleep\n", err)
+    assert worker and re.search(rf"--- Python stacks of process \d+ \(started by {worker[1]}, the worker running "
+                                r"sleepy\):\n(.*\n)*?.*line \d+ in rank_waits\n", err), err
+
+
+def test_a_stall_limit_ends_the_run_and_every_process_under_it(tmp_path, capfd):
+    """No step for stall_limit: the stacks (stall_s 0 prints none before), then StallError naming the unit that did
+    not finish with its steps, within the limit and a few seconds; no process the run started is left, the worker's
+    own child (a TP rank's stand-in) included."""
+    import psutil
+
+    from iquest.qualify.run import StallError, gather
+
+    pidfile = tmp_path / "pid"
+    pool, progress = _warm_pool()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(StallError, match=r"no step finished for 2 s \(the stall limit\): these units did not "
+                                             r"finish: hung 1/3 steps; their worker processes were ended"):
+            gather(pool, {"hung": (units().one_step_then_sleep, 1000, str(pidfile))}, progress_bar(3, progress=False),
+                   {"hung": 3}, 1, progress=progress, stall_s=0, stall_limit=2)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    assert time.monotonic() - t0 < 2 + 6
+    err = capfd.readouterr().err
+    assert "no step finished for 2 s (running: hung 1/3" in err and re.search(r"in one_step_then_sleep", err), err
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    assert gone(int(pidfile.read_text()))  # the worker's own child, out of the test process's tree once it is ended
+    left = [p for p in psutil.Process().children(recursive=True)
+            if not gone(p.pid) and "resource_tracker" not in " ".join(p.cmdline())]  # multiprocessing's own
+    assert left == [], [p.cmdline() for p in left]
+
+
+def test_the_stall_options_reach_the_run_and_a_stall_is_one_line(capsys, monkeypatch):
+    """--stall-dump and --stall-limit are checked and passed on; a run that hit its stall limit exits 2 with one line
+    (the stacks went to stderr before it), no traceback."""
+    from iquest.cli.main import main
+    from iquest.qualify import run
+    from iquest.tests.helpers import TINY
+
+    for flag in ("--stall-dump", "--stall-limit"):
+        assert main(["qualify", "--model", str(TINY), "--quick", flag, "-1"]) == 2
+        assert f"{flag} must be >= 0" in capsys.readouterr().err
+    seen = {}
+
+    def stalled(*args, **kwargs):
+        seen.update(kwargs)
+        raise run.StallError("no step finished for 5 s (the stall limit): these units did not finish: healthy 1/3 "
+                             "steps")
+
+    monkeypatch.setattr(run, "qualify", stalled)
+    assert main(["qualify", "--model", str(TINY), "--quick", "--stall-dump", "2", "--stall-limit", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("iquest qualify: error: no step finished for 5 s (the stall limit): these units did not finish: "
+                   "healthy 1/3 steps\n")
+    assert (seen["stall_dump"], seen["stall_limit"]) == (2, 5)
 
 
 # ---- the options: --seed, --false-alarm, --weights fp8 on a BF16 checkpoint ----------------------------------------
