@@ -23,7 +23,9 @@ sampling) use INT64_MIN, which no key holds (its id part would be 2^32 - 1).
 
 A poll that waits past `timeout_ns` (the GPU's global timer) gives up: it records (tag, lane) in the error flag and
 the kernel completes with a wrong value; the decode loop's condition reads the flag and ends, and the host raises
-naming the rank and the collective (fast/collectives.py). A rank that never writes cannot hang its peers.
+naming the rank and the collective (fast/collectives.py). A poll that finds the flag already set gives up at once, so
+the collectives left in an eager round (tens of them) end within the one timeout, not one each. A rank that never
+writes cannot hang its peers.
 
 `HOLD` (ranks sharing one GPU) lets the next kernel launch only once this call's data has arrived, not at the start:
 its programs, resident early and waiting, would otherwise take the SMs a peer on the same GPU needs to push.
@@ -110,7 +112,8 @@ def _poll(own_ptr, slot, p, row, W, S, error_ptr, timeout_ns, tag, start,
     while (waiting > 0) & (late == 0):
         got = tl.load(ptr, mask=ok, volatile=True)
         waiting = tl.sum((_sentinel_of(got, BITS) & ok).to(tl.int32), axis=0)
-        late = (_now(waiting) - start > timeout_ns).to(tl.int32)
+        gave_up = tl.load(error_ptr, volatile=True) != 0  # an earlier poll of this rank timed out
+        late = ((_now(waiting) - start > timeout_ns) | gave_up).to(tl.int32)
     if waiting > 0:  # the first timeout is kept: (tag + 1) * 1024 + the lane that never arrived
         tl.atomic_cas(error_ptr, 0, (tag + 1) * 1024 + p)
     return got

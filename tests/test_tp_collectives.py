@@ -77,7 +77,7 @@ def test_negative_controls_are_caught_and_a_silent_rank_is_a_clear_error(mps):
         if rank == 1:
             continue
         assert "rank 1" in r["raised"] and f"rank {rank}:" in r["raised"] and "all_reduce" in r["raised"], r
-        assert r["exit_s"] < 10, r
+        assert r["exit_s"] < 10, r  # 0.3 s, then four calls ending on the flag (without it, 3 s each: 12.3 s)
 
 
 def _single_tokens(model, prompt, seed, drafts, n):
