@@ -131,11 +131,20 @@ class RoundRunner:
         self.uniform(self.next.u_pos, PURPOSE_DRAFT, self.depths, out=st.u_draft)
         self.sample_draft(1, logits.index_select(0, last.view(1)), h.index_select(0, last.view(1)))
         fixed = self.controller.k if isinstance(self.controller, FixedDepth) else None
-        for depth in range(2, MAX_DRAFTS + 1):
-            if depth <= MIN_DRAFTS or (fixed is not None and depth <= fixed):
-                self.draft_row(depth)
-            elif fixed is None:  # a fixed depth is known when the round is built: no device decision to wait on
-                self.flow.when(st.more[depth], lambda d=depth: self.draft_row(d))
+        for depth in range(2, (fixed or MIN_DRAFTS) + 1):
+            self.draft_row(depth)
+        if fixed is None:  # a fixed depth is known when the round is built: no device decision to wait on
+            self.deeper(MIN_DRAFTS + 1)
+
+    def deeper(self, depth: int) -> None:
+        """Depth `depth` if the controller chose it, and the decision on the next inside its branch: a round that
+        stops at depth d evaluates d - 2 conditions, not all four (each a condition kernel and a graph node)."""
+        def branch():
+            self.draft_row(depth)
+            if depth < MAX_DRAFTS:
+                self.deeper(depth + 1)
+
+        self.flow.when(self.st.more[depth], branch)
 
     def draft_row(self, depth: int) -> None:
         """One recursive draft row at position n+depth-2: the previous depth's output and its draft d_{depth-1}."""
@@ -153,13 +162,12 @@ class RoundRunner:
         served = self.sample(logits, st.u_draft[depth - 1:depth], out, chain=(st.k, depth, st.product))[0]
         probs = out[2][0]
         st.draft_h.copy_(h)
-        if depth < MAX_DRAFTS and not isinstance(self.controller, FixedDepth):
+        # only depths from MIN_DRAFTS on decide: the rows before them always run, so their flags would go unread
+        if MIN_DRAFTS <= depth < MAX_DRAFTS and not isinstance(self.controller, FixedDepth):
             st.more[depth + 1] = self.more(depth, served, probs)
 
     def more(self, depth: int, served: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """The fitted depth controller's rule (reference/depth.py) evaluated on device tensors."""
-        if depth < MIN_DRAFTS:
-            return torch.ones((), dtype=torch.int32, device=served.device)
         assert isinstance(self.controller, LogisticDepth)
         plogp = torch.where(probs > 0, probs * torch.log(probs.clamp(min=1e-30)), torch.zeros_like(probs))
         feats = {"bias": torch.ones_like(served), "log_running_product": torch.log(self.st.product.clamp(min=1e-30)),

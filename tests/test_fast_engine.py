@@ -325,3 +325,39 @@ def test_fast_agrees_with_reference_on_the_mini_model(dtype, drafts):
     assert accepted > 0, "the trained draft layer must get drafts accepted (else acceptance paths went untested)"
     if dtype == "fp32":
         assert agreed == total, f"only {agreed}/{total} tokens agree"
+
+
+def test_the_controller_decides_only_where_a_branch_reads_it(monkeypatch):
+    """Under the controller, a drafting that stops at depth d (3..7) evaluates the rule and a device condition
+    min(d, 6) - 2 times each (depths 3.. decide; depth d+1's condition sits inside depth d's branch): one each at
+    depth 3, where a condition a depth 4..7 every drafting cost four condition kernels and graph nodes."""
+    from iquest.fast.flow import EagerFlow
+    from iquest.fast.round import RoundRunner
+
+    mini = mini_or_skip()
+    conditions, rule_depths = [0], []
+    when, more = EagerFlow.when, RoundRunner.more
+
+    def counted_when(self, flag, body):
+        conditions[0] += 1
+        return when(self, flag, body)
+
+    def recorded_more(self, depth, served, probs):
+        rule_depths.append(depth)
+        return more(self, depth, served, probs)
+
+    monkeypatch.setattr(EagerFlow, "when", counted_when)
+    monkeypatch.setattr(RoundRunner, "more", recorded_more)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(mini / "tokenizer.json"))
+    engine = rank_engine(mini)
+    verified, slack = [], 0
+    for i, text in enumerate(MINI_PROMPTS):
+        steps = fast_steps(engine, tok.encode(text).ids, 300 + i, "auto", n=64)
+        verified += [s.drafts for s in steps if s.drafts]  # the draftings whose rows a round verified
+        slack += 4  # the drafting after a request's last round is not verified: at most four more
+    assert min(verified) >= 3 and max(verified) > 3, verified  # deeper depths reached
+    expected = sum(min(d, 6) - 2 for d in verified)
+    assert expected <= conditions[0] <= expected + slack, (conditions[0], verified)
+    assert expected <= len(rule_depths) <= expected + slack and min(rule_depths) >= 3, rule_depths

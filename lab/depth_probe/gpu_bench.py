@@ -1,0 +1,144 @@
+"""GPU: what a decode round of each variant holds (kernel nodes, conditional nodes, per graph level) and costs (decode
+time per round, paired over held-out prompts with rotated order), plus the fused rule's numerics. Lab only."""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from iquest.fast.engine import FastEngine
+from iquest.fast.flow import EagerFlow, GraphFlow
+from iquest.fast.graphs import DecodeLoopGraph
+from iquest.fast.state import TOKENS_PER_READ
+from iquest.reference.depth import FixedDepth, load_controller
+from iquest.reference.sampling import SamplingParams
+from iquest.lab.depth_probe.mend import ProbeRunner
+
+MODEL = Path(__file__).resolve().parents[2] / "fixtures" / "iquest-q1-mini"
+VARIANTS = ["fixed3", "auto", "lean", "nested", "fused", "nodes3", "ops3"]
+
+
+def capture(st, runner, device):
+    """fast/graphs.capture_decode_loop, with the graph kept for inspection."""
+    def body():
+        runner.round()
+        st.update_running()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for more in (0, 1):
+            st.clear()
+            st.more.fill_(more)
+            runner.round()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    st.clear()
+    flow = GraphFlow(device)
+    runner.flow = flow
+    try:
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+    except TypeError:
+        graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            st.target.copy_(st.emitted + TOKENS_PER_READ)
+            st.update_running()
+            flow.loop(st.running, body)
+    finally:
+        runner.flow = EagerFlow()
+    return DecodeLoopGraph(graph, flow)
+
+
+def census(graph):
+    """Node types per graph level: {'top': {...}, 'while': {...}, 'if@1': ...} (recursive through conditionals)."""
+    from cuda.bindings import driver as drv
+    try:
+        raw = graph.raw_cuda_graph()
+    except Exception as e:  # noqa: BLE001
+        return {"error": repr(e)}
+    out = []
+
+    def walk(g, label, depth):
+        err, nodes, n = drv.cuGraphGetNodes(drv.CUgraph(int(g) if not isinstance(g, drv.CUgraph) else g), 0)
+        err, nodes, n = drv.cuGraphGetNodes(g if isinstance(g, drv.CUgraph) else drv.CUgraph(int(g)), n)
+        counts = {}
+        kids = []
+        for node in nodes[:n]:
+            err, t = drv.cuGraphNodeGetType(node)
+            name = str(t).split(".")[-1].replace("CU_GRAPH_NODE_TYPE_", "").lower()
+            counts[name] = counts.get(name, 0) + 1
+            if name == "conditional":
+                err, p = drv.cuGraphNodeGetParams(node)
+                kids.append((p.conditional.phGraph_out[0], str(p.conditional.type).split(".")[-1]))
+        out.append({"level": label, "depth": depth, **counts})
+        for i, (kg, kind) in enumerate(kids):
+            walk(kg, f"{label}/{kind.replace('CU_GRAPH_COND_TYPE_', '').lower()}{i}", depth + 1)
+    try:
+        walk(drv.CUgraph(int(raw)), "top", 0)
+    except Exception as e:  # noqa: BLE001
+        out.append({"error": repr(e)})
+    return out
+
+
+def main(prompts=16, tokens=64, repeats=2):
+    device = os.environ.get("PROBE_DEVICE", "cuda")
+    eng = FastEngine.load(MODEL, device=device)
+    rank, gen = eng.rank0, eng.generation
+    dev = rank.par.device
+    params, stop = SamplingParams(gen.temperature, gen.top_k, gen.top_p), tuple(gen.eos_token_id)
+    from iquest.bench.depth import held_out
+    from tokenizers import Tokenizer
+    chosen, _ = held_out(MODEL, Tokenizer.from_file(str(MODEL / "tokenizer.json")), prompts)
+    key = ("auto", gen.top_k, 0)
+    built, report = {}, {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "census": {}}
+    for v in VARIANTS:
+        ctl = FixedDepth(3) if v in ("fixed3", "nodes3", "ops3") else load_controller(MODEL)
+        r = ProbeRunner(rank.model, rank.state, gen.top_k, ctl, EagerFlow(),
+                        variant="base" if v in ("fixed3", "auto") else v)
+        g = capture(rank.state, r, dev) if dev.type == "cuda" else None
+        built[v] = (r, g)
+        report["census"][v] = census(g.graph) if g is not None else None
+        print(v, json.dumps(report["census"][v]), flush=True)
+
+    def decode(v, ids, seed):
+        rank._runners[key] = built[v]
+        steps = eng.generate(ids, seed=seed, params=params, max_new_tokens=tokens, drafts="auto", stop_ids=stop)
+        first = next(steps)
+        t0 = time.perf_counter()
+        rest = list(steps)
+        sec = time.perf_counter() - t0
+        return sec, sum(len(s.tokens) for s in rest), len(rest), sum(s.drafts for s in rest), \
+            [t for s in [first, *rest] for t in s.tokens]
+
+    for v in VARIANTS:  # warm
+        decode(v, chosen[0][2], 0)
+    tot = {v: [0.0, 0, 0, 0] for v in VARIANTS}
+    ids_of = {v: [] for v in VARIANTS}
+    unit = 0
+    for r in range(repeats):
+        for i, (_, _, ids) in enumerate(chosen):
+            order = VARIANTS[unit % len(VARIANTS):] + VARIANTS[:unit % len(VARIANTS)]
+            for v in order:
+                sec, n, rounds, drafts, toks = decode(v, ids, 1000 + unit)
+                t = tot[v]
+                t[0] += sec; t[1] += n; t[2] += rounds; t[3] += drafts
+                ids_of[v].append(toks)
+            unit += 1
+    print(f"{'variant':8s} {'TPOT us':>8s} {'us/round':>9s} {'tok/rnd':>8s} {'drafts/rnd':>10s}  same tokens as")
+    for v in VARIANTS:
+        s, n, rounds, d = tot[v]
+        same = [w for w in VARIANTS if w != v and ids_of[w] == ids_of[v]]
+        print(f"{v:8s} {1e6 * s / n:8.1f} {1e6 * s / rounds:9.1f} {n / rounds:8.3f} {d / rounds:10.2f}  {same}")
+        report[v] = {"tpot_us": 1e6 * s / n, "us_per_round": 1e6 * s / rounds, "tokens": n, "rounds": rounds,
+                     "drafts": d, "same_tokens_as": same}
+    fa = sum(a == b for a, b in zip(ids_of["fused"], ids_of["auto"]))
+    print(f"fused == auto tokens in {fa}/{len(ids_of['auto'])} units")
+    out = os.environ.get("OUT", "/tmp")
+    Path(out, "gpu_bench.json").write_text(json.dumps(report, indent=1))
+    eng.close()
+
+
+if __name__ == "__main__":
+    main(*(int(x) for x in sys.argv[1:]))
