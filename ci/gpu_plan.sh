@@ -15,6 +15,8 @@
 #   rest      bench context (1K-512K; at bc0ea27 a prefill ran out of memory on the H100 with 28 GB reserved but
 #             unusable: the sweep now asks for expandable segments), bench depth (the controller's gain, paired: +16.8%
 #             TPOT against fixed depth 3 at bc0ea27)
+#   depthprobe lab/depth_probe/gpu_bench.py: the controller's round as graphs (fixed 3, auto since 373a78a's nesting,
+#             the rule as one kernel, ablations), node counts a level and decode time a round, paired
 #   fold      the router fold: its two kernels tuned, then paired in the round (1.77x the round at bc0ea27: its
 #             o-projection 57.6 us a call in the graph against 3.8-25 us in the tune)
 #   trace     bench graph-trace: kernels and dependent steps a decoder layer, with and without each fold (10 at bc0ea27)
@@ -94,6 +96,11 @@ case "${1:-}" in
     gpu bench agent --device cuda --compare --out "$out/agent-cuda-$sha.json" > "$out/agent-cuda-$sha.log" 2>&1 \
       || echo "bench agent: exit $?" >&2
     tail -30 "$out/agent-cuda-$sha.log" ;;
+  depthprobe)  # a lab module: the package link ci/gpu.sh makes
+    mkdir -p /tmp/pkg && ln -sfn "$(cd "$here/.." && pwd)" /tmp/pkg/iquest
+    PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH} timeout 500 python3 -m iquest.lab.depth_probe.gpu_bench 16 64 3 \
+      > "$out/depth-probe-$sha.log" 2>&1 || echo "depth probe: exit $?" >&2
+    tail -30 "$out/depth-probe-$sha.log" ;;
   rest)  # whole logs under $OUT: a cut run still returns where it stopped
     timeout 400 bash "$here/gpu.sh" bench context --out "$out/context-tp8slice-$sha.json" \
       > "$out/context-tp8slice-$sha.log" 2>&1 || echo "bench context: exit $?" >&2
@@ -101,7 +108,7 @@ case "${1:-}" in
     gpu bench depth --device cuda --prompts 16 --tokens 64 --repeats 5 --out "$out/depth-mini-cuda-$sha.json" \
       > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
     tail -8 "$out/depth-mini-cuda-$sha.log" ;;
-  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|step|agent|rest|fold|trace|tune|"\
-"step2|prefetch|tests|mps|qualify)" >&2
+  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|step|agent|rest|depthprobe|fold|"\
+"trace|tune|step2|prefetch|tests|mps|qualify)" >&2
      exit 2 ;;
 esac
