@@ -5,13 +5,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from iquest.fast.engine import FastEngine
-from iquest.fast.flow import EagerFlow, GraphFlow
-from iquest.fast.graphs import DecodeLoopGraph
-from iquest.fast.state import TOKENS_PER_READ
+from iquest.fast.flow import EagerFlow
+from iquest.fast.graphs import capture_decode_loop
 from iquest.reference.depth import FixedDepth, load_controller
 from iquest.reference.sampling import SamplingParams
 from iquest.lab.depth_probe.mend import ProbeRunner
@@ -21,34 +21,17 @@ VARIANTS = ["fixed3", "auto", "lean", "nested", "fused", "nodes3", "ops3"]
 
 
 def capture(st, runner, device):
-    """fast/graphs.capture_decode_loop, with the graph kept for inspection."""
-    def body():
-        runner.round()
-        st.update_running()
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for more in (0, 1):
-            st.clear()
-            st.more.fill_(more)
-            runner.round()
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    st.clear()
-    flow = GraphFlow(device)
-    runner.flow = flow
-    try:
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-    except TypeError:
-        graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            st.target.copy_(st.emitted + TOKENS_PER_READ)
-            st.update_running()
-            flow.loop(st.running, body)
-    finally:
-        runner.flow = EagerFlow()
-    return DecodeLoopGraph(graph, flow)
+    """fast/graphs.capture_decode_loop, its graph kept for inspection (census reads its nodes)."""
+    real = torch.cuda.CUDAGraph
+
+    def kept():
+        try:
+            return real(keep_graph=True)
+        except TypeError:  # a torch without keep_graph
+            return real()
+
+    with mock.patch.object(torch.cuda, "CUDAGraph", kept):
+        return capture_decode_loop(st, runner, device)
 
 
 def census(graph):
