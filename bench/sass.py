@@ -134,8 +134,9 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
     line_elems, lines = prefetch_lines(D, 2)
     q_ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", slot_pos_ptr="*i64", q_pos_ptr="*i64",
                   part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32")
-    for name, st, slots, window in (("attention_split", da.FULL, context + FULL_SLACK, None),
-                                    ("attention_split_sliding", da.SLIDING, s.window + RING_SLACK, s.window)):
+    full, sliding = KernelSettings().attention_full, KernelSettings().attention_sliding
+    for name, st, slots, window in (("attention_split", full, context + FULL_SLACK, None),
+                                    ("attention_split_sliding", sliding, s.window + RING_SLACK, s.window)):
         n = splits(slots, st)
         out[name] = _launch(
             da._attention_split_kernel, q_ptrs,
@@ -146,9 +147,9 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
                  EARLY_SLOTS=da.EARLY_SLOTS if st.early else 0, LINE_ELEMS=line_elems, LINES=lines),
             st.num_warps, st.num_stages, f"attention splits ({'full layer' if window is None else 'sliding layer'}, "
                                          f"{slots} + 1 slots: {n} splits of >= {st.split_min}; {R} rows x {G} heads)")
-    long_slots = 2 * H200_SMS * da.FULL.split_min  # from here on a full layer gets its most splits
+    long_slots = 2 * H200_SMS * full.split_min  # from here on a full layer gets its most splits
     for name, slots in (("attention_combine", context + FULL_SLACK), ("attention_combine_long", long_slots)):
-        st = da.FULL
+        st = full
         n = splits(slots, st)
         max_splits = max(16, triton.next_power_of_2(n))
         out[name] = _launch(

@@ -146,11 +146,12 @@ def default_settings(op: str):
     """The settings the engine launches `op` with: fast/kernel_settings.py's for the ops it holds, else the kernel
     wrapper's default."""
     ks = KernelSettings()
-    return {"linear_qkv": ks.linear, "linear_o": ks.o_proj, "attention_full": da.FULL,
-            "attention_sliding": da.SLIDING, "attention_draft": da.SLIDING, "qk_rope_kv": qr.QkRopeSettings(),
+    return {"linear_qkv": ks.linear, "linear_o": ks.o_proj, "attention_full": ks.attention_full,
+            "attention_sliding": ks.attention_sliding, "attention_draft": ks.attention_sliding,
+            "qk_rope_kv": qr.QkRopeSettings(),
             "qkv_rope_kv": ks.qkv_rope_kv, "rmsnorm": rn.RmsNormSettings(), "add_norm": rn.RmsNormSettings(),
             "router": ro.RouterSettings(), "moe": ks.moe, "lm_head": ks.lm_head,
-            "topk": tk.TopKSettings(), "expert_prefetch": xp.PrefetchSettings(),
+            "topk": ks.topk, "expert_prefetch": xp.PrefetchSettings(),
             "o_proj_router": ks.o_proj_router, "add_norm_route": rt.RouteTailSettings()}[op]
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..kernels import fp8_linear as fl, lm_head as lh, moe as mo, o_proj_router as opr
+from ..kernels import decode_attention as da, fp8_linear as fl, lm_head as lh, moe as mo, o_proj_router as opr, \
+    topk as tk
 from .plan import KernelPlan
 from .rank import KernelSetting
 
@@ -29,11 +30,14 @@ class KernelSettings:
     o_proj_router: opr.PartsSettings = opr.PartsSettings()          # the router fold's partial logits
     qkv_rope_kv: fl.LinearSettings = fl.LinearSettings(num_warps=8)  # q/k/v + q/k norm + RoPE + KV write
     lm_head: lh.LMHeadSettings = lh.LMHeadSettings()                # the target's and the draft's heads
+    attention_full: da.AttentionSettings = da.FULL                  # split-KV attention, full layers
+    attention_sliding: da.AttentionSettings = da.SLIDING            # sliding layers and the draft's window
+    topk: tk.TopKSettings = tk.TopKSettings()                       # each rank's vocabulary top-k before the gather
 
 
 # the kernel plan's group that must run an op's kernel for its settings to mean anything
 GROUP = {"moe": "moe", "linear": "linear", "o_proj": "linear", "o_proj_router": "linear", "qkv_rope_kv": "linear",
-         "lm_head": "lm_head"}
+         "lm_head": "lm_head", "attention_full": "attention", "attention_sliding": "attention", "topk": "sampling"}
 assert set(GROUP) == {f.name for f in dataclasses.fields(KernelSettings)}
 
 

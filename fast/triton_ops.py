@@ -201,8 +201,9 @@ class TritonOps(TorchOps):
         if not self._fits("attention", ok and R * (Hq // kv.k.shape[1]) <= decode_attention.MAX_MATRIX_ROWS):
             return super().attention(q, kv, positions, scale, sink_k)
         self.calls["attention"] += 1
+        s = self.settings.attention_full if kv.window is None else self.settings.attention_sliding
         return decode_attention.decode_attention(q, kv.k, kv.v, kv.slot_pos, positions, scale, sink_k, kv.window,
-                                                 pdl=q.is_cuda)
+                                                 settings=s, pdl=q.is_cuda)
 
     # ---- the heads -------------------------------------------------------------------------------------
     def lm_head(self, hidden, head):
@@ -314,7 +315,8 @@ class TritonOps(TorchOps):
         return philox.uniforms(seed, positions, purpose, depth, out=out, pdl=positions.is_cuda)  # tl.rand = rng.rand
 
     def _keys(self, local_logits, k, vocab_offset, gather):
-        keys = topk.local_topk_keys(local_logits.float().contiguous(), k, vocab_offset, pdl=local_logits.is_cuda)[0]
+        keys = topk.local_topk_keys(local_logits.float().contiguous(), k, vocab_offset, settings=self.settings.topk,
+                                    pdl=local_logits.is_cuda)[0]
         return gather(keys).contiguous()
 
     def dist(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p):

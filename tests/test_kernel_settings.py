@@ -14,7 +14,7 @@ from iquest.fast.kernel_settings import KernelSettings
 from iquest.fast.parallel import Parallel
 from iquest.fast.plan import KernelPlan
 from iquest.fast.rank import EngineOptions, RankEngine, kernel_setting
-from iquest.kernels import fp8_linear, lm_head, o_proj_router, qkv_rope_kv
+from iquest.kernels import decode_attention, fp8_linear, lm_head, o_proj_router, qkv_rope_kv, topk
 from iquest.tests.helpers import TINY
 
 
@@ -104,6 +104,47 @@ def test_the_router_folds_projection_takes_the_o_projections_and_its_own(monkeyp
     product = KernelSettings()
     assert seen == [(product.o_proj, product.o_proj_router),
                     (replace(product.o_proj, split_k=1), replace(product.o_proj_router, block_e=128))]
+
+
+def test_full_and_sliding_layers_take_their_own_attention_settings(monkeypatch):
+    """TINY's layers 0 and 3 are full, 1 and 2 sliding: each attention call gets its layer type's settings, the
+    product's or those given. (The kernels are not run: the prologue runs its torch form, the attention a stand-in.)"""
+    from iquest.fast.torch_ops import TorchOps
+    from iquest.fast.triton_ops import TritonOps
+
+    seen = []
+
+    def spy(q, k, v, slot_pos, positions, scale, sink_k, window, *, settings, **kwargs):
+        seen.append((window, settings))
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(TritonOps, "qk_rope_write", TorchOps.qk_rope_write)
+    monkeypatch.setattr(decode_attention, "decode_attention", spy)
+    product = KernelSettings()
+    for triples, full, sliding in (
+            ((), product.attention_full, product.attention_sliding),
+            ((("attention_full", "block_n", 32), ("attention_sliding", "num_stages", 1)),
+             replace(product.attention_full, block_n=32), replace(product.attention_sliding, num_stages=1))):
+        seen.clear()
+        forward(KernelPlan(attention=True), triples)
+        assert [w is None for w, _ in seen] == [True, False, False, True], seen
+        assert [st for _, st in seen] == [full, sliding, sliding, full], seen
+    assert product.attention_full != product.attention_sliding  # the layer types' defaults differ (their stages)
+
+
+def test_the_vocabulary_top_k_takes_its_settings(monkeypatch):
+    from iquest.fast.kernel_settings import build
+    from iquest.fast.triton_ops import TritonOps
+
+    seen = []
+    monkeypatch.setattr(topk, "local_topk_keys", stopping_spy(seen))
+    plan = KernelPlan(sampling=True)
+    for triples in ((), (("topk", "tile", 256),)):
+        with pytest.raises(Reached):
+            TritonOps(plan, settings=build(plan, triples))._keys(torch.randn(2, 1000), 20, 0, lambda keys: keys)
+    assert seen == [KernelSettings().topk, replace(KernelSettings().topk, tile=256)]
+    with pytest.raises(ValueError, match="needs the sampling kernels"):
+        build(KernelPlan(), (("topk", "tile", 256),))
 
 
 def test_kernel_setting_parses_op_field_value():
