@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..fast.stacks import STALL_S
 from .options import add_device, add_json, add_kernels, add_router_fold, add_weights
 
 FALSE_ALARM_OUT = "bench/results/qualify-false-alarm-{commit}.json"
@@ -40,12 +41,12 @@ def register(sub) -> None:
                    help="worker processes for the independent units (the healthy engine, the lossless test and each "
                         "negative control); auto (default) = one per CPU core, at most one per unit; 1 runs "
                         "everything in this process")
-    p.add_argument("--stall-dump", type=float, default=180, metavar="SECONDS",
-                   help="when no step has finished for this long (default 180; 0: never), print which units are "
-                        "running, with their steps done and time so far, then the Python stacks of every process the "
-                        "run started (its workers and their tensor-parallel ranks), once per stall: a run that seems "
-                        "hung shows where each process waits, and one that is only slow goes on (with --jobs 2 or "
-                        "more; kill -USR1 PID prints one of these processes' stacks at any time)")
+    p.add_argument("--stall-dump", type=float, default=STALL_S, metavar="SECONDS",
+                   help=f"when no step has finished for this long (default {STALL_S:g}; 0: never), print which "
+                        "units are running, with their steps done and time so far, then the Python stacks of every "
+                        "process the run started (its workers and their tensor-parallel ranks), once per stall: a run "
+                        "that seems hung shows where each process waits, and one that is only slow goes on (with "
+                        "--jobs 2 or more; kill -USR1 PID prints one of these processes' stacks at any time)")
     p.add_argument("--stall-limit", type=float, default=0, metavar="SECONDS",
                    help="when no step has finished for this long, end the run: print the stacks as --stall-dump does, "
                         "stop every worker process and what it started, and exit 2 with one line naming the units "

@@ -9,6 +9,7 @@ import faulthandler
 import signal
 
 SIGNAL = getattr(signal, "SIGUSR1", None)  # None on Windows: no stacks on demand there
+STALL_S = 180  # qualify --stall-dump's default: longer than a unit's first case takes to load and compile on a busy GPU
 
 
 def dump_stacks_on_signal() -> None:

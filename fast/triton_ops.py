@@ -56,7 +56,7 @@ class TritonOps(TorchOps):
                  routed_prefetch: bool = False, down_tail: bool = False) -> None:
         super().__init__(fold_router, warm_experts)
         self.plan = plan
-        self.settings = settings  # the product's are the kernels' defaults; a bench variant or qualify passes others
+        self.settings = settings  # KernelSettings() is the product's; a bench variant or qualify passes others
         self.routed_prefetch = routed_prefetch  # EngineOptions.routed_prefetch
         self.down_tail = down_tail  # EngineOptions.down_tail
         self.fallbacks: Counter = Counter()  # op group -> calls a kernel could not take (ran the torch form)

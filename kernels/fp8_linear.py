@@ -45,7 +45,8 @@ class LinearSettings:
     """Launch choices of `fp8_linear`. split_k, and block_n through `choose_split_k`, set how K is split, so the order
     of the fp32 sum (the last bits may move); num_warps, num_stages and preload schedule the same sums (the tests hold
     preload to the loop's bits). The figures behind the defaults are in docs/PERF.md ("How the kernels launch and
-    load", "The FP8 linear's other forms")."""
+    load", "The FP8 linear's other forms"). The engine launches each op (the plain linears, the o-projection, the q/k/v
+    fold) with its own settings: fast/kernel_settings.py, where they differ from these."""
 
     # Output columns a program: narrower tiles give more programs, so fewer K splits, at a TP8 rank's decode shapes
     # (the tune at 932ec08; to re-measure at the published shapes: docs/PERF.md, "Retired with the guessed

@@ -33,7 +33,7 @@ from ..provenance import commit
 from ..fast.parallel import Parallel
 from ..fast.plan import KernelPlan
 from ..fast.rank import MAX_CANDIDATES, EngineOptions, EngineParts, KernelSetting, RankEngine
-from ..fast.stacks import dump_stacks, dump_stacks_on_signal, end_tree
+from ..fast.stacks import STALL_S, dump_stacks, dump_stacks_on_signal, end_tree
 from ..fast.weights import weight_format
 from . import tolerances
 from ..reference.config import Config
@@ -197,7 +197,6 @@ def control_margin(r: dict) -> str:
 
 
 HEARTBEAT_S = 60  # a progress line at least this often while worker units run
-STALL_S = 180  # --stall-dump's default: longer than a unit's first case takes to load and compile on a busy GPU
 _POLL_S = 0.25  # how often gather reads the units' step reports
 
 
