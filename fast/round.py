@@ -9,11 +9,10 @@ uniforms, so they reach the same tokens without broadcasting them.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
-from ..reference.depth import FEATURES, MIN_DRAFTS, FixedDepth, LogisticDepth
+from ..reference.depth import MIN_DRAFTS, FixedDepth, LogisticDepth
 from ..reference.rng import PURPOSE_COMMIT, PURPOSE_DRAFT
 from . import sampler
 from .model import FastModel
@@ -164,16 +163,9 @@ class RoundRunner:
         st.draft_h.copy_(h)
         # only depths from MIN_DRAFTS on decide: the rows before them always run, so their flags would go unread
         if MIN_DRAFTS <= depth < MAX_DRAFTS and not isinstance(self.controller, FixedDepth):
-            st.more[depth + 1] = self.more(depth, served, probs)
+            self.more(depth, served, probs)
 
-    def more(self, depth: int, served: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """The fitted depth controller's rule (reference/depth.py) evaluated on device tensors."""
+    def more(self, depth: int, served: torch.Tensor, probs: torch.Tensor) -> None:
+        """more[depth + 1]: the fitted depth controller's decision after `depth` (fast/depth_rule.py), on the device."""
         assert isinstance(self.controller, LogisticDepth)
-        plogp = torch.where(probs > 0, probs * torch.log(probs.clamp(min=1e-30)), torch.zeros_like(probs))
-        feats = {"bias": torch.ones_like(served), "log_running_product": torch.log(self.st.product.clamp(min=1e-30)),
-                 "log_served_prob": torch.log(served.clamp(min=1e-30)), "entropy": -plogp.sum(),
-                 "depth": torch.full_like(served, float(depth))}
-        assert set(feats) == set(FEATURES)  # the same features as reference/depth.py
-        score = sum(w * feats[name] for name, w in self.controller.weights.items())
-        logit_threshold = math.log(self.controller.threshold / (1 - self.controller.threshold))
-        return (score > logit_threshold).to(torch.int32)
+        self.m.ops.more(self.controller, depth, served, probs, self.st.product, self.st.more[depth + 1:depth + 2])

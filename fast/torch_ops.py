@@ -13,7 +13,7 @@ import torch
 
 from ..reference.layers import apply_rope, attention, rms_norm, route
 from ..reference.rng import PURPOSE_ACCEPT, PURPOSE_COMMIT
-from . import expert_prefetch, philox, router_fold, sampler
+from . import depth_rule, expert_prefetch, philox, router_fold, sampler
 from .cache import LayerKV
 from .profiling import stage
 from .weights import Attention, ModelWeights, MoE, Weight
@@ -233,6 +233,13 @@ class TorchOps:
             made.fill_(depth)
             product.mul_(served[0])
         return served
+
+    def more(self, rule, depth: int, served: torch.Tensor, probs: torch.Tensor, product: torch.Tensor,
+             out: torch.Tensor) -> None:
+        """out[0] = whether the round drafts past `depth` under the fitted rule (reference.depth.LogisticDepth), from
+        the depth's distribution probs [K], its served probability [1] and the running product []
+        (fast/depth_rule.py; kernels/depth_rule.py in one launch)."""
+        out.copy_(depth_rule.more(rule.weights, rule.threshold, depth, served, probs, product).view(out.shape))
 
     commit_dist = staticmethod(sampler.commit_dist)  # the distribution of a round's new token (the accept step's)
 

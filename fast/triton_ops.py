@@ -16,8 +16,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels import (decode_attention, embed, expert_prefetch, fp8_linear, launch, lm_head, moe, o_proj_router,
-                       philox, qk_rope_kv, qkv_rope_kv, rmsnorm, route_tail, router, sample, settle, topk)
+from ..kernels import (decode_attention, depth_rule, embed, expert_prefetch, fp8_linear, launch, lm_head, moe,
+                       o_proj_router, philox, qk_rope_kv, qkv_rope_kv, rmsnorm, route_tail, router, sample, settle,
+                       topk)
+from .depth_rule import logit_threshold
 from .kernel_settings import KernelSettings
 from .plan import KernelPlan
 from .profiling import stage
@@ -334,6 +336,13 @@ class TritonOps(TorchOps):
                              pdl=keys.is_cuda)
         self.calls["sample_draw"] += 1
         return served
+
+    def more(self, rule, depth, served, probs, product, out):
+        if not self._fits("sampling", probs.numel() <= depth_rule.MAX_K):
+            return super().more(rule, depth, served, probs, product, out)
+        self.calls["depth_rule"] += 1
+        depth_rule.more(probs, served, product, out, depth, rule.weights, logit_threshold(rule.threshold),
+                        pdl=probs.is_cuda)
 
     def accept(self, p_ids, p_probs, q_ids, q_probs, drafts, k, n, seed):
         if not self._fits("sampling", max(p_ids.shape[1], q_ids.shape[1]) <= sample.MAX_K):

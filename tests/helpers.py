@@ -4,6 +4,7 @@ explained divergence. Test modules import these from here, never from one anothe
 from __future__ import annotations
 
 import atexit
+import inspect
 import shutil
 import tempfile
 from functools import lru_cache
@@ -142,8 +143,9 @@ def torch_forms(*names: str) -> EngineParts:
     class TorchFormsModel(FastModel):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            for name in names:
-                setattr(self.ops, name, getattr(TorchOps, name).__get__(self.ops))
+            for name in names:  # bound as TorchOps binds it: a static method stays unbound
+                form = inspect.getattr_static(TorchOps, name)
+                setattr(self.ops, name, form.__func__ if isinstance(form, staticmethod) else form.__get__(self.ops))
 
     return EngineParts(model=TorchFormsModel)
 

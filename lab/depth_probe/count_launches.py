@@ -66,10 +66,10 @@ def main(tokens=24):
     from tokenizers import Tokenizer
     chosen, _ = held_out(MODEL, Tokenizer.from_file(str(MODEL / "tokenizer.json")), 1)
     key = ("auto", gen.top_k, 0)
-    for v in sys.argv[2:] or ["fixed3", "auto", "lean", "nested", "fused"]:
+    for v in sys.argv[2:] or ["fixed3", "auto", "torch_rule"]:
         ctl = FixedDepth(3) if v in ("fixed3", "nodes3", "ops3") else load_controller(MODEL)
         r = ProbeRunner(rank.model, rank.state, gen.top_k, ctl, EagerFlow(),
-                        variant="base" if v in ("fixed3", "auto") else v)
+                        variant="product" if v in ("fixed3", "auto") else v)
         MODE.n.clear()
         whens = [0, 0]
         rounds = [0]

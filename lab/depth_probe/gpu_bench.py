@@ -1,5 +1,6 @@
 """GPU: what a decode round of each variant holds (kernel nodes, conditional nodes, per graph level) and costs (decode
-time per round, paired over held-out prompts with rotated order), plus the fused rule's numerics. Lab only."""
+time per round, paired over held-out prompts with rotated order): fixed depth 3, the product's controller, the product
+with the rule's torch form, and the ablations of lab/depth_probe/mend.py. Lab only."""
 import json
 import os
 import sys
@@ -17,7 +18,7 @@ from iquest.reference.sampling import SamplingParams
 from iquest.lab.depth_probe.mend import ProbeRunner
 
 MODEL = Path(__file__).resolve().parents[2] / "fixtures" / "iquest-q1-mini"
-VARIANTS = ["fixed3", "auto", "lean", "nested", "fused", "nodes3", "ops3"]
+VARIANTS = ["fixed3", "auto", "torch_rule", "nodes3", "ops3"]
 
 
 def capture(st, runner, device):
@@ -79,7 +80,7 @@ def main(prompts=16, tokens=64, repeats=2):
     for v in VARIANTS:
         ctl = FixedDepth(3) if v in ("fixed3", "nodes3", "ops3") else load_controller(MODEL)
         r = ProbeRunner(rank.model, rank.state, gen.top_k, ctl, EagerFlow(),
-                        variant="base" if v in ("fixed3", "auto") else v)
+                        variant="product" if v in ("fixed3", "auto") else v)
         g = capture(rank.state, r, dev) if dev.type == "cuda" else None
         built[v] = (r, g)
         report["census"][v] = census(g.graph) if g is not None else None
@@ -116,8 +117,8 @@ def main(prompts=16, tokens=64, repeats=2):
         print(f"{v:8s} {1e6 * s / n:8.1f} {1e6 * s / rounds:9.1f} {n / rounds:8.3f} {d / rounds:10.2f}  {same}")
         report[v] = {"tpot_us": 1e6 * s / n, "us_per_round": 1e6 * s / rounds, "tokens": n, "rounds": rounds,
                      "drafts": d, "same_tokens_as": same}
-    fa = sum(a == b for a, b in zip(ids_of["fused"], ids_of["auto"]))
-    print(f"fused == auto tokens in {fa}/{len(ids_of['auto'])} units")
+    fa = sum(a == b for a, b in zip(ids_of["torch_rule"], ids_of["auto"]))
+    print(f"torch_rule == auto tokens in {fa}/{len(ids_of['auto'])} units")
     out = os.environ.get("OUT", "/tmp")
     Path(out, "gpu_bench.json").write_text(json.dumps(report, indent=1))
     eng.close()
