@@ -19,6 +19,9 @@
 #             the rule as one kernel, ablations), node counts a level and decode time a round, paired
 #   fold      the router fold: its two kernels tuned, then paired in the round (1.77x the round at bc0ea27: its
 #             o-projection 57.6 us a call in the graph against 3.8-25 us in the tune)
+#   ncu       the fold's o-projection under Nsight Compute, alone (the tune's calls) and in the round (bench step's
+#             passes): its own time, occupancy, stall reasons and memory traffic with no neighbour, to say whether the
+#             round's 57.6 us a call (bc0ea27) is the kernel's or its place in the chain
 #   trace     bench graph-trace: kernels and dependent steps a decoder layer, with and without each fold (10 at bc0ea27)
 #   tune      bench tune: the MoE at 38 experts, the attention, the router, the tails, the top-k, the prefetch branch
 #   step2     the same-bits attention and top-k tunes together (0.915x, 0.941x and 0.863x their ops at bc0ea27)
@@ -53,14 +56,16 @@ case "${1:-}" in
         > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
       tail -2 "$out/$name.log"
     done ;;
-  qualify2a|qualify2b)  # each half in one wave: 10 and 11 units on 11 workers
+  qualify2a|qualify2b)  # 10 and 11 units on 6 workers, two waves: at bc0ea27 10 units side by side (20 rank processes
+    # on one GPU) finished 6 in 128 s and 4 never; fewer at once rules contention out while the stall dump says where
     controls="ring_exact_w drop_sink scalar_sink rope_shift_rows rope_double_dims rope_last_dims raw_residual
       open_causal_mask"
     [ "$1" = qualify2b ] && controls="keep_rejected_kv skip_redraft draft_target_embedding draft_window_4096
       mtp_router_shift router_bf16 fp8_scales_transposed top_p_drops_crossing replacement_from_p"
     name=qualify-mini-cuda-bf16-tp2-${1#qualify2}-$sha
-    timeout 570 bash "$here/gpu.sh" mps iquest qualify --tp 2 --device cuda --share-gpu --dtype bf16 --jobs 11 --json \
-      $(printf -- '--control %s ' $controls) > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
+    timeout 570 bash "$here/gpu.sh" mps iquest qualify --tp 2 --device cuda --share-gpu --dtype bf16 --jobs 6 \
+      --stall-limit 400 --json $(printf -- '--control %s ' $controls) > "$out/$name.json" 2> "$out/$name.log" \
+      || echo "$name: exit $?" >&2
     tail -4 "$out/$name.log" ;;
   step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
     kernels="triton,triton^qkv_rope,triton~route:38"
@@ -86,6 +91,20 @@ case "${1:-}" in
     gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
       --kernels triton,triton+router_fold,triton+router_fold@o_proj_router.block_e=16 \
       --out "$out/step-fold-ctx1k-d5-$sha.json" 2>&1 | tee "$out/step-fold-ctx1k-d5-$sha.log" | tail -40 ;;
+  ncu)  # --clock-control none: the clocks stay the machine's (METHOD.md); a process tree (bash, then python)
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+    prof() {  # prof NAME SKIP COUNT LIMIT COMMAND...: the fold's o-projection launches SKIP.. SKIP+COUNT-1
+      local name=$1 skip=$2 count=$3 limit=$4
+      shift 4
+      timeout "$limit" "$ncu" --clock-control none --target-processes all -k regex:_o_proj_router_kernel \
+        -s "$skip" -c "$count" --section SpeedOfLight --section LaunchStats --section Occupancy \
+        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --csv --page details \
+        --log-file "$out/ncu-$name-$sha.csv" "$@" > "$out/ncu-$name-$sha.log" 2>&1 || echo "ncu $name: exit $?" >&2
+      tail -3 "$out/ncu-$name-$sha.log"
+    }
+    prof o-proj-router-tune 20 6 200 bash "$here/gpu.sh" bench tune --ops o_proj_router --only block_e=16 --budget 20
+    prof o-proj-router-round 200 8 360 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 \
+      --repeats 1 --kernels triton+router_fold ;;
   trace)
     gpu bench graph-trace --kernels triton,triton+router_fold,triton+down_tail,triton^moe_combine,triton^qkv_rope \
       --out "$out/graph-trace-$sha.json" 2>&1 | tee "$out/graph-trace-$sha.log" ;;
@@ -109,6 +128,6 @@ case "${1:-}" in
       > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
     tail -8 "$out/depth-mini-cuda-$sha.log" ;;
   *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|step|agent|rest|depthprobe|fold|"\
-"trace|tune|step2|prefetch|tests|mps|qualify)" >&2
+"ncu|trace|tune|step2|prefetch|tests|mps|qualify)" >&2
      exit 2 ;;
 esac
