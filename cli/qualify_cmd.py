@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..fast.setting_ops import GROUP
 from ..fast.stacks import STALL_S
 from .options import add_device, add_json, add_kernels, add_router_fold, add_weights
 
@@ -31,9 +32,9 @@ def register(sub) -> None:
     add_weights(p)
     add_router_fold(p)
     p.add_argument("--kernel-setting", action="append", default=[], metavar="OP.FIELD=VALUE",
-                   help="the candidate's kernels with this launch setting (fast/kernel_settings.py; ops: moe, linear, "
-                        "o_proj, o_proj_router, qkv_rope_kv, lm_head; repeatable; e.g. moe.gate_up_scale=product, a "
-                        "numerical form, qualified so before it becomes a default; needs the Triton kernels)")
+                   help="the candidate's kernels with this launch setting (fast/kernel_settings.py; ops: "
+                        f"{', '.join(GROUP)}; repeatable; e.g. moe.gate_up_scale=product, a numerical form, qualified "
+                        "so before it becomes a default; needs the Triton kernels)")
     p.add_argument("--share-gpu", action="store_true",
                    help="with --tp N --device cuda: every rank on GPU 0 (testing tensor parallelism on one GPU; run "
                         "under an MPS daemon so the ranks' kernels run side by side: bash ci/gpu.sh mps ...)")

@@ -16,6 +16,7 @@ from ..kernels import decode_attention as da, fp8_linear as fl, lm_head as lh, m
     topk as tk
 from .plan import KernelPlan
 from .rank import KernelSetting
+from .setting_ops import GROUP
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class KernelSettings:
     """Each op's launch settings: a field an op, its kernel file's settings dataclass."""
 
     # The FP8 linear's settings differ by op: two pipeline stages for the plain linears and the o-projection, eight
-    # warps for the q/k/v fold; with the head's 8-row tiles (kernels/lm_head.py) they took the round to 0.9595x, the
+    # warps for the q/k/v fold; with the head's 8-row tiles (kernels/lm_head.py) they make the round faster with the
     # same bits (docs/PERF.md, "Current state", the same-bits tunes).
     moe: mo.MoESettings = mo.MoESettings()                          # Gate/Up, Down, the combine
     linear: fl.LinearSettings = fl.LinearSettings(num_stages=2)     # dense MLP, eh_proj, q/k/v unfolded
@@ -36,9 +37,6 @@ class KernelSettings:
     topk: tk.TopKSettings = tk.TopKSettings()                       # each rank's vocabulary top-k before the gather
 
 
-# the kernel plan's group that must run an op's kernel for its settings to mean anything
-GROUP = {"moe": "moe", "linear": "linear", "o_proj": "linear", "o_proj_router": "linear", "qkv_rope_kv": "linear",
-         "lm_head": "lm_head", "attention_full": "attention", "attention_sliding": "attention", "topk": "sampling"}
 assert set(GROUP) == {f.name for f in dataclasses.fields(KernelSettings)}
 
 

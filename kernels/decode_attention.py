@@ -54,29 +54,31 @@ EARLY_SLOTS = 128  # slots a split prefetches before its wait (`early`): its fir
 
 @dataclass(frozen=True)
 class AttentionSettings:
-    """How the two kernels launch. num_stages, preload and early change no value (each measured bit-identical); the
+    """How the two kernels launch. num_stages, preload and early change no value (each checked bit-identical); the
     tile, the splits, the warps and the combine's shape set the order of the fp32 sums (re-qualify when changing)."""
 
-    # slots a K/V tile: the default `bench tune` kept at 932ec08 (docs/PERF.md, "Launch configurations"); 32-slot
-    # tiles rejected (docs/PERF.md, "32-slot tiles and splits in a sliding layer's attention")
+    # slots a K/V tile: the fastest `bench tune` found (docs/PERF.md, "Launch configurations"); 32-slot tiles rejected
+    # (docs/PERF.md, "32-slot tiles and splits in a sliding layer's attention")
     block_n: int = 64
-    # slots a split at least (None: one tile): 17 live splits at 1K instead of 5, 14.5 -> 9.7 us a call (the tune at
-    # 932ec08, docs/PERF.md "Launch configurations"); longer splits starve the grid ("256-slot splits", rejected)
+    # slots a split at least (None: one tile): one-tile splits give the most live splits at short context, so more of
+    # the grid streams (docs/PERF.md, "Launch configurations"); longer splits starve the grid (256-slot splits,
+    # rejected: docs/PERF.md, "The context sweep")
     min_split: int | None = None
     # the grid's splits (None: about two programs an SM at full capacity, `default_num_splits`: the 264 of a full
     # layer on an H200 in docs/PERF.md's "context sweep")
     num_splits: int | None = None
-    # warps of a split program: the default the tune at 932ec08 kept (docs/PERF.md, "Launch configurations")
+    # warps of a split program: the fastest `bench tune` found (docs/PERF.md, "Launch configurations")
     num_warps: int = 4
     # K/V tiles in flight a split: 3 on full layers, 2 on sliding ones (docs/PERF.md, "Three K/V tiles in flight")
     num_stages: int = 3
-    # splits the combine merges a step, columns a combine program, its warps: docs/PERF.md, "The attention combine as
-    # one program a (KV head, row, 32 columns), 4 warps over 128 splits a step" (f8272df)
+    # splits the combine merges a step, columns a combine program, its warps: every live split's maximum in one load,
+    # so a long context's many splits are not walked in a serial chain (docs/PERF.md, "The attention combine as one
+    # program a (KV head, row, 32 columns), 4 warps over 128 splits a step")
     combine_splits: int = 128
     combine_cols: int = 32
     combine_warps: int = 4
     # with PDL, the combine reads sink_k (a constant) and q (written before the split kernel) and forms the sink
-    # logit before its wait (docs/PERF.md, "Constant weights loaded into registers before the PDL wait", 838962d)
+    # logit before its wait (docs/PERF.md, "Constant weights loaded into registers before the PDL wait")
     preload: bool = True
     # with PDL, each split asks L2 for its first K/V lines and the combine counts its live splits before their waits,
     # from positions written two launches back or earlier (docs/PERF.md, "Reads of data written two launches back")

@@ -41,14 +41,14 @@ class PrefetchSettings:
     """Launch choices and where the branch runs; none changes a value the round computes."""
 
     # The live-row counts (verification widths) the branch prefetches at; at others its programs return at once.
-    # The design document measured a gain at 4 and 5 rows and a loss at 6-8 (the branch ends too late); ours waits
-    # for `iquest bench step` with `+expert_prefetch` per width (docs/PERF.md).
+    # 4 and 5 rows: where the design document finds the branch pays; at 6-8 it ends too late (docs/PERF.md, "The
+    # expert prefetch, an engine option").
     rows: tuple[int, ...] = (4, 5)
     block_e: int = 4
     block_h: int = 512
     num_warps: int = 1
-    # The router's measured choice for the same [256 x 3072] fp32 product (kernels/router.py, ~4 us a call). At 2 an SM
-    # the branch took ~50 us a layer, longer than the attention it overlaps (docs/PERF.md, "The expert prefetch").
+    # The router's choice for the same [256 x 3072] fp32 product (kernels/router.py). With fewer programs an SM the
+    # branch ran longer than the attention it overlaps (docs/PERF.md, "The expert prefetch, an engine option").
     programs_per_sm: int = 8
     chunk_bytes: int = 32768  # one bulk prefetch request
     select_warps: int = 4

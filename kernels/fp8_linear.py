@@ -49,11 +49,11 @@ class LinearSettings:
     fold) with its own settings: fast/kernel_settings.py, where they differ from these."""
 
     # Output columns a program: narrower tiles give more programs, so fewer K splits, at a TP8 rank's decode shapes
-    # (the tune at 932ec08; to re-measure at the published shapes: docs/PERF.md, "Retired with the guessed
-    # architecture").
+    # (docs/PERF.md, "Launch configurations"; "Retired with the guessed architecture").
     block_n: int = 32
     num_warps: int = 4  # other warps, tiles or splits were all slower (docs/PERF.md, "The FP8 linear's other forms")
-    # Pipeline depth of the K loop (the form that does not preload): the tune at 932ec08, as block_n.
+    # Pipeline depth of the K loop (the form that does not preload): chosen by `bench tune`, as block_n (docs/PERF.md,
+    # "Launch configurations"; "Retired with the guessed architecture").
     num_stages: int = 4
     # Each program's weight tiles and scales loaded before the PDL wait where `preload_tiles` allows, so their HBM
     # reads overlap the previous kernel (docs/PERF.md, "Constant weights loaded into registers before the PDL wait").

@@ -17,8 +17,8 @@ Two forms (`LMHeadSettings.form`), the same products summed in different orders:
   BLOCK_K] with FMAs; the lanes are summed once at the end. No shared-memory staging and no padding of the rows to 16:
   the loop is the head's stream (123 MB bf16 at TP8): 70 registers, no spill at 6 rows (`iquest bench sass`).
 - "dot": the same grid; the tile's products by tl.dot with input_precision="ieee", the rows padded to BLOCK_R = 16
-  (tl.dot's smallest M). On sm_90a an fp32 IEEE dot is FMAs on operands staged through shared memory: the form the
-  benchmark of record measured at 552 us a call, 9.6x the head's bytes (docs/PERF.md).
+  (tl.dot's smallest M). On sm_90a an fp32 IEEE dot is FMAs on operands staged through shared memory, far slower than
+  the head's byte stream (docs/PERF.md, "What the two eager profiles say about the folds").
 The last V tile is partial: its loads re-read row V-1 (no masks in the weight stream) and its stores are masked. The
 K tail (H not a multiple of BLOCK_K) is masked. No atomics (deterministic), no host reads (graph-capturable).
 
@@ -42,7 +42,7 @@ MAX_ROWS = BLOCK_R  # one row tile: the head is read once per call
 
 
 FORMS = ("rows", "dot")
-ROWS_BLOCK_V = 8  # "rows" with block_v None: 2,500 programs over a rank's 20,000 rows (measured with rows_warps)
+ROWS_BLOCK_V = 8  # "rows" with block_v None: 2,500 programs over a rank's 20,000 rows (tuned with rows_warps, below)
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,8 @@ class LMHeadSettings:
     `device.logit_tolerance`); the others share the same sums out over programs and threads."""
 
     # "rows": fp32 products in registers, no shared-memory staging, R products an element; chosen over "dot", whose
-    # FMA lowering ran at 9.6x the head's bytes (docs/PERF.md, benchmark of record at f833c86); rows: to be measured
+    # FMA lowering runs far slower than the head's byte stream (docs/PERF.md, "What the two eager profiles say about
+    # the folds")
     form: str = "rows"
     # None: "rows" takes ROWS_BLOCK_V; "dot" `choose_block_v`, the largest V tile that still gives programs_per_sm
     # programs an SM, so the last partial wave of the head's stream is short (docs/PERF.md, "The LM head, Philox and
@@ -61,7 +62,7 @@ class LMHeadSettings:
     block_k: int = 128     # "dot"
     num_warps: int = 4     # "dot"
     num_stages: int = 4    # "dot"
-    # "rows": [8 x 64] tiles over 4 warps, with ROWS_BLOCK_V: 0.769x the [16 x 64] tiles over 8 warps, the same bits
+    # "rows": [8 x 64] tiles over 4 warps, with ROWS_BLOCK_V: faster than [16 x 64] tiles over 8 warps, the same bits
     # (`iquest bench tune --ops lm_head`; docs/PERF.md, "Current state", the same-bits tunes)
     rows_block_k: int = 64
     rows_warps: int = 4

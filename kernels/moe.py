@@ -114,38 +114,39 @@ class ExpertOutputs(NamedTuple):
 @dataclass(frozen=True)
 class MoESettings:
     """Launch choices; none changes a result but `gate_up_scale` and `gate_up_split`, numerical forms (each the
-    default only once the GPU has timed and qualified it). The figures behind them are in docs/PERF.md (current state;
-    "The MoE's kernels", measured on the retired kernel's tiles and carried over)."""
+    default only once the GPU has timed and qualified it). Why each value: docs/PERF.md ("Current state"; the tiles,
+    warps and stages carried over from the retired kernel: "Launch configurations", "The MoE's kernels")."""
 
     block_m: int = 16           # rows a dot takes: tl.dot's smallest M, and R <= 8 at decode fits one block
     gate_up_block_n: int = 32   # I_r channels a Gate/Up program: divides a TP8 rank's 192; 6 programs an expert, not 3
-    gate_up_block_k: int = 128  # H columns a Gate/Up step: 128 x 128 weight tiles were the fastest (PERF.md tune)
-    down_block_n: int = 128     # H columns a Down program (PERF.md: Down at 128 x 64)
-    down_block_k: int = 64      # I_r columns a Down step (PERF.md: Down at 128 x 64)
-    warps: int = 4              # Gate/Up and Down: 4 warps beat 8 (PERF.md tune of warps and stages)
-    stages: int = 3             # software pipelining depth of Down's weight stream (PERF.md: 3-deep Down)
+    # The next five: the retired kernel's tune, carried over (docs/PERF.md, "Launch configurations")
+    gate_up_block_k: int = 128  # H columns a Gate/Up step: 128 x 128 weight tiles were the fastest
+    down_block_n: int = 128     # H columns a Down program (Down's tile: 128 x 64)
+    down_block_k: int = 64      # I_r columns a Down step (Down's tile: 128 x 64)
+    warps: int = 4              # Gate/Up and Down: 4 warps beat 8
+    stages: int = 3             # software pipelining depth of Down's weight stream
     # Gate/Up's: at the published shape a program walks H in 24 steps with (stages - 1) x 12 KB in flight, and its
-    # ~1.1 us a step (26.7 us a call at 72c654b, at 8.9 and at 38 experts alike) is that depth's latency, not bytes.
-    # Deeper is bit for bit the same (sm_90a: 8 stages, 168 registers, 88 KB of shared memory); `bench tune --ops
-    # moe` times 4, 6 and 8 against 3
+    # time a step is that depth's latency, not bytes (a call takes as long at 38 experts as at the prefilled routing).
+    # Deeper is bit for bit the same and compiles without spill, but was not faster (docs/PERF.md, "Current state",
+    # "Gate/Up's H split over programs")
     gate_up_stages: int = 3
     # Where Gate/Up applies the block scales. "weight": each weight element T(fp32(q) * scale), the torch form's
     # arithmetic. "product": each E4M3 tile taken exactly (every E4M3 value is a bf16) into the step's dot, and the
     # row's scale multiplying the step's fp32 product, as kernels/fp8_linear.py does: a numerical change (one rounding
-    # a weight fewer, nearer the exact dequantization) that drops the per-element FMUL: 318 instructions a warp a step
-    # against 382 at the published shape (docs/PERF.md, "What Gate/Up's compiled step says"). Not the default until
-    # the GPU times it (`bench tune --ops moe`) and qualifies it
+    # a weight fewer, nearer the exact dequantization) that drops the per-element FMUL, so fewer instructions a step
+    # (docs/PERF.md, "What Gate/Up's compiled step says"). Not the default until the GPU times it (`bench tune --ops
+    # moe`) and qualifies it
     gate_up_scale: str = "weight"
     # Gate/Up's H walked by this many programs an (expert, I_r tile), each over whole K steps, their fp32 partials
     # summed in split order by the last to arrive, which then rounds and forms silu(g) * u (`gate_up_locks`): a
     # numerical change (the sum's order). A program's K steps, not bytes, set Gate/Up's time at the published shape
-    # (24 steps of ~1.1 us, the same at 8.9 and 38 experts): 4 splits make them 6, on 4x the programs. Split 4 made
-    # the op 0.655x and the round 0.8315x, paired, and passed qualification at TP 1 (docs/PERF.md, current state)
+    # (24 steps, the same time at both routings): 4 splits make them 6, on 4x the programs. Split 4 made the op and
+    # the round faster and passed qualification at TP 1 (docs/PERF.md, "Current state", "Gate/Up's H split over
+    # programs")
     gate_up_split: int = 4
     combine_block: int = 256    # columns a combine program: ~100 programs for 8 rows at H = 3072
     # Down's owners ask L2 for their expert's weight tile before the PDL wait, while Gate/Up still runs (a hint: the
-    # same bits); on the retired kernels this measured -0.7% a round (docs/perf-history.md, "Reading ahead of the PDL
-    # wait"). `bench tune --ops moe` times it off
+    # same bits), as the retired kernels' `early` did (docs/PERF.md, "Reads of data written two launches back")
     down_prefetch: bool = True
 
 

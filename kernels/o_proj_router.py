@@ -56,11 +56,13 @@ class PartsSettings:
 
     # Experts a chunk: the router slab [block_e, block_n] fp32 is 8 registers a thread at 32 x 32 over 4 warps, and the
     # two [16, block_e] products 4 each, so the epilogue adds little to the linear's registers while 256 experts
-    # take 8 iterations (unmeasured on the GPU; bench sass shows registers and spills).
+    # take 8 iterations (bench sass shows registers and spills; timings: docs/PERF.md, "Current state", "the router
+    # fold in the round").
     block_e: int = 32
     # With PDL, the tile's router slab asked of L2 before the wait by its first split (one request a 128-byte line),
     # so the last split's E x block_n fp32 reads (32 KB at 256 experts x 32 columns) overlap the previous kernel
-    # instead of following the product (unmeasured; an L2 hint changes no value).
+    # instead of following the product (an L2 hint changes no value; timings: docs/PERF.md, "Current state", "the
+    # router fold in the round").
     prefetch: bool = True
 
     def __post_init__(self):

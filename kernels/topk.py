@@ -43,14 +43,15 @@ class TopKSettings:
     """Launch choices. None changes a bit of the result: the keys are exact and unique, so any tile and either merge
     give the same top-k (tests: the skip against the full merge, tiles 16 to 8192)."""
 
-    # Columns a pass-1 program keys (at least k rounded up, checked at the call). 2048 is what the benchmark of record
-    # measured (_tile_topk_kernel ~195 us a call at [6, 20000], 10 tiles a row: docs/PERF.md, current state, at
-    # f833c86); smaller tiles give more, shorter programs: to be re-measured (`iquest bench tune --ops topk`).
+    # Columns a pass-1 program keys (at least k rounded up, checked at the call): the benchmark of record's tile.
+    # Smaller tiles give more, shorter programs, the same bits; a tile is adopted from a timing of the round, not of
+    # the op alone (`iquest bench tune --ops topk`; docs/PERF.md, "Current state").
     tile: int = 2048
-    # Both passes' warps: 4 is what was measured (16 keys a thread of a 2048 tile); re-measured with the tile.
+    # Both passes' warps: the benchmark of record's (16 keys a thread of a 2048 tile), kept with the tile.
     num_warps: int = 4
-    # The merge reads only the KP tiles the maxima allow (exact: module docstring); on, as measured. It acts only where
-    # the tiles, rounded up to a power of two, outnumber KP (not at 2048 on 20000 columns: 10 tiles, KP 32 at k = 20).
+    # The merge reads only the KP tiles the maxima allow (exact: module docstring), so it is on: fewer reads, the same
+    # keys (docs/PERF.md, "Current state"). It acts only where the tiles, rounded up to a power of two, outnumber KP
+    # (not at 2048 on 20000 columns: 10 tiles, KP 32 at k = 20).
     skip: bool = True
 
     def __post_init__(self):
