@@ -33,6 +33,7 @@ from ..fast.kernel_settings import KernelSettings
 from ..kernels import fp8_linear as fl, fp8_linear_direct as fd
 
 TARGET = GPUTarget("cuda", 90, 32)
+SAMPLING_TOP_K = 20  # candidates a draft distribution holds: the mini model's generation top-k
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 FULL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "iquest-q1.json"
 TP = 8
@@ -118,8 +119,10 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
     their settings classes' defaults, as their wrappers launch them on an H200 (132 SMs) with PDL. Attention reads a
     full layer's cache as bench step holds it at `context`, a sliding layer's ring of window + 64 slots."""
     from ..fast.cache import RING_SLACK
-    from ..kernels import allreduce as ar, decode_attention as da, expert_prefetch as xp, lm_head as lh, moe as mo, \
-        o_proj_router as opr, qk_rope_kv as qr, qkv_rope_kv as qrk, rmsnorm as rn, route_tail as rt, router as ro
+    from ..kernels import allreduce as ar, decode_attention as da, depth_rule as dr, expert_prefetch as xp, \
+        lm_head as lh, moe as mo, o_proj_router as opr, qk_rope_kv as qr, qkv_rope_kv as qrk, rmsnorm as rn, \
+        route_tail as rt, router as ro
+    from ..reference.depth import FEATURES
     from ..kernels.launch import prefetch_lines
     from .tune import FULL_SLACK, rank_shapes
 
@@ -361,6 +364,15 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
         lh._lm_head_kernel, head, dict(R=R, V=s.vocab, H=H, stride_x=H, stride_w=H, stride_y=s.vocab), (),
         dict(BLOCK_R=lh.BLOCK_R, BLOCK_V=block_v, BLOCK_K=ls.block_k, PDL=True), ls.num_warps, ls.num_stages,
         f"LM head, \"dot\" form, bf16 [{s.vocab} x {H}], {block_v}-row V tiles")
+
+    # ---- the depth controller's rule after a draft depth: five features (the mini model's fitted rule), a draft
+    # distribution of SAMPLING_TOP_K candidates
+    consts, _ = dr.rule_args({f: 1.0 for f in FEATURES})
+    out["depth_rule"] = _launch(
+        dr._more_kernel, dict(probs_ptr="*fp32", served_ptr="*fp32", product_ptr="*fp32", more_ptr="*i32"),
+        dict(K=SAMPLING_TOP_K), ("depth", "logit_threshold", "w0", "w1", "w2", "w3", "w4"),
+        dict(**consts, KP=triton.next_power_of_2(SAMPLING_TOP_K), LIBDEVICE=True, PDL=True), dr.NUM_WARPS, 1,
+        f"depth rule over a {SAMPLING_TOP_K}-candidate draft distribution, five features", NO_FMA)
     return out
 
 

@@ -29,7 +29,7 @@ from .launch import launch_options, wait_for_inputs
 INTERPRETED = bool(triton.knobs.runtime.interpret)  # the interpreter has no libdevice
 MAX_K = 64  # candidates a distribution holds: the sampler's largest top-k (kernels/sample.py)
 NUM_WARPS = 1  # at most 64 values and five features: one warp, no cross-warp reduction
-TINY = 1e-30  # fast.depth_rule.TINY: the logs' floor
+TINY = tl.constexpr(1e-30)  # fast.depth_rule.TINY: the logs' floor
 
 
 @triton.jit

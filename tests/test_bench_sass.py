@@ -88,7 +88,7 @@ PUBLISHED = ("attention_split", "attention_split_sliding", "attention_combine", 
              "prefetch_logits", "prefetch_warm",
              "moe_gate_up", "moe_down", "moe_gate_up_odd", "moe_down_odd", "moe_down_add_norm", "moe_combine",
              "moe_combine_add_norm", "all_reduce_add_norm", "all_reduce_combine_add_norm", "lm_head", "lm_head_draft",
-             "lm_head_dot")
+             "lm_head_dot", "depth_rule")
 # Stack bytes a kernel may use: none spills at the defaults (measured: the largest register count is the attention
 # split kernel's 254 of 255, so a larger tile there would spill first and this catches it).
 STACK_BOUND = {name: 0 for name in PUBLISHED}
@@ -119,6 +119,8 @@ def test_published_specs_are_the_rank_shapes():
     warm = specs["prefetch_warm"].constexprs
     assert (warm["W0"], warm["W1"], warm["W2"], warm["ISSUE"], warm["CHUNKS_PAD"]) == (4, 5, 0, True, 32)
     assert "589824 bytes" in specs["prefetch_warm"].note
+    # the depth rule: every feature a term, a 20-candidate distribution in a 32-lane vector
+    assert specs["depth_rule"].constexprs["TERMS"] == 5 and specs["depth_rule"].constexprs["KP"] == 32
 
 
 SIDE_BRANCH = ("prefetch_logits", "prefetch_warm")  # the expert prefetch: a side stream's plain launches, no PDL
