@@ -44,8 +44,8 @@ class FastModel:
         self.target_thetas = {t for i in range(config.num_hidden_layers)
                               if (t := config.rope_theta_for(i)) is not None}
         self.draft_thetas = {t for t in (config.mtp.rope_theta_for(0),) if t is not None}
-        self.rope_tables = {t: rope_tables(config.rotary_dim, t, rows, par.device)
-                            for t in self.target_thetas | self.draft_thetas}
+        self.rope_thetas = tuple(sorted(self.target_thetas | self.draft_thetas))
+        self.rope_table = rope_table(config.rotary_dim, self.rope_thetas, rows, par.device)
 
     # ---- embeddings and heads (vocabulary-parallel) ---------------------------------------------
     def embed(self, tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,15 @@ class FastModel:
         return self.logits(out, dw.lm_head), out
 
     def _block(self, positions: torch.Tensor, live: torch.Tensor, thetas: set) -> Block:
-        return Block(positions, live, {t: self.ops.rotary(*self.rope_tables[t], positions) for t in thetas})
+        return Block(positions, live, self.rope_rows(positions, thetas))
+
+    def rope_rows(self, positions: torch.Tensor, thetas: set) -> dict:
+        """Each base's rotary factors (cos, sin) [R, rotary_dim] at `positions`: views of one gather of every base's
+        rows from the model's table (one gather a forward, whatever its bases)."""
+        if not thetas:
+            return {}
+        rows = self.ops.rotary(self.rope_table, positions)  # [R, bases, 2, rotary_dim]
+        return {t: (rows[:, i, 0], rows[:, i, 1]) for i, t in enumerate(self.rope_thetas) if t in thetas}
 
     # ---- one decoder layer ----------------------------------------------------------------------------
     def decoder_layer(self, c: Config, index: int, lw: LayerWeights, kv: LayerKV, x: torch.Tensor, a: torch.Tensor,
@@ -162,10 +170,15 @@ class FastModel:
         return self.ops.moe(b, experts, weights, live, mlp)
 
 
-def rope_tables(rotary_dim: int, theta: float, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [rows, rotary_dim] fp32 at positions 0..rows-1, as reference.layers.rope_cos_sin computes them
-    (float64 angles): made once, so a forward gathers its rows' entries instead of recomputing them."""
-    return rope_cos_sin(torch.arange(rows, device=device), rotary_dim, theta, torch.float32)
+def rope_table(rotary_dim: int, thetas: tuple[float, ...], rows: int, device: torch.device) -> torch.Tensor:
+    """[rows, len(thetas), 2, rotary_dim] fp32: each base's cos and sin at positions 0..rows-1, as
+    reference.layers.rope_cos_sin computes them (float64 angles): made once, so a forward gathers its rows' entries
+    instead of recomputing them."""
+    positions = torch.arange(rows, device=device)
+    table = torch.empty(rows, len(thetas), 2, rotary_dim, dtype=torch.float32, device=device)
+    for i, theta in enumerate(thetas):
+        table[:, i, 0], table[:, i, 1] = rope_cos_sin(positions, rotary_dim, theta, torch.float32)
+    return table
 
 
 def _tap(taps: dict | None, name: str, value: torch.Tensor) -> None:

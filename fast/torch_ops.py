@@ -109,11 +109,11 @@ class TorchOps:
         return attention(q.float(), kv.k.float(), kv.v.float(), kv.visible(positions), scale, sink_k).to(q.dtype)
 
     @staticmethod
-    def rotary(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A forward's rotary factors for one RoPE base, from the model's tables cos, sin [T, rotary_dim]
-        (fast/model.rope_tables), once for all its layers: the rows' entries gathered."""
-        rows = positions.clamp(max=cos.shape[0] - 1)  # padding rows may run past the tables; live rows never do
-        return cos.index_select(0, rows), sin.index_select(0, rows)
+    def rotary(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A forward's rotary factors, from the model's table [T, bases, 2, rotary_dim] (fast/model.rope_table), once
+        for all its layers and bases: the rows' entries gathered, [R, bases, 2, rotary_dim]."""
+        rows = positions.clamp(max=table.shape[0] - 1)  # padding rows may run past the table; live rows never do
+        return table.index_select(0, rows)
 
     def qkv_rope_write(self, attn, a: torch.Tensor, kv: LayerKV, eps: float, cos: torch.Tensor | None,
                        sin: torch.Tensor | None, positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:

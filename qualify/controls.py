@@ -23,7 +23,7 @@ import torch
 
 from ..fast import sampler
 from ..fast.cache import LayerKV, StaticKV, layer_slots
-from ..fast.model import Block, FastModel, _tap, rope_tables
+from ..fast.model import Block, FastModel, _tap, rope_table
 from ..fast.rank import EngineParts
 from ..fast.router_fold import PendingProjection
 from ..fast.round import RoundRunner
@@ -258,7 +258,7 @@ class ShiftedRopeModel(FastModel):
 
     def _block(self, positions: torch.Tensor, live: torch.Tensor, thetas: set) -> Block:
         shifted = positions + (torch.arange(positions.shape[0], device=positions.device) > 0)
-        return Block(positions, live, {t: self.ops.rotary(*self.rope_tables[t], shifted) for t in thetas})
+        return Block(positions, live, self.rope_rows(shifted, thetas))
 
 
 class DoubleRotaryModel(FastModel):
@@ -268,7 +268,7 @@ class DoubleRotaryModel(FastModel):
     def __init__(self, config, weights, cache, par, dtype, ops=None):
         super().__init__(config, weights, cache, par, dtype, ops)
         rows = cache.max_context + VERIFY_ROWS
-        self.rope_tables = {t: rope_tables(2 * config.rotary_dim, t, rows, par.device) for t in self.rope_tables}
+        self.rope_table = rope_table(2 * config.rotary_dim, self.rope_thetas, rows, par.device)
 
 
 class LastDimsRopeModel(FastModel):

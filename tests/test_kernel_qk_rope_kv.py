@@ -94,7 +94,7 @@ def run_case(c: dict, device: str, pdl: bool = False, bits: bool = False) -> dic
     live = live.to(device)
     if c["rot"] is None:
         cos = sin = None
-    else:  # the forward's gathered rows of the fp32 tables (fast/model.rope_tables)
+    else:  # the forward's gathered rows of the fp32 tables (fast/model.rope_table)
         cos, sin = (t.to(device) for t in rope_cos_sin(positions.cpu(), c["rot"], c["theta"], torch.float32))
     cache = [torch.randn(S + 1, HKV, D, generator=gen).to(dt).to(device) for _ in range(2)]
     slot_pos = torch.randint(-1, 1000, (S + 1,), generator=gen).to(device)
