@@ -23,11 +23,13 @@ class Count(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.where, self.n, self.paused = ["other"], collections.Counter(), 0
+        self.ops = collections.Counter()  # (where, aten op) -> launches
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if not self.paused and name not in NO_KERNEL:
             self.n[(self.where[-1], "torch")] += 1
+            self.ops[(self.where[-1], name)] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -71,6 +73,7 @@ def main(tokens=24):
         r = ProbeRunner(rank.model, rank.state, gen.top_k, ctl, EagerFlow(),
                         variant="product" if v in ("fixed3", "auto") else v)
         MODE.n.clear()
+        MODE.ops.clear()
         whens = [0, 0]
         rounds = [0]
         w = r.flow.when
@@ -118,6 +121,8 @@ def main(tokens=24):
         print(f"== {v}: {R} rounds, {drafts / R:.2f} drafts/round; device launches/round {launches:.1f} + IF nodes "
               f"{per.get('flow:IF node', 0):.1f}  | " + ", ".join(f"{k} {c:.1f}" for k, c in sorted(per.items())),
               flush=True)
+        ops = sorted(((c / R, w, op) for (w, op), c in MODE.ops.items() if w != "prefill"), reverse=True)
+        print("   torch launches/round by op: " + ", ".join(f"{w}:{op} {c:.1f}" for c, w, op in ops), flush=True)
     eng.close()
 
 
