@@ -9,7 +9,6 @@ uniforms, so they reach the same tokens without broadcasting them.
 
 from __future__ import annotations
 
-
 import torch
 
 from ..reference.depth import MIN_DRAFTS, FixedDepth, LogisticDepth
