@@ -5,8 +5,9 @@
 #   IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE
 # STAGE (in the order to run them):
 #   qualify2a qualification, bf16, TP 2 on one GPU under MPS: the healthy engine, lossless and the first eight
-#             controls; qualify2b the same with the other nine. At bc0ea27 (H100) qualify2a finished 6 of its 10 units
-#             in 128 s, then none in the 420 s before its limit (healthy, drop_sink, rope_last_dims, open_causal_mask):
+#             controls; qualify2b the same with the other nine (logprobs_tempered needs TP 1). At bc0ea27 (H100)
+#             qualify2a finished 6 of its 10 units in 128 s, then none in the 420 s before its limit (healthy,
+#             drop_sink, rope_last_dims, open_causal_mask):
 #             progress now comes a case at a time and a stall of 180 s prints every process's Python stacks
 #   step      the benchmark of record at the adopted same-bits defaults (0.9595x paired at bc0ea27), the q/k/v fold
 #             against its unfolded control (0.9755x at the old defaults, bc0ea27), ~route:38

@@ -33,7 +33,7 @@ from ..reference import sampling
 from ..reference.fp8 import dequantize, quantize
 from ..reference.model import ReferenceModel
 from ..reference.sampling import SamplingParams
-from ..reference.speculative import generate
+from ..reference.speculative import generate, model_logprobs
 from . import tolerances
 from .agreement import compare
 from .replay import Geometry, Recorder, Scores, recording, score
@@ -144,6 +144,10 @@ def _acceptance(steps) -> list[tuple[int, int]]:
     return [(s.drafts, s.accepted) for s in steps[1:]]
 
 
+def _logprobs(steps) -> list[float]:
+    return [lp for s in steps for lp in s.logprobs]
+
+
 @lru_cache(maxsize=None)
 def reference_decode(ref: RefSpec, case: Case, params: SamplingParams) -> tuple:
     from ..reference.depth import load_controller
@@ -223,6 +227,9 @@ def decode_session(engine: RankEngine, ref: RefSpec, case: Case, column: str, ru
     session = Session(case, steps, blocks, result.scores, result.round_ratio, geo, params)
     session.agreement_rows = agreement(dist_engine or engine, ref, case, params, out, _acceptance(steps),
                                        result.round_ratio, tol["numerics.logits"])
+    if full:  # rank 0's logits are a vocabulary slice under tensor parallelism: no log-normalizer to check against
+        session.agreement_rows.append(logprob_row(blocks, case, out, _logprobs(steps),
+                                                  tolerances.value("decode.logprobs", column)))
     if source is not None:
         session.source_scores = source_scores(blocks, source, stream, params, column, geo, engine, full)
     return session
@@ -271,6 +278,28 @@ def agreement(engine, ref: RefSpec, case: Case, params, out, acc, round_ratio, t
     return [tokens_row, acc_row]
 
 
+def logprob_row(blocks, case: Case, out: list[int], logprobs: list[float], tol: float) -> Row:
+    """decode.logprobs: each emitted token's reported log-probability against the reference's (float64 log-softmax of
+    the raw logits, reference.speculative.model_logprobs: the model's own, docs/round.md) applied to the fast engine's
+    own fp32 logits of the row that drew it, as numerics.sampler isolates the sampler: the logits themselves are
+    numerics.logits'. That row is the last recorded live row at the token's previous position (a rejected draft's
+    row there comes before the round that committed it); it needs the whole vocabulary (TP 1)."""
+    P = len(case.prompt)
+    drew = {}  # position -> the logits of the last live row recorded there
+    for b in blocks:
+        if b.kind in ("prefill", "verify"):
+            for r, (pos, live) in enumerate(zip(b.positions, b.live)):
+                if live:
+                    drew[pos] = b.logits[r]
+    tag = f"prompt {P} tokens, seed {case.seed}, drafts {case.drafts}"
+    worst, where = 0.0, f"{tag}: no token emitted"
+    for i, (token, lp) in enumerate(zip(out, logprobs)):
+        want = float(model_logprobs(drew[P - 1 + i])[token])
+        if abs(lp - want) >= worst:
+            worst, where = abs(lp - want), f"{tag}: emitted token {i}: {lp:.7g} against {want:.7g}"
+    return Row("decode.logprobs", "emitted", worst, tol, worst <= tol, len(out), where)
+
+
 ORDER = ("numerics.logits", "numerics.hidden", "numerics.kl", "numerics.topk", "numerics.sampler", "numerics.router",
          "numerics.router_scores", "cache.window", "fp8w.logits", "fp8w.hidden", "fp8w.kl")
 
@@ -303,11 +332,14 @@ def session_rows(sessions: list[Session], classes: list[str]) -> list[Row]:
     for s in sessions:
         merged.merge(s.scores)
     rows = merged_rows(merged, classes)
-    for check in ("decode.tokens", "decode.acceptance"):
+    for check in ("decode.tokens", "decode.acceptance", "decode.logprobs"):
         mine = [r for s in sessions for r in s.agreement_rows if r.check == check]
+        if not mine:  # decode.logprobs under tensor parallelism
+            continue
         worst = max(mine, key=lambda r: (not r.passed, r.value / r.tol if r.tol else r.value))
-        rows.append(Row(check, worst.cls, worst.value, worst.tol, all(r.passed for r in mine),
-                        sum(r.rows for r in mine), worst.where))
+        checked = sum(r.rows for r in mine)  # a check no session exercised fails: nothing was checked
+        rows.append(Row(check, worst.cls, worst.value, worst.tol, all(r.passed for r in mine) and checked > 0,
+                        checked, worst.where))
     if any(s.source_scores is not None for s in sessions):
         source = Scores()
         for s in sessions:

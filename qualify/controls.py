@@ -50,7 +50,7 @@ class Control:
     family: str                     # "decode" (recorded sessions) or "lossless"
     branch: Callable                # (sessions or lossless info, model_dir) -> times the broken path mattered
     branch_what: str
-    applies: Callable | None = None  # (model_dir, weights format, options) -> None, or why the control cannot apply
+    applies: Callable | None = None  # (model_dir, weights format, options, tp) -> None, or why the control cannot apply
 
 
 # ---- branch counters --------------------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ def _square_scales(model_dir, fmt: str = "auto") -> int:
     return sum(1 for _, s in _scale_grids(model_dir, fmt) if _asymmetric_square(s))
 
 
-def _scales_apply(model_dir, fmt: str, options) -> str | None:
+def _scales_apply(model_dir, fmt: str, options, tp: int) -> str | None:
     if fmt != "fp8":
         return "the candidate runs no FP8 weights (a BF16 checkpoint run as BF16)"
     if not _square_scales(model_dir, fmt):
@@ -342,7 +342,7 @@ class FoldWithoutOutNorm(FastModel):
         return out._replace(fold=out.fold._replace(w_out=torch.ones_like(out.fold.w_out)))
 
 
-def _fold_applies(model_dir, fmt: str, options) -> str | None:
+def _fold_applies(model_dir, fmt: str, options, tp: int) -> str | None:
     return None if options.router_fold else "the candidate routes with the router's own pass (no --router-fold)"
 
 
@@ -401,6 +401,24 @@ class TopPDropsCrossing(RoundRunner):
     def sample(self, local_logits, u, out, chain=None):
         edited = SimpleNamespace(dist=lambda *args: self._drop_crossing(*self.m.ops.dist(*args)))
         return TorchOps.sample(edited, local_logits, *self._sampling_args(), u, out, chain)
+
+
+class TemperedLogprobs(RoundRunner):
+    """logprobs_tempered: a token's reported log-probability from the tempered logits (logits / temperature, as the
+    sampling distribution tempers them) instead of the model's own."""
+
+    def logprobs(self, local_logits, tokens):
+        t = self.st.temperature
+        return super().logprobs(torch.where(t > 0, local_logits / t, local_logits), tokens)
+
+
+def _logprobs_apply(model_dir, fmt: str, options, tp: int) -> str | None:
+    return None if tp == 1 else "decode.logprobs needs the whole vocabulary's logits (rank 0 records its slice)"
+
+
+def _tempered_tokens(sessions) -> int:
+    """Emitted tokens of sessions sampled at a temperature other than 0 and 1 (where tempering moves a logprob)."""
+    return sum(len(st.tokens) for s in sessions if s.params.temperature not in (0.0, 1.0) for st in s.steps)
 
 
 def _all(check: str, classes) -> tuple[tuple[str, str], ...]:
@@ -464,6 +482,10 @@ REGISTRY: list[Control] = [
             EngineParts(loader=TransposedScales), (("numerics.logits", "prefill"),), "decode",
             lambda s, d: _square_scales(d, "fp8"), "FP8 weights whose square scale grid is not symmetric",
             applies=_scales_apply),
+    Control("logprobs_tempered", "reported logprobs from the tempered logits, not the model's own",
+            EngineParts(runner=TemperedLogprobs), (("decode.logprobs", "emitted"),), "decode",
+            lambda s, d: _tempered_tokens(s), "emitted tokens sampled at a temperature other than 0 and 1",
+            applies=_logprobs_apply),
     Control("top_p_drops_crossing", "top-p drops the token that crosses the threshold",
             EngineParts(runner=TopPDropsCrossing), _all("numerics.sampler", VERIFY + DRAFT_DEPTHS),
             "decode", lambda s, d: _cut_rows(s), "sampled rows"),

@@ -411,15 +411,15 @@ def make_plan(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp
     return plan, fmt
 
 
-def select_controls(names: list[str] | None, model_dir: str, fmt: str,
-                    options: EngineOptions) -> tuple[list[Control], list[dict]]:
-    """The registered controls named (None: all) that apply to this candidate (its weight format and engine options),
-    and {name, why} of those that cannot."""
+def select_controls(names: list[str] | None, model_dir: str, fmt: str, options: EngineOptions,
+                    tp: int = 1) -> tuple[list[Control], list[dict]]:
+    """The registered controls named (None: all) that apply to this candidate (its weight format, engine options and
+    tensor-parallel ranks), and {name, why} of those that cannot."""
     chosen, skipped = [], []
     for c in REGISTRY:
         if names is not None and c.name not in names:
             continue
-        why = c.applies(model_dir, fmt, options) if c.applies is not None else None
+        why = c.applies(model_dir, fmt, options, tp) if c.applies is not None else None
         if why is None:
             chosen.append(c)
         else:
@@ -442,7 +442,7 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
     model_dir = str(model_dir)
     plan, fmt = make_plan(model_dir, tp, quick, dtype, device, kernels, shared_gpu, weights, seed, router_fold,
                           kernel_settings)
-    chosen, skipped = select_controls(controls, model_dir, fmt, plan.base)
+    chosen, skipped = select_controls(controls, model_dir, fmt, plan.base, plan.tp)
     jobs = max(1, min(jobs, len(chosen) + 2))
     total = len(plan.cases) * (1 + len(chosen)) + 2
     with progress_bar(total, progress) as bar:

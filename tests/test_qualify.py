@@ -61,7 +61,8 @@ def test_report_structure(report):
         for check in ("numerics.logits", "numerics.router", "numerics.router_scores", "cache.window"):
             assert by[(check, cls)]["rows"] > 0, (check, cls)
         assert by[("cache.window", cls)]["worst"] == 0  # the rings held every row's window (qualify/window.py)
-    for check in ("decode.tokens", "decode.acceptance", "stability.reference", "stability.candidate", "lossless"):
+    for check in ("decode.tokens", "decode.acceptance", "decode.logprobs", "stability.reference",
+                  "stability.candidate", "lossless"):
         assert any(c["check"] == check for c in report["checks"]), check
     assert not any(c["check"].startswith("fp8w.") for c in report["checks"])  # an FP8 checkpoint has no BF16 source
 
@@ -110,6 +111,14 @@ def test_controls_stay_in_their_classes(report):
     assert {check for check, _ in failing["top_p_drops_crossing"]} <= {"numerics.sampler", "decode.tokens",
                                                                        "decode.acceptance"}
     assert failing["replacement_from_p"] == {("lossless", "speculative_token")}
+    assert failing["logprobs_tempered"] == {("decode.logprobs", "emitted")}  # what is reported, not what is drawn
+
+
+def test_the_logprobs_are_checked_on_every_emitted_token(report):
+    """decode.logprobs holds every session's emitted tokens (not vacuously): the healthy engine's reported logprobs
+    are within their bound of the reference's."""
+    row = next(c for c in report["checks"] if c["check"] == "decode.logprobs")
+    assert row["verdict"] == "pass" and row["rows"] >= 40 and row["worst"] <= 1.0, row
 
 
 def test_every_tolerance_and_class_states_its_reason():
