@@ -294,6 +294,9 @@ def logprob_row(blocks, case: Case, out: list[int], logprobs: list[float], tol: 
     tag = f"prompt {P} tokens, seed {case.seed}, drafts {case.drafts}"
     worst, where = 0.0, f"{tag}: no token emitted"
     for i, (token, lp) in enumerate(zip(out, logprobs)):
+        if P - 1 + i not in drew:
+            return Row("decode.logprobs", "emitted", math.inf, tol, False, len(out),
+                       f"{tag}: no recorded row drew emitted token {i} (position {P - 1 + i})")
         want = float(model_logprobs(drew[P - 1 + i])[token])
         if abs(lp - want) >= worst:
             worst, where = abs(lp - want), f"{tag}: emitted token {i}: {lp:.7g} against {want:.7g}"
