@@ -120,7 +120,7 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
     full layer's cache as bench step holds it at `context`, a sliding layer's ring of window + 64 slots."""
     from ..fast.cache import RING_SLACK
     from ..kernels import allreduce as ar, decode_attention as da, depth_rule as dr, expert_prefetch as xp, \
-        lm_head as lh, moe as mo, o_proj_router as opr, qk_rope_kv as qr, qkv_rope_kv as qrk, rmsnorm as rn, \
+        lm_head as lh, logprobs as lp, moe as mo, o_proj_router as opr, qk_rope_kv as qr, qkv_rope_kv as qrk, rmsnorm as rn, \
         route_tail as rt, router as ro
     from ..reference.depth import FEATURES
     from ..kernels.launch import prefetch_lines
@@ -364,6 +364,13 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
         lh._lm_head_kernel, head, dict(R=R, V=s.vocab, H=H, stride_x=H, stride_w=H, stride_y=s.vocab), (),
         dict(BLOCK_R=lh.BLOCK_R, BLOCK_V=block_v, BLOCK_K=ls.block_k, PDL=True), ls.num_warps, ls.num_stages,
         f"LM head, \"dot\" form, bf16 [{s.vocab} x {H}], {block_v}-row V tiles")
+
+    # ---- the model's own logprobs: a rank's part over its vocabulary slice, the round's emitted token a row
+    out["logprob_parts"] = _launch(
+        lp._logprob_parts_kernel, dict(x_ptr="*fp32", tok_ptr="*i64", out_ptr="*i64"),
+        dict(Vr=s.vocab, M=1, offset=0, stride_x=s.vocab, stride_t=1, stride_o=2), (),
+        dict(BLOCK=lp.BLOCK, M_PAD=2, LIBDEVICE=True, PDL=True), lp.NUM_WARPS, 1,
+        f"logprob parts over a {s.vocab}-logit vocabulary slice, one token a row")
 
     # ---- the depth controller's rule after a draft depth: five features (the mini model's fitted rule), a draft
     # distribution of SAMPLING_TOP_K candidates

@@ -122,26 +122,35 @@ def sample_rows(local_logits: torch.Tensor, k: int, vocab_offset: int, gather: C
 
 
 # ---- the model's own log-probabilities ---------------------------------------------------------------
-def model_logprobs(local_logits: torch.Tensor, tokens: torch.Tensor, n_top: int, vocab_offset: int,
-                   gather: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                           torch.Tensor | None]:
-    """The model's log-probabilities (log-softmax of the raw logits over the whole vocabulary: no temperature, top-k
-    or top-p; reference.speculative.model_logprobs) of tokens [R, m], and with n_top > 0 each row's n_top most
-    likely tokens (ids [R, n_top], logprobs [R, n_top]; ties: lower id). Vocabulary-parallel: each rank's
-    log-normalizer, its logits of the tokens it holds (-inf elsewhere) and its top-n_top keys travel in one all-gather
-    (the floats as their bits), and every rank combines the same gathered values in rank order: equal bits."""
-    x = local_logits.float()
-    R, vr = x.shape
+def logprob_parts(x: torch.Tensor, tokens: torch.Tensor, vocab_offset: int) -> torch.Tensor:
+    """A rank's part of `model_logprobs`: [R, 1 + m] int64, its log-normalizer over its logits x [R, Vr] fp32 and
+    the logits of the tokens [R, m] it holds (-inf for the others), each an fp32's bits (kernels/logprobs.py is this
+    in one launch)."""
+    vr = x.shape[-1]
     peak = x.amax(-1, keepdim=True)
     lse = peak + torch.log(torch.exp(x - peak).sum(-1, keepdim=True))  # this rank's log-normalizer [R, 1]
     local = tokens - vocab_offset
     held = (local >= 0) & (local < vr)
     values = torch.where(held, x.gather(-1, local.clamp(0, vr - 1)), torch.full_like(local, float("-inf"),
                                                                                      dtype=torch.float32))
-    floats = torch.cat([lse, values], -1).contiguous().view(torch.int32).to(torch.int64)
+    return torch.cat([lse, values], -1).contiguous().view(torch.int32).to(torch.int64)
+
+
+def model_logprobs(local_logits: torch.Tensor, tokens: torch.Tensor, n_top: int, vocab_offset: int,
+                   gather: Callable[[torch.Tensor], torch.Tensor], local_parts: Callable | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The model's log-probabilities (log-softmax of the raw logits over the whole vocabulary: no temperature, top-k
+    or top-p; reference.speculative.model_logprobs) of tokens [R, m], and with n_top > 0 each row's n_top most
+    likely tokens (ids [R, n_top], logprobs [R, n_top]; ties: lower id). Vocabulary-parallel: each rank's
+    log-normalizer, its logits of the tokens it holds (-inf elsewhere) and its top-n_top keys travel in one all-gather
+    (the floats as their bits), and every rank combines the same gathered values in rank order: equal bits.
+    `local_parts`: how a rank makes its part (`logprob_parts`'s contract; default that torch form)."""
+    x = local_logits.float()
+    R = x.shape[0]
+    floats = (local_parts or logprob_parts)(x, tokens, vocab_offset)
     parts = [floats] + ([_local_keys(x, n_top, vocab_offset)] if n_top else [])
     width = sum(p.shape[-1] for p in parts)
-    g = gather(torch.cat(parts, -1))
+    g = gather(torch.cat(parts, -1) if n_top else floats)
     g = g.view(R, g.shape[-1] // width, width)  # [R, ranks, width]
     f = g[..., :floats.shape[-1]].to(torch.int32).view(torch.float32)
     total = torch.logsumexp(f[..., 0], dim=-1, keepdim=True)  # [R, 1]

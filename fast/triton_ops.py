@@ -10,15 +10,17 @@ same bits. Importing this module imports triton: the engine imports it only for 
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import Counter
 from typing import NamedTuple
 
 import torch
 
-from ..kernels import (decode_attention, depth_rule, embed, expert_prefetch, fp8_linear, launch, lm_head, moe,
-                       o_proj_router, philox, qk_rope_kv, qkv_rope_kv, rmsnorm, route_tail, router, sample, settle,
-                       topk)
+from ..kernels import (decode_attention, depth_rule, embed, expert_prefetch, fp8_linear, launch, lm_head,
+                       logprobs, moe, o_proj_router, philox, qk_rope_kv, qkv_rope_kv, rmsnorm, route_tail, router,
+                       sample, settle, topk)
+from . import sampler
 from .depth_rule import logit_threshold
 from .kernel_settings import KernelSettings
 from .plan import KernelPlan
@@ -326,6 +328,16 @@ class TritonOps(TorchOps):
             return super().dist(local_logits, k, vocab_offset, gather, top_k, temperature, top_p)
         keys = self._keys(local_logits, k, vocab_offset, gather)
         return sample.global_dist(keys, top_k, temperature, top_p, pdl=keys.is_cuda)
+
+    def model_logprobs(self, local_logits, tokens, n_top, vocab_offset, gather):
+        # a rank's part (its log-normalizer and the logits of the tokens it holds) in one launch; the all-gather and
+        # the combine over ranks as the torch form has them
+        if not self._fits("sampling", tokens.shape[-1] <= logprobs.MAX_TOKENS and local_logits.stride(-1) == 1):
+            return super().model_logprobs(local_logits, tokens, n_top, vocab_offset, gather)
+        self.calls["logprob_parts"] += 1
+        parts = functools.partial(logprobs.logprob_parts, pdl=local_logits.is_cuda)
+        return sampler.model_logprobs(local_logits, tokens.contiguous(), n_top, vocab_offset, gather,
+                                      local_parts=parts)
 
     def sample(self, local_logits, k, vocab_offset, gather, top_k, temperature, top_p, u, out, chain=None):
         if not self._fits("sampling", k <= topk.MAX_K and top_k <= sample.MAX_K):

@@ -88,7 +88,7 @@ PUBLISHED = ("attention_split", "attention_split_sliding", "attention_combine", 
              "prefetch_logits", "prefetch_warm",
              "moe_gate_up", "moe_down", "moe_gate_up_odd", "moe_down_odd", "moe_down_add_norm", "moe_combine",
              "moe_combine_add_norm", "all_reduce_add_norm", "all_reduce_combine_add_norm", "lm_head", "lm_head_draft",
-             "lm_head_dot", "depth_rule")
+             "lm_head_dot", "logprob_parts", "depth_rule")
 # Stack bytes a kernel may use: none spills at the defaults (measured: the largest register count is the attention
 # split kernel's 254 of 255, so a larger tile there would spill first and this catches it).
 STACK_BOUND = {name: 0 for name in PUBLISHED}

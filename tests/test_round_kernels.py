@@ -1,8 +1,9 @@
 """The round with its draws and accept step inside the sampling kernels (fast/round.py: RoundRunner.sample and
 RoundRunner.accept through kernels/sample.py's global_sample and accept_settle) against the same round with those
 two in their torch forms (fast/torch_ops.py: TorchOps.sample and TorchOps.accept, the rule written once), the rest
-of the sampling kernels alike, through whole decodes; and the depth controller's rule as one kernel
-(kernels/depth_rule.py, RoundRunner.more) against its torch form (fast/depth_rule.py) the same way, under "auto".
+of the sampling kernels alike, through whole decodes; and the same way the depth controller's rule as one kernel
+(kernels/depth_rule.py, RoundRunner.more) against its torch form (fast/depth_rule.py), under "auto", and a rank's part
+of the model's own logprobs (kernels/logprobs.py) against its torch form (fast/sampler.logprob_parts).
 
 The draws differ only in the order the cumulative sums (and the residual's normalizing sum) are added, so a draw
 could differ only where its uniform lies within rounding of a boundary; the rule's score only in its entropy's sum,
@@ -30,6 +31,7 @@ FUSED, PLAIN = "fused", "torch forms"
 # (the ops compared, the kernel paths' call counters, ops both sides run as torch forms)
 DRAWS = (("sample", "accept"), ("sample_draw", "accept"), ())
 RULE = (("more",), ("depth_rule",), ("uniforms", "dist", "sample", "accept"))  # only the rule interpreted: seconds
+LOGPROBS = (("model_logprobs",), ("logprob_parts",), ("uniforms", "dist", "sample", "accept", "more"))
 # a rule under which the tiny model's draftings stop at every depth 3..7 (its default rule stops at 3 throughout)
 DEEP_RULE = {"rule": "logistic", "weights": {"bias": 8.0, "log_running_product": 1.0, "entropy": -0.5},
              "threshold": 0.5}
@@ -86,6 +88,12 @@ def test_interpreted_round_with_fused_draws_and_accept(interpreted):
     _check(interpreted["round"], 1e-5)
 
 
+def test_interpreted_round_with_the_logprobs_part_as_one_kernel(interpreted):
+    """A rank's part of the model's logprobs in one launch (kernels/logprobs.py) against the torch form: the same
+    tokens and rounds (a logprob steers nothing), the logprobs within fp32 rounding of a log-sum-exp."""
+    _check(interpreted["logprobs"], 1e-5)
+
+
 def test_interpreted_round_with_the_rule_as_one_kernel(interpreted):
     r = interpreted["rule"]
     _check(r, 0.0)
@@ -104,6 +112,12 @@ def test_cuda_round_with_the_rule_as_one_kernel(dtype):
     r = rule_decode("cuda", dtype, ((0, "auto"), (1, "auto"), (2, "auto")), 40)
     _check(r, 0.0)
     assert {3, 4, 5} <= set(r["depths"]), r["depths"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_round_with_the_logprobs_part_as_one_kernel(dtype):
+    _check(round_decode("cuda", dtype, ((0, 3), (1, 7), (2, 5)), 40, LOGPROBS), 1e-5)
 
 
 @pytest.mark.gpu
@@ -134,4 +148,5 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
     worker_main([("round", lambda: round_decode("cpu", "fp32", ((0, 3),), 4)),
-                 ("rule", lambda: rule_decode("cpu", "fp32", ((1, "auto"),), 12))])
+                 ("rule", lambda: rule_decode("cpu", "fp32", ((1, "auto"),), 12)),
+                 ("logprobs", lambda: round_decode("cpu", "fp32", ((0, 3), (2, 5)), 8, LOGPROBS))])
