@@ -120,8 +120,8 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
     full layer's cache as bench step holds it at `context`, a sliding layer's ring of window + 64 slots."""
     from ..fast.cache import RING_SLACK
     from ..kernels import allreduce as ar, decode_attention as da, depth_rule as dr, expert_prefetch as xp, \
-        lm_head as lh, logprobs as lp, moe as mo, o_proj_router as opr, qk_rope_kv as qr, qkv_rope_kv as qrk, rmsnorm as rn, \
-        route_tail as rt, router as ro
+        lm_head as lh, logprobs as lp, moe as mo, o_proj_router as opr, qk_rope_kv as qr, qkv_rope_kv as qrk, \
+        rmsnorm as rn, route_tail as rt, router as ro
     from ..reference.depth import FEATURES
     from ..kernels.launch import prefetch_lines
     from .tune import FULL_SLACK, rank_shapes

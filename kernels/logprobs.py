@@ -84,7 +84,8 @@ def logprob_parts(x: torch.Tensor, tokens: torch.Tensor, vocab_offset: int, *, p
            and tokens.shape[0] == x.shape[0] and 1 <= tokens.shape[1] <= MAX_TOKENS and tokens.stride(1) == 1,
            f"tokens must be int64 [{x.shape[0]}, m] with m in 1..{MAX_TOKENS} and unit column stride")
     _check(tokens.device == x.device, f"devices differ: x {x.device}, tokens {tokens.device}")
-    _check(isinstance(vocab_offset, int) and vocab_offset >= 0, f"vocab_offset must be an int >= 0, got {vocab_offset!r}")
+    _check(isinstance(vocab_offset, int) and vocab_offset >= 0,
+           f"vocab_offset must be an int >= 0, got {vocab_offset!r}")
     R, M = x.shape[0], tokens.shape[1]
     out = torch.empty((R, 1 + M), dtype=torch.int64, device=x.device)
     if R:
