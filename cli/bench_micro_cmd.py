@@ -91,7 +91,8 @@ def register(bsub) -> None:
                                     "router's two kernels, the router fold's two (o_proj with the partial logits, the "
                                     "tail that selects), the MoE's Gate/Up and Down at both expert offsets a rank can "
                                     "have (0 and 64 rows into a scale block) and its combine (alone, in the tail, in "
-                                    "the peer all-reduce), the LM head's forms, the logprobs' rank part, the depth controller's rule.")
+                                    "the peer all-reduce), the LM head's forms, the logprobs' rank part, the depth "
+                                    "controller's rule.")
     c.add_argument("--kernels", default="all",
                    help="comma-separated spec names, or all (default all): e.g. fp8_linear (q/k/v as the engine runs "
                         "it, tiles preloaded), fp8_linear_loop (the pipelined K loop), o_proj_router, add_norm_route; "
