@@ -21,23 +21,15 @@ from collections.abc import Mapping
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from ..reference.depth import FEATURES
+from . import libm
 from .launch import launch_options, wait_for_inputs
 
-INTERPRETED = bool(triton.knobs.runtime.interpret)  # the interpreter has no libdevice
+INTERPRETED = libm.INTERPRETED
 MAX_K = 64  # candidates a distribution holds: the sampler's largest top-k (kernels/sample.py)
 NUM_WARPS = 1  # at most 64 values and five features: one warp, no cross-warp reduction
 TINY = tl.constexpr(1e-30)  # fast.depth_rule.TINY: the logs' floor
-
-
-@triton.jit
-def _log(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        return libdevice.log(x)  # CUDA's logf, as torch.log on the GPU
-    else:
-        return tl.log(x)
 
 
 @triton.jit
@@ -63,10 +55,10 @@ def score(probs_ptr, K, served_ptr, product_ptr, depth, w0, w1, w2, w3, w4,
     """The rule's score: sum over its TERMS features (codes C0.., weights w0..) in its order, float32."""
     j = tl.arange(0, KP)
     p = tl.load(probs_ptr + j, mask=j < K, other=0.0)
-    plogp = tl.where(p > 0, p * _log(tl.maximum(p, TINY), LIBDEVICE), 0.0)
+    plogp = tl.where(p > 0, p * libm.log(tl.maximum(p, TINY), LIBDEVICE), 0.0)
     entropy = -tl.sum(plogp, 0)
-    log_product = _log(tl.maximum(tl.load(product_ptr), TINY), LIBDEVICE)
-    log_served = _log(tl.maximum(tl.load(served_ptr), TINY), LIBDEVICE)
+    log_product = libm.log(tl.maximum(tl.load(product_ptr), TINY), LIBDEVICE)
+    log_served = libm.log(tl.maximum(tl.load(served_ptr), TINY), LIBDEVICE)
     s = _feature(C0, log_product, log_served, entropy, depth) * w0
     if TERMS > 1:
         s = s + _feature(C1, log_product, log_served, entropy, depth) * w1

@@ -18,30 +18,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from . import libm
 from .launch import launch_options, wait_for_inputs
 
-INTERPRETED = bool(triton.knobs.runtime.interpret)  # the interpreter has no libdevice
+INTERPRETED = libm.INTERPRETED
 BLOCK = 2048  # logits a step: 10 steps over a TP8 rank's 20,000, 16 fp32 values a thread at 4 warps
 NUM_WARPS = 4
 MAX_TOKENS = 16  # tokens a row: the round asks one (its emitted token); the bound keeps them in registers
-
-
-@triton.jit
-def _exp(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
-def _log(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        return libdevice.log(x)
-    else:
-        return tl.log(x)
 
 
 @triton.jit
@@ -57,9 +41,9 @@ def _logprob_parts_kernel(x_ptr, tok_ptr, out_ptr, Vr, M, offset, stride_x, stri
     for v0 in range(0, Vr, BLOCK):
         x = tl.load(x_row + v0 + c, mask=v0 + c < Vr, other=float("-inf"))
         new = tl.maximum(peak, tl.max(x, 0))
-        total = total * _exp(peak - new, LIBDEVICE) + tl.sum(_exp(x - new, LIBDEVICE), 0)
+        total = total * libm.exp(peak - new, LIBDEVICE) + tl.sum(libm.exp(x - new, LIBDEVICE), 0)
         peak = new
-    lse = peak + _log(total, LIBDEVICE)
+    lse = peak + libm.log(total, LIBDEVICE)
     i = tl.arange(0, M_PAD)
     local = tl.load(tok_ptr + row * stride_t + i, mask=i < M, other=-1) - offset
     held = (local >= 0) & (local < Vr) & (i < M)
