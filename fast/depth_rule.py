@@ -15,9 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..reference.depth import FEATURES
-
-TINY = 1e-30  # served probabilities are > 0 (the draft drew the token); the floor guards the log anyway
+from ..reference.depth import FEATURES, TINY
 
 
 def logit_threshold(threshold: float) -> float:

@@ -35,12 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra import libdevice
-
+from . import libm
 from .device import FLOATS as _FLOATS, is_pow2 as _pow2, sm_count as _sm_count
 from .launch import launch_options, slab_ok, wait_for_inputs, warm_slabs
 
-INTERPRETED = bool(triton.knobs.runtime.interpret)
+INTERPRETED = libm.INTERPRETED
 MAX_ROWS = 8  # launch 1 holds every row of the block against its weight tile
 MAX_EXPERTS = 8192  # launch 2 holds a row's E logits in registers
 PART_CHUNK = 8192  # launch 2 loads at most this many partial values (splits x padded E) at once
@@ -148,10 +147,7 @@ def select_experts(logits, row, E, weights_ptr, experts_ptr, scores_ptr, E_PAD: 
     ok = idx < E
     logits = tl.where(ok, logits, float("-inf"))
     z = logits - tl.max(logits, axis=0)
-    if ACCURATE_EXP:
-        p = libdevice.exp(z)
-    else:  # the interpreter has no libdevice: NumPy's exp
-        p = tl.exp(z)
+    p = libm.exp(z, ACCURATE_EXP)  # libdevice's on the GPU; the interpreter has none: NumPy's
     p = tl.where(ok, p, 0.0)
     scores = tl.div_rn(p, tl.zeros([E_PAD], tl.float32) + tl.sum(p, axis=0))
     tl.store(scores_ptr + row * E + idx, scores, mask=ok)

@@ -27,22 +27,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from . import libm
 from .topk import SENTINEL, _unkey
 from .launch import launch_options, wait_for_inputs
 
-INTERPRETED = bool(triton.knobs.runtime.interpret)  # the interpreter has no libdevice
+INTERPRETED = libm.INTERPRETED
 MAX_K = 64
 MAX_DRAFTS = 7
-
-
-@triton.jit
-def _exp(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        return libdevice.exp(x)  # CUDA's expf, as torch's exp (tl.exp is the faster ex2.approx path)
-    else:
-        return tl.exp(x)
 
 
 @triton.jit
@@ -81,7 +73,7 @@ def _global_sample_kernel(keys_ptr, stride_keys, C, K, temp_ptr, top_p_ptr, seed
     # Softmax of values / T shifted by the max (column 0); T == 0 is greedy: one-hot on column 0.
     t = tl.where(temperature > 0, temperature, 1.0)
     v0 = tl.max(tl.where(j == 0, values, float("-inf")), 0)
-    e = tl.where(ok, _exp(tl.math.div_rn(values - v0, t), LIBDEVICE), 0.0)
+    e = tl.where(ok, libm.exp(tl.math.div_rn(values - v0, t), LIBDEVICE), 0.0)
     probs = tl.math.div_rn(e, tl.sum(e, 0))
     probs = tl.where(temperature == 0, tl.where(j == 0, 1.0, 0.0), probs)
     # Top-p: a token stays while the mass before it is below top_p (exclusive cumulative sum).

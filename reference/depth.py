@@ -15,6 +15,7 @@ from pathlib import Path
 MIN_DRAFTS, MAX_DRAFTS = 3, 7
 CONTROLLER_FILE = "depth_controller.json"
 FEATURES = ("bias", "log_running_product", "log_served_prob", "entropy", "depth")
+TINY = 1e-30  # the logs' floor: served probabilities are > 0 (the draft drew the token), guard the log anyway
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,8 @@ class DraftFeatures:
     running_product: float
 
     def vector(self) -> dict[str, float]:
-        tiny = 1e-30  # served probabilities are > 0 (the draft drew the token), guard log anyway
-        return {"bias": 1.0, "log_running_product": math.log(max(self.running_product, tiny)),
-                "log_served_prob": math.log(max(self.served_prob, tiny)), "entropy": self.entropy,
+        return {"bias": 1.0, "log_running_product": math.log(max(self.running_product, TINY)),
+                "log_served_prob": math.log(max(self.served_prob, TINY)), "entropy": self.entropy,
                 "depth": float(self.depth)}
 
 

@@ -30,7 +30,7 @@ collect_ignore_glob = ([] if all(importlib.util.find_spec(m) for m in ("fastapi"
 # order, and the other modules keep theirs after them.
 LONG_FIRST = ("test_qualify.py", "test_fast_engine.py", "test_fast_kernels.py", "test_kernel_moe.py",
               "test_qualify_tp.py", "test_cli_qualify.py", "test_bench_sass.py", "test_agents_live.py",
-              "test_debug_chain.py", "test_round_kernels.py")  # by their CPU seconds in CI, 118 s down to 11 s
+              "test_debug_chain.py", "test_round_kernels.py")  # by their CPU seconds in CI (--durations=0)
 
 
 def pytest_collection_modifyitems(config, items):

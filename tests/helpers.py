@@ -143,9 +143,8 @@ def torch_forms(*names: str) -> EngineParts:
     class TorchFormsModel(FastModel):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            for name in names:  # bound as TorchOps binds it: a static method stays unbound
-                form = inspect.getattr_static(TorchOps, name)
-                setattr(self.ops, name, form.__func__ if isinstance(form, staticmethod) else form.__get__(self.ops))
+            for name in names:  # bound as TorchOps binds it (a static method's __get__ gives its function)
+                setattr(self.ops, name, inspect.getattr_static(TorchOps, name).__get__(self.ops))
 
     return EngineParts(model=TorchFormsModel)
 
