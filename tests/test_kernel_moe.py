@@ -165,11 +165,23 @@ def call(t: dict, **kw) -> torch.Tensor:
     return got
 
 
-def tail_equal(c: dict, t: dict) -> bool:
-    """`combine_add_norm` of the uncombined outputs against `moe` (both under the case's settings), the cast to the
-    compute dtype and `add_norm`: the sum, h and b bit for bit (the same definitions in one launch). The MoE tail of
-    layers >= 1 (no branch norm, the published ffn_out_scale) on a stream of the compute dtype; on the mini shapes,
-    the draft's (branch norm, scale 1, an fp32 stream)."""
+def call_with_outputs(t: dict, s: mk.MoESettings) -> tuple[torch.Tensor, mk.ExpertOutputs]:
+    """`call`, and the expert outputs that `moe` combined into it: the fused tail's input, from the same launches
+    (Gate/Up and Down are the interpreter's most expensive; a second run would give the same bits)."""
+    seen, combine = [], mk.combine
+    mk.combine = lambda o, **kw: seen.append(o) or combine(o, **kw)
+    try:
+        got = call(t, settings=s)
+    finally:
+        mk.combine = combine
+    return got, seen[0]
+
+
+def tail_equal(c: dict, t: dict, got: torch.Tensor, outputs: mk.ExpertOutputs) -> bool:
+    """`combine_add_norm` of the uncombined `outputs` against `moe`'s combine of them (`got`, both under the case's
+    settings), the cast to the compute dtype and `add_norm`: the sum, h and b bit for bit (the same definitions in one
+    launch). The MoE tail of layers >= 1 (no branch norm, the published ffn_out_scale) on a stream of the compute
+    dtype; on the mini shapes, the draft's (branch norm, scale 1, an fp32 stream)."""
     from iquest.kernels import rmsnorm
 
     gen = torch.Generator().manual_seed(c["seed"] + 11)
@@ -179,10 +191,8 @@ def tail_equal(c: dict, t: dict) -> bool:
     y_norm = (torch.rand(H, generator=gen) + 0.5).to(dt).to(t["b"].device) if draft else None
     next_norm = (torch.rand(H, generator=gen) + 0.5).to(dt).to(t["b"].device)
     scale = 1.0 if draft else 0.53881590608
-    outputs = mk.expert_outputs(t["b"], t["experts"], t["weights"], t["live"], t["gate"], t["up"], t["down"],
-                                settings=settings(c))
     fused = mk.combine_add_norm(outputs, residual, scale, y_norm, next_norm, 1e-6, dt)
-    total = call(t, settings=settings(c)).to(dt)
+    total = got.to(dt)
     want = (total, *rmsnorm.add_norm(residual, total, scale, y_norm, next_norm, 1e-6, dt))
     return all(torch.equal(a, b) for a, b in zip(fused, want))
 
@@ -222,7 +232,7 @@ def form_checks(c: dict, t: dict, got: torch.Tensor) -> dict:
                             device=got.device)
         res["split_repeats"] = torch.equal(call(t, settings=settings(c), gate_up_locks=locks), got) \
             and not bool(locks.any())
-        call(t, settings=settings(c), gate_up_locks=locks.fill_(1))
+        mk.gate_up(t["b"], t["experts"], t["live"], t["gate"], t["up"], settings=settings(c), locks=locks.fill_(1))
         res["miscount_shows"] = bool(locks.any())
     return res
 
@@ -230,14 +240,14 @@ def form_checks(c: dict, t: dict, got: torch.Tensor) -> dict:
 def run_case(c: dict, device: str) -> dict:
     t = build(c, device)
     with substituted(mk, MOE_CONTROLS.get(c.get("control"), {})):
-        got = call(t, settings=settings(c))
+        got, outputs = call_with_outputs(t, settings(c))
         res = form_checks(c, t, got)
         if c["pattern"] == "poison":
             bad, n = poisoned(t)
             again = call(bad, settings=settings(c))
             res["poisoned_experts"] = n
             res["poison_finite_equal"] = bool(torch.isfinite(again).all() and torch.equal(again, got))
-        res["tail_equal"] = tail_equal(c, t)
+        res["tail_equal"] = tail_equal(c, t, got, outputs)
     live = t["mask"]
     ref = mk.moe_torch(t["b"], t["experts"], t["weights"], t["gate"], t["up"], t["down"], settings(c))
     g, r = got[live], ref[live]
@@ -548,13 +558,13 @@ GPU_CASES += [dict(full_case(64, 38), name="gpu_full_off64_d38_split4", split=4)
 @pytest.mark.parametrize("c", GPU_CASES, ids=[c["name"] for c in GPU_CASES])
 def test_gpu_full_rank(c):
     t = distinct_routing(build(c, "cuda"), c)
-    got = call(t, settings=settings(c))
+    got, outputs = call_with_outputs(t, settings(c))
     ref = mk.moe_torch(t["b"], t["experts"], t["weights"], t["gate"], t["up"], t["down"], settings(c))
     live = t["mask"]
     r = dict(finite=bool(torch.isfinite(got).all()), pad_zero=bool((got[~live] == 0).all()),
              rel_err=(got[live] - ref[live]).abs().max().item() / ref[live].abs().max().item(),
              bit_equal=(got[live] == ref[live]).double().mean().item(), bf16_ulps=bf16_ulps(got[live], ref[live]),
-             tail_equal=tail_equal(c, t), **form_checks(c, t, got))
+             tail_equal=tail_equal(c, t, got, outputs), **form_checks(c, t, got))
     print(summary(c, r))
     check(c, r, GPU_TOL)
 
