@@ -247,9 +247,23 @@ def machine(device: str) -> dict:
     return out
 
 
+def warm_up(url: str, turns: int, max_tokens: int, file_bytes: int, thinking: bool, seed: int, api_key: str | None,
+            label: str) -> None:
+    """The session once, untimed, then one request under another system prompt. A server compiles a kernel the first
+    time a shape needs it (seconds on a GPU, inside whichever turn first has that shape), so the timed session must
+    find every shape compiled; the closing request replaces the prefix the server kept (it keeps the last request's),
+    so the timed session's first turn has nothing to reuse, as a cold session's has not."""
+    import openai
+
+    run_session(url, turns, max_tokens, file_bytes, thinking, seed, api_key, f"{label}, warm-up")
+    client = openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "unused", max_retries=0, timeout=600)
+    client.chat.completions.create(model=served_name(url, api_key), max_tokens=1, temperature=0, messages=[
+        {"role": "system", "content": "Warm-up over."}, {"role": "user", "content": "Reply with one token."}])
+
+
 def run(*, url: str | None, model: str | None, device: str, prefix_reuse: str | None, compare: bool, turns: int,
         max_tokens: int, file_bytes: int, thinking: bool, max_context: int, seed: int, api_key: str | None,
-        out: str | None) -> dict:
+        out: str | None, warmup: bool = False) -> dict:
     from ..provenance import commit
 
     # the servers run the tree as it is when they start: that is the commit of record, and a commit landing while
@@ -257,16 +271,20 @@ def run(*, url: str | None, model: str | None, device: str, prefix_reuse: str | 
     started_at = commit()
     arms = []
     if url:
+        if warmup:
+            warm_up(url, turns, max_tokens, file_bytes, thinking, seed, api_key, "server")
         rows = run_session(url, turns, max_tokens, file_bytes, thinking, seed, api_key, "server")
-        arms.append({"arm": "running server", "url": url, "prefix_reuse": None, "rows": rows,
+        arms.append({"arm": "running server", "url": url, "prefix_reuse": None, "warmup": warmup, "rows": rows,
                      "summary": summarize(rows)})
     for reuse in () if url else ("on", "off") if compare else (prefix_reuse,):
         with Server(model, device, max_context, reuse) as server:
             label = "server" if reuse is None else f"reuse {reuse}"
             command = "iquest " + shlex.join(server.cmd[3:])
             print(f"[{label}] {command}", file=sys.stderr, flush=True)
+            if warmup:
+                warm_up(server.url, turns, max_tokens, file_bytes, thinking, seed, api_key, label)
             rows = run_session(server.url, turns, max_tokens, file_bytes, thinking, seed, api_key, label)
-        arms.append({"arm": label, "prefix_reuse": reuse, "serve_command": command,
+        arms.append({"arm": label, "prefix_reuse": reuse, "serve_command": command, "warmup": warmup,
                      "serve_started": server.started_line, "rows": rows, "summary": summarize(rows)})
     name = model_label(served_name(url, api_key) if url else Path(model).name if model else "iquest-q1-mini")
     report = {"bench": "agent", "commit": started_at, "changed_files": changed_files(),

@@ -118,6 +118,9 @@ def register(sub) -> None:
                    help="--max-context of the server it starts (default 8192, capped by the model)")
     g.add_argument("--seed", type=int, default=0, help="request seed (default 0; replies are greedy)")
     g.add_argument("--api-key", help="the key of a --url server started with --api-key")
+    g.add_argument("--warmup", choices=["auto", "on", "off"], default="auto",
+                   help="run the session once untimed on each server first, so that no timed turn compiles a "
+                        "kernel (default auto: on where the server runs on cuda)")
     g.add_argument("--out", help="the JSON (default bench/results/agent-MODEL-DEVICE.json); the PNG goes beside it")
     g.set_defaults(run=run_agent)
     register_depth(bsub)
@@ -229,7 +232,8 @@ def run_agent(args: argparse.Namespace) -> int:
                             "--compare / --prefix-reuse")
     agent(url=args.url, model=args.model, device=device, prefix_reuse=args.prefix_reuse, compare=args.compare,
           turns=args.turns, max_tokens=args.max_tokens, file_bytes=args.file_bytes, thinking=args.thinking == "on",
-          max_context=args.max_context, seed=args.seed, api_key=args.api_key, out=args.out)
+          max_context=args.max_context, seed=args.seed, api_key=args.api_key, out=args.out,
+          warmup=args.warmup == "on" or (args.warmup == "auto" and device == "cuda"))
     return 0
 
 

@@ -83,8 +83,21 @@ def test_a_short_session_against_a_server_it_starts(tmp_path, capsys, monkeypatc
     report = check_report(out, 3, 1)
     assert report["model"] == "mini" and report["device"] == "cpu" and report["files"] == list(FILES[:2])
     assert report["arms"][0]["serve_started"].startswith("iquest serve: fast on cpu")
+    assert report["arms"][0]["warmup"] is False  # auto: on only where the server runs on cuda
     err = capsys.readouterr().err
     assert err.count("] turn ") == 3 and "TTFT" in err  # progress a turn on stderr
+
+
+def test_the_warm_up_leaves_the_timed_session_nothing_to_reuse(tmp_path, capsys, monkeypatch):
+    """What --device cuda does by default, with reuse on: the warm-up's one turn keeps its prompt (237 tokens, which
+    the mini model's 320-slot rings still hold), and the timed turn, the same prompt, would take 192 of them but for
+    the warm-up's closing request."""
+    out = tmp_path / "agent.json"
+    assert bench(monkeypatch, ["--model", str(MINI), "--device", "cpu", "--turns", "1", "--max-tokens", "2",
+                               "--prefix-reuse", "on", "--warmup", "on", "--out", str(out)]) == 0
+    arm = json.loads(out.read_text())["arms"][0]
+    assert arm["warmup"] and arm["rows"][0]["prompt_tokens"] > 64 and arm["rows"][0]["cached_tokens"] == 0
+    assert capsys.readouterr().err.count("warm-up] turn ") == 1
 
 
 def test_a_short_session_against_a_running_server(tmp_path, monkeypatch):
