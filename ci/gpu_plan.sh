@@ -5,10 +5,11 @@
 #   IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE
 # STAGE (in the order to run them):
 #   qualify2a qualification, bf16, TP 2 on one GPU under MPS: the healthy engine, lossless and the first eight
-#             controls; qualify2b the same with the other nine (logprobs_tempered needs TP 1). At bc0ea27 (H100)
-#             qualify2a finished 6 of its 10 units in 128 s, then none in the 420 s before its limit (healthy,
-#             drop_sink, rope_last_dims, open_causal_mask):
-#             progress now comes a case at a time and a stall of 180 s prints every process's Python stacks
+#             controls; qualify2b the same with the other nine (logprobs_tempered needs TP 1). At 61d6ab7 (H100) each
+#             half ended when one unit's ranks stopped advancing for the collectives' 60 s timeout while the others
+#             went on; qualify2one runs chosen units two at a time (QUALIFY_CONTROLS=... names them: 4 rank processes,
+#             not 12; --jobs 1 would run them in this process, where no stall is watched), to tell contention from a
+#             defect
 #   step      the benchmark of record at the adopted same-bits defaults (0.9595x paired at bc0ea27), the q/k/v fold
 #             against its unfolded control (0.9755x at the old defaults, bc0ea27), ~route:38
 #   agent     iquest bench agent on the GPU, prefix reuse on and off (the server's packages travel as wheels: run
@@ -67,6 +68,12 @@ case "${1:-}" in
     timeout 570 bash "$here/gpu.sh" mps iquest qualify --tp 2 --device cuda --share-gpu --dtype bf16 --jobs 6 \
       --stall-limit 400 --json $(printf -- '--control %s ' $controls) > "$out/$name.json" 2> "$out/$name.log" \
       || echo "$name: exit $?" >&2
+    tail -4 "$out/$name.log" ;;
+  qualify2one)  # the healthy engine, lossless and each control named, on 2 workers
+    name=qualify-mini-cuda-bf16-tp2-one-$sha
+    timeout 570 bash "$here/gpu.sh" mps iquest qualify --tp 2 --device cuda --share-gpu --dtype bf16 --jobs 2 \
+      --stall-limit 300 --json $(printf -- '--control %s ' ${QUALIFY_CONTROLS:-rope_shift_rows drop_sink}) \
+      > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
     tail -4 "$out/$name.log" ;;
   step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
     kernels="triton,triton^qkv_rope,triton~route:38"
@@ -128,7 +135,7 @@ case "${1:-}" in
     gpu bench depth --device cuda --prompts 16 --tokens 64 --repeats 5 --out "$out/depth-mini-cuda-$sha.json" \
       > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
     tail -8 "$out/depth-mini-cuda-$sha.log" ;;
-  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|step|agent|rest|depthprobe|fold|"\
+  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|qualify2one|step|agent|rest|depthprobe|fold|"\
 "ncu|trace|tune|step2|prefetch|tests|mps|qualify)" >&2
      exit 2 ;;
 esac
