@@ -111,10 +111,11 @@ def _case_rows(model_dir: str, options: EngineOptions, device: str, index: int,
                parts: EngineParts = EngineParts()) -> list[ChainRow]:
     from .run import qualify_cases
 
-    engine = RankEngine(model_dir, Parallel.single(device), options, recording_parts(parts))
-    cases, _, _ = qualify_cases(engine.config.vocab_size, False, sliding_ring(engine.config, options))
-    tol = tolerances.value("numerics.router", tolerances.scheme(options.dtype))
-    return chain_rows(engine, model_dir, cases[index], index, tol)
+    with torch.inference_mode():  # no gradient here either (qualify/run.py's units say why)
+        engine = RankEngine(model_dir, Parallel.single(device), options, recording_parts(parts))
+        cases, _, _ = qualify_cases(engine.config.vocab_size, False, sliding_ring(engine.config, options))
+        tol = tolerances.value("numerics.router", tolerances.scheme(options.dtype))
+        return chain_rows(engine, model_dir, cases[index], index, tol)
 
 
 def chain_report(model_dir: str, dtype: str = "bf16", kernels: str = "auto", device: str = "cpu",

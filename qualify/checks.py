@@ -58,7 +58,14 @@ class Row:
 @lru_cache(maxsize=None)
 def reference(model_dir: str, quant: str | None = None) -> ReferenceModel:
     """The float64 reference on the checkpoint as stored (quant None), or with every linear the checkpoint stores
-    unquantized quantized as the engine's loader quantizes it at load (quant "fp8"; see the module docstring)."""
+    unquantized quantized as the engine's loader quantizes it at load (quant "fp8"; see the module docstring). Cached
+    for the process, so made outside inference mode (qualify/run.py runs its units under it) whatever the first
+    caller's mode: its weights stay ordinary tensors for every later caller."""
+    with torch.inference_mode(False):
+        return _reference(model_dir, quant)
+
+
+def _reference(model_dir: str, quant: str | None) -> ReferenceModel:
     if quant is None:
         return ReferenceModel.load(model_dir)
     if quant != "fp8":

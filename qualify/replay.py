@@ -44,7 +44,7 @@ from ..reference.checkpoint import draft_prefix, layer_prefix
 from ..reference.model import ReferenceModel
 from ..reference.sampling import Dist, SamplingParams
 from . import tolerances
-from .router import router_input, scores_error, swap_ratio
+from .router import router_input, scores_ratio, swap_ratio
 from .window import record_window, sliding_layers
 
 VERIFY_ROWS = 8
@@ -512,34 +512,32 @@ def sampler_error(fast_ids, fast_probs, logits_in, params: SamplingParams) -> tu
     ref = sampling.dist(logits_in, params)
     fast = {t: p for t, p in _by_token(fast_ids, fast_probs).items() if p > 0}
     refd = _by_token(ref.ids, ref.probs)
-    # Boundary allowance: mass before each candidate in the untruncated top-k order.
-    k = min(params.top_k, logits_in.numel())
-    order = torch.argsort(-logits_in, stable=True)[:k]
-    t = params.temperature if params.temperature > 0 else 1.0
-    full = torch.softmax((logits_in[order] - logits_in[order[0]]) / t, -1)
-    before = _by_token(order, torch.cumsum(full, 0) - full)
-    boundary = {tok for tok in set(fast) ^ set(refd)
-                if params.temperature > 0 and abs(before.get(tok, 2.0) - params.top_p) <= 1e-5}
-    if boundary:  # rounding kept or cut the crossing token: compare both renormalized over the common support
-        common = set(fast) & set(refd)
-        fs, rs = sum(fast[t] for t in common), sum(refd[t] for t in common)
-        fast, refd = {t: fast[t] / fs for t in common}, {t: refd[t] / rs for t in common}
-    worst, why = 0.0, ""
-    for tok in set(fast) | set(refd):
-        if tok in fast and tok in refd:
-            d = abs(fast[tok] - refd[tok])
-        else:
-            d = fast.get(tok, refd.get(tok, 0.0))
-            why = f"token {tok} in {'fast' if tok in fast else 'reference'} support only (p={d:.3g})"
-        if d > worst:
-            worst = d
-    return worst, why
+    only = fast.keys() ^ refd.keys()
+    if only and params.temperature > 0:
+        # Boundary allowance: mass before each candidate in the untruncated top-k order.
+        k = min(params.top_k, logits_in.numel())
+        order = torch.argsort(-logits_in, stable=True)[:k]
+        full = torch.softmax((logits_in[order] - logits_in[order[0]]) / params.temperature, -1)
+        before = _by_token(order, torch.cumsum(full, 0) - full)
+        if any(abs(before.get(tok, 2.0) - params.top_p) <= 1e-5 for tok in only):
+            # rounding kept or cut the crossing token: compare both renormalized over the common support
+            common = set(fast) & set(refd)
+            fs, rs = sum(fast[t] for t in common), sum(refd[t] for t in common)
+            fast, refd = {t: fast[t] / fs for t in common}, {t: refd[t] / rs for t in common}
+            only = set()
+    one_side = {t: fast.get(t, refd.get(t)) for t in only}
+    worst = max([abs(fast[t] - refd[t]) for t in fast.keys() & refd.keys()] + list(one_side.values()), default=0.0)
+    if not one_side:
+        return worst, ""
+    # the one named is the last one-sided token in the order of the union of the supports
+    tok = next(iter(only)) if len(only) == 1 else [t for t in set(fast) | set(refd) if t in only][-1]
+    return worst, f"token {tok} in {'fast' if tok in fast else 'reference'} support only (p={one_side[tok]:.3g})"
 
 
 def l1(p: Dist, ids: torch.Tensor, probs: torch.Tensor) -> float:
     fast = {t: q for t, q in _by_token(ids, probs).items() if q > 0}
     refd = _by_token(p.ids, p.probs)
-    return sum(abs(fast.get(t, 0.0) - refd.get(t, 0.0)) for t in set(fast) | set(refd))
+    return sum([abs(fast.get(t, 0.0) - refd.get(t, 0.0)) for t in set(fast) | set(refd)])
 
 
 @dataclass
@@ -580,19 +578,19 @@ def routers(ref: ReferenceModel) -> dict[str, torch.Tensor]:
 
 
 def score_router_scores(scores: Scores, b: Block, i: int, classes: list[str], where: str, rw: dict,
-                        tol: float) -> None:
+                        tol: float, rw_abs: dict | None = None) -> None:
     """numerics.router_scores of row i over every MoE layer the block ran (qualify/router.scores_error): the worst
-    layer's value."""
-    worst, why = -1.0, ""
+    layer's value. `rw_abs`: |w| of the routers in `rw`, by the same prefixes, where the caller holds them."""
+    worst, why, prefix_worst = -1.0, None, ""
     for prefix, w in rw.items():
         if prefix + "experts" not in b.taps:
             continue
-        v, what = scores_error(w, router_input(b.taps, prefix, i), b.taps[prefix + "router_scores"][i],
-                               b.taps[prefix + "experts"][i])
+        v, what = scores_ratio(w, router_input(b.taps, prefix, i), b.taps[prefix + "router_scores"][i],
+                               b.taps[prefix + "experts"][i], None if rw_abs is None else rw_abs[prefix])
         if v > worst:
-            worst, why = v, f"{prefix.rstrip('.')}: {what}"
+            worst, why, prefix_worst = v, what, prefix
     if worst >= 0:
-        scores.add("numerics.router_scores", classes, worst, tol, f"{where}: {why}")
+        scores.add("numerics.router_scores", classes, worst, tol, f"{where}: {prefix_worst.rstrip('.')}: {why()}")
 
 
 def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: SamplingParams, tol: dict,
@@ -608,6 +606,7 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
     (Block.dists)."""
     sr = StreamReference(ref, stream, router_tol=tol["numerics.router"])
     router_w, rw = router_weight(ref), routers(ref)
+    rw_abs = {prefix: w.abs() for prefix, w in rw.items()}
     tol_rel = tol["numerics.logits"]
     scores, round_ratio = Scores(), {}
     t = params.temperature if params.temperature > 0 else 1.0
@@ -625,7 +624,7 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
                 scores.add("cache.window", classes, float(missing), tol["cache.window"],
                            f"{where}: {why}" if why else where)
             if b.taps is not None and b.live[i]:  # the engine's router on its own input: no reference needed
-                score_router_scores(scores, b, i, classes, where, rw, tol["numerics.router_scores"])
+                score_router_scores(scores, b, i, classes, where, rw, tol["numerics.router_scores"], rw_abs)
             if r[0] == "uncovered":
                 uncovered += 1
                 continue
@@ -640,9 +639,9 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
                 rl, rh, ratio = router_checked(sr, router_w, b, i, r, tol["numerics.router"])
             if ratio is not None:
                 scores.add("numerics.router", classes, ratio, tol["numerics.router"], where)
-            ref_rows[i] = (rl, rh)
             fl, fh = b.logits[i], b.hidden[i]
             scale = float(rl.abs().max())
+            ref_rows[i] = (rl, scale)
             e = tol_rel * scale
             rl_s = rl[vocab_offset:vocab_offset + fl.numel()]
             scores.add("numerics.logits", classes, float((fl - rl_s).abs().max()) / scale, tol_rel, where)
@@ -651,7 +650,7 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
             if full_vocab:
                 scores.add("numerics.kl", classes, kl(rl, fl, t), (e / t) ** 2 / 2, where)
                 k = min(params.top_k, rl.numel())
-                kth = float(torch.sort(rl, descending=True).values[k - 1])
+                kth = float(torch.topk(rl, k).values[k - 1])
                 top = torch.topk(fl, k).indices
                 scores.add("numerics.topk", classes, float((rl[top] < kth - 2 * e).sum()), tol["numerics.topk"],
                            where)
@@ -661,10 +660,11 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
             err, why = sampler_error(ids, probs, logits_in, params)  # logits_in: the whole vocabulary's top-k
             scores.add("numerics.sampler", classes, err, tol["numerics.sampler"], f"{where} {why}".strip())
             if row in ref_rows and b.kind in ("verify", "draft"):
-                rl = ref_rows[row][0]
-                bound = 2 * tol_rel * float(rl.abs().max()) / t
+                rl, scale = ref_rows[row]
+                bound = 2 * tol_rel * scale / t
                 ratio = l1(sampling.dist(rl, params), ids, probs) / bound
                 round_ratio[b.round] = max(round_ratio.get(b.round, 0.0), ratio)
             elif b.kind in ("verify", "draft") and rows[row] is not None and rows[row][0] == "context":
                 round_ratio[b.round] = math.inf
     return ReplayResult(scores, round_ratio, covered, uncovered)
+

@@ -28,7 +28,7 @@ assumes h's sum of squares is not cancelled away (|h| not far below |r| + |s t|)
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -102,21 +102,33 @@ def scores_error(w: torch.Tensor, fast_in: RouterInput, scores: torch.Tensor,
     product of its own input and the stored router, as docs/model.md says); the chosen experts must also be the top k
     of the engine's own scores (ties: the lower index), else the value is inf. Entries whose exact score is below 1e-30
     are compared only for having underflowed on both sides."""
+    value, why = scores_ratio(w, fast_in, scores, experts)
+    return value, why()
+
+
+def scores_ratio(w: torch.Tensor, fast_in: RouterInput, scores: torch.Tensor, experts: torch.Tensor,
+                 w_abs: torch.Tensor | None = None) -> tuple[float, Callable[[], str]]:
+    """`scores_error` with its description left to a call (only the worst layer of a row is described), and |w| as
+    `w_abs` when the caller holds it (one per router, not one per row)."""
     w, b, s_fast = w.double(), fast_in.b.double(), scores.double()
     logits = w @ b
     exact = torch.softmax(logits, -1)
-    rho = _gamma(fast_in.terms) * float(((w.abs() @ fast_in.mag.double())).max())
+    rho = _gamma(fast_in.terms) * float((((w.abs() if w_abs is None else w_abs) @ fast_in.mag.double())).max())
     t = (logits - logits.max()).abs()
     bound = 2 * rho + U32 * (t + float(t.max()) + w.shape[0] + 9)
     k = experts.numel()
-    own = torch.sort(s_fast, descending=True, stable=True).indices[:k]
-    if own.tolist() != experts.tolist():
-        return float("inf"), f"chosen experts {experts.tolist()} are not the top {k} of the engine's own scores " \
-                             f"({own.tolist()})"
+    own, chosen = torch.sort(s_fast, descending=True, stable=True).indices[:k].tolist(), experts.tolist()
+    if own != chosen:
+        return float("inf"), lambda: (f"chosen experts {chosen} are not the top {k} of the engine's own scores "
+                                      f"({own})")
     big = exact > 1e-30
-    if bool(((~big) & (s_fast > 1e-28)).any()):
-        return float("inf"), "an expert whose exact score underflows has a sizeable score in the engine"
-    ratio = (torch.log(s_fast[big]) - torch.log(exact[big])).abs() / bound[big]
-    worst = int(ratio.argmax())
-    e = int(big.nonzero()[worst])
-    return float(ratio[worst]), f"expert {e}: score {float(s_fast[e]):.9g} vs exact {float(exact[e]):.9g}"
+    if bool(big.all()):  # every entry compared: the masked forms below without their copies (contiguous, as those are)
+        ratio = (torch.log(s_fast.contiguous()) - torch.log(exact)).abs() / bound
+        e = worst = int(ratio.argmax())
+    else:
+        if bool(((~big) & (s_fast > 1e-28)).any()):
+            return float("inf"), lambda: "an expert whose exact score underflows has a sizeable score in the engine"
+        ratio = (torch.log(s_fast[big]) - torch.log(exact[big])).abs() / bound[big]
+        worst = int(ratio.argmax())
+        e = int(big.nonzero()[worst])
+    return float(ratio[worst]), lambda: f"expert {e}: score {float(s_fast[e]):.9g} vs exact {float(exact[e]):.9g}"

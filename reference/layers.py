@@ -61,13 +61,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     denominator, by an amount that depends on the query. The max subtracted for stability includes the sink.
     """
     R, Nq, D = q.shape
-    group = Nq // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)  # query head h reads KV head h // group
-    v = v.repeat_interleave(group, dim=1)
+    kv_head = torch.arange(Nq, device=q.device) // (Nq // k.shape[1])  # query head h reads KV head h // group
+    k, v = k.index_select(1, kv_head), v.index_select(1, kv_head)
     scores = torch.einsum("rhd,thd->hrt", q, k) * scale
     scores = scores.masked_fill(~mask[None], float("-inf"))
     if sink_k is not None:
-        sink = torch.einsum("rhd,hd->hr", q, sink_k.to(q.dtype).repeat_interleave(group, dim=0)) * scale
+        sink = torch.einsum("rhd,hd->hr", q, sink_k.to(q.dtype).index_select(0, kv_head)) * scale
         scores = torch.cat([scores, sink[..., None]], dim=-1)
     probs = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
     probs = probs / probs.sum(dim=-1, keepdim=True)

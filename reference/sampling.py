@@ -52,7 +52,8 @@ def _ordered(ids: torch.Tensor, probs: torch.Tensor) -> Dist:
     (in particular draw()'s rounding fallback to the last token) can ever return one.
     """
     keep = probs > 0
-    ids, probs = ids[keep], probs[keep]
+    if not keep.all():
+        ids, probs = ids[keep], probs[keep]
     by_id = torch.argsort(ids, stable=True)
     ids, probs = ids[by_id], probs[by_id]
     by_prob = torch.argsort(-probs, stable=True)
@@ -74,7 +75,7 @@ def dist(logits: torch.Tensor, params: SamplingParams) -> Dist:
         raise ValueError(f"dist() takes one non-empty floating row of logits [V], got "
                          f"{logits.dtype} {tuple(logits.shape)}")
     x = logits.detach().to(device="cpu", dtype=torch.float64)
-    if torch.isnan(x).any() or (x == math.inf).any() or (x == -math.inf).all():
+    if not math.isfinite(float(x.max())):  # the max is NaN if any logit is, +inf if any is, -inf if all are
         raise ValueError("logits must not contain NaN or +inf, and not all be -inf")
     if params.temperature == 0:
         token = int(torch.argmax(x))  # argmax returns the first maximum: ties go to the lower id
@@ -84,7 +85,8 @@ def dist(logits: torch.Tensor, params: SamplingParams) -> Dist:
     k = min(params.top_k, x.numel())
     ids = torch.argsort(-x, stable=True)[:k]  # stable: equal logits keep ascending id order
     # Softmax of x / T, shifted by the max first so that no temperature overflows exp().
-    z = (x[ids] - x[ids[0]]) / params.temperature
+    top = x[ids]
+    z = (top - top[0]) / params.temperature
     e = torch.exp(z)
     d = _ordered(ids, e / e.sum())
     n = _top_p_count(d.probs, params.top_p)

@@ -315,6 +315,16 @@ def test_router_scores_rows_need_the_engines_taps():
     assert Geometry(32, 96, 16, 80).draft_ring == 80
 
 
+def test_the_cached_reference_holds_ordinary_tensors_under_inference_mode(tiny):
+    """qualify/run.py runs its units under torch.inference_mode, and the reference they load is cached for the
+    process: it must hold no inference tensors, which a later caller could neither update nor differentiate."""
+    from iquest.qualify.checks import reference
+
+    with torch.inference_mode():
+        ref = reference.__wrapped__(str(tiny))
+    assert not any(w.is_inference() for w in ref.w.values())
+
+
 def test_the_fp8w_rows_fail_against_weights_the_candidate_did_not_come_from(tmp_path):
     """The fp8w.* check can fail: the same FP8 candidate measured against another BF16 model's weights (the preset at
     another seed: same shapes, other values) is far past the E4M3 tolerance, while it still passes against the
