@@ -33,6 +33,7 @@ from ..provenance import commit
 from ..fast.parallel import Parallel
 from ..fast.plan import KernelPlan
 from ..fast.rank import MAX_CANDIDATES, EngineOptions, EngineParts, KernelSetting, RankEngine
+from ..fast.collectives import TIMEOUT_NS
 from ..fast.stacks import STALL_S, dump_stacks, dump_stacks_on_signal, end_tree
 from ..fast.weights import weight_format
 from . import tolerances
@@ -197,6 +198,9 @@ def control_margin(r: dict) -> str:
 
 
 HEARTBEAT_S = 60  # a progress line at least this often while worker units run
+# One unit quiet while others step: below the collectives' timeout, so a unit whose TP ranks wait on each other prints
+# its processes' stacks while they still wait, not after the timeout has ended them
+UNIT_STALL_S = 0.75 * TIMEOUT_NS / 1e9
 _POLL_S = 0.25  # how often gather reads the units' step reports
 
 
@@ -294,20 +298,23 @@ def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar, stall_s: float
 
 
 def gather(pool, units: dict[str, tuple], bar, steps: dict[str, int], workers: int, heartbeat: float = HEARTBEAT_S,
-           progress=None, stall_s: float = STALL_S, stall_limit: float = 0) -> dict:
+           progress=None, stall_s: float = STALL_S, stall_limit: float = 0, unit_stall_s: float = UNIT_STALL_S) -> dict:
     """Each unit's result by name, its (function, *args) submitted to `pool` and called with a `bar=` keyword. The
     bar moves as each unit reports a step on `progress` (unit_pool's queue; None: only as units end, by their
     `steps`, of which a unit's end adds those it did not report) and shows a line at least every `heartbeat` seconds
     naming the units running, their steps and time, and those queued, so a run cut off by a time limit says how far
     it got. After `stall_s` seconds without a step (0: never) it says which units stalled and has every process
     under this one print its Python stacks (fast/stacks.py), once a stall; after `stall_limit` (0: never) it ends the
-    pool's processes and raises StallError. A unit's exception is raised as soon as that unit ends."""
+    pool's processes and raises StallError. A unit that has made no step for `unit_stall_s` (0: never) while others
+    did is named and the stacks printed too, once until it steps again. A unit's exception is raised as soon as that
+    unit ends."""
     from concurrent.futures import FIRST_COMPLETED, wait
 
     futures = {pool.submit(_in_worker, name, *call): name for name, call in units.items()}
     done, pending, counted, started, worker = {}, set(futures), dict.fromkeys(units, 0), {}, {}
     last = shown = time.monotonic()  # the last step; the last line
     dumped = False
+    unit_last, unit_dumped = {}, set()  # a unit's last step (or start); the quiet units whose stacks were printed
 
     def left(now: float) -> str:
         names = [n for n in units if n not in done]
@@ -322,11 +329,13 @@ def gather(pool, units: dict[str, tuple], bar, steps: dict[str, int], workers: i
             if name in done:  # came on another pipe than the unit's result, after it: counted at its end
                 continue
             started.setdefault(name, now)
+            unit_last.setdefault(name, now)
             worker[name] = pid
             n = min(n, steps[name] - counted[name])
             if n > 0:
                 counted[name] += n
-                last = shown = now
+                last = shown = unit_last[name] = now
+                unit_dumped.discard(name)
                 dumped = False
                 bar.set_postfix_str(f"{name} {counted[name]}/{steps[name]}")
                 bar.update(n)
@@ -351,6 +360,14 @@ def gather(pool, units: dict[str, tuple], bar, steps: dict[str, int], workers: i
             dumped = True
             if limit:
                 time.sleep(0.5)  # the stacks are written before their processes are ended
+        quiet_units = [n for n in unit_last if n not in done and n not in unit_dumped
+                       and now - unit_last[n] >= unit_stall_s > quiet] if unit_stall_s else []
+        if quiet_units:
+            _say(f"qualify: {', '.join(quiet_units)} made no step for {now - min(unit_last[n] for n in quiet_units):.0f}"
+                 f" s while other units did ({left(now)}); the Python stacks of the processes running them follow on "
+                 "stderr")
+            dump_stacks({pid: f"the worker running {name}" for name, pid in worker.items() if name not in done}, _say)
+            unit_dumped.update(quiet_units)
         if limit:
             unfinished = ", ".join(f"{n} {counted[n]}/{steps[n]} steps" for n in units if n not in done)
             end_tree(getattr(pool, "_processes", None) or {})  # a process pool's workers (private, there since 3.2)

@@ -164,6 +164,23 @@ def one_step_then_sleep(seconds: float, pidfile: str, *, bar):
     return "woke"
 
 
+def ticks_until(donefile: str, *, bar):
+    """A step every 0.2 s until the file `donefile` exists (at most 60 s): a unit that goes on while another is
+    quiet."""
+    deadline = time.monotonic() + 60
+    while not Path(donefile).exists() and time.monotonic() < deadline:
+        bar.update(1)
+        time.sleep(0.2)
+    return "ticked"
+
+
+def quiet_then_done(seconds: float, pidfile: str, donefile: str, *, bar):
+    """one_step_then_sleep, then the file `donefile`."""
+    out = one_step_then_sleep(seconds, pidfile, bar=bar)
+    Path(donefile).touch()
+    return out
+
+
 def _warm_pool():
     """unit_pool(1) with its worker started (spawned, importing torch: seconds), so that a test's stall clock runs
     from the unit's start."""
@@ -224,6 +241,29 @@ def test_a_stall_prints_the_stacks_of_every_process_under_the_run(tmp_path, capf
                        r"line \d+ in one_step_then_sleep\n", err)
     assert worker and re.search(rf"--- Python stacks of process \d+ \(started by {worker[1]}, the worker running "
                                 r"sleepy\):\n(.*\n)*?.*line \d+ in rank_waits\n", err), err
+
+
+def test_a_unit_quiet_while_others_step_prints_the_stacks(tmp_path, capfd):
+    """One unit quiet for unit_stall_s while another steps (what a unit whose TP ranks wait on each other looks like,
+    the run's other units going on): one line naming it, then its worker's stacks and its rank stand-in's, before the
+    run's own stall watch (off here) would have said anything."""
+    from iquest.qualify.run import gather, unit_pool
+
+    done = str(tmp_path / "done")
+    pool, progress = unit_pool(2)
+    with pool:
+        got = gather(pool, {"quiet": (units().quiet_then_done, 4, str(tmp_path / "pid"), done),
+                            "ticker": (units().ticks_until, done)}, progress_bar(1000, progress=False),
+                     {"quiet": 2, "ticker": 998}, 2, progress=progress, stall_s=0, unit_stall_s=1.5)
+    assert got == {"quiet": "woke", "ticker": "ticked"}
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if "made no step" in line]
+    assert len(lines) == 1 and re.match(r"qualify: quiet made no step for \d+ s while other units did \(running: "
+                                        r".*quiet 1/2 for \d+ s", lines[0]), err
+    worker = re.search(r"--- Python stacks of process (\d+) \(the worker running quiet\):\n(.*\n)*?.*"
+                       r"line \d+ in one_step_then_sleep\n", err)
+    assert worker and re.search(rf"--- Python stacks of process \d+ \(started by {worker[1]}, the worker running "
+                                r"quiet\):\n(.*\n)*?.*line \d+ in rank_waits\n", err), err
 
 
 def test_a_stall_limit_ends_the_run_and_every_process_under_it(tmp_path, capfd):
