@@ -363,9 +363,9 @@ def gather(pool, units: dict[str, tuple], bar, steps: dict[str, int], workers: i
         quiet_units = [n for n in unit_last if n not in done and n not in unit_dumped
                        and now - unit_last[n] >= unit_stall_s > quiet] if unit_stall_s else []
         if quiet_units:
-            _say(f"qualify: {', '.join(quiet_units)} made no step for {now - min(unit_last[n] for n in quiet_units):.0f}"
-                 f" s while other units did ({left(now)}); the Python stacks of the processes running them follow on "
-                 "stderr")
+            for_s = now - min(unit_last[n] for n in quiet_units)
+            _say(f"qualify: {', '.join(quiet_units)} made no step for {for_s:.0f} s while other units did "
+                 f"({left(now)}); the Python stacks of the processes running them follow on stderr")
             dump_stacks({pid: f"the worker running {name}" for name, pid in worker.items() if name not in done}, _say)
             unit_dumped.update(quiet_units)
         if limit:
