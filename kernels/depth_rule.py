@@ -22,15 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import depth
-from ..reference.depth import FEATURES
+from ..reference.depth import FEATURES, TINY as LOG_FLOOR
 from . import libm
 from .launch import launch_options, wait_for_inputs
 
 INTERPRETED = libm.INTERPRETED
 MAX_K = 64  # candidates a distribution holds: the sampler's largest top-k (kernels/sample.py)
 NUM_WARPS = 1  # at most 64 values and five features: one warp, no cross-warp reduction
-TINY = tl.constexpr(depth.TINY)  # the logs' floor
+TINY = tl.constexpr(LOG_FLOOR)  # the logs' floor
 
 
 @triton.jit

@@ -122,13 +122,9 @@ def scores_ratio(w: torch.Tensor, fast_in: RouterInput, scores: torch.Tensor, ex
         return float("inf"), lambda: (f"chosen experts {chosen} are not the top {k} of the engine's own scores "
                                       f"({own})")
     big = exact > 1e-30
-    if bool(big.all()):  # every entry compared: the masked forms below without their copies (contiguous, as those are)
-        ratio = (torch.log(s_fast.contiguous()) - torch.log(exact)).abs() / bound
-        e = worst = int(ratio.argmax())
-    else:
-        if bool(((~big) & (s_fast > 1e-28)).any()):
-            return float("inf"), lambda: "an expert whose exact score underflows has a sizeable score in the engine"
-        ratio = (torch.log(s_fast[big]) - torch.log(exact[big])).abs() / bound[big]
-        worst = int(ratio.argmax())
-        e = int(big.nonzero()[worst])
+    if bool(((~big) & (s_fast > 1e-28)).any()):
+        return float("inf"), lambda: "an expert whose exact score underflows has a sizeable score in the engine"
+    ratio = (torch.log(s_fast[big]) - torch.log(exact[big])).abs() / bound[big]
+    worst = int(ratio.argmax())
+    e = int(big.nonzero()[worst])
     return float(ratio[worst]), lambda: f"expert {e}: score {float(s_fast[e]):.9g} vs exact {float(exact[e]):.9g}"
