@@ -34,7 +34,7 @@ class PeerBuffer:
         from ..kernels.allreduce import SLOTS, arm
 
         self.own = arm(torch.empty((SLOTS, world, ROWS, width), dtype=dtype, device=device))
-        self.state = torch.zeros(8, dtype=torch.int32, device=device)  # call, arrivals, rows used per slot
+        self.state = torch.zeros(8, dtype=torch.int32, device=device)  # call, arrivals, rows and width used per slot
         torch.cuda.synchronize(device)  # armed before any peer can map it
         handles: list = [None] * world
         gpu = str(torch.cuda.get_device_properties(device).uuid)

@@ -5,7 +5,7 @@ exchanges the handles once). A call takes the next slot s of this rank's call co
 replays and device-chosen draft depths keep the sequence): each program stores its partial rows into lane `rank` of
 slot s in every peer's buffer, then polls its own buffer's lanes of those rows with volatile loads until no element
 holds the sentinel, and reduces them in rank order 0, 1, ..., WORLD-1 in fp32, so every rank computes the
-same bits by construction. It then re-arms (fills with the sentinel) the rows the previous call used in slot
+same bits by construction. It then re-arms (fills with the sentinel) the rows and width the previous call used in slot
 s - 1 of its own buffer: every peer finished writing that slot before this rank could have read it, and no peer
 writes it again before this rank's next call has pushed (three slots make the order safe). The call's last
 program to arrive advances the counter.
@@ -122,28 +122,33 @@ def _poll(own_ptr, slot, p, row, W, S, error_ptr, timeout_ns, tag, start,
 @triton.jit
 def _rearm_and_advance(own_ptr, state_ptr, call, slot, first, P, R, W, S, WORLD: tl.constexpr, CAP: tl.constexpr,
                        BLOCK: tl.constexpr, BITS: tl.constexpr):
-    """Fill the previous slot's used rows of the own buffer with the sentinel (this program's share: rows first,
-    first + P, ... of P programs), then `_advance`."""
+    """Fill what the previous call wrote into the own buffer (its rows and its width: calls of one buffer may differ
+    in width, as the sampling and logprob gathers do) with the sentinel, this program's share (rows first, first + P,
+    ... of P programs), then `_advance`."""
     i = tl.arange(0, BLOCK)
-    ok = i < W
     prev = (call + 2) % 3
     prev_rows = tl.load(state_ptr + 2 + prev)
+    prev_width = tl.load(state_ptr + 5 + prev)
+    sentinel = _sentinel(tl.zeros([BLOCK], dtype=own_ptr.dtype.element_ty), BITS)
     r = first
     while r < prev_rows:
         for p in tl.static_range(WORLD):
-            dst = own_ptr + ((prev * WORLD + p) * CAP + r).to(tl.int64) * S + i
-            tl.store(dst, _sentinel(tl.zeros([BLOCK], dtype=own_ptr.dtype.element_ty), BITS), mask=ok)
+            row = own_ptr + ((prev * WORLD + p) * CAP + r).to(tl.int64) * S
+            for c in range(0, prev_width, BLOCK):
+                tl.store(row + c + i, sentinel, mask=c + i < prev_width)
         r += P
-    _advance(state_ptr, call, slot, P, R)
+    _advance(state_ptr, call, slot, P, R, W)
 
 
 @triton.jit
-def _advance(state_ptr, call, slot, P, R):
-    """Count this program in; the call's last of P programs records its R rows and advances the call counter."""
+def _advance(state_ptr, call, slot, P, R, W):
+    """Count this program in; the call's last of P programs records its R rows and width W and advances the call
+    counter."""
     ticket = tl.atomic_add(state_ptr + 1, 1)
     if ticket == P - 1:
         tl.store(state_ptr + 1, 0)
         tl.store(state_ptr + 2 + slot, R)
+        tl.store(state_ptr + 5 + slot, W)
         tl.store(state_ptr, call + 1)
 
 
@@ -260,8 +265,8 @@ def _check_buffer(x: torch.Tensor, peers: torch.Tensor, own: torch.Tensor, state
     _check(x.dim() == 2 and x.shape[0] <= own.shape[2] and x.shape[1] <= own.shape[3] and x.stride(-1) == 1,
            f"rows [R <= {own.shape[2]}, <= {own.shape[3]}] with unit stride expected, got {tuple(x.shape)}")
     _check(x.dtype == own.dtype, f"rows are {x.dtype}, the buffer {own.dtype}")
-    _check(peers.dtype == torch.int64 and state.dtype == torch.int32 and state.numel() >= 5
-           and error.dtype == torch.int32, "peers int64 [world], state int32 [>= 5], error int32")
+    _check(peers.dtype == torch.int64 and state.dtype == torch.int32 and state.numel() >= 8
+           and error.dtype == torch.int32, "peers int64 [world], state int32 [>= 8], error int32")
     _check(all(t.device == x.device for t in (peers, own, state, error)), "tensors on several devices")
     return world, x.shape[0]
 
@@ -284,7 +289,7 @@ def all_reduce(x: torch.Tensor | moe.ExpertOutputs, peers: torch.Tensor, own: to
     """sum over ranks of x [R, H] (rank order, fp32, rounded to x's dtype), into `out`; x may be the MoE's
     `ExpertOutputs`, combined and rounded to their compute dtype first. `peers` int64 [world]: every
     rank's buffer address (this rank's own at index rank); `own` this rank's buffer [3, world, CAP, H] in x's dtype
-    (armed); `state` int32 [8] this rank's call counter, arrival count and rows per slot (zeroed at the start);
+    (armed); `state` int32 [8] this rank's call counter, arrival count, rows and width per slot (zeroed at the start);
     `error` int32 [>= 1]: 0, or (tag + 1) * 1024 + the lane a poll gave up on.
     `tail`: also the sandwich tail on the sum; returns (sum, h, b) then, else the sum. `hold`: the next kernel
     launches once the data arrived (ranks sharing a GPU)."""

@@ -3,7 +3,8 @@ product files carry no switch for a defect. Module-level jit functions: Triton r
 module.
 
 - The peer collectives (tests/test_tp_collectives.py), pieces `_all_reduce` takes: a poll that does not wait for the
-  data, a re-arm that never re-arms, a reduction in each rank's own order (`BROKEN`).
+  data, a re-arm that never re-arms, a re-arm only as wide as its own call, a reduction in each rank's own order
+  (`BROKEN`).
 - moe (tests/test_kernel_moe.py), put into copies of its kernels by `kernels.testing.substituted` (`MOE`): scales
   indexed without the shard's offset in its first block, liveness ignored (padding rows' experts computed and
   combined), the slots summed without their routing weights (by the combine, or by the combine fused with the tail).
@@ -18,7 +19,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from iquest.kernels import moe
-from iquest.kernels.allreduce import _advance
+from iquest.kernels.allreduce import _advance, _sentinel
 from iquest.kernels.testing import substitute
 
 
@@ -32,7 +33,22 @@ def poll_without_waiting(own_ptr, slot, p, row, W, S, error_ptr, timeout_ns, tag
 @triton.jit
 def never_rearm(own_ptr, state_ptr, call, slot, first, P, R, W, S, WORLD: tl.constexpr, CAP: tl.constexpr,
                 BLOCK: tl.constexpr, BITS: tl.constexpr):
-    _advance(state_ptr, call, slot, P, R)
+    _advance(state_ptr, call, slot, P, R, W)
+
+
+@triton.jit
+def rearm_current_width(own_ptr, state_ptr, call, slot, first, P, R, W, S, WORLD: tl.constexpr, CAP: tl.constexpr,
+                        BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """Re-arms the previous call's rows only as wide as this call: a wider previous call's tail stays stale."""
+    i = tl.arange(0, BLOCK)
+    prev = (call + 2) % 3
+    r = first
+    while r < tl.load(state_ptr + 2 + prev):
+        for p in tl.static_range(WORLD):
+            dst = own_ptr + ((prev * WORLD + p) * CAP + r).to(tl.int64) * S + i
+            tl.store(dst, _sentinel(tl.zeros([BLOCK], dtype=own_ptr.dtype.element_ty), BITS), mask=i < W)
+        r += P
+    _advance(state_ptr, call, slot, P, R, W)
 
 
 @triton.jit
@@ -40,7 +56,8 @@ def own_order(step, rank, WORLD: tl.constexpr):
     return (step + rank) % WORLD
 
 
-BROKEN = {"poll": poll_without_waiting, "rearm": never_rearm, "order": own_order}
+BROKEN = {"poll": poll_without_waiting, "rearm": never_rearm, "rearm_width": rearm_current_width,
+          "order": own_order}
 
 
 @triton.jit
