@@ -61,10 +61,10 @@ _LINEAR = ({"block_n": 16}, {"block_n": 64}, {"num_warps": 2}, {"num_warps": 8},
 GRIDS: dict[str, tuple[dict, ...]] = {
     "linear_qkv": _LINEAR,
     "linear_o": _LINEAR,
-    # full layers pipeline three K/V tiles by default, sliding ones two: each grid tries the other depth
-    "attention_full": _ATTENTION + ({"num_stages": 2}, {"num_stages": 4}),
-    "attention_sliding": _ATTENTION + ({"num_stages": 1}, {"num_stages": 3}),
-    "attention_draft": _ATTENTION + ({"num_stages": 1}, {"num_stages": 3}),
+    # full layers pipeline two K/V tiles by default, sliding ones one: each grid tries the depths around it
+    "attention_full": _ATTENTION + ({"num_stages": 1}, {"num_stages": 3}),
+    "attention_sliding": _ATTENTION + ({"num_stages": 2}, {"num_stages": 3}),
+    "attention_draft": _ATTENTION + ({"num_stages": 2}, {"num_stages": 3}),
     "qk_rope_kv": ({"num_warps": 2}, {"num_warps": 4}),
     # the q/k/v projection ending in the prologue (kernels/qkv_rope_kv.py): 11.3 us a call against ~8.7 for the plain
     # linear and the prologue apart. With one head a tile (8 tiles) the plain linear's split, 8 of 3 K tiles, is 64
@@ -103,7 +103,7 @@ GRIDS: dict[str, tuple[dict, ...]] = {
                 {"form": "dot", "block_k": 64}, {"form": "dot", "num_warps": 8}, {"form": "dot", "num_stages": 3}),
     # smaller tiles: more, shorter pass-1 programs (10 tiles a row at 2048). The skip only acts with more tiles than
     # KP = 32 (k = 20), so it is turned off where it would act: tiles of 256 (79 a row) and 512 (40)
-    "topk": ({"tile": 256}, {"tile": 512}, {"tile": 1024}, {"tile": 4096}, {"num_warps": 1}, {"num_warps": 2},
+    "topk": ({"tile": 256}, {"tile": 512}, {"tile": 2048}, {"tile": 4096}, {"num_warps": 1}, {"num_warps": 2},
              {"num_warps": 8}, {"tile": 256, "skip": False}, {"tile": 512, "skip": False}),
     # the side branch alone (its overlap with the attention is bench step's +expert_prefetch): the prediction's grid,
     # which measured ~50 us a layer at 2 programs an SM, and the prefetch requests' size

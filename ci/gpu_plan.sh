@@ -26,7 +26,7 @@
 #             round's 57.6 us a call (bc0ea27) is the kernel's or its place in the chain
 #   trace     bench graph-trace: kernels and dependent steps a decoder layer, with and without each fold (10 at bc0ea27)
 #   tune      bench tune: the MoE at 38 experts, the attention, the router, the tails, the top-k, the prefetch branch
-#   step2     the same-bits attention and top-k tunes together (0.915x, 0.941x and 0.863x their ops at bc0ea27)
+#   step2     the adopted same-bits attention and top-k tunes against the old defaults (0.9903x paired at 61d6ab7)
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
 #   tests     the @pytest.mark.gpu suite but the MPS module (135 s at 8d0c782 on an H100: 448 passed)
 #   mps       the MPS module (the TP 2, 4 and 8 engines, the captured loop: 295 s at 8d0c782, every test passing)
@@ -77,7 +77,7 @@ case "${1:-}" in
     tail -4 "$out/$name.log" ;;
   step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
     kernels="triton,triton^qkv_rope,triton~route:38"
-    [ "$1" = step2 ] && kernels=triton,triton@attention_full.num_stages=2@attention_sliding.num_stages=1@topk.tile=1024
+    [ "$1" = step2 ] && kernels=triton,triton@attention_full.num_stages=3@attention_sliding.num_stages=2@topk.tile=2048
     gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --kernels "$kernels" \
       --out "$out/$1-full-tp8slice-ctx1k-d5-$sha.json" 2>&1 | tee "$out/$1-full-tp8slice-ctx1k-d5-$sha.log" ;;
   prefetch)

@@ -69,8 +69,10 @@ class AttentionSettings:
     num_splits: int | None = None
     # warps of a split program: the fastest `bench tune` found (docs/PERF.md, "Launch configurations")
     num_warps: int = 4
-    # K/V tiles in flight a split: 3 on full layers, 2 on sliding ones (docs/PERF.md, "Three K/V tiles in flight")
-    num_stages: int = 3
+    # K/V tiles in flight a split: 2 on full layers, 1 on sliding ones, paired in the round with the top-k's tile
+    # (docs/PERF.md, "Current state": the same-bits tunes, 0.9903x); 3 and 2 before (docs/PERF.md, "Three K/V tiles in
+    # flight")
+    num_stages: int = 2
     # splits the combine merges a step, columns a combine program, its warps: every live split's maximum in one load,
     # so a long context's many splits are not walked in a serial chain (docs/PERF.md, "The attention combine as one
     # program a (KV head, row, 32 columns), 4 warps over 128 splits a step")
@@ -93,8 +95,8 @@ class AttentionSettings:
         return self.block_n if self.min_split is None else self.min_split
 
 
-FULL = AttentionSettings(num_stages=3)
-SLIDING = AttentionSettings(num_stages=2)  # a sliding split is a tile or two at any context (the draft's too)
+FULL = AttentionSettings(num_stages=2)
+SLIDING = AttentionSettings(num_stages=1)  # a sliding split is a tile or two at any context (the draft's too)
 
 
 def settings_for(window: int | None) -> AttentionSettings:

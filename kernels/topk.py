@@ -43,15 +43,15 @@ class TopKSettings:
     """Launch choices. None changes a bit of the result: the keys are exact and unique, so any tile and either merge
     give the same top-k (tests: the skip against the full merge, tiles 16 to 8192)."""
 
-    # Columns a pass-1 program keys (at least k rounded up, checked at the call): the benchmark of record's tile.
-    # Smaller tiles give more, shorter programs, the same bits; a tile is adopted from a timing of the round, not of
-    # the op alone (`iquest bench tune --ops topk`; docs/PERF.md, "Current state").
-    tile: int = 2048
-    # Both passes' warps: the benchmark of record's (16 keys a thread of a 2048 tile), kept with the tile.
+    # Columns a pass-1 program keys (at least k rounded up, checked at the call). Smaller tiles give more, shorter
+    # programs, the same bits; a tile is adopted from a timing of the round, not of the op alone: 1024, paired in the
+    # round with the attention's stages (docs/PERF.md, "Current state": the same-bits tunes, 0.9903x).
+    tile: int = 1024
+    # Both passes' warps (8 keys a thread of a 1024 tile): the tune's choice with its tile.
     num_warps: int = 4
     # The merge reads only the KP tiles the maxima allow (exact: module docstring), so it is on: fewer reads, the same
     # keys (docs/PERF.md, "Current state"). It acts only where the tiles, rounded up to a power of two, outnumber KP
-    # (not at 2048 on 20000 columns: 10 tiles, KP 32 at k = 20).
+    # (not at 1024 on 20000 columns: 20 tiles, 32 rounded up, KP 32 at k = 20).
     skip: bool = True
 
     def __post_init__(self):

@@ -169,7 +169,7 @@ def test_rejects_bad_inputs(kw, message):
 
 
 def test_settings_defaults_are_the_measured_launch():
-    assert tk.TopKSettings() == tk.TopKSettings(tile=2048, num_warps=4, skip=True)
+    assert tk.TopKSettings() == tk.TopKSettings(tile=1024, num_warps=4, skip=True)
     with pytest.raises(Exception):  # frozen
         tk.TopKSettings().tile = 512
 
