@@ -43,8 +43,9 @@ python3 "$here/triton_cache.py" unpack "$here/../.triton-cache" "$TRITON_CACHE_D
   || echo "triton cache: not unpacked" >&2
 trap 'python3 "$here/triton_cache.py" pack "$TRITON_CACHE_DIR" "$out" || echo "triton cache: not packed" >&2' EXIT
 case "${1:-}" in
-  tests)  # 135 s at 8d0c782 on an H100 (448 passed); gpu.sh passes -q: a second -q would drop the summary line
-    timeout 540 bash "$here/gpu.sh" tests -n 8 --dist load --ignore tests/test_tp_collectives.py tests \
+  tests)  # 76 s at 61d6ab7 on an H100 (464 passed). -vv against gpu.sh's -q: a line a test as it ends, so a log cut by a
+    # time limit still names the failures (at cc0ae4b one F came in a 95 s cut, unnamed)
+    timeout 540 bash "$here/gpu.sh" tests -vv -n 8 --dist load --ignore tests/test_tp_collectives.py tests \
       > "$out/gpu-tests-$sha.log" 2>&1 || echo "gpu tests: exit $?" >&2
     tail -3 "$out/gpu-tests-$sha.log" ;;
   mps)  # 295 s at 8d0c782 on an H100, every test passing (the TP 2, 4 and 8 engines, the captured loop)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -440,9 +441,11 @@ def exact_second_token(model_dir: str, prompt: list[int], params: SamplingParams
 
 
 def lossless(dtype: str, samples: int, parts: EngineParts = EngineParts(), drafts: int = 3,
-             device: str = "cpu", kernels: str | KernelPlan = "torch", seed: int = 0) -> tuple[Row, dict]:
+             device: str = "cpu", kernels: str | KernelPlan = "torch", seed: int = 0,
+             progress: Callable[[int, int], None] | None = None) -> tuple[Row, dict]:
     """Chi-square of the first speculative token (output index 1) against its exact distribution, over the request
-    seeds (seed << 32) + i, i < samples (`seed`: the run's --seed, so each run draws its own sample)."""
+    seeds (seed << 32) + i, i < samples (`seed`: the run's --seed, so each run draws its own sample). `progress(done,
+    samples)` after each request."""
     model_dir = micro_fixture()
     engine = RankEngine(model_dir, Parallel.single(device),
                         EngineOptions(max_context=64, dtype=dtype, graphs=False, kernels=kernels), parts)
@@ -458,6 +461,8 @@ def lossless(dtype: str, samples: int, parts: EngineParts = EngineParts(), draft
         counts[steps[1].tokens[0]] += 1
         rejected += steps[1].accepted < steps[1].drafts   # the replacement branch ran this round
         replaced += steps[1].accepted == 0                # ... and drew the tested token
+        if progress is not None:
+            progress(i + 1, samples)
     big = expected >= 5
     obs = torch.cat([counts[big], counts[~big].sum().view(1)]) if (~big).any() else counts[big]
     exp = torch.cat([expected[big], expected[~big].sum().view(1)]) if (~big).any() else expected[big]

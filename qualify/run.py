@@ -146,18 +146,31 @@ def run_healthy(plan: Plan, bar) -> tuple[list[Row], dict]:
 
 
 def run_lossless(plan: Plan, bar) -> tuple[Row, dict]:
-    out = lossless(plan.dtype, plan.samples, device=plan.device, kernels=plan.base.kernels, seed=plan.seed)
-    bar.update(1)
-    return out
+    return lossless(plan.dtype, plan.samples, device=plan.device, kernels=plan.base.kernels, seed=plan.seed,
+                    progress=steps_of(bar, LOSSLESS_STEPS))
+
+
+def steps_of(bar, steps: int):
+    """A lossless run's progress (requests done of all) as `steps` steps of `bar`: its one long run of requests (a
+    minute and more on a GPU) is then seen stepping by the quiet-unit watch (`gather`), not taken for a stalled one."""
+    told = 0
+
+    def progress(done: int, total: int) -> None:
+        nonlocal told
+        now = steps * done // total
+        if now > told:
+            bar.update(now - told)
+            told = now
+
+    return progress
 
 
 def run_control(ctl: Control, plan: Plan, bar) -> dict:
     t0 = time.time()
     if ctl.family == "lossless":
         row, info = lossless(plan.dtype, plan.samples, ctl.parts, device=plan.device, kernels=plan.base.kernels,
-                             seed=plan.seed)
+                             seed=plan.seed, progress=steps_of(bar, len(plan.cases)))
         rows, branch = [row], ctl.branch(info, plan.model_dir)
-        bar.update(len(plan.cases))
     else:
         engines = _Engines(plan.model_dir, plan.tp, plan.base, plan.device, ctl.parts)
         try:
@@ -202,6 +215,7 @@ HEARTBEAT_S = 60  # a progress line at least this often while worker units run
 # its processes' stacks while they still wait, not after the timeout has ended them
 UNIT_STALL_S = 0.75 * TIMEOUT_NS / 1e9
 _POLL_S = 0.25  # how often gather reads the units' step reports
+LOSSLESS_STEPS = 8  # the lossless test's requests reported in eighths: each well inside UNIT_STALL_S on a GPU
 
 
 class StallError(RuntimeError):
@@ -282,7 +296,7 @@ def _run_units(plan: Plan, chosen: list[Control], jobs: int, bar, stall_s: float
                 bar.set_postfix_str(f"control {ctl.name}")
                 results.append(run_control(ctl, plan, bar))
         return rows + [lrow], linfo, fallbacks, results
-    weight = {"healthy": len(plan.cases) + 1, "lossless": 1}
+    weight = {"healthy": len(plan.cases) + 1, "lossless": LOSSLESS_STEPS}
     units = {"healthy": (_unit, "healthy", plan), "lossless": (_unit, "lossless", plan)}
     units.update({c.name: (_unit, "control", plan, c.name) for c in chosen})
     pool, progress = unit_pool(jobs)
@@ -465,7 +479,7 @@ def qualify(model_dir: str, tp: int = 1, quick: bool = False, dtype: str = "fp32
                           kernel_settings)
     chosen, skipped = select_controls(controls, model_dir, fmt, plan.base, plan.tp)
     jobs = max(1, min(jobs, len(chosen) + 2))
-    total = len(plan.cases) * (1 + len(chosen)) + 2
+    total = len(plan.cases) * (1 + len(chosen)) + 1 + LOSSLESS_STEPS
     with progress_bar(total, progress) as bar:
         rows, linfo, fallbacks, results = _run_units(plan, chosen, jobs, bar, stall_dump, stall_limit)
     caught = sum(r["caught"] for r in results)

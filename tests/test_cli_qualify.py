@@ -397,3 +397,35 @@ def test_kernel_settings_are_checked_before_any_worker_and_reach_the_candidate(c
     settings = (("moe", "gate_up_split", 1), ("moe", "gate_up_scale", "product"))
     plan, _ = make_plan(str(TINY), quick=True, kernels=KernelPlan(moe=True), kernel_settings=settings)
     assert plan.base.kernel_settings == settings and plan.base.kernels.moe
+
+
+def test_the_lossless_run_reports_its_requests_as_steps():
+    """The lossless test's one run of requests (a minute and more on a GPU) reaches the bar as LOSSLESS_STEPS steps as
+    its requests finish, so the quiet-unit watch sees it step: at cc0ae4b on an H200 the watch took it, a single step
+    until its end, for a stalled unit at 45 s and printed every process's stacks."""
+    from iquest.qualify.checks import lossless
+    from iquest.qualify.run import LOSSLESS_STEPS, steps_of
+
+    class Bar:
+        def __init__(self):
+            self.updates = []
+
+        def update(self, n=1):
+            self.updates.append(n)
+
+    bar, seen = Bar(), []
+    step = steps_of(bar, LOSSLESS_STEPS)
+    for done in range(1, 1001):
+        before = len(bar.updates)
+        step(done, 1000)
+        if len(bar.updates) > before:
+            seen.append(done)
+    assert bar.updates == [1] * LOSSLESS_STEPS and seen == [125 * k for k in range(1, LOSSLESS_STEPS + 1)]
+    few = Bar()  # fewer requests than steps: every step still told, by the last request
+    step = steps_of(few, LOSSLESS_STEPS)
+    for done in range(1, 4):
+        step(done, 3)
+    assert sum(few.updates) == LOSSLESS_STEPS and len(few.updates) == 3
+    calls = []
+    lossless("fp32", 3, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(1, 3), (2, 3), (3, 3)]
