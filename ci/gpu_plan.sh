@@ -4,12 +4,15 @@
 # travels without .git):
 #   IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE
 # STAGE (in the order to run them):
+#   tests     the @pytest.mark.gpu suite but the MPS module (76 s at 61d6ab7 on an H100: 464 passed; at cc0ae4b on an
+#             H200 cut at 95 s with one failure, unnamed)
+#   mps       the MPS module (the TP 2, 4 and 8 engines, the captured loop: 295 s at 8d0c782, every test passing)
+#   qualify   qualification, bf16, TP 1: the default engine (322 s at 8d0c782 with the split), then --router-fold
 #   qualify2a qualification, bf16, TP 2 on one GPU under MPS: the healthy engine, lossless and the first eight
-#             controls; qualify2b the same with the other nine (logprobs_tempered needs TP 1). At 61d6ab7 (H100) each
-#             half ended when one unit's ranks stopped advancing for the collectives' 60 s timeout while the others
-#             went on; qualify2one runs chosen units two at a time (QUALIFY_CONTROLS=... names them: 4 rank processes,
-#             not 12; --jobs 1 would run them in this process, where no stall is watched), to tell contention from a
-#             defect
+#             controls; qualify2b the same with the other nine (logprobs_tempered needs TP 1), on 6 workers. At
+#             61d6ab7 (H100) each half ended when one unit's ranks stopped advancing; at cc0ae4b (H200, after the
+#             re-arm mend of a1dd992) both passed on 2 and 4 workers (qualify2one: QUALIFY_CONTROLS=... names the
+#             controls; 413 s for 8 on 2 workers)
 #   step      the benchmark of record at the adopted same-bits defaults (0.9595x paired at bc0ea27), the q/k/v fold
 #             against its unfolded control (0.9755x at the old defaults, bc0ea27), ~route:38
 #   agent     iquest bench agent on the GPU, prefix reuse on and off (the server's packages travel as wheels: run
@@ -28,9 +31,6 @@
 #   tune      bench tune: the MoE at 38 experts, the attention, the router, the tails, the top-k, the prefetch branch
 #   step2     the adopted same-bits attention and top-k tunes against the old defaults (0.9903x paired at 61d6ab7)
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
-#   tests     the @pytest.mark.gpu suite but the MPS module (135 s at 8d0c782 on an H100: 448 passed)
-#   mps       the MPS module (the TP 2, 4 and 8 engines, the captured loop: 295 s at 8d0c782, every test passing)
-#   qualify   qualification, bf16, TP 1: the default engine (322 s at 8d0c782 with the split), then --router-fold
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 sha=${IQUEST_COMMIT:?set IQUEST_COMMIT to the commit under test}
