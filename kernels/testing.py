@@ -38,6 +38,7 @@ def patch_interpreter() -> None:
     _skip_relaunch_patching(interpreter)
     _xor_reduce_in_numpy(interpreter)
     _np_dtypes_looked_up(interpreter)
+    _no_dead_overflow_checks(interpreter)
     interpreter._iquest_patched = True
 
 
@@ -101,6 +102,28 @@ def _np_dtypes_looked_up(interpreter) -> None:
         return found[element]
 
     interpreter._get_np_dtype = get_np_dtype
+
+
+def _no_dead_overflow_checks(interpreter) -> None:
+    """Triton 3.6 builds an overflow check for every integer +, - and * of 32 bits or fewer
+    (`binary_op_sanitize_overflow_impl`: both operands cast to int64, the operation redone, compared with the type's
+    bounds) and hands it to `device_assert`, which does nothing unless the builder's options have `debug` on; the
+    interpreter's builder never has (InterpreterOptions() as made, debug False). So under the interpreter each check
+    was computed and thrown away: 40% of an interpreted kernel's time. Here the interpreter's builder skips it while
+    its `debug` is off, as `device_assert` would have discarded it (the check's casts and comparisons make new values
+    and change nothing); with `debug` on, or any other builder, the check is Triton's own."""
+    from triton.language.semantic import TritonSemantic
+
+    checked = TritonSemantic.binary_op_sanitize_overflow_impl
+    TritonSemantic.checked_sanitize_overflow_impl = checked  # kept for the patch's own test
+
+    def sanitize_overflow(self, lhs, rhs, binary_op):
+        if isinstance(self.builder, interpreter.InterpreterBuilder) and not self.builder.options.debug:
+            TritonSemantic.skipped_overflow_checks = getattr(TritonSemantic, "skipped_overflow_checks", 0) + 1
+            return
+        return checked(self, lhs, rhs, binary_op)
+
+    TritonSemantic.binary_op_sanitize_overflow_impl = sanitize_overflow
 
 
 def _xor_reduce_in_numpy(interpreter) -> None:

@@ -1,5 +1,7 @@
 """kernels/testing.py's interpreter patches: the NumPy xor reduction (what `tl.topk` and `tl.sort` spend their time
-in) gives the interpreter's own per-element result, bit for bit, and is the path those reductions take."""
+in) gives the interpreter's own per-element result, bit for bit, and is the path those reductions take; integer
+arithmetic without the overflow checks that the interpreter's `device_assert` discards gives the checked path's bits,
+and with `debug` on the check is Triton's own (it catches an overflow)."""
 
 from __future__ import annotations
 
@@ -58,6 +60,57 @@ def xor_and_topk(generic: bool) -> dict:
     return out
 
 
+def int_arithmetic(checked: bool) -> dict:
+    """int32 and int64 +, - and * of random values (some wrapping around), and the interpreter's builder's `debug`
+    option, under the patched interpreter, or with Triton's checked path put back (`checked`); then, with `debug` on,
+    whether an int32 overflow is caught."""
+    import dataclasses
+
+    import triton
+    import triton.language as tl
+    from triton.language.semantic import TritonSemantic
+    from triton.runtime import interpreter
+
+    @triton.jit
+    def arith(x_ptr, y_ptr, out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        x, y = tl.load(x_ptr + i), tl.load(y_ptr + i)
+        tl.store(out_ptr + i, x + y)
+        tl.store(out_ptr + N + i, x - y)
+        tl.store(out_ptr + 2 * N + i, x * y)
+
+    patched = TritonSemantic.binary_op_sanitize_overflow_impl
+    if checked:
+        TritonSemantic.binary_op_sanitize_overflow_impl = TritonSemantic.checked_sanitize_overflow_impl
+    before = getattr(TritonSemantic, "skipped_overflow_checks", 0)
+    builder = interpreter.interpreter_builder
+    out, g = {"debug": builder.options.debug}, torch.Generator().manual_seed(11)
+    try:
+        for dtype in ("int32", "int64"):
+            t = getattr(torch, dtype)
+            x, y = (torch.randint(-2 ** 31, 2 ** 31, (16,), generator=g, dtype=torch.int64).to(t) for _ in range(2))
+            o = torch.empty(48, dtype=t)
+            arith[(1,)](x, y, o, N=16)
+            out[dtype] = o.tolist()
+            if dtype == "int32":
+                exact = [a + b for a, b in zip(x.tolist(), y.tolist())] + [a * b for a, b in zip(x.tolist(), y.tolist())]
+                out["int32_wrapped"] = any(not -2 ** 31 <= v < 2 ** 31 for v in exact)
+        options = builder.options
+        builder.options = dataclasses.replace(options, debug=True)
+        try:
+            big = torch.full((16,), 2 ** 30, dtype=torch.int32)
+            arith[(1,)](big, big, torch.empty(48, dtype=torch.int32), N=16)
+            out["debug_caught"] = ""
+        except Exception as e:
+            out["debug_caught"] = repr(e)
+        finally:
+            builder.options = options
+    finally:
+        TritonSemantic.binary_op_sanitize_overflow_impl = patched
+    out["skipped_checks"] = getattr(TritonSemantic, "skipped_overflow_checks", 0) - before
+    return out
+
+
 interpreted = worker_fixture(__file__)
 
 
@@ -71,7 +124,21 @@ def test_numpy_xor_reduction_equals_the_interpreters_own(interpreted):
     assert fast["numpy_xor_calls"] > 4 * len(DTYPES) and slow["numpy_xor_calls"] == 0, (fast, slow)
 
 
+def test_integer_arithmetic_without_the_discarded_overflow_checks_keeps_its_bits(interpreted):
+    fast, slow = interpreted["unchecked_ints"], interpreted["checked_ints"]
+    assert "error" not in fast and "error" not in slow, (fast, slow)
+    assert fast["debug"] is False and slow["debug"] is False, (fast, slow)  # the premise: the checks were discarded
+    assert fast["int32"] == slow["int32"] and fast["int64"] == slow["int64"], (fast, slow)
+    assert fast["int32_wrapped"], fast  # some int32 results wrapped around: what a check would be about
+    # the patched run skipped its int32 checks (3 operations; the int64 ones have none), the checked run none; with
+    # debug on, both catch the int32 overflow as Triton's own check does
+    assert fast["skipped_checks"] >= 3 and slow["skipped_checks"] == 0, (fast, slow)
+    for r in (fast, slow):
+        assert "int32 overflow detected" in r["debug_caught"], r
+
+
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
-    worker_main([("patched", lambda: xor_and_topk(False)), ("generic", lambda: xor_and_topk(True))])
+    worker_main([("patched", lambda: xor_and_topk(False)), ("generic", lambda: xor_and_topk(True)),
+                 ("unchecked_ints", lambda: int_arithmetic(False)), ("checked_ints", lambda: int_arithmetic(True))])
