@@ -18,6 +18,12 @@ from iquest.kernels.testing import substitute
 from iquest.tests.kernel_controls import linear_transparent
 
 
+# The specs read the full model's config and lay out every tensor of it (0.3-0.6 s a call): built once a module, as
+# the specs are frozen values (a test's variant is dataclasses.replace or compile_spec's overrides, never a mutation)
+_specs = functools.lru_cache(maxsize=None)(sass.specs)
+_published_specs = functools.lru_cache(maxsize=None)(sass.published_specs)
+
+
 def _before_wait(spec, **constexprs) -> list[str]:
     seq = sass.sequence(sass.compile_spec(spec, **constexprs))
     assert seq.count("ACQBULK") == 1, "one griddepcontrol.wait"
@@ -27,7 +33,7 @@ def _before_wait(spec, **constexprs) -> list[str]:
 def test_specs_are_the_published_rank_shapes():
     """q/k/v of one TP8 rank: 6 query heads and one KV head's k and v, 1024 rows of 3072; 24 K tiles in 8 splits on
     132 SMs, so 3 preloaded a program; o_proj's K is its 6 heads' 768 columns."""
-    specs = sass.specs()
+    specs = _specs()
     assert set(specs) == {"fp8_linear", "fp8_linear_loop", "fp8_linear_direct"} | set(PUBLISHED)
     assert specs["fp8_linear"].constexprs["PRELOAD"] == 3 and "[1024 x 3072]" in specs["fp8_linear"].note
     assert specs["fp8_linear_direct"].constexprs["PRELOAD"] == 6
@@ -39,33 +45,33 @@ def test_preloaded_tiles_are_all_requested_before_the_wait():
     make the tiles' HBM round trips follow one another). Negative control: without the opaque move after the wait,
     Triton converts each tile right after its load, and the barriers appear. The loop form reads nothing before the
     wait."""
-    spec = sass.specs()["fp8_linear"]
+    spec = _specs()["fp8_linear"]
     tiles = spec.constexprs["PRELOAD"]
     early = _before_wait(spec)
     assert early.count("LDG") >= 2 * tiles + 2 * tiles and early.count("BAR") == 0, early
     control = _before_wait(dataclasses.replace(spec, fn=substitute(spec.fn, **linear_transparent())))
     assert control.count("BAR") >= tiles - 1 and control.count("LDG") >= 2 * tiles, control
-    assert _before_wait(sass.specs()["fp8_linear_loop"]).count("LDG") == 0
+    assert _before_wait(_specs()["fp8_linear_loop"]).count("LDG") == 0
 
 
 def test_pdl_signals_after_the_wait():
     """The preloaded q/k/v projection signals the next launch once, after its wait (so at most two kernels are in
     flight: kernels/launch.py), with its weight tiles requested before that wait."""
-    ptx = sass.compile_spec(sass.specs()["fp8_linear"]).asm["ptx"]
+    ptx = sass.compile_spec(_specs()["fp8_linear"]).asm["ptx"]
     wait, signal = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
     assert ptx.count("griddepcontrol.wait") == ptx.count("griddepcontrol.launch_dependents") == 1 and wait < signal
     assert "ld.global" in ptx[:wait]  # the preloads are issued first
 
 
 def test_report_reads_registers_and_the_mix():
-    r = sass.report(sass.compile_spec(sass.specs()["fp8_linear_loop"]))
+    r = sass.report(sass.compile_spec(_specs()["fp8_linear_loop"]))
     assert 32 <= r["registers"] <= 255 and r["stack_bytes"] == 0 and r["mix"].get("HMMA", 0) > 0
     assert r["instructions"] == sum(r["mix"].values())
 
 
 def test_unknown_constexpr_is_refused():
     with pytest.raises(ValueError, match="no parameters"):
-        sass.compile_spec(sass.specs()["fp8_linear"], NOT_A_PARAMETER=1)
+        sass.compile_spec(_specs()["fp8_linear"], NOT_A_PARAMETER=1)
 
 
 def test_cli(tmp_path, capsys):
@@ -96,11 +102,11 @@ STACK_BOUND = {name: 0 for name in PUBLISHED}
 
 @functools.lru_cache(maxsize=None)
 def _compiled(name: str):
-    return sass.compile_spec(sass.published_specs()[name])
+    return sass.compile_spec(_published_specs()[name])
 
 
 def test_published_specs_are_the_rank_shapes():
-    specs = sass.published_specs()
+    specs = _published_specs()
     assert tuple(specs) == PUBLISHED
     split, combine = specs["attention_split"].constexprs, specs["attention_combine_long"].constexprs
     assert (split["G"], split["D"], split["BLOCK_M"], split["NUM_SPLITS"]) == (6, 128, 64, 18)
@@ -156,7 +162,7 @@ def test_the_prefetch_branch_compiles_without_spills_and_issues_its_bulk_prefetc
 def test_the_routers_select_warms_its_chosen_experts_after_choosing():
     """The select with the routed prefetch (`route(warm=...)`, EngineOptions.routed_prefetch) ends in bulk L2 requests
     for the chosen experts' Gate and Up slabs, after its wait; without WARM (the engine's default) it issues none."""
-    spec = sass.published_specs()["router_select"]
+    spec = _published_specs()["router_select"]
     ptx = _compiled("router_select").asm["ptx"]
     assert ptx.index("griddepcontrol.wait") < ptx.index("cp.async.bulk.prefetch.L2.global")
     assert "UBLKPF" in sass.sequence(_compiled("router_select"))
@@ -180,7 +186,7 @@ def test_reads_meant_to_overlap_the_previous_kernel_come_before_the_wait():
         assert before(down).count("prefetch.global.L2") >= 1 and before(down).count("ld.global") >= 2, down
     assert "ld.global" not in before("moe_gate_up") and "prefetch" not in before("moe_gate_up")
     # the control: without the setting, nothing is asked of L2 anywhere in Down
-    plain = sass.compile_spec(sass.published_specs()["moe_down"], PREFETCH=False).asm["ptx"]
+    plain = sass.compile_spec(_published_specs()["moe_down"], PREFETCH=False).asm["ptx"]
     assert "prefetch.global.L2" not in plain
 
 
@@ -190,13 +196,13 @@ def test_gate_ups_product_form_drops_the_per_element_multiply_and_its_split_comp
     the K loop, which gets shorter (`sass.dot_loop`)."""
     for name in ("moe_gate_up", "moe_gate_up_odd"):
         weight = sass.report(_compiled(name))
-        product = sass.report(sass.compile_spec(sass.published_specs()[name], SCALE_PRODUCT=True))
+        product = sass.report(sass.compile_spec(_published_specs()[name], SCALE_PRODUCT=True))
         assert product["stack_bytes"] == 0, product
         w, p = weight["dot_loop"], product["dot_loop"]
         assert w["mix"].get("FMUL", 0) >= 64 and p["mix"].get("FMUL", 0) == 0, (w, p)
         assert p["instructions"] < w["instructions"], (w, p)
         # and with H over 4 programs (MoESettings.gate_up_split), whose last sums the partials: no spill either
-        split = sass.report(sass.compile_spec(sass.published_specs()[name], SCALE_PRODUCT=True, SPLIT=4))
+        split = sass.report(sass.compile_spec(_published_specs()[name], SCALE_PRODUCT=True, SPLIT=4))
         assert split["stack_bytes"] == 0 and split["registers"] <= 255, split
 
 
@@ -207,5 +213,5 @@ def test_an_odd_ranks_expert_shard_reads_one_scale_a_row():
     loads = {n: sum(sass.sequence(_compiled(n)).count(op) for op in ("LDG", "LDGSTS"))
              for n in ("moe_gate_up", "moe_gate_up_odd", "moe_down", "moe_down_odd")}
     assert loads["moe_gate_up_odd"] == loads["moe_gate_up"] and loads["moe_down_odd"] == loads["moe_down"], loads
-    straddling = sass.sequence(sass.compile_spec(sass.published_specs()["moe_down_odd"], BLOCK_K=128))
+    straddling = sass.sequence(sass.compile_spec(_published_specs()["moe_down_odd"], BLOCK_K=128))
     assert sum(straddling.count(op) for op in ("LDG", "LDGSTS")) > 4 * loads["moe_down_odd"]
