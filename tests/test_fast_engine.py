@@ -11,6 +11,7 @@ supports, target distributions within the tolerance). The counts are printed (py
 from __future__ import annotations
 
 import time
+from functools import lru_cache
 
 import pytest
 import torch
@@ -27,7 +28,16 @@ SEEDS = (1000, 1001)
 
 
 def ref_steps(model_dir, prompt, seed, drafts, n=40):
-    return list(generate(reference(model_dir), prompt, seed=seed, params=PARAMS, max_new_tokens=n, drafts=drafts))
+    return list(_ref_steps(model_dir, tuple(prompt), seed, drafts, n))
+
+
+@lru_cache(maxsize=None)
+def _ref_steps(model_dir, prompt: tuple, seed, drafts, n) -> tuple:
+    """The float64 reference's rounds, decoded once a module for each request: it is seeded and deterministic, and
+    several tests hold the fast engine to the same request (the fp32 and bf16 tests share a seed a prompt, the mini
+    model's fp32 and bf16 tests every request). Its Steps are only read."""
+    return tuple(generate(reference(model_dir), list(prompt), seed=seed, params=PARAMS, max_new_tokens=n,
+                          drafts=drafts))
 
 
 def rounds(steps) -> list[tuple]:
