@@ -66,7 +66,8 @@ def kernels(par, hidden: int = 6144) -> dict:
     """Exact sums eager (rows 1..64, the slot sequence through every slot) and inside a CUDA graph replayed several
     times (7 calls a replay: the counter keeps the slots); the all-reduce ending in each of the layer's sandwich tails
     against the all-reduce then the `add_norm` kernel, bit for bit (one definition of the tail, built alike); the
-    gather; every rank's bits of a random reduction; per-call times (emulation)."""
+    gather, and gathers of unlike widths with a late peer; every rank's bits of a random reduction; per-call times
+    (emulation)."""
     from iquest.kernels.rmsnorm import add_norm
 
     c, dev = _collectives(par, hidden), par.device
@@ -114,6 +115,15 @@ def kernels(par, hidden: int = 6144) -> dict:
         outs.extend(got)
     keys = torch.randint(-2 ** 62, 2 ** 62, (8, 20), generator=g, device=dev)
     gathered = c.all_gather_last(keys)
+    # gathers of unlike widths through the slots (a round's sampling keys, then its narrower logprob parts), a peer
+    # late before some: each must be every rank's keys in rank order, whatever the slot held before
+    mixed_bad = 0
+    for call, width in enumerate([32, 3, 20, 3, 3, 32, 20, 3, 32]):
+        every = [torch.randint(-2 ** 62, 2 ** 62, (4, width), generator=torch.Generator(device=dev).manual_seed(
+            97 * call + p), device=dev) for p in range(par.world)]
+        if call % 2 == 0:
+            _late(par, 1, cycles=5_000_000)
+        mixed_bad += int((c.all_gather_last(every[par.rank]) != torch.cat(every, dim=1)).sum())
     times = {}
     for rows in (1, 8):
         x = partial[:rows].clone()
@@ -124,7 +134,8 @@ def kernels(par, hidden: int = 6144) -> dict:
             times[f"{name} {rows}x{hidden} eager"] = _eager_us(fn, dev)
             times[f"{name} {rows}x{hidden} graph"] = _graph_us(fn, dev)
     c.check()
-    return {"bad": bad, "graph_bad": graph_bad, "fused_equal": fused_equal, "keys": keys.cpu().tolist(),
+    return {"bad": bad, "graph_bad": graph_bad, "mixed_bad": mixed_bad, "fused_equal": fused_equal,
+            "keys": keys.cpu().tolist(),
             "gathered": gathered.cpu().tolist(), "digest": digest(*outs), "times_us": times,
             "error": int(c.error)}
 
