@@ -44,7 +44,7 @@ from ..reference.checkpoint import draft_prefix, layer_prefix
 from ..reference.model import ReferenceModel
 from ..reference.sampling import Dist, SamplingParams
 from . import tolerances
-from .router import router_input, scores_ratio, swap_ratio
+from .router import router_input, scores_error, swap_ratio
 from .window import record_window, sliding_layers
 
 VERIFY_ROWS = 8
@@ -529,8 +529,7 @@ def sampler_error(fast_ids, fast_probs, logits_in, params: SamplingParams) -> tu
     worst = max([abs(fast[t] - refd[t]) for t in fast.keys() & refd.keys()] + list(one_side.values()), default=0.0)
     if not one_side:
         return worst, ""
-    # the one named is the last one-sided token in the order of the union of the supports
-    tok = next(iter(only)) if len(only) == 1 else [t for t in set(fast) | set(refd) if t in only][-1]
+    tok = max(one_side, key=one_side.get)  # the heaviest token of one support only
     return worst, f"token {tok} in {'fast' if tok in fast else 'reference'} support only (p={one_side[tok]:.3g})"
 
 
@@ -581,16 +580,16 @@ def score_router_scores(scores: Scores, b: Block, i: int, classes: list[str], wh
                         tol: float, rw_abs: dict | None = None) -> None:
     """numerics.router_scores of row i over every MoE layer the block ran (qualify/router.scores_error): the worst
     layer's value. `rw_abs`: |w| of the routers in `rw`, by the same prefixes, where the caller holds them."""
-    worst, why, prefix_worst = -1.0, None, ""
+    worst, why = -1.0, ""
     for prefix, w in rw.items():
         if prefix + "experts" not in b.taps:
             continue
-        v, what = scores_ratio(w, router_input(b.taps, prefix, i), b.taps[prefix + "router_scores"][i],
+        v, what = scores_error(w, router_input(b.taps, prefix, i), b.taps[prefix + "router_scores"][i],
                                b.taps[prefix + "experts"][i], None if rw_abs is None else rw_abs[prefix])
         if v > worst:
-            worst, why, prefix_worst = v, what, prefix
+            worst, why = v, f"{prefix.rstrip('.')}: {what}"
     if worst >= 0:
-        scores.add("numerics.router_scores", classes, worst, tol, f"{where}: {prefix_worst.rstrip('.')}: {why()}")
+        scores.add("numerics.router_scores", classes, worst, tol, f"{where}: {why}")
 
 
 def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: SamplingParams, tol: dict,
@@ -667,4 +666,3 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
             elif b.kind in ("verify", "draft") and rows[row] is not None and rows[row][0] == "context":
                 round_ratio[b.round] = math.inf
     return ReplayResult(scores, round_ratio, covered, uncovered)
-

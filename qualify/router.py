@@ -28,7 +28,7 @@ assumes h's sum of squares is not cancelled away (|h| not far below |r| + |s t|)
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -88,8 +88,8 @@ def swap_ratio(w: torch.Tensor, fast_in: RouterInput, b_ref: torch.Tensor, fast_
     return True, worst
 
 
-def scores_error(w: torch.Tensor, fast_in: RouterInput, scores: torch.Tensor,
-                 experts: torch.Tensor) -> tuple[float, str]:
+def scores_error(w: torch.Tensor, fast_in: RouterInput, scores: torch.Tensor, experts: torch.Tensor,
+                 w_abs: torch.Tensor | None = None) -> tuple[float, str]:
     """numerics.router_scores of one row at one MoE layer: the engine's router on the engine's own input.
 
     w [E, H] the stored router (exact in fp32), fast_in the engine's router input b [H] (`router_input`: its tap mlp_in,
@@ -101,15 +101,8 @@ def scores_error(w: torch.Tensor, fast_in: RouterInput, scores: torch.Tensor,
     ulps, the division). The value is max_e |ln s_fast_e - ln s_e| / that bound (<= 1: the engine's router is an fp32
     product of its own input and the stored router, as docs/model.md says); the chosen experts must also be the top k
     of the engine's own scores (ties: the lower index), else the value is inf. Entries whose exact score is below 1e-30
-    are compared only for having underflowed on both sides."""
-    value, why = scores_ratio(w, fast_in, scores, experts)
-    return value, why()
-
-
-def scores_ratio(w: torch.Tensor, fast_in: RouterInput, scores: torch.Tensor, experts: torch.Tensor,
-                 w_abs: torch.Tensor | None = None) -> tuple[float, Callable[[], str]]:
-    """`scores_error` with its description left to a call (only the worst layer of a row is described), and |w| as
-    `w_abs` when the caller holds it (one per router, not one per row)."""
+    are compared only for having underflowed on both sides. `w_abs`: |w|, where the caller holds it (one per router,
+    not one per row)."""
     w, b, s_fast = w.double(), fast_in.b.double(), scores.double()
     logits = w @ b
     exact = torch.softmax(logits, -1)
@@ -119,12 +112,11 @@ def scores_ratio(w: torch.Tensor, fast_in: RouterInput, scores: torch.Tensor, ex
     k = experts.numel()
     own, chosen = torch.sort(s_fast, descending=True, stable=True).indices[:k].tolist(), experts.tolist()
     if own != chosen:
-        return float("inf"), lambda: (f"chosen experts {chosen} are not the top {k} of the engine's own scores "
-                                      f"({own})")
+        return float("inf"), f"chosen experts {chosen} are not the top {k} of the engine's own scores ({own})"
     big = exact > 1e-30
     if bool(((~big) & (s_fast > 1e-28)).any()):
-        return float("inf"), lambda: "an expert whose exact score underflows has a sizeable score in the engine"
+        return float("inf"), "an expert whose exact score underflows has a sizeable score in the engine"
     ratio = (torch.log(s_fast[big]) - torch.log(exact[big])).abs() / bound[big]
     worst = int(ratio.argmax())
     e = int(big.nonzero()[worst])
-    return float(ratio[worst]), lambda: f"expert {e}: score {float(s_fast[e]):.9g} vs exact {float(exact[e]):.9g}"
+    return float(ratio[worst]), f"expert {e}: score {float(s_fast[e]):.9g} vs exact {float(exact[e]):.9g}"

@@ -32,8 +32,8 @@ from tqdm import tqdm
 from ..provenance import commit
 from ..fast.parallel import Parallel
 from ..fast.plan import KernelPlan
-from ..fast.rank import MAX_CANDIDATES, EngineOptions, EngineParts, KernelSetting, RankEngine
 from ..fast.collectives import TIMEOUT_NS
+from ..fast.rank import MAX_CANDIDATES, EngineOptions, EngineParts, KernelSetting, RankEngine
 from ..fast.stacks import STALL_S, dump_stacks, dump_stacks_on_signal, end_tree
 from ..fast.weights import weight_format
 from . import tolerances

@@ -52,8 +52,7 @@ def _ordered(ids: torch.Tensor, probs: torch.Tensor) -> Dist:
     (in particular draw()'s rounding fallback to the last token) can ever return one.
     """
     keep = probs > 0
-    if not keep.all():
-        ids, probs = ids[keep], probs[keep]
+    ids, probs = ids[keep], probs[keep]
     by_id = torch.argsort(ids, stable=True)
     ids, probs = ids[by_id], probs[by_id]
     by_prob = torch.argsort(-probs, stable=True)

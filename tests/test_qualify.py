@@ -366,3 +366,21 @@ def test_routed_controls_hand_the_moe_output_on_as_the_product_does():
     mlp = MoE(router=torch.randn(4, 8), gate=None, up=None, down=None)
     c = type("C", (), {"num_experts_per_tok": 2})()
     assert model.mlp(c, mlp, torch.randn(3, 8), torch.ones(3, dtype=torch.bool), None, "layer1.") is pending
+
+
+def test_the_sampler_check_names_the_heaviest_token_of_one_support():
+    """qualify/replay.sampler_error: its value is the largest difference of the two distributions (a token in one
+    support only counts with its whole probability) and its text names the heaviest such token; equal supports give
+    the largest difference and no text."""
+    from iquest.qualify.replay import sampler_error
+    from iquest.reference.sampling import SamplingParams
+
+    logits = torch.tensor([0.0, 3.0, 2.0, -1.0, -2.0], dtype=torch.float64)
+    params = SamplingParams(1.0, 2, 1.0)  # the reference keeps tokens 1 and 2
+    ref = torch.softmax(logits[[1, 2]], -1)
+    err, why = sampler_error(torch.tensor([1, 3, 4]), torch.tensor([0.5, 0.35, 0.15], dtype=torch.float64), logits,
+                             params)
+    assert err == pytest.approx(0.35) and why == "token 3 in fast support only (p=0.35)"
+    err, why = sampler_error(torch.tensor([1, 2]), ref + torch.tensor([0.01, -0.01], dtype=torch.float64), logits,
+                             params)
+    assert err == pytest.approx(0.01) and why == ""
