@@ -4,9 +4,9 @@
 # travels without .git):
 #   IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE
 # STAGE (in the order to run them):
-#   tests     the @pytest.mark.gpu suite but the MPS module (76 s at 61d6ab7 on an H100: 464 passed; at cc0ae4b on an
-#             H200 cut at 95 s with one failure, unnamed)
-#   mps       the MPS module (the TP 2, 4 and 8 engines, the captured loop: 295 s at 8d0c782, every test passing)
+#   tests     the @pytest.mark.gpu suite but the MPS module (98 s at 170deed on an H100: 467 passed, 0 failed; at
+#             cc0ae4b on an H200 cut at 95 s with one failure, unnamed)
+#   mps       the MPS module (the TP 2, 4 and 8 engines, the captured loop: 295 s at 170deed, every test passing)
 #   qualify   qualification, bf16, TP 1: the default engine (322 s at 8d0c782 with the split), then --router-fold
 #   qualify2a qualification, bf16, TP 2 on one GPU under MPS: the healthy engine, lossless and the first eight
 #             controls; qualify2b the same with the other nine (logprobs_tempered needs TP 1), on 6 workers. At
@@ -24,9 +24,9 @@
 #             the rule as one kernel, ablations), node counts a level and decode time a round, paired
 #   fold      the router fold: its two kernels tuned, then paired in the round (1.77x the round at bc0ea27: its
 #             o-projection 57.6 us a call in the graph against 3.8-25 us in the tune)
-#   ncu       the fold's o-projection under Nsight Compute, alone (the tune's calls) and in the round (bench step's
-#             passes): its own time, occupancy, stall reasons and memory traffic with no neighbour, to say whether the
-#             round's 57.6 us a call (bc0ea27) is the kernel's or its place in the chain
+#   ncu       under Nsight Compute, alone (the tune's calls): the fold's o-projection (57.6 us a call in the round at
+#             bc0ea27, 3.6-25 us in the tune), the q/k/v fold and the o-projection (latency-bound at 170deed: 8.6% and
+#             8.8% of peak DRAM throughput), each with its stall reasons' shares
 #   trace     bench graph-trace: kernels and dependent steps a decoder layer, with and without each fold (10 at bc0ea27)
 #   tune      bench tune: the MoE at 38 experts, the attention, the router, the tails, the top-k, the prefetch branch
 #   step2     the adopted same-bits attention and top-k tunes against the old defaults (0.9903x paired at 61d6ab7)
@@ -48,7 +48,7 @@ case "${1:-}" in
     timeout 540 bash "$here/gpu.sh" tests -vv -n 8 --dist load --ignore tests/test_tp_collectives.py tests \
       > "$out/gpu-tests-$sha.log" 2>&1 || echo "gpu tests: exit $?" >&2
     tail -3 "$out/gpu-tests-$sha.log" ;;
-  mps)  # 295 s at 8d0c782 on an H100, every test passing (the TP 2, 4 and 8 engines, the captured loop)
+  mps)  # 295 s at 170deed on an H100, every test passing (the TP 2, 4 and 8 engines, the captured loop)
     timeout 540 bash "$here/gpu.sh" mps tests tests/test_tp_collectives.py > "$out/gpu-tests-mps-$sha.log" 2>&1 \
       || echo "mps tests: exit $?" >&2
     tail -3 "$out/gpu-tests-mps-$sha.log" ;;
@@ -100,20 +100,24 @@ case "${1:-}" in
     gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
       --kernels triton,triton+router_fold,triton+router_fold@o_proj_router.block_e=16 \
       --out "$out/step-fold-ctx1k-d5-$sha.json" 2>&1 | tee "$out/step-fold-ctx1k-d5-$sha.log" | tail -40 ;;
-  ncu)  # --clock-control none: the clocks stay the machine's (METHOD.md); a process tree (bash, then python)
+  ncu)  # --clock-control none: the clocks stay the machine's (METHOD.md); a process tree (bash, then python). Ops alone
+    # (the tune's calls): at 170deed ncu failed to profile a kernel inside bench step's round at the published
+    # dimensions and hung to its limit, so no stage profiles the round
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
-    prof() {  # prof NAME SKIP COUNT LIMIT COMMAND...: the fold's o-projection launches SKIP.. SKIP+COUNT-1
-      local name=$1 skip=$2 count=$3 limit=$4
-      shift 4
-      timeout "$limit" "$ncu" --clock-control none --target-processes all -k regex:_o_proj_router_kernel \
-        -s "$skip" -c "$count" --section SpeedOfLight --section LaunchStats --section Occupancy \
-        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --csv --page details \
+    prof() {  # prof NAME KERNELS LIMIT COMMAND...: launches 40..43 of KERNELS, with each stall reason's share
+      local name=$1 kernels=$2 limit=$3
+      shift 3
+      timeout "$limit" "$ncu" --clock-control none --target-processes all -k "regex:$kernels" -s 40 -c 4 \
+        --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" --csv --page details \
         --log-file "$out/ncu-$name-$sha.csv" "$@" > "$out/ncu-$name-$sha.log" 2>&1 || echo "ncu $name: exit $?" >&2
       tail -3 "$out/ncu-$name-$sha.log"
     }
-    prof o-proj-router-tune 20 6 200 bash "$here/gpu.sh" bench tune --ops o_proj_router --only block_e=16 --budget 20
-    prof o-proj-router-round 200 8 360 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 \
-      --repeats 1 --kernels triton+router_fold ;;
+    prof o-proj-router _o_proj_router_kernel 120 bash "$here/gpu.sh" bench tune --ops o_proj_router --only block_e=16 \
+      --budget 20
+    prof qkv-rope-kv _qkv_rope_kv_kernel 90 bash "$here/gpu.sh" bench tune --ops qkv_rope_kv --budget 15
+    prof linear-o _fp8_linear_kernel 90 bash "$here/gpu.sh" bench tune --ops linear_o --budget 15 ;;
   trace)
     gpu bench graph-trace --kernels triton,triton+router_fold,triton+down_tail,triton^moe_combine,triton^qkv_rope \
       --out "$out/graph-trace-$sha.json" 2>&1 | tee "$out/graph-trace-$sha.log" ;;
