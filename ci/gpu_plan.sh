@@ -31,6 +31,8 @@
 #   tune      bench tune: the MoE at 38 experts, the attention, the router, the tails, the top-k, the prefetch branch
 #   step2     the adopted same-bits attention and top-k tunes against the old defaults (0.9903x paired at 61d6ab7)
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
+#   candidate a numerical candidate (CANDIDATE="OP.FIELD=VALUE ...", e.g. o_proj.split_k=1): qualification at TP 1 with
+#             it, then the round paired against the defaults, in one call (each half within its own limit)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 sha=${IQUEST_COMMIT:?set IQUEST_COMMIT to the commit under test}
@@ -76,6 +78,20 @@ case "${1:-}" in
       --stall-limit 300 --json $(printf -- '--control %s ' ${QUALIFY_CONTROLS:-rope_shift_rows drop_sink}) \
       > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
     tail -4 "$out/$name.log" ;;
+  candidate)  # a numerical candidate in one call: qualified at TP 1 (every check, every control, with the candidate's
+    # settings), then paired in the round against the defaults. CANDIDATE="OP.FIELD=VALUE ..." (fast/kernel_settings.py)
+    settings=${CANDIDATE:?set CANDIDATE to the OP.FIELD=VALUE settings under test}
+    tag=$(printf '%s' "$settings" | tr ' =' '-_' | tr -cd 'A-Za-z0-9._-')
+    name=qualify-mini-cuda-bf16-cand-$tag-$sha
+    timeout 330 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 --jobs 14 \
+      --json $(printf -- '--kernel-setting %s ' $settings) > "$out/$name.json" 2> "$out/$name.log" \
+      || echo "$name: exit $?" >&2
+    tail -3 "$out/$name.log"
+    variant=triton$(printf '@%s' $settings)
+    timeout 230 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
+      --kernels "triton,$variant" --out "$out/step-cand-$tag-ctx1k-d5-$sha.json" \
+      > "$out/step-cand-$tag-ctx1k-d5-$sha.log" 2>&1 || echo "bench step: exit $?" >&2
+    grep -E "against triton|differs at|/graph " "$out/step-cand-$tag-ctx1k-d5-$sha.log" ;;
   step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
     kernels="triton,triton^qkv_rope,triton~route:38"
     [ "$1" = step2 ] && kernels=triton,triton@attention_full.num_stages=3@attention_sliding.num_stages=2@topk.tile=2048
@@ -141,6 +157,6 @@ case "${1:-}" in
       > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
     tail -8 "$out/depth-mini-cuda-$sha.log" ;;
   *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|qualify2one|step|agent|rest|depthprobe|fold|"\
-"ncu|trace|tune|step2|prefetch|tests|mps|qualify)" >&2
+"ncu|trace|tune|step2|prefetch|tests|mps|qualify|candidate)" >&2
      exit 2 ;;
 esac
