@@ -39,6 +39,7 @@ def patch_interpreter() -> None:
     _xor_reduce_in_numpy(interpreter)
     _np_dtypes_looked_up(interpreter)
     _no_dead_overflow_checks(interpreter)
+    _types_made_once(interpreter)
     interpreter._iquest_patched = True
 
 
@@ -124,6 +125,67 @@ def _no_dead_overflow_checks(interpreter) -> None:
         return checked(self, lhs, rhs, binary_op)
 
     TritonSemantic.binary_op_sanitize_overflow_impl = sanitize_overflow
+
+
+def _types_made_once(interpreter) -> None:
+    """Triton 3.6's interpreter makes a new `block_type` for every value an op returns (`get_block_ty`,
+    `with_element_ty`), gives every tensor a new `tl.tuple` of its shape with a `tuple_type` built element by element,
+    and compares two shapes (`tl.tuple.__eq__`, each block type equality and each broadcast) by first building a third
+    `tl.tuple` of the other side: a quarter to two fifths of an interpreted kernel test's time, in Python objects made
+    again for every op. Types are values (Triton never assigns to one once made), so here a block type is made once for
+    each (element type, shape) and shared (an unhashable element, a pointer type, is made each time as before), a
+    tensor's shape is a new `tl.tuple` on its shape's `tuple_type` made once, and a shape compared with a list or a
+    tuple compares the unwrapped elements, which `__eq__` built the third tuple to hold. The originals are kept for the
+    patch's own test (tests/test_kernel_testing.py)."""
+    import math
+
+    import triton.language.core as core
+
+    made: dict = {}
+
+    def block_type(element_ty, shape):
+        dims = tuple(shape)
+        if all(type(d) is int for d in dims):  # constexpr dims (unwrapped by block_type) are made each time
+            try:
+                found = made.get((element_ty, dims))
+            except TypeError:  # an unhashable element type
+                return core.block_type(element_ty, shape)
+            if found is None:
+                found = made[(element_ty, dims)] = core.block_type(element_ty, shape)
+            return found
+        return core.block_type(element_ty, shape)
+
+    builder, block = interpreter.InterpreterBuilder, core.block_type
+    builder.made_get_block_ty, block.made_with_element_ty = builder.get_block_ty, block.with_element_ty
+    builder.get_block_ty = lambda self, dtype, shape: block_type(dtype, shape)
+    block.with_element_ty = lambda self, scalar_ty: block_type(scalar_ty, self.shape)
+
+    shapes: dict = {}  # shape -> (its constexprs, their tuple_type, numel)
+    core.tensor.made_init = core.tensor.__init__
+
+    def tensor_init(self, handle, type):  # tensor.__init__'s assignments, the shape's types made once
+        self.handle = handle
+        dims = tuple(type.shape) if type.is_block() else ()
+        found = shapes.get(dims)
+        if found is None:
+            values = [core.constexpr(s) for s in dims]
+            found = shapes[dims] = (values, core._type_for_tuple_values(values), core.constexpr(math.prod(dims)))
+        self.numel = found[2]
+        self.type = type
+        self.dtype = type.scalar
+        self.shape = core.tuple(found[0], found[1])
+
+    core.tensor.__init__ = tensor_init
+
+    equal = core.tuple.made_eq = core.tuple.__eq__
+    unwrap = core._unwrap_if_constexpr
+
+    def tuple_eq(self, other):
+        if type(other) in (list, tuple, core.tuple):  # what _normalize_tuple(other).values holds, without the tuple
+            return core.constexpr(self.values == [unwrap(x) for x in other])
+        return equal(self, other)
+
+    core.tuple.__eq__ = tuple_eq
 
 
 def _xor_reduce_in_numpy(interpreter) -> None:

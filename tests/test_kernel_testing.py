@@ -1,7 +1,9 @@
 """kernels/testing.py's interpreter patches: the NumPy xor reduction (what `tl.topk` and `tl.sort` spend their time
 in) gives the interpreter's own per-element result, bit for bit, and is the path those reductions take; integer
 arithmetic without the overflow checks that the interpreter's `device_assert` discards gives the checked path's bits,
-and with `debug` on the check is Triton's own (it catches an overflow)."""
+and with `debug` on the check is Triton's own (it catches an overflow); the types made once are the types Triton makes,
+shared, a tensor's shape is the one Triton builds, shapes compare as before, and a kernel gives the bits it gives with
+Triton's own type code."""
 
 from __future__ import annotations
 
@@ -111,6 +113,65 @@ def int_arithmetic(checked: bool) -> dict:
     return out
 
 
+def made_types(own: bool) -> dict:
+    """Under the patched interpreter, or with Triton's own type code put back (`own`): a kernel of 2-D blocks that
+    broadcasts, casts, does pointer arithmetic and reduces, with its outputs; and how the patch's block types, tensors
+    and shape comparisons stand against Triton's own."""
+    import triton
+    import triton.language as tl
+    import triton.language.core as core
+    from triton.runtime import interpreter
+
+    @triton.jit
+    def mixed(x_ptr, y_ptr, out_ptr, sum_ptr, M: tl.constexpr, N: tl.constexpr):
+        i, j = tl.arange(0, M), tl.arange(0, N)
+        x = tl.load(x_ptr + i[:, None] * N + j[None, :])
+        y = tl.load(y_ptr + j).to(tl.float32)
+        z = x * y[None, :] + (i[:, None] - j[None, :]).to(tl.float32) * 0.5
+        z = tl.where(z > 0, z, -z).to(tl.bfloat16).to(tl.float32)
+        tl.store(out_ptr + i[:, None] * N + j[None, :], z)
+        tl.store(sum_ptr + i, tl.sum(z, axis=1) + tl.max(x, axis=1))
+
+    builder, block, tensor, tup = interpreter.InterpreterBuilder, core.block_type, core.tensor, core.tuple
+    patched = builder.get_block_ty, block.with_element_ty, tensor.__init__, tup.__eq__
+    if own:
+        builder.get_block_ty, block.with_element_ty = builder.made_get_block_ty, block.made_with_element_ty
+        tensor.__init__, tup.__eq__ = tensor.made_init, tup.made_eq
+    try:
+        g = torch.Generator().manual_seed(5)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(-4, 5, (16,), generator=g, dtype=torch.int32)
+        out, sums = torch.empty(8, 16), torch.empty(8)
+        mixed[(1,)](x, y, out, sums, M=8, N=16)
+        r = {"out": out.view(torch.int32).tolist(), "sums": sums.view(torch.int32).tolist()}
+    finally:
+        builder.get_block_ty, block.with_element_ty, tensor.__init__, tup.__eq__ = patched
+    b = interpreter.interpreter_builder
+    made = [b.get_block_ty(tl.float32, [4, 8]), block(tl.int32, [4, 8]).with_element_ty(tl.float32)]
+    own_made = block(tl.float32, [4, 8])
+    ptr = tl.pointer_type(tl.float32)
+    r["shared"] = made[0] is made[1] and b.get_block_ty(tl.int32, [4, 8]) is not made[0]
+    r["same_as_own"] = all(m == own_made and m.name == own_made.name and m.numel == own_made.numel
+                           and list(m.shape) == list(own_made.shape) for m in made)
+    r["pointer_blocks"] = (b.get_block_ty(ptr, [8]) == b.made_get_block_ty(ptr, [8])
+                           and b.get_block_ty(ptr, [8]).element_ty is ptr)
+    handle = interpreter.TensorHandle(x.numpy(), tl.float32)
+    t, o = core.tensor(handle, own_made), core.tensor.__new__(core.tensor)
+    core.tensor.made_init(o, handle, own_made)
+    scalar, oscalar = core.tensor(handle, tl.float32), core.tensor.__new__(core.tensor)
+    core.tensor.made_init(oscalar, handle, tl.float32)
+    r["tensors_as_own"] = all(
+        a.handle is c.handle and a.type is c.type and a.dtype is c.dtype and a.numel.value == c.numel.value
+        and [v.value for v in a.shape] == [v.value for v in c.shape] and a.shape.type.name == c.shape.type.name
+        for a, c in ((t, o), (scalar, oscalar)))
+    shape = own_made.shape
+    others = [[4, 8], [4, 9], (4, 8), [8, 4], [4], [core.constexpr(4), 8], core.tuple([4, 8]), core.tuple([4, 7]),
+              core.constexpr((4, 8)), core.constexpr([4, 9])]
+    r["compares"] = [bool(shape == other) for other in others]
+    r["compares_as_own"] = all(bool(shape == other) == bool(core.tuple.made_eq(shape, other))
+                               and bool(shape != other) == (not core.tuple.made_eq(shape, other)) for other in others)
+    return r
+
+
 interpreted = worker_fixture(__file__)
 
 
@@ -137,8 +198,18 @@ def test_integer_arithmetic_without_the_discarded_overflow_checks_keeps_its_bits
         assert "int32 overflow detected" in r["debug_caught"], r
 
 
+def test_types_made_once_are_tritons_own_and_keep_a_kernels_bits(interpreted):
+    fast, slow = interpreted["made_types"], interpreted["own_types"]
+    assert "error" not in fast and "error" not in slow, (fast, slow)
+    assert fast["out"] == slow["out"] and fast["sums"] == slow["sums"], (fast, slow)
+    assert fast["shared"] and fast["same_as_own"] and fast["pointer_blocks"] and fast["tensors_as_own"], fast
+    assert fast["compares"] == [True, False, True, False, False, True, True, False, True, False], fast
+    assert fast["compares_as_own"], fast
+
+
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
     worker_main([("patched", lambda: xor_and_topk(False)), ("generic", lambda: xor_and_topk(True)),
-                 ("unchecked_ints", lambda: int_arithmetic(False)), ("checked_ints", lambda: int_arithmetic(True))])
+                 ("unchecked_ints", lambda: int_arithmetic(False)), ("checked_ints", lambda: int_arithmetic(True)),
+                 ("made_types", lambda: made_types(False)), ("own_types", lambda: made_types(True))])
