@@ -330,6 +330,12 @@ def gather(pool, units: dict[str, tuple], bar, steps: dict[str, int], workers: i
     dumped = False
     unit_last, unit_dumped = {}, set()  # a unit's last step (or start); the quiet units whose stacks were printed
 
+    def stacks() -> None:
+        """Every process under this one prints its Python stacks, each worker named by the unit it runs."""
+        if not dump_stacks({pid: f"the worker running {name}" for name, pid in worker.items() if name not in done},
+                           _say):
+            _say("qualify: no worker process could be asked for its stacks (kill -USR1 PID asks one)")
+
     def left(now: float) -> str:
         names = [n for n in units if n not in done]
         running = [f"{n} {counted[n]}/{steps[n]} for {now - started[n]:.0f} s" for n in names if n in started]
@@ -368,9 +374,7 @@ def gather(pool, units: dict[str, tuple], bar, steps: dict[str, int], workers: i
         if not dumped and (limit or stall_s and quiet >= stall_s):
             _say(f"qualify: no step finished for {quiet:.0f} s ({left(now)}); the Python stacks of the processes "
                  "running them follow on stderr")
-            labels = {pid: f"the worker running {name}" for name, pid in worker.items() if name not in done}
-            if not dump_stacks(labels, _say):
-                _say("qualify: no worker process could be asked for its stacks (kill -USR1 PID asks one)")
+            stacks()
             dumped = True
             if limit:
                 time.sleep(0.5)  # the stacks are written before their processes are ended
@@ -379,8 +383,8 @@ def gather(pool, units: dict[str, tuple], bar, steps: dict[str, int], workers: i
         if quiet_units:
             for_s = now - min(unit_last[n] for n in quiet_units)
             _say(f"qualify: {', '.join(quiet_units)} made no step for {for_s:.0f} s while other units did "
-                 f"({left(now)}); the Python stacks of the processes running them follow on stderr")
-            dump_stacks({pid: f"the worker running {name}" for name, pid in worker.items() if name not in done}, _say)
+                 f"({left(now)}); the Python stacks of every running unit's processes follow on stderr")
+            stacks()
             unit_dumped.update(quiet_units)
         if limit:
             unfinished = ", ".join(f"{n} {counted[n]}/{steps[n]} steps" for n in units if n not in done)
