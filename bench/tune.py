@@ -51,27 +51,27 @@ FULL_SLACK = 2 * 16 + 64
 # ---- the candidate grids: field overrides of each op's default settings ---------------------------------------------
 # Kept though `bench sass` shows them spilling on sm_90a (the split kernel sits at 254 registers by default): attention
 # block_n=128 (152 B of stack) and num_warps=2 (248 B), so the tune measures what the spill costs.
-_ATTENTION = ({"block_n": 32}, {"block_n": 128}, {"min_split": 128}, {"min_split": 256}, {"num_warps": 2},
+_ATTENTION = ({"block_n": 16}, {"block_n": 64}, {"block_n": 128}, {"min_split": 128}, {"min_split": 256}, {"num_warps": 2},
               {"num_warps": 8}, {"combine_splits": 64}, {"combine_cols": 16}, {"combine_cols": 64},
               {"combine_warps": 2}, {"combine_warps": 8}, {"preload": False}, {"early": False})
 _NORM = ({"num_warps": 2}, {"num_warps": 4}, {"num_warps": 16})
-# q/k/v splits its 24 K tiles 8 ways by default (3 a program), o_proj its 6 tiles 2 ways: split_k tries fewer and more
+# q/k/v splits its 24 K tiles 8 ways by default (3 a program), o_proj takes its 6 tiles in one program: split_k tries
+# fewer and more
 _LINEAR = ({"block_n": 16}, {"block_n": 64}, {"num_warps": 2}, {"num_warps": 8}, {"num_stages": 3}, {"num_stages": 4},
-           {"preload": False}, {"split_k": 1}, {"split_k": 3}, {"split_k": 12})
+           {"preload": False}, {"split_k": 1}, {"split_k": 2}, {"split_k": 3}, {"split_k": 12})
 GRIDS: dict[str, tuple[dict, ...]] = {
     "linear_qkv": _LINEAR,
-    "linear_o": _LINEAR,
+    "linear_o": tuple(ov for ov in _LINEAR if ov != {"split_k": 1}),
     # full layers pipeline two K/V tiles by default, sliding ones one: each grid tries the depths around it
     "attention_full": _ATTENTION + ({"num_stages": 1}, {"num_stages": 3}),
     "attention_sliding": _ATTENTION + ({"num_stages": 2}, {"num_stages": 3}),
     "attention_draft": _ATTENTION + ({"num_stages": 2}, {"num_stages": 3}),
     "qk_rope_kv": ({"num_warps": 2}, {"num_warps": 4}),
-    # the q/k/v projection ending in the prologue (kernels/qkv_rope_kv.py): 11.3 us a call against ~8.7 for the plain
-    # linear and the prologue apart. With one head a tile (8 tiles) the plain linear's split, 8 of 3 K tiles, is 64
-    # programs where the linear launched 256, on half the SMs: 12 and 24 splits (2 K tiles a program, 1) give 96 and
-    # 192, 4 splits 32 programs of twice the loads in flight
-    "qkv_rope_kv": ({"split_k": 4}, {"split_k": 12}, {"split_k": 24}, {"preload": False}, {"num_warps": 4},
-                    {"num_stages": 2}, {"split_k": 12, "preload": False}),
+    # the q/k/v projection ending in the prologue (kernels/qkv_rope_kv.py), one head a tile (8 tiles): the default
+    # splits its 24 K tiles 12 ways (2 a program, 96 programs); 8 and 24 splits give 64 and 192 programs, 4 splits 32
+    # programs of three times the loads in flight
+    "qkv_rope_kv": ({"split_k": 4}, {"split_k": 8}, {"split_k": 24}, {"preload": False}, {"num_warps": 4},
+                    {"num_stages": 2}),
     "rmsnorm": _NORM,
     "add_norm": _NORM,
     "router": ({"block_e": 2}, {"block_e": 8}, {"block_h": 256}, {"block_h": 1024}, {"num_warps": 2},
@@ -97,8 +97,8 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     # "rows" (the default: 8-row V tiles over 4 warps) around its tile, the 16 x 8 warps it replaced among them, then
     # "dot" (the form before it) at its own defaults and grid; block_v 128 is left out for "dot":
     # kernels/lm_head.choose_block_v says it spills on sm_90a
-    "lm_head": ({"block_v": 16}, {"block_v": 4}, {"rows_block_k": 32}, {"rows_block_k": 128}, {"rows_warps": 2},
-                {"rows_warps": 8}, {"block_v": 16, "rows_warps": 8}, {"rows_block_k": 128, "rows_warps": 8},
+    "lm_head": ({"block_v": 16}, {"block_v": 4}, {"rows_block_k": 64}, {"rows_block_k": 256}, {"rows_warps": 2},
+                {"rows_warps": 8}, {"block_v": 16, "rows_warps": 8}, {"rows_block_k": 64, "rows_warps": 8},
                 {"form": "dot"}, {"form": "dot", "block_v": 16}, {"form": "dot", "block_v": 64},
                 {"form": "dot", "block_k": 64}, {"form": "dot", "num_warps": 8}, {"form": "dot", "num_stages": 3}),
     # smaller tiles: more, shorter pass-1 programs (10 tiles a row at 2048). The skip only acts with more tiles than

@@ -57,8 +57,10 @@ class AttentionSettings:
     """How the two kernels launch. num_stages, preload and early change no value (each checked bit-identical); the
     tile, the splits, the warps and the combine's shape set the order of the fp32 sums (re-qualify when changing)."""
 
-    # slots a K/V tile: the fastest `bench tune` found (docs/PERF.md, "Launch configurations"); 32-slot tiles rejected
-    # (docs/PERF.md, "32-slot tiles and splits in a sliding layer's attention")
+    # slots a K/V tile: 32 (`FULL`, `SLIDING`) in the published model's round, qualified and paired with the
+    # o-projection's and the q/k/v fold's splits (docs/PERF.md, "Current state", the numerical candidate of 17fb4ea);
+    # on the retired architecture 64 was the fastest (docs/PERF.md, "32-slot tiles and splits in a sliding layer's
+    # attention")
     block_n: int = 64
     # slots a split at least (None: one tile): one-tile splits give the most live splits at short context, so more of
     # the grid streams (docs/PERF.md, "Launch configurations"); longer splits starve the grid (256-slot splits,
@@ -95,8 +97,9 @@ class AttentionSettings:
         return self.block_n if self.min_split is None else self.min_split
 
 
-FULL = AttentionSettings(num_stages=2)
-SLIDING = AttentionSettings(num_stages=1)  # a sliding split is a tile or two at any context (the draft's too)
+FULL = AttentionSettings(block_n=32, num_stages=2)
+# a sliding split is a tile or two at any context (the draft's too): one tile in flight
+SLIDING = AttentionSettings(block_n=32, num_stages=1)
 
 
 def settings_for(window: int | None) -> AttentionSettings:

@@ -62,9 +62,10 @@ class LMHeadSettings:
     block_k: int = 128     # "dot"
     num_warps: int = 4     # "dot"
     num_stages: int = 4    # "dot"
-    # "rows": [8 x 64] tiles over 4 warps, with ROWS_BLOCK_V: faster than [16 x 64] tiles over 8 warps, the same bits
-    # (`iquest bench tune --ops lm_head`; docs/PERF.md, "Current state", the same-bits tunes)
-    rows_block_k: int = 64
+    # "rows": [8 x 128] tiles over 4 warps, with ROWS_BLOCK_V: 8 rows over 4 warps were faster than 16 over 8 with
+    # the same bits (docs/PERF.md, "Current state", the same-bits tunes); 128 columns a step, not 64, a numerical
+    # change qualified and paired with the round's other candidates (the same table, the candidate of 17fb4ea)
+    rows_block_k: int = 128
     rows_warps: int = 4
 
 

@@ -99,11 +99,11 @@ def test_the_router_folds_projection_takes_the_o_projections_and_its_own(monkeyp
     monkeypatch.setattr(fp8_linear, "fp8_linear", lambda x, w, scale, block, *, out_dtype=None, **kw:
                         fp8_linear.fp8_linear_ref(x, w, scale, block).to(out_dtype or x.dtype))
     forward(KernelPlan(linear=True), (), router_fold=True)
-    forward(KernelPlan(linear=True), (("o_proj", "split_k", 1), ("o_proj_router", "block_e", 128),
+    forward(KernelPlan(linear=True), (("o_proj", "split_k", 3), ("o_proj_router", "block_e", 128),
                                       ("linear", "num_stages", 3)), router_fold=True)
     product = KernelSettings()
     assert seen == [(product.o_proj, product.o_proj_router),
-                    (replace(product.o_proj, split_k=1), replace(product.o_proj_router, block_e=128))]
+                    (replace(product.o_proj, split_k=3), replace(product.o_proj_router, block_e=128))]
 
 
 def test_full_and_sliding_layers_take_their_own_attention_settings(monkeypatch):
@@ -123,8 +123,8 @@ def test_full_and_sliding_layers_take_their_own_attention_settings(monkeypatch):
     product = KernelSettings()
     for triples, full, sliding in (
             ((), product.attention_full, product.attention_sliding),
-            ((("attention_full", "block_n", 32), ("attention_sliding", "num_stages", 1)),
-             replace(product.attention_full, block_n=32), replace(product.attention_sliding, num_stages=1))):
+            ((("attention_full", "block_n", 16), ("attention_sliding", "num_stages", 2)),
+             replace(product.attention_full, block_n=16), replace(product.attention_sliding, num_stages=2))):
         seen.clear()
         forward(KernelPlan(attention=True), triples)
         assert [w is None for w, _ in seen] == [True, False, False, True], seen
