@@ -51,7 +51,7 @@ FULL_SLACK = 2 * 16 + 64
 # ---- the candidate grids: field overrides of each op's default settings ---------------------------------------------
 # Kept though `bench sass` shows them spilling on sm_90a (the split kernel sits at 254 registers by default): attention
 # block_n=128 (152 B of stack) and num_warps=2 (248 B), so the tune measures what the spill costs.
-_ATTENTION = ({"block_n": 16}, {"block_n": 64}, {"block_n": 128}, {"min_split": 128}, {"min_split": 256}, {"num_warps": 2},
+_ATTENTION = ({"min_split": 128}, {"min_split": 256}, {"num_warps": 2},
               {"num_warps": 8}, {"combine_splits": 64}, {"combine_cols": 16}, {"combine_cols": 64},
               {"combine_warps": 2}, {"combine_warps": 8}, {"preload": False}, {"early": False})
 _NORM = ({"num_warps": 2}, {"num_warps": 4}, {"num_warps": 16})
@@ -62,10 +62,11 @@ _LINEAR = ({"block_n": 16}, {"block_n": 64}, {"num_warps": 2}, {"num_warps": 8},
 GRIDS: dict[str, tuple[dict, ...]] = {
     "linear_qkv": _LINEAR,
     "linear_o": tuple(ov for ov in _LINEAR if ov != {"split_k": 1}),
-    # full layers pipeline two K/V tiles by default, sliding ones one: each grid tries the depths around it
-    "attention_full": _ATTENTION + ({"num_stages": 1}, {"num_stages": 3}),
-    "attention_sliding": _ATTENTION + ({"num_stages": 2}, {"num_stages": 3}),
-    "attention_draft": _ATTENTION + ({"num_stages": 2}, {"num_stages": 3}),
+    # full layers pipeline three 64-slot K/V tiles by default, sliding ones one 32-slot tile: each grid tries the
+    # tiles and depths around its own
+    "attention_full": ({"block_n": 32}, {"block_n": 128}) + _ATTENTION + ({"num_stages": 1}, {"num_stages": 2}),
+    "attention_sliding": ({"block_n": 16}, {"block_n": 64}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3}),
+    "attention_draft": ({"block_n": 16}, {"block_n": 64}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3}),
     "qk_rope_kv": ({"num_warps": 2}, {"num_warps": 4}),
     # the q/k/v projection ending in the prologue (kernels/qkv_rope_kv.py), one head a tile (8 tiles): the default
     # splits its 24 K tiles 12 ways (2 a program, 96 programs); 8 and 24 splits give 64 and 192 programs, 4 splits 32

@@ -57,9 +57,9 @@ class AttentionSettings:
     """How the two kernels launch. num_stages, preload and early change no value (each checked bit-identical); the
     tile, the splits, the warps and the combine's shape set the order of the fp32 sums (re-qualify when changing)."""
 
-    # slots a K/V tile: 32 (`FULL`, `SLIDING`) in the published model's round, qualified and paired with the
-    # o-projection's and the q/k/v fold's splits (docs/PERF.md, "Current state", the numerical candidate of 17fb4ea);
-    # on the retired architecture 64 was the fastest (docs/PERF.md, "32-slot tiles and splits in a sliding layer's
+    # slots a K/V tile: 32 on sliding layers (`SLIDING`), qualified and paired with the o-projection's and the q/k/v
+    # fold's splits (docs/PERF.md, "Current state", the numerical candidate of 17fb4ea), 64 on full ones (`FULL`); on
+    # the retired architecture 64 was the fastest (docs/PERF.md, "32-slot tiles and splits in a sliding layer's
     # attention")
     block_n: int = 64
     # slots a split at least (None: one tile): one-tile splits give the most live splits at short context, so more of
@@ -71,9 +71,8 @@ class AttentionSettings:
     num_splits: int | None = None
     # warps of a split program: the fastest `bench tune` found (docs/PERF.md, "Launch configurations")
     num_warps: int = 4
-    # K/V tiles in flight a split: 2 on full layers, 1 on sliding ones, paired in the round with the top-k's tile
-    # (docs/PERF.md, "Current state": the same-bits tunes, 0.9903x); 3 and 2 before (docs/PERF.md, "Three K/V tiles in
-    # flight")
+    # K/V tiles in flight a split: 3 on full layers (long contexts, `FULL`), 1 on sliding ones (docs/PERF.md,
+    # "Current state": the same-bits tunes, 0.9903x, and the context sweeps of 1946ffa; "Three K/V tiles in flight")
     num_stages: int = 2
     # splits the combine merges a step, columns a combine program, its warps: every live split's maximum in one load,
     # so a long context's many splits are not walked in a serial chain (docs/PERF.md, "The attention combine as one
@@ -97,7 +96,10 @@ class AttentionSettings:
         return self.block_n if self.min_split is None else self.min_split
 
 
-FULL = AttentionSettings(block_n=32, num_stages=2)
+# A full layer's splits grow long with the context (264 splits of ~2K slots at 512K): 64-slot tiles, three in flight,
+# keep what a longer context adds near its KV bytes; 32-slot tiles or two in flight cost 1.46-1.85x them (docs/PERF.md,
+# "Current state", the context sweeps of 1946ffa)
+FULL = AttentionSettings(block_n=64, num_stages=3)
 # a sliding split is a tile or two at any context (the draft's too): one tile in flight
 SLIDING = AttentionSettings(block_n=32, num_stages=1)
 

@@ -184,7 +184,7 @@ def test_parse_ops_and_only():
 
 def test_cli_errors_are_one_line(one_line_error, no_cuda):
     one_line_error(["bench", "tune"], "iquest bench tune needs 1 CUDA device, found 0")
-    one_line_error(["bench", "tune", "--ops", "moe,attention_full", "--only", "block_n=16,warps=8", "--rank", "1",
+    one_line_error(["bench", "tune", "--ops", "moe,attention_full", "--only", "block_n=32,warps=8", "--rank", "1",
                     "--rows", "4", "--distinct", "20", "--repeats", "3", "--budget", "60"], "needs 1 CUDA device")
     one_line_error(["bench", "tune", "--ops", "attention,moe"], "--ops: unknown attention")
     one_line_error(["bench", "tune", "--ops", ","], "--ops: unknown (none given)")

@@ -272,7 +272,7 @@ def test_settings_defaults():
     """Full layers stream 2 K/V tiles in flight, sliding ones (the draft's too) 1; the rest is shared."""
     assert da.settings_for(None) is da.FULL
     assert da.settings_for(4096) is da.SLIDING and da.settings_for(512) is da.SLIDING
-    assert (da.FULL.num_stages, da.SLIDING.num_stages) == (2, 1)
+    assert (da.FULL.num_stages, da.SLIDING.num_stages) == (3, 1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         da.FULL.block_n = 32  # frozen: a default cannot be edited in place
 
