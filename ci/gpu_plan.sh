@@ -28,11 +28,14 @@
 #             bc0ea27, 3.6-25 us in the tune), the q/k/v fold and the o-projection (latency-bound at 170deed: 8.6% and
 #             8.8% of peak DRAM throughput), each with its stall reasons' shares
 #   trace     bench graph-trace: kernels and dependent steps a decoder layer, with and without each fold (10 at bc0ea27)
-#   tune      bench tune: the MoE at 38 experts, the attention, the router, the tails, the top-k, the prefetch branch
+#   tune      bench tune: the MoE at 38 experts, then the attention, the router, the tails, the top-k, the head, the
+#             fold's o-projection, an op a process (at 1946ffa a candidate of attention_full's made an illegal memory
+#             access; block_n=16 alone ran clean)
 #   step2     the adopted same-bits attention and top-k tunes against the old defaults (0.9903x paired at 61d6ab7)
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
-#   candidate a numerical candidate (CANDIDATE="OP.FIELD=VALUE ...", e.g. o_proj.split_k=1): qualification at TP 1 with
-#             it, then the round paired against the defaults, in one call (each half within its own limit)
+#   candidate a numerical candidate (CANDIDATE="OP.FIELD=VALUE ...", e.g. attention_sliding.combine_splits=256):
+#             qualification at TP 1 with it, the round paired against the defaults at 1K, then its context sweep, in
+#             one call (each part within its own limit; 17fb4ea's took 259 s to qualify)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 sha=${IQUEST_COMMIT:?set IQUEST_COMMIT to the commit under test}
@@ -83,15 +86,20 @@ case "${1:-}" in
     settings=${CANDIDATE:?set CANDIDATE to the OP.FIELD=VALUE settings under test}
     tag=$(printf '%s' "$settings" | tr ' =' '-_' | tr -cd 'A-Za-z0-9._-')
     name=qualify-mini-cuda-bf16-cand-$tag-$sha
-    timeout 330 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 --jobs 14 \
+    timeout 300 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 --jobs 14 \
       --json $(printf -- '--kernel-setting %s ' $settings) > "$out/$name.json" 2> "$out/$name.log" \
       || echo "$name: exit $?" >&2
     tail -3 "$out/$name.log"
     variant=triton$(printf '@%s' $settings)
-    timeout 230 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
+    timeout 150 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
       --kernels "triton,$variant" --out "$out/step-cand-$tag-ctx1k-d5-$sha.json" \
       > "$out/step-cand-$tag-ctx1k-d5-$sha.log" 2>&1 || echo "bench step: exit $?" >&2
-    grep -E "against triton|differs at|/graph " "$out/step-cand-$tag-ctx1k-d5-$sha.log" ;;
+    grep -E "against triton|differs at|/graph " "$out/step-cand-$tag-ctx1k-d5-$sha.log"
+    # the candidate from 1K to 512K: at 17fb4ea the round paired at 1K only, and 32-slot tiles on full layers, faster
+    # there, put the added context at 1.85x its KV bytes (1946ffa). Set against the default's sweep (the plan's rest)
+    timeout 110 bash "$here/gpu.sh" bench context --kernels "$variant" --out "$out/context-cand-$tag-$sha.json" \
+      > "$out/context-cand-$tag-$sha.log" 2>&1 || echo "bench context: exit $?" >&2
+    tail -2 "$out/context-cand-$tag-$sha.log" ;;
   step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
     kernels="triton,triton^qkv_rope,triton~route:38"
     [ "$1" = step2 ] && kernels=triton,triton@attention_full.num_stages=3@attention_sliding.num_stages=2@topk.tile=2048
@@ -104,11 +112,15 @@ case "${1:-}" in
         --out "$out/step-full-tp8slice-ctx1k-d$d-prefetch-$sha.json" 2>&1 | tail -25 \
         | tee "$out/step-full-tp8slice-ctx1k-d$d-prefetch-$sha.log"
     done ;;
-  tune)  # one budget a part, spent in that order, so that one call returns what it reached
+  tune)  # one budget a part, spent in that order, so that one call returns what it reached; an op a process, since a
+    # candidate's illegal memory access ends its process (at 1946ffa one of attention_full's took the ops after it)
     gpu bench tune --ops moe --distinct 38 --only gate_up_split=1,gate_up_split=2,gate_up_split=8,gate_up_stages=6 \
-      --budget 110 --out "$out/tune-moe38-$sha.json" 2>&1 | tee "$out/tune-moe38-$sha.log" | tail -8
-    gpu bench tune --ops attention_sliding,attention_full,router,add_norm,topk,expert_prefetch,o_proj_router \
-      --budget 300 --out "$out/tune-rest-$sha.json" 2>&1 | tee "$out/tune-rest-$sha.log" | tail -60 ;;
+      --budget 100 --out "$out/tune-moe38-$sha.json" 2>&1 | tee "$out/tune-moe38-$sha.log" | tail -8
+    for op in attention_full attention_sliding router add_norm topk lm_head o_proj_router; do
+      timeout 60 bash "$here/gpu.sh" bench tune --ops $op --budget 30 --out "$out/tune-$op-$sha.json" \
+        > "$out/tune-$op-$sha.log" 2>&1 || echo "tune $op: exit $?" >&2
+      grep -E "^$op |Error" "$out/tune-$op-$sha.log" | cut -c1-150
+    done ;;
   fold)
     timeout 120 bash "$here/gpu.sh" bench tune --ops o_proj_router,add_norm_route --budget 60 \
       --out "$out/tune-fold-$sha.json" > "$out/tune-fold-$sha.log" 2>&1 || echo "tune: exit $?" >&2
