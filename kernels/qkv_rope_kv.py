@@ -17,9 +17,10 @@ a norm's fp32 result may differ from the unfused pair's in its last bits, which 
 never shows (the unfused kernel already differs from torch's order the same way: tests/test_kernel_qk_rope_kv.py's
 TOL).
 
-K is split as the plain linear splits it (its settings' column tiles: 8 splits of 3 K tiles at a TP8 rank's q/k/v), so
-every tile's sum is the plain linear's bit for bit; with one head a tile that is 64 programs where the plain linear
-launches 256 (a finer split, e.g. 24 of one tile, would change the sums' order: a numerical change, for `bench tune`).
+K is split as the plain linear splits it under the same settings, so every tile's sum is that linear's bit for bit.
+The product's `split_k=12` (fast/kernel_settings.py) takes a TP8 rank's 24 K tiles two a program, 96 programs of one
+head; the linear's own choice (`choose_split_k`, 8 splits of 3) gave 64, and was slower (docs/PERF.md, "Current
+state", the numerical candidate of 17fb4ea). Another split changes the sums' order: a numerical change.
 
 Requirements (`fits`): head_dim a power of two >= 16 and the weight's q/k/v rows whole heads; the split sum done in the
 launch (`locks`, or one split); decode and prefill blocks alike (rows in tiles of 16).
