@@ -110,7 +110,7 @@ def test_published_specs_are_the_rank_shapes():
     assert tuple(specs) == PUBLISHED
     split, combine = specs["attention_split"].constexprs, specs["attention_combine_long"].constexprs
     assert (split["G"], split["D"], split["BLOCK_M"], split["NUM_SPLITS"]) == (6, 128, 64, 18)
-    assert specs["attention_split_sliding"].constexprs["NUM_SPLITS"] == 66  # the 4160-slot ring
+    assert specs["attention_split_sliding"].constexprs["NUM_SPLITS"] == 131  # 4,161 slots, 32 a tile
     assert combine["NUM_SPLITS"] == 264 and combine["BLOCK_S"] == 128
     assert specs["moe_gate_up"].constexprs["G_OFF0"] == 0 and specs["moe_gate_up_odd"].constexprs["G_OFF0"] == 64
     assert specs["moe_down_odd"].constexprs["D_OFF1"] == 64 and specs["moe_down"].constexprs["BLOCK_K"] == 64
