@@ -55,13 +55,13 @@ _ATTENTION = ({"min_split": 128}, {"min_split": 256}, {"num_warps": 2},
               {"num_warps": 8}, {"combine_splits": 64}, {"combine_cols": 16}, {"combine_cols": 64},
               {"combine_warps": 2}, {"combine_warps": 8}, {"preload": False}, {"early": False})
 _NORM = ({"num_warps": 2}, {"num_warps": 4}, {"num_warps": 16})
-# q/k/v splits its 24 K tiles 8 ways by default (3 a program), o_proj takes its 6 tiles in one program: split_k tries
-# fewer and more
 _LINEAR = ({"block_n": 16}, {"block_n": 64}, {"num_warps": 2}, {"num_warps": 8}, {"num_stages": 3}, {"num_stages": 4},
-           {"preload": False}, {"split_k": 1}, {"split_k": 2}, {"split_k": 3}, {"split_k": 12})
+           {"preload": False})
 GRIDS: dict[str, tuple[dict, ...]] = {
-    "linear_qkv": _LINEAR,
-    "linear_o": tuple(ov for ov in _LINEAR if ov != {"split_k": 1}),
+    # q/k/v splits its 24 K tiles 8 ways by default (3 a program), o_proj takes its 6 tiles in one program: split_k
+    # tries fewer and more around each
+    "linear_qkv": _LINEAR + ({"split_k": 1}, {"split_k": 3}, {"split_k": 12}),
+    "linear_o": _LINEAR + ({"split_k": 2}, {"split_k": 3}, {"split_k": 12}),
     # full layers pipeline three 64-slot K/V tiles by default, sliding ones one 32-slot tile: each grid tries the
     # tiles and depths around its own
     "attention_full": ({"block_n": 32}, {"block_n": 128}) + _ATTENTION + ({"num_stages": 1}, {"num_stages": 2}),

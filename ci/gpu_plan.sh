@@ -4,7 +4,7 @@
 # travels without .git):
 #   IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE
 # STAGE (in the order to run them):
-#   tests     the @pytest.mark.gpu suite but the MPS module (98 s at 170deed on an H100: 467 passed, 0 failed; at
+#   tests     the @pytest.mark.gpu suite but the MPS module (111 s at 17fb4ea on an H100: 467 passed, 0 failed; at
 #             cc0ae4b on an H200 cut at 95 s with one failure, unnamed)
 #   mps       the MPS module (the TP 2, 4 and 8 engines, the captured loop: 295 s at 170deed, every test passing)
 #   qualify   qualification, bf16, TP 1: the default engine (322 s at 8d0c782 with the split), then --router-fold
@@ -31,7 +31,8 @@
 #   tune      bench tune: the MoE at 38 experts, then the attention, the router, the tails, the top-k, the head, the
 #             fold's o-projection, an op a process (at 1946ffa a candidate of attention_full's made an illegal memory
 #             access; block_n=16 alone ran clean)
-#   step2     the adopted same-bits attention and top-k tunes against the old defaults (0.9903x paired at 61d6ab7)
+#   step2     the sliding layers' one K/V tile in flight and the top-k's 1024 tile against the two and 2048 before them
+#             (same bits; with full layers' two, since back at three, 0.9903x paired at 61d6ab7)
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
 #   candidate a numerical candidate (CANDIDATE="OP.FIELD=VALUE ...", e.g. attention_sliding.combine_splits=256):
 #             qualification at TP 1 with it, the round paired against the defaults at 1K, then its context sweep, in
@@ -48,8 +49,8 @@ python3 "$here/triton_cache.py" unpack "$here/../.triton-cache" "$TRITON_CACHE_D
   || echo "triton cache: not unpacked" >&2
 trap 'python3 "$here/triton_cache.py" pack "$TRITON_CACHE_DIR" "$out" || echo "triton cache: not packed" >&2' EXIT
 case "${1:-}" in
-  tests)  # 76 s at 61d6ab7 on an H100 (464 passed). -vv against gpu.sh's -q: a line a test as it ends, so a log cut by a
-    # time limit still names the failures (at cc0ae4b one F came in a 95 s cut, unnamed)
+  tests)  # 111 s at 17fb4ea on an H100, compiled cold (467 passed). -vv against gpu.sh's -q: a line a test as it
+    # ends, so a log cut by a time limit still names the failures (at cc0ae4b one F came in a 95 s cut, unnamed)
     timeout 540 bash "$here/gpu.sh" tests -vv -n 8 --dist load --ignore tests/test_tp_collectives.py tests \
       > "$out/gpu-tests-$sha.log" 2>&1 || echo "gpu tests: exit $?" >&2
     tail -3 "$out/gpu-tests-$sha.log" ;;
@@ -82,7 +83,8 @@ case "${1:-}" in
       > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
     tail -4 "$out/$name.log" ;;
   candidate)  # a numerical candidate in one call: qualified at TP 1 (every check, every control, with the candidate's
-    # settings), then paired in the round against the defaults. CANDIDATE="OP.FIELD=VALUE ..." (fast/kernel_settings.py)
+    # settings), paired in the round against the defaults, then swept from 1K to 512K. CANDIDATE="OP.FIELD=VALUE ..."
+    # (fast/kernel_settings.py)
     settings=${CANDIDATE:?set CANDIDATE to the OP.FIELD=VALUE settings under test}
     tag=$(printf '%s' "$settings" | tr ' =' '-_' | tr -cd 'A-Za-z0-9._-')
     name=qualify-mini-cuda-bf16-cand-$tag-$sha
@@ -102,7 +104,7 @@ case "${1:-}" in
     tail -2 "$out/context-cand-$tag-$sha.log" ;;
   step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
     kernels="triton,triton^qkv_rope,triton~route:38"
-    [ "$1" = step2 ] && kernels=triton,triton@attention_full.num_stages=3@attention_sliding.num_stages=2@topk.tile=2048
+    [ "$1" = step2 ] && kernels=triton,triton@attention_sliding.num_stages=2@topk.tile=2048
     gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --kernels "$kernels" \
       --out "$out/$1-full-tp8slice-ctx1k-d5-$sha.json" 2>&1 | tee "$out/$1-full-tp8slice-ctx1k-d5-$sha.log" ;;
   prefetch)
