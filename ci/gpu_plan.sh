@@ -88,13 +88,15 @@ case "${1:-}" in
     settings=${CANDIDATE:?set CANDIDATE to the OP.FIELD=VALUE settings under test}
     tag=$(printf '%s' "$settings" | tr ' =' '-_' | tr -cd 'A-Za-z0-9._-')
     name=qualify-mini-cuda-bf16-cand-$tag-$sha
-    timeout 300 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 --jobs 14 \
+    timeout 290 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 --jobs 14 \
       --json $(printf -- '--kernel-setting %s ' $settings) > "$out/$name.json" 2> "$out/$name.log" \
       || echo "$name: exit $?" >&2
     tail -3 "$out/$name.log"
     variant=triton$(printf '@%s' $settings)
-    timeout 150 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
-      --kernels "triton,$variant" --out "$out/step-cand-$tag-ctx1k-d5-$sha.json" \
+    # with more than one setting, each alone beside them all: a loss in one is not hidden by a gain in another
+    singles=$(set -- $settings; [ $# -lt 2 ] || printf ',triton@%s' "$@")
+    timeout 190 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
+      --kernels "triton$singles,$variant" --out "$out/step-cand-$tag-ctx1k-d5-$sha.json" \
       > "$out/step-cand-$tag-ctx1k-d5-$sha.log" 2>&1 || echo "bench step: exit $?" >&2
     grep -E "against triton|differs at|/graph " "$out/step-cand-$tag-ctx1k-d5-$sha.log"
     # the candidate from 1K to 512K: at 17fb4ea the round paired at 1K only, and 32-slot tiles on full layers, faster
