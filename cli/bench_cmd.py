@@ -91,6 +91,9 @@ def register(sub) -> None:
     c.add_argument("--seed", type=int, default=0, help="request seed (default 0)")
     c.add_argument("--out", help="write the raw JSON here")
     c.add_argument("--plot", help="write the PNG here (default: beside --out)")
+    c.add_argument("--rescore", metavar="FILE",
+                   help="measure nothing: print a saved sweep's JSON under the current floor rule (one bandwidth for "
+                        "every row, the fastest measured); with --out, write the rescored JSON and PNG")
     c.set_defaults(run=run_context)
     g = bsub.add_parser("agent", help="a coding agent's session against iquest serve: TTFT and decode a turn",
                         description="Replay a coding agent's session against iquest serve through the openai client "
@@ -183,9 +186,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_context(args: argparse.Namespace) -> int:
-    from ..bench.context_sweep import run as sweep
+    from ..bench.context_sweep import rescore, run as sweep
     from .main import UserError
 
+    if args.rescore:
+        try:
+            rescore(args.rescore, args.out)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"--rescore {args.rescore}: not a saved bench context JSON ({type(e).__name__}: {e})") \
+                from None
+        return 0
     try:
         contexts = tuple(int(n) for n in args.contexts.split(","))
     except ValueError:

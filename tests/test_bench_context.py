@@ -26,6 +26,41 @@ def test_growth_by_hand():
     assert g[1]["added_cost_per_floor"] == pytest.approx(1481 / 565)
 
 
+def test_growth_takes_one_rate_the_fastest():
+    """A row whose own copy measured slow must not inflate its added floor: every row's added bytes at the sweep's
+    fastest rate. At 9c6eda1 the 512K row measured 2.84 TB/s against 3.02 at 1K, which put the ratio at 1.28x; at one
+    rate it is 1.36x."""
+    rows = [{"context": 1024, "median_round_us": 5451.2, "upper_bytes": 9147553024, "bandwidth_bytes_per_s": 3.018e12,
+             "floor_us": 1263.6},
+            {"context": 524160, "median_round_us": 8522.2, "upper_bytes": 15942784256,
+             "bandwidth_bytes_per_s": 2.8376e12, "floor_us": 4046.5}]
+    g = growth(rows)
+    assert g[1]["floor_rate_bytes_per_s"] == 3.018e12
+    assert g[1]["added_kv_floor_us"] == pytest.approx((15942784256 - 9147553024) / 3.018e12 * 1e6)
+    assert g[1]["added_cost_per_floor"] == pytest.approx(1.3638, abs=1e-3)
+    rows[1]["bandwidth_bytes_per_s"] = None  # a row without a rate: no ratio rather than one at a mixed rate
+    assert all("added_cost_per_floor" not in r for r in growth(rows))
+
+
+def test_rescore_prints_and_writes(tmp_path, capsys):
+    saved = tmp_path / "saved.json"
+    rows = [{"context": c, "median_round_us": t, "upper_bytes": b, "bandwidth_bytes_per_s": bw, "floor_us": f,
+             "distinct_experts_verify_mean": 13.0, "device": "cpu"}
+            for c, t, b, bw, f in ((1024, 100.0, 1e9, 2e12, 500.0), (4096, 110.0, 1.01e9, 1e12, 510.0))]
+    saved.write_text(json.dumps({"config": "c", "tp_slice": 8, "drafts": 5, "kernels": "triton", "repeats": 5,
+                                 "commit": "abc", "rows": rows}))
+    out = tmp_path / "rescored.json"
+    assert main(["bench", "context", "--rescore", str(saved), "--out", str(out)]) == 0
+    assert "the added KV cost 2.00x its bytes" in capsys.readouterr().out  # 10 us over 1e7 bytes at 2e12 B/s, not 1e12
+    r = json.loads(out.read_text())
+    assert r["rescored_from"] == str(saved) and r["rows"][1]["added_kv_floor_us"] == pytest.approx(5.0)
+    assert out.with_suffix(".png").stat().st_size > 1000
+    saved.write_text("{}")
+    assert main(["bench", "context", "--rescore", str(saved)]) == 2
+    err = capsys.readouterr().err
+    assert "--rescore" in err and "Traceback" not in err
+
+
 def test_cpu_sweep_writes_json_and_png(tmp_path, capsys):
     out = tmp_path / "ctx.json"
     assert main(["bench", "context", "--config", str(TINY / "config.json"), "--tp-slice", "2", "--contexts", "48,96",
