@@ -178,10 +178,10 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
         dict(D=D, ROT=s.rotary, ROPE=True, PDL=True), qr.QkRopeSettings().num_warps, 1,
         f"q/k norm + RoPE ({s.rotary} of {D} dims) + KV write, {R} rows x ({s.q_heads} + {hkv}) heads", NO_FMA)
     # the same prologue at the end of the q/k/v projection (kernels/qkv_rope_kv.py): one head a tile, K split as the
-    # plain linear splits it (LinearSettings' column tiles on 132 SMs)
+    # product sets it (else as the plain linear splits it: LinearSettings' column tiles on 132 SMs)
     ls = KernelSettings().qkv_rope_kv
     hidden = s.hidden
-    splits = _linear_auto_split(qkv, hidden, ls.block_n, 128, H200_SMS)
+    splits = ls.split_k or _linear_auto_split(qkv, hidden, ls.block_n, 128, H200_SMS)
     k_per_split = -(-(hidden // 128) // splits) * 128
     out["qkv_rope_kv"] = _launch(
         qrk._qkv_rope_kv_kernel,

@@ -63,15 +63,16 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     "linear_qkv": _LINEAR + ({"split_k": 1}, {"split_k": 3}, {"split_k": 12}),
     "linear_o": _LINEAR + ({"split_k": 2}, {"split_k": 3}, {"split_k": 12}),
     # full layers pipeline three 64-slot K/V tiles by default, sliding ones one 32-slot tile: each grid tries the
-    # tiles and depths around its own
+    # tiles and depths around its own (and sliding ones, merging up to 256 splits a combine step, the full layers' 128)
     "attention_full": ({"block_n": 32}, {"block_n": 128}) + _ATTENTION + ({"num_stages": 1}, {"num_stages": 2}),
-    "attention_sliding": ({"block_n": 16}, {"block_n": 64}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3}),
+    "attention_sliding": ({"block_n": 16}, {"block_n": 64}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3},
+                                                                            {"combine_splits": 128}),
     "attention_draft": ({"block_n": 16}, {"block_n": 64}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3}),
     "qk_rope_kv": ({"num_warps": 2}, {"num_warps": 4}),
     # the q/k/v projection ending in the prologue (kernels/qkv_rope_kv.py), one head a tile (8 tiles): the default
-    # splits its 24 K tiles 12 ways (2 a program, 96 programs); 8 and 24 splits give 64 and 192 programs, 4 splits 32
-    # programs of three times the loads in flight
-    "qkv_rope_kv": ({"split_k": 4}, {"split_k": 8}, {"split_k": 24}, {"preload": False}, {"num_warps": 4},
+    # splits its 24 K tiles 8 ways (3 a program, 64 programs); 12 and 24 splits give 96 and 192 programs, 4 splits 32
+    # programs of twice the loads in flight
+    "qkv_rope_kv": ({"split_k": 4}, {"split_k": 12}, {"split_k": 24}, {"preload": False}, {"num_warps": 4},
                     {"num_stages": 2}),
     "rmsnorm": _NORM,
     "add_norm": _NORM,

@@ -18,9 +18,10 @@ never shows (the unfused kernel already differs from torch's order the same way:
 TOL).
 
 K is split as the plain linear splits it under the same settings, so every tile's sum is that linear's bit for bit.
-The product's `split_k=12` (fast/kernel_settings.py) takes a TP8 rank's 24 K tiles two a program, 96 programs of one
-head; the linear's own choice (`choose_split_k`, 8 splits of 3) gave 64, and was slower (docs/PERF.md, "Current
-state", the numerical candidate of 17fb4ea). Another split changes the sums' order: a numerical change.
+The product's `split_k=8` (fast/kernel_settings.py) takes a TP8 rank's 24 K tiles three a program, 64 programs of one
+head. 12 splits (96 programs) were adopted at 17fb4ea inside a candidate of four settings paired only together; paired
+alone, 8 splits made the round 0.9910x (docs/PERF.md, "Current state", the candidate of 9c6eda1). Another split
+changes the sums' order: a numerical change.
 
 Requirements (`fits`): head_dim a power of two >= 16 and the weight's q/k/v rows whole heads; the split sum done in the
 launch (`locks`, or one split); decode and prefill blocks alike (rows in tiles of 16).
