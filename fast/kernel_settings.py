@@ -26,10 +26,9 @@ class KernelSettings:
     # The FP8 linear's settings differ by op: two pipeline stages for the plain linears and the o-projection, eight
     # warps for the q/k/v fold; with the head's 8-row tiles (kernels/lm_head.py) they make the round faster with the
     # same bits (docs/PERF.md, "Current state", the same-bits tunes). The o-projection's K in one program (no split
-    # partials to sum) and the q/k/v fold's K over 12 programs a head were numerical changes, qualified at TP 1
-    # with the attention's 32-slot tiles and the head's 128-column steps and adopted together (docs/PERF.md,
-    # "Current state", the numerical candidate of 17fb4ea: 0.9366x the round, paired). Paired alone at 9c6eda1, the
-    # q/k/v fold's 8 splits beat those 12 (0.9910x the round), and were qualified and adopted in their place.
+    # partials to sum), the q/k/v fold's K over 8 programs a head (3 K tiles each) and the head's 128-column steps
+    # change the sums' order: each was qualified at TP 1 and paired in the round before it became a default, and all
+    # of them at TP 2 with the last (docs/PERF.md, "Current state", the candidates of 17fb4ea and 9c6eda1).
     moe: mo.MoESettings = mo.MoESettings()                          # Gate/Up, Down, the combine
     linear: fl.LinearSettings = fl.LinearSettings(num_stages=2)     # dense MLP, eh_proj, q/k/v unfolded
     o_proj: fl.LinearSettings = fl.LinearSettings(num_stages=2, split_k=1)  # the o-projection, folded or not
