@@ -3,8 +3,8 @@ lengths (synthetic history at every length, so that only the KV read grows), set
 
 The design document's headline is the round's growth from 1K to 192K (+16%); what it is held to here is the added
 KV's cost against its bytes: (round(L) - round(L0)) / (floor(L) - floor(L0)), where the floors count the upper-bound
-bytes of each length (the same weights at every length, so their difference is the added KV and positions alone)
-at the fastest device copy bandwidth measured in the same run. A ratio of 1 means the added context costs only its bytes.
+bytes of each length (the same weights at every length, so their difference is the added KV and positions alone) at
+the fastest device copy bandwidth measured in the same run. A ratio of 1 means the added context costs only its bytes.
 """
 
 from __future__ import annotations

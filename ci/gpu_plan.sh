@@ -31,6 +31,7 @@
 #   tune      bench tune: the MoE at 38 experts, then the attention, the router, the tails, the top-k, the head, the
 #             fold's o-projection, an op a process (at 1946ffa a candidate of attention_full's made an illegal memory
 #             access; block_n=16 alone ran clean)
+#   tunectx   the attention's tune at 4K and 16K (where the context sweep's excess sits), an op a process
 #   step2     the sliding layers' one K/V tile in flight and the top-k's 1024 tile against the two and 2048 before them
 #             (same bits; with full layers' two, since back at three, 0.9903x paired at 61d6ab7)
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
@@ -104,6 +105,16 @@ case "${1:-}" in
     timeout 110 bash "$here/gpu.sh" bench context --kernels "$variant" --out "$out/context-cand-$tag-$sha.json" \
       > "$out/context-cand-$tag-$sha.log" 2>&1 || echo "bench context: exit $?" >&2
     tail -2 "$out/context-cand-$tag-$sha.log" ;;
+  tunectx)  # the attention where the context sweep's excess sits (4K-16K, docs/PERF.md): each layer type's grid at
+    # those lengths, an op a process, so a 1K-only choice is not taken for one that holds at 4K
+    for ctx in 4096 16384; do
+      for op in attention_sliding attention_full attention_draft; do
+        timeout 60 bash "$here/gpu.sh" bench tune --ops $op --context $ctx --budget 30 \
+          --out "$out/tune-$op-ctx$ctx-$sha.json" > "$out/tune-$op-ctx$ctx-$sha.log" 2>&1 \
+          || echo "tune $op $ctx: exit $?" >&2
+        grep -E "^$op |Error" "$out/tune-$op-ctx$ctx-$sha.log" | cut -c1-150
+      done
+    done ;;
   step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
     kernels="triton,triton^qkv_rope,triton~route:38"
     [ "$1" = step2 ] && kernels=triton,triton@attention_sliding.num_stages=2@topk.tile=2048
@@ -173,6 +184,6 @@ case "${1:-}" in
       > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
     tail -8 "$out/depth-mini-cuda-$sha.log" ;;
   *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|qualify2one|step|agent|rest|depthprobe|fold|"\
-"ncu|trace|tune|step2|prefetch|tests|mps|qualify|candidate)" >&2
+"ncu|trace|tune|tunectx|step2|prefetch|tests|mps|qualify|candidate)" >&2
      exit 2 ;;
 esac

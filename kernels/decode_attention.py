@@ -102,8 +102,8 @@ class AttentionSettings:
 FULL = AttentionSettings(block_n=64, num_stages=3)
 # a sliding split is a tile or two at any context (the draft's too): one tile in flight. Its window at 32-slot tiles
 # makes up to 131 live splits, which the combine merges in one step of 256 (128 registers, no spill on sm_90a: bench
-# sass) rather than two of 128; a numerical change, qualified with the q/k/v fold's split at TP 1 and TP 2 (docs/PERF.md,
-# "Current state", the candidate of 9c6eda1)
+# sass) rather than two of 128; a numerical change, qualified with the q/k/v fold's split at TP 1 and TP 2
+# (docs/PERF.md, "Current state", the candidate of 9c6eda1)
 SLIDING = AttentionSettings(block_n=32, num_stages=1, combine_splits=256)
 
 
