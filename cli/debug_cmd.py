@@ -45,6 +45,8 @@ def register(sub) -> None:
     add_kernels(c)
     add_device(c, default="cpu")
     c.add_argument("--jobs", type=int, default=1, help="worker processes, one per case (default 1)")
+    c.add_argument("--quick", action="store_true",
+                   help="decode the two requests of iquest qualify --quick instead of its six (fits CI on a tiny fixture)")
     add_json(c, text_to_stderr=True)
     c.set_defaults(run=run_chain)
 
@@ -87,7 +89,8 @@ def run_chain(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     model_dir = str(model_folder(args.model))
-    rows = chain_report(model_dir, args.dtype, args.kernels, engine_target(args.device, args.kernels), args.jobs)
+    rows = chain_report(model_dir, args.dtype, args.kernels, engine_target(args.device, args.kernels), args.jobs,
+                        args.quick)
     print_chain(rows, sys.stderr if args.json else sys.stdout)
     if args.json:
         print_json_file(lambda path: write_json(rows, path))

@@ -107,34 +107,34 @@ def chain_rows(engine: RankEngine, model_dir: str, case, index: int, router_tol:
     return rows
 
 
-def _case_rows(model_dir: str, options: EngineOptions, device: str, index: int,
+def _case_rows(model_dir: str, options: EngineOptions, device: str, index: int, quick: bool = False,
                parts: EngineParts = EngineParts()) -> list[ChainRow]:
     from .run import qualify_cases
 
     with torch.inference_mode():  # no gradient here either (qualify/run.py's units say why)
         engine = RankEngine(model_dir, Parallel.single(device), options, recording_parts(parts))
-        cases, _, _ = qualify_cases(engine.config.vocab_size, False, sliding_ring(engine.config, options))
+        cases, _, _ = qualify_cases(engine.config.vocab_size, quick, sliding_ring(engine.config, options))
         tol = tolerances.value("numerics.router", tolerances.scheme(options.dtype))
         return chain_rows(engine, model_dir, cases[index], index, tol)
 
 
 def chain_report(model_dir: str, dtype: str = "bf16", kernels: str = "auto", device: str = "cpu",
-                 jobs: int = 1) -> list[ChainRow]:
-    """Every recursive draft row of the qualification decodes (the cases of `iquest qualify`, same engine
-    options), one worker process per case when jobs > 1."""
+                 jobs: int = 1, quick: bool = False) -> list[ChainRow]:
+    """Every recursive draft row of the qualification decodes (the cases of `iquest qualify`, or of `iquest qualify
+    --quick` with `quick`; same engine options), one worker process per case when jobs > 1."""
     from .run import candidate_options, qualify_cases
 
     options = candidate_options(dtype, kernels, device)
     config = Config.from_dir(model_dir)
-    n = len(qualify_cases(config.vocab_size, False, sliding_ring(config, options))[0])
+    n = len(qualify_cases(config.vocab_size, quick, sliding_ring(config, options))[0])
     if jobs <= 1:
-        return [r for i in range(n) for r in _case_rows(model_dir, options, device, i)]
+        return [r for i in range(n) for r in _case_rows(model_dir, options, device, i, quick)]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(min(jobs, n), mp_context=multiprocessing.get_context("spawn"),
                              initializer=torch.set_num_threads, initargs=(1,)) as pool:  # one core per worker
-        parts = list(pool.map(_case_rows, [model_dir] * n, [options] * n, [device] * n, range(n)))
+        parts = list(pool.map(_case_rows, [model_dir] * n, [options] * n, [device] * n, range(n), [quick] * n))
     return [r for part in parts for r in part]
 
 
