@@ -32,6 +32,7 @@
 #             fold's o-projection, an op a process (at 1946ffa a candidate of attention_full's made an illegal memory
 #             access; block_n=16 alone ran clean)
 #   tunectx   the attention's tune at 4K and 16K (where the context sweep's excess sits), an op a process
+#   stepctx   a candidate (CANDIDATE=...) paired with the defaults in the round at 4K and 16K
 #   step2     the sliding layers' one K/V tile in flight and the top-k's 1024 tile against the two and 2048 before them
 #             (same bits; with full layers' two, since back at three, 0.9903x paired at 61d6ab7)
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
@@ -115,6 +116,17 @@ case "${1:-}" in
         grep -E "^$op |Error" "$out/tune-$op-ctx$ctx-$sha.log" | cut -c1-150
       done
     done ;;
+  stepctx)  # a candidate paired with the defaults at 4K and 16K (CANDIDATE="OP.FIELD=VALUE ..."): two context sweeps
+    # are two calls, and at 9c6eda1 their 1K rounds differed by as much as the change under test
+    settings=${CANDIDATE:?set CANDIDATE to the OP.FIELD=VALUE settings under test}
+    tag=$(printf '%s' "$settings" | tr ' =' '-_' | tr -cd 'A-Za-z0-9._-')
+    for ctx in 4096 16384; do
+      timeout 250 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
+        --context $ctx --history synthetic --kernels "triton,triton$(printf '@%s' $settings)" \
+        --out "$out/step-cand-$tag-ctx$ctx-d5-$sha.json" > "$out/step-cand-$tag-ctx$ctx-d5-$sha.log" 2>&1 \
+        || echo "bench step $ctx: exit $?" >&2
+      grep -E "against triton|differs at|identical" "$out/step-cand-$tag-ctx$ctx-d5-$sha.log"
+    done ;;
   step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
     kernels="triton,triton^qkv_rope,triton~route:38"
     [ "$1" = step2 ] && kernels=triton,triton@attention_sliding.num_stages=2@topk.tile=2048
@@ -184,6 +196,6 @@ case "${1:-}" in
       > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
     tail -8 "$out/depth-mini-cuda-$sha.log" ;;
   *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|qualify2one|step|agent|rest|depthprobe|fold|"\
-"ncu|trace|tune|tunectx|step2|prefetch|tests|mps|qualify|candidate)" >&2
+"ncu|trace|tune|tunectx|stepctx|step2|prefetch|tests|mps|qualify|candidate)" >&2
      exit 2 ;;
 esac
