@@ -51,11 +51,7 @@ def run(config_file: str, tp: int, contexts: tuple[int, ...], drafts: int, repea
               "chunk_tokens": chunk_tokens, "seed": seed, "kernels": kernels, "history": "synthetic",
               "commit": commit(), "rows": growth(rows)}
     _print(report)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(report, indent=1) + "\n")
-    if plot or out:
-        _plot(report, Path(plot) if plot else Path(out).with_suffix(".png"))
+    _write(report, out, plot)
     return report
 
 
@@ -88,11 +84,17 @@ def rescore(path: str, out: str | None) -> dict:
     report["rows"] = growth(report["rows"])
     report["rescored_from"] = str(path)
     _print(report)
+    _write(report, out, None)
+    return report
+
+
+def _write(report: dict, out: str | None, plot: str | None) -> None:
+    """The JSON at `out`, the PNG at `plot` or beside `out`."""
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=1) + "\n")
-        _plot(report, Path(out).with_suffix(".png"))
-    return report
+    if plot or out:
+        _plot(report, Path(plot) if plot else Path(out).with_suffix(".png"))
 
 
 def _print(r: dict) -> None:

@@ -44,6 +44,11 @@ here=$(cd "$(dirname "$0")" && pwd)
 sha=${IQUEST_COMMIT:?set IQUEST_COMMIT to the commit under test}
 out=${OUT:?set OUT to the folder the device tool brings back}
 gpu() { bash "$here/gpu.sh" "$@"; }
+candidate_settings() {  # CANDIDATE="OP.FIELD=VALUE ..." (fast/kernel_settings.py): settings, a file-name tag, the variant
+  settings=${CANDIDATE:?set CANDIDATE to the OP.FIELD=VALUE settings under test}
+  tag=$(printf '%s' "$settings" | tr ' =' '-_' | tr -cd 'A-Za-z0-9._-')
+  variant=triton$(printf '@%s' $settings)
+}
 # Compiled kernels travel between calls (ci/triton_cache.py): carried in from .triton-cache/ beside ci/, brought back
 # from every stage (copy the returned triton-cache-part-* files into that folder before the next snapshot).
 export TRITON_CACHE_DIR=/tmp/iquest-triton-cache
@@ -87,14 +92,12 @@ case "${1:-}" in
   candidate)  # a numerical candidate in one call: qualified at TP 1 (every check, every control, with the candidate's
     # settings), paired in the round against the defaults, then swept from 1K to 512K. CANDIDATE="OP.FIELD=VALUE ..."
     # (fast/kernel_settings.py)
-    settings=${CANDIDATE:?set CANDIDATE to the OP.FIELD=VALUE settings under test}
-    tag=$(printf '%s' "$settings" | tr ' =' '-_' | tr -cd 'A-Za-z0-9._-')
+    candidate_settings
     name=qualify-mini-cuda-bf16-cand-$tag-$sha
     timeout 290 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 --jobs 14 \
       --json $(printf -- '--kernel-setting %s ' $settings) > "$out/$name.json" 2> "$out/$name.log" \
       || echo "$name: exit $?" >&2
     tail -3 "$out/$name.log"
-    variant=triton$(printf '@%s' $settings)
     # with more than one setting, each alone beside them all: a loss in one is not hidden by a gain in another
     singles=$(set -- $settings; [ $# -lt 2 ] || printf ',triton@%s' "$@")
     timeout 190 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
@@ -118,11 +121,10 @@ case "${1:-}" in
     done ;;
   stepctx)  # a candidate paired with the defaults at 4K and 16K (CANDIDATE="OP.FIELD=VALUE ..."): two context sweeps
     # are two calls, and at 9c6eda1 their 1K rounds differed by as much as the change under test
-    settings=${CANDIDATE:?set CANDIDATE to the OP.FIELD=VALUE settings under test}
-    tag=$(printf '%s' "$settings" | tr ' =' '-_' | tr -cd 'A-Za-z0-9._-')
+    candidate_settings
     for ctx in 4096 16384; do
       timeout 250 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
-        --context $ctx --history synthetic --kernels "triton,triton$(printf '@%s' $settings)" \
+        --context $ctx --history synthetic --kernels "triton,$variant" \
         --out "$out/step-cand-$tag-ctx$ctx-d5-$sha.json" > "$out/step-cand-$tag-ctx$ctx-d5-$sha.log" 2>&1 \
         || echo "bench step $ctx: exit $?" >&2
       grep -E "against triton|differs at|identical" "$out/step-cand-$tag-ctx$ctx-d5-$sha.log"

@@ -159,7 +159,7 @@ interpreted = worker_fixture(__file__)
 def test_qkv_rope_kv_case_runs_each_candidate(interpreted):
     """Every candidate's call is one launch of the fused kernel with the candidate's split, warps and preload, the
     counters left zeroed; the calls rotate over the case's weight copies; a candidate that changes no order field
-    gives the default's bits. (The default splits K 12 ways, as on the GPU.)"""
+    gives the default's bits. (The default splits K 8 ways, as on the GPU.)"""
     r = interpreted["qkv_rope_kv"]
     assert "error" not in r, r.get("error")
     assert r["calls"] == 64 and r["last_w"] != r["default"]["w"]
