@@ -76,3 +76,6 @@ def test_cli_prints_the_table(capsys):
     assert "step hidden" in err and "worst chain hidden error" in err
     rows = json.loads(out)
     assert isinstance(rows, list) and {r["case"] for r in rows} == {0, 1}
+    # the quick requests themselves: the long one drafts 3 a round and the wide one 7 (the full mode's first two: 7, 3)
+    depth = {case: max(r["depth"] for r in rows if r["case"] == case) for case in (0, 1)}
+    assert depth[0] <= 3 < depth[1], depth
