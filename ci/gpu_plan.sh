@@ -31,7 +31,7 @@
 #   tune      bench tune: the MoE at 38 experts, then the attention, the router, the tails, the top-k, the head, the
 #             fold's o-projection, an op a process (at 1946ffa a candidate of attention_full's made an illegal memory
 #             access; block_n=16 alone ran clean)
-#   tunectx   the attention's tune at 4K and 16K (where the context sweep's excess sits), an op a process
+#   tunectx   the attention's tune at 1K, 4K and 16K (the context sweep's excess sits at 4K-16K), an op a process
 #   stepctx   a candidate (CANDIDATE=...) paired with the defaults in the round at 4K and 16K
 #   step2     the sliding layers' one K/V tile in flight and the top-k's 1024 tile against the two and 2048 before them
 #             (same bits; with full layers' two, since back at three, 0.9903x paired at 61d6ab7)
@@ -110,9 +110,10 @@ case "${1:-}" in
       > "$out/context-cand-$tag-$sha.log" 2>&1 || echo "bench context: exit $?" >&2
     tail -2 "$out/context-cand-$tag-$sha.log" ;;
   tunectx)  # the attention where the context sweep's excess sits (4K-16K, docs/PERF.md): each layer type's grid at
-    # those lengths, an op a process, so a 1K-only choice is not taken for one that holds at 4K
-    for ctx in 4096 16384; do
-      for op in attention_sliding attention_full attention_draft; do
+    # those lengths and at 1K beside them, an op a process, so a 1K-only choice is not taken for one that holds at 4K
+    # (the draft's window, 512 slots, is full at all three: its 1K tune stands)
+    for ctx in 1024 4096 16384; do
+      for op in attention_sliding attention_full; do
         timeout 60 bash "$here/gpu.sh" bench tune --ops $op --context $ctx --budget 30 \
           --out "$out/tune-$op-ctx$ctx-$sha.json" > "$out/tune-$op-ctx$ctx-$sha.log" 2>&1 \
           || echo "tune $op $ctx: exit $?" >&2
