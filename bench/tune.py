@@ -62,11 +62,11 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     # tries fewer and more around each
     "linear_qkv": _LINEAR + ({"split_k": 1}, {"split_k": 3}, {"split_k": 12}),
     "linear_o": _LINEAR + ({"split_k": 2}, {"split_k": 3}, {"split_k": 12}),
-    # full layers pipeline three 64-slot K/V tiles by default, sliding ones one 32-slot tile: each grid tries the
+    # full layers stream 64-slot K/V tiles one in flight by default, sliding ones 32-slot tiles: each grid tries the
     # tiles and depths around its own (and sliding ones, merging up to 256 splits a combine step, the full layers' 128).
     # A capped grid (num_splits) keeps 1K's splits (17 on full layers, 33 on sliding ones, under 64) and makes them
     # longer past it, where each split's fp32 partials (18.7 KB at 6 rows) outweigh its one or two K/V tiles
-    "attention_full": ({"block_n": 32}, {"block_n": 128}) + _ATTENTION + ({"num_stages": 1}, {"num_stages": 2},
+    "attention_full": ({"block_n": 32}, {"block_n": 128}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3},
                                                                           {"num_splits": 64}, {"num_splits": 128},
                                                                           {"programs_per_sm": 1},
                                                                           {"programs_per_sm": 1, "combine_splits": 256}),

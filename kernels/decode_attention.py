@@ -75,8 +75,8 @@ class AttentionSettings:
     programs_per_sm: int = 2
     # warps of a split program: the fastest `bench tune` found (docs/PERF.md, "Launch configurations")
     num_warps: int = 4
-    # K/V tiles in flight a split: 3 on full layers (long contexts, `FULL`), 1 on sliding ones (docs/PERF.md,
-    # "Current state": the same-bits tunes, 0.9903x, and the context sweeps of 1946ffa; "Three K/V tiles in flight")
+    # K/V tiles in flight a split: 1 on both layer types (`FULL`, `SLIDING`; docs/PERF.md, "Current state", one tile
+    # in flight on full layers, paired from 1K to 512K)
     num_stages: int = 2
     # splits the combine merges a step, columns a combine program, its warps: every live split's maximum in one load,
     # so a long context's many splits are not walked in a serial chain (docs/PERF.md, "The attention combine as one
@@ -100,10 +100,10 @@ class AttentionSettings:
         return self.block_n if self.min_split is None else self.min_split
 
 
-# A full layer's splits grow long with the context (264 splits of ~2K slots at 512K): 64-slot tiles, three in flight,
-# keep what a longer context adds near its KV bytes; 32-slot tiles or two in flight cost 1.46-1.85x them (docs/PERF.md,
-# "Current state", the context sweeps of 1946ffa)
-FULL = AttentionSettings(block_n=64, num_stages=3)
+# A full layer's splits grow long with the context (264 splits of ~2K slots at 512K): 64-slot tiles (32-slot ones cost
+# 1.85x the added KV bytes: docs/PERF.md, "Current state", the context sweeps of 1946ffa), one in flight: the same bits
+# as three, paired 0.98-0.99x from 1K to 256K, 1.004x at 512K (the rows of c29c1b3)
+FULL = AttentionSettings(block_n=64, num_stages=1)
 # a sliding split is a tile or two at any context (the draft's too): one tile in flight. Its window at 32-slot tiles
 # makes up to 131 live splits, which the combine merges in one step of 256 (128 registers, no spill on sm_90a: bench
 # sass) rather than two of 128; a numerical change, qualified with the q/k/v fold's split at TP 1 and TP 2

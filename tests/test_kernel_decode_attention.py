@@ -269,11 +269,11 @@ def test_negative_control_sink_per_split(interpreted, name):
 
 
 def test_settings_defaults():
-    """Full layers stream three 64-slot K/V tiles in flight, sliding ones (the draft's too) one 32-slot tile and merge
-    up to 256 splits a combine step; the rest is shared."""
+    """Full layers stream 64-slot K/V tiles, sliding ones (the draft's too) 32-slot tiles and merge up to 256 splits a
+    combine step, both one tile in flight; the rest is shared."""
     assert da.settings_for(None) is da.FULL
     assert da.settings_for(4096) is da.SLIDING and da.settings_for(512) is da.SLIDING
-    assert (da.FULL.num_stages, da.SLIDING.num_stages) == (3, 1)
+    assert (da.FULL.num_stages, da.SLIDING.num_stages) == (1, 1)
     assert (da.FULL.block_n, da.SLIDING.block_n) == (64, 32)
     assert (da.FULL.combine_splits, da.SLIDING.combine_splits) == (128, 256)
     assert dataclasses.replace(da.FULL, block_n=32, num_stages=1, combine_splits=256) == da.SLIDING
