@@ -5,7 +5,7 @@
 #   IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE
 # STAGE (in the order to run them):
 #   tests     the @pytest.mark.gpu suite but the MPS module (111 s at 17fb4ea on an H100: 467 passed, 0 failed; at
-#             cc0ae4b on an H200 cut at 95 s with one failure, unnamed)
+#             53974e4 on an H200 the same, 63 s warm)
 #   mps       the MPS module (the TP 2, 4 and 8 engines, the captured loop: 295 s at 170deed, every test passing)
 #   qualify   qualification, bf16, TP 1: the default engine (322 s at 8d0c782 with the split), then --router-fold
 #   qualify2a qualification, bf16, TP 2 on one GPU under MPS: the healthy engine, lossless and the first eight
@@ -36,7 +36,7 @@
 #   step2     the sliding layers' one K/V tile in flight and the top-k's 1024 tile against the two and 2048 before them
 #             (same bits; with full layers' two, since back at three, 0.9903x paired at 61d6ab7)
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
-#   candidate a numerical candidate (CANDIDATE="OP.FIELD=VALUE ...", e.g. attention_sliding.min_split=64):
+#   candidate a numerical candidate (CANDIDATE="OP.FIELD=VALUE ...", e.g. attention_full.long_split=128):
 #             qualification at TP 1 with it, the round paired against the defaults at 1K, then its context sweep, in
 #             one call (each part within its own limit; 17fb4ea's took 259 s to qualify)
 set -euo pipefail
@@ -50,7 +50,8 @@ candidate_settings() {  # CANDIDATE="OP.FIELD=VALUE ..." (fast/kernel_settings.p
   variant=triton$(printf '@%s' $settings)
 }
 # Compiled kernels travel between calls (ci/triton_cache.py): carried in from .triton-cache/ beside ci/, brought back
-# from every stage (copy the returned triton-cache-part-* files into that folder before the next snapshot).
+# from every stage (copy the returned triton-cache-part-* files into that folder before the next snapshot). The tool
+# brings back eight files a call: a stage that writes more gets them as one results.tar.xz (tar xf it).
 export TRITON_CACHE_DIR=/tmp/iquest-triton-cache
 python3 "$here/triton_cache.py" unpack "$here/../.triton-cache" "$TRITON_CACHE_DIR" \
   || echo "triton cache: not unpacked" >&2

@@ -7,7 +7,8 @@ into the files the device tool brings back, and the next call carries them in an
     python3 ci/triton_cache.py unpack CARRIED_DIR CACHE_DIR
     python3 ci/triton_cache.py pack CACHE_DIR OUT_DIR
 Only what a cache hit reads travels (each kernel's binary, its metadata and group files, the compiled launchers); the
-intermediate IR stays behind. The cache must sit at the same absolute path on both machines: its group files name their
+intermediate IR stays behind. Where a stage's own files and the parts together pass the tool's eight files, the stage's
+files go into one `results.tar.xz` first (`tar xf` it where the files land), so that neither is left out. The cache must sit at the same absolute path on both machines: its group files name their
 members by path.
 """
 
@@ -20,6 +21,21 @@ PART_BYTES = 15 << 20  # the device tool brings back files of at most 16 MiB
 FILES_BACK = 8  # and at most eight of them
 LEFT_BEHIND = {".ttir", ".ttgir", ".llir", ".ptx", ".source", ".amdgcn"}
 PREFIX = "triton-cache-part-"
+BUNDLE = "results.tar.xz"
+
+
+def _bundle(out: Path, files: list[Path]) -> bool:
+    """The stage's `files` as one xz tar in `out`, in their place; False (nothing changed) if it would not come back."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:xz", preset=6) as tar:
+        for path in files:
+            tar.add(path, arcname=path.name)
+    if len(buffer.getvalue()) > PART_BYTES:
+        return False
+    (out / BUNDLE).write_bytes(buffer.getvalue())
+    for path in files:
+        path.unlink()
+    return True
 
 
 def pack(cache: Path, out: Path) -> None:
@@ -30,7 +46,11 @@ def pack(cache: Path, out: Path) -> None:
                 tar.add(path, arcname=str(path.relative_to(cache)))
     data = buffer.getvalue()
     parts = [data[i:i + PART_BYTES] for i in range(0, len(data), PART_BYTES)]
-    room = FILES_BACK - sum(1 for p in out.iterdir() if p.is_file())
+    results = sorted(p for p in out.iterdir() if p.is_file())
+    room = FILES_BACK - len(results)
+    if len(parts) > room and len(results) > 1 and len(parts) < FILES_BACK and _bundle(out, results):
+        print(f"triton cache: the stage's {len(results)} files bundled into {BUNDLE} to make room")
+        room = FILES_BACK - 1
     if len(parts) > room:
         print(f"triton cache: {len(data) >> 20} MiB needs {len(parts)} files, {room} left to bring back: not packed")
         return

@@ -49,14 +49,39 @@ def test_a_cache_travels_in_parts_without_its_ir(tmp_path, carry, capsys):
     assert (again / "ab12" / "k.cubin").read_bytes() == (cache / "ab12" / "k.cubin").read_bytes()
 
 
-def test_no_parts_when_they_would_not_all_come_back(tmp_path, carry, capsys):
+def test_a_stage_with_many_files_has_them_bundled_to_make_room(tmp_path, carry, capsys):
+    import tarfile
+
     cache, out = _cache(tmp_path, 100 << 10), tmp_path / "out"
     out.mkdir()
     for i in range(7):  # the tool brings back eight files: one left, two needed
+        (out / f"log{i}").write_text(f"line {i}\n" * 100)
+    carry.pack(cache, out)
+    assert "7 files bundled" in capsys.readouterr().out
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted([carry.PREFIX + "00", carry.PREFIX + "01", carry.BUNDLE])
+    with tarfile.open(out / carry.BUNDLE) as tar:
+        assert sorted(tar.getnames()) == [f"log{i}" for i in range(7)]
+        assert tar.extractfile("log3").read().decode() == "line 3\n" * 100
+
+
+def test_few_files_stay_as_they_are(tmp_path, carry):
+    cache, out = _cache(tmp_path, 100 << 10), tmp_path / "out"
+    out.mkdir()
+    for i in range(6):  # six and two parts: all eight come back
+        (out / f"log{i}").write_text("x")
+    carry.pack(cache, out)
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(carry.PREFIX)) == [f"log{i}" for i in range(6)]
+
+
+def test_no_parts_when_they_would_not_all_come_back(tmp_path, carry, capsys):
+    cache, out = _cache(tmp_path, 600 << 10), tmp_path / "out"  # ten parts: more than the tool brings back
+    out.mkdir()
+    for i in range(3):
         (out / f"log{i}").write_text("x")
     carry.pack(cache, out)
     assert "not packed" in capsys.readouterr().out
-    assert not any(p.name.startswith(carry.PREFIX) for p in out.iterdir())
+    assert sorted(p.name for p in out.iterdir()) == ["log0", "log1", "log2"]  # the stage's files untouched
 
 
 def test_nothing_carried_is_a_cold_start(tmp_path, carry, capsys):
