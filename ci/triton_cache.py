@@ -8,8 +8,8 @@ into the files the device tool brings back, and the next call carries them in an
     python3 ci/triton_cache.py pack CACHE_DIR OUT_DIR
 Only what a cache hit reads travels (each kernel's binary, its metadata and group files, the compiled launchers); the
 intermediate IR stays behind. Where a stage's own files and the parts together pass the tool's eight files, the stage's
-files go into one `results.tar.xz` first (`tar xf` it where the files land), so that neither is left out. The cache must sit at the same absolute path on both machines: its group files name their
-members by path.
+files go into one `results.tar.xz` first (`tar xf` it where the files land), so that neither is left out. The cache
+must sit at the same absolute path on both machines: its group files name their members by path.
 """
 
 import io

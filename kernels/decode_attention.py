@@ -75,9 +75,8 @@ class AttentionSettings:
     # the grid's splits (None: about two programs an SM at full capacity, `default_num_splits`: the 264 of a full
     # layer on an H200 in docs/PERF.md's "context sweep")
     num_splits: int | None = None
-    # programs a (KV head, SM) that the default grid asks for at full capacity: two streamed best at 512K; one makes
-    # a 16K split two 64-slot tiles, not one, halving the fp32 partials written and merged (a candidate: docs/PERF.md,
-    # "Open directions", the context target)
+    # programs a (KV head, SM) that the default grid asks for at full capacity: two; one halves a 16K cache's fp32
+    # partials but does not stream a 512K one (docs/PERF.md, "Decisions rejected", one attention program an SM)
     programs_per_sm: int = 2
     # warps of a split program: the fastest `bench tune` found (docs/PERF.md, "Launch configurations")
     num_warps: int = 4
