@@ -33,6 +33,8 @@
 #             access; block_n=16 alone ran clean)
 #   tunectx   the attention's tune at 1K, 4K and 16K (the context sweep's excess sits at 4K-16K), an op a process
 #   stepctx   a candidate (CANDIDATE=...) paired with the defaults in the round at 4K and 16K
+#   pair512   the defaults against three K/V tiles in flight on full layers (the default before e4c5984), paired in one
+#             process at 512K: two engines there need an H200's memory (an H100 ran out at c29c1b3)
 #   step2     the sliding layers' one K/V tile in flight and the top-k's 1024 tile against the two and 2048 before them
 #             (same bits; with full layers' two, since back at three, 0.9903x paired at 61d6ab7)
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
@@ -131,6 +133,12 @@ case "${1:-}" in
         || echo "bench step $ctx: exit $?" >&2
       grep -E "against triton|differs at|identical" "$out/step-cand-$tag-ctx$ctx-d5-$sha.log"
     done ;;
+  pair512)
+    timeout 500 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --context 524160 \
+      --history synthetic --kernels triton,triton@attention_full.num_stages=3 \
+      --out "$out/step-full3stages-ctx524160-$sha.json" > "$out/step-full3stages-ctx524160-$sha.log" 2>&1 \
+      || echo "bench step 512K: exit $?" >&2
+    grep -E "against triton|differs at|identical|OutOfMemory" "$out/step-full3stages-ctx524160-$sha.log" ;;
   step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
     kernels="triton,triton^qkv_rope,triton~route:38"
     [ "$1" = step2 ] && kernels=triton,triton@attention_sliding.num_stages=2@topk.tile=2048
@@ -200,6 +208,6 @@ case "${1:-}" in
       > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
     tail -8 "$out/depth-mini-cuda-$sha.log" ;;
   *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|qualify2one|step|agent|rest|depthprobe|fold|"\
-"ncu|trace|tune|tunectx|stepctx|step2|prefetch|tests|mps|qualify|candidate)" >&2
+"ncu|trace|tune|tunectx|stepctx|pair512|step2|prefetch|tests|mps|qualify|candidate)" >&2
      exit 2 ;;
 esac
