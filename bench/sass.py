@@ -131,8 +131,8 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
     out: dict[str, KernelSpec] = {}
 
     # ---- attention: the split kernel on a full layer and a sliding one, the combine at a short and a long cache
-    def splits(slots: int, st) -> int:  # default_num_splits with the SM count given
-        return max(1, min(triton.cdiv(slots + 1, st.split_min), max(1, st.programs_per_sm * H200_SMS // hkv)))
+    def splits(slots: int, st) -> int:  # the grid of a cache of slots + 1 slots (the engine's), on an H200
+        return da.default_num_splits(slots + 1, hkv, H200_SMS, st.split_min)
 
     line_elems, lines = prefetch_lines(D, 2)
     q_ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", slot_pos_ptr="*i64", q_pos_ptr="*i64",
@@ -150,7 +150,7 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
                  EARLY_SLOTS=da.EARLY_SLOTS if st.early else 0, LINE_ELEMS=line_elems, LINES=lines),
             st.num_warps, st.num_stages, f"attention splits ({'full layer' if window is None else 'sliding layer'}, "
                                          f"{slots} + 1 slots: {n} splits of >= {st.split_min}; {R} rows x {G} heads)")
-    long_slots = full.programs_per_sm * H200_SMS * full.split_min  # from here on a full layer gets its most splits
+    long_slots = 2 * H200_SMS * full.split_min  # from here on a full layer gets its most splits
     for name, slots in (("attention_combine", context + FULL_SLACK), ("attention_combine_long", long_slots)):
         st = full
         n = splits(slots, st)

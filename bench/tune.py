@@ -69,8 +69,7 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     # one or two K/V tiles
     "attention_full": ({"block_n": 32}, {"block_n": 128}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3},
                                                                           {"num_splits": 64}, {"num_splits": 128},
-                                                                          {"programs_per_sm": 1}, {"long_split": 128},
-                                                                          {"programs_per_sm": 1, "combine_splits": 256}),
+                                                                          {"long_split": 128}),
     "attention_sliding": ({"block_n": 16}, {"block_n": 64}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3},
                                                                             {"combine_splits": 128}, {"min_split": 64},
                                                                             {"num_splits": 32}, {"num_splits": 64},
@@ -134,8 +133,8 @@ GRIDS: dict[str, tuple[dict, ...]] = {
 # class's docstring, plus the MoE's K steps (each step's dot is added to the accumulator: the step's width groups the
 # products), Gate/Up's scale form (a rounding fewer) and the norms' warps (a row's sum of squares is a tree over its
 # threads).
-_ATTENTION_ORDER = frozenset({"block_n", "min_split", "long_split", "long_from", "num_splits", "programs_per_sm",
-                              "num_warps", "combine_splits", "combine_cols", "combine_warps"})
+_ATTENTION_ORDER = frozenset({"block_n", "min_split", "long_split", "long_from", "num_splits", "num_warps",
+                              "combine_splits", "combine_cols", "combine_warps"})
 ORDER_FIELDS: dict[str, frozenset[str]] = {
     "linear_qkv": frozenset({"block_n", "split_k"}), "linear_o": frozenset({"block_n", "split_k"}),
     "attention_full": _ATTENTION_ORDER, "attention_sliding": _ATTENTION_ORDER, "attention_draft": _ATTENTION_ORDER,

@@ -75,9 +75,6 @@ class AttentionSettings:
     # the grid's splits (None: about two programs an SM at full capacity, `default_num_splits`: the 264 of a full
     # layer on an H200 in docs/PERF.md's "context sweep")
     num_splits: int | None = None
-    # programs a (KV head, SM) that the default grid asks for at full capacity: two; one halves a 16K cache's fp32
-    # partials but does not stream a 512K one (docs/PERF.md, "Decisions rejected", one attention program an SM)
-    programs_per_sm: int = 2
     # warps of a split program: the fastest `bench tune` found (docs/PERF.md, "Launch configurations")
     num_warps: int = 4
     # K/V tiles in flight a split: 1 on both layer types (`FULL`, `SLIDING`; docs/PERF.md, "Current state", one tile
@@ -98,7 +95,7 @@ class AttentionSettings:
 
     def splits(self, slots: int, kv_heads: int, device: torch.device) -> int:
         """The grid's splits for a cache of `slots` slots (its workspace's size)."""
-        return self.num_splits or default_num_splits(slots, kv_heads, device, self.split_min, self.programs_per_sm)
+        return self.num_splits or default_num_splits(slots, kv_heads, _sm_count(device), self.split_min)
 
     @property
     def split_min(self) -> int:
@@ -124,9 +121,10 @@ def settings_for(window: int | None) -> AttentionSettings:
     return FULL if window is None else SLIDING
 
 
-def default_num_splits(slots: int, kv_heads: int, device: torch.device, min_split: int, per_sm: int = 2) -> int:
-    """Enough splits for about `per_sm` programs per SM at full capacity; short caches use fewer."""
-    return max(1, min(triton.cdiv(slots, min_split), max(1, per_sm * _sm_count(device) // kv_heads)))
+def default_num_splits(slots: int, kv_heads: int, sms: int, min_split: int) -> int:
+    """Enough splits for about two programs per SM at full capacity (one does not stream a 512K cache: docs/PERF.md,
+    "Decisions rejected", one attention program an SM); short caches use fewer."""
+    return max(1, min(triton.cdiv(slots, min_split), max(1, 2 * sms // kv_heads)))
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -317,8 +315,6 @@ def _check_settings(st: AttentionSettings) -> None:
     _check(isinstance(st.long_from, int) and st.long_from >= 1, f"long_from must be an int >= 1, got {st.long_from!r}")
     _check(st.num_splits is None or (isinstance(st.num_splits, int) and st.num_splits >= 1),
            f"num_splits must be None or an int >= 1, got {st.num_splits!r}")
-    _check(isinstance(st.programs_per_sm, int) and st.programs_per_sm >= 1,
-           f"programs_per_sm must be an int >= 1, got {st.programs_per_sm!r}")
     _check(isinstance(st.num_stages, int) and st.num_stages >= 1,
            f"num_stages must be an int >= 1, got {st.num_stages!r}")
     _check(st.num_warps in (1, 2, 4, 8, 16), f"num_warps {st.num_warps} must be a power of two <= 16")

@@ -33,7 +33,7 @@ def one(name: str) -> None:
     case = tune.build(op, tune.rank_shapes(0), 6, context, 9, dev, 0, pdl)
     st = dataclasses.replace(tune.default_settings(op), **overrides)
     calls = case.calls(st)
-    for i, call in enumerate(calls[:4] + calls[-2:]):  # the first copies, and the last (the rotation's far end)
+    for call in calls[:4] + calls[-2:]:  # the first copies, and the last (the rotation's far end)
         call()
         torch.cuda.synchronize()
     print(f"{name}: ok ({len(calls)} copies)", flush=True)

@@ -51,10 +51,10 @@ def qualify_cases(vocab: int, quick: bool, ring: int, seed: int = 0) -> tuple[li
     wraps the ring; a "wide" one (temperature 3, top_k as wide as a rank's candidates go, fast/rank.MAX_CANDIDATES,
     top_p 1) under which even an untrained draft is often accepted, so the paths after an accepted draft run on a
     random fixture too; and, in the full mode, more lengths and depths (the fitted controller included) and a greedy
-    one. The quick mode's long request drafts 3 a round, not 7: its point is the window and the ring, the wide one
-    reaches every depth and verification row, and three drafts there cut the quick mode's time by a sixth (the full
-    mode's first request wraps the ring at 7). `seed` picks the prompts and the
-    request seeds (seed 0: the historical first case). Returns (cases, stability prefix, appended tokens)."""
+    one. The quick mode's long request drafts 3 a round, not 7: its point is the window and the ring, and the wide one
+    reaches every depth and verification row (the full mode's first request wraps the ring at 7). `seed` picks the
+    prompts and the request seeds (seed 0: the historical first case). Returns (cases, stability prefix, appended
+    tokens)."""
     gen = torch.Generator().manual_seed(7 + seed)
     need = ring + 8
     base = seed << 32

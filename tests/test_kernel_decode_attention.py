@@ -289,16 +289,14 @@ def test_settings_defaults():
         da.FULL.block_n = 32  # frozen: a default cannot be edited in place
 
 
-def test_default_splits_programs_per_sm(monkeypatch):
-    """The default grid caps a long cache's splits at programs_per_sm x SMs / KV heads; a short cache keeps one split
-    a min_split slots, whatever the cap."""
+def test_default_splits(monkeypatch):
+    """The default grid caps a long cache's splits at two programs an SM per KV head; a short cache keeps one split a
+    min_split slots, whatever the cap."""
     monkeypatch.setattr(da, "_sm_count", lambda device: 132)
     cpu, long, short = torch.device("cpu"), 512 * 1024, 1120
     assert da.FULL.splits(long, 1, cpu) == 264 and da.FULL.splits(long, 2, cpu) == 132
-    one = dataclasses.replace(da.FULL, programs_per_sm=1)
-    assert one.splits(long, 1, cpu) == 132 and one.splits(16480, 1, cpu) == 132
-    assert one.splits(short, 1, cpu) == da.FULL.splits(short, 1, cpu) == 18
-    assert dataclasses.replace(one, num_splits=7).splits(long, 1, cpu) == 7  # an explicit count wins
+    assert da.FULL.splits(16480, 1, cpu) == 258 and da.FULL.splits(short, 1, cpu) == 18
+    assert dataclasses.replace(da.FULL, num_splits=7).splits(long, 1, cpu) == 7  # an explicit count wins
 
 
 def _args(**over):
@@ -324,7 +322,6 @@ def _args(**over):
     (dict(q=torch.randn(30, 6, 16), positions=torch.arange(30)), "rows x heads"),
     (dict(settings=da.AttentionSettings(block_n=24)), "block_n"),
     (dict(settings=da.AttentionSettings(block_n=32, min_split=48)), "min_split"),
-    (dict(settings=da.AttentionSettings(programs_per_sm=0)), "programs_per_sm"),
     (dict(settings=da.AttentionSettings(block_n=32, long_split=48)), "long_split"),
     (dict(settings=da.AttentionSettings(block_n=32, min_split=64, long_split=32)), "long_split"),
     (dict(settings=da.AttentionSettings(long_from=0)), "long_from"),
