@@ -64,16 +64,13 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     "linear_o": _LINEAR + ({"split_k": 2}, {"split_k": 3}, {"split_k": 12}),
     # full layers stream 64-slot K/V tiles one in flight by default, sliding ones 32-slot tiles: each grid tries the
     # tiles and depths around its own (and sliding ones, merging up to 256 splits a combine step, the full layers' 128).
-    # A capped grid (num_splits) and long splits from 3K slots on (long_split) keep 1K's splits (17 on full layers, 33
-    # on sliding ones) and make them longer past it, where each split's fp32 partials (18.7 KB at 6 rows) outweigh its
-    # one or two K/V tiles
+    # A capped grid (num_splits) keeps 1K's splits (17 on full layers, 33 on sliding ones, under 64) and makes them
+    # longer past it, where each split's fp32 partials (18.7 KB at 6 rows) outweigh its one or two K/V tiles
     "attention_full": ({"block_n": 32}, {"block_n": 128}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3},
-                                                                          {"num_splits": 64}, {"num_splits": 128},
-                                                                          {"long_split": 128}),
+                                                                          {"num_splits": 64}, {"num_splits": 128}),
     "attention_sliding": ({"block_n": 16}, {"block_n": 64}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3},
                                                                             {"combine_splits": 128}, {"min_split": 64},
-                                                                            {"num_splits": 32}, {"num_splits": 64},
-                                                                            {"long_split": 64}),
+                                                                            {"num_splits": 32}, {"num_splits": 64}),
     "attention_draft": ({"block_n": 16}, {"block_n": 64}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3}),
     "qk_rope_kv": ({"num_warps": 2}, {"num_warps": 4}),
     # the q/k/v projection ending in the prologue (kernels/qkv_rope_kv.py), one head a tile (8 tiles): the default
@@ -133,8 +130,8 @@ GRIDS: dict[str, tuple[dict, ...]] = {
 # class's docstring, plus the MoE's K steps (each step's dot is added to the accumulator: the step's width groups the
 # products), Gate/Up's scale form (a rounding fewer) and the norms' warps (a row's sum of squares is a tree over its
 # threads).
-_ATTENTION_ORDER = frozenset({"block_n", "min_split", "long_split", "long_from", "num_splits", "num_warps",
-                              "combine_splits", "combine_cols", "combine_warps"})
+_ATTENTION_ORDER = frozenset({"block_n", "min_split", "num_splits", "num_warps", "combine_splits", "combine_cols",
+                              "combine_warps"})
 ORDER_FIELDS: dict[str, frozenset[str]] = {
     "linear_qkv": frozenset({"block_n", "split_k"}), "linear_o": frozenset({"block_n", "split_k"}),
     "attention_full": _ATTENTION_ORDER, "attention_sliding": _ATTENTION_ORDER, "attention_draft": _ATTENTION_ORDER,

@@ -38,7 +38,7 @@
 #   step2     the sliding layers' one K/V tile in flight and the top-k's 1024 tile against the two and 2048 before them
 #             (same bits; with full layers' two, since back at three, 0.9903x paired at 61d6ab7)
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
-#   candidate a numerical candidate (CANDIDATE="OP.FIELD=VALUE ...", e.g. attention_full.long_split=128):
+#   candidate a numerical candidate (CANDIDATE="OP.FIELD=VALUE ...", e.g. attention_full.min_split=128):
 #             qualification at TP 1 with it, the round paired against the defaults at 1K, then its context sweep, in
 #             one call (each part within its own limit; 17fb4ea's took 259 s to qualify)
 set -euo pipefail

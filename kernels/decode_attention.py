@@ -28,8 +28,7 @@ The slots read are bounded on the device, with no host sync (so the call can be 
 kernels take kv_len = max(positions) + 1 themselves, clamped to the cache. No visible slot lies at or past it, since a
 full layer's slot index is its position and a ring slot's index never exceeds the position it holds; splits that
 start past it exit at once, so a full layer's preallocated capacity costs nothing. The split length follows kv_len:
-every live split gets an equal share, in whole tiles of at least `min_split` slots (`long_split` from `long_from`
-slots of history on).
+every live split gets an equal share, in whole tiles of at least `min_split` slots.
 
 Launch choices (tile, splits, warps, stages, the combine's shape, reads before the PDL wait) are `AttentionSettings`;
 why each value, with its measurements, is in docs/PERF.md.
@@ -67,11 +66,6 @@ class AttentionSettings:
     # the grid streams (docs/PERF.md, "Launch configurations"); longer splits starve the grid (256-slot splits,
     # rejected: docs/PERF.md, "The context sweep")
     min_split: int | None = None
-    # from `long_from` slots of history on, a split takes at least `long_split` slots (None: `min_split` at every
-    # length). Past a few thousand slots a one-tile split's fp32 partials (18.7 KB at 6 rows) cost more than its tile;
-    # below, the splits' parallelism pays (docs/PERF.md, "Current state", the attention's tunes at 1K, 4K and 16K)
-    long_split: int | None = None
-    long_from: int = 3072
     # the grid's splits (None: about two programs an SM at full capacity, `default_num_splits`: the 264 of a full
     # layer on an H200 in docs/PERF.md's "context sweep")
     num_splits: int | None = None
@@ -101,10 +95,6 @@ class AttentionSettings:
     def split_min(self) -> int:
         return self.block_n if self.min_split is None else self.min_split
 
-    @property
-    def split_long(self) -> int:
-        return self.split_min if self.long_split is None else self.long_split
-
 
 # A full layer's splits grow long with the context (264 splits of ~2K slots at 512K): 64-slot tiles (32-slot ones cost
 # 1.85x the added KV bytes: docs/PERF.md, "Current state", the context sweeps of 1946ffa), one in flight: the same bits
@@ -131,13 +121,9 @@ def default_num_splits(slots: int, kv_heads: int, sms: int, min_split: int) -> i
 
 
 @triton.jit
-def _split_len(kv_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-               LONG_SPLIT: tl.constexpr, LONG_FROM: tl.constexpr):
+def _split_len(kv_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
     per = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    least = MIN_SPLIT
-    if LONG_SPLIT > MIN_SPLIT:
-        least = tl.where(kv_len >= LONG_FROM, LONG_SPLIT, MIN_SPLIT)
-    return tl.maximum(per, least)
+    return tl.maximum(per, MIN_SPLIT)
 
 
 @triton.jit
@@ -158,7 +144,7 @@ def _attention_split_kernel(
     G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, SLIDING: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr = False, R_PAD: tl.constexpr = 16, EARLY_SLOTS: tl.constexpr = 0,
-    LINE_ELEMS: tl.constexpr = 64, LINES: tl.constexpr = 2, LONG_SPLIT: tl.constexpr = 0, LONG_FROM: tl.constexpr = 0,
+    LINE_ELEMS: tl.constexpr = 64, LINES: tl.constexpr = 2,
 ):
     g = tl.program_id(0)
     split = tl.program_id(1)
@@ -169,7 +155,7 @@ def _attention_split_kernel(
     # requested into L2 (a hint: L2 is coherent, so a line the previous kernel is still writing is read again
     # correctly after the wait).
     kv_len = _kv_len(q_pos_ptr, S, R, R_PAD)
-    split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT, LONG_SPLIT, LONG_FROM)
+    split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
     start = split * split_len
     if EARLY_SLOTS > 0:
         ahead = start + tl.arange(0, EARLY_SLOTS)
@@ -267,7 +253,6 @@ def _attention_combine_kernel(
     G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     COLS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_SINK: tl.constexpr,
     PDL: tl.constexpr = False, R_PAD: tl.constexpr = 16, PRELOAD: tl.constexpr = False, EARLY: tl.constexpr = False,
-    LONG_SPLIT: tl.constexpr = 0, LONG_FROM: tl.constexpr = 0,
 ):
     # One program a (KV head, row, COLS columns), its warps across BLOCK_S splits a step: a step's partials are all
     # requested at once, so a program pays one dependent L2 round trip a step and many programs share the work.
@@ -285,7 +270,7 @@ def _attention_combine_kernel(
     if not EARLY:
         wait_for_inputs(PDL)
     kv_len = _kv_len(q_pos_ptr, S, R, R_PAD)  # EARLY: the positions are two launches back, as in the split kernel
-    split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT, LONG_SPLIT, LONG_FROM)
+    split_len = _split_len(kv_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
     n_live = tl.cdiv(kv_len, split_len)  # <= NUM_SPLITS; later splits exited without storing
     if EARLY:  # the partials' loads go out right after the wait, not after a load of the positions
         wait_for_inputs(PDL)
@@ -310,9 +295,6 @@ def _check_settings(st: AttentionSettings) -> None:
     _check(_pow2(st.block_n, 16), f"block_n {st.block_n} must be a power of two >= 16")
     _check(st.split_min >= st.block_n and st.split_min % st.block_n == 0,
            f"min_split {st.min_split} must be a multiple of block_n")
-    _check(st.split_long >= st.split_min and st.split_long % st.block_n == 0,
-           f"long_split {st.long_split} must be a multiple of block_n, at least min_split")
-    _check(isinstance(st.long_from, int) and st.long_from >= 1, f"long_from must be an int >= 1, got {st.long_from!r}")
     _check(st.num_splits is None or (isinstance(st.num_splits, int) and st.num_splits >= 1),
            f"num_splits must be None or an int >= 1, got {st.num_splits!r}")
     _check(isinstance(st.num_stages, int) and st.num_stages >= 1,
@@ -404,14 +386,12 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
         G=G, D=D, NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(RG)), BLOCK_N=st.block_n,
         MIN_SPLIT=st.split_min, SLIDING=window is not None, F32=f32, PREC="ieee" if f32 else "tf32", R_PAD=r_pad,
         num_warps=st.num_warps, num_stages=st.num_stages, EARLY_SLOTS=EARLY_SLOTS if early else 0,
-        LINE_ELEMS=line_elems, LINES=lines, LONG_SPLIT=st.split_long, LONG_FROM=st.long_from,
-        **launch_options(pdl, q.device))
+        LINE_ELEMS=line_elems, LINES=lines, **launch_options(pdl, q.device))
     cols, max_splits = min(st.combine_cols, D), max(16, triton.next_power_of_2(num_splits))
     _attention_combine_kernel[(Hkv * RG * (D // cols),)](
         part_m, part_l, part_acc, q, sink_k if sink_k is not None else part_m, positions, out,
         S, R, qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         G=G, D=D, NUM_SPLITS=num_splits, MAX_SPLITS=max_splits, BLOCK_S=min(st.combine_splits, max_splits),
         COLS=cols, BLOCK_N=st.block_n, MIN_SPLIT=st.split_min, HAS_SINK=sink_k is not None, R_PAD=r_pad,
-        num_warps=st.combine_warps, PRELOAD=st.preload, EARLY=early, LONG_SPLIT=st.split_long, LONG_FROM=st.long_from,
-        **launch_options(pdl, q.device))
+        num_warps=st.combine_warps, PRELOAD=st.preload, EARLY=early, **launch_options(pdl, q.device))
     return out

@@ -82,14 +82,6 @@ CASES = [
          settings=dict(num_splits=24, block_n=16, combine_splits=32, combine_cols=16, combine_warps=2)),
     case("full_40_live_splits_three_steps", capacity=700, last=639, dtype="bf16",
          settings=dict(num_splits=48, block_n=16, combine_splits=16, combine_cols=32, combine_warps=1)),
-    # long splits: from 200 slots of history on, 48-slot splits (7 live at 320 slots) in place of 16-slot ones (20);
-    # below it (151 slots) the 16-slot splits stay (10 live)
-    case("full_7_long_live_splits", capacity=400, last=319,
-         settings=dict(num_splits=24, block_n=16, long_split=48, long_from=200)),
-    case("full_10_short_live_splits_before_long_from", capacity=400, last=150,
-         settings=dict(num_splits=24, block_n=16, long_split=48, long_from=200)),
-    case("sliding_long_splits_bf16", kind="sliding", dtype="bf16", last=163,
-         settings=dict(num_splits=3, block_n=16, long_split=32, long_from=30)),
     # `edge`: the ring slot of the first row's first visible position. Rings of 36 slots, window 20: at last=98 the
     # first row (91) sees from 72, in slot 0, and its last invisible position (71) sits in the ring's last slot
     case("sliding_wrap_edge_at_slot_0_8rows_fp32", kind="sliding", last=98, edge=0,
@@ -202,7 +194,7 @@ def run_case(c: dict, device: str) -> dict:
     r = compare(t, run_kernel(t, st), TOL[c["dtype"] + ("_gpu" if device != "cpu" else "")])
     kv_len = max(int(t["positions"].max()) + 1, 0)
     per = max(-(-(-(-kv_len // st.splits(t["k"].shape[0], c["Hkv"], t["q"].device))) // st.block_n) * st.block_n,
-              st.split_long if kv_len >= st.long_from else st.split_min)  # the kernels' _split_len
+              st.split_min)  # the kernels' _split_len
     r["live_splits"] = -(-kv_len // per)
     if device != "cpu":  # PDL with the early reads and the preloaded sink logit: scheduling only, the same bits
         r["pdl_same"] = bool(torch.equal(run_kernel(t, st), run_kernel(t, st, pdl=True)))
@@ -216,8 +208,8 @@ def check(c: dict, r: dict, tol: tuple) -> None:
     assert r["excess"] <= 0, (f"{c['name']}: |kernel - ref| over the bound ({tol[0]:.1e} mass + {tol[1]:.1e} |ref|) "
                               f"by {r['excess']:.2e}; worst error {r['err_in_mass']:.2e} mass")
     assert r.get("pdl_same", True), "PDL, early reads or the preloaded sink changed the output"
-    for n in (20, 40, 7, 10):  # the cases meant to take each form of the combine, and each split length, do
-        if f"_{n}_live_splits" in c["name"] or f"_{n}_long_live_splits" in c["name"] or f"_{n}_short_live" in c["name"]:
+    for n in (20, 40):  # the cases meant to take each form of the combine do
+        if f"_{n}_live_splits" in c["name"]:
             assert r["live_splits"] == n, r
 
 
@@ -322,9 +314,6 @@ def _args(**over):
     (dict(q=torch.randn(30, 6, 16), positions=torch.arange(30)), "rows x heads"),
     (dict(settings=da.AttentionSettings(block_n=24)), "block_n"),
     (dict(settings=da.AttentionSettings(block_n=32, min_split=48)), "min_split"),
-    (dict(settings=da.AttentionSettings(block_n=32, long_split=48)), "long_split"),
-    (dict(settings=da.AttentionSettings(block_n=32, min_split=64, long_split=32)), "long_split"),
-    (dict(settings=da.AttentionSettings(long_from=0)), "long_from"),
 ])
 def test_rejects_bad_inputs(over, message):
     with pytest.raises(ValueError, match=message):
