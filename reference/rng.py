@@ -81,18 +81,27 @@ def _check_seed(seed: int) -> None:
         raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
 
 
-def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi, lo) 32-bit words of the 64-bit product a * b, for a 32-bit constant `a` and uint32 `b`.
+def _mul32(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit words of the 64-bit product a * b, for uint32 `a` and `b` held in int64.
 
     The full product needs 64 unsigned bits and would overflow int64, so b is split into 16-bit halves:
     each partial product stays below 2**48.
     """
-    b_lo, b_hi = b & 0xFFFF, b >> 16
-    p_lo = a * b_lo
-    t = a * b_hi + (p_lo >> 16)  # a*b = t * 2**16 + (p_lo & 0xFFFF)
-    hi = t >> 16
-    lo = ((t & 0xFFFF) << 16) | (p_lo & 0xFFFF)
-    return hi, lo
+    p_lo = a * (b & 0xFFFF)
+    t = a * (b >> 16) + (p_lo >> 16)  # a*b = t * 2**16 + (p_lo & 0xFFFF)
+    return t >> 16, ((t & 0xFFFF) << 16) | (p_lo & 0xFFFF)
+
+
+def _pair(first, second, like: torch.Tensor) -> torch.Tensor:
+    """[2, 1, ...] int64 on like's device, broadcasting against `like`: two Python ints (filled, not copied from the
+    host, so a CUDA graph can capture it) or two 0-dim tensors."""
+    shape = (2,) + (1,) * like.dim()
+    if isinstance(first, torch.Tensor):
+        return torch.stack((first, second)).view(shape)
+    out = torch.empty(shape, dtype=torch.int64, device=like.device)
+    out[0].fill_(first)
+    out[1].fill_(second)
+    return out
 
 
 def philox_words(c0: torch.Tensor, k0, k1) -> tuple[torch.Tensor, ...]:
@@ -100,17 +109,23 @@ def philox_words(c0: torch.Tensor, k0, k1) -> tuple[torch.Tensor, ...]:
 
     `c0` holds uint32 values in an int64 tensor; the key words are Python ints or int64 tensors (the
     fast engine keeps the request seed on the device). One implementation for both engines.
+
+    A round's two products are one tensor op: `mul` holds (c2, c0) against the multipliers (B, A), `keep`
+    holds (c1, c3), so a round is (c0', c2') = hi ^ (c1, c3) ^ (k0, k1) and (c1', c3') = lo, then (c0', c2')
+    turned back into (c2', c0') for the next products: half the tensor ops of the two lanes apart, and a draw's
+    time is its count of small ops.
     """
-    c1 = torch.zeros_like(c0)
-    c2 = torch.zeros_like(c0)
-    c3 = torch.zeros_like(c0)
+    multipliers = _pair(PHILOX_ROUND_B, PHILOX_ROUND_A, c0)
+    bump = _pair(PHILOX_KEY_A, PHILOX_KEY_B, c0)
+    key = _pair(k0, k1, c0)
+    mul = torch.stack((torch.zeros_like(c0), c0))
+    keep = torch.zeros_like(mul)
     for _ in range(PHILOX_ROUNDS):
-        hi_b, lo_b = _mul32(PHILOX_ROUND_B, c2)
-        hi_a, lo_a = _mul32(PHILOX_ROUND_A, c0)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
-        k0 = (k0 + PHILOX_KEY_A) & _MASK32
-        k1 = (k1 + PHILOX_KEY_B) & _MASK32
-    return c0, c1, c2, c3
+        hi, lo = _mul32(multipliers, mul)
+        mul = (hi ^ keep ^ key).flip(0)
+        keep = lo
+        key = (key + bump) & _MASK32
+    return mul[1], keep[0], mul[0], keep[1]
 
 
 def word_to_uniform(word: torch.Tensor) -> torch.Tensor:
