@@ -30,6 +30,7 @@ import triton.language as tl
 
 from iquest.fast.cache import LayerKV
 from iquest.kernels import decode_attention as da
+from iquest.kernels.decode_attention import _merge_splits
 from iquest.kernels.testing import interpreted_tests, substituted
 from iquest.reference.layers import attention
 
@@ -272,23 +273,10 @@ CONTROLS = {"full_8rows_fp32": False, "full_40_live_splits_three_steps": False, 
 def merge_means_as_sums(part_m_ptr, part_l_ptr, part_acc_ptr, first, RG, row, d, n_live, s_sink,
                         D: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, COLS: tl.constexpr,
                         MEANS: tl.constexpr):
-    """The merge that reads bf16 partials as if they were the splits' sums: each mean left unweighted by its split's
-    sum of exponentials (`MEANS` ignored), so the splits count by their maxima alone."""
-    every = tl.arange(0, MAX_SPLITS)
-    m = tl.max(tl.load(part_m_ptr + (first + every) * RG + row, mask=every < n_live, other=float("-inf")), axis=0)
-    m = tl.maximum(m, s_sink)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.arange(0, BLOCK_S)
-    den = tl.exp2(s_sink - m_safe)
-    acc = tl.zeros([COLS], tl.float32)
-    for s0 in range(0, n_live, BLOCK_S):
-        ok = s0 + s < n_live
-        part = (first + s0 + s) * RG + row
-        w = tl.exp2(tl.load(part_m_ptr + part, mask=ok, other=float("-inf")) - m_safe)
-        den += tl.sum(tl.load(part_l_ptr + part, mask=ok, other=0.0) * w, axis=0)
-        acc += tl.sum(tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-                      .to(tl.float32) * w[:, None], axis=0)
-    return acc, den
+    """The product's merge told that bf16 partials hold the splits' sums: each mean left unweighted by its split's sum
+    of exponentials, so the splits count by their maxima alone."""
+    return _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, first, RG, row, d, n_live, s_sink, D, MAX_SPLITS,
+                         BLOCK_S, COLS, False)
 
 
 # The bf16 partials' control: every case with them, merged as if they held sums (none has a single split, where a
