@@ -35,7 +35,6 @@ from ..kernels import fp8_linear as fl, fp8_linear_direct as fd
 TARGET = GPUTarget("cuda", 90, 32)
 SAMPLING_TOP_K = 20  # candidates a draft distribution holds: the mini model's generation top-k
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-_PARTIAL_PTR = {"fp32": "*fp32", "bf16": "*bf16"}  # AttentionSettings.partials -> the weighted V's pointer type
 FULL_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "iquest-q1.json"
 TP = 8
 ROWS = 6  # the decode block at depth 5
@@ -145,13 +144,13 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
                                     ("attention_split_bf16_partials", means, context + FULL_SLACK, None)):
         n = splits(slots, st)
         out[name] = _launch(
-            da._attention_split_kernel, dict(q_ptrs, part_acc_ptr=_PARTIAL_PTR[st.partials]),
+            da._attention_split_kernel, dict(q_ptrs, part_acc_ptr=f"*{st.partials}"),  # the partials' names are Triton's
             dict(S=slots + 1, R=R, window=window or 0, stride_qr=s.q_heads * D, stride_qh=D, stride_ks=hkv * D,
                  stride_kh=D, stride_vs=hkv * D, stride_vh=D), ("qk_scale",),
             dict(G=G, D=D, NUM_SPLITS=n, BLOCK_M=max(16, triton.next_power_of_2(R * G)), BLOCK_N=st.block_n,
                  MIN_SPLIT=st.split_min, SLIDING=window is not None, F32=False, PREC="tf32", PDL=True, R_PAD=16,
                  EARLY_SLOTS=da.EARLY_SLOTS if st.early else 0, LINE_ELEMS=line_elems, LINES=lines,
-                 MEANS=st.partials != "fp32"),
+                 MEANS=st.means),
             st.num_warps, st.num_stages, f"attention splits ({'full layer' if window is None else 'sliding layer'}, "
                                          f"{slots} + 1 slots: {n} splits of >= {st.split_min}; {R} rows x {G} heads; "
                                          f"{st.partials} partials)")
@@ -163,13 +162,13 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
         max_splits = max(16, triton.next_power_of_2(n))
         out[name] = _launch(
             da._attention_combine_kernel,
-            dict(part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr=_PARTIAL_PTR[st.partials], q_ptr="*bf16",
+            dict(part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr=f"*{st.partials}", q_ptr="*bf16",
                  sink_k_ptr="*fp32", q_pos_ptr="*i64", out_ptr="*bf16"),
             dict(S=slots + 1, R=R, stride_qr=s.q_heads * D, stride_qh=D, stride_or=s.q_heads * D, stride_oh=D),
             ("qk_scale",),
             dict(G=G, D=D, NUM_SPLITS=n, MAX_SPLITS=max_splits, BLOCK_S=min(st.combine_splits, max_splits),
                  COLS=min(st.combine_cols, D), BLOCK_N=st.block_n, MIN_SPLIT=st.split_min, HAS_SINK=True, PDL=True,
-                 R_PAD=16, PRELOAD=st.preload, EARLY=st.early, MEANS=st.partials != "fp32"),
+                 R_PAD=16, PRELOAD=st.preload, EARLY=st.early, MEANS=st.means),
             st.combine_warps, 1, f"attention combine ({n} splits, full layer of {slots} + 1 slots, with the sink; "
                                  f"{st.partials} partials)")
 

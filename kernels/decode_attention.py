@@ -102,6 +102,11 @@ class AttentionSettings:
     def split_min(self) -> int:
         return self.block_n if self.min_split is None else self.min_split
 
+    @property
+    def means(self) -> bool:
+        """Whether the partials hold each split's mean of V (the kernels' MEANS), not its weighted sum."""
+        return self.partials != "fp32"
+
 
 # A full layer's splits grow long with the context (264 splits of ~2K slots at 512K): 64-slot tiles (32-slot ones cost
 # 1.85x the added KV bytes: docs/PERF.md, "Current state", the context sweeps of 1946ffa), one in flight: the same bits
@@ -405,13 +410,13 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
         G=G, D=D, NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(RG)), BLOCK_N=st.block_n,
         MIN_SPLIT=st.split_min, SLIDING=window is not None, F32=f32, PREC="ieee" if f32 else "tf32", R_PAD=r_pad,
         num_warps=st.num_warps, num_stages=st.num_stages, EARLY_SLOTS=EARLY_SLOTS if early else 0,
-        LINE_ELEMS=line_elems, LINES=lines, MEANS=st.partials != "fp32", **launch_options(pdl, q.device))
+        LINE_ELEMS=line_elems, LINES=lines, MEANS=st.means, **launch_options(pdl, q.device))
     cols, max_splits = min(st.combine_cols, D), max(16, triton.next_power_of_2(num_splits))
     _attention_combine_kernel[(Hkv * RG * (D // cols),)](
         part_m, part_l, part_acc, q, sink_k if sink_k is not None else part_m, positions, out,
         S, R, qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         G=G, D=D, NUM_SPLITS=num_splits, MAX_SPLITS=max_splits, BLOCK_S=min(st.combine_splits, max_splits),
         COLS=cols, BLOCK_N=st.block_n, MIN_SPLIT=st.split_min, HAS_SINK=sink_k is not None, R_PAD=r_pad,
-        num_warps=st.combine_warps, PRELOAD=st.preload, EARLY=early, MEANS=st.partials != "fp32",
+        num_warps=st.combine_warps, PRELOAD=st.preload, EARLY=early, MEANS=st.means,
         **launch_options(pdl, q.device))
     return out

@@ -131,10 +131,11 @@ GPU_CASES = [
          sink="dominant"),
     case("gpu_draft_576_ring_8rows", **GPU_BASE, kind="sliding", W=512, slack=64, last=5_000),
     # the bf16 partials candidate on each layer type's settings
-    case("gpu_full_64k_8rows_bf16_partials", **dict(GPU_BASE, settings=dict(block_n=64, num_stages=1, partials="bf16")),
+    case("gpu_full_64k_8rows_bf16_partials",
+         **dict(GPU_BASE, settings=dataclasses.asdict(dataclasses.replace(da.FULL, partials="bf16"))),
          capacity=65536, last=16_000),
     case("gpu_sliding_4160_ring_8rows_bf16_partials",
-         **dict(GPU_BASE, settings=dict(block_n=32, num_stages=1, combine_splits=256, partials="bf16")),
+         **dict(GPU_BASE, settings=dataclasses.asdict(dataclasses.replace(da.SLIDING, partials="bf16"))),
          kind="sliding", W=4096, slack=64, last=10_000),
 ]
 
