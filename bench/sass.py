@@ -138,39 +138,33 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
     q_ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", slot_pos_ptr="*i64", q_pos_ptr="*i64",
                   part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32")
     full, sliding = KernelSettings().attention_full, KernelSettings().attention_sliding
-    means = dataclasses.replace(full, partials="bf16")  # the candidate: each split's mean of V in bf16
     for name, st, slots, window in (("attention_split", full, context + FULL_SLACK, None),
-                                    ("attention_split_sliding", sliding, s.window + RING_SLACK, s.window),
-                                    ("attention_split_bf16_partials", means, context + FULL_SLACK, None)):
+                                    ("attention_split_sliding", sliding, s.window + RING_SLACK, s.window)):
         n = splits(slots, st)
         out[name] = _launch(
-            da._attention_split_kernel, dict(q_ptrs, part_acc_ptr=f"*{st.partials}"),  # the partials' names are Triton's
+            da._attention_split_kernel, q_ptrs,
             dict(S=slots + 1, R=R, window=window or 0, stride_qr=s.q_heads * D, stride_qh=D, stride_ks=hkv * D,
                  stride_kh=D, stride_vs=hkv * D, stride_vh=D), ("qk_scale",),
             dict(G=G, D=D, NUM_SPLITS=n, BLOCK_M=max(16, triton.next_power_of_2(R * G)), BLOCK_N=st.block_n,
                  MIN_SPLIT=st.split_min, SLIDING=window is not None, F32=False, PREC="tf32", PDL=True, R_PAD=16,
-                 EARLY_SLOTS=da.EARLY_SLOTS if st.early else 0, LINE_ELEMS=line_elems, LINES=lines,
-                 MEANS=st.means),
+                 EARLY_SLOTS=da.EARLY_SLOTS if st.early else 0, LINE_ELEMS=line_elems, LINES=lines),
             st.num_warps, st.num_stages, f"attention splits ({'full layer' if window is None else 'sliding layer'}, "
-                                         f"{slots} + 1 slots: {n} splits of >= {st.split_min}; {R} rows x {G} heads; "
-                                         f"{st.partials} partials)")
+                                         f"{slots} + 1 slots: {n} splits of >= {st.split_min}; {R} rows x {G} heads)")
     long_slots = 2 * H200_SMS * full.split_min  # from here on a full layer gets its most splits
-    for name, st, slots in (("attention_combine", full, context + FULL_SLACK),
-                            ("attention_combine_long", full, long_slots),
-                            ("attention_combine_long_bf16_partials", means, long_slots)):
+    for name, slots in (("attention_combine", context + FULL_SLACK), ("attention_combine_long", long_slots)):
+        st = full
         n = splits(slots, st)
         max_splits = max(16, triton.next_power_of_2(n))
         out[name] = _launch(
             da._attention_combine_kernel,
-            dict(part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr=f"*{st.partials}", q_ptr="*bf16",
-                 sink_k_ptr="*fp32", q_pos_ptr="*i64", out_ptr="*bf16"),
+            dict(part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32", q_ptr="*bf16", sink_k_ptr="*fp32",
+                 q_pos_ptr="*i64", out_ptr="*bf16"),
             dict(S=slots + 1, R=R, stride_qr=s.q_heads * D, stride_qh=D, stride_or=s.q_heads * D, stride_oh=D),
             ("qk_scale",),
             dict(G=G, D=D, NUM_SPLITS=n, MAX_SPLITS=max_splits, BLOCK_S=min(st.combine_splits, max_splits),
                  COLS=min(st.combine_cols, D), BLOCK_N=st.block_n, MIN_SPLIT=st.split_min, HAS_SINK=True, PDL=True,
-                 R_PAD=16, PRELOAD=st.preload, EARLY=st.early, MEANS=st.means),
-            st.combine_warps, 1, f"attention combine ({n} splits, full layer of {slots} + 1 slots, with the sink; "
-                                 f"{st.partials} partials)")
+                 R_PAD=16, PRELOAD=st.preload, EARLY=st.early),
+            st.combine_warps, 1, f"attention combine ({n} splits, full layer of {slots} + 1 slots, with the sink)")
 
     # ---- q/k norm + RoPE + KV write, on a full layer's cache; q, k, v are column views of the q/k/v projection
     qkv = (s.q_heads + 2 * hkv) * D

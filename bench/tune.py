@@ -65,17 +65,13 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     # full layers stream 64-slot K/V tiles one in flight by default, sliding ones 32-slot tiles: each grid tries the
     # tiles and depths around its own (and sliding ones, merging up to 256 splits a combine step, the full layers' 128).
     # A capped grid (num_splits) keeps 1K's splits (17 on full layers, 33 on sliding ones, under 64) and makes them
-    # longer past it, where each split's fp32 partials (18.7 KB at 6 rows) outweigh its one or two K/V tiles; bf16
-    # partials halve them at every length
+    # longer past it, where each split's fp32 partials (18.7 KB at 6 rows) outweigh its one or two K/V tiles
     "attention_full": ({"block_n": 32}, {"block_n": 128}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3},
-                                                                          {"num_splits": 64}, {"num_splits": 128},
-                                                                          {"partials": "bf16"}),
+                                                                          {"num_splits": 64}, {"num_splits": 128}),
     "attention_sliding": ({"block_n": 16}, {"block_n": 64}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3},
                                                                             {"combine_splits": 128}, {"min_split": 64},
-                                                                            {"num_splits": 32}, {"num_splits": 64},
-                                                                            {"partials": "bf16"}),
-    "attention_draft": ({"block_n": 16}, {"block_n": 64}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3},
-                                                                          {"partials": "bf16"}),
+                                                                            {"num_splits": 32}, {"num_splits": 64}),
+    "attention_draft": ({"block_n": 16}, {"block_n": 64}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3}),
     "qk_rope_kv": ({"num_warps": 2}, {"num_warps": 4}),
     # the q/k/v projection ending in the prologue (kernels/qkv_rope_kv.py), one head a tile (8 tiles): the default
     # splits its 24 K tiles 8 ways (3 a program, 64 programs); 12 and 24 splits give 96 and 192 programs, 4 splits 32
@@ -132,10 +128,10 @@ GRIDS: dict[str, tuple[dict, ...]] = {
 
 # Fields that set the order of some fp32 sum (so a candidate changing one may change the last bits): from each settings
 # class's docstring, plus the MoE's K steps (each step's dot is added to the accumulator: the step's width groups the
-# products), Gate/Up's scale form (a rounding fewer), the attention's partials (a rounding more) and the norms' warps
-# (a row's sum of squares is a tree over its threads).
+# products), Gate/Up's scale form (a rounding fewer) and the norms' warps (a row's sum of squares is a tree over its
+# threads).
 _ATTENTION_ORDER = frozenset({"block_n", "min_split", "num_splits", "num_warps", "combine_splits", "combine_cols",
-                              "combine_warps", "partials"})
+                              "combine_warps"})
 ORDER_FIELDS: dict[str, frozenset[str]] = {
     "linear_qkv": frozenset({"block_n", "split_k"}), "linear_o": frozenset({"block_n", "split_k"}),
     "attention_full": _ATTENTION_ORDER, "attention_sliding": _ATTENTION_ORDER, "attention_draft": _ATTENTION_ORDER,

@@ -50,14 +50,12 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 LOG2E = 1.4426950408889634
 MAX_MATRIX_ROWS = 128  # rows x query heads of one KV head: the split kernel's matrix
 EARLY_SLOTS = 128  # slots a split prefetches before its wait (`early`): its first two tiles, all of one at 1K context
-_PARTIALS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # AttentionSettings.partials -> the weighted V's dtype
 
 
 @dataclass(frozen=True)
 class AttentionSettings:
     """How the two kernels launch. num_stages, preload and early change no value (each checked bit-identical); the
-    tile, the splits, the warps and the combine's shape set the order of the fp32 sums, and bf16 partials round them
-    (re-qualify when changing)."""
+    tile, the splits, the warps and the combine's shape set the order of the fp32 sums (re-qualify when changing)."""
 
     # slots a K/V tile: 32 on sliding layers (`SLIDING`), qualified and paired with the o-projection's and the q/k/v
     # fold's splits (docs/PERF.md, "Current state", the numerical candidate of 17fb4ea), 64 on full ones (`FULL`); on
@@ -82,11 +80,6 @@ class AttentionSettings:
     combine_splits: int = 128
     combine_cols: int = 32
     combine_warps: int = 4
-    # the splits' weighted V as the combine reads it: "fp32" (each split's running sum), or "bf16", each split's
-    # divided by its own sum of exponentials first (a weighted mean of V rows, so within V's range): half the bytes a
-    # split writes and the combine reads, which past a few thousand slots cost more than the K/V tile itself
-    # (docs/PERF.md, "Open directions", the context target), for one bf16 rounding of each split's mean
-    partials: str = "fp32"
     # with PDL, the combine reads sink_k (a constant) and q (written before the split kernel) and forms the sink
     # logit before its wait (docs/PERF.md, "Constant weights loaded into registers before the PDL wait")
     preload: bool = True
@@ -101,11 +94,6 @@ class AttentionSettings:
     @property
     def split_min(self) -> int:
         return self.block_n if self.min_split is None else self.min_split
-
-    @property
-    def means(self) -> bool:
-        """Whether the partials hold each split's mean of V (the kernels' MEANS), not its weighted sum."""
-        return self.partials != "fp32"
 
 
 # A full layer's splits grow long with the context (264 splits of ~2K slots at 512K): 64-slot tiles (32-slot ones cost
@@ -156,7 +144,7 @@ def _attention_split_kernel(
     G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, SLIDING: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr = False, R_PAD: tl.constexpr = 16, EARLY_SLOTS: tl.constexpr = 0,
-    LINE_ELEMS: tl.constexpr = 64, LINES: tl.constexpr = 2, MEANS: tl.constexpr = False,
+    LINE_ELEMS: tl.constexpr = 64, LINES: tl.constexpr = 2,
 ):
     g = tl.program_id(0)
     split = tl.program_id(1)
@@ -219,10 +207,7 @@ def _attention_split_kernel(
     part = (g * NUM_SPLITS + split) * RG + rows
     tl.store(part_m_ptr + part, m_i, mask=row_ok)
     tl.store(part_l_ptr + part, l_i, mask=row_ok)
-    if MEANS:  # a row that saw no slot has l_i = 0 and acc = 0: its mean is stored as 0
-        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc.to(part_acc_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -241,11 +226,9 @@ def _sink_logit(q_ptr, sink_k_ptr, r, head, g, stride_qr, stride_qh, qk_scale, D
 
 @triton.jit
 def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, first, RG, row, d, n_live, s_sink,
-                  D: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, COLS: tl.constexpr,
-                  MEANS: tl.constexpr):
+                  D: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, COLS: tl.constexpr):
     """(numerator [COLS], denominator) of one row's output from its live splits' partials and the sink, relative to
-    their common max, which includes the sink so its exponential cannot overflow. MEANS: the partials hold each
-    split's mean, weighted back by its sum."""
+    their common max, which includes the sink so its exponential cannot overflow."""
     every = tl.arange(0, MAX_SPLITS)
     m = tl.max(tl.load(part_m_ptr + (first + every) * RG + row, mask=every < n_live, other=float("-inf")), axis=0)
     m = tl.maximum(m, s_sink)
@@ -257,12 +240,9 @@ def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, first, RG, row, d, n_liv
         ok = s0 + s < n_live
         part = (first + s0 + s) * RG + row
         w = tl.exp2(tl.load(part_m_ptr + part, mask=ok, other=float("-inf")) - m_safe)
-        l = tl.load(part_l_ptr + part, mask=ok, other=0.0)
-        den += tl.sum(l * w, axis=0)
-        if MEANS:
-            w = w * l
+        den += tl.sum(tl.load(part_l_ptr + part, mask=ok, other=0.0) * w, axis=0)
         acc += tl.sum(tl.load(part_acc_ptr + part[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-                      .to(tl.float32) * w[:, None], axis=0)
+                      * w[:, None], axis=0)
     return acc, den
 
 
@@ -273,7 +253,6 @@ def _attention_combine_kernel(
     G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
     COLS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, HAS_SINK: tl.constexpr,
     PDL: tl.constexpr = False, R_PAD: tl.constexpr = 16, PRELOAD: tl.constexpr = False, EARLY: tl.constexpr = False,
-    MEANS: tl.constexpr = False,
 ):
     # One program a (KV head, row, COLS columns), its warps across BLOCK_S splits a step: a step's partials are all
     # requested at once, so a program pays one dependent L2 round trip a step and many programs share the work.
@@ -299,7 +278,7 @@ def _attention_combine_kernel(
         s_sink = _sink_logit(q_ptr, sink_k_ptr, r, head, g, stride_qr, stride_qh, qk_scale, D, HAS_SINK)
 
     acc, den = _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, g * NUM_SPLITS, RG, row, d, n_live, s_sink,
-                             D, MAX_SPLITS, BLOCK_S, COLS, MEANS)
+                             D, MAX_SPLITS, BLOCK_S, COLS)
     out = tl.where(den > 0, acc / den, 0.0)  # no visible slot and no sink: zeros, not NaN
     tl.store(out_ptr + r * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
@@ -324,19 +303,17 @@ def _check_settings(st: AttentionSettings) -> None:
     _check(_pow2(st.combine_splits, 16), f"combine_splits {st.combine_splits} must be a power of two >= 16")
     _check(_pow2(st.combine_cols, 16), f"combine_cols {st.combine_cols} must be a power of two >= 16")
     _check(st.combine_warps in (1, 2, 4, 8), f"combine_warps {st.combine_warps} must be 1, 2, 4 or 8")
-    _check(isinstance(st.partials, str) and st.partials in _PARTIALS,
-           f"partials must be one of {sorted(_PARTIALS)}, got {st.partials!r}")
 
 
 def decode_attention_workspace(q: torch.Tensor, cache_k: torch.Tensor,
                                settings: AttentionSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The split partials for q [R, Hq, D] over cache_k [S, Hkv, D] under `settings`: fp32 max [Hkv, splits, R*G],
-    sum of exponentials [same], in the log2 domain, and weighted V [.., D] (`settings.partials`). Any values: every
-    live entry is written before it is read."""
+    sum of exponentials [same] and weighted V [.., D], in the log2 domain. Any values: every live entry is written
+    before it is read."""
     (R, Hq, D), (S, Hkv) = q.shape, cache_k.shape[:2]
     splits = settings.splits(S, Hkv, q.device)
     m = torch.empty((Hkv, splits, R * (Hq // Hkv)), dtype=torch.float32, device=q.device)
-    return m, torch.empty_like(m), torch.empty((*m.shape, D), dtype=_PARTIALS[settings.partials], device=q.device)
+    return m, torch.empty_like(m), torch.empty((*m.shape, D), dtype=torch.float32, device=q.device)
 
 
 def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, slot_pos: torch.Tensor,
@@ -390,9 +367,8 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     RG = R * G
     _check(tuple(part_m.shape) == (Hkv, num_splits, RG) and tuple(part_l.shape) == (Hkv, num_splits, RG)
            and tuple(part_acc.shape) == (Hkv, num_splits, RG, D), "workspace does not match the shapes and settings")
-    _check(part_m.dtype == part_l.dtype == torch.float32 and part_acc.dtype == _PARTIALS[st.partials]
-           and all(t.device == q.device and t.is_contiguous() for t in workspace),
-           f"workspace must be contiguous on q's device: fp32 max and sum, {st.partials} weighted V")
+    _check(all(t.dtype == torch.float32 and t.device == q.device and t.is_contiguous() for t in workspace),
+           "workspace must be contiguous fp32 on q's device")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     _check(tuple(out.shape) == tuple(q.shape) and out.dtype == q.dtype and out.device == q.device
@@ -410,13 +386,12 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
         G=G, D=D, NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(RG)), BLOCK_N=st.block_n,
         MIN_SPLIT=st.split_min, SLIDING=window is not None, F32=f32, PREC="ieee" if f32 else "tf32", R_PAD=r_pad,
         num_warps=st.num_warps, num_stages=st.num_stages, EARLY_SLOTS=EARLY_SLOTS if early else 0,
-        LINE_ELEMS=line_elems, LINES=lines, MEANS=st.means, **launch_options(pdl, q.device))
+        LINE_ELEMS=line_elems, LINES=lines, **launch_options(pdl, q.device))
     cols, max_splits = min(st.combine_cols, D), max(16, triton.next_power_of_2(num_splits))
     _attention_combine_kernel[(Hkv * RG * (D // cols),)](
         part_m, part_l, part_acc, q, sink_k if sink_k is not None else part_m, positions, out,
         S, R, qk_scale, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         G=G, D=D, NUM_SPLITS=num_splits, MAX_SPLITS=max_splits, BLOCK_S=min(st.combine_splits, max_splits),
         COLS=cols, BLOCK_N=st.block_n, MIN_SPLIT=st.split_min, HAS_SINK=sink_k is not None, R_PAD=r_pad,
-        num_warps=st.combine_warps, PRELOAD=st.preload, EARLY=early, MEANS=st.means,
-        **launch_options(pdl, q.device))
+        num_warps=st.combine_warps, PRELOAD=st.preload, EARLY=early, **launch_options(pdl, q.device))
     return out

@@ -89,8 +89,7 @@ def test_cli(tmp_path, capsys):
 
 
 # ---- the published model's kernels ------------------------------------------------------------------------------
-PUBLISHED = ("attention_split", "attention_split_sliding", "attention_split_bf16_partials", "attention_combine",
-             "attention_combine_long", "attention_combine_long_bf16_partials", "qk_rope_kv",
+PUBLISHED = ("attention_split", "attention_split_sliding", "attention_combine", "attention_combine_long", "qk_rope_kv",
              "qkv_rope_kv", "rmsnorm", "add_norm", "router_logits", "router_select", "o_proj_router", "add_norm_route",
              "prefetch_logits", "prefetch_warm",
              "moe_gate_up", "moe_down", "moe_gate_up_odd", "moe_down_odd", "moe_down_add_norm", "moe_combine",
@@ -113,11 +112,6 @@ def test_published_specs_are_the_rank_shapes():
     assert (split["G"], split["D"], split["BLOCK_M"], split["NUM_SPLITS"]) == (6, 128, 64, 18)
     assert specs["attention_split_sliding"].constexprs["NUM_SPLITS"] == 131  # 4,161 slots, 32 a tile
     assert combine["NUM_SPLITS"] == 264 and combine["BLOCK_S"] == 128
-    # the bf16-partials candidate: the same grid, its weighted V a bf16 pointer, the means path compiled in
-    for name in ("attention_split_bf16_partials", "attention_combine_long_bf16_partials"):
-        base = specs[name.removesuffix("_bf16_partials")]
-        assert specs[name].constexprs == dict(base.constexprs, MEANS=True) and not base.constexprs["MEANS"]
-        assert specs[name].types["part_acc_ptr"] == "*bf16" and base.types["part_acc_ptr"] == "*fp32"
     assert specs["moe_gate_up"].constexprs["G_OFF0"] == 0 and specs["moe_gate_up_odd"].constexprs["G_OFF0"] == 64
     assert specs["moe_down_odd"].constexprs["D_OFF1"] == 64 and specs["moe_down"].constexprs["BLOCK_K"] == 64
     assert specs["lm_head_dot"].constexprs["BLOCK_V"] == 32 and "20000 x 3072" in specs["lm_head"].note

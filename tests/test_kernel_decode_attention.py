@@ -30,7 +30,6 @@ import triton.language as tl
 
 from iquest.fast.cache import LayerKV
 from iquest.kernels import decode_attention as da
-from iquest.kernels.decode_attention import _merge_splits
 from iquest.kernels.testing import interpreted_tests, substituted
 from iquest.reference.layers import attention
 
@@ -47,17 +46,6 @@ TOL = {
                                        "by <= 2^-9 relative, so the sum by <= 2^-9 mass; 2x margin), plus one bf16 "
                                        "ulp of the output"),
 }
-# bf16 partials (AttentionSettings.partials): each split's mean of V rounded once to bf16, off by at most a rounding of
-# the split's own mean of |V|; the merge weighs the means by their splits' shares, so the output moves by at most that
-# in units of mass: 2^-8 on the GPU (fp32 -> bf16 rounds to nearest), 2^-7 under the interpreter (Triton 3.6's
-# interpreter truncates an fp32 -> bf16 cast made without a rounding mode: a whole ulp)
-PARTIALS_TOL = {("fp32", "cpu"): 0.0, ("fp32", "cuda"): 0.0, ("bf16", "cpu"): 2.0 ** -7, ("bf16", "cuda"): 2.0 ** -8}
-
-
-def tolerance(c: dict, device: str) -> tuple:
-    tol = TOL[c["dtype"] + ("_gpu" if device != "cpu" else "")]
-    partials = (c["settings"] or {}).get("partials", "fp32")
-    return (tol[0] + PARTIALS_TOL[partials, "cpu" if device == "cpu" else "cuda"], tol[1], tol[2])
 
 BASE = dict(R=8, Hq=6, Hkv=1, D=32, dtype="fp32", kind="full", W=20, slack=16, capacity=200, last=77, sink="random",
             pad_rows=(), rejected=3, edge=None, q_view=False, seed=0, settings=dict(num_splits=4, block_n=16))
@@ -107,15 +95,6 @@ CASES = [
     # 576, in slot 0, its last invisible position in slot 575; the one row at 1151 sees from 640, in slot 64
     case("draft_512_8rows_bf16", kind="sliding", W=512, slack=64, dtype="bf16", last=1094, edge=0, settings=None),
     case("draft_512_1row_fp32", kind="sliding", W=512, slack=64, R=1, last=1151, edge=64, settings=None),
-    # bf16 partials: each split's mean stored in bf16, weighed back by its sum in the merge; rows with nothing visible
-    # in a split (the sliding window's edge, padding) store a zero mean
-    case("full_bf16_partials_fp32", settings=dict(num_splits=4, block_n=16, partials="bf16")),
-    case("full_bf16_partials_padding_bf16", dtype="bf16", pad_rows=(2, 5),
-         settings=dict(num_splits=6, block_n=16, partials="bf16")),
-    case("full_bf16_partials_sink_dominates", sink="dominant", settings=dict(num_splits=4, block_n=16,
-                                                                              partials="bf16")),
-    case("sliding_bf16_partials_wrap_fp32", kind="sliding", last=98, edge=0,
-         settings=dict(num_splits=3, block_n=16, partials="bf16")),
 ]
 BY_NAME = {c["name"]: c for c in CASES}
 
@@ -130,13 +109,6 @@ GPU_CASES = [
     case("gpu_sliding_4160_ring_1row_dominant_sink", **GPU_BASE, kind="sliding", W=4096, slack=64, R=1, last=9_001,
          sink="dominant"),
     case("gpu_draft_576_ring_8rows", **GPU_BASE, kind="sliding", W=512, slack=64, last=5_000),
-    # the bf16 partials candidate on each layer type's settings
-    case("gpu_full_64k_8rows_bf16_partials",
-         **dict(GPU_BASE, settings=dataclasses.asdict(dataclasses.replace(da.FULL, partials="bf16"))),
-         capacity=65536, last=16_000),
-    case("gpu_sliding_4160_ring_8rows_bf16_partials",
-         **dict(GPU_BASE, settings=dataclasses.asdict(dataclasses.replace(da.SLIDING, partials="bf16"))),
-         kind="sliding", W=4096, slack=64, last=10_000),
 ]
 
 
@@ -219,7 +191,7 @@ def compare(t: dict, got: torch.Tensor, tol: tuple) -> dict:
 def run_case(c: dict, device: str) -> dict:
     t = build(c, device)
     st = settings_of(c, t["window"])
-    r = compare(t, run_kernel(t, st), tolerance(c, device))
+    r = compare(t, run_kernel(t, st), TOL[c["dtype"] + ("_gpu" if device != "cpu" else "")])
     kv_len = max(int(t["positions"].max()) + 1, 0)
     per = max(-(-(-(-kv_len // st.splits(t["k"].shape[0], c["Hkv"], t["q"].device))) // st.block_n) * st.block_n,
               st.split_min)  # the kernels' _split_len
@@ -244,8 +216,7 @@ def check(c: dict, r: dict, tol: tuple) -> None:
 # ---- the negative control: the sink in every split instead of once ---------------------------------------------------
 @triton.jit
 def merge_with_sink_per_split(part_m_ptr, part_l_ptr, part_acc_ptr, first, RG, row, d, n_live, s_sink,
-                              D: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, COLS: tl.constexpr,
-                              MEANS: tl.constexpr):
+                              D: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, COLS: tl.constexpr):
     every = tl.arange(0, MAX_SPLITS)
     m = tl.max(tl.load(part_m_ptr + (first + every) * RG + row, mask=every < n_live, other=float("-inf")), axis=0)
     m = tl.maximum(m, s_sink)
@@ -270,32 +241,17 @@ CONTROLS = {"full_8rows_fp32": False, "full_40_live_splits_three_steps": False, 
             "full_one_split": True}
 
 
-@triton.jit
-def merge_means_as_sums(part_m_ptr, part_l_ptr, part_acc_ptr, first, RG, row, d, n_live, s_sink,
-                        D: tl.constexpr, MAX_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, COLS: tl.constexpr,
-                        MEANS: tl.constexpr):
-    """The product's merge told that bf16 partials hold the splits' sums: each mean left unweighted by its split's sum
-    of exponentials, so the splits count by their maxima alone."""
-    return _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, first, RG, row, d, n_live, s_sink, D, MAX_SPLITS,
-                         BLOCK_S, COLS, False)
-
-
-# The bf16 partials' control: every case with them, merged as if they held sums (none has a single split, where a
-# split's sum would still be off the output by its own sum of exponentials)
-MEANS_CONTROLS = [c["name"] for c in CASES if (c["settings"] or {}).get("partials") == "bf16"]
-
-
-def run_control(name: str, merge=merge_with_sink_per_split) -> dict:
+def run_control(name: str) -> dict:
     c = BY_NAME[name]
     t = build(c, "cpu")
-    with substituted(da, {"_attention_combine_kernel": {"_merge_splits": merge}}):
+    with substituted(da, {"_attention_combine_kernel": {"_merge_splits": merge_with_sink_per_split}}):
         got = run_kernel(t, settings_of(c, t["window"]))
-    return compare(t, got, tolerance(c, "cpu"))
+    return compare(t, got, TOL[c["dtype"]])
 
 
 # ---- interpreter tests ----------------------------------------------------------------------------------------------
 interpreted, test_interpreted = interpreted_tests(
-    __file__, CASES, lambda c, r: check(c, r, tolerance(c, "cpu")),
+    __file__, CASES, lambda c, r: check(c, r, TOL[c["dtype"]]),
     lambda c, r: f"{c['name']}: worst error {r['err_in_mass']:.2e} mass, {r['live_splits']} live splits")
 
 
@@ -310,15 +266,6 @@ def test_negative_control_sink_per_split(interpreted, name):
         assert r["excess"] <= 0, r
     else:
         assert r["excess"] > 0, f"the broken merge passed: {r}"
-
-
-@pytest.mark.parametrize("name", MEANS_CONTROLS)
-def test_negative_control_bf16_means_read_as_sums(interpreted, name):
-    """bf16 partials merged without weighing each split's mean by its sum fail the comparison that the kernel passes."""
-    r = interpreted[f"means_control:{name}"]
-    assert "error" not in r, r.get("error")
-    assert r["finite"] and r["ref_finite"]
-    assert r["excess"] > 0, f"the broken merge passed: {r}"
 
 
 def test_settings_defaults():
@@ -342,17 +289,6 @@ def test_default_splits(monkeypatch):
     assert da.FULL.splits(long, 1, cpu) == 264 and da.FULL.splits(long, 2, cpu) == 132
     assert da.FULL.splits(16480, 1, cpu) == 258 and da.FULL.splits(short, 1, cpu) == 18
     assert dataclasses.replace(da.FULL, num_splits=7).splits(long, 1, cpu) == 7  # an explicit count wins
-
-
-def test_partials_settings_are_checked():
-    with pytest.raises(ValueError, match="partials"):
-        da.decode_attention(**_args(settings=da.AttentionSettings(partials="fp16")))
-    st = da.AttentionSettings(partials="bf16")
-    a = _args(settings=st)
-    ws = da.decode_attention_workspace(a["q"], a["cache_k"], da.AttentionSettings())  # fp32 weighted V: not bf16's
-    with pytest.raises(ValueError, match="bf16 weighted V"):
-        da.decode_attention(**a, workspace=ws)
-    assert da.decode_attention_workspace(a["q"], a["cache_k"], st)[2].dtype == torch.bfloat16
 
 
 def _args(**over):
@@ -389,7 +325,7 @@ def test_rejects_bad_inputs(over, message):
 @pytest.mark.parametrize("c", GPU_CASES, ids=[c["name"] for c in GPU_CASES])
 def test_gpu(c):
     r = run_case(c, "cuda")
-    check(c, r, tolerance(c, "cuda"))
+    check(c, r, TOL["bf16_gpu"])
     print(f"{c['name']}: worst error {r['err_in_mass']:.2e} mass, {r['live_splits']} live splits")
 
 
@@ -398,5 +334,4 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
 
     torch.set_num_threads(1)
     worker_main([(c["name"], lambda c=c: run_case(c, "cpu")) for c in CASES]
-                + [(f"control:{n}", lambda n=n: run_control(n)) for n in CONTROLS]
-                + [(f"means_control:{n}", lambda n=n: run_control(n, merge_means_as_sums)) for n in MEANS_CONTROLS])
+                + [(f"control:{n}", lambda n=n: run_control(n)) for n in CONTROLS])
