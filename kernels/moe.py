@@ -33,10 +33,6 @@ Three launches, grids from shapes alone, no host sync, no atomics (graph-captura
 2. Down, grid (pair, H tile): the same owners, y = T(Down_e hidden) into `y` [P, H]. Its programs read the routing
    before their PDL wait (written two launches back), and the owners ask L2 for their weight tiles there
    (`MoESettings.down_prefetch`), so Down's stream overlaps Gate/Up.
-   With `MoESettings.gate_up_owners_first` (`down_owners_first`) either grid is one axis of as many programs, program
-   w taking the owners' items in order (owners in pair order; a tile's splits, or an owner's H tiles, side by side):
-   the owners' work in the grid's first programs, not spread over its waves. Every program builds the owner list
-   (`_owner_list`); the same items, so the same bits. Down ending in the tail (`down_add_norm`) keeps its grid.
 3. Combine, grid (row, H tile): the weighted sum over slots; padding rows write zeros and read nothing.
 A row's experts must be distinct (top-k routing makes them so): a program finds a row's slot of e by matching.
 
@@ -58,7 +54,6 @@ truncates; the GPU's cast rounds to nearest even, as torch's does, and is used t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -153,13 +148,6 @@ class MoESettings:
     # Down's owners ask L2 for their expert's weight tile before the PDL wait, while Gate/Up still runs (a hint: the
     # same bits), as the retired kernels' `early` did (docs/PERF.md, "Reads of data written two launches back")
     down_prefetch: bool = True
-    # Gate/Up's and Down's grid order. False: a program a (pair, tile[, split]), the pair fastest, of which only the
-    # owners stream: at decode (6 live rows of 8, top-8, ~9 distinct experts) one program in seven, the others reading
-    # the routing and leaving while owners wait in every later wave of the grid for a slot. True: as many programs,
-    # program w taking the (w // items an owner)-th owner's item (the owners in pair order): every owner's item in the
-    # grid's first programs, the rest leaving. The same items computed the same way, so the same bits
-    gate_up_owners_first: bool = False
-    down_owners_first: bool = False
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -259,32 +247,6 @@ def _expert_owner(experts_ptr, live_ptr, p, R, K_TOP: tl.constexpr, P_PAD: tl.co
 
 
 @triton.jit
-def _owner_list(experts_ptr, live_ptr, R, K_TOP: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
-                CHUNK: tl.constexpr = 16):
-    """`_expert_owner`'s test for every pair at once: (pairs q [P_PAD], whether q owns its expert, q's rank among the
-    owners in pair order)."""
-    P = R * K_TOP
-    q = tl.arange(0, P_PAD)
-    e_q = tl.load(experts_ptr + q, mask=q < P, other=-1)
-    live_q = load_live(live_ptr, q // K_TOP, R, LIVE_COUNT) & (q < P)
-    taken = tl.zeros([P_PAD], tl.int32)  # earlier live pairs on q's expert, CHUNK of them at a time: a [P_PAD, P_PAD]
-    for j0 in range(0, P, CHUNK):        # matrix at once took 40 registers more (and spilled) in Down
-        j = j0 + tl.arange(0, CHUNK)
-        e_j = tl.load(experts_ptr + j, mask=j < P, other=-1)
-        live_j = load_live(live_ptr, j // K_TOP, R, LIVE_COUNT) & (j < P)
-        same = (j[None, :] < q[:, None]) & live_j[None, :] & (e_j[None, :] == e_q[:, None])
-        taken += tl.sum(same.to(tl.int32), axis=1)
-    own = (live_q & (taken == 0)).to(tl.int32)
-    return q, own, tl.cumsum(own, axis=0) - own
-
-
-@triton.jit
-def _owner_pair(q, own, rank, o):
-    """The pair of the o-th owner (`_owner_list`'s)."""
-    return tl.sum(tl.where((own != 0) & (rank == o), q, 0), axis=0)
-
-
-@triton.jit
 def _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, LIVE_COUNT: tl.constexpr):
     """Rows m0 .. m0 + BLOCK_M - 1: (their pair r * k + j_r with j_r the slot of e, mask of the live rows that chose
@@ -307,47 +269,18 @@ def _gate_up_kernel(
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
-    SCALE_PRODUCT: tl.constexpr = False, SPLIT: tl.constexpr = 1, OWNERS_FIRST: tl.constexpr = False,
+    SCALE_PRODUCT: tl.constexpr = False, SPLIT: tl.constexpr = 1,
 ):
-    """A program a (pair, I_r tile, split), or with OWNERS_FIRST a 1-D grid of as many whose program w takes the
-    (w // (T * SPLIT))-th owner's item, the splits of a tile side by side (`MoESettings.gate_up_owners_first`)."""
     wait_for_inputs(PDL)
-    T = tl.cdiv(I, BLOCK_N)
-    if OWNERS_FIRST:
-        w = tl.program_id(0)
-        q, own, rank = _owner_list(experts_ptr, live_ptr, R, K_TOP, P_PAD, LIVE_COUNT)
-        if w < tl.sum(own, axis=0) * T * SPLIT:
-            p = _owner_pair(q, own, rank, w // (T * SPLIT))
-            _gate_up_item(b_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, h_ptr, part_ptr, lock_ptr,
-                          tl.load(experts_ptr + p), p < R * K_TOP, p, (w // SPLIT) % T, w % SPLIT, T, R, H, I,
-                          stride_b, gs_e, gs_r, us_e, us_r, k_per, G_OFF0, G_OFF1, U_OFF0, U_OFF1, B0, B1, K_TOP,
-                          K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32, INTERP, SCALE_PRODUCT, SPLIT)
-    else:
-        p = tl.program_id(0)
-        e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
-        _gate_up_item(b_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, h_ptr, part_ptr, lock_ptr, e, run,
-                      p, tl.program_id(1), tl.program_id(2), T, R, H, I, stride_b, gs_e, gs_r, us_e, us_r, k_per,
-                      G_OFF0, G_OFF1, U_OFF0, U_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K,
-                      BF16, DOT_F32, INTERP, SCALE_PRODUCT, SPLIT)
-
-
-@triton.jit
-def _gate_up_item(
-    b_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, h_ptr, part_ptr, lock_ptr, e, run, p, tile, split, T,
-    R, H, I, stride_b, gs_e, gs_r, us_e, us_r, k_per,
-    G_OFF0: tl.constexpr, G_OFF1: tl.constexpr, U_OFF0: tl.constexpr, U_OFF1: tl.constexpr,
-    B0: tl.constexpr, B1: tl.constexpr, K_TOP: tl.constexpr, K_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, SCALE_PRODUCT: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    """Pair p's item (I_r tile `tile` of T, split `split`): when p owns expert e (run), the hidden of every live row
-    that chose e."""
+    p = tl.program_id(0)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
     k_lo = 0
     k_hi = H
     if SPLIT > 1:
         k_lo = split * k_per
         k_hi = tl.minimum(H, k_lo + k_per)
+    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
     # A live row above the owner's that chose e would own it instead, so the row blocks start at the owner's.
     for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):
         pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
@@ -383,7 +316,7 @@ def _gate_up_item(
             mask = m_ok[:, None] & n_ok[None, :]
             last = True
             if SPLIT > 1:
-                lock = (p * T + tile) * tl.cdiv(R, BLOCK_M) + m0 // BLOCK_M
+                lock = (p * tl.num_programs(1) + tile) * tl.cdiv(R, BLOCK_M) + m0 // BLOCK_M
                 last, acc_g, acc_u = _split_sums(acc_g, acc_u, part_ptr, lock_ptr + lock, pair, n, mask, split,
                                                  R * K_TOP, I, SPLIT, BLOCK_M, BLOCK_N)
             if last:
@@ -418,29 +351,14 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, LINE_ELEMS: tl.constexpr = 128, LINES: tl.constexpr = 2,
-    OWNERS_FIRST: tl.constexpr = False,
 ):
-    """A program a (pair, H tile), or with OWNERS_FIRST a 1-D grid of as many whose program w takes the (w // T)-th
-    owner's tile w % T (`MoESettings.down_owners_first`). The routing is read before the wait (`_early_tile`)."""
-    if OWNERS_FIRST:
-        T = tl.cdiv(H, BLOCK_N)
-        w = tl.program_id(0)
-        q, own, rank = _owner_list(experts_ptr, live_ptr, R, K_TOP, P_PAD, LIVE_COUNT)
-        p = _owner_pair(q, own, rank, w // T)
-        run = w < tl.sum(own, axis=0) * T
-        e = tl.load(experts_ptr + p)
-        _early_tile(d_ptr, e, run, w % T, H, I, BLOCK_N, PREFETCH, LINE_ELEMS, LINES)
-        wait_for_inputs(PDL)
-        _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, w % T, R, H, I, ds_e, ds_r, D_OFF0,
-                    D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32, INTERP)
-    else:
-        p = tl.program_id(0)
-        tile = tl.program_id(1)
-        e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
-        _early_tile(d_ptr, e, run, tile, H, I, BLOCK_N, PREFETCH, LINE_ELEMS, LINES)
-        wait_for_inputs(PDL)
-        _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, tile, R, H, I, ds_e, ds_r, D_OFF0,
-                    D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32, INTERP)
+    p = tl.program_id(0)
+    tile = tl.program_id(1)
+    e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)  # before the wait: `_early_tile`
+    _early_tile(d_ptr, e, run, tile, H, I, BLOCK_N, PREFETCH, LINE_ELEMS, LINES)
+    wait_for_inputs(PDL)
+    _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, tile, R, H, I, ds_e, ds_r, D_OFF0,
+                D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32, INTERP)
 
 
 @triton.jit
@@ -799,14 +717,13 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
                and locks.is_contiguous() and locks.device == dev,
                f"locks must be {n_locks} contiguous zeroed int32 counters on {dev}")
         parts = torch.empty((s.gate_up_split, 2, R * k, I), dtype=torch.float32, device=dev)  # each read one written
-    _gate_up_kernel[_grid((R * k, triton.cdiv(I, s.gate_up_block_n), s.gate_up_split), s.gate_up_owners_first)](
+    _gate_up_kernel[(R * k, triton.cdiv(I, s.gate_up_block_n), s.gate_up_split)](
         b, gate.q, gate.scale, up.q, up.scale, experts, live_arg, hidden, parts, locks if locks is not None else parts,
         R, H, I, b.stride(0), gate.scale.stride(0), gate.scale.stride(1), up.scale.stride(0), up.scale.stride(1),
         _split_width(H, gate.block, s),
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
         **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=step, **_math(h),
-        INTERP=INTERPRETED, SCALE_PRODUCT=product, SPLIT=s.gate_up_split, OWNERS_FIRST=s.gate_up_owners_first,
-        **_streams(h, s, s.gate_up_stages),
+        INTERP=INTERPRETED, SCALE_PRODUCT=product, SPLIT=s.gate_up_split, **_streams(h, s, s.gate_up_stages),
         **launch_options(pdl, dev))
     return h
 
@@ -823,16 +740,11 @@ def _down(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, setting
           pdl: bool) -> ExpertOutputs:
     down_k = _check_down(h, weights, down_w, settings)
     y = torch.empty((h.rows * h.k, h.H), dtype=torch.float32, device=h.hidden.device)
-    _down_kernel[_grid(_down_grid(h, settings), settings.down_owners_first)](
+    _down_kernel[_down_grid(h, settings)](
         h.hidden, down_w.q, down_w.scale, h.experts, h.live, y, h.rows, h.H, h.hidden.shape[1],
         down_w.scale.stride(0), down_w.scale.stride(1), **_down_constexprs(h, down_w, settings, down_k, pdl),
-        OWNERS_FIRST=settings.down_owners_first, **_streams(h, settings), **launch_options(pdl, y.device))
+        **_streams(h, settings), **launch_options(pdl, y.device))
     return ExpertOutputs(y, weights, h.live, h.count, h.dtype)
-
-
-def _grid(programs: tuple[int, ...], owners_first: bool) -> tuple[int, ...]:
-    """A launch's grid: a program an item, on `programs`' axes, or with `owners_first` as many on one axis."""
-    return (math.prod(programs),) if owners_first else programs
 
 
 def _down_grid(h: ExpertHidden, s: MoESettings) -> tuple[int, int]:
@@ -987,8 +899,6 @@ def _check_settings(s: MoESettings) -> None:
            f"settings.gate_up_scale must be 'weight' or 'product', got {s.gate_up_scale!r}")
     _check(isinstance(s.gate_up_split, int) and 1 <= s.gate_up_split <= 16,
            f"settings.gate_up_split must be an int from 1 to 16, got {s.gate_up_split!r}")
-    for name in ("gate_up_owners_first", "down_owners_first"):
-        _check(isinstance(getattr(s, name), bool), f"settings.{name} must be a bool, got {getattr(s, name)!r}")
 
 
 # ---- the torch form --------------------------------------------------------------------------------

@@ -7,8 +7,7 @@ module.
   (`BROKEN`).
 - moe (tests/test_kernel_moe.py), put into copies of its kernels by `kernels.testing.substituted` (`MOE`): scales
   indexed without the shard's offset in its first block, liveness ignored (padding rows' experts computed and
-  combined), the slots summed without their routing weights (by the combine, or by the combine fused with the tail),
-  owners first with each owner's items given to the next owner (Gate/Up's or Down's `_owner_pair`).
+  combined), the slots summed without their routing weights (by the combine, or by the combine fused with the tail).
 - The FP8 linears (tests/test_bench_sass.py, tests/test_kernel_fp8_linear_direct.py): the preloaded weight tiles
   used without the opaque move after the wait (`linear_transparent`), the direct kernel's K tiles summed last to
   first (`DIRECT_REVERSED`).
@@ -112,28 +111,17 @@ def sum_without_weights(y_ptr, weights_ptr, r, n, n_ok, live, H, K_TOP: tl.const
     return acc
 
 
-@triton.jit
-def next_owner_pair(q, own, rank, o):
-    """The o-th owner's items given the next owner's pair: the first owner's items never run, the last's twice.
-    (A permutation of the owners would be no defect: every item is whole in itself.)"""
-    return tl.sum(tl.where((own != 0) & (rank == tl.minimum(o + 1, tl.sum(own, axis=0) - 1)), q, 0), axis=0)
-
-
-MOE = {"offset_ignored": {"_gate_up_kernel": {"_gate_up_item": substitute(moe._gate_up_item,
-                                                                         _tile_scales=scales_without_offset)},
+_IGNORING_LIVE = {"_expert_owner": owner_ignoring_live, "_expert_rows": rows_ignoring_live}
+MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_offset},
                           "_down_kernel": {"_down_tiles": substitute(moe._down_tiles,
                                                                      _tile_scales=scales_without_offset)}},
-       "padding_computed": {"_gate_up_kernel": {"_expert_owner": owner_ignoring_live,
-                                                "_gate_up_item": substitute(moe._gate_up_item,
-                                                                            _expert_rows=rows_ignoring_live)},
+       "padding_computed": {"_gate_up_kernel": _IGNORING_LIVE,
                             "_down_kernel": {"_expert_owner": owner_ignoring_live,
                                              "_down_tiles": substitute(moe._down_tiles,
                                                                        _expert_rows=rows_ignoring_live)},
                             "_combine_kernel": {"load_live": all_live}},
-       "product_offset_ignored": {"_gate_up_kernel": {"_gate_up_item": substitute(
-           moe._gate_up_item, _scaled_dot=substitute(moe._scaled_dot, _row_scales=row_scales_without_offset))}},
-       "gate_up_next_owner": {"_gate_up_kernel": {"_owner_pair": next_owner_pair}},
-       "down_next_owner": {"_down_kernel": {"_owner_pair": next_owner_pair}},
+       "product_offset_ignored": {"_gate_up_kernel": {"_scaled_dot": substitute(
+           moe._scaled_dot, _row_scales=row_scales_without_offset)}},
        "weights_not_applied": {"_combine_kernel": {"weighted_sum": sum_without_weights}},
        "tail_weights_not_applied": {"_combine_add_norm_kernel": {
            "_row_tail": substitute(moe._row_tail, weighted_sum=sum_without_weights)}}}

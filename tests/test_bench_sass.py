@@ -215,20 +215,3 @@ def test_an_odd_ranks_expert_shard_reads_one_scale_a_row():
     assert loads["moe_gate_up_odd"] == loads["moe_gate_up"] and loads["moe_down_odd"] == loads["moe_down"], loads
     straddling = sass.sequence(sass.compile_spec(_published_specs()["moe_down_odd"], BLOCK_K=128))
     assert sum(straddling.count(op) for op in ("LDG", "LDGSTS")) > 4 * loads["moe_down_odd"]
-
-
-def test_owners_first_keeps_the_grid_forms_registers_and_its_early_reads():
-    """MoESettings.*_owners_first: every program builds the owner list (`_owner_list`, 16 pairs a chunk), then takes
-    one item. The forms of 2c920c9 and d40055a, a 64 x 64 owner matrix at once or a loop over items, spilled or took
-    more registers and lost (docs/PERF.md, "Decisions rejected"); this one must keep the grid forms' registers (Gate/Up
-    at its default 4 splits), spill nothing, and still read Down's routing and weight tile before the wait."""
-    specs = _published_specs()
-    for name, constexprs in (("moe_gate_up", dict(SPLIT=4)), ("moe_gate_up_odd", dict(SPLIT=4)), ("moe_down", {})):
-        grid = sass.report(sass.compile_spec(specs[name], **constexprs))
-        first = sass.compile_spec(specs[name], OWNERS_FIRST=True, **constexprs)
-        r = sass.report(first)
-        assert r["stack_bytes"] == 0 and r["registers"] <= grid["registers"], (name, r, grid)
-        if name == "moe_down":
-            ptx = first.asm["ptx"]
-            head = ptx[:ptx.index("griddepcontrol.wait")]
-            assert head.count("prefetch.global.L2") >= 1 and head.count("ld.global") >= 2

@@ -55,7 +55,7 @@ TOL = {"fp32": 1e-5, "bf16": 2.0 ** -7}
 GPU_TOL = {"fp32": 1e-5, "bf16": 2.0 ** -6}
 
 BASE = dict(R=8, k=4, E=8, H=128, I=48, block=(128, 128), offset=0, dtype="fp32", live="all", pattern="random",
-            seed=0, scale="weight", split=1, owners_first=False)
+            seed=0, scale="weight", split=1)
 
 
 def case(name: str, **kw) -> dict:
@@ -97,14 +97,6 @@ CASES = [
     case("split4_multi_k_tiles_off96_fp32", R=2, H=320, offset=96, split=4),
     case("split3_poison_off80_bf16", pattern="poison", live="mask", offset=80, H=320, dtype="bf16", split=3),
     case("split2_product_mini_tp8_rank5_off28_bf16", I=12, offset=28, **MINI, dtype="bf16", scale="product", split=2),
-    # Gate/Up's and Down's owners first (MoESettings.*_owners_first): the grid form's bits
-    case("owners_first_poison_off96_bf16", pattern="poison", live="mask", offset=96, dtype="bf16", owners_first=True),
-    case("owners_first_split3_poison_off80_bf16", pattern="poison", live="mask", offset=80, H=320, dtype="bf16",
-         split=3, owners_first=True),
-    case("owners_first_shared_count_fp32", pattern="shared", live="count", owners_first=True),
-    case("owners_first_mini_tp8_rank5_off28_k8_bf16", R=1, I=12, offset=28, **dict(MINI, k=8), dtype="bf16",
-         owners_first=True),
-    case("owners_first_no_live_rows", live="none", owners_first=True),
 ]
 # Each must fail the checks of run_case (a control that passed would show the checks blind).
 CONTROLS = [
@@ -114,12 +106,6 @@ CONTROLS = [
     case("neg_padding_computed", live="mask", pattern="poison", control="padding_computed", caught="padding row"),
     case("neg_weights_not_applied", control="weights_not_applied", caught="rel err"),
     case("neg_tail_weights_not_applied", control="tail_weights_not_applied", caught="fused tail"),
-    # owners first, in Gate/Up and in Down: each owner's items given to the next owner's pair (the grid form, run
-    # beside it, is right)
-    case("neg_gate_up_owners_first_next_owner", pattern="shared", dtype="bf16", split=2, owners_first=True,
-         control="gate_up_next_owner", caught="owners first"),
-    case("neg_down_owners_first_next_owner", pattern="shared", dtype="bf16", owners_first=True,
-         control="down_next_owner", caught="owners first"),
 ]
 
 
@@ -169,8 +155,7 @@ def build(c: dict, device: str) -> dict:
 
 
 def settings(c: dict) -> mk.MoESettings:
-    return mk.MoESettings(gate_up_scale=c["scale"], gate_up_split=c["split"], gate_up_owners_first=c["owners_first"],
-                          down_owners_first=c["owners_first"])
+    return mk.MoESettings(gate_up_scale=c["scale"], gate_up_split=c["split"])
 
 
 def call(t: dict, **kw) -> torch.Tensor:
@@ -236,11 +221,8 @@ def bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def form_checks(c: dict, t: dict, got: torch.Tensor) -> dict:
-    """What shows that a numerical form (MoESettings.gate_up_scale, gate_up_split) ran as asked, and that owners
-    first (MoESettings.*_owners_first) gave the grid form's bits."""
+    """What shows that a numerical form (MoESettings.gate_up_scale, gate_up_split) ran as asked."""
     res = {}
-    if c["owners_first"]:  # (a control's broken piece is the owners-first form's own: the grid form runs whole)
-        res["owners_first_same_bits"] = torch.equal(got, call(t, settings=settings(dict(c, owners_first=False))))
     if c["scale"] != "weight":  # the form ran: its outputs are not the weight form's
         res["differs_from_weight_form"] = not torch.equal(got, call(t, settings=settings(dict(c, scale="weight"))))
     if c["split"] > 1:
@@ -279,8 +261,6 @@ def run_case(c: dict, device: str) -> dict:
 
 
 def check(c: dict, r: dict, tol: dict = TOL) -> None:
-    if c["owners_first"]:
-        assert r["owners_first_same_bits"], "owners first gave other bits than the grid form's"
     assert r["finite"], "non-finite output"
     assert r["pad_zero"], "a padding row is not zero"
     assert r["rel_err"] <= tol[c["dtype"]], f"rel err {r['rel_err']:.3e} > {tol[c['dtype']]:.3e}"
@@ -572,9 +552,6 @@ GPU_CASES = [full_case(o, d) for o in (0, 64) for d in (38, 13)] + [full_case(64
 # the tune's numerical forms at full size (MoESettings.gate_up_split and gate_up_scale), against their torch form
 GPU_CASES += [dict(full_case(64, 38), name="gpu_full_off64_d38_split4", split=4),
               dict(full_case(0, 13), name="gpu_full_off0_d13_split4_product", split=4, scale="product")]
-# owners first (MoESettings.*_owners_first) at the decode routing's ~9 experts and at 38, the default split
-GPU_CASES += [dict(full_case(64, 9), name="gpu_full_off64_d9_split4_owners_first", split=4, owners_first=True),
-              dict(full_case(0, 38, "mask"), name="gpu_full_off0_d38_split4_owners_first", split=4, owners_first=True)]
 
 
 @pytest.mark.gpu
