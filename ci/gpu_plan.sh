@@ -27,6 +27,7 @@
 #   ncu       under Nsight Compute, alone (the tune's calls): the fold's o-projection (57.6 us a call in the round at
 #             bc0ea27, 3.6-25 us in the tune), the q/k/v fold and the o-projection (latency-bound at 170deed: 8.6% and
 #             8.8% of peak DRAM throughput), each with its stall reasons' shares
+#   ncumoe    Gate/Up and Down alone under Nsight Compute at 9 experts, full sections and each SASS line's stalls
 #   trace     bench graph-trace: kernels and dependent steps a decoder layer, with and without each fold (10 at bc0ea27)
 #   tune      bench tune: the MoE at 38 experts, then the attention, the router, the tails, the top-k, the head, the
 #             fold's o-projection, an op a process (at 1946ffa a candidate of attention_full's made an illegal memory
@@ -185,6 +186,18 @@ case "${1:-}" in
       --budget 20
     prof qkv-rope-kv _qkv_rope_kv_kernel 90 bash "$here/gpu.sh" bench tune --ops qkv_rope_kv --budget 15
     prof linear-o _fp8_linear_kernel 90 bash "$here/gpu.sh" bench tune --ops linear_o --budget 15 ;;
+  ncumoe)  # Gate/Up and Down alone at the decode routing (9 experts), the full section set with source counters: each
+    # SASS line's stall reasons (--page source), the question after owners first (8ea3bc4) left the churn out
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+    for k in _gate_up_kernel _down_kernel; do
+      timeout 200 "$ncu" --clock-control none --target-processes all -k "regex:^$k\$" -s 40 -c 1 --set full \
+        --import-source yes -o "/tmp/ncu$k" bash "$here/gpu.sh" bench tune --ops moe --distinct 9 \
+        --only down_prefetch=False --budget 20 > "$out/ncu-moe$k-$sha.log" 2>&1 || echo "ncu $k: exit $?" >&2
+      "$ncu" -i "/tmp/ncu$k.ncu-rep" --page details --csv > "$out/ncu-moe$k-details-$sha.csv" 2>&1 || true
+      "$ncu" -i "/tmp/ncu$k.ncu-rep" --page source --csv --print-source sass > "$out/ncu-moe$k-source-$sha.csv" 2>&1 \
+        || true
+      grep -E "Duration|DRAM Throughput|Registers Per|Achieved Occupancy" "$out/ncu-moe$k-details-$sha.csv" | head -6
+    done ;;
   trace)
     gpu bench graph-trace --kernels triton,triton+router_fold,triton+down_tail,triton^moe_combine,triton^qkv_rope \
       --out "$out/graph-trace-$sha.json" 2>&1 | tee "$out/graph-trace-$sha.log" ;;
@@ -208,6 +221,6 @@ case "${1:-}" in
       > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
     tail -8 "$out/depth-mini-cuda-$sha.log" ;;
   *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|qualify2one|step|agent|rest|depthprobe|fold|"\
-"ncu|trace|tune|tunectx|stepctx|pair512|step2|prefetch|tests|mps|qualify|candidate)" >&2
+"ncu|ncumoe|trace|tune|tunectx|stepctx|pair512|step2|prefetch|tests|mps|qualify|candidate)" >&2
      exit 2 ;;
 esac
