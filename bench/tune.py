@@ -90,7 +90,6 @@ GRIDS: dict[str, tuple[dict, ...]] = {
             # element (a numerical change: 318 instructions a warp a step against 382); the pipeline's depth (the same
             # bits)
             {"gate_up_split": 1}, {"gate_up_split": 2}, {"gate_up_split": 8}, {"gate_up_scale": "product"},
-            {"rows_early": True},  # the owner's row block read with its routing (the same bits)
             {"gate_up_split": 8, "gate_up_scale": "product"},
             {"gate_up_stages": 4}, {"gate_up_stages": 6}, {"gate_up_stages": 8},
             {"gate_up_stages": 6, "gate_up_block_n": 16}, {"gate_up_stages": 8, "gate_up_block_n": 16},

@@ -27,7 +27,6 @@
 #   ncu       under Nsight Compute, alone (the tune's calls): the fold's o-projection (57.6 us a call in the round at
 #             bc0ea27, 3.6-25 us in the tune), the q/k/v fold and the o-projection (latency-bound at 170deed: 8.6% and
 #             8.8% of peak DRAM throughput), each with its stall reasons' shares
-#   rowsearly the owner's row block read with its routing (the same bits): its GPU cases, the round paired
 #   ncumoe    Gate/Up and Down alone under Nsight Compute at 9 experts, full sections and each SASS line's stalls
 #   trace     bench graph-trace: kernels and dependent steps a decoder layer, with and without each fold (10 at bc0ea27)
 #   tune      bench tune: the MoE at 38 experts, then the attention, the router, the tails, the top-k, the head, the
@@ -187,15 +186,6 @@ case "${1:-}" in
       --budget 20
     prof qkv-rope-kv _qkv_rope_kv_kernel 90 bash "$here/gpu.sh" bench tune --ops qkv_rope_kv --budget 15
     prof linear-o _fp8_linear_kernel 90 bash "$here/gpu.sh" bench tune --ops linear_o --budget 15 ;;
-  rowsearly)  # the owner's row block read with its routing (MoESettings.rows_early, the same bits): its GPU cases,
-    # then the round paired
-    timeout 150 bash "$here/gpu.sh" tests tests/test_kernel_moe.py -k rows_early \
-      > "$out/gpu-tests-rows-early-$sha.log" 2>&1 || echo "rows_early gpu tests: exit $?" >&2
-    tail -2 "$out/gpu-tests-rows-early-$sha.log"
-    timeout 200 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
-      --kernels triton,triton@moe.rows_early=True --out "$out/step-rows-early-ctx1k-d5-$sha.json" \
-      > "$out/step-rows-early-ctx1k-d5-$sha.log" 2>&1 || echo "bench step: exit $?" >&2
-    grep -E "against triton|differs at|identical|/graph " "$out/step-rows-early-ctx1k-d5-$sha.log" ;;
   ncumoe)  # Gate/Up and Down alone at the decode routing (9 experts), the full section set with source counters: each
     # SASS line's stall reasons (--page source), the question after owners first (8ea3bc4) left the churn out
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
@@ -231,6 +221,6 @@ case "${1:-}" in
       > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
     tail -8 "$out/depth-mini-cuda-$sha.log" ;;
   *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|qualify2one|step|agent|rest|depthprobe|fold|"\
-"ncu|ncumoe|rowsearly|trace|tune|tunectx|stepctx|pair512|step2|prefetch|tests|mps|qualify|candidate)" >&2
+"ncu|ncumoe|trace|tune|tunectx|stepctx|pair512|step2|prefetch|tests|mps|qualify|candidate)" >&2
      exit 2 ;;
 esac

@@ -148,11 +148,6 @@ class MoESettings:
     # Down's owners ask L2 for their expert's weight tile before the PDL wait, while Gate/Up still runs (a hint: the
     # same bits), as the retired kernels' `early` did (docs/PERF.md, "Reads of data written two launches back")
     down_prefetch: bool = True
-    # The owner's block of rows (which rows chose its expert, and at which slot) read with its own routing reads, not
-    # after them: in Gate/Up one L2 round trip fewer between the PDL wait and the first weight load, in Down the read
-    # moved before the wait (the routing was written two launches back). The same reads, so the same bits. Down ending
-    # in the tail (`down_add_norm`) reads as before
-    rows_early: bool = False
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -252,31 +247,16 @@ def _expert_owner(experts_ptr, live_ptr, p, R, K_TOP: tl.constexpr, P_PAD: tl.co
 
 
 @triton.jit
-def _block_routing(experts_ptr, live_ptr, m0, R, K_TOP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                   LIVE_COUNT: tl.constexpr):
-    """Rows m0 .. m0 + BLOCK_M - 1's routing, what `_block_rows` matches: their experts [BLOCK_M, K_PAD] (-1 past R
-    and k) and liveness. The addresses follow from m0 alone."""
+def _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl.constexpr,
+                 BLOCK_M: tl.constexpr, LIVE_COUNT: tl.constexpr):
+    """Rows m0 .. m0 + BLOCK_M - 1: (their pair r * k + j_r with j_r the slot of e, mask of the live rows that chose
+    e). A row's experts are distinct: at most one slot matches."""
     rows = m0 + tl.arange(0, BLOCK_M)
     j = tl.arange(0, K_PAD)
     ex = tl.load(experts_ptr + rows[:, None] * K_TOP + j[None, :],
                  mask=(rows < R)[:, None] & (j < K_TOP)[None, :], other=-1)
-    return ex, load_live(live_ptr, rows, R, LIVE_COUNT)
-
-
-@triton.jit
-def _no_routing(experts_ptr, BLOCK_M: tl.constexpr, K_PAD: tl.constexpr):
-    """`_block_routing`'s types, nothing read: the loop's routing before its first block's is read in the loop."""
-    return tl.full([BLOCK_M, K_PAD], -1, experts_ptr.dtype.element_ty), tl.zeros([BLOCK_M], tl.int1)
-
-
-@triton.jit
-def _block_rows(ex, live, e, m0, K_TOP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The block's rows (`_block_routing`'s ex, live): (their pair r * k + j_r with j_r the slot of e, mask of the
-    live rows that chose e). A row's experts are distinct: at most one slot matches."""
-    rows = m0 + tl.arange(0, BLOCK_M)
-    j = tl.arange(0, K_PAD)
     hit = ex == e
-    ok = (tl.sum(hit.to(tl.int32), axis=1) > 0) & live
+    ok = (tl.sum(hit.to(tl.int32), axis=1) > 0) & load_live(live_ptr, rows, R, LIVE_COUNT)
     return rows * K_TOP + tl.sum(tl.where(hit, j[None, :], 0), axis=1), ok
 
 
@@ -289,7 +269,7 @@ def _gate_up_kernel(
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
-    SCALE_PRODUCT: tl.constexpr = False, SPLIT: tl.constexpr = 1, ROWS_EARLY: tl.constexpr = False,
+    SCALE_PRODUCT: tl.constexpr = False, SPLIT: tl.constexpr = 1,
 ):
     wait_for_inputs(PDL)
     p = tl.program_id(0)
@@ -302,18 +282,8 @@ def _gate_up_kernel(
         k_hi = tl.minimum(H, k_lo + k_per)
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
     # A live row above the owner's that chose e would own it instead, so the row blocks start at the owner's.
-    first = (p // K_TOP) // BLOCK_M * BLOCK_M
-    if ROWS_EARLY:  # read beside the owner test's reads, not one round trip after them
-        chosen, chosen_live = _block_routing(experts_ptr, live_ptr, first, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
-    else:
-        chosen, chosen_live = _no_routing(experts_ptr, BLOCK_M, K_PAD)
-    for m0 in range(first, tl.where(run, R, 0), BLOCK_M):
-        if not ROWS_EARLY:
-            chosen, chosen_live = _block_routing(experts_ptr, live_ptr, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
-        pair, m_ok = _block_rows(chosen, chosen_live, e, m0, K_TOP, K_PAD, BLOCK_M)
-        if ROWS_EARLY:  # the next block's, read while this one streams
-            after = m0 + BLOCK_M  # (assigned: the interpreter then holds it as a tensor, not a constexpr)
-            chosen, chosen_live = _block_routing(experts_ptr, live_ptr, after, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
+    for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):
+        pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
         if tl.sum(m_ok.to(tl.int32), axis=0) > 0:  # a block of rows none of which chose e streams nothing
             rows = m0 + tl.arange(0, BLOCK_M)
             n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -381,21 +351,14 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, LINE_ELEMS: tl.constexpr = 128, LINES: tl.constexpr = 2,
-    ROWS_EARLY: tl.constexpr = False,
 ):
     p = tl.program_id(0)
     tile = tl.program_id(1)
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)  # before the wait: `_early_tile`
-    if ROWS_EARLY:  # the owner's row block's routing too (written two launches back)
-        first = (p // K_TOP) // BLOCK_M * BLOCK_M
-        chosen, chosen_live = _block_routing(experts_ptr, live_ptr, first, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
-    else:
-        chosen, chosen_live = _no_routing(experts_ptr, BLOCK_M, K_PAD)
     _early_tile(d_ptr, e, run, tile, H, I, BLOCK_N, PREFETCH, LINE_ELEMS, LINES)
     wait_for_inputs(PDL)
     _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, tile, R, H, I, ds_e, ds_r, D_OFF0,
-                D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32, INTERP, chosen,
-                chosen_live, ROWS_EARLY)
+                D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32, INTERP)
 
 
 @triton.jit
@@ -415,17 +378,11 @@ def _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, t
                 D_OFF0: tl.constexpr, D_OFF1: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
                 K_TOP: tl.constexpr, K_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, DOT_F32: tl.constexpr,
-                INTERP: tl.constexpr, chosen, chosen_live, ROWS_EARLY: tl.constexpr):
+                INTERP: tl.constexpr):
     """Pair program p's Down outputs for H tile `tile`: expert e's rows (when p owns e) stored into y, rounded to the
-    compute dtype. ROWS_EARLY: (chosen, chosen_live) is the first block's routing, read already
-    (`_block_routing`)."""
+    compute dtype."""
     for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):  # as in Gate/Up
-        if not ROWS_EARLY:
-            chosen, chosen_live = _block_routing(experts_ptr, live_ptr, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
-        pair, m_ok = _block_rows(chosen, chosen_live, e, m0, K_TOP, K_PAD, BLOCK_M)
-        if ROWS_EARLY:  # the next block's (assigned first: as in Gate/Up)
-            after = m0 + BLOCK_M
-            chosen, chosen_live = _block_routing(experts_ptr, live_ptr, after, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
+        pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
         if tl.sum(m_ok.to(tl.int32), axis=0) > 0:
             n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = n < H
@@ -586,10 +543,9 @@ def _down_add_norm_kernel(
     _early_tile(d_ptr, e, run, pid // P, H, I, BLOCK_N, PREFETCH, LINE_ELEMS, LINES)
     wait_for_inputs(PDL)
     if pid < downs:
-        chosen, chosen_live = _no_routing(experts_ptr, BLOCK_M, K_PAD)
         _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, pid // P, R, H, I, ds_e, ds_r,
                     D_OFF0, D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32,
-                    INTERP, chosen, chosen_live, False)
+                    INTERP)
         _arrive(lock_ptr, run)
     else:
         r = pid - downs
@@ -767,8 +723,7 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
         _split_width(H, gate.block, s),
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
         **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=step, **_math(h),
-        INTERP=INTERPRETED, SCALE_PRODUCT=product, SPLIT=s.gate_up_split, ROWS_EARLY=s.rows_early,
-        **_streams(h, s, s.gate_up_stages),
+        INTERP=INTERPRETED, SCALE_PRODUCT=product, SPLIT=s.gate_up_split, **_streams(h, s, s.gate_up_stages),
         **launch_options(pdl, dev))
     return h
 
@@ -788,7 +743,7 @@ def _down(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, setting
     _down_kernel[_down_grid(h, settings)](
         h.hidden, down_w.q, down_w.scale, h.experts, h.live, y, h.rows, h.H, h.hidden.shape[1],
         down_w.scale.stride(0), down_w.scale.stride(1), **_down_constexprs(h, down_w, settings, down_k, pdl),
-        ROWS_EARLY=settings.rows_early, **_streams(h, settings), **launch_options(pdl, y.device))
+        **_streams(h, settings), **launch_options(pdl, y.device))
     return ExpertOutputs(y, weights, h.live, h.count, h.dtype)
 
 
@@ -944,7 +899,6 @@ def _check_settings(s: MoESettings) -> None:
            f"settings.gate_up_scale must be 'weight' or 'product', got {s.gate_up_scale!r}")
     _check(isinstance(s.gate_up_split, int) and 1 <= s.gate_up_split <= 16,
            f"settings.gate_up_split must be an int from 1 to 16, got {s.gate_up_split!r}")
-    _check(isinstance(s.rows_early, bool), f"settings.rows_early must be a bool, got {s.rows_early!r}")
 
 
 # ---- the torch form --------------------------------------------------------------------------------

@@ -7,8 +7,7 @@ module.
   (`BROKEN`).
 - moe (tests/test_kernel_moe.py), put into copies of its kernels by `kernels.testing.substituted` (`MOE`): scales
   indexed without the shard's offset in its first block, liveness ignored (padding rows' experts computed and
-  combined), the slots summed without their routing weights (by the combine, or by the combine fused with the tail),
-  every row block matched against the first block's routing.
+  combined), the slots summed without their routing weights (by the combine, or by the combine fused with the tail).
 - The FP8 linears (tests/test_bench_sass.py, tests/test_kernel_fp8_linear_direct.py): the preloaded weight tiles
   used without the opaque move after the wait (`linear_transparent`), the direct kernel's K tiles summed last to
   first (`DIRECT_REVERSED`).
@@ -89,20 +88,14 @@ def owner_ignoring_live(experts_ptr, live_ptr, p, R, K_TOP: tl.constexpr, P_PAD:
 
 
 @triton.jit
-def rows_ignoring_live(ex, live, e, m0, K_TOP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+def rows_ignoring_live(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl.constexpr,
+                       BLOCK_M: tl.constexpr, LIVE_COUNT: tl.constexpr):
     rows = m0 + tl.arange(0, BLOCK_M)
     j = tl.arange(0, K_PAD)
+    ex = tl.load(experts_ptr + rows[:, None] * K_TOP + j[None, :],
+                 mask=(rows < R)[:, None] & (j < K_TOP)[None, :], other=-1)
     hit = ex == e
     return rows * K_TOP + tl.sum(tl.where(hit, j[None, :], 0), axis=1), tl.sum(hit.to(tl.int32), axis=1) > 0
-
-
-@triton.jit
-def first_block_routing(experts_ptr, live_ptr, m0, R, K_TOP: tl.constexpr, K_PAD: tl.constexpr,
-                        BLOCK_M: tl.constexpr, LIVE_COUNT: tl.constexpr):
-    """Every row block's experts read as the first block's (rows 0 .. BLOCK_M - 1), whatever m0; its liveness its
-    own, so that no row past R is taken for live (nothing is written out of bounds)."""
-    ex, _ = moe._block_routing(experts_ptr, live_ptr, m0 - m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
-    return ex, moe._block_routing(experts_ptr, live_ptr, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)[1]
 
 
 @triton.jit
@@ -118,20 +111,17 @@ def sum_without_weights(y_ptr, weights_ptr, r, n, n_ok, live, H, K_TOP: tl.const
     return acc
 
 
-_IGNORING_LIVE = {"_expert_owner": owner_ignoring_live, "_block_rows": rows_ignoring_live}
+_IGNORING_LIVE = {"_expert_owner": owner_ignoring_live, "_expert_rows": rows_ignoring_live}
 MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_offset},
                           "_down_kernel": {"_down_tiles": substitute(moe._down_tiles,
                                                                      _tile_scales=scales_without_offset)}},
        "padding_computed": {"_gate_up_kernel": _IGNORING_LIVE,
                             "_down_kernel": {"_expert_owner": owner_ignoring_live,
                                              "_down_tiles": substitute(moe._down_tiles,
-                                                                       _block_rows=rows_ignoring_live)},
+                                                                       _expert_rows=rows_ignoring_live)},
                             "_combine_kernel": {"load_live": all_live}},
        "product_offset_ignored": {"_gate_up_kernel": {"_scaled_dot": substitute(
            moe._scaled_dot, _row_scales=row_scales_without_offset)}},
-       "first_block_only": {"_gate_up_kernel": {"_block_routing": first_block_routing},
-                            "_down_kernel": {"_down_tiles": substitute(moe._down_tiles,
-                                                                      _block_routing=first_block_routing)}},
        "weights_not_applied": {"_combine_kernel": {"weighted_sum": sum_without_weights}},
        "tail_weights_not_applied": {"_combine_add_norm_kernel": {
            "_row_tail": substitute(moe._row_tail, weighted_sum=sum_without_weights)}}}

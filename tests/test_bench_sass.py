@@ -215,17 +215,3 @@ def test_an_odd_ranks_expert_shard_reads_one_scale_a_row():
     assert loads["moe_gate_up_odd"] == loads["moe_gate_up"] and loads["moe_down_odd"] == loads["moe_down"], loads
     straddling = sass.sequence(sass.compile_spec(_published_specs()["moe_down_odd"], BLOCK_K=128))
     assert sum(straddling.count(op) for op in ("LDG", "LDGSTS")) > 4 * loads["moe_down_odd"]
-
-
-def test_rows_early_reads_the_owners_row_block_sooner_and_spills_nothing():
-    """MoESettings.rows_early: Down reads the owner's row block's routing before its PDL wait (more global loads there
-    than without it), Gate/Up after the wait as before (nothing before it); both spill nothing."""
-    def before(name: str, **constexprs) -> int:
-        ptx = sass.compile_spec(_published_specs()[name], **constexprs).asm["ptx"]
-        return ptx[:ptx.index("griddepcontrol.wait")].count("ld.global")
-
-    assert before("moe_down", ROWS_EARLY=True) > before("moe_down")
-    assert before("moe_gate_up", SPLIT=4, ROWS_EARLY=True) == 0
-    for name, constexprs in (("moe_gate_up", dict(SPLIT=4)), ("moe_gate_up_odd", dict(SPLIT=4)), ("moe_down", {})):
-        r = sass.report(sass.compile_spec(_published_specs()[name], ROWS_EARLY=True, **constexprs))
-        assert r["stack_bytes"] == 0 and r["registers"] <= 168, (name, r)  # 3 programs of 4 warps an SM, as without

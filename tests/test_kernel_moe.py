@@ -16,9 +16,6 @@ forms of Gate/Up's scales, `MoESettings.gate_up_scale`), liveness
 ignored (padding rows' experts computed and combined), routing weights not applied (in the combine, and in the
 combine fused with the sandwich tail, `combine_add_norm`, which must equal the combine, the cast and `add_norm` bit
 for bit); each must fail the checks.
-The owner's row block read with its routing (`MoESettings.rows_early`): the same bits as read in the loop, on cases of
-one and two row blocks; negative controls: padding rows computed on that path, and every block matched against the
-first block's routing.
 Down ending in the combine and the tail (`down_add_norm`, one launch counting each row's arrivals in `locks`): against
 `down` then `combine_add_norm`, bit for bit under the interpreter (y, the sum, h and b), the counters left zeroed after
 each call; negative controls (jit pieces substituted from here): an owner's arrival counted twice, and one not counted,
@@ -58,7 +55,7 @@ TOL = {"fp32": 1e-5, "bf16": 2.0 ** -7}
 GPU_TOL = {"fp32": 1e-5, "bf16": 2.0 ** -6}
 
 BASE = dict(R=8, k=4, E=8, H=128, I=48, block=(128, 128), offset=0, dtype="fp32", live="all", pattern="random",
-            seed=0, scale="weight", split=1, rows_early=False)
+            seed=0, scale="weight", split=1)
 
 
 def case(name: str, **kw) -> dict:
@@ -100,14 +97,6 @@ CASES = [
     case("split4_multi_k_tiles_off96_fp32", R=2, H=320, offset=96, split=4),
     case("split3_poison_off80_bf16", pattern="poison", live="mask", offset=80, H=320, dtype="bf16", split=3),
     case("split2_product_mini_tp8_rank5_off28_bf16", I=12, offset=28, **MINI, dtype="bf16", scale="product", split=2),
-    # the owner's row block read with its routing (MoESettings.rows_early): the same bits as read in the loop; 24 rows
-    # are two blocks of 16, so the next block's read ahead is used
-    case("rows_early_poison_off96_bf16", pattern="poison", live="mask", offset=96, dtype="bf16", rows_early=True),
-    case("rows_early_r24_shared_split2_bf16", R=24, pattern="shared", live="mask", dtype="bf16", split=2,
-         rows_early=True),
-    case("rows_early_r24_count_fp32", R=24, live="count", rows_early=True),
-    case("rows_early_mini_tp8_rank5_off28_k8_bf16", R=1, I=12, offset=28, **dict(MINI, k=8), dtype="bf16",
-         rows_early=True),
 ]
 # Each must fail the checks of run_case (a control that passed would show the checks blind).
 CONTROLS = [
@@ -117,11 +106,6 @@ CONTROLS = [
     case("neg_padding_computed", live="mask", pattern="poison", control="padding_computed", caught="padding row"),
     case("neg_weights_not_applied", control="weights_not_applied", caught="rel err"),
     case("neg_tail_weights_not_applied", control="tail_weights_not_applied", caught="fused tail"),
-    # the read-ahead path: padding rows' experts computed, and every block matched against the first block's routing
-    case("neg_rows_early_padding_computed", live="mask", pattern="poison", rows_early=True,
-         control="padding_computed", caught="padding row"),
-    case("neg_rows_early_first_block_only", R=24, pattern="shared", rows_early=True, control="first_block_only",
-         caught="rel err"),
 ]
 
 
@@ -171,7 +155,7 @@ def build(c: dict, device: str) -> dict:
 
 
 def settings(c: dict) -> mk.MoESettings:
-    return mk.MoESettings(gate_up_scale=c["scale"], gate_up_split=c["split"], rows_early=c["rows_early"])
+    return mk.MoESettings(gate_up_scale=c["scale"], gate_up_split=c["split"])
 
 
 def call(t: dict, **kw) -> torch.Tensor:
@@ -237,11 +221,8 @@ def bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def form_checks(c: dict, t: dict, got: torch.Tensor) -> dict:
-    """What shows that a numerical form (MoESettings.gate_up_scale, gate_up_split) ran as asked, and that the rows
-    read early (MoESettings.rows_early) gave the same bits as read in the loop."""
+    """What shows that a numerical form (MoESettings.gate_up_scale, gate_up_split) ran as asked."""
     res = {}
-    if c["rows_early"]:
-        res["rows_early_same_bits"] = torch.equal(got, call(t, settings=settings(dict(c, rows_early=False))))
     if c["scale"] != "weight":  # the form ran: its outputs are not the weight form's
         res["differs_from_weight_form"] = not torch.equal(got, call(t, settings=settings(dict(c, scale="weight"))))
     if c["split"] > 1:
@@ -284,8 +265,6 @@ def check(c: dict, r: dict, tol: dict = TOL) -> None:
     assert r["pad_zero"], "a padding row is not zero"
     assert r["rel_err"] <= tol[c["dtype"]], f"rel err {r['rel_err']:.3e} > {tol[c['dtype']]:.3e}"
     assert r["tail_equal"], "the fused tail (combine_add_norm) differs from combine, cast and add_norm"
-    if c["rows_early"]:
-        assert r["rows_early_same_bits"], "the rows read early gave other bits than read in the loop"
     if c["pattern"] == "poison":
         assert r["poisoned_experts"] > 0
         assert r["poison_finite_equal"], "a padding row's expert weights or routing weights were read"
@@ -573,9 +552,6 @@ GPU_CASES = [full_case(o, d) for o in (0, 64) for d in (38, 13)] + [full_case(64
 # the tune's numerical forms at full size (MoESettings.gate_up_split and gate_up_scale), against their torch form
 GPU_CASES += [dict(full_case(64, 38), name="gpu_full_off64_d38_split4", split=4),
               dict(full_case(0, 13), name="gpu_full_off0_d13_split4_product", split=4, scale="product")]
-# the owner's row block read early (MoESettings.rows_early), at the decode routing's ~9 experts and at 38
-GPU_CASES += [dict(full_case(64, 9), name="gpu_full_off64_d9_split4_rows_early", split=4, rows_early=True),
-              dict(full_case(0, 38, "mask"), name="gpu_full_off0_d38_split4_rows_early", split=4, rows_early=True)]
 
 
 @pytest.mark.gpu
