@@ -20,7 +20,8 @@ def _number(text: str) -> float:
 
 
 def report(path: str, top: int = 14) -> str:
-    rows = list(csv.reader(open(path, newline="")))
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
     header, lines = rows[1], rows[2:]  # row 0 names the kernel
     source, samples = header.index("Source"), header.index("Warp Stall Sampling (All Samples)")
     reasons = [i for i, name in enumerate(header) if name.startswith("stall_") and "Not Issued" not in name]
