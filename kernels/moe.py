@@ -34,6 +34,7 @@ Three launches, grids from shapes alone, no host sync, no atomics (graph-captura
    before their PDL wait (written two launches back), and the owners ask L2 for their weight tiles there
    (`MoESettings.down_prefetch`), so Down's stream overlaps Gate/Up.
 3. Combine, grid (row, H tile): the weighted sum over slots; padding rows write zeros and read nothing.
+With `MoESettings.pair_major` launches 1 and 2 put the pair on their grid's slowest axis (`_grid_item`).
 A row's experts must be distinct (top-k routing makes them so): a program finds a row's slot of e by matching.
 
 The engine leaves the combine to the op that reads the MoE's output: `expert_outputs` runs launches 1 and 2 and
@@ -148,6 +149,10 @@ class MoESettings:
     # Down's owners ask L2 for their expert's weight tile before the PDL wait, while Gate/Up still runs (a hint: the
     # same bits), as the retired kernels' `early` did (docs/PERF.md, "Reads of data written two launches back")
     down_prefetch: bool = True
+    # Gate/Up's and Down's grids with the pair on the slowest axis (the GPU dispatches x fastest), so that a pair's items (its I_r or H tiles and
+    # splits) are adjacent and row 0's pairs, which own their experts, are dispatched first instead of in every
+    # (tile, split) group behind the padding and shared pairs' programs: the same items, so the same bits
+    pair_major: bool = False
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -233,6 +238,24 @@ def _dot(a, w, BF16: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _grid_item(PAIR_MAJOR: tl.constexpr):
+    """This program's (pair, tile, split) and the grid's tile count: the grid's axes (pair, tile, split), or with
+    PAIR_MAJOR (split, tile, pair), which the GPU dispatches x fastest, so the pair is slowest
+    (`MoESettings.pair_major`). That order of the axes compiles to the three-axis grid's registers and K steps."""
+    if PAIR_MAJOR:
+        p = tl.program_id(2)
+        tile = tl.program_id(1)
+        split = tl.program_id(0)
+        tiles = tl.num_programs(1)
+    else:
+        p = tl.program_id(0)
+        tile = tl.program_id(1)
+        split = tl.program_id(2)
+        tiles = tl.num_programs(1)
+    return p, tile, split, tiles
+
+
+@triton.jit
 def _expert_owner(experts_ptr, live_ptr, p, R, K_TOP: tl.constexpr, P_PAD: tl.constexpr,
                   LIVE_COUNT: tl.constexpr):
     """(e = experts[p], whether pair p's program handles e): p's row is live and no earlier live pair (q < p,
@@ -269,12 +292,10 @@ def _gate_up_kernel(
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
-    SCALE_PRODUCT: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    SCALE_PRODUCT: tl.constexpr = False, SPLIT: tl.constexpr = 1, PAIR_MAJOR: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
-    p = tl.program_id(0)
-    tile = tl.program_id(1)
-    split = tl.program_id(2)
+    p, tile, split, tiles = _grid_item(PAIR_MAJOR)
     k_lo = 0
     k_hi = H
     if SPLIT > 1:
@@ -316,7 +337,7 @@ def _gate_up_kernel(
             mask = m_ok[:, None] & n_ok[None, :]
             last = True
             if SPLIT > 1:
-                lock = (p * tl.num_programs(1) + tile) * tl.cdiv(R, BLOCK_M) + m0 // BLOCK_M
+                lock = (p * tiles + tile) * tl.cdiv(R, BLOCK_M) + m0 // BLOCK_M
                 last, acc_g, acc_u = _split_sums(acc_g, acc_u, part_ptr, lock_ptr + lock, pair, n, mask, split,
                                                  R * K_TOP, I, SPLIT, BLOCK_M, BLOCK_N)
             if last:
@@ -351,9 +372,9 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, LINE_ELEMS: tl.constexpr = 128, LINES: tl.constexpr = 2,
+    PAIR_MAJOR: tl.constexpr = False,
 ):
-    p = tl.program_id(0)
-    tile = tl.program_id(1)
+    p, tile, _, _ = _grid_item(PAIR_MAJOR)
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)  # before the wait: `_early_tile`
     _early_tile(d_ptr, e, run, tile, H, I, BLOCK_N, PREFETCH, LINE_ELEMS, LINES)
     wait_for_inputs(PDL)
@@ -717,13 +738,14 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
                and locks.is_contiguous() and locks.device == dev,
                f"locks must be {n_locks} contiguous zeroed int32 counters on {dev}")
         parts = torch.empty((s.gate_up_split, 2, R * k, I), dtype=torch.float32, device=dev)  # each read one written
-    _gate_up_kernel[(R * k, triton.cdiv(I, s.gate_up_block_n), s.gate_up_split)](
+    _gate_up_kernel[_grid(R * k, triton.cdiv(I, s.gate_up_block_n), s.gate_up_split, s.pair_major)](
         b, gate.q, gate.scale, up.q, up.scale, experts, live_arg, hidden, parts, locks if locks is not None else parts,
         R, H, I, b.stride(0), gate.scale.stride(0), gate.scale.stride(1), up.scale.stride(0), up.scale.stride(1),
         _split_width(H, gate.block, s),
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
         **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=step, **_math(h),
-        INTERP=INTERPRETED, SCALE_PRODUCT=product, SPLIT=s.gate_up_split, **_streams(h, s, s.gate_up_stages),
+        INTERP=INTERPRETED, SCALE_PRODUCT=product, SPLIT=s.gate_up_split, PAIR_MAJOR=s.pair_major,
+        **_streams(h, s, s.gate_up_stages),
         **launch_options(pdl, dev))
     return h
 
@@ -740,11 +762,16 @@ def _down(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, setting
           pdl: bool) -> ExpertOutputs:
     down_k = _check_down(h, weights, down_w, settings)
     y = torch.empty((h.rows * h.k, h.H), dtype=torch.float32, device=h.hidden.device)
-    _down_kernel[_down_grid(h, settings)](
+    _down_kernel[_grid(*_down_grid(h, settings), 1, settings.pair_major)](
         h.hidden, down_w.q, down_w.scale, h.experts, h.live, y, h.rows, h.H, h.hidden.shape[1],
         down_w.scale.stride(0), down_w.scale.stride(1), **_down_constexprs(h, down_w, settings, down_k, pdl),
-        **_streams(h, settings), **launch_options(pdl, y.device))
+        PAIR_MAJOR=settings.pair_major, **_streams(h, settings), **launch_options(pdl, y.device))
     return ExpertOutputs(y, weights, h.live, h.count, h.dtype)
+
+
+def _grid(pairs: int, tiles: int, splits: int, pair_major: bool) -> tuple[int, int, int]:
+    """Gate/Up's or Down's launch grid (`_grid_item`): (pairs, tiles, splits), or the pair on the slowest axis."""
+    return (splits, tiles, pairs) if pair_major else (pairs, tiles, splits)
 
 
 def _down_grid(h: ExpertHidden, s: MoESettings) -> tuple[int, int]:
@@ -899,6 +926,7 @@ def _check_settings(s: MoESettings) -> None:
            f"settings.gate_up_scale must be 'weight' or 'product', got {s.gate_up_scale!r}")
     _check(isinstance(s.gate_up_split, int) and 1 <= s.gate_up_split <= 16,
            f"settings.gate_up_split must be an int from 1 to 16, got {s.gate_up_split!r}")
+    _check(isinstance(s.pair_major, bool), f"settings.pair_major must be a bool, got {s.pair_major!r}")
 
 
 # ---- the torch form --------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ module.
   (`BROKEN`).
 - moe (tests/test_kernel_moe.py), put into copies of its kernels by `kernels.testing.substituted` (`MOE`): scales
   indexed without the shard's offset in its first block, liveness ignored (padding rows' experts computed and
-  combined), the slots summed without their routing weights (by the combine, or by the combine fused with the tail).
+  combined), the slots summed without their routing weights (by the combine, or by the combine fused with the tail),
+  each pair's last tile dropped from the pair-major grids.
 - The FP8 linears (tests/test_bench_sass.py, tests/test_kernel_fp8_linear_direct.py): the preloaded weight tiles
   used without the opaque move after the wait (`linear_transparent`), the direct kernel's K tiles summed last to
   first (`DIRECT_REVERSED`).
@@ -111,6 +112,15 @@ def sum_without_weights(y_ptr, weights_ptr, r, n, n_ok, live, H, K_TOP: tl.const
     return acc
 
 
+@triton.jit
+def grid_item_last_tile_dropped(PAIR_MAJOR: tl.constexpr):
+    """`moe._grid_item`, but with the pair slowest each pair's last tile's programs given its first tile instead."""
+    p, tile, split, tiles = moe._grid_item(PAIR_MAJOR)
+    if PAIR_MAJOR:
+        tile = tl.where(tile == tiles - 1, 0, tile)
+    return p, tile, split, tiles
+
+
 _IGNORING_LIVE = {"_expert_owner": owner_ignoring_live, "_expert_rows": rows_ignoring_live}
 MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_offset},
                           "_down_kernel": {"_down_tiles": substitute(moe._down_tiles,
@@ -122,6 +132,8 @@ MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_off
                             "_combine_kernel": {"load_live": all_live}},
        "product_offset_ignored": {"_gate_up_kernel": {"_scaled_dot": substitute(
            moe._scaled_dot, _row_scales=row_scales_without_offset)}},
+       "pair_major_last_tile_dropped": {"_gate_up_kernel": {"_grid_item": grid_item_last_tile_dropped},
+                                        "_down_kernel": {"_grid_item": grid_item_last_tile_dropped}},
        "weights_not_applied": {"_combine_kernel": {"weighted_sum": sum_without_weights}},
        "tail_weights_not_applied": {"_combine_add_norm_kernel": {
            "_row_tail": substitute(moe._row_tail, weighted_sum=sum_without_weights)}}}

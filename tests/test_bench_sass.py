@@ -215,3 +215,14 @@ def test_an_odd_ranks_expert_shard_reads_one_scale_a_row():
     assert loads["moe_gate_up_odd"] == loads["moe_gate_up"] and loads["moe_down_odd"] == loads["moe_down"], loads
     straddling = sass.sequence(sass.compile_spec(_published_specs()["moe_down_odd"], BLOCK_K=128))
     assert sum(straddling.count(op) for op in ("LDG", "LDGSTS")) > 4 * loads["moe_down_odd"]
+
+
+def test_the_pair_major_grids_change_no_k_step_and_spill_nothing():
+    """MoESettings.pair_major: only the program's item is computed otherwise (one axis, the pair slowest), so Gate/Up's
+    (at the default split) and Down's K steps compile to the three-axis grid's instructions, spill-free, in its
+    registers (more would cost Down a program an SM: 4 of 4 warps fit at 128)."""
+    for name, constexprs in (("moe_gate_up", dict(SPLIT=4)), ("moe_gate_up_odd", dict(SPLIT=4)), ("moe_down", {})):
+        grid = sass.report(sass.compile_spec(_published_specs()[name], **constexprs))
+        pair = sass.report(sass.compile_spec(_published_specs()[name], PAIR_MAJOR=True, **constexprs))
+        assert pair["stack_bytes"] == 0 and pair["registers"] == grid["registers"], (name, grid, pair)
+        assert pair["dot_loop"] == grid["dot_loop"], (name, grid["dot_loop"], pair["dot_loop"])
