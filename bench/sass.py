@@ -301,14 +301,15 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
                  experts_ptr="*i64", live_ptr="*u8", h_ptr="*fp32", part_ptr="*fp32", lock_ptr="*i32"),
             dict(R=R, H=H, I=I, stride_b=H, gs_e=gs_rows * (H // B1), gs_r=H // B1, us_e=gs_rows * (H // B1),
                  us_r=H // B1, k_per=H), (),
-            dict(G_OFF0=o, G_OFF1=0, U_OFF0=o, U_OFF1=0, B0=B0, B1=B1, **routing, BLOCK_N=ms.gate_up_block_n,
+            dict(G_OFF0=o, G_OFF1=0, U_OFF0=o, U_OFF1=0, B0=B0, B1=B1, **routing, PAIR_MAJOR=ms.pair_major,
+                 BLOCK_N=ms.gate_up_block_n,
                  BLOCK_K=min(ms.gate_up_block_k, max(16, B1 & -B1))), ms.warps, ms.gate_up_stages,
             f"MoE Gate/Up, [{I} x {H}] E4M3 an expert starting {o} rows into its scale block")
         out["moe_down" + suffix] = _launch(
             mo._down_kernel,
             dict(h_ptr="*fp32", d_ptr="*fp8e4nv", ds_ptr="*fp32", experts_ptr="*i64", live_ptr="*u8", y_ptr="*fp32"),
             dict(R=R, H=H, I=I, ds_e=(H // B0) * ds_cols, ds_r=ds_cols), (),
-            dict(D_OFF0=0, D_OFF1=o, B0=B0, B1=B1, **routing, BLOCK_N=ms.down_block_n,
+            dict(D_OFF0=0, D_OFF1=o, B0=B0, B1=B1, **routing, PAIR_MAJOR=ms.pair_major, BLOCK_N=ms.down_block_n,
                  BLOCK_K=min(ms.down_block_k, max(16, B1 & -B1)), **early), ms.warps, ms.stages,
             f"MoE Down, [{H} x {I}] E4M3 an expert starting {o} columns into its scale block")
     o = s.inter_offset

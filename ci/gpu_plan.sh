@@ -39,8 +39,6 @@
 #   step2     the sliding layers' one K/V tile in flight and the top-k's 1024 tile against the two and 2048 before them
 #             (same bits; with full layers' two, since back at three, 0.9903x paired at 61d6ab7)
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
-#   pairmajor Gate/Up's and Down's grids with the pair slowest (MoESettings.pair_major, the same bits): the MoE's GPU
-#             cases, the op at 9 and 38 experts, the round paired at 1K (with an A' arm) and at 38 experts
 #   candidate a numerical candidate (CANDIDATE="OP.FIELD=VALUE ...", e.g. attention_full.min_split=128):
 #             qualification at TP 1 with it, the round paired against the defaults at 1K, then its context sweep, in
 #             one call (each part within its own limit; 17fb4ea's took 259 s to qualify)
@@ -154,24 +152,6 @@ case "${1:-}" in
         --out "$out/step-full-tp8slice-ctx1k-d$d-prefetch-$sha.json" 2>&1 | tail -25 \
         | tee "$out/step-full-tp8slice-ctx1k-d$d-prefetch-$sha.log"
     done ;;
-  pairmajor)  # MoESettings.pair_major (the same bits): the MoE's GPU cases, the op at 9 and 38 experts, the round
-    # paired at 1K (an A' arm beside it) and at 38 experts
-    timeout 150 bash "$here/gpu.sh" tests -k "pair_major or graph_replay or pdl" tests/test_kernel_moe.py \
-      > "$out/gpu-tests-pair-major-$sha.log" 2>&1 || echo "moe gpu tests: exit $?" >&2
-    tail -2 "$out/gpu-tests-pair-major-$sha.log"
-    for d in 9 38; do
-      timeout 90 bash "$here/gpu.sh" bench tune --ops moe --distinct $d --budget 40 --only pair_major=True \
-        --out "$out/tune-moe$d-pair-major-$sha.json" > "$out/tune-moe$d-pair-major-$sha.log" 2>&1 \
-        || echo "tune $d: exit $?" >&2
-      grep -E "^moe " "$out/tune-moe$d-pair-major-$sha.log"
-    done
-    for run in "ctx1k-d5:triton,triton@moe.pair_major=True,triton'" \
-               "route38-d5:triton~route:38,triton~route:38@moe.pair_major=True"; do
-      timeout 200 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
-        --kernels "${run#*:}" --out "$out/step-pair-major-${run%%:*}-$sha.json" \
-        > "$out/step-pair-major-${run%%:*}-$sha.log" 2>&1 || echo "bench step ${run%%:*}: exit $?" >&2
-      grep -E "against triton|differs at|identical|/graph " "$out/step-pair-major-${run%%:*}-$sha.log"
-    done ;;
   tune)  # one budget a part, spent in that order, so that one call returns what it reached; an op a process, since a
     # candidate's illegal memory access ends its process (at 1946ffa one of attention_full's took the ops after it)
     gpu bench tune --ops moe --distinct 38 --only gate_up_split=1,gate_up_split=2,gate_up_split=8,gate_up_stages=6 \
@@ -241,6 +221,6 @@ case "${1:-}" in
       > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
     tail -8 "$out/depth-mini-cuda-$sha.log" ;;
   *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|qualify2one|step|agent|rest|depthprobe|fold|"\
-"ncu|ncumoe|trace|tune|tunectx|stepctx|pair512|step2|prefetch|pairmajor|tests|mps|qualify|candidate)" >&2
+"ncu|ncumoe|trace|tune|tunectx|stepctx|pair512|step2|prefetch|tests|mps|qualify|candidate)" >&2
      exit 2 ;;
 esac

@@ -14,6 +14,7 @@ import json
 import pytest
 
 from iquest.bench import sass
+from iquest.kernels import moe as mo
 from iquest.kernels.testing import substitute
 from iquest.tests.kernel_controls import linear_transparent
 
@@ -218,11 +219,12 @@ def test_an_odd_ranks_expert_shard_reads_one_scale_a_row():
 
 
 def test_the_pair_major_grids_change_no_k_step_and_spill_nothing():
-    """MoESettings.pair_major: only the program's item is computed otherwise (one axis, the pair slowest), so Gate/Up's
-    (at the default split) and Down's K steps compile to the three-axis grid's instructions, spill-free, in its
-    registers (more would cost Down a program an SM: 4 of 4 warps fit at 128)."""
+    """MoESettings.pair_major (the default): only the program's item is read from other grid axes (the pair slowest),
+    so Gate/Up's (at the default split) and Down's K steps compile to the three-axis grid's instructions, spill-free,
+    in its registers (more would cost Down a program an SM: 4 of 4 warps fit at 128)."""
+    assert mo.MoESettings().pair_major
     for name, constexprs in (("moe_gate_up", dict(SPLIT=4)), ("moe_gate_up_odd", dict(SPLIT=4)), ("moe_down", {})):
-        grid = sass.report(sass.compile_spec(_published_specs()[name], **constexprs))
-        pair = sass.report(sass.compile_spec(_published_specs()[name], PAIR_MAJOR=True, **constexprs))
+        pair = sass.report(sass.compile_spec(_published_specs()[name], **constexprs))
+        grid = sass.report(sass.compile_spec(_published_specs()[name], PAIR_MAJOR=False, **constexprs))
         assert pair["stack_bytes"] == 0 and pair["registers"] == grid["registers"], (name, grid, pair)
         assert pair["dot_loop"] == grid["dot_loop"], (name, grid["dot_loop"], pair["dot_loop"])

@@ -16,8 +16,8 @@ forms of Gate/Up's scales, `MoESettings.gate_up_scale`), liveness
 ignored (padding rows' experts computed and combined), routing weights not applied (in the combine, and in the
 combine fused with the sandwich tail, `combine_add_norm`, which must equal the combine, the cast and `add_norm` bit
 for bit); each must fail the checks.
-The grids on one axis, the pair slowest (`MoESettings.pair_major`): the same bits as the three-axis grids; negative
-control: each pair's last tile dropped from the pair-major grids.
+The grids with the pair slowest (`MoESettings.pair_major`, the default): the same bits as the three-axis grids, the
+pair fastest; negative control: each pair's last tile dropped from the pair-major grids.
 Down ending in the combine and the tail (`down_add_norm`, one launch counting each row's arrivals in `locks`): against
 `down` then `combine_add_norm`, bit for bit under the interpreter (y, the sum, h and b), the counters left zeroed after
 each call; negative controls (jit pieces substituted from here): an owner's arrival counted twice, and one not counted,
@@ -57,7 +57,7 @@ TOL = {"fp32": 1e-5, "bf16": 2.0 ** -7}
 GPU_TOL = {"fp32": 1e-5, "bf16": 2.0 ** -6}
 
 BASE = dict(R=8, k=4, E=8, H=128, I=48, block=(128, 128), offset=0, dtype="fp32", live="all", pattern="random",
-            seed=0, scale="weight", split=1, pair_major=False)
+            seed=0, scale="weight", split=1, pair_major=True, grid_twin=False)
 
 
 def case(name: str, **kw) -> dict:
@@ -99,11 +99,12 @@ CASES = [
     case("split4_multi_k_tiles_off96_fp32", R=2, H=320, offset=96, split=4),
     case("split3_poison_off80_bf16", pattern="poison", live="mask", offset=80, H=320, dtype="bf16", split=3),
     case("split2_product_mini_tp8_rank5_off28_bf16", I=12, offset=28, **MINI, dtype="bf16", scale="product", split=2),
-    # the grids on one axis, the pair slowest (MoESettings.pair_major): the same items, so the same bits as the
-    # three-axis grids; several I_r and H tiles and splits, padding rows poisoned, shared experts
-    case("pair_major_split3_poison_off80_bf16", pattern="poison", live="mask", offset=80, H=320, I=96, dtype="bf16",
-         split=3, pair_major=True),
-    case("pair_major_shared_mini_tp4_rank1_off24_fp32", I=24, offset=24, pattern="shared", **MINI, pair_major=True),
+    # the grids with the pair slowest (MoESettings.pair_major, the default) against the three-axis grids, the pair
+    # fastest: the same items, so the same bits; several I_r and H tiles and splits, padding rows poisoned, shared
+    # experts
+    case("grid_twin_split3_poison_off80_bf16", pattern="poison", live="mask", offset=80, H=320, I=96, dtype="bf16",
+         split=3, grid_twin=True),
+    case("grid_twin_shared_mini_tp4_rank1_off24_fp32", I=24, offset=24, pattern="shared", **MINI, grid_twin=True),
 ]
 # Each must fail the checks of run_case (a control that passed would show the checks blind).
 CONTROLS = [
@@ -113,7 +114,7 @@ CONTROLS = [
     case("neg_padding_computed", live="mask", pattern="poison", control="padding_computed", caught="padding row"),
     case("neg_weights_not_applied", control="weights_not_applied", caught="rel err"),
     case("neg_tail_weights_not_applied", control="tail_weights_not_applied", caught="fused tail"),
-    case("neg_pair_major_last_tile_dropped", H=320, I=96, dtype="bf16", split=2, pair_major=True,
+    case("neg_pair_major_last_tile_dropped", H=320, I=96, dtype="bf16", split=2,
          control="pair_major_last_tile_dropped", caught="non-finite output|rel err"),
 ]
 
@@ -234,8 +235,8 @@ def form_checks(c: dict, t: dict, got: torch.Tensor) -> dict:
     res = {}
     if c["scale"] != "weight":  # the form ran: its outputs are not the weight form's
         res["differs_from_weight_form"] = not torch.equal(got, call(t, settings=settings(dict(c, scale="weight"))))
-    if c["pair_major"]:  # the same bits as the three-axis grids
-        res["pair_major_equal"] = torch.equal(got, call(t, settings=settings(dict(c, pair_major=False))))
+    if c["grid_twin"]:  # the other grid order, the same bits
+        res["grid_twin_equal"] = torch.equal(got, call(t, settings=settings(dict(c, pair_major=not c["pair_major"]))))
     if c["split"] > 1:
         # the counters left zeroed, call after call; and counters that start off zero (one arrival counted before
         # the call) are left off zero: the split's arrivals ran and decide who sums
@@ -281,8 +282,8 @@ def check(c: dict, r: dict, tol: dict = TOL) -> None:
         assert r["poison_finite_equal"], "a padding row's expert weights or routing weights were read"
     if c["scale"] != "weight":
         assert r["differs_from_weight_form"], f"gate_up_scale {c['scale']!r} gave the weight form's bits"
-    if c["pair_major"]:
-        assert r["pair_major_equal"], "the pair-major grid gave other bits than the three-axis grid"
+    if c["grid_twin"]:
+        assert r["grid_twin_equal"], "the pair-major grid gave other bits than the three-axis grid"
     if c["split"] > 1:
         assert r["split_repeats"], "the split's counters were not left zeroed, or a repeat call differed"
         assert r["miscount_shows"], "counters started off zero were left zeroed: the split's arrivals did not run"
@@ -565,9 +566,9 @@ GPU_CASES = [full_case(o, d) for o in (0, 64) for d in (38, 13)] + [full_case(64
 # the tune's numerical forms at full size (MoESettings.gate_up_split and gate_up_scale), against their torch form
 GPU_CASES += [dict(full_case(64, 38), name="gpu_full_off64_d38_split4", split=4),
               dict(full_case(0, 13), name="gpu_full_off0_d13_split4_product", split=4, scale="product")]
-# the pair-major grids (MoESettings.pair_major) at the default split: the three-axis grids' bits
-GPU_CASES += [dict(full_case(o, d, live), name=f"gpu_full_off{o}_d{d}_{live}_split4_pair_major", split=4,
-                   pair_major=True) for o, d, live in ((0, 9, "all"), (64, 38, "mask"))]
+# the pair-major grids (MoESettings.pair_major, the default) at the default split: the three-axis grids' bits
+GPU_CASES += [dict(full_case(o, d, live), name=f"gpu_full_off{o}_d{d}_{live}_split4_grid_twin", split=4,
+                   grid_twin=True) for o, d, live in ((0, 9, "all"), (64, 38, "mask"))]
 
 
 @pytest.mark.gpu
