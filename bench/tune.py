@@ -91,8 +91,6 @@ GRIDS: dict[str, tuple[dict, ...]] = {
             # bits)
             {"gate_up_split": 1}, {"gate_up_split": 2}, {"gate_up_split": 8}, {"gate_up_scale": "product"},
             {"gate_up_split": 8, "gate_up_scale": "product"},
-            # b quantized to E4M3 per row and step, each step's product an E4M3 x E4M3 wgmma (a numerical change)
-            {"gate_up_scale": "fp8"},
             {"gate_up_stages": 4}, {"gate_up_stages": 6}, {"gate_up_stages": 8},
             {"gate_up_stages": 6, "gate_up_block_n": 16}, {"gate_up_stages": 8, "gate_up_block_n": 16},
             # a step's work over more warps or programs: Triton repeats the dequantization in the dot operand's

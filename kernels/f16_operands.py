@@ -50,19 +50,6 @@ def bf16_grid(x):
 
 
 @triton.jit
-def e4m3_grid(x):
-    """fp32 x rounded to the nearest E4M3 value (ties to even), still fp32, for |x| <= 448 (E4M3's largest; nothing
-    saturates here): what the GPU's conversion to E4M3 (`cvt.rn.satfinite`) and torch's `.to(torch.float8_e4m3fn)` give
-    there, under the interpreter (whose own casts truncate). Normal values (|x| >= 2^-6) keep 3 mantissa bits, rounded
-    on the bit pattern as `bf16_grid` does; below, the subnormal grid's step is 2^-9, and x * 2^9 (exact) is rounded to
-    an integer by adding and taking away 1.5 * 2^23 in fp32."""
-    bits = x.to(tl.int32, bitcast=True)
-    normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & -1048576).to(tl.float32, bitcast=True)
-    sub = ((x * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-    return tl.where(tl.abs(x) < 0.015625, sub, normal)
-
-
-@triton.jit
 def row_pow2(x):
     """(2^s, 2^-s) per row of the fp32 tile x [M, K]: 2^s puts the row's largest |x| in [2^14, 2^15). From the
     exponent bits (no log2): biased exponent e of max|x| gives s = 14 - (e - 127); e is taken >= 15 (zero and tiny

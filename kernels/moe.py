@@ -65,7 +65,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .device import is_pow2
-from .f16_operands import bf16_grid, e4m3_grid
+from .f16_operands import bf16_grid
 from . import fp8_linear as fl, rmsnorm
 from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
@@ -137,10 +137,7 @@ class MoESettings:
     # row's scale multiplying the step's fp32 product, as kernels/fp8_linear.py does: a numerical change (one rounding
     # a weight fewer, nearer the exact dequantization) that drops the per-element FMUL, so fewer instructions a step
     # (docs/PERF.md, "What Gate/Up's compiled step says"). Not the default until the GPU times it (`bench tune --ops
-    # moe`) and qualifies it. "fp8": b quantized to E4M3 per row and K step as DeepSeek-V3's act_quant does
-    # (reference/fp8.py, s = max(amax, 1e-4) / 448; the checkpoint's `activation_scheme: dynamic`), each step's
-    # product of E4M3 operands in fp32 (one wgmma a step on the GPU at gate_up_block_n = 64: the weights never
-    # converted) times s and the row's scale; a numerical change
+    # moe`) and qualifies it
     gate_up_scale: str = "weight"
     # Gate/Up's H walked by this many programs an (expert, I_r tile), each over whole K steps, their fp32 partials
     # summed in split order by the last to arrive, which then rounds and forms silu(g) * u (`gate_up_locks`): a
@@ -234,24 +231,6 @@ def _scaled_dot(a, q_ptrs, s_ptr, n, k0, n_ok, ok, OFF0: tl.constexpr, OFF1: tl.
 
 
 @triton.jit
-def _fp8_dot(x, q_ptrs, s_ptr, n, k0, n_ok, ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr,
-             B1: tl.constexpr, stride_r, INTERP: tl.constexpr):
-    """`gate_up_scale="fp8"`: x [M, K] (a K step inside one scale block) quantized per row to E4M3 as act_quant does,
-    s = max(amax, 1e-4) / 448 and q = e4m3(x / s) (round to nearest even), times the E4M3 tile [N, K]^T in fp32 (the
-    products are exact), then each row's s and each column's weight scale, in that order. Computed transposed, the
-    tile's N rows as the dot's M, so that at N = 64 the GPU takes both E4M3 operands into one wgmma as they are (with
-    fewer rows Triton widens them to fp16 first)."""
-    sx = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), 448.0)
-    w = tl.load(q_ptrs, mask=ok, other=0.0)
-    if INTERP:  # the interpreter's casts truncate, and its dots take fp32 operands (exact here)
-        prod = tl.dot(w.to(tl.float32), tl.trans(e4m3_grid(tl.div_rn(x, sx[:, None]))), input_precision="ieee")
-    else:
-        prod = tl.dot(w, tl.trans(tl.div_rn(x, sx[:, None]).to(tl.float8e4nv)))
-    ws = _row_scales(s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1, stride_r)
-    return tl.trans(prod * sx[None, :] * ws[:, None])
-
-
-@triton.jit
 def _dot(a, w, BF16: tl.constexpr, DOT_F32: tl.constexpr):
     """a [M, K] @ w [N, K]^T in fp32: bf16 operands on the tensor cores (exact: the values are bf16), fp32 ones
     (IEEE, no tf32) for fp32 compute and under the interpreter."""
@@ -316,7 +295,6 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     SCALE_PRODUCT: tl.constexpr = False, SPLIT: tl.constexpr = 1, PAIR_MAJOR: tl.constexpr = False,
-    SCALE_FP8: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     p, tile, split, tiles = _grid_item(PAIR_MAJOR)
@@ -344,12 +322,7 @@ def _gate_up_kernel(
                 w_ok = n_ok[:, None] & k_ok[None, :]
                 x = tl.load(b_ptr + rows[:, None] * stride_b + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
                             other=0.0).to(tl.float32)
-                if SCALE_FP8:
-                    acc_g += _fp8_dot(x, g_rows + kk[None, :], gs_ptr + ex * gs_e, n, k0, n_ok, w_ok, G_OFF0, G_OFF1,
-                                      B0, B1, gs_r, INTERP)
-                    acc_u += _fp8_dot(x, u_rows + kk[None, :], us_ptr + ex * us_e, n, k0, n_ok, w_ok, U_OFF0, U_OFF1,
-                                      B0, B1, us_r, INTERP)
-                elif SCALE_PRODUCT:
+                if SCALE_PRODUCT:
                     acc_g += _scaled_dot(x, g_rows + kk[None, :], gs_ptr + ex * gs_e, n, k0, n_ok, w_ok, G_OFF0,
                                          G_OFF1, B0, B1, gs_r, BF16, DOT_F32)
                     acc_u += _scaled_dot(x, u_rows + kk[None, :], us_ptr + ex * us_e, n, k0, n_ok, w_ok, U_OFF0,
@@ -754,10 +727,10 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
     h = ExpertHidden(hidden, experts, live_arg, count, b.dtype, R, k, H)
     B0, B1 = gate.block
     step = gate_up_k(gate.block, s)
-    product, fp8 = s.gate_up_scale == "product", s.gate_up_scale == "fp8"
-    _check(not (product or fp8) or (gate.offset[1] % step == 0 and up.offset[1] % step == 0 and B1 % step == 0),
-           f"gate_up_scale {s.gate_up_scale!r} needs every K step inside one scale block: column offsets "
-           f"{gate.offset[1]}, {up.offset[1]} are not multiples of the {step}-column step")
+    product = s.gate_up_scale == "product"
+    _check(not product or (gate.offset[1] % step == 0 and up.offset[1] % step == 0 and B1 % step == 0),
+           f"gate_up_scale 'product' needs every K step inside one scale block: column offsets {gate.offset[1]}, "
+           f"{up.offset[1]} are not multiples of the {step}-column step")
     parts = hidden
     if s.gate_up_split > 1:
         n_locks = gate_up_lock_count(R, k, I, s)
@@ -773,7 +746,7 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
         _split_width(H, gate.block, s),
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
         **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=step, **_math(h),
-        INTERP=INTERPRETED, SCALE_PRODUCT=product, SCALE_FP8=fp8, SPLIT=s.gate_up_split, PAIR_MAJOR=s.pair_major,
+        INTERP=INTERPRETED, SCALE_PRODUCT=product, SPLIT=s.gate_up_split, PAIR_MAJOR=s.pair_major,
         **_streams(h, s, s.gate_up_stages),
         **launch_options(pdl, dev))
     return h
@@ -951,8 +924,8 @@ def _check_settings(s: MoESettings) -> None:
         _check(is_pow2(v, 16), f"settings.{name} must be a power of two >= 16 (a dot operand), got {v}")
     for name in ("stages", "gate_up_stages"):
         _check(1 <= getattr(s, name) <= 8, f"settings.{name} must be 1 to 8, got {getattr(s, name)}")
-    _check(s.gate_up_scale in ("weight", "product", "fp8"),
-           f"settings.gate_up_scale must be 'weight', 'product' or 'fp8', got {s.gate_up_scale!r}")
+    _check(s.gate_up_scale in ("weight", "product"),
+           f"settings.gate_up_scale must be 'weight' or 'product', got {s.gate_up_scale!r}")
     _check(isinstance(s.gate_up_split, int) and 1 <= s.gate_up_split <= 16,
            f"settings.gate_up_split must be an int from 1 to 16, got {s.gate_up_split!r}")
     _check(isinstance(s.pair_major, bool), f"settings.pair_major must be a bool, got {s.pair_major!r}")
@@ -966,11 +939,10 @@ def moe_torch(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
     """TorchOps.moe's arithmetic in plain torch (every row, padding rows included, as it computes them): the chosen
     experts' weights dequantized to b's dtype as Weight.select does, bf16 einsums, the weighted sum in fp32.
     The numerical forms of `settings` (MoESettings): `gate_up_scale="product"`, Gate b and Up b as fp32 sums over
-    the column scale blocks of (b's block times the exact E4M3 block) times each row's scale; `gate_up_scale="fp8"`,
-    the same over K steps with b's step quantized to E4M3 per row (act_quant) and its scale applied;
-    `gate_up_split`, each split's columns (`gate_up_columns`) summed in fp32 apart, the splits then added in order;
-    any of them rounded once to b's dtype."""
-    from ..reference.fp8 import E4M3_MAX, expand_scales
+    the column scale blocks of (b's block times the exact E4M3 block) times each row's scale; `gate_up_split`, each
+    split's columns (`gate_up_columns`) summed in fp32 apart, the splits then added in order; either rounded once
+    to b's dtype."""
+    from ..reference.fp8 import expand_scales
 
     def codes(w: ExpertWeights) -> torch.Tensor:
         return w.q.view(torch.uint8)[experts].view(w.q.dtype).to(torch.float32)
@@ -989,19 +961,6 @@ def moe_torch(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
             total += torch.einsum("rh,rkih->rki", b[:, c0:c1].float(), q[..., c0:c1]) * scale[..., j]
         return total
 
-    def fp8_product(w: ExpertWeights, lo: int, hi: int) -> torch.Tensor:  # `_fp8_dot`'s, a K step at a time
-        q, (b0, b1), (o0, o1) = codes(w), w.block, w.offset
-        scale = w.scale[experts][:, :, (torch.arange(q.shape[-2], device=q.device) + o0) // b0]
-        step = gate_up_k(w.block, settings)
-        total = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
-        for c0 in range(lo, hi, step):
-            c1 = min(hi, c0 + step)
-            x = b[:, c0:c1].float()
-            sx = x.abs().amax(dim=-1).clamp(min=1e-4) / E4M3_MAX
-            xq = (x / sx[:, None]).to(torch.float8_e4m3fn).float()
-            total += torch.einsum("rh,rkih->rki", xq, q[..., c0:c1]) * sx[:, None, None] * scale[..., (c0 + o1) // b1]
-        return total
-
     def projection(w: ExpertWeights) -> torch.Tensor:  # Gate b or Up b in b's dtype
         if settings.gate_up_split == 1 and settings.gate_up_scale == "weight":
             return torch.einsum("rh,rkih->rki", b, select(w))
@@ -1010,8 +969,6 @@ def moe_torch(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
         for lo, hi in gate_up_columns(b.shape[1], w.block, settings):
             if settings.gate_up_scale == "weight":
                 total += torch.einsum("rh,rkih->rki", b[:, lo:hi].float(), dense[..., lo:hi])
-            elif settings.gate_up_scale == "fp8":
-                total += fp8_product(w, lo, hi)
             else:
                 total += product(w, lo, hi)
         return total.to(b.dtype)

@@ -1,8 +1,7 @@
 """FP8 E4M3 block quantization (docs/model.md: W[r, c] = W_e4m3[r, c] * scale_inv[r // B0, c // B1]).
 
-Also DeepSeek-V3's per-token activation quantization (`act_quant`), the arithmetic of the fast engine's Gate/Up
-candidate `gate_up_scale="fp8"` (kernels/moe.py); the reference itself computes in float64 from dequantized
-weights.
+Also DeepSeek-V3's per-token activation quantization (`act_quant`), which the checkpoint's `activation_scheme:
+dynamic` names (docs/model.md, "Numerics"); the reference itself computes in float64 from dequantized weights.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ module.
 - moe (tests/test_kernel_moe.py), put into copies of its kernels by `kernels.testing.substituted` (`MOE`): scales
   indexed without the shard's offset in its first block, liveness ignored (padding rows' experts computed and
   combined), the slots summed without their routing weights (by the combine, or by the combine fused with the tail),
-  each pair's last tile dropped from the pair-major grids, the E4M3 step's activation scale not applied.
+  each pair's last tile dropped from the pair-major grids.
 - The FP8 linears (tests/test_bench_sass.py, tests/test_kernel_fp8_linear_direct.py): the preloaded weight tiles
   used without the opaque move after the wait (`linear_transparent`), the direct kernel's K tiles summed last to
   first (`DIRECT_REVERSED`).
@@ -20,7 +20,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from iquest.kernels import moe
-from iquest.kernels.f16_operands import e4m3_grid
 from iquest.kernels.allreduce import _advance, _sentinel
 from iquest.kernels.testing import substitute
 
@@ -122,16 +121,6 @@ def grid_item_last_tile_dropped(PAIR_MAJOR: tl.constexpr):
     return p, tile, split, tiles
 
 
-@triton.jit
-def fp8_dot_without_activation_scale(x, q_ptrs, s_ptr, n, k0, n_ok, ok, OFF0: tl.constexpr, OFF1: tl.constexpr,
-                                     B0: tl.constexpr, B1: tl.constexpr, stride_r, INTERP: tl.constexpr):
-    """`moe._fp8_dot` with b quantized per row but the row's scale s never applied to the product."""
-    sx = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), 448.0)
-    w = tl.load(q_ptrs, mask=ok, other=0.0)
-    prod = tl.dot(e4m3_grid(tl.div_rn(x, sx[:, None])), tl.trans(w.to(tl.float32)), input_precision="ieee")
-    return prod * moe._row_scales(s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1, stride_r)[None, :]
-
-
 _IGNORING_LIVE = {"_expert_owner": owner_ignoring_live, "_expert_rows": rows_ignoring_live}
 MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_offset},
                           "_down_kernel": {"_down_tiles": substitute(moe._down_tiles,
@@ -143,7 +132,6 @@ MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_off
                             "_combine_kernel": {"load_live": all_live}},
        "product_offset_ignored": {"_gate_up_kernel": {"_scaled_dot": substitute(
            moe._scaled_dot, _row_scales=row_scales_without_offset)}},
-       "fp8_activation_scale_ignored": {"_gate_up_kernel": {"_fp8_dot": fp8_dot_without_activation_scale}},
        "pair_major_last_tile_dropped": {"_gate_up_kernel": {"_grid_item": grid_item_last_tile_dropped},
                                         "_down_kernel": {"_grid_item": grid_item_last_tile_dropped}},
        "weights_not_applied": {"_combine_kernel": {"weighted_sum": sum_without_weights}},

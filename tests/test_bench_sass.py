@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import re
 
 import pytest
 
@@ -229,17 +228,3 @@ def test_the_pair_major_grids_change_no_k_step_and_spill_nothing():
         grid = sass.report(sass.compile_spec(_published_specs()[name], PAIR_MAJOR=False, **constexprs))
         assert pair["stack_bytes"] == 0 and pair["registers"] == grid["registers"], (name, grid, pair)
         assert pair["dot_loop"] == grid["dot_loop"], (name, grid["dot_loop"], pair["dot_loop"])
-
-
-def test_gate_ups_fp8_form_takes_e4m3_operands_into_one_wgmma_at_64_weight_rows():
-    """MoESettings.gate_up_scale="fp8" at gate_up_block_n = 64 (both offsets, the default split): each K step is one
-    wgmma on E4M3 operands (the weights never converted), spill-free. Negative control: at the default 32 weight rows
-    Triton widens both operands to fp16 for an mma.sync instead."""
-    def mmas(**constexprs) -> tuple[set, dict]:
-        k = sass.compile_spec(_published_specs()["moe_gate_up"], SCALE_FP8=True, SPLIT=4, **constexprs)
-        return set(re.findall(r"mma[._a-z0-9]*(?:e4m3|f16|bf16)[._a-z0-9]*", k.asm["ptx"])), sass.report(k)
-
-    wide, report = mmas(BLOCK_N=64)
-    assert wide == {"mma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3"} and report["stack_bytes"] == 0, (wide, report)
-    narrow, _ = mmas()
-    assert not any("e4m3" in m for m in narrow) and any("f16.f16" in m for m in narrow), narrow

@@ -12,7 +12,7 @@ interpreter (CPU) runs small shapes: 128-row blocks with a 48-row shard at offse
   padding rows' routing weights are NaN: the output must be finite and bit-equal to the clean run (never read);
 - duplicate experts across rows, all rows on the same experts, no live rows.
 Negative controls (kernel pieces substituted from tests/kernel_controls.py `MOE`): scale offsets ignored (in both
-forms of Gate/Up's scales, `MoESettings.gate_up_scale`), the E4M3 step's activation scale not applied, liveness
+forms of Gate/Up's scales, `MoESettings.gate_up_scale`), liveness
 ignored (padding rows' experts computed and combined), routing weights not applied (in the combine, and in the
 combine fused with the sandwich tail, `combine_add_norm`, which must equal the combine, the cast and `add_norm` bit
 for bit); each must fail the checks.
@@ -23,11 +23,11 @@ Down ending in the combine and the tail (`down_add_norm`, one launch counting ea
 each call; negative controls (jit pieces substituted from here): an owner's arrival counted twice, and one not counted,
 each of which must leave the counter off zero (on a GPU they would start the tails early, or never). The
 interpreter runs the grid in order, tails last, so it cannot show a tail reading too early: the GPU case does.
-Gate/Up's numerical forms (MoESettings.gate_up_scale "product" and "fp8", gate_up_split > 1: the H walk over
-several programs summed by the last to arrive) against moe_torch's forms of the same arithmetic; a form must give other bits than the
+Gate/Up's numerical forms (MoESettings.gate_up_scale "product", gate_up_split > 1: the H walk over several programs
+summed by the last to arrive) against moe_torch's forms of the same arithmetic; a form must give other bits than the
 weight form (the branch ran), and a split's counters must be left zeroed, and left off zero when they start so.
 GPU (`pytest.mark.gpu`, run on a device later): one TP8 rank at full size (256 experts, H 3072, 192-row shards at
-offsets 0 and 64, 128 x 128 blocks), 8 rows with 38 and 13 distinct experts, bf16 (and the three forms at 4 splits),
+offsets 0 and 64, 128 x 128 blocks), 8 rows with 38 and 13 distinct experts, bf16 (and the two forms at 4 splits),
 and graph replay bit-identical;
 `down_add_norm` at that shape with 6 rows against the pair: y and the sum bit for bit, h and b within the bf16 rounding
 of a norm whose squares are summed in another layout (FOLD_GPU_TOL); the three launches with PDL (Down's L2 prefetch
@@ -57,7 +57,7 @@ TOL = {"fp32": 1e-5, "bf16": 2.0 ** -7}
 GPU_TOL = {"fp32": 1e-5, "bf16": 2.0 ** -6}
 
 BASE = dict(R=8, k=4, E=8, H=128, I=48, block=(128, 128), offset=0, dtype="fp32", live="all", pattern="random",
-            seed=0, scale="weight", split=1, pair_major=True, grid_twin=False, block_n=32)
+            seed=0, scale="weight", split=1, pair_major=True, grid_twin=False)
 
 
 def case(name: str, **kw) -> dict:
@@ -99,12 +99,6 @@ CASES = [
     case("split4_multi_k_tiles_off96_fp32", R=2, H=320, offset=96, split=4),
     case("split3_poison_off80_bf16", pattern="poison", live="mask", offset=80, H=320, dtype="bf16", split=3),
     case("split2_product_mini_tp8_rank5_off28_bf16", I=12, offset=28, **MINI, dtype="bf16", scale="product", split=2),
-    # Gate/Up's E4M3 x E4M3 step (gate_up_scale="fp8": b quantized per row and step as act_quant does), against the
-    # torch form of that arithmetic: several K tiles, scale blocks and splits, padding rows poisoned, fp32 b
-    case("fp8_multi_k_tiles_off96_bf16", H=320, I=96, offset=96, live="mask", dtype="bf16", scale="fp8", block_n=64),
-    case("fp8_split3_poison_off80_bf16", pattern="poison", live="mask", offset=80, H=320, dtype="bf16", scale="fp8",
-         split=3),
-    case("fp8_split2_mini_tp8_rank5_off28_fp32", I=12, offset=28, **MINI, scale="fp8", split=2),
     # the grids with the pair slowest (MoESettings.pair_major, the default) against the three-axis grids, the pair
     # fastest: the same items, so the same bits; several I_r and H tiles and splits, padding rows poisoned, shared
     # experts
@@ -120,8 +114,6 @@ CONTROLS = [
     case("neg_padding_computed", live="mask", pattern="poison", control="padding_computed", caught="padding row"),
     case("neg_weights_not_applied", control="weights_not_applied", caught="rel err"),
     case("neg_tail_weights_not_applied", control="tail_weights_not_applied", caught="fused tail"),
-    case("neg_fp8_activation_scale_ignored", offset=96, dtype="bf16", scale="fp8",
-         control="fp8_activation_scale_ignored", caught="rel err"),
     case("neg_pair_major_last_tile_dropped", H=320, I=96, dtype="bf16", split=2,
          control="pair_major_last_tile_dropped", caught="non-finite output|rel err"),
 ]
@@ -173,8 +165,7 @@ def build(c: dict, device: str) -> dict:
 
 
 def settings(c: dict) -> mk.MoESettings:
-    return mk.MoESettings(gate_up_scale=c["scale"], gate_up_split=c["split"], pair_major=c["pair_major"],
-                          gate_up_block_n=c["block_n"])
+    return mk.MoESettings(gate_up_scale=c["scale"], gate_up_split=c["split"], pair_major=c["pair_major"])
 
 
 def call(t: dict, **kw) -> torch.Tensor:
@@ -574,11 +565,7 @@ def distinct_routing(t: dict, c: dict) -> dict:
 GPU_CASES = [full_case(o, d) for o in (0, 64) for d in (38, 13)] + [full_case(64, 13, "mask")]
 # the tune's numerical forms at full size (MoESettings.gate_up_split and gate_up_scale), against their torch form
 GPU_CASES += [dict(full_case(64, 38), name="gpu_full_off64_d38_split4", split=4),
-              dict(full_case(0, 13), name="gpu_full_off0_d13_split4_product", split=4, scale="product"),
-              dict(full_case(64, 9, "mask"), name="gpu_full_off64_d9_mask_split4_fp8", split=4, scale="fp8",
-                   block_n=64),
-              dict(full_case(0, 38), name="gpu_full_off0_d38_split4_fp8", split=4, scale="fp8", block_n=64),
-              dict(full_case(0, 13), name="gpu_full_off0_d13_split4_fp8_n32", split=4, scale="fp8")]
+              dict(full_case(0, 13), name="gpu_full_off0_d13_split4_product", split=4, scale="product")]
 # the pair-major grids (MoESettings.pair_major, the default) at the default split: the three-axis grids' bits
 GPU_CASES += [dict(full_case(o, d, live), name=f"gpu_full_off{o}_d{d}_{live}_split4_grid_twin", split=4,
                    grid_twin=True) for o, d, live in ((0, 9, "all"), (64, 38, "mask"))]
