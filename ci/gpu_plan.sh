@@ -9,7 +9,8 @@
 #   mps       the MPS module (the TP 2, 4 and 8 engines, the captured loop: 295 s at 170deed, every test passing)
 #   qualify   qualification, bf16, TP 1: the default engine (322 s at 8d0c782 with the split), then --router-fold
 #   qualify2a qualification, bf16, TP 2 on one GPU under MPS: the healthy engine, lossless and the first eight
-#             controls; qualify2b the same with the other nine (logprobs_tempered needs TP 1), on 6 workers. At
+#             controls; qualify2b the same with the other nine (logprobs_tempered needs TP 1), on 6 workers; with
+#             CANDIDATE="OP.FIELD=VALUE ..." set, the engine with those kernel settings. At
 #             61d6ab7 (H100) each half ended when one unit's ranks stopped advancing; at cc0ae4b (H200, after the
 #             re-arm mend of a1dd992) both passed on 2 and 4 workers (qualify2one: QUALIFY_CONTROLS=... names the
 #             controls; 413 s for 8 on 2 workers)
@@ -82,9 +83,13 @@ case "${1:-}" in
       open_causal_mask"
     [ "$1" = qualify2b ] && controls="keep_rejected_kv skip_redraft draft_target_embedding draft_window_4096
       mtp_router_shift router_bf16 fp8_scales_transposed top_p_drops_crossing replacement_from_p"
-    name=qualify-mini-cuda-bf16-tp2-${1#qualify2}-$sha
+    # CANDIDATE (optional, as the candidate stage's): qualify a numerical candidate at TP 2 before it is the default
+    settings=${CANDIDATE:-}
+    tag=$(printf '%s' "$settings" | tr ' =' '-_' | tr -cd 'A-Za-z0-9._-')
+    name=qualify-mini-cuda-bf16-tp2-${1#qualify2}${tag:+-cand-$tag}-$sha
     timeout 570 bash "$here/gpu.sh" mps iquest qualify --tp 2 --device cuda --share-gpu --dtype bf16 --jobs 6 \
-      --stall-limit 400 --json $(printf -- '--control %s ' $controls) > "$out/$name.json" 2> "$out/$name.log" \
+      --stall-limit 400 --json $(printf -- '--control %s ' $controls) \
+      $([ -z "$settings" ] || printf -- '--kernel-setting %s ' $settings) > "$out/$name.json" 2> "$out/$name.log" \
       || echo "$name: exit $?" >&2
     tail -4 "$out/$name.log" ;;
   qualify2one)  # the healthy engine, lossless and each control named, on 2 workers
