@@ -7,7 +7,8 @@
 #   tests     the @pytest.mark.gpu suite but the MPS module (111 s at 17fb4ea on an H100: 467 passed, 0 failed; at
 #             53974e4 on an H200 the same, 63 s warm)
 #   mps       the MPS module (the TP 2, 4 and 8 engines, the captured loop: 295 s at 170deed, every test passing)
-#   qualify   qualification, bf16, TP 1: the default engine (322 s at 8d0c782 with the split), then --router-fold
+#   qualify   qualification, bf16, TP 1: the default engine (322 s at 8d0c782 with the split), then --router-fold;
+#             with CANDIDATE="OP.FIELD=VALUE ..." set, the engine with those kernel settings alone
 #   qualify2a qualification, bf16, TP 2 on one GPU under MPS: the healthy engine, lossless and the first eight
 #             controls; qualify2b the same with the other nine (logprobs_tempered needs TP 1), on 6 workers; with
 #             CANDIDATE="OP.FIELD=VALUE ..." set, the engine with those kernel settings. At
@@ -70,11 +71,17 @@ case "${1:-}" in
     timeout 540 bash "$here/gpu.sh" mps tests tests/test_tp_collectives.py > "$out/gpu-tests-mps-$sha.log" 2>&1 \
       || echo "mps tests: exit $?" >&2
     tail -3 "$out/gpu-tests-mps-$sha.log" ;;
-  qualify)
-    for fold in "" --router-fold; do
-      name=qualify-mini-cuda-bf16${fold:+-router-fold}-$sha
+  qualify)  # with CANDIDATE="OP.FIELD=VALUE ..." set: that engine alone (no router fold), the candidate's TP 1 half
+    # of its qualification without the candidate stage's round and context sweep
+    settings=${CANDIDATE:-}
+    tag=$(printf '%s' "$settings" | tr ' =' '-_' | tr -cd 'A-Za-z0-9._-')
+    folds=("" --router-fold)
+    [ -z "$settings" ] || folds=("")
+    for fold in "${folds[@]}"; do
+      name=qualify-mini-cuda-bf16${fold:+-router-fold}${tag:+-cand-$tag}-$sha
       gpu iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 --jobs 14 $fold --json \
-        > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
+        $([ -z "$settings" ] || printf -- '--kernel-setting %s ' $settings) > "$out/$name.json" 2> "$out/$name.log" \
+        || echo "$name: exit $?" >&2
       tail -2 "$out/$name.log"
     done ;;
   qualify2a|qualify2b)  # 10 and 11 units on 6 workers, two waves: at bc0ea27 10 units side by side (20 rank processes
