@@ -49,9 +49,15 @@ here=$(cd "$(dirname "$0")" && pwd)
 sha=${IQUEST_COMMIT:?set IQUEST_COMMIT to the commit under test}
 out=${OUT:?set OUT to the folder the device tool brings back}
 gpu() { bash "$here/gpu.sh" "$@"; }
-candidate_settings() {  # CANDIDATE="OP.FIELD=VALUE ..." (fast/kernel_settings.py): settings, a file-name tag, the variant
-  settings=${CANDIDATE:?set CANDIDATE to the OP.FIELD=VALUE settings under test}
+optional_candidate() {  # CANDIDATE="OP.FIELD=VALUE ..." (fast/kernel_settings.py), may be unset: settings, a file-name
+  # tag and qualify's --kernel-setting arguments (all empty without it)
+  settings=${CANDIDATE:-}
   tag=$(printf '%s' "$settings" | tr ' =' '-_' | tr -cd 'A-Za-z0-9._-')
+  setting_args=$([ -z "$settings" ] || printf -- '--kernel-setting %s ' $settings)
+}
+candidate_settings() {  # the same, CANDIDATE required; and the bench variant
+  : "${CANDIDATE:?set CANDIDATE to the OP.FIELD=VALUE settings under test}"
+  optional_candidate
   variant=triton$(printf '@%s' $settings)
 }
 # Compiled kernels travel between calls (ci/triton_cache.py): carried in from .triton-cache/ beside ci/, brought back
@@ -73,15 +79,13 @@ case "${1:-}" in
     tail -3 "$out/gpu-tests-mps-$sha.log" ;;
   qualify)  # with CANDIDATE="OP.FIELD=VALUE ..." set: that engine alone (no router fold), the candidate's TP 1 half
     # of its qualification without the candidate stage's round and context sweep
-    settings=${CANDIDATE:-}
-    tag=$(printf '%s' "$settings" | tr ' =' '-_' | tr -cd 'A-Za-z0-9._-')
+    optional_candidate
     folds=("" --router-fold)
     [ -z "$settings" ] || folds=("")
     for fold in "${folds[@]}"; do
       name=qualify-mini-cuda-bf16${fold:+-router-fold}${tag:+-cand-$tag}-$sha
       gpu iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 --jobs 14 $fold --json \
-        $([ -z "$settings" ] || printf -- '--kernel-setting %s ' $settings) > "$out/$name.json" 2> "$out/$name.log" \
-        || echo "$name: exit $?" >&2
+        $setting_args > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
       tail -2 "$out/$name.log"
     done ;;
   qualify2a|qualify2b)  # 10 and 11 units on 6 workers, two waves: at bc0ea27 10 units side by side (20 rank processes
@@ -91,13 +95,11 @@ case "${1:-}" in
     [ "$1" = qualify2b ] && controls="keep_rejected_kv skip_redraft draft_target_embedding draft_window_4096
       mtp_router_shift router_bf16 fp8_scales_transposed top_p_drops_crossing replacement_from_p"
     # CANDIDATE (optional, as the candidate stage's): qualify a numerical candidate at TP 2 before it is the default
-    settings=${CANDIDATE:-}
-    tag=$(printf '%s' "$settings" | tr ' =' '-_' | tr -cd 'A-Za-z0-9._-')
+    optional_candidate
     name=qualify-mini-cuda-bf16-tp2-${1#qualify2}${tag:+-cand-$tag}-$sha
     timeout 570 bash "$here/gpu.sh" mps iquest qualify --tp 2 --device cuda --share-gpu --dtype bf16 --jobs 6 \
-      --stall-limit 400 --json $(printf -- '--control %s ' $controls) \
-      $([ -z "$settings" ] || printf -- '--kernel-setting %s ' $settings) > "$out/$name.json" 2> "$out/$name.log" \
-      || echo "$name: exit $?" >&2
+      --stall-limit 400 --json $(printf -- '--control %s ' $controls) $setting_args > "$out/$name.json" \
+      2> "$out/$name.log" || echo "$name: exit $?" >&2
     tail -4 "$out/$name.log" ;;
   qualify2one)  # the healthy engine, lossless and each control named, on 2 workers
     name=qualify-mini-cuda-bf16-tp2-one-$sha
@@ -111,7 +113,7 @@ case "${1:-}" in
     candidate_settings
     name=qualify-mini-cuda-bf16-cand-$tag-$sha
     timeout 290 bash "$here/gpu.sh" iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 --jobs 14 \
-      --json $(printf -- '--kernel-setting %s ' $settings) > "$out/$name.json" 2> "$out/$name.log" \
+      --json $setting_args > "$out/$name.json" 2> "$out/$name.log" \
       || echo "$name: exit $?" >&2
     tail -3 "$out/$name.log"
     # with more than one setting, each alone beside them all: a loss in one is not hidden by a gain in another

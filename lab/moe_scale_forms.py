@@ -28,18 +28,17 @@ FORMS = ("weight", "product")
 def exact_moe(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate, up, down) -> torch.Tensor:
     """The MoE in float64 from b's values and the exactly dequantized E4M3 experts (kernels.moe.ExpertWeights)."""
     from ..reference.fp8 import dequantize
+    from ..reference.layers import expert_mlp
 
-    def dense(w) -> torch.Tensor:  # [E, rows, cols] float64
-        return torch.stack([dequantize(w.q[e], w.scale[e], w.block, offset=w.offset) for e in range(w.q.shape[0])])
+    def dense(w, e: int) -> torch.Tensor:  # expert e's [rows, cols], float64
+        return dequantize(w.q[e], w.scale[e], w.block, offset=w.offset)
 
-    g, u, d = dense(gate), dense(up), dense(down)
     x = b.double()
     out = torch.zeros(x.shape, dtype=torch.float64)
     for r in range(x.shape[0]):
         for j in range(experts.shape[1]):
             e = int(experts[r, j])
-            h = torch.nn.functional.silu(g[e] @ x[r]) * (u[e] @ x[r])
-            out[r] += weights[r, j].double() * (d[e] @ h)
+            out[r] += weights[r, j].double() * expert_mlp(x[r], dense(gate, e), dense(up, e), dense(down, e))
     return out
 
 
