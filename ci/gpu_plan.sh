@@ -10,7 +10,7 @@
 #   qualify   qualification, bf16, TP 1: the default engine (322 s at 8d0c782 with the split), then --router-fold;
 #             with CANDIDATE="OP.FIELD=VALUE ..." set, the engine with those kernel settings alone
 #   qualify2a qualification, bf16, TP 2 on one GPU under MPS: the healthy engine, lossless and the first eight
-#             controls; qualify2b the same with the other nine (logprobs_tempered needs TP 1), on 6 workers; with
+#             controls; qualify2b the same with the other nine (logprobs_tempered needs TP 1), on 4 workers; with
 #             CANDIDATE="OP.FIELD=VALUE ..." set, the engine with those kernel settings. At
 #             61d6ab7 (H100) each half ended when one unit's ranks stopped advancing; at cc0ae4b (H200, after the
 #             re-arm mend of a1dd992) both passed on 2 and 4 workers (qualify2one: QUALIFY_CONTROLS=... names the
@@ -88,8 +88,9 @@ case "${1:-}" in
         $setting_args > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
       tail -2 "$out/$name.log"
     done ;;
-  qualify2a|qualify2b)  # 10 and 11 units on 6 workers, two waves: at bc0ea27 10 units side by side (20 rank processes
-    # on one GPU) finished 6 in 128 s and 4 never; fewer at once rules contention out while the stall dump says where
+  qualify2a|qualify2b)  # 10 and 11 units on 4 workers (QUALIFY_JOBS): at bc0ea27 10 units side by side (20 rank
+    # processes on one GPU) finished 6 in 128 s and 4 never, and at 61d6ab7 6 workers stalled a unit; since a1dd992's
+    # mend, 4 workers passed 9 controls in 181-248 s (cc0ae4b, 9c6eda1), 6 are not yet shown to
     controls="ring_exact_w drop_sink scalar_sink rope_shift_rows rope_double_dims rope_last_dims raw_residual
       open_causal_mask"
     [ "$1" = qualify2b ] && controls="keep_rejected_kv skip_redraft draft_target_embedding draft_window_4096
@@ -97,9 +98,9 @@ case "${1:-}" in
     # CANDIDATE (optional, as the candidate stage's): qualify a numerical candidate at TP 2 before it is the default
     optional_candidate
     name=qualify-mini-cuda-bf16-tp2-${1#qualify2}${tag:+-cand-$tag}-$sha
-    timeout 570 bash "$here/gpu.sh" mps iquest qualify --tp 2 --device cuda --share-gpu --dtype bf16 --jobs 6 \
-      --stall-limit 400 --json $(printf -- '--control %s ' $controls) $setting_args > "$out/$name.json" \
-      2> "$out/$name.log" || echo "$name: exit $?" >&2
+    timeout 570 bash "$here/gpu.sh" mps iquest qualify --tp 2 --device cuda --share-gpu --dtype bf16 \
+      --jobs "${QUALIFY_JOBS:-4}" --stall-limit 400 --json $(printf -- '--control %s ' $controls) $setting_args \
+      > "$out/$name.json" 2> "$out/$name.log" || echo "$name: exit $?" >&2
     tail -4 "$out/$name.log" ;;
   qualify2one)  # the healthy engine, lossless and each control named, on 2 workers
     name=qualify-mini-cuda-bf16-tp2-one-$sha
