@@ -8,12 +8,17 @@ decision boundary (a cumulative sum, an acceptance ratio) can fall on either sid
 one engine's support passes only if the other engine gives it less than the tolerance, i.e. it sat
 at the support's edge (rounding swapped the 20th and 21st candidates, or moved the top-p crossing).
 Anything else is a defect. The L1 distance of the two distributions is reported beside it.
+
+At temperature 0 (greedy) both distributions are one-hot, so their L1 distance is 0 or 2 whatever the margin
+between the tied tokens: there a divergence is measured in the reference's logits instead (`greedy_gap`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Sequence
+
+import torch
 
 from ..reference.sampling import Dist
 
@@ -32,6 +37,14 @@ class Agreement:
             return f"agree on all {self.total} tokens"
         verdict = "explained" if self.explained else "UNEXPLAINED"
         return f"agree on {self.agreed}/{self.total} tokens, then diverge ({verdict}: {self.detail})"
+
+
+def greedy_gap(ref_logits: torch.Tensor, token: int) -> float:
+    """How far below the reference's largest logit a greedy engine's pick lies (0 where it is the reference's own
+    argmax). An engine whose logits are each within e of the reference's can pick a token at most 2e below it, so a
+    pick is explained by a logit tolerance e when its gap is at most 2e (the 2 e scale / t bound of
+    qualify/checks.py, t taken as 1 at temperature 0)."""
+    return float(ref_logits.max() - ref_logits[token])
 
 
 def l1(p: Dist, q: Dist) -> float:

@@ -44,6 +44,7 @@ from ..reference.checkpoint import draft_prefix, layer_prefix
 from ..reference.model import ReferenceModel
 from ..reference.sampling import Dist, SamplingParams
 from . import tolerances
+from .agreement import greedy_gap
 from .router import router_input, scores_error, swap_ratio
 from .window import record_window, sliding_layers
 
@@ -539,10 +540,22 @@ def l1(p: Dist, ids: torch.Tensor, probs: torch.Tensor) -> float:
     return sum([abs(fast.get(t, 0.0) - refd.get(t, 0.0)) for t in set(fast) | set(refd)])
 
 
+def distribution_ratio(ref_logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, params: SamplingParams,
+                       tol_rel: float, scale: float) -> float:
+    """How far the fast engine's sampling distribution (ids, probs) lies from the reference's, over the bound
+    2 e / T that logits within e = tol_rel * scale of the reference's allow (qualify/tolerances.json,
+    decode.acceptance): the L1 distance, or at temperature 0 (one-hot, T taken as 1) the pick's greedy_gap."""
+    bound = 2 * tol_rel * scale / (params.temperature if params.temperature > 0 else 1.0)
+    if params.temperature == 0:
+        return greedy_gap(ref_logits, int(ids[probs.argmax()])) / bound
+    return l1(sampling.dist(ref_logits, params), ids, probs) / bound
+
+
 @dataclass
 class ReplayResult:
     scores: Scores
-    round_ratio: dict[int, float]   # worst L1/bound of target (round r) and draft (chain r) distributions
+    round_ratio: dict[int, float]   # worst L1/bound of target (round r) and draft (chain r) distributions;
+                                    # at temperature 0 the pick's greedy_gap/bound
     covered: int
     uncovered: int
 
@@ -660,8 +673,7 @@ def score(blocks: list[Block], ref: ReferenceModel, stream: list[int], params: S
             scores.add("numerics.sampler", classes, err, tol["numerics.sampler"], f"{where} {why}".strip())
             if row in ref_rows and b.kind in ("verify", "draft"):
                 rl, scale = ref_rows[row]
-                bound = 2 * tol_rel * scale / t
-                ratio = l1(sampling.dist(rl, params), ids, probs) / bound
+                ratio = distribution_ratio(rl, ids, probs, params, tol_rel, scale)
                 round_ratio[b.round] = max(round_ratio.get(b.round, 0.0), ratio)
             elif b.kind in ("verify", "draft") and rows[row] is not None and rows[row][0] == "context":
                 round_ratio[b.round] = math.inf
