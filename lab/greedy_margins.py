@@ -20,7 +20,7 @@ import torch
 
 def margins(model_dir: str, tokens: int, seed: int = 0, tol_rel: float | None = None) -> dict:
     from ..qualify import tolerances
-    from ..qualify.agreement import greedy_gap
+    from ..qualify.agreement import divergence_bound, greedy_gap
     from ..qualify.checks import RefSpec
     from ..qualify.run import qualify_cases
 
@@ -37,7 +37,7 @@ def margins(model_dir: str, tokens: int, seed: int = 0, tol_rel: float | None = 
         scale = float(x.abs().max())
         gap = greedy_gap(x, second)
         rows.append({"position": len(seq), "argmax": first, "runner_up": second, "gap": gap, "scale": scale,
-                     "ratio": gap / (2 * tol * scale)})
+                     "ratio": gap / divergence_bound(tol, scale, 0.0)})
         seq.append(first)
     return {"model": model_dir, "seed": case.seed, "prompt_tokens": len(case.prompt), "tol_rel": tol,
             "rows": rows, "flips_explained_at": [r["position"] for r in rows if r["ratio"] <= 1]}

@@ -39,11 +39,17 @@ class Agreement:
         return f"agree on {self.agreed}/{self.total} tokens, then diverge ({verdict}: {self.detail})"
 
 
+def divergence_bound(tol_rel: float, scale: float, temperature: float) -> float:
+    """2 e / T, e = tol_rel * scale: how far two sampling distributions may lie apart in L1 when each logit is within e
+    of the reference's (qualify/tolerances.json, decode.tokens); T taken as 1 at temperature 0, where it bounds a
+    greedy pick's `greedy_gap`."""
+    return 2 * tol_rel * scale / (temperature if temperature > 0 else 1.0)
+
+
 def greedy_gap(ref_logits: torch.Tensor, token: int) -> float:
     """How far below the reference's largest logit a greedy engine's pick lies (0 where it is the reference's own
     argmax). An engine whose logits are each within e of the reference's can pick a token at most 2e below it, so a
-    pick is explained by a logit tolerance e when its gap is at most 2e (the 2 e scale / t bound of
-    qualify/checks.py, t taken as 1 at temperature 0)."""
+    pick is explained by a logit tolerance e when its gap is at most 2e (`divergence_bound`)."""
     return float(ref_logits.max() - ref_logits[token])
 
 

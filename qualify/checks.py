@@ -36,7 +36,7 @@ from ..reference.model import ReferenceModel
 from ..reference.sampling import SamplingParams
 from ..reference.speculative import generate, model_logprobs
 from . import tolerances
-from .agreement import compare, greedy_gap
+from .agreement import compare, divergence_bound, greedy_gap
 from .replay import Geometry, Recorder, Scores, recording, score
 
 
@@ -258,7 +258,6 @@ def source_scores(blocks, source: RefSpec, stream, params, column: str, geo: Geo
 
 def agreement(engine, ref: RefSpec, case: Case, params, out, acc, round_ratio, tol_rel) -> list[Row]:
     ref_out, ref_acc = reference_decode(ref, case, params)
-    t = params.temperature if params.temperature > 0 else 1.0
     total = min(len(out), len(ref_out))
     i = next((j for j in range(total) if out[j] != ref_out[j]), total)
     tag = f"prompt {len(case.prompt)} tokens, seed {case.seed}, drafts {case.drafts}"
@@ -266,7 +265,7 @@ def agreement(engine, ref: RefSpec, case: Case, params, out, acc, round_ratio, t
         prefix = list(case.prompt) + list(out[:i])
         model = ref.model()
         logits, _ = model.forward(torch.tensor(prefix), torch.arange(len(prefix)), model.new_cache())
-        bound = 2 * tol_rel * float(logits[-1].abs().max()) / t
+        bound = divergence_bound(tol_rel, float(logits[-1].abs().max()), params.temperature)
         if params.temperature == 0:  # one-hot distributions: the pick's place in the reference's logits
             gap = greedy_gap(logits[-1], out[i])
             tokens_row = Row("decode.tokens", "first_divergence", gap, bound, gap <= bound, total,

@@ -44,7 +44,7 @@ from ..reference.checkpoint import draft_prefix, layer_prefix
 from ..reference.model import ReferenceModel
 from ..reference.sampling import Dist, SamplingParams
 from . import tolerances
-from .agreement import greedy_gap
+from .agreement import divergence_bound, greedy_gap
 from .router import router_input, scores_error, swap_ratio
 from .window import record_window, sliding_layers
 
@@ -545,7 +545,7 @@ def distribution_ratio(ref_logits: torch.Tensor, ids: torch.Tensor, probs: torch
     """How far the fast engine's sampling distribution (ids, probs) lies from the reference's, over the bound
     2 e / T that logits within e = tol_rel * scale of the reference's allow (qualify/tolerances.json,
     decode.acceptance): the L1 distance, or at temperature 0 (one-hot, T taken as 1) the pick's greedy_gap."""
-    bound = 2 * tol_rel * scale / (params.temperature if params.temperature > 0 else 1.0)
+    bound = divergence_bound(tol_rel, scale, params.temperature)
     if params.temperature == 0:
         return greedy_gap(ref_logits, int(ids[probs.argmax()])) / bound
     return l1(sampling.dist(ref_logits, params), ids, probs) / bound
