@@ -246,15 +246,11 @@ def _grid_item(PAIR_MAJOR: tl.constexpr):
     (`MoESettings.pair_major`). That order of the axes compiles to the three-axis grid's registers and K steps."""
     if PAIR_MAJOR:
         p = tl.program_id(2)
-        tile = tl.program_id(1)
         split = tl.program_id(0)
-        tiles = tl.num_programs(1)
     else:
         p = tl.program_id(0)
-        tile = tl.program_id(1)
         split = tl.program_id(2)
-        tiles = tl.num_programs(1)
-    return p, tile, split, tiles
+    return p, tl.program_id(1), split, tl.num_programs(1)
 
 
 @triton.jit
