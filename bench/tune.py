@@ -86,11 +86,11 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     # down_block_k 128 at rank 1 takes the per-element scale path (its 64-column offset is not a multiple of 128)
     "moe": (  # a program's K steps first (docs/PERF.md, "What Gate/Up's compiled step says"): H over 1, 2 or 8
             # programs an (expert, tile) against the default 4, summed by the last (a numerical change: the sum's
-            # order), 24, 12 or 3 steps a program instead of 6; the scales on each step's product, not on every weight
-            # element (a numerical change: 318 instructions a warp a step against 382); the pipeline's depth (the same
+            # order), 24, 12 or 3 steps a program instead of 6; the scales on every weight element, not on each step's
+            # product (a numerical change: 382 instructions a warp a step against 318); the pipeline's depth (the same
             # bits)
-            {"gate_up_split": 1}, {"gate_up_split": 2}, {"gate_up_split": 8}, {"gate_up_scale": "product"},
-            {"gate_up_split": 8, "gate_up_scale": "product"},
+            {"gate_up_split": 1}, {"gate_up_split": 2}, {"gate_up_split": 8}, {"gate_up_scale": "weight"},
+            {"gate_up_split": 8, "gate_up_scale": "weight"},
             {"gate_up_stages": 4}, {"gate_up_stages": 6}, {"gate_up_stages": 8},
             {"gate_up_stages": 6, "gate_up_block_n": 16}, {"gate_up_stages": 8, "gate_up_block_n": 16},
             # a step's work over more warps or programs: Triton repeats the dequantization in the dot operand's

@@ -33,7 +33,7 @@ def register(sub) -> None:
     add_router_fold(p)
     p.add_argument("--kernel-setting", action="append", default=[], metavar="OP.FIELD=VALUE",
                    help="the candidate's kernels with this launch setting (fast/kernel_settings.py; ops: "
-                        f"{', '.join(GROUP)}; repeatable; e.g. moe.gate_up_scale=product, a numerical form, qualified "
+                        f"{', '.join(GROUP)}; repeatable; e.g. moe.gate_up_split=8, a numerical form, qualified "
                         "so before it becomes a default; needs the Triton kernels)")
     p.add_argument("--share-gpu", action="store_true",
                    help="with --tp N --device cuda: every rank on GPU 0 (testing tensor parallelism on one GPU; run "

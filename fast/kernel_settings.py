@@ -2,7 +2,7 @@
 product's values below (the kernel file's defaults unless an op measured better), or with fields replaced
 (EngineOptions.kernel_settings) so that a bench variant times a tuned setting in the whole round
 (`triton@linear.num_stages=3`) and qualification judges a numerical form before it becomes a default
-(`iquest qualify --kernel-setting moe.gate_up_scale=product`).
+(`iquest qualify --kernel-setting moe.gate_up_split=8`).
 
 Imports triton (through the kernel files): fast/rank.py reaches it only for a plan with kernels.
 """

@@ -116,7 +116,7 @@ class ExpertOutputs(NamedTuple):
 @dataclass(frozen=True)
 class MoESettings:
     """Launch choices; none changes a result but `gate_up_scale` and `gate_up_split`, numerical forms (each the
-    default only once the GPU has timed and qualified it). Why each value: docs/PERF.md ("Current state"; the tiles,
+    default only once the GPU has timed and qualified it; the torch form, fast/torch_ops.py, is the weight form). Why each value: docs/PERF.md ("Current state"; the tiles,
     warps and stages carried over from the retired kernel: "Launch configurations", "The MoE's kernels")."""
 
     block_m: int = 16           # rows a dot takes: tl.dot's smallest M, and R <= 8 at decode fits one block
@@ -136,9 +136,9 @@ class MoESettings:
     # arithmetic. "product": each E4M3 tile taken exactly (every E4M3 value is a bf16) into the step's dot, and the
     # row's scale multiplying the step's fp32 product, as kernels/fp8_linear.py does: a numerical change (one rounding
     # a weight fewer, nearer the exact dequantization) that drops the per-element FMUL, so fewer instructions a step
-    # (docs/PERF.md, "What Gate/Up's compiled step says"). Not the default until the GPU times it (`bench tune --ops
-    # moe`) and qualifies it
-    gate_up_scale: str = "weight"
+    # (docs/PERF.md, "What Gate/Up's compiled step says"). "product" made the round faster (0.990x at the decode
+    # routing, 0.923x at 38 experts) and passed qualification at TP 1 and TP 2 (docs/PERF.md, "Current state")
+    gate_up_scale: str = "product"
     # Gate/Up's H walked by this many programs an (expert, I_r tile), each over whole K steps, their fp32 partials
     # summed in split order by the last to arrive, which then rounds and forms silu(g) * u (`gate_up_locks`): a
     # numerical change (the sum's order). A program's K steps, not bytes, set Gate/Up's time at the published shape
