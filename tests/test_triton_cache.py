@@ -97,3 +97,31 @@ def test_the_script_runs_as_ci_calls_it(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "ci" / "triton_cache.py"), "unpack", str(tmp_path / "none"),
                           str(tmp_path / "cache")], capture_output=True, text=True, check=True)
     assert "compiling cold" in run.stdout
+
+
+def test_repack_shrinks_the_parts_and_keeps_every_file(tmp_path, carry, capsys):
+    """A kernel repeated 1.2 MiB apart, past preset 1's 1 MiB dictionary (as the device packs) but inside the strong
+    preset's: the repacked parts are about half as many, the stale ones gone, and they unpack to the same files."""
+    import io
+    import tarfile
+
+    cache = tmp_path / "cache"
+    block = os.urandom(1200 << 10)
+    for name in ("ab12", "cd34"):
+        (cache / name).mkdir(parents=True)
+        (cache / name / "k.cubin").write_bytes(block)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:xz", preset=1) as tar:
+        tar.add(cache / "ab12" / "k.cubin", arcname="ab12/k.cubin")
+        tar.add(cache / "cd34" / "k.cubin", arcname="cd34/k.cubin")
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    before = carry._write_parts(buffer.getvalue(), carried)
+    carry.repack(carried)
+    assert "repacked" in capsys.readouterr().out
+    after = sorted(carried.iterdir())
+    assert [p.name for p in after] == [f"{carry.PREFIX}{i:02d}" for i in range(len(after))]
+    assert len(after) < 0.6 * before
+    again = tmp_path / "again"
+    carry.unpack(carried, again)
+    assert all((again / n / "k.cubin").read_bytes() == block for n in ("ab12", "cd34"))
