@@ -300,9 +300,9 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
             dict(b_ptr="*bf16", g_ptr="*fp8e4nv", gs_ptr="*fp32", u_ptr="*fp8e4nv", us_ptr="*fp32",
                  experts_ptr="*i64", live_ptr="*u8", h_ptr="*fp32", part_ptr="*fp32", lock_ptr="*i32"),
             dict(R=R, H=H, I=I, stride_b=H, gs_e=gs_rows * (H // B1), gs_r=H // B1, us_e=gs_rows * (H // B1),
-                 us_r=H // B1, k_per=H), (),
+                 us_r=H // B1, k_per=mo._split_width(H, (B0, B1), ms)), (),
             dict(G_OFF0=o, G_OFF1=0, U_OFF0=o, U_OFF1=0, B0=B0, B1=B1, **routing, PAIR_MAJOR=ms.pair_major,
-                 BLOCK_N=ms.gate_up_block_n,
+                 SCALE_PRODUCT=ms.gate_up_scale == "product", SPLIT=ms.gate_up_split, BLOCK_N=ms.gate_up_block_n,
                  BLOCK_K=min(ms.gate_up_block_k, max(16, B1 & -B1))), ms.warps, ms.gate_up_stages,
             f"MoE Gate/Up, [{I} x {H}] E4M3 an expert starting {o} rows into its scale block")
         out["moe_down" + suffix] = _launch(

@@ -191,20 +191,22 @@ def test_reads_meant_to_overlap_the_previous_kernel_come_before_the_wait():
     assert "prefetch.global.L2" not in plain
 
 
-def test_gate_ups_product_form_drops_the_per_element_multiply_and_its_split_compiles():
-    """MoESettings.gate_up_scale="product" at both offsets: spill-free, and the weight form's multiply of every weight
-    element by its scale (64 FMUL a thread a K step at 32 rows x 128 columns over 4 warps, both projections) leaves
-    the K loop, which gets shorter (`sass.dot_loop`)."""
+def test_gate_ups_product_form_drops_the_per_element_multiply():
+    """The spec compiles the engine's settings, MoESettings.gate_up_scale="product" over its H splits, at both
+    offsets: spill-free, and the weight form's multiply of every weight element by its scale (64 FMUL a thread a K
+    step at 32 rows x 128 columns over 4 warps, both projections) is not in its K loop, which is shorter
+    (`sass.dot_loop`)."""
+    settings = mo.MoESettings()
+    assert settings.gate_up_scale == "product" and settings.gate_up_split > 1
     for name in ("moe_gate_up", "moe_gate_up_odd"):
-        weight = sass.report(_compiled(name))
-        product = sass.report(sass.compile_spec(_published_specs()[name], SCALE_PRODUCT=True))
-        assert product["stack_bytes"] == 0, product
+        spec = _published_specs()[name]
+        assert spec.constexprs["SCALE_PRODUCT"] and spec.constexprs["SPLIT"] == settings.gate_up_split
+        product = sass.report(_compiled(name))
+        weight = sass.report(sass.compile_spec(spec, SCALE_PRODUCT=False))
+        assert product["stack_bytes"] == 0 and product["registers"] <= 255, product
         w, p = weight["dot_loop"], product["dot_loop"]
         assert w["mix"].get("FMUL", 0) >= 64 and p["mix"].get("FMUL", 0) == 0, (w, p)
         assert p["instructions"] < w["instructions"], (w, p)
-        # and with H over 4 programs (MoESettings.gate_up_split), whose last sums the partials: no spill either
-        split = sass.report(sass.compile_spec(_published_specs()[name], SCALE_PRODUCT=True, SPLIT=4))
-        assert split["stack_bytes"] == 0 and split["registers"] <= 255, split
 
 
 def test_an_odd_ranks_expert_shard_reads_one_scale_a_row():
@@ -223,8 +225,8 @@ def test_the_pair_major_grids_change_no_k_step_and_spill_nothing():
     so Gate/Up's (at the default split) and Down's K steps compile to the three-axis grid's instructions, spill-free,
     in its registers (more would cost Down a program an SM: 4 of 4 warps fit at 128)."""
     assert mo.MoESettings().pair_major
-    for name, constexprs in (("moe_gate_up", dict(SPLIT=4)), ("moe_gate_up_odd", dict(SPLIT=4)), ("moe_down", {})):
-        pair = sass.report(sass.compile_spec(_published_specs()[name], **constexprs))
-        grid = sass.report(sass.compile_spec(_published_specs()[name], PAIR_MAJOR=False, **constexprs))
+    for name in ("moe_gate_up", "moe_gate_up_odd", "moe_down"):
+        pair = sass.report(_compiled(name))
+        grid = sass.report(sass.compile_spec(_published_specs()[name], PAIR_MAJOR=False))
         assert pair["stack_bytes"] == 0 and pair["registers"] == grid["registers"], (name, grid, pair)
         assert pair["dot_loop"] == grid["dot_loop"], (name, grid["dot_loop"], pair["dot_loop"])
