@@ -8,7 +8,7 @@ into the files the device tool brings back, and the next call carries them in an
     python3 ci/triton_cache.py pack CACHE_DIR OUT_DIR
     python3 ci/triton_cache.py repack CARRIED_DIR
 The device packs quickly (xz preset 1: its time is the session's budget); `repack`, run here before the next call,
-compresses the returned parts again at xz's strongest preset (~2 minutes of one core: 27 MB became 10 MB at e5d2437),
+compresses the returned parts again at xz's strongest preset (~2 minutes of one core: 26 MiB became 9 MiB at e5e7890),
 since the tree and the parts travel within the tool's 64 MiB.
 Only what a cache hit reads travels (each kernel's binary, its metadata and group files, the compiled launchers); the
 intermediate IR stays behind. Where a stage's own files and the parts together pass the tool's eight files, the stage's

@@ -116,8 +116,9 @@ class ExpertOutputs(NamedTuple):
 @dataclass(frozen=True)
 class MoESettings:
     """Launch choices; none changes a result but `gate_up_scale` and `gate_up_split`, numerical forms (each the
-    default only once the GPU has timed and qualified it; the torch form, fast/torch_ops.py, is the weight form). Why each value: docs/PERF.md ("Current state"; the tiles,
-    warps and stages carried over from the retired kernel: "Launch configurations", "The MoE's kernels")."""
+    default only once the GPU has timed and qualified it; the torch form, fast/torch_ops.py, is the weight form). Why
+    each value: docs/PERF.md ("Current state"; the tiles, warps and stages carried over from the retired kernel:
+    "Launch configurations", "The MoE's kernels")."""
 
     block_m: int = 16           # rows a dot takes: tl.dot's smallest M, and R <= 8 at decode fits one block
     gate_up_block_n: int = 32   # I_r channels a Gate/Up program: divides a TP8 rank's 192; 6 programs an expert, not 3
