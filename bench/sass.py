@@ -298,13 +298,19 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
         out["moe_gate_up" + suffix] = _launch(
             mo._gate_up_kernel,
             dict(b_ptr="*bf16", g_ptr="*fp8e4nv", gs_ptr="*fp32", u_ptr="*fp8e4nv", us_ptr="*fp32",
-                 experts_ptr="*i64", live_ptr="*u8", h_ptr="*fp32", part_ptr="*fp32", lock_ptr="*i32"),
+                 experts_ptr="*i64", live_ptr="*u8", h_ptr="*fp32", part_ptr="*fp32", lock_ptr="*i32",
+                 down_ptr="*fp32"),
             dict(R=R, H=H, I=I, stride_b=H, gs_e=gs_rows * (H // B1), gs_r=H // B1, us_e=gs_rows * (H // B1),
-                 us_r=H // B1, k_per=mo._split_width(H, (B0, B1), ms)), (),
+                 us_r=H // B1, k_per=mo._split_width(H, (B0, B1), ms), stride_down=H // 128), (),
             dict(G_OFF0=o, G_OFF1=0, U_OFF0=o, U_OFF1=0, B0=B0, B1=B1, **routing, PAIR_MAJOR=ms.pair_major,
                  SCALE_PRODUCT=ms.gate_up_scale == "product", SPLIT=ms.gate_up_split, BLOCK_N=ms.gate_up_block_n,
                  BLOCK_K=min(ms.gate_up_block_k, max(16, B1 & -B1))), ms.warps, ms.gate_up_stages,
             f"MoE Gate/Up, [{I} x {H}] E4M3 an expert starting {o} rows into its scale block")
+        if not suffix:  # MoESettings.f16_input: b as fp16 operand tiles with 2^-s a row and K step
+            gu = out["moe_gate_up"]
+            out["moe_gate_up_f16"] = dataclasses.replace(
+                gu, types={**gu.types, "b_ptr": "*fp16"}, constexprs={**gu.constexprs, "F16_INPUT": True},
+                note=gu.note + ", b as fp16 operand tiles")
         out["moe_down" + suffix] = _launch(
             mo._down_kernel,
             dict(h_ptr="*fp32", d_ptr="*fp8e4nv", ds_ptr="*fp32", experts_ptr="*i64", live_ptr="*u8", y_ptr="*fp32"),

@@ -65,7 +65,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .device import is_pow2
-from .f16_operands import bf16_grid
+from .f16_operands import bf16_grid, f16_rows_tiles
 from . import fp8_linear as fl, rmsnorm
 from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
@@ -156,6 +156,12 @@ class MoESettings:
     # in every (tile, split) group behind the padding and shared pairs' programs. The same items, so the same bits;
     # the round 0.9736x paired at the decode routing, 0.9919x at 38 experts (docs/PERF.md, "Current state")
     pair_major: bool = True
+    # Gate/Up's b as fp16 operand tiles (kernels/f16_operands.py: each row's K step scaled by a power of two into
+    # fp16, with 2^-s beside it), made by one launch before Gate/Up: E4M3 -> fp16 is one instruction a pair where
+    # E4M3 -> bf16 is four, and 2^-s on the step's product gives the product form's bits (every element within 2^31
+    # of its tile's largest is exact). Product form only. A candidate: the K step 303 -> 220 instructions a warp
+    # (`iquest bench sass --kernels moe_gate_up,moe_gate_up_f16`), not yet timed (docs/PERF.md, "Open directions")
+    f16_input: bool = False
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -224,11 +230,22 @@ def _dequant(q_ptrs, scales, ok, BF16: tl.constexpr, INTERP: tl.constexpr):
 
 @triton.jit
 def _scaled_dot(a, q_ptrs, s_ptr, n, k0, n_ok, ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr,
-                B1: tl.constexpr, stride_r, BF16: tl.constexpr, DOT_F32: tl.constexpr):
-    """`gate_up_scale="product"`: a [M, K] @ (E4M3 tile [N, K])^T, the tile taken exactly (every E4M3 value is a bf16
-    and an fp32), in fp32, each column n then multiplied by its row's scale (the tile's columns lie in one block)."""
-    w = tl.load(q_ptrs, mask=ok, other=0.0).to(tl.float32)
-    return _dot(a, w, BF16, DOT_F32) * _row_scales(s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1, stride_r)[None, :]
+                B1: tl.constexpr, stride_r, BF16: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr = False):
+    """`gate_up_scale="product"`: a [M, K] @ (E4M3 tile [N, K])^T, the tile taken exactly (every E4M3 value is a bf16,
+    an fp16 and an fp32), in fp32, each column n then multiplied by its row's scale (the tile's columns lie in one
+    block). F16: `a` is fp16 operand tiles (`MoESettings.f16_input`), and E4M3 -> fp16 is one instruction a pair."""
+    q = tl.load(q_ptrs, mask=ok, other=0.0)
+    if F16 and not DOT_F32:
+        d = tl.dot(a, tl.trans(q.to(tl.float16)))
+    else:
+        d = _dot(a, q.to(tl.float32), BF16, DOT_F32)
+    return d * _row_scales(s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1, stride_r)[None, :]
+
+
+@triton.jit
+def _tile_down(down_ptr, rows, k0, m_ok, stride_down, BLOCK_K: tl.constexpr):
+    """2^-s of each row's fp16 operand tile at the K step from k0 (kernels/f16_operands.py `f16_rows_tiles`)."""
+    return tl.load(down_ptr + rows * stride_down + k0 // BLOCK_K, mask=m_ok, other=0.0)
 
 
 @triton.jit
@@ -237,7 +254,7 @@ def _dot(a, w, BF16: tl.constexpr, DOT_F32: tl.constexpr):
     (IEEE, no tf32) for fp32 compute and under the interpreter."""
     if BF16 and not DOT_F32:
         return tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-    return tl.dot(a, tl.trans(w), input_precision="ieee")
+    return tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
 
 
 @triton.jit
@@ -284,14 +301,15 @@ def _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl
 
 @triton.jit
 def _gate_up_kernel(
-    b_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, h_ptr, part_ptr, lock_ptr,
-    R, H, I, stride_b, gs_e, gs_r, us_e, us_r, k_per,
+    b_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, h_ptr, part_ptr, lock_ptr, down_ptr,
+    R, H, I, stride_b, gs_e, gs_r, us_e, us_r, k_per, stride_down,
     G_OFF0: tl.constexpr, G_OFF1: tl.constexpr, U_OFF0: tl.constexpr, U_OFF1: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr,
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     SCALE_PRODUCT: tl.constexpr = False, SPLIT: tl.constexpr = 1, PAIR_MAJOR: tl.constexpr = False,
+    F16_INPUT: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     p, tile, split, tiles = _grid_item(PAIR_MAJOR)
@@ -318,12 +336,18 @@ def _gate_up_kernel(
                 k_ok = kk < H
                 w_ok = n_ok[:, None] & k_ok[None, :]
                 x = tl.load(b_ptr + rows[:, None] * stride_b + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                            other=0.0).to(tl.float32)
+                            other=0.0)
                 if SCALE_PRODUCT:
-                    acc_g += _scaled_dot(x, g_rows + kk[None, :], gs_ptr + ex * gs_e, n, k0, n_ok, w_ok, G_OFF0,
-                                         G_OFF1, B0, B1, gs_r, BF16, DOT_F32)
-                    acc_u += _scaled_dot(x, u_rows + kk[None, :], us_ptr + ex * us_e, n, k0, n_ok, w_ok, U_OFF0,
-                                         U_OFF1, B0, B1, us_r, BF16, DOT_F32)
+                    dg = _scaled_dot(x, g_rows + kk[None, :], gs_ptr + ex * gs_e, n, k0, n_ok, w_ok, G_OFF0, G_OFF1,
+                                     B0, B1, gs_r, BF16, DOT_F32, F16_INPUT)
+                    du = _scaled_dot(x, u_rows + kk[None, :], us_ptr + ex * us_e, n, k0, n_ok, w_ok, U_OFF0, U_OFF1,
+                                     B0, B1, us_r, BF16, DOT_F32, F16_INPUT)
+                    if F16_INPUT:  # the tile's 2^-s a row: exact, so the product rounds as the bf16 tile's did
+                        down = _tile_down(down_ptr, rows, k0, m_ok, stride_down, BLOCK_K)[:, None]
+                        dg = dg * down
+                        du = du * down
+                    acc_g += dg
+                    acc_u += du
                 else:
                     sg = _tile_scales(gs_ptr + ex * gs_e, n, k0, H, n_ok, G_OFF0, G_OFF1, B0, B1, gs_r, BLOCK_N,
                                       BLOCK_K)
@@ -705,6 +729,13 @@ def gate_up_columns(H: int, block: tuple[int, int], settings: MoESettings = MoES
     return [(lo, min(H, lo + per)) for lo in range(0, per * settings.gate_up_split, per)]
 
 
+def f16_input_applies(b: torch.Tensor, step: int, settings: MoESettings) -> bool:
+    """Whether Gate/Up reads b as fp16 operand tiles (`MoESettings.f16_input`): the product form on bf16 rows whose
+    K steps tile H (fp32 rows are not fp16 values after any power of two)."""
+    return (settings.f16_input and settings.gate_up_scale == "product" and b.dtype == torch.bfloat16
+            and b.is_contiguous() and b.shape[1] % step == 0)
+
+
 def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, *,
             settings: MoESettings = MoESettings(), locks: torch.Tensor | None = None,
             pdl: bool = False) -> ExpertHidden:
@@ -737,13 +768,17 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
                and locks.is_contiguous() and locks.device == dev,
                f"locks must be {n_locks} contiguous zeroed int32 counters on {dev}")
         parts = torch.empty((s.gate_up_split, 2, R * k, I), dtype=torch.float32, device=dev)  # each read one written
+    x, down = b, hidden  # down: read only under F16_INPUT
+    f16 = f16_input_applies(b, step, s)
+    if f16:
+        x, down = f16_rows_tiles(b, step)
     _gate_up_kernel[_grid(R * k, triton.cdiv(I, s.gate_up_block_n), s.gate_up_split, s.pair_major)](
-        b, gate.q, gate.scale, up.q, up.scale, experts, live_arg, hidden, parts, locks if locks is not None else parts,
-        R, H, I, b.stride(0), gate.scale.stride(0), gate.scale.stride(1), up.scale.stride(0), up.scale.stride(1),
-        _split_width(H, gate.block, s),
+        x, gate.q, gate.scale, up.q, up.scale, experts, live_arg, hidden, parts, locks if locks is not None else parts,
+        down, R, H, I, x.stride(0), gate.scale.stride(0), gate.scale.stride(1), up.scale.stride(0),
+        up.scale.stride(1), _split_width(H, gate.block, s), down.stride(0),
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
         **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=step, **_math(h),
-        INTERP=INTERPRETED, SCALE_PRODUCT=product, SPLIT=s.gate_up_split, PAIR_MAJOR=s.pair_major,
+        INTERP=INTERPRETED, SCALE_PRODUCT=product, SPLIT=s.gate_up_split, PAIR_MAJOR=s.pair_major, F16_INPUT=f16,
         **_streams(h, s, s.gate_up_stages),
         **launch_options(pdl, dev))
     return h
@@ -926,6 +961,8 @@ def _check_settings(s: MoESettings) -> None:
     _check(isinstance(s.gate_up_split, int) and 1 <= s.gate_up_split <= 16,
            f"settings.gate_up_split must be an int from 1 to 16, got {s.gate_up_split!r}")
     _check(isinstance(s.pair_major, bool), f"settings.pair_major must be a bool, got {s.pair_major!r}")
+    _check(isinstance(s.f16_input, bool) and (not s.f16_input or s.gate_up_scale == "product"),
+           f"settings.f16_input must be a bool, and True only with gate_up_scale 'product', got {s.f16_input!r}")
 
 
 # ---- the torch form --------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ interpreter runs the grid in order, tails last, so it cannot show a tail reading
 Gate/Up's numerical forms (MoESettings.gate_up_scale "product", gate_up_split > 1: the H walk over several programs
 summed by the last to arrive) against moe_torch's forms of the same arithmetic; a form must give other bits than the
 weight form (the branch ran), and a split's counters must be left zeroed, and left off zero when they start so.
+b as fp16 operand tiles (MoESettings.f16_input): the tiles made once a call, and the product form's bits; negative
+control: the tiles' 2^-s not applied.
 GPU (`pytest.mark.gpu`, run on a device later): one TP8 rank at full size (256 experts, H 3072, 192-row shards at
 offsets 0 and 64, 128 x 128 blocks), 8 rows with 38 and 13 distinct experts, bf16 (and the two forms at 4 splits),
 and graph replay bit-identical;
@@ -57,7 +59,7 @@ TOL = {"fp32": 1e-5, "bf16": 2.0 ** -7}
 GPU_TOL = {"fp32": 1e-5, "bf16": 2.0 ** -6}
 
 BASE = dict(R=8, k=4, E=8, H=128, I=48, block=(128, 128), offset=0, dtype="fp32", live="all", pattern="random",
-            seed=0, scale="weight", split=1, pair_major=True, grid_twin=False)
+            seed=0, scale="weight", split=1, pair_major=True, grid_twin=False, f16=False)
 
 
 def case(name: str, **kw) -> dict:
@@ -105,6 +107,12 @@ CASES = [
     case("grid_twin_split3_poison_off80_bf16", pattern="poison", live="mask", offset=80, H=320, I=96, dtype="bf16",
          split=3, grid_twin=True),
     case("grid_twin_shared_mini_tp4_rank1_off24_fp32", I=24, offset=24, pattern="shared", **MINI, grid_twin=True),
+    # b as fp16 operand tiles (MoESettings.f16_input) against the product form on bf16 b: the same bits; 3 K tiles
+    # in 2 splits with padding rows poisoned, and the mini model's 32-column steps at a TP8 rank's offset
+    case("f16_split2_poison_off80_bf16", pattern="poison", live="mask", offset=80, H=384, dtype="bf16",
+         scale="product", split=2, f16=True),
+    case("f16_mini_tp8_rank5_off28_bf16", I=12, offset=28, live="mask", **MINI, dtype="bf16", scale="product",
+         f16=True),
 ]
 # Each must fail the checks of run_case (a control that passed would show the checks blind).
 CONTROLS = [
@@ -114,6 +122,8 @@ CONTROLS = [
     case("neg_padding_computed", live="mask", pattern="poison", control="padding_computed", caught="padding row"),
     case("neg_weights_not_applied", control="weights_not_applied", caught="rel err"),
     case("neg_tail_weights_not_applied", control="tail_weights_not_applied", caught="fused tail"),
+    case("neg_f16_shift_ignored", H=256, dtype="bf16", scale="product", f16=True, control="f16_shift_ignored",
+         caught="rel err"),
     case("neg_pair_major_last_tile_dropped", H=320, I=96, dtype="bf16", split=2,
          control="pair_major_last_tile_dropped", caught="non-finite output|rel err"),
 ]
@@ -165,7 +175,8 @@ def build(c: dict, device: str) -> dict:
 
 
 def settings(c: dict) -> mk.MoESettings:
-    return mk.MoESettings(gate_up_scale=c["scale"], gate_up_split=c["split"], pair_major=c["pair_major"])
+    return mk.MoESettings(gate_up_scale=c["scale"], gate_up_split=c["split"], pair_major=c["pair_major"],
+                          f16_input=c["f16"])
 
 
 def call(t: dict, **kw) -> torch.Tensor:
@@ -234,9 +245,19 @@ def form_checks(c: dict, t: dict, got: torch.Tensor) -> dict:
     """What shows that a numerical form (MoESettings.gate_up_scale, gate_up_split) ran as asked."""
     res = {}
     if c["scale"] != "weight":  # the form ran: its outputs are not the weight form's
-        res["differs_from_weight_form"] = not torch.equal(got, call(t, settings=settings(dict(c, scale="weight"))))
+        weight_form = settings(dict(c, scale="weight", f16=False))
+        res["differs_from_weight_form"] = not torch.equal(got, call(t, settings=weight_form))
     if c["grid_twin"]:  # the other grid order, the same bits
         res["grid_twin_equal"] = torch.equal(got, call(t, settings=settings(dict(c, pair_major=not c["pair_major"]))))
+    if c["f16"]:  # the tiles were made and read (one conversion a call), and gave the product form's bits
+        seen, tiles = [], mk.f16_rows_tiles
+        mk.f16_rows_tiles = lambda x, step: seen.append(step) or tiles(x, step)
+        try:
+            again = call(t, settings=settings(c))
+        finally:
+            mk.f16_rows_tiles = tiles
+        res["f16_ran"] = len(seen) == 1 and torch.equal(again, got)
+        res["f16_equal"] = torch.equal(got, call(t, settings=settings(dict(c, f16=False))))
     if c["split"] > 1:
         # the counters left zeroed, call after call; and counters that start off zero (one arrival counted before
         # the call) are left off zero: the split's arrivals ran and decide who sums
@@ -282,6 +303,9 @@ def check(c: dict, r: dict, tol: dict = TOL) -> None:
         assert r["poison_finite_equal"], "a padding row's expert weights or routing weights were read"
     if c["scale"] != "weight":
         assert r["differs_from_weight_form"], f"gate_up_scale {c['scale']!r} gave the weight form's bits"
+    if c["f16"]:
+        assert r["f16_ran"], "the fp16 operand tiles were not made once, or a repeat call differed"
+        assert r["f16_equal"], "the fp16 operand tiles gave other bits than the product form"
     if c["grid_twin"]:
         assert r["grid_twin_equal"], "the pair-major grid gave other bits than the three-axis grid"
     if c["split"] > 1:
@@ -566,6 +590,9 @@ GPU_CASES = [full_case(o, d) for o in (0, 64) for d in (38, 13)] + [full_case(64
 # the tune's numerical forms at full size (MoESettings.gate_up_split and gate_up_scale), against their torch form
 GPU_CASES += [dict(full_case(64, 38), name="gpu_full_off64_d38_split4", split=4),
               dict(full_case(0, 13), name="gpu_full_off0_d13_split4_product", split=4, scale="product")]
+# b as fp16 operand tiles (MoESettings.f16_input): the product form's bits on the tensor cores too
+GPU_CASES += [dict(full_case(o, d), name=f"gpu_full_off{o}_d{d}_split4_product_f16", split=4, scale="product",
+                   f16=True) for o, d in ((0, 13), (64, 38))]
 # the pair-major grids (MoESettings.pair_major, the default) at the default split: the three-axis grids' bits
 GPU_CASES += [dict(full_case(o, d, live), name=f"gpu_full_off{o}_d{d}_{live}_split4_grid_twin", split=4,
                    grid_twin=True) for o, d, live in ((0, 9, "all"), (64, 38, "mask"))]
