@@ -159,8 +159,9 @@ class MoESettings:
     # Gate/Up's b as fp16 operand tiles (kernels/f16_operands.py: each row's K step scaled by a power of two into
     # fp16, with 2^-s beside it), made by one launch before Gate/Up: E4M3 -> fp16 is one instruction a pair where
     # E4M3 -> bf16 is four, and 2^-s on the step's product gives the product form's bits (every element within 2^31
-    # of its tile's largest is exact). Product form only. A candidate: the K step 303 -> 220 instructions a warp
-    # (`iquest bench sass --kernels moe_gate_up,moe_gate_up_f16`), not yet timed (docs/PERF.md, "Open directions")
+    # of its tile's largest is exact; a smaller one rounds: in principle a numerical change). Product form only. A
+    # candidate: the K step 303 -> 219 instructions a warp (`iquest bench sass --kernels moe_gate_up,
+    # moe_gate_up_f16`), not yet timed (docs/PERF.md, "Open directions")
     f16_input: bool = False
 
 
