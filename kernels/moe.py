@@ -731,10 +731,9 @@ def gate_up_columns(H: int, block: tuple[int, int], settings: MoESettings = MoES
 
 
 def f16_input_applies(b: torch.Tensor, step: int, settings: MoESettings) -> bool:
-    """Whether Gate/Up reads b as fp16 operand tiles (`MoESettings.f16_input`): the product form on bf16 rows whose
-    K steps tile H (fp32 rows are not fp16 values after any power of two)."""
-    return (settings.f16_input and settings.gate_up_scale == "product" and b.dtype == torch.bfloat16
-            and b.is_contiguous() and b.shape[1] % step == 0)
+    """Whether Gate/Up reads b as fp16 operand tiles (`MoESettings.f16_input`, product form only): bf16 rows whose K
+    steps tile H (fp32 rows are not fp16 values after any power of two)."""
+    return settings.f16_input and b.dtype == torch.bfloat16 and b.is_contiguous() and b.shape[1] % step == 0
 
 
 def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, *,
