@@ -26,8 +26,8 @@ interpreter runs the grid in order, tails last, so it cannot show a tail reading
 Gate/Up's numerical forms (MoESettings.gate_up_scale "product", gate_up_split > 1: the H walk over several programs
 summed by the last to arrive) against moe_torch's forms of the same arithmetic; a form must give other bits than the
 weight form (the branch ran), and a split's counters must be left zeroed, and left off zero when they start so.
-b as fp16 operand tiles (MoESettings.f16_input): the tiles made once a call (never without it), the product form's bits; negative
-control: the tiles' 2^-s not applied.
+b as fp16 operand tiles (MoESettings.f16_input): the tiles made once a call (never without it), the product form's
+bits; negative control: the tiles' 2^-s not applied.
 GPU (`pytest.mark.gpu`, run on a device later): one TP8 rank at full size (256 experts, H 3072, 192-row shards at
 offsets 0 and 64, 128 x 128 blocks), 8 rows with 38 and 13 distinct experts, bf16 (and the two forms at 4 splits),
 and graph replay bit-identical;
@@ -107,8 +107,8 @@ CASES = [
     case("grid_twin_split3_poison_off80_bf16", pattern="poison", live="mask", offset=80, H=320, I=96, dtype="bf16",
          split=3, grid_twin=True),
     case("grid_twin_shared_mini_tp4_rank1_off24_fp32", I=24, offset=24, pattern="shared", **MINI, grid_twin=True),
-    # b as fp16 operand tiles (MoESettings.f16_input) against the product form on bf16 b: the same bits; 3 K tiles
-    # in 2 splits with padding rows poisoned, and the mini model's 32-column steps at a TP8 rank's offset
+    # b as fp16 operand tiles (MoESettings.f16_input) against the product form on bf16 b: the same bits; 2 K tiles
+    # in 2 splits with padding rows, and the mini model's 32-column steps at a TP8 rank's offset
     case("f16_split2_off80_bf16", live="mask", offset=80, H=256, dtype="bf16", scale="product", split=2, f16=True),
     case("f16_mini_tp8_rank5_off28_bf16", I=12, offset=28, live="mask", **MINI, dtype="bf16", scale="product",
          f16=True),
