@@ -185,28 +185,18 @@ def call(t: dict, **kw) -> torch.Tensor:
     return got
 
 
-def call_with_outputs(t: dict, s: mk.MoESettings) -> tuple[torch.Tensor, mk.ExpertOutputs]:
-    """`call`, and the expert outputs that `moe` combined into it: the fused tail's input, from the same launches
-    (Gate/Up and Down are the interpreter's most expensive; a second run would give the same bits)."""
-    seen, combine = [], mk.combine
-    mk.combine = lambda o, **kw: seen.append(o) or combine(o, **kw)
+def call_with_outputs(t: dict, s: mk.MoESettings) -> tuple[torch.Tensor, mk.ExpertOutputs, int]:
+    """`call`, the expert outputs that `moe` combined into it (the fused tail's input, from the same launches: Gate/Up
+    and Down are the interpreter's most expensive; a second run would give the same bits), and how many times the
+    call made fp16 operand tiles (MoESettings.f16_input: once, or never)."""
+    outputs, tiles_made, combine, tiles = [], [], mk.combine, mk.f16_rows_tiles
+    mk.combine = lambda o, **kw: outputs.append(o) or combine(o, **kw)
+    mk.f16_rows_tiles = lambda x, step: tiles_made.append(step) or tiles(x, step)
     try:
         got = call(t, settings=s)
     finally:
-        mk.combine = combine
-    return got, seen[0]
-
-
-def call_counting_tiles(t: dict, s: mk.MoESettings) -> tuple[torch.Tensor, mk.ExpertOutputs, int]:
-    """`call_with_outputs`, and how many times the call made fp16 operand tiles (MoESettings.f16_input: once, or
-    never)."""
-    made, tiles = [], mk.f16_rows_tiles
-    mk.f16_rows_tiles = lambda x, step: made.append(step) or tiles(x, step)
-    try:
-        got, outputs = call_with_outputs(t, s)
-    finally:
-        mk.f16_rows_tiles = tiles
-    return got, outputs, len(made)
+        mk.combine, mk.f16_rows_tiles = combine, tiles
+    return got, outputs[0], len(tiles_made)
 
 
 def tail_equal(c: dict, t: dict, got: torch.Tensor, outputs: mk.ExpertOutputs) -> bool:
@@ -277,7 +267,7 @@ def form_checks(c: dict, t: dict, got: torch.Tensor) -> dict:
 def run_case(c: dict, device: str) -> dict:
     t = build(c, device)
     with substituted(mk, MOE_CONTROLS.get(c.get("control"), {})):
-        got, outputs, made = call_counting_tiles(t, settings(c))
+        got, outputs, made = call_with_outputs(t, settings(c))
         res = dict(form_checks(c, t, got), f16_tiles_made=made)
         if c["pattern"] == "poison":
             bad, n = poisoned(t)
@@ -606,7 +596,7 @@ GPU_CASES += [dict(full_case(o, d, live), name=f"gpu_full_off{o}_d{d}_{live}_spl
 @pytest.mark.parametrize("c", GPU_CASES, ids=[c["name"] for c in GPU_CASES])
 def test_gpu_full_rank(c):
     t = distinct_routing(build(c, "cuda"), c)
-    got, outputs, made = call_counting_tiles(t, settings(c))
+    got, outputs, made = call_with_outputs(t, settings(c))
     ref = mk.moe_torch(t["b"], t["experts"], t["weights"], t["gate"], t["up"], t["down"], settings(c))
     live = t["mask"]
     r = dict(finite=bool(torch.isfinite(got).all()), pad_zero=bool((got[~live] == 0).all()), f16_tiles_made=made,
