@@ -162,10 +162,11 @@ case "${1:-}" in
     [ "$1" = step2 ] && kernels=triton,triton@attention_sliding.num_stages=2@topk.tile=2048
     gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --kernels "$kernels" \
       --out "$out/$1-full-tp8slice-ctx1k-d5-$sha.json" 2>&1 | tee "$out/$1-full-tp8slice-ctx1k-d5-$sha.log" ;;
-  f16in)  # MoESettings.f16_input (Gate/Up's b as fp16 operand tiles, made by one launch before it): its GPU cases
-    # (the product form's bits on the tensor cores), then the round paired at 1K with an A' arm and at 38 experts
-    timeout 150 bash "$here/gpu.sh" tests -vv -k f16 tests/test_kernel_moe.py > "$out/gpu-tests-f16-$sha.log" 2>&1 \
-      || echo "gpu tests: exit $?" >&2
+  f16in)  # MoESettings.f16_input (Gate/Up's b as fp16 operand tiles, written by the router's first launch): its GPU
+    # cases (the product form's bits on the tensor cores, the router's tiles), then the round paired at 1K with an A'
+    # arm and at 38 experts (whose pinned routing runs no router: there the tiles take a launch of their own)
+    timeout 150 bash "$here/gpu.sh" tests -vv -k "f16 or tiles" tests/test_kernel_moe.py tests/test_kernel_router.py \
+      > "$out/gpu-tests-f16-$sha.log" 2>&1 || echo "gpu tests: exit $?" >&2
     tail -3 "$out/gpu-tests-f16-$sha.log"
     for arm in "ctx1k:triton,triton@moe.f16_input=True,triton'" \
                "route38:triton~route:38,triton~route:38@moe.f16_input=True"; do
