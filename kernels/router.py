@@ -85,13 +85,13 @@ def _router_logits_kernel(b_ptr, w_ptr, part_ptr, E, H, stride_b, h_per_split, x
                           PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False, TILE: tl.constexpr = 0,
                           TILES_PER_SPLIT: tl.constexpr = 0):
     split_logits(b_ptr, w_ptr, part_ptr, E, H, stride_b, h_per_split, ROWS, ROWS_PAD, BLOCK_E, BLOCK_H, PDL, PRELOAD)
-    if TILE > 0:  # `route(tiles=...)`: a split's first program, past the wait, also writes its columns' operand tiles
-        if tl.program_id(0) == 0:
-            rows = tl.arange(0, ROWS_PAD)
-            for t in tl.static_range(TILES_PER_SPLIT):  # unrolled: the tiles' loads independent, not one a trip
-                k0 = tl.program_id(1) * h_per_split + t * TILE
-                store_f16_tile(b_ptr, stride_b, x16_ptr, H, down_ptr, stride_down, rows, (rows < ROWS) & (k0 < H),
-                               k0, TILE)
+    if TILE > 0:  # `route(tiles=...)`: past the wait, a split's programs also write its columns' operand tiles,
+        # tile t by E tile t (mod the E tiles): one tile a program where there are enough, not one program's chain
+        rows = tl.arange(0, ROWS_PAD)
+        for t in range(tl.program_id(0), TILES_PER_SPLIT, tl.num_programs(0)):
+            k0 = tl.program_id(1) * h_per_split + t * TILE
+            store_f16_tile(b_ptr, stride_b, x16_ptr, H, down_ptr, stride_down, rows, (rows < ROWS) & (k0 < H), k0,
+                           TILE)
 
 
 @triton.jit

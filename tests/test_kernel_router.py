@@ -19,9 +19,9 @@ The measured ratios are printed with -s.
 Under Triton's CPU interpreter, in one worker subprocess: 1 and 8 rows (and 3, 5), E = 8, 16, 48 (not a power of two),
 64 and 256, H = 3072 and small H (partial tiles), k = 1, 2, 5, 8 and k = E, bf16 and fp32 inputs, a strided b, H
 split 1, 2, 3 and 6 (one tile a split: the preloaded weight), router rows copied so experts tie bit for bit at and
-across the top-k boundary, integer data, and an all-equal router (experts 0..k-1, weights 1/k: the tie rule itself),
-and Gate/Up's fp16 operand tiles written by launch 1 (`tiles`: f16_rows_tiles_ref's bits, the routing unchanged; a split
-of one tile, and one of two whose second lies past H). Negative controls, jit pieces substituted from here
+across the top-k boundary, integer data, and an all-equal router (experts 0..k-1, weights 1/k: the tie rule itself), and
+Gate/Up's fp16 operand tiles written by launch 1 (`tiles`: f16_rows_tiles_ref's bits, the routing unchanged; a split of
+one tile, and splits of four over two programs, two of them past H). Negative controls, jit pieces substituted from here
 (`kernels.testing.substituted`), must fail the same checks: ties to the higher index, a split sum that drops the last H
 split, and tiles stored without their row's power of two. `@pytest.mark.gpu`: every case, the published decode shapes
 (E = 256, H = 3072, R = 1, 6, 8, bf16 b), settings variants, PDL and CUDA-graph replay bit-identical to a plain launch.
@@ -113,11 +113,12 @@ CASES = [
          settings=dict(block_e=16, block_h=32, split=2)),
     case("8rows_all_equal_router", R=8, E=16, k=5, H=64, data="equal", seed=10),
     case("6rows_E16_warm", R=6, E=16, k=4, H=64, seed=11, warm=16),
-    # one tile a split; two tiles a split, the last split's second past H (768 = 512 + 256)
+    # one tile a split, one E tile; four tiles a split over two E tiles' programs (two each), the last split's last
+    # two past H (768 = 512 + 256)
     case("6rows_E16_tiles_split3", R=6, E=16, k=4, H=384, seed=12, tiles=128,
          settings=dict(block_e=16, block_h=128, split=3)),
     case("5rows_E16_tiles_uneven_split", R=5, E=16, k=4, H=768, seed=13, tiles=128,
-         settings=dict(block_e=16, block_h=256, split=2)),
+         settings=dict(block_e=8, block_h=256, split=2)),
     # negative controls: must fail the checks the cases above pass
     case("broken_ties_to_higher_index", R=8, H=96, data="int", broken="ties_high", seed=20,
          settings=dict(block_e=16, block_h=32, split=2)),
