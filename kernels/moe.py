@@ -16,7 +16,8 @@ Rounding points, as the torch form has them, for b in dtype T (bf16 in the engin
   (`moe_torch(settings=...)` holds that form and `gate_up_split`'s);
 - Gate b and Up b accumulate products in fp32 and round once to T; silu is computed in fp32 from that T value,
   x / (1 + exp(-x)), and rounded to T; silu * up is rounded to T;
-- Down's product accumulates in fp32 and rounds once to T;
+- Down's product accumulates in fp32 and rounds once to T (with `MoESettings.down_scale="product"` over the exact
+  E4M3 values, each K step's product, or each scale block's part of it, multiplied by the row's scale);
 - the combine multiplies that value by w in fp32, rounded, and adds the k slots in slot order j = 0, 1, ... in fp32.
 What cannot be reproduced is the order in which a matmul library accumulates a dot product's fp32 products; that is
 the measured difference (tests/test_kernel_moe.py).
@@ -115,10 +116,10 @@ class ExpertOutputs(NamedTuple):
 
 @dataclass(frozen=True)
 class MoESettings:
-    """Launch choices; none changes a result but `gate_up_scale` and `gate_up_split`, numerical forms (each the
-    default only once the GPU has timed and qualified it; the torch form, fast/torch_ops.py, is the weight form). Why
-    each value: docs/PERF.md ("Current state"; the tiles, warps and stages carried over from the retired kernel:
-    "Launch configurations", "The MoE's kernels")."""
+    """Launch choices; none changes a result but `gate_up_scale`, `gate_up_split` and `down_scale`, numerical forms
+    (each the default only once the GPU has timed and qualified it; the torch form, fast/torch_ops.py, is the weight
+    form). Why each value: docs/PERF.md ("Current state"; the tiles, warps and stages carried over from the retired
+    kernel: "Launch configurations", "The MoE's kernels")."""
 
     block_m: int = 16           # rows a dot takes: tl.dot's smallest M, and R <= 8 at decode fits one block
     gate_up_block_n: int = 32   # I_r channels a Gate/Up program: divides a TP8 rank's 192; 6 programs an expert, not 3
@@ -163,6 +164,11 @@ class MoESettings:
     # candidate: the K step 303 -> 219 instructions a warp (`iquest bench sass --kernels moe_gate_up,
     # moe_gate_up_f16`), not yet timed (docs/PERF.md, "Open directions")
     f16_input: bool = False
+    # Where Down applies its block scales, as `gate_up_scale` for Gate/Up: "product" takes each E4M3 tile exactly into
+    # the step's dot and multiplies the fp32 product by each row's scale (a step whose I_r columns straddle two scale
+    # blocks, a shard starting inside one, is two dots, one a block). A numerical change and a candidate: Down's
+    # compiled K step drops its per-element multiply (docs/PERF.md, "Open directions"); not yet timed or qualified
+    down_scale: str = "weight"
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -241,6 +247,25 @@ def _scaled_dot(a, q_ptrs, s_ptr, n, k0, n_ok, ok, OFF0: tl.constexpr, OFF1: tl.
     else:
         d = _dot(a, q.to(tl.float32), BF16, DOT_F32)
     return d * _row_scales(s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1, stride_r)[None, :]
+
+
+@triton.jit
+def _block_dots(a, q_ptrs, s_ptr, n, k0, K, n_ok, ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr,
+                B1: tl.constexpr, stride_r, BLOCK_K: tl.constexpr, BF16: tl.constexpr, DOT_F32: tl.constexpr):
+    """`_scaled_dot` for a K step that may straddle two scale blocks (its columns from k0 of K; BLOCK_K <= B1): one
+    dot where the step lies in one block, else a dot over each block's columns, each times its block's row scales.
+    The second block's scales are read only where a column of the step lies in it."""
+    if (OFF1 % BLOCK_K == 0) and (B1 % BLOCK_K == 0):
+        d = _scaled_dot(a, q_ptrs, s_ptr, n, k0, n_ok, ok, OFF0, OFF1, B0, B1, stride_r, BF16, DOT_F32)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k1 = ((k0 + OFF1) // B1 + 1) * B1 - OFF1  # the next block's first column
+        first = kk < k1
+        d = _scaled_dot(a, q_ptrs, s_ptr, n, k0, n_ok, ok & first[None, :], OFF0, OFF1, B0, B1, stride_r, BF16,
+                        DOT_F32)
+        d += _scaled_dot(a, q_ptrs, s_ptr, n, k1, n_ok & (k1 < tl.minimum(K, k0 + BLOCK_K)), ok & ~first[None, :],
+                         OFF0, OFF1, B0, B1, stride_r, BF16, DOT_F32)
+    return d
 
 
 @triton.jit
@@ -396,14 +421,15 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, LINE_ELEMS: tl.constexpr = 128, LINES: tl.constexpr = 2,
-    PAIR_MAJOR: tl.constexpr = False,
+    PAIR_MAJOR: tl.constexpr = False, SCALE_PRODUCT: tl.constexpr = False,
 ):
     p, tile, _, _ = _grid_item(PAIR_MAJOR)
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)  # before the wait: `_early_tile`
     _early_tile(d_ptr, e, run, tile, H, I, BLOCK_N, PREFETCH, LINE_ELEMS, LINES)
     wait_for_inputs(PDL)
     _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, tile, R, H, I, ds_e, ds_r, D_OFF0,
-                D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32, INTERP)
+                D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32, INTERP,
+                SCALE_PRODUCT)
 
 
 @triton.jit
@@ -423,9 +449,9 @@ def _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, t
                 D_OFF0: tl.constexpr, D_OFF1: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
                 K_TOP: tl.constexpr, K_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, DOT_F32: tl.constexpr,
-                INTERP: tl.constexpr):
+                INTERP: tl.constexpr, SCALE_PRODUCT: tl.constexpr = False):
     """Pair program p's Down outputs for H tile `tile`: expert e's rows (when p owns e) stored into y, rounded to the
-    compute dtype."""
+    compute dtype. SCALE_PRODUCT: `MoESettings.down_scale="product"`."""
     for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):  # as in Gate/Up
         pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
         if tl.sum(m_ok.to(tl.int32), axis=0) > 0:
@@ -438,10 +464,15 @@ def _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, t
                 kk = k0 + tl.arange(0, BLOCK_K)
                 k_ok = kk < I
                 a = tl.load(h_ptr + pair[:, None] * I + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                sw = _tile_scales(ds_ptr + ex * ds_e, n, k0, I, n_ok, D_OFF0, D_OFF1, B0, B1, ds_r, BLOCK_N,
-                                  BLOCK_K)
-                w = _dequant(w_rows + kk[None, :], sw, n_ok[:, None] & k_ok[None, :], BF16, INTERP)
-                acc += _dot(a, w, BF16, DOT_F32)
+                if SCALE_PRODUCT:
+                    acc += _block_dots(a, w_rows + kk[None, :], ds_ptr + ex * ds_e, n, k0, I, n_ok,
+                                       n_ok[:, None] & k_ok[None, :], D_OFF0, D_OFF1, B0, B1, ds_r, BLOCK_K, BF16,
+                                       DOT_F32)
+                else:
+                    sw = _tile_scales(ds_ptr + ex * ds_e, n, k0, I, n_ok, D_OFF0, D_OFF1, B0, B1, ds_r, BLOCK_N,
+                                      BLOCK_K)
+                    w = _dequant(w_rows + kk[None, :], sw, n_ok[:, None] & k_ok[None, :], BF16, INTERP)
+                    acc += _dot(a, w, BF16, DOT_F32)
             tl.store(y_ptr + pair[:, None] * H + n[None, :], _round(acc, BF16, INTERP),
                      mask=m_ok[:, None] & n_ok[None, :])
 
@@ -571,6 +602,7 @@ def _down_add_norm_kernel(
     Y_NORM: tl.constexpr, SCALED: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, LINE_ELEMS: tl.constexpr = 128, LINES: tl.constexpr = 2,
+    SCALE_PRODUCT: tl.constexpr = False,
 ):
     """A 1-D grid: `_down_kernel`'s programs (pair p, H tile) first, p fastest as in its 2-D grid, each owner
     arriving on the launch's counter lock_ptr[0] when done; then one tail program a row, which counts the owners,
@@ -590,7 +622,7 @@ def _down_add_norm_kernel(
     if pid < downs:
         _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, pid // P, R, H, I, ds_e, ds_r,
                     D_OFF0, D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32,
-                    INTERP)
+                    INTERP, SCALE_PRODUCT)
         _arrive(lock_ptr, run)
     else:
         r = pid - downs
@@ -825,7 +857,8 @@ def _down_constexprs(h: ExpertHidden, down_w: ExpertWeights, s: MoESettings, dow
     line_elems, lines = prefetch_lines(h.hidden.shape[1], down_w.q.element_size())
     return dict(D_OFF0=down_w.offset[0], D_OFF1=down_w.offset[1], B0=down_w.block[0], B1=down_w.block[1],
                 **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.down_block_n, BLOCK_K=down_k, **_math(h),
-                INTERP=INTERPRETED, PREFETCH=s.down_prefetch and pdl, LINE_ELEMS=line_elems, LINES=lines)
+                INTERP=INTERPRETED, PREFETCH=s.down_prefetch and pdl, LINE_ELEMS=line_elems, LINES=lines,
+                SCALE_PRODUCT=s.down_scale == "product")
 
 
 def lock_count(rows: int) -> int:
@@ -911,7 +944,10 @@ def _check_down(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, s
     devices = {t.device for t in (h.hidden, weights, *down_w[:2])}
     _check(len(devices) == 1, f"tensors on several devices: {devices}")
     _check_settings(settings)
-    return min(settings.down_block_k, max(16, _pow2_divisor(down_w.block[1])))
+    step = min(settings.down_block_k, max(16, _pow2_divisor(down_w.block[1])))
+    _check(settings.down_scale == "weight" or step <= down_w.block[1],
+           f"down_scale 'product' needs Down's {step}-column K step within a scale block's {down_w.block[1]} columns")
+    return step
 
 
 def combine(o: ExpertOutputs, *, out: torch.Tensor | None = None, settings: MoESettings = MoESettings(),
@@ -967,6 +1003,8 @@ def _check_settings(s: MoESettings) -> None:
     _check(isinstance(s.gate_up_split, int) and 1 <= s.gate_up_split <= 16,
            f"settings.gate_up_split must be an int from 1 to 16, got {s.gate_up_split!r}")
     _check(isinstance(s.pair_major, bool), f"settings.pair_major must be a bool, got {s.pair_major!r}")
+    _check(s.down_scale in ("weight", "product"),
+           f"settings.down_scale must be 'weight' or 'product', got {s.down_scale!r}")
     _check(isinstance(s.f16_input, bool) and (not s.f16_input or s.gate_up_scale == "product"),
            f"settings.f16_input must be a bool, and True only with gate_up_scale 'product', got {s.f16_input!r}")
 
@@ -981,7 +1019,7 @@ def moe_torch(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
     The numerical forms of `settings` (MoESettings): `gate_up_scale="product"`, Gate b and Up b as fp32 sums over
     the column scale blocks of (b's block times the exact E4M3 block) times each row's scale; `gate_up_split`, each
     split's columns (`gate_up_columns`) summed in fp32 apart, the splits then added in order; either rounded once
-    to b's dtype."""
+    to b's dtype; `down_scale="product"`, Down's output as Gate/Up's product form, rounded once to b's dtype."""
     from ..reference.fp8 import expand_scales
 
     def codes(w: ExpertWeights) -> torch.Tensor:
@@ -991,14 +1029,16 @@ def moe_torch(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
         q = codes(w)
         return (q * expand_scales(w.scale[experts], tuple(q.shape[-2:]), w.block, w.offset)).to(b.dtype)
 
-    def product(w: ExpertWeights, lo: int, hi: int) -> torch.Tensor:  # fp32 [R, k, I] over columns [lo, hi)
+    def product(w: ExpertWeights, x: torch.Tensor, lo: int, hi: int, eq: str) -> torch.Tensor:
+        """fp32 [R, k, N] over the weight's columns [lo, hi): each column block's exact product of x's block and the
+        E4M3 block, times each row's scale, summed over the blocks."""
         q, (b0, b1), (o0, o1) = codes(w), w.block, w.offset
         rows = (torch.arange(q.shape[-2], device=q.device) + o0) // b0
-        scale = w.scale[experts][:, :, rows]  # [R, k, I, column blocks]
+        scale = w.scale[experts][:, :, rows]  # [R, k, N, column blocks]
         total = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
         for j in range((lo + o1) // b1, (hi - 1 + o1) // b1 + 1):
             c0, c1 = max(lo, j * b1 - o1), min(hi, (j + 1) * b1 - o1)
-            total += torch.einsum("rh,rkih->rki", b[:, c0:c1].float(), q[..., c0:c1]) * scale[..., j]
+            total += torch.einsum(eq, x[..., c0:c1].float(), q[..., c0:c1]) * scale[..., j]
         return total
 
     def projection(w: ExpertWeights) -> torch.Tensor:  # Gate b or Up b in b's dtype
@@ -1010,10 +1050,12 @@ def moe_torch(b: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gat
             if settings.gate_up_scale == "weight":
                 total += torch.einsum("rh,rkih->rki", b[:, lo:hi].float(), dense[..., lo:hi])
             else:
-                total += product(w, lo, hi)
+                total += product(w, b, lo, hi, "rh,rkih->rki")
         return total.to(b.dtype)
 
     hidden = torch.nn.functional.silu(projection(gate)) * projection(up)
-    d = select(down)
-    y = torch.einsum("rki,rkhi->rkh", hidden, d)
+    if settings.down_scale == "weight":
+        y = torch.einsum("rki,rkhi->rkh", hidden, select(down))
+    else:
+        y = product(down, hidden, 0, hidden.shape[-1], "rki,rkhi->rkh").to(b.dtype)
     return (y.float() * weights[..., None]).sum(dim=1)

@@ -138,6 +138,9 @@ MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_off
                             "_combine_kernel": {"load_live": all_live}},
        "product_offset_ignored": {"_gate_up_kernel": {"_scaled_dot": substitute(
            moe._scaled_dot, _row_scales=row_scales_without_offset)}},
+       "down_product_offset_ignored": {"_down_kernel": {"_down_tiles": substitute(
+           moe._down_tiles, _block_dots=substitute(moe._block_dots, _scaled_dot=substitute(
+               moe._scaled_dot, _row_scales=row_scales_without_offset)))}},
        "pair_major_last_tile_dropped": {"_gate_up_kernel": {"_grid_item": grid_item_last_tile_dropped},
                                         "_down_kernel": {"_grid_item": grid_item_last_tile_dropped}},
        "f16_shift_ignored": {"_gate_up_kernel": {"_tile_down": tile_down_ignored}},

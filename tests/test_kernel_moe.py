@@ -26,6 +26,8 @@ interpreter runs the grid in order, tails last, so it cannot show a tail reading
 Gate/Up's numerical forms (MoESettings.gate_up_scale "product", gate_up_split > 1: the H walk over several programs
 summed by the last to arrive) against moe_torch's forms of the same arithmetic; a form must give other bits than the
 weight form (the branch ran), and a split's counters must be left zeroed, and left off zero when they start so.
+Down's product form (MoESettings.down_scale "product") the same way, its steps inside one scale block and straddling
+two; negative control: a straddling shard's scales read as if it started on a block boundary.
 b as fp16 operand tiles (MoESettings.f16_input): the tiles made once a call (never without it), the product form's
 bits, tiles made before the call read as given; negative control: the tiles' 2^-s not applied.
 GPU (`pytest.mark.gpu`, run on a device later): one TP8 rank at full size (256 experts, H 3072, 192-row shards at
@@ -59,7 +61,7 @@ TOL = {"fp32": 1e-5, "bf16": 2.0 ** -7}
 GPU_TOL = {"fp32": 1e-5, "bf16": 2.0 ** -6}
 
 BASE = dict(R=8, k=4, E=8, H=128, I=48, block=(128, 128), offset=0, dtype="fp32", live="all", pattern="random",
-            seed=0, scale="weight", split=1, pair_major=True, grid_twin=False, f16=False)
+            seed=0, scale="weight", split=1, pair_major=True, grid_twin=False, f16=False, down="weight")
 
 
 def case(name: str, **kw) -> dict:
@@ -107,6 +109,12 @@ CASES = [
     case("grid_twin_split3_poison_off80_bf16", pattern="poison", live="mask", offset=80, H=320, I=96, dtype="bf16",
          split=3, grid_twin=True),
     case("grid_twin_shared_mini_tp4_rank1_off24_fp32", I=24, offset=24, pattern="shared", **MINI, grid_twin=True),
+    # Down's block scales on the step's product (MoESettings.down_scale): steps inside one scale block (offset 64 of
+    # 64-column steps), steps straddling two (offsets 96 and 16: two dots a step), two steps, with Gate/Up's forms
+    case("down_product_off64_bf16", offset=64, live="mask", dtype="bf16", down="product"),
+    case("down_product_straddle_r3_off96_fp32", R=3, I=96, offset=96, down="product"),
+    case("down_product_straddle_mini_tp2_rank1_off16_bf16", I=48, offset=16, live="mask", **MINI, dtype="bf16",
+         scale="product", split=2, down="product"),
     # b as fp16 operand tiles (MoESettings.f16_input) against the product form on bf16 b: the same bits; 2 K tiles
     # in 2 splits with padding rows, and the mini model's 32-column steps at a TP8 rank's offset
     case("f16_split2_off80_bf16", live="mask", offset=80, H=256, dtype="bf16", scale="product", split=2, f16=True),
@@ -121,6 +129,8 @@ CONTROLS = [
     case("neg_padding_computed", live="mask", pattern="poison", control="padding_computed", caught="padding row"),
     case("neg_weights_not_applied", control="weights_not_applied", caught="rel err"),
     case("neg_tail_weights_not_applied", control="tail_weights_not_applied", caught="fused tail"),
+    case("neg_down_product_offset_ignored", I=96, offset=96, dtype="bf16", down="product",
+         control="down_product_offset_ignored", caught="rel err"),
     case("neg_f16_shift_ignored", H=256, dtype="bf16", scale="product", f16=True, control="f16_shift_ignored",
          caught="rel err"),
     case("neg_pair_major_last_tile_dropped", H=320, I=96, dtype="bf16", split=2,
@@ -175,7 +185,7 @@ def build(c: dict, device: str) -> dict:
 
 def settings(c: dict) -> mk.MoESettings:
     return mk.MoESettings(gate_up_scale=c["scale"], gate_up_split=c["split"], pair_major=c["pair_major"],
-                          f16_input=c["f16"])
+                          f16_input=c["f16"], down_scale=c["down"])
 
 
 def call(t: dict, **kw) -> torch.Tensor:
@@ -245,8 +255,8 @@ def bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
 def form_checks(c: dict, t: dict, got: torch.Tensor) -> dict:
     """What shows that a numerical form (MoESettings.gate_up_scale, gate_up_split) ran as asked."""
     res = {}
-    if c["scale"] != "weight" and not c["f16"]:  # the form ran: its outputs are not the weight form's
-        weight_form = settings(dict(c, scale="weight", f16=False))
+    if (c["scale"] != "weight" and not c["f16"]) or c["down"] != "weight":  # the form ran: not the weight form's
+        weight_form = settings(dict(c, scale="weight", f16=False, down="weight"))
         res["differs_from_weight_form"] = not torch.equal(got, call(t, settings=weight_form))
     if c["grid_twin"]:  # the other grid order, the same bits
         res["grid_twin_equal"] = torch.equal(got, call(t, settings=settings(dict(c, pair_major=not c["pair_major"]))))
@@ -305,8 +315,9 @@ def check(c: dict, r: dict, tol: dict = TOL) -> None:
     if c["pattern"] == "poison":
         assert r["poisoned_experts"] > 0
         assert r["poison_finite_equal"], "a padding row's expert weights or routing weights were read"
-    if c["scale"] != "weight" and not c["f16"]:
-        assert r["differs_from_weight_form"], f"gate_up_scale {c['scale']!r} gave the weight form's bits"
+    if (c["scale"] != "weight" and not c["f16"]) or c["down"] != "weight":
+        assert r["differs_from_weight_form"], \
+            f"gate_up_scale {c['scale']!r}, down_scale {c['down']!r} gave the weight form's bits"
     assert r["f16_tiles_made"] == int(c["f16"]), f"fp16 operand tiles made {r['f16_tiles_made']} times"
     if c["f16"]:
         assert r["f16_equal"], "the fp16 operand tiles gave other bits than the product form"
@@ -437,6 +448,9 @@ FOLD_CASES = [
     case("fold_r8_same_layer0_bf16", pattern="same", dtype="bf16", form="layer0"),
     # a prefill-sized block: an expert's owner covers rows in two 16-row blocks, its arrivals for both
     case("fold_r24_pad_two_row_blocks_bf16", R=24, live="mask", dtype="bf16", form="layer"),
+    # Down's product form, its steps straddling two scale blocks (MoESettings.down_scale)
+    case("fold_r3_pad_down_product_layer_bf16", R=3, I=96, offset=96, live="mask", dtype="bf16", form="layer",
+         down="product"),
     # no owner at all: the tails wait for no arrival, every row a padding row's tail
     case("fold_r4_no_live_rows_fp32", R=4, H=256, live="none", form="draft"),
 ]
@@ -483,7 +497,7 @@ def run_fold(c: dict, device: str, t: dict | None = None) -> dict:
     tail = (residual, scale, y_norm, next_norm, 1e-6, dt)
     # Gate/Up only makes Down's input here: its plain form (no split), the fewest programs under the interpreter
     h = mk.gate_up(t["b"], t["experts"], t["live"], t["gate"], t["up"], settings=mk.MoESettings(gate_up_split=1))
-    o = mk.down(h, t["weights"], t["down"])
+    o = mk.down(h, t["weights"], t["down"], settings=settings(c))
     want = mk.combine_add_norm(o, *tail)
     pairs = t["mask"].repeat_interleave(c["k"])  # live rows' pairs: the only ones written
     locks = torch.zeros(mk.lock_count(c["R"]) + 3, dtype=torch.int32, device=device)  # spares must stay zero too
@@ -493,7 +507,7 @@ def run_fold(c: dict, device: str, t: dict | None = None) -> dict:
     with substituted(mk, FOLD_SUBSTITUTES.get(c.get("control"), {})):
         for _ in range(2):
             y = torch.full(o.y.shape, float("nan"), dtype=dt, device=device)  # read before stored: it shows
-            got = mk.down_add_norm(h, t["weights"], t["down"], *tail, locks=locks, y=y)
+            got = mk.down_add_norm(h, t["weights"], t["down"], *tail, locks=locks, y=y, settings=settings(c))
             res["locks_zero"].append(bool((locks == 0).all()))
             for name, g, w in zip(names, (y[pairs], *got), (o.y[pairs], *want)):
                 g, w = g.float().cpu(), w.float().cpu()
@@ -599,6 +613,10 @@ GPU_CASES += [dict(full_case(64, 38), name="gpu_full_off64_d38_split4", split=4)
 # b as fp16 operand tiles (MoESettings.f16_input): the product form's bits on the tensor cores too
 GPU_CASES += [dict(full_case(o, d), name=f"gpu_full_off{o}_d{d}_split4_product_f16", split=4, scale="product",
                    f16=True) for o, d in ((0, 13), (64, 38))]
+# Down's product form (MoESettings.down_scale) at both offsets, with Gate/Up's default forms: its 64-column steps
+# inside one scale block (the TP 8 shards' offsets 0 and 64)
+GPU_CASES += [dict(full_case(o, d), name=f"gpu_full_off{o}_d{d}_split4_product_down_product", split=4,
+                   scale="product", down="product") for o, d in ((0, 13), (64, 38))]
 # the pair-major grids (MoESettings.pair_major, the default) at the default split: the three-axis grids' bits
 GPU_CASES += [dict(full_case(o, d, live), name=f"gpu_full_off{o}_d{d}_{live}_split4_grid_twin", split=4,
                    grid_twin=True) for o, d, live in ((0, 9, "all"), (64, 38, "mask"))]
