@@ -158,7 +158,8 @@ class MoESettings:
     # the round 0.9736x paired at the decode routing, 0.9919x at 38 experts (docs/PERF.md, "Current state")
     pair_major: bool = True
     # Gate/Up's b as fp16 operand tiles (kernels/f16_operands.py: each row's K step scaled by a power of two into
-    # fp16, with 2^-s beside it), made by one launch before Gate/Up: E4M3 -> fp16 is one instruction a pair where
+    # fp16, with 2^-s beside it), written by the router's first launch (`gate_up(tiles=...)`; or made by a launch of
+    # their own before Gate/Up where no router kernel ran): E4M3 -> fp16 is one instruction a pair where
     # E4M3 -> bf16 is four, and 2^-s on the step's product gives the product form's bits (every element within 2^31
     # of its tile's largest is exact; a smaller one rounds: in principle a numerical change). Product form only. A
     # candidate: the K step 303 -> 219 instructions a warp (`iquest bench sass --kernels moe_gate_up,
@@ -167,7 +168,8 @@ class MoESettings:
     # Where Down applies its block scales, as `gate_up_scale` for Gate/Up: "product" takes each E4M3 tile exactly into
     # the step's dot and multiplies the fp32 product by each row's scale (a step whose I_r columns straddle two scale
     # blocks, a shard starting inside one, is two dots, one a block). A numerical change and a candidate: Down's
-    # compiled K step drops its per-element multiply (docs/PERF.md, "Open directions"); not yet timed or qualified
+    # compiled K step drops its per-element multiply, 333 -> 278 instructions a warp (docs/PERF.md, "Open
+    # directions"); not yet timed or qualified
     down_scale: str = "weight"
 
 

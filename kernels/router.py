@@ -9,8 +9,8 @@ Two launches, fixed grids, no host sync, no atomics (graph-capturable; a replay 
 1. grid (cdiv(E, block_e), splits): the logits, H split over the second axis so that the whole router (3.1 MB at
    E = 256, H = 3072) is in flight at once. A program holds one [block_e, block_h] router tile in registers for all R
    rows (the weight is read once), reduces each row over the tile's columns with fp32 FMAs in a fixed tree (IEEE
-   fp32: no TF32, no tensor cores) and writes fp32 partials part [splits, R, E]. Asked (`tiles`), each split's first
-   program also writes its columns of b as Gate/Up's fp16 operand tiles (kernels/f16_operands.py).
+   fp32: no TF32, no tensor cores) and writes fp32 partials part [splits, R, E]. Asked (`tiles`), a split's programs
+   also write its columns of b as Gate/Up's fp16 operand tiles (kernels/f16_operands.py), a tile a program.
 2. grid (R,): a row's program sums its partials in a fixed order (`_sum_splits`), then the softmax as torch's CUDA
    kernel computes it (exp(l - max) / sum; on the GPU libdevice's expf, CUDA's expf that torch calls, rather than
    Triton's approximate tl.exp, and round-to-nearest division), then k rounds of one int64 max over the keys
