@@ -212,21 +212,12 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
     split = max(1, min(triton.cdiv(H, rs.block_h), triton.cdiv(rs.programs_per_sm * H200_SMS,
                                                                 triton.cdiv(s.experts, rs.block_e))))
     n_split, h_per_split = ro.split_plan(H, split, rs.block_h)
-    logits = dict(ROWS=R, ROWS_PAD=triton.next_power_of_2(R), BLOCK_E=rs.block_e, BLOCK_H=rs.block_h, PDL=True,
-                  PRELOAD=rs.preload and h_per_split == rs.block_h)
     out["router_logits"] = _launch(
-        ro._router_logits_kernel, dict(b_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32", x16_ptr="*bf16",
-                                       down_ptr="*fp32"),
-        dict(E=s.experts, H=H, stride_b=H, h_per_split=h_per_split, stride_down=R * s.experts), (), logits,
-        rs.num_warps, 1, f"router logits, fp32 [{s.experts} x {H}] in {n_split} H splits")
-    # the same launch writing Gate/Up's fp16 operand tiles (MoESettings.f16_input, `route(tiles=...)`)
-    step = mo.gate_up_k((128, 128), mo.MoESettings())
-    out["router_logits_tiles"] = _launch(
-        ro._router_logits_kernel, dict(b_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32", x16_ptr="*fp16",
-                                       down_ptr="*fp32"),
-        dict(E=s.experts, H=H, stride_b=H, h_per_split=h_per_split, stride_down=H // step), (),
-        dict(logits, TILE=step, TILES_PER_SPLIT=h_per_split // step), rs.num_warps, 1,
-        f"router logits writing fp16 operand tiles of {step} columns")
+        ro._router_logits_kernel, dict(b_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32"),
+        dict(E=s.experts, H=H, stride_b=H, h_per_split=h_per_split), (),
+        dict(ROWS=R, ROWS_PAD=triton.next_power_of_2(R), BLOCK_E=rs.block_e, BLOCK_H=rs.block_h, PDL=True,
+             PRELOAD=rs.preload and h_per_split == rs.block_h), rs.num_warps, 1,
+        f"router logits, fp32 [{s.experts} x {H}] in {n_split} H splits")
     e_pad = triton.next_power_of_2(s.experts)
     # the select with its L2 requests (EngineOptions.routed_prefetch, off by default: the engine's plain select is this
     # kernel with WARM off, which `compile_spec(spec, WARM=False)` compiles)

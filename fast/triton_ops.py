@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels import (decode_attention, depth_rule, embed, expert_prefetch, f16_operands, fp8_linear, launch,
-                       lm_head, logprobs, moe, o_proj_router, philox, qk_rope_kv, qkv_rope_kv, rmsnorm, route_tail,
-                       router, sample, settle, topk)
+from ..kernels import (decode_attention, depth_rule, embed, expert_prefetch, fp8_linear, launch, lm_head,
+                       logprobs, moe, o_proj_router, philox, qk_rope_kv, qkv_rope_kv, rmsnorm, route_tail, router,
+                       sample, settle, topk)
 from . import sampler
 from .depth_rule import logit_threshold
 from .kernel_settings import KernelSettings
@@ -69,9 +69,6 @@ class TritonOps(TorchOps):
         self._experts: dict[int, list] = {}  # id(MoE) -> its gate, up, down as the MoE kernel takes them
         self._slabs: dict[int, tuple] = {}  # id(router) -> its layer's Gate and Up codes, for the select to warm
                                              # (filled with the routed prefetch on)
-        self._tile_steps: dict[int, int] = {}  # id(router) -> its layer's Gate/Up K step, where b is read as fp16
-                                                # operand tiles (MoESettings.f16_input)
-        self._tiles: tuple | None = None  # (b, its operand tiles) the router wrote, until moe(b) takes them
         self._side: torch.cuda.Stream | None = None  # the expert prefetch's branch stream (CUDA)
         self._branch: list = []  # what the branches launched since the last join read and write: kept alive until it
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -100,8 +97,6 @@ class TritonOps(TorchOps):
                 self._experts[id(lw.mlp)] = [moe.ExpertWeights(p.q, p.scale, p.block, p.offset) if p.quantized else None
                                              for p in (lw.mlp.gate, lw.mlp.up, lw.mlp.down)]
                 gate, up = lw.mlp.gate, lw.mlp.up
-                if self.settings.moe.f16_input and gate.quantized:
-                    self._tile_steps[id(lw.mlp.router)] = moe.gate_up_k(gate.block, self.settings.moe)
                 if (self.routed_prefetch and gate.quantized and up.quantized and launch.slab_ok(gate.q)
                         and launch.slab_ok(up.q)):
                     self._slabs[id(lw.mlp.router)] = (gate.q, up.q)
@@ -226,21 +221,7 @@ class TritonOps(TorchOps):
         if not self._fits("moe", router.fits(b.shape[0], *router_w.shape)):
             return super().route_on(b, router_w, top_k)
         self.calls["route"] += 1
-        tiles = self.operand_tiles(b, router_w)
-        routed = router.route(b, router_w, top_k, pdl=b.is_cuda, warm=self.route_warm(router_w), tiles=tiles)
-        self._tiles = (b, tiles) if tiles is not None else None
-        return routed
-
-    def operand_tiles(self, b, router_w):
-        """Buffers for the router to fill with b's fp16 operand tiles (kernels/router.py `route`'s `tiles`) where
-        Gate/Up reads b so (MoESettings.f16_input): made in the launch that reads b anyway, not in one of their own
-        before Gate/Up. None where the router cannot write them."""
-        step = self._tile_steps.get(id(router_w))
-        if not (self.plan.moe and step and moe.f16_input_applies(b, step, self.settings.moe)
-                and router.writes_tiles(b.shape[1], step)):
-            return None
-        self.calls["route_tiles"] += 1
-        return f16_operands.empty_tiles(b.shape[0], b.shape[1], step, b.device)
+        return router.route(b, router_w, top_k, pdl=b.is_cuda, warm=self.route_warm(router_w))
 
     def route_warm(self, router_w):
         """The Gate and Up codes the router's select asks L2 for once it has chosen (kernels/router.py `route`'s
@@ -248,8 +229,6 @@ class TritonOps(TorchOps):
         return self._slabs.get(id(router_w)) if self.plan.moe else None
 
     def moe(self, b, experts, weights, live, mw):
-        made, self._tiles = self._tiles, None
-        tiles = made[1] if made is not None and made[0] is b else None
         ew = self._experts.get(id(mw), [None])  # made in prepare(); absent: a BF16 MoE, on its torch form
         if not self._fits("moe", None not in ew and moe.fits(b, experts, *ew)):
             return super().moe(b, experts, weights, live, mw)
@@ -259,7 +238,7 @@ class TritonOps(TorchOps):
         R, k, inter = b.shape[0], experts.shape[1], ew[0].q.shape[1]
         if locks is not None and moe.gate_up_lock_count(R, k, inter, s) > locks.numel():
             locks = None  # a long prefill block: counters of its own, zeroed by gate_up
-        hidden = moe.gate_up(b, experts, live, *ew[:2], settings=s, locks=locks, pdl=b.is_cuda, tiles=tiles)
+        hidden = moe.gate_up(b, experts, live, *ew[:2], settings=s, locks=locks, pdl=b.is_cuda)
         return PendingDown(hidden, weights, ew[2])
 
     @stage("mlp")  # launched by the op that reads the output, but the experts' work: bench step's stages keep it there

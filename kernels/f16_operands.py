@@ -5,12 +5,11 @@ Why: at decode the retired MoE kernel's Gate/Up and Down were weight streams who
 of every E4M3 weight for the tensor cores, not the bytes (ncu: 34% of DRAM bandwidth, the conversion's F2F and PRMT
 30% of Gate/Up's instructions). The FP8 linears, whose tiles are narrow and latency-bound, were slower this way (the
 row scale costs them more than the conversion saves: docs/PERF.md). The published model's Gate/Up reads these tiles
-under `MoESettings.f16_input` (kernels/moe.py; off by default, a candidate not yet timed), where its product form takes
-each E4M3 tile exactly; the router's first launch writes them (kernels/router.py `route(tiles=...)`), or
-`f16_rows_tiles` in a launch of its own; `bf16_grid` (the interpreter's round-to-nearest-even) serves the MoE and the
-norms. E4M3 -> fp16 is one instruction per two weights (`cvt.rn.f16x2.e4m3x2`) and exact; E4M3 -> bf16 goes through fp16
-and then one conversion per weight. The other operand must then be fp16 too, and a bf16 value is not always an fp16 one
-(fp16 has 3 more mantissa bits but 3 fewer exponent bits).
+under `MoESettings.f16_input` (kernels/moe.py; off by default, a candidate not yet timed), where its product form
+takes each E4M3 tile exactly; `bf16_grid` (the interpreter's round-to-nearest-even) serves the MoE and the norms.
+E4M3 -> fp16 is one instruction per two weights (`cvt.rn.f16x2.e4m3x2`) and exact; E4M3 -> bf16 goes through fp16
+and then one conversion per weight. The other operand must then be fp16 too, and a bf16 value is not always an fp16
+one (fp16 has 3 more mantissa bits but 3 fewer exponent bits).
 
 How: each row r of a K tile is multiplied by a power of two 2^s_r chosen from the row's largest |x| (put in
 [2^14, 2^15)). Multiplying by a power of two is exact, and a bf16 value v (8 significant bits) is exact in
@@ -69,21 +68,13 @@ def f16_rows(x):
 
 
 @triton.jit
-def store_f16_tile(x_ptr, stride_x, y_ptr, stride_y, d_ptr, stride_d, m, m_ok, k0, BLOCK_K: tl.constexpr):
-    """Rows m (m_ok) of x's K tile [k0, k0 + BLOCK_K) as operand tiles: y[m, k] = x[m, k] * 2^s_m as fp16 and
-    d[m, k0 / BLOCK_K] = 2^-s_m, for whichever launch holds the rows (`f16_rows_tiles`, or kernels/router.py's
-    first launch, which reads b anyway)."""
-    kk = k0 + tl.arange(0, BLOCK_K)
-    x16, down = f16_rows(tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=m_ok[:, None], other=0.0)
-                         .to(tl.float32))
-    tl.store(y_ptr + m[:, None] * stride_y + kk[None, :], x16, mask=m_ok[:, None])
-    tl.store(d_ptr + m * stride_d + k0 // BLOCK_K, down, mask=m_ok)
-
-
-@triton.jit
 def _f16_rows_kernel(x_ptr, y_ptr, d_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    store_f16_tile(x_ptr, K, y_ptr, K, d_ptr, tl.num_programs(1), m, m < M, tl.program_id(1) * BLOCK_K, BLOCK_K)
+    kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (m < M)[:, None] & (kk < K)[None, :]
+    x16, down = f16_rows(tl.load(x_ptr + m[:, None] * K + kk[None, :], mask=ok, other=0.0).to(tl.float32))
+    tl.store(y_ptr + m[:, None] * K + kk[None, :], x16, mask=ok)
+    tl.store(d_ptr + m * tl.num_programs(1) + tl.program_id(1), down, mask=m < M)
 
 
 def f16_rows_tiles(x: torch.Tensor, block_k: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,7 +66,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .device import is_pow2
-from .f16_operands import bf16_grid, f16_rows_tiles, tile_width
+from .f16_operands import bf16_grid, f16_rows_tiles
 from . import fp8_linear as fl, rmsnorm
 from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
@@ -771,13 +771,11 @@ def f16_input_applies(b: torch.Tensor, step: int, settings: MoESettings) -> bool
 
 
 def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, *,
-            settings: MoESettings = MoESettings(), locks: torch.Tensor | None = None, pdl: bool = False,
-            tiles: tuple[torch.Tensor, torch.Tensor] | None = None) -> ExpertHidden:
+            settings: MoESettings = MoESettings(), locks: torch.Tensor | None = None,
+            pdl: bool = False) -> ExpertHidden:
     """`moe`'s launch 1 (arguments as `moe`'s): each live row's chosen experts' hidden silu(Gate b) * Up b, for
     `down` or `down_add_norm`. `locks`: with `settings.gate_up_split` > 1, zeroed int32 counters
-    (`gate_up_lock_count`), left zeroed (None: made here, zeroed, for this call). `tiles`: where
-    `f16_input_applies`, b's fp16 operand tiles already made for Gate/Up's K step (kernels/router.py `route`'s);
-    None: made here, one launch before Gate/Up (kernels/f16_operands.py `f16_rows_tiles`)."""
+    (`gate_up_lock_count`), left zeroed (None: made here, zeroed, for this call)."""
     R, H, k, E, I = _validate_gate_up(b, experts, gate, up)
     devices = {t.device for t in (b, experts, *gate[:2], *up[:2])}
     _check(len(devices) == 1, f"tensors on several devices: {devices}")
@@ -806,11 +804,7 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
         parts = torch.empty((s.gate_up_split, 2, R * k, I), dtype=torch.float32, device=dev)  # each read one written
     x, down = b, hidden  # down: read only under F16_INPUT
     f16 = f16_input_applies(b, step, s)
-    if f16 and tiles is not None:
-        _check(tile_width(tiles, R, H, dev, "gate_up: tiles") == step,
-               f"tiles must be of Gate/Up's {step}-column K step")
-        x, down = tiles
-    elif f16:
+    if f16:
         x, down = f16_rows_tiles(b, step)
     _gate_up_kernel[_grid(R * k, triton.cdiv(I, s.gate_up_block_n), s.gate_up_split, s.pair_major)](
         x, gate.q, gate.scale, up.q, up.scale, experts, live_arg, hidden, parts, locks if locks is not None else parts,

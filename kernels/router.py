@@ -9,8 +9,7 @@ Two launches, fixed grids, no host sync, no atomics (graph-capturable; a replay 
 1. grid (cdiv(E, block_e), splits): the logits, H split over the second axis so that the whole router (3.1 MB at
    E = 256, H = 3072) is in flight at once. A program holds one [block_e, block_h] router tile in registers for all R
    rows (the weight is read once), reduces each row over the tile's columns with fp32 FMAs in a fixed tree (IEEE
-   fp32: no TF32, no tensor cores) and writes fp32 partials part [splits, R, E]. Asked (`tiles`), a split's programs
-   also write its columns of b as Gate/Up's fp16 operand tiles (kernels/f16_operands.py), a tile a program.
+   fp32: no TF32, no tensor cores) and writes fp32 partials part [splits, R, E].
 2. grid (R,): a row's program sums its partials in a fixed order (`_sum_splits`), then the softmax as torch's CUDA
    kernel computes it (exp(l - max) / sum; on the GPU libdevice's expf, CUDA's expf that torch calls, rather than
    Triton's approximate tl.exp, and round-to-nearest division), then k rounds of one int64 max over the keys
@@ -38,7 +37,6 @@ import triton.language as tl
 
 from . import libm
 from .device import FLOATS as _FLOATS, is_pow2 as _pow2, sm_count as _sm_count
-from .f16_operands import store_f16_tile, tile_width
 from .launch import launch_options, slab_ok, wait_for_inputs, warm_slabs
 
 INTERPRETED = libm.INTERPRETED
@@ -80,18 +78,10 @@ def _rows_dot(acc, w, b_ptr, stride_b, h, h_ok, rows, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _router_logits_kernel(b_ptr, w_ptr, part_ptr, E, H, stride_b, h_per_split, x16_ptr, down_ptr, stride_down,
+def _router_logits_kernel(b_ptr, w_ptr, part_ptr, E, H, stride_b, h_per_split,
                           ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                          PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False, TILE: tl.constexpr = 0,
-                          TILES_PER_SPLIT: tl.constexpr = 0):
+                          PDL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     split_logits(b_ptr, w_ptr, part_ptr, E, H, stride_b, h_per_split, ROWS, ROWS_PAD, BLOCK_E, BLOCK_H, PDL, PRELOAD)
-    if TILE > 0:  # `route(tiles=...)`: past the wait, a split's programs also write its columns' operand tiles,
-        # tile t by E tile t (mod the E tiles): one tile a program where there are enough, not one program's chain
-        rows = tl.arange(0, ROWS_PAD)
-        for t in range(tl.program_id(0), TILES_PER_SPLIT, tl.num_programs(0)):
-            k0 = tl.program_id(1) * h_per_split + t * TILE
-            store_f16_tile(b_ptr, stride_b, x16_ptr, H, down_ptr, stride_down, rows, (rows < ROWS) & (k0 < H), k0,
-                           TILE)
 
 
 @triton.jit
@@ -211,12 +201,6 @@ def fits(R: int, E: int, H: int) -> bool:
     return 1 <= R <= MAX_ROWS and 1 <= E <= MAX_EXPERTS and H >= 1 and E * H < 2**31 and R * H < 2**31
 
 
-def writes_tiles(H: int, tile: int, settings: RouterSettings = RouterSettings()) -> bool:
-    """Whether `route` can write operand tiles of `tile` columns: whole tiles in every split (a split is whole
-    block_h tiles) and in H."""
-    return tile >= 2 and tile & (tile - 1) == 0 and settings.block_h % tile == 0 and H % tile == 0
-
-
 def choose_split(e: int, h: int, settings: RouterSettings, device: torch.device) -> int:
     """H splits so that E tiles x splits ~ programs_per_sm programs an SM (at most one split per H tile)."""
     e_tiles, h_tiles = triton.cdiv(e, settings.block_e), triton.cdiv(h, settings.block_h)
@@ -246,17 +230,14 @@ def _check_settings(s: RouterSettings) -> None:
 
 
 def route(b: torch.Tensor, router_w: torch.Tensor, top_k: int, *, settings: RouterSettings = RouterSettings(),
-          pdl: bool = False, warm: tuple[torch.Tensor, torch.Tensor] | None = None,
-          tiles: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          pdl: bool = False, warm: tuple[torch.Tensor, torch.Tensor] | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weights [R, k] fp32, experts [R, k] int64, scores [R, E] fp32) = TorchOps.route_on(b, router_w, top_k) to
     rounding (`device.logit_tolerance`), for b [R, H] bf16 (fp16 / fp32 taken too; unit stride along H), R in
     1..MAX_ROWS, and router_w [E, H] fp32, contiguous. `pdl`: as kernels/launch.py's. `warm`: the layer's Gate and Up
     codes (E4M3 [E, I_r, H] each, `launch.slab_ok`): the select then asks L2 for each chosen expert's two slabs, so
     Gate/Up, the launch after it, reads them from L2 (a cache hint: the same results; on the GPU only, the interpreter
-    having no such requests). `tiles`: buffers (fp16 [R, H], fp32 [R, H / t], kernels/f16_operands.py `empty_tiles`)
-    that launch 1 fills with b's fp16 operand tiles of t columns, as `f16_rows_tiles(b, t)` makes them, for Gate/Up
-    under `MoESettings.f16_input`: the launch reads b anyway, two launches before Gate/Up, so the tiles cost it no
-    launch of their own (`writes_tiles` says which t it takes). ValueError for what it does not take."""
+    having no such requests). ValueError for what it does not take."""
     _check(isinstance(b, torch.Tensor) and isinstance(router_w, torch.Tensor), "b and router_w must be tensors")
     _check(b.dim() == 2 and router_w.dim() == 2, f"b {tuple(b.shape)} and router_w {tuple(router_w.shape)} must be 2-D")
     R, H = b.shape
@@ -281,12 +262,6 @@ def route(b: torch.Tensor, router_w: torch.Tensor, top_k: int, *, settings: Rout
                f"and 16-byte aligned, on {b.device}")
     split = settings.split if settings.split is not None else choose_split(E, H, settings, b.device)
     splits, h_per_split = split_plan(H, split, settings.block_h)
-    tile = 0
-    if tiles is not None:
-        tile = tile_width(tiles, R, H, b.device, "router: tiles")
-        _check(b.dtype == torch.bfloat16 and b.is_contiguous() and writes_tiles(H, tile, settings),
-               f"tiles of {tile} columns need b contiguous bf16 (got {b.dtype}) and {tile} dividing block_h "
-               f"{settings.block_h} and H = {H}")
 
     dev = b.device
     part = torch.empty((splits, R, E), dtype=torch.float32, device=dev)
@@ -295,12 +270,11 @@ def route(b: torch.Tensor, router_w: torch.Tensor, top_k: int, *, settings: Rout
     scores = torch.empty((R, E), dtype=torch.float32, device=dev)
 
     grid = (triton.cdiv(E, settings.block_e), splits)
-    x16, down = tiles if tiles is not None else (b, part)  # unread without TILE
-    _router_logits_kernel[grid](b, router_w, part, E, H, b.stride(0), h_per_split, x16, down, down.stride(0), ROWS=R,
+    _router_logits_kernel[grid](b, router_w, part, E, H, b.stride(0), h_per_split, ROWS=R,
                                 ROWS_PAD=triton.next_power_of_2(R), BLOCK_E=settings.block_e,
                                 BLOCK_H=settings.block_h, num_warps=settings.num_warps,
-                                PRELOAD=settings.preload and h_per_split == settings.block_h, TILE=tile,
-                                TILES_PER_SPLIT=h_per_split // tile if tile else 0, **launch_options(pdl, dev))
+                                PRELOAD=settings.preload and h_per_split == settings.block_h,
+                                **launch_options(pdl, dev))
     e_pad = triton.next_power_of_2(E)
     gate, up = warm if warm is not None else (part, part)  # unread without WARM
     slab = gate[0].numel() if warm is not None else 0

@@ -91,8 +91,7 @@ def test_cli(tmp_path, capsys):
 
 # ---- the published model's kernels ------------------------------------------------------------------------------
 PUBLISHED = ("attention_split", "attention_split_sliding", "attention_combine", "attention_combine_long", "qk_rope_kv",
-             "qkv_rope_kv", "rmsnorm", "add_norm", "router_logits", "router_logits_tiles", "router_select",
-             "o_proj_router", "add_norm_route",
+             "qkv_rope_kv", "rmsnorm", "add_norm", "router_logits", "router_select", "o_proj_router", "add_norm_route",
              "prefetch_logits", "prefetch_warm",
              "moe_gate_up", "moe_gate_up_f16", "moe_down", "moe_gate_up_odd", "moe_down_odd", "moe_down_add_norm",
              "moe_combine",

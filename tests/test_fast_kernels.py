@@ -174,31 +174,6 @@ def moe_split_block(device: str = "cpu") -> dict:
     return {**r, "gate_up_launches": sorted(set(seen)), "gate_up_count": len(seen)}
 
 
-def moe_f16_block(device: str = "cpu") -> dict:
-    """The MoE group at bf16 with Gate/Up reading b as fp16 operand tiles (`triton@moe.f16_input=True`, the product
-    form) against the product form without them, over the three blocks: outputs and caches bit for bit (tiles exact
-    for such rows), the router's launches that wrote the tiles and the tiles Gate/Up made itself (the prefill block,
-    whose rows the router kernel does not take)."""
-    import iquest.kernels.moe as mk
-
-    product = (*INTERPRETED_MOE, ("moe", "gate_up_scale", "product"))
-    made, real = [], mk.f16_rows_tiles
-    runs = {}
-    mk.f16_rows_tiles = lambda x, step: made.append(x.shape[0]) or real(x, step)
-    try:
-        for name, extra in (("product", ()), ("f16", (("moe", "f16_input", True),))):
-            e = engine(KernelPlan(moe=True), device, dtype="bf16", kernel_settings=product + extra)
-            _forget_capture(e)
-            outputs = [t for block in two_blocks(e, device) for t in block]
-            runs[name] = (outputs, [_real_slots(kv) for kv in e.cache.layers], dict(e.model.ops.calls))
-    finally:
-        mk.f16_rows_tiles = real
-    (o0, c0, _), (o1, c1, calls) = runs["product"], runs["f16"]
-    return {"identical": all(torch.equal(x, y) for x, y in zip(o0, o1))
-            and all(torch.equal(x, y) for l0, l1 in zip(c0, c1) for x, y in zip(l0, l1)),
-            "calls": calls, "own_tiles_rows": made}
-
-
 def router_fold_block(device: str = "cpu") -> dict:
     """The router fold's kernels (kernels/o_proj_router.py, kernels/route_tail.py: the linear, norm and MoE groups)
     against the fold's torch form (fast/router_fold.py) over the three blocks: the largest relative error of the live
@@ -356,18 +331,6 @@ def test_interpreted_moe_settings_reach_the_kernels(interpreted):
     assert r["rel_err"] <= GROUP_BLOCK_TOL["moe"] and r["cache_err"] <= GROUP_BLOCK_TOL["moe"], r
 
 
-def test_interpreted_router_writes_gate_up_operand_tiles(interpreted):
-    """With Gate/Up reading b as fp16 operand tiles (MoESettings.f16_input), the router's launch writes them wherever
-    it routes (the verification and draft blocks: no launch of their own), Gate/Up makes them only where the router
-    kernel did not run (the prefill block's 33 rows), and the engine's bits are the product form's."""
-    r = interpreted["moe_f16_block"]
-    assert "error" not in r, r
-    calls = r["calls"]
-    assert calls["route_tiles"] == calls["route"] > 0, calls
-    assert r["own_tiles_rows"] == [33] * (calls["moe"] - calls["route_tiles"]) and r["own_tiles_rows"], r
-    assert r["identical"], "fp16 operand tiles changed the engine's outputs or caches"
-
-
 def test_kernel_settings_are_checked():
     """An unknown op or field, or settings of an op whose group runs its torch form, is refused when the engine is
     built, not ignored."""
@@ -460,7 +423,7 @@ if __name__ == "__main__" and "--interpret-worker" in sys.argv:
                  ("attention_block", lambda: group_block("attention")), ("norm_block", lambda: group_block("norm")),
                  ("moe_block", lambda: group_block("moe", kernel_settings=())),
                  ("lm_head_block", lambda: group_block("lm_head")),
-                 ("moe_split_block", moe_split_block), ("moe_f16_block", moe_f16_block),
+                 ("moe_split_block", moe_split_block),
                  ("moe_norm_block", lambda: group_block("moe", "norm")),
                  ("linear_attention_block", lambda: group_block("linear", "attention")),
                  ("router_fold_block", router_fold_block), ("prefetch_block", prefetch_block),

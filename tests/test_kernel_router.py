@@ -19,12 +19,11 @@ The measured ratios are printed with -s.
 Under Triton's CPU interpreter, in one worker subprocess: 1 and 8 rows (and 3, 5), E = 8, 16, 48 (not a power of two),
 64 and 256, H = 3072 and small H (partial tiles), k = 1, 2, 5, 8 and k = E, bf16 and fp32 inputs, a strided b, H
 split 1, 2, 3 and 6 (one tile a split: the preloaded weight), router rows copied so experts tie bit for bit at and
-across the top-k boundary, integer data, and an all-equal router (experts 0..k-1, weights 1/k: the tie rule itself), and
-Gate/Up's fp16 operand tiles written by launch 1 (`tiles`: f16_rows_tiles_ref's bits, the routing unchanged; a split of
-one tile, and splits of four over two programs, two of them past H). Negative controls, jit pieces substituted from here
-(`kernels.testing.substituted`), must fail the same checks: ties to the higher index, a split sum that drops the last H
-split, and tiles stored without their row's power of two. `@pytest.mark.gpu`: every case, the published decode shapes
-(E = 256, H = 3072, R = 1, 6, 8, bf16 b), settings variants, PDL and CUDA-graph replay bit-identical to a plain launch.
+across the top-k boundary, integer data, and an all-equal router (experts 0..k-1, weights 1/k: the tie rule itself).
+Negative controls, jit pieces substituted from here (`kernels.testing.substituted`), must fail the same checks: ties
+to the higher index, and a split sum that drops the last H split. `@pytest.mark.gpu`: every case, the published
+decode shapes (E = 256, H = 3072, R = 1, 6, 8, bf16 b), settings variants, PDL and CUDA-graph replay bit-identical to
+a plain launch.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ import triton
 import triton.language as tl
 
 from iquest.fast.torch_ops import TorchOps
-from iquest.kernels import f16_operands, router as rt
+from iquest.kernels import router as rt
 from iquest.kernels.device import logit_tolerance
 from iquest.kernels.testing import interpreted_tests, substituted
 
@@ -70,25 +69,13 @@ def sum_splits_dropping_last(part_ptr, row, R, E, splits, E_PAD: tl.constexpr, S
     return logits
 
 
-@triton.jit
-def store_tile_unscaled(x_ptr, stride_x, y_ptr, stride_y, d_ptr, stride_d, m, m_ok, k0, BLOCK_K: tl.constexpr):
-    """The operand tiles without their row's power of two: x cast to fp16 as it is, 2^-s = 1."""
-    kk = k0 + tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-    tl.store(y_ptr + m[:, None] * stride_y + kk[None, :], x.to(tl.float16), mask=m_ok[:, None])
-    tl.store(d_ptr + m * stride_d + k0 // BLOCK_K, tl.full(m.shape, 1.0, tl.float32), mask=m_ok)
-
-
 CONTROLS = {"ties_high": {"_router_select_kernel": {"_tie_rank": ranked_high}},
-            "drop_split": {"_router_select_kernel": {"_sum_splits": sum_splits_dropping_last}},
-            "tiles_unscaled": {"_router_logits_kernel": {"store_f16_tile": store_tile_unscaled}}}
+            "drop_split": {"_router_select_kernel": {"_sum_splits": sum_splits_dropping_last}}}
 
 BASE = dict(R=8, E=64, H=200, k=8, dtype="bf16", data="randn", b_stride=None, broken=None, twin=None, seed=0,
-            settings=dict(block_e=16, block_h=32), warm=None, tiles=None)
+            settings=dict(block_e=16, block_h=32), warm=None)
 # warm: the I_r rows of Gate and Up codes passed as `route(warm=...)`; the results must be the plain call's bit for bit
 # (the L2 requests exist only on the GPU: under the interpreter this checks the plumbing and the refusals)
-# tiles: the column width t of b's fp16 operand tiles passed as `route(tiles=...)`: they must be f16_rows_tiles_ref's
-# bits, and the routing the plain call's
 
 
 def case(name: str, **kw) -> dict:
@@ -113,20 +100,12 @@ CASES = [
          settings=dict(block_e=16, block_h=32, split=2)),
     case("8rows_all_equal_router", R=8, E=16, k=5, H=64, data="equal", seed=10),
     case("6rows_E16_warm", R=6, E=16, k=4, H=64, seed=11, warm=16),
-    # one tile a split, one E tile; four tiles a split over two E tiles' programs (two each), the last split's last
-    # two past H (768 = 512 + 256)
-    case("6rows_E16_tiles_split3", R=6, E=16, k=4, H=384, seed=12, tiles=128,
-         settings=dict(block_e=16, block_h=128, split=3)),
-    case("5rows_E16_tiles_uneven_split", R=5, E=16, k=4, H=768, seed=13, tiles=128,
-         settings=dict(block_e=8, block_h=256, split=2)),
     # negative controls: must fail the checks the cases above pass
     case("broken_ties_to_higher_index", R=8, H=96, data="int", broken="ties_high", seed=20,
          settings=dict(block_e=16, block_h=32, split=2)),
     case("broken_all_equal_ties_to_higher_index", R=2, E=16, k=5, H=64, data="equal", broken="ties_high", seed=21),
     case("broken_dropped_split", R=3, H=200, broken="drop_split", seed=22, settings=dict(block_e=16, block_h=32,
                                                                                        split=4)),
-    case("broken_tiles_unscaled", R=6, E=16, k=4, H=384, seed=23, tiles=128, broken="tiles_unscaled",
-         settings=dict(block_e=16, block_h=128, split=3)),
 ]
 
 GPU_CASES = [  # the published decode shapes
@@ -140,7 +119,6 @@ GPU_CASES = [  # the published decode shapes
     case("gpu_8rows_model_split5_uneven", R=8, **dict(MODEL, settings=dict(split=5)), seed=107),
     case("gpu_8rows_model_tile_8x256", R=8, **dict(MODEL, settings=dict(block_e=8, block_h=256)), seed=108),
     case("gpu_6rows_model_warm", R=6, **MODEL, seed=109, warm=192),  # a TP8 rank's 192-row expert slabs
-    case("gpu_6rows_model_tiles", R=6, **MODEL, seed=113, tiles=128),  # Gate/Up's K step at the checkpoint's blocks
     *[case(f"gpu_6rows_model_select_{w}_warps", R=6, **dict(MODEL, settings=dict(select_warps=w)), seed=110 + w)
       for w in (1, 2, 8)],
     case("gpu_broken_ties_high", R=8, **dict(MODEL, data="int"), broken="ties_high", seed=120),
@@ -250,16 +228,6 @@ def run_case(c: dict, device: str) -> dict:
         r["warm_bit_equal"] = all(torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
                                               b.view(torch.int32) if b.dtype == torch.float32 else b)
                                   for a, b in zip(got, warmed))
-    if c["tiles"]:
-        tiles = f16_operands.empty_tiles(c["R"], c["H"], c["tiles"], t["b"].device)
-        tiles_run = run_route(t, c["k"], s, c["broken"], tiles=tiles)
-        r["tiles_routing_bit_equal"] = all(torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
-                                                       b.view(torch.int32) if b.dtype == torch.float32 else b)
-                                           for a, b in zip(got, tiles_run))
-        want_tiles = f16_operands.f16_rows_tiles_ref(t["b"].cpu(), c["tiles"])
-        r["tiles_bit_equal"] = [torch.equal(a.cpu().view(torch.int16 if a.element_size() == 2 else torch.int32),
-                                            w.view(torch.int16 if w.element_size() == 2 else torch.int32))
-                                for a, w in zip(tiles, want_tiles)]
     if c["twin"] is not None:  # the same case under other settings that keep the summation order: the same bits
         twin = run_route(t, c["k"], settings_of(c["twin"]))
         r["twin_bit_equal"] = all(torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
@@ -293,10 +261,6 @@ def check_values(c: dict, r: dict) -> None:
         assert r["twin_bit_equal"], f"{c['name']}: settings {c['twin']} changed the bits"
     if c["warm"]:
         assert r["warm_bit_equal"], f"{c['name']}: warming the chosen experts' slabs changed the bits"
-    if c["tiles"]:
-        assert r["tiles_routing_bit_equal"], f"{c['name']}: writing the operand tiles changed the routing's bits"
-        assert r["tiles_bit_equal"] == [True, True], \
-            f"{c['name']}: operand tiles (fp16, 2^-s) differ from f16_rows_tiles_ref: {r['tiles_bit_equal']}"
 
 
 def _check(c: dict, r: dict) -> None:
@@ -306,8 +270,6 @@ def _check(c: dict, r: dict) -> None:
     if c["broken"] == "ties_high":
         assert r["tie_slots"] > 0, "no tie for the broken tie rule to get wrong"
         caught_by = "top k of the kernel's own scores"
-    elif c["broken"] == "tiles_unscaled":
-        caught_by = "operand tiles"
     else:
         assert r["splits"] >= 2, "one split: nothing to drop"
         caught_by = "off the exact ones"
