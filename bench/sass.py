@@ -292,26 +292,20 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
                    LIVE_COUNT=False, BLOCK_M=ms.block_m, BF16=True, DOT_F32=False, INTERP=False, PDL=True)
     line_elems, lines = prefetch_lines(I, 1)
     early = dict(PREFETCH=ms.down_prefetch, LINE_ELEMS=line_elems, LINES=lines)  # Down's weight tile before its wait
-    step = mo.gate_up_k((B0, B1), ms)  # Gate/Up's K step, the fp16 operand tiles' width
+    step = mo.gate_up_k((B0, B1), ms)  # Gate/Up's K step
     for suffix, shp in (("", s), ("_odd", odd)):
         o = shp.inter_offset
         gs_rows, ds_cols = -(-(I + o) // B0), -(-(I + o) // B1)
         out["moe_gate_up" + suffix] = _launch(
             mo._gate_up_kernel,
             dict(b_ptr="*bf16", g_ptr="*fp8e4nv", gs_ptr="*fp32", u_ptr="*fp8e4nv", us_ptr="*fp32",
-                 experts_ptr="*i64", live_ptr="*u8", h_ptr="*fp32", part_ptr="*fp32", lock_ptr="*i32",
-                 down_ptr="*fp32"),
+                 experts_ptr="*i64", live_ptr="*u8", h_ptr="*fp32", part_ptr="*fp32", lock_ptr="*i32"),
             dict(R=R, H=H, I=I, stride_b=H, gs_e=gs_rows * (H // B1), gs_r=H // B1, us_e=gs_rows * (H // B1),
-                 us_r=H // B1, k_per=mo._split_width(H, (B0, B1), ms), stride_down=H // step), (),
+                 us_r=H // B1, k_per=mo._split_width(H, (B0, B1), ms)), (),
             dict(G_OFF0=o, G_OFF1=0, U_OFF0=o, U_OFF1=0, B0=B0, B1=B1, **routing, PAIR_MAJOR=ms.pair_major,
                  SCALE_PRODUCT=ms.gate_up_scale == "product", SPLIT=ms.gate_up_split, BLOCK_N=ms.gate_up_block_n,
                  BLOCK_K=step), ms.warps, ms.gate_up_stages,
             f"MoE Gate/Up, [{I} x {H}] E4M3 an expert starting {o} rows into its scale block")
-        if not suffix:  # MoESettings.f16_input: b as fp16 operand tiles with 2^-s a row and K step
-            gu = out["moe_gate_up"]
-            out["moe_gate_up_f16"] = dataclasses.replace(
-                gu, types={**gu.types, "b_ptr": "*fp16"}, constexprs={**gu.constexprs, "F16_INPUT": True},
-                note=gu.note + ", b as fp16 operand tiles")
         out["moe_down" + suffix] = _launch(
             mo._down_kernel,
             dict(h_ptr="*fp32", d_ptr="*fp8e4nv", ds_ptr="*fp32", experts_ptr="*i64", live_ptr="*u8", y_ptr="*fp32"),

@@ -91,8 +91,6 @@ GRIDS: dict[str, tuple[dict, ...]] = {
             # bits)
             {"gate_up_split": 1}, {"gate_up_split": 2}, {"gate_up_split": 8}, {"gate_up_scale": "weight"},
             {"gate_up_split": 8, "gate_up_scale": "weight"},
-            # b as fp16 operand tiles: one conversion instruction a weight pair, not four (the product form's bits)
-            {"f16_input": True},
             # Down's scales on each step's product, not on every weight element (a numerical change)
             {"down_scale": "product"},
             {"gate_up_stages": 4}, {"gate_up_stages": 6}, {"gate_up_stages": 8},

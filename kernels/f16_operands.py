@@ -4,12 +4,13 @@ operands").
 Why: at decode the retired MoE kernel's Gate/Up and Down were weight streams whose cost on an H200 was the conversion
 of every E4M3 weight for the tensor cores, not the bytes (ncu: 34% of DRAM bandwidth, the conversion's F2F and PRMT
 30% of Gate/Up's instructions). The FP8 linears, whose tiles are narrow and latency-bound, were slower this way (the
-row scale costs them more than the conversion saves: docs/PERF.md). The published model's Gate/Up reads these tiles
-under `MoESettings.f16_input` (kernels/moe.py; off by default, a candidate not yet timed), where its product form
-takes each E4M3 tile exactly; `bf16_grid` (the interpreter's round-to-nearest-even) serves the MoE and the norms.
-E4M3 -> fp16 is one instruction per two weights (`cvt.rn.f16x2.e4m3x2`) and exact; E4M3 -> bf16 goes through fp16
-and then one conversion per weight. The other operand must then be fp16 too, and a bf16 value is not always an fp16
-one (fp16 has 3 more mantissa bits but 3 fewer exponent bits).
+row scale costs them more than the conversion saves: docs/PERF.md). The published model's MoE kernel (kernels/moe.py)
+does not use it either: it multiplies by weights dequantized to bf16 (scale applied per element, as the torch form
+holds them), which are not E4M3 values. No engine path reads these operands today; `bf16_grid` (the interpreter's
+round-to-nearest-even) serves the MoE and the norms. E4M3 -> fp16 is one instruction per two weights
+(`cvt.rn.f16x2.e4m3x2`) and exact; E4M3 -> bf16 goes through fp16 and then one conversion per weight. The other
+operand must then be fp16 too, and a bf16 value is not always an fp16 one (fp16 has 3 more mantissa bits but 3
+fewer exponent bits).
 
 How: each row r of a K tile is multiplied by a power of two 2^s_r chosen from the row's largest |x| (put in
 [2^14, 2^15)). Multiplying by a power of two is exact, and a bf16 value v (8 significant bits) is exact in

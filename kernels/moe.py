@@ -66,7 +66,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .device import is_pow2
-from .f16_operands import bf16_grid, f16_rows_tiles
+from .f16_operands import bf16_grid
 from . import fp8_linear as fl, rmsnorm
 from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
@@ -157,14 +157,6 @@ class MoESettings:
     # in every (tile, split) group behind the padding and shared pairs' programs. The same items, so the same bits;
     # the round 0.9736x paired at the decode routing, 0.9919x at 38 experts (docs/PERF.md, "Current state")
     pair_major: bool = True
-    # Gate/Up's b as fp16 operand tiles (kernels/f16_operands.py: each row's K step scaled by a power of two into
-    # fp16, with 2^-s beside it), written by the router's first launch (`gate_up(tiles=...)`; or made by a launch of
-    # their own before Gate/Up where no router kernel ran): E4M3 -> fp16 is one instruction a pair where
-    # E4M3 -> bf16 is four, and 2^-s on the step's product gives the product form's bits (every element within 2^31
-    # of its tile's largest is exact; a smaller one rounds: in principle a numerical change). Product form only. A
-    # candidate: the K step 303 -> 219 instructions a warp (`iquest bench sass --kernels moe_gate_up,
-    # moe_gate_up_f16`), not yet timed (docs/PERF.md, "Open directions")
-    f16_input: bool = False
     # Where Down applies its block scales, as `gate_up_scale` for Gate/Up: "product" takes each E4M3 tile exactly into
     # the step's dot and multiplies the fp32 product by each row's scale (a step whose I_r columns straddle two scale
     # blocks, a shard starting inside one, is two dots, one a block). A numerical change and a candidate: Down's
@@ -239,16 +231,12 @@ def _dequant(q_ptrs, scales, ok, BF16: tl.constexpr, INTERP: tl.constexpr):
 
 @triton.jit
 def _scaled_dot(a, q_ptrs, s_ptr, n, k0, n_ok, ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr,
-                B1: tl.constexpr, stride_r, BF16: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr = False):
-    """`gate_up_scale="product"`: a [M, K] @ (E4M3 tile [N, K])^T, the tile taken exactly (every E4M3 value is a bf16,
-    an fp16 and an fp32), in fp32, each column n then multiplied by its row's scale (the tile's columns lie in one
-    block). F16: `a` is fp16 operand tiles (`MoESettings.f16_input`), and E4M3 -> fp16 is one instruction a pair."""
-    q = tl.load(q_ptrs, mask=ok, other=0.0)
-    if F16 and not DOT_F32:
-        d = tl.dot(a, tl.trans(q.to(tl.float16)))
-    else:
-        d = _dot(a, q.to(tl.float32), BF16, DOT_F32)
-    return d * _row_scales(s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1, stride_r)[None, :]
+                B1: tl.constexpr, stride_r, BF16: tl.constexpr, DOT_F32: tl.constexpr):
+    """`gate_up_scale="product"` (and `down_scale`): a [M, K] @ (E4M3 tile [N, K])^T, the tile taken exactly (every
+    E4M3 value is a bf16 and an fp32), in fp32, each column n then multiplied by its row's scale (the tile's columns
+    lie in one block)."""
+    w = tl.load(q_ptrs, mask=ok, other=0.0).to(tl.float32)
+    return _dot(a, w, BF16, DOT_F32) * _row_scales(s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1, stride_r)[None, :]
 
 
 @triton.jit
@@ -271,18 +259,12 @@ def _block_dots(a, q_ptrs, s_ptr, n, k0, K, n_ok, ok, OFF0: tl.constexpr, OFF1: 
 
 
 @triton.jit
-def _tile_down(down_ptr, rows, k0, m_ok, stride_down, BLOCK_K: tl.constexpr):
-    """2^-s of each row's fp16 operand tile at the K step from k0 (kernels/f16_operands.py `f16_rows_tiles`)."""
-    return tl.load(down_ptr + rows * stride_down + k0 // BLOCK_K, mask=m_ok, other=0.0)
-
-
-@triton.jit
 def _dot(a, w, BF16: tl.constexpr, DOT_F32: tl.constexpr):
     """a [M, K] @ w [N, K]^T in fp32: bf16 operands on the tensor cores (exact: the values are bf16), fp32 ones
     (IEEE, no tf32) for fp32 compute and under the interpreter."""
     if BF16 and not DOT_F32:
         return tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-    return tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
+    return tl.dot(a, tl.trans(w), input_precision="ieee")
 
 
 @triton.jit
@@ -329,15 +311,14 @@ def _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl
 
 @triton.jit
 def _gate_up_kernel(
-    b_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, h_ptr, part_ptr, lock_ptr, down_ptr,
-    R, H, I, stride_b, gs_e, gs_r, us_e, us_r, k_per, stride_down,
+    b_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, experts_ptr, live_ptr, h_ptr, part_ptr, lock_ptr,
+    R, H, I, stride_b, gs_e, gs_r, us_e, us_r, k_per,
     G_OFF0: tl.constexpr, G_OFF1: tl.constexpr, U_OFF0: tl.constexpr, U_OFF1: tl.constexpr,
     B0: tl.constexpr, B1: tl.constexpr,
     K_TOP: tl.constexpr, K_PAD: tl.constexpr, P_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     SCALE_PRODUCT: tl.constexpr = False, SPLIT: tl.constexpr = 1, PAIR_MAJOR: tl.constexpr = False,
-    F16_INPUT: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     p, tile, split, tiles = _grid_item(PAIR_MAJOR)
@@ -364,18 +345,12 @@ def _gate_up_kernel(
                 k_ok = kk < H
                 w_ok = n_ok[:, None] & k_ok[None, :]
                 x = tl.load(b_ptr + rows[:, None] * stride_b + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                            other=0.0)
+                            other=0.0).to(tl.float32)
                 if SCALE_PRODUCT:
-                    dg = _scaled_dot(x, g_rows + kk[None, :], gs_ptr + ex * gs_e, n, k0, n_ok, w_ok, G_OFF0, G_OFF1,
-                                     B0, B1, gs_r, BF16, DOT_F32, F16_INPUT)
-                    du = _scaled_dot(x, u_rows + kk[None, :], us_ptr + ex * us_e, n, k0, n_ok, w_ok, U_OFF0, U_OFF1,
-                                     B0, B1, us_r, BF16, DOT_F32, F16_INPUT)
-                    if F16_INPUT:  # the tile's 2^-s a row: exact, so the product rounds as the bf16 tile's did
-                        down = _tile_down(down_ptr, rows, k0, m_ok, stride_down, BLOCK_K)[:, None]
-                        dg = dg * down
-                        du = du * down
-                    acc_g += dg
-                    acc_u += du
+                    acc_g += _scaled_dot(x, g_rows + kk[None, :], gs_ptr + ex * gs_e, n, k0, n_ok, w_ok, G_OFF0,
+                                         G_OFF1, B0, B1, gs_r, BF16, DOT_F32)
+                    acc_u += _scaled_dot(x, u_rows + kk[None, :], us_ptr + ex * us_e, n, k0, n_ok, w_ok, U_OFF0,
+                                         U_OFF1, B0, B1, us_r, BF16, DOT_F32)
                 else:
                     sg = _tile_scales(gs_ptr + ex * gs_e, n, k0, H, n_ok, G_OFF0, G_OFF1, B0, B1, gs_r, BLOCK_N,
                                       BLOCK_K)
@@ -764,12 +739,6 @@ def gate_up_columns(H: int, block: tuple[int, int], settings: MoESettings = MoES
     return [(lo, min(H, lo + per)) for lo in range(0, per * settings.gate_up_split, per)]
 
 
-def f16_input_applies(b: torch.Tensor, step: int, settings: MoESettings) -> bool:
-    """Whether Gate/Up reads b as fp16 operand tiles (`MoESettings.f16_input`, product form only): bf16 rows whose K
-    steps tile H (fp32 rows are not fp16 values after any power of two)."""
-    return settings.f16_input and b.dtype == torch.bfloat16 and b.is_contiguous() and b.shape[1] % step == 0
-
-
 def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: ExpertWeights, up: ExpertWeights, *,
             settings: MoESettings = MoESettings(), locks: torch.Tensor | None = None,
             pdl: bool = False) -> ExpertHidden:
@@ -802,17 +771,13 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
                and locks.is_contiguous() and locks.device == dev,
                f"locks must be {n_locks} contiguous zeroed int32 counters on {dev}")
         parts = torch.empty((s.gate_up_split, 2, R * k, I), dtype=torch.float32, device=dev)  # each read one written
-    x, down = b, hidden  # down: read only under F16_INPUT
-    f16 = f16_input_applies(b, step, s)
-    if f16:
-        x, down = f16_rows_tiles(b, step)
     _gate_up_kernel[_grid(R * k, triton.cdiv(I, s.gate_up_block_n), s.gate_up_split, s.pair_major)](
-        x, gate.q, gate.scale, up.q, up.scale, experts, live_arg, hidden, parts, locks if locks is not None else parts,
-        down, R, H, I, x.stride(0), gate.scale.stride(0), gate.scale.stride(1), up.scale.stride(0),
-        up.scale.stride(1), _split_width(H, gate.block, s), down.stride(0),
+        b, gate.q, gate.scale, up.q, up.scale, experts, live_arg, hidden, parts, locks if locks is not None else parts,
+        R, H, I, b.stride(0), gate.scale.stride(0), gate.scale.stride(1), up.scale.stride(0), up.scale.stride(1),
+        _split_width(H, gate.block, s),
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
         **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=step, **_math(h),
-        INTERP=INTERPRETED, SCALE_PRODUCT=product, SPLIT=s.gate_up_split, PAIR_MAJOR=s.pair_major, F16_INPUT=f16,
+        INTERP=INTERPRETED, SCALE_PRODUCT=product, SPLIT=s.gate_up_split, PAIR_MAJOR=s.pair_major,
         **_streams(h, s, s.gate_up_stages),
         **launch_options(pdl, dev))
     return h
@@ -1001,8 +966,6 @@ def _check_settings(s: MoESettings) -> None:
     _check(isinstance(s.pair_major, bool), f"settings.pair_major must be a bool, got {s.pair_major!r}")
     _check(s.down_scale in ("weight", "product"),
            f"settings.down_scale must be 'weight' or 'product', got {s.down_scale!r}")
-    _check(isinstance(s.f16_input, bool) and (not s.f16_input or s.gate_up_scale == "product"),
-           f"settings.f16_input must be a bool, and True only with gate_up_scale 'product', got {s.f16_input!r}")
 
 
 # ---- the torch form --------------------------------------------------------------------------------

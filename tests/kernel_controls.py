@@ -122,12 +122,6 @@ def grid_item_last_tile_dropped(PAIR_MAJOR: tl.constexpr):
 
 
 _IGNORING_LIVE = {"_expert_owner": owner_ignoring_live, "_expert_rows": rows_ignoring_live}
-@triton.jit
-def tile_down_ignored(down_ptr, rows, k0, m_ok, stride_down, BLOCK_K: tl.constexpr):
-    """Gate/Up's fp16 operand tiles taken without their 2^-s: every product 2^s too large."""
-    return tl.where(m_ok, 1.0, 0.0)
-
-
 MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_offset},
                           "_down_kernel": {"_down_tiles": substitute(moe._down_tiles,
                                                                      _tile_scales=scales_without_offset)}},
@@ -143,7 +137,6 @@ MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_off
                moe._scaled_dot, _row_scales=row_scales_without_offset)))}},
        "pair_major_last_tile_dropped": {"_gate_up_kernel": {"_grid_item": grid_item_last_tile_dropped},
                                         "_down_kernel": {"_grid_item": grid_item_last_tile_dropped}},
-       "f16_shift_ignored": {"_gate_up_kernel": {"_tile_down": tile_down_ignored}},
        "weights_not_applied": {"_combine_kernel": {"weighted_sum": sum_without_weights}},
        "tail_weights_not_applied": {"_combine_add_norm_kernel": {
            "_row_tail": substitute(moe._row_tail, weighted_sum=sum_without_weights)}}}

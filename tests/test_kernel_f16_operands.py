@@ -1,6 +1,5 @@
-"""kernels/f16_operands.py: bf16 rows scaled by powers of two into exact fp16 tensor-core operands (Gate/Up reads
-them under kernels/moe.py `MoESettings.f16_input`, its cases in tests/test_kernel_moe.py; docs/PERF.md, "fp16
-operands").
+"""kernels/f16_operands.py: bf16 rows scaled by powers of two into exact fp16 tensor-core operands (no kernel of the
+published model's path reads them today: docs/PERF.md, "fp16 operands").
 
 CPU (the interpreter worker, and plain torch):
 - the kernel's conversion is bit-identical to `f16_rows_tiles_ref` on rows of every magnitude class: ordinary

@@ -28,8 +28,6 @@ summed by the last to arrive) against moe_torch's forms of the same arithmetic; 
 weight form (the branch ran), and a split's counters must be left zeroed, and left off zero when they start so.
 Down's product form (MoESettings.down_scale "product") the same way, its steps inside one scale block and straddling
 two; negative control: a straddling shard's scales read as if it started on a block boundary.
-b as fp16 operand tiles (MoESettings.f16_input): the tiles made once a call (never without it), the product form's
-bits; negative control: the tiles' 2^-s not applied.
 GPU (`pytest.mark.gpu`, run on a device later): one TP8 rank at full size (256 experts, H 3072, 192-row shards at
 offsets 0 and 64, 128 x 128 blocks), 8 rows with 38 and 13 distinct experts, bf16 (and the two forms at 4 splits),
 and graph replay bit-identical;
@@ -61,7 +59,7 @@ TOL = {"fp32": 1e-5, "bf16": 2.0 ** -7}
 GPU_TOL = {"fp32": 1e-5, "bf16": 2.0 ** -6}
 
 BASE = dict(R=8, k=4, E=8, H=128, I=48, block=(128, 128), offset=0, dtype="fp32", live="all", pattern="random",
-            seed=0, scale="weight", split=1, pair_major=True, grid_twin=False, f16=False, down="weight")
+            seed=0, scale="weight", split=1, pair_major=True, grid_twin=False, down="weight")
 
 
 def case(name: str, **kw) -> dict:
@@ -115,11 +113,6 @@ CASES = [
     case("down_product_straddle_r3_off96_fp32", R=3, I=96, offset=96, down="product"),
     case("down_product_straddle_mini_tp2_rank1_off16_bf16", I=48, offset=16, live="mask", **MINI, dtype="bf16",
          scale="product", split=2, down="product"),
-    # b as fp16 operand tiles (MoESettings.f16_input) against the product form on bf16 b: the same bits; 2 K tiles
-    # in 2 splits with padding rows, and the mini model's 32-column steps at a TP8 rank's offset
-    case("f16_split2_off80_bf16", live="mask", offset=80, H=256, dtype="bf16", scale="product", split=2, f16=True),
-    case("f16_mini_tp8_rank5_off28_bf16", I=12, offset=28, live="mask", **MINI, dtype="bf16", scale="product",
-         f16=True),
 ]
 # Each must fail the checks of run_case (a control that passed would show the checks blind).
 CONTROLS = [
@@ -131,8 +124,6 @@ CONTROLS = [
     case("neg_tail_weights_not_applied", control="tail_weights_not_applied", caught="fused tail"),
     case("neg_down_product_offset_ignored", I=96, offset=96, dtype="bf16", down="product",
          control="down_product_offset_ignored", caught="rel err"),
-    case("neg_f16_shift_ignored", H=256, dtype="bf16", scale="product", f16=True, control="f16_shift_ignored",
-         caught="rel err"),
     case("neg_pair_major_last_tile_dropped", H=320, I=96, dtype="bf16", split=2,
          control="pair_major_last_tile_dropped", caught="non-finite output|rel err"),
 ]
@@ -185,7 +176,7 @@ def build(c: dict, device: str) -> dict:
 
 def settings(c: dict) -> mk.MoESettings:
     return mk.MoESettings(gate_up_scale=c["scale"], gate_up_split=c["split"], pair_major=c["pair_major"],
-                          f16_input=c["f16"], down_scale=c["down"])
+                          down_scale=c["down"])
 
 
 def call(t: dict, **kw) -> torch.Tensor:
@@ -195,18 +186,16 @@ def call(t: dict, **kw) -> torch.Tensor:
     return got
 
 
-def call_with_outputs(t: dict, s: mk.MoESettings) -> tuple[torch.Tensor, mk.ExpertOutputs, int]:
-    """`call`, the expert outputs that `moe` combined into it (the fused tail's input, from the same launches: Gate/Up
-    and Down are the interpreter's most expensive; a second run would give the same bits), and how many times the
-    call made fp16 operand tiles (MoESettings.f16_input: once, or never)."""
-    outputs, tiles_made, combine, tiles = [], [], mk.combine, mk.f16_rows_tiles
+def call_with_outputs(t: dict, s: mk.MoESettings) -> tuple[torch.Tensor, mk.ExpertOutputs]:
+    """`call` and the expert outputs that `moe` combined into it (the fused tail's input, from the same launches:
+    Gate/Up and Down are the interpreter's most expensive; a second run would give the same bits)."""
+    outputs, combine = [], mk.combine
     mk.combine = lambda o, **kw: outputs.append(o) or combine(o, **kw)
-    mk.f16_rows_tiles = lambda x, step: tiles_made.append(step) or tiles(x, step)
     try:
         got = call(t, settings=s)
     finally:
-        mk.combine, mk.f16_rows_tiles = combine, tiles
-    return got, outputs[0], len(tiles_made)
+        mk.combine = combine
+    return got, outputs[0]
 
 
 def tail_equal(c: dict, t: dict, got: torch.Tensor, outputs: mk.ExpertOutputs) -> bool:
@@ -255,13 +244,11 @@ def bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
 def form_checks(c: dict, t: dict, got: torch.Tensor) -> dict:
     """What shows that a numerical form (MoESettings.gate_up_scale, gate_up_split) ran as asked."""
     res = {}
-    if (c["scale"] != "weight" and not c["f16"]) or c["down"] != "weight":  # the form ran: not the weight form's
-        weight_form = settings(dict(c, scale="weight", f16=False, down="weight"))
+    if c["scale"] != "weight" or c["down"] != "weight":  # the form ran: its outputs are not the weight form's
+        weight_form = settings(dict(c, scale="weight", down="weight"))
         res["differs_from_weight_form"] = not torch.equal(got, call(t, settings=weight_form))
     if c["grid_twin"]:  # the other grid order, the same bits
         res["grid_twin_equal"] = torch.equal(got, call(t, settings=settings(dict(c, pair_major=not c["pair_major"]))))
-    if c["f16"]:  # the fp16 operand tiles gave the product form's bits
-        res["f16_equal"] = torch.equal(got, call(t, settings=settings(dict(c, f16=False))))
     if c["split"] > 1:
         # the counters left zeroed, call after call; and counters that start off zero (one arrival counted before
         # the call) are left off zero: the split's arrivals ran and decide who sums
@@ -277,8 +264,8 @@ def form_checks(c: dict, t: dict, got: torch.Tensor) -> dict:
 def run_case(c: dict, device: str) -> dict:
     t = build(c, device)
     with substituted(mk, MOE_CONTROLS.get(c.get("control"), {})):
-        got, outputs, made = call_with_outputs(t, settings(c))
-        res = dict(form_checks(c, t, got), f16_tiles_made=made)
+        got, outputs = call_with_outputs(t, settings(c))
+        res = form_checks(c, t, got)
         if c["pattern"] == "poison":
             bad, n = poisoned(t)
             again = call(bad, settings=settings(c))
@@ -305,12 +292,9 @@ def check(c: dict, r: dict, tol: dict = TOL) -> None:
     if c["pattern"] == "poison":
         assert r["poisoned_experts"] > 0
         assert r["poison_finite_equal"], "a padding row's expert weights or routing weights were read"
-    if (c["scale"] != "weight" and not c["f16"]) or c["down"] != "weight":
+    if c["scale"] != "weight" or c["down"] != "weight":
         assert r["differs_from_weight_form"], \
             f"gate_up_scale {c['scale']!r}, down_scale {c['down']!r} gave the weight form's bits"
-    assert r["f16_tiles_made"] == int(c["f16"]), f"fp16 operand tiles made {r['f16_tiles_made']} times"
-    if c["f16"]:
-        assert r["f16_equal"], "the fp16 operand tiles gave other bits than the product form"
     if c["grid_twin"]:
         assert r["grid_twin_equal"], "the pair-major grid gave other bits than the three-axis grid"
     if c["split"] > 1:
@@ -598,9 +582,6 @@ GPU_CASES = [full_case(o, d) for o in (0, 64) for d in (38, 13)] + [full_case(64
 # the tune's numerical forms at full size (MoESettings.gate_up_split and gate_up_scale), against their torch form
 GPU_CASES += [dict(full_case(64, 38), name="gpu_full_off64_d38_split4", split=4),
               dict(full_case(0, 13), name="gpu_full_off0_d13_split4_product", split=4, scale="product")]
-# b as fp16 operand tiles (MoESettings.f16_input): the product form's bits on the tensor cores too
-GPU_CASES += [dict(full_case(o, d), name=f"gpu_full_off{o}_d{d}_split4_product_f16", split=4, scale="product",
-                   f16=True) for o, d in ((0, 13), (64, 38))]
 # Down's product form (MoESettings.down_scale) at both offsets, with Gate/Up's default forms: its 64-column steps
 # inside one scale block (the TP 8 shards' offsets 0 and 64)
 GPU_CASES += [dict(full_case(o, d), name=f"gpu_full_off{o}_d{d}_split4_product_down_product", split=4,
@@ -614,10 +595,10 @@ GPU_CASES += [dict(full_case(o, d, live), name=f"gpu_full_off{o}_d{d}_{live}_spl
 @pytest.mark.parametrize("c", GPU_CASES, ids=[c["name"] for c in GPU_CASES])
 def test_gpu_full_rank(c):
     t = distinct_routing(build(c, "cuda"), c)
-    got, outputs, made = call_with_outputs(t, settings(c))
+    got, outputs = call_with_outputs(t, settings(c))
     ref = mk.moe_torch(t["b"], t["experts"], t["weights"], t["gate"], t["up"], t["down"], settings(c))
     live = t["mask"]
-    r = dict(finite=bool(torch.isfinite(got).all()), pad_zero=bool((got[~live] == 0).all()), f16_tiles_made=made,
+    r = dict(finite=bool(torch.isfinite(got).all()), pad_zero=bool((got[~live] == 0).all()),
              rel_err=(got[live] - ref[live]).abs().max().item() / ref[live].abs().max().item(),
              bit_equal=(got[live] == ref[live]).double().mean().item(), bf16_ulps=bf16_ulps(got[live], ref[live]),
              tail_equal=tail_equal(c, t, got, outputs), **form_checks(c, t, got))
