@@ -4,10 +4,10 @@ operands").
 Why: at decode the retired MoE kernel's Gate/Up and Down were weight streams whose cost on an H200 was the conversion
 of every E4M3 weight for the tensor cores, not the bytes (ncu: 34% of DRAM bandwidth, the conversion's F2F and PRMT
 30% of Gate/Up's instructions). The FP8 linears, whose tiles are narrow and latency-bound, were slower this way (the
-row scale costs them more than the conversion saves: docs/PERF.md). The published model's MoE kernel (kernels/moe.py)
-does not use it either: it multiplies by weights dequantized to bf16 (scale applied per element, as the torch form
-holds them), which are not E4M3 values. No engine path reads these operands today; `bf16_grid` (the interpreter's
-round-to-nearest-even) serves the MoE and the norms. E4M3 -> fp16 is one instruction per two weights
+row scale costs them more than the conversion saves: docs/PERF.md). Nor does the published model's Gate/Up read them:
+on its product form they cut its K step's instructions by a quarter but not the round's time, and its registers cost
+time at 38 experts (docs/PERF.md, "Decisions rejected"). No engine path reads these operands today; `bf16_grid` (the
+interpreter's round-to-nearest-even) serves the MoE and the norms. E4M3 -> fp16 is one instruction per two weights
 (`cvt.rn.f16x2.e4m3x2`) and exact; E4M3 -> bf16 goes through fp16 and then one conversion per weight. The other
 operand must then be fp16 too, and a bf16 value is not always an fp16 one (fp16 has 3 more mantissa bits but 3
 fewer exponent bits).
@@ -86,33 +86,6 @@ def f16_rows_tiles(x: torch.Tensor, block_k: int = 128) -> tuple[torch.Tensor, t
     d = torch.empty((M, K // block_k), dtype=torch.float32, device=x.device)
     _f16_rows_kernel[(triton.cdiv(M, 16), K // block_k)](x, y, d, M, K, BLOCK_M=16, BLOCK_K=block_k)
     return y, d
-
-
-def empty_tiles(rows: int, cols: int, tile: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Buffers for the operand tiles of a [rows, cols] input: (fp16 [rows, cols], 2^-s fp32 [rows, cols / tile])."""
-    return (torch.empty((rows, cols), dtype=torch.float16, device=device),
-            torch.empty((rows, cols // tile), dtype=torch.float32, device=device))
-
-
-def tile_width(tiles, rows: int, cols: int, device, what: str) -> int:
-    """The tile width t of operand tiles (fp16 [rows, cols], 2^-s fp32 [rows, cols / t]), as the norm writes them
-    (`f16_out`) and Gate/Up reads them (`f16_input`): a power of two dividing cols. ValueError naming `what`."""
-    def check(cond: bool, message: str) -> None:
-        if not cond:
-            raise ValueError(what + message)
-
-    check(isinstance(tiles, tuple) and len(tiles) == 2, " must be a pair (fp16 [R, H], fp32 [R, H / t])")
-    x16, down = tiles
-    check(x16.dtype == torch.float16 and tuple(x16.shape) == (rows, cols) and x16.stride(1) == 1,
-          f"[0] must be fp16 [{rows}, {cols}] with unit stride, got {x16.dtype} {tuple(x16.shape)}")
-    n = down.shape[1] if down.dim() == 2 else 0
-    tile = cols // n if n else 0
-    check(down.dtype == torch.float32 and down.dim() == 2 and down.shape[0] == rows and down.stride(1) == 1
-          and tile * n == cols and tile >= 2 and tile & (tile - 1) == 0,
-          f"[1] must be fp32 [{rows}, H / t] for a power-of-two tile t dividing H = {cols}, got "
-          f"{down.dtype} {tuple(down.shape)}")
-    check(x16.device == down.device == device, f" is not on {device}")
-    return tile
 
 
 def f16_rows_tiles_ref(x: torch.Tensor, block_k: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
