@@ -40,8 +40,8 @@
 #             process at 512K: two engines there need an H200's memory (an H100 ran out at c29c1b3)
 #   step2     the sliding layers' one K/V tile in flight and the top-k's 1024 tile against the two and 2048 before them
 #             (same bits; with full layers' two, since back at three, 0.9903x paired at 61d6ab7)
-#   downprod  Down's scales on the step's product (MoESettings.down_scale: K step 333 -> 278 instructions): its GPU
-#             cases, then the round paired at 1K (with an A' arm) and at 38 experts
+#   downprod  Down's scales on the step's product (MoESettings.down_scale: K step 333 -> 278 instructions), alone
+#             and capped at 128 registers (down_registers): its GPU cases, then the round paired at 1K and 38 experts
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
 #   candidate a numerical candidate (CANDIDATE="OP.FIELD=VALUE ...", e.g. attention_full.min_split=128):
 #             qualification at TP 1 with it, the round paired against the defaults at 1K, then its context sweep, in
@@ -167,8 +167,10 @@ case "${1:-}" in
     timeout 150 bash "$here/gpu.sh" tests -vv -k "down_product" tests/test_kernel_moe.py \
       > "$out/gpu-tests-downprod-$sha.log" 2>&1 || echo "gpu tests: exit $?" >&2
     tail -3 "$out/gpu-tests-downprod-$sha.log"
-    for arm in "ctx1k:triton,triton@moe.down_scale=product,triton'" \
-               "route38:triton~route:38,triton~route:38@moe.down_scale=product"; do
+    # each also with the form at 128 registers (MoESettings.down_registers), as many as the weight form's
+    form=@moe.down_scale=product
+    for arm in "ctx1k:triton,triton$form,triton$form@moe.down_registers=128" \
+               "route38:triton~route:38,triton~route:38$form,triton~route:38$form@moe.down_registers=128"; do
       timeout 200 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
         --kernels "${arm#*:}" --out "$out/step-downprod-${arm%%:*}-d5-$sha.json" \
         > "$out/step-downprod-${arm%%:*}-d5-$sha.log" 2>&1 || echo "bench step ${arm%%:*}: exit $?" >&2

@@ -163,6 +163,10 @@ class MoESettings:
     # compiled K step drops its per-element multiply, 333 -> 278 instructions a warp (docs/PERF.md, "Open
     # directions"); not yet timed or qualified
     down_scale: str = "weight"
+    # A register cap for Down's launches (Triton's `maxnreg`; None: the compiler's choice). The same code and bits:
+    # the product form compiles to 142 registers, and to 128 with no spill under a cap of 128, as many as the weight
+    # form's (`iquest bench sass`), which may keep more Down programs on an SM beside Gate/Up's (docs/PERF.md)
+    down_registers: int | None = None
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -798,7 +802,7 @@ def _down(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, setting
     _down_kernel[_grid(*_down_grid(h, settings), 1, settings.pair_major)](
         h.hidden, down_w.q, down_w.scale, h.experts, h.live, y, h.rows, h.H, h.hidden.shape[1],
         down_w.scale.stride(0), down_w.scale.stride(1), **_down_constexprs(h, down_w, settings, down_k, pdl),
-        PAIR_MAJOR=settings.pair_major, **_streams(h, settings), **launch_options(pdl, y.device))
+        PAIR_MAJOR=settings.pair_major, **_down_launch(h, settings), **launch_options(pdl, y.device))
     return ExpertOutputs(y, weights, h.live, h.count, h.dtype)
 
 
@@ -873,7 +877,8 @@ def down_add_norm(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights,
         next_norm if y_norm is None else y_norm, next_norm, sum_, h_out, b, R, H, h.hidden.shape[1],
         down_w.scale.stride(0), down_w.scale.stride(1), float(eps), scale, residual.stride(0), sum_.stride(0),
         h_out.stride(0), b.stride(0), **_down_constexprs(h, down_w, s, down_k, pdl), BLOCK_H=triton.next_power_of_2(H),
-        Y_NORM=y_norm is not None, SCALED=scale != 1.0, **dict(_streams(h, s), **build), **launch_options(pdl, dev))
+        Y_NORM=y_norm is not None, SCALED=scale != 1.0, **dict(_down_launch(h, s), **build),
+        **launch_options(pdl, dev))
     return sum_, h_out, b
 
 
@@ -890,6 +895,11 @@ def _math(h: ExpertHidden) -> dict:
 def _streams(h: ExpertHidden, s: MoESettings, stages: int | None = None) -> dict:
     # fp32 tiles are twice bf16's: three stages of them overrun a Hopper SM's 227 KB of shared memory
     return dict(num_warps=s.warps, num_stages=(stages or s.stages) if h.dtype == torch.bfloat16 else 1)
+
+
+def _down_launch(h: ExpertHidden, s: MoESettings) -> dict:
+    """Down's warps and stages, and its register cap where set (`MoESettings.down_registers`)."""
+    return dict(_streams(h, s), **({"maxnreg": s.down_registers} if s.down_registers is not None else {}))
 
 
 def _check_weights(weights: torch.Tensor, R: int, k: int) -> None:
@@ -964,6 +974,9 @@ def _check_settings(s: MoESettings) -> None:
     _check(isinstance(s.gate_up_split, int) and 1 <= s.gate_up_split <= 16,
            f"settings.gate_up_split must be an int from 1 to 16, got {s.gate_up_split!r}")
     _check(isinstance(s.pair_major, bool), f"settings.pair_major must be a bool, got {s.pair_major!r}")
+    _check(s.down_registers is None or (isinstance(s.down_registers, int) and not isinstance(s.down_registers, bool)
+                                        and 24 <= s.down_registers <= 255 and s.down_registers % 8 == 0),
+           f"settings.down_registers must be None or a multiple of 8 from 24 to 255, got {s.down_registers!r}")
     _check(s.down_scale in ("weight", "product"),
            f"settings.down_scale must be 'weight' or 'product', got {s.down_scale!r}")
 

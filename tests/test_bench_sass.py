@@ -210,6 +210,22 @@ def test_gate_ups_product_form_drops_the_per_element_multiply():
         assert p["instructions"] < w["instructions"], (w, p)
 
 
+def test_downs_product_form_drops_the_multiply_and_fits_128_registers_under_a_cap():
+    """MoESettings.down_scale="product": Down's K loop without the weight form's 64 FMUL a thread, shorter; it takes
+    142 registers on its own, and under MoESettings.down_registers=128 (Triton's maxnreg) the same K loop in 128,
+    spill-free."""
+    spec = _published_specs()["moe_down"]
+    cap = mo.MoESettings(down_registers=128).down_registers
+    weight = sass.report(_compiled("moe_down"))
+    product = sass.report(sass.compile_spec(spec, SCALE_PRODUCT=True))
+    capped = sass.report(sass.compile_spec(dataclasses.replace(spec, options={**spec.options, "maxnreg": cap}),
+                                           SCALE_PRODUCT=True))
+    w, p, c = weight["dot_loop"], product["dot_loop"], capped["dot_loop"]
+    assert w["mix"].get("FMUL", 0) >= 64 and p["mix"].get("FMUL", 0) == 0 and p["instructions"] < w["instructions"]
+    assert product["registers"] > cap, product  # what the cap is for
+    assert capped["registers"] <= cap and capped["stack_bytes"] == 0 and c["instructions"] == p["instructions"], c
+
+
 def test_an_odd_ranks_expert_shard_reads_one_scale_a_row():
     """At TP8 an odd rank's 192 rows start 64 into a 128-row scale block: Gate/Up's K steps and Down's 64-column
     steps still lie inside one scale block each, so the kernels issue the global loads rank 0's do. Negative control:

@@ -385,6 +385,13 @@ def test_settings_are_checked():
     with pytest.raises(ValueError, match="gate_up_scale"):
         mk.moe(t["b"], t["experts"], t["weights"], t["live"], t["gate"], t["up"], t["down"],
                settings=mk.MoESettings(gate_up_scale="tile"))
+    for cap in (100, 16, 256, True):
+        with pytest.raises(ValueError, match="down_registers"):
+            mk.moe(t["b"], t["experts"], t["weights"], t["live"], t["gate"], t["up"], t["down"],
+                   settings=mk.MoESettings(down_registers=cap))
+    with pytest.raises(ValueError, match="down_scale"):
+        mk.moe(t["b"], t["experts"], t["weights"], t["live"], t["gate"], t["up"], t["down"],
+               settings=mk.MoESettings(down_scale="tile"))
     for split in (0, 17, 2.0):
         with pytest.raises(ValueError, match="gate_up_split"):
             mk.moe(t["b"], t["experts"], t["weights"], t["live"], t["gate"], t["up"], t["down"],
