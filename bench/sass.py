@@ -24,6 +24,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -293,6 +294,9 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
     line_elems, lines = prefetch_lines(I, 1)
     early = dict(PREFETCH=ms.down_prefetch, LINE_ELEMS=line_elems, LINES=lines)  # Down's weight tile before its wait
     step = mo.gate_up_k((B0, B1), ms)  # Gate/Up's K step
+    down = dict(BLOCK_N=ms.down_block_n, BLOCK_K=mo.down_k((B0, B1), ms), SCALE_PRODUCT=ms.down_scale == "product")
+    launch = mo.down_launch(torch.bfloat16, ms)  # Down's warps, stages and register cap
+    down_warps, down_stages = launch.pop("num_warps"), launch.pop("num_stages")
     for suffix, shp in (("", s), ("_odd", odd)):
         o = shp.inter_offset
         gs_rows, ds_cols = -(-(I + o) // B0), -(-(I + o) // B1)
@@ -310,9 +314,8 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
             mo._down_kernel,
             dict(h_ptr="*fp32", d_ptr="*fp8e4nv", ds_ptr="*fp32", experts_ptr="*i64", live_ptr="*u8", y_ptr="*fp32"),
             dict(R=R, H=H, I=I, ds_e=(H // B0) * ds_cols, ds_r=ds_cols), (),
-            dict(D_OFF0=0, D_OFF1=o, B0=B0, B1=B1, **routing, PAIR_MAJOR=ms.pair_major, BLOCK_N=ms.down_block_n,
-                 BLOCK_K=min(ms.down_block_k, max(16, B1 & -B1)), **early), ms.warps, ms.stages,
-            f"MoE Down, [{H} x {I}] E4M3 an expert starting {o} columns into its scale block")
+            dict(D_OFF0=0, D_OFF1=o, B0=B0, B1=B1, **routing, PAIR_MAJOR=ms.pair_major, **down, **early), down_warps,
+            down_stages, f"MoE Down, [{H} x {I}] E4M3 an expert starting {o} columns into its scale block", launch)
     o = s.inter_offset
     out["moe_down_add_norm"] = _launch(
         mo._down_add_norm_kernel,
@@ -321,11 +324,10 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
              ho_ptr="*bf16", b_ptr="*bf16"),
         dict(R=R, H=H, I=I, ds_e=(H // B0) * -(-(I + o) // B1), ds_r=-(-(I + o) // B1), stride_r=H, stride_sum=H,
              stride_h=H, stride_b=H), ("eps", "scale"),
-        dict(D_OFF0=0, D_OFF1=o, B0=B0, B1=B1, **routing, BLOCK_N=ms.down_block_n,
-             BLOCK_K=min(ms.down_block_k, max(16, B1 & -B1)), BLOCK_H=block, Y_NORM=False, SCALED=True, **early),
-        ms.warps, ms.stages, f"MoE Down, [{H} x {I}] E4M3 an expert, then a program a row waiting for the owners' "
-                             f"arrivals: the weighted sum of {k} slots and the sandwich tail (TP 1, rank slices)",
-        NO_FMA)
+        dict(D_OFF0=0, D_OFF1=o, B0=B0, B1=B1, **routing, **down, BLOCK_H=block, Y_NORM=False, SCALED=True, **early),
+        down_warps, down_stages, f"MoE Down, [{H} x {I}] E4M3 an expert, then a program a row waiting for the "
+                                 f"owners' arrivals: the weighted sum of {k} slots and the sandwich tail (TP 1, rank "
+                                 f"slices)", {**NO_FMA, **launch})
     out["moe_combine"] = _launch(
         mo._combine_kernel, dict(y_ptr="*fp32", weights_ptr="*fp32", live_ptr="*u8", out_ptr="*fp32"),
         dict(R=R, H=H, stride_o=H), (), dict(K_TOP=k, BLOCK=ms.combine_block, LIVE_COUNT=False, PDL=True), 4, 1,

@@ -51,7 +51,7 @@ but the result does not depend on the order of arrival) and whose grid ends in o
 for every arrival, sums its row's slots and runs the tail, as `combine_add_norm` would on `down`'s outputs
 (`expert_outputs` is `down(gate_up(...))`).
 
-Under the interpreter, roundings to bf16 go through integer ops (f16_operands.bf16_grid), since its own cast
+Under the interpreter, roundings to bf16 go through integer ops (bf16_round.bf16_grid), since its own cast
 truncates; the GPU's cast rounds to nearest even, as torch's does, and is used there.
 """
 
@@ -66,7 +66,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .device import is_pow2
-from .f16_operands import bf16_grid
+from .bf16_round import bf16_grid
 from . import fp8_linear as fl, rmsnorm
 from .launch import launch_options, prefetch_lines, prefetch_rows, wait_for_inputs
 from .moe_route import MAX_PAIRS, check_live, load_live
@@ -731,6 +731,16 @@ def gate_up_k(block: tuple[int, int], settings: MoESettings = MoESettings()) -> 
     return min(settings.gate_up_block_k, max(16, _pow2_divisor(block[1])))
 
 
+def down_k(block: tuple[int, int], settings: MoESettings = MoESettings()) -> int:
+    """Down's K step, as `gate_up_k`'s from `down_block_k`."""
+    return min(settings.down_block_k, max(16, _pow2_divisor(block[1])))
+
+
+def down_launch(dtype: torch.dtype, s: MoESettings) -> dict:
+    """Down's launch: its warps and stages, and its register cap where set (`MoESettings.down_registers`)."""
+    return dict(_streams(dtype, s), **({"maxnreg": s.down_registers} if s.down_registers is not None else {}))
+
+
 def _split_width(H: int, block: tuple[int, int], settings: MoESettings) -> int:
     """The H columns a split walks: whole K steps (the last split's are fewer, or none)."""
     step = gate_up_k(block, settings)
@@ -782,7 +792,7 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
         **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=step, **_math(h),
         INTERP=INTERPRETED, SCALE_PRODUCT=product, SPLIT=s.gate_up_split, PAIR_MAJOR=s.pair_major,
-        **_streams(h, s, s.gate_up_stages),
+        **_streams(h.dtype, s, s.gate_up_stages),
         **launch_options(pdl, dev))
     return h
 
@@ -802,7 +812,7 @@ def _down(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, setting
     _down_kernel[_grid(*_down_grid(h, settings), 1, settings.pair_major)](
         h.hidden, down_w.q, down_w.scale, h.experts, h.live, y, h.rows, h.H, h.hidden.shape[1],
         down_w.scale.stride(0), down_w.scale.stride(1), **_down_constexprs(h, down_w, settings, down_k, pdl),
-        PAIR_MAJOR=settings.pair_major, **_down_launch(h, settings), **launch_options(pdl, y.device))
+        PAIR_MAJOR=settings.pair_major, **down_launch(h.dtype, settings), **launch_options(pdl, y.device))
     return ExpertOutputs(y, weights, h.live, h.count, h.dtype)
 
 
@@ -877,7 +887,7 @@ def down_add_norm(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights,
         next_norm if y_norm is None else y_norm, next_norm, sum_, h_out, b, R, H, h.hidden.shape[1],
         down_w.scale.stride(0), down_w.scale.stride(1), float(eps), scale, residual.stride(0), sum_.stride(0),
         h_out.stride(0), b.stride(0), **_down_constexprs(h, down_w, s, down_k, pdl), BLOCK_H=triton.next_power_of_2(H),
-        Y_NORM=y_norm is not None, SCALED=scale != 1.0, **dict(_down_launch(h, s), **build),
+        Y_NORM=y_norm is not None, SCALED=scale != 1.0, **dict(down_launch(h.dtype, s), **build),
         **launch_options(pdl, dev))
     return sum_, h_out, b
 
@@ -892,14 +902,9 @@ def _math(h: ExpertHidden) -> dict:
     return dict(BF16=h.dtype == torch.bfloat16, DOT_F32=INTERPRETED or h.dtype == torch.float32)
 
 
-def _streams(h: ExpertHidden, s: MoESettings, stages: int | None = None) -> dict:
+def _streams(dtype: torch.dtype, s: MoESettings, stages: int | None = None) -> dict:
     # fp32 tiles are twice bf16's: three stages of them overrun a Hopper SM's 227 KB of shared memory
-    return dict(num_warps=s.warps, num_stages=(stages or s.stages) if h.dtype == torch.bfloat16 else 1)
-
-
-def _down_launch(h: ExpertHidden, s: MoESettings) -> dict:
-    """Down's warps and stages, and its register cap where set (`MoESettings.down_registers`)."""
-    return dict(_streams(h, s), **({"maxnreg": s.down_registers} if s.down_registers is not None else {}))
+    return dict(num_warps=s.warps, num_stages=(stages or s.stages) if dtype == torch.bfloat16 else 1)
 
 
 def _check_weights(weights: torch.Tensor, R: int, k: int) -> None:
@@ -915,7 +920,7 @@ def _check_down(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, s
     devices = {t.device for t in (h.hidden, weights, *down_w[:2])}
     _check(len(devices) == 1, f"tensors on several devices: {devices}")
     _check_settings(settings)
-    step = min(settings.down_block_k, max(16, _pow2_divisor(down_w.block[1])))
+    step = down_k(down_w.block, settings)
     _check(settings.down_scale == "weight" or step <= down_w.block[1],
            f"down_scale 'product' needs Down's {step}-column K step within a scale block's {down_w.block[1]} columns")
     return step

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..reference.layers import rms_norm
 from .device import FLOATS as _FLOATS
-from .f16_operands import bf16_grid
+from .bf16_round import bf16_grid
 from .launch import launch_options, wait_for_inputs
 
 MAX_HIDDEN = 16384  # a row lives in registers: 64 fp32 values a thread at 8 warps, before spilling gets likely

@@ -12,6 +12,7 @@ import functools
 import json
 
 import pytest
+import torch
 
 from iquest.bench import sass
 from iquest.kernels import moe as mo
@@ -215,10 +216,12 @@ def test_downs_product_form_drops_the_multiply_and_fits_128_registers_under_a_ca
     142 registers on its own, and under MoESettings.down_registers=128 (Triton's maxnreg) the same K loop in 128,
     spill-free."""
     spec = _published_specs()["moe_down"]
-    cap = mo.MoESettings(down_registers=128).down_registers
+    cap = 128
+    launch = mo.down_launch(torch.bfloat16, mo.MoESettings(down_scale="product", down_registers=cap))
+    assert spec.options == {} and launch["maxnreg"] == cap  # the default sets no cap; the setting is maxnreg
     weight = sass.report(_compiled("moe_down"))
     product = sass.report(sass.compile_spec(spec, SCALE_PRODUCT=True))
-    capped = sass.report(sass.compile_spec(dataclasses.replace(spec, options={**spec.options, "maxnreg": cap}),
+    capped = sass.report(sass.compile_spec(dataclasses.replace(spec, options={"maxnreg": launch["maxnreg"]}),
                                            SCALE_PRODUCT=True))
     w, p, c = weight["dot_loop"], product["dot_loop"], capped["dot_loop"]
     assert w["mix"].get("FMUL", 0) >= 64 and p["mix"].get("FMUL", 0) == 0 and p["instructions"] < w["instructions"]
