@@ -139,7 +139,8 @@ class MoESettings:
     # row's scale multiplying the step's fp32 product, as kernels/fp8_linear.py does: a numerical change (one rounding
     # a weight fewer, nearer the exact dequantization) that drops the per-element FMUL, so fewer instructions a step
     # (docs/PERF.md, "What Gate/Up's compiled step says"). "product" made the round faster (0.990x at the decode
-    # routing, 0.923x at 38 experts) and passed qualification at TP 1 and TP 2 (docs/PERF.md, "Current state")
+    # routing, 0.923x at 38 experts) and passed qualification at TP 1 and TP 2 (docs/PERF.md, "Current state"). A
+    # step crossing scale blocks (blocks narrower than the 16-column step, as small fixtures' 8) is a dot a block
     gate_up_scale: str = "product"
     # Gate/Up's H walked by this many programs an (expert, I_r tile), each over whole K steps, their fp32 partials
     # summed in split order by the last to arrive, which then rounds and forms silu(g) * u (`gate_up_locks`): a
@@ -158,8 +159,8 @@ class MoESettings:
     # the round 0.9736x paired at the decode routing, 0.9919x at 38 experts (docs/PERF.md, "Current state")
     pair_major: bool = True
     # Where Down applies its block scales, as `gate_up_scale` for Gate/Up: "product" takes each E4M3 tile exactly into
-    # the step's dot and multiplies the fp32 product by each row's scale (a step whose I_r columns straddle two scale
-    # blocks, a shard starting inside one, is two dots, one a block). A numerical change and a candidate: Down's
+    # the step's dot and multiplies the fp32 product by each row's scale (a step whose I_r columns cross scale blocks,
+    # a shard starting inside one or blocks narrower than the step, is a dot a block). A numerical change: Down's
     # compiled K step drops its per-element multiply, 333 -> 278 instructions a warp (docs/PERF.md, "Open
     # directions"); not yet timed or qualified
     down_scale: str = "weight"
@@ -246,19 +247,23 @@ def _scaled_dot(a, q_ptrs, s_ptr, n, k0, n_ok, ok, OFF0: tl.constexpr, OFF1: tl.
 @triton.jit
 def _block_dots(a, q_ptrs, s_ptr, n, k0, K, n_ok, ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr,
                 B1: tl.constexpr, stride_r, BLOCK_K: tl.constexpr, BF16: tl.constexpr, DOT_F32: tl.constexpr):
-    """`_scaled_dot` for a K step that may straddle two scale blocks (its columns from k0 of K; BLOCK_K <= B1): one
-    dot where the step lies in one block, else a dot over each block's columns, each times its block's row scales.
-    The second block's scales are read only where a column of the step lies in it."""
+    """`_scaled_dot` for a K step (its columns from k0 of K) that may cross scale blocks: one dot where the step lies
+    in one block, else a dot over the columns of each block it may touch ((BLOCK_K - 1) // B1 + 2 of them: a shard
+    starting mid-block, or blocks narrower than the step), each times its block's row scales. A block's scales are
+    read only where a column of the step lies in it."""
     if (OFF1 % BLOCK_K == 0) and (B1 % BLOCK_K == 0):
         d = _scaled_dot(a, q_ptrs, s_ptr, n, k0, n_ok, ok, OFF0, OFF1, B0, B1, stride_r, BF16, DOT_F32)
     else:
         kk = k0 + tl.arange(0, BLOCK_K)
-        k1 = ((k0 + OFF1) // B1 + 1) * B1 - OFF1  # the next block's first column
-        first = kk < k1
-        d = _scaled_dot(a, q_ptrs, s_ptr, n, k0, n_ok, ok & first[None, :], OFF0, OFF1, B0, B1, stride_r, BF16,
-                        DOT_F32)
-        d += _scaled_dot(a, q_ptrs, s_ptr, n, k1, n_ok & (k1 < tl.minimum(K, k0 + BLOCK_K)), ok & ~first[None, :],
-                         OFF0, OFF1, B0, B1, stride_r, BF16, DOT_F32)
+        first = (k0 + OFF1) // B1 * B1 - OFF1  # the first column of the block holding k0
+        end = tl.minimum(K, k0 + BLOCK_K)
+        d = _scaled_dot(a, q_ptrs, s_ptr, n, k0, n_ok, ok & (kk < first + B1)[None, :], OFF0, OFF1, B0, B1,
+                        stride_r, BF16, DOT_F32)
+        for j in tl.static_range(1, (BLOCK_K - 1) // B1 + 2):
+            kj = first + j * B1
+            inside = (kk >= kj) & (kk < kj + B1)
+            d += _scaled_dot(a, q_ptrs, s_ptr, n, kj, n_ok & (kj < end), ok & inside[None, :], OFF0, OFF1, B0, B1,
+                             stride_r, BF16, DOT_F32)
     return d
 
 
@@ -351,10 +356,10 @@ def _gate_up_kernel(
                 x = tl.load(b_ptr + rows[:, None] * stride_b + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
                             other=0.0).to(tl.float32)
                 if SCALE_PRODUCT:
-                    acc_g += _scaled_dot(x, g_rows + kk[None, :], gs_ptr + ex * gs_e, n, k0, n_ok, w_ok, G_OFF0,
-                                         G_OFF1, B0, B1, gs_r, BF16, DOT_F32)
-                    acc_u += _scaled_dot(x, u_rows + kk[None, :], us_ptr + ex * us_e, n, k0, n_ok, w_ok, U_OFF0,
-                                         U_OFF1, B0, B1, us_r, BF16, DOT_F32)
+                    acc_g += _block_dots(x, g_rows + kk[None, :], gs_ptr + ex * gs_e, n, k0, H, n_ok, w_ok, G_OFF0,
+                                         G_OFF1, B0, B1, gs_r, BLOCK_K, BF16, DOT_F32)
+                    acc_u += _block_dots(x, u_rows + kk[None, :], us_ptr + ex * us_e, n, k0, H, n_ok, w_ok, U_OFF0,
+                                         U_OFF1, B0, B1, us_r, BLOCK_K, BF16, DOT_F32)
                 else:
                     sg = _tile_scales(gs_ptr + ex * gs_e, n, k0, H, n_ok, G_OFF0, G_OFF1, B0, B1, gs_r, BLOCK_N,
                                       BLOCK_K)
@@ -727,7 +732,7 @@ def gate_up_lock_count(rows: int, k: int, inter: int, settings: MoESettings = Mo
 
 def gate_up_k(block: tuple[int, int], settings: MoESettings = MoESettings()) -> int:
     """Gate/Up's K step: `gate_up_block_k` cut to the scale block's width, so that a step lies inside one block and
-    reads one scale a row (`_tile_scales`)."""
+    reads one scale a row (`_tile_scales`), but never under tl.dot's 16 columns."""
     return min(settings.gate_up_block_k, max(16, _pow2_divisor(block[1])))
 
 
@@ -772,10 +777,6 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
     h = ExpertHidden(hidden, experts, live_arg, count, b.dtype, R, k, H)
     B0, B1 = gate.block
     step = gate_up_k(gate.block, s)
-    product = s.gate_up_scale == "product"
-    _check(not product or (gate.offset[1] % step == 0 and up.offset[1] % step == 0 and B1 % step == 0),
-           f"gate_up_scale 'product' needs every K step inside one scale block: column offsets {gate.offset[1]}, "
-           f"{up.offset[1]} are not multiples of the {step}-column step")
     parts = hidden
     if s.gate_up_split > 1:
         n_locks = gate_up_lock_count(R, k, I, s)
@@ -791,8 +792,8 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
         _split_width(H, gate.block, s),
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
         **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=step, **_math(h),
-        INTERP=INTERPRETED, SCALE_PRODUCT=product, SPLIT=s.gate_up_split, PAIR_MAJOR=s.pair_major,
-        **_streams(h.dtype, s, s.gate_up_stages),
+        INTERP=INTERPRETED, SCALE_PRODUCT=s.gate_up_scale == "product", SPLIT=s.gate_up_split,
+        PAIR_MAJOR=s.pair_major, **_streams(h.dtype, s, s.gate_up_stages),
         **launch_options(pdl, dev))
     return h
 
@@ -920,10 +921,7 @@ def _check_down(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, s
     devices = {t.device for t in (h.hidden, weights, *down_w[:2])}
     _check(len(devices) == 1, f"tensors on several devices: {devices}")
     _check_settings(settings)
-    step = down_k(down_w.block, settings)
-    _check(settings.down_scale == "weight" or step <= down_w.block[1],
-           f"down_scale 'product' needs Down's {step}-column K step within a scale block's {down_w.block[1]} columns")
-    return step
+    return down_k(down_w.block, settings)
 
 
 def combine(o: ExpertOutputs, *, out: torch.Tensor | None = None, settings: MoESettings = MoESettings(),

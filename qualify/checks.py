@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -25,7 +25,6 @@ import torch
 
 from ..fast.cache import RING_SLACK, StaticKV, layer_slots
 from ..fast.parallel import Parallel
-from ..fast.plan import KernelPlan
 from ..fast.rank import PREFILL_BLOCK, EngineOptions, EngineParts, RankEngine, Request, cache_capacity
 from ..fast.weights import LOAD_BLOCK
 from ..reference.checkpoint import CheckpointReader
@@ -449,15 +448,16 @@ def exact_second_token(model_dir: str, prompt: list[int], params: SamplingParams
     return out
 
 
-def lossless(dtype: str, samples: int, parts: EngineParts = EngineParts(), drafts: int = 3,
-             device: str = "cpu", kernels: str | KernelPlan = "torch", seed: int = 0,
+def lossless(samples: int, options: EngineOptions = EngineOptions(dtype="fp32", kernels="torch"),
+             parts: EngineParts = EngineParts(), drafts: int = 3, device: str = "cpu", seed: int = 0,
              progress: Callable[[int, int], None] | None = None) -> tuple[Row, dict]:
     """Chi-square of the first speculative token (output index 1) against its exact distribution, over the request
-    seeds (seed << 32) + i, i < samples (`seed`: the run's --seed, so each run draws its own sample). `progress(done,
-    samples)` after each request."""
+    seeds (seed << 32) + i, i < samples (`seed`: the run's --seed, so each run draws its own sample), drawn by one
+    rank of the candidate's engine (`options`: its dtype, kernels, router fold and kernel settings) on the micro
+    fixture. `progress(done, samples)` after each request."""
     model_dir = micro_fixture()
     engine = RankEngine(model_dir, Parallel.single(device),
-                        EngineOptions(max_context=64, dtype=dtype, graphs=False, kernels=kernels), parts)
+                        replace(options, max_context=64, graphs=False, shared_gpu=False, weights="auto"), parts)
     g = engine.generation
     params = SamplingParams(g.temperature, min(g.top_k, engine.config.vocab_size), g.top_p)
     prompt = [3, 5, 2, 7, 1, 4]

@@ -148,7 +148,7 @@ def run_healthy(plan: Plan, bar) -> tuple[list[Row], dict]:
 
 
 def run_lossless(plan: Plan, bar) -> tuple[Row, dict]:
-    return lossless(plan.dtype, plan.samples, device=plan.device, kernels=plan.base.kernels, seed=plan.seed,
+    return lossless(plan.samples, plan.base, device=plan.device, seed=plan.seed,
                     progress=steps_of(bar, LOSSLESS_STEPS))
 
 
@@ -170,8 +170,8 @@ def steps_of(bar, steps: int):
 def run_control(ctl: Control, plan: Plan, bar) -> dict:
     t0 = time.time()
     if ctl.family == "lossless":
-        row, info = lossless(plan.dtype, plan.samples, ctl.parts, device=plan.device, kernels=plan.base.kernels,
-                             seed=plan.seed, progress=steps_of(bar, len(plan.cases)))
+        row, info = lossless(plan.samples, plan.base, ctl.parts, device=plan.device, seed=plan.seed,
+                             progress=steps_of(bar, len(plan.cases)))
         rows, branch = [row], ctl.branch(info, plan.model_dir)
     else:
         engines = _Engines(plan.model_dir, plan.tp, plan.base, plan.device, ctl.parts)

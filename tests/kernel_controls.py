@@ -8,7 +8,8 @@ module.
 - moe (tests/test_kernel_moe.py), put into copies of its kernels by `kernels.testing.substituted` (`MOE`): scales
   indexed without the shard's offset in its first block, liveness ignored (padding rows' experts computed and
   combined), the slots summed without their routing weights (by the combine, or by the combine fused with the tail),
-  each pair's last tile dropped from the pair-major grids.
+  each pair's last tile dropped from the pair-major grids, the product forms' step scaled by its first block's scales
+  alone (blocks narrower than the step).
 - The FP8 linears (tests/test_bench_sass.py, tests/test_kernel_fp8_linear_direct.py): the preloaded weight tiles
   used without the opaque move after the wait (`linear_transparent`), the direct kernel's K tiles summed last to
   first (`DIRECT_REVERSED`).
@@ -79,6 +80,15 @@ def row_scales_without_offset(s_ptr, n, k0, n_ok, OFF0: tl.constexpr, OFF1: tl.c
 
 
 @triton.jit
+def block_dots_one_scale(a, q_ptrs, s_ptr, n, k0, K, n_ok, ok, OFF0: tl.constexpr, OFF1: tl.constexpr,
+                         B0: tl.constexpr, B1: tl.constexpr, stride_r, BLOCK_K: tl.constexpr, BF16: tl.constexpr,
+                         DOT_F32: tl.constexpr):
+    """kernels/moe.py `_block_dots` as one dot a step times the scales of the block holding its first column, as if
+    no step crossed a block (scale blocks narrower than the step)."""
+    return moe._scaled_dot(a, q_ptrs, s_ptr, n, k0, n_ok, ok, OFF0, OFF1, B0, B1, stride_r, BF16, DOT_F32)
+
+
+@triton.jit
 def owner_ignoring_live(experts_ptr, live_ptr, p, R, K_TOP: tl.constexpr, P_PAD: tl.constexpr,
                         LIVE_COUNT: tl.constexpr):
     e = tl.load(experts_ptr + p)
@@ -130,8 +140,11 @@ MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_off
                                              "_down_tiles": substitute(moe._down_tiles,
                                                                        _expert_rows=rows_ignoring_live)},
                             "_combine_kernel": {"load_live": all_live}},
-       "product_offset_ignored": {"_gate_up_kernel": {"_scaled_dot": substitute(
-           moe._scaled_dot, _row_scales=row_scales_without_offset)}},
+       "product_offset_ignored": {"_gate_up_kernel": {"_block_dots": substitute(moe._block_dots, _scaled_dot=substitute(
+           moe._scaled_dot, _row_scales=row_scales_without_offset))}},
+       "product_one_scale_a_step": {"_gate_up_kernel": {"_block_dots": block_dots_one_scale},
+                                    "_down_kernel": {"_down_tiles": substitute(moe._down_tiles,
+                                                                               _block_dots=block_dots_one_scale)}},
        "down_product_offset_ignored": {"_down_kernel": {"_down_tiles": substitute(
            moe._down_tiles, _block_dots=substitute(moe._block_dots, _scaled_dot=substitute(
                moe._scaled_dot, _row_scales=row_scales_without_offset)))}},

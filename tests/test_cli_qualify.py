@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -427,5 +428,43 @@ def test_the_lossless_run_reports_its_requests_as_steps():
         step(done, 3)
     assert sum(few.updates) == LOSSLESS_STEPS and len(few.updates) == 3
     calls = []
-    lossless("fp32", 3, progress=lambda done, total: calls.append((done, total)))
+    lossless(3, progress=lambda done, total: calls.append((done, total)))
     assert calls == [(1, 3), (2, 3), (3, 3)]
+
+
+def test_the_lossless_run_draws_from_the_candidates_engine():
+    """The lossless unit builds its engine from the candidate's options (run_lossless passes plan.base): its kernels
+    and kernel settings, so a numerical form is judged there too. Until 2026-12-07 it took the kernels alone, so it
+    ran the default settings, and the default's product form met the micro fixture's 8 x 8 scale blocks (narrower
+    than the 16-column K step) on the GPU only. Here the MoE's kernels, under the interpreter (a process of its own),
+    with both product forms on those blocks: every Gate/Up and Down launch takes the candidate's settings."""
+    script = """
+import dataclasses, json
+from iquest.fast.plan import KernelPlan
+from iquest.kernels import moe
+from iquest.kernels.testing import patch_interpreter
+from iquest.qualify.run import make_plan, run_lossless
+from iquest.tests.helpers import TINY
+
+patch_interpreter()
+settings = (("moe", "down_scale", "product"), ("moe", "gate_up_split", 2))
+plan, _ = make_plan(str(TINY), quick=True, kernels=KernelPlan(moe=True), kernel_settings=settings)
+seen = []
+def spy(name, real):
+    def call(*args, **kw):
+        seen.append((name, kw["settings"].down_scale, kw["settings"].gate_up_split))
+        return real(*args, **kw)
+    return call
+moe.gate_up, moe.down = spy("gate_up", moe.gate_up), spy("down", moe.down)
+class Bar:
+    def update(self, n=1):
+        pass
+row, _ = run_lossless(dataclasses.replace(plan, samples=2), Bar())
+print(json.dumps({"check": row.check, "rows": row.rows, "seen": sorted(set(seen)), "calls": len(seen)}))
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["check"] == "lossless" and got["rows"] == 2 and got["calls"] > 4
+    assert got["seen"] == [["down", "product", 2], ["gate_up", "product", 2]]

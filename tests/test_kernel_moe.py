@@ -27,7 +27,8 @@ Gate/Up's numerical forms (MoESettings.gate_up_scale "product", gate_up_split > 
 summed by the last to arrive) against moe_torch's forms of the same arithmetic; a form must give other bits than the
 weight form (the branch ran), and a split's counters must be left zeroed, and left off zero when they start so.
 Down's product form (MoESettings.down_scale "product") the same way, its steps inside one scale block and straddling
-two; negative control: a straddling shard's scales read as if it started on a block boundary.
+two; negative control: a straddling shard's scales read as if it started on a block boundary. Both product forms over
+scale blocks narrower than the K step (a dot a block); negative control: each step scaled by its first block's scales.
 GPU (`pytest.mark.gpu`, run on a device later): one TP8 rank at full size (256 experts, H 3072, 192-row shards at
 offsets 0 and 64, 128 x 128 blocks), 8 rows with 38 and 13 distinct experts, bf16 (and the two forms at 4 splits),
 and graph replay bit-identical;
@@ -113,6 +114,12 @@ CASES = [
     case("down_product_straddle_r3_off96_fp32", R=3, I=96, offset=96, down="product"),
     case("down_product_straddle_mini_tp2_rank1_off16_bf16", I=48, offset=16, live="mask", **MINI, dtype="bf16",
          scale="product", split=2, down="product"),
+    # both product forms over scale blocks narrower than the 16-column K step (qualify's micro fixture: 8 x 8): a
+    # dot a block, up to three a step where the shard starts inside one (Down's I_r at offset 4)
+    case("product_narrow_blocks_micro_bf16", E=4, k=2, H=16, I=16, block=(8, 8), live="mask", dtype="bf16",
+         scale="product", down="product"),
+    case("product_narrow_blocks_off4_split2_fp32", R=3, E=4, k=2, H=48, I=14, block=(8, 8), offset=4,
+         scale="product", down="product", split=2),
 ]
 # Each must fail the checks of run_case (a control that passed would show the checks blind).
 CONTROLS = [
@@ -124,6 +131,8 @@ CONTROLS = [
     case("neg_tail_weights_not_applied", control="tail_weights_not_applied", caught="fused tail"),
     case("neg_down_product_offset_ignored", I=96, offset=96, dtype="bf16", down="product",
          control="down_product_offset_ignored", caught="rel err"),
+    case("neg_product_one_scale_a_step", E=4, k=2, H=48, I=14, block=(8, 8), offset=4, dtype="bf16", scale="product",
+         down="product", control="product_one_scale_a_step", caught="rel err"),
     case("neg_pair_major_last_tile_dropped", H=320, I=96, dtype="bf16", split=2,
          control="pair_major_last_tile_dropped", caught="non-finite output|rel err"),
 ]
@@ -325,10 +334,20 @@ def one_k_tile(c: dict) -> bool:
     return c["H"] <= s.gate_up_block_k and c["I"] <= s.down_block_k
 
 
+BF16_FLIPS = 1 / 256  # the share of a one-K-tile bf16 case's elements that may differ (test_interpreted_agreement)
+
+
 def test_interpreted_agreement(interpreted):
-    """The measured agreement, per dtype (printed with -s). Where the dots' order is the same (`one_k_tile`), bf16
-    outputs must be bit-equal: every rounding point of the torch form is reproduced (a missed one would show here,
-    not within TOL). Over several K tiles the order differs, and so may a bf16 rounding."""
+    """The measured agreement, per dtype (printed with -s). Where the kernel takes each dot in one step
+    (`one_k_tile`), bf16 outputs must be bit-equal but for a rare flip of one bf16 ulp: every rounding point of the
+    torch form is reproduced (a missed one would show here, not within TOL). Over several K tiles the order differs,
+    and so may a bf16 rounding.
+
+    Bit-equal but for BF16_FLIPS: the interpreter's dot (numpy's fp32 matmul) and torch's CPU einsum each sum a dot's
+    fp32 products in an order their BLAS picks for the CPU. On the Intel machines of earlier sessions they agreed for
+    every element; on an AMD EPYC (2026-12-07) one element of r8_same_experts_bf16 in 1,024 flips by 0.72 bf16 ulps,
+    at HEAD as after. The weights' rounding point left out of the torch form leaves 0-4% of each case's elements
+    bit-equal, hundreds of ulps apart."""
     for name in ("fp32", "bf16"):
         for same_order in (True, False):
             rs = [interpreted[c["name"]] for c in CASES if c["dtype"] == name and one_k_tile(c) == same_order
@@ -337,7 +356,7 @@ def test_interpreted_agreement(interpreted):
                   f"{max(r['rel_err'] for r in rs):.2e}, min bit-equal {min(r['bit_equal'] for r in rs):.4f}, "
                   f"max {max(r['bf16_ulps'] for r in rs):.3f} bf16 ulps")
             if name == "bf16" and same_order:
-                assert min(r["bit_equal"] for r in rs) == 1.0
+                assert min(r["bit_equal"] for r in rs) >= 1 - BF16_FLIPS and max(r["bf16_ulps"] for r in rs) <= 1
 
 
 def _args(**over):
