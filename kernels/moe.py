@@ -161,12 +161,13 @@ class MoESettings:
     # Where Down applies its block scales, as `gate_up_scale` for Gate/Up: "product" takes each E4M3 tile exactly into
     # the step's dot and multiplies the fp32 product by each row's scale (a step whose I_r columns cross scale blocks,
     # a shard starting inside one or blocks narrower than the step, is a dot a block). A numerical change: Down's
-    # compiled K step drops its per-element multiply, 333 -> 278 instructions a warp (docs/PERF.md, "Open
-    # directions"); not yet timed or qualified
+    # compiled K step drops its per-element multiply, 333 -> 278 instructions a warp, and with `down_registers=128`
+    # the round gained at both routings (docs/PERF.md, "Current state"); the default once qualified
     down_scale: str = "weight"
     # A register cap for Down's launches (Triton's `maxnreg`; None: the compiler's choice). The same code and bits:
     # the product form compiles to 142 registers, and to 128 with no spill under a cap of 128, as many as the weight
-    # form's (`iquest bench sass`), which may keep more Down programs on an SM beside Gate/Up's (docs/PERF.md)
+    # form's (`iquest bench sass`); uncapped, fewer of its programs fit an SM beside Gate/Up's, and at 38 experts the
+    # form lost in the round (docs/PERF.md, "Current state")
     down_registers: int | None = None
 
 
