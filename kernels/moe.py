@@ -731,15 +731,20 @@ def gate_up_lock_count(rows: int, k: int, inter: int, settings: MoESettings = Mo
     return rows * k * triton.cdiv(inter, settings.gate_up_block_n) * triton.cdiv(rows, settings.block_m)
 
 
+def _k_step(block_k: int, block: tuple[int, int]) -> int:
+    """A K step: `block_k` cut to the scale block's width, so that a step lies inside one block and reads one scale a
+    row (`_tile_scales`), but never under tl.dot's 16 columns."""
+    return min(block_k, max(16, _pow2_divisor(block[1])))
+
+
 def gate_up_k(block: tuple[int, int], settings: MoESettings = MoESettings()) -> int:
-    """Gate/Up's K step: `gate_up_block_k` cut to the scale block's width, so that a step lies inside one block and
-    reads one scale a row (`_tile_scales`), but never under tl.dot's 16 columns."""
-    return min(settings.gate_up_block_k, max(16, _pow2_divisor(block[1])))
+    """Gate/Up's K step, from `gate_up_block_k`."""
+    return _k_step(settings.gate_up_block_k, block)
 
 
 def down_k(block: tuple[int, int], settings: MoESettings = MoESettings()) -> int:
-    """Down's K step, as `gate_up_k`'s from `down_block_k`."""
-    return min(settings.down_block_k, max(16, _pow2_divisor(block[1])))
+    """Down's K step, from `down_block_k`."""
+    return _k_step(settings.down_block_k, block)
 
 
 def down_launch(dtype: torch.dtype, s: MoESettings) -> dict:
