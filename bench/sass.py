@@ -327,7 +327,7 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
         dict(D_OFF0=0, D_OFF1=o, B0=B0, B1=B1, **routing, **down, BLOCK_H=block, Y_NORM=False, SCALED=True, **early),
         down_warps, down_stages, f"MoE Down, [{H} x {I}] E4M3 an expert, then a program a row waiting for the "
                                  f"owners' arrivals: the weighted sum of {k} slots and the sandwich tail (TP 1, rank "
-                                 f"slices)", {**NO_FMA, **launch})
+                                 f"slices)", NO_FMA)  # uncapped, as the wrapper launches it
     out["moe_combine"] = _launch(
         mo._combine_kernel, dict(y_ptr="*fp32", weights_ptr="*fp32", live_ptr="*u8", out_ptr="*fp32"),
         dict(R=R, H=H, stride_o=H), (), dict(K_TOP=k, BLOCK=ms.combine_block, LIVE_COUNT=False, PDL=True), 4, 1,

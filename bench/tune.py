@@ -83,7 +83,7 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     "router": ({"block_e": 2}, {"block_e": 8}, {"block_h": 256}, {"block_h": 1024}, {"num_warps": 2},
                {"split": 1}, {"split": 3}, {"programs_per_sm": 4}, {"programs_per_sm": 16}, {"select_warps": 2},
                {"select_warps": 8}, {"preload": False}),
-    # down_block_k 128 at rank 1 takes the per-element scale path (its 64-column offset is not a multiple of 128)
+    # down_block_k 128 at rank 1 takes a dot a scale block a step (its 64-column offset is not a multiple of 128)
     "moe": (  # a program's K steps first (docs/PERF.md, "What Gate/Up's compiled step says"): H over 1, 2 or 8
             # programs an (expert, tile) against the default 4, summed by the last (a numerical change: the sum's
             # order), 24, 12 or 3 steps a program instead of 6; the scales on every weight element, not on each step's
@@ -91,8 +91,9 @@ GRIDS: dict[str, tuple[dict, ...]] = {
             # bits)
             {"gate_up_split": 1}, {"gate_up_split": 2}, {"gate_up_split": 8}, {"gate_up_scale": "weight"},
             {"gate_up_split": 8, "gate_up_scale": "weight"},
-            # Down's scales on each step's product, not on every weight element (a numerical change)
-            {"down_scale": "product"},
+            # Down's scales on every weight element, not on each step's product (a numerical change), and the product
+            # form without its register cap (the same bits)
+            {"down_scale": "weight"}, {"down_registers": None},
             {"gate_up_stages": 4}, {"gate_up_stages": 6}, {"gate_up_stages": 8},
             {"gate_up_stages": 6, "gate_up_block_n": 16}, {"gate_up_stages": 8, "gate_up_block_n": 16},
             # a step's work over more warps or programs: Triton repeats the dequantization in the dot operand's

@@ -161,14 +161,15 @@ class MoESettings:
     # Where Down applies its block scales, as `gate_up_scale` for Gate/Up: "product" takes each E4M3 tile exactly into
     # the step's dot and multiplies the fp32 product by each row's scale (a step whose I_r columns cross scale blocks,
     # a shard starting inside one or blocks narrower than the step, is a dot a block). A numerical change: Down's
-    # compiled K step drops its per-element multiply, 333 -> 278 instructions a warp, and with `down_registers=128`
-    # the round gained at both routings (docs/PERF.md, "Current state"); the default once qualified
-    down_scale: str = "weight"
-    # A register cap for Down's launches (Triton's `maxnreg`; None: the compiler's choice). The same code and bits:
-    # the product form compiles to 142 registers, and to 128 with no spill under a cap of 128, as many as the weight
-    # form's (`iquest bench sass`); uncapped, fewer of its programs fit an SM beside Gate/Up's, and at 38 experts the
-    # form lost in the round (docs/PERF.md, "Current state")
-    down_registers: int | None = None
+    # compiled K step drops its per-element multiply, 333 -> 278 instructions a warp; with `down_registers=128` the
+    # round gained at both routings and passed qualification at TP 1 and TP 2 (docs/PERF.md, "Current state")
+    down_scale: str = "product"
+    # A register cap for plain Down's launches (Triton's `maxnreg`; None: the compiler's choice). The same code and
+    # bits: the product form compiles to 142 registers, and to 128 with no spill under a cap of 128, as many as the
+    # weight form's (`iquest bench sass`); uncapped, fewer of its programs fit an SM beside Gate/Up's, and at 38
+    # experts the form lost in the round (docs/PERF.md, "Current state"). Down ending in the tail (`down_add_norm`)
+    # takes no cap: it needs 144 registers and spills under 128
+    down_registers: int | None = 128
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -894,7 +895,7 @@ def down_add_norm(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights,
         next_norm if y_norm is None else y_norm, next_norm, sum_, h_out, b, R, H, h.hidden.shape[1],
         down_w.scale.stride(0), down_w.scale.stride(1), float(eps), scale, residual.stride(0), sum_.stride(0),
         h_out.stride(0), b.stride(0), **_down_constexprs(h, down_w, s, down_k, pdl), BLOCK_H=triton.next_power_of_2(H),
-        Y_NORM=y_norm is not None, SCALED=scale != 1.0, **dict(down_launch(h.dtype, s), **build),
+        Y_NORM=y_norm is not None, SCALED=scale != 1.0, **dict(_streams(h.dtype, s), **build),
         **launch_options(pdl, dev))
     return sum_, h_out, b
 

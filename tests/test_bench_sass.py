@@ -211,32 +211,37 @@ def test_gate_ups_product_form_drops_the_per_element_multiply():
         assert p["instructions"] < w["instructions"], (w, p)
 
 
-def test_downs_product_form_drops_the_multiply_and_fits_128_registers_under_a_cap():
-    """MoESettings.down_scale="product": Down's K loop without the weight form's 64 FMUL a thread, shorter; it takes
-    142 registers on its own, and under MoESettings.down_registers=128 (Triton's maxnreg) the same K loop in 128,
-    spill-free."""
-    spec = _published_specs()["moe_down"]
-    cap = 128
-    launch = mo.down_launch(torch.bfloat16, mo.MoESettings(down_scale="product", down_registers=cap))
-    assert spec.options == {} and launch["maxnreg"] == cap  # the default sets no cap; the setting is maxnreg
-    weight = sass.report(_compiled("moe_down"))
-    product = sass.report(sass.compile_spec(spec, SCALE_PRODUCT=True))
-    capped = sass.report(sass.compile_spec(dataclasses.replace(spec, options={"maxnreg": launch["maxnreg"]}),
-                                           SCALE_PRODUCT=True))
-    w, p, c = weight["dot_loop"], product["dot_loop"], capped["dot_loop"]
-    assert w["mix"].get("FMUL", 0) >= 64 and p["mix"].get("FMUL", 0) == 0 and p["instructions"] < w["instructions"]
-    assert product["registers"] > cap, product  # what the cap is for
-    assert capped["registers"] <= cap and capped["stack_bytes"] == 0 and c["instructions"] == p["instructions"], c
+def test_downs_product_form_drops_the_multiply_and_fits_128_registers_under_its_cap():
+    """MoESettings.down_scale="product" (the default): Down's K loop without the weight form's 64 FMUL a thread,
+    shorter; it takes 142 registers on its own, and under MoESettings.down_registers=128 (Triton's maxnreg, the
+    default) the same K loop in 128, spill-free, at both offsets. Down ending in the tail takes no cap (144 registers:
+    it spills under 128)."""
+    settings = mo.MoESettings()
+    assert settings.down_scale == "product" and settings.down_registers == 128
+    for name in ("moe_down", "moe_down_odd"):
+        spec = _published_specs()[name]
+        assert spec.constexprs["SCALE_PRODUCT"] and spec.options == {"maxnreg": settings.down_registers}, spec.options
+        capped = sass.report(_compiled(name))
+        weight = sass.report(sass.compile_spec(spec, SCALE_PRODUCT=False))
+        uncapped = sass.report(sass.compile_spec(dataclasses.replace(spec, options={})))
+        w, u, c = weight["dot_loop"], uncapped["dot_loop"], capped["dot_loop"]
+        assert w["mix"].get("FMUL", 0) >= 64 and c["mix"].get("FMUL", 0) == 0 and c["instructions"] < w["instructions"]
+        assert uncapped["registers"] > settings.down_registers, uncapped  # what the cap is for
+        assert capped["registers"] <= settings.down_registers and capped["stack_bytes"] == 0, capped
+        assert c["instructions"] == u["instructions"], (c, u)
+    fused = _published_specs()["moe_down_add_norm"]
+    assert fused.constexprs["SCALE_PRODUCT"] and "maxnreg" not in fused.options, fused.options
 
 
 def test_an_odd_ranks_expert_shard_reads_one_scale_a_row():
     """At TP8 an odd rank's 192 rows start 64 into a 128-row scale block: Gate/Up's K steps and Down's 64-column
     steps still lie inside one scale block each, so the kernels issue the global loads rank 0's do. Negative control:
-    Down's K step at 128 straddles two blocks at offset 64 and falls back to a scale a weight element."""
+    Down's K step at 128 straddles two blocks at offset 64, and its weight form falls back to a scale a weight
+    element."""
     loads = {n: sum(sass.sequence(_compiled(n)).count(op) for op in ("LDG", "LDGSTS"))
              for n in ("moe_gate_up", "moe_gate_up_odd", "moe_down", "moe_down_odd")}
     assert loads["moe_gate_up_odd"] == loads["moe_gate_up"] and loads["moe_down_odd"] == loads["moe_down"], loads
-    straddling = sass.sequence(sass.compile_spec(_published_specs()["moe_down_odd"], BLOCK_K=128))
+    straddling = sass.sequence(sass.compile_spec(_published_specs()["moe_down_odd"], BLOCK_K=128, SCALE_PRODUCT=False))
     assert sum(straddling.count(op) for op in ("LDG", "LDGSTS")) > 4 * loads["moe_down_odd"]
 
 

@@ -437,7 +437,8 @@ def test_the_lossless_run_draws_from_the_candidates_engine():
     and kernel settings, so a numerical form is judged there too. Until 2026-12-07 it took the kernels alone, so it
     ran the default settings, and the default's product form met the micro fixture's 8 x 8 scale blocks (narrower
     than the 16-column K step) on the GPU only. Here the MoE's kernels, under the interpreter (a process of its own),
-    with both product forms on those blocks: every Gate/Up and Down launch takes the candidate's settings."""
+    with both product forms (the defaults) on those blocks and a candidate differing in two other fields: every
+    Gate/Up and Down launch takes the candidate's settings."""
     script = """
 import dataclasses, json
 from iquest.fast.plan import KernelPlan
@@ -447,12 +448,13 @@ from iquest.qualify.run import make_plan, run_lossless
 from iquest.tests.helpers import TINY
 
 patch_interpreter()
-settings = (("moe", "down_scale", "product"), ("moe", "gate_up_split", 2))
+settings = (("moe", "down_registers", 120), ("moe", "gate_up_split", 2))
 plan, _ = make_plan(str(TINY), quick=True, kernels=KernelPlan(moe=True), kernel_settings=settings)
 seen = []
 def spy(name, real):
     def call(*args, **kw):
-        seen.append((name, kw["settings"].down_scale, kw["settings"].gate_up_split))
+        s = kw["settings"]
+        seen.append((name, s.down_scale, s.down_registers, s.gate_up_split))
         return real(*args, **kw)
     return call
 moe.gate_up, moe.down = spy("gate_up", moe.gate_up), spy("down", moe.down)
@@ -467,4 +469,4 @@ print(json.dumps({"check": row.check, "rows": row.rows, "seen": sorted(set(seen)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["check"] == "lossless" and got["rows"] == 2 and got["calls"] > 4
-    assert got["seen"] == [["down", "product", 2], ["gate_up", "product", 2]]
+    assert got["seen"] == [["down", "product", 120, 2], ["gate_up", "product", 120, 2]]
