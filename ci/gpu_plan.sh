@@ -40,8 +40,9 @@
 #             process at 512K: two engines there need an H200's memory (an H100 ran out at c29c1b3)
 #   step2     the sliding layers' one K/V tile in flight and the top-k's 1024 tile against the two and 2048 before them
 #             (same bits; with full layers' two, since back at three, 0.9903x paired at 61d6ab7)
-#   downprod  Down's scales on the step's product (MoESettings.down_scale: K step 333 -> 278 instructions), alone
-#             and capped at 128 registers (down_registers): its GPU cases, then the round paired at 1K and 38 experts
+#   downprod  Down's scales on the step's product capped at 128 registers (MoESettings.down_scale, down_registers:
+#             the default since 362189d) against the weight form and the uncapped launch: its GPU cases, then the
+#             round paired at 1K and 38 experts
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
 #   candidate a numerical candidate (CANDIDATE="OP.FIELD=VALUE ...", e.g. attention_full.min_split=128):
 #             qualification at TP 1 with it, the round paired against the defaults at 1K, then its context sweep, in
@@ -163,14 +164,14 @@ case "${1:-}" in
     gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --kernels "$kernels" \
       --out "$out/$1-full-tp8slice-ctx1k-d5-$sha.json" 2>&1 | tee "$out/$1-full-tp8slice-ctx1k-d5-$sha.log" ;;
   downprod)  # Down's scales on the step's product (MoESettings.down_scale): its GPU cases, then the round paired at 1K
-    # and at 38 experts (at 3117979 on an H100: 0.9879x and 1.0081x, its kernel at 142 registers against 128)
+    # and at 38 experts (at a00e0a2 on an H100, the form capped against the weight form, then the default: 0.9870x and
+    # 0.9841x; uncapped 0.9865x and 1.0012x, its kernel at 142 registers against 128)
     timeout 150 bash "$here/gpu.sh" tests -vv -k "down_product" tests/test_kernel_moe.py \
       > "$out/gpu-tests-downprod-$sha.log" 2>&1 || echo "gpu tests: exit $?" >&2
     tail -3 "$out/gpu-tests-downprod-$sha.log"
-    # each also with the form at 128 registers (MoESettings.down_registers), as many as the weight form's
-    form=@moe.down_scale=product
-    for arm in "ctx1k:triton,triton$form,triton$form@moe.down_registers=128" \
-               "route38:triton~route:38,triton~route:38$form,triton~route:38$form@moe.down_registers=128"; do
+    weight=@moe.down_scale=weight uncapped=@moe.down_registers=None
+    for arm in "ctx1k:triton,triton$weight,triton$uncapped" \
+               "route38:triton~route:38,triton~route:38$weight,triton~route:38$uncapped"; do
       timeout 200 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
         --kernels "${arm#*:}" --out "$out/step-downprod-${arm%%:*}-d5-$sha.json" \
         > "$out/step-downprod-${arm%%:*}-d5-$sha.log" 2>&1 || echo "bench step ${arm%%:*}: exit $?" >&2

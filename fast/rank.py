@@ -84,14 +84,15 @@ class EngineParts:
 
 def kernel_setting(text: str) -> KernelSetting:
     """"moe.gate_up_split=4" -> ("moe", "gate_up_split", 4), an EngineOptions.kernel_settings triple: an int,
-    True/False, or else the text (make_ops refuses an unknown op or field)."""
+    True/False, None (a field's "the kernel's own choice", as moe.down_registers=None), or else the text (make_ops
+    refuses an unknown op or field)."""
     target, eq, value = text.partition("=")
     op, dot, field = target.partition(".")
     if not (op and dot and field and eq and value):
         raise ValueError(f"a kernel setting is OP.FIELD=VALUE (moe.gate_up_split=4), got {text!r}")
     if value.isdigit():
         return op, field, int(value)
-    return op, field, {"True": True, "False": False}.get(value, value)
+    return op, field, {"True": True, "False": False, "None": None}.get(value, value)
 
 
 def kernel_settings_of(plan: KernelPlan, triples: tuple[KernelSetting, ...]):

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from iquest.fast.kernel_settings import KernelSettings
+from iquest.fast.kernel_settings import KernelSettings, build
 from iquest.fast.parallel import Parallel
 from iquest.fast.plan import KernelPlan
 from iquest.fast.rank import EngineOptions, RankEngine, kernel_setting
@@ -133,7 +133,6 @@ def test_full_and_sliding_layers_take_their_own_attention_settings(monkeypatch):
 
 
 def test_the_vocabulary_top_k_takes_its_settings(monkeypatch):
-    from iquest.fast.kernel_settings import build
     from iquest.fast.triton_ops import TritonOps
 
     seen = []
@@ -151,6 +150,8 @@ def test_kernel_setting_parses_op_field_value():
     assert kernel_setting("moe.gate_up_split=4") == ("moe", "gate_up_split", 4)
     assert kernel_setting("linear.preload=False") == ("linear", "preload", False)
     assert kernel_setting("moe.gate_up_scale=product") == ("moe", "gate_up_scale", "product")
+    assert kernel_setting("moe.down_registers=None") == ("moe", "down_registers", None)
+    assert build(KernelPlan.triton(), (kernel_setting("moe.down_registers=None"),)).moe.down_registers is None
     for bad in ("gate_up_split=4", "moe.gate_up_split", "moe.=4", ".x=4", "moe.x="):
         with pytest.raises(ValueError, match="OP.FIELD=VALUE"):
             kernel_setting(bad)
