@@ -16,6 +16,10 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 torch.set_num_threads(1)
+# and one in every process a test starts (the interpreted kernel workers, qualification's job processes, the CLI and
+# server under test), which would otherwise each take a thread a core beside the two workers': 18% of the wall time
+# of the engine and kernel modules on CI's two cores
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The GPU machines run their own torch and triton without the server's packages: there the server's tests (CPU tests,
 # run by CI) are not collected, rather than failing the GPU run at import.
