@@ -395,9 +395,13 @@ def _linear_auto_split(n: int, k: int, block_n: int, block_k: int, sms: int) -> 
 
 def compile_spec(spec: KernelSpec, **constexprs) -> object:
     """The compiled kernel for sm_90a (`constexprs` override the spec's, e.g. PRELOAD=0; num_warps and num_stages
-    override the launch's)."""
+    override the launch's, maxnreg its register cap, 0 for none)."""
     launch = {"num_warps": constexprs.pop("num_warps", spec.num_warps),
               "num_stages": constexprs.pop("num_stages", spec.num_stages)}
+    options = dict(spec.options)
+    cap = constexprs.pop("maxnreg", options.pop("maxnreg", 0))
+    if cap:
+        options["maxnreg"] = cap
     params = inspect.signature(spec.fn.fn).parameters
     names = list(params)
     defaults = {n: p.default for n, p in params.items()  # constexpr keywords the spec leaves at their defaults
@@ -410,7 +414,7 @@ def compile_spec(spec: KernelSpec, **constexprs) -> object:
     make = GluonASTSource if getattr(spec.fn, "is_gluon", lambda: False)() else ASTSource
     source = make(spec.fn, signature, {(names.index(k),): v for k, v in values.items()},
                   {(names.index(n),): [["tt.divisibility", 16]] for n in spec.div16})
-    return triton.compile(source, target=TARGET, options={**launch, **spec.options})
+    return triton.compile(source, target=TARGET, options={**launch, **options})
 
 
 _INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]{4,}\*/\s*(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9]*)")  # a SASS line's opcode

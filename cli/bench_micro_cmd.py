@@ -98,8 +98,9 @@ def register(bsub) -> None:
                         "it, tiles preloaded), fp8_linear_loop (the pipelined K loop), o_proj_router, add_norm_route; "
                         "an unknown name is refused with the full list")
     c.add_argument("--set", action="append", default=[], metavar="KERNEL.NAME=VALUE",
-                   help="override one constexpr, or the launch's num_warps or num_stages, e.g. fp8_linear.PRELOAD=0 "
-                        "or moe_gate_up.num_warps=8 (repeatable)")
+                   help="override one constexpr, or the launch's num_warps, num_stages or maxnreg (its register "
+                        "cap, 0 for none), e.g. fp8_linear.PRELOAD=0, moe_gate_up.num_warps=8 or moe_down.maxnreg=0 "
+                        "(repeatable)")
     c.add_argument("--top", type=int, default=10, help="instructions listed per kernel (default 10)")
     c.add_argument("--out", help="write the raw JSON report here")
     c.set_defaults(run=run_sass)

@@ -223,7 +223,7 @@ def test_downs_product_form_drops_the_multiply_and_fits_128_registers_under_its_
         assert spec.constexprs["SCALE_PRODUCT"] and spec.options == {"maxnreg": settings.down_registers}, spec.options
         capped = sass.report(_compiled(name))
         weight = sass.report(sass.compile_spec(spec, SCALE_PRODUCT=False))
-        uncapped = sass.report(sass.compile_spec(dataclasses.replace(spec, options={})))
+        uncapped = sass.report(sass.compile_spec(spec, maxnreg=0))
         w, u, c = weight["dot_loop"], uncapped["dot_loop"], capped["dot_loop"]
         assert w["mix"].get("FMUL", 0) >= 64 and c["mix"].get("FMUL", 0) == 0 and c["instructions"] < w["instructions"]
         assert uncapped["registers"] > settings.down_registers, uncapped  # what the cap is for
@@ -231,6 +231,10 @@ def test_downs_product_form_drops_the_multiply_and_fits_128_registers_under_its_
         assert c["instructions"] == u["instructions"], (c, u)
     fused = _published_specs()["moe_down_add_norm"]
     assert fused.constexprs["SCALE_PRODUCT"] and "maxnreg" not in fused.options, fused.options
+    # the cap's floor: 8 registers fewer spill (`bench sass --set moe_down.maxnreg=120`), and so would the fused kernel
+    # under Down's cap
+    assert sass.report(sass.compile_spec(_published_specs()["moe_down"], maxnreg=120))["stack_bytes"] > 0
+    assert sass.report(sass.compile_spec(fused, maxnreg=settings.down_registers))["stack_bytes"] > 0
 
 
 def test_an_odd_ranks_expert_shard_reads_one_scale_a_row():
