@@ -91,6 +91,17 @@ def kernel_summary(plan: KernelPlan) -> str:
     return f"triton for {', '.join(on)}" + (f"; torch forms for {', '.join(off)} (off in this plan)" if off else "")
 
 
+def _rank_processes(kind: str):
+    """Where ranks 1..tp-1 come from. CUDA needs a fresh interpreter a rank (spawn). CPU ranks fork from a server that
+    imported this module once, so a rank starts without importing torch again (~2 s of a core each; forkserver, where
+    the platform has it)."""
+    if kind != "cpu" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
 class FastEngine:
     def __init__(self, rank0: RankEngine, procs: list, queues: list):
         self.rank0, self.procs, self.queues = rank0, procs, queues
@@ -113,7 +124,7 @@ class FastEngine:
         CheckpointReader(model_dir, config)  # names, shapes, dtypes from the headers: fail before any device work
         check_memory(config, tp, options, kind, ranks=(0,))  # each worker checks its own GPU
         port = free_port()
-        ctx = mp.get_context("spawn")
+        ctx = _rank_processes(kind)
         ready = ctx.Queue()
         procs, queues = [], []
         for rank in range(1, tp):

@@ -22,7 +22,8 @@ def _handles(pid: int) -> bool:
     """Whether `pid` catches SIGUSR1 (Linux's /proc/PID/status). Its default action ends a process, so one that has
     not registered (a worker still importing torch, multiprocessing's resource tracker, a compiler run by Triton) is
     never sent it. gVisor's /proc (the lent GPU machines) has no SigCgt line: there a multiprocessing child (a pool
-    worker, a TP rank) is taken to have registered, as it has a few seconds after it starts."""
+    worker, a GPU's TP rank) is taken to have registered, as it has a few seconds after it starts; a CPU rank, forked
+    from a server whose command line it shares (fast/engine.py), cannot be told from that server and is not asked."""
     try:
         with open(f"/proc/{pid}/status") as f:
             caught = next((line.split()[1] for line in f if line.startswith("SigCgt:")), None)

@@ -256,6 +256,18 @@ def _tp_tokens(model_dir, tp: int, prompt, seed, drafts, n=24, weights="auto") -
         engine.close()
 
 
+def test_cpu_ranks_fork_from_a_server_and_cuda_ranks_spawn():
+    """CPU ranks start from a fork server that imported the engine once (where the platform has one); CUDA cannot
+    be forked into, so its ranks spawn a fresh interpreter each."""
+    import multiprocessing
+
+    from iquest.fast.engine import _rank_processes
+
+    assert _rank_processes("cuda").get_start_method() == "spawn"
+    server = "forkserver" in multiprocessing.get_all_start_methods()
+    assert _rank_processes("cpu").get_start_method() == ("forkserver" if server else "spawn")
+
+
 def test_tp2_reproduces_the_reference():
     """One TP 2 engine (a process holds one process group at a time), plain and speculative, two prompts and seeds."""
     engine = FastEngine.load(TINY, tp=2, device="cpu", options=EngineOptions(max_context=256, dtype="fp32"))
