@@ -297,6 +297,8 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
     down = dict(BLOCK_N=ms.down_block_n, BLOCK_K=mo.down_k((B0, B1), ms), SCALE_PRODUCT=ms.down_scale == "product")
     launch = mo.down_launch(torch.bfloat16, ms)  # Down's warps, stages and register cap
     down_warps, down_stages = launch.pop("num_warps"), launch.pop("num_stages")
+    tail_launch = {k: v for k, v in mo.down_launch(torch.bfloat16, ms, tail=True).items()
+                   if k not in ("num_warps", "num_stages")}  # Down ending in the tail: its own cap (none)
     for suffix, shp in (("", s), ("_odd", odd)):
         o = shp.inter_offset
         gs_rows, ds_cols = -(-(I + o) // B0), -(-(I + o) // B1)
@@ -327,7 +329,7 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
         dict(D_OFF0=0, D_OFF1=o, B0=B0, B1=B1, **routing, **down, BLOCK_H=block, Y_NORM=False, SCALED=True, **early),
         down_warps, down_stages, f"MoE Down, [{H} x {I}] E4M3 an expert, then a program a row waiting for the "
                                  f"owners' arrivals: the weighted sum of {k} slots and the sandwich tail (TP 1, rank "
-                                 f"slices)", NO_FMA)  # uncapped, as the wrapper launches it
+                                 f"slices)", {**NO_FMA, **tail_launch})
     out["moe_combine"] = _launch(
         mo._combine_kernel, dict(y_ptr="*fp32", weights_ptr="*fp32", live_ptr="*u8", out_ptr="*fp32"),
         dict(R=R, H=H, stride_o=H), (), dict(K_TOP=k, BLOCK=ms.combine_block, LIVE_COUNT=False, PDL=True), 4, 1,

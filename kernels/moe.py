@@ -167,8 +167,7 @@ class MoESettings:
     # A register cap for plain Down's launches (Triton's `maxnreg`; None: the compiler's choice). The same code and
     # bits: the product form compiles to 142 registers, and to 128 with no spill under a cap of 128, as many as the
     # weight form's (`iquest bench sass`); uncapped, fewer of its programs fit an SM beside Gate/Up's, and at 38
-    # experts the form lost in the round (docs/PERF.md, "Current state"). Down ending in the tail (`down_add_norm`)
-    # takes no cap: it needs 144 registers and spills under 128
+    # experts the form lost in the round (docs/PERF.md, "Current state"). Not Down ending in the tail (`down_launch`)
     down_registers: int | None = 128
 
 
@@ -748,9 +747,11 @@ def down_k(block: tuple[int, int], settings: MoESettings = MoESettings()) -> int
     return _k_step(settings.down_block_k, block)
 
 
-def down_launch(dtype: torch.dtype, s: MoESettings) -> dict:
-    """Down's launch: its warps and stages, and its register cap where set (`MoESettings.down_registers`)."""
-    return dict(_streams(dtype, s), **({"maxnreg": s.down_registers} if s.down_registers is not None else {}))
+def down_launch(dtype: torch.dtype, s: MoESettings, tail: bool = False) -> dict:
+    """Down's launch: its warps and stages, and its register cap where set (`MoESettings.down_registers`), which Down
+    ending in the tail (`tail`, `down_add_norm`) does not take: it needs 144 registers and spills under 128."""
+    capped = s.down_registers is not None and not tail
+    return dict(_streams(dtype, s), **({"maxnreg": s.down_registers} if capped else {}))
 
 
 def _split_width(H: int, block: tuple[int, int], settings: MoESettings) -> int:
@@ -895,7 +896,7 @@ def down_add_norm(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights,
         next_norm if y_norm is None else y_norm, next_norm, sum_, h_out, b, R, H, h.hidden.shape[1],
         down_w.scale.stride(0), down_w.scale.stride(1), float(eps), scale, residual.stride(0), sum_.stride(0),
         h_out.stride(0), b.stride(0), **_down_constexprs(h, down_w, s, down_k, pdl), BLOCK_H=triton.next_power_of_2(H),
-        Y_NORM=y_norm is not None, SCALED=scale != 1.0, **dict(_streams(h.dtype, s), **build),
+        Y_NORM=y_norm is not None, SCALED=scale != 1.0, **dict(down_launch(h.dtype, s, tail=True), **build),
         **launch_options(pdl, dev))
     return sum_, h_out, b
 
