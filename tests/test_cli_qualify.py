@@ -434,11 +434,10 @@ def test_the_lossless_run_reports_its_requests_as_steps():
 
 def test_the_lossless_run_draws_from_the_candidates_engine():
     """The lossless unit builds its engine from the candidate's options (run_lossless passes plan.base): its kernels
-    and kernel settings, so a numerical form is judged there too. Until 2026-12-07 it took the kernels alone, so it
-    ran the default settings, and the default's product form met the micro fixture's 8 x 8 scale blocks (narrower
-    than the 16-column K step) on the GPU only. Here the MoE's kernels, under the interpreter (a process of its own),
-    with both product forms (the defaults) on those blocks and a candidate differing in two other fields: every
-    Gate/Up and Down launch takes the candidate's settings."""
+    and kernel settings, so a numerical form is judged there too (docs/PERF.md tells what the kernels alone missed).
+    Here the MoE's kernels, under the interpreter (a process of its own), with both product forms (the defaults) on
+    the micro fixture's 8 x 8 scale blocks, narrower than the 16-column K step, and a candidate differing in two other
+    fields: every Gate/Up and Down launch takes the candidate's settings."""
     script = """
 import dataclasses, json
 from iquest.fast.plan import KernelPlan
