@@ -10,6 +10,7 @@ same bits. Importing this module imports triton: the engine imports it only for 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections import Counter
@@ -17,9 +18,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels import (decode_attention, depth_rule, embed, expert_prefetch, fp8_linear, launch, lm_head,
-                       logprobs, moe, o_proj_router, philox, qk_rope_kv, qkv_rope_kv, rmsnorm, route_tail, router,
-                       sample, settle, topk)
+from ..kernels import (decode_attention, depth_rule, embed, expert_prefetch, fp8_linear, fp8_linear_direct, launch,
+                       lm_head, logprobs, moe, o_proj_router, philox, qk_rope_kv, qkv_rope_kv, rmsnorm, route_tail,
+                       router, sample, settle, topk)
 from . import sampler
 from .depth_rule import logit_threshold
 from .kernel_settings import KernelSettings
@@ -27,7 +28,7 @@ from .plan import KernelPlan
 from .profiling import stage
 from .router_fold import PendingProjection
 from .torch_ops import TorchOps
-from .weights import MoE, Weight
+from .weights import DenseMLP, MoE, Weight
 
 LINEAR_LOCKS = 4096  # arrival counters: one per output tile of the largest decode or prefill-block linear
 
@@ -69,6 +70,7 @@ class TritonOps(TorchOps):
         self._experts: dict[int, list] = {}  # id(MoE) -> its gate, up, down as the MoE kernel takes them
         self._slabs: dict[int, tuple] = {}  # id(router) -> its layer's Gate and Up codes, for the select to warm
                                              # (filled with the routed prefetch on)
+        self._direct: dict[int, torch.Tensor] = {}  # id(Weight) -> its codes in the MMA fragments' order (`direct`)
         self._side: torch.cuda.Stream | None = None  # the expert prefetch's branch stream (CUDA)
         self._branch: list = []  # what the branches launched since the last join read and write: kept alive until it
         if os.environ.get("TRITON_INTERPRET") == "1":  # on CPU: the interpreter, with its loop-bound fix
@@ -102,6 +104,20 @@ class TritonOps(TorchOps):
                     self._slabs[id(lw.mlp.router)] = (gate.q, up.q)
         if self._warm and w.embed.is_cuda:
             self._side = torch.cuda.Stream(w.embed.device)
+        if w.embed.is_cuda:  # the direct kernel is compiled only (no interpreter)
+            for weight in self._direct_weights(w):
+                self._direct[id(weight)] = fp8_linear_direct.direct_weight(weight.q)
+
+    def _direct_weights(self, w) -> list[Weight]:
+        """The weights of the ops whose settings take the direct kernel (`LinearSettings.direct`) that it can read:
+        the o-projections under `o_proj`; the dense MLP, eh_proj and the unfolded q/k/v under `linear`."""
+        blocks = [*w.layers, w.draft.block]
+        chosen = [lw.attn.wo for lw in blocks] if self.settings.o_proj.direct else []
+        if self.settings.linear.direct:
+            chosen += [p for lw in blocks if isinstance(lw.mlp, DenseMLP)
+                       for p in (lw.mlp.gate, lw.mlp.up, lw.mlp.down)]
+            chosen += [w.draft.eh_proj, *(lw.attn.wqkv for lw in blocks if lw.attn.wqkv is not None)]
+        return [p for p in chosen if _fp8_takes(p) and p.q.shape[1] % fp8_linear_direct.BLOCK_K.value == 0]
 
     # ---- the expert prefetch's side branch -------------------------------------------------------------
     def warm_experts(self, mlp, a, live):
@@ -140,9 +156,15 @@ class TritonOps(TorchOps):
 
     def _fp8(self, w: Weight, x: torch.Tensor, s) -> torch.Tensor:
         cuda = x.is_cuda
+        locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
+        direct = self._direct.get(id(w)) if s.direct else None
+        if direct is not None and fp8_linear_direct.applies(x, w.q.shape[0], w.block, s):
+            self.calls["direct"] += 1
+            fits = locks is not None and fp8_linear_direct.lock_count(x.shape[0], w.q.shape[0]) <= locks.numel()
+            return fp8_linear_direct.fp8_linear_direct(x.contiguous(), direct, w.scale, w.block, out_dtype=x.dtype,
+                                                       locks=locks if fits else None, pdl=True, settings=s)
         if cuda and fp8_linear.preload_plan(x.shape[0], *w.q.shape, w.block, s, device=x.device):
             self.calls["preload"] += 1
-        locks = self._locks  # None before prepare(), too few for a long prefill block: the sum as a second pass
         fits = locks is not None and fp8_linear.lock_count(x.shape[0], w.q.shape[0], s) <= locks.numel()
         return fp8_linear.fp8_linear(x.contiguous(), w.q, w.scale, w.block, out_dtype=x.dtype,
                                      locks=locks if fits else None, pdl=cuda, settings=s)
@@ -155,7 +177,7 @@ class TritonOps(TorchOps):
             return super().o_proj_parts(pending, residual)
         self.calls["o_proj_router"] += 1
         locks = self._locks
-        s = self.settings.o_proj
+        s = dataclasses.replace(self.settings.o_proj, direct=False)  # the fold's kernel has no direct form
         fits = locks is not None and o_proj_router.lock_count(x.shape[0], w.q.shape[0], s) <= locks.numel()
         return o_proj_router.o_proj_router(x.contiguous(), w.q, w.scale, w.block, residual, fold.router_w, fold.w_out,
                                            locks=locks if fits else None, pdl=x.is_cuda, settings=s,

@@ -17,8 +17,9 @@ before waiting for the previous kernel (PDL, kernels/launch.py), then runs the s
 weight's HBM latency overlaps the previous kernel (docs/PERF.md, "Constant weights loaded into registers before the
 PDL wait").
 
-kernels/fp8_linear_direct.py holds another kernel for the preloading form (Gluon), off the product path, which
-shares this module's checks, split plan and split sum.
+kernels/fp8_linear_direct.py holds another kernel for the preloading form (Gluon, the weights straight into the
+MMA's registers from a copy in the fragments' order), the same bits; it shares this module's checks, split plan and
+split sum, and the dispatcher takes it where `LinearSettings.direct` is on.
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ class LinearSettings:
     preload: bool = True
     # K splits; None: `choose_split_k`, from N, about two programs an SM in all.
     split_k: int | None = None
+    # Calls the direct kernel takes (kernels/fp8_linear_direct.py `applies`: a preloading call on the GPU) run there,
+    # from a copy of the weight in the MMA fragments' order that the dispatcher makes once, before any capture; the
+    # same bits as this module's kernel, so a launch choice (docs/PERF.md, "The FP8 linears' operands loaded straight
+    # into the MMA's registers"). Only for the plain linears and the o-projection: the fused kernels have no direct form
+    direct: bool = False
 
     def __post_init__(self):
         problems = [m for ok, m in (
@@ -69,6 +75,7 @@ class LinearSettings:
             (isinstance(self.num_stages, int) and not isinstance(self.num_stages, bool) and self.num_stages >= 1,
              f"num_stages {self.num_stages!r} must be an int >= 1"),
             (isinstance(self.preload, bool), f"preload {self.preload!r} must be a bool"),
+            (isinstance(self.direct, bool), f"direct {self.direct!r} must be a bool"),
             (self.split_k is None or (isinstance(self.split_k, int) and not isinstance(self.split_k, bool)
                                       and self.split_k >= 1), f"split_k {self.split_k!r} must be None or an int >= 1"),
         ) if not ok]

@@ -1,7 +1,7 @@
 """`fp8_linear_direct`: the FP8 linear's preloading form for decode rows (M <= 8 a row block) with the weights loaded
 straight into the tensor cores' registers (Triton's Gluon dialect), never staged through shared memory. Off the product
-path (the engine calls kernels/fp8_linear.fp8_linear); kept with its tests as the measured alternative (docs/PERF.md,
-"The FP8 linears' operands loaded straight into the MMA's registers").
+path by default: the engine's dispatcher calls it where the op's `LinearSettings.direct` is on (docs/PERF.md, "The
+FP8 linears' operands loaded straight into the MMA's registers").
 
 Why. In the Triton kernel (kernels/fp8_linear.py) every K tile's weights go from their load layout through shared
 memory into the MMA's operand layout behind barriers, one tile after another: in the captured round each of a
@@ -209,6 +209,13 @@ def direct_applies(x: torch.Tensor, block_k: int, tiles: int) -> bool:
     bf16 or fp16 x and 128-wide K tiles."""
     return (not fl.INTERPRETED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and block_k == BLOCK_K.value
             and tiles > 0)
+
+
+def applies(x: torch.Tensor, n: int, block: tuple[int, int], settings: fl.LinearSettings) -> bool:
+    """Whether `fp8_linear_direct` takes x @ W^T for W [n, x's K] with `block` scales under `settings`, as
+    `fp8_linear` would split it: `direct_applies` on that call's plan."""
+    block_k, _, k_per_split = fl.split_plan(n, x.shape[1], block, settings, x.device)
+    return direct_applies(x, block_k, fl.preload_tiles(x.shape[1], k_per_split, block_k))
 
 
 def lock_count(m: int, n: int) -> int:

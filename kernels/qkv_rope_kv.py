@@ -128,6 +128,7 @@ def qkv_rope_kv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tu
     `qk_rope_kv`'s; ValueError for what it does not take."""
     D = cache_k.shape[-1] if cache_k.dim() == 3 else 0
     _check(x.dim() == 2 and w.dim() == 2 and D >= 1, "x, w must be 2-D and cache_k [slots + 1, Hkv, head_dim]")
+    _check(not settings.direct, "settings.direct: the fused projection has no direct form (fp8_linear_direct)")
     # K split as the plain linear splits it under `settings` (its column tiles, not a head's), so the tile sums are
     # its own, bit for bit; without locks the sum is not split
     splits = fl.split_plan(w.shape[0], x.shape[1], block, settings, x.device)[1] if locks is not None else 1

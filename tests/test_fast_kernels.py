@@ -344,6 +344,49 @@ def test_kernel_settings_are_checked():
         engine(KernelPlan(moe=True), kernel_settings=(("qkv_rope_kv", "num_warps", 8),))
 
 
+def test_direct_settings_choose_their_ops_weights():
+    """`LinearSettings.direct` (kernels/fp8_linear_direct.py) per op: the o-projection's takes every block's o_proj
+    weight, the plain linears' the dense MLP, eh_proj and the q/k/v weights; off, none. On the CPU no copy is made
+    (the direct kernel is compiled only), so every call runs the Triton kernel."""
+    from iquest.tests.helpers import fixture_dir
+
+    model = fixture_dir("tiny-tp8", "bf16")  # quantized at load into 128 x 128 blocks: every K is whole tiles
+
+    def chosen(*settings):
+        e = RankEngine(model, Parallel.single("cpu"), EngineOptions(max_context=64, dtype="bf16", weights="fp8",
+                                                                    kernels=KernelPlan.triton(),
+                                                                    kernel_settings=settings))
+        w, ops = e.model.w, e.model.ops
+        assert ops._direct == {}
+        blocks = [*w.layers, w.draft.block]
+        return {id(p) for p in ops._direct_weights(w)}, w, blocks
+
+    none, _, _ = chosen()
+    o_only, w, blocks = chosen(("o_proj", "direct", True))
+    assert none == set() and o_only == {id(lw.attn.wo) for lw in blocks} and len(o_only) == 5
+    linear, w, blocks = chosen(("linear", "direct", True))
+    dense = [p for lw in blocks if hasattr(lw.mlp, "down") and not hasattr(lw.mlp, "router")
+             for p in (lw.mlp.gate, lw.mlp.up, lw.mlp.down)]
+    qkv = [lw.attn.wqkv for lw in blocks if lw.attn.wqkv is not None]
+    assert linear == {id(p) for p in [*dense, w.draft.eh_proj, *qkv]} and len(dense) == 3
+
+
+def test_direct_is_refused_where_no_direct_form_exists():
+    """The fused q/k/v kernel has no direct form: asked for one, it refuses before launching anything."""
+    from dataclasses import replace
+
+    from iquest.kernels import fp8_linear as fl, qkv_rope_kv
+
+    x = torch.zeros(2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="no direct form"):
+        qkv_rope_kv.qkv_rope_kv(x, torch.zeros(64, 128).to(torch.float8_e4m3fn), torch.ones(1, 1), (128, 128), 2, 1,
+                                torch.ones(16), torch.ones(16), 1e-6, None, None, torch.zeros(2, dtype=torch.long),
+                                torch.ones(2, dtype=torch.bool), torch.zeros(9, 1, 16), torch.zeros(9, 1, 16),
+                                torch.zeros(9, dtype=torch.long), settings=replace(fl.LinearSettings(), direct=True))
+    with pytest.raises(ValueError, match="direct 1 must be a bool"):
+        fl.LinearSettings(direct=1)
+
+
 def test_interpreted_router_fold_kernels_within_their_tolerance(interpreted):
     """The router fold on its kernels: every MoE layer call of the three blocks (3 target MoE layers x 2 forwards +
     the draft) ran the o-projection with the partials and the tail that selects, and routed from it (no router pass);
@@ -465,6 +508,33 @@ def test_cuda_kernel_paths_all_ran():
             "route", "moe", "combine_add_norm", "lm_head"} <= ran, dict(ops.calls)
     # Only prefill blocks (tens of rows) exceed the router's 8 rows and the head's 16: no decode call falls back
     assert set(ops.fallbacks) <= {"moe", "lm_head"}, dict(ops.fallbacks)
+
+
+@pytest.mark.gpu
+def test_cuda_direct_linears_give_the_same_bits(monkeypatch):
+    """`LinearSettings.direct` on the o-projection and the plain linears: the same tokens, log-probabilities and
+    acceptances as the Triton kernel's launches through the captured loop, with the direct calls counted. tiny-tp8
+    quantized at load: 128 x 128 blocks, so its o_proj's K of 256 is two whole tiles, which the direct kernel takes.
+    The check catches a dispatcher handing the kernel the weight in its own order instead of the fragments' (the
+    control below)."""
+    from iquest.kernels import fp8_linear_direct
+    from iquest.tests.helpers import fixture_dir
+
+    model = fixture_dir("tiny-tp8", "bf16")
+    direct = (("o_proj", "direct", True), ("linear", "direct", True))
+
+    def decode(settings):
+        e = RankEngine(model, Parallel.single("cuda"), EngineOptions(max_context=256, dtype="bf16", weights="fp8",
+                                                                     kernels=KernelPlan.triton(),
+                                                                     kernel_settings=settings))
+        return decode_cases(e, logprobs=True), e.model.ops.calls["direct"]
+
+    want, none = decode(())
+    got, calls = decode(direct)
+    assert none == 0 and calls > 0 and got == want
+    monkeypatch.setattr(fp8_linear_direct, "direct_weight", lambda q: q.clone())  # the control: W's own order
+    broken, calls = decode(direct)
+    assert calls > 0 and broken != want
 
 
 # ---- the plan and the dispatcher, no kernel launched ------------------------------------------------------------
