@@ -43,8 +43,8 @@
 #   downprod  Down's scales on the step's product capped at 128 registers (MoESettings.down_scale, down_registers:
 #             the default since 362189d) against the weight form and the uncapped launch: its GPU cases, then the
 #             round paired at 1K and 38 experts
-#   direct    the FP8 linears' direct kernel (LinearSettings.direct, the same bits): its GPU cases and the engine's
-#             bits, then the round paired at 1K against the defaults
+#   launch    the FP8 linears' direct kernel (LinearSettings.direct) and Gate/Up's tiles through tensor descriptors
+#             (MoESettings.gate_up_tma), both the same bits: their GPU cases, then the round paired at 1K
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
 #   candidate a numerical candidate (CANDIDATE="OP.FIELD=VALUE ...", e.g. attention_full.min_split=128):
 #             qualification at TP 1 with it, the round paired against the defaults at 1K, then its context sweep, in
@@ -179,18 +179,20 @@ case "${1:-}" in
         > "$out/step-downprod-${arm%%:*}-d5-$sha.log" 2>&1 || echo "bench step ${arm%%:*}: exit $?" >&2
       grep -E "median round|against|differs at|identical" "$out/step-downprod-${arm%%:*}-d5-$sha.log"
     done ;;
-  direct)  # the FP8 linears' weights straight into the MMA's registers (LinearSettings.direct, the same bits): the
-    # kernel's GPU cases and the engine's bits with it, then the round paired at 1K (6,098.9 -> 5,735.1 us at 123b6fb,
-    # the retired architecture's q/k/v and o_proj; since the re-base the o-projection and the plain linears only)
-    timeout 200 bash "$here/gpu.sh" tests -vv -k "direct" tests/test_kernel_fp8_linear_direct.py \
-      tests/test_fast_kernels.py > "$out/gpu-tests-direct-$sha.log" 2>&1 || echo "gpu tests: exit $?" >&2
-    grep -E "PASSED|FAILED|ERROR" "$out/gpu-tests-direct-$sha.log" | grep -v "test_gpu_same_bits" | cut -c1-160
-    tail -2 "$out/gpu-tests-direct-$sha.log"
+  launch)  # two launch forms the re-base dropped, each the same bits: the FP8 linears' weights straight into the MMA's
+    # registers (LinearSettings.direct; 6,098.9 -> 5,735.1 us at 123b6fb with the retired q/k/v and o_proj) and
+    # Gate/Up's tiles through tensor descriptors (MoESettings.gate_up_tma; 7,673 -> 7,437 us at 2c6bef4, the retired
+    # MoE): their GPU cases and the engine's bits, then the round paired at 1K
+    timeout 200 bash "$here/gpu.sh" tests -vv -k "direct or tma" tests/test_kernel_fp8_linear_direct.py \
+      tests/test_fast_kernels.py tests/test_kernel_moe.py > "$out/gpu-tests-launch-$sha.log" 2>&1 \
+      || echo "gpu tests: exit $?" >&2
+    grep -E "FAILED|ERROR" "$out/gpu-tests-launch-$sha.log" | cut -c1-160
+    tail -2 "$out/gpu-tests-launch-$sha.log"
     timeout 240 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
-      --kernels triton,triton@o_proj.direct=True,triton@o_proj.direct=True@linear.direct=True \
-      --out "$out/step-direct-ctx1k-d5-$sha.json" > "$out/step-direct-ctx1k-d5-$sha.log" 2>&1 \
+      --kernels triton,triton@o_proj.direct=True,triton@moe.gate_up_tma=True \
+      --out "$out/step-launch-ctx1k-d5-$sha.json" > "$out/step-launch-ctx1k-d5-$sha.log" 2>&1 \
       || echo "bench step: exit $?" >&2
-    grep -E "median round|against|differs at|identical|Error" "$out/step-direct-ctx1k-d5-$sha.log" ;;
+    grep -E "median round|against|differs at|identical|Error" "$out/step-launch-ctx1k-d5-$sha.log" ;;
   prefetch)
     for d in 3 4; do
       gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --drafts $d \
