@@ -137,7 +137,7 @@ CONTROLS = [
          control="down_product_offset_ignored", caught="rel err"),
     case("neg_product_one_scale_a_step", E=4, k=2, H=48, I=14, block=(8, 8), offset=4, dtype="bf16", scale="product",
          down="product", control="product_one_scale_a_step", caught="rel err"),
-    case("neg_tma_rows_shifted", H=320, offset=80, dtype="bf16", scale="product", tma=True,
+    case("neg_tma_rows_shifted", offset=80, dtype="bf16", scale="product", tma=True,
          control="tma_rows_shifted", caught="rel err"),
     case("neg_pair_major_last_tile_dropped", H=320, I=96, dtype="bf16", split=2,
          control="pair_major_last_tile_dropped", caught="non-finite output|rel err"),
