@@ -92,8 +92,8 @@ def specs() -> dict[str, KernelSpec]:
                                      "K summed in the launch")
     loop = KernelSpec(linear.fn, linear.types, dict(linear.constexprs, PRELOAD=0), linear.div16, linear.num_warps,
                       linear.num_stages, "FP8 linear, the pipelined K loop (without preload)")
-    # fp8_linear_direct (LinearSettings.direct, off by default) at o_proj's shape: one split of its K tiles over 2
-    # warps, stored
+    # fp8_linear_direct (LinearSettings.direct, the o-projection's default) at o_proj's shape: one split of its K
+    # tiles over 2 warps, stored
     direct = KernelSpec(
         fd._fp8_linear_direct_kernel, dict(linear.types, x_ptr="*bf16"),
         dict(B0=128, B1=128, G=2, W_LOAD=fd.load_layout(2), SPLIT=False, SERIAL=False, PRELOAD=o_k // 128, PDL=True),

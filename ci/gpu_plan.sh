@@ -43,8 +43,9 @@
 #   downprod  Down's scales on the step's product capped at 128 registers (MoESettings.down_scale, down_registers:
 #             the default since 362189d) against the weight form and the uncapped launch: its GPU cases, then the
 #             round paired at 1K and 38 experts
-#   launch    the FP8 linears' direct kernel (LinearSettings.direct) and Gate/Up's tiles through tensor descriptors
-#             (MoESettings.gate_up_tma), both the same bits: their GPU cases, then the round paired at 1K
+#   launch    the o-projection's direct kernel (LinearSettings.direct, the default) against its Triton kernel, and
+#             Gate/Up's tiles through tensor descriptors (MoESettings.gate_up_tma), both the same bits: the round
+#             paired at 1K, then their GPU cases
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
 #   candidate a numerical candidate (CANDIDATE="OP.FIELD=VALUE ...", e.g. attention_full.min_split=128):
 #             qualification at TP 1 with it, the round paired against the defaults at 1K, then its context sweep, in
@@ -180,12 +181,13 @@ case "${1:-}" in
       grep -E "median round|against|differs at|identical" "$out/step-downprod-${arm%%:*}-d5-$sha.log"
     done ;;
   launch)  # two launch forms the re-base dropped, each the same bits: the FP8 linears' weights straight into the MMA's
-    # registers (LinearSettings.direct; 6,098.9 -> 5,735.1 us at 123b6fb with the retired q/k/v and o_proj) and
-    # Gate/Up's tiles through tensor descriptors (MoESettings.gate_up_tma; 7,673 -> 7,437 us at 2c6bef4, the retired
-    # MoE): the round paired at 1K, then their GPU cases and the engine's bits
+    # registers (LinearSettings.direct, the o-projection's default since the twenty-ninth session: 0.9628x paired at
+    # 1e8646c on an H100) against its Triton kernel, and Gate/Up's tiles through tensor descriptors
+    # (MoESettings.gate_up_tma; 7,673 -> 7,437 us at 2c6bef4, the retired MoE): the round paired at 1K, then their GPU
+    # cases and the engine's bits
     # the pairing first: a call cut short by its limit still brings back the figure
     timeout 240 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
-      --kernels triton,triton@o_proj.direct=True,triton@moe.gate_up_tma=True \
+      --kernels triton,triton@o_proj.direct=False,triton@moe.gate_up_tma=True \
       --out "$out/step-launch-ctx1k-d5-$sha.json" > "$out/step-launch-ctx1k-d5-$sha.log" 2>&1 \
       || echo "bench step: exit $?" >&2
     grep -E -A3 "median round|against|differs at|identical|Error" "$out/step-launch-ctx1k-d5-$sha.log"

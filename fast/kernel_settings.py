@@ -28,10 +28,12 @@ class KernelSettings:
     # same bits (docs/PERF.md, "Current state", the same-bits tunes). The o-projection's K in one program (no split
     # partials to sum), the q/k/v fold's K over 8 programs a head (3 K tiles each) and the head's 128-column steps
     # change the sums' order: each was qualified at TP 1 and paired in the round before it became a default, and all
-    # of them at TP 2 with the last (docs/PERF.md, "Current state", the candidates of 17fb4ea and 9c6eda1).
+    # of them at TP 2 with the last (docs/PERF.md, "Current state", the candidates of 17fb4ea and 9c6eda1). The
+    # o-projection's calls run the direct kernel (kernels/fp8_linear_direct.py): the same bits, the round 0.9628x
+    # (docs/PERF.md, "Current state").
     moe: mo.MoESettings = mo.MoESettings()                          # Gate/Up, Down, the combine
     linear: fl.LinearSettings = fl.LinearSettings(num_stages=2)     # dense MLP, eh_proj, q/k/v unfolded
-    o_proj: fl.LinearSettings = fl.LinearSettings(num_stages=2, split_k=1)  # the o-projection, folded or not
+    o_proj: fl.LinearSettings = fl.LinearSettings(num_stages=2, split_k=1, direct=True)  # folded or not
     o_proj_router: opr.PartsSettings = opr.PartsSettings()          # the router fold's partial logits
     qkv_rope_kv: fl.LinearSettings = fl.LinearSettings(num_warps=8, split_k=8)  # q/k/v + q/k norm + RoPE + KV write
     lm_head: lh.LMHeadSettings = lh.LMHeadSettings()                # the target's and the draft's heads

@@ -111,13 +111,14 @@ class TritonOps(TorchOps):
     def _direct_weights(self, w) -> list[Weight]:
         """The weights of the ops whose settings take the direct kernel (`LinearSettings.direct`) that it can read:
         the o-projections under `o_proj`; the dense MLP, eh_proj and the unfolded q/k/v under `linear`."""
-        blocks = [*w.layers, w.draft.block]
-        chosen = [lw.attn.wo for lw in blocks] if self.settings.o_proj.direct else []
-        if self.settings.linear.direct:
-            chosen += [p for lw in blocks if isinstance(lw.mlp, DenseMLP)
+        blocks, o, lin = [*w.layers, w.draft.block], self.settings.o_proj, self.settings.linear
+        chosen = [(lw.attn.wo, o) for lw in blocks] if o.direct else []
+        if lin.direct:
+            chosen += [(p, lin) for lw in blocks if isinstance(lw.mlp, DenseMLP)
                        for p in (lw.mlp.gate, lw.mlp.up, lw.mlp.down)]
-            chosen += [w.draft.eh_proj, *(lw.attn.wqkv for lw in blocks if lw.attn.wqkv is not None)]
-        return [p for p in chosen if _fp8_takes(p) and p.q.shape[1] % fp8_linear_direct.BLOCK_K.value == 0]
+            chosen += [(p, lin) for p in (w.draft.eh_proj, *(lw.attn.wqkv for lw in blocks)) if p is not None]
+        return [p for p, s in chosen if _fp8_takes(p) and p.q.shape[1] % fp8_linear_direct.BLOCK_K.value == 0
+                and fp8_linear_direct.takes_weight(*p.q.shape, p.block, s, p.q.device)]
 
     # ---- the expert prefetch's side branch -------------------------------------------------------------
     def warm_experts(self, mlp, a, live):

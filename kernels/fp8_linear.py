@@ -63,8 +63,8 @@ class LinearSettings:
     split_k: int | None = None
     # Calls the direct kernel takes (kernels/fp8_linear_direct.py `applies`: a preloading call on the GPU) run there,
     # from a copy of the weight in the MMA fragments' order that the dispatcher makes once, before any capture; the
-    # same bits as this module's kernel, so a launch choice (docs/PERF.md, "The FP8 linears' operands loaded straight
-    # into the MMA's registers"). Only for the plain linears and the o-projection: the fused kernels have no direct form
+    # same bits as this module's kernel, so a launch choice (docs/PERF.md, "The o-projection through the direct kernel
+    # again"). Only for the plain linears and the o-projection: the fused kernels have no direct form
     direct: bool = False
 
     def __post_init__(self):

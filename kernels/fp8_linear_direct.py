@@ -1,7 +1,7 @@
 """`fp8_linear_direct`: the FP8 linear's preloading form for decode rows (M <= 8 a row block) with the weights loaded
-straight into the tensor cores' registers (Triton's Gluon dialect), never staged through shared memory. Off the product
-path by default: the engine's dispatcher calls it where the op's `LinearSettings.direct` is on (docs/PERF.md, "The
-FP8 linears' operands loaded straight into the MMA's registers").
+straight into the tensor cores' registers (Triton's Gluon dialect), never staged through shared memory. The engine's
+dispatcher calls it where an op's `LinearSettings.direct` is on, the o-projection's by default (docs/PERF.md, "The
+o-projection through the direct kernel again").
 
 Why. In the Triton kernel (kernels/fp8_linear.py) every K tile's weights go from their load layout through shared
 memory into the MMA's operand layout behind barriers, one tile after another: in the captured round each of a
@@ -214,8 +214,22 @@ def direct_applies(x: torch.Tensor, block_k: int, tiles: int) -> bool:
 def applies(x: torch.Tensor, n: int, block: tuple[int, int], settings: fl.LinearSettings) -> bool:
     """Whether `fp8_linear_direct` takes x @ W^T for W [n, x's K] with `block` scales under `settings`, as
     `fp8_linear` would split it: `direct_applies` on that call's plan."""
-    block_k, _, k_per_split = fl.split_plan(n, x.shape[1], block, settings, x.device)
-    return direct_applies(x, block_k, fl.preload_tiles(x.shape[1], k_per_split, block_k))
+    return direct_applies(x, *_plan(n, x.shape[1], block, settings, x.device))
+
+
+def takes_weight(n: int, k: int, block: tuple[int, int], settings: fl.LinearSettings, device: torch.device) -> bool:
+    """Whether the calls on a W [n, k] the kernel could take at all (bf16 x on the GPU): a copy in the fragments'
+    order is worth making for them (a weight it never takes, such as a TP 1 o-projection's 48 K tiles a split, is
+    not copied)."""
+    block_k, tiles = _plan(n, k, block, settings, device)
+    return block_k == BLOCK_K.value and tiles > 0
+
+
+def _plan(n: int, k: int, block: tuple[int, int], settings: fl.LinearSettings, device: torch.device
+          ) -> tuple[int, int]:
+    """(K tile, K tiles each program preloads) of `fp8_linear`'s plan for W [n, k] under `settings`."""
+    block_k, _, k_per_split = fl.split_plan(n, k, block, settings, device)
+    return block_k, fl.preload_tiles(k, k_per_split, block_k)
 
 
 def lock_count(m: int, n: int) -> int:

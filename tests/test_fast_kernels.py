@@ -345,8 +345,8 @@ def test_kernel_settings_are_checked():
 
 
 def test_direct_settings_choose_their_ops_weights():
-    """`LinearSettings.direct` (kernels/fp8_linear_direct.py) per op: the o-projection's takes every block's o_proj
-    weight, the plain linears' the dense MLP, eh_proj and the q/k/v weights; off, none. On the CPU no copy is made
+    """`LinearSettings.direct` (kernels/fp8_linear_direct.py) per op: the o-projection's (on by default) takes every
+    block's o_proj weight, the plain linears' the dense MLP, eh_proj and the q/k/v weights; off, none. On the CPU no copy is made
     (the direct kernel is compiled only), so every call runs the Triton kernel."""
     from iquest.tests.helpers import fixture_dir
 
@@ -361,10 +361,10 @@ def test_direct_settings_choose_their_ops_weights():
         blocks = [*w.layers, w.draft.block]
         return {id(p) for p in ops._direct_weights(w)}, w, blocks
 
-    none, _, _ = chosen()
-    o_only, w, blocks = chosen(("o_proj", "direct", True))
+    none, _, _ = chosen(("o_proj", "direct", False))
+    o_only, w, blocks = chosen()  # the default
     assert none == set() and o_only == {id(lw.attn.wo) for lw in blocks} and len(o_only) == 5
-    linear, w, blocks = chosen(("linear", "direct", True))
+    linear, w, blocks = chosen(("o_proj", "direct", False), ("linear", "direct", True))
     dense = [p for lw in blocks if hasattr(lw.mlp, "down") and not hasattr(lw.mlp, "router")
              for p in (lw.mlp.gate, lw.mlp.up, lw.mlp.down)]
     qkv = [lw.attn.wqkv for lw in blocks if lw.attn.wqkv is not None]
@@ -512,8 +512,9 @@ def test_cuda_kernel_paths_all_ran():
 
 @pytest.mark.gpu
 def test_cuda_direct_linears_give_the_same_bits(monkeypatch):
-    """`LinearSettings.direct` on the o-projection and the plain linears: the same tokens, log-probabilities and
-    acceptances as the Triton kernel's launches through the captured loop, with the direct calls counted. tiny-tp8
+    """`LinearSettings.direct` on the o-projection (the default) and the plain linears: the same tokens,
+    log-probabilities and acceptances as the Triton kernel's launches through the captured loop, with the direct calls
+    counted. tiny-tp8
     quantized at load: 128 x 128 blocks, so its o_proj's K of 256 is two whole tiles, which the direct kernel takes.
     The check catches a dispatcher handing the kernel the weight in its own order instead of the fragments' (the
     control below)."""
@@ -529,7 +530,7 @@ def test_cuda_direct_linears_give_the_same_bits(monkeypatch):
                                                                      kernel_settings=settings))
         return decode_cases(e, logprobs=True), e.model.ops.calls["direct"]
 
-    want, none = decode(())
+    want, none = decode((("o_proj", "direct", False),))  # the Triton kernel everywhere
     got, calls = decode(direct)
     assert none == 0 and calls > 0 and got == want
     monkeypatch.setattr(fp8_linear_direct, "direct_weight", lambda q: q.clone())  # the control: W's own order

@@ -50,6 +50,16 @@ def test_direct_refused_off_the_gpu():
         fd.fp8_linear_direct(x, direct_weight(w), s[:, :1])
 
 
+def test_only_weights_whose_calls_it_takes_are_copied():
+    """A copy in the fragments' order is made for a weight whose calls preload whole 128-wide K tiles, <= 8 a split:
+    a TP8 rank's o_proj [3072, 768] in one split (6 tiles), not TP 1's [3072, 6144] (48), nor 32-wide blocks."""
+    one = fl.LinearSettings(split_k=1)
+    cpu = torch.device("cpu")
+    assert fd.takes_weight(3072, 768, (128, 128), one, cpu)
+    assert not fd.takes_weight(3072, 6144, (128, 128), one, cpu)
+    assert not fd.takes_weight(256, 256, (32, 32), one, cpu)
+
+
 def test_lock_count_is_one_a_16_by_8_tile():
     assert fd.lock_count(6, 1024) == 64 and fd.lock_count(12, 1000) == 63 * 2
 
