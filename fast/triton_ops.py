@@ -117,8 +117,8 @@ class TritonOps(TorchOps):
             chosen += [(p, lin) for lw in blocks if isinstance(lw.mlp, DenseMLP)
                        for p in (lw.mlp.gate, lw.mlp.up, lw.mlp.down)]
             chosen += [(p, lin) for p in (w.draft.eh_proj, *(lw.attn.wqkv for lw in blocks)) if p is not None]
-        return [p for p, s in chosen if _fp8_takes(p) and p.q.shape[1] % fp8_linear_direct.BLOCK_K.value == 0
-                and fp8_linear_direct.takes_weight(*p.q.shape, p.block, s, p.q.device)]
+        return [p for p, s in chosen
+                if _fp8_takes(p) and fp8_linear_direct.takes_weight(*p.q.shape, p.block, s, p.q.device)]
 
     # ---- the expert prefetch's side branch -------------------------------------------------------------
     def warm_experts(self, mlp, a, live):

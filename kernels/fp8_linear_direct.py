@@ -218,9 +218,8 @@ def applies(x: torch.Tensor, n: int, block: tuple[int, int], settings: fl.Linear
 
 
 def takes_weight(n: int, k: int, block: tuple[int, int], settings: fl.LinearSettings, device: torch.device) -> bool:
-    """Whether the calls on a W [n, k] the kernel could take at all (bf16 x on the GPU): a copy in the fragments'
-    order is worth making for them (a weight it never takes, such as a TP 1 o-projection's 48 K tiles a split, is
-    not copied)."""
+    """Whether the kernel takes calls on a W [n, k] at all (given bf16 x on the GPU), so that a copy in the fragments'
+    order is worth making: whole 128-wide K tiles, at most 8 a split (not a TP 1 o-projection's 48)."""
     block_k, tiles = _plan(n, k, block, settings, device)
     return block_k == BLOCK_K.value and tiles > 0
 
