@@ -10,7 +10,6 @@ same bits. Importing this module imports triton: the engine imports it only for 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 from collections import Counter
@@ -178,7 +177,7 @@ class TritonOps(TorchOps):
             return super().o_proj_parts(pending, residual)
         self.calls["o_proj_router"] += 1
         locks = self._locks
-        s = dataclasses.replace(self.settings.o_proj, direct=False)  # the fold's kernel has no direct form
+        s = self.settings.o_proj  # its `direct` is the plain o-projection's: the fold's kernel has no direct form
         fits = locks is not None and o_proj_router.lock_count(x.shape[0], w.q.shape[0], s) <= locks.numel()
         return o_proj_router.o_proj_router(x.contiguous(), w.q, w.scale, w.block, residual, fold.router_w, fold.w_out,
                                            locks=locks if fits else None, pdl=x.is_cuda, settings=s,

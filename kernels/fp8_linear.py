@@ -64,7 +64,8 @@ class LinearSettings:
     # Calls the direct kernel takes (kernels/fp8_linear_direct.py `applies`: a preloading call on the GPU) run there,
     # from a copy of the weight in the MMA fragments' order that the dispatcher makes once, before any capture; the
     # same bits as this module's kernel, so a launch choice (docs/PERF.md, "The o-projection through the direct kernel
-    # again"). Only for the plain linears and the o-projection: the fused kernels have no direct form
+    # again"). Only for the plain linears and the o-projection: the fused kernels have no direct form (the router
+    # fold's o-projection runs its own kernel; the fused q/k/v kernel refuses the setting)
     direct: bool = False
 
     def __post_init__(self):

@@ -245,8 +245,17 @@ def _scaled_dot(a, q_ptrs, s_ptr, n, k0, n_ok, ok, OFF0: tl.constexpr, OFF1: tl.
     """`gate_up_scale="product"` (and `down_scale`): a [M, K] @ (E4M3 tile [N, K])^T, the tile taken exactly (every
     E4M3 value is a bf16 and an fp32), in fp32, each column n then multiplied by its row's scale (the tile's columns
     lie in one block)."""
-    w = tl.load(q_ptrs, mask=ok, other=0.0).to(tl.float32)
-    return _dot(a, w, BF16, DOT_F32) * _row_scales(s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1, stride_r)[None, :]
+    w = tl.load(q_ptrs, mask=ok, other=0.0)
+    return _tile_product(a, w, s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1, stride_r, BF16, DOT_F32)
+
+
+@triton.jit
+def _tile_product(a, w, s_ptr, n, k0, n_ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr,
+                  B1: tl.constexpr, stride_r, BF16: tl.constexpr, DOT_F32: tl.constexpr):
+    """a @ w^T for a loaded E4M3 tile w [N, K] (its columns from k0 in one scale block), each column n times its
+    row's scale: the product form's step, however the tile was read."""
+    return _dot(a, w.to(tl.float32), BF16, DOT_F32) * _row_scales(s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1,
+                                                                   stride_r)[None, :]
 
 
 @triton.jit
@@ -256,8 +265,8 @@ def _described_dot(a, desc, s_ptr, e, row0, n, k0, n_ok, OFF0: tl.constexpr, OFF
     """`_scaled_dot` of expert e's tile (rows n = row0 .., columns from k0, in one scale block) fetched by the copy
     engine through the tensor descriptor `desc` of the [E, rows, K] codes (`MoESettings.gate_up_tma`): zeros past the
     rows and K, as the pointer loads' `other`, so the same dot."""
-    w = desc.load([e.to(tl.int32), row0, k0]).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
-    return _dot(a, w, BF16, DOT_F32) * _row_scales(s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1, stride_r)[None, :]
+    w = desc.load([e.to(tl.int32), row0, k0]).reshape(BLOCK_N, BLOCK_K)
+    return _tile_product(a, w, s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1, stride_r, BF16, DOT_F32)
 
 
 @triton.jit

@@ -140,6 +140,7 @@ def described_dot_rows_shifted(a, desc, s_ptr, e, row0, n, k0, n_ok, OFF0: tl.co
                               BLOCK_K, BF16, DOT_F32)
 
 
+_PRODUCT_WITHOUT_OFFSET = substitute(moe._tile_product, _row_scales=row_scales_without_offset)
 _IGNORING_LIVE = {"_expert_owner": owner_ignoring_live, "_expert_rows": rows_ignoring_live}
 MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_offset},
                           "_down_kernel": {"_down_tiles": substitute(moe._down_tiles,
@@ -150,13 +151,13 @@ MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_off
                                                                        _expert_rows=rows_ignoring_live)},
                             "_combine_kernel": {"load_live": all_live}},
        "product_offset_ignored": {"_gate_up_kernel": {"_block_dots": substitute(moe._block_dots, _scaled_dot=substitute(
-           moe._scaled_dot, _row_scales=row_scales_without_offset))}},
+           moe._scaled_dot, _tile_product=_PRODUCT_WITHOUT_OFFSET))}},
        "product_one_scale_a_step": {"_gate_up_kernel": {"_block_dots": block_dots_one_scale},
                                     "_down_kernel": {"_down_tiles": substitute(moe._down_tiles,
                                                                                _block_dots=block_dots_one_scale)}},
        "down_product_offset_ignored": {"_down_kernel": {"_down_tiles": substitute(
            moe._down_tiles, _block_dots=substitute(moe._block_dots, _scaled_dot=substitute(
-               moe._scaled_dot, _row_scales=row_scales_without_offset)))}},
+               moe._scaled_dot, _tile_product=_PRODUCT_WITHOUT_OFFSET)))}},
        "tma_rows_shifted": {"_gate_up_kernel": {"_described_dot": described_dot_rows_shifted}},
        "pair_major_last_tile_dropped": {"_gate_up_kernel": {"_grid_item": grid_item_last_tile_dropped},
                                         "_down_kernel": {"_grid_item": grid_item_last_tile_dropped}},

@@ -348,6 +348,7 @@ def test_direct_settings_choose_their_ops_weights():
     """`LinearSettings.direct` (kernels/fp8_linear_direct.py) per op: the o-projection's (on by default) takes every
     block's o_proj weight, the plain linears' the dense MLP, eh_proj and the q/k/v weights; off, none. On the CPU no copy is made
     (the direct kernel is compiled only), so every call runs the Triton kernel."""
+    from iquest.fast.weights import DenseMLP
     from iquest.tests.helpers import fixture_dir
 
     model = fixture_dir("tiny-tp8", "bf16")  # quantized at load into 128 x 128 blocks: every K is whole tiles
@@ -365,8 +366,7 @@ def test_direct_settings_choose_their_ops_weights():
     o_only, w, blocks = chosen()  # the default
     assert none == set() and o_only == {id(lw.attn.wo) for lw in blocks} and len(o_only) == 5
     linear, w, blocks = chosen(("o_proj", "direct", False), ("linear", "direct", True))
-    dense = [p for lw in blocks if hasattr(lw.mlp, "down") and not hasattr(lw.mlp, "router")
-             for p in (lw.mlp.gate, lw.mlp.up, lw.mlp.down)]
+    dense = [p for lw in blocks if isinstance(lw.mlp, DenseMLP) for p in (lw.mlp.gate, lw.mlp.up, lw.mlp.down)]
     qkv = [lw.attn.wqkv for lw in blocks if lw.attn.wqkv is not None]
     assert linear == {id(p) for p in [*dense, w.draft.eh_proj, *qkv]} and len(dense) == 3
 

@@ -102,9 +102,8 @@ def test_the_router_folds_projection_takes_the_o_projections_and_its_own(monkeyp
     forward(KernelPlan(linear=True), (("o_proj", "split_k", 3), ("o_proj_router", "block_e", 128),
                                       ("linear", "num_stages", 3)), router_fold=True)
     product = KernelSettings()
-    o = replace(product.o_proj, direct=False)  # the fold's kernel has no direct form: handed the rest, direct off
-    assert product.o_proj.direct
-    assert seen == [(o, product.o_proj_router), (replace(o, split_k=3), replace(product.o_proj_router, block_e=128))]
+    assert seen == [(product.o_proj, product.o_proj_router),
+                    (replace(product.o_proj, split_k=3), replace(product.o_proj_router, block_e=128))]
 
 
 def test_full_and_sliding_layers_take_their_own_attention_settings(monkeypatch):
