@@ -123,11 +123,10 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     "expert_prefetch": ({"programs_per_sm": 2}, {"programs_per_sm": 4}, {"programs_per_sm": 16}, {"block_e": 8},
                         {"block_h": 256}, {"num_warps": 2}, {"chunk_bytes": 8192}, {"chunk_bytes": 131072},
                         {"select_warps": 2}, {"select_warps": 8}),
-    # the router fold's o-projection (EngineOptions.router_fold): 27.1 us a call against the plain o_proj's ~5.8 at
-    # 72c654b. Its last split reads its [E x 32] router slab block_e experts at a time, each chunk's loads after the
-    # last one's products: fewer, larger chunks put more of the slab in flight at once
-    "o_proj_router": ({"block_e": 16}, {"block_e": 64}, {"block_e": 128}, {"block_e": 256}, {"prefetch": False},
-                      {"block_e": 256, "prefetch": False}),
+    # the router fold's o-projection (EngineOptions.router_fold): its last split reads its [E x 32] router slab
+    # block_e experts at a time, each chunk's loads after the last one's products; one chunk of 256 is the default
+    # since the round put the fold's o-projection at 12.9 us a call there against 37.2 at 32 (5bc518f)
+    "o_proj_router": ({"block_e": 32}, {"block_e": 64}, {"block_e": 128}, {"prefetch": False}),
     # the router fold's tail (kernels/route_tail.py): one program a row sums the o-projection's T x 2 x E partials,
     # 11.8 us a call at 72c654b against add_norm's 2.5: smaller and larger steps of that sum
     "add_norm_route": ({"part_chunk": 2048}, {"part_chunk": 4096}, {"part_chunk": 16384}),

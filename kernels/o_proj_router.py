@@ -54,11 +54,12 @@ class PartsSettings:
     """Launch choices of the epilogue's partial logits. block_e moves no bit of the partials (every output is one
     sum over the tile's columns whatever the chunk); prefetch changes no value (an L2 hint)."""
 
-    # Experts a chunk: the router slab [block_e, block_n] fp32 is 8 registers a thread at 32 x 32 over 4 warps, and the
-    # two [16, block_e] products 4 each, so the epilogue adds little to the linear's registers while 256 experts
-    # take 8 iterations (bench sass shows registers and spills; timings: docs/PERF.md, "Current state", "the router
-    # fold in the round").
-    block_e: int = 32
+    # Experts a chunk (at most the experts, rounded up to a power of two): each chunk's slab loads follow the previous
+    # chunk's products, so a tile's last split pays one dependent slab read a chunk. In the captured round the fold's
+    # o-projection took 49.4, 37.2, 22.7 and 12.9 us a call at 16, 32, 128 and 256 experts a chunk (256 experts: one
+    # chunk, 226 registers, no spill: bench sass), and the fold's round 0.7395x at 256 against 32 (docs/PERF.md,
+    # "Current state", the router fold's chunk)
+    block_e: int = 256
     # With PDL, the tile's router slab asked of L2 before the wait by its first split (one request a 128-byte line),
     # so the last split's E x block_n fp32 reads (32 KB at 256 experts x 32 columns) overlap the previous kernel
     # instead of following the product (an L2 hint changes no value; timings: docs/PERF.md, "Current state", "the
@@ -225,11 +226,12 @@ def o_proj_router(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: 
     parts = _parts_buffer(grid[0], R, E, dev)
     f32 = fl.INTERPRETED or x.dtype == torch.float32
     tiles = fl.preload_tiles(c.K, c.k_per_split, c.block_k) if st.preload else 0
+    block_e = min(parts_settings.block_e, max(16, triton.next_power_of_2(E)))  # no chunk wider than the experts
     _o_proj_router_kernel[grid](
         x, w, scale, c.out, c.part, locks if c.splits > 1 else c.part, R, N, c.K, x.stride(0), c.out.stride(0),
         c.scale_cols, c.k_per_split, c.splits, r, r.stride(0), router_w, w_out, parts, E,
         B0=block[0], B1=block[1], BLOCK_M=fl.BLOCK_M, BLOCK_N=st.block_n, BLOCK_K=c.block_k, SPLIT=c.splits > 1,
-        F32=f32, PREC="ieee" if f32 else "tf32", BLOCK_E=parts_settings.block_e, PRELOAD=tiles,
+        F32=f32, PREC="ieee" if f32 else "tf32", BLOCK_E=block_e, PRELOAD=tiles,
         PREFETCH=parts_settings.prefetch and pdl, num_warps=st.num_warps, num_stages=st.num_stages, **launch)
     return c.out, parts
 

@@ -49,7 +49,8 @@ CONTROLS = [case("control_unrounded", control="unrounded"), case("control_no_w_o
 GPU_RANK = dict(N=3072, K=512, E=256, block=(128, 128), block_n=32, block_e=32)
 GPU_CASES = [case("gpu_1row_rank", R=1, **GPU_RANK), case("gpu_6rows_rank", R=6, **GPU_RANK),
              case("gpu_6rows_rank_fp32_r", R=6, **dict(GPU_RANK, r="fp32")),
-             case("gpu_6rows_rank_no_locks", R=6, locks=False, **GPU_RANK)]
+             case("gpu_6rows_rank_no_locks", R=6, locks=False, **GPU_RANK),
+             case("gpu_6rows_rank_one_chunk", R=6, **dict(GPU_RANK, block_e=256))]
 
 
 @triton.jit
@@ -185,7 +186,7 @@ def test_torch_form_takes_e4m3_or_dequantized():
 
 
 def test_settings_and_fits():
-    assert opr.PartsSettings().block_e == 32 and opr.PartsSettings().prefetch is True
+    assert opr.PartsSettings().block_e == 256 and opr.PartsSettings().prefetch is True
     for bad in (dict(block_e=8), dict(block_e=48), dict(block_e=True), dict(prefetch=1)):
         with pytest.raises(ValueError, match="PartsSettings: "):
             opr.PartsSettings(**bad)
@@ -236,6 +237,22 @@ def test_gpu(c):
     r = run_case(c, "cuda")
     print(summary(c, r))
     check(c, r)
+
+
+@pytest.mark.gpu
+def test_gpu_chunk_width_moves_no_bit():
+    """The default chunk (every expert at once) against chunks of 32 and 16 at a TP8 rank's shape: the same y and
+    partials, bit for bit (a chunk only sets which experts' sums are formed together)."""
+    c = case("gpu_chunks", R=6, **GPU_RANK)
+    x, w, scale, r, router_w, w_out = _inputs(c, "cuda")
+    st = fl.LinearSettings(block_n=c["block_n"])
+    outs = []
+    for block_e in (opr.PartsSettings().block_e, 32, 16):
+        locks = torch.zeros(opr.lock_count(6, c["N"], st), dtype=torch.int32, device="cuda")
+        outs.append(opr.o_proj_router(x, w, scale, c["block"], r, router_w, w_out, locks=locks, settings=st,
+                                      parts_settings=opr.PartsSettings(block_e=block_e)))
+    for y, parts in outs[1:]:
+        assert torch.equal(y, outs[0][0]) and torch.equal(parts, outs[0][1])
 
 
 @pytest.mark.gpu
