@@ -46,8 +46,6 @@
 #   launch    the o-projection's direct kernel (LinearSettings.direct, the default) against its Triton kernel, and
 #             Gate/Up's tiles through tensor descriptors (MoESettings.gate_up_tma), both the same bits: the round
 #             paired at 1K, then their GPU cases
-#   ahead     the MoE launches' rows read ahead of their ownership test (MoESettings.rows_ahead, the same bits):
-#             the round paired at 1K and 38 experts, then its GPU cases
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
 #   candidate a numerical candidate (CANDIDATE="OP.FIELD=VALUE ...", e.g. attention_full.min_split=128):
 #             qualification at TP 1 with it, the round paired against the defaults at 1K, then its context sweep, in
@@ -198,19 +196,6 @@ case "${1:-}" in
       tests/test_kernel_moe.py > "$out/gpu-tests-launch-$sha.log" 2>&1 || echo "gpu tests: exit $?" >&2
     grep -E "FAILED|ERROR" "$out/gpu-tests-launch-$sha.log" | cut -c1-160 || true  # none found is the good case
     tail -2 "$out/gpu-tests-launch-$sha.log" ;;
-  ahead)  # each MoE launch's rows read ahead of its ownership test (MoESettings.rows_ahead, the same bits; Gate/Up in
-    # the ownership's round trip, Down before its wait): the round paired at 1K and at 38 experts, then its GPU cases
-    for arm in "ctx1k:triton,triton@moe.rows_ahead=True" \
-               "route38:triton~route:38,triton~route:38@moe.rows_ahead=True"; do
-      timeout 200 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
-        --kernels "${arm#*:}" --out "$out/step-ahead-${arm%%:*}-d5-$sha.json" \
-        > "$out/step-ahead-${arm%%:*}-d5-$sha.log" 2>&1 || echo "bench step ${arm%%:*}: exit $?" >&2
-      grep -E "median round|against|differs at|identical" "$out/step-ahead-${arm%%:*}-d5-$sha.log" || true
-    done
-    timeout 150 bash "$here/gpu.sh" tests -vv -k "ahead" tests/test_kernel_moe.py \
-      > "$out/gpu-tests-ahead-$sha.log" 2>&1 || echo "gpu tests: exit $?" >&2
-    grep -E "FAILED|ERROR" "$out/gpu-tests-ahead-$sha.log" | cut -c1-160 || true
-    tail -2 "$out/gpu-tests-ahead-$sha.log" ;;
   prefetch)
     for d in 3 4; do
       gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --drafts $d \

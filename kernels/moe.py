@@ -173,11 +173,6 @@ class MoESettings:
     # pointers, where each K step is one dot (`gate_up_tma_fits`): the same tiles into the same dots, so the same bits.
     # The retired MoE gained with it (docs/PERF.md, "The MoE's weight tiles through tensor descriptors (TMA)")
     gate_up_tma: bool = False
-    # Where the block's rows fit one row block (R <= block_m: every decode block), each launch reads which of its
-    # rows chose the program's expert (`_expert_rows`) without waiting for its own ownership test: Gate/Up in the same
-    # round trip as that test, Down before its PDL wait (the routing was written two launches back, as its owner
-    # test's is). One dependent L2 round trip fewer after each launch's wait; the same rows, so the same bits
-    rows_ahead: bool = False
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -358,7 +353,7 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     SCALE_PRODUCT: tl.constexpr = False, SPLIT: tl.constexpr = 1, PAIR_MAJOR: tl.constexpr = False,
-    TMA: tl.constexpr = False, ROWS_AHEAD: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     p, tile, split, tiles = _grid_item(PAIR_MAJOR)
@@ -368,78 +363,54 @@ def _gate_up_kernel(
         k_lo = split * k_per
         k_hi = tl.minimum(H, k_lo + k_per)
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
-    if ROWS_AHEAD:  # the only row block's rows, read beside the ownership (`MoESettings.rows_ahead`)
-        pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, 0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
-        if run:  # the owner's row is among them
-            _gate_up_rows(b_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, h_ptr, part_ptr, lock_ptr, e, p, tile, split, tiles,
-                          0, pair, m_ok, k_lo, k_hi, R, H, I, stride_b, gs_e, gs_r, us_e, us_r, G_OFF0, G_OFF1,
-                          U_OFF0, U_OFF1, B0, B1, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32, INTERP,
-                          SCALE_PRODUCT, SPLIT, TMA)
-    else:
-        # A live row above the owner's that chose e would own it instead, so the row blocks start at the owner's.
-        for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):
-            pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
-            if tl.sum(m_ok.to(tl.int32), axis=0) > 0:  # a block of rows none of which chose e streams nothing
-                _gate_up_rows(b_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, h_ptr, part_ptr, lock_ptr, e, p, tile, split,
-                              tiles, m0, pair, m_ok, k_lo, k_hi, R, H, I, stride_b, gs_e, gs_r, us_e, us_r, G_OFF0,
-                              G_OFF1, U_OFF0, U_OFF1, B0, B1, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32,
-                              INTERP, SCALE_PRODUCT, SPLIT, TMA)
-
-
-@triton.jit
-def _gate_up_rows(b_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, h_ptr, part_ptr, lock_ptr, e, p, tile, split, tiles, m0, pair,
-                  m_ok, k_lo, k_hi, R, H, I, stride_b, gs_e, gs_r, us_e, us_r, G_OFF0: tl.constexpr,
-                  G_OFF1: tl.constexpr, U_OFF0: tl.constexpr, U_OFF1: tl.constexpr, B0: tl.constexpr,
-                  B1: tl.constexpr, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr,
-                  SCALE_PRODUCT: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr):
-    """Gate/Up program p's work on row block m0 (the rows `pair`, `m_ok` of `_expert_rows`) for expert e: its
-    columns' Gate b and Up b over H's columns k_lo .. k_hi, summed with the other splits' where SPLIT > 1, and the
-    hidden silu(g) * u stored by whichever split sums."""
-    rows = m0 + tl.arange(0, BLOCK_M)
-    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < I
-    ex = e.to(tl.int64)
-    if not TMA:  # with TMA, g_ptr and u_ptr are tensor descriptors of the [E, I, H] weights
-        g_rows = g_ptr + ex * I * H + n[:, None] * H
-        u_rows = u_ptr + ex * I * H + n[:, None] * H
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < H
-        w_ok = n_ok[:, None] & k_ok[None, :]
-        x = tl.load(b_ptr + rows[:, None] * stride_b + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        if TMA:
-            acc_g += _described_dot(x, g_ptr, gs_ptr + ex * gs_e, e, tile * BLOCK_N, n, k0, n_ok, G_OFF0,
-                                    G_OFF1, B0, B1, gs_r, BLOCK_N, BLOCK_K, BF16, DOT_F32)
-            acc_u += _described_dot(x, u_ptr, us_ptr + ex * us_e, e, tile * BLOCK_N, n, k0, n_ok, U_OFF0,
-                                    U_OFF1, B0, B1, us_r, BLOCK_N, BLOCK_K, BF16, DOT_F32)
-        elif SCALE_PRODUCT:
-            acc_g += _block_dots(x, g_rows + kk[None, :], gs_ptr + ex * gs_e, n, k0, H, n_ok, w_ok, G_OFF0,
-                                 G_OFF1, B0, B1, gs_r, BLOCK_K, BF16, DOT_F32)
-            acc_u += _block_dots(x, u_rows + kk[None, :], us_ptr + ex * us_e, n, k0, H, n_ok, w_ok, U_OFF0,
-                                 U_OFF1, B0, B1, us_r, BLOCK_K, BF16, DOT_F32)
-        else:
-            sg = _tile_scales(gs_ptr + ex * gs_e, n, k0, H, n_ok, G_OFF0, G_OFF1, B0, B1, gs_r, BLOCK_N,
-                              BLOCK_K)
-            su = _tile_scales(us_ptr + ex * us_e, n, k0, H, n_ok, U_OFF0, U_OFF1, B0, B1, us_r, BLOCK_N,
-                              BLOCK_K)
-            wg = _dequant(g_rows + kk[None, :], sg, w_ok, BF16, INTERP)
-            wu = _dequant(u_rows + kk[None, :], su, w_ok, BF16, INTERP)
-            acc_g += _dot(x, wg, BF16, DOT_F32)
-            acc_u += _dot(x, wu, BF16, DOT_F32)
-    mask = m_ok[:, None] & n_ok[None, :]
-    last = True
-    if SPLIT > 1:
-        lock = (p * tiles + tile) * tl.cdiv(R, BLOCK_M) + m0 // BLOCK_M
-        last, acc_g, acc_u = _split_sums(acc_g, acc_u, part_ptr, lock_ptr + lock, pair, n, mask, split,
-                                         R * K_TOP, I, SPLIT, BLOCK_M, BLOCK_N)
-    if last:
-        g = _round(acc_g, BF16, INTERP)
-        h = _round(_round(_silu(g, INTERP), BF16, INTERP) * _round(acc_u, BF16, INTERP), BF16, INTERP)
-        tl.store(h_ptr + pair[:, None] * I + n[None, :], h, mask=mask)
+    # A live row above the owner's that chose e would own it instead, so the row blocks start at the owner's.
+    for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):
+        pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
+        if tl.sum(m_ok.to(tl.int32), axis=0) > 0:  # a block of rows none of which chose e streams nothing
+            rows = m0 + tl.arange(0, BLOCK_M)
+            n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = n < I
+            ex = e.to(tl.int64)
+            if not TMA:  # with TMA, g_ptr and u_ptr are tensor descriptors of the [E, I, H] weights
+                g_rows = g_ptr + ex * I * H + n[:, None] * H
+                u_rows = u_ptr + ex * I * H + n[:, None] * H
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                kk = k0 + tl.arange(0, BLOCK_K)
+                k_ok = kk < H
+                w_ok = n_ok[:, None] & k_ok[None, :]
+                x = tl.load(b_ptr + rows[:, None] * stride_b + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0).to(tl.float32)
+                if TMA:
+                    acc_g += _described_dot(x, g_ptr, gs_ptr + ex * gs_e, e, tile * BLOCK_N, n, k0, n_ok, G_OFF0,
+                                            G_OFF1, B0, B1, gs_r, BLOCK_N, BLOCK_K, BF16, DOT_F32)
+                    acc_u += _described_dot(x, u_ptr, us_ptr + ex * us_e, e, tile * BLOCK_N, n, k0, n_ok, U_OFF0,
+                                            U_OFF1, B0, B1, us_r, BLOCK_N, BLOCK_K, BF16, DOT_F32)
+                elif SCALE_PRODUCT:
+                    acc_g += _block_dots(x, g_rows + kk[None, :], gs_ptr + ex * gs_e, n, k0, H, n_ok, w_ok, G_OFF0,
+                                         G_OFF1, B0, B1, gs_r, BLOCK_K, BF16, DOT_F32)
+                    acc_u += _block_dots(x, u_rows + kk[None, :], us_ptr + ex * us_e, n, k0, H, n_ok, w_ok, U_OFF0,
+                                         U_OFF1, B0, B1, us_r, BLOCK_K, BF16, DOT_F32)
+                else:
+                    sg = _tile_scales(gs_ptr + ex * gs_e, n, k0, H, n_ok, G_OFF0, G_OFF1, B0, B1, gs_r, BLOCK_N,
+                                      BLOCK_K)
+                    su = _tile_scales(us_ptr + ex * us_e, n, k0, H, n_ok, U_OFF0, U_OFF1, B0, B1, us_r, BLOCK_N,
+                                      BLOCK_K)
+                    wg = _dequant(g_rows + kk[None, :], sg, w_ok, BF16, INTERP)
+                    wu = _dequant(u_rows + kk[None, :], su, w_ok, BF16, INTERP)
+                    acc_g += _dot(x, wg, BF16, DOT_F32)
+                    acc_u += _dot(x, wu, BF16, DOT_F32)
+            mask = m_ok[:, None] & n_ok[None, :]
+            last = True
+            if SPLIT > 1:
+                lock = (p * tiles + tile) * tl.cdiv(R, BLOCK_M) + m0 // BLOCK_M
+                last, acc_g, acc_u = _split_sums(acc_g, acc_u, part_ptr, lock_ptr + lock, pair, n, mask, split,
+                                                 R * K_TOP, I, SPLIT, BLOCK_M, BLOCK_N)
+            if last:
+                g = _round(acc_g, BF16, INTERP)
+                h = _round(_round(_silu(g, INTERP), BF16, INTERP) * _round(acc_u, BF16, INTERP), BF16, INTERP)
+                tl.store(h_ptr + pair[:, None] * I + n[None, :], h, mask=mask)
 
 
 @triton.jit
@@ -468,16 +439,15 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, LINE_ELEMS: tl.constexpr = 128, LINES: tl.constexpr = 2,
-    PAIR_MAJOR: tl.constexpr = False, SCALE_PRODUCT: tl.constexpr = False, ROWS_AHEAD: tl.constexpr = False,
+    PAIR_MAJOR: tl.constexpr = False, SCALE_PRODUCT: tl.constexpr = False,
 ):
     p, tile, _, _ = _grid_item(PAIR_MAJOR)
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)  # before the wait: `_early_tile`
     _early_tile(d_ptr, e, run, tile, H, I, BLOCK_N, PREFETCH, LINE_ELEMS, LINES)
-    pair0, m_ok0 = _rows_ahead(experts_ptr, live_ptr, e, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT, ROWS_AHEAD)
     wait_for_inputs(PDL)
     _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, tile, R, H, I, ds_e, ds_r, D_OFF0,
                 D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32, INTERP,
-                SCALE_PRODUCT, pair0, m_ok0, ROWS_AHEAD)
+                SCALE_PRODUCT)
 
 
 @triton.jit
@@ -493,32 +463,15 @@ def _early_tile(d_ptr, e, run, tile, H, I, BLOCK_N: tl.constexpr, PREFETCH: tl.c
 
 
 @triton.jit
-def _rows_ahead(experts_ptr, live_ptr, e, R, K_TOP: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                LIVE_COUNT: tl.constexpr, ROWS_AHEAD: tl.constexpr):
-    """With ROWS_AHEAD (`MoESettings.rows_ahead`), Down's only row block's rows (`_expert_rows`), read before its
-    wait; without it, placeholders `_down_tiles` does not read (one return: the compiler types a pruned branch's)."""
-    rows = tl.arange(0, BLOCK_M)
-    pair = rows * K_TOP
-    m_ok = rows < 0
-    if ROWS_AHEAD:
-        pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, 0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
-    return pair, m_ok
-
-
-@triton.jit
 def _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, tile, R, H, I, ds_e, ds_r,
                 D_OFF0: tl.constexpr, D_OFF1: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
                 K_TOP: tl.constexpr, K_PAD: tl.constexpr, LIVE_COUNT: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr, DOT_F32: tl.constexpr,
-                INTERP: tl.constexpr, SCALE_PRODUCT: tl.constexpr, pair0, m_ok0, ROWS_AHEAD: tl.constexpr):
+                INTERP: tl.constexpr, SCALE_PRODUCT: tl.constexpr = False):
     """Pair program p's Down outputs for H tile `tile`: expert e's rows (when p owns e) stored into y, rounded to the
-    compute dtype. SCALE_PRODUCT: `MoESettings.down_scale="product"`; ROWS_AHEAD: `MoESettings.rows_ahead`, the only
-    row block's rows given (`_rows_ahead`, read before the wait: the routing is two launches back)."""
+    compute dtype. SCALE_PRODUCT: `MoESettings.down_scale="product"`."""
     for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):  # as in Gate/Up
-        if ROWS_AHEAD:
-            pair, m_ok = pair0, m_ok0
-        else:
-            pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
+        pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
         if tl.sum(m_ok.to(tl.int32), axis=0) > 0:
             n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = n < H
@@ -667,7 +620,7 @@ def _down_add_norm_kernel(
     Y_NORM: tl.constexpr, SCALED: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = False, LINE_ELEMS: tl.constexpr = 128, LINES: tl.constexpr = 2,
-    SCALE_PRODUCT: tl.constexpr = False, ROWS_AHEAD: tl.constexpr = False,
+    SCALE_PRODUCT: tl.constexpr = False,
 ):
     """A 1-D grid: `_down_kernel`'s programs (pair p, H tile) first, p fastest as in its 2-D grid, each owner
     arriving on the launch's counter lock_ptr[0] when done; then one tail program a row, which counts the owners,
@@ -683,12 +636,11 @@ def _down_add_norm_kernel(
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)  # before the wait: `_early_tile`
     run = run & (pid < downs)
     _early_tile(d_ptr, e, run, pid // P, H, I, BLOCK_N, PREFETCH, LINE_ELEMS, LINES)
-    pair0, m_ok0 = _rows_ahead(experts_ptr, live_ptr, e, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT, ROWS_AHEAD)
     wait_for_inputs(PDL)
     if pid < downs:
         _down_tiles(h_ptr, d_ptr, ds_ptr, experts_ptr, live_ptr, y_ptr, e, run, p, pid // P, R, H, I, ds_e, ds_r,
                     D_OFF0, D_OFF1, B0, B1, K_TOP, K_PAD, LIVE_COUNT, BLOCK_M, BLOCK_N, BLOCK_K, BF16, DOT_F32,
-                    INTERP, SCALE_PRODUCT, pair0, m_ok0, ROWS_AHEAD)
+                    INTERP, SCALE_PRODUCT)
         _arrive(lock_ptr, run)
     else:
         r = pid - downs
@@ -882,14 +834,9 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
         **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=step, **_math(h),
         INTERP=INTERPRETED, SCALE_PRODUCT=s.gate_up_scale == "product", SPLIT=s.gate_up_split,
-        PAIR_MAJOR=s.pair_major, TMA=tma, ROWS_AHEAD=rows_ahead(R, s), **_streams(h.dtype, s, s.gate_up_stages),
+        PAIR_MAJOR=s.pair_major, TMA=tma, **_streams(h.dtype, s, s.gate_up_stages),
         **launch_options(pdl, dev))
     return h
-
-
-def rows_ahead(R: int, settings: MoESettings) -> bool:
-    """Whether Gate/Up and Down read a block of R rows' routing ahead (`MoESettings.rows_ahead`): one row block."""
-    return settings.rows_ahead and R <= settings.block_m
 
 
 def gate_up_tma_fits(gate: ExpertWeights, up: ExpertWeights, settings: MoESettings = MoESettings()) -> bool:
@@ -945,7 +892,7 @@ def _down_constexprs(h: ExpertHidden, down_w: ExpertWeights, s: MoESettings, dow
     return dict(D_OFF0=down_w.offset[0], D_OFF1=down_w.offset[1], B0=down_w.block[0], B1=down_w.block[1],
                 **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.down_block_n, BLOCK_K=down_k, **_math(h),
                 INTERP=INTERPRETED, PREFETCH=s.down_prefetch and pdl, LINE_ELEMS=line_elems, LINES=lines,
-                SCALE_PRODUCT=s.down_scale == "product", ROWS_AHEAD=rows_ahead(h.rows, s))
+                SCALE_PRODUCT=s.down_scale == "product")
 
 
 def lock_count(rows: int) -> int:
@@ -1094,7 +1041,6 @@ def _check_settings(s: MoESettings) -> None:
     _check(s.down_scale in ("weight", "product"),
            f"settings.down_scale must be 'weight' or 'product', got {s.down_scale!r}")
     _check(isinstance(s.gate_up_tma, bool), f"settings.gate_up_tma must be a bool, got {s.gate_up_tma!r}")
-    _check(isinstance(s.rows_ahead, bool), f"settings.rows_ahead must be a bool, got {s.rows_ahead!r}")
 
 
 # ---- the torch form --------------------------------------------------------------------------------

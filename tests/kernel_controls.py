@@ -9,7 +9,7 @@ module.
   indexed without the shard's offset in its first block, liveness ignored (padding rows' experts computed and
   combined), the slots summed without their routing weights (by the combine, or by the combine fused with the tail),
   each pair's last tile dropped from the pair-major grids, the product forms' step scaled by its first block's scales
-  alone (blocks narrower than the step), the rows read ahead taken from the next row block.
+  alone (blocks narrower than the step).
 - The FP8 linears (tests/test_bench_sass.py, tests/test_kernel_fp8_linear_direct.py): the preloaded weight tiles
   used without the opaque move after the wait (`linear_transparent`), the direct kernel's K tiles summed last to
   first (`DIRECT_REVERSED`).
@@ -140,17 +140,9 @@ def described_dot_rows_shifted(a, desc, s_ptr, e, row0, n, k0, n_ok, OFF0: tl.co
                               BLOCK_K, BF16, DOT_F32)
 
 
-@triton.jit
-def rows_of_the_next_block(experts_ptr, live_ptr, e, m0, R, K_TOP: tl.constexpr, K_PAD: tl.constexpr,
-                           BLOCK_M: tl.constexpr, LIVE_COUNT: tl.constexpr):
-    """`moe._expert_rows` of the row block after m0's (a wrong block: with rows_ahead, none of the block's rows)."""
-    return moe._expert_rows(experts_ptr, live_ptr, e, m0 + BLOCK_M, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
-
-
 _PRODUCT_WITHOUT_OFFSET = substitute(moe._tile_product, _row_scales=row_scales_without_offset)
 _IGNORING_LIVE = {"_expert_owner": owner_ignoring_live, "_expert_rows": rows_ignoring_live}
-MOE = {"offset_ignored": {"_gate_up_kernel": {"_gate_up_rows": substitute(moe._gate_up_rows,
-                                                                         _tile_scales=scales_without_offset)},
+MOE = {"offset_ignored": {"_gate_up_kernel": {"_tile_scales": scales_without_offset},
                           "_down_kernel": {"_down_tiles": substitute(moe._down_tiles,
                                                                      _tile_scales=scales_without_offset)}},
        "padding_computed": {"_gate_up_kernel": _IGNORING_LIVE,
@@ -158,21 +150,15 @@ MOE = {"offset_ignored": {"_gate_up_kernel": {"_gate_up_rows": substitute(moe._g
                                              "_down_tiles": substitute(moe._down_tiles,
                                                                        _expert_rows=rows_ignoring_live)},
                             "_combine_kernel": {"load_live": all_live}},
-       "product_offset_ignored": {"_gate_up_kernel": {"_gate_up_rows": substitute(
-           moe._gate_up_rows, _block_dots=substitute(moe._block_dots, _scaled_dot=substitute(
-               moe._scaled_dot, _tile_product=_PRODUCT_WITHOUT_OFFSET)))}},
-       "product_one_scale_a_step": {"_gate_up_kernel": {"_gate_up_rows": substitute(
-                                        moe._gate_up_rows, _block_dots=block_dots_one_scale)},
+       "product_offset_ignored": {"_gate_up_kernel": {"_block_dots": substitute(moe._block_dots, _scaled_dot=substitute(
+           moe._scaled_dot, _tile_product=_PRODUCT_WITHOUT_OFFSET))}},
+       "product_one_scale_a_step": {"_gate_up_kernel": {"_block_dots": block_dots_one_scale},
                                     "_down_kernel": {"_down_tiles": substitute(moe._down_tiles,
                                                                                _block_dots=block_dots_one_scale)}},
        "down_product_offset_ignored": {"_down_kernel": {"_down_tiles": substitute(
            moe._down_tiles, _block_dots=substitute(moe._block_dots, _scaled_dot=substitute(
                moe._scaled_dot, _tile_product=_PRODUCT_WITHOUT_OFFSET)))}},
-       "tma_rows_shifted": {"_gate_up_kernel": {"_gate_up_rows": substitute(
-           moe._gate_up_rows, _described_dot=described_dot_rows_shifted)}},
-       "ahead_gate_up_rows_of_the_next_block": {"_gate_up_kernel": {"_expert_rows": rows_of_the_next_block}},
-       "ahead_down_rows_of_the_next_block": {"_down_kernel": {"_rows_ahead": substitute(
-           moe._rows_ahead, _expert_rows=rows_of_the_next_block)}},
+       "tma_rows_shifted": {"_gate_up_kernel": {"_described_dot": described_dot_rows_shifted}},
        "pair_major_last_tile_dropped": {"_gate_up_kernel": {"_grid_item": grid_item_last_tile_dropped},
                                         "_down_kernel": {"_grid_item": grid_item_last_tile_dropped}},
        "weights_not_applied": {"_combine_kernel": {"weighted_sum": sum_without_weights}},

@@ -60,7 +60,7 @@ TOL = {"fp32": 1e-5, "bf16": 2.0 ** -7}
 GPU_TOL = {"fp32": 1e-5, "bf16": 2.0 ** -6}
 
 BASE = dict(R=8, k=4, E=8, H=128, I=48, block=(128, 128), offset=0, dtype="fp32", live="all", pattern="random",
-            seed=0, scale="weight", split=1, pair_major=True, grid_twin=False, down="weight", tma=False, ahead=False)
+            seed=0, scale="weight", split=1, pair_major=True, grid_twin=False, down="weight", tma=False)
 
 
 def case(name: str, **kw) -> dict:
@@ -118,13 +118,6 @@ CASES = [
     # tiles (the last past H, zero-filled) in 2 splits, a shard straddling row blocks, padding rows poisoned
     case("tma_split2_product_poison_off80_bf16", pattern="poison", live="mask", offset=80, H=320, dtype="bf16",
          scale="product", split=2, tma=True),
-    # each launch's rows read ahead of its ownership test (MoESettings.rows_ahead): the loop's bits, with padding rows
-    # poisoned, a live count, experts shared across rows and slots, the split and both product forms
-    case("ahead_split2_product_poison_off80_bf16", pattern="poison", live="mask", offset=80, H=320, dtype="bf16",
-         scale="product", down="product", split=2, ahead=True),
-    case("ahead_r7_poison_count_fp32", R=7, pattern="poison", live="count", ahead=True),
-    case("ahead_shared_mini_tp4_rank1_off24_fp32", I=24, offset=24, pattern="shared", **MINI, ahead=True),
-    case("ahead_no_live_rows", live="none", ahead=True),
     # both product forms over scale blocks narrower than the 16-column K step (qualify's micro fixture: 8 x 8): a
     # dot a block, up to three a step where the shard starts inside one (Down's I_r at offset 4)
     case("product_narrow_blocks_micro_bf16", E=4, k=2, H=16, I=16, block=(8, 8), live="mask", dtype="bf16",
@@ -146,10 +139,6 @@ CONTROLS = [
          down="product", control="product_one_scale_a_step", caught="rel err"),
     case("neg_tma_rows_shifted", offset=80, dtype="bf16", scale="product", tma=True,
          control="tma_rows_shifted", caught="rel err"),
-    case("neg_ahead_gate_up_rows_of_the_next_block", dtype="bf16", ahead=True,
-         control="ahead_gate_up_rows_of_the_next_block", caught="non-finite output|rel err"),
-    case("neg_ahead_down_rows_of_the_next_block", dtype="bf16", ahead=True,
-         control="ahead_down_rows_of_the_next_block", caught="non-finite output|rel err"),
     case("neg_pair_major_last_tile_dropped", H=320, I=96, dtype="bf16", split=2,
          control="pair_major_last_tile_dropped", caught="non-finite output|rel err"),
 ]
@@ -202,7 +191,7 @@ def build(c: dict, device: str) -> dict:
 
 def settings(c: dict) -> mk.MoESettings:
     return mk.MoESettings(gate_up_scale=c["scale"], gate_up_split=c["split"], pair_major=c["pair_major"],
-                          down_scale=c["down"], gate_up_tma=c["tma"], rows_ahead=c["ahead"])
+                          down_scale=c["down"], gate_up_tma=c["tma"])
 
 
 def call(t: dict, **kw) -> torch.Tensor:
@@ -278,9 +267,6 @@ def form_checks(c: dict, t: dict, got: torch.Tensor) -> dict:
     if c["tma"]:  # Gate/Up's tiles through tensor descriptors: it took them, and gave the pointer loads' bits
         res["tma_ran"] = mk.gate_up_tma_fits(t["gate"], t["up"], settings(c))
         res["tma_twin_equal"] = torch.equal(got, call(t, settings=settings(dict(c, tma=False))))
-    if c["ahead"]:  # the rows read ahead: it took them, and gave the loop's bits
-        res["ahead_ran"] = mk.rows_ahead(c["R"], settings(c))
-        res["ahead_twin_equal"] = torch.equal(got, call(t, settings=settings(dict(c, ahead=False))))
     if c["split"] > 1:
         # the counters left zeroed, call after call; and counters that start off zero (one arrival counted before
         # the call) are left off zero: the split's arrivals ran and decide who sums
@@ -332,9 +318,6 @@ def check(c: dict, r: dict, tol: dict = TOL) -> None:
     if c["tma"]:
         assert r["tma_ran"], "gate_up_tma asked, but the weights were read through pointers"
         assert r["tma_twin_equal"], "Gate/Up through tensor descriptors gave other bits than through pointers"
-    if c["ahead"]:
-        assert r["ahead_ran"], "rows_ahead asked, but the launches read the rows in their loop"
-        assert r["ahead_twin_equal"], "the rows read ahead gave other bits than the loop's"
     if c["split"] > 1:
         assert r["split_repeats"], "the split's counters were not left zeroed, or a repeat call differed"
         assert r["miscount_shows"], "counters started off zero were left zeroed: the split's arrivals did not run"
@@ -447,12 +430,6 @@ def test_settings_are_checked():
     with pytest.raises(ValueError, match="locks"):
         mk.moe(t["b"], t["experts"], t["weights"], t["live"], t["gate"], t["up"], t["down"],
                settings=mk.MoESettings(gate_up_split=2), gate_up_locks=torch.zeros(3, dtype=torch.int32))
-    with pytest.raises(ValueError, match="rows_ahead"):
-        mk.moe(t["b"], t["experts"], t["weights"], t["live"], t["gate"], t["up"], t["down"],
-               settings=mk.MoESettings(rows_ahead=1))
-    # rows ahead only where the block is one row block
-    ahead = mk.MoESettings(rows_ahead=True)
-    assert mk.rows_ahead(16, ahead) and not mk.rows_ahead(17, ahead) and not mk.rows_ahead(8, mk.MoESettings())
 
 
 def test_gate_up_columns_cover_h_in_whole_steps():
@@ -647,9 +624,6 @@ GPU_CASES += [dict(full_case(64, 38), name="gpu_full_off64_d38_split4", split=4)
 # inside one scale block (the TP 8 shards' offsets 0 and 64)
 GPU_CASES += [dict(full_case(o, d), name=f"gpu_full_off{o}_d{d}_split4_product_down_product", split=4,
                    scale="product", down="product") for o, d in ((0, 13), (64, 38))]
-# the rows read ahead (MoESettings.rows_ahead) at the default forms: the loop's bits, every live row and some padding
-GPU_CASES += [dict(full_case(o, d, live), name=f"gpu_full_off{o}_d{d}_{live}_split4_product_ahead", split=4,
-                   scale="product", down="product", ahead=True) for o, d, live in ((0, 9, "all"), (64, 38, "mask"))]
 # Gate/Up's tiles through tensor descriptors (MoESettings.gate_up_tma) at the default forms: the pointer loads' bits
 GPU_CASES += [dict(full_case(o, d, live), name=f"gpu_full_off{o}_d{d}_{live}_split4_product_tma", split=4,
                    scale="product", down="product", tma=True) for o, d, live in ((0, 9, "all"), (64, 38, "mask"))]
