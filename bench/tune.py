@@ -103,8 +103,6 @@ GRIDS: dict[str, tuple[dict, ...]] = {
             {"down_block_n": 256}, {"down_block_k": 32}, {"down_block_k": 128}, {"warps": 2}, {"warps": 8},
             {"stages": 2}, {"stages": 4}, {"combine_block": 128}, {"combine_block": 512},
             {"down_prefetch": False},
-            # Gate/Up's weight tiles through tensor descriptors (the same bits)
-            {"gate_up_tma": True},
             # the three-axis grids, the pair fastest (the default before the pair slowest; same bits)
             {"pair_major": False}),
     # "rows" (the default: 8-row V tiles over 4 warps) around its tile, the 16 x 8 warps it replaced among them, then

@@ -43,9 +43,8 @@
 #   downprod  Down's scales on the step's product capped at 128 registers (MoESettings.down_scale, down_registers:
 #             the default since 362189d) against the weight form and the uncapped launch: its GPU cases, then the
 #             round paired at 1K and 38 experts
-#   launch    the o-projection's direct kernel (LinearSettings.direct, the default) against its Triton kernel, and
-#             Gate/Up's tiles through tensor descriptors (MoESettings.gate_up_tma), both the same bits: the round
-#             paired at 1K, then their GPU cases
+#   launch    the o-projection's direct kernel (LinearSettings.direct, the default) against its Triton kernel, the
+#             same bits: the round paired at 1K, then its engine-level GPU test
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
 #   candidate a numerical candidate (CANDIDATE="OP.FIELD=VALUE ...", e.g. attention_full.min_split=128):
 #             qualification at TP 1 with it, the round paired against the defaults at 1K, then its context sweep, in
@@ -180,20 +179,19 @@ case "${1:-}" in
         > "$out/step-downprod-${arm%%:*}-d5-$sha.log" 2>&1 || echo "bench step ${arm%%:*}: exit $?" >&2
       grep -E "median round|against|differs at|identical" "$out/step-downprod-${arm%%:*}-d5-$sha.log"
     done ;;
-  launch)  # two launch forms the re-base dropped, each the same bits: the FP8 linears' weights straight into the MMA's
-    # registers (LinearSettings.direct, the o-projection's default since the twenty-ninth session: 0.9628x paired at
-    # 1e8646c on an H100) against its Triton kernel, and Gate/Up's tiles through tensor descriptors
-    # (MoESettings.gate_up_tma; 7,673 -> 7,437 us at 2c6bef4, the retired MoE): the round paired at 1K, then their GPU
-    # cases and the engine's bits
+  launch)  # the FP8 linears' weights straight into the MMA's registers (LinearSettings.direct, the o-projection's
+    # default: 0.9628x paired at 1e8646c, 1.0345x turned off at 5bc518f, H100s) against its Triton kernel: the round
+    # paired at 1K, then the engine's bits. (Gate/Up's tiles through tensor descriptors, paired here at 5bc518f:
+    # 1.0162x, removed after 2034e14)
     # the pairing first: a call cut short by its limit still brings back the figure
     timeout 240 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
-      --kernels triton,triton@o_proj.direct=False,triton@moe.gate_up_tma=True \
+      --kernels triton,triton@o_proj.direct=False \
       --out "$out/step-launch-ctx1k-d5-$sha.json" > "$out/step-launch-ctx1k-d5-$sha.log" 2>&1 \
       || echo "bench step: exit $?" >&2
     grep -E -A3 "median round|against|differs at|identical|Error" "$out/step-launch-ctx1k-d5-$sha.log"
     # (the direct kernel's own GPU cases are in the `tests` stage's suite, unchanged since 362189d: 478 passed)
-    timeout 200 bash "$here/gpu.sh" tests -vv -k "cuda_direct or tma" tests/test_fast_kernels.py \
-      tests/test_kernel_moe.py > "$out/gpu-tests-launch-$sha.log" 2>&1 || echo "gpu tests: exit $?" >&2
+    timeout 200 bash "$here/gpu.sh" tests -vv -k "cuda_direct" tests/test_fast_kernels.py \
+      > "$out/gpu-tests-launch-$sha.log" 2>&1 || echo "gpu tests: exit $?" >&2
     grep -E "FAILED|ERROR" "$out/gpu-tests-launch-$sha.log" | cut -c1-160 || true  # none found is the good case
     tail -2 "$out/gpu-tests-launch-$sha.log" ;;
   prefetch)

@@ -169,10 +169,6 @@ class MoESettings:
     # weight form's (`iquest bench sass`); uncapped, fewer of its programs fit an SM beside Gate/Up's, and at 38
     # experts the form lost in the round (docs/PERF.md, "Current state"). Not Down ending in the tail (`down_launch`)
     down_registers: int | None = 128
-    # Gate/Up's weight tiles read through tensor descriptors (TMA, the Hopper copy engine) instead of per-element
-    # pointers, where each K step is one dot (`gate_up_tma_fits`): the same tiles into the same dots, so the same bits.
-    # The retired MoE gained with it (docs/PERF.md, "The MoE's weight tiles through tensor descriptors (TMA)")
-    gate_up_tma: bool = False
 
 
 # ---- kernels ---------------------------------------------------------------------------------------
@@ -245,28 +241,8 @@ def _scaled_dot(a, q_ptrs, s_ptr, n, k0, n_ok, ok, OFF0: tl.constexpr, OFF1: tl.
     """`gate_up_scale="product"` (and `down_scale`): a [M, K] @ (E4M3 tile [N, K])^T, the tile taken exactly (every
     E4M3 value is a bf16 and an fp32), in fp32, each column n then multiplied by its row's scale (the tile's columns
     lie in one block)."""
-    w = tl.load(q_ptrs, mask=ok, other=0.0)
-    return _tile_product(a, w, s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1, stride_r, BF16, DOT_F32)
-
-
-@triton.jit
-def _tile_product(a, w, s_ptr, n, k0, n_ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr,
-                  B1: tl.constexpr, stride_r, BF16: tl.constexpr, DOT_F32: tl.constexpr):
-    """a @ w^T for a loaded E4M3 tile w [N, K] (its columns from k0 in one scale block), each column n times its
-    row's scale: the product form's step, however the tile was read."""
-    return _dot(a, w.to(tl.float32), BF16, DOT_F32) * _row_scales(s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1,
-                                                                   stride_r)[None, :]
-
-
-@triton.jit
-def _described_dot(a, desc, s_ptr, e, row0, n, k0, n_ok, OFF0: tl.constexpr, OFF1: tl.constexpr, B0: tl.constexpr,
-                   B1: tl.constexpr, stride_r, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr,
-                   DOT_F32: tl.constexpr):
-    """`_scaled_dot` of expert e's tile (rows n = row0 .., columns from k0, in one scale block) fetched by the copy
-    engine through the tensor descriptor `desc` of the [E, rows, K] codes (`MoESettings.gate_up_tma`): zeros past the
-    rows and K, as the pointer loads' `other`, so the same dot."""
-    w = desc.load([e.to(tl.int32), row0, k0]).reshape(BLOCK_N, BLOCK_K)
-    return _tile_product(a, w, s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1, stride_r, BF16, DOT_F32)
+    w = tl.load(q_ptrs, mask=ok, other=0.0).to(tl.float32)
+    return _dot(a, w, BF16, DOT_F32) * _row_scales(s_ptr, n, k0, n_ok, OFF0, OFF1, B0, B1, stride_r)[None, :]
 
 
 @triton.jit
@@ -353,7 +329,6 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     SCALE_PRODUCT: tl.constexpr = False, SPLIT: tl.constexpr = 1, PAIR_MAJOR: tl.constexpr = False,
-    TMA: tl.constexpr = False,
 ):
     wait_for_inputs(PDL)
     p, tile, split, tiles = _grid_item(PAIR_MAJOR)
@@ -371,9 +346,8 @@ def _gate_up_kernel(
             n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = n < I
             ex = e.to(tl.int64)
-            if not TMA:  # with TMA, g_ptr and u_ptr are tensor descriptors of the [E, I, H] weights
-                g_rows = g_ptr + ex * I * H + n[:, None] * H
-                u_rows = u_ptr + ex * I * H + n[:, None] * H
+            g_rows = g_ptr + ex * I * H + n[:, None] * H
+            u_rows = u_ptr + ex * I * H + n[:, None] * H
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -382,12 +356,7 @@ def _gate_up_kernel(
                 w_ok = n_ok[:, None] & k_ok[None, :]
                 x = tl.load(b_ptr + rows[:, None] * stride_b + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
                             other=0.0).to(tl.float32)
-                if TMA:
-                    acc_g += _described_dot(x, g_ptr, gs_ptr + ex * gs_e, e, tile * BLOCK_N, n, k0, n_ok, G_OFF0,
-                                            G_OFF1, B0, B1, gs_r, BLOCK_N, BLOCK_K, BF16, DOT_F32)
-                    acc_u += _described_dot(x, u_ptr, us_ptr + ex * us_e, e, tile * BLOCK_N, n, k0, n_ok, U_OFF0,
-                                            U_OFF1, B0, B1, us_r, BLOCK_N, BLOCK_K, BF16, DOT_F32)
-                elif SCALE_PRODUCT:
+                if SCALE_PRODUCT:
                     acc_g += _block_dots(x, g_rows + kk[None, :], gs_ptr + ex * gs_e, n, k0, H, n_ok, w_ok, G_OFF0,
                                          G_OFF1, B0, B1, gs_r, BLOCK_K, BF16, DOT_F32)
                     acc_u += _block_dots(x, u_rows + kk[None, :], us_ptr + ex * us_e, n, k0, H, n_ok, w_ok, U_OFF0,
@@ -825,35 +794,16 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
                and locks.is_contiguous() and locks.device == dev,
                f"locks must be {n_locks} contiguous zeroed int32 counters on {dev}")
         parts = torch.empty((s.gate_up_split, 2, R * k, I), dtype=torch.float32, device=dev)  # each read one written
-    tma = s.gate_up_tma and gate_up_tma_fits(gate, up, s)
-    g_arg, u_arg = ((_descriptor(w.q, (s.gate_up_block_n, step)) for w in (gate, up)) if tma else (gate.q, up.q))
     _gate_up_kernel[_grid(R * k, triton.cdiv(I, s.gate_up_block_n), s.gate_up_split, s.pair_major)](
-        b, g_arg, gate.scale, u_arg, up.scale, experts, live_arg, hidden, parts, locks if locks is not None else parts,
+        b, gate.q, gate.scale, up.q, up.scale, experts, live_arg, hidden, parts, locks if locks is not None else parts,
         R, H, I, b.stride(0), gate.scale.stride(0), gate.scale.stride(1), up.scale.stride(0), up.scale.stride(1),
         _split_width(H, gate.block, s),
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
         **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=step, **_math(h),
         INTERP=INTERPRETED, SCALE_PRODUCT=s.gate_up_scale == "product", SPLIT=s.gate_up_split,
-        PAIR_MAJOR=s.pair_major, TMA=tma, **_streams(h.dtype, s, s.gate_up_stages),
+        PAIR_MAJOR=s.pair_major, **_streams(h.dtype, s, s.gate_up_stages),
         **launch_options(pdl, dev))
     return h
-
-
-def gate_up_tma_fits(gate: ExpertWeights, up: ExpertWeights, settings: MoESettings = MoESettings()) -> bool:
-    """Whether `settings.gate_up_tma` reads these weights through tensor descriptors: the product form with every K
-    step inside one scale block (a dot a step), and contiguous [E, I, H] codes with 16-byte aligned rows, as the copy
-    engine needs. Elsewhere the tiles are read through pointers, the same bits."""
-    step = gate_up_k(gate.block, settings)
-    return settings.gate_up_scale == "product" and all(
-        w.q.dim() == 3 and w.q.is_contiguous() and w.q.shape[-1] % 16 == 0 and w.q.data_ptr() % 16 == 0
-        and w.block[1] % step == 0 and w.offset[1] % step == 0 for w in (gate, up))
-
-
-def _descriptor(q: torch.Tensor, tile: tuple[int, int]):
-    """A tensor descriptor of the [E, rows, cols] E4M3 codes for [1, *tile] boxes (one expert's tile)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(q, [1, *tile])
 
 
 def down(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, *, settings: MoESettings = MoESettings(),
@@ -1040,7 +990,6 @@ def _check_settings(s: MoESettings) -> None:
            f"settings.down_registers must be None or a multiple of 8 from 24 to 255, got {s.down_registers!r}")
     _check(s.down_scale in ("weight", "product"),
            f"settings.down_scale must be 'weight' or 'product', got {s.down_scale!r}")
-    _check(isinstance(s.gate_up_tma, bool), f"settings.gate_up_tma must be a bool, got {s.gate_up_tma!r}")
 
 
 # ---- the torch form --------------------------------------------------------------------------------

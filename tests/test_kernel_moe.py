@@ -60,7 +60,7 @@ TOL = {"fp32": 1e-5, "bf16": 2.0 ** -7}
 GPU_TOL = {"fp32": 1e-5, "bf16": 2.0 ** -6}
 
 BASE = dict(R=8, k=4, E=8, H=128, I=48, block=(128, 128), offset=0, dtype="fp32", live="all", pattern="random",
-            seed=0, scale="weight", split=1, pair_major=True, grid_twin=False, down="weight", tma=False)
+            seed=0, scale="weight", split=1, pair_major=True, grid_twin=False, down="weight")
 
 
 def case(name: str, **kw) -> dict:
@@ -114,10 +114,6 @@ CASES = [
     case("down_product_straddle_r3_off96_fp32", R=3, I=96, offset=96, down="product"),
     case("down_product_straddle_mini_tp2_rank1_off16_bf16", I=48, offset=16, live="mask", **MINI, dtype="bf16",
          scale="product", split=2, down="product"),
-    # Gate/Up's weight tiles through tensor descriptors (MoESettings.gate_up_tma): the pointer loads' bits, with 3 K
-    # tiles (the last past H, zero-filled) in 2 splits, a shard straddling row blocks, padding rows poisoned
-    case("tma_split2_product_poison_off80_bf16", pattern="poison", live="mask", offset=80, H=320, dtype="bf16",
-         scale="product", split=2, tma=True),
     # both product forms over scale blocks narrower than the 16-column K step (qualify's micro fixture: 8 x 8): a
     # dot a block, up to three a step where the shard starts inside one (Down's I_r at offset 4)
     case("product_narrow_blocks_micro_bf16", E=4, k=2, H=16, I=16, block=(8, 8), live="mask", dtype="bf16",
@@ -137,8 +133,6 @@ CONTROLS = [
          control="down_product_offset_ignored", caught="rel err"),
     case("neg_product_one_scale_a_step", E=4, k=2, H=48, I=14, block=(8, 8), offset=4, dtype="bf16", scale="product",
          down="product", control="product_one_scale_a_step", caught="rel err"),
-    case("neg_tma_rows_shifted", offset=80, dtype="bf16", scale="product", tma=True,
-         control="tma_rows_shifted", caught="rel err"),
     case("neg_pair_major_last_tile_dropped", H=320, I=96, dtype="bf16", split=2,
          control="pair_major_last_tile_dropped", caught="non-finite output|rel err"),
 ]
@@ -191,7 +185,7 @@ def build(c: dict, device: str) -> dict:
 
 def settings(c: dict) -> mk.MoESettings:
     return mk.MoESettings(gate_up_scale=c["scale"], gate_up_split=c["split"], pair_major=c["pair_major"],
-                          down_scale=c["down"], gate_up_tma=c["tma"])
+                          down_scale=c["down"])
 
 
 def call(t: dict, **kw) -> torch.Tensor:
@@ -264,9 +258,6 @@ def form_checks(c: dict, t: dict, got: torch.Tensor) -> dict:
         res["differs_from_weight_form"] = not torch.equal(got, call(t, settings=weight_form))
     if c["grid_twin"]:  # the other grid order, the same bits
         res["grid_twin_equal"] = torch.equal(got, call(t, settings=settings(dict(c, pair_major=not c["pair_major"]))))
-    if c["tma"]:  # Gate/Up's tiles through tensor descriptors: it took them, and gave the pointer loads' bits
-        res["tma_ran"] = mk.gate_up_tma_fits(t["gate"], t["up"], settings(c))
-        res["tma_twin_equal"] = torch.equal(got, call(t, settings=settings(dict(c, tma=False))))
     if c["split"] > 1:
         # the counters left zeroed, call after call; and counters that start off zero (one arrival counted before
         # the call) are left off zero: the split's arrivals ran and decide who sums
@@ -315,9 +306,6 @@ def check(c: dict, r: dict, tol: dict = TOL) -> None:
             f"gate_up_scale {c['scale']!r}, down_scale {c['down']!r} gave the weight form's bits"
     if c["grid_twin"]:
         assert r["grid_twin_equal"], "the pair-major grid gave other bits than the three-axis grid"
-    if c["tma"]:
-        assert r["tma_ran"], "gate_up_tma asked, but the weights were read through pointers"
-        assert r["tma_twin_equal"], "Gate/Up through tensor descriptors gave other bits than through pointers"
     if c["split"] > 1:
         assert r["split_repeats"], "the split's counters were not left zeroed, or a repeat call differed"
         assert r["miscount_shows"], "counters started off zero were left zeroed: the split's arrivals did not run"
@@ -624,9 +612,6 @@ GPU_CASES += [dict(full_case(64, 38), name="gpu_full_off64_d38_split4", split=4)
 # inside one scale block (the TP 8 shards' offsets 0 and 64)
 GPU_CASES += [dict(full_case(o, d), name=f"gpu_full_off{o}_d{d}_split4_product_down_product", split=4,
                    scale="product", down="product") for o, d in ((0, 13), (64, 38))]
-# Gate/Up's tiles through tensor descriptors (MoESettings.gate_up_tma) at the default forms: the pointer loads' bits
-GPU_CASES += [dict(full_case(o, d, live), name=f"gpu_full_off{o}_d{d}_{live}_split4_product_tma", split=4,
-                   scale="product", down="product", tma=True) for o, d, live in ((0, 9, "all"), (64, 38, "mask"))]
 # the pair-major grids (MoESettings.pair_major, the default) at the default split: the three-axis grids' bits
 GPU_CASES += [dict(full_case(o, d, live), name=f"gpu_full_off{o}_d{d}_{live}_split4_grid_twin", split=4,
                    grid_twin=True) for o, d, live in ((0, 9, "all"), (64, 38, "mask"))]
