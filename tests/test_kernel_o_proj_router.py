@@ -242,17 +242,25 @@ def test_gpu(c):
 @pytest.mark.gpu
 def test_gpu_chunk_width_moves_no_bit():
     """The default chunk (every expert at once) against chunks of 32 and 16 at a TP8 rank's shape: the same y and
-    partials, bit for bit (a chunk only sets which experts' sums are formed together)."""
+    partials, bit for bit (a chunk only sets which experts' sums are formed together). Control: chunks of 32 with the
+    w_out branch unrounded give other partials, so the comparison sees a change in one term."""
     c = case("gpu_chunks", R=6, **GPU_RANK)
     x, w, scale, r, router_w, w_out = _inputs(c, "cuda")
     st = fl.LinearSettings(block_n=c["block_n"])
-    outs = []
-    for block_e in (opr.PartsSettings().block_e, 32, 16):
+
+    def run(block_e: int):
         locks = torch.zeros(opr.lock_count(6, c["N"], st), dtype=torch.int32, device="cuda")
-        outs.append(opr.o_proj_router(x, w, scale, c["block"], r, router_w, w_out, locks=locks, settings=st,
-                                      parts_settings=opr.PartsSettings(block_e=block_e)))
-    for y, parts in outs[1:]:
-        assert torch.equal(y, outs[0][0]) and torch.equal(parts, outs[0][1])
+        return opr.o_proj_router(x, w, scale, c["block"], r, router_w, w_out, locks=locks, settings=st,
+                                 parts_settings=opr.PartsSettings(block_e=block_e))
+
+    y0, parts0 = run(opr.PartsSettings().block_e)
+    for block_e in (32, 16):
+        y, parts = run(block_e)
+        assert torch.equal(y, y0) and torch.equal(parts, parts0), block_e
+    with substituted(opr, {"_o_proj_router_kernel": {"_epilogue": substitute(opr._epilogue,
+                                                                             _branch=_branch_unrounded)}}):
+        y, parts = run(32)
+    assert torch.equal(y, y0) and not torch.equal(parts, parts0)
 
 
 @pytest.mark.gpu
