@@ -311,7 +311,7 @@ def published_specs(context: int = 1024) -> dict[str, KernelSpec]:
                  us_r=H // B1, k_per=mo._split_width(H, (B0, B1), ms)), (),
             dict(G_OFF0=o, G_OFF1=0, U_OFF0=o, U_OFF1=0, B0=B0, B1=B1, **routing, PAIR_MAJOR=ms.pair_major,
                  SCALE_PRODUCT=ms.gate_up_scale == "product", SPLIT=ms.gate_up_split, BLOCK_N=ms.gate_up_block_n,
-                 BLOCK_K=step, **mo.gate_up_prefetch(H, (B0, B1), 1, ms)), ms.warps, ms.gate_up_stages,
+                 BLOCK_K=step), ms.warps, ms.gate_up_stages,
             f"MoE Gate/Up, [{I} x {H}] E4M3 an expert starting {o} rows into its scale block")
         out["moe_down" + suffix] = _launch(
             mo._down_kernel,

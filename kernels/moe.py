@@ -153,10 +153,6 @@ class MoESettings:
     # Down's owners ask L2 for their expert's weight tile before the PDL wait, while Gate/Up still runs (a hint: the
     # same bits), as the retired kernels' `early` did (docs/PERF.md, "Reads of data written two launches back")
     down_prefetch: bool = True
-    # Gate/Up's owners ask L2 for their whole [gate_up_block_n x split] Gate and Up tiles right after reading their
-    # expert, so every step's weights are requested at once rather than (gate_up_stages - 1) steps ahead (a hint: the
-    # same bits). Off: paired in the round first (docs/PERF.md, "Current state").
-    gate_up_prefetch: bool = False
     # Gate/Up's and Down's grids with the pair on the slowest axis (the GPU dispatches x fastest): a pair's items (its
     # I_r or H tiles and splits) are adjacent, and row 0's pairs, which own their experts, are dispatched first, not
     # in every (tile, split) group behind the padding and shared pairs' programs. The same items, so the same bits;
@@ -333,7 +329,6 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BF16: tl.constexpr, DOT_F32: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr = False,
     SCALE_PRODUCT: tl.constexpr = False, SPLIT: tl.constexpr = 1, PAIR_MAJOR: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, LINE_ELEMS: tl.constexpr = 128, LINES: tl.constexpr = 1,
 ):
     wait_for_inputs(PDL)
     p, tile, split, tiles = _grid_item(PAIR_MAJOR)
@@ -343,12 +338,6 @@ def _gate_up_kernel(
         k_lo = split * k_per
         k_hi = tl.minimum(H, k_lo + k_per)
     e, run = _expert_owner(experts_ptr, live_ptr, p, R, K_TOP, P_PAD, LIVE_COUNT)
-    if PREFETCH:
-        if run:
-            n = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), I - 1)  # clamp, do not mask (prefetch_l2)
-            slab = e.to(tl.int64) * I * H + n.to(tl.int64) * H
-            prefetch_rows(g_ptr + slab, k_lo, k_hi, LINE_ELEMS, LINES)
-            prefetch_rows(u_ptr + slab, k_lo, k_hi, LINE_ELEMS, LINES)
     # A live row above the owner's that chose e would own it instead, so the row blocks start at the owner's.
     for m0 in range((p // K_TOP) // BLOCK_M * BLOCK_M, tl.where(run, R, 0), BLOCK_M):
         pair, m_ok = _expert_rows(experts_ptr, live_ptr, e, m0, R, K_TOP, K_PAD, BLOCK_M, LIVE_COUNT)
@@ -812,16 +801,9 @@ def gate_up(b: torch.Tensor, experts: torch.Tensor, live: torch.Tensor, gate: Ex
         G_OFF0=gate.offset[0], G_OFF1=gate.offset[1], U_OFF0=up.offset[0], U_OFF1=up.offset[1], B0=B0, B1=B1,
         **_routing(h), BLOCK_M=s.block_m, BLOCK_N=s.gate_up_block_n, BLOCK_K=step, **_math(h),
         INTERP=INTERPRETED, SCALE_PRODUCT=s.gate_up_scale == "product", SPLIT=s.gate_up_split,
-        PAIR_MAJOR=s.pair_major, **gate_up_prefetch(H, gate.block, gate.q.element_size(), s),
-        **_streams(h.dtype, s, s.gate_up_stages), **launch_options(pdl, dev))
+        PAIR_MAJOR=s.pair_major, **_streams(h.dtype, s, s.gate_up_stages),
+        **launch_options(pdl, dev))
     return h
-
-
-def gate_up_prefetch(H: int, block: tuple[int, int], element_bytes: int, s: MoESettings) -> dict:
-    """Launch 1's L2 requests (`gate_up_prefetch`): the lines of one split's columns a weight row; never under the
-    interpreter, which has no such instruction."""
-    line_elems, lines = prefetch_lines(_split_width(H, block, s), element_bytes)
-    return dict(PREFETCH=s.gate_up_prefetch and not INTERPRETED, LINE_ELEMS=line_elems, LINES=lines)
 
 
 def down(h: ExpertHidden, weights: torch.Tensor, down_w: ExpertWeights, *, settings: MoESettings = MoESettings(),
@@ -1002,8 +984,7 @@ def _check_settings(s: MoESettings) -> None:
            f"settings.gate_up_scale must be 'weight' or 'product', got {s.gate_up_scale!r}")
     _check(isinstance(s.gate_up_split, int) and 1 <= s.gate_up_split <= 16,
            f"settings.gate_up_split must be an int from 1 to 16, got {s.gate_up_split!r}")
-    for name in ("pair_major", "down_prefetch", "gate_up_prefetch"):
-        _check(isinstance(getattr(s, name), bool), f"settings.{name} must be a bool, got {getattr(s, name)!r}")
+    _check(isinstance(s.pair_major, bool), f"settings.pair_major must be a bool, got {s.pair_major!r}")
     _check(s.down_registers is None or (isinstance(s.down_registers, int) and not isinstance(s.down_registers, bool)
                                         and 24 <= s.down_registers <= 255 and s.down_registers % 8 == 0),
            f"settings.down_registers must be None or a multiple of 8 from 24 to 255, got {s.down_registers!r}")

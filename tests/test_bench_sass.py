@@ -193,19 +193,6 @@ def test_reads_meant_to_overlap_the_previous_kernel_come_before_the_wait():
     assert "prefetch.global.L2" not in plain
 
 
-def test_gate_ups_own_tiles_are_asked_of_l2_after_its_wait():
-    """MoESettings.gate_up_prefetch: an owner asks L2 for its whole split of Gate and Up rows once it knows its expert,
-    after the wait (the expert comes from the launch just before it); 32 rows x 768 columns of each, in 128-byte
-    lines, is 6 lines a row, 8 with the padding (`prefetch_lines`). Off by default, and then no request at all."""
-    spec = _published_specs()["moe_gate_up"]
-    assert not mo.MoESettings().gate_up_prefetch and not spec.constexprs["PREFETCH"]
-    assert "prefetch.global.L2" not in sass.compile_spec(spec).asm["ptx"]
-    assert spec.constexprs["LINES"] == 8 and spec.constexprs["LINE_ELEMS"] == 128
-    ptx = sass.compile_spec(spec, PREFETCH=True).asm["ptx"]
-    wait = ptx.index("griddepcontrol.wait")
-    assert "prefetch" not in ptx[:wait] and ptx[wait:].count("prefetch.global.L2") >= 2
-
-
 def test_gate_ups_product_form_drops_the_per_element_multiply():
     """The spec compiles the engine's settings, MoESettings.gate_up_scale="product" over its H splits, at both
     offsets: spill-free, and the weight form's multiply of every weight element by its scale (64 FMUL a thread a K

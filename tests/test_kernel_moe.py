@@ -716,35 +716,6 @@ def test_gpu_pdl_prefetch_and_tails_keep_their_bits_over_replays():
             assert torch.equal(got, ref), name
         assert bool((locks == 0).all())
 
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("distinct", (9, 38))
-def test_gpu_gate_up_prefetch_keeps_its_bits(distinct):
-    """MoESettings.gate_up_prefetch (each owner asks L2 for its whole split of weight rows after its wait) is a hint:
-    with PDL, eager and replayed from a graph, Gate/Up's hidden equals the default's bit for bit, at the decode
-    routing (9 experts over 6 rows) and at 38; its PTX holds the requests (tests/test_bench_sass.py)."""
-    c = dict(full_case(0, distinct), R=6)
-    t = distinct_routing(build(c, "cuda"), c)
-    on = mk.MoESettings(gate_up_prefetch=True)
-    assert mk.gate_up_prefetch(c["H"], t["gate"].block, 1, on)["PREFETCH"]
-
-    def run(s: mk.MoESettings) -> torch.Tensor:
-        return mk.gate_up(t["b"], t["experts"], t["live"], t["gate"], t["up"], settings=s, pdl=True).hidden
-
-    want = run(mk.MoESettings()).clone()
-    assert torch.equal(run(on), want)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(on)
-    for _ in range(2):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want)
-
-
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
