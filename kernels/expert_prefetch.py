@@ -11,12 +11,10 @@ but for the attention's contribution. Two launches, fixed grids, graph-capturabl
 1. grid (cdiv(E, block_e), splits): partial logits of the block's rows, the router's first launch (its
    `split_logits`), except that every program first counts the live rows and returns at once where the prefetch does
    not pay (`PrefetchSettings.rows`).
-2. grid (R, k): a live row's programs each sum its partials (router `_sum_splits`) and select its k experts into
-   `predicted` [R, k] (-1 where the row is not live or the width not paying; the row's k programs store the same
-   values), then program (r, j) issues bulk L2 prefetches (`cp.async.bulk.prefetch.L2`, sm_90) of slot j's expert's
-   Gate and Up rows in `chunk_bytes` pieces. A program a slot, not a row: one program issuing a row's 8 experts'
-   requests in turn took 42 us a call (docs/PERF.md, "The expert prefetch, an engine option"). Rows choosing the
-   same expert ask twice; the second request finds the lines in flight.
+2. grid (R,): a live row's program sums its partials (router `_sum_splits`), selects its k experts into `predicted`
+   [R, k] (-1 where the row is not live or the width not paying), then issues bulk L2 prefetches
+   (`cp.async.bulk.prefetch.L2`, sm_90) of each expert's Gate and Up rows in `chunk_bytes` pieces. Rows choosing
+   the same expert ask twice; the second request finds the lines in flight.
 
 The prefetch instructions exist only on the GPU (ISSUE is off under the interpreter); `predicted` is what the
 coverage report (bench/prefetch.py) and the tests read.
@@ -90,9 +88,8 @@ def _predict_warm_kernel(part_ptr, live_ptr, predicted_ptr, weights_ptr, scores_
         tl.debug_barrier()  # the row's experts, stored by other threads of this program, read back
         if ISSUE:
             experts = tl.load(predicted_ptr + row * TOP_K + slot, mask=slot < TOP_K, other=-1)
-            mine = tl.zeros([1], tl.int64) + tl.sum(tl.where(slot == tl.program_id(1), experts, 0), axis=0)
-            warm_slabs(gate_ptr, mine, stride_gate, nbytes, CHUNK, CHUNKS_PAD)
-            warm_slabs(up_ptr, mine, stride_up, nbytes, CHUNK, CHUNKS_PAD)
+            warm_slabs(gate_ptr, experts, stride_gate, nbytes, CHUNK, CHUNKS_PAD)
+            warm_slabs(up_ptr, experts, stride_up, nbytes, CHUNK, CHUNKS_PAD)
     else:
         tl.store(predicted_ptr + row * TOP_K + slot, tl.full([K_PAD], -1, tl.int64), mask=slot < TOP_K)
 
@@ -155,7 +152,7 @@ def warm(a: torch.Tensor, live: torch.Tensor, predictor: torch.Tensor, gate: tor
         BLOCK_H=s.block_h, W0=widths[0], W1=widths[1], W2=widths[2], W3=widths[3], num_warps=s.num_warps)
     nbytes = gate.shape[1] * gate.shape[2]
     e_pad = triton.next_power_of_2(E)
-    _predict_warm_kernel[(R, top_k)](
+    _predict_warm_kernel[(R,)](
         part, live, predicted, weights, scores, gate, up, R, E, splits, gate.stride(0), up.stride(0), nbytes,
         ROWS_PAD=rows_pad, E_PAD=e_pad, SPLIT_BLOCK=max(1, min(triton.next_power_of_2(splits), 8192 // e_pad)),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), ACCURATE_EXP=not INTERPRETED, W0=widths[0], W1=widths[1],
