@@ -19,9 +19,11 @@
 #             against its unfolded control (0.9755x at the old defaults, bc0ea27), ~route:38
 #   agent     iquest bench agent on the GPU, prefix reuse on and off (the server's packages travel as wheels: run
 #             ci/device_wheels.sh here and copy .whl/ into the snapshot)
-#   rest      bench context (1K-512K; at bc0ea27 a prefill ran out of memory on the H100 with 28 GB reserved but
-#             unusable: the sweep now asks for expandable segments), bench depth (the controller's gain, paired: +16.8%
-#             TPOT against fixed depth 3 at bc0ea27)
+#   context   bench context alone: the seven lengths 1K-512K (the context target is the H200's; at bc0ea27 a prefill
+#             ran out of memory on the H100 with 28 GB reserved but unusable: the sweep now asks for expandable segments);
+#             CONTEXTS="1024,16384,524160" times fewer lengths in a shorter call
+#   rest      the context stage, then bench depth (the controller's gain, paired: +16.8% TPOT against fixed depth 3 at
+#             bc0ea27)
 #   depthprobe lab/depth_probe/gpu_bench.py: the controller's round as graphs (fixed 3, auto since 373a78a's nesting,
 #             the rule as one kernel, ablations), node counts a level and decode time a round, paired
 #   fold      the router fold: its two kernels tuned, then paired in the round (1.77x the round at bc0ea27: its
@@ -262,14 +264,15 @@ case "${1:-}" in
     PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH} timeout 500 python3 -m iquest.lab.depth_probe.gpu_bench 16 64 3 \
       > "$out/depth-probe-$sha.log" 2>&1 || echo "depth probe: exit $?" >&2
     tail -30 "$out/depth-probe-$sha.log" ;;
-  rest)  # whole logs under $OUT: a cut run still returns where it stopped
-    timeout 400 bash "$here/gpu.sh" bench context --out "$out/context-tp8slice-$sha.json" \
-      > "$out/context-tp8slice-$sha.log" 2>&1 || echo "bench context: exit $?" >&2
+  context|rest)  # whole logs under $OUT: a cut run still returns where it stopped
+    timeout 400 bash "$here/gpu.sh" bench context ${CONTEXTS:+--contexts "$CONTEXTS"} \
+      --out "$out/context-tp8slice-$sha.json" > "$out/context-tp8slice-$sha.log" 2>&1 || echo "bench context: exit $?" >&2
     tail -20 "$out/context-tp8slice-$sha.log"
+    [ "$1" = context ] && exit 0
     gpu bench depth --device cuda --prompts 16 --tokens 64 --repeats 5 --out "$out/depth-mini-cuda-$sha.json" \
       > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
     tail -8 "$out/depth-mini-cuda-$sha.log" ;;
-  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|qualify2one|step|agent|rest|depthprobe|fold|"\
+  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|qualify2one|step|agent|context|rest|depthprobe|fold|"\
 "ncu|ncumoe|trace|tune|tunectx|stepctx|pair512|step2|prefetch|tests|mps|qualify|candidate)" >&2
      exit 2 ;;
 esac
