@@ -93,6 +93,20 @@ def _head_tile(w_ptrs, i, k, H, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _rotate(w, w1, w2, w3, nxt, AHEAD: tl.constexpr):
+    """The tiles one step on: w takes the first in line, nxt joins the end of the AHEAD in flight."""
+    if AHEAD == 1:
+        w = nxt
+    elif AHEAD == 2:
+        w, w1 = w1, nxt
+    elif AHEAD == 3:
+        w, w1, w2 = w1, w2, nxt
+    else:
+        w, w1, w2, w3 = w1, w2, w3, nxt
+    return w, w1, w2, w3
+
+
+@triton.jit
 def _lm_head_rows_kernel(x_ptr, w_ptr, y_ptr, V, H, stride_x, stride_w, stride_y, ROWS: tl.constexpr,
                          ROWS_PAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
                          PDL: tl.constexpr = False, AHEAD: tl.constexpr = 1):
@@ -125,14 +139,7 @@ def _lm_head_rows_kernel(x_ptr, w_ptr, y_ptr, V, H, stride_x, stride_w, stride_y
         nxt = _head_tile(w_ptrs, k0 // BLOCK_K + AHEAD, k, H, BLOCK_K)
         x = tl.load(x_ptrs + k0, mask=r_ok & (kk < H)[None, :], other=0.0).to(tl.float32)  # bf16 -> fp32: exact
         acc = _row_products(acc, w.to(tl.float32), x)  # bf16 -> fp32: exact
-        if AHEAD == 1:
-            w = nxt
-        elif AHEAD == 2:
-            w, w1 = w1, nxt
-        elif AHEAD == 3:
-            w, w1, w2 = w1, w2, nxt
-        else:
-            w, w1, w2, w3 = w1, w2, w3, nxt
+        w, w1, w2, w3 = _rotate(w, w1, w2, w3, nxt, AHEAD)
     y = tl.sum(acc, axis=2)  # [ROWS_PAD, BLOCK_V]
     tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], y, mask=r_ok & (cols < V)[None, :])
 

@@ -62,8 +62,23 @@ def row_products_tf32(acc, w, x):
     return acc + _to_tf32(w)[None, :, :] * _to_tf32(x)[:, None, :]
 
 
+@triton.jit
+def rotate_skipping_a_tile(w, w1, w2, w3, nxt, AHEAD: tl.constexpr):
+    """`lm._rotate`, but with more than one tile ahead the next in line is skipped (one ahead: as the product's)."""
+    if AHEAD == 1:
+        w = nxt
+    elif AHEAD == 2:
+        w, w1 = nxt, nxt
+    elif AHEAD == 3:
+        w, w1, w2 = w2, nxt, nxt
+    else:
+        w, w1, w2, w3 = w2, w3, nxt, nxt
+    return w, w1, w2, w3
+
+
 CONTROLS = {"tf32": {"_lm_head_kernel": {"_dot": dot_tf32}},
-            "tf32_rows": {"_lm_head_rows_kernel": {"_row_products": row_products_tf32}}}
+            "tf32_rows": {"_lm_head_rows_kernel": {"_row_products": row_products_tf32}},
+            "ahead_rotation": {"_lm_head_rows_kernel": {"_rotate": rotate_skipping_a_tile}}}
 
 BASE = dict(R=8, V=100, H=100, x="bf16", w="fp32", data="randn", x_stride=1, w_stride=1, out_stride=0, alloc=False,
             broken=None, seed=0, settings=dict(block_v=32, block_k=32), ahead=())
@@ -106,6 +121,8 @@ CASES = [
     case("broken_tf32_products", R=8, data="exact", broken="tf32", settings=dict(form="dot", block_v=32, block_k=32),
          seed=20),
     case("broken_tf32_rows", R=8, data="exact", broken="tf32_rows", seed=21),
+    case("broken_ahead_rotation", R=5, V=77, H=200, data="exact", settings=dict(block_v=8, rows_block_k=16),
+         ahead=(2, 3, 4), broken="ahead_rotation", seed=24),
 ]
 
 GPU_CASES = [
@@ -126,6 +143,8 @@ GPU_CASES = [
     case("gpu_broken_tf32_products", R=8, data="exact", broken="tf32",
          **dict(RANK, w="fp32", settings=dict(form="dot")), seed=40),
     case("gpu_broken_tf32_rows", R=8, data="exact", broken="tf32_rows", **dict(RANK, w="fp32"), seed=41),
+    case("gpu_broken_ahead_rotation", R=6, data="exact", broken="ahead_rotation", **dict(RANK, w="fp32"),
+         ahead=(2, 4), seed=45),
 ]
 
 
@@ -164,7 +183,7 @@ def run_case(c: dict, device: str) -> dict:
     got = run_head(t, lm.LMHeadSettings(**c["settings"]), out, c["broken"])
     widened = got if c["w"] == "fp32" else run_head(dict(t, w=t["w"].float()), lm.LMHeadSettings(**c["settings"]),
                                                     None, c["broken"])
-    ahead = [torch.equal(run_head(t, lm.LMHeadSettings(**dict(c["settings"], rows_ahead=a))), got)
+    ahead = [torch.equal(run_head(t, lm.LMHeadSettings(**dict(c["settings"], rows_ahead=a)), None, c["broken"]), got)
              for a in c["ahead"]]
     torch_form = TorchOps().lm_head(t["x"], t["w"])
     x64, w64 = t["x"].double().cpu(), t["w"].double().cpu()  # a bf16 head's values are exact in fp32 and float64
@@ -212,7 +231,10 @@ def _check(c: dict, r: dict) -> None:
     if not c["broken"]:
         check_values(c, r)
         return
-    assert not r["exact_bits"], "TF32 products left the exact data's logits exact"
+    if c["broken"] == "ahead_rotation":  # one tile ahead is untouched and exact; every deeper form skips a tile
+        assert r["exact_bits"] and not any(r["ahead_bits"]), "the skipped tile left the logits as they were"
+    else:
+        assert not r["exact_bits"], "TF32 products left the exact data's logits exact"
     with pytest.raises(AssertionError):
         check_values(c, r)
 
