@@ -65,15 +65,9 @@ def row_products_tf32(acc, w, x):
 @triton.jit
 def rotate_skipping_a_tile(w, w1, w2, w3, nxt, AHEAD: tl.constexpr):
     """`lm._rotate`, but with more than one tile ahead the next in line is skipped (one ahead: as the product's)."""
-    if AHEAD == 1:
-        w = nxt
-    elif AHEAD == 2:
-        w, w1 = nxt, nxt
-    elif AHEAD == 3:
-        w, w1, w2 = w2, nxt, nxt
-    else:
-        w, w1, w2, w3 = w2, w3, nxt, nxt
-    return w, w1, w2, w3
+    if AHEAD > 1:  # every tile in line moves up one before the rotation: the first in line is never multiplied
+        w, w1, w2, w3 = w1, w2, w3, nxt
+    return lm._rotate(w, w1, w2, w3, nxt, AHEAD)
 
 
 CONTROLS = {"tf32": {"_lm_head_kernel": {"_dot": dot_tf32}},
