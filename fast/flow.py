@@ -98,6 +98,23 @@ def _ok(result):
     return values[0] if len(values) == 1 else values
 
 
+def private_stream(device: torch.device) -> torch.cuda.ExternalStream:
+    """A CUDA stream that is this process's alone, for work forked off a capture. Not `torch.cuda.Stream()`: torch
+    hands out 32 pooled streams a priority round robin, so a pooled stream can be the very stream a capture runs on
+    (`torch.cuda.graph`'s default capture stream, itself pooled); work forked onto it from inside a conditional body
+    then joins the outer capture, not the body. Free it with `destroy_stream` once no graph captured with it remains."""
+    from cuda.bindings import driver  # GPU-only dependency, imported lazily
+
+    raw = _ok(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
+    return torch.cuda.ExternalStream(int(raw), device=device)
+
+
+def destroy_stream(stream: torch.cuda.ExternalStream) -> None:
+    from cuda.bindings import driver
+
+    _ok(driver.cuStreamDestroy(driver.CUstream(stream.cuda_stream)))
+
+
 class GraphFlow:
     """Conditional nodes added to the graph being captured on the current torch stream."""
 
@@ -135,7 +152,7 @@ class GraphFlow:
             torch._C._cuda_releasePool(self.device.index, self.pool)
         self._pool_refs = 0
         for s in self._streams:
-            _ok(drv.cuStreamDestroy(drv.CUstream(s.cuda_stream)))
+            destroy_stream(s)
         self._streams = []
         if self._module is not None:
             _ok(drv.cuModuleUnload(self._module))
@@ -199,9 +216,7 @@ class GraphFlow:
     def _stream(self, depth: int) -> torch.cuda.ExternalStream:
         """One private stream per nesting depth (a capturing stream cannot start another capture)."""
         while len(self._streams) <= depth:
-            drv = self._drv
-            raw = _ok(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING.value))
-            self._streams.append(torch.cuda.ExternalStream(int(raw), device=self.device))
+            self._streams.append(private_stream(self.device))
         return self._streams[depth]
 
     def _compile(self, driver, nvrtc):

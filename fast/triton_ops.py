@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from collections import Counter
 from typing import NamedTuple
 
@@ -22,6 +23,7 @@ from ..kernels import (decode_attention, depth_rule, embed, expert_prefetch, fp8
                        router, sample, settle, topk)
 from . import sampler
 from .depth_rule import logit_threshold
+from .flow import destroy_stream, private_stream
 from .kernel_settings import KernelSettings
 from .plan import KernelPlan
 from .profiling import stage
@@ -102,7 +104,8 @@ class TritonOps(TorchOps):
                         and launch.slab_ok(up.q)):
                     self._slabs[id(lw.mlp.router)] = (gate.q, up.q)
         if self._warm and w.embed.is_cuda:
-            self._side = torch.cuda.Stream(w.embed.device)
+            self._side = private_stream(w.embed.device)  # the branch forks off the decode loop's capture
+            weakref.finalize(self, destroy_stream, self._side).atexit = False  # an exiting process frees it anyway
         if w.embed.is_cuda:  # the direct kernel is compiled only (no interpreter)
             for weight in self._direct_weights(w):
                 self._direct[id(weight)] = fp8_linear_direct.direct_weight(weight.q)

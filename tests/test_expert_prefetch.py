@@ -149,6 +149,39 @@ def test_cuda_captured_loop_with_the_branch_decodes_the_same_tokens(drafts):
     assert on.rank0.model.ops.calls["expert_prefetch"] > 0, on.rank0.model.ops.calls
 
 
+def _pool_at_the_capture_stream(device: str = "cuda") -> int:
+    """Moves torch's stream pool (its pooled streams are handed out round robin) so that the next
+    `torch.cuda.Stream()` is `torch.cuda.graph`'s default capture stream, itself pooled; returns that stream's handle."""
+    torch.cuda.graph(torch.cuda.CUDAGraph())  # makes the default capture stream, if no capture has yet
+    capture = torch.cuda.graph.default_capture_stream.cuda_stream
+    take = lambda: torch.cuda.Stream(device).cuda_stream
+    if capture not in {take() for _ in range(256)}:
+        pytest.fail("torch's stream pool never handed out the capture stream")
+    while take() != capture:
+        pass
+    period = 1
+    while take() != capture:
+        period += 1
+    for _ in range(period - 1):
+        take()
+    return capture
+
+
+@pytest.mark.gpu
+def test_cuda_the_branch_forks_onto_a_stream_of_its_own():
+    """The branch's stream is none of torch's pooled streams: a pooled one can be the stream the decode loop is
+    captured on, and the branch, forked onto it from inside a conditional body, then joins the outer capture (the
+    captured loop's segmentation fault in `capture_end`, one suite in six). With the pool moved so that the next
+    pooled stream is the capture stream, the captured loop with the branch decodes the same tokens."""
+    capture = _pool_at_the_capture_stream()
+    on = _engine(True, "cuda")
+    side = on.rank0.model.ops._side.cuda_stream
+    pooled = {torch.cuda.Stream("cuda").cuda_stream for _ in range(256)}
+    assert capture in pooled and side not in pooled
+    assert _decode(on, 3, 40) == _decode(_engine(False, "cuda"), 3, 40)
+    assert on.rank0.model.ops.calls["expert_prefetch"] > 0, on.rank0.model.ops.calls
+
+
 if __name__ == "__main__" and "--interpret-worker" in sys.argv:
     from iquest.kernels.testing import worker_main
 
