@@ -105,12 +105,10 @@ GRIDS: dict[str, tuple[dict, ...]] = {
             {"down_prefetch": False},
             # the three-axis grids, the pair fastest (the default before the pair slowest; same bits)
             {"pair_major": False}),
-    # "rows" (the default: 8-row V tiles over 4 warps) around its tile, the 16 x 8 warps it replaced among them, more
-    # tiles in flight (at 6 rows a program holds 96 registers, 5 programs an SM: 20 KB of the head in flight an SM at
-    # one tile ahead; four ahead, 117 registers: 40 KB), then "dot" (the form before it) at its own defaults and
-    # grid; block_v 128 is left out for "dot": kernels/lm_head.choose_block_v says it spills on sm_90a
-    "lm_head": ({"rows_ahead": 2}, {"rows_ahead": 3}, {"rows_ahead": 4},
-                {"block_v": 16}, {"block_v": 4}, {"rows_block_k": 64}, {"rows_block_k": 256}, {"rows_warps": 2},
+    # "rows" (the default: 8-row V tiles over 4 warps) around its tile, the 16 x 8 warps it replaced among them, then
+    # "dot" (the form before it) at its own defaults and grid; block_v 128 is left out for "dot":
+    # kernels/lm_head.choose_block_v says it spills on sm_90a
+    "lm_head": ({"block_v": 16}, {"block_v": 4}, {"rows_block_k": 64}, {"rows_block_k": 256}, {"rows_warps": 2},
                 {"rows_warps": 8}, {"block_v": 16, "rows_warps": 8}, {"rows_block_k": 64, "rows_warps": 8},
                 {"form": "dot"}, {"form": "dot", "block_v": 16}, {"form": "dot", "block_v": 64},
                 {"form": "dot", "block_k": 64}, {"form": "dot", "num_warps": 8}, {"form": "dot", "num_stages": 3}),

@@ -45,8 +45,6 @@
 #   downprod  Down's scales on the step's product capped at 128 registers (MoESettings.down_scale, down_registers:
 #             the default since 362189d) against the weight form and the uncapped launch: its GPU cases, then the
 #             round paired at 1K and 38 experts
-#   head      the LM head's weight tiles in flight (LMHeadSettings.rows_ahead, the same bits): its GPU cases, then
-#             the round paired at 1K against one tile ahead
 #   launch    the o-projection's direct kernel (LinearSettings.direct, the default) against its Triton kernel, the
 #             same bits: the round paired at 1K, then its engine-level GPU test
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
@@ -183,16 +181,6 @@ case "${1:-}" in
         > "$out/step-downprod-${arm%%:*}-d5-$sha.log" 2>&1 || echo "bench step ${arm%%:*}: exit $?" >&2
       grep -E "median round|against|differs at|identical" "$out/step-downprod-${arm%%:*}-d5-$sha.log"
     done ;;
-  head)  # the LM head's weight tiles in flight (LMHeadSettings.rows_ahead, the same bits): its GPU cases (bit for bit
-    # against one tile ahead at 1 and 6 rows), then the round paired at 1K (six head calls a round: 61 us a call from
-    # the previous kernel in the graph trace at 5bc518f, against ~40 us for the head's bytes)
-    timeout 150 bash "$here/gpu.sh" tests -vv -k "ahead or pdl" tests/test_kernel_lm_head.py \
-      > "$out/gpu-tests-head-$sha.log" 2>&1 || echo "gpu tests: exit $?" >&2
-    tail -2 "$out/gpu-tests-head-$sha.log"
-    timeout 240 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
-      --kernels triton,triton@lm_head.rows_ahead=2,triton@lm_head.rows_ahead=4 \
-      --out "$out/step-head-ctx1k-d5-$sha.json" > "$out/step-head-ctx1k-d5-$sha.log" 2>&1 || echo "bench step: exit $?" >&2
-    grep -E -A3 "median round|against|differs at|identical|Error" "$out/step-head-ctx1k-d5-$sha.log" ;;
   launch)  # the FP8 linears' weights straight into the MMA's registers (LinearSettings.direct, the o-projection's
     # default: 0.9628x paired at 1e8646c, 1.0345x turned off at 5bc518f, H100s) against its Triton kernel: the round
     # paired at 1K, then the engine's bits. (Gate/Up's tiles through tensor descriptors, paired here at 5bc518f:
@@ -284,7 +272,7 @@ case "${1:-}" in
     gpu bench depth --device cuda --prompts 16 --tokens 64 --repeats 5 --out "$out/depth-mini-cuda-$sha.json" \
       > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
     tail -8 "$out/depth-mini-cuda-$sha.log" ;;
-  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|qualify2one|step|agent|context|rest|head|depthprobe|fold|"\
+  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|qualify2one|step|agent|context|rest|depthprobe|fold|"\
 "ncu|ncumoe|trace|tune|tunectx|stepctx|pair512|step2|prefetch|tests|mps|qualify|candidate)" >&2
      exit 2 ;;
 esac

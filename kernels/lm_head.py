@@ -67,10 +67,6 @@ class LMHeadSettings:
     # change qualified and paired with the round's other candidates (the same table, the candidate of 17fb4ea)
     rows_block_k: int = 128
     rows_warps: int = 4
-    # "rows": weight tiles asked for ahead of the one being multiplied (1 to 4), the first ones before the PDL wait
-    # (the head is a constant). Each [8 x 128] bf16 tile costs a thread 4 registers; the products and their order are
-    # the same at every depth, so the same bits.
-    rows_ahead: int = 1
 
 
 @triton.jit
@@ -87,29 +83,9 @@ def _row_products(acc, w, x):
 
 
 @triton.jit
-def _head_tile(w_ptrs, i, k, H, BLOCK_K: tl.constexpr):
-    """The head's K tile i of the program's rows (zeros past H)."""
-    return tl.load(w_ptrs + i * BLOCK_K, mask=(i * BLOCK_K + k < H)[None, :], other=0.0)
-
-
-@triton.jit
-def _rotate(w, w1, w2, w3, nxt, AHEAD: tl.constexpr):
-    """The tiles one step on: w takes the first in line, nxt joins the end of the AHEAD in flight."""
-    if AHEAD == 1:
-        w = nxt
-    elif AHEAD == 2:
-        w, w1 = w1, nxt
-    elif AHEAD == 3:
-        w, w1, w2 = w1, w2, nxt
-    else:
-        w, w1, w2, w3 = w1, w2, w3, nxt
-    return w, w1, w2, w3
-
-
-@triton.jit
 def _lm_head_rows_kernel(x_ptr, w_ptr, y_ptr, V, H, stride_x, stride_w, stride_y, ROWS: tl.constexpr,
                          ROWS_PAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PDL: tl.constexpr = False, AHEAD: tl.constexpr = 1):
+                         PDL: tl.constexpr = False):
     pid_v = tl.program_id(0)
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     rows = tl.arange(0, ROWS_PAD)
@@ -117,29 +93,19 @@ def _lm_head_rows_kernel(x_ptr, w_ptr, y_ptr, V, H, stride_x, stride_w, stride_y
     w_ptrs = w_ptr + tl.minimum(cols, V - 1)[:, None].to(tl.int64) * stride_w + k[None, :]
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :]
     r_ok = (rows < ROWS)[:, None]
-    # The weight tiles are constants: the first AHEAD are read before the wait, overlapping the previous kernel
-    # (kernels/launch.py), in the head's own dtype. w1..w3 hold the tiles after w, as many as AHEAD - 1.
-    w = _head_tile(w_ptrs, 0, k, H, BLOCK_K)
-    w1 = w
-    w2 = w
-    w3 = w
-    if AHEAD >= 2:
-        w1 = _head_tile(w_ptrs, 1, k, H, BLOCK_K)
-    if AHEAD >= 3:
-        w2 = _head_tile(w_ptrs, 2, k, H, BLOCK_K)
-    if AHEAD >= 4:
-        w3 = _head_tile(w_ptrs, 3, k, H, BLOCK_K)
+    # the first weight tile is a constant: read before the wait, overlapping the previous kernel (kernels/launch.py)
+    w = tl.load(w_ptrs, mask=(k < H)[None, :], other=0.0)  # the head's own dtype: two tiles in flight at its size
     wait_for_inputs(PDL)
     # Every product goes into its own lane of acc; the lanes are summed once, after the last tile: the loop is loads
     # and FMAs only, no reduction across threads (which, a row and a tile at a time, would cost more than the stream)
     acc = tl.zeros([ROWS_PAD, BLOCK_V, BLOCK_K], tl.float32)
     for k0 in range(0, H, BLOCK_K):
         kk = k0 + k
-        # the tile AHEAD steps on goes out before this one's products: AHEAD tiles in flight beside it
-        nxt = _head_tile(w_ptrs, k0 // BLOCK_K + AHEAD, k, H, BLOCK_K)
+        # the next tile's load goes out before this one's products: two tiles in flight a program
+        nxt = tl.load(w_ptrs + (k0 + BLOCK_K), mask=((kk + BLOCK_K) < H)[None, :], other=0.0)
         x = tl.load(x_ptrs + k0, mask=r_ok & (kk < H)[None, :], other=0.0).to(tl.float32)  # bf16 -> fp32: exact
         acc = _row_products(acc, w.to(tl.float32), x)  # bf16 -> fp32: exact
-        w, w1, w2, w3 = _rotate(w, w1, w2, w3, nxt, AHEAD)
+        w = nxt
     y = tl.sum(acc, axis=2)  # [ROWS_PAD, BLOCK_V]
     tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], y, mask=r_ok & (cols < V)[None, :])
 
@@ -207,8 +173,6 @@ def _check_settings(s: LMHeadSettings) -> None:
     _check(is_pow2(s.block_k, 16), f"block_k {s.block_k!r} must be a power of two >= 16")
     _check(is_pow2(s.rows_block_k, 16), f"rows_block_k {s.rows_block_k!r} must be a power of two >= 16")
     _check(isinstance(s.rows_warps, int) and s.rows_warps in (1, 2, 4, 8, 16), f"rows_warps {s.rows_warps!r}")
-    _check(isinstance(s.rows_ahead, int) and not isinstance(s.rows_ahead, bool) and 1 <= s.rows_ahead <= 4,
-           f"rows_ahead {s.rows_ahead!r} must be an int from 1 to 4")
     _check(isinstance(s.num_warps, int) and s.num_warps in (1, 2, 4, 8, 16), f"num_warps {s.num_warps!r}")
     _check(isinstance(s.num_stages, int) and s.num_stages >= 1, f"num_stages {s.num_stages!r} must be >= 1")
     _check(isinstance(s.programs_per_sm, int) and s.programs_per_sm >= 1,
@@ -248,7 +212,7 @@ def lm_head(hidden: torch.Tensor, head: torch.Tensor, *, settings: LMHeadSetting
         _lm_head_rows_kernel[(triton.cdiv(V, block_v),)](
             hidden, head, out, V, H, hidden.stride(0), head.stride(0), out.stride(0), ROWS=R,
             ROWS_PAD=triton.next_power_of_2(R), BLOCK_V=block_v, BLOCK_K=settings.rows_block_k,
-            AHEAD=settings.rows_ahead, num_warps=settings.rows_warps, num_stages=1, **launch)
+            num_warps=settings.rows_warps, num_stages=1, **launch)
     else:
         _lm_head_kernel[(triton.cdiv(V, block_v),)](
             hidden, head, out, R, V, H, hidden.stride(0), head.stride(0), out.stride(0), BLOCK_R=BLOCK_R,

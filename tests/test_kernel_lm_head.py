@@ -62,20 +62,11 @@ def row_products_tf32(acc, w, x):
     return acc + _to_tf32(w)[None, :, :] * _to_tf32(x)[:, None, :]
 
 
-@triton.jit
-def rotate_skipping_a_tile(w, w1, w2, w3, nxt, AHEAD: tl.constexpr):
-    """`lm._rotate`, but with more than one tile ahead the next in line is skipped (one ahead: as the product's)."""
-    if AHEAD > 1:  # every tile in line moves up one before the rotation: the first in line is never multiplied
-        w, w1, w2, w3 = w1, w2, w3, nxt
-    return lm._rotate(w, w1, w2, w3, nxt, AHEAD)
-
-
 CONTROLS = {"tf32": {"_lm_head_kernel": {"_dot": dot_tf32}},
-            "tf32_rows": {"_lm_head_rows_kernel": {"_row_products": row_products_tf32}},
-            "ahead_rotation": {"_lm_head_rows_kernel": {"_rotate": rotate_skipping_a_tile}}}
+            "tf32_rows": {"_lm_head_rows_kernel": {"_row_products": row_products_tf32}}}
 
 BASE = dict(R=8, V=100, H=100, x="bf16", w="fp32", data="randn", x_stride=1, w_stride=1, out_stride=0, alloc=False,
-            broken=None, seed=0, settings=dict(block_v=32, block_k=32), ahead=())
+            broken=None, seed=0, settings=dict(block_v=32, block_k=32))
 
 
 def case(name: str, **kw) -> dict:
@@ -100,8 +91,6 @@ CASES = [
     case("exact_fp32_H3072", R=8, V=300, H=3072, x="fp32", data="exact", settings=dict(block_v=64, block_k=128),
          seed=12),
     case("rows_tiles_K_tail", R=5, V=77, H=200, settings=dict(block_v=8, rows_block_k=16, rows_warps=2), seed=16),
-    # LMHeadSettings.rows_ahead: more tiles in flight, the same products in the same order, so the same bits
-    case("rows_ahead_K_tail", R=5, V=77, H=200, settings=dict(block_v=8, rows_block_k=16), ahead=(2, 3, 4), seed=23),
     # the head held bf16, as stored
     case("head_bf16_8rows", w="bf16", seed=17),
     case("head_bf16_1row_H3072", R=1, V=50, H=3072, w="bf16", seed=18),
@@ -115,8 +104,6 @@ CASES = [
     case("broken_tf32_products", R=8, data="exact", broken="tf32", settings=dict(form="dot", block_v=32, block_k=32),
          seed=20),
     case("broken_tf32_rows", R=8, data="exact", broken="tf32_rows", seed=21),
-    case("broken_ahead_rotation", R=5, V=77, H=200, data="exact", settings=dict(block_v=8, rows_block_k=16),
-         ahead=(2, 3, 4), broken="ahead_rotation", seed=24),
 ]
 
 GPU_CASES = [
@@ -128,8 +115,6 @@ GPU_CASES = [
     case("gpu_8rows_rank_exact", R=8, data="exact", **RANK, seed=35),
     case("gpu_8rows_rank_block_k_64", R=8, **dict(RANK, settings=dict(block_k=64)), seed=36),
     case("gpu_8rows_rank_block_v_64", R=8, **dict(RANK, settings=dict(block_v=64)), seed=37),
-    case("gpu_6rows_rank_ahead", R=6, **RANK, ahead=(2, 3, 4), seed=43),
-    case("gpu_1row_rank_ahead", R=1, **RANK, ahead=(2, 4), seed=44),
     case("gpu_6rows_rank_dot", R=6, **dict(RANK, settings=dict(form="dot")), seed=38),
     case("gpu_1row_rank_dot", R=1, **dict(RANK, settings=dict(form="dot")), seed=39),
     # the controls on an fp32 head: a bf16 head's 8-bit weights are exact in TF32's 10 bits, so TF32 products would
@@ -137,8 +122,6 @@ GPU_CASES = [
     case("gpu_broken_tf32_products", R=8, data="exact", broken="tf32",
          **dict(RANK, w="fp32", settings=dict(form="dot")), seed=40),
     case("gpu_broken_tf32_rows", R=8, data="exact", broken="tf32_rows", **dict(RANK, w="fp32"), seed=41),
-    case("gpu_broken_ahead_rotation", R=6, data="exact", broken="ahead_rotation", **dict(RANK, w="fp32"),
-         ahead=(2, 4), seed=45),
 ]
 
 
@@ -177,8 +160,6 @@ def run_case(c: dict, device: str) -> dict:
     got = run_head(t, lm.LMHeadSettings(**c["settings"]), out, c["broken"])
     widened = got if c["w"] == "fp32" else run_head(dict(t, w=t["w"].float()), lm.LMHeadSettings(**c["settings"]),
                                                     None, c["broken"])
-    ahead = [torch.equal(run_head(t, lm.LMHeadSettings(**dict(c["settings"], rows_ahead=a)), None, c["broken"]), got)
-             for a in c["ahead"]]
     torch_form = TorchOps().lm_head(t["x"], t["w"])
     x64, w64 = t["x"].double().cpu(), t["w"].double().cpu()  # a bf16 head's values are exact in fp32 and float64
     exact = x64 @ w64.T
@@ -201,7 +182,7 @@ def run_case(c: dict, device: str) -> dict:
             "tolerance_is_the_kernels": bool(torch.allclose(logit_tolerance(x64, w64),
                                                             2 * g["always"] * scale)),
             "exact_bits": bool((got.double().cpu() == exact).all()),
-            "head_dtype": str(t["w"].dtype), "widened_bits": bool(torch.equal(got, widened)), "ahead_bits": ahead,
+            "head_dtype": str(t["w"].dtype), "widened_bits": bool(torch.equal(got, widened)),
             "torch_bits": bool(torch.equal(got, torch_form))}
 
 
@@ -210,8 +191,6 @@ def check_values(c: dict, r: dict) -> None:
     assert r["head_dtype"] == f"torch.{'bfloat16' if c['w'] == 'bf16' else 'float32'}"
     assert r["widened_bits"], f"{c['name']}: the head held {c['w']} and the same head held fp32 give other logits"
     assert r["finite"], "NaN or inf left in the output (a tile not stored?)"
-    assert all(r["ahead_bits"]) and len(r["ahead_bits"]) == len(c["ahead"]), \
-        f"{c['name']}: more tiles in flight {c['ahead']} gave other logits: {r['ahead_bits']}"
     assert r["torch_exact_ratio"] <= 1, f"the torch form breaks the bound: {r['torch_exact_ratio']:.2e}"
     assert r["tolerance_is_the_kernels"]
     assert r["exact_ratio"] <= 1, f"{c['name']}: max |kernel - float64| / bound = {r['exact_ratio']:.2e}"
@@ -225,10 +204,7 @@ def _check(c: dict, r: dict) -> None:
     if not c["broken"]:
         check_values(c, r)
         return
-    if c["broken"] == "ahead_rotation":  # one tile ahead is untouched and exact; every deeper form skips a tile
-        assert r["exact_bits"] and not any(r["ahead_bits"]), "the skipped tile left the logits as they were"
-    else:
-        assert not r["exact_bits"], "TF32 products left the exact data's logits exact"
+    assert not r["exact_bits"], "TF32 products left the exact data's logits exact"
     with pytest.raises(AssertionError):
         check_values(c, r)
 
@@ -291,7 +267,6 @@ def _args(**over):
     (dict(settings=lm.LMHeadSettings(form="gemv")), "form"),
     (dict(settings=lm.LMHeadSettings(rows_block_k=24)), "rows_block_k"),
     (dict(settings=lm.LMHeadSettings(rows_warps=3)), "rows_warps"),
-    (dict(settings=lm.LMHeadSettings(rows_ahead=5)), "rows_ahead"),
 ])
 def test_rejects_bad_inputs(over, message):
     with pytest.raises(ValueError, match=f"lm_head: .*{message}"):
