@@ -47,6 +47,7 @@
 #             round paired at 1K and 38 experts
 #   launch    the o-projection's direct kernel (LinearSettings.direct, the default) against its Triton kernel, the
 #             same bits: the round paired at 1K, then its engine-level GPU test
+#   branch    the expert prefetch's branch stream: its GPU tests three times and the pooled-stream control
 #   prefetch  the expert prefetch, paired, at 4 and 5 live rows (drafts 3 and 4), where it launches
 #   candidate a numerical candidate (CANDIDATE="OP.FIELD=VALUE ...", e.g. attention_full.min_split=128):
 #             qualification at TP 1 with it, the round paired against the defaults at 1K, then its context sweep, in
@@ -196,6 +197,20 @@ case "${1:-}" in
       > "$out/gpu-tests-launch-$sha.log" 2>&1 || echo "gpu tests: exit $?" >&2
     grep -E "FAILED|ERROR" "$out/gpu-tests-launch-$sha.log" | cut -c1-160 || true  # none found is the good case
     tail -2 "$out/gpu-tests-launch-$sha.log" ;;
+  branch)  # the expert prefetch's branch stream (e884b73): its GPU tests three times, then the pooled-stream control
+    # (lab/branch_stream_control.py: the test must fail with the branch's stream pooled; then the captured loop with
+    # the branch on the capture stream, in a process of its own, since a fault ends it)
+    for i in 1 2 3; do
+      timeout 150 bash "$here/gpu.sh" tests -vv tests/test_expert_prefetch.py \
+        > "$out/gpu-tests-prefetch-$i-$sha.log" 2>&1 || echo "gpu tests $i: exit $?" >&2
+      tail -1 "$out/gpu-tests-prefetch-$i-$sha.log"
+    done
+    mkdir -p /tmp/pkg && ln -sfn "$(cd "$here/.." && pwd)" /tmp/pkg/iquest
+    for mode in check crash; do
+      PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 -m iquest.lab.branch_stream_control $mode \
+        >> "$out/branch-stream-control-$sha.log" 2>&1; echo "control $mode: exit $?" | tee -a "$out/branch-stream-control-$sha.log"
+    done
+    grep -E "control|branch on|captured loop|Segmentation|Error" "$out/branch-stream-control-$sha.log" | cut -c1-200 ;;
   prefetch)
     for d in 3 4; do
       gpu bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --drafts $d \
@@ -273,6 +288,6 @@ case "${1:-}" in
       > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
     tail -8 "$out/depth-mini-cuda-$sha.log" ;;
   *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|qualify2one|step|agent|context|rest|depthprobe|fold|"\
-"ncu|ncumoe|trace|tune|tunectx|stepctx|pair512|step2|prefetch|tests|mps|qualify|candidate)" >&2
+"ncu|ncumoe|trace|tune|tunectx|stepctx|pair512|step2|branch|prefetch|tests|mps|qualify|candidate)" >&2
      exit 2 ;;
 esac
