@@ -200,7 +200,7 @@ case "${1:-}" in
   branch)  # the expert prefetch's branch stream (e884b73): its GPU tests three times, then the pooled-stream control
     # (lab/branch_stream_control.py: the test must fail with the branch's stream pooled; then the captured loop with
     # the branch on the capture stream, in a process of its own, since a fault ends it)
-    for i in 1 2 3; do
+    for i in $(seq "${REPEATS:-3}"); do
       timeout 150 bash "$here/gpu.sh" tests -vv tests/test_expert_prefetch.py \
         > "$out/gpu-tests-prefetch-$i-$sha.log" 2>&1 || echo "gpu tests $i: exit $?" >&2
       tail -1 "$out/gpu-tests-prefetch-$i-$sha.log"
@@ -208,7 +208,8 @@ case "${1:-}" in
     mkdir -p /tmp/pkg && ln -sfn "$(cd "$here/.." && pwd)" /tmp/pkg/iquest
     for mode in check crash; do
       PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 -m iquest.lab.branch_stream_control $mode \
-        >> "$out/branch-stream-control-$sha.log" 2>&1; echo "control $mode: exit $?" | tee -a "$out/branch-stream-control-$sha.log"
+        >> "$out/branch-stream-control-$sha.log" 2>&1 && rc=0 || rc=$?  # 139: a segmentation fault
+      echo "control $mode: exit $rc" | tee -a "$out/branch-stream-control-$sha.log"
     done
     grep -E "control|branch on|captured loop|Segmentation|Error" "$out/branch-stream-control-$sha.log" | cut -c1-200 ;;
   prefetch)

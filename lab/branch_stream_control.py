@@ -17,8 +17,15 @@ from iquest.tests import test_expert_prefetch as t
 
 def main(mode: str) -> int:
     taken = []
-    triton_ops.private_stream = lambda device: taken.append(torch.cuda.Stream(device)) or taken[-1]
+
+    def pooled(device):
+        taken.append(torch.cuda.Stream(device))
+        print(f"pooled stream handed to the branch: {taken[-1].cuda_stream:#x}", flush=True)
+        return taken[-1]
+
+    triton_ops.private_stream = pooled
     triton_ops.destroy_stream = lambda stream: None  # torch owns its pooled streams
+    print(f"mode {mode}", flush=True)
     if mode == "check":
         try:
             t.test_cuda_the_branch_forks_onto_a_stream_of_its_own()
