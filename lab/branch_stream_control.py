@@ -1,11 +1,15 @@
 """The expert prefetch's branch on a pooled stream, the form before e884b73, as a control for
-`test_cuda_the_branch_forks_onto_a_stream_of_its_own` (docs/PERF.md, the capture crash).
+`test_cuda_the_branch_forks_onto_a_stream_of_its_own` (docs/PERF.md, the capture crash). Run each mode in a process
+of its own: a fault ends the process.
 
-  check  the test, with the branch's stream pooled again: it must fail (on its "none of the pooled streams" check)
-  crash  the captured loop decoded with the branch on the pool's capture stream, the test's check skipped: does
-         capture_end fault? (run it in a process of its own: a fault ends the process)
+  check  the test, with the branch's stream pooled again: it must fail, on its "none of the pooled streams" check or
+         before it (on H100s at f490d67 and 37acc66 the engine's build, which captures the decode loop, ended in a
+         segmentation fault: exit 139)
+  crash  the engine built with the branch on the pool's capture stream, the test's check skipped, and its captured
+         loop decoded against the engine without the branch
 
-Counts the pooled streams handed to the branch, so that a pass cannot come from the control not running.
+Each pooled stream handed to the branch is printed and counted, so that a pass cannot come from the control not
+running.
 """
 import sys
 
