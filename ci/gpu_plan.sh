@@ -33,6 +33,8 @@
 #             8.8% of peak DRAM throughput), each with its stall reasons' shares
 #   ncumoe    Gate/Up and Down alone under Nsight Compute at 9 experts, full sections and each SASS line's stalls
 #   trace     bench graph-trace: kernels and dependent steps a decoder layer, with and without each fold (10 at bc0ea27)
+#   folds7    the router fold and Down ending in the tail together (8 and 9 steps apart at 5bc518f): their dependent
+#             steps from the captured graph, then the round paired against the default and the fold alone
 #   tune      bench tune: the MoE at 38 experts, then the attention, the router, the tails, the top-k, the head, the
 #             fold's o-projection, an op a process (at 1946ffa a candidate of attention_full's made an illegal memory
 #             access; block_n=16 alone ran clean)
@@ -268,6 +270,15 @@ case "${1:-}" in
   trace)
     gpu bench graph-trace --kernels triton,triton+router_fold,triton+down_tail,triton^moe_combine,triton^qkv_rope \
       --out "$out/graph-trace-$sha.json" 2>&1 | tee "$out/graph-trace-$sha.log" ;;
+  folds7)  # the step target (<= 7 a layer) asks which form reaches it and at what cost in the round
+    both=triton+router_fold+down_tail
+    timeout 240 bash "$here/gpu.sh" bench graph-trace --kernels "triton,$both" --out "$out/graph-trace-folds7-$sha.json" \
+      > "$out/graph-trace-folds7-$sha.log" 2>&1 || echo "graph-trace: exit $?" >&2
+    grep -iE "median|steps|replay" "$out/graph-trace-folds7-$sha.log" | head -12
+    timeout 300 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 \
+      --kernels "triton,$both,triton+router_fold" --out "$out/step-folds7-ctx1k-d5-$sha.json" \
+      > "$out/step-folds7-ctx1k-d5-$sha.log" 2>&1 || echo "bench step: exit $?" >&2
+    grep -E "against triton|differs at|identical" "$out/step-folds7-ctx1k-d5-$sha.log" ;;
   agent)  # the server's packages the image lacks, from the wheels beside ci/ (ci/device_wheels.sh)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       "$here"/../.whl/*.whl
@@ -289,6 +300,6 @@ case "${1:-}" in
       > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
     tail -8 "$out/depth-mini-cuda-$sha.log" ;;
   *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|qualify2one|step|agent|context|rest|depthprobe|fold|"\
-"ncu|ncumoe|trace|tune|tunectx|stepctx|pair512|step2|branch|prefetch|tests|mps|qualify|candidate)" >&2
+"ncu|ncumoe|trace|folds7|tune|tunectx|stepctx|pair512|step2|branch|prefetch|tests|mps|qualify|candidate)" >&2
      exit 2 ;;
 esac
