@@ -9,7 +9,6 @@ that cannot see a difference would show here. Prints each arm's launches and eac
 """
 import sys
 
-
 from iquest.fast.plan import KernelPlan
 from iquest.tests.test_fast_kernels import _forget_capture, engine, two_blocks
 
