@@ -7,7 +7,8 @@
 #   tests     the @pytest.mark.gpu suite but the MPS module (111 s at 17fb4ea on an H100: 467 passed, 0 failed; at
 #             53974e4 on an H200 the same, 63 s warm)
 #   mps       the MPS module (the TP 2, 4 and 8 engines, the captured loop: 295 s at 170deed, every test passing)
-#   qualify   qualification, bf16, TP 1: the default engine (322 s at 8d0c782 with the split), then --router-fold;
+#   qualify   qualification, bf16, TP 1: the default engine (322 s at 8d0c782 with the split; 286 s at 1af897b), then
+#             --router-fold (cut by the call's limit at 1af897b: FOLD_ONLY=1 runs it alone);
 #             with CANDIDATE="OP.FIELD=VALUE ..." set, the engine with those kernel settings alone
 #   qualify2a qualification, bf16, TP 2 on one GPU under MPS: the healthy engine, lossless and the first eight
 #             controls; qualify2b the same with the other nine (logprobs_tempered needs TP 1), on 4 workers; with
@@ -88,10 +89,11 @@ case "${1:-}" in
       || echo "mps tests: exit $?" >&2
     tail -3 "$out/gpu-tests-mps-$sha.log" ;;
   qualify)  # with CANDIDATE="OP.FIELD=VALUE ..." set: that engine alone (no router fold), the candidate's TP 1 half
-    # of its qualification without the candidate stage's round and context sweep
+    # of its qualification without the candidate stage's round and context sweep; FOLD_ONLY=1: --router-fold alone
     optional_candidate
     folds=("" --router-fold)
     [ -z "$settings" ] || folds=("")
+    [ "${FOLD_ONLY:-}" != 1 ] || folds=(--router-fold)  # the fold alone: both do not fit one call (1af897b)
     for fold in "${folds[@]}"; do
       name=qualify-mini-cuda-bf16${fold:+-router-fold}${tag:+-cand-$tag}-$sha
       gpu iquest qualify --model fixtures/iquest-q1-mini --device cuda --dtype bf16 --jobs 14 $fold --json \
