@@ -80,6 +80,13 @@ def layer_kernels(kernels: list[tuple[str, float, float]], mark: str = LAYER_MAR
     return [b - a for a, b in zip(at, at[1:])]
 
 
+def layer_times(kernels: list[tuple[str, float, float]], mark: str = LAYER_MARK) -> list[float]:
+    """us from each launch of `mark`'s end to the next one's (ends sorted): what a layer adds to the chain, whatever
+    its kernels, so forms with different launches compare layer by layer (`layer_kernels`' layers)."""
+    ends = [e for n, _, e in sorted(kernels, key=lambda k: (k[2], k[1])) if short_name(n) == mark]
+    return [b - a for a, b in zip(ends, ends[1:])]
+
+
 def merge(replays: list[dict]) -> dict:
     """Medians over replays of each transition's and kernel's us (and its count, which must not vary)."""
     out = {"span_us": statistics.median(r["span_us"] for r in replays),
@@ -184,11 +191,14 @@ def trace_variant(config, weights, name: str, context: int, rows: int, replays: 
     if len(parts) != replays or len(set(counts)) != 1:  # a dropped record would shift every increment after it
         raise RuntimeError(f"traced {len(parts)} replays of {counts} kernels, expected {replays} equal ones")
     per_layer = layer_kernels(parts[0])  # the graph's structure: the same in every replay
+    times = [layer_times(p) for p in parts]
     return {"variant": name, "replay_us": replay_us, "kernels_per_replay": counts[0], "tokens": tokens_mode,
             "rows": rows, "live_rows": int(live.sum()),
             "kernels_a_layer": {"median": statistics.median(per_layer) if per_layer else None,
                                 "min": min(per_layer, default=None), "max": max(per_layer, default=None),
                                 "layers": len(per_layer)},
+            "us_a_layer": {stat: statistics.median(f(t) for t in times) if per_layer else None
+                           for stat, f in (("median", statistics.median), ("min", min), ("max", max))},
             "distinct_experts_median": statistics.median(distinct) if distinct else None,
             **merge([attribute(p) for p in parts])}
 
@@ -230,6 +240,10 @@ def _print(v: dict, top: int = 30) -> None:
     k = v["kernels_a_layer"]
     print(f"  dependent steps a decoder layer (kernels from one {LAYER_MARK} to the next, {k['layers']} layers): "
           f"median {k['median']}, {k['min']}..{k['max']}")
+    t = v["us_a_layer"]
+    if t["median"] is not None:
+        print(f"  us a decoder layer (one {LAYER_MARK}'s end to the next's, the median replay's): median "
+              f"{t['median']:.2f}, {t['min']:.2f}..{t['max']:.2f}")
     print(f"  {'us a replay':>11} {'count':>6} {'us a call':>9} {'own a call':>10}  previous kernel -> kernel")
     rows = sorted(v["by_transition"].items(), key=lambda kv: -kv[1]["us"])
     for k, s in rows[:top]:

@@ -3,7 +3,8 @@ end, grouped by transition; replays are cut at host-sync gaps. The GPU run itsel
 
 import pytest
 
-from iquest.bench.graph_trace import LAYER_MARK, attribute, layer_kernels, merge, short_name, split_replays
+from iquest.bench.graph_trace import (LAYER_MARK, attribute, layer_kernels, layer_times, merge, short_name,
+                                      split_replays)
 from iquest.cli.main import main
 
 
@@ -48,6 +49,16 @@ def test_kernels_a_layer_are_counted_between_attention_splits():
     kernels = [(n, float(i), float(i) + 0.5) for i, n in enumerate(names)]
     assert layer_kernels(list(reversed(kernels))) == [6, 5]
     assert layer_kernels([("a", 0.0, 1.0)]) == []
+
+
+def test_a_layer_is_timed_from_one_attention_split_to_the_next_by_their_ends():
+    """Under PDL a split starts early and parks: its end, not its start, marks where the chain is, so a layer is the
+    time between two splits' ends (here 7 and 12 us), not between their starts (6 and 8)."""
+    kernels = [("qkv", 0.0, 2.0), (LAYER_MARK, 1.0, 3.0), ("o", 2.5, 6.0), ("qkv", 5.0, 9.0),
+               (LAYER_MARK, 7.0, 10.0), ("o", 9.5, 15.0), ("moe", 14.0, 20.0), (LAYER_MARK, 15.0, 22.0),
+               ("lm_head", 21.0, 30.0)]
+    assert layer_times(list(reversed(kernels))) == [7.0, 12.0]
+    assert layer_times([("a", 0.0, 1.0), (LAYER_MARK, 1.0, 2.0)]) == []
 
 
 def test_short_names():
