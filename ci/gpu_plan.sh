@@ -272,7 +272,8 @@ case "${1:-}" in
   trace)
     gpu bench graph-trace --kernels triton,triton+router_fold,triton+down_tail,triton^moe_combine,triton^qkv_rope \
       --out "$out/graph-trace-$sha.json" 2>&1 | tee "$out/graph-trace-$sha.log" ;;
-  folds7)  # the step target (<= 7 a layer) asks which form reaches it and at what cost in the round
+  folds7)  # the step target (<= 7 a layer) asks which form reaches it and at what cost in the round (at 1af897b on an
+    # H100: 7 steps, 1.3191x the round; docs/PERF.md)
     both=triton+router_fold+down_tail
     timeout 240 bash "$here/gpu.sh" bench graph-trace --kernels "triton,$both" --out "$out/graph-trace-folds7-$sha.json" \
       > "$out/graph-trace-folds7-$sha.log" 2>&1 || echo "graph-trace: exit $?" >&2
