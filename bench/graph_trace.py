@@ -72,19 +72,24 @@ def attribute(kernels: list[tuple[str, float, float]]) -> dict:
 LAYER_MARK = "_attention_split_kernel"  # one launch in every decoder layer, fused or not
 
 
+def _marks(kernels: list[tuple[str, float, float]], mark: str) -> list[tuple[int, float]]:
+    """(place in end order, end) of each launch of `mark`: the layers' boundaries, as the chain reaches them."""
+    order = sorted(kernels, key=lambda k: (k[2], k[1]))
+    return [(i, e) for i, (n, _, e) in enumerate(order) if short_name(n) == mark]
+
+
 def layer_kernels(kernels: list[tuple[str, float, float]], mark: str = LAYER_MARK) -> list[int]:
     """The kernels from each launch of `mark` to the next (ends sorted): a layer's dependent steps, as the captured
     graph runs them (the first layer's lead-in and the last layer's tail are not counted)."""
-    names = [short_name(n) for n, _, _ in sorted(kernels, key=lambda k: (k[2], k[1]))]
-    at = [i for i, n in enumerate(names) if n == mark]
-    return [b - a for a, b in zip(at, at[1:])]
+    at = _marks(kernels, mark)
+    return [b - a for (a, _), (b, _) in zip(at, at[1:])]
 
 
 def layer_times(kernels: list[tuple[str, float, float]], mark: str = LAYER_MARK) -> list[float]:
-    """us from each launch of `mark`'s end to the next one's (ends sorted): what a layer adds to the chain, whatever
-    its kernels, so forms with different launches compare layer by layer (`layer_kernels`' layers)."""
-    ends = [e for n, _, e in sorted(kernels, key=lambda k: (k[2], k[1])) if short_name(n) == mark]
-    return [b - a for a, b in zip(ends, ends[1:])]
+    """us from each launch of `mark`'s end to the next one's: what a layer adds to the chain, whatever its kernels,
+    so forms with different launches compare layer by layer (`layer_kernels`' layers)."""
+    at = _marks(kernels, mark)
+    return [b - a for (_, a), (_, b) in zip(at, at[1:])]
 
 
 def merge(replays: list[dict]) -> dict:
@@ -197,7 +202,7 @@ def trace_variant(config, weights, name: str, context: int, rows: int, replays: 
             "kernels_a_layer": {"median": statistics.median(per_layer) if per_layer else None,
                                 "min": min(per_layer, default=None), "max": max(per_layer, default=None),
                                 "layers": len(per_layer)},
-            "us_a_layer": {stat: statistics.median(f(t) for t in times) if per_layer else None
+            "us_a_layer": {stat: statistics.median(f(t) for t in times) if times[0] else None
                            for stat, f in (("median", statistics.median), ("min", min), ("max", max))},
             "distinct_experts_median": statistics.median(distinct) if distinct else None,
             **merge([attribute(p) for p in parts])}
@@ -242,7 +247,7 @@ def _print(v: dict, top: int = 30) -> None:
           f"median {k['median']}, {k['min']}..{k['max']}")
     t = v["us_a_layer"]
     if t["median"] is not None:
-        print(f"  us a decoder layer (one {LAYER_MARK}'s end to the next's, the median replay's): median "
+        print(f"  us a decoder layer (one {LAYER_MARK}'s end to the next's, medians over replays): median "
               f"{t['median']:.2f}, {t['min']:.2f}..{t['max']:.2f}")
     print(f"  {'us a replay':>11} {'count':>6} {'us a call':>9} {'own a call':>10}  previous kernel -> kernel")
     rows = sorted(v["by_transition"].items(), key=lambda kv: -kv[1]["us"])
