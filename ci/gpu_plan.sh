@@ -142,10 +142,12 @@ case "${1:-}" in
     tail -2 "$out/context-cand-$tag-$sha.log" ;;
   tunectx)  # the attention where the context sweep's excess sits (4K-16K, docs/PERF.md): each layer type's grid at
     # those lengths and at 1K beside them, an op a process, so a 1K-only choice is not taken for one that holds at 4K
-    # (the draft's window, 512 slots, is full at all three: its 1K tune stands)
-    for ctx in 1024 4096 16384; do
-      for op in attention_sliding attention_full; do
-        timeout 60 bash "$here/gpu.sh" bench tune --ops $op --context $ctx --budget 30 \
+    # (the draft's window, 512 slots, is full at all three: its 1K tune stands). TUNE_CONTEXTS and TUNE_OPS narrow it:
+    # TUNE_CONTEXTS="131072 524160" TUNE_OPS=attention_full asks where the 512K row's excess sits (one layer's cache,
+    # 268 MB at 512K, fits an H100, where the round's two engines at 512K do not)
+    for ctx in ${TUNE_CONTEXTS:-1024 4096 16384}; do
+      for op in ${TUNE_OPS:-attention_sliding attention_full}; do
+        timeout $((${TUNE_BUDGET:-30} + 30)) bash "$here/gpu.sh" bench tune --ops $op --context $ctx --budget ${TUNE_BUDGET:-30} \
           --out "$out/tune-$op-ctx$ctx-$sha.json" > "$out/tune-$op-ctx$ctx-$sha.log" 2>&1 \
           || echo "tune $op $ctx: exit $?" >&2
         grep -E "^$op |Error" "$out/tune-$op-ctx$ctx-$sha.log" | cut -c1-150
