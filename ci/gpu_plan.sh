@@ -296,6 +296,15 @@ case "${1:-}" in
     PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH} timeout 500 python3 -m iquest.lab.depth_probe.gpu_bench 16 64 3 \
       > "$out/depth-probe-$sha.log" 2>&1 || echo "depth probe: exit $?" >&2
     tail -30 "$out/depth-probe-$sha.log" ;;
+  ctxpin)  # the sweep's premise (only the KV read grows) against its experts column (13.9 distinct a main layer at
+    # 1K, 19.5 at 512K on the H200 at 3d54963): the same lengths with the routing pinned at 14 distinct experts (the
+    # router still runs; lab/ablation.py), so the added round is the added context's alone, beside the default sweep
+    for kernels in triton triton~route:14; do
+      tag=$(echo "$kernels" | tr -c 'a-z0-9\n' '_')
+      timeout 280 bash "$here/gpu.sh" bench context --contexts "${CONTEXTS:-1024,524160}" --kernels "$kernels" \
+        --out "$out/context-$tag-$sha.json" > "$out/context-$tag-$sha.log" 2>&1 || echo "bench context: exit $?" >&2
+      tail -5 "$out/context-$tag-$sha.log"
+    done ;;
   context|rest)  # whole logs under $OUT: a cut run still returns where it stopped
     timeout 400 bash "$here/gpu.sh" bench context ${CONTEXTS:+--contexts "$CONTEXTS"} \
       --out "$out/context-tp8slice-$sha.json" > "$out/context-tp8slice-$sha.log" 2>&1 || echo "bench context: exit $?" >&2

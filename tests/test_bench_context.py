@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from iquest.bench.context_sweep import growth
+from iquest.bench.context_sweep import growth, routing_moved
 from iquest.cli.main import main
 
 TINY = Path(__file__).resolve().parent.parent / "fixtures" / "tiny"
@@ -51,7 +51,9 @@ def test_rescore_prints_and_writes(tmp_path, capsys):
                                  "commit": "abc", "rows": rows}))
     out = tmp_path / "rescored.json"
     assert main(["bench", "context", "--rescore", str(saved), "--out", str(out)]) == 0
-    assert "the added KV cost 2.00x its bytes" in capsys.readouterr().out  # 10 us over 1e7 bytes at 2e12 B/s, not 1e12
+    text = capsys.readouterr().out
+    assert "the added KV cost 2.00x its bytes" in text  # 10 us over 1e7 bytes at 2e12 B/s, not 1e12
+    assert "the routing moved" not in text  # 13.0 distinct experts at both lengths
     r = json.loads(out.read_text())
     assert r["rescored_from"] == str(saved) and r["rows"][1]["added_kv_floor_us"] == pytest.approx(5.0)
     assert out.with_suffix(".png").stat().st_size > 1000
@@ -78,3 +80,25 @@ def test_bad_contexts_are_one_line_errors(contexts, capsys):
     assert main(["bench", "context", "--contexts", contexts, "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "--contexts" in err and "Traceback" not in err
+
+
+def test_a_moved_routing_is_said():
+    """3d54963's H200 sweep: 13.9 distinct experts a main layer at 1K, 19.5 at 512K; within 5% is the same routing."""
+    rows = [{"distinct_experts_verify_mean": 13.9}, {"distinct_experts_verify_mean": 16.0},
+            {"distinct_experts_verify_mean": 19.5}]
+    assert routing_moved(rows) == (13.9, 19.5)
+    rows[-1]["distinct_experts_verify_mean"] = 14.5
+    assert routing_moved(rows) is None
+    rows[-1]["distinct_experts_verify_mean"] = None  # a saved sweep without the column
+    assert routing_moved(rows) is None
+
+
+def test_rescore_of_a_moved_routing_says_so(tmp_path, capsys):
+    saved = tmp_path / "saved.json"
+    rows = [{"context": c, "median_round_us": t, "upper_bytes": b, "bandwidth_bytes_per_s": 2e12, "floor_us": f,
+             "distinct_experts_verify_mean": e, "device": "cpu"}
+            for c, t, b, f, e in ((1024, 100.0, 1e9, 500.0, 13.9), (524160, 110.0, 1.01e9, 510.0, 19.5))]
+    saved.write_text(json.dumps({"config": "c", "tp_slice": 8, "drafts": 5, "kernels": "triton", "repeats": 5,
+                                 "commit": "abc", "rows": rows}))
+    assert main(["bench", "context", "--rescore", str(saved)]) == 0
+    assert "the routing moved with the history (13.9 -> 19.5 distinct experts" in capsys.readouterr().out
