@@ -67,7 +67,9 @@ GRIDS: dict[str, tuple[dict, ...]] = {
     # A capped grid (num_splits) keeps 1K's splits (17 on full layers, 33 on sliding ones, under 64) and makes them
     # longer past it, where each split's fp32 partials (18.7 KB at 6 rows) outweigh its one or two K/V tiles
     "attention_full": ({"block_n": 32}, {"block_n": 128}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3},
-                                                                          {"num_splits": 64}, {"num_splits": 128}),
+                                                                          {"num_splits": 64}, {"num_splits": 128},
+                                                                          {"long_stages": 2}, {"long_stages": 3},
+                                                                          {"long_stages": 2, "long_tiles": 2}),
     "attention_sliding": ({"block_n": 16}, {"block_n": 64}) + _ATTENTION + ({"num_stages": 2}, {"num_stages": 3},
                                                                             {"combine_splits": 128}, {"min_split": 64},
                                                                             {"num_splits": 32}, {"num_splits": 64}),

@@ -40,9 +40,13 @@
 #             fold's o-projection, an op a process (at 1946ffa a candidate of attention_full's made an illegal memory
 #             access; block_n=16 alone ran clean)
 #   tunectx   the attention's tune at 1K, 4K and 16K (the context sweep's excess sits at 4K-16K), an op a process
+#             (TUNE_CONTEXTS, TUNE_OPS, TUNE_BUDGET narrow it)
 #   stepctx   a candidate (CANDIDATE=...) paired with the defaults in the round at 4K and 16K
-#   pair512   the defaults against three K/V tiles in flight on full layers (the default before e4c5984), paired in one
-#             process at 512K: two engines there need an H200's memory (an H100 ran out at c29c1b3)
+#   ctxpin    the context sweep (CONTEXTS, default 1K and 512K) as it runs and with the routing pinned at 14 experts
+#   long      full layers' long splits with more tiles in flight (attention_full.long_stages): its GPU cases, then the
+#             op's grid at 128K and 512K (one layer's cache fits an H100)
+#   pair512   the defaults against PAIR512 (default triton@attention_full.long_stages=2), paired in one process at
+#             512K: two engines there need an H200's memory (an H100 ran out at c29c1b3)
 #   step2     the sliding layers' one K/V tile in flight and the top-k's 1024 tile against the two and 2048 before them
 #             (same bits; with full layers' two, since back at three, 0.9903x paired at 61d6ab7)
 #   downprod  Down's scales on the step's product capped at 128 registers (MoESettings.down_scale, down_registers:
@@ -163,12 +167,21 @@ case "${1:-}" in
         || echo "bench step $ctx: exit $?" >&2
       grep -E "against triton|differs at|identical" "$out/step-cand-$tag-ctx$ctx-d5-$sha.log"
     done ;;
-  pair512)
+  long)  # full layers' long splits with more tiles in flight (AttentionSettings.long_stages): the attention's GPU
+    # cases (the same bits with it), then the op's grid at 128K and 512K, where a split is 8 and 31 tiles
+    timeout 120 bash "$here/gpu.sh" tests -q tests/test_kernel_decode_attention.py > "$out/gpu-tests-attention-$sha.log" 2>&1 \
+      || echo "attention tests: exit $?" >&2
+    tail -3 "$out/gpu-tests-attention-$sha.log"
+    TUNE_CONTEXTS="${TUNE_CONTEXTS:-131072 524160}" TUNE_OPS=attention_full TUNE_BUDGET=${TUNE_BUDGET:-100} \
+      bash "$0" tunectx ;;
+  pair512)  # the round at 512K, a candidate against the defaults (two engines at 512K fit an H200, not an H100)
+    cand=${PAIR512:-triton@attention_full.long_stages=2}
+    tag=$(echo "$cand" | tr -c 'a-z0-9\n' '_')
     timeout 500 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --context 524160 \
-      --history synthetic --kernels triton,triton@attention_full.num_stages=3 \
-      --out "$out/step-full3stages-ctx524160-$sha.json" > "$out/step-full3stages-ctx524160-$sha.log" 2>&1 \
+      --history synthetic --kernels "triton,$cand" \
+      --out "$out/step-$tag-ctx524160-$sha.json" > "$out/step-$tag-ctx524160-$sha.log" 2>&1 \
       || echo "bench step 512K: exit $?" >&2
-    grep -E "against triton|differs at|identical|OutOfMemory" "$out/step-full3stages-ctx524160-$sha.log" ;;
+    grep -E "against triton|differs at|identical|OutOfMemory" "$out/step-$tag-ctx524160-$sha.log" ;;
   step|step2)  # at most three engines a process: seven did not finish their prefills and captures in 290 s (72c654b)
     kernels="triton,triton^qkv_rope,triton~route:38"
     [ "$1" = step2 ] && kernels=triton,triton@attention_sliding.num_stages=2@topk.tile=2048

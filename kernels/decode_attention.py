@@ -54,8 +54,9 @@ EARLY_SLOTS = 128  # slots a split prefetches before its wait (`early`): its fir
 
 @dataclass(frozen=True)
 class AttentionSettings:
-    """How the two kernels launch. num_stages, preload and early change no value (each checked bit-identical); the
-    tile, the splits, the warps and the combine's shape set the order of the fp32 sums (re-qualify when changing)."""
+    """How the two kernels launch. num_stages, long_stages, long_tiles, preload and early change no value (each checked
+    bit-identical); the tile, the splits, the warps and the combine's shape set the order of the fp32 sums (re-qualify
+    when changing)."""
 
     # slots a K/V tile: 32 on sliding layers (`SLIDING`), qualified and paired with the o-projection's and the q/k/v
     # fold's splits (docs/PERF.md, "Current state", the numerical candidate of 17fb4ea), 64 on full ones (`FULL`); on
@@ -80,6 +81,12 @@ class AttentionSettings:
     combine_splits: int = 128
     combine_cols: int = 32
     combine_warps: int = 4
+    # K/V tiles in flight on a split longer than `long_tiles` tiles (None: `num_stages` on every split): a split's
+    # length follows the context (one 64-slot tile at 16K, 31 at 512K on a full layer), and one tile in flight, the
+    # fastest from 1K to 256K, may not keep enough bytes in flight at 512K; the same bits (docs/PERF.md, "Open
+    # directions", the 512K row)
+    long_stages: int | None = None
+    long_tiles: int = 8
     # with PDL, the combine reads sink_k (a constant) and q (written before the split kernel) and forms the sink
     # logit before its wait (docs/PERF.md, "Constant weights loaded into registers before the PDL wait")
     preload: bool = True
@@ -136,6 +143,33 @@ def _kv_len(q_pos_ptr, S, R, R_PAD: tl.constexpr):
 
 
 @triton.jit
+def _tile(q, q_pos, m_i, l_i, acc, n0, end, k_ptr, v_ptr, slot_pos_ptr, g, d, window, qk_scale,
+          stride_ks, stride_kh, stride_vs, stride_vh,
+          BLOCK_N: tl.constexpr, SLIDING: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr):
+    """One K/V tile of slots n0.. (those before `end`) into a split's online softmax: (max, sum, weighted V)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < end
+    sp = tl.load(slot_pos_ptr + n, mask=n_ok, other=-1)
+    k = tl.load(k_ptr + n[:, None] * stride_ks + g * stride_kh + d[None, :], mask=n_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + n[:, None] * stride_vs + g * stride_vh + d[None, :], mask=n_ok[:, None], other=0.0)
+    if F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # log2 domain
+    vis = (sp[None, :] >= 0) & (q_pos[:, None] >= 0) & (sp[None, :] <= q_pos[:, None])
+    if SLIDING:
+        vis = vis & (sp[None, :] > q_pos[:, None] - window)
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attention_split_kernel(
     q_ptr, k_ptr, v_ptr, slot_pos_ptr, q_pos_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -144,7 +178,8 @@ def _attention_split_kernel(
     G: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, SLIDING: tl.constexpr, F32: tl.constexpr, PREC: tl.constexpr,
     PDL: tl.constexpr = False, R_PAD: tl.constexpr = 16, EARLY_SLOTS: tl.constexpr = 0,
-    LINE_ELEMS: tl.constexpr = 64, LINES: tl.constexpr = 2,
+    LINE_ELEMS: tl.constexpr = 64, LINES: tl.constexpr = 2, LONG_STAGES: tl.constexpr = 0,
+    LONG_TILES: tl.constexpr = 8,
 ):
     g = tl.program_id(0)
     split = tl.program_id(1)
@@ -182,27 +217,16 @@ def _attention_split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < end
-        sp = tl.load(slot_pos_ptr + n, mask=n_ok, other=-1)
-        k = tl.load(k_ptr + n[:, None] * stride_ks + g * stride_kh + d[None, :], mask=n_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + n[:, None] * stride_vs + g * stride_vh + d[None, :], mask=n_ok[:, None], other=0.0)
-        if F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # log2 domain
-        vis = (sp[None, :] >= 0) & (q_pos[:, None] >= 0) & (sp[None, :] <= q_pos[:, None])
-        if SLIDING:
-            vis = vis & (sp[None, :] > q_pos[:, None] - window)
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+    if LONG_STAGES > 0 and split_len > LONG_TILES * BLOCK_N:
+        # the same tiles in the same order, more of them in flight: split_len is one value for the whole grid, so
+        # every program takes the same loop
+        for n0 in tl.range(start, end, BLOCK_N, num_stages=LONG_STAGES):
+            m_i, l_i, acc = _tile(q, q_pos, m_i, l_i, acc, n0, end, k_ptr, v_ptr, slot_pos_ptr, g, d, window,
+                                  qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_N, SLIDING, F32, PREC)
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _tile(q, q_pos, m_i, l_i, acc, n0, end, k_ptr, v_ptr, slot_pos_ptr, g, d, window,
+                                  qk_scale, stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_N, SLIDING, F32, PREC)
 
     part = (g * NUM_SPLITS + split) * RG + rows
     tl.store(part_m_ptr + part, m_i, mask=row_ok)
@@ -299,6 +323,9 @@ def _check_settings(st: AttentionSettings) -> None:
            f"num_splits must be None or an int >= 1, got {st.num_splits!r}")
     _check(isinstance(st.num_stages, int) and st.num_stages >= 1,
            f"num_stages must be an int >= 1, got {st.num_stages!r}")
+    _check(st.long_stages is None or (isinstance(st.long_stages, int) and st.long_stages >= 1),
+           f"long_stages must be None or an int >= 1, got {st.long_stages!r}")
+    _check(isinstance(st.long_tiles, int) and st.long_tiles >= 1, f"long_tiles must be an int >= 1, got {st.long_tiles!r}")
     _check(st.num_warps in (1, 2, 4, 8, 16), f"num_warps {st.num_warps} must be a power of two <= 16")
     _check(_pow2(st.combine_splits, 16), f"combine_splits {st.combine_splits} must be a power of two >= 16")
     _check(_pow2(st.combine_cols, 16), f"combine_cols {st.combine_cols} must be a power of two >= 16")
@@ -386,7 +413,8 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
         G=G, D=D, NUM_SPLITS=num_splits, BLOCK_M=max(16, triton.next_power_of_2(RG)), BLOCK_N=st.block_n,
         MIN_SPLIT=st.split_min, SLIDING=window is not None, F32=f32, PREC="ieee" if f32 else "tf32", R_PAD=r_pad,
         num_warps=st.num_warps, num_stages=st.num_stages, EARLY_SLOTS=EARLY_SLOTS if early else 0,
-        LINE_ELEMS=line_elems, LINES=lines, **launch_options(pdl, q.device))
+        LINE_ELEMS=line_elems, LINES=lines, LONG_STAGES=st.long_stages or 0, LONG_TILES=st.long_tiles,
+        **launch_options(pdl, q.device))
     cols, max_splits = min(st.combine_cols, D), max(16, triton.next_power_of_2(num_splits))
     _attention_combine_kernel[(Hkv * RG * (D // cols),)](
         part_m, part_l, part_acc, q, sink_k if sink_k is not None else part_m, positions, out,

@@ -76,6 +76,12 @@ CASES = [
     case("full_mostly_dead_splits", last=39, settings=dict(num_splits=16, block_n=16)),
     case("full_cache_full", capacity=60, last=59, rejected=0, settings=dict(num_splits=3, block_n=16)),
     case("full_default_settings", capacity=300, last=290, settings=None),
+    # more tiles in flight on long splits (`long_stages`): 2 splits of 10 tiles take the pipelined loop, 20 splits of
+    # one tile the plain one; each the same bits as without it
+    case("full_long_splits_three_stages", capacity=400, last=319, dtype="bf16", long_loop=True,
+         settings=dict(num_splits=2, block_n=16, long_stages=3, long_tiles=2)),
+    case("full_short_splits_long_stages_unused", capacity=400, last=319, long_loop=False,
+         settings=dict(num_splits=20, block_n=16, long_stages=3, long_tiles=2)),
     # many splits, the combine's steps: 20 live splits in one step of 32, 40 in three steps of 16 (the last one partly
     # live), over column blocks of 16 of 32 and of the whole head
     case("full_20_live_splits_one_step", capacity=400, last=319,
@@ -104,6 +110,9 @@ GPU_CASES = [
     case("gpu_full_4k_1row", **GPU_BASE, R=1, capacity=4096, last=2050),
     case("gpu_full_64k_8rows", **GPU_BASE, capacity=65536, last=60_000),
     case("gpu_full_64k_8rows_no_sink", **GPU_BASE, capacity=65536, last=33_333, sink=None),
+    case("gpu_full_64k_8rows_long_stages", **dict(GPU_BASE, settings=dict(block_n=64, num_stages=1, long_stages=3,
+                                                                          long_tiles=2)), capacity=65536, last=60_000,
+         long_loop=True),  # 256 slots a split: four tiles
     case("gpu_full_64k_short_history_padding", **GPU_BASE, capacity=65536, last=700, pad_rows=(6, 7)),
     case("gpu_sliding_4160_ring_8rows", **GPU_BASE, kind="sliding", W=4096, slack=64, last=10_000),
     case("gpu_sliding_4160_ring_1row_dominant_sink", **GPU_BASE, kind="sliding", W=4096, slack=64, R=1, last=9_001,
@@ -196,6 +205,9 @@ def run_case(c: dict, device: str) -> dict:
     per = max(-(-(-(-kv_len // st.splits(t["k"].shape[0], c["Hkv"], t["q"].device))) // st.block_n) * st.block_n,
               st.split_min)  # the kernels' _split_len
     r["live_splits"] = -(-kv_len // per)
+    if st.long_stages:  # more tiles in flight change no value, whichever loop the split length takes
+        r["long_loop"] = per > st.long_tiles * st.block_n
+        r["long_same"] = bool(torch.equal(run_kernel(t, st), run_kernel(t, dataclasses.replace(st, long_stages=None))))
     if device != "cpu":  # PDL with the early reads and the preloaded sink logit: scheduling only, the same bits
         r["pdl_same"] = bool(torch.equal(run_kernel(t, st), run_kernel(t, st, pdl=True)))
     return r
@@ -208,6 +220,9 @@ def check(c: dict, r: dict, tol: tuple) -> None:
     assert r["excess"] <= 0, (f"{c['name']}: |kernel - ref| over the bound ({tol[0]:.1e} mass + {tol[1]:.1e} |ref|) "
                               f"by {r['excess']:.2e}; worst error {r['err_in_mass']:.2e} mass")
     assert r.get("pdl_same", True), "PDL, early reads or the preloaded sink changed the output"
+    assert r.get("long_same", True), "more tiles in flight on long splits changed the output"
+    if "long_loop" in c:  # the cases meant to take each loop do
+        assert r["long_loop"] == c["long_loop"], r
     for n in (20, 40):  # the cases meant to take each form of the combine do
         if f"_{n}_live_splits" in c["name"]:
             assert r["live_splits"] == n, r
