@@ -187,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_context(args: argparse.Namespace) -> int:
     from ..bench.context_sweep import rescore, run as sweep
+    from ..bench.full_step import load_config
     from .main import UserError
 
     if args.rescore:
@@ -206,6 +207,7 @@ def run_context(args: argparse.Namespace) -> int:
         raise UserError("bench context takes one kernel variant (e.g. --kernels triton)")
     if not 3 <= args.drafts <= 7:
         raise UserError("--drafts must be in 3..7")
+    load_config(args.config)  # a bad --config is one line before the first length's progress, not after it
     sweep(args.config, args.tp_slice, contexts, args.drafts, args.repeats, args.chunk_tokens, args.seed, args.device,
           args.kernels, args.out, args.plot)
     return 0

@@ -102,3 +102,10 @@ def test_rescore_of_a_moved_routing_says_so(tmp_path, capsys):
                                  "commit": "abc", "rows": rows}))
     assert main(["bench", "context", "--rescore", str(saved)]) == 0
     assert "the routing moved with the history (13.9 -> 19.5 distinct experts" in capsys.readouterr().out
+
+
+def test_a_bad_config_is_refused_before_any_length(capsys):
+    assert main(["bench", "context", "--config", "/no/such/config.json", "--contexts", "48,96", "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert "no config file" in captured.err and "Traceback" not in captured.err
+    assert "[1/2]" not in captured.out  # no progress line for a sweep that cannot start
