@@ -64,10 +64,11 @@ here=$(cd "$(dirname "$0")" && pwd)
 sha=${IQUEST_COMMIT:?set IQUEST_COMMIT to the commit under test}
 out=${OUT:?set OUT to the folder the device tool brings back}
 gpu() { bash "$here/gpu.sh" "$@"; }
+file_tag() { printf '%s' "$1" | tr ' =' '-_' | tr -cd 'A-Za-z0-9._-'; }  # settings or a variant, in a file name
 optional_candidate() {  # CANDIDATE="OP.FIELD=VALUE ..." (fast/kernel_settings.py), may be unset: settings, a file-name
   # tag and qualify's --kernel-setting arguments (all empty without it)
   settings=${CANDIDATE:-}
-  tag=$(printf '%s' "$settings" | tr ' =' '-_' | tr -cd 'A-Za-z0-9._-')
+  tag=$(file_tag "$settings")
   setting_args=$([ -z "$settings" ] || printf -- '--kernel-setting %s ' $settings)
 }
 candidate_settings() {  # the same, CANDIDATE required; and the bench variant
@@ -151,7 +152,8 @@ case "${1:-}" in
     # 268 MB at 512K, fits an H100, where the round's two engines at 512K do not)
     for ctx in ${TUNE_CONTEXTS:-1024 4096 16384}; do
       for op in ${TUNE_OPS:-attention_sliding attention_full}; do
-        timeout $((${TUNE_BUDGET:-30} + 30)) bash "$here/gpu.sh" bench tune --ops $op --context $ctx --budget ${TUNE_BUDGET:-30} \
+        budget=${TUNE_BUDGET:-30}
+        timeout $((budget + 30)) bash "$here/gpu.sh" bench tune --ops $op --context $ctx --budget $budget \
           --out "$out/tune-$op-ctx$ctx-$sha.json" > "$out/tune-$op-ctx$ctx-$sha.log" 2>&1 \
           || echo "tune $op $ctx: exit $?" >&2
         grep -E "^$op |Error" "$out/tune-$op-ctx$ctx-$sha.log" | cut -c1-150
@@ -169,14 +171,14 @@ case "${1:-}" in
     done ;;
   long)  # full layers' long splits with more tiles in flight (AttentionSettings.long_stages): the attention's GPU
     # cases (the same bits with it), then the op's grid at 128K and 512K, where a split is 8 and 31 tiles
-    timeout 120 bash "$here/gpu.sh" tests -q tests/test_kernel_decode_attention.py > "$out/gpu-tests-attention-$sha.log" 2>&1 \
-      || echo "attention tests: exit $?" >&2
+    timeout 120 bash "$here/gpu.sh" tests -q tests/test_kernel_decode_attention.py \
+      > "$out/gpu-tests-attention-$sha.log" 2>&1 || echo "attention tests: exit $?" >&2
     tail -3 "$out/gpu-tests-attention-$sha.log"
     TUNE_CONTEXTS="${TUNE_CONTEXTS:-131072 524160}" TUNE_OPS=attention_full TUNE_BUDGET=${TUNE_BUDGET:-100} \
       bash "$0" tunectx ;;
   pair512)  # the round at 512K, a candidate against the defaults (two engines at 512K fit an H200, not an H100)
     cand=${PAIR512:-triton@attention_full.long_stages=2}
-    tag=$(echo "$cand" | tr -c 'a-z0-9\n' '_')
+    tag=$(file_tag "$cand")
     timeout 500 bash "$here/gpu.sh" bench step --config configs/iquest-q1.json --tp-slice 8 --repeats 5 --context 524160 \
       --history synthetic --kernels "triton,$cand" \
       --out "$out/step-$tag-ctx524160-$sha.json" > "$out/step-$tag-ctx524160-$sha.log" 2>&1 \
@@ -313,7 +315,7 @@ case "${1:-}" in
     # 1K, 19.5 at 512K on the H200 at 3d54963): the same lengths with the routing pinned at 14 distinct experts (the
     # router still runs; lab/ablation.py), so the added round is the added context's alone, beside the default sweep
     for kernels in triton triton~route:14; do
-      tag=$(echo "$kernels" | tr -c 'a-z0-9\n' '_')
+      tag=$(file_tag "$kernels")
       timeout 280 bash "$here/gpu.sh" bench context --contexts "${CONTEXTS:-1024,524160}" --kernels "$kernels" \
         --out "$out/context-$tag-$sha.json" > "$out/context-$tag-$sha.log" 2>&1 || echo "bench context: exit $?" >&2
       tail -5 "$out/context-$tag-$sha.log"

@@ -325,7 +325,8 @@ def _check_settings(st: AttentionSettings) -> None:
            f"num_stages must be an int >= 1, got {st.num_stages!r}")
     _check(st.long_stages is None or (isinstance(st.long_stages, int) and st.long_stages >= 1),
            f"long_stages must be None or an int >= 1, got {st.long_stages!r}")
-    _check(isinstance(st.long_tiles, int) and st.long_tiles >= 1, f"long_tiles must be an int >= 1, got {st.long_tiles!r}")
+    _check(isinstance(st.long_tiles, int) and st.long_tiles >= 1,
+           f"long_tiles must be an int >= 1, got {st.long_tiles!r}")
     _check(st.num_warps in (1, 2, 4, 8, 16), f"num_warps {st.num_warps} must be a power of two <= 16")
     _check(_pow2(st.combine_splits, 16), f"combine_splits {st.combine_splits} must be a power of two >= 16")
     _check(_pow2(st.combine_cols, 16), f"combine_cols {st.combine_cols} must be a power of two >= 16")
