@@ -43,6 +43,7 @@
 #             (TUNE_CONTEXTS, TUNE_OPS, TUNE_BUDGET narrow it)
 #   stepctx   a candidate (CANDIDATE=...) paired with the defaults in the round at 4K and 16K
 #   ctxpin    the context sweep (CONTEXTS, default 1K and 512K) as it runs and with the routing pinned at 14 experts
+#   foldbranch the router fold's terms on a side stream, the chain piece captured (lab/fold_branch.py)
 #   long      full layers' long splits with more tiles in flight (attention_full.long_stages): its GPU cases, then the
 #             op's grid at 128K and 512K (one layer's cache fits an H100)
 #   pair512   the defaults against PAIR512 (default triton@attention_full.long_stages=2), paired in one process at
@@ -311,6 +312,12 @@ case "${1:-}" in
     PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH} timeout 500 python3 -m iquest.lab.depth_probe.gpu_bench 16 64 3 \
       > "$out/depth-probe-$sha.log" 2>&1 || echo "depth probe: exit $?" >&2
     tail -30 "$out/depth-probe-$sha.log" ;;
+  foldbranch)  # lab/fold_branch.py: the fold's two terms on a side stream (A = W' r, B = F a) and the tail at T = 1,
+    # against the default chain and today's fold, the attention to the experts' choice captured and paired
+    mkdir -p /tmp/pkg && ln -sfn "$(cd "$here/.." && pwd)" /tmp/pkg/iquest
+    PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH} timeout 300 python3 -m iquest.lab.fold_branch \
+      --out "$out/fold-branch-$sha.json" > "$out/fold-branch-$sha.log" 2>&1 || echo "fold branch: exit $?" >&2
+    tail -8 "$out/fold-branch-$sha.log" ;;
   ctxpin)  # the sweep's premise (only the KV read grows) against its experts column (13.9 distinct a main layer at
     # 1K, 19.5 at 512K on the H200 at 3d54963): the same lengths with the routing pinned at 14 distinct experts (the
     # router still runs; lab/ablation.py), so the added round is the added context's alone, beside the default sweep
@@ -329,6 +336,6 @@ case "${1:-}" in
       > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
     tail -8 "$out/depth-mini-cuda-$sha.log" ;;
   *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|qualify2one|step|agent|context|rest|depthprobe|fold|"\
-"ncu|ncumoe|trace|folds7|tune|tunectx|stepctx|pair512|step2|branch|prefetch|tests|mps|qualify|candidate)" >&2
+"ncu|ncumoe|trace|folds7|foldbranch|ctxpin|long|tune|tunectx|stepctx|pair512|step2|branch|prefetch|tests|mps|qualify|candidate)" >&2
      exit 2 ;;
 esac

@@ -1,0 +1,229 @@
+"""The router fold's two terms off the layer's chain, measured before any engine plumbing (docs/PERF.md, "Open
+directions": "Not built: the fold's two terms off the chain, on a side branch"). Lab only.
+
+The fold's logits are rstd_h * (A + s * rstd_o * B), A = W' r and B = W' (w_out * y) (fast/router_fold.py). A needs
+only the layer's residual r; with F = W' diag(w_out) W_o (fp32 [E, the rank's Hq * D], made once), B = F a needs only
+the attention's output a. So both can run on a side stream while the attention and the o-projection run, and the
+tail (kernels/route_tail.py) reads them whole, at T = 1. The chain piece from the attention to the experts' choice,
+one TP8 rank's shapes at a 1K history, captured three ways and replayed alternately:
+
+  default  attention (split, combine) -> o-projection (direct) -> add_norm -> router logits -> select
+  fold     attention -> the fold's o-projection (kernels/o_proj_router.py) -> add_norm_route (T column tiles)
+  branch   [side: A into parts[0, 0]] attention -> [side: B into parts[0, 1]] o-projection (direct) -> join ->
+           add_norm_route (T = 1)
+
+The side's two launches are the router's logits kernel (kernels/router.py `split_logits`) at one H split, storing
+straight into the tail's parts. Each "layer" has its own weights and cache (rotated past L2). The router's select
+here asks L2 for nothing (`route` without `warm`), as the fold's tail; the engine's default does.
+
+B from a is not the fold's B: it is an fp32 product of the unrounded o-projection, where the fold's is of the bf16 y.
+The check prints both against torch and the gap between them (a numerical change the engine form would qualify).
+
+    TRITON_INTERPRET=1 python -m iquest.lab.fold_branch --check   # tiny shapes, the terms and the tail's logits
+    python -m iquest.lab.fold_branch --out FILE                   # on a GPU: the three captured chains, paired
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import triton
+
+from ..kernels import rmsnorm, route_tail, router
+
+BLOCK_E, BLOCK_H, WARPS = 4, 512, 1  # RouterSettings' defaults: one warp on a [4, 512] fp32 tile
+
+
+def terms_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, block_e: int = BLOCK_E) -> None:
+    """out [R, E] fp32 (a view of parts[0, j]) = x [R, K] @ w [E, K]^T in fp32, one H split: the router's logits
+    kernel, its one split's partials being the whole product. No PDL: the side stream follows an event."""
+    R, K = x.shape
+    E = w.shape[0]
+    assert out.shape == (R, E) and out.is_contiguous() and w.is_contiguous() and x.stride(1) == 1
+    splits, per_split = router.split_plan(K, 1, BLOCK_H)
+    assert splits == 1
+    router._router_logits_kernel[(triton.cdiv(E, block_e), 1)](
+        x, w, out, E, K, x.stride(0), per_split, ROWS=R, ROWS_PAD=triton.next_power_of_2(R), BLOCK_E=block_e,
+        BLOCK_H=BLOCK_H, num_warps=WARPS, PRELOAD=per_split == BLOCK_H)
+
+
+def composed(router_w: torch.Tensor, w_out: torch.Tensor, wo: torch.Tensor) -> torch.Tensor:
+    """F = W' diag(w_out) W_o, fp32 [E, K], from the dequantized o-projection W_o [H, K]."""
+    return ((router_w.double() * w_out.double()) @ wo.double()).float().contiguous()
+
+
+def dequantized(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    s = scale.repeat_interleave(block[0], 0)[:w.shape[0]].repeat_interleave(block[1], 1)[:, :w.shape[1]]
+    return w.float() * s
+
+
+# ---- the CPU check (interpreter) ---------------------------------------------------------------------------------
+def check(seed: int = 0) -> int:
+    """Tiny shapes: the two terms through the router's kernel against torch, and the tail at T = 1 on them against
+    route_tail's torch form. Prints each gap; exit 1 where a gap passes its bound."""
+    from ..kernels.testing import patch_interpreter
+
+    patch_interpreter()  # NumPy >= 2.3 under Triton 3.6's interpreter
+    g = torch.Generator().manual_seed(seed)
+    R, H, K, E, top_k, eps, s = 3, 256, 192, 16, 4, 1e-6, 0.5
+    r = torch.randn((R, H), generator=g).to(torch.bfloat16)
+    a = torch.randn((R, K), generator=g).to(torch.bfloat16)
+    wo = torch.randn((H, K), generator=g) / K ** 0.5
+    w_out, w_ffn = torch.rand(H, generator=g) + 0.5, torch.rand(H, generator=g) + 0.5
+    rw = (torch.randn((E, H), generator=g) * 0.1 * w_ffn).contiguous()  # W' = router * w_ffn
+    f = composed(rw, w_out, wo)
+    y = (a.float() @ wo.T).to(torch.bfloat16)
+    parts = torch.zeros((1, 2, R, E))
+    terms_into(r, rw, parts[0, 0])
+    terms_into(a, f, parts[0, 1])
+    want_a = r.double() @ rw.double().T
+    want_b = a.double() @ f.double().T
+    fold_b = (y.double() * w_out.double()) @ rw.double().T
+    gap_a = float((parts[0, 0].double() - want_a).abs().max() / want_a.abs().max())
+    gap_b = float((parts[0, 1].double() - want_b).abs().max() / want_b.abs().max())
+    gap_fold = float((want_b - fold_b).abs().max() / want_b.abs().max())
+    h, b, weights, experts, scores = route_tail.add_norm_route(r, y, s, w_out.to(torch.bfloat16),
+                                                                w_ffn.to(torch.bfloat16), eps, torch.bfloat16,
+                                                                parts, top_k)
+    want = route_tail.fold_logits_torch(r, y, s, w_out.to(torch.bfloat16), eps, parts)
+    want_scores = torch.softmax(want, -1)
+    gap_scores = float((scores - want_scores).abs().max())
+    h0, b0 = rmsnorm.add_norm_torch(r, y, s, w_out.to(torch.bfloat16), w_ffn.to(torch.bfloat16), eps, torch.bfloat16)
+    print(f"A = W' r: {gap_a:.3g} of max |A|; B = F a: {gap_b:.3g} of max |B|; the fold's B (bf16 y) against F a: "
+          f"{gap_fold:.3g}; the tail's scores against torch: {gap_scores:.3g}; h, b as add_norm_torch's: "
+          f"{float((h.float() - h0.float()).abs().max()):.3g}, {float((b.float() - b0.float()).abs().max()):.3g}")
+    ok = gap_a < 1e-5 and gap_b < 1e-5 and gap_scores < 1e-5 and gap_fold > 0  # the last: the fold's B differs
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+# ---- the GPU probe -----------------------------------------------------------------------------------------------
+class Layer:
+    """One layer's inputs and weights, and its three chains as launches on the current stream."""
+
+    def __init__(self, s, rows: int, attention, device, g):
+        from ..bench.tune import _fp8_weight, _randn
+        from ..kernels import fp8_linear_direct as fd
+
+        H, K, E = s.hidden, s.q_heads * s.head_dim, s.experts
+        self.s, self.rows, self.attention = s, rows, attention
+        self.wq, self.wsc = _fp8_weight(H, K, s.block, g, device)
+        self.direct = fd.direct_weight(self.wq)
+        self.r = _randn((rows, H), g, device)
+        self.w_out = (torch.rand(H, generator=g, device=device) + 0.5).to(torch.bfloat16)
+        self.w_ffn = (torch.rand(H, generator=g, device=device) + 0.5).to(torch.bfloat16)
+        router_w = torch.randn((E, H), generator=g, device=device) * 0.02
+        self.router_w = router_w
+        self.folded = (router_w * self.w_ffn.float()).contiguous()  # W'
+        self.f = composed(self.folded, self.w_out.float(), dequantized(self.wq, self.wsc, s.block))
+        self.parts1 = torch.zeros((1, 2, rows, E), device=device)
+
+    def _attend(self) -> torch.Tensor:
+        (out,) = self.attention()
+        return out.view(self.rows, -1)
+
+    def _o_proj(self, a):
+        from ..fast.kernel_settings import KernelSettings
+        from ..kernels import fp8_linear_direct as fd
+
+        return fd.fp8_linear_direct(a, self.direct, self.wsc, self.s.block, out_dtype=torch.bfloat16, pdl=True,
+                                    settings=KernelSettings().o_proj)
+
+    def default(self):
+        s = self.s
+        y = self._o_proj(self._attend())
+        h, b = rmsnorm.add_norm(self.r, y, s.scale, self.w_out, self.w_ffn, s.eps, torch.bfloat16, pdl=True)
+        return router.route(b, self.router_w, s.top_k, pdl=True)
+
+    def fold(self):
+        from ..fast.kernel_settings import KernelSettings
+        from ..kernels import o_proj_router
+
+        s = self.s
+        y, parts = o_proj_router.o_proj_router(self._attend(), self.wq, self.wsc, s.block, self.r, self.folded,
+                                               self.w_out, pdl=True, settings=KernelSettings().o_proj)
+        return route_tail.add_norm_route(self.r, y, s.scale, self.w_out, self.w_ffn, s.eps, torch.bfloat16, parts,
+                                         s.top_k, pdl=True)[2:]
+
+    def branch(self, side):
+        s, main = self.s, torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            terms_into(self.r, self.folded, self.parts1[0, 0])
+        a = self._attend()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            terms_into(a, self.f, self.parts1[0, 1])
+        y = self._o_proj(a)
+        main.wait_stream(side)
+        return route_tail.add_norm_route(self.r, y, s.scale, self.w_out, self.w_ffn, s.eps, torch.bfloat16,
+                                         self.parts1, s.top_k, pdl=True)[2:]
+
+
+def probe(layers: int, rows: int, context: int, repeats: int, device) -> dict:
+    from ..bench.timing import replay_times
+    from ..bench.tune import build, rank_shapes
+    from ..fast.flow import destroy_stream, private_stream
+    from ..fast.kernel_settings import KernelSettings
+
+    s = rank_shapes(0)
+    g = torch.Generator(device=device).manual_seed(0)
+    att = build("attention_sliding", s, rows, context, 0, device)
+    calls = att.calls(KernelSettings().attention_sliding)
+    stack = [Layer(s, rows, calls[i % len(calls)], device, g) for i in range(layers)]
+    side = private_stream(device)
+    arms = {"default": lambda L: L.default(), "fold": lambda L: L.fold(), "branch": lambda L: L.branch(side)}
+    graphs, routing = {}, {}
+    for name, arm in arms.items():
+        for L in stack:  # eager first: compiles, and the routing to compare
+            out = arm(L)
+        torch.cuda.synchronize(device)
+        routing[name] = [t.clone() for t in out]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for L in stack:
+                arm(L)
+        graphs[name] = graph
+    times = {name: [] for name in arms}
+    for _ in range(repeats):  # alternated: each repeat replays every arm once, in a rotating order
+        for name in list(arms)[_ % 3:] + list(arms)[:_ % 3]:
+            times[name] += replay_times(graphs[name], layers, 1, warmup=1)
+    destroy_stream(side)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    same = {name: bool(torch.equal(routing[name][1], routing["default"][1])) for name in arms}
+    return {"layers": layers, "rows": rows, "context": context, "repeats": repeats,
+            "device": torch.cuda.get_device_name(device), "us_a_layer": times, "median_us_a_layer": med,
+            "against_default": {n: med[n] / med["default"] for n in arms},
+            "experts_as_default": same}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="tiny shapes on the interpreter (TRITON_INTERPRET=1)")
+    p.add_argument("--layers", type=int, default=32, help="chain pieces a graph (default 32)")
+    p.add_argument("--rows", type=int, default=6, help="rows a block (default 6: a verification at depth 5)")
+    p.add_argument("--context", type=int, default=1024, help="history length (default 1024)")
+    p.add_argument("--repeats", type=int, default=30, help="replays of each graph (default 30)")
+    p.add_argument("--out", help="raw JSON here")
+    a = p.parse_args(argv)
+    if a.check:
+        return check()
+    if not torch.cuda.is_available():
+        print("fold_branch: the probe needs a GPU (--check runs the interpreter's)", file=sys.stderr)
+        return 2
+    result = probe(a.layers, a.rows, a.context, a.repeats, torch.device("cuda"))
+    for n, us in result["median_us_a_layer"].items():
+        print(f"{n:8s} {us:8.2f} us a layer  {result['against_default'][n]:.4f}x default  "
+              f"experts as default's: {result['experts_as_default'][n]}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
