@@ -145,7 +145,8 @@ class Layer:
 
         s = self.s
         y, parts = o_proj_router.o_proj_router(self._attend(), self.wq, self.wsc, s.block, self.r, self.folded,
-                                               self.w_out, pdl=True, settings=KernelSettings().o_proj)
+                                               self.w_out, pdl=True, settings=KernelSettings().o_proj,
+                                               parts_settings=KernelSettings().o_proj_router)
         return route_tail.add_norm_route(self.r, y, s.scale, self.w_out, self.w_ffn, s.eps, torch.bfloat16, parts,
                                          s.top_k, pdl=True)[2:]
 
