@@ -5,12 +5,13 @@ The fold's logits are rstd_h * (A + s * rstd_o * B), A = W' r and B = W' (w_out 
 only the layer's residual r; with F = W' diag(w_out) W_o (fp32 [E, the rank's Hq * D], made once), B = F a needs only
 the attention's output a. So both can run on a side stream while the attention and the o-projection run, and the
 tail (kernels/route_tail.py) reads them whole, at T = 1. The chain piece from the attention to the experts' choice,
-one TP8 rank's shapes at a 1K history, captured three ways and replayed alternately:
+one TP8 rank's shapes at a 1K history, from the q/k/v projection (its prologue and KV write in the launch) to the
+experts' choice, captured three ways and replayed alternately:
 
-  default  attention (split, combine) -> o-projection (direct) -> add_norm -> router logits -> select
-  fold     attention -> the fold's o-projection (kernels/o_proj_router.py) -> add_norm_route (T column tiles)
-  branch   [side: A into parts[0, 0]] attention -> [side: B into parts[0, 1]] o-projection (direct) -> join ->
-           add_norm_route (T = 1)
+  default  q/k/v -> attention (split, combine) -> o-projection (direct) -> add_norm -> router logits -> select
+  fold     q/k/v -> attention -> the fold's o-projection (kernels/o_proj_router.py) -> add_norm_route (T column tiles)
+  branch   [side: A into parts[0, 0]] q/k/v -> attention -> [side: B into parts[0, 1]] o-projection (direct) ->
+           join -> add_norm_route (T = 1)
 
 The side's two launches are the router's logits kernel (kernels/router.py `split_logits`) at one H split, storing
 straight into the tail's parts. Each "layer" has its own weights and cache (rotated past L2). The router's select
@@ -105,12 +106,12 @@ def check(seed: int = 0) -> int:
 class Layer:
     """One layer's inputs and weights, and its three chains as launches on the current stream."""
 
-    def __init__(self, s, rows: int, attention, device, g):
+    def __init__(self, s, rows: int, qkv, attention, device, g):
         from ..bench.tune import _fp8_weight, _randn
         from ..kernels import fp8_linear_direct as fd
 
         H, K, E = s.hidden, s.q_heads * s.head_dim, s.experts
-        self.s, self.rows, self.attention = s, rows, attention
+        self.s, self.rows, self.qkv, self.attention = s, rows, qkv, attention
         self.wq, self.wsc = _fp8_weight(H, K, s.block, g, device)
         self.direct = fd.direct_weight(self.wq)
         self.r = _randn((rows, H), g, device)
@@ -123,6 +124,7 @@ class Layer:
         self.parts1 = torch.zeros((1, 2, rows, E), device=device)
 
     def _attend(self) -> torch.Tensor:
+        self.qkv()  # its outputs are not the attention's inputs here: the chain's order is the stream's
         (out,) = self.attention()
         return out.view(self.rows, -1)
 
@@ -173,9 +175,9 @@ def probe(layers: int, rows: int, context: int, repeats: int, device) -> dict:
 
     s = rank_shapes(0)
     g = torch.Generator(device=device).manual_seed(0)
-    att = build("attention_sliding", s, rows, context, 0, device)
-    calls = att.calls(KernelSettings().attention_sliding)
-    stack = [Layer(s, rows, calls[i % len(calls)], device, g) for i in range(layers)]
+    qkv = build("qkv_rope_kv", s, rows, context, 0, device).calls(KernelSettings().qkv_rope_kv)
+    att = build("attention_sliding", s, rows, context, 0, device).calls(KernelSettings().attention_sliding)
+    stack = [Layer(s, rows, qkv[i % len(qkv)], att[i % len(att)], device, g) for i in range(layers)]
     side = private_stream(device)
     arms = {"default": lambda L: L.default(), "fold": lambda L: L.fold(), "branch": lambda L: L.branch(side)}
     graphs, routing = {}, {}
@@ -193,6 +195,8 @@ def probe(layers: int, rows: int, context: int, repeats: int, device) -> dict:
     for _ in range(repeats):  # alternated: each repeat replays every arm once, in a rotating order
         for name in list(arms)[_ % 3:] + list(arms)[:_ % 3]:
             times[name] += replay_times(graphs[name], layers, 1, warmup=1)
+    del graphs  # no graph captured with the side stream may outlive it
+    torch.cuda.synchronize(device)
     destroy_stream(side)
     med = {name: statistics.median(t) for name, t in times.items()}
     same = {name: bool(torch.equal(routing[name][1], routing["default"][1])) for name in arms}
