@@ -12,6 +12,9 @@ experts' choice, captured three ways and replayed alternately:
   fold     q/k/v -> attention -> the fold's o-projection (kernels/o_proj_router.py) -> add_norm_route (T column tiles)
   branch   [side: A into parts[0, 0]] q/k/v -> attention -> [side: B into parts[0, 1]] o-projection (direct) ->
            join -> add_norm_route (T = 1)
+  ideal    branch without its side launches (the tail reads the parts as they are): what the branch would give if its
+           terms cost the chain nothing
+  default' the default captured again: the A/A' arm, the noise of a pairing
 
 The side's two launches are the router's logits kernel (kernels/router.py `split_logits`) at one H split, storing
 straight into the tail's parts. Each "layer" has its own weights and cache (rotated past L2). The router's select
@@ -153,16 +156,20 @@ class Layer:
                                          s.top_k, pdl=True)[2:]
 
     def branch(self, side):
+        """`side` None: the ideal arm, no side launches."""
         s, main = self.s, torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            terms_into(self.r, self.folded, self.parts1[0, 0])
+        if side is not None:
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                terms_into(self.r, self.folded, self.parts1[0, 0])
         a = self._attend()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            terms_into(a, self.f, self.parts1[0, 1])
+        if side is not None:
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                terms_into(a, self.f, self.parts1[0, 1])
         y = self._o_proj(a)
-        main.wait_stream(side)
+        if side is not None:
+            main.wait_stream(side)
         return route_tail.add_norm_route(self.r, y, s.scale, self.w_out, self.w_ffn, s.eps, torch.bfloat16,
                                          self.parts1, s.top_k, pdl=True)[2:]
 
@@ -179,7 +186,8 @@ def probe(layers: int, rows: int, context: int, repeats: int, device) -> dict:
     att = build("attention_sliding", s, rows, context, 0, device).calls(KernelSettings().attention_sliding)
     stack = [Layer(s, rows, qkv[i % len(qkv)], att[i % len(att)], device, g) for i in range(layers)]
     side = private_stream(device)
-    arms = {"default": lambda L: L.default(), "fold": lambda L: L.fold(), "branch": lambda L: L.branch(side)}
+    arms = {"default": lambda L: L.default(), "fold": lambda L: L.fold(), "branch": lambda L: L.branch(side),
+            "ideal": lambda L: L.branch(None), "default'": lambda L: L.default()}
     graphs, routing = {}, {}
     for name, arm in arms.items():
         for L in stack:  # eager first: compiles, and the routing to compare
@@ -192,8 +200,9 @@ def probe(layers: int, rows: int, context: int, repeats: int, device) -> dict:
                 arm(L)
         graphs[name] = graph
     times = {name: [] for name in arms}
-    for _ in range(repeats):  # alternated: each repeat replays every arm once, in a rotating order
-        for name in list(arms)[_ % 3:] + list(arms)[:_ % 3]:
+    names = list(arms)
+    for i in range(repeats):  # alternated: each repeat replays every arm once, in a rotating order
+        for name in names[i % len(names):] + names[:i % len(names)]:
             times[name] += replay_times(graphs[name], layers, 1, warmup=1)
     del graphs  # no graph captured with the side stream may outlive it
     torch.cuda.synchronize(device)
