@@ -12,6 +12,8 @@ experts' choice, captured three ways and replayed alternately:
   fold     q/k/v -> attention -> the fold's o-projection (kernels/o_proj_router.py) -> add_norm_route (T column tiles)
   branch   [side: A into parts[0, 0]] q/k/v -> attention -> [side: B into parts[0, 1]] o-projection (direct) ->
            join -> add_norm_route (T = 1)
+  chain_b  [side: A] q/k/v -> attention -> o-projection -> B = (W' w_out) y on the chain -> join -> add_norm_route
+           (T = 1): B of the rounded y, as the fold's (its numerics), one launch more on the chain than branch
   ideal    branch without its side launches (the tail reads the parts as they are): what the branch would give if its
            terms cost the chain nothing
   default' the default captured again: the A/A' arm, the noise of a pairing
@@ -124,6 +126,7 @@ class Layer:
         self.router_w = router_w
         self.folded = (router_w * self.w_ffn.float()).contiguous()  # W'
         self.f = composed(self.folded, self.w_out.float(), dequantized(self.wq, self.wsc, s.block))
+        self.g = (self.folded * self.w_out.float()).contiguous()  # W' diag(w_out), for B of y
         self.parts1 = torch.zeros((1, 2, rows, E), device=device)
 
     def _attend(self) -> torch.Tensor:
@@ -154,6 +157,17 @@ class Layer:
                                                parts_settings=KernelSettings().o_proj_router)
         return route_tail.add_norm_route(self.r, y, s.scale, self.w_out, self.w_ffn, s.eps, torch.bfloat16, parts,
                                          s.top_k, pdl=True)[2:]
+
+    def chain_b(self, side):
+        s, main = self.s, torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            terms_into(self.r, self.folded, self.parts1[0, 0])
+        y = self._o_proj(self._attend())
+        terms_into(y, self.g, self.parts1[0, 1])
+        main.wait_stream(side)
+        return route_tail.add_norm_route(self.r, y, s.scale, self.w_out, self.w_ffn, s.eps, torch.bfloat16,
+                                         self.parts1, s.top_k, pdl=True)[2:]
 
     def branch(self, side):
         """`side` None: the ideal arm, no side launches."""
@@ -187,7 +201,8 @@ def probe(layers: int, rows: int, context: int, repeats: int, device) -> dict:
     stack = [Layer(s, rows, qkv[i % len(qkv)], att[i % len(att)], device, g) for i in range(layers)]
     side = private_stream(device)
     arms = {"default": lambda L: L.default(), "fold": lambda L: L.fold(), "branch": lambda L: L.branch(side),
-            "ideal": lambda L: L.branch(None), "default'": lambda L: L.default()}
+            "chain_b": lambda L: L.chain_b(side), "ideal": lambda L: L.branch(None),
+            "default'": lambda L: L.default()}
     graphs, routing = {}, {}
     for name, arm in arms.items():
         for L in stack:  # eager first: compiles, and the routing to compare
