@@ -86,12 +86,15 @@ def check(seed: int = 0) -> int:
     parts = torch.zeros((1, 2, R, E))
     terms_into(r, rw, parts[0, 0])
     terms_into(a, f, parts[0, 1])
+    chain = torch.zeros((R, E))
+    terms_into(y, (rw * w_out).contiguous(), chain)  # chain_b's B: of the rounded y, through W' diag(w_out)
     want_a = r.double() @ rw.double().T
     want_b = a.double() @ f.double().T
     fold_b = (y.double() * w_out.double()) @ rw.double().T
     gap_a = float((parts[0, 0].double() - want_a).abs().max() / want_a.abs().max())
     gap_b = float((parts[0, 1].double() - want_b).abs().max() / want_b.abs().max())
     gap_fold = float((want_b - fold_b).abs().max() / want_b.abs().max())
+    gap_chain = float((chain.double() - fold_b).abs().max() / fold_b.abs().max())
     h, b, weights, experts, scores = route_tail.add_norm_route(r, y, s, w_out.to(torch.bfloat16),
                                                                 w_ffn.to(torch.bfloat16), eps, torch.bfloat16,
                                                                 parts, top_k)
@@ -99,10 +102,11 @@ def check(seed: int = 0) -> int:
     want_scores = torch.softmax(want, -1)
     gap_scores = float((scores - want_scores).abs().max())
     h0, b0 = rmsnorm.add_norm_torch(r, y, s, w_out.to(torch.bfloat16), w_ffn.to(torch.bfloat16), eps, torch.bfloat16)
-    print(f"A = W' r: {gap_a:.3g} of max |A|; B = F a: {gap_b:.3g} of max |B|; the fold's B (bf16 y) against F a: "
+    print(f"A = W' r: {gap_a:.3g} of max |A|; B = F a: {gap_b:.3g} of max |B|; chain_b's B against the fold's: "
+          f"{gap_chain:.3g}; the fold's B (bf16 y) against F a: "
           f"{gap_fold:.3g}; the tail's scores against torch: {gap_scores:.3g}; h, b as add_norm_torch's: "
           f"{float((h.float() - h0.float()).abs().max()):.3g}, {float((b.float() - b0.float()).abs().max()):.3g}")
-    ok = gap_a < 1e-5 and gap_b < 1e-5 and gap_scores < 1e-5 and gap_fold > 0  # the last: the fold's B differs
+    ok = gap_a < 1e-5 and gap_b < 1e-5 and gap_chain < 1e-5 and gap_scores < 1e-5 and gap_fold > 0  # the last: the fold's B differs
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
