@@ -68,14 +68,16 @@ def dequantized(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) ->
 
 
 # ---- the CPU check (interpreter) ---------------------------------------------------------------------------------
-def check(seed: int = 0) -> int:
-    """Tiny shapes: the two terms through the router's kernel against torch, and the tail at T = 1 on them against
-    route_tail's torch form. Prints each gap; exit 1 where a gap passes its bound."""
+def check(seed: int = 0, control: bool = False) -> int:
+    """Small shapes: the two terms through the router's kernel against torch (A over three H tiles, the loop the
+    probe's A runs; B in one, the preloading path), and the tail at T = 1 on them against route_tail's torch form.
+    Prints each gap; exit 1 where a gap passes its bound. `control`: A's launch drops its last H tile, which the check
+    must catch."""
     from ..kernels.testing import patch_interpreter
 
     patch_interpreter()  # NumPy >= 2.3 under Triton 3.6's interpreter
     g = torch.Generator().manual_seed(seed)
-    R, H, K, E, top_k, eps, s = 3, 256, 192, 16, 4, 1e-6, 0.5
+    R, H, K, E, top_k, eps, s = 3, 1280, 192, 16, 4, 1e-6, 0.5
     r = torch.randn((R, H), generator=g).to(torch.bfloat16)
     a = torch.randn((R, K), generator=g).to(torch.bfloat16)
     wo = torch.randn((H, K), generator=g) / K ** 0.5
@@ -84,7 +86,12 @@ def check(seed: int = 0) -> int:
     f = composed(rw, w_out, wo)
     y = (a.float() @ wo.T).to(torch.bfloat16)
     parts = torch.zeros((1, 2, R, E))
-    terms_into(r, rw, parts[0, 0])
+    if control:
+        kept = H - H % BLOCK_H
+        print(f"control: A from the first {kept} of {H} columns (its last H tile dropped)")
+        terms_into(r[:, :kept].contiguous(), rw[:, :kept].contiguous(), parts[0, 0])
+    else:
+        terms_into(r, rw, parts[0, 0])
     terms_into(a, f, parts[0, 1])
     chain = torch.zeros((R, E))
     terms_into(y, (rw * w_out).contiguous(), chain)  # chain_b's B: of the rounded y, through W' diag(w_out)
@@ -236,15 +243,16 @@ def probe(layers: int, rows: int, context: int, repeats: int, device) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="tiny shapes on the interpreter (TRITON_INTERPRET=1)")
+    p.add_argument("--check", action="store_true", help="small shapes on the interpreter (TRITON_INTERPRET=1)")
+    p.add_argument("--control", action="store_true", help="the check with A's last H tile dropped: must FAIL")
     p.add_argument("--layers", type=int, default=32, help="chain pieces a graph (default 32)")
     p.add_argument("--rows", type=int, default=6, help="rows a block (default 6: a verification at depth 5)")
     p.add_argument("--context", type=int, default=1024, help="history length (default 1024)")
     p.add_argument("--repeats", type=int, default=30, help="replays of each graph (default 30)")
     p.add_argument("--out", help="raw JSON here")
     a = p.parse_args(argv)
-    if a.check:
-        return check()
+    if a.check or a.control:
+        return check(control=a.control)
     if not torch.cuda.is_available():
         print("fold_branch: the probe needs a GPU (--check runs the interpreter's)", file=sys.stderr)
         return 2
