@@ -17,6 +17,9 @@ three logit vectors from the same float64 inputs (r, o = the attn_out tap, the w
         h = bf16(r + bf16(t * s)) (a scale of 1 rounds nowhere extra), b = bf16(norm(h)), fp32(b) @ fp32(W_r)^T in fp32
   fold  fp32 throughout from bf16 r and o, no rounding of t, h, b: t = o * rstd_o * w_attn_out, h = r + s t,
         rstd_h from that h, W' = fp32(W_r) * fp32(w_ffn), logits = rstd_h * (W' r + s * W' t)
+  branch the fold with its o term made from the attention's heads a (before the o-projection) instead of o:
+        B = F a in fp32, F = fp32(W' diag(w_attn_out) W_o) composed in float64, a rounded to bf16; rstd_o and rstd_h
+        still of the bf16 o (lab/fold_branch.py: the form that lets B run beside the o-projection)
 
 Reported per layer and overall: max and median |logit - ref| (absolute and relative to the row's max |ref logit|),
 the fraction of positions whose top-k expert set differs (path vs ref, fold vs ref, fold vs path; floor vs ref and
@@ -39,7 +42,8 @@ import torch
 from ..reference.layers import route
 
 BF16 = torch.bfloat16
-PAIRS = (("path", "ref"), ("fold", "ref"), ("fold", "path"), ("floor", "ref"), ("fold", "floor"), ("fold64", "ref"))
+PAIRS = (("path", "ref"), ("fold", "ref"), ("fold", "path"), ("floor", "ref"), ("fold", "floor"), ("fold64", "ref"),
+         ("branch", "ref"), ("branch", "fold"), ("branch64", "ref"))
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
@@ -76,33 +80,74 @@ def fold_logits(r: torch.Tensor, o: torch.Tensor, w_out: torch.Tensor, w_ffn: to
     return rstd_h * (r @ wp.T + s * (t @ wp.T))
 
 
+def branch_logits(r: torch.Tensor, o: torch.Tensor, heads: torch.Tensor, w_out: torch.Tensor, w_ffn: torch.Tensor,
+                  router: torch.Tensor, wo: torch.Tensor, s: float, eps: float, dtype: torch.dtype = torch.float32,
+                  round_inputs: bool = True) -> torch.Tensor:
+    """The branch form in `dtype`: rstd_h * (W' r + s * rstd_o * F a), F = W' diag(w_out) W_o (composed in float64,
+    then held in `dtype`), a the heads [T, Nq * D]; the norms of o as the fold's (round_inputs: r, o, a in bf16)."""
+    if round_inputs:
+        r, o, heads = bf16(r), bf16(o), bf16(heads)
+    wp64 = router.double() * w_ffn.double()
+    f = ((wp64 * w_out.double()) @ wo.double()).to(dtype)
+    r, o, heads, w_out, wp = (v.to(dtype) for v in (r, o, heads, w_out, wp64))
+    rstd_o = torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)
+    h = r + s * (o * rstd_o * w_out)
+    rstd_h = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return rstd_h * (r @ wp.T + s * rstd_o * (heads @ f.T))
+
+
+def heads_recorded(model, forward):
+    """forward() with every attention's heads output (reference.layers.attention's [R, Nq, D], in call order: the
+    target's layers 0..L-1) kept as [R, Nq * D]: (forward's result, the list)."""
+    from unittest import mock
+
+    from ..reference import model as reference_model
+
+    kept, real = [], reference_model.attention
+
+    def keep(*args, **kwargs):
+        out = real(*args, **kwargs)
+        kept.append(out.reshape(out.shape[0], -1).clone())
+        return out
+
+    with mock.patch.object(reference_model, "attention", keep):
+        return forward(), kept
+
+
 def layer_inputs(model, tokens: list[int], taps: dict | None = None) -> dict[int, dict[str, torch.Tensor]]:
-    """One float64 forward over `tokens`; per MoE layer: the residual r, o (attn_out tap), b (mlp_in tap), the
-    reference's logits b @ W_r^T (what its _moe routes on), its experts and scores."""
+    """One float64 forward over `tokens`; per MoE layer: the residual r, o (attn_out tap), the attention's heads
+    before the o-projection, b (mlp_in tap), the reference's logits b @ W_r^T (what its _moe routes on), its experts
+    and scores."""
     from .moe_taps import moe_layers
 
     w, taps, out = model.w, {} if taps is None else taps, {}
-    for i, p, x, a in moe_layers(model, tokens, taps):
+    layers, heads = heads_recorded(model, lambda: list(moe_layers(model, tokens, taps)))
+    for i, p, x, a in layers:
         r = x if i == 0 else a  # what the layer's residual continues from (docs/model.md)
         b = taps[f"layer{i}.mlp_in"]
-        out[i] = {"r": r, "o": taps[f"layer{i}.attn_out"], "b": b, "ref": b @ w[p + "mlp.router.weight"].T,
+        out[i] = {"r": r, "o": taps[f"layer{i}.attn_out"], "heads": heads[i], "b": b,
+                  "ref": b @ w[p + "mlp.router.weight"].T,
                   "experts": taps[f"layer{i}.experts"], "scores": taps[f"layer{i}.router_scores"]}
     return out
 
 
 def logits_of(model, i: int, inp: dict[str, torch.Tensor]) -> dict:
     """Logits [T, E] of MoE layer i: ref (float64), path and fold (fp32, as the engine would route them), floor (the
-    fold in float64 from the bf16 r, o: the error the inputs' rounding alone leaves) and fold64 (the fold in float64
-    from the exact inputs: equals ref but for float64 rounding, the algebra's check)."""
+    fold in float64 from the bf16 r, o: the error the inputs' rounding alone leaves), fold64 (the fold in float64
+    from the exact inputs: equals ref but for float64 rounding, the algebra's check), branch (fp32, its o term from
+    the heads through F) and branch64 (the branch in float64 from the exact inputs: F's algebra's check)."""
     from ..reference.checkpoint import layer_prefix
 
     c, w, p = model.config, model.w, layer_prefix(i)
     s = c.out_scales(i)[0]
-    args = (inp["o"], w[p + "attn_out_norm.weight"], w[p + "feed_forward_norm.weight"], w[p + "mlp.router.weight"],
-            s, c.rms_norm_eps)
+    norms = (w[p + "attn_out_norm.weight"], w[p + "feed_forward_norm.weight"], w[p + "mlp.router.weight"])
+    args = (inp["o"], *norms, s, c.rms_norm_eps)
+    branch = (inp["r"], inp["o"], inp["heads"], *norms, w[p + "self_attn.o_proj.weight"], s, c.rms_norm_eps)
     return {"ref": inp["ref"], "path": path_logits(inp["r"], *args), "fold": fold_logits(inp["r"], *args),
             "floor": fold_logits(inp["r"], *args, dtype=torch.float64),
-            "fold64": fold_logits(inp["r"], *args, dtype=torch.float64, round_inputs=False)}
+            "fold64": fold_logits(inp["r"], *args, dtype=torch.float64, round_inputs=False),
+            "branch": branch_logits(*branch),
+            "branch64": branch_logits(*branch, dtype=torch.float64, round_inputs=False)}
 
 
 def compare(logits: dict[str, torch.Tensor], k: int) -> dict:
@@ -142,12 +187,15 @@ def summarize(rows: list[dict]) -> dict:
 
 def verdict(overall: dict) -> str:
     p, f, fp = overall["path_vs_ref"], overall["fold_vs_ref"], overall["fold_vs_path"]
+    br, bf = overall["branch_vs_ref"], overall["branch_vs_fold"]
     closer = f["median_abs"] < p["median_abs"] and f["max_abs"] <= p["max_abs"]
     return (f"the fold is {'CLOSER to' if closer else 'NOT closer to'} the reference than the engine's path: median "
             f"|logit - ref| {f['median_abs']:.3g} (fold) vs {p['median_abs']:.3g} (path), max {f['max_abs']:.3g} vs "
             f"{p['max_abs']:.3g}; top-k set differs from ref at {f['topk_set_differs']:.2%} (fold) vs "
             f"{p['topk_set_differs']:.2%} (path) of positions, fold vs path at "
-            f"{fp['topk_set_differs']:.2%}")
+            f"{fp['topk_set_differs']:.2%}; the branch form (B = F a): median {br['median_abs']:.3g}, max "
+            f"{br['max_abs']:.3g}, set differs from ref at {br['topk_set_differs']:.2%}, from the fold at "
+            f"{bf['topk_set_differs']:.2%}")
 
 
 def run(model_dir: Path, n_prompts: int, progress=None) -> dict:
@@ -180,21 +228,23 @@ def run(model_dir: Path, n_prompts: int, progress=None) -> dict:
                          "path": "bf16 r, o; t, h, b rounded to bf16; fp32(b) @ fp32(W_r)^T",
                          "fold": "bf16 r, o; fp32 rstd_h * (W' r + s W' t), W' = W_r * w_ffn; t, h, b unrounded",
                          "floor": "the fold in float64 from bf16 r, o: what the inputs' bf16 rounding alone costs",
-                         "fold64": "the fold in float64 from the exact r, o: the algebra's check (= ref)"},
+                         "fold64": "the fold in float64 from the exact r, o: the algebra's check (= ref)",
+                         "branch": "the fold with B = F a: bf16 heads a, fp32 F = W' diag(w_out) W_o; norms of bf16 o",
+                         "branch64": "the branch in float64 from the exact r, o, a: F's algebra's check (= ref)"},
             "per_layer": per_layer, "overall": overall, "verdict": verdict(overall)}
 
 
 def table(report: dict) -> str:
     lines = [f"router fold vs engine path vs float64 ref: {report['prompts']} prompts, {report['positions']} "
              f"{report['positions_kind']} positions, E={report['experts']} K={report['top_k']}",
-             f"{'layer':6s} {'pair':13s} {'max|d|':>9s} {'med|d|':>9s} {'max rel':>9s} {'med rel':>9s} "
+             f"{'layer':6s} {'pair':15s} {'max|d|':>9s} {'med|d|':>9s} {'max rel':>9s} {'med rel':>9s} "
              f"{'set diff':>9s} {'maxgap@flip':>11s} {'max|dw|':>9s}"]
     for name, fig in [*report["per_layer"].items(), ("all", report["overall"])]:
         for a, b in PAIRS:
             f = fig[f"{a}_vs_{b}"]
             gap = f"{f['ref_gap_at_flips_max']:.2e}" if f["ref_gap_at_flips_max"] is not None else "-"
             dw = f"{f['max_weight_err_agreeing']:.2e}" if f["max_weight_err_agreeing"] is not None else "-"
-            lines.append(f"{name:6s} {a + ' vs ' + b:13s} {f['max_abs']:9.2e} {f['median_abs']:9.2e} "
+            lines.append(f"{name:6s} {a + ' vs ' + b:15s} {f['max_abs']:9.2e} {f['median_abs']:9.2e} "
                          f"{f['max_rel']:9.2e} {f['median_rel']:9.2e} {f['topk_set_differs']:9.4f} {gap:>11s} "
                          f"{dw:>9s}")
     lines.append("verdict: " + report["verdict"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from iquest.fast.torch_ops import TorchOps
-from iquest.lab.router_fold import PAIRS, fold_logits, layer_inputs, logits_of, path_logits, run, table
+from iquest.lab.router_fold import PAIRS, branch_logits, fold_logits, layer_inputs, logits_of, path_logits, run, table
 from iquest.reference.checkpoint import layer_prefix
 from iquest.reference.layers import rms_norm
 from iquest.reference.model import ReferenceModel
@@ -63,6 +63,25 @@ def test_fold_scale_placement_at_a_non_unit_scale():
     assert ((fold - ref).abs().max() / ref.abs().max()) < 1e-12
     wrong = fold_logits(r, o, w_out, w_ffn, router, 1.0, eps, torch.float64, round_inputs=False)
     assert ((wrong - ref).abs().max() / ref.abs().max()) > 1e-3  # the check can fail
+
+
+def test_branch_in_float64_is_the_reference(report, layer):
+    """The branch form's o term from the recorded heads through F = W' diag(w_out) W_o gives the reference's logits
+    in float64 from exact inputs (the heads are the layer's own, F composed right); with W_o a little off, it does
+    not (the check can fail)."""
+    model, i, inp = layer
+    p, c = layer_prefix(i), model.config
+    s, eps = c.out_scales(i)[0], c.rms_norm_eps
+    w_out, w_ffn, router, wo = (model.w[p + n] for n in ("attn_out_norm.weight", "feed_forward_norm.weight",
+                                                          "mlp.router.weight", "self_attn.o_proj.weight"))
+    scale = inp["ref"].abs().amax(-1, keepdim=True)
+    exact = branch_logits(inp["r"], inp["o"], inp["heads"], w_out, w_ffn, router, wo, s, eps, torch.float64, False)
+    assert ((exact - inp["ref"]).abs() / scale).max() < 1e-12
+    off = branch_logits(inp["r"], inp["o"], inp["heads"], w_out, w_ffn, router, wo * 1.01, s, eps, torch.float64,
+                        False)
+    assert ((off - inp["ref"]).abs() / scale).max() > 1e-4
+    for fig in report["per_layer"].values():
+        assert fig["branch64_vs_ref"]["max_rel"] < 1e-12 and fig["branch_vs_ref"]["max_rel"] > 1e-6  # fp32 rounds
 
 
 @pytest.mark.parametrize("s", [1.0, 0.53881590608])
