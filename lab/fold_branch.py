@@ -14,6 +14,7 @@ experts' choice, captured three ways and replayed alternately:
            join -> add_norm_route (T = 1)
   chain_b  [side: A] q/k/v -> attention -> o-projection -> B = (W' w_out) y on the chain -> join -> add_norm_route
            (T = 1): B of the rounded y, as the fold's (its numerics), one launch more on the chain than branch
+  branch1  branch with one expert a program (256 programs a term, not 64): more of W' and F in flight at once
   ideal    branch without its side launches (the tail reads the parts as they are): what the branch would give if its
            terms cost the chain nothing
   default' the default captured again: the A/A' arm, the noise of a pairing
@@ -93,6 +94,9 @@ def check(seed: int = 0, control: bool = False) -> int:
     else:
         terms_into(r, rw, parts[0, 0])
     terms_into(a, f, parts[0, 1])
+    one = torch.zeros((R, E))
+    terms_into(r, rw, one, block_e=1)  # branch1's launch: one expert a program
+    gap_one = float((one.double() - r.double() @ rw.double().T).abs().max() / one.abs().max())
     chain = torch.zeros((R, E))
     terms_into(y, (rw * w_out).contiguous(), chain)  # chain_b's B: of the rounded y, through W' diag(w_out)
     want_a = r.double() @ rw.double().T
@@ -110,10 +114,10 @@ def check(seed: int = 0, control: bool = False) -> int:
     gap_scores = float((scores - want_scores).abs().max())
     h0, b0 = rmsnorm.add_norm_torch(r, y, s, w_out.to(torch.bfloat16), w_ffn.to(torch.bfloat16), eps, torch.bfloat16)
     print(f"A = W' r: {gap_a:.3g} of max |A|; B = F a: {gap_b:.3g} of max |B|; chain_b's B against the fold's: "
-          f"{gap_chain:.3g}; the fold's B (bf16 y) against F a: "
+          f"{gap_chain:.3g}; A at one expert a program: {gap_one:.3g}; the fold's B (bf16 y) against F a: "
           f"{gap_fold:.3g}; the tail's scores against torch: {gap_scores:.3g}; h, b as add_norm_torch's: "
           f"{float((h.float() - h0.float()).abs().max()):.3g}, {float((b.float() - b0.float()).abs().max()):.3g}")
-    ok = gap_a < 1e-5 and gap_b < 1e-5 and gap_chain < 1e-5 and gap_scores < 1e-5 and gap_fold > 0  # the last: the fold's B differs
+    ok = gap_a < 1e-5 and gap_b < 1e-5 and gap_one < 1e-5 and gap_chain < 1e-5 and gap_scores < 1e-5 and gap_fold > 0  # the last: the fold's B differs
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
@@ -180,18 +184,18 @@ class Layer:
         return route_tail.add_norm_route(self.r, y, s.scale, self.w_out, self.w_ffn, s.eps, torch.bfloat16,
                                          self.parts1, s.top_k, pdl=True)[2:]
 
-    def branch(self, side):
+    def branch(self, side, block_e: int = BLOCK_E):
         """`side` None: the ideal arm, no side launches."""
         s, main = self.s, torch.cuda.current_stream()
         if side is not None:
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                terms_into(self.r, self.folded, self.parts1[0, 0])
+                terms_into(self.r, self.folded, self.parts1[0, 0], block_e=block_e)
         a = self._attend()
         if side is not None:
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                terms_into(a, self.f, self.parts1[0, 1])
+                terms_into(a, self.f, self.parts1[0, 1], block_e=block_e)
         y = self._o_proj(a)
         if side is not None:
             main.wait_stream(side)
@@ -212,7 +216,8 @@ def probe(layers: int, rows: int, context: int, repeats: int, device) -> dict:
     stack = [Layer(s, rows, qkv[i % len(qkv)], att[i % len(att)], device, g) for i in range(layers)]
     side = private_stream(device)
     arms = {"default": lambda L: L.default(), "fold": lambda L: L.fold(), "branch": lambda L: L.branch(side),
-            "chain_b": lambda L: L.chain_b(side), "ideal": lambda L: L.branch(None),
+            "chain_b": lambda L: L.chain_b(side), "branch1": lambda L: L.branch(side, block_e=1),
+            "ideal": lambda L: L.branch(None),
             "default'": lambda L: L.default()}
     graphs, routing = {}, {}
     for name, arm in arms.items():
