@@ -126,12 +126,12 @@ def check(seed: int = 0, control: bool = False) -> int:
 class Layer:
     """One layer's inputs and weights, and its three chains as launches on the current stream."""
 
-    def __init__(self, s, rows: int, qkv, attention, device, g):
+    def __init__(self, s, rows: int, qkv, attention, attn_scale: float, device, g):
         from ..bench.tune import _fp8_weight, _randn
         from ..kernels import fp8_linear_direct as fd
 
         H, K, E = s.hidden, s.q_heads * s.head_dim, s.experts
-        self.s, self.rows, self.qkv, self.attention = s, rows, qkv, attention
+        self.s, self.rows, self.qkv, self.attention, self.attn_scale = s, rows, qkv, attention, attn_scale
         self.wq, self.wsc = _fp8_weight(H, K, s.block, g, device)
         self.direct = fd.direct_weight(self.wq)
         self.r = _randn((rows, H), g, device)
@@ -159,7 +159,8 @@ class Layer:
     def default(self):
         s = self.s
         y = self._o_proj(self._attend())
-        h, b = rmsnorm.add_norm(self.r, y, s.scale, self.w_out, self.w_ffn, s.eps, torch.bfloat16, pdl=True)
+        h, b = rmsnorm.add_norm(self.r, y, self.attn_scale, self.w_out, self.w_ffn, s.eps, torch.bfloat16,
+                                pdl=True)
         return router.route(b, self.router_w, s.top_k, pdl=True)
 
     def fold(self):
@@ -170,8 +171,8 @@ class Layer:
         y, parts = o_proj_router.o_proj_router(self._attend(), self.wq, self.wsc, s.block, self.r, self.folded,
                                                self.w_out, pdl=True, settings=KernelSettings().o_proj,
                                                parts_settings=KernelSettings().o_proj_router)
-        return route_tail.add_norm_route(self.r, y, s.scale, self.w_out, self.w_ffn, s.eps, torch.bfloat16, parts,
-                                         s.top_k, pdl=True)[2:]
+        return route_tail.add_norm_route(self.r, y, self.attn_scale, self.w_out, self.w_ffn, s.eps, torch.bfloat16,
+                                         parts, s.top_k, pdl=True)[2:]
 
     def chain_b(self, side):
         s, main = self.s, torch.cuda.current_stream()
@@ -181,7 +182,7 @@ class Layer:
         y = self._o_proj(self._attend())
         terms_into(y, self.g, self.parts1[0, 1])
         main.wait_stream(side)
-        return route_tail.add_norm_route(self.r, y, s.scale, self.w_out, self.w_ffn, s.eps, torch.bfloat16,
+        return route_tail.add_norm_route(self.r, y, self.attn_scale, self.w_out, self.w_ffn, s.eps, torch.bfloat16,
                                          self.parts1, s.top_k, pdl=True)[2:]
 
     def branch(self, side, block_e: int = BLOCK_E):
@@ -199,21 +200,24 @@ class Layer:
         y = self._o_proj(a)
         if side is not None:
             main.wait_stream(side)
-        return route_tail.add_norm_route(self.r, y, s.scale, self.w_out, self.w_ffn, s.eps, torch.bfloat16,
+        return route_tail.add_norm_route(self.r, y, self.attn_scale, self.w_out, self.w_ffn, s.eps, torch.bfloat16,
                                          self.parts1, s.top_k, pdl=True)[2:]
 
 
 def probe(layers: int, rows: int, context: int, repeats: int, device) -> dict:
     from ..bench.timing import replay_times
-    from ..bench.tune import build, rank_shapes
+    from ..bench.tune import FULL_CONFIG, build, rank_shapes
+    from ..reference.config import Config
     from ..fast.flow import destroy_stream, private_stream
     from ..fast.kernel_settings import KernelSettings
 
     s = rank_shapes(0)
+    config = Config.from_file(FULL_CONFIG, FULL_CONFIG.with_name(FULL_CONFIG.stem + "-mtp.json"))
+    attn_scale = config.out_scales(1)[0]  # the attention tail's scale at a MoE layer (s in h = r + s t)
     g = torch.Generator(device=device).manual_seed(0)
     qkv = build("qkv_rope_kv", s, rows, context, 0, device).calls(KernelSettings().qkv_rope_kv)
     att = build("attention_sliding", s, rows, context, 0, device).calls(KernelSettings().attention_sliding)
-    stack = [Layer(s, rows, qkv[i % len(qkv)], att[i % len(att)], device, g) for i in range(layers)]
+    stack = [Layer(s, rows, qkv[i % len(qkv)], att[i % len(att)], attn_scale, device, g) for i in range(layers)]
     side = private_stream(device)
     arms = {"default": lambda L: L.default(), "fold": lambda L: L.fold(), "branch": lambda L: L.branch(side),
             "chain_b": lambda L: L.chain_b(side), "branch1": lambda L: L.branch(side, block_e=1),
