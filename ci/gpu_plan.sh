@@ -335,7 +335,8 @@ case "${1:-}" in
     gpu bench depth --device cuda --prompts 16 --tokens 64 --repeats 5 --out "$out/depth-mini-cuda-$sha.json" \
       > "$out/depth-mini-cuda-$sha.log" 2>&1 || echo "bench depth: exit $?" >&2
     tail -8 "$out/depth-mini-cuda-$sha.log" ;;
-  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (qualify2a|qualify2b|qualify2one|step|agent|context|rest|depthprobe|fold|"\
-"ncu|ncumoe|trace|folds7|foldbranch|ctxpin|long|tune|tunectx|stepctx|pair512|step2|branch|prefetch|tests|mps|qualify|candidate)" >&2
+  *) echo "usage: IQUEST_COMMIT=<sha> bash ci/gpu_plan.sh STAGE (tests|mps|qualify|qualify2a|qualify2b|qualify2one|"\
+"candidate|tunectx|stepctx|long|pair512|step|step2|downprod|launch|branch|prefetch|tune|fold|ncu|ncumoe|trace|folds7|"\
+"agent|depthprobe|foldbranch|ctxpin|context|rest)" >&2
      exit 2 ;;
 esac
