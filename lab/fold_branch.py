@@ -258,7 +258,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=32, help="chain pieces a graph (default 32)")
     p.add_argument("--rows", type=int, default=6, help="rows a block (default 6: a verification at depth 5)")
     p.add_argument("--context", type=int, default=1024, help="history length (default 1024)")
-    p.add_argument("--repeats", type=int, default=30, help="replays of each graph (default 30)")
+    p.add_argument("--repeats", type=int, default=50, help="replays of each graph (default 50)")
     p.add_argument("--out", help="raw JSON here")
     a = p.parse_args(argv)
     if a.check or a.control:
