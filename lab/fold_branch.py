@@ -1,12 +1,12 @@
 """The router fold's two terms off the layer's chain, measured before any engine plumbing (docs/PERF.md, "Open
-directions": "Not built: the fold's two terms off the chain, on a side branch"). Lab only.
+directions": "The fold's two terms off the chain, on a side branch"). Lab only.
 
 The fold's logits are rstd_h * (A + s * rstd_o * B), A = W' r and B = W' (w_out * y) (fast/router_fold.py). A needs
 only the layer's residual r; with F = W' diag(w_out) W_o (fp32 [E, the rank's Hq * D], made once), B = F a needs only
 the attention's output a. So both can run on a side stream while the attention and the o-projection run, and the
-tail (kernels/route_tail.py) reads them whole, at T = 1. The chain piece from the attention to the experts' choice,
-one TP8 rank's shapes at a 1K history, from the q/k/v projection (its prologue and KV write in the launch) to the
-experts' choice, captured three ways and replayed alternately:
+tail (kernels/route_tail.py) reads them whole, at T = 1. The chain piece at one TP8 rank's shapes and a 1K history,
+from the q/k/v projection (its prologue and KV write in the launch) to the experts' choice, captured in seven arms and
+replayed alternately:
 
   default  q/k/v -> attention (split, combine) -> o-projection (direct) -> add_norm -> router logits -> select
   fold     q/k/v -> attention -> the fold's o-projection (kernels/o_proj_router.py) -> add_norm_route (T column tiles)
@@ -26,8 +26,8 @@ here asks L2 for nothing (`route` without `warm`), as the fold's tail; the engin
 B from a is not the fold's B: it is an fp32 product of the unrounded o-projection, where the fold's is of the bf16 y.
 The check prints both against torch and the gap between them (a numerical change the engine form would qualify).
 
-    TRITON_INTERPRET=1 python -m iquest.lab.fold_branch --check   # tiny shapes, the terms and the tail's logits
-    python -m iquest.lab.fold_branch --out FILE                   # on a GPU: the three captured chains, paired
+    TRITON_INTERPRET=1 python -m iquest.lab.fold_branch --check   # small shapes: the terms and the tail's logits
+    python -m iquest.lab.fold_branch --out FILE                   # on a GPU: the seven captured arms, paired
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import torch
 import triton
 
 from ..kernels import rmsnorm, route_tail, router
+from ..reference.fp8 import dequantize
 
 BLOCK_E, BLOCK_H, WARPS = 4, 512, 1  # RouterSettings' defaults: one warp on a [4, 512] fp32 tile
 
@@ -62,10 +63,6 @@ def composed(router_w: torch.Tensor, w_out: torch.Tensor, wo: torch.Tensor) -> t
     """F = W' diag(w_out) W_o, fp32 [E, K], from the dequantized o-projection W_o [H, K]."""
     return ((router_w.double() * w_out.double()) @ wo.double()).float().contiguous()
 
-
-def dequantized(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    s = scale.repeat_interleave(block[0], 0)[:w.shape[0]].repeat_interleave(block[1], 1)[:, :w.shape[1]]
-    return w.float() * s
 
 
 # ---- the CPU check (interpreter) ---------------------------------------------------------------------------------
@@ -125,7 +122,7 @@ def check(seed: int = 0, control: bool = False) -> int:
 
 # ---- the GPU probe -----------------------------------------------------------------------------------------------
 class Layer:
-    """One layer's inputs and weights, and its three chains as launches on the current stream."""
+    """One layer's inputs and weights, and its arms' chains as launches on the current stream."""
 
     def __init__(self, s, rows: int, qkv, attention, attn_scale: float, device, g):
         from ..bench.tune import _fp8_weight, _randn
@@ -141,7 +138,7 @@ class Layer:
         router_w = torch.randn((E, H), generator=g, device=device) * 0.02
         self.router_w = router_w
         self.folded = (router_w * self.w_ffn.float()).contiguous()  # W'
-        self.f = composed(self.folded, self.w_out.float(), dequantized(self.wq, self.wsc, s.block))
+        self.f = composed(self.folded, self.w_out.float(), dequantize(self.wq, self.wsc, s.block))
         self.g = (self.folded * self.w_out.float()).contiguous()  # W' diag(w_out), for B of y
         self.parts1 = torch.zeros((1, 2, rows, E), device=device)
 
