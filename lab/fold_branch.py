@@ -202,6 +202,51 @@ class Layer:
                                          self.parts1, s.top_k, pdl=True)[2:]
 
 
+def longest_kernel_path(kernel: dict[int, bool], edges: list[tuple[int, int]]) -> int:
+    """The most kernel nodes (`kernel[node]` True) on one dependency path of a DAG given as edges (from, to)."""
+    preds: dict[int, list[int]] = {v: [] for v in kernel}
+    for a, b in edges:
+        preds[b].append(a)
+    depth: dict[int, int] = {}
+    for v in kernel:  # iterative depth-first: a chain of thousands of nodes would pass Python's recursion limit
+        stack = [v]
+        while stack:
+            u = stack[-1]
+            todo = [p for p in preds[u] if p not in depth]
+            if todo:
+                stack += todo
+                continue
+            stack.pop()
+            depth[u] = max((depth[p] for p in preds[u]), default=0) + kernel[u]
+    return max(depth.values(), default=0)
+
+
+def chain_kernels(graph: torch.cuda.CUDAGraph) -> int | str:
+    """Kernels on the longest dependency path through a captured graph (kept: `keep_graph`), PDL edges included:
+    the chain's dependent steps, the side's launches counting only where they lengthen it. An error's text where the
+    driver's graph queries fail (cuda-python's signatures differ across versions)."""
+    from cuda.bindings import driver as drv
+
+    def ok(res):
+        if res[0] != drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(str(res[0]))
+        return res[1:]
+
+    try:
+        g = drv.CUgraph(int(graph.raw_cuda_graph()))
+        n = ok(drv.cuGraphGetNodes(g, 0))[-1]
+        nodes = ok(drv.cuGraphGetNodes(g, n))[0][:n]
+        get = getattr(drv, "cuGraphGetEdges_v2", drv.cuGraphGetEdges)  # with edge data: PDL edges carry some
+        m = ok(get(g, 0))[-1]
+        got = ok(get(g, m))
+        frm, to = got[0][:m], got[1][:m]
+        kernel = {int(v): ok(drv.cuGraphNodeGetType(v))[0] == drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+                  for v in nodes}
+        return longest_kernel_path(kernel, [(int(a), int(b)) for a, b in zip(frm, to)])
+    except Exception as e:  # noqa: BLE001
+        return f"error: {e!r}"
+
+
 def probe(layers: int, rows: int, context: int, repeats: int, device) -> dict:
     from ..bench.timing import replay_times
     from ..bench.tune import FULL_CONFIG, build, rank_shapes
@@ -221,17 +266,19 @@ def probe(layers: int, rows: int, context: int, repeats: int, device) -> dict:
             "chain_b": lambda L: L.chain_b(side), "branch1": lambda L: L.branch(side, block_e=1),
             "ideal": lambda L: L.branch(None),
             "default'": lambda L: L.default()}
-    graphs, routing = {}, {}
+    graphs, routing, steps = {}, {}, {}
     for name, arm in arms.items():
         for L in stack:  # eager first: compiles, and the routing to compare
             out = arm(L)
         torch.cuda.synchronize(device)
         routing[name] = [t.clone() for t in out]
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)  # kept for chain_kernels; replay instantiates it
         with torch.cuda.graph(graph):
             for L in stack:
                 arm(L)
         graphs[name] = graph
+        steps[name] = chain_kernels(graph)
+        graph.instantiate()
     times = {name: [] for name in arms}
     names = list(arms)
     for i in range(repeats):  # alternated: each repeat replays every arm once, in a rotating order
@@ -245,7 +292,8 @@ def probe(layers: int, rows: int, context: int, repeats: int, device) -> dict:
     return {"layers": layers, "rows": rows, "context": context, "repeats": repeats,
             "device": torch.cuda.get_device_name(device), "us_a_layer": times, "median_us_a_layer": med,
             "against_default": {n: med[n] / med["default"] for n in arms},
-            "experts_as_default": same}
+            "experts_as_default": same,
+            "chain_kernels_a_layer": {n: v / layers if isinstance(v, int) else v for n, v in steps.items()}}
 
 
 def main(argv=None) -> int:
@@ -266,7 +314,8 @@ def main(argv=None) -> int:
     result = probe(a.layers, a.rows, a.context, a.repeats, torch.device("cuda"))
     for n, us in result["median_us_a_layer"].items():
         print(f"{n:8s} {us:8.2f} us a layer  {result['against_default'][n]:.4f}x default  "
-              f"experts as default's: {result['experts_as_default'][n]}")
+              f"experts as default's: {result['experts_as_default'][n]}  "
+              f"chain kernels a layer: {result['chain_kernels_a_layer'][n]}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
