@@ -96,6 +96,49 @@ def branch_logits(r: torch.Tensor, o: torch.Tensor, heads: torch.Tensor, w_out: 
     return rstd_h * (r @ wp.T + s * rstd_o * (heads @ f.T))
 
 
+def branch_input(r: torch.Tensor, o: torch.Tensor, heads: torch.Tensor, w_out: torch.Tensor, w_ffn: torch.Tensor,
+                 wo: torch.Tensor, s: float, eps: float):
+    """What the branch form's fp32 logits evaluate, as qualification scores a router input (qualify/router.py
+    `RouterInput`), from the engine's bf16 r, heads a and o-projection output y (the norms' source), in float64:
+    b = w_ffn * rstd_h * (r + s * rstd_o * w_out * (W_o a)), with router @ b = the branch's logits; mag >= |b| term by
+    term, F a's terms bounded through |W_o| |a| (|F_ek| <= sum_j |W'_ej w_out_j W_o_jk|); n = 2 max(H, K + 1) + 16
+    roundings (qualify/router.py `fold_terms` with the longer of the two dots, F's own storage one more)."""
+    from ..qualify.router import RouterInput
+
+    r, y, a = (bf16(v).double() for v in (r, o, heads))
+    w_out, w_ffn, wo = (v.double() for v in (w_out, w_ffn, wo))
+    rstd_o = torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    rstd_h = torch.rsqrt((r + s * y * rstd_o * w_out).pow(2).mean(-1, keepdim=True) + eps)
+    b = w_ffn * rstd_h * (r + s * rstd_o * w_out * (a @ wo.T))
+    mag = w_ffn.abs() * rstd_h * (r.abs() + abs(s) * rstd_o * w_out.abs() * (a.abs() @ wo.abs().T))
+    return RouterInput(b, mag, 2 * max(r.shape[-1], a.shape[-1] + 1) + 16)
+
+
+def swaps(model, i: int, inp: dict, logits: dict) -> dict:
+    """Per variant (fold, branch): the rows whose fp32 routing differs from the reference's, and each one's
+    qualification ratio (qualify/router.py `swap_ratio`: the reference's margin over the band its own exact input and
+    fp32 rounding allow; <= 1 explained), as `iquest qualify` would score the router at this layer."""
+    from ..fast.router_fold import exact_input
+    from ..qualify.router import RouterInput, fold_terms, swap_ratio
+    from ..reference.checkpoint import layer_prefix
+
+    c, w, p = model.config, model.w, layer_prefix(i)
+    s, eps, k = c.out_scales(i)[0], c.rms_norm_eps, c.num_experts_per_tok
+    w_out, w_ffn, router, wo = (w[p + n] for n in ("attn_out_norm.weight", "feed_forward_norm.weight",
+                                                    "mlp.router.weight", "self_attn.o_proj.weight"))
+    y = bf16(inp["o"]).double()
+    fold_b, fold_mag = exact_input(bf16(inp["r"]).double(), y, w_out, w_ffn, s, eps)
+    inputs = {"fold": RouterInput(fold_b, fold_mag, fold_terms(fold_b.shape[-1])),
+              "branch": branch_input(inp["r"], inp["o"], inp["heads"], w_out, w_ffn, wo, s, eps)}
+    out = {}
+    for name, fin in inputs.items():
+        experts = route(logits[name], k)[1]
+        ratios = [swap_ratio(router, RouterInput(fin.b[t], fin.mag[t], fin.terms), inp["b"][t], experts[t],
+                             inp["experts"][t]) for t in range(experts.shape[0])]
+        out[name] = [ratio for swapped, ratio in ratios if swapped]
+    return out
+
+
 def heads_recorded(model, forward):
     """forward() with every attention's heads output (reference.layers.attention's [R, Nq, D], in call order: the
     target's layers 0..L-1) kept as [R, Nq * D]: (forward's result, the list)."""
@@ -198,6 +241,13 @@ def verdict(overall: dict) -> str:
             f"{bf['topk_set_differs']:.2%}")
 
 
+def swap_summary(ratios: dict[str, list[float]]) -> dict:
+    """Per variant: rows whose expert set differs from the reference's, the largest qualification ratio among them,
+    and how many pass 1 (a swap the band does not explain)."""
+    return {n: {"swapped_rows": len(r), "max_ratio": max(r) if r else None, "unexplained": sum(x > 1.0 for x in r)}
+            for n, r in ratios.items()}
+
+
 def run(model_dir: Path, n_prompts: int, progress=None) -> dict:
     """The report (JSON-ready)."""
     from tokenizers import Tokenizer
@@ -213,14 +263,19 @@ def run(model_dir: Path, n_prompts: int, progress=None) -> dict:
     prompts = replay_prompts(Path(model_dir), tok, n_prompts)
     layers = [i for i in range(c.num_hidden_layers) if not c.is_dense(i)]
     rows: dict[int, list[dict]] = {i: [] for i in layers}
+    swapped: dict[int, dict[str, list[float]]] = {i: {"fold": [], "branch": []} for i in layers}
     t0 = time.time()
     for j, (_, _, ids) in enumerate(prompts):
         for i, inp in layer_inputs(model, list(ids)).items():
-            rows[i].append(compare(logits_of(model, i, inp), c.num_experts_per_tok))
+            logits = logits_of(model, i, inp)
+            rows[i].append(compare(logits, c.num_experts_per_tok))
+            for name, ratios in swaps(model, i, inp, logits).items():
+                swapped[i][name] += ratios
         say(f"prompt {j + 1}/{len(prompts)}: {len(ids)} positions ({time.time() - t0:.0f} s)")
-    per_layer = {str(i): dict(summarize(rows[i]), residual="x" if i == 0 else "a", attn_scale=c.out_scales(i)[0])
-                 for i in layers}
-    overall = summarize([r for i in layers for r in rows[i]])
+    per_layer = {str(i): dict(summarize(rows[i]), residual="x" if i == 0 else "a", attn_scale=c.out_scales(i)[0],
+                              qualify_swaps=swap_summary(swapped[i])) for i in layers}
+    every = {n: [x for i in layers for x in swapped[i][n]] for n in ("fold", "branch")}
+    overall = dict(summarize([r for i in layers for r in rows[i]]), qualify_swaps=swap_summary(every))
     return {"commit": commit(), "model": str(model_dir), "engine": "reference (float64) taps; path/fold recomputed",
             "prompts": len(prompts), "positions": sum(len(ids) for _, _, ids in prompts), "positions_kind": "prefill",
             "experts": c.num_experts, "top_k": c.num_experts_per_tok, "moe_layers": layers,
@@ -247,6 +302,10 @@ def table(report: dict) -> str:
             lines.append(f"{name:6s} {a + ' vs ' + b:15s} {f['max_abs']:9.2e} {f['median_abs']:9.2e} "
                          f"{f['max_rel']:9.2e} {f['median_rel']:9.2e} {f['topk_set_differs']:9.4f} {gap:>11s} "
                          f"{dw:>9s}")
+    for n, q in report["overall"]["qualify_swaps"].items():
+        ratio = f"{q['max_ratio']:.3f}" if q["max_ratio"] is not None else "-"
+        lines.append(f"qualification's router check ({n}): {q['swapped_rows']} rows swapped against the reference, "
+                     f"largest margin/band {ratio}, {q['unexplained']} unexplained")
     lines.append("verdict: " + report["verdict"])
     return "\n".join(lines)
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from iquest.fast.torch_ops import TorchOps
-from iquest.lab.router_fold import PAIRS, branch_logits, fold_logits, layer_inputs, logits_of, path_logits, run, table
+from iquest.lab.router_fold import (PAIRS, branch_input, branch_logits, fold_logits, layer_inputs, logits_of,
+                                    path_logits, run, table)
 from iquest.reference.checkpoint import layer_prefix
 from iquest.reference.layers import rms_norm
 from iquest.reference.model import ReferenceModel
@@ -82,6 +83,31 @@ def test_branch_in_float64_is_the_reference(report, layer):
     assert ((off - inp["ref"]).abs() / scale).max() > 1e-4
     for fig in report["per_layer"].values():
         assert fig["branch64_vs_ref"]["max_rel"] < 1e-12 and fig["branch_vs_ref"]["max_rel"] > 1e-6  # fp32 rounds
+
+
+def test_the_branch_input_is_what_the_branch_evaluates_and_its_band_holds(report, layer):
+    """router @ b of `branch_input` is the branch's logits in float64 from the same bf16 inputs; its fp32 logits lie
+    within gamma_n |router| mag of them (qualification's band), and not within the band of an input made with W_o
+    0.1% off (the check can fail). The report scores every swap with it."""
+    model, i, inp = layer
+    p, c = layer_prefix(i), model.config
+    s, eps = c.out_scales(i)[0], c.rms_norm_eps
+    w_out, w_ffn, router, wo = (model.w[p + n] for n in ("attn_out_norm.weight", "feed_forward_norm.weight",
+                                                          "mlp.router.weight", "self_attn.o_proj.weight"))
+    args = (inp["r"], inp["o"], inp["heads"], w_out, w_ffn, router, wo, s, eps)
+    fin = branch_input(inp["r"], inp["o"], inp["heads"], w_out, w_ffn, wo, s, eps)
+    exact = fin.b @ router.T
+    assert ((exact - branch_logits(*args, dtype=torch.float64)).abs().max() / exact.abs().max()) < 1e-12
+    assert bool((fin.mag >= fin.b.abs()).all())
+    err = (branch_logits(*args).double() - exact).abs()
+
+    band = fin.terms * 2.0 ** -24 / (1 - fin.terms * 2.0 ** -24) * (fin.mag @ router.abs().T)
+    assert bool((err <= band).all())
+    off = branch_input(inp["r"], inp["o"], inp["heads"], w_out, w_ffn, wo * 1.001, s, eps)
+    assert not bool(((branch_logits(*args).double() - off.b @ router.T).abs() <= band).all())
+    for fig in [*report["per_layer"].values(), report["overall"]]:
+        for q in fig["qualify_swaps"].values():
+            assert q["swapped_rows"] >= q["unexplained"] >= 0
 
 
 @pytest.mark.parametrize("s", [1.0, 0.53881590608])
