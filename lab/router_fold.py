@@ -25,6 +25,8 @@ Reported per layer and overall: max and median |logit - ref| (absolute and relat
 the fraction of positions whose top-k expert set differs (path vs ref, fold vs ref, fold vs path; floor vs ref and
 fold vs floor split the fold's error into its inputs' bf16 rounding and its own fp32 arithmetic), the reference's
 k-th/(k+1)-th logit gap at the flipped positions, and the max |routing weight - ref| over positions whose sets agree.
+For the fold and the branch, qualification's router check on every flipped row (qualify/router.py `swap_ratio` with
+each form's exact input and band: `fast.router_fold.exact_input`, `branch_input`): how many flips it would not explain.
 
     python -m iquest.lab.router_fold --prompts N --out FILE [--model DIR]
 """
@@ -183,9 +185,9 @@ def logits_of(model, i: int, inp: dict[str, torch.Tensor]) -> dict:
 
     c, w, p = model.config, model.w, layer_prefix(i)
     s = c.out_scales(i)[0]
-    norms = (w[p + "attn_out_norm.weight"], w[p + "feed_forward_norm.weight"], w[p + "mlp.router.weight"])
-    args = (inp["o"], *norms, s, c.rms_norm_eps)
-    branch = (inp["r"], inp["o"], inp["heads"], *norms, w[p + "self_attn.o_proj.weight"], s, c.rms_norm_eps)
+    lw = (w[p + "attn_out_norm.weight"], w[p + "feed_forward_norm.weight"], w[p + "mlp.router.weight"])
+    args = (inp["o"], *lw, s, c.rms_norm_eps)
+    branch = (inp["r"], inp["o"], inp["heads"], *lw, w[p + "self_attn.o_proj.weight"], s, c.rms_norm_eps)
     return {"ref": inp["ref"], "path": path_logits(inp["r"], *args), "fold": fold_logits(inp["r"], *args),
             "floor": fold_logits(inp["r"], *args, dtype=torch.float64),
             "fold64": fold_logits(inp["r"], *args, dtype=torch.float64, round_inputs=False),
